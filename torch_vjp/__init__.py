@@ -1,0 +1,45 @@
+"""torch_vjp: explicit Jacobians, batched VJPs/JVPs, per-sample gradients, and
+``grad_outputs`` errors that say what was wrong, what was expected, why, and the fix.
+
+``import torch_vjp`` also makes ``torch.vjp`` this same module.
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+
+import torch as _torch
+
+from torch_vjp._errors import (
+    FunctionCheckError,
+    GradOutputsError,
+    GradOutputsWarning,
+    JacobianMemoryError,
+    JacobianWarning,
+    PerSampleError,
+    StrategyError,
+    TorchVJPError,
+    TorchVJPWarning,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # errors and warnings
+    "TorchVJPError",
+    "GradOutputsError",
+    "FunctionCheckError",
+    "StrategyError",
+    "JacobianMemoryError",
+    "PerSampleError",
+    "TorchVJPWarning",
+    "GradOutputsWarning",
+    "JacobianWarning",
+]
+
+# torch.vjp is this module (SPEC §7): ``torch.vjp.jacobian is torch_vjp.jacobian``.
+_self = _sys.modules[__name__]
+_sys.modules.setdefault("torch.vjp", _self)
+if _sys.modules["torch.vjp"] is not _self:
+    _sys.modules["torch.vjp"] = _self
+_torch.vjp = _self  # type: ignore[attr-defined]
