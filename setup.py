@@ -14,12 +14,12 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # ``torch_vjp_autoload`` is the target of torch's plugin entry point. It lives inside the
+    # ``_torch_vjp_autoload`` is the target of torch's plugin entry point. It lives inside the
     # torch_vjp source folder but installs as its own top-level module, because loading an
     # entry point ``pkg.mod:fn`` imports ``pkg/__init__.py`` first, outside any guard: the
     # hook's own module must be one whose import cannot fail.
-    packages=["torch_vjp", "torch_vjp.bench", "torch_vjp_autoload"],
-    package_dir={"torch_vjp_autoload": "torch_vjp/_autoload"},
+    packages=["torch_vjp", "torch_vjp.bench", "_torch_vjp_autoload"],
+    package_dir={"_torch_vjp_autoload": "torch_vjp/_autoload"},
     package_data={"torch_vjp": ["py.typed"]},
     install_requires=["torch>=2.4,<3", "numpy>=1.24"],
     extras_require={
@@ -28,7 +28,7 @@ setup(
         "docs": ["mkdocs>=1.5", "mkdocs-material>=9", "mkdocstrings[python]>=0.24"],
     },
     entry_points={
-        "torch.backends": ["torch_vjp = torch_vjp_autoload:_autoload"],
+        "torch.backends": ["torch_vjp = _torch_vjp_autoload:_autoload"],
         "console_scripts": ["torch-vjp = torch_vjp.__main__:main"],
     },
     zip_safe=False,

@@ -22,9 +22,16 @@ from torch_vjp._errors import (
     TorchVJPWarning,
 )
 
+from torch_vjp.autograd import backward, check_grad_outputs, checked, grad
+
 __version__ = "0.1.0"
 
 __all__ = [
+    # checked autograd (SPEC §1)
+    "grad",
+    "backward",
+    "check_grad_outputs",
+    "checked",
     # errors and warnings
     "TorchVJPError",
     "GradOutputsError",
@@ -43,3 +50,9 @@ _sys.modules.setdefault("torch.vjp", _self)
 if _sys.modules["torch.vjp"] is not _self:
     _sys.modules["torch.vjp"] = _self
 _torch.vjp = _self  # type: ignore[attr-defined]
+
+# TORCH_VJP_CHECKED=1 turns checking on for the whole process (SPEC §1).
+from torch_vjp.autograd import _install_from_environment
+
+_install_from_environment()
+del _install_from_environment
