@@ -17,6 +17,7 @@ whatever it rejects for a grad_outputs reason we reject with a better message.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -121,15 +122,10 @@ def normalize_grad_outputs(
     if len(gos) != n:
         if len(gos) < n:
             raise GradOutputsError(_count_message(labels, outputs, gos, grad_outputs))
-        warnings.warn(
-            f"{call}: got {len(gos)} {grad_outputs_name} for {n} {outputs_name}; torch "
-            f"ignores the last {len(gos) - n}. {grad_outputs_name} holds one vector per "
-            f"entry of {outputs_name}, in the same order: check that none is missing from "
-            f"{outputs_name}.",
-            GradOutputsWarning,
-            stacklevel=3,
-        )
+        extra = len(gos) - n
         gos = gos[:n]
+    else:
+        extra = 0
 
     result: list[Tensor | None] = []
     batch_size = -1
@@ -163,11 +159,37 @@ def normalize_grad_outputs(
         if go.dtype != out.dtype:
             if go.dtype.is_complex != out.dtype.is_complex:
                 raise GradOutputsError(_complex_message(labels, i, out, go))
-            warnings.warn(_cast_message(labels, i, out, go), GradOutputsWarning, stacklevel=3)
+            warnings.warn(
+                _cast_message(labels, i, out, go), GradOutputsWarning,
+                stacklevel=_user_stacklevel(),
+            )
         if go.device != out.device and go.dim() != 0:
             raise GradOutputsError(_device_message(labels, i, out, go))
         result.append(go)
+    if extra:
+        warnings.warn(
+            f"{call}: got {n + extra} {grad_outputs_name} for {n} {outputs_name}; torch "
+            f"ignores the last {extra}. {grad_outputs_name} holds one vector per entry of "
+            f"{outputs_name}, in the same order: check that none is missing from "
+            f"{outputs_name}.",
+            GradOutputsWarning,
+            stacklevel=_user_stacklevel(),
+        )
     return tuple(result)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside torch_vjp (and
+    outside torch, for calls that came through torch's own functions)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("torch_vjp") or name.startswith("torch.")):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
 
 
 def check_tree_structure(expected: Any, got: Any, *, call: str, name: str) -> None:
@@ -322,18 +344,19 @@ def _shape_fix(
         if go.dim() >= 1 and gshape[1:] != oshape and _matches_input(gshape[1:], inputs, outputs):
             return _input_fix(labels, i, gshape[1:], inputs, outputs, batched=True)
         return ""
-    if go.dim() == out.dim() + 1 and gshape[1:] == oshape:
-        return (
-            f"{g} has an extra leading dimension of size {gshape[0]}. If it holds "
-            f"{gshape[0]} vectors, one per vector-Jacobian product, pass "
-            f"is_grads_batched=True; torch_vjp.vjp(..., batched=True) and "
-            f"torch_vjp.jacobian_of do the same for whole functions."
-        )
     if out.dim() == 0 and go.numel() == 1:
         return (
             f"{o} is a 0-d scalar (shape ()), and {shape_str(gshape)} is not (): "
             f"torch.Size([1]) and torch.Size([]) differ. Pass {g}.reshape(()), or "
             f"torch.ones_like({o}), or leave it None: for a scalar output torch uses 1."
+        )
+    if go.dim() == out.dim() + 1 and gshape[1:] == oshape:
+        k = gshape[0]
+        return (
+            f"{g} has an extra leading dimension of size {k}. If it holds {k} "
+            f"vector{'s' if k != 1 else ''}, one per vector-Jacobian product, pass "
+            f"is_grads_batched=True; torch_vjp.vjp(..., batched=True) and "
+            f"torch_vjp.jacobian_of do the same for whole functions."
         )
     if out.numel() == 1 and go.dim() == 0:
         return (

@@ -273,8 +273,8 @@ def _checked_tensor_backward(
     gos = normalize_grad_outputs(
         (self,),
         None if gradient is None else (gradient,),
-        call="Tensor.backward",
-        outputs_name="the tensor",
+        call="y.backward(gradient)",
+        outputs_name="y",
         grad_outputs_name="gradient",
         indexed=False,
         inputs=None if inputs is None else _as_tuple(inputs),
@@ -288,7 +288,7 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
     out, pullback = result[0], result[1]
 
     def checked_pullback(cotangents: Any, retain_graph: bool = True, create_graph: Any = None):
-        check_pullback_cotangents(out, cotangents, call="torch.func.vjp: vjp_fn")
+        check_pullback_cotangents(out, cotangents, call="torch.func.vjp: vjp_fn(cotangents)")
         return pullback(cotangents, retain_graph=retain_graph, create_graph=create_graph)
 
     return (out, checked_pullback) + tuple(result[2:])
@@ -321,7 +321,7 @@ def check_pullback_cotangents(
         flat_cot,
         is_grads_batched=batched,
         call=call,
-        outputs_name="outputs" if indexed else "the output",
+        outputs_name="outputs" if indexed else "out",
         grad_outputs_name="cotangents",
         indexed=indexed,
         require_grad=False,
@@ -428,7 +428,7 @@ class checked(contextlib.ContextDecorator):
         ...     (x * 2).backward(torch.ones(3))
         Traceback (most recent call last):
         ...
-        torch_vjp._errors.GradOutputsError: Tensor.backward: gradient has shape (3,), but the tensor has shape (4,).
+        torch_vjp._errors.GradOutputsError: y.backward(gradient): gradient has shape (3,), but y has shape (4,).
         ...
     """
 

@@ -1,0 +1,42 @@
+"""Shared test configuration: deterministic seeds, hypothesis profiles, the ``cuda`` marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+try:
+    from hypothesis import settings
+
+    settings.register_profile("ci", deadline=None, print_blob=True)
+    settings.register_profile("dev", deadline=None, max_examples=50)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where none is present")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_unchecked():
+    """Every test starts from the same seed, and leaves torch's autograd unpatched."""
+    from torch_vjp import autograd
+
+    torch.manual_seed(0)
+    yield
+    assert not autograd.is_checked() or os.environ.get("TORCH_VJP_CHECKED") == "1", (
+        "a test left torch_vjp.checked() installed"
+    )

@@ -1,0 +1,469 @@
+"""Checked autograd (SPEC §1): results equal torch's, and every error explains itself."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+from torch_vjp import autograd
+
+
+def _outer():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    return x, torch.outer(x, x)
+
+
+def _raises(match: str, fn, *args, **kwargs) -> str:
+    with pytest.raises(tv.GradOutputsError, match=match) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------------------
+# Same results as torch
+# --------------------------------------------------------------------------------------
+
+
+def _same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        a, b = tuple(a.values()), tuple(b.values())
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+        else:
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y)
+
+
+GRAD_CASES = {
+    "outer-ones": lambda x: ((torch.outer(x, x),), (torch.ones(4, 4, dtype=x.dtype),), {}),
+    "scalar-none": lambda x: (((x * x).sum(),), None, {}),
+    "two-outputs": lambda x: ((x.sin(), torch.outer(x, x)), (torch.ones(4), torch.randn(4, 4)), {}),
+    "one-element-none": lambda x: (((x * x).sum().reshape(1, 1),), None, {}),
+    "create-graph": lambda x: (((x ** 3).sum(),), None, {"create_graph": True}),
+    "batched": lambda x: ((x.sin(),), (torch.eye(4),), {"is_grads_batched": True}),
+    "allow-unused": lambda x: (((x * 2).sum(),), None, {"allow_unused": True, "extra_input": True}),
+    "materialize": lambda x: (((x * 2).sum(),), None, {"materialize_grads": True, "extra_input": True}),
+    "int-grad-outputs": lambda x: ((x * 2,), (torch.arange(4),), {}),
+}
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=list(GRAD_CASES))
+def test_grad_matches_torch(case):
+    results = []
+    for fn in (torch.autograd.grad, tv.grad):
+        torch.manual_seed(1)
+        x = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+        outputs, gos, kw = GRAD_CASES[case](x)
+        inputs = [x]
+        if kw.pop("extra_input", False):
+            inputs.append(torch.ones(2, requires_grad=True))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tv.GradOutputsWarning)
+            results.append(fn(outputs, inputs, gos, **kw))
+    _same(results[0], results[1])
+
+
+def test_grad_dict_inputs_match_torch():
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    y = (x * w).sum()
+    expected = torch.autograd.grad(y, {"x": x, "w": w}, retain_graph=True)
+    got = tv.grad(y, {"x": x, "w": w})
+    assert isinstance(got, dict)
+    _same(expected, got)
+
+
+def test_backward_matches_torch_and_accumulates():
+    grads = []
+    for fn in (torch.autograd.backward, tv.backward):
+        x = torch.tensor([[1.0, 2.0]], requires_grad=True)
+        y = torch.stack([2 * x[0, 0] + x[0, 1] ** 2, x[0, 0] ** 2 + 2 * x[0, 1] ** 3])[None]
+        fn(y, torch.tensor([[1.0, 0.0]]), retain_graph=True)
+        fn(y, torch.tensor([[0.0, 1.0]]))
+        grads.append(x.grad)
+    # rows of J = [[2, 4], [2, 24]] accumulate: [2, 4] + [2, 24]
+    torch.testing.assert_close(grads[1], torch.tensor([[4.0, 28.0]]))
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_backward_inputs_restricts_accumulation():
+    a = torch.ones(3, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    tv.backward((a * b).sum(), inputs=[a])
+    assert a.grad is not None and b.grad is None
+
+
+def test_grad_does_not_touch_dot_grad_or_flags():
+    x = torch.randn(3, requires_grad=True)
+    tv.grad((x * x).sum(), x)
+    assert x.grad is None and x.requires_grad
+
+
+def test_check_grad_outputs_normalises():
+    x = torch.randn(3, requires_grad=True)
+    s, v = (x * x).sum(), x * 2
+    g = torch.randn(3)
+    out = tv.check_grad_outputs([s, v], [None, g])
+    assert torch.equal(out[0], torch.ones(())) and out[1] is g
+    # nothing ran: the graph is intact and x.grad untouched
+    assert x.grad is None
+    (s + v.sum()).backward()
+
+
+# --------------------------------------------------------------------------------------
+# Error messages: the call, the index, both shapes, the expected shape and why, the fix
+# --------------------------------------------------------------------------------------
+
+
+def test_err_input_shape_passed_by_mistake():
+    x, y = _outer()
+    msg = _raises(r"grad_outputs\[0\] has shape \(4,\), but outputs\[0\] has shape \(4, 4\)",
+                  tv.grad, y, x, torch.ones_like(x))
+    assert msg.startswith("torch_vjp.grad: ")
+    assert "dL/d outputs[0]" in msg and "must have shape (4, 4)" in msg
+    assert "(4,) is the shape of inputs[0]" in msg
+    assert "torch.ones_like(outputs[0])" in msg
+
+
+def test_err_second_output_is_named():
+    # torch 2.13 reports "Boolean value of Tensor with more than one value is ambiguous" or
+    # an unrelated broadcasting error here.
+    x = torch.randn(4, requires_grad=True)
+    a, b = x * 2, torch.outer(x, x)
+    with pytest.raises(RuntimeError, match="ambiguous|must match the size"):
+        torch.autograd.grad([a, b], x, [torch.ones(4), torch.ones(3)], retain_graph=True)
+    _raises(r"grad_outputs\[1\] has shape \(3,\), but outputs\[1\] has shape \(4, 4\)",
+            tv.grad, [a, b], x, [torch.ones(4), torch.ones(3)])
+    _raises(r"grad_outputs\[1\] has shape \(4,\), but outputs\[1\] has shape \(4, 4\)",
+            tv.grad, [a, b], x, [torch.ones(4), torch.ones(4)])
+
+
+def test_err_extra_leading_batch_dimension():
+    x, y = _outer()
+    msg = _raises(r"grad_outputs\[0\] has shape \(3, 4, 4\), but outputs\[0\] has shape \(4, 4\)",
+                  tv.grad, y, x, torch.ones(3, 4, 4))
+    assert "extra leading dimension of size 3" in msg and "is_grads_batched=True" in msg
+
+
+def test_err_missing_leading_batch_dimension():
+    x = torch.randn(5, 3, requires_grad=True)
+    y = x.tanh()
+    w = torch.randn(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        msg = _raises(r"grad_outputs\[0\] has shape \(3,\), but outputs\[0\] has shape \(5, 3\)",
+                      tv.grad, y, torch.randn(2, requires_grad=True), w)
+    assert "lacks the leading dimension of size 5" in msg
+    assert "grad_outputs[0].expand_as(outputs[0])" in msg
+
+
+def test_err_batched_reports_true_shapes():
+    x, y = _outer()
+    # torch strips the batch dimension twice: it prints Size([3]) for a (3, 4, 3) tensor.
+    with pytest.raises(RuntimeError, match=r"has a shape of torch.Size\(\[3\]\)"):
+        torch.autograd.grad(y, x, torch.ones(3, 4, 3), retain_graph=True, is_grads_batched=True)
+    msg = _raises(r"grad_outputs\[0\] has shape \(3, 4, 3\), but outputs\[0\] has shape \(4, 4\) "
+                  r"and is_grads_batched=True", tv.grad, y, x, torch.ones(3, 4, 3),
+                  is_grads_batched=True)
+    assert "must have shape (K, 4, 4) with K = 3" in msg
+
+
+def test_err_batched_mixed_with_unbatched():
+    x = torch.randn(4, requires_grad=True)
+    a, b = x * 2, torch.outer(x, x)
+    msg = _raises(r"grad_outputs\[1\] has shape \(4, 4\), but outputs\[1\] has shape \(4, 4\) "
+                  r"and is_grads_batched=True", tv.grad, [a, b], x,
+                  [torch.ones(3, 4), torch.ones(4, 4)], is_grads_batched=True)
+    assert "no batch dimension, while other grad_outputs have one of size 3" in msg
+    assert "grad_outputs[1].expand(3, *outputs[1].shape)" in msg
+
+
+def test_err_batched_without_batch_dimension_single():
+    x = torch.randn(4, requires_grad=True)
+    msg = _raises(r"grad_outputs\[0\] has shape \(4,\)", tv.grad, x * 2, x, torch.ones(4),
+                  is_grads_batched=True)
+    assert "pass is_grads_batched=False" in msg
+
+
+def test_err_batched_sizes_differ():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError, match="batch sizes"):  # also a ValueError, like torch's
+        tv.grad([x * 2, x * 3], x, [torch.ones(3, 4), torch.ones(2, 4)], is_grads_batched=True)
+    _raises(r"different batch sizes \(grad_outputs\[0\]: 3, grad_outputs\[1\]: 2\)", tv.grad,
+            [x * 2, x * 3], x, [torch.ones(3, 4), torch.ones(2, 4)], is_grads_batched=True)
+
+
+@pytest.mark.parametrize(
+    "out_shape, go_shape, expected",
+    [
+        ((), (1,), r"torch.Size\(\[1\]\) and torch.Size\(\[\]\) differ"),
+        ((1,), (), r"one element but shape \(1,\), not \(\)"),
+    ],
+    ids=["size1-for-scalar", "scalar-for-size1"],
+)
+def test_err_size1_vs_scalar(out_shape, go_shape, expected):
+    x = torch.randn(3, requires_grad=True)
+    y = (x * x).sum().reshape(out_shape)
+    msg = _raises(expected, tv.grad, y, x, torch.ones(go_shape))
+    assert "leave it None" in msg
+
+
+def test_err_transposed():
+    x = torch.randn(2, 3, requires_grad=True)
+    msg = _raises(r"grad_outputs\[0\] has shape \(3, 2\), but outputs\[0\] has shape \(2, 3\)",
+                  tv.grad, x * 2, torch.randn(5, requires_grad=True), torch.ones(3, 2))
+    assert "reversed: did you mean grad_outputs[0].mT?" in msg
+
+
+def test_err_reshape_and_broadcast_fixes():
+    x = torch.randn(2, 6, requires_grad=True)
+    msg = _raises(r"has shape \(3, 4\)", tv.grad, x * 2, x, torch.ones(3, 4))
+    assert "right number of elements (12)" in msg and ".reshape(outputs[0].shape)" in msg
+    msg = _raises(r"has shape \(1, 1\)", tv.grad, x * 2, x, torch.ones(1, 1))
+    assert "does not broadcast" in msg and ".expand_as(outputs[0])" in msg
+
+
+def test_err_non_scalar_without_grad_outputs():
+    x, y = _outer()
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar"):
+        torch.autograd.grad(y, x, retain_graph=True)
+    msg = _raises(r"outputs\[0\] has shape \(4, 4\) \(16 elements\), and no grad_outputs\[0\] "
+                  r"was given", tv.grad, y, x)
+    assert "only from a scalar output" in msg
+    assert "torch.ones_like(outputs[0])" in msg and "torch_vjp.jacobian_of" in msg
+
+
+def test_err_output_does_not_require_grad():
+    x = torch.randn(3, requires_grad=True)
+    detached = (x * 2).detach()
+    msg = _raises(r"outputs\[1\] \(shape \(3,\)\) does not require grad", tv.grad,
+                  [x.sum(), detached], x, [None, torch.ones(3)])
+    assert "requires_grad=True" in msg and ".detach()" in msg
+
+
+@pytest.mark.parametrize(
+    "out_dtype, go_dtype, fix",
+    [
+        (torch.float32, torch.complex64, r"pass a real grad_outputs\[0\] of dtype torch.float32"),
+        (torch.complex64, torch.float32, r"pass grad_outputs\[0\].to\(torch.complex64\)"),
+    ],
+    ids=["complex-for-real", "real-for-complex"],
+)
+def test_err_complex_vs_real(out_dtype, go_dtype, fix):
+    x = torch.randn(3, requires_grad=True)
+    y = (x * 2).to(out_dtype)
+    msg = _raises(rf"grad_outputs\[0\] has dtype {go_dtype}, but outputs\[0\] has dtype "
+                  rf"{out_dtype}", tv.grad, y, x, torch.ones(3, dtype=go_dtype))
+    assert re.search(fix, msg) and "never between complex and real" in msg
+
+
+def test_err_complex_scalar_without_grad_outputs():
+    x = torch.randn(3, requires_grad=True)
+    y = (x.to(torch.complex64) * 1j).sum()
+    _raises(r"outputs\[0\] is a scalar of dtype torch.complex64, and no grad_outputs\[0\] was "
+            r"given", tv.grad, y, x)
+
+
+def test_err_wrong_device_meta():
+    x = torch.randn(3, requires_grad=True)
+    msg = _raises(r"grad_outputs\[0\] is on device meta, but outputs\[0\] is on cpu", tv.grad,
+                  x * 2, x, torch.ones(3, device="meta"))
+    assert "grad_outputs[0].to(outputs[0].device)" in msg
+
+
+@pytest.mark.cuda
+def test_err_wrong_device_cuda():
+    x = torch.randn(3, requires_grad=True)
+    _raises(r"grad_outputs\[0\] is on device cuda:0, but outputs\[0\] is on cpu", tv.grad,
+            x * 2, x, torch.ones(3, device="cuda"))
+
+
+def test_err_too_few_grad_outputs():
+    x = torch.randn(4, requires_grad=True)
+    msg = _raises(r"got 2 outputs but 1 grad_outputs", tv.grad, [x * 2, x * 3], x,
+                  [torch.ones(4)])
+    assert "shapes (4,), (4,)" in msg
+    msg = _raises(r"got 2 outputs but 1 grad_outputs", tv.grad, [x * 2, x * 3], x, torch.ones(4))
+    assert "A single Tensor counts as one entry" in msg
+
+
+def test_warn_too_many_grad_outputs_torch_ignores_them():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.warns(tv.GradOutputsWarning, match="got 2 grad_outputs for 1 outputs; torch ignores"):
+        (g,) = tv.grad(x * 2, x, [torch.ones(4), torch.ones(7)])
+    torch.testing.assert_close(g, torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "go, match",
+    [
+        (1.0, r"grad_outputs is a float, but it must be a Tensor, a list or tuple"),
+        ([1.0, 1.0, 1.0], r"grad_outputs\[0\] is a float, but each entry of grad_outputs must be a "
+                          r"Tensor or None"),
+    ],
+    ids=["float", "list-of-floats"],
+)
+def test_err_wrong_type(go, match):
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match=match):  # a TypeError too, as torch raises
+        tv.grad(x * 2 if isinstance(go, list) else (x * x).sum(), x, go)
+    with pytest.raises(tv.GradOutputsError):
+        tv.grad((x * 2) if isinstance(go, list) else (x * x).sum(), x, go)
+
+
+@pytest.mark.parametrize(
+    "dtype, what",
+    [(torch.float64, "torch.float64"), (torch.int64, "integer")],
+    ids=["float64", "int64"],
+)
+def test_warn_silent_cast(dtype, what):
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(tv.GradOutputsWarning, match=rf"torch casts the {what} grad_outputs to "
+                                                  rf"torch.float32 silently"):
+        (g,) = tv.grad(x * 2, x, torch.ones(3, dtype=dtype))
+    assert g.dtype == torch.float32
+    assert issubclass(tv.GradOutputsWarning, UserWarning)
+
+
+def test_err_backward_names_leaf_shape():
+    w = torch.randn(4, requires_grad=True)
+    y = torch.outer(w, w)
+    msg = _raises(r"^torch_vjp.backward: grad_tensors\[0\] has shape \(4,\), but tensors\[0\] has "
+                  r"shape \(4, 4\)", tv.backward, y, torch.ones(4))
+    assert "(4,) is the shape of a leaf tensor that tensors[0] was computed from" in msg
+
+
+def test_errors_are_runtime_errors():
+    x, y = _outer()
+    with pytest.raises(RuntimeError):
+        tv.grad(y, x, torch.ones(4))
+    assert issubclass(tv.GradOutputsError, tv.TorchVJPError)
+
+
+def test_user_function_errors_pass_through():
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            raise KeyError("raised by the user's backward")
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(KeyError, match="raised by the user's backward"):
+        tv.grad(Boom.apply(x).sum(), x)
+
+
+# --------------------------------------------------------------------------------------
+# checked(): torch's own entry points, checked
+# --------------------------------------------------------------------------------------
+
+
+def test_checked_tensor_backward():
+    x = torch.ones(4, requires_grad=True)
+    with tv.checked():
+        msg = _raises(r"^y.backward\(gradient\): gradient has shape \(3,\), but y has shape \(4,\)",
+                      (x * 2).backward, torch.ones(3))
+        assert "gradient is dL/d y" in msg
+        (x * 2).backward(torch.ones(4))
+    torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
+
+
+def test_checked_autograd_grad_and_backward():
+    x, y = _outer()
+    with tv.checked():
+        _raises(r"^torch.autograd.grad: grad_outputs\[0\] has shape \(4,\)", torch.autograd.grad,
+                y, x, torch.ones(4))
+        _raises(r"^torch.autograd.backward: grad_tensors\[0\] has shape \(4,\)",
+                torch.autograd.backward, y, torch.ones(4))
+        (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    torch.testing.assert_close(g, torch.full((4,), 20.0))
+
+
+def test_checked_func_vjp_pullback():
+    x = torch.randn(4)
+    with tv.checked():
+        out, vjp_fn = torch.func.vjp(torch.sin, x)
+        msg = _raises(r"^torch.func.vjp: vjp_fn\(cotangents\): cotangents has shape \(3,\), but "
+                      r"out has shape \(4,\)", vjp_fn, torch.ones(3))
+        (g,) = vjp_fn(torch.ones(4))
+        torch.testing.assert_close(g, x.cos())
+        out, vjp_fn = torch.func.vjp(lambda t: {"a": t.sin(), "b": t.cos()}, x)
+        msg = _raises(r"cotangents must have the same structure as the function's output",
+                      vjp_fn, (torch.ones(4), torch.ones(4)))
+        assert "{'a': Tensor(4,), 'b': Tensor(4,)}" in msg and "tree_map" in msg
+        _raises(r"cotangents\[1\] has shape \(2,\), but outputs\[1\] has shape \(4,\)",
+                vjp_fn, {"a": torch.ones(4), "b": torch.ones(2)})
+
+
+def test_checked_restores_torch_and_nests():
+    originals = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
+                 torch.func.vjp)
+    with tv.checked():
+        with tv.checked():
+            assert torch.autograd.grad is not originals[0]
+        assert autograd.is_checked()
+    assert (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
+            torch.func.vjp) == originals
+    with pytest.raises(tv.GradOutputsError):
+        with tv.checked():
+            x = torch.ones(2, requires_grad=True)
+            (x * 2).backward(torch.ones(3))
+    assert torch.autograd.grad is originals[0] and not autograd.is_checked()
+
+
+def test_checked_as_decorator():
+    @tv.checked()
+    def step(x):
+        assert autograd.is_checked()
+        (x * 2).backward(torch.ones(5))
+
+    with pytest.raises(tv.GradOutputsError, match=r"gradient has shape \(5,\)"):
+        step(torch.ones(2, requires_grad=True))
+    assert not autograd.is_checked()
+
+
+def test_checked_training_step_unchanged():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    data = torch.randn(16, 4), torch.randn(16, 2)
+    grads = []
+    for ctx in (None, tv.checked()):
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(data[0]), data[1])
+        if ctx is None:
+            loss.backward()
+        else:
+            with ctx:
+                loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_environment_variable_turns_checking_on():
+    code = (
+        "import torch, torch_vjp\n"
+        "x = torch.ones(4, requires_grad=True)\n"
+        "try:\n"
+        "    (x * 2).backward(torch.ones(3))\n"
+        "except torch_vjp.GradOutputsError as e:\n"
+        "    print('CHECKED', str(e).splitlines()[0])\n"
+    )
+    env = dict(os.environ, TORCH_VJP_CHECKED="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "CHECKED y.backward(gradient): gradient has shape (3,), but y has shape (4,)." in out.stdout
