@@ -136,6 +136,8 @@ def normalize_grad_outputs(
             raise GradOutputsError(_no_grad_message(labels, i, out))
         if go is None:
             if out.requires_grad:
+                if is_grads_batched:
+                    raise GradOutputsError(_batched_none_message(labels, i, out, gos, outputs))
                 if out.numel() != 1:
                     raise GradOutputsError(_missing_message(labels, i, out, inputs))
                 if not out.dtype.is_floating_point:
@@ -442,6 +444,22 @@ def _missing_message(
         f"  To differentiate the sum of {o}'s elements, pass torch.ones_like({o}) (or call "
         f".sum() on it first); for the full Jacobian of {o}, use "
         f"torch_vjp.jacobian_of({o}, {target})."
+    )
+
+
+def _batched_none_message(
+    labels: _Labels, i: int, out: Tensor, gos: Sequence[Any], outputs: Sequence[Tensor]
+) -> str:
+    o, g = labels.out(i), labels.go(i)
+    k = _known_batch_size(gos, outputs)
+    shape = ", ".join(["K"] + [str(d) for d in out.shape])
+    expand = f"torch.ones_like({o}).expand({k if k is not None else 'K'}, *{o}.shape)"
+    return (
+        f"{labels.call}: {g} is None, but is_grads_batched=True.\n"
+        f"  With is_grads_batched=True every {labels.grad_outputs} entry stacks K vectors "
+        f"dL/d output along a leading batch dimension; for None torch would create a single "
+        f"unbatched 1, which has no batch dimension to map over. {g} must be a tensor of "
+        f"shape ({shape}). Fix: pass {expand} to use dL/d {o} = 1 in every product."
     )
 
 
