@@ -32,7 +32,12 @@ from torch_vjp._errors import (
     shape_str,
 )
 
-__all__ = ["normalize_grad_outputs", "check_tree_structure", "leaf_shapes"]
+__all__ = [
+    "normalize_grad_outputs",
+    "check_tree_structure",
+    "check_cotangents",
+    "leaf_shapes",
+]
 
 
 class GradOutputsValueError(GradOutputsError, ValueError):
@@ -80,6 +85,7 @@ def normalize_grad_outputs(
     role: str = "grad_outputs",
     indexed: bool = True,
     require_grad: bool = True,
+    allow_none: bool = True,
 ) -> tuple[Tensor | None, ...]:
     """Validates ``grad_outputs`` against ``outputs`` and returns them normalised.
 
@@ -99,6 +105,7 @@ def normalize_grad_outputs(
         indexed: whether messages index the arguments (``outputs[0]``) or not (``gradient``).
         require_grad: whether an output that does not require grad is an error (it is for
             ``grad``/``backward``; a pullback of ``torch.func.vjp`` ignores such outputs).
+        allow_none: whether ``None`` entries are accepted (they are not for JVP tangents).
 
     Returns:
         The normalised tuple, aligned with ``outputs``.
@@ -135,6 +142,8 @@ def normalize_grad_outputs(
         if require_grad and not out.requires_grad:
             raise GradOutputsError(_no_grad_message(labels, i, out))
         if go is None:
+            if not allow_none:
+                raise GradOutputsTypeError(_type_message(labels, i, out, go))
             if out.requires_grad:
                 if is_grads_batched:
                     raise GradOutputsError(_batched_none_message(labels, i, out, gos, outputs))
@@ -221,6 +230,40 @@ def check_tree_structure(expected: Any, got: Any, *, call: str, name: str) -> No
         f"(same containers, same keys, same order), each with that output's shape. Fix: "
         f"build it from the output itself, e.g. torch.utils._pytree.tree_map("
         f"torch.ones_like, out)."
+    )
+
+
+def check_cotangents(
+    out: Any, cotangents: Any, *, call: str, batched: bool = False
+) -> tuple[Tensor | None, ...]:
+    """Validates the cotangents given to a pullback against the function's output pytree.
+
+    Shared by ``torch.func.vjp`` pullbacks inside :func:`checked` and by
+    :func:`torch_vjp.vjp`'s ``vjp_fn``.
+
+    Returns:
+        The flat tuple of cotangents, aligned with the output's tensor leaves.
+
+    Raises:
+        GradOutputsError: the structure or a leaf does not fit.
+    """
+    from torch.utils._pytree import tree_leaves
+
+    check_tree_structure(out, cotangents, call=call, name="cotangents")
+    flat_out = tuple(tree_leaves(out))
+    flat_cot = tuple(tree_leaves(cotangents))
+    if not all(isinstance(t, Tensor) and not t.is_nested for t in flat_out):
+        return flat_cot
+    indexed = not isinstance(out, Tensor)
+    return normalize_grad_outputs(
+        flat_out,
+        flat_cot,
+        is_grads_batched=batched,
+        call=call,
+        outputs_name="outputs" if indexed else "out",
+        grad_outputs_name="cotangents",
+        indexed=indexed,
+        require_grad=False,
     )
 
 
@@ -488,9 +531,10 @@ def _no_grad_message(labels: _Labels, i: int, out: Tensor) -> str:
 
 def _type_message(labels: _Labels, i: int, out: Tensor, go: Any) -> str:
     g, o = labels.go(i), labels.out(i)
+    allowed = "a Tensor" if go is None else "a Tensor or None"
     return (
-        f"{labels.call}: {g} is a {type(go).__name__}, but each entry of "
-        f"{labels.grad_outputs} must be a Tensor or None.\n"
+        f"{labels.call}: {g} is {'None' if go is None else 'a ' + type(go).__name__}, but each "
+        f"entry of {labels.grad_outputs} must be {allowed}.\n"
         f"  {labels.meaning(i)}, a tensor of {o}'s shape {shape_str(out.shape)}. Fix: "
         f"torch.full_like({o}, value) for a constant, or torch.as_tensor(...) for data."
     )

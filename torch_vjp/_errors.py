@@ -80,3 +80,19 @@ def shape_str(shape: Sequence[int]) -> str:
     if len(dims) == 1:
         return f"({dims[0]},)"
     return "(" + ", ".join(str(d) for d in dims) + ")"
+
+
+# Tracebacks name the public path users import from: torch_vjp.GradOutputsError.
+for _cls in (
+    TorchVJPError,
+    GradOutputsError,
+    FunctionCheckError,
+    StrategyError,
+    JacobianMemoryError,
+    PerSampleError,
+    TorchVJPWarning,
+    GradOutputsWarning,
+    JacobianWarning,
+):
+    _cls.__module__ = "torch_vjp"
+del _cls

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._checks import check_tree_structure, normalize_grad_outputs
+from torch_vjp._checks import check_cotangents, normalize_grad_outputs
 
 __all__ = ["grad", "backward", "check_grad_outputs", "checked"]
 
@@ -102,7 +102,7 @@ def grad(
         >>> tv.grad(y, x, torch.ones_like(x))
         Traceback (most recent call last):
         ...
-        torch_vjp._errors.GradOutputsError: torch_vjp.grad: grad_outputs[0] has shape (4,), but outputs[0] has shape (4, 4).
+        torch_vjp.GradOutputsError: torch_vjp.grad: grad_outputs[0] has shape (4,), but outputs[0] has shape (4, 4).
         ...
     """
     return _checked_grad(
@@ -288,44 +288,10 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
     out, pullback = result[0], result[1]
 
     def checked_pullback(cotangents: Any, retain_graph: bool = True, create_graph: Any = None):
-        check_pullback_cotangents(out, cotangents, call="torch.func.vjp: vjp_fn(cotangents)")
+        check_cotangents(out, cotangents, call="torch.func.vjp: vjp_fn(cotangents)")
         return pullback(cotangents, retain_graph=retain_graph, create_graph=create_graph)
 
     return (out, checked_pullback) + tuple(result[2:])
-
-
-def check_pullback_cotangents(
-    out: Any, cotangents: Any, *, call: str, batched: bool = False
-) -> tuple[Tensor | None, ...]:
-    """Validates the cotangents given to a pullback against the function's output pytree.
-
-    Shared by ``torch.func.vjp`` pullbacks inside :func:`checked` and by
-    :func:`torch_vjp.vjp`'s ``vjp_fn``.
-
-    Returns:
-        The flat tuple of cotangents, aligned with the output's tensor leaves.
-
-    Raises:
-        GradOutputsError: the structure or a leaf does not fit.
-    """
-    from torch.utils._pytree import tree_leaves
-
-    check_tree_structure(out, cotangents, call=call, name="cotangents")
-    flat_out = tuple(tree_leaves(out))
-    flat_cot = tuple(tree_leaves(cotangents))
-    if not _plain_tensors(flat_out):
-        return flat_cot
-    indexed = not isinstance(out, Tensor)
-    return normalize_grad_outputs(
-        flat_out,
-        flat_cot,
-        is_grads_batched=batched,
-        call=call,
-        outputs_name="outputs" if indexed else "out",
-        grad_outputs_name="cotangents",
-        indexed=indexed,
-        require_grad=False,
-    )
 
 
 def check_grad_outputs(
@@ -361,7 +327,7 @@ def check_grad_outputs(
         >>> tv.check_grad_outputs(loss, torch.ones(1))
         Traceback (most recent call last):
         ...
-        torch_vjp._errors.GradOutputsError: torch_vjp.check_grad_outputs: grad_outputs[0] has shape (1,), but outputs[0] has shape ().
+        torch_vjp.GradOutputsError: torch_vjp.check_grad_outputs: grad_outputs[0] has shape (1,), but outputs[0] has shape ().
         ...
     """
     outs = _as_tuple(outputs)
@@ -428,7 +394,7 @@ class checked(contextlib.ContextDecorator):
         ...     (x * 2).backward(torch.ones(3))
         Traceback (most recent call last):
         ...
-        torch_vjp._errors.GradOutputsError: y.backward(gradient): gradient has shape (3,), but y has shape (4,).
+        torch_vjp.GradOutputsError: y.backward(gradient): gradient has shape (3,), but y has shape (4,).
         ...
     """
 
