@@ -23,6 +23,7 @@ from torch_vjp._errors import (
 )
 
 from torch_vjp.autograd import backward, check_grad_outputs, checked, grad
+from torch_vjp.function_check import FunctionCheckReport, check_function
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,9 @@ __all__ = [
     "backward",
     "check_grad_outputs",
     "checked",
+    # custom autograd.Function checking (SPEC §2)
+    "check_function",
+    "FunctionCheckReport",
     # errors and warnings
     "TorchVJPError",
     "GradOutputsError",

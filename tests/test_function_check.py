@@ -1,0 +1,599 @@
+"""Tests of ``check_function``: custom autograd.Function checking (SPEC §2).
+
+Correct Functions pass with small dot-product errors; each way a backward can be wrong is
+caught with a message that names it; what torch itself lets through silently (a ``(2, 4, 3)``
+gradient for a ``(4, 3)`` input, a float64 gradient for a float32 input) is shown next to
+the check that catches it. Errors from the user's own forward/backward pass through.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from torch_vjp._errors import FunctionCheckError, TorchVJPError
+from torch_vjp.function_check import (
+    FunctionCheckReport,
+    FunctionCheckTypeError,
+    FunctionCheckValueError,
+    check_function,
+)
+
+# ---------------------------------------------------------------------------------------
+# Correct Functions
+
+
+class Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_tensors
+        return grad_output * y
+
+
+class ScaleAddSquare(torch.autograd.Function):
+    """alpha * x + y**2, with a non-tensor argument in the middle."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, y):
+        ctx.alpha = alpha
+        ctx.save_for_backward(y)
+        return alpha * x + y**2
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_tensors
+        return ctx.alpha * grad_output, None, 2 * y * grad_output
+
+
+class MatMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        a, b = ctx.saved_tensors
+        return grad_output @ b.mT, a.mT @ grad_output
+
+
+class MulNoGradForWeight(torch.autograd.Function):
+    """x * w; returns None for w when w needs no grad."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, w = ctx.saved_tensors
+        grad_x = grad_output * w if ctx.needs_input_grad[0] else None
+        grad_w = grad_output * x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+class SinCos(torch.autograd.Function):
+    """Two outputs: backward takes two grad_outputs and still returns one gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin(), x.cos()
+
+    @staticmethod
+    def backward(ctx, grad_sin, grad_cos):
+        (x,) = ctx.saved_tensors
+        return grad_sin * x.cos() - grad_cos * x.sin()
+
+
+class RowSoftmax(torch.autograd.Function):
+    """A batch (b, n) -> (b, n): the gradient is (b, n), no per-example Jacobians."""
+
+    @staticmethod
+    def forward(ctx, x):
+        p = x.softmax(dim=-1)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (p,) = ctx.saved_tensors
+        return p * (grad_output - (grad_output * p).sum(-1, keepdim=True))
+
+
+class PowerSetupContext(torch.autograd.Function):
+    """New-style Function (forward without ctx, setup_context) with a default argument."""
+
+    @staticmethod
+    def forward(x, n=3):
+        return x**n
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, n = inputs
+        ctx.save_for_backward(x)
+        ctx.n = n
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return ctx.n * x ** (ctx.n - 1) * grad_output, None
+
+
+class ComplexSquare(torch.autograd.Function):
+    """z**2 on complex tensors; torch's convention: grad = grad_output * conj(dz**2/dz)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return z * z
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (z,) = ctx.saved_tensors
+        return grad_output * (2 * z).conj()
+
+
+class DoubleInPlace(torch.autograd.Function):
+    """Modifies its input in place (mark_dirty): the caller's tensor must stay untouched."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return 2 * grad_output
+
+
+def _x(*shape, dtype=torch.float64, requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
+
+
+PASS_CASES = [
+    pytest.param(Exp, lambda: (_x(4, 3),), id="exp"),
+    pytest.param(Exp, lambda: (_x(4, 3, dtype=torch.float32),), id="exp-float32"),
+    pytest.param(Exp, lambda: (_x(()),), id="exp-0d"),
+    pytest.param(ScaleAddSquare, lambda: (_x(5), 2.5, _x(5, seed=1)), id="non-tensor-arg"),
+    pytest.param(MatMul, lambda: (_x(3, 4), _x(4, 2, seed=1)), id="matmul"),
+    pytest.param(MatMul, lambda: (_x(2, 3, 4), _x(2, 4, 5, seed=1)), id="batched-matmul"),
+    pytest.param(
+        MulNoGradForWeight,
+        lambda: (_x(4, requires_grad=True), _x(4, seed=1)),
+        id="none-for-non-grad-input",
+    ),
+    pytest.param(SinCos, lambda: (_x(6),), id="two-outputs"),
+    pytest.param(RowSoftmax, lambda: (_x(5, 3),), id="batch-rowwise"),
+    pytest.param(PowerSetupContext, lambda: (_x(4),), id="setup-context-default-arg"),
+    pytest.param(ComplexSquare, lambda: (_x(4, dtype=torch.complex128),), id="complex"),
+    pytest.param(DoubleInPlace, lambda: (_x(3),), id="in-place-mark-dirty"),
+    pytest.param(lambda x: Exp.apply(2 * x).sum(0), lambda: (_x(4, 3),), id="callable"),
+    pytest.param(
+        lambda a, b: MatMul.apply(Exp.apply(a), b),
+        lambda: (_x(3, 4), _x(4, 2, seed=1)),
+        id="callable-two-functions",
+    ),
+]
+
+
+@pytest.mark.parametrize("fn, make_inputs", PASS_CASES)
+def test_correct_functions_pass(fn, make_inputs):
+    inputs = make_inputs()
+    report = check_function(fn, *inputs)
+    assert isinstance(report, FunctionCheckReport)
+    assert len(report.inputs) == len(inputs)
+    for row, arg in zip(report.inputs, inputs):
+        if row.requires_grad:
+            assert row.shape_ok and row.dtype_ok and row.device_ok
+            assert row.grad_shape == tuple(arg.shape)
+            assert row.max_rel_error is not None and row.max_rel_error < 1e-6
+        else:
+            assert row.max_error is None
+    assert report.value_dtype in (torch.float64, torch.complex128)
+    assert report.max_error < 1e-6
+    assert "passed" in str(report)
+
+
+def test_report_rows_and_table():
+    x, w = _x(4, requires_grad=True), _x(4, seed=1)
+    report = check_function(MulNoGradForWeight, x, w)
+    assert report.functions == ("MulNoGradForWeight.backward",)
+    grad_row, weight_row = report.inputs
+    assert (grad_row.requires_grad, weight_row.requires_grad) == (True, False)
+    assert weight_row.grad_shape is None and weight_row.shape_ok is None
+    text = str(report)
+    assert "torch_vjp.check_function(MulNoGradForWeight): passed" in text
+    assert "Tensor(4,) float64" in text and "float64, eps=1e-06" in text
+
+    report = check_function(ScaleAddSquare, _x(5), 2.5, _x(5, seed=1))
+    assert report.inputs[1].description == "float" and not report.inputs[1].requires_grad
+    assert [r.requires_grad for r in report.inputs] == [True, False, True]
+
+
+def test_callable_report_names_the_functions():
+    report = check_function(lambda x: Exp.apply(Exp.apply(x)), _x(3))
+    assert report.functions == ("Exp.backward x 2",)
+
+
+def test_result_is_reproducible_and_global_rng_untouched():
+    x = _x(4, 3)
+    state = torch.random.get_rng_state()
+    first = check_function(Exp, x)
+    second = check_function(Exp, x)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert [r.max_error for r in first.inputs] == [r.max_error for r in second.inputs]
+
+
+def test_nothing_of_the_callers_is_modified():
+    x = _x(3, 4, requires_grad=True)
+    b = _x(4, 2, seed=1, requires_grad=True)
+    x_before, b_before = x.detach().clone(), b.detach().clone()
+    check_function(MatMul, x, b)
+    assert x.grad is None and b.grad is None
+    assert x.requires_grad and b.requires_grad and x.is_leaf and b.is_leaf
+    assert torch.equal(x, x_before) and torch.equal(b, b_before)
+
+    y = _x(3)
+    y_before = y.clone()
+    check_function(DoubleInPlace, y)  # forward doubles its argument in place
+    assert torch.equal(y, y_before) and not y.requires_grad
+
+
+def test_float32_inputs_are_value_checked_in_float64():
+    # With float32 finite differences a 1e-3 error would hide in the noise; in float64 the
+    # default tolerance (rtol 1e-5) catches it.
+    class SlightlyOff(Exp):
+        @staticmethod
+        def backward(ctx, grad_output):
+            (y,) = ctx.saved_tensors
+            return grad_output * y * 1.001
+
+    x = _x(4, 3, dtype=torch.float32)
+    assert check_function(Exp, x).value_dtype == torch.float64
+    with pytest.raises(FunctionCheckError, match=r"does not match finite differences"):
+        check_function(SlightlyOff, x)
+    assert x.dtype == torch.float32
+
+
+def test_falls_back_to_the_inputs_dtype_when_fn_cannot_run_in_float64():
+    weight = _x(4, 2, dtype=torch.float32, seed=3)  # captured float32 tensor
+
+    def uses_float32_weight(x):
+        return MatMul.apply(x, weight)  # float64 x @ float32 weight raises in torch
+
+    report = check_function(uses_float32_weight, _x(3, 4, dtype=torch.float32))
+    assert report.value_dtype == torch.float32
+    assert report.eps > 1e-3
+    assert any("not float64" in note for note in report.notes)
+    assert "note: values checked in float32" in str(report)
+
+
+# ---------------------------------------------------------------------------------------
+# Broken Functions: one per mistake
+
+
+def _function(name, backward, forward=None):
+    """A Function class named ``name`` with the given backward (and forward: exp)."""
+
+    def default_forward(ctx, *args):
+        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])
+        ctx.args = args
+        return args[0].exp()
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward or default_forward),
+        "backward": staticmethod(backward),
+    })
+
+
+def _exp_grad(ctx, g):
+    return g * ctx.saved_tensors[0].exp()
+
+
+def _linear_forward(ctx, x):  # (b, n) -> (b, k) with a fixed (k, n) = (2, 3) matrix
+    ctx.save_for_backward(x)
+    return x @ _W.to(x.dtype).mT
+
+
+_W = torch.arange(6.0).reshape(2, 3)
+
+FAIL_CASES = [
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: (_exp_grad(ctx, g), None)), (_x(4, 3),),
+        r"MyFunc\.backward returned 2 values, but MyFunc\.forward takes 1 input (.|\n)*"
+        r"one gradient per forward input(.|\n)*torch drops trailing None values",
+        id="count-extra",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g)), (_x(4, 3), 2.0),
+        r"returned 1 value, but MyFunc\.forward takes 2 inputs(.|\n)*"
+        r"incorrect number of gradients \(expected 2, got 1\)(.|\n)*"
+        r"Fix: .*input 1 \(a float: None\)",
+        id="count-missing-none-for-float",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).expand(2, 4, 3)), (_x(4, 3),),
+        r"returned a gradient of shape \(2, 4, 3\) at index 0, but forward input 0 has shape "
+        r"\(4, 3\)(.|\n)*torch does not catch this: it sums the gradient down(.|\n)*"
+        r"extra leading dimension of size 2(.|\n)*grad\.sum\(0\)",
+        id="extra-batch-dim-summed-by-torch",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: torch.diag_embed(ctx.saved_tensors[0].exp())),
+        (_x(4),),
+        r"shape \(4, 4\) at index 0(.|\n)*never the Jacobian itself(.|\n)*"
+        r"the shape of the Jacobian d\(the output\)/d\(input 0\)(.|\n)*"
+        r"torch\.tensordot\(grad_output, J, dims=1\)",
+        id="jacobian-instead-of-vjp",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: torch.ones(3, 2), forward=_linear_forward), (_x(3),),
+        r"shape \(3, 2\)(.|\n)*followed by the output's shape \(2,\): the transposed "
+        r"Jacobian(.|\n)*torch\.tensordot\(J, grad_output, dims=1\)",
+        id="jacobian-transposed-layout",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: torch.ones(4, 3, 2), forward=_linear_forward),
+        (_x(4, 3),),
+        r"shape \(4, 3, 2\)(.|\n)*one Jacobian per example(.|\n)*"
+        r"torch\.tensordot\(j, g, dims=g\.dim\(\)\)",
+        id="per-example-jacobians-transposed",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: torch.ones(5, 2, 3), forward=_linear_forward),
+        (_x(5, 3),),
+        r"Function MyFuncBackward returned an invalid gradient at index 0 - got \[5, 2, 3\] "
+        r"but expected shape compatible with \[5, 3\](.|\n)*one Jacobian per example(.|\n)*"
+        r"a batch input of shape \(5, 3\) gets a gradient of shape \(5, 3\)",
+        id="per-example-jacobians",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: g, forward=lambda ctx, x: x.sum(1)), (_x(4, 3),),
+        r"shape \(4,\) at index 0(.|\n)*got \[4\] but expected shape compatible with \[4, 3\]"
+        r"(.|\n)*\(4,\) is the shape of the output \(and of grad_output\)",
+        id="grad-output-returned-as-is",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).mT), (_x(4, 3),),
+        r"got \[3, 4\] but expected shape compatible with \[4, 3\](.|\n)*"
+        r"shape reversed: return grad\.mT",
+        id="transposed",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).reshape(-1)), (_x(4, 3),),
+        r"right number of elements \(12\) in the wrong shape(.|\n)*reshape\(input\.shape\)",
+        id="flattened",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).expand(4, 3)), (_x(1, 3),),
+        r"shape \(4, 3\) at index 0, but forward input 0 has shape \(1, 3\)(.|\n)*"
+        r"torch does not catch this(.|\n)*grad\.sum\(dim=0, keepdim=True\)",
+        id="broadcast-dim-not-summed",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).double()),
+        (_x(4, 3, dtype=torch.float32),),
+        r"dtype torch\.float64 at index 0, but forward input 0 has dtype torch\.float32(.|\n)*"
+        r"casts the gradient to torch\.float32 without a word",
+        id="float64-for-float32",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).to(torch.complex64)),
+        (_x(4, 3, dtype=torch.float32),),
+        r"dtype torch\.complex64 at index 0(.|\n)*torch reports this as: Expected "
+        r"isFloatingType",
+        id="complex-for-real",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: (_exp_grad(ctx, g), None)),
+        (_x(4), _x(4, seed=1)),
+        r"returned None at index 1, but forward input 1 \(shape \(4,\)\) requires grad"
+        r"(.|\n)*silently gets no gradient",
+        id="none-for-input-needing-grad",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: (_exp_grad(ctx, g), torch.ones(()))), (_x(4), 2.0),
+        r"returned a tensor at index 1, but forward input 1 is not a tensor \(float\)(.|\n)*"
+        r"gradient different than None at position 2",
+        id="tensor-for-non-tensor-input",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: 1.0), (_x(4),),
+        r"returned a float at index 0(.|\n)*expected Variable or None \(got float\)",
+        id="python-number",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: [_exp_grad(ctx, g), None]), (_x(4), 2.0),
+        r"returned a list of 2 values(.|\n)*Return a tuple",
+        id="list-instead-of-tuple",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g) * 0.5), (_x(4, 3),),
+        r"the gradient that MyFunc\.backward returns for input 0 does not match finite "
+        r"differences(.|\n)*<t, backward\(c\)> = 0\.5 \* <J t, c>(.|\n)*constant factor",
+        id="values-missing-factor-2",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: -_exp_grad(ctx, g)), (_x(4, 3),),
+        r"does not match finite differences(.|\n)*sign flipped",
+        id="values-sign",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: torch.zeros_like(g)), (_x(4, 3),),
+        r"does not match finite differences(.|\n)*backward returns zero for this input",
+        id="values-zero",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).flip(0)), (_x(4, 3),),
+        r"does not match finite differences(.|\n)*Fix: re-derive MyFunc\.backward for input 0",
+        id="values-permuted",
+    ),
+    pytest.param(
+        _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g).to("meta")), (_x(4, 3),),
+        r"gradient on device meta at index 0, but forward input 0 is on cpu(.|\n)*"
+        r"expected device cpu but got meta",
+        id="wrong-device",
+    ),
+]
+
+
+@pytest.mark.parametrize("fn, inputs, match", FAIL_CASES)
+def test_broken_functions_raise(fn, inputs, match):
+    with pytest.raises(FunctionCheckError, match=match) as info:
+        check_function(fn, *inputs)
+    message = str(info.value)
+    assert message.startswith(f"torch_vjp.check_function({fn.__name__}): ")
+    assert isinstance(info.value, TorchVJPError) and isinstance(info.value, RuntimeError)
+
+
+def test_torch_lets_extra_batch_dim_and_float64_through():
+    """What torch itself does with the two silent mistakes check_function catches."""
+    summed = _function("Summed", lambda ctx, g: _exp_grad(ctx, g).expand(2, 4, 3))
+    x = _x(4, 3, requires_grad=True)
+    (grad,) = torch.autograd.grad(summed.apply(x).sum(), x)
+    assert grad.shape == (4, 3)  # no error: torch summed (2, 4, 3) down to (4, 3)
+    torch.testing.assert_close(grad, 2 * x.detach().exp())  # twice the true gradient
+
+    cast = _function("Cast", lambda ctx, g: _exp_grad(ctx, g).double())
+    x32 = _x(4, 3, dtype=torch.float32, requires_grad=True)
+    (grad,) = torch.autograd.grad(cast.apply(x32).sum(), x32)
+    assert grad.dtype == torch.float32  # no error: torch cast the float64 gradient
+
+    for fn, arg in ((summed, x), (cast, x32)):
+        with pytest.raises(FunctionCheckError):
+            check_function(fn, arg)
+
+
+def test_torch_rejects_jacobian_shape_with_the_seed_message():
+    """The message of seed 002, which check_function quotes and explains."""
+    jac = _function("MyFunc", lambda ctx, g: torch.ones(5, 2, 3), forward=_linear_forward)
+    x = _x(5, 3, requires_grad=True)
+    with pytest.raises(RuntimeError) as torch_error:
+        torch.autograd.grad(jac.apply(x).sum(), x)
+    with pytest.raises(FunctionCheckError) as ours:
+        check_function(jac, x)
+    assert str(torch_error.value) in str(ours.value)
+    assert ours.value.__cause__ is not None  # torch's error is chained, not lost
+
+
+def test_broken_function_inside_a_callable_is_caught():
+    summed = _function("Summed", lambda ctx, g: _exp_grad(ctx, g).expand(2, 4, 3))
+    with pytest.raises(FunctionCheckError, match=r"check_function\(wrapper\): Summed\.backward "
+                       r"returned a gradient of shape \(2, 4, 3\)"):
+        def wrapper(x, scale):
+            return summed.apply(x * scale).sum(1)
+
+        check_function(wrapper, _x(4, 3), 3.0)
+
+    half = _function("Half", lambda ctx, g: _exp_grad(ctx, g) * 0.5)
+    with pytest.raises(FunctionCheckError, match=r"the gradient autograd computes through fn "
+                       r"for input 0 does not match"):
+        check_function(lambda x: half.apply(x) + x, _x(4))
+
+
+def test_none_for_a_needed_input_of_a_function_inside_a_callable():
+    drops = _function("Drops", lambda ctx, g: (g, None), forward=lambda ctx, x, y: x + y)
+    with pytest.raises(FunctionCheckError, match=r"Drops\.backward returned None at index 1, "
+                       r"but forward input 1 \(shape \(3,\)\) requires grad"):
+        check_function(lambda x, y: drops.apply(x, y * 2), _x(3), _x(3, seed=1))
+
+
+# ---------------------------------------------------------------------------------------
+# The user's own errors pass through untouched
+
+
+class UserError(Exception):
+    pass
+
+
+def test_error_in_forward_passes_through():
+    def forward(ctx, x):
+        raise UserError("forward is broken")
+
+    broken = _function("BrokenForward", _exp_grad, forward=forward)
+    with pytest.raises(UserError, match="^forward is broken$") as info:
+        check_function(broken, _x(3))
+    assert not isinstance(info.value, TorchVJPError)
+
+
+def test_error_in_backward_passes_through():
+    def backward(ctx, g):
+        raise UserError("backward is broken")
+
+    broken = _function("BrokenBackward", backward)
+    with pytest.raises(UserError, match="^backward is broken$") as info:
+        check_function(broken, _x(3))
+    assert not isinstance(info.value, TorchVJPError)
+    with pytest.raises(UserError):  # also when the Function is used inside a callable
+        check_function(lambda x: broken.apply(x * 2), _x(3))
+
+
+# ---------------------------------------------------------------------------------------
+# Misuse of check_function itself
+
+
+def test_no_custom_function_in_callable():
+    with pytest.raises(FunctionCheckError, match=r"check_function\(<lambda>\): found no custom "
+                       r"torch\.autograd\.Function between fn's inputs and its outputs"):
+        check_function(lambda x: x.exp(), _x(3))
+
+
+def test_outputs_do_not_require_grad():
+    detached = _function("Detached", _exp_grad)
+    with pytest.raises(FunctionCheckError, match=r"no output of fn requires grad, although "
+                       r"input 0 does"):
+        check_function(lambda x: detached.apply(x).detach(), _x(3))
+
+
+@pytest.mark.parametrize(
+    "fn, inputs, kwargs, error, match",
+    [
+        pytest.param(42, (_x(3),), {}, FunctionCheckTypeError,
+                     r"fn must be a torch\.autograd\.Function subclass or a callable",
+                     id="not-callable"),
+        pytest.param(Exp, (torch.arange(3), 2.0), {}, FunctionCheckValueError,
+                     r"none of the 2 inputs is a floating-point or complex tensor",
+                     id="no-float-input"),
+        pytest.param(Exp, (_x(3),), {"eps": 0.0}, FunctionCheckValueError,
+                     r"eps must be a finite number > 0, but got 0\.0", id="eps-zero"),
+        pytest.param(Exp, (_x(3),), {"rtol": -1.0}, FunctionCheckValueError,
+                     r"rtol must be a finite number >= 0", id="rtol-negative"),
+        pytest.param(Exp, (_x(3),), {"atol": "big"}, FunctionCheckTypeError,
+                     r"atol must be a number, but got str", id="atol-str"),
+    ],
+)
+def test_argument_errors(fn, inputs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        check_function(fn, *inputs, **kwargs)
+
+
+def test_function_instance_instead_of_class():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch deprecates instances
+        try:
+            instance = Exp()
+        except Exception as exc:  # a later torch may refuse to create one at all
+            pytest.skip(f"this torch cannot instantiate a Function: {exc}")
+    with pytest.raises(FunctionCheckTypeError, match=r"got an instance of Exp; pass the class "
+                       r"itself: torch_vjp\.check_function\(Exp, \.\.\.\)"):
+        check_function(instance, _x(3))
+
+
+def test_tolerances_are_used():
+    off = _function("Off", lambda ctx, g: _exp_grad(ctx, g) * 1.01)
+    with pytest.raises(FunctionCheckError, match=r"does not match"):
+        check_function(off, _x(4, 3))
+    report = check_function(off, _x(4, 3), rtol=0.05)
+    assert report.rtol == 0.05 and report.inputs[0].max_rel_error > 1e-3

@@ -1,0 +1,1166 @@
+"""Checks the backward of a custom ``torch.autograd.Function``.
+
+:func:`check_function` runs a Function's forward, calls its backward through autograd with
+random ``grad_outputs``, and checks what backward returned against what autograd needs: one
+gradient per forward input, each with exactly its input's shape, dtype and device, ``None``
+only where no gradient is needed, and values that agree with finite differences of forward
+(the dot-product test ``<J t, c> == <t, J^T c>``, in float64).
+
+NOTE [seeing what backward really returned]
+torch validates a custom backward's return value inside the autograd engine
+(``validate_outputs``) and *repairs* some mistakes without a word: a gradient whose shape the
+input's shape broadcasts to is summed down (``Tensor.sum_to_size``: ``(2, 4, 3)`` for a
+``(4, 3)`` input is accepted), a float64 gradient for a float32 input is cast, ``None`` for an
+input that requires grad is read as zeros, trailing extra ``None`` values are dropped. Tensor
+hooks and node post-hooks only ever see the repaired values. The engine runs a custom
+Function's node by looking up the attribute ``apply`` on the node object (a
+``BackwardCFunction``, which is also the ``ctx`` forward saw), so an instance attribute
+``apply`` on *our own* node (from a forward we ran on copies of the inputs) sees the raw
+return value before validation. :class:`_Recorder` installs such a pass-through wrapper,
+records ``(grad_outputs, returned)`` and removes it afterwards. The user's backward runs
+exactly once per node, inside the engine, with the grad_outputs torch itself prepares.
+
+NOTE [which inputs are differentiated]
+Tensor inputs with ``requires_grad=True`` are differentiated. If no input requires grad,
+every floating-point and complex tensor input is (the convenient default: ``check_function(
+MyFunc, torch.randn(4, 3))`` checks the gradient for the tensor). Integer tensors and
+non-tensor arguments never are; backward must return ``None`` for non-tensor arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from torch_vjp._errors import FunctionCheckError, shape_str
+
+__all__ = [
+    "check_function",
+    "FunctionCheckReport",
+    "InputCheck",
+    "FunctionCheckTypeError",
+    "FunctionCheckValueError",
+]
+
+# Random probes (pairs of tangent t and cotangent c) per differentiated input.
+_PROBES = 2
+# check_function draws its random grad_outputs, tangents and cotangents from a private
+# generator with this seed: results are reproducible and the global RNG is left alone.
+_SEED = 20240602
+# Default tolerances of the dot-product test, by the precision the values are checked in.
+_DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
+    torch.float64: (1e-8, 1e-5),
+    torch.float32: (1e-5, 1e-2),
+    torch.float16: (1e-3, 1e-1),
+    torch.bfloat16: (1e-3, 1e-1),
+}
+
+
+class FunctionCheckTypeError(FunctionCheckError, TypeError):
+    """A :class:`~torch_vjp.FunctionCheckError` for an argument of the wrong type."""
+
+
+class FunctionCheckValueError(FunctionCheckError, ValueError):
+    """A :class:`~torch_vjp.FunctionCheckError` for an argument with an invalid value."""
+
+
+@dataclass(frozen=True)
+class InputCheck:
+    """The result of :func:`check_function` for one input of ``fn``.
+
+    Attributes:
+        index: Position of the input in ``check_function(fn, *inputs)``.
+        description: The input: ``"Tensor(4, 3) float32"``, or its type name (``"float"``).
+        requires_grad: Whether the input was differentiated (see NOTE [which inputs are
+            differentiated]).
+        grad_shape: Shape of the gradient that backward returned for it (for a
+            ``torch.autograd.Function`` subclass: the raw value, before torch's own
+            validation; for a callable: the gradient autograd computed through it), or
+            ``None`` where there was none.
+        shape_ok: The gradient had exactly the input's shape (``None``: nothing to check).
+        dtype_ok: The gradient had the input's dtype (``None``: nothing to check).
+        device_ok: The gradient was on the input's device (``None``: nothing to check).
+        max_error: Largest ``|<J t, c> - <t, J^T c>|`` over the random probes, where
+            ``J t`` comes from central differences of forward and ``J^T c`` from backward
+            (``None`` for inputs that are not differentiated).
+        max_rel_error: ``max_error`` relative to the size of the two products
+            (``max(|J t| |c|, |t| |J^T c|)``).
+    """
+
+    index: int
+    description: str
+    requires_grad: bool
+    grad_shape: tuple[int, ...] | None
+    shape_ok: bool | None
+    dtype_ok: bool | None
+    device_ok: bool | None
+    max_error: float | None
+    max_rel_error: float | None
+
+
+@dataclass(frozen=True)
+class FunctionCheckReport:
+    """What :func:`check_function` checked, returned when every check passed.
+
+    Attributes:
+        name: The checked ``fn``, as messages name it.
+        functions: The custom Functions whose backward was checked, as
+            ``"MyFunc.backward"`` (with ``" x N"`` when it ran N times).
+        inputs: One :class:`InputCheck` per input of ``fn``.
+        value_dtype: The dtype the values were checked in (float64, or the inputs' own
+            dtype where ``fn`` could not run in float64; see ``notes``), ``None`` when the
+            values were not checked.
+        eps: The finite-difference step used.
+        atol: Absolute tolerance of the dot-product test.
+        rtol: Relative tolerance of the dot-product test.
+        probes: Random (tangent, cotangent) pairs per differentiated input.
+        notes: Anything the reader should know about how the check ran.
+    """
+
+    name: str
+    functions: tuple[str, ...]
+    inputs: tuple[InputCheck, ...]
+    value_dtype: torch.dtype | None
+    eps: float
+    atol: float
+    rtol: float
+    probes: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def max_error(self) -> float:
+        """Largest dot-product error over all differentiated inputs (0.0 if none)."""
+        errors = [row.max_error for row in self.inputs if row.max_error is not None]
+        return max(errors, default=0.0)
+
+    def __str__(self) -> str:
+        lines = [f"torch_vjp.check_function({self.name}): passed"]
+        lines.append(f"  backward checked: {', '.join(self.functions)}")
+        if self.value_dtype is not None:
+            lines.append(
+                f"  values: dot-product test <J t, c> == <t, J^T c> against central "
+                f"differences in {_dtype_name(self.value_dtype)}, eps={self.eps:g}, "
+                f"{self.probes} probes per input, |error| <= atol + rtol * size with "
+                f"atol={self.atol:g}, rtol={self.rtol:g}"
+            )
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        header = ("index", "input", "needs grad", "returned", "shape", "dtype", "device",
+                  "max abs err", "max rel err")
+        rows = [header]
+        for r in self.inputs:
+            rows.append((
+                str(r.index),
+                r.description,
+                "yes" if r.requires_grad else "no",
+                "-" if r.grad_shape is None else shape_str(r.grad_shape),
+                _ok(r.shape_ok),
+                _ok(r.dtype_ok),
+                _ok(r.device_ok),
+                "-" if r.max_error is None else f"{r.max_error:.2e}",
+                "-" if r.max_rel_error is None else f"{r.max_rel_error:.2e}",
+            ))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+        for row in rows:
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        return "\n".join(lines)
+
+
+def check_function(
+    fn: type[torch.autograd.Function] | Callable[..., Any],
+    *inputs: Any,
+    atol: float | None = None,
+    rtol: float | None = None,
+    eps: float = 1e-6,
+) -> FunctionCheckReport:
+    """Checks a custom ``torch.autograd.Function``'s backward: one backward in the inputs'
+    dtype, then finite differences in float64 (two forwards per input and probe).
+
+    Backward computes a vector-Jacobian product: given ``grad_output`` = dL/d(output) it
+    returns dL/d(input) = ``grad_output`` times the Jacobian d(output)/d(input), one tensor
+    per forward input, each with exactly that input's shape, dtype and device. It never
+    returns the Jacobian itself.
+
+    Runs forward once on copies of ``inputs`` and backward once through autograd with random
+    ``grad_outputs``, seeing backward's return value before torch's own validation (which
+    silently sums some wrong shapes away and casts wrong dtypes). Then checks the values with
+    the dot-product test ``<J t, c> == <t, J^T c>`` for random tangents ``t`` and cotangents
+    ``c``: ``J t`` from central finite differences of forward in float64, ``J^T c`` from
+    backward. Costs one forward and one backward in the inputs' dtype, then, per
+    differentiated input and probe, two forwards and (shared across inputs) one backward in
+    float64. Randomness comes from a private, fixed-seed generator: the result is
+    reproducible and the global RNG is untouched. Nothing of the caller's is modified.
+
+    Tensor inputs with ``requires_grad=True`` are differentiated; if none has it, every
+    floating-point or complex tensor input is. Forward must be deterministic for the finite
+    differences to mean anything.
+
+    Args:
+        fn: A ``torch.autograd.Function`` subclass (its ``apply`` is called), or a callable
+            that uses one or more custom Functions; for a callable, every custom Function
+            between its inputs and outputs is checked, and the values are those of the whole
+            callable.
+        *inputs: The arguments of forward (for a subclass) or of ``fn``, tensors and
+            anything else, in order. Floating-point tensors are copied to float64 for the
+            value check.
+        atol: Absolute tolerance of the dot-product test. Default: 1e-8 in float64.
+        rtol: Relative tolerance of the dot-product test, relative to
+            ``max(|J t| |c|, |t| |J^T c|)``. Default: 1e-5 in float64.
+        eps: Step of the central finite differences (in float64). If ``fn`` cannot run in
+            float64 (it raised there), the values are checked in the inputs' own dtype with
+            a step of at least ``finfo(dtype).eps ** (1/3)`` and looser default tolerances,
+            and the report says so.
+
+    Returns:
+        A :class:`FunctionCheckReport`: per input, whether shape, dtype and device were
+        right, and the largest dot-product error; ``str(report)`` is a table.
+
+    Raises:
+        FunctionCheckError: On the first failed check, saying which gradient is wrong, how,
+            what backward must return instead and why, and the fix where the mistake is
+            recognisable (a Jacobian returned instead of the product, an extra batch
+            dimension, a missing gradient, ...).
+        FunctionCheckTypeError: ``fn`` is neither a Function subclass nor callable.
+        FunctionCheckValueError: ``eps``, ``atol`` or ``rtol`` is not a valid number, or
+            no input can be differentiated.
+        Exception: Whatever ``fn``'s own forward or backward raises, untouched.
+
+    Example:
+        >>> class Square(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x * x
+        ...     @staticmethod
+        ...     def backward(ctx, grad_output):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 2 * x * grad_output        # dL/dx: the shape of x
+        >>> report = tv.check_function(Square, torch.randn(4, 3))
+        >>> report.inputs[0].shape_ok, report.max_error < 1e-6
+        (True, True)
+        >>> class Forgot2(Square):
+        ...     @staticmethod
+        ...     def backward(ctx, grad_output):
+        ...         (x,) = ctx.saved_tensors
+        ...         return x * grad_output            # the factor 2 is missing
+        >>> try:
+        ...     tv.check_function(Forgot2, torch.randn(4, 3))
+        ... except tv.FunctionCheckError as e:
+        ...     print(str(e).splitlines()[0])  # doctest: +ELLIPSIS
+        torch_vjp.check_function(Forgot2): the gradient that Forgot2.backward returns ... does not
+        match finite differences of forward.
+    """
+    is_function = isinstance(fn, type) and issubclass(fn, torch.autograd.Function)
+    name = fn.__name__ if is_function else _callable_name(fn)
+    call = f"torch_vjp.check_function({name})"
+    if isinstance(fn, torch.autograd.Function):
+        raise FunctionCheckTypeError(
+            f"{call}: got an instance of {type(fn).__name__}; pass the class itself: "
+            f"torch_vjp.check_function({type(fn).__name__}, ...). Custom Functions are "
+            f"used through their static methods (MyFunc.apply(x)), never instantiated."
+        )
+    if not is_function and not callable(fn):
+        raise FunctionCheckTypeError(
+            f"{call}: fn must be a torch.autograd.Function subclass or a callable that uses "
+            f"one, but got {type(fn).__name__}."
+        )
+    eps = _check_positive(call, "eps", eps, allow_zero=False)
+    if atol is not None:
+        atol = _check_positive(call, "atol", atol, allow_zero=True)
+    if rtol is not None:
+        rtol = _check_positive(call, "rtol", rtol, allow_zero=True)
+
+    run = fn.apply if is_function else fn
+    diff = _differentiated(inputs)
+    if not diff:
+        raise FunctionCheckValueError(
+            f"{call}: none of the {len(inputs)} inputs is a floating-point or complex tensor, "
+            f"so there is no gradient to check. Pass forward's arguments after fn, e.g. "
+            f"torch_vjp.check_function({name}, torch.randn(4, 3))."
+        )
+    checker = _Checker(call=call, fn=fn, is_function=is_function, run=run, inputs=inputs,
+                       diff=diff)
+    structure = checker.check_structure()
+    values = checker.check_values(eps=eps, atol=atol, rtol=rtol)
+
+    rows = []
+    for i, arg in enumerate(inputs):
+        grad = structure.grads.get(i)
+        err = values.errors.get(i)
+        is_tensor_grad = isinstance(grad, Tensor)
+        checked = isinstance(arg, Tensor) and is_tensor_grad
+        rows.append(InputCheck(
+            index=i,
+            description=_describe_arg(arg),
+            requires_grad=i in diff,
+            grad_shape=tuple(grad.shape) if is_tensor_grad else None,
+            shape_ok=(tuple(grad.shape) == tuple(arg.shape)) if checked else None,
+            dtype_ok=(grad.dtype == arg.dtype) if checked else None,
+            device_ok=(grad.device == arg.device) if checked else None,
+            max_error=None if err is None else err[0],
+            max_rel_error=None if err is None else err[1],
+        ))
+    return FunctionCheckReport(
+        name=name,
+        functions=structure.functions,
+        inputs=tuple(rows),
+        value_dtype=values.dtype,
+        eps=values.eps,
+        atol=values.atol,
+        rtol=values.rtol,
+        probes=_PROBES,
+        notes=tuple(values.notes),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The checker
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """What autograd expects back at one index of backward's return value.
+
+    Describes one forward input: ``kind`` is ``"tensor"``, ``"other"`` (not a tensor: the
+    gradient must be None) or ``"unknown"``; ``shape``/``dtype``/``device`` are ``None``
+    where unknown.
+    """
+
+    kind: str
+    needs_grad: bool
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    type_name: str = "Tensor"
+    differentiable: bool = False  # a floating-point or complex tensor
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One run of a custom Function's backward: its node, grad_outputs and raw return."""
+
+    node: Any
+    grad_outputs: tuple[Any, ...]
+    returned: Any
+
+
+@dataclass
+class _StructureResult:
+    grads: dict[int, Any]  # input index of fn -> gradient (raw for a Function subclass)
+    functions: tuple[str, ...]
+
+
+@dataclass
+class _ValueResult:
+    errors: dict[int, tuple[float, float]]  # input index -> (max abs error, max rel error)
+    dtype: torch.dtype | None
+    eps: float
+    atol: float
+    rtol: float
+    notes: list[str]
+
+
+class _Recorder:
+    """Sees what custom backward methods return, before torch validates it.
+
+    See NOTE [seeing what backward really returned]. Only nodes created by our own forward
+    run are touched, and the wrappers are removed by :meth:`uninstall`.
+    """
+
+    def __init__(self, nodes: Sequence[Any]):
+        self.nodes = list(nodes)
+        self.records: list[_Record] = []
+        self.raised: list[BaseException] = []
+
+    def install(self) -> None:
+        for node in self.nodes:
+            for attr in ("apply", "apply_boxed"):
+                original = getattr(type(node), attr, None)
+                if original is None:
+                    continue
+                setattr(node, attr, self._wrap(node, original, boxed=attr == "apply_boxed"))
+
+    def uninstall(self) -> None:
+        for node in self.nodes:
+            for attr in ("apply", "apply_boxed"):
+                node.__dict__.pop(attr, None)
+
+    def _wrap(self, node: Any, original: Callable[..., Any], boxed: bool) -> Callable[..., Any]:
+        def apply(*args: Any) -> Any:
+            try:
+                returned = original(node, *args)
+            except BaseException as exc:  # the user's backward: recorded, re-raised as is
+                self.raised.append(exc)
+                raise
+            grads = args
+            if len(args) == 1 and isinstance(args[0], list) and (
+                boxed or getattr(node._forward_cls, "boxed_grads_call", False)
+            ):
+                grads = tuple(args[0])
+            self.records.append(_Record(node, tuple(grads), returned))
+            return returned
+
+        return apply
+
+
+class _Checker:
+    def __init__(self, *, call: str, fn: Any, is_function: bool, run: Callable[..., Any],
+                 inputs: tuple[Any, ...], diff: list[int]):
+        self.call = call
+        self.fn = fn
+        self.is_function = is_function
+        self.run = run
+        self.inputs = inputs
+        self.diff = diff
+        self.gen = torch.Generator().manual_seed(_SEED)
+
+    # -- structure: counts, shapes, dtypes, devices, None -------------------------------
+
+    def check_structure(self) -> _StructureResult:
+        leaves = {i: self.inputs[i].detach().clone().requires_grad_(True) for i in self.diff}
+        args = _fresh_args(self.inputs, leaves)
+        with torch.enable_grad():
+            out = self.run(*args)  # the user's forward: errors pass through
+        outputs = [o for o in pytree.tree_flatten(out)[0]
+                   if isinstance(o, Tensor) and o.requires_grad]
+        if not outputs:
+            raise FunctionCheckError(
+                f"{self.call}: no output of fn requires grad, although input"
+                f"{'s' if len(self.diff) > 1 else ''} {_join(self.diff)} "
+                f"{'do' if len(self.diff) > 1 else 'does'}: there is no backward to run.\n"
+                f"  A custom Function's outputs require grad when an input does, unless "
+                f"forward marks them with ctx.mark_non_differentiable, or fn detaches them or "
+                f"returns no tensors. Return the result of MyFunc.apply(...) itself."
+            )
+        nodes = _custom_nodes([o.grad_fn for o in outputs], list(leaves.values()))
+        if not nodes:
+            raise FunctionCheckError(
+                f"{self.call}: found no custom torch.autograd.Function between fn's inputs and "
+                f"its outputs, so there is no backward to check.\n"
+                f"  check_function checks the backward of a torch.autograd.Function subclass: "
+                f"pass the class (torch_vjp.check_function(MyFunc, x)) or a callable that "
+                f"calls MyFunc.apply on its tensor inputs (or on tensors computed from them). "
+                f"Built-in torch operations bring their own, tested backward formulas; "
+                f"torch.autograd.gradcheck compares those with finite differences."
+            )
+        grad_outputs = [_randn_like(o, self.gen) for o in outputs]
+        inputs = [leaves[i] for i in self.diff]
+        recorder = _Recorder(nodes)
+        recorder.install()
+        try:
+            grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        except Exception as exc:
+            if any(exc is raised for raised in recorder.raised):
+                raise  # raised by the user's backward: untouched
+            problem = self._first_problem(recorder.records, args)
+            if problem is None:
+                raise
+            raise FunctionCheckError(problem) from exc
+        finally:
+            recorder.uninstall()
+        problem = self._first_problem(recorder.records, args)
+        if problem is not None:
+            raise FunctionCheckError(problem)
+        if not recorder.records:  # pragma: no cover - autograd ran no custom node
+            raise FunctionCheckError(
+                f"{self.call}: autograd did not run the backward of "
+                f"{_join(sorted({n._forward_cls.__name__ for n in nodes}))} on the way from "
+                f"fn's outputs to its inputs, so there is nothing to check."
+            )
+
+        counts: dict[str, int] = {}
+        for rec in recorder.records:
+            key = f"{rec.node._forward_cls.__name__}.backward"
+            counts[key] = counts.get(key, 0) + 1
+        functions = tuple(k if n == 1 else f"{k} x {n}" for k, n in counts.items())
+
+        result: dict[int, Any] = {}
+        if self.is_function:
+            rec = recorder.records[0]
+            returned = _as_tuple(rec.returned)
+            for i in range(len(self.inputs)):
+                if i < len(returned):
+                    result[i] = returned[i]
+        else:
+            for i, g in zip(self.diff, grads):
+                result[i] = g
+        return _StructureResult(grads=result, functions=functions)
+
+    def _slots(self, node: Any, args: Sequence[Any]) -> list[_Slot]:
+        needs = tuple(bool(b) for b in node.needs_input_grad)
+        if self.is_function and node._forward_cls is self.fn:
+            bound = _bind_forward_args(self.fn, args)
+            if len(bound) == len(needs):
+                return [_slot_from_arg(a, n) for a, n in zip(bound, needs)]
+        return _slots_from_node(node, needs)
+
+    def _first_problem(self, records: Sequence[_Record], args: Sequence[Any]) -> str | None:
+        for rec in records:
+            problem = _check_record(self.call, rec, self._slots(rec.node, args))
+            if problem is not None:
+                return problem
+        return None
+
+    # -- values: the dot-product test ---------------------------------------------------
+
+    def check_values(self, *, eps: float, atol: float | None, rtol: float | None) -> _ValueResult:
+        notes: list[str] = []
+        if any(self.inputs[i].device.type == "meta" for i in self.diff):
+            notes.append("values not checked: inputs on the meta device hold no numbers")
+            return _ValueResult({}, None, eps, atol or 0.0, rtol or 0.0, notes)
+        wide = tuple(_widen(a) for a in self.inputs)
+        widened = any(w is not a for w, a in zip(wide, self.inputs))
+        try:
+            dtype = _value_dtype(wide, self.diff)
+            d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-8, 1e-5))
+            tols = (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
+            probes = self._probe(wide, eps)
+        except Exception as exc:
+            if not widened:
+                raise  # fn failed in its own dtype: the user's error, untouched
+            dtype = _value_dtype(self.inputs, self.diff)
+            low_eps = max(eps, torch.finfo(_real_dtype(dtype)).eps ** (1 / 3))
+            notes.append(
+                f"values checked in {_dtype_name(dtype)}, not float64: fn raised "
+                f"{type(exc).__name__} on float64 copies of the inputs ({_first_line(exc)}); "
+                f"eps raised to {low_eps:.3g}"
+            )
+            eps = low_eps
+            d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-5, 1e-2))
+            tols = (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
+            probes = self._probe(self.inputs, eps)
+        atol_, rtol_ = tols
+        errors: dict[int, tuple[float, float]] = {}
+        for i in self.diff:
+            rows = probes[i]
+            worst_abs = max(abs(p.lhs - p.rhs) for p in rows)
+            worst_rel = max(abs(p.lhs - p.rhs) / p.size if p.size > 0 else 0.0 for p in rows)
+            errors[i] = (worst_abs, worst_rel)
+            for p in rows:
+                if abs(p.lhs - p.rhs) > atol_ + rtol_ * p.size + p.noise or not math.isfinite(
+                    p.lhs - p.rhs
+                ):
+                    raise FunctionCheckError(
+                        self._value_message(i, rows, p, dtype, eps, atol_, rtol_)
+                    )
+        return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
+
+    def _probe(self, inputs: tuple[Any, ...], eps: float) -> dict[int, list[_Probe]]:
+        leaves = {i: inputs[i].detach().clone().requires_grad_(True) for i in self.diff}
+        with torch.enable_grad():
+            out = self.run(*_fresh_args(inputs, leaves))
+        flat = pytree.tree_flatten(out)[0]
+        pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
+        outputs = [flat[k] for k in pos]
+        result: dict[int, list[_Probe]] = {i: [] for i in self.diff}
+        for p in range(_PROBES):
+            cots = [_randn_like(o, self.gen) for o in outputs]
+            grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff], cots,
+                                        allow_unused=True, retain_graph=p < _PROBES - 1)
+            c_norm = _norm(cots)
+            for i, g in zip(self.diff, grads):
+                x = leaves[i].detach()
+                t = _randn_like(x, self.gen)
+                if g is None:
+                    g = torch.zeros_like(x)
+                rhs = _inner(t, g)
+                with torch.no_grad():
+                    f_plus = self._outputs_at(inputs, i, x + eps * t, pos)
+                    f_minus = self._outputs_at(inputs, i, x - eps * t, pos)
+                jt = [(a - b) / (2 * eps) for a, b in zip(f_plus, f_minus)]
+                lhs = sum((_inner(c, j) for c, j in zip(cots, jt)), 0.0)
+                size = max(_norm(jt) * c_norm, _norm([t]) * _norm([g]))
+                unit = torch.finfo(_real_dtype(x.dtype)).eps
+                noise = 10 * unit * (_norm(f_plus) + _norm(f_minus)) / (2 * eps) * c_norm
+                result[i].append(_Probe(lhs=lhs, rhs=rhs, size=size, noise=noise))
+        return result
+
+    def _outputs_at(self, inputs: tuple[Any, ...], i: int, xi: Tensor,
+                    pos: list[int]) -> list[Tensor]:
+        args = [xi if j == i else (a.detach().clone() if isinstance(a, Tensor) else a)
+                for j, a in enumerate(inputs)]
+        flat = pytree.tree_flatten(self.run(*args))[0]
+        if len(flat) <= max(pos) or not all(isinstance(flat[k], Tensor) for k in pos):
+            raise FunctionCheckError(
+                f"{self.call}: fn returned differently structured outputs for a slightly "
+                f"changed input {i}; finite differences need a forward whose outputs keep "
+                f"their structure and shapes."
+            )
+        return [flat[k] for k in pos]
+
+    def _value_message(self, i: int, rows: list[_Probe], p: _Probe, dtype: torch.dtype,
+                       eps: float, atol: float, rtol: float) -> str:
+        if self.is_function:
+            who = f"the gradient that {self.fn.__name__}.backward returns for input {i}"
+            fix_who = f"{self.fn.__name__}.backward"
+        else:
+            who = f"the gradient autograd computes through fn for input {i}"
+            fix_who = "the backward of the custom Function(s) fn uses"
+        err = abs(p.lhs - p.rhs)
+        lines = [
+            f"{self.call}: {who} does not match finite differences of forward.",
+            f"  dot-product test in {_dtype_name(dtype)} with a random tangent t and "
+            f"cotangent c: <J t, c> = {p.lhs:.6g} (central differences of forward, "
+            f"eps={eps:g}), but <t, backward(c)> = {p.rhs:.6g}; |error| = {err:.3g} > "
+            f"atol + rtol * size = {atol:g} + {rtol:g} * {p.size:.3g}.",
+            f"  backward must return dL/d(input {i}) = grad_output times the Jacobian "
+            f"d(output)/d(input {i}): for every c, <t, backward(c)> equals <J t, c>, the "
+            f"change of <output, c> along t.",
+        ]
+        hint = _ratio_hint(rows)
+        if hint:
+            lines.append(f"  {hint}")
+        else:
+            lines.append(
+                f"  Fix: re-derive {fix_who} for input {i}; torch.func.jacrev(forward) gives "
+                f"the Jacobian J to compare grad_output @ J against (in float64, on a small "
+                f"input). Forward must be deterministic for this test to apply."
+            )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    lhs: float  # <J t, c>, J t by central differences
+    rhs: float  # <t, J^T c>, J^T c from backward
+    size: float  # max(|J t| |c|, |t| |J^T c|)
+    noise: float  # the rounding error the finite differences can carry
+
+
+# ---------------------------------------------------------------------------------------
+# Checking one backward's return value
+
+
+def _check_record(call: str, rec: _Record, slots: list[_Slot]) -> str | None:
+    fname = rec.node._forward_cls.__name__
+    bw = f"{fname}.backward"
+    returned = rec.returned
+    out_shapes = [tuple(g.shape) if isinstance(g, Tensor) else None for g in rec.grad_outputs]
+    n = len(slots)
+    if isinstance(returned, list):
+        return (
+            f"{call}: {bw} returned a list of {len(returned)} values; torch reads a list as "
+            f"one single value. Return a tuple: return tuple(grads), or "
+            f"return grad_a, grad_b.\n"
+            f"  torch reports this as: expected Variable or None (got list)."
+        )
+    values = _as_tuple(returned)
+    if len(values) != n:
+        return _count_message(call, fname, values, slots)
+    for i, (value, slot) in enumerate(zip(values, slots)):
+        problem = _check_one(call, fname, i, value, slot, out_shapes)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[_Slot]) -> str:
+    n, got = len(slots), len(values)
+    bw = f"{fname}.backward"
+    lines = [
+        f"{call}: {bw} returned {got} value{'s' if got != 1 else ''}, but {fname}.forward "
+        f"takes {n} input{'s' if n != 1 else ''} (not counting ctx), so backward must return "
+        f"{n}.",
+        f"  backward returns one gradient per forward input, in forward's order: dL/d(input) "
+        f"for each tensor input, None for inputs that are not tensors or need no gradient. "
+        f"(It takes one grad_output per forward output; the counts of what it takes and what "
+        f"it returns are unrelated.)",
+    ]
+    extra_none = got > n and all(v is None for v in values[n:])
+    if extra_none:
+        lines.append(
+            f"  torch drops trailing None values without a word, so this runs; but a backward "
+            f"whose count is off usually has its gradients in the wrong positions too."
+        )
+    else:
+        lines.append(
+            f"  torch reports this as: function {fname}Backward returned an incorrect number "
+            f"of gradients (expected {n}, got {got})."
+        )
+    if got < n:
+        missing = [f"input {j} ({_slot_desc(slots[j])})" for j in range(got, n)]
+        what = "None" if all(s.kind == "other" or not s.needs_grad for s in slots[got:]) else \
+            "its gradient (or None where no gradient is needed)"
+        lines.append(
+            f"  Fix: return a value for {', '.join(missing)} as well: {what}, e.g. "
+            f"return {', '.join(['grad_' + str(j) for j in range(got)] + ['None'] * (n - got))}."
+        )
+    else:
+        lines.append(
+            f"  Fix: return exactly {n} value{'s' if n != 1 else ''}, one per input of "
+            f"forward after ctx; ctx itself gets no gradient."
+        )
+    return "\n".join(lines)
+
+
+def _check_one(call: str, fname: str, i: int, value: Any, slot: _Slot,
+               out_shapes: list[tuple[int, ...] | None]) -> str | None:
+    bw = f"{fname}.backward"
+    if value is not None and not isinstance(value, Tensor):
+        return (
+            f"{call}: {bw} returned a {type(value).__name__} at index {i}; backward returns, "
+            f"at each index, a tensor (dL/d input {i}) or None.\n"
+            f"  torch reports this as: expected Variable or None (got "
+            f"{type(value).__name__}).\n"
+            f"  Fix: return "
+            + ("None at index {i}: input {i} is not a tensor.".format(i=i)
+               if slot.kind == "other" else
+               f"a tensor with input {i}'s shape"
+               + (f" {shape_str(slot.shape)}" if slot.shape is not None else "")
+               + ", e.g. grad_output * (the derivative as a tensor).")
+        )
+    if slot.kind == "other":
+        if value is None:
+            return None
+        return (
+            f"{call}: {bw} returned a tensor at index {i}, but forward input {i} is not a "
+            f"tensor ({slot.type_name}).\n"
+            f"  A non-tensor input has no gradient, so backward must return None at its "
+            f"index.\n"
+            f"  torch reports this as: function {fname}Backward returned a gradient different "
+            f"than None at position {i + 1}, but the corresponding forward input was not a "
+            f"Variable.\n"
+            f"  Fix: return None at index {i}; gradients go at the indices of the tensor "
+            f"inputs, in forward's order."
+        )
+    if value is None:
+        if not slot.needs_grad:
+            return None
+        shape = f" (shape {shape_str(slot.shape)})" if slot.shape is not None else ""
+        return (
+            f"{call}: {bw} returned None at index {i}, but forward input {i}{shape} requires "
+            f"grad.\n"
+            f"  None tells autograd that the gradient is zero: torch accepts it without a "
+            f"word, so input {i} silently gets no gradient.\n"
+            f"  Fix: return dL/d(input {i}), grad_output times the Jacobian d(output)/"
+            f"d(input {i}), a tensor of input {i}'s shape; if forward's outputs truly do not "
+            f"depend on input {i}, return torch.zeros_like(input) to make the zero explicit. "
+            f"Use ctx.needs_input_grad[{i}] to skip work when it is False."
+        )
+    if not (slot.needs_grad or slot.differentiable) or slot.shape is None:
+        return None
+    dropped = "" if slot.needs_grad else (
+        f"\n  (Input {i} does not require grad in this call, so torch drops this value; it is "
+        f"wrong whenever input {i} does.)"
+    )
+    gshape, ishape = tuple(value.shape), slot.shape
+    if gshape != ishape:
+        return _shape_message(call, fname, i, gshape, ishape, out_shapes) + dropped
+    if slot.dtype is not None and value.dtype != slot.dtype:
+        return _dtype_message(call, fname, i, value, slot) + dropped
+    if slot.device is not None and value.device != slot.device:
+        return (
+            f"{call}: {bw} returned a gradient on device {value.device} at index {i}, but "
+            f"forward input {i} is on {slot.device}.\n"
+            f"  A gradient lives on its input's device, like the input's other data.\n"
+            f"  torch reports this as: Function {fname}Backward returned an invalid gradient "
+            f"at index {i} - expected device {slot.device} but got {value.device}.\n"
+            f"  Fix: create the tensors backward needs on grad_output.device (e.g. "
+            f"torch.zeros(..., device=grad_output.device)), or return "
+            f"grad.to(input.device)." + dropped
+        )
+    return None
+
+
+def _shape_message(call: str, fname: str, i: int, g: tuple[int, ...], s: tuple[int, ...],
+                   out_shapes: list[tuple[int, ...] | None]) -> str:
+    lines = [
+        f"{call}: {fname}.backward returned a gradient of shape {shape_str(g)} at index {i}, "
+        f"but forward input {i} has shape {shape_str(s)}.",
+        f"  backward returns dL/d(input {i}) = grad_output times the Jacobian d(output)/"
+        f"d(input {i}): one number per element of input {i}, so a tensor of exactly input "
+        f"{i}'s shape {shape_str(s)}, never the Jacobian itself.",
+    ]
+    if _broadcasts_to(s, g):
+        lines.append(
+            f"  torch does not catch this: it sums the gradient down to {shape_str(s)} "
+            f"(Tensor.sum_to_size) without a word, so input {i} gets whatever that sum is."
+        )
+    else:
+        lines.append(
+            f"  torch reports this as: Function {fname}Backward returned an invalid gradient "
+            f"at index {i} - got {list(g)} but expected shape compatible with {list(s)} "
+            f"(compatible: {shape_str(s)} itself, or a shape that {shape_str(s)} broadcasts "
+            f"to, which torch then sums down)."
+        )
+    lines.append("  " + _shape_hint(i, g, s, out_shapes))
+    return "\n".join(lines)
+
+
+def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
+                out_shapes: list[tuple[int, ...] | None]) -> str:
+    outs = [(k, o) for k, o in enumerate(out_shapes) if o is not None]
+    single = len(out_shapes) == 1
+    for k, o in outs:
+        out_name = "the output" if single else f"output {k}"
+        if g == o + s:
+            return (
+                f"{shape_str(g)} is {out_name}'s shape {shape_str(o)} followed by input {i}'s "
+                f"shape {shape_str(s)}: the shape of the Jacobian d({out_name})/d(input {i}). "
+                f"backward receives grad_output = dL/d({out_name}), shape {shape_str(o)}, and "
+                f"returns its product with that Jacobian. Fix: return "
+                f"torch.tensordot(grad_output, J, dims={len(o)}) (shape {shape_str(s)}), or "
+                f"better, compute that product directly without building J: not storing "
+                f"Jacobians is why backward works this way."
+            )
+        if g == s + o:
+            return (
+                f"{shape_str(g)} is input {i}'s shape {shape_str(s)} followed by {out_name}'s "
+                f"shape {shape_str(o)}: the transposed Jacobian d({out_name})/d(input {i}). "
+                f"backward returns its product with grad_output = dL/d({out_name}), not the "
+                f"Jacobian. Fix: return torch.tensordot(J, grad_output, dims={len(o)}) "
+                f"(shape {shape_str(s)}), or compute the product without building J."
+            )
+    for k, o in outs:
+        out_name = "the output" if single else f"output {k}"
+        if s and o and s[0] == o[0] and len(g) > len(s):
+            b = s[0]
+            if g == (b,) + o[1:] + s[1:] or g == (b,) + s[1:] + o[1:]:
+                order = "j, g" if g == (b,) + s[1:] + o[1:] else "g, j"
+                return (
+                    f"{shape_str(g)} holds one Jacobian per example: the batch of {b}, then "
+                    f"the shapes of one row of {out_name} and of input {i}. backward never "
+                    f"forms per-example Jacobians: a batch input of shape {shape_str(s)} gets "
+                    f"a gradient of shape {shape_str(s)}, row e being dL/d(input {i}[e]). "
+                    f"Fix: contract each example's Jacobian with its row of grad_output: "
+                    f"torch.vmap(lambda g, j: torch.tensordot({order}, dims=g.dim()))"
+                    f"(grad_output, J), or compute that product without building J."
+                )
+    for k, o in outs:
+        if g == o and o != s:
+            out_name = "the output" if single else f"output {k}"
+            return (
+                f"{shape_str(g)} is the shape of {out_name} (and of grad_output): backward "
+                f"takes gradients with respect to forward's outputs and returns gradients with "
+                f"respect to its inputs. Fix: multiply grad_output by the Jacobian d("
+                f"{out_name})/d(input {i}), which gives a tensor of shape {shape_str(s)}."
+            )
+    if len(g) > len(s) and g[len(g) - len(s):] == s:
+        lead = g[: len(g) - len(s)]
+        dims = "0" if len(lead) == 1 else f"dim={tuple(range(len(lead)))}"
+        extra = (f"an extra leading dimension of size {lead[0]}" if len(lead) == 1
+                 else f"extra leading dimensions {shape_str(lead)}")
+        return (
+            f"{shape_str(g)} is input {i}'s shape {shape_str(s)} with {extra}. If "
+            f"{'it holds' if len(lead) == 1 else 'they hold'} separate "
+            f"contributions (one per example, per output, per term), their sum is the "
+            f"gradient: return grad.sum({dims}); if they are a batch, the batch belongs in "
+            f"input {i}'s own shape: a (b, n) input gets a (b, n) gradient."
+        )
+    if len(g) == len(s) and _broadcasts_to(s, g):
+        dims = tuple(d for d in range(len(s)) if s[d] == 1 and g[d] != 1)
+        return (
+            f"input {i} has size 1 in dimension{'s' if len(dims) > 1 else ''} "
+            f"{', '.join(map(str, dims))}, where the gradient does not: forward broadcast "
+            f"input {i}, so its gradient is summed over the broadcast dimensions. Fix: return "
+            f"grad.sum(dim={dims if len(dims) > 1 else dims[0]}, keepdim=True)."
+        )
+    if len(g) < len(s) and s[len(s) - len(g):] == g:
+        return (
+            f"{shape_str(g)} lacks input {i}'s leading dimension"
+            f"{'s' if len(s) - len(g) > 1 else ''} {shape_str(s[: len(s) - len(g)])}. If every "
+            f"slice of input {i} gets this same gradient, return grad.expand({shape_str(s)})"
+            f".clone(); otherwise compute the gradient per element of input {i}."
+        )
+    if len(s) >= 2 and g == s[::-1]:
+        perm = "mT" if len(s) == 2 else f"permute({', '.join(map(str, range(len(s) - 1, -1, -1)))})"
+        return f"{shape_str(g)} is input {i}'s shape reversed: return grad.{perm}."
+    if math.prod(g) == math.prod(s):
+        return (
+            f"{shape_str(g)} has the right number of elements ({math.prod(s)}) in the wrong "
+            f"shape: if they are in input {i}'s order, return grad.reshape(input.shape)."
+        )
+    return (
+        f"Fix: return grad_output times the Jacobian d(output)/d(input {i}), a tensor of "
+        f"shape {shape_str(s)}."
+    )
+
+
+def _dtype_message(call: str, fname: str, i: int, value: Tensor, slot: _Slot) -> str:
+    gd, sd = value.dtype, slot.dtype or value.dtype
+    lines = [
+        f"{call}: {fname}.backward returned a gradient of dtype {gd} at index {i}, but "
+        f"forward input {i} has dtype {sd}.",
+        f"  dL/d(input {i}) holds one {_dtype_name(sd)} number per element of input {i}: a "
+        f"gradient has its input's dtype (and shape, and device).",
+    ]
+    input_complex = sd.is_complex
+    if value.is_floating_point() or value.is_complex() == input_complex:
+        lines.append(
+            f"  torch does not catch this: it casts the gradient to {sd} without a word, so "
+            f"the mistake (usually a float64 or integer tensor made inside backward) goes "
+            f"unnoticed."
+        )
+    else:
+        lines.append(
+            "  torch reports this as: Expected isFloatingType(grad.scalar_type()) || "
+            "(input_is_complex == grad_is_complex) to be true, but got false."
+        )
+    lines.append(
+        f"  Fix: compute in grad_output's dtype: tensors made in backward with torch.tensor"
+        f"(...), torch.from_numpy(...) or a float64 constant tensor take dtype="
+        f"grad_output.dtype; or return grad.to(input.dtype)."
+    )
+    return "\n".join(lines)
+
+
+def _ratio_hint(rows: list[_Probe]) -> str | None:
+    if all(abs(p.rhs) <= 1e-12 * max(p.size, 1e-300) for p in rows) and any(
+        abs(p.lhs) > 0 for p in rows
+    ):
+        return (
+            "backward returns zero for this input (or None), but forward depends on it: "
+            "return grad_output times the Jacobian for it."
+        )
+    if any(p.rhs == 0 for p in rows):
+        return None
+    ratios = [p.lhs / p.rhs for p in rows]
+    r = ratios[0]
+    if all(abs(q - r) <= 1e-3 * max(abs(r), 1e-12) for q in ratios) and abs(r - 1) > 1e-3:
+        if abs(r + 1) <= 1e-3:
+            return "In every probe <t, backward(c)> = -<J t, c>: backward has the sign flipped."
+        k = 1 / r
+        return (
+            f"In every probe <t, backward(c)> = {k:.6g} * <J t, c>: backward's result is "
+            f"{k:.6g} times the right one, a constant factor off (a forgotten constant such as "
+            f"the 2 in d(x**2)/dx = 2x, or a mean's 1/n)."
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _callable_name(fn: Any) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return str(name)
+
+
+def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise FunctionCheckTypeError(
+            f"{call}: {name} must be a number, but got {type(value).__name__}."
+        ) from None
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        raise FunctionCheckValueError(
+            f"{call}: {name} must be a finite number "
+            f"{'>= 0' if allow_zero else '> 0'}, but got {value!r}."
+        )
+    return number
+
+
+def _differentiated(inputs: tuple[Any, ...]) -> list[int]:
+    """See NOTE [which inputs are differentiated]."""
+    tensors = [(i, a) for i, a in enumerate(inputs) if isinstance(a, Tensor)]
+    chosen = [i for i, a in tensors if a.requires_grad]
+    if chosen:
+        return chosen
+    return [i for i, a in tensors if a.is_floating_point() or a.is_complex()]
+
+
+def _fresh_args(inputs: Sequence[Any], leaves: dict[int, Tensor]) -> list[Any]:
+    """Forward's arguments: clones, so that forward (even an in-place one) touches no
+    tensor of the caller's and no leaf of ours."""
+    args = []
+    for j, a in enumerate(inputs):
+        if j in leaves:
+            args.append(leaves[j].clone())
+        elif isinstance(a, Tensor):
+            args.append(a.detach().clone())
+        else:
+            args.append(a)
+    return args
+
+
+def _bind_forward_args(fn: type[torch.autograd.Function], args: Sequence[Any]) -> tuple[Any, ...]:
+    """forward's inputs as ``Function.apply`` passes them (it binds defaults when
+    ``setup_context`` is defined)."""
+    if fn.setup_context is torch.autograd.Function.setup_context:
+        return tuple(args)
+    try:
+        bound = inspect.signature(fn.forward).bind(*args)
+        bound.apply_defaults()
+    except (TypeError, ValueError):
+        return tuple(args)
+    return tuple(bound.args)
+
+
+def _slot_from_arg(a: Any, needs: bool) -> _Slot:
+    if isinstance(a, Tensor):
+        return _Slot("tensor", needs, tuple(a.shape), a.dtype, a.device, "Tensor",
+                     a.is_floating_point() or a.is_complex())
+    return _Slot("other", False, type_name=type(a).__name__)
+
+
+def _slots_from_node(node: Any, needs: tuple[bool, ...]) -> list[_Slot]:
+    """Expected gradients of a custom Function met inside a callable, from its node.
+
+    ``needs_input_grad`` has one entry per forward input; ``next_functions`` one edge per
+    *tensor* input (``None`` for a tensor that needs no grad). Edges with a node belong, in
+    order, to the inputs that need grad; their metadata gives shape, dtype and device.
+    """
+    edges = list(node.next_functions)
+    n, needed = len(needs), [j for j, b in enumerate(needs) if b]
+    live = [e for e in edges if e[0] is not None]
+    if len(edges) == n:
+        kinds = ["tensor"] * n
+    elif len(edges) == len(needed):
+        kinds = ["tensor" if b else "other" for b in needs]
+    else:
+        kinds = ["tensor" if b else "unknown" for b in needs]
+    meta: dict[int, tuple[tuple[int, ...], torch.dtype, torch.device] | None] = {}
+    if len(live) == len(needed):
+        for j, (next_node, nr) in zip(needed, live):
+            meta[j] = _edge_metadata(next_node, nr)
+    slots = []
+    for j in range(n):
+        m = meta.get(j)
+        if kinds[j] == "other":
+            slots.append(_Slot("other", False, type_name="non-tensor"))
+        elif m is None:
+            slots.append(_Slot(kinds[j], needs[j], differentiable=needs[j]))
+        else:
+            slots.append(_Slot("tensor", needs[j], m[0], m[1], m[2], "Tensor", True))
+    return slots
+
+
+def _edge_metadata(
+    next_node: Any, nr: int
+) -> tuple[tuple[int, ...], torch.dtype, torch.device] | None:
+    try:  # torch >= 2.1 exposes what a node expects at each of its inputs
+        m = next_node._input_metadata[nr]
+        if getattr(m, "is_nested_tensor", False):
+            return None
+        return tuple(int(d) for d in m.shape), m.dtype, torch.device(m.device)
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        pass
+    variable = getattr(next_node, "variable", None)  # AccumulateGrad: the leaf itself
+    if isinstance(variable, Tensor):
+        return tuple(variable.shape), variable.dtype, variable.device
+    return None
+
+
+def _custom_nodes(roots: Sequence[Any], leaves: Sequence[Tensor]) -> list[Any]:
+    """The custom Function nodes on some path from ``roots`` to ``leaves`` (iterative DFS)."""
+    leaf_ids = {id(t) for t in leaves}
+    state: dict[int, Any] = {}  # id -> node; holds references so that ids stay unique
+    reaches: dict[int, bool] = {}
+    found: list[Any] = []
+    stack: list[tuple[Any, bool]] = [(r, False) for r in roots if r is not None]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            hit = id(getattr(node, "variable", None)) in leaf_ids
+            for nxt, _ in node.next_functions:
+                if nxt is not None and reaches.get(id(nxt), False):
+                    hit = True
+            reaches[key] = hit
+            if hit and hasattr(type(node), "_forward_cls"):
+                found.append(node)
+            continue
+        if key in state:
+            continue
+        state[key] = node
+        stack.append((node, True))
+        for nxt, _ in node.next_functions:
+            if nxt is not None and id(nxt) not in state:
+                stack.append((nxt, False))
+    found.reverse()  # roughly the order in which backward runs them
+    return found
+
+
+def _broadcasts_to(s: tuple[int, ...], g: tuple[int, ...]) -> bool:
+    """Whether torch's validation would sum a gradient of shape ``g`` down to ``s``."""
+    if len(s) > len(g):
+        return False
+    for a, b in zip(reversed(s), reversed(g)):
+        if a != b and a != 1:
+            return False
+    return True
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _randn_like(t: Tensor, gen: torch.Generator) -> Tensor:
+    dtype = t.dtype if (t.is_floating_point() or t.is_complex()) else torch.float64
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    return torch.randn(tuple(t.shape), generator=gen, dtype=wide).to(device=t.device, dtype=dtype)
+
+
+def _widen(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        if a.is_complex() and a.dtype != torch.complex128:
+            return a.detach().to(torch.complex128)
+        if a.is_floating_point() and a.dtype != torch.float64:
+            return a.detach().to(torch.float64)
+    return a
+
+
+def _value_dtype(inputs: Sequence[Any], diff: list[int]) -> torch.dtype:
+    """The least precise dtype among the differentiated inputs."""
+    return max((inputs[i].dtype for i in diff), key=lambda d: -torch.finfo(_real_dtype(d)).eps)
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32,
+            torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+def _inner(a: Tensor, b: Tensor) -> float:
+    """Real inner product; for complex tensors Re(sum(conj(a) b)), which matches torch's
+    convention for complex gradients."""
+    a, b = a.detach(), b.detach()
+    if a.is_complex() or b.is_complex():
+        return float((a.to(torch.complex128).conj() * b.to(torch.complex128)).real.sum())
+    return float((a.to(torch.float64) * b.to(torch.float64)).sum())
+
+
+def _norm(tensors: Sequence[Tensor]) -> float:
+    return math.sqrt(sum(float(t.detach().abs().to(torch.float64).pow(2).sum()) for t in tensors))
+
+
+def _describe_arg(a: Any) -> str:
+    if isinstance(a, Tensor):
+        return f"Tensor{shape_str(a.shape)} {_dtype_name(a.dtype)}"
+    return type(a).__name__
+
+
+def _slot_desc(slot: _Slot) -> str:
+    if slot.kind == "other":
+        return f"a {slot.type_name}: None"
+    if slot.shape is not None:
+        return f"shape {shape_str(slot.shape)}" + ("" if slot.needs_grad else ", needs no grad")
+    return "a tensor" if slot.kind == "tensor" else "an input"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ok(flag: bool | None) -> str:
+    return "-" if flag is None else ("ok" if flag else "WRONG")
+
+
+def _join(items: Sequence[Any]) -> str:
+    items = [str(x) for x in items]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:120] if text else type(exc).__name__
