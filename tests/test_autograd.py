@@ -467,3 +467,21 @@ def test_environment_variable_turns_checking_on():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "CHECKED y.backward(gradient): gradient has shape (3,), but y has shape (4,)." in out.stdout
+
+
+def test_err_vector_for_scalar_output_in_backward():
+    # seed 004, example 2: a (3,) "gradients" vector for a 0-d y.
+    a = torch.tensor(0.1, requires_grad=True)
+    y = 3 * a + 2 * a * a
+    msg = _raises(r"^torch_vjp.backward: grad_tensors\[0\] has shape \(3,\), but tensors\[0\] has "
+                  r"shape \(\)", tv.backward, y, torch.tensor([0.1, 1.0, 0.0001]))
+    assert "so dL/d tensors[0] is a single number, not 3" in msg
+    assert "backward has no batched form" in msg and "is_grads_batched=True\n" not in msg
+
+
+def test_err_pullback_names_the_primal_shape():
+    x = torch.randn(4)
+    with tv.checked():
+        out, vjp_fn = torch.func.vjp(lambda t: torch.outer(t, t), x)
+    msg = _raises(r"cotangents has shape \(4,\), but out has shape \(4, 4\)", vjp_fn, torch.ones(4))
+    assert "(4,) is the shape of primals[0]" in msg

@@ -51,14 +51,25 @@ class _Labels:
     of ``the tensor`` and ``gradient``; a JVP of ``primals[i]`` and ``tangents[i]``.
     """
 
-    __slots__ = ("call", "outputs", "grad_outputs", "indexed", "role")
+    __slots__ = ("call", "outputs", "grad_outputs", "indexed", "role", "inputs", "batch_hint")
 
-    def __init__(self, call: str, outputs: str, grad_outputs: str, indexed: bool, role: str):
+    def __init__(
+        self,
+        call: str,
+        outputs: str,
+        grad_outputs: str,
+        indexed: bool,
+        role: str,
+        inputs: str = "inputs",
+        batch_hint: str = "pass is_grads_batched=True",
+    ):
         self.call = call
         self.outputs = outputs
         self.grad_outputs = grad_outputs
         self.indexed = indexed
         self.role = role
+        self.inputs = inputs
+        self.batch_hint = batch_hint
 
     def out(self, i: int) -> str:
         return f"{self.outputs}[{i}]" if self.indexed else self.outputs
@@ -86,6 +97,8 @@ def normalize_grad_outputs(
     indexed: bool = True,
     require_grad: bool = True,
     allow_none: bool = True,
+    inputs_name: str = "inputs",
+    batch_hint: str = "pass is_grads_batched=True",
 ) -> tuple[Tensor | None, ...]:
     """Validates ``grad_outputs`` against ``outputs`` and returns them normalised.
 
@@ -106,6 +119,9 @@ def normalize_grad_outputs(
         require_grad: whether an output that does not require grad is an error (it is for
             ``grad``/``backward``; a pullback of ``torch.func.vjp`` ignores such outputs).
         allow_none: whether ``None`` entries are accepted (they are not for JVP tangents).
+        inputs_name: how the call names ``inputs`` (``"primals"`` for a pullback).
+        batch_hint: how this call computes K products at once, for the message that spots
+            an extra leading dimension.
 
     Returns:
         The normalised tuple, aligned with ``outputs``.
@@ -115,7 +131,9 @@ def normalize_grad_outputs(
             batch-dimension or count mismatch, a non-scalar output with no vector, or an
             output that does not require grad.
     """
-    labels = _Labels(call, outputs_name, grad_outputs_name, indexed, role)
+    labels = _Labels(
+        call, outputs_name, grad_outputs_name, indexed, role, inputs_name, batch_hint
+    )
     n = len(outputs)
     if grad_outputs is None:
         gos: tuple[Any, ...] = (None,) * n
@@ -234,12 +252,18 @@ def check_tree_structure(expected: Any, got: Any, *, call: str, name: str) -> No
 
 
 def check_cotangents(
-    out: Any, cotangents: Any, *, call: str, batched: bool = False
+    out: Any,
+    cotangents: Any,
+    *,
+    call: str,
+    batched: bool = False,
+    primals: Sequence[Any] | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Validates the cotangents given to a pullback against the function's output pytree.
 
     Shared by ``torch.func.vjp`` pullbacks inside :func:`checked` and by
-    :func:`torch_vjp.vjp`'s ``vjp_fn``.
+    :func:`torch_vjp.vjp`'s ``vjp_fn``. ``primals`` (the pytree of primals) lets a message
+    recognise a primal's shape passed by mistake.
 
     Returns:
         The flat tuple of cotangents, aligned with the output's tensor leaves.
@@ -264,6 +288,9 @@ def check_cotangents(
         grad_outputs_name="cotangents",
         indexed=indexed,
         require_grad=False,
+        inputs=None if primals is None else tuple(tree_leaves(primals)),
+        inputs_name="primals",
+        batch_hint="call vjp_fn(cotangents, batched=True) of torch_vjp.vjp",
     )
 
 
@@ -395,13 +422,21 @@ def _shape_fix(
             f"torch.Size([1]) and torch.Size([]) differ. Pass {g}.reshape(()), or "
             f"torch.ones_like({o}), or leave it None: for a scalar output torch uses 1."
         )
+    if out.dim() == 0:
+        return (
+            f"{o} is a 0-d scalar (shape ()), so dL/d {o} is a single number, not "
+            f"{go.numel()}. Pass a 0-d tensor such as torch.tensor(1.0), or leave it None "
+            f"(torch uses 1). If the {go.numel()} numbers are weights for {go.numel()} "
+            f"separate outputs, differentiate the vector of those outputs (before any .sum()) "
+            f"with this as its {labels.grad_outputs}; if they are {go.numel()} separate "
+            f"vectors, {labels.batch_hint}."
+        )
     if go.dim() == out.dim() + 1 and gshape[1:] == oshape:
         k = gshape[0]
         return (
             f"{g} has an extra leading dimension of size {k}. If it holds {k} "
-            f"vector{'s' if k != 1 else ''}, one per vector-Jacobian product, pass "
-            f"is_grads_batched=True; torch_vjp.vjp(..., batched=True) and "
-            f"torch_vjp.jacobian_of do the same for whole functions."
+            f"vector{'s' if k != 1 else ''}, one per vector-Jacobian product, "
+            f"{labels.batch_hint}; torch_vjp.jacobian_of computes the whole Jacobian."
         )
     if out.numel() == 1 and go.dim() == 0:
         return (
@@ -453,7 +488,7 @@ def _input_fix(
         return ""
     if inputs is not None:
         j = next(j for j, t in enumerate(inputs) if isinstance(t, Tensor) and t.shape == shape)
-        whose = f"inputs[{j}]" if len(inputs) > 1 or labels.indexed else "the input"
+        whose = f"{labels.inputs}[{j}]"
         what = f"{shape_str(shape)} is the shape of {whose}"
     else:
         what = f"{shape_str(shape)} is the shape of a leaf tensor that {o} was computed from"

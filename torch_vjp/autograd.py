@@ -255,6 +255,8 @@ def _checked_backward(
             outputs_name="tensors",
             grad_outputs_name="grad_tensors",
             inputs=inputs_tuple,
+            batch_hint="use torch_vjp.grad(..., is_grads_batched=True): backward has no "
+            "batched form",
         )
         tensors = outs
     _ORIG_BACKWARD(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
@@ -278,6 +280,8 @@ def _checked_tensor_backward(
         grad_outputs_name="gradient",
         indexed=False,
         inputs=None if inputs is None else _as_tuple(inputs),
+        batch_hint="use torch_vjp.grad(y, x, gradient, is_grads_batched=True): backward has "
+        "no batched form",
     )
     _ORIG_BACKWARD((self,), gos, retain_graph, create_graph, inputs=inputs)
 
@@ -288,7 +292,9 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
     out, pullback = result[0], result[1]
 
     def checked_pullback(cotangents: Any, retain_graph: bool = True, create_graph: Any = None):
-        check_cotangents(out, cotangents, call="torch.func.vjp: vjp_fn(cotangents)")
+        check_cotangents(
+            out, cotangents, call="torch.func.vjp: vjp_fn(cotangents)", primals=primals
+        )
         return pullback(cotangents, retain_graph=retain_graph, create_graph=create_graph)
 
     return (out, checked_pullback) + tuple(result[2:])

@@ -1,0 +1,311 @@
+"""The documentation site builds in strict mode, and every example on its pages runs.
+
+Two checks:
+
+* ``mkdocs build --strict -f docs/mkdocs.yml`` succeeds (into a temporary folder, so the
+  working tree is untouched). Skipped, with the reason, only when the docs toolchain
+  (the ``docs`` extra: mkdocs, mkdocs-material, mkdocstrings[python]) is not installed.
+* Every ```python block of every page under ``docs/pages/`` runs, top to bottom, in one
+  fresh namespace per page. A failing block is reported with its page, block number,
+  line and source. Output listings are ```text blocks and are not run; a ```text block
+  right after a ``<!-- printed -->`` line must equal what the ```python block before it
+  printed, so that listed messages cannot go stale. To rewrite those listings from the
+  current output, run ``python tests/test_docs.py docs/pages/<page>.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+PAGES = DOCS / "pages"
+CONFIG = DOCS / "mkdocs.yml"
+
+# The modules that the ``docs`` extra provides and mkdocs.yml uses.
+DOCS_TOOLCHAIN = {
+    "mkdocs": "mkdocs",
+    "material": "mkdocs-material",
+    "mkdocstrings": "mkdocstrings",
+    "mkdocstrings_handlers.python": "mkdocstrings-python",
+}
+
+# A fenced block opened by ```python (optionally with attributes) and closed by ``` at the
+# same indentation; the indentation allows blocks nested in admonitions or lists.
+_PYTHON = re.compile(
+    r"^(?P<indent>[ \t]*)```[ \t]*python\b[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
+# A ```text block that lists what the python block before it prints.
+PRINTED_MARK = "<!-- printed -->"
+_PRINTED = re.compile(
+    r"^(?P<indent>[ \t]*)<!-- printed -->[ \t]*\n(?P=indent)```[ \t]*text[^\n]*\n"
+    r"(?P<body>.*?)^(?P=indent)```[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One ```python block: its number on the page (from 1), first line, and source; and
+    the listing of its printed output that follows it, if the page has one."""
+
+    number: int
+    line: int
+    source: str
+    printed: str | None = None
+    printed_line: int | None = None
+    printed_span: tuple[int, int] | None = None  # character span of the listing's body
+
+
+def _line_of(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def python_blocks(text: str) -> list[Block]:
+    """Returns the ```python blocks of a Markdown page, in order, each with the
+    ``<!-- printed -->`` listing that follows it (before the next python block), if any."""
+    matches = list(_PYTHON.finditer(text))
+    listings = list(_PRINTED.finditer(text))
+    blocks = []
+    for number, match in enumerate(matches, start=1):
+        stop = matches[number].start() if number < len(matches) else len(text)
+        mine = [m for m in listings if match.end() <= m.start() < stop]
+        if len(mine) > 1:
+            raise ValueError(
+                f"python block {number} (line {_line_of(text, match.start('body'))}) is "
+                f"followed by {len(mine)} {PRINTED_MARK} listings; at most one is allowed"
+            )
+        printed = printed_line = printed_span = None
+        if mine:
+            indent = mine[0].group("indent")
+            body = mine[0].group("body")
+            printed = "\n".join(l[len(indent):] if l.startswith(indent) else l
+                                 for l in body.split("\n"))
+            printed_line = _line_of(text, mine[0].start("body"))
+            printed_span = mine[0].span("body")
+        blocks.append(
+            Block(
+                number=number,
+                line=_line_of(text, match.start("body")),
+                source=textwrap.dedent(match.group("body")),
+                printed=printed,
+                printed_line=printed_line,
+                printed_span=printed_span,
+            )
+        )
+    return blocks
+
+
+def normalize_output(text: str) -> str:
+    """Output compared line by line, ignoring trailing spaces and surrounding blank lines."""
+    return "\n".join(line.rstrip() for line in text.strip("\n").split("\n")).strip("\n")
+
+
+def _missing_toolchain() -> list[str]:
+    missing = []
+    for module, dist in DOCS_TOOLCHAIN.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # parent package missing
+            found = False
+        if not found:
+            missing.append(dist)
+    return missing
+
+
+def _pages() -> list[Path]:
+    return sorted(PAGES.rglob("*.md"))
+
+
+def _page_id(page: Path) -> str:
+    return page.relative_to(PAGES).as_posix()
+
+
+def test_pages_exist():
+    assert CONFIG.is_file(), f"missing {CONFIG}"
+    assert _pages(), f"no pages under {PAGES}"
+
+
+def test_block_parser():
+    text = (
+        "intro\n```python\nx = 1\n```\n\n```text\nnot run\n```\n"
+        "!!! note\n    ```python\n    print(2)\n    ```\n\n"
+        "    <!-- printed -->\n    ```text\n    2\n    ```\n"
+    )
+    blocks = python_blocks(text)
+    assert [b.source for b in blocks] == ["x = 1\n", "print(2)\n"]
+    assert [(b.number, b.line) for b in blocks] == [(1, 3), (2, 11)]
+    assert [b.printed for b in blocks] == [None, "2\n"]
+    assert blocks[1].printed_line == 16
+
+
+def test_block_parser_rejects_two_listings():
+    text = "```python\nprint(1)\n```\n" + "<!-- printed -->\n```text\n1\n```\n" * 2
+    with pytest.raises(ValueError, match="followed by 2"):
+        python_blocks(text)
+
+
+def test_site_builds_strict(tmp_path):
+    missing = _missing_toolchain()
+    if missing:
+        pytest.skip(
+            "docs toolchain not installed (missing: "
+            + ", ".join(missing)
+            + "); install it with: pip install -e '.[docs]'"
+        )
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(CONFIG), "-d", str(site)],
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, (
+        f"mkdocs build --strict failed (exit {result.returncode}):\n"
+        f"{result.stdout}\n{result.stderr}"
+    )
+    assert (site / "index.html").is_file()
+    for page in _pages():
+        rel = page.relative_to(PAGES).with_suffix("")
+        # mkdocs' directory URLs: foo.md -> foo/index.html, sub/index.md -> sub/index.html.
+        html = site / (rel.parent if rel.name == "index" else rel) / "index.html"
+        assert html.is_file(), f"{_page_id(page)} was not rendered (expected {html})"
+
+
+class BlockFailed(Exception):
+    """A python block of a page raised."""
+
+
+def run_page(page: Path) -> list[tuple[Block, str]]:
+    """Runs a page's python blocks in one fresh namespace; returns each block's output.
+
+    Raises:
+        BlockFailed: with the page, block number, line, source and traceback.
+    """
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    saved_env = dict(os.environ)
+    saved_dtype = torch.get_default_dtype()
+    saved_grad = torch.is_grad_enabled()
+    outputs = []
+    torch.manual_seed(0)
+    try:
+        for block in blocks:
+            filename = f"docs/pages/{_page_id(page)}, block {block.number} (line {block.line})"
+            buffer = io.StringIO()
+            try:
+                code = compile(block.source, filename, "exec")
+                with contextlib.redirect_stdout(buffer):
+                    exec(code, namespace)
+            except (Exception, SystemExit) as exc:  # reported with the block's source
+                raise BlockFailed(
+                    f"{_page_id(page)}: python block {block.number} of {len(blocks)} "
+                    f"(line {block.line}) raised {type(exc).__name__}: {exc}\n\n"
+                    f"{_numbered(block)}\n\nprinted before failing:\n{buffer.getvalue()}\n"
+                    f"{traceback.format_exc()}"
+                ) from exc
+            outputs.append((block, buffer.getvalue()))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_default_dtype(saved_dtype)
+        torch.set_grad_enabled(saved_grad)
+    return outputs
+
+
+def _numbered(block: Block) -> str:
+    return "\n".join(
+        f"{block.line + i:5d} | {src}"
+        for i, src in enumerate(block.source.rstrip("\n").split("\n"))
+    )
+
+
+def _checks_forced_on() -> bool:
+    import torch_vjp.autograd
+
+    return bool(getattr(torch_vjp.autograd, "is_checked", lambda: False)())
+
+
+@pytest.mark.parametrize("page", _pages(), ids=_page_id)
+def test_page_examples_run(page: Path):
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    if not blocks:
+        pytest.skip(f"{_page_id(page)} has no ```python blocks")
+    if _checks_forced_on():
+        pytest.skip(
+            "torch_vjp checking is on for the whole process (TORCH_VJP_CHECKED=1): the "
+            "pages contrast torch's own messages with torch_vjp's, so run them without it"
+        )
+    try:
+        outputs = run_page(page)
+    except BlockFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    for block, printed in outputs:
+        if block.printed is None:
+            continue
+        want, got = normalize_output(block.printed), normalize_output(printed)
+        if want != got:
+            diff = "\n".join(
+                difflib.unified_diff(
+                    want.split("\n"), got.split("\n"), "listed on the page", "printed",
+                    lineterm="",
+                )
+            )
+            pytest.fail(
+                f"{_page_id(page)}: the listing at line {block.printed_line} does not match "
+                f"what python block {block.number} (line {block.line}) prints:\n{diff}\n\n"
+                f"{_numbered(block)}\n\nTo update the listing: python tests/test_docs.py "
+                f"docs/pages/{_page_id(page)}",
+                pytrace=False,
+            )
+
+
+def update_listings(page: Path) -> int:
+    """Rewrites the ``<!-- printed -->`` listings of a page from the current output.
+
+    Returns:
+        The number of listings that changed.
+    """
+    text = page.read_text(encoding="utf-8")
+    changed = 0
+    # Replace from the end so that earlier spans stay valid. A span covers whole lines,
+    # indentation included, up to the closing fence's line.
+    for block, printed in reversed(run_page(page)):
+        if block.printed is None or block.printed_span is None:
+            continue
+        if normalize_output(block.printed) == normalize_output(printed):
+            continue
+        start, end = block.printed_span
+        line_start = text.rfind("\n", 0, start) + 1
+        fence_line = text[text.rfind("\n", 0, line_start - 1) + 1 : line_start]
+        indent = fence_line[: len(fence_line) - len(fence_line.lstrip(" \t"))]
+        body = "".join(
+            (indent + line).rstrip() + "\n" for line in normalize_output(printed).split("\n")
+        )
+        text = text[:start] + body + text[end:]
+        changed += 1
+    page.write_text(text, encoding="utf-8")
+    return changed
+
+
+if __name__ == "__main__":  # python tests/test_docs.py docs/pages/<page>.md ...
+    for arg in sys.argv[1:]:
+        n = update_listings(Path(arg).resolve())
+        print(f"{arg}: {n} listing(s) updated")
