@@ -21,7 +21,7 @@ setup(
     packages=["torch_vjp", "torch_vjp.bench", "_torch_vjp_autoload"],
     package_dir={"_torch_vjp_autoload": "torch_vjp/_autoload"},
     package_data={"torch_vjp": ["py.typed"]},
-    install_requires=["torch>=2.4,<3", "numpy>=1.24"],
+    install_requires=["torch>=2.5,<3", "numpy>=1.24"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6.80"],
         "bench": ["tqdm>=4.60", "matplotlib>=3.7"],

@@ -50,9 +50,7 @@ __all__ = [
 
 # torch.vjp is this module (SPEC §7): ``torch.vjp.jacobian is torch_vjp.jacobian``.
 _self = _sys.modules[__name__]
-_sys.modules.setdefault("torch.vjp", _self)
-if _sys.modules["torch.vjp"] is not _self:
-    _sys.modules["torch.vjp"] = _self
+_sys.modules["torch.vjp"] = _self
 _torch.vjp = _self  # type: ignore[attr-defined]
 
 # TORCH_VJP_CHECKED=1 turns checking on for the whole process (SPEC §1).
