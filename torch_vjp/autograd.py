@@ -258,8 +258,42 @@ def _checked_backward(
             batch_hint="use torch_vjp.grad(..., is_grads_batched=True): backward has no "
             "batched form",
         )
+        if inputs is None and _run_backward(outs, grad_tensors, retain_graph, create_graph):
+            return
         tensors = outs
     _ORIG_BACKWARD(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
+
+
+def _run_backward(
+    tensors: tuple[Tensor, ...],
+    grad_tensors: tuple[Tensor | None, ...],
+    retain_graph: bool | None,
+    create_graph: bool,
+) -> bool:
+    """The engine call of ``torch.autograd.backward`` for plain tensors and no ``inputs``,
+    after validation; False when the call must go through torch instead.
+
+    See NOTE [skipping torch's _make_grads]: the same shortcut as ``_run_grad``, with
+    torch.autograd.backward's own engine arguments (accumulate into ``.grad``).
+    """
+    if (
+        _engine_run_backward is None
+        or has_torch_function(tensors)
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return False
+    if retain_graph is None:
+        retain_graph = create_graph
+    _engine_run_backward(
+        tensors,
+        grad_tensors,
+        retain_graph,
+        create_graph,
+        (),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+    return True
 
 
 def _checked_tensor_backward(
@@ -283,6 +317,8 @@ def _checked_tensor_backward(
         batch_hint="use torch_vjp.grad(y, x, gradient, is_grads_batched=True): backward has "
         "no batched form",
     )
+    if inputs is None and _run_backward((self,), gos, retain_graph, create_graph):
+        return None
     _ORIG_BACKWARD((self,), gos, retain_graph, create_graph, inputs=inputs)
 
 
