@@ -24,6 +24,8 @@ from torch_vjp._errors import (
 
 from torch_vjp.autograd import backward, check_grad_outputs, checked, grad
 from torch_vjp.function_check import FunctionCheckReport, check_function
+from torch_vjp.jacobians import batch_jacobian, hessian, jacobian, jacobian_of
+from torch_vjp.transforms import jvp, vjp
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,14 @@ __all__ = [
     # custom autograd.Function checking (SPEC §2)
     "check_function",
     "FunctionCheckReport",
+    # Jacobians (SPEC §3)
+    "jacobian",
+    "batch_jacobian",
+    "jacobian_of",
+    "hessian",
+    # VJP and JVP, batched (SPEC §4)
+    "vjp",
+    "jvp",
     # errors and warnings
     "TorchVJPError",
     "GradOutputsError",

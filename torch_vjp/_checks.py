@@ -51,7 +51,9 @@ class _Labels:
     of ``the tensor`` and ``gradient``; a JVP of ``primals[i]`` and ``tangents[i]``.
     """
 
-    __slots__ = ("call", "outputs", "grad_outputs", "indexed", "role", "inputs", "batch_hint")
+    __slots__ = (
+        "call", "outputs", "grad_outputs", "indexed", "role", "inputs", "batch_hint", "batch_flag"
+    )
 
     def __init__(
         self,
@@ -62,6 +64,7 @@ class _Labels:
         role: str,
         inputs: str = "inputs",
         batch_hint: str = "pass is_grads_batched=True",
+        batch_flag: str = "is_grads_batched",
     ):
         self.call = call
         self.outputs = outputs
@@ -70,6 +73,12 @@ class _Labels:
         self.role = role
         self.inputs = inputs
         self.batch_hint = batch_hint
+        self.batch_flag = batch_flag
+
+    @property
+    def product(self) -> str:
+        """The product one vector makes: a VJP for cotangents, a JVP for tangents."""
+        return "Jacobian-vector product" if self.role == "tangents" else "vector-Jacobian product"
 
     def out(self, i: int) -> str:
         return f"{self.outputs}[{i}]" if self.indexed else self.outputs
@@ -99,6 +108,7 @@ def normalize_grad_outputs(
     allow_none: bool = True,
     inputs_name: str = "inputs",
     batch_hint: str = "pass is_grads_batched=True",
+    batch_flag: str = "is_grads_batched",
 ) -> tuple[Tensor | None, ...]:
     """Validates ``grad_outputs`` against ``outputs`` and returns them normalised.
 
@@ -122,6 +132,8 @@ def normalize_grad_outputs(
         inputs_name: how the call names ``inputs`` (``"primals"`` for a pullback).
         batch_hint: how this call computes K products at once, for the message that spots
             an extra leading dimension.
+        batch_flag: the name of this call's batching flag (``batched`` for
+            ``torch_vjp.vjp``/``jvp``), as messages quote it.
 
     Returns:
         The normalised tuple, aligned with ``outputs``.
@@ -132,7 +144,8 @@ def normalize_grad_outputs(
             output that does not require grad.
     """
     labels = _Labels(
-        call, outputs_name, grad_outputs_name, indexed, role, inputs_name, batch_hint
+        call, outputs_name, grad_outputs_name, indexed, role, inputs_name, batch_hint,
+        batch_flag,
     )
     n = len(outputs)
     if grad_outputs is None:
@@ -221,7 +234,9 @@ def _user_stacklevel() -> int:
     return 1
 
 
-def check_tree_structure(expected: Any, got: Any, *, call: str, name: str) -> None:
+def check_tree_structure(
+    expected: Any, got: Any, *, call: str, name: str, against: str = "the function's output"
+) -> None:
     """Raises :class:`GradOutputsError` unless ``got`` has the pytree structure of ``expected``.
 
     Args:
@@ -229,6 +244,7 @@ def check_tree_structure(expected: Any, got: Any, *, call: str, name: str) -> No
         got: the cotangents (or tangents) given for it.
         call: the public call named in the message.
         name: how the call names ``got``.
+        against: what ``expected`` is, in words (``"the primals"`` for tangents).
 
     Raises:
         GradOutputsError: the structures differ.
@@ -240,14 +256,12 @@ def check_tree_structure(expected: Any, got: Any, *, call: str, name: str) -> No
     if want == have:
         return
     raise GradOutputsError(
-        f"{call}: {name} must have the same structure as the function's output, but it "
-        f"does not.\n"
+        f"{call}: {name} must have the same structure as {against}, but it does not.\n"
         f"  expected: {_describe_tree(expected)}\n"
         f"  got:      {_describe_tree(got)}\n"
-        f"  {name} holds one vector per output tensor, arranged exactly like the output "
-        f"(same containers, same keys, same order), each with that output's shape. Fix: "
-        f"build it from the output itself, e.g. torch.utils._pytree.tree_map("
-        f"torch.ones_like, out)."
+        f"  {name} holds one vector per tensor of {against}, arranged exactly like it (same "
+        f"containers, same keys, same order), each with that tensor's shape. Fix: build it "
+        f"from {against} itself, e.g. torch.utils._pytree.tree_map(torch.ones_like, ...)."
     )
 
 
@@ -258,6 +272,7 @@ def check_cotangents(
     call: str,
     batched: bool = False,
     primals: Sequence[Any] | None = None,
+    batch_flag: str = "batched",
 ) -> tuple[Tensor | None, ...]:
     """Validates the cotangents given to a pullback against the function's output pytree.
 
@@ -291,6 +306,7 @@ def check_cotangents(
         inputs=None if primals is None else tuple(tree_leaves(primals)),
         inputs_name="primals",
         batch_hint="call vjp_fn(cotangents, batched=True) of torch_vjp.vjp",
+        batch_flag=batch_flag,
     )
 
 
@@ -361,9 +377,9 @@ def _shape_message(
             want += f" with K = {k}"
         head = (
             f"{labels.call}: {g} has shape {shape_str(gshape)}, but {o} has shape "
-            f"{shape_str(oshape)} and is_grads_batched=True.\n"
-            f"  With is_grads_batched=True, {g} stacks K vectors along a new leading batch "
-            f"dimension, one per vector-Jacobian product: {labels.meaning(i)}, so each "
+            f"{shape_str(oshape)} and {labels.batch_flag}=True.\n"
+            f"  With {labels.batch_flag}=True, {g} stacks K vectors along a new leading batch "
+            f"dimension, one per {labels.product}: {labels.meaning(i)}, so each "
             f"vector has shape {shape_str(oshape)} and {g} must have shape {want}."
         )
     else:
@@ -404,13 +420,13 @@ def _shape_fix(
             if k is not None:
                 return (
                     f"{g} has no batch dimension, while other {labels.grad_outputs} have one "
-                    f"of size {k}: with is_grads_batched=True every one of them must carry "
+                    f"of size {k}: with {labels.batch_flag}=True every one of them must carry "
                     f"it. To use the same vector in all {k} products, pass "
                     f"{g}.expand({k}, *{o}.shape)."
                 )
             return (
-                f"{g} has no batch dimension. If you meant a single vector-Jacobian "
-                f"product, pass is_grads_batched=False; for K products, stack K vectors: "
+                f"{g} has no batch dimension. If you meant a single {labels.product.split()[0]} "
+                f"product, pass {labels.batch_flag}=False; for K products, stack K vectors: "
                 f"torch.stack([v1, v2, ...])."
             )
         if go.dim() >= 1 and gshape[1:] != oshape and _matches_input(gshape[1:], inputs, outputs):
@@ -435,7 +451,7 @@ def _shape_fix(
         k = gshape[0]
         return (
             f"{g} has an extra leading dimension of size {k}. If it holds {k} "
-            f"vector{'s' if k != 1 else ''}, one per vector-Jacobian product, "
+            f"vector{'s' if k != 1 else ''}, one per {labels.product}, "
             f"{labels.batch_hint}; torch_vjp.jacobian_of computes the whole Jacobian."
         )
     if out.numel() == 1 and go.dim() == 0:
@@ -533,8 +549,8 @@ def _batched_none_message(
     shape = ", ".join(["K"] + [str(d) for d in out.shape])
     expand = f"torch.ones_like({o}).expand({k if k is not None else 'K'}, *{o}.shape)"
     return (
-        f"{labels.call}: {g} is None, but is_grads_batched=True.\n"
-        f"  With is_grads_batched=True every {labels.grad_outputs} entry stacks K vectors "
+        f"{labels.call}: {g} is None, but {labels.batch_flag}=True.\n"
+        f"  With {labels.batch_flag}=True every {labels.grad_outputs} entry stacks K vectors "
         f"dL/d output along a leading batch dimension; for None torch would create a single "
         f"unbatched 1, which has no batch dimension to map over. {g} must be a tensor of "
         f"shape ({shape}). Fix: pass {expand} to use dL/d {o} = 1 in every product."
@@ -567,6 +583,12 @@ def _no_grad_message(labels: _Labels, i: int, out: Tensor) -> str:
 def _type_message(labels: _Labels, i: int, out: Tensor, go: Any) -> str:
     g, o = labels.go(i), labels.out(i)
     allowed = "a Tensor" if go is None else "a Tensor or None"
+    if go is None and labels.role == "tangents":
+        return (
+            f"{labels.call}: {g} is None, but each entry of {labels.grad_outputs} must be "
+            f"{allowed}.\n  {labels.meaning(i)}, a tensor of {o}'s shape "
+            f"{shape_str(out.shape)}. Fix: torch.zeros_like({o}) to hold {o} fixed."
+        )
     return (
         f"{labels.call}: {g} is {'None' if go is None else 'a ' + type(go).__name__}, but each "
         f"entry of {labels.grad_outputs} must be {allowed}.\n"
@@ -611,7 +633,7 @@ def _batch_size_message(labels: _Labels, i: int, gos: Sequence[Any]) -> str:
         if isinstance(g, Tensor) and g.dim() > 0
     )
     return (
-        f"{labels.call}: with is_grads_batched=True the {labels.grad_outputs} have "
+        f"{labels.call}: with {labels.batch_flag}=True the {labels.grad_outputs} have "
         f"different batch sizes ({sizes}).\n"
         f"  The leading dimension K is the number of vector-Jacobian products computed at "
         f"once, so it must be the same for every entry of {labels.grad_outputs}. Fix: give "

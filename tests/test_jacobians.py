@@ -1,0 +1,864 @@
+"""Jacobians (SPEC §3): every strategy against torch.func in float64, chunking, the memory
+budget, the auto fallback, disconnected outputs, and errors that explain themselves."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+import torch_vjp as tv
+from torch_vjp._core import (
+    JacobianCallError,
+    JacobianOptionError,
+    Problem,
+    jacobian_blocks,
+    parse_max_memory,
+)
+from torch_vjp._strategies import STRATEGIES, choose_mode
+from torch_vjp.jacobians import batch_jacobian, hessian, jacobian, jacobian_of
+
+D = torch.float64
+ALL = tuple(STRATEGIES)  # auto, rev, fwd, rev-loop, fwd-loop
+
+
+def assert_tree_close(got, want):
+    got_flat, got_spec = tree_flatten(got)
+    want_flat, want_spec = tree_flatten(want)
+    assert got_spec == want_spec, f"structure {got_spec} != {want_spec}"
+    for g, w in zip(got_flat, want_flat):
+        assert g.shape == w.shape, f"{tuple(g.shape)} != {tuple(w.shape)}"
+        torch.testing.assert_close(g, w)
+
+
+@contextlib.contextmanager
+def no_jacobian_warnings():
+    """A context in which any JacobianWarning fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# The case table: (f, primals, options) in float64
+# --------------------------------------------------------------------------------------
+
+
+def _mlp(n_in=4, hidden=6, n_out=3):
+    W1, W2 = torch.randn(hidden, n_in, dtype=D), torch.randn(n_out, hidden, dtype=D)
+    return lambda x: W2 @ torch.tanh(W1 @ x)
+
+
+CASES = {
+    "elementwise": lambda: (lambda x: x.sin() * x, (torch.randn(5, dtype=D),), {}),
+    "mlp": lambda: (_mlp(), (torch.randn(4, dtype=D),), {}),
+    "outer": lambda: (lambda x: torch.outer(x, x), (torch.randn(4, dtype=D),), {}),
+    "matrix-in-out": lambda: (lambda x: (x @ x.T).tanh(), (torch.randn(2, 3, dtype=D),), {}),
+    "two-inputs-tuple-argnums": lambda: (
+        lambda x, W: torch.tanh(W @ x) + x.sum(),
+        (torch.randn(4, dtype=D), torch.randn(3, 4, dtype=D)),
+        {"argnums": (0, 1)},
+    ),
+    "three-inputs-argnums-2-0": lambda: (
+        lambda x, s, y: s * x * y.sum() + x.sin(),
+        (torch.randn(3, dtype=D), 2.5, torch.randn(2, dtype=D)),
+        {"argnums": (2, 0)},
+    ),
+    "negative-argnums": lambda: (
+        lambda x, y: x * y.exp(), (torch.randn(3, dtype=D), torch.randn(3, dtype=D)),
+        {"argnums": -1},
+    ),
+    "dict-output": lambda: (
+        lambda x: {"a": x.sin(), "b": (x * x).sum(), "c": torch.outer(x, x)},
+        (torch.randn(3, dtype=D),), {},
+    ),
+    "tuple-output-two-inputs": lambda: (
+        lambda x, y: (x * y, torch.outer(x, y).sum(0)),
+        (torch.randn(3, dtype=D), torch.randn(3, dtype=D)), {"argnums": (0, 1)},
+    ),
+    "pytree-input": lambda: (
+        lambda p, x: torch.tanh(p["w"] @ x + p["b"]),
+        ({"w": torch.randn(2, 3, dtype=D), "b": torch.randn(2, dtype=D)},
+         torch.randn(3, dtype=D)), {},
+    ),
+    "0d-input": lambda: (
+        lambda s: torch.stack([s.sin(), s * s, s.exp()]), (torch.tensor(0.7, dtype=D),), {}
+    ),
+    "0d-output": lambda: (lambda x: (x.sin() * x).sum(), (torch.randn(4, dtype=D),), {}),
+    "0d-both": lambda: (lambda s: s.sin() * s, (torch.tensor(0.3, dtype=D),), {}),
+    "has-aux": lambda: (
+        lambda x: (x.sin() * x, {"cos": x.cos(), "n": torch.tensor(3)}), (torch.randn(4, dtype=D),),
+        {"has_aux": True},
+    ),
+    "tall": lambda: (lambda x: torch.outer(x, x).reshape(-1).repeat(2),
+                     (torch.randn(3, dtype=D),), {}),
+}
+
+
+def _reference(f, primals, opts):
+    return torch.func.jacrev(f, argnums=opts.get("argnums", 0),
+                             has_aux=opts.get("has_aux", False))(*primals)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_jacrev(case, strategy):
+    f, primals, opts = CASES[case]()
+    want = _reference(f, primals, opts)
+    with no_jacobian_warnings():
+        got = jacobian(f, *primals, strategy=strategy, **opts)
+    if opts.get("has_aux"):
+        assert_tree_close(got[0], want[0])
+        assert int(got[1]["n"]) == 3
+        torch.testing.assert_close(got[1]["cos"], want[1]["cos"])
+        assert not got[1]["cos"].requires_grad
+    else:
+        assert_tree_close(got, want)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("chunk_size", (1, 2, 3, 7, 1000))
+@pytest.mark.parametrize("case", ("mlp", "outer", "dict-output", "two-inputs-tuple-argnums"))
+def test_chunk_sizes(case, chunk_size, strategy):
+    f, primals, opts = CASES[case]()
+    got = jacobian(f, *primals, strategy=strategy, chunk_size=chunk_size, **opts)
+    assert_tree_close(got, _reference(f, primals, opts))
+
+
+@pytest.mark.parametrize("case", ("mlp", "tuple-output-two-inputs", "pytree-input"))
+def test_strategies_agree(case):
+    f, primals, opts = CASES[case]()
+    results = {s: jacobian(f, *primals, strategy=s, **opts) for s in ALL}
+    for s in ALL[1:]:
+        assert_tree_close(results[s], results["rev"])
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_dot_product_against_finite_differences(strategy):
+    """<J t, c> from central differences equals <t, J^T c> from the Jacobian."""
+    f = _mlp(5, 7, 4)
+    x = torch.randn(5, dtype=D)
+    J = jacobian(f, x, strategy=strategy)
+    t, c = torch.randn(5, dtype=D), torch.randn(4, dtype=D)
+    eps = 1e-6
+    jt_fd = (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
+    lhs = torch.dot(jt_fd, c)
+    rhs = torch.dot(t, J.T @ c)
+    torch.testing.assert_close(lhs, rhs, atol=1e-7, rtol=1e-7)
+
+
+def test_layout_outer_product():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=D)
+    J = jacobian(lambda x: torch.outer(x, x), x)
+    assert J.shape == (4, 4, 4)
+    assert J[1, 2].tolist() == [0.0, 3.0, 2.0, 0.0]
+
+
+def test_single_element_tuple_and_list_outputs_keep_their_structure():
+    x = torch.randn(3, dtype=D)
+    for f in (lambda x: (x.sin(),), lambda x: [x.sin()]):
+        for s in ALL:
+            got = jacobian(f, x, strategy=s)
+            assert type(got) is type(f(x))
+            torch.testing.assert_close(got[0], torch.diag(x.cos()))
+
+
+# --------------------------------------------------------------------------------------
+# auto: the choice, and the fallback when vmap cannot batch f
+# --------------------------------------------------------------------------------------
+
+
+def test_auto_picks_by_size():
+    assert choose_mode(8, 512) == "fwd"
+    assert choose_mode(512, 8) == "rev"
+    assert choose_mode(256, 256) == "rev"
+    assert choose_mode(1, 1) == "rev"
+    for n_in, n_out, mode in ((8, 512, "fwd"), (512, 8, "rev"), (64, 64, "rev")):
+        W = torch.randn(n_out, n_in, dtype=D)
+        prob = Problem(lambda x: torch.tanh(W @ x), (torch.randn(n_in, dtype=D),), 0,
+                       has_aux=False, call="t")
+        res = jacobian_blocks(prob, None, vectorized=True, fallback=True, chunk_size=None,
+                              max_memory=None)
+        assert res.mode == mode
+
+
+def _counting(f):
+    calls = {"n": 0}
+
+    @functools.wraps(f)
+    def wrapped(*args):
+        calls["n"] += 1
+        return f(*args)
+
+    return wrapped, calls
+
+
+class _ClipBackward(torch.autograd.Function):
+    """Doubles x; its backward rescales large gradients with Python control flow, which
+    torch.vmap cannot batch; no vmap rule, so forward mode cannot be batched either."""
+
+    @staticmethod
+    def forward(x):
+        return 2 * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        if g.abs().max() > 1e6:
+            g = g / g.abs().max()
+        return 2 * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 2 * t
+
+
+class _OldStyle(torch.autograd.Function):
+    """exp(x) without setup_context: torch.func transforms refuse it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.exp()
+
+
+def _fallback_warnings(f, x, times=2):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [jacobian(f, x) for _ in range(times)]
+    return results, [w for w in caught if issubclass(w.category, tv.JacobianWarning)]
+
+
+def test_auto_falls_back_to_rev_loop_once():
+    x = torch.randn(4, dtype=D)
+
+    def f(x):  # square: reverse mode, whose vmapped backward fails
+        return _ClipBackward.apply(x) * x
+
+    (J1, J2), caught = _fallback_warnings(f, x)
+    want = torch.diag(4 * x)
+    torch.testing.assert_close(J1, want)
+    torch.testing.assert_close(J2, want)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    msg = str(caught[0].message)
+    assert re.search(r"could not vectorise the Jacobian of .*f.*strategy='rev-loop'", msg)
+    assert "data-dependent control flow" in msg  # vmap's own words, quoted
+    assert "slower" in msg and "once per function" in msg
+
+
+def test_auto_falls_back_to_fwd_loop_once():
+    x = torch.randn(2, dtype=D)
+
+    def f(x):  # tall (2 -> 200): forward mode, and vmap of the custom Function fails
+        return _ClipBackward.apply(x).repeat(100)
+
+    assert choose_mode(2, 200) == "fwd"
+    (J1, _), caught = _fallback_warnings(f, x)
+    torch.testing.assert_close(J1, 2 * torch.eye(2, dtype=D).repeat(100, 1))
+    assert len(caught) == 1
+    assert "strategy='fwd-loop'" in str(caught[0].message)
+    assert "does not have vmap support" in str(caught[0].message)
+
+
+def test_auto_handles_old_style_autograd_function():
+    x = torch.randn(3, dtype=D)
+
+    def f(x):
+        return _OldStyle.apply(x) * 2
+
+    (J, _), caught = _fallback_warnings(f, x)
+    torch.testing.assert_close(J, torch.diag(2 * x.exp()))
+    assert len(caught) == 1 and "setup_context" in str(caught[0].message)
+    # forward mode has no formula for it: "auto" on a tall Jacobian switches to reverse
+    def g(x):
+        return _OldStyle.apply(x).repeat(100)
+
+    assert choose_mode(3, 300) == "fwd"
+    (J,), caught = _fallback_warnings(g, x, times=1)
+    torch.testing.assert_close(J, torch.diag(x.exp()).repeat(100, 1))
+    assert any("uses reverse mode instead" in str(w.message) for w in caught)
+
+
+def test_explicit_vectorised_strategy_does_not_fall_back():
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(RuntimeError, match="data-dependent control flow") as info:
+        jacobian(lambda x: _ClipBackward.apply(x), x, strategy="rev")
+    assert not isinstance(info.value, tv.TorchVJPError)  # torch's error, as raised
+    torch.testing.assert_close(
+        jacobian(lambda x: _ClipBackward.apply(x), x, strategy="rev-loop"),
+        2 * torch.eye(4, dtype=D),
+    )
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_data_dependent_control_flow_and_item_are_correct(strategy):
+    """Control flow and .item() on primal values batch fine (vmap maps only the basis)."""
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=D)
+
+    def branchy(x):
+        if x.sum() > 0:
+            return x * x
+        return -x
+
+    def scaled(x):
+        return x.sin() * float(x.abs().max().item() > 1.0)
+
+    with no_jacobian_warnings():
+        torch.testing.assert_close(jacobian(branchy, x, strategy=strategy), torch.diag(2 * x))
+        torch.testing.assert_close(jacobian(scaled, x, strategy=strategy), torch.diag(x.cos()))
+
+
+# --------------------------------------------------------------------------------------
+# Outputs that do not depend on an input through autograd
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_disconnected_output_warns_naming_the_input(strategy):
+    x = torch.randn(3, dtype=D)
+
+    def through_item(x):
+        return torch.full((2,), x.sum().item(), dtype=D)
+
+    with pytest.warns(tv.JacobianWarning, match=r"the output of f does not depend on "
+                      r"primals\[0\] through autograd, although its value changes"):
+        J = jacobian(through_item, x, strategy=strategy)
+    assert J.shape == (2, 3) and not J.any()
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_disconnected_second_input_is_named_by_argnums(strategy):
+    x, y = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
+
+    def f(x, y):
+        return {"out": x * y.detach().sum()}
+
+    with pytest.warns(tv.JacobianWarning,
+                      match=r"output\['out'\] does not depend on primals\[1\] \(argnums\[1\]\)"):
+        Jx, Jy = jacobian(f, x, y, argnums=(0, 1), strategy=strategy)["out"]
+    torch.testing.assert_close(Jx, torch.eye(3, dtype=D) * y.sum())
+
+
+def test_numpy_inside_f_warns_instead_of_failing():
+    import numpy as np
+
+    x = torch.randn(3, dtype=D)
+
+    def f(x):
+        return torch.from_numpy(np.sin(x.detach().numpy()))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        J = jacobian(f, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert not J.any()
+    assert any("does not depend on primals[0] through autograd" in m for m in messages)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_true_zeros_do_not_warn(strategy):
+    """Outputs that do not use an input, constants and dead ReLUs have zero blocks for
+    real: no warning."""
+    x, y = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    with no_jacobian_warnings():
+        J = jacobian(lambda x, y: {"a": x.sin(), "b": y.cos()}, x, y, argnums=(0, 1),
+                     strategy=strategy)
+        assert not J["a"][1].any() and not J["b"][0].any()
+        assert not jacobian(lambda x: torch.ones(2, dtype=D), x, strategy=strategy).any()
+        assert not jacobian(torch.relu, -x.abs() - 1, strategy=strategy).any()
+        assert not jacobian(torch.round, x, strategy=strategy).any()
+
+
+# --------------------------------------------------------------------------------------
+# Errors of f pass through untouched; nothing is mutated
+# --------------------------------------------------------------------------------------
+
+
+class UserError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_errors_of_f_pass_through_untouched(strategy):
+    raised = []
+
+    def f(x):
+        err = UserError("boom from f")
+        raised.append(err)
+        raise err
+
+    with pytest.raises(UserError) as info:
+        jacobian(f, torch.randn(3, dtype=D), strategy=strategy)
+    assert info.value is raised[-1]  # the very object f raised, not a wrapper
+    assert str(info.value) == "boom from f"
+
+
+@pytest.mark.parametrize("strategy", ("auto", "fwd", "fwd-loop"))
+def test_value_error_of_f_during_products_passes_through(strategy):
+    """f that fails only on its second call: the products, after the probe that measures
+    the output (reverse mode calls f once)."""
+    calls = {"n": 0}
+
+    def f(x):
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            raise ValueError("second call")
+        return x * 2
+
+    with pytest.raises(ValueError, match="^second call$") as info:
+        jacobian(f, torch.randn(3, dtype=D), strategy=strategy)
+    assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_nothing_is_mutated(strategy):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)
+    ).double()
+    model(torch.randn(8, 3, dtype=D))  # non-trivial running statistics
+    model.eval()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    x = torch.randn(5, 3, dtype=D)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x_before = x.clone()
+    J = jacobian(model, x, strategy=strategy)
+    assert J.shape == (5, 2, 5, 3)
+    assert not model.training and not any(m.training for m in model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # BatchNorm running stats untouched
+    assert all(p.requires_grad for p in model.parameters())
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert model[2].weight.grad is None
+    assert torch.equal(x, x_before) and not x.requires_grad and x.grad is None
+    x.requires_grad_()
+    jacobian(lambda x: x.sin(), x, strategy=strategy)
+    assert x.requires_grad and x.grad is None
+
+
+def test_module_in_training_mode_keeps_its_buffers():
+    """BatchNorm in training mode updates its running statistics on every call; the
+    Jacobian calls f more than once, and puts them back."""
+    import copy
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    model.train()
+    twin = copy.deepcopy(model)
+    x = torch.randn(5, 3, dtype=D)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # torch.func refuses: fallback
+        J = jacobian(model, x)
+    want = torch.autograd.functional.jacobian(twin, x)  # mutates twin's statistics
+    torch.testing.assert_close(J, want)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model.training
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_result_is_differentiable_like_jacrev(strategy):
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    f = lambda x: x.sin() * x.sum()  # noqa: E731
+    (want,) = torch.autograd.grad(torch.func.jacrev(f)(x).pow(2).sum(), x)
+    (got,) = torch.autograd.grad(jacobian(f, x, strategy=strategy).pow(2).sum(), x)
+    torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------------------
+# Errors of the call
+# --------------------------------------------------------------------------------------
+
+
+def test_unknown_strategy():
+    with pytest.raises(tv.StrategyError, match=re.escape(
+        "torch_vjp.jacobian: unknown strategy 'bogus'. Supported: "
+        "('auto', 'rev', 'fwd', 'rev-loop', 'fwd-loop')."
+    )) as info:
+        jacobian(torch.sin, torch.randn(3), strategy="bogus")
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(tv.StrategyError, match=r"unknown strategy 'reverse'.*Did you mean 'rev'\?"):
+        jacobian(torch.sin, torch.randn(3), strategy="reverse")
+    with pytest.raises(tv.StrategyError, match="torch_vjp.batch_jacobian: unknown strategy"):
+        batch_jacobian(torch.sin, torch.randn(2, 3), strategy="jacrev2")
+    with pytest.raises(tv.StrategyError, match="torch_vjp.hessian: unknown strategy"):
+        hessian(lambda x: x.sum(), torch.randn(3), strategy=None)
+
+
+@pytest.mark.parametrize("chunk_size", (0, -2, 1.5, True, "4"))
+def test_bad_chunk_size(chunk_size):
+    with pytest.raises(JacobianOptionError, match=r"chunk_size=.*must be None or an int >= 1"):
+        jacobian(torch.sin, torch.randn(3), chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(1000, 1000), (2.5e9, 2_500_000_000), ("2GB", 2 * 10**9), ("512MiB", 512 * 2**20),
+     ("1.5 GB", 1_500_000_000), ("64 kB", 64_000), ("3KiB", 3072), ("100", 100),
+     ("1e3 B", 1000), ("2gib", 2 * 2**30)],
+    ids=str,
+)
+def test_max_memory_units(value, expected):
+    assert parse_max_memory(value, call="t") == expected
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [("2G", r"'2G' is ambiguous: write '2GB' \(powers of 1000\) or '2GiB'"),
+     ("lots", r"'lots' is not a memory size. Pass a number of bytes"),
+     (-5, r"must be a positive number of bytes"), (0, "positive"), (True, "not a memory size"),
+     ("0 MB", "zero bytes"), ([1], "not a memory size")],
+    ids=str,
+)
+def test_bad_max_memory(value, match):
+    with pytest.raises(JacobianOptionError, match=match):
+        jacobian(torch.sin, torch.randn(3), max_memory=value)
+
+
+@pytest.mark.parametrize(
+    "f, primals, kwargs, match",
+    [
+        (torch.sin, (torch.randn(3),), {"argnums": 1},
+         r"argnums=1, but f was given 1 primal, so argnums must lie in -1..0"),
+        (torch.mul, (torch.randn(3), torch.randn(3)), {"argnums": [0, 1]},
+         r"must be an int or a non-empty tuple of ints.*Fix: argnums=\(0, 1\)"),
+        (torch.mul, (torch.randn(3), torch.randn(3)), {"argnums": (0, -2)},
+         "names a primal twice"),
+        (torch.mul, (torch.randn(3), 2.0), {"argnums": 1},
+         r"primals\[1\] is a float, but argnums selects it"),
+        (lambda x: x * 2, (torch.arange(3),), {},
+         r"primals\[0\] has dtype torch.int64, but only floating-point tensors"),
+        (lambda x: x.abs(), (torch.randn(3, dtype=torch.complex64),), {},
+         r"primals\[0\] has dtype torch.complex64"),
+        (lambda x: (x, 1), (torch.randn(3),), {},
+         r"the output of f\[1\] is a int.*If f returns \(output, aux\), pass has_aux=True"),
+        (lambda x: x.argmax(), (torch.randn(3),), {},
+         r"the output of f has dtype torch.int64; only real floating-point outputs"),
+        (lambda x: x.sin(), (torch.randn(3),), {"has_aux": True},
+         r"with has_aux=True, f must return a pair \(output, aux\), but it returned a Tensor"),
+        (lambda x: (), (torch.randn(3),), {}, "holds no tensors"),
+        (torch.sin, (), {}, "no primals were given"),
+    ],
+    ids=["argnums-range", "argnums-list", "argnums-twice", "float-primal", "int-primal",
+         "complex-primal", "non-tensor-output", "int-output", "has-aux-no-pair",
+         "empty-output", "no-primals"],
+)
+def test_call_errors(f, primals, kwargs, match):
+    for strategy in ("auto", "rev", "fwd-loop"):
+        with pytest.raises(JacobianCallError, match=match) as info:
+            jacobian(f, *primals, strategy=strategy, **kwargs)
+        assert isinstance(info.value, RuntimeError)
+
+
+# --------------------------------------------------------------------------------------
+# Memory: the budget, chunking from it, and failing before allocating
+# --------------------------------------------------------------------------------------
+
+
+def test_chunk_size_derived_from_max_memory():
+    """64 -> 64 in float64: J is 32 kB, one product is modelled at 4 kB; a budget of
+    J + 8 products runs 8 chunks of 8 (counted as calls of f in forward mode, + 1 probe for
+    the output size)."""
+    W = torch.randn(64, 64, dtype=D)
+    plain = lambda x: torch.tanh(W @ x)  # noqa: E731
+    f, calls = _counting(plain)
+    x = torch.randn(64, dtype=D)
+    J = jacobian(f, x, strategy="fwd", max_memory=64 * 64 * 8 + 8 * 4 * 8 * 128)
+    torch.testing.assert_close(J, torch.func.jacrev(plain)(x))
+    assert calls["n"] == 1 + 8
+    calls["n"] = 0
+    jacobian(f, x, strategy="fwd", max_memory="1GB")
+    assert calls["n"] == 1  # one chunk; the output size is remembered from the first call
+
+
+def test_output_sizes_are_remembered_and_checked():
+    """Forward mode probes f for its output size once per function and input shapes; if
+    f's output changes for the same input shapes, the stale size is noticed."""
+    width = {"n": 300}
+    W = torch.randn(400, 2, dtype=D)
+    plain = lambda x: torch.tanh(W[: width["n"]] @ x)  # noqa: E731
+    f, calls = _counting(plain)
+    x = torch.randn(2, dtype=D)
+    for expected_calls in (2, 1):  # probe + products, then the products only
+        calls["n"] = 0
+        torch.testing.assert_close(jacobian(f, x), torch.func.jacrev(plain)(x))
+        assert calls["n"] == expected_calls
+    width["n"] = 400
+    for strategy in ("fwd", "fwd-loop", "auto"):
+        J = jacobian(f, x, strategy=strategy)
+        assert J.shape == (width["n"], 2)
+        torch.testing.assert_close(J, torch.func.jacrev(plain)(x))
+        width["n"] = 350 if width["n"] == 400 else 400
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_jacobian_over_budget_raises_before_allocating(strategy):
+    x = torch.randn(100_000)  # J would be 1e10 float32 elements: 40 GB
+    with pytest.raises(tv.JacobianMemoryError) as info:
+        jacobian(torch.sin, x, strategy=strategy, max_memory="1GB")
+    msg = str(info.value)
+    assert msg.startswith("torch_vjp.jacobian: the result needs 40 GB: 10,000,000,000 float32 "
+                          "elements, 100,000 output elements times 100,000 input elements.")
+    assert "more than max_memory=1 GB" in msg
+    assert "nothing large was allocated" in msg
+    for alternative in ("torch_vjp.vjp / torch_vjp.jvp", "torch_vjp.batch_jacobian",
+                        "a smaller argnums"):
+        assert alternative in msg
+    assert isinstance(info.value, MemoryError)
+
+
+def test_jacobian_larger_than_free_memory_fails_fast_without_allocating():
+    """Default budget: the free memory. Checked in a fresh process by its peak RSS."""
+    code = textwrap.dedent("""
+        import resource, time, torch, torch_vjp as tv
+        from torch_vjp.jacobians import jacobian
+        x = torch.randn(300_000, dtype=torch.float64)   # J: 9e10 elements, 720 GB
+        jacobian(torch.sin, torch.randn(3))              # warm up imports
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t0 = time.perf_counter()
+        for strategy in ("auto", "rev", "fwd", "rev-loop", "fwd-loop"):
+            try:
+                jacobian(torch.sin, x, strategy=strategy)
+            except tv.JacobianMemoryError as e:
+                assert "720 GB" in str(e) and "the default budget" in str(e), str(e)
+            else:
+                raise SystemExit("no JacobianMemoryError")
+        elapsed = time.perf_counter() - t0
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(grown, elapsed)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown_kb, _elapsed = out.stdout.split()
+    assert int(grown_kb) < 100_000, f"peak RSS grew by {grown_kb} kB"
+
+
+def test_result_fits_but_one_product_does_not():
+    with pytest.raises(tv.JacobianMemoryError,
+                       match=r"the result needs 800 B \(with at least 640 B of working memory "
+                             r"for one product\)"):
+        jacobian(torch.sin, torch.randn(10, dtype=D), max_memory=1000)
+
+
+# --------------------------------------------------------------------------------------
+# batch_jacobian
+# --------------------------------------------------------------------------------------
+
+
+def _per_example(f_single, x):
+    return torch.vmap(torch.func.jacrev(f_single))(x)
+
+
+@pytest.mark.parametrize("chunk_size", (None, 1, 3))
+@pytest.mark.parametrize("strategy", ALL)
+def test_batch_jacobian_matches_vmap_jacrev(strategy, chunk_size):
+    W1, W2 = torch.randn(6, 4, dtype=D), torch.randn(3, 6, dtype=D)
+    single = lambda xi: W2 @ torch.tanh(W1 @ xi)  # noqa: E731
+    batched = lambda x: torch.tanh(x @ W1.T) @ W2.T  # noqa: E731
+    x = torch.randn(5, 4, dtype=D)
+    with no_jacobian_warnings():
+        got = batch_jacobian(batched, x, strategy=strategy, chunk_size=chunk_size)
+    assert got.shape == (5, 3, 4)
+    torch.testing.assert_close(got, _per_example(single, x))
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_batch_jacobian_rows_of_matrices_and_pytree_output(strategy):
+    x = torch.randn(4, 2, 3, dtype=D)
+
+    def batched(x):
+        return {"m": x @ x.transpose(1, 2), "s": x.sin().sum((1, 2))}
+
+    def single(xi):
+        return {"m": xi @ xi.T, "s": xi.sin().sum()}
+
+    got = batch_jacobian(batched, x, strategy=strategy)
+    assert got["m"].shape == (4, 2, 2, 2, 3) and got["s"].shape == (4, 2, 3)
+    assert_tree_close(got, _per_example(single, x))
+
+
+def test_batch_jacobian_is_the_diagonal_of_the_full_jacobian():
+    W = torch.randn(3, 3, dtype=D)
+    f = lambda x: torch.tanh(x @ W)  # noqa: E731
+    x = torch.randn(4, 3, dtype=D)
+    full = jacobian(f, x)  # (4, 3, 4, 3)
+    diag = torch.stack([full[b, :, b, :] for b in range(4)])
+    torch.testing.assert_close(batch_jacobian(f, x), diag)
+
+
+def test_batch_jacobian_errors():
+    with pytest.raises(JacobianCallError, match=r"(?s)the output of f has shape \(\), but x "
+                       r"has shape \(8, 3\): f must map a batch row by row.*B = 8.*use torch_vjp.jacobian"):
+        batch_jacobian(lambda x: x.sin().sum(), torch.randn(8, 3))
+    with pytest.raises(JacobianCallError, match=r"output 1 of f has shape \(3,\)"):
+        batch_jacobian(lambda x: (x.sin(), x.sum(0)), torch.randn(8, 3))
+    with pytest.raises(JacobianCallError, match=r"x is a 0-d tensor, but it must be a tensor "
+                       r"whose first dimension is the batch"):
+        batch_jacobian(torch.sin, torch.tensor(1.0))
+
+
+# --------------------------------------------------------------------------------------
+# hessian
+# --------------------------------------------------------------------------------------
+
+HESSIAN_CASES = {
+    "scalar-of-vector": lambda: (
+        lambda x: (x.sin() * x.sum()).sum(), (torch.randn(4, dtype=D),), {}
+    ),
+    "mlp-loss": lambda: (
+        (lambda net: lambda x: net(x).pow(2).sum())(_mlp(4, 5, 1)), (torch.randn(4, dtype=D),), {}
+    ),
+    "vector-output": lambda: (lambda x: torch.stack([x.prod(), (x ** 3).sum()]),
+                              (torch.randn(3, dtype=D),), {}),
+    "tuple-argnums": lambda: (lambda x, y: (x.sin() * y.exp()).sum() + (x * x).sum() * y[0],
+                              (torch.randn(3, dtype=D), torch.randn(3, dtype=D)),
+                              {"argnums": (0, 1)}),
+    "matrix-input": lambda: (lambda X: torch.logdet(X @ X.T + torch.eye(2, dtype=D)),
+                             (torch.randn(2, 3, dtype=D),), {}),
+}
+
+
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("case", HESSIAN_CASES)
+def test_hessian_matches_torch_func(case, strategy):
+    f, primals, opts = HESSIAN_CASES[case]()
+    want = torch.func.hessian(f, argnums=opts.get("argnums", 0))(*primals)
+    with no_jacobian_warnings():
+        got = hessian(f, *primals, strategy=strategy, **opts)
+    assert_tree_close(got, want)
+
+
+def test_hessian_of_linear_function_is_zero_without_warning():
+    with no_jacobian_warnings():
+        H = hessian(lambda x: (3 * x).sum(), torch.randn(3, dtype=D))
+    assert H.shape == (3, 3) and not H.any()
+
+
+# --------------------------------------------------------------------------------------
+# jacobian_of
+# --------------------------------------------------------------------------------------
+
+
+def test_jacobian_of_outer_product():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    J = jacobian_of(torch.outer(x, x), x)
+    assert J.shape == (4, 4, 4)
+    torch.testing.assert_close(J, torch.func.jacrev(lambda x: torch.outer(x, x))(x.detach()))
+
+
+@pytest.mark.parametrize("chunk_size", (None, 1, 2, 3, 7, 1000))
+def test_jacobian_of_tuples_and_chunks(chunk_size):
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    W = torch.randn(2, 3, dtype=D, requires_grad=True)
+    f = lambda x, W: (torch.tanh(W @ x), (x * x).sum())  # noqa: E731
+    outs = f(x, W)
+    got = jacobian_of(outs, (x, W), chunk_size=chunk_size, retain_graph=True)
+    want = torch.func.jacrev(f, argnums=(0, 1))(x.detach(), W.detach())
+    assert_tree_close(got, want)
+    assert x.grad is None and W.grad is None
+    # retain_graph=True: the graph can still be used
+    outs[1].backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+
+
+def test_jacobian_of_create_graph_gives_second_derivatives():
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    J = jacobian_of((x ** 3).sum(), x, create_graph=True)  # 3 x^2
+    (H,) = torch.autograd.grad(J.sum(), x)
+    torch.testing.assert_close(H, 6 * x.detach())
+
+
+def test_jacobian_of_unused_input_and_output_without_grad_warn():
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    z = torch.randn(2, dtype=D, requires_grad=True)
+    with pytest.warns(tv.JacobianWarning, match=r"outputs\[0\] has no autograd path to "
+                      r"inputs\[1\], so that Jacobian block is all zeros"):
+        Jx, Jz = jacobian_of((x.sin(),), (x, z))[0]
+    torch.testing.assert_close(Jx, torch.diag(x.detach().cos()))
+    assert Jz.shape == (3, 2) and not Jz.any()
+    with pytest.warns(tv.JacobianWarning, match=r"outputs\[1\] \(shape \(2,\)\) does not require "
+                      r"grad"):
+        J = jacobian_of((x.sin(), torch.tensor([x.sum().item()] * 2, dtype=D)), x)
+    assert J[1].shape == (2, 3) and not J[1].any()
+
+
+def test_jacobian_of_input_without_grad():
+    x = torch.randn(3)
+    with pytest.raises(JacobianCallError, match=r"inputs \(shape \(3,\)\) does not require grad"):
+        jacobian_of(x * 2, x)
+    with pytest.raises(JacobianCallError, match=r"inputs must be a tensor or a non-empty sequence"):
+        jacobian_of(x * 2, [])
+
+
+def test_jacobian_of_falls_back_to_a_loop_once():
+    x = torch.randn(4, dtype=D, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            J = jacobian_of(_ClipBackward.apply(x) * x, x)
+            torch.testing.assert_close(J, torch.diag(4 * x.detach()))
+    messages = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(messages) <= 1  # once per process: an earlier test may have shown it
+    assert all("vectorised backward pass" in m and "data-dependent control flow" in m
+               for m in messages)
+
+
+def test_jacobian_of_memory_error():
+    x = torch.randn(300_000, dtype=D, requires_grad=True)
+    with pytest.raises(tv.JacobianMemoryError, match=r"(?s)torch_vjp.jacobian_of: the result needs "
+                       r"720 GB.*Alternatives: torch_vjp.grad with grad_outputs"):
+        jacobian_of(x.sin(), x)
+
+
+# --------------------------------------------------------------------------------------
+# CUDA
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ALL)
+def test_cuda_matches_cpu(strategy):
+    from torch_vjp._core import free_memory
+
+    cuda = torch.device("cuda")
+    f, (x,), _ = CASES["mlp"]()
+    W1, W2 = torch.randn(6, 4, dtype=D), torch.randn(3, 6, dtype=D)
+
+    def g(x):
+        return W2.to(x.device) @ torch.tanh(W1.to(x.device) @ x)
+
+    J = jacobian(g, x.to(cuda), strategy=strategy, max_memory="1MB")
+    assert J.device.type == "cuda"
+    torch.testing.assert_close(J.cpu(), jacobian(g, x, strategy=strategy))
+    xb = torch.randn(5, 4, dtype=D)
+    model = lambda xb: torch.tanh(xb @ W1.T.to(xb.device))  # noqa: E731
+    Jb = batch_jacobian(model, xb.to(cuda), strategy=strategy)
+    torch.testing.assert_close(Jb.cpu(), batch_jacobian(model, xb, strategy=strategy))
+    free = free_memory(cuda)
+    assert free is not None and free[0] > 0 and "cuda" in free[1]
+
+
+@pytest.mark.cuda
+def test_cuda_jacobian_of_and_memory_error():
+    x = torch.randn(4, dtype=D, device="cuda", requires_grad=True)
+    J = jacobian_of(torch.outer(x, x), x)
+    torch.testing.assert_close(J, torch.func.jacrev(lambda x: torch.outer(x, x))(x.detach()))
+    big = torch.randn(10**6, device="cuda")  # J: 4 TB
+    with pytest.raises(tv.JacobianMemoryError, match=r"free on cuda.*torch.cuda.mem_get_info"):
+        jacobian(torch.sin, big)

@@ -1,0 +1,263 @@
+"""VJP and JVP, single and batched (SPEC §4): results against torch.func and against a loop
+of single products, in float64; cotangents and tangents checked with grad's messages."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import torch_vjp as tv
+from torch_vjp._core import JacobianCallError, JacobianOptionError
+from torch_vjp.transforms import jvp, vjp
+
+D = torch.float64
+
+
+def assert_tree_close(got, want):
+    got_flat, got_spec = tree_flatten(got)
+    want_flat, want_spec = tree_flatten(want)
+    assert got_spec == want_spec, f"structure {got_spec} != {want_spec}"
+    for g, w in zip(got_flat, want_flat):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w)
+
+
+def _stack(trees):
+    flat = [tree_flatten(t) for t in trees]
+    spec = flat[0][1]
+    leaves = [torch.stack([f[0][i] for f in flat]) for i in range(len(flat[0][0]))]
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(leaves, spec)
+
+
+W = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1))
+
+CASES = {
+    "matrix": lambda: (lambda x: torch.tanh(W @ x), (torch.randn(4, dtype=D),)),
+    "scalar-output": lambda: (lambda x: (x.sin() * x).sum(), (torch.randn(4, dtype=D),)),
+    "tuple-output": lambda: (lambda x: (x.sin(), torch.outer(x, x)), (torch.randn(3, dtype=D),)),
+    "dict-output-two-primals": lambda: (
+        lambda x, y: {"p": x * y, "s": (x.exp() @ y).reshape(1)},
+        (torch.randn(3, dtype=D), torch.randn(3, dtype=D)),
+    ),
+    "matrix-primal": lambda: (lambda A: A @ A.T, (torch.randn(2, 3, dtype=D),)),
+}
+
+
+def _random_like(tree, k=None):
+    lead = (k,) if k else ()
+    return tree_map(lambda t: torch.randn(lead + tuple(t.shape), dtype=t.dtype), tree)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_vjp_matches_torch_func(case):
+    f, primals = CASES[case]()
+    out, vjp_fn = vjp(f, *primals)
+    ref_out, ref_fn = torch.func.vjp(f, *primals)
+    assert_tree_close(out, ref_out)
+    cot = _random_like(out)
+    assert_tree_close(vjp_fn(cot), ref_fn(cot))
+
+
+@pytest.mark.parametrize("chunk_size", (None, 1, 2, 3, 7, 1000))
+@pytest.mark.parametrize("case", CASES)
+def test_batched_vjp_matches_a_loop(case, chunk_size):
+    f, primals = CASES[case]()
+    out, vjp_fn = vjp(f, *primals)
+    cots = _random_like(out, k=5)
+    got = vjp_fn(cots, batched=True, chunk_size=chunk_size)
+    loop = [vjp_fn(tree_map(lambda c: c[k], cots)) for k in range(5)]
+    assert_tree_close(got, _stack(loop))
+    assert all(g.shape[0] == 5 for g in tree_flatten(got)[0])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_jvp_matches_torch_func(case):
+    f, primals = CASES[case]()
+    tangents = _random_like(primals)
+    assert_tree_close(jvp(f, primals, tangents), torch.func.jvp(f, primals, tangents))
+
+
+@pytest.mark.parametrize("chunk_size", (None, 1, 2, 3, 7, 1000))
+@pytest.mark.parametrize("case", CASES)
+def test_batched_jvp_matches_a_loop(case, chunk_size):
+    f, primals = CASES[case]()
+    tangents = _random_like(primals, k=4)
+    out, got = jvp(f, primals, tangents, batched=True, chunk_size=chunk_size)
+    assert_tree_close(out, f(*primals))
+    loop = [jvp(f, primals, tree_map(lambda t: t[k], tangents))[1] for k in range(4)]
+    assert_tree_close(got, _stack(loop))
+
+
+def test_batched_products_give_the_jacobian():
+    x = torch.randn(4, dtype=D)
+    f = lambda x: torch.tanh(W @ x)  # noqa: E731
+    J = torch.func.jacrev(f)(x)
+    _, vjp_fn = vjp(f, x)
+    torch.testing.assert_close(vjp_fn(torch.eye(3, dtype=D), batched=True)[0], J)
+    _, cols = jvp(f, (x,), (torch.eye(4, dtype=D),), batched=True)
+    torch.testing.assert_close(cols, J.T)
+
+
+def test_has_aux():
+    x = torch.randn(3, dtype=D)
+    f = lambda x: (x.sin(), {"c": x.cos()})  # noqa: E731
+    out, vjp_fn, aux = vjp(f, x, has_aux=True)
+    torch.testing.assert_close(aux["c"], x.cos())
+    (g,) = vjp_fn(torch.eye(3, dtype=D), batched=True)
+    torch.testing.assert_close(g, torch.diag(x.cos()))
+    out, t, aux = jvp(f, (x,), (torch.eye(3, dtype=D),), batched=True, has_aux=True)
+    torch.testing.assert_close(t, torch.diag(x.cos()))
+    torch.testing.assert_close(aux["c"], x.cos())
+    out, t, aux = jvp(f, (x,), (torch.ones(3, dtype=D),), has_aux=True)
+    torch.testing.assert_close(t, x.cos())
+
+
+def test_vjp_fn_can_be_called_many_times_and_nothing_is_mutated():
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    out, vjp_fn = vjp(lambda x: x.exp(), x)
+    for _ in range(3):
+        torch.testing.assert_close(vjp_fn(torch.ones(3, dtype=D))[0], x.detach().exp())
+    assert x.requires_grad and x.grad is None
+
+
+def test_zero_products():
+    x = torch.randn(3, dtype=D)
+    _, vjp_fn = vjp(lambda x: x * 2, x)
+    assert vjp_fn(torch.zeros(0, 3, dtype=D), batched=True)[0].shape == (0, 3)
+    _, t = jvp(lambda x: x.sum(), (x,), (torch.zeros(0, 3, dtype=D),), batched=True)
+    assert t.shape == (0,)
+
+
+# --------------------------------------------------------------------------------------
+# Cotangents and tangents: the one checker, its messages
+# --------------------------------------------------------------------------------------
+
+
+def _vjp_fn():
+    x = torch.randn(4, dtype=D)
+    return vjp(lambda x: torch.tanh(W @ x), x)[1]
+
+
+def test_wrong_cotangent_shape():
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.vjp: vjp_fn: cotangents has shape (4,), but out has shape (3,).\n"
+        "  cotangents is dL/d out: one number per element of out, so it must have shape (3,)."
+    )):
+        _vjp_fn()(torch.ones(4, dtype=D))
+
+
+def test_cotangent_with_a_batch_dimension_but_batched_false():
+    with pytest.raises(tv.GradOutputsError, match=r"cotangents has an extra leading dimension "
+                       r"of size 5"):
+        _vjp_fn()(torch.ones(5, 3, dtype=D))
+
+
+def test_batched_cotangent_without_batch_dimension():
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.vjp: vjp_fn: cotangents has shape (3,), but out has shape (3,) and "
+        "batched=True."
+    )) as info:
+        _vjp_fn()(torch.ones(3, dtype=D), batched=True)
+    assert "cotangents has no batch dimension" in str(info.value)
+    assert "is_grads_batched" not in str(info.value)
+
+
+def test_batched_cotangents_with_different_k():
+    x = torch.randn(3, dtype=D)
+    _, vjp_fn = vjp(lambda x: (x.sin(), x.sum()), x)
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.vjp: vjp_fn: with batched=True the cotangents have different "
+        "batch sizes (cotangents[0]: 4, cotangents[1]: 5)."
+    )):
+        vjp_fn((torch.ones(4, 3, dtype=D), torch.ones(5, dtype=D)), batched=True)
+
+
+def test_cotangent_structure():
+    with pytest.raises(tv.GradOutputsError, match=r"torch_vjp.vjp: vjp_fn: cotangents must have "
+                       r"the same structure as the function's output.*\n  expected: Tensor\(3,\)"
+                       r"\n  got:      \(Tensor\(3,\),\)"):
+        _vjp_fn()((torch.ones(3, dtype=D),))
+
+
+def test_tangent_structure_names_the_primals():
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(tv.GradOutputsError, match=r"torch_vjp.jvp: tangents must have the same "
+                       r"structure as the primals"):
+        jvp(lambda x: W @ x, (x,), [torch.ones(4, dtype=D)])
+
+
+def test_none_tangent_is_refused():
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(tv.GradOutputsError, match=r"tangents\[1\] is None, but each entry of "
+                       r"tangents must be a Tensor\.\n.*torch.zeros_like\(primals\[1\]\)"):
+        jvp(lambda x, y: x * y, (x, x), (torch.ones(4, dtype=D), None))
+
+
+def test_wrong_tangent_shape():
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.jvp: tangents[0] has shape (3,), but primals[0] has shape (4,).\n"
+        "  tangents[0] is a direction of change dx for primals[0]: one number per element of "
+        "primals[0], so it must have shape (4,)."
+    )):
+        jvp(lambda x: W @ x, (x,), (torch.ones(3, dtype=D),))
+
+
+def test_wrong_batched_tangent_shape():
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.jvp: tangents[0] has shape (4,), but primals[0] has shape (4,) and "
+        "batched=True.\n  With batched=True, tangents[0] stacks K vectors along a new leading "
+        "batch dimension, one per Jacobian-vector product"
+    )):
+        jvp(lambda x: W @ x, (x,), (torch.ones(4, dtype=D),), batched=True)
+    with pytest.raises(tv.GradOutputsError, match=r"tangents\[1\] has shape \(2, 4\), but "
+                       r"primals\[1\] has shape \(3,\)"):
+        jvp(torch.mul, (x[:3], x[1:]), (torch.ones(2, 3, dtype=D), torch.ones(2, 4, dtype=D)),
+            batched=True)
+
+
+def test_tangent_structure_and_primals_type():
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(tv.GradOutputsError, match=r"torch_vjp.jvp: tangents must have the same "
+                       r"structure"):
+        jvp(torch.sin, (x,), [torch.ones(3, dtype=D)])
+    with pytest.raises(JacobianCallError, match=r"torch_vjp.jvp: primals must be a tuple, the "
+                       r"arguments of f, but it is a Tensor"):
+        jvp(torch.sin, x, (torch.ones(3, dtype=D),))
+
+
+def test_bad_chunk_size():
+    with pytest.raises(JacobianOptionError, match=r"torch_vjp.vjp: vjp_fn: chunk_size=0"):
+        _vjp_fn()(torch.ones(2, 3, dtype=D), batched=True, chunk_size=0)
+    with pytest.raises(JacobianOptionError, match=r"torch_vjp.jvp: chunk_size=-1"):
+        jvp(torch.sin, (torch.ones(3),), (torch.ones(2, 3),), batched=True, chunk_size=-1)
+
+
+def test_output_errors():
+    with pytest.raises(JacobianCallError, match=r"torch_vjp.vjp: the output of f has dtype "
+                       r"torch.int64"):
+        vjp(lambda x: x.argmax(), torch.randn(3))
+    with pytest.raises(JacobianCallError, match=r"torch_vjp.jvp: primals\[1\] is a str, but "
+                       r"every primal is differentiated"):
+        jvp(lambda x, s: x, (torch.randn(3), "a"), (torch.randn(3), "a"))
+
+
+def test_errors_of_f_pass_through_untouched():
+    raised = []
+
+    def f(x):
+        raised.append(KeyError("from f"))
+        raise raised[-1]
+
+    with pytest.raises(KeyError) as info:
+        vjp(f, torch.randn(3))
+    assert info.value is raised[-1]
+    with pytest.raises(KeyError) as info:
+        jvp(f, (torch.randn(3),), (torch.randn(2, 3),), batched=True)
+    assert info.value is raised[-1]

@@ -1,0 +1,497 @@
+"""Explicit Jacobians: of a function, of a batch row by row, of a computed graph; Hessians.
+
+Shape convention (torch.func's): for ``y = f(x)``, ``J.shape == y.shape + x.shape`` and
+``J[a, b] = dy[a] / dx[b]``. A tuple ``argnums`` gives a tuple of Jacobians, one per selected
+primal; an output that is a tuple, list or dict gives the same structure of Jacobians
+(exactly as :func:`torch.func.jacrev`).
+
+Cost model: the Jacobian of ``f: R^n -> R^m`` takes either ``m`` vector-Jacobian products
+(reverse mode, one per output element: ``strategy="rev"``) or ``n`` Jacobian-vector products
+(forward mode, one per input element: ``strategy="fwd"``), vectorised with ``torch.vmap``.
+``strategy="auto"`` picks by size and falls back to a Python loop when vmap cannot batch
+``f``. See the docs page "Choosing a Jacobian strategy".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from torch_vjp._core import (
+    Blocks,
+    JacobianCallError,
+    Problem,
+    _quote,
+    _user_stacklevel,
+    assemble,
+    basis_rows,
+    buffers_kept,
+    check_chunk_size,
+    jacobian_blocks,
+    parse_max_memory,
+    plan_chunk,
+    run_with_fallback,
+    warn_disconnected,
+)
+from torch_vjp._errors import JacobianWarning, shape_str
+from torch_vjp._strategies import StrategyName, get_strategy
+
+__all__ = ["jacobian", "batch_jacobian", "jacobian_of", "hessian"]
+
+
+@overload
+def jacobian(
+    f: Callable[..., Any],
+    *primals: Any,
+    argnums: int | tuple[int, ...] = 0,
+    strategy: StrategyName = "auto",
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+    has_aux: Literal[False] = False,
+) -> Any: ...
+
+
+@overload
+def jacobian(
+    f: Callable[..., Any],
+    *primals: Any,
+    argnums: int | tuple[int, ...] = 0,
+    strategy: StrategyName = "auto",
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+    has_aux: Literal[True],
+) -> tuple[Any, Any]: ...
+
+
+def jacobian(
+    f: Callable[..., Any],
+    *primals: Any,
+    argnums: int | tuple[int, ...] = 0,
+    strategy: StrategyName = "auto",
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+    has_aux: bool = False,
+) -> Any:
+    """The Jacobian of ``f`` at ``primals``: one VJP per output element or one JVP per input
+    element, vectorised with vmap, whichever is cheaper.
+
+    Layout as in :func:`torch.func.jacrev`: ``J.shape == y.shape + x.shape``; a tuple
+    ``argnums`` gives a tuple, a pytree output the same pytree of Jacobians.
+
+    Args:
+        f: a function of tensors returning a tensor or a tuple, list or dict of tensors
+            (with ``has_aux``: a pair ``(output, aux)``).
+        *primals: the point at which to differentiate, passed as ``f(*primals)``.
+        argnums: which primals to differentiate against: an int, or a tuple of ints for
+            several (then the result holds one Jacobian per entry).
+        strategy: ``"auto"`` (default: ``"rev"`` or ``"fwd"`` by the numbers of output and
+            input elements, at the crossover measured by ``benchmarks/crossover.py``; falls
+            back to a loop strategy, warning once, when vmap cannot batch ``f``), ``"rev"``
+            (one VJP per output element under vmap), ``"fwd"`` (one JVP per input element
+            under vmap), ``"rev-loop"``, ``"fwd-loop"`` (the same products in a Python loop,
+            for functions vmap cannot batch).
+        chunk_size: how many products to compute at once; ``None`` for as many as the
+            memory budget allows (usually all). ``1`` computes one at a time without vmap.
+        max_memory: bound on the extra memory, the Jacobian included: bytes, or a string
+            such as ``"2GB"``, ``"1.5 GB"`` (powers of 1000) or ``"512MiB"`` (powers of
+            1024). The chunk size is derived from it. ``None``: the memory free on the
+            device.
+        has_aux: ``f`` returns ``(output, aux)``; the result is then ``(J, aux)``.
+
+    Returns:
+        The Jacobian (``(J, aux)`` with ``has_aux``).
+
+    Raises:
+        StrategyError: unknown ``strategy``.
+        JacobianMemoryError: the Jacobian does not fit ``max_memory`` (or the free memory);
+            raised before the products are computed.
+        JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit.
+        JacobianOptionError: invalid ``chunk_size`` or ``max_memory``.
+
+    Warns:
+        JacobianWarning: once per function, when ``"auto"`` falls back to a loop; and when
+            an output's value depends on an input but not through autograd (its block of
+            zeros is not the derivative).
+
+    Example:
+        >>> import torch, torch_vjp as tv
+        >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+        >>> J = tv.jacobian(lambda x: torch.outer(x, x), x)
+        >>> J.shape
+        torch.Size([4, 4, 4])
+        >>> torch.testing.assert_close(J, torch.func.jacrev(lambda x: torch.outer(x, x))(x))
+        >>> Jx, Jw = tv.jacobian(lambda x, w: w @ x, x, torch.ones(2, 4, dtype=torch.float64),
+        ...                      argnums=(0, 1))
+        >>> Jx.shape, Jw.shape
+        (torch.Size([2, 4]), torch.Size([2, 2, 4]))
+    """
+    call = "torch_vjp.jacobian"
+    strat = get_strategy(strategy, call=call)
+    chunk = check_chunk_size(chunk_size, call=call)
+    budget = parse_max_memory(max_memory, call=call)
+    prob = Problem(f, primals, argnums, has_aux=has_aux, call=call)
+    with buffers_kept(f):
+        res = jacobian_blocks(
+            prob, strat.mode, vectorized=strat.vectorized, fallback=strat.mode is None,
+            chunk_size=chunk, max_memory=budget,
+        )
+        warn_disconnected(prob, res)
+    jac = assemble(prob, res)
+    return (jac, res.aux) if has_aux else jac
+
+
+_BATCH_ALTERNATIVES = (
+    "torch_vjp.vjp / torch_vjp.jvp give products with the per-example Jacobians without "
+    "forming them (batched=True for many at once); or call batch_jacobian on slices of "
+    "the batch, x[i:i + k], and use each result before computing the next."
+)
+
+
+def batch_jacobian(
+    f: Callable[[Tensor], Any],
+    x: Tensor,
+    *,
+    strategy: StrategyName = "auto",
+    chunk_size: int | None = None,
+) -> Any:
+    """Per-example Jacobians of a function that maps a batch row by row, without the
+    B-times-larger cross-example blocks: one VJP per output element of a row (or one JVP per
+    input element of a row), each computed for the whole batch at once.
+
+    ``f`` maps ``(B, *in) -> (B, *out)`` and row ``b`` of its output depends only on row
+    ``b`` of ``x`` (a per-example model: no BatchNorm in training mode, no attention across
+    the batch). Under that assumption the full Jacobian is zero off the diagonal blocks, and
+    ``J[b] = d f(x)[b] / d x[b]`` is found by differentiating the sum over the batch:
+    the derivative of ``f(x).sum(0)`` with respect to ``x[b]`` is row ``b``'s own block.
+    The result is what ``torch.vmap(torch.func.jacrev(f_single))(x)`` gives, in one vmap
+    level instead of two (cf. TensorFlow's ``GradientTape.batch_jacobian``). If rows are not
+    independent, the result is the sum over ``b'`` of ``d f(x)[b'] / d x[b]``, not a
+    per-example Jacobian.
+
+    Args:
+        f: maps a batch ``(B, *in)`` to a tensor (or tuple, list or dict of tensors) with the
+            same leading dimension B.
+        x: the batch, with its batch dimension first.
+        strategy: as in :func:`jacobian`; ``"auto"`` compares the per-row output and input
+            sizes.
+        chunk_size: products at once, as in :func:`jacobian`.
+
+    Returns:
+        ``(B, *out, *in)`` per output tensor, in ``f``'s output structure.
+
+    Raises:
+        JacobianCallError: ``x`` has no batch dimension, or an output of ``f`` lacks the
+            leading dimension B.
+        JacobianMemoryError: the result does not fit the free memory.
+        StrategyError: unknown ``strategy``.
+
+    Example:
+        >>> import torch, torch_vjp as tv
+        >>> W = torch.randn(3, 5, dtype=torch.float64)
+        >>> f = lambda x: torch.tanh(x @ W.T)            # (B, 5) -> (B, 3)
+        >>> x = torch.randn(64, 5, dtype=torch.float64)
+        >>> J = tv.batch_jacobian(f, x)
+        >>> J.shape
+        torch.Size([64, 3, 5])
+        >>> ref = torch.vmap(torch.func.jacrev(lambda xi: torch.tanh(W @ xi)))(x)
+        >>> torch.testing.assert_close(J, ref)
+    """
+    call = "torch_vjp.batch_jacobian"
+    strat = get_strategy(strategy, call=call)
+    chunk = check_chunk_size(chunk_size, call=call)
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        what = f"a 0-d tensor" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+        raise JacobianCallError(
+            f"{call}: x is {what}, but it must be a tensor whose first dimension is the "
+            f"batch, (B, *in). For a single example, use torch_vjp.jacobian(f, x), or pass "
+            f"x.unsqueeze(0)."
+        )
+    prob = Problem(f, (x,), 0, has_aux=False, call=call)
+    with buffers_kept(f):
+        res = jacobian_blocks(
+            prob, strat.mode, vectorized=strat.vectorized, fallback=strat.mode is None,
+            chunk_size=chunk, max_memory=None, batch=x.shape[0],
+            alternatives=_BATCH_ALTERNATIVES,
+        )
+        warn_disconnected(prob, res, batch=x.shape[0])
+    return assemble(prob, res)
+
+
+def hessian(
+    f: Callable[..., Any],
+    *primals: Any,
+    argnums: int | tuple[int, ...] = 0,
+    strategy: StrategyName = "auto",
+) -> Any:
+    """The Hessian of ``f`` at ``primals``: the Jacobian of its gradient, forward-over-reverse
+    by default (one JVP of the gradient per input element, vectorised with vmap).
+
+    Layout as in :func:`torch.func.hessian`: for a scalar ``f`` of ``x``,
+    ``H.shape == x.shape + x.shape``; in general ``y.shape + x.shape + x.shape``, and a tuple
+    ``argnums`` nests a tuple in a tuple.
+
+    ``strategy`` names the outer Jacobian (the inner one, the gradient, is always reverse
+    mode, which is what a gradient costs least in):
+
+    * ``"auto"``: forward over reverse, as ``torch.func.hessian``; falls back to loops,
+      warning once, when vmap cannot batch ``f``;
+    * ``"fwd"``: forward over reverse; ``"rev"``: reverse over reverse;
+    * ``"fwd-loop"``, ``"rev-loop"``: the same in Python loops, without vmap.
+
+    Args:
+        f: a function of tensors returning a tensor (or a pytree of tensors).
+        *primals: the point, passed as ``f(*primals)``.
+        argnums: which primals to differentiate against, as in :func:`jacobian`.
+        strategy: see above.
+
+    Returns:
+        The Hessian.
+
+    Raises:
+        StrategyError: unknown ``strategy``.
+        JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit.
+        JacobianMemoryError: the Hessian does not fit the free memory.
+
+    Example:
+        >>> import torch, torch_vjp as tv
+        >>> x = torch.randn(5, dtype=torch.float64)
+        >>> H = tv.hessian(lambda x: x.sin().sum(), x)
+        >>> torch.testing.assert_close(H, torch.diag(-x.sin()))
+    """
+    call = "torch_vjp.hessian"
+    strat = get_strategy(strategy, call=call)
+    outer_mode = strat.mode or "fwd"
+    vectorized = strat.vectorized
+    fallback = strat.mode is None
+    outer = Problem(lambda *args: _gradient(f, args, argnums, vectorized, fallback, call),
+                    primals, argnums, has_aux=False, call=call)
+    # Shapes of the gradient without computing it: f's outputs and the primals suffice.
+    inner = Problem(f, primals, argnums, has_aux=False, call=call)
+
+    def probe() -> tuple[list[Tensor], Any]:
+        flat_out, out_spec = inner.probe()
+        blocks = [
+            [torch.empty((*o.shape, *x.shape), dtype=x.dtype, device="meta") for x in inner.leaves]
+            for o in flat_out
+        ]
+        return tree_flatten(assemble(inner, Blocks(blocks, out_spec, None, "rev")))
+
+    with buffers_kept(f):
+        res = jacobian_blocks(
+            outer, outer_mode, vectorized=vectorized, fallback=fallback,
+            chunk_size=None, max_memory=None, probe=probe, functorch_loops=True,
+        )
+        warn_disconnected(outer, res)
+    return assemble(outer, res)
+
+
+def _gradient(
+    f: Callable[..., Any],
+    args: tuple[Any, ...],
+    argnums: int | tuple[int, ...],
+    vectorized: bool,
+    fallback: bool,
+    call: str,
+) -> Any:
+    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`hessian`)."""
+    prob = Problem(f, args, argnums, has_aux=False, call=call)
+    res = jacobian_blocks(
+        prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None
+    )
+    return assemble(prob, res)
+
+
+def jacobian_of(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    *,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    chunk_size: int | None = None,
+) -> Any:
+    """The Jacobian of tensors already computed, from their autograd graph: one backward
+    pass per output element, vectorised with ``torch.vmap`` over ``torch.autograd.grad``.
+
+    (Not ``torch.autograd.grad(..., is_grads_batched=True)``: in torch 2.13 that runs on the
+    legacy vmap prototype, which lacks batching rules for common backward operators such as
+    ``tanh_backward`` and is slower than a Python loop; ``torch.vmap`` over the same call is
+    an order of magnitude faster than the loop.)
+
+    Layout as in :func:`jacobian`: ``J.shape == output.shape + input.shape``; a tuple of
+    outputs gives a tuple, a tuple of inputs a tuple per output.
+
+    Args:
+        outputs: a tensor or a sequence of tensors, computed from ``inputs``.
+        inputs: a tensor or a sequence of tensors with ``requires_grad=True``.
+        retain_graph: keep the graph for later backward passes (default: ``create_graph``).
+            The graph is always kept while the products run; with ``retain_graph=False``
+            its buffers are freed by the last one (or when ``outputs`` are released).
+        create_graph: make the Jacobian differentiable (for higher derivatives).
+        chunk_size: output elements per batched backward pass; ``None`` for as many as the
+            free memory allows (usually all).
+
+    Returns:
+        The Jacobian blocks.
+
+    Raises:
+        JacobianCallError: an input does not require grad, or an argument is not a tensor.
+        JacobianMemoryError: the Jacobian does not fit the free memory.
+
+    Warns:
+        JacobianWarning: for an output with no autograd path to an input (its block is
+            zeros); once, when the batched backward pass fails and a loop is used.
+
+    Example:
+        >>> import torch, torch_vjp as tv
+        >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+        >>> y = torch.outer(x, x)
+        >>> J = tv.jacobian_of(y, x)
+        >>> J.shape
+        torch.Size([4, 4, 4])
+        >>> J[1, 2].tolist()  # d y[1, 2] / dx = d (x1 x2) / dx
+        [0.0, 3.0, 2.0, 0.0]
+    """
+    call = "torch_vjp.jacobian_of"
+    chunk = check_chunk_size(chunk_size, call=call)
+    outs = _tensors(outputs, "outputs", call)
+    ins = _tensors(inputs, "inputs", call)
+    for i, x in enumerate(ins):
+        if not x.requires_grad:
+            name = "inputs" if isinstance(inputs, Tensor) else f"inputs[{i}]"
+            raise JacobianCallError(
+                f"{call}: {name} (shape {shape_str(x.shape)}) does not require grad, so no "
+                f"graph leads to it and its Jacobian cannot be read from one.\n"
+                f"  Create it with requires_grad=True (or call .requires_grad_() on it) "
+                f"before computing the outputs; or use torch_vjp.jacobian(f, x), which needs "
+                f"no graph."
+            )
+    if retain_graph is None:
+        retain_graph = create_graph
+    diff = [j for j, o in enumerate(outs) if o.requires_grad]
+    d_outs = [outs[j] for j in diff]
+    shapes = [o.shape for o in d_outs]
+    n = sum(math.prod(s) for s in shapes)
+    n_out = sum(o.numel() for o in outs)
+    n_in = sum(x.numel() for x in ins)
+    itemsize = max([o.dtype.itemsize for o in outs] + [x.dtype.itemsize for x in ins])
+    plan = plan_chunk(
+        n, itemsize * n_out * n_in, 4 * itemsize * (n_out + n_in),
+        chunk_size=chunk, max_memory=None, device=ins[0].device, call=call,
+        what=(
+            f"{n_out * n_in:,} elements, {n_out:,} output elements times {n_in:,} input "
+            f"elements"
+        ),
+        alternatives=(
+            "torch_vjp.grad with grad_outputs (is_grads_batched=True for many at once) "
+            "gives products of the Jacobian with vectors without forming it; or ask for "
+            "fewer outputs or inputs at a time."
+        ),
+    )
+    unused: set[int] = set()
+    # NOTE [jacobian_of retain_graph]: the graph is kept until the last product, and freed
+    # by it (retain_graph=False) only once a vectorised product has succeeded: a failing
+    # vectorised attempt must leave the graph whole for the loop that replaces it.
+    state = {"stop": 0, "next": 0, "proven": False}
+
+    def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
+        if vectorized:  # runs once per chunk, under torch.vmap
+            last = state["stop"] >= n
+            retain = retain_graph if (last and state["proven"]) else True
+        else:
+            last = state["next"] >= n - 1
+            state["next"] += 1
+            retain = retain_graph if last else True
+        res = torch.autograd.grad(
+            d_outs, ins, list(vecs), retain_graph=retain, create_graph=create_graph,
+            allow_unused=True,
+        )
+        state["proven"] = state["proven"] or vectorized
+        out = []
+        for i, (g, x) in enumerate(zip(res, ins)):
+            if g is None:
+                unused.add(i)
+                g = torch.zeros_like(x)
+            out.append(g)
+        return tuple(out)
+
+    blocks_by_input: list[Tensor]
+    if n == 0:
+        blocks_by_input = [x.new_zeros((0, *x.shape)) for x in ins]
+    else:
+        basis = basis_rows(shapes, [o.dtype for o in d_outs], [o.device for o in d_outs])
+
+        def rows(start: int, stop: int) -> tuple[Tensor, ...]:
+            state["stop"], state["next"] = stop, start
+            return basis(start, stop)
+
+        blocks_by_input, _ = run_with_fallback(
+            lambda *v: grads(v, False), rows, n, vectorized=True, fallback=True, chunk=plan,
+            batched_fn=torch.vmap(lambda *v: grads(v, True)),
+            warn_key=("jacobian_of",),
+            message=lambda err: (
+                f"{call}: the vectorised backward pass (torch.vmap over torch.autograd.grad) "
+                f"failed, so the Jacobian is computed with one backward pass per output "
+                f"element in a Python loop, usually many times slower.\n  It said: "
+                f"{_quote(err)}\n  This warning is shown once."
+            ),
+        )
+    # blocks_by_input[i]: (n, *in_i) over the outputs that require grad
+    numels = [math.prod(s) for s in shapes]
+    result: list[list[Tensor]] = []
+    parts_by_input = [b.split(numels) if len(numels) > 1 else (b,) for b in blocks_by_input]
+    k = 0
+    for j, o in enumerate(outs):
+        if o.requires_grad:
+            row = [parts[k].reshape((*o.shape, *x.shape)) for parts, x in zip(parts_by_input, ins)]
+            k += 1
+        else:
+            row = [o.new_zeros((*o.shape, *x.shape), dtype=x.dtype) for x in ins]
+        result.append(row)
+    single_out, single_in = isinstance(outputs, Tensor), isinstance(inputs, Tensor)
+    for j, o in enumerate(outs):
+        out_name = "outputs" if single_out else f"outputs[{j}]"
+        if not o.requires_grad:
+            _warn(
+                f"{call}: {out_name} (shape {shape_str(o.shape)}) does not require grad: it "
+                f"was computed from no input through autograd, so its Jacobian is all zeros.\n"
+                f"  If it does depend on the inputs, the dependence went through .item(), "
+                f".numpy(), torch.tensor(...), .detach() or torch.no_grad(), which autograd "
+                f"cannot follow."
+            )
+            continue
+        for i in sorted(unused):
+            in_name = "inputs" if single_in else f"inputs[{i}]"
+            _warn(
+                f"{call}: {out_name} has no autograd path to {in_name}, so that Jacobian "
+                f"block is all zeros.\n"
+                f"  If {out_name} does depend on {in_name}, the dependence went through "
+                f".item(), .numpy(), torch.tensor(...), .detach() or torch.no_grad(), which "
+                f"autograd cannot follow."
+            )
+    rows_out = [r[0] if single_in else tuple(r) for r in result]
+    return rows_out[0] if single_out else tuple(rows_out)
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, JacobianWarning, stacklevel=_user_stacklevel())
+
+
+def _tensors(value: Any, name: str, call: str) -> tuple[Tensor, ...]:
+    items = (value,) if isinstance(value, Tensor) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = None
+    if not items or not all(isinstance(t, Tensor) for t in items):
+        raise JacobianCallError(
+            f"{call}: {name} must be a tensor or a non-empty sequence of tensors, got "
+            f"{type(value).__name__}."
+        )
+    return items

@@ -1,0 +1,257 @@
+"""Vector-Jacobian and Jacobian-vector products, one at a time or K at once.
+
+``vjp`` and ``jvp`` are :func:`torch.func.vjp` and :func:`torch.func.jvp` with two additions:
+the vectors are checked by the same checker, with the same messages, as
+:func:`torch_vjp.grad`'s ``grad_outputs``; and ``batched=True`` takes K vectors stacked along
+a new leading dimension and computes the K products in one vectorised call (``torch.vmap``
+over the product, ``chunk_size`` at a time), returning them stacked the same way.
+
+For ``y = f(x)`` with Jacobian ``J`` (``J.shape == y.shape + x.shape``), a VJP takes a
+cotangent ``v`` shaped like ``y`` (``v`` is dL/dy) and returns ``v^T J``, shaped like ``x``; a
+JVP takes a tangent ``t`` shaped like ``x`` (a direction of change) and returns ``J t``,
+shaped like ``y``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, overload
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from torch_vjp._checks import check_cotangents, check_tree_structure, normalize_grad_outputs
+from torch_vjp._core import (
+    JacobianCallError,
+    Problem,
+    _func_jvp,
+    _func_vjp,
+    check_chunk_size,
+    map_rows,
+)
+
+__all__ = ["vjp", "jvp"]
+
+
+def _flat_vectors(
+    normalized: tuple[Tensor | None, ...], like: list[Tensor], batched: bool
+) -> list[Tensor]:
+    """Replaces the checker's ``None`` (no vector for an output that needs none) by zeros."""
+    k = None
+    if batched:
+        k = next((v.shape[0] for v in normalized if v is not None), 0)
+    out = []
+    for v, t in zip(normalized, like):
+        if v is None:
+            v = t.new_zeros((k, *t.shape) if batched else t.shape)
+        out.append(v)
+    return out
+
+
+def _batch_size(vectors: list[Tensor]) -> int:
+    return int(vectors[0].shape[0])
+
+
+@overload
+def vjp(
+    f: Callable[..., Any], *primals: Any, has_aux: Literal[False] = False
+) -> tuple[Any, Callable[..., Any]]: ...
+
+
+@overload
+def vjp(
+    f: Callable[..., Any], *primals: Any, has_aux: Literal[True]
+) -> tuple[Any, Callable[..., Any], Any]: ...
+
+
+def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[Any, ...]:
+    """``f(*primals)`` and a function computing vector-Jacobian products at ``primals``.
+
+    Args:
+        f: a function of tensors returning a tensor or a tuple, list or dict of tensors
+            (with ``has_aux``: a pair ``(output, aux)``).
+        *primals: the point, passed as ``f(*primals)``; products are taken with respect to
+            all of them.
+        has_aux: ``f`` returns ``(output, aux)``; the result is then
+            ``(output, vjp_fn, aux)``.
+
+    Returns:
+        ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with ``has_aux``). ``vjp_fn(
+        cotangents, *, batched=False, chunk_size=None)`` takes cotangents in the output's
+        structure, each shaped like its output (dL/d output), and returns a tuple with one
+        ``v^T J`` per primal, each shaped like its primal. With ``batched=True`` every
+        cotangent carries an extra leading dimension K (the same for all), and every result
+        too: K products in one vectorised call, ``chunk_size`` at a time. ``vjp_fn`` can be
+        called any number of times.
+
+    Raises:
+        GradOutputsError: (from ``vjp_fn``) cotangents of the wrong structure, shape,
+            batch size, dtype or device, with the same messages as :func:`torch_vjp.grad`.
+        JacobianCallError: a primal or an output of ``f`` cannot be differentiated.
+
+    Example:
+        >>> import torch, torch_vjp as tv
+        >>> x = torch.randn(3, dtype=torch.float64)
+        >>> W = torch.randn(2, 3, dtype=torch.float64)
+        >>> out, vjp_fn = tv.vjp(lambda x: W @ x, x)
+        >>> (g,) = vjp_fn(torch.tensor([1.0, 0.0], dtype=torch.float64))
+        >>> torch.testing.assert_close(g, W[0])
+        >>> (rows,) = vjp_fn(torch.eye(2, dtype=torch.float64), batched=True)  # K = 2
+        >>> torch.testing.assert_close(rows, W)
+    """
+    call = "torch_vjp.vjp"
+    prob = Problem(f, primals, None, has_aux=has_aux, call=call)
+    res = _func_vjp(prob.g, *prob.leaves, has_aux=prob.has_aux)
+    out, pullback = res[0], res[1]
+    flat_out, out_spec = tree_flatten(out)
+    single = isinstance(out, Tensor)
+    pull_call = "torch_vjp.vjp: vjp_fn"
+
+    def pull(*cot: Tensor) -> Any:
+        return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec))
+
+    def vjp_fn(cotangents: Any, *, batched: bool = False, chunk_size: int | None = None) -> Any:
+        """``v^T J`` for the cotangents ``v`` (K of them with ``batched=True``)."""
+        chunk = check_chunk_size(chunk_size, call=pull_call)
+        normalized = check_cotangents(
+            out, cotangents, call=pull_call, batched=batched, primals=tuple(prob.leaves)
+        )
+        vectors = _flat_vectors(normalized, flat_out, batched)
+        if not batched:
+            grads = pull(*vectors)
+        else:
+            k = _batch_size(vectors)
+            if k == 0:
+                grads = tuple(x.new_zeros((0, *x.shape)) for x in prob.leaves)
+            else:
+                grads, _ = map_rows(
+                    pull, lambda s, e: tuple(v[s:e] for v in vectors), k,
+                    vectorized=True, chunk_size=chunk,
+                )
+        return tree_unflatten(list(grads), prob.in_spec)
+
+    if has_aux:
+        return out, vjp_fn, res[2]
+    return out, vjp_fn
+
+
+@overload
+def jvp(
+    f: Callable[..., Any],
+    primals: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    *,
+    batched: bool = False,
+    chunk_size: int | None = None,
+    has_aux: Literal[False] = False,
+) -> tuple[Any, Any]: ...
+
+
+@overload
+def jvp(
+    f: Callable[..., Any],
+    primals: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    *,
+    batched: bool = False,
+    chunk_size: int | None = None,
+    has_aux: Literal[True],
+) -> tuple[Any, Any, Any]: ...
+
+
+def jvp(
+    f: Callable[..., Any],
+    primals: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    *,
+    batched: bool = False,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+) -> tuple[Any, ...]:
+    """``f(*primals)`` and the Jacobian-vector product ``J t`` for ``tangents`` ``t``.
+
+    Args:
+        f: a function of tensors returning a tensor or a tuple, list or dict of tensors
+            (with ``has_aux``: a pair ``(output, aux)``).
+        primals: the point, a tuple passed as ``f(*primals)``.
+        tangents: one direction per primal, in the primals' structure, each shaped like its
+            primal. With ``batched=True`` each carries an extra leading dimension K (the same
+            for all): K products in one vectorised call, ``chunk_size`` at a time.
+        batched: the tangents hold K directions each.
+        chunk_size: with ``batched``, directions per vectorised call (``None``: all).
+        has_aux: ``f`` returns ``(output, aux)``; the result is then
+            ``(output, jvp_out, aux)``.
+
+    Returns:
+        ``(output, jvp_out)``: ``jvp_out`` in the output's structure, each shaped like its
+        output (with the leading K when ``batched``).
+
+    Raises:
+        GradOutputsError: tangents of the wrong structure, shape, batch size, dtype or
+            device, with the same messages as :func:`torch_vjp.grad`.
+        JacobianCallError: ``primals`` is not a tuple, or a primal or an output of ``f``
+            cannot be differentiated.
+
+    Example:
+        >>> import torch, torch_vjp as tv
+        >>> x = torch.randn(3, dtype=torch.float64)
+        >>> W = torch.randn(2, 3, dtype=torch.float64)
+        >>> e0 = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+        >>> out, jt = tv.jvp(lambda x: W @ x, (x,), (e0,))
+        >>> torch.testing.assert_close(jt, W[:, 0])
+        >>> eye = torch.eye(3, dtype=torch.float64)
+        >>> out, cols = tv.jvp(lambda x: W @ x, (x,), (eye,), batched=True)
+        >>> torch.testing.assert_close(cols, W.T)   # K = 3 columns of J, stacked
+    """
+    call = "torch_vjp.jvp"
+    chunk = check_chunk_size(chunk_size, call=call)
+    if not isinstance(primals, tuple):
+        raise JacobianCallError(
+            f"{call}: primals must be a tuple, the arguments of f, but it is a "
+            f"{type(primals).__name__}. Fix: {call}(f, (x,), (t,)) for one argument."
+        )
+    check_tree_structure(primals, tangents, call=call, name="tangents", against="the primals")
+    prob = Problem(f, primals, None, has_aux=has_aux, call=call)
+    normalized = normalize_grad_outputs(
+        tuple(prob.leaves),
+        tuple(tree_leaves(tangents)),
+        is_grads_batched=batched,
+        call=call,
+        outputs_name="primals",
+        grad_outputs_name="tangents",
+        role="tangents",
+        require_grad=False,
+        allow_none=False,
+        batch_hint="pass batched=True",
+        batch_flag="batched",
+    )
+    vectors = _flat_vectors(normalized, prob.leaves, batched)
+    leaves = tuple(prob.leaves)
+    if not batched:
+        return _func_jvp(prob.g, leaves, tuple(vectors), has_aux=has_aux)
+
+    g = prob.g
+    spec_box: list[Any] = []
+
+    def push(*tangent: Tensor) -> Any:
+        res = _func_jvp(g, leaves, tangent, has_aux=has_aux)
+        flat_t, spec = tree_flatten(res[1])
+        if not spec_box:
+            spec_box.append(spec)
+        return tuple(flat_t), (res[0],) + tuple(res[2:])
+
+    k = _batch_size(vectors)
+    if k == 0:
+        with torch.no_grad():
+            res = g(*leaves)
+        out = res[0] if has_aux else res
+        flat_o, spec = tree_flatten(out)
+        tan = tree_unflatten([o.new_zeros((0, *o.shape)) for o in flat_o], spec)
+        return (out, tan, res[1]) if has_aux else (out, tan)
+    stacked, extra = map_rows(
+        push, lambda s, e: tuple(v[s:e] for v in vectors), k,
+        vectorized=True, chunk_size=chunk, extras=True,
+    )
+    tan = tree_unflatten(stacked, spec_box[0])
+    return (extra[0], tan) + tuple(extra[1:])
