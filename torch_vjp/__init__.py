@@ -23,6 +23,7 @@ from torch_vjp._errors import (
 )
 
 from torch_vjp.autograd import backward, check_grad_outputs, checked, grad
+from torch_vjp.compare import StrategyComparison, StrategyRow, compare_strategies
 from torch_vjp.function_check import FunctionCheckReport, check_function
 from torch_vjp.jacobians import batch_jacobian, hessian, jacobian, jacobian_of
 from torch_vjp.transforms import jvp, vjp
@@ -46,6 +47,10 @@ __all__ = [
     # VJP and JVP, batched (SPEC §4)
     "vjp",
     "jvp",
+    # strategy comparison (SPEC §6)
+    "compare_strategies",
+    "StrategyComparison",
+    "StrategyRow",
     # errors and warnings
     "TorchVJPError",
     "GradOutputsError",

@@ -1,0 +1,115 @@
+"""Runs the full ``torch-vjp bench`` suite and puts the committed results on the docs page.
+
+This is ``python -m torch_vjp bench`` with fixed output paths:
+
+* ``results/jacobian_suite_<device>.json``, ``.md`` and ``.png`` next to this file;
+* ``docs/pages/img/jacobian_suite_<device>.png`` and, on ``docs/pages/benchmarks.md``,
+  the tables between the markers ``<!-- suite:<device>:start -->`` and
+  ``<!-- suite:<device>:end -->``.
+
+It then refreshes every other ``<!-- include:NAME:start -->`` ... ``<!-- include:NAME:end
+-->`` block of that page with ``results/NAME`` (a Markdown file written by another script
+here, its title dropped, its images copied to ``docs/pages/img/``). The rest of the page
+is left as it is.
+
+Run: ``python benchmarks/bench_suite.py [--threads 2] [--device cpu]``; other arguments go
+to ``torch-vjp bench`` (e.g. ``--rounds 3``). ``--docs-only`` refreshes the page from the
+results already committed, without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from torch_vjp.__main__ import main as bench_main
+from torch_vjp.bench import load_json
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+DOCS_PAGE = REPO / "docs" / "pages" / "benchmarks.md"
+DOCS_IMG = REPO / "docs" / "pages" / "img"
+
+
+def docs_block(json_path: Path, image: str) -> str:
+    """The Markdown shown on the docs page for one suite result."""
+    result = load_json(json_path)
+    md = result.markdown(image=image)
+    # The page has its own title: drop the results file's "# ..." heading, demote the rest.
+    body = md.split("\n", 1)[1].lstrip("\n")
+    return re.sub(r"^## ", "### ", body, flags=re.MULTILINE).rstrip("\n")
+
+
+def _replace(page: str, start: str, end: str, block: str) -> str:
+    if start not in page or end not in page:
+        raise SystemExit(f"{DOCS_PAGE} has no {start} ... {end} markers")
+    before, rest = page.split(start, 1)
+    _, after = rest.split(end, 1)
+    return f"{before}{start}\n{block}\n{end}{after}"
+
+
+def _included(name: str) -> str:
+    """``results/NAME`` for the docs page: title dropped, headings demoted, images copied."""
+    text = (RESULTS / name).read_text(encoding="utf-8")
+    if text.startswith("# "):
+        text = text.split("\n", 1)[1].lstrip("\n")
+    text = re.sub(r"^(#+) ", r"\1## ", text, flags=re.MULTILINE)
+
+    def image(match: re.Match[str]) -> str:
+        source = RESULTS / match.group(2)
+        if not source.is_file():
+            return f"(figure `{match.group(2)}` not committed)"
+        shutil.copyfile(source, DOCS_IMG / source.name)
+        return f"![{match.group(1)}](img/{source.name})"
+
+    return re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", image, text).rstrip("\n")
+
+
+def update_docs(devices: list[str]) -> None:
+    """Rewrites the generated blocks of ``docs/pages/benchmarks.md`` from ``results/``."""
+    DOCS_IMG.mkdir(parents=True, exist_ok=True)
+    page = DOCS_PAGE.read_text(encoding="utf-8")
+    for device in devices:
+        stem = RESULTS / f"jacobian_suite_{device}"
+        image = DOCS_IMG / f"jacobian_suite_{device}.png"
+        shutil.copyfile(stem.with_suffix(".png"), image)
+        page = _replace(page, f"<!-- suite:{device}:start -->", f"<!-- suite:{device}:end -->",
+                        docs_block(stem.with_suffix(".json"), f"img/{image.name}"))
+    for name in re.findall(r"<!-- include:([\w.-]+):start -->", page):
+        if (RESULTS / name).is_file():
+            page = _replace(page, f"<!-- include:{name}:start -->", f"<!-- include:{name}:end -->",
+                            _included(name))
+    DOCS_PAGE.write_text(page, encoding="utf-8")
+    print(f"docs: {DOCS_PAGE}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", default="2")
+    parser.add_argument("--no-docs", action="store_true", help="do not touch docs/pages")
+    parser.add_argument("--docs-only", action="store_true",
+                        help="only refresh docs/pages/benchmarks.md from results/")
+    args, extra = parser.parse_known_args(argv)
+    committed = sorted(p.stem.removeprefix("jacobian_suite_")
+                       for p in RESULTS.glob("jacobian_suite_*.json"))
+    if args.docs_only:
+        update_docs(committed)
+        return 0
+    device = args.device.split(":")[0]
+    stem = RESULTS / f"jacobian_suite_{device}"
+    json_path, png_path, md_path = (stem.with_suffix(s) for s in (".json", ".png", ".md"))
+    status = bench_main(["bench", "--device", args.device, "--threads", args.threads,
+                         "--json", str(json_path), "--markdown", str(md_path),
+                         "--plot", str(png_path), *extra])
+    if status == 0 and not args.no_docs:
+        update_docs(sorted({*committed, device}))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Tests of torch_vjp.compare: compare_strategies, its report, and the memory counter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torch_vjp._errors import StrategyError
+from torch_vjp._strategies import STRATEGIES
+from torch_vjp.compare import (
+    StrategyComparison,
+    StrategyRow,
+    _LiveTensorBytes,
+    _measure_peak,
+    compare_strategies,
+)
+
+FAST = 0.002  # seconds of timing per strategy: enough to get a median, fast in CI
+ALL = tuple([n for n in STRATEGIES if n != "auto"] + ["auto"])
+
+
+class _Branchy(torch.autograd.Function):
+    """``3 x`` whose backward branches on the cotangent's values: vmap cannot batch it, a
+    Python loop can; it has no forward-mode rule (``jvp``)."""
+
+    @staticmethod
+    def forward(x):
+        return x * 3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.sum() > -1e30:  # data-dependent control flow on a batched tensor under vmap
+            return grad * 3
+        return grad * 3  # pragma: no cover
+
+
+def _branchy(x):
+    return _Branchy.apply(x).sin()
+
+
+W = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+def _f64(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+CASES = [
+    # id, f, primals, argnums
+    ("tall_mlp", lambda x: torch.tanh(W @ x).repeat(3), (_f64(4),), 0),
+    ("wide", lambda x: torch.tanh(x.reshape(2, 8)).sum(0), (_f64(16),), 0),
+    ("two_inputs", lambda x, y: torch.outer(x, y).sin(), (_f64(3), _f64(2)), (0, 1)),
+    ("second_arg", lambda x, y: x * y.exp(), (_f64(5), _f64(5)), 1),
+    ("scalar_out", lambda x: (x**2).sum(), (_f64(3, 2),), 0),
+    ("float32", lambda x: torch.tanh(x) * 2, (torch.randn(7),), 0),
+]
+
+
+@pytest.mark.parametrize("name,f,primals,argnums", CASES, ids=[c[0] for c in CASES])
+def test_rows_for_every_strategy(name, f, primals, argnums):
+    report = compare_strategies(f, *primals, argnums=argnums, min_run_time=FAST)
+    assert [row.strategy for row in report.rows] == list(ALL)
+    for row in report.rows:
+        assert row.status == "ok", (row.strategy, row.reason)
+        assert row.time is not None and row.time > 0
+        assert row.error is not None and row.error <= report.tolerance
+        # The peak includes the returned Jacobian itself.
+        ref = torch.func.jacrev(f, argnums=argnums)(*primals)
+        blocks = ref if isinstance(ref, tuple) else (ref,)
+        assert row.peak_memory >= sum(b.numel() * b.element_size() for b in blocks)
+    assert "float64" in report.reference
+
+
+def test_failing_strategy_is_a_row_not_an_exception():
+    x = torch.randn(4, dtype=torch.float64)
+    report = compare_strategies(_branchy, x, min_run_time=FAST)
+    assert report["rev"].status == "failed"
+    assert "data-dependent control flow" in report["rev"].reason
+    assert report["rev"].reason.startswith("RuntimeError: ")
+    assert report["rev"].time is None and report["rev"].peak_memory is None
+    assert report["fwd-loop"].status == "failed"
+    assert report["fwd-loop"].reason.startswith("NotImplementedError")
+    assert report["rev-loop"].status == "ok"
+    assert report["auto"].status == "ok"
+    # The reference could not use vmap either: it fell back to a loop of autograd.grad.
+    assert "loop of torch.autograd.grad" in report.reference
+    assert report.best is not None and report.best.strategy in ("rev-loop", "auto")
+    text = str(report)
+    assert "failed: RuntimeError: vmap: It looks like" in text
+
+
+def test_failing_strategy_records_the_fallback_warning():
+    def own(x):  # a fresh function: the fallback warning is shown once per function
+        return _Branchy.apply(x).cos()
+
+    report = compare_strategies(own, torch.randn(3, dtype=torch.float64),
+                                strategies=["auto"], min_run_time=FAST)
+    (row,) = report.rows
+    assert row.ok
+    assert any("rev-loop" in w for w in row.warnings)
+    assert "(warned: torch_vjp.jacobian" in str(report)
+
+
+def _row(name, status, time, error=0.0):
+    return StrategyRow(name, status, time=time, peak_memory=8, error=error,
+                       reason=None if status == "ok" else "why")
+
+
+def _report(rows):
+    return StrategyComparison(rows=tuple(rows), reference="test", tolerance=1e-6, device="cpu",
+                              threads=1, memory_method="test", description="test")
+
+
+def test_best_is_the_fastest_correct_row():
+    report = _report([
+        _row("rev", "ok", 3e-3),
+        _row("fwd", "wrong", 1e-3, error=1.0),  # faster, but wrong
+        StrategyRow("rev-loop", "failed", reason="RuntimeError: no"),
+        _row("fwd-loop", "ok", 2e-3),
+        _row("auto", "ok", 2.5e-3),
+    ])
+    assert report.best.strategy == "fwd-loop"
+    text = str(report)
+    best_line = next(line for line in text.splitlines() if line.startswith("fwd-loop"))
+    assert best_line.rstrip().endswith("best")
+    assert "1.00x" in best_line
+    assert "1.50x" in next(line for line in text.splitlines() if line.startswith("rev "))
+    assert "wrong: why" in text and "failed: RuntimeError: no" in text
+
+
+def test_best_is_none_when_nothing_is_correct():
+    report = _report([_row("rev", "wrong", 1e-3, error=1.0),
+                      StrategyRow("fwd", "failed", reason="x")])
+    assert report.best is None
+    assert "-" in str(report)
+    assert report.to_dict()["best"] is None
+
+
+def test_best_on_a_measured_report():
+    report = compare_strategies(lambda x: x.sin() * x, torch.randn(5, dtype=torch.float64),
+                                min_run_time=FAST)
+    correct = [row for row in report.rows if row.ok]
+    assert report.best is min(correct, key=lambda r: r.time)
+
+
+def test_table_renders():
+    report = compare_strategies(lambda x: torch.tanh(x) ** 2, _f64(4, 3),
+                                strategies=("rev", "fwd"), min_run_time=FAST)
+    lines = str(report).splitlines()
+    assert lines[0] == "compare_strategies: f(primals[0]: (4, 3)) -> (4, 3), argnums=0, float64"
+    header = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    assert lines[header].split() == ["strategy", "median", "time", "vs", "best", "peak", "extra",
+                                     "memory", "max", "abs", "error", "status"]
+    assert set(lines[header + 1]) == {"-", " "}
+    rows = lines[header + 2:]
+    assert [line.split()[0] for line in rows] == ["rev", "fwd"]
+    # Columns are aligned: every row's "x" ratio ends where the header's "vs best" ends.
+    end = lines[header].index("vs best") + len("vs best")
+    for line in rows:
+        assert line[end - 1] == "x"
+    assert repr(report).startswith("StrategyComparison(2 strategies, best=")
+
+
+def test_to_dict_is_json_serialisable():
+    report = compare_strategies(lambda x, y: x * y, torch.randn(3, dtype=torch.float64),
+                                torch.randn(3, dtype=torch.float64), argnums=(0, 1),
+                                strategies=["rev", "fwd-loop"], min_run_time=FAST)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["best"] in ("rev", "fwd-loop")
+    assert data["device"] == "cpu" and data["threads"] == torch.get_num_threads()
+    assert [r["strategy"] for r in data["rows"]] == ["rev", "fwd-loop"]
+    for r in data["rows"]:
+        assert set(r) == {"strategy", "status", "time_s", "peak_memory_bytes", "max_abs_error",
+                          "reason", "warnings"}
+        assert r["status"] == "ok" and r["time_s"] > 0 and r["peak_memory_bytes"] > 0
+
+
+def test_single_strategy_name_as_string():
+    report = compare_strategies(torch.sin, torch.randn(3, dtype=torch.float64), strategies="fwd",
+                                min_run_time=FAST)
+    assert [r.strategy for r in report.rows] == ["fwd"]
+
+
+def test_unknown_strategy_raises():
+    with pytest.raises(StrategyError, match=r"torch_vjp\.compare_strategies: unknown strategy "
+                       r"'revv'\. Supported: \('auto', 'rev', 'fwd', 'rev-loop', 'fwd-loop'\)"):
+        compare_strategies(torch.sin, torch.randn(3), strategies=["rev", "revv"])
+    with pytest.raises(StrategyError, match="Did you mean 'rev'"):
+        compare_strategies(torch.sin, torch.randn(3), strategies="reverse")
+
+
+def test_strategies_of_the_wrong_type_raise():
+    with pytest.raises(TypeError, match=r"torch_vjp\.compare_strategies: strategies must be a "
+                       r"strategy name or a sequence of them, got int\. Valid strategies: "):
+        compare_strategies(torch.sin, torch.randn(3), strategies=3)
+
+
+def test_error_of_the_users_function_passes_through():
+    class Boom(Exception):
+        pass
+
+    raised = Boom("from f")
+
+    def f(x):
+        raise raised
+
+    with pytest.raises(Boom) as info:
+        compare_strategies(f, torch.randn(3), min_run_time=FAST)
+    assert info.value is raised
+
+
+def test_reference_falls_back_to_the_inputs_dtype():
+    w = torch.randn(3, 4)  # float32 weights: float64 inputs cannot be multiplied by them
+
+    report = compare_strategies(lambda x: w @ x, torch.randn(4), strategies=["rev"],
+                                min_run_time=FAST)
+    assert report.reference == "torch.func.jacrev in the inputs' own dtype"
+    assert report["rev"].ok
+
+
+def test_nothing_is_mutated():
+    x = torch.randn(5, dtype=torch.float64)
+    y = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    x0, y0 = x.clone(), y.detach().clone()
+    compare_strategies(lambda a, b: a * b, x, y, argnums=(0, 1), min_run_time=FAST)
+    assert torch.equal(x, x0) and torch.equal(y.detach(), y0)
+    assert not x.requires_grad and y.requires_grad and y.grad is None
+
+
+def test_memory_can_be_skipped():
+    report = compare_strategies(torch.sin, torch.randn(3), strategies=["rev"], memory=False,
+                                min_run_time=FAST)
+    assert report["rev"].peak_memory is None
+    assert report.memory_method.startswith("not measured")
+
+
+def test_unknown_row_name_raises_keyerror():
+    report = _report([_row("rev", "ok", 1e-3)])
+    with pytest.raises(KeyError, match="no row for strategy 'fwd'"):
+        report["fwd"]
+
+
+# ---- the CPU memory counter ----------------------------------------------------------
+
+
+def test_live_bytes_counts_a_temporary_and_the_result():
+    # ones(1000) (4000 B) is alive while the product (4000 B) is made: a peak of 8000 B.
+    assert _measure_peak(lambda: torch.ones(1000) * 2, torch.device("cpu")) == 8000
+
+
+def test_live_bytes_ignores_views_inplace_and_existing_tensors():
+    base = torch.ones(1000)
+    with _LiveTensorBytes() as mode:
+        view = base[:10].t()
+        base.add_(1)
+        del view
+    assert mode.peak == 0
+
+
+def test_live_bytes_follows_frees():
+    with _LiveTensorBytes() as mode:
+        a = torch.empty(250, dtype=torch.float64)  # 2000 B
+        b = a + 1  # 2000 B
+        del a, b
+        c = torch.empty(100, dtype=torch.float64)  # 800 B
+    assert mode.peak == 4000
+    assert mode.live == 800
+    del c
+    assert mode.live == 0
+
+
+def test_peak_counts_vmapped_intermediates():
+    x = torch.randn(64, dtype=torch.float64)
+    jac_bytes = 64 * 64 * 8
+    # jacrev builds a (64, 64) basis and the (64, 64) Jacobian: at least twice J's size.
+    peak = _measure_peak(lambda: torch.func.jacrev(torch.sin)(x), torch.device("cpu"))
+    assert peak >= 2 * jac_bytes
+
+
+@pytest.mark.cuda
+def test_cuda_peak_uses_the_allocator():
+    x = torch.randn(64, device="cuda")
+    peak = _measure_peak(lambda: torch.func.jacrev(torch.sin)(x), x.device)
+    assert peak >= 64 * 64 * 4
+    report = compare_strategies(torch.sin, x, strategies=["rev"], min_run_time=FAST)
+    assert report.device.startswith("cuda") and "max_memory_allocated" in report.memory_method

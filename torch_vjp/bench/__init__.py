@@ -1,0 +1,62 @@
+"""The built-in Jacobian benchmark suite behind ``python -m torch_vjp bench``.
+
+* :mod:`~torch_vjp.bench.workloads`: the workloads (:data:`WORKLOADS`), each written once
+  for torch and for ``jax.numpy``, with deterministic float64 weights.
+* :mod:`~torch_vjp.bench.methods`: the methods compared (:data:`METHODS`): torch_vjp's
+  strategies, ``torch.func``, ``torch.autograd`` and, when installed, jax.
+* :mod:`~torch_vjp.bench.suite`: the runner (:func:`run_suite`), which checks every method
+  against a float64 reference before timing it, and the tables and JSON of its results.
+* :mod:`~torch_vjp.bench.plot`: the figure (:func:`plot_suite`; needs matplotlib).
+
+``benchmarks/bench_jacobian.py`` in the repository builds its ratio grid from the same
+workloads and methods.
+
+Example:
+    >>> from torch_vjp.bench import get_workloads, run_suite
+    >>> result = run_suite(get_workloads("jacobian_of"), methods=["torch_vjp jacobian_of"],
+    ...                    min_run_time=0.01, progress=False, use_jax=False)
+    >>> [(r.method, r.status) for r in result.workloads[0].results]
+    [('torch_vjp jacobian_of', 'ok')]
+"""
+
+from __future__ import annotations
+
+from torch_vjp.bench.methods import HEADLINE, METHODS, Method, get_methods, jax_available, reference
+from torch_vjp.bench.suite import (
+    SCHEMA,
+    MethodResult,
+    SuiteResult,
+    WorkloadResult,
+    environment,
+    load_json,
+    run_suite,
+)
+from torch_vjp.bench.workloads import WORKLOADS, Case, Workload, get_workloads
+
+__all__ = [
+    "Workload",
+    "Case",
+    "WORKLOADS",
+    "get_workloads",
+    "Method",
+    "METHODS",
+    "HEADLINE",
+    "get_methods",
+    "jax_available",
+    "reference",
+    "run_suite",
+    "environment",
+    "load_json",
+    "SuiteResult",
+    "WorkloadResult",
+    "MethodResult",
+    "SCHEMA",
+    "plot_suite",
+]
+
+
+def plot_suite(*args, **kwargs):  # noqa: D401 - thin lazy wrapper
+    """Draws a :class:`SuiteResult` to a PNG; see :func:`torch_vjp.bench.plot.plot_suite`."""
+    from torch_vjp.bench.plot import plot_suite as _plot_suite
+
+    return _plot_suite(*args, **kwargs)

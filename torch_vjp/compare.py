@@ -1,0 +1,694 @@
+"""Compare Jacobian strategies on your own function: time, peak extra memory and error.
+
+:func:`compare_strategies` runs every Jacobian strategy of :func:`torch_vjp.jacobian` on the
+function and inputs you give it, checks each result against an independent reference, times
+it, measures the extra memory it needed, and returns a :class:`StrategyComparison`: one
+:class:`StrategyRow` per strategy, the fastest correct one as ``.best``, an aligned table as
+``str(report)`` and ``report.to_dict()`` for JSON. A strategy that fails is a row that says
+why, not an exception.
+
+The timing and memory helpers here (``_median_time``, ``_measure_peak``, ``_LiveTensorBytes``)
+are shared with the benchmark suite in :mod:`torch_vjp.bench`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+from torch_vjp._errors import shape_str
+
+__all__ = ["compare_strategies", "StrategyComparison", "StrategyRow"]
+
+# Relative tolerance of the correctness check, by the dtype a strategy computes in: the
+# error is compared against ``atol + rtol * max|reference|`` (see compare_strategies).
+_RTOL = {
+    torch.float16: 1e-2,
+    torch.bfloat16: 2e-2,
+    torch.float32: 1e-4,
+    torch.float64: 1e-7,
+    torch.complex64: 1e-4,
+    torch.complex128: 1e-7,
+}
+
+
+# --------------------------------------------------------------------------------------
+# Shared measurement helpers (also used by torch_vjp.bench)
+# --------------------------------------------------------------------------------------
+
+
+def _median_time(fn: Callable[[], Any], min_run_time: float) -> float:
+    """Median seconds per call of ``fn`` by ``Timer.blocked_autorange``, on torch's current
+    number of threads (``Timer`` would otherwise measure on one thread)."""
+    from torch.utils.benchmark import Timer
+
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of tensor storages created by operators while the mode is active.
+
+    Every operator call passes through ``__torch_dispatch__`` (below vmap and the autograd
+    engine, so batched intermediates, saved tensors, basis vectors and results are all
+    seen). A storage that an output shares with an input (a view, an in-place op) is not
+    new; any other output storage is counted from its creation until Python's weak
+    reference to it reports it freed. ``peak`` is the largest total alive at any moment.
+    Scratch buffers that a kernel allocates and frees internally are not seen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: dict[int, weakref.ref] = {}
+
+    @staticmethod
+    def _storage(t: Tensor) -> Any | None:
+        if t.device.type == "meta" or t.is_sparse or t._is_zerotensor():
+            return None
+        try:
+            storage = t.untyped_storage()
+            storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
+            return None
+        return storage
+
+    def _released(self, key: int, nbytes: int, _ref: weakref.ref) -> None:
+        if self._alive.pop(key, None) is not None:
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = set()
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, Tensor):
+                storage = self._storage(a)
+                if storage is not None:
+                    inputs.add(storage.data_ptr())
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor):
+                continue
+            storage = self._storage(t)
+            if storage is None:
+                continue
+            key = storage.data_ptr()
+            nbytes = storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._alive:
+                continue
+            self._alive[key] = weakref.ref(
+                storage, lambda r, k=key, n=nbytes: self._released(k, n, r))
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        return out
+
+
+def _device_of(tree: Any) -> torch.device:
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def _measure_peak(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak extra bytes one call of ``fn`` needs, the result included.
+
+    CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated`` after
+    ``reset_peak_memory_stats``) minus what was allocated before the call. Other devices:
+    the peak of live tensor bytes counted by :class:`_LiveTensorBytes`.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del result
+        return int(peak)
+    mode = _LiveTensorBytes()
+    with mode:
+        result = fn()
+    peak = mode.peak
+    del result
+    return int(peak)
+
+
+def _memory_method(device: torch.device) -> str:
+    if device.type == "cuda":
+        return ("CUDA caching allocator peak (torch.cuda.max_memory_allocated) minus what was "
+                "allocated before")
+    return "peak of live tensor bytes created during one call (counted by a TorchDispatchMode)"
+
+
+def _leaves(tree: Any) -> list[Tensor]:
+    """Tensor leaves of a result in a canonical order (dict entries by sorted key)."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _leaves(tree[k])]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _leaves(item)]
+    raise TypeError(
+        f"expected a tensor, or a tuple, list or dict of them; got {type(tree).__name__}")
+
+
+def _max_error(result: Any, reference: Any) -> float:
+    """Largest absolute difference between two results of the same structure and shapes.
+
+    Raises:
+        ValueError: The structures or the shapes differ (said in the message).
+    """
+    got, want = _leaves(result), _leaves(reference)
+    if len(got) != len(want):
+        raise ValueError(f"returned {len(got)} Jacobian blocks, the reference has {len(want)}")
+    error = 0.0
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = torch.as_tensor(g)
+        if tuple(g.shape) != tuple(w.shape):
+            raise ValueError(
+                f"Jacobian block {i} has shape {shape_str(g.shape)}, "
+                f"the reference has {shape_str(w.shape)}"
+            )
+        if g.numel():
+            diff = (g.detach().cpu().to(torch.complex128 if g.is_complex() else torch.float64)
+                    - w.detach().cpu().to(torch.complex128 if w.is_complex() else torch.float64))
+            error = max(error, float(diff.abs().max()))
+    return error
+
+
+def _scale(reference: Any) -> float:
+    leaves = [t for t in _leaves(reference) if t.numel()]
+    return max((float(t.detach().abs().max()) for t in leaves), default=0.0)
+
+
+def _tolerance(result: Any, reference: Any, rtol: float | None, atol: float | None) -> float:
+    """``atol + rtol * max|reference|``; defaults by the result's least precise dtype."""
+    if rtol is None:
+        rtol = max((_RTOL.get(t.dtype, 1e-4) for t in _leaves(result)), default=1e-7)
+    if atol is None:
+        atol = rtol * 1e-3
+    return atol + rtol * _scale(reference)
+
+
+def _reason(exc: BaseException, limit: int = 300) -> str:
+    """``"TypeName: first line of the message"``, shortened to ``limit`` characters."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _format_time(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def _format_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _format_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> list[str]:
+    """Aligned plain-text table; ``align`` holds ``<`` or ``>`` per column."""
+    rows = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = []
+        for i, cell in enumerate(row):
+            last = i == len(row) - 1
+            if align[i] == ">":
+                cells.append(cell.rjust(widths[i]))
+            else:
+                cells.append(cell if last else cell.ljust(widths[i]))
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+# --------------------------------------------------------------------------------------
+# The reference
+# --------------------------------------------------------------------------------------
+
+
+def _to_double(tree: Any) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            if x.is_floating_point():
+                return x.detach().to(torch.float64)
+            if x.is_complex():
+                return x.detach().to(torch.complex128)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def _loop_jacobian(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> Any:
+    """The Jacobian by a Python loop of ``torch.autograd.grad``, one output element at a
+    time: no vmap, so it also serves functions that vmap cannot batch."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    args = list(primals)
+    diff_leaves: list[list[Tensor]] = []
+    diff_specs = []
+    for i in nums:
+        leaves, spec = tree_flatten(args[i])
+        leaves = [t.detach().requires_grad_(True) for t in leaves]
+        diff_leaves.append(leaves)
+        diff_specs.append(spec)
+        args[i] = _unflatten(leaves, spec)
+    with torch.enable_grad():
+        out = f(*args)
+    out_leaves, out_spec = tree_flatten(out)
+    flat_inputs = [t for leaves in diff_leaves for t in leaves]
+    blocks: list[Any] = []
+    for y in out_leaves:
+        rows = []
+        flat = y.reshape(-1)
+        for k in range(flat.numel()):
+            if flat.requires_grad:
+                grads = torch.autograd.grad(flat[k], flat_inputs, retain_graph=True,
+                                            allow_unused=True)
+            else:
+                grads = (None,) * len(flat_inputs)
+            rows.append([torch.zeros_like(x) if g is None else g
+                         for g, x in zip(grads, flat_inputs)])
+        per_input = []
+        pos = 0
+        for leaves, spec in zip(diff_leaves, diff_specs):
+            jac_leaves = []
+            for x in leaves:
+                if rows:
+                    col = torch.stack([r[pos] for r in rows]).reshape(y.shape + x.shape)
+                else:
+                    col = y.new_zeros(y.shape + x.shape)
+                jac_leaves.append(col)
+                pos += 1
+            per_input.append(_unflatten(jac_leaves, spec))
+        blocks.append(per_input[0] if isinstance(argnums, int) else tuple(per_input))
+    return _unflatten(blocks, out_spec)
+
+
+def _unflatten(leaves: list[Any], spec: Any) -> Any:
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(leaves, spec)
+
+
+def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> tuple[Any, str]:
+    """The reference Jacobian and a description of how it was computed.
+
+    Tries, in order: ``torch.func.jacrev`` on float64 copies of the primals; a loop of
+    ``torch.autograd.grad`` on float64 copies; the same two at the primals' own dtype (for a
+    function that holds float32 weights, which float64 inputs cannot multiply).
+    """
+    attempts = []
+    double = _to_double(primals)
+    for args, dtype_note in ((double, "float64"), (primals, "the inputs' own dtype")):
+        try:
+            jac = torch.func.jacrev(f, argnums=argnums)(*args)
+            return jac, f"torch.func.jacrev in {dtype_note}"
+        except Exception as exc:  # noqa: BLE001 - the next attempt, or the row says why
+            attempts.append(f"jacrev in {dtype_note}: {_reason(exc, 120)}")
+        try:
+            return (_loop_jacobian(f, args, argnums),
+                    f"a loop of torch.autograd.grad in {dtype_note} (torch.func.jacrev failed)")
+        except Exception as exc:  # noqa: BLE001
+            attempts.append(f"autograd.grad loop in {dtype_note}: {_reason(exc, 120)}")
+    raise _NoReference("; ".join(attempts))
+
+
+class _NoReference(Exception):
+    """No reference Jacobian could be computed (the reasons are the message)."""
+
+
+# --------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    """One strategy's result in a :class:`StrategyComparison`.
+
+    Attributes:
+        strategy: The strategy name passed to :func:`torch_vjp.jacobian`.
+        status: ``"ok"`` (matches the reference), ``"wrong"`` (ran, but its result differs
+            from the reference by more than the tolerance, or has the wrong structure),
+            ``"failed"`` (raised; ``reason`` says what) or ``"unchecked"`` (ran, but no
+            reference could be computed).
+        time: Median seconds per call, or ``None`` if it failed.
+        peak_memory: Peak extra bytes of one call, the Jacobian included, or ``None``.
+        error: Largest absolute difference from the reference, or ``None``.
+        reason: Why the row is not ``"ok"`` (the exception's type and first line, or the
+            size of the error against the tolerance); ``None`` for an ``"ok"`` row.
+        warnings: Messages of the warnings the strategy emitted on its checked run (a
+            fallback to a slower strategy, for example).
+    """
+
+    strategy: str
+    status: str
+    time: float | None = None
+    peak_memory: int | None = None
+    error: float | None = None
+    reason: str | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """True when the strategy ran and matched the reference."""
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as plain JSON-serialisable values (``time`` in seconds)."""
+        return {
+            "strategy": self.strategy,
+            "status": self.status,
+            "time_s": self.time,
+            "peak_memory_bytes": self.peak_memory,
+            "max_abs_error": self.error,
+            "reason": self.reason,
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass(frozen=True)
+class StrategyComparison:
+    """What :func:`compare_strategies` returns: one row per strategy, and how they were measured.
+
+    Attributes:
+        rows: One :class:`StrategyRow` per strategy, in the order they were asked for.
+        reference: How the reference Jacobian was computed, or why none could be.
+        tolerance: The largest absolute error an ``"ok"`` row may have.
+        device: The device of the primals.
+        threads: ``torch.get_num_threads()`` during the measurement.
+        memory_method: How ``peak_memory`` was measured on this device.
+        description: The call compared, with the input and output shapes.
+    """
+
+    rows: tuple[StrategyRow, ...]
+    reference: str
+    tolerance: float | None
+    device: str
+    threads: int
+    memory_method: str
+    description: str
+    torch_version: str = field(default=torch.__version__)
+
+    @property
+    def best(self) -> StrategyRow | None:
+        """The fastest row whose result matched the reference (``None`` when none did).
+
+        When no reference could be computed, the fastest row that ran is returned.
+        """
+        good = [r for r in self.rows if r.status == "ok"]
+        if not good:
+            good = [r for r in self.rows if r.status == "unchecked"]
+        timed = [r for r in good if r.time is not None]
+        return min(timed, key=lambda r: r.time) if timed else None
+
+    def __getitem__(self, strategy: str) -> StrategyRow:
+        for row in self.rows:
+            if row.strategy == strategy:
+                return row
+        raise KeyError(f"no row for strategy {strategy!r}; rows: {[r.strategy for r in self.rows]}")
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-serialisable values (times in seconds, memory in bytes)."""
+        best = self.best
+        return {
+            "description": self.description,
+            "device": self.device,
+            "threads": self.threads,
+            "torch": self.torch_version,
+            "reference": self.reference,
+            "tolerance": self.tolerance,
+            "memory_method": self.memory_method,
+            "best": best.strategy if best is not None else None,
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+    def __str__(self) -> str:
+        best = self.best
+        header = ("strategy", "median time", "vs best", "peak extra memory", "max abs error",
+                  "status")
+        body = []
+        for row in self.rows:
+            if row.time is not None and best is not None and best.time:
+                ratio = f"{row.time / best.time:.2f}x"
+            else:
+                ratio = "-"
+            error = "-" if row.error is None else f"{row.error:.1e}"
+            if row is best:
+                status = "best"
+            elif row.status == "ok":
+                status = "ok"
+            else:
+                status = f"{row.status}: {row.reason}" if row.reason else row.status
+            if row.warnings and row.status != "failed":
+                status += f" (warned: {row.warnings[0].splitlines()[0]})"
+            status = _shorten(status, 110)
+            body.append((row.strategy, _format_time(row.time), ratio,
+                         _format_bytes(row.peak_memory), error, status))
+        lines = [
+            f"compare_strategies: {self.description}",
+            f"device {self.device}, {self.threads} threads, torch {self.torch_version}",
+            f"reference: {self.reference}"
+            + (f"; tolerance {self.tolerance:.1e}" if self.tolerance is not None else ""),
+            f"memory: {self.memory_method}",
+            "",
+            *_format_table(header, body, "<>>>><"),
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        best = self.best
+        return (f"StrategyComparison({len(self.rows)} strategies, "
+                f"best={best.strategy if best is not None else None!r})")
+
+
+# --------------------------------------------------------------------------------------
+# compare_strategies
+# --------------------------------------------------------------------------------------
+
+
+def _registered_strategies() -> tuple[str, ...]:
+    """Every registered strategy, the concrete ones first and ``"auto"`` (which picks
+    among them) last."""
+    from torch_vjp._strategies import STRATEGIES
+
+    names = [name for name in STRATEGIES if name != "auto"]
+    return tuple(names + ["auto"] if "auto" in STRATEGIES else names)
+
+
+def _describe(primals: tuple, argnums: int | tuple[int, ...], out: Any) -> str:
+    def shapes(tree: Any) -> str:
+        leaves = [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
+        text = ", ".join(shape_str(t.shape) for t in leaves)
+        return text if len(leaves) == 1 else f"[{text}]"
+
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    inputs = ", ".join(
+        f"primals[{i}]: {shapes(primals[i])}" for i in nums if -len(primals) <= i < len(primals)
+    )
+    dtypes = sorted({str(t.dtype).replace("torch.", "")
+                     for t in tree_leaves(primals) if isinstance(t, Tensor)})
+    return f"f({inputs}) -> {shapes(out)}, argnums={argnums}, {'/'.join(dtypes)}"
+
+
+def compare_strategies(
+    f: Callable[..., Any],
+    *primals: Any,
+    argnums: int | tuple[int, ...] = 0,
+    strategies: Sequence[str] | str | None = None,
+    min_run_time: float = 0.2,
+    memory: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> StrategyComparison:
+    """Runs every Jacobian strategy on ``f`` at ``primals``, checks, times and measures each.
+
+    For each strategy, :func:`torch_vjp.jacobian` is called once and its result compared
+    with a reference; a correct strategy is then timed and its memory measured. A strategy
+    that raises becomes a row with status ``"failed"`` and the exception's type and first
+    line as ``reason``; one whose result is off becomes ``"wrong"``. Errors raised by ``f``
+    itself on a plain call (before any strategy runs) propagate unchanged.
+
+    How each column is measured:
+
+    * **time**: the median of ``torch.utils.benchmark.Timer(...).blocked_autorange(
+      min_run_time=min_run_time)``, on ``torch.get_num_threads()`` threads.
+    * **reference and error**: the reference is ``torch.func.jacrev`` applied to float64
+      copies of the primals (an implementation independent of torch_vjp). If ``f`` cannot
+      run in float64 (it holds float32 weights, say), the primals' own dtype is used; if
+      vmap cannot batch ``f``, a Python loop of ``torch.autograd.grad`` over the output
+      elements is used instead. ``report.reference`` says which. ``error`` is the largest
+      absolute difference; a row is ``"ok"`` when it is at most ``atol + rtol *
+      max|reference|``.
+    * **peak extra memory**: on CUDA, the caching allocator's peak during one call
+      (``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``)
+      minus what was allocated before it. On CPU, the peak of live tensor bytes during one
+      call, counted by a ``TorchDispatchMode`` that sees every operator's outputs (below
+      vmap and autograd: batched intermediates, saved tensors, basis vectors and the
+      Jacobian itself) and follows each new storage until it is freed; views and in-place
+      results are not counted twice, and buffers a kernel allocates and frees internally
+      are not seen. Both figures include the returned Jacobian. (``tracemalloc`` cannot
+      be used: torch allocates tensor memory outside Python's allocator.)
+
+    Args:
+        f: The function, as for :func:`torch_vjp.jacobian`.
+        *primals: Its arguments.
+        argnums: The argument(s) to differentiate with respect to.
+        strategies: Strategy names to compare, in this order; default: every registered
+            strategy (``"rev"``, ``"fwd"``, ``"rev-loop"``, ``"fwd-loop"``, ``"auto"``). A
+            single name may be given as a string.
+        min_run_time: Seconds of timing per strategy (``blocked_autorange``'s budget). Keep
+            the default for figures you report; lower it (e.g. ``0.01``) in tests.
+        memory: Measure peak extra memory (one extra call per strategy).
+        rtol: Relative tolerance of the correctness check; default by the result dtype:
+            1e-2 (float16), 2e-2 (bfloat16), 1e-4 (float32), 1e-7 (float64).
+        atol: Absolute tolerance added to it; default ``rtol * 1e-3``.
+
+    Returns:
+        A :class:`StrategyComparison`: ``.rows``, ``.best``, ``str()`` and ``.to_dict()``.
+
+    Raises:
+        StrategyError: A name in ``strategies`` is not a registered strategy.
+        TypeError: ``strategies`` is neither a name nor a sequence of names.
+
+    Example:
+        >>> W = torch.randn(3, 5, dtype=torch.float64)
+        >>> report = tv.compare_strategies(lambda x: torch.tanh(W @ x),
+        ...                                torch.randn(5, dtype=torch.float64),
+        ...                                strategies=("rev", "fwd"), min_run_time=0.01)
+        >>> [row.strategy for row in report.rows]
+        ['rev', 'fwd']
+        >>> all(row.ok for row in report.rows) and report.best.strategy in ("rev", "fwd")
+        True
+        >>> print(report)  # doctest: +ELLIPSIS
+        compare_strategies: f(primals[0]: (5,)) -> (3,), argnums=0, float64
+        ...
+        strategy  median time  vs best  peak extra memory  max abs error  status
+        ...
+    """
+    names = _normalise_strategies(strategies)
+    # A plain call first: an error of f's own propagates untouched, before any strategy.
+    out = f(*primals)
+    description = _describe(primals, argnums, out)
+    del out
+    device = _device_of(primals)
+
+    try:
+        reference, reference_note = _reference(f, primals, argnums)
+    except _NoReference as exc:
+        reference, reference_note = None, f"none could be computed ({exc})"
+
+    from torch_vjp.jacobians import jacobian
+
+    rows = []
+    tolerance = None
+    for name in names:
+        def call(name: str = name) -> Any:
+            return jacobian(f, *primals, argnums=argnums, strategy=name)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = call()
+            except Exception as exc:  # noqa: BLE001 - a failing strategy is a row
+                rows.append(StrategyRow(name, "failed", reason=_reason(exc),
+                                        warnings=_messages(caught)))
+                continue
+        messages = _messages(caught)
+        status, error, reason = "unchecked", None, None
+        if reference is not None:
+            try:
+                error = _max_error(result, reference)
+            except (ValueError, TypeError) as exc:
+                status, reason = "wrong", str(exc)
+            else:
+                row_tol = _tolerance(result, reference, rtol, atol)
+                tolerance = row_tol if tolerance is None else max(tolerance, row_tol)
+                if error <= row_tol:
+                    status = "ok"
+                else:
+                    status = "wrong"
+                    reason = f"max abs error {error:.2e} > tolerance {row_tol:.2e}"
+        del result
+        peak = elapsed = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                if memory:
+                    peak = _measure_peak(call, device)
+                elapsed = _median_time(call, min_run_time)
+            except Exception as exc:  # noqa: BLE001 - ran once, then failed: still a row
+                status, reason = "failed", f"on a repeated call: {_reason(exc)}"
+        rows.append(StrategyRow(name, status, elapsed, peak, error, reason, messages))
+
+    return StrategyComparison(
+        rows=tuple(rows),
+        reference=reference_note,
+        tolerance=tolerance,
+        device=str(device),
+        threads=torch.get_num_threads(),
+        memory_method=_memory_method(device) if memory else "not measured (memory=False)",
+        description=description,
+    )
+
+
+def _messages(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
+    """The distinct messages of recorded warnings, deprecation notices left out."""
+    skip = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+    return tuple(dict.fromkeys(str(w.message) for w in caught if not issubclass(w.category, skip)))
+
+
+def _normalise_strategies(strategies: Sequence[str] | str | None) -> tuple[str, ...]:
+    from torch_vjp._strategies import get_strategy
+
+    call = "torch_vjp.compare_strategies"
+    if strategies is None:
+        return _registered_strategies()
+    if isinstance(strategies, str):
+        strategies = (strategies,)
+    try:
+        names = tuple(strategies)
+    except TypeError:
+        raise TypeError(
+            f"{call}: strategies must be a strategy name or a sequence of them, got "
+            f"{type(strategies).__name__}. Valid strategies: {_registered_strategies()}."
+        ) from None
+    for name in names:
+        get_strategy(name, call=call)  # raises StrategyError naming the valid ones
+    return names
