@@ -26,6 +26,8 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6.80"],
         "bench": ["tqdm>=4.60", "matplotlib>=3.7"],
         "docs": ["mkdocs>=1.5", "mkdocs-material>=9", "mkdocstrings[python]>=0.24"],
+        # The peers the benchmarks compare against, where installed (all optional).
+        "peers": ["opacus>=1.4", "backpack-for-pytorch>=1.6", "jax>=0.4"],
     },
     entry_points={
         "torch.backends": ["torch_vjp = _torch_vjp_autoload:_autoload"],

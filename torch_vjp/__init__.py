@@ -26,6 +26,11 @@ from torch_vjp.autograd import backward, check_grad_outputs, checked, grad
 from torch_vjp.compare import StrategyComparison, StrategyRow, compare_strategies
 from torch_vjp.function_check import FunctionCheckReport, check_function
 from torch_vjp.jacobians import batch_jacobian, hessian, jacobian, jacobian_of
+from torch_vjp.per_sample import (
+    accumulate_clipped_grads,
+    per_sample_grad_norms,
+    per_sample_grads,
+)
 from torch_vjp.transforms import jvp, vjp
 
 __version__ = "0.1.0"
@@ -47,6 +52,10 @@ __all__ = [
     # VJP and JVP, batched (SPEC §4)
     "vjp",
     "jvp",
+    # per-sample gradients (SPEC §5)
+    "per_sample_grads",
+    "per_sample_grad_norms",
+    "accumulate_clipped_grads",
     # strategy comparison (SPEC §6)
     "compare_strategies",
     "StrategyComparison",

@@ -1,0 +1,724 @@
+"""Per-sample gradients, norms and clipped sums against a naive per-example loop (float64).
+
+The reference for every result is the definition itself: for each example ``i``,
+``torch.autograd.grad(loss_fn(model(inputs[i:i+1]), targets[i:i+1]), params)``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_vjp
+from torch_vjp import PerSampleError, StrategyError
+from torch_vjp.per_sample import (
+    PerSampleTypeError,
+    PerSampleValueError,
+    accumulate_clipped_grads,
+    per_sample_grad_norms,
+    per_sample_grads,
+    release_cached_buffers,
+)
+
+DT = torch.float64
+STRATEGIES = ("auto", "hooks", "vmap", "loop")
+
+
+# ------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 4)
+        self.c2 = nn.Conv2d(4, 6, 3, stride=2, groups=2, bias=False)
+        self.c3 = nn.Conv1d(6, 4, 2, padding=1, padding_mode="circular")
+        self.fc = nn.Linear(4 * 10, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.gn(self.c1(x)))  # (B, 4, 7, 7)
+        h = self.c2(h).flatten(2)  # (B, 6, 9)
+        return self.fc(torch.tanh(self.c3(h)).flatten(1))
+
+
+class Text(nn.Module):
+    """Embedding + LayerNorm + Linear over a sequence, mean-pooled."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8, padding_idx=0)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(self.ln(self.emb(x)))).mean(1))
+
+
+class Transformer(nn.Module):
+    """Stock TransformerEncoderLayer, batch first, no dropout."""
+
+    def __init__(self, batch_first=True):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(20, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=batch_first)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.batch_first:
+            return self.fc(self.enc(h).mean(1))
+        return self.fc(self.enc(h.transpose(0, 1)).mean(0))
+
+
+class Scale(nn.Module):
+    """A custom layer no rule knows."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def custom():
+    return nn.Sequential(nn.Linear(4, 5), Scale(5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(2, 4)
+        self.o = nn.Linear(4, 2)
+
+    def forward(self, x, z):
+        return self.o(torch.tanh(self.a(x) + self.b(z)))
+
+
+def ce(out, t):
+    return F.cross_entropy(out, t)
+
+
+def _ints(high, *shape):
+    return torch.randint(0, high, shape)
+
+
+def _randn(*shape):
+    return torch.randn(*shape, dtype=DT)
+
+
+# id -> (model factory, loss_fn, inputs factory, targets factory)
+CASES = {
+    "mlp": (mlp, nn.CrossEntropyLoss(), lambda: _randn(7, 6), lambda: _ints(3, 7)),
+    "cnn-conv2d-groupnorm": (CNN, ce, lambda: _randn(5, 2, 7, 7), lambda: _ints(3, 5)),
+    "text-embedding-layernorm": (Text, nn.CrossEntropyLoss(), lambda: _ints(11, 6, 5), lambda: _ints(3, 6)),
+    "transformer": (Transformer, nn.CrossEntropyLoss(), lambda: _ints(20, 4, 5), lambda: _ints(3, 4)),
+    "custom-layer": (custom, nn.CrossEntropyLoss(reduction="sum"), lambda: _randn(6, 4), lambda: _ints(3, 6)),
+    "tuple-inputs": (TwoInputs, lambda o, t: F.mse_loss(o, t), lambda: (_randn(5, 3), _randn(5, 2)), lambda: _randn(5, 2)),
+    "targets-none": (TwoInputs, lambda o: o.pow(2).sum() + o.sin().mean(), lambda: (_randn(5, 3), _randn(5, 2)), lambda: None),
+}
+# The strategies each case supports ("hooks" needs a rule for every parameter).
+HOOKS_OK = {k for k in CASES if k != "custom-layer"}
+
+
+def make(case):
+    factory, loss_fn, xf, tf = CASES[case]
+    torch.manual_seed(0)
+    model = factory().to(DT)
+    return model, loss_fn, xf(), tf()
+
+
+def loop_reference(model, loss_fn, inputs, targets):
+    """Per-example gradients by definition: one forward and backward per example."""
+    xs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows = {n: [] for n, _ in named}
+    for i in range(xs[0].shape[0]):
+        out = model(*(x[i : i + 1] for x in xs))
+        loss = loss_fn(out) if targets is None else loss_fn(out, targets[i : i + 1])
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        for (n, p), g in zip(named, grads):
+            rows[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(v) for n, v in rows.items()}
+
+
+def ref_norms(ref):
+    return torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+
+
+def strategy_cases():
+    return [
+        pytest.param(case, s, id=f"{case}-{s}")
+        for case in CASES
+        for s in STRATEGIES
+        if s != "hooks" or case in HOOKS_OK
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# Correctness against the loop
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case,strategy", strategy_cases())
+def test_per_sample_grads_match_loop(case, strategy):
+    model, loss_fn, x, t = make(case)
+    ref = loop_reference(model, loss_fn, x, t)
+    got = per_sample_grads(model, loss_fn, x, t, strategy=strategy)
+    assert list(got) == list(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=f"{case}/{strategy}: {n}")
+
+
+@pytest.mark.parametrize("case,strategy", strategy_cases())
+def test_norms_match_loop(case, strategy):
+    model, loss_fn, x, t = make(case)
+    ref = loop_reference(model, loss_fn, x, t)
+    norms = per_sample_grad_norms(model, loss_fn, x, t, strategy=strategy)
+    torch.testing.assert_close(norms, ref_norms(ref))
+
+
+@pytest.mark.parametrize("case,strategy", strategy_cases())
+def test_clipped_sums_match_loop(case, strategy):
+    model, loss_fn, x, t = make(case)
+    ref = loop_reference(model, loss_fn, x, t)
+    norms = ref_norms(ref)
+    max_norm = float(norms.median())  # some examples clipped, some not
+    c = (max_norm / norms).clamp(max=1.0)
+    got = accumulate_clipped_grads(model, loss_fn, x, t, max_norm=max_norm, strategy=strategy)
+    torch.testing.assert_close(got, norms)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]), msg=n)
+
+
+@pytest.mark.parametrize("strategy", ["hooks", "vmap", "auto"])
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 4, 7, 10, 1000])
+def test_chunk_size_sweep(strategy, chunk_size):
+    model, loss_fn, x, t = make("text-embedding-layernorm")
+    ref = loop_reference(model, loss_fn, x, t)
+    got = per_sample_grads(model, loss_fn, x, t, strategy=strategy, chunk_size=chunk_size)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n])
+
+
+def test_auto_uses_rules_where_it_can_and_vmap_for_the_custom_layer(monkeypatch):
+    from torch_vjp import per_sample
+
+    seen = []
+    real = per_sample._vmap_grads
+
+    def spy(fn, model, loss_fn, xs, targets, sel, names, chunk_size):
+        seen.append(list(names))
+        return real(fn, model, loss_fn, xs, targets, sel, names, chunk_size)
+
+    monkeypatch.setattr(per_sample, "_vmap_grads", spy)
+    model, loss_fn, x, t = make("custom-layer")
+    per_sample_grads(model, loss_fn, x, t)
+    assert seen == [["1.w"]]
+    seen.clear()
+    model, loss_fn, x, t = make("transformer")  # stock attention: rules only, no fallback
+    per_sample_grads(model, loss_fn, x, t)
+    assert seen == []
+
+
+# ------------------------------------------------------------------------------------------
+# Harder layouts and layers
+# ------------------------------------------------------------------------------------------
+
+
+def _check(model, loss_fn, x, t, strategies=("hooks",)):
+    ref = loop_reference(model, loss_fn, x, t)
+    for s in strategies:
+        got = per_sample_grads(model, loss_fn, x, t, strategy=s)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], msg=f"{s}: {n}")
+        torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, t, strategy=s), ref_norms(ref))
+
+
+@pytest.mark.parametrize("seq", [3, 5], ids=["seq-ne-batch", "seq-eq-batch"])
+def test_sequence_first_transformer(seq):
+    # The layers see (seq, batch, features); with seq == batch the batch dimension is found
+    # by running the first example alone.
+    torch.manual_seed(0)
+    model = Transformer(batch_first=False).to(DT)
+    _check(model, nn.CrossEntropyLoss(), _ints(20, 5, seq), _ints(3, 5))
+
+
+class Cross(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True, **kw)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, q, k):
+        o, w = self.att(q, k, k, need_weights=True, key_padding_mask=k[..., 0] > 1.0)
+        return self.fc(o.mean(1)) + w.sum((1, 2)).unsqueeze(1)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"add_bias_kv": True}, {"add_zero_attn": True}, {"kdim": 5, "vdim": 5}],
+    ids=["packed", "bias-kv", "zero-attn", "separate-kdim"],
+)
+def test_cross_attention_variants(kw):
+    torch.manual_seed(0)
+    model = Cross(**kw).to(DT)
+    kdim = kw.get("kdim", 8)
+    _check(model, nn.CrossEntropyLoss(), (_randn(3, 4, 8), _randn(3, 6, kdim)), _ints(2, 3))
+
+
+def test_tied_embedding_and_head():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.head = nn.Linear(4, 7, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.emb(x)).mean(1))
+
+    model = Tied().to(DT)
+    _check(model, nn.CrossEntropyLoss(), _ints(7, 4, 3), _ints(7, 4), ("hooks", "auto"))
+
+
+def test_weight_used_outside_its_layer_falls_back():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.linear(self.fc(self.emb(x)).mean(1), self.emb.weight)
+
+    model = Functional().to(DT)
+    x, t = _ints(7, 4, 3), _ints(7, 4)
+    _check(model, nn.CrossEntropyLoss(), x, t, ("auto",))
+    with pytest.raises(StrategyError, match=r"'emb.weight': it is used outside the layers"):
+        per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy="hooks")
+
+
+def test_parametrized_weight_falls_back():
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).mT
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+    x, t = _randn(5, 4), _ints(2, 5)
+    _check(model, nn.CrossEntropyLoss(), x, t, ("auto",))
+    with pytest.raises(StrategyError, match=r"'0.parametrizations.weight.original': its module "
+                       r"'0.parametrizations.weight' is a ParametrizationList"):
+        per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy="hooks")
+
+
+def test_layer_called_twice_and_in_place_activation():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(torch.relu_(self.lin(x))).sum(-1)
+
+    _check(Twice().to(DT), lambda o: o.pow(2).sum(), _randn(3, 2, 4), None, ("hooks",))
+
+
+class ConvPaths(nn.Module):
+    """Convs that take each per-sample path: unfold + bmm (short patches, groups), the grouped
+    convolution with one group per example (long patches), and the ghost identity (few output
+    positions, many channels); plus Conv1d with a long patch and 'same' padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.short = nn.Conv2d(2, 8, 2, padding=1, groups=2, dilation=(1, 2))
+        self.long = nn.Conv2d(8, 12, 3, stride=(2, 1), padding=1)
+        self.ghost = nn.Conv2d(12, 16, 3, bias=False)
+        self.c1d = nn.Conv1d(16, 8, 5, padding="same", padding_mode="reflect")
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.long(torch.tanh(self.short(x))))  # (B, 12, 3, 4)
+        h = torch.tanh(self.ghost(h)).flatten(2).mean(2, keepdim=True)  # (B, 16, 1)
+        h = self.c1d(h.expand(-1, -1, 6).contiguous())  # (B, 8, 6)
+        return self.fc(h.mean(2))
+
+
+@pytest.mark.parametrize("small_budget", [False, True], ids=["whole-batch", "chunked-uncached"])
+def test_conv_paths(monkeypatch, small_budget):
+    from torch_vjp import _per_sample_rules as rules
+
+    if small_budget:  # every temporary split into chunks of examples; nothing cached
+        monkeypatch.setattr(rules, "CHUNK_ELEMENTS", 64)
+        monkeypatch.setattr(rules, "CACHE_ELEMENTS", 0)
+    torch.manual_seed(0)
+    model = ConvPaths().to(DT)
+    x, t = _randn(5, 2, 5, 4), _ints(3, 5)
+    _check(model, nn.CrossEntropyLoss(), x, t, ("hooks",))
+    ref = loop_reference(model, nn.CrossEntropyLoss(), x, t)
+    norms = ref_norms(ref)
+    c = (0.5 * norms.min() / norms).clamp(max=1.0)
+    accumulate_clipped_grads(model, nn.CrossEntropyLoss(), x, t, max_norm=float(0.5 * norms.min()),
+                             strategy="hooks")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]), msg=n)
+
+
+@pytest.mark.parametrize("small_budget", [False, True], ids=["whole-batch", "chunked"])
+def test_linear_direct_and_ghost_norms(monkeypatch, small_budget):
+    from torch_vjp import _per_sample_rules as rules
+
+    if small_budget:
+        monkeypatch.setattr(rules, "CHUNK_ELEMENTS", 16)
+    # Linear(3, 64) over 20 positions: forming g_i^T a_i is cheaper than the ghost identity;
+    # Linear(64, 64) over 20 positions: the ghost identity is cheaper.
+    model = nn.Sequential(nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 64)).to(DT)
+    loss_fn = lambda o: o.sin().sum()  # noqa: E731
+    _check(model, loss_fn, _randn(4, 20, 3), None, ("hooks",))
+
+
+def test_under_no_grad_and_mixed_dtypes():
+    model = mlp().to(DT)
+    model[4].float()
+    model[4].to(DT)
+    x, t = _randn(4, 6), _ints(3, 4)
+    ref = loop_reference(model, nn.CrossEntropyLoss(), x, t)
+    with torch.no_grad():
+        got = per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy="hooks")
+        norms = per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, t, strategy="hooks")
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n])
+    torch.testing.assert_close(norms, ref_norms(ref))
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 4).double()
+            self.b = nn.Linear(4, 2)  # float32
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)).float())
+
+    mixed = Mixed()
+    x32 = _randn(3, 3)
+    got = per_sample_grads(mixed, lambda o: o.pow(2).sum(), x32, strategy="hooks")
+    ref = loop_reference(mixed, lambda o: o.pow(2).sum(), x32, None)
+    assert got["a.weight"].dtype == torch.float64 and got["b.weight"].dtype == torch.float32
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n])
+
+
+def test_batchnorm_in_eval_mode_has_a_rule():
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(12, 2))
+    model = model.to(DT).eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_()
+        model[1].running_var.uniform_(0.5, 2.0)
+    _check(model, nn.CrossEntropyLoss(), _randn(4, 1, 4, 4), _ints(2, 4), ("hooks",))
+
+
+def test_batch_of_one():
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2)).to(DT)
+    loss_fn = lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731
+    _check(model, loss_fn, _ints(5, 1, 4), _ints(2, 1, 4), STRATEGIES)
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        nn.CrossEntropyLoss(ignore_index=2),  # ignored targets: not a plain mean any more
+        nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5], dtype=DT)),
+        nn.CrossEntropyLoss(label_smoothing=0.1),
+        lambda o, t: F.cross_entropy(o, t) ** 2,  # not separable: per-example losses by vmap
+        lambda o, t: F.cross_entropy(o, t) * float(o.sum() > -1e9),  # not vmappable: a loop
+    ],
+    ids=["ignore-index", "class-weights", "label-smoothing", "squared", "python-control-flow"],
+)
+def test_loss_reductions(loss_fn):
+    model = mlp().to(DT)
+    x, t = _randn(6, 6), torch.tensor([0, 1, 2, 2, 1, 0])
+    ref = loop_reference(model, loss_fn, x, t)
+    got = per_sample_grads(model, loss_fn, x, t, strategy="hooks")
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], equal_nan=True)
+
+
+def test_model_output_not_batch_first_falls_back():
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x).T
+
+    model = Transposed().to(DT)
+    loss_fn = lambda o, t: F.cross_entropy(o.T, t)  # noqa: E731
+    _check(model, loss_fn, _randn(5, 4), _ints(3, 5), ("auto",))
+
+
+def test_vmap_failure_falls_back_to_loop():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w if x.sum().item() > 0 else x * self.w * 2
+
+    model = Branchy().to(DT)
+    with pytest.warns(torch_vjp.TorchVJPWarning, match=r"strategy='auto' could not vectorise the "
+                      r"per-sample gradients of Branchy with vmap, so it used one backward pass"):
+        _check(model, lambda o: o.pow(2).sum(), _randn(4, 3), None, ("auto",))
+
+
+def test_params_subset_and_frozen_parameter():
+    model = mlp().to(DT)
+    model[2].weight.requires_grad_(False)
+    x, t = _randn(5, 6), _ints(3, 5)
+    names = ["4.bias", "2.weight", "0.weight"]
+    ref_model = copy.deepcopy(model)
+    ref_model[2].weight.requires_grad_(True)
+    ref = loop_reference(ref_model, nn.CrossEntropyLoss(), x, t)
+    for s in STRATEGIES:
+        got = per_sample_grads(model, nn.CrossEntropyLoss(), x, t, params=names, strategy=s)
+        assert list(got) == names
+        for n in names:
+            torch.testing.assert_close(got[n], ref[n], msg=f"{s}: {n}")
+        norms = per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, t, params=names, strategy=s)
+        torch.testing.assert_close(norms, torch.cat([ref[n].flatten(1) for n in names], 1).norm(dim=1))
+    assert not model[2].weight.requires_grad
+
+
+def test_default_params_skip_frozen():
+    model = mlp().to(DT)
+    model[0].weight.requires_grad_(False)
+    got = per_sample_grads(model, nn.CrossEntropyLoss(), _randn(3, 6), _ints(3, 3))
+    assert "0.weight" not in got and "0.bias" in got
+
+
+@pytest.mark.parametrize("strategy", ["hooks", "vmap", "loop"])
+def test_dropout_gives_each_example_its_own_mask(strategy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5), nn.Linear(64, 1)).to(DT).train()
+    x = _randn(1, 4).expand(6, 4).contiguous()  # six copies of one example
+    g = per_sample_grads(model, lambda o: o.sum(), x, strategy=strategy)["2.weight"]
+    zero_pattern = (g[:, 0] == 0).to(torch.int8)  # which units each example dropped
+    assert len({tuple(r.tolist()) for r in zero_pattern}) > 1
+    assert torch.all(zero_pattern.sum(1) > 0) and torch.all(zero_pattern.sum(1) < 64)
+
+
+# ------------------------------------------------------------------------------------------
+# Nothing is mutated; accumulate_clipped_grads adds like backward
+# ------------------------------------------------------------------------------------------
+
+
+def _state(model):
+    return (
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        {n: b.clone() for n, b in model.named_buffers()},
+        {n: m.training for n, m in model.named_modules()},
+        {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        {n: p.requires_grad for n, p in model.named_parameters()},
+    )
+
+
+def _hook_counts(model):
+    return [
+        (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for m in model.modules()
+    ]
+
+
+def _assert_same_state(before, after):
+    for a, b in zip(before, after):
+        assert a.keys() == b.keys()
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert torch.equal(a[k], b[k]), k
+            else:
+                assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_mutation(strategy):
+    class WithStats(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 3)
+            self.bn = nn.BatchNorm2d(2)
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.bn(self.conv(x)).flatten(1))
+
+    model = WithStats().to(DT)
+    model.bn.eval()  # the rest stays in training mode
+    model.fc.weight.grad = torch.ones_like(model.fc.weight)
+    x, t = _randn(3, 1, 4, 4), _ints(2, 3)
+    x_before = x.clone()
+    before, hooks_before = _state(model), _hook_counts(model)
+    per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy=strategy)
+    per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, t, strategy=strategy)
+    _assert_same_state(before, _state(model))
+    assert _hook_counts(model) == hooks_before
+    assert torch.equal(x, x_before)
+
+
+def test_hooks_and_attention_mode_removed_after_an_error():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(4, 1, batch_first=True)
+
+        def forward(self, x):
+            self.att(x, x, x)
+            raise KeyError("raised by the model")
+
+    model = Boom().to(DT)
+    before = _hook_counts(model)
+    with pytest.raises(KeyError, match="raised by the model"):
+        per_sample_grads(model, lambda o: o.sum(), _randn(2, 3, 4), strategy="hooks")
+    assert _hook_counts(model) == before
+    assert not torch.overrides._is_torch_function_mode_enabled()
+
+
+def test_accumulate_adds_to_existing_grad_and_creates_missing():
+    model, loss_fn, x, t = make("mlp")
+    ref = loop_reference(model, loss_fn, x, t)
+    norms = ref_norms(ref)
+    c = (0.3 / norms).clamp(max=1.0)
+    model[0].weight.grad = torch.full_like(model[0].weight, 2.0)
+    accumulate_clipped_grads(model, loss_fn, x, t, max_norm=0.3)
+    torch.testing.assert_close(model[0].weight.grad, 2.0 + torch.einsum("b,bij->ij", c, ref["0.weight"]))
+    torch.testing.assert_close(model[0].bias.grad, torch.einsum("bi,b->i", ref["0.bias"], c))
+    # A large max_norm clips nothing: the result is the ordinary gradient of the summed losses.
+    for p in model.parameters():
+        p.grad = None
+    accumulate_clipped_grads(model, loss_fn, x, t, max_norm=1e9)
+    total = sum(F.cross_entropy(model(x[i : i + 1]), t[i : i + 1]) for i in range(len(x)))
+    expect = torch.autograd.grad(total, list(model.parameters()))
+    for p, e in zip(model.parameters(), expect):
+        torch.testing.assert_close(p.grad, e)
+
+
+def test_results_are_not_overwritten_while_alive():
+    release_cached_buffers()
+    model = nn.Linear(300, 300).to(DT)  # 8 examples x 90k params: above the reuse threshold
+    x1, x2, t = _randn(8, 300), _randn(8, 300), _ints(300, 8)
+    first = per_sample_grads(model, nn.CrossEntropyLoss(), x1, t)
+    kept = first["weight"].clone()
+    second = per_sample_grads(model, nn.CrossEntropyLoss(), x2, t)
+    assert torch.equal(first["weight"], kept)
+    assert not torch.equal(second["weight"], kept)
+    ptr = second["weight"].data_ptr()
+    del first, second
+    third = per_sample_grads(model, nn.CrossEntropyLoss(), x1, t)  # reuses a dropped buffer
+    torch.testing.assert_close(third["weight"], kept)
+    assert third["weight"].data_ptr() == ptr
+    release_cached_buffers()
+
+
+# ------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------
+
+
+def _small():
+    return nn.Sequential(nn.Linear(3, 2)).to(DT), nn.CrossEntropyLoss(), _randn(4, 3), _ints(2, 4)
+
+
+def _err_cases():
+    m, lf, x, t = _small()
+    bn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.BatchNorm2d(2)), nn.Flatten())
+    bn_stats = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2, track_running_stats=False)).eval()
+    inorm = nn.Sequential(nn.Conv1d(1, 2, 1), nn.InstanceNorm1d(2, track_running_stats=True))
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    return [
+        ("strategy", lambda: per_sample_grads(m, lf, x, t, strategy="jacrev"), StrategyError,
+         r"invalid strategy 'jacrev'. Supported: \('auto', 'hooks', 'vmap', 'loop'\)"),
+        ("hooks-no-rule", lambda: per_sample_grads(custom().to(DT), lf, _randn(4, 4), t, strategy="hooks"),
+         StrategyError, r"no per-layer rule for 1 parameter\(s\):\n    '1.w': its module '1' is a Scale"),
+        ("batchnorm-train", lambda: per_sample_grads(bn, lambda o: o.sum(), _randn(2, 1, 4, 4)),
+         PerSampleError, r"module '1.0' \(BatchNorm2d\) is in training mode.*\n  Fix: put it in eval mode"
+         r".*model\[1\]\[0\].eval\(\).*nn.GroupNorm\(num_groups, 2\)"),
+        ("batchnorm-no-running-stats", lambda: per_sample_grads(bn_stats, lf, x, t), PerSampleError,
+         r"module '1' \(BatchNorm1d\) has no running statistics \(track_running_stats=False\)"),
+        ("instancenorm-running-stats", lambda: per_sample_grads(inorm, lambda o: o.sum(), _randn(2, 1, 3)),
+         PerSampleError, r"module '1' \(InstanceNorm1d\) is in training mode with track_running_stats"),
+        ("model-type", lambda: per_sample_grads(lambda z: z, lf, x, t), PerSampleTypeError,
+         r"model must be a torch.nn.Module, got function"),
+        ("inputs-type", lambda: per_sample_grads(m, lf, [[1.0, 2.0]], t), PerSampleTypeError,
+         r"inputs\[0\] is a list, not a tensor"),
+        ("inputs-dict", lambda: per_sample_grads(m, lf, {"x": x}, t), PerSampleTypeError,
+         r"inputs must be a tensor or a tuple of tensors, got dict"),
+        ("inputs-0d", lambda: per_sample_grads(m, lf, torch.tensor(1.0), t), PerSampleValueError,
+         r"inputs\[0\] is a 0-dimensional tensor"),
+        ("inputs-batch", lambda: per_sample_grads(TwoInputs(), lf, (_randn(4, 3), _randn(5, 2)), t),
+         PerSampleValueError, r"inputs\[1\] has shape \(5, 2\), but inputs\[0\] has shape \(4, 3\)"),
+        ("targets-batch", lambda: per_sample_grads(m, lf, x, _ints(2, 5)), PerSampleValueError,
+         r"targets has shape \(5,\), but the batch has 4 examples"),
+        ("params-unknown", lambda: per_sample_grads(m, lf, x, t, params=["0.weigth"]), PerSampleValueError,
+         r"params names '0.weigth', which is not a parameter of the model.\n  Its parameters are: "
+         r"'0.weight', '0.bias'"),
+        ("params-tensor", lambda: per_sample_grads(m, lf, x, t, params=[m[0].weight]), PerSampleTypeError,
+         r"params must hold parameter names \(str\), got a Parameter"),
+        ("params-empty", lambda: per_sample_grads(m, lf, x, t, params=[]), PerSampleValueError,
+         r"params is empty"),
+        ("nothing-requires-grad", lambda: per_sample_grads(frozen, lf, x, t), PerSampleValueError,
+         r"the model has no parameter that requires grad"),
+        ("loss-not-scalar", lambda: per_sample_grads(m, lambda o, t: o.exp(), x, t, strategy="vmap"),
+         PerSampleValueError, r"loss_fn returned a tensor of shape \(1, 2\) and dtype torch.float64 "
+         r"for one example; it must return one floating-point number"),
+        ("loss-not-scalar-hooks", lambda: per_sample_grads(m, lambda o, t: o, x, t, strategy="hooks"),
+         PerSampleValueError, r"loss_fn returned a tensor of shape \(1, 2\)"),
+        ("chunk-size", lambda: per_sample_grads(m, lf, x, t, chunk_size=0), PerSampleValueError,
+         r"chunk_size must be None or a positive int, got 0"),
+        ("max-norm-value", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm=-1.0), PerSampleValueError,
+         r"max_norm must be a positive finite number, got -1.0"),
+        ("max-norm-type", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm="1"), PerSampleTypeError,
+         r"max_norm must be a positive number, got str"),
+    ]
+
+
+@pytest.mark.parametrize("name,call,exc,match", _err_cases(), ids=[c[0] for c in _err_cases()])
+def test_per_sample_err_check(name, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_errors_derive_from_builtins():
+    assert issubclass(PerSampleError, RuntimeError)
+    assert issubclass(PerSampleValueError, (PerSampleError, ValueError))
+    assert issubclass(PerSampleTypeError, (PerSampleError, TypeError))
+    assert issubclass(PerSampleError, torch_vjp.TorchVJPError)
+
+
+def test_user_errors_pass_through_untouched():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            raise ZeroDivisionError("the model's own error")
+
+    for s in STRATEGIES:
+        with pytest.raises(ZeroDivisionError, match="the model's own error"):
+            per_sample_grads(Broken(), nn.CrossEntropyLoss(), _randn(2, 3), _ints(2, 2), strategy=s)
