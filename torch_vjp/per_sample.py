@@ -1099,7 +1099,12 @@ def per_sample_grad_norms(
     example's distinct indices; normalisation layers their small per-sample gradients.
 
     Args:
-        model, loss_fn, inputs, targets, params, strategy: as for :func:`per_sample_grads`.
+        model: as for :func:`per_sample_grads`.
+        loss_fn: as for :func:`per_sample_grads`.
+        inputs: as for :func:`per_sample_grads`.
+        targets: as for :func:`per_sample_grads`.
+        params: as for :func:`per_sample_grads`.
+        strategy: as for :func:`per_sample_grads`.
 
     Returns:
         A ``(B,)`` tensor: entry ``i`` is the L2 norm of example ``i``'s gradient, all selected
@@ -1143,7 +1148,12 @@ def accumulate_clipped_grads(
     gradients are formed only for parameters that no rule covers (by vmap, in chunks).
 
     Args:
-        model, loss_fn, inputs, targets, params, strategy: as for :func:`per_sample_grads`.
+        model: as for :func:`per_sample_grads`.
+        loss_fn: as for :func:`per_sample_grads`.
+        inputs: as for :func:`per_sample_grads`.
+        targets: as for :func:`per_sample_grads`.
+        params: as for :func:`per_sample_grads`.
+        strategy: as for :func:`per_sample_grads`.
         max_norm: each example's gradient is scaled to L2 norm at most ``max_norm`` (over all
             selected parameters together) before the sum.
 
