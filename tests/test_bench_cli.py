@@ -64,7 +64,11 @@ def test_exit_status_and_last_line(run):
 
 def test_table_content(run):
     _, stdout, _ = run
-    assert stdout.startswith("torch_vjp ")
+    # Without jax, one notice line says its methods are left out; the table header follows.
+    lines = stdout.splitlines()
+    if lines[0].startswith("jax is not installed"):
+        lines = lines[1:]
+    assert lines[0].startswith("torch_vjp ")
     assert f"torch {torch.__version__}" in stdout
     assert "two_input: two inputs" in stdout
     assert "jacobian_of_256: Jacobian of an already computed output" in stdout
