@@ -497,3 +497,20 @@ def test_existing_torch_vjp_attribute_is_left_alone(tmp_path):
     )
     assert result.stdout.split() == ["True", "False", "False"]
     assert_warned(result.stderr, "already has an attribute `vjp` (object)")
+
+
+def test_submodule_import_first_after_import_torch():
+    """``import torch`` then ``from torch_vjp.<sub> import ...``: no circular import, no
+    module executed twice."""
+    code = (
+        "import torch\n"
+        "from torch_vjp.per_sample import per_sample_grads\n"
+        "import torch_vjp._errors as errors, torch_vjp.function_check as fc\n"
+        "import torch_vjp\n"
+        "assert errors.FunctionCheckError is fc.FunctionCheckError is torch_vjp.FunctionCheckError\n"
+        "assert torch.vjp is torch_vjp and torch_vjp.per_sample_grads is per_sample_grads\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK"

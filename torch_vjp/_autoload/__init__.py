@@ -179,6 +179,11 @@ def _execute(module: types.ModuleType) -> None:
     state = namespace.get(_STATE_KEY)
     if state is None or state.loading_thread == threading.get_ident():
         return  # already executed, or torch_vjp's own code reading itself while it runs
+    if _submodule_initializing():
+        # ``import torch_vjp.x`` is running x's code, which reads its (still lazy) parent:
+        # running the parent now would import x a second time, or import names from the
+        # half-run x. The parent runs on the first access after x has finished.
+        return
     with state.lock:
         if namespace.get(_STATE_KEY) is not state:
             return  # another thread executed it while this one waited
@@ -200,6 +205,17 @@ def _execute(module: types.ModuleType) -> None:
         namespace.pop(_STATE_KEY, None)
         if type(module) is _LazyModule:  # unless torch_vjp gave itself a class of its own
             module.__class__ = types.ModuleType
+
+
+def _submodule_initializing() -> bool:
+    """Whether a ``torch_vjp.<name>`` module is being executed by an import right now."""
+    prefix = _MODULE + "."
+    for name, mod in list(sys.modules.items()):
+        if name.startswith(prefix):
+            spec = getattr(mod, "__spec__", None)
+            if spec is not None and getattr(spec, "_initializing", False):
+                return True
+    return False
 
 
 def _forget(module: types.ModuleType | None) -> None:
