@@ -100,6 +100,15 @@ CASES = {
     ),
     "tall": lambda: (lambda x: torch.outer(x, x).reshape(-1).repeat(2),
                      (torch.randn(3, dtype=D),), {}),
+    "middle-argnum-of-three": lambda: (
+        lambda a, x, s: torch.tanh(a @ x) * s,
+        (torch.randn(3, 4, dtype=D), torch.randn(4, dtype=D), 1.5), {"argnums": 1},
+    ),
+    "tuple-argnums-subset": lambda: (
+        lambda x, y, z: torch.outer(x, z).sum(1) * y.sum(),
+        (torch.randn(3, dtype=D), torch.randn(2, dtype=D), torch.randn(4, dtype=D)),
+        {"argnums": (2, 0)},
+    ),
 }
 
 
@@ -160,6 +169,38 @@ def test_layout_outer_product():
     J = jacobian(lambda x: torch.outer(x, x), x)
     assert J.shape == (4, 4, 4)
     assert J[1, 2].tolist() == [0.0, 3.0, 2.0, 0.0]
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_inputs_of_different_dtypes_match_torch_func(strategy):
+    """Each input's basis has that input's dtype: reverse mode returns blocks in the input's
+    dtype (as jacrev), forward mode in the output's (as jacfwd)."""
+    W = torch.randn(3, 4, dtype=D)
+    f = lambda x, y: torch.tanh(W @ x.double()) * y.sum()  # noqa: E731
+    x, y = torch.randn(4, dtype=torch.float32), torch.randn(2, dtype=D)
+    transform = torch.func.jacrev if strategy.startswith("rev") else torch.func.jacfwd
+    want = transform(f, argnums=(0, 1))(x, y)
+    if strategy == "auto":
+        want = torch.func.jacrev(f, argnums=(0, 1))(x, y)  # 3 outputs, 6 inputs: reverse
+    got = jacobian(f, x, y, argnums=(0, 1), strategy=strategy)
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    assert_tree_close(got, want)
+
+
+@pytest.mark.parametrize("strategy", ("rev", "fwd", "auto"))
+def test_blocks_are_views_of_one_result_like_jacrev(strategy):
+    """Computed in one chunk, the blocks are views of the stacked products (no copy into a
+    second buffer), as in torch.func.jacrev."""
+    f = lambda x: {"a": x.sin(), "b": torch.outer(x, x)}  # noqa: E731
+    x = torch.randn(3, dtype=D)
+    got = jacobian(f, x, strategy=strategy)
+    assert_tree_close(got, torch.func.jacrev(f)(x))
+    if strategy == "fwd":  # one stacked result per output
+        assert got["a"].untyped_storage().data_ptr() != got["b"].untyped_storage().data_ptr()
+        two = jacobian(lambda x, y: x * y, x, x.cos(), argnums=(0, 1), strategy=strategy)
+        assert two[0].untyped_storage().data_ptr() == two[1].untyped_storage().data_ptr()
+    else:  # one stacked result per input
+        assert got["a"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()
 
 
 def test_single_element_tuple_and_list_outputs_keep_their_structure():
