@@ -227,7 +227,7 @@ def _user_stacklevel() -> int:
     level = 1
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if not (name.startswith("torch_vjp") or name.startswith("torch.")):
+        if not (name.startswith("torch_vjp") or name.startswith("torch.") or name == "torch"):
             return level
         frame = frame.f_back
         level += 1

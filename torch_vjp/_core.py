@@ -73,6 +73,7 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
+from torch_vjp._checks import _user_stacklevel  # noqa: F401 (shared by jacobians, per_sample)
 from torch_vjp._errors import JacobianMemoryError, JacobianWarning, TorchVJPError, shape_str
 from torch_vjp._strategies import choose_mode
 
@@ -903,20 +904,6 @@ def _is_oom(err: BaseException) -> bool:
 
 _WARNED: set[tuple[Any, ...]] = set()
 
-
-def _user_stacklevel() -> int:
-    """The stacklevel of the first frame outside torch_vjp and torch."""
-    import sys
-
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if not (name.startswith("torch_vjp") or name.startswith("torch.") or name == "torch"):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 1
 
 
 def function_key(f: object) -> object:
