@@ -30,7 +30,7 @@ thread and times jump by orders of magnitude.
 Writes ``results/overhead_probe.json`` and ``.md`` next to this file (or under ``--out``).
 
 Run: ``python benchmarks/overhead_probe.py [--threads 1] [--rounds 25] [--timer]``
-(about 30 s with the defaults).
+(about a minute with the defaults).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _time_blocks(methods: dict[str, Callable[[], Any]], rounds: int, block_s: fl
     # Cases of more than ~50 ms a call are not overhead-bound: fewer rounds keep the probe quick.
     slowest = max(once.values())
     if slowest > 0.05:
-        rounds = min(rounds, max(3, int(2.0 / (slowest * len(names)))))
+        rounds = min(rounds, max(9, int(2.0 / (slowest * len(names)))))
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=25)
-    p.add_argument("--block-ms", type=float, default=10.0)
+    p.add_argument("--block-ms", type=float, default=30.0)
     p.add_argument("--timer", action="store_true",
                    help="median of Timer.blocked_autorange (min over rounds) instead")
     p.add_argument("--min-run-time", type=float, default=0.2)
@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                 "numerator_s": best[num], "denominator_s": best[den],
                 "min_ratio": best[num] / best[den], "paired_median_ratio": paired,
                 "target": target,
-                "passed": None if target is None else best[num] / best[den] <= target,
+                "passed": None if target is None else paired <= target,
             }
             rows.append(row)
-            flag = "" if target is None else ("  ok" if row["passed"] else "  OVER 1.05")
+            flag = "" if target is None else ("  ok" if row["passed"] else "  OVER 1.05")  # paired
             print(f"{name:18s} {label:34s} {row['min_ratio']:6.3f} (paired median {paired:6.3f})"
                   f"   {best[num] * 1e6:9.1f} us / {best[den] * 1e6:9.1f} us{flag}", flush=True)
     elapsed = time.perf_counter() - start
@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"torch {env['torch']}, Python {env['python']}, {args.threads} thread(s), float32; "
             f"{how}. Written by `benchmarks/overhead_probe.py`.",
+            "",
+            "The target is judged on the paired median (the median over rounds of the ratio "
+            "within each round); the min ratio (ratio of each method's fastest round) is "
+            "shown for comparison, and moves by several percent between runs.",
             "",
             "| case | ratio | torch_vjp | torch.func | min ratio | paired median ratio | "
             "target |",
