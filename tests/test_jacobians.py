@@ -647,6 +647,29 @@ def test_output_sizes_are_remembered_and_checked():
         width["n"] = 350 if width["n"] == 400 else 400
 
 
+def test_output_sizes_are_remembered_for_pytree_primals():
+    """A dict of parameters (the functional_call pattern) is keyed by its structure and
+    its leaves' sizes: the second call skips the probe; a different structure probes again."""
+    W = torch.randn(3, 4, dtype=D)
+
+    def plain(params, x):
+        return torch.tanh(params["w"] @ x + params["b"]).repeat(40)
+
+    f, calls = _counting(plain)
+    params = {"w": W, "b": torch.randn(3, dtype=D)}
+    x = torch.randn(4, dtype=D)
+    for expected_calls in (2, 1):  # probe + products, then the products only
+        calls["n"] = 0
+        J = jacobian(f, params, x, argnums=0, strategy="fwd")
+        torch.testing.assert_close(J, torch.func.jacrev(plain)(params, x))
+        assert calls["n"] == expected_calls
+    calls["n"] = 0
+    params2 = {"w": W, "b": torch.randn(1, dtype=D)}  # other leaf sizes: a new key
+    torch.testing.assert_close(jacobian(f, params2, x, argnums=0, strategy="fwd"),
+                               torch.func.jacrev(plain)(params2, x))
+    assert calls["n"] == 2
+
+
 @pytest.mark.parametrize("strategy", ALL)
 def test_jacobian_over_budget_raises_before_allocating(strategy):
     x = torch.randn(100_000)  # J would be 1e10 float32 elements: 40 GB

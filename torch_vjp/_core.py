@@ -1129,14 +1129,24 @@ def _new_shapes_key(prob: Problem, batch: int | None) -> Any:
         ref = weakref.ref(target)
     except TypeError:
         return None
-    sig = []
+    sig: list[Any] = []
     for p in prob.primals:
         if isinstance(p, Tensor):
             sig.append((p.shape, p.dtype, p.device))
         elif p is None or isinstance(p, (bool, int, float, str)):
             sig.append((type(p), p))
-        else:
-            return None
+        else:  # a pytree (a dict of parameters, say): its structure and its leaves' sizes
+            leaves, spec = tree_flatten(p)
+            if spec.is_leaf():
+                return None
+            sig.append(spec)
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    sig.append((leaf.shape, leaf.dtype, leaf.device))
+                elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+                    sig.append((type(leaf), leaf))
+                else:
+                    return None
     key = (id(target), fid, ref, tuple(sig), prob.argnums, prob.int_argnums, prob.has_aux,
            batch)
     try:
