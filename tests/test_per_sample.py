@@ -360,13 +360,13 @@ class ConvPaths(nn.Module):
         return self.fc(h.mean(2))
 
 
-@pytest.mark.parametrize("small_budget", [False, True], ids=["whole-batch", "chunked-uncached"])
+@pytest.mark.parametrize("small_budget", [False, True], ids=["whole-batch", "chunked"])
 def test_conv_paths(monkeypatch, small_budget):
     from torch_vjp import _per_sample_rules as rules
 
-    if small_budget:  # every temporary split into chunks of examples; nothing cached
+    if small_budget:  # every temporary split into chunks of examples
         monkeypatch.setattr(rules, "CHUNK_ELEMENTS", 64)
-        monkeypatch.setattr(rules, "CACHE_ELEMENTS", 0)
+        monkeypatch.setattr(rules, "NORM_CHUNK_ELEMENTS", 64)
     torch.manual_seed(0)
     model = ConvPaths().to(DT)
     x, t = _randn(5, 2, 5, 4), _ints(3, 5)

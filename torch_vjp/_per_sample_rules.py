@@ -66,9 +66,19 @@ def sq_norms_rows(v: Tensor) -> Tensor:
     return torch.linalg.vector_norm(v.reshape(v.shape[0], -1), dim=1).square_()
 
 
-def chunks(batch: int, per_example: int, chunk_size: int | None = None) -> Iterator[tuple[int, int]]:
-    """Yields ``(start, stop)`` ranges of examples whose temporaries stay under the budget."""
-    step = max(1, CHUNK_ELEMENTS // max(1, per_example))
+# Elements the temporaries of a norms-only or clipped-sum computation may hold for one layer
+# (1 MB in float32): these calls promise no buffer of the order of B x P, and on a small
+# model a layer's temporaries (an unfolded input, say) can be as large as B x P itself.
+NORM_CHUNK_ELEMENTS = 1 << 18
+
+
+def chunks(
+    batch: int, per_example: int, chunk_size: int | None = None, budget: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """Yields ``(start, stop)`` ranges of examples whose temporaries stay under the budget
+    (``CHUNK_ELEMENTS`` unless given)."""
+    limit = CHUNK_ELEMENTS if budget is None else budget
+    step = max(1, limit // max(1, per_example))
     if chunk_size is not None:
         step = min(step, chunk_size)
     for start in range(0, batch, step):
@@ -198,13 +208,13 @@ class OuterFactor(Factor):
             return sq_norms_rows(a).mul_(sq_norms_rows(g))
         out = a.new_empty(B)
         if self.use_ghost():
-            for s, e in chunks(B, 2 * T * T, chunk_size):
+            for s, e in chunks(B, 2 * T * T, chunk_size, NORM_CHUNK_ELEMENTS):
                 aa = torch.bmm(a[s:e], a[s:e].mT)
                 gg = torch.bmm(g[s:e], g[s:e].mT)
                 out[s:e] = aa.mul_(gg).view(e - s, -1).sum(1)
         else:
             buf = None
-            for s, e in chunks(B, p * q, chunk_size):
+            for s, e in chunks(B, p * q, chunk_size, NORM_CHUNK_ELEMENTS):
                 if buf is None or buf.shape[0] != e - s:
                     buf = a.new_empty((e - s, q, p))
                 torch.bmm(g[s:e].mT, a[s:e], out=buf)
@@ -425,11 +435,6 @@ def unfold2d(
     return patches.reshape(B, C * kh * kw, oh * ow)
 
 
-# Per-sample gradients kept between the norms and the clipped sum when at most this many
-# elements (the per-layer buffer, not the model's B x P).
-CACHE_ELEMENTS = 1 << 22
-
-
 class ConvFactor(Factor):
     """Per-sample gradients of a Conv weight from its input ``x: (B, C, H, W)`` and output
     gradient ``g: (B, O, H', W')`` (Conv1d is handled as a 2-D conv of height 1).
@@ -438,8 +443,9 @@ class ConvFactor(Factor):
     short (few input channels: many small products would be slow in a grouped convolution),
     else from one grouped convolution whose groups are the examples (``groups = B * groups``).
     Squared norms use the ghost identity over the output positions when that is cheaper;
-    otherwise the per-sample gradients are formed in chunks of examples, and kept for the
-    clipped sum when small (``CACHE_ELEMENTS``). The clipped sum is otherwise one ordinary
+    otherwise the per-sample gradients are formed in chunks of examples. Either way the
+    temporaries (unfolded inputs, per-sample gradients) stay under ``NORM_CHUNK_ELEMENTS``
+    per chunk, so no buffer of the order of B x P exists. The clipped sum is one ordinary
     convolution weight gradient with ``g`` scaled per example.
     """
 
@@ -450,7 +456,6 @@ class ConvFactor(Factor):
         self.region_shape = tuple(region_shape)  # the parameter's own shape
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
         self.rows = None
-        self._G: Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -496,9 +501,6 @@ class ConvFactor(Factor):
     def write(self, out: Tensor, accumulate: bool, chunk_size: int | None) -> None:
         B = self.batch
         out4 = out.view(B, *self.weight_shape)
-        if self._G is not None:
-            out4.add_(self._G) if accumulate else out4.copy_(self._G)
-            return
         for s, e in chunks(B, math.prod(self.weight_shape), chunk_size):
             G = self._per_sample(s, e)
             out4[s:e].add_(G) if accumulate else out4[s:e].copy_(G)
@@ -513,11 +515,10 @@ class ConvFactor(Factor):
         O, cg, k, L = self._dims()
         G = self.groups
         out = self.x.new_zeros(B)
-        if self._G is not None:
-            return sq_norms_rows(self._G)
         if self._ghost_cheaper():
             og = O // G
-            for s, e in chunks(B, 2 * G * L * L, chunk_size):
+            per_example = cg * k * L * G + 2 * L * L
+            for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
                 n = e - s
                 U = unfold2d(self.x[s:e], self.weight_shape[2:], self.dilation, self.padding, self.stride)
                 U4 = U.view(n, G, cg * k, L)
@@ -527,24 +528,26 @@ class ConvFactor(Factor):
                     gg = torch.bmm(g4[:, j].mT, g4[:, j])
                     out[s:e] += aa.mul_(gg).view(n, -1).sum(1)
             return out
-        numel = math.prod(self.weight_shape)
-        if B * numel <= CACHE_ELEMENTS:
-            self._G = self._per_sample(0, B)
-            return sq_norms_rows(self._G)
-        for s, e in chunks(B, numel, chunk_size):
+        # Direct: the per-sample gradients (and, for short patches, the unfolded input).
+        per_example = math.prod(self.weight_shape) + (cg * k * L * G if cg * k < 64 else 0)
+        for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
             out[s:e] = sq_norms_rows(self._per_sample(s, e))
         return out
 
     def weighted_sum(self, c: Tensor) -> Tensor:
-        if self._G is not None:
-            return torch.tensordot(c, self._G, dims=1).view(self.region_shape)
         B = self.batch
-        gc = self.g * c.view(B, *([1] * (self.g.dim() - 1)))
-        gw = torch.nn.grad.conv2d_weight(
-            self.x, self.weight_shape, gc,
-            stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups,
-        )
-        return gw.view(self.region_shape)
+        O, cg, k, L = self._dims()
+        # Per example: g scaled, and the unfolded input the weight gradient may form.
+        per_example = O * L + cg * k * L * self.groups
+        total = None
+        for s, e in chunks(B, per_example, None, NORM_CHUNK_ELEMENTS):
+            gc = self.g[s:e] * c[s:e].view(e - s, *([1] * (self.g.dim() - 1)))
+            gw = torch.nn.grad.conv2d_weight(
+                self.x[s:e], self.weight_shape, gc, stride=self.stride, padding=self.padding,
+                dilation=self.dilation, groups=self.groups,
+            )
+            total = gw if total is None else total.add_(gw)
+        return total.view(self.region_shape)
 
 
 class ConvRule(Rule):
