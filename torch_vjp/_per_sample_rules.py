@@ -537,10 +537,10 @@ class ConvFactor(Factor):
     def weighted_sum(self, c: Tensor) -> Tensor:
         B = self.batch
         O, cg, k, L = self._dims()
-        # Per example: g scaled, and the unfolded input the weight gradient may form.
-        per_example = O * L + cg * k * L * self.groups
+        # The temporary is g scaled (the size of g, as in an ordinary backward), so the usual
+        # budget applies: one ordinary weight gradient in the common case.
         total = None
-        for s, e in chunks(B, per_example, None, NORM_CHUNK_ELEMENTS):
+        for s, e in chunks(B, O * L, None):
             gc = self.g[s:e] * c[s:e].view(e - s, *([1] * (self.g.dim() - 1)))
             gw = torch.nn.grad.conv2d_weight(
                 self.x[s:e], self.weight_shape, gc, stride=self.stride, padding=self.padding,
