@@ -20,7 +20,8 @@ __all__ = ["main"]
 #: Where the plot goes when ``--plot`` is not given (relative to the current directory).
 DEFAULT_PLOT = os.path.join("bench-results", "jacobian_suite.png")
 QUICK_MIN_RUN_TIME = 0.01
-FULL_MIN_RUN_TIME = 0.25
+FULL_MIN_RUN_TIME = 0.1
+DEFAULT_ROUNDS = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,9 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--min-run-time", type=float, default=None,
                        help="seconds of timing per method and round "
                        f"(default {FULL_MIN_RUN_TIME}; {QUICK_MIN_RUN_TIME} with --quick)")
-    bench.add_argument("--rounds", type=int, default=1,
+    bench.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                        help="time each method this many times, interleaved, and keep the "
-                       "smallest of the rounds' medians")
+                       f"smallest of the rounds' medians (default {DEFAULT_ROUNDS}: on a "
+                       "shared or small machine one round can be slowed by 10-30%%)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--list", action="store_true", help="list workloads and methods, then exit")
     return parser
