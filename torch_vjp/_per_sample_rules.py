@@ -474,17 +474,19 @@ class ConvFactor(Factor):
         n = e - s
         if cg * k < 64:
             U = unfold2d(x, self.weight_shape[2:], self.dilation, self.padding, self.stride)
-            out = x.new_empty((n, *self.weight_shape))
-            og = O // G
             g3 = g.reshape(n, O, L)
             if G == 1:
-                torch.bmm(g3, U.mT, out=out.view(n, O, cg * k))
-            else:
-                U4 = U.view(n, G, cg * k, L)
-                for j in range(G):
-                    out[:, j * og : (j + 1) * og] = torch.bmm(
-                        g3[:, j * og : (j + 1) * og], U4[:, j].mT
-                    ).view(n, og, cg, *self.weight_shape[2:])
+                # U g^T, read transposed: with U (n, C k, L) contiguous this product runs about
+                # a third faster than g U^T on CPU, and no copy is needed (a view of shape
+                # (n, O, C, kh, kw)).
+                return torch.bmm(U, g3.mT).mT.unflatten(2, self.weight_shape[1:])
+            out = x.new_empty((n, *self.weight_shape))
+            og = O // G
+            U4 = U.view(n, G, cg * k, L)
+            for j in range(G):
+                out[:, j * og : (j + 1) * og] = torch.bmm(
+                    g3[:, j * og : (j + 1) * og], U4[:, j].mT
+                ).view(n, og, cg, *self.weight_shape[2:])
             return out
         C = x.shape[1]
         gw = torch.nn.grad.conv2d_weight(
