@@ -722,3 +722,28 @@ def test_user_errors_pass_through_untouched():
     for s in STRATEGIES:
         with pytest.raises(ZeroDivisionError, match="the model's own error"):
             per_sample_grads(Broken(), nn.CrossEntropyLoss(), _randn(2, 3), _ints(2, 2), strategy=s)
+
+
+@pytest.mark.parametrize("norm", ["layernorm-2d", "rmsnorm", "rmsnorm-2d"])
+def test_normalization_rules(norm):
+    """LayerNorm and RMSNorm rules (one or two normalized dimensions) against the loop, with
+    strategy="hooks" so that a missing rule would raise instead of falling back."""
+    torch.manual_seed(0)
+    layer = {
+        "layernorm-2d": lambda: nn.LayerNorm((3, 4)),
+        "rmsnorm": lambda: nn.RMSNorm(4),
+        "rmsnorm-2d": lambda: nn.RMSNorm((3, 4), eps=1e-5),
+    }[norm]()
+    with torch.no_grad():  # non-trivial affine weights
+        layer.weight.normal_()
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.normal_()
+    model = nn.Sequential(nn.Linear(4, 4), layer, nn.Flatten(), nn.Linear(12, 3)).to(DT)
+    x, t = _randn(5, 3, 4), _ints(3, 5)
+    _check(model, nn.CrossEntropyLoss(), x, t, ("hooks", "auto"))
+    ref = loop_reference(model, nn.CrossEntropyLoss(), x, t)
+    c = (0.5 * ref_norms(ref).min() / ref_norms(ref)).clamp(max=1.0)
+    accumulate_clipped_grads(model, nn.CrossEntropyLoss(), x, t,
+                             max_norm=float(0.5 * ref_norms(ref).min()), strategy="hooks")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]), msg=n)

@@ -608,19 +608,23 @@ def _affine_factors(xhat: Tensor, g: Tensor, sum_dims: tuple[int, ...], roles: s
     return out
 
 
+def _normalized_input(call: Call, g: Tensor, batch: int) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    """Input and output gradient of a LayerNorm/RMSNorm call as ``(B, rows, *normalized_shape)``,
+    and the normalized dimensions."""
+    k = len(call.module.normalized_shape)
+    x = _to_batch_first(call.x, call.bdim, batch)
+    gb = _to_batch_first(g, call.bdim, batch)
+    x = x.reshape(batch, -1, *x.shape[x.dim() - k :])
+    return x, gb.reshape(x.shape), tuple(range(2, 2 + k))
+
+
 class LayerNormRule(Rule):
     name = "LayerNorm"
 
     def factors(self, call, g, roles, batch):
-        m = call.module
-        k = len(m.normalized_shape)
-        x = _to_batch_first(call.x, call.bdim, batch)
-        gb = _to_batch_first(g, call.bdim, batch)
-        x = x.reshape(batch, -1, *x.shape[x.dim() - k :])
-        gb = gb.reshape(x.shape)
-        dims = tuple(range(2, 2 + k))
+        x, gb, dims = _normalized_input(call, g, batch)
         var, mean = torch.var_mean(x, dim=dims, keepdim=True, unbiased=False)
-        xhat = (x - mean) * torch.rsqrt(var + m.eps)
+        xhat = (x - mean) * torch.rsqrt(var + call.module.eps)
         return _affine_factors(xhat, gb, (1,), roles, call)
 
 
@@ -629,12 +633,7 @@ class RMSNormRule(Rule):
 
     def factors(self, call, g, roles, batch):
         m = call.module
-        k = len(m.normalized_shape)
-        x = _to_batch_first(call.x, call.bdim, batch)
-        gb = _to_batch_first(g, call.bdim, batch)
-        x = x.reshape(batch, -1, *x.shape[x.dim() - k :])
-        gb = gb.reshape(x.shape)
-        dims = tuple(range(2, 2 + k))
+        x, gb, dims = _normalized_input(call, g, batch)
         eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
         xhat = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
         return _affine_factors(xhat, gb, (1,), roles, call)
