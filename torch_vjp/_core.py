@@ -533,12 +533,7 @@ class Problem:
                         return f(*xs)
 
                 else:
-
-                    def call_f(*xs: Tensor) -> Any:
-                        args = list(primals)
-                        for i, value in zip(idx, xs):
-                            args[i] = value
-                        return f(*args)
+                    call_f = _with_args_at(f, primals, idx)
 
                 self._call_f = call_f
                 return
@@ -605,14 +600,7 @@ class Problem:
             if self.argnums == tuple(range(n)):  # every primal, in order
                 self._call_f = f
             else:
-
-                def call_f(*xs: Tensor) -> Any:
-                    args = list(primals)
-                    for i, value in zip(idx, xs):
-                        args[i] = value
-                    return f(*args)
-
-                self._call_f = call_f
+                self._call_f = _with_args_at(f, primals, idx)
         else:
             return False
         self.f = f
@@ -686,6 +674,19 @@ class Problem:
         out = res[0] if self.has_aux else res
         flat, spec = tree_flatten(out)
         return flat, spec
+
+
+def _with_args_at(f: Callable[..., Any], primals: tuple[Any, ...], idx: tuple[int, ...]
+                  ) -> Callable[..., Any]:
+    """``f`` called with ``xs`` in place of the primals at positions ``idx``."""
+
+    def call_f(*xs: Tensor) -> Any:
+        args = list(primals)
+        for i, value in zip(idx, xs):
+            args[i] = value
+        return f(*args)
+
+    return call_f
 
 
 def _describe(obj: object) -> str:
