@@ -562,8 +562,8 @@ class ConvRule(Rule):
 
     def factors(self, call, g, roles, batch):
         m = call.module
-        x = call.x if call.bdim is not None else call.x.unsqueeze(0)
-        gb = g if call.bdim is not None else g.unsqueeze(0)
+        x = _to_batch_first(call.x, call.bdim, batch)
+        gb = _to_batch_first(g, call.bdim, batch)
         out: list[tuple[str, Factor]] = []
         O = gb.shape[1]
         if "weight" in roles:
@@ -644,8 +644,8 @@ class GroupNormRule(Rule):
 
     def factors(self, call, g, roles, batch):
         m = call.module
-        x = call.x if call.bdim is not None else call.x.unsqueeze(0)
-        gb = g if call.bdim is not None else g.unsqueeze(0)
+        x = _to_batch_first(call.x, call.bdim, batch)
+        gb = _to_batch_first(g, call.bdim, batch)
         C = x.shape[1]
         xg = x.reshape(batch, m.num_groups, -1)
         var, mean = torch.var_mean(xg, dim=2, keepdim=True, unbiased=False)
@@ -660,8 +660,8 @@ class BatchNormEvalRule(Rule):
 
     def factors(self, call, g, roles, batch):
         m = call.module
-        x = call.x if call.bdim is not None else call.x.unsqueeze(0)
-        gb = g if call.bdim is not None else g.unsqueeze(0)
+        x = _to_batch_first(call.x, call.bdim, batch)
+        gb = _to_batch_first(g, call.bdim, batch)
         C = x.shape[1]
         x3 = x.reshape(batch, C, -1)
         rm = m.running_mean.to(x.dtype).view(1, C, 1)
