@@ -1428,10 +1428,9 @@ def _fwd_blocks(
 # work. For ``batch_jacobian`` the basis vectors repeated over the batch are materialised
 # rather than broadcast (a stride-0 batch dimension makes the first matmul of every product
 # run as a loop of small matrix products, each copying its operand; materialised, it is one
-# matrix product): this is the memory that NOTE [memory model] already counts per product,
-# and it made batch_jacobian about 10% faster at 2 threads (no slower at 1) than with the
-# broadcast basis (B = 64, 32 -> 32 MLP). Several chunks, loops and batched aux values go
-# through :func:`map_rows`.
+# matrix product): this is the memory that NOTE [memory model] already counts per product;
+# benchmarks/bench_jacobian.py times batch_jacobian against vmap(jacrev(f_single)) (B = 64,
+# 32 -> 32 MLP). Several chunks, loops and batched aux values go through :func:`map_rows`.
 
 
 def _eye_basis(

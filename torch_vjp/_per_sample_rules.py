@@ -476,9 +476,10 @@ class ConvFactor(Factor):
             U = unfold2d(x, self.weight_shape[2:], self.dilation, self.padding, self.stride)
             g3 = g.reshape(n, O, L)
             if G == 1:
-                # U g^T, read transposed: with U (n, C k, L) contiguous this product runs about
-                # a third faster than g U^T on CPU, and no copy is needed (a view of shape
-                # (n, O, C, kh, kw)).
+                # U g^T, read transposed: U (n, C k, L) is contiguous along L, the summed
+                # dimension, so no operand is transposed in memory, and the result needs no
+                # copy (a view of shape (n, O, C, kh, kw)). The CNN rows of
+                # benchmarks/bench_per_sample.py time this path.
                 return torch.bmm(U, g3.mT).mT.unflatten(2, self.weight_shape[1:])
             out = x.new_empty((n, *self.weight_shape))
             og = O // G
