@@ -18,7 +18,7 @@ two phases:
    workload's methods are timed R times, interleaved, and the smallest of the R medians is
    kept (other processes only ever add time; see ``torch_vjp.bench.suite``);
 2. the paired phase (the ratios): for each ratio, its numerator and denominator are timed
-   back to back, ``--pairs P`` times (default 15), each time the median of a
+   back to back, ``--pairs P`` times (default 41), each time the median of a
    ``Timer.blocked_autorange(min_run_time=--pair-time)``, the order alternating; the ratio
    reported is the median over the P pairs of numerator / denominator, with its
    interquartile range. The methods compared by the 1.05 targets run the same vmapped
@@ -37,8 +37,8 @@ Reported ratios, with their targets:
 Writes ``results/jacobian_ratios.json``, ``.md`` and ``jacobian_strategies.png`` next to
 this file (or under ``--out``).
 
-Run: ``python benchmarks/bench_jacobian.py [--rounds 3] [--min-run-time 0.3] [--pairs 15]
-[--pair-time 0.05] [--threads 2]`` (about 4 minutes with the defaults, 2 threads).
+Run: ``python benchmarks/bench_jacobian.py [--rounds 3] [--min-run-time 0.3] [--pairs 41]
+[--pair-time 0.05] [--threads 2]`` (about 6 minutes with the defaults, 2 threads).
 """
 
 from __future__ import annotations
@@ -80,9 +80,8 @@ class Ratio:
     note: str = ""
     #: The ratio of the suite phase's two figures (each the min of its rounds' medians).
     suite_value: float | None = None
-    #: Interquartile range of the paired ratios, and how many pairs were timed.
+    #: Interquartile range of the paired ratios.
     iqr: tuple[float, float] | None = None
-    pairs: int = 0
     pair_ratios: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -130,6 +129,7 @@ def measure_pairs(result: SuiteResult, rs: list[Ratio], pairs: int, min_run_time
     correctness check are timed."""
     by_name = {w.name: w for w in result.workloads}
     prepared: dict[tuple[str, str], Callable[[], object]] = {}
+    cases: dict[str, object] = {}
 
     def run_of(case_name: str, method: str) -> Callable[[], object]:
         key = (case_name, method)
@@ -141,7 +141,6 @@ def measure_pairs(result: SuiteResult, rs: list[Ratio], pairs: int, min_run_time
             prepared[key] = m.prepare(cases[case_name]).run
         return prepared[key]
 
-    cases: dict[str, object] = {}
     for i, r in enumerate(rs):
         r.suite_value = r.value
         w = by_name[r.case]
@@ -163,7 +162,6 @@ def measure_pairs(result: SuiteResult, rs: list[Ratio], pairs: int, min_run_time
         r.pair_ratios = paired_ratios(num, den_runs, pairs, min_run_time)
         r.value = statistics.median(r.pair_ratios)
         r.iqr = _quartiles(r.pair_ratios)
-        r.pairs = pairs
         if len(dens) > 1:
             r.denominator = "fastest of " + ", ".join(dens)
 
@@ -254,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--min-run-time", type=float, default=0.3)
-    parser.add_argument("--pairs", type=int, default=15,
+    parser.add_argument("--pairs", type=int, default=41,
                         help="paired timings per ratio (0: report the suite phase's ratios)")
     parser.add_argument("--pair-time", type=float, default=0.05,
                         help="min_run_time of each paired Timer measurement, seconds")
