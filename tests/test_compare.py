@@ -7,11 +7,14 @@ import json
 import pytest
 import torch
 
-from torch_vjp._errors import StrategyError
+import torch_vjp as tv
+from torch_vjp._core import JacobianCallError, JacobianOptionError
+from torch_vjp._errors import StrategyError, TorchVJPError
 from torch_vjp._strategies import STRATEGIES
 from torch_vjp.compare import (
     StrategyComparison,
     StrategyRow,
+    StrategyTypeError,
     _LiveTensorBytes,
     _measure_peak,
     compare_strategies,
@@ -195,9 +198,105 @@ def test_unknown_strategy_raises():
 
 
 def test_strategies_of_the_wrong_type_raise():
-    with pytest.raises(TypeError, match=r"torch_vjp\.compare_strategies: strategies must be a "
-                       r"strategy name or a sequence of them, got int\. Valid strategies: "):
+    with pytest.raises(StrategyTypeError, match=r"torch_vjp\.compare_strategies: strategies "
+                       r"must be a strategy name or a sequence of them, got int\. Valid "
+                       r"strategies: ") as info:
         compare_strategies(torch.sin, torch.randn(3), strategies=3)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, TorchVJPError)
+
+
+# ---- mistakes in the arguments raise before anything runs --------------------------------
+
+
+def _never_called(x):
+    raise AssertionError("f must not run when an argument is wrong")
+
+
+@pytest.mark.parametrize("strategies,message", [
+    ([], r"strategies=\[\] names no strategy, so there is nothing to compare\. Fix: leave "
+         r"strategies=None to compare every strategy \('rev', 'fwd', 'rev-loop', 'fwd-loop', "
+         r"'auto'\), or name some"),
+    ((), r"strategies=\(\) names no strategy"),
+    (["rev", "fwd", "rev"], r"strategies=\['rev', 'fwd', 'rev'\] names 'rev' twice; each "
+                            r"strategy may appear once .* Fix: strategies=\('rev', 'fwd'\)\."),
+], ids=["empty-list", "empty-tuple", "repeated"])
+def test_strategies_naming_no_or_repeated_strategies_raise(strategies, message):
+    with pytest.raises(StrategyError, match=r"torch_vjp\.compare_strategies: " + message):
+        compare_strategies(_never_called, _f64(3), strategies=strategies)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, 0.0, -1.0, "0.1", None, True],
+                         ids=["nan", "inf", "zero-int", "zero", "negative", "str", "none", "bool"])
+def test_bad_min_run_time_raises(value):
+    with pytest.raises(JacobianOptionError, match=(
+            r"torch_vjp\.compare_strategies: min_run_time=.*, but it must be a finite number "
+            r"of seconds > 0: the time budget of torch\.utils\.benchmark\.Timer\."
+            r"blocked_autorange.*Fix: .* such as 0\.01")) as info:
+        compare_strategies(_never_called, _f64(3), min_run_time=value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TorchVJPError)
+
+
+@pytest.mark.parametrize("name,value,shown", [
+    ("atol", -1e-6, "atol=-1e-06"),
+    ("atol", float("nan"), "atol=nan"),
+    ("atol", float("inf"), "atol=inf"),
+    ("atol", "1e-6", r"atol='1e-6' \(a str\)"),
+    ("atol", torch.tensor(1e-6), r"atol=tensor\(1\.0000e-06\) \(a Tensor\)"),
+    ("rtol", -1, "rtol=-1"),
+    ("rtol", float("nan"), "rtol=nan"),
+], ids=["atol-negative", "atol-nan", "atol-inf", "atol-str", "atol-tensor", "rtol-negative",
+        "rtol-nan"])
+def test_bad_tolerance_raises(name, value, shown):
+    with pytest.raises(JacobianOptionError, match=(
+            rf"torch_vjp\.compare_strategies: {shown}, but it must be None or a finite number "
+            rf">= 0: a row is 'ok' when its max abs error is at most atol \+ rtol \* "
+            rf"max\|reference\|.*Fix: leave {name}=None")):
+        compare_strategies(_never_called, _f64(3), **{name: value})
+
+
+def test_zero_tolerances_are_accepted():
+    report = compare_strategies(lambda x: 2 * x, _f64(3), strategies="rev", atol=0, rtol=0.0,
+                                min_run_time=FAST)
+    assert report["rev"].ok and report.tolerance == 0.0
+
+
+def _jacobian_error(f, *primals, **kwargs):
+    with pytest.raises(TorchVJPError) as info:
+        tv.jacobian(f, *primals, **kwargs)
+    return info.value
+
+
+@pytest.mark.parametrize("primals,argnums,message", [
+    ((_f64(3),), (0, 0), r"argnums=\(0, 0\) names a primal twice; each may appear once\."),
+    ((_f64(3),), 1, r"argnums=1, but f was given 1 primal, so argnums must lie in -1\.\.0\."),
+    ((_f64(3), _f64(3)), (0, -3), r"argnums=\(0, -3\), but f was given 2 primals"),
+    ((_f64(3),), (), r"argnums=\(\), but it must be an int or a non-empty tuple of ints"),
+    ((_f64(3),), [0], r"argnums=\[0\], but it must be an int .* Fix: argnums=\(0,\)\."),
+    ((torch.arange(3),), 0, r"primals\[0\] has dtype torch\.int64, but only floating-point "
+                            r"tensors can be differentiated"),
+    ((3.0,), 0, r"primals\[0\] is a float, but argnums selects it for differentiation"),
+    ((), 0, r"no primals were given"),
+], ids=["argnums-repeated", "argnums-out-of-range", "argnums-negative-out-of-range",
+        "argnums-empty", "argnums-list", "integer-primal", "python-float-primal", "no-primals"])
+def test_argnums_and_primals_raise_as_jacobian_does(primals, argnums, message):
+    with pytest.raises(JacobianCallError,
+                       match=r"torch_vjp\.compare_strategies: " + message) as info:
+        compare_strategies(_never_called, *primals, argnums=argnums, min_run_time=FAST)
+    # The same class and the same sentence as torch_vjp.jacobian's own.
+    theirs = _jacobian_error(_never_called, *primals, argnums=argnums)
+    assert type(info.value) is type(theirs)
+    assert str(info.value) == str(theirs).replace("torch_vjp.jacobian", "torch_vjp."
+                                                  "compare_strategies")
+
+
+def test_integer_output_raises_as_jacobian_does():
+    def f(x):
+        return (x > 0).long()
+
+    with pytest.raises(JacobianCallError, match=r"torch_vjp\.compare_strategies: the output of "
+                       r"f has dtype torch\.int64; only real floating-point outputs have a "
+                       r"Jacobian here"):
+        compare_strategies(f, _f64(3), min_run_time=FAST)
 
 
 def test_error_of_the_users_function_passes_through():
@@ -230,6 +329,61 @@ def test_nothing_is_mutated():
     compare_strategies(lambda a, b: a * b, x, y, argnums=(0, 1), min_run_time=FAST)
     assert torch.equal(x, x0) and torch.equal(y.detach(), y0)
     assert not x.requires_grad and y.requires_grad and y.grad is None
+
+
+def _training_batchnorm():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4).double()
+    with torch.no_grad():  # running statistics that one update would visibly change
+        bn.running_mean.fill_(0.5)
+        bn.running_var.fill_(2.0)
+    return bn
+
+
+def _assert_buffers_unchanged(bn, before):
+    assert bn.training
+    for name, buf in bn.named_buffers():
+        assert torch.equal(buf, before[name]), name
+    assert int(bn.num_batches_tracked) == 0
+
+
+def test_batchnorm_buffers_are_kept_for_a_module():
+    bn = _training_batchnorm()
+    before = {name: b.clone() for name, b in bn.named_buffers()}
+    report = compare_strategies(bn, _f64(8, 4), min_run_time=FAST)
+    _assert_buffers_unchanged(bn, before)
+    assert report["rev-loop"].ok and report["auto"].ok
+
+
+@pytest.mark.xfail(strict=False, reason="buffers_kept restores the buffers of a module or bound "
+                   "method only; modules reached through a lambda's closure come with the "
+                   "generalised torch_vjp._core.buffers_kept")
+def test_batchnorm_buffers_are_kept_through_a_lambda():
+    bn = _training_batchnorm()
+    before = {name: b.clone() for name, b in bn.named_buffers()}
+    compare_strategies(lambda t: bn(t), _f64(8, 4), min_run_time=FAST)
+    _assert_buffers_unchanged(bn, before)
+
+
+def test_batchnorm_buffers_are_kept_when_f_raises():
+    bn = _training_batchnorm()
+    before = {name: b.clone() for name, b in bn.named_buffers()}
+
+    class Boom(Exception):
+        pass
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = bn
+
+        def forward(self, x):
+            self.bn(x)
+            raise Boom("from f")
+
+    with pytest.raises(Boom):
+        compare_strategies(Model(), _f64(8, 4), min_run_time=FAST)
+    _assert_buffers_unchanged(bn, before)
 
 
 def test_memory_can_be_skipped():

@@ -14,6 +14,7 @@ are shared with the benchmark suite in :mod:`torch_vjp.bench`.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -25,9 +26,17 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from torch_vjp._errors import shape_str
+from torch_vjp._core import JacobianOptionError, Problem, buffers_kept
+from torch_vjp._errors import StrategyError, shape_str
 
-__all__ = ["compare_strategies", "StrategyComparison", "StrategyRow"]
+__all__ = ["compare_strategies", "StrategyComparison", "StrategyRow", "StrategyTypeError"]
+
+_CALL = "torch_vjp.compare_strategies"
+
+
+class StrategyTypeError(StrategyError, TypeError):
+    """``strategies`` is neither a strategy name nor a sequence of names (a
+    :class:`~torch_vjp.StrategyError` that is also a ``TypeError``)."""
 
 # Relative tolerance of the correctness check, by the dtype a strategy computes in: the
 # error is compared against ``atol + rtol * max|reference|`` (see compare_strategies).
@@ -542,8 +551,11 @@ def compare_strategies(
     For each strategy, :func:`torch_vjp.jacobian` is called once and its result compared
     with a reference; a correct strategy is then timed and its memory measured. A strategy
     that raises becomes a row with status ``"failed"`` and the exception's type and first
-    line as ``reason``; one whose result is off becomes ``"wrong"``. Errors raised by ``f``
-    itself on a plain call (before any strategy runs) propagate unchanged.
+    line as ``reason``; one whose result is off becomes ``"wrong"``. Mistakes in the
+    arguments (``argnums``, the primals, the options) raise before ``f`` runs, as in
+    :func:`torch_vjp.jacobian`; errors raised by ``f`` itself on a plain call (before any
+    strategy runs) propagate unchanged. Nothing of the caller's is mutated: a module in
+    training mode gets its buffers (BatchNorm's running statistics) back after every call.
 
     How each column is measured:
 
@@ -573,19 +585,27 @@ def compare_strategies(
         strategies: Strategy names to compare, in this order; default: every registered
             strategy (``"rev"``, ``"fwd"``, ``"rev-loop"``, ``"fwd-loop"``, ``"auto"``). A
             single name may be given as a string.
-        min_run_time: Seconds of timing per strategy (``blocked_autorange``'s budget). Keep
-            the default for figures you report; lower it (e.g. ``0.01``) in tests.
+        min_run_time: Seconds of timing per strategy (``blocked_autorange``'s budget), a
+            finite number > 0. Keep the default for figures you report; lower it (e.g.
+            ``0.01``) in tests.
         memory: Measure peak extra memory (one extra call per strategy).
         rtol: Relative tolerance of the correctness check; default by the result dtype:
             1e-2 (float16), 2e-2 (bfloat16), 1e-4 (float32), 1e-7 (float64).
-        atol: Absolute tolerance added to it; default ``rtol * 1e-3``.
+        atol: Absolute tolerance added to it; default ``rtol * 1e-3``. Both must be
+            ``None`` or finite numbers >= 0.
 
     Returns:
         A :class:`StrategyComparison`: ``.rows``, ``.best``, ``str()`` and ``.to_dict()``.
 
     Raises:
-        StrategyError: A name in ``strategies`` is not a registered strategy.
-        TypeError: ``strategies`` is neither a name nor a sequence of names.
+        StrategyError: A name in ``strategies`` is not a registered strategy, the sequence
+            is empty, or it names a strategy twice.
+        StrategyTypeError: ``strategies`` is neither a name nor a sequence of names.
+        JacobianOptionError: ``min_run_time`` is not a finite number of seconds > 0, or
+            ``rtol``/``atol`` is not ``None`` or a finite number >= 0.
+        JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit, as in
+            :func:`torch_vjp.jacobian` (an ``argnums`` out of range or repeated, an integer
+            primal, an integer output, ...).
 
     Example:
         >>> W = torch.randn(3, 5, dtype=torch.float64)
@@ -603,16 +623,29 @@ def compare_strategies(
         ...
     """
     names = _normalise_strategies(strategies)
-    # A plain call first: an error of f's own propagates untouched, before any strategy.
-    out = f(*primals)
-    description = _describe(primals, argnums, out)
-    del out
+    min_run_time = _check_min_run_time(min_run_time, call=_CALL)
+    rtol = _check_tolerance("rtol", rtol)
+    atol = _check_tolerance("atol", atol)
+    # argnums and the primals are checked as torch_vjp.jacobian checks them, before f runs.
+    prob = Problem(f, primals, argnums, has_aux=False, call=_CALL)
     device = _device_of(primals)
 
-    try:
-        reference, reference_note = _reference(f, primals, argnums)
-    except _NoReference as exc:
-        reference, reference_note = None, f"none could be computed ({exc})"
+    # Every call of f below (the plain call, the reference, each strategy's checked call,
+    # its memory measurement and its timing loop) runs inside buffers_kept(f): a module in
+    # training mode gets its buffers (BatchNorm's running statistics) back after each, so
+    # every call sees the same module and nothing of the caller's is left changed.
+    with buffers_kept(f):
+        # A plain call first: an error of f's own propagates untouched, before any
+        # strategy; an output that has no Jacobian raises as in torch_vjp.jacobian.
+        out = prob.g(*prob.leaves)
+        description = _describe(primals, argnums, out)
+        del out
+
+    with buffers_kept(f):
+        try:
+            reference, reference_note = _reference(f, primals, argnums)
+        except _NoReference as exc:
+            reference, reference_note = None, f"none could be computed ({exc})"
 
     from torch_vjp.jacobians import jacobian
 
@@ -625,7 +658,8 @@ def compare_strategies(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                result = call()
+                with buffers_kept(f):
+                    result = call()
             except Exception as exc:  # noqa: BLE001 - a failing strategy is a row
                 rows.append(StrategyRow(name, "failed", reason=_reason(exc),
                                         warnings=_messages(caught)))
@@ -650,9 +684,10 @@ def compare_strategies(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                if memory:
-                    peak = _measure_peak(call, device)
-                elapsed = _median_time(call, min_run_time)
+                with buffers_kept(f):
+                    if memory:
+                        peak = _measure_peak(call, device)
+                    elapsed = _median_time(call, min_run_time)
             except Exception as exc:  # noqa: BLE001 - ran once, then failed: still a row
                 status, reason = "failed", f"on a repeated call: {_reason(exc)}"
         rows.append(StrategyRow(name, status, elapsed, peak, error, reason, messages))
@@ -668,6 +703,50 @@ def compare_strategies(
     )
 
 
+def _check_min_run_time(value: object, *, call: str) -> float:
+    """Returns ``min_run_time`` as a float if it is a finite number of seconds > 0.
+
+    ``blocked_autorange`` times calls until their total reaches ``min_run_time``: with nan
+    or inf that never happens, and the call hangs.
+
+    Raises:
+        JacobianOptionError: anything else (as for the options of torch_vjp.jacobian).
+    """
+    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0):
+        return float(value)
+    got = (f"min_run_time={value!r}" if isinstance(value, numbers.Real)
+           else f"min_run_time={value!r} (a {type(value).__name__})")
+    raise JacobianOptionError(
+        f"{call}: {got}, but it must be a finite number of seconds > 0: the time budget of "
+        f"torch.utils.benchmark.Timer.blocked_autorange, which repeats the call until the "
+        f"budget is spent (nan or inf never is, so the timing would not end). Fix: keep the "
+        f"default for figures you report, or pass a small positive number such as 0.01 "
+        f"for a quick look."
+    )
+
+
+def _check_tolerance(name: str, value: object) -> float | None:
+    """Returns ``rtol``/``atol`` if it is ``None`` or a finite number >= 0, else raises.
+
+    Raises:
+        JacobianOptionError: anything else.
+    """
+    if value is None:
+        return None
+    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0):
+        return float(value)
+    got = (f"{name}={value!r}" if isinstance(value, numbers.Real)
+           else f"{name}={value!r} (a {type(value).__name__})")
+    raise JacobianOptionError(
+        f"{_CALL}: {got}, but it must be None or a finite number >= 0: a row is 'ok' when "
+        f"its max abs error is at most atol + rtol * max|reference|, so a negative or nan "
+        f"tolerance would mark every strategy wrong. Fix: leave {name}=None (the default "
+        f"by dtype) or pass a number such as {'1e-5' if name == 'rtol' else '1e-8'}."
+    )
+
+
 def _messages(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
     """The distinct messages of recorded warnings, deprecation notices left out."""
     skip = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
@@ -677,7 +756,6 @@ def _messages(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
 def _normalise_strategies(strategies: Sequence[str] | str | None) -> tuple[str, ...]:
     from torch_vjp._strategies import get_strategy
 
-    call = "torch_vjp.compare_strategies"
     if strategies is None:
         return _registered_strategies()
     if isinstance(strategies, str):
@@ -685,10 +763,23 @@ def _normalise_strategies(strategies: Sequence[str] | str | None) -> tuple[str, 
     try:
         names = tuple(strategies)
     except TypeError:
-        raise TypeError(
-            f"{call}: strategies must be a strategy name or a sequence of them, got "
+        raise StrategyTypeError(
+            f"{_CALL}: strategies must be a strategy name or a sequence of them, got "
             f"{type(strategies).__name__}. Valid strategies: {_registered_strategies()}."
         ) from None
+    if not names:
+        raise StrategyError(
+            f"{_CALL}: strategies={strategies!r} names no strategy, so there is nothing to "
+            f"compare. Fix: leave strategies=None to compare every strategy "
+            f"{_registered_strategies()}, or name some, e.g. strategies=('rev', 'fwd')."
+        )
     for name in names:
-        get_strategy(name, call=call)  # raises StrategyError naming the valid ones
+        get_strategy(name, call=_CALL)  # raises StrategyError naming the valid ones
+    twice = [name for name in dict.fromkeys(names) if names.count(name) > 1]
+    if twice:
+        raise StrategyError(
+            f"{_CALL}: strategies={strategies!r} names {twice[0]!r} twice; each strategy "
+            f"may appear once (the report has one row per strategy, looked up by name). "
+            f"Fix: strategies={tuple(dict.fromkeys(names))!r}."
+        )
     return names
