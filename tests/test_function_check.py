@@ -597,3 +597,99 @@ def test_tolerances_are_used():
         check_function(off, _x(4, 3))
     report = check_function(off, _x(4, 3), rtol=0.05)
     assert report.rtol == 0.05 and report.inputs[0].max_rel_error > 1e-3
+
+
+# ---------------------------------------------------------------------------------------
+# Non-finite values: refused before the dot-product test, not blamed on backward
+
+
+class Log(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.log()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output / x
+
+
+def _with(x, index, value):
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+_NON_FINITE = (r"so the values of its gradient cannot be checked\.\n  The values are checked "
+               r"against central differences of forward, and at a NaN or inf those differences "
+               r"are NaN whatever backward returns: the test would fail a correct backward\. "
+               r"\(The count, shapes, dtypes and devices of what backward returns were "
+               r"checked, and are right\.\)\n  Fix: check at finite inputs, e.g. ")
+
+
+@pytest.mark.parametrize("x, message", [
+    pytest.param(_with(_x(4, 3), (1, 2), float("nan")),
+                 r"input 0 holds non-finite values \(1 of 12 elements is NaN or inf; the "
+                 r"first, at index \(1, 2\), is nan\), " + _NON_FINITE
+                 + r"torch\.randn\(4, 3, dtype=torch\.float64\)\.$", id="nan-float64"),
+    pytest.param(_with(_with(_x(5, dtype=torch.float32), 3, float("inf")), 4, -float("inf")),
+                 r"input 0 holds non-finite values \(2 of 5 elements are NaN or inf; the "
+                 r"first, at index \(3,\), is inf\), " + _NON_FINITE + r"torch\.randn\(5\)\.$",
+                 id="inf-float32"),
+    pytest.param(torch.tensor(float("nan"), dtype=torch.float64),
+                 r"input 0 holds non-finite values \(its one element is nan\), " + _NON_FINITE
+                 + r"torch\.randn\(dtype=torch\.float64\)\.$", id="nan-0d"),
+])
+def test_non_finite_input_is_refused_not_blamed_on_backward(x, message):
+    with pytest.raises(FunctionCheckValueError,
+                       match=r"^torch_vjp\.check_function\(Exp\): " + message) as info:
+        check_function(Exp, x)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FunctionCheckError)
+    # The same backward passes at finite inputs.
+    check_function(Exp, x.nan_to_num(0.0, 1.0, -1.0))
+
+
+def test_non_finite_input_of_a_callable_names_the_input():
+    fn = lambda a, b: Exp.apply(a) * b  # noqa: E731
+    with pytest.raises(FunctionCheckValueError, match=r"check_function\(<lambda>\): input 1 "
+                       r"holds non-finite values \(1 of 3 elements is NaN or inf"):
+        check_function(fn, _x(3), _with(_x(3, seed=1), 0, float("nan")))
+
+
+def test_wrong_shape_is_still_reported_before_non_finite_values():
+    bad = _function("Summed", lambda ctx, g: (g * ctx.saved_tensors[0].exp()).sum(0))
+    with pytest.raises(FunctionCheckError, match=r"Summed\.backward") as info:
+        check_function(bad, _with(_x(4, 3), (0, 0), float("nan")))
+    assert not isinstance(info.value, FunctionCheckValueError)
+    assert "non-finite" not in str(info.value)
+
+
+def test_non_finite_output_is_refused_not_blamed_on_backward():
+    x = _x(5)  # some entries negative: log gives NaN there
+    assert (x < 0).any()
+    with pytest.raises(FunctionCheckValueError, match=(
+            r"^torch_vjp\.check_function\(Log\): the output of fn holds non-finite values at "
+            r"these inputs \(in float64: \d of 5 elements (is|are) NaN or inf; the first, at "
+            r"index \(\d,\), is nan\), so the values of the gradients cannot be checked\.\n"
+            r"(.|\n)*the test would fail a correct backward\.(.|\n)*\n  Fix: check at inputs "
+            r"where forward's outputs are finite")):
+        check_function(Log, x)
+    check_function(Log, x.abs() + 0.1)  # the same backward passes where log is finite
+
+
+def test_non_finite_output_names_a_non_finite_input_that_is_not_differentiated():
+    fn = lambda a, b: Exp.apply(a) * b  # noqa: E731
+    with pytest.raises(FunctionCheckValueError, match=r"the output of fn holds non-finite "
+                       r"values(.|\n)* Input 1, not differentiated, holds NaN or inf too\."):
+        check_function(fn, _x(3, requires_grad=True), _with(_x(3, seed=1), 2, float("nan")))
+
+
+def test_infinite_mask_that_is_not_differentiated_is_accepted():
+    # An attention-style mask of -inf: forward's outputs stay finite, so the values are
+    # checked as usual.
+    mask = torch.zeros(2, 4, dtype=torch.float64)
+    mask[0, 1] = mask[1, 3] = -float("inf")
+    report = check_function(lambda x, m: RowSoftmax.apply(x + m), _x(2, 4, requires_grad=True),
+                            mask)
+    assert report.inputs[0].max_error < 1e-6 and not report.inputs[1].requires_grad

@@ -20,6 +20,16 @@ return value before validation. :class:`_Recorder` installs such a pass-through 
 records ``(grad_outputs, returned)`` and removes it afterwards. The user's backward runs
 exactly once per node, inside the engine, with the grad_outputs torch itself prepares.
 
+NOTE [non-finite values]
+The dot-product test compares ``<J t, c>`` from central differences of forward with
+``<t, backward(c)>``. At an input that holds NaN or inf, or where forward's output holds
+NaN or inf, the differences are NaN or inf whatever backward returns, and the test would
+blame a correct backward. Such inputs are therefore refused with a
+:class:`FunctionCheckValueError` that says which input (or output) and suggests finite
+inputs, after the count, shape, dtype and device checks, which do not depend on values.
+A tensor input that is not differentiated may hold inf (an attention mask of ``-inf``, say)
+as long as forward's outputs stay finite.
+
 NOTE [which inputs are differentiated]
 Tensor inputs with ``requires_grad=True`` are differentiated. If no input requires grad,
 every floating-point and complex tensor input is (the convenient default: ``check_function(
@@ -228,8 +238,11 @@ def check_function(
             recognisable (a Jacobian returned instead of the product, an extra batch
             dimension, a missing gradient, ...).
         FunctionCheckTypeError: ``fn`` is neither a Function subclass nor callable.
-        FunctionCheckValueError: ``eps``, ``atol`` or ``rtol`` is not a valid number, or
-            no input can be differentiated.
+        FunctionCheckValueError: ``eps``, ``atol`` or ``rtol`` is not a valid number, no
+            input can be differentiated, or the values cannot be checked because a
+            differentiated input, or an output of forward at the inputs, holds NaN or inf
+            (see NOTE [non-finite values]). The count, shape, dtype and device checks run
+            before this one.
         Exception: Whatever ``fn``'s own forward or backward raises, untouched.
 
     Example:
@@ -288,6 +301,7 @@ def check_function(
     checker = _Checker(call=call, fn=fn, is_function=is_function, run=run, inputs=inputs,
                        diff=diff)
     structure = checker.check_structure()
+    checker.check_finite_inputs()
     values = checker.check_values(eps=eps, atol=atol, rtol=rtol)
 
     rows = []
@@ -510,6 +524,55 @@ class _Checker:
 
     # -- values: the dot-product test ---------------------------------------------------
 
+    def check_finite_inputs(self) -> None:
+        """Refuses differentiated inputs that hold NaN or inf. See NOTE [non-finite values]."""
+        for i in self.diff:
+            x = self.inputs[i]
+            where = _non_finite(x)
+            if where is None:
+                continue
+            args = [str(d) for d in x.shape]
+            if x.dtype != torch.float32:
+                args.append(f"dtype=torch.{_dtype_name(x.dtype)}")
+            example = f"torch.randn({', '.join(args)})"
+            raise FunctionCheckValueError(
+                f"{self.call}: input {i} holds non-finite values ({_where_text(where)}), so "
+                f"the values of its gradient cannot be checked.\n"
+                f"  The values are checked against central differences of forward, and at a "
+                f"NaN or inf those differences are NaN whatever backward returns: the test "
+                f"would fail a correct backward. (The count, shapes, dtypes and devices of "
+                f"what backward returns were checked, and are right.)\n"
+                f"  Fix: check at finite inputs, e.g. {example}."
+            )
+
+    def _check_finite_outputs(self, inputs: tuple[Any, ...], flat: Sequence[Any],
+                              pos: list[int], dtype: torch.dtype) -> None:
+        """Refuses a point where forward's outputs hold NaN or inf. See NOTE [non-finite
+        values]."""
+        for k in pos:
+            where = _non_finite(flat[k])
+            if where is None:
+                continue
+            name = "the output of fn" if len(flat) == 1 else f"output {k} of fn"
+            others = [j for j, a in enumerate(inputs)
+                      if j not in self.diff and _non_finite(a) is not None]
+            cause = (
+                f" Input{'s' if len(others) > 1 else ''} {_join(others)}, not differentiated, "
+                f"hold{'' if len(others) > 1 else 's'} NaN or inf too."
+                if others else ""
+            )
+            raise FunctionCheckValueError(
+                f"{self.call}: {name} holds non-finite values at these inputs (in "
+                f"{_dtype_name(dtype)}: {_where_text(where)}), so the values of the gradients "
+                f"cannot be checked.\n"
+                f"  The values are checked against central differences of forward, and "
+                f"differences of NaN or inf are NaN whatever backward returns: the test would "
+                f"fail a correct backward. (The count, shapes, dtypes and devices of what "
+                f"backward returns were checked, and are right.){cause}\n"
+                f"  Fix: check at inputs where forward's outputs are finite (for log or sqrt, "
+                f"positive inputs such as torch.rand(...) + 0.1)."
+            )
+
     def check_values(self, *, eps: float, atol: float | None, rtol: float | None) -> _ValueResult:
         notes: list[str] = []
         if any(self.inputs[i].device.type == "meta" for i in self.diff):
@@ -523,8 +586,8 @@ class _Checker:
             tols = (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
             probes = self._probe(wide, eps)
         except Exception as exc:
-            if not widened:
-                raise  # fn failed in its own dtype: the user's error, untouched
+            if not widened or isinstance(exc, FunctionCheckError):
+                raise  # fn failed in its own dtype (the user's error, untouched), or ours
             dtype = _value_dtype(self.inputs, self.diff)
             low_eps = max(eps, torch.finfo(_real_dtype(dtype)).eps ** (1 / 3))
             notes.append(
@@ -559,6 +622,7 @@ class _Checker:
         flat = pytree.tree_flatten(out)[0]
         pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
         outputs = [flat[k] for k in pos]
+        self._check_finite_outputs(inputs, flat, pos, _value_dtype(inputs, self.diff))
         result: dict[int, list[_Probe]] = {i: [] for i in self.diff}
         for p in range(_PROBES):
             cots = [_randn_like(o, self.gen) for o in outputs]
@@ -1098,6 +1162,31 @@ def _randn_like(t: Tensor, gen: torch.Generator) -> Tensor:
     dtype = t.dtype if (t.is_floating_point() or t.is_complex()) else torch.float64
     wide = torch.complex128 if dtype.is_complex else torch.float64
     return torch.randn(tuple(t.shape), generator=gen, dtype=wide).to(device=t.device, dtype=dtype)
+
+
+def _non_finite(a: Any) -> tuple[int, int, tuple[int, ...], str] | None:
+    """For a strided floating-point or complex tensor holding NaN or inf: how many such
+    elements, of how many, the index of the first and its value; else ``None``."""
+    if not (isinstance(a, Tensor) and (a.is_floating_point() or a.is_complex())
+            and a.layout == torch.strided and a.device.type != "meta"):
+        return None
+    bad = ~torch.isfinite(a.detach())
+    count = int(bad.sum())
+    if not count:
+        return None
+    first = int(bad.reshape(-1).nonzero()[0, 0])
+    index = tuple(int(d) for d in torch.unravel_index(torch.tensor(first), a.shape))
+    value = a.detach().reshape(-1)[first].item()
+    return count, a.numel(), index, str(value)
+
+
+def _where_text(where: tuple[int, int, tuple[int, ...], str]) -> str:
+    """``"2 of 12 elements are NaN or inf; the first, at index (1, 2), is nan"``."""
+    count, total, index, value = where
+    if total == 1:
+        return f"its one element is {value}"
+    return (f"{count} of {total} elements {'is' if count == 1 else 'are'} NaN or inf; the "
+            f"first, at index {index}, is {value}")
 
 
 def _widen(a: Any) -> Any:
