@@ -245,3 +245,217 @@ def test_reference_of_a_batch_workload_is_the_per_example_blocks():
     x = case.primals[0]
     assert ref.shape == (64, 32, 32)
     torch.testing.assert_close(ref[5], torch.func.jacrev(case.f_single)(x[5]))
+
+
+# ---- usage errors are found before the run -----------------------------------------------
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fails the test if the suite starts: a usage error must be reported before it."""
+    import torch_vjp.bench
+
+    def run_suite(*args, **kwargs):
+        raise AssertionError("the suite ran although the command line was wrong")
+
+    monkeypatch.setattr(torch_vjp.bench, "run_suite", run_suite)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "abc"])
+def test_bad_min_run_time_is_a_usage_error(value, capsys, no_run):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", f"--min-run-time={value}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "torch-vjp bench: error: argument --min-run-time: " in err
+    assert (f"{value!r} is not a valid time: it must be a finite number of seconds > 0, the "
+            "timing budget of each method per round") in err
+
+
+@pytest.mark.parametrize("path,message", [
+    ("out.txt", "--plot {path}: matplotlib cannot write .txt files; the extension chooses "
+                "the format. Supported: "),
+    ("out", "--plot {path}: the file name has no extension, and the extension chooses the "
+            "format (matplotlib would write {path}.png instead). Supported: "),
+], ids=["unsupported-extension", "no-extension"])
+def test_plot_format_is_checked_before_the_run(path, message, tmp_path, capsys, no_run):
+    pytest.importorskip("matplotlib")
+    path = str(tmp_path / path)
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--plot", path])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message.format(path=path) in err
+    from matplotlib.figure import Figure
+
+    for ext in Figure().canvas.get_supported_filetypes():
+        assert f".{ext}" in err
+    assert f"Fix: --plot {tmp_path / 'out.png'}" in err
+
+
+def test_plot_format_is_not_checked_with_no_plot(monkeypatch, capsys):
+    import torch_vjp.bench
+
+    ran = []
+    monkeypatch.setattr(torch_vjp.bench, "run_suite", lambda *a, **k: ran.append(1) or _empty())
+    assert main(["bench", "--no-plot", "--plot", "out.txt", "--only", "jacobian_of"]) == 0
+    assert ran
+
+
+def _empty():
+    from torch_vjp.bench import SuiteResult
+
+    class _Result(SuiteResult):
+        def table(self):
+            return "table"
+
+    return _Result({}, [])
+
+
+@pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
+def test_output_path_that_cannot_be_written_is_a_usage_error(option, tmp_path, capsys, no_run):
+    (tmp_path / "file").write_text("in the way")
+    path = tmp_path / "file" / "sub" / "out.png"
+    with pytest.raises(SystemExit) as info:
+        main(["bench", option, str(path)])
+    assert info.value.code == 2
+    assert (f"{option} {path}: cannot be written: {tmp_path / 'file'} is a file, not a "
+            f"folder") in capsys.readouterr().err
+
+
+def test_output_path_that_is_a_folder_is_a_usage_error(tmp_path, capsys, no_run):
+    with pytest.raises(SystemExit):
+        main(["bench", "--json", str(tmp_path)])
+    assert (f"--json {tmp_path}: is a folder, but a file name is expected, e.g. --json "
+            f"{tmp_path / 'results.json'}") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--only", ","], "--only ',': names no workload; pass names or parts of names"),
+    (["--methods", ","], "--methods ',': names no method; pass exact method names"),
+    (["--methods", ""], "--methods '': names no method"),
+    (["--only", "jacobian_of", "--methods", "torch.func.jacrev"],
+     "--methods: none of ['torch.func.jacrev'] runs on the selected workloads "
+     "(jacobian_of_256): they serve jacobian workloads, and the selected workloads are "
+     "jacobian_of. See --list"),
+    (["--quick", "--methods", "autograd.grad loop"],
+     "--methods: none of ['autograd.grad loop'] runs on the selected workloads "
+     "(mlp_8x512, mlp_512x8, two_input, batch_mlp_64x32, jacobian_of_256): --quick leaves "
+     "out the Python-loop methods."),
+    (["--no-jax", "--only", "two_input", "--methods", "jax.jit(jax.jacrev)"],
+     "jax's methods run only with jax installed, on --device cpu, without --no-jax"),
+], ids=["no-workload", "no-method", "empty-methods", "kind-mismatch", "quick-drops-slow",
+        "no-jax"])
+def test_selection_that_runs_nothing_is_a_usage_error(argv, message, capsys, no_run):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cuda_device_index_out_of_range_is_a_usage_error(monkeypatch, capsys, no_run):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cuda:3"])
+    assert ("torch-vjp bench: error: --device cuda:3: this machine has 1 CUDA device "
+            "(cuda:0..cuda:0)") in capsys.readouterr().err
+
+
+# ---- after the run, a file that cannot be written is reported, not a traceback --------------
+
+TINY = ["bench", "--only", "two_input,jacobian_of", "--methods", "torch_vjp jacobian_of",
+        "--min-run-time", "0.002", "--rounds", "1", "--no-progress", "--no-jax"]
+
+
+def test_workloads_no_selected_method_serves_are_left_out(tmp_path, capsys):
+    assert main([*TINY, "--no-plot", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "left out (no selected method serves them): two_input" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [w["name"] for w in data["workloads"]] == ["jacobian_of_256"]
+
+
+def test_plot_that_cannot_be_saved_after_the_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    import torch_vjp.bench.plot
+
+    def plot_suite(result, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(torch_vjp.bench.plot, "plot_suite", plot_suite)
+    plot, js, md = tmp_path / "r.png", tmp_path / "r.json", tmp_path / "r.md"
+    status = main([*TINY, "--plot", str(plot), "--json", str(js), "--markdown", str(md)])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert (f"plot: not written: could not write {plot}: PermissionError: [Errno 13] "
+            f"Permission denied") in captured.err
+    assert "Traceback" not in captured.err
+    # The table, the JSON and the Markdown (without the picture) are all there.
+    assert "jacobian_of_256: Jacobian of an already computed output" in captured.out
+    assert f"json: {js}" in captured.out and f"markdown: {md}" in captured.out
+    assert not captured.out.rstrip().splitlines()[-1].startswith("plot:")
+    assert json.loads(js.read_text())["schema"] == SCHEMA
+    assert "![suite results]" not in md.read_text()
+
+
+def test_json_that_cannot_be_written_after_the_run(tmp_path, monkeypatch, capsys):
+    from torch_vjp.bench import SuiteResult
+
+    def write_json(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(SuiteResult, "write_json", write_json)
+    js, md = tmp_path / "r.json", tmp_path / "r.md"
+    status = main([*TINY, "--no-plot", "--json", str(js), "--markdown", str(md)])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert (f"json: not written: could not write {js}: OSError: [Errno 28] No space left on "
+            f"device") in captured.err
+    assert "jacobian_of_256" in captured.out and md.read_text().startswith("# torch_vjp")
+
+
+def test_without_matplotlib_the_plot_is_not_checked_and_not_written(tmp_path, monkeypatch,
+                                                                    capsys):
+    import torch_vjp.__main__ as cli
+
+    monkeypatch.setattr(cli, "_plot_formats", lambda: None)  # as without matplotlib
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    js = tmp_path / "r.json"
+    status = main([*TINY, "--plot", str(tmp_path / "r.txt"), "--json", str(js)])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert "plot: not written: " in captured.err and "pip install 'torch_vjp[bench]'" in captured.err
+    assert js.is_file()
+
+
+# ---- the library entry points check their options too ------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"min_run_time": float("nan")}, r"min_run_time=nan, but it must be a finite number of "
+                                     r"seconds > 0"),
+    ({"min_run_time": float("inf")}, r"min_run_time=inf, but it must be a finite number"),
+    ({"rounds": 0}, r"rounds=0, but it must be an int >= 1: how many times each method is "
+                    r"timed"),
+    ({"threads": 0}, r"threads=0, but it must be an int >= 1: the torch\.set_num_threads"),
+    ({"aggregate": "mean"}, r"aggregate='mean', but it must be 'min' .* or 'median'"),
+], ids=["nan", "inf", "rounds", "threads", "aggregate"])
+def test_run_suite_option_errors(kwargs, message):
+    from torch_vjp._core import JacobianOptionError
+    from torch_vjp.bench import run_suite
+
+    with pytest.raises(JacobianOptionError, match=r"torch_vjp\.bench\.run_suite: " + message):
+        run_suite(get_workloads("jacobian_of"), progress=False, **kwargs)
+
+
+def test_plot_suite_of_an_empty_result_raises():
+    from torch_vjp._core import JacobianOptionError
+    from torch_vjp.bench import plot_suite, run_suite
+
+    result = run_suite(get_workloads("jacobian_of"), methods=["torch.func.jacrev"],
+                       min_run_time=0.002, progress=False, use_jax=False)
+    assert result.workloads[0].results == []
+    with pytest.raises(JacobianOptionError, match=r"torch_vjp\.bench\.plot_suite: the result "
+                       r"holds 1 workload and no method's result, so there is nothing to draw"):
+        plot_suite(result, "never-written.png")

@@ -10,10 +10,13 @@ printed at the end, and the last line of output is the path of the plot.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import math
 import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -22,6 +25,75 @@ DEFAULT_PLOT = os.path.join("bench-results", "jacobian_suite.png")
 QUICK_MIN_RUN_TIME = 0.01
 FULL_MIN_RUN_TIME = 0.1
 DEFAULT_ROUNDS = 3
+
+
+def _seconds(text: str) -> float:
+    """``--min-run-time``: a finite number of seconds > 0 (argparse reports anything else)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a valid time: it must be a finite number of seconds > 0, the "
+            f"timing budget of each method per round (Timer.blocked_autorange repeats the "
+            f"call until it is spent, so nan or inf would never end); e.g. "
+            f"{FULL_MIN_RUN_TIME}, or {QUICK_MIN_RUN_TIME} for a quick look"
+        )
+    return value
+
+
+def _plot_formats() -> dict[str, str] | None:
+    """The file formats matplotlib can write, by extension; ``None`` without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from matplotlib.figure import Figure
+
+    return dict(Figure().canvas.get_supported_filetypes())
+
+
+def _check_plot_path(path: str, parser: argparse.ArgumentParser) -> None:
+    """The figure's format is its extension: one matplotlib can write, checked before the
+    run. Without matplotlib nothing is checked (the run then says it is not installed)."""
+    formats = _plot_formats()
+    if formats is None:
+        return
+    suffix = Path(path).suffix
+    supported = ", ".join(f".{ext}" for ext in sorted(formats))
+    if not suffix:
+        parser.error(f"--plot {path}: the file name has no extension, and the extension "
+                     f"chooses the format (matplotlib would write {path}.png instead). "
+                     f"Supported: {supported}. Fix: --plot {path}.png")
+    if suffix[1:].lower() not in formats:
+        parser.error(f"--plot {path}: matplotlib cannot write {suffix} files; the extension "
+                     f"chooses the format. Supported: {supported}. "
+                     f"Fix: --plot {Path(path).with_suffix('.png')}")
+
+
+def _check_output_path(option: str, path: str, parser: argparse.ArgumentParser) -> None:
+    """Fails before the run if ``path`` can visibly not be written: it is a folder, or the
+    folder it goes in cannot be created (a file is in the way) or is not writable."""
+    target = Path(path)
+    if target.is_dir():
+        parser.error(f"{option} {path}: is a folder, but a file name is expected, e.g. "
+                     f"{option} {target / ('results' + (target.suffix or _SUFFIX[option]))}")
+    folder = target.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        parser.error(f"{option} {path}: cannot be written: {folder} is a file, not a folder, "
+                     f"so the folder for {target.name} cannot be created there")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"{option} {path}: cannot be written: the folder {folder} is not "
+                     f"writable")
+
+
+_SUFFIX = {"--json": ".json", "--markdown": ".md", "--plot": ".png"}
+
+
+def _not_written(what: str, path: str, exc: BaseException) -> None:
+    print(f"{what}: not written: could not write {path}: {type(exc).__name__}: {exc}",
+          file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
     bench.add_argument("--plot", metavar="PATH", default=None,
-                       help=f"where to write the figure (PNG); default {DEFAULT_PLOT}")
+                       help="where to write the figure; its extension chooses the format "
+                       f"(.png, .pdf, .svg, ...); default {DEFAULT_PLOT}")
     bench.add_argument("--no-plot", action="store_true", help="do not draw the figure")
     bench.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     bench.add_argument("--threads", type=int, default=None,
@@ -54,13 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", metavar="NAMES",
                        help="comma-separated exact method names to run (default: all)")
     bench.add_argument("--no-jax", action="store_true", help="leave jax out even if installed")
-    bench.add_argument("--min-run-time", type=float, default=None,
-                       help="seconds of timing per method and round "
+    bench.add_argument("--min-run-time", type=_seconds, default=None,
+                       help="seconds of timing per method and round, > 0 "
                        f"(default {FULL_MIN_RUN_TIME}; {QUICK_MIN_RUN_TIME} with --quick)")
     bench.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                        help="time each method this many times, interleaved, and keep the "
                        f"smallest of the rounds' medians (default {DEFAULT_ROUNDS}: on a "
                        "shared or small machine one round can be slowed by 10-30%%)")
+    bench.set_defaults(subparser=bench)  # usage errors then name "torch-vjp bench"
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--list", action="store_true", help="list workloads and methods, then exit")
     return parser
@@ -74,7 +148,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.list:
         print("workloads:")
         for w in WORKLOADS:
-            print(f"  {w.name:<18} {'quick ' if w.quick else '      '}{w.title}")
+            print(f"  {w.name:<18} {w.kind:<15}{'quick ' if w.quick else '      '}{w.title}")
         print("methods:")
         for m in METHODS:
             print(f"  {m.name:<58} {m.kind}{' (needs jax)' if m.needs_jax else ''}")
@@ -89,6 +163,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if device_type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {device}: torch.cuda.is_available() is False on this machine "
                      f"(torch {torch.__version__})")
+    if device_type == "cuda" and torch.device(device).index is not None:
+        count = torch.cuda.device_count()
+        if torch.device(device).index >= count:
+            parser.error(f"--device {device}: this machine has {count} CUDA device"
+                         f"{'s' if count != 1 else ''} (cuda:0..cuda:{count - 1})")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads}: must be at least 1")
     if args.rounds < 1:
@@ -97,17 +176,34 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         workloads = get_workloads(args.only, quick=args.quick)
     except ValueError as exc:
         parser.error(f"--only: {exc}")
+    if not workloads:
+        parser.error(f"--only {args.only!r}: names no workload; pass names or parts of names "
+                     f"separated by commas, e.g. --only mlp_8x512,batch (see --list)")
     methods = None
-    if args.methods:
+    if args.methods is not None:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in {x.name for x in METHODS}]
         if unknown:
             parser.error(f"--methods: unknown method(s) {unknown}; see --list")
+        if not methods:
+            parser.error(f"--methods {args.methods!r}: names no method; pass exact method "
+                         f"names separated by commas (see --list), or leave --methods out "
+                         f"to run them all")
+    use_jax = not args.no_jax
+    workloads = _served(workloads, methods, parser, quick=args.quick,
+                        jax=use_jax and device_type == "cpu")
     min_run_time = args.min_run_time
     if min_run_time is None:
         min_run_time = QUICK_MIN_RUN_TIME if args.quick else FULL_MIN_RUN_TIME
+    # Every output path is checked before the run, which can take minutes.
+    plot_path = None if args.no_plot else (args.plot or DEFAULT_PLOT)
+    if plot_path:
+        _check_plot_path(plot_path, parser)
+    for option, path in (("--json", args.json), ("--markdown", args.markdown),
+                         ("--plot", plot_path)):
+        if path:
+            _check_output_path(option, path, parser)
 
-    use_jax = not args.no_jax
     if use_jax and not jax_available():
         print("jax is not installed: its methods are left out (pip install jax jaxlib to add them)")
     start = time.perf_counter()
@@ -117,11 +213,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     elapsed = time.perf_counter() - start
     print(result.table())
     print(f"\n{len(workloads)} workloads in {elapsed:.1f} s")
+    # From here on the results exist: a file that cannot be written is reported and the
+    # others are still written; the exit status is then 1.
+    status = 0
     if args.json:
-        print(f"json: {result.write_json(args.json)}")
-    plot_path = None
-    if not args.no_plot:
-        plot_path = args.plot or DEFAULT_PLOT
+        try:
+            print(f"json: {result.write_json(args.json)}")
+        except OSError as exc:
+            _not_written("json", args.json, exc)
+            status = 1
+    if plot_path:
         try:
             from torch_vjp.bench.plot import plot_suite
 
@@ -129,22 +230,63 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ImportError as exc:
             if args.plot:
                 print(f"plot: not written: {exc} (pip install 'torch_vjp[bench]')", file=sys.stderr)
-                return 1
-            print(f"plot: not written ({exc.name} is not installed: "
-                  "pip install 'torch_vjp[bench]')")
+                status = 1
+            else:
+                print(f"plot: not written ({exc.name} is not installed: "
+                      "pip install 'torch_vjp[bench]')")
             plot_path = None
+        except (OSError, ValueError) as exc:
+            _not_written("plot", plot_path, exc)
+            plot_path = None
+            status = 1
     if args.markdown:
         image = None
         if plot_path:
             image = os.path.relpath(os.path.abspath(plot_path),
                                     os.path.dirname(os.path.abspath(args.markdown)))
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w", encoding="utf-8") as fh:
-            fh.write(result.markdown(image=image))
-        print(f"markdown: {args.markdown}")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+            with open(args.markdown, "w", encoding="utf-8") as fh:
+                fh.write(result.markdown(image=image))
+            print(f"markdown: {args.markdown}")
+        except OSError as exc:
+            _not_written("markdown", args.markdown, exc)
+            status = 1
     if plot_path:
         print(f"plot: {plot_path}")
-    return 0
+    return status
+
+
+def _served(workloads: list, methods: list[str] | None, parser: argparse.ArgumentParser, *,
+            quick: bool, jax: bool) -> list:
+    """The workloads that at least one selected method serves; the others are left out
+    with a notice, and a selection that leaves none is a usage error."""
+    if methods is None:
+        return workloads
+    from torch_vjp.bench import METHODS, get_methods
+
+    kept = [w for w in workloads if get_methods(w.kind, names=methods, jax=jax, quick=quick)]
+    if not kept:
+        chosen = [m for m in METHODS if m.name in methods]
+        kinds = sorted({w.kind for w in workloads})
+        why = []
+        if not any(m.kind in kinds for m in chosen):
+            why.append(f"they serve {', '.join(sorted({m.kind for m in chosen}))} workloads, "
+                       f"and the selected workloads are {', '.join(kinds)}")
+        if quick and any(m.slow for m in chosen if m.kind in kinds):
+            why.append("--quick leaves out the Python-loop methods")
+        if not jax and any(m.needs_jax for m in chosen if m.kind in kinds):
+            why.append("jax's methods run only with jax installed, on --device cpu, "
+                       "without --no-jax")
+        if not why:  # pragma: no cover - every case is named above
+            why.append("no selected method serves them")
+        parser.error(f"--methods: none of {methods} runs on the selected workloads "
+                     f"({', '.join(w.name for w in workloads)}): {'; '.join(why)}. See --list "
+                     f"for which method serves which kind of workload")
+    left_out = [w.name for w in workloads if w not in kept]
+    if left_out:
+        print(f"left out (no selected method serves them): {', '.join(left_out)}")
+    return kept
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,12 +296,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments after the program name; default ``sys.argv[1:]``.
 
     Returns:
-        The exit status: 0 on success, 2 for a usage error (argparse's convention).
+        The exit status: 0 on success, 2 for a usage error (argparse's convention, found
+        before the run), 1 when the run finished but a file asked for (``--json``,
+        ``--plot``, ``--markdown``) could not be written; the table is printed and the other
+        files are written all the same.
     """
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return _bench(args, parser)
+        return _bench(args, args.subparser)
     parser.print_help()
     return 2
 

@@ -29,25 +29,43 @@ FAMILY_COLORS = {
 
 def plot_suite(result: SuiteResult, path: str | os.PathLike[str], *, columns: int = 2,
                title: str | None = None) -> Path:
-    """Draws ``result`` to a PNG file.
+    """Draws ``result`` to an image file (PNG, or the format the extension names).
+
+    Workloads that ran no method have no panel.
 
     Args:
         result: A :class:`~torch_vjp.bench.suite.SuiteResult`.
-        path: Where to write the PNG (folders are created).
+        path: Where to write the figure (folders are created); its extension chooses the
+            format, one of those matplotlib can write (``.png``, ``.pdf``, ``.svg``, ...).
         columns: Panels per row.
         title: First line of the figure's title; default names torch_vjp and the families
             of methods compared.
 
     Returns:
         The path written.
+
+    Raises:
+        JacobianOptionError: ``result`` holds no method's result, so there is nothing to
+            draw.
+        ValueError: matplotlib cannot write the format of ``path`` (matplotlib's own).
+        OSError: the file cannot be written.
     """
+    workloads = [w for w in result.workloads if w.results]
+    if not workloads:
+        from torch_vjp._core import JacobianOptionError
+
+        raise JacobianOptionError(
+            f"torch_vjp.bench.plot_suite: the result holds {len(result.workloads)} "
+            f"workload{'s' if len(result.workloads) != 1 else ''} and no method's result, so "
+            f"there is nothing to draw. Fix: run_suite with methods that serve the "
+            f"workloads' kinds (torch_vjp.bench.get_methods(kind) lists them)."
+        )
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    workloads = result.workloads
     n = len(workloads)
     columns = max(1, min(columns, n))
     rows = math.ceil(n / columns)
@@ -122,9 +140,11 @@ def plot_suite(result: SuiteResult, path: str | os.PathLike[str], *, columns: in
                bbox_to_anchor=(0.5, 1 - 0.85 / fig_height), frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 1.2 / fig_height))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)  # also when the file cannot be written
     return path
 
 

@@ -34,7 +34,9 @@ import torch
 
 from torch_vjp.bench.methods import HEADLINE, Method, get_methods, jax_available, reference
 from torch_vjp.bench.workloads import Workload
+from torch_vjp._core import JacobianOptionError
 from torch_vjp.compare import (
+    _check_min_run_time,
     _format_table,
     _format_time,
     _max_error,
@@ -393,9 +395,30 @@ def run_suite(
 
     Returns:
         A :class:`SuiteResult`.
+
+    Raises:
+        JacobianOptionError: ``min_run_time`` is not a finite number of seconds > 0,
+            ``rounds`` or ``threads`` is not an int >= 1, or ``aggregate`` is neither
+            ``"min"`` nor ``"median"`` (checked before anything runs).
     """
+    call = "torch_vjp.bench.run_suite"
+    min_run_time = _check_min_run_time(min_run_time, call=call)
+    for name, value in (("rounds", rounds), ("threads", threads)):
+        if value is None and name == "threads":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise JacobianOptionError(
+                f"{call}: {name}={value!r}, but it must be an int >= 1"
+                + (": how many times each method is timed (interleaved rounds). Fix: "
+                   "rounds=1 for one round." if name == "rounds" else
+                   ": the torch.set_num_threads of the run. Fix: leave threads=None for "
+                   "the cores this process may use.")
+            )
     if aggregate not in ("min", "median"):
-        raise ValueError(f"aggregate must be 'min' or 'median', got {aggregate!r}")
+        raise JacobianOptionError(
+            f"{call}: aggregate={aggregate!r}, but it must be 'min' (the least disturbed "
+            f"round's median, the default) or 'median' (the median of the rounds' medians)."
+        )
     if threads is None:
         if hasattr(os, "sched_getaffinity"):
             threads = len(os.sched_getaffinity(0))
