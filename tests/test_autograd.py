@@ -21,9 +21,11 @@ def _outer():
 
 
 def _raises(match: str, fn, *args, **kwargs) -> str:
+    """Runs ``fn``, expects a GradOutputsError whose message or notes match ``match``, and
+    returns torch_vjp's explanation (the note under torch's sentence)."""
     with pytest.raises(tv.GradOutputsError, match=match) as info:
         fn(*args, **kwargs)
-    return str(info.value)
+    return info.value.explanation
 
 
 # --------------------------------------------------------------------------------------
@@ -176,7 +178,8 @@ def test_err_batched_reports_true_shapes():
     msg = _raises(r"grad_outputs\[0\] has shape \(3, 4, 3\), but outputs\[0\] has shape \(4, 4\) "
                   r"and is_grads_batched=True", tv.grad, y, x, torch.ones(3, 4, 3),
                   is_grads_batched=True)
-    assert "must have shape (K, 4, 4) with K = 3" in msg
+    # K is not known from another entry: the message must not suggest (3, 4, 4)
+    assert "must have shape (K, 4, 4), K being the number of products" in msg
 
 
 def test_err_batched_mixed_with_unbatched():
@@ -339,8 +342,9 @@ def test_warn_silent_cast(dtype, what):
 def test_err_backward_names_leaf_shape():
     w = torch.randn(4, requires_grad=True)
     y = torch.outer(w, w)
-    msg = _raises(r"^torch_vjp.backward: grad_tensors\[0\] has shape \(4,\), but tensors\[0\] has "
+    msg = _raises(r"torch_vjp.backward: grad_tensors\[0\] has shape \(4,\), but tensors\[0\] has "
                   r"shape \(4, 4\)", tv.backward, y, torch.ones(4))
+    assert msg.startswith("torch_vjp.backward: ")
     assert "(4,) is the shape of a leaf tensor that tensors[0] was computed from" in msg
 
 
@@ -374,8 +378,9 @@ def test_user_function_errors_pass_through():
 def test_checked_tensor_backward():
     x = torch.ones(4, requires_grad=True)
     with tv.checked():
-        msg = _raises(r"^y.backward\(gradient\): gradient has shape \(3,\), but y has shape \(4,\)",
+        msg = _raises(r"y.backward\(gradient\): gradient has shape \(3,\), but y has shape \(4,\)",
                       (x * 2).backward, torch.ones(3))
+        assert msg.startswith("y.backward(gradient): ")
         assert "gradient is dL/d y" in msg
         (x * 2).backward(torch.ones(4))
     torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
@@ -384,10 +389,12 @@ def test_checked_tensor_backward():
 def test_checked_autograd_grad_and_backward():
     x, y = _outer()
     with tv.checked():
-        _raises(r"^torch.autograd.grad: grad_outputs\[0\] has shape \(4,\)", torch.autograd.grad,
-                y, x, torch.ones(4))
-        _raises(r"^torch.autograd.backward: grad_tensors\[0\] has shape \(4,\)",
-                torch.autograd.backward, y, torch.ones(4))
+        msg = _raises(r"torch.autograd.grad: grad_outputs\[0\] has shape \(4,\)",
+                      torch.autograd.grad, y, x, torch.ones(4))
+        assert msg.startswith("torch.autograd.grad: ")
+        msg = _raises(r"torch.autograd.backward: grad_tensors\[0\] has shape \(4,\)",
+                      torch.autograd.backward, y, torch.ones(4))
+        assert msg.startswith("torch.autograd.backward: ")
         (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
     torch.testing.assert_close(g, torch.full((4,), 20.0))
 
@@ -396,8 +403,9 @@ def test_checked_func_vjp_pullback():
     x = torch.randn(4)
     with tv.checked():
         out, vjp_fn = torch.func.vjp(torch.sin, x)
-        msg = _raises(r"^torch.func.vjp: vjp_fn\(cotangents\): cotangents has shape \(3,\), but "
+        msg = _raises(r"torch.func.vjp: vjp_fn\(cotangents\): cotangents has shape \(3,\), but "
                       r"out has shape \(4,\)", vjp_fn, torch.ones(3))
+        assert msg.startswith("torch.func.vjp: ")
         (g,) = vjp_fn(torch.ones(4))
         torch.testing.assert_close(g, x.cos())
         out, vjp_fn = torch.func.vjp(lambda t: {"a": t.sin(), "b": t.cos()}, x)
@@ -466,15 +474,17 @@ def test_environment_variable_turns_checking_on():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "CHECKED y.backward(gradient): gradient has shape (3,), but y has shape (4,)." in out.stdout
+    assert ("CHECKED Mismatch in shape: grad_output[0] has a shape of torch.Size([3]) and "
+            "output[0] has a shape of torch.Size([4]).") in out.stdout
 
 
 def test_err_vector_for_scalar_output_in_backward():
     # seed 004, example 2: a (3,) "gradients" vector for a 0-d y.
     a = torch.tensor(0.1, requires_grad=True)
     y = 3 * a + 2 * a * a
-    msg = _raises(r"^torch_vjp.backward: grad_tensors\[0\] has shape \(3,\), but tensors\[0\] has "
+    msg = _raises(r"torch_vjp.backward: grad_tensors\[0\] has shape \(3,\), but tensors\[0\] has "
                   r"shape \(\)", tv.backward, y, torch.tensor([0.1, 1.0, 0.0001]))
+    assert msg.startswith("torch_vjp.backward: ")
     assert "so dL/d tensors[0] is a single number, not 3" in msg
     assert "backward has no batched form" in msg and "is_grads_batched=True\n" not in msg
 

@@ -13,6 +13,9 @@ import torch as _torch
 from torch_vjp._errors import (
     FunctionCheckError,
     GradOutputsError,
+    GradOutputsIndexError,
+    GradOutputsTypeError,
+    GradOutputsValueError,
     GradOutputsWarning,
     JacobianMemoryError,
     JacobianWarning,
@@ -63,6 +66,9 @@ __all__ = [
     # errors and warnings
     "TorchVJPError",
     "GradOutputsError",
+    "GradOutputsTypeError",
+    "GradOutputsValueError",
+    "GradOutputsIndexError",
     "FunctionCheckError",
     "StrategyError",
     "JacobianMemoryError",

@@ -27,12 +27,24 @@ from torch import Tensor
 
 from torch_vjp._errors import (
     GradOutputsError,
+    GradOutputsIndexError,
     GradOutputsTypeError,
+    GradOutputsValueError,
     GradOutputsWarning,
     shape_str,
+    torch_first,
 )
 
 __all__ = [
+    "Labels",
+    "GRAD",
+    "BACKWARD",
+    "TENSOR_BACKWARD",
+    "CHECK",
+    "PULLBACK",
+    "VJP",
+    "TANGENTS",
+    "as_entries",
     "normalize_grad_outputs",
     "check_tree_structure",
     "check_cotangents",
@@ -40,31 +52,51 @@ __all__ = [
 ]
 
 
-class GradOutputsValueError(GradOutputsError, ValueError):
-    """A :class:`GradOutputsError` where torch itself raises ValueError (batch sizes differ)."""
+class Labels:
+    """How one call names its arguments in messages, and whether it speaks torch's language.
 
+    ``torch_vjp.grad`` speaks of ``outputs[i]`` and ``grad_outputs[i]``; ``Tensor.backward`` of
+    ``y`` and ``gradient``; a JVP of ``primals[i]`` and ``tangents[i]``. One instance per call
+    site, made once (see the presets at the end of this module), so the checker's fast path
+    allocates nothing.
 
-class _Labels:
-    """How one call names its arguments in messages.
-
-    ``torch_vjp.grad`` speaks of ``outputs[i]`` and ``grad_outputs[i]``; ``Tensor.backward``
-    of ``the tensor`` and ``gradient``; a JVP of ``primals[i]`` and ``tangents[i]``.
+    Attributes:
+        call: the public call named at the start of every explanation.
+        outputs, grad_outputs, inputs: how the call names its arguments.
+        indexed: whether messages index them (``outputs[0]``) or not (``gradient``).
+        role: ``"grad_outputs"`` (cotangents, dL/d output) or ``"tangents"`` (JVP directions).
+        batch_hint: how this call computes K products at once.
+        batch_flag: the name of the call's batching flag.
+        require_grad: whether an output that does not require grad is an error (it is for
+            ``grad``/``backward``; products of torch.func and torch_vjp ignore such outputs).
+        allow_none: whether ``None`` entries are accepted (not for JVP tangents).
+        torch_first: whether the call stands in for one of torch's own (``grad``, ``backward``,
+            ``Tensor.backward``, a ``torch.func.vjp`` pullback): then an error's message is
+            torch's sentence and the explanation a note (NOTE [torch's sentence first]).
+        empty_batch_ok: whether a batch of K = 0 vectors is accepted (torch_vjp's own
+            batched products return empty results; torch.autograd.grad raises).
     """
 
     __slots__ = (
-        "call", "outputs", "grad_outputs", "indexed", "role", "inputs", "batch_hint", "batch_flag"
+        "call", "outputs", "grad_outputs", "indexed", "role", "inputs", "batch_hint",
+        "batch_flag", "require_grad", "allow_none", "torch_first", "empty_batch_ok",
     )
 
     def __init__(
         self,
         call: str,
-        outputs: str,
-        grad_outputs: str,
-        indexed: bool,
-        role: str,
+        outputs: str = "outputs",
+        grad_outputs: str = "grad_outputs",
+        *,
+        indexed: bool = True,
+        role: str = "grad_outputs",
         inputs: str = "inputs",
         batch_hint: str = "pass is_grads_batched=True",
         batch_flag: str = "is_grads_batched",
+        require_grad: bool = True,
+        allow_none: bool = True,
+        torch_first: bool = True,
+        empty_batch_ok: bool = False,
     ):
         self.call = call
         self.outputs = outputs
@@ -74,6 +106,19 @@ class _Labels:
         self.inputs = inputs
         self.batch_hint = batch_hint
         self.batch_flag = batch_flag
+        self.require_grad = require_grad
+        self.allow_none = allow_none
+        self.torch_first = torch_first
+        self.empty_batch_ok = empty_batch_ok
+
+    def replace(self, **changes: Any) -> Labels:
+        """A copy with some attributes changed, e.g. ``GRAD.replace(call="torch.autograd.grad")``."""
+        other = object.__new__(Labels)
+        for slot in self.__slots__:
+            setattr(other, slot, changes.pop(slot, getattr(self, slot)))
+        if changes:
+            raise TypeError(f"Labels has no attribute(s) {sorted(changes)}")
+        return other
 
     @property
     def product(self) -> str:
@@ -93,47 +138,53 @@ class _Labels:
         return f"{self.go(i)} is dL/d {self.out(i)}"
 
 
+def as_entries(grad_outputs: Any, labels: Labels, outputs: Sequence[Tensor]) -> tuple[Any, ...] | None:
+    """``grad_outputs`` as torch reads it: None, a tensor (one entry), or any iterable.
+
+    Returns None for None. A generator or other one-shot iterable is consumed here: callers
+    pass the returned tuple on, never the original.
+
+    Raises:
+        GradOutputsTypeError: ``grad_outputs`` is not iterable (torch raises TypeError).
+    """
+    if grad_outputs is None:
+        return None
+    if isinstance(grad_outputs, Tensor):
+        return (grad_outputs,)
+    if isinstance(grad_outputs, (tuple, list)):
+        return tuple(grad_outputs)
+    try:
+        return tuple(grad_outputs)
+    except TypeError as err:
+        raise _error(
+            GradOutputsTypeError, labels, _not_a_sequence_message(labels, grad_outputs, outputs),
+            str(err),
+        ) from None
+
+
 def normalize_grad_outputs(
     outputs: Sequence[Tensor],
     grad_outputs: Any,
+    labels: Labels,
     *,
     is_grads_batched: bool = False,
-    call: str,
-    outputs_name: str = "outputs",
-    grad_outputs_name: str = "grad_outputs",
     inputs: Sequence[Tensor] | None = None,
-    role: str = "grad_outputs",
-    indexed: bool = True,
-    require_grad: bool = True,
-    allow_none: bool = True,
-    inputs_name: str = "inputs",
-    batch_hint: str = "pass is_grads_batched=True",
-    batch_flag: str = "is_grads_batched",
 ) -> tuple[Tensor | None, ...]:
     """Validates ``grad_outputs`` against ``outputs`` and returns them normalised.
 
-    The result has one entry per output: the given tensor, ``torch.ones_like(output)`` for a
-    ``None`` given for a scalar output that requires grad (as torch creates it), or ``None``.
+    Accepts exactly what ``torch.autograd.grad`` accepts (any iterable of tensors and None,
+    a single tensor, or None), warning where torch silently casts or ignores; see NOTE [fast
+    path, slow message]. The result has one entry per output: the given tensor,
+    ``torch.ones_like(output)`` for a ``None`` given for a scalar output that requires grad (as
+    torch creates it), or ``None``.
 
     Args:
         outputs: the tensors being differentiated (or the primals, for tangents).
-        grad_outputs: ``None``, a tensor, or a sequence of tensors and ``None``.
+        grad_outputs: ``None``, a tensor, or an iterable of tensors and ``None``.
+        labels: how the call names things, and its rules (see :class:`Labels`).
         is_grads_batched: every vector carries one extra leading batch dimension.
-        call: the public call named in messages, e.g. ``"torch_vjp.grad"``.
-        outputs_name: how the call names its outputs (``"tensors"``, ``"primals"``).
-        grad_outputs_name: how it names the vectors (``"grad_tensors"``, ``"cotangents"``).
         inputs: the tensors differentiated against, when known: used to recognise an input's
             shape passed by mistake.
-        role: ``"grad_outputs"`` (cotangents, dL/d output) or ``"tangents"`` (JVP directions).
-        indexed: whether messages index the arguments (``outputs[0]``) or not (``gradient``).
-        require_grad: whether an output that does not require grad is an error (it is for
-            ``grad``/``backward``; a pullback of ``torch.func.vjp`` ignores such outputs).
-        allow_none: whether ``None`` entries are accepted (they are not for JVP tangents).
-        inputs_name: how the call names ``inputs`` (``"primals"`` for a pullback).
-        batch_hint: how this call computes K products at once, for the message that spots
-            an extra leading dimension.
-        batch_flag: the name of this call's batching flag (``batched`` for
-            ``torch_vjp.vjp``/``jvp``), as messages quote it.
 
     Returns:
         The normalised tuple, aligned with ``outputs``.
@@ -141,83 +192,220 @@ def normalize_grad_outputs(
     Raises:
         GradOutputsError: on a shape, structure, dtype (complex vs real), device,
             batch-dimension or count mismatch, a non-scalar output with no vector, or an
-            output that does not require grad.
+            output that does not require grad; the first mistake in the order torch finds
+            them, with torch's sentence first where the call stands in for torch's.
     """
-    labels = _Labels(
-        call, outputs_name, grad_outputs_name, indexed, role, inputs_name, batch_hint,
-        batch_flag,
-    )
     n = len(outputs)
-    if grad_outputs is None:
-        gos: tuple[Any, ...] = (None,) * n
-    elif isinstance(grad_outputs, Tensor):
-        gos = (grad_outputs,)
-    elif isinstance(grad_outputs, (list, tuple)):
-        gos = tuple(grad_outputs)
-    else:
-        raise GradOutputsTypeError(_not_a_sequence_message(labels, grad_outputs, outputs))
-
-    if len(gos) != n:
-        if len(gos) < n:
-            raise GradOutputsError(_count_message(labels, outputs, gos, grad_outputs))
-        extra = len(gos) - n
-        gos = gos[:n]
-    else:
-        extra = 0
-
+    gos = as_entries(grad_outputs, labels, outputs)
+    if gos is None:
+        gos = (None,) * n
+    m = len(gos)
+    ok = m >= n
     result: list[Tensor | None] = []
     batch_size = -1
-    for i in range(n):
-        out = outputs[i]
-        go = gos[i]
-        if require_grad and not out.requires_grad:
-            raise GradOutputsError(_no_grad_message(labels, i, out))
-        if go is None:
-            if not allow_none:
-                raise GradOutputsTypeError(_type_message(labels, i, out, go))
-            if out.requires_grad:
-                if is_grads_batched:
-                    raise GradOutputsError(_batched_none_message(labels, i, out, gos, outputs))
-                if out.numel() != 1:
-                    raise GradOutputsError(_missing_message(labels, i, out, inputs))
-                if not out.dtype.is_floating_point:
-                    raise GradOutputsError(_implicit_dtype_message(labels, i, out))
-                go = torch.ones_like(out, memory_format=torch.preserve_format)
+    if ok:
+        for i in range(n):
+            out = outputs[i]
+            go = gos[i]
+            if labels.require_grad and not out.requires_grad:
+                ok = False
+                break
+            if go is None:
+                if not labels.allow_none:
+                    ok = False
+                    break
+                if out.requires_grad:
+                    if is_grads_batched or out.numel() != 1 or not out.dtype.is_floating_point:
+                        ok = False
+                        break
+                    go = torch.ones_like(out, memory_format=torch.preserve_format)
+                result.append(go)
+                continue
+            if not isinstance(go, Tensor):
+                ok = False
+                break
+            if is_grads_batched:
+                if go.dim() == 0 or go.shape[1:] != out.shape or (
+                    go.shape[0] == 0 and not labels.empty_batch_ok
+                ):
+                    ok = False
+                    break
+                if batch_size < 0:
+                    batch_size = go.shape[0]
+                elif go.shape[0] != batch_size:
+                    ok = False
+                    break
+            elif go.shape != out.shape:
+                ok = False
+                break
+            if go.dtype != out.dtype and go.dtype.is_complex != out.dtype.is_complex:
+                ok = False
+                break
+            if (go.device != out.device and go.dim() != 0) or (
+                go.layout is not out.layout and not _layout_ok(go, out)
+            ):
+                ok = False
+                break
             result.append(go)
-            continue
-        if not isinstance(go, Tensor):
-            raise GradOutputsTypeError(_type_message(labels, i, out, go))
-        if is_grads_batched:
-            if go.dim() == 0 or go.shape[1:] != out.shape:
-                raise GradOutputsError(
-                    _shape_message(labels, i, out, go, outputs, gos, True, inputs)
-                )
-            if batch_size < 0:
-                batch_size = go.shape[0]
-            elif go.shape[0] != batch_size:
-                raise GradOutputsValueError(_batch_size_message(labels, i, gos))
-        elif go.shape != out.shape:
-            raise GradOutputsError(_shape_message(labels, i, out, go, outputs, gos, False, inputs))
-        if go.dtype != out.dtype:
-            if go.dtype.is_complex != out.dtype.is_complex:
-                raise GradOutputsError(_complex_message(labels, i, out, go))
+    if not ok:
+        raise _diagnose(outputs, gos, labels, is_grads_batched, inputs, grad_outputs)
+    for i in range(n):
+        go = gos[i]
+        if go is not None and go.dtype != outputs[i].dtype:
             warnings.warn(
-                _cast_message(labels, i, out, go), GradOutputsWarning,
+                _cast_message(labels, i, outputs[i], go), GradOutputsWarning,
                 stacklevel=_user_stacklevel(),
             )
-        if go.device != out.device and go.dim() != 0:
-            raise GradOutputsError(_device_message(labels, i, out, go))
-        result.append(go)
-    if extra:
+    if m > n:
+        extra = m - n
         warnings.warn(
-            f"{call}: got {n + extra} {grad_outputs_name} for {n} {outputs_name}; torch "
-            f"ignores the last {extra}. {grad_outputs_name} holds one vector per entry of "
-            f"{outputs_name}, in the same order: check that none is missing from "
-            f"{outputs_name}.",
+            f"{labels.call}: got {m} {labels.grad_outputs} for {n} {labels.outputs}; torch "
+            f"ignores the last {extra}. {labels.grad_outputs} holds one vector per entry of "
+            f"{labels.outputs}, in the same order: check that none is missing from "
+            f"{labels.outputs}.",
             GradOutputsWarning,
             stacklevel=_user_stacklevel(),
         )
     return tuple(result)
+
+
+def _error(
+    cls: type[GradOutputsError], labels: Labels, explanation: str, sentence: str | None
+) -> BaseException:
+    return torch_first(cls, explanation, sentence if labels.torch_first else None)
+
+
+def _layout_ok(go: Tensor, out: Tensor) -> bool:
+    """torch's engine rule for a gradient whose layout differs from its output's: a sparse
+    COO gradient is accepted for any output, a strided one for a sparse output."""
+    return go.layout is torch.sparse_coo or (
+        go.layout is torch.strided and out.layout is not torch.strided
+    )
+
+
+def _layout_name(layout: torch.layout) -> str:
+    """A layout as torch's engine prints it: ``Strided``, ``Sparse``, ``SparseCsr``."""
+    names = {torch.strided: "Strided", torch.sparse_coo: "Sparse", torch.sparse_csr: "SparseCsr",
+             torch.sparse_csc: "SparseCsc", torch.sparse_bsr: "SparseBsr",
+             torch.sparse_bsc: "SparseBsc"}
+    return names.get(layout, str(layout))
+
+
+def _size(shape: Sequence[int]) -> str:
+    """A shape as torch prints it in its own messages: ``torch.Size([4, 4])``."""
+    return str(torch.Size(shape))
+
+
+def _diagnose(
+    outputs: Sequence[Tensor],
+    gos: tuple[Any, ...],
+    labels: Labels,
+    batched: bool,
+    inputs: Sequence[Tensor] | None,
+    given: Any,
+) -> BaseException:
+    """The first mistake, in the order torch finds them, as the exception to raise.
+
+    torch validates each entry (``_make_grads``: its type, its shape, complex against real,
+    the implicit 1 for a scalar), then the number of entries, then (with
+    ``is_grads_batched``) the batch sizes, then in its engine that every output requires grad
+    and the devices. The sentences below are torch's own, filled in with the right index
+    and shapes (NOTE [torch's sentence first]).
+    """
+    n, m = len(outputs), len(gos)
+    for i in range(min(n, m)):
+        out, go = outputs[i], gos[i]
+        if go is None:
+            if not labels.allow_none:
+                return _error(GradOutputsTypeError, labels, _type_message(labels, i, out, go),
+                              None)
+            if not out.requires_grad:
+                continue
+            if batched:
+                return _error(GradOutputsError, labels,
+                              _batched_none_message(labels, i, out, gos, outputs), None)
+            if out.numel() != 1:
+                return _error(GradOutputsError, labels,
+                              _missing_message(labels, i, out, inputs),
+                              "grad can be implicitly created only for scalar outputs")
+            if not out.dtype.is_floating_point:
+                return _error(GradOutputsError, labels, _implicit_dtype_message(labels, i, out),
+                              "grad can be implicitly created only for real scalar outputs "
+                              f"but got {out.dtype}")
+            continue
+        if not isinstance(go, Tensor):
+            return _error(GradOutputsTypeError, labels, _type_message(labels, i, out, go),
+                          f"gradients can be either Tensors or None, but got "
+                          f"{type(go).__name__}")
+        if batched:
+            if go.dim() == 0:
+                return _error(
+                    GradOutputsIndexError, labels,
+                    _shape_message(labels, i, out, go, outputs, gos, True, inputs),
+                    "invalid index of a 0-dim tensor. Use `tensor.item()` in Python or "
+                    "`tensor.item<T>()` in C++ to convert a 0-dim tensor to a number",
+                )
+            if go.shape[0] == 0 and not labels.empty_batch_ok:
+                return _error(GradOutputsIndexError, labels, _empty_batch_message(labels, i, go),
+                              "index 0 is out of bounds for dimension 0 with size 0")
+            if go.shape[1:] != out.shape:
+                return _error(
+                    GradOutputsError, labels,
+                    _shape_message(labels, i, out, go, outputs, gos, True, inputs),
+                    "If `is_grads_batched=True`, we interpret the first dimension of each "
+                    "grad_output as the batch dimension. The sizes of the remaining dimensions "
+                    "are expected to match the shape of corresponding output, but a mismatch "
+                    f"was detected: grad_output[{i}] has a shape of {_size(go.shape[1:])} and "
+                    f"output[{i}] has a shape of {_size(out.shape)}. If you only want some "
+                    f"tensors in `grad_output` to be considered batched, consider using vmap.",
+                )
+        elif go.shape != out.shape:
+            return _error(
+                GradOutputsError, labels,
+                _shape_message(labels, i, out, go, outputs, gos, False, inputs),
+                f"Mismatch in shape: grad_output[{i}] has a shape of {_size(go.shape)} and "
+                f"output[{i}] has a shape of {_size(out.shape)}.",
+            )
+        if go.dtype.is_complex != out.dtype.is_complex:
+            return _error(
+                GradOutputsError, labels, _complex_message(labels, i, out, go),
+                "For complex Tensors, both grad_output and output are required to have the "
+                f"same dtype. Mismatch in dtype: grad_output[{i}] has a dtype of {go.dtype} "
+                f"and output[{i}] has a dtype of {out.dtype}.",
+            )
+    if m < n:
+        return _error(GradOutputsError, labels, _count_message(labels, outputs, gos, given),
+                      f"got {n} tensors and {m} gradients")
+    if batched:
+        sizes = [int(g.shape[0]) for g in gos[:n] if isinstance(g, Tensor)]
+        if len(set(sizes)) > 1:
+            return _error(
+                GradOutputsValueError, labels, _batch_size_message(labels, gos[:n]),
+                f"vmap: Expected all tensors to have the same size in the mapped dimension, "
+                f"got sizes {sizes} for the mapped dimension",
+            )
+    if labels.require_grad:
+        for i, out in enumerate(outputs):
+            if not out.requires_grad:
+                return _error(GradOutputsError, labels, _no_grad_message(labels, i, out),
+                              f"element {i} of tensors does not require grad and does not "
+                              f"have a grad_fn")
+    for i in range(n):
+        out, go = outputs[i], gos[i]
+        if not isinstance(go, Tensor):
+            continue
+        if go.device != out.device and go.dim() != 0:
+            return _error(GradOutputsError, labels, _device_message(labels, i, out, go),
+                          f"invalid gradient at index {i} - expected device {out.device} but "
+                          f"got {go.device}")
+        if go.layout is not out.layout and not _layout_ok(go, out):
+            return _error(GradOutputsError, labels, _layout_message(labels, i, out, go),
+                          f"invalid gradient at index {i} - expected layout "
+                          f"{_layout_name(out.layout)} but got {_layout_name(go.layout)}")
+    # Nothing found in torch's order: the fast path saw something this pass does not, which
+    # is a bug here; say so rather than reject silently.
+    return _error(GradOutputsError, labels,
+                  f"{labels.call}: {labels.grad_outputs} does not fit {labels.outputs}.", None)
 
 
 def _user_stacklevel() -> int:
@@ -268,17 +456,17 @@ def check_tree_structure(
 def check_cotangents(
     out: Any,
     cotangents: Any,
+    labels: Labels,
     *,
-    call: str,
     batched: bool = False,
     primals: Sequence[Any] | None = None,
-    batch_flag: str = "batched",
 ) -> tuple[Tensor | None, ...]:
     """Validates the cotangents given to a pullback against the function's output pytree.
 
     Shared by ``torch.func.vjp`` pullbacks inside :func:`checked` and by
-    :func:`torch_vjp.vjp`'s ``vjp_fn``. ``primals`` (the pytree of primals) lets a message
-    recognise a primal's shape passed by mistake.
+    :func:`torch_vjp.vjp`'s ``vjp_fn``. ``labels`` name the outputs ``outputs[i]``; for an
+    output that is a single tensor, it is called ``out``. ``primals`` (the pytree of primals)
+    lets a message recognise a primal's shape passed by mistake.
 
     Returns:
         The flat tuple of cotangents, aligned with the output's tensor leaves.
@@ -288,26 +476,32 @@ def check_cotangents(
     """
     from torch.utils._pytree import tree_leaves
 
-    check_tree_structure(out, cotangents, call=call, name="cotangents")
+    check_tree_structure(out, cotangents, call=labels.call, name=labels.grad_outputs)
     flat_out = tuple(tree_leaves(out))
     flat_cot = tuple(tree_leaves(cotangents))
     if not all(isinstance(t, Tensor) and not t.is_nested for t in flat_out):
         return flat_cot
-    indexed = not isinstance(out, Tensor)
+    if isinstance(out, Tensor):
+        labels = _single(labels)
     return normalize_grad_outputs(
         flat_out,
         flat_cot,
+        labels,
         is_grads_batched=batched,
-        call=call,
-        outputs_name="outputs" if indexed else "out",
-        grad_outputs_name="cotangents",
-        indexed=indexed,
-        require_grad=False,
         inputs=None if primals is None else tuple(tree_leaves(primals)),
-        inputs_name="primals",
-        batch_hint="call vjp_fn(cotangents, batched=True) of torch_vjp.vjp",
-        batch_flag=batch_flag,
     )
+
+
+_SINGLE: dict[int, tuple[Labels, Labels]] = {}
+
+
+def _single(labels: Labels) -> Labels:
+    """``labels`` for a function whose output is one tensor: ``out``, not indexed."""
+    hit = _SINGLE.get(id(labels))
+    if hit is None or hit[0] is not labels:
+        single = labels.replace(outputs="out", indexed=False)
+        hit = _SINGLE[id(labels)] = (labels, single)
+    return hit[1]
 
 
 def _describe_tree(tree: Any) -> str:
@@ -359,7 +553,7 @@ def leaf_shapes(outputs: Sequence[Tensor], limit: int = 2000) -> list[torch.Size
 
 
 def _shape_message(
-    labels: _Labels,
+    labels: Labels,
     i: int,
     out: Tensor,
     go: Tensor,
@@ -371,10 +565,12 @@ def _shape_message(
     o, g = labels.out(i), labels.go(i)
     gshape, oshape = tuple(go.shape), tuple(out.shape)
     if batched:
-        k = _known_batch_size(gos, outputs) or (gshape[0] if gshape else None)
+        k = _known_batch_size(gos, outputs)
         want = f"(K, {', '.join(str(d) for d in oshape)})" if oshape else "(K,)"
-        if k is not None:
-            want += f" with K = {k}"
+        if k is not None:  # K known from the entries that do carry a batch dimension
+            want += f" with K = {k}, as in the other {labels.grad_outputs}"
+        else:
+            want += ", K being the number of products"
         head = (
             f"{labels.call}: {g} has shape {shape_str(gshape)}, but {o} has shape "
             f"{shape_str(oshape)} and {labels.batch_flag}=True.\n"
@@ -402,7 +598,7 @@ def _known_batch_size(gos: Sequence[Any], outputs: Sequence[Tensor]) -> int | No
 
 
 def _shape_fix(
-    labels: _Labels,
+    labels: Labels,
     i: int,
     out: Tensor,
     go: Tensor,
@@ -438,14 +634,19 @@ def _shape_fix(
             f"torch.Size([1]) and torch.Size([]) differ. Pass {g}.reshape(()), or "
             f"torch.ones_like({o}), or leave it None: for a scalar output torch uses 1."
         )
-    if out.dim() == 0:
+    extra_leading = go.dim() == out.dim() + 1 and gshape[1:] == oshape
+    if out.numel() == 1 and go.numel() > 1 and (out.dim() == 0 or not extra_leading):
+        if out.dim() == 0:
+            what, one = f"{o} is a 0-d scalar (shape ())", "a 0-d tensor such as torch.tensor(1.0)"
+        else:
+            what = f"{o} has shape {shape_str(oshape)}: a single element"
+            one = f"a tensor of shape {shape_str(oshape)} such as torch.ones_like({o})"
         return (
-            f"{o} is a 0-d scalar (shape ()), so dL/d {o} is a single number, not "
-            f"{go.numel()}. Pass a 0-d tensor such as torch.tensor(1.0), or leave it None "
-            f"(torch uses 1). If the {go.numel()} numbers are weights for {go.numel()} "
-            f"separate outputs, differentiate the vector of those outputs (before any .sum()) "
-            f"with this as its {labels.grad_outputs}; if they are {go.numel()} separate "
-            f"vectors, {labels.batch_hint}."
+            f"{what}, so dL/d {o} is a single number, not {go.numel()}. Pass {one}, or leave "
+            f"it None (torch uses 1). If the {go.numel()} numbers are weights for "
+            f"{go.numel()} separate outputs, differentiate the vector of those outputs (before "
+            f"any .sum()) with this as its {labels.grad_outputs}; if they are {go.numel()} "
+            f"separate vectors, {labels.batch_hint}."
         )
     if go.dim() == out.dim() + 1 and gshape[1:] == oshape:
         k = gshape[0]
@@ -463,6 +664,11 @@ def _shape_fix(
     if _matches_input(gshape, inputs, outputs):
         return _input_fix(labels, i, gshape, inputs, outputs, batched=False)
     if out.dim() == go.dim() + 1 and oshape[1:] == gshape:
+        if oshape[0] == 1:
+            return (
+                f"{g} lacks the leading dimension of size 1 that {o} has: pass "
+                f"{g}.unsqueeze(0)."
+            )
         return (
             f"{g} lacks the leading dimension of size {oshape[0]} that {o} has. To use the "
             f"same vector for every row of {o}, pass {g}.expand_as({o})."
@@ -492,7 +698,7 @@ def _matches_input(
 
 
 def _input_fix(
-    labels: _Labels,
+    labels: Labels,
     i: int,
     shape: torch.Size,
     inputs: Sequence[Tensor] | None,
@@ -524,7 +730,7 @@ def _broadcastable(a: Sequence[int], b: Sequence[int]) -> bool:
 
 
 def _missing_message(
-    labels: _Labels, i: int, out: Tensor, inputs: Sequence[Tensor] | None
+    labels: Labels, i: int, out: Tensor, inputs: Sequence[Tensor] | None
 ) -> str:
     o, g = labels.out(i), labels.go(i)
     shape = shape_str(out.shape)
@@ -542,7 +748,7 @@ def _missing_message(
 
 
 def _batched_none_message(
-    labels: _Labels, i: int, out: Tensor, gos: Sequence[Any], outputs: Sequence[Tensor]
+    labels: Labels, i: int, out: Tensor, gos: Sequence[Any], outputs: Sequence[Tensor]
 ) -> str:
     o, g = labels.out(i), labels.go(i)
     k = _known_batch_size(gos, outputs)
@@ -557,7 +763,7 @@ def _batched_none_message(
     )
 
 
-def _implicit_dtype_message(labels: _Labels, i: int, out: Tensor) -> str:
+def _implicit_dtype_message(labels: Labels, i: int, out: Tensor) -> str:
     o, g = labels.out(i), labels.go(i)
     return (
         f"{labels.call}: {o} is a scalar of dtype {out.dtype}, and no {g} was given.\n"
@@ -567,7 +773,7 @@ def _implicit_dtype_message(labels: _Labels, i: int, out: Tensor) -> str:
     )
 
 
-def _no_grad_message(labels: _Labels, i: int, out: Tensor) -> str:
+def _no_grad_message(labels: Labels, i: int, out: Tensor) -> str:
     o = labels.out(i)
     return (
         f"{labels.call}: {o} (shape {shape_str(out.shape)}) does not require grad: it has "
@@ -580,7 +786,7 @@ def _no_grad_message(labels: _Labels, i: int, out: Tensor) -> str:
     )
 
 
-def _type_message(labels: _Labels, i: int, out: Tensor, go: Any) -> str:
+def _type_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
     g, o = labels.go(i), labels.out(i)
     allowed = "a Tensor" if go is None else "a Tensor or None"
     if go is None and labels.role == "tangents":
@@ -597,7 +803,7 @@ def _type_message(labels: _Labels, i: int, out: Tensor, go: Any) -> str:
     )
 
 
-def _not_a_sequence_message(labels: _Labels, go: Any, outputs: Sequence[Tensor]) -> str:
+def _not_a_sequence_message(labels: Labels, go: Any, outputs: Sequence[Tensor]) -> str:
     return (
         f"{labels.call}: {labels.grad_outputs} is a {type(go).__name__}, but it must be a "
         f"Tensor, a list or tuple of Tensors (None for scalar outputs), or None.\n"
@@ -608,7 +814,7 @@ def _not_a_sequence_message(labels: _Labels, go: Any, outputs: Sequence[Tensor])
 
 
 def _count_message(
-    labels: _Labels, outputs: Sequence[Tensor], gos: Sequence[Any], given: Any
+    labels: Labels, outputs: Sequence[Tensor], gos: Sequence[Any], given: Any
 ) -> str:
     n, m = len(outputs), len(gos)
     shapes = ", ".join(shape_str(o.shape) for o in outputs)
@@ -626,10 +832,10 @@ def _count_message(
     return msg
 
 
-def _batch_size_message(labels: _Labels, i: int, gos: Sequence[Any]) -> str:
+def _batch_size_message(labels: Labels, gos: Sequence[Any]) -> str:
     sizes = ", ".join(
         f"{labels.go(j)}: {int(g.shape[0])}"
-        for j, g in enumerate(gos[: i + 1])
+        for j, g in enumerate(gos)
         if isinstance(g, Tensor) and g.dim() > 0
     )
     return (
@@ -641,7 +847,19 @@ def _batch_size_message(labels: _Labels, i: int, gos: Sequence[Any]) -> str:
     )
 
 
-def _complex_message(labels: _Labels, i: int, out: Tensor, go: Tensor) -> str:
+def _empty_batch_message(labels: Labels, i: int, go: Tensor) -> str:
+    g = labels.go(i)
+    return (
+        f"{labels.call}: {g} has shape {shape_str(go.shape)}: a batch of K = 0 vectors, and "
+        f"{labels.batch_flag}=True.\n"
+        f"  With {labels.batch_flag}=True, the leading dimension K of every "
+        f"{labels.grad_outputs} entry is the number of {labels.product}s computed at once; "
+        f"torch needs at least one. Fix: skip the call when there is nothing to compute "
+        f"(the result would be empty), or pass K >= 1 vectors."
+    )
+
+
+def _complex_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
     o, g = labels.out(i), labels.go(i)
     if out.dtype.is_complex:
         fix = f"pass {g}.to({out.dtype}) (a real vector is the complex one with zero imaginary part)"
@@ -654,20 +872,75 @@ def _complex_message(labels: _Labels, i: int, out: Tensor, go: Tensor) -> str:
     )
 
 
-def _cast_message(labels: _Labels, i: int, out: Tensor, go: Tensor) -> str:
+def _cast_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
     o, g = labels.out(i), labels.go(i)
-    what = "integer" if not (go.dtype.is_floating_point or go.dtype.is_complex) else str(go.dtype)
-    return (
+    if go.dtype == torch.bool:
+        what = "boolean"
+    elif not (go.dtype.is_floating_point or go.dtype.is_complex):
+        what = "integer"
+    else:
+        what = str(go.dtype)
+    msg = (
         f"{labels.call}: {g} has dtype {go.dtype} but {o} has dtype {out.dtype}; torch casts "
         f"the {what} {labels.grad_outputs} to {out.dtype} silently. Pass {g}.to({out.dtype}) "
-        f"to make the cast explicit, or compute {o} in {go.dtype} if you need that precision."
+        f"to make the cast explicit"
     )
+    if go.dtype.is_floating_point and go.dtype.itemsize > out.dtype.itemsize:
+        # only a wider floating-point dtype is precision the caller may have wanted
+        return msg + f", or compute {o} in {go.dtype} if you need that precision."
+    return msg + "."
 
 
-def _device_message(labels: _Labels, i: int, out: Tensor, go: Tensor) -> str:
+def _layout_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
+    o, g = labels.out(i), labels.go(i)
+    return (
+        f"{labels.call}: {g} has layout {go.layout}, but {o} has layout {out.layout}.\n"
+        f"  torch's engine takes a vector of the output's own layout, or a sparse COO one "
+        f"(torch.sparse_coo) for any output. Fix: pass {g}.to_dense()"
+        + (" or {g}.to_sparse()." if out.layout is torch.strided else ".")
+    ).replace("{g}", g)
+
+
+def _device_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
     o, g = labels.out(i), labels.go(i)
     return (
         f"{labels.call}: {g} is on device {go.device}, but {o} is on {out.device}.\n"
         f"  {labels.meaning(i)}, consumed where {o}'s graph runs, so it must be on "
         f"{out.device}. Fix: pass {g}.to({o}.device)."
     )
+
+
+# ---------------------------------------------------------------------------------------
+# How each call site names things (one object each, made once).
+# ---------------------------------------------------------------------------------------
+
+#: ``torch_vjp.grad`` and ``torch.autograd.grad`` (checked).
+GRAD = Labels("torch_vjp.grad")
+#: ``torch_vjp.backward`` and ``torch.autograd.backward`` (checked).
+BACKWARD = Labels(
+    "torch_vjp.backward", "tensors", "grad_tensors",
+    batch_hint="use torch_vjp.grad(..., is_grads_batched=True): backward has no batched form",
+)
+#: ``Tensor.backward(gradient)`` (checked).
+TENSOR_BACKWARD = Labels(
+    "y.backward(gradient)", "y", "gradient", indexed=False,
+    batch_hint="use torch_vjp.grad(y, x, gradient, is_grads_batched=True): backward has no "
+    "batched form",
+)
+#: ``torch_vjp.check_grad_outputs``.
+CHECK = GRAD.replace(call="torch_vjp.check_grad_outputs")
+#: The pullback of ``torch.func.vjp`` (checked): outputs that do not depend on the primals
+#: are ignored, as torch.func ignores them.
+PULLBACK = Labels(
+    "torch.func.vjp: vjp_fn(cotangents)", "outputs", "cotangents", inputs="primals",
+    batch_hint="call vjp_fn(cotangents, batched=True) of torch_vjp.vjp", batch_flag="batched",
+    require_grad=False,
+)
+#: ``vjp_fn`` of ``torch_vjp.vjp``: torch_vjp's own wording.
+VJP = PULLBACK.replace(call="torch_vjp.vjp: vjp_fn", torch_first=False, empty_batch_ok=True)
+#: The tangents of ``torch_vjp.jvp``.
+TANGENTS = Labels(
+    "torch_vjp.jvp", "primals", "tangents", role="tangents", require_grad=False,
+    allow_none=False, batch_hint="pass batched=True", batch_flag="batched", torch_first=False,
+    empty_batch_ok=True,
+)

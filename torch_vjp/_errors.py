@@ -7,12 +7,16 @@ working after switching to torch_vjp.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 __all__ = [
+    "full_message",
     "TorchVJPError",
     "GradOutputsError",
     "GradOutputsTypeError",
+    "GradOutputsValueError",
+    "GradOutputsIndexError",
     "FunctionCheckError",
     "StrategyError",
     "JacobianMemoryError",
@@ -21,6 +25,8 @@ __all__ = [
     "GradOutputsWarning",
     "JacobianWarning",
     "shape_str",
+    "torch_first",
+    "env_flag",
 ]
 
 
@@ -39,6 +45,15 @@ class GradOutputsError(TorchVJPError, RuntimeError):
 
 class GradOutputsTypeError(GradOutputsError, TypeError):
     """A :class:`GradOutputsError` for an argument of the wrong type (torch raises TypeError)."""
+
+
+class GradOutputsValueError(GradOutputsError, ValueError):
+    """A :class:`GradOutputsError` where torch raises ValueError (batch sizes that differ)."""
+
+
+class GradOutputsIndexError(GradOutputsError, IndexError):
+    """A :class:`GradOutputsError` where torch raises IndexError (``is_grads_batched=True``
+    with a 0-d ``grad_outputs`` entry, or an empty batch)."""
 
 
 class FunctionCheckError(TorchVJPError, RuntimeError):
@@ -82,10 +97,58 @@ def shape_str(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(d) for d in dims) + ")"
 
 
+# NOTE [torch's sentence first]
+# For a call that torch itself also rejects, the error's message (``str(err)``) is torch's own
+# sentence, so that code matching torch's wording keeps working, and torch_vjp's explanation
+# (what was wrong, what was expected and why, the fix) is attached as an exception note
+# (PEP 678), which tracebacks, pytest and IPython show under it. Where torch's own sentence
+# would be wrong (torch 2.13 names an unrelated broadcasting error for a mismatch in the
+# second grad_outputs entry), the sentence is torch's template filled in with the right index
+# and shapes. Python 3.10 has no notes: there the explanation follows the sentence in the
+# message itself.
+
+
+def torch_first(cls: type[BaseException], explanation: str, sentence: str | None) -> BaseException:
+    """An exception whose message is torch's ``sentence`` with ``explanation`` as a note.
+
+    Without a sentence (torch does not reject the call, or says nothing useful) the message
+    is the explanation itself. See NOTE [torch's sentence first].
+    """
+    if not sentence:
+        err = cls(explanation)
+    elif hasattr(BaseException, "add_note"):
+        err = cls(sentence)
+        err.add_note(explanation)
+    else:  # pragma: no cover - Python 3.10
+        err = cls(f"{sentence}\n{explanation}")
+    err.torch_sentence = sentence  # type: ignore[attr-defined]
+    err.explanation = explanation  # type: ignore[attr-defined]
+    return err
+
+
+def full_message(err: BaseException) -> str:
+    """``str(err)`` followed by its notes: everything a traceback shows of the message."""
+    return "\n".join([str(err), *getattr(err, "__notes__", ())])
+
+
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than an empty
+    string, ``0``, ``false``, ``no`` or ``off`` (case and surrounding spaces ignored): the one
+    rule by which torch_vjp reads its switches (``TORCH_VJP_CHECKED``, as the torch plugin
+    hook does)."""
+    return os.environ.get(name, "").strip().lower() not in _OFF
+
+
 # Tracebacks name the public path users import from: torch_vjp.GradOutputsError.
 for _cls in (
     TorchVJPError,
     GradOutputsError,
+    GradOutputsTypeError,
+    GradOutputsValueError,
+    GradOutputsIndexError,
     FunctionCheckError,
     StrategyError,
     JacobianMemoryError,

@@ -21,7 +21,13 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from torch_vjp._checks import check_cotangents, check_tree_structure, normalize_grad_outputs
+from torch_vjp._checks import (
+    TANGENTS,
+    VJP,
+    check_cotangents,
+    check_tree_structure,
+    normalize_grad_outputs,
+)
 from torch_vjp._core import (
     JacobianCallError,
     Problem,
@@ -115,7 +121,7 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
         """``v^T J`` for the cotangents ``v`` (K of them with ``batched=True``)."""
         chunk = check_chunk_size(chunk_size, call=pull_call)
         normalized = check_cotangents(
-            out, cotangents, call=pull_call, batched=batched, primals=tuple(prob.leaves)
+            out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves)
         )
         vectors = _flat_vectors(normalized, flat_out, batched)
         if not batched:
@@ -214,17 +220,7 @@ def jvp(
     check_tree_structure(primals, tangents, call=call, name="tangents", against="the primals")
     prob = Problem(f, primals, None, has_aux=has_aux, call=call)
     normalized = normalize_grad_outputs(
-        tuple(prob.leaves),
-        tuple(tree_leaves(tangents)),
-        is_grads_batched=batched,
-        call=call,
-        outputs_name="primals",
-        grad_outputs_name="tangents",
-        role="tangents",
-        require_grad=False,
-        allow_none=False,
-        batch_hint="pass batched=True",
-        batch_flag="batched",
+        tuple(prob.leaves), tuple(tree_leaves(tangents)), TANGENTS, is_grads_batched=batched
     )
     vectors = _flat_vectors(normalized, prob.leaves, batched)
     leaves = tuple(prob.leaves)
