@@ -189,17 +189,23 @@ def test_hook_module_loads_neither_torch_nor_torch_vjp(tmp_path):
 def test_import_torch_provides_torch_vjp_without_running_it(tmp_path):
     result = run_python(
         tmp_path,
-        """
-        import sys, types
+        f"""
+        import importlib, sys, types
         import torch
 
-        lazy = sys.modules["torch_vjp"]
-        assert torch.vjp is lazy and sys.modules["torch.vjp"] is lazy
-        # nothing of torch_vjp has run yet
+        lazy = torch.vjp
+        assert sys.modules["torch.vjp"] is lazy and isinstance(lazy, types.ModuleType)
+        # nothing of torch_vjp has run yet: it is not even imported
         assert type(lazy) is not types.ModuleType
-        assert "torch_vjp._errors" not in sys.modules
-        error = torch.vjp.TorchVJPError  # first use runs torch_vjp in this same object
-        assert type(lazy) is types.ModuleType
+        assert "torch_vjp" not in sys.modules and "torch_vjp._errors" not in sys.modules
+        # a second call of the hook changes nothing
+        importlib.import_module({ENTRY_POINT.module!r})._autoload()
+        assert torch.vjp is lazy and "torch_vjp" not in sys.modules
+        error = torch.vjp.TorchVJPError  # first use imports torch_vjp into this same object
+        assert type(lazy) is types.ModuleType and sys.modules["torch_vjp"] is lazy
+        # as a normal import leaves it, and the hook's importer is gone
+        assert lazy.__spec__.loader is lazy.__loader__
+        assert not [f for f in sys.meta_path if type(f).__name__ == "_LazyImporter"]
 
         import torch_vjp
 
@@ -253,6 +259,31 @@ def test_import_torch_vjp_before_torch(tmp_path):
         """,
     )
     assert result.stdout.split() == ["ok"]
+    assert plugin_warnings(result.stderr) == []
+
+
+@needs_install
+def test_torch_vjp_imported_past_the_hook_still_shows_in_torch_vjp(tmp_path):
+    # torch_vjp loaded into a module object of its own, not the one the hook registered (as
+    # an import hook placed before the hook's importer could do): a reference kept to the
+    # registered one then shows that module too
+    result = run_python(
+        tmp_path,
+        """
+        import importlib.util, sys, types
+        import torch
+
+        lazy = torch.vjp
+        spec = lazy.__spec__
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["torch_vjp"] = module
+        spec.loader.exec_module(module)
+        assert module is not lazy and torch.vjp is module
+        print(lazy.grad is module.grad, type(lazy) is types.ModuleType)
+        print([f for f in sys.meta_path if type(f).__name__ == "_LazyImporter"])
+        """,
+    )
+    assert result.stdout.split() == ["True", "True", "[]"]
     assert plugin_warnings(result.stderr) == []
 
 
@@ -321,10 +352,10 @@ def test_unrelated_torch_use_does_not_run_torch_vjp(tmp_path):
         assert pickle.loads(pickle.dumps(torch.sparse_coo)) is torch.sparse_coo
         x = torch.randn(3, requires_grad=True)
         (x ** 2).sum().backward()
-        print(type(sys.modules["torch_vjp"]) is types.ModuleType)
+        print("torch_vjp" in sys.modules, type(torch.vjp) is types.ModuleType)
         """,
     )
-    assert result.stdout.split() == ["False"]
+    assert result.stdout.split() == ["False", "False"]
 
 
 @needs_install
@@ -363,6 +394,81 @@ def test_concurrent_first_use_runs_torch_vjp_once(tmp_path):
     assert result.stdout.strip() == "1 [42, 42, 42, 42, 42, 42, 42, 42]"
 
 
+CONCURRENT_USE = """
+import importlib, sys, threading, types
+import torch
+
+hook = importlib.import_module(HOOK)
+NAMES = ("jacobian", "per_sample_grads", "TorchVJPError", "check_function", "vjp", "hessian",
+         "compare_strategies", "__version__")
+THREADS = len(NAMES)
+
+
+def unimport():
+    \"\"\"Back to the state right after ``import torch``: torch.vjp attached, nothing run.\"\"\"
+    for name in [n for n in sys.modules if n == "torch_vjp" or n.startswith("torch_vjp.")]:
+        del sys.modules[name]
+    sys.modules.pop("torch.vjp", None)
+    vars(torch).pop("vjp", None)
+    hook._autoload()
+    assert type(torch.vjp) is not types.ModuleType, "torch.vjp was imported at once"
+
+
+def first_use(how):
+    barrier = threading.Barrier(THREADS)
+    seen = {}
+
+    def use(name):
+        barrier.wait()
+        try:
+            if how == "import torch_vjp in each thread":
+                import torch_vjp as module
+            elif how == "torch.vjp":
+                module = torch.vjp
+            else:
+                module = tv
+            seen[name] = getattr(module, name)
+        except BaseException as err:
+            seen[name] = err
+
+    if how == "import torch; import torch_vjp":
+        import torch_vjp as tv
+    threads = [threading.Thread(target=use, args=(name,)) for name in NAMES]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    import torch_vjp
+    assert torch.vjp is torch_vjp and sys.modules["torch.vjp"] is torch_vjp
+    return [
+        f"{how}: {name}: {seen[name]!r}"
+        for name in NAMES
+        if seen[name] is not getattr(torch_vjp, name)
+    ]
+
+
+problems = []
+for round_index in range(ROUNDS):
+    for how in ("torch.vjp", "import torch_vjp in each thread", "import torch; import torch_vjp"):
+        unimport()
+        problems += first_use(how)
+print(len(problems), problems[:3])
+"""
+
+
+@needs_install
+def test_concurrent_first_use_sees_the_whole_module(tmp_path):
+    # Right after ``import torch`` (and ``import torch_vjp``), eight threads at once read
+    # torch_vjp's attributes, through torch.vjp, their own ``import torch_vjp`` or the
+    # main thread's; each must see the finished module. Every round makes torch.vjp
+    # unimported again (as right after ``import torch``), so one child runs many rounds.
+    # A hook that let a thread read the module while another was still running it failed
+    # this in about half of the rounds.
+    result = run_python(tmp_path, f"HOOK, ROUNDS = {ENTRY_POINT.module!r}, 6\n{CONCURRENT_USE}")
+    assert result.stdout.strip() == "0 []"
+    assert plugin_warnings(result.stderr) == []
+
+
 # --- failures never break ``import torch`` --------------------------------------------------
 
 
@@ -394,6 +500,76 @@ def test_broken_torch_vjp_fails_on_first_use_and_warns(tmp_path):
     )
     assert result.stdout.splitlines() == ["False False False", BROKEN_MESSAGE]
     assert_warned(result.stderr, "first use of torch.vjp", f"ImportError: {BROKEN_MESSAGE}")
+
+
+@needs_install
+def test_import_of_a_broken_torch_vjp_raises_at_the_import_statement(tmp_path):
+    # as a normal import would: each import statement raises torch_vjp's error, which
+    # leaves no torch_vjp and no torch.vjp behind; ``import torch`` itself is untouched
+    result = run_python(
+        tmp_path,
+        """
+        import sys
+        import torch
+
+        print(type(torch.vjp).__name__, "torch_vjp" in sys.modules)
+        statements = ("import torch_vjp", "from torch_vjp import grad", "import torch_vjp.autograd")
+        for statement in statements:
+            try:
+                exec(statement)
+            except ImportError as err:
+                print(f"{statement}: {err}")
+            else:
+                print(f"{statement}: no error")
+            print(hasattr(torch, "vjp"), "torch.vjp" in sys.modules, "torch_vjp" in sys.modules)
+        """,
+        path=(broken_torch_vjp(tmp_path),),
+    )
+    assert result.stdout.splitlines() == [
+        "_LazyModule False",
+        f"import torch_vjp: {BROKEN_MESSAGE}",
+        "False False False",
+        f"from torch_vjp import grad: {BROKEN_MESSAGE}",
+        "False False False",
+        f"import torch_vjp.autograd: {BROKEN_MESSAGE}",
+        "False False False",
+    ]
+    assert plugin_warnings(result.stderr) == []
+
+
+@needs_install
+def test_concurrent_first_use_of_a_broken_torch_vjp(tmp_path):
+    # every thread gets torch_vjp's error (none a half-run module), and all of them warn
+    # alike (Python shows one warning per place)
+    result = run_python(
+        tmp_path,
+        """
+        import threading
+        import torch
+
+        lazy = torch.vjp
+        barrier = threading.Barrier(8)
+        seen = []
+
+        def use():
+            barrier.wait()
+            try:
+                lazy.grad
+            except BaseException as err:
+                seen.append(f"{type(err).__name__}: {err}")
+
+        threads = [threading.Thread(target=use) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print(sorted(set(seen)), len(seen), hasattr(torch, "vjp"))
+        """,
+        path=(broken_torch_vjp(tmp_path),),
+    )
+    assert result.stdout.strip() == f"['ImportError: {BROKEN_MESSAGE}'] 8 False"
+    assert len(set(plugin_warnings(result.stderr))) == 1
+    assert_warned(plugin_warnings(result.stderr)[0], "first use of torch.vjp")
 
 
 @needs_install

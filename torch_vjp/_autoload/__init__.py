@@ -12,9 +12,9 @@ that group late in ``import torch`` and turns any exception into a ``RuntimeErro
   torch_vjp and ``TORCH_VJP_AUTOLOAD=0``; ``import torch`` goes on normally.
 * It stays cheap. By default nothing of torch_vjp runs at ``import torch``: the hook finds
   torch_vjp's import spec and registers a lazy module (see ``NOTE [lazy torch.vjp]``) as
-  ``sys.modules["torch_vjp"]``, ``sys.modules["torch.vjp"]`` and ``torch.vjp``. The first
-  attribute access, ``import torch_vjp`` or ``import torch.vjp`` executes torch_vjp in that
-  same module object, so ``torch.vjp is torch_vjp`` always holds.
+  ``torch.vjp`` and ``sys.modules["torch.vjp"]``. The first use (``import torch_vjp``, or
+  reading an attribute of ``torch.vjp``) imports torch_vjp, as a normal import would (errors
+  included), into that same module object, so ``torch.vjp is torch_vjp`` holds.
 * With ``TORCH_VJP_CHECKED`` set (to anything but an empty string, ``0``, ``false``, ``no`` or
   ``off``), the hook imports torch_vjp at once, so that its process-wide checks are active
   with no code change. ``torch.autograd`` and ``torch.func`` are already imported at that
@@ -30,6 +30,7 @@ Environment:
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -75,6 +76,8 @@ def _attach() -> None:
         return
     module = sys.modules.get(_MODULE)
     existing = vars(torch).get("vjp")
+    if module is None and _pending_state(existing) is not None:
+        return  # attached by an earlier call, and not imported yet
     if existing is not None and existing is not module:
         _warn(
             f"torch_vjp: torch already has an attribute `vjp` ({type(existing).__name__}); "
@@ -111,39 +114,62 @@ def _import_now(note: str = "") -> types.ModuleType | None:
 
 
 # NOTE [lazy torch.vjp]
-# ``_lazy_module`` builds torch_vjp's module object from its spec without executing it and
-# turns it into a ``_LazyModule``, as ``importlib.util.LazyLoader`` does, with three changes:
-# * Thread safety: the first access executes the module under a lock; other threads wait for
-#   it, while the executing thread itself (torch_vjp's own imports) reads the module as is.
-# * ``__class__``, ``__name__``, ``__file__``, ``__cached__``, ``__loader__`` and ``__package__``
-#   are answered without executing torch_vjp: ``isinstance`` checks and module scanners such
-#   as ``inspect.getmodule`` read them. ``__spec__`` is not, so that ``import torch_vjp`` and
-#   ``import torch.vjp`` (which read it) execute the module as a normal import would.
+# ``_lazy_module`` builds torch_vjp's module object from its spec without executing it, makes
+# it a ``_LazyModule`` and registers it as ``torch.vjp`` and ``sys.modules["torch.vjp"]``,
+# but not as ``sys.modules["torch_vjp"]``: torch_vjp is not imported yet. A ``_LazyImporter``
+# at the front of ``sys.meta_path`` hands this same object to the import system when
+# torch_vjp is imported, and executes it there. So torch_vjp is only ever loaded by a normal
+# import, with the import system's per-module locks:
+# * ``import torch_vjp``, ``from torch_vjp import x`` and ``import torch_vjp.sub`` import it
+#   as if the hook had never run (the package before its submodules, errors raised at the
+#   import statement), into the object that is already ``torch.vjp``.
+# * Any other use (``torch.vjp.jacobian``) first runs ``import torch_vjp``. Only
+#   ``__class__``, ``__name__``, ``__file__``, ``__cached__``, ``__loader__``, ``__package__``,
+#   ``__path__`` and ``__spec__`` are answered without importing: ``isinstance`` checks and
+#   module scanners such as ``inspect.getmodule`` read them, and so does the import system,
+#   also while it loads the module and to find out whether to wait for another thread
+#   loading it. (``import torch.vjp`` reads only ``__spec__``, so it binds the unimported
+#   module; C code there would swallow an error raised on that read.)
+# * Threads: a thread that touches the module while another is loading it waits for that
+#   load through the import system (which also resolves a concurrent circular import as it
+#   would for any module). The loading thread itself, and so torch_vjp's own code, reads
+#   the module as it stands, as in any import.
 # * Failure: a torch_vjp that raises while executing leaves sys.modules and ``torch`` as a
-#   failed import would (no ``torch_vjp``, no ``torch.vjp``), warns, and raises the error to
-#   the code that touched the module. The lazy object returns to its unexecuted state, so a
-#   reference kept to it raises the same error again instead of showing a half-run module.
+#   failed import would (no ``torch_vjp``, no ``torch.vjp``); a first use through an
+#   attribute warns that ``torch.vjp`` is gone. The lazy object returns to its unexecuted
+#   state, so a reference kept to it raises the error again instead of showing a half-run
+#   module.
 
 _STATE_KEY = "__torch_vjp_lazy_state__"
 _PASSTHROUGH = frozenset(
-    {"__class__", "__name__", "__file__", "__cached__", "__loader__", "__package__", "__path__", "__spec__"}
+    {
+        "__class__",
+        "__name__",
+        "__file__",
+        "__cached__",
+        "__loader__",
+        "__package__",
+        "__path__",
+        "__spec__",
+    }
 )
 
 
 class _LoadState:
-    """What a ``_LazyModule`` needs to execute itself; kept in the module's own namespace."""
+    """What a ``_LazyModule`` needs to be imported; kept in the module's own namespace."""
 
-    __slots__ = ("spec", "initial", "lock", "loading_thread")
+    __slots__ = ("spec", "importer", "initial", "loading_thread", "loads")
 
     def __init__(self, spec: importlib.machinery.ModuleSpec) -> None:
         self.spec = spec
+        self.importer: _LazyImporter | None = None
         self.initial: dict[str, object] = {}
-        self.lock = threading.RLock()
-        self.loading_thread: int | None = None
+        self.loading_thread: int | None = None  # the thread loading it now
+        self.loads = 0  # loads begun
 
 
 class _LazyModule(types.ModuleType):
-    """torch_vjp before first use; see ``NOTE [lazy torch.vjp]``."""
+    """torch_vjp before it is imported; see ``NOTE [lazy torch.vjp]``."""
 
     def __getattribute__(self, name: str) -> object:
         if name not in _PASSTHROUGH:
@@ -151,10 +177,81 @@ class _LazyModule(types.ModuleType):
         return types.ModuleType.__getattribute__(self, name)
 
 
+class _LazyImporter:
+    """Meta path finder and loader that imports the pending ``_LazyModule`` in place."""
+
+    def __init__(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec) -> None:
+        self.module = module
+        self.spec = spec  # torch_vjp's own spec, with its own loader
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _MODULE:
+            return None
+        if _pending_state(self.module) is None:
+            self.remove()
+            return None
+        spec = importlib.machinery.ModuleSpec(
+            _MODULE,
+            self,
+            origin=self.spec.origin,
+            is_package=self.spec.submodule_search_locations is not None,
+        )
+        spec.submodule_search_locations = self.spec.submodule_search_locations
+        spec.cached = self.spec.cached
+        spec.has_location = self.spec.has_location
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        state = _pending_state(self.module)
+        if state is None:
+            return None  # imported meanwhile: exec_module loads a fresh module
+        state.loading_thread = threading.get_ident()
+        state.loads += 1
+        return self.module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        state = _pending_state(module)
+        if module is not self.module or state is None:
+            self.spec.loader.exec_module(module)
+            return
+        namespace = types.ModuleType.__getattribute__(module, "__dict__")
+        try:
+            self.spec.loader.exec_module(module)
+        except BaseException:
+            namespace.clear()
+            namespace.update(state.initial)
+            state.loading_thread = None
+            _forget(module)
+            raise
+        _finish(module, state)
+
+    def remove(self) -> None:
+        """Take this importer off ``sys.meta_path``."""
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+    # While torch_vjp loads, its ``__spec__.loader`` is this importer: the loader methods
+    # that code may ask of it then (``importlib.resources``, ``pkgutil.get_data``, ...) are
+    # torch_vjp's own loader's.
+    def __getattr__(self, name: str) -> object:
+        if name not in _LOADER_METHODS:
+            raise AttributeError(name)
+        return getattr(self.spec.loader, name)
+
+
+_LOADER_METHODS = frozenset(
+    {"get_code", "get_data", "get_filename", "get_resource_reader", "get_source", "is_package"}
+)
+
+
 def _lazy_module() -> types.ModuleType | None:
-    """Register an unexecuted torch_vjp as ``sys.modules["torch_vjp"]``; None if not found."""
+    """Register an unexecuted torch_vjp as ``torch.vjp``; None if torch_vjp is not found."""
     spec = importlib.util.find_spec(_MODULE)
-    if spec is None:
+    if spec is None or spec.origin in (None, "namespace"):  # a folder without ``__init__``
         _warn(
             f"torch_vjp: its torch plugin entry point is installed but the package torch_vjp "
             f"cannot be found, so torch.vjp is not available; torch itself imported normally. "
@@ -168,54 +265,80 @@ def _lazy_module() -> types.ModuleType | None:
     state = _LoadState(spec)
     namespace[_STATE_KEY] = state
     state.initial = dict(namespace)
+    state.importer = _LazyImporter(module, spec)
     module.__class__ = _LazyModule
-    sys.modules[_MODULE] = module
+    for finder in list(sys.meta_path):  # importers of earlier lazy modules, never imported
+        if isinstance(finder, _LazyImporter):
+            finder.remove()
+    sys.meta_path.insert(0, state.importer)
     return module
 
 
-def _execute(module: types.ModuleType) -> None:
-    """Execute a ``_LazyModule`` in place, once; re-raise (after cleaning up) if it fails."""
+def _pending_state(obj: object) -> _LoadState | None:
+    """The load state of a ``_LazyModule`` not imported yet; None for anything else."""
+    try:
+        if not isinstance(obj, types.ModuleType):
+            return None
+        return types.ModuleType.__getattribute__(obj, "__dict__").get(_STATE_KEY)
+    except Exception:
+        return None
+
+
+def _finish(module: types.ModuleType, state: _LoadState) -> None:
+    """Turn a ``_LazyModule`` whose import succeeded into a plain module."""
     namespace = types.ModuleType.__getattribute__(module, "__dict__")
-    state = namespace.get(_STATE_KEY)
+    namespace.pop(_STATE_KEY, None)
+    state.loading_thread = None
+    if type(module) is _LazyModule:  # unless torch_vjp gave itself a class of its own
+        module.__class__ = types.ModuleType
+    spec = namespace.get("__spec__")
+    if spec is not None and spec.loader is state.importer:
+        namespace["__spec__"] = state.spec  # what a normal import of torch_vjp leaves
+    if state.importer is not None:
+        state.importer.remove()
+
+
+def _execute(module: types.ModuleType) -> None:
+    """Import a pending ``_LazyModule`` (or wait for the thread importing it); see the NOTE.
+
+    Re-raises the import's error; when that failure removed ``torch.vjp``, also warns.
+    """
+    state = _pending_state(module)
     if state is None or state.loading_thread == threading.get_ident():
-        return  # already executed, or torch_vjp's own code reading itself while it runs
-    if _submodule_initializing():
-        # ``import torch_vjp.x`` is running x's code, which reads its (still lazy) parent:
-        # running the parent now would import x a second time, or import names from the
-        # half-run x. The parent runs on the first access after x has finished.
-        return
-    with state.lock:
-        if namespace.get(_STATE_KEY) is not state:
-            return  # another thread executed it while this one waited
-        state.loading_thread = threading.get_ident()
-        try:
-            state.spec.loader.exec_module(module)
-        except BaseException as err:
-            namespace.clear()
-            namespace.update(state.initial)
-            state.loading_thread = None
-            if isinstance(err, Exception):
-                _forget(module)
-                _warn(
-                    f"torch_vjp: importing torch_vjp on first use of torch.vjp failed "
-                    f"({_describe(err)}); torch.vjp has been removed. Reinstall torch_vjp to "
-                    f"fix it. {_HOW_TO_TURN_OFF}"
-                )
-            raise
-        namespace.pop(_STATE_KEY, None)
-        if type(module) is _LazyModule:  # unless torch_vjp gave itself a class of its own
-            module.__class__ = types.ModuleType
-
-
-def _submodule_initializing() -> bool:
-    """Whether a ``torch_vjp.<name>`` module is being executed by an import right now."""
-    prefix = _MODULE + "."
-    for name, mod in list(sys.modules.items()):
-        if name.startswith(prefix):
-            spec = getattr(mod, "__spec__", None)
-            if spec is not None and getattr(spec, "_initializing", False):
-                return True
-    return False
+        return  # imported, or this thread is importing it
+    torch = sys.modules.get("torch")
+    attached = torch is not None and vars(torch).get("vjp") is module
+    try:
+        # Each round either loads it in this thread (which returns, or raises its error) or
+        # waits for another thread's load; after a failed one, this thread tries itself.
+        while True:
+            if state.loading_thread is None and sys.modules.get(_MODULE) is module:
+                del sys.modules[_MODULE]  # put there by hand, not imported: import it
+            loading, loads = state.loading_thread, state.loads
+            imported = __import__(_MODULE)
+            if _pending_state(module) is not state:
+                return  # imported
+            if state.loading_thread is not None:
+                if (state.loading_thread, state.loads) == (loading, loads):
+                    # the import system gave up waiting for that same load: a concurrent
+                    # circular import, where the module is read as it stands
+                    return
+                continue  # another thread began a new load (the one waited for failed)
+            if imported is not module:
+                # torch_vjp was imported into another module object, past the hook's
+                # importer: make this one show the same module.
+                namespace = types.ModuleType.__getattribute__(module, "__dict__")
+                namespace.update(vars(imported))
+                _finish(module, state)
+                return
+    except Exception as err:
+        if attached and vars(torch).get("vjp") is not module:
+            _warn(
+                f"torch_vjp: importing torch_vjp on first use of torch.vjp failed "
+                f"({_describe(err)}); torch.vjp has been removed. Reinstall torch_vjp to "
+                f"fix it. {_HOW_TO_TURN_OFF}"
+            )
+        raise
 
 
 def _forget(module: types.ModuleType | None) -> None:
