@@ -158,7 +158,7 @@ def test_switch_off_values(value, off):
 
 
 @needs_install
-def test_entry_point_targets_this_checkout_hook():
+def test_entry_point_targets_an_installed_copy_of_this_checkout_hook():
     hook = ENTRY_POINT.load()
     module = sys.modules[ENTRY_POINT.module]
     assert hook is module._autoload
@@ -166,6 +166,14 @@ def test_entry_point_targets_this_checkout_hook():
     installed = Path(module.__file__).read_bytes()
     assert installed == HOOK_SOURCE.read_bytes(), (
         f"the installed hook {module.__file__} differs from {HOOK_SOURCE}: reinstall the package"
+    )
+    # A file in the install location, even in an editable install (see setup.py), so that
+    # ``import torch`` does not depend on this checkout staying where it is. This also
+    # checks setup.py against the setuptools that installed the package.
+    location = Path(module.__file__).resolve()
+    assert REPO not in location.parents, (
+        f"the hook {location} is this checkout's file, not a copy: reinstall the package, "
+        f"or setup.py no longer works with this setuptools"
     )
 
 

@@ -5,9 +5,11 @@ Installing torch_vjp registers :func:`_autoload` in torch's plugin entry-point g
 that group late in ``import torch`` and turns any exception into a ``RuntimeError`` that makes
 ``import torch`` fail. Hence the rules this module follows:
 
-* It installs as its own top-level module (``_torch_vjp_autoload``, see ``setup.py``) and
+* It installs as its own top-level module (``_torch_vjp_autoload``), a real file in the
+  install location in every install mode, editable ones included (see ``setup.py``), and
   imports only the standard library at module level: loading the entry point imports this
-  module outside any guard, so its import cannot depend on torch_vjp being healthy.
+  module outside any guard, so its import cannot depend on torch_vjp, or the checkout an
+  editable install points to, being there and healthy.
 * :func:`_autoload` never raises. Whatever goes wrong becomes a ``RuntimeWarning`` naming
   torch_vjp and ``TORCH_VJP_AUTOLOAD=0``; ``import torch`` goes on normally.
 * It stays cheap. By default nothing of torch_vjp runs at ``import torch``: the hook finds
