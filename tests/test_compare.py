@@ -355,9 +355,6 @@ def test_batchnorm_buffers_are_kept_for_a_module():
     assert report["rev-loop"].ok and report["auto"].ok
 
 
-@pytest.mark.xfail(strict=False, reason="buffers_kept restores the buffers of a module or bound "
-                   "method only; modules reached through a lambda's closure come with the "
-                   "generalised torch_vjp._core.buffers_kept")
 def test_batchnorm_buffers_are_kept_through_a_lambda():
     bn = _training_batchnorm()
     before = {name: b.clone() for name, b in bn.named_buffers()}

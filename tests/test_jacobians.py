@@ -513,12 +513,31 @@ def test_module_in_training_mode_keeps_its_buffers():
 
 
 @pytest.mark.parametrize("strategy", ALL)
-def test_result_is_differentiable_like_jacrev(strategy):
+def test_result_is_differentiable_with_create_graph(strategy):
     x = torch.randn(3, dtype=D, requires_grad=True)
     f = lambda x: x.sin() * x.sum()  # noqa: E731
     (want,) = torch.autograd.grad(torch.func.jacrev(f)(x).pow(2).sum(), x)
-    (got,) = torch.autograd.grad(jacobian(f, x, strategy=strategy).pow(2).sum(), x)
+    J = jacobian(f, x, strategy=strategy, create_graph=True)
+    (got,) = torch.autograd.grad(J.pow(2).sum(), x)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_result_is_detached_by_default(strategy):
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    w = torch.randn(3, dtype=D, requires_grad=True)  # closed over, like a parameter
+    f = lambda x: x.sin() * w  # noqa: E731
+    J = jacobian(f, x, strategy=strategy)
+    assert J.grad_fn is None and not J.requires_grad
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x).detach())
+    H = tv.hessian(lambda x: (x.sin() * w).sum(), x)
+    assert H.grad_fn is None
+
+
+def test_create_graph_must_be_a_bool():
+    with pytest.raises(tv.JacobianOptionError, match=r"create_graph='yes', but it must be True "
+                       r"or False"):
+        jacobian(torch.sin, torch.ones(2, dtype=D), create_graph="yes")
 
 
 # --------------------------------------------------------------------------------------
@@ -926,3 +945,199 @@ def test_cuda_jacobian_of_and_memory_error():
     big = torch.randn(10**6, device="cuda")  # J: 4 TB
     with pytest.raises(tv.JacobianMemoryError, match=r"free on cuda.*torch.cuda.mem_get_info"):
         jacobian(torch.sin, big)
+
+
+# --------------------------------------------------------------------------------------
+# Memory: no autograd graph outlives its chunk (NOTE [no graph outlives its chunk])
+# --------------------------------------------------------------------------------------
+
+
+def _mlp_with_grad_parameters(n_in: int, hidden: int, n_out: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(  # parameters require grad, as in any module
+        torch.nn.Linear(n_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(), torch.nn.Linear(hidden, n_out),
+    ).double()
+
+
+@pytest.mark.parametrize("strategy", ["fwd", "rev", "fwd-loop", "rev-loop", "auto"])
+def test_max_memory_bounds_the_peak_when_parameters_require_grad(strategy):
+    from torch_vjp.compare import _measure_peak  # live tensor bytes, counted per operator
+
+    model = _mlp_with_grad_parameters(256, 256, 256)
+    x = torch.randn(256, dtype=D)
+    jac_bytes = 256 * 256 * 8
+    budget = jac_bytes + 300_000  # several chunks of products
+    peak = _measure_peak(lambda: jacobian(model, x, strategy=strategy, max_memory=budget),
+                         torch.device("cpu"))
+    assert peak <= budget
+    # the same call keeping every chunk's graph (create_graph=True) would not fit: the check
+    # above can fail
+    kept = _measure_peak(
+        lambda: jacobian(model, x, strategy=strategy, max_memory=budget, create_graph=True),
+        torch.device("cpu"),
+    )
+    assert kept > 2 * budget
+
+
+@pytest.mark.parametrize("strategy", ["fwd", "rev", "fwd-loop", "rev-loop"])
+def test_batch_jacobian_chunks_free_their_graphs(strategy):
+    from torch_vjp.compare import _measure_peak
+
+    model = _mlp_with_grad_parameters(64, 256, 32)
+    x = torch.randn(16, 64, dtype=D)
+    cpu = torch.device("cpu")
+    peak = _measure_peak(lambda: tv.batch_jacobian(model, x, strategy=strategy, chunk_size=8),
+                         cpu)
+    with torch.no_grad():  # the least the computation needs
+        least = _measure_peak(
+            lambda: tv.batch_jacobian(model, x, strategy=strategy, chunk_size=8), cpu)
+    kept = _measure_peak(
+        lambda: tv.batch_jacobian(model, x, strategy=strategy, chunk_size=8, create_graph=True),
+        cpu,
+    )
+    assert peak <= 2.5 * least < kept
+
+
+# --------------------------------------------------------------------------------------
+# Mutation: modules reached through f, and f writing its own arguments
+# --------------------------------------------------------------------------------------
+
+
+def _training_bn():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3).double()
+    bn.train()
+    return bn
+
+
+def _reach_bn(bn):
+    """The ways users hand a module to a Jacobian call."""
+    import functools
+
+    def closure(t):
+        return bn(t) * 2
+
+    return {
+        "module": bn,
+        "lambda": lambda t: bn(t),
+        "closure": closure,
+        "partial": functools.partial(lambda m, t: m(t), bn),
+        "bound-method": bn.forward,
+    }
+
+
+@pytest.mark.parametrize("how", ["module", "lambda", "closure", "partial", "bound-method"])
+@pytest.mark.parametrize("call", ["jacobian", "batch_jacobian", "hessian"])
+def test_batchnorm_buffers_never_move(how, call):
+    bn = _training_bn()
+    f = _reach_bn(bn)[how]
+    x = torch.randn(5, 3, dtype=D)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # vmap refuses: loops
+        for strategy in ("auto", "fwd-loop", "rev-loop"):
+            if call == "jacobian":
+                jacobian(f, x, strategy=strategy)
+            elif call == "batch_jacobian":
+                tv.batch_jacobian(f, x, strategy=strategy)
+            else:  # torch.func refuses the in-place update of the statistics here
+                with pytest.raises(RuntimeError, match="mutate a captured Tensor"):
+                    tv.hessian(lambda t: f(t).pow(2).sum(), x, strategy=strategy)
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), (k, v, before[k])
+    assert bn.training
+
+
+def test_modules_reached_finds_modules_behind_f():
+    from torch_vjp._core import modules_reached
+
+    bn = _training_bn()
+    for how, f in _reach_bn(bn).items():
+        assert modules_reached(f) == [bn], how
+    assert modules_reached(torch.sin) == []
+
+
+@pytest.mark.parametrize("strategy", ["fwd", "fwd-loop"])
+def test_f_writing_its_argument_leaves_the_caller_tensor_alone(strategy):
+    def f(t):
+        t.mul_(2)  # writes its own argument
+        return t ** 2
+
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    J = jacobian(f, x, strategy=strategy)
+    assert torch.equal(x, torch.tensor([1.0, 2.0, 3.0], dtype=D))
+    # every product starts from the caller's point: d(2t)^2/dt = 8t there
+    torch.testing.assert_close(J, torch.diag(8 * x))
+
+
+@pytest.mark.parametrize("strategy", ["rev", "rev-loop", "auto"])  # auto: reverse (3 x 3)
+def test_f_writing_its_argument_in_reverse_mode_fails_as_torch_func_does(strategy):
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    with pytest.raises(RuntimeError, match="in-place operation"):
+        torch.func.jacrev(lambda t: t.mul_(2) * 1)(x.clone())
+    with pytest.raises(RuntimeError, match="in-place operation"):
+        jacobian(lambda t: t.mul_(2) * 1, x, strategy=strategy)
+    assert torch.equal(x, torch.tensor([1.0, 2.0, 3.0], dtype=D))
+
+
+def test_f_writing_a_non_differentiated_argument():
+    x = torch.tensor([1.0, 2.0], dtype=D)
+    y = torch.zeros(2, dtype=D)
+    J = jacobian(lambda a, b: b.add_(a) * a, x, y, argnums=0, strategy="fwd-loop")
+    assert torch.equal(y, torch.zeros(2, dtype=D))
+    torch.testing.assert_close(J, torch.diag(2 * x))
+
+
+# --------------------------------------------------------------------------------------
+# Foreseeable mistakes raise a TorchVJPError naming the problem
+# --------------------------------------------------------------------------------------
+
+_X3 = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+CALL_MISTAKES = {
+    # name: (call, class, message fragment)
+    "f-not-callable": (lambda s: jacobian("sin", _X3, strategy=s), tv.JacobianCallTypeError,
+                       r"f is a str, but it must be a callable"),
+    "sparse-primal": (lambda s: jacobian(torch.sin, _X3.to_sparse(), strategy=s),
+                      tv.JacobianCallError, r"primals\[0\] is a sparse tensor \(layout "
+                      r"torch.sparse_coo\).*x.to_dense\(\)"),
+    "nested-primal": (lambda s: jacobian(torch.sin, torch.nested.nested_tensor(
+        [_X3, _X3[:2]]), strategy=s), tv.JacobianCallError, r"primals\[0\] is a nested tensor"),
+    "non-tensor-aux": (lambda s: jacobian(lambda t: (t.sin(), 1.5), _X3, has_aux=True,
+                                          strategy=s), tv.JacobianCallError,
+                       r"aux is a float, but with has_aux=True the aux value f returns must be "
+                       r"a tensor"),
+    "non-tensor-aux-leaf": (lambda s: jacobian(lambda t: (t.sin(), {"a": [t, "s"]}), _X3,
+                                               has_aux=True, strategy=s),
+                            tv.JacobianCallError, r"aux\['a'\]\[1\] is a str"),
+}
+
+
+@pytest.mark.parametrize("case", CALL_MISTAKES, ids=list(CALL_MISTAKES))
+@pytest.mark.parametrize("strategy", ALL)
+def test_call_mistakes_raise_for_every_strategy(case, strategy):
+    call, cls, match = CALL_MISTAKES[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # no "could not vectorise" detour
+        with pytest.raises(cls, match=match):
+            call(strategy)
+
+
+def test_non_tensor_aux_in_vjp_and_jvp_is_named():
+    with pytest.raises(RuntimeError, match="Expected tensors"):  # torch.func refuses it too
+        torch.func.vjp(lambda t: (t.sin(), 1.5), _X3, has_aux=True)
+    with pytest.raises(tv.JacobianCallError, match=r"torch_vjp.vjp: aux is a float"):
+        tv.vjp(lambda t: (t.sin(), 1.5), _X3, has_aux=True)
+    with pytest.raises(tv.JacobianCallError, match=r"torch_vjp.jvp: aux is a float"):
+        tv.jvp(lambda t: (t.sin(), 1.5), (_X3,), (_X3,), has_aux=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_integer_tangents_are_refused_with_a_reason(dtype):
+    tangent = torch.ones(3, dtype=dtype)
+    with pytest.raises(ValueError, match="Expected tangent to be floating point"):
+        torch.func.jvp(torch.sin, (_X3,), (tangent,))
+    with pytest.raises(tv.GradOutputsValueError, match=rf"(?s)tangents\[0\] has dtype {dtype}.*"
+                       r"must be floating point too") as info:
+        tv.jvp(torch.sin, (_X3,), (tangent,))
+    assert isinstance(info.value, ValueError)

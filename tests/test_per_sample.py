@@ -747,3 +747,29 @@ def test_normalization_rules(norm):
                              max_norm=float(0.5 * ref_norms(ref).min()), strategy="hooks")
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]), msg=n)
+
+
+class _UnhashableLoss:
+    __hash__ = None  # e.g. a dataclass with eq=True
+
+    def __call__(self, out, target):
+        return ((out - target) ** 2).sum()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "vmap", "loop"])
+def test_unhashable_loss_object_works(strategy):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    g = per_sample_grads(model, _UnhashableLoss(), x, y, strategy=strategy)
+    ref = torch.autograd.grad(_UnhashableLoss()(model(x[1:2]), y[1:2]), model.weight)[0]
+    torch.testing.assert_close(g["weight"][1], ref)
+
+
+def test_torchscript_model_is_refused_with_the_fix():
+    model = torch.jit.script(nn.Linear(3, 2).double())
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.raises(PerSampleError, match=r"model is a TorchScript module .*pass the "
+                       r"module before torch.jit.script") as info:
+        per_sample_grads(model, nn.MSELoss(), x, y)
+    assert isinstance(info.value, TypeError)

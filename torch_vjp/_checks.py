@@ -238,7 +238,10 @@ def normalize_grad_outputs(
             elif go.shape != out.shape:
                 ok = False
                 break
-            if go.dtype != out.dtype and go.dtype.is_complex != out.dtype.is_complex:
+            if go.dtype != out.dtype and (
+                go.dtype.is_complex != out.dtype.is_complex
+                or (labels.role == "tangents" and not go.dtype.is_floating_point)
+            ):
                 ok = False
                 break
             if (go.device != out.device and go.dim() != 0) or (
@@ -365,6 +368,11 @@ def _diagnose(
                 _shape_message(labels, i, out, go, outputs, gos, False, inputs),
                 f"Mismatch in shape: grad_output[{i}] has a shape of {_size(go.shape)} and "
                 f"output[{i}] has a shape of {_size(out.shape)}.",
+            )
+        if labels.role == "tangents" and not (go.dtype.is_floating_point or go.dtype.is_complex):
+            return _error(
+                GradOutputsValueError, labels, _integer_tangent_message(labels, i, out, go),
+                f"Expected tangent to be floating point or complex, but got: {go.dtype}",
             )
         if go.dtype.is_complex != out.dtype.is_complex:
             return _error(
@@ -856,6 +864,16 @@ def _empty_batch_message(labels: Labels, i: int, go: Tensor) -> str:
         f"{labels.grad_outputs} entry is the number of {labels.product}s computed at once; "
         f"torch needs at least one. Fix: skip the call when there is nothing to compute "
         f"(the result would be empty), or pass K >= 1 vectors."
+    )
+
+
+def _integer_tangent_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
+    o, g = labels.out(i), labels.go(i)
+    return (
+        f"{labels.call}: {g} has dtype {go.dtype}, but {o} has dtype {out.dtype}.\n"
+        f"  {labels.meaning(i)}: a small change of a floating-point tensor, so it must be "
+        f"floating point too (torch.func refuses integer and boolean tangents). Fix: pass "
+        f"{g}.to({out.dtype})."
     )
 
 

@@ -51,9 +51,11 @@ errors and torch_vjp's own errors are never caught.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -74,7 +76,15 @@ from torch.utils._pytree import (
 )
 
 from torch_vjp._checks import _user_stacklevel  # noqa: F401 (shared by jacobians, per_sample)
-from torch_vjp._errors import JacobianMemoryError, JacobianWarning, TorchVJPError, shape_str
+from torch_vjp._errors import (
+    JacobianCallError,
+    JacobianCallTypeError,
+    JacobianMemoryError,
+    JacobianOptionError,
+    JacobianWarning,
+    TorchVJPError,
+    shape_str,
+)
 from torch_vjp._strategies import choose_mode
 
 try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
@@ -93,6 +103,7 @@ __all__ = [
     "JacobianOptionError",
     "JacobianCallError",
     "WORK_FACTOR",
+    "GRAPH_FACTOR",
     "SMALL_REQUEST",
     "check_chunk_size",
     "parse_max_memory",
@@ -110,25 +121,21 @@ __all__ = [
     "warn_once",
     "is_nested",
     "buffers_kept",
+    "modules_reached",
+    "graph_mode",
 ]
 
 #: Working memory of one product, in units of ``itemsize * (n_out + n_in)``. See NOTE
 #: [memory model].
 WORK_FACTOR = 4
+#: Working memory of one product in forward mode when the products record autograd graphs
+#: (f closes over tensors that require grad), in units of the working memory without: the
+#: graph keeps about as much alive as the products themselves use. See NOTE [no graph
+#: outlives its chunk].
+GRAPH_FACTOR = 2
 #: Requests below this many bytes (Jacobian plus all products at once) never read the free
 #: memory. See NOTE [memory model].
 SMALL_REQUEST = 64 * 2**20
-
-
-class JacobianOptionError(TorchVJPError, ValueError):
-    """An option of a Jacobian, VJP or JVP call has an invalid value (``chunk_size``,
-    ``max_memory``)."""
-
-
-class JacobianCallError(TorchVJPError, RuntimeError):
-    """``f``, its primals or ``argnums`` do not fit the call: a non-tensor or integer output,
-    ``has_aux`` without an ``(output, aux)`` pair, an ``argnums`` out of range, a primal that
-    cannot be differentiated, a batch dimension missing from ``batch_jacobian``'s output."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -437,7 +444,30 @@ def _primal_name(argnum: int, path: Any, position: int | None) -> str:
     return name
 
 
+def _differentiable(t: object) -> bool:
+    """Whether ``t`` is a tensor Jacobians can be taken against: dense, real floating point."""
+    return (
+        isinstance(t, Tensor)
+        and t.dtype.is_floating_point
+        and t.layout is torch.strided
+        and not t.is_nested
+    )
+
+
 def _check_primal_leaf(leaf: object, name: str, call: str, selected: bool) -> None:
+    if isinstance(leaf, Tensor) and (leaf.is_nested or leaf.layout is not torch.strided):
+        kind = "a nested tensor" if leaf.is_nested else f"a sparse tensor (layout {leaf.layout})"
+        fix = (
+            "pass the dense tensor (x.to_dense()) and, if f needs a sparse one, call "
+            ".to_sparse() inside f" if not leaf.is_nested else
+            "differentiate the dense components (e.g. x.values() or a padded tensor, "
+            "x.to_padded_tensor(0.0)) and rebuild the nested tensor inside f"
+        )
+        raise JacobianCallError(
+            f"{call}: {name} is {kind}; Jacobians here (as in torch.func) are taken with "
+            f"respect to dense (strided) tensors, whose elements are the Jacobian's columns. "
+            f"Fix: {fix}."
+        )
     if not isinstance(leaf, Tensor):
         if selected:
             raise JacobianCallError(
@@ -464,6 +494,54 @@ def _check_primal_leaf(leaf: object, name: str, call: str, selected: bool) -> No
         )
 
 
+# NOTE [f's own copies]
+# A Jacobian, VJP or JVP calls f more than once (a probe for the output sizes, one call per
+# chunk or per product in a loop, a fallback), and f may modify its arguments in place. So
+# f never sees the caller's tensors: each tensor primal is copied once per call (under the
+# caller's grad mode, so a copy stays differentiable with respect to the original when a
+# graph is wanted), and before each call of f a copy that an earlier call modified in place
+# (its version counter moved) is reset to the caller's value. The caller's tensors are never
+# written, and every call of f starts from the same point. The copies cost one pass over the
+# primals per call, next to products that each cost at least as much.
+
+
+class _Copy(list):  # type: ignore[type-arg]
+    """``[copy, original, version]`` of one tensor primal; see NOTE [f's own copies]."""
+
+    __slots__ = ()
+
+    def reset(self) -> None:
+        copy, original = self[0], self[1]
+        # f runs inside torch.func transforms, which refuse a write to a tensor they captured;
+        # this write restores the point f is evaluated at, before f runs, so it is done below
+        # them (the transforms' inputs share the copy's storage and see the restored values).
+        with _below_transforms(), torch.no_grad():
+            copy.copy_(original)
+        self[2] = copy._version
+
+
+_below_transforms = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
+
+
+def _fresh_copies(
+    primals: tuple[Any, ...], detached: bool = False
+) -> tuple[tuple[Any, ...], list[_Copy]]:
+    """The primals with every tensor replaced by a copy (detached from the caller's graph for
+    a detached result), and the copies' guards."""
+    guard: list[_Copy] = []
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.is_nested or t.layout is not torch.strided:
+            return t  # refused later if differentiated; never written by us
+        c = t.detach().clone() if detached else t.clone()
+        guard.append(_Copy((c, t, c._version)))
+        return c
+
+    if all(isinstance(p, Tensor) for p in primals):
+        return tuple(copy(p) for p in primals), guard
+    return tuple(tree_map(copy, p) for p in primals), guard
+
+
 class Problem:
     """``f`` as a function of the flat tensor leaves of the differentiated primals.
 
@@ -472,6 +550,9 @@ class Problem:
     tensors (and, with ``has_aux``, an ``(output, aux)`` pair), and returns what ``f``
     returned. Products are then taken with respect to the leaves, so a VJP returns one
     tensor per leaf and no pytree work is needed in the hot path.
+
+    With ``detached``, the copies of the primals f is called with (NOTE [f's own copies]) are
+    detached from the caller's graph. An aux value must be tensors, as torch.func asks.
 
     Attributes:
         leaves: the differentiated tensors, flattened.
@@ -488,9 +569,17 @@ class Problem:
         *,
         has_aux: bool,
         call: str,
+        detached: bool = False,
     ) -> None:
+        if not callable(f):
+            raise JacobianCallTypeError(
+                f"{call}: f is {_describe(f)}, but it must be a callable: the function to "
+                f"differentiate, called as f(*primals). Fix: pass the function itself, e.g. "
+                f"{call}(torch.sin, x) or {call}(lambda x: ..., x)."
+            )
         # argnums=None: every primal, as torch.func.vjp/jvp (a tuple of them)
         self.selected = argnums is not None
+        primals, self._guard = _fresh_copies(primals, detached)
         self.primals = primals
         self._keys: dict[Any, Any] = {}
         if self._init_tensors(f, primals, argnums, has_aux, call):
@@ -513,7 +602,7 @@ class Problem:
             )
         self.leaves: list[Tensor] = leaves
         if self.in_spec.num_leaves == 1 and isinstance(diff, Tensor):
-            if not (isinstance(diff, Tensor) and diff.dtype.is_floating_point):
+            if not _differentiable(diff):
                 _check_primal_leaf(diff, self.leaf_name(0), call, self.selected)
             i = idx[0]
             pre, post = primals[:i], primals[i + 1 :]
@@ -523,7 +612,7 @@ class Problem:
 
         else:
             for k, leaf in enumerate(leaves):
-                if not (isinstance(leaf, Tensor) and leaf.dtype.is_floating_point):
+                if not _differentiable(leaf):
                     _check_primal_leaf(leaf, self.leaf_name(k), call, self.selected)
             spec, int_argnums = self.in_spec, self.int_argnums
             if not int_argnums and all(isinstance(primals[i], Tensor) for i in idx):
@@ -566,7 +655,7 @@ class Problem:
                 return False
             i = argnums % n
             x = primals[i]
-            if not (isinstance(x, Tensor) and x.dtype.is_floating_point):
+            if not _differentiable(x):
                 return False
             self.argnums = (i,)
             self.int_argnums = True
@@ -588,7 +677,7 @@ class Problem:
                     return False
                 i = a % n
                 x = primals[i]
-                if not (isinstance(x, Tensor) and x.dtype.is_floating_point):
+                if not _differentiable(x):
                     return False
                 idx.append(i)
             if len(set(idx)) != len(idx):
@@ -609,7 +698,14 @@ class Problem:
         return True
 
     def g(self, *xs: Tensor) -> Any:
-        """Calls ``f`` at the leaves ``xs`` and validates what it returns."""
+        """Calls ``f`` at the leaves ``xs`` and validates what it returns.
+
+        Before each call, a primal that an earlier call of ``f`` modified in place is reset
+        to the caller's value (NOTE [f's own copies]).
+        """
+        for guard in self._guard:
+            if guard[0]._version != guard[2]:
+                guard.reset()
         res = self._call_f(*xs)
         out = res
         if self.has_aux:
@@ -620,6 +716,7 @@ class Problem:
                     f"has_aux=False."
                 )
             out = res[0]
+            self._check_aux(res[1])
         if isinstance(out, Tensor):
             if not out.dtype.is_floating_point:
                 self._bad_output(out, None)
@@ -633,6 +730,22 @@ class Problem:
                     f"is nothing to differentiate."
                 )
         return res
+
+    def _check_aux(self, aux: Any) -> None:
+        """``aux`` must be a tensor or a pytree of tensors (None allowed), under every
+        strategy: torch.func's vjp and jvp refuse anything else ("Expected tensors"), and
+        vmap carries only tensors."""
+        if aux is None or isinstance(aux, Tensor):
+            return
+        for path, leaf in tree_flatten_with_path(aux)[0]:
+            if leaf is not None and not isinstance(leaf, Tensor):
+                where = _leaf_name(path, "aux")
+                raise JacobianCallError(
+                    f"{self.call}: {where} is {_describe(leaf)}, but with has_aux=True the aux "
+                    f"value f returns must be a tensor or a tuple, list or dict of tensors "
+                    f"(torch.func's transforms carry only tensors out). Fix: return "
+                    f"torch.tensor(...) for it, or keep the Python value outside f."
+                )
 
     def _bad_output(self, leaf: object, path: Any) -> None:
         where = _leaf_name(path, "the output of f")
@@ -667,9 +780,11 @@ class Problem:
         pos = getattr(path[0], "idx", 0)
         return _primal_name(self.argnums[pos], path[1:], pos if self.selected else None)
 
-    def probe(self) -> tuple[list[Tensor], TreeSpec]:
-        """Runs ``f`` once without recording a graph, for the sizes of its outputs."""
-        with torch.no_grad():
+    def probe(self, record: bool = False) -> tuple[list[Tensor], TreeSpec]:
+        """Runs ``f`` once for the sizes of its outputs: without recording a graph, or with
+        ``record`` under the caller's grad mode (so that the outputs show whether ``f``
+        involves tensors that require grad)."""
+        with contextlib.nullcontext() if record else torch.no_grad():
             res = self.g(*self.leaves)
         out = res[0] if self.has_aux else res
         flat, spec = tree_flatten(out)
@@ -750,28 +865,85 @@ _NO_BUFFERS = contextlib.nullcontext()
 
 
 def buffers_kept(f: object) -> Any:
-    """Restores the buffers of ``f``'s module if calling ``f`` changed them.
+    """Restores the buffers of the modules ``f`` uses if calling ``f`` changed them.
 
     The Jacobian functions call ``f`` more than once (a probe for the output size, a
-    fallback), and a module in training mode updates buffers on every call (BatchNorm's
-    running statistics). For ``f`` an ``nn.Module`` (or a bound method of one) with a
-    submodule in training mode, the buffers are saved first and any that changed are put
-    back, so that nothing of the user's is mutated.
+    fallback, one call per product in a loop), and a module in training mode updates buffers
+    on every call (BatchNorm's running statistics, spectral norm's power-iteration vectors).
+    The modules are found from ``f`` itself (:func:`modules_reached`): ``f`` a module, a bound
+    method of one, a ``functools.partial``, or a function whose closure or globals name one
+    (``lambda t: bn(t)``). Where any of them has a submodule in training mode, every buffer is
+    saved first and any that changed is put back, so that nothing of the user's is mutated.
 
     Returns:
-        A context manager (one that does nothing when ``f`` is not a module's).
+        A context manager (one that does nothing when ``f`` reaches no module in training
+        mode).
     """
-    module = f if isinstance(f, torch.nn.Module) else getattr(f, "__self__", None)
-    if not isinstance(module, torch.nn.Module):
+    modules = modules_reached(f)
+    if not modules or is_nested():
         return _NO_BUFFERS
-    return _module_buffers_kept(module)
+    return _module_buffers_kept(modules)
+
+
+def modules_reached(f: object, depth: int = 3) -> list[torch.nn.Module]:
+    """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
+    ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, and
+    the values a function's closure cells and the globals its code names hold (recursively
+    into functions found there, ``depth`` levels). Attributes of plain objects are not
+    searched: a module held in a list in a global is not found."""
+    found: dict[int, torch.nn.Module] = {}
+    seen: set[int] = set()
+
+    def visit(obj: object, level: int) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            found[id(obj)] = obj
+            return
+        if level <= 0 or isinstance(obj, (Tensor, str, bytes, int, float, type)):
+            return
+        if isinstance(obj, functools.partial):
+            visit(obj.func, level - 1)
+            for arg in (*obj.args, *obj.keywords.values()):
+                visit(arg, level - 1)
+            return
+        owner = getattr(obj, "__self__", None)
+        if owner is not None:
+            visit(owner, level - 1)
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            visit(wrapped, level - 1)
+        func = getattr(obj, "__func__", obj)
+        code = getattr(func, "__code__", None)
+        if code is None:
+            return
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                visit(cell.cell_contents, level - 1)
+            except ValueError:  # an empty cell
+                pass
+        glob = getattr(func, "__globals__", None) or {}
+        for name in code.co_names:
+            value = glob.get(name)
+            if value is not None and not isinstance(value, types.ModuleType):
+                visit(value, level - 1)
+
+    visit(f, depth)
+    return list(found.values())
 
 
 @contextlib.contextmanager
-def _module_buffers_kept(module: torch.nn.Module) -> Any:
+def _module_buffers_kept(modules: Sequence[torch.nn.Module]) -> Any:
     saved = None
-    if not is_nested() and any(m.training for m in module.modules()):
-        saved = [(b, b.detach().clone()) for b in module.buffers()]
+    if any(m.training for module in modules for m in module.modules()):
+        seen: set[int] = set()
+        saved = []
+        for module in modules:
+            for b in module.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    saved.append((b, b.detach().clone()))
     try:
         yield
     finally:
@@ -780,6 +952,46 @@ def _module_buffers_kept(module: torch.nn.Module) -> Any:
                 for buf, copy in saved:
                     if not torch.equal(buf, copy):
                         buf.copy_(copy)
+
+
+def graph_mode(create_graph: object, *, call: str) -> tuple[Any, bool]:
+    """How a Jacobian treats autograd graphs: a context to run it in, and whether the result
+    is detached. See NOTE [no graph outlives its chunk].
+
+    Returns:
+        ``(context, detached)``: ``torch.enable_grad()`` and False with
+        ``create_graph=True``; no change and True by default; no change and False inside an
+        outer torch.func transform, whose gradient must flow through.
+
+    Raises:
+        JacobianOptionError: ``create_graph`` is not a bool.
+    """
+    if not isinstance(create_graph, bool):
+        raise JacobianOptionError(
+            f"{call}: create_graph={create_graph!r}, but it must be True or False: whether "
+            f"the result is differentiable (True) or detached (False, the default)."
+        )
+    if is_nested():
+        return _NO_BUFFERS, False
+    if create_graph:
+        return torch.enable_grad(), False
+    return _NO_BUFFERS, True
+
+
+# NOTE [no graph outlives its chunk]
+# Under grad mode, a product that involves tensors requiring grad (a module's parameters that
+# f closes over) records an autograd graph, and a result that holds it keeps every chunk's
+# graph alive: chunk_size and max_memory would bound nothing. Unless create_graph=True asks
+# for a differentiable result, the Jacobian is detached, and:
+# * reverse mode runs its products under torch.no_grad(): f itself still runs with grad
+#   enabled inside torch.func's vjp (its own level), and a first-order pullback needs no graph;
+# * forward mode keeps the caller's grad mode (f may itself call torch.func's reverse
+#   transforms, whose pullbacks decide create_graph by the grad mode, and forward mode over a
+#   pullback without create_graph is silently wrong for some operators, such as logdet), and
+#   detaches each chunk's products as they are stored, so that a chunk's graph is freed
+#   before the next chunk runs.
+# Inside an outer torch.func transform nothing is detached: the outer transform
+# differentiates through the result.
 
 
 def is_nested() -> bool:
@@ -800,6 +1012,7 @@ def map_rows(
     chunk_size: int | None,
     extras: bool = False,
     batched_fn: Callable[..., Any] | None = None,
+    detach: bool = False,
 ) -> tuple[list[Tensor], Any]:
     """Applies ``fn`` to ``n`` vectors and stacks the results along a new leading dimension.
 
@@ -812,11 +1025,14 @@ def map_rows(
     one vector is always a plain call, as in torch.func.jacrev. Chunk results are written into
     one preallocated result (stacked instead inside an outer torch.func transform).
 
+    With ``detach``, each chunk's results are detached as they are stored, so that no
+    autograd graph outlives its chunk (NOTE [no graph outlives its chunk]).
+
     Returns:
         ``(stacked results, extra)``; ``extra`` is None without ``extras``.
     """
     step = n if chunk_size is None else min(chunk_size, n)
-    collector = _Collector(n)
+    collector = _Collector(n, detach)
     extra: Any = None
     if vectorized and batched_fn is None:
         batched_fn = vmap(fn)
@@ -846,12 +1062,13 @@ def map_rows(
 class _Collector:
     """Gathers chunk results into ``n`` stacked rows, allocating the result once."""
 
-    __slots__ = ("n", "buffers", "pieces")
+    __slots__ = ("n", "buffers", "pieces", "detach")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, detach: bool = False) -> None:
         self.n = n
         self.buffers: list[Tensor] | None = None
         self.pieces: list[list[Tensor]] | None = None
+        self.detach = detach
 
     def _prepare(self, like: Sequence[Tensor], stacked: bool) -> None:
         if self.buffers is not None or self.pieces is not None:
@@ -865,6 +1082,8 @@ class _Collector:
             ]
 
     def put(self, start: int, stop: int, res: Sequence[Tensor]) -> None:
+        if self.detach:
+            res = [t.detach() for t in res]
         if start == 0 and stop == self.n:
             self.pieces = [[t] for t in res]
             return
@@ -877,6 +1096,8 @@ class _Collector:
                 piece.append(t)
 
     def put_row(self, i: int, res: Sequence[Tensor]) -> None:
+        if self.detach:
+            res = [t.detach() for t in res]
         if self.n == 1:
             self.pieces = [[t.unsqueeze(0)] for t in res]
             return
@@ -1016,8 +1237,11 @@ def _plan(
     out_rows: Sequence[torch.Size],
     out_dtypes: Sequence[torch.dtype],
     opts: Any,
+    records: bool = False,
 ) -> int | None:
-    """The chunk size for this Jacobian; see NOTE [memory model]."""
+    """The chunk size for this Jacobian; see NOTE [memory model]. ``records``: the products
+    record autograd graphs that live until their chunk is stored (NOTE [no graph outlives
+    its chunk]), which :data:`GRAPH_FACTOR` more working memory per product stands for."""
     in_rows = _in_rows(prob, opts.batch)
     n_out = sum(math.prod(s) for s in out_rows)
     n_in = sum(math.prod(s) for s in in_rows)
@@ -1028,6 +1252,8 @@ def _plan(
     n_vectors = n_out if mode == "rev" else n_in
     jac_bytes = itemsize * n_out * n_in * b
     per_vector = WORK_FACTOR * itemsize * (n_out + n_in) * b
+    if records:
+        per_vector *= GRAPH_FACTOR
     if (
         opts.chunk_size is None
         and opts.max_memory is None
@@ -1051,7 +1277,7 @@ def _plan(
 class _Opts:
     """The per-call options every engine function needs."""
 
-    __slots__ = ("batch", "chunk_size", "max_memory", "alternatives", "probe")
+    __slots__ = ("batch", "chunk_size", "max_memory", "alternatives", "probe", "detached")
 
     def __init__(
         self,
@@ -1060,27 +1286,37 @@ class _Opts:
         max_memory: int | None,
         alternatives: str,
         probe: Callable[[], tuple[list[Tensor], TreeSpec]] | None,
+        detached: bool = False,
     ) -> None:
         self.batch = batch
         self.chunk_size = chunk_size
         self.max_memory = max_memory
         self.alternatives = alternatives
         self.probe = probe
+        self.detached = detached
 
 
 class _Shapes:
     """The outputs' sizes, known before any derivative is computed (from the probe, or
     remembered from an earlier call: see NOTE [output sizes])."""
 
-    __slots__ = ("flat", "spec", "rows", "key")
+    __slots__ = ("flat", "spec", "rows", "key", "records")
 
     def __init__(
-        self, flat: list[Tensor], spec: TreeSpec, rows: list[torch.Size], key: Any = None
+        self,
+        flat: list[Tensor],
+        spec: TreeSpec,
+        rows: list[torch.Size],
+        key: Any = None,
+        records: bool = False,
     ) -> None:
         self.flat = flat
         self.spec = spec
         self.rows = rows
         self.key = key  # the cache entry these came from, if any
+        # f involves tensors that require grad (closed-over parameters), so products in the
+        # caller's grad mode record graphs (NOTE [no graph outlives its chunk])
+        self.records = records
 
     def check(self, flat: Sequence[Tensor], spec: TreeSpec) -> None:
         """Raises :class:`_StaleShapes` if remembered sizes do not match the outputs."""
@@ -1105,7 +1341,7 @@ class _StaleShapes(Exception):
 # more than torch.func.jacfwd. Remembered sizes are checked against the outputs the
 # products produce; a mismatch (f's output changed for the same input shapes) discards
 # them and the call starts over with a probe.
-_SHAPES: dict[Any, tuple[Any, list[Tensor], TreeSpec, list[torch.Size]]] = {}
+_SHAPES: dict[Any, tuple[Any, list[Tensor], TreeSpec, list[torch.Size], bool]] = {}
 _SHAPES_MAX = 256
 
 
@@ -1159,18 +1395,23 @@ def _new_shapes_key(prob: Problem, batch: int | None) -> Any:
 
 def _probe_shapes(prob: Problem, opts: _Opts) -> _Shapes:
     key = _shapes_key(prob, opts)
+    record = opts.detached and torch.is_grad_enabled()
     if key is not None:
         hit = _SHAPES.get(key)
         if hit is not None:
-            return _Shapes(hit[1], hit[2], hit[3], key)
-    flat, spec = (opts.probe or prob.probe)()
+            return _Shapes(hit[1], hit[2], hit[3], key, record and hit[4])
+    if opts.probe is not None:
+        flat, spec = opts.probe()
+    else:
+        flat, spec = prob.probe(record)
+    records = record and any(o.requires_grad for o in flat)
     rows = _row_shapes(flat, opts.batch, prob)
     if key is not None:
         if len(_SHAPES) >= _SHAPES_MAX:
             _SHAPES.pop(next(iter(_SHAPES)))
         meta = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in flat]
-        _SHAPES[key] = (key[2], meta, spec, rows)
-    return _Shapes(flat, spec, rows)
+        _SHAPES[key] = (key[2], meta, spec, rows, records)
+    return _Shapes([o.detach() for o in flat], spec, rows, None, records)
 
 
 def _in_rows(prob: Problem, batch: int | None) -> list[torch.Size]:
@@ -1189,6 +1430,7 @@ def jacobian_blocks(
     probe: Callable[[], tuple[list[Tensor], TreeSpec]] | None = None,
     alternatives: str = JACOBIAN_ALTERNATIVES,
     functorch_loops: bool = False,
+    detached: bool = False,
 ) -> Blocks:
     """Computes every block of the Jacobian of ``prob.g``.
 
@@ -1208,11 +1450,12 @@ def jacobian_blocks(
         alternatives: the alternatives named by a :class:`JacobianMemoryError`.
         functorch_loops: loops use torch.func's vjp/jvp (composable with outer transforms,
             as the inner Jacobian of a Hessian needs) rather than plain autograd.
+        detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
 
     Returns:
         The blocks, the output structure, the aux value and the mode used.
     """
-    opts = _Opts(batch, chunk_size, max_memory, alternatives, probe)
+    opts = _Opts(batch, chunk_size, max_memory, alternatives, probe, detached)
     try:
         return _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
     except _StaleShapes:  # remembered output sizes were wrong: they are gone now
@@ -1449,7 +1692,15 @@ def _eye_basis(
 
 def _rev(prob: Problem, opts: _Opts, *, vectorized: bool) -> Blocks:
     """Reverse mode with torch.func: one ``vjp`` forward, then its pullback per output
-    element, under vmap or in a loop."""
+    element, under vmap or in a loop (under ``torch.no_grad()`` for a detached result: NOTE
+    [no graph outlives its chunk])."""
+    if opts.detached:
+        with torch.no_grad():
+            return _rev_products(prob, opts, vectorized=vectorized)
+    return _rev_products(prob, opts, vectorized=vectorized)
+
+
+def _rev_products(prob: Problem, opts: _Opts, *, vectorized: bool) -> Blocks:
     connected = [False]
     has_aux = prob.has_aux
     prob_g = prob.g
@@ -1464,12 +1715,19 @@ def _rev(prob: Problem, opts: _Opts, *, vectorized: bool) -> Blocks:
         return res
 
     leaves = prob.leaves
+    nested = is_nested()
     one_leaf = len(leaves) == 1 and _vjp_with_argnums is not None
     if one_leaf:  # the pullback returns a tensor
         res = _vjp_with_argnums(g, leaves[0], argnums=0, has_aux=has_aux)
     else:  # the pullback returns a tuple, one tensor per leaf
         res = _func_vjp(g, *leaves, has_aux=has_aux)
     out, pullback = res[0], res[1]
+    if nested:
+        # Differentiated by an outer transform (a Hessian's forward-over-reverse): the
+        # backward pass must itself be differentiable. torch.func's pullback decides by the
+        # grad mode, which graph_mode turns off at top level; and forward mode over a
+        # pullback run without create_graph is silently wrong for some operators (logdet).
+        pullback = functools.partial(pullback, create_graph=True)
     aux = res[2] if has_aux else None
     if isinstance(out, Tensor):
         flat_out, out_spec = [out], _LEAF_SPEC
@@ -1521,7 +1779,7 @@ def _fwd(prob: Problem, shapes: _Shapes, opts: _Opts, *, vectorized: bool) -> Bl
     leaves = tuple(prob.leaves)
     in_rows = _in_rows(prob, opts.batch)
     n = sum(math.prod(s) for s in in_rows)
-    chunk = _plan(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts)
+    chunk = _plan(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts, shapes.records)
     has_aux = prob.has_aux
     connected = [False]
     prob_g = prob.g
@@ -1575,8 +1833,11 @@ def _fwd(prob: Problem, shapes: _Shapes, opts: _Opts, *, vectorized: bool) -> Bl
             in_rows, [x.dtype for x in leaves], [x.device for x in leaves], opts.batch
         )
         stacked, aux = map_rows(
-            fn, rows, n, vectorized=vectorized, chunk_size=chunk, extras=has_aux
+            fn, rows, n, vectorized=vectorized, chunk_size=chunk, extras=has_aux,
+            detach=opts.detached,
         )
+    if opts.detached:
+        stacked = [t.detach() for t in stacked]
     blocks, views = _fwd_blocks(stacked, in_rows)
     return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0])
 
@@ -1586,6 +1847,15 @@ def _detach_tree(tree: Any) -> Any:
 
 
 def _rev_plain(prob: Problem, opts: _Opts) -> Blocks:
+    """Reverse mode with plain autograd, one ``torch.autograd.grad`` per output element
+    (under ``torch.no_grad()`` for a detached result, as :func:`_rev`)."""
+    if opts.detached:
+        with torch.no_grad():
+            return _rev_plain_products(prob, opts)
+    return _rev_plain_products(prob, opts)
+
+
+def _rev_plain_products(prob: Problem, opts: _Opts) -> Blocks:
     """Reverse mode with plain autograd, one ``torch.autograd.grad`` per output element.
 
     No torch.func transform is involved, so functions that torch.func cannot run (a custom
@@ -1634,7 +1904,7 @@ def _fwd_plain(prob: Problem, shapes: _Shapes, opts: _Opts) -> Blocks:
     leaves = prob.leaves
     in_rows = _in_rows(prob, opts.batch)
     n = sum(math.prod(s) for s in in_rows)
-    chunk = _plan(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts)
+    chunk = _plan(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts, shapes.records)
     has_aux = prob.has_aux
 
     def primal(t: Any) -> Any:
@@ -1669,7 +1939,8 @@ def _fwd_plain(prob: Problem, shapes: _Shapes, opts: _Opts) -> Blocks:
         rows = basis_rows(
             in_rows, [x.dtype for x in leaves], [x.device for x in leaves], opts.batch
         )
-        stacked, aux = map_rows(fn, rows, n, vectorized=False, chunk_size=chunk, extras=has_aux)
+        stacked, aux = map_rows(fn, rows, n, vectorized=False, chunk_size=chunk, extras=has_aux,
+                                detach=opts.detached)
     blocks, views = _fwd_blocks(stacked, in_rows)
     return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0] and n > 0)
 

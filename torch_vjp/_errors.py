@@ -19,6 +19,10 @@ __all__ = [
     "GradOutputsIndexError",
     "FunctionCheckError",
     "StrategyError",
+    "StrategyTypeError",
+    "JacobianOptionError",
+    "JacobianCallError",
+    "JacobianCallTypeError",
     "JacobianMemoryError",
     "PerSampleError",
     "TorchVJPWarning",
@@ -64,8 +68,29 @@ class StrategyError(TorchVJPError, ValueError):
     """An unknown strategy name, or a strategy that cannot serve this call."""
 
 
+class JacobianOptionError(TorchVJPError, ValueError):
+    """An option of a Jacobian, VJP or JVP call (or of a comparison or benchmark run) has an
+    invalid value (``chunk_size``, ``max_memory``, ``min_run_time``, tolerances)."""
+
+
+class JacobianCallError(TorchVJPError, RuntimeError):
+    """``f``, its primals or ``argnums`` do not fit the call: a non-tensor or integer output,
+    ``has_aux`` without an ``(output, aux)`` pair or with an aux that is not tensors, an
+    ``argnums`` out of range, a primal that cannot be differentiated (integer, sparse,
+    nested), a batch dimension missing from ``batch_jacobian``'s output."""
+
+
+class JacobianCallTypeError(JacobianCallError, TypeError):
+    """A :class:`JacobianCallError` for an argument of the wrong type (``f`` not callable),
+    where torch raises TypeError."""
+
+
 class JacobianMemoryError(TorchVJPError, MemoryError):
     """The requested Jacobian cannot fit the memory budget; raised before allocating."""
+
+
+class StrategyTypeError(StrategyError, TypeError):
+    """A ``strategies=`` argument of the wrong type (not a name or a sequence of names)."""
 
 
 class PerSampleError(TorchVJPError, RuntimeError):
@@ -151,6 +176,10 @@ for _cls in (
     GradOutputsIndexError,
     FunctionCheckError,
     StrategyError,
+    StrategyTypeError,
+    JacobianOptionError,
+    JacobianCallError,
+    JacobianCallTypeError,
     JacobianMemoryError,
     PerSampleError,
     TorchVJPWarning,

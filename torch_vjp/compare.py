@@ -26,17 +26,13 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from torch_vjp._core import JacobianOptionError, Problem, buffers_kept
-from torch_vjp._errors import StrategyError, shape_str
+from torch_vjp._core import Problem, buffers_kept
+from torch_vjp._errors import JacobianOptionError, StrategyError, StrategyTypeError, shape_str
 
-__all__ = ["compare_strategies", "StrategyComparison", "StrategyRow", "StrategyTypeError"]
+__all__ = ["compare_strategies", "StrategyComparison", "StrategyRow"]
 
 _CALL = "torch_vjp.compare_strategies"
 
-
-class StrategyTypeError(StrategyError, TypeError):
-    """``strategies`` is neither a strategy name nor a sequence of names (a
-    :class:`~torch_vjp.StrategyError` that is also a ``TypeError``)."""
 
 # Relative tolerance of the correctness check, by the dtype a strategy computes in: the
 # error is compared against ``atol + rtol * max|reference|`` (see compare_strategies).

@@ -32,6 +32,7 @@ from torch_vjp._core import (
     basis_rows,
     buffers_kept,
     check_chunk_size,
+    graph_mode,
     jacobian_blocks,
     parse_max_memory,
     plan_chunk,
@@ -53,6 +54,7 @@ def jacobian(
     chunk_size: int | None = None,
     max_memory: int | str | None = None,
     has_aux: Literal[False] = False,
+    create_graph: bool = False,
 ) -> Any: ...
 
 
@@ -65,6 +67,7 @@ def jacobian(
     chunk_size: int | None = None,
     max_memory: int | str | None = None,
     has_aux: Literal[True],
+    create_graph: bool = False,
 ) -> tuple[Any, Any]: ...
 
 
@@ -76,6 +79,7 @@ def jacobian(
     chunk_size: int | None = None,
     max_memory: int | str | None = None,
     has_aux: bool = False,
+    create_graph: bool = False,
 ) -> Any:
     """The Jacobian of ``f`` at ``primals``: one VJP per output element or one JVP per input
     element, vectorised with vmap, whichever is cheaper.
@@ -102,6 +106,13 @@ def jacobian(
             1024). The chunk size is derived from it. ``None``: the memory free on the
             device.
         has_aux: ``f`` returns ``(output, aux)``; the result is then ``(J, aux)``.
+        create_graph: make the Jacobian differentiable with respect to the primals and to
+            tensors ``f`` closes over that require grad (a module's parameters), as
+            ``torch.autograd.functional.jacobian(create_graph=True)`` does. By default (as
+            there) the result is detached and no autograd graph outlives its chunk, so that
+            ``chunk_size`` and ``max_memory`` bound the memory even for a model whose
+            parameters require grad. Inside an outer torch.func transform (``vmap``,
+            ``grad``, ``jacrev``) the result always composes with it.
 
     Returns:
         The Jacobian (``(J, aux)`` with ``has_aux``).
@@ -134,14 +145,15 @@ def jacobian(
     strat = get_strategy(strategy, call=call)
     chunk = check_chunk_size(chunk_size, call=call)
     budget = parse_max_memory(max_memory, call=call)
-    prob = Problem(f, primals, argnums, has_aux=has_aux, call=call)
-    with buffers_kept(f):
+    context, detached = graph_mode(create_graph, call=call)
+    with context, buffers_kept(f):
+        prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
         res = jacobian_blocks(
             prob, strat.mode, vectorized=strat.vectorized, fallback=strat.mode is None,
-            chunk_size=chunk, max_memory=budget,
+            chunk_size=chunk, max_memory=budget, detached=detached,
         )
         warn_disconnected(prob, res)
-    jac = assemble(prob, res)
+        jac = assemble(prob, res)
     return (jac, res.aux) if has_aux else jac
 
 
@@ -158,6 +170,7 @@ def batch_jacobian(
     *,
     strategy: StrategyName = "auto",
     chunk_size: int | None = None,
+    create_graph: bool = False,
 ) -> Any:
     """Per-example Jacobians of a function that maps a batch row by row, without the
     B-times-larger cross-example blocks: one VJP per output element of a row (or one JVP per
@@ -180,6 +193,8 @@ def batch_jacobian(
         strategy: as in :func:`jacobian`; ``"auto"`` compares the per-row output and input
             sizes.
         chunk_size: products at once, as in :func:`jacobian`.
+        create_graph: make the result differentiable, as in :func:`jacobian` (by default it
+            is detached, and no graph outlives its chunk).
 
     Returns:
         ``(B, *out, *in)`` per output tensor, in ``f``'s output structure.
@@ -211,15 +226,16 @@ def batch_jacobian(
             f"batch, (B, *in). For a single example, use torch_vjp.jacobian(f, x), or pass "
             f"x.unsqueeze(0)."
         )
-    prob = Problem(f, (x,), 0, has_aux=False, call=call)
-    with buffers_kept(f):
+    context, detached = graph_mode(create_graph, call=call)
+    with context, buffers_kept(f):
+        prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached)
         res = jacobian_blocks(
             prob, strat.mode, vectorized=strat.vectorized, fallback=strat.mode is None,
             chunk_size=chunk, max_memory=None, batch=x.shape[0],
-            alternatives=_BATCH_ALTERNATIVES,
+            alternatives=_BATCH_ALTERNATIVES, detached=detached,
         )
         warn_disconnected(prob, res, batch=x.shape[0])
-    return assemble(prob, res)
+        return assemble(prob, res)
 
 
 def hessian(
@@ -227,6 +243,7 @@ def hessian(
     *primals: Any,
     argnums: int | tuple[int, ...] = 0,
     strategy: StrategyName = "auto",
+    create_graph: bool = False,
 ) -> Any:
     """The Hessian of ``f`` at ``primals``: the Jacobian of its gradient, forward-over-reverse
     by default (one JVP of the gradient per input element, vectorised with vmap).
@@ -248,6 +265,8 @@ def hessian(
         *primals: the point, passed as ``f(*primals)``.
         argnums: which primals to differentiate against, as in :func:`jacobian`.
         strategy: see above.
+        create_graph: make the Hessian differentiable, as in :func:`jacobian` (by default it
+            is detached).
 
     Returns:
         The Hessian.
@@ -268,26 +287,31 @@ def hessian(
     outer_mode = strat.mode or "fwd"
     vectorized = strat.vectorized
     fallback = strat.mode is None
-    outer = Problem(lambda *args: _gradient(f, args, argnums, vectorized, fallback, call),
-                    primals, argnums, has_aux=False, call=call)
-    # Shapes of the gradient without computing it: f's outputs and the primals suffice.
-    inner = Problem(f, primals, argnums, has_aux=False, call=call)
+    if not callable(f):  # the outer function below is, so check f itself
+        Problem(f, primals, argnums, has_aux=False, call=call)
+    context, detached = graph_mode(create_graph, call=call)
+    with context, buffers_kept(f):
+        outer = Problem(lambda *args: _gradient(f, args, argnums, vectorized, fallback, call),
+                        primals, argnums, has_aux=False, call=call, detached=detached)
+        # Shapes of the gradient without computing it: f's outputs and the primals suffice.
+        inner = Problem(f, primals, argnums, has_aux=False, call=call)
 
-    def probe() -> tuple[list[Tensor], Any]:
-        flat_out, out_spec = inner.probe()
-        blocks = [
-            [torch.empty((*o.shape, *x.shape), dtype=x.dtype, device="meta") for x in inner.leaves]
-            for o in flat_out
-        ]
-        return tree_flatten(assemble(inner, Blocks(blocks, out_spec, None, "rev")))
+        def probe() -> tuple[list[Tensor], Any]:
+            flat_out, out_spec = inner.probe()
+            blocks = [
+                [torch.empty((*o.shape, *x.shape), dtype=x.dtype, device="meta")
+                 for x in inner.leaves]
+                for o in flat_out
+            ]
+            return tree_flatten(assemble(inner, Blocks(blocks, out_spec, None, "rev")))
 
-    with buffers_kept(f):
         res = jacobian_blocks(
             outer, outer_mode, vectorized=vectorized, fallback=fallback,
             chunk_size=None, max_memory=None, probe=probe, functorch_loops=True,
+            detached=detached,
         )
         warn_disconnected(outer, res)
-    return assemble(outer, res)
+        return assemble(outer, res)
 
 
 def _gradient(

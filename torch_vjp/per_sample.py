@@ -77,6 +77,14 @@ def _check_model(fn: str, model: Any) -> None:
             f"  Per-sample gradients are taken with respect to the module's parameters; wrap a "
             f"function in an nn.Module that owns its parameters."
         )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: model is a TorchScript module ({type(model).__name__}), but "
+            f"per-sample gradients need the Python module: its layers' forward hooks (strategy "
+            f"'hooks'), torch.func.functional_call (strategy 'vmap') and per-example calls "
+            f"all run the Python modules. Fix: pass the module before torch.jit.script (or "
+            f"torch.jit.trace), and script it for inference only."
+        )
 
 
 def _as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
@@ -363,6 +371,16 @@ _SEPARABLE_FUNCTIONS: dict[Any, bool] = {
 }
 
 
+def _separable_function(loss_fn: Any) -> bool | None:
+    """Whether ``loss_fn`` is one of the functional losses of ``_SEPARABLE_FUNCTIONS`` (and
+    whether it ignores target -100), or None; by identity, since a loss object need not be
+    hashable."""
+    for known, ignores in _SEPARABLE_FUNCTIONS.items():
+        if loss_fn is known:
+            return ignores
+    return None
+
+
 def _reduction_scale(loss_fn: Any, out: Any, targets: Any, B: int) -> float | None:
     """Scale turning ``loss_fn(out, targets)`` into the sum of the per-example losses, or None."""
     if not isinstance(out, Tensor) or not isinstance(targets, Tensor) or out.dim() == 0:
@@ -375,9 +393,9 @@ def _reduction_scale(loss_fn: Any, out: Any, targets: Any, B: int) -> float | No
             return None
         reduction = loss_fn.reduction
         ignore = getattr(loss_fn, "ignore_index", None)
-    elif loss_fn in _SEPARABLE_FUNCTIONS:
+    elif _separable_function(loss_fn) is not None:
         reduction = "mean"
-        if _SEPARABLE_FUNCTIONS[loss_fn]:
+        if _separable_function(loss_fn):
             ignore = -100
     else:
         return None
