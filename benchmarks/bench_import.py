@@ -71,7 +71,7 @@ del os.environ["TORCH_VJP_AUTOLOAD"]
 start = time.perf_counter()
 importlib.import_module(sys.argv[1])._autoload()
 elapsed = time.perf_counter() - start
-assert torch.vjp is sys.modules["torch_vjp"]
+assert torch.vjp is sys.modules["torch.vjp"]
 print(elapsed)
 """
 
