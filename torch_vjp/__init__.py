@@ -23,6 +23,8 @@ from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
     PerSampleError,
+    PerSampleTypeError,
+    PerSampleValueError,
     StrategyError,
     StrategyTypeError,
     TorchVJPError,
@@ -34,9 +36,12 @@ from torch_vjp.compare import StrategyComparison, StrategyRow, compare_strategie
 from torch_vjp.function_check import FunctionCheckReport, check_function
 from torch_vjp.jacobians import batch_jacobian, hessian, jacobian, jacobian_of
 from torch_vjp.per_sample import (
+    PerSamplePlan,
     accumulate_clipped_grads,
     per_sample_grad_norms,
     per_sample_grads,
+    per_sample_plan,
+    register_per_sample_rule,
 )
 from torch_vjp.transforms import jvp, vjp
 
@@ -63,6 +68,9 @@ __all__ = [
     "per_sample_grads",
     "per_sample_grad_norms",
     "accumulate_clipped_grads",
+    "per_sample_plan",
+    "PerSamplePlan",
+    "register_per_sample_rule",
     # strategy comparison (SPEC §6)
     "compare_strategies",
     "StrategyComparison",
@@ -81,6 +89,8 @@ __all__ = [
     "JacobianCallTypeError",
     "JacobianMemoryError",
     "PerSampleError",
+    "PerSampleValueError",
+    "PerSampleTypeError",
     "TorchVJPWarning",
     "GradOutputsWarning",
     "JacobianWarning",

@@ -17,7 +17,6 @@ whatever it rejects for a grad_outputs reason we reject with a better message.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +32,10 @@ from torch_vjp._errors import (
     GradOutputsWarning,
     shape_str,
     torch_first,
+    user_stacklevel,
 )
+
+_user_stacklevel = user_stacklevel
 
 __all__ = [
     "Labels",
@@ -414,20 +416,6 @@ def _diagnose(
     # is a bug here; say so rather than reject silently.
     return _error(GradOutputsError, labels,
                   f"{labels.call}: {labels.grad_outputs} does not fit {labels.outputs}.", None)
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside torch_vjp (and
-    outside torch, for calls that came through torch's own functions)."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if not (name.startswith("torch_vjp") or name.startswith("torch.") or name == "torch"):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 1
 
 
 def check_tree_structure(

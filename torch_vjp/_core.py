@@ -143,19 +143,26 @@ SMALL_REQUEST = 64 * 2**20
 # ---------------------------------------------------------------------------------------
 
 
-def check_chunk_size(chunk_size: object, *, call: str) -> int | None:
-    """Returns ``chunk_size`` if it is ``None`` or a positive int, else raises.
+def check_chunk_size(
+    chunk_size: object,
+    *,
+    call: str,
+    what: str = "basis vectors (products)",
+    cls: type[Exception] = JacobianOptionError,
+) -> int | None:
+    """Returns ``chunk_size`` if it is ``None`` or a positive int, else raises: the one check
+    of every ``chunk_size=`` (per-sample calls name examples and raise their own class).
 
     Raises:
-        JacobianOptionError: ``chunk_size`` is not ``None`` or an int >= 1.
+        JacobianOptionError: ``chunk_size`` is not ``None`` or an int >= 1 (or ``cls``).
     """
     if chunk_size is None:
         return None
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise JacobianOptionError(
+        raise cls(
             f"{call}: chunk_size={chunk_size!r}, but it must be None or an int >= 1: the "
-            f"number of basis vectors (products) computed at once. None computes them all "
-            f"at once when memory allows; 1 computes one at a time without vmap."
+            f"number of {what} computed at once. None computes them all at once when memory "
+            f"allows; 1 computes one at a time."
         )
     return chunk_size
 

@@ -8,7 +8,10 @@ working after switching to torch_vjp.
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "full_message",
@@ -25,12 +28,19 @@ __all__ = [
     "JacobianCallTypeError",
     "JacobianMemoryError",
     "PerSampleError",
+    "PerSampleValueError",
+    "PerSampleTypeError",
     "TorchVJPWarning",
     "GradOutputsWarning",
     "JacobianWarning",
     "shape_str",
     "torch_first",
     "env_flag",
+    "user_stacklevel",
+    "first_time",
+    "warn_once",
+    "quote_error",
+    "passes_through",
 ]
 
 
@@ -97,6 +107,15 @@ class PerSampleError(TorchVJPError, RuntimeError):
     """Per-sample gradients are not defined for this model (a layer mixes examples)."""
 
 
+class PerSampleValueError(PerSampleError, ValueError):
+    """A per-sample call got an argument of the right type but a wrong value or shape."""
+
+
+class PerSampleTypeError(PerSampleError, TypeError):
+    """A per-sample call got an argument of the wrong type, or a per-layer rule is malformed
+    (a user's rule with the wrong signature or a result of the wrong shape)."""
+
+
 class TorchVJPWarning(UserWarning):
     """Base class of torch_vjp's warnings."""
 
@@ -156,6 +175,54 @@ def full_message(err: BaseException) -> str:
     return "\n".join([str(err), *getattr(err, "__notes__", ())])
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside torch_vjp (and
+    outside torch, for calls that came through torch's own functions)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("torch_vjp") or name.startswith("torch.") or name == "torch"):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
+
+
+_WARNED: set[Any] = set()
+
+
+def first_time(key: Any) -> bool:
+    """True the first time ``key`` is seen in this process: the one registry behind every
+    once-only warning."""
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    return True
+
+
+def warn_once(key: Any, message: str, category: type[Warning]) -> None:
+    """Emits ``message`` the first time ``key`` is seen, pointing at the caller's frame."""
+    if first_time(key):
+        warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+def quote_error(err: BaseException) -> str:
+    """``"ValueError: first line of the message"`` for quoting an error in a warning."""
+    text = str(err).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    return f"{type(err).__name__}: {first}"
+
+
+def passes_through(err: BaseException) -> bool:
+    """Errors no fallback may hide: out of memory and torch_vjp's own."""
+    import torch
+
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError, TorchVJPError))
+
+
 _OFF = frozenset({"", "0", "false", "no", "off"})
 
 
@@ -182,6 +249,8 @@ for _cls in (
     JacobianCallTypeError,
     JacobianMemoryError,
     PerSampleError,
+    PerSampleValueError,
+    PerSampleTypeError,
     TorchVJPWarning,
     GradOutputsWarning,
     JacobianWarning,

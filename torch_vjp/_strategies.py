@@ -40,6 +40,9 @@ __all__ = [
     "FWD_OFFSET",
     "get_strategy",
     "choose_mode",
+    "PerSampleStrategyName",
+    "PER_SAMPLE_STRATEGIES",
+    "get_per_sample_strategy",
 ]
 
 StrategyName = Literal["auto", "rev", "fwd", "rev-loop", "fwd-loop"]
@@ -117,6 +120,37 @@ def get_strategy(name: object, *, call: str) -> Strategy:
             hint = f" Did you mean {guess!r}?"
     raise StrategyError(
         f"{call}: unknown strategy {name!r}. Supported: {tuple(STRATEGIES)}.{hint}"
+    )
+
+
+PerSampleStrategyName = Literal["auto", "hooks", "vmap", "loop"]
+
+#: The per-sample strategies (``torch_vjp.per_sample_grads`` and friends): name -> summary.
+PER_SAMPLE_STRATEGIES: dict[str, str] = {
+    "auto": "per-layer rules where every use of a parameter has one, vmap for the rest (the "
+            "Python loop where vmap cannot batch the model)",
+    "hooks": "per-layer rules only: one forward and backward of the batch",
+    "vmap": "torch.func.vmap over the per-example gradient",
+    "loop": "one forward and backward per example",
+}
+
+
+def get_per_sample_strategy(name: object, *, call: str) -> str:
+    """Checks a per-sample ``strategy=`` argument.
+
+    Raises:
+        StrategyError: ``name`` is not one of :data:`PER_SAMPLE_STRATEGIES`.
+
+    Example:
+        >>> get_per_sample_strategy("vmap", call="torch_vjp.per_sample_grads")
+        'vmap'
+    """
+    if isinstance(name, str) and name in PER_SAMPLE_STRATEGIES:
+        return name
+    lines = "\n".join(f"    {k!r}: {v}" for k, v in PER_SAMPLE_STRATEGIES.items())
+    raise StrategyError(
+        f"{call}: invalid strategy {name!r}. Supported: {tuple(PER_SAMPLE_STRATEGIES)}.\n"
+        f"{lines}"
     )
 
 

@@ -1,0 +1,224 @@
+"""Arguments of the per-sample functions: their checks, and the selection of parameters.
+
+Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleValueError``,
+``PerSampleTypeError``) naming the call, what it got, and what it must be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValueError, shape_str
+
+__all__ = [
+    "check_model",
+    "as_inputs",
+    "check_targets",
+    "check_max_norm",
+    "check_static_mixing",
+    "Selection",
+    "select",
+    "access",
+]
+
+
+def check_model(fn: str, model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: model must be a torch.nn.Module, got {type(model).__name__}.\n"
+            f"  Per-sample gradients are taken with respect to the module's parameters; wrap a "
+            f"function in an nn.Module that owns its parameters."
+        )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: model is a TorchScript module ({type(model).__name__}), but "
+            f"per-sample gradients need the Python module: its layers' forward hooks (strategy "
+            f"'hooks'), torch.func.functional_call (strategy 'vmap') and per-example calls "
+            f"all run the Python modules. Fix: pass the module before torch.jit.script (or "
+            f"torch.jit.trace), and script it for inference only."
+        )
+
+
+def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
+    """Normalises ``inputs`` to a tuple of tensors and returns the batch size."""
+    xs = (inputs,) if isinstance(inputs, Tensor) else inputs
+    if not isinstance(xs, (tuple, list)) or len(xs) == 0:
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: inputs must be a tensor or a tuple of tensors, got "
+            f"{type(inputs).__name__}.\n"
+            f"  Each tensor holds the batch along its first dimension and is passed as "
+            f"model(*inputs)."
+        )
+    for k, x in enumerate(xs):
+        if not isinstance(x, Tensor):
+            raise PerSampleTypeError(
+                f"torch_vjp.{fn}: inputs[{k}] is a {type(x).__name__}, not a tensor.\n"
+                f"  inputs must be a tensor or a tuple of tensors, each with the batch along "
+                f"its first dimension; bind other arguments of the model in the module."
+            )
+        if x.dim() == 0:
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: inputs[{k}] is a 0-dimensional tensor, so it has no batch "
+                f"dimension.\n  Per-sample gradients split every input along its first "
+                f"dimension, one example per row."
+            )
+    B = xs[0].shape[0]
+    for k, x in enumerate(xs[1:], 1):
+        if x.shape[0] != B:
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: inputs[{k}] has shape {shape_str(x.shape)}, but inputs[0] has "
+                f"shape {shape_str(xs[0].shape)}: their first dimensions (the batch) differ, "
+                f"{x.shape[0]} vs {B}.\n  Every input must hold the same examples along its "
+                f"first dimension."
+            )
+    return tuple(xs), B
+
+
+def check_targets(fn: str, targets: Any, B: int) -> None:
+    if targets is None:
+        return
+    leaves, _ = tree_flatten(targets)
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != B):
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: targets has shape {shape_str(leaf.shape)}, but the batch has "
+                f"{B} examples (inputs[0] has {B} rows).\n  targets[i] must belong to "
+                f"inputs[i]: the first dimension of targets must be {B}."
+            )
+
+
+def check_max_norm(fn: str, max_norm: Any) -> float:
+    if isinstance(max_norm, Tensor) and max_norm.numel() == 1:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: max_norm must be a positive number, got "
+            f"{type(max_norm).__name__}."
+        )
+    if not (max_norm > 0) or max_norm == float("inf"):
+        raise PerSampleValueError(
+            f"torch_vjp.{fn}: max_norm must be a positive finite number, got {max_norm}.\n"
+            f"  Each example's gradient is scaled to L2 norm at most max_norm."
+        )
+    return float(max_norm)
+
+
+_BN_FIX = (
+    "  Fix: put it in eval mode so that it uses its running statistics (model.eval(), or "
+    "{access}.eval() for this module alone), or replace it with nn.GroupNorm(num_groups, {c}), "
+    "which normalises each example on its own."
+)
+
+
+def access(path: str) -> str:
+    if not path:
+        return "model"
+    out = "model"
+    for part in path.split("."):
+        out += f"[{part}]" if part.isdigit() else f".{part}"
+    return out
+
+
+def check_static_mixing(fn: str, model: nn.Module) -> None:
+    """Raises PerSampleError for layers whose output for one example depends on the others."""
+    for path, m in model.named_modules():
+        where = f"module '{path}'" if path else "the model itself"
+        kind = type(m).__name__
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            c = getattr(m, "num_features", "C")
+            if m.training:
+                raise PerSampleError(
+                    f"torch_vjp.{fn}: {where} ({kind}) is in training mode, where it normalises "
+                    f"each example with the mean and variance of the whole batch, so one "
+                    f"example's gradient depends on every other example and per-sample "
+                    f"gradients are not defined.\n" + _BN_FIX.format(access=access(path), c=c)
+                )
+            if m.running_mean is None or m.running_var is None:
+                raise PerSampleError(
+                    f"torch_vjp.{fn}: {where} ({kind}) has no running statistics "
+                    f"(track_running_stats=False), so it normalises each example with the "
+                    f"statistics of the whole batch even in eval mode, and per-sample "
+                    f"gradients are not defined.\n  Fix: replace it with "
+                    f"nn.GroupNorm(num_groups, {c}), which normalises each example on its own, "
+                    f"or build it with track_running_stats=True and use it in eval mode."
+                )
+        elif isinstance(m, nn.modules.instancenorm._InstanceNorm):
+            if m.training and m.track_running_stats:
+                raise PerSampleError(
+                    f"torch_vjp.{fn}: {where} ({kind}) is in training mode with "
+                    f"track_running_stats=True, so every forward pass updates its running "
+                    f"statistics from the whole batch; computing per-sample gradients would "
+                    f"change the model.\n  Fix: put it in eval mode "
+                    f"({access(path)}.eval()), or build it with track_running_stats=False."
+                )
+
+
+
+@dataclass
+class Selection:
+    names: list[str]  # output keys, in order
+    key_of: dict[str, str]  # output name -> canonical name of its tensor
+    tensors: dict[str, Tensor]  # canonical name -> parameter
+    owners: set[str]  # paths of modules that own a selected tensor (under any alias)
+    frozen: bool  # some selected tensor does not require grad
+
+    @property
+    def canonical(self) -> list[str]:
+        return list(self.tensors)
+
+
+def select(fn: str, model: nn.Module, params: Any) -> Selection:
+    all_named = list(model.named_parameters(remove_duplicate=False))
+    by_name = dict(all_named)
+    if params is None:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if not names:
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: the model has no parameter that requires grad, so there is "
+                f"nothing to differentiate.\n  Pass params=[...] with the names of the "
+                f"parameters you want (see model.named_parameters())."
+            )
+    else:
+        if isinstance(params, str):
+            params = [params]
+        try:
+            names = list(params)
+        except TypeError:
+            raise PerSampleTypeError(
+                f"torch_vjp.{fn}: params must be None or a list of parameter names, got "
+                f"{type(params).__name__}."
+            ) from None
+        for n in names:
+            if not isinstance(n, str):
+                raise PerSampleTypeError(
+                    f"torch_vjp.{fn}: params must hold parameter names (str), got a "
+                    f"{type(n).__name__}.\n  Use the names of model.named_parameters(), e.g. "
+                    f"params=[name for name, _ in model.named_parameters()]."
+                )
+            if n not in by_name:
+                known = ", ".join(repr(k) for k in list(by_name)[:8])
+                more = ", ..." if len(by_name) > 8 else ""
+                raise PerSampleValueError(
+                    f"torch_vjp.{fn}: params names {n!r}, which is not a parameter of the model.\n"
+                    f"  Its parameters are: {known}{more}."
+                )
+        if not names:
+            raise PerSampleValueError(f"torch_vjp.{fn}: params is empty; name at least one parameter.")
+        names = list(dict.fromkeys(names))
+    canon_of_id: dict[int, str] = {}
+    for n, p in all_named:
+        canon_of_id.setdefault(id(p), n)
+    key_of = {n: canon_of_id[id(by_name[n])] for n in names}
+    tensors = {}
+    for n in names:
+        c = key_of[n]
+        tensors.setdefault(c, by_name[c])
+    ids = {id(t) for t in tensors.values()}
+    owners = {n.rpartition(".")[0] for n, p in all_named if id(p) in ids}
+    frozen = any(not t.requires_grad for t in tensors.values())
+    return Selection(names, key_of, tensors, owners, frozen)

@@ -1,0 +1,436 @@
+"""Factors: the per-sample gradients of one region of a parameter, formed only where needed.
+
+A rule (``torch_vjp._per_sample.rules``) turns one recorded layer call and its output
+gradient into factors; the public functions write them out (per-sample gradients), take
+their squared norms, or their clipped weighted sums.
+
+NOTE [Factors]
+A factor describes the per-sample gradient of one region of one parameter (the whole
+parameter, or a block of rows of it, such as the query rows of a packed attention
+in-projection) without necessarily materialising it:
+
+- :class:`SmallFactor`: the per-sample gradient itself, ``(B, *region_shape)``; used where it
+  is small (biases, normalisation weights, a broadcast parameter) or where a rule can only
+  form it (a user's rule, a recurrent layer).
+- :class:`OuterFactor`: ``G_i = sum_t g[i, t] a[i, t]^T`` for ``a: (B, T, p)``,
+  ``g: (B, T, q)`` (Linear over any leading dimensions, attention projections, GPT-2's
+  ``Conv1D``). Squared norms use the ghost-norm identity ``<a_i a_i^T, g_i g_i^T>`` when
+  ``T (p + q) <= p q``, else the direct ``||G_i||^2`` in chunks of examples; ``T == 1`` gives
+  ``||a_i||^2 ||g_i||^2``. The clipped sum ``sum_i c_i G_i`` is one matrix product over the
+  ``B * T`` rows.
+- :class:`EmbeddingFactor`: ``G_i = sum_t onehot(idx[i, t]) g[i, t]^T``; norms and sums by
+  index_add over the distinct (example, index) pairs, never a ``(B, V, D)`` tensor.
+- ``ConvFactor`` (in ``rules.conv``): the same for convolution weights.
+
+Every factor can write its per-sample gradients (of all examples, or of a range of them)
+into a caller's buffer, give the ``(B,)`` squared norms of its region, and give the clipped
+weighted sum ``sum_i c_i G_i``. Factors of one region are merged before norms are taken (two
+calls of one Linear concatenate along T), because norms are not additive; factors of
+different kinds on one region (tied weights: an embedding table that is also the output
+layer's weight) are written out a chunk of examples at a time, so that no buffer of the
+order of ``B x P`` exists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "NORM_CHUNK_ELEMENTS",
+    "Factor",
+    "SmallFactor",
+    "OuterFactor",
+    "EmbeddingFactor",
+    "merge_factors",
+    "chunks",
+    "sq_norms_rows",
+    "region_sq_norms",
+    "region_weighted_sum",
+    "write_region",
+]
+
+#: Elements a temporary may hold before the work is split into chunks of examples.
+CHUNK_ELEMENTS = 1 << 23
+#: Elements the temporaries of a norms-only or clipped-sum computation may hold for one layer
+#: (1 MB in float32): these calls promise no buffer of the order of B x P, and on a small
+#: model a layer's temporaries (an unfolded input, say) can be as large as B x P itself.
+NORM_CHUNK_ELEMENTS = 1 << 18
+
+
+def sq_norms_rows(v: Tensor) -> Tensor:
+    """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``."""
+    return torch.linalg.vector_norm(v.reshape(v.shape[0], -1), dim=1).square_()
+
+
+def chunks(
+    batch: int, per_example: int, chunk_size: int | None = None, budget: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """Yields ``(start, stop)`` ranges of examples whose temporaries stay under the budget
+    (``CHUNK_ELEMENTS`` unless given)."""
+    limit = CHUNK_ELEMENTS if budget is None else budget
+    step = max(1, limit // max(1, per_example))
+    if chunk_size is not None:
+        step = min(step, chunk_size)
+    for start in range(0, batch, step):
+        yield start, min(batch, start + step)
+
+
+class Factor:
+    """The per-sample gradient of one region of a parameter (see NOTE [Factors])."""
+
+    rows: slice | None = None
+    region_shape: tuple[int, ...] = ()
+
+    @property
+    def batch(self) -> int:
+        raise NotImplementedError
+
+    def write_range(self, out: Tensor, start: int, stop: int, accumulate: bool) -> None:
+        """Writes (or adds) the per-sample gradients of examples ``start:stop`` into ``out``
+        of shape ``(stop - start, *region_shape)``."""
+        raise NotImplementedError
+
+    def write(self, out: Tensor, accumulate: bool, chunk_size: int | None) -> None:
+        """Writes (or adds) every example's per-sample gradient into ``out``,
+        ``(B, *region_shape)``, a chunk of examples at a time."""
+        for s, e in chunks(self.batch, math.prod(self.region_shape), chunk_size):
+            self.write_range(out[s:e], s, e, accumulate)
+
+    def sq_norms(self, chunk_size: int | None) -> Tensor:
+        """The ``(B,)`` squared L2 norms of the per-sample gradients of this region."""
+        out = torch.empty(self.batch, dtype=self._dtype(), device=self._device())
+        numel = math.prod(self.region_shape)
+        for s, e in chunks(self.batch, numel, chunk_size, NORM_CHUNK_ELEMENTS):
+            buf = torch.empty((e - s, *self.region_shape), dtype=out.dtype, device=out.device)
+            self.write_range(buf, s, e, False)
+            out[s:e] = sq_norms_rows(buf)
+        return out
+
+    def weighted_sum(self, c: Tensor) -> Tensor:
+        """``sum_i c[i] G_i``, of shape ``region_shape``."""
+        raise NotImplementedError
+
+    def merge_key(self) -> Any:
+        """Factors with equal keys describe one region the same way and can be merged."""
+        return None
+
+    def _dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def _device(self) -> torch.device:
+        raise NotImplementedError
+
+
+class SmallFactor(Factor):
+    """Per-sample gradients held as they are, ``value: (B, *region_shape)``."""
+
+    def __init__(self, value: Tensor, rows: slice | None = None):
+        self.value = value
+        self.rows = rows
+        self.region_shape = tuple(value.shape[1:])
+
+    @property
+    def batch(self) -> int:
+        return self.value.shape[0]
+
+    def _dtype(self) -> torch.dtype:
+        return self.value.dtype
+
+    def _device(self) -> torch.device:
+        return self.value.device
+
+    def write_range(self, out: Tensor, start: int, stop: int, accumulate: bool) -> None:
+        if accumulate:
+            out.add_(self.value[start:stop])
+        else:
+            out.copy_(self.value[start:stop])
+
+    def write(self, out: Tensor, accumulate: bool, chunk_size: int | None) -> None:
+        self.write_range(out, 0, self.batch, accumulate)
+
+    def sq_norms(self, chunk_size: int | None) -> Tensor:
+        return sq_norms_rows(self.value)
+
+    def weighted_sum(self, c: Tensor) -> Tensor:
+        return torch.tensordot(c.to(self.value.dtype), self.value, dims=1)
+
+    def merge_key(self) -> Any:
+        return ("small", self.rows, self.region_shape)
+
+    @staticmethod
+    def merge(factors: list[Factor]) -> Factor:
+        total = factors[0].value.clone()  # type: ignore[attr-defined]
+        for f in factors[1:]:
+            total.add_(f.value)  # type: ignore[attr-defined]
+        return SmallFactor(total, factors[0].rows)
+
+
+class OuterFactor(Factor):
+    """``G_i = sum_t g[i, t] a[i, t]^T`` with ``a: (B, T, p)``, ``g: (B, T, q)``.
+
+    ``region_shape`` is the region's own shape, ``(q, p)``: a Linear weight, or a block of
+    rows of one (an attention projection). With ``transposed``, the region is ``(p, q)``
+    (GPT-2's ``Conv1D`` stores its weight as ``(in, out)``) and ``G_i^T`` is written.
+    """
+
+    def __init__(
+        self,
+        a: Tensor,
+        g: Tensor,
+        region_shape: tuple[int, ...],
+        rows: slice | None = None,
+        transposed: bool = False,
+    ):
+        self.a = a
+        self.g = g
+        self.rows = rows
+        self.region_shape = tuple(region_shape)
+        self.transposed = transposed
+
+    @property
+    def batch(self) -> int:
+        return self.a.shape[0]
+
+    def _dtype(self) -> torch.dtype:
+        return self.a.dtype
+
+    def _device(self) -> torch.device:
+        return self.a.device
+
+    def write_range(self, out: Tensor, start: int, stop: int, accumulate: bool) -> None:
+        a, g = self.a[start:stop], self.g[start:stop]
+        n, T, p = a.shape
+        q = g.shape[2]
+        if self.transposed:  # G_i^T = sum_t a[i, t] g[i, t]^T, (p, q)
+            a, g, p, q = g, a, q, p
+        try:
+            out3 = out.view(n, q, p)
+        except RuntimeError:
+            tmp = torch.empty((n, q, p), dtype=out.dtype, device=out.device)
+            self._product(tmp, a, g, False)
+            tmp = tmp.view(out.shape)
+            out.add_(tmp) if accumulate else out.copy_(tmp)
+            return
+        self._product(out3, a, g, accumulate)
+
+    @staticmethod
+    def _product(o: Tensor, a: Tensor, g: Tensor, accumulate: bool) -> None:
+        if a.shape[1] == 1:
+            gs, as_ = g[:, 0, :, None], a[:, 0, None, :]
+            if accumulate:
+                o.addcmul_(gs, as_)
+            else:
+                torch.mul(gs, as_, out=o)
+        elif accumulate:
+            o.baddbmm_(g.mT, a)
+        else:
+            torch.bmm(g.mT, a, out=o)
+
+    def write(self, out: Tensor, accumulate: bool, chunk_size: int | None) -> None:
+        for s, e in chunks(self.batch, 1, chunk_size):
+            self.write_range(out[s:e], s, e, accumulate)
+
+    def use_ghost(self) -> bool:
+        """Whether the ghost-norm identity is cheaper than forming each ``G_i``."""
+        _, T, p = self.a.shape
+        q = self.g.shape[2]
+        return T * (p + q) <= p * q
+
+    def sq_norms(self, chunk_size: int | None) -> Tensor:
+        a, g = self.a, self.g
+        B, T, p = a.shape
+        q = g.shape[2]
+        if T == 1:
+            return sq_norms_rows(a).mul_(sq_norms_rows(g))
+        out = a.new_empty(B)
+        if self.use_ghost():
+            for s, e in chunks(B, 2 * T * T, chunk_size, NORM_CHUNK_ELEMENTS):
+                aa = torch.bmm(a[s:e], a[s:e].mT)
+                gg = torch.bmm(g[s:e], g[s:e].mT)
+                out[s:e] = aa.mul_(gg).view(e - s, -1).sum(1)
+        else:
+            buf = None
+            for s, e in chunks(B, p * q, chunk_size, NORM_CHUNK_ELEMENTS):
+                if buf is None or buf.shape[0] != e - s:
+                    buf = a.new_empty((e - s, q, p))
+                torch.bmm(g[s:e].mT, a[s:e], out=buf)
+                out[s:e] = sq_norms_rows(buf)
+        return out
+
+    def weighted_sum(self, c: Tensor) -> Tensor:
+        B, T, p = self.a.shape
+        q = self.g.shape[2]
+        gc = self.g * c.to(self.g.dtype).view(B, 1, 1)
+        if self.transposed:
+            res = torch.mm(self.a.reshape(B * T, p).T, gc.reshape(B * T, q))
+        else:
+            res = torch.mm(gc.reshape(B * T, q).T, self.a.reshape(B * T, p))
+        return res.view(self.region_shape)
+
+    def merge_key(self) -> Any:
+        return ("outer", self.rows, self.region_shape, self.a.shape[2], self.g.shape[2],
+                self.transposed)
+
+    @staticmethod
+    def merge(factors: list[Factor]) -> Factor:
+        a = torch.cat([f.a for f in factors], dim=1)  # type: ignore[attr-defined]
+        g = torch.cat([f.g for f in factors], dim=1)  # type: ignore[attr-defined]
+        first = factors[0]
+        return OuterFactor(a, g, first.region_shape, first.rows,
+                           first.transposed)  # type: ignore[attr-defined]
+
+
+class EmbeddingFactor(Factor):
+    """``G_i = sum_t onehot(idx[i, t]) g[i, t]^T``: ``idx: (B, T)`` integers, ``g: (B, T, D)``.
+
+    With ``weights`` (EmbeddingBag's ``per_sample_weights``, ``(B, T)``), each row is scaled
+    first.
+    """
+
+    def __init__(self, idx: Tensor, g: Tensor, num_embeddings: int, padding_idx: int | None):
+        if padding_idx is not None:
+            keep = idx != padding_idx
+            g = g * keep.unsqueeze(-1).to(g.dtype)
+        self.idx = idx
+        self.g = g
+        self.num = num_embeddings
+        self.region_shape = (num_embeddings, g.shape[2])
+
+    @property
+    def batch(self) -> int:
+        return self.idx.shape[0]
+
+    def _dtype(self) -> torch.dtype:
+        return self.g.dtype
+
+    def _device(self) -> torch.device:
+        return self.g.device
+
+    def _keys(self, start: int = 0, stop: int | None = None) -> Tensor:
+        idx = self.idx[start:stop]
+        base = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) * self.num
+        return (base + idx).reshape(-1)
+
+    def write_range(self, out: Tensor, start: int, stop: int, accumulate: bool) -> None:
+        g = self.g[start:stop]
+        n, T, D = g.shape
+        if not accumulate:
+            out.zero_()
+        keys = self._keys(start, stop)
+        src = g.reshape(n * T, D).to(out.dtype)
+        if out.is_contiguous():
+            out.view(n * self.num, D).index_add_(0, keys, src)
+        else:
+            tmp = torch.zeros((n * self.num, D), dtype=out.dtype, device=out.device)
+            tmp.index_add_(0, keys, src)
+            out.add_(tmp.view(out.shape))
+
+    def sq_norms(self, chunk_size: int | None) -> Tensor:
+        B, T, D = self.g.shape
+        uniq, inv = torch.unique(self._keys(), return_inverse=True)
+        acc = self.g.new_zeros((uniq.numel(), D)).index_add_(0, inv, self.g.reshape(B * T, D))
+        rows = sq_norms_rows(acc)
+        return self.g.new_zeros(B).index_add_(
+            0, torch.div(uniq, self.num, rounding_mode="floor"), rows
+        )
+
+    def weighted_sum(self, c: Tensor) -> Tensor:
+        B, T, D = self.g.shape
+        gc = (self.g * c.to(self.g.dtype).view(B, 1, 1)).reshape(B * T, D)
+        return self.g.new_zeros((self.num, D)).index_add_(0, self.idx.reshape(-1), gc)
+
+    def merge_key(self) -> Any:
+        return ("embedding", self.num, self.g.shape[2])
+
+    @staticmethod
+    def merge(factors: list[Factor]) -> Factor:
+        idx = torch.cat([f.idx for f in factors], dim=1)  # type: ignore[attr-defined]
+        g = torch.cat([f.g for f in factors], dim=1)  # type: ignore[attr-defined]
+        return EmbeddingFactor(idx, g, factors[0].num, None)  # type: ignore[attr-defined]
+
+
+def merge_factors(factors: list[Factor]) -> Factor | None:
+    """Merges factors of one region into one, or returns None if they are of different kinds."""
+    if len(factors) == 1:
+        return factors[0]
+    key = factors[0].merge_key()
+    if key is None or any(f.merge_key() != key for f in factors[1:]):
+        return None
+    return type(factors[0]).merge(factors)  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------
+# All the factors of one parameter
+# --------------------------------------------------------------------------------------------
+
+
+def _rows_key(rows: slice | None) -> tuple[int, int] | None:
+    return None if rows is None else (rows.start, rows.stop)
+
+
+def write_region(factors: list[Factor], out: Tensor, chunk_size: int | None) -> None:
+    """Writes the per-sample gradients of one parameter into ``out``, ``(B, *shape)``."""
+    whole_first = factors[0].rows is None
+    if not whole_first:
+        out.zero_()
+    for k, f in enumerate(factors):
+        region = out if f.rows is None else out[:, f.rows]
+        f.write(region, accumulate=k > 0 or not whole_first, chunk_size=chunk_size)
+
+
+def _write_range(factors: list[Factor], out: Tensor, start: int, stop: int) -> None:
+    """Writes examples ``start:stop`` of one parameter's per-sample gradients into ``out``."""
+    whole_first = factors[0].rows is None
+    if not whole_first:
+        out.zero_()
+    for k, f in enumerate(factors):
+        region = out if f.rows is None else out[:, f.rows]
+        f.write_range(region, start, stop, accumulate=k > 0 or not whole_first)
+
+
+def region_sq_norms(factors: list[Factor], shape: tuple[int, ...], batch: int, like: Tensor) -> Tensor:
+    """Squared per-sample norms of one parameter, without materialising where factors allow.
+
+    Factors of disjoint regions (the blocks of a packed projection) add their norms; several
+    factors of one region merge first; factors of different kinds on one region (tied
+    weights) are written out a chunk of examples at a time (NOTE [Factors]).
+    """
+    groups: dict[Any, list[Factor]] = {}
+    for f in factors:
+        groups.setdefault(_rows_key(f.rows), []).append(f)
+    keys = list(groups)
+    disjoint = len(keys) == 1 or (
+        None not in keys
+        and all(a[1] <= b[0] for a, b in zip(sorted(keys), sorted(keys)[1:]))  # type: ignore[index]
+    )
+    if disjoint:
+        merged = [merge_factors(g) for g in groups.values()]
+        if all(m is not None for m in merged):
+            total = None
+            for m in merged:
+                sq = m.sq_norms(None)  # type: ignore[union-attr]
+                total = sq if total is None else total + sq
+            return total  # type: ignore[return-value]
+    out = like.new_empty(batch)
+    for s, e in chunks(batch, math.prod(shape), None, NORM_CHUNK_ELEMENTS):
+        buf = like.new_empty((e - s, *shape))
+        _write_range(factors, buf, s, e)
+        out[s:e] = sq_norms_rows(buf)
+    return out
+
+
+def region_weighted_sum(factors: list[Factor], c: Tensor, param: Tensor) -> Tensor:
+    """``sum_i c[i] G_i`` of one parameter (weighted sums add across factors and regions)."""
+    if len(factors) == 1 and factors[0].rows is None:
+        return factors[0].weighted_sum(c).reshape(param.shape)
+    total = torch.zeros(param.shape, dtype=c.dtype, device=c.device)
+    for f in factors:
+        region = total if f.rows is None else total[f.rows]
+        region.add_(f.weighted_sum(c).reshape(region.shape))
+    return total

@@ -1,0 +1,226 @@
+"""The strategies that follow the definition literally: vmap and the per-example loop.
+
+``vmap`` is the torch.func recipe: ``vmap(grad(loss of one example))`` over
+``functional_call``; ``loop`` runs one forward and backward per example. They compute the
+parameters no rule covers (and every parameter under those strategies).
+
+NOTE [one fallback policy]
+Under ``"auto"`` a failure of vmap is followed by one example through the loop: if that
+raises too, the error is the model's (or the loss's) own and propagates untouched; if not,
+vmap could not batch the model, a one-time warning says so, and the loop computes the rest.
+Under ``"vmap"`` the same test decides between passing the model's own error through and a
+:class:`~torch_vjp.StrategyError` that names the strategy, the layer vmap failed in, and the
+alternatives. It is the policy of ``torch_vjp._core.run_with_fallback`` for products.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from torch_vjp._errors import (
+    StrategyError,
+    TorchVJPWarning,
+    first_time,
+    passes_through,
+    quote_error,
+    user_stacklevel,
+)
+from torch_vjp._per_sample.args import Selection
+from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree
+
+__all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state"]
+
+
+def functional_state(model: nn.Module) -> dict[str, Tensor]:
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    state.update({n: b.detach() if isinstance(b, Tensor) else b for n, b in model.named_buffers()})
+    return state
+
+
+def vmap_grads(
+    fn: str,
+    model: nn.Module,
+    loss_fn: Callable,
+    xs: tuple[Tensor, ...],
+    targets: Any,
+    sel: Selection,
+    names: list[str],
+    chunk_size: int | None,
+    randomness: str = "different",
+) -> dict[str, Tensor]:
+    """Per-sample gradients of the canonical ``names`` with torch.func (vmap of grad).
+
+    ``randomness`` is vmap's: ``"different"`` gives each example its own draws from the
+    global generator (dropout masks), ``"same"`` one draw for all (a generator seeded inside
+    the forward, which every example's own call would replay).
+    """
+    state = functional_state(model)
+    diff = {n: sel.tensors[n].detach() for n in names}
+    for n in names:
+        state.pop(n, None)
+
+    def one(d: dict[str, Tensor], xi: tuple[Tensor, ...], ti: Any) -> Tensor:
+        out = torch.func.functional_call(
+            model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi), strict=False,
+            tie_weights=True,
+        )
+        ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
+        return scalar_loss(fn, call_loss(loss_fn, out, ti))
+
+    in_dims = (None, 0, 0 if targets is not None else None)
+    return torch.func.vmap(
+        torch.func.grad(one), in_dims=in_dims, randomness=randomness, chunk_size=chunk_size
+    )(diff, xs, targets)
+
+
+def loop_grads(
+    fn: str,
+    model: nn.Module,
+    loss_fn: Callable,
+    xs: tuple[Tensor, ...],
+    targets: Any,
+    sel: Selection,
+    names: list[str],
+    start: int,
+    stop: int,
+    out: dict[str, Tensor],
+) -> None:
+    """Writes the per-sample gradients of examples ``start:stop`` into ``out[name][i - start]``:
+    one forward and one backward per example."""
+    frozen = any(not sel.tensors[n].requires_grad for n in names)
+    for i in range(start, stop):
+        xi = tuple(x[i : i + 1] for x in xs)
+        with torch.enable_grad():
+            if frozen:
+                leaves = {n: sel.tensors[n].detach().requires_grad_(True) for n in names}
+                o = torch.func.functional_call(model, leaves, xi, strict=False, tie_weights=True)
+                wrt = [leaves[n] for n in names]
+            else:
+                o = model(*xi)
+                wrt = [sel.tensors[n] for n in names]
+            loss = scalar_loss(fn, call_loss(loss_fn, o, slice_tree(targets, i, i + 1)))
+            grads = (
+                torch.autograd.grad(loss, wrt, allow_unused=True)
+                if loss.requires_grad else [None] * len(wrt)
+            )
+        for n, g in zip(names, grads):
+            if g is None:
+                out[n][i - start].zero_()
+            else:
+                out[n][i - start].copy_(g.to_dense() if g.layout != torch.strided else g)
+
+
+def _new_outputs(sel: Selection, names: list[str], n: int) -> dict[str, Tensor]:
+    return {name: sel.tensors[name].new_empty((n, *sel.tensors[name].shape)) for name in names}
+
+
+def fallback_grads(
+    fn: str,
+    strategy: str,
+    model: nn.Module,
+    loss_fn: Callable,
+    xs: tuple[Tensor, ...],
+    targets: Any,
+    sel: Selection,
+    names: list[str],
+    start: int,
+    stop: int,
+    chunk_size: int | None,
+    randomness: str | None = "different",
+) -> dict[str, Tensor]:
+    """Per-sample gradients of ``names`` for examples ``start:stop``: vmap, else the loop.
+
+    ``randomness`` None means the plan found that only the loop is right (NOTE [randomness]
+    in ``plan``). See NOTE [one fallback policy].
+    """
+    xs_c = tuple(x[start:stop] for x in xs)
+    t_c = slice_tree(targets, start, stop)
+    if strategy in ("auto", "vmap", "hooks") and randomness is not None:
+        try:
+            return vmap_grads(fn, model, loss_fn, xs_c, t_c, sel, names, chunk_size, randomness)
+        except Exception as err:  # noqa: BLE001 - classified by one unbatched example below
+            if passes_through(err):
+                raise
+            failure = err
+        # One example without vmap: an error here is the model's own, and propagates.
+        first = _new_outputs(sel, names, 1)
+        loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, start + 1, first)
+        if strategy == "vmap":
+            raise _vmap_error(fn, model, loss_fn, xs_c, t_c, sel, names, failure) from failure
+        _warn_loop(fn, model, failure)
+    out = _new_outputs(sel, names, stop - start)
+    loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, stop, out)
+    return out
+
+
+def _vmap_error(fn, model, loss_fn, xs, targets, sel, names, failure) -> StrategyError:
+    """A StrategyError for strategy='vmap', naming the layer vmap failed in."""
+    where = _failing_layer(fn, model, loss_fn, xs, targets, sel, names)
+    place = f" in {where}" if where else ""
+    return StrategyError(
+        f"torch_vjp.{fn}: strategy='vmap' cannot batch this model{place}: torch.func.vmap "
+        f"said {quote_error(failure)}\n"
+        f"  The same example runs without vmap, so the model itself is fine; vmap lacks a "
+        f"batching rule for an operation it uses (stock recurrent layers, custom autograd "
+        f"Functions without vmap support, in-place updates of buffers, .item() on tensors).\n"
+        f"  Alternatives: strategy='loop' (one backward per example, always works), or "
+        f"strategy='auto' (per-layer rules where they exist, vmap or the loop for the rest)."
+    )
+
+
+def _failing_layer(fn, model, loss_fn, xs, targets, sel, names) -> str:
+    """The innermost module that was running when vmap failed, by running two examples again
+    with a module stack (only on this failure path)."""
+    stack: list[str] = []
+    failed: list[str] = []
+    paths = {id(m): p for p, m in model.named_modules()}
+
+    def push(module: nn.Module, args: Any) -> None:
+        if id(module) in paths:
+            stack.append(paths[id(module)])
+
+    def pop(module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in paths and stack:
+            stack.pop()
+
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(push)
+    post = torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)
+    try:
+        n = min(2, xs[0].shape[0])
+        vmap_grads(fn, model, loss_fn, tuple(x[:n] for x in xs), slice_tree(targets, 0, n), sel,
+                   names, None)
+    except Exception:  # noqa: BLE001 - only the module stack at the failure is wanted
+        failed = list(stack)
+    finally:
+        pre.remove()
+        post.remove()
+    if not failed:
+        return ""
+    path = failed[-1]
+    module = model.get_submodule(path) if path else model
+    return f"module '{path}' ({type(module).__name__})" if path else (
+        f"the model's own forward ({type(module).__name__})")
+
+
+def _warn_loop(fn: str, model: nn.Module, err: BaseException) -> None:
+    """One warning per function and model class when ``"auto"`` had to loop over examples."""
+    if not first_time(("per-sample-loop", fn, type(model))):
+        return
+    warnings.warn(
+        f"torch_vjp.{fn}: strategy='auto' could not vectorise the per-sample gradients of "
+        f"{type(model).__name__} with vmap, so it used one backward pass per example, usually "
+        f"many times slower.\n"
+        f"  The vectorised attempt said: {quote_error(err)}\n"
+        f"  Typical causes: .item() or Python control flow on tensor values in the model, "
+        f"NumPy calls, an operator without a batching rule. Pass strategy='loop' to skip the "
+        f"vectorised attempt. This warning is shown once per model class.",
+        TorchVJPWarning,
+        stacklevel=user_stacklevel(),
+    )
+

@@ -1,0 +1,116 @@
+"""The rules' pass: one forward and one backward of the whole batch, under a plan.
+
+The recorder records the layer calls the plan trusts; one ``torch.autograd.grad`` of the sum
+of the examples' own losses gives their output gradients; each call's rule turns them into
+factors (NOTE [Factors]) for the parameters the plan computes by rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torch_vjp._per_sample.args import Selection
+from torch_vjp._per_sample.factors import Factor
+from torch_vjp._per_sample.losses import loss_sum
+from torch_vjp._per_sample.plan import Plan, aliases_of, call_key, forward
+from torch_vjp._per_sample.recorder import Recorder, Wanted
+from torch_vjp._per_sample.registry import Call
+
+__all__ = ["HooksResult", "hooks_pass"]
+
+
+@dataclass
+class HooksResult:
+    """The factors of the parameters the plan computes by rules; ``moved`` holds those that
+    this call had to leave to the fallback (and why); ``mismatch`` says the layer calls were
+    not the plan's."""
+
+    factors: dict[str, list[Factor]] = field(default_factory=dict)
+    moved: dict[str, str] = field(default_factory=dict)
+    mismatch: bool = False
+
+
+def hooks_pass(
+    fn: str,
+    model: nn.Module,
+    loss_fn: Callable,
+    xs: tuple[Tensor, ...],
+    targets: Any,
+    sel: Selection,
+    batch: int,
+    plan: Plan,
+) -> HooksResult:
+    """Runs the batch once forward and backward with the plan's rules (grad mode on)."""
+    result = HooksResult()
+    names = plan.rule_params
+    if not names:
+        return result
+    aliases = aliases_of(sel)  # stand-ins for selected tensors that do not require grad
+    source = aliases if aliases is not None else sel.tensors
+    tracked = {id(t): n for n, t in source.items()}
+    wanted = {k: Wanted(w.rule) for k, w in plan.wanted.items()}
+    rec = Recorder(model, tracked, batch, wanted=wanted, expand_shared=plan.expand,
+                   direct=plan.direct)
+    with torch.enable_grad():
+        with rec:
+            out = forward(model, xs, aliases)
+        calls = rec.calls
+        if [call_key(c) for c in calls] != plan.signature():
+            result.mismatch = True
+            return result
+        total = loss_sum(fn, loss_fn, out, targets, batch, plan.out_dims)
+        covered = set(names)
+        needed: list[tuple[Call, int | None]] = []
+        for c, cp in zip(calls, plan.calls):
+            if not cp.valid:
+                continue
+            own = {tracked[id(t)] for t, _ in c.params.values() if id(t) in tracked}
+            if not own & covered:
+                continue
+            if isinstance(c.x, Tensor) and c.x._version != c.x_version:
+                for n in own & covered:
+                    result.moved.setdefault(
+                        n, f"in '{c.path}', its input was modified in place after the layer "
+                           f"used it")
+                continue
+            c.bdim = None if batch == 1 else cp.bdim
+            needed.append((c, cp.bdim))
+        covered -= set(result.moved)
+        edges = []
+        slots: list[list[int | None]] = []
+        for c, _ in needed:
+            row = []
+            for e in c.out_edges:
+                if e is None:
+                    row.append(None)
+                else:
+                    row.append(len(edges))
+                    edges.append(e)
+            slots.append(row)
+        grads = (
+            torch.autograd.grad(total, edges, allow_unused=True)
+            if edges and total.requires_grad else [None] * len(edges)
+        )
+    del total, out
+    with torch.no_grad():
+        for (c, _), row in zip(needed, slots):
+            gs = []
+            for j, slot in enumerate(row):
+                g = None if slot is None else grads[slot]
+                if g is not None and tuple(g.shape) != tuple(c.outputs[j].shape):
+                    g = g.reshape(c.outputs[j].shape)
+                gs.append(g)
+            roles = {r for r, (t, _) in c.params.items() if tracked.get(id(t)) in covered}
+            if not roles:
+                continue
+            args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
+            c.args = args
+            for role, factor in c.rule.factors(c, gs, roles, batch):
+                name = tracked[id(c.params[role][0])]
+                result.factors.setdefault(name, []).append(factor)
+    return result

@@ -1,0 +1,186 @@
+"""Per-example losses: the sum over examples of the loss each example gives alone.
+
+By definition, example ``i``'s gradient is that of ``loss_fn(model(inputs[i:i+1]),
+targets[i:i+1])``. When the batch's output holds each example's output as a slice along its
+batch dimension (the plan checks this), the sum over ``i`` of ``loss_fn`` on those slices is a
+scalar whose gradient with respect to any activation holds every example's own gradient in
+that example's rows. :func:`loss_sum` computes it: with one call of ``loss_fn`` where its
+reduction is known to be a mean or a sum over examples (the common losses), else with vmap
+over the examples, else one call per example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from torch_vjp._errors import PerSampleValueError, TorchVJPError, shape_str
+
+__all__ = ["loss_sum", "example_loss", "scalar_loss", "call_loss", "slice_tree"]
+
+# Loss modules whose batch value is the mean (or sum) of the per-example values computed on
+# single-example slices, for any layout with the batch first. CrossEntropy / NLL qualify only
+# without class weights and with no ignored target (their mean divides by the kept weight).
+_SEPARABLE_LOSSES: tuple[type, ...] = (
+    nn.CrossEntropyLoss,
+    nn.NLLLoss,
+    nn.MSELoss,
+    nn.L1Loss,
+    nn.SmoothL1Loss,
+    nn.HuberLoss,
+    nn.BCELoss,
+    nn.BCEWithLogitsLoss,
+)
+# functional losses, and whether they ignore target -100 by default
+_SEPARABLE_FUNCTIONS: tuple[tuple[Any, bool], ...] = (
+    (F.cross_entropy, True),
+    (F.nll_loss, True),
+    (F.mse_loss, False),
+    (F.l1_loss, False),
+)
+
+
+def _separable_function(loss_fn: Any) -> bool | None:
+    """Whether ``loss_fn`` is one of the separable functional losses (and whether it ignores
+    target -100), or None; by identity, since a loss object need not be hashable."""
+    for known, ignores in _SEPARABLE_FUNCTIONS:
+        if loss_fn is known:
+            return ignores
+    return None
+
+
+def _reduction_scale(loss_fn: Any, out: Any, targets: Any, batch: int) -> float | None:
+    """Scale turning ``loss_fn(out, targets)`` into the sum of the per-example losses, or
+    None (then the per-example losses are computed one by one, under vmap)."""
+    if not isinstance(out, Tensor) or not isinstance(targets, Tensor) or out.dim() == 0:
+        return None
+    if out.shape[0] != batch or targets.shape[0] != batch:
+        return None
+    ignore: int | None = None
+    if type(loss_fn) in _SEPARABLE_LOSSES:
+        if getattr(loss_fn, "weight", None) is not None:
+            return None
+        reduction = loss_fn.reduction
+        ignore = getattr(loss_fn, "ignore_index", None)
+    else:
+        ignores = _separable_function(loss_fn)
+        if ignores is None:
+            return None
+        reduction = "mean"
+        if ignores:
+            ignore = -100
+    if ignore is not None and not targets.is_floating_point():
+        if bool((targets == ignore).any()):
+            return None
+    if reduction == "mean":
+        return float(batch)
+    if reduction == "sum":
+        return 1.0
+    return None
+
+
+def scalar_loss(fn: str, loss: Any) -> Tensor:
+    """The one example's loss as a 0-d tensor; raises unless it is one number."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        got = (
+            f"a tensor of shape {shape_str(loss.shape)} and dtype {loss.dtype}"
+            if isinstance(loss, Tensor)
+            else f"a {type(loss).__name__}"
+        )
+        raise PerSampleValueError(
+            f"torch_vjp.{fn}: loss_fn returned {got} for one example; it must return one "
+            f"floating-point number per example (the loss of that example).\n  The gradient of "
+            f"a loss is only defined for a scalar: use reduction='mean' or 'sum' rather than "
+            f"'none'."
+        )
+    return loss.reshape(())
+
+
+def call_loss(loss_fn: Callable, out: Any, targets: Any) -> Any:
+    return loss_fn(out) if targets is None else loss_fn(out, targets)
+
+
+def slice_tree(tree: Any, start: int, stop: int, dims: Sequence[int] | None = None) -> Any:
+    """Examples ``start:stop`` of every tensor leaf of ``tree`` (along ``dims[j]`` for leaf
+    ``j``, dimension 0 by default)."""
+    if dims is None:
+        return tree_map(lambda z: z[start:stop] if isinstance(z, Tensor) else z, tree)
+    leaves, spec = tree_flatten(tree)
+    out, j = [], 0
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            leaf = leaf.narrow(dims[j], start, stop - start)
+            j += 1
+        out.append(leaf)
+    return tree_unflatten(out, spec)
+
+
+def example_loss(
+    fn: str, loss_fn: Callable, out: Any, targets: Any, index: int, dims: Sequence[int] | None
+) -> Tensor:
+    """Example ``index``'s own loss, from its slice of the batch's output."""
+    return scalar_loss(fn, call_loss(
+        loss_fn, slice_tree(out, index, index + 1, dims),
+        None if targets is None else slice_tree(targets, index, index + 1),
+    ))
+
+
+def loss_sum(
+    fn: str,
+    loss_fn: Callable,
+    out: Any,
+    targets: Any,
+    batch: int,
+    dims: Sequence[int] | None = None,
+) -> Tensor:
+    """``sum_i loss_fn(out_i, targets[i:i+1])``, with ``out_i`` example ``i``'s slice of every
+    output tensor (along ``dims``, dimension 0 by default), whose gradient with respect to
+    ``out`` holds every example's own output gradient."""
+    batch_first = dims is None or all(d == 0 for d in dims)
+    if batch_first:
+        scale = _reduction_scale(loss_fn, out, targets, batch)
+        if scale is not None:
+            loss = scalar_loss(fn, loss_fn(out, targets))
+            return loss * scale if scale != 1.0 else loss
+    leaves, spec = tree_flatten(out)
+    tensor_dims = list(dims) if dims is not None else [0] * sum(
+        isinstance(t, Tensor) for t in leaves)
+    in_dims_leaves, j = [], 0
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            in_dims_leaves.append(tensor_dims[j])
+            j += 1
+        else:
+            in_dims_leaves.append(None)
+    out_in_dims = tree_unflatten(in_dims_leaves, spec)
+
+    def one(o: Any, t: Any) -> Tensor:
+        o_leaves, o_spec = tree_flatten(o)
+        restored = [
+            leaf.unsqueeze(d) if isinstance(leaf, Tensor) and d is not None else leaf
+            for leaf, d in zip(o_leaves, in_dims_leaves)
+        ]
+        ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, t)
+        return scalar_loss(fn, call_loss(loss_fn, tree_unflatten(restored, o_spec), ti))
+
+    try:
+        losses = torch.func.vmap(
+            one, in_dims=(out_in_dims, 0 if targets is not None else None),
+            randomness="different",
+        )(out, targets)
+        return losses.sum()
+    except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception:  # noqa: BLE001 - loss_fn cannot be vmapped: one call per example below
+        pass
+    total = None
+    for i in range(batch):
+        li = example_loss(fn, loss_fn, out, targets, i, dims)
+        total = li if total is None else total + li
+    assert total is not None
+    return total

@@ -1,0 +1,249 @@
+"""The registry of per-layer rules: which module types have one, and how users add theirs.
+
+A rule turns one recorded call of a layer (its inputs, and the gradient of the per-example
+losses with respect to its outputs) into factors (NOTE [Factors]), one per parameter of the
+layer. Rules are registered by module type with :func:`register_rule`, as Opacus registers
+its grad samplers; :func:`rule_for` finds the rule of a module (through its type's MRO, for
+subclasses that keep the registered type's ``forward``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
+
+from torch_vjp._errors import PerSampleTypeError
+from torch_vjp._per_sample.factors import Factor, SmallFactor
+
+__all__ = ["Call", "Rule", "register_rule", "rule_for", "UserRule", "to_batch_first"]
+
+
+@dataclass
+class Call:
+    """One use of parameters by a layer that has a rule, recorded during the forward pass.
+
+    Attributes:
+        rule: the layer's rule.
+        module: the layer (None for a projection recorded inside attention).
+        path: the layer's name in the model (``"encoder.layers.0.linear1"``).
+        params: role (the parameter's attribute name, ``"weight"``) -> the parameter tensor
+            and the block of its rows the call used (None: all of it).
+        args: the tensors and other values the layer was called with; ``x`` is ``args[0]``.
+        kwargs: the keyword arguments of the call.
+        outputs: the tensor leaves of the layer's output.
+        out_edges: the autograd edges that receive the gradients of ``outputs``.
+        in_edges: the autograd edges of the tensor inputs (for the graph walk).
+        bdim: the dimension of ``x`` (and of the first output) that holds the examples,
+            None for a batch of one; set from the plan.
+        complete: no parameter of the layer is computed from other tensors (a
+            parametrization), so the graph walk may skip the layer's internals.
+        shared: the call's input holds no batch (a table used by every example, such as
+            position ids of shape ``(1, T)``); its output was expanded to the batch.
+    """
+
+    rule: Rule
+    module: nn.Module | None
+    path: str
+    params: dict[str, tuple[Tensor, slice | None]]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[Tensor]
+    out_edges: list[GradientEdge | None]
+    in_edges: list[GradientEdge]
+    bdim: int | None = 0
+    complete: bool = True
+    shared: bool = False
+    x_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def x(self) -> Any:
+        return self.args[0] if self.args else None
+
+
+def to_batch_first(t: Tensor, bdim: int | None) -> Tensor:
+    """Moves the examples' dimension to the front; ``bdim=None`` means one example."""
+    if bdim is None:
+        return t.unsqueeze(0)
+    return t.movedim(bdim, 0) if bdim != 0 else t
+
+
+class Rule:
+    """Turns a recorded call and its output gradients into factors, one per selected role.
+
+    Subclasses set ``name`` (for the plan's table) and implement :meth:`factors`;
+    :meth:`batch_dims` says which dimensions of the input may hold the examples (all but
+    the last by default, as for a layer applied to the last dimension).
+    """
+
+    name = "rule"
+
+    def batch_dims(self, module: nn.Module | None, x: Any) -> tuple[int, ...]:
+        if not isinstance(x, Tensor):
+            return ()
+        return tuple(range(max(0, x.dim() - 1)))
+
+    def factors(
+        self, call: Call, grads: Sequence[Tensor | None], roles: set[str], batch: int
+    ) -> list[tuple[str, Factor]]:
+        """Factors for the ``roles`` of ``call``; ``grads[j]`` is the gradient of the sum of
+        the per-example losses with respect to ``call.outputs[j]`` (None where unused)."""
+        raise NotImplementedError
+
+    def applies(self, module: nn.Module) -> bool:
+        """Whether this module's configuration is one the rule handles (e.g. an Embedding
+        without ``max_norm``)."""
+        return True
+
+
+# type -> (rule, require the registered type's own forward)
+_RULES: dict[type, tuple[Rule, bool]] = {}
+# "module.QualName" of a type from an optional package (never imported here) -> the same
+_NAMED: dict[str, tuple[Rule, bool]] = {}
+
+
+def register_rule(
+    *types: type | str, stock_only: bool = True
+) -> Callable[[type[Rule]], type[Rule]]:
+    """Class decorator: registers one instance of a :class:`Rule` subclass for module types.
+
+    A type may be given by its qualified name (``"transformers.pytorch_utils.Conv1D"``), so
+    that an optional package is never imported for its rule. With ``stock_only`` (torch's
+    own layers), a subclass of a registered type has the rule only if it keeps the type's
+    ``forward``.
+    """
+
+    def register(cls: type[Rule]) -> type[Rule]:
+        rule = cls()
+        for t in types:
+            if isinstance(t, str):
+                _NAMED[t] = (rule, stock_only)
+            else:
+                _RULES[t] = (rule, stock_only)
+        return cls
+
+    return register
+
+
+def _stock(module: nn.Module, base: type) -> bool:
+    """Whether ``module`` runs ``base``'s own ``forward`` (and ``_conv_forward``, for convs)."""
+    cls = type(module)
+    return all(
+        getattr(cls, name, None) is getattr(base, name, None)
+        for name in ("forward", "_conv_forward")
+    )
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule for ``module``, or None."""
+    for base in type(module).__mro__:
+        hit = _RULES.get(base)
+        if hit is None and _NAMED:
+            hit = _NAMED.get(f"{base.__module__}.{base.__qualname__}")
+        if hit is None:
+            continue
+        rule, stock_only = hit
+        if stock_only and base is not type(module) and not _stock(module, base):
+            return None
+        return rule if rule.applies(module) else None
+    return None
+
+
+def registered_types() -> list[str]:
+    """The names of the module types that have rules, for messages."""
+    return sorted({t.__name__ for t in _RULES} | {n.rpartition(".")[2] for n in _NAMED})
+
+
+class UserRule(Rule):
+    """A rule given by a function ``fn(module, inputs, grad_output) -> {param: per-sample}``.
+
+    ``inputs`` are the layer's positional tensor inputs and ``grad_output`` the gradient of
+    its (first) output, each with the examples moved to dimension 0; the function returns the
+    per-sample gradients ``(B, *param.shape)`` of the layer's own parameters, keyed by
+    attribute name or by the parameter itself. See
+    :func:`torch_vjp.register_per_sample_rule`.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str, batch_dims: Callable[..., Any] | None):
+        self.fn = fn
+        self.name = name
+        self._batch_dims = batch_dims
+
+    def batch_dims(self, module: nn.Module | None, x: Any) -> tuple[int, ...]:
+        if self._batch_dims is not None:
+            return tuple(self._batch_dims(x))
+        return (0,) if isinstance(x, Tensor) and x.dim() >= 1 else ()
+
+    def factors(self, call, grads, roles, batch):
+        g = grads[0]
+        if g is None:
+            return []
+        gb = to_batch_first(g, call.bdim)
+        inputs = tuple(
+            to_batch_first(a, call.bdim) if isinstance(a, Tensor) and a.dim() > 0 else a
+            for a in call.args
+        )
+        result = self.fn(call.module, inputs, gb)
+        if not isinstance(result, dict):
+            raise PerSampleTypeError(
+                f"torch_vjp: the per-sample rule {self.name} returned a "
+                f"{type(result).__name__}, but it must return a dict from parameter (or its "
+                f"attribute name) to its per-sample gradients of shape (B, *param.shape)."
+            )
+        by_id = {id(t): role for role, (t, _) in call.params.items()}
+        out = []
+        for key, value in result.items():
+            role = key if isinstance(key, str) else by_id.get(id(key))
+            if role is None or role not in call.params:
+                continue  # a parameter not selected, or not the layer's own
+            if role not in roles:
+                continue
+            param = call.params[role][0]
+            if not isinstance(value, Tensor) or tuple(value.shape) != (batch, *param.shape):
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise PerSampleTypeError(
+                    f"torch_vjp: the per-sample rule {self.name} returned {shape} for "
+                    f"'{call.path}.{role}', but it must return its per-sample gradients, of "
+                    f"shape (B, *param.shape) = {(batch, *tuple(param.shape))}: one gradient "
+                    f"per example, each the size of the parameter."
+                )
+            out.append((role, SmallFactor(value)))
+        return out
+
+
+def check_user_rule(fn: Callable[..., Any]) -> None:
+    """Raises :class:`RuleError` unless ``fn`` can be called as ``fn(module, inputs,
+    grad_output)``."""
+    if not callable(fn):
+        raise PerSampleTypeError(
+            f"torch_vjp.register_per_sample_rule: the rule must be a function "
+            f"fn(module, inputs, grad_output) -> dict, got a {type(fn).__name__}."
+        )
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except (TypeError, ValueError):
+        raise PerSampleTypeError(
+            f"torch_vjp.register_per_sample_rule: the rule {getattr(fn, '__name__', fn)!r} "
+            f"cannot be called as fn(module, inputs, grad_output): it receives the layer, "
+            f"its inputs (a tuple, examples first) and the gradient of its output (examples "
+            f"first), and returns a dict of per-sample gradients."
+        ) from None
+
+
+def register_user_rule(
+    module_type: type, fn: Callable[..., Any], batch_dims: Callable[..., Any] | None
+) -> None:
+    """Registers a user's rule function for ``module_type`` (and subclasses)."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise PerSampleTypeError(
+            f"torch_vjp.register_per_sample_rule: the first argument must be an nn.Module "
+            f"subclass, got {module_type!r}."
+        )
+    check_user_rule(fn)
+    name = f"{getattr(fn, '__qualname__', 'rule')} (registered for {module_type.__name__})"
+    _RULES[module_type] = (UserRule(fn, name, batch_dims), False)
