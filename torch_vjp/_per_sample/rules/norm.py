@@ -1,9 +1,15 @@
-"""Normalisation layers: LayerNorm, RMSNorm, GroupNorm and BatchNorm in eval mode.
+"""Normalisation layers: LayerNorm, RMSNorm, GroupNorm, InstanceNorm, BatchNorm in eval mode.
 
-Each normalises an example with statistics of that example alone (BatchNorm in eval mode
-with its running statistics), then applies a per-feature affine map ``y = x_hat w + b``; so
-example ``i``'s gradient of ``w`` is ``sum g[i] * x_hat[i]`` and of ``b`` is ``sum g[i]``
-over the positions that share a feature. ``x_hat`` is recomputed from the recorded input.
+Each normalises an example with statistics of that example alone (BatchNorm in eval mode,
+and InstanceNorm in eval mode with ``track_running_stats``, with their running statistics),
+then applies a per-feature affine map ``y = x_hat w + b``; so example ``i``'s gradient of
+``w`` is ``sum g[i] * x_hat[i]`` and of ``b`` is ``sum g[i]`` over the positions that share
+a feature. ``x_hat`` is recomputed from the recorded input.
+
+The channels-first layers (GroupNorm, InstanceNorm, BatchNorm) see ``(N, C, *)`` inputs with
+the examples along dimension 0; for a batch of one the plan gives no batch dimension
+(``call.bdim is None``) and all ``N`` rows of the input belong to the one example, so their
+contributions are summed (:func:`_channels_first`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from torch import Tensor, nn
 from torch_vjp._per_sample.factors import SmallFactor
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
-__all__ = ["LayerNormRule", "RMSNormRule", "GroupNormRule", "BatchNormEvalRule"]
+__all__ = [
+    "LayerNormRule", "RMSNormRule", "GroupNormRule", "InstanceNormRule", "BatchNormEvalRule",
+]
 
 
 def affine_factors(xhat: Tensor, g: Tensor, sum_dims: tuple[int, ...], roles: set[str]):
@@ -83,6 +91,26 @@ class _ChannelsFirst(Rule):
         return (0,) if isinstance(x, Tensor) and x.dim() >= 2 else ()
 
 
+def _channels_first(call, g: Tensor) -> tuple[Tensor, Tensor]:
+    """The input and output gradient of a channels-first call as ``(N, C, L)``.
+
+    ``N`` is the batch when ``call.bdim == 0``; with ``call.bdim is None`` (a batch of one)
+    it is whatever the input has, every row belonging to the one example: the rows are not
+    moved behind a new leading dimension (``to_batch_first``) because dimension 1 must stay
+    the channels; :func:`_per_example` sums them instead.
+    """
+    x = call.x
+    return x.reshape(x.shape[0], x.shape[1], -1), g.reshape(x.shape[0], x.shape[1], -1)
+
+
+def _per_example(factors, call):
+    """Sums per-row factors ``(N, C)`` into one example's when the call has no batch
+    dimension (see :func:`_channels_first`)."""
+    if call.bdim is not None:
+        return factors
+    return [(role, SmallFactor(f.value.sum(0, keepdim=True))) for role, f in factors]
+
+
 @register_rule(nn.GroupNorm)
 class GroupNormRule(_ChannelsFirst):
     name = "GroupNorm"
@@ -91,13 +119,48 @@ class GroupNormRule(_ChannelsFirst):
         if grads[0] is None:
             return []
         m = call.module
-        x = to_batch_first(call.x, call.bdim)
-        gb = to_batch_first(grads[0], call.bdim)
-        C = x.shape[1]
-        xg = x.reshape(batch, m.num_groups, -1)
+        x, gb = _channels_first(call, grads[0])
+        N, C, _ = x.shape
+        xg = x.reshape(N, m.num_groups, -1)
         var, mean = torch.var_mean(xg, dim=2, keepdim=True, unbiased=False)
-        xhat = ((xg - mean) * torch.rsqrt(var + m.eps)).reshape(batch, C, -1)
-        return affine_factors(xhat, gb.reshape(batch, C, -1), (2,), roles)
+        xhat = ((xg - mean) * torch.rsqrt(var + m.eps)).reshape(N, C, -1)
+        return _per_example(affine_factors(xhat, gb, (2,), roles), call)
+
+
+@register_rule(nn.modules.instancenorm._InstanceNorm)
+class InstanceNormRule(_ChannelsFirst):
+    """InstanceNorm1d/2d/3d with ``affine=True``: each channel of each example is normalised
+    with its own mean and variance over the spatial positions; in eval mode with
+    ``track_running_stats=True``, with the running statistics instead (as BatchNorm in eval
+    mode). In training mode with ``track_running_stats=True`` the output still uses the
+    example's own statistics, but the forward updates the running statistics from the whole
+    batch, which ``args.check_static_mixing`` refuses before any rule runs."""
+
+    name = "InstanceNorm"
+
+    def batch_dims(self, module, x):
+        # an input without a batch dimension, (C, *), has only its channels and positions:
+        # neither holds examples that the layer keeps apart
+        if not isinstance(x, Tensor) or x.dim() <= module._get_no_batch_dim():
+            return ()
+        return (0,)
+
+    def factors(self, call, grads, roles, batch):
+        if grads[0] is None:
+            return []
+        m = call.module
+        x, g = call.x, grads[0]
+        if x.dim() == m._get_no_batch_dim():  # (C, *): one example, as the layer does
+            x, g = x.unsqueeze(0), g.unsqueeze(0)
+        N, C = x.shape[0], x.shape[1]
+        x3, g3 = x.reshape(N, C, -1), g.reshape(N, C, -1)
+        if m.training or not m.track_running_stats:  # as F.instance_norm's use_input_stats
+            var, mean = torch.var_mean(x3, dim=2, keepdim=True, unbiased=False)
+        else:
+            mean = m.running_mean.to(x3.dtype).view(1, C, 1)
+            var = m.running_var.to(x3.dtype).view(1, C, 1)
+        xhat = (x3 - mean) * torch.rsqrt(var + m.eps)
+        return _per_example(affine_factors(xhat, g3, (2,), roles), call)
 
 
 @register_rule(nn.modules.batchnorm._BatchNorm)
@@ -118,11 +181,9 @@ class BatchNormEvalRule(_ChannelsFirst):
         if grads[0] is None:
             return []
         m = call.module
-        x = to_batch_first(call.x, call.bdim)
-        gb = to_batch_first(grads[0], call.bdim)
-        C = x.shape[1]
-        x3 = x.reshape(batch, C, -1)
-        rm = m.running_mean.to(x.dtype).view(1, C, 1)
-        rv = m.running_var.to(x.dtype).view(1, C, 1)
+        x3, g3 = _channels_first(call, grads[0])
+        C = x3.shape[1]
+        rm = m.running_mean.to(x3.dtype).view(1, C, 1)
+        rv = m.running_var.to(x3.dtype).view(1, C, 1)
         xhat = (x3 - rm) * torch.rsqrt(rv + m.eps)
-        return affine_factors(xhat, gb.reshape(batch, C, -1), (2,), roles)
+        return _per_example(affine_factors(xhat, g3, (2,), roles), call)
