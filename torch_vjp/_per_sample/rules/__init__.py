@@ -10,4 +10,5 @@ from torch_vjp._per_sample.rules import (  # noqa: F401 - imported for their reg
     embedding,
     linear,
     norm,
+    recurrent,
 )
