@@ -127,7 +127,8 @@ class GroupNormRule(_ChannelsFirst):
         return _per_example(affine_factors(xhat, gb, (2,), roles), call)
 
 
-@register_rule(nn.modules.instancenorm._InstanceNorm)
+# the public classes, not their private base, so that messages listing the rules name them
+@register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 class InstanceNormRule(_ChannelsFirst):
     """InstanceNorm1d/2d/3d with ``affine=True``: each channel of each example is normalised
     with its own mean and variance over the spatial positions; in eval mode with
