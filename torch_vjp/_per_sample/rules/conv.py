@@ -1,8 +1,15 @@
-"""Convolutions: ``nn.Conv1d`` and ``nn.Conv2d``.
+"""Convolutions: ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d``.
 
 A convolution is a Linear layer applied to every patch of its input, so example ``i``'s
 gradient of the weight is ``sum_l g[i, :, l] u[i, :, l]^T`` over the output positions ``l``,
 with ``u`` the unfolded input patches (:class:`ConvFactor`).
+
+A transposed convolution ``y = conv_transpose(x, W)`` is the adjoint of the convolution
+``z -> conv(z, W)`` (same stride, padding, dilation and groups) that maps ``y``'s space back
+to ``x``'s. So ``<g, y> = <conv(g, W), x>`` for any ``g``, and the weight gradient of the
+transposed convolution is the weight gradient of ``conv(g, W)`` with ``x`` as its output
+gradient: a :class:`ConvFactor` with the roles of input and output gradient swapped
+(:class:`ConvTransposeRule`).
 """
 
 from __future__ import annotations
@@ -22,40 +29,48 @@ from torch_vjp._per_sample.factors import (
 )
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
-__all__ = ["ConvFactor", "ConvRule", "unfold2d"]
+__all__ = ["ConvFactor", "ConvRule", "ConvTransposeRule", "unfold_nd"]
+
+# The ordinary weight gradient of a convolution, by number of spatial dimensions.
+_CONV_WEIGHT = {
+    1: torch.nn.grad.conv1d_weight,
+    2: torch.nn.grad.conv2d_weight,
+    3: torch.nn.grad.conv3d_weight,
+}
 
 
-def unfold2d(
+def unfold_nd(
     x: Tensor,
-    kernel: tuple[int, int],
-    dilation: tuple[int, int],
-    padding: tuple[int, int],
-    stride: tuple[int, int],
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    padding: tuple[int, ...],
+    stride: tuple[int, ...],
 ) -> Tensor:
-    """``F.unfold`` as one strided copy: ``(B, C, H, W) -> (B, C * kh * kw, L)``.
+    """``F.unfold`` for any number of spatial dimensions, as one strided copy:
+    ``(B, C, *S) -> (B, C * prod(kernel), L)``.
 
-    Same layout as ``F.unfold`` (channel-major patch rows), built from an ``as_strided`` view
-    of the padded input; torch's CPU im2col loops over examples and is far slower.
+    Same layout as ``F.unfold`` (channel-major patch rows, kernel offsets row-major, output
+    positions row-major), built from an ``as_strided`` view of the zero-padded input; torch's
+    CPU im2col loops over examples and is far slower, and has no 3-D version.
     """
-    if padding[0] or padding[1]:
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    if any(padding):
+        x = F.pad(x, [p for q in reversed(padding) for p in (q, q)])
     x = x.contiguous()
-    B, C, H, W = x.shape
-    kh, kw = kernel
-    dh, dw = dilation
-    sh, sw = stride
-    oh = (H - dh * (kh - 1) - 1) // sh + 1
-    ow = (W - dw * (kw - 1) - 1) // sw + 1
-    sB, sC, sH, sW = x.stride()
+    B, C, *sizes = x.shape
+    sB, sC, *sS = x.stride()
+    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(sizes, kernel, dilation, stride)]
     patches = x.as_strided(
-        (B, C, kh, kw, oh, ow), (sB, sC, dh * sH, dw * sW, sh * sH, sw * sW), x.storage_offset()
+        (B, C, *kernel, *out),
+        (sB, sC, *[d * t for d, t in zip(dilation, sS)], *[s * t for s, t in zip(stride, sS)]),
+        x.storage_offset(),
     )
-    return patches.reshape(B, C * kh * kw, oh * ow)
+    return patches.reshape(B, C * math.prod(kernel), math.prod(out))
 
 
 class ConvFactor(Factor):
-    """Per-sample gradients of a Conv weight from its input ``x: (B, C, H, W)`` and output
-    gradient ``g: (B, O, H', W')`` (Conv1d is handled as a 2-D conv of height 1).
+    """Per-sample gradients of a convolution weight from its input ``x: (B, C, *S)`` and
+    output gradient ``g: (B, O, *S')``, for 2 or 3 spatial dimensions (1-D convolutions are
+    handled as 2-D ones of height 1, whose paths are the fastest).
 
     Per-sample gradients come from ``unfold`` and one batched matrix product when a patch is
     short (few input channels: many small products would be slow in a grouped convolution),
@@ -65,12 +80,15 @@ class ConvFactor(Factor):
     temporaries (unfolded inputs, per-sample gradients) stay under ``NORM_CHUNK_ELEMENTS``
     per chunk, so no buffer of the order of B x P exists. The clipped sum is one ordinary
     convolution weight gradient with ``g`` scaled per example.
+
+    A transposed convolution's rule passes its output gradient as ``x`` and its input as
+    ``g`` (see the module's docstring).
     """
 
     def __init__(self, x, g, weight_shape, region_shape, stride, padding, dilation, groups):
         self.x = x
         self.g = g
-        self.weight_shape = tuple(weight_shape)  # 2-D: (O, C / groups, kh, kw)
+        self.weight_shape = tuple(weight_shape)  # (O, C / groups, *kernel)
         self.region_shape = tuple(region_shape)  # the parameter's own shape
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
         self.rows = None
@@ -80,9 +98,17 @@ class ConvFactor(Factor):
         return self.x.shape[0]
 
     def _dims(self):
-        O, cg, kh, kw = self.weight_shape
-        L = self.g.shape[2] * self.g.shape[3]
-        return O, cg, kh * kw, L
+        O, cg, *kernel = self.weight_shape
+        return O, cg, math.prod(kernel), math.prod(self.g.shape[2:])
+
+    def _unfolds(self) -> bool:
+        """Whether per-sample gradients go through ``unfold`` (short patches)."""
+        _, cg, k, _ = self._dims()
+        return cg * k < 64
+
+    def _unfold(self, s: int, e: int) -> Tensor:
+        return unfold_nd(self.x[s:e], self.weight_shape[2:], self.dilation, self.padding,
+                         self.stride)
 
     def _per_sample(self, s: int, e: int) -> Tensor:
         """Per-sample gradients of examples ``s:e``, shape ``(e - s, *weight_shape)``."""
@@ -90,13 +116,13 @@ class ConvFactor(Factor):
         G = self.groups
         x, g = self.x[s:e], self.g[s:e]
         n = e - s
-        if cg * k < 64:
-            U = unfold2d(x, self.weight_shape[2:], self.dilation, self.padding, self.stride)
+        if self._unfolds():
+            U = self._unfold(s, e)
             g3 = g.reshape(n, O, L)
             if G == 1:
                 # U g^T, read transposed: U (n, C k, L) is contiguous along L, the summed
                 # dimension, so no operand is transposed in memory, and the result needs no
-                # copy (a view of shape (n, O, C, kh, kw)). The CNN rows of
+                # copy (a view of shape (n, O, C, *kernel)). The CNN rows of
                 # benchmarks/bench_per_sample.py time this path.
                 return torch.bmm(U, g3.mT).mT.unflatten(2, self.weight_shape[1:])
             out = x.new_empty((n, *self.weight_shape))
@@ -105,10 +131,10 @@ class ConvFactor(Factor):
             for j in range(G):
                 out[:, j * og : (j + 1) * og] = torch.bmm(
                     g3[:, j * og : (j + 1) * og], U4[:, j].mT
-                ).view(n, og, cg, *self.weight_shape[2:])
+                ).view(n, og, *self.weight_shape[1:])
             return out
         C = x.shape[1]
-        gw = torch.nn.grad.conv2d_weight(
+        gw = _CONV_WEIGHT[len(self.weight_shape) - 2](
             x.reshape(1, n * C, *x.shape[2:]),
             (n * O, cg, *self.weight_shape[2:]),
             g.reshape(1, n * O, *g.shape[2:]),
@@ -129,6 +155,18 @@ class ConvFactor(Factor):
         G = self._per_sample(start, stop).reshape(out.shape)
         out.add_(G) if accumulate else out.copy_(G)
 
+    def _per_example(self) -> int:
+        """Elements of the temporaries of :meth:`_per_sample` per example."""
+        O, cg, k, L = self._dims()
+        return math.prod(self.weight_shape) + (cg * k * L * self.groups if self._unfolds() else 0)
+
+    def write(self, out: Tensor, accumulate: bool, chunk_size: int | None) -> None:
+        # The unfolded input can be larger than the per-sample gradients (many output
+        # positions), so it counts towards the chunk budget too.
+        per_example = max(self._per_example(), math.prod(self.region_shape))
+        for s, e in chunks(self.batch, per_example, chunk_size):
+            self.write_range(out[s:e], s, e, accumulate)
+
     def _ghost_cheaper(self) -> bool:
         O, cg, k, L = self._dims()
         p, q = cg * k, O // self.groups
@@ -144,8 +182,7 @@ class ConvFactor(Factor):
             per_example = cg * k * L * G + 2 * L * L
             for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
                 n = e - s
-                U = unfold2d(self.x[s:e], self.weight_shape[2:], self.dilation, self.padding, self.stride)
-                U4 = U.view(n, G, cg * k, L)
+                U4 = self._unfold(s, e).view(n, G, cg * k, L)
                 g4 = self.g[s:e].reshape(n, G, og, L)
                 for j in range(G):
                     aa = torch.bmm(U4[:, j].mT, U4[:, j])
@@ -153,8 +190,7 @@ class ConvFactor(Factor):
                     out[s:e] += aa.mul_(gg).view(n, -1).sum(1)
             return out
         # Direct: the per-sample gradients (and, for short patches, the unfolded input).
-        per_example = math.prod(self.weight_shape) + (cg * k * L * G if cg * k < 64 else 0)
-        for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
+        for s, e in chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS):
             out[s:e] = sq_norms_rows(self._per_sample(s, e))
         return out
 
@@ -166,7 +202,7 @@ class ConvFactor(Factor):
         total = None
         for s, e in chunks(B, O * L, None):
             gc = self.g[s:e] * c[s:e].view(e - s, *([1] * (self.g.dim() - 1)))
-            gw = torch.nn.grad.conv2d_weight(
+            gw = _CONV_WEIGHT[len(self.weight_shape) - 2](
                 self.x[s:e], self.weight_shape, gc, stride=self.stride, padding=self.padding,
                 dilation=self.dilation, groups=self.groups,
             )
@@ -174,40 +210,124 @@ class ConvFactor(Factor):
         return total.view(self.region_shape)
 
 
-@register_rule(nn.Conv1d, nn.Conv2d)
-class ConvRule(Rule):
-    """Conv1d / Conv2d (see :class:`ConvFactor`); Conv1d runs as a 2-D conv of height 1."""
+def _conv_factor(x, g, weight_shape, stride, padding, dilation, groups) -> ConvFactor:
+    """A :class:`ConvFactor` for the convolution ``conv(x, W) -> g``'s shape, ``W`` of
+    ``weight_shape``; a 1-D convolution becomes a 2-D one of height 1 (the 2-D paths are the
+    fastest, and ``as_strided`` and grouped convolutions handle the extra dimension free)."""
+    if len(weight_shape) == 3:
+        return ConvFactor(
+            x.unsqueeze(-2), g.unsqueeze(-2), (*weight_shape[:2], 1, weight_shape[2]),
+            weight_shape, (1, stride[0]), (0, padding[0]), (1, dilation[0]), groups,
+        )
+    return ConvFactor(x, g, weight_shape, weight_shape, tuple(stride), tuple(padding),
+                      tuple(dilation), groups)
+
+
+def _examples_first(t: Tensor, bdim: int | None, rank: int) -> Tensor:
+    """``t`` (a layer's input or output gradient) as ``(N, C, *S)`` with the examples first.
+
+    With ``bdim=None`` the whole call belongs to the batch's one example: an unbatched call
+    ``(C, *S)`` gains a dimension of size one, and a batched one keeps its own ``N`` rows
+    (all of them the one example's, see :meth:`_ConvRuleBase._factors`).
+    """
+    if bdim is None:
+        return t.unsqueeze(0) if t.dim() == rank - 1 else t
+    return to_batch_first(t, bdim)
+
+
+class _ConvRuleBase(Rule):
+    """What the convolution rules share: the batch dimension, the bias, and calls whose
+    rows all belong to one example."""
+
+    def batch_dims(self, module, x):
+        # A batched input has the weight's rank (B, C, *S); an unbatched one (C, *S) holds
+        # no dimension of examples.
+        return (0,) if isinstance(x, Tensor) and x.dim() == module.weight.dim() else ()
+
+    def _factors(self, call, grads, roles, batch, weight_factor):
+        """The factors of ``call``; ``weight_factor(x, g, w)`` makes the weight's, from the
+        input and output gradient with the examples first."""
+        if grads[0] is None:
+            return []
+        rank = call.module.weight.dim()
+        gb = _examples_first(grads[0], call.bdim, rank)
+        # A batch of one whose layer call has rows of its own (a model that folds its one
+        # example into several rows of the convolution's batch): every row is that example's.
+        one = gb.shape[0] != batch
+        out = []
+        if "weight" in roles:
+            w, _ = call.params["weight"]
+            f = weight_factor(_examples_first(call.x, call.bdim, rank), gb, w)
+            if one:
+                f = SmallFactor(f.weighted_sum(gb.new_ones(gb.shape[0])).unsqueeze(0))
+            out.append(("weight", f))
+        if "bias" in roles:
+            # each example's output gradient summed over positions (and rows, for ``one``)
+            b = gb.transpose(0, 1).reshape(gb.shape[1], -1).sum(1).unsqueeze(0) if one else (
+                gb.reshape(batch, gb.shape[1], -1).sum(2))
+            out.append(("bias", SmallFactor(b)))
+        return out
+
+
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+class ConvRule(_ConvRuleBase):
+    """Conv1d / Conv2d / Conv3d (see :class:`ConvFactor`)."""
 
     name = "Conv"
 
-    def batch_dims(self, module, x):
-        return (0,) if isinstance(x, Tensor) and x.dim() == module.weight.dim() else ()
-
     def factors(self, call, grads, roles, batch):
-        if grads[0] is None:
-            return []
         m = call.module
-        dims = m.weight.dim() - 2
-        x = to_batch_first(call.x, call.bdim)
-        gb = to_batch_first(grads[0], call.bdim)
-        out = []
-        O = gb.shape[1]
-        if "weight" in roles:
-            w, _ = call.params["weight"]
+
+        def weight(x, g, w):
             padding = m.padding
             if isinstance(padding, str) or m.padding_mode != "zeros":
-                mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-                x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
-                padding = (0,) * dims
-            if dims == 1:
-                x, gw = x.unsqueeze(-2), gb.unsqueeze(-2)
-                wshape = (w.shape[0], w.shape[1], 1, w.shape[2])
-                stride, padding, dilation = (1, m.stride[0]), (0, padding[0]), (1, m.dilation[0])
-            else:
-                gw, wshape = gb, tuple(w.shape)
-                stride, padding, dilation = tuple(m.stride), tuple(padding), tuple(m.dilation)
-            out.append(("weight", ConvFactor(x, gw, wshape, tuple(w.shape), stride, padding,
-                                             dilation, m.groups)))
-        if "bias" in roles:
-            out.append(("bias", SmallFactor(gb.reshape(batch, O, -1).sum(2))))
-        return out
+                # 'same' may pad unevenly, and other modes are not zeros: pad explicitly as
+                # the layer's forward does, then convolve without padding ('valid', or no
+                # padding at all, needs no copy).
+                pads = m._reversed_padding_repeated_twice
+                if any(pads):
+                    mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+                    x = F.pad(x, pads, mode=mode)
+                padding = (0,) * (w.dim() - 2)
+            return _conv_factor(x, g, tuple(w.shape), m.stride, padding, m.dilation, m.groups)
+
+        return self._factors(call, grads, roles, batch, weight)
+
+
+@register_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+class ConvTransposeRule(_ConvRuleBase):
+    """ConvTranspose1d / 2d / 3d: the weight gradient of ``conv(g, W)`` with the layer's input
+    as the output gradient (see the module's docstring).
+
+    The layer's weight ``(C_in, C_out / groups, *kernel)`` is that convolution's weight, and
+    its stride, padding, dilation and groups are the layer's. ``output_padding`` (or an
+    ``output_size`` given to ``forward``) only lengthens ``y`` at the end; the convolution of
+    ``g`` then reads those positions or, when ``output_padding >= stride`` (allowed where the
+    dilation is larger), would produce more positions than ``x`` has: ``g`` is then padded
+    explicitly, unevenly, so that it produces exactly ``x``'s. The lengths are read from the
+    shapes of ``x`` and ``g``, so an ``output_size`` passed by keyword is handled too.
+    """
+
+    name = "ConvTranspose"
+
+    def factors(self, call, grads, roles, batch):
+        m = call.module
+
+        def weight(x, g, w):
+            kernel = w.shape[2:]
+            padding = tuple(m.padding)
+            # The padded length of g whose convolution has exactly x's positions, and so the
+            # padding after g's end that gives it (negative: cut).
+            right = tuple(
+                (X - 1) * s + d * (k - 1) + 1 - Y - p
+                for X, Y, k, s, p, d in zip(x.shape[2:], g.shape[2:], kernel, m.stride,
+                                            padding, m.dilation)
+            )
+            if right != padding:
+                g = F.pad(g, [v for p, r in zip(reversed(padding), reversed(right))
+                              for v in (p, r)])
+                padding = (0,) * len(kernel)
+            # input and output gradient swapped (see the module's docstring)
+            return _conv_factor(g, x, tuple(w.shape), m.stride, padding, m.dilation, m.groups)
+
+        return self._factors(call, grads, roles, batch, weight)
