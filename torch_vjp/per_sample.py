@@ -96,9 +96,11 @@ def _prepare(fn: str, model: Any, inputs: Any, targets: Any, params: Any, strate
 @contextlib.contextmanager
 def _buffers_kept(model: nn.Module, names: Sequence[str]) -> Any:
     """Puts back the buffers the plan found a forward changes (spectral normalisation's
-    vectors in training mode): no buffer of the model changes (SPEC §0)."""
+    vectors in training mode): no buffer of the model changes (SPEC §0). Yields the function
+    that puts them back, or None: the per-example runs call it before each example, so that
+    every example runs alone from the caller's state, as the definition says."""
     if not names:
-        yield
+        yield None
         return
     saved = []
     for n in names:
@@ -107,12 +109,16 @@ def _buffers_kept(model: nn.Module, names: Sequence[str]) -> Any:
         except AttributeError:
             continue
         saved.append((b, b.detach().clone()))
-    try:
-        yield
-    finally:
+
+    def reset() -> None:
         with torch.no_grad():
             for b, copy in saved:
                 b.copy_(copy)
+
+    try:
+        yield reset
+    finally:
+        reset()
 
 
 def _plan(
@@ -169,16 +175,17 @@ def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]
 
 
 def _fallback(fn, strategy, model, loss_fn, xs, targets, sel, names, start, stop, chunk,
-              randomness):
+              randomness, reset=None):
     if not names:
         return {}
     return fallback_grads(fn, strategy, model, loss_fn, xs, targets, sel, names, start, stop,
-                          chunk, randomness)
+                          chunk, randomness, reset)
 
 
 def _verify(
     fn: str, model: nn.Module, loss_fn: Callable, xs: tuple[Tensor, ...], targets: Any,
     sel: Selection, batch: int, strategy: str, plan: Plan, sq: dict[str, Tensor],
+    reset: Callable[[], None] | None = None,
 ) -> list[str]:
     """Compares the per-parameter squared norms of two examples with the per-example loop
     (NOTE [the per-sample plan]); returns the parameters that disagree, after routing them
@@ -193,7 +200,7 @@ def _verify(
     ref = {n: sel.tensors[n].new_empty((len(ks), *sel.tensors[n].shape)) for n in names}
     for j, k in enumerate(ks):
         one = {n: ref[n][j:j + 1] for n in names}
-        loop_grads(fn, model, loss_fn, xs, targets, sel, names, k, k + 1, one)
+        loop_grads(fn, model, loss_fn, xs, targets, sel, names, k, k + 1, one, reset)
     bad: dict[str, str] = {}
     for n in names:
         want = sq_norms_rows(ref[n]).sqrt()
@@ -301,16 +308,21 @@ def per_sample_grads(
         return {n: sel.tensors[sel.key_of[n]].new_zeros((0, *sel.tensors[sel.key_of[n]].shape))
                 for n in sel.names}
     plan = _plan(fn, model, loss_fn, xs, targets, sel, batch, strategy)
-    with _buffers_kept(model, plan.mutable_buffers):
+    with _buffers_kept(model, plan.mutable_buffers) as reset:
         while True:
-            results = _grads(fn, model, loss_fn, xs, targets, sel, batch, strategy, chunk, plan)
+            results = _grads(fn, model, loss_fn, xs, targets, sel, batch, strategy, chunk, plan,
+                             reset)
             sq = {n: sq_norms_rows(g) for n, g in results.items()}
-            if not _verify(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan, sq):
+            if reset is not None:
+                reset()
+            if not _verify(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan, sq,
+                           reset):
                 break
     return {n: results[sel.key_of[n]] for n in sel.names}
 
 
-def _grads(fn, model, loss_fn, xs, targets, sel, batch, strategy, chunk, plan) -> dict[str, Tensor]:
+def _grads(fn, model, loss_fn, xs, targets, sel, batch, strategy, chunk, plan,
+           reset=None) -> dict[str, Tensor]:
     """Per-sample gradients of every canonical parameter, under the plan."""
     if plan.rule_params:
         plan, res = _hooks(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan)
@@ -332,11 +344,13 @@ def _grads(fn, model, loss_fn, xs, targets, sel, batch, strategy, chunk, plan) -
         for n in plan.zero_params:
             results[n] = sel.tensors[n].new_zeros((batch, *sel.tensors[n].shape))
     vmap_names, loop_names = _fallback_names(plan, res)
+    if reset is not None:
+        reset()
     results.update(_fallback(fn, "auto" if strategy == "hooks" else strategy, model, loss_fn,
                              xs, targets, sel, vmap_names, 0, batch, chunk,
-                             plan.vmap_randomness))
+                             plan.vmap_randomness, reset))
     results.update(_fallback(fn, "loop", model, loss_fn, xs, targets, sel, loop_names, 0,
-                             batch, chunk, None))
+                             batch, chunk, None, reset))
     return results
 
 
@@ -348,6 +362,7 @@ def _fallback_chunk(sel: Selection, names: list[str], batch: int) -> int:
 def _norms_and_sums(
     fn: str, model: nn.Module, loss_fn: Callable, xs: tuple[Tensor, ...], targets: Any,
     sel: Selection, batch: int, strategy: str, max_norm: float | None, plan: Plan,
+    reset: Callable[[], None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor] | None, dict[str, Tensor]]:
     """Per-sample gradient norms (and with ``max_norm`` the clipped sums), and each
     parameter's squared norms."""
@@ -380,9 +395,11 @@ def _norms_and_sums(
         step = _fallback_chunk(sel, names, batch)
         for s in range(0, batch, step):
             e = min(batch, s + step)
+            if reset is not None:
+                reset()
             g = _fallback(fn, "auto" if method == "vmap" else "loop", model, loss_fn, xs,
                           targets, sel, names, s, e, None,
-                          plan.vmap_randomness if method == "vmap" else None)
+                          plan.vmap_randomness if method == "vmap" else None, reset)
             yield s, e, g
 
     def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
@@ -481,12 +498,14 @@ def _norms_run(fn, model, loss_fn, inputs, targets, params, strategy, max_norm):
     if batch == 0:
         return like.new_zeros(0), ({} if max_norm is not None else None), sel
     plan = _plan(fn, model, loss_fn, xs, targets, sel, batch, strategy)
-    with _buffers_kept(model, plan.mutable_buffers):
+    with _buffers_kept(model, plan.mutable_buffers) as reset:
         while True:
             norms, sums, per_param = _norms_and_sums(fn, model, loss_fn, xs, targets, sel, batch,
-                                                     strategy, max_norm, plan)
+                                                     strategy, max_norm, plan, reset)
+            if reset is not None:
+                reset()
             if not _verify(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan,
-                           per_param):
+                           per_param, reset):
                 break
     return norms, sums, sel
 

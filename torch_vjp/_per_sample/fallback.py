@@ -90,11 +90,15 @@ def loop_grads(
     start: int,
     stop: int,
     out: dict[str, Tensor],
+    reset: Callable[[], None] | None = None,
 ) -> None:
     """Writes the per-sample gradients of examples ``start:stop`` into ``out[name][i - start]``:
-    one forward and one backward per example."""
+    one forward and one backward per example. ``reset`` puts back, before each example, the
+    buffers a forward changes, so that every example runs alone from the same state."""
     frozen = any(not sel.tensors[n].requires_grad for n in names)
     for i in range(start, stop):
+        if reset is not None:
+            reset()
         xi = tuple(x[i : i + 1] for x in xs)
         with torch.enable_grad():
             if frozen:
@@ -133,6 +137,7 @@ def fallback_grads(
     stop: int,
     chunk_size: int | None,
     randomness: str | None = "different",
+    reset: Callable[[], None] | None = None,
 ) -> dict[str, Tensor]:
     """Per-sample gradients of ``names`` for examples ``start:stop``: vmap, else the loop.
 
@@ -150,12 +155,12 @@ def fallback_grads(
             failure = err
         # One example without vmap: an error here is the model's own, and propagates.
         first = _new_outputs(sel, names, 1)
-        loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, start + 1, first)
+        loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, start + 1, first, reset)
         if strategy == "vmap":
             raise _vmap_error(fn, model, loss_fn, xs_c, t_c, sel, names, failure) from failure
         _warn_loop(fn, model, failure)
     out = _new_outputs(sel, names, stop - start)
-    loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, stop, out)
+    loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, stop, out, reset)
     return out
 
 
@@ -189,8 +194,9 @@ def _failing_layer(fn, model, loss_fn, xs, targets, sel, names) -> str:
         if id(module) in paths and stack:
             stack.pop()
 
+    # (no always_call: a module whose forward raises keeps its place on the stack)
     pre = torch.nn.modules.module.register_module_forward_pre_hook(push)
-    post = torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)
+    post = torch.nn.modules.module.register_module_forward_hook(pop)
     try:
         n = min(2, xs[0].shape[0])
         vmap_grads(fn, model, loss_fn, tuple(x[:n] for x in xs), slice_tree(targets, 0, n), sel,
@@ -200,7 +206,11 @@ def _failing_layer(fn, model, loss_fn, xs, targets, sel, names) -> str:
     finally:
         pre.remove()
         post.remove()
-    if not failed:
+    if not failed:  # it failed in the backward pass: a layer vmap is known not to batch
+        for path, m in model.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False):
+                return (f"module '{path}' ({type(m).__name__} with sparse=True, whose sparse "
+                        f"gradients vmap cannot batch)")
         return ""
     path = failed[-1]
     module = model.get_submodule(path) if path else model

@@ -302,11 +302,14 @@ def build_plan(
 ) -> Plan:
     """Builds the plan (NOTE [the per-sample plan])."""
     if strategy == "loop":
+        if next(model.buffers(), None) is not None:
+            with torch.no_grad():  # once, so that plan_for sees the buffers a forward changes
+                _seeded_forward(model, xs, aliases_of(sel))
         return Plan(strategy, _all_params(sel, "loop", "strategy='loop'"), verified=True)
     if strategy == "vmap":
         rng = _Randomness()
         with torch.no_grad(), rng:
-            _seeded_forward(model, xs)
+            _seeded_forward(model, xs, aliases_of(sel))
         mode = _vmap_randomness(rng)
         method = "vmap" if mode else "loop"
         reason = "strategy='vmap'" if mode else (

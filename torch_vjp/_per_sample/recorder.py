@@ -270,8 +270,15 @@ class Recorder:
         x = args[0]
         params: dict[str, tuple[Tensor, slice | None]] = {}
         complete = True
+        roles = w.rule.roles
         for role, t in mod._parameters.items():
             if t is None:
+                continue
+            if roles is not None and role not in roles:
+                # a parameter the rule does not compute (weight_orig, from which a hook
+                # computes the weight): the walk must go through the layer to find its use
+                if id(t) in self.tracked:
+                    complete = False
                 continue
             if id(t) in self.tracked:
                 params[role] = (t, None)

@@ -82,6 +82,11 @@ class Rule:
     """
 
     name = "rule"
+    #: The attribute names of the parameters the rule computes (None: all the layer's own).
+    #: A layer whose other parameters are selected (``weight_orig`` of the old spectral norm,
+    #: from which the layer's weight is computed) is walked through by the plan, which then
+    #: finds them used outside the rules.
+    roles: tuple[str, ...] | None = ("weight", "bias")
 
     def batch_dims(self, module: nn.Module | None, x: Any) -> tuple[int, ...]:
         if not isinstance(x, Tensor):
@@ -168,6 +173,8 @@ class UserRule(Rule):
     attribute name or by the parameter itself. See
     :func:`torch_vjp.register_per_sample_rule`.
     """
+
+    roles = None
 
     def __init__(self, fn: Callable[..., Any], name: str, batch_dims: Callable[..., Any] | None):
         self.fn = fn

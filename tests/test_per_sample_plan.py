@@ -1,0 +1,550 @@
+"""Per-sample gradients are never silently wrong: the plan (NOTE [the per-sample plan]).
+
+Each model below once fooled a batch dimension read from shapes alone, or mixes examples.
+Every result is compared in float64 with the definition, one example at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_vjp as tv
+from torch_vjp._per_sample import plan as plan_module
+
+DT = torch.float64
+STRATEGIES = ("auto", "hooks", "vmap", "loop")
+
+
+def loop_reference(model, loss_fn, x, t=None):
+    """The definition: each example alone."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    out = {n: [] for n in names}
+    for i in range(x.shape[0]):
+        o = model(x[i:i + 1])
+        loss = loss_fn(o) if t is None else loss_fn(o, t[i:i + 1])
+        gs = torch.autograd.grad(loss, params, allow_unused=True)
+        for n, g, p in zip(names, gs, params):
+            out[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def assert_matches(got, ref):
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+
+
+# --------------------------------------------------------------------------------------
+# Layouts that shapes alone misread
+# --------------------------------------------------------------------------------------
+
+
+class SequenceFirst(nn.Module):
+    """Output (T, B, 3) with T == B; the loss reads the last time step only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1))
+
+
+class SortAndRestore(nn.Module):
+    """Runs the batch in another order and restores it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        order = torch.arange(x.shape[0] - 1, -1, -1)
+        return self.fc(x[order])[order.argsort()]
+
+
+class SharedTable(nn.Module):
+    """A Linear applied to a (T, F) table used by every example, with T == B."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, 4))
+        self.pos_fc = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x + self.pos_fc(self.pos))
+
+
+class Scrambled(nn.Module):
+    """x.reshape(T, B, F) (not a transpose) around a row-wise Linear: the Linear's rows mix
+    examples; the reshape back restores them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        B, T, Fe = x.shape
+        h = self.fc(x.reshape(T, B, Fe)).reshape(B, T, Fe)
+        return self.out(h)
+
+
+class SeededNoise(nn.Module):
+    """Draws from a generator seeded inside the forward: every example alone gets the same
+    draw, which vmap's default randomness does not reproduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        g = torch.Generator().manual_seed(0)
+        return self.fc(x + torch.randn(x.shape[1:], generator=g, dtype=x.dtype))
+
+
+LAYOUTS = {
+    "sequence-first-T-eq-B": (SequenceFirst, lambda o: o[-1].pow(2).sum(), (4, 4, 4)),
+    "sort-and-restore": (SortAndRestore, lambda o: o.pow(2).sum(), (4, 4)),
+    "shared-table-T-eq-B": (SharedTable, lambda o: o.pow(2).sum(), (4, 4, 4)),
+    "reshape-scrambles": (Scrambled, lambda o: o.sin().sum(), (4, 3, 4)),
+    "seeded-generator": (SeededNoise, lambda o: o.pow(2).sum(), (5, 4)),
+}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vmap", "loop"])
+@pytest.mark.parametrize("case", LAYOUTS, ids=list(LAYOUTS))
+def test_layouts_are_right_under_every_correct_strategy(case, strategy):
+    make, loss_fn, shape = LAYOUTS[case]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = torch.randn(*shape, dtype=DT)
+    ref = loop_reference(model, loss_fn, x)
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, strategy=strategy), ref)
+    norms = tv.per_sample_grad_norms(model, loss_fn, x, strategy=strategy)
+    want = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms, want)
+
+
+def test_sequence_first_output_uses_rules_with_the_right_dimension():
+    make, loss_fn, shape = LAYOUTS["sequence-first-T-eq-B"]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = torch.randn(*shape, dtype=DT)
+    plan = tv.per_sample_plan(model, loss_fn, x)
+    assert plan["fc.weight"].method == "rule", str(plan)
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, strategy="hooks"),
+                   loop_reference(model, loss_fn, x))
+
+
+@pytest.mark.parametrize("case, param, reason", [
+    ("sort-and-restore", "fc.weight", "rows do not belong to single examples"),
+    ("shared-table-T-eq-B", "pos_fc.weight", "rows do not belong to single examples"),
+    ("reshape-scrambles", "fc.weight", "rows do not belong to single examples"),
+], ids=["sort-and-restore", "shared-table", "reshape-scrambles"])
+def test_hooks_refuses_what_rules_cannot_do_and_says_why(case, param, reason):
+    make, loss_fn, shape = LAYOUTS[case]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = torch.randn(*shape, dtype=DT)
+    plan = tv.per_sample_plan(model, loss_fn, x)
+    assert plan[param].method == "vmap" and reason in plan[param].reason, str(plan)
+    with pytest.raises(tv.StrategyError, match=rf"'{param}': in '.*', its output's {reason}"):
+        tv.per_sample_grads(model, loss_fn, x, strategy="hooks")
+
+
+def test_seeded_generator_goes_to_vmap_with_shared_randomness():
+    make, loss_fn, shape = LAYOUTS["seeded-generator"]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = torch.randn(*shape, dtype=DT)
+    plan = plan_module.plan_for("per_sample_grads", model, loss_fn, (x,), None,
+                                _selection(model), x.shape[0], "vmap")
+    assert plan.vmap_randomness == "same"
+
+
+def _selection(model):
+    from torch_vjp._per_sample.args import select
+
+    return select("test", model, None)
+
+
+# --------------------------------------------------------------------------------------
+# Models that mix examples
+# --------------------------------------------------------------------------------------
+
+
+class BatchAttention(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x @ x.T, 0) @ x
+
+
+class Centered(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0)
+
+
+class FunctionalBatchNorm(nn.Module):
+    def forward(self, x):
+        return F.batch_norm(x, None, None, training=True)
+
+
+class MixInOwnForward(nn.Module):
+    """The mixing happens in the model's own forward, between its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h - h.mean(0))
+
+
+MIXERS = {
+    "batch-attention": (lambda: nn.Sequential(nn.Linear(5, 4), BatchAttention(), nn.Linear(4, 3)),
+                        r"module '1' \(BatchAttention\) mixes examples"),
+    "x-minus-mean": (lambda: nn.Sequential(nn.Linear(5, 4), Centered(), nn.Linear(4, 3)),
+                     r"module '1' \(Centered\) mixes examples"),
+    "functional-batch-norm": (lambda: nn.Sequential(nn.Linear(5, 4), FunctionalBatchNorm(),
+                                                    nn.Linear(4, 3)),
+                              r"module '1' \(FunctionalBatchNorm\) mixes examples"),
+    "in-own-forward": (MixInOwnForward,
+                       r"the model's own forward \(MixInOwnForward\) mixes examples"),
+}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+@pytest.mark.parametrize("case", MIXERS, ids=list(MIXERS))
+def test_models_that_mix_examples_are_refused(case, strategy):
+    make, match = MIXERS[case]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x, y = torch.randn(6, 5, dtype=DT), torch.randn(6, 3, dtype=DT)
+    for fn in (tv.per_sample_grads, tv.per_sample_grad_norms):
+        with pytest.raises(tv.PerSampleError, match=match):
+            fn(model, nn.MSELoss(), x, y, strategy=strategy)
+    with pytest.raises(tv.PerSampleError, match="strategy='vmap' or strategy='loop'"):
+        tv.accumulate_clipped_grads(model, nn.MSELoss(), x, y, max_norm=1.0, strategy=strategy)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop"])
+def test_definition_strategies_compute_the_definition_for_mixing_models(strategy):
+    torch.manual_seed(0)
+    model = MIXERS["batch-attention"][0]().to(DT)
+    x, y = torch.randn(6, 5, dtype=DT), torch.randn(6, 3, dtype=DT)
+    loss_fn = nn.MSELoss()
+    ref = loop_reference(model, loss_fn, x, y)
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy), ref)
+
+
+# --------------------------------------------------------------------------------------
+# Nothing of the model changes
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_spectral_norm_buffers_do_not_move(strategy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Tanh(),
+                          nn.Linear(4, 2)).to(DT)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    if strategy == "hooks":  # the weight is computed from weight_orig: no rule for that
+        with pytest.raises(tv.StrategyError, match="'0.weight_orig'"):
+            tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy=strategy)
+    else:
+        # every example runs alone from the caller's state, as the definition says
+        ref = {}
+        for i in range(5):
+            model.load_state_dict(before)
+            loss = nn.MSELoss()(model(x[i:i + 1]), y[i:i + 1])
+            for n, g in zip(["0.bias", "0.weight_orig"],
+                            torch.autograd.grad(loss, [model[0].bias, model[0].weight_orig])):
+                ref.setdefault(n, []).append(g)
+        model.load_state_dict(before)
+        got = tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy=strategy)
+        for n, gs in ref.items():
+            torch.testing.assert_close(got[n], torch.stack(gs), msg=n)
+        tv.per_sample_grad_norms(model, nn.MSELoss(), x, y, strategy=strategy)
+        tv.accumulate_clipped_grads(model, nn.MSELoss(), x, y, max_norm=1.0, strategy=strategy)
+    after = model.state_dict()
+    for k, v in before.items():
+        if k.endswith("_u") or k.endswith("_v"):
+            assert torch.equal(after[k], v), k
+
+
+def test_frozen_parameter_named_for_accumulation_is_refused():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).to(DT)
+    model.weight.requires_grad_(False)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    with pytest.raises(tv.PerSampleValueError, match=r"params names 'weight', which does not "
+                       r"require grad.*backward never gives a tensor that does not require "
+                       r"grad a .grad"):
+        tv.accumulate_clipped_grads(model, nn.MSELoss(), x, y, max_norm=1.0, params=["weight"])
+    assert model.weight.grad is None
+    # the norms accept it, as per_sample_grads does
+    tv.per_sample_grad_norms(model, nn.MSELoss(), x, y, params=["weight"])
+
+
+# --------------------------------------------------------------------------------------
+# Empty batches, the loop, sparse embeddings
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_empty_batch(strategy):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x, y = torch.empty(0, 3, dtype=DT), torch.empty(0, dtype=torch.long)
+    g = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    assert {n: tuple(t.shape) for n, t in g.items()} == {
+        n: (0, *p.shape) for n, p in model.named_parameters()}
+    assert tv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y,
+                                    strategy=strategy).shape == (0,)
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    norms = tv.accumulate_clipped_grads(model, nn.CrossEntropyLoss(), x, y, max_norm=1.0,
+                                        strategy=strategy)
+    assert norms.shape == (0,)
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))  # nothing added
+    assert torch.equal(model[2].weight.grad, torch.zeros_like(model[2].weight))
+
+
+def test_loop_runs_each_example_once():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.fc(x)
+
+    model = Counting().to(DT)
+    x, y = torch.randn(7, 3, dtype=DT), torch.randn(7, 2, dtype=DT)
+    tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="loop")
+    assert model.calls == 7
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "loop"])
+def test_sparse_embedding(strategy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Flatten(), nn.Linear(6, 2)).to(DT)
+    x, y = torch.randint(0, 10, (5, 2)), torch.randn(5, 2, dtype=DT)
+    ref = loop_reference(model, nn.MSELoss(), x, y)
+    ref = {n: g.to_dense() for n, g in ref.items()}
+    assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy=strategy), ref)
+    for p in model.parameters():
+        p.grad = None
+    norms = tv.accumulate_clipped_grads(model, nn.MSELoss(), x, y, max_norm=0.5,
+                                        strategy=strategy)
+    c = (0.5 / norms).clamp(max=1.0)
+    weight = model[0].weight
+    assert weight.grad.layout == torch.sparse_coo  # as backward gives for sparse=True
+    torch.testing.assert_close(weight.grad.to_dense(),
+                               torch.einsum("b,b...->...", c, ref["0.weight"]))
+
+
+def test_sparse_embedding_under_vmap_is_named():
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Flatten(), nn.Linear(6, 2)).to(DT)
+    x, y = torch.randint(0, 10, (5, 2)), torch.randn(5, 2, dtype=DT)
+    with pytest.raises(tv.StrategyError, match=r"strategy='vmap' cannot batch this model in "
+                       r"module '0' \(Embedding with sparse=True"):
+        tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="vmap")
+
+
+def test_results_survive_being_sent_to_another_process():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    model = nn.Linear(300, 300).to(DT)
+    x, y = torch.randn(8, 300, dtype=DT), torch.randint(0, 300, (8,))
+    first = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)["weight"]
+    expected = float(first.sum())
+    queue, reply, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_hold_and_report, args=(queue, reply, go))
+    child.start()
+    queue.put(first)
+    del first
+    tv.per_sample_grads(model, nn.CrossEntropyLoss(), torch.randn(8, 300, dtype=DT), y)
+    go.set()
+    try:
+        got = reply.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def _hold_and_report(queue, reply, go):
+    # no torch operator here: torch's thread pool is not usable in a forked child
+    t = queue.get(timeout=60)
+    go.wait(timeout=60)
+    reply.put(float(t.numpy().sum()))
+
+
+# --------------------------------------------------------------------------------------
+# Failures under vmap name the strategy, the layer and the alternatives
+# --------------------------------------------------------------------------------------
+
+
+class UsesItem(nn.Module):
+    """Python control flow on a tensor value: the loop runs it, vmap cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        scale = 2.0 if float(x.abs().max()) > 1e6 else 1.0  # 1 for every batch used here
+        return x * self.w * scale
+
+
+def test_vmap_failure_is_a_strategy_error_naming_the_layer():
+    model = nn.Sequential(nn.Linear(3, 3), UsesItem(), nn.Linear(3, 2)).to(DT)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    with pytest.raises(tv.StrategyError, match=r"(?s)strategy='vmap' cannot batch this model in "
+                       r"module '1' \(UsesItem\).*strategy='loop'.*strategy='auto'"):
+        tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="vmap")
+    with pytest.warns(tv.TorchVJPWarning, match="could not vectorise"):
+        got = tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="auto")
+    assert_matches(got, loop_reference(model, nn.MSELoss(), x, y))
+
+
+def test_the_models_own_error_passes_through_vmap_untouched():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            raise ZeroDivisionError("the model's own error")
+
+    for strategy in STRATEGIES:
+        with pytest.raises(ZeroDivisionError, match="the model's own error"):
+            tv.per_sample_grads(Broken(), nn.MSELoss(), torch.randn(3, 3), torch.randn(3, 2),
+                                strategy=strategy)
+
+
+# --------------------------------------------------------------------------------------
+# The plan: shown, cached, reused across batch sizes
+# --------------------------------------------------------------------------------------
+
+
+def test_plan_table_names_methods_and_reasons():
+    make, loss_fn, shape = LAYOUTS["shared-table-T-eq-B"]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    plan = tv.per_sample_plan(model, loss_fn, torch.randn(*shape, dtype=DT))
+    text = str(plan)
+    assert text.splitlines()[1].split() == ["parameter", "method", "how", "/", "why"]
+    row = next(line for line in text.splitlines() if line.startswith("fc.weight "))
+    assert row.split(maxsplit=2) == ["fc.weight", "rule", "Linear rule in 'fc'"]
+    assert plan["pos"].method == "vmap"
+    with pytest.raises(KeyError):
+        plan["missing"]
+
+
+def test_plan_is_built_once_and_reused_for_other_batch_sizes(monkeypatch):
+    built = []
+    real = plan_module.build_plan
+
+    def spy(*args, **kwargs):
+        built.append(args[6])  # the batch size
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "build_plan", spy)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    for b in (8, 5, 8, 3):  # Poisson sampling draws batches of every size
+        x, y = torch.randn(b, 3, dtype=DT), torch.randn(b, 2, dtype=DT)
+        tv.per_sample_grad_norms(model, nn.MSELoss(), x, y)
+    assert built == [8]
+
+
+def test_verification_reroutes_what_rules_get_wrong(monkeypatch):
+    """A rule that lies is caught on the first call and its parameters rerouted (auto) or
+    refused (hooks)."""
+    from torch_vjp._per_sample.rules import linear
+
+    real = linear.LinearRule.factors
+
+    def lying(self, call, grads, roles, batch):
+        return [(r, f) for r, f in real(self, call, [g * 2 for g in grads], roles, batch)]
+
+    monkeypatch.setattr(linear.LinearRule, "factors", lying)
+    plan_module.forget_plans()
+    model = nn.Sequential(nn.Linear(3, 2)).to(DT)
+    x, y = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT)
+    ref = loop_reference(model, nn.MSELoss(), x, y)
+    with pytest.raises(tv.PerSampleError, match="strategy='hooks' gives wrong per-sample "
+                       "gradients for this model"):
+        tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="hooks")
+    assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="auto"), ref)
+    plan = tv.per_sample_plan(model, nn.MSELoss(), x, y)
+    assert plan["0.weight"].method == "vmap"
+    assert "disagreed with the per-example loop" in plan["0.weight"].reason
+    plan_module.forget_plans()
+
+
+# --------------------------------------------------------------------------------------
+# Rules of one's own
+# --------------------------------------------------------------------------------------
+
+
+class Scale(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_registered_rule_is_used_and_checked():
+    from torch_vjp._per_sample import registry
+
+    class MyScale(Scale):
+        pass
+
+    try:
+        tv.register_per_sample_rule(MyScale, lambda m, inputs, g: {"w": inputs[0] * g})
+        model = nn.Sequential(MyScale(3), nn.Linear(3, 2)).to(DT)
+        x, y = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT)
+        assert tv.per_sample_plan(model, nn.MSELoss(), x, y)["0.w"].method == "rule"
+        assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="hooks"),
+                       loop_reference(model, nn.MSELoss(), x, y))
+    finally:
+        registry._RULES.pop(MyScale, None)
+        plan_module.forget_plans()
+
+
+def test_registered_rule_mistakes_are_named():
+    from torch_vjp._per_sample import registry
+
+    class Other(Scale):
+        pass
+
+    with pytest.raises(tv.PerSampleTypeError, match="cannot be called as fn"):
+        tv.register_per_sample_rule(Other, lambda m: {})
+    with pytest.raises(tv.PerSampleTypeError, match="must be an nn.Module subclass"):
+        tv.register_per_sample_rule(int, lambda m, i, g: {})
+    try:
+        tv.register_per_sample_rule(Other, lambda m, inputs, g: {"w": g.sum(0)})  # not (B, 3)
+        model = nn.Sequential(Other(3), nn.Linear(3, 2)).to(DT)
+        with pytest.raises(tv.PerSampleTypeError, match=r"returned \(3,\) for '0.w', but it must "
+                           r"return its per-sample gradients, of shape \(B, \*param.shape\) = "
+                           r"\(5, 3\)"):
+            tv.per_sample_grads(model, nn.MSELoss(), torch.randn(5, 3, dtype=DT),
+                                torch.randn(5, 2, dtype=DT), strategy="hooks")
+    finally:
+        registry._RULES.pop(Other, None)
+        plan_module.forget_plans()
