@@ -23,6 +23,7 @@ the model, and checked against the per-example loop (NOTE [the per-sample plan] 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,14 +84,43 @@ __all__ = [
 # ============================================================================================
 
 
+# Per model: the selection of parameters and the static checks, for the same parameters
+# (and requires_grad flags) and training flags; what every call would otherwise recompute.
+_STATIC: weakref.WeakKeyDictionary[nn.Module, dict[Any, Selection]] = weakref.WeakKeyDictionary()
+
+
 def _prepare(fn: str, model: Any, inputs: Any, targets: Any, params: Any, strategy: Any):
     strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
-    sel = select(fn, model, params)
-    check_static_mixing(fn, model)
+    key = _static_key(model, params)
+    cache = _STATIC.setdefault(model, {}) if key is not None else {}
+    sel = cache.get(key)
+    if sel is None:
+        sel = select(fn, model, params)
+        check_static_mixing(fn, model)
+        if key is not None:
+            if len(cache) >= 8:
+                cache.clear()
+            cache[key] = sel
     return strategy, xs, batch, sel
+
+
+def _static_key(model: nn.Module, params: Any) -> Any:
+    if params is None:
+        names: Any = None
+    elif isinstance(params, str):
+        names = (params,)
+    elif isinstance(params, (list, tuple)) and all(isinstance(n, str) for n in params):
+        names = tuple(params)
+    else:
+        return None  # a generator, or something select() reports
+    return (
+        names,
+        tuple((id(p), p.requires_grad) for p in model.parameters()),
+        tuple(m.training for m in model.modules()),
+    )
 
 
 @contextlib.contextmanager
@@ -377,15 +407,18 @@ def _norms_and_sums(
             if n in res.moved:
                 continue
             fs = res.factors.get(n)
-            per_param[n] = (
-                region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)
-                if fs else like.new_zeros(batch)
-            )
+            if fs and len(fs) == 1 and fs[0].rows is None:  # the common case
+                per_param[n] = fs[0].sq_norms(None)
+            else:
+                per_param[n] = (
+                    region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)
+                    if fs else like.new_zeros(batch)
+                )
         for n in plan.zero_params:
             per_param[n] = like.new_zeros(batch)
     sq = like.new_zeros(batch)
     for v in per_param.values():
-        sq += v.to(sq.dtype)
+        sq.add_(v)
     sums: dict[str, Tensor] | None = {} if max_norm is not None else None
     vmap_names, loop_names = _fallback_names(plan, res)
     groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
@@ -427,9 +460,9 @@ def _norms_and_sums(
             for s, e, g in chunked(names, method):
                 with torch.no_grad():
                     add_sums(s, e, g)
-    norms = sq.clamp_min(0).sqrt()
+    norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
     if sums is not None:
-        c = _clip_factors(norms * norms, max_norm)  # type: ignore[arg-type]
+        c = _clip_factors(sq, max_norm)  # type: ignore[arg-type]
         with torch.no_grad():
             for n in plan.rule_params:
                 fs = res.factors.get(n)
@@ -440,8 +473,8 @@ def _norms_and_sums(
 
 
 def _clip_factors(sq: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / ||g_i||)``, 1 for a zero gradient."""
-    return (max_norm / sq.sqrt()).clamp_(max=1.0)
+    """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient."""
+    return sq.rsqrt().mul_(max_norm).clamp_(max=1.0)
 
 
 def per_sample_grad_norms(

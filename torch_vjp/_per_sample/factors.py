@@ -65,7 +65,10 @@ NORM_CHUNK_ELEMENTS = 1 << 18
 
 def sq_norms_rows(v: Tensor) -> Tensor:
     """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``."""
-    return torch.linalg.vector_norm(v.reshape(v.shape[0], -1), dim=1).square_()
+    rows = v.reshape(v.shape[0], -1)
+    if rows.is_complex():
+        return torch.linalg.vector_norm(rows, dim=1).square_()
+    return torch.linalg.vecdot(rows, rows)  # one kernel
 
 
 def chunks(
@@ -158,7 +161,11 @@ class SmallFactor(Factor):
         return sq_norms_rows(self.value)
 
     def weighted_sum(self, c: Tensor) -> Tensor:
-        return torch.tensordot(c.to(self.value.dtype), self.value, dims=1)
+        v = self.value
+        c = c.to(v.dtype)
+        if v.dim() == 2:
+            return torch.mv(v.T, c)
+        return torch.mv(v.reshape(v.shape[0], -1).T, c).view(v.shape[1:])
 
     def merge_key(self) -> Any:
         return ("small", self.rows, self.region_shape)

@@ -23,6 +23,17 @@ from torch_vjp._per_sample.registry import Call
 
 __all__ = ["HooksResult", "hooks_pass"]
 
+try:  # torch >= 2.4: the engine entry torch.autograd.grad calls
+    from torch.autograd.graph import _engine_run_backward as _engine_entry
+
+    def _engine(*args: Any, **kwargs: Any) -> Any:
+        return torch.autograd._engine_run_backward(*args, **kwargs)  # (patched by tracing)
+except ImportError:  # pragma: no cover - older torch
+
+    def _engine(outputs, grad_outputs, retain, create, inputs, allow_unused, **_):
+        return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain,
+                                   create_graph=create, allow_unused=allow_unused)
+
 
 @dataclass
 class HooksResult:
@@ -60,7 +71,10 @@ def hooks_pass(
         with rec:
             out = forward(model, xs, aliases)
         calls = rec.calls
-        if [call_key(c) for c in calls] != plan.signature():
+        signature = plan.signature()
+        if len(calls) != len(signature) or any(
+            call_key(c) != k for c, k in zip(calls, signature)
+        ):
             result.mismatch = True
             return result
         total = loss_sum(fn, loss_fn, out, targets, batch, plan.out_dims)
@@ -92,10 +106,13 @@ def hooks_pass(
                     row.append(len(edges))
                     edges.append(e)
             slots.append(row)
-        grads = (
-            torch.autograd.grad(total, edges, allow_unused=True)
-            if edges and total.requires_grad else [None] * len(edges)
-        )
+        if edges and total.requires_grad:
+            # the engine call of torch.autograd.grad, which would first validate the
+            # grad_outputs (there are none: the loss is a scalar)
+            grads = _engine((total,), (torch.ones_like(total),), False, False, tuple(edges),
+                            True, accumulate_grad=False)
+        else:
+            grads = [None] * len(edges)
     del total, out
     with torch.no_grad():
         for (c, _), row in zip(needed, slots):

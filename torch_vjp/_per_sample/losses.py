@@ -74,8 +74,9 @@ def _reduction_scale(loss_fn: Any, out: Any, targets: Any, batch: int) -> float 
         reduction = "mean"
         if ignores:
             ignore = -100
-    if ignore is not None and not targets.is_floating_point():
-        if bool((targets == ignore).any()):
+    if ignore is not None and not targets.is_floating_point() and targets.numel():
+        # (one reduction and one read: the common ignore_index of -100 lies below every class)
+        if (int(targets.min()) <= ignore) if ignore < 0 else bool((targets == ignore).any()):
             return None
     if reduction == "mean":
         return float(batch)

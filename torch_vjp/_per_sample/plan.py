@@ -121,7 +121,11 @@ class Plan:
         return [n for n, p in self.params.items() if p.method in ("vmap", "loop")]
 
     def signature(self) -> list[Any]:
-        return [c.key for c in self.calls]
+        """The keys of the rule calls, in order (made once)."""
+        sig = self.__dict__.get("_signature")
+        if sig is None or len(sig) != len(self.calls):
+            sig = self.__dict__["_signature"] = [c.key for c in self.calls]
+        return sig
 
     def route(self, names: Sequence[str], reason: str) -> None:
         """Moves ``names`` off the rules (or off vmap) after a failed check."""
@@ -152,8 +156,8 @@ def _loss_key(loss_fn: Any) -> Any:
     instance each call is the same loss), its code for a function."""
     if isinstance(loss_fn, nn.Module):
         settings = tuple(
-            (k, v) for k, v in sorted(vars(loss_fn).items())
-            if isinstance(v, (int, float, str, bool, type(None)))
+            (k, v) for k, v in loss_fn.__dict__.items()
+            if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))
         )
         return (type(loss_fn), settings)
     code = getattr(loss_fn, "__code__", None)

@@ -84,6 +84,10 @@ class ModuleCall:
 
 
 def _tensors(tree: Any) -> list[Tensor]:
+    if isinstance(tree, Tensor):
+        return [tree]
+    if type(tree) is tuple and all(isinstance(t, Tensor) for t in tree):
+        return list(tree)
     return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
 
 
@@ -284,7 +288,7 @@ class Recorder:
                 params[role] = (t, None)
             elif t.grad_fn is not None:
                 complete = False
-        parametrized = getattr(mod, "parametrizations", None)
+        parametrized = mod._modules.get("parametrizations")
         if parametrized is not None and len(parametrized):
             # a weight computed from other tensors (torch.nn.utils.parametrize): the graph walk
             # must go through the layer to find them (reading the attribute would run the
