@@ -161,7 +161,10 @@ def rule_for(module: nn.Module) -> Rule | None:
 
 def registered_types() -> list[str]:
     """The names of the module types that have rules, for messages."""
-    return sorted({t.__name__ for t in _RULES} | {n.rpartition(".")[2] for n in _NAMED})
+    names = {rule.name if t.__name__.startswith("_") else t.__name__
+             for t, (rule, _) in _RULES.items()}
+    names |= {n.rpartition(".")[2] + f" ({n.partition('.')[0]})" for n in _NAMED}
+    return sorted(names)
 
 
 class UserRule(Rule):
