@@ -171,6 +171,14 @@ class Selection:
     def canonical(self) -> list[str]:
         return list(self.tensors)
 
+    @property
+    def tracked(self) -> dict[int, str]:
+        """``id(tensor)`` of every selected tensor -> its canonical name (made once)."""
+        found = self.__dict__.get("_tracked")
+        if found is None:
+            found = self.__dict__["_tracked"] = {id(t): n for n, t in self.tensors.items()}
+        return found
+
 
 def select(fn: str, model: nn.Module, params: Any) -> Selection:
     all_named = list(model.named_parameters(remove_duplicate=False))

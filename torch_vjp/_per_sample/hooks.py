@@ -18,7 +18,7 @@ from torch_vjp._per_sample.args import Selection
 from torch_vjp._per_sample.factors import Factor
 from torch_vjp._per_sample.losses import loss_sum
 from torch_vjp._per_sample.plan import Plan, aliases_of, call_key, forward
-from torch_vjp._per_sample.recorder import Recorder, Wanted
+from torch_vjp._per_sample.recorder import Recorder
 from torch_vjp._per_sample.registry import Call
 
 __all__ = ["HooksResult", "hooks_pass"]
@@ -62,10 +62,11 @@ def hooks_pass(
     if not names:
         return result
     aliases = aliases_of(sel)  # stand-ins for selected tensors that do not require grad
-    source = aliases if aliases is not None else sel.tensors
-    tracked = {id(t): n for n, t in source.items()}
-    wanted = {k: Wanted(w.rule) for k, w in plan.wanted.items()}
-    rec = Recorder(model, tracked, batch, wanted=wanted, expand_shared=plan.expand,
+    if aliases is not None:
+        tracked = {id(t): n for n, t in aliases.items()}
+    else:
+        tracked = sel.tracked
+    rec = Recorder(model, tracked, batch, wanted=plan.wanted, expand_shared=plan.expand,
                    direct=plan.direct)
     with torch.enable_grad():
         with rec:
@@ -78,13 +79,16 @@ def hooks_pass(
             result.mismatch = True
             return result
         total = loss_sum(fn, loss_fn, out, targets, batch, plan.out_dims)
-        covered = set(names)
+        covered = plan.rule_set()
         needed: list[tuple[Call, int | None]] = []
         for c, cp in zip(calls, plan.calls):
             if not cp.valid:
                 continue
-            own = {tracked[id(t)] for t, _ in c.params.values() if id(t) in tracked}
-            if not own & covered:
+            own = cp.names
+            if own is None:
+                own = cp.names = frozenset(
+                    tracked[id(t)] for t, _ in c.params.values() if id(t) in tracked)
+            if covered.isdisjoint(own):
                 continue
             if isinstance(c.x, Tensor) and c.x._version != c.x_version:
                 for n in own & covered:
@@ -94,7 +98,8 @@ def hooks_pass(
                 continue
             c.bdim = None if batch == 1 else cp.bdim
             needed.append((c, cp.bdim))
-        covered -= set(result.moved)
+        if result.moved:
+            covered = covered - set(result.moved)
         edges = []
         slots: list[list[int | None]] = []
         for c, _ in needed:

@@ -90,6 +90,7 @@ class CallPlan:
     bdim: int | None
     valid: bool
     reason: str = ""
+    names: frozenset[str] | None = None  # the selected parameters the call uses (filled once)
 
 
 @dataclass
@@ -113,6 +114,13 @@ class Plan:
     def rule_params(self) -> list[str]:
         return [n for n, p in self.params.items() if p.method == "rule"]
 
+    def rule_set(self) -> frozenset[str]:
+        """The parameters computed by rules, as a set (made once; :meth:`route` resets it)."""
+        found = self.__dict__.get("_rule_set")
+        if found is None:
+            found = self.__dict__["_rule_set"] = frozenset(self.rule_params)
+        return found
+
     @property
     def zero_params(self) -> list[str]:
         return [n for n, p in self.params.items() if p.method == "zero"]
@@ -129,6 +137,7 @@ class Plan:
 
     def route(self, names: Sequence[str], reason: str) -> None:
         """Moves ``names`` off the rules (or off vmap) after a failed check."""
+        self.__dict__.pop("_rule_set", None)
         for n in names:
             p = self.params[n]
             if p.method == "rule":
@@ -478,7 +487,7 @@ def _grad_probe(
                            out_dims, full, small, expand=False)
     plan = Plan(strategy, {}, out_dims=out_dims, random_global=rng.global_rng,
                 vmap_randomness=_vmap_randomness(rng))
-    plan.wanted = {k: Wanted(w.rule) for k, w in rec.wanted.items()}
+    plan.wanted = dict(rec.wanted)
     total = loss_sum(fn, loss_fn, out, targets, batch, out_dims)
     calls = rec.calls
     if batch == 1:

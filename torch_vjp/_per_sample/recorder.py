@@ -21,7 +21,7 @@ the edges of all its tensor inputs and outputs, so that the plan can see where e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,12 +93,9 @@ def _tensors(tree: Any) -> list[Tensor]:
 
 @dataclass
 class Wanted:
-    """What the recorder does for one module: record its calls with ``rule``; ``expand``
-    (a shared call) expands its output to the batch."""
+    """What the recorder does for one module: record its calls with ``rule``."""
 
     rule: Rule
-    expand: bool = False
-    call_index: list[int] = field(default_factory=list)
 
 
 class Recorder:
@@ -317,7 +314,6 @@ class Recorder:
             shared=shared,
             x_version=x._version if isinstance(x, Tensor) else 0,
         )
-        w.call_index.append(len(self.calls))
         self.calls.append(call)
         return replaced
 
