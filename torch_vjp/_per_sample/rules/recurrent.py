@@ -78,6 +78,7 @@ class RecurrentRule(Rule):
     """
 
     name = "recurrent"
+    roles = None  # weight_ih_l0, bias_hh_l1_reverse, weight_hr_l0, ...: all the layer's own
 
     def applies(self, module: nn.Module) -> bool:
         # dropout acts only between layers, and only in training mode
