@@ -364,30 +364,31 @@ def test_sparse_embedding_under_vmap_is_named():
 def test_results_survive_being_sent_to_another_process():
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a child forked while torch's thread pools hold a lock can hang at exit
+    ctx = mp.get_context("spawn")
     model = nn.Linear(300, 300).to(DT)
     x, y = torch.randn(8, 300, dtype=DT), torch.randint(0, 300, (8,))
     first = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)["weight"]
     expected = float(first.sum())
     queue, reply, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_hold_and_report, args=(queue, reply, go))
+    child = ctx.Process(target=_hold_and_report, args=(queue, reply, go), daemon=True)
     child.start()
     queue.put(first)
     del first
     tv.per_sample_grads(model, nn.CrossEntropyLoss(), torch.randn(8, 300, dtype=DT), y)
     go.set()
     try:
-        got = reply.get(timeout=60)
+        got = reply.get(timeout=120)
     finally:
-        child.join(timeout=10)
+        child.join(timeout=30)
         if child.is_alive():
             child.kill()
+            child.join()
     assert got == pytest.approx(expected, rel=1e-12)
 
 
 def _hold_and_report(queue, reply, go):
-    # no torch operator here: torch's thread pool is not usable in a forked child
-    t = queue.get(timeout=60)
+    t = queue.get(timeout=120)
     go.wait(timeout=60)
     reply.put(float(t.numpy().sum()))
 
