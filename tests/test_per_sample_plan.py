@@ -549,3 +549,21 @@ def test_registered_rule_mistakes_are_named():
     finally:
         registry._RULES.pop(Other, None)
         plan_module.forget_plans()
+
+
+def test_layer_called_by_keyword_is_computed_by_its_rule():
+    # a layer's input passed by keyword (lin(input=x)) is recorded like a positional one
+    class ByKeyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(input=x)
+
+    model = ByKeyword().to(DT)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    plan = tv.per_sample_plan(model, nn.MSELoss(), x, y)
+    assert plan["lin.weight"].method == "rule"
+    assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="hooks"),
+                   loop_reference(model, nn.MSELoss(), x, y))

@@ -76,7 +76,6 @@ class BagNet(nn.Module):
     first ``lengths[i]`` indices of each row concatenated, with ``offsets`` (a bag per
     example, empty where ``lengths[i] == 0``). ``weighted`` passes the matching
     ``per_sample_weights``; ``learned_weights`` computes them from a Linear of ``weights``.
-    Arguments are positional: a forward hook sees no keyword arguments.
     """
 
     def __init__(self, layout, weighted=False, learned_weights=False, **bag_kw):
@@ -332,26 +331,36 @@ def test_embedding_bag_configurations_without_a_rule_fall_back(kw):
         tv.per_sample_grads(model, LOSS, xs, t, strategy="hooks")
 
 
-def test_embedding_bag_offsets_by_keyword_are_named():
-    # forward hooks see no keyword arguments: the rule cannot tell the bags apart, and says
-    # so rather than guessing
+@pytest.mark.parametrize("how", ["offsets", "weights", "all"])
+def test_embedding_bag_arguments_by_keyword(how):
+    # the recorder binds the call to the forward's signature: arguments passed by keyword
+    # reach the rule as if passed by position
     class Keyword(BagNet):
         def forward(self, idx, lengths, weights):
             offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
             keep = torch.arange(idx.shape[1]) < lengths.unsqueeze(1)
-            return self.fc(self.bag(idx[keep], offsets=offsets))
+            flat, w = idx[keep], weights[keep]
+            if how == "offsets":
+                out = self.bag(flat, offsets=offsets, per_sample_weights=None)
+            elif how == "weights":
+                out = self.bag(flat, offsets, per_sample_weights=w)
+            else:
+                out = self.bag(input=flat, offsets=offsets, per_sample_weights=w)
+            return self.fc(out)
 
     torch.manual_seed(0)
     model = Keyword("1d", mode="sum").to(DT)
     xs, t = bag_inputs(5, lengths=_LENS)(), torch.randint(0, 3, (5,))
-    with pytest.raises(tv.PerSampleError, match="offsets passed by keyword"):
-        tv.per_sample_grads(model, LOSS, xs, t, strategy="hooks")
+    ref = loop_reference(model, xs, t)
+    got = tv.per_sample_grads(model, LOSS, xs, t, strategy="hooks")
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
 
 
-@pytest.mark.xfail(strict=True, raises=tv.PerSampleError, reason=(
-    "plan._find_mixing takes an input with no dimension of size B (a flattened, ragged "
-    "per_sample_weights that requires grad) for one that mixes examples"))
 def test_flat_weights_that_require_grad():
+    # the flat weights have no dimension of size B: the plan cannot tell from their shape
+    # whether the layer mixes examples, so it does not call it a mixer (the check against
+    # the loop on the first call decides)
     torch.manual_seed(0)
     model = BagNet("1d", learned_weights=True, mode="sum").to(DT)
     xs, t = bag_inputs(5, lengths=_LENS)(), torch.randint(0, 3, (5,))

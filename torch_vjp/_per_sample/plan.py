@@ -425,8 +425,11 @@ def _unsplittable(strategy: str, sel: Selection, out: Any, batch: int) -> Plan:
 
 def _confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int) -> set[int] | None:
     """The dimensions of size B along which the gradient of example ``k``'s loss is zero
-    except at index ``k`` (None where the gradient is unused or all zero)."""
-    if g is None:
+    except at index ``k`` (None where the gradient is unused or all zero, or where no
+    dimension has size B: a flat tensor, the per-entry weights of an EmbeddingBag say, whose
+    entries cannot be told apart from the shape alone; the check against the loop then
+    decides)."""
+    if g is None or batch not in tuple(shape):
         return None
     if tuple(g.shape) != tuple(shape) and g.numel() == math.prod(shape):
         g = g.reshape(shape)  # the gradient of a view's base (see recorder.out_edge)

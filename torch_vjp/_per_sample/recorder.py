@@ -20,6 +20,8 @@ the edges of all its tensor inputs and outputs, so that the plan can see where e
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +98,30 @@ class Wanted:
     """What the recorder does for one module: record its calls with ``rule``."""
 
     rule: Rule
+
+
+_SIGNATURES: dict[type, inspect.Signature | None] = {}
+
+
+def positional(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call of ``mod`` with every argument that can be passed by
+    position moved there (``bag(x, offsets=o)`` is recorded as ``bag(x, o)``), so the rules
+    read their inputs by position however the model passed them."""
+    kind = type(mod)
+    if kind not in _SIGNATURES:
+        try:
+            sig = inspect.signature(kind.forward)
+            _SIGNATURES[kind] = sig.replace(parameters=list(sig.parameters.values())[1:])
+        except (TypeError, ValueError):
+            _SIGNATURES[kind] = None
+    sig = _SIGNATURES[kind]
+    if sig is None:
+        return tuple(args), kwargs
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:  # the forward will have raised already; keep what the hook saw
+        return tuple(args), kwargs
+    return bound.args, bound.kwargs
 
 
 class Recorder:
@@ -178,14 +204,13 @@ class Recorder:
                                                             always_call=True))
         if self.probe:
             self.handles.append(torch.nn.modules.module.register_module_forward_hook(
-                self._any_module(names), always_call=False))
+                self._any_module(names), with_kwargs=True, always_call=False))
         else:
             for m in self.model.modules():
                 w = self.wanted.get(id(m))
                 if w is not None:
-                    self.handles.append(
-                        m.register_forward_hook(self._layer(names[id(m)], w, m), prepend=True)
-                    )
+                    self.handles.append(m.register_forward_hook(
+                        self._layer(names[id(m)], w, m), prepend=True, with_kwargs=True))
         if self._direct is not None:
             self._direct.__enter__()
             self._modes.append(self._direct)
@@ -224,7 +249,7 @@ class Recorder:
     # -- module calls --------------------------------------------------------------------
 
     def _any_module(self, names: dict[int, str]) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: dict, output: Any) -> Any:
             if not self.capturing:
                 return None
             path = names.get(id(module))
@@ -233,10 +258,10 @@ class Recorder:
             w = self.wanted.get(id(module))
             replaced = None
             if w is not None:
-                replaced = self._record_layer(path, w, module, args, {}, output)
+                replaced = self._record_layer(path, w, module, args, kwargs, output)
                 if replaced is not None:
                     output = replaced
-            ins, outs = _tensors(args), _tensors(output)
+            ins, outs = _tensors((args, kwargs) if kwargs else args), _tensors(output)
             self.module_calls.append(ModuleCall(
                 module, path,
                 [edge_of(t) if t.is_floating_point() else None for t in ins],
@@ -249,10 +274,10 @@ class Recorder:
         return hook
 
     def _layer(self, path: str, w: Wanted, module: nn.Module) -> Callable[..., Any]:
-        def hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        def hook(mod: nn.Module, args: Any, kwargs: dict, output: Any) -> Any:
             if not self.capturing:
                 return None
-            return self._record_layer(path, w, mod, args, {}, output)
+            return self._record_layer(path, w, mod, args, kwargs, output)
 
         return hook
 
@@ -266,6 +291,8 @@ class Recorder:
     def _record_layer(
         self, path: str, w: Wanted, mod: nn.Module, args: Any, kwargs: dict, output: Any
     ) -> Any:
+        if kwargs:
+            args, kwargs = positional(mod, args, kwargs)
         if not args:
             return None
         x = args[0]
@@ -309,7 +336,8 @@ class Recorder:
             kwargs=kwargs,
             outputs=outs,
             out_edges=[out_edge(t) for t in outs],
-            in_edges=[e for e in (edge_of(a) for a in _tensors(args)) if e is not None],
+            in_edges=[e for e in (edge_of(a) for a in _tensors((args, kwargs) if kwargs else args))
+                      if e is not None],
             complete=complete,
             shared=shared,
             x_version=x._version if isinstance(x, Tensor) else 0,

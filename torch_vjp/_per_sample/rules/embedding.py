@@ -124,24 +124,12 @@ class BagFactor(Factor):
 
 
 def _bag_inputs(call) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The ``input``, ``offsets`` and ``per_sample_weights`` of an ``EmbeddingBag`` call.
-
-    A forward hook sees only the positional arguments; keyword ones are in ``call.kwargs``
-    where the recorder records them.
-    """
-    args, kwargs = call.args, call.kwargs
+    """The ``input``, ``offsets`` and ``per_sample_weights`` of an ``EmbeddingBag`` call
+    (the recorder moves arguments passed by keyword to their positions)."""
+    args = call.args
     x = args[0]
-    offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
-    psw = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
-    if x.dim() == 1 and offsets is None:
-        # the layer itself refuses a 1-D input without offsets, so they were passed by
-        # keyword and the hook did not see them: the bags cannot be told apart
-        raise PerSampleError(
-            f"torch_vjp: the EmbeddingBag '{call.path}' was called with a 1-D input and "
-            f"offsets passed by keyword, which the per-layer rule cannot see.\n  Fix: pass "
-            f"them positionally, {call.path or 'bag'}(input, offsets, per_sample_weights), "
-            f"or use strategy='vmap'."
-        )
+    offsets = args[1] if len(args) > 1 else None
+    psw = args[2] if len(args) > 2 else call.kwargs.get("per_sample_weights")
     return x, offsets, psw
 
 
