@@ -94,12 +94,15 @@ def _prepare(fn: str, model: Any, inputs: Any, targets: Any, params: Any, strate
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
-    key = _static_key(model, params)
+    training = tuple(m.training for m in model.modules())
+    key = _static_key(model, params, training)
     cache = _STATIC.setdefault(model, {}) if key is not None else {}
     sel = cache.get(key)
     if sel is None:
         sel = select(fn, model, params)
         check_static_mixing(fn, model)
+        sel.training = training
+        sel.sparse = frozenset(_sparse_tables(model)) & frozenset(map(id, sel.tensors.values()))
         if key is not None:
             if len(cache) >= 8:
                 cache.clear()
@@ -107,7 +110,7 @@ def _prepare(fn: str, model: Any, inputs: Any, targets: Any, params: Any, strate
     return strategy, xs, batch, sel
 
 
-def _static_key(model: nn.Module, params: Any) -> Any:
+def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...]) -> Any:
     if params is None:
         names: Any = None
     elif isinstance(params, str):
@@ -116,11 +119,7 @@ def _static_key(model: nn.Module, params: Any) -> Any:
         names = tuple(params)
     else:
         return None  # a generator, or something select() reports
-    return (
-        names,
-        tuple((id(p), p.requires_grad) for p in model.parameters()),
-        tuple(m.training for m in model.modules()),
-    )
+    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), training)
 
 
 @contextlib.contextmanager
@@ -600,14 +599,17 @@ def accumulate_clipped_grads(
     norms, sums, sel = _norms_run(fn, model, loss_fn, inputs, targets, params, strategy,
                                   max_norm)
     assert sums is not None
-    sparse = _sparse_tables(model)
+    sparse = sel.sparse
     with torch.no_grad():
         for n, p in sel.tensors.items():
             s = sums.get(n)
             if s is None:
                 s = torch.zeros_like(p)
-            s = s.to(p.dtype).reshape(p.shape)
-            if id(p) in sparse:
+            if s.dtype != p.dtype:
+                s = s.to(p.dtype)
+            if s.shape != p.shape:
+                s = s.reshape(p.shape)
+            if sparse and id(p) in sparse:
                 s = s.to_sparse()
             if p.grad is None:
                 p.grad = s

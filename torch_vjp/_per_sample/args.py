@@ -166,6 +166,10 @@ class Selection:
     tensors: dict[str, Tensor]  # canonical name -> parameter
     owners: set[str]  # paths of modules that own a selected tensor (under any alias)
     frozen: bool  # some selected tensor does not require grad
+    #: every module's training flag when the selection was made (set by the caller)
+    training: tuple[bool, ...] = ()
+    #: ``id`` of the selected weights of Embedding(Bag) layers with ``sparse=True``
+    sparse: frozenset[int] = frozenset()
 
     @property
     def canonical(self) -> list[str]:

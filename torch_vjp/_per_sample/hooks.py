@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from torch_vjp._per_sample.args import Selection
 from torch_vjp._per_sample.factors import Factor
-from torch_vjp._per_sample.losses import loss_sum
-from torch_vjp._per_sample.plan import Plan, aliases_of, call_key, forward
-from torch_vjp._per_sample.recorder import Recorder
+from torch_vjp._per_sample.losses import scaled_loss_sum
+from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
+from torch_vjp._per_sample.recorder import Recorder, layers_of
 from torch_vjp._per_sample.registry import Call
 
 __all__ = ["HooksResult", "hooks_pass"]
@@ -66,8 +66,10 @@ def hooks_pass(
         tracked = {id(t): n for n, t in aliases.items()}
     else:
         tracked = sel.tracked
+    if plan.layers is None:
+        plan.layers = layers_of(model, plan.wanted)
     rec = Recorder(model, tracked, batch, wanted=plan.wanted, expand_shared=plan.expand,
-                   direct=plan.direct)
+                   direct=plan.direct, layers=plan.layers)
     with torch.enable_grad():
         with rec:
             out = forward(model, xs, aliases)
@@ -78,9 +80,9 @@ def hooks_pass(
         ):
             result.mismatch = True
             return result
-        total = loss_sum(fn, loss_fn, out, targets, batch, plan.out_dims)
+        total, scale = scaled_loss_sum(fn, loss_fn, out, targets, batch, plan.out_dims)
         covered = plan.rule_set()
-        needed: list[tuple[Call, int | None]] = []
+        needed: list[tuple[Call, CallPlan]] = []
         for c, cp in zip(calls, plan.calls):
             if not cp.valid:
                 continue
@@ -97,7 +99,7 @@ def hooks_pass(
                            f"used it")
                 continue
             c.bdim = None if batch == 1 else cp.bdim
-            needed.append((c, cp.bdim))
+            needed.append((c, cp))
         if result.moved:
             covered = covered - set(result.moved)
         edges = []
@@ -114,20 +116,24 @@ def hooks_pass(
         if edges and total.requires_grad:
             # the engine call of torch.autograd.grad, which would first validate the
             # grad_outputs (there are none: the loss is a scalar)
-            grads = _engine((total,), (torch.ones_like(total),), False, False, tuple(edges),
-                            True, accumulate_grad=False)
+            grads = _engine((total,), (torch.full_like(total, scale),), False, False,
+                            tuple(edges), True, accumulate_grad=False)
         else:
             grads = [None] * len(edges)
     del total, out
     with torch.no_grad():
-        for (c, _), row in zip(needed, slots):
+        for (c, cp), row in zip(needed, slots):
             gs = []
             for j, slot in enumerate(row):
                 g = None if slot is None else grads[slot]
                 if g is not None and tuple(g.shape) != tuple(c.outputs[j].shape):
                     g = g.reshape(c.outputs[j].shape)
                 gs.append(g)
-            roles = {r for r, (t, _) in c.params.items() if tracked.get(id(t)) in covered}
+            roles = cp.roles if not result.moved else None
+            if roles is None:
+                roles = {r for r, (t, _) in c.params.items() if tracked.get(id(t)) in covered}
+                if not result.moved:
+                    cp.roles = roles
             if not roles:
                 continue
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torch_vjp._errors import PerSampleValueError, TorchVJPError, shape_str
 
-__all__ = ["loss_sum", "example_loss", "scalar_loss", "call_loss", "slice_tree"]
+__all__ = ["loss_sum", "scaled_loss_sum", "example_loss", "scalar_loss", "call_loss", "slice_tree"]
 
 # Loss modules whose batch value is the mean (or sum) of the per-example values computed on
 # single-example slices, for any layout with the batch first. CrossEntropy / NLL qualify only
@@ -142,12 +142,25 @@ def loss_sum(
     """``sum_i loss_fn(out_i, targets[i:i+1])``, with ``out_i`` example ``i``'s slice of every
     output tensor (along ``dims``, dimension 0 by default), whose gradient with respect to
     ``out`` holds every example's own output gradient."""
+    loss, scale = scaled_loss_sum(fn, loss_fn, out, targets, batch, dims)
+    return loss * scale if scale != 1.0 else loss
+
+
+def scaled_loss_sum(
+    fn: str,
+    loss_fn: Callable,
+    out: Any,
+    targets: Any,
+    batch: int,
+    dims: Sequence[int] | None = None,
+) -> tuple[Tensor, float]:
+    """``(loss, scale)`` with ``scale * loss`` the :func:`loss_sum` (the caller folds the
+    scale into the gradient it starts the backward pass from: one operation fewer)."""
     batch_first = dims is None or all(d == 0 for d in dims)
     if batch_first:
         scale = _reduction_scale(loss_fn, out, targets, batch)
         if scale is not None:
-            loss = scalar_loss(fn, loss_fn(out, targets))
-            return loss * scale if scale != 1.0 else loss
+            return scalar_loss(fn, loss_fn(out, targets)), scale
     leaves, spec = tree_flatten(out)
     tensor_dims = list(dims) if dims is not None else [0] * sum(
         isinstance(t, Tensor) for t in leaves)
@@ -174,7 +187,7 @@ def loss_sum(
             one, in_dims=(out_in_dims, 0 if targets is not None else None),
             randomness="different",
         )(out, targets)
-        return losses.sum()
+        return losses.sum(), 1.0
     except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception:  # noqa: BLE001 - loss_fn cannot be vmapped: one call per example below
@@ -184,4 +197,4 @@ def loss_sum(
         li = example_loss(fn, loss_fn, out, targets, i, dims)
         total = li if total is None else total + li
     assert total is not None
-    return total
+    return total, 1.0

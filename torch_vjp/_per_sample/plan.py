@@ -91,6 +91,7 @@ class CallPlan:
     valid: bool
     reason: str = ""
     names: frozenset[str] | None = None  # the selected parameters the call uses (filled once)
+    roles: set[str] | None = None  # the roles of those the rules compute (filled once)
 
 
 @dataclass
@@ -109,13 +110,24 @@ class Plan:
     vmap_randomness: str | None = "different"
     verified: bool = False
     mutable_buffers: list[str] = field(default_factory=list)
+    #: the hooked layers and attention modules, ``(path, module)``, found once (Recorder)
+    layers: Any = None
+
+    # The lists below are made once, when the finished plan is first used; route() resets them.
+
+    def _by_method(self, method: str) -> list[str]:
+        key = "_" + method
+        found = self.__dict__.get(key)
+        if found is None:
+            found = self.__dict__[key] = [n for n, p in self.params.items() if p.method == method]
+        return found
 
     @property
     def rule_params(self) -> list[str]:
-        return [n for n, p in self.params.items() if p.method == "rule"]
+        return self._by_method("rule")
 
     def rule_set(self) -> frozenset[str]:
-        """The parameters computed by rules, as a set (made once; :meth:`route` resets it)."""
+        """The parameters computed by rules, as a set."""
         found = self.__dict__.get("_rule_set")
         if found is None:
             found = self.__dict__["_rule_set"] = frozenset(self.rule_params)
@@ -123,7 +135,7 @@ class Plan:
 
     @property
     def zero_params(self) -> list[str]:
-        return [n for n, p in self.params.items() if p.method == "zero"]
+        return self._by_method("zero")
 
     def fallback_params(self) -> list[str]:
         return [n for n, p in self.params.items() if p.method in ("vmap", "loop")]
@@ -137,7 +149,10 @@ class Plan:
 
     def route(self, names: Sequence[str], reason: str) -> None:
         """Moves ``names`` off the rules (or off vmap) after a failed check."""
-        self.__dict__.pop("_rule_set", None)
+        for key in ("_rule_set", "_rule", "_zero"):
+            self.__dict__.pop(key, None)
+        for c in self.calls:
+            c.roles = None
         for n in names:
             p = self.params[n]
             if p.method == "rule":
@@ -191,7 +206,7 @@ def plan_key(
         batch == 1,
         tuple(_tail(x) for x in xs),
         None if targets is None else tuple(_tail(t) for t in tree_leaves(targets)),
-        tuple(m.training for m in model.modules()),
+        sel.training or tuple(m.training for m in model.modules()),
         tuple(sel.canonical),
         tuple(t.requires_grad for t in sel.tensors.values()),
         _loss_key(loss_fn),

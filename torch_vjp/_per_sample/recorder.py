@@ -36,7 +36,7 @@ from torch_vjp._per_sample.rules.attention import AttentionMode, is_attention
 from torch_vjp._per_sample.rules.broadcast import BROADCAST
 from torch_vjp._per_sample.rules.linear import LinearRule
 
-__all__ = ["Recorder", "ModuleCall", "edge_of", "out_edge"]
+__all__ = ["Recorder", "ModuleCall", "Layers", "layers_of", "edge_of", "out_edge"]
 
 _LINEAR = LinearRule()
 
@@ -100,6 +100,25 @@ class Wanted:
     rule: Rule
 
 
+@dataclass
+class Layers:
+    """The modules a recorder hooks outside probe mode, ``(path, module)``: the layers with
+    a wanted rule, and the attention modules (whose projections are recorded inside)."""
+
+    hooked: list[tuple[str, nn.Module]]
+    attention: list[tuple[str, nn.Module]]
+
+
+def layers_of(model: nn.Module, wanted: dict[int, Wanted]) -> Layers:
+    hooked, attention = [], []
+    for path, m in model.named_modules():
+        if id(m) in wanted:
+            hooked.append((path, m))
+        if is_attention(m):
+            attention.append((path, m))
+    return Layers(hooked, attention)
+
+
 _SIGNATURES: dict[type, inspect.Signature | None] = {}
 
 
@@ -140,6 +159,7 @@ class Recorder:
             the batch); in probe mode, every rule call whose input has a leading dimension of
             size 1 is expanded when this is True.
         direct: record direct uses of tracked parameters (NOTE [direct uses]).
+        layers: what :func:`layers_of` found for ``wanted`` (outside probe mode), or None.
     """
 
     def __init__(
@@ -153,6 +173,7 @@ class Recorder:
         expand_shared: bool | set[int] = False,
         direct: bool = False,
         owners: set[str] | None = None,
+        layers: Layers | None = None,
     ):
         self.model = model
         self.tracked = tracked
@@ -166,9 +187,10 @@ class Recorder:
         self.handles: list[Any] = []
         self.attention_path = ""
         self._modes: list[Any] = []
-        self._attention = AttentionMode(self)
+        self._attention: AttentionMode | None = None
         self._direct = _DirectUseMode(self) if direct else None
         self.wanted = wanted if wanted is not None else self._find_wanted(owners)
+        self.layers = layers
         self.capturing = False
 
     # -- which modules -------------------------------------------------------------------
@@ -196,21 +218,23 @@ class Recorder:
     # -- installation --------------------------------------------------------------------
 
     def install(self) -> None:
-        names = self.paths()
-        for path, m in self.model.named_modules():
-            if is_attention(m):
-                self.handles.append(m.register_forward_pre_hook(self._enter_attention(path)))
-                self.handles.append(m.register_forward_hook(self._exit_attention,
-                                                            always_call=True))
         if self.probe:
+            names = self.paths()
+            attention = [(path, m) for path, m in self.model.named_modules() if is_attention(m)]
             self.handles.append(torch.nn.modules.module.register_module_forward_hook(
                 self._any_module(names), with_kwargs=True, always_call=False))
         else:
-            for m in self.model.modules():
-                w = self.wanted.get(id(m))
-                if w is not None:
-                    self.handles.append(m.register_forward_hook(
-                        self._layer(names[id(m)], w, m), prepend=True, with_kwargs=True))
+            layers = self.layers if self.layers is not None else layers_of(self.model,
+                                                                          self.wanted)
+            attention = layers.attention
+            for path, m in layers.hooked:
+                self.handles.append(m.register_forward_hook(
+                    self._layer(path, self.wanted[id(m)], m), prepend=True, with_kwargs=True))
+        for path, m in attention:
+            if self._attention is None:
+                self._attention = AttentionMode(self)
+            self.handles.append(m.register_forward_pre_hook(self._enter_attention(path)))
+            self.handles.append(m.register_forward_hook(self._exit_attention, always_call=True))
         if self._direct is not None:
             self._direct.__enter__()
             self._modes.append(self._direct)
@@ -336,8 +360,9 @@ class Recorder:
             kwargs=kwargs,
             outputs=outs,
             out_edges=[out_edge(t) for t in outs],
+            # (the graph walk of the plan reads them; the rules' pass does not)
             in_edges=[e for e in (edge_of(a) for a in _tensors((args, kwargs) if kwargs else args))
-                      if e is not None],
+                      if e is not None] if self.probe else [],
             complete=complete,
             shared=shared,
             x_version=x._version if isinstance(x, Tensor) else 0,
