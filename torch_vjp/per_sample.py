@@ -415,9 +415,7 @@ def _norms_and_sums(
                 )
         for n in plan.zero_params:
             per_param[n] = like.new_zeros(batch)
-    sq = like.new_zeros(batch)
-    for v in per_param.values():
-        sq.add_(v)
+    sq = _total(per_param.values(), like, batch)
     sums: dict[str, Tensor] | None = {} if max_norm is not None else None
     vmap_names, loop_names = _fallback_names(plan, res)
     groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
@@ -469,6 +467,17 @@ def _norms_and_sums(
                     continue
                 sums[n] = region_weighted_sum(fs, c, sel.tensors[n])
     return norms, sums, per_param
+
+
+def _total(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
+    """The sum of the parameters' squared norms, in a new tensor of ``like``'s dtype."""
+    total = None
+    for v in values:
+        if total is None:
+            total = v.to(like.dtype, copy=True)
+        else:
+            total.add_(v)
+    return like.new_zeros(batch) if total is None else total
 
 
 def _clip_factors(sq: Tensor, max_norm: float) -> Tensor:

@@ -65,7 +65,7 @@ NORM_CHUNK_ELEMENTS = 1 << 18
 
 def sq_norms_rows(v: Tensor) -> Tensor:
     """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``."""
-    rows = v.reshape(v.shape[0], -1)
+    rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)
     if rows.is_complex():
         return torch.linalg.vector_norm(rows, dim=1).square_()
     return torch.linalg.vecdot(rows, rows)  # one kernel
@@ -133,10 +133,11 @@ class Factor:
 class SmallFactor(Factor):
     """Per-sample gradients held as they are, ``value: (B, *region_shape)``."""
 
-    def __init__(self, value: Tensor, rows: slice | None = None):
+    def __init__(self, value: Tensor, rows: slice | None = None, sq: Any = None):
         self.value = value
         self.rows = rows
         self.region_shape = tuple(value.shape[1:])
+        self._sq = sq  # a function giving the squared norms already known (a Linear's bias)
 
     @property
     def batch(self) -> int:
@@ -158,11 +159,12 @@ class SmallFactor(Factor):
         self.write_range(out, 0, self.batch, accumulate)
 
     def sq_norms(self, chunk_size: int | None) -> Tensor:
-        return sq_norms_rows(self.value)
+        return self._sq() if self._sq is not None else sq_norms_rows(self.value)
 
     def weighted_sum(self, c: Tensor) -> Tensor:
         v = self.value
-        c = c.to(v.dtype)
+        if c.dtype != v.dtype:
+            c = c.to(v.dtype)
         if v.dim() == 2:
             return torch.mv(v.T, c)
         return torch.mv(v.reshape(v.shape[0], -1).T, c).view(v.shape[1:])
@@ -184,6 +186,8 @@ class OuterFactor(Factor):
     ``region_shape`` is the region's own shape, ``(q, p)``: a Linear weight, or a block of
     rows of one (an attention projection). With ``transposed``, the region is ``(p, q)``
     (GPT-2's ``Conv1D`` stores its weight as ``(in, out)``) and ``G_i^T`` is written.
+    ``a: (B, p)`` and ``g: (B, q)`` stand for ``T == 1`` (a Linear on a batch of vectors,
+    the common case, kept two-dimensional so that no call reshapes them).
     """
 
     def __init__(
@@ -194,21 +198,48 @@ class OuterFactor(Factor):
         rows: slice | None = None,
         transposed: bool = False,
     ):
-        self.a = a
-        self.g = g
+        if a.dim() == 2:
+            self.a2: Tensor | None = a
+            self.g2: Tensor | None = g
+            self._a3: Tensor | None = None
+            self._g3: Tensor | None = None
+        else:
+            self.a2 = self.g2 = None
+            self._a3, self._g3 = a, g
         self.rows = rows
         self.region_shape = tuple(region_shape)
         self.transposed = transposed
+        self._g_sq: Tensor | None = None
+
+    @property
+    def a(self) -> Tensor:
+        """``(B, T, p)``."""
+        if self._a3 is None:
+            self._a3 = self.a2.unsqueeze(1)  # type: ignore[union-attr]
+        return self._a3
+
+    @property
+    def g(self) -> Tensor:
+        """``(B, T, q)``."""
+        if self._g3 is None:
+            self._g3 = self.g2.unsqueeze(1)  # type: ignore[union-attr]
+        return self._g3
+
+    def g_sq_norms(self) -> Tensor:
+        """``||g_i||^2`` for ``T == 1`` (made once; a bias's squared norms, too)."""
+        if self._g_sq is None:
+            self._g_sq = sq_norms_rows(self.g2 if self.g2 is not None else self.g[:, 0])
+        return self._g_sq
 
     @property
     def batch(self) -> int:
-        return self.a.shape[0]
+        return (self.a2 if self.a2 is not None else self._a3).shape[0]  # type: ignore[union-attr]
 
     def _dtype(self) -> torch.dtype:
-        return self.a.dtype
+        return (self.a2 if self.a2 is not None else self._a3).dtype  # type: ignore[union-attr]
 
     def _device(self) -> torch.device:
-        return self.a.device
+        return (self.a2 if self.a2 is not None else self._a3).device  # type: ignore[union-attr]
 
     def write_range(self, out: Tensor, start: int, stop: int, accumulate: bool) -> None:
         a, g = self.a[start:stop], self.g[start:stop]
@@ -250,11 +281,13 @@ class OuterFactor(Factor):
         return T * (p + q) <= p * q
 
     def sq_norms(self, chunk_size: int | None) -> Tensor:
+        if self.a2 is not None:
+            return sq_norms_rows(self.a2).mul_(self.g_sq_norms())
         a, g = self.a, self.g
         B, T, p = a.shape
         q = g.shape[2]
         if T == 1:
-            return sq_norms_rows(a).mul_(sq_norms_rows(g))
+            return sq_norms_rows(a).mul_(self.g_sq_norms())
         out = a.new_empty(B)
         if self.use_ghost():
             for s, e in chunks(B, 2 * T * T, chunk_size, NORM_CHUNK_ELEMENTS):
@@ -271,14 +304,18 @@ class OuterFactor(Factor):
         return out
 
     def weighted_sum(self, c: Tensor) -> Tensor:
-        B, T, p = self.a.shape
-        q = self.g.shape[2]
-        gc = self.g * c.to(self.g.dtype).view(B, 1, 1)
-        if self.transposed:
-            res = torch.mm(self.a.reshape(B * T, p).T, gc.reshape(B * T, q))
+        if self.a2 is not None:
+            a, g = self.a2, self.g2
         else:
-            res = torch.mm(gc.reshape(B * T, q).T, self.a.reshape(B * T, p))
-        return res.view(self.region_shape)
+            B, T, p = self._a3.shape  # type: ignore[union-attr]
+            a = self._a3.reshape(B * T, p)  # type: ignore[union-attr]
+            g = self._g3.reshape(B * T, -1)  # type: ignore[union-attr]
+            c = c.repeat_interleave(T) if T != 1 else c
+        if c.dtype != g.dtype:  # type: ignore[union-attr]
+            c = c.to(g.dtype)  # type: ignore[union-attr]
+        gc = g * c.unsqueeze(1)
+        res = torch.mm(a.T, gc) if self.transposed else torch.mm(gc.T, a)
+        return res if res.shape == self.region_shape else res.view(self.region_shape)
 
     def merge_key(self) -> Any:
         return ("outer", self.rows, self.region_shape, self.a.shape[2], self.g.shape[2],
@@ -435,7 +472,8 @@ def region_sq_norms(factors: list[Factor], shape: tuple[int, ...], batch: int, l
 def region_weighted_sum(factors: list[Factor], c: Tensor, param: Tensor) -> Tensor:
     """``sum_i c[i] G_i`` of one parameter (weighted sums add across factors and regions)."""
     if len(factors) == 1 and factors[0].rows is None:
-        return factors[0].weighted_sum(c).reshape(param.shape)
+        res = factors[0].weighted_sum(c)
+        return res if res.shape == param.shape else res.reshape(param.shape)
     total = torch.zeros(param.shape, dtype=c.dtype, device=c.device)
     for f in factors:
         region = total if f.rows is None else total[f.rows]

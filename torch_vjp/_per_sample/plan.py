@@ -205,7 +205,9 @@ def plan_key(
         strategy,
         batch == 1,
         tuple(_tail(x) for x in xs),
-        None if targets is None else tuple(_tail(t) for t in tree_leaves(targets)),
+        None if targets is None else (
+            _tail(targets) if isinstance(targets, Tensor)
+            else tuple(_tail(t) for t in tree_leaves(targets))),
         sel.training or tuple(m.training for m in model.modules()),
         tuple(sel.canonical),
         tuple(t.requires_grad for t in sel.tensors.values()),

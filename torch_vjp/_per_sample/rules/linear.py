@@ -16,14 +16,19 @@ __all__ = ["LinearRule", "Conv1DRule"]
 
 
 def _rows(call, grads, batch):
-    """The input and output gradient as ``(B, T, p)`` and ``(B, T, q)``."""
+    """The input and output gradient as ``(B, T, p)`` and ``(B, T, q)``, or as ``(B, p)``
+    and ``(B, q)`` where each example is one row (``T == 1``)."""
     x = to_batch_first(call.x, call.bdim)
     g = to_batch_first(grads[0], call.bdim)
+    if x.dim() == 2 and x.shape[0] == batch:
+        return x, g
     p, q = x.shape[-1], g.shape[-1]
     return x.reshape(batch, -1, p), g.reshape(batch, -1, q)
 
 
-def _bias(gg, rows=None):
+def _bias(gg, rows=None, weight=None):
+    if gg.dim() == 2:
+        return SmallFactor(gg, rows, sq=None if weight is None else weight.g_sq_norms)
     return SmallFactor(gg[:, 0] if gg.shape[1] == 1 else gg.sum(1), rows)
 
 
@@ -36,11 +41,13 @@ class LinearRule(Rule):
             return []
         a, gg = _rows(call, grads, batch)
         out = []
+        w = None
         if "weight" in roles:
             _, rows = call.params["weight"]
-            out.append(("weight", OuterFactor(a, gg, (gg.shape[2], a.shape[2]), rows)))
+            w = OuterFactor(a, gg, (gg.shape[-1], a.shape[-1]), rows)
+            out.append(("weight", w))
         if "bias" in roles:
-            out.append(("bias", _bias(gg, call.params["bias"][1])))
+            out.append(("bias", _bias(gg, call.params["bias"][1], w)))
         return out
 
 
@@ -56,7 +63,7 @@ class Conv1DRule(Rule):
         a, gg = _rows(call, grads, batch)
         out = []
         if "weight" in roles:
-            out.append(("weight", OuterFactor(a, gg, (a.shape[2], gg.shape[2]), None,
+            out.append(("weight", OuterFactor(a, gg, (a.shape[-1], gg.shape[-1]), None,
                                               transposed=True)))
         if "bias" in roles:
             out.append(("bias", _bias(gg)))
