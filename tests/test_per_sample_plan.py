@@ -567,3 +567,14 @@ def test_layer_called_by_keyword_is_computed_by_its_rule():
     assert plan["lin.weight"].method == "rule"
     assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="hooks"),
                    loop_reference(model, nn.MSELoss(), x, y))
+
+
+def test_a_rule_that_declines_the_configuration_says_so():
+    model = nn.Sequential(nn.Embedding(10, 3, max_norm=1.0), nn.Flatten(), nn.Linear(6, 2))
+    model = model.to(DT)
+    x, y = torch.randint(0, 10, (5, 2)), torch.randn(5, 2, dtype=DT)
+    plan = tv.per_sample_plan(model, nn.MSELoss(), x, y)
+    assert plan["0.weight"].method == "vmap"
+    assert plan["0.weight"].reason == (
+        "the Embedding rule does not handle max_norm (rows renormalised in place) "
+        "(module '0': Embedding)")

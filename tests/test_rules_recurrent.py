@@ -298,6 +298,8 @@ def test_dropout_in_training_mode_is_declined():
     model.train()  # dropout=0.5 between the two layers: masks a rule cannot replay
     plan = tv.per_sample_plan(model, loss_fn, x, t)
     assert plan["rnn.weight_ih_l0"].method in ("vmap", "loop"), str(plan)
+    # the reason names the rule that declined, not a missing rule
+    assert "LSTM rule does not replay dropout" in plan["rnn.weight_ih_l0"].reason
     assert plan["fc.weight"].method == "rule"
     with pytest.raises(tv.StrategyError, match="rnn.weight_ih_l0"):
         per_sample_grads(model, loss_fn, x, t, strategy="hooks")
@@ -330,6 +332,8 @@ def test_packed_sequences_are_declined():
     t = torch.randint(0, CLASSES, (4,))
     plan = tv.per_sample_plan(model, nn.CrossEntropyLoss(), x, t)
     assert plan["rnn.weight_ih_l0"].method in ("vmap", "loop"), str(plan)
+    assert "rule does not handle this call's input (a PackedSequence)" in (
+        plan["rnn.weight_ih_l0"].reason), str(plan)
     assert plan["emb.weight"].method == "rule"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vmap cannot batch packing: the loop, with a warning
@@ -379,3 +383,88 @@ def test_a_forward_the_rule_cannot_replay_is_caught_and_rerouted(monkeypatch):
     assert plan["rnn.weight_ih_l0"].method in ("vmap", "loop")
     assert "disagreed with the per-example loop" in plan["rnn.weight_ih_l0"].reason
     assert plan["init.weight"].method == "rule"
+
+
+# ------------------------------------------------------------------------------------------
+# Every output that holds the examples is checked, not only the first
+# ------------------------------------------------------------------------------------------
+
+
+class ReadsState(nn.Module):
+    """Reads the last layer's h_n (``flip``: with the examples reversed, which the plan
+    must not take for the layer's own rows)."""
+
+    def __init__(self, flip):
+        super().__init__()
+        self.flip = flip
+        self.rnn = nn.LSTM(EMB, HIDDEN, batch_first=True)
+        self.fc = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        _, (h, _) = self.rnn(x)
+        h = h[-1]
+        return self.fc(h.flip(0) if self.flip else h)
+
+
+def test_state_output_with_examples_reversed_is_mixing():
+    # row i of the output is computed from example B-1-i: the model mixes examples, which
+    # the plan finds from h_n's data flow (the first output is unused)
+    torch.manual_seed(0)
+    x, t = torch.randn(5, 4, EMB, dtype=DT), torch.randint(0, CLASSES, (5,))
+    model = ReadsState(flip=True).to(DT)
+    with pytest.raises(tv.PerSampleError, match="mixes examples"):
+        per_sample_grads(model, nn.CrossEntropyLoss(), x, t)
+    # the same model reading h_n in order: the rule, from the state's gradient alone
+    model = ReadsState(flip=False).to(DT)
+    plan = tv.per_sample_plan(model, nn.CrossEntropyLoss(), x, t)
+    assert plan["rnn.weight_ih_l0"].method == "rule", str(plan)
+    assert_matches(per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy="hooks"),
+                   loop_reference(model, nn.CrossEntropyLoss(), x, t))
+
+
+def test_every_output_is_checked_along_the_dimension_its_rule_names(monkeypatch):
+    # A rule that names the wrong dimension for h_n (0, of size 1, where the examples are
+    # along 1) is not trusted, although the first output (unused here) says nothing.
+    from torch_vjp._per_sample.rules import recurrent
+
+    monkeypatch.setattr(recurrent.RecurrentRule, "other_output_dims",
+                        lambda self, module, x: {1: 0, 2: 0})
+    torch.manual_seed(0)
+    x, t = torch.randn(5, 4, EMB, dtype=DT), torch.randint(0, CLASSES, (5,))
+    model = ReadsState(flip=False).to(DT)
+    plan = tv.per_sample_plan(model, nn.CrossEntropyLoss(), x, t)
+    row = plan["rnn.weight_ih_l0"]
+    assert row.method in ("vmap", "loop"), str(plan)
+    assert "its output 1 of shape (1, 5, 4) has no dimension 0 of size 5" in row.reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vmap fails on stock recurrent layers: the loop
+        got = per_sample_grads(model, nn.CrossEntropyLoss(), x, t)
+    assert_matches(got, loop_reference(model, nn.CrossEntropyLoss(), x, t))
+
+
+class ZeroGradient(nn.Module):
+    """The reverse direction's top-layer recurrent weight gets an exactly zero gradient:
+    adding the same number to every logit (c_n summed) leaves cross-entropy unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(EMB, HIDDEN, num_layers=2, bidirectional=True, proj_size=3,
+                           batch_first=True)
+        self.fc = nn.Linear(6, CLASSES)
+
+    def forward(self, x):
+        o, (_, c) = self.rnn(x)
+        return self.fc(o[:, -1]) + c[-1].sum(-1, keepdim=True)
+
+
+def test_a_gradient_zero_but_for_rounding_is_not_a_disagreement():
+    # the loop's 1e-17 against the rule's exact 0 is rounding, measured against the
+    # example's whole gradient
+    for seed, batch in ((1, 4), (2, 5), (8, 3)):  # seeds where the loop rounds to non-zero
+        torch.manual_seed(seed)
+        model = ZeroGradient().to(DT)
+        x = torch.randn(batch, 5, EMB, dtype=DT)
+        t = torch.randint(0, CLASSES, (batch,))
+        ref = loop_reference(model, nn.CrossEntropyLoss(), x, t)
+        got = per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy="hooks")
+        assert_matches(got, ref)

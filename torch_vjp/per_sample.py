@@ -231,13 +231,18 @@ def _verify(
         one = {n: ref[n][j:j + 1] for n in names}
         loop_grads(fn, model, loss_fn, xs, targets, sel, names, k, k + 1, one, reset)
     bad: dict[str, str] = {}
+    wants = {n: sq_norms_rows(ref[n]) for n in names}
+    # each example's whole gradient (all the parameters): a parameter whose true gradient is
+    # zero but for rounding is compared against that scale, not against its own
+    whole = torch.stack([w.to(torch.float64) for w in wants.values()]).sum(0).sqrt()
     for n in names:
-        want = sq_norms_rows(ref[n]).sqrt()
+        want = wants[n].sqrt()
         got = sq[n][ks].clamp_min(0).sqrt()
         rtol = _RTOL.get(want.dtype, 1e-3)
         scale = float(want.max()) if want.numel() else 0.0
         err = (got - want).abs()
-        if bool((err > rtol * want + rtol * 1e-3 * scale + 1e-30).any()):
+        floor = rtol * 1e-3 * whole.to(want.dtype)
+        if bool((err > rtol * want + rtol * 1e-3 * scale + floor + 1e-30).any()):
             j = int(err.argmax())
             bad[n] = (
                 f"the {plan.params[n].method} result disagreed with the per-example loop on "
@@ -247,14 +252,16 @@ def _verify(
     if not bad:
         plan.verified = True
         return []
-    methods = {plan.params[n].method for n in bad}
     if strategy != "auto":
         n, why = next(iter(bad.items()))
         raise PerSampleError(
             f"torch_vjp.{fn}: strategy={strategy!r} gives wrong per-sample gradients for this "
             f"model: for {n!r}, {why}.\n"
-            + ("  The model reorders or mixes examples in a way the per-layer rules cannot "
-               "see. " if "rule" in methods else
+            + (f"  The per-layer rule ({plan.params[n].how or 'its layer'}) does not "
+               f"reproduce what each example computes alone: the model reorders or mixes "
+               f"examples in a way the plan cannot see, or the layer's call is one the rule "
+               f"cannot replay (a forward other than the stock one, say). "
+               if plan.params[n].method == "rule" else
                "  vmap does not reproduce what each example computes alone (randomness "
                "drawn with a generator of the model's own, say). ")
             + "Fix: strategy='auto' (which routes such parameters to a strategy that is "

@@ -58,7 +58,7 @@ from torch_vjp._errors import PerSampleError, TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Selection
 from torch_vjp._per_sample.losses import example_loss, loss_sum
 from torch_vjp._per_sample.recorder import ModuleCall, Recorder, Wanted
-from torch_vjp._per_sample.registry import Call
+from torch_vjp._per_sample.registry import Call, declining_rule
 
 __all__ = [
     "Plan", "ParamPlan", "CallPlan", "plan_for", "plan_key", "walk", "forget_plans", "forward",
@@ -463,6 +463,33 @@ def _confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int) -> set
     return dims
 
 
+def _other_outputs_mixed(
+    c: Call,
+    more: dict[int, int],
+    grads: dict[tuple[int, int], list[Tensor | None]],
+    i: int,
+    ks: Sequence[int],
+    batch: int,
+) -> str:
+    """Why an output of ``c`` other than the first does not keep the examples apart along
+    the dimension its rule names (``""`` where each does, or is unused)."""
+    for j, d in more.items():
+        y = c.outputs[j]
+        gs = grads.get((i, j))
+        if gs is None or d >= y.dim() or y.shape[d] != batch:
+            if gs is not None and any(g is not None and bool((g != 0).any()) for g in gs):
+                return (f"its output {j} of shape {tuple(y.shape)} has no dimension {d} of "
+                        f"size {batch} that could hold the examples")
+            continue
+        for a, k in enumerate(ks):
+            got = _confined(gs[a], y.shape, k, batch)
+            if got is not None and d not in got:
+                return (f"the rows of its output {j} (shape {tuple(y.shape)}) do not belong to "
+                        f"single examples along dimension {d} (an example's loss depends on "
+                        f"other rows: they are shared by examples, reordered, or mixed)")
+    return ""
+
+
 def _probe_indices(batch: int) -> tuple[int, ...]:
     if batch == 2:
         return (1, 0)
@@ -566,6 +593,10 @@ def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
         m = model.get_submodule(path)
     except AttributeError:
         return "it has no per-layer rule"
+    declining = declining_rule(m)
+    if declining is not None:
+        where = f"module '{path}'" if path else "the model itself"
+        return f"{declining.declined(m)} ({where}: {type(m).__name__})"
     if not path:
         return (f"it belongs to the model itself, a {type(m).__name__}, which has no per-layer "
                 f"rule")
@@ -589,11 +620,20 @@ def _call_dims(
     calls = rec.calls
     edges: list[Any] = []
     owners: list[tuple[str, int, int]] = []  # ("call" | "in" | "out", index, position)
+    others: list[dict[int, int]] = []  # per call: its other outputs that hold the examples
     for i, c in enumerate(calls):
         e = c.out_edges[0] if c.out_edges else None
         if e is not None:
             owners.append(("call", i, 0))
             edges.append(e)
+        more = {j: d for j, d in c.rule.other_output_dims(c.module, c.x).items()
+                if j < len(c.out_edges)}
+        others.append(more)
+        for j in more:
+            e = c.out_edges[j]
+            if e is not None:
+                owners.append(("other", i, j))
+                edges.append(e)
     for i, mc in enumerate(rec.module_calls):
         for j, e in enumerate(mc.in_edges):
             if e is not None:
@@ -613,12 +653,15 @@ def _call_dims(
             grads = [None] * len(edges)
         grads_by_k.append(list(grads))
     call_grads: dict[int, list[Tensor | None]] = {}
+    other_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     in_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     out_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     for pos, (kind, i, j) in enumerate(owners):
         gs = [grads_by_k[a][pos] for a in range(len(ks))]
         if kind == "call":
             call_grads[i] = gs
+        elif kind == "other":
+            other_grads[(i, j)] = gs
         elif kind == "in":
             in_grads[(i, j)] = gs
         else:
@@ -632,6 +675,10 @@ def _call_dims(
             continue
         fixed = c.extra.get("fixed_bdim")
         cands = (fixed,) if fixed is not None else c.rule.batch_dims(c.module, c.x)
+        if not cands and not isinstance(c.x, Tensor):
+            result.append((None, f"the {c.rule.name} rule does not handle this call's input "
+                                 f"(a {type(c.x).__name__})"))
+            continue
         cands = tuple(d for d in cands if d < y.dim() and y.shape[d] == batch)
         if not cands:
             result.append((None, f"its output of shape {tuple(y.shape)} has no dimension that "
@@ -652,6 +699,10 @@ def _call_dims(
                                      "examples, so its batch dimension cannot be told"))
                 continue
         if len(dims) == 1:
+            bad = _other_outputs_mixed(c, others[i], other_grads, i, ks, batch)
+            if bad:
+                result.append((None, bad))
+                continue
             result.append((dims.pop(), ""))
         elif not dims:
             result.append((None, "its output's rows do not belong to single examples (an "

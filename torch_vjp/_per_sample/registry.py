@@ -105,6 +105,16 @@ class Rule:
         without ``max_norm``)."""
         return True
 
+    def declined(self, module: nn.Module) -> str:
+        """Why :meth:`applies` declines ``module`` (for the plan's reasons), a phrase."""
+        return "the rule does not handle this configuration"
+
+    def other_output_dims(self, module: nn.Module | None, x: Any) -> dict[int, int]:
+        """Outputs other than the first that hold the examples, ``{position: dimension}``
+        (in the order of the output's tensors); the plan checks that each keeps the examples
+        apart along that dimension, as it does for the first output. None by default."""
+        return {}
+
 
 # type -> (rule, require the registered type's own forward)
 _RULES: dict[type, tuple[Rule, bool]] = {}
@@ -156,6 +166,17 @@ def rule_for(module: nn.Module) -> Rule | None:
         if stock_only and base is not type(module) and not _stock(module, base):
             return None
         return rule if rule.applies(module) else None
+    return None
+
+
+def declining_rule(module: nn.Module) -> Rule | None:
+    """The rule registered for ``module``'s type when it declines this configuration."""
+    for base in type(module).__mro__:
+        hit = _RULES.get(base)
+        if hit is None and _NAMED:
+            hit = _NAMED.get(f"{base.__module__}.{base.__qualname__}")
+        if hit is not None:
+            return None if hit[0].applies(module) else hit[0]
     return None
 
 

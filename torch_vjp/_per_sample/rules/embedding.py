@@ -31,6 +31,12 @@ from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "BagFactor"]
 
 
+def _declined(module) -> str:
+    what = "max_norm (rows renormalised in place)" if module.max_norm is not None else (
+        "scale_grad_by_freq (gradients scaled by counts over the whole batch)")
+    return f"the {type(module).__name__} rule does not handle {what}"
+
+
 @register_rule(nn.Embedding)
 class EmbeddingRule(Rule):
     name = "Embedding"
@@ -39,6 +45,9 @@ class EmbeddingRule(Rule):
         # renormalising rows (max_norm) and scaling by frequency in the batch both make one
         # example's gradient depend on the others' indices
         return not module.scale_grad_by_freq and module.max_norm is None
+
+    def declined(self, module):
+        return _declined(module)
 
     def batch_dims(self, module, x):
         return tuple(range(x.dim())) if isinstance(x, Tensor) else ()
@@ -189,6 +198,9 @@ class EmbeddingBagRule(Rule):
         # as for Embedding: max_norm renormalises the rows the batch looked up (in place) and
         # scale_grad_by_freq scales by counts over the whole batch
         return not module.scale_grad_by_freq and module.max_norm is None
+
+    def declined(self, module):
+        return _declined(module)
 
     def batch_dims(self, module, x):
         # the output is (bags, D) for both input layouts, and a bag is the unit of examples

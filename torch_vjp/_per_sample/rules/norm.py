@@ -178,6 +178,10 @@ class BatchNormEvalRule(_ChannelsFirst):
             and module.running_var is not None
         )
 
+    def declined(self, module):
+        return ("the BatchNorm rule applies in eval mode with running statistics only (in "
+                "training mode the layer normalises with statistics of the whole batch)")
+
     def factors(self, call, grads, roles, batch):
         if grads[0] is None:
             return []

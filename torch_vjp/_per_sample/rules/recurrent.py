@@ -84,6 +84,16 @@ class RecurrentRule(Rule):
         # dropout acts only between layers, and only in training mode
         return not (module.dropout > 0 and module.training and module.num_layers > 1)
 
+    def declined(self, module: nn.Module) -> str:
+        return (f"the {type(module).__name__} rule does not replay dropout between layers in "
+                f"training mode (its randomness is drawn inside torch's kernel)")
+
+    def other_output_dims(self, module: nn.Module | None, x: Any) -> dict[int, int]:
+        # h_n (and c_n) are (layers * directions, B, H) whatever batch_first says
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            return {}
+        return {1: 1, 2: 1} if isinstance(module, nn.LSTM) else {1: 1}
+
     def batch_dims(self, module: nn.Module | None, x: Any) -> tuple[int, ...]:
         # The examples are along dimension 0 (batch_first) or 1 of a batched input, never
         # along time; an unbatched (2-D) input is one example, and a packed sequence is
