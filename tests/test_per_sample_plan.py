@@ -578,3 +578,15 @@ def test_a_rule_that_declines_the_configuration_says_so():
     assert plan["0.weight"].reason == (
         "the Embedding rule does not handle max_norm (rows renormalised in place) "
         "(module '0': Embedding)")
+
+
+def test_plan_rows_by_name_or_in_order():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).to(DT)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 1, dtype=DT)
+    plan = tv.per_sample_plan(model, nn.MSELoss(), x, y)
+    assert [row.name for row in plan] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert len(plan) == 4 and plan["1.bias"] is plan.rows[3]
+    with pytest.raises(TypeError, match=r"indexed by parameter name \(a str\), got int"):
+        plan[0]
+    with pytest.raises(KeyError):
+        plan["2.weight"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -705,10 +705,21 @@ class PerSamplePlan:
         ]
 
     def __getitem__(self, name: str) -> PerSamplePlanRow:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"PerSamplePlan is indexed by parameter name (a str), got "
+                f"{type(name).__name__}; iterate over the plan (or plan.rows) for the rows"
+            )
         for r in self.rows:
             if r.name == name:
                 return r
         raise KeyError(name)
+
+    def __iter__(self) -> Iterator[PerSamplePlanRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
     def __str__(self) -> str:
         head = f"per-sample plan (strategy={self.strategy!r})"

@@ -469,10 +469,21 @@ class _DirectUseMode(torch.overrides.TorchFunctionMode):
 
 def _broadcast_dim(param: Tensor, expanded: Tensor, batch: int) -> int | None:
     """The dimension of ``expanded`` that broadcasting over the examples added to ``param``:
-    dimension 0 of size B where ``param`` had none or size 1 there."""
-    if batch <= 1 or expanded.dim() == 0 or expanded.shape[0] != batch:
+    the one dimension of size B where ``param`` (aligned to the right, as broadcasting
+    aligns) had none or size 1 (dimension 1 for a recurrent layer's initial state
+    ``h0.expand(layers, B, hidden)``); None where there is no such dimension, or several.
+    The plan checks the dimension against the data flow like any rule call's."""
+    if batch <= 1 or expanded.dim() == 0:
         return None
     lead = expanded.dim() - param.dim()
-    if lead > 0 or param.shape[0] == 1:
-        return 0
-    return None
+    if lead < 0:
+        return None
+    found = None
+    for d, size in enumerate(expanded.shape):
+        if size != batch:
+            continue
+        if d < lead or param.shape[d - lead] == 1:
+            if found is not None:
+                return None
+            found = d
+    return found
