@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_vjp as tv
-from torch_vjp._per_sample import plan as plan_module
+from torch_vjp._per_sample import probe as plan_module
+from torch_vjp._per_sample.args import Job, select
 
 DT = torch.float64
 STRATEGIES = ("auto", "hooks", "vmap", "loop")
@@ -162,13 +163,12 @@ def test_seeded_generator_goes_to_vmap_with_shared_randomness():
     torch.manual_seed(0)
     model = make().to(DT)
     x = torch.randn(*shape, dtype=DT)
-    plan = plan_module.plan_for("per_sample_grads", model, loss_fn, (x,), None,
-                                _selection(model), x.shape[0], "vmap")
+    plan = plan_module.plan_for(Job("per_sample_grads", model, loss_fn, (x,), None,
+                                    _selection(model), x.shape[0], "vmap"))
     assert plan.vmap_randomness == "same"
 
 
 def _selection(model):
-    from torch_vjp._per_sample.args import select
 
     return select("test", model, None)
 
@@ -459,9 +459,9 @@ def test_plan_is_built_once_and_reused_for_other_batch_sizes(monkeypatch):
     built = []
     real = plan_module.build_plan
 
-    def spy(*args, **kwargs):
-        built.append(args[6])  # the batch size
-        return real(*args, **kwargs)
+    def spy(job):
+        built.append(job.batch)
+        return real(job)
 
     monkeypatch.setattr(plan_module, "build_plan", spy)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)

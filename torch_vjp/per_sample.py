@@ -22,50 +22,30 @@ the model, and checked against the per-example loop (NOTE [the per-sample plan] 
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from torch_vjp._core import check_chunk_size
-from torch_vjp._errors import (
-    PerSampleError,
-    PerSampleTypeError,
-    PerSampleValueError,
-    StrategyError,
-    shape_str,
+from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
+from torch_vjp._per_sample.args import check_max_norm
+from torch_vjp._per_sample.factors import sq_norms_rows
+from torch_vjp._per_sample.plan import Plan
+from torch_vjp._per_sample.probe import forget_plans, plan_for
+from torch_vjp._per_sample.registry import register_user_rule
+from torch_vjp._per_sample.run import (
+    add_to_grads,
+    buffers_kept,
+    check_trainable,
+    grads,
+    norms_and_sums,
+    plan_of,
+    prepare,
+    verify,
 )
-from torch_vjp._per_sample import rules as _rules  # noqa: F401 - registers the rules
-from torch_vjp._per_sample.args import (
-    Selection,
-    as_inputs,
-    check_max_norm,
-    check_model,
-    check_static_mixing,
-    check_targets,
-    select,
-)
-from torch_vjp._per_sample.factors import (
-    CHUNK_ELEMENTS,
-    region_sq_norms,
-    region_weighted_sum,
-    sq_norms_rows,
-    write_region,
-)
-from torch_vjp._per_sample.fallback import fallback_grads, loop_grads
-from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
-from torch_vjp._per_sample.plan import (
-    Plan,
-    forget_plans,
-    mixing_error,
-    plan_for,
-)
-from torch_vjp._per_sample.registry import register_user_rule, registered_types
-from torch_vjp._strategies import PerSampleStrategyName, get_per_sample_strategy
+from torch_vjp._strategies import PerSampleStrategyName
 
 __all__ = [
     "per_sample_grads",
@@ -77,202 +57,6 @@ __all__ = [
     "PerSampleValueError",
     "PerSampleTypeError",
 ]
-
-
-# ============================================================================================
-# Shared steps
-# ============================================================================================
-
-
-# Per model: the selection of parameters and the static checks, for the same parameters
-# (and requires_grad flags) and training flags; what every call would otherwise recompute.
-_STATIC: weakref.WeakKeyDictionary[nn.Module, dict[Any, Selection]] = weakref.WeakKeyDictionary()
-
-
-def _prepare(fn: str, model: Any, inputs: Any, targets: Any, params: Any, strategy: Any):
-    strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
-    check_model(fn, model)
-    xs, batch = as_inputs(fn, inputs)
-    check_targets(fn, targets, batch)
-    training = tuple(m.training for m in model.modules())
-    key = _static_key(model, params, training)
-    cache = _STATIC.setdefault(model, {}) if key is not None else {}
-    sel = cache.get(key)
-    if sel is None:
-        sel = select(fn, model, params)
-        check_static_mixing(fn, model)
-        sel.training = training
-        sel.sparse = frozenset(_sparse_tables(model)) & frozenset(map(id, sel.tensors.values()))
-        if key is not None:
-            if len(cache) >= 8:
-                cache.clear()
-            cache[key] = sel
-    return strategy, xs, batch, sel
-
-
-def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...]) -> Any:
-    if params is None:
-        names: Any = None
-    elif isinstance(params, str):
-        names = (params,)
-    elif isinstance(params, (list, tuple)) and all(isinstance(n, str) for n in params):
-        names = tuple(params)
-    else:
-        return None  # a generator, or something select() reports
-    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), training)
-
-
-@contextlib.contextmanager
-def _buffers_kept(model: nn.Module, names: Sequence[str]) -> Any:
-    """Puts back the buffers the plan found a forward changes (spectral normalisation's
-    vectors in training mode): no buffer of the model changes (SPEC §0). Yields the function
-    that puts them back, or None: the per-example runs call it before each example, so that
-    every example runs alone from the caller's state, as the definition says."""
-    if not names:
-        yield None
-        return
-    saved = []
-    for n in names:
-        try:
-            b = model.get_buffer(n)
-        except AttributeError:
-            continue
-        saved.append((b, b.detach().clone()))
-
-    def reset() -> None:
-        with torch.no_grad():
-            for b, copy in saved:
-                b.copy_(copy)
-
-    try:
-        yield reset
-    finally:
-        reset()
-
-
-def _plan(
-    fn: str, model: nn.Module, loss_fn: Callable, xs: tuple[Tensor, ...], targets: Any,
-    sel: Selection, batch: int, strategy: str, rebuild: bool = False,
-) -> Plan:
-    """The plan for this call; refuses what the strategy cannot compute right."""
-    plan = plan_for(fn, model, loss_fn, xs, targets, sel, batch, strategy, rebuild=rebuild)
-    if plan.mixing is not None and strategy in ("auto", "hooks"):
-        raise mixing_error(fn, plan.mixing, strategy)
-    if strategy == "hooks":
-        missing = {n: p.reason for n, p in plan.params.items() if p.method in ("vmap", "loop")}
-        if missing:
-            raise _no_rule_error(fn, missing)
-    return plan
-
-
-def _no_rule_error(fn: str, missing: dict[str, str]) -> StrategyError:
-    lines = "\n".join(f"    {n!r}: {why}" for n, why in missing.items())
-    return StrategyError(
-        f"torch_vjp.{fn}: strategy='hooks' has no per-layer rule for {len(missing)} "
-        f"parameter(s):\n{lines}\n"
-        f"  Rules exist for {', '.join(registered_types())} and nn.MultiheadAttention, and "
-        f"for parameters added to (or expanded over) the batch; add one for a layer of your "
-        f"own with torch_vjp.register_per_sample_rule. Or use strategy='auto', which "
-        f"computes the other parameters with vmap (or the loop), or strategy='vmap'."
-    )
-
-
-def _hooks(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan) -> tuple[Plan, HooksResult]:
-    """The rules' pass; a model whose layer calls are not the plan's gets a new plan, once."""
-    res = hooks_pass(fn, model, loss_fn, xs, targets, sel, batch, plan)
-    if res.mismatch:
-        plan = _plan(fn, model, loss_fn, xs, targets, sel, batch, strategy, rebuild=True)
-        res = hooks_pass(fn, model, loss_fn, xs, targets, sel, batch, plan)
-        if res.mismatch:  # the layers called change from call to call: no rules this time
-            why = "the layers the model calls change from one call to the next"
-            if strategy == "hooks":
-                raise _no_rule_error(fn, {n: why for n in plan.rule_params})
-            res = HooksResult(moved={n: why for n in plan.rule_params})
-    return plan, res
-
-
-def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
-    """The parameters left to vmap and to the loop in this call."""
-    vmap_names, loop_names = [], []
-    for n, p in plan.params.items():
-        method = "vmap" if n in res.moved else p.method
-        if method == "vmap" and plan.vmap_randomness is not None:
-            vmap_names.append(n)
-        elif method in ("vmap", "loop"):
-            loop_names.append(n)
-    return vmap_names, loop_names
-
-
-def _fallback(fn, strategy, model, loss_fn, xs, targets, sel, names, start, stop, chunk,
-              randomness, reset=None):
-    if not names:
-        return {}
-    return fallback_grads(fn, strategy, model, loss_fn, xs, targets, sel, names, start, stop,
-                          chunk, randomness, reset)
-
-
-def _verify(
-    fn: str, model: nn.Module, loss_fn: Callable, xs: tuple[Tensor, ...], targets: Any,
-    sel: Selection, batch: int, strategy: str, plan: Plan, sq: dict[str, Tensor],
-    reset: Callable[[], None] | None = None,
-) -> list[str]:
-    """Compares the per-parameter squared norms of two examples with the per-example loop
-    (NOTE [the per-sample plan]); returns the parameters that disagree, after routing them
-    off their method (or raising, for an explicit strategy)."""
-    if plan.verified:
-        return []
-    if plan.random_global or strategy == "loop":
-        plan.verified = True
-        return []
-    ks = sorted({batch - 1, batch // 2})
-    names = list(sel.canonical)
-    ref = {n: sel.tensors[n].new_empty((len(ks), *sel.tensors[n].shape)) for n in names}
-    for j, k in enumerate(ks):
-        one = {n: ref[n][j:j + 1] for n in names}
-        loop_grads(fn, model, loss_fn, xs, targets, sel, names, k, k + 1, one, reset)
-    bad: dict[str, str] = {}
-    wants = {n: sq_norms_rows(ref[n]) for n in names}
-    # each example's whole gradient (all the parameters): a parameter whose true gradient is
-    # zero but for rounding is compared against that scale, not against its own
-    whole = torch.stack([w.to(torch.float64) for w in wants.values()]).sum(0).sqrt()
-    for n in names:
-        want = wants[n].sqrt()
-        got = sq[n][ks].clamp_min(0).sqrt()
-        rtol = _RTOL.get(want.dtype, 1e-3)
-        scale = float(want.max()) if want.numel() else 0.0
-        err = (got - want).abs()
-        floor = rtol * 1e-3 * whole.to(want.dtype)
-        if bool((err > rtol * want + rtol * 1e-3 * scale + floor + 1e-30).any()):
-            j = int(err.argmax())
-            bad[n] = (
-                f"the {plan.params[n].method} result disagreed with the per-example loop on "
-                f"example {ks[j]} (gradient norm {float(got[j]):.6g} against "
-                f"{float(want[j]):.6g})"
-            )
-    if not bad:
-        plan.verified = True
-        return []
-    if strategy != "auto":
-        n, why = next(iter(bad.items()))
-        raise PerSampleError(
-            f"torch_vjp.{fn}: strategy={strategy!r} gives wrong per-sample gradients for this "
-            f"model: for {n!r}, {why}.\n"
-            + (f"  The per-layer rule ({plan.params[n].how or 'its layer'}) does not "
-               f"reproduce what each example computes alone: the model reorders or mixes "
-               f"examples in a way the plan cannot see, or the layer's call is one the rule "
-               f"cannot replay (a forward other than the stock one, say). "
-               if plan.params[n].method == "rule" else
-               "  vmap does not reproduce what each example computes alone (randomness "
-               "drawn with a generator of the model's own, say). ")
-            + "Fix: strategy='auto' (which routes such parameters to a strategy that is "
-              "right) or strategy='loop'."
-        )
-    for n, why in bad.items():
-        plan.route([n], why + "; rerouted")
-    return list(bad)
-
-
-_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
 
 
 # ============================================================================================
@@ -337,159 +121,23 @@ def per_sample_grads(
         True
     """
     fn = "per_sample_grads"
-    strategy, xs, batch, sel = _prepare(fn, model, inputs, targets, params, strategy)
+    job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
     chunk = check_chunk_size(chunk_size, call=f"torch_vjp.{fn}", what="examples",
                              cls=PerSampleValueError)
-    if batch == 0:
+    sel = job.sel
+    if job.batch == 0:
         return {n: sel.tensors[sel.key_of[n]].new_zeros((0, *sel.tensors[sel.key_of[n]].shape))
                 for n in sel.names}
-    plan = _plan(fn, model, loss_fn, xs, targets, sel, batch, strategy)
-    with _buffers_kept(model, plan.mutable_buffers) as reset:
+    plan = plan_of(job)
+    with buffers_kept(job, plan):
         while True:
-            results = _grads(fn, model, loss_fn, xs, targets, sel, batch, strategy, chunk, plan,
-                             reset)
+            results = grads(job, plan, chunk)
             sq = {n: sq_norms_rows(g) for n, g in results.items()}
-            if reset is not None:
-                reset()
-            if not _verify(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan, sq,
-                           reset):
+            if job.reset is not None:
+                job.reset()
+            if not verify(job, plan, sq):
                 break
     return {n: results[sel.key_of[n]] for n in sel.names}
-
-
-def _grads(fn, model, loss_fn, xs, targets, sel, batch, strategy, chunk, plan,
-           reset=None) -> dict[str, Tensor]:
-    """Per-sample gradients of every canonical parameter, under the plan."""
-    if plan.rule_params:
-        plan, res = _hooks(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan)
-    else:
-        res = HooksResult()
-    results: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for n in plan.rule_params:
-            if n in res.moved:
-                continue
-            p = sel.tensors[n]
-            out = p.new_empty((batch, *p.shape))
-            fs = res.factors.get(n)
-            if fs:
-                write_region(fs, out, chunk)
-            else:
-                out.zero_()
-            results[n] = out
-        for n in plan.zero_params:
-            results[n] = sel.tensors[n].new_zeros((batch, *sel.tensors[n].shape))
-    vmap_names, loop_names = _fallback_names(plan, res)
-    if reset is not None:
-        reset()
-    results.update(_fallback(fn, "auto" if strategy == "hooks" else strategy, model, loss_fn,
-                             xs, targets, sel, vmap_names, 0, batch, chunk,
-                             plan.vmap_randomness, reset))
-    results.update(_fallback(fn, "loop", model, loss_fn, xs, targets, sel, loop_names, 0,
-                             batch, chunk, None, reset))
-    return results
-
-
-def _fallback_chunk(sel: Selection, names: list[str], batch: int) -> int:
-    per_example = sum(sel.tensors[n].numel() for n in names)
-    return max(1, min(batch, (CHUNK_ELEMENTS * 2) // max(1, per_example)))
-
-
-def _norms_and_sums(
-    fn: str, model: nn.Module, loss_fn: Callable, xs: tuple[Tensor, ...], targets: Any,
-    sel: Selection, batch: int, strategy: str, max_norm: float | None, plan: Plan,
-    reset: Callable[[], None] | None = None,
-) -> tuple[Tensor, dict[str, Tensor] | None, dict[str, Tensor]]:
-    """Per-sample gradient norms (and with ``max_norm`` the clipped sums), and each
-    parameter's squared norms."""
-    if plan.rule_params:
-        plan, res = _hooks(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan)
-    else:
-        res = HooksResult()
-    like = next(iter(sel.tensors.values()))
-    per_param: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for n in plan.rule_params:
-            if n in res.moved:
-                continue
-            fs = res.factors.get(n)
-            if fs and len(fs) == 1 and fs[0].rows is None:  # the common case
-                per_param[n] = fs[0].sq_norms(None)
-            else:
-                per_param[n] = (
-                    region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)
-                    if fs else like.new_zeros(batch)
-                )
-        for n in plan.zero_params:
-            per_param[n] = like.new_zeros(batch)
-    sq = _total(per_param.values(), like, batch)
-    sums: dict[str, Tensor] | None = {} if max_norm is not None else None
-    vmap_names, loop_names = _fallback_names(plan, res)
-    groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
-              if names]
-
-    def chunked(names: list[str], method: str):
-        step = _fallback_chunk(sel, names, batch)
-        for s in range(0, batch, step):
-            e = min(batch, s + step)
-            if reset is not None:
-                reset()
-            g = _fallback(fn, "auto" if method == "vmap" else "loop", model, loss_fn, xs,
-                          targets, sel, names, s, e, None,
-                          plan.vmap_randomness if method == "vmap" else None, reset)
-            yield s, e, g
-
-    def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
-        c = _clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
-        for n, gn in g.items():
-            w = torch.tensordot(c.to(gn.dtype), gn, dims=1)
-            sums[n] = w if n not in sums else sums[n] + w  # type: ignore[index]
-
-    # The clip factor of an example needs its full norm: with one fallback group it is
-    # known chunk by chunk (the rules' part is known already); with two, the second group's
-    # chunks come after the first's, so the sums take a second pass.
-    for names, method in groups:
-        for n in names:
-            per_param[n] = like.new_zeros(batch)
-        for s, e, g in chunked(names, method):
-            with torch.no_grad():
-                for n in names:
-                    per_param[n][s:e] = sq_norms_rows(g[n])
-                    sq[s:e] += per_param[n][s:e].to(sq.dtype)
-                if sums is not None and len(groups) == 1:
-                    add_sums(s, e, g)
-            del g
-    if sums is not None and len(groups) == 2:
-        for names, method in groups:
-            for s, e, g in chunked(names, method):
-                with torch.no_grad():
-                    add_sums(s, e, g)
-    norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
-    if sums is not None:
-        c = _clip_factors(sq, max_norm)  # type: ignore[arg-type]
-        with torch.no_grad():
-            for n in plan.rule_params:
-                fs = res.factors.get(n)
-                if n in res.moved or not fs:
-                    continue
-                sums[n] = region_weighted_sum(fs, c, sel.tensors[n])
-    return norms, sums, per_param
-
-
-def _total(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
-    """The sum of the parameters' squared norms, in a new tensor of ``like``'s dtype."""
-    total = None
-    for v in values:
-        if total is None:
-            total = v.to(like.dtype, copy=True)
-        else:
-            total.add_(v)
-    return like.new_zeros(batch) if total is None else total
-
-
-def _clip_factors(sq: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient."""
-    return sq.rsqrt().mul_(max_norm).clamp_(max=1.0)
 
 
 def per_sample_grad_norms(
@@ -540,22 +188,23 @@ def per_sample_grad_norms(
     return norms
 
 
-def _norms_run(fn, model, loss_fn, inputs, targets, params, strategy, max_norm):
-    strategy, xs, batch, sel = _prepare(fn, model, inputs, targets, params, strategy)
-    like = next(iter(sel.tensors.values()))
-    if batch == 0:
-        return like.new_zeros(0), ({} if max_norm is not None else None), sel
-    plan = _plan(fn, model, loss_fn, xs, targets, sel, batch, strategy)
-    with _buffers_kept(model, plan.mutable_buffers) as reset:
+def _norms_run(
+    fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params: Any, strategy: Any,
+    max_norm: float | None,
+) -> tuple[Tensor, dict[str, Tensor] | None, Any]:
+    job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
+    like = next(iter(job.sel.tensors.values()))
+    if job.batch == 0:
+        return like.new_zeros(0), ({} if max_norm is not None else None), job
+    plan = plan_of(job)
+    with buffers_kept(job, plan):
         while True:
-            norms, sums, per_param = _norms_and_sums(fn, model, loss_fn, xs, targets, sel, batch,
-                                                     strategy, max_norm, plan, reset)
-            if reset is not None:
-                reset()
-            if not _verify(fn, model, loss_fn, xs, targets, sel, batch, strategy, plan,
-                           per_param, reset):
+            norms, sums, per_param = norms_and_sums(job, plan, max_norm)
+            if job.reset is not None:
+                job.reset()
+            if not verify(job, plan, per_param):
                 break
-    return norms, sums, sel
+    return norms, sums, job
 
 
 def accumulate_clipped_grads(
@@ -611,60 +260,12 @@ def accumulate_clipped_grads(
     fn = "accumulate_clipped_grads"
     max_norm = check_max_norm(fn, max_norm)
     if isinstance(model, nn.Module):
-        _check_trainable(fn, model, params)
-    norms, sums, sel = _norms_run(fn, model, loss_fn, inputs, targets, params, strategy,
+        check_trainable(fn, model, params)
+    norms, sums, job = _norms_run(fn, model, loss_fn, inputs, targets, params, strategy,
                                   max_norm)
     assert sums is not None
-    sparse = sel.sparse
-    with torch.no_grad():
-        for n, p in sel.tensors.items():
-            s = sums.get(n)
-            if s is None:
-                s = torch.zeros_like(p)
-            if s.dtype != p.dtype:
-                s = s.to(p.dtype)
-            if s.shape != p.shape:
-                s = s.reshape(p.shape)
-            if sparse and id(p) in sparse:
-                s = s.to_sparse()
-            if p.grad is None:
-                p.grad = s
-            elif p.grad.layout != s.layout:
-                p.grad = p.grad + s
-            else:
-                p.grad.add_(s)
+    add_to_grads(job, sums)
     return norms
-
-
-def _check_trainable(fn: str, model: nn.Module, params: Any) -> None:
-    if params is None:
-        return
-    named = dict(model.named_parameters(remove_duplicate=False))
-    names = [params] if isinstance(params, str) else params
-    try:
-        names = list(names)
-    except TypeError:
-        return  # select() reports it
-    for n in names:
-        t = named.get(n) if isinstance(n, str) else None
-        if t is not None and not t.requires_grad:
-            raise PerSampleValueError(
-                f"torch_vjp.{fn}: params names {n!r}, which does not require grad. This call "
-                f"adds the clipped gradients to .grad, as backward does, and backward never "
-                f"gives a tensor that does not require grad a .grad (an optimizer would then "
-                f"move a frozen parameter).\n  Fix: leave {n!r} out of params, or set its "
-                f"requires_grad to True if it is meant to train; per_sample_grad_norms and "
-                f"per_sample_grads accept it."
-            )
-
-
-def _sparse_tables(model: nn.Module) -> set[int]:
-    """ids of the weights of Embedding layers with ``sparse=True`` (whose ``.grad`` backward
-    makes sparse)."""
-    return {
-        id(m.weight) for m in model.modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)
-    }
 
 
 # ============================================================================================
@@ -772,14 +373,14 @@ def per_sample_plan(
         ('rule', "Linear rule in '0'")
     """
     fn = "per_sample_plan"
-    strategy, xs, batch, sel = _prepare(fn, model, inputs, targets, params, strategy)
-    if batch == 0:
+    job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
+    if job.batch == 0:
         raise PerSampleValueError(
             f"torch_vjp.{fn}: the batch is empty (inputs[0] has shape "
-            f"{shape_str(xs[0].shape)}); a plan is found from at least one example."
+            f"{shape_str(job.xs[0].shape)}); a plan is found from at least one example."
         )
-    plan = plan_for(fn, model, loss_fn, xs, targets, sel, batch, strategy)
-    return PerSamplePlan(plan, sel.names, sel.key_of)
+    plan = plan_for(job)
+    return PerSamplePlan(plan, job.sel.names, job.sel.key_of)
 
 
 def register_per_sample_rule(

@@ -6,6 +6,7 @@ Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleVal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "Selection",
     "select",
     "access",
+    "Job",
 ]
 
 
@@ -234,3 +236,31 @@ def select(fn: str, model: nn.Module, params: Any) -> Selection:
     owners = {n.rpartition(".")[0] for n, p in all_named if id(p) in ids}
     frozen = any(not t.requires_grad for t in tensors.values())
     return Selection(names, key_of, tensors, owners, frozen)
+
+
+@dataclass
+class Job:
+    """One call of a public per-sample function, its arguments checked: what every step of
+    the computation (planning, the rules' pass, the fallbacks, the check) works on.
+
+    Attributes:
+        fn: the public function's name, for messages.
+        model, loss_fn: as given.
+        xs: the inputs as a tuple of tensors, the examples along dimension 0.
+        targets: as given (None, or a pytree of tensors with the examples along dimension 0).
+        sel: the selected parameters.
+        batch: the number of examples B.
+        strategy: the strategy asked for.
+        reset: puts back the buffers a forward changes (None where none does); the
+            per-example runs call it before each example.
+    """
+
+    fn: str
+    model: nn.Module
+    loss_fn: Callable[..., Any]
+    xs: tuple[Tensor, ...]
+    targets: Any
+    sel: Selection
+    batch: int
+    strategy: str
+    reset: Callable[[], None] | None = None

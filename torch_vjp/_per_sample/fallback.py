@@ -16,7 +16,6 @@ alternatives. It is the policy of ``torch_vjp._core.run_with_fallback`` for prod
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from torch_vjp._errors import (
     quote_error,
     user_stacklevel,
 )
-from torch_vjp._per_sample.args import Selection
+from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree
 
 __all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state"]
@@ -44,22 +43,23 @@ def functional_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def vmap_grads(
-    fn: str,
-    model: nn.Module,
-    loss_fn: Callable,
-    xs: tuple[Tensor, ...],
-    targets: Any,
-    sel: Selection,
+    job: Job,
     names: list[str],
+    start: int,
+    stop: int,
     chunk_size: int | None,
     randomness: str = "different",
 ) -> dict[str, Tensor]:
-    """Per-sample gradients of the canonical ``names`` with torch.func (vmap of grad).
+    """Per-sample gradients of the canonical ``names`` for examples ``start:stop`` with
+    torch.func (vmap of grad).
 
     ``randomness`` is vmap's: ``"different"`` gives each example its own draws from the
     global generator (dropout masks), ``"same"`` one draw for all (a generator seeded inside
     the forward, which every example's own call would replay).
     """
+    model, loss_fn, sel, fn = job.model, job.loss_fn, job.sel, job.fn
+    xs = tuple(x[start:stop] for x in job.xs)
+    targets = slice_tree(job.targets, start, stop)
     state = functional_state(model)
     diff = {n: sel.tensors[n].detach() for n in names}
     for n in names:
@@ -79,22 +79,12 @@ def vmap_grads(
     )(diff, xs, targets)
 
 
-def loop_grads(
-    fn: str,
-    model: nn.Module,
-    loss_fn: Callable,
-    xs: tuple[Tensor, ...],
-    targets: Any,
-    sel: Selection,
-    names: list[str],
-    start: int,
-    stop: int,
-    out: dict[str, Tensor],
-    reset: Callable[[], None] | None = None,
-) -> None:
+def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str, Tensor]) -> None:
     """Writes the per-sample gradients of examples ``start:stop`` into ``out[name][i - start]``:
-    one forward and one backward per example. ``reset`` puts back, before each example, the
-    buffers a forward changes, so that every example runs alone from the same state."""
+    one forward and one backward per example. ``job.reset`` puts back, before each example,
+    the buffers a forward changes, so that every example runs alone from the same state."""
+    model, loss_fn, sel, fn, xs, targets, reset = (
+        job.model, job.loss_fn, job.sel, job.fn, job.xs, job.targets, job.reset)
     frozen = any(not sel.tensors[n].requires_grad for n in names)
     for i in range(start, stop):
         if reset is not None:
@@ -125,48 +115,45 @@ def _new_outputs(sel: Selection, names: list[str], n: int) -> dict[str, Tensor]:
 
 
 def fallback_grads(
-    fn: str,
-    strategy: str,
-    model: nn.Module,
-    loss_fn: Callable,
-    xs: tuple[Tensor, ...],
-    targets: Any,
-    sel: Selection,
+    job: Job,
+    mode: str,
     names: list[str],
     start: int,
     stop: int,
     chunk_size: int | None,
     randomness: str | None = "different",
-    reset: Callable[[], None] | None = None,
 ) -> dict[str, Tensor]:
-    """Per-sample gradients of ``names`` for examples ``start:stop``: vmap, else the loop.
+    """Per-sample gradients of ``names`` for examples ``start:stop``: vmap, else the loop
+    (``mode`` ``"loop"``: the loop only; ``"vmap"``: no loop but to classify a failure).
 
     ``randomness`` None means the plan found that only the loop is right (NOTE [randomness]
     in ``plan``). See NOTE [one fallback policy].
     """
-    xs_c = tuple(x[start:stop] for x in xs)
-    t_c = slice_tree(targets, start, stop)
-    if strategy in ("auto", "vmap", "hooks") and randomness is not None:
+    if not names:
+        return {}
+    if mode in ("auto", "vmap", "hooks") and randomness is not None:
         try:
-            return vmap_grads(fn, model, loss_fn, xs_c, t_c, sel, names, chunk_size, randomness)
+            return vmap_grads(job, names, start, stop, chunk_size, randomness)
         except Exception as err:  # noqa: BLE001 - classified by one unbatched example below
             if passes_through(err):
                 raise
             failure = err
         # One example without vmap: an error here is the model's own, and propagates.
-        first = _new_outputs(sel, names, 1)
-        loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, start + 1, first, reset)
-        if strategy == "vmap":
-            raise _vmap_error(fn, model, loss_fn, xs_c, t_c, sel, names, failure) from failure
-        _warn_loop(fn, model, failure)
-    out = _new_outputs(sel, names, stop - start)
-    loop_grads(fn, model, loss_fn, xs, targets, sel, names, start, stop, out, reset)
+        first = _new_outputs(job.sel, names, 1)
+        loop_grads(job, names, start, start + 1, first)
+        if mode == "vmap":
+            raise _vmap_error(job, names, start, stop, failure) from failure
+        _warn_loop(job.fn, job.model, failure)
+    out = _new_outputs(job.sel, names, stop - start)
+    loop_grads(job, names, start, stop, out)
     return out
 
 
-def _vmap_error(fn, model, loss_fn, xs, targets, sel, names, failure) -> StrategyError:
+def _vmap_error(job: Job, names: list[str], start: int, stop: int,
+                failure: BaseException) -> StrategyError:
     """A StrategyError for strategy='vmap', naming the layer vmap failed in."""
-    where = _failing_layer(fn, model, loss_fn, xs, targets, sel, names)
+    fn = job.fn
+    where = _failing_layer(job, names, start, stop)
     place = f" in {where}" if where else ""
     return StrategyError(
         f"torch_vjp.{fn}: strategy='vmap' cannot batch this model{place}: torch.func.vmap "
@@ -179,9 +166,10 @@ def _vmap_error(fn, model, loss_fn, xs, targets, sel, names, failure) -> Strateg
     )
 
 
-def _failing_layer(fn, model, loss_fn, xs, targets, sel, names) -> str:
+def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
     """The innermost module that was running when vmap failed, by running two examples again
     with a module stack (only on this failure path)."""
+    model = job.model
     stack: list[str] = []
     failed: list[str] = []
     paths = {id(m): p for p, m in model.named_modules()}
@@ -198,9 +186,7 @@ def _failing_layer(fn, model, loss_fn, xs, targets, sel, names) -> str:
     pre = torch.nn.modules.module.register_module_forward_pre_hook(push)
     post = torch.nn.modules.module.register_module_forward_hook(pop)
     try:
-        n = min(2, xs[0].shape[0])
-        vmap_grads(fn, model, loss_fn, tuple(x[:n] for x in xs), slice_tree(targets, 0, n), sel,
-                   names, None)
+        vmap_grads(job, names, start, min(stop, start + 2), None)
     except Exception:  # noqa: BLE001 - only the module stack at the failure is wanted
         failed = list(stack)
     finally:

@@ -7,14 +7,13 @@ factors (NOTE [Factors]) for the parameters the plan computes by rules.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from torch_vjp._per_sample.args import Selection
+from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import Factor
 from torch_vjp._per_sample.losses import scaled_loss_sum
 from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
@@ -46,17 +45,9 @@ class HooksResult:
     mismatch: bool = False
 
 
-def hooks_pass(
-    fn: str,
-    model: nn.Module,
-    loss_fn: Callable,
-    xs: tuple[Tensor, ...],
-    targets: Any,
-    sel: Selection,
-    batch: int,
-    plan: Plan,
-) -> HooksResult:
+def hooks_pass(job: Job, plan: Plan) -> HooksResult:
     """Runs the batch once forward and backward with the plan's rules (grad mode on)."""
+    model, sel, batch = job.model, job.sel, job.batch
     result = HooksResult()
     names = plan.rule_params
     if not names:
@@ -72,7 +63,7 @@ def hooks_pass(
                    direct=plan.direct, layers=plan.layers)
     with torch.enable_grad():
         with rec:
-            out = forward(model, xs, aliases)
+            out = forward(model, job.xs, aliases)
         calls = rec.calls
         signature = plan.signature()
         if len(calls) != len(signature) or any(
@@ -80,7 +71,8 @@ def hooks_pass(
         ):
             result.mismatch = True
             return result
-        total, scale = scaled_loss_sum(fn, loss_fn, out, targets, batch, plan.out_dims)
+        total, scale = scaled_loss_sum(job.fn, job.loss_fn, out, job.targets, batch,
+                                       plan.out_dims)
         covered = plan.rule_set()
         needed: list[tuple[Call, CallPlan]] = []
         for c, cp in zip(calls, plan.calls):

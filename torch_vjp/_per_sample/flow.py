@@ -1,0 +1,305 @@
+"""The data-flow tests of the per-sample plan (steps 2 to 4 of NOTE [the per-sample plan] in
+``plan``): which dimension of a rule call's output holds the examples, which module mixes
+examples, and which parameters the loss reaches outside the trusted rule calls.
+
+Everything here works on gradients of single examples' losses with respect to recorded
+tensors: example ``k``'s loss depends only on index ``k`` along the dimension that holds the
+examples one per row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_vjp._per_sample.args import Job
+from torch_vjp._per_sample.losses import example_loss
+from torch_vjp._per_sample.recorder import ModuleCall, Recorder
+from torch_vjp._per_sample.registry import Call
+
+__all__ = ["ShapeRecord", "confined", "probe_indices", "call_dims", "walk"]
+
+
+@dataclass
+class ShapeRecord:
+    """The tensor input shapes of every module call of one forward, ``(id(module), shapes)``,
+    in the order the calls return."""
+
+    calls: list[tuple[int, list[tuple[int, ...]]]]
+
+
+def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int) -> set[int] | None:
+    """The dimensions of size B along which the gradient of example ``k``'s loss is zero
+    except at index ``k`` (None where the gradient is unused or all zero, or where no
+    dimension has size B: a flat tensor, the per-entry weights of an EmbeddingBag say, whose
+    entries cannot be told apart from the shape alone; the check against the loop then
+    decides)."""
+    if g is None or batch not in tuple(shape):
+        return None
+    if tuple(g.shape) != tuple(shape) and g.numel() == math.prod(shape):
+        g = g.reshape(shape)  # the gradient of a view's base (see recorder.out_edge)
+    nz = g.detach() != 0
+    if not bool(nz.any()):
+        return None
+    dims = set()
+    for d, size in enumerate(shape):
+        if size != batch or d >= nz.dim():
+            continue
+        along = nz.movedim(d, 0).reshape(batch, -1).any(1)
+        if bool(along[k]) and int(along.sum()) == 1:
+            dims.add(d)
+    return dims
+
+
+def _other_outputs_mixed(
+    c: Call,
+    more: dict[int, int],
+    grads: dict[tuple[int, int], list[Tensor | None]],
+    i: int,
+    ks: Sequence[int],
+    batch: int,
+) -> str:
+    """Why an output of ``c`` other than the first does not keep the examples apart along
+    the dimension its rule names (``""`` where each does, or is unused)."""
+    for j, d in more.items():
+        y = c.outputs[j]
+        gs = grads.get((i, j))
+        if gs is None or d >= y.dim() or y.shape[d] != batch:
+            if gs is not None and any(g is not None and bool((g != 0).any()) for g in gs):
+                return (f"its output {j} of shape {tuple(y.shape)} has no dimension {d} of "
+                        f"size {batch} that could hold the examples")
+            continue
+        for a, k in enumerate(ks):
+            got = confined(gs[a], y.shape, k, batch)
+            if got is not None and d not in got:
+                return (f"the rows of its output {j} (shape {tuple(y.shape)}) do not belong to "
+                        f"single examples along dimension {d} (an example's loss depends on "
+                        f"other rows: they are shared by examples, reordered, or mixed)")
+    return ""
+
+
+def probe_indices(batch: int) -> tuple[int, ...]:
+    if batch == 2:
+        return (1, 0)
+    return (batch - 1, batch // 2)
+
+
+def call_dims(
+    job: Job,
+    out: Any,
+    out_dims: list[int] | None,
+    rec: Recorder,
+    full: tuple[Any, ShapeRecord],
+    small: tuple[Any, ShapeRecord] | None,
+) -> tuple[list[tuple[int | None, str]], str | None]:
+    """The trusted batch dimension of each rule call of ``rec`` (None, and the reason, where
+    none), and the module that mixes examples (None if none does): steps 2 and 3 of NOTE
+    [the per-sample plan]. ``out`` is the probed forward's output, ``full`` and ``small``
+    the shape runs on the batch and on the batch without its last example."""
+    batch = job.batch
+    calls = rec.calls
+    edges: list[Any] = []
+    owners: list[tuple[str, int, int]] = []  # ("call" | "in" | "out", index, position)
+    others: list[dict[int, int]] = []  # per call: its other outputs that hold the examples
+    for i, c in enumerate(calls):
+        e = c.out_edges[0] if c.out_edges else None
+        if e is not None:
+            owners.append(("call", i, 0))
+            edges.append(e)
+        more = {j: d for j, d in c.rule.other_output_dims(c.module, c.x).items()
+                if j < len(c.out_edges)}
+        others.append(more)
+        for j in more:
+            e = c.out_edges[j]
+            if e is not None:
+                owners.append(("other", i, j))
+                edges.append(e)
+    for i, mc in enumerate(rec.module_calls):
+        for j, e in enumerate(mc.in_edges):
+            if e is not None:
+                owners.append(("in", i, j))
+                edges.append(e)
+        for j, e in enumerate(mc.out_edges):
+            if e is not None:
+                owners.append(("out", i, j))
+                edges.append(e)
+    grads_by_k: list[list[Tensor | None]] = []
+    ks = probe_indices(batch)
+    for k in ks:
+        loss_k = example_loss(job.fn, job.loss_fn, out, job.targets, k, out_dims)
+        if edges and loss_k.requires_grad:
+            grads = torch.autograd.grad(loss_k, edges, allow_unused=True, retain_graph=True)
+        else:
+            grads = [None] * len(edges)
+        grads_by_k.append(list(grads))
+    call_grads: dict[int, list[Tensor | None]] = {}
+    other_grads: dict[tuple[int, int], list[Tensor | None]] = {}
+    in_grads: dict[tuple[int, int], list[Tensor | None]] = {}
+    out_grads: dict[tuple[int, int], list[Tensor | None]] = {}
+    for pos, (kind, i, j) in enumerate(owners):
+        gs = [grads_by_k[a][pos] for a in range(len(ks))]
+        if kind == "call":
+            call_grads[i] = gs
+        elif kind == "other":
+            other_grads[(i, j)] = gs
+        elif kind == "in":
+            in_grads[(i, j)] = gs
+        else:
+            out_grads[(i, j)] = gs
+    mixing = _find_mixing(rec.module_calls, in_grads, out_grads, ks, batch, full, small)
+    result: list[tuple[int | None, str]] = []
+    for i, c in enumerate(calls):
+        y = c.outputs[0] if c.outputs else None
+        if y is None:
+            result.append((None, "the layer returned no tensor"))
+            continue
+        fixed = c.extra.get("fixed_bdim")
+        cands = (fixed,) if fixed is not None else c.rule.batch_dims(c.module, c.x)
+        if not cands and not isinstance(c.x, Tensor):
+            result.append((None, f"the {c.rule.name} rule does not handle this call's input "
+                                 f"(a {type(c.x).__name__})"))
+            continue
+        cands = tuple(d for d in cands if d < y.dim() and y.shape[d] == batch)
+        if not cands:
+            result.append((None, f"its output of shape {tuple(y.shape)} has no dimension that "
+                                 f"could hold the {batch} examples (a table shared by every "
+                                 f"example)"))
+            continue
+        dims: set[int] | None = None
+        for a, k in enumerate(ks):
+            got = confined(call_grads.get(i, [None] * len(ks))[a], y.shape, k, batch)
+            if got is None:
+                continue
+            got &= set(cands)
+            dims = got if dims is None else dims & got
+        if dims is None:  # no probed example's loss depends on this call
+            dims = set(cands) if len(cands) == 1 else set()
+            if not dims:
+                result.append((None, "its output does not reach the losses of the probed "
+                                     "examples, so its batch dimension cannot be told"))
+                continue
+        if len(dims) == 1:
+            bad = _other_outputs_mixed(c, others[i], other_grads, i, ks, batch)
+            if bad:
+                result.append((None, bad))
+                continue
+            result.append((dims.pop(), ""))
+        elif not dims:
+            result.append((None, "its output's rows do not belong to single examples (an "
+                                 "example's loss depends on several of them along every "
+                                 "dimension that could hold the examples: the rows are "
+                                 "shared by examples, reordered, or mixed)"))
+        else:
+            result.append((None, f"more than one dimension of its output ({sorted(dims)}) "
+                                 f"could hold the examples"))
+    return result, mixing
+
+
+def _find_mixing(
+    module_calls: list[ModuleCall],
+    in_grads: dict[tuple[int, int], list[Tensor | None]],
+    out_grads: dict[tuple[int, int], list[Tensor | None]],
+    ks: Sequence[int],
+    batch: int,
+    full: tuple[Any, ShapeRecord],
+    small: tuple[Any, ShapeRecord] | None,
+) -> str | None:
+    """The innermost module whose outputs keep examples apart while an input that carries
+    the examples does not: its forward mixes examples (None if there is none)."""
+    carries = _carrying_inputs(full[1], None if small is None else small[1],
+                               [id(mc.module) for mc in module_calls])
+    mixers: list[ModuleCall] = []
+    for i, mc in enumerate(module_calls):
+        def ok(gs: list[Tensor | None], shape: Sequence[int]) -> bool:
+            for a, k in enumerate(ks):
+                got = confined(gs[a], shape, k, batch)
+                if got is not None and not got:
+                    return False
+            return True
+
+        outs_ok = all(ok(out_grads.get((i, j), [None] * len(ks)), s)
+                      for j, s in enumerate(mc.out_shapes))
+        if not outs_ok:
+            continue
+        for j, s in enumerate(mc.in_shapes):
+            if not carries(i, j):
+                continue
+            gs = in_grads.get((i, j))
+            if gs is not None and not ok(gs, s):
+                mixers.append(mc)
+                break
+    if not mixers:
+        return None
+    # the innermost: no other mixer lies inside it
+    paths = [mc.path for mc in mixers]
+    inner = [
+        mc for mc in mixers
+        if not any(p != mc.path and (mc.path == "" or p.startswith(mc.path + ".")) for p in paths)
+    ]
+    mc = inner[0] if inner else mixers[0]
+    where = f"module '{mc.path}' ({type(mc.module).__name__})" if mc.path else (
+        f"the model's own forward ({type(mc.module).__name__})")
+    return where
+
+
+def _carrying_inputs(
+    full: ShapeRecord, small: ShapeRecord | None, order: list[int]
+) -> Callable[[int, int], bool]:
+    """Whether input ``j`` of module call ``i`` carries the examples: its shape shrinks with
+    the batch (every input, where the three runs did not call the same modules in the same
+    order)."""
+    if (
+        small is None
+        or [c[0] for c in full.calls] != order
+        or [c[0] for c in small.calls] != order
+    ):
+        return lambda i, j: True
+
+    def carries(i: int, j: int) -> bool:
+        a, b = full.calls[i][1], small.calls[i][1]
+        if j >= len(a) or j >= len(b):
+            return True
+        return a[j] != b[j]
+
+    return carries
+
+
+def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[int, str]) -> set[str]:
+    """Names of tracked parameters the loss reaches other than through a trusted rule call.
+
+    Walks the autograd graph from the loss; at the output node of a trusted call it continues
+    only into the call's inputs, skipping the layer's own use of its parameters. A call whose
+    weight is computed from a parameter (a parametrization) is walked through, so that
+    parameter is found and left to the fallback rather than mistaken for unused.
+    """
+    jump: dict[Any, list[Any]] = {}
+    for c, ok in zip(calls, trusted):
+        if ok and c.complete:
+            for e in c.out_edges:
+                if e is not None:
+                    jump[e.node] = [x.node for x in c.in_edges]
+    found: set[str] = set()
+    seen: set[Any] = set()
+    stack = [total.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nxt = jump.get(node)
+        if nxt is not None:
+            stack.extend(nxt)
+            continue
+        var = getattr(node, "variable", None)
+        if var is not None:
+            name = tracked.get(id(var))
+            if name is not None:
+                found.add(name)
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    return found

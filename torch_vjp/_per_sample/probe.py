@@ -1,0 +1,343 @@
+"""Building the per-sample plan (NOTE [the per-sample plan] in ``plan``), and the cache of
+plans per model structure.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from torch_vjp._errors import TorchVJPError, quote_error
+from torch_vjp._per_sample.args import Job, Selection
+from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
+from torch_vjp._per_sample.losses import loss_sum
+from torch_vjp._per_sample.plan import (
+    CallPlan,
+    ParamPlan,
+    Plan,
+    aliases_of,
+    call_key,
+    seeded_forward,
+)
+from torch_vjp._per_sample.recorder import Recorder
+from torch_vjp._per_sample.registry import Call, declining_rule
+
+__all__ = ["plan_for", "plan_key", "forget_plans", "build_plan"]
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Plan]] = weakref.WeakKeyDictionary()
+_MAX_PER_MODEL = 16
+
+
+def _loss_key(loss_fn: Any) -> Any:
+    """What identifies a loss for the plan: its type and settings for a loss module (a new
+    instance each call is the same loss), its code for a function."""
+    if isinstance(loss_fn, nn.Module):
+        settings = tuple(
+            (k, v) for k, v in loss_fn.__dict__.items()
+            if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))
+        )
+        return (type(loss_fn), settings)
+    code = getattr(loss_fn, "__code__", None)
+    return code if code is not None else (type(loss_fn), id(loss_fn))
+
+
+def _tail(t: Any) -> Any:
+    if isinstance(t, Tensor):
+        return (tuple(t.shape[1:]), t.dtype, t.device.type)
+    return type(t)
+
+
+def plan_key(job: Job) -> Any:
+    """The model structure a plan is valid for: the shapes of one example, the training
+    flags, the selected parameters, the loss, the strategy (the batch size is not part of it;
+    a batch of one is planned apart)."""
+    sel, targets = job.sel, job.targets
+    return (
+        job.strategy,
+        job.batch == 1,
+        tuple(_tail(x) for x in job.xs),
+        None if targets is None else (
+            _tail(targets) if isinstance(targets, Tensor)
+            else tuple(_tail(t) for t in tree_leaves(targets))),
+        sel.training or tuple(m.training for m in job.model.modules()),
+        tuple(sel.canonical),
+        tuple(t.requires_grad for t in sel.tensors.values()),
+        _loss_key(job.loss_fn),
+    )
+
+
+def forget_plans(model: nn.Module | None = None) -> None:
+    """Drops the cached plans (of one model, or all)."""
+    if model is None:
+        _PLANS.clear()
+    else:
+        _PLANS.pop(model, None)
+
+
+def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
+    """The cached plan for this model structure, built now on a miss (or with ``rebuild``)."""
+    key = plan_key(job)
+    model = job.model
+    try:
+        cache = _PLANS.setdefault(model, {})
+    except TypeError:  # a model that cannot be weakly referenced: no cache
+        cache = {}
+    plan = None if rebuild else cache.get(key)
+    if plan is None:
+        # Planning runs the model a few times: its buffers are put back afterwards, and the
+        # ones those runs changed are the ones each call must keep (a model in training mode
+        # that updates buffers in its forward, as spectral normalisation does).
+        saved = [(n, b, b.detach().clone()) for n, b in model.named_buffers()]
+        try:
+            plan = build_plan(job)
+        finally:
+            changed = []
+            with torch.no_grad():
+                for n, b, copy in saved:
+                    if not torch.equal(b, copy):
+                        b.copy_(copy)
+                        changed.append(n)
+        plan.mutable_buffers = changed
+        if len(cache) >= _MAX_PER_MODEL:
+            cache.pop(next(iter(cache)))
+        cache[key] = plan
+    return plan
+
+
+class _Randomness(TorchDispatchMode):
+    """Sees whether random operators run, and whether they are given a generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.global_rng = False
+        self.explicit = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            if kwargs.get("generator") is not None:
+                self.explicit = True
+            else:
+                self.global_rng = True
+        return func(*args, **kwargs)
+
+
+def _vmap_randomness(rng: _Randomness) -> str | None:
+    if rng.explicit and rng.global_rng:
+        return None
+    return "same" if rng.explicit else "different"
+
+
+def _all_params(sel: Selection, method: str, reason: str = "") -> dict[str, ParamPlan]:
+    return {n: ParamPlan(n, method, "", reason) for n in sel.canonical}
+
+
+def build_plan(job: Job) -> Plan:
+    """Builds the plan (NOTE [the per-sample plan])."""
+    model, xs, sel, batch, strategy = job.model, job.xs, job.sel, job.batch, job.strategy
+    if strategy == "loop":
+        if next(model.buffers(), None) is not None:
+            with torch.no_grad():  # once, so that plan_for sees the buffers a forward changes
+                seeded_forward(model, xs, aliases_of(sel))
+        return Plan(strategy, _all_params(sel, "loop", "strategy='loop'"), verified=True)
+    if strategy == "vmap":
+        rng = _Randomness()
+        with torch.no_grad(), rng:
+            seeded_forward(model, xs, aliases_of(sel))
+        mode = _vmap_randomness(rng)
+        method = "vmap" if mode else "loop"
+        reason = "strategy='vmap'" if mode else (
+            "strategy='vmap', but the model draws from the global generator and from a "
+            "generator of its own: no setting of vmap's randomness replays both")
+        return Plan(strategy, _all_params(sel, method, reason), vmap_randomness=mode,
+                    random_global=rng.global_rng)
+    with torch.no_grad():
+        try:
+            full = _shape_run(model, xs, aliases_of(sel))
+        except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the model fails on the whole batch
+            if strategy == "hooks":
+                raise  # the model's own error, untouched
+            # the definition runs one example at a time: vmap and the loop may still work
+            return Plan(strategy, _all_params(
+                sel, "vmap", f"the model failed on the whole batch ({quote_error(err)})"))
+        small = None
+        if batch > 1:
+            try:
+                small = _shape_run(model, tuple(x[: batch - 1] for x in xs), aliases_of(sel))
+            except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception:  # noqa: BLE001 - a model that cannot run on fewer examples
+                small = None
+    out_dims = None if batch == 1 else _batch_dims_of(full[0], small, batch)
+    tracked = {id(t): n for n, t in sel.tensors.items()}
+    if batch > 1 and out_dims is None:
+        return _unsplittable(strategy, sel, full[0], batch)
+    return _grad_probe(job, tracked, out_dims, full, small, expand=batch > 1)
+
+
+def _shape_run(
+    model: nn.Module, xs: Sequence[Tensor], aliases: dict[str, Tensor] | None
+) -> tuple[Any, ShapeRecord]:
+    """One forward without a graph, recording the tensor input shapes of every call of the
+    model's modules, in the order the recorder sees them (when each call returns)."""
+    record = ShapeRecord([])
+    ours = {id(m) for m in model.modules()}
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in ours:
+            record.calls.append(
+                (id(module), [tuple(t.shape) for t in tree_leaves(args) if isinstance(t, Tensor)])
+            )
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        out = seeded_forward(model, xs, aliases)
+    finally:
+        handle.remove()
+    return out, record
+
+
+def _batch_dims_of(full: Any, small: tuple[Any, Any] | None, batch: int) -> list[int] | None:
+    """The dimension of each output tensor that holds the examples: the one of size B that
+    shrinks to B - 1 with one example fewer (or the only one of size B)."""
+    leaves = [t for t in tree_leaves(full) if isinstance(t, Tensor)]
+    small_leaves = (
+        [t for t in tree_leaves(small[0]) if isinstance(t, Tensor)] if small is not None else None
+    )
+    if not leaves:
+        return None
+    dims = []
+    for j, t in enumerate(leaves):
+        cands = [d for d in range(t.dim()) if t.shape[d] == batch]
+        if small_leaves is not None and len(small_leaves) == len(leaves):
+            s = small_leaves[j]
+            if s.dim() == t.dim():
+                cands = [
+                    d for d in cands
+                    if s.shape[d] == batch - 1
+                    and all(s.shape[e] == t.shape[e] for e in range(t.dim()) if e != d)
+                ]
+        if len(cands) != 1:
+            return None
+        dims.append(cands[0])
+    return dims
+
+
+def _unsplittable(strategy: str, sel: Selection, out: Any, batch: int) -> Plan:
+    shapes = ", ".join(
+        str(tuple(t.shape)) for t in tree_leaves(out) if isinstance(t, Tensor)
+    ) or "no tensor"
+    reason = (
+        f"the model's output ({shapes}) does not hold the {batch} examples along one "
+        f"dimension that shrinks with the batch, so its loss cannot be split into the "
+        f"examples' own losses for the per-layer rules"
+    )
+    return Plan(strategy, _all_params(sel, "vmap", reason))
+
+
+def _grad_probe(
+    job: Job,
+    tracked: dict[int, str],
+    out_dims: list[int] | None,
+    full: tuple[Any, ShapeRecord],
+    small: tuple[Any, ShapeRecord] | None,
+    *,
+    expand: bool,
+) -> Plan:
+    """Steps 2 to 5 of NOTE [the per-sample plan]."""
+    model, sel, batch = job.model, job.sel, job.batch
+    leaves = tuple(
+        x.detach().requires_grad_(True) if x.is_floating_point() or x.is_complex() else x
+        for x in job.xs
+    )
+    rng = _Randomness()
+    aliases = aliases_of(sel)
+    if aliases is not None:
+        tracked = {id(t): n for n, t in aliases.items()}
+    rec = Recorder(model, tracked, batch, probe=True, expand_shared=expand, direct=expand,
+                   owners=sel.owners)
+    with torch.enable_grad(), rng:
+        with rec:
+            out = seeded_forward(model, leaves, aliases)
+    # The rewrites of NOTE [direct uses] must not change what the model computes.
+    rewritten = any(c.shared for c in rec.calls) or any(
+        c.module is None and c.rule.name == "broadcast parameter" for c in rec.calls)
+    if rewritten and not _same_output(out, full[0]):
+        return _grad_probe(job, tracked, out_dims, full, small, expand=False)
+    plan = Plan(job.strategy, {}, out_dims=out_dims, random_global=rng.global_rng,
+                vmap_randomness=_vmap_randomness(rng))
+    plan.wanted = dict(rec.wanted)
+    total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
+    calls = rec.calls
+    if batch == 1:
+        dims: list[tuple[int | None, str]] = [(None, "") for _ in calls]
+    else:
+        dims, plan.mixing = call_dims(job, out, out_dims, rec, full, small)
+    outside = walk(total, calls, [d is not None or batch == 1 for d, _ in dims], tracked)
+    uses: dict[str, list[tuple[Call, int | None, str]]] = {}
+    for c, (d, why) in zip(calls, dims):
+        valid = batch == 1 or d is not None
+        plan.calls.append(CallPlan(call_key(c), c.path, c.rule.name, d, valid, why))
+        if c.shared and valid:
+            plan.expand.add(id(c.module))
+        if c.module is None and c.rule.name == "broadcast parameter" and valid:
+            plan.direct = True
+        for role, (t, _) in c.params.items():
+            name = tracked.get(id(t))
+            if name is not None:
+                uses.setdefault(name, []).append((c, d, why))
+    fallback = plan.vmap_randomness and "vmap" or "loop"
+    for name in sel.canonical:
+        used = uses.get(name, [])
+        bad = [(c, why) for c, d, why in used if not (batch == 1 or d is not None)]
+        if bad:
+            c, why = bad[0]
+            plan.params[name] = ParamPlan(name, fallback, "", f"in '{c.path}', {why}")
+        elif name in outside:
+            plan.params[name] = ParamPlan(name, fallback, "", _outside_reason(model, name, used))
+        elif not used:
+            plan.params[name] = ParamPlan(name, "zero", "", "no gradient reaches it")
+        else:
+            how = ", ".join(dict.fromkeys(
+                f"{c.rule.name} rule" + (f" in '{c.path}'" if c.path else "") for c, _, _ in used))
+            plan.params[name] = ParamPlan(name, "rule", how)
+    return plan
+
+
+def _same_output(a: Any, b: Any) -> bool:
+    la = [t for t in tree_leaves(a) if isinstance(t, Tensor)]
+    lb = [t for t in tree_leaves(b) if isinstance(t, Tensor)]
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if x.shape != y.shape or not torch.allclose(x.detach(), y, rtol=1e-6, atol=1e-7,
+                                                    equal_nan=True):
+            return False
+    return True
+
+
+def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
+    if used:
+        return ("it is used outside the layers that have rules (directly in a forward, or "
+                "by a layer without one)")
+    path = name.rpartition(".")[0]
+    try:
+        m = model.get_submodule(path)
+    except AttributeError:
+        return "it has no per-layer rule"
+    declining = declining_rule(m)
+    if declining is not None:
+        where = f"module '{path}'" if path else "the model itself"
+        return f"{declining.declined(m)} ({where}: {type(m).__name__})"
+    if not path:
+        return (f"it belongs to the model itself, a {type(m).__name__}, which has no per-layer "
+                f"rule")
+    return f"its module '{path}' is a {type(m).__name__}, which has no per-layer rule"

@@ -1,0 +1,428 @@
+"""The computation behind the public per-sample functions, under a plan.
+
+Every public function prepares a :class:`~torch_vjp._per_sample.args.Job` (:func:`prepare`),
+gets the plan for the model structure (:func:`plan_of`), computes under it inside
+:func:`buffers_kept`, and on the first call of a plan checks the result against the
+per-example loop (:func:`verify`), computing again when the check routed parameters
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torch_vjp._errors import PerSampleError, PerSampleValueError, StrategyError
+from torch_vjp._per_sample import rules as _rules  # noqa: F401 - registers the rules
+from torch_vjp._per_sample.args import (
+    Job,
+    Selection,
+    as_inputs,
+    check_model,
+    check_static_mixing,
+    check_targets,
+    select,
+)
+from torch_vjp._per_sample.factors import (
+    CHUNK_ELEMENTS,
+    region_sq_norms,
+    region_weighted_sum,
+    sq_norms_rows,
+    write_region,
+)
+from torch_vjp._per_sample.fallback import fallback_grads, loop_grads
+from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
+from torch_vjp._per_sample.plan import Plan, mixing_error
+from torch_vjp._per_sample.probe import plan_for
+from torch_vjp._per_sample.registry import registered_types
+from torch_vjp._strategies import get_per_sample_strategy
+
+__all__ = [
+    "prepare",
+    "plan_of",
+    "buffers_kept",
+    "grads",
+    "norms_and_sums",
+    "verify",
+    "add_to_grads",
+    "check_trainable",
+]
+
+
+# Per model: the selection of parameters and the static checks, for the same parameters
+# (and requires_grad flags) and training flags; what every call would otherwise recompute.
+_STATIC: weakref.WeakKeyDictionary[nn.Module, dict[Any, Selection]] = weakref.WeakKeyDictionary()
+
+
+def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params: Any,
+            strategy: Any) -> Job:
+    """Checks the arguments of a public function; the selection is made once per model."""
+    strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
+    check_model(fn, model)
+    xs, batch = as_inputs(fn, inputs)
+    check_targets(fn, targets, batch)
+    training = tuple(m.training for m in model.modules())
+    key = _static_key(model, params, training)
+    cache = _STATIC.setdefault(model, {}) if key is not None else {}
+    sel = cache.get(key)
+    if sel is None:
+        sel = select(fn, model, params)
+        check_static_mixing(fn, model)
+        sel.training = training
+        sel.sparse = frozenset(_sparse_tables(model)) & frozenset(map(id, sel.tensors.values()))
+        if key is not None:
+            if len(cache) >= 8:
+                cache.clear()
+            cache[key] = sel
+    return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy)
+
+
+def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...]) -> Any:
+    if params is None:
+        names: Any = None
+    elif isinstance(params, str):
+        names = (params,)
+    elif isinstance(params, (list, tuple)) and all(isinstance(n, str) for n in params):
+        names = tuple(params)
+    else:
+        return None  # a generator, or something select() reports
+    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), training)
+
+
+def _sparse_tables(model: nn.Module) -> set[int]:
+    """ids of the weights of Embedding layers with ``sparse=True`` (whose ``.grad`` backward
+    makes sparse)."""
+    return {
+        id(m.weight) for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)
+    }
+
+
+@contextlib.contextmanager
+def buffers_kept(job: Job, plan: Plan) -> Iterator[None]:
+    """Puts back the buffers the plan found a forward changes (spectral normalisation's
+    vectors in training mode): no buffer of the model changes (SPEC §0). Sets ``job.reset``
+    to the function that puts them back (None where no forward changes one): the per-example
+    runs call it before each example, so that every example runs alone from the caller's
+    state, as the definition says."""
+    if not plan.mutable_buffers:
+        job.reset = None
+        yield
+        return
+    saved = []
+    for n in plan.mutable_buffers:
+        try:
+            b = job.model.get_buffer(n)
+        except AttributeError:
+            continue
+        saved.append((b, b.detach().clone()))
+
+    def reset() -> None:
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
+
+    job.reset = reset
+    try:
+        yield
+    finally:
+        reset()
+        job.reset = None
+
+
+def plan_of(job: Job, rebuild: bool = False) -> Plan:
+    """The plan for this call; refuses what the strategy cannot compute right."""
+    plan = plan_for(job, rebuild=rebuild)
+    if plan.mixing is not None and job.strategy in ("auto", "hooks"):
+        raise mixing_error(job.fn, plan.mixing, job.strategy)
+    if job.strategy == "hooks":
+        missing = {n: p.reason for n, p in plan.params.items() if p.method in ("vmap", "loop")}
+        if missing:
+            raise _no_rule_error(job.fn, missing)
+    return plan
+
+
+def _no_rule_error(fn: str, missing: dict[str, str]) -> StrategyError:
+    lines = "\n".join(f"    {n!r}: {why}" for n, why in missing.items())
+    return StrategyError(
+        f"torch_vjp.{fn}: strategy='hooks' has no per-layer rule for {len(missing)} "
+        f"parameter(s):\n{lines}\n"
+        f"  Rules exist for {', '.join(registered_types())} and nn.MultiheadAttention, and "
+        f"for parameters added to (or expanded over) the batch; add one for a layer of your "
+        f"own with torch_vjp.register_per_sample_rule. Or use strategy='auto', which "
+        f"computes the other parameters with vmap (or the loop), or strategy='vmap'."
+    )
+
+
+def _hooks(job: Job, plan: Plan) -> tuple[Plan, HooksResult]:
+    """The rules' pass; a model whose layer calls are not the plan's gets a new plan, once."""
+    if not plan.rule_params:
+        return plan, HooksResult()
+    res = hooks_pass(job, plan)
+    if res.mismatch:
+        plan = plan_of(job, rebuild=True)
+        res = hooks_pass(job, plan)
+        if res.mismatch:  # the layers called change from call to call: no rules this time
+            why = "the layers the model calls change from one call to the next"
+            if job.strategy == "hooks":
+                raise _no_rule_error(job.fn, {n: why for n in plan.rule_params})
+            res = HooksResult(moved={n: why for n in plan.rule_params})
+    return plan, res
+
+
+def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
+    """The parameters left to vmap and to the loop in this call."""
+    vmap_names, loop_names = [], []
+    for n, p in plan.params.items():
+        method = "vmap" if n in res.moved else p.method
+        if method == "vmap" and plan.vmap_randomness is not None:
+            vmap_names.append(n)
+        elif method in ("vmap", "loop"):
+            loop_names.append(n)
+    return vmap_names, loop_names
+
+
+# --------------------------------------------------------------------------------------------
+# The three computations
+# --------------------------------------------------------------------------------------------
+
+
+def grads(job: Job, plan: Plan, chunk: int | None) -> dict[str, Tensor]:
+    """Per-sample gradients of every canonical parameter, under the plan."""
+    plan, res = _hooks(job, plan)
+    sel, batch = job.sel, job.batch
+    results: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for n in plan.rule_params:
+            if n in res.moved:
+                continue
+            p = sel.tensors[n]
+            out = p.new_empty((batch, *p.shape))
+            fs = res.factors.get(n)
+            if fs:
+                write_region(fs, out, chunk)
+            else:
+                out.zero_()
+            results[n] = out
+        for n in plan.zero_params:
+            results[n] = sel.tensors[n].new_zeros((batch, *sel.tensors[n].shape))
+    vmap_names, loop_names = _fallback_names(plan, res)
+    if job.reset is not None:
+        job.reset()
+    mode = "auto" if job.strategy == "hooks" else job.strategy
+    results.update(fallback_grads(job, mode, vmap_names, 0, batch, chunk, plan.vmap_randomness))
+    results.update(fallback_grads(job, "loop", loop_names, 0, batch, chunk, None))
+    return results
+
+
+def _fallback_chunk(sel: Selection, names: list[str], batch: int) -> int:
+    per_example = sum(sel.tensors[n].numel() for n in names)
+    return max(1, min(batch, (CHUNK_ELEMENTS * 2) // max(1, per_example)))
+
+
+def norms_and_sums(
+    job: Job, plan: Plan, max_norm: float | None
+) -> tuple[Tensor, dict[str, Tensor] | None, dict[str, Tensor]]:
+    """Per-sample gradient norms (and with ``max_norm`` the clipped sums), and each
+    parameter's squared norms."""
+    plan, res = _hooks(job, plan)
+    sel, batch = job.sel, job.batch
+    like = next(iter(sel.tensors.values()))
+    per_param: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for n in plan.rule_params:
+            if n in res.moved:
+                continue
+            fs = res.factors.get(n)
+            if fs and len(fs) == 1 and fs[0].rows is None:  # the common case
+                per_param[n] = fs[0].sq_norms(None)
+            else:
+                per_param[n] = (
+                    region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)
+                    if fs else like.new_zeros(batch)
+                )
+        for n in plan.zero_params:
+            per_param[n] = like.new_zeros(batch)
+    sq = _total(per_param.values(), like, batch)
+    sums: dict[str, Tensor] | None = {} if max_norm is not None else None
+    vmap_names, loop_names = _fallback_names(plan, res)
+    groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
+              if names]
+
+    def chunked(names: list[str], method: str) -> Iterator[tuple[int, int, dict[str, Tensor]]]:
+        step = _fallback_chunk(sel, names, batch)
+        for s in range(0, batch, step):
+            e = min(batch, s + step)
+            if job.reset is not None:
+                job.reset()
+            g = fallback_grads(job, "auto" if method == "vmap" else "loop", names, s, e, None,
+                               plan.vmap_randomness if method == "vmap" else None)
+            yield s, e, g
+
+    def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
+        c = _clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
+        for n, gn in g.items():
+            w = torch.tensordot(c.to(gn.dtype), gn, dims=1)
+            sums[n] = w if n not in sums else sums[n] + w  # type: ignore[index]
+
+    # The clip factor of an example needs its full norm: with one fallback group it is
+    # known chunk by chunk (the rules' part is known already); with two, the second group's
+    # chunks come after the first's, so the sums take a second pass.
+    for names, method in groups:
+        for n in names:
+            per_param[n] = like.new_zeros(batch)
+        for s, e, g in chunked(names, method):
+            with torch.no_grad():
+                for n in names:
+                    per_param[n][s:e] = sq_norms_rows(g[n])
+                    sq[s:e] += per_param[n][s:e].to(sq.dtype)
+                if sums is not None and len(groups) == 1:
+                    add_sums(s, e, g)
+            del g
+    if sums is not None and len(groups) == 2:
+        for names, method in groups:
+            for s, e, g in chunked(names, method):
+                with torch.no_grad():
+                    add_sums(s, e, g)
+    norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
+    if sums is not None:
+        c = _clip_factors(sq, max_norm)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for n in plan.rule_params:
+                fs = res.factors.get(n)
+                if n in res.moved or not fs:
+                    continue
+                sums[n] = region_weighted_sum(fs, c, sel.tensors[n])
+    return norms, sums, per_param
+
+
+def _total(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
+    """The sum of the parameters' squared norms, in a new tensor of ``like``'s dtype."""
+    total = None
+    for v in values:
+        if total is None:
+            total = v.to(like.dtype, copy=True)
+        else:
+            total.add_(v)
+    return like.new_zeros(batch) if total is None else total
+
+
+def _clip_factors(sq: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient."""
+    return sq.rsqrt().mul_(max_norm).clamp_(max=1.0)
+
+
+def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
+    """Adds each selected parameter's clipped sum to its ``.grad``, as backward would (a
+    sparse ``.grad`` for an Embedding with ``sparse=True``)."""
+    sparse = job.sel.sparse
+    with torch.no_grad():
+        for n, p in job.sel.tensors.items():
+            s = sums.get(n)
+            if s is None:
+                s = torch.zeros_like(p)
+            if s.dtype != p.dtype:
+                s = s.to(p.dtype)
+            if s.shape != p.shape:
+                s = s.reshape(p.shape)
+            if sparse and id(p) in sparse:
+                s = s.to_sparse()
+            if p.grad is None:
+                p.grad = s
+            elif p.grad.layout != s.layout:
+                p.grad = p.grad + s
+            else:
+                p.grad.add_(s)
+
+
+def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
+    """Refuses a selected parameter that does not require grad where ``.grad`` is written."""
+    if params is None:
+        return
+    named = dict(model.named_parameters(remove_duplicate=False))
+    names = [params] if isinstance(params, str) else params
+    try:
+        names = list(names)
+    except TypeError:
+        return  # select() reports it
+    for n in names:
+        t = named.get(n) if isinstance(n, str) else None
+        if t is not None and not t.requires_grad:
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: params names {n!r}, which does not require grad. This call "
+                f"adds the clipped gradients to .grad, as backward does, and backward never "
+                f"gives a tensor that does not require grad a .grad (an optimizer would then "
+                f"move a frozen parameter).\n  Fix: leave {n!r} out of params, or set its "
+                f"requires_grad to True if it is meant to train; per_sample_grad_norms and "
+                f"per_sample_grads accept it."
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# The check against the per-example loop
+# --------------------------------------------------------------------------------------------
+
+_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
+
+
+def verify(job: Job, plan: Plan, sq: dict[str, Tensor]) -> list[str]:
+    """Compares the per-parameter squared norms ``sq`` of two examples with the per-example
+    loop (NOTE [the per-sample plan]); returns the parameters that disagree, after routing
+    them off their method (or raising, for an explicit strategy)."""
+    if plan.verified:
+        return []
+    if plan.random_global or job.strategy == "loop":
+        plan.verified = True
+        return []
+    sel, batch = job.sel, job.batch
+    ks = sorted({batch - 1, batch // 2})
+    names = list(sel.canonical)
+    ref = {n: sel.tensors[n].new_empty((len(ks), *sel.tensors[n].shape)) for n in names}
+    for j, k in enumerate(ks):
+        one = {n: ref[n][j:j + 1] for n in names}
+        loop_grads(job, names, k, k + 1, one)
+    bad: dict[str, str] = {}
+    wants = {n: sq_norms_rows(ref[n]) for n in names}
+    # each example's whole gradient (all the parameters): a parameter whose true gradient is
+    # zero but for rounding is compared against that scale, not against its own
+    whole = torch.stack([w.to(torch.float64) for w in wants.values()]).sum(0).sqrt()
+    for n in names:
+        want = wants[n].sqrt()
+        got = sq[n][ks].clamp_min(0).sqrt()
+        rtol = _RTOL.get(want.dtype, 1e-3)
+        scale = float(want.max()) if want.numel() else 0.0
+        err = (got - want).abs()
+        floor = rtol * 1e-3 * whole.to(want.dtype)
+        if bool((err > rtol * want + rtol * 1e-3 * scale + floor + 1e-30).any()):
+            j = int(err.argmax())
+            bad[n] = (
+                f"the {plan.params[n].method} result disagreed with the per-example loop on "
+                f"example {ks[j]} (gradient norm {float(got[j]):.6g} against "
+                f"{float(want[j]):.6g})"
+            )
+    if not bad:
+        plan.verified = True
+        return []
+    if job.strategy != "auto":
+        n, why = next(iter(bad.items()))
+        raise PerSampleError(
+            f"torch_vjp.{job.fn}: strategy={job.strategy!r} gives wrong per-sample gradients "
+            f"for this model: for {n!r}, {why}.\n"
+            + (f"  The per-layer rule ({plan.params[n].how or 'its layer'}) does not "
+               f"reproduce what each example computes alone: the model reorders or mixes "
+               f"examples in a way the plan cannot see, or the layer's call is one the rule "
+               f"cannot replay (a forward other than the stock one, say). "
+               if plan.params[n].method == "rule" else
+               "  vmap does not reproduce what each example computes alone (randomness "
+               "drawn with a generator of the model's own, say). ")
+            + "Fix: strategy='auto' (which routes such parameters to a strategy that is "
+              "right) or strategy='loop'."
+        )
+    for n, why in bad.items():
+        plan.route([n], why + "; rerouted")
+    return list(bad)
