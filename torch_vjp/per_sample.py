@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torch_vjp._core import check_chunk_size
+from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
 from torch_vjp._per_sample.args import check_max_norm
 from torch_vjp._per_sample.factors import sq_norms_rows
@@ -36,8 +36,8 @@ from torch_vjp._per_sample.plan import Plan
 from torch_vjp._per_sample.probe import forget_plans, plan_for
 from torch_vjp._per_sample.registry import register_user_rule
 from torch_vjp._per_sample.run import (
+    BuffersKept,
     add_to_grads,
-    buffers_kept,
     check_trainable,
     grads,
     norms_and_sums,
@@ -129,7 +129,7 @@ def per_sample_grads(
         return {n: sel.tensors[sel.key_of[n]].new_zeros((0, *sel.tensors[sel.key_of[n]].shape))
                 for n in sel.names}
     plan = plan_of(job)
-    with buffers_kept(job, plan):
+    with BuffersKept(job, plan):
         while True:
             results = grads(job, plan, chunk)
             sq = {n: sq_norms_rows(g) for n, g in results.items()}
@@ -197,7 +197,7 @@ def _norms_run(
     if job.batch == 0:
         return like.new_zeros(0), ({} if max_norm is not None else None), job
     plan = plan_of(job)
-    with buffers_kept(job, plan):
+    with BuffersKept(job, plan):
         while True:
             norms, sums, per_param = norms_and_sums(job, plan, max_norm)
             if job.reset is not None:

@@ -99,7 +99,7 @@ def scalar_loss(fn: str, loss: Any) -> Tensor:
             f"a loss is only defined for a scalar: use reduction='mean' or 'sum' rather than "
             f"'none'."
         )
-    return loss.reshape(())
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def call_loss(loss_fn: Callable, out: Any, targets: Any) -> Any:

@@ -49,7 +49,7 @@ def _loss_key(loss_fn: Any) -> Any:
 
 def _tail(t: Any) -> Any:
     if isinstance(t, Tensor):
-        return (tuple(t.shape[1:]), t.dtype, t.device.type)
+        return (t.shape[1:], t.dtype, t.device)
     return type(t)
 
 

@@ -2,14 +2,13 @@
 
 Every public function prepares a :class:`~torch_vjp._per_sample.args.Job` (:func:`prepare`),
 gets the plan for the model structure (:func:`plan_of`), computes under it inside
-:func:`buffers_kept`, and on the first call of a plan checks the result against the
+:class:`BuffersKept`, and on the first call of a plan checks the result against the
 per-example loop (:func:`verify`), computing again when the check routed parameters
 elsewhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -45,7 +44,7 @@ from torch_vjp._strategies import get_per_sample_strategy
 __all__ = [
     "prepare",
     "plan_of",
-    "buffers_kept",
+    "BuffersKept",
     "grads",
     "norms_and_sums",
     "verify",
@@ -103,36 +102,39 @@ def _sparse_tables(model: nn.Module) -> set[int]:
     }
 
 
-@contextlib.contextmanager
-def buffers_kept(job: Job, plan: Plan) -> Iterator[None]:
+class BuffersKept:
     """Puts back the buffers the plan found a forward changes (spectral normalisation's
-    vectors in training mode): no buffer of the model changes (SPEC §0). Sets ``job.reset``
-    to the function that puts them back (None where no forward changes one): the per-example
-    runs call it before each example, so that every example runs alone from the caller's
-    state, as the definition says."""
-    if not plan.mutable_buffers:
-        job.reset = None
-        yield
-        return
-    saved = []
-    for n in plan.mutable_buffers:
-        try:
-            b = job.model.get_buffer(n)
-        except AttributeError:
-            continue
-        saved.append((b, b.detach().clone()))
+    vectors in training mode): no buffer of the model changes (SPEC §0). Inside, ``job.reset``
+    is the function that puts them back (None where no forward changes one): the
+    per-example runs call it before each example, so that every example runs alone from the
+    caller's state, as the definition says."""
 
-    def reset() -> None:
+    __slots__ = ("job", "saved")
+
+    def __init__(self, job: Job, plan: Plan):
+        self.job = job
+        self.saved: list[tuple[Tensor, Tensor]] | None = None
+        if plan.mutable_buffers:
+            self.saved = []
+            for n in plan.mutable_buffers:
+                try:
+                    b = job.model.get_buffer(n)
+                except AttributeError:
+                    continue
+                self.saved.append((b, b.detach().clone()))
+
+    def reset(self) -> None:
         with torch.no_grad():
-            for b, copy in saved:
+            for b, copy in self.saved or ():
                 b.copy_(copy)
 
-    job.reset = reset
-    try:
-        yield
-    finally:
-        reset()
-        job.reset = None
+    def __enter__(self) -> None:
+        self.job.reset = None if self.saved is None else self.reset
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            self.reset()
+        self.job.reset = None
 
 
 def plan_of(job: Job, rebuild: bool = False) -> Plan:
@@ -303,13 +305,18 @@ def norms_and_sums(
 
 def _total(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
     """The sum of the parameters' squared norms, in a new tensor of ``like``'s dtype."""
-    total = None
-    for v in values:
-        if total is None:
-            total = v.to(like.dtype, copy=True)
-        else:
+    vs = list(values)
+    if not vs or any(v.dtype != like.dtype for v in vs):
+        total = like.new_zeros(batch)
+        for v in vs:
             total.add_(v)
-    return like.new_zeros(batch) if total is None else total
+        return total
+    if len(vs) == 1:
+        return vs[0].clone()
+    total = torch.add(vs[0], vs[1])
+    for v in vs[2:]:
+        total.add_(v)
+    return total
 
 
 def _clip_factors(sq: Tensor, max_norm: float) -> Tensor:
