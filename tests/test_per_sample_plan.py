@@ -590,3 +590,60 @@ def test_plan_rows_by_name_or_in_order():
         plan[0]
     with pytest.raises(KeyError):
         plan["2.weight"]
+
+
+# --------------------------------------------------------------------------------------
+# NOTE [one run]: a model that runs under vmap anyway is not run twice
+# --------------------------------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """A Linear, then a parameter of the model's own (no rule), then a Linear."""
+
+    def __init__(self, item=False):
+        super().__init__()
+        self.item = item
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        h = torch.tanh(self.fc1(x)) * self.scale
+        if self.item:  # Python control flow on a value: vmap cannot batch it
+            h = h * (2.0 if float(h.detach().abs().max()) > 1e6 else 1.0)
+        return self.fc2(h)
+
+
+def test_per_sample_grads_runs_a_model_that_needs_vmap_once():
+    model = Scaled().to(DT)
+    x, y = torch.randn(6, 3, dtype=DT), torch.randn(6, 2, dtype=DT)
+    plan = tv.per_sample_plan(model, nn.MSELoss(), x, y)
+    assert plan["scale"].method == "vmap" and plan["fc1.weight"].method == "rule"
+    assert plan.one_run and "one run is faster than two" in str(plan)
+    ref = loop_reference(model, nn.MSELoss(), x, y)
+    assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y), ref)  # checked once
+    model.runs = 0
+    assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y), ref)
+    assert model.runs == 1  # vmap's one trace, no rules' pass
+    # the norms keep the rules (no B x P): the rules' pass, then vmap for `scale`
+    tv.per_sample_grad_norms(model, nn.MSELoss(), x, y)  # checked once
+    model.runs = 0
+    norms = tv.per_sample_grad_norms(model, nn.MSELoss(), x, y)
+    assert model.runs == 2
+    want = sum(g.flatten(1).pow(2).sum(1) for g in ref.values()).sqrt()
+    torch.testing.assert_close(norms, want)
+
+
+def test_one_run_gives_the_rules_back_when_vmap_cannot_batch_the_model():
+    model = Scaled(item=True).to(DT)
+    x, y = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT)
+    ref = loop_reference(model, nn.MSELoss(), x, y)
+    with pytest.warns(tv.TorchVJPWarning, match="could not vectorise"):
+        got = tv.per_sample_grads(model, nn.MSELoss(), x, y)
+    assert_matches(got, ref)
+    plan = tv.per_sample_plan(model, nn.MSELoss(), x, y)
+    assert plan["fc1.weight"].method == "rule" and plan["scale"].method == "loop"
+    assert plan["scale"].reason.startswith("vmap cannot batch this model")
+    assert not plan.one_run
+    assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y), ref)

@@ -131,11 +131,11 @@ def per_sample_grads(
     plan = plan_of(job)
     with BuffersKept(job, plan):
         while True:
-            results = grads(job, plan, chunk)
+            results, one_run = grads(job, plan, chunk)
             sq = {n: sq_norms_rows(g) for n, g in results.items()}
             if job.reset is not None:
                 job.reset()
-            if not verify(job, plan, sq):
+            if not verify(job, plan, sq, one_run):
                 break
     return {n: results[sel.key_of[n]] for n in sel.names}
 
@@ -294,11 +294,18 @@ class PerSamplePlan:
             computed by rules.
         mixing: where the model mixes examples, or None.
         strategy: the strategy planned for.
+        one_run: under ``"auto"``, some parameters go to rules and others to vmap:
+            :func:`per_sample_grads` then computes all of them with vmap in one run of the
+            model (its result is ``B x P`` either way), while the norms and the clipped step
+            keep the rules.
     """
 
     def __init__(self, plan: Plan, names: Sequence[str], key_of: dict[str, str]):
         self.strategy = plan.strategy
         self.mixing = plan.mixing
+        methods = {p.method for p in plan.params.values()}
+        self.one_run = (plan.strategy == "auto" and "rule" in methods and "vmap" in methods
+                        and plan.vmap_randomness is not None)
         self.rows = [
             PerSamplePlanRow(n, plan.params[key_of[n]].method, plan.params[key_of[n]].how,
                              plan.params[key_of[n]].reason)
@@ -330,6 +337,9 @@ class PerSamplePlan:
         lines = [head, f"{'parameter':<{width}}  method  how / why"]
         for r in self.rows:
             lines.append(f"{r.name:<{width}}  {r.method:<6}  {r.how or r.reason}")
+        if self.one_run:
+            lines.append("(per_sample_grads computes the 'rule' parameters with vmap too: the "
+                         "model runs under vmap anyway, and one run is faster than two)")
         return "\n".join(lines)
 
     __repr__ = __str__

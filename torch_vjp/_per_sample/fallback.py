@@ -33,7 +33,17 @@ from torch_vjp._errors import (
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree
 
-__all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state"]
+__all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state", "CannotBatch",
+           "warn_loop"]
+
+
+class CannotBatch(Exception):
+    """vmap cannot batch the model (the model's own computation is fine): raised by
+    :func:`fallback_grads` with ``strict`` so that the caller chooses what to do instead."""
+
+    def __init__(self, failure: BaseException):
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 def functional_state(model: nn.Module) -> dict[str, Tensor]:
@@ -122,9 +132,13 @@ def fallback_grads(
     stop: int,
     chunk_size: int | None,
     randomness: str | None = "different",
+    *,
+    strict: bool = False,
 ) -> dict[str, Tensor]:
     """Per-sample gradients of ``names`` for examples ``start:stop``: vmap, else the loop
     (``mode`` ``"loop"``: the loop only; ``"vmap"``: no loop but to classify a failure).
+    With ``strict``, a model vmap cannot batch raises :class:`CannotBatch` instead of
+    going to the loop.
 
     ``randomness`` None means the plan found that only the loop is right (NOTE [randomness]
     in ``plan``). See NOTE [one fallback policy].
@@ -143,7 +157,9 @@ def fallback_grads(
         loop_grads(job, names, start, start + 1, first)
         if mode == "vmap":
             raise _vmap_error(job, names, start, stop, failure) from failure
-        _warn_loop(job.fn, job.model, failure)
+        if strict:
+            raise CannotBatch(failure) from failure
+        warn_loop(job.fn, job.model, failure)
     out = _new_outputs(job.sel, names, stop - start)
     loop_grads(job, names, start, stop, out)
     return out
@@ -204,7 +220,7 @@ def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
         f"the model's own forward ({type(module).__name__})")
 
 
-def _warn_loop(fn: str, model: nn.Module, err: BaseException) -> None:
+def warn_loop(fn: str, model: nn.Module, err: BaseException) -> None:
     """One warning per function and model class when ``"auto"`` had to loop over examples."""
     if not first_time(("per-sample-loop", fn, type(model))):
         return

@@ -104,6 +104,9 @@ class Plan:
     random_global: bool = False
     vmap_randomness: str | None = "different"
     verified: bool = False
+    #: per_sample_grads under "auto" computed every parameter with vmap in one run (NOTE
+    #: [one run]), and that was checked against the loop
+    verified_one_run: bool = False
     mutable_buffers: list[str] = field(default_factory=list)
     #: the hooked layers and attention modules, ``(path, module)``, found once (Recorder)
     layers: Any = None

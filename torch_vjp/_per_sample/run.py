@@ -34,7 +34,7 @@ from torch_vjp._per_sample.factors import (
     sq_norms_rows,
     write_region,
 )
-from torch_vjp._per_sample.fallback import fallback_grads, loop_grads
+from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
 from torch_vjp._per_sample.plan import Plan, mixing_error
 from torch_vjp._per_sample.probe import plan_for
@@ -194,8 +194,40 @@ def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]
 # --------------------------------------------------------------------------------------------
 
 
-def grads(job: Job, plan: Plan, chunk: int | None) -> dict[str, Tensor]:
-    """Per-sample gradients of every canonical parameter, under the plan."""
+# NOTE [one run]
+# Under "auto", a plan with parameters for the rules and parameters for vmap would run the
+# model twice: the rules' pass, then vmap over the examples. per_sample_grads, whose result
+# is B x P whichever way it is computed, gives all of them to vmap instead: one run. (The
+# norms and the clipped step keep the rules, which spare them that B x P.) If vmap cannot
+# batch the model after all, the rules come back and the loop takes the rest.
+
+
+def grads(job: Job, plan: Plan, chunk: int | None) -> tuple[dict[str, Tensor], bool]:
+    """Per-sample gradients of every canonical parameter, under the plan; and whether they
+    came from one vmap run (NOTE [one run])."""
+    if job.strategy == "auto" and plan.rule_params:
+        together, loop_names = _fallback_names(plan, HooksResult())
+        if together:
+            together = together + plan.rule_params
+            try:
+                results = fallback_grads(job, "auto", together, 0, job.batch, chunk,
+                                         plan.vmap_randomness, strict=True)
+            except CannotBatch as err:
+                vmap_names = [n for n in together if n not in plan.rule_set()]
+                plan.route(vmap_names, f"vmap cannot batch this model ({err})")
+                warn_loop(job.fn, job.model, err.failure)
+            else:
+                if job.reset is not None:
+                    job.reset()
+                results.update(fallback_grads(job, "loop", loop_names, 0, job.batch, chunk, None))
+                for n in plan.zero_params:
+                    results[n] = job.sel.tensors[n].new_zeros((job.batch,
+                                                                *job.sel.tensors[n].shape))
+                return results, True
+    return _split(job, plan, chunk), False
+
+
+def _split(job: Job, plan: Plan, chunk: int | None) -> dict[str, Tensor]:
     plan, res = _hooks(job, plan)
     sel, batch = job.sel, job.batch
     results: dict[str, Tensor] = {}
@@ -377,14 +409,16 @@ def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
 _RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
 
 
-def verify(job: Job, plan: Plan, sq: dict[str, Tensor]) -> list[str]:
+def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -> list[str]:
     """Compares the per-parameter squared norms ``sq`` of two examples with the per-example
     loop (NOTE [the per-sample plan]); returns the parameters that disagree, after routing
-    them off their method (or raising, for an explicit strategy)."""
-    if plan.verified:
+    them off their method (or raising, for an explicit strategy). ``one_run``: the result
+    came from one vmap run (NOTE [one run]), which is checked apart from the rules."""
+    flag = "verified_one_run" if one_run else "verified"
+    if getattr(plan, flag):
         return []
     if plan.random_global or job.strategy == "loop":
-        plan.verified = True
+        setattr(plan, flag, True)
         return []
     sel, batch = job.sel, job.batch
     ks = sorted({batch - 1, batch // 2})
@@ -407,13 +441,15 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor]) -> list[str]:
         floor = rtol * 1e-3 * whole.to(want.dtype)
         if bool((err > rtol * want + rtol * 1e-3 * scale + floor + 1e-30).any()):
             j = int(err.argmax())
+            method = "vmap" if one_run and plan.params[n].method == "rule" else (
+                plan.params[n].method)
             bad[n] = (
-                f"the {plan.params[n].method} result disagreed with the per-example loop on "
+                f"the {method} result disagreed with the per-example loop on "
                 f"example {ks[j]} (gradient norm {float(got[j]):.6g} against "
                 f"{float(want[j]):.6g})"
             )
     if not bad:
-        plan.verified = True
+        setattr(plan, flag, True)
         return []
     if job.strategy != "auto":
         n, why = next(iter(bad.items()))
