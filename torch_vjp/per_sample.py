@@ -39,6 +39,7 @@ from torch_vjp._per_sample.run import (
     BuffersKept,
     add_to_grads,
     check_trainable,
+    checked,
     grads,
     norms_and_sums,
     plan_of,
@@ -132,9 +133,11 @@ def per_sample_grads(
     with BuffersKept(job, plan):
         while True:
             results, one_run = grads(job, plan, chunk)
-            sq = {n: sq_norms_rows(g) for n, g in results.items()}
             if job.reset is not None:
                 job.reset()
+            if checked(plan, one_run):
+                break
+            sq = {n: sq_norms_rows(g) for n, g in results.items()}
             if not verify(job, plan, sq, one_run):
                 break
     return {n: results[sel.key_of[n]] for n in sel.names}

@@ -66,9 +66,8 @@ NORM_CHUNK_ELEMENTS = 1 << 18
 def sq_norms_rows(v: Tensor) -> Tensor:
     """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``."""
     rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)
-    if rows.is_complex():
-        return torch.linalg.vector_norm(rows, dim=1).square_()
-    return torch.linalg.vecdot(rows, rows)  # one kernel
+    # (one reduction: linalg.vecdot would first form the B x P product of the rows)
+    return torch.linalg.vector_norm(rows, dim=1).square_()
 
 
 def chunks(

@@ -48,6 +48,7 @@ __all__ = [
     "grads",
     "norms_and_sums",
     "verify",
+    "checked",
     "add_to_grads",
     "check_trainable",
 ]
@@ -407,6 +408,11 @@ def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 _RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
+
+
+def checked(plan: Plan, one_run: bool = False) -> bool:
+    """Whether results under ``plan`` were checked against the loop already."""
+    return plan.verified_one_run if one_run else plan.verified
 
 
 def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -> list[str]:
