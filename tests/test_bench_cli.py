@@ -443,7 +443,7 @@ def test_without_matplotlib_the_plot_is_not_checked_and_not_written(tmp_path, mo
     ({"aggregate": "mean"}, r"aggregate='mean', but it must be 'min' .* or 'median'"),
 ], ids=["nan", "inf", "rounds", "threads", "aggregate"])
 def test_run_suite_option_errors(kwargs, message):
-    from torch_vjp._core import JacobianOptionError
+    from torch_vjp._errors import JacobianOptionError
     from torch_vjp.bench import run_suite
 
     with pytest.raises(JacobianOptionError, match=r"torch_vjp\.bench\.run_suite: " + message):
@@ -451,7 +451,7 @@ def test_run_suite_option_errors(kwargs, message):
 
 
 def test_plot_suite_of_an_empty_result_raises():
-    from torch_vjp._core import JacobianOptionError
+    from torch_vjp._errors import JacobianOptionError
     from torch_vjp.bench import plot_suite, run_suite
 
     result = run_suite(get_workloads("jacobian_of"), methods=["torch.func.jacrev"],

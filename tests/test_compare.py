@@ -8,17 +8,16 @@ import pytest
 import torch
 
 import torch_vjp as tv
-from torch_vjp._core import JacobianCallError, JacobianOptionError
-from torch_vjp._errors import StrategyError, TorchVJPError
-from torch_vjp._strategies import STRATEGIES
-from torch_vjp.compare import (
-    StrategyComparison,
-    StrategyRow,
+from torch_vjp._errors import (
+    JacobianCallError,
+    JacobianOptionError,
+    StrategyError,
     StrategyTypeError,
-    _LiveTensorBytes,
-    _measure_peak,
-    compare_strategies,
+    TorchVJPError,
 )
+from torch_vjp._measure import LiveTensorBytes, measure_peak
+from torch_vjp._strategies import STRATEGIES
+from torch_vjp.compare import StrategyComparison, StrategyRow, compare_strategies
 
 FAST = 0.002  # seconds of timing per strategy: enough to get a median, fast in CI
 ALL = tuple([n for n in STRATEGIES if n != "auto"] + ["auto"])
@@ -401,12 +400,12 @@ def test_unknown_row_name_raises_keyerror():
 
 def test_live_bytes_counts_a_temporary_and_the_result():
     # ones(1000) (4000 B) is alive while the product (4000 B) is made: a peak of 8000 B.
-    assert _measure_peak(lambda: torch.ones(1000) * 2, torch.device("cpu")) == 8000
+    assert measure_peak(lambda: torch.ones(1000) * 2, torch.device("cpu")) == 8000
 
 
 def test_live_bytes_ignores_views_inplace_and_existing_tensors():
     base = torch.ones(1000)
-    with _LiveTensorBytes() as mode:
+    with LiveTensorBytes() as mode:
         view = base[:10].t()
         base.add_(1)
         del view
@@ -414,7 +413,7 @@ def test_live_bytes_ignores_views_inplace_and_existing_tensors():
 
 
 def test_live_bytes_follows_frees():
-    with _LiveTensorBytes() as mode:
+    with LiveTensorBytes() as mode:
         a = torch.empty(250, dtype=torch.float64)  # 2000 B
         b = a + 1  # 2000 B
         del a, b
@@ -429,14 +428,14 @@ def test_peak_counts_vmapped_intermediates():
     x = torch.randn(64, dtype=torch.float64)
     jac_bytes = 64 * 64 * 8
     # jacrev builds a (64, 64) basis and the (64, 64) Jacobian: at least twice J's size.
-    peak = _measure_peak(lambda: torch.func.jacrev(torch.sin)(x), torch.device("cpu"))
+    peak = measure_peak(lambda: torch.func.jacrev(torch.sin)(x), torch.device("cpu"))
     assert peak >= 2 * jac_bytes
 
 
 @pytest.mark.cuda
 def test_cuda_peak_uses_the_allocator():
     x = torch.randn(64, device="cuda")
-    peak = _measure_peak(lambda: torch.func.jacrev(torch.sin)(x), x.device)
+    peak = measure_peak(lambda: torch.func.jacrev(torch.sin)(x), x.device)
     assert peak >= 64 * 64 * 4
     report = compare_strategies(torch.sin, x, strategies=["rev"], min_run_time=FAST)
     assert report.device.startswith("cuda") and "max_memory_allocated" in report.memory_method

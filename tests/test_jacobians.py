@@ -16,13 +16,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import torch_vjp as tv
-from torch_vjp._core import (
-    JacobianCallError,
-    JacobianOptionError,
-    Problem,
-    jacobian_blocks,
-    parse_max_memory,
-)
+from torch_vjp._engine.jacobian import jacobian_blocks
+from torch_vjp._engine.memory import parse_max_memory
+from torch_vjp._engine.problem import Problem
+from torch_vjp._errors import JacobianCallError, JacobianOptionError
 from torch_vjp._strategies import STRATEGIES, choose_mode
 from torch_vjp.jacobians import batch_jacobian, hessian, jacobian, jacobian_of
 
@@ -917,7 +914,7 @@ def test_jacobian_of_memory_error():
 @pytest.mark.cuda
 @pytest.mark.parametrize("strategy", ALL)
 def test_cuda_matches_cpu(strategy):
-    from torch_vjp._core import free_memory
+    from torch_vjp._engine.memory import free_memory
 
     cuda = torch.device("cuda")
     f, (x,), _ = CASES["mlp"]()
@@ -962,18 +959,18 @@ def _mlp_with_grad_parameters(n_in: int, hidden: int, n_out: int) -> torch.nn.Mo
 
 @pytest.mark.parametrize("strategy", ["fwd", "rev", "fwd-loop", "rev-loop", "auto"])
 def test_max_memory_bounds_the_peak_when_parameters_require_grad(strategy):
-    from torch_vjp.compare import _measure_peak  # live tensor bytes, counted per operator
+    from torch_vjp._measure import measure_peak  # live tensor bytes, counted per operator
 
     model = _mlp_with_grad_parameters(256, 256, 256)
     x = torch.randn(256, dtype=D)
     jac_bytes = 256 * 256 * 8
     budget = jac_bytes + 300_000  # several chunks of products
-    peak = _measure_peak(lambda: jacobian(model, x, strategy=strategy, max_memory=budget),
+    peak = measure_peak(lambda: jacobian(model, x, strategy=strategy, max_memory=budget),
                          torch.device("cpu"))
     assert peak <= budget
     # the same call keeping every chunk's graph (create_graph=True) would not fit: the check
     # above can fail
-    kept = _measure_peak(
+    kept = measure_peak(
         lambda: jacobian(model, x, strategy=strategy, max_memory=budget, create_graph=True),
         torch.device("cpu"),
     )
@@ -982,17 +979,17 @@ def test_max_memory_bounds_the_peak_when_parameters_require_grad(strategy):
 
 @pytest.mark.parametrize("strategy", ["fwd", "rev", "fwd-loop", "rev-loop"])
 def test_batch_jacobian_chunks_free_their_graphs(strategy):
-    from torch_vjp.compare import _measure_peak
+    from torch_vjp._measure import measure_peak
 
     model = _mlp_with_grad_parameters(64, 256, 32)
     x = torch.randn(16, 64, dtype=D)
     cpu = torch.device("cpu")
-    peak = _measure_peak(lambda: tv.batch_jacobian(model, x, strategy=strategy, chunk_size=8),
+    peak = measure_peak(lambda: tv.batch_jacobian(model, x, strategy=strategy, chunk_size=8),
                          cpu)
     with torch.no_grad():  # the least the computation needs
-        least = _measure_peak(
+        least = measure_peak(
             lambda: tv.batch_jacobian(model, x, strategy=strategy, chunk_size=8), cpu)
-    kept = _measure_peak(
+    kept = measure_peak(
         lambda: tv.batch_jacobian(model, x, strategy=strategy, chunk_size=8, create_graph=True),
         cpu,
     )
@@ -1050,7 +1047,7 @@ def test_batchnorm_buffers_never_move(how, call):
 
 
 def test_modules_reached_finds_modules_behind_f():
-    from torch_vjp._core import modules_reached
+    from torch_vjp._engine.context import modules_reached
 
     bn = _training_bn()
     for how, f in _reach_bn(bn).items():

@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_vjp as tv
-from torch_vjp._core import JacobianCallError, JacobianOptionError
+from torch_vjp._errors import JacobianCallError, JacobianOptionError
 from torch_vjp.transforms import jvp, vjp
 
 D = torch.float64

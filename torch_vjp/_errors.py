@@ -34,6 +34,7 @@ __all__ = [
     "GradOutputsWarning",
     "JacobianWarning",
     "shape_str",
+    "format_bytes",
     "torch_first",
     "env_flag",
     "user_stacklevel",
@@ -139,6 +140,22 @@ def shape_str(shape: Sequence[int]) -> str:
     if len(dims) == 1:
         return f"({dims[0]},)"
     return "(" + ", ".join(str(d) for d in dims) + ")"
+
+
+def format_bytes(n: float | None) -> str:
+    """Formats a byte count in decimal units, as ``max_memory="2GB"`` reads them: the one
+    byte formatter of messages, reports and tables.
+
+    Example:
+        >>> format_bytes(80e9), format_bytes(1536), format_bytes(512), format_bytes(None)
+        ('80 GB', '1.54 kB', '512 B', '-')
+    """
+    if n is None:
+        return "-"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}" if n / size < 100 else f"{n / size:.0f} {unit}"
+    return f"{int(n)} B"
 
 
 # NOTE [torch's sentence first]

@@ -7,8 +7,8 @@ it, measures the extra memory it needed, and returns a :class:`StrategyCompariso
 ``str(report)`` and ``report.to_dict()`` for JSON. A strategy that fails is a row that says
 why, not an exception.
 
-The timing and memory helpers here (``_median_time``, ``_measure_peak``, ``_LiveTensorBytes``)
-are shared with the benchmark suite in :mod:`torch_vjp.bench`.
+Time, memory and error are measured by :mod:`torch_vjp._measure`, which the benchmark suite
+:mod:`torch_vjp.bench` shares.
 """
 
 from __future__ import annotations
@@ -16,245 +16,40 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from torch_vjp._core import Problem, buffers_kept
-from torch_vjp._errors import JacobianOptionError, StrategyError, StrategyTypeError, shape_str
+from torch_vjp._engine.context import buffers_kept
+from torch_vjp._engine.problem import Problem
+from torch_vjp._errors import (
+    JacobianOptionError,
+    StrategyError,
+    StrategyTypeError,
+    format_bytes,
+    shape_str,
+)
+from torch_vjp._measure import (
+    check_min_run_time,
+    device_of,
+    format_table,
+    format_time,
+    max_error,
+    measure_peak,
+    median_time,
+    memory_method,
+    reason,
+    shorten,
+    tolerance,
+)
 
 __all__ = ["compare_strategies", "StrategyComparison", "StrategyRow"]
 
 _CALL = "torch_vjp.compare_strategies"
-
-
-# Relative tolerance of the correctness check, by the dtype a strategy computes in: the
-# error is compared against ``atol + rtol * max|reference|`` (see compare_strategies).
-_RTOL = {
-    torch.float16: 1e-2,
-    torch.bfloat16: 2e-2,
-    torch.float32: 1e-4,
-    torch.float64: 1e-7,
-    torch.complex64: 1e-4,
-    torch.complex128: 1e-7,
-}
-
-
-# --------------------------------------------------------------------------------------
-# Shared measurement helpers (also used by torch_vjp.bench)
-# --------------------------------------------------------------------------------------
-
-
-def _median_time(fn: Callable[[], Any], min_run_time: float) -> float:
-    """Median seconds per call of ``fn`` by ``Timer.blocked_autorange``, on torch's current
-    number of threads (``Timer`` would otherwise measure on one thread)."""
-    from torch.utils.benchmark import Timer
-
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
-
-
-class _LiveTensorBytes(TorchDispatchMode):
-    """Counts the bytes of tensor storages created by operators while the mode is active.
-
-    Every operator call passes through ``__torch_dispatch__`` (below vmap and the autograd
-    engine, so batched intermediates, saved tensors, basis vectors and results are all
-    seen). A storage that an output shares with an input (a view, an in-place op) is not
-    new; any other output storage is counted from its creation until Python's weak
-    reference to it reports it freed. ``peak`` is the largest total alive at any moment.
-    Scratch buffers that a kernel allocates and frees internally are not seen.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._alive: dict[int, weakref.ref] = {}
-
-    @staticmethod
-    def _storage(t: Tensor) -> Any | None:
-        if t.device.type == "meta" or t.is_sparse or t._is_zerotensor():
-            return None
-        try:
-            storage = t.untyped_storage()
-            storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
-            return None
-        return storage
-
-    def _released(self, key: int, nbytes: int, _ref: weakref.ref) -> None:
-        if self._alive.pop(key, None) is not None:
-            self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = set()
-        for a in tree_leaves((args, kwargs)):
-            if isinstance(a, Tensor):
-                storage = self._storage(a)
-                if storage is not None:
-                    inputs.add(storage.data_ptr())
-        for t in tree_leaves(out):
-            if not isinstance(t, Tensor):
-                continue
-            storage = self._storage(t)
-            if storage is None:
-                continue
-            key = storage.data_ptr()
-            nbytes = storage.nbytes()
-            if nbytes == 0 or key in inputs or key in self._alive:
-                continue
-            self._alive[key] = weakref.ref(
-                storage, lambda r, k=key, n=nbytes: self._released(k, n, r))
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        return out
-
-
-def _device_of(tree: Any) -> torch.device:
-    for leaf in tree_leaves(tree):
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return torch.device("cpu")
-
-
-def _measure_peak(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak extra bytes one call of ``fn`` needs, the result included.
-
-    CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated`` after
-    ``reset_peak_memory_stats``) minus what was allocated before the call. Other devices:
-    the peak of live tensor bytes counted by :class:`_LiveTensorBytes`.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-        del result
-        return int(peak)
-    mode = _LiveTensorBytes()
-    with mode:
-        result = fn()
-    peak = mode.peak
-    del result
-    return int(peak)
-
-
-def _memory_method(device: torch.device) -> str:
-    if device.type == "cuda":
-        return ("CUDA caching allocator peak (torch.cuda.max_memory_allocated) minus what was "
-                "allocated before")
-    return "peak of live tensor bytes created during one call (counted by a TorchDispatchMode)"
-
-
-def _leaves(tree: Any) -> list[Tensor]:
-    """Tensor leaves of a result in a canonical order (dict entries by sorted key)."""
-    if isinstance(tree, Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for k in sorted(tree, key=str) for t in _leaves(tree[k])]
-    if isinstance(tree, (tuple, list)):
-        return [t for item in tree for t in _leaves(item)]
-    raise TypeError(
-        f"expected a tensor, or a tuple, list or dict of them; got {type(tree).__name__}")
-
-
-def _max_error(result: Any, reference: Any) -> float:
-    """Largest absolute difference between two results of the same structure and shapes.
-
-    Raises:
-        ValueError: The structures or the shapes differ (said in the message).
-    """
-    got, want = _leaves(result), _leaves(reference)
-    if len(got) != len(want):
-        raise ValueError(f"returned {len(got)} Jacobian blocks, the reference has {len(want)}")
-    error = 0.0
-    for i, (g, w) in enumerate(zip(got, want)):
-        g = torch.as_tensor(g)
-        if tuple(g.shape) != tuple(w.shape):
-            raise ValueError(
-                f"Jacobian block {i} has shape {shape_str(g.shape)}, "
-                f"the reference has {shape_str(w.shape)}"
-            )
-        if g.numel():
-            diff = (g.detach().cpu().to(torch.complex128 if g.is_complex() else torch.float64)
-                    - w.detach().cpu().to(torch.complex128 if w.is_complex() else torch.float64))
-            error = max(error, float(diff.abs().max()))
-    return error
-
-
-def _scale(reference: Any) -> float:
-    leaves = [t for t in _leaves(reference) if t.numel()]
-    return max((float(t.detach().abs().max()) for t in leaves), default=0.0)
-
-
-def _tolerance(result: Any, reference: Any, rtol: float | None, atol: float | None) -> float:
-    """``atol + rtol * max|reference|``; defaults by the result's least precise dtype."""
-    if rtol is None:
-        rtol = max((_RTOL.get(t.dtype, 1e-4) for t in _leaves(result)), default=1e-7)
-    if atol is None:
-        atol = rtol * 1e-3
-    return atol + rtol * _scale(reference)
-
-
-def _reason(exc: BaseException, limit: int = 300) -> str:
-    """``"TypeName: first line of the message"``, shortened to ``limit`` characters."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
-
-
-def _shorten(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _format_time(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
-
-
-def _format_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _format_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> list[str]:
-    """Aligned plain-text table; ``align`` holds ``<`` or ``>`` per column."""
-    rows = [list(header)] + [list(r) for r in rows]
-    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(header))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = []
-        for i, cell in enumerate(row):
-            last = i == len(row) - 1
-            if align[i] == ">":
-                cells.append(cell.rjust(widths[i]))
-            else:
-                cells.append(cell if last else cell.ljust(widths[i]))
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return lines
 
 
 # --------------------------------------------------------------------------------------
@@ -339,12 +134,12 @@ def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> t
             jac = torch.func.jacrev(f, argnums=argnums)(*args)
             return jac, f"torch.func.jacrev in {dtype_note}"
         except Exception as exc:  # noqa: BLE001 - the next attempt, or the row says why
-            attempts.append(f"jacrev in {dtype_note}: {_reason(exc, 120)}")
+            attempts.append(f"jacrev in {dtype_note}: {reason(exc, 120)}")
         try:
             return (_loop_jacobian(f, args, argnums),
                     f"a loop of torch.autograd.grad in {dtype_note} (torch.func.jacrev failed)")
         except Exception as exc:  # noqa: BLE001
-            attempts.append(f"autograd.grad loop in {dtype_note}: {_reason(exc, 120)}")
+            attempts.append(f"autograd.grad loop in {dtype_note}: {reason(exc, 120)}")
     raise _NoReference("; ".join(attempts))
 
 
@@ -483,9 +278,9 @@ class StrategyComparison:
                 status = f"{row.status}: {row.reason}" if row.reason else row.status
             if row.warnings and row.status != "failed":
                 status += f" (warned: {row.warnings[0].splitlines()[0]})"
-            status = _shorten(status, 110)
-            body.append((row.strategy, _format_time(row.time), ratio,
-                         _format_bytes(row.peak_memory), error, status))
+            status = shorten(status, 110)
+            body.append((row.strategy, format_time(row.time), ratio,
+                         format_bytes(row.peak_memory), error, status))
         lines = [
             f"compare_strategies: {self.description}",
             f"device {self.device}, {self.threads} threads, torch {self.torch_version}",
@@ -493,7 +288,7 @@ class StrategyComparison:
             + (f"; tolerance {self.tolerance:.1e}" if self.tolerance is not None else ""),
             f"memory: {self.memory_method}",
             "",
-            *_format_table(header, body, "<>>>><"),
+            *format_table(header, body, "<>>>><"),
         ]
         return "\n".join(lines)
 
@@ -619,12 +414,12 @@ def compare_strategies(
         ...
     """
     names = _normalise_strategies(strategies)
-    min_run_time = _check_min_run_time(min_run_time, call=_CALL)
+    min_run_time = check_min_run_time(min_run_time, call=_CALL)
     rtol = _check_tolerance("rtol", rtol)
     atol = _check_tolerance("atol", atol)
     # argnums and the primals are checked as torch_vjp.jacobian checks them, before f runs.
     prob = Problem(f, primals, argnums, has_aux=False, call=_CALL)
-    device = _device_of(primals)
+    device = device_of(primals)
 
     # Every call of f below (the plain call, the reference, each strategy's checked call,
     # its memory measurement and its timing loop) runs inside buffers_kept(f): a module in
@@ -646,7 +441,7 @@ def compare_strategies(
     from torch_vjp.jacobians import jacobian
 
     rows = []
-    tolerance = None
+    worst_tol = None
     for name in names:
         def call(name: str = name) -> Any:
             return jacobian(f, *primals, argnums=argnums, strategy=name)
@@ -657,24 +452,24 @@ def compare_strategies(
                 with buffers_kept(f):
                     result = call()
             except Exception as exc:  # noqa: BLE001 - a failing strategy is a row
-                rows.append(StrategyRow(name, "failed", reason=_reason(exc),
+                rows.append(StrategyRow(name, "failed", reason=reason(exc),
                                         warnings=_messages(caught)))
                 continue
         messages = _messages(caught)
-        status, error, reason = "unchecked", None, None
+        status, error, why = "unchecked", None, None
         if reference is not None:
             try:
-                error = _max_error(result, reference)
+                error = max_error(result, reference)
             except (ValueError, TypeError) as exc:
-                status, reason = "wrong", str(exc)
+                status, why = "wrong", str(exc)
             else:
-                row_tol = _tolerance(result, reference, rtol, atol)
-                tolerance = row_tol if tolerance is None else max(tolerance, row_tol)
+                row_tol = tolerance(result, reference, rtol, atol)
+                worst_tol = row_tol if worst_tol is None else max(worst_tol, row_tol)
                 if error <= row_tol:
                     status = "ok"
                 else:
                     status = "wrong"
-                    reason = f"max abs error {error:.2e} > tolerance {row_tol:.2e}"
+                    why = f"max abs error {error:.2e} > tolerance {row_tol:.2e}"
         del result
         peak = elapsed = None
         with warnings.catch_warnings():
@@ -682,43 +477,20 @@ def compare_strategies(
             try:
                 with buffers_kept(f):
                     if memory:
-                        peak = _measure_peak(call, device)
-                    elapsed = _median_time(call, min_run_time)
+                        peak = measure_peak(call, device)
+                    elapsed = median_time(call, min_run_time)
             except Exception as exc:  # noqa: BLE001 - ran once, then failed: still a row
-                status, reason = "failed", f"on a repeated call: {_reason(exc)}"
-        rows.append(StrategyRow(name, status, elapsed, peak, error, reason, messages))
+                status, why = "failed", f"on a repeated call: {reason(exc)}"
+        rows.append(StrategyRow(name, status, elapsed, peak, error, why, messages))
 
     return StrategyComparison(
         rows=tuple(rows),
         reference=reference_note,
-        tolerance=tolerance,
+        tolerance=worst_tol,
         device=str(device),
         threads=torch.get_num_threads(),
-        memory_method=_memory_method(device) if memory else "not measured (memory=False)",
+        memory_method=memory_method(device) if memory else "not measured (memory=False)",
         description=description,
-    )
-
-
-def _check_min_run_time(value: object, *, call: str) -> float:
-    """Returns ``min_run_time`` as a float if it is a finite number of seconds > 0.
-
-    ``blocked_autorange`` times calls until their total reaches ``min_run_time``: with nan
-    or inf that never happens, and the call hangs.
-
-    Raises:
-        JacobianOptionError: anything else (as for the options of torch_vjp.jacobian).
-    """
-    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0):
-        return float(value)
-    got = (f"min_run_time={value!r}" if isinstance(value, numbers.Real)
-           else f"min_run_time={value!r} (a {type(value).__name__})")
-    raise JacobianOptionError(
-        f"{call}: {got}, but it must be a finite number of seconds > 0: the time budget of "
-        f"torch.utils.benchmark.Timer.blocked_autorange, which repeats the call until the "
-        f"budget is spent (nan or inf never is, so the timing would not end). Fix: keep the "
-        f"default for figures you report, or pass a small positive number such as 0.01 "
-        f"for a quick look."
     )
 
 

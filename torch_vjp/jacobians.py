@@ -22,24 +22,21 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from torch_vjp._core import (
-    Blocks,
+from torch_vjp._engine.blocks import Blocks, assemble
+from torch_vjp._engine.context import buffers_kept, graph_mode
+from torch_vjp._engine.disconnected import warn_disconnected
+from torch_vjp._engine.jacobian import jacobian_blocks
+from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
+from torch_vjp._errors import (
     JacobianCallError,
-    Problem,
-    _quote,
-    _user_stacklevel,
-    assemble,
-    basis_rows,
-    buffers_kept,
-    check_chunk_size,
-    graph_mode,
-    jacobian_blocks,
-    parse_max_memory,
-    plan_chunk,
-    run_with_fallback,
-    warn_disconnected,
+    JacobianWarning,
+    quote_error,
+    shape_str,
+    user_stacklevel,
+    warn_once,
 )
-from torch_vjp._errors import JacobianWarning, shape_str
 from torch_vjp._strategies import StrategyName, get_strategy
 
 __all__ = ["jacobian", "batch_jacobian", "jacobian_of", "hessian"]
@@ -220,7 +217,7 @@ def batch_jacobian(
     strat = get_strategy(strategy, call=call)
     chunk = check_chunk_size(chunk_size, call=call)
     if not isinstance(x, Tensor) or x.dim() == 0:
-        what = f"a 0-d tensor" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+        what = "a 0-d tensor" if isinstance(x, Tensor) else f"a {type(x).__name__}"
         raise JacobianCallError(
             f"{call}: x is {what}, but it must be a tensor whose first dimension is the "
             f"batch, (B, *in). For a single example, use torch_vjp.jacobian(f, x), or pass "
@@ -403,13 +400,9 @@ def jacobian_of(
     n_out = sum(o.numel() for o in outs)
     n_in = sum(x.numel() for x in ins)
     itemsize = max([o.dtype.itemsize for o in outs] + [x.dtype.itemsize for x in ins])
-    plan = plan_chunk(
-        n, itemsize * n_out * n_in, 4 * itemsize * (n_out + n_in),
-        chunk_size=chunk, max_memory=None, device=ins[0].device, call=call,
-        what=(
-            f"{n_out * n_in:,} elements, {n_out:,} output elements times {n_in:,} input "
-            f"elements"
-        ),
+    plan = plan_products(
+        n, n_out, n_in, itemsize, chunk_size=chunk, max_memory=None, device=ins[0].device,
+        call=call,
         alternatives=(
             "torch_vjp.grad with grad_outputs (is_grads_batched=True for many at once) "
             "gives products of the Jacobian with vectors without forming it; or ask for "
@@ -453,15 +446,16 @@ def jacobian_of(
             state["stop"], state["next"] = stop, start
             return basis(start, stop)
 
-        blocks_by_input, _ = run_with_fallback(
-            lambda *v: grads(v, False), rows, n, vectorized=True, fallback=True, chunk=plan,
+        blocks_by_input, _ = map_rows_with_fallback(
+            lambda *v: grads(v, False), rows, n, chunk_size=plan,
             batched_fn=torch.vmap(lambda *v: grads(v, True)),
-            warn_key=("jacobian_of",),
-            message=lambda err: (
+            on_fallback=lambda err: warn_once(
+                ("jacobian_of", type(err)),
                 f"{call}: the vectorised backward pass (torch.vmap over torch.autograd.grad) "
                 f"failed, so the Jacobian is computed with one backward pass per output "
                 f"element in a Python loop, usually many times slower.\n  It said: "
-                f"{_quote(err)}\n  This warning is shown once."
+                f"{quote_error(err)}\n  This warning is shown once.",
+                JacobianWarning,
             ),
         )
     # blocks_by_input[i]: (n, *in_i) over the outputs that require grad
@@ -504,7 +498,7 @@ def jacobian_of(
 def _warn(message: str) -> None:
     import warnings
 
-    warnings.warn(message, JacobianWarning, stacklevel=_user_stacklevel())
+    warnings.warn(message, JacobianWarning, stacklevel=user_stacklevel())
 
 
 def _tensors(value: Any, name: str, call: str) -> tuple[Tensor, ...]:

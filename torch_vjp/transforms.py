@@ -28,14 +28,11 @@ from torch_vjp._checks import (
     check_tree_structure,
     normalize_grad_outputs,
 )
-from torch_vjp._core import (
-    JacobianCallError,
-    Problem,
-    _func_jvp,
-    _func_vjp,
-    check_chunk_size,
-    map_rows,
-)
+from torch_vjp._engine.context import func_jvp, func_vjp
+from torch_vjp._engine.memory import check_chunk_size
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import map_rows
+from torch_vjp._errors import JacobianCallError
 
 __all__ = ["vjp", "jvp"]
 
@@ -108,7 +105,7 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
     """
     call = "torch_vjp.vjp"
     prob = Problem(f, primals, None, has_aux=has_aux, call=call)
-    res = _func_vjp(prob.g, *prob.leaves, has_aux=prob.has_aux)
+    res = func_vjp(prob.g, *prob.leaves, has_aux=prob.has_aux)
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
     single = isinstance(out, Tensor)
@@ -225,13 +222,13 @@ def jvp(
     vectors = _flat_vectors(normalized, prob.leaves, batched)
     leaves = tuple(prob.leaves)
     if not batched:
-        return _func_jvp(prob.g, leaves, tuple(vectors), has_aux=has_aux)
+        return func_jvp(prob.g, leaves, tuple(vectors), has_aux=has_aux)
 
     g = prob.g
     spec_box: list[Any] = []
 
     def push(*tangent: Tensor) -> Any:
-        res = _func_jvp(g, leaves, tangent, has_aux=has_aux)
+        res = func_jvp(g, leaves, tangent, has_aux=has_aux)
         flat_t, spec = tree_flatten(res[1])
         if not spec_box:
             spec_box.append(spec)

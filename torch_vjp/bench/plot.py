@@ -14,7 +14,7 @@ import os
 import textwrap
 from pathlib import Path
 
-from torch_vjp.bench.suite import SuiteResult, _jax_note
+from torch_vjp.bench.suite import SuiteResult, jax_note
 
 __all__ = ["plot_suite", "FAMILY_COLORS"]
 
@@ -52,7 +52,7 @@ def plot_suite(result: SuiteResult, path: str | os.PathLike[str], *, columns: in
     """
     workloads = [w for w in result.workloads if w.results]
     if not workloads:
-        from torch_vjp._core import JacobianOptionError
+        from torch_vjp._errors import JacobianOptionError
 
         raise JacobianOptionError(
             f"torch_vjp.bench.plot_suite: the result holds {len(result.workloads)} "
@@ -126,7 +126,7 @@ def plot_suite(result: SuiteResult, path: str | os.PathLike[str], *, columns: in
         title += f", {'quick' if env['quick'] else 'full'} suite"
     fig.suptitle(
         f"{title}\n"
-        f"torch {env['torch']}, {_jax_note(env)}, {env['device']} ({device}), "
+        f"torch {env['torch']}, {jax_note(env)}, {env['device']} ({device}), "
         f"{env['threads']} threads, {env['dtype']}, {env['date']}",
         fontsize=11,
     )
@@ -149,6 +149,6 @@ def plot_suite(result: SuiteResult, path: str | os.PathLike[str], *, columns: in
 
 
 def _time(seconds: float) -> str:
-    from torch_vjp.compare import _format_time
+    from torch_vjp._measure import format_time
 
-    return _format_time(seconds)
+    return format_time(seconds)

@@ -34,16 +34,17 @@ import torch
 
 from torch_vjp.bench.methods import HEADLINE, Method, get_methods, jax_available, reference
 from torch_vjp.bench.workloads import Workload
-from torch_vjp._core import JacobianOptionError
-from torch_vjp.compare import (
-    _check_min_run_time,
-    _format_table,
-    _format_time,
-    _max_error,
-    _median_time,
-    _reason,
-    _shorten,
-    _tolerance,
+from torch_vjp._errors import JacobianOptionError
+from torch_vjp._measure import (
+    check_min_run_time,
+    format_table,
+    format_time,
+    leaves,
+    max_error,
+    median_time,
+    reason,
+    shorten,
+    tolerance,
 )
 
 __all__ = [
@@ -162,7 +163,7 @@ class SuiteResult:
 
     def header_lines(self) -> list[str]:
         env = self.environment
-        jax = f", {_jax_note(env)}"
+        jax = f", {jax_note(env)}"
         return [
             f"torch_vjp {env['torch_vjp']} Jacobian benchmark: torch {env['torch']}{jax}, "
             f"Python {env['python']}",
@@ -182,8 +183,8 @@ class SuiteResult:
             rows.append((
                 w.name,
                 best.method if best else "-",
-                _format_time(best.time_s if best else None),
-                _format_time(head.time_s if head and head.status == "ok" else None),
+                format_time(best.time_s if best else None),
+                format_time(head.time_s if head and head.status == "ok" else None),
                 _fmt_ratio(_ratio(head, best)),
                 _fmt_ratio(_ratio(head, torch_best)),
             ))
@@ -205,11 +206,11 @@ class SuiteResult:
             else:
                 note = ""
             if width is not None:
-                note = _shorten(note, width)
+                note = shorten(note, width)
             if r.timed_once and not note:
                 note = "slow: timed by one call"
             error = "-" if r.max_abs_error is None else f"{r.max_abs_error:.1e}"
-            rows.append((mark + r.method, _format_time(r.time_s), _fmt_ratio(r.ratio), error, note))
+            rows.append((mark + r.method, format_time(r.time_s), _fmt_ratio(r.ratio), error, note))
         return rows
 
     DETAIL_HEADER = ("method", "time", "x best", "max abs err", "")
@@ -220,11 +221,11 @@ class SuiteResult:
         for w in self.workloads:
             shapes = ", ".join(_shape(s) for s in w.jacobian_shapes)
             lines.append(f"{w.name}: {w.title}; Jacobian {shapes}")
-            lines += ["  " + line for line in _format_table(self.DETAIL_HEADER, self.detail_rows(w),
+            lines += ["  " + line for line in format_table(self.DETAIL_HEADER, self.detail_rows(w),
                                                               "<>>><")]
             lines.append("")
         lines.append("summary (* marks the fastest method in each block above)")
-        lines += ["  " + line for line in _format_table(self.SUMMARY_HEADER, self.summary_rows(),
+        lines += ["  " + line for line in format_table(self.SUMMARY_HEADER, self.summary_rows(),
                                                           "<<>>>>")]
         return "\n".join(lines)
 
@@ -233,7 +234,7 @@ class SuiteResult:
         env = self.environment
         out = ["# torch_vjp Jacobian benchmark", ""]
         out.append(
-            f"torch {env['torch']}, {_jax_note(env)}, "
+            f"torch {env['torch']}, {jax_note(env)}, "
             f"Python {env['python']}; "
             f"{env['device']} ({env['cpu']}), {env['threads']} threads, {env['dtype']}; "
             f"{'quick' if env['quick'] else 'full'} suite, min_run_time {env['min_run_time']} s"
@@ -259,7 +260,7 @@ class SuiteResult:
         return "\n".join(out) + "\n"
 
 
-def _jax_note(env: dict[str, Any]) -> str:
+def jax_note(env: dict[str, Any]) -> str:
     """``jax 0.4.30``, ``jax 0.4.30 (not run)`` or ``jax not installed``."""
     if not env.get("jax"):
         return "jax not installed"
@@ -402,7 +403,7 @@ def run_suite(
             ``"min"`` nor ``"median"`` (checked before anything runs).
     """
     call = "torch_vjp.bench.run_suite"
-    min_run_time = _check_min_run_time(min_run_time, call=call)
+    min_run_time = check_min_run_time(min_run_time, call=call)
     for name, value in (("rounds", rounds), ("threads", threads)):
         if value is None and name == "threads":
             continue
@@ -453,10 +454,8 @@ def _run_workload(workload: Workload, methods: list[Method], device: str, dtype:
 
     case = workload.build(dtype, device)
     ref = reference(workload, device)
-    from torch_vjp.compare import _leaves
-
-    shapes = [list(t.shape) for t in _leaves(ref)]
-    tolerance = 0.0
+    shapes = [list(t.shape) for t in leaves(ref)]
+    worst_tol = 0.0
     results: list[MethodResult] = []
     ready: list[tuple[MethodResult, Callable[[], Any]]] = []
     for method in methods:
@@ -472,13 +471,13 @@ def _run_workload(workload: Workload, methods: list[Method], device: str, dtype:
                 result.first_call_s = time.perf_counter() - start
                 out = prepared.to_torch(out)
         except Exception as exc:  # noqa: BLE001 - a failing method is a row with its error
-            result.error = _reason(exc)
+            result.error = reason(exc)
             bar.update(1 + rounds)
             continue
         try:
-            result.max_abs_error = _max_error(out, ref)
-            tol = _tolerance(out, ref, None, None)
-            tolerance = max(tolerance, tol)
+            result.max_abs_error = max_error(out, ref)
+            tol = tolerance(out, ref, None, None)
+            worst_tol = max(worst_tol, tol)
             if result.max_abs_error <= tol:
                 result.status = "ok"
             else:
@@ -504,15 +503,15 @@ def _run_workload(workload: Workload, methods: list[Method], device: str, dtype:
                         run()
                         result.round_times_s.append(time.perf_counter() - start)
                     else:
-                        result.round_times_s.append(_median_time(run, min_run_time))
+                        result.round_times_s.append(median_time(run, min_run_time))
             except Exception as exc:  # noqa: BLE001
-                result.status, result.error = "failed", f"on a repeated call: {_reason(exc)}"
+                result.status, result.error = "failed", f"on a repeated call: {reason(exc)}"
             bar.update(1)
     for result, _ in ready:
         if result.round_times_s and result.status != "failed":
             pick = min if aggregate == "min" else statistics.median
             result.time_s = pick(result.round_times_s)
-    wres = WorkloadResult(workload.name, workload.title, workload.kind, shapes, tolerance, results)
+    wres = WorkloadResult(workload.name, workload.title, workload.kind, shapes, worst_tol, results)
     best = wres.best
     for r in results:
         if r.time_s is not None and best is not None:

@@ -1,0 +1,118 @@
+"""Jacobian blocks: the stacked products cut into one block per (output, input) pair, and
+the blocks arranged in torch.func's layout.
+
+A Jacobian of flat outputs ``j`` and flat input leaves ``i`` is a grid of blocks
+``blocks[j][i]`` of shape ``(*out_j, *in_i)`` (``(B, *out_j, *in_i)`` for
+``batch_jacobian``). Reverse mode stacks one product per output element, forward mode one
+per input element; :func:`rev_blocks` and :func:`fwd_blocks` cut either into the grid
+without copying, and :func:`assemble` arranges the grid as the output's pytree of the
+differentiated primals' structure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from torch_vjp._engine.problem import Problem
+
+__all__ = ["Blocks", "rev_blocks", "fwd_blocks", "assemble"]
+
+
+class Blocks:
+    """The result of a Jacobian computation: ``blocks[j][i]`` is the Jacobian of flat output
+    ``j`` with respect to flat input leaf ``i``; ``views[j][i]`` holds the same elements (a
+    row slice of the stacked products), cheap to scan for all-zero blocks; ``connected`` is
+    True when every output was seen to depend on the differentiated leaves through autograd
+    (it requires grad in reverse mode, it has a tangent in forward mode)."""
+
+    __slots__ = ("blocks", "out_spec", "aux", "mode", "views", "connected")
+
+    def __init__(
+        self,
+        blocks: list[list[Tensor]],
+        out_spec: TreeSpec,
+        aux: Any,
+        mode: str,
+        views: list[list[Tensor]] | None = None,
+        connected: bool = False,
+    ):
+        self.blocks = blocks
+        self.out_spec = out_spec
+        self.aux = aux
+        self.mode = mode
+        self.views = views if views is not None else blocks
+        self.connected = connected
+
+
+def rev_blocks(
+    stacked: Sequence[Tensor], out_rows: Sequence[torch.Size], batch: int | None
+) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+    """stacked[i]: (n_out, [B,] *in_i) -> blocks[j][i]: ([B,] *out_j, *in_i), and the row
+    slices they are views of.
+
+    Example:
+        >>> blocks, _ = rev_blocks([torch.zeros(6, 4)], [torch.Size([2]), torch.Size([4])],
+        ...                        None)
+        >>> [tuple(b[0].shape) for b in blocks]
+        [(2, 4), (4, 4)]
+    """
+    numels = [math.prod(s) for s in out_rows]
+    blocks: list[list[Tensor]] = [[] for _ in out_rows]
+    views: list[list[Tensor]] = [[] for _ in out_rows]
+    for res_i in stacked:
+        parts = res_i.split(numels) if len(numels) > 1 else (res_i,)
+        tail = res_i.shape[1:]
+        for j, part in enumerate(parts):
+            block = part.reshape((*out_rows[j], *tail))
+            if batch is not None:
+                block = block.movedim(len(out_rows[j]), 0)
+            blocks[j].append(block)
+            views[j].append(part)
+    return blocks, views
+
+
+def fwd_blocks(
+    stacked: Sequence[Tensor], in_rows: Sequence[torch.Size]
+) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+    """stacked[j]: (n_in, [B,] *out_j) -> blocks[j][i]: ([B,] *out_j, *in_i), views of
+    ``stacked[j]`` (returned twice: they are also the views to scan for zeros, holding the
+    same elements as the row slices, first element first).
+
+    Example:
+        >>> blocks, _ = fwd_blocks([torch.zeros(5, 3)], [torch.Size([]), torch.Size([2, 2])])
+        >>> [tuple(b.shape) for b in blocks[0]]
+        [(3,), (3, 2, 2)]
+    """
+    numels = [math.prod(s) for s in in_rows]
+    blocks: list[list[Tensor]] = []
+    for res_j in stacked:
+        moved = res_j.movedim(0, -1)
+        parts = moved.split(numels, dim=-1) if len(numels) > 1 else (moved,)
+        row_blocks = []
+        for part, shape in zip(parts, in_rows):
+            if len(shape) == 0:
+                part = part.squeeze(-1)
+            elif len(shape) > 1:
+                part = part.unflatten(-1, shape)
+            row_blocks.append(part)
+        blocks.append(row_blocks)
+    return blocks, blocks
+
+
+def assemble(prob: Problem, res: Blocks) -> Any:
+    """Arranges blocks in torch.func's layout: the output's pytree, each leaf replaced by
+    the differentiated primals' structure (the primal for an int ``argnums``, a tuple of
+    them for a tuple) holding that output's Jacobian blocks."""
+    if prob.in_spec.is_leaf() and res.out_spec.num_leaves == 1:
+        per_out = [res.blocks[0][0]]
+        if res.out_spec.is_leaf():
+            return per_out[0]
+        return tree_unflatten(per_out, res.out_spec)
+    per_out = [tree_unflatten(row, prob.in_spec) for row in res.blocks]
+    return tree_unflatten(per_out, res.out_spec)

@@ -1,0 +1,176 @@
+"""Where the engine runs: torch.func's own transforms, outer transforms around a call, the
+autograd graph a result may keep, and the module buffers a call must put back.
+
+NOTE [no graph outlives its chunk]
+Under grad mode, a product that involves tensors requiring grad (a module's parameters that
+f closes over) records an autograd graph, and a result that holds it keeps every chunk's
+graph alive: chunk_size and max_memory would bound nothing. Unless create_graph=True asks
+for a differentiable result, the Jacobian is detached, and:
+* reverse mode runs its products under torch.no_grad(): f itself still runs with grad
+  enabled inside torch.func's vjp (its own level), and a first-order pullback needs no graph;
+* forward mode keeps the caller's grad mode (f may itself call torch.func's reverse
+  transforms, whose pullbacks decide create_graph by the grad mode, and forward mode over a
+  pullback without create_graph is silently wrong for some operators, such as logdet), and
+  detaches each chunk's products as they are stored, so that a chunk's graph is freed
+  before the next chunk runs.
+Inside an outer torch.func transform nothing is detached: the outer transform
+differentiates through the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_vjp._errors import JacobianOptionError
+
+try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
+    from torch._functorch.eager_transforms import jvp as func_jvp
+    from torch._functorch.eager_transforms import vjp as func_vjp
+except ImportError:  # pragma: no cover - other torch layouts
+    func_vjp = torch.func.vjp
+    func_jvp = torch.func.jvp
+try:  # torch.func.jacrev's own vjp: with argnums=0 its pullback returns a tensor, not a
+    # 1-tuple, which saves vmap a pytree round trip per call (see NOTE [per-call overhead])
+    from torch._functorch.eager_transforms import _vjp_with_argnums as vjp_with_argnums
+except ImportError:  # pragma: no cover - other torch layouts
+    vjp_with_argnums = None
+
+__all__ = [
+    "func_vjp",
+    "func_jvp",
+    "vjp_with_argnums",
+    "NO_CONTEXT",
+    "is_nested",
+    "graph_mode",
+    "buffers_kept",
+    "modules_reached",
+]
+
+#: A context manager that does nothing (shared: entering it costs nothing).
+NO_CONTEXT = contextlib.nullcontext()
+
+
+def is_nested() -> bool:
+    """Whether we run inside a torch.func transform (vmap, grad, jvp) of an outer call."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def graph_mode(create_graph: object, *, call: str) -> tuple[Any, bool]:
+    """How a Jacobian treats autograd graphs: a context to run it in, and whether the result
+    is detached. See NOTE [no graph outlives its chunk].
+
+    Returns:
+        ``(context, detached)``: ``torch.enable_grad()`` and False with
+        ``create_graph=True``; no change and True by default; no change and False inside an
+        outer torch.func transform, whose gradient must flow through.
+
+    Raises:
+        JacobianOptionError: ``create_graph`` is not a bool.
+    """
+    if not isinstance(create_graph, bool):
+        raise JacobianOptionError(
+            f"{call}: create_graph={create_graph!r}, but it must be True or False: whether "
+            f"the result is differentiable (True) or detached (False, the default)."
+        )
+    if is_nested():
+        return NO_CONTEXT, False
+    if create_graph:
+        return torch.enable_grad(), False
+    return NO_CONTEXT, True
+
+
+def buffers_kept(f: object) -> Any:
+    """Restores the buffers of the modules ``f`` uses if calling ``f`` changed them.
+
+    The Jacobian functions call ``f`` more than once (a probe for the output size, a
+    fallback, one call per product in a loop), and a module in training mode updates buffers
+    on every call (BatchNorm's running statistics, spectral norm's power-iteration vectors).
+    The modules are found from ``f`` itself (:func:`modules_reached`): ``f`` a module, a bound
+    method of one, a ``functools.partial``, or a function whose closure or globals name one
+    (``lambda t: bn(t)``). Where any of them has a submodule in training mode, every buffer is
+    saved first and any that changed is put back, so that nothing of the user's is mutated.
+
+    Returns:
+        A context manager (one that does nothing when ``f`` reaches no module in training
+        mode).
+    """
+    modules = modules_reached(f)
+    if not modules or is_nested():
+        return NO_CONTEXT
+    return _module_buffers_kept(modules)
+
+
+def modules_reached(f: object, depth: int = 3) -> list[torch.nn.Module]:
+    """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
+    ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, and
+    the values a function's closure cells and the globals its code names hold (recursively
+    into functions found there, ``depth`` levels). Attributes of plain objects are not
+    searched: a module held in a list in a global is not found."""
+    found: dict[int, torch.nn.Module] = {}
+    seen: set[int] = set()
+
+    def visit(obj: object, level: int) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            found[id(obj)] = obj
+            return
+        if level <= 0 or isinstance(obj, (Tensor, str, bytes, int, float, type)):
+            return
+        if isinstance(obj, functools.partial):
+            visit(obj.func, level - 1)
+            for arg in (*obj.args, *obj.keywords.values()):
+                visit(arg, level - 1)
+            return
+        owner = getattr(obj, "__self__", None)
+        if owner is not None:
+            visit(owner, level - 1)
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            visit(wrapped, level - 1)
+        func = getattr(obj, "__func__", obj)
+        code = getattr(func, "__code__", None)
+        if code is None:
+            return
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                visit(cell.cell_contents, level - 1)
+            except ValueError:  # an empty cell
+                pass
+        glob = getattr(func, "__globals__", None) or {}
+        for name in code.co_names:
+            value = glob.get(name)
+            if value is not None and not isinstance(value, types.ModuleType):
+                visit(value, level - 1)
+
+    visit(f, depth)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _module_buffers_kept(modules: Sequence[torch.nn.Module]) -> Any:
+    saved = None
+    if any(m.training for module in modules for m in module.modules()):
+        seen: set[int] = set()
+        saved = []
+        for module in modules:
+            for b in module.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    saved.append((b, b.detach().clone()))
+    try:
+        yield
+    finally:
+        if saved:
+            with torch.no_grad():  # (kernels update running statistics without a version bump)
+                for buf, copy in saved:
+                    if not torch.equal(buf, copy):
+                        buf.copy_(copy)

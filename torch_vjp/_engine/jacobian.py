@@ -1,0 +1,414 @@
+"""The strategy engine: every block of a Jacobian, by reverse mode (one VJP per output
+element) or forward mode (one JVP per input element), vectorised or in a loop, and the
+``"auto"`` choice with its fallbacks.
+
+NOTE [auto fallback]
+The vectorised strategies run on torch.func (``vjp``/``jvp`` under ``torch.vmap``), as
+``torch.func.jacrev``/``jacfwd`` do. The loop strategies compute one product at a time with
+torch.func's ``vjp``/``jvp`` without vmap, which avoids vmap's limits (a custom
+``autograd.Function`` without vmap support, ``.item()`` or Python control flow on values
+inside a custom backward); where torch.func cannot run ``f`` at all (a custom Function
+without ``setup_context``, NumPy calls), they use plain autograd (``torch.autograd.grad``,
+``torch.autograd.forward_ad``), at top level only, since that does not compose with outer
+transforms. ``strategy="auto"`` runs the vectorised strategy; if that raises, it runs the
+loop strategy of the same mode, which runs ``f`` without vmap: if the loop raises too, that
+error (``f``'s own, or autograd's) propagates untouched; if not, the vectorised failure was a
+transform limitation, and a one-time :class:`~torch_vjp.JacobianWarning` quotes it (NOTE
+[one fallback policy] in :mod:`torch_vjp._engine.rows`). When forward mode fails even in the
+loop (an operator or custom Function without a forward-mode formula), ``"auto"`` switches to
+reverse mode, also with a one-time warning. Out-of-memory errors and torch_vjp's own errors
+are never caught.
+
+NOTE [per-call overhead]
+torch.func.jacrev and jacfwd cost little more than the vmapped products themselves, so
+every microsecond of Python around the products shows in the ratio to them on small and
+medium Jacobians. The vectorised strategies therefore take a direct path in the common
+case (every product in one chunk): the basis is one ``torch.eye``, the products one
+``vmap`` call whose stacked result is used as it is (a view of it per block, no copy), and
+nothing is flattened where the structure is a single tensor. With one differentiated
+tensor, reverse mode uses torch.func's ``_vjp_with_argnums(argnums=0)``, as jacrev does:
+its pullback returns a tensor rather than a 1-tuple, which vmap handles with less pytree
+work. For ``batch_jacobian`` the basis vectors repeated over the batch are materialised
+rather than broadcast (a stride-0 batch dimension makes the first matmul of every product
+run as a loop of small matrix products, each copying its operand; materialised, it is one
+matrix product): this is the memory that NOTE [memory model] already counts per product;
+benchmarks/bench_jacobian.py times batch_jacobian against vmap(jacrev(f_single)) (B = 64,
+32 -> 32 MLP). Several chunks, loops and batched aux values go through :func:`map_rows`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor
+from torch.func import vmap
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
+
+from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
+from torch_vjp._engine.plain import fwd_plain, rev_plain
+from torch_vjp._engine.problem import LEAF_SPEC, Problem
+from torch_vjp._engine.rows import (
+    basis_rows,
+    eye_basis,
+    map_rows,
+    passes_through,
+    run_with_fallback,
+)
+from torch_vjp._engine.shapes import (
+    Opts,
+    Shapes,
+    StaleShapes,
+    chunk_for,
+    in_rows,
+    probe_shapes,
+    row_shapes,
+)
+from torch_vjp._errors import JacobianWarning, quote_error, warn_once
+from torch_vjp._strategies import choose_mode
+
+__all__ = ["JACOBIAN_ALTERNATIVES", "jacobian_blocks", "function_key", "function_name"]
+
+JACOBIAN_ALTERNATIVES = (
+    "torch_vjp.vjp / torch_vjp.jvp give products of the Jacobian with vectors without "
+    "forming it (batched=True for many at once); torch_vjp.batch_jacobian gives only the "
+    "per-example blocks when f maps a batch row by row; a smaller argnums (or fewer "
+    "outputs) gives a smaller block; or pass a larger max_memory if the memory is there."
+)
+
+
+def function_key(f: object) -> object:
+    """What identifies ``f`` for one-time warnings: its code object (the same for every
+    lambda made by one line), or its type."""
+    code = getattr(f, "__code__", None)
+    if code is None:
+        code = getattr(getattr(f, "forward", None), "__code__", None)
+    return code if code is not None else type(f)
+
+
+def function_name(f: object) -> str:
+    """``f``'s name for messages: its qualified name, or its type's name."""
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    return str(name) if name else type(f).__name__
+
+
+def jacobian_blocks(
+    prob: Problem,
+    mode: str | None,
+    *,
+    vectorized: bool,
+    fallback: bool,
+    chunk_size: int | None,
+    max_memory: int | None,
+    batch: int | None = None,
+    probe: Callable[[], tuple[list[Tensor], TreeSpec]] | None = None,
+    alternatives: str = JACOBIAN_ALTERNATIVES,
+    functorch_loops: bool = False,
+    detached: bool = False,
+) -> Blocks:
+    """Computes every block of the Jacobian of ``prob.g``.
+
+    Args:
+        prob: the function of the differentiated leaves.
+        mode: ``"rev"``, ``"fwd"``, or ``None`` to choose by size (``"auto"``).
+        vectorized: products under ``torch.vmap`` (else a Python loop).
+        fallback: on a failure of the vectorised products, fall back as NOTE [auto
+            fallback] says (``"auto"``).
+        chunk_size: products at once (checked), or None.
+        max_memory: the budget in bytes, or None for the free memory.
+        batch: for ``batch_jacobian``: the batch size B; basis vectors are broadcast over
+            the batch and blocks are ``(B, *out_row, *in_row)``.
+        probe: returns the flat outputs (tensors or meta tensors of the right shapes) and
+            their structure without computing derivatives; ``prob.probe`` by default.
+            Forward mode needs the output sizes before it runs, for the memory plan.
+        alternatives: the alternatives named by a :class:`JacobianMemoryError`.
+        functorch_loops: loops use torch.func's vjp/jvp (composable with outer transforms,
+            as the inner Jacobian of a Hessian needs) rather than plain autograd.
+        detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
+
+    Returns:
+        The blocks, the output structure, the aux value and the mode used.
+    """
+    opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached)
+    try:
+        return _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+    except StaleShapes:  # remembered output sizes were wrong: they are gone now
+        return _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+
+
+def _blocks(
+    prob: Problem,
+    mode: str | None,
+    vectorized: bool,
+    fallback: bool,
+    opts: Opts,
+    functorch_loops: bool,
+) -> Blocks:
+    shapes: Shapes | None = None
+    if mode != "rev":
+        shapes = probe_shapes(prob, opts)
+        if mode is None:
+            n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
+            mode = choose_mode(n_in, sum(math.prod(s) for s in shapes.rows))
+    if not vectorized:
+        return _loop(prob, mode, shapes, opts, functorch_loops)
+    if not fallback:
+        return _vectorized(prob, mode, shapes, opts)
+    return _auto(prob, mode, shapes, opts, functorch_loops)
+
+
+def _vectorized(prob: Problem, mode: str, shapes: Shapes | None, opts: Opts) -> Blocks:
+    if mode == "rev":
+        return _rev(prob, opts, vectorized=True)
+    return _fwd(prob, shapes or probe_shapes(prob, opts), opts, vectorized=True)
+
+
+def _loop(
+    prob: Problem, mode: str, shapes: Shapes | None, opts: Opts, functorch: bool
+) -> Blocks:
+    """One product at a time: with torch.func (composable with outer transforms, like
+    ``torch.func.jacrev(chunk_size=1)``), or, at top level where torch.func cannot run ``f``
+    at all (an old-style custom Function, NumPy), with plain autograd."""
+
+    def with_func() -> Blocks:
+        if mode == "rev":
+            return _rev(prob, opts, vectorized=False)
+        return _fwd(prob, shapes or probe_shapes(prob, opts), opts, vectorized=False)
+
+    if functorch or is_nested() or _forward_ad_active(prob.leaves):
+        return with_func()
+    try:
+        return with_func()
+    except Exception as err:  # noqa: BLE001 - plain autograd decides below
+        if passes_through(err):
+            raise
+    if mode == "rev":
+        return rev_plain(prob, opts)
+    return fwd_plain(prob, shapes or probe_shapes(prob, opts), opts)
+
+
+def _forward_ad_active(leaves: Sequence[Tensor]) -> bool:
+    """Whether plain forward-mode AD is running around us (then plain loops would break
+    it: it does not nest)."""
+    if getattr(fwAD, "_current_level", -1) >= 0:
+        return True
+    return any(fwAD.unpack_dual(x).tangent is not None for x in leaves)
+
+
+class _NoForwardMode(Exception):
+    """Forward mode failed even in the loop: ``"auto"`` switches to reverse mode."""
+
+    def __init__(self, err: Exception) -> None:
+        super().__init__(str(err))
+        self.err = err
+
+
+def _auto(
+    prob: Problem, mode: str, shapes: Shapes | None, opts: Opts, functorch: bool
+) -> Blocks:
+    """The vectorised strategy, then its loop, then (from forward mode) reverse mode.
+    See NOTE [auto fallback]."""
+
+    def loop() -> Blocks:
+        try:
+            return _loop(prob, mode, shapes, opts, functorch)
+        except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
+            if mode == "rev" or passes_through(err):
+                raise
+            raise _NoForwardMode(err) from None
+
+    def warn_vmap_failed(err: Exception) -> None:
+        warn_once(
+            ("vmap-fallback", function_key(prob.f), mode, type(err)),
+            _fallback_message(prob, mode, err),
+            JacobianWarning,
+        )
+
+    try:
+        return run_with_fallback(
+            lambda: _vectorized(prob, mode, shapes, opts), loop, on_fallback=warn_vmap_failed
+        )
+    except _NoForwardMode as failed:
+        loop_failure = failed.err
+    warn_once(
+        ("fwd-to-rev", function_key(prob.f), type(loop_failure)),
+        f"{prob.call}: forward-mode AD fails on f ({function_name(prob.f)}), so "
+        f"strategy='auto' uses reverse mode instead, which may be slower for this shape.\n"
+        f"  Forward mode said: {quote_error(loop_failure)}\n"
+        f"  Pass strategy='rev' to skip the forward-mode attempts. This warning is shown "
+        f"once per function.",
+        JacobianWarning,
+    )
+    return _auto(prob, "rev", shapes, opts, functorch)
+
+
+def _fallback_message(prob: Problem, mode: str, err: BaseException) -> str:
+    loop = f"{mode}-loop"
+    unit = "JVP per input element" if mode == "fwd" else "VJP per output element"
+    return (
+        f"{prob.call}: strategy='auto' could not vectorise the Jacobian of "
+        f"{function_name(prob.f)} (strategy={mode!r}: torch.func transforms under "
+        f"torch.vmap), so it used strategy={loop!r}: one {unit} at a time in a Python loop, "
+        f"usually many times slower.\n"
+        f"  The vectorised attempt said: {quote_error(err)}\n"
+        f"  Typical causes: a custom autograd.Function without setup_context or vmap "
+        f"support, or with .item() or Python control flow on tensor values in its backward; "
+        f"NumPy calls inside f; an operator without a batching rule. Pass "
+        f"strategy={loop!r} to skip the vectorised attempt. This warning is shown once per "
+        f"function."
+    )
+
+
+def _rev(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
+    """Reverse mode with torch.func: one ``vjp`` forward, then its pullback per output
+    element, under vmap or in a loop (under ``torch.no_grad()`` for a detached result: NOTE
+    [no graph outlives its chunk])."""
+    if opts.detached:
+        with torch.no_grad():
+            return _rev_products(prob, opts, vectorized=vectorized)
+    return _rev_products(prob, opts, vectorized=vectorized)
+
+
+def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
+    connected = [False]
+    has_aux = prob.has_aux
+    prob_g = prob.g
+
+    def g(*xs: Tensor) -> Any:
+        res = prob_g(*xs)
+        out = res[0] if has_aux else res
+        if isinstance(out, Tensor):
+            connected[0] = out.requires_grad
+        else:
+            connected[0] = all(o.requires_grad for o in tree_leaves(out))
+        return res
+
+    leaves = prob.leaves
+    nested = is_nested()
+    one_leaf = len(leaves) == 1 and vjp_with_argnums is not None
+    if one_leaf:  # the pullback returns a tensor
+        res = vjp_with_argnums(g, leaves[0], argnums=0, has_aux=has_aux)
+    else:  # the pullback returns a tuple, one tensor per leaf
+        res = func_vjp(g, *leaves, has_aux=has_aux)
+    out, pullback = res[0], res[1]
+    if nested:
+        # Differentiated by an outer transform (a Hessian's forward-over-reverse): the
+        # backward pass must itself be differentiable. torch.func's pullback decides by the
+        # grad mode, which graph_mode turns off at top level; and forward mode over a
+        # pullback run without create_graph is silently wrong for some operators (logdet).
+        pullback = functools.partial(pullback, create_graph=True)
+    aux = res[2] if has_aux else None
+    if isinstance(out, Tensor):
+        flat_out, out_spec = [out], LEAF_SPEC
+    else:
+        flat_out, out_spec = tree_flatten(out)
+    out_rows = row_shapes(flat_out, opts.batch, prob)
+    n = sum(math.prod(s) for s in out_rows)
+    out_dtypes = [o.dtype for o in flat_out]
+    chunk = chunk_for(prob, "rev", out_rows, out_dtypes, opts)
+    if n == 0:
+        stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
+    else:
+        if out_spec.is_leaf():
+            fn = pullback
+        else:
+
+            def fn(*cot: Tensor) -> Any:
+                return pullback(tree_unflatten(list(cot), out_spec))
+
+        if vectorized and chunk is None and n > 1:  # NOTE [per-call overhead]
+            vecs = _all_rows(out_rows, out_dtypes, [o.device for o in flat_out], n, opts.batch)
+            products = vmap(fn)(*vecs)
+            stacked = [products] if one_leaf else list(products)
+        else:
+            if one_leaf:
+                pb = fn
+
+                def fn(*cot: Tensor) -> Any:
+                    return (pb(*cot),)
+
+            rows = basis_rows(out_rows, out_dtypes, [o.device for o in flat_out], opts.batch)
+            stacked, _ = map_rows(fn, rows, n, vectorized=vectorized, chunk_size=chunk)
+    blocks, views = rev_blocks(stacked, out_rows, opts.batch)
+    return Blocks(blocks, out_spec, aux, "rev", views, connected[0])
+
+
+def _all_rows(
+    shapes: Sequence[torch.Size],
+    dtypes: Sequence[torch.dtype],
+    devices: Sequence[torch.device],
+    n: int,
+    batch: int | None,
+) -> tuple[Tensor, ...]:
+    """The whole basis at once (NOTE [per-call overhead]): one ``torch.eye`` for one tensor,
+    else :func:`basis_rows` (materialised over a batch)."""
+    if len(shapes) == 1:
+        return (eye_basis(shapes[0], n, dtypes[0], devices[0], batch),)
+    vecs = basis_rows(shapes, dtypes, devices, batch)(0, n)
+    if batch is not None:
+        vecs = tuple(v.contiguous() for v in vecs)
+    return vecs
+
+
+def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Blocks:
+    """Forward mode with torch.func: ``jvp`` per input element, under vmap or in a loop."""
+    leaves = tuple(prob.leaves)
+    rows_in = in_rows(prob, opts.batch)
+    n = sum(math.prod(s) for s in rows_in)
+    chunk = chunk_for(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts,
+                      shapes.records)
+    has_aux = prob.has_aux
+    connected = [False]
+    prob_g = prob.g
+    check = shapes.check
+    unpack_dual = fwAD.unpack_dual
+
+    def g(*xs: Tensor) -> Any:
+        res = prob_g(*xs)
+        out = res[0] if has_aux else res
+        if isinstance(out, Tensor):
+            check((out,), LEAF_SPEC)
+            connected[0] = unpack_dual(out).tangent is not None
+        else:
+            flat, spec = tree_flatten(out)
+            check(flat, spec)
+            connected[0] = all(unpack_dual(o).tangent is not None for o in flat)
+        return res
+
+    aux = None
+    dtypes, devices = [x.dtype for x in leaves], [x.device for x in leaves]
+    if n == 0:
+        stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in shapes.flat]
+        if has_aux:
+            with torch.no_grad():
+                aux = prob.g(*leaves)[1]
+    elif vectorized and chunk is None and n > 1 and not has_aux:  # NOTE [per-call overhead]
+
+        def push(*tangents: Tensor) -> Any:
+            tan = func_jvp(g, leaves, tangents)[1]
+            return tan if isinstance(tan, Tensor) else tuple(tree_leaves(tan))
+
+        products = vmap(push)(*_all_rows(rows_in, dtypes, devices, n, opts.batch))
+        stacked = [products] if isinstance(products, Tensor) else list(products)
+    else:
+
+        def fn(*tangents: Tensor) -> Any:
+            res = func_jvp(g, leaves, tangents, has_aux=has_aux)
+            tan = res[1]
+            tan_flat = (tan,) if isinstance(tan, Tensor) else tuple(tree_leaves(tan))
+            return (tan_flat, res[2]) if has_aux else tan_flat
+
+        rows = basis_rows(rows_in, dtypes, devices, opts.batch)
+        stacked, aux = map_rows(
+            fn, rows, n, vectorized=vectorized, chunk_size=chunk, extras=has_aux,
+            detach=opts.detached,
+        )
+    if opts.detached:
+        stacked = [t.detach() for t in stacked]
+    blocks, views = fwd_blocks(stacked, rows_in)
+    return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0])

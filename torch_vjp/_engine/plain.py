@@ -1,0 +1,130 @@
+"""The loop strategies with plain autograd, for functions torch.func cannot run at all.
+
+A custom ``autograd.Function`` without ``setup_context``, or NumPy calls inside ``f``, make
+torch.func's ``vjp``/``jvp`` fail even without vmap. Plain autograd still works there: one
+``torch.autograd.grad`` per output element (reverse mode), or one forward pass with
+``torch.autograd.forward_ad`` dual tensors per input element (forward mode). These do not
+compose with outer torch.func transforms, so the engine uses them at top level only (see
+NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import basis_rows, map_rows
+from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
+
+__all__ = ["rev_plain", "fwd_plain"]
+
+
+def _detach_tree(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
+def rev_plain(prob: Problem, opts: Opts) -> Blocks:
+    """Reverse mode with plain autograd, one ``torch.autograd.grad`` per output element
+    (under ``torch.no_grad()`` for a detached result: NOTE [no graph outlives its chunk])."""
+    if opts.detached:
+        with torch.no_grad():
+            return _rev_plain_products(prob, opts)
+    return _rev_plain_products(prob, opts)
+
+
+def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
+    """Reverse mode with plain autograd, one ``torch.autograd.grad`` per output element.
+
+    No torch.func transform is involved, so functions that torch.func cannot run (a custom
+    ``autograd.Function`` without ``setup_context``, NumPy calls) work here. The result is
+    differentiable (``create_graph``) when grad mode is on and a primal requires grad.
+    """
+    need_graph = torch.is_grad_enabled() and any(x.requires_grad for x in prob.leaves)
+    with torch.enable_grad():
+        xs = [x.view_as(x) if need_graph else x.detach().requires_grad_() for x in prob.leaves]
+        res = prob.g(*xs)
+    out = res[0] if prob.has_aux else res
+    aux = None
+    if prob.has_aux:
+        aux = res[1] if need_graph else _detach_tree(res[1])
+    flat_out, out_spec = tree_flatten(out)
+    out_rows = row_shapes(flat_out, opts.batch, prob)
+    n = sum(math.prod(s) for s in out_rows)
+    chunk = chunk_for(prob, "rev", out_rows, [o.dtype for o in flat_out], opts)
+    diff = [j for j, o in enumerate(flat_out) if o.requires_grad]
+    d_outs = [flat_out[j] for j in diff]
+    connected = len(diff) == len(flat_out)
+
+    def fn(*cot: Tensor) -> tuple[Tensor, ...]:
+        if not d_outs:
+            return tuple(torch.zeros_like(x) for x in xs)
+        grads = torch.autograd.grad(
+            d_outs, xs, [cot[j] for j in diff], retain_graph=True, create_graph=need_graph,
+            allow_unused=True,
+        )
+        return tuple(torch.zeros_like(x) if gx is None else gx for gx, x in zip(grads, xs))
+
+    if n == 0:
+        stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
+    else:
+        rows = basis_rows(
+            out_rows, [o.dtype for o in flat_out], [o.device for o in flat_out], opts.batch
+        )
+        stacked, _ = map_rows(fn, rows, n, vectorized=False, chunk_size=chunk)
+    blocks, views = rev_blocks(stacked, out_rows, opts.batch)
+    return Blocks(blocks, out_spec, aux, "rev", views, connected)
+
+
+def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
+    """Forward mode with plain forward-mode AD (``torch.autograd.forward_ad``), one
+    forward pass with dual tensors per input element."""
+    leaves = prob.leaves
+    rows_in = in_rows(prob, opts.batch)
+    n = sum(math.prod(s) for s in rows_in)
+    chunk = chunk_for(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts,
+                      shapes.records)
+    has_aux = prob.has_aux
+
+    def primal(t: Any) -> Any:
+        return fwAD.unpack_dual(t).primal if isinstance(t, Tensor) else t
+
+    connected = [True]
+
+    def fn(*tangents: Tensor) -> Any:
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(x, t) for x, t in zip(leaves, tangents)]
+            res = prob.g(*duals)
+            out = res[0] if has_aux else res
+            flat, spec = tree_flatten(out)
+            shapes.check(flat, spec)
+            tans = []
+            for o in flat:
+                p, t = fwAD.unpack_dual(o)
+                if t is None:
+                    connected[0] = False
+                    t = torch.zeros_like(p)
+                tans.append(t)
+            aux = tree_map(primal, res[1]) if has_aux else None
+        return (tuple(tans), aux) if has_aux else tuple(tans)
+
+    aux = None
+    if n == 0:
+        stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in shapes.flat]
+        if has_aux:
+            with torch.no_grad():
+                aux = prob.g(*leaves)[1]
+    else:
+        rows = basis_rows(
+            rows_in, [x.dtype for x in leaves], [x.device for x in leaves], opts.batch
+        )
+        stacked, aux = map_rows(fn, rows, n, vectorized=False, chunk_size=chunk, extras=has_aux,
+                                detach=opts.detached)
+    blocks, views = fwd_blocks(stacked, rows_in)
+    return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0] and n > 0)

@@ -1,0 +1,403 @@
+"""The function of the differentiated leaves: ``f`` with the primals picked by ``argnums``
+replaced by flat tensor leaves, its primals checked and copied, its outputs validated.
+
+NOTE [f's own copies]
+A Jacobian, VJP or JVP calls f more than once (a probe for the output sizes, one call per
+chunk or per product in a loop, a fallback), and f may modify its arguments in place. So
+f never sees the caller's tensors: each tensor primal is copied once per call (under the
+caller's grad mode, so a copy stays differentiable with respect to the original when a
+graph is wanted), and before each call of f a copy that an earlier call modified in place
+(its version counter moved) is reset to the caller's value. The caller's tensors are never
+written, and every call of f starts from the same point. The copies cost one pass over the
+primals per call, next to products that each cost at least as much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
+
+from torch_vjp._errors import JacobianCallError, JacobianCallTypeError, shape_str
+
+__all__ = ["LEAF_SPEC", "normalize_argnums", "leaf_name", "describe", "Problem"]
+
+#: The structure of a single tensor (shared, for cheap comparisons).
+LEAF_SPEC: TreeSpec = tree_flatten(0)[1]
+_TUPLE_SPECS: dict[int, TreeSpec] = {}
+
+
+def _tuple_spec(k: int) -> TreeSpec:
+    """The structure of a tuple of ``k`` leaves (shared, for cheap comparisons)."""
+    spec = _TUPLE_SPECS.get(k)
+    if spec is None:
+        spec = _TUPLE_SPECS[k] = tree_flatten((0,) * k)[1]
+    return spec
+
+
+def normalize_argnums(argnums: object, n_args: int, *, call: str) -> tuple[int, ...]:
+    """Checks ``argnums`` against the number of primals; returns non-negative indices.
+
+    Raises:
+        JacobianCallError: not an int or a non-empty tuple of distinct ints in range.
+
+    Example:
+        >>> normalize_argnums(-1, 3, call="f"), normalize_argnums((0, 2), 3, call="f")
+        ((2,), (0, 2))
+    """
+    if type(argnums) is int and -n_args <= argnums < n_args:  # the common case, first
+        return (argnums % n_args,)
+    if n_args == 0:
+        raise JacobianCallError(
+            f"{call}: no primals were given. Pass the point at which to differentiate, "
+            f"e.g. {call}(f, x)."
+        )
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        items: tuple[Any, ...] = (argnums,)
+    elif isinstance(argnums, tuple) and argnums:
+        items = argnums
+    else:
+        fix = f" Fix: argnums={tuple(argnums)!r}." if isinstance(argnums, list) and argnums else ""
+        raise JacobianCallError(
+            f"{call}: argnums={argnums!r}, but it must be an int or a non-empty tuple of "
+            f"ints: the positions of the primals to differentiate against.{fix}"
+        )
+    out = []
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, int):
+            raise JacobianCallError(
+                f"{call}: argnums={argnums!r} holds {a!r}, but its entries must be ints."
+            )
+        if not -n_args <= a < n_args:
+            raise JacobianCallError(
+                f"{call}: argnums={argnums!r}, but f was given {n_args} "
+                f"primal{'s' if n_args != 1 else ''}, so argnums must lie in "
+                f"{-n_args}..{n_args - 1}."
+            )
+        out.append(a % n_args)
+    if len(set(out)) != len(out):
+        raise JacobianCallError(
+            f"{call}: argnums={argnums!r} names a primal twice; each may appear once."
+        )
+    return tuple(out)
+
+
+def leaf_name(path: Any, root: str) -> str:
+    """The user's name for the leaf at ``path`` under ``root``: ``output[1]['w']``."""
+    return root + keystr(path) if path else root
+
+
+def _primal_name(argnum: int, path: Any, position: int | None) -> str:
+    name = f"primals[{argnum}]" + (keystr(path) if path else "")
+    if position is not None:
+        name += f" (argnums[{position}])"
+    return name
+
+
+def describe(obj: object) -> str:
+    """A value in words for messages: ``a Tensor of shape (3,)``, ``a tuple of length 2``."""
+    if isinstance(obj, Tensor):
+        return f"a Tensor of shape {shape_str(obj.shape)}"
+    if isinstance(obj, tuple):
+        return f"a tuple of length {len(obj)}"
+    return f"a {type(obj).__name__}"
+
+
+def _differentiable(t: object) -> bool:
+    """Whether ``t`` is a tensor Jacobians can be taken against: dense, real floating point."""
+    return (
+        isinstance(t, Tensor)
+        and t.dtype.is_floating_point
+        and t.layout is torch.strided
+        and not t.is_nested
+    )
+
+
+def _check_primal_leaf(leaf: object, name: str, call: str, selected: bool) -> None:
+    """Raises the error that says why ``leaf`` cannot be differentiated."""
+    if isinstance(leaf, Tensor) and (leaf.is_nested or leaf.layout is not torch.strided):
+        kind = "a nested tensor" if leaf.is_nested else f"a sparse tensor (layout {leaf.layout})"
+        fix = (
+            "pass the dense tensor (x.to_dense()) and, if f needs a sparse one, call "
+            ".to_sparse() inside f" if not leaf.is_nested else
+            "differentiate the dense components (e.g. x.values() or a padded tensor, "
+            "x.to_padded_tensor(0.0)) and rebuild the nested tensor inside f"
+        )
+        raise JacobianCallError(
+            f"{call}: {name} is {kind}; Jacobians here (as in torch.func) are taken with "
+            f"respect to dense (strided) tensors, whose elements are the Jacobian's columns. "
+            f"Fix: {fix}."
+        )
+    if not isinstance(leaf, Tensor):
+        if selected:
+            raise JacobianCallError(
+                f"{call}: {name} is a {type(leaf).__name__}, but argnums selects it for "
+                f"differentiation, and derivatives are taken with respect to tensors. Fix: "
+                f"pass torch.tensor(...) for it, or leave its position out of argnums."
+            )
+        raise JacobianCallError(
+            f"{call}: {name} is a {type(leaf).__name__}, but every primal is differentiated, "
+            f"and derivatives are taken with respect to tensors. Fix: pass torch.tensor(...) "
+            f"for it, or bind it inside f (functools.partial or a lambda)."
+        )
+    if leaf.dtype.is_complex:
+        raise JacobianCallError(
+            f"{call}: {name} has dtype {leaf.dtype}; Jacobians here (as in "
+            f"torch.func.jacrev) are defined for real tensors. Fix: pass "
+            f"torch.view_as_real({name.split(' ')[0]}) and rebuild the complex number inside f."
+        )
+    if not leaf.dtype.is_floating_point:
+        raise JacobianCallError(
+            f"{call}: {name} has dtype {leaf.dtype}, but only floating-point tensors can be "
+            f"differentiated (an integer has no small changes). Fix: pass it as .double() "
+            f"or .float()" + (", or leave its position out of argnums." if selected else ".")
+        )
+
+
+class _Copy(list):  # type: ignore[type-arg]
+    """``[copy, original, version]`` of one tensor primal; see NOTE [f's own copies]."""
+
+    __slots__ = ()
+
+    def reset(self) -> None:
+        copy, original = self[0], self[1]
+        # f runs inside torch.func transforms, which refuse a write to a tensor they captured;
+        # this write restores the point f is evaluated at, before f runs, so it is done below
+        # them (the transforms' inputs share the copy's storage and see the restored values).
+        with _below_transforms(), torch.no_grad():
+            copy.copy_(original)
+        self[2] = copy._version
+
+
+_below_transforms = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
+
+
+def _fresh_copies(
+    primals: tuple[Any, ...], detached: bool = False
+) -> tuple[tuple[Any, ...], list[_Copy]]:
+    """The primals with every tensor replaced by a copy (detached from the caller's graph for
+    a detached result), and the copies' guards."""
+    guard: list[_Copy] = []
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.is_nested or t.layout is not torch.strided:
+            return t  # refused later if differentiated; never written by us
+        c = t.detach().clone() if detached else t.clone()
+        guard.append(_Copy((c, t, c._version)))
+        return c
+
+    if all(isinstance(p, Tensor) for p in primals):
+        return tuple(copy(p) for p in primals), guard
+    return tuple(tree_map(copy, p) for p in primals), guard
+
+
+def _with_args_at(
+    f: Callable[..., Any], primals: tuple[Any, ...], idx: tuple[int, ...]
+) -> Callable[..., Any]:
+    """``f`` called with ``xs`` in place of the primals at positions ``idx`` (``f`` itself
+    when ``idx`` selects every primal, in order)."""
+    if idx == tuple(range(len(primals))):
+        return f
+    if len(idx) == 1:
+        pre, post = primals[: idx[0]], primals[idx[0] + 1 :]
+
+        def call_one(x: Tensor) -> Any:
+            return f(*pre, x, *post)
+
+        return call_one
+
+    def call_f(*xs: Tensor) -> Any:
+        args = list(primals)
+        for i, value in zip(idx, xs):
+            args[i] = value
+        return f(*args)
+
+    return call_f
+
+
+class Problem:
+    """``f`` as a function of the flat tensor leaves of the differentiated primals.
+
+    ``g(*leaves)`` calls ``f`` with the primals selected by ``argnums`` rebuilt from
+    ``leaves`` and the others as given, checks that its output is a pytree of floating-point
+    tensors (and, with ``has_aux``, an ``(output, aux)`` pair), and returns what ``f``
+    returned. Products are then taken with respect to the leaves, so a VJP returns one
+    tensor per leaf and no pytree work is needed in the hot path.
+
+    With ``detached``, the copies of the primals f is called with (NOTE [f's own copies]) are
+    detached from the caller's graph. An aux value must be tensors, as torch.func asks.
+
+    Attributes:
+        leaves: the differentiated tensors, flattened.
+        in_spec: the pytree structure of the differentiated primals (the primal itself for an
+            int ``argnums``, a tuple of them for a tuple).
+        int_argnums: whether ``argnums`` was an int.
+    """
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        primals: tuple[Any, ...],
+        argnums: object,
+        *,
+        has_aux: bool,
+        call: str,
+        detached: bool = False,
+    ) -> None:
+        if not callable(f):
+            raise JacobianCallTypeError(
+                f"{call}: f is {describe(f)}, but it must be a callable: the function to "
+                f"differentiate, called as f(*primals). Fix: pass the function itself, e.g. "
+                f"{call}(torch.sin, x) or {call}(lambda x: ..., x)."
+            )
+        # argnums=None: every primal, as torch.func.vjp/jvp (a tuple of them)
+        self.selected = argnums is not None
+        primals, self._guard = _fresh_copies(primals, detached)
+        self.primals = primals
+        self._keys: dict[Any, Any] = {}
+        if argnums is None:
+            if not primals:
+                raise JacobianCallError(f"{call}: no primals were given.")
+            argnums = tuple(range(len(primals)))
+        idx = normalize_argnums(argnums, len(primals), call=call)
+        self.f = f
+        self.call = call
+        self.has_aux = bool(has_aux)
+        self.argnums = idx
+        self.int_argnums = not isinstance(argnums, tuple)
+        if all(isinstance(primals[i], Tensor) for i in idx):  # no pytree work
+            self.leaves: list[Tensor] = [primals[i] for i in idx]
+            self.in_spec = LEAF_SPEC if self.int_argnums else _tuple_spec(len(idx))
+            self._check_leaves()
+            self._call_f = _with_args_at(f, primals, idx)
+            return
+        diff = primals[idx[0]] if self.int_argnums else tuple(primals[i] for i in idx)
+        self.leaves, self.in_spec = tree_flatten(diff)
+        if not self.leaves:
+            raise JacobianCallError(
+                f"{call}: the primals selected by argnums={argnums!r} hold no tensors."
+            )
+        self._check_leaves()
+        spec, int_argnums = self.in_spec, self.int_argnums
+
+        def call_f(*xs: Tensor) -> Any:
+            rebuilt = tree_unflatten(list(xs), spec)
+            args = list(primals)
+            if int_argnums:
+                args[idx[0]] = rebuilt
+            else:
+                for i, value in zip(idx, rebuilt):
+                    args[i] = value
+            return f(*args)
+
+        self._call_f = call_f
+
+    def _check_leaves(self) -> None:
+        for k, leaf in enumerate(self.leaves):
+            if not _differentiable(leaf):
+                _check_primal_leaf(leaf, self.leaf_name(k), self.call, self.selected)
+
+    def g(self, *xs: Tensor) -> Any:
+        """Calls ``f`` at the leaves ``xs`` and validates what it returns.
+
+        Before each call, a primal that an earlier call of ``f`` modified in place is reset
+        to the caller's value (NOTE [f's own copies]).
+        """
+        for guard in self._guard:
+            if guard[0]._version != guard[2]:
+                guard.reset()
+        res = self._call_f(*xs)
+        out = res
+        if self.has_aux:
+            if not (isinstance(res, tuple) and len(res) == 2):
+                raise JacobianCallError(
+                    f"{self.call}: with has_aux=True, f must return a pair (output, aux), "
+                    f"but it returned {describe(res)}. Return (output, aux), or pass "
+                    f"has_aux=False."
+                )
+            out = res[0]
+            self._check_aux(res[1])
+        if isinstance(out, Tensor):
+            if not out.dtype.is_floating_point:
+                self._bad_output(out, None)
+        else:
+            for path, leaf in tree_flatten_with_path(out)[0]:
+                if not (isinstance(leaf, Tensor) and leaf.dtype.is_floating_point):
+                    self._bad_output(leaf, path)
+            if not tree_leaves(out):
+                raise JacobianCallError(
+                    f"{self.call}: f returned {describe(out)}, which holds no tensors: there "
+                    f"is nothing to differentiate."
+                )
+        return res
+
+    def _check_aux(self, aux: Any) -> None:
+        """``aux`` must be a tensor or a pytree of tensors (None allowed), under every
+        strategy: torch.func's vjp and jvp refuse anything else ("Expected tensors"), and
+        vmap carries only tensors."""
+        if aux is None or isinstance(aux, Tensor):
+            return
+        for path, leaf in tree_flatten_with_path(aux)[0]:
+            if leaf is not None and not isinstance(leaf, Tensor):
+                where = leaf_name(path, "aux")
+                raise JacobianCallError(
+                    f"{self.call}: {where} is {describe(leaf)}, but with has_aux=True the aux "
+                    f"value f returns must be a tensor or a tuple, list or dict of tensors "
+                    f"(torch.func's transforms carry only tensors out). Fix: return "
+                    f"torch.tensor(...) for it, or keep the Python value outside f."
+                )
+
+    def _bad_output(self, leaf: object, path: Any) -> None:
+        where = leaf_name(path, "the output of f")
+        if not isinstance(leaf, Tensor):
+            hint = ""
+            if (
+                not self.has_aux
+                and isinstance(path, tuple)
+                and len(path) == 1
+                and getattr(path[0], "idx", None) == 1
+            ):
+                hint = " If f returns (output, aux), pass has_aux=True."
+            raise JacobianCallError(
+                f"{self.call}: {where} is a {type(leaf).__name__}, but every output of f must "
+                f"be a Tensor (or a tuple, list or dict of Tensors): the Jacobian has one "
+                f"block per output tensor.{hint}"
+            )
+        raise JacobianCallError(
+            f"{self.call}: {where} has dtype {leaf.dtype}; only real floating-point outputs "
+            f"have a Jacobian here (as in torch.func.jacrev). Fix: return it as .double() or "
+            f".float() if it is differentiable, or move it to aux with has_aux=True."
+        )
+
+    def leaf_name(self, k: int) -> str:
+        """The user's name for leaf ``k``: ``primals[1]['w'] (argnums[0])``."""
+        flat = tree_flatten_with_path(
+            tree_unflatten(list(range(len(self.leaves))), self.in_spec)
+        )[0]
+        path = flat[k][0]
+        if self.int_argnums:
+            return _primal_name(self.argnums[0], path, None)
+        pos = getattr(path[0], "idx", 0)
+        return _primal_name(self.argnums[pos], path[1:], pos if self.selected else None)
+
+    def probe(self, record: bool = False) -> tuple[list[Tensor], TreeSpec]:
+        """Runs ``f`` once for the sizes of its outputs: without recording a graph, or with
+        ``record`` under the caller's grad mode (so that the outputs show whether ``f``
+        involves tensors that require grad)."""
+        with contextlib.nullcontext() if record else torch.no_grad():
+            res = self.g(*self.leaves)
+        out = res[0] if self.has_aux else res
+        flat, spec = tree_flatten(out)
+        return flat, spec

@@ -1,0 +1,245 @@
+"""What a Jacobian's products need to know before they run: the call's options, the sizes of
+``f``'s outputs (probed, or remembered from an earlier call), and the chunk size they allow.
+
+NOTE [output sizes]
+Forward mode (and "auto", to choose) needs the sizes of f's outputs before it computes
+anything, for the memory plan: the probe runs f once without a graph. For the same f
+(the same object, held weakly) called on primals of the same shapes, dtypes and devices,
+the sizes found are remembered and the probe is skipped, so that repeated calls cost no
+more than torch.func.jacfwd. Remembered sizes are checked against the outputs the
+products produce; a mismatch (f's output changed for the same input shapes) discards
+them and the call starts over with a probe.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from torch_vjp._engine.memory import plan_products
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import Restart
+from torch_vjp._errors import JacobianCallError, shape_str
+
+__all__ = [
+    "Opts",
+    "Shapes",
+    "StaleShapes",
+    "SHAPES_MAX",
+    "row_shapes",
+    "in_rows",
+    "shapes_key",
+    "probe_shapes",
+    "chunk_for",
+]
+
+#: How many output sizes are remembered (the oldest are forgotten first).
+SHAPES_MAX = 256
+
+
+class Opts:
+    """The per-call options every engine function needs.
+
+    Attributes:
+        batch: the batch size B of ``batch_jacobian``, or None.
+        chunk_size: products at once (checked), or None.
+        max_memory: the budget in bytes, or None for the free memory.
+        alternatives: the alternatives named by a memory error.
+        probe: returns the flat outputs and their structure without computing derivatives,
+            or None for ``Problem.probe``.
+        detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
+    """
+
+    __slots__ = ("batch", "chunk_size", "max_memory", "alternatives", "probe", "detached")
+
+    def __init__(
+        self,
+        batch: int | None,
+        chunk_size: int | None,
+        max_memory: int | None,
+        alternatives: str,
+        probe: Callable[[], tuple[list[Tensor], TreeSpec]] | None,
+        detached: bool = False,
+    ) -> None:
+        self.batch = batch
+        self.chunk_size = chunk_size
+        self.max_memory = max_memory
+        self.alternatives = alternatives
+        self.probe = probe
+        self.detached = detached
+
+
+def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem) -> list[torch.Size]:
+    """The shape of one row of each output: the output's own, or without its batch dimension
+    for ``batch_jacobian``.
+
+    Raises:
+        JacobianCallError: an output lacks the leading batch dimension B.
+    """
+    if batch is None:
+        return [o.shape for o in flat_out]
+    for j, o in enumerate(flat_out):
+        if o.dim() == 0 or o.shape[0] != batch:
+            where = "the output of f" if len(flat_out) == 1 else f"output {j} of f"
+            raise JacobianCallError(
+                f"{prob.call}: {where} has shape {shape_str(o.shape)}, but x has shape "
+                f"{shape_str(prob.leaves[0].shape)}: f must map a batch row by row, "
+                f"(B, *in) -> (B, *out), so every output needs the leading dimension "
+                f"B = {batch}.\n"
+                f"  If f reduces over the batch (a loss, a mean), its Jacobian mixes "
+                f"examples: use torch_vjp.jacobian instead (or torch_vjp.per_sample_grads "
+                f"for per-example gradients of a loss)."
+            )
+    return [o.shape[1:] for o in flat_out]
+
+
+def in_rows(prob: Problem, batch: int | None) -> list[torch.Size]:
+    """The shape of one row of each differentiated leaf (without the batch dimension)."""
+    return [leaf.shape if batch is None else leaf.shape[1:] for leaf in prob.leaves]
+
+
+class StaleShapes(Restart):
+    """Remembered output sizes turned out wrong: compute again, probing first."""
+
+
+class Shapes:
+    """The outputs' sizes, known before any derivative is computed (from the probe, or
+    remembered from an earlier call: see NOTE [output sizes])."""
+
+    __slots__ = ("flat", "spec", "rows", "key", "records")
+
+    def __init__(
+        self,
+        flat: list[Tensor],
+        spec: TreeSpec,
+        rows: list[torch.Size],
+        key: Any = None,
+        records: bool = False,
+    ) -> None:
+        self.flat = flat
+        self.spec = spec
+        self.rows = rows
+        self.key = key  # the cache entry these came from, if any
+        # f involves tensors that require grad (closed-over parameters), so products in the
+        # caller's grad mode record graphs (NOTE [no graph outlives its chunk])
+        self.records = records
+
+    def check(self, flat: Sequence[Tensor], spec: TreeSpec) -> None:
+        """Raises :class:`StaleShapes` if remembered sizes do not match the outputs."""
+        if self.key is None:
+            return
+        if spec != self.spec or any(
+            o.shape != m.shape or o.dtype != m.dtype for o, m in zip(flat, self.flat)
+        ):
+            _SHAPES.pop(self.key, None)
+            raise StaleShapes
+
+
+_SHAPES: dict[Any, tuple[Any, list[Tensor], TreeSpec, list[torch.Size], bool]] = {}
+
+
+def shapes_key(prob: Problem, batch: int | None) -> Any:
+    """The cache key of this call's output sizes, or None where they cannot be cached
+    (computed once per :class:`Problem` and batch size)."""
+    try:
+        return prob._keys[batch]
+    except KeyError:
+        pass
+    key = prob._keys[batch] = _new_shapes_key(prob, batch)
+    return key
+
+
+def _new_shapes_key(prob: Problem, batch: int | None) -> Any:
+    f = prob.f
+    owner = getattr(f, "__self__", None)
+    target, fid = (owner, id(getattr(f, "__func__", f))) if owner is not None else (f, None)
+    try:
+        ref = weakref.ref(target)
+    except TypeError:
+        return None
+    sig: list[Any] = []
+    for p in prob.primals:
+        if isinstance(p, Tensor):
+            sig.append((p.shape, p.dtype, p.device))
+        elif p is None or isinstance(p, (bool, int, float, str)):
+            sig.append((type(p), p))
+        else:  # a pytree (a dict of parameters, say): its structure and its leaves' sizes
+            leaves, spec = tree_flatten(p)
+            if spec.is_leaf():
+                return None
+            sig.append(spec)
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    sig.append((leaf.shape, leaf.dtype, leaf.device))
+                elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+                    sig.append((type(leaf), leaf))
+                else:
+                    return None
+    key = (id(target), fid, ref, tuple(sig), prob.argnums, prob.int_argnums, prob.has_aux,
+           batch)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable f
+        return None
+    return key
+
+
+def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
+    """The outputs' sizes: remembered (NOTE [output sizes]), else from ``opts.probe`` or
+    one call of ``f``."""
+    key = shapes_key(prob, opts.batch) if opts.probe is None else None
+    record = opts.detached and torch.is_grad_enabled()
+    if key is not None:
+        hit = _SHAPES.get(key)
+        if hit is not None:
+            return Shapes(hit[1], hit[2], hit[3], key, record and hit[4])
+    if opts.probe is not None:
+        flat, spec = opts.probe()
+    else:
+        flat, spec = prob.probe(record)
+    records = record and any(o.requires_grad for o in flat)
+    rows = row_shapes(flat, opts.batch, prob)
+    if key is not None:
+        if len(_SHAPES) >= SHAPES_MAX:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        meta = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in flat]
+        _SHAPES[key] = (key[2], meta, spec, rows, records)
+    return Shapes([o.detach() for o in flat], spec, rows, None, records)
+
+
+def chunk_for(
+    prob: Problem,
+    mode: str,
+    out_rows: Sequence[torch.Size],
+    out_dtypes: Sequence[torch.dtype],
+    opts: Opts,
+    records: bool = False,
+) -> int | None:
+    """The chunk size for this Jacobian (NOTE [memory model]): one product per output
+    element in reverse ``mode``, per input element in forward mode. ``records``: the
+    products record autograd graphs that live until their chunk is stored."""
+    n_out = sum(math.prod(s) for s in out_rows)
+    n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
+    itemsize = max(
+        max(d.itemsize for d in out_dtypes), max(leaf.dtype.itemsize for leaf in prob.leaves)
+    )
+    return plan_products(
+        n_out if mode == "rev" else n_in,
+        n_out,
+        n_in,
+        itemsize,
+        chunk_size=opts.chunk_size,
+        max_memory=opts.max_memory,
+        device=prob.leaves[0].device,
+        call=prob.call,
+        alternatives=opts.alternatives,
+        batch=opts.batch,
+        records=records,
+        dtype=prob.leaves[0].dtype if mode == "rev" else out_dtypes[0],
+    )

@@ -1,0 +1,280 @@
+"""Measuring a computation: time, peak extra memory, error against a reference, and the
+tables that show them. Shared by :func:`torch_vjp.compare_strategies` and the benchmark
+suite :mod:`torch_vjp.bench`, so that both measure, judge and print alike.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from torch_vjp._errors import JacobianOptionError, format_bytes, shape_str
+
+__all__ = [
+    "RTOL",
+    "median_time",
+    "LiveTensorBytes",
+    "device_of",
+    "measure_peak",
+    "memory_method",
+    "leaves",
+    "max_error",
+    "tolerance",
+    "reason",
+    "shorten",
+    "format_time",
+    "format_bytes",
+    "format_table",
+    "check_min_run_time",
+]
+
+
+#: Relative tolerance of the correctness check, by the dtype a result is computed in: the
+#: error is compared against ``atol + rtol * max|reference|`` (see :func:`tolerance`).
+RTOL = {
+    torch.float16: 1e-2,
+    torch.bfloat16: 2e-2,
+    torch.float32: 1e-4,
+    torch.float64: 1e-7,
+    torch.complex64: 1e-4,
+    torch.complex128: 1e-7,
+}
+
+
+def median_time(fn: Callable[[], Any], min_run_time: float) -> float:
+    """Median seconds per call of ``fn`` by ``Timer.blocked_autorange``, on torch's current
+    number of threads (``Timer`` would otherwise measure on one thread)."""
+    from torch.utils.benchmark import Timer
+
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of tensor storages created by operators while the mode is active.
+
+    Every operator call passes through ``__torch_dispatch__`` (below vmap and the autograd
+    engine, so batched intermediates, saved tensors, basis vectors and results are all
+    seen). A storage that an output shares with an input (a view, an in-place op) is not
+    new; any other output storage is counted from its creation until Python's weak
+    reference to it reports it freed. ``peak`` is the largest total alive at any moment.
+    Scratch buffers that a kernel allocates and frees internally are not seen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: dict[int, weakref.ref] = {}
+
+    @staticmethod
+    def _storage(t: Tensor) -> Any | None:
+        if t.device.type == "meta" or t.is_sparse or t._is_zerotensor():
+            return None
+        try:
+            storage = t.untyped_storage()
+            storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
+            return None
+        return storage
+
+    def _released(self, key: int, nbytes: int, _ref: weakref.ref) -> None:
+        if self._alive.pop(key, None) is not None:
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = set()
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, Tensor):
+                storage = self._storage(a)
+                if storage is not None:
+                    inputs.add(storage.data_ptr())
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor):
+                continue
+            storage = self._storage(t)
+            if storage is None:
+                continue
+            key = storage.data_ptr()
+            nbytes = storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._alive:
+                continue
+            self._alive[key] = weakref.ref(
+                storage, lambda r, k=key, n=nbytes: self._released(k, n, r))
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        return out
+
+
+def device_of(tree: Any) -> torch.device:
+    """The device of the first tensor in ``tree`` (the CPU when it holds none)."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def measure_peak(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak extra bytes one call of ``fn`` needs, the result included.
+
+    CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated`` after
+    ``reset_peak_memory_stats``) minus what was allocated before the call. Other devices:
+    the peak of live tensor bytes counted by :class:`LiveTensorBytes`.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del result
+        return int(peak)
+    mode = LiveTensorBytes()
+    with mode:
+        result = fn()
+    peak = mode.peak
+    del result
+    return int(peak)
+
+
+def memory_method(device: torch.device) -> str:
+    """How :func:`measure_peak` measures on ``device``, in words for reports."""
+    if device.type == "cuda":
+        return ("CUDA caching allocator peak (torch.cuda.max_memory_allocated) minus what was "
+                "allocated before")
+    return "peak of live tensor bytes created during one call (counted by a TorchDispatchMode)"
+
+
+def leaves(tree: Any) -> list[Tensor]:
+    """Tensor leaves of a result in a canonical order (dict entries by sorted key)."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in leaves(tree[k])]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in leaves(item)]
+    raise TypeError(
+        f"expected a tensor, or a tuple, list or dict of them; got {type(tree).__name__}")
+
+
+def max_error(result: Any, reference: Any) -> float:
+    """Largest absolute difference between two results of the same structure and shapes.
+
+    Raises:
+        ValueError: The structures or the shapes differ (said in the message).
+    """
+    got, want = leaves(result), leaves(reference)
+    if len(got) != len(want):
+        raise ValueError(f"returned {len(got)} Jacobian blocks, the reference has {len(want)}")
+    error = 0.0
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = torch.as_tensor(g)
+        if tuple(g.shape) != tuple(w.shape):
+            raise ValueError(
+                f"Jacobian block {i} has shape {shape_str(g.shape)}, "
+                f"the reference has {shape_str(w.shape)}"
+            )
+        if g.numel():
+            diff = (g.detach().cpu().to(torch.complex128 if g.is_complex() else torch.float64)
+                    - w.detach().cpu().to(torch.complex128 if w.is_complex() else torch.float64))
+            error = max(error, float(diff.abs().max()))
+    return error
+
+
+def _scale(reference: Any) -> float:
+    blocks = [t for t in leaves(reference) if t.numel()]
+    return max((float(t.detach().abs().max()) for t in blocks), default=0.0)
+
+
+def tolerance(result: Any, reference: Any, rtol: float | None, atol: float | None) -> float:
+    """``atol + rtol * max|reference|``; defaults by the result's least precise dtype."""
+    if rtol is None:
+        rtol = max((RTOL.get(t.dtype, 1e-4) for t in leaves(result)), default=1e-7)
+    if atol is None:
+        atol = rtol * 1e-3
+    return atol + rtol * _scale(reference)
+
+
+def reason(exc: BaseException, limit: int = 300) -> str:
+    """``"TypeName: first line of the message"``, shortened to ``limit`` characters.
+
+    Example:
+        >>> reason(ValueError("bad shape")), reason(ValueError("x" * 20), limit=15)
+        ('ValueError: bad shape', 'ValueError: ...')
+    """
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return shorten(f"{type(exc).__name__}: {first}" if first else type(exc).__name__, limit)
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``...`` where it was cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_time(seconds: float | None) -> str:
+    """Seconds in the unit that fits: ``'1.5 ms'``; ``'-'`` for None or not finite.
+
+    Example:
+        >>> format_time(0.0015), format_time(2e-8), format_time(None)
+        ('1.5 ms', '20 ns', '-')
+    """
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def format_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> list[str]:
+    """Aligned plain-text table; ``align`` holds ``<`` or ``>`` per column."""
+    rows = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = []
+        for i, cell in enumerate(row):
+            last = i == len(row) - 1
+            if align[i] == ">":
+                cells.append(cell.rjust(widths[i]))
+            else:
+                cells.append(cell if last else cell.ljust(widths[i]))
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def check_min_run_time(value: object, *, call: str) -> float:
+    """Returns ``min_run_time`` as a float if it is a finite number of seconds > 0.
+
+    ``blocked_autorange`` times calls until their total reaches ``min_run_time``: with nan
+    or inf that never happens, and the call hangs.
+
+    Raises:
+        JacobianOptionError: anything else (as for the options of torch_vjp.jacobian).
+    """
+    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0):
+        return float(value)
+    got = (f"min_run_time={value!r}" if isinstance(value, numbers.Real)
+           else f"min_run_time={value!r} (a {type(value).__name__})")
+    raise JacobianOptionError(
+        f"{call}: {got}, but it must be a finite number of seconds > 0: the time budget of "
+        f"torch.utils.benchmark.Timer.blocked_autorange, which repeats the call until the "
+        f"budget is spent (nan or inf never is, so the timing would not end). Fix: keep the "
+        f"default for figures you report, or pass a small positive number such as 0.01 "
+        f"for a quick look."
+    )
