@@ -12,6 +12,8 @@ import torch as _torch
 
 from torch_vjp._errors import (
     FunctionCheckError,
+    FunctionCheckTypeError,
+    FunctionCheckValueError,
     GradOutputsError,
     GradOutputsIndexError,
     GradOutputsTypeError,
@@ -82,6 +84,8 @@ __all__ = [
     "GradOutputsValueError",
     "GradOutputsIndexError",
     "FunctionCheckError",
+    "FunctionCheckTypeError",
+    "FunctionCheckValueError",
     "StrategyError",
     "StrategyTypeError",
     "JacobianOptionError",

@@ -21,6 +21,8 @@ __all__ = [
     "GradOutputsValueError",
     "GradOutputsIndexError",
     "FunctionCheckError",
+    "FunctionCheckTypeError",
+    "FunctionCheckValueError",
     "StrategyError",
     "StrategyTypeError",
     "JacobianOptionError",
@@ -73,6 +75,16 @@ class GradOutputsIndexError(GradOutputsError, IndexError):
 
 class FunctionCheckError(TorchVJPError, RuntimeError):
     """A custom ``torch.autograd.Function``'s backward returned something wrong."""
+
+
+class FunctionCheckTypeError(FunctionCheckError, TypeError):
+    """A :class:`FunctionCheckError` for an argument of ``check_function`` of the wrong type
+    (``fn`` neither a Function subclass nor a callable)."""
+
+
+class FunctionCheckValueError(FunctionCheckError, ValueError):
+    """A :class:`FunctionCheckError` for an argument of ``check_function`` with an invalid
+    value (a tolerance, ``eps``, or inputs none of which can be differentiated)."""
 
 
 class StrategyError(TorchVJPError, ValueError):
@@ -240,37 +252,22 @@ def passes_through(err: BaseException) -> bool:
     return isinstance(err, (MemoryError, torch.OutOfMemoryError, TorchVJPError))
 
 
-_OFF = frozenset({"", "0", "false", "no", "off"})
+_OFF = frozenset({"0", "false", "no", "off"})
 
 
-def env_flag(name: str) -> bool:
-    """Whether the environment variable ``name`` is set to something other than an empty
-    string, ``0``, ``false``, ``no`` or ``off`` (case and surrounding spaces ignored): the one
-    rule by which torch_vjp reads its switches (``TORCH_VJP_CHECKED``, as the torch plugin
-    hook does)."""
-    return os.environ.get(name, "").strip().lower() not in _OFF
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether the environment variable ``name`` turns its switch on: ``default`` when it is
+    unset or empty, off for ``0``, ``false``, ``no`` or ``off``, on for anything else (case
+    and surrounding spaces ignored). The one rule by which torch_vjp reads its switches
+    (``TORCH_VJP_CHECKED``, as the torch plugin hook does, and ``TORCH_VJP_AUTOLOAD``)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in _OFF
 
 
 # Tracebacks name the public path users import from: torch_vjp.GradOutputsError.
-for _cls in (
-    TorchVJPError,
-    GradOutputsError,
-    GradOutputsTypeError,
-    GradOutputsValueError,
-    GradOutputsIndexError,
-    FunctionCheckError,
-    StrategyError,
-    StrategyTypeError,
-    JacobianOptionError,
-    JacobianCallError,
-    JacobianCallTypeError,
-    JacobianMemoryError,
-    PerSampleError,
-    PerSampleValueError,
-    PerSampleTypeError,
-    TorchVJPWarning,
-    GradOutputsWarning,
-    JacobianWarning,
-):
-    _cls.__module__ = "torch_vjp"
+for _cls in list(globals().values()):
+    if isinstance(_cls, type) and issubclass(_cls, (TorchVJPError, TorchVJPWarning)):
+        _cls.__module__ = "torch_vjp"
 del _cls

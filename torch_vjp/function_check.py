@@ -49,7 +49,12 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from torch_vjp._errors import FunctionCheckError, shape_str
+from torch_vjp._errors import (
+    FunctionCheckError,
+    FunctionCheckTypeError,
+    FunctionCheckValueError,
+    shape_str,
+)
 
 __all__ = [
     "check_function",
@@ -71,14 +76,6 @@ _DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
     torch.float16: (1e-3, 1e-1),
     torch.bfloat16: (1e-3, 1e-1),
 }
-
-
-class FunctionCheckTypeError(FunctionCheckError, TypeError):
-    """A :class:`~torch_vjp.FunctionCheckError` for an argument of the wrong type."""
-
-
-class FunctionCheckValueError(FunctionCheckError, ValueError):
-    """A :class:`~torch_vjp.FunctionCheckError` for an argument with an invalid value."""
 
 
 @dataclass(frozen=True)
