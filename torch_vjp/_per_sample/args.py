@@ -253,6 +253,8 @@ class Job:
         strategy: the strategy asked for.
         reset: puts back the buffers a forward changes (None where none does); the
             per-example runs call it before each example.
+        ddp: the DistributedDataParallel wrapper the caller passed (``model`` is then its
+            module), or None (NOTE [DDP] in ``distributed``).
     """
 
     fn: str
@@ -264,3 +266,4 @@ class Job:
     batch: int
     strategy: str
     reset: Callable[[], None] | None = None
+    ddp: Any = None

@@ -27,6 +27,7 @@ from torch_vjp._per_sample.args import (
     check_targets,
     select,
 )
+from torch_vjp._per_sample.distributed import ddp_add_to_grads, strip_prefix, unwrap
 from torch_vjp._per_sample.factors import (
     CHUNK_ELEMENTS,
     region_sq_norms,
@@ -63,26 +64,31 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             strategy: Any) -> Job:
     """Checks the arguments of a public function; the selection is made once per model."""
     strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
+    model, ddp = unwrap(fn, model)
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
     training = tuple(m.training for m in model.modules())
-    key = _static_key(model, params, training)
+    key = _static_key(model, params, training, ddp is not None)
     cache = _STATIC.setdefault(model, {}) if key is not None else {}
     sel = cache.get(key)
     if sel is None:
-        sel = select(fn, model, params)
+        sel = select(fn, model, strip_prefix(params) if ddp is not None else params)
         check_static_mixing(fn, model)
         sel.training = training
         sel.sparse = frozenset(_sparse_tables(model)) & frozenset(map(id, sel.tensors.values()))
+        if ddp is not None:  # results named as the wrapper names its parameters
+            sel.key_of = {"module." + n: c for n, c in sel.key_of.items()}
+            sel.names = ["module." + n for n in sel.names]
         if key is not None:
             if len(cache) >= 8:
                 cache.clear()
             cache[key] = sel
-    return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy)
+    return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy, ddp=ddp)
 
 
-def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...]) -> Any:
+def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...], wrapped: bool) -> Any:
+    # (a DDP wrapper's selection names its results with the wrapper's names: kept apart)
     if params is None:
         names: Any = None
     elif isinstance(params, str):
@@ -91,7 +97,8 @@ def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...]) -> An
         names = tuple(params)
     else:
         return None  # a generator, or something select() reports
-    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), training)
+    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), training,
+            wrapped)
 
 
 def _sparse_tables(model: nn.Module) -> set[int]:
@@ -359,7 +366,11 @@ def _clip_factors(sq: Tensor, max_norm: float) -> Tensor:
 
 def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
     """Adds each selected parameter's clipped sum to its ``.grad``, as backward would (a
-    sparse ``.grad`` for an Embedding with ``sparse=True``)."""
+    sparse ``.grad`` for an Embedding with ``sparse=True``; through DDP's reducer for a model
+    wrapped in DistributedDataParallel, NOTE [DDP])."""
+    if job.ddp is not None:
+        ddp_add_to_grads(job.fn, job.ddp, job.sel.tensors, sums, job.sel.sparse)
+        return
     sparse = job.sel.sparse
     with torch.no_grad():
         for n, p in job.sel.tensors.items():

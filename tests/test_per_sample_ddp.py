@@ -1,0 +1,146 @@
+"""Per-sample functions on a model wrapped in DistributedDataParallel (NOTE [DDP] in
+``torch_vjp._per_sample.distributed``), with real process groups: gloo on CPU, 2 and 3 ranks
+started with torch.multiprocessing, each with its own slice of one global batch.
+
+Every rank checks its own results against the single-process definition computed on the
+whole batch, in float64: ``.grad`` equals the clipped per-example sum over the global batch
+divided by the world size (DDP's convention), on every rank; norms and per-sample gradients
+are those of the rank's own examples.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import torch_vjp as tv
+
+DT = torch.float64
+GLOBAL_BATCH = 12
+MAX_NORM = 0.5
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)).to(DT)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(GLOBAL_BATCH, 5, dtype=DT, generator=g),
+            torch.randint(0, 3, (GLOBAL_BATCH,), generator=g))
+
+
+def _clipped_sum(model, x, y, max_norm):
+    """The definition on one process: sum_i min(1, C / ||g_i||) g_i over the examples."""
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for i in range(x.shape[0]):
+        gs = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]),
+                                 list(model.parameters()))
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in gs))
+        c = min(1.0, max_norm / float(norm))
+        for (n, _), g in zip(model.named_parameters(), gs):
+            total[n] += c * g
+    return total
+
+
+def _worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.set_num_threads(1)
+        x, y = _data()
+        ref_model = _model()
+        want = _clipped_sum(ref_model, x, y, MAX_NORM)
+        ddp = nn.parallel.DistributedDataParallel(_model())
+        loss_fn = nn.CrossEntropyLoss(reduction="sum")
+        # 2 ranks: 6 examples each; 3 ranks: 6, 6 and none (Poisson sampling draws empty
+        # batches: the rank still takes part in the reduction)
+        per = 6
+        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+        # the clipped step: .grad equals the global clipped sum / world size on every rank
+        norms = tv.accumulate_clipped_grads(ddp, loss_fn, xs, ys, max_norm=MAX_NORM)
+        for name, p in ddp.module.named_parameters():
+            torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
+                                       msg=f"rank {rank}: {name}")
+        # norms: the rank's own examples
+        ref_g = tv.per_sample_grads(ref_model, loss_fn, xs, ys, strategy="loop")
+        ref_norms = (sum(g.flatten(1).pow(2).sum(1) for g in ref_g.values()).sqrt()
+                     if xs.shape[0] else torch.zeros(0, dtype=DT))
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(tv.per_sample_grad_norms(ddp, loss_fn, xs, ys), ref_norms,
+                                   rtol=1e-10, atol=1e-12)
+        # per-sample gradients: named as the wrapper names its parameters
+        got = tv.per_sample_grads(ddp, loss_fn, xs, ys)
+        assert list(got) == [n for n, _ in ddp.named_parameters()]
+        for name, g in got.items():
+            torch.testing.assert_close(g, ref_g[name[len("module."):]], rtol=1e-10,
+                                       atol=1e-12)
+
+        # accumulation under no_sync, then one synchronised step: DDP's convention
+        for p in ddp.parameters():
+            p.grad = None
+        half = xs.shape[0] // 2
+        with ddp.no_sync():
+            tv.accumulate_clipped_grads(ddp, loss_fn, xs[:half], ys[:half], max_norm=MAX_NORM)
+        tv.accumulate_clipped_grads(ddp, loss_fn, xs[half:], ys[half:], max_norm=MAX_NORM)
+        for name, p in ddp.module.named_parameters():
+            torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
+                                       msg=f"rank {rank}, accumulated: {name}")
+
+        # a subset of the parameters: DDP's reducer would wait for the others ...
+        with pytest.raises(tv.PerSampleValueError, match=r"(?s)params leaves out 4 trainable "
+                           r"parameter\(s\).*first: '0\.weight'.*find_unused_parameters=True"):
+            tv.accumulate_clipped_grads(ddp, loss_fn, xs, ys, max_norm=MAX_NORM,
+                                        params=["module.3.weight", "module.3.bias"])
+        # ... unless it looks for unused parameters; the norms are then those of the subset
+        sub = nn.parallel.DistributedDataParallel(_model(), find_unused_parameters=True)
+        tv.accumulate_clipped_grads(sub, loss_fn, xs, ys, max_norm=MAX_NORM,
+                                    params=["module.3.weight", "module.3.bias"])
+        g = tv.per_sample_grads(ref_model, loss_fn, x, y, params=["3.weight", "3.bias"],
+                                strategy="loop")
+        c = (MAX_NORM / (g["3.weight"].flatten(1).pow(2).sum(1)
+                         + g["3.bias"].pow(2).sum(1)).sqrt()).clamp(max=1.0)
+        c = c[:world * per]  # the examples some rank holds
+        for name in ("3.weight", "3.bias"):
+            p = sub.module.get_parameter(name)
+            want_sub = torch.einsum("b,b...->...", c, g[name][:world * per]) / world
+            torch.testing.assert_close(p.grad, want_sub, rtol=1e-10, atol=1e-12)
+        assert sub.module[0].weight.grad is None
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, os.path.join(d, "init")), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_clipped_step_norms_and_grads(world):
+    _run(world)
+
+
+def test_unsupported_wrappers_are_named():
+    model = _model()
+    x, y = torch.randn(2, 5, dtype=DT), torch.randn(2, 3, dtype=DT)
+    with pytest.raises(tv.PerSampleTypeError, match=r"(?s)wrapped in nn\.DataParallel.*Fix: "
+                       r"pass model\.module .* or train with DistributedDataParallel"):
+        tv.per_sample_grads(nn.DataParallel(model), nn.MSELoss(), x, y)
+    # torch.distributed.fsdp.fully_shard swaps a module's class for "FSDP" + its name
+    sharded = type("FSDPSequential", (nn.Sequential,), {})(*model)
+    with pytest.raises(tv.PerSampleTypeError, match=r"(?s)sharded with FSDP \(FSDPSequential\)"
+                       r".*Supported: an unwrapped module, or one wrapped in "
+                       r"DistributedDataParallel"):
+        tv.accumulate_clipped_grads(sharded, nn.MSELoss(), x, y, max_norm=1.0)

@@ -1,0 +1,125 @@
+"""Per-sample gradients of a model wrapped for data-parallel training.
+
+NOTE [DDP]
+A model wrapped in ``DistributedDataParallel`` is computed on its ``.module``: each rank's
+per-sample gradients and norms are those of its own examples, with no communication. The
+clipped step adds the rank's clipped sum to ``.grad`` through DDP's own machinery: a pass of
+DDP's forward whose module returns ``sum_p <p, s_p>`` (``s_p`` the rank's clipped sum of
+parameter ``p``), then its backward. The gradient of that sum is exactly ``s_p``, accumulated
+into ``.grad`` as backward accumulates, and DDP's reducer then does what it does after every
+backward: all-reduces ``.grad`` in its buckets (with a registered communication hook, if
+any) and divides by the world size, so ``.grad`` is the same on every rank: the clipped
+per-example sum over the whole global batch divided by the world size (DDP's convention for
+gradients). Under ``ddp.no_sync()`` the reducer stays out, and the sums accumulate on each
+rank until the next synchronised step, as DDP's gradient accumulation does. A rank with no
+example (Poisson sampling) still takes part, with zero sums. The forward of the wrapped
+module is not run by that pass, only DDP's book-keeping (its buffer broadcast included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torch_vjp._errors import PerSampleTypeError, PerSampleValueError
+
+__all__ = ["unwrap", "ddp_add_to_grads"]
+
+_PREFIX = "module."
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    for cls in type(model).__mro__:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name.startswith("torch.distributed.fsdp") or cls.__name__.startswith("FSDP"):
+            return True
+    return False
+
+
+def unwrap(fn: str, model: Any) -> tuple[Any, Any]:
+    """``(module to compute on, the DDP wrapper or None)``; refuses the wrappers that are not
+    supported, naming what is."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module, model
+    if isinstance(model, nn.DataParallel):
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: model is wrapped in nn.DataParallel, which splits each batch "
+            f"over devices inside one process; per-sample gradients need the module itself.\n"
+            f"  Fix: pass model.module (one device), or train with "
+            f"DistributedDataParallel, which torch_vjp supports (one process per device)."
+        )
+    if isinstance(model, nn.Module) and _is_fsdp(model):
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: model is sharded with FSDP ({type(model).__name__}): its "
+            f"parameters are split across ranks, so no rank holds a whole per-sample "
+            f"gradient.\n  Supported: an unwrapped module, or one wrapped in "
+            f"DistributedDataParallel (every rank holds the whole model)."
+        )
+    return model, None
+
+
+def strip_prefix(params: Any) -> Any:
+    """Parameter names of a DDP wrapper (``module.fc.weight``) as names of its module."""
+    if params is None:
+        return None
+    if isinstance(params, str):
+        params = [params]
+    try:
+        names = list(params)
+    except TypeError:
+        return params  # select() reports it
+    return [n[len(_PREFIX):] if isinstance(n, str) and n.startswith(_PREFIX) else n
+            for n in names]
+
+
+def ddp_add_to_grads(
+    fn: str, ddp: nn.parallel.DistributedDataParallel, tensors: dict[str, Tensor],
+    sums: dict[str, Tensor], sparse: frozenset[int],
+) -> None:
+    """Adds the rank's clipped sums to ``.grad`` through DDP's forward and backward (NOTE
+    [DDP])."""
+    if sparse:
+        raise PerSampleValueError(
+            f"torch_vjp.{fn}: an Embedding with sparse=True under DistributedDataParallel is "
+            f"not supported by the clipped step (its gradient would reach DDP dense).\n"
+            f"  Fix: build the Embedding with sparse=False."
+        )
+    module = ddp.module
+    owned = {id(p) for p in module.parameters() if p.requires_grad}
+    pairs = [(p, sums.get(n)) for n, p in tensors.items() if id(p) in owned]
+    selected = {id(p) for p, _ in pairs}
+    if not ddp.find_unused_parameters:
+        missing = [n for n, p in module.named_parameters()
+                   if p.requires_grad and id(p) not in selected]
+        if missing:
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: params leaves out {len(missing)} trainable parameter(s) of "
+                f"the DistributedDataParallel module (first: {missing[0]!r}), and DDP was "
+                f"built with find_unused_parameters=False, so its reducer would wait for "
+                f"their gradients.\n  Fix: select every trainable parameter (params=None), "
+                f"or wrap the model with find_unused_parameters=True."
+            )
+
+    def surrogate(*_: Any, **__: Any) -> Tensor:
+        total = None
+        for p, s in pairs:
+            s = torch.zeros_like(p) if s is None else s.detach().to(p.dtype).reshape(p.shape)
+            term = (p * s).sum()
+            total = term if total is None else total + term
+        assert total is not None
+        return total
+
+    had = "forward" in module.__dict__
+    saved = module.__dict__.get("forward")
+    module.forward = surrogate  # type: ignore[method-assign]
+    try:
+        with torch.enable_grad():
+            out = ddp()
+    finally:
+        if had:
+            module.forward = saved  # type: ignore[method-assign]
+        else:
+            del module.forward
+    out.backward()
