@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import torch_vjp as tv
-from torch_vjp.compare import _measure_peak
+from torch_vjp._measure import measure_peak
 
 DT = torch.float64
 
@@ -160,8 +160,8 @@ def test_tied_weights_norms_need_no_batch_times_parameter_buffer():
     torch.testing.assert_close(norms, torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1))
     batch_times_table = 64 * 300 * 64 * 8  # B x P of the tied table, in bytes
     cpu = torch.device("cpu")
-    peak = _measure_peak(lambda: tv.per_sample_grad_norms(model, _lm_loss, ids, ids), cpu)
-    plain = _measure_peak(  # an ordinary forward and backward of the batch
+    peak = measure_peak(lambda: tv.per_sample_grad_norms(model, _lm_loss, ids, ids), cpu)
+    plain = measure_peak(  # an ordinary forward and backward of the batch
         lambda: torch.autograd.grad(_lm_loss(model(ids), ids), list(model.parameters())), cpu)
     # the tied table's per-sample gradients are written a chunk of examples at a time
     assert peak - plain < batch_times_table / 2, (peak, plain)
