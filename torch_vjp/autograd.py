@@ -55,7 +55,6 @@ from torch_vjp._checks import (
     PULLBACK,
     TENSOR_BACKWARD,
     Labels,
-    _user_stacklevel,
     as_entries,
     check_cotangents,
     normalize_grad_outputs,
@@ -69,6 +68,7 @@ from torch_vjp._errors import (
     TorchVJPError,
     env_flag,
     torch_first,
+    user_stacklevel,
 )
 
 __all__ = ["grad", "backward", "check_grad_outputs", "checked", "is_checked"]
@@ -267,7 +267,7 @@ def _grad(
             "accumulate gradient for other parts of the graph, please use "
             "torch.autograd.backward.",
             FutureWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
     if not _plain(outs):
         return torch_grad(outs, inputs_arg, grad_outputs, retain_graph, create_graph, True,
@@ -376,7 +376,7 @@ def _backward(
                 "`backward()`. Please only use `grad_tensors`.",
             )
         warnings.warn("`grad_variables` is deprecated. Use `grad_tensors` instead.",
-                      FutureWarning, stacklevel=_user_stacklevel())
+                      FutureWarning, stacklevel=user_stacklevel())
         grad_tensors = grad_variables
     if inputs is None:
         ins: tuple[Any, ...] | None = ()
@@ -502,7 +502,7 @@ def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], An
         f"mismatch; the result is torch's. (torch ignores the vector given for an output that "
         f"does not depend on what is differentiated.) The check said:\n{explanation}",
         GradOutputsWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
     return result
 
@@ -725,7 +725,7 @@ def _set_process_wide(on: bool) -> None:
             _uninstall()
 
 
-def _install_from_environment() -> None:
+def install_from_environment() -> None:
     """Turns checking on for the whole process when ``TORCH_VJP_CHECKED`` is set (to anything
     but an empty string, ``0``, ``false``, ``no`` or ``off``)."""
     if env_flag("TORCH_VJP_CHECKED"):
