@@ -1,6 +1,7 @@
-"""The registry of Jacobian strategies, and the rule by which ``"auto"`` picks one.
+"""The one registry of strategies (the Jacobian functions' and the per-sample functions'),
+its one lookup :func:`get_strategy`, and the rule by which a Jacobian's ``"auto"`` picks.
 
-A strategy says which products build the Jacobian and whether they are vectorised:
+A Jacobian strategy says which products build the Jacobian and whether they are vectorised:
 
 =============  ======================================================  ============
 name           products                                                 vectorised
@@ -27,7 +28,7 @@ results are in ``benchmarks/results/crossover.json`` and ``.md``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from torch_vjp._errors import StrategyError
@@ -46,38 +47,51 @@ __all__ = [
 ]
 
 StrategyName = Literal["auto", "rev", "fwd", "rev-loop", "fwd-loop"]
+PerSampleStrategyName = Literal["auto", "hooks", "vmap", "loop"]
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to build a Jacobian.
+    """One way to compute what a family of functions computes.
 
     Attributes:
         name: the registry key, as users pass it (``strategy="rev"``).
-        mode: ``"rev"`` (VJPs, one per output element), ``"fwd"`` (JVPs, one per input
-            element), or ``None`` for ``"auto"``, which decides per call.
-        vectorized: whether the products run under ``torch.vmap`` (``False``: a Python loop,
-            for functions that vmap cannot batch).
-        summary: one line for tables and docs.
+        summary: one line for tables, docs and messages.
+        mode: for a Jacobian: ``"rev"`` (VJPs, one per output element), ``"fwd"`` (JVPs, one
+            per input element), or ``None`` for ``"auto"``, which decides per call (and for
+            every per-sample strategy).
+        vectorized: whether the computation runs under ``torch.vmap`` (``False``: a Python
+            loop, for functions that vmap cannot batch).
     """
 
     name: str
-    mode: Literal["rev", "fwd"] | None
-    vectorized: bool
     summary: str
+    mode: Literal["rev", "fwd"] | None = None
+    vectorized: bool = True
 
 
 STRATEGIES: dict[str, Strategy] = {
-    "auto": Strategy(
-        "auto",
-        None,
-        True,
-        "rev or fwd by input and output size; a loop strategy when vmap cannot batch f",
-    ),
-    "rev": Strategy("rev", "rev", True, "one VJP per output element, vectorised with vmap"),
-    "fwd": Strategy("fwd", "fwd", True, "one JVP per input element, vectorised with vmap"),
-    "rev-loop": Strategy("rev-loop", "rev", False, "one VJP per output element, Python loop"),
-    "fwd-loop": Strategy("fwd-loop", "fwd", False, "one JVP per input element, Python loop"),
+    s.name: s
+    for s in (
+        Strategy("auto", "rev or fwd by input and output size; a loop strategy when vmap "
+                 "cannot batch f"),
+        Strategy("rev", "one VJP per output element, vectorised with vmap", "rev"),
+        Strategy("fwd", "one JVP per input element, vectorised with vmap", "fwd"),
+        Strategy("rev-loop", "one VJP per output element, Python loop", "rev", False),
+        Strategy("fwd-loop", "one JVP per input element, Python loop", "fwd", False),
+    )
+}
+
+#: The per-sample strategies (``torch_vjp.per_sample_grads`` and friends).
+PER_SAMPLE_STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("auto", "per-layer rules where every use of a parameter has one, vmap for "
+                 "the rest (the Python loop where vmap cannot batch the model)"),
+        Strategy("hooks", "per-layer rules only: one forward and backward of the batch"),
+        Strategy("vmap", "torch.func.vmap over the per-example gradient"),
+        Strategy("loop", "one forward and backward per example", vectorized=False),
+    )
 }
 
 #: ``"auto"`` picks ``"fwd"`` when ``n_out > FWD_OUT_IN_RATIO * n_in + FWD_OFFSET``.
@@ -86,72 +100,83 @@ FWD_OUT_IN_RATIO = 2.0
 FWD_OFFSET = 128
 
 
-def get_strategy(name: object, *, call: str) -> Strategy:
-    """Looks a strategy up by name.
+@dataclass(frozen=True)
+class _Family:
+    """The strategies of one family of functions, and how its messages name a wrong one."""
+
+    strategies: dict[str, Strategy]
+    word: str  # "unknown strategy 'x'" or "invalid strategy 'x'"
+    listed: bool  # the message lists every strategy with its summary
+    aliases: dict[str, str] = field(default_factory=dict)  # other names users try
+
+
+#: The one registry: each family of functions and its strategies.
+_REGISTRY: dict[str, _Family] = {
+    "jacobian": _Family(
+        STRATEGIES, "unknown", listed=False,
+        aliases={
+            "reverse": "rev", "reverse-mode": "rev", "backward": "rev", "jacrev": "rev",
+            "forward": "fwd", "forward-mode": "fwd", "jacfwd": "fwd",
+            "loop": "rev-loop", "for-loop": "rev-loop",
+        },
+    ),
+    "per-sample": _Family(PER_SAMPLE_STRATEGIES, "invalid", listed=True),
+}
+
+
+def get_strategy(
+    name: object, *, call: str, family: Literal["jacobian", "per-sample"] = "jacobian"
+) -> Strategy:
+    """Looks a strategy up by name: the one check of every ``strategy=`` argument.
 
     Args:
         name: the ``strategy=`` argument as given.
         call: the public call named in the message.
+        family: whose strategies: the Jacobian functions' (:data:`STRATEGIES`) or the
+            per-sample functions' (:data:`PER_SAMPLE_STRATEGIES`).
 
     Returns:
         The registered :class:`Strategy`.
 
     Raises:
-        StrategyError: ``name`` is not registered.
+        StrategyError: ``name`` is not registered in ``family``; the message names the
+            valid ones (and the likely one, for a name users often try).
 
     Example:
         >>> get_strategy("fwd", call="torch_vjp.jacobian").vectorized
         True
+        >>> get_strategy("loop", call="torch_vjp.per_sample_grads", family="per-sample").summary
+        'one forward and backward per example'
     """
+    fam = _REGISTRY[family]
     try:
-        return STRATEGIES[name]  # type: ignore[index]
+        return fam.strategies[name]  # type: ignore[index]
     except (KeyError, TypeError):
         pass
     hint = ""
-    if isinstance(name, str):
+    if isinstance(name, str) and fam.aliases:
         low = name.strip().lower().replace("_", "-")
-        aliases = {
-            "reverse": "rev", "reverse-mode": "rev", "backward": "rev", "jacrev": "rev",
-            "forward": "fwd", "forward-mode": "fwd", "jacfwd": "fwd",
-            "loop": "rev-loop", "for-loop": "rev-loop",
-        }
-        guess = low if low in STRATEGIES else aliases.get(low)
+        guess = low if low in fam.strategies else fam.aliases.get(low)
         if guess is not None:
             hint = f" Did you mean {guess!r}?"
+    listing = ""
+    if fam.listed:
+        listing = "\n" + "\n".join(f"    {k!r}: {v.summary}" for k, v in fam.strategies.items())
     raise StrategyError(
-        f"{call}: unknown strategy {name!r}. Supported: {tuple(STRATEGIES)}.{hint}"
+        f"{call}: {fam.word} strategy {name!r}. Supported: {tuple(fam.strategies)}.{hint}"
+        f"{listing}"
     )
 
 
-PerSampleStrategyName = Literal["auto", "hooks", "vmap", "loop"]
-
-#: The per-sample strategies (``torch_vjp.per_sample_grads`` and friends): name -> summary.
-PER_SAMPLE_STRATEGIES: dict[str, str] = {
-    "auto": "per-layer rules where every use of a parameter has one, vmap for the rest (the "
-            "Python loop where vmap cannot batch the model)",
-    "hooks": "per-layer rules only: one forward and backward of the batch",
-    "vmap": "torch.func.vmap over the per-example gradient",
-    "loop": "one forward and backward per example",
-}
-
-
 def get_per_sample_strategy(name: object, *, call: str) -> str:
-    """Checks a per-sample ``strategy=`` argument.
-
-    Raises:
-        StrategyError: ``name`` is not one of :data:`PER_SAMPLE_STRATEGIES`.
+    """The name of a per-sample strategy: ``get_strategy(name, call=call,
+    family="per-sample").name``.
 
     Example:
         >>> get_per_sample_strategy("vmap", call="torch_vjp.per_sample_grads")
         'vmap'
     """
-    if isinstance(name, str) and name in PER_SAMPLE_STRATEGIES:
-        return name
-    lines = "\n".join(f"    {k!r}: {v}" for k, v in PER_SAMPLE_STRATEGIES.items())
-    raise StrategyError(
-        f"{call}: invalid strategy {name!r}. Supported: {tuple(PER_SAMPLE_STRATEGIES)}.\n"
-        f"{lines}"
-    )
+    return get_strategy(name, call=call, family="per-sample").name
 
 
 def choose_mode(n_in: int, n_out: int) -> Literal["rev", "fwd"]:
