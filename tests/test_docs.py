@@ -3,8 +3,9 @@
 Two checks:
 
 * ``mkdocs build --strict -f docs/mkdocs.yml`` succeeds (into a temporary folder, so the
-  working tree is untouched). Skipped, with the reason, only when the docs toolchain
-  (the ``docs`` extra: mkdocs, mkdocs-material, mkdocstrings[python]) is not installed.
+  working tree is untouched), and the API page shows no raw docstring role (``docs/roles.py``
+  renders them as code). Skipped, with the reason, only when the docs toolchain (the
+  ``docs`` extra: mkdocs, mkdocs-material, mkdocstrings[python]) is not installed.
 * Every ```python block of every page under ``docs/pages/`` runs, top to bottom, in one
   fresh namespace per page. A failing block is reported with its page, block number,
   line and source. Output listings are ```text blocks and are not run; a ```text block
@@ -187,6 +188,29 @@ def test_site_builds_strict(tmp_path):
         # mkdocs' directory URLs: foo.md -> foo/index.html, sub/index.md -> sub/index.html.
         html = site / (rel.parent if rel.name == "index" else rel) / "index.html"
         assert html.is_file(), f"{_page_id(page)} was not rendered (expected {html})"
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    raw = sorted(set(RAW_ROLE.findall(api)))
+    assert not raw, f"the API page shows docstring roles unrendered: {raw[:10]}"
+
+
+# A Sphinx role as it shows when nothing renders it: ``:func:`` followed by a name.
+RAW_ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj):\S*")
+
+
+def test_roles_render_as_code():
+    if _missing_toolchain():
+        pytest.skip("docs toolchain not installed; install it with: pip install -e '.[docs]'")
+    spec = importlib.util.spec_from_file_location("docs_roles", DOCS / "roles.py")
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    text = (
+        "Like :func:`torch.autograd.grad`; raises :class:`~torch_vjp.JacobianCallError`; "
+        "see :mod:`torch_vjp.compare` and :py:meth:`Tensor.backward`. ``x`` stays."
+    )
+    assert roles.render_roles(text) == (
+        "Like `torch.autograd.grad`; raises `JacobianCallError`; see `torch_vjp.compare` "
+        "and `Tensor.backward`. ``x`` stays."
+    )
 
 
 class BlockFailed(Exception):
