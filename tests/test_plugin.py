@@ -136,25 +136,34 @@ def test_hook_module_imports_only_the_standard_library():
 
 
 @pytest.mark.parametrize(
-    ("value", "off"),
+    ("value", "default", "on"),
     [
-        (None, False),
-        ("", False),
-        ("1", False),
-        ("yes", False),
-        ("0", True),
-        (" 0 ", True),
-        ("false", True),
-        ("No", True),
-        ("OFF", True),
+        (None, True, True),
+        ("", True, True),
+        ("1", True, True),
+        ("yes", True, True),
+        ("0", True, False),
+        (" 0 ", True, False),
+        ("false", True, False),
+        ("No", True, False),
+        ("OFF", True, False),
+        (None, False, False),
+        ("", False, False),
+        ("1", False, True),
+        (" off ", False, False),
     ],
-    ids=["unset", "empty", "1", "yes", "0", "padded-0", "false", "No", "OFF"],
+    ids=["unset", "empty", "1", "yes", "0", "padded-0", "false", "No", "OFF",
+         "unset-default-off", "empty-default-off", "1-default-off", "padded-off-default-off"],
 )
-def test_switch_off_values(value, off):
+def test_switch_values(monkeypatch, value, default, on):
     spec = importlib.util.spec_from_file_location("_hook_under_test", HOOK_SOURCE)
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
-    assert hook._is_off(value) is off
+    if value is None:
+        monkeypatch.delenv("TORCH_VJP_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_VJP_TEST_SWITCH", value)
+    assert hook.env_flag("TORCH_VJP_TEST_SWITCH", default=default) is on
 
 
 @needs_install

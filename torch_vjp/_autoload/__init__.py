@@ -60,7 +60,7 @@ def _autoload() -> None:
         True
     """
     try:
-        if _is_off(os.environ.get("TORCH_VJP_AUTOLOAD")):
+        if not env_flag("TORCH_VJP_AUTOLOAD", default=True):
             return
         _attach()
     except Exception as err:  # the hook must never make ``import torch`` fail
@@ -87,8 +87,7 @@ def _attach() -> None:
         )
         return
     if module is None:
-        checked = os.environ.get("TORCH_VJP_CHECKED", "").strip()
-        if checked and not _is_off(checked):
+        if env_flag("TORCH_VJP_CHECKED"):
             module = _import_now(note=" TORCH_VJP_CHECKED is set, but checking is not on.")
         else:
             module = _lazy_module()
@@ -375,9 +374,16 @@ def _forget(module: types.ModuleType | None) -> None:
         pass
 
 
-def _is_off(value: str | None) -> bool:
-    """Whether an environment value is one of ``0``, ``false``, ``no``, ``off``."""
-    return value is not None and value.strip().lower() in _OFF_VALUES
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether the environment variable ``name`` turns its switch on: ``default`` when it is
+    unset or empty, off for ``0``, ``false``, ``no`` or ``off``, on for anything else (case
+    and surrounding spaces ignored). The one rule by which torch_vjp reads its switches
+    (``TORCH_VJP_AUTOLOAD``, ``TORCH_VJP_CHECKED``); it lives in this standard-library-only
+    module so that the hook can use it, and ``torch_vjp._errors`` exports it."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in _OFF_VALUES
 
 
 def _describe(err: BaseException) -> str:
