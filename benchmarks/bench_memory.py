@@ -35,19 +35,19 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MiB = 1 << 20
+MB = 10**6
 
 # (workload, method, max_memory in bytes or None)
 CASES = [
     ("elementwise_4096", "torch.func.jacrev", None),
     ("elementwise_4096", "torch_vjp auto", None),
-    ("elementwise_4096", "torch_vjp rev", 80 * MiB),
-    ("elementwise_4096", "torch_vjp fwd", 80 * MiB),
-    ("elementwise_4096", "torch_vjp auto", 80 * MiB),
+    ("elementwise_4096", "torch_vjp rev", 80 * MB),
+    ("elementwise_4096", "torch_vjp fwd", 80 * MB),
+    ("elementwise_4096", "torch_vjp auto", 80 * MB),
     ("mlp_1024x1024", "torch.func.jacrev", None),
     ("mlp_1024x1024", "torch_vjp auto", None),
-    ("mlp_1024x1024", "torch_vjp auto", 6 * MiB),
-    ("mlp_1024x1024", "torch_vjp rev", 6 * MiB),
+    ("mlp_1024x1024", "torch_vjp auto", 6 * MB),
+    ("mlp_1024x1024", "torch_vjp rev", 6 * MB),
 ]
 
 
@@ -112,8 +112,10 @@ def child(workload_name: str, method: str, max_memory: int | None, threads: int)
     }
 
 
-def _fmt_mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / MiB:.1f} MiB"
+def _fmt_bytes(n: int | None) -> str:
+    from torch_vjp._errors import format_bytes  # torch_vjp's one byte format
+
+    return format_bytes(n)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["within_bound"] = row["peak_extra"] <= row["bound"]
                 row["within_max_memory"] = row["peak_extra"] <= budget
         rows.append(row)
-        label = f"{name}: {method}" + (f" (max_memory={_fmt_mib(budget)})" if budget else "")
+        label = f"{name}: {method}" + (f" (max_memory={_fmt_bytes(budget)})" if budget else "")
         if "error" in row:
             print(f"{label:<58} FAILED: {row['error']}")
         else:
@@ -153,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             if budget is not None:
                 verdict = ("<= size(J) + M: ok" if row["within_bound"]
                            else "<= size(J) + M: EXCEEDED")
-            print(f"{label:<58} J {_fmt_mib(row['jacobian_bytes']):>10}  peak extra "
-                  f"{_fmt_mib(row['peak_extra']):>10}  {verdict}")
+            print(f"{label:<58} J {_fmt_bytes(row['jacobian_bytes']):>10}  peak extra "
+                  f"{_fmt_bytes(row['peak_extra']):>10}  {verdict}")
 
     import torch
 
@@ -176,15 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in rows:
         if "error" in r:
-            md.append(f"| {r['workload']} | {r['method']} | {_fmt_mib(r['max_memory'])} | | "
+            md.append(f"| {r['workload']} | {r['method']} | {_fmt_bytes(r['max_memory'])} | | "
                       f"failed: {r['error']} | | |")
             continue
         check = "-"
         if r.get("max_memory") is not None:
             check = "ok" if r["within_bound"] else "**exceeded**"
-        md.append(f"| {r['workload']} | {r['method']} | {_fmt_mib(r['max_memory'])} | "
-                  f"{_fmt_mib(r['jacobian_bytes'])} | {_fmt_mib(r['peak_extra'])} | "
-                  f"{_fmt_mib(r.get('bound'))} | {check} |")
+        md.append(f"| {r['workload']} | {r['method']} | {_fmt_bytes(r['max_memory'])} | "
+                  f"{_fmt_bytes(r['jacobian_bytes'])} | {_fmt_bytes(r['peak_extra'])} | "
+                  f"{_fmt_bytes(r.get('bound'))} | {check} |")
     (args.out / "jacobian_memory.md").write_text("\n".join(md) + "\n")
     print(f"\nwrote {args.out / 'jacobian_memory.json'} and {args.out / 'jacobian_memory.md'}")
     return 0 if all("error" not in r for r in rows) else 1
