@@ -34,6 +34,7 @@ __all__ = [
     "format_bytes",
     "format_table",
     "check_min_run_time",
+    "check_tolerance",
 ]
 
 
@@ -257,6 +258,18 @@ def format_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: st
     return lines
 
 
+def _real_option(name: str, value: object, *, call: str, positive: bool, must: str) -> float:
+    """``value`` as a float if it is a real number (not a bool), finite, and > 0
+    (``positive``) or >= 0; else a :class:`JacobianOptionError` saying what it ``must`` be."""
+    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        return float(value)
+    given = f"{name}={value!r}"
+    if not isinstance(value, numbers.Real):
+        given += f" (a {type(value).__name__})"
+    raise JacobianOptionError(f"{call}: {given}, but it must be {must}")
+
+
 def check_min_run_time(value: object, *, call: str) -> float:
     """Returns ``min_run_time`` as a float if it is a finite number of seconds > 0.
 
@@ -266,15 +279,28 @@ def check_min_run_time(value: object, *, call: str) -> float:
     Raises:
         JacobianOptionError: anything else (as for the options of torch_vjp.jacobian).
     """
-    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0):
-        return float(value)
-    got = (f"min_run_time={value!r}" if isinstance(value, numbers.Real)
-           else f"min_run_time={value!r} (a {type(value).__name__})")
-    raise JacobianOptionError(
-        f"{call}: {got}, but it must be a finite number of seconds > 0: the time budget of "
-        f"torch.utils.benchmark.Timer.blocked_autorange, which repeats the call until the "
-        f"budget is spent (nan or inf never is, so the timing would not end). Fix: keep the "
-        f"default for figures you report, or pass a small positive number such as 0.01 "
-        f"for a quick look."
+    return _real_option(
+        "min_run_time", value, call=call, positive=True,
+        must="a finite number of seconds > 0: the time budget of "
+        "torch.utils.benchmark.Timer.blocked_autorange, which repeats the call until the "
+        "budget is spent (nan or inf never is, so the timing would not end). Fix: keep the "
+        "default for figures you report, or pass a small positive number such as 0.01 for a "
+        "quick look.",
+    )
+
+
+def check_tolerance(name: str, value: object, *, call: str) -> float | None:
+    """Returns ``rtol``/``atol`` if it is ``None`` or a finite number >= 0, else raises.
+
+    Raises:
+        JacobianOptionError: anything else.
+    """
+    if value is None:
+        return None
+    return _real_option(
+        name, value, call=call, positive=False,
+        must=f"None or a finite number >= 0: a row is 'ok' when its max abs error is at most "
+        f"atol + rtol * max|reference|, so a negative or nan tolerance would mark every "
+        f"strategy wrong. Fix: leave {name}=None (the default by dtype) or pass a number "
+        f"such as {'1e-5' if name == 'rtol' else '1e-8'}.",
     )

@@ -13,8 +13,6 @@ Time, memory and error are measured by :mod:`torch_vjp._measure`, which the benc
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +25,6 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from torch_vjp._engine.context import buffers_kept
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import (
-    JacobianOptionError,
     StrategyError,
     StrategyTypeError,
     format_bytes,
@@ -35,6 +32,7 @@ from torch_vjp._errors import (
 )
 from torch_vjp._measure import (
     check_min_run_time,
+    check_tolerance,
     device_of,
     format_table,
     format_time,
@@ -415,8 +413,8 @@ def compare_strategies(
     """
     names = _normalise_strategies(strategies)
     min_run_time = check_min_run_time(min_run_time, call=_CALL)
-    rtol = _check_tolerance("rtol", rtol)
-    atol = _check_tolerance("atol", atol)
+    rtol = check_tolerance("rtol", rtol, call=_CALL)
+    atol = check_tolerance("atol", atol, call=_CALL)
     # argnums and the primals are checked as torch_vjp.jacobian checks them, before f runs.
     prob = Problem(f, primals, argnums, has_aux=False, call=_CALL)
     device = device_of(primals)
@@ -491,27 +489,6 @@ def compare_strategies(
         threads=torch.get_num_threads(),
         memory_method=memory_method(device) if memory else "not measured (memory=False)",
         description=description,
-    )
-
-
-def _check_tolerance(name: str, value: object) -> float | None:
-    """Returns ``rtol``/``atol`` if it is ``None`` or a finite number >= 0, else raises.
-
-    Raises:
-        JacobianOptionError: anything else.
-    """
-    if value is None:
-        return None
-    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value) and value >= 0):
-        return float(value)
-    got = (f"{name}={value!r}" if isinstance(value, numbers.Real)
-           else f"{name}={value!r} (a {type(value).__name__})")
-    raise JacobianOptionError(
-        f"{_CALL}: {got}, but it must be None or a finite number >= 0: a row is 'ok' when "
-        f"its max abs error is at most atol + rtol * max|reference|, so a negative or nan "
-        f"tolerance would mark every strategy wrong. Fix: leave {name}=None (the default "
-        f"by dtype) or pass a number such as {'1e-5' if name == 'rtol' else '1e-8'}."
     )
 
 
