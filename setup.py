@@ -7,7 +7,7 @@ The runtime requirement on torch is a range that torch 2.13.0 satisfies; install
 import os
 import shutil
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.develop import develop as _develop
 
 try:
@@ -99,7 +99,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["torch_vjp", "torch_vjp.bench", HOOK_MODULE],
+    # Every package under torch_vjp/ (the private ones too: _engine, _per_sample, ...), and
+    # the hook as its own top-level module in place of torch_vjp/_autoload.
+    packages=find_packages(include=["torch_vjp", "torch_vjp.*"], exclude=["torch_vjp._autoload"])
+    + [HOOK_MODULE],
     package_dir={HOOK_MODULE: "torch_vjp/_autoload"},
     package_data={"torch_vjp": ["py.typed"]},
     install_requires=["torch>=2.5,<3", "numpy>=1.24"],

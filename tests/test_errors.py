@@ -4,6 +4,7 @@ documented, derives from the builtin torch raises; and the helpers every module 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import warnings
 from pathlib import Path
@@ -69,6 +70,23 @@ def test_env_flag(monkeypatch, value, on):
     else:
         monkeypatch.setenv("TORCH_VJP_TEST_SWITCH", value)
     assert env_flag("TORCH_VJP_TEST_SWITCH") is on
+
+
+@pytest.mark.parametrize("value", [None, "", " ", "0", "OFF", " no ", "false", "1", "yes", "x"],
+                         ids=repr)
+@pytest.mark.parametrize("default", [False, True])
+def test_the_hooks_copy_of_env_flag_agrees(monkeypatch, value, default):
+    """The plugin hook imports nothing of torch_vjp, so it holds its own env_flag."""
+    hook_source = PACKAGE / "_autoload" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("_hook_copy", hook_source)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    if value is None:
+        monkeypatch.delenv("TORCH_VJP_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_VJP_TEST_SWITCH", value)
+    got = hook.env_flag("TORCH_VJP_TEST_SWITCH", default=default)
+    assert got is env_flag("TORCH_VJP_TEST_SWITCH", default=default)
 
 
 def test_env_flag_default_applies_to_unset_and_empty_only(monkeypatch):

@@ -7,12 +7,12 @@ working after switching to torch_vjp.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from torch_vjp._autoload import env_flag  # the one switch rule, shared with the hook
 
 __all__ = [
     "full_message",
@@ -251,6 +251,22 @@ def passes_through(err: BaseException) -> bool:
     import torch
 
     return isinstance(err, (MemoryError, torch.OutOfMemoryError, TorchVJPError))
+
+
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether the environment variable ``name`` turns its switch on: ``default`` when it is
+    unset or empty, off for ``0``, ``false``, ``no`` or ``off``, on for anything else (case
+    and surrounding spaces ignored). The one rule by which torch_vjp reads its switches
+    (``TORCH_VJP_CHECKED``, ``TORCH_VJP_AUTOLOAD``). The torch plugin hook, which may import
+    nothing of torch_vjp, holds the same function (``_autoload.env_flag``); a test checks
+    that the two agree."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in _OFF
 
 
 # Tracebacks name the public path users import from: torch_vjp.GradOutputsError.

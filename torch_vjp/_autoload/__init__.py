@@ -378,8 +378,10 @@ def env_flag(name: str, default: bool = False) -> bool:
     """Whether the environment variable ``name`` turns its switch on: ``default`` when it is
     unset or empty, off for ``0``, ``false``, ``no`` or ``off``, on for anything else (case
     and surrounding spaces ignored). The one rule by which torch_vjp reads its switches
-    (``TORCH_VJP_AUTOLOAD``, ``TORCH_VJP_CHECKED``); it lives in this standard-library-only
-    module so that the hook can use it, and ``torch_vjp._errors`` exports it."""
+    (``TORCH_VJP_AUTOLOAD``, ``TORCH_VJP_CHECKED``): the same function as
+    ``torch_vjp._errors.env_flag``, held here too because this module imports nothing of
+    torch_vjp (a wheel installs it as its own top-level module); a test checks that the two
+    agree."""
     value = os.environ.get(name, "").strip().lower()
     if not value:
         return default
