@@ -772,8 +772,8 @@ def measure_memory(workload: str, label: str) -> dict[str, Any]:
         if proc.returncode != 0 or not line.startswith("{"):
             return {"peak_mb": None, "memory_error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
         data = json.loads(line)
-        return {"peak_mb": data["peak_bytes"] / 2**20, "hwm_reset": data["hwm_reset"],
-                "tensor_peak_mb": data["tensor_peak_bytes"] / 2**20}
+        return {"peak_mb": data["peak_bytes"] / 1e6, "hwm_reset": data["hwm_reset"],
+                "tensor_peak_mb": data["tensor_peak_bytes"] / 1e6}
     except Exception as exc:  # noqa: BLE001
         return {"peak_mb": None, "memory_error": f"{type(exc).__name__}: {exc}"}
 
@@ -933,7 +933,7 @@ def run_workload(workload: str, args, peers: dict[str, str]) -> dict[str, Any]:
         "description": w["text"],
         "batch": B,
         "parameters": n_params,
-        "per_sample_fp32_mb": B * n_params * 4 / 2**20,
+        "per_sample_fp32_mb": B * n_params * 4 / 1e6,
         "auto_plan": plan,
         "plain": out_plain,
         "methods": rows,

@@ -4,13 +4,13 @@
 ``functional_call``; ``loop`` runs one forward and backward per example. They compute the
 parameters no rule covers (and every parameter under those strategies).
 
-NOTE [one fallback policy]
-Under ``"auto"`` a failure of vmap is followed by one example through the loop: if that
-raises too, the error is the model's (or the loss's) own and propagates untouched; if not,
-vmap could not batch the model, a one-time warning says so, and the loop computes the rest.
-Under ``"vmap"`` the same test decides between passing the model's own error through and a
-:class:`~torch_vjp.StrategyError` that names the strategy, the layer vmap failed in, and the
-alternatives. It is the policy of ``torch_vjp._core.run_with_fallback`` for products.
+The vmap-then-loop choice is the package's one policy, ``torch_vjp._engine.rows.
+run_with_fallback`` (NOTE [one fallback policy] there): under ``"auto"`` a failure of vmap is
+followed by one example through the loop; if that raises too, the error is the model's (or
+the loss's) own and propagates untouched; if not, vmap could not batch the model, a one-time
+warning says so, and the loop computes the rest. Under ``"vmap"`` the same test decides
+between passing the model's own error through and a :class:`~torch_vjp.StrategyError` that
+names the strategy, the layer vmap failed in, and the alternatives.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from torch_vjp._engine.rows import run_with_fallback
 from torch_vjp._errors import (
     StrategyError,
     TorchVJPWarning,
     first_time,
-    passes_through,
     quote_error,
     user_stacklevel,
 )
@@ -145,24 +145,29 @@ def fallback_grads(
     """
     if not names:
         return {}
-    if mode in ("auto", "vmap", "hooks") and randomness is not None:
-        try:
-            return vmap_grads(job, names, start, stop, chunk_size, randomness)
-        except Exception as err:  # noqa: BLE001 - classified by one unbatched example below
-            if passes_through(err):
-                raise
-            failure = err
-        # One example without vmap: an error here is the model's own, and propagates.
-        first = _new_outputs(job.sel, names, 1)
-        loop_grads(job, names, start, start + 1, first)
+
+    def loop() -> dict[str, Tensor]:
+        out = _new_outputs(job.sel, names, stop - start)
+        loop_grads(job, names, start, stop, out)
+        return out
+
+    if mode not in ("auto", "vmap", "hooks") or randomness is None:
+        return loop()
+
+    def check_one() -> None:  # one example without vmap: an error here is the model's own
+        loop_grads(job, names, start, start + 1, _new_outputs(job.sel, names, 1))
+
+    def on_fallback(failure: Exception) -> None:
         if mode == "vmap":
             raise _vmap_error(job, names, start, stop, failure) from failure
         if strict:
             raise CannotBatch(failure) from failure
         warn_loop(job.fn, job.model, failure)
-    out = _new_outputs(job.sel, names, stop - start)
-    loop_grads(job, names, start, stop, out)
-    return out
+
+    return run_with_fallback(
+        lambda: vmap_grads(job, names, start, stop, chunk_size, randomness), loop,
+        on_fallback=on_fallback, check_one=check_one,
+    )
 
 
 def _vmap_error(job: Job, names: list[str], start: int, stop: int,

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from torch_vjp._errors import PerSampleValueError, TorchVJPError, shape_str
+from torch_vjp._engine.rows import run_with_fallback
+from torch_vjp._errors import PerSampleValueError, shape_str
 
 __all__ = ["loss_sum", "scaled_loss_sum", "example_loss", "scalar_loss", "call_loss", "slice_tree"]
 
@@ -182,19 +183,18 @@ def scaled_loss_sum(
         ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, t)
         return scalar_loss(fn, call_loss(loss_fn, tree_unflatten(restored, o_spec), ti))
 
-    try:
+    def vectorized() -> tuple[Tensor, float]:
         losses = torch.func.vmap(
             one, in_dims=(out_in_dims, 0 if targets is not None else None),
             randomness="different",
         )(out, targets)
         return losses.sum(), 1.0
-    except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception:  # noqa: BLE001 - loss_fn cannot be vmapped: one call per example below
-        pass
-    total = None
-    for i in range(batch):
-        li = example_loss(fn, loss_fn, out, targets, i, dims)
-        total = li if total is None else total + li
-    assert total is not None
-    return total, 1.0
+
+    def loop() -> tuple[Tensor, float]:  # one call per example (the loss cannot be vmapped)
+        total = example_loss(fn, loss_fn, out, targets, 0, dims)
+        for i in range(1, batch):
+            total = total + example_loss(fn, loss_fn, out, targets, i, dims)
+        return total, 1.0
+
+    # (silently: the loss of B examples costs little either way)
+    return run_with_fallback(vectorized, loop, on_fallback=lambda err: None)
