@@ -22,12 +22,12 @@ from torch_vjp._per_sample.registry import Call
 
 __all__ = ["HooksResult", "hooks_pass"]
 
-try:  # torch >= 2.4: the engine entry torch.autograd.grad calls
-    from torch.autograd.graph import _engine_run_backward as _engine_entry
+if hasattr(torch.autograd, "_engine_run_backward"):  # the engine entry autograd.grad calls
 
     def _engine(*args: Any, **kwargs: Any) -> Any:
         return torch.autograd._engine_run_backward(*args, **kwargs)  # (patched by tracing)
-except ImportError:  # pragma: no cover - older torch
+
+else:  # pragma: no cover - an older torch
 
     def _engine(outputs, grad_outputs, retain, create, inputs, allow_unused, **_):
         return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain,
