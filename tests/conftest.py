@@ -40,3 +40,19 @@ def _seed_and_unchecked():
     assert not autograd.is_checked() or os.environ.get("TORCH_VJP_CHECKED") == "1", (
         "a test left torch_vjp.checked() installed"
     )
+
+
+@pytest.fixture(autouse=True)
+def _per_sample_rules_kept():
+    """Rules a test (or a doctest) registers for its own layers are gone after it, as in a
+    fresh process; the plans made with them go too."""
+    from torch_vjp._per_sample import probe, registry
+
+    rules, named = dict(registry._RULES), dict(registry._NAMED)
+    yield
+    if rules != registry._RULES or named != registry._NAMED:
+        registry._RULES.clear()
+        registry._RULES.update(rules)
+        registry._NAMED.clear()
+        registry._NAMED.update(named)
+        probe.forget_plans()

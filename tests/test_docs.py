@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch_vjp import _errors
+
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 PAGES = DOCS / "pages"
@@ -228,6 +230,9 @@ def run_page(page: Path) -> list[tuple[Block, str]]:
     saved_env = dict(os.environ)
     saved_dtype = torch.get_default_dtype()
     saved_grad = torch.is_grad_enabled()
+    # a page runs as in a fresh process: the warnings shown once per process show on it
+    saved_warned = set(_errors._WARNED)
+    _errors._WARNED.clear()
     outputs = []
     torch.manual_seed(0)
     try:
@@ -251,6 +256,8 @@ def run_page(page: Path) -> list[tuple[Block, str]]:
         os.environ.update(saved_env)
         torch.set_default_dtype(saved_dtype)
         torch.set_grad_enabled(saved_grad)
+        _errors._WARNED.clear()
+        _errors._WARNED.update(saved_warned)
     return outputs
 
 
