@@ -1,0 +1,361 @@
+"""Sparse Jacobians: the plan (pattern, colourings, decompression indices), its cache, the
+compressed products under vmap, and the decompressed result.
+
+NOTE [compression]
+With a column colouring (NOTE [colouring] in :mod:`~torch_vjp._sparse.coloring`) the seed
+matrix ``S`` (``n x p``, ``S[j, colour(j)] = 1``) gives ``B = J @ S``, one JVP per colour,
+all of them in one ``torch.vmap`` call over the ``p`` rows of ``S.T`` (chunked when the
+memory planner of :mod:`torch_vjp._engine.memory` says so); ``J[i, j] = B[i, colour(j)]``
+for every ``(i, j)`` of the pattern, so decompression is one gather from ``B`` with an index
+computed once per plan. Reverse mode is the transpose: a row colouring, ``C = S.T @ J`` by
+one VJP per colour, ``J[i, j] = C[colour(i), j]``. ``mode="auto"`` takes the mode with fewer
+colours, reverse mode on a tie: a vmapped JVP costs more than a VJP (forward mode carries
+primal and tangent through every op; NOTE [auto crossover] in :mod:`torch_vjp._strategies`),
+1.3 to 3 times as much on the benchmark's tied workloads (``benchmarks/bench_sparse.py``).
+The gathered values are already in the order of the result's layout
+(CSR, coalesced COO, or CSC through a permutation), so building the result is a
+constructor call.
+
+NOTE [plan cache]
+Detection and colouring cost far more than a sparse Jacobian itself (detection runs ``f``
+once under the tracer; colouring is a Python loop over the non-zeros), so a plan is kept per
+function and input signature (the structure of ``x``, and each leaf's shape, dtype and
+device): weakly per function object (a bound method by its object and function), so that
+the cache dies with the function. A plan assumes that ``f``'s structure does not change:
+the same branches and the same constant zeros (a weight whose zero pattern changes needs
+``torch_vjp.sparse.clear_cache(f)``). An output whose size differs from the plan's
+(``f`` changed) makes the plan be detected again. A user's pattern keeps its plan (its
+colourings) with the pattern tensor, as long as that tensor lives and is not modified.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torch_vjp._engine.context import func_jvp, func_vjp
+from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.memory import WORK_FACTOR, plan_chunk
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import map_rows_with_fallback
+from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
+from torch_vjp._sparse.coloring import Coloring, color_columns, color_rows
+from torch_vjp._sparse.pattern import Pattern
+
+__all__ = ["Plan", "lookup_plan", "user_plan", "clear_plans", "compressed", "assemble"]
+
+_LONG = torch.long
+_BETA_WARNING = [True]
+
+
+class Plan:
+    """A pattern, its colourings (made when first needed) and, per device, the indices that
+    decompress products into each layout. See NOTE [compression].
+
+    Attributes:
+        pattern: the ``(m, n)`` pattern.
+        user: the pattern was the user's (a size mismatch is then an error, not a reason to
+            detect again).
+    """
+
+    __slots__ = ("pattern", "user", "_colorings", "_indices", "__weakref__")
+
+    def __init__(self, pattern: Pattern, user: bool = False) -> None:
+        self.pattern = pattern
+        self.user = user
+        self._colorings: dict[str, Coloring] = {}
+        self._indices: dict[Any, Any] = {}
+
+    def coloring(self, mode: str) -> Coloring:
+        """The colouring for ``"fwd"`` or ``"rev"``; ``"auto"``: the one with fewer colours
+        (reverse mode on a tie)."""
+        if mode == "auto":
+            fwd, rev = self.coloring("fwd"), self.coloring("rev")
+            return fwd if fwd.count < rev.count else rev
+        c = self._colorings.get(mode)
+        if c is None:
+            c = color_columns(self.pattern) if mode == "fwd" else color_rows(self.pattern)
+            self._colorings[mode] = c
+        return c
+
+    def gather_index(
+        self, coloring: Coloring, layout: torch.layout, device: torch.device
+    ) -> Tensor:
+        """Where each value of the result is in the flattened compressed products: in the
+        order of ``layout``'s values, on ``device``."""
+        key = ("gather", coloring.mode, layout, device)
+        idx = self._indices.get(key)
+        if idx is None:
+            p = self.pattern
+            if coloring.mode == "fwd":  # B.T is (colours, m): J[i, j] = B.T[colour(j), i]
+                idx = coloring.colors[p.cols] * p.m + p.rows
+            else:  # C is (colours, n): J[i, j] = C[colour(i), j]
+                idx = coloring.colors[p.rows] * p.n + p.cols
+            if layout is torch.sparse_csc:
+                idx = idx[p.csc()[1]]
+            idx = self._indices[key] = idx.to(device)
+        return idx
+
+    def layout_indices(self, layout: torch.layout, device: torch.device) -> tuple[Tensor, ...]:
+        """The index tensors of ``layout`` on ``device`` (CSR: row offsets and columns; COO:
+        indices; CSC: column offsets and rows; strided: flat positions)."""
+        key = ("layout", layout, device)
+        got = self._indices.get(key)
+        if got is None:
+            p = self.pattern
+            if layout is torch.sparse_csr:
+                got = (p.crow(), p.cols)
+            elif layout is torch.sparse_coo:
+                got = (torch.stack([p.rows, p.cols]),)
+            elif layout is torch.sparse_csc:
+                ccol, order = p.csc()
+                got = (ccol, p.rows[order])
+            else:
+                got = (p.rows * p.n + p.cols,)
+            got = self._indices[key] = tuple(t.to(device) for t in got)
+        return got
+
+    def seeds(self, coloring: Coloring, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The ``(colours, n)`` (forward) or ``(colours, m)`` (reverse) seed rows: row ``c``
+        is 1 where the colour is ``c``. Kept per dtype and device when small."""
+        key = ("seeds", coloring.mode, dtype, device)
+        got = self._indices.get(key)
+        if got is None:
+            colors = coloring.colors.to(device)
+            c = torch.arange(coloring.count, device=device).unsqueeze(1)
+            got = (colors.unsqueeze(0) == c).to(dtype)
+            if got.numel() * got.element_size() <= 2**26:
+                self._indices[key] = got
+        return got
+
+
+# ---- the cache -----------------------------------------------------------------------------
+
+_PLANS: weakref.WeakKeyDictionary[Any, dict[Any, Plan]] = weakref.WeakKeyDictionary()
+_STRONG: dict[Any, dict[Any, Plan]] = {}  # functions that cannot be weakly referenced
+_USER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _slot(f: Any, create: bool) -> tuple[dict[Any, Plan] | None, Any]:
+    owner, sub = f, None
+    if getattr(f, "__self__", None) is not None and getattr(f, "__func__", None) is not None:
+        owner, sub = f.__self__, f.__func__
+    try:
+        plans = _PLANS.get(owner)
+        if plans is None and create:
+            plans = _PLANS[owner] = {}
+        return plans, sub
+    except TypeError:  # not weakly referenceable (a builtin): kept while the process lives
+        try:
+            plans = _STRONG.get(owner)
+            if plans is None and create:
+                plans = _STRONG[owner] = {}
+            return plans, sub
+        except TypeError:  # not hashable: no cache
+            return None, sub
+
+
+def _signature(prob: Problem) -> Any:
+    return (
+        str(prob.in_spec),
+        tuple((tuple(x.shape), x.dtype, x.device) for x in prob.leaves),
+    )
+
+
+def lookup_plan(prob: Problem, build: Callable[[], Pattern], *, fresh: bool = False) -> Plan:
+    """The cached plan of ``prob.f`` at this input signature, or a new one from ``build()``
+    (with ``fresh``, always a new one). See NOTE [plan cache]."""
+    plans, sub = _slot(prob.f, create=True)
+    key = (sub, _signature(prob))
+    if plans is not None and not fresh:
+        plan = plans.get(key)
+        if plan is not None:
+            return plan
+    plan = Plan(build())
+    if plans is not None:
+        plans[key] = plan
+    return plan
+
+
+def user_plan(pattern: Tensor, build: Callable[[], Pattern]) -> Plan:
+    """The plan of a user's pattern tensor, kept with the tensor while it is unchanged."""
+    version = getattr(pattern, "_version", None) if pattern.layout is torch.strided else None
+    got = _USER.get(pattern)
+    if got is not None and got[0] == version:
+        return got[1]
+    plan = Plan(build(), user=True)
+    try:
+        _USER[pattern] = (version, plan)
+    except TypeError:  # pragma: no cover - tensors are weakly referenceable
+        pass
+    return plan
+
+
+def clear_plans(f: Any = None) -> None:
+    """Forgets the cached plans of ``f`` (all plans with None)."""
+    if f is None:
+        _PLANS.clear()
+        _STRONG.clear()
+        _USER.clear()
+        return
+    plans, sub = _slot(f, create=False)
+    if plans:
+        for key in [k for k in plans if k[0] is sub]:
+            del plans[key]
+
+
+# ---- the products ---------------------------------------------------------------------------
+
+
+def _flat_cat(tree: Any) -> Tensor:
+    if isinstance(tree, Tensor):
+        return tree.reshape(-1)
+    leaves = tree_leaves(tree)
+    return torch.cat([t.reshape(-1) for t in leaves]) if len(leaves) != 1 else leaves[0].reshape(-1)
+
+
+def _split_rows(
+    seeds: Tensor, shapes: list[torch.Size]
+) -> Callable[[int, int], tuple[Tensor, ...]]:
+    """``rows(start, stop)``: the seed rows split per leaf, each ``(stop - start, *shape)``."""
+    sizes = [math.prod(s) for s in shapes]
+
+    def rows(start: int, stop: int) -> tuple[Tensor, ...]:
+        block = seeds[start:stop]
+        parts = block.split(sizes, dim=1) if len(sizes) > 1 else (block,)
+        return tuple(t.reshape(stop - start, *s) for t, s in zip(parts, shapes))
+
+    return rows
+
+
+def compressed(
+    prob: Problem,
+    plan: Plan,
+    coloring: Coloring,
+    *,
+    chunk_size: int | None,
+    max_memory: int | None,
+) -> tuple[Tensor, int]:
+    """The compressed Jacobian, ``(colours, m)`` in forward mode or ``(colours, n)`` in
+    reverse mode, and the number of output elements ``f`` returned. See NOTE
+    [compression]."""
+    leaves = tuple(prob.leaves)
+    x0 = leaves[0]
+    p = coloring.count
+    n = plan.pattern.n
+    g = prob.g
+    if coloring.mode == "rev":
+        with torch.no_grad():
+            out, pullback = func_vjp(g, *leaves)
+            flat_out, spec = tree_flatten(out)
+            m = sum(o.numel() for o in flat_out)
+            if m != plan.pattern.m or p == 0:
+                return x0.new_zeros((p, n)), m
+            chunk = _chunk(prob, plan, p, flat_out[0].dtype, chunk_size, max_memory)
+            seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device)
+            one = len(flat_out) == 1
+
+            def pull(*cot: Tensor) -> tuple[Tensor]:
+                grads = pullback(cot[0] if one else tree_unflatten(list(cot), spec))
+                return (_flat_cat(grads),)
+
+            rows = _split_rows(seeds, [o.shape for o in flat_out])
+            (res,), _ = map_rows_with_fallback(
+                pull, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "rev")
+            )
+            return res, m
+    if p == 0:
+        with torch.no_grad():
+            m = sum(o.numel() for o in prob.probe()[0])
+        return x0.new_zeros((0, plan.pattern.m)), m
+    chunk = _chunk(prob, plan, p, x0.dtype, chunk_size, max_memory)
+    seeds = plan.seeds(coloring, x0.dtype, x0.device)
+
+    def push(*tangents: Tensor) -> tuple[Tensor]:
+        return (_flat_cat(func_jvp(g, leaves, tangents)[1]).detach(),)
+
+    rows = _split_rows(seeds, [x.shape for x in leaves])
+    (res,), _ = map_rows_with_fallback(
+        push, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "fwd"),
+        batched_fn=vmap(push) if chunk is None else None,
+    )
+    return res, res.shape[1]
+
+
+def _chunk(
+    prob: Problem, plan: Plan, p: int, dtype: torch.dtype, chunk_size: int | None,
+    max_memory: int | None,
+) -> int | None:
+    """The products at once, by the engine's memory planner (NOTE [memory model] in
+    :mod:`torch_vjp._engine.memory`): the result is the non-zeros, each product works on
+    about ``WORK_FACTOR`` vectors the size of the input and output."""
+    pat = plan.pattern
+    itemsize = max(torch.empty((), dtype=dtype).element_size(), prob.leaves[0].element_size())
+    return plan_chunk(
+        p,
+        pat.nnz * (itemsize + 8),
+        WORK_FACTOR * itemsize * (pat.m + pat.n),
+        chunk_size=chunk_size,
+        max_memory=max_memory,
+        device=prob.leaves[0].device,
+        call=prob.call,
+        what=lambda: (
+            f"{pat.nnz:,} structural non-zeros of a {pat.m:,} x {pat.n:,} Jacobian, "
+            f"computed by {p:,} products"
+        ),
+        alternatives=(
+            "a smaller chunk_size or max_memory only bounds the products, not the result; "
+            "torch_vjp.vjp / torch_vjp.jvp give products of the Jacobian with vectors "
+            "without forming it; or pass a larger max_memory if the memory is there."
+        ),
+    )
+
+
+def _warn_fallback(prob: Problem, mode: str) -> Callable[[Exception], None]:
+    def warn(err: Exception) -> None:
+        unit = "JVP" if mode == "fwd" else "VJP"
+        warn_once(
+            ("sparse-vmap-fallback", function_key(prob.f), mode, type(err)),
+            f"{prob.call}: could not vectorise the {unit}s of {function_name(prob.f)} with "
+            f"torch.vmap, so it computes them one colour at a time in a Python loop.\n"
+            f"  The vectorised attempt said: {quote_error(err)}\n"
+            f"  Typical causes: a custom autograd.Function without vmap support, .item() "
+            f"or Python control flow on tensor values, an operator without a batching "
+            f"rule. This warning is shown once per function.",
+            JacobianWarning,
+        )
+
+    return warn
+
+
+def assemble(values: Tensor, plan: Plan, layout: torch.layout) -> Tensor:
+    """The ``(m, n)`` Jacobian in ``layout`` from its values in that layout's order."""
+    p = plan.pattern
+    idx = plan.layout_indices(layout, values.device)
+    size = (p.m, p.n)
+    if layout is torch.sparse_coo:
+        return torch.sparse_coo_tensor(
+            idx[0], values, size, is_coalesced=True, check_invariants=False
+        )
+    if layout in (torch.sparse_csr, torch.sparse_csc):
+        build = torch.sparse_csr_tensor if layout is torch.sparse_csr else torch.sparse_csc_tensor
+        if _BETA_WARNING[0]:  # torch warns once per process that compressed layouts are beta
+            _BETA_WARNING[0] = False
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*support is in beta state")
+                return build(idx[0], idx[1], values, size, check_invariants=False)
+        return build(idx[0], idx[1], values, size, check_invariants=False)
+    if layout is not torch.strided:  # pragma: no cover - checked by the caller
+        raise JacobianOptionError(f"unsupported layout {layout}")
+    dense = values.new_zeros(p.m * p.n)
+    dense[idx[0]] = values
+    return dense.view(size)

@@ -1,0 +1,57 @@
+"""One detection run: ``f`` called once under the :class:`~torch_vjp._sparse.tracer.Tracer`,
+its outputs' index sets read off as the Jacobian's pattern."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from torch_vjp._engine.context import buffers_kept
+from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.problem import Problem
+from torch_vjp._errors import JacobianWarning, warn_once
+from torch_vjp._sparse import contract, rules  # noqa: F401  (the rules register themselves)
+from torch_vjp._sparse.pattern import Pattern
+from torch_vjp._sparse.tracer import Tracer, one_thread
+
+__all__ = ["detect"]
+
+
+def detect(prob: Problem) -> Pattern:
+    """The sparsity pattern of ``prob.g`` at its leaves: runs ``f`` once, for real, under
+    the tracer (NOTE [shadow storage], NOTE [what the pattern means] in
+    :mod:`~torch_vjp._sparse.tracer`). Module buffers ``f`` updates (BatchNorm's running
+    statistics) are put back. Warns once per function and op when an op without a rule made
+    the pattern conservative.
+
+    Returns:
+        The ``(m, n)`` pattern of the flattened output and input.
+    """
+    leaves = prob.leaves
+    n = sum(leaf.numel() for leaf in leaves)
+    tracer = Tracer(n)
+    with one_thread():
+        for leaf in leaves:
+            tracer.register_input(leaf)
+    with buffers_kept(prob.f), tracer:
+        res = prob.g(*leaves)
+    flat = [res] if isinstance(res, torch.Tensor) else tree_leaves(res)
+    with one_thread():
+        ids = torch.cat([tracer.ids_or_empty(o).reshape(-1) for o in flat])
+        rows, cols = tracer.table.expand(ids)
+    if tracer.conservative_ops:
+        ops = sorted(tracer.conservative_ops)
+        names = ", ".join(ops)
+        warn_once(
+            ("sparsity-rule", function_key(prob.f), tuple(ops)),
+            f"{prob.call}: no sparsity rule for {names} (called by "
+            f"{function_name(prob.f)}), so every output element of "
+            f"{'that op' if len(ops) == 1 else 'those ops'} is taken to depend on every "
+            f"input element it reads. The pattern is still safe (it includes every entry "
+            f"that can be non-zero), but it may be denser than the Jacobian, and then "
+            f"sparse_jacobian needs more products.\n"
+            f"  If you know the structure, pass it as pattern= (a boolean (m, n) tensor). "
+            f"This warning is shown once per function.",
+            JacobianWarning,
+        )
+    return Pattern(ids.numel(), n, rows, cols, ordered=True)

@@ -1,0 +1,263 @@
+"""Sparsity detection: ``f`` runs once, for real, under a ``TorchDispatchMode`` that gives
+every element of every tensor derived from the input the set of input elements it can
+depend on (NOTE [index sets] in :mod:`~torch_vjp._sparse.sets`), by a rule per aten op.
+
+NOTE [shadow storage]
+The sets live beside the values, like a sanitizer's shadow memory: each storage that holds
+tracked values has a shadow, an int64 tensor of set ids with one entry per element of the
+storage, and a tensor's ids are that shadow seen through the tensor's own size, strides and
+offset (``as_strided``). So views need no rule at all (a view shares its base's storage,
+hence its shadow), and an in-place op, a write into a slice, or a ``copy_`` into a buffer
+created inside ``f`` updates the shadow of the storage it writes, which every view of that
+storage sees. Storages without a shadow (constants: weights ``f`` closes over, tensors it
+creates) hold the empty set. Each shadow keeps a tensor of its storage alive until the run
+ends, so that no storage address is reused while it is a key. Tensors without storage
+(sparse, nested) carry one set for all their elements.
+
+NOTE [what the pattern means]
+The pattern is the structure of the derivative automatic differentiation computes at the
+point ``f`` was run at: an output element is marked as depending on an input element when
+some chain of ops connects them, whatever the values. It is conservative in three ways: an
+op without a rule makes every output element depend on every input element it reads
+(:func:`~torch_vjp._sparse.rules.conservative`); a product whose value happens to be zero
+at this point (``relu`` of a negative number) is still marked; and only constants (values
+that do not depend on the input) count as structural zeros, for example the zeros of a
+weight matrix. It follows the branches ``f`` takes at this point: Python control flow on
+values, and the values of integer tensors (indices, masks, comparisons), are taken as they
+are here. Integer and boolean results carry no sets (no derivative flows through them), as
+in autograd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from torch_vjp._sparse.sets import SetTable
+
+__all__ = ["Call", "Tracer", "carries_sets", "one_thread", "bind"]
+
+_LONG = torch.long
+
+
+def carries_sets(t: object) -> bool:
+    """Whether ``t`` is a tensor whose elements can depend on the input: floating point or
+    complex (integer and boolean tensors carry no derivative)."""
+    return isinstance(t, Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Runs the index work on one thread: its sorts are small, and torch's parallel sort
+    is several times slower than a serial one when the other cores are busy."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of an aten op call by their schema names, defaults filled in."""
+    bound: dict[str, Any] = {}
+    positional = len(args)
+    for i, arg in enumerate(func._schema.arguments):
+        if i < positional and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+@dataclass
+class Call:
+    """One aten op call as the rules see it.
+
+    Attributes:
+        func: the op whose rule applies: the functional form of an in-place op
+            (``aten.add.Tensor`` for ``aten.add_.Tensor``).
+        called: the op that ran.
+        args, kwargs: its arguments.
+        bound: its arguments by schema name.
+        outs: its tensor results, flattened, in order.
+        name: the base name of ``func`` (``"add"``).
+    """
+
+    func: Any
+    called: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    bound: dict[str, Any]
+    outs: list[Tensor]
+    name: str
+
+
+class _Shadow:
+    __slots__ = ("ids", "itemsize", "keep")
+
+    def __init__(self, ids: Tensor, itemsize: int, keep: Tensor) -> None:
+        self.ids = ids
+        self.itemsize = itemsize
+        self.keep = keep
+
+
+def _storage_key(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class Tracer(TorchDispatchMode):
+    """The dispatch mode of one detection run. See NOTE [shadow storage].
+
+    Args:
+        n: the number of input elements (columns of the pattern).
+
+    Attributes:
+        table: the run's :class:`~torch_vjp._sparse.sets.SetTable`.
+        conservative_ops: names of the ops that had no rule and made outputs depend on
+            every input element they read (for the one-time warning).
+    """
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.table = SetTable(n)
+        self._shadows: dict[int, _Shadow] = {}
+        self._opaque: dict[int, tuple[Tensor, int]] = {}
+        self.conservative_ops: set[str] = set()
+        self._next = 1
+
+    # ---- the shadow --------------------------------------------------------------------
+
+    def register_input(self, leaf: Tensor) -> None:
+        """Gives the elements of ``leaf`` the next singletons, in flattened order."""
+        k = leaf.numel()
+        ids = torch.arange(self._next, self._next + k, dtype=_LONG).view(leaf.shape)
+        self._next += k
+        self.write(leaf, ids)
+
+    def ids(self, t: object) -> Tensor | None:
+        """The set ids of ``t``'s elements (a CPU int64 tensor of its shape, a view of its
+        storage's shadow), or None when ``t`` carries no sets (a constant)."""
+        if not carries_sets(t):
+            return None
+        key = _storage_key(t)  # type: ignore[arg-type]
+        if key is None:
+            entry = self._opaque.get(id(t))
+            if entry is None or entry[1] == 0:
+                return None
+            return torch.full(t.shape, entry[1], dtype=_LONG)  # type: ignore[union-attr]
+        shadow = self._shadows.get(key)
+        if shadow is None:
+            return None
+        if shadow.itemsize != t.element_size():  # a view with another element size
+            return torch.full(t.shape, self.table.union_all(shadow.ids), dtype=_LONG)
+        return shadow.ids.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def tracked(self, t: object) -> bool:
+        """Whether ``t`` may carry non-empty sets."""
+        if not carries_sets(t):
+            return False
+        key = _storage_key(t)  # type: ignore[arg-type]
+        if key is None:
+            return id(t) in self._opaque
+        return key in self._shadows
+
+    def write(self, t: Tensor, ids: Tensor | None) -> None:
+        """Sets the ids of ``t``'s elements (``ids`` broadcast to its shape; None: empty)."""
+        if not carries_sets(t):
+            return
+        key = _storage_key(t)
+        if key is None:
+            sid = 0 if ids is None else self.table.union_all(ids)
+            if sid or id(t) in self._opaque:
+                self._opaque[id(t)] = (t, sid)
+            return
+        shadow = self._shadows.get(key)
+        if shadow is None:
+            if ids is None:
+                return
+            size = t.untyped_storage().nbytes() // max(1, t.element_size())
+            flat = torch.zeros(size, dtype=_LONG)
+            shadow = self._shadows[key] = _Shadow(flat, t.element_size(), t)
+        if shadow.itemsize != t.element_size():
+            sid = self.table.union_all(shadow.ids) if ids is None else self.table.union_all(
+                torch.cat([shadow.ids, ids.reshape(-1)])
+            )
+            shadow.ids.fill_(sid)
+            return
+        view = shadow.ids.as_strided(t.shape, t.stride(), t.storage_offset())
+        if ids is None:
+            view.zero_()
+        else:
+            view.copy_(ids.expand(t.shape) if ids.shape != t.shape else ids)
+
+    def ids_or_empty(self, t: Tensor) -> Tensor:
+        """:meth:`ids`, with zeros (empty sets) for a constant."""
+        ids = self.ids(t)
+        return torch.zeros(t.shape, dtype=_LONG) if ids is None else ids
+
+    # ---- dispatch ------------------------------------------------------------------------
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says
+        # False, and that wrapper imports torch._dynamo on the first op: seconds, once per
+        # process, for nothing (detection never compiles).
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # the user's computation: its errors pass through
+        with one_thread():
+            self._propagate(func, args, kwargs, out)
+        return out
+
+    def _propagate(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        from torch_vjp._sparse import rules
+
+        schema = func._schema
+        mutating = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if func.is_view and not mutating:
+            return  # shares its input's storage, hence its shadow
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if not any(self.tracked(t) for t in inputs):
+            return  # constants in, constants out
+        outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        aliased: set[int | None] = set()
+        if not mutating:  # outputs that share an input's storage are views: nothing to write
+            aliased = {_storage_key(t) for t in inputs} - {None}
+            if not any(carries_sets(t) and _storage_key(t) not in aliased for t in outs):
+                return
+        call = rules.make_call(func, args, kwargs, outs)
+        try:
+            results = rules.apply(self, call)
+        except Exception:  # noqa: BLE001 - a rule's own failure: be conservative instead
+            results = rules.conservative(self, call)
+        targets = outs
+        if mutating and not outs:  # an op that mutates and returns nothing
+            targets = [
+                call.bound[a.name] for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write
+                and isinstance(call.bound[a.name], Tensor)
+            ]
+            results = rules.conservative(self, call, targets)
+        for t, ids in zip(targets, results):
+            if carries_sets(t) and _storage_key(t) not in aliased:
+                self.write(t, ids)
