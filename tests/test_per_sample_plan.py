@@ -647,3 +647,32 @@ def test_one_run_gives_the_rules_back_when_vmap_cannot_batch_the_model():
     assert plan["scale"].reason.startswith("vmap cannot batch this model")
     assert not plan.one_run
     assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y), ref)
+
+
+# --------------------------------------------------------------------------------------
+# Models as training code holds them: torch.compile(model), model.compile()
+# --------------------------------------------------------------------------------------
+
+
+def test_a_compiled_model_is_computed_on_the_module_it_compiled():
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+    x, y = torch.randn(6, 5, dtype=DT), torch.randint(0, 3, (6,))
+    ref = loop_reference(model, nn.CrossEntropyLoss(), x, y)
+    compiled = torch.compile(model)
+    got = tv.per_sample_grads(compiled, nn.CrossEntropyLoss(), x, y)
+    # named as compiled.named_parameters() names them
+    assert list(got) == [n for n, _ in compiled.named_parameters()]
+    assert_matches({n[len("_orig_mod."):]: g for n, g in got.items()}, ref)
+    sub = tv.per_sample_grads(compiled, nn.CrossEntropyLoss(), x, y, params=["_orig_mod.2.bias"])
+    torch.testing.assert_close(sub["_orig_mod.2.bias"], ref["2.bias"])
+    norms = tv.accumulate_clipped_grads(compiled, nn.CrossEntropyLoss(), x, y, max_norm=0.1)
+    c = (0.1 / norms).clamp(max=1.0)
+    torch.testing.assert_close(model[0].weight.grad, torch.einsum("b,b...->...", c, ref["0.weight"]))
+
+
+def test_a_model_compiled_in_place_gives_the_definition():
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+    x, y = torch.randn(6, 5, dtype=DT), torch.randint(0, 3, (6,))
+    ref = loop_reference(model, nn.CrossEntropyLoss(), x, y)
+    model.compile()
+    assert_matches(tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y), ref)

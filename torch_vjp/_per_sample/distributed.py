@@ -25,10 +25,7 @@ from torch import Tensor, nn
 
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError
 
-__all__ = ["unwrap", "ddp_add_to_grads"]
-
-_PREFIX = "module."
-
+__all__ = ["unwrap", "strip_prefix", "ddp_add_to_grads"]
 
 def _is_fsdp(model: nn.Module) -> bool:
     for cls in type(model).__mro__:
@@ -38,11 +35,24 @@ def _is_fsdp(model: nn.Module) -> bool:
     return False
 
 
-def unwrap(fn: str, model: Any) -> tuple[Any, Any]:
-    """``(module to compute on, the DDP wrapper or None)``; refuses the wrappers that are not
-    supported, naming what is."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.module, model
+def unwrap(fn: str, model: Any) -> tuple[Any, Any, str]:
+    """``(module to compute on, the DDP wrapper or None, the prefix the wrappers add to
+    parameter names)``. ``torch.compile(model)`` is computed on the module it compiled (the
+    per-sample computation runs its own forward passes, hooks and vmap, eagerly), and DDP as
+    NOTE [DDP] says, in either order; the wrappers that are not supported are refused,
+    naming what is."""
+    ddp = None
+    prefix = ""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            if ddp is None:
+                ddp = model
+            model, prefix = model.module, prefix + "module."
+        elif isinstance(model, nn.Module) and isinstance(getattr(model, "_orig_mod", None),
+                                                         nn.Module):
+            model, prefix = model._orig_mod, prefix + "_orig_mod."  # torch.compile(model)
+        else:
+            break
     if isinstance(model, nn.DataParallel):
         raise PerSampleTypeError(
             f"torch_vjp.{fn}: model is wrapped in nn.DataParallel, which splits each batch "
@@ -57,20 +67,20 @@ def unwrap(fn: str, model: Any) -> tuple[Any, Any]:
             f"gradient.\n  Supported: an unwrapped module, or one wrapped in "
             f"DistributedDataParallel (every rank holds the whole model)."
         )
-    return model, None
+    return model, ddp, prefix
 
 
-def strip_prefix(params: Any) -> Any:
-    """Parameter names of a DDP wrapper (``module.fc.weight``) as names of its module."""
-    if params is None:
-        return None
+def strip_prefix(params: Any, prefix: str) -> Any:
+    """Parameter names of a wrapper (``module.fc.weight``) as names of its module."""
+    if params is None or not prefix:
+        return params
     if isinstance(params, str):
         params = [params]
     try:
         names = list(params)
     except TypeError:
         return params  # select() reports it
-    return [n[len(_PREFIX):] if isinstance(n, str) and n.startswith(_PREFIX) else n
+    return [n[len(prefix):] if isinstance(n, str) and n.startswith(prefix) else n
             for n in names]
 
 

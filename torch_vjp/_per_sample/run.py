@@ -64,22 +64,22 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             strategy: Any) -> Job:
     """Checks the arguments of a public function; the selection is made once per model."""
     strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
-    model, ddp = unwrap(fn, model)
+    model, ddp, prefix = unwrap(fn, model)
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
     training = tuple(m.training for m in model.modules())
-    key = _static_key(model, params, training, ddp is not None)
+    key = _static_key(model, params, training, prefix)
     cache = _STATIC.setdefault(model, {}) if key is not None else {}
     sel = cache.get(key)
     if sel is None:
-        sel = select(fn, model, strip_prefix(params) if ddp is not None else params)
+        sel = select(fn, model, strip_prefix(params, prefix))
         check_static_mixing(fn, model)
         sel.training = training
         sel.sparse = frozenset(_sparse_tables(model)) & frozenset(map(id, sel.tensors.values()))
-        if ddp is not None:  # results named as the wrapper names its parameters
-            sel.key_of = {"module." + n: c for n, c in sel.key_of.items()}
-            sel.names = ["module." + n for n in sel.names]
+        if prefix:  # results named as the wrappers name the parameters
+            sel.key_of = {prefix + n: c for n, c in sel.key_of.items()}
+            sel.names = [prefix + n for n in sel.names]
         if key is not None:
             if len(cache) >= 8:
                 cache.clear()
@@ -87,8 +87,8 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
     return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy, ddp=ddp)
 
 
-def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...], wrapped: bool) -> Any:
-    # (a DDP wrapper's selection names its results with the wrapper's names: kept apart)
+def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...], prefix: str) -> Any:
+    # (a wrapper's selection names its results with the wrapper's names: kept apart)
     if params is None:
         names: Any = None
     elif isinstance(params, str):
@@ -98,7 +98,7 @@ def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...], wrapp
     else:
         return None  # a generator, or something select() reports
     return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), training,
-            wrapped)
+            prefix)
 
 
 def _sparse_tables(model: nn.Module) -> set[int]:
