@@ -45,6 +45,7 @@ from torch_vjp.per_sample import (
     per_sample_plan,
     register_per_sample_rule,
 )
+from torch_vjp.sparse import jacobian_sparsity, sparse_jacobian
 from torch_vjp.transforms import jvp, vjp
 
 __version__ = "0.1.0"
@@ -63,6 +64,8 @@ __all__ = [
     "batch_jacobian",
     "jacobian_of",
     "hessian",
+    "jacobian_sparsity",
+    "sparse_jacobian",
     # VJP and JVP, batched (SPEC §4)
     "vjp",
     "jvp",

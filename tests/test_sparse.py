@@ -1,0 +1,620 @@
+"""Sparse Jacobians (issue #15): detected patterns hold every non-zero on random points,
+values equal torch.func.jacfwd's in float64 in every mode and layout, colourings are valid,
+plans are cached, user patterns skip detection, and errors explain themselves."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_vjp as tv
+from torch_vjp._engine.problem import Problem
+from torch_vjp._errors import (
+    JacobianCallError,
+    JacobianCallTypeError,
+    JacobianMemoryError,
+    JacobianOptionError,
+    JacobianWarning,
+    StrategyError,
+    full_message,
+)
+from torch_vjp._sparse import compute
+from torch_vjp._sparse.coloring import color_columns, color_rows, greedy, is_valid
+from torch_vjp._sparse.pattern import Pattern
+from torch_vjp.sparse import clear_cache, jacobian_sparsity, sparse_jacobian
+
+D = torch.float64
+
+
+def _w(*shape):
+    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def _banded(n, k):
+    """An n x n weight with non-zeros on the diagonals -k..k only."""
+    w = _w(n, n)
+    i = torch.arange(n)
+    return torch.where((i[:, None] - i[None, :]).abs() <= k, w, torch.zeros((), dtype=D))
+
+
+def _stencil_1d(u):
+    up = F.pad(u, (1, 1))
+    return up[2:] - 2 * up[1:-1] + up[:-2] + torch.exp(u)
+
+
+def _stencil_2d(u):
+    g = u.view(6, 6)
+    up = F.pad(g, (1, 1, 1, 1))
+    lap = up[2:, 1:-1] + up[:-2, 1:-1] + up[1:-1, 2:] + up[1:-1, :-2] - 4 * g
+    return (lap + g**3).reshape(-1)
+
+
+W_CONV1 = _w(1, 1, 3)
+W_CONV2 = _w(1, 1, 3, 3)
+W_CONV_GROUPS = _w(4, 1, 3)
+W_CONV_T = _w(2, 3, 3)
+W_DENSE = _w(5, 12)
+W_BAND = _banded(12, 1)
+W_MLP = (_w(8, 3), _w(2, 8))
+
+
+def _mlp_rows(x):
+    h = torch.tanh(x.view(4, 3) @ W_MLP[0].T)
+    return (h @ W_MLP[1].T).reshape(-1)
+
+
+def _buffer_writes(x):
+    y = torch.zeros(14, dtype=x.dtype)
+    y[1:-1] = x
+    y[1:-1] += 2 * y[2:] - y[:-2]
+    return y
+
+
+def _own_input_in_place(x):
+    x[0] = x[1]
+    x.mul_(2)
+    return x.sin()
+
+
+def _accumulate(x):
+    idx = torch.tensor([0, 1, 1, 4, 0, 2])
+    a = torch.zeros(5, dtype=x.dtype).scatter_add(0, idx, x[:6])
+    b = torch.zeros(5, 2, dtype=x.dtype).index_add(0, torch.tensor([0, 1, 1, 4]), x[:8].view(4, 2))
+    c = torch.zeros(5, dtype=x.dtype).index_put((torch.tensor([0, 3, 3]),), x[9:], accumulate=True)
+    return torch.cat([a, b.reshape(-1), c])
+
+
+def _norms(x):
+    g = x.view(3, 4)
+    return torch.cat([
+        F.layer_norm(g, (4,)).reshape(-1),
+        F.group_norm(x.view(1, 4, 3), 2).reshape(-1),
+    ])
+
+
+def _dot_mv_outer(x):
+    return torch.cat([
+        torch.dot(x[:3], x[3:6]).reshape(1),
+        torch.mv(W_BAND[:4, :4], x[:4]),
+        torch.outer(x[:2], x[10:]).reshape(-1),
+    ])
+
+
+def _slice_index_gather(x):
+    return torch.cat([
+        x[1:5] * x[::3],
+        x[torch.tensor([3, 1, 1])],
+        torch.gather(x.view(3, 4), 1, torch.tensor([[0], [3], [2]])).reshape(-1),
+        x.index_select(0, torch.tensor([7, 0])),
+    ])
+
+
+def _pad_modes(u):
+    return torch.cat([
+        F.pad(u.view(1, 3, 4), (1, 1), mode="reflect").reshape(-1),
+        F.pad(u.view(1, 3, 4), (2, 0), mode="replicate").reshape(-1),
+        F.interpolate(u.view(1, 1, 12), scale_factor=2).reshape(-1),
+    ])
+
+
+def _reshape_transpose(x):
+    chain = x.view(3, 4).T.reshape(-1).view(2, 6).T.reshape(-1)
+    return chain**2 + x.view(3, 4).permute(1, 0).flatten().flip(0)
+
+
+_BN = torch.nn.BatchNorm1d(4).double().eval()
+
+# name -> (f, n, branches, exact). branches: f's control flow or integer values depend on x
+# (the pattern is only checked at the point it was detected at). exact: the pattern equals
+# the non-zeros of the Jacobian at a random point (no conservative entries).
+CASES = {
+    "elementwise": (lambda x: x * torch.tanh(x) + torch.sin(x), 12, False, True),
+    "sum_rows": (lambda x: x.view(3, 4).sum(1), 12, False, True),
+    "mean_prod_var": (lambda x: torch.cat([x.view(3, 4).mean(0), x.view(3, 4).prod(1),
+                                           x.view(3, 4).var(1)]), 12, False, True),
+    "softmax_logsumexp": (lambda x: torch.cat([torch.softmax(x.view(3, 4), 1).reshape(-1),
+                                               torch.logsumexp(x.view(3, 4), 0)]), 12, False, True),
+    "vector_norm": (lambda x: torch.linalg.vector_norm(x.view(4, 3), dim=0), 12, False, True),
+    "amax": (lambda x: x.view(3, 4).amax(1), 12, True, False),
+    "max_dim_sort_topk": (lambda x: torch.cat([x.view(3, 4).max(1)[0], torch.sort(x)[0],
+                                               torch.topk(x, 3)[0]]), 12, True, True),
+    "cumsum": (lambda x: torch.cumsum(x.view(3, 4), 1).reshape(-1), 12, False, False),
+    "matmul_dense": (lambda x: torch.tanh(W_DENSE @ x), 12, False, True),
+    "matmul_banded": (lambda x: W_BAND @ torch.sin(x), 12, False, True),
+    "linear_rows": (lambda x: F.linear(x.view(4, 3), W_MLP[0]).reshape(-1), 12, False, True),
+    "mlp_rows": (_mlp_rows, 12, False, True),
+    "bmm_einsum": (lambda x: torch.einsum("bij,bjk->bik", x.view(2, 2, 3), x.view(2, 3, 2))
+                   .reshape(-1), 12, False, True),
+    "dot_mv_outer": (_dot_mv_outer, 12, False, True),
+    "slice_index_gather": (_slice_index_gather, 12, False, True),
+    "cat_stack": (lambda x: torch.cat([x[:3], torch.stack([x[5], x[4] * 2]),
+                                       torch.zeros(2, dtype=D)]), 12, False, True),
+    "stencil_1d_slicing": (_stencil_1d, 12, False, True),
+    "stencil_1d_conv1d": (lambda u: F.conv1d(u.view(1, 1, 12), W_CONV1, padding=1).reshape(-1)
+                          + u**2, 12, False, True),
+    "stencil_2d_slicing": (_stencil_2d, 36, False, True),
+    "stencil_2d_conv2d": (lambda u: torch.tanh(F.conv2d(u.view(1, 1, 6, 6), W_CONV2, padding=1))
+                          .reshape(-1), 36, False, True),
+    "conv_strided_dilated": (lambda u: torch.cat([
+        F.conv2d(u.view(1, 1, 6, 6), W_CONV2, stride=2, padding=1).reshape(-1),
+        F.conv1d(u.view(1, 1, 36), W_CONV1, dilation=3, padding=3).reshape(-1)]), 36, False, True),
+    "conv_groups": (lambda u: F.conv1d(u.view(1, 2, 6), W_CONV_GROUPS, padding=1, groups=2)
+                    .reshape(-1), 12, False, True),
+    "conv_transpose": (lambda u: F.conv_transpose1d(u.view(1, 2, 6), W_CONV_T, stride=2,
+                                                    padding=1, output_padding=1).reshape(-1),
+                       12, False, True),
+    "pad_modes": (_pad_modes, 12, False, True),
+    "reshape_transpose": (_reshape_transpose, 12, False, True),
+    "where_masked_fill": (lambda x: torch.where(x > 0, x, x.flip(0)) + x.masked_fill(x < 0, 1.0),
+                          12, True, True),
+    "tril_roll_repeat": (lambda x: torch.cat([torch.tril(x.view(3, 4)).reshape(-1) ** 2,
+                                              torch.roll(x, 2), x[:2].repeat(3)]), 12, False, True),
+    "in_place_buffer": (_buffer_writes, 12, False, True),
+    "in_place_own_input": (_own_input_in_place, 12, False, True),
+    "accumulating_scatters": (_accumulate, 12, False, True),
+    "norms": (_norms, 12, False, True),
+    "batch_norm_eval": (lambda x: _BN(x.view(3, 4)).reshape(-1), 12, False, True),
+    "constant_output": (lambda x: torch.cat([W_DENSE[0, :3], x[:2]]), 12, False, True),
+    "no_rule_fft": (lambda x: torch.fft.rfft(x).abs() + 0 * x[:7], 12, False, False),
+    "no_rule_solve": (lambda x: torch.linalg.solve(W_BAND[:4, :4] + 4 * torch.eye(4, dtype=D),
+                                                   x[:4]) * x[4:8], 12, False, False),
+}
+NO_RULE = {"no_rule_fft", "no_rule_solve"}
+
+
+def _dense(pattern: torch.Tensor) -> torch.Tensor:
+    return pattern.to_dense().bool()
+
+
+def _jac(f, x):
+    x = x.clone()  # (some cases write into their input)
+    return torch.func.jacfwd(f)(x).reshape(-1, x.numel())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    clear_cache()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=JacobianWarning, message=".*no sparsity rule")
+        yield
+    clear_cache()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pattern_holds_every_nonzero_on_random_points(name):
+    f, n, branches, exact = CASES[name]
+    first = None
+    for seed in range(3):
+        x = torch.randn(n, dtype=D, generator=torch.Generator().manual_seed(seed))
+        pattern = jacobian_sparsity(f, x)
+        assert pattern.layout is torch.sparse_coo and pattern.dtype is torch.bool
+        assert pattern.is_coalesced()
+        got = _dense(pattern)
+        nonzero = _jac(f, x) != 0
+        assert got.shape == nonzero.shape
+        missed = (nonzero & ~got).nonzero().tolist()
+        assert not missed, f"{name}: entries missing from the pattern: {missed[:5]}"
+        if exact:
+            assert torch.equal(got, nonzero), f"{name}: the pattern has extra entries"
+        if not branches:  # the structure does not depend on the point
+            if first is None:
+                first = got
+            assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+def test_values_equal_jacfwd(name, mode):
+    f, n, _, _ = CASES[name]
+    if name == "in_place_own_input" and mode != "fwd":
+        pytest.skip("torch.func.vjp refuses writes into its input (a leaf that requires grad)")
+    x = torch.randn(n, dtype=D)
+    J = sparse_jacobian(f, x, mode=mode)
+    assert J.layout is torch.sparse_csr and J.shape == _jac(f, x).shape
+    torch.testing.assert_close(J.to_dense(), _jac(f, x))
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_csr, torch.sparse_coo, torch.sparse_csc,
+                                    torch.strided], ids=str)
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_layouts(layout, mode):
+    f = _stencil_2d
+    x = torch.randn(36, dtype=D)
+    J = sparse_jacobian(f, x, layout=layout, mode=mode)
+    assert J.layout is layout and J.dtype is D
+    dense = J if layout is torch.strided else J.to_dense()
+    torch.testing.assert_close(dense, _jac(f, x))
+    if layout is torch.sparse_coo:
+        assert J.is_coalesced()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 4, 7, 10, 1000])
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_chunks(chunk_size, mode):
+    x = torch.randn(36, dtype=D)
+    J = sparse_jacobian(_stencil_2d, x, mode=mode, chunk_size=chunk_size)
+    torch.testing.assert_close(J.to_dense(), _jac(_stencil_2d, x))
+
+
+def test_max_memory_chunks_and_refuses():
+    x = torch.randn(36, dtype=D)
+    J = sparse_jacobian(_stencil_2d, x, max_memory=40_000)
+    torch.testing.assert_close(J.to_dense(), _jac(_stencil_2d, x))
+    with pytest.raises(JacobianMemoryError, match=r"structural non-zeros of a 36 x 36 "
+                                                  r"Jacobian.*max_memory=100 B"):
+        sparse_jacobian(_stencil_2d, x, max_memory=100)
+
+
+def test_pytrees_rows_and_columns_are_concatenated_leaves():
+    def f(inputs):
+        a, b = inputs["a"], inputs["b"]
+        return (a * b.reshape(-1)[:3], {"s": a.sum().reshape(1), "b": b.flip(0)})
+
+    x = {"a": torch.randn(3, dtype=D), "b": torch.randn(2, 2, dtype=D)}
+    J = sparse_jacobian(f, x)
+    assert J.shape == (3 + 1 + 4, 3 + 4)
+
+    def flat(v):
+        out = f({"a": v[:3], "b": v[3:].view(2, 2)})
+        return torch.cat([out[0], out[1]["s"], out[1]["b"].reshape(-1)])
+
+    v = torch.cat([x["a"], x["b"].reshape(-1)])
+    torch.testing.assert_close(J.to_dense(), torch.func.jacfwd(flat)(v))
+    assert torch.equal(_dense(jacobian_sparsity(f, x)), torch.func.jacfwd(flat)(v) != 0)
+
+
+def test_float32_and_mixed_output_dtype():
+    x = torch.randn(12)
+    J = sparse_jacobian(_stencil_1d, x)
+    assert J.dtype is torch.float32
+    torch.testing.assert_close(J.to_dense(), _jac(_stencil_1d, x))
+
+
+# ---- colourings ---------------------------------------------------------------------------
+
+
+def _random_pattern(m, n, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.rand(m, n, generator=g) < density
+    r, c = dense.nonzero(as_tuple=True)
+    return Pattern(m, n, r, c), dense
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_colourings_are_valid_on_random_patterns(seed):
+    p, dense = _random_pattern(17 + seed, 23 - seed, 0.05 + 0.05 * seed, seed)
+    for coloring, matrix in ((color_columns(p), dense), (color_rows(p), dense.T)):
+        assert is_valid(p, coloring)
+        colors = coloring.colors
+        used = (matrix.sum(0) > 0)  # vertices (columns of matrix) with a non-zero
+        assert bool((colors[used] >= 0).all()) and bool((colors[~used] == -1).all())
+        for c in range(coloring.count):  # no two vertices of one colour share a net
+            assert int(matrix[:, colors == c].sum(1).max()) <= 1
+        assert coloring.count >= int(matrix.sum(1).max())  # the lower bound
+
+
+@pytest.mark.parametrize("name", ["stencil_1d_slicing", "stencil_2d_slicing", "mlp_rows",
+                                  "matmul_banded", "elementwise"])
+def test_colourings_of_the_cases_are_valid_and_small(name):
+    f, n, _, _ = CASES[name]
+    x = torch.randn(n, dtype=D)
+    prob = Problem(f, (x,), 0, has_aux=False, call="t", detached=True)
+    plan = compute.lookup_plan(prob, lambda: _pattern_of(f, x))
+    for mode in ("fwd", "rev"):
+        coloring = plan.coloring(mode)
+        assert is_valid(plan.pattern, coloring)
+    expected = {"stencil_1d_slicing": 3, "mlp_rows": 3, "matmul_banded": 3, "elementwise": 1,
+                "stencil_2d_slicing": 7}[name]
+    assert plan.coloring("fwd").count <= expected
+
+
+def _pattern_of(f, x):
+    from torch_vjp._sparse.detect import detect
+
+    return detect(Problem(f, (x,), 0, has_aux=False, call="t", detached=True))
+
+
+def test_greedy_invalid_colouring_is_caught():
+    p, _ = _random_pattern(6, 6, 0.5, 0)
+    good = color_columns(p)
+    bad = type(good)("fwd", torch.zeros_like(good.colors), 1, "natural")
+    assert good.count > 1 and not is_valid(p, bad)
+    assert greedy([0, 1, 3, 4], [0, 0, 1, 1], 2, [2, 1, 0]) == [0, 1, 0]
+
+
+def _plan_of(f, x):
+    key = (None, compute._signature(Problem(f, (x,), 0, has_aux=False, call="t")))
+    return compute._PLANS[f][key]
+
+
+def test_auto_picks_fewer_colours():
+    # a dense row (a sum) over a diagonal: every column meets the dense row, so forward mode
+    # needs n colours, reverse mode 2
+    f = lambda x: torch.cat([x.sum().reshape(1), x.sin()])  # noqa: E731
+    x = torch.randn(10, dtype=D)
+    sparse_jacobian(f, x)
+    plan = _plan_of(f, x)
+    assert plan.coloring("fwd").count == 10 and plan.coloring("rev").count == 2
+    assert plan.coloring("auto").mode == "rev"
+    g = lambda x: x[0] * x  # noqa: E731  a dense column: reverse mode needs n colours
+    sparse_jacobian(g, x)
+    assert _plan_of(g, x).coloring("auto").mode == "fwd"
+    h = lambda x: x.roll(1) - x  # noqa: E731  2 colours either way: reverse on a tie
+    sparse_jacobian(h, x)
+    assert _plan_of(h, x).coloring("auto").mode == "rev"
+
+
+# ---- caching and user patterns --------------------------------------------------------------
+
+
+class _Counter:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def test_second_call_does_no_detection(monkeypatch):
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    calls = []
+
+    def f(u):
+        calls.append(1)
+        return _stencil_1d(u)
+
+    x = torch.randn(12, dtype=D)
+    sparse_jacobian(f, x)
+    first = len(calls)
+    J = sparse_jacobian(f, x + 1)
+    assert detections.calls == 1
+    assert len(calls) - first == first - 1  # the second call runs f only for the products
+    torch.testing.assert_close(J.to_dense(), _jac(_stencil_1d, x + 1))
+    sparse_jacobian(f, torch.randn(13, dtype=D))  # another shape: detected again
+    sparse_jacobian(f, torch.randn(12))  # another dtype: detected again
+    assert detections.calls == 3
+    clear_cache(f)
+    sparse_jacobian(f, x)
+    assert detections.calls == 4
+
+
+def test_bound_methods_share_their_plan(monkeypatch):
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    model = torch.nn.Conv1d(1, 1, 3, padding=1).double()
+    x = torch.randn(1, 1, 10, dtype=D)
+    for _ in range(3):
+        J = sparse_jacobian(model.forward, x)
+    assert detections.calls == 1
+    torch.testing.assert_close(J.to_dense(), _jac(model, x))
+
+
+def test_a_changed_output_size_is_detected_again():
+    size = [4]
+    f = lambda x: x[: size[0]] * 2  # noqa: E731
+    x = torch.randn(6, dtype=D)
+    assert sparse_jacobian(f, x).shape == (4, 6)
+    size[0] = 5
+    J = sparse_jacobian(f, x)
+    torch.testing.assert_close(J.to_dense(), _jac(f, x))
+
+
+@pytest.mark.parametrize("kind", ["detected", "dense_bool", "csr", "csc", "superset"])
+def test_user_pattern_skips_detection(kind, monkeypatch):
+    import torch_vjp.sparse as sp
+
+    x = torch.randn(36, dtype=D)
+    detected = jacobian_sparsity(_stencil_2d, x)
+    pattern = {
+        "detected": detected,
+        "dense_bool": detected.to_dense(),
+        "csr": detected.to_dense().double().to_sparse_csr(),
+        "csc": detected.to_dense().double().to_sparse_csc(),
+        "superset": torch.ones(36, 36, dtype=torch.bool),
+    }[kind]
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    colourings = _Counter(compute.color_rows)
+    monkeypatch.setattr(compute, "color_rows", colourings)
+    for _ in range(2):
+        J = sparse_jacobian(_stencil_2d, x, pattern=pattern, mode="rev")
+        torch.testing.assert_close(J.to_dense(), _jac(_stencil_2d, x))
+    assert detections.calls == 0 and colourings.calls == 1  # kept with the pattern
+
+
+def test_a_modified_dense_pattern_is_coloured_again():
+    x = torch.randn(6, dtype=D)
+    pattern = torch.eye(6, dtype=torch.bool)
+    J = sparse_jacobian(torch.sin, x, pattern=pattern)
+    torch.testing.assert_close(J.to_dense(), torch.diag(x.cos()))
+    pattern[0, 1] = True
+    J = sparse_jacobian(lambda u: u.sin() + u[1] * torch.eye(6, dtype=D)[0], x, pattern=pattern)
+    assert J.values().numel() == 7
+
+
+# ---- what is not changed ---------------------------------------------------------------------
+
+
+def test_nothing_is_mutated():
+    bn = torch.nn.BatchNorm1d(3).double()  # training mode: detection runs it for real
+    mean = bn.running_mean.clone()
+    x = torch.randn(4, 3, dtype=D)
+    x0 = x.clone()
+    pattern = jacobian_sparsity(lambda u: _own_input_in_place(bn(u).reshape(-1)), x)
+    assert torch.equal(x, x0) and torch.equal(bn.running_mean, mean)
+    assert pattern._nnz() == 12 * 4  # each element: its channel across the batch
+    J = sparse_jacobian(_own_input_in_place, x)
+    assert torch.equal(x, x0) and J.shape == (12, 12)
+
+
+class _Twice(torch.autograd.Function):
+    """Forward and both modes of AD, but no vmap support."""
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_vmap_fallback_warns_and_computes():
+    f = lambda x: _Twice.apply(x + x.roll(1))  # noqa: E731
+    x = torch.randn(5, dtype=D)
+    with pytest.warns(JacobianWarning, match=r"could not vectorise the JVPs.*one colour at a "
+                                             r"time in a Python loop"):
+        J = sparse_jacobian(f, x, mode="fwd")
+    torch.testing.assert_close(J.to_dense(), _jac(lambda u: 2 * (u + u.roll(1)), x))
+
+
+def test_op_without_a_rule_warns_once():
+    clear_cache()
+    f = lambda x: torch.fft.rfft(x).real  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("always", category=JacobianWarning)
+        jacobian_sparsity(f, torch.randn(8))
+    messages = [str(w.message) for w in caught if issubclass(w.category, JacobianWarning)]
+    if messages:  # (another test of this process may have seen this function's op first)
+        assert "no sparsity rule for aten._fft_r2c" in messages[0]
+        assert "pass it as pattern=" in messages[0]
+
+
+def test_empty_input_and_output():
+    J = sparse_jacobian(lambda x: x[:0] * 2, torch.randn(3, dtype=D))
+    assert J.shape == (0, 3) and J.values().numel() == 0
+    J = sparse_jacobian(lambda x: torch.zeros(2, dtype=D) + x.sum(), torch.randn(0, dtype=D))
+    assert J.shape == (2, 0)
+
+
+@pytest.mark.cuda
+def test_cuda():
+    x = torch.randn(36, dtype=D, device="cuda")
+    for mode in ("fwd", "rev"):
+        J = sparse_jacobian(_stencil_2d, x, mode=mode)
+        assert J.device.type == "cuda"
+        torch.testing.assert_close(J.to_dense(), _jac(_stencil_2d, x))
+    assert jacobian_sparsity(_stencil_2d, x).device.type == "cuda"
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+def test_sparse_jacobian_err_check():
+    x = torch.randn(6, dtype=D)
+    with pytest.raises(StrategyError, match=r"mode='forward' is not a mode\. Valid modes: "
+                                            r"'auto'.*'fwd'.*'rev'"):
+        sparse_jacobian(torch.sin, x, mode="forward")
+    with pytest.raises(JacobianOptionError, match=r"layout=torch.sparse_bsr is not a layout.*"
+                                                  r"torch.strided for a dense \(m, n\)"):
+        sparse_jacobian(torch.sin, x, layout=torch.sparse_bsr)
+    with pytest.raises(JacobianCallTypeError, match=r"pattern is a list, but it must be a "
+                                                    r"boolean tensor of shape \(m, n\).*Fix: "
+                                                    r"pass torch_vjp.jacobian_sparsity"):
+        sparse_jacobian(torch.sin, x, pattern=[[True]])
+    with pytest.raises(JacobianOptionError, match=r"pattern has shape \(6,\), but it must be "
+                                                  r"2-D.*here n = 6"):
+        sparse_jacobian(torch.sin, x, pattern=torch.ones(6, dtype=torch.bool))
+    with pytest.raises(JacobianOptionError, match=r"pattern has shape \(6, 5\), so 5 columns, "
+                                                  r"but x has 6 elements: column j is element j "
+                                                  r"of x flattened"):
+        sparse_jacobian(torch.sin, x, pattern=torch.ones(6, 5, dtype=torch.bool))
+    with pytest.raises(JacobianOptionError, match=r"pattern has shape \(4, 6\), so 4 rows, but "
+                                                  r"f returned 6 output elements: row i is "
+                                                  r"element i of f's output flattened"):
+        sparse_jacobian(torch.sin, x, pattern=torch.ones(4, 6, dtype=torch.bool))
+    with pytest.raises(JacobianOptionError, match=r"chunk_size=0"):
+        sparse_jacobian(torch.sin, x, chunk_size=0)
+    with pytest.raises(JacobianOptionError, match=r"max_memory='1G' is ambiguous"):
+        sparse_jacobian(torch.sin, x, max_memory="1G")
+    with pytest.raises(JacobianCallError, match=r"has dtype torch.int64, but only "
+                                                r"floating-point tensors can be differentiated"):
+        sparse_jacobian(torch.sin, torch.arange(3))
+    with pytest.raises(JacobianCallTypeError, match=r"f is a str, but it must be a callable"):
+        sparse_jacobian("sin", x)
+    with pytest.raises(JacobianCallError, match=r"only real floating-point outputs have a "
+                                                r"Jacobian"):
+        sparse_jacobian(lambda u: (u > 0), x)
+
+
+def test_inside_a_transform_is_refused():
+    x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(JacobianCallError, match=r"called inside a torch.func transform.*Fix: "
+                                                r"call it outside the transform"):
+        torch.func.vmap(lambda r: sparse_jacobian(torch.sin, r).to_dense())(x)
+
+
+@pytest.mark.parametrize("pattern", [None, torch.eye(4, dtype=torch.bool)], ids=["detect", "user"])
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_errors_of_f_pass_through_untouched(pattern, mode):
+    class Mine(ValueError):
+        pass
+
+    def f(x):
+        raise Mine("f's own error")
+
+    with pytest.raises(Mine, match="f's own error") as info:
+        sparse_jacobian(f, torch.randn(4, dtype=D), pattern=pattern, mode=mode)
+    assert type(info.value) is Mine and full_message(info.value) == "f's own error"
+    with pytest.raises(Mine):
+        jacobian_sparsity(f, torch.randn(4, dtype=D))
+
+
+def test_jacobian_sparsity_err_check():
+    with pytest.raises(JacobianCallError, match=r"primals\[0\] is a sparse tensor"):
+        jacobian_sparsity(torch.sin, torch.eye(3).to_sparse())
+    with pytest.raises(JacobianCallTypeError, match=r"f is a int"):
+        jacobian_sparsity(3, torch.ones(2))
+
+
+def test_partial_and_module_functions():
+    f = functools.partial(torch.mul, 2.0)
+    x = torch.randn(5, dtype=D)
+    torch.testing.assert_close(sparse_jacobian(f, x).to_dense(), 2 * torch.eye(5, dtype=D))
+    torch.testing.assert_close(sparse_jacobian(torch.sin, x).to_dense(), torch.diag(x.cos()))
+
+
+def test_public_names():
+    assert tv.sparse_jacobian is sparse_jacobian and tv.jacobian_sparsity is jacobian_sparsity
+    assert {"sparse_jacobian", "jacobian_sparsity"} <= set(tv.__all__)
+    assert tv.sparse.clear_cache is clear_cache
+    assert torch.vjp.sparse_jacobian is sparse_jacobian  # the torch namespace plugin

@@ -1,0 +1,219 @@
+"""Sparse Jacobians: detect which entries can be non-zero, colour the columns (or rows) so
+that structurally orthogonal ones share a product, and compute the whole Jacobian with one
+JVP (or VJP) per colour instead of one per column (row).
+
+Shape convention: both functions treat ``f`` as a map of flat vectors, ``R^n -> R^m``: column
+``j`` is element ``j`` of ``x`` flattened (for a tuple, list or dict ``x``, its tensor leaves
+flattened and concatenated in pytree order), row ``i`` is element ``i`` of ``f``'s output
+flattened the same way. ``J.to_dense().view(*y.shape, *x.shape)`` is ``torch.func``'s layout
+for a single tensor in and out.
+
+Cost: detection runs ``f`` once under a dispatch mode that tracks index sets, colouring is a
+Python loop over the non-zeros; both are done once per function and input signature and
+cached. A call afterwards costs one vectorised batch of ``colours`` JVPs (or VJPs), where
+``colours`` is at least the largest number of non-zeros in a row (column): 3 for a
+tridiagonal Jacobian, whatever its size. See the docs page "Sparse Jacobians".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from torch_vjp._engine.context import is_nested
+from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
+from torch_vjp._engine.problem import Problem
+from torch_vjp._errors import JacobianCallError, JacobianOptionError, StrategyError, shape_str
+from torch_vjp._sparse.compute import (
+    assemble,
+    clear_plans,
+    compressed,
+    lookup_plan,
+    user_plan,
+)
+from torch_vjp._sparse.detect import detect
+from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
+
+__all__ = ["jacobian_sparsity", "sparse_jacobian", "clear_cache"]
+
+SparseMode = Literal["auto", "fwd", "rev"]
+_MODES = {
+    "auto": "the mode with fewer colours (products), reverse mode on a tie",
+    "fwd": "colour the columns, one JVP per colour",
+    "rev": "colour the rows, one VJP per colour",
+}
+
+
+def _problem(f: Callable[..., Any], x: Any, call: str) -> Problem:
+    if is_nested():
+        raise JacobianCallError(
+            f"{call}: called inside a torch.func transform (vmap, grad, jacrev, ...). Sparse "
+            f"tensors cannot be batched or differentiated by those transforms, so {call} "
+            f"runs at top level only. Fix: call it outside the transform, or use "
+            f"torch_vjp.jacobian inside it."
+        )
+    return Problem(f, (x,), 0, has_aux=False, call=call, detached=True)
+
+
+def jacobian_sparsity(f: Callable[..., Any], x: Any) -> Tensor:
+    """The sparsity pattern of the Jacobian of ``f`` at ``x``: which output elements can
+    depend on which input elements. Runs ``f`` once, under a dispatch mode that propagates
+    index sets through every aten op it calls.
+
+    The pattern is conservative: it contains every entry that automatic differentiation
+    can make non-zero along the branches ``f`` takes at ``x``; an op without a sparsity
+    rule makes its outputs depend on all its inputs (with a one-time
+    :class:`~torch_vjp.JacobianWarning` naming it). Constants' zeros (a weight matrix's) are
+    structural. Not cached: every call detects.
+
+    Args:
+        f: a function of ``x`` returning a tensor, or a tuple, list or dict of tensors.
+        x: a floating-point tensor, or a tuple, list or dict of them.
+
+    Returns:
+        A coalesced boolean ``torch.sparse_coo`` tensor of shape ``(m, n)`` (``m`` output
+        elements, ``n`` input elements, both flattened; see the module docstring), on the
+        device of ``x``.
+
+    Raises:
+        JacobianCallError: ``x`` holds a tensor that cannot be differentiated, or ``f``
+            returns something other than floating-point tensors.
+
+    Example:
+        >>> x = torch.randn(5)
+        >>> p = tv.jacobian_sparsity(lambda u: u[1:] - u[:-1], x)  # differences
+        >>> p.shape, p.to_dense().int().tolist()[0]
+        (torch.Size([4, 5]), [1, 1, 0, 0, 0])
+        >>> p._nnz()
+        8
+    """
+    call = "torch_vjp.jacobian_sparsity"
+    prob = _problem(f, x, call)
+    return detect(prob).to_tensor(prob.leaves[0].device)
+
+
+def sparse_jacobian(
+    f: Callable[..., Any],
+    x: Any,
+    *,
+    pattern: Tensor | None = None,
+    mode: SparseMode = "auto",
+    layout: torch.layout = torch.sparse_csr,
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+) -> Tensor:
+    """The Jacobian of ``f`` at ``x`` as a sparse ``(m, n)`` matrix: one JVP per colour of
+    the columns (or one VJP per colour of the rows), vectorised with vmap, instead of one per
+    column (row).
+
+    The pattern (detected as :func:`jacobian_sparsity` does, or ``pattern``) is coloured so
+    that columns (rows) of one colour share no row (column); the products with the colours'
+    seed vectors hold every non-zero, which are then gathered into the result. Pattern and
+    colourings are cached per function object and input signature (structure of ``x``, and
+    each leaf's shape, dtype and device): the first call detects and colours, later calls
+    only compute. The cache assumes that ``f``'s structure does not change; see
+    :func:`clear_cache`.
+
+    Args:
+        f: a function of ``x`` returning a tensor, or a tuple, list or dict of tensors.
+        x: a floating-point tensor, or a tuple, list or dict of them.
+        pattern: the sparsity pattern, skipping detection: a tensor of shape ``(m, n)``,
+            dense or in a sparse layout (``torch.sparse_coo``, ``sparse_csr``,
+            ``sparse_csc``, ...), non-zero (True) where the Jacobian may be non-zero. It
+            must include every non-zero: an entry it leaves out is not computed, and can
+            spoil the entries that share its colour. Its colourings are kept with it.
+        mode: ``"auto"`` (default: the mode that needs fewer products, reverse on a tie),
+            ``"fwd"`` (colour the columns, one JVP per colour) or ``"rev"`` (colour the
+            rows, one VJP per colour).
+        layout: of the result: ``torch.sparse_csr`` (default), ``torch.sparse_coo``,
+            ``torch.sparse_csc``, or ``torch.strided`` (a dense ``(m, n)`` tensor).
+        chunk_size: how many products to compute at once; ``None`` for as many as the
+            memory budget allows (usually all).
+        max_memory: bound on the extra memory: bytes, or a string such as ``"2GB"``. The
+            chunk size is derived from it. ``None``: the memory free on the device.
+
+    Returns:
+        The ``(m, n)`` Jacobian of the flattened output with respect to the flattened input,
+        detached, in the dtype of ``f``'s output (``mode="fwd"``) or of ``x``
+        (``mode="rev"``), on ``x``'s device. ``.to_dense().view(*y.shape, *x.shape)`` gives
+        ``torch.func.jacrev``'s layout for one tensor in and out.
+
+    Raises:
+        StrategyError: unknown ``mode``.
+        JacobianOptionError: unknown ``layout``; a ``pattern`` that is not 2-D or whose
+            shape does not match ``x`` and ``f``'s output; a bad ``chunk_size`` or
+            ``max_memory``.
+        JacobianCallTypeError: ``pattern`` is not a tensor.
+        JacobianCallError: ``x`` or ``f``'s output is not floating point; called inside a
+            torch.func transform.
+        JacobianMemoryError: the non-zeros do not fit ``max_memory`` (or the free memory).
+
+    Example:
+        >>> def residual(u):  # 1-d Laplacian plus a nonlinearity: tridiagonal
+        ...     lap = torch.nn.functional.pad(u[2:] - 2 * u[1:-1] + u[:-2], (1, 1))
+        ...     return lap - u**3
+        >>> u = torch.randn(100, dtype=torch.float64)
+        >>> J = tv.sparse_jacobian(residual, u)
+        >>> J.layout, J.shape, J.values().numel()
+        (torch.sparse_csr, torch.Size([100, 100]), 296)
+        >>> torch.allclose(J.to_dense(), torch.func.jacfwd(residual)(u))
+        True
+    """
+    call = "torch_vjp.sparse_jacobian"
+    if not isinstance(mode, str) or mode not in _MODES:
+        valid = "; ".join(f"{k!r}: {v}" for k, v in _MODES.items())
+        raise StrategyError(f"{call}: mode={mode!r} is not a mode. Valid modes: {valid}.")
+    if layout not in LAYOUTS:
+        raise JacobianOptionError(
+            f"{call}: layout={layout!r} is not a layout a sparse Jacobian can be returned "
+            f"in. Valid layouts: torch.sparse_csr (the default), torch.sparse_coo, "
+            f"torch.sparse_csc, or torch.strided for a dense (m, n) tensor."
+        )
+    chunk = check_chunk_size(chunk_size, call=call, what="products (colours)")
+    budget = parse_max_memory(max_memory, call=call)
+    prob = _problem(f, x, call)
+    n = sum(leaf.numel() for leaf in prob.leaves)
+    if pattern is None:
+        plan = lookup_plan(prob, lambda: detect(prob))
+    else:
+        if not (
+            isinstance(pattern, Tensor) and not pattern.is_nested and pattern.dim() == 2
+            and pattern.shape[1] == n
+        ):
+            pattern_from_user(pattern, n, call=call)  # raises, saying what is wrong
+        plan = user_plan(pattern, lambda: pattern_from_user(pattern, n, call=call))
+    coloring = plan.coloring(mode)
+    comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+    if m != plan.pattern.m:
+        if plan.user:
+            raise JacobianOptionError(
+                f"{call}: pattern has shape {shape_str((plan.pattern.m, n))}, so "
+                f"{plan.pattern.m} rows, but f returned {m} output elements: row i is "
+                f"element i of f's output flattened (of its tensors concatenated, for a "
+                f"tuple, list or dict). Fix: pass the pattern of this f, e.g. "
+                f"torch_vjp.jacobian_sparsity(f, x)."
+            )
+        plan = lookup_plan(prob, lambda: detect(prob), fresh=True)  # f changed: detect again
+        coloring = plan.coloring(mode)
+        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+    index = plan.gather_index(coloring, layout, comp.device)
+    values = comp.reshape(-1).index_select(0, index)
+    return assemble(values, plan, layout)
+
+
+def clear_cache(f: Callable[..., Any] | None = None) -> None:
+    """Forgets the patterns and colourings :func:`sparse_jacobian` keeps for ``f`` (for
+    every function, and every user pattern, with ``None``).
+
+    Needed when ``f``'s structure changes while it stays the same object: another branch
+    of its control flow, or a weight it closes over whose zeros moved.
+
+    Example:
+        >>> f = lambda u: u * u
+        >>> _ = tv.sparse_jacobian(f, torch.ones(3))
+        >>> tv.sparse.clear_cache(f)
+    """
+    clear_plans(f)
