@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["Workload", "Case", "WORKLOADS", "get_workloads"]
+__all__ = ["Workload", "Case", "WORKLOADS", "STRUCTURED", "get_workloads"]
 
 Kind = Literal["jacobian", "batch_jacobian", "jacobian_of"]
 
@@ -278,6 +278,99 @@ def _mlp_workload(n_in: int, n_out: int, quick: bool) -> Workload:
     )
 
 
+# Structured workloads: Jacobians that are mostly zeros (banded, stencils, block diagonal),
+# where torch_vjp.sparse_jacobian needs a handful of products instead of one per row or
+# column (benchmarks/bench_sparse.py).
+
+#: Grid points of the 1-d residual, and the side of the 2-d grid.
+PDE_1D_N, LAPLACE_2D_N = 4096, 64
+#: The Bratu parameter: -laplace(u) = lambda * exp(u), in grid units.
+BRATU_LAMBDA = 1.0
+
+
+def _grid_make(n: int):
+    def make(gen: torch.Generator) -> tuple[dict[str, Tensor], tuple[Tensor, ...]]:
+        return {}, (0.1 * torch.randn(n, generator=gen, dtype=torch.float64),)
+
+    return make
+
+
+def _pde_1d_torch(p: dict[str, Tensor], u: Tensor) -> Tensor:
+    """The residual of the 1-d Bratu problem on the interior points, zero boundary values:
+    ``u[i-1] - 2 u[i] + u[i+1] + h**2 lambda exp(u[i])``; its Jacobian is tridiagonal."""
+    h = 1.0 / (u.shape[0] + 1)
+    up = torch.nn.functional.pad(u, (1, 1))
+    return up[2:] - 2 * up[1:-1] + up[:-2] + h**2 * BRATU_LAMBDA * torch.exp(u)
+
+
+def _pde_1d_jax(jnp: Any, lax: Any, p: dict[str, Any], u: Any) -> Any:
+    h = 1.0 / (u.shape[0] + 1)
+    up = jnp.pad(u, (1, 1))
+    return up[2:] - 2 * up[1:-1] + up[:-2] + h**2 * BRATU_LAMBDA * jnp.exp(u)
+
+
+def _laplace_2d_torch(p: dict[str, Tensor], u: Tensor) -> Tensor:
+    """The 2-d Bratu residual on an N x N grid, flattened: the 5-point Laplacian plus
+    ``h**2 lambda exp(u)``, zero boundary values; 5 non-zeros per row of the Jacobian."""
+    n = LAPLACE_2D_N
+    h = 1.0 / (n + 1)
+    g = u.reshape(n, n)
+    up = torch.nn.functional.pad(g, (1, 1, 1, 1))
+    lap = up[2:, 1:-1] + up[:-2, 1:-1] + up[1:-1, 2:] + up[1:-1, :-2] - 4 * g
+    return (lap + h**2 * BRATU_LAMBDA * torch.exp(g)).reshape(-1)
+
+
+def _laplace_2d_jax(jnp: Any, lax: Any, p: dict[str, Any], u: Any) -> Any:
+    n = LAPLACE_2D_N
+    h = 1.0 / (n + 1)
+    g = u.reshape(n, n)
+    up = jnp.pad(g, ((1, 1), (1, 1)))
+    lap = up[2:, 1:-1] + up[:-2, 1:-1] + up[1:-1, 2:] + up[1:-1, :-2] - 4 * g
+    return (lap + h**2 * BRATU_LAMBDA * jnp.exp(g)).reshape(-1)
+
+
+def _rowwise_make(gen: torch.Generator) -> tuple[dict[str, Tensor], tuple[Tensor, ...]]:
+    params, (x,) = _mlp_make(32, 32, batch=64)(gen)
+    return params, (x.reshape(-1),)
+
+
+def _rowwise_mlp_torch(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """The batch MLP on a flat batch: (64 * 32,) -> (64 * 32,), 64 diagonal blocks."""
+    return _mlp(torch, p, x.reshape(64, 32)).reshape(-1)
+
+
+def _rowwise_mlp_jax(jnp: Any, lax: Any, p: dict[str, Any], x: Any) -> Any:
+    return _mlp(jnp, p, x.reshape(64, 32)).reshape(-1)
+
+
+#: The structured workloads (``elementwise_4096``, above, is the fourth).
+STRUCTURED: tuple[Workload, ...] = (
+    Workload(
+        name="pde_1d_4096",
+        title="1-d Bratu residual, 4096 points (tridiagonal Jacobian)",
+        kind="jacobian",
+        make=_grid_make(PDE_1D_N),
+        torch_fn=_pde_1d_torch,
+        jax_fn=_pde_1d_jax,
+    ),
+    Workload(
+        name="laplace_2d_64x64",
+        title="2-d Bratu residual, 5-point Laplacian + exp, 64 x 64 grid",
+        kind="jacobian",
+        make=_grid_make(LAPLACE_2D_N**2),
+        torch_fn=_laplace_2d_torch,
+        jax_fn=_laplace_2d_jax,
+    ),
+    Workload(
+        name="rowwise_mlp_64x32",
+        title="tanh MLP 32 -> 256 -> 256 -> 32 row by row on a flat batch of 64 (2048 -> 2048)",
+        kind="jacobian",
+        make=_rowwise_make,
+        torch_fn=_rowwise_mlp_torch,
+        jax_fn=_rowwise_mlp_jax,
+    ),
+)
+
 #: Every workload of the suite, in the order tables and plots show them.
 WORKLOADS: tuple[Workload, ...] = (
     _mlp_workload(8, 512, quick=True),
@@ -339,6 +432,7 @@ WORKLOADS: tuple[Workload, ...] = (
         jax_fn=None,
         quick=True,
     ),
+    *STRUCTURED,
 )
 
 
