@@ -347,8 +347,7 @@ def test_greedy_invalid_colouring_is_caught():
 
 
 def _plan_of(f, x):
-    key = (None, compute._signature(Problem(f, (x,), 0, has_aux=False, call="t")))
-    return compute._PLANS[f][key]
+    return compute.cached_plan(Problem(f, (x,), 0, has_aux=False, call="t"))
 
 
 def test_auto_picks_fewer_colours():

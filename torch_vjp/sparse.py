@@ -87,7 +87,7 @@ def jacobian_sparsity(f: Callable[..., Any], x: Any) -> Tensor:
         >>> p = tv.jacobian_sparsity(lambda u: u[1:] - u[:-1], x)  # differences
         >>> p.shape, p.to_dense().int().tolist()[0]
         (torch.Size([4, 5]), [1, 1, 0, 0, 0])
-        >>> p._nnz()
+        >>> p.values().numel()
         8
     """
     call = "torch_vjp.jacobian_sparsity"

@@ -11,7 +11,8 @@ computed once per plan. Reverse mode is the transpose: a row colouring, ``C = S.
 one VJP per colour, ``J[i, j] = C[colour(i), j]``. ``mode="auto"`` takes the mode with fewer
 colours, reverse mode on a tie: a vmapped JVP costs more than a VJP (forward mode carries
 primal and tangent through every op; NOTE [auto crossover] in :mod:`torch_vjp._strategies`),
-1.3 to 3 times as much on the benchmark's tied workloads (``benchmarks/bench_sparse.py``).
+up to about 3 times as much on the benchmark's workloads, where both modes need as many
+colours (``benchmarks/bench_sparse.py`` times both).
 The gathered values are already in the order of the result's layout
 (CSR, coalesced COO, or CSC through a permutation), so building the result is a
 constructor call.
@@ -51,7 +52,15 @@ from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error,
 from torch_vjp._sparse.coloring import Coloring, color_columns, color_rows
 from torch_vjp._sparse.pattern import Pattern
 
-__all__ = ["Plan", "lookup_plan", "user_plan", "clear_plans", "compressed", "assemble"]
+__all__ = [
+    "Plan",
+    "lookup_plan",
+    "cached_plan",
+    "user_plan",
+    "clear_plans",
+    "compressed",
+    "assemble",
+]
 
 _LONG = torch.long
 _BETA_WARNING = [True]
@@ -184,6 +193,13 @@ def lookup_plan(prob: Problem, build: Callable[[], Pattern], *, fresh: bool = Fa
     if plans is not None:
         plans[key] = plan
     return plan
+
+
+def cached_plan(prob: Problem) -> Plan | None:
+    """The plan cached for ``prob.f`` at this input signature, if any (for tests and
+    benchmarks: which colourings a call used)."""
+    plans, sub = _slot(prob.f, create=False)
+    return None if plans is None else plans.get((sub, _signature(prob)))
 
 
 def user_plan(pattern: Tensor, build: Callable[[], Pattern]) -> Plan:

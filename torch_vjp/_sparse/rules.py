@@ -96,7 +96,7 @@ def apply(tr: Tracer, call: Call) -> list[Tensor | None]:
 
 
 def _float_inputs(call: Call) -> list[Tensor]:
-    return [t for t in _tensors(call.bound.values()) if carries_sets(t)]
+    return [t for t in _tensors((*call.args, *call.kwargs.values())) if carries_sets(t)]
 
 
 def _tensors(values: Any) -> list[Tensor]:
@@ -210,8 +210,7 @@ MOVES = frozenset({
     "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle",
     "im2col", "embedding", "slice_scatter", "select_scatter", "diagonal_scatter",
     "as_strided_scatter", "select_backward", "slice_backward", "diagonal_backward",
-    "block_diag", "split_copy", "split_with_sizes_copy", "unbind_copy", "col_indices_copy",
-    "rot90", "movedim", "swapaxes", "flatten", "unflatten", "contiguous",
+    "block_diag", "split_copy", "split_with_sizes_copy", "unbind_copy", "rot90",
 })
 # ops with a ``reduce`` or ``accumulate`` argument are accumulations, ruled in RULES
 _FLOAT_MOVES: set[str] = set()  # ops without int64 kernels, found at run time
@@ -265,9 +264,8 @@ def _move(tr: Tracer, call: Call, dtype: torch.dtype) -> list[Tensor | None]:
         else:
             kwargs[arg.name] = value
     res = func(*args, **kwargs)
-    flat = [t for t in _leaves(res)]
     out: list[Tensor | None] = []
-    for o, r in zip(call.outs, flat):
+    for o, r in zip(call.outs, _leaves(res)):
         if not carries_sets(o) or r is None:
             out.append(None)
             continue
@@ -304,17 +302,12 @@ def reduction(tr: Tracer, call: Call) -> list[Tensor | None]:
         return along_with_indices(tr, call)
     if call.name in ("max", "min") and isinstance(call.bound.get("other"), Tensor):
         return pointwise(tr, call)
-    if call.name in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"):
+    if call.name in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "dist"):
         if call.bound.get("reduction") == 0:  # "none": elementwise
             return pointwise(tr, call)
-        parts = [tr.ids(t) for t in _float_inputs(call)]
-        shape = torch.broadcast_shapes(*(t.shape for t in _float_inputs(call)))
-        both = combine(tr, shape, parts)
-        return _for_outputs(call, None if both is None else group(tr, both, range(len(shape))))
-    if call.name == "dist":
-        parts = [tr.ids(t) for t in _float_inputs(call)]
-        shape = torch.broadcast_shapes(*(t.shape for t in _float_inputs(call)))
-        both = combine(tr, shape, parts)
+        inputs = _float_inputs(call)
+        shape = torch.broadcast_shapes(*(t.shape for t in inputs))
+        both = combine(tr, shape, [tr.ids(t) for t in inputs])
         return _for_outputs(call, None if both is None else group(tr, both, range(len(shape))))
     x = _self(call)
     ids = tr.ids(x)

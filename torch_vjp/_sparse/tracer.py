@@ -205,8 +205,10 @@ class Tracer(TorchDispatchMode):
         view = shadow.ids.as_strided(t.shape, t.stride(), t.storage_offset())
         if ids is None:
             view.zero_()
-        else:
-            view.copy_(ids.expand(t.shape) if ids.shape != t.shape else ids)
+            return
+        if ids.untyped_storage()._cdata == shadow.ids.untyped_storage()._cdata:
+            ids = ids.clone()  # read from the shadow it is written to (an in-place op)
+        view.copy_(ids.expand(t.shape) if ids.shape != t.shape else ids)
 
     def ids_or_empty(self, t: Tensor) -> Tensor:
         """:meth:`ids`, with zeros (empty sets) for a constant."""
@@ -246,18 +248,23 @@ class Tracer(TorchDispatchMode):
             if not any(carries_sets(t) and _storage_key(t) not in aliased for t in outs):
                 return
         call = rules.make_call(func, args, kwargs, outs)
-        try:
-            results = rules.apply(self, call)
-        except Exception:  # noqa: BLE001 - a rule's own failure: be conservative instead
-            results = rules.conservative(self, call)
         targets = outs
-        if mutating and not outs:  # an op that mutates and returns nothing
+        if mutating and not outs:  # an op that mutates and returns nothing: its arguments
             targets = [
                 call.bound[a.name] for a in schema.arguments
                 if a.alias_info is not None and a.alias_info.is_write
-                and isinstance(call.bound[a.name], Tensor)
+                and isinstance(call.bound.get(a.name), Tensor)
             ]
             results = rules.conservative(self, call, targets)
+        else:
+            try:
+                results = rules.apply(self, call)
+                results = [
+                    None if ids is None else ids.expand(t.shape)
+                    for t, ids in zip(targets, results, strict=True)
+                ]
+            except Exception:  # noqa: BLE001 - a rule's own failure: be conservative instead
+                results = rules.conservative(self, call)
         for t, ids in zip(targets, results):
             if carries_sets(t) and _storage_key(t) not in aliased:
                 self.write(t, ids)
