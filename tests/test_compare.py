@@ -15,7 +15,7 @@ from torch_vjp._errors import (
     StrategyTypeError,
     TorchVJPError,
 )
-from torch_vjp._measure import LiveTensorBytes, measure_peak
+from torch_vjp._measure import NOISY_SPREAD, LiveTensorBytes, measure_peak
 from torch_vjp._strategies import STRATEGIES
 from torch_vjp.compare import StrategyComparison, StrategyRow, compare_strategies
 
@@ -156,15 +156,19 @@ def test_table_renders():
     lines = str(report).splitlines()
     assert lines[0] == "compare_strategies: f(primals[0]: (4, 3)) -> (4, 3), argnums=0, float64"
     header = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
-    assert lines[header].split() == ["strategy", "median", "time", "vs", "best", "peak", "extra",
-                                     "memory", "max", "abs", "error", "status"]
+    assert lines[header].split() == ["strategy", "median", "time", "IQR", "vs", "best", "peak",
+                                     "extra", "memory", "max", "abs", "error", "status"]
+    assert ("time: median of blocked_autorange's blocks; IQR: their interquartile range, as a "
+            "percentage of the median (noisy: over 25%, too wide to rank)") in lines
     assert set(lines[header + 1]) == {"-", " "}
     rows = lines[header + 2:]
     assert [line.split()[0] for line in rows] == ["rev", "fwd"]
     # Columns are aligned: every row's "x" ratio ends where the header's "vs best" ends.
     end = lines[header].index("vs best") + len("vs best")
+    iqr_end = lines[header].index("IQR") + len("IQR")
     for line in rows:
         assert line[end - 1] == "x"
+        assert line[iqr_end - 1] == "%"  # every time carries its spread
     assert repr(report).startswith("StrategyComparison(2 strategies, best=")
 
 
@@ -177,9 +181,30 @@ def test_to_dict_is_json_serialisable():
     assert data["device"] == "cpu" and data["threads"] == torch.get_num_threads()
     assert [r["strategy"] for r in data["rows"]] == ["rev", "fwd-loop"]
     for r in data["rows"]:
-        assert set(r) == {"strategy", "status", "time_s", "peak_memory_bytes", "max_abs_error",
-                          "reason", "warnings"}
+        assert set(r) == {"strategy", "status", "time_s", "iqr_s", "noisy", "peak_memory_bytes",
+                          "max_abs_error", "reason", "warnings"}
         assert r["status"] == "ok" and r["time_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["iqr_s"] >= 0 and r["noisy"] == (r["iqr_s"] / r["time_s"] > NOISY_SPREAD)
+
+
+def test_noisy_timing_is_flagged_in_words(monkeypatch):
+    import torch_vjp.compare
+
+    # blocks of one quiet and several disturbed calls: an IQR of 60% of the median
+    samples = {"rev": [1.0, 1.0, 1.0, 1.0, 1.0], "fwd": [0.5, 0.6, 1.0, 1.1, 1.2]}
+    order = iter(["rev", "fwd"])
+    monkeypatch.setattr(torch_vjp.compare, "block_times",
+                        lambda fn, min_run_time, min_blocks: [t * 1e-3
+                                                              for t in samples[next(order)]])
+    report = compare_strategies(lambda x: torch.tanh(x) ** 2, _f64(4, 3),
+                                strategies=("rev", "fwd"), min_run_time=FAST, memory=False)
+    rev, fwd = report["rev"], report["fwd"]
+    assert (rev.time, rev.iqr, rev.noisy) == (1e-3, 0.0, False)
+    assert fwd.time == pytest.approx(1e-3) and fwd.iqr == pytest.approx(0.5e-3) and fwd.noisy
+    text = str(report)
+    fwd_line = next(line for line in text.splitlines() if line.startswith("fwd"))
+    assert "50%" in fwd_line and "ok (noisy: IQR 50% of the median, too wide to rank)" in fwd_line
+    assert report.to_dict()["rows"][1]["noisy"] is True
 
 
 def test_single_strategy_name_as_string():

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import statistics
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +22,11 @@ from torch_vjp._errors import JacobianOptionError, format_bytes, shape_str
 
 __all__ = [
     "RTOL",
+    "NOISY_SPREAD",
+    "Timing",
     "median_time",
+    "block_times",
+    "summarize_times",
     "LiveTensorBytes",
     "device_of",
     "measure_peak",
@@ -31,6 +37,8 @@ __all__ = [
     "reason",
     "shorten",
     "format_time",
+    "format_spread",
+    "noisy_note",
     "format_bytes",
     "format_table",
     "check_min_run_time",
@@ -50,13 +58,111 @@ RTOL = {
 }
 
 
+#: A timing whose interquartile range exceeds this fraction of its median is *noisy*: the
+#: machine disturbed it too much for its place in a ranking to be trusted (on an idle
+#: machine the IQR of ``blocked_autorange``'s blocks is a few percent of the median).
+NOISY_SPREAD = 0.25
+
+
 def median_time(fn: Callable[[], Any], min_run_time: float) -> float:
     """Median seconds per call of ``fn`` by ``Timer.blocked_autorange``, on torch's current
     number of threads (``Timer`` would otherwise measure on one thread)."""
+    return statistics.median(block_times(fn, min_run_time))
+
+
+def block_times(fn: Callable[[], Any], min_run_time: float, min_blocks: int = 1) -> list[float]:
+    """Seconds per call of ``fn`` in each block that ``Timer.blocked_autorange`` timed (a
+    block runs ``fn`` as many times as it takes to make the timer's own cost negligible),
+    on torch's current number of threads (``Timer`` would otherwise measure on one thread).
+    Blocks of the same size are added until there are ``min_blocks`` (a spread needs more
+    than one)."""
     from torch.utils.benchmark import Timer
 
     timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    times = [float(t) for t in measurement.times]
+    while len(times) < min_blocks:
+        times += [float(t) for t in timer.timeit(measurement.number_per_run).times]
+    return times
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A time per call with its spread.
+
+    Attributes:
+        median: Seconds per call: the median of the samples, or of the rounds' medians
+            when the samples came in rounds (see :func:`summarize_times`).
+        q1: The samples' first quartile, in seconds.
+        q3: Their third quartile.
+        samples: How many samples (timed blocks) there were; with one, the spread is
+            unknown (``iqr`` is ``None``).
+    """
+
+    median: float
+    q1: float
+    q3: float
+    samples: int
+
+    @property
+    def iqr(self) -> float | None:
+        """The interquartile range ``q3 - q1`` in seconds (``None`` from a single sample)."""
+        return self.q3 - self.q1 if self.samples > 1 else None
+
+    @property
+    def spread(self) -> float | None:
+        """The IQR as a fraction of the median (``None`` when it is unknown)."""
+        iqr = self.iqr
+        return None if iqr is None or self.median <= 0 else iqr / self.median
+
+    @property
+    def noisy(self) -> bool:
+        """The IQR exceeds :data:`NOISY_SPREAD` of the median: too wide to rank."""
+        return self.spread is not None and self.spread > NOISY_SPREAD
+
+
+def summarize_times(rounds: Sequence[Sequence[float]]) -> Timing:
+    """One :class:`Timing` from the samples of one or more rounds.
+
+    The time is the median of the rounds' medians (robust to one disturbed round, where
+    the smallest would keep whichever round was luckiest); the quartiles are those of every
+    sample of every round together, so the spread covers both the noise within a round
+    and the drift between rounds.
+
+    Example:
+        >>> t = summarize_times([[1.0, 1.1, 1.2], [1.0, 1.3, 2.0], [0.9, 1.0, 1.1]])
+        >>> t.median, t.q1, t.q3, t.samples, t.noisy
+        (1.1, 1.0, 1.2, 9, False)
+    """
+    pooled = [t for r in rounds for t in r]
+    if not pooled:
+        raise ValueError("no timing samples")
+    middle = statistics.median(statistics.median(r) for r in rounds if r)
+    if len(pooled) == 1:
+        return Timing(middle, middle, middle, 1)
+    q1, _, q3 = statistics.quantiles(pooled, n=4, method="inclusive")
+    return Timing(middle, q1, q3, len(pooled))
+
+
+def format_spread(timing: Timing | None) -> str:
+    """The IQR as a percentage of the median: ``'12%'``; ``'-'`` when unknown.
+
+    Example:
+        >>> format_spread(Timing(0.01, 0.0095, 0.0107, 20)), format_spread(None)
+        ('12%', '-')
+    """
+    spread = None if timing is None else timing.spread
+    return "-" if spread is None else f"{100 * spread:.0f}%"
+
+
+def noisy_note(timing: Timing) -> str:
+    """The words a noisy timing carries in tables: why it cannot be ranked.
+
+    Example:
+        >>> noisy_note(Timing(1.0, 0.8, 1.4, 9))
+        'noisy: IQR 60% of the median, too wide to rank'
+    """
+    return f"noisy: IQR {format_spread(timing)} of the median, too wide to rank"
 
 
 class LiveTensorBytes(TorchDispatchMode):

@@ -31,17 +31,22 @@ from torch_vjp._errors import (
     shape_str,
 )
 from torch_vjp._measure import (
+    NOISY_SPREAD,
+    Timing,
     check_min_run_time,
     check_tolerance,
     device_of,
     format_table,
     format_time,
+    block_times,
+    format_spread,
     max_error,
     measure_peak,
-    median_time,
     memory_method,
+    noisy_note,
     reason,
     shorten,
+    summarize_times,
     tolerance,
 )
 
@@ -167,6 +172,10 @@ class StrategyRow:
             size of the error against the tolerance); ``None`` for an ``"ok"`` row.
         warnings: Messages of the warnings the strategy emitted on its checked run (a
             fallback to a slower strategy, for example).
+        iqr: The interquartile range of the timed blocks' seconds per call (``None`` when
+            the strategy was not timed, or only one block was).
+        noisy: The IQR exceeds 25% of the median (``torch_vjp._measure.NOISY_SPREAD``):
+            the machine disturbed the timing too much to rank it against the others.
     """
 
     strategy: str
@@ -176,6 +185,15 @@ class StrategyRow:
     error: float | None = None
     reason: str | None = None
     warnings: tuple[str, ...] = ()
+    iqr: float | None = None
+    noisy: bool = False
+
+    @property
+    def spread(self) -> float | None:
+        """The IQR as a fraction of the median time (``None`` when unknown)."""
+        if self.iqr is None or not self.time:
+            return None
+        return self.iqr / self.time
 
     @property
     def ok(self) -> bool:
@@ -188,6 +206,8 @@ class StrategyRow:
             "strategy": self.strategy,
             "status": self.status,
             "time_s": self.time,
+            "iqr_s": self.iqr,
+            "noisy": self.noisy,
             "peak_memory_bytes": self.peak_memory,
             "max_abs_error": self.error,
             "reason": self.reason,
@@ -220,7 +240,8 @@ class StrategyComparison:
 
     @property
     def best(self) -> StrategyRow | None:
-        """The fastest row whose result matched the reference (``None`` when none did).
+        """The fastest row whose result matched the reference (``None`` when none did),
+        by median time.
 
         When no reference could be computed, the fastest row that ran is returned.
         """
@@ -259,8 +280,8 @@ class StrategyComparison:
 
     def __str__(self) -> str:
         best = self.best
-        header = ("strategy", "median time", "vs best", "peak extra memory", "max abs error",
-                  "status")
+        header = ("strategy", "median time", "IQR", "vs best", "peak extra memory",
+                  "max abs error", "status")
         body = []
         for row in self.rows:
             if row.time is not None and best is not None and best.time:
@@ -274,19 +295,24 @@ class StrategyComparison:
                 status = "ok"
             else:
                 status = f"{row.status}: {row.reason}" if row.reason else row.status
+            if row.noisy:
+                status += f" ({noisy_note(_timing(row))})"
             if row.warnings and row.status != "failed":
                 status += f" (warned: {row.warnings[0].splitlines()[0]})"
             status = shorten(status, 110)
-            body.append((row.strategy, format_time(row.time), ratio,
-                         format_bytes(row.peak_memory), error, status))
+            body.append((row.strategy, format_time(row.time), format_spread(_timing(row)),
+                         ratio, format_bytes(row.peak_memory), error, status))
         lines = [
             f"compare_strategies: {self.description}",
             f"device {self.device}, {self.threads} threads, torch {self.torch_version}",
             f"reference: {self.reference}"
             + (f"; tolerance {self.tolerance:.1e}" if self.tolerance is not None else ""),
             f"memory: {self.memory_method}",
+            "time: median of blocked_autorange's blocks; IQR: their interquartile range, as a "
+            f"percentage of the median (noisy: over {100 * NOISY_SPREAD:.0f}%, too wide to "
+            "rank)",
             "",
-            *format_table(header, body, "<>>>><"),
+            *format_table(header, body, "<>>>>><"),
         ]
         return "\n".join(lines)
 
@@ -299,6 +325,14 @@ class StrategyComparison:
 # --------------------------------------------------------------------------------------
 # compare_strategies
 # --------------------------------------------------------------------------------------
+
+
+def _timing(row: StrategyRow) -> Timing | None:
+    if row.time is None:
+        return None
+    if row.iqr is None:
+        return Timing(row.time, row.time, row.time, 1)
+    return Timing(row.time, row.time - row.iqr / 2, row.time + row.iqr / 2, 2)
 
 
 def _registered_strategies() -> tuple[str, ...]:
@@ -349,7 +383,11 @@ def compare_strategies(
     How each column is measured:
 
     * **time**: the median of ``torch.utils.benchmark.Timer(...).blocked_autorange(
-      min_run_time=min_run_time)``, on ``torch.get_num_threads()`` threads.
+      min_run_time=min_run_time)`` (at least three blocks of calls), on
+      ``torch.get_num_threads()`` threads; **IQR**: the interquartile range of its blocks'
+      times. A row whose IQR exceeds 25% of its
+      median is marked *noisy*: the machine disturbed it too much to rank it (run again
+      when the machine is quieter, or raise ``min_run_time``).
     * **reference and error**: the reference is ``torch.func.jacrev`` applied to float64
       copies of the primals (an implementation independent of torch_vjp). If ``f`` cannot
       run in float64 (it holds float32 weights, say), the primals' own dtype is used; if
@@ -408,7 +446,7 @@ def compare_strategies(
         >>> print(report)  # doctest: +ELLIPSIS
         compare_strategies: f(primals[0]: (5,)) -> (3,), argnums=0, float64
         ...
-        strategy  median time  vs best  peak extra memory  max abs error  status
+        strategy  median time  IQR  vs best  peak extra memory  max abs error  status
         ...
     """
     names = _normalise_strategies(strategies)
@@ -469,17 +507,19 @@ def compare_strategies(
                     status = "wrong"
                     why = f"max abs error {error:.2e} > tolerance {row_tol:.2e}"
         del result
-        peak = elapsed = None
+        peak = timing = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 with buffers_kept(f):
                     if memory:
                         peak = measure_peak(call, device)
-                    elapsed = median_time(call, min_run_time)
+                    timing = summarize_times([block_times(call, min_run_time, 3)])
             except Exception as exc:  # noqa: BLE001 - ran once, then failed: still a row
                 status, why = "failed", f"on a repeated call: {reason(exc)}"
-        rows.append(StrategyRow(name, status, elapsed, peak, error, why, messages))
+        rows.append(StrategyRow(
+            name, status, timing.median if timing else None, peak, error, why, messages,
+            iqr=timing.iqr if timing else None, noisy=timing.noisy if timing else False))
 
     return StrategyComparison(
         rows=tuple(rows),
