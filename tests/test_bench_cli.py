@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from torch_vjp.bench import (
     load_json,
     reference,
 )
+from torch_vjp._measure import NOISY_SPREAD
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -53,13 +55,12 @@ def run(tmp_path_factory):
     return status, buffer.getvalue(), out
 
 
-def test_exit_status_and_last_line(run):
+def test_exit_status_and_where_the_results_went(run):
     status, stdout, out = run
     assert status == 0
     lines = stdout.rstrip("\n").splitlines()
-    assert lines[-1] == f"plot: {out / 'r.png'}"
-    assert f"json: {out / 'r.json'}" in lines
-    assert f"markdown: {out / 'r.md'}" in lines
+    assert lines[-3:] == [f"table: printed above; as Markdown in {out / 'r.md'}",
+                          f"json: {out / 'r.json'}", f"plot: {out / 'r.png'}"]
 
 
 def test_table_content(run):
@@ -76,16 +77,27 @@ def test_table_content(run):
                    "autograd.functional.jacobian(vectorize=True)", "torch_vjp jacobian_of",
                    "autograd.grad(is_grads_batched=True)"):
         assert method in stdout
-    # torch.autograd.functional's forward mode fails on this network in torch 2.13: the
-    # table shows its error instead of a time.
+    # torch.autograd.functional's forward mode fails on this network in torch 2.13: torch
+    # itself does not support it there, which the table says instead of a time (and not
+    # as a failure, which is what a torch_vjp method that raised would show).
     forward = next(line for line in stdout.splitlines()
                    if "autograd.functional.jacobian(forward-mode)" in line)
     if TORCH_2_13:
-        assert "FAILED: RuntimeError: Trying to set a forward gradient" in forward
+        assert "not supported by torch (RuntimeError: Trying to set a forward gradient" in forward
+        assert "FAILED" not in forward
+    # Every time comes with its spread, and the header says how both were obtained.
+    assert "time: the median of the rounds' medians" in stdout
+    assert "IQR: interquartile range of every timed block" in stdout
+    assert "noisy: IQR over 25% of the time, too wide to rank" in stdout
+    block = stdout[stdout.index("two_input:"):].split("\n\n")[0].splitlines()
+    assert block[1].split()[:5] == ["method", "time", "IQR", "x", "best"]
+    auto = next(line for line in block if line.lstrip("* ").startswith("torch_vjp auto"))
+    assert re.search(r"\d%", auto)
     # The summary: one line per workload, the fastest method and torch_vjp's ratio to it.
     summary = stdout[stdout.index("summary"):].splitlines()
     assert summary[1].split()[:3] == ["workload", "fastest", "method"]
     assert [line.split()[0] for line in summary[3:5]] == ["two_input", "jacobian_of_256"]
+    assert re.search(r"\(IQR \d+%(, noisy)?\)", summary[3])
     # Exactly one row per block is marked fastest.
     blocks = stdout.split("\n\n")
     for block in blocks:
@@ -103,20 +115,27 @@ def test_json_schema(run):
         assert key in env
     assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["quick"] is True
     assert env["threads"] >= 1 and env["dtype"] == "float32"
+    assert env["all_methods"] is False and env["aggregate"] == "median"
+    assert env["noisy_spread"] == NOISY_SPREAD
     assert [w["name"] for w in data["workloads"]] == ["two_input", "jacobian_of_256"]
+    assert [(w["n_in"], w["n_out"]) for w in data["workloads"]] == [(192, 256), (64, 256)]
     for w in data["workloads"]:
         assert set(w) >= {"name", "title", "kind", "jacobian_shapes", "tolerance", "results",
                           "best", "headline", "headline_over_best"}
         assert w["headline"] == HEADLINE[w["kind"]]
         names = [r["method"] for r in w["results"]]
-        assert names == [m.name for m in get_methods(w["kind"], jax=env["jax"] is not None,
-                                                      quick=True)]
+        assert names == [m.name for m in get_methods(w["kind"], jax=env["jax"] is not None)]
+        assert not any(m.slow for m in METHODS if m.name in names)  # only with --all
         for r in w["results"]:
-            assert r["status"] in ("ok", "wrong", "failed")
-            if r["status"] == "failed":
+            assert r["status"] in ("ok", "wrong", "failed", "unsupported")
+            if r["status"] in ("failed", "unsupported"):
                 assert r["time_s"] is None and r["error"]
             else:
                 assert r["time_s"] > 0 and r["ratio"] >= 1.0 and r["max_abs_error"] is not None
+                assert r["samples"] >= 2 and len(r["round_times_s"]) == env["rounds"]
+                assert r["q1_s"] <= r["q3_s"] and r["iqr_s"] == pytest.approx(
+                    r["q3_s"] - r["q1_s"])
+                assert r["noisy"] == (r["iqr_s"] / r["time_s"] > NOISY_SPREAD)
         best = min((r for r in w["results"] if r["status"] == "ok"), key=lambda r: r["time_s"])
         assert w["best"] == best["method"]
     two = data["workloads"][0]
@@ -124,7 +143,7 @@ def test_json_schema(run):
     statuses = {r["method"]: r["status"] for r in two["results"]}
     assert statuses["torch_vjp auto"] == "ok"
     if TORCH_2_13:
-        assert statuses["autograd.functional.jacobian(forward-mode)"] == "failed"
+        assert statuses["autograd.functional.jacobian(forward-mode)"] == "unsupported"
     if env["jax"] is not None:
         assert statuses["jax.jit(jax.jacrev)"] == "ok" and statuses["jax.jit(jax.jacfwd)"] == "ok"
     # The file reads back into the very table that was printed.
@@ -135,20 +154,73 @@ def test_markdown_and_png(run):
     _, _, out = run
     md = (out / "r.md").read_text()
     assert md.startswith("# torch_vjp Jacobian benchmark")
-    assert "![suite results](r.png)" in md
+    assert "[![suite results](r.png)](r.png)" in md  # the figure links to its full size
     assert "| workload | fastest method | its time |" in md
+    assert "| method | time | IQR | x best | max abs err | note |" in md
     assert "## two_input" in md and "(fastest)" in md
+    if TORCH_2_13:
+        assert "| not supported by torch (RuntimeError: Trying to set a forward" in md
     png = (out / "r.png").read_bytes()
     assert png[:8] == PNG_MAGIC and len(png) > 10_000
 
 
-def test_default_plot_path(tmp_path, monkeypatch, capsys):
+def test_default_outputs(tmp_path, monkeypatch, capsys):
+    """Without options the table, the JSON and the plot go to bench-results/, and the last
+    three lines say so."""
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
     status = main(["bench", *SMALL, "--only", "jacobian_of", "--no-jax"])
     assert status == 0
-    assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"plot: {DEFAULT_PLOT}"
+    folder = Path(DEFAULT_PLOT).parent
+    assert capsys.readouterr().out.rstrip().splitlines()[-3:] == [
+        f"table: printed above; as Markdown in {folder / 'jacobian_suite.md'}",
+        f"json: {folder / 'jacobian_suite.json'}",
+        f"plot: {DEFAULT_PLOT}",
+    ]
     assert (tmp_path / DEFAULT_PLOT).read_bytes()[:8] == PNG_MAGIC
+    assert load_json(tmp_path / folder / "jacobian_suite.json").workloads[0].name == \
+        "jacobian_of_256"
+    assert (tmp_path / folder / "jacobian_suite.md").read_text().startswith("# torch_vjp")
+
+
+def test_out_and_no_save(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([*TINY, "--out", "elsewhere", "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert f"json: {Path('elsewhere') / 'jacobian_suite.json'}" in out
+    assert (tmp_path / "elsewhere" / "jacobian_suite.md").is_file()
+    assert main([*TINY, "--no-save"]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "table: printed above"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere"]
+
+
+def test_version(capsys):
+    import torch_vjp
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == (f"torch_vjp {torch_vjp.__version__} "
+                                       f"(torch {torch.__version__})\n")
+
+
+@pytest.mark.parametrize("command", ["module", "console-script"])
+def test_version_from_the_command_line(command):
+    import torch_vjp
+
+    if command == "module":
+        argv = [sys.executable, "-m", "torch_vjp", "--version"]
+    else:
+        # setup.py's console script; it exists where the package is installed.
+        script = Path(sys.executable).parent / "torch-vjp"
+        if not script.is_file():
+            pytest.skip(f"the torch-vjp console script is not installed next to "
+                        f"{sys.executable} (pip install -e . installs it)")
+        argv = [str(script), "--version"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "TORCH_VJP_AUTOLOAD": "0"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"torch_vjp {torch_vjp.__version__} (torch ")
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -298,7 +370,8 @@ def test_plot_format_is_not_checked_with_no_plot(monkeypatch, capsys):
 
     ran = []
     monkeypatch.setattr(torch_vjp.bench, "run_suite", lambda *a, **k: ran.append(1) or _empty())
-    assert main(["bench", "--no-plot", "--plot", "out.txt", "--only", "jacobian_of"]) == 0
+    assert main(["bench", "--no-plot", "--plot", "out.txt", "--only", "jacobian_of",
+                 "--no-save"]) == 0
     assert ran
 
 
@@ -338,14 +411,9 @@ def test_output_path_that_is_a_folder_is_a_usage_error(tmp_path, capsys, no_run)
      "--methods: none of ['torch.func.jacrev'] runs on the selected workloads "
      "(jacobian_of_256): they serve jacobian workloads, and the selected workloads are "
      "jacobian_of. See --list"),
-    (["--quick", "--methods", "autograd.grad loop"],
-     "--methods: none of ['autograd.grad loop'] runs on the selected workloads "
-     "(mlp_8x512, mlp_512x8, two_input, batch_mlp_64x32, jacobian_of_256): --quick leaves "
-     "out the Python-loop methods."),
     (["--no-jax", "--only", "two_input", "--methods", "jax.jit(jax.jacrev)"],
      "jax's methods run only with jax installed, on --device cpu, without --no-jax"),
-], ids=["no-workload", "no-method", "empty-methods", "kind-mismatch", "quick-drops-slow",
-        "no-jax"])
+], ids=["no-workload", "no-method", "empty-methods", "kind-mismatch", "no-jax"])
 def test_selection_that_runs_nothing_is_a_usage_error(argv, message, capsys, no_run):
     with pytest.raises(SystemExit) as info:
         main(["bench", *argv])
@@ -369,7 +437,7 @@ TINY = ["bench", "--only", "two_input,jacobian_of", "--methods", "torch_vjp jaco
 
 
 def test_workloads_no_selected_method_serves_are_left_out(tmp_path, capsys):
-    assert main([*TINY, "--no-plot", "--json", str(tmp_path / "r.json")]) == 0
+    assert main([*TINY, "--no-save", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "left out (no selected method serves them): two_input" in out
     data = json.loads((tmp_path / "r.json").read_text())
@@ -393,8 +461,8 @@ def test_plot_that_cannot_be_saved_after_the_run(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in captured.err
     # The table, the JSON and the Markdown (without the picture) are all there.
     assert "jacobian_of_256: Jacobian of an already computed output" in captured.out
-    assert f"json: {js}" in captured.out and f"markdown: {md}" in captured.out
-    assert not captured.out.rstrip().splitlines()[-1].startswith("plot:")
+    assert captured.out.rstrip().splitlines()[-2:] == [
+        f"table: printed above; as Markdown in {md}", f"json: {js}"]
     assert json.loads(js.read_text())["schema"] == SCHEMA
     assert "![suite results]" not in md.read_text()
 
@@ -422,7 +490,7 @@ def test_without_matplotlib_the_plot_is_not_checked_and_not_written(tmp_path, mo
     monkeypatch.setattr(cli, "_plot_formats", lambda: None)  # as without matplotlib
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     js = tmp_path / "r.json"
-    status = main([*TINY, "--plot", str(tmp_path / "r.txt"), "--json", str(js)])
+    status = main([*TINY, "--plot", str(tmp_path / "r.txt"), "--json", str(js), "--no-save"])
     captured = capsys.readouterr()
     assert status == 1
     assert "plot: not written: " in captured.err
@@ -440,7 +508,8 @@ def test_without_matplotlib_the_plot_is_not_checked_and_not_written(tmp_path, mo
     ({"rounds": 0}, r"rounds=0, but it must be an int >= 1: how many times each method is "
                     r"timed"),
     ({"threads": 0}, r"threads=0, but it must be an int >= 1: the torch\.set_num_threads"),
-    ({"aggregate": "mean"}, r"aggregate='mean', but it must be 'min' .* or 'median'"),
+    ({"aggregate": "mean"}, r"aggregate='mean', but it must be 'median' \(the median of the "
+                            r"rounds' medians, the default\) or 'min'"),
 ], ids=["nan", "inf", "rounds", "threads", "aggregate"])
 def test_run_suite_option_errors(kwargs, message):
     from torch_vjp._errors import JacobianOptionError
@@ -460,3 +529,149 @@ def test_plot_suite_of_an_empty_result_raises():
     with pytest.raises(JacobianOptionError, match=r"torch_vjp\.bench\.plot_suite: the result "
                        r"holds 1 workload and no method's result, so there is nothing to draw"):
         plot_suite(result, "never-written.png")
+
+
+# ---- what the tables say: unsupported, noisy, robust ranking ------------------------------
+
+
+def _fake_methods(monkeypatch, specs):
+    """Replaces the suite's methods on ``two_input`` by ``specs``: (name, family, behaviour),
+    behaviour ``"ok"`` (computes the Jacobian) or an exception to raise. Returns the
+    prepared callables by name, so that a test can give each its own timings."""
+    import torch_vjp.bench.suite as suite
+    from torch_vjp.bench.methods import Method, Prepared
+
+    runs = {}
+
+    def prepare_for(name, behaviour):
+        def prepare(case):
+            def run():
+                if isinstance(behaviour, Exception):
+                    raise behaviour
+                return torch.func.jacrev(case.f, argnums=case.argnums)(*case.primals)
+
+            runs[name] = run
+            return Prepared(run)
+
+        return prepare
+
+    methods = [Method(name, family, "jacobian", prepare_for(name, b))
+               for name, family, b in specs]
+    monkeypatch.setattr(suite, "get_methods", lambda kind, **kw: methods)
+    return runs
+
+
+def test_a_method_torch_refuses_is_unsupported_and_a_torch_vjp_error_is_a_failure(
+        monkeypatch, tmp_path):
+    from torch_vjp.bench import run_suite
+
+    _fake_methods(monkeypatch, [
+        ("torch_vjp broken", "torch_vjp", RuntimeError("an engine bug")),
+        ("torch.func refuses", "torch.func", RuntimeError("not implemented for this op")),
+        ("jax refuses", "jax", NotImplementedError("no such primitive")),
+        ("torch_vjp auto", "torch_vjp", "ok"),
+    ])
+    result = run_suite(get_workloads("two_input"), min_run_time=0.002, progress=False)
+    w = result.workloads[0]
+    assert [r.status for r in w.results] == ["failed", "unsupported", "unsupported", "ok"]
+    table = result.table()
+    assert "FAILED: RuntimeError: an engine bug" in table
+    assert "not supported by torch (RuntimeError: not implemented for this op)" in table
+    assert "not supported by jax (NotImplementedError: no such primitive)" in table
+    assert "not supported by torch" in result.markdown()
+    pytest.importorskip("matplotlib")
+    from torch_vjp.bench import plot_suite
+
+    assert plot_suite(result, tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_ranking_is_by_the_median_of_the_rounds_not_the_luckiest_round(monkeypatch):
+    import torch_vjp.bench.suite as suite
+    from torch_vjp.bench import run_suite
+
+    runs = _fake_methods(monkeypatch, [("torch_vjp auto", "torch_vjp", "ok"),
+                                       ("torch.func.jacrev", "torch.func", "ok")])
+    # Seconds per call of each timed block, per round: auto had one quiet round.
+    rounds = {"torch_vjp auto": [[0.5, 0.5, 0.5], [2.0, 2.1, 1.9], [2.0, 2.2, 1.8]],
+              "torch.func.jacrev": [[1.0, 1.1, 0.9], [1.0, 1.0, 1.0], [1.1, 1.0, 0.9]]}
+    names = {}
+
+    def block_times(fn, min_run_time):
+        if not names:
+            names.update({id(run): name for name, run in runs.items()})
+        return rounds[names[id(fn)]].pop(0)
+
+    monkeypatch.setattr(suite, "block_times", block_times)
+    result = run_suite(get_workloads("two_input"), rounds=3, min_run_time=0.01, progress=False,
+                       once_over=10.0)
+    w = result.workloads[0]
+    lucky, steady = w.result("torch_vjp auto"), w.result("torch.func.jacrev")
+    assert lucky.round_times_s == [0.5, 2.0, 2.0] and lucky.time_s == 2.0
+    assert steady.time_s == 1.0 and w.best is steady and lucky.ratio == 2.0
+    # The spread covers the lucky round: too wide to rank, and said so.
+    assert lucky.noisy and not steady.noisy
+    assert (lucky.q1_s, lucky.q3_s) == (0.5, 2.0) and lucky.iqr_s == 1.5
+    table = result.table()
+    assert "noisy: IQR 75% of the median, too wide to rank" in table
+    summary = table[table.index("summary"):]
+    assert "2 s (IQR 75%, noisy)" in summary and "2.00 (noisy)" in summary
+
+
+def test_slow_methods_run_only_on_request():
+    from torch_vjp.bench import run_suite
+
+    slow = [m.name for m in METHODS if m.slow]
+    assert {"torch_vjp rev-loop", "torch_vjp fwd-loop", "autograd.functional.jacobian",
+            "autograd.grad loop", "torch_vjp jacobian + diagonal"} <= set(slow)
+    assert not set(slow) & {m.name for kind in HEADLINE for m in get_methods(kind)}
+    assert "autograd.grad loop" in [m.name for m in get_methods("jacobian_of", include_slow=True)]
+    # Named explicitly, a slow method runs without --all.
+    assert [m.name for m in get_methods("jacobian_of", names=["autograd.grad loop"])] == [
+        "autograd.grad loop"]
+    result = run_suite(get_workloads("jacobian_of"), min_run_time=0.002, progress=False,
+                       drop_slow=False, use_jax=False)
+    assert [r.method for r in result.workloads[0].results] == [
+        "torch_vjp jacobian_of", "autograd.grad loop", "autograd.grad(is_grads_batched=True)"]
+    assert result.environment["all_methods"] is True
+    assert "full suite with the loop and full-then-diagonal methods" in result.table()
+
+
+def test_mode_points_say_which_mode_won_where():
+    from torch_vjp.bench import MethodResult, SuiteResult, WorkloadResult
+    from torch_vjp.bench.plot import mode_points
+
+    def r(name, t, q1, q3):
+        return MethodResult(name, "torch_vjp", "ok", time_s=t, q1_s=q1, q3_s=q3, samples=9)
+
+    def w(name, kind, n_in, n_out, rev, fwd):
+        prefix = "torch_vjp " if kind == "jacobian" else "torch_vjp batch_jacobian "
+        return WorkloadResult(name, name, kind, [[n_out, n_in]], 1e-6,
+                              [r(prefix + "rev", *rev), r(prefix + "fwd", *fwd)], n_in, n_out)
+
+    result = SuiteResult({}, [
+        w("tall", "jacobian", 8, 512, (2.0, 1.9, 2.1), (1.0, 0.9, 1.1)),
+        w("wide", "batch_jacobian", 512, 8, (1.0, 0.9, 1.1), (3.0, 2.9, 3.1)),
+        w("square", "jacobian", 256, 256, (1.0, 0.8, 1.2), (1.1, 0.9, 1.3)),
+        WorkloadResult("of", "of", "jacobian_of", [[256, 64]], 1e-6,
+                       [r("torch_vjp jacobian_of", 1.0, 1.0, 1.0)], 64, 256),
+    ])
+    assert [(p["name"], p["winner"], round(p["ratio"], 2), p["tie"])
+            for p in mode_points(result)] == [
+        ("tall", "fwd", 2.0, False), ("wide", "rev", 3.0, False), ("square", "rev", 1.1, True)]
+
+
+def test_load_json_reads_the_previous_schema_and_refuses_other_files(tmp_path):
+    old = {"schema": "torch_vjp.bench/1", "environment": {"quick": False}, "workloads": [{
+        "name": "two_input", "title": "t", "kind": "jacobian", "jacobian_shapes": [[2, 3]],
+        "tolerance": 1e-6, "results": [{"method": "torch_vjp auto", "family": "torch_vjp",
+                                        "status": "ok", "time_s": 1e-3, "timed_once": False}]}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    result = load_json(tmp_path / "old.json")
+    (r,) = result.workloads[0].results
+    assert r.time_s == 1e-3 and r.iqr_s is None and not r.noisy
+    assert result.workloads[0].n_in is None
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "something/1"}))
+    with pytest.raises(ValueError, match=r"other\.json: not a torch_vjp suite result \(schema "
+                       r"'something/1'; this version reads torch_vjp\.bench/1, "
+                       r"torch_vjp\.bench/2\)"):
+        load_json(tmp_path / "other.json")

@@ -3,8 +3,11 @@
 ``bench`` runs the built-in suite of Jacobian workloads (:mod:`torch_vjp.bench`), comparing
 torch_vjp's strategies with ``torch.func``, ``torch.autograd.functional`` and, when it is
 installed, jax. Every method is checked against a float64 reference before it is timed; a
-method that fails or gives a wrong result shows its error in the table. The table is
-printed at the end, and the last line of output is the path of the plot.
+method that fails or gives a wrong result shows its error in the table, and one that torch
+(or jax) itself refuses on a workload is shown as not supported by it. The Python-loop and
+full-then-diagonal methods run only with ``--all``. The table is printed at the end and
+also written, with the JSON and the plot, to ``bench-results/`` (``--out``); the last lines
+say where each went, the plot's last. ``--version`` prints the version.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-#: Where the plot goes when ``--plot`` is not given (relative to the current directory).
-DEFAULT_PLOT = os.path.join("bench-results", "jacobian_suite.png")
+#: Where the results go when ``--out`` is not given (relative to the current directory).
+DEFAULT_OUT = "bench-results"
+#: The files written there: the JSON, the tables as Markdown and the plot.
+STEM = "jacobian_suite"
+DEFAULT_PLOT = os.path.join(DEFAULT_OUT, STEM + ".png")
 QUICK_MIN_RUN_TIME = 0.01
 FULL_MIN_RUN_TIME = 0.1
 DEFAULT_ROUNDS = 3
@@ -96,27 +102,63 @@ def _not_written(what: str, path: str, exc: BaseException) -> None:
           file=sys.stderr)
 
 
+def _version() -> str:
+    import torch
+
+    from torch_vjp import __version__
+
+    return f"torch_vjp {__version__} (torch {torch.__version__})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: prints the versions of torch_vjp and torch, and exits."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version of torch_vjp (and of torch) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(_version())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torch-vjp",
         description="torch_vjp: explicit Jacobians, batched VJPs/JVPs, per-sample gradients.",
     )
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench = commands.add_parser(
         "bench",
         help="run the Jacobian benchmark suite and print a table",
         description="Runs the built-in Jacobian benchmark suite: torch_vjp's strategies against "
         "torch.func.jacrev/jacfwd, torch.autograd.functional.jacobian and (when installed) "
-        "jax. Every method is checked against a float64 reference before it is timed.",
+        "jax. Every method is checked against a float64 reference before it is timed. "
+        "Under 2 minutes on 2 cores; --all adds the Python-loop and full-then-diagonal "
+        "methods (several minutes more).",
     )
     bench.add_argument("--quick", action="store_true",
-                       help="a reduced suite (small workloads, no Python-loop methods, "
+                       help="a reduced suite (small workloads, "
                        f"min_run_time {QUICK_MIN_RUN_TIME} s): well under 30 s on 2 cores")
-    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    bench.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
+    bench.add_argument("--all", action="store_true", dest="all_methods",
+                       help="also run the Python-loop methods (a loop of torch.autograd.grad, "
+                       "torch_vjp's rev-loop and fwd-loop, autograd.functional.jacobian's "
+                       "default) and the full Jacobian cut to its diagonal blocks: 20 to "
+                       "30,000 times slower than the vectorised methods")
+    bench.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                       help=f"where the results go: DIR/{STEM}.json, .md and .png, unless "
+                       f"--json, --markdown or --plot name other files (default {DEFAULT_OUT})")
+    bench.add_argument("--no-save", action="store_true",
+                       help="write no file to --out: only the table is printed (files "
+                       "named by --json, --markdown or --plot are still written)")
+    bench.add_argument("--json", metavar="PATH",
+                       help=f"write the results as JSON here (default DIR/{STEM}.json)")
+    bench.add_argument("--markdown", metavar="PATH",
+                       help=f"write the tables as Markdown here (default DIR/{STEM}.md)")
     bench.add_argument("--plot", metavar="PATH", default=None,
-                       help="where to write the figure; its extension chooses the format "
-                       f"(.png, .pdf, .svg, ...); default {DEFAULT_PLOT}")
+                       help="write the figure here; its extension chooses the format "
+                       f"(.png, .pdf, .svg, ...); default DIR/{STEM}.png")
     bench.add_argument("--no-plot", action="store_true", help="do not draw the figure")
     bench.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     bench.add_argument("--threads", type=int, default=None,
@@ -131,9 +173,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds of timing per method and round, > 0 "
                        f"(default {FULL_MIN_RUN_TIME}; {QUICK_MIN_RUN_TIME} with --quick)")
     bench.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
-                       help="time each method this many times, interleaved, and keep the "
-                       f"smallest of the rounds' medians (default {DEFAULT_ROUNDS}: on a "
-                       "shared or small machine one round can be slowed by 10-30%%)")
+                       help="time each method this many times, interleaved; its time is the "
+                       "median of the rounds' medians, its spread the IQR of all timed "
+                       f"blocks (default {DEFAULT_ROUNDS}: on a shared or small machine one "
+                       "round can be slowed by 10-30%%)")
     bench.set_defaults(subparser=bench)  # usage errors then name "torch-vjp bench"
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--list", action="store_true", help="list workloads and methods, then exit")
@@ -151,7 +194,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"  {w.name:<18} {w.kind:<15}{'quick ' if w.quick else '      '}{w.title}")
         print("methods:")
         for m in METHODS:
-            print(f"  {m.name:<58} {m.kind}{' (needs jax)' if m.needs_jax else ''}")
+            notes = [n for n, on in (("needs jax", m.needs_jax), ("only with --all", m.slow))
+                     if on]
+            note = f" ({', '.join(notes)})" if notes else ""
+            print(f"  {m.name:<58} {m.kind}{note}")
         return 0
     device = args.device
     try:
@@ -190,16 +236,18 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                          f"names separated by commas (see --list), or leave --methods out "
                          f"to run them all")
     use_jax = not args.no_jax
-    workloads = _served(workloads, methods, parser, quick=args.quick,
-                        jax=use_jax and device_type == "cpu")
+    workloads = _served(workloads, methods, parser, jax=use_jax and device_type == "cpu")
     min_run_time = args.min_run_time
     if min_run_time is None:
         min_run_time = QUICK_MIN_RUN_TIME if args.quick else FULL_MIN_RUN_TIME
+    out = None if args.no_save else Path(args.out)
+    json_path = args.json or (str(out / f"{STEM}.json") if out else None)
+    markdown_path = args.markdown or (str(out / f"{STEM}.md") if out else None)
+    plot_path = None if args.no_plot else args.plot or (str(out / f"{STEM}.png") if out else None)
     # Every output path is checked before the run, which can take minutes.
-    plot_path = None if args.no_plot else (args.plot or DEFAULT_PLOT)
     if plot_path:
         _check_plot_path(plot_path, parser)
-    for option, path in (("--json", args.json), ("--markdown", args.markdown),
+    for option, path in (("--json", json_path), ("--markdown", markdown_path),
                          ("--plot", plot_path)):
         if path:
             _check_output_path(option, path, parser)
@@ -209,24 +257,27 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     start = time.perf_counter()
     result = run_suite(workloads, methods=methods, device=device, threads=args.threads,
                        min_run_time=min_run_time, rounds=args.rounds, quick=args.quick,
-                       use_jax=use_jax, progress=not args.no_progress)
+                       use_jax=use_jax, progress=not args.no_progress,
+                       drop_slow=not args.all_methods)
     elapsed = time.perf_counter() - start
     print(result.table())
     print(f"\n{len(workloads)} workloads in {elapsed:.1f} s")
     # From here on the results exist: a file that cannot be written is reported and the
-    # others are still written; the exit status is then 1.
+    # others are still written; the exit status is then 1. The last lines say where the
+    # table, the JSON and the plot went, the plot's last.
     status = 0
-    if args.json:
+    written: dict[str, str] = {}
+    if json_path:
         try:
-            print(f"json: {result.write_json(args.json)}")
+            written["json"] = str(result.write_json(json_path))
         except OSError as exc:
-            _not_written("json", args.json, exc)
+            _not_written("json", json_path, exc)
             status = 1
     if plot_path:
         try:
             from torch_vjp.bench.plot import plot_suite
 
-            plot_suite(result, plot_path)
+            written["plot"] = str(plot_suite(result, plot_path))
         except ImportError as exc:
             if args.plot:
                 print(f"plot: not written: {exc} (pip install 'torch_vjp[bench]')", file=sys.stderr)
@@ -234,38 +285,41 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             else:
                 print(f"plot: not written ({exc.name} is not installed: "
                       "pip install 'torch_vjp[bench]')")
-            plot_path = None
         except (OSError, ValueError) as exc:
             _not_written("plot", plot_path, exc)
-            plot_path = None
             status = 1
-    if args.markdown:
+    if markdown_path:
         image = None
-        if plot_path:
-            image = os.path.relpath(os.path.abspath(plot_path),
-                                    os.path.dirname(os.path.abspath(args.markdown)))
+        if "plot" in written:
+            image = os.path.relpath(os.path.abspath(written["plot"]),
+                                    os.path.dirname(os.path.abspath(markdown_path)))
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-            with open(args.markdown, "w", encoding="utf-8") as fh:
+            os.makedirs(os.path.dirname(os.path.abspath(markdown_path)), exist_ok=True)
+            with open(markdown_path, "w", encoding="utf-8") as fh:
                 fh.write(result.markdown(image=image))
-            print(f"markdown: {args.markdown}")
+            written["markdown"] = markdown_path
         except OSError as exc:
-            _not_written("markdown", args.markdown, exc)
+            _not_written("markdown", markdown_path, exc)
             status = 1
-    if plot_path:
-        print(f"plot: {plot_path}")
+    if "markdown" in written:
+        print(f"table: printed above; as Markdown in {written['markdown']}")
+    else:
+        print("table: printed above")
+    for what in ("json", "plot"):
+        if what in written:
+            print(f"{what}: {written[what]}")
     return status
 
 
 def _served(workloads: list, methods: list[str] | None, parser: argparse.ArgumentParser, *,
-            quick: bool, jax: bool) -> list:
+            jax: bool) -> list:
     """The workloads that at least one selected method serves; the others are left out
     with a notice, and a selection that leaves none is a usage error."""
     if methods is None:
         return workloads
     from torch_vjp.bench import METHODS, get_methods
 
-    kept = [w for w in workloads if get_methods(w.kind, names=methods, jax=jax, quick=quick)]
+    kept = [w for w in workloads if get_methods(w.kind, names=methods, jax=jax)]
     if not kept:
         chosen = [m for m in METHODS if m.name in methods]
         kinds = sorted({w.kind for w in workloads})
@@ -273,8 +327,6 @@ def _served(workloads: list, methods: list[str] | None, parser: argparse.Argumen
         if not any(m.kind in kinds for m in chosen):
             why.append(f"they serve {', '.join(sorted({m.kind for m in chosen}))} workloads, "
                        f"and the selected workloads are {', '.join(kinds)}")
-        if quick and any(m.slow for m in chosen if m.kind in kinds):
-            why.append("--quick leaves out the Python-loop methods")
         if not jax and any(m.needs_jax for m in chosen if m.kind in kinds):
             why.append("jax's methods run only with jax installed, on --device cpu, "
                        "without --no-jax")
@@ -297,9 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success, 2 for a usage error (argparse's convention, found
-        before the run), 1 when the run finished but a file asked for (``--json``,
-        ``--plot``, ``--markdown``) could not be written; the table is printed and the other
-        files are written all the same.
+        before the run; ``--version`` exits with 0), 1 when the run finished but a result
+        file (the JSON, the Markdown or the plot) could not be written; the table is
+        printed and the other files are written all the same.
     """
     parser = _parser()
     args = parser.parse_args(argv)

@@ -3,10 +3,15 @@
 * :mod:`~torch_vjp.bench.workloads`: the workloads (:data:`WORKLOADS`), each written once
   for torch and for ``jax.numpy``, with deterministic float64 weights.
 * :mod:`~torch_vjp.bench.methods`: the methods compared (:data:`METHODS`): torch_vjp's
-  strategies, ``torch.func``, ``torch.autograd`` and, when installed, jax.
+  strategies, ``torch.func``, ``torch.autograd`` and, when installed, jax; the slow ones
+  (Python loops, full-then-diagonal) run only on request.
 * :mod:`~torch_vjp.bench.suite`: the runner (:func:`run_suite`), which checks every method
-  against a float64 reference before timing it, and the tables and JSON of its results.
-* :mod:`~torch_vjp.bench.plot`: the figure (:func:`plot_suite`; needs matplotlib).
+  against a float64 reference before timing it in interleaved rounds, and the tables and
+  JSON of its results: each time a median with its interquartile range, a noisy one
+  flagged, a method that torch itself refuses shown as not supported by torch.
+* :mod:`~torch_vjp.bench.plot`: the figure (:func:`plot_suite`; needs matplotlib): the
+  measured rule of thumb (reverse or forward mode by input and output size), then one
+  panel per workload.
 
 ``benchmarks/bench_jacobian.py`` in the repository builds its ratio grid from the same
 workloads and methods.
@@ -30,6 +35,7 @@ from torch_vjp.bench.suite import (
     environment,
     load_json,
     run_suite,
+    tool_of,
 )
 from torch_vjp.bench.workloads import WORKLOADS, Case, Workload, get_workloads
 
@@ -50,6 +56,7 @@ __all__ = [
     "SuiteResult",
     "WorkloadResult",
     "MethodResult",
+    "tool_of",
     "SCHEMA",
     "plot_suite",
 ]

@@ -46,8 +46,9 @@ class Method:
             plot's colour.
         kind: The workload kind it serves.
         prepare: ``prepare(case) -> Prepared``.
-        slow: Left out of ``--quick``: a Python loop over every row or column, or a full
-            Jacobian where only its diagonal blocks are wanted.
+        slow: Run only on request (``--all``): a Python loop over every row or column, or a
+            full Jacobian where only its diagonal blocks are wanted. They are 20 to 30,000
+            times slower than the vectorised methods and would take most of the suite's time.
     """
 
     name: str
@@ -348,20 +349,24 @@ HEADLINE: dict[str, str] = {
 
 
 def get_methods(kind: str, *, names: list[str] | tuple[str, ...] | None = None,
-                jax: bool = True, quick: bool = False) -> list[Method]:
+                jax: bool = True, include_slow: bool = False) -> list[Method]:
     """The methods that serve one kind of workload.
 
     Args:
         kind: ``"jacobian"``, ``"batch_jacobian"`` or ``"jacobian_of"``.
-        names: Keep only these method names (exact); ``None`` keeps all.
+        names: Keep only these method names (exact), slow or not; ``None`` keeps all
+            (the slow ones only with ``include_slow``).
         jax: Include jax's methods (only takes effect when jax can be imported).
-        quick: Leave out the Python-loop methods (``Method.slow``).
+        include_slow: Include the Python-loop and full-then-diagonal methods
+            (``Method.slow``).
 
     Returns:
         The methods, in :data:`METHODS` order.
 
     Example:
         >>> [m.name for m in get_methods("jacobian_of")]
+        ['torch_vjp jacobian_of', 'autograd.grad(is_grads_batched=True)']
+        >>> [m.name for m in get_methods("jacobian_of", include_slow=True)]
         ['torch_vjp jacobian_of', 'autograd.grad loop', 'autograd.grad(is_grads_batched=True)']
     """
     use_jax = jax and jax_available()
@@ -369,8 +374,7 @@ def get_methods(kind: str, *, names: list[str] | tuple[str, ...] | None = None,
         m for m in METHODS
         if m.kind == kind
         and (use_jax or not m.needs_jax)
-        and (names is None or m.name in names)
-        and not (quick and m.slow)
+        and (m.name in names if names is not None else include_slow or not m.slow)
     ]
 
 
