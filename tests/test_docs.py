@@ -3,8 +3,9 @@
 Two checks:
 
 * ``mkdocs build --strict -f docs/mkdocs.yml`` succeeds (into a temporary folder, so the
-  working tree is untouched), and the API page shows no raw docstring role (``docs/roles.py``
-  renders them as code). Skipped, with the reason, only when the docs toolchain (the
+  working tree is untouched), no page shows a raw docstring role such as ``:func:`` (the
+  API page's come from docstrings; ``docs/roles.py`` renders them as code), and output
+  listings wrap their long lines (``docs/pages/stylesheets/extra.css``). Skipped, with the reason, only when the docs toolchain (the
   ``docs`` extra: mkdocs, mkdocs-material, mkdocstrings[python]) is not installed.
 * Every ```python block of every page under ``docs/pages/`` runs, top to bottom, in one
   fresh namespace per page. A failing block is reported with its page, block number,
@@ -190,9 +191,16 @@ def test_site_builds_strict(tmp_path):
         # mkdocs' directory URLs: foo.md -> foo/index.html, sub/index.md -> sub/index.html.
         html = site / (rel.parent if rel.name == "index" else rel) / "index.html"
         assert html.is_file(), f"{_page_id(page)} was not rendered (expected {html})"
-    api = (site / "api" / "index.html").read_text(encoding="utf-8")
-    raw = sorted(set(RAW_ROLE.findall(api)))
-    assert not raw, f"the API page shows docstring roles unrendered: {raw[:10]}"
+    # No page shows a docstring role unrendered (the API page's come from docstrings).
+    for page in sorted(site.rglob("index.html")):
+        raw = sorted(set(RAW_ROLE.findall(page.read_text(encoding="utf-8"))))
+        assert not raw, f"{page.relative_to(site)} shows roles unrendered: {raw[:10]}"
+    # Output listings wrap their long lines (the explanation and the fix are at their end).
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert '<div class="language-text highlight">' in home
+    assert 'href="stylesheets/extra.css"' in home
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert re.search(r"\.language-text pre > code[^{]*\{[^}]*white-space: pre-wrap", css)
 
 
 # A Sphinx role as it shows when nothing renders it: ``:func:`` followed by a name.
@@ -213,6 +221,13 @@ def test_roles_render_as_code():
         "Like `torch.autograd.grad`; raises `JacobianCallError`; see `torch_vjp.compare` "
         "and `Tensor.backward`. ``x`` stays."
     )
+
+
+def test_home_page_states_the_torch_requirement_of_setup_py():
+    setup = (REPO / "setup.py").read_text(encoding="utf-8")
+    (required,) = re.findall(r'"torch>=([\d.]+)', setup)
+    home = (PAGES / "index.md").read_text(encoding="utf-8")
+    assert re.findall(r"torch ≥ ([\d.]+)", home) == [required]
 
 
 class BlockFailed(Exception):
