@@ -5,8 +5,9 @@ Two checks:
 * ``mkdocs build --strict -f docs/mkdocs.yml`` succeeds (into a temporary folder, so the
   working tree is untouched), no page shows a raw docstring role such as ``:func:`` (the
   API page's come from docstrings; ``docs/roles.py`` renders them as code), and output
-  listings wrap their long lines (``docs/pages/stylesheets/extra.css``). Skipped, with the reason, only when the docs toolchain (the
-  ``docs`` extra: mkdocs, mkdocs-material, mkdocstrings[python]) is not installed.
+  listings wrap their long lines (``docs/pages/stylesheets/extra.css``). Skipped, with the
+  reason, only when the docs toolchain (the ``docs`` extra: mkdocs, mkdocs-material,
+  mkdocstrings[python]) is not installed.
 * Every ```python block of every page under ``docs/pages/`` runs, top to bottom, in one
   fresh namespace per page. A failing block is reported with its page, block number,
   line and source. Output listings are ```text blocks and are not run; a ```text block
