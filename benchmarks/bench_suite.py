@@ -1,6 +1,7 @@
-"""Runs the full ``torch-vjp bench`` suite and puts the committed results on the docs page.
+"""Runs the ``torch-vjp bench`` suite and puts the committed results on the docs page.
 
-This is ``python -m torch_vjp bench`` with fixed output paths:
+This is ``python -m torch_vjp bench`` with fixed output paths and a one-column figure
+(readable at the width of the docs page, where it links to its full-size image):
 
 * ``results/jacobian_suite_<device>.json``, ``.md`` and ``.png`` next to this file;
 * ``docs/pages/img/jacobian_suite_<device>.png`` and, on ``docs/pages/benchmarks.md``,
@@ -13,7 +14,8 @@ here, its title dropped, its images copied to ``docs/pages/img/``). The rest of 
 is left as it is.
 
 Run: ``python benchmarks/bench_suite.py [--threads 2] [--device cpu]``; other arguments go
-to ``torch-vjp bench`` (e.g. ``--rounds 3``). ``--docs-only`` refreshes the page from the
+to ``torch-vjp bench`` (e.g. ``--rounds 5``, or ``--all`` for the Python-loop and
+full-then-diagonal methods too). ``--docs-only`` refreshes the page from the
 results already committed, without running anything.
 """
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, png_path, md_path = (stem.with_suffix(s) for s in (".json", ".png", ".md"))
     status = bench_main(["bench", "--device", args.device, "--threads", args.threads,
                          "--json", str(json_path), "--markdown", str(md_path),
-                         "--plot", str(png_path), *extra])
+                         "--plot", str(png_path), "--plot-columns", "1", *extra])
     if status == 0 and not args.no_docs:
         update_docs(sorted({*committed, device}))
     return status

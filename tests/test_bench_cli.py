@@ -228,7 +228,10 @@ def test_version_from_the_command_line(command):
     (["bench", "--methods", "jacrevv"], "--methods: unknown method(s) ['jacrevv']; see --list"),
     (["bench", "--threads", "0"], "--threads 0: must be at least 1"),
     (["bench", "--device", "tpu"], "--device tpu: only cpu and cuda are supported"),
-], ids=["unknown-workload", "unknown-method", "zero-threads", "unknown-device"])
+    (["bench", "--rounds", "0"], "--rounds 0: must be at least 1"),
+    (["bench", "--plot-columns", "0"], "--plot-columns 0: must be at least 1"),
+], ids=["unknown-workload", "unknown-method", "zero-threads", "unknown-device", "zero-rounds",
+        "zero-columns"])
 def test_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -448,7 +451,7 @@ def test_plot_that_cannot_be_saved_after_the_run(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     import torch_vjp.bench.plot
 
-    def plot_suite(result, path):
+    def plot_suite(result, path, columns):
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(torch_vjp.bench.plot, "plot_suite", plot_suite)

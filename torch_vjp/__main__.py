@@ -160,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="write the figure here; its extension chooses the format "
                        f"(.png, .pdf, .svg, ...); default DIR/{STEM}.png")
     bench.add_argument("--no-plot", action="store_true", help="do not draw the figure")
+    bench.add_argument("--plot-columns", type=int, default=2, metavar="N",
+                       help="workload panels per row of the figure (default 2; 1 makes a "
+                       "figure readable at the width of a page)")
     bench.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     bench.add_argument("--threads", type=int, default=None,
                        help="torch.set_num_threads for the run; default: the usable cores")
@@ -218,6 +221,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--threads {args.threads}: must be at least 1")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be at least 1")
+    if args.plot_columns < 1:
+        parser.error(f"--plot-columns {args.plot_columns}: must be at least 1")
     try:
         workloads = get_workloads(args.only, quick=args.quick)
     except ValueError as exc:
@@ -277,7 +282,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             from torch_vjp.bench.plot import plot_suite
 
-            written["plot"] = str(plot_suite(result, plot_path))
+            written["plot"] = str(plot_suite(result, plot_path, columns=args.plot_columns))
         except ImportError as exc:
             if args.plot:
                 print(f"plot: not written: {exc} (pip install 'torch_vjp[bench]')", file=sys.stderr)
