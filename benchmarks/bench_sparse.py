@@ -23,15 +23,25 @@ Measured:
    order alternating; each pair gives fastest peer / torch_vjp. Reported: the median over
    the pairs and their interquartile range (the machine may be shared: within a pair, its
    drift cancels). Target: >= 10 on every workload;
+
+   every measurement starts after ``--settle`` seconds of sleep: jax's thread pool (and
+   torch's OpenMP threads) keep spinning for a while after their work, and on a machine with
+   few cores that spinning steals the cores from whatever runs next (a sub-millisecond
+   ``tv.sparse_jacobian`` right after a jax call measured up to 70 times slower, 2 threads on
+   2 cores);
 3. the first call, separately: the pattern and colourings cleared, one call timed
    (detection, colouring and the products), ``--first-calls`` times; also detection alone
    (``tv.jacobian_sparsity``) and colouring alone (both modes, as ``"auto"`` does).
 
-The load average of the machine is recorded before and after. Writes
-``results/sparse.json`` and ``results/sparse.md`` next to this file (or under ``--out``).
+The load average of the machine is recorded before and after. On a machine busy with other
+work, torch's intra-op threads wait for each other at every parallel op whenever one of them
+is descheduled, which makes sub-millisecond calls many times slower with ``--threads 2`` on
+2 cores; ``--threads 1`` gives stable figures there (jax keeps its own thread pool either
+way, so the peers lose nothing). Writes ``results/sparse.json`` and ``results/sparse.md``
+next to this file (or under ``--out``).
 
-Run: ``python benchmarks/bench_sparse.py [--pairs 21] [--pair-time 0.05] [--threads 2]``
-(about 3 minutes, most of it the dense peers on the MLP).
+Run: ``python benchmarks/bench_sparse.py [--pairs 21] [--pair-time 0.05] [--settle 0.2]
+[--threads 2]`` (about 3 minutes, most of it the dense peers on the MLP).
 """
 
 from __future__ import annotations
@@ -100,11 +110,18 @@ def environment(threads: int) -> dict[str, Any]:
     }
 
 
-def _first_calls(f: Callable[[Any], Any], x: Any, repeats: int) -> dict[str, Any]:
+def _timed(run: Callable[[], Any], min_run_time: float, settle: float) -> float:
+    """``median_time`` after ``settle`` seconds of sleep (see the module docstring)."""
+    time.sleep(settle)
+    return median_time(run, min_run_time)
+
+
+def _first_calls(f: Callable[[Any], Any], x: Any, repeats: int, settle: float) -> dict[str, Any]:
     """Seconds of first calls (cache cleared before each), of detection and of colouring."""
     first, detect, color = [], [], []
     for _ in range(repeats):
         clear_cache(f)
+        time.sleep(settle)
         t0 = time.perf_counter()
         sparse_jacobian(f, x)
         first.append(time.perf_counter() - t0)
@@ -167,9 +184,9 @@ def bench_workload(name: str, args: argparse.Namespace, use_jax: bool) -> dict[s
         runs[method.name] = prepared.run
         peers[method.name] = {"error": err, "ok": ok}
     for label, run in variants.items():
-        ours[label]["time_s"] = median_time(run, args.min_run_time)
+        ours[label]["time_s"] = _timed(run, args.min_run_time, args.settle)
     for label, run in runs.items():
-        peers[label]["time_s"] = median_time(run, args.min_run_time)
+        peers[label]["time_s"] = _timed(run, args.min_run_time, args.settle)
     out["torch_vjp"], out["peers"] = ours, peers
 
     # paired speed-ups against the fastest peers
@@ -186,16 +203,16 @@ def bench_workload(name: str, args: argparse.Namespace, use_jax: bool) -> dict[s
         t_ours = t_peer = 0.0
         for mine in order:
             if mine:
-                t_ours = median_time(ours_run, args.pair_time)
+                t_ours = _timed(ours_run, args.pair_time, args.settle)
             else:
-                t_peer = min(median_time(runs[r], args.pair_time) for r in rivals)
+                t_peer = min(_timed(runs[r], args.pair_time, args.settle) for r in rivals)
         ratios.append(t_peer / t_ours)
     out["speedup"] = {
         "against": rivals, "median": statistics.median(ratios), "iqr": _quartiles(ratios),
         "min": min(ratios), "pairs": ratios, "target": TARGET,
         "passed": statistics.median(ratios) >= TARGET,
     }
-    out.update(_first_calls(f, x, args.first_calls))
+    out.update(_first_calls(f, x, args.first_calls, args.settle))
     return out
 
 
@@ -217,7 +234,8 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], args: argparse.Nam
         f"{args.pairs} pairs, each pair both medians of "
         f"`Timer.blocked_autorange(min_run_time={args.pair_time})` taken back to back, the "
         f"order alternating; IQR over the pairs. Times: `blocked_autorange("
-        f"min_run_time={args.min_run_time})` medians, in ms. First call: pattern and "
+        f"min_run_time={args.min_run_time})` medians, in ms. Every measurement after "
+        f"{args.settle} s of sleep (spinning thread pools settle). First call: pattern and "
         f"colourings cleared, median of {args.first_calls}.",
     ]
     if note:
@@ -264,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-run-time", type=float, default=0.2)
     parser.add_argument("--first-calls", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--settle", type=float, default=0.2,
+                        help="seconds of sleep before each measurement (module docstring)")
     parser.add_argument("--only", default=None, help="comma-separated workload names")
     parser.add_argument("--no-jax", action="store_true", help="leave out jax's methods")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -284,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"environment": env, "load_average": load, "pairs": args.pairs,
             "pair_time_s": args.pair_time, "min_run_time_s": args.min_run_time,
+            "settle_s": args.settle,
             "target": TARGET, "note": note, "workloads": rows}
     (args.out / "sparse.json").write_text(json.dumps(data, indent=2) + "\n")
     (args.out / "sparse.md").write_text(text)

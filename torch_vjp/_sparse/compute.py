@@ -11,8 +11,8 @@ computed once per plan. Reverse mode is the transpose: a row colouring, ``C = S.
 one VJP per colour, ``J[i, j] = C[colour(i), j]``. ``mode="auto"`` takes the mode with fewer
 colours, reverse mode on a tie: a vmapped JVP costs more than a VJP (forward mode carries
 primal and tangent through every op; NOTE [auto crossover] in :mod:`torch_vjp._strategies`),
-up to about 3 times as much on the benchmark's workloads, where both modes need as many
-colours (``benchmarks/bench_sparse.py`` times both).
+two to three times as much on the banded workloads of ``benchmarks/bench_sparse.py``
+(which times both modes), where both need as many colours.
 The gathered values are already in the order of the result's layout
 (CSR, coalesced COO, or CSC through a permutation), so building the result is a
 constructor call.
