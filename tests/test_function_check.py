@@ -416,7 +416,7 @@ FAIL_CASES = [
     ),
     pytest.param(
         _function("MyFunc", lambda ctx, g: [_exp_grad(ctx, g), None]), (_x(4), 2.0),
-        r"returned a list of 2 values(.|\n)*Return a tuple",
+        r"returned a list of 2 values(.|\n)*Fix: return a tuple",
         id="list-instead-of-tuple",
     ),
     pytest.param(

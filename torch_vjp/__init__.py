@@ -14,6 +14,7 @@ from torch_vjp._errors import (
     FunctionCheckError,
     FunctionCheckTypeError,
     FunctionCheckValueError,
+    FunctionCheckWarning,
     GradOutputsError,
     GradOutputsIndexError,
     GradOutputsTypeError,
@@ -100,6 +101,7 @@ __all__ = [
     "PerSampleTypeError",
     "TorchVJPWarning",
     "GradOutputsWarning",
+    "FunctionCheckWarning",
     "JacobianWarning",
 ]
 

@@ -35,6 +35,7 @@ __all__ = [
     "PerSampleTypeError",
     "TorchVJPWarning",
     "GradOutputsWarning",
+    "FunctionCheckWarning",
     "JacobianWarning",
     "shape_str",
     "format_bytes",
@@ -139,6 +140,16 @@ class GradOutputsWarning(TorchVJPWarning):
 
     For example it silently cast a float64 or integer ``grad_outputs`` to a float32 output's
     dtype, or ignored extra ``grad_outputs``.
+    """
+
+
+class FunctionCheckWarning(TorchVJPWarning):
+    """torch accepted what a custom ``autograd.Function``'s backward returned, but changed it
+    without a word, or torch_vjp's check doubts it (checked mode).
+
+    For example torch cast a float64 gradient to its float32 input's dtype, or read ``None``
+    as zeros for an input that needs a gradient while dropping a tensor returned at the
+    position of an input that needs none (gradients in the wrong order).
     """
 
 

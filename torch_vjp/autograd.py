@@ -28,6 +28,39 @@ replaced by checking wrappers while any block is open in any thread (or for good
 ``TORCH_VJP_CHECKED=1``, which checks every thread); outside a checked scope the wrappers
 hand each call, unchanged, to the function they replaced. On the last exit a wrapper is put
 back only if it is still installed: a patch another library made in the meantime stays.
+
+NOTE [checked custom backwards]
+Checked mode also checks what the backward of every custom ``torch.autograd.Function``
+returns, on every call. torch's engine runs such a backward by calling the method ``apply``
+(``apply_boxed`` for ``boxed_grads_call`` Functions) of the Function's graph node, a
+``BackwardCFunction`` (also the ``ctx`` that forward saw), looked up by name on each call; so
+while checking is installed, ``BackwardCFunction.apply`` is a wrapper, put back on the last
+exit as the other entry points are. The wrapper runs the user's backward (its errors pass
+through untouched), then, in a checked scope, compares the raw return value with what the
+engine expects at the node's inputs: the count (one value per forward input), and for each
+input that needs a gradient the dtype, device and shape that torch's engine will check the
+gradient against (the metadata of the node's next edge). That fast path is a few attribute
+reads per gradient (``function_check.backward_return_ok``). A gradient of the shape of one
+of forward's outputs, for an input that forward broadcast to it, is torch's idiom, summed
+down by torch as the adjoint of broadcasting: accepted.
+Only when the fast path objects does the slow path run: check_function's diagnosis
+(``function_check.backward_problems``) and torch's own verdict, from replaying the value
+through torch's engine on a stand-in node with the same inputs (``torch_verdict``). Where
+torch raises, the error is a ``FunctionCheckError`` whose message is torch's sentence, with
+the explanation (what was returned, what was expected and why, the fix, naming the Function
+and the input) as a note. Where torch takes the value after all (it sums a Jacobian-shaped
+or batched gradient down to its input's shape, casts a float64 gradient to float32, reads
+None as zeros while dropping a misplaced gradient), the call goes on with torch's result
+and a ``FunctionCheckWarning`` says what torch repaired: checked mode changes nothing but
+warnings for what torch accepts. Anything the node does not tell is left to torch: a tensor
+subclass, a nested tensor, which of several inputs that need no gradient are tensors.
+Inside torch.func transforms the fast path and the diagnosis run too (shapes and metadata
+are per example there, as torch's own validation sees them), but nothing is replayed: what
+torch rejects there raises torch's own error.
+The scope is the thread or task, as for the other checks, with one widening: torch's engine
+runs the nodes of CUDA (and other accelerator) tensors on its own worker threads, which no
+checked block can enter; while a checked backward pass is in flight anywhere, custom
+backwards that run on those threads are checked too.
 """
 
 from __future__ import annotations
@@ -45,6 +78,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 from torch.overrides import handle_torch_function, has_torch_function, is_tensor_like
 
@@ -60,6 +94,8 @@ from torch_vjp._checks import (
     normalize_grad_outputs,
 )
 from torch_vjp._errors import (
+    FunctionCheckError,
+    FunctionCheckWarning,
     GradOutputsError,
     GradOutputsIndexError,
     GradOutputsTypeError,
@@ -69,6 +105,12 @@ from torch_vjp._errors import (
     env_flag,
     torch_first,
     user_stacklevel,
+)
+from torch_vjp.function_check import (
+    backward_problems,
+    backward_return_ok,
+    function_name,
+    torch_verdict,
 )
 
 __all__ = ["grad", "backward", "check_grad_outputs", "checked", "is_checked"]
@@ -88,6 +130,11 @@ _GENUINE_GRAD = _genuine(torch.autograd.grad)
 _GENUINE_BACKWARD = _genuine(torch.autograd.backward)
 _GENUINE_TENSOR_BACKWARD = _genuine(torch.Tensor.backward)
 _GENUINE_FUNC_VJP = _genuine(torch.func.vjp)
+# The engine runs a custom Function's backward through these methods of its graph node.
+_GENUINE_NODE_APPLY = _genuine(BackwardCFunction.apply)
+_GENUINE_NODE_APPLY_BOXED = _genuine(getattr(BackwardCFunction, "apply_boxed", None) or
+                                     BackwardCFunction.apply)
+_HAS_APPLY_BOXED = hasattr(BackwardCFunction, "apply_boxed")  # newer torch only
 _AUTOGRAD = sys.modules["torch.autograd"]
 _HAS_ENGINE = hasattr(_AUTOGRAD, "_engine_run_backward")  # torch >= 2.4
 
@@ -547,6 +594,33 @@ def is_checked() -> bool:
     return _active()
 
 
+def _checks_backwards() -> bool:
+    """Whether the custom backward running now in this thread is checked (NOTE [checked
+    custom backwards]): in a checked thread or task (suppression, which only spares
+    grad_outputs a second check, does not count), and in a thread of torch's engine while a
+    checked backward pass is in flight."""
+    return bool(_PROCESS_WIDE or _SCOPE.get().blocks or (
+        _in_flight and isinstance(threading.current_thread(), _FOREIGN_THREAD)))
+
+
+# Threads that Python's ``threading`` did not start (torch's engine workers among them).
+_FOREIGN_THREAD: type = getattr(threading, "_DummyThread", type(None))
+_in_flight = 0  # checked backward passes running now, in every thread
+_flight_lock = threading.Lock()
+
+
+def _take_off() -> None:
+    global _in_flight
+    with _flight_lock:
+        _in_flight += 1
+
+
+def _land() -> None:
+    global _in_flight
+    with _flight_lock:
+        _in_flight -= 1
+
+
 @contextlib.contextmanager
 def _suppressed() -> Any:
     scope = _SCOPE.get()
@@ -569,6 +643,8 @@ _PREVIOUS: dict[str, Callable[..., Any]] = {
     "backward": _GENUINE_BACKWARD,
     "tensor_backward": _GENUINE_TENSOR_BACKWARD,
     "func_vjp": _GENUINE_FUNC_VJP,
+    "node_apply": _GENUINE_NODE_APPLY,
+    "node_apply_boxed": _GENUINE_NODE_APPLY_BOXED,
 }
 
 
@@ -601,8 +677,13 @@ def _checked_grad(
     if not _active():
         return previous(outputs, inputs, grad_outputs, retain_graph, create_graph,
                         only_inputs, allow_unused, is_grads_batched, materialize_grads)
-    return _grad(_TORCH_GRAD, previous, outputs, inputs, grad_outputs, retain_graph,
-                 create_graph, only_inputs, allow_unused, is_grads_batched, materialize_grads)
+    _take_off()
+    try:
+        return _grad(_TORCH_GRAD, previous, outputs, inputs, grad_outputs, retain_graph,
+                     create_graph, only_inputs, allow_unused, is_grads_batched,
+                     materialize_grads)
+    finally:
+        _land()
 
 
 @_wrapper(_GENUINE_BACKWARD)
@@ -619,8 +700,12 @@ def _checked_backward(
     if not _active():
         return previous(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
                         inputs=inputs)
-    return _backward(_TORCH_BACKWARD, previous, tensors, grad_tensors, retain_graph,
-                     create_graph, grad_variables, inputs)
+    _take_off()
+    try:
+        return _backward(_TORCH_BACKWARD, previous, tensors, grad_tensors, retain_graph,
+                         create_graph, grad_variables, inputs)
+    finally:
+        _land()
 
 
 @_wrapper(_GENUINE_TENSOR_BACKWARD)
@@ -641,8 +726,12 @@ def _checked_tensor_backward(
             retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
         )
     # What Tensor.backward does next: torch.autograd.backward with itself as the tensors.
-    return _backward(TENSOR_BACKWARD, _PREVIOUS["backward"], self, gradient, retain_graph,
-                     create_graph, None, inputs)
+    _take_off()
+    try:
+        return _backward(TENSOR_BACKWARD, _PREVIOUS["backward"], self, gradient, retain_graph,
+                         create_graph, None, inputs)
+    finally:
+        _land()
 
 
 @_wrapper(_GENUINE_FUNC_VJP)
@@ -665,10 +754,68 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
         except GradOutputsError as err:
             return _arbitrate(err, PULLBACK, lambda: pullback(
                 cotangents, retain_graph=retain_graph, create_graph=create_graph))
-        with _suppressed():  # the pullback's own torch.autograd.grad call is checked already
-            return pullback(cotangents, retain_graph=retain_graph, create_graph=create_graph)
+        _take_off()
+        try:
+            with _suppressed():  # the pullback's own torch.autograd.grad call is checked already
+                return pullback(cotangents, retain_graph=retain_graph,
+                                create_graph=create_graph)
+        finally:
+            _land()
 
     return (out, checked_pullback) + tuple(result[2:])
+
+
+@_wrapper(_GENUINE_NODE_APPLY)
+def _checked_node_apply(self: Any, *args: Any) -> Any:
+    """``BackwardCFunction.apply``: runs a custom Function's backward, then, in a checked
+    scope, checks what it returned (NOTE [checked custom backwards])."""
+    returned = _PREVIOUS["node_apply"](self, *args)  # the user's backward: errors pass through
+    if _checks_backwards() and not backward_return_ok(self, returned):
+        _judge_backward(self, returned)
+    return returned
+
+
+@_wrapper(_GENUINE_NODE_APPLY_BOXED)
+def _checked_node_apply_boxed(self: Any, *args: Any) -> Any:
+    """``BackwardCFunction.apply_boxed`` (grads in one list that backward may empty), checked
+    as ``apply`` is."""
+    returned = _PREVIOUS["node_apply_boxed"](self, *args)
+    if _checks_backwards() and not backward_return_ok(self, returned):
+        _judge_backward(self, returned)
+    return returned
+
+
+_CHECKED = "torch_vjp.checked"  # how messages about custom backwards name checked mode
+
+
+def _judge_backward(node: Any, returned: Any) -> None:
+    """The slow path of NOTE [checked custom backwards]: explains what the check objects to,
+    with torch as the judge. Where torch's own validation raises, raises with torch's
+    sentence first and the explanation as a note; where torch takes the value after all
+    (summing a gradient down to its input's shape, casting it, dropping it), warns."""
+    problems = backward_problems(_CHECKED, node, returned)
+    if not problems:
+        return
+    rejected = [p for p in problems if p.torch == "rejects"]
+    if torch._C._are_functorch_transforms_active():
+        judged, error = False, None  # no replay inside a torch.func transform
+    else:
+        judged, error = torch_verdict(node, returned, _GENUINE_GRAD)
+    if error is not None:
+        if rejected:
+            raise torch_first(FunctionCheckError, rejected[0].message, str(error)) from None
+        return  # torch rejects it for a reason the check does not see: torch's error follows
+    if rejected and not judged:
+        return  # what torch does is not known here: torch judges, its error follows if any
+    problem = problems[0]
+    message = problem.message
+    if problem.torch == "rejects":
+        message = (
+            f"{_CHECKED}: torch accepted what {function_name(node)}.backward returned, "
+            f"although torch_vjp's check reports a mistake; the gradients are torch's. The "
+            f"check said:\n{message}"
+        )
+    warnings.warn(message, FunctionCheckWarning, stacklevel=user_stacklevel())
 
 
 _TARGETS: tuple[tuple[str, Any, str, Callable[..., Any]], ...] = (
@@ -676,7 +823,9 @@ _TARGETS: tuple[tuple[str, Any, str, Callable[..., Any]], ...] = (
     ("backward", torch.autograd, "backward", _checked_backward),
     ("tensor_backward", torch.Tensor, "backward", _checked_tensor_backward),
     ("func_vjp", torch.func, "vjp", _checked_func_vjp),
-)
+    ("node_apply", BackwardCFunction, "apply", _checked_node_apply),
+) + ((("node_apply_boxed", BackwardCFunction, "apply_boxed", _checked_node_apply_boxed),)
+     if _HAS_APPLY_BOXED else ())
 _patch_lock = threading.Lock()
 _open_blocks = 0
 

@@ -1,0 +1,749 @@
+"""Checked mode checks what custom ``autograd.Function`` backwards return (SPEC §8, issue #12).
+
+NOTE [checked custom backwards] in ``torch_vjp.autograd``. On every call, inside
+``with tv.checked():`` and with ``TORCH_VJP_CHECKED=1``: what torch rejects raises a
+``FunctionCheckError`` whose message is torch's own sentence, with torch_vjp's explanation as a
+note; what torch takes silently (a gradient summed down to its input's shape, cast to its
+dtype, misplaced) goes on with torch's result and a ``FunctionCheckWarning``; valid
+backwards, however unusual, change nothing. Errors raised by the user's backward pass through.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import re
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+from torch.autograd.function import BackwardCFunction, once_differentiable
+
+import torch_vjp as tv
+from torch_vjp import autograd
+from torch_vjp._errors import full_message
+
+
+def _function(name, backward, forward=None, **attrs):
+    """A custom Function class ``name``: forward ``2 * x`` (or ``forward``) and ``backward``."""
+    def default_forward(ctx, x, *rest):
+        return x * 2
+
+    body = {"forward": staticmethod(forward or default_forward),
+            "backward": staticmethod(backward), **attrs}
+    return type(name, (torch.autograd.Function,), body)
+
+
+def _leaf(*shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=dtype).requires_grad_()
+
+
+def _grads(fn, args):
+    """The gradients of ``fn.apply(*args).sum()`` for the args that require grad."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    out = fn.apply(*args)
+    return torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+class _Jacobian(torch.autograd.Function):
+    """The seed's Function: (n,) -> (k,) = (x.sum(), (x * x).sum(), x.prod()); its backward
+    returns the (k, n) Jacobian instead of its product with grad_output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.stack([x.sum(), (x * x).sum(), x.prod()])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return torch.stack([torch.ones_like(x), 2 * x, x.prod() / x])  # WRONG: J, (3, n)
+
+
+# ---------------------------------------------------------------------------------------
+# The seed: a backward that returns the Jacobian, which torch sums away
+# ---------------------------------------------------------------------------------------
+
+
+def test_seed_jacobian_is_reported_on_every_call_inside_checked():
+    x = _leaf(4)
+    v = torch.tensor([1.0, 10.0, 100.0], dtype=torch.float64)
+    (plain,) = torch.autograd.grad(_Jacobian.apply(x), x, v)  # torch: no error, J summed
+    with tv.checked():
+        for _ in range(2):  # every call, not once
+            with pytest.warns(tv.FunctionCheckWarning) as record:
+                (got,) = torch.autograd.grad(_Jacobian.apply(x), x, v)
+            torch.testing.assert_close(got, plain)  # torch's result: warnings only
+    message = str(record[0].message)
+    assert message.startswith("torch_vjp.checked: _Jacobian.backward returned a gradient of "
+                              "shape (3, 4) at index 0, but forward input 0 has shape (4,).")
+    assert "never the Jacobian itself" in message
+    assert "torch does not catch this: it sums the gradient down to (4,)" in message
+    assert ("(3, 4) is the output's shape (3,) followed by input 0's shape (4,): the shape of "
+            "the Jacobian d(the output)/d(input 0)") in message
+    assert "Fix: return torch.tensordot(grad_output, J, dims=1)" in message
+    assert record[0].filename == __file__  # points at the caller's backward call
+
+
+def test_seed_jacobian_warning_can_be_made_an_error():
+    x = _leaf(4)
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.FunctionCheckWarning)
+        with pytest.raises(tv.FunctionCheckWarning, match=r"shape \(3, 4\) at index 0"):
+            _Jacobian.apply(x).sum().backward()
+
+
+def test_seed_per_example_jacobians_raise_with_torchs_sentence():
+    # the seed thread's (b, k, n) for a (b, n) input, which torch rejects
+    w = torch.arange(6.0, dtype=torch.float64).reshape(2, 3)
+    rows = _function("RowLayerJac", lambda ctx, g: torch.ones(5, 2, 3, dtype=torch.float64),
+                     forward=lambda ctx, x: x @ w.mT)
+    x = _leaf(5, 3)
+    with pytest.raises(RuntimeError) as plain:
+        rows.apply(x).sum().backward()
+    with tv.checked(), pytest.raises(tv.FunctionCheckError) as info:
+        rows.apply(x).sum().backward()
+    assert str(info.value) == str(plain.value) == (
+        "Function RowLayerJacBackward returned an invalid gradient at index 0 - got [5, 2, 3] "
+        "but expected shape compatible with [5, 3]")
+    assert isinstance(info.value, RuntimeError)
+    explanation = info.value.explanation
+    assert explanation.startswith("torch_vjp.checked: RowLayerJac.backward returned a gradient "
+                                  "of shape (5, 2, 3) at index 0, but forward input 0 has shape "
+                                  "(5, 3).")
+    assert "(5, 2, 3) holds one Jacobian per example" in explanation
+    assert "torch reports this as" not in explanation  # torch's sentence is already first
+    assert full_message(info.value) == str(info.value) + "\n" + explanation
+    assert x.grad is None
+
+
+SEED_SCRIPT = """
+import warnings, torch, torch_vjp as tv
+from torch_vjp.autograd import is_checked
+assert is_checked()
+
+class Jacobian(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.stack([x.sum(), (x * x).sum()])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return torch.stack([torch.ones_like(x), 2 * x])   # WRONG: J, (2, n)
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output.sum(0)                          # WRONG: (n,) for (m, n)
+
+x = torch.ones(4, requires_grad=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    Jacobian.apply(x).sum().backward()
+    Jacobian.apply(x).sum().backward()
+print("WARNED", len(caught), caught[0].category.__name__, str(caught[0].message).splitlines()[0])
+try:
+    Cube.apply(torch.ones(3, 4, requires_grad=True)).sum().backward()
+except tv.FunctionCheckError as e:
+    print("RAISED", str(e))
+    print("NOTE", e.__notes__[0].splitlines()[0])
+"""
+
+
+def test_seed_with_the_environment_variable():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_VJP_")}
+    env["TORCH_VJP_CHECKED"] = "1"
+    out = subprocess.run([sys.executable, "-c", SEED_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == (
+        "WARNED 2 FunctionCheckWarning torch_vjp.checked: Jacobian.backward returned a gradient "
+        "of shape (2, 4) at index 0, but forward input 0 has shape (4,).")
+    assert lines[1] == ("RAISED Function CubeBackward returned an invalid gradient at index 0 - "
+                        "got [4] but expected shape compatible with [3, 4]")
+    assert lines[2] == ("NOTE torch_vjp.checked: Cube.backward returned a gradient of shape "
+                        "(4,) at index 0, but forward input 0 has shape (3, 4).")
+
+
+# ---------------------------------------------------------------------------------------
+# Every mistake: what torch rejects raises (torch's sentence first), what it takes warns
+# ---------------------------------------------------------------------------------------
+
+def _exp_like(ctx, g):
+    return g * 2
+
+
+MISTAKES = {
+    # name: (Function, args, "raises" or "warns", explanation pattern)
+    "count-missing": (
+        _function("Scale", lambda ctx, g: g * 2), lambda: (_leaf(4), _leaf(4, seed=1)),
+        "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned 1 value, but Scale\.forward takes 2 "
+        r"inputs \(not counting ctx\), so backward must return 2\.(.|\n)*"
+        r"Fix: return a value for input 1 \(shape \(4,\)\) as well"),
+    "count-extra-tensor": (
+        _function("Scale", lambda ctx, g: (g * 2, g)), lambda: (_leaf(4),), "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned 2 values, but Scale\.forward takes 1 "
+        r"input(.|\n)*Fix: return exactly 1 value, one per input of forward after ctx"),
+    "list": (
+        _function("Scale", lambda ctx, g: [g * 2]), lambda: (_leaf(4),), "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned a list of 1 value; torch reads a list "
+        r"as one single value, which is not a gradient\.(.|\n)*Fix: return a tuple"),
+    "python-number": (
+        _function("Scale", lambda ctx, g: 2.0), lambda: (_leaf(4),), "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned a float at index 0; backward returns, "
+        r"at each index, a tensor \(dL/d input 0\) or None\.(.|\n)*Fix: return a tensor with "
+        r"input 0's shape \(4,\)"),
+    "tensor-for-non-tensor-input": (
+        _function("Scale", lambda ctx, g: (g * 2, torch.ones(()))), lambda: (_leaf(4), 2.0),
+        "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned a tensor at index 1, but forward input "
+        r"1 is not a tensor\.(.|\n)*Fix: return None at index 1"),
+    "shape-incompatible": (
+        _function("Scale", lambda ctx, g: (g * 2).mT), lambda: (_leaf(4, 3),), "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned a gradient of shape \(3, 4\) at index "
+        r"0, but forward input 0 has shape \(4, 3\)\.(.|\n)*torch's \"shape compatible with "
+        r"\[4, 3\]\" means \(4, 3\) itself, or a shape that \(4, 3\) broadcasts to(.|\n)*"
+        r"shape reversed: return grad\.mT"),
+    "grad-output-returned-for-a-reduction": (
+        _function("RowSum", lambda ctx, g: g, forward=lambda ctx, x: x.sum(1)),
+        lambda: (_leaf(4, 3),), "raises",
+        r"shape \(4,\) at index 0, but forward input 0 has shape \(4, 3\)(.|\n)*\(4,\) is the "
+        r"shape of the output \(and of grad_output\)"),
+    "complex-for-real": (
+        _function("Scale", lambda ctx, g: (g * 2).to(torch.complex128)), lambda: (_leaf(4),),
+        "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned a gradient of dtype torch\.complex128 at "
+        r"index 0, but forward input 0 has dtype torch\.float64\.(.|\n)*never turns a complex "
+        r"gradient into a real one"),
+    "wrong-device": (
+        _function("Scale", lambda ctx, g: torch.ones(4, dtype=g.dtype, device="meta")),
+        lambda: (_leaf(4),), "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned a gradient on device meta at index 0, "
+        r"but forward input 0 is on cpu\.(.|\n)*Fix: create the tensors backward needs on "
+        r"grad_output\.device"),
+    "jacobian-summed": (
+        _function("Exp", lambda ctx, g: torch.diag(g * 2)), lambda: (_leaf(4),), "warns",
+        r"^torch_vjp\.checked: Exp\.backward returned a gradient of shape \(4, 4\) at index 0, "
+        r"but forward input 0 has shape \(4,\)\.(.|\n)*torch does not catch this: it sums the "
+        r"gradient down to \(4,\)(.|\n)*the shape of the Jacobian d\(the output\)/d\(input 0\)"),
+    "extra-leading-dimension-summed": (
+        _function("Scale", lambda ctx, g: (g * 2).expand(2, 4, 3)), lambda: (_leaf(4, 3),),
+        "warns",
+        r"shape \(2, 4, 3\) at index 0, but forward input 0 has shape \(4, 3\)(.|\n)*torch does "
+        r"not catch this(.|\n)*extra leading dimension of size 2(.|\n)*return grad\.sum\(0\)"),
+    "broadcast-dimension-not-summed": (
+        _function("Scale", lambda ctx, g: (g * 2).expand(4, 3)), lambda: (_leaf(1, 3),), "warns",
+        r"shape \(4, 3\) at index 0, but forward input 0 has shape \(1, 3\)(.|\n)*"
+        r"grad\.sum\(dim=0, keepdim=True\)"),
+    "float64-for-float32": (
+        _function("Scale", lambda ctx, g: (g * 2).double()),
+        lambda: (_leaf(4, dtype=torch.float32),), "warns",
+        r"^torch_vjp\.checked: Scale\.backward returned a gradient of dtype torch\.float64 at "
+        r"index 0, but forward input 0 has dtype torch\.float32\.(.|\n)*torch does not catch "
+        r"this: it casts the gradient to torch\.float32 without a word"),
+    "integer-for-float": (
+        _function("Scale", lambda ctx, g: torch.ones(4, dtype=torch.int64)),
+        lambda: (_leaf(4),), "warns",
+        r"dtype torch\.int64 at index 0, but forward input 0 has dtype torch\.float64"),
+    "misplaced": (
+        _function("Scale", lambda ctx, g: (g * 2, None), forward=lambda ctx, x, y: x * y),
+        lambda: (_leaf(4).detach(), _leaf(4, seed=1)), "warns",
+        r"^torch_vjp\.checked: Scale\.backward returned None at index 1, where forward input 1 "
+        r"\(shape \(4,\)\) requires grad, and a tensor of shape \(4,\) at index 0, where forward "
+        r"input 0 needs no gradient\.(.|\n)*input 1 silently gets no gradient(.|\n)*"
+        r"Fix: return dL/d\(input 1\) at index 1, and None at index 0"),
+}
+
+
+@pytest.mark.parametrize("case", MISTAKES, ids=list(MISTAKES))
+def test_mistakes(case):
+    fn, make_args, outcome, pattern = MISTAKES[case]
+    if outcome == "raises":
+        with pytest.raises(RuntimeError) as plain:
+            _grads(fn, make_args())
+        with tv.checked(), pytest.raises(tv.FunctionCheckError) as info:
+            _grads(fn, make_args())
+        err = info.value
+        assert isinstance(err, RuntimeError)
+        assert str(err) == str(plain.value)  # torch's own sentence first
+        assert err.__notes__ == [err.explanation]
+        assert err.explanation.count("\n") >= 2  # what, why, fix
+        assert "torch reports this as" not in err.explanation
+        assert err.__cause__ is None and err.__suppress_context__
+        explanation = err.explanation
+    else:
+        reference = _grads(fn, make_args())  # torch takes it without a word
+        with tv.checked(), pytest.warns(tv.FunctionCheckWarning) as record:
+            got = _grads(fn, make_args())
+        _same(got, reference)  # and checked mode changes nothing but the warning
+        assert len(record) == 1
+        explanation = str(record[0].message)
+    assert explanation.startswith("torch_vjp.checked: ")
+    assert re.search(pattern, explanation), explanation
+
+
+# ---------------------------------------------------------------------------------------
+# Valid backwards, however unusual, change nothing
+# ---------------------------------------------------------------------------------------
+
+class _SetupContextExp(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_tensors
+        return grad_output * y
+
+
+class _BroadcastMul(torch.autograd.Function):
+    """x * y with broadcasting, each gradient in the output's shape: torch sums it down (the
+    idiom of ``NumpyMul`` in torch's own autograd_function_db)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, y = ctx.saved_tensors
+        return grad_output * y, grad_output * x
+
+
+class _Dirty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output * 2
+
+
+class _SortValues(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        values, index = x.sort()
+        ctx.mark_non_differentiable(index)
+        ctx.save_for_backward(index)
+        return values, index
+
+    @staticmethod
+    def backward(ctx, grad_values, grad_index):
+        (index,) = ctx.saved_tensors
+        return torch.zeros_like(grad_values).scatter(0, index, grad_values)
+
+
+class _NoMaterialize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        total = None
+        for g, k in ((g1, 2), (g2, 3)):
+            if g is not None:
+                total = g * k if total is None else total + g * k
+        return total
+
+
+class _SparseRows(torch.autograd.Function):
+    """An embedding lookup whose weight gradient is a sparse COO tensor."""
+
+    @staticmethod
+    def forward(ctx, weight, index):
+        ctx.save_for_backward(index)
+        ctx.rows = weight.shape[0]
+        return weight[index]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (index,) = ctx.saved_tensors
+        grad = torch.sparse_coo_tensor(index[None], grad_output,
+                                       (ctx.rows, grad_output.shape[1]), check_invariants=False)
+        return grad, None
+
+
+class _Vjp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def vjp(ctx, grad_output):
+        return grad_output * 3
+
+
+class _OnceDifferentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad_output
+
+
+class _Boxed(torch.autograd.Function):
+    boxed_grads_call = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grads):
+        grad = grads.pop(0)  # backward may free what it was given
+        return grad * 2
+
+
+def _apply_and_sum(fn):
+    return lambda *args: fn.apply(*args).sum()
+
+
+def _one_output(fn):
+    return lambda *args: fn.apply(*args)[0].sum()
+
+
+VALID = {
+    # name: (function of the args, args)
+    "none-for-an-input-that-needs-grad": (
+        _apply_and_sum(_function("Drops", lambda ctx, g: (g, None),
+                                 forward=lambda ctx, x, y: x + y)),
+        lambda: (_leaf(3), _leaf(3, seed=1))),
+    "extra-trailing-none": (
+        _apply_and_sum(_function("Extra", lambda ctx, g: (g * 2, None, None))),
+        lambda: (_leaf(3),)),
+    "gradient-for-an-input-that-needs-none": (
+        _apply_and_sum(_function("All", lambda ctx, g: (g * 2, g),
+                                 forward=lambda ctx, x, y: x * 2 + y)),
+        lambda: (_leaf(3), _leaf(3, seed=1).detach())),
+    "gradient-for-an-integer-input": (
+        _apply_and_sum(_function("Gather", lambda ctx, g: (g, torch.ones(3)),
+                                 forward=lambda ctx, x, i: x[i])),
+        lambda: (_leaf(3), torch.tensor([2, 0, 1]))),
+    "non-tensor-inputs": (
+        _apply_and_sum(_function("Affine", lambda ctx, g: (g * 3, None, None, None),
+                                 forward=lambda ctx, x, a, name, opts: x * 3 + a)),
+        lambda: (_leaf(3), 1.5, "affine", {"k": 1})),
+    "mixed-inputs-some-need-no-grad": (
+        _apply_and_sum(_function("Mixed", lambda ctx, g: (g, g, None),
+                                 forward=lambda ctx, x, w, a: x + w * a)),
+        lambda: (_leaf(3), _leaf(3, seed=1).detach(), 2.0)),
+    "broadcast-idiom": (_apply_and_sum(_BroadcastMul), lambda: (_leaf(4), _leaf(3, 4, seed=1))),
+    "expanded-gradient": (
+        _apply_and_sum(_function("Sum", lambda ctx, g: g.expand(4, 3),
+                                 forward=lambda ctx, x: x.sum())),
+        lambda: (_leaf(4, 3),)),
+    "setup-context": (_apply_and_sum(_SetupContextExp), lambda: (_leaf(3),)),
+    "view-input": (lambda x: _SetupContextExp.apply(x[1:].T).sum(), lambda: (_leaf(3, 2),)),
+    "mark-dirty": (lambda x: _Dirty.apply(x.clone()).sum(), lambda: (_leaf(3),)),
+    "mark-non-differentiable": (_one_output(_SortValues), lambda: (_leaf(5),)),
+    "materialize-grads-false": (_one_output(_NoMaterialize), lambda: (_leaf(3),)),
+    "sparse-gradient": (
+        lambda w, i: _SparseRows.apply(w, i).sum(),
+        lambda: (_leaf(5, 2), torch.tensor([4, 0, 4]))),
+    "vjp-staticmethod": (_apply_and_sum(_Vjp), lambda: (_leaf(3),)),
+    "once-differentiable": (_apply_and_sum(_OnceDifferentiable), lambda: (_leaf(3),)),
+    "boxed-grads": (_apply_and_sum(_Boxed), lambda: (_leaf(3),)),
+    "complex": (_apply_and_sum(_function("Conj", lambda ctx, g: g * 2)),
+                lambda: (_leaf(3, dtype=torch.complex128),)),
+    "zero-dim": (_apply_and_sum(_function("Scalar", lambda ctx, g: g * 2)), lambda: (_leaf(),)),
+}
+
+
+def _grad_of(f, args, create_graph=False):
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    out = f(*args)
+    if out.is_complex():
+        out = out.real
+    return torch.autograd.grad(out, leaves, allow_unused=True, create_graph=create_graph)
+
+
+@pytest.mark.parametrize("case", VALID, ids=list(VALID))
+def test_valid_backwards_change_nothing(case):
+    f, make_args = VALID[case]
+    reference = _grad_of(f, make_args())
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a warning of any kind
+        got = _grad_of(f, make_args())
+    assert len(got) == len(reference)
+    for a, b in zip(got, reference):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.layout == b.layout
+            assert torch.equal(a.to_dense(), b.to_dense())
+
+
+def test_double_backward_through_a_custom_function():
+    def second(x):
+        (g,) = torch.autograd.grad(_SetupContextExp.apply(x).pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(g.sum(), x)
+
+    x = _leaf(3)
+    expected = second(x)
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = second(x)
+    torch.testing.assert_close(got, expected)
+
+
+def test_torchs_own_reference_functions():
+    """Every Function of torch's own autograd_function_db (vmap rules, mark_dirty, numpy,
+    broadcasting, defaults): the same gradients and double gradients, no warning; except
+    ZeroGradientsGenVmap, whose backward returns a too-large gradient on purpose (torch sums
+    it down): the same gradients, and a warning."""
+    db = pytest.importorskip("torch.testing._internal.autograd_function_db")
+    from torch.utils._pytree import tree_flatten
+
+    def run(op, sample):
+        args = (sample.input, *sample.args)
+        leaves = [a for a in tree_flatten(args)[0]
+                  if isinstance(a, torch.Tensor) and a.requires_grad]
+        outs = [o for o in tree_flatten(op.op(*args, **sample.kwargs))[0]
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        grads = torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs],
+                                    allow_unused=True, create_graph=op.supports_gradgrad)
+        result = list(grads)
+        again = [g for g in grads if g is not None and g.requires_grad]
+        if again:
+            result += torch.autograd.grad([g.sum() for g in again], leaves, allow_unused=True)
+        return result
+
+    warned = set()
+    for op in db.autograd_function_db:
+        for sample in op.sample_inputs("cpu", torch.float64, requires_grad=True):
+            expected = run(op, sample)
+            with tv.checked(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = run(op, sample)
+            _same(got, expected)
+            for w in caught:
+                assert issubclass(w.category, tv.FunctionCheckWarning), w.message
+                warned.add(op.name)
+    assert warned == {"ZeroGradientsGenVmapAutogradFunction"}
+
+
+# ---------------------------------------------------------------------------------------
+# torch.func, torch.compile, nested tensors
+# ---------------------------------------------------------------------------------------
+
+class _ExpReturnsJacobian(_SetupContextExp):
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_tensors
+        return torch.diag(y)  # WRONG: the Jacobian
+
+
+def test_torch_func_transforms_over_custom_functions():
+    x = torch.randn(3, dtype=torch.float64)
+    batch = torch.randn(2, 3, dtype=torch.float64)
+    calls = {
+        "grad": lambda: torch.func.grad(lambda t: _SetupContextExp.apply(t).sum())(x),
+        "vjp": lambda: torch.func.vjp(_SetupContextExp.apply, x)[1](torch.ones(3).double()),
+        "jacrev": lambda: torch.func.jacrev(_SetupContextExp.apply)(x),
+        "vmap-grad": lambda: torch.func.vmap(torch.func.grad(
+            lambda t: _SetupContextExp.apply(t).sum()))(batch),
+        "tv.jacobian": lambda: tv.jacobian(_SetupContextExp.apply, x),
+    }
+    for name, call in calls.items():
+        expected = call()
+        with tv.checked(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = call()
+        torch.testing.assert_close(got, expected, msg=name)
+
+
+def test_jacobian_returned_under_torch_func_grad_warns():
+    x = torch.randn(3, dtype=torch.float64)
+    f = torch.func.grad(lambda t: _ExpReturnsJacobian.apply(t).sum())
+    expected = f(x)
+    with tv.checked(), pytest.warns(tv.FunctionCheckWarning, match=(
+            r"^torch_vjp\.checked: _ExpReturnsJacobian\.backward returned a gradient of shape "
+            r"\(3, 3\) at index 0, but forward input 0 has shape \(3,\)")):
+        got = f(x)
+    torch.testing.assert_close(got, expected)
+
+
+def test_torch_rejects_under_torch_func_grad_with_its_own_error():
+    few = _function("Few", lambda ctx, g: g, forward=lambda ctx, x, y: x * y)
+
+    def f(x):
+        return torch.func.grad(lambda t: few.apply(t, t).sum())(x)
+
+    with pytest.raises(RuntimeError) as plain:
+        f(torch.randn(3))
+    with tv.checked(), pytest.raises(RuntimeError) as info:
+        f(torch.randn(3))
+    assert str(info.value) == str(plain.value)
+
+
+def test_torch_compile():
+    model = torch.nn.Linear(4, 3)
+
+    def loss(x):
+        return _OnceDifferentiable.apply(model(x)).sum()
+
+    x = torch.randn(5, 4)
+    (expected,) = torch.autograd.grad(loss(x), model.weight)
+    compiled = torch.compile(loss, backend="aot_eager")
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.TorchVJPWarning)
+        (got,) = torch.autograd.grad(compiled(x), model.weight)
+    torch.testing.assert_close(got, expected)
+
+
+def test_nested_tensor_input_is_left_to_torch():
+    nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)],
+                                    layout=torch.jagged, requires_grad=True)
+    double = _function("Double", lambda ctx, g: g * 2)
+    (expected,) = torch.autograd.grad(double.apply(nt).values().sum(), nt)
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.TorchVJPWarning)
+        (got,) = torch.autograd.grad(double.apply(nt).values().sum(), nt)
+    assert torch.equal(got.values(), expected.values())
+
+
+# ---------------------------------------------------------------------------------------
+# Errors of the user's own backward, check_function, scope, restoring torch
+# ---------------------------------------------------------------------------------------
+
+class _UserError(Exception):
+    pass
+
+
+def test_error_raised_by_the_users_backward_passes_through():
+    error = _UserError("backward is broken")
+
+    def backward(ctx, g):
+        raise error
+
+    broken = _function("Broken", backward)
+    with tv.checked(), pytest.raises(_UserError) as info:
+        broken.apply(_leaf(3)).sum().backward()
+    assert info.value is error
+    assert not getattr(error, "__notes__", None)
+
+
+def test_check_function_inside_checked_reports_as_check_function():
+    with tv.checked(), pytest.raises(tv.FunctionCheckError, match=(
+            r"^torch_vjp\.check_function\(_Jacobian\): _Jacobian\.backward returned a gradient "
+            r"of shape \(3, 4\)")):
+        tv.check_function(_Jacobian, torch.randn(4, dtype=torch.float64))
+
+
+def test_nothing_is_checked_outside_checked():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _Jacobian.apply(_leaf(4)).sum().backward()  # torch's silence
+
+
+def test_torch_is_restored_exactly_on_exit():
+    genuine = {name: BackwardCFunction.__dict__[name] for name in ("apply", "apply_boxed")
+               if name in BackwardCFunction.__dict__}
+    with tv.checked():
+        with tv.checked():
+            assert BackwardCFunction.__dict__["apply"] is not genuine["apply"]
+        assert BackwardCFunction.__dict__["apply"] is not genuine["apply"]
+    for name, fn in genuine.items():
+        assert BackwardCFunction.__dict__[name] is fn
+    # a patch made by other code inside the block stays
+    def other(self, *args):
+        return genuine["apply"](self, *args)
+
+    try:
+        with tv.checked():
+            BackwardCFunction.apply = other
+        assert BackwardCFunction.__dict__["apply"] is other
+    finally:
+        BackwardCFunction.apply = genuine["apply"]
+
+
+def test_scope_is_per_thread():
+    results = {}
+    started, done = threading.Event(), threading.Event()
+
+    def other():
+        started.wait(10)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _Jacobian.apply(_leaf(4)).sum().backward()
+        results["other"] = [w.category for w in caught]
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with tv.checked():
+        started.set()
+        done.wait(10)
+        with pytest.warns(tv.FunctionCheckWarning):
+            _Jacobian.apply(_leaf(4)).sum().backward()
+    thread.join(10)
+    assert results == {"other": []}
+
+
+def test_engine_threads_are_checked_while_a_checked_pass_is_in_flight():
+    """torch runs the backward of CUDA tensors on its own threads, which no checked block
+    enters: those are checked while a checked backward pass is in flight. A thread that
+    Python's threading did not start stands in for one here."""
+    seen = {}
+
+    def probe(key, done):
+        seen[key] = autograd._checks_backwards()
+        done.release()
+
+    def in_foreign_thread(key):
+        done = _thread.allocate_lock()
+        done.acquire()
+        _thread.start_new_thread(probe, (key, done))
+        assert done.acquire(timeout=10)
+
+    in_foreign_thread("idle")
+    with tv.checked():
+        in_foreign_thread("checked block, no pass in flight")
+        autograd._take_off()
+        try:
+            in_foreign_thread("in flight")
+            python_thread = threading.Thread(target=lambda: seen.update(
+                python=autograd._checks_backwards()))
+            python_thread.start()
+            python_thread.join(10)
+        finally:
+            autograd._land()
+    assert seen == {"idle": False, "checked block, no pass in flight": False,
+                    "in flight": True, "python": False}
