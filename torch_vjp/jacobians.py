@@ -23,12 +23,13 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks, assemble
-from torch_vjp._engine.context import buffers_kept, graph_mode
+from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
-from torch_vjp._engine.jacobian import jacobian_blocks
+from torch_vjp._engine.jacobian import function_key, function_name, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
+from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback, passes_through
+from torch_vjp._engine.symmetry import asymmetry, largest_difference, tolerance
 from torch_vjp._errors import (
     JacobianCallError,
     JacobianWarning,
@@ -122,9 +123,9 @@ def jacobian(
         JacobianOptionError: invalid ``chunk_size`` or ``max_memory``.
 
     Warns:
-        JacobianWarning: once per function, when ``"auto"`` falls back to a loop; and when
-            an output's value depends on an input but not through autograd (its block of
-            zeros is not the derivative).
+        JacobianWarning: once per function, when ``"auto"`` falls back to a loop; and, in
+            checked mode (:class:`torch_vjp.checked`), when an output's value depends on an
+            input but not through autograd (its block of zeros is not the derivative).
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -253,7 +254,10 @@ def hessian(
     mode, which is what a gradient costs least in):
 
     * ``"auto"``: forward over reverse, as ``torch.func.hessian``; falls back to loops,
-      warning once, when vmap cannot batch ``f``;
+      warning once, when vmap cannot batch ``f``; where the result is not symmetric beyond
+      rounding and reverse over reverse disagrees with it (an operator whose forward-mode
+      formula is wrong, such as ``torch.triangular_solve``'s), returns reverse over
+      reverse, warning once;
     * ``"fwd"``: forward over reverse; ``"rev"``: reverse over reverse;
     * ``"fwd-loop"``, ``"rev-loop"``: the same in Python loops, without vmap.
 
@@ -272,6 +276,10 @@ def hessian(
         StrategyError: unknown ``strategy``.
         JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit.
         JacobianMemoryError: the Hessian does not fit the free memory.
+
+    Warns:
+        JacobianWarning: once per function, when ``"auto"`` falls back to a loop, or returns
+            reverse over reverse because forward over reverse was wrong.
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -302,13 +310,56 @@ def hessian(
             ]
             return tree_flatten(assemble(inner, Blocks(blocks, out_spec, None, "rev")))
 
-        res = jacobian_blocks(
-            outer, outer_mode, vectorized=vectorized, fallback=fallback,
-            chunk_size=None, max_memory=None, probe=probe, functorch_loops=True,
-            detached=detached,
-        )
+        def outer_blocks(mode: str) -> Blocks:
+            return jacobian_blocks(
+                outer, mode, vectorized=vectorized, fallback=fallback,
+                chunk_size=None, max_memory=None, probe=probe, functorch_loops=True,
+                detached=detached,
+            )
+
+        res = outer_blocks(outer_mode)
+        if fallback and res.mode == "fwd" and not is_nested():
+            res = _forward_over_reverse_checked(f, outer, res, outer_blocks, call)
         warn_disconnected(outer, res)
         return assemble(outer, res)
+
+
+def _forward_over_reverse_checked(
+    f: Callable[..., Any],
+    outer: Problem,
+    res: Blocks,
+    outer_blocks: Callable[[str], Blocks],
+    call: str,
+) -> Blocks:
+    """The forward-over-reverse Hessian ``res`` if it is symmetric, or agrees with
+    reverse-over-reverse; else reverse-over-reverse's, with a one-time warning. See NOTE
+    [forward over reverse, checked] in :mod:`torch_vjp._engine.symmetry`."""
+    diff, scale = asymmetry(res.blocks, outer.leaves)
+    rtol = tolerance(outer.leaves[0].dtype)
+    if diff <= rtol * scale:  # the common case
+        return res
+    try:
+        rev = outer_blocks("rev")
+    except Exception as err:  # noqa: BLE001 - no safer route: forward over reverse stands
+        if passes_through(err):
+            raise
+        return res
+    gap = float(largest_difference(res.blocks, rev.blocks))
+    if gap <= rtol * scale:
+        return res  # asymmetric for real (f is not smooth here): both routes agree
+    warn_once(
+        ("fwd-over-rev", function_key(f)),
+        f"{call}: forward-over-reverse (strategy='auto') gave a Hessian of "
+        f"{function_name(f)} that is not symmetric (entries that must be equal differ by "
+        f"up to {diff:.3g}, at a scale of {scale:.3g}), and reverse-over-reverse disagrees "
+        f"with it (by up to {gap:.3g}): an operator in f has a wrong forward-mode derivative "
+        f"of its backward formula (torch.triangular_solve is one). strategy='auto' returned "
+        f"the reverse-over-reverse Hessian.\n"
+        f"  Pass strategy='rev' to compute it that way directly. This warning is shown once "
+        f"per function.",
+        JacobianWarning,
+    )
+    return rev
 
 
 def _gradient(
@@ -319,10 +370,21 @@ def _gradient(
     fallback: bool,
     call: str,
 ) -> Any:
-    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`hessian`)."""
+    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`hessian`).
+
+    NOTE [the gradient inside a Hessian]
+    torch.func.hessian is jacfwd(jacrev(f)), and jacrev runs its pullback under vmap even for
+    a single output element. Under vmap torch decomposes backward kernels that have no
+    batching rule into differentiable operations (huber_loss_backward, layer_norm's backward
+    without a weight), and the outer Jacobian then differentiates those; called without vmap,
+    the kernel itself is differentiated, and some have no forward-mode formula (or a double
+    backward that fails). So the gradient here is vectorised for one element too
+    (``vmap_single``); where vmap cannot batch f, "auto" still falls back to the plain call.
+    """
     prob = Problem(f, args, argnums, has_aux=False, call=call)
     res = jacobian_blocks(
-        prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None
+        prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None,
+        vmap_single=True,
     )
     return assemble(prob, res)
 

@@ -14,6 +14,7 @@ shaped like ``y``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -54,6 +55,29 @@ def _flat_vectors(
 
 def _batch_size(vectors: list[Tensor]) -> int:
     return int(vectors[0].shape[0])
+
+
+# NOTE [a traceable pullback]
+# make_fx (torch.fx's tracer) reads a function's parameters from its code object and wants
+# one concrete argument per parameter, keyword-only ones included, unless the function takes
+# a single named parameter followed by *args or **kwargs. So vjp_fn is written as
+# ``vjp_fn(cotangents, **options)``, checks its options itself, and shows its documented
+# signature through __signature__ (inspect.signature, help()): ``make_fx(vjp_fn)(v)`` then
+# traces the pullback directly, with no lambda around it.
+_VJP_FN_SIGNATURE = inspect.Signature([
+    inspect.Parameter("cotangents", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    inspect.Parameter("batched", inspect.Parameter.KEYWORD_ONLY, default=False),
+    inspect.Parameter("chunk_size", inspect.Parameter.KEYWORD_ONLY, default=None),
+])
+
+
+def _pullback_options(options: dict[str, Any]) -> tuple[Any, Any]:
+    """``batched`` and ``chunk_size`` from vjp_fn's keyword arguments; any other name is a
+    TypeError worded as Python words it for a function with those keyword-only parameters."""
+    for name in options:
+        if name not in ("batched", "chunk_size"):
+            raise TypeError(f"vjp_fn() got an unexpected keyword argument {name!r}")
+    return options.get("batched", False), options.get("chunk_size", None)
 
 
 @overload
@@ -104,8 +128,8 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
         >>> torch.testing.assert_close(rows, W)
     """
     call = "torch_vjp.vjp"
-    prob = Problem(f, primals, None, has_aux=has_aux, call=call)
-    res = func_vjp(prob.g, *prob.leaves, has_aux=prob.has_aux)
+    prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True)
+    res = func_vjp(prob.g_inner, *prob.leaves, has_aux=prob.has_aux)
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
     single = isinstance(out, Tensor)
@@ -114,8 +138,14 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
     def pull(*cot: Tensor) -> Any:
         return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec))
 
-    def vjp_fn(cotangents: Any, *, batched: bool = False, chunk_size: int | None = None) -> Any:
-        """``v^T J`` for the cotangents ``v`` (K of them with ``batched=True``)."""
+    def vjp_fn(cotangents: Any, **options: Any) -> Any:
+        """``v^T J`` for the cotangents ``v`` (K of them with ``batched=True``).
+
+        Signature: ``vjp_fn(cotangents, *, batched=False, chunk_size=None)``; the options
+        are taken as ``**options`` so that ``make_fx`` can trace ``vjp_fn`` itself (NOTE
+        [a traceable pullback]).
+        """
+        batched, chunk_size = _pullback_options(options) if options else (False, None)
         chunk = check_chunk_size(chunk_size, call=pull_call)
         normalized = check_cotangents(
             out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves)
@@ -134,6 +164,7 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
                 )
         return tree_unflatten(list(grads), prob.in_spec)
 
+    vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
     if has_aux:
         return out, vjp_fn, res[2]
     return out, vjp_fn
@@ -215,16 +246,16 @@ def jvp(
             f"{type(primals).__name__}. Fix: {call}(f, (x,), (t,)) for one argument."
         )
     check_tree_structure(primals, tangents, call=call, name="tangents", against="the primals")
-    prob = Problem(f, primals, None, has_aux=has_aux, call=call)
+    prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True)
     normalized = normalize_grad_outputs(
         tuple(prob.leaves), tuple(tree_leaves(tangents)), TANGENTS, is_grads_batched=batched
     )
     vectors = _flat_vectors(normalized, prob.leaves, batched)
     leaves = tuple(prob.leaves)
     if not batched:
-        return func_jvp(prob.g, leaves, tuple(vectors), has_aux=has_aux)
+        return func_jvp(prob.g_inner, leaves, tuple(vectors), has_aux=has_aux)
 
-    g = prob.g
+    g = prob.g_inner
     spec_box: list[Any] = []
 
     def push(*tangent: Tensor) -> Any:
@@ -237,7 +268,7 @@ def jvp(
     k = _batch_size(vectors)
     if k == 0:
         with torch.no_grad():
-            res = g(*leaves)
+            res = prob.g(*leaves)
         out = res[0] if has_aux else res
         flat_o, spec = tree_flatten(out)
         tan = tree_unflatten([o.new_zeros((0, *o.shape)) for o in flat_o], spec)

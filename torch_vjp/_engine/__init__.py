@@ -20,5 +20,7 @@ each written once, one module each, in the order they build on each other:
 * ``plain``: the loop strategies with plain autograd, for functions torch.func cannot run;
 * ``jacobian``: the strategy engine (reverse or forward mode, vectorised or in a loop, and
   ``"auto"`` with its fallbacks);
-* ``disconnected``: the warning for a block of zeros that is not the derivative.
+* ``disconnected``: the warning for a block of zeros that is not the derivative (checked
+  mode only);
+* ``symmetry``: the Hessian's symmetry, the check of forward-over-reverse.
 """

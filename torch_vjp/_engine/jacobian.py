@@ -110,6 +110,7 @@ def jacobian_blocks(
     alternatives: str = JACOBIAN_ALTERNATIVES,
     functorch_loops: bool = False,
     detached: bool = False,
+    vmap_single: bool = False,
 ) -> Blocks:
     """Computes every block of the Jacobian of ``prob.g``.
 
@@ -130,11 +131,13 @@ def jacobian_blocks(
         functorch_loops: loops use torch.func's vjp/jvp (composable with outer transforms,
             as the inner Jacobian of a Hessian needs) rather than plain autograd.
         detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
+        vmap_single: in reverse mode, run even a single product under vmap, as
+            torch.func.jacrev does (NOTE [the gradient inside a Hessian]).
 
     Returns:
         The blocks, the output structure, the aux value and the mode used.
     """
-    opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached)
+    opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached, vmap_single)
     try:
         return _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
     except StaleShapes:  # remembered output sizes were wrong: they are gone now
@@ -277,7 +280,7 @@ def _rev(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
 def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
     connected = [False]
     has_aux = prob.has_aux
-    prob_g = prob.g
+    prob_g = prob.g_inner  # NOTE [non-differentiated primals]
 
     def g(*xs: Tensor) -> Any:
         res = prob_g(*xs)
@@ -321,9 +324,10 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             def fn(*cot: Tensor) -> Any:
                 return pullback(tree_unflatten(list(cot), out_spec))
 
-        if vectorized and chunk is None and n > 1:  # NOTE [per-call overhead]
+        if vectorized and chunk is None and (n > 1 or opts.vmap_single):
+            # NOTE [per-call overhead]
             vecs = _all_rows(out_rows, out_dtypes, [o.device for o in flat_out], n, opts.batch)
-            products = vmap(fn)(*vecs)
+            products = vmap(fn)(*vecs) if n > 1 else _single_product(fn, vecs)
             stacked = [products] if one_leaf else list(products)
         else:
             if one_leaf:
@@ -336,6 +340,21 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             stacked, _ = map_rows(fn, rows, n, vectorized=vectorized, chunk_size=chunk)
     blocks, views = rev_blocks(stacked, out_rows, opts.batch)
     return Blocks(blocks, out_spec, aux, "rev", views, connected[0])
+
+
+def _single_product(fn: Callable[..., Any], vecs: tuple[Tensor, ...]) -> Any:
+    """One product under vmap (``vmap_single``: NOTE [the gradient inside a Hessian]), or, if
+    vmap cannot batch it, the plain call: for one product that costs nothing more, so there
+    is nothing to warn about, and an error of the plain call is f's own and propagates."""
+    try:
+        return vmap(fn)(*vecs)
+    except Exception as err:  # noqa: BLE001 - classified by the plain call below
+        if passes_through(err):
+            raise
+    res = fn(*[v[0] for v in vecs])
+    if isinstance(res, Tensor):
+        return res.unsqueeze(0)
+    return tuple(r.unsqueeze(0) for r in res)
 
 
 def _all_rows(
@@ -364,7 +383,7 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
                       shapes.records)
     has_aux = prob.has_aux
     connected = [False]
-    prob_g = prob.g
+    prob_g = prob.g_inner  # NOTE [non-differentiated primals]
     check = shapes.check
     unpack_dual = fwAD.unpack_dual
 

@@ -10,6 +10,17 @@ graph is wanted), and before each call of f a copy that an earlier call modified
 (its version counter moved) is reset to the caller's value. The caller's tensors are never
 written, and every call of f starts from the same point. The copies cost one pass over the
 primals per call, next to products that each cost at least as much.
+
+NOTE [non-differentiated primals]
+torch.func's vjp and jvp (and so jacrev, jacfwd, hessian) wrap every tensor among the
+primals at their own level, the differentiated ones and the others alike; only the
+differentiated ones get a tangent or require grad. f may then write into a primal it is not
+differentiated against (``lambda x, y: y.copy_(x)`` with argnums=0), which would otherwise be
+a tensor captured from outside the transform, and torch.func refuses writes to those. So when
+f runs inside one of torch_vjp's own transforms (:meth:`Problem.g_inner`), the tensors of
+the other primals are wrapped at that transform's level in the same way; outside them
+(:meth:`Problem.g`: a probe, the plain-autograd loops) they are passed as they are. With no
+tensor among the other primals the two are the same function.
 """
 
 from __future__ import annotations
@@ -33,6 +44,9 @@ from torch.utils._pytree import (
 from torch_vjp._errors import JacobianCallError, JacobianCallTypeError, shape_str
 
 __all__ = ["LEAF_SPEC", "normalize_argnums", "leaf_name", "describe", "Problem"]
+
+_current_level = torch._C._functorch.current_level
+_wrap_for_grad = torch._C._functorch._wrap_for_grad
 
 #: The structure of a single tensor (shared, for cheap comparisons).
 LEAF_SPEC: TreeSpec = tree_flatten(0)[1]
@@ -115,17 +129,20 @@ def describe(obj: object) -> str:
     return f"a {type(obj).__name__}"
 
 
-def _differentiable(t: object) -> bool:
-    """Whether ``t`` is a tensor Jacobians can be taken against: dense, real floating point."""
+def _differentiable(t: object, complex_ok: bool = False) -> bool:
+    """Whether ``t`` is a tensor Jacobians can be taken against: dense, real floating point
+    (or complex, for VJPs and JVPs: ``complex_ok``)."""
     return (
         isinstance(t, Tensor)
-        and t.dtype.is_floating_point
+        and (t.dtype.is_floating_point or (complex_ok and t.dtype.is_complex))
         and t.layout is torch.strided
         and not t.is_nested
     )
 
 
-def _check_primal_leaf(leaf: object, name: str, call: str, selected: bool) -> None:
+def _check_primal_leaf(
+    leaf: object, name: str, call: str, selected: bool, complex_ok: bool = False
+) -> None:
     """Raises the error that says why ``leaf`` cannot be differentiated."""
     if isinstance(leaf, Tensor) and (leaf.is_nested or leaf.layout is not torch.strided):
         kind = "a nested tensor" if leaf.is_nested else f"a sparse tensor (layout {leaf.layout})"
@@ -152,15 +169,18 @@ def _check_primal_leaf(leaf: object, name: str, call: str, selected: bool) -> No
             f"and derivatives are taken with respect to tensors. Fix: pass torch.tensor(...) "
             f"for it, or bind it inside f (functools.partial or a lambda)."
         )
-    if leaf.dtype.is_complex:
+    if leaf.dtype.is_complex and not complex_ok:
         raise JacobianCallError(
             f"{call}: {name} has dtype {leaf.dtype}; Jacobians here (as in "
             f"torch.func.jacrev) are defined for real tensors. Fix: pass "
-            f"torch.view_as_real({name.split(' ')[0]}) and rebuild the complex number inside f."
+            f"torch.view_as_real({name.split(' ')[0]}) and rebuild the complex number inside f "
+            f"(torch.view_as_complex), or use torch_vjp.vjp / torch_vjp.jvp, which take "
+            f"complex tensors."
         )
     if not leaf.dtype.is_floating_point:
+        kinds = "floating-point or complex" if complex_ok else "floating-point"
         raise JacobianCallError(
-            f"{call}: {name} has dtype {leaf.dtype}, but only floating-point tensors can be "
+            f"{call}: {name} has dtype {leaf.dtype}, but only {kinds} tensors can be "
             f"differentiated (an integer has no small changes). Fix: pass it as .double() "
             f"or .float()" + (", or leave its position out of argnums." if selected else ".")
         )
@@ -237,7 +257,8 @@ class Problem:
     tensor per leaf and no pytree work is needed in the hot path.
 
     With ``detached``, the copies of the primals f is called with (NOTE [f's own copies]) are
-    detached from the caller's graph. An aux value must be tensors, as torch.func asks.
+    detached from the caller's graph. An aux value must be tensors, as torch.func asks. With
+    ``complex_ok`` (VJPs and JVPs), complex primals and outputs are accepted too.
 
     Attributes:
         leaves: the differentiated tensors, flattened.
@@ -255,6 +276,7 @@ class Problem:
         has_aux: bool,
         call: str,
         detached: bool = False,
+        complex_ok: bool = False,
     ) -> None:
         if not callable(f):
             raise JacobianCallTypeError(
@@ -277,11 +299,13 @@ class Problem:
         self.has_aux = bool(has_aux)
         self.argnums = idx
         self.int_argnums = not isinstance(argnums, tuple)
+        self.complex_ok = complex_ok
         if all(isinstance(primals[i], Tensor) for i in idx):  # no pytree work
             self.leaves: list[Tensor] = [primals[i] for i in idx]
             self.in_spec = LEAF_SPEC if self.int_argnums else _tuple_spec(len(idx))
             self._check_leaves()
             self._call_f = _with_args_at(f, primals, idx)
+            self._call_inner = self._inner_call(None)
             return
         diff = primals[idx[0]] if self.int_argnums else tuple(primals[i] for i in idx)
         self.leaves, self.in_spec = tree_flatten(diff)
@@ -292,9 +316,8 @@ class Problem:
         self._check_leaves()
         spec, int_argnums = self.in_spec, self.int_argnums
 
-        def call_f(*xs: Tensor) -> Any:
+        def call_with(args: list[Any], xs: tuple[Tensor, ...]) -> Any:
             rebuilt = tree_unflatten(list(xs), spec)
-            args = list(primals)
             if int_argnums:
                 args[idx[0]] = rebuilt
             else:
@@ -302,12 +325,52 @@ class Problem:
                     args[i] = value
             return f(*args)
 
+        def call_f(*xs: Tensor) -> Any:
+            return call_with(list(primals), xs)
+
         self._call_f = call_f
+        self._call_inner = self._inner_call(call_with)
+
+    def _inner_call(
+        self, call_with: Callable[[list[Any], tuple[Tensor, ...]], Any] | None
+    ) -> Callable[..., Any]:
+        """``f`` of the leaves as called inside torch_vjp's own transforms: the tensors of
+        the other primals wrapped at the transform's level (NOTE [non-differentiated
+        primals]); the plain call where the other primals hold no tensor."""
+        primals, idx, f = self.primals, self.argnums, self.f
+        others = [
+            i for i in range(len(primals))
+            if i not in idx and any(isinstance(t, Tensor) for t in tree_leaves(primals[i]))
+        ]
+        if not others:
+            return self._call_f
+        if call_with is None:  # every differentiated primal is a tensor
+
+            def call_with(args: list[Any], xs: tuple[Tensor, ...]) -> Any:
+                for i, value in zip(idx, xs):
+                    args[i] = value
+                return f(*args)
+
+        def wrap(t: Any, level: int) -> Any:
+            return _wrap_for_grad(t, level) if isinstance(t, Tensor) else t
+
+        def call_inner(*xs: Tensor) -> Any:
+            level = _current_level()
+            args = list(primals)
+            for i in others:
+                p = primals[i]
+                args[i] = _wrap_for_grad(p, level) if isinstance(p, Tensor) else tree_map(
+                    lambda t: wrap(t, level), p)
+            return call_with(args, xs)
+
+        return call_inner
 
     def _check_leaves(self) -> None:
         for k, leaf in enumerate(self.leaves):
-            if not _differentiable(leaf):
-                _check_primal_leaf(leaf, self.leaf_name(k), self.call, self.selected)
+            if not _differentiable(leaf, self.complex_ok):
+                _check_primal_leaf(
+                    leaf, self.leaf_name(k), self.call, self.selected, self.complex_ok
+                )
 
     def g(self, *xs: Tensor) -> Any:
         """Calls ``f`` at the leaves ``xs`` and validates what it returns.
@@ -315,10 +378,21 @@ class Problem:
         Before each call, a primal that an earlier call of ``f`` modified in place is reset
         to the caller's value (NOTE [f's own copies]).
         """
+        return self._checked(self._call_f(*self._reset(xs)))
+
+    def g_inner(self, *xs: Tensor) -> Any:
+        """:meth:`g` as called by torch.func's ``vjp``/``jvp`` inside torch_vjp's own
+        transforms: the tensors of the primals not differentiated are wrapped at the
+        transform's level, as torch.func does (NOTE [non-differentiated primals])."""
+        return self._checked(self._call_inner(*self._reset(xs)))
+
+    def _reset(self, xs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         for guard in self._guard:
             if guard[0]._version != guard[2]:
                 guard.reset()
-        res = self._call_f(*xs)
+        return xs
+
+    def _checked(self, res: Any) -> Any:
         out = res
         if self.has_aux:
             if not (isinstance(res, tuple) and len(res) == 2):
@@ -330,11 +404,14 @@ class Problem:
             out = res[0]
             self._check_aux(res[1])
         if isinstance(out, Tensor):
-            if not out.dtype.is_floating_point:
+            if not out.dtype.is_floating_point and not (self.complex_ok and out.is_complex()):
                 self._bad_output(out, None)
         else:
             for path, leaf in tree_flatten_with_path(out)[0]:
-                if not (isinstance(leaf, Tensor) and leaf.dtype.is_floating_point):
+                if not (
+                    isinstance(leaf, Tensor)
+                    and (leaf.dtype.is_floating_point or (self.complex_ok and leaf.is_complex()))
+                ):
                     self._bad_output(leaf, path)
             if not tree_leaves(out):
                 raise JacobianCallError(
@@ -374,6 +451,21 @@ class Problem:
                 f"{self.call}: {where} is a {type(leaf).__name__}, but every output of f must "
                 f"be a Tensor (or a tuple, list or dict of Tensors): the Jacobian has one "
                 f"block per output tensor.{hint}"
+            )
+        if self.complex_ok:
+            raise JacobianCallError(
+                f"{self.call}: {where} has dtype {leaf.dtype}; only floating-point or complex "
+                f"outputs can be differentiated (as in torch.func.vjp). Fix: return it as "
+                f".double() or .float() if it is differentiable, or move it to aux with "
+                f"has_aux=True."
+            )
+        if leaf.dtype.is_complex:
+            raise JacobianCallError(
+                f"{self.call}: {where} has dtype {leaf.dtype}; only real floating-point "
+                f"outputs have a Jacobian here (as in torch.func.jacrev). Fix: return "
+                f"torch.view_as_real(...) of it (real and imaginary parts along a last "
+                f"dimension of 2), or use torch_vjp.vjp / torch_vjp.jvp, which take complex "
+                f"outputs."
             )
         raise JacobianCallError(
             f"{self.call}: {where} has dtype {leaf.dtype}; only real floating-point outputs "

@@ -77,6 +77,8 @@ def basis_rows(
             z = z.view(c, *shape)
             if batch is not None:
                 z = z.unsqueeze(1).expand(c, batch, *shape)
+                if c == 1:  # one vector, for a loop: materialised (NOTE [one vector at a time])
+                    z = z.contiguous()
             out.append(z)
         return tuple(out)
 
@@ -141,6 +143,12 @@ def map_rows(
         >>> stacked[0].tolist()
         [[0.0, 2.0], [4.0, 6.0], [8.0, 10.0]]
     """
+    # NOTE [one vector at a time]
+    # Without vmap, each vector is taken as rows(i, i + 1)[0]: a tensor of its own (for the
+    # standard basis, a fresh contiguous one), as torch.func.jacrev's chunk_size=1 passes
+    # them, never a view into a chunk of rows. A backward formula may read its grad_output
+    # through an absolute as_strided (as_strided_scatter's does), which on a row of a larger
+    # basis tensor, at a storage offset, reads the wrong elements.
     step = n if chunk_size is None else min(chunk_size, n)
     collector = _Collector(n, detach)
     extra: Any = None
@@ -149,8 +157,8 @@ def map_rows(
     start = 0
     while start < n:
         stop = min(n, start + step)
-        vecs = rows(start, stop)
         if vectorized and stop - start > 1:
+            vecs = rows(start, stop)
             res = batched_fn(*vecs)  # type: ignore[misc]
             if extras:
                 res, ex = res
@@ -159,7 +167,8 @@ def map_rows(
             collector.put(start, stop, res)
         else:
             for k in range(stop - start):
-                res = fn(*[v[k] for v in vecs])
+                # each vector its own tensor (NOTE [one vector at a time])
+                res = fn(*[v[0] for v in rows(start + k, start + k + 1)])
                 if extras:
                     res, ex = res
                     if start + k == 0:

@@ -54,9 +54,13 @@ class Opts:
         probe: returns the flat outputs and their structure without computing derivatives,
             or None for ``Problem.probe``.
         detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
+        vmap_single: a single product runs under vmap too, as torch.func.jacrev runs it
+            (NOTE [the gradient inside a Hessian]); by default it is a plain call.
     """
 
-    __slots__ = ("batch", "chunk_size", "max_memory", "alternatives", "probe", "detached")
+    __slots__ = (
+        "batch", "chunk_size", "max_memory", "alternatives", "probe", "detached", "vmap_single"
+    )
 
     def __init__(
         self,
@@ -66,6 +70,7 @@ class Opts:
         alternatives: str,
         probe: Callable[[], tuple[list[Tensor], TreeSpec]] | None,
         detached: bool = False,
+        vmap_single: bool = False,
     ) -> None:
         self.batch = batch
         self.chunk_size = chunk_size
@@ -73,6 +78,7 @@ class Opts:
         self.alternatives = alternatives
         self.probe = probe
         self.detached = detached
+        self.vmap_single = vmap_single
 
 
 def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem) -> list[torch.Size]:

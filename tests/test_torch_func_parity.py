@@ -1,0 +1,416 @@
+"""Where torch.func computes a derivative, torch_vjp computes it too: functions that mutate a
+primal they are not differentiated against, backward formulas that read their grad_output
+through ``as_strided``, backward kernels torch decomposes only under vmap, forward-mode
+formulas torch has wrong, a disconnection check that never fails a call, and a pullback
+``make_fx`` can trace. Every result in float64 against torch.func and finite differences."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torch_vjp as tv
+from torch_vjp._engine import rows as rows_module
+from torch_vjp._engine.symmetry import asymmetry
+from torch_vjp._strategies import STRATEGIES
+
+D = torch.float64
+ALL = tuple(STRATEGIES)  # auto, rev, fwd, rev-loop, fwd-loop
+CHECKED_BY_ENVIRONMENT = os.environ.get("TORCH_VJP_CHECKED") == "1"
+
+
+def fd_jacobian(f, x, eps=1e-6):
+    """Central differences, one input element at a time: ``out.shape + x.shape``."""
+    cols = []
+    flat = x.reshape(-1)
+    for k in range(flat.numel()):
+        e = torch.zeros_like(flat)
+        e[k] = eps
+        cols.append((f((flat + e).view_as(x)) - f((flat - e).view_as(x))) / (2 * eps))
+    return torch.stack(cols, -1).reshape(*cols[0].shape, *x.shape)
+
+
+def fd_hessian(f, x):
+    """The finite-difference Jacobian of torch.func's gradient."""
+    return fd_jacobian(torch.func.grad(f), x)
+
+
+@contextlib.contextmanager
+def no_jacobian_warnings():
+    """A context in which any JacobianWarning fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# f writes into a primal it is not differentiated against (NOTE [non-differentiated primals])
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_f_copying_into_a_non_differentiated_primal(strategy):
+    x, y = torch.randn(3, dtype=D), torch.zeros(3, dtype=D)
+    y_before = y.clone()
+
+    def f(x, y):
+        return y.copy_(x) * x
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # no "could not vectorise"
+        J = tv.jacobian(f, x, y, argnums=0, strategy=strategy)
+    torch.testing.assert_close(J, torch.func.jacrev(f, argnums=0)(x, y.clone()))
+    torch.testing.assert_close(J, fd_jacobian(lambda t: f(t, y.clone()), x))
+    assert torch.equal(y, y_before)  # the caller's tensor is never written
+
+
+def test_issue_example_copy_is_the_identity():
+    x, y = torch.randn(3, dtype=D), torch.zeros(3, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        J = tv.jacobian(lambda x, y: y.copy_(x), x, y, argnums=0)
+    torch.testing.assert_close(J, torch.eye(3, dtype=D))
+    assert not y.any()
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_hessian_of_f_copying_into_a_non_differentiated_primal(strategy):
+    x, y = torch.randn(3, dtype=D), torch.zeros(3, dtype=D)
+
+    def f(x, y):
+        return y.copy_(x).pow(3).sum()
+
+    H = tv.hessian(f, x, y, argnums=0, strategy=strategy)
+    torch.testing.assert_close(H, torch.func.hessian(f, argnums=0)(x, y.clone()))
+    torch.testing.assert_close(H, fd_hessian(lambda t: f(t, y.clone()), x))
+    assert not y.any()
+
+
+def test_batched_jvp_of_f_writing_into_a_pytree_primal_not_differentiated():
+    x = torch.randn(3, dtype=D)
+    buf = {"y": torch.zeros(3, dtype=D)}
+
+    def f(x, buf):
+        return buf["y"].copy_(x).sin()
+
+    J = tv.jacobian(f, x, buf, argnums=0, strategy="fwd")
+    torch.testing.assert_close(J, torch.diag(x.cos()))
+    assert not buf["y"].any()
+
+
+# --------------------------------------------------------------------------------------
+# The loops pass each vector as a tensor of its own (NOTE [one vector at a time])
+# --------------------------------------------------------------------------------------
+
+
+def _as_strided_scatter(x):
+    return torch.as_strided_scatter(torch.zeros(9, dtype=D), x, (2, 2), (1, 2), 1)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev", "rev-loop", "fwd-loop"])
+def test_as_strided_scatter_backward_reads_a_fresh_row(strategy):
+    """(``"fwd"`` is left out: as_strided_scatter has no batching rule, and torch.func.jacfwd
+    fails on it too; ``"auto"`` falls back to its loop.)"""
+    x = torch.randn(2, 2, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = tv.jacobian(_as_strided_scatter, x, strategy=strategy)
+    torch.testing.assert_close(J, torch.func.jacrev(_as_strided_scatter)(x))
+    torch.testing.assert_close(J, fd_jacobian(_as_strided_scatter, x))
+
+
+@pytest.mark.parametrize("batch", [None, 3])
+def test_loop_rows_are_fresh_contiguous_tensors(batch):
+    shapes = [torch.Size([2, 2]), torch.Size([3])]
+    rows = rows_module.basis_rows(shapes, [D, D], [torch.device("cpu")] * 2, batch)
+    seen = []
+
+    def fn(a, b):
+        seen.append((a, b))
+        return (a.sum() + b.sum()).reshape(1),
+
+    (stacked,), _ = rows_module.map_rows(fn, rows, 7, vectorized=False, chunk_size=None)
+    assert stacked.flatten().tolist() == [float(batch or 1)] * 7
+    for a, b in seen:
+        for v in (a, b):
+            assert v.storage_offset() == 0 and v.is_contiguous()
+    assert len({a.untyped_storage().data_ptr() for a, _ in seen}) == 7
+
+
+# --------------------------------------------------------------------------------------
+# The gradient inside a Hessian runs under vmap (NOTE [the gradient inside a Hessian])
+# --------------------------------------------------------------------------------------
+
+
+def _huber(x, t):
+    return (F.huber_loss(x, t, reduction="none") ** 2).sum()
+
+
+def _layer_norm_bias_only(x, b):
+    return F.layer_norm(x, (5,), None, b).pow(3).sum()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev", "fwd"])
+@pytest.mark.parametrize("name", ["huber_loss", "layer_norm(weight=None, bias)"])
+def test_hessian_of_backward_kernels_torch_decomposes_under_vmap(name, strategy):
+    """The vectorised strategies, as torch.func.hessian. (The loop strategies run without
+    vmap by definition, as torch.func.jacrev(chunk_size=1) does, and fail where it fails:
+    huber_loss under "fwd-loop", layer_norm under "rev-loop".)"""
+    if name == "huber_loss":
+        f, primals = _huber, (torch.randn(5, dtype=D) * 2, torch.randn(5, dtype=D))
+    else:
+        f, primals = _layer_norm_bias_only, (torch.randn(2, 5, dtype=D), torch.randn(5, dtype=D))
+    H = tv.hessian(f, *primals, argnums=(0, 1), strategy=strategy)
+    ref = torch.func.hessian(f, argnums=(0, 1))(*primals)
+    for i in range(2):
+        for j in range(2):
+            torch.testing.assert_close(H[i][j], ref[i][j])
+    # finite differences of the gradient, block by block
+    x, t = primals
+    torch.testing.assert_close(H[0][0], fd_hessian(lambda u: f(u, t), x))
+    torch.testing.assert_close(H[1][1], fd_hessian(lambda u: f(x, u), t))
+
+
+# --------------------------------------------------------------------------------------
+# Forward over reverse, checked by the Hessian's symmetry (NOTE [forward over reverse,
+# checked])
+# --------------------------------------------------------------------------------------
+
+
+def _triangular(b, A):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.triangular_solve is deprecated
+        return torch.triangular_solve(b, A)[0].pow(3).sum()
+
+
+def _triangular_point():
+    A = torch.randn(3, 3, dtype=D).triu() + 3 * torch.eye(3, dtype=D)
+    return torch.randn(3, 2, dtype=D), A
+
+
+def test_auto_hessian_prefers_reverse_over_reverse_where_forward_is_wrong():
+    b, A = _triangular_point()
+    rev = tv.hessian(_triangular, b, A, argnums=1, strategy="rev")
+    fwd = tv.hessian(_triangular, b, A, argnums=1, strategy="fwd")
+    assert (fwd - rev).norm() > 0.1 * rev.norm()  # torch's forward-mode formula is wrong
+    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.hessian: forward-over-reverse "
+                      r"\(strategy='auto'\) gave a Hessian of _triangular that is not symmetric "
+                      r"\(entries that must be equal differ by up to .*, at a scale of .*\), "
+                      r"and reverse-over-reverse disagrees with it \(by up to .*\): an operator "
+                      r"in f has a wrong forward-mode derivative of its backward formula"
+                      r"(?s:.*)returned the reverse-over-reverse Hessian.\n  Pass "
+                      r"strategy='rev'"):
+        H = tv.hessian(_triangular, b, A, argnums=1)
+    torch.testing.assert_close(H, rev)
+    torch.testing.assert_close(H, fd_hessian(lambda M: _triangular(b, M), A))
+    with pytest.raises(RuntimeError):  # torch.func.hessian fails on it
+        torch.func.hessian(_triangular, argnums=1)(b, A)
+
+
+def test_auto_hessian_checks_every_block_pair():
+    b, A = _triangular_point()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        H = tv.hessian(_triangular, b, A, argnums=(0, 1))
+    rev = tv.hessian(_triangular, b, A, argnums=(0, 1), strategy="rev")
+    for i in range(2):
+        for j in range(2):
+            torch.testing.assert_close(H[i][j], rev[i][j])
+
+
+def test_symmetric_hessians_are_returned_as_computed(monkeypatch):
+    """The common case: symmetric, so forward over reverse stands, computed once."""
+    x = torch.randn(4, dtype=D)
+    f = lambda x: (x.sin() * x.roll(1)).sum() ** 2  # noqa: E731
+    modes = []
+    from torch_vjp import jacobians
+
+    real = jacobians.jacobian_blocks
+
+    def recording(prob, mode, **kwargs):
+        if kwargs.get("probe") is not None:  # the outer Jacobian (the inner one has no probe)
+            modes.append(mode)
+        return real(prob, mode, **kwargs)
+
+    monkeypatch.setattr(jacobians, "jacobian_blocks", recording)
+    with no_jacobian_warnings():
+        H = tv.hessian(f, x)
+    torch.testing.assert_close(H, torch.func.hessian(f)(x))
+    torch.testing.assert_close(H, fd_hessian(f, x))
+    assert modes == ["fwd"]
+
+
+def test_asymmetry_pairs_blocks_across_inputs():
+    """blocks[o * L + k][i] against blocks[o * L + i][k], transposed."""
+    x, y = torch.zeros(2), torch.zeros(3)
+    full = torch.randn(5, 5)
+    full = full + full.T
+    blocks = [[full[:2, :2], full[:2, 2:]], [full[2:, :2], full[2:, 2:]]]
+    assert asymmetry(blocks, [x, y])[0] == 0.0
+    blocks[0][1] = blocks[0][1] + torch.tensor([[0.0, 0.0, 0.25], [0.0, 0.0, 0.0]])
+    assert asymmetry(blocks, [x, y]) == (0.25, full.abs().max().item())
+    # two outputs (a non-scalar f): each output's Hessian on its own
+    two = [[torch.stack([full[:2, :2], -full[:2, :2]])]]
+    assert asymmetry(two, [x]) == (0.0, full[:2, :2].abs().max().item())
+
+
+def test_asymmetry_compares_large_hessians_a_slice_at_a_time(monkeypatch):
+    from torch_vjp._engine import symmetry
+
+    monkeypatch.setattr(symmetry, "PIECE", 16)
+    H = torch.randn(3, 10, 10)
+    H = H + H.transpose(1, 2)
+    assert asymmetry([[H]], [torch.zeros(10)])[0] == 0.0
+    H[1, 7, 2] += 0.5
+    assert asymmetry([[H]], [torch.zeros(10)])[0] == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------------------
+# The disconnection check never fails a call, and runs f only in checked mode
+# (NOTE [the disconnection check])
+# --------------------------------------------------------------------------------------
+
+
+def _batch_norm_counting(calls):
+    def f(x, rm, rv):
+        calls.append(1)
+        return F.batch_norm(x, rm.clone(), rv.clone(), training=True)
+
+    return f
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["default", "checked"])
+@pytest.mark.parametrize("strategy", ["fwd", "fwd-loop"])
+def test_zero_blocks_of_forward_mode_never_fail_the_call(strategy, checked):
+    """Running statistics: a forward-mode derivative (zero), no reverse-mode one."""
+    x = torch.randn(4, 3, dtype=D)
+    rm, rv = torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+    calls = []
+    f = _batch_norm_counting(calls)
+    with pytest.raises(RuntimeError, match="not differentiable with respect to argument"):
+        torch.func.jacrev(f, argnums=(1, 2))(x, rm, rv)
+    ref = torch.func.jacfwd(f, argnums=(1, 2))(x, rm, rv)
+    with tv.checked() if checked else warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        J = tv.jacobian(f, x, rm, rv, argnums=(1, 2), strategy=strategy)
+    for got, want in zip(J, ref):
+        torch.testing.assert_close(got, want)
+        assert not got.any()  # finite differences: the output does not move either
+    torch.testing.assert_close(fd_jacobian(lambda m: f(x, m, rv), rm), J[0])
+
+
+@pytest.mark.skipif(CHECKED_BY_ENVIRONMENT, reason="TORCH_VJP_CHECKED=1 turns the check on")
+@pytest.mark.parametrize("strategy", ["fwd", "rev"])
+def test_f_runs_no_more_often_for_a_zero_block(strategy):
+    """Outside checked mode a zero block costs nothing: f runs as often as for a block that
+    is not zero (forward mode: a probe and the products; reverse mode: the products)."""
+    x = torch.randn(4, 3, dtype=D)
+    rm, rv = torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+    zero_calls, nonzero_calls = [], []
+    f = _batch_norm_counting(zero_calls)
+    if strategy == "fwd":
+        tv.jacobian(f, x, rm, rv, argnums=(1, 2), strategy=strategy)
+    g = _batch_norm_counting(nonzero_calls)
+    tv.jacobian(g, x, rm, rv, argnums=0, strategy=strategy)
+    through_item_calls = []
+
+    def through_item(x):
+        through_item_calls.append(1)
+        return torch.full((2,), x.sum().item(), dtype=D)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        J = tv.jacobian(through_item, torch.randn(3, dtype=D), strategy=strategy)
+    assert not J.any()  # as torch.func gives it
+    assert len(through_item_calls) == len(nonzero_calls)
+    if strategy == "fwd":
+        assert len(zero_calls) == len(nonzero_calls) == 2
+
+
+def test_a_failure_inside_the_check_ends_it_silently():
+    """In checked mode the check calls f again; if f fails there, the Jacobian stands."""
+    calls = []
+
+    def flaky(x):
+        calls.append(1)
+        if len(calls) > 1:
+            raise ValueError("f fails on its second call")
+        return torch.full((2,), x.sum().item(), dtype=D)
+
+    x = torch.randn(3, dtype=D)
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        J = tv.jacobian(flaky, x, strategy="rev")
+    assert J.shape == (2, 3) and not J.any() and len(calls) > 1
+
+
+def test_the_check_warns_through_a_warnings_filter_turned_to_errors():
+    """A warning the check emits is raised outside its guard: an "error" filter sees it."""
+    def through_item(x):
+        return torch.full((2,), x.sum().item(), dtype=D)
+
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with pytest.raises(tv.JacobianWarning, match="does not depend on primals"):
+            tv.jacobian(through_item, torch.randn(3, dtype=D))
+
+
+# --------------------------------------------------------------------------------------
+# make_fx traces the pullback itself (NOTE [a traceable pullback])
+# --------------------------------------------------------------------------------------
+
+
+def test_make_fx_traces_vjp_fn_directly():
+    x = torch.randn(3, dtype=D)
+    W = torch.randn(2, 3, dtype=D)
+    out, vjp_fn = tv.vjp(lambda x: torch.tanh(W @ x), x)
+    c = torch.randn(2, dtype=D)
+    graph = make_fx(vjp_fn)(c)
+    (want,) = torch.func.vjp(lambda x: torch.tanh(W @ x), x)[1](c)
+    (got,) = graph(c)
+    torch.testing.assert_close(got, want)
+    c2 = torch.randn(2, dtype=D)
+    torch.testing.assert_close(graph(c2)[0], vjp_fn(c2)[0])
+    torch.testing.assert_close(got, c @ fd_jacobian(lambda t: torch.tanh(W @ t), x))
+    # torch.func's own pullback needs a lambda around it
+    with pytest.raises(RuntimeError, match="Tracing expected 3 arguments"):
+        make_fx(torch.func.vjp(torch.sin, x)[1])(x)
+
+
+def test_vjp_fn_shows_and_checks_its_documented_signature():
+    _, vjp_fn = tv.vjp(torch.sin, torch.randn(3, dtype=D))
+    assert str(inspect.signature(vjp_fn)) == "(cotangents, *, batched=False, chunk_size=None)"
+    c = torch.eye(3, dtype=D)
+    (rows,) = vjp_fn(c, batched=True, chunk_size=2)
+    torch.testing.assert_close(rows, vjp_fn(cotangents=c, batched=True)[0])
+    with pytest.raises(TypeError, match=r"^vjp_fn\(\) got an unexpected keyword argument "
+                       r"'retain_graph'$"):
+        vjp_fn(c[0], retain_graph=True)
+    with pytest.raises(TypeError, match=r"takes 1 positional argument but 2 were given"):
+        vjp_fn(c[0], True)
+
+
+# --------------------------------------------------------------------------------------
+# A non-tensor aux: one rule for every strategy and transform
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda f, x: tv.jvp(f, (x,), (torch.eye(3, dtype=D),), batched=True, has_aux=True),
+    lambda f, x: tv.jvp(f, (x,), (x,), has_aux=True),
+    lambda f, x: tv.vjp(f, x, has_aux=True),
+    *[lambda f, x, s=s: tv.jacobian(f, x, has_aux=True, strategy=s) for s in ALL],
+], ids=["jvp-batched", "jvp", "vjp", *ALL])
+def test_non_tensor_aux_is_named_everywhere(call):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with pytest.raises(tv.JacobianCallError, match=r": aux\[1\] is a str, but with "
+                           r"has_aux=True the aux value f returns must be a tensor"):
+            call(lambda t: (t.sin(), (t.cos(), "label")), torch.randn(3, dtype=D))

@@ -1,0 +1,134 @@
+"""The symmetry of a Hessian, as a check of forward-over-reverse.
+
+NOTE [forward over reverse, checked]
+``hessian(strategy="auto")`` differentiates the gradient in forward mode, which runs the
+forward-mode formulas of the operators in f's backward pass. A few of those are wrong in torch
+(torch.triangular_solve's: a relative error near 1 on the matrix argument), and torch.func
+returns such a Hessian silently, or fails. A Hessian of a twice-differentiable f is
+symmetric, and a wrong formula almost never keeps it so: the entries ``H[..., a, b]`` and
+``H[..., b, a]`` come from different products (column b of the product for input element a
+against column a of the product for b). So "auto" compares them, at a cost of one pass over
+the Hessian, in pieces that bound the extra memory, and one synchronisation; only where they
+disagree beyond rounding (``sqrt(eps)`` of the Hessian's scale) does it compute the Hessian
+again reverse-over-reverse, whose formulas are the ones every gradient uses. If the two
+Hessians agree (f is not smooth at the point: asymmetric for real), forward-over-reverse
+stands; if not, the reverse-over-reverse one is returned, with a one-time warning. Explicit
+strategies are not checked: "fwd" is forward-over-reverse as asked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["PIECE", "asymmetry", "largest_difference", "tolerance"]
+
+#: Elements compared at once: the check's extra memory is a few tensors of this many.
+PIECE = 1 << 20
+
+
+def _max_abs_difference(a: Tensor, b: Tensor) -> Tensor:
+    """``max |a - b|`` over ``(m, r, c)`` tensors (one kernel for up to :data:`PIECE`
+    elements, else a slice of rows at a time, to bound the temporary difference)."""
+    m, r, c = a.shape
+    if a.numel() <= PIECE:
+        return (a - b).abs().amax()
+    rows = max(1, PIECE // max(1, m * c))
+    diff = a.new_zeros(())
+    for start in range(0, r, rows):
+        piece = a[:, start:start + rows] - b[:, start:start + rows]
+        diff = torch.maximum(diff, piece.abs_().amax())
+    return diff
+
+
+def _largest(t: Tensor) -> Tensor:
+    return t.abs().amax()
+
+
+def asymmetry(
+    blocks: Sequence[Sequence[Tensor]], leaves: Sequence[Tensor]
+) -> tuple[float, float]:
+    """The largest difference between Hessian entries that must be equal, and the largest
+    entry: ``(difference, scale)``, read with one synchronisation.
+
+    ``blocks[o * L + k][i]`` (``L = len(leaves)``) is the Hessian block of flat output ``o``
+    of f with respect to leaves ``k`` then ``i``, shaped ``out_o + leaf_k + leaf_i``; it must
+    equal the transpose of ``blocks[o * L + i][k]``.
+
+    Example:
+        >>> H = torch.tensor([[2.0, 1.0], [1.5, 3.0]])
+        >>> asymmetry([[H]], [torch.zeros(2)])
+        (0.5, 3.0)
+    """
+    n_leaves = len(leaves)
+    numels = [x.numel() for x in leaves]
+    parts: list[Tensor] = []  # each 1-d: differences and largest entries, as ``kinds`` says
+    kinds: list[str] = []
+    with torch.no_grad():
+        for j in range(len(blocks)):
+            o, k = divmod(j, n_leaves)
+            for i in range(k, n_leaves):
+                n_k, n_i = numels[k], numels[i]
+                a = blocks[j][i].detach()
+                if n_k * n_i == 0 or a.numel() == 0:
+                    continue
+                m = a.numel() // (n_k * n_i)
+                a = a.reshape(m, n_k, n_i)
+                if i == k:
+                    b = a.transpose(1, 2)
+                else:
+                    b = blocks[o * n_leaves + i][k].detach().reshape(m, n_i, n_k)
+                    parts.append(_largest(b).reshape(1))
+                    kinds.append("s")
+                    b = b.transpose(1, 2)
+                if a.numel() <= PIECE:  # both maxima in one reduction
+                    parts.append(torch.stack((a - b, a)).abs_().flatten(1).amax(1))
+                    kinds.append("ds")
+                else:
+                    parts += [_max_abs_difference(a, b).reshape(1), _largest(a).reshape(1)]
+                    kinds += ["d", "s"]
+    if not parts:
+        return 0.0, 0.0
+    values = (parts[0] if len(parts) == 1 else torch.cat([p.float() for p in parts])).tolist()
+    diff = scale = 0.0
+    for kind, value in zip("".join(kinds), values):
+        if kind == "d":
+            diff = max(diff, value)
+        else:
+            scale = max(scale, value)
+    return diff, scale
+
+
+def largest_difference(
+    first: Sequence[Sequence[Tensor]], second: Sequence[Sequence[Tensor]]
+) -> Tensor:
+    """``max |first - second|`` over two grids of blocks of the same shapes (a 0-d tensor).
+
+    Example:
+        >>> float(largest_difference([[torch.ones(2)]], [[torch.tensor([1.0, 3.0])]]))
+        2.0
+    """
+    diff: Tensor | None = None
+    with torch.no_grad():
+        for row_a, row_b in zip(first, second):
+            for a, b in zip(row_a, row_b):
+                if a.numel() == 0:
+                    continue
+                d = _max_abs_difference(
+                    a.detach().reshape(1, -1, 1), b.detach().reshape(1, -1, 1)
+                )
+                diff = d if diff is None else torch.maximum(diff, d)
+    return torch.zeros(()) if diff is None else diff
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The relative difference taken for rounding: ``sqrt(eps)`` of ``dtype``.
+
+    Example:
+        >>> tolerance(torch.float64) < 1e-7 < tolerance(torch.float32) < 1e-3
+        True
+    """
+    return math.sqrt(torch.finfo(dtype).eps)
