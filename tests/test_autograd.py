@@ -495,3 +495,49 @@ def test_err_pullback_names_the_primal_shape():
         out, vjp_fn = torch.func.vjp(lambda t: torch.outer(t, t), x)
     msg = _raises(r"cotangents has shape \(4,\), but out has shape \(4, 4\)", vjp_fn, torch.ones(4))
     assert "(4,) is the shape of primals[0]" in msg
+
+
+# --------------------------------------------------------------------------------------
+# The four messages of the seeds' follow-up review (issue #12, item 6)
+# --------------------------------------------------------------------------------------
+
+
+def test_integer_gradient_warning_never_suggests_an_integer_output():
+    """Integer tensors cannot require grad: the cast warning must not suggest computing the
+    output in the integer dtype, only the explicit cast."""
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(tv.GradOutputsWarning) as caught:
+        tv.grad(x * 2, x, torch.ones(3, dtype=torch.int64))
+    (message,) = [str(w.message) for w in caught]
+    assert message.endswith("Pass grad_outputs[0].to(torch.float32) to make the cast explicit.")
+    assert "compute" not in message and "int64 if you need" not in message
+
+
+def test_one_element_output_given_several_weights_is_diagnosed():
+    x = torch.randn(1, requires_grad=True)
+    msg = _raises(r"grad_outputs\[0\] has shape \(3,\), but outputs\[0\] has shape \(1,\)",
+                  tv.grad, x * 2, x, torch.ones(3))
+    assert "a single element, so dL/d outputs[0] is a single number, not 3" in msg
+    assert "torch.ones_like(outputs[0]), or leave it None" in msg
+    assert "differentiate the vector of those outputs" in msg
+
+
+def test_batched_shape_names_k_apart_from_the_output_shape():
+    """With K known from another entry, the wanted shape is '(K, 4, 4) with K = 4', never a
+    shape that reads as (4, 4, 4) being required of the wrong entry alone."""
+    x = torch.randn(4, 4, requires_grad=True)
+    y = x * 2
+    msg = _raises(r"grad_outputs\[1\] has shape \(4, 4\)", tv.grad, [y, y * 3], x,
+                  [torch.ones(4, 4, 4), torch.ones(4, 4)], is_grads_batched=True)
+    assert "must have shape (K, 4, 4) with K = 4, as in the other grad_outputs" in msg
+    assert "grad_outputs[1].expand(4, *outputs[1].shape)" in msg
+
+
+def test_missing_size_one_leading_dimension_is_an_unsqueeze():
+    """A size-1 leading dimension is not 'the same vector for every row': one row only."""
+    x = torch.randn(1, 3, requires_grad=True)
+    msg = _raises(r"grad_outputs\[0\] has shape \(3,\), but outputs\[0\] has shape \(1, 3\)",
+                  tv.grad, x * 2, x, torch.ones(3))
+    assert "lacks the leading dimension of size 1 that outputs[0] has: pass " \
+           "grad_outputs[0].unsqueeze(0)" in msg
+    assert "same vector for every row" not in msg
