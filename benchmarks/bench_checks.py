@@ -5,6 +5,9 @@
    ``tv.checked()`` vs plain (target <= 1.10).
 3. The same step in a fresh process with ``TORCH_VJP_CHECKED=1`` vs plain in that process
    (checks switched off there with ``torch_vjp.autograd._uninstall`` for the reference).
+4. The step of 2. with its first layer a custom ``torch.autograd.Function`` (a linear layer
+   with a hand-written backward), inside ``tv.checked()`` vs plain: checked mode checks what
+   that backward returns on every call (target <= 1.10).
 
 Medians from ``torch.utils.benchmark.Timer.blocked_autorange``; ratios against the
 reference measured in the same run (process). Writes ``results/checks_overhead.json`` and
@@ -42,6 +45,34 @@ def step():
     opt.step()
 """
 
+CUSTOM_STEP_SETUP = """
+import torch
+torch.manual_seed(0)
+
+class LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return torch.addmm(b, x, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x, g.sum(0)
+
+w1 = torch.nn.Parameter(torch.randn(128, 64) / 8)
+b1 = torch.nn.Parameter(torch.zeros(128))
+head = torch.nn.Linear(128, 10)
+opt = torch.optim.SGD([w1, b1, *head.parameters()], lr=1e-3)
+x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+def step():
+    opt.zero_grad(set_to_none=True)
+    h = torch.tanh(LinearFn.apply(x, w1, b1))
+    loss = torch.nn.functional.cross_entropy(head(h), y)
+    loss.backward()
+    opt.step()
+"""
+
 
 def _median(stmt: str, setup: str, globals_: dict | None, min_run_time: float) -> float:
     timer = tb.Timer(stmt, setup=setup, globals=globals_ or {}, num_threads=torch.get_num_threads())
@@ -75,6 +106,17 @@ def bench_step_checked(min_run_time: float) -> dict:
         ours.append(_median("with tv.checked():\n    step()", STEP_SETUP + "import torch_vjp as tv\n",
                             None, min_run_time))
     return {"case": "MLP 64-128-10 training step, batch 32, inside tv.checked()",
+            "reference": "the same step, plain", "reference_s": min(ref),
+            "torch_vjp_s": min(ours), "ratio": min(ours) / min(ref), "target": 1.10}
+
+
+def bench_step_custom(min_run_time: float) -> dict:
+    ref, ours = [], []
+    for _ in range(2):
+        ref.append(_median("step()", CUSTOM_STEP_SETUP, None, min_run_time))
+        ours.append(_median("with tv.checked():\n    step()",
+                            CUSTOM_STEP_SETUP + "import torch_vjp as tv\n", None, min_run_time))
+    return {"case": "the same step, first layer a custom autograd.Function, inside tv.checked()",
             "reference": "the same step, plain", "reference_s": min(ref),
             "torch_vjp_s": min(ours), "ratio": min(ours) / min(ref), "target": 1.10}
 
@@ -124,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [bench_grad(args.min_run_time), bench_step_checked(args.min_run_time),
-            bench_step_env(args.min_run_time)]
+            bench_step_env(args.min_run_time), bench_step_custom(args.min_run_time)]
     result = {"environment": environment(), "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "checks_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
