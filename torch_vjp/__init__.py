@@ -33,6 +33,7 @@ from torch_vjp._errors import (
     TorchVJPError,
     TorchVJPWarning,
 )
+from torch_vjp._sharded import JacobianShard
 
 from torch_vjp.autograd import backward, check_grad_outputs, checked, grad
 from torch_vjp.compare import StrategyComparison, StrategyRow, compare_strategies
@@ -65,6 +66,7 @@ __all__ = [
     "batch_jacobian",
     "jacobian_of",
     "hessian",
+    "JacobianShard",
     "jacobian_sparsity",
     "sparse_jacobian",
     # VJP and JVP, batched (SPEC §4)

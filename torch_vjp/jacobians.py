@@ -38,6 +38,7 @@ from torch_vjp._errors import (
     user_stacklevel,
     warn_once,
 )
+from torch_vjp._sharded import check_group, sharded_jacobian
 from torch_vjp._strategies import StrategyName, get_strategy
 
 __all__ = ["jacobian", "batch_jacobian", "jacobian_of", "hessian"]
@@ -53,6 +54,8 @@ def jacobian(
     max_memory: int | str | None = None,
     has_aux: Literal[False] = False,
     create_graph: bool = False,
+    process_group: Any = None,
+    shard: bool = False,
 ) -> Any: ...
 
 
@@ -66,6 +69,8 @@ def jacobian(
     max_memory: int | str | None = None,
     has_aux: Literal[True],
     create_graph: bool = False,
+    process_group: Any = None,
+    shard: bool = False,
 ) -> tuple[Any, Any]: ...
 
 
@@ -78,6 +83,8 @@ def jacobian(
     max_memory: int | str | None = None,
     has_aux: bool = False,
     create_graph: bool = False,
+    process_group: Any = None,
+    shard: bool = False,
 ) -> Any:
     """The Jacobian of ``f`` at ``primals``: one VJP per output element or one JVP per input
     element, vectorised with vmap, whichever is cheaper.
@@ -111,16 +118,37 @@ def jacobian(
             ``chunk_size`` and ``max_memory`` bound the memory even for a model whose
             parameters require grad. Inside an outer torch.func transform (``vmap``,
             ``grad``, ``jacrev``) the result always composes with it.
+        process_group: ``None`` (default): one process computes every product. A
+            ``torch.distributed`` ``ProcessGroup`` (``torch.distributed.group.WORLD`` for the
+            default group, after ``init_process_group``): the products are split over its
+            ranks, rank ``r`` of ``W`` computing products ``[n * r // W, n * (r + 1) // W)``
+            of the ``n`` (output elements in reverse mode, input elements in forward mode;
+            ``"auto"`` decides from sizes alone, the same on every rank), each rank with its
+            own ``chunk_size``/``max_memory``; the shards are then gathered, and every rank
+            returns the whole Jacobian. Every rank of the group must make the same call, at
+            the same primals (checked: shapes, dtypes and checksums of the values). Not with
+            ``create_graph=True`` or inside an outer torch.func transform. See the docs page
+            "Scaling out".
+        shard: with a ``process_group``, skip the gather: each rank returns a
+            :class:`~torch_vjp.JacobianShard` holding only its own products (rows
+            ``[start, stop)`` of the Jacobian with its outputs flattened, in reverse mode;
+            columns in forward mode) and the range they cover.
 
     Returns:
-        The Jacobian (``(J, aux)`` with ``has_aux``).
+        The Jacobian (``(J, aux)`` with ``has_aux``); with ``shard=True``, this rank's
+        :class:`~torch_vjp.JacobianShard` (its ``aux`` holds the aux value).
 
     Raises:
         StrategyError: unknown ``strategy``.
         JacobianMemoryError: the Jacobian does not fit ``max_memory`` (or the free memory);
             raised before the products are computed.
         JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit.
-        JacobianOptionError: invalid ``chunk_size`` or ``max_memory``.
+        JacobianOptionError: invalid ``chunk_size`` or ``max_memory``; a
+            ``process_group`` that is not a ProcessGroup, not initialised, or combined with
+            ``create_graph=True``; ``shard=True`` without a group.
+        JacobianCallError: with a ``process_group``, the ranks' calls differ (strategy,
+            argnums, primal shapes, dtypes or values), or another rank failed (each rank
+            raises; the failing rank its own error).
 
     Warns:
         JacobianWarning: once per function, when ``"auto"`` falls back to a loop; and, in
@@ -144,8 +172,12 @@ def jacobian(
     chunk = check_chunk_size(chunk_size, call=call)
     budget = parse_max_memory(max_memory, call=call)
     context, detached = graph_mode(create_graph, call=call)
+    group = check_group(process_group, shard, create_graph, call=call)
     with context, buffers_kept(f):
         prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
+        if group is not None:  # NOTE [sharded Jacobian]
+            return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
+                                    max_memory=budget)
         res = jacobian_blocks(
             prob, strat.mode, vectorized=strat.vectorized, fallback=strat.mode is None,
             chunk_size=chunk, max_memory=budget, detached=detached,

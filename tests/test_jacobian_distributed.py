@@ -1,0 +1,294 @@
+"""Sharded Jacobians (``tv.jacobian(..., process_group=...)``, NOTE [sharded Jacobian] in
+``torch_vjp._sharded``) with real process groups: gloo on CPU, 2 and 3 ranks started with
+torch.multiprocessing, one group per world size running the whole case table.
+
+Every rank checks its own result against ``torch.func.jacrev`` computed on one process, in
+float64: the gathered Jacobian equals it on every rank, and with ``shard=True`` each rank's
+values are exactly the rows (reverse mode) or columns (forward mode) its range names, the
+ranges of all ranks tiling ``[0, total)``. The cases cover uneven splits, fewer products
+than ranks, several argnums, pytree primals and outputs, ``has_aux``, ``chunk_size`` and
+``max_memory``. Errors that need several ranks (calls that differ between ranks, a rank
+whose ``f`` fails) are checked in the same groups; the others in this process, with a
+one-rank group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._pytree import tree_flatten
+
+import torch_vjp as tv
+
+DT = torch.float64
+STRATEGIES = ("rev", "fwd", "auto", "rev-loop", "fwd-loop")
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _data(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, dtype=DT, generator=g)
+    W = torch.randn(3, 4, dtype=DT, generator=g)
+    v = torch.randn(4, dtype=DT, generator=g)
+    p = {"w": torch.randn(2, 3, dtype=DT, generator=g), "b": torch.randn(2, dtype=DT,
+                                                                         generator=g)}
+    return tuple(t.to(device) for t in (x, W, v)) + ({k: t.to(device) for k, t in p.items()},)
+
+
+def _cases(device="cpu"):
+    """``(id, f, primals, kwargs)``: what the case table runs, with every strategy."""
+    x, W, v, p = _data(device)
+    return [
+        # 25 outputs, 5 inputs: uneven over 2 and 3 ranks either way
+        ("outer", lambda x: torch.outer(x, x.sin()), (x,), {}),
+        # several argnums: 3 outputs (one per rank of 3), 4 + 12 inputs
+        ("argnums", lambda v, W: torch.tanh(W @ v), (v, W), {"argnums": (0, 1)}),
+        ("argnum-1", lambda v, W: torch.tanh(W @ v), (v, W), {"argnums": 1}),
+        # a pytree output: a dict holding a scalar and a tuple
+        ("dict-out", lambda x: {"s": (x ** 2).sum(), "t": (x.sin(), x[:2] * x[1:3])},
+         (x,), {}),
+        # one output element, fewer products than ranks in reverse mode
+        ("scalar", lambda x: (x.exp() * x).sum(), (x,), {}),
+        # two input elements, fewer than 3 ranks in forward mode
+        ("two-in", lambda y: torch.stack([y[0] * y[1], y[0].sin(), y[1] ** 3]),
+         (x[:2].clone(),), {}),
+        # a pytree primal (a dict of parameters)
+        ("dict-primal", lambda p, v: torch.tanh(p["w"] @ v[:3] + p["b"]), (p, v), {}),
+        ("has-aux", lambda x: (x.sin() * x[0], {"norm": x.norm()}), (x,), {"has_aux": True}),
+        ("chunk-1", lambda x: torch.outer(x, x.cos()), (x,), {"chunk_size": 1}),
+        ("chunk-2", lambda x: torch.outer(x, x.cos()), (x,), {"chunk_size": 2}),
+        ("chunk-7", lambda x: torch.outer(x, x.cos()), (x,), {"chunk_size": 7}),
+        # a budget that allows a few products at a time
+        ("max-memory", lambda x: torch.outer(x, x.cos()), (x,), {"max_memory": 3000}),
+    ]
+
+
+def _reference(f, primals, kwargs):
+    kw = {k: v for k, v in kwargs.items() if k in ("argnums", "has_aux")}
+    return torch.func.jacrev(f, **kw)(*primals)
+
+
+def _flat_products(ref, out, primals, argnums, mode):
+    """What the products of ``mode`` stack, from a reference Jacobian: per differentiated
+    leaf ``(n_out, *leaf)`` in reverse mode, per output ``(n_in, *out)`` in forward mode."""
+    outs = tree_flatten(out)[0]
+    diff = primals[argnums] if isinstance(argnums, int) else tuple(primals[i] for i in argnums)
+    leaves, _ = tree_flatten(diff)
+    flat_ref, n_leaves = tree_flatten(ref)[0], len(leaves)
+    per_out = [flat_ref[j * n_leaves:(j + 1) * n_leaves] for j in range(len(outs))]
+    if mode == "rev":
+        return [torch.cat([per_out[j][i].reshape(o.numel(), *leaf.shape)
+                           for j, o in enumerate(outs)])
+                for i, leaf in enumerate(leaves)]
+    return [torch.cat([per_out[j][i].reshape(*o.shape, leaf.numel())
+                       for i, leaf in enumerate(leaves)], dim=-1).movedim(-1, 0)
+            for j, o in enumerate(outs)]
+
+
+def _close(got, want, what):
+    got_flat, got_spec = tree_flatten(got)
+    want_flat, want_spec = tree_flatten(want)
+    assert got_spec == want_spec, f"{what}: structure {got_spec} != {want_spec}"
+    for a, b in zip(got_flat, want_flat):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+
+
+def _run_cases(rank, world, group, device="cpu"):
+    """Runs the case table on this rank; returns the failures in words."""
+    failures = []
+    for name, f, primals, kwargs in _cases(device):
+        ref = _reference(f, primals, kwargs)
+        want = ref[0] if kwargs.get("has_aux") else ref
+        for strategy in STRATEGIES:
+            what = f"rank {rank}/{world}, {name}, {strategy}"
+            try:
+                got = tv.jacobian(f, *primals, strategy=strategy, process_group=group,
+                                  **kwargs)
+                if kwargs.get("has_aux"):
+                    _close(got[1], ref[1], what + " (aux)")
+                    got = got[0]
+                _close(got, want, what)
+                sh = tv.jacobian(f, *primals, strategy=strategy, process_group=group,
+                                 shard=True, **kwargs)
+                assert isinstance(sh, tv.JacobianShard)
+                if strategy != "auto":
+                    assert sh.mode == strategy[:3], what
+                argnums = kwargs.get("argnums", 0)
+                with torch.no_grad():
+                    res = f(*primals)
+                out = res[0] if kwargs.get("has_aux") else res
+                n_out = sum(o.numel() for o in tree_flatten(out)[0])
+                diff = (primals[argnums] if isinstance(argnums, int)
+                        else tuple(primals[i] for i in argnums))
+                n_in = sum(t.numel() for t in tree_flatten(diff)[0])
+                assert sh.total == (n_out if sh.mode == "rev" else n_in), what
+                ranges = [None] * world
+                dist.all_gather_object(ranges, (sh.start, sh.stop), group=group)
+                assert ranges[0][0] == 0 and ranges[-1][1] == sh.total, (what, ranges)
+                assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (what, ranges)
+                assert all(abs((b - a) - sh.total / world) < 1 for a, b in ranges), ranges
+                flat = _flat_products(want, out, primals, argnums, sh.mode)
+                got_flat = tree_flatten(sh.values)[0]
+                assert len(got_flat) == len(flat), what
+                for a, b in zip(got_flat, flat):
+                    torch.testing.assert_close(a, b[sh.start:sh.stop], rtol=1e-10,
+                                               atol=1e-12, msg=lambda m: f"{what} shard: {m}")
+                if kwargs.get("has_aux"):
+                    _close(sh.aux, ref[1], what + " (shard aux)")
+            except Exception as err:  # noqa: BLE001 - every failure reported at the end
+                failures.append(f"{what}: {type(err).__name__}: {err}")
+    return failures
+
+
+def _errors_across_ranks(rank, world, group):
+    """Errors that need several ranks; every rank raises."""
+    x = _data()[0]
+    f = lambda x: torch.outer(x, x.sin())  # noqa: E731
+    with pytest.raises(tv.JacobianCallError, match=r"(?s)the differentiated primals\[0\] holds "
+                       r"different values on rank 1 than on rank 0.*must be the same on every "
+                       r"rank.*Fix: make them equal .*broadcast"):
+        tv.jacobian(f, x + rank * 1e-3, process_group=group)
+    with pytest.raises(tv.JacobianCallError, match=r"(?s)the call differs between ranks: "
+                       r"the differentiated primals have shapes \(6,\) on rank 1 but \(5,\) "
+                       r"on rank 0.*Fix: call it with the same arguments on every rank"):
+        tv.jacobian(f, torch.ones(5 + min(rank, 1), dtype=DT), process_group=group)
+    with pytest.raises(tv.JacobianCallError, match=r"strategy='fwd' on rank 1 but "
+                       r"strategy='rev' on rank 0"):
+        tv.jacobian(f, x, strategy="rev" if rank == 0 else "fwd", process_group=group)
+
+    def fails_on_rank_1(x):
+        if rank == 1:
+            raise ValueError("rank 1's f cannot run")
+        return x.sin()
+
+    if rank == 1:
+        with pytest.raises(ValueError, match="rank 1's f cannot run"):
+            tv.jacobian(fails_on_rank_1, x, strategy="rev", process_group=group)
+    else:
+        with pytest.raises(tv.JacobianCallError, match=r"(?s)rank 1 of the process_group "
+                           rf"failed while computing its share of the Jacobian, so this rank "
+                           rf"\({rank}\) has no whole Jacobian to return\. Rank 1 said: "
+                           r"ValueError: rank 1's f cannot run"):
+            tv.jacobian(fails_on_rank_1, x, strategy="rev", process_group=group)
+    # the group still works after every error
+    _close(tv.jacobian(f, x, process_group=group), torch.func.jacrev(f)(x), "after errors")
+
+
+def _worker(rank, world, init_file):
+    # a failure that leaves one rank in a collective ends it in a minute, not never
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        failures = _run_cases(rank, world, dist.group.WORLD)
+        assert not failures, "\n".join(failures)
+        _errors_across_ranks(rank, world, dist.group.WORLD)
+        # a subgroup of ranks 0 and 1: the others stay out of it
+        sub = dist.new_group([0, 1])
+        if rank < 2:
+            x = _data()[0]
+            f = lambda x: torch.outer(x, x.sin())  # noqa: E731
+            _close(tv.jacobian(f, x, process_group=sub), torch.func.jacrev(f)(x), "subgroup")
+        else:
+            with pytest.raises(tv.JacobianOptionError, match=r"(?s)this process \(global rank 2\) "
+                               r"is not a member of process_group.*Fix: call it only on the "
+                               r"group's ranks"):
+                tv.jacobian(torch.sin, _data()[0], process_group=sub)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_jacobian_equals_jacrev_on_every_rank(world):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, os.path.join(d, "init")), nprocs=world, join=True)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone."""
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}",
+                                rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def test_one_rank_group_equals_single_process(one_rank_group):
+    failures = _run_cases(0, 1, one_rank_group)
+    assert not failures, "\n".join(failures)
+
+
+def test_sharded_jacobian_err_check(one_rank_group):
+    x = torch.randn(4, dtype=DT)
+    with pytest.raises(tv.JacobianOptionError, match=r"(?s)process_group is an object of type "
+                       r"object, but it must be a torch\.distributed ProcessGroup.*Fix: pass "
+                       r"process_group=torch\.distributed\.group\.WORLD for the default group"):
+        tv.jacobian(torch.sin, x, process_group=object())
+    with pytest.raises(tv.JacobianOptionError, match=r"process_group is True, but it must be "
+                       r"a torch\.distributed ProcessGroup"):
+        tv.jacobian(torch.sin, x, process_group=True)
+    with pytest.raises(tv.JacobianOptionError, match=r"(?s)shard=True, but process_group is "
+                       r"None: a shard is one rank's share.*Fix: pass process_group="):
+        tv.jacobian(torch.sin, x, shard=True)
+    with pytest.raises(tv.JacobianOptionError, match=r"shard='yes', but it must be True or "
+                       r"False"):
+        tv.jacobian(torch.sin, x, process_group=one_rank_group, shard="yes")
+    with pytest.raises(tv.JacobianOptionError, match=r"(?s)create_graph=True with a "
+                       r"process_group is not supported: the shards are gathered from other "
+                       r"processes.*Fix: pass create_graph=False"):
+        tv.jacobian(torch.sin, x, process_group=one_rank_group, create_graph=True)
+    with pytest.raises(tv.JacobianOptionError, match=r"(?s)a process_group inside a "
+                       r"torch\.func transform .* is not supported.*Fix: pass "
+                       r"process_group=None inside the transform"):
+        torch.func.vmap(lambda r: tv.jacobian(torch.sin, r, process_group=one_rank_group))(
+            x.view(2, 2))
+    dist.destroy_process_group()
+    with pytest.raises(tv.JacobianOptionError, match=r"(?s)process_group was given, but "
+                       r"torch\.distributed is not initialised.*Fix: call "
+                       r"torch\.distributed\.init_process_group"):
+        tv.jacobian(torch.sin, x, process_group=one_rank_group)
+
+
+def test_shard_range_tiles_the_products():
+    from torch_vjp._sharded import shard_range
+
+    for n in (0, 1, 2, 5, 7, 25):
+        for world in (1, 2, 3, 4):
+            ranges = [shard_range(n, r, world) for r in range(world)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert max(b - a for a, b in ranges) == math.ceil(n / world)
+
+
+def _cuda_worker(rank, world, init_file):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        failures = _run_cases(rank, world, dist.group.WORLD, device=f"cuda:{rank}")
+        assert not failures, "\n".join(failures)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_sharded_jacobian_nccl():
+    if not dist.is_nccl_available():
+        pytest.skip("torch.distributed was built without NCCL")
+    world = min(2, torch.cuda.device_count())  # NCCL wants one device per rank
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_cuda_worker, args=(world, os.path.join(d, "init")), nprocs=world,
+                 join=True)

@@ -1,0 +1,521 @@
+"""Sharded Jacobians: the basis split over the ranks of a ``torch.distributed`` process group.
+
+NOTE [sharded Jacobian]
+``tv.jacobian(..., process_group=group)`` splits the products that build the Jacobian over
+the group's ranks. In reverse mode there is one VJP per output element (a row of the
+Jacobian), in forward mode one JVP per input element (a column); the elements are numbered
+over the concatenation of the flattened outputs (in the order of ``tree_flatten``) or of
+the flattened differentiated primals. Of ``n`` products, rank ``r`` of ``W`` computes those
+numbered ``[n * r // W, n * (r + 1) // W)``: contiguous, sizes differing by at most one, and
+empty on some ranks when ``n < W``. Each rank runs them with the engine's own moves
+(:func:`basis_rows` shifted to its range, :func:`map_rows` with the chunk size planned for
+its share), and then, by default, every rank receives every shard: each is padded to the
+largest share (``ceil(n / W)`` rows), gathered with one ``all_gather`` per stacked tensor
+(gloo and NCCL gather tensors of equal size), cut back to its length and cut into blocks as
+the single-process Jacobian is, so that every rank returns the same value that
+``tv.jacobian`` returns on one process. With ``shard=True`` nothing is gathered: each rank
+returns a :class:`JacobianShard` holding its own products and their range.
+
+Ranks must agree on what they compute, or a collective would wait for ever or gather
+mismatched pieces. Before any product, one ``all_gather_object`` compares every rank's call
+with rank 0's: strategy, ``argnums``, ``has_aux``, ``shard``, the differentiated primals'
+shapes and dtypes, and two checksums of their values (the sum and a position-weighted sum, in
+float64, compared to a relative 1e-9: the same values summed with different thread counts
+may differ in the last bits). The mode of ``"auto"`` is then chosen from sizes alone, the
+same on every rank. After the products, one ``all_reduce`` (MAX) of a status code tells every
+rank whether some rank failed: then every rank raises (the failing ranks their own error,
+the others a :class:`JacobianCallError` naming the rank and quoting its error), and none waits
+for a gather that will not come. ``"auto"`` falls back from vmap to a loop on each rank by
+itself (the values are the same either way); when forward mode fails on some rank, every
+rank computes again in reverse mode, so that the shards fit together.
+
+Not supported with a group: ``create_graph=True`` and use inside an outer torch.func
+transform (the gathered Jacobian would not carry gradients back to the other ranks'
+products), and the plain-autograd loop for functions torch.func cannot run at all (the loop
+strategies use torch.func's ``vjp``/``jvp`` one product at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
+from torch_vjp._engine.jacobian import JACOBIAN_ALTERNATIVES, function_key, function_name
+from torch_vjp._engine.memory import plan_products
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import basis_rows, map_rows, run_with_fallback
+from torch_vjp._engine.shapes import in_rows
+from torch_vjp._errors import (
+    JacobianCallError,
+    JacobianOptionError,
+    JacobianWarning,
+    passes_through,
+    quote_error,
+    shape_str,
+    warn_once,
+)
+from torch_vjp._strategies import Strategy, choose_mode
+
+__all__ = ["JacobianShard", "shard_range", "check_group", "sharded_jacobian"]
+
+_OK, _NO_FWD, _FAILED = 0, 1, 2
+
+
+class JacobianShard(NamedTuple):
+    """One rank's share of a sharded Jacobian (``tv.jacobian(..., process_group=group,
+    shard=True)``; NOTE [sharded Jacobian]).
+
+    Attributes:
+        values: the rank's products. In reverse mode (``mode == "rev"``), structured like
+            the differentiated primals (a tensor for an int ``argnums``, a tuple for a
+            tuple), each of shape ``(stop - start, *x.shape)``: entry ``k`` is the gradient
+            of flat output element ``start + k``, i.e. rows ``[start, stop)`` of the
+            Jacobian with its output dimensions flattened (outputs concatenated in
+            ``tree_flatten`` order). In forward mode, structured like ``f``'s output, each
+            of shape ``(stop - start, *y.shape)``: entry ``k`` is the derivative of the
+            outputs along flat input element ``start + k`` (a column of the Jacobian,
+            differentiated primals concatenated in order).
+        mode: ``"rev"`` (rows) or ``"fwd"`` (columns).
+        start: the first product this rank computed.
+        stop: one past the last (``start == stop`` for a rank with nothing to do).
+        total: the number of products over all ranks (output elements in reverse mode,
+            input elements in forward mode).
+        aux: ``f``'s aux value with ``has_aux=True``, else None.
+    """
+
+    values: Any
+    mode: str
+    start: int
+    stop: int
+    total: int
+    aux: Any = None
+
+
+def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The products ``[start, stop)`` that ``rank`` computes of ``n`` split over
+    ``world_size`` ranks: contiguous, sizes differing by at most one.
+
+    Example:
+        >>> [shard_range(5, r, 3) for r in range(3)]
+        [(0, 1), (1, 3), (3, 5)]
+    """
+    return n * rank // world_size, n * (rank + 1) // world_size
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def check_group(process_group: object, shard: object, create_graph: bool, *, call: str) -> Any:
+    """Validates ``process_group`` and ``shard``; returns the group, or None for one
+    process.
+
+    Raises:
+        JacobianOptionError: a value that is not a process group, a group that is not
+            initialised or does not hold this process, ``shard`` without a group or not a
+            bool, ``create_graph=True`` or an outer torch.func transform with a group.
+    """
+    if not isinstance(shard, bool):
+        raise JacobianOptionError(
+            f"{call}: shard={shard!r}, but it must be True or False: whether each rank of "
+            f"process_group returns only its own share of the Jacobian (True) or the whole "
+            f"Jacobian (False, the default)."
+        )
+    if process_group is None:
+        if shard:
+            raise JacobianOptionError(
+                f"{call}: shard=True, but process_group is None: a shard is one rank's share "
+                f"of the products, and without a process group there is one process, which "
+                f"computes them all.\n"
+                f"  Fix: pass process_group=torch.distributed.group.WORLD (after "
+                f"torch.distributed.init_process_group) or another group, or drop shard=True."
+            )
+        return None
+    dist = _dist()
+    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    if group_type is not None and non_member is not None and process_group == non_member:
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise JacobianOptionError(
+            f"{call}: this process (global rank {rank}) is not a member of process_group "
+            f"(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here), so "
+            f"it has no share of the Jacobian to compute.\n"
+            f"  Fix: call it only on the group's ranks, or pass a group that holds this "
+            f"process."
+        )
+    if group_type is None or not isinstance(process_group, group_type):
+        got = (repr(process_group) if isinstance(process_group, (bool, int, str))
+               else f"an object of type {type(process_group).__name__}")
+        raise JacobianOptionError(
+            f"{call}: process_group is {got}, but it must be a torch.distributed "
+            f"ProcessGroup (the ranks that share the products), or None for one process.\n"
+            f"  Fix: pass process_group=torch.distributed.group.WORLD for the default group "
+            f"(after torch.distributed.init_process_group), or a group made by "
+            f"torch.distributed.new_group."
+        )
+    if not dist.is_initialized():
+        raise JacobianOptionError(
+            f"{call}: process_group was given, but torch.distributed is not initialised "
+            f"(no init_process_group, or destroy_process_group was called), so its ranks "
+            f"cannot exchange the shards of the Jacobian.\n"
+            f"  Fix: call torch.distributed.init_process_group(...) on every rank first "
+            f"(torchrun sets up what it needs), or pass process_group=None for one process."
+        )
+    if dist.get_rank(process_group) < 0:
+        raise JacobianOptionError(
+            f"{call}: this process (global rank {dist.get_rank()}) is not a member of "
+            f"process_group, so it has no share of the Jacobian to compute.\n"
+            f"  Fix: call it only on the group's ranks, or pass a group that holds this "
+            f"process."
+        )
+    if create_graph:
+        raise JacobianOptionError(
+            f"{call}: create_graph=True with a process_group is not supported: the shards "
+            f"are gathered from other processes, and autograd cannot carry a gradient back "
+            f"through that exchange to the products another rank computed.\n"
+            f"  Fix: pass create_graph=False (the default), or compute a differentiable "
+            f"Jacobian on one process (process_group=None)."
+        )
+    if is_nested():
+        raise JacobianOptionError(
+            f"{call}: a process_group inside a torch.func transform (vmap, grad, jacrev) is "
+            f"not supported: the shards gathered from other processes carry no derivatives "
+            f"for the outer transform.\n"
+            f"  Fix: pass process_group=None inside the transform, or shard the outer "
+            f"computation instead."
+        )
+    return process_group
+
+
+def sharded_jacobian(
+    prob: Problem,
+    strat: Strategy,
+    group: Any,
+    *,
+    shard: bool,
+    chunk_size: int | None,
+    max_memory: int | None,
+) -> Any:
+    """The Jacobian of ``prob`` with its products split over ``group`` (NOTE [sharded
+    Jacobian]): the whole Jacobian (``(J, aux)`` with ``has_aux``) on every rank, or this
+    rank's :class:`JacobianShard` with ``shard``."""
+    dist = _dist()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = _comm_device(group, prob.leaves[0].device)
+    _check_agreement(prob, strat, shard, group, rank, world)
+    work = _Work(prob, strat, rank, world, shard, chunk_size, max_memory)
+    mode = strat.mode
+    try:
+        shapes = None
+        if mode != "rev":
+            shapes = prob.probe()
+            if mode is None:  # from sizes alone: the same on every rank
+                n_in = sum(leaf.numel() for leaf in prob.leaves)
+                mode = choose_mode(n_in, sum(o.numel() for o in shapes[0]))
+        part = work.run(mode, shapes)
+        status, err = _OK, None
+    except _NoForwardMode as failed:
+        part, status, err = None, _NO_FWD, failed.err
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+        part, status, err = None, _FAILED, exc
+    code = _all_max(status, group, device)
+    if code == _NO_FWD:
+        if err is not None:
+            _warn_no_forward(prob, err)
+        mode = "rev"
+        try:
+            part = work.run(mode, None)
+            status, err = _OK, None
+        except Exception as exc:  # noqa: BLE001 - as above
+            part, status, err = None, _FAILED, exc
+        code = _all_max(status, group, device)
+    if code == _FAILED:
+        _raise_failure(prob, err, group, rank, world)
+    assert part is not None
+    stacked, spec, rows_out, aux, start, stop, n = part
+    if shard:
+        values = tree_unflatten(list(stacked), prob.in_spec if mode == "rev" else spec)
+        return JacobianShard(values, mode, start, stop, n, aux)
+    full = [_gather(t, n, group, world, device) for t in stacked]
+    if mode == "rev":
+        blocks, views = rev_blocks(full, rows_out, None)
+    else:
+        blocks, views = fwd_blocks(full, in_rows(prob, None))
+    jac = assemble(prob, Blocks(blocks, spec, aux, mode, views))
+    return (jac, aux) if prob.has_aux else jac
+
+
+class _NoForwardMode(Exception):
+    """Forward mode failed even in the loop: ``"auto"`` switches to reverse mode."""
+
+    def __init__(self, err: Exception) -> None:
+        super().__init__(str(err))
+        self.err = err
+
+
+class _Work:
+    """This rank's products, in one mode, with ``"auto"``'s vmap-to-loop fallback."""
+
+    def __init__(self, prob: Problem, strat: Strategy, rank: int, world: int, shard: bool,
+                 chunk_size: int | None, max_memory: int | None) -> None:
+        self.prob, self.strat, self.rank, self.world = prob, strat, rank, world
+        self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
+        self._mode = "rev"
+
+    def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
+        if self.strat.mode is not None:  # a named strategy: no fallback
+            return self._products(mode, shapes, self.strat.vectorized)
+        if mode == "rev":
+            return self._auto(mode, shapes)
+        try:
+            return self._auto(mode, shapes)
+        except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
+            if passes_through(err):
+                raise
+            raise _NoForwardMode(err) from None
+
+    def _auto(self, mode: str, shapes: Any) -> tuple[Any, ...]:
+        prob = self.prob
+
+        def warn(err: Exception) -> None:
+            warn_once(
+                ("vmap-fallback-sharded", function_key(prob.f), mode, type(err)),
+                f"{prob.call}: strategy='auto' could not vectorise the Jacobian of "
+                f"{function_name(prob.f)} (strategy={mode!r}: torch.func transforms under "
+                f"torch.vmap), so this rank used strategy='{mode}-loop': one product at a "
+                f"time in a Python loop, usually many times slower.\n"
+                f"  The vectorised attempt said: {quote_error(err)}\n"
+                f"  Pass strategy='{mode}-loop' to skip the vectorised attempt. This warning "
+                f"is shown once per function.",
+                JacobianWarning,
+            )
+
+        return run_with_fallback(
+            lambda: self._products(mode, shapes, True),
+            lambda: self._products(mode, shapes, False),
+            on_fallback=warn,
+        )
+
+    def _chunk(self, k: int, n_out: int, n_in: int, itemsize: int, dtype: Any) -> int | None:
+        """The chunk size for this rank's ``k`` products: the result it holds is the whole
+        Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns."""
+        if self.shard:
+            n_out, n_in = (k, n_in) if self._mode == "rev" else (n_out, k)
+        return plan_products(
+            k, n_out, n_in, itemsize, chunk_size=self.chunk_size, max_memory=self.max_memory,
+            device=self.prob.leaves[0].device, call=self.prob.call,
+            alternatives=JACOBIAN_ALTERNATIVES, dtype=dtype,
+        )
+
+    def _products(self, mode: str, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
+        self._mode = mode
+        with torch.no_grad() if mode == "rev" else _no_context():
+            if mode == "rev":
+                return self._rev(vectorized)
+            return self._fwd(shapes if shapes is not None else self.prob.probe(), vectorized)
+
+    def _rev(self, vectorized: bool) -> tuple[Any, ...]:
+        prob = self.prob
+        leaves = prob.leaves
+        res = func_vjp(prob.g_inner, *leaves, has_aux=prob.has_aux)
+        out, pullback = res[0], res[1]
+        aux = res[2] if prob.has_aux else None
+        flat_out, out_spec = tree_flatten(out)
+        rows_out = [o.shape for o in flat_out]
+        n = sum(math.prod(s) for s in rows_out)
+        start, stop = shard_range(n, self.rank, self.world)
+        k = stop - start
+        if k == 0:
+            stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
+        else:
+            n_in = sum(leaf.numel() for leaf in leaves)
+            itemsize = max(max(o.dtype.itemsize for o in flat_out),
+                           max(leaf.dtype.itemsize for leaf in leaves))
+            chunk = self._chunk(k, n, n_in, itemsize, leaves[0].dtype)
+            rows = basis_rows(rows_out, [o.dtype for o in flat_out],
+                              [o.device for o in flat_out])
+
+            def fn(*cot: Tensor) -> Any:
+                return pullback(tree_unflatten(list(cot), out_spec))
+
+            stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
+                                  vectorized=vectorized, chunk_size=chunk, detach=True)
+        return stacked, out_spec, rows_out, aux, start, stop, n
+
+    def _fwd(self, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
+        prob = self.prob
+        leaves = tuple(prob.leaves)
+        flat_out, out_spec = shapes
+        rows_in = in_rows(prob, None)
+        n = sum(math.prod(s) for s in rows_in)
+        start, stop = shard_range(n, self.rank, self.world)
+        k = stop - start
+        has_aux = prob.has_aux
+        aux = None
+        if k == 0:
+            stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in flat_out]
+            if has_aux:
+                with torch.no_grad():
+                    aux = prob.g(*leaves)[1]
+        else:
+            n_out = sum(o.numel() for o in flat_out)
+            itemsize = max(max(o.dtype.itemsize for o in flat_out),
+                           max(leaf.dtype.itemsize for leaf in leaves))
+            chunk = self._chunk(k, n_out, n, itemsize, flat_out[0].dtype if flat_out else None)
+            rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves])
+            g = prob.g_inner
+
+            def fn(*tangents: Tensor) -> Any:
+                res = func_jvp(g, leaves, tangents, has_aux=has_aux)
+                tan_flat = tuple(tree_leaves(res[1]))
+                return (tan_flat, res[2]) if has_aux else tan_flat
+
+            stacked, aux = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
+                                    vectorized=vectorized, chunk_size=chunk, extras=has_aux,
+                                    detach=True)
+            stacked = [t.detach() for t in stacked]
+        return stacked, out_spec, None, aux, start, stop, n
+
+
+def _no_context() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where the collectives' tensors live: the CUDA device for NCCL, else the CPU (gloo)."""
+    backend = str(_dist().get_backend(group)).lower()
+    if "nccl" in backend:
+        return device if device.type == "cuda" else torch.device("cuda",
+                                                                 torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_max(code: int, group: Any, device: torch.device) -> int:
+    t = torch.tensor([code], dtype=torch.int64, device=device)
+    _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def _gather(t: Tensor, n: int, group: Any, world: int, device: torch.device) -> Tensor:
+    """All ranks' shards of one stacked tensor, in rank order: each padded to the largest
+    share, gathered, and cut back (NOTE [sharded Jacobian])."""
+    m = -(-n // world)
+    tail = t.shape[1:]
+    src = t.to(device)
+    if src.shape[0] < m or not src.is_contiguous():
+        padded = src.new_zeros((m, *tail))
+        padded[: src.shape[0]] = src
+        src = padded
+    pieces = [src.new_empty((m, *tail)) for _ in range(world)]
+    _dist().all_gather(pieces, src, group=group)
+    parts = []
+    for r, piece in enumerate(pieces):
+        a, b = shard_range(n, r, world)
+        parts.append(piece[: b - a])
+    return torch.cat(parts).to(t.device)
+
+
+def _signature(prob: Problem, strat: Strategy, shard: bool) -> dict[str, Any]:
+    sums = []
+    for leaf in prob.leaves:
+        x = leaf.detach().reshape(-1).to(torch.float64)
+        if x.is_complex():
+            x = torch.view_as_real(x).reshape(-1)
+        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+        sums.append((float(x.sum()), float((x * w).sum() / max(1, x.numel()))))
+    return {
+        "strategy": strat.name,
+        "argnums": prob.argnums,
+        "has_aux": prob.has_aux,
+        "shard": shard,
+        "shapes": [tuple(leaf.shape) for leaf in prob.leaves],
+        "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
+        "sums": sums,
+    }
+
+
+def _check_agreement(prob: Problem, strat: Strategy, shard: bool, group: Any, rank: int,
+                     world: int) -> None:
+    """Raises, on every rank, if some rank's call differs from rank 0's (NOTE [sharded
+    Jacobian])."""
+    mine = _signature(prob, strat, shard)
+    sigs: list[Any] = [None] * world
+    _dist().all_gather_object(sigs, mine, group=group)
+    ref = sigs[0]
+    for r, sig in enumerate(sigs[1:], start=1):
+        for key in ("strategy", "argnums", "has_aux", "shard", "shapes", "dtypes"):
+            if sig[key] != ref[key]:
+                _disagree(prob, r, key, ref[key], sig[key])
+        for i, (a, b) in enumerate(zip(ref["sums"], sig["sums"])):
+            for u, v in zip(a, b):
+                if abs(u - v) > 1e-9 * max(1.0, abs(u), abs(v)):
+                    _disagree(prob, r, "values", None, None, i)
+
+
+def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0) -> None:
+    call = prob.call
+    if key == "values":
+        raise JacobianCallError(
+            f"{call}: the differentiated {prob.leaf_name(leaf)} holds different values "
+            f"on rank {r} than on rank 0 (their checksums differ), but with a process_group "
+            f"every rank computes a share of one Jacobian, at one point, so the primals must "
+            f"be the same on every rank.\n"
+            f"  Fix: make them equal (seed every rank's generator alike, or broadcast them "
+            f"from rank 0 with torch.distributed.broadcast), or pass process_group=None to "
+            f"compute each rank's own Jacobian."
+        )
+    if key in ("shapes", "dtypes"):
+        fmt = shape_str if key == "shapes" else str
+        got = f"the differentiated primals have {key[:-1]}s {', '.join(fmt(s) for s in got)}"
+        ref = ", ".join(fmt(s) for s in ref)
+        what = f"{got} on rank {r} but {ref} on rank 0"
+    else:
+        what = f"{key}={got!r} on rank {r} but {key}={ref!r} on rank 0"
+    raise JacobianCallError(
+        f"{call}: the call differs between ranks: {what}. With a process_group every "
+        f"rank computes a share of one Jacobian, so every rank must make the same call "
+        f"(the same strategy, argnums, has_aux and shard, and primals of the same shapes, "
+        f"dtypes and values).\n"
+        f"  Fix: call it with the same arguments on every rank, or pass process_group=None "
+        f"to compute each rank's own Jacobian."
+    )
+
+
+def _raise_failure(prob: Problem, err: BaseException | None, group: Any, rank: int,
+                   world: int) -> None:
+    """Every rank raises once some rank failed: its own error, or one naming the rank that
+    failed and quoting it."""
+    said: list[Any] = [None] * world
+    _dist().all_gather_object(said, None if err is None else quote_error(err), group=group)
+    if err is not None:
+        raise err
+    first = next(r for r, s in enumerate(said) if s is not None)
+    raise JacobianCallError(
+        f"{prob.call}: rank {first} of the process_group failed while computing its share of "
+        f"the Jacobian, so this rank ({rank}) has no whole Jacobian to return. Rank "
+        f"{first} said: {said[first]}\n"
+        f"  The cause and its fix are in rank {first}'s traceback."
+    )
+
+
+def _warn_no_forward(prob: Problem, err: BaseException) -> None:
+    warn_once(
+        ("fwd-to-rev-sharded", function_key(prob.f), type(err)),
+        f"{prob.call}: forward-mode AD fails on f ({function_name(prob.f)}), so "
+        f"strategy='auto' uses reverse mode instead, on every rank of the process_group.\n"
+        f"  Forward mode said: {quote_error(err)}\n"
+        f"  Pass strategy='rev' to skip the forward-mode attempts. This warning is shown "
+        f"once per function.",
+        JacobianWarning,
+    )
+
