@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from torch.utils._pytree import tree_flatten
 
 import torch_vjp as tv
+from torch_vjp._sharded import shard_range
 
 DT = torch.float64
 STRATEGIES = ("rev", "fwd", "auto", "rev-loop", "fwd-loop")
@@ -69,6 +70,11 @@ def _cases(device="cpu"):
         ("chunk-7", lambda x: torch.outer(x, x.cos()), (x,), {"chunk_size": 7}),
         # a budget that allows a few products at a time
         ("max-memory", lambda x: torch.outer(x, x.cos()), (x,), {"max_memory": 3000}),
+        # 200 outputs of 5 inputs: "auto" picks forward mode
+        ("wide-out", lambda x: torch.outer(x.sin(), torch.arange(40.0, dtype=x.dtype,
+                                                                 device=x.device)), (x,), {}),
+        # no output element: nothing to compute on any rank
+        ("empty-out", lambda x: x[:0] * 2, (x,), {}),
     ]
 
 
@@ -183,6 +189,70 @@ def _errors_across_ranks(rank, world, group):
     _close(tv.jacobian(f, x, process_group=group), torch.func.jacrev(f)(x), "after errors")
 
 
+class _NoJvp(torch.autograd.Function):
+    """exp with a backward (and a vmap rule) but no forward-mode formula."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0]
+
+
+class _NoVmap(torch.autograd.Function):
+    """exp with both AD formulas but no vmap rule."""
+
+    @staticmethod
+    def forward(x):
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * ctx.saved_tensors[0]
+
+
+def _auto_fallbacks(rank, world, group):
+    """"auto" in forward mode on a function without forward-mode AD: every rank switches to
+    reverse mode together, and the result is still whole."""
+    x = _data()[0]
+    cols = torch.arange(40.0, dtype=DT)
+    f = lambda x: torch.outer(_NoJvp.apply(x), cols)  # noqa: E731  200 outputs: fwd
+    want = torch.func.jacrev(f)(x)
+    with pytest.warns(tv.JacobianWarning, match=r"(?s)forward-mode AD fails on f .*uses "
+                      r"reverse mode instead, on every rank of the process_group"):
+        got = tv.jacobian(f, x, process_group=group)
+    _close(got, want, f"rank {rank}/{world}, auto fwd -> rev")
+    sh = tv.jacobian(f, x, process_group=group, shard=True)
+    assert sh.mode == "rev" and sh.total == 200
+    # vmap cannot batch a Function without a vmap rule, a loop can: each rank loops
+    g = lambda x: torch.outer(_NoVmap.apply(x), cols)  # noqa: E731
+    start, stop = shard_range(x.numel(), rank, world)
+    if stop - start > 1:  # one product is a plain call, with nothing to vectorise
+        with pytest.warns(tv.JacobianWarning, match=r"(?s)could not vectorise the Jacobian "
+                          r".* so this rank used strategy='fwd-loop'"):
+            got = tv.jacobian(g, x, process_group=group)
+    else:
+        got = tv.jacobian(g, x, process_group=group)
+    _close(got, torch.func.jacrev(g)(x), f"rank {rank}/{world}, auto vmap -> loop")
+
+
 def _worker(rank, world, init_file):
     # a failure that leaves one rank in a collective ends it in a minute, not never
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -192,6 +262,7 @@ def _worker(rank, world, init_file):
         failures = _run_cases(rank, world, dist.group.WORLD)
         assert not failures, "\n".join(failures)
         _errors_across_ranks(rank, world, dist.group.WORLD)
+        _auto_fallbacks(rank, world, dist.group.WORLD)
         # a subgroup of ranks 0 and 1: the others stay out of it
         sub = dist.new_group([0, 1])
         if rank < 2:
@@ -263,8 +334,6 @@ def test_sharded_jacobian_err_check(one_rank_group):
 
 
 def test_shard_range_tiles_the_products():
-    from torch_vjp._sharded import shard_range
-
     for n in (0, 1, 2, 5, 7, 25):
         for world in (1, 2, 3, 4):
             ranges = [shard_range(n, r, world) for r in range(world)]
