@@ -155,6 +155,36 @@ def _run_cases(rank, world, group, device="cpu"):
     return failures
 
 
+def _run_batch_cases(rank, world, group):
+    """batch_jacobian: the products of one row split over the ranks; returns the failures."""
+    x, W = _data()[1].T.contiguous(), _data()[1]  # a batch of 4 rows of 3
+    cases = [
+        ("mlp", lambda xb: torch.tanh(xb @ W), {}),               # 3 -> 4 per row
+        ("dict-out", lambda xb: {"a": xb.sin(), "b": (xb ** 2).sum(1)}, {}),
+        ("chunk-1", lambda xb: torch.tanh(xb @ W), {"chunk_size": 1}),
+    ]
+    failures = []
+    for name, f, kwargs in cases:
+        want = tv.batch_jacobian(f, x, **kwargs)
+        for strategy in STRATEGIES:
+            what = f"rank {rank}/{world}, batch_jacobian {name}, {strategy}"
+            try:
+                got = tv.batch_jacobian(f, x, strategy=strategy, process_group=group, **kwargs)
+                _close(got, want, what)
+                if name == "dict-out":
+                    continue
+                sh = tv.batch_jacobian(f, x, strategy=strategy, process_group=group,
+                                       shard=True, **kwargs)
+                B, n_out, n_in = want.shape
+                assert sh.total == (n_out if sh.mode == "rev" else n_in), what
+                flat = want.movedim(1, 0) if sh.mode == "rev" else want.movedim(2, 0)
+                torch.testing.assert_close(sh.values, flat[sh.start:sh.stop], rtol=1e-10,
+                                           atol=1e-12, msg=lambda m: f"{what} shard: {m}")
+            except Exception as err:  # noqa: BLE001 - every failure reported at the end
+                failures.append(f"{what}: {type(err).__name__}: {err}")
+    return failures
+
+
 def _errors_across_ranks(rank, world, group):
     """Errors that need several ranks; every rank raises."""
     x = _data()[0]
@@ -260,6 +290,7 @@ def _worker(rank, world, init_file):
     try:
         torch.set_num_threads(1)
         failures = _run_cases(rank, world, dist.group.WORLD)
+        failures += _run_batch_cases(rank, world, dist.group.WORLD)
         assert not failures, "\n".join(failures)
         _errors_across_ranks(rank, world, dist.group.WORLD)
         _auto_fallbacks(rank, world, dist.group.WORLD)
@@ -298,7 +329,7 @@ def one_rank_group():
 
 
 def test_one_rank_group_equals_single_process(one_rank_group):
-    failures = _run_cases(0, 1, one_rank_group)
+    failures = _run_cases(0, 1, one_rank_group) + _run_batch_cases(0, 1, one_rank_group)
     assert not failures, "\n".join(failures)
 
 

@@ -50,7 +50,7 @@ from torch_vjp._engine.jacobian import JACOBIAN_ALTERNATIVES, function_key, func
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, map_rows, run_with_fallback
-from torch_vjp._engine.shapes import in_rows
+from torch_vjp._engine.shapes import in_rows, row_shapes
 from torch_vjp._errors import (
     JacobianCallError,
     JacobianOptionError,
@@ -80,7 +80,10 @@ class JacobianShard(NamedTuple):
             ``tree_flatten`` order). In forward mode, structured like ``f``'s output, each
             of shape ``(stop - start, *y.shape)``: entry ``k`` is the derivative of the
             outputs along flat input element ``start + k`` (a column of the Jacobian,
-            differentiated primals concatenated in order).
+            differentiated primals concatenated in order). From ``batch_jacobian``, the
+            products are those of one row of the batch, computed for every row: entry ``k``
+            has shape ``(B, *x.shape[1:])`` (reverse mode) or ``(B, *y.shape[1:])``
+            (forward mode), and ``start``, ``stop`` and ``total`` count elements of one row.
         mode: ``"rev"`` (rows) or ``"fwd"`` (columns).
         start: the first product this rank computed.
         stop: one past the last (``start == stop`` for a rank with nothing to do).
@@ -203,23 +206,27 @@ def sharded_jacobian(
     shard: bool,
     chunk_size: int | None,
     max_memory: int | None,
+    batch: int | None = None,
+    alternatives: str = JACOBIAN_ALTERNATIVES,
 ) -> Any:
     """The Jacobian of ``prob`` with its products split over ``group`` (NOTE [sharded
     Jacobian]): the whole Jacobian (``(J, aux)`` with ``has_aux``) on every rank, or this
-    rank's :class:`JacobianShard` with ``shard``."""
+    rank's :class:`JacobianShard` with ``shard``. With ``batch`` (``batch_jacobian``), the
+    products are those of one row of the batch, each computed for every row at once."""
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _comm_device(group, prob.leaves[0].device)
     _check_agreement(prob, strat, shard, group, rank, world)
-    work = _Work(prob, strat, rank, world, shard, chunk_size, max_memory)
+    work = _Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
     mode = strat.mode
     try:
         shapes = None
         if mode != "rev":
             shapes = prob.probe()
             if mode is None:  # from sizes alone: the same on every rank
-                n_in = sum(leaf.numel() for leaf in prob.leaves)
-                mode = choose_mode(n_in, sum(o.numel() for o in shapes[0]))
+                n_in = sum(math.prod(s) for s in in_rows(prob, batch))
+                n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob))
+                mode = choose_mode(n_in, n_out)
         part = work.run(mode, shapes)
         status, err = _OK, None
     except _NoForwardMode as failed:
@@ -246,9 +253,9 @@ def sharded_jacobian(
         return JacobianShard(values, mode, start, stop, n, aux)
     full = [_gather(t, n, group, world, device) for t in stacked]
     if mode == "rev":
-        blocks, views = rev_blocks(full, rows_out, None)
+        blocks, views = rev_blocks(full, rows_out, batch)
     else:
-        blocks, views = fwd_blocks(full, in_rows(prob, None))
+        blocks, views = fwd_blocks(full, in_rows(prob, batch))
     jac = assemble(prob, Blocks(blocks, spec, aux, mode, views))
     return (jac, aux) if prob.has_aux else jac
 
@@ -265,9 +272,11 @@ class _Work:
     """This rank's products, in one mode, with ``"auto"``'s vmap-to-loop fallback."""
 
     def __init__(self, prob: Problem, strat: Strategy, rank: int, world: int, shard: bool,
-                 chunk_size: int | None, max_memory: int | None) -> None:
+                 chunk_size: int | None, max_memory: int | None, batch: int | None,
+                 alternatives: str) -> None:
         self.prob, self.strat, self.rank, self.world = prob, strat, rank, world
         self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
+        self.batch, self.alternatives = batch, alternatives
         self._mode = "rev"
 
     def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
@@ -312,7 +321,7 @@ class _Work:
         return plan_products(
             k, n_out, n_in, itemsize, chunk_size=self.chunk_size, max_memory=self.max_memory,
             device=self.prob.leaves[0].device, call=self.prob.call,
-            alternatives=JACOBIAN_ALTERNATIVES, dtype=dtype,
+            alternatives=self.alternatives, batch=self.batch, dtype=dtype,
         )
 
     def _products(self, mode: str, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
@@ -329,19 +338,19 @@ class _Work:
         out, pullback = res[0], res[1]
         aux = res[2] if prob.has_aux else None
         flat_out, out_spec = tree_flatten(out)
-        rows_out = [o.shape for o in flat_out]
+        rows_out = row_shapes(flat_out, self.batch, prob)
         n = sum(math.prod(s) for s in rows_out)
         start, stop = shard_range(n, self.rank, self.world)
         k = stop - start
         if k == 0:
             stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
         else:
-            n_in = sum(leaf.numel() for leaf in leaves)
+            n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
             itemsize = max(max(o.dtype.itemsize for o in flat_out),
                            max(leaf.dtype.itemsize for leaf in leaves))
             chunk = self._chunk(k, n, n_in, itemsize, leaves[0].dtype)
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
-                              [o.device for o in flat_out])
+                              [o.device for o in flat_out], self.batch)
 
             def fn(*cot: Tensor) -> Any:
                 return pullback(tree_unflatten(list(cot), out_spec))
@@ -354,7 +363,7 @@ class _Work:
         prob = self.prob
         leaves = tuple(prob.leaves)
         flat_out, out_spec = shapes
-        rows_in = in_rows(prob, None)
+        rows_in = in_rows(prob, self.batch)
         n = sum(math.prod(s) for s in rows_in)
         start, stop = shard_range(n, self.rank, self.world)
         k = stop - start
@@ -366,11 +375,12 @@ class _Work:
                 with torch.no_grad():
                     aux = prob.g(*leaves)[1]
         else:
-            n_out = sum(o.numel() for o in flat_out)
+            n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob))
             itemsize = max(max(o.dtype.itemsize for o in flat_out),
                            max(leaf.dtype.itemsize for leaf in leaves))
             chunk = self._chunk(k, n_out, n, itemsize, flat_out[0].dtype if flat_out else None)
-            rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves])
+            rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
+                              self.batch)
             g = prob.g_inner
 
             def fn(*tangents: Tensor) -> Any:

@@ -201,6 +201,8 @@ def batch_jacobian(
     strategy: StrategyName = "auto",
     chunk_size: int | None = None,
     create_graph: bool = False,
+    process_group: Any = None,
+    shard: bool = False,
 ) -> Any:
     """Per-example Jacobians of a function that maps a batch row by row, without the
     B-times-larger cross-example blocks: one VJP per output element of a row (or one JVP per
@@ -225,14 +227,24 @@ def batch_jacobian(
         chunk_size: products at once, as in :func:`jacobian`.
         create_graph: make the result differentiable, as in :func:`jacobian` (by default it
             is detached, and no graph outlives its chunk).
+        process_group: as in :func:`jacobian`: the products of one row (its output
+            elements in reverse mode, input elements in forward mode), each computed for
+            the whole batch, are split over the group's ranks, and every rank gets the
+            whole result. (To split the batch instead, give each rank its own rows of ``x``
+            without a group: per-example Jacobians need no exchange.)
+        shard: as in :func:`jacobian`: each rank returns its
+            :class:`~torch_vjp.JacobianShard` only.
 
     Returns:
-        ``(B, *out, *in)`` per output tensor, in ``f``'s output structure.
+        ``(B, *out, *in)`` per output tensor, in ``f``'s output structure; with
+        ``shard=True``, this rank's :class:`~torch_vjp.JacobianShard`.
 
     Raises:
         JacobianCallError: ``x`` has no batch dimension, or an output of ``f`` lacks the
             leading dimension B.
         JacobianMemoryError: the result does not fit the free memory.
+        JacobianOptionError: an invalid ``chunk_size``, ``process_group`` or ``shard``, as in
+            :func:`jacobian`.
         StrategyError: unknown ``strategy``.
 
     Example:
@@ -257,8 +269,13 @@ def batch_jacobian(
             f"x.unsqueeze(0)."
         )
     context, detached = graph_mode(create_graph, call=call)
+    group = check_group(process_group, shard, create_graph, call=call)
     with context, buffers_kept(f):
         prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached)
+        if group is not None:  # NOTE [sharded Jacobian]
+            return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
+                                    max_memory=None, batch=x.shape[0],
+                                    alternatives=_BATCH_ALTERNATIVES)
         res = jacobian_blocks(
             prob, strat.mode, vectorized=strat.vectorized, fallback=strat.mode is None,
             chunk_size=chunk, max_memory=None, batch=x.shape[0],
