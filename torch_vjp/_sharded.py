@@ -100,6 +100,9 @@ class JacobianShard(NamedTuple):
     aux: Any = None
 
 
+JacobianShard.__module__ = "torch_vjp"  # the public path, as for the error classes
+
+
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """The products ``[start, stop)`` that ``rank`` computes of ``n`` split over
     ``world_size`` ranks: contiguous, sizes differing by at most one.
