@@ -386,15 +386,132 @@ def test_make_fx_traces_vjp_fn_directly():
 
 def test_vjp_fn_shows_and_checks_its_documented_signature():
     _, vjp_fn = tv.vjp(torch.sin, torch.randn(3, dtype=D))
-    assert str(inspect.signature(vjp_fn)) == "(cotangents, *, batched=False, chunk_size=None)"
+    assert str(inspect.signature(vjp_fn)) == (
+        "(cotangents, retain_graph=True, create_graph=None, *, batched=False, chunk_size=None)"
+    )
     c = torch.eye(3, dtype=D)
     (rows,) = vjp_fn(c, batched=True, chunk_size=2)
     torch.testing.assert_close(rows, vjp_fn(cotangents=c, batched=True)[0])
     with pytest.raises(TypeError, match=r"^vjp_fn\(\) got an unexpected keyword argument "
-                       r"'retain_graph'$"):
-        vjp_fn(c[0], retain_graph=True)
-    with pytest.raises(TypeError, match=r"takes 1 positional argument but 2 were given"):
-        vjp_fn(c[0], True)
+                       r"'retain'$"):
+        vjp_fn(c[0], retain=True)
+    with pytest.raises(TypeError, match=r"takes from 1 to 3 positional arguments but 4 were"):
+        vjp_fn(c[0], True, True, True)
+    with pytest.raises(TypeError, match=r"multiple values for argument 'create_graph'"):
+        vjp_fn(c[0], True, None, create_graph=True)
+
+
+def test_vjp_fn_takes_torch_funcs_retain_graph_and_create_graph():
+    """torch.func's vjp_fn(cotangents, retain_graph=True, create_graph=None), by position
+    (as make_fx(vjp_fn)(v, True, True) passes them) or by name."""
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    f = lambda t: torch.sin(t).sum()  # noqa: E731
+    _, vjp_fn = tv.vjp(f, x)
+    _, ref_fn = torch.func.vjp(f, x)
+    c = torch.randn((), dtype=D)
+    for args, kwargs in [((True, True), {}), ((True, False), {}), ((), {"create_graph": True})]:
+        (got,) = vjp_fn(c, *args, **kwargs)
+        (want,) = ref_fn(c, *args, **kwargs)
+        torch.testing.assert_close(got, want)
+        assert got.requires_grad == want.requires_grad
+    (got,) = vjp_fn(c, True, False)
+    assert not got.requires_grad
+    graph = make_fx(vjp_fn)(c, True, True)
+    c2 = torch.randn((), dtype=D)
+    torch.testing.assert_close(graph(c2, True, True)[0], c2 * x.detach().cos())
+    (rows,) = vjp_fn(torch.ones(2, dtype=D), True, False, batched=True)
+    torch.testing.assert_close(rows, x.detach().cos().expand(2, 3))
+
+
+# --------------------------------------------------------------------------------------
+# vjp and jvp call f once, on the caller's tensors, as torch.func does (NOTE [f's own
+# copies])
+# --------------------------------------------------------------------------------------
+
+
+def test_vjp_taken_under_no_grad_is_differentiable_afterwards():
+    x = torch.tensor(3.14, dtype=D, requires_grad=True)
+    results = []
+    for vjp in (tv.vjp, torch.func.vjp):
+        with torch.no_grad():
+            out, vjp_fn = vjp(lambda t: t**2, x)
+        (y,) = vjp_fn(torch.tensor(1.0, dtype=D))
+        assert not out.requires_grad and y.requires_grad
+        results.append((y, torch.autograd.grad(y, x)[0]))
+    torch.testing.assert_close(results[0], results[1])
+    torch.testing.assert_close(results[0][1], torch.tensor(2.0, dtype=D))
+
+
+def _copy_into_first(x, y):
+    x.copy_(y)
+    return x
+
+
+def test_jvp_writes_into_primals_reach_the_caller_as_under_torch_func():
+    y = torch.randn(3, dtype=D)
+    tangents = (torch.ones(3, dtype=D), torch.full((3,), 2.0, dtype=D))
+    x_tv, x_ref = torch.zeros(3, dtype=D), torch.zeros(3, dtype=D)
+    got = tv.jvp(_copy_into_first, (x_tv, y), tangents)
+    want = torch.func.jvp(_copy_into_first, (x_ref, y), tangents)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(x_tv, y) and torch.equal(x_ref, y)
+
+
+def test_vjp_of_f_writing_into_a_primal_fails_as_under_torch_func():
+    """The primal is a leaf that requires grad inside vjp; torch refuses the write."""
+    for vjp in (tv.vjp, torch.func.vjp):
+        x = torch.zeros(3, dtype=D)
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            vjp(_copy_into_first, x, torch.randn(3, dtype=D))
+
+
+def test_jvp_under_vmap_writes_through_a_view_as_torch_func():
+    """torch.func's TestVmapJvpInplaceView, case 2: the tangent written into a view of a
+    primal reaches its base; the caller's batched primal is written."""
+
+    def f(x, y):
+        view = x[:, ::2]
+        view.copy_(y)
+        return view, x
+
+    B = 2
+    x0, xt = torch.randn(2, 6, B, dtype=D), torch.randn(2, 6, B, dtype=D)
+    y, yt = torch.randn(2, B, 3, dtype=D), torch.randn(2, B, 3, dtype=D)
+    results = []
+    for jvp in (tv.jvp, torch.func.jvp):
+        x = x0.clone()
+        out = torch.vmap(lambda a, at, b, bt: jvp(f, (a, b), (at, bt)), in_dims=(2, 2, 1, 1))(
+            x, xt.clone(), y, yt)
+        results.append((out, x))
+    torch.testing.assert_close(results[0], results[1])
+    expected = xt.movedim(-1, 0).clone()
+    expected[:, :, ::2].copy_(yt.movedim(1, 0))
+    torch.testing.assert_close(results[0][0][1][1], expected)
+
+
+def test_batched_jvp_still_starts_every_chunk_from_the_callers_point():
+    x, y = torch.zeros(3, dtype=D), torch.randn(3, dtype=D)
+
+    def f(x, y):
+        x.add_(y)
+        return x * 1.0
+
+    _, cols = tv.jvp(f, (x, y), (torch.eye(3, dtype=D), torch.zeros(3, 3, dtype=D)),
+                     batched=True, chunk_size=1)
+    torch.testing.assert_close(cols, torch.eye(3, dtype=D))
+    assert not x.any()  # batched: f runs on copies, once per chunk
+
+
+def test_jvp_strict_as_torch_func():
+    y = torch.randn(2, 3, dtype=D)
+    x, tx = torch.randn(2, 3, dtype=D), torch.randn(2, 3, dtype=D)
+    for jvp in (tv.jvp, torch.func.jvp):
+        with pytest.raises(RuntimeError, match="strict"):
+            jvp(lambda t: (t, y), (x,), (tx,), strict=True)
+    with pytest.raises(RuntimeError, match="strict"):
+        tv.jvp(lambda t: (t, y), (x,), (tx[None],), strict=True, batched=True)
+    got = tv.jvp(lambda t: t.sin(), (x,), (tx,), strict=True)
+    torch.testing.assert_close(got, torch.func.jvp(lambda t: t.sin(), (x,), (tx,), strict=True))
 
 
 # --------------------------------------------------------------------------------------

@@ -61,23 +61,39 @@ def _batch_size(vectors: list[Tensor]) -> int:
 # make_fx (torch.fx's tracer) reads a function's parameters from its code object and wants
 # one concrete argument per parameter, keyword-only ones included, unless the function takes
 # a single named parameter followed by *args or **kwargs. So vjp_fn is written as
-# ``vjp_fn(cotangents, **options)``, checks its options itself, and shows its documented
-# signature through __signature__ (inspect.signature, help()): ``make_fx(vjp_fn)(v)`` then
-# traces the pullback directly, with no lambda around it.
+# ``vjp_fn(cotangents, *args, **options)``, checks its arguments itself, and shows its
+# documented signature through __signature__ (inspect.signature, help()):
+# ``make_fx(vjp_fn)(v)`` then traces the pullback directly, with no lambda around it, and
+# ``make_fx(vjp_fn)(v, True, True)`` too, as for torch.func's vjp_fn, whose
+# ``retain_graph`` and ``create_graph`` it takes, by position or by name.
+_P = inspect.Parameter
 _VJP_FN_SIGNATURE = inspect.Signature([
-    inspect.Parameter("cotangents", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-    inspect.Parameter("batched", inspect.Parameter.KEYWORD_ONLY, default=False),
-    inspect.Parameter("chunk_size", inspect.Parameter.KEYWORD_ONLY, default=None),
+    _P("cotangents", _P.POSITIONAL_OR_KEYWORD),
+    _P("retain_graph", _P.POSITIONAL_OR_KEYWORD, default=True),
+    _P("create_graph", _P.POSITIONAL_OR_KEYWORD, default=None),
+    _P("batched", _P.KEYWORD_ONLY, default=False),
+    _P("chunk_size", _P.KEYWORD_ONLY, default=None),
 ])
+_PULLBACK_DEFAULTS = {"retain_graph": True, "create_graph": None, "batched": False,
+                      "chunk_size": None}
 
 
-def _pullback_options(options: dict[str, Any]) -> tuple[Any, Any]:
-    """``batched`` and ``chunk_size`` from vjp_fn's keyword arguments; any other name is a
-    TypeError worded as Python words it for a function with those keyword-only parameters."""
+def _pullback_options(args: tuple[Any, ...], options: dict[str, Any]) -> dict[str, Any]:
+    """vjp_fn's arguments after ``cotangents`` (``retain_graph`` and ``create_graph`` by
+    position or name, ``batched`` and ``chunk_size`` by name), defaults filled in; anything
+    else is a TypeError worded as Python words it for a function of that signature."""
+    if len(args) > 2:
+        raise TypeError(
+            f"vjp_fn() takes from 1 to 3 positional arguments but {len(args) + 1} were given"
+        )
     for name in options:
-        if name not in ("batched", "chunk_size"):
+        if name not in _PULLBACK_DEFAULTS:
             raise TypeError(f"vjp_fn() got an unexpected keyword argument {name!r}")
-    return options.get("batched", False), options.get("chunk_size", None)
+    for name, value in zip(("retain_graph", "create_graph"), args):
+        if name in options:
+            raise TypeError(f"vjp_fn() got multiple values for argument {name!r}")
+        options[name] = value
+    return {**_PULLBACK_DEFAULTS, **options}
 
 
 @overload
@@ -103,11 +119,16 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
         has_aux: ``f`` returns ``(output, aux)``; the result is then
             ``(output, vjp_fn, aux)``.
 
+    As with torch.func.vjp, ``f`` is called once, on the primals themselves: a write ``f``
+    makes into a primal reaches the caller's tensor.
+
     Returns:
         ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with ``has_aux``). ``vjp_fn(
-        cotangents, *, batched=False, chunk_size=None)`` takes cotangents in the output's
-        structure, each shaped like its output (dL/d output), and returns a tuple with one
-        ``v^T J`` per primal, each shaped like its primal. With ``batched=True`` every
+        cotangents, retain_graph=True, create_graph=None, *, batched=False,
+        chunk_size=None)`` takes cotangents in the output's structure, each shaped like its
+        output (dL/d output), and returns a tuple with one ``v^T J`` per primal, each shaped
+        like its primal. ``retain_graph`` and ``create_graph`` are torch.func's (by default
+        the result is differentiable when grad mode is on). With ``batched=True`` every
         cotangent carries an extra leading dimension K (the same for all), and every result
         too: K products in one vectorised call, ``chunk_size`` at a time. ``vjp_fn`` can be
         called any number of times.
@@ -128,7 +149,8 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
         >>> torch.testing.assert_close(rows, W)
     """
     call = "torch_vjp.vjp"
-    prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True)
+    # f is called once, on the caller's tensors, as torch.func.vjp calls it
+    prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
     res = func_vjp(prob.g_inner, *prob.leaves, has_aux=prob.has_aux)
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
@@ -138,28 +160,37 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
     def pull(*cot: Tensor) -> Any:
         return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec))
 
-    def vjp_fn(cotangents: Any, **options: Any) -> Any:
+    def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
         """``v^T J`` for the cotangents ``v`` (K of them with ``batched=True``).
 
-        Signature: ``vjp_fn(cotangents, *, batched=False, chunk_size=None)``; the options
-        are taken as ``**options`` so that ``make_fx`` can trace ``vjp_fn`` itself (NOTE
-        [a traceable pullback]).
+        Signature: ``vjp_fn(cotangents, retain_graph=True, create_graph=None, *,
+        batched=False, chunk_size=None)``; the options are taken as ``*args`` and
+        ``**options`` so that ``make_fx`` can trace ``vjp_fn`` itself (NOTE [a traceable
+        pullback]).
         """
-        batched, chunk_size = _pullback_options(options) if options else (False, None)
+        batched, chunk_size, pull_with = False, None, pull
+        if args or options:
+            opts = _pullback_options(args, options)
+            batched, chunk_size = opts["batched"], opts["chunk_size"]
+            graph = {"retain_graph": opts["retain_graph"], "create_graph": opts["create_graph"]}
+
+            def pull_with(*cot: Tensor) -> Any:
+                return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec),
+                                **graph)
         chunk = check_chunk_size(chunk_size, call=pull_call)
         normalized = check_cotangents(
             out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves)
         )
         vectors = _flat_vectors(normalized, flat_out, batched)
         if not batched:
-            grads = pull(*vectors)
+            grads = pull_with(*vectors)
         else:
             k = _batch_size(vectors)
             if k == 0:
                 grads = tuple(x.new_zeros((0, *x.shape)) for x in prob.leaves)
             else:
                 grads, _ = map_rows(
-                    pull, lambda s, e: tuple(v[s:e] for v in vectors), k,
+                    pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
                     vectorized=True, chunk_size=chunk,
                 )
         return tree_unflatten(list(grads), prob.in_spec)
@@ -178,6 +209,7 @@ def jvp(
     *,
     batched: bool = False,
     chunk_size: int | None = None,
+    strict: bool = False,
     has_aux: Literal[False] = False,
 ) -> tuple[Any, Any]: ...
 
@@ -190,6 +222,7 @@ def jvp(
     *,
     batched: bool = False,
     chunk_size: int | None = None,
+    strict: bool = False,
     has_aux: Literal[True],
 ) -> tuple[Any, Any, Any]: ...
 
@@ -201,6 +234,7 @@ def jvp(
     *,
     batched: bool = False,
     chunk_size: int | None = None,
+    strict: bool = False,
     has_aux: bool = False,
 ) -> tuple[Any, ...]:
     """``f(*primals)`` and the Jacobian-vector product ``J t`` for ``tangents`` ``t``.
@@ -214,6 +248,8 @@ def jvp(
             for all): K products in one vectorised call, ``chunk_size`` at a time.
         batched: the tangents hold K directions each.
         chunk_size: with ``batched``, directions per vectorised call (``None``: all).
+        strict: as torch.func.jvp's: raise a RuntimeError when an output does not depend
+            on the primals (its tangent would be zeros).
         has_aux: ``f`` returns ``(output, aux)``; the result is then
             ``(output, jvp_out, aux)``.
 
@@ -246,20 +282,23 @@ def jvp(
             f"{type(primals).__name__}. Fix: {call}(f, (x,), (t,)) for one argument."
         )
     check_tree_structure(primals, tangents, call=call, name="tangents", against="the primals")
-    prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True)
+    # unbatched, f is called once, on the caller's tensors, as torch.func.jvp calls it;
+    # batched, once per chunk, on copies (NOTE [f's own copies])
+    prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True,
+                   copies=batched)
     normalized = normalize_grad_outputs(
         tuple(prob.leaves), tuple(tree_leaves(tangents)), TANGENTS, is_grads_batched=batched
     )
     vectors = _flat_vectors(normalized, prob.leaves, batched)
     leaves = tuple(prob.leaves)
     if not batched:
-        return func_jvp(prob.g_inner, leaves, tuple(vectors), has_aux=has_aux)
+        return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict, has_aux=has_aux)
 
     g = prob.g_inner
     spec_box: list[Any] = []
 
     def push(*tangent: Tensor) -> Any:
-        res = func_jvp(g, leaves, tangent, has_aux=has_aux)
+        res = func_jvp(g, leaves, tangent, strict=strict, has_aux=has_aux)
         flat_t, spec = tree_flatten(res[1])
         if not spec_box:
             spec_box.append(spec)

@@ -11,6 +11,12 @@ graph is wanted), and before each call of f a copy that an earlier call modified
 written, and every call of f starts from the same point. The copies cost one pass over the
 primals per call, next to products that each cost at least as much.
 
+vjp and jvp (unbatched) call f exactly once, as torch.func.vjp and torch.func.jvp do, so
+they pass ``copies=False`` and f runs on the caller's tensors, with torch.func's semantics:
+a write f makes into a primal reaches the caller's tensor, and a primal's autograd history
+is kept whatever the grad mode at the call (a vjp taken under torch.no_grad() whose vjp_fn
+runs under grad mode gives results that are differentiable with respect to the primals).
+
 NOTE [non-differentiated primals]
 torch.func's vjp and jvp (and so jacrev, jacfwd, hessian) wrap every tensor among the
 primals at their own level, the differentiated ones and the others alike; only the
@@ -257,7 +263,8 @@ class Problem:
     tensor per leaf and no pytree work is needed in the hot path.
 
     With ``detached``, the copies of the primals f is called with (NOTE [f's own copies]) are
-    detached from the caller's graph. An aux value must be tensors, as torch.func asks. With
+    detached from the caller's graph; with ``copies=False`` f is given the caller's tensors
+    themselves, for a transform that calls it exactly once. An aux value must be tensors, as torch.func asks. With
     ``complex_ok`` (VJPs and JVPs), complex primals and outputs are accepted too.
 
     Attributes:
@@ -277,6 +284,7 @@ class Problem:
         call: str,
         detached: bool = False,
         complex_ok: bool = False,
+        copies: bool = True,
     ) -> None:
         if not callable(f):
             raise JacobianCallTypeError(
@@ -286,7 +294,10 @@ class Problem:
             )
         # argnums=None: every primal, as torch.func.vjp/jvp (a tuple of them)
         self.selected = argnums is not None
-        primals, self._guard = _fresh_copies(primals, detached)
+        if copies:
+            primals, self._guard = _fresh_copies(primals, detached)
+        else:  # f is called once, on the caller's tensors (NOTE [f's own copies])
+            self._guard = []
         self.primals = primals
         self._keys: dict[Any, Any] = {}
         if argnums is None:
