@@ -305,6 +305,8 @@ def _worker(rank, world, init_file):
                                r"is not a member of process_group.*Fix: call it only on the "
                                r"group's ranks"):
                 tv.jacobian(torch.sin, _data()[0], process_group=sub)
+        # no rank leaves (closing its connections) while another still talks to it
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
