@@ -678,3 +678,34 @@ def test_load_json_reads_the_previous_schema_and_refuses_other_files(tmp_path):
                        r"'something/1'; this version reads torch_vjp\.bench/1, "
                        r"torch_vjp\.bench/2\)"):
         load_json(tmp_path / "other.json")
+
+
+def test_a_slow_first_call_alone_does_not_time_a_method_by_single_calls(monkeypatch):
+    """A first call that pays the process's one-time costs (imports, caches) is not a slow
+    method: the decision to time one call per round is confirmed on a warm call."""
+    import time as time_module
+
+    from torch_vjp.bench import run_suite
+
+    import torch_vjp.bench.suite as suite
+    from torch_vjp.bench.methods import Method, Prepared
+
+    calls = {"n": 0}
+
+    def prepare(case):
+        def run():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                time_module.sleep(0.05)  # the cold first call, over once_over below
+            return torch.func.jacrev(case.f, argnums=case.argnums)(*case.primals)
+
+        return Prepared(run)
+
+    methods = [Method("torch_vjp auto", "torch_vjp", "jacobian", prepare)]
+    monkeypatch.setattr(suite, "get_methods", lambda kind, **kw: methods)
+    result = run_suite(get_workloads("two_input"), rounds=1, min_run_time=0.01,
+                       progress=False, once_over=0.02)
+    auto = result.workloads[0].result("torch_vjp auto")
+    assert auto.status == "ok" and auto.first_call_s >= 0.05
+    assert not auto.timed_once and "one call per round" not in result.table()
+    assert calls["n"] > 3  # timed in blocks of calls, not once per round
