@@ -417,14 +417,19 @@ def test_checked_func_vjp_pullback():
 
 
 def test_checked_restores_torch_and_nests():
-    originals = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
-                 torch.func.vjp)
+    originals = (torch.autograd.grad, torch.autograd.backward, torch.func.vjp)
     with tv.checked():
         with tv.checked():
             assert torch.autograd.grad is not originals[0]
         assert autograd.is_checked()
-    assert (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
-            torch.func.vjp) == originals
+    assert (torch.autograd.grad, torch.autograd.backward, torch.func.vjp) == originals
+    # Tensor.backward's wrapper stays (NOTE [wrappers of class attributes stay]) and, outside
+    # a checked scope, is torch's: no check, torch's own error
+    assert torch.Tensor.__dict__["backward"] is autograd._checked_tensor_backward
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Mismatch in shape") as info:
+        (x * 2).backward(torch.ones(3))
+    assert not isinstance(info.value, tv.GradOutputsError)
     with pytest.raises(tv.GradOutputsError):
         with tv.checked():
             x = torch.ones(2, requires_grad=True)

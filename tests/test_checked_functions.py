@@ -673,25 +673,41 @@ def test_nothing_is_checked_outside_checked():
         _Jacobian.apply(_leaf(4)).sum().backward()  # torch's silence
 
 
-def test_torch_is_restored_exactly_on_exit():
-    genuine = {name: BackwardCFunction.__dict__[name] for name in ("apply", "apply_boxed")
-               if name in BackwardCFunction.__dict__}
+def test_node_wrapper_stays_and_checks_nothing_outside_checked():
+    """The custom-backward wrapper is not put back on exit (assigning a BackwardCFunction
+    attribute invalidates the caches of every custom Function's node class): outside a
+    checked scope it defers to torch's method and checks nothing."""
+    from torch_vjp import autograd as checked_autograd
+
     with tv.checked():
-        with tv.checked():
-            assert BackwardCFunction.__dict__["apply"] is not genuine["apply"]
-        assert BackwardCFunction.__dict__["apply"] is not genuine["apply"]
-    for name, fn in genuine.items():
-        assert BackwardCFunction.__dict__[name] is fn
-    # a patch made by other code inside the block stays
+        wrapper = BackwardCFunction.__dict__["apply"]
+        assert wrapper is checked_autograd._checked_node_apply
+    assert BackwardCFunction.__dict__["apply"] is wrapper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _Jacobian.apply(_leaf(4)).sum().backward()  # torch's silence, through the wrapper
+    with tv.checked(), pytest.warns(tv.FunctionCheckWarning):
+        _Jacobian.apply(_leaf(4)).sum().backward()
+
+
+def test_a_patch_of_another_library_is_kept():
+    from torch_vjp import autograd as checked_autograd
+
+    genuine = checked_autograd._GENUINE_NODE_APPLY
+
     def other(self, *args):
-        return genuine["apply"](self, *args)
+        return genuine(self, *args)
 
     try:
         with tv.checked():
             BackwardCFunction.apply = other
         assert BackwardCFunction.__dict__["apply"] is other
+        with tv.checked():  # installed over it again; what it replaced is remembered
+            assert BackwardCFunction.__dict__["apply"] is not other
+            assert checked_autograd._PREVIOUS["node_apply"] is other
     finally:
-        BackwardCFunction.apply = genuine["apply"]
+        BackwardCFunction.apply = genuine
+        checked_autograd._PREVIOUS["node_apply"] = genuine
 
 
 def test_scope_is_per_thread():

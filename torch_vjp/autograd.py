@@ -34,8 +34,8 @@ Checked mode also checks what the backward of every custom ``torch.autograd.Func
 returns, on every call. torch's engine runs such a backward by calling the method ``apply``
 (``apply_boxed`` for ``boxed_grads_call`` Functions) of the Function's graph node, a
 ``BackwardCFunction`` (also the ``ctx`` that forward saw), looked up by name on each call; so
-while checking is installed, ``BackwardCFunction.apply`` is a wrapper, put back on the last
-exit as the other entry points are. The wrapper runs the user's backward (its errors pass
+from the first checked block on, ``BackwardCFunction.apply`` is a wrapper, which stays after
+the last exit (NOTE [wrappers of class attributes stay]). The wrapper runs the user's backward (its errors pass
 through untouched), then, in a checked scope, compares the raw return value with what the
 engine expects at the node's inputs: the count (one value per forward input), and for each
 input that needs a gradient the dtype, device and shape that torch's engine will check the
@@ -829,6 +829,19 @@ _TARGETS: tuple[tuple[str, Any, str, Callable[..., Any]], ...] = (
 _patch_lock = threading.Lock()
 _open_blocks = 0
 
+# NOTE [wrappers of class attributes stay]
+# torch.autograd.grad, torch.autograd.backward and torch.func.vjp are module attributes: their
+# wrappers are put back on the last exit, so that outside checked mode they are torch's own
+# functions again (TorchScript, for one, maps them to built-ins by identity). Tensor.backward
+# and BackwardCFunction.apply are class attributes: assigning one invalidates the attribute
+# caches of the class and of all its subclasses (every tensor subclass; every custom
+# Function's node class), so putting them back and forth at every ``with tv.checked():``
+# made a training step with a custom Function about 10% slower (benchmarks/bench_checks.py).
+# Once installed they stay; outside a checked scope each calls the method it replaced,
+# unchanged, and checks nothing (one Python call more). A patch another library makes over
+# them is kept as for the others.
+_KEPT_OWNERS = (torch.Tensor, BackwardCFunction)
+
 
 def _install() -> None:
     """Puts the checking wrappers in place of torch's entry points (remembering what they
@@ -841,8 +854,12 @@ def _install() -> None:
 
 
 def _uninstall() -> None:
-    """Puts back what each wrapper replaced, where the wrapper is still installed."""
+    """Puts back what each wrapper replaced, where the wrapper is still installed; the
+    wrappers of class attributes (``Tensor.backward``, the custom-backward node's ``apply``)
+    stay (NOTE [wrappers of class attributes stay])."""
     for key, owner, attr, wrapper in _TARGETS:
+        if owner in _KEPT_OWNERS:
+            continue
         if getattr(owner, attr) is wrapper:
             setattr(owner, attr, _PREVIOUS[key])
 
