@@ -9,11 +9,14 @@
    with a hand-written backward), inside ``tv.checked()`` vs plain: checked mode checks what
    that backward returns on every call (target <= 1.10).
 
-Medians from ``torch.utils.benchmark.Timer.blocked_autorange``; ratios against the
-reference measured in the same run (process). Writes ``results/checks_overhead.json`` and
+Each ratio is paired: ``--pairs`` pairs of ``torch.utils.benchmark.Timer.blocked_autorange``
+medians of the reference and of torch_vjp, taken back to back with the order alternating
+(the drift of a shared machine cancels within a pair); reported: the median of the pairs'
+ratios and their interquartile range. Writes ``results/checks_overhead.json`` and
 ``.md`` next to this file.
 
-Run: ``python benchmarks/bench_checks.py [--min-run-time 2]``.
+Run: ``python benchmarks/bench_checks.py [--pairs 41] [--pair-time 0.05]`` (about a minute
+and a half).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -74,76 +78,95 @@ def step():
 """
 
 
-def _median(stmt: str, setup: str, globals_: dict | None, min_run_time: float) -> float:
-    timer = tb.Timer(stmt, setup=setup, globals=globals_ or {}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], statistics.median(values), q[2]
 
 
-def bench_grad(min_run_time: float) -> dict:
+def _paired(ref: "tb.Timer", ours: "tb.Timer", pairs: int, pair_time: float) -> dict:
+    """``pairs`` pairs of ``blocked_autorange`` medians taken back to back, the order
+    alternating; the ratio of each pair (drift of a shared machine cancels within a pair).
+    Returns the medians of both and the ratios' median and quartiles."""
+    refs, mine, ratios = [], [], []
+    for k in range(pairs):
+        order = (ref, ours) if k % 2 == 0 else (ours, ref)
+        t = {id(timer): timer.blocked_autorange(min_run_time=pair_time).median
+             for timer in order}
+        refs.append(t[id(ref)])
+        mine.append(t[id(ours)])
+        ratios.append(t[id(ours)] / t[id(ref)])
+    q1, med, q3 = _quartiles(ratios)
+    return {"reference_s": statistics.median(refs), "torch_vjp_s": statistics.median(mine),
+            "ratio": med, "ratio_q1": q1, "ratio_q3": q3, "pairs": pairs}
+
+
+def _timer(stmt: str, setup: str = "", globals_: dict | None = None) -> "tb.Timer":
+    return tb.Timer(stmt, setup=setup, globals=globals_ or {},
+                    num_threads=torch.get_num_threads())
+
+
+def bench_grad(pairs: int, pair_time: float) -> dict:
     import torch_vjp as tv
 
     x = torch.randn(64, requires_grad=True)
     outs = [torch.tanh(x * (i + 1)) for i in range(10)]
     gos = [torch.randn(64) for _ in range(10)]
     g = {"tv": tv, "torch": torch, "outs": outs, "x": x, "gos": gos}
-    # Alternate the two twice and keep each one's best median, to damp drift on a busy box.
-    ref, ours = [], []
-    for _ in range(2):
-        ref.append(_median("torch.autograd.grad(outs, x, gos, retain_graph=True)", "", g,
-                           min_run_time))
-        ours.append(_median("tv.grad(outs, x, gos, retain_graph=True)", "", g, min_run_time))
+    row = _paired(_timer("torch.autograd.grad(outs, x, gos, retain_graph=True)", "", g),
+                  _timer("tv.grad(outs, x, gos, retain_graph=True)", "", g), pairs, pair_time)
     return {"case": "grad, 10 outputs of 64 elements", "reference": "torch.autograd.grad",
-            "reference_s": min(ref), "torch_vjp_s": min(ours), "ratio": min(ours) / min(ref),
-            "target": 1.05}
+            **row, "target": 1.05}
 
 
-def bench_step_checked(min_run_time: float) -> dict:
-    import torch_vjp as tv
-
-    ref, ours = [], []
-    for _ in range(2):
-        ref.append(_median("step()", STEP_SETUP, None, min_run_time))
-        ours.append(_median("with tv.checked():\n    step()", STEP_SETUP + "import torch_vjp as tv\n",
-                            None, min_run_time))
+def bench_step_checked(pairs: int, pair_time: float) -> dict:
+    row = _paired(_timer("step()", STEP_SETUP),
+                  _timer("with tv.checked():\n    step()", STEP_SETUP + "import torch_vjp as tv\n"),
+                  pairs, pair_time)
     return {"case": "MLP 64-128-10 training step, batch 32, inside tv.checked()",
-            "reference": "the same step, plain", "reference_s": min(ref),
-            "torch_vjp_s": min(ours), "ratio": min(ours) / min(ref), "target": 1.10}
+            "reference": "the same step, plain", **row, "target": 1.10}
 
 
-def bench_step_custom(min_run_time: float) -> dict:
-    ref, ours = [], []
-    for _ in range(2):
-        ref.append(_median("step()", CUSTOM_STEP_SETUP, None, min_run_time))
-        ours.append(_median("with tv.checked():\n    step()",
-                            CUSTOM_STEP_SETUP + "import torch_vjp as tv\n", None, min_run_time))
+def bench_step_custom(pairs: int, pair_time: float) -> dict:
+    row = _paired(_timer("step()", CUSTOM_STEP_SETUP),
+                  _timer("with tv.checked():\n    step()",
+                         CUSTOM_STEP_SETUP + "import torch_vjp as tv\n"), pairs, pair_time)
     return {"case": "the same step, first layer a custom autograd.Function, inside tv.checked()",
-            "reference": "the same step, plain", "reference_s": min(ref),
-            "torch_vjp_s": min(ours), "ratio": min(ours) / min(ref), "target": 1.10}
+            "reference": "the same step, plain", **row, "target": 1.10}
 
 
-def bench_step_env(min_run_time: float) -> dict:
+def bench_step_env(pairs: int, pair_time: float) -> dict:
+    # In a fresh process with TORCH_VJP_CHECKED=1; the reference is the same step with the
+    # checks uninstalled in that process, the two alternated in pairs.
     code = f"""
-import json, torch, torch.utils.benchmark as tb
+import json, statistics, torch, torch.utils.benchmark as tb
 torch.set_num_threads({torch.get_num_threads()})
 import torch_vjp
 from torch_vjp import autograd
 assert autograd.is_checked(), "TORCH_VJP_CHECKED=1 did not switch checking on"
 setup = {STEP_SETUP!r}
+timer = tb.Timer("step()", setup=setup)
 def med():
-    return tb.Timer("step()", setup=setup).blocked_autorange(min_run_time={min_run_time}).median
-checked, plain = [], []
-for _ in range(2):
-    autograd._install(); checked.append(med())
-    autograd._uninstall(); plain.append(med())
-print(json.dumps({{"checked": min(checked), "plain": min(plain)}}))
+    return timer.blocked_autorange(min_run_time={pair_time}).median
+checked, plain, ratios = [], [], []
+for k in range({pairs}):
+    t = {{}}
+    for arm in (("checked", "plain") if k % 2 == 0 else ("plain", "checked")):
+        (autograd._install if arm == "checked" else autograd._uninstall)()
+        t[arm] = med()
+    checked.append(t["checked"]); plain.append(t["plain"])
+    ratios.append(t["checked"] / t["plain"])
+print(json.dumps({{"checked": checked, "plain": plain, "ratios": ratios}}))
 """
     env = dict(os.environ, TORCH_VJP_CHECKED="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
+    q1, med, q3 = _quartiles(r["ratios"])
     return {"case": "MLP 64-128-10 training step, batch 32, TORCH_VJP_CHECKED=1",
-            "reference": "the same step, plain (same process)", "reference_s": r["plain"],
-            "torch_vjp_s": r["checked"], "ratio": r["checked"] / r["plain"], "target": 1.10}
+            "reference": "the same step, plain (same process)",
+            "reference_s": statistics.median(r["plain"]),
+            "torch_vjp_s": statistics.median(r["checked"]), "ratio": med, "ratio_q1": q1,
+            "ratio_q3": q3, "pairs": pairs, "target": 1.10}
 
 
 def environment() -> dict:
@@ -161,12 +184,14 @@ def environment() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--min-run-time", type=float, default=2.0)
+    parser.add_argument("--pairs", type=int, default=41)
+    parser.add_argument("--pair-time", type=float, default=0.05,
+                        help="min_run_time of each blocked_autorange in a pair (seconds)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [bench_grad(args.min_run_time), bench_step_checked(args.min_run_time),
-            bench_step_env(args.min_run_time), bench_step_custom(args.min_run_time)]
+    rows = [f(args.pairs, args.pair_time)
+            for f in (bench_grad, bench_step_checked, bench_step_env, bench_step_custom)]
     result = {"environment": environment(), "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "checks_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -175,15 +200,19 @@ def main() -> None:
         "",
         f"torch {result['environment']['torch']}, Python {result['environment']['python']}, "
         f"{result['environment']['threads']} threads, {result['environment']['cpu']}.",
-        "Medians of `torch.utils.benchmark.Timer.blocked_autorange`, ratio = torch_vjp / reference.",
+        f"Ratio = torch_vjp / reference: the median over {args.pairs} pairs, each pair both "
+        f"medians of `torch.utils.benchmark.Timer.blocked_autorange(min_run_time="
+        f"{args.pair_time})` taken back to back, the order alternating; IQR over the pairs. "
+        f"Times: medians over the pairs.",
         "",
-        "| case | reference | reference (us) | torch_vjp (us) | ratio | target |",
-        "|---|---|---:|---:|---:|---:|",
+        "| case | reference | reference (us) | torch_vjp (us) | ratio | IQR | target |",
+        "|---|---|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         ok = "yes" if r["ratio"] <= r["target"] else "NO"
         lines.append(f"| {r['case']} | {r['reference']} | {r['reference_s'] * 1e6:.1f} | "
-                     f"{r['torch_vjp_s'] * 1e6:.1f} | {r['ratio']:.3f} | <= {r['target']} ({ok}) |")
+                     f"{r['torch_vjp_s'] * 1e6:.1f} | {r['ratio']:.3f} | "
+                     f"{r['ratio_q1']:.3f}-{r['ratio_q3']:.3f} | <= {r['target']} ({ok}) |")
     (RESULTS / "checks_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
