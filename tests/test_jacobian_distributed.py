@@ -215,6 +215,18 @@ def _errors_across_ranks(rank, world, group):
                            rf"\({rank}\) has no whole Jacobian to return\. Rank 1 said: "
                            r"ValueError: rank 1's f cannot run"):
             tv.jacobian(fails_on_rank_1, x, strategy="rev", process_group=group)
+    # a call that one rank rejects before any exchange (argnums out of range there): that
+    # rank raises its own error, the others hear of it instead of waiting for ever
+    two = (x, x.cos())
+    if rank == 1:
+        with pytest.raises(tv.JacobianCallError, match=r"argnums"):
+            tv.jacobian(lambda a, b: a * b, *two, argnums=2, process_group=group)
+    else:
+        with pytest.raises(tv.JacobianCallError, match=r"(?s)rank 1 of the process_group "
+                           rf"rejected its call before any product, so this rank \({rank}\) "
+                           r"has no whole Jacobian to return\. Rank 1 said: "
+                           r"JacobianCallError: .*argnums"):
+            tv.jacobian(lambda a, b: a * b, *two, argnums=0, process_group=group)
     # the group still works after every error
     _close(tv.jacobian(f, x, process_group=group), torch.func.jacrev(f)(x), "after errors")
 

@@ -459,11 +459,20 @@ def _signature(prob: Problem, strat: Strategy, shard: bool) -> dict[str, Any]:
 
 def _check_agreement(prob: Problem, strat: Strategy, shard: bool, group: Any, rank: int,
                      world: int) -> None:
-    """Raises, on every rank, if some rank's call differs from rank 0's (NOTE [sharded
-    Jacobian])."""
+    """Raises, on every rank, if some rank's call differs from rank 0's, or some rank could
+    not even set its call up (NOTE [sharded Jacobian])."""
     mine = _signature(prob, strat, shard)
     sigs: list[Any] = [None] * world
     _dist().all_gather_object(sigs, mine, group=group)
+    for r, sig in enumerate(sigs):
+        if "failed" in sig:
+            raise JacobianCallError(
+                f"{prob.call}: rank {r} of the process_group rejected its call before any "
+                f"product, so this rank ({rank}) has no whole Jacobian to return. Rank {r} "
+                f"said: {sig['failed']}\n"
+                f"  The cause and its fix are in rank {r}'s traceback; every rank must make "
+                f"the same call."
+            )
     ref = sigs[0]
     for r, sig in enumerate(sigs[1:], start=1):
         for key in ("strategy", "argnums", "has_aux", "shard", "shapes", "dtypes"):
@@ -473,6 +482,19 @@ def _check_agreement(prob: Problem, strat: Strategy, shard: bool, group: Any, ra
             for u, v in zip(a, b):
                 if abs(u - v) > 1e-9 * max(1.0, abs(u), abs(v)):
                     _disagree(prob, r, "values", None, None, i)
+
+
+def fail_before_exchange(err: BaseException, group: Any) -> None:
+    """This rank's call failed before the exchange that opens a sharded Jacobian (an invalid
+    option, primal or argnums): tells the other ranks, which are waiting in that exchange, so
+    that they raise too (:func:`_check_agreement`) instead of waiting for ever. The caller
+    raises ``err`` next."""
+    try:
+        dist = _dist()
+        said: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, {"failed": quote_error(err)}, group=group)
+    except Exception:  # noqa: BLE001 - the caller's own error is what this rank raises
+        pass
 
 
 def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0) -> None:

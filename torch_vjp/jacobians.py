@@ -14,8 +14,9 @@ Cost model: the Jacobian of ``f: R^n -> R^m`` takes either ``m`` vector-Jacobian
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, overload
 
 import torch
@@ -38,10 +39,22 @@ from torch_vjp._errors import (
     user_stacklevel,
     warn_once,
 )
-from torch_vjp._sharded import check_group, sharded_jacobian
+from torch_vjp._sharded import check_group, fail_before_exchange, sharded_jacobian
 from torch_vjp._strategies import StrategyName, get_strategy
 
 __all__ = ["jacobian", "batch_jacobian", "jacobian_of", "hessian"]
+
+
+@contextlib.contextmanager
+def _told_on_failure(group: Any) -> Iterator[None]:
+    """With a process group, an error raised inside reaches the other ranks (which wait in
+    the exchange that opens a sharded Jacobian) before it propagates here."""
+    try:
+        yield
+    except Exception as err:
+        if group is not None:
+            fail_before_exchange(err, group)
+        raise
 
 
 @overload
@@ -168,13 +181,15 @@ def jacobian(
         (torch.Size([2, 4]), torch.Size([2, 2, 4]))
     """
     call = "torch_vjp.jacobian"
-    strat = get_strategy(strategy, call=call)
-    chunk = check_chunk_size(chunk_size, call=call)
-    budget = parse_max_memory(max_memory, call=call)
-    context, detached = graph_mode(create_graph, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
+    with _told_on_failure(group):  # the other ranks wait in the first exchange
+        strat = get_strategy(strategy, call=call)
+        chunk = check_chunk_size(chunk_size, call=call)
+        budget = parse_max_memory(max_memory, call=call)
+        context, detached = graph_mode(create_graph, call=call)
     with context, buffers_kept(f):
-        prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
+        with _told_on_failure(group):
+            prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
         if group is not None:  # NOTE [sharded Jacobian]
             return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
                                     max_memory=budget)
@@ -271,7 +286,8 @@ def batch_jacobian(
     context, detached = graph_mode(create_graph, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
     with context, buffers_kept(f):
-        prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached)
+        with _told_on_failure(group):  # the other ranks wait in the first exchange
+            prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached)
         if group is not None:  # NOTE [sharded Jacobian]
             return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
                                     max_memory=None, batch=x.shape[0],
