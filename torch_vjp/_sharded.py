@@ -37,6 +37,7 @@ strategies use torch.func's ``vjp``/``jvp`` one product at a time).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -46,7 +47,12 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
-from torch_vjp._engine.jacobian import JACOBIAN_ALTERNATIVES, function_key, function_name
+from torch_vjp._engine.jacobian import (
+    JACOBIAN_ALTERNATIVES,
+    _NoForwardMode,
+    function_key,
+    function_name,
+)
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, map_rows, run_with_fallback
@@ -263,14 +269,6 @@ def sharded_jacobian(
     return (jac, aux) if prob.has_aux else jac
 
 
-class _NoForwardMode(Exception):
-    """Forward mode failed even in the loop: ``"auto"`` switches to reverse mode."""
-
-    def __init__(self, err: Exception) -> None:
-        super().__init__(str(err))
-        self.err = err
-
-
 class _Work:
     """This rank's products, in one mode, with ``"auto"``'s vmap-to-loop fallback."""
 
@@ -329,7 +327,7 @@ class _Work:
 
     def _products(self, mode: str, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
         self._mode = mode
-        with torch.no_grad() if mode == "rev" else _no_context():
+        with torch.no_grad() if mode == "rev" else contextlib.nullcontext():
             if mode == "rev":
                 return self._rev(vectorized)
             return self._fwd(shapes if shapes is not None else self.prob.probe(), vectorized)
@@ -394,14 +392,7 @@ class _Work:
             stacked, aux = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
                                     vectorized=vectorized, chunk_size=chunk, extras=has_aux,
                                     detach=True)
-            stacked = [t.detach() for t in stacked]
         return stacked, out_spec, None, aux, start, stop, n
-
-
-def _no_context() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _comm_device(group: Any, device: torch.device) -> torch.device:
