@@ -50,8 +50,9 @@ from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.jacobian import (
     JACOBIAN_ALTERNATIVES,
     _NoForwardMode,
+    fallback_message,
     function_key,
-    function_name,
+    no_forward_message,
 )
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.problem import Problem
@@ -298,13 +299,7 @@ class _Work:
         def warn(err: Exception) -> None:
             warn_once(
                 ("vmap-fallback-sharded", function_key(prob.f), mode, type(err)),
-                f"{prob.call}: strategy='auto' could not vectorise the Jacobian of "
-                f"{function_name(prob.f)} (strategy={mode!r}: torch.func transforms under "
-                f"torch.vmap), so this rank used strategy='{mode}-loop': one product at a "
-                f"time in a Python loop, usually many times slower.\n"
-                f"  The vectorised attempt said: {quote_error(err)}\n"
-                f"  Pass strategy='{mode}-loop' to skip the vectorised attempt. This warning "
-                f"is shown once per function.",
+                fallback_message(prob, mode, err, who="this rank"),
                 JacobianWarning,
             )
 
@@ -537,11 +532,6 @@ def _raise_failure(prob: Problem, err: BaseException | None, group: Any, rank: i
 def _warn_no_forward(prob: Problem, err: BaseException) -> None:
     warn_once(
         ("fwd-to-rev-sharded", function_key(prob.f), type(err)),
-        f"{prob.call}: forward-mode AD fails on f ({function_name(prob.f)}), so "
-        f"strategy='auto' uses reverse mode instead, on every rank of the process_group.\n"
-        f"  Forward mode said: {quote_error(err)}\n"
-        f"  Pass strategy='rev' to skip the forward-mode attempts. This warning is shown "
-        f"once per function.",
+        no_forward_message(prob, err, "on every rank of the process_group"),
         JacobianWarning,
     )
-

@@ -228,7 +228,7 @@ def _auto(
     def warn_vmap_failed(err: Exception) -> None:
         warn_once(
             ("vmap-fallback", function_key(prob.f), mode, type(err)),
-            _fallback_message(prob, mode, err),
+            fallback_message(prob, mode, err),
             JacobianWarning,
         )
 
@@ -240,23 +240,33 @@ def _auto(
         loop_failure = failed.err
     warn_once(
         ("fwd-to-rev", function_key(prob.f), type(loop_failure)),
-        f"{prob.call}: forward-mode AD fails on f ({function_name(prob.f)}), so "
-        f"strategy='auto' uses reverse mode instead, which may be slower for this shape.\n"
-        f"  Forward mode said: {quote_error(loop_failure)}\n"
-        f"  Pass strategy='rev' to skip the forward-mode attempts. This warning is shown "
-        f"once per function.",
+        no_forward_message(prob, loop_failure, "which may be slower for this shape"),
         JacobianWarning,
     )
     return _auto(prob, "rev", shapes, opts, functorch)
 
 
-def _fallback_message(prob: Problem, mode: str, err: BaseException) -> str:
+def no_forward_message(prob: Problem, err: BaseException, where: str) -> str:
+    """The one-time warning that ``"auto"`` switched from forward to reverse mode;
+    ``where`` completes the sentence (the cost, or on which ranks)."""
+    return (
+        f"{prob.call}: forward-mode AD fails on f ({function_name(prob.f)}), so "
+        f"strategy='auto' uses reverse mode instead, {where}.\n"
+        f"  Forward mode said: {quote_error(err)}\n"
+        f"  Pass strategy='rev' to skip the forward-mode attempts. This warning is shown "
+        f"once per function."
+    )
+
+
+def fallback_message(prob: Problem, mode: str, err: BaseException, who: str = "it") -> str:
+    """The one-time warning that ``"auto"`` fell back from vmap to the loop; ``who`` ran
+    the loop (``"this rank"`` for a sharded Jacobian)."""
     loop = f"{mode}-loop"
     unit = "JVP per input element" if mode == "fwd" else "VJP per output element"
     return (
         f"{prob.call}: strategy='auto' could not vectorise the Jacobian of "
         f"{function_name(prob.f)} (strategy={mode!r}: torch.func transforms under "
-        f"torch.vmap), so it used strategy={loop!r}: one {unit} at a time in a Python loop, "
+        f"torch.vmap), so {who} used strategy={loop!r}: one {unit} at a time in a Python loop, "
         f"usually many times slower.\n"
         f"  The vectorised attempt said: {quote_error(err)}\n"
         f"  Typical causes: a custom autograd.Function without setup_context or vmap "
