@@ -232,7 +232,7 @@ def sharded_jacobian(
     try:
         shapes = None
         if mode != "rev":
-            shapes = prob.probe()
+            shapes = _probe(prob)
             if mode is None:  # from sizes alone: the same on every rank
                 n_in = sum(math.prod(s) for s in in_rows(prob, batch))
                 n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob))
@@ -309,15 +309,18 @@ class _Work:
             on_fallback=warn,
         )
 
-    def _chunk(self, k: int, n_out: int, n_in: int, itemsize: int, dtype: Any) -> int | None:
+    def _chunk(self, k: int, n_out: int, n_in: int, itemsize: int, dtype: Any,
+               records: bool = False) -> int | None:
         """The chunk size for this rank's ``k`` products: the result it holds is the whole
-        Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns."""
+        Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns. ``records``:
+        the products record autograd graphs (forward mode of an ``f`` that involves tensors
+        requiring grad), counted as the single-process engine counts them."""
         if self.shard:
             n_out, n_in = (k, n_in) if self._mode == "rev" else (n_out, k)
         return plan_products(
             k, n_out, n_in, itemsize, chunk_size=self.chunk_size, max_memory=self.max_memory,
             device=self.prob.leaves[0].device, call=self.prob.call,
-            alternatives=self.alternatives, batch=self.batch, dtype=dtype,
+            alternatives=self.alternatives, batch=self.batch, dtype=dtype, records=records,
         )
 
     def _products(self, mode: str, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
@@ -325,7 +328,7 @@ class _Work:
         with torch.no_grad() if mode == "rev" else contextlib.nullcontext():
             if mode == "rev":
                 return self._rev(vectorized)
-            return self._fwd(shapes if shapes is not None else self.prob.probe(), vectorized)
+            return self._fwd(shapes if shapes is not None else _probe(self.prob), vectorized)
 
     def _rev(self, vectorized: bool) -> tuple[Any, ...]:
         prob = self.prob
@@ -358,7 +361,7 @@ class _Work:
     def _fwd(self, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
         prob = self.prob
         leaves = tuple(prob.leaves)
-        flat_out, out_spec = shapes
+        flat_out, out_spec, records = shapes
         rows_in = in_rows(prob, self.batch)
         n = sum(math.prod(s) for s in rows_in)
         start, stop = shard_range(n, self.rank, self.world)
@@ -374,7 +377,8 @@ class _Work:
             n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob))
             itemsize = max(max(o.dtype.itemsize for o in flat_out),
                            max(leaf.dtype.itemsize for leaf in leaves))
-            chunk = self._chunk(k, n_out, n, itemsize, flat_out[0].dtype if flat_out else None)
+            chunk = self._chunk(k, n_out, n, itemsize, flat_out[0].dtype if flat_out else None,
+                                records)
             rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
                               self.batch)
             g = prob.g_inner
@@ -388,6 +392,15 @@ class _Work:
                                     vectorized=vectorized, chunk_size=chunk, extras=has_aux,
                                     detach=True)
         return stacked, out_spec, None, aux, start, stop, n
+
+
+def _probe(prob: Problem) -> tuple[list[Tensor], Any, bool]:
+    """The outputs (detached), their structure, and whether forward-mode products will
+    record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
+    result (NOTE [memory model])."""
+    flat, spec = prob.probe(torch.is_grad_enabled())
+    records = any(o.requires_grad for o in flat)
+    return [o.detach() for o in flat], spec, records
 
 
 def _comm_device(group: Any, device: torch.device) -> torch.device:
