@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.utils.benchmark as tb
 
+from torch_vjp._measure import cpu_model
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 STEP_SETUP = """
@@ -170,16 +172,8 @@ print(json.dumps({{"checked": checked, "plain": plain, "ratios": ratios}}))
 
 
 def environment() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {"torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "cpu": cpu, "device": "cpu"}
+            "threads": torch.get_num_threads(), "cpu": cpu_model(), "device": "cpu"}
 
 
 def main() -> None:

@@ -1125,15 +1125,9 @@ def evaluate_targets(results: dict[str, Any], fixed: dict[str, Any] | None = Non
 
 
 def environment(peers: dict[str, str]) -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from torch_vjp._measure import cpu_model
+
+    cpu = cpu_model()
     try:
         import torch_vjp
 

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from torch_vjp._engine.problem import Problem
-from torch_vjp._measure import max_error, median_time, tolerance
+from torch_vjp._measure import cpu_model, max_error, median_time, tolerance
 from torch_vjp._sparse import compute
 from torch_vjp._sparse.compute import Plan
 from torch_vjp._sparse.pattern import Pattern
@@ -90,14 +90,7 @@ def _load() -> list[float] | None:
 
 
 def environment(threads: int) -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     jax_version = None
     if jax_available():
         import jax

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import platform
 import statistics
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -84,6 +85,24 @@ def block_times(fn: Callable[[], Any], min_run_time: float, min_blocks: int = 1)
     while len(times) < min_blocks:
         times += [float(t) for t in timer.timeit(measurement.number_per_run).times]
     return times
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (what results record as the machine),
+    else ``platform.processor()``, else ``platform.machine()``.
+
+    Example:
+        >>> isinstance(cpu_model(), str)
+        True
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from torch_vjp._measure import (
     Timing,
     block_times,
     check_min_run_time,
+    cpu_model,
     format_spread,
     format_table,
     format_time,
@@ -404,17 +405,6 @@ def _markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> lis
     return lines
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(*, device: str, threads: int, dtype: torch.dtype, quick: bool,
                 min_run_time: float, rounds: int = 1, use_jax: bool = True,
                 all_methods: bool = False) -> dict[str, Any]:
@@ -436,7 +426,7 @@ def environment(*, device: str, threads: int, dtype: torch.dtype, quick: bool,
         "jax_used": use_jax,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": load,
         "gpu": gpu,
