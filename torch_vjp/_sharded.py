@@ -97,6 +97,24 @@ class JacobianShard(NamedTuple):
         total: the number of products over all ranks (output elements in reverse mode,
             input elements in forward mode).
         aux: ``f``'s aux value with ``has_aux=True``, else None.
+
+    Example:
+        A group of one rank (gloo, on the CPU), whose shard is every product; with ``W``
+        ranks, rank ``r`` gets ``shard_range(total, r, W)``:
+
+        >>> import os, tempfile, torch.distributed as dist
+        >>> store = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> sh = tv.jacobian(lambda x: x ** 2, torch.tensor([1.0, 2.0, 3.0]),
+        ...                  strategy="rev", process_group=dist.group.WORLD, shard=True)
+        >>> sh.mode, sh.start, sh.stop, sh.total
+        ('rev', 0, 3, 3)
+        >>> sh.values
+        tensor([[2., 0., 0.],
+                [0., 4., 0.],
+                [0., 0., 6.]])
+        >>> dist.destroy_process_group()
     """
 
     values: Any
