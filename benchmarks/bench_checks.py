@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.utils.benchmark as tb
 
-from torch_vjp._measure import cpu_model
+from torch_vjp._measure import cpu_model, summarize_times
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -80,11 +80,6 @@ def step():
 """
 
 
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
-
-
 def _paired(ref: "tb.Timer", ours: "tb.Timer", pairs: int, pair_time: float) -> dict:
     """``pairs`` pairs of ``blocked_autorange`` medians taken back to back, the order
     alternating; the ratio of each pair (drift of a shared machine cancels within a pair).
@@ -97,9 +92,9 @@ def _paired(ref: "tb.Timer", ours: "tb.Timer", pairs: int, pair_time: float) -> 
         refs.append(t[id(ref)])
         mine.append(t[id(ours)])
         ratios.append(t[id(ours)] / t[id(ref)])
-    q1, med, q3 = _quartiles(ratios)
+    t = summarize_times([ratios])
     return {"reference_s": statistics.median(refs), "torch_vjp_s": statistics.median(mine),
-            "ratio": med, "ratio_q1": q1, "ratio_q3": q3, "pairs": pairs}
+            "ratio": t.median, "ratio_q1": t.q1, "ratio_q3": t.q3, "pairs": pairs}
 
 
 def _timer(stmt: str, setup: str = "", globals_: dict | None = None) -> "tb.Timer":
@@ -163,7 +158,8 @@ print(json.dumps({{"checked": checked, "plain": plain, "ratios": ratios}}))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    q1, med, q3 = _quartiles(r["ratios"])
+    t = summarize_times([r["ratios"]])
+    q1, med, q3 = t.q1, t.median, t.q3
     return {"case": "MLP 64-128-10 training step, batch 32, TORCH_VJP_CHECKED=1",
             "reference": "the same step, plain (same process)",
             "reference_s": statistics.median(r["plain"]),

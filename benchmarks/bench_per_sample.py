@@ -809,10 +809,11 @@ def paired_times(step_a: Callable, step_b: Callable, pairs: int, timer: str = "w
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0], xs[0]
-    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return q1, q2, q3
+    """(q1, median, q3) of ``xs`` by torch_vjp's own summary (one sample: all three)."""
+    from torch_vjp._measure import summarize_times
+
+    t = summarize_times([xs])
+    return t.q1, t.median, t.q3
 
 
 def _failure(exc: BaseException, label: str, strategy: str | None) -> tuple[str, str]:

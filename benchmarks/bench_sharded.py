@@ -38,7 +38,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_vjp as tv
+from torch_vjp._measure import summarize_times
 
 HERE = Path(__file__).resolve().parent
 DT = torch.float64
@@ -64,13 +64,6 @@ def _workload(n_in: int, hidden: int, n_out: int):
         return W2 @ torch.tanh(W1 @ x)
 
     return f, x
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], statistics.median(xs), q[2]
 
 
 def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace, results) -> None:
@@ -135,13 +128,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"reference: single-process tv.jacobian, {args.threads} thread(s) ...", flush=True)
     ref = _measure(0, args)
-    ref_q = _quartiles(ref)
+    ref_t = summarize_times([ref])
     rows = []
     for world in ranks:
         print(f"{world} rank(s) ...", flush=True)
-        q = _quartiles(_measure(world, args))
-        rows.append({"ranks": world, "median_s": q[1], "iqr_s": q[2] - q[0],
-                     "ratio_to_single": q[1] / ref_q[1], "speedup": ref_q[1] / q[1]})
+        t = summarize_times([_measure(world, args)])
+        rows.append({"ranks": world, "median_s": t.median, "iqr_s": t.q3 - t.q1,
+                     "ratio_to_single": t.median / ref_t.median, "speedup": ref_t.median / t.median})
     env = {
         "torch": torch.__version__, "torch_vjp": tv.__version__,
         "python": platform.python_version(), "machine": platform.processor() or
@@ -153,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 "n_out": args.n_out, "dtype": "float64", "strategy": "rev",
                 "rounds": args.rounds}
     doc = {"schema": 1, "env": env, "workload": workload,
-           "single_process": {"median_s": ref_q[1], "iqr_s": ref_q[2] - ref_q[0]},
+           "single_process": {"median_s": ref_t.median, "iqr_s": ref_t.q3 - ref_t.q1},
            "sharded": rows}
     lines = [
         "# Sharded Jacobians: time against the number of ranks",
@@ -163,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {env['load_average']}.",
         "",
         f"`f(x) = W2 @ tanh(W1 @ x)`, {args.n_in} -> {args.hidden} -> {args.n_out}, float64, "
-        f"`strategy=\"rev\"`. Single-process `tv.jacobian`: {ref_q[1] * 1e3:.1f} ms (IQR "
-        f"{(ref_q[2] - ref_q[0]) * 1e3:.1f} ms). Each time is the median over {args.rounds} "
+        f"`strategy=\"rev\"`. Single-process `tv.jacobian`: {ref_t.median * 1e3:.1f} ms (IQR "
+        f"{(ref_t.q3 - ref_t.q1) * 1e3:.1f} ms). Each time is the median over {args.rounds} "
         f"rounds of the slowest rank's call, barrier to barrier; ratio = sharded / "
         f"single-process, in the same run.",
         "",
