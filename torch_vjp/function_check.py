@@ -40,9 +40,7 @@ non-tensor arguments never are; backward must return ``None`` for non-tensor arg
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +49,15 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from torch_vjp._backward_check import (
+    Record,
+    Slot,
+    as_tuple,
+    check_record,
+    dtype_name,
+    slot_from_arg,
+    slots_from_node,
+)
 from torch_vjp._errors import (
     FunctionCheckError,
     FunctionCheckTypeError,
@@ -155,7 +162,7 @@ class FunctionCheckReport:
         if self.value_dtype is not None:
             lines.append(
                 f"  values: dot-product test <J t, c> == <t, J^T c> against central "
-                f"differences in {_dtype_name(self.value_dtype)}, eps={self.eps:g}, "
+                f"differences in {dtype_name(self.value_dtype)}, eps={self.eps:g}, "
                 f"{self.probes} probes per input, |error| <= atol + rtol * size with "
                 f"atol={self.atol:g}, rtol={self.rtol:g}"
             )
@@ -337,32 +344,6 @@ def check_function(
 # The checker
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """What autograd expects back at one index of backward's return value.
-
-    Describes one forward input: ``kind`` is ``"tensor"``, ``"other"`` (not a tensor: the
-    gradient must be None) or ``"unknown"``; ``shape``/``dtype``/``device`` are ``None``
-    where unknown.
-    """
-
-    kind: str
-    needs_grad: bool
-    shape: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
-    device: torch.device | None = None
-    type_name: str = "Tensor"
-    differentiable: bool = False  # a floating-point or complex tensor
-
-
-@dataclass(frozen=True)
-class _Record:
-    """One run of a custom Function's backward: its node, grad_outputs and raw return."""
-
-    node: Any
-    grad_outputs: tuple[Any, ...]
-    returned: Any
-
 
 @dataclass
 class _StructureResult:
@@ -389,7 +370,7 @@ class _Recorder:
 
     def __init__(self, nodes: Sequence[Any]):
         self.nodes = list(nodes)
-        self.records: list[_Record] = []
+        self.records: list[Record] = []
         self.raised: list[BaseException] = []
 
     def install(self) -> None:
@@ -421,7 +402,7 @@ class _Recorder:
                 boxed or getattr(node._forward_cls, "boxed_grads_call", False)
             ):
                 grads = tuple(args[0])
-            self.records.append(_Record(node, tuple(grads), returned))
+            self.records.append(Record(node, tuple(grads), returned))
             return returned
 
         return apply
@@ -501,7 +482,7 @@ class _Checker:
         result: dict[int, Any] = {}
         if self.is_function:
             rec = recorder.records[0]
-            returned = _as_tuple(rec.returned)
+            returned = as_tuple(rec.returned)
             for i in range(len(self.inputs)):
                 if i < len(returned):
                     result[i] = returned[i]
@@ -510,17 +491,17 @@ class _Checker:
                 result[i] = g
         return _StructureResult(grads=result, functions=functions)
 
-    def _slots(self, node: Any, args: Sequence[Any]) -> list[_Slot]:
+    def _slots(self, node: Any, args: Sequence[Any]) -> list[Slot]:
         needs = tuple(bool(b) for b in node.needs_input_grad)
         if self.is_function and node._forward_cls is self.fn:
             bound = _bind_forward_args(self.fn, args)
             if len(bound) == len(needs):
-                return [_slot_from_arg(a, n) for a, n in zip(bound, needs)]
-        return _slots_from_node(node, needs)
+                return [slot_from_arg(a, n) for a, n in zip(bound, needs)]
+        return slots_from_node(node, needs)
 
-    def _first_problem(self, records: Sequence[_Record], args: Sequence[Any]) -> str | None:
+    def _first_problem(self, records: Sequence[Record], args: Sequence[Any]) -> str | None:
         for rec in records:
-            problem = _check_record(self.call, rec, self._slots(rec.node, args))
+            problem = check_record(self.call, rec, self._slots(rec.node, args))
             if problem is not None:
                 return problem
         return None
@@ -536,7 +517,7 @@ class _Checker:
                 continue
             args = [str(d) for d in x.shape]
             if x.dtype != torch.float32:
-                args.append(f"dtype=torch.{_dtype_name(x.dtype)}")
+                args.append(f"dtype=torch.{dtype_name(x.dtype)}")
             example = f"torch.randn({', '.join(args)})"
             raise FunctionCheckValueError(
                 f"{self.call}: input {i} holds non-finite values ({_where_text(where)}), so "
@@ -566,7 +547,7 @@ class _Checker:
             )
             raise FunctionCheckValueError(
                 f"{self.call}: {name} holds non-finite values at these inputs (in "
-                f"{_dtype_name(dtype)}: {_where_text(where)}), so the values of the gradients "
+                f"{dtype_name(dtype)}: {_where_text(where)}), so the values of the gradients "
                 f"cannot be checked.\n"
                 f"  The values are checked against central differences of forward, and "
                 f"differences of NaN or inf are NaN whatever backward returns: the test would "
@@ -594,7 +575,7 @@ class _Checker:
             dtype = _value_dtype(self.inputs, self.diff)
             low_eps = max(eps, torch.finfo(_real_dtype(dtype)).eps ** (1 / 3))
             notes.append(
-                f"values checked in {_dtype_name(dtype)}, not float64: fn raised "
+                f"values checked in {dtype_name(dtype)}, not float64: fn raised "
                 f"{type(exc).__name__} on float64 copies of the inputs ({_first_line(exc)}); "
                 f"eps raised to {low_eps:.3g}"
             )
@@ -673,7 +654,7 @@ class _Checker:
         err = abs(p.lhs - p.rhs)
         lines = [
             f"{self.call}: {who} does not match finite differences of forward.",
-            f"  dot-product test in {_dtype_name(dtype)} with a random tangent t and "
+            f"  dot-product test in {dtype_name(dtype)} with a random tangent t and "
             f"cotangent c: <J t, c> = {p.lhs:.6g} (central differences of forward, "
             f"eps={eps:g}), but <t, backward(c)> = {p.rhs:.6g}; |error| = {err:.3g} > "
             f"atol + rtol * size = {atol:g} + {rtol:g} * {p.size:.3g}.",
@@ -701,331 +682,6 @@ class _Probe:
     noise: float  # the rounding error the finite differences can carry
 
 
-# ---------------------------------------------------------------------------------------
-# Checking one backward's return value
-
-
-def _check_record(call: str, rec: _Record, slots: list[_Slot]) -> str | None:
-    fname = rec.node._forward_cls.__name__
-    returned = rec.returned
-    out_shapes = [tuple(g.shape) if isinstance(g, Tensor) else None for g in rec.grad_outputs]
-    n = len(slots)
-    if isinstance(returned, list):
-        return _list_message(call, fname, returned)
-    values = _as_tuple(returned)
-    if len(values) != n:
-        return _count_message(call, fname, values, slots)
-    for i, (value, slot) in enumerate(zip(values, slots)):
-        problem = _check_one(call, fname, i, value, slot, out_shapes)
-        if problem is not None:
-            return problem
-    return None
-
-
-def _count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[_Slot],
-                   torch_line: bool = True) -> str:
-    n, got = len(slots), len(values)
-    bw = f"{fname}.backward"
-    lines = [
-        f"{call}: {bw} returned {got} value{'s' if got != 1 else ''}, but {fname}.forward "
-        f"takes {n} input{'s' if n != 1 else ''} (not counting ctx), so backward must return "
-        f"{n}.",
-        f"  backward returns one gradient per forward input, in forward's order: dL/d(input) "
-        f"for each tensor input, None for inputs that are not tensors or need no gradient. "
-        f"(It takes one grad_output per forward output; the counts of what it takes and what "
-        f"it returns are unrelated.)",
-    ]
-    extra_none = got > n and all(v is None for v in values[n:])
-    if extra_none:
-        lines.append(
-            f"  torch drops trailing None values without a word, so this runs; but a backward "
-            f"whose count is off usually has its gradients in the wrong positions too."
-        )
-    elif torch_line:
-        lines.append(
-            f"  torch reports this as: function {fname}Backward returned an incorrect number "
-            f"of gradients (expected {n}, got {got})."
-        )
-    if got < n:
-        missing = [f"input {j} ({_slot_desc(slots[j])})" for j in range(got, n)]
-        what = "None" if all(s.kind == "other" or not s.needs_grad for s in slots[got:]) else \
-            "its gradient (or None where no gradient is needed)"
-        lines.append(
-            f"  Fix: return a value for {', '.join(missing)} as well: {what}, e.g. "
-            f"return {', '.join(['grad_' + str(j) for j in range(got)] + ['None'] * (n - got))}."
-        )
-    else:
-        lines.append(
-            f"  Fix: return exactly {n} value{'s' if n != 1 else ''}, one per input of "
-            f"forward after ctx; ctx itself gets no gradient."
-        )
-    return "\n".join(lines)
-
-
-def _check_one(call: str, fname: str, i: int, value: Any, slot: _Slot,
-               out_shapes: list[tuple[int, ...] | None]) -> str | None:
-    if value is not None and not isinstance(value, Tensor):
-        return _type_message(call, fname, i, value, slot)
-    if slot.kind == "other":
-        if value is None:
-            return None
-        return _non_tensor_input_message(call, fname, i, slot)
-    if value is None:
-        if not slot.needs_grad:
-            return None
-        shape = f" (shape {shape_str(slot.shape)})" if slot.shape is not None else ""
-        return (
-            f"{call}: {fname}.backward returned None at index {i}, but forward input {i}{shape} "
-            f"requires grad.\n"
-            f"  None tells autograd that the gradient is zero: torch accepts it without a "
-            f"word, so input {i} silently gets no gradient.\n"
-            f"  Fix: return dL/d(input {i}), grad_output times the Jacobian d(output)/"
-            f"d(input {i}), a tensor of input {i}'s shape; if forward's outputs truly do not "
-            f"depend on input {i}, return torch.zeros_like(input) to make the zero explicit. "
-            f"Use ctx.needs_input_grad[{i}] to skip work when it is False."
-        )
-    if not (slot.needs_grad or slot.differentiable) or slot.shape is None:
-        return None
-    dropped = "" if slot.needs_grad else (
-        f"\n  (Input {i} does not require grad in this call, so torch drops this value; it is "
-        f"wrong whenever input {i} does.)"
-    )
-    gshape, ishape = tuple(value.shape), slot.shape
-    if gshape != ishape:
-        return _shape_message(call, fname, i, gshape, ishape, out_shapes) + dropped
-    if slot.dtype is not None and value.dtype != slot.dtype:
-        return _dtype_message(call, fname, i, value, slot) + dropped
-    if slot.device is not None and value.device != slot.device:
-        return _device_message(call, fname, i, value, slot) + dropped
-    return None
-
-
-def _list_message(call: str, fname: str, returned: list[Any], torch_line: bool = True) -> str:
-    count = f"{len(returned)} value{'' if len(returned) == 1 else 's'}"
-    return (
-        f"{call}: {fname}.backward returned a list of {count}; torch reads a list as one "
-        f"single value, which is not a gradient.\n"
-        f"  backward returns a tuple: one gradient (or None) per forward input, in forward's "
-        f"order.\n"
-        + ("  torch reports this as: expected Variable or None (got list).\n" if torch_line
-           else "")
-        + "  Fix: return a tuple: return tuple(grads), or return grad_a, grad_b."
-    )
-
-
-def _type_message(call: str, fname: str, i: int, value: Any, slot: _Slot,
-                  torch_line: bool = True) -> str:
-    kind = type(value).__name__
-    shape = f" {shape_str(slot.shape)}" if slot.shape is not None else ""
-    return (
-        f"{call}: {fname}.backward returned a {kind} at index {i}; backward returns, "
-        f"at each index, a tensor (dL/d input {i}) or None.\n"
-        + (f"  A gradient holds one number per element of input {i}, so it is a tensor of "
-           f"input {i}'s shape{shape}; None stands for zero.\n" if slot.kind != "other" else
-           f"  Input {i} is not a tensor: it has no gradient, so its value is None.\n")
-        + (f"  torch reports this as: expected Variable or None (got {kind}).\n"
-           if torch_line else "")
-        + "  Fix: return "
-        + (f"None at index {i}: input {i} is not a tensor."
-           if slot.kind == "other" else
-           f"a tensor with input {i}'s shape{shape}, e.g. grad_output * (the derivative as a "
-           f"tensor).")
-    )
-
-
-def _non_tensor_input_message(call: str, fname: str, i: int, slot: _Slot,
-                              torch_line: bool = True) -> str:
-    what = "" if slot.type_name == "non-tensor" else f" ({slot.type_name})"
-    return (
-        f"{call}: {fname}.backward returned a tensor at index {i}, but forward input {i} is "
-        f"not a tensor{what}.\n"
-        f"  A non-tensor input has no gradient, so backward must return None at its "
-        f"index.\n"
-        + (f"  torch reports this as: function {fname}Backward returned a gradient different "
-           f"than None at position {i + 1}, but the corresponding forward input was not a "
-           f"Variable.\n" if torch_line else "")
-        + f"  Fix: return None at index {i}; gradients go at the indices of the tensor "
-        f"inputs, in forward's order."
-    )
-
-
-def _device_message(call: str, fname: str, i: int, value: Tensor, slot: _Slot,
-                    torch_line: bool = True) -> str:
-    lines = [
-        f"{call}: {fname}.backward returned a gradient on device {value.device} at index {i}, "
-        f"but forward input {i} is on {slot.device}.",
-        "  A gradient lives on its input's device, like the input's other data.",
-    ]
-    if value.dim() == 0:
-        lines.append(
-            f"  torch does not catch this for a 0-d gradient: it moves it to {slot.device} "
-            f"without a word."
-        )
-    elif torch_line:
-        lines.append(
-            f"  torch reports this as: Function {fname}Backward returned an invalid gradient "
-            f"at index {i} - expected device {slot.device} but got {value.device}."
-        )
-    lines.append(
-        "  Fix: create the tensors backward needs on grad_output.device (e.g. "
-        "torch.zeros(..., device=grad_output.device)), or return grad.to(input.device)."
-    )
-    return "\n".join(lines)
-
-
-def _shape_message(call: str, fname: str, i: int, g: tuple[int, ...], s: tuple[int, ...],
-                   out_shapes: list[tuple[int, ...] | None], torch_line: bool = True) -> str:
-    lines = [
-        f"{call}: {fname}.backward returned a gradient of shape {shape_str(g)} at index {i}, "
-        f"but forward input {i} has shape {shape_str(s)}.",
-        f"  backward returns dL/d(input {i}) = grad_output times the Jacobian d(output)/"
-        f"d(input {i}): one number per element of input {i}, so a tensor of exactly input "
-        f"{i}'s shape {shape_str(s)}, never the Jacobian itself.",
-    ]
-    if _broadcasts_to(s, g):
-        lines.append(
-            f"  torch does not catch this: it sums the gradient down to {shape_str(s)} "
-            f"(Tensor.sum_to_size) without a word, so input {i} gets whatever that sum is."
-        )
-    elif torch_line:
-        lines.append(
-            f"  torch reports this as: Function {fname}Backward returned an invalid gradient "
-            f"at index {i} - got {list(g)} but expected shape compatible with {list(s)} "
-            f"(compatible: {shape_str(s)} itself, or a shape that {shape_str(s)} broadcasts "
-            f"to, which torch then sums down)."
-        )
-    else:
-        lines.append(
-            f"  torch's \"shape compatible with {list(s)}\" means {shape_str(s)} itself, or a "
-            f"shape that {shape_str(s)} broadcasts to, which torch then sums down; "
-            f"{shape_str(g)} is neither."
-        )
-    lines.append("  " + _shape_hint(i, g, s, out_shapes))
-    return "\n".join(lines)
-
-
-def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
-                out_shapes: list[tuple[int, ...] | None]) -> str:
-    outs = [(k, o) for k, o in enumerate(out_shapes) if o is not None]
-    single = len(out_shapes) == 1
-    for k, o in outs:
-        out_name = "the output" if single else f"output {k}"
-        if g == o + s:
-            return (
-                f"{shape_str(g)} is {out_name}'s shape {shape_str(o)} followed by input {i}'s "
-                f"shape {shape_str(s)}: the shape of the Jacobian d({out_name})/d(input {i}). "
-                f"backward receives grad_output = dL/d({out_name}), shape {shape_str(o)}, and "
-                f"returns its product with that Jacobian. Fix: return "
-                f"torch.tensordot(grad_output, J, dims={len(o)}) (shape {shape_str(s)}), or "
-                f"better, compute that product directly without building J: not storing "
-                f"Jacobians is why backward works this way."
-            )
-        if g == s + o:
-            return (
-                f"{shape_str(g)} is input {i}'s shape {shape_str(s)} followed by {out_name}'s "
-                f"shape {shape_str(o)}: the transposed Jacobian d({out_name})/d(input {i}). "
-                f"backward returns its product with grad_output = dL/d({out_name}), not the "
-                f"Jacobian. Fix: return torch.tensordot(J, grad_output, dims={len(o)}) "
-                f"(shape {shape_str(s)}), or compute the product without building J."
-            )
-    for k, o in outs:
-        out_name = "the output" if single else f"output {k}"
-        if s and o and s[0] == o[0] and len(g) > len(s):
-            b = s[0]
-            if g == (b,) + o[1:] + s[1:] or g == (b,) + s[1:] + o[1:]:
-                order = "j, g" if g == (b,) + s[1:] + o[1:] else "g, j"
-                return (
-                    f"{shape_str(g)} holds one Jacobian per example: the batch of {b}, then "
-                    f"the shapes of one row of {out_name} and of input {i}. backward never "
-                    f"forms per-example Jacobians: a batch input of shape {shape_str(s)} gets "
-                    f"a gradient of shape {shape_str(s)}, row e being dL/d(input {i}[e]). "
-                    f"Fix: contract each example's Jacobian with its row of grad_output: "
-                    f"torch.vmap(lambda g, j: torch.tensordot({order}, dims=g.dim()))"
-                    f"(grad_output, J), or compute that product without building J."
-                )
-    for k, o in outs:
-        if g == o and o != s:
-            out_name = "the output" if single else f"output {k}"
-            return (
-                f"{shape_str(g)} is the shape of {out_name} (and of grad_output): backward "
-                f"takes gradients with respect to forward's outputs and returns gradients with "
-                f"respect to its inputs. Fix: multiply grad_output by the Jacobian d("
-                f"{out_name})/d(input {i}), which gives a tensor of shape {shape_str(s)}."
-            )
-    if len(g) > len(s) and g[len(g) - len(s):] == s:
-        lead = g[: len(g) - len(s)]
-        dims = "0" if len(lead) == 1 else f"dim={tuple(range(len(lead)))}"
-        extra = (f"an extra leading dimension of size {lead[0]}" if len(lead) == 1
-                 else f"extra leading dimensions {shape_str(lead)}")
-        return (
-            f"{shape_str(g)} is input {i}'s shape {shape_str(s)} with {extra}. If "
-            f"{'it holds' if len(lead) == 1 else 'they hold'} separate "
-            f"contributions (one per example, per output, per term), their sum is the "
-            f"gradient: return grad.sum({dims}); if they are a batch, the batch belongs in "
-            f"input {i}'s own shape: a (b, n) input gets a (b, n) gradient."
-        )
-    if len(g) == len(s) and _broadcasts_to(s, g):
-        dims = tuple(d for d in range(len(s)) if s[d] == 1 and g[d] != 1)
-        return (
-            f"input {i} has size 1 in dimension{'s' if len(dims) > 1 else ''} "
-            f"{', '.join(map(str, dims))}, where the gradient does not: forward broadcast "
-            f"input {i}, so its gradient is summed over the broadcast dimensions. Fix: return "
-            f"grad.sum(dim={dims if len(dims) > 1 else dims[0]}, keepdim=True)."
-        )
-    if len(g) < len(s) and s[len(s) - len(g):] == g:
-        return (
-            f"{shape_str(g)} lacks input {i}'s leading dimension"
-            f"{'s' if len(s) - len(g) > 1 else ''} {shape_str(s[: len(s) - len(g)])}. If every "
-            f"slice of input {i} gets this same gradient, return grad.expand({shape_str(s)})"
-            f".clone(); otherwise compute the gradient per element of input {i}."
-        )
-    if len(s) >= 2 and g == s[::-1]:
-        perm = "mT" if len(s) == 2 else f"permute({', '.join(map(str, range(len(s) - 1, -1, -1)))})"
-        return f"{shape_str(g)} is input {i}'s shape reversed: return grad.{perm}."
-    if math.prod(g) == math.prod(s):
-        return (
-            f"{shape_str(g)} has the right number of elements ({math.prod(s)}) in the wrong "
-            f"shape: if they are in input {i}'s order, return grad.reshape(input.shape)."
-        )
-    return (
-        f"Fix: return grad_output times the Jacobian d(output)/d(input {i}), a tensor of "
-        f"shape {shape_str(s)}."
-    )
-
-
-def _dtype_message(call: str, fname: str, i: int, value: Tensor, slot: _Slot,
-                   torch_line: bool = True) -> str:
-    gd, sd = value.dtype, slot.dtype or value.dtype
-    lines = [
-        f"{call}: {fname}.backward returned a gradient of dtype {gd} at index {i}, but "
-        f"forward input {i} has dtype {sd}.",
-        f"  dL/d(input {i}) holds one {_dtype_name(sd)} number per element of input {i}: a "
-        f"gradient has its input's dtype (and shape, and device).",
-    ]
-    input_complex = sd.is_complex
-    if value.is_floating_point() or value.is_complex() == input_complex:
-        lines.append(
-            f"  torch does not catch this: it casts the gradient to {sd} without a word, so "
-            f"the mistake (usually a float64 or integer tensor made inside backward) goes "
-            f"unnoticed."
-        )
-    elif torch_line:
-        lines.append(
-            "  torch reports this as: Expected isFloatingType(grad.scalar_type()) || "
-            "(input_is_complex == grad_is_complex) to be true, but got false."
-        )
-    else:
-        lines.append(
-            "  torch casts a floating-point gradient to its input's dtype, but it never turns "
-            "a complex gradient into a real one, nor an integer one into a complex one."
-        )
-    lines.append(
-        f"  Fix: compute in grad_output's dtype: tensors made in backward with torch.tensor"
-        f"(...), torch.from_numpy(...) or a float64 constant tensor take dtype="
-        f"grad_output.dtype; or return grad.to(input.dtype)."
-    )
-    return "\n".join(lines)
-
 
 def _ratio_hint(rows: list[_Probe]) -> str | None:
     if all(abs(p.rhs) <= 1e-12 * max(p.size, 1e-300) for p in rows) and any(
@@ -1050,324 +706,6 @@ def _ratio_hint(rows: list[_Probe]) -> str | None:
         )
     return None
 
-
-# ---------------------------------------------------------------------------------------
-# Checked mode: what a custom backward returned, judged on every call
-# (NOTE [checked custom backwards] in torch_vjp.autograd)
-
-
-def backward_return_ok(node: Any, returned: Any) -> bool:
-    """Whether what a custom Function's backward returned passes checked mode at a glance:
-    the fast path, run on every call (NOTE [fast path, slow message] in ``_checks``).
-
-    ``node`` is the Function's graph node (its ``ctx``), ``returned`` backward's raw return
-    value. The rules: one value per forward input (extra trailing ``None`` values are fine:
-    torch drops them), each ``None`` or a tensor, and a tensor for an input that needs a
-    gradient has the dtype and device torch's engine expects there (the metadata of the
-    node's next edge) and its shape, or the shape of one of forward's outputs that the
-    input's shape broadcasts to (see :func:`_summed_broadcast`). ``False`` sends the value to
-    :func:`backward_problems`; what this loop cannot tell counts as fine, and torch judges
-    it: a tensor subclass, metadata torch does not expose (a nested tensor). The cost is a
-    few attribute reads per gradient.
-    """
-    values = returned if type(returned) is tuple else (returned,)
-    needs = node.needs_input_grad
-    n = len(needs)
-    m = len(values)
-    if m != n:
-        if m < n:
-            return False
-        for value in values[n:]:
-            if value is not None:
-                return False
-    edges: list[Any] | None = None
-    k = 0  # the next edges with a node belong, in order, to the inputs that need grad
-    loose = missing = False
-    for i in range(n):
-        value = values[i]
-        if needs[i]:
-            if value is None:
-                missing = True
-            elif type(value) is Tensor:
-                if edges is None:
-                    edges = [e for e in node.next_functions if e[0] is not None]
-                    if len(edges) != sum(needs):  # pragma: no cover - torch keeps them aligned
-                        return True
-                fn, nr = edges[k]
-                try:
-                    meta = fn._input_metadata[nr]
-                    if value.dtype is not meta.dtype or value.device != meta.device:
-                        return False
-                    shape = tuple(meta.shape)
-                    if value.shape != shape and not _summed_broadcast(node, value.shape, shape):
-                        return False
-                except (AttributeError, IndexError, RuntimeError, TypeError):
-                    pass  # metadata torch does not expose: torch judges
-            elif not isinstance(value, Tensor):
-                return False
-            k += 1
-        elif value is not None:
-            loose = True
-    if loose:
-        # A value for an input that needs no gradient: torch drops a tensor given for a
-        # tensor input, but raises for anything else (the slow path explains), and it may be
-        # misplaced. Where some of those inputs are tensors and some are not, the node does
-        # not say which: torch judges.
-        if missing or len(node.next_functions) == k:
-            return False
-        for i in range(n):
-            if not needs[i] and values[i] is not None and not isinstance(values[i], Tensor):
-                return False
-    return True
-
-
-def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
-    """Whether a gradient of shape ``g`` for an input of shape ``s`` follows torch's idiom
-    for an input that forward broadcast: ``g`` is the shape of one of forward's outputs and
-    ``s`` broadcasts to it, so the gradient was computed per output element and torch's sum
-    over the broadcast dimensions (``sum_to_size``) is exactly the adjoint of broadcasting.
-    torch's own reference Functions do this (``NumpyMul`` in
-    ``torch.testing._internal.autograd_function_db``)."""
-    g, s = tuple(g), tuple(s)
-    if not _broadcasts_to(s, g):
-        return False
-    return any(o == g for o in _received_shapes(node))
-
-
-@dataclass(frozen=True)
-class BackwardProblem:
-    """One objection of checked mode to what a custom backward returned.
-
-    Attributes:
-        index: The position in backward's return value, or ``None`` for the count (and for
-            gradients in the wrong positions).
-        torch: What torch's own validation does with it, as far as the check can tell:
-            ``"rejects"`` (raises), ``"sums"`` (sums a gradient whose shape the input's shape
-            broadcasts to down to the input's shape, without a word) or ``"accepts"`` (takes
-            it, casting or moving it, or dropping it, without a word).
-        message: The explanation: what was returned, what was expected and why, the fix.
-    """
-
-    index: int | None
-    torch: str
-    message: str
-
-
-def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProblem]:
-    """What checked mode objects to in ``returned``, the raw return value of the backward of
-    the custom Function whose graph node (its ``ctx``) is ``node``; the slow path behind
-    ``torch_vjp._checks.backward_return_ok``, with check_function's messages.
-
-    The rules are check_function's, less what torch allows on purpose: ``None`` for any
-    input (torch reads it as zeros), extra trailing ``None`` values (torch drops them), a
-    gradient for a tensor input that needs none (torch drops it; but a tensor there together
-    with ``None`` for an input of its shape that needs one is reported as misplaced). What
-    the node does not tell is not judged: the shape of an input that needs no gradient, a
-    tensor subclass, a nested tensor.
-    """
-    fname = function_name(node)
-    needs = tuple(bool(b) for b in node.needs_input_grad)
-    slots = _slots_from_node(node, needs)
-    n = len(slots)
-    if isinstance(returned, list):
-        return [BackwardProblem(None, "rejects", _list_message(call, fname, returned, False))]
-    values = _as_tuple(returned)
-    if len(values) < n or any(v is not None for v in values[n:]):
-        return [BackwardProblem(None, "rejects",
-                                _count_message(call, fname, values, slots, False))]
-    out_shapes = _received_shapes(node)
-    problems = []
-    for i, slot in enumerate(slots):
-        value = values[i]
-        if value is None:
-            continue
-        if not isinstance(value, Tensor):
-            problems.append(BackwardProblem(
-                i, "rejects", _type_message(call, fname, i, value, slot, False)))
-        elif slot.kind == "other":
-            problems.append(BackwardProblem(
-                i, "rejects", _non_tensor_input_message(call, fname, i, slot, False)))
-        elif (not slot.needs_grad or slot.shape is None or type(value) is not Tensor
-              or value.is_nested):
-            continue
-        elif tuple(value.shape) != slot.shape:
-            g = tuple(value.shape)
-            if _broadcasts_to(slot.shape, g) and g in out_shapes:
-                continue  # torch's idiom for a broadcast input: see _summed_broadcast
-            problems.append(BackwardProblem(
-                i, "sums" if _broadcasts_to(slot.shape, g) else "rejects",
-                _shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
-        elif slot.dtype is not None and value.dtype != slot.dtype:
-            cast = value.is_floating_point() or value.is_complex() == slot.dtype.is_complex
-            problems.append(BackwardProblem(
-                i, "accepts" if cast else "rejects",
-                _dtype_message(call, fname, i, value, slot, False)))
-        elif slot.device is not None and value.device != slot.device:
-            problems.append(BackwardProblem(
-                i, "accepts" if value.dim() == 0 else "rejects",
-                _device_message(call, fname, i, value, slot, False)))
-    misplaced = _misplaced_message(call, fname, values, slots)
-    if misplaced is not None:
-        problems.append(BackwardProblem(None, "accepts", misplaced))
-    return problems
-
-
-def function_name(node: Any) -> str:
-    """The name of the custom Function whose graph node is ``node``, as its author wrote it
-    (torch.func transforms run a Function through a generated one, ``<Name>Generated``)."""
-    cls = node._forward_cls
-    name = cls.__name__
-    if name.endswith("Generated") and torch.autograd.Function not in cls.__mro__:
-        return name[: -len("Generated")]
-    return name
-
-
-def _misplaced_message(call: str, fname: str, values: tuple[Any, ...],
-                       slots: list[_Slot]) -> str | None:
-    """A tensor returned for an input that needs no gradient, and None for an input of the
-    tensor's shape that needs one: gradients in the wrong positions, which torch takes
-    without a word (it drops the first and reads the second as zeros)."""
-    missing = [i for i, slot in enumerate(slots)
-               if slot.needs_grad and values[i] is None and slot.shape is not None]
-    if not missing:
-        return None
-    for j, slot in enumerate(slots):
-        value = values[j]
-        if slot.needs_grad or slot.kind == "other" or not isinstance(value, Tensor):
-            continue
-        for i in missing:
-            if tuple(value.shape) != slots[i].shape:
-                continue
-            s = shape_str(slots[i].shape)
-            return (
-                f"{call}: {fname}.backward returned None at index {i}, where forward input {i} "
-                f"(shape {s}) requires grad, and a tensor of shape {s} at index {j}, where "
-                f"forward input {j} needs no gradient.\n"
-                f"  backward returns one gradient per forward input, in forward's order. torch "
-                f"drops a gradient for an input that needs none and reads None as a zero "
-                f"gradient, both without a word: input {i} silently gets no gradient.\n"
-                f"  Fix: return dL/d(input {i}) at index {i}, and None at index {j} (test "
-                f"ctx.needs_input_grad[{j}] to skip computing it)."
-            )
-    return None
-
-
-def _received_shapes(node: Any) -> list[tuple[int, ...] | None]:
-    """The shapes of the grad_outputs a node receives (those of forward's outputs), for
-    messages; None where torch does not say."""
-    try:
-        metadata = list(node._input_metadata)
-    except (AttributeError, RuntimeError, TypeError):
-        return []
-    shapes: list[tuple[int, ...] | None] = []
-    for m in metadata:
-        try:
-            shapes.append(None if m.is_nested_tensor else tuple(int(d) for d in m.shape))
-        except (AttributeError, RuntimeError, TypeError):
-            shapes.append(None)
-    return shapes
-
-
-# At most this many ways of telling which inputs of an ambiguous node are tensors are replayed.
-_MAX_REPLAYS = 16
-
-
-def torch_verdict(node: Any, returned: Any,
-                  grad: Callable[..., Any]) -> tuple[bool, BaseException | None]:
-    """torch's own verdict on ``returned``, the raw return value of ``node``'s backward.
-
-    Replays it through torch's engine (``grad``, torch's own ``torch.autograd.grad``): a
-    stand-in custom Function of the same name, with inputs of the metadata torch expects at
-    the node's inputs (one element of storage each), whose backward returns ``returned``.
-    torch's validation of the stand-in is the validation of the node: the same count, the
-    same tensor and non-tensor positions, the same shapes, dtypes and devices, so the same
-    error and sentence. Costs a small backward pass; runs only when the check objects.
-
-    Returns:
-        ``(judged, error)``: ``error`` is what torch raises (``None`` when it accepts);
-        ``judged`` is False where the node does not tell enough to replay it (the metadata
-        of an input that needs a gradient is unknown, or which inputs are tensors is
-        ambiguous and the possible answers disagree).
-    """
-    needs = tuple(bool(b) for b in node.needs_input_grad)
-    slots = _slots_from_node(node, needs)
-    if any(s.needs_grad and (s.shape is None or s.dtype is None or s.device is None)
-           for s in slots):
-        return False, None
-    unknown = [j for j, s in enumerate(slots) if s.kind == "unknown"]
-    tensors = len(node.next_functions) - sum(needs)  # inputs that are tensors needing no grad
-    known = sum(1 for s in slots if s.kind == "tensor" and not s.needs_grad)
-    ways = list(itertools.combinations(unknown, tensors - known)) if unknown else [()]
-    if not ways or len(ways) > _MAX_REPLAYS:
-        return False, None
-    verdicts = []
-    for way in ways:
-        kinds = ["tensor" if j in way else "other" for j in range(len(slots))]
-        for j, s in enumerate(slots):
-            if s.kind != "unknown":
-                kinds[j] = s.kind
-        verdicts.append(_replay(node._forward_cls.__name__, slots, kinds, returned, grad))
-    first = verdicts[0]
-    if all(type(v) is type(first) and str(v) == str(first) for v in verdicts):
-        return True, first
-    return False, None
-
-
-def _replay(name: str, slots: list[_Slot], kinds: list[str], returned: Any,
-            grad: Callable[..., Any]) -> BaseException | None:
-    args: list[Any] = []
-    leaves: list[Tensor] = []
-    for slot, kind in zip(slots, kinds):
-        if kind == "other":
-            args.append(None)
-        elif slot.needs_grad:  # torch_verdict made sure that shape, dtype, device are known
-            shape = slot.shape or ()
-            leaf = torch.empty_strided(shape, (0,) * len(shape), dtype=slot.dtype,
-                                       device=slot.device).requires_grad_()
-            args.append(leaf)
-            leaves.append(leaf)
-        else:
-            args.append(torch.empty(0))
-    stand_in = _stand_in(name)
-    with torch.enable_grad():
-        out = stand_in.apply(*args)
-    out.grad_fn._torch_vjp_returned = returned
-    try:
-        with warnings.catch_warnings():  # anomaly mode's traceback of our stand-in, say
-            warnings.simplefilter("ignore")
-            grad(out, leaves, allow_unused=True)
-    except Exception as err:  # noqa: BLE001 - torch's verdict, returned to the caller
-        return err
-    return None
-
-
-_STAND_INS: dict[str, type[torch.autograd.Function]] = {}
-
-
-def _stand_in(name: str) -> type[torch.autograd.Function]:
-    """A custom Function named ``name`` (so its node is named as the user's in torch's
-    sentences) whose node returns what it is given, unchecked."""
-    cls = _STAND_INS.get(name)
-    if cls is None:
-        cls = type(name, (torch.autograd.Function,), {
-            "__module__": __name__,
-            "forward": staticmethod(_stand_in_forward),
-            "backward": staticmethod(_stand_in_backward),
-        })
-        # Class attributes of the node class: they take precedence over BackwardCFunction's
-        # (checked mode's wrappers there never see the stand-in).
-        cls._backward_cls.apply = _stand_in_backward  # type: ignore[attr-defined]
-        cls._backward_cls.apply_boxed = _stand_in_backward  # type: ignore[attr-defined]
-        _STAND_INS[name] = cls
-    return cls
-
-
-def _stand_in_forward(ctx: Any, *args: Any) -> Tensor:
-    return torch.zeros(())
-
-
-def _stand_in_backward(ctx: Any, *grads: Any) -> Any:
-    return ctx._torch_vjp_returned
 
 
 # ---------------------------------------------------------------------------------------
@@ -1430,61 +768,6 @@ def _bind_forward_args(fn: type[torch.autograd.Function], args: Sequence[Any]) -
     return tuple(bound.args)
 
 
-def _slot_from_arg(a: Any, needs: bool) -> _Slot:
-    if isinstance(a, Tensor):
-        return _Slot("tensor", needs, tuple(a.shape), a.dtype, a.device, "Tensor",
-                     a.is_floating_point() or a.is_complex())
-    return _Slot("other", False, type_name=type(a).__name__)
-
-
-def _slots_from_node(node: Any, needs: tuple[bool, ...]) -> list[_Slot]:
-    """Expected gradients of a custom Function met inside a callable, from its node.
-
-    ``needs_input_grad`` has one entry per forward input; ``next_functions`` one edge per
-    *tensor* input (``None`` for a tensor that needs no grad). Edges with a node belong, in
-    order, to the inputs that need grad; their metadata gives shape, dtype and device.
-    """
-    edges = list(node.next_functions)
-    n, needed = len(needs), [j for j, b in enumerate(needs) if b]
-    live = [e for e in edges if e[0] is not None]
-    if len(edges) == n:
-        kinds = ["tensor"] * n
-    elif len(edges) == len(needed):
-        kinds = ["tensor" if b else "other" for b in needs]
-    else:
-        kinds = ["tensor" if b else "unknown" for b in needs]
-    meta: dict[int, tuple[tuple[int, ...], torch.dtype, torch.device] | None] = {}
-    if len(live) == len(needed):
-        for j, (next_node, nr) in zip(needed, live):
-            meta[j] = _edge_metadata(next_node, nr)
-    slots = []
-    for j in range(n):
-        m = meta.get(j)
-        if kinds[j] == "other":
-            slots.append(_Slot("other", False, type_name="non-tensor"))
-        elif m is None:
-            slots.append(_Slot(kinds[j], needs[j], differentiable=needs[j]))
-        else:
-            slots.append(_Slot("tensor", needs[j], m[0], m[1], m[2], "Tensor", True))
-    return slots
-
-
-def _edge_metadata(
-    next_node: Any, nr: int
-) -> tuple[tuple[int, ...], torch.dtype, torch.device] | None:
-    try:  # torch >= 2.1 exposes what a node expects at each of its inputs
-        m = next_node._input_metadata[nr]
-        if getattr(m, "is_nested_tensor", False):
-            return None
-        return tuple(int(d) for d in m.shape), m.dtype, torch.device(m.device)
-    except (AttributeError, IndexError, TypeError, RuntimeError):
-        pass
-    variable = getattr(next_node, "variable", None)  # AccumulateGrad: the leaf itself
-    if isinstance(variable, Tensor):
-        return tuple(variable.shape), variable.dtype, variable.device
-    return None
-
-
 def _custom_nodes(roots: Sequence[Any], leaves: Sequence[Tensor]) -> list[Any]:
     """The custom Function nodes on some path from ``roots`` to ``leaves`` (iterative DFS)."""
     leaf_ids = {id(t) for t in leaves}
@@ -1513,20 +796,6 @@ def _custom_nodes(roots: Sequence[Any], leaves: Sequence[Tensor]) -> list[Any]:
                 stack.append((nxt, False))
     found.reverse()  # roughly the order in which backward runs them
     return found
-
-
-def _broadcasts_to(s: tuple[int, ...], g: tuple[int, ...]) -> bool:
-    """Whether torch's validation would sum a gradient of shape ``g`` down to ``s``."""
-    if len(s) > len(g):
-        return False
-    for a, b in zip(reversed(s), reversed(g)):
-        if a != b and a != 1:
-            return False
-    return True
-
-
-def _as_tuple(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
 
 
 def _randn_like(t: Tensor, gen: torch.Generator) -> Tensor:
@@ -1594,20 +863,8 @@ def _norm(tensors: Sequence[Tensor]) -> float:
 
 def _describe_arg(a: Any) -> str:
     if isinstance(a, Tensor):
-        return f"Tensor{shape_str(a.shape)} {_dtype_name(a.dtype)}"
+        return f"Tensor{shape_str(a.shape)} {dtype_name(a.dtype)}"
     return type(a).__name__
-
-
-def _slot_desc(slot: _Slot) -> str:
-    if slot.kind == "other":
-        return f"a {slot.type_name}: None"
-    if slot.shape is not None:
-        return f"shape {shape_str(slot.shape)}" + ("" if slot.needs_grad else ", needs no grad")
-    return "a tensor" if slot.kind == "tensor" else "an input"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _ok(flag: bool | None) -> str:
