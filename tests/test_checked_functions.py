@@ -752,14 +752,11 @@ def test_engine_threads_are_checked_while_a_checked_pass_is_in_flight():
     in_foreign_thread("idle")
     with tv.checked():
         in_foreign_thread("checked block, no pass in flight")
-        autograd._take_off()
-        try:
+        with autograd._in_flight_pass():
             in_foreign_thread("in flight")
             python_thread = threading.Thread(target=lambda: seen.update(
                 python=autograd._checks_backwards()))
             python_thread.start()
             python_thread.join(10)
-        finally:
-            autograd._land()
     assert seen == {"idle": False, "checked block, no pass in flight": False,
                     "in flight": True, "python": False}

@@ -609,16 +609,18 @@ _in_flight = 0  # checked backward passes running now, in every thread
 _flight_lock = threading.Lock()
 
 
-def _take_off() -> None:
+@contextlib.contextmanager
+def _in_flight_pass() -> Any:
+    """Counts a checked backward pass as in flight while the block runs (see
+    :func:`_checks_backwards`)."""
     global _in_flight
     with _flight_lock:
         _in_flight += 1
-
-
-def _land() -> None:
-    global _in_flight
-    with _flight_lock:
-        _in_flight -= 1
+    try:
+        yield
+    finally:
+        with _flight_lock:
+            _in_flight -= 1
 
 
 @contextlib.contextmanager
@@ -677,13 +679,10 @@ def _checked_grad(
     if not _active():
         return previous(outputs, inputs, grad_outputs, retain_graph, create_graph,
                         only_inputs, allow_unused, is_grads_batched, materialize_grads)
-    _take_off()
-    try:
+    with _in_flight_pass():
         return _grad(_TORCH_GRAD, previous, outputs, inputs, grad_outputs, retain_graph,
                      create_graph, only_inputs, allow_unused, is_grads_batched,
                      materialize_grads)
-    finally:
-        _land()
 
 
 @_wrapper(_GENUINE_BACKWARD)
@@ -700,12 +699,9 @@ def _checked_backward(
     if not _active():
         return previous(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
                         inputs=inputs)
-    _take_off()
-    try:
+    with _in_flight_pass():
         return _backward(_TORCH_BACKWARD, previous, tensors, grad_tensors, retain_graph,
                          create_graph, grad_variables, inputs)
-    finally:
-        _land()
 
 
 @_wrapper(_GENUINE_TENSOR_BACKWARD)
@@ -726,12 +722,9 @@ def _checked_tensor_backward(
             retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
         )
     # What Tensor.backward does next: torch.autograd.backward with itself as the tensors.
-    _take_off()
-    try:
+    with _in_flight_pass():
         return _backward(TENSOR_BACKWARD, _PREVIOUS["backward"], self, gradient, retain_graph,
                          create_graph, None, inputs)
-    finally:
-        _land()
 
 
 @_wrapper(_GENUINE_FUNC_VJP)
@@ -754,13 +747,10 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
         except GradOutputsError as err:
             return _arbitrate(err, PULLBACK, lambda: pullback(
                 cotangents, retain_graph=retain_graph, create_graph=create_graph))
-        _take_off()
-        try:
+        with _in_flight_pass():
             with _suppressed():  # the pullback's own torch.autograd.grad call is checked already
                 return pullback(cotangents, retain_graph=retain_graph,
                                 create_graph=create_graph)
-        finally:
-            _land()
 
     return (out, checked_pullback) + tuple(result[2:])
 
