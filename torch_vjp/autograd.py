@@ -759,19 +759,22 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
 def _checked_node_apply(self: Any, *args: Any) -> Any:
     """``BackwardCFunction.apply``: runs a custom Function's backward, then, in a checked
     scope, checks what it returned (NOTE [checked custom backwards])."""
-    returned = _PREVIOUS["node_apply"](self, *args)  # the user's backward: errors pass through
-    if _checks_backwards() and not backward_return_ok(self, returned):
-        _judge_backward(self, returned)
-    return returned
+    # the user's backward: its errors pass through
+    return _checked_return(self, _PREVIOUS["node_apply"](self, *args))
 
 
 @_wrapper(_GENUINE_NODE_APPLY_BOXED)
 def _checked_node_apply_boxed(self: Any, *args: Any) -> Any:
     """``BackwardCFunction.apply_boxed`` (grads in one list that backward may empty), checked
     as ``apply`` is."""
-    returned = _PREVIOUS["node_apply_boxed"](self, *args)
-    if _checks_backwards() and not backward_return_ok(self, returned):
-        _judge_backward(self, returned)
+    return _checked_return(self, _PREVIOUS["node_apply_boxed"](self, *args))
+
+
+def _checked_return(node: Any, returned: Any) -> Any:
+    """``returned``, what the backward of ``node``'s Function returned, after checked mode's
+    check of it, in a checked scope: the fast path, then the slow one if it objects."""
+    if _checks_backwards() and not backward_return_ok(node, returned):
+        _judge_backward(node, returned)
     return returned
 
 
