@@ -598,8 +598,8 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
             continue
         elif tuple(value.shape) != slot.shape:
             g = tuple(value.shape)
-            if _broadcasts_to(slot.shape, g) and g in out_shapes:
-                continue  # torch's idiom for a broadcast input: see _summed_broadcast
+            if _summed_broadcast(node, g, slot.shape):
+                continue  # torch's idiom for a broadcast input
             problems.append(BackwardProblem(
                 i, "sums" if _broadcasts_to(slot.shape, g) else "rejects",
                 _shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
