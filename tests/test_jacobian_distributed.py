@@ -227,6 +227,17 @@ def _errors_across_ranks(rank, world, group):
                            r"has no whole Jacobian to return\. Rank 1 said: "
                            r"JacobianCallError: .*argnums"):
             tv.jacobian(lambda a, b: a * b, *two, argnums=0, process_group=group)
+    # an option that one rank rejects once the group is known valid (create_graph=True
+    # there): that rank raises its own error, the others hear of it
+    if rank == 1:
+        with pytest.raises(tv.JacobianOptionError, match=r"create_graph=True with a "
+                           r"process_group is not supported"):
+            tv.jacobian(f, x, create_graph=True, process_group=group)
+    else:
+        with pytest.raises(tv.JacobianCallError, match=r"(?s)rank 1 of the process_group "
+                           r"rejected its call before any product.*Rank 1 said: "
+                           r"JacobianOptionError: .*create_graph=True with a process_group"):
+            tv.jacobian(f, x, process_group=group)
     # the group still works after every error
     _close(tv.jacobian(f, x, process_group=group), torch.func.jacrev(f)(x), "after errors")
 

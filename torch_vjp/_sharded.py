@@ -154,12 +154,13 @@ def check_group(process_group: object, shard: object, create_graph: bool, *, cal
             initialised or does not hold this process, ``shard`` without a group or not a
             bool, ``create_graph=True`` or an outer torch.func transform with a group.
     """
-    if not isinstance(shard, bool):
-        raise JacobianOptionError(
-            f"{call}: shard={shard!r}, but it must be True or False: whether each rank of "
-            f"process_group returns only its own share of the Jacobian (True) or the whole "
-            f"Jacobian (False, the default)."
-        )
+    bad_shard = None if isinstance(shard, bool) else JacobianOptionError(
+        f"{call}: shard={shard!r}, but it must be True or False: whether each rank of "
+        f"process_group returns only its own share of the Jacobian (True) or the whole "
+        f"Jacobian (False, the default)."
+    )
+    if bad_shard is not None and process_group is None:
+        raise bad_shard
     if process_group is None:
         if shard:
             raise JacobianOptionError(
@@ -207,22 +208,31 @@ def check_group(process_group: object, shard: object, create_graph: bool, *, cal
             f"  Fix: call it only on the group's ranks, or pass a group that holds this "
             f"process."
         )
+    # The group is valid from here on: a rank that rejects its call tells the other ranks,
+    # which wait in the opening exchange (NOTE [sharded Jacobian]).
+    if bad_shard is not None:
+        fail_before_exchange(bad_shard, process_group)
+        raise bad_shard
     if create_graph:
-        raise JacobianOptionError(
+        err = JacobianOptionError(
             f"{call}: create_graph=True with a process_group is not supported: the shards "
             f"are gathered from other processes, and autograd cannot carry a gradient back "
             f"through that exchange to the products another rank computed.\n"
             f"  Fix: pass create_graph=False (the default), or compute a differentiable "
             f"Jacobian on one process (process_group=None)."
         )
+        fail_before_exchange(err, process_group)
+        raise err
     if is_nested():
-        raise JacobianOptionError(
+        err = JacobianOptionError(
             f"{call}: a process_group inside a torch.func transform (vmap, grad, jacrev) is "
             f"not supported: the shards gathered from other processes carry no derivatives "
             f"for the outer transform.\n"
             f"  Fix: pass process_group=None inside the transform, or shard the outer "
             f"computation instead."
         )
+        fail_before_exchange(err, process_group)
+        raise err
     return process_group
 
 
