@@ -337,7 +337,7 @@ class _Work:
             on_fallback=warn,
         )
 
-    def _chunk(self, k: int, n_out: int, n_in: int, itemsize: int, dtype: Any,
+    def _chunk(self, k: int, n_out: int, n_in: int, out_dtypes: list[torch.dtype], dtype: Any,
                records: bool = False) -> int | None:
         """The chunk size for this rank's ``k`` products: the result it holds is the whole
         Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns. ``records``:
@@ -345,6 +345,8 @@ class _Work:
         requiring grad), counted as the single-process engine counts them."""
         if self.shard:
             n_out, n_in = (k, n_in) if self._mode == "rev" else (n_out, k)
+        itemsize = max(max(d.itemsize for d in out_dtypes),
+                       max(leaf.dtype.itemsize for leaf in self.prob.leaves))
         return plan_products(
             k, n_out, n_in, itemsize, chunk_size=self.chunk_size, max_memory=self.max_memory,
             device=self.prob.leaves[0].device, call=self.prob.call,
@@ -373,9 +375,7 @@ class _Work:
             stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
         else:
             n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
-            itemsize = max(max(o.dtype.itemsize for o in flat_out),
-                           max(leaf.dtype.itemsize for leaf in leaves))
-            chunk = self._chunk(k, n, n_in, itemsize, leaves[0].dtype)
+            chunk = self._chunk(k, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype)
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
                               [o.device for o in flat_out], self.batch)
 
@@ -403,10 +403,8 @@ class _Work:
                     aux = prob.g(*leaves)[1]
         else:
             n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob))
-            itemsize = max(max(o.dtype.itemsize for o in flat_out),
-                           max(leaf.dtype.itemsize for leaf in leaves))
-            chunk = self._chunk(k, n_out, n, itemsize, flat_out[0].dtype if flat_out else None,
-                                records)
+            chunk = self._chunk(k, n_out, n, [o.dtype for o in flat_out],
+                                flat_out[0].dtype if flat_out else None, records)
             rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
                               self.batch)
             g = prob.g_inner
