@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{world} rank(s) ...", flush=True)
         t = summarize_times([_measure(world, args)])
         rows.append({"ranks": world, "median_s": t.median, "iqr_s": t.q3 - t.q1,
-                     "ratio_to_single": t.median / ref_t.median, "speedup": ref_t.median / t.median})
+                     "ratio_to_single": t.median / ref_t.median,
+                     "speedup": ref_t.median / t.median})
     env = {
         "torch": torch.__version__, "torch_vjp": tv.__version__,
         "python": platform.python_version(), "machine": platform.processor() or
