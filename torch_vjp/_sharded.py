@@ -49,7 +49,7 @@ from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.jacobian import (
     JACOBIAN_ALTERNATIVES,
-    _NoForwardMode,
+    NoForwardMode,
     fallback_message,
     function_key,
     no_forward_message,
@@ -267,7 +267,7 @@ def sharded_jacobian(
                 mode = choose_mode(n_in, n_out)
         part = work.run(mode, shapes)
         status, err = _OK, None
-    except _NoForwardMode as failed:
+    except NoForwardMode as failed:
         part, status, err = None, _NO_FWD, failed.err
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
         part, status, err = None, _FAILED, exc
@@ -319,7 +319,7 @@ class _Work:
         except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
             if passes_through(err):
                 raise
-            raise _NoForwardMode(err) from None
+            raise NoForwardMode(err) from None
 
     def _auto(self, mode: str, shapes: Any) -> tuple[Any, ...]:
         prob = self.prob

@@ -72,7 +72,10 @@ from torch_vjp._engine.shapes import (
 from torch_vjp._errors import JacobianWarning, quote_error, warn_once
 from torch_vjp._strategies import choose_mode
 
-__all__ = ["JACOBIAN_ALTERNATIVES", "jacobian_blocks", "function_key", "function_name"]
+__all__ = [
+    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "function_key", "function_name",
+    "fallback_message", "no_forward_message",
+]
 
 JACOBIAN_ALTERNATIVES = (
     "torch_vjp.vjp / torch_vjp.jvp give products of the Jacobian with vectors without "
@@ -203,7 +206,7 @@ def _forward_ad_active(leaves: Sequence[Tensor]) -> bool:
     return any(fwAD.unpack_dual(x).tangent is not None for x in leaves)
 
 
-class _NoForwardMode(Exception):
+class NoForwardMode(Exception):
     """Forward mode failed even in the loop: ``"auto"`` switches to reverse mode."""
 
     def __init__(self, err: Exception) -> None:
@@ -223,7 +226,7 @@ def _auto(
         except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
             if mode == "rev" or passes_through(err):
                 raise
-            raise _NoForwardMode(err) from None
+            raise NoForwardMode(err) from None
 
     def warn_vmap_failed(err: Exception) -> None:
         warn_once(
@@ -236,7 +239,7 @@ def _auto(
         return run_with_fallback(
             lambda: _vectorized(prob, mode, shapes, opts), loop, on_fallback=warn_vmap_failed
         )
-    except _NoForwardMode as failed:
+    except NoForwardMode as failed:
         loop_failure = failed.err
     warn_once(
         ("fwd-to-rev", function_key(prob.f), type(loop_failure)),
