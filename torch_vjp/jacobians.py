@@ -24,7 +24,17 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks, assemble
-from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
+from torch_vjp._engine.compiled import (
+    auto_mode,
+    batch_mode,
+    check_compile,
+    compiled_call,
+    plain_batch_jacobian,
+    plain_hessian,
+    plain_jacobian,
+    tracing,
+)
+from torch_vjp._engine.context import NO_CONTEXT, buffers_kept, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
 from torch_vjp._engine.jacobian import function_key, function_name, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
@@ -33,6 +43,7 @@ from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback, passes_th
 from torch_vjp._engine.symmetry import asymmetry, largest_difference, tolerance
 from torch_vjp._errors import (
     JacobianCallError,
+    JacobianOptionError,
     JacobianWarning,
     quote_error,
     shape_str,
@@ -40,7 +51,7 @@ from torch_vjp._errors import (
     warn_once,
 )
 from torch_vjp._sharded import check_group, fail_before_exchange, sharded_jacobian
-from torch_vjp._strategies import StrategyName, get_strategy
+from torch_vjp._strategies import Strategy, StrategyName, get_strategy
 
 __all__ = ["jacobian", "batch_jacobian", "jacobian_of", "hessian"]
 
@@ -69,6 +80,7 @@ def jacobian(
     create_graph: bool = False,
     process_group: Any = None,
     shard: bool = False,
+    compile: bool = False,
 ) -> Any: ...
 
 
@@ -84,6 +96,7 @@ def jacobian(
     create_graph: bool = False,
     process_group: Any = None,
     shard: bool = False,
+    compile: bool = False,
 ) -> tuple[Any, Any]: ...
 
 
@@ -98,6 +111,7 @@ def jacobian(
     create_graph: bool = False,
     process_group: Any = None,
     shard: bool = False,
+    compile: bool = False,
 ) -> Any:
     """The Jacobian of ``f`` at ``primals``: one VJP per output element or one JVP per input
     element, vectorised with vmap, whichever is cheaper.
@@ -146,6 +160,14 @@ def jacobian(
             :class:`~torch_vjp.JacobianShard` holding only its own products (rows
             ``[start, stop)`` of the Jacobian with its outputs flattened, in reverse mode;
             columns in forward mode) and the range they cover.
+        compile: compile the computation with ``torch.compile`` (``fullgraph=True``), once
+            per function, options and input signature, and reuse it (see the docs page
+            "Compiling"). The first call of a signature runs eagerly too and returns the
+            eager result; where compiling fails, or the two results differ beyond rounding,
+            that signature stays eager, with a one-time JacobianWarning saying why. With the
+            vectorised strategies only; not with ``process_group``; with ``max_memory`` the
+            call runs eagerly (with a warning), since the compiled program computes every
+            product at once.
 
     Returns:
         The Jacobian (``(J, aux)`` with ``has_aux``); with ``shard=True``, this rank's
@@ -158,7 +180,8 @@ def jacobian(
         JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit.
         JacobianOptionError: invalid ``chunk_size`` or ``max_memory``; a
             ``process_group`` that is not a ProcessGroup, not initialised, or combined with
-            ``create_graph=True``; ``shard=True`` without a group.
+            ``create_graph=True`` or ``compile=True``; ``shard=True`` without a group;
+            ``compile`` not a bool, or True with a loop strategy.
         JacobianCallError: with a ``process_group``, the ranks' calls differ (strategy,
             argnums, primal shapes, dtypes or values), or another rank failed (each rank
             raises; the failing rank its own error).
@@ -181,12 +204,38 @@ def jacobian(
         (torch.Size([2, 4]), torch.Size([2, 2, 4]))
     """
     call = "torch_vjp.jacobian"
+    do_compile = check_compile(compile, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
     with _told_on_failure(group):  # the other ranks wait in the first exchange
         strat = get_strategy(strategy, call=call)
         chunk = check_chunk_size(chunk_size, call=call)
         budget = parse_max_memory(max_memory, call=call)
         context, detached = graph_mode(create_graph, call=call)
+        if do_compile:
+            _check_compilable(strat, group, call)
+    if tracing() and group is None:  # NOTE [compiled Jacobians]
+        with _plain_context(context, detached):
+            return plain_jacobian(f, primals, argnums, has_aux, strat.mode,
+                                  _plain_chunk(strat, chunk))
+    if do_compile and not is_nested():
+        if budget is not None:
+            _warn_budget(call)
+        else:
+            def build() -> Callable[..., Any]:
+                mode = strat.mode or auto_mode(f, primals, argnums, has_aux)
+
+                def program(*args: Any) -> Any:
+                    with _plain_context(context, detached):
+                        return plain_jacobian(f, args, argnums, has_aux, mode, chunk)
+                return program
+
+            return compiled_call(
+                call, f, (argnums, has_aux, strat.name, chunk, create_graph), primals,
+                lambda: jacobian(f, *primals, argnums=argnums, strategy=strategy,
+                                 chunk_size=chunk_size, has_aux=has_aux,
+                                 create_graph=create_graph),
+                build,
+            )
     with context, buffers_kept(f):
         with _told_on_failure(group):
             prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
@@ -218,6 +267,7 @@ def batch_jacobian(
     create_graph: bool = False,
     process_group: Any = None,
     shard: bool = False,
+    compile: bool = False,
 ) -> Any:
     """Per-example Jacobians of a function that maps a batch row by row, without the
     B-times-larger cross-example blocks: one VJP per output element of a row (or one JVP per
@@ -249,6 +299,8 @@ def batch_jacobian(
             without a group: per-example Jacobians need no exchange.)
         shard: as in :func:`jacobian`: each rank returns its
             :class:`~torch_vjp.JacobianShard` only.
+        compile: as in :func:`jacobian`: compile once per function and input signature,
+            and reuse.
 
     Returns:
         ``(B, *out, *in)`` per output tensor, in ``f``'s output structure; with
@@ -274,6 +326,7 @@ def batch_jacobian(
         >>> torch.testing.assert_close(J, ref)
     """
     call = "torch_vjp.batch_jacobian"
+    do_compile = check_compile(compile, call=call)
     strat = get_strategy(strategy, call=call)
     chunk = check_chunk_size(chunk_size, call=call)
     if not isinstance(x, Tensor) or x.dim() == 0:
@@ -285,6 +338,26 @@ def batch_jacobian(
         )
     context, detached = graph_mode(create_graph, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
+    if do_compile:
+        _check_compilable(strat, group, call)
+    if tracing() and group is None:  # NOTE [compiled Jacobians]
+        with _plain_context(context, detached):
+            return plain_batch_jacobian(f, x, strat.mode, _plain_chunk(strat, chunk))
+    if do_compile and not is_nested():
+        def build() -> Callable[..., Any]:
+            mode = strat.mode or batch_mode(f, x)
+
+            def program(x: Tensor) -> Any:
+                with _plain_context(context, detached):
+                    return plain_batch_jacobian(f, x, mode, chunk)
+            return program
+
+        return compiled_call(
+            call, f, (strat.name, chunk, create_graph), (x,),
+            lambda: batch_jacobian(f, x, strategy=strategy, chunk_size=chunk_size,
+                                   create_graph=create_graph),
+            build,
+        )
     with context, buffers_kept(f):
         with _told_on_failure(group):  # the other ranks wait in the first exchange
             prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached)
@@ -307,6 +380,7 @@ def hessian(
     argnums: int | tuple[int, ...] = 0,
     strategy: StrategyName = "auto",
     create_graph: bool = False,
+    compile: bool = False,
 ) -> Any:
     """The Hessian of ``f`` at ``primals``: the Jacobian of its gradient, forward-over-reverse
     by default (one JVP of the gradient per input element, vectorised with vmap).
@@ -333,6 +407,10 @@ def hessian(
         strategy: see above.
         create_graph: make the Hessian differentiable, as in :func:`jacobian` (by default it
             is detached).
+        compile: as in :func:`jacobian`: compile once per function and input signature,
+            and reuse. The first call compares the compiled Hessian with the eager one
+            (which ``"auto"`` checks for wrong forward-mode formulas), so a compiled
+            forward-over-reverse that is wrong stays eager, with a warning.
 
     Returns:
         The Hessian.
@@ -353,7 +431,25 @@ def hessian(
         >>> torch.testing.assert_close(H, torch.diag(-x.sin()))
     """
     call = "torch_vjp.hessian"
+    do_compile = check_compile(compile, call=call)
     strat = get_strategy(strategy, call=call)
+    if do_compile:
+        _check_compilable(strat, None, call)
+    if tracing() or (do_compile and not is_nested()):
+        context, detached = graph_mode(create_graph, call=call)
+
+        def program(*args: Any) -> Any:
+            with _plain_context(context, detached):
+                return plain_hessian(f, args, argnums, strat.mode)
+
+        if tracing():  # NOTE [compiled Jacobians]
+            return program(*primals)
+        return compiled_call(
+            call, f, (argnums, strat.name, create_graph), primals,
+            lambda: hessian(f, *primals, argnums=argnums, strategy=strategy,
+                            create_graph=create_graph),
+            lambda: program,
+        )
     outer_mode = strat.mode or "fwd"
     vectorized = strat.vectorized
     fallback = strat.mode is None
@@ -461,6 +557,7 @@ def jacobian_of(
     retain_graph: bool | None = None,
     create_graph: bool = False,
     chunk_size: int | None = None,
+    compile: bool = False,
 ) -> Any:
     """The Jacobian of tensors already computed, from their autograd graph: one backward
     pass per output element, vectorised with ``torch.vmap`` over ``torch.autograd.grad``.
@@ -482,11 +579,15 @@ def jacobian_of(
         create_graph: make the Jacobian differentiable (for higher derivatives).
         chunk_size: output elements per batched backward pass; ``None`` for as many as the
             free memory allows (usually all).
+        compile: ``False`` only, taken for a signature like the other Jacobian functions':
+            the graph already exists when ``jacobian_of`` is called, so there is no
+            function to compile (a JacobianOptionError says so, and names the fix).
 
     Returns:
         The Jacobian blocks.
 
     Raises:
+        JacobianOptionError: ``compile=True`` (see above), or an invalid ``chunk_size``.
         JacobianCallError: an input does not require grad, or an argument is not a tensor.
         JacobianMemoryError: the Jacobian does not fit the free memory.
 
@@ -505,6 +606,13 @@ def jacobian_of(
         [0.0, 3.0, 2.0, 0.0]
     """
     call = "torch_vjp.jacobian_of"
+    if check_compile(compile, call=call):
+        raise JacobianOptionError(
+            f"{call}: compile=True, but jacobian_of reads the Jacobian from an autograd "
+            f"graph that was built before the call, so there is no function to compile. "
+            f"Fix: compute the Jacobian from the function instead, "
+            f"torch_vjp.jacobian(f, x, compile=True), or drop compile=True."
+        )
     chunk = check_chunk_size(chunk_size, call=call)
     outs = _tensors(outputs, "outputs", call)
     ins = _tensors(inputs, "inputs", call)
@@ -620,6 +728,49 @@ def jacobian_of(
             )
     rows_out = [r[0] if single_in else tuple(r) for r in result]
     return rows_out[0] if single_out else tuple(rows_out)
+
+
+def _check_compilable(strat: Strategy, group: Any, call: str) -> None:
+    """``compile=True`` takes the vectorised strategies, and no process group."""
+    if not strat.vectorized:
+        raise JacobianOptionError(
+            f"{call}: compile=True with strategy={strat.name!r}, but compile=True compiles "
+            f"the vectorised strategies only ('auto', 'rev', 'fwd'): the loop strategies "
+            f"exist for functions that torch.vmap cannot batch, and those cannot be "
+            f"compiled as one program either. Fix: strategy='auto' (or the mode, 'rev' or "
+            f"'fwd') with compile=True, or compile=False."
+        )
+    if group is not None:
+        raise JacobianOptionError(
+            f"{call}: compile=True with a process_group, but a sharded Jacobian runs "
+            f"eagerly: its ranks exchange shards between the products. Fix: drop "
+            f"compile=True, or compute without process_group."
+        )
+
+
+def _plain_chunk(strat: Strategy, chunk: int | None) -> int | None:
+    """The chunk size of the plain form: a loop strategy computes one product at a time."""
+    return chunk if strat.vectorized else 1
+
+
+def _plain_context(context: Any, detached: bool) -> Any:
+    """The grad mode a plain form runs in: none for a detached result (the default),
+    enabled for ``create_graph=True``; made here, inside what dynamo traces, since dynamo
+    does not take a context manager object made outside."""
+    if detached:
+        return torch.no_grad()
+    return torch.enable_grad() if context is not NO_CONTEXT else contextlib.nullcontext()
+
+
+def _warn_budget(call: str) -> None:
+    warn_once(
+        ("compile-budget", call),
+        f"{call}: compile=True with max_memory runs eagerly: the compiled program computes "
+        f"every product at once, so it cannot keep to a memory budget. Pass chunk_size to "
+        f"bound the products at once in the compiled program instead, or drop compile=True. "
+        f"This warning is shown once.",
+        JacobianWarning,
+    )
 
 
 def _warn(message: str) -> None:

@@ -29,7 +29,8 @@ from torch_vjp._checks import (
     check_tree_structure,
     normalize_grad_outputs,
 )
-from torch_vjp._engine.context import func_jvp, func_vjp
+from torch_vjp._engine.compiled import check_compile, compiled_call, plain_jvp, plain_vjp, tracing
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import map_rows
@@ -98,17 +99,19 @@ def _pullback_options(args: tuple[Any, ...], options: dict[str, Any]) -> dict[st
 
 @overload
 def vjp(
-    f: Callable[..., Any], *primals: Any, has_aux: Literal[False] = False
+    f: Callable[..., Any], *primals: Any, has_aux: Literal[False] = False, compile: bool = False
 ) -> tuple[Any, Callable[..., Any]]: ...
 
 
 @overload
 def vjp(
-    f: Callable[..., Any], *primals: Any, has_aux: Literal[True]
+    f: Callable[..., Any], *primals: Any, has_aux: Literal[True], compile: bool = False
 ) -> tuple[Any, Callable[..., Any], Any]: ...
 
 
-def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[Any, ...]:
+def vjp(
+    f: Callable[..., Any], *primals: Any, has_aux: bool = False, compile: bool = False
+) -> tuple[Any, ...]:
     """``f(*primals)`` and a function computing vector-Jacobian products at ``primals``.
 
     Args:
@@ -118,6 +121,14 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
             all of them.
         has_aux: ``f`` returns ``(output, aux)``; the result is then
             ``(output, vjp_fn, aux)``.
+        compile: ``vjp_fn`` runs a program compiled with ``torch.compile`` once per
+            function and signature of the primals and cotangents, and reused (as
+            :func:`torch_vjp.jacobian`'s ``compile``). torch.compile cannot hand back a
+            pullback that closes over a forward pass, so the compiled program runs ``f``'s
+            forward again with the pullback: worth it for ``batched=True`` (many products
+            per call), or where ``vjp_fn`` is built and called once per step. ``f``'s
+            forward runs eagerly once in ``vjp`` itself, for the output. Calls of
+            ``vjp_fn`` with ``retain_graph`` or ``create_graph`` run eagerly.
 
     As with torch.func.vjp, ``f`` is called once, on the primals themselves: a write ``f``
     makes into a primal reaches the caller's tensor.
@@ -149,6 +160,11 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
         >>> torch.testing.assert_close(rows, W)
     """
     call = "torch_vjp.vjp"
+    do_compile = check_compile(compile, call=call)
+    if tracing():  # NOTE [compiled Jacobians]
+        return _traced_vjp(f, primals, has_aux)
+    if do_compile and not is_nested():
+        return _compiled_vjp(f, primals, has_aux)
     # f is called once, on the caller's tensors, as torch.func.vjp calls it
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
     res = func_vjp(prob.g_inner, *prob.leaves, has_aux=prob.has_aux)
@@ -201,6 +217,48 @@ def vjp(f: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple[An
     return out, vjp_fn
 
 
+def _traced_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
+    """``vjp`` inside the user's torch.compile: torch.func's, with ``vjp_fn``'s options."""
+    res = torch.func.vjp(f, *primals, has_aux=has_aux)
+    pull = res[1]
+
+    def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
+        opts = _pullback_options(args, dict(options))
+        graph = {"retain_graph": opts["retain_graph"], "create_graph": opts["create_graph"]}
+        if not opts["batched"]:
+            return pull(cotangents, **graph)
+        return torch.func.vmap(lambda c: pull(c, **graph), chunk_size=opts["chunk_size"])(
+            cotangents)
+
+    vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
+    return (res[0], vjp_fn) + tuple(res[2:])
+
+
+def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
+    """``vjp(compile=True)``: the eager output, and a ``vjp_fn`` whose plain calls run
+    a compiled program of forward and pullback (NOTE [compiled Jacobians])."""
+    res = vjp(f, *primals, has_aux=has_aux)
+    eager_fn = res[1]
+
+    def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
+        opts = _pullback_options(args, dict(options))
+        if args or opts["retain_graph"] is not True or opts["create_graph"] is not None:
+            return eager_fn(cotangents, *args, **options)
+        batched, chunk_size = opts["batched"], opts["chunk_size"]
+        chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
+
+        def program(primals: tuple[Any, ...], cotangents: Any) -> Any:
+            return plain_vjp(f, primals, cotangents, has_aux, batched, chunk)
+
+        return compiled_call(
+            "torch_vjp.vjp", f, (has_aux, batched, chunk), (primals, cotangents),
+            lambda: eager_fn(cotangents, **options), lambda: program,
+        )
+
+    vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
+    return (res[0], vjp_fn) + tuple(res[2:])
+
+
 @overload
 def jvp(
     f: Callable[..., Any],
@@ -211,6 +269,7 @@ def jvp(
     chunk_size: int | None = None,
     strict: bool = False,
     has_aux: Literal[False] = False,
+    compile: bool = False,
 ) -> tuple[Any, Any]: ...
 
 
@@ -224,6 +283,7 @@ def jvp(
     chunk_size: int | None = None,
     strict: bool = False,
     has_aux: Literal[True],
+    compile: bool = False,
 ) -> tuple[Any, Any, Any]: ...
 
 
@@ -236,6 +296,7 @@ def jvp(
     chunk_size: int | None = None,
     strict: bool = False,
     has_aux: bool = False,
+    compile: bool = False,
 ) -> tuple[Any, ...]:
     """``f(*primals)`` and the Jacobian-vector product ``J t`` for ``tangents`` ``t``.
 
@@ -252,6 +313,10 @@ def jvp(
             on the primals (its tangent would be zeros).
         has_aux: ``f`` returns ``(output, aux)``; the result is then
             ``(output, jvp_out, aux)``.
+        compile: compile the product with ``torch.compile`` once per function, options and
+            signature of the primals and tangents, and reuse it (as
+            :func:`torch_vjp.jacobian`'s ``compile``: the first call also runs eagerly and
+            the two are compared). Not with ``strict=True``, which needs the eager check.
 
     Returns:
         ``(output, jvp_out)``: ``jvp_out`` in the output's structure, each shaped like its
@@ -275,7 +340,21 @@ def jvp(
         >>> torch.testing.assert_close(cols, W.T)   # K = 3 columns of J, stacked
     """
     call = "torch_vjp.jvp"
+    do_compile = check_compile(compile, call=call)
     chunk = check_chunk_size(chunk_size, call=call)
+    if tracing() or (do_compile and not strict and not is_nested()):
+
+        def program(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+            return plain_jvp(f, primals, tangents, has_aux, batched, chunk)
+
+        if tracing():  # NOTE [compiled Jacobians]
+            return program(primals, tangents)
+        return compiled_call(
+            call, f, (has_aux, batched, chunk), (primals, tangents),
+            lambda: jvp(f, primals, tangents, batched=batched, chunk_size=chunk_size,
+                        has_aux=has_aux),
+            lambda: program,
+        )
     if not isinstance(primals, tuple):
         raise JacobianCallError(
             f"{call}: primals must be a tuple, the arguments of f, but it is a "

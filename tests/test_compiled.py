@@ -1,0 +1,230 @@
+"""compile=True, and torch_vjp's calls inside the user's torch.compile
+(torch_vjp/_engine/compiled.py; NOTE [compiled Jacobians]).
+
+Every result is checked in float64 against torch.func (an independent reference) and
+against the eager call; dynamo's counters show what was compiled, and how often."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import torch_vjp as tv
+from torch_vjp._engine import compiled
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    compiled.clear_cache()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    compiled.clear_cache()
+
+
+def _mlp(n_in, n_out, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(16, n_in, dtype=D, generator=g)
+    w2 = torch.randn(n_out, 16, dtype=D, generator=g)
+    return lambda x: torch.tanh(w2 @ torch.tanh(w1 @ x))
+
+
+def _frames():
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("strategy,n_in,n_out", [
+    ("auto", 3, 40), ("auto", 40, 3), ("rev", 6, 5), ("fwd", 6, 5),
+])
+def test_jacobian_compiled_once_and_reused(strategy, n_in, n_out):
+    f = _mlp(n_in, n_out)
+    for k in range(4):
+        x = torch.randn(n_in, dtype=D)
+        got = tv.jacobian(f, x, strategy=strategy, compile=True)
+        torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+        assert not got.requires_grad
+    assert _frames() == 1  # one program, compiled once, reused by calls 2 to 4
+
+
+def test_a_lambda_written_in_a_loop_finds_its_entry():
+    w = torch.randn(4, 3, dtype=D)
+    for _ in range(3):
+        x = torch.randn(3, dtype=D)
+        got = tv.jacobian(lambda x: torch.sin(w @ x), x, compile=True)
+        torch.testing.assert_close(got, torch.cos(w @ x)[:, None] * w)
+    assert _frames() == 1
+
+
+def test_new_signature_compiles_a_new_entry_and_inplace_closure_changes_are_seen():
+    w = torch.randn(4, 3, dtype=D)
+    f = lambda x: w @ x  # noqa: E731
+    tv.jacobian(f, torch.randn(3, dtype=D), compile=True)
+    tv.jacobian(f, torch.randn(3, dtype=D), compile=True)
+    w.mul_(2)  # the compiled program reads w's current values
+    torch.testing.assert_close(tv.jacobian(f, torch.randn(3, dtype=D), compile=True), w)
+    x32 = torch.randn(3)
+    with pytest.raises(RuntimeError):  # float64 weights, float32 input: torch's own error
+        w @ x32
+    g = lambda x: torch.sin(x) * 2  # noqa: E731
+    tv.jacobian(g, torch.randn(3, dtype=D), compile=True)
+    tv.jacobian(g, torch.randn(5, dtype=D), compile=True)  # another shape: its own entry
+    torch.testing.assert_close(tv.jacobian(g, torch.zeros(5, dtype=D), compile=True),
+                               2 * torch.eye(5, dtype=D))
+
+
+def test_more_functions_than_dynamos_recompile_limit_all_compile():
+    limit = torch._dynamo.config.recompile_limit
+    fs = [(lambda k: (lambda x: torch.sin(x) * k))(float(k)) for k in range(limit + 3)]
+    x = torch.randn(4, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for k, f in enumerate(fs):
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.diag(torch.cos(x) * k))
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.diag(torch.cos(x) * k))
+    assert _frames() == len(fs)
+
+
+def test_has_aux_tuple_argnums_and_pytree_output():
+    def f(x, y):
+        return {"a": x * y.sum(), "b": (x ** 2).sum()}, x.detach() + 1
+
+    x, y = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
+    for _ in range(2):
+        (jac, aux) = tv.jacobian(f, x, y, argnums=(0, 1), has_aux=True, compile=True)
+        ref, ref_aux = torch.func.jacrev(f, (0, 1), has_aux=True)(x, y)
+        torch.testing.assert_close(jac, ref)
+        torch.testing.assert_close(aux, ref_aux)
+
+
+def test_create_graph_result_is_differentiable():
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    x = torch.randn(3, dtype=D)
+    warnings.simplefilter("error", tv.JacobianWarning)
+    for _ in range(2):
+        jac = tv.jacobian(f, x, create_graph=True, compile=True)
+        (g,) = torch.autograd.grad(jac.sum(), w)
+        ref = torch.func.grad(lambda w_: torch.func.jacrev(
+            lambda x_: torch.tanh(w_ @ x_))(x).sum())(w.detach())
+        torch.testing.assert_close(g, ref)
+
+
+def test_batch_jacobian_hessian_jvp_vjp_compiled():
+    f = _mlp(5, 4)
+    fb = lambda x: torch.tanh(x @ torch.ones(5, 4, dtype=D) * 0.3)  # noqa: E731
+    h = lambda x: f(x).pow(2).sum()  # noqa: E731
+    for _ in range(2):
+        x, xb = torch.randn(5, dtype=D), torch.randn(7, 5, dtype=D)
+        t, tk = torch.randn(5, dtype=D), torch.randn(3, 5, dtype=D)
+        c, ck = torch.randn(4, dtype=D), torch.randn(6, 4, dtype=D)
+        ref_b = torch.vmap(torch.func.jacrev(lambda r: fb(r[None])[0]))(xb)
+        for strategy in ("rev", "fwd"):
+            torch.testing.assert_close(
+                tv.batch_jacobian(fb, xb, strategy=strategy, compile=True), ref_b)
+        torch.testing.assert_close(tv.hessian(h, x, compile=True), torch.func.hessian(h)(x))
+        torch.testing.assert_close(tv.hessian(h, x, strategy="rev", compile=True),
+                                   torch.func.hessian(h)(x))
+        torch.testing.assert_close(tv.jvp(f, (x,), (t,), compile=True),
+                                   torch.func.jvp(f, (x,), (t,)))
+        out, cols = tv.jvp(f, (x,), (tk,), batched=True, compile=True)
+        torch.testing.assert_close(cols, tk @ torch.func.jacfwd(f)(x).T)
+        torch.testing.assert_close(out, f(x))
+        out, vjp_fn = tv.vjp(f, x, compile=True)
+        torch.testing.assert_close(vjp_fn(c), torch.func.vjp(f, x)[1](c))
+        torch.testing.assert_close(vjp_fn(ck, batched=True)[0],
+                                   ck @ torch.func.jacrev(f)(x))
+    assert _frames() == 8
+
+
+def test_uncompilable_function_falls_back_with_a_warning_that_says_why():
+    def f(x):
+        torch._dynamo.graph_break()  # what a call dynamo cannot trace does; eagerly nothing
+        return torch.sin(x) * 2
+
+    x = torch.randn(4, dtype=D)
+    ref = torch.func.jacfwd(f)(x)
+    with pytest.warns(tv.JacobianWarning, match=r"(?s)compile=True could not compile the "
+                      r"computation for .*f, so it runs eagerly for this input signature\."
+                      r".*Why: .*compile=False"):
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only; later calls run eagerly, silently
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), ref)
+
+
+def test_users_error_passes_through_untouched():
+    class Mine(Exception):
+        pass
+
+    def f(x):
+        raise Mine("from f")
+
+    with pytest.raises(Mine, match="^from f$"):
+        tv.jacobian(f, torch.randn(3, dtype=D), compile=True)
+
+
+def test_option_errors():
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    with pytest.raises(tv.JacobianOptionError,
+                       match=r"compile='yes', but it must be True or False"):
+        tv.jacobian(torch.sin, x, compile="yes")
+    with pytest.raises(tv.JacobianOptionError, match=r"compile=True with strategy='rev-loop'"
+                       r", but compile=True compiles the vectorised strategies only"):
+        tv.jacobian(torch.sin, x, strategy="rev-loop", compile=True)
+    with pytest.raises(tv.JacobianOptionError, match=r"compile=True, but jacobian_of reads "
+                       r"the Jacobian from an autograd graph that was built before the call"):
+        tv.jacobian_of(torch.sin(x), x, compile=True)
+
+
+def test_max_memory_runs_eagerly_with_a_warning():
+    x = torch.randn(3, dtype=D)
+    with pytest.warns(tv.JacobianWarning, match="compile=True with max_memory runs eagerly"):
+        got = tv.jacobian(torch.sin, x, max_memory="1MB", compile=True)
+    torch.testing.assert_close(got, torch.diag(torch.cos(x)))
+    assert _frames() == 0
+
+
+def _inside_user_compile(fn, make_args, ref):
+    compiled_fn = torch.compile(fn)
+    for k in range(4):
+        args = make_args(k)
+        torch.testing.assert_close(compiled_fn(*args), ref(*args))
+    return counters
+
+
+@pytest.mark.parametrize("name", ["jacobian", "jacobian_auto_fwd", "batch_jacobian",
+                                  "hessian", "jvp", "jvp_batched", "vjp", "vjp_batched"])
+def test_inside_users_torch_compile_no_graph_break_no_recompile(name):
+    f = _mlp(4, 6)
+    fb = lambda x: torch.tanh(x * 2)  # noqa: E731
+    t = torch.randn(4, dtype=D)
+    tk = torch.randn(3, 4, dtype=D)
+    c, ck = torch.randn(6, dtype=D), torch.randn(2, 6, dtype=D)
+    cases = {
+        "jacobian": (lambda x: tv.jacobian(f, x, strategy="rev"),
+                     lambda x: torch.func.jacrev(f)(x)),
+        "jacobian_auto_fwd": (lambda x: tv.jacobian(lambda v: f(v).repeat(30), x),
+                              lambda x: torch.func.jacrev(lambda v: f(v).repeat(30))(x)),
+        "batch_jacobian": (lambda x: tv.batch_jacobian(fb, x.reshape(2, 2)),
+                           lambda x: torch.diag_embed(2 / torch.cosh(2 * x.reshape(2, 2)) ** 2)),
+        "hessian": (lambda x: tv.hessian(lambda v: f(v).sum(), x),
+                    lambda x: torch.func.hessian(lambda v: f(v).sum())(x)),
+        "jvp": (lambda x: tv.jvp(f, (x,), (t,))[1], lambda x: torch.func.jvp(f, (x,), (t,))[1]),
+        "jvp_batched": (lambda x: tv.jvp(f, (x,), (tk,), batched=True)[1],
+                        lambda x: tk @ torch.func.jacfwd(f)(x).T),
+        "vjp": (lambda x: tv.vjp(f, x)[1](c)[0], lambda x: torch.func.vjp(f, x)[1](c)[0]),
+        "vjp_batched": (lambda x: tv.vjp(f, x)[1](ck, batched=True)[0],
+                        lambda x: ck @ torch.func.jacrev(f)(x)),
+    }
+    fn, ref = cases[name]
+    _inside_user_compile(fn, lambda k: (torch.randn(4, dtype=D) + k,), ref)
+    assert counters["stats"]["unique_graphs"] == 1  # compiled once: no recompile
+    assert sum(counters["graph_break"].values()) == 0  # and in one graph

@@ -1,0 +1,355 @@
+"""``compile=True``, and torch_vjp's calls inside code the user compiles with torch.compile.
+
+NOTE [compiled Jacobians]
+The eager engine is Python around torch.func's products: validation, a memory plan, a shape
+cache, fallbacks from vmap to loops. Under torch.compile that Python costs graph breaks and
+guards (on the module-level shape cache, a recompile on every new signature), so neither
+path below traces it. Both run the *plain* form of a call instead: the torch.func
+composition of its strategy (``jacrev``/``jacfwd`` and ``vmap``), which dynamo traces into
+one graph.
+
+* Inside the user's own ``torch.compile`` (``torch.compiler.is_compiling()``), the public
+  functions return the plain form directly, so that dynamo traces torch.func and nothing of
+  torch_vjp's state: no graph break and no recompile of torch_vjp's making.
+* ``compile=True`` at top level (:func:`compiled_call`): the first call for a function,
+  options and input signature runs the eager call (every check of the eager path, every
+  error it raises, untouched), then compiles the plain form with ``fullgraph=True`` and runs
+  it, and compares the two results. If compiling fails, or the results differ beyond
+  rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why and that signature stays
+  eager; otherwise later calls with that signature run the compiled program only. The first
+  call returns the eager result.
+
+Each cache entry compiles a function with a code object of its own, because dynamo keeps its
+compiled variants per code object and stops compiling one after ``recompile_limit`` (8)
+variants: every ``torch.compile(jacrev(f))`` of a process shares torch.func's wrapper code,
+so the ninth Jacobian function compiled that way would silently run eagerly (or fail, with
+``fullgraph=True``).
+
+Entries are keyed by what determines the traced program: the function (a lambda by its
+code object and the identity of what its closure holds, so that ``lambda x: model(x)``
+written inside a training loop finds its entry again), the call's options, and each
+primal's shape, dtype, device, layout and ``requires_grad`` (other values by equality, or
+identity). At most :data:`CACHE_MAX` entries are kept, least recently used first out.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from torch_vjp._errors import (
+    JacobianOptionError,
+    JacobianWarning,
+    passes_through,
+    quote_error,
+    warn_once,
+)
+from torch_vjp._strategies import choose_mode
+
+__all__ = [
+    "CACHE_MAX", "auto_mode", "batch_mode", "check_compile", "compiled_call", "tracing", "plain_jacobian",
+    "plain_batch_jacobian", "plain_hessian", "plain_jvp", "plain_vjp", "clear_cache",
+]
+
+#: Compiled entries kept (each holds a compiled program and the function it calls).
+CACHE_MAX = 64
+
+_CACHE: OrderedDict[Any, _Entry] = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def check_compile(compile: object, *, call: str) -> bool:
+    """``compile``, checked: it must be a bool."""
+    if not isinstance(compile, bool):
+        raise JacobianOptionError(
+            f"{call}: compile={compile!r}, but it must be True or False: whether to compile "
+            f"the computation with torch.compile once per function and input signature "
+            f"(True) or run it eagerly (False, the default)."
+        )
+    return compile
+
+
+def tracing() -> bool:
+    """Whether dynamo is tracing us (the user's torch.compile): see NOTE [compiled
+    Jacobians]."""
+    return torch.compiler.is_compiling()
+
+
+def clear_cache() -> None:
+    """Forgets every compiled entry (tests; a user can call ``torch._dynamo.reset()``)."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+# --------------------------------------------------------------------------------------
+# Plain forms: the torch.func composition of each call's strategy
+# --------------------------------------------------------------------------------------
+
+
+def _numel(tree: Any) -> int:
+    return sum(t.numel() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
+
+
+def _output(f: Callable[..., Any], args: tuple[Any, ...], has_aux: bool) -> Any:
+    with torch.no_grad():
+        res = f(*args)
+    return res[0] if has_aux else res
+
+
+def auto_mode(
+    f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
+    has_aux: bool,
+) -> str:
+    """``"rev"`` or ``"fwd"`` for a Jacobian, by the numbers of output and input elements
+    (one call of ``f`` for the output sizes)."""
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    n_in = sum(_numel(primals[i]) for i in nums)
+    return choose_mode(n_in, _numel(_output(f, primals, has_aux)))
+
+
+def plain_jacobian(
+    f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
+    has_aux: bool, mode: str | None, chunk_size: int | None,
+) -> Any:
+    """``jacrev`` or ``jacfwd`` of ``f`` at ``primals`` (``mode=None``: by size)."""
+    if mode is None:
+        mode = auto_mode(f, primals, argnums, has_aux)
+    if mode == "rev":
+        return torch.func.jacrev(f, argnums, has_aux=has_aux, chunk_size=chunk_size)(*primals)
+    return torch.func.jacfwd(f, argnums, has_aux=has_aux)(*primals)
+
+
+def batch_mode(f: Callable[[Tensor], Any], x: Tensor) -> str:
+    """``"rev"`` or ``"fwd"`` for per-example Jacobians, by the per-row sizes."""
+    out = tree_flatten(_output(f, (x,), False))[0]
+    n_out = sum(o[0].numel() for o in out if isinstance(o, Tensor) and o.dim()) if len(x) else 0
+    return choose_mode(math.prod(x.shape[1:]), n_out)
+
+
+def plain_batch_jacobian(
+    f: Callable[[Tensor], Any], x: Tensor, mode: str | None, chunk_size: int | None
+) -> Any:
+    """Per-example Jacobians as :func:`torch_vjp.batch_jacobian` defines them: reverse mode
+    differentiates the outputs summed over the batch, forward mode pushes each basis vector
+    of a row through every row at once."""
+    row = tuple(x.shape[1:])
+    n_in = math.prod(row)
+    if mode is None:
+        mode = batch_mode(f, x)
+    if mode == "rev":
+        jac = torch.func.jacrev(lambda t: tree_map(lambda o: o.sum(0), f(t)),
+                                chunk_size=chunk_size)(x)
+        return tree_map(lambda j: j.movedim(j.dim() - x.dim(), 0), jac)
+    batch = x.shape[0]
+    basis = torch.eye(n_in, dtype=x.dtype, device=x.device).reshape(n_in, 1, *row)
+    basis = basis.expand(n_in, batch, *row)
+
+    def push(t: Tensor) -> Any:
+        return torch.func.jvp(f, (x,), (t,))[1]
+
+    cols = torch.func.vmap(push, chunk_size=chunk_size)(basis)
+    return tree_map(lambda c: c.movedim(0, -1).reshape(*c.shape[1:], *row), cols)
+
+
+def plain_hessian(
+    f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
+    mode: str | None,
+) -> Any:
+    """Forward over reverse (``mode`` ``"fwd"`` or None), or reverse over reverse."""
+    outer = torch.func.jacrev if mode == "rev" else torch.func.jacfwd
+    return outer(torch.func.jacrev(f, argnums), argnums)(*primals)
+
+
+def plain_jvp(
+    f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...],
+    has_aux: bool, batched: bool, chunk_size: int | None,
+) -> tuple[Any, ...]:
+    """``torch.func.jvp``; batched, under ``vmap`` over the tangents' leading dimension."""
+    if not batched:
+        return torch.func.jvp(f, primals, tangents, has_aux=has_aux)
+
+    def push(t: tuple[Any, ...]) -> tuple[Any, ...]:
+        return torch.func.jvp(f, primals, t, has_aux=has_aux)
+
+    out_dims = (None, 0, None) if has_aux else (None, 0)
+    return torch.func.vmap(push, out_dims=out_dims, chunk_size=chunk_size)(tangents)
+
+
+def plain_vjp(
+    f: Callable[..., Any], primals: tuple[Any, ...], cotangents: Any, has_aux: bool,
+    batched: bool, chunk_size: int | None,
+) -> Any:
+    """The pullback of ``f`` at ``primals`` applied to ``cotangents`` (forward included)."""
+    pull = torch.func.vjp(f, *primals, has_aux=has_aux)[1]
+    if not batched:
+        return pull(cotangents)
+    return torch.func.vmap(pull, chunk_size=chunk_size)(cotangents)
+
+
+# --------------------------------------------------------------------------------------
+# compile=True
+# --------------------------------------------------------------------------------------
+
+
+class _Entry:
+    """One function, options and input signature: its compiled program, or None where it
+    runs eagerly."""
+
+    __slots__ = ("f", "run")
+
+    def __init__(self, f: object) -> None:
+        self.f = f  # keeps the ids in the key valid
+        self.run: Callable[..., Any] | None = None
+
+
+def _function_key(f: object) -> object:
+    """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians])."""
+    if isinstance(f, functools.partial):
+        return ("partial", _function_key(f.func), tuple(map(id, f.args)),
+                tuple((k, id(v)) for k, v in sorted(f.keywords.items())))
+    if isinstance(f, types.MethodType):
+        return ("method", f.__func__, id(f.__self__))
+    if isinstance(f, types.FunctionType):
+        cells = tuple(id(c.cell_contents) if _filled(c) else None
+                      for c in (f.__closure__ or ()))
+        defaults = tuple(map(id, f.__defaults__ or ()))
+        return ("function", f.__code__, cells, defaults)
+    return ("object", id(f))
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _leaf_signature(v: object) -> object:
+    if isinstance(v, Tensor):
+        return ("T", tuple(v.shape), v.dtype, v.device, v.layout, v.requires_grad,
+                type(v))
+    if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype)):
+        return (type(v), v)
+    return ("id", id(v))
+
+
+def _signature(args: Any) -> object:
+    leaves, spec = tree_flatten(args)
+    return (spec, tuple(map(_leaf_signature, leaves)), torch.is_grad_enabled())
+
+
+def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` behind a function whose code object is new (NOTE [compiled Jacobians])."""
+
+    def run(*args: Any) -> Any:
+        return fn(*args)
+
+    code = run.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, run.__globals__, name, None, run.__closure__)
+
+
+def _results_agree(ref: Any, got: Any) -> str | None:
+    """None if ``got`` equals ``ref`` up to rounding; else what differs."""
+    ref_leaves, ref_spec = tree_flatten(ref)
+    got_leaves, got_spec = tree_flatten(got)
+    if ref_spec != got_spec:
+        return f"the results have different structures ({ref_spec} and {got_spec})"
+    for a, b in zip(ref_leaves, got_leaves):
+        if not isinstance(a, Tensor):
+            continue
+        if not isinstance(b, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return "the results have different shapes or dtypes"
+        if a.numel() == 0 or not (a.is_floating_point() or a.is_complex()):
+            continue
+        a, b = a.detach(), b.detach()
+        rtol = 1e3 * torch.finfo(a.dtype).eps if a.dtype != torch.float64 else 1e-9
+        scale = float(a.abs().max())
+        diff = float((a - b).abs().max())
+        if not diff <= rtol * max(scale, 1.0):
+            return (f"the compiled result differs from the eager one by up to {diff:.3g} "
+                    f"at a scale of {scale:.3g}")
+    return None
+
+
+def _warn_eager(call: str, f: object, why: str) -> None:
+    name = getattr(f, "__qualname__", None) or type(f).__name__
+    warn_once(
+        ("compile-fallback", call, _function_key(f), why),
+        f"{call}: compile=True could not compile the computation for {name}, so it runs "
+        f"eagerly for this input signature.\n"
+        f"  Why: {why}\n"
+        f"  The eager result is exact; only the speed-up is lost. Pass compile=False to "
+        f"skip the attempt. This warning is shown once.",
+        JacobianWarning,
+    )
+
+
+def compiled_call(
+    call: str,
+    f: object,
+    options: tuple[Any, ...],
+    args: tuple[Any, ...],
+    eager: Callable[[], Any],
+    build: Callable[[], Callable[..., Any]],
+) -> Any:
+    """The result of ``plain(*args)`` compiled, cached per ``f``, ``options`` and the
+    signature of ``args``; see NOTE [compiled Jacobians].
+
+    Args:
+        call: the public name, for messages.
+        f: the user's function (the key, and named by warnings).
+        options: everything else that changes the traced program (hashable).
+        args: the tensors and values the program takes.
+        eager: computes the same result with the eager path (the first call, checks and
+            errors included; and every call of a signature that cannot be compiled).
+        build: returns the function of ``*args`` to compile (called on the first call
+            only, after ``eager``).
+    """
+    key = (call, _function_key(f), options, _signature(args))
+    with _LOCK:
+        entry = _CACHE.get(key)
+        if entry is not None:
+            _CACHE.move_to_end(key)
+    if entry is not None:
+        if entry.run is None:
+            return eager()
+        try:
+            return entry.run(*args)
+        except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
+            if passes_through(err):
+                raise
+            result = eager()  # f's own errors propagate from here, untouched
+            entry.run = None
+            _warn_eager(call, f, quote_error(err))
+            return result
+    result = eager()  # the checks, and f's own errors, of the eager path
+    entry = _Entry(f)
+    with _LOCK:
+        _CACHE[key] = entry
+        while len(_CACHE) > CACHE_MAX:
+            _CACHE.popitem(last=False)
+    name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}"
+    try:
+        program = torch.compile(_own_code(build(), name), fullgraph=True, dynamic=False)
+        got = program(*args)
+    except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
+        if passes_through(err):
+            raise
+        _warn_eager(call, f, quote_error(err))
+        return result
+    why = _results_agree(result, got)
+    if why is not None:
+        _warn_eager(call, f, why)
+        return result
+    entry.run = program
+    return result
