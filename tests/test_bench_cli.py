@@ -142,6 +142,9 @@ def test_json_schema(run):
     assert two["jacobian_shapes"] == [[256, 128], [256, 64]]
     statuses = {r["method"]: r["status"] for r in two["results"]}
     assert statuses["torch_vjp auto"] == "ok"
+    assert statuses["torch_vjp compiled"] == "ok"  # compile=True, checked like the others
+    compiled = next(r for r in two["results"] if r["method"] == "torch_vjp compiled")
+    assert compiled["first_call_s"] > compiled["time_s"]  # compiling is in the first call
     if TORCH_2_13:
         assert statuses["autograd.functional.jacobian(forward-mode)"] == "unsupported"
     if env["jax"] is not None:
@@ -156,7 +159,10 @@ def test_markdown_and_png(run):
     assert md.startswith("# torch_vjp Jacobian benchmark")
     assert "[![suite results](r.png)](r.png)" in md  # the figure links to its full size
     assert "| workload | fastest method | its time |" in md
-    assert "| method | time | IQR | x best | max abs err | note |" in md
+    assert ("| workload | fastest method | its time | torch_vjp default | default / fastest | "
+            "default / fastest torch | torch_vjp compiled | compiled / fastest jax |") in md
+    assert "| method | time | IQR | x best | max abs err | first call | note |" in md
+    assert "| torch_vjp compiled | " in md
     assert "## two_input" in md and "(fastest)" in md
     if TORCH_2_13:
         assert "| not supported by torch (RuntimeError: Trying to set a forward" in md

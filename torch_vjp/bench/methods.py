@@ -20,7 +20,7 @@ from torch import Tensor
 
 from torch_vjp.bench.workloads import Case, Kind
 
-__all__ = ["Method", "Prepared", "METHODS", "HEADLINE", "get_methods", "jax_available", "reference"]
+__all__ = ["Method", "Prepared", "METHODS", "HEADLINE", "COMPILED", "get_methods", "jax_available", "reference"]
 
 
 @dataclass(frozen=True)
@@ -72,22 +72,22 @@ def jax_available() -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def _tv_jacobian(strategy: str) -> Callable[[Case], Prepared]:
+def _tv_jacobian(strategy: str, compile: bool = False) -> Callable[[Case], Prepared]:
     def prepare(case: Case) -> Prepared:
         from torch_vjp.jacobians import jacobian
 
         return Prepared(lambda: jacobian(case.f, *case.primals, argnums=case.argnums,
-                                         strategy=strategy))
+                                         strategy=strategy, compile=compile))
 
     return prepare
 
 
-def _tv_batch(strategy: str) -> Callable[[Case], Prepared]:
+def _tv_batch(strategy: str, compile: bool = False) -> Callable[[Case], Prepared]:
     def prepare(case: Case) -> Prepared:
         from torch_vjp.jacobians import batch_jacobian
 
         (x,) = case.primals
-        return Prepared(lambda: batch_jacobian(case.f, x, strategy=strategy))
+        return Prepared(lambda: batch_jacobian(case.f, x, strategy=strategy, compile=compile))
 
     return prepare
 
@@ -311,6 +311,7 @@ METHODS: tuple[Method, ...] = (
     Method("torch_vjp auto", "torch_vjp", _J, _tv_jacobian("auto")),
     Method("torch_vjp rev", "torch_vjp", _J, _tv_jacobian("rev")),
     Method("torch_vjp fwd", "torch_vjp", _J, _tv_jacobian("fwd")),
+    Method("torch_vjp compiled", "torch_vjp", _J, _tv_jacobian("auto", compile=True)),
     Method("torch_vjp rev-loop", "torch_vjp", _J, _tv_jacobian("rev-loop"), slow=True),
     Method("torch_vjp fwd-loop", "torch_vjp", _J, _tv_jacobian("fwd-loop"), slow=True),
     Method("torch.func.jacrev", "torch.func", _J, _func("jacrev")),
@@ -326,6 +327,8 @@ METHODS: tuple[Method, ...] = (
     Method("torch_vjp batch_jacobian", "torch_vjp", _B, _tv_batch("auto")),
     Method("torch_vjp batch_jacobian rev", "torch_vjp", _B, _tv_batch("rev")),
     Method("torch_vjp batch_jacobian fwd", "torch_vjp", _B, _tv_batch("fwd")),
+    Method("torch_vjp batch_jacobian compiled", "torch_vjp", _B,
+           _tv_batch("auto", compile=True)),
     Method("torch_vjp jacobian + diagonal", "torch_vjp", _B, _tv_full_then_diagonal, slow=True),
     Method("vmap(jacrev(f_single))", "torch.func", _B, _vmap_single("jacrev")),
     Method("vmap(jacfwd(f_single))", "torch.func", _B, _vmap_single("jacfwd")),
@@ -339,6 +342,13 @@ METHODS: tuple[Method, ...] = (
     Method("autograd.grad loop", "torch.autograd", _G, _grad_loop, slow=True),
     Method("autograd.grad(is_grads_batched=True)", "torch.autograd", _G, _grad_batched),
 )
+
+#: torch_vjp's compiled method on each kind of workload (``compile=True``, strategy auto):
+#: the summary compares it with jax.jit's methods.
+COMPILED: dict[str, str] = {
+    _J: "torch_vjp compiled",
+    _B: "torch_vjp batch_jacobian compiled",
+}
 
 #: The method that stands for "torch_vjp with default settings" on each kind of workload.
 HEADLINE: dict[str, str] = {

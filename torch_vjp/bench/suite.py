@@ -39,7 +39,14 @@ from typing import Any
 
 import torch
 
-from torch_vjp.bench.methods import HEADLINE, Method, get_methods, jax_available, reference
+from torch_vjp.bench.methods import (
+    COMPILED,
+    HEADLINE,
+    Method,
+    get_methods,
+    jax_available,
+    reference,
+)
 from torch_vjp.bench.workloads import Case, Workload
 from torch_vjp._errors import JacobianOptionError
 from torch_vjp._measure import (
@@ -195,6 +202,12 @@ class WorkloadResult:
         """torch_vjp's default method on this workload (``"torch_vjp auto"`` and the like)."""
         return self.result(HEADLINE[self.kind])
 
+    @property
+    def compiled(self) -> MethodResult | None:
+        """torch_vjp's ``compile=True`` method on this workload, if it ran."""
+        name = COMPILED.get(self.kind)
+        return self.result(name) if name else None
+
     def result(self, method: str) -> MethodResult | None:
         """The result of the method of that name, or ``None`` when it was not run."""
         return next((r for r in self.results if r.method == method), None)
@@ -270,6 +283,8 @@ class SuiteResult:
         for w in self.workloads:
             best, head = w.best, w.headline
             torch_best = w.fastest(lambda r: r.family != "jax")
+            comp = w.compiled
+            jax_best = w.fastest(lambda r: r.family == "jax")
             rows.append((
                 w.name,
                 best.method if best else "-",
@@ -277,11 +292,14 @@ class SuiteResult:
                 format_timing(head if head and head.status == "ok" else None),
                 _fmt_ratio(_ratio(head, best), head, best),
                 _fmt_ratio(_ratio(head, torch_best), head, torch_best),
+                format_timing(comp if comp and comp.status == "ok" else None),
+                _fmt_ratio(_ratio(comp, jax_best), comp, jax_best),
             ))
         return rows
 
     SUMMARY_HEADER = ("workload", "fastest method", "its time", "torch_vjp default",
-                      "default / fastest", "default / fastest torch")
+                      "default / fastest", "default / fastest torch", "torch_vjp compiled",
+                      "compiled / fastest jax")
 
     def detail_rows(self, w: WorkloadResult, width: int | None = 90) -> list[tuple[str, ...]]:
         """Per method: name (``*`` before the fastest), time, IQR, ratio, error, note."""
@@ -294,10 +312,11 @@ class SuiteResult:
                 note = shorten(note, width)
             error = "-" if r.max_abs_error is None else f"{r.max_abs_error:.1e}"
             rows.append((mark + r.method, format_time(r.time_s), format_spread(r.timing),
-                         "-" if r.ratio is None else f"{r.ratio:.2f}", error, note))
+                         "-" if r.ratio is None else f"{r.ratio:.2f}", error,
+                         format_time(r.first_call_s), note))
         return rows
 
-    DETAIL_HEADER = ("method", "time", "IQR", "x best", "max abs err", "")
+    DETAIL_HEADER = ("method", "time", "IQR", "x best", "max abs err", "first call", "")
 
     def table(self) -> str:
         """The aligned plain-text report: one block per workload, then the summary."""
@@ -306,11 +325,11 @@ class SuiteResult:
             shapes = ", ".join(_shape(s) for s in w.jacobian_shapes)
             lines.append(f"{w.name}: {w.title}; Jacobian {shapes}")
             lines += ["  " + line for line in format_table(self.DETAIL_HEADER, self.detail_rows(w),
-                                                              "<>>>><")]
+                                                              "<>>>>><")]
             lines.append("")
         lines.append("summary (* marks the fastest method in each block above)")
         lines += ["  " + line for line in format_table(self.SUMMARY_HEADER, self.summary_rows(),
-                                                          "<<>>>>")]
+                                                          "<<>>>>>>")]
         return "\n".join(lines)
 
     def markdown(self, image: str | None = None) -> str:
@@ -333,7 +352,10 @@ class SuiteResult:
                 "reference before it was timed. *default* is torch_vjp with default settings "
                 "(`jacobian`, `batch_jacobian` or `jacobian_of`, strategy `auto`). "
                 "*not supported by torch* marks a method that torch itself refuses on that "
-                "workload, not a failure of torch_vjp.", ""]
+                "workload, not a failure of torch_vjp. *first call*: the first, untimed call, "
+                "which for `jax.jit` and for *torch_vjp compiled* (`compile=True`) includes "
+                "compiling (for torch_vjp also one eager call, against which the compiled "
+                "result is checked); *time* is the steady state after it.", ""]
         if image:
             out += [f"[![suite results]({image})]({image})", "",
                     "(Click the figure for the full-size image.)", ""]
@@ -344,8 +366,8 @@ class SuiteResult:
             out += ["", f"## {w.name}", "", f"{w.title}; Jacobian {shapes}.", ""]
             rows = [(f"**{m[1:]}** (fastest)" if m.startswith("*") else m, *rest)
                     for m, *rest in self.detail_rows(w, width=160)]
-            out += _markdown_table(("method", "time", "IQR", "x best", "max abs err", "note"),
-                                   rows)
+            out += _markdown_table(("method", "time", "IQR", "x best", "max abs err",
+                                    "first call", "note"), rows)
         return "\n".join(out) + "\n"
 
 
