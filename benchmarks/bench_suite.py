@@ -22,12 +22,14 @@ results already committed, without running anything.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shutil
 import sys
 from pathlib import Path
 
 from torch_vjp.__main__ import main as bench_main
+from torch_vjp._measure import format_time
 from torch_vjp.bench import load_json
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +50,7 @@ def docs_block(json_path: Path, image: str) -> str:
 
 def _replace(page: str, start: str, end: str, block: str) -> str:
     if start not in page or end not in page:
-        raise SystemExit(f"{DOCS_PAGE} has no {start} ... {end} markers")
+        raise SystemExit(f"a docs page has no {start} ... {end} markers")
     before, rest = page.split(start, 1)
     _, after = rest.split(end, 1)
     return f"{before}{start}\n{block}\n{end}{after}"
@@ -71,8 +73,44 @@ def _included(name: str) -> str:
     return re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", image, text).rstrip("\n")
 
 
+def breakeven_markdown(json_path: Path) -> str:
+    """When ``compile=True`` pays, from a suite result: per workload, the eager default's
+    time, the compiled time, the compiled method's first call (compiling included), and the
+    number of calls ``n`` from which ``first + (n - 1) * compiled <= n * eager``."""
+    result = load_json(json_path)
+    env = result.environment
+    lines = [
+        f"# When compiling pays ({env['device']}, {env['threads']} threads, {env['dtype']})",
+        "",
+        f"From `{json_path.name}` ({env['date']}): *default* is the eager `strategy='auto'` "
+        "call, *compiled* the same with `compile=True` (steady state), *first call* the "
+        "compiled method's first call (one eager call, compiling, one compiled call). "
+        "*Break-even*: the number of calls from which compiling has cost less in total.",
+        "",
+        "| workload | default | compiled | compiled / default | first call | break-even |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w in result.workloads:
+        head, comp = w.headline, w.compiled
+        if comp is None or head is None or comp.time_s is None or head.time_s is None \
+                or comp.status != "ok" or comp.first_call_s is None:
+            continue
+        gain = head.time_s - comp.time_s
+        calls = ("never (no faster)" if gain <= 0 else
+                 f"{max(1, math.ceil((comp.first_call_s - comp.time_s) / gain)):,} calls")
+        lines.append(f"| {w.name} | {format_time(head.time_s)} | {format_time(comp.time_s)} | "
+                     f"{comp.time_s / head.time_s:.2f} | {format_time(comp.first_call_s)} | "
+                     f"{calls} |")
+    return "\n".join(lines) + "\n"
+
+
+#: The docs pages whose ``<!-- include:NAME:start -->`` blocks are refreshed.
+INCLUDING_PAGES = (DOCS_PAGE, REPO / "docs" / "pages" / "strategies.md")
+
+
 def update_docs(devices: list[str]) -> None:
-    """Rewrites the generated blocks of ``docs/pages/benchmarks.md`` from ``results/``."""
+    """Rewrites the generated blocks of ``docs/pages/benchmarks.md`` (and the included
+    results on the strategies page) from ``results/``."""
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
     page = DOCS_PAGE.read_text(encoding="utf-8")
     for device in devices:
@@ -81,12 +119,17 @@ def update_docs(devices: list[str]) -> None:
         shutil.copyfile(stem.with_suffix(".png"), image)
         page = _replace(page, f"<!-- suite:{device}:start -->", f"<!-- suite:{device}:end -->",
                         docs_block(stem.with_suffix(".json"), f"img/{image.name}"))
-    for name in re.findall(r"<!-- include:([\w.-]+):start -->", page):
-        if (RESULTS / name).is_file():
-            page = _replace(page, f"<!-- include:{name}:start -->", f"<!-- include:{name}:end -->",
-                            _included(name))
+        (RESULTS / f"compile_breakeven_{device}.md").write_text(
+            breakeven_markdown(stem.with_suffix(".json")), encoding="utf-8")
     DOCS_PAGE.write_text(page, encoding="utf-8")
-    print(f"docs: {DOCS_PAGE}")
+    for path in INCLUDING_PAGES:
+        page = path.read_text(encoding="utf-8")
+        for name in re.findall(r"<!-- include:([\w.-]+):start -->", page):
+            if (RESULTS / name).is_file():
+                page = _replace(page, f"<!-- include:{name}:start -->",
+                                f"<!-- include:{name}:end -->", _included(name))
+        path.write_text(page, encoding="utf-8")
+        print(f"docs: {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
