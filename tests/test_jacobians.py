@@ -1141,3 +1141,25 @@ def test_integer_tangents_are_refused_with_a_reason(dtype):
                        r"must be floating point too") as info:
         tv.jvp(torch.sin, (_X3,), (tangent,))
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev", "fwd", "rev-loop", "fwd-loop"])
+def test_inside_inference_mode(strategy):
+    """torch.func's transforms work inside torch.inference_mode; so do torch_vjp's, with the
+    point made inside it (an inference tensor, without a version counter) or outside."""
+    x = torch.randn(3, dtype=torch.float64)
+    with torch.inference_mode():
+        xi = torch.randn(3, dtype=torch.float64)
+        for point in (x, xi):
+            got = tv.jacobian(lambda v: v ** 2 * point.sum(), point, strategy=strategy)
+            ref = torch.func.jacrev(lambda v: v ** 2 * point.sum())(point)
+            torch.testing.assert_close(got, ref)
+            torch.testing.assert_close(
+                tv.hessian(lambda v: (v ** 3).sum(), point, strategy=strategy),
+                torch.diag(6 * point))
+        torch.testing.assert_close(tv.batch_jacobian(torch.sin, xi.reshape(3, 1)),
+                                   torch.cos(xi).reshape(3, 1, 1))
+        pattern = tv.jacobian_sparsity(lambda v: v ** 2, xi).to_dense()
+        torch.testing.assert_close(
+            tv.sparse_jacobian(lambda v: v ** 2, xi, pattern=pattern).to_dense(),
+            torch.diag(2 * xi))

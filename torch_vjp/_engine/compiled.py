@@ -25,6 +25,10 @@ variants: every ``torch.compile(jacrev(f))`` of a process shares torch.func's wr
 so the ninth Jacobian function compiled that way would silently run eagerly (or fail, with
 ``fullgraph=True``).
 
+The plain forms call torch.func's transforms as this module bound them at import, so that
+code which replaces ``torch.func.jacrev`` and the like by wrappers of torch_vjp's (a test
+harness swapping them) does not send torch_vjp back into itself.
+
 Entries are keyed by what determines the traced program: the function (a lambda by its
 code object and the identity of what its closure holds, so that ``lambda x: model(x)``
 written inside a training loop finds its entry again), the call's options, and each
@@ -44,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._errors import (
@@ -124,8 +129,8 @@ def plain_jacobian(
     if mode is None:
         mode = auto_mode(f, primals, argnums, has_aux)
     if mode == "rev":
-        return torch.func.jacrev(f, argnums, has_aux=has_aux, chunk_size=chunk_size)(*primals)
-    return torch.func.jacfwd(f, argnums, has_aux=has_aux)(*primals)
+        return jacrev(f, argnums, has_aux=has_aux, chunk_size=chunk_size)(*primals)
+    return jacfwd(f, argnums, has_aux=has_aux)(*primals)
 
 
 def batch_mode(f: Callable[[Tensor], Any], x: Tensor) -> str:
@@ -146,7 +151,7 @@ def plain_batch_jacobian(
     if mode is None:
         mode = batch_mode(f, x)
     if mode == "rev":
-        jac = torch.func.jacrev(lambda t: tree_map(lambda o: o.sum(0), f(t)),
+        jac = jacrev(lambda t: tree_map(lambda o: o.sum(0), f(t)),
                                 chunk_size=chunk_size)(x)
         return tree_map(lambda j: j.movedim(j.dim() - x.dim(), 0), jac)
     batch = x.shape[0]
@@ -154,9 +159,9 @@ def plain_batch_jacobian(
     basis = basis.expand(n_in, batch, *row)
 
     def push(t: Tensor) -> Any:
-        return torch.func.jvp(f, (x,), (t,))[1]
+        return jvp(f, (x,), (t,))[1]
 
-    cols = torch.func.vmap(push, chunk_size=chunk_size)(basis)
+    cols = vmap(push, chunk_size=chunk_size)(basis)
     return tree_map(lambda c: c.movedim(0, -1).reshape(*c.shape[1:], *row), cols)
 
 
@@ -165,8 +170,8 @@ def plain_hessian(
     mode: str | None,
 ) -> Any:
     """Forward over reverse (``mode`` ``"fwd"`` or None), or reverse over reverse."""
-    outer = torch.func.jacrev if mode == "rev" else torch.func.jacfwd
-    return outer(torch.func.jacrev(f, argnums), argnums)(*primals)
+    outer = jacrev if mode == "rev" else jacfwd
+    return outer(jacrev(f, argnums), argnums)(*primals)
 
 
 def plain_jvp(
@@ -175,13 +180,13 @@ def plain_jvp(
 ) -> tuple[Any, ...]:
     """``torch.func.jvp``; batched, under ``vmap`` over the tangents' leading dimension."""
     if not batched:
-        return torch.func.jvp(f, primals, tangents, has_aux=has_aux)
+        return jvp(f, primals, tangents, has_aux=has_aux)
 
     def push(t: tuple[Any, ...]) -> tuple[Any, ...]:
-        return torch.func.jvp(f, primals, t, has_aux=has_aux)
+        return jvp(f, primals, t, has_aux=has_aux)
 
     out_dims = (None, 0, None) if has_aux else (None, 0)
-    return torch.func.vmap(push, out_dims=out_dims, chunk_size=chunk_size)(tangents)
+    return vmap(push, out_dims=out_dims, chunk_size=chunk_size)(tangents)
 
 
 def plain_vjp(
@@ -189,10 +194,10 @@ def plain_vjp(
     batched: bool, chunk_size: int | None,
 ) -> Any:
     """The pullback of ``f`` at ``primals`` applied to ``cotangents`` (forward included)."""
-    pull = torch.func.vjp(f, *primals, has_aux=has_aux)[1]
+    pull = vjp(f, *primals, has_aux=has_aux)[1]
     if not batched:
         return pull(cotangents)
-    return torch.func.vmap(pull, chunk_size=chunk_size)(cotangents)
+    return vmap(pull, chunk_size=chunk_size)(cotangents)
 
 
 # --------------------------------------------------------------------------------------

@@ -210,6 +210,15 @@ class _Copy(list):  # type: ignore[type-arg]
 _below_transforms = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
 
 
+def _normal_tensors() -> Any:
+    """Where the copies are made: outside ``torch.inference_mode``, whose tensors have no
+    version counter (the guard reads it) and cannot be written where the transforms run
+    f, outside that mode (as ``reset`` writes them)."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
+
+
 def _fresh_copies(
     primals: tuple[Any, ...], detached: bool = False
 ) -> tuple[tuple[Any, ...], list[_Copy]]:
@@ -220,7 +229,8 @@ def _fresh_copies(
     def copy(t: Any) -> Any:
         if not isinstance(t, Tensor) or t.is_nested or t.layout is not torch.strided:
             return t  # refused later if differentiated; never written by us
-        c = t.detach().clone() if detached else t.clone()
+        with _normal_tensors():
+            c = t.detach().clone() if detached else t.clone()
         guard.append(_Copy((c, t, c._version)))
         return c
 

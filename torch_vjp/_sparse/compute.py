@@ -204,6 +204,8 @@ def cached_plan(prob: Problem) -> Plan | None:
 
 def user_plan(pattern: Tensor, build: Callable[[], Pattern]) -> Plan:
     """The plan of a user's pattern tensor, kept with the tensor while it is unchanged."""
+    if pattern.is_inference():  # no version counter: a change could not be seen
+        return Plan(build(), user=True)
     version = getattr(pattern, "_version", None) if pattern.layout is torch.strided else None
     got = _USER.get(pattern)
     if got is not None and got[0] == version:
