@@ -204,6 +204,11 @@ def jacobian(
         (torch.Size([2, 4]), torch.Size([2, 2, 4]))
     """
     call = "torch_vjp.jacobian"
+    if (compile is True and strategy in _COMPILED_STRATEGIES and process_group is None
+            and max_memory is None and not tracing() and not is_nested()):
+        # NOTE [compiled Jacobians]: the options are checked by the eager first call
+        return _compiled_jacobian(f, primals, argnums, strategy, chunk_size, has_aux,
+                                  create_graph)
     do_compile = check_compile(compile, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
     with _told_on_failure(group):  # the other ranks wait in the first exchange
@@ -217,25 +222,8 @@ def jacobian(
         with _plain_context(context, detached):
             return plain_jacobian(f, primals, argnums, has_aux, strat.mode,
                                   _plain_chunk(strat, chunk))
-    if do_compile and not is_nested():
-        if budget is not None:
-            _warn_budget(call)
-        else:
-            def build() -> Callable[..., Any]:
-                mode = strat.mode or auto_mode(f, primals, argnums, has_aux)
-
-                def program(*args: Any) -> Any:
-                    with _plain_context(context, detached):
-                        return plain_jacobian(f, args, argnums, has_aux, mode, chunk)
-                return program
-
-            return compiled_call(
-                call, f, (argnums, has_aux, strat.name, chunk, create_graph), primals,
-                lambda: jacobian(f, *primals, argnums=argnums, strategy=strategy,
-                                 chunk_size=chunk_size, has_aux=has_aux,
-                                 create_graph=create_graph),
-                build,
-            )
+    if do_compile and not is_nested() and budget is not None:
+        _warn_budget(call)
     with context, buffers_kept(f):
         with _told_on_failure(group):
             prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
@@ -728,6 +716,39 @@ def jacobian_of(
             )
     rows_out = [r[0] if single_in else tuple(r) for r in result]
     return rows_out[0] if single_out else tuple(rows_out)
+
+
+#: The strategies ``compile=True`` takes.
+_COMPILED_STRATEGIES = frozenset({"auto", "rev", "fwd"})
+
+
+def _compiled_jacobian(
+    f: Callable[..., Any], primals: tuple[Any, ...], argnums: Any, strategy: Any,
+    chunk_size: Any, has_aux: Any, create_graph: Any,
+) -> Any:
+    """``jacobian(compile=True)`` (NOTE [compiled Jacobians]); the eager first call checks
+    every option, so that a cached entry exists only for options that are valid."""
+    call = "torch_vjp.jacobian"
+
+    def eager() -> Any:
+        return jacobian(f, *primals, argnums=argnums, strategy=strategy,
+                        chunk_size=chunk_size, has_aux=has_aux, create_graph=create_graph)
+
+    def build() -> Callable[..., Any]:
+        mode = get_strategy(strategy, call=call).mode or auto_mode(f, primals, argnums, has_aux)
+        context, detached = graph_mode(create_graph, call=call)
+
+        def program(*args: Any) -> Any:
+            with _plain_context(context, detached):
+                return plain_jacobian(f, args, argnums, has_aux, mode, chunk_size)
+        return program
+
+    try:
+        options = (argnums, has_aux, strategy, chunk_size, create_graph)
+        hash(options)
+    except TypeError:  # an unhashable argnums (a list): the eager call says what is wrong
+        return eager()
+    return compiled_call(call, f, options, primals, eager, build)
 
 
 def _check_compilable(strat: Strategy, group: Any, call: str) -> None:

@@ -248,7 +248,10 @@ def _leaf_signature(v: object) -> object:
     return ("id", id(v))
 
 
-def _signature(args: Any) -> object:
+def _signature(args: tuple[Any, ...]) -> object:
+    if all(type(a) is Tensor for a in args):  # the common case, without pytree's cost
+        return (tuple((a.shape, a.dtype, a.device, a.layout, a.requires_grad) for a in args),
+                torch.is_grad_enabled())
     leaves, spec = tree_flatten(args)
     return (spec, tuple(map(_leaf_signature, leaves)), torch.is_grad_enabled())
 
