@@ -105,7 +105,8 @@ def breakeven_markdown(json_path: Path) -> str:
 
 
 #: The docs pages whose ``<!-- include:NAME:start -->`` blocks are refreshed.
-INCLUDING_PAGES = (DOCS_PAGE, REPO / "docs" / "pages" / "strategies.md")
+INCLUDING_PAGES = (DOCS_PAGE, *(REPO / "docs" / "pages" / f"{name}.md"
+                                for name in ("strategies", "per-sample")))
 
 
 def update_docs(devices: list[str]) -> None:

@@ -26,11 +26,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from torch_vjp._engine.compiled import check_compile, tracing
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
 from torch_vjp._per_sample.args import check_max_norm
+from torch_vjp._per_sample.compiled import compilable, run_compiled
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.plan import Plan
 from torch_vjp._per_sample.probe import forget_plans, plan_for
@@ -74,6 +77,7 @@ def per_sample_grads(
     params: Iterable[str] | None = None,
     strategy: PerSampleStrategyName = "auto",
     chunk_size: int | None = None,
+    compile: bool = False,
 ) -> dict[str, Tensor]:
     """Per-sample gradients: one forward and backward of the batch plus per-layer rules.
 
@@ -97,6 +101,13 @@ def per_sample_grads(
             ``StrategyError`` naming the parameters without one), ``"vmap"``, or ``"loop"``.
         chunk_size: examples per vectorised chunk for ``"vmap"`` (and for the fallback of
             ``"auto"``), and per rule invocation for ``"hooks"``; None: all at once.
+        compile: compute with a program compiled by ``torch.compile`` (the ``"vmap"``
+            computation, vmap of grad), once per model, options and batch signature, and
+            reused; the first call of a signature also runs eagerly (``strategy``) and the
+            two results are compared, and a signature that cannot be compiled stays eager
+            with a one-time JacobianWarning (see the docs page "Per-sample gradients").
+            An empty batch, a DistributedDataParallel model and a sparse Embedding run
+            eagerly.
 
     Returns:
         ``dict[name, Tensor]``, each of shape ``(B, *param.shape)``, in the order of ``params``
@@ -122,9 +133,14 @@ def per_sample_grads(
         True
     """
     fn = "per_sample_grads"
+    do_compile = check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError)
     job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
     chunk = check_chunk_size(chunk_size, call=f"torch_vjp.{fn}", what="examples",
                              cls=PerSampleValueError)
+    if do_compile and compilable(job) and not tracing():
+        return run_compiled("grads", job, chunk, None, lambda: per_sample_grads(
+            model, loss_fn, inputs, targets, params=params, strategy=strategy,
+            chunk_size=chunk_size))
     sel = job.sel
     if job.batch == 0:
         return {n: sel.tensors[sel.key_of[n]].new_zeros((0, *sel.tensors[sel.key_of[n]].shape))
@@ -151,6 +167,7 @@ def per_sample_grad_norms(
     *,
     params: Iterable[str] | None = None,
     strategy: PerSampleStrategyName = "auto",
+    compile: bool = False,
 ) -> Tensor:
     """L2 norms of the per-sample gradients over all selected parameters, ``(B,)``.
 
@@ -167,6 +184,8 @@ def per_sample_grad_norms(
         targets: as for :func:`per_sample_grads`.
         params: as for :func:`per_sample_grads`.
         strategy: as for :func:`per_sample_grads`.
+        compile: as for :func:`per_sample_grads`; the norms are computed in the compiled
+            program from the per-sample gradients, which it forms.
 
     Returns:
         A ``(B,)`` tensor: entry ``i`` is the L2 norm of example ``i``'s gradient, all selected
@@ -186,8 +205,13 @@ def per_sample_grad_norms(
         >>> torch.allclose(norms, ref)
         True
     """
-    norms, _, _ = _norms_run("per_sample_grad_norms", model, loss_fn, inputs, targets, params,
-                             strategy, None)
+    fn = "per_sample_grad_norms"
+    if check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError) and not tracing():
+        job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
+        if compilable(job):
+            return run_compiled("norms", job, None, None, lambda: _norms_run(
+                fn, model, loss_fn, inputs, targets, params, strategy, None)[0])
+    norms, _, _ = _norms_run(fn, model, loss_fn, inputs, targets, params, strategy, None)
     return norms
 
 
@@ -219,6 +243,7 @@ def accumulate_clipped_grads(
     max_norm: float,
     params: Iterable[str] | None = None,
     strategy: PerSampleStrategyName = "auto",
+    compile: bool = False,
 ) -> Tensor:
     """The DP-SGD step: adds ``sum_i min(1, max_norm / ||g_i||) g_i`` to each ``param.grad``.
 
@@ -238,6 +263,9 @@ def accumulate_clipped_grads(
         strategy: as for :func:`per_sample_grads`.
         max_norm: each example's gradient is scaled to L2 norm at most ``max_norm`` (over all
             selected parameters together) before the sum.
+        compile: as for :func:`per_sample_grads`: the compiled program computes the norms,
+            clip factors and clipped sums (from per-sample gradients, which it forms), and
+            the sums are added to ``.grad`` eagerly, as without it.
 
     Returns:
         The ``(B,)`` per-sample gradient norms before clipping. An empty batch (Poisson
@@ -261,14 +289,36 @@ def accumulate_clipped_grads(
         True
     """
     fn = "accumulate_clipped_grads"
+    do_compile = check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError)
     max_norm = check_max_norm(fn, max_norm)
     if isinstance(model, nn.Module):
         check_trainable(fn, model, params)
+    if do_compile and not tracing():
+        job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
+        if compilable(job):
+            def eager() -> tuple[Tensor, dict[str, Tensor]]:
+                norms, sums, _ = _norms_run(fn, model, loss_fn, inputs, targets, params,
+                                            strategy, max_norm)
+                return norms, _all_sums(job, sums or {})
+
+            norms, sums = run_compiled("clipped", job, None, max_norm, eager)
+            add_to_grads(job, sums)
+            return norms
     norms, sums, job = _norms_run(fn, model, loss_fn, inputs, targets, params, strategy,
                                   max_norm)
     assert sums is not None
     add_to_grads(job, sums)
     return norms
+
+
+def _all_sums(job: Any, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The clipped sums of every selected parameter, in selection order, as its own tensors
+    (zeros where no gradient reaches it): the compiled program's form of them."""
+    out = {}
+    for k, p in job.sel.tensors.items():
+        s = sums.get(k)
+        out[k] = torch.zeros_like(p) if s is None else s.to(p.dtype).reshape(p.shape)
+    return out
 
 
 # ============================================================================================

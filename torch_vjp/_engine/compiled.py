@@ -61,7 +61,8 @@ from torch_vjp._errors import (
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
-    "CACHE_MAX", "auto_mode", "batch_mode", "check_compile", "compiled_call", "tracing", "plain_jacobian",
+    "CACHE_MAX", "auto_mode", "batch_mode", "check_compile", "program_key", "compiled_call",
+    "tracing", "plain_jacobian",
     "plain_batch_jacobian", "plain_hessian", "plain_jvp", "plain_vjp", "clear_cache",
 ]
 
@@ -72,10 +73,12 @@ _CACHE: OrderedDict[Any, _Entry] = OrderedDict()
 _LOCK = threading.Lock()
 
 
-def check_compile(compile: object, *, call: str) -> bool:
-    """``compile``, checked: it must be a bool."""
+def check_compile(
+    compile: object, *, call: str, cls: type[Exception] = JacobianOptionError
+) -> bool:
+    """``compile``, checked: it must be a bool (else ``cls``, the caller's option error)."""
     if not isinstance(compile, bool):
-        raise JacobianOptionError(
+        raise cls(
             f"{call}: compile={compile!r}, but it must be True or False: whether to compile "
             f"the computation with torch.compile once per function and input signature "
             f"(True) or run it eagerly (False, the default)."
@@ -216,10 +219,10 @@ class _Entry:
         self.run: Callable[..., Any] | None = None
 
 
-def _function_key(f: object) -> object:
+def program_key(f: object) -> object:
     """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians])."""
     if isinstance(f, functools.partial):
-        return ("partial", _function_key(f.func), tuple(map(id, f.args)),
+        return ("partial", program_key(f.func), tuple(map(id, f.args)),
                 tuple((k, id(v)) for k, v in sorted(f.keywords.items())))
     if isinstance(f, types.MethodType):
         return ("method", f.__func__, id(f.__self__))
@@ -292,7 +295,7 @@ def _results_agree(ref: Any, got: Any) -> str | None:
 def _warn_eager(call: str, f: object, why: str) -> None:
     name = getattr(f, "__qualname__", None) or type(f).__name__
     warn_once(
-        ("compile-fallback", call, _function_key(f), why),
+        ("compile-fallback", call, program_key(f), why),
         f"{call}: compile=True could not compile the computation for {name}, so it runs "
         f"eagerly for this input signature.\n"
         f"  Why: {why}\n"
@@ -323,7 +326,7 @@ def compiled_call(
         build: returns the function of ``*args`` to compile (called on the first call
             only, after ``eager``).
     """
-    key = (call, _function_key(f), options, _signature(args))
+    key = (call, program_key(f), options, _signature(args))
     with _LOCK:
         entry = _CACHE.get(key)
         if entry is not None:

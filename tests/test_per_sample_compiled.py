@@ -1,0 +1,88 @@
+"""compile=True for the per-sample functions (torch_vjp/_per_sample/compiled.py): float64
+against a per-example loop, compiled once per model and batch signature, an optimizer's
+in-place updates seen without recompiling, models held wrapped in torch.compile."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import torch_vjp as tv
+from torch_vjp._engine import compiled
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    compiled.clear_cache()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    compiled.clear_cache()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 4 * 4, 3)).double()
+
+
+def _loop(model, loss_fn, x, y):
+    out = {n: [] for n, _ in model.named_parameters()}
+    for i in range(len(x)):
+        gs = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]),
+                                 list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), gs):
+            out[n].append(g)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def test_grads_norms_and_clipped_step_against_the_loop_compiled_once():
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = torch.randn(8, 2, 6, 6, dtype=D), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # nothing falls back
+        for _ in range(3):
+            ref = _loop(model, loss_fn, x, y)
+            torch.testing.assert_close(tv.per_sample_grads(model, loss_fn, x, y, compile=True),
+                                       ref)
+            norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in ref.values()))
+            torch.testing.assert_close(
+                tv.per_sample_grad_norms(model, loss_fn, x, y, compile=True), norms)
+            model.zero_grad(set_to_none=True)
+            got = tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=0.5, compile=True)
+            torch.testing.assert_close(got, norms)
+            factors = (0.5 / norms).clamp(max=1.0)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", factors, ref[n]))
+            with torch.no_grad():  # an optimizer step, in place: seen without recompiling
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+    assert counters["stats"]["unique_graphs"] == 3  # one program per function, reused
+
+
+def test_a_model_held_in_torch_compile():
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 2, 6, 6, dtype=D), torch.randint(0, 3, (5,))
+    held = torch.compile(model)
+    for _ in range(2):
+        got = tv.per_sample_grads(held, loss_fn, x, y, compile=True)
+        ref = _loop(model, loss_fn, x, y)
+        torch.testing.assert_close(got, {"_orig_mod." + n: g for n, g in ref.items()})
+
+
+def test_empty_batch_and_option_error():
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = torch.randn(0, 2, 6, 6, dtype=D), torch.randint(0, 3, (0,))
+    assert tv.per_sample_grads(model, loss_fn, x, y, compile=True)["3.bias"].shape == (0, 3)
+    assert tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=1.0,
+                                       compile=True).shape == (0,)
+    with pytest.raises(tv.PerSampleValueError, match=r"compile=1, but it must be True or "
+                       r"False"):
+        tv.per_sample_grad_norms(model, loss_fn, x, y, compile=1)

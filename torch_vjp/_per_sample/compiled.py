@@ -1,0 +1,81 @@
+"""``compile=True`` for the per-sample functions: the vmap-of-grad computation of every
+selected parameter, compiled once per model, options and batch signature (NOTE [compiled
+Jacobians] in :mod:`torch_vjp._engine.compiled`, whose cache, first-call check and eager
+fallback this uses).
+
+The compiled program is the ``"vmap"`` strategy's (``torch.func.vmap`` of ``grad`` of the
+model called functionally on one example), followed, for the norms and the clipped step, by
+the norms, the clip factors and the clipped sums: torch.compile fuses those with the
+per-sample gradients. The eager call (any strategy) runs first and checks every argument;
+its result and the compiled one are compared on the first call of a signature. The model's
+parameters are read inside the program, so an optimizer's in-place updates are seen without
+recompiling. What runs eagerly: an empty batch, a model wrapped in DistributedDataParallel,
+and a sparse Embedding (its sparse gradient has no compiled form here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_map
+
+from torch_vjp._engine.compiled import compiled_call, program_key
+from torch_vjp._per_sample.args import Job
+from torch_vjp._per_sample.fallback import functional_state
+from torch_vjp._per_sample.losses import call_loss, scalar_loss
+
+__all__ = ["compilable", "run_compiled"]
+
+
+def compilable(job: Job) -> bool:
+    """Whether the job can take the compiled path (else it runs eagerly, silently: see the
+    module docstring)."""
+    return job.batch > 0 and job.ddp is None and not job.sel.sparse
+
+
+def run_compiled(
+    kind: str, job: Job, chunk: int | None, max_norm: float | None, eager: Callable[[], Any]
+) -> Any:
+    """The compiled result of ``kind`` (``"grads"``: the named dict; ``"norms"``: ``(B,)``;
+    ``"clipped"``: ``(norms, sums)`` with the sums by canonical name, not yet added)."""
+    sel = job.sel
+    options = (kind, program_key(job.loss_fn), tuple(sel.names), job.strategy, chunk,
+               max_norm, sel.training, tuple(map(id, sel.tensors.values())))
+    return compiled_call(f"torch_vjp.{job.fn}", job.model, options, (job.xs, job.targets),
+                         eager, lambda: _program(kind, job, chunk, max_norm))
+
+
+def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
+             ) -> Callable[..., Any]:
+    model, loss_fn, fn, sel = job.model, job.loss_fn, job.fn, job.sel
+    keys = list(sel.tensors)
+    names, key_of = list(sel.names), dict(sel.key_of)
+
+    def one(d: dict[str, Tensor], state: dict[str, Any], xi: tuple[Tensor, ...],
+            ti: Any) -> Tensor:
+        out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
+                              strict=False, tie_weights=True)
+        ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
+        return scalar_loss(fn, call_loss(loss_fn, out, ti))
+
+    def program(xs: tuple[Tensor, ...], targets: Any) -> Any:
+        state = functional_state(model)
+        diff = {k: state.pop(k) for k in keys}
+        in_dims = (None, None, 0, 0 if targets is not None else None)
+        per_sample = vmap(grad(one), in_dims=in_dims, randomness="different",
+                          chunk_size=chunk)(diff, state, xs, targets)
+        if kind == "grads":
+            return {n: per_sample[key_of[n]] for n in names}
+        sq = sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values())
+        norms = sq.sqrt()
+        if kind == "norms":
+            return norms
+        factors = sq.rsqrt().mul(max_norm).clamp(max=1.0)
+        sums = {k: torch.einsum("b,b...->...", factors, g) for k, g in per_sample.items()}
+        return norms, sums
+
+    return program
