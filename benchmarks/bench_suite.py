@@ -85,7 +85,10 @@ def breakeven_markdown(json_path: Path) -> str:
         f"From `{json_path.name}` ({env['date']}): *default* is the eager `strategy='auto'` "
         "call, *compiled* the same with `compile=True` (steady state), *first call* the "
         "compiled method's first call (one eager call, compiling, one compiled call). "
-        "*Break-even*: the number of calls from which compiling has cost less in total.",
+        "*Break-even*: the number of calls from which compiling has cost less in total. "
+        "The first workload's first call also pays what torch.compile does once per process "
+        "(importing and starting its compiler), the suite ran with an empty inductor cache, "
+        "and a later process finds its programs in that cache and compiles faster.",
         "",
         "| workload | default | compiled | compiled / default | first call | break-even |",
         "|---|---|---|---|---|---|",
