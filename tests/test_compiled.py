@@ -228,3 +228,20 @@ def test_inside_users_torch_compile_no_graph_break_no_recompile(name):
     _inside_user_compile(fn, lambda k: (torch.randn(4, dtype=D) + k,), ref)
     assert counters["stats"]["unique_graphs"] == 1  # compiled once: no recompile
     assert sum(counters["graph_break"].values()) == 0  # and in one graph
+
+
+def test_a_training_modules_buffers_are_left_as_they_were():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double().train()
+    x = torch.randn(5, 3, dtype=D)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tv.JacobianWarning)
+        for _ in range(3):
+            got = tv.jacobian(model, x, compile=True)
+            torch.testing.assert_close(got, tv.jacobian(model, x, strategy="rev-loop"))
+            for n, b in model.named_buffers():
+                assert torch.equal(b, before[n]), n  # not even by the output-size probe
+    # torch.func refuses the running statistics' in-place update inside a transform, so
+    # the signature runs eagerly, as the warning says (the eager path loops, unchanged)
+    assert sum("compile=True could not compile" in str(w.message) for w in caught) == 1

@@ -86,3 +86,19 @@ def test_empty_batch_and_option_error():
     with pytest.raises(tv.PerSampleValueError, match=r"compile=1, but it must be True or "
                        r"False"):
         tv.per_sample_grad_norms(model, loss_fn, x, y, compile=1)
+
+
+def test_spectral_norm_vectors_are_left_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 5)), nn.Tanh(),
+                          nn.Linear(5, 2)).double().train()
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(6, 4, dtype=D), torch.randint(0, 2, (6,))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # it may stay eager: that is said
+        got = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
+        got = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
+    for n, b in model.named_buffers():
+        assert torch.equal(b, before[n]), n
+    torch.testing.assert_close(got, tv.per_sample_grads(model, loss_fn, x, y, strategy="loop"))

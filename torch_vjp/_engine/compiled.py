@@ -18,6 +18,10 @@ one graph.
   rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why and that signature stays
   eager; otherwise later calls with that signature run the compiled program only. The first
   call returns the eager result.
+* A compiled program runs as the eager call does, inside ``buffers_kept(f)``: a module in
+  training mode that ``f`` reaches (or the model, for the per-sample functions) gets back
+  every buffer its forward changed (BatchNorm's running statistics, spectral norm's
+  vectors), since the program runs ``f`` as often as the products need.
 
 Each cache entry compiles a function with a code object of its own, because dynamo keeps its
 compiled variants per code object and stops compiling one after ``recompile_limit`` (8)
@@ -51,6 +55,7 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torch_vjp._engine.context import buffers_kept
 from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
@@ -335,7 +340,8 @@ def compiled_call(
         if entry.run is None:
             return eager()
         try:
-            return entry.run(*args)
+            with buffers_kept(f):
+                return entry.run(*args)
         except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
             if passes_through(err):
                 raise
@@ -351,8 +357,9 @@ def compiled_call(
             _CACHE.popitem(last=False)
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}"
     try:
-        program = torch.compile(_own_code(build(), name), fullgraph=True, dynamic=False)
-        got = program(*args)
+        with buffers_kept(f):  # build() may call f for its output sizes
+            program = torch.compile(_own_code(build(), name), fullgraph=True, dynamic=False)
+            got = program(*args)
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
         if passes_through(err):
             raise
