@@ -56,3 +56,19 @@ def _per_sample_rules_kept():
         registry._NAMED.clear()
         registry._NAMED.update(named)
         probe.forget_plans()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A test of compile=True starts and ends with dynamo's caches, its counters and
+    torch_vjp's compiled entries empty (so that it counts only its own compilations)."""
+    from torch._dynamo.utils import counters
+
+    from torch_vjp._engine import compiled
+
+    torch._dynamo.reset()
+    compiled.clear_cache()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    compiled.clear_cache()

@@ -13,19 +13,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import torch_vjp as tv
-from torch_vjp._engine import compiled
 
 D = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    compiled.clear_cache()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    compiled.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _mlp(n_in, n_out, seed=0):
@@ -68,9 +60,6 @@ def test_new_signature_compiles_a_new_entry_and_inplace_closure_changes_are_seen
     tv.jacobian(f, torch.randn(3, dtype=D), compile=True)
     w.mul_(2)  # the compiled program reads w's current values
     torch.testing.assert_close(tv.jacobian(f, torch.randn(3, dtype=D), compile=True), w)
-    x32 = torch.randn(3)
-    with pytest.raises(RuntimeError):  # float64 weights, float32 input: torch's own error
-        w @ x32
     g = lambda x: torch.sin(x) * 2  # noqa: E731
     tv.jacobian(g, torch.randn(3, dtype=D), compile=True)
     tv.jacobian(g, torch.randn(5, dtype=D), compile=True)  # another shape: its own entry

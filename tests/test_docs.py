@@ -28,6 +28,7 @@ import subprocess
 import sys
 import textwrap
 import traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,7 +243,11 @@ def run_page(page: Path) -> list[tuple[Block, str]]:
         BlockFailed: with the page, block number, line, source and traceback.
     """
     blocks = python_blocks(page.read_text(encoding="utf-8"))
-    namespace: dict[str, object] = {"__name__": "__docs__"}
+    # the page's code runs in a module of its own, importable as a user's script is (as
+    # torch.compile, which an example may call, looks functions' modules up)
+    module = types.ModuleType("__docs__")
+    sys.modules["__docs__"] = module
+    namespace: dict[str, object] = module.__dict__
     saved_env = dict(os.environ)
     saved_dtype = torch.get_default_dtype()
     saved_grad = torch.is_grad_enabled()
@@ -268,6 +273,7 @@ def run_page(page: Path) -> list[tuple[Block, str]]:
                 ) from exc
             outputs.append((block, buffer.getvalue()))
     finally:
+        sys.modules.pop("__docs__", None)
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_default_dtype(saved_dtype)

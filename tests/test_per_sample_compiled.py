@@ -12,19 +12,11 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import torch_vjp as tv
-from torch_vjp._engine import compiled
 
 D = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    compiled.clear_cache()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    compiled.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _model():
