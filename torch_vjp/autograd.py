@@ -40,11 +40,11 @@ through untouched), then, in a checked scope, compares the raw return value with
 engine expects at the node's inputs: the count (one value per forward input), and for each
 input that needs a gradient the dtype, device and shape that torch's engine will check the
 gradient against (the metadata of the node's next edge). That fast path is a few attribute
-reads per gradient (``_backward_check.backward_return_ok``). A gradient of the shape of one
+reads per gradient (``_backward_checked.backward_return_ok``). A gradient of the shape of one
 of forward's outputs, for an input that forward broadcast to it, is torch's idiom, summed
 down by torch as the adjoint of broadcasting: accepted.
 Only when the fast path objects does the slow path run: check_function's diagnosis
-(``_backward_check.backward_problems``) and torch's own verdict, from replaying the value
+(``_backward_checked.backward_problems``) and torch's own verdict, from replaying the value
 through torch's engine on a stand-in node with the same inputs (``torch_verdict``). Where
 torch raises, the error is a ``FunctionCheckError`` whose message is torch's sentence, with
 the explanation (what was returned, what was expected and why, the fix, naming the Function
@@ -82,7 +82,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 from torch.overrides import handle_torch_function, has_torch_function, is_tensor_like
 
-from torch_vjp._backward_check import (
+from torch_vjp._backward_checked import (
     backward_problems,
     backward_return_ok,
     function_name,

@@ -1,0 +1,345 @@
+"""Checked mode's judgement of what a custom Function's backward returned, on every call
+(NOTE [checked custom backwards] in :mod:`torch_vjp.autograd`): ``backward_return_ok``, the
+fast path; ``backward_problems``, the diagnosis behind it, worded by the message builders of
+:mod:`torch_vjp._backward_check`; ``torch_verdict``, torch's own verdict from a replay.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_vjp._backward_check import (
+    Slot,
+    as_tuple,
+    broadcasts_to,
+    count_message,
+    device_message,
+    dtype_message,
+    list_message,
+    non_tensor_input_message,
+    shape_message,
+    slots_from_node,
+    type_message,
+)
+from torch_vjp._errors import shape_str
+
+
+def backward_return_ok(node: Any, returned: Any) -> bool:
+    """Whether what a custom Function's backward returned passes checked mode at a glance:
+    the fast path, run on every call (NOTE [fast path, slow message] in ``_checks``).
+
+    ``node`` is the Function's graph node (its ``ctx``), ``returned`` backward's raw return
+    value. The rules: one value per forward input (extra trailing ``None`` values are fine:
+    torch drops them), each ``None`` or a tensor, and a tensor for an input that needs a
+    gradient has the dtype and device torch's engine expects there (the metadata of the
+    node's next edge) and its shape, or the shape of one of forward's outputs that the
+    input's shape broadcasts to (see :func:`_summed_broadcast`). ``False`` sends the value to
+    :func:`backward_problems`; what this loop cannot tell counts as fine, and torch judges
+    it: a tensor subclass, metadata torch does not expose (a nested tensor). The cost is a
+    few attribute reads per gradient.
+    """
+    values = returned if type(returned) is tuple else (returned,)
+    needs = node.needs_input_grad
+    n = len(needs)
+    m = len(values)
+    if m != n:
+        if m < n:
+            return False
+        for value in values[n:]:
+            if value is not None:
+                return False
+    edges: list[Any] | None = None
+    k = 0  # the next edges with a node belong, in order, to the inputs that need grad
+    loose = missing = False
+    for i in range(n):
+        value = values[i]
+        if needs[i]:
+            if value is None:
+                missing = True
+            elif type(value) is Tensor:
+                if edges is None:
+                    edges = [e for e in node.next_functions if e[0] is not None]
+                    if len(edges) != sum(needs):  # pragma: no cover - torch keeps them aligned
+                        return True
+                fn, nr = edges[k]
+                try:
+                    meta = fn._input_metadata[nr]
+                    if value.dtype is not meta.dtype or value.device != meta.device:
+                        return False
+                    shape = tuple(meta.shape)
+                    if value.shape != shape and not _summed_broadcast(node, value.shape, shape):
+                        return False
+                except (AttributeError, IndexError, RuntimeError, TypeError):
+                    pass  # metadata torch does not expose: torch judges
+            elif not isinstance(value, Tensor):
+                return False
+            k += 1
+        elif value is not None:
+            loose = True
+    if loose:
+        # A value for an input that needs no gradient: torch drops a tensor given for a
+        # tensor input, but raises for anything else (the slow path explains), and it may be
+        # misplaced. Where some of those inputs are tensors and some are not, the node does
+        # not say which: torch judges.
+        if missing or len(node.next_functions) == k:
+            return False
+        for i in range(n):
+            if not needs[i] and values[i] is not None and not isinstance(values[i], Tensor):
+                return False
+    return True
+
+
+def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
+    """Whether a gradient of shape ``g`` for an input of shape ``s`` follows torch's idiom
+    for an input that forward broadcast: ``g`` is the shape of one of forward's outputs and
+    ``s`` broadcasts to it, so the gradient was computed per output element and torch's sum
+    over the broadcast dimensions (``sum_to_size``) is exactly the adjoint of broadcasting.
+    torch's own reference Functions do this (``NumpyMul`` in
+    ``torch.testing._internal.autograd_function_db``)."""
+    g, s = tuple(g), tuple(s)
+    if not broadcasts_to(s, g):
+        return False
+    return any(o == g for o in _received_shapes(node))
+
+
+@dataclass(frozen=True)
+class BackwardProblem:
+    """One objection of checked mode to what a custom backward returned.
+
+    Attributes:
+        index: The position in backward's return value, or ``None`` for the count (and for
+            gradients in the wrong positions).
+        torch: What torch's own validation does with it, as far as the check can tell:
+            ``"rejects"`` (raises), ``"sums"`` (sums a gradient whose shape the input's shape
+            broadcasts to down to the input's shape, without a word) or ``"accepts"`` (takes
+            it, casting or moving it, or dropping it, without a word).
+        message: The explanation: what was returned, what was expected and why, the fix.
+    """
+
+    index: int | None
+    torch: str
+    message: str
+
+
+def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProblem]:
+    """What checked mode objects to in ``returned``, the raw return value of the backward of
+    the custom Function whose graph node (its ``ctx``) is ``node``; the slow path behind
+    ``backward_return_ok``, with check_function's messages.
+
+    The rules are check_function's, less what torch allows on purpose: ``None`` for any
+    input (torch reads it as zeros), extra trailing ``None`` values (torch drops them), a
+    gradient for a tensor input that needs none (torch drops it; but a tensor there together
+    with ``None`` for an input of its shape that needs one is reported as misplaced). What
+    the node does not tell is not judged: the shape of an input that needs no gradient, a
+    tensor subclass, a nested tensor.
+    """
+    fname = function_name(node)
+    needs = tuple(bool(b) for b in node.needs_input_grad)
+    slots = slots_from_node(node, needs)
+    n = len(slots)
+    if isinstance(returned, list):
+        return [BackwardProblem(None, "rejects", list_message(call, fname, returned, False))]
+    values = as_tuple(returned)
+    if len(values) < n or any(v is not None for v in values[n:]):
+        return [BackwardProblem(None, "rejects",
+                                count_message(call, fname, values, slots, False))]
+    out_shapes = _received_shapes(node)
+    problems = []
+    for i, slot in enumerate(slots):
+        value = values[i]
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            problems.append(BackwardProblem(
+                i, "rejects", type_message(call, fname, i, value, slot, False)))
+        elif slot.kind == "other":
+            problems.append(BackwardProblem(
+                i, "rejects", non_tensor_input_message(call, fname, i, slot, False)))
+        elif (not slot.needs_grad or slot.shape is None or type(value) is not Tensor
+              or value.is_nested):
+            continue
+        elif tuple(value.shape) != slot.shape:
+            g = tuple(value.shape)
+            if _summed_broadcast(node, g, slot.shape):
+                continue  # torch's idiom for a broadcast input
+            problems.append(BackwardProblem(
+                i, "sums" if broadcasts_to(slot.shape, g) else "rejects",
+                shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
+        elif slot.dtype is not None and value.dtype != slot.dtype:
+            cast = value.is_floating_point() or value.is_complex() == slot.dtype.is_complex
+            problems.append(BackwardProblem(
+                i, "accepts" if cast else "rejects",
+                dtype_message(call, fname, i, value, slot, False)))
+        elif slot.device is not None and value.device != slot.device:
+            problems.append(BackwardProblem(
+                i, "accepts" if value.dim() == 0 else "rejects",
+                device_message(call, fname, i, value, slot, False)))
+    misplaced = _misplaced_message(call, fname, values, slots)
+    if misplaced is not None:
+        problems.append(BackwardProblem(None, "accepts", misplaced))
+    return problems
+
+
+def function_name(node: Any) -> str:
+    """The name of the custom Function whose graph node is ``node``, as its author wrote it
+    (torch.func transforms run a Function through a generated one, ``<Name>Generated``)."""
+    cls = node._forward_cls
+    name = cls.__name__
+    if name.endswith("Generated") and torch.autograd.Function not in cls.__mro__:
+        return name[: -len("Generated")]
+    return name
+
+
+def _misplaced_message(call: str, fname: str, values: tuple[Any, ...],
+                       slots: list[Slot]) -> str | None:
+    """A tensor returned for an input that needs no gradient, and None for an input of the
+    tensor's shape that needs one: gradients in the wrong positions, which torch takes
+    without a word (it drops the first and reads the second as zeros)."""
+    missing = [i for i, slot in enumerate(slots)
+               if slot.needs_grad and values[i] is None and slot.shape is not None]
+    if not missing:
+        return None
+    for j, slot in enumerate(slots):
+        value = values[j]
+        if slot.needs_grad or slot.kind == "other" or not isinstance(value, Tensor):
+            continue
+        for i in missing:
+            if tuple(value.shape) != slots[i].shape:
+                continue
+            s = shape_str(slots[i].shape)
+            return (
+                f"{call}: {fname}.backward returned None at index {i}, where forward input {i} "
+                f"(shape {s}) requires grad, and a tensor of shape {s} at index {j}, where "
+                f"forward input {j} needs no gradient.\n"
+                f"  backward returns one gradient per forward input, in forward's order. torch "
+                f"drops a gradient for an input that needs none and reads None as a zero "
+                f"gradient, both without a word: input {i} silently gets no gradient.\n"
+                f"  Fix: return dL/d(input {i}) at index {i}, and None at index {j} (test "
+                f"ctx.needs_input_grad[{j}] to skip computing it)."
+            )
+    return None
+
+
+def _received_shapes(node: Any) -> list[tuple[int, ...] | None]:
+    """The shapes of the grad_outputs a node receives (those of forward's outputs), for
+    messages; None where torch does not say."""
+    try:
+        metadata = list(node._input_metadata)
+    except (AttributeError, RuntimeError, TypeError):
+        return []
+    shapes: list[tuple[int, ...] | None] = []
+    for m in metadata:
+        try:
+            shapes.append(None if m.is_nested_tensor else tuple(int(d) for d in m.shape))
+        except (AttributeError, RuntimeError, TypeError):
+            shapes.append(None)
+    return shapes
+
+
+# At most this many ways of telling which inputs of an ambiguous node are tensors are replayed.
+_MAX_REPLAYS = 16
+
+
+def torch_verdict(node: Any, returned: Any,
+                  grad: Callable[..., Any]) -> tuple[bool, BaseException | None]:
+    """torch's own verdict on ``returned``, the raw return value of ``node``'s backward.
+
+    Replays it through torch's engine (``grad``, torch's own ``torch.autograd.grad``): a
+    stand-in custom Function of the same name, with inputs of the metadata torch expects at
+    the node's inputs (one element of storage each), whose backward returns ``returned``.
+    torch's validation of the stand-in is the validation of the node: the same count, the
+    same tensor and non-tensor positions, the same shapes, dtypes and devices, so the same
+    error and sentence. Costs a small backward pass; runs only when the check objects.
+
+    Returns:
+        ``(judged, error)``: ``error`` is what torch raises (``None`` when it accepts);
+        ``judged`` is False where the node does not tell enough to replay it (the metadata
+        of an input that needs a gradient is unknown, or which inputs are tensors is
+        ambiguous and the possible answers disagree).
+    """
+    needs = tuple(bool(b) for b in node.needs_input_grad)
+    slots = slots_from_node(node, needs)
+    if any(s.needs_grad and (s.shape is None or s.dtype is None or s.device is None)
+           for s in slots):
+        return False, None
+    unknown = [j for j, s in enumerate(slots) if s.kind == "unknown"]
+    tensors = len(node.next_functions) - sum(needs)  # inputs that are tensors needing no grad
+    known = sum(1 for s in slots if s.kind == "tensor" and not s.needs_grad)
+    ways = list(itertools.combinations(unknown, tensors - known)) if unknown else [()]
+    if not ways or len(ways) > _MAX_REPLAYS:
+        return False, None
+    verdicts = []
+    for way in ways:
+        kinds = ["tensor" if j in way else "other" for j in range(len(slots))]
+        for j, s in enumerate(slots):
+            if s.kind != "unknown":
+                kinds[j] = s.kind
+        verdicts.append(_replay(node._forward_cls.__name__, slots, kinds, returned, grad))
+    first = verdicts[0]
+    if all(type(v) is type(first) and str(v) == str(first) for v in verdicts):
+        return True, first
+    return False, None
+
+
+def _replay(name: str, slots: list[Slot], kinds: list[str], returned: Any,
+            grad: Callable[..., Any]) -> BaseException | None:
+    args: list[Any] = []
+    leaves: list[Tensor] = []
+    for slot, kind in zip(slots, kinds):
+        if kind == "other":
+            args.append(None)
+        elif slot.needs_grad:  # torch_verdict made sure that shape, dtype, device are known
+            shape = slot.shape or ()
+            leaf = torch.empty_strided(shape, (0,) * len(shape), dtype=slot.dtype,
+                                       device=slot.device).requires_grad_()
+            args.append(leaf)
+            leaves.append(leaf)
+        else:
+            args.append(torch.empty(0))
+    stand_in = _stand_in(name)
+    with torch.enable_grad():
+        out = stand_in.apply(*args)
+    out.grad_fn._torch_vjp_returned = returned
+    try:
+        with warnings.catch_warnings():  # anomaly mode's traceback of our stand-in, say
+            warnings.simplefilter("ignore")
+            grad(out, leaves, allow_unused=True)
+    except Exception as err:  # noqa: BLE001 - torch's verdict, returned to the caller
+        return err
+    return None
+
+
+_STAND_INS: dict[str, type[torch.autograd.Function]] = {}
+
+
+def _stand_in(name: str) -> type[torch.autograd.Function]:
+    """A custom Function named ``name`` (so its node is named as the user's in torch's
+    sentences) whose node returns what it is given, unchecked."""
+    cls = _STAND_INS.get(name)
+    if cls is None:
+        cls = type(name, (torch.autograd.Function,), {
+            "__module__": __name__,
+            "forward": staticmethod(_stand_in_forward),
+            "backward": staticmethod(_stand_in_backward),
+        })
+        # Class attributes of the node class: they take precedence over BackwardCFunction's
+        # (checked mode's wrappers there never see the stand-in).
+        cls._backward_cls.apply = _stand_in_backward  # type: ignore[attr-defined]
+        cls._backward_cls.apply_boxed = _stand_in_backward  # type: ignore[attr-defined]
+        _STAND_INS[name] = cls
+    return cls
+
+
+def _stand_in_forward(ctx: Any, *args: Any) -> Tensor:
+    return torch.zeros(())
+
+
+def _stand_in_backward(ctx: Any, *grads: Any) -> Any:
+    return ctx._torch_vjp_returned
