@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from torch_vjp._engine.compiled import check_compile, tracing
@@ -45,6 +44,7 @@ from torch_vjp._per_sample.run import (
     checked,
     grads,
     norms_and_sums,
+    param_sums,
     plan_of,
     prepare,
     verify,
@@ -299,7 +299,7 @@ def accumulate_clipped_grads(
             def eager() -> tuple[Tensor, dict[str, Tensor]]:
                 norms, sums, _ = _norms_run(fn, model, loss_fn, inputs, targets, params,
                                             strategy, max_norm)
-                return norms, _all_sums(job, sums or {})
+                return norms, param_sums(job, sums or {})
 
             norms, sums = run_compiled("clipped", job, None, max_norm, eager)
             add_to_grads(job, sums)
@@ -309,16 +309,6 @@ def accumulate_clipped_grads(
     assert sums is not None
     add_to_grads(job, sums)
     return norms
-
-
-def _all_sums(job: Any, sums: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The clipped sums of every selected parameter, in selection order, as its own tensors
-    (zeros where no gradient reaches it): the compiled program's form of them."""
-    out = {}
-    for k, p in job.sel.tensors.items():
-        s = sums.get(k)
-        out[k] = torch.zeros_like(p) if s is None else s.to(p.dtype).reshape(p.shape)
-    return out
 
 
 # ============================================================================================

@@ -26,7 +26,9 @@ from torch.utils._pytree import tree_map
 from torch_vjp._engine.compiled import compiled_call, program_key
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.fallback import functional_state
+from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.losses import call_loss, scalar_loss
+from torch_vjp._per_sample.run import clip_factors
 
 __all__ = ["compilable", "run_compiled"]
 
@@ -70,11 +72,11 @@ def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
                           chunk_size=chunk)(diff, state, xs, targets)
         if kind == "grads":
             return {n: per_sample[key_of[n]] for n in names}
-        sq = sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values())
+        sq = sum(sq_norms_rows(g) for g in per_sample.values())
         norms = sq.sqrt()
         if kind == "norms":
             return norms
-        factors = sq.rsqrt().mul(max_norm).clamp(max=1.0)
+        factors = clip_factors(sq, max_norm)
         sums = {k: torch.einsum("b,b...->...", factors, g) for k, g in per_sample.items()}
         return norms, sums
 

@@ -52,6 +52,8 @@ __all__ = [
     "checked",
     "add_to_grads",
     "check_trainable",
+    "clip_factors",
+    "param_sums",
 ]
 
 
@@ -307,7 +309,7 @@ def norms_and_sums(
             yield s, e, g
 
     def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
-        c = _clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
+        c = clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
         for n, gn in g.items():
             w = torch.tensordot(c.to(gn.dtype), gn, dims=1)
             sums[n] = w if n not in sums else sums[n] + w  # type: ignore[index]
@@ -333,7 +335,7 @@ def norms_and_sums(
                     add_sums(s, e, g)
     norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
     if sums is not None:
-        c = _clip_factors(sq, max_norm)  # type: ignore[arg-type]
+        c = clip_factors(sq, max_norm)  # type: ignore[arg-type]
         with torch.no_grad():
             for n in plan.rule_params:
                 fs = res.factors.get(n)
@@ -359,9 +361,25 @@ def _total(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
     return total
 
 
-def _clip_factors(sq: Tensor, max_norm: float) -> Tensor:
+def clip_factors(sq: Tensor, max_norm: float) -> Tensor:
     """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient."""
     return sq.rsqrt().mul_(max_norm).clamp_(max=1.0)
+
+
+def param_sums(job: Job, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Every selected parameter's clipped sum as it is added to ``.grad``, in selection
+    order: zeros where no gradient reaches the parameter, in its dtype and shape."""
+    out = {}
+    for n, p in job.sel.tensors.items():
+        s = sums.get(n)
+        if s is None:
+            s = torch.zeros_like(p)
+        if s.dtype != p.dtype:
+            s = s.to(p.dtype)
+        if s.shape != p.shape:
+            s = s.reshape(p.shape)
+        out[n] = s
+    return out
 
 
 def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
@@ -373,14 +391,8 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
         return
     sparse = job.sel.sparse
     with torch.no_grad():
-        for n, p in job.sel.tensors.items():
-            s = sums.get(n)
-            if s is None:
-                s = torch.zeros_like(p)
-            if s.dtype != p.dtype:
-                s = s.to(p.dtype)
-            if s.shape != p.shape:
-                s = s.reshape(p.shape)
+        for n, s in param_sums(job, sums).items():
+            p = job.sel.tensors[n]
             if sparse and id(p) in sparse:
                 s = s.to_sparse()
             if p.grad is None:
