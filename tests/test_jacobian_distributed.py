@@ -377,6 +377,10 @@ def test_sharded_jacobian_err_check(one_rank_group):
                        r"process_group is not supported: the shards are gathered from other "
                        r"processes.*Fix: pass create_graph=False"):
         tv.jacobian(torch.sin, x, process_group=one_rank_group, create_graph=True)
+    with pytest.raises(tv.JacobianOptionError, match=r"(?s)compile=True with a process_group, "
+                       r"but a sharded Jacobian runs eagerly: its ranks exchange shards "
+                       r"between the products\. Fix: drop compile=True"):
+        tv.jacobian(torch.sin, x, process_group=one_rank_group, compile=True)
     with pytest.raises(tv.JacobianOptionError, match=r"(?s)a process_group inside a "
                        r"torch\.func transform .* is not supported.*Fix: pass "
                        r"process_group=None inside the transform"):
