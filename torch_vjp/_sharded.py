@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -69,7 +70,9 @@ from torch_vjp._errors import (
 )
 from torch_vjp._strategies import Strategy, choose_mode
 
-__all__ = ["JacobianShard", "shard_range", "check_group", "sharded_jacobian"]
+__all__ = [
+    "JacobianShard", "shard_range", "check_group", "sharded_jacobian", "told_on_failure",
+]
 
 _OK, _NO_FWD, _FAILED = 0, 1, 2
 
@@ -574,3 +577,15 @@ def _warn_no_forward(prob: Problem, err: BaseException) -> None:
         no_forward_message(prob, err, "on every rank of the process_group"),
         JacobianWarning,
     )
+
+
+@contextlib.contextmanager
+def told_on_failure(group: Any) -> Iterator[None]:
+    """With a process group, an error raised inside reaches the other ranks (which wait in
+    the exchange that opens a sharded Jacobian) before it propagates here."""
+    try:
+        yield
+    except Exception as err:
+        if group is not None:
+            fail_before_exchange(err, group)
+        raise

@@ -14,9 +14,8 @@ Cost model: the Jacobian of ``f: R^n -> R^m`` takes either ``m`` vector-Jacobian
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import torch
@@ -25,22 +24,27 @@ from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks, assemble
 from torch_vjp._engine.compiled import (
+    COMPILED_STRATEGIES,
     auto_mode,
     batch_mode,
+    check_compilable,
     check_compile,
     compiled_call,
     plain_batch_jacobian,
     plain_hessian,
+    plain_chunk,
+    plain_context,
     plain_jacobian,
     tracing,
+    warn_budget,
 )
-from torch_vjp._engine.context import NO_CONTEXT, buffers_kept, graph_mode, is_nested
+from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
-from torch_vjp._engine.jacobian import function_key, function_name, jacobian_blocks
+from torch_vjp._engine.jacobian import hessian_gradient, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback, passes_through
-from torch_vjp._engine.symmetry import asymmetry, largest_difference, tolerance
+from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
+from torch_vjp._engine.symmetry import forward_over_reverse_checked
 from torch_vjp._errors import (
     JacobianCallError,
     JacobianOptionError,
@@ -50,22 +54,10 @@ from torch_vjp._errors import (
     user_stacklevel,
     warn_once,
 )
-from torch_vjp._sharded import check_group, fail_before_exchange, sharded_jacobian
-from torch_vjp._strategies import Strategy, StrategyName, get_strategy
+from torch_vjp._sharded import check_group, sharded_jacobian, told_on_failure
+from torch_vjp._strategies import StrategyName, get_strategy
 
 __all__ = ["jacobian", "batch_jacobian", "jacobian_of", "hessian"]
-
-
-@contextlib.contextmanager
-def _told_on_failure(group: Any) -> Iterator[None]:
-    """With a process group, an error raised inside reaches the other ranks (which wait in
-    the exchange that opens a sharded Jacobian) before it propagates here."""
-    try:
-        yield
-    except Exception as err:
-        if group is not None:
-            fail_before_exchange(err, group)
-        raise
 
 
 @overload
@@ -204,28 +196,28 @@ def jacobian(
         (torch.Size([2, 4]), torch.Size([2, 2, 4]))
     """
     call = "torch_vjp.jacobian"
-    if (compile is True and strategy in _COMPILED_STRATEGIES and process_group is None
+    if (compile is True and strategy in COMPILED_STRATEGIES and process_group is None
             and max_memory is None and not tracing() and not is_nested()):
         # NOTE [compiled Jacobians]: the options are checked by the eager first call
         return _compiled_jacobian(f, primals, argnums, strategy, chunk_size, has_aux,
                                   create_graph)
     do_compile = check_compile(compile, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
-    with _told_on_failure(group):  # the other ranks wait in the first exchange
+    with told_on_failure(group):  # the other ranks wait in the first exchange
         strat = get_strategy(strategy, call=call)
         chunk = check_chunk_size(chunk_size, call=call)
         budget = parse_max_memory(max_memory, call=call)
         context, detached = graph_mode(create_graph, call=call)
         if do_compile:
-            _check_compilable(strat, group, call)
+            check_compilable(strat, group, call)
     if tracing() and group is None:  # NOTE [compiled Jacobians]
-        with _plain_context(context, detached):
+        with plain_context(context, detached):
             return plain_jacobian(f, primals, argnums, has_aux, strat.mode,
-                                  _plain_chunk(strat, chunk))
+                                  plain_chunk(strat, chunk))
     if do_compile and not is_nested() and budget is not None:
-        _warn_budget(call)
+        warn_budget(call)
     with context, buffers_kept(f):
-        with _told_on_failure(group):
+        with told_on_failure(group):
             prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
         if group is not None:  # NOTE [sharded Jacobian]
             return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
@@ -327,16 +319,16 @@ def batch_jacobian(
     context, detached = graph_mode(create_graph, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
     if do_compile:
-        _check_compilable(strat, group, call)
+        check_compilable(strat, group, call)
     if tracing() and group is None:  # NOTE [compiled Jacobians]
-        with _plain_context(context, detached):
-            return plain_batch_jacobian(f, x, strat.mode, _plain_chunk(strat, chunk))
+        with plain_context(context, detached):
+            return plain_batch_jacobian(f, x, strat.mode, plain_chunk(strat, chunk))
     if do_compile and not is_nested():
         def build() -> Callable[..., Any]:
             mode = strat.mode or batch_mode(f, x)
 
             def program(x: Tensor) -> Any:
-                with _plain_context(context, detached):
+                with plain_context(context, detached):
                     return plain_batch_jacobian(f, x, mode, chunk)
             return program
 
@@ -347,7 +339,7 @@ def batch_jacobian(
             build,
         )
     with context, buffers_kept(f):
-        with _told_on_failure(group):  # the other ranks wait in the first exchange
+        with told_on_failure(group):  # the other ranks wait in the first exchange
             prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached)
         if group is not None:  # NOTE [sharded Jacobian]
             return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
@@ -422,12 +414,12 @@ def hessian(
     do_compile = check_compile(compile, call=call)
     strat = get_strategy(strategy, call=call)
     if do_compile:
-        _check_compilable(strat, None, call)
+        check_compilable(strat, None, call)
     if tracing() or (do_compile and not is_nested()):
         context, detached = graph_mode(create_graph, call=call)
 
         def program(*args: Any) -> Any:
-            with _plain_context(context, detached):
+            with plain_context(context, detached):
                 return plain_hessian(f, args, argnums, strat.mode)
 
         if tracing():  # NOTE [compiled Jacobians]
@@ -445,7 +437,8 @@ def hessian(
         Problem(f, primals, argnums, has_aux=False, call=call)
     context, detached = graph_mode(create_graph, call=call)
     with context, buffers_kept(f):
-        outer = Problem(lambda *args: _gradient(f, args, argnums, vectorized, fallback, call),
+        outer = Problem(lambda *args: hessian_gradient(f, args, argnums, vectorized, fallback,
+                                                       call),
                         primals, argnums, has_aux=False, call=call, detached=detached)
         # Shapes of the gradient without computing it: f's outputs and the primals suffice.
         inner = Problem(f, primals, argnums, has_aux=False, call=call)
@@ -468,74 +461,9 @@ def hessian(
 
         res = outer_blocks(outer_mode)
         if fallback and res.mode == "fwd" and not is_nested():
-            res = _forward_over_reverse_checked(f, outer, res, outer_blocks, call)
+            res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)
         warn_disconnected(outer, res)
         return assemble(outer, res)
-
-
-def _forward_over_reverse_checked(
-    f: Callable[..., Any],
-    outer: Problem,
-    res: Blocks,
-    outer_blocks: Callable[[str], Blocks],
-    call: str,
-) -> Blocks:
-    """The forward-over-reverse Hessian ``res`` if it is symmetric, or agrees with
-    reverse-over-reverse; else reverse-over-reverse's, with a one-time warning. See NOTE
-    [forward over reverse, checked] in :mod:`torch_vjp._engine.symmetry`."""
-    diff, scale = asymmetry(res.blocks, outer.leaves)
-    rtol = tolerance(outer.leaves[0].dtype)
-    if diff <= rtol * scale:  # the common case
-        return res
-    try:
-        rev = outer_blocks("rev")
-    except Exception as err:  # noqa: BLE001 - no safer route: forward over reverse stands
-        if passes_through(err):
-            raise
-        return res
-    gap = float(largest_difference(res.blocks, rev.blocks))
-    if gap <= rtol * scale:
-        return res  # asymmetric for real (f is not smooth here): both routes agree
-    warn_once(
-        ("fwd-over-rev", function_key(f)),
-        f"{call}: forward-over-reverse (strategy='auto') gave a Hessian of "
-        f"{function_name(f)} that is not symmetric (entries that must be equal differ by "
-        f"up to {diff:.3g}, at a scale of {scale:.3g}), and reverse-over-reverse disagrees "
-        f"with it (by up to {gap:.3g}): an operator in f has a wrong forward-mode derivative "
-        f"of its backward formula (torch.triangular_solve is one). strategy='auto' returned "
-        f"the reverse-over-reverse Hessian.\n"
-        f"  Pass strategy='rev' to compute it that way directly. This warning is shown once "
-        f"per function.",
-        JacobianWarning,
-    )
-    return rev
-
-
-def _gradient(
-    f: Callable[..., Any],
-    args: tuple[Any, ...],
-    argnums: int | tuple[int, ...],
-    vectorized: bool,
-    fallback: bool,
-    call: str,
-) -> Any:
-    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`hessian`).
-
-    NOTE [the gradient inside a Hessian]
-    torch.func.hessian is jacfwd(jacrev(f)), and jacrev runs its pullback under vmap even for
-    a single output element. Under vmap torch decomposes backward kernels that have no
-    batching rule into differentiable operations (huber_loss_backward, layer_norm's backward
-    without a weight), and the outer Jacobian then differentiates those; called without vmap,
-    the kernel itself is differentiated, and some have no forward-mode formula (or a double
-    backward that fails). So the gradient here is vectorised for one element too
-    (``vmap_single``); where vmap cannot batch f, "auto" still falls back to the plain call.
-    """
-    prob = Problem(f, args, argnums, has_aux=False, call=call)
-    res = jacobian_blocks(
-        prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None,
-        vmap_single=True,
-    )
-    return assemble(prob, res)
 
 
 def jacobian_of(
@@ -718,10 +646,6 @@ def jacobian_of(
     return rows_out[0] if single_out else tuple(rows_out)
 
 
-#: The strategies ``compile=True`` takes.
-_COMPILED_STRATEGIES = frozenset({"auto", "rev", "fwd"})
-
-
 def _compiled_jacobian(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: Any, strategy: Any,
     chunk_size: Any, has_aux: Any, create_graph: Any,
@@ -739,7 +663,7 @@ def _compiled_jacobian(
         context, detached = graph_mode(create_graph, call=call)
 
         def program(*args: Any) -> Any:
-            with _plain_context(context, detached):
+            with plain_context(context, detached):
                 return plain_jacobian(f, args, argnums, has_aux, mode, chunk_size)
         return program
 
@@ -749,49 +673,6 @@ def _compiled_jacobian(
     except TypeError:  # an unhashable argnums (a list): the eager call says what is wrong
         return eager()
     return compiled_call(call, f, options, primals, eager, build)
-
-
-def _check_compilable(strat: Strategy, group: Any, call: str) -> None:
-    """``compile=True`` takes the vectorised strategies, and no process group."""
-    if not strat.vectorized:
-        raise JacobianOptionError(
-            f"{call}: compile=True with strategy={strat.name!r}, but compile=True compiles "
-            f"the vectorised strategies only ('auto', 'rev', 'fwd'): the loop strategies "
-            f"exist for functions that torch.vmap cannot batch, and those cannot be "
-            f"compiled as one program either. Fix: strategy='auto' (or the mode, 'rev' or "
-            f"'fwd') with compile=True, or compile=False."
-        )
-    if group is not None:
-        raise JacobianOptionError(
-            f"{call}: compile=True with a process_group, but a sharded Jacobian runs "
-            f"eagerly: its ranks exchange shards between the products. Fix: drop "
-            f"compile=True, or compute without process_group."
-        )
-
-
-def _plain_chunk(strat: Strategy, chunk: int | None) -> int | None:
-    """The chunk size of the plain form: a loop strategy computes one product at a time."""
-    return chunk if strat.vectorized else 1
-
-
-def _plain_context(context: Any, detached: bool) -> Any:
-    """The grad mode a plain form runs in: none for a detached result (the default),
-    enabled for ``create_graph=True``; made here, inside what dynamo traces, since dynamo
-    does not take a context manager object made outside."""
-    if detached:
-        return torch.no_grad()
-    return torch.enable_grad() if context is not NO_CONTEXT else contextlib.nullcontext()
-
-
-def _warn_budget(call: str) -> None:
-    warn_once(
-        ("compile-budget", call),
-        f"{call}: compile=True with max_memory runs eagerly: the compiled program computes "
-        f"every product at once, so it cannot keep to a memory budget. Pass chunk_size to "
-        f"bound the products at once in the compiled program instead, or drop compile=True. "
-        f"This warning is shown once.",
-        JacobianWarning,
-    )
 
 
 def _warn(message: str) -> None:

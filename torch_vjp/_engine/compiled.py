@@ -42,6 +42,7 @@ identity). At most :data:`CACHE_MAX` entries are kept, least recently used first
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -55,7 +56,8 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_vjp._engine.context import buffers_kept
+from torch_vjp._engine.context import NO_CONTEXT, buffers_kept
+from torch_vjp._engine.symmetry import tolerance
 from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
@@ -63,10 +65,11 @@ from torch_vjp._errors import (
     quote_error,
     warn_once,
 )
-from torch_vjp._strategies import choose_mode
+from torch_vjp._strategies import Strategy, choose_mode
 
 __all__ = [
-    "CACHE_MAX", "auto_mode", "batch_mode", "check_compile", "program_key", "compiled_call",
+    "CACHE_MAX", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk", "plain_context",
+    "warn_budget", "auto_mode", "batch_mode", "check_compile", "program_key", "compiled_call",
     "tracing", "plain_jacobian",
     "plain_batch_jacobian", "plain_hessian", "plain_jvp", "plain_vjp", "clear_cache",
 ]
@@ -212,6 +215,54 @@ def plain_vjp(
 # compile=True
 # --------------------------------------------------------------------------------------
 
+#: The strategies ``compile=True`` takes.
+COMPILED_STRATEGIES = frozenset({"auto", "rev", "fwd"})
+
+
+def check_compilable(strat: Strategy, group: Any, call: str) -> None:
+    """``compile=True`` takes the vectorised strategies, and no process group."""
+    if not strat.vectorized:
+        raise JacobianOptionError(
+            f"{call}: compile=True with strategy={strat.name!r}, but compile=True compiles "
+            f"the vectorised strategies only ('auto', 'rev', 'fwd'): the loop strategies "
+            f"exist for functions that torch.vmap cannot batch, and those cannot be "
+            f"compiled as one program either. Fix: strategy='auto' (or the mode, 'rev' or "
+            f"'fwd') with compile=True, or compile=False."
+        )
+    if group is not None:
+        raise JacobianOptionError(
+            f"{call}: compile=True with a process_group, but a sharded Jacobian runs "
+            f"eagerly: its ranks exchange shards between the products. Fix: drop "
+            f"compile=True, or compute without process_group."
+        )
+
+
+def plain_chunk(strat: Strategy, chunk: int | None) -> int | None:
+    """The chunk size of the plain form: a loop strategy computes one product at a time."""
+    return chunk if strat.vectorized else 1
+
+
+def plain_context(context: Any, detached: bool) -> Any:
+    """The grad mode a plain form runs in: none for a detached result (the default),
+    enabled for ``create_graph=True``; made here, inside what dynamo traces, since dynamo
+    does not take a context manager object made outside."""
+    if detached:
+        return torch.no_grad()
+    return torch.enable_grad() if context is not NO_CONTEXT else contextlib.nullcontext()
+
+
+def warn_budget(call: str) -> None:
+    warn_once(
+        ("compile-budget", call),
+        f"{call}: compile=True with max_memory runs eagerly: the compiled program computes "
+        f"every product at once, so it cannot keep to a memory budget. Pass chunk_size to "
+        f"bound the products at once in the compiled program instead, or drop compile=True. "
+        f"This warning is shown once.",
+        JacobianWarning,
+    )
+
+
+
 
 class _Entry:
     """One function, options and input signature: its compiled program, or None where it
@@ -288,7 +339,7 @@ def _results_agree(ref: Any, got: Any) -> str | None:
         if a.numel() == 0 or not (a.is_floating_point() or a.is_complex()):
             continue
         a, b = a.detach(), b.detach()
-        rtol = 1e3 * torch.finfo(a.dtype).eps if a.dtype != torch.float64 else 1e-9
+        rtol = tolerance(a.real.dtype)  # sqrt(eps), as the Hessian's symmetry check
         scale = float(a.abs().max())
         diff = float((a - b).abs().max())
         if not diff <= rtol * max(scale, 1.0):

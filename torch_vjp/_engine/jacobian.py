@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
-from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
+from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
 from torch_vjp._engine.plain import fwd_plain, rev_plain
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
@@ -73,7 +73,8 @@ from torch_vjp._errors import JacobianWarning, quote_error, warn_once
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
-    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "function_key", "function_name",
+    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "hessian_gradient", "jacobian_blocks",
+    "function_key", "function_name",
     "fallback_message", "no_forward_message",
 ]
 
@@ -444,3 +445,30 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
         stacked = [t.detach() for t in stacked]
     blocks, views = fwd_blocks(stacked, rows_in)
     return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0])
+
+
+def hessian_gradient(
+    f: Callable[..., Any],
+    args: tuple[Any, ...],
+    argnums: int | tuple[int, ...],
+    vectorized: bool,
+    fallback: bool,
+    call: str,
+) -> Any:
+    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`torch_vjp.hessian`).
+
+    NOTE [the gradient inside a Hessian]
+    torch.func.hessian is jacfwd(jacrev(f)), and jacrev runs its pullback under vmap even for
+    a single output element. Under vmap torch decomposes backward kernels that have no
+    batching rule into differentiable operations (huber_loss_backward, layer_norm's backward
+    without a weight), and the outer Jacobian then differentiates those; called without vmap,
+    the kernel itself is differentiated, and some have no forward-mode formula (or a double
+    backward that fails). So the gradient here is vectorised for one element too
+    (``vmap_single``); where vmap cannot batch f, "auto" still falls back to the plain call.
+    """
+    prob = Problem(f, args, argnums, has_aux=False, call=call)
+    res = jacobian_blocks(
+        prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None,
+        vmap_single=True,
+    )
+    return assemble(prob, res)

@@ -19,12 +19,21 @@ strategies are not checked: "fwd" is forward-over-reverse as asked.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["PIECE", "asymmetry", "largest_difference", "tolerance"]
+from torch_vjp._engine.blocks import Blocks
+from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import passes_through
+from torch_vjp._errors import JacobianWarning, warn_once
+
+__all__ = [
+    "PIECE", "asymmetry", "forward_over_reverse_checked", "largest_difference", "tolerance",
+]
 
 #: Elements compared at once: the check's extra memory is a few tensors of this many.
 PIECE = 1 << 20
@@ -132,3 +141,41 @@ def tolerance(dtype: torch.dtype) -> float:
         True
     """
     return math.sqrt(torch.finfo(dtype).eps)
+
+
+def forward_over_reverse_checked(
+    f: Callable[..., Any],
+    outer: Problem,
+    res: Blocks,
+    outer_blocks: Callable[[str], Blocks],
+    call: str,
+) -> Blocks:
+    """The forward-over-reverse Hessian ``res`` if it is symmetric, or agrees with
+    reverse-over-reverse; else reverse-over-reverse's, with a one-time warning. See NOTE
+    [forward over reverse, checked] above."""
+    diff, scale = asymmetry(res.blocks, outer.leaves)
+    rtol = tolerance(outer.leaves[0].dtype)
+    if diff <= rtol * scale:  # the common case
+        return res
+    try:
+        rev = outer_blocks("rev")
+    except Exception as err:  # noqa: BLE001 - no safer route: forward over reverse stands
+        if passes_through(err):
+            raise
+        return res
+    gap = float(largest_difference(res.blocks, rev.blocks))
+    if gap <= rtol * scale:
+        return res  # asymmetric for real (f is not smooth here): both routes agree
+    warn_once(
+        ("fwd-over-rev", function_key(f)),
+        f"{call}: forward-over-reverse (strategy='auto') gave a Hessian of "
+        f"{function_name(f)} that is not symmetric (entries that must be equal differ by "
+        f"up to {diff:.3g}, at a scale of {scale:.3g}), and reverse-over-reverse disagrees "
+        f"with it (by up to {gap:.3g}): an operator in f has a wrong forward-mode derivative "
+        f"of its backward formula (torch.triangular_solve is one). strategy='auto' returned "
+        f"the reverse-over-reverse Hessian.\n"
+        f"  Pass strategy='rev' to compute it that way directly. This warning is shown once "
+        f"per function.",
+        JacobianWarning,
+    )
+    return rev
