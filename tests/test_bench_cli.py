@@ -547,7 +547,7 @@ def _fake_methods(monkeypatch, specs):
     """Replaces the suite's methods on ``two_input`` by ``specs``: (name, family, behaviour),
     behaviour ``"ok"`` (computes the Jacobian) or an exception to raise. Returns the
     prepared callables by name, so that a test can give each its own timings."""
-    import torch_vjp.bench.suite as suite
+    import torch_vjp.bench.runner as runner
     from torch_vjp.bench.methods import Method, Prepared
 
     runs = {}
@@ -566,7 +566,7 @@ def _fake_methods(monkeypatch, specs):
 
     methods = [Method(name, family, "jacobian", prepare_for(name, b))
                for name, family, b in specs]
-    monkeypatch.setattr(suite, "get_methods", lambda kind, **kw: methods)
+    monkeypatch.setattr(runner, "get_methods", lambda kind, **kw: methods)
     return runs
 
 
@@ -595,7 +595,7 @@ def test_a_method_torch_refuses_is_unsupported_and_a_torch_vjp_error_is_a_failur
 
 
 def test_ranking_is_by_the_median_of_the_rounds_not_the_luckiest_round(monkeypatch):
-    import torch_vjp.bench.suite as suite
+    import torch_vjp.bench.runner as runner
     from torch_vjp.bench import run_suite
 
     runs = _fake_methods(monkeypatch, [("torch_vjp auto", "torch_vjp", "ok"),
@@ -610,7 +610,7 @@ def test_ranking_is_by_the_median_of_the_rounds_not_the_luckiest_round(monkeypat
             names.update({id(run): name for name, run in runs.items()})
         return rounds[names[id(fn)]].pop(0)
 
-    monkeypatch.setattr(suite, "block_times", block_times)
+    monkeypatch.setattr(runner, "block_times", block_times)
     result = run_suite(get_workloads("two_input"), rounds=3, min_run_time=0.01, progress=False,
                        once_over=10.0)
     w = result.workloads[0]
@@ -693,7 +693,7 @@ def test_a_slow_first_call_alone_does_not_time_a_method_by_single_calls(monkeypa
 
     from torch_vjp.bench import run_suite
 
-    import torch_vjp.bench.suite as suite
+    import torch_vjp.bench.runner as runner
     from torch_vjp.bench.methods import Method, Prepared
 
     calls = {"n": 0}
@@ -708,7 +708,7 @@ def test_a_slow_first_call_alone_does_not_time_a_method_by_single_calls(monkeypa
         return Prepared(run)
 
     methods = [Method("torch_vjp auto", "torch_vjp", "jacobian", prepare)]
-    monkeypatch.setattr(suite, "get_methods", lambda kind, **kw: methods)
+    monkeypatch.setattr(runner, "get_methods", lambda kind, **kw: methods)
     result = run_suite(get_workloads("two_input"), rounds=1, min_run_time=0.01,
                        progress=False, once_over=0.3)  # wide: load slows the warm calls
     auto = result.workloads[0].result("torch_vjp auto")

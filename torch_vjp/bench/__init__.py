@@ -27,14 +27,13 @@ Example:
 from __future__ import annotations
 
 from torch_vjp.bench.methods import HEADLINE, METHODS, Method, get_methods, jax_available, reference
+from torch_vjp.bench.runner import environment, run_suite
 from torch_vjp.bench.suite import (
     SCHEMA,
     MethodResult,
     SuiteResult,
     WorkloadResult,
-    environment,
     load_json,
-    run_suite,
     tool_of,
 )
 from torch_vjp.bench.workloads import WORKLOADS, Case, Workload, get_workloads
