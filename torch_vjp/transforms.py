@@ -125,9 +125,9 @@ def vjp(
             function and signature of the primals and cotangents, and reused (as
             :func:`torch_vjp.jacobian`'s ``compile``). torch.compile cannot hand back a
             pullback that closes over a forward pass, so the compiled program runs ``f``'s
-            forward again with the pullback: worth it for ``batched=True`` (many products
-            per call), or where ``vjp_fn`` is built and called once per step. ``f``'s
-            forward runs eagerly once in ``vjp`` itself, for the output. Calls of
+            forward again with the pullback, and ``f``'s forward also runs eagerly once in
+            ``vjp`` itself, for the output (whether that pays is not benchmarked yet: time
+            it on your function). Calls of
             ``vjp_fn`` with ``retain_graph`` or ``create_graph`` run eagerly.
 
     As with torch.func.vjp, ``f`` is called once, on the primals themselves: a write ``f``
