@@ -22,6 +22,7 @@ from torch_vjp._engine.memory import (
     WORK_FACTOR,
     check_chunk_size,
     free_memory,
+    new_buffer,
     plan_chunk,
     plan_products,
     sizes_text,
@@ -193,6 +194,77 @@ def test_free_memory_on_this_machine():
     nbytes, source = free
     assert nbytes > 0 and source.startswith("free on cpu (")
     assert free_memory(torch.device("meta")) is None
+
+
+class _Advice:
+    """Stands in for libc's madvise: records the ranges advised."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, start, length, advice):
+        self.calls.append((start, length, advice))
+        return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_buffers_ask_for_huge_pages_over_whole_pages_inside_them(monkeypatch, dtype):
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_huge_page_advice", lambda: advice)
+    monkeypatch.delenv("TORCH_VJP_HUGE_PAGES", raising=False)
+    like = torch.zeros(1, dtype=dtype)
+    rows = memory.HUGE_PAGE_MIN_BYTES // like.element_size() // 1000 + 3
+    out = new_buffer(like, (rows, 1000))
+    assert out.shape == (rows, 1000) and out.dtype == dtype and out.device.type == "cpu"
+    assert len(advice.calls) == 1
+    start, length, kind = advice.calls[0]
+    huge = 2 * 2**20
+    begin, end = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    assert kind == 14  # MADV_HUGEPAGE
+    assert start % huge == 0 and length % huge == 0 and length > 0
+    assert begin <= start and start + length <= end  # only the buffer's own memory
+    assert start - begin < huge and end - (start + length) < huge  # every whole page of it
+    out.fill_(1.5)  # the advice never changes what the buffer can hold
+    assert out.sum().item() == 1.5 * out.numel()
+
+
+def test_small_buffers_and_the_switch_off_ask_for_nothing(monkeypatch):
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_huge_page_advice", lambda: advice)
+    monkeypatch.delenv("TORCH_VJP_HUGE_PAGES", raising=False)
+    like = torch.zeros(1)
+    assert new_buffer(like, (1000, 1000)).shape == (1000, 1000)  # 4 MB: below the minimum
+    monkeypatch.setenv("TORCH_VJP_HUGE_PAGES", "0")
+    big = new_buffer(like, (memory.HUGE_PAGE_MIN_BYTES // 4 // 1000 + 1, 1000))
+    assert big.numel() * 4 >= memory.HUGE_PAGE_MIN_BYTES
+    assert advice.calls == []
+
+
+def test_huge_page_advice_is_only_looked_up_where_the_kernel_takes_it(monkeypatch):
+    monkeypatch.setattr(memory, "_madvise", False)
+    advise = memory._huge_page_advice()
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+            setting = fh.read()
+    except OSError:
+        setting = ""
+    assert (advise is not None) == ("[madvise]" in setting)
+    assert memory._huge_page_advice() is advise  # looked up once
+
+
+def test_per_sample_gradients_in_a_huge_page_buffer_are_right(monkeypatch):
+    # float64 Linear(512, 1024) with B = 8: a 33.6 MB result buffer for the weight
+    monkeypatch.delenv("TORCH_VJP_HUGE_PAGES", raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 1024).double()
+    x, y = torch.randn(8, 512, dtype=torch.float64), torch.randn(8, 1024, dtype=torch.float64)
+    loss = torch.nn.MSELoss()
+    grads = tv.per_sample_grads(model, loss, x, y, strategy="hooks")
+    assert grads["weight"].numel() * 8 >= memory.HUGE_PAGE_MIN_BYTES
+    for i in (0, 7):
+        model.zero_grad()
+        loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        torch.testing.assert_close(grads["weight"][i], model.weight.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_jacobian_of_plans_through_the_shared_planner(monkeypatch):

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from torch_vjp._engine.memory import new_buffer
 from torch_vjp._engine.rows import run_with_fallback
 from torch_vjp._errors import (
     StrategyError,
@@ -121,7 +122,7 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
 
 
 def _new_outputs(sel: Selection, names: list[str], n: int) -> dict[str, Tensor]:
-    return {name: sel.tensors[name].new_empty((n, *sel.tensors[name].shape)) for name in names}
+    return {name: new_buffer(sel.tensors[name], (n, *sel.tensors[name].shape)) for name in names}
 
 
 def fallback_grads(

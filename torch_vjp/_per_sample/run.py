@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_vjp._engine.memory import new_buffer
 from torch_vjp._errors import PerSampleError, PerSampleValueError, StrategyError
 from torch_vjp._per_sample import rules as _rules  # noqa: F401 - registers the rules
 from torch_vjp._per_sample.args import (
@@ -246,7 +247,7 @@ def _split(job: Job, plan: Plan, chunk: int | None) -> dict[str, Tensor]:
             if n in res.moved:
                 continue
             p = sel.tensors[n]
-            out = p.new_empty((batch, *p.shape))
+            out = new_buffer(p, (batch, *p.shape))
             fs = res.factors.get(n)
             if fs:
                 write_region(fs, out, chunk)
