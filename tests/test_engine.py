@@ -240,6 +240,22 @@ def test_small_buffers_and_the_switch_off_ask_for_nothing(monkeypatch):
     assert advice.calls == []
 
 
+def test_sparse_and_subclass_buffers_are_made_as_new_empty_makes_them(monkeypatch):
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_huge_page_advice", lambda: advice)
+    monkeypatch.delenv("TORCH_VJP_HUGE_PAGES", raising=False)
+    rows = memory.HUGE_PAGE_MIN_BYTES // 4 // 1000 + 1
+    sparse = new_buffer(torch.zeros(2, 2).to_sparse(), (rows, 1000))
+    assert sparse.layout == torch.sparse_coo and sparse.shape == (rows, 1000)
+
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = new_buffer(torch.zeros(2).as_subclass(Tagged), (rows, 1000))
+    assert type(tagged) is Tagged and tagged.shape == (rows, 1000)
+    assert advice.calls == []
+
+
 def test_huge_page_advice_is_only_looked_up_where_the_kernel_takes_it(monkeypatch):
     monkeypatch.setattr(memory, "_madvise", False)
     advise = memory._huge_page_advice()

@@ -417,6 +417,7 @@ def _huge_page_advice() -> Callable[[int, int, int], int] | None:
 def new_buffer(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``like.new_empty(shape)``, backed by huge pages where that is cheaper to fill (see
     NOTE [huge pages]). For results torch_vjp allocates and writes itself, before any write.
+    Sparse tensors and tensor subclasses are returned as ``new_empty`` makes them.
 
     Example:
         >>> new_buffer(torch.zeros(2), (3, 4)).shape
@@ -424,7 +425,13 @@ def new_buffer(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """
     out = like.new_empty(shape)
     nbytes = out.numel() * out.element_size()
-    if nbytes >= HUGE_PAGE_MIN_BYTES and out.device.type == "cpu" and os.name == "posix":
+    if (
+        nbytes >= HUGE_PAGE_MIN_BYTES
+        and type(out) is torch.Tensor  # not a subclass (DTensor, ...) whose memory is elsewhere
+        and out.layout == torch.strided
+        and out.device.type == "cpu"
+        and os.name == "posix"
+    ):
         if env_flag("TORCH_VJP_HUGE_PAGES", default=True):
             advise = _huge_page_advice()
             if advise is not None:
