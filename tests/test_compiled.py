@@ -81,6 +81,50 @@ def test_more_functions_than_dynamos_recompile_limit_all_compile():
     assert _frames() == len(fs)
 
 
+@pytest.mark.parametrize("name", ["jacobian", "batch_jacobian"])
+def test_a_closure_over_new_data_on_every_call_is_warned_once_with_the_fix(name):
+    from torch_vjp._engine.compiled import REBUILD_WARN_AT
+
+    x = torch.randn(2, 3, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(REBUILD_WARN_AT + 1):
+            batch = torch.randn(3, dtype=D)
+            f = lambda x: torch.sin(x * batch)  # noqa: E731 - a new closure, new data
+            got = getattr(tv, name)(f, x, compile=True)
+            ref = torch.func.jacrev(f)(x)
+            if name == "batch_jacobian":
+                ref = torch.stack([ref[i, :, i] for i in range(2)])
+            torch.testing.assert_close(got, ref)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(msgs) == 1, msgs
+    assert f"torch_vjp.{name}: compile=True has compiled" in msgs[0]
+    assert f"{REBUILD_WARN_AT} times for the same argument signature" in msgs[0]
+    assert "closure" in msgs[0] and "compile=False" in msgs[0]
+    if name == "jacobian":
+        assert "jacobian(lambda w, batch: loss(w, batch), w, batch, argnums=0)" in msgs[0]
+    else:
+        assert "define the function once, outside the loop" in msgs[0]
+
+
+def test_the_fix_one_program_for_data_passed_as_an_argument_and_reused_closures_unwarned():
+    from torch_vjp._engine.compiled import REBUILD_WARN_AT
+
+    w = torch.randn(4, 3, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(REBUILD_WARN_AT + 1):
+            batch = torch.randn(3, dtype=D)
+            got = tv.jacobian(lambda w, b: torch.sin(w @ b), w, batch, argnums=0, compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(lambda w: torch.sin(w @ batch))(w))
+        assert _frames() == 1
+        # closures over fixed objects (one per layer, say), each used again: no warning
+        fs = [(lambda k: (lambda x: torch.sin(x) * k))(float(k)) for k in range(REBUILD_WARN_AT)]
+        x = torch.randn(3, dtype=D)
+        for f in [fs[0], fs[0], *fs[1:], *fs]:
+            tv.jacobian(f, x, compile=True)
+
+
 def test_has_aux_tuple_argnums_and_pytree_output():
     def f(x, y):
         return {"a": x * y.sum(), "b": (x ** 2).sum()}, x.detach() + 1

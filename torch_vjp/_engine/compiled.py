@@ -68,7 +68,7 @@ from torch_vjp._errors import (
 from torch_vjp._strategies import Strategy, choose_mode
 
 __all__ = [
-    "CACHE_MAX", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk", "plain_context",
+    "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk", "plain_context",
     "warn_budget", "auto_mode", "batch_mode", "check_compile", "program_key", "compiled_call",
     "tracing", "plain_jacobian",
     "plain_batch_jacobian", "plain_hessian", "plain_jvp", "plain_vjp", "clear_cache",
@@ -268,11 +268,12 @@ class _Entry:
     """One function, options and input signature: its compiled program, or None where it
     runs eagerly."""
 
-    __slots__ = ("f", "run")
+    __slots__ = ("f", "run", "reused")
 
     def __init__(self, f: object) -> None:
         self.f = f  # keeps the ids in the key valid
         self.run: Callable[..., Any] | None = None
+        self.reused = False  # found again by a later call
 
 
 def program_key(f: object) -> object:
@@ -348,6 +349,55 @@ def _results_agree(ref: Any, got: Any) -> str | None:
     return None
 
 
+#: A function compiled this many times, for one argument signature, because each call's
+#: closure held new objects, and no such program ever used again, is warned about (see
+#: :func:`_warn_rebuilt`). Several functions of one code that are each reused (one closure
+#: per layer, say) are not.
+REBUILD_WARN_AT = 8
+
+
+def _closure_variants(key: tuple[Any, ...]) -> int:
+    """How many cached entries differ from ``key`` only in what a function's closure cells
+    (or defaults) hold (the same code, options and argument signature), or 0 if one of them
+    was ever found again (under ``_LOCK``)."""
+    call, pk, options, signature = key
+    if not (isinstance(pk, tuple) and pk and pk[0] == "function"):
+        return 0
+    code = pk[1]
+    count = 0
+    for k, entry in _CACHE.items():
+        if (k[0] == call and k[2] == options and k[3] == signature
+                and isinstance(k[1], tuple) and k[1][0] == "function" and k[1][1] is code):
+            if entry.reused:
+                return 0
+            count += 1
+    return count
+
+
+def _warn_rebuilt(call: str, f: object, count: int) -> None:
+    name = getattr(f, "__qualname__", None) or type(f).__name__
+    short = call.split(".")[-1]
+    if short in ("jacobian", "hessian"):
+        fix = (f"pass what changes from call to call as an argument that is not "
+               f"differentiated: {short}(lambda w, batch: loss(w, batch), w, batch, "
+               f"argnums=0) rather than {short}(lambda w: loss(w, batch), w)")
+    else:
+        fix = ("define the function once, outside the loop, and let it read what changes "
+               "from an object that stays the same (a module, or a dict whose entries you "
+               "replace), or pass the changing tensors as arguments")
+    warn_once(
+        ("compile-rebuilt", call, getattr(f, "__code__", None)),
+        f"{call}: compile=True has compiled {name} {count} times for the same argument "
+        f"signature, because each call passed a new function whose closure (or defaults) "
+        f"holds new objects. A compiled program is kept per function and what its closure "
+        f"holds, so each such call runs eagerly and then compiles again (a fraction of a "
+        f"second to seconds): far slower than compile=False.\n"
+        f"  Fix: {fix}, so that one compiled program serves every call. This warning is "
+        f"shown once.",
+        JacobianWarning,
+    )
+
+
 def _warn_eager(call: str, f: object, why: str) -> None:
     name = getattr(f, "__qualname__", None) or type(f).__name__
     warn_once(
@@ -387,6 +437,7 @@ def compiled_call(
         entry = _CACHE.get(key)
         if entry is not None:
             _CACHE.move_to_end(key)
+            entry.reused = True
     if entry is not None:
         if entry.run is None:
             return eager()
@@ -406,6 +457,9 @@ def compiled_call(
         _CACHE[key] = entry
         while len(_CACHE) > CACHE_MAX:
             _CACHE.popitem(last=False)
+        rebuilt = _closure_variants(key)
+    if rebuilt >= REBUILD_WARN_AT:
+        _warn_rebuilt(call, f, rebuilt)
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}"
     try:
         with buffers_kept(f):  # build() may call f for its output sizes
