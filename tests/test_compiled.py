@@ -81,16 +81,48 @@ def test_more_functions_than_dynamos_recompile_limit_all_compile():
     assert _frames() == len(fs)
 
 
+@pytest.mark.parametrize("name", ["jacobian", "batch_jacobian", "hessian"])
+def test_a_closure_over_a_new_batch_each_call_reuses_one_program(name):
+    x = torch.randn(2, 3, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for k in range(4):
+            batch = torch.randn(3, dtype=D)
+            scale = 2.0  # a number: by value
+            if name == "hessian":
+                f = lambda x: (torch.sin(x * batch) * scale).sum()  # noqa: E731
+                ref = torch.func.hessian(f)(x)
+            else:
+                f = lambda x: (torch.sin(x * batch) * scale).sum(-1)  # noqa: E731 - new
+                ref = (torch.func.jacrev(f) if name == "jacobian"
+                       else torch.func.vmap(torch.func.jacrev(f)))(x)
+            got = getattr(tv, name)(f, x, compile=True)
+            torch.testing.assert_close(got, ref)  # this step's batch, not the first one's
+    assert _frames() == 1
+
+
+def test_vjp_and_jvp_read_the_closure_of_each_call():
+    x = torch.randn(3, dtype=D)
+    for k in range(3):
+        w = torch.randn(4, 3, dtype=D)
+        out, vjp_fn = tv.vjp(lambda x: w @ x, x, compile=True)
+        v = torch.randn(4, dtype=D)
+        torch.testing.assert_close(vjp_fn(v), (w.T @ v,))
+        t = torch.randn(3, dtype=D)
+        _, jt = tv.jvp(lambda x: w @ x, (x,), (t,), compile=True)
+        torch.testing.assert_close(jt, w @ t)
+
+
 @pytest.mark.parametrize("name", ["jacobian", "batch_jacobian"])
-def test_a_closure_over_new_data_on_every_call_is_warned_once_with_the_fix(name):
+def test_a_closure_over_new_objects_each_call_is_warned_once_with_the_fix(name):
     from torch_vjp._engine.compiled import REBUILD_WARN_AT
 
     x = torch.randn(2, 3, dtype=D)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(REBUILD_WARN_AT + 1):
-            batch = torch.randn(3, dtype=D)
-            f = lambda x: torch.sin(x * batch)  # noqa: E731 - a new closure, new data
+            data = {"batch": torch.randn(3, dtype=D)}  # a new dict: known by identity
+            f = lambda x: torch.sin(x * data["batch"])  # noqa: E731
             got = getattr(tv, name)(f, x, compile=True)
             ref = torch.func.jacrev(f)(x)
             if name == "batch_jacobian":
@@ -114,12 +146,15 @@ def test_the_fix_one_program_for_data_passed_as_an_argument_and_reused_closures_
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
         for _ in range(REBUILD_WARN_AT + 1):
-            batch = torch.randn(3, dtype=D)
-            got = tv.jacobian(lambda w, b: torch.sin(w @ b), w, batch, argnums=0, compile=True)
-            torch.testing.assert_close(got, torch.func.jacrev(lambda w: torch.sin(w @ batch))(w))
+            data = {"batch": torch.randn(3, dtype=D)}
+            got = tv.jacobian(lambda w, b: torch.sin(w @ b), w, data["batch"], argnums=0,
+                              compile=True)
+            torch.testing.assert_close(
+                got, torch.func.jacrev(lambda w: torch.sin(w @ data["batch"]))(w))
         assert _frames() == 1
         # closures over fixed objects (one per layer, say), each used again: no warning
-        fs = [(lambda k: (lambda x: torch.sin(x) * k))(float(k)) for k in range(REBUILD_WARN_AT)]
+        layers = [{"k": torch.tensor(float(k), dtype=D)} for k in range(REBUILD_WARN_AT)]
+        fs = [(lambda d: (lambda x: torch.sin(x) * d["k"]))(d) for d in layers]
         x = torch.randn(3, dtype=D)
         for f in [fs[0], fs[0], *fs[1:], *fs]:
             tv.jacobian(f, x, compile=True)

@@ -327,7 +327,7 @@ def batch_jacobian(
         def build() -> Callable[..., Any]:
             mode = strat.mode or batch_mode(f, x)
 
-            def program(x: Tensor) -> Any:
+            def program(f: Callable[..., Any], x: Tensor) -> Any:
                 with plain_context(context, detached):
                     return plain_batch_jacobian(f, x, mode, chunk)
             return program
@@ -418,12 +418,12 @@ def hessian(
     if tracing() or (do_compile and not is_nested()):
         context, detached = graph_mode(create_graph, call=call)
 
-        def program(*args: Any) -> Any:
+        def program(f: Callable[..., Any], *args: Any) -> Any:
             with plain_context(context, detached):
                 return plain_hessian(f, args, argnums, strat.mode)
 
         if tracing():  # NOTE [compiled Jacobians]
-            return program(*primals)
+            return program(f, *primals)
         return compiled_call(
             call, f, (argnums, strat.name, create_graph), primals,
             lambda: hessian(f, *primals, argnums=argnums, strategy=strategy,
@@ -662,7 +662,7 @@ def _compiled_jacobian(
         mode = get_strategy(strategy, call=call).mode or auto_mode(f, primals, argnums, has_aux)
         context, detached = graph_mode(create_graph, call=call)
 
-        def program(*args: Any) -> Any:
+        def program(f: Callable[..., Any], *args: Any) -> Any:
             with plain_context(context, detached):
                 return plain_jacobian(f, args, argnums, has_aux, mode, chunk_size)
         return program

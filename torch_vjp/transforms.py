@@ -247,7 +247,7 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
         batched, chunk_size = opts["batched"], opts["chunk_size"]
         chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
 
-        def program(primals: tuple[Any, ...], cotangents: Any) -> Any:
+        def program(f: Callable[..., Any], primals: tuple[Any, ...], cotangents: Any) -> Any:
             return plain_vjp(f, primals, cotangents, has_aux, batched, chunk)
 
         return compiled_call(
@@ -344,11 +344,12 @@ def jvp(
     chunk = check_chunk_size(chunk_size, call=call)
     if tracing() or (do_compile and not strict and not is_nested()):
 
-        def program(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+        def program(f: Callable[..., Any], primals: tuple[Any, ...],
+                    tangents: tuple[Any, ...]) -> Any:
             return plain_jvp(f, primals, tangents, has_aux, batched, chunk)
 
         if tracing():  # NOTE [compiled Jacobians]
-            return program(primals, tangents)
+            return program(f, primals, tangents)
         return compiled_call(
             call, f, (has_aux, batched, chunk), (primals, tangents),
             lambda: jvp(f, primals, tangents, batched=batched, chunk_size=chunk_size,

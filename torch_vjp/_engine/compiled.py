@@ -34,10 +34,14 @@ code which replaces ``torch.func.jacrev`` and the like by wrappers of torch_vjp'
 harness swapping them) does not send torch_vjp back into itself.
 
 Entries are keyed by what determines the traced program: the function (a lambda by its
-code object and the identity of what its closure holds, so that ``lambda x: model(x)``
-written inside a training loop finds its entry again), the call's options, and each
-primal's shape, dtype, device, layout and ``requires_grad`` (other values by equality, or
-identity). At most :data:`CACHE_MAX` entries are kept, least recently used first out.
+code object and what its closure holds: tensors by their signature, numbers and strings by
+value, anything else by identity, so that ``lambda x: model(x)`` or ``lambda w: loss(w,
+batch)`` written inside a training loop finds its entry again), the call's options, and
+each primal's shape, dtype, device, layout and ``requires_grad`` (other values by equality,
+or identity). The compiled program takes the function as its first argument, and dynamo
+reads the closure of the one each call passes: the tensors a closure holds are inputs of
+the program, as the primals are, never constants of the first call's closure. At most
+:data:`CACHE_MAX` entries are kept, least recently used first out.
 """
 
 from __future__ import annotations
@@ -276,17 +280,23 @@ class _Entry:
         self.reused = False  # found again by a later call
 
 
-def program_key(f: object) -> object:
-    """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians])."""
+def program_key(f: object, *, passed: bool = False) -> object:
+    """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians]).
+
+    With ``passed`` (``f`` is an argument of the compiled program, which reads its closure
+    on every call), a tensor that a function's closure or defaults hold counts by its
+    signature, numbers and strings by value: a lambda over a new batch each step finds its
+    entry again. Otherwise (``f`` baked into the program) everything counts by identity."""
     if isinstance(f, functools.partial):
         return ("partial", program_key(f.func), tuple(map(id, f.args)),
                 tuple((k, id(v)) for k, v in sorted(f.keywords.items())))
     if isinstance(f, types.MethodType):
         return ("method", f.__func__, id(f.__self__))
     if isinstance(f, types.FunctionType):
-        cells = tuple(id(c.cell_contents) if _filled(c) else None
+        held = _leaf_signature if passed else id
+        cells = tuple(held(c.cell_contents) if _filled(c) else None
                       for c in (f.__closure__ or ()))
-        defaults = tuple(map(id, f.__defaults__ or ()))
+        defaults = tuple(map(held, f.__defaults__ or ()))
         return ("function", f.__code__, cells, defaults)
     return ("object", id(f))
 
@@ -419,7 +429,7 @@ def compiled_call(
     eager: Callable[[], Any],
     build: Callable[[], Callable[..., Any]],
 ) -> Any:
-    """The result of ``plain(*args)`` compiled, cached per ``f``, ``options`` and the
+    """The result of ``program(f, *args)`` compiled, cached per ``f``, ``options`` and the
     signature of ``args``; see NOTE [compiled Jacobians].
 
     Args:
@@ -429,10 +439,12 @@ def compiled_call(
         args: the tensors and values the program takes.
         eager: computes the same result with the eager path (the first call, checks and
             errors included; and every call of a signature that cannot be compiled).
-        build: returns the function of ``*args`` to compile (called on the first call
-            only, after ``eager``).
+        build: returns the function ``program(f, *args)`` to compile (called on the first
+            call only, after ``eager``). It must compute with the ``f`` it is given, never
+            with one it captured: a later call passes its own ``f``, whose closure may hold
+            other tensors of the same signature.
     """
-    key = (call, program_key(f), options, _signature(args))
+    key = (call, program_key(f, passed=True), options, _signature(args))
     with _LOCK:
         entry = _CACHE.get(key)
         if entry is not None:
@@ -443,7 +455,7 @@ def compiled_call(
             return eager()
         try:
             with buffers_kept(f):
-                return entry.run(*args)
+                return entry.run(f, *args)  # this call's f: its closure as it is now
         except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
             if passes_through(err):
                 raise
@@ -464,7 +476,7 @@ def compiled_call(
     try:
         with buffers_kept(f):  # build() may call f for its output sizes
             program = torch.compile(_own_code(build(), name), fullgraph=True, dynamic=False)
-            got = program(*args)
+            got = program(f, *args)
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
         if passes_through(err):
             raise

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
@@ -64,7 +64,9 @@ def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
         ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
         return scalar_loss(fn, call_loss(loss_fn, out, ti))
 
-    def program(xs: tuple[Tensor, ...], targets: Any) -> Any:
+    # (compiled_call passes the model first: the same object, its identity is in the key;
+    # the loss function is baked in, so the options key it by identity)
+    def program(_model: nn.Module, xs: tuple[Tensor, ...], targets: Any) -> Any:
         state = functional_state(model)
         diff = {k: state.pop(k) for k in keys}
         in_dims = (None, None, 0, 0 if targets is not None else None)
