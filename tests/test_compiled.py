@@ -101,6 +101,31 @@ def test_a_closure_over_a_new_batch_each_call_reuses_one_program(name):
     assert _frames() == 1
 
 
+def test_a_closure_over_a_function_made_for_each_batch_reuses_one_program():
+    def make_loss(batch):
+        return lambda w: torch.sin(w @ batch)
+
+    w = torch.randn(4, 3, dtype=D)
+    for k in range(4):
+        batch = torch.randn(3, dtype=D)
+        loss = make_loss(batch)
+        got = tv.jacobian(lambda w: loss(w), w, compile=True)
+        torch.testing.assert_close(got, torch.func.jacrev(loss)(w))
+    assert _frames() == 1
+
+
+def test_a_function_whose_closure_holds_itself_is_keyed_without_end():
+    def outer():
+        def f(x, n=2):
+            return torch.sin(x) if n == 0 else f(x, n - 1) * 1.0
+        return f
+
+    f = outer()
+    x = torch.randn(3, dtype=D)
+    torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.diag(torch.cos(x)))
+    torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.diag(torch.cos(x)))
+
+
 def test_vjp_and_jvp_read_the_closure_of_each_call():
     x = torch.randn(3, dtype=D)
     for k in range(3):

@@ -35,7 +35,7 @@ harness swapping them) does not send torch_vjp back into itself.
 
 Entries are keyed by what determines the traced program: the function (a lambda by its
 code object and what its closure holds: tensors by their signature, numbers and strings by
-value, anything else by identity, so that ``lambda x: model(x)`` or ``lambda w: loss(w,
+value, functions by the same rule, anything else by identity, so that ``lambda x: model(x)`` or ``lambda w: loss(w,
 batch)`` written inside a training loop finds its entry again), the call's options, and
 each primal's shape, dtype, device, layout and ``requires_grad`` (other values by equality,
 or identity). The compiled program takes the function as its first argument, and dynamo
@@ -280,20 +280,28 @@ class _Entry:
         self.reused = False  # found again by a later call
 
 
-def program_key(f: object, *, passed: bool = False) -> object:
+def program_key(f: object, *, passed: bool = False, depth: int = 3) -> object:
     """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians]).
 
     With ``passed`` (``f`` is an argument of the compiled program, which reads its closure
     on every call), a tensor that a function's closure or defaults hold counts by its
-    signature, numbers and strings by value: a lambda over a new batch each step finds its
-    entry again. Otherwise (``f`` baked into the program) everything counts by identity."""
+    signature, numbers and strings by value, and a function they hold (``depth`` levels
+    deep) by its own key: a lambda over a new batch each step, or over a loss made for
+    each batch, finds its entry again. Otherwise (``f`` baked into the program) everything
+    counts by identity."""
     if isinstance(f, functools.partial):
         return ("partial", program_key(f.func), tuple(map(id, f.args)),
                 tuple((k, id(v)) for k, v in sorted(f.keywords.items())))
     if isinstance(f, types.MethodType):
         return ("method", f.__func__, id(f.__self__))
     if isinstance(f, types.FunctionType):
-        held = _leaf_signature if passed else id
+        if passed:
+            def held(v: object) -> object:
+                if isinstance(v, types.FunctionType) and depth > 1:
+                    return program_key(v, passed=True, depth=depth - 1)
+                return _leaf_signature(v)
+        else:
+            held = id
         cells = tuple(held(c.cell_contents) if _filled(c) else None
                       for c in (f.__closure__ or ()))
         defaults = tuple(map(held, f.__defaults__ or ()))
