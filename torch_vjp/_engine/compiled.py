@@ -35,10 +35,10 @@ harness swapping them) does not send torch_vjp back into itself.
 
 Entries are keyed by what determines the traced program: the function (a lambda by its
 code object and what its closure holds: tensors by their signature, numbers and strings by
-value, functions by the same rule, anything else by identity, so that ``lambda x: model(x)`` or ``lambda w: loss(w,
-batch)`` written inside a training loop finds its entry again), the call's options, and
-each primal's shape, dtype, device, layout and ``requires_grad`` (other values by equality,
-or identity). The compiled program takes the function as its first argument, and dynamo
+value, functions by the same rule, anything else by identity, so that ``lambda x:
+model(x)`` or ``lambda w: loss(w, batch)`` written inside a training loop finds its entry
+again), the call's options, and each primal's shape, dtype, device, layout and
+``requires_grad`` (other values by equality, or identity). The compiled program takes the function as its first argument, and dynamo
 reads the closure of the one each call passes: the tensors a closure holds are inputs of
 the program, as the primals are, never constants of the first call's closure. At most
 :data:`CACHE_MAX` entries are kept, least recently used first out.
@@ -72,7 +72,8 @@ from torch_vjp._errors import (
 from torch_vjp._strategies import Strategy, choose_mode
 
 __all__ = [
-    "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk", "plain_context",
+    "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
+    "plain_context",
     "warn_budget", "auto_mode", "batch_mode", "check_compile", "program_key", "compiled_call",
     "tracing", "plain_jacobian",
     "plain_batch_jacobian", "plain_hessian", "plain_jvp", "plain_vjp", "clear_cache",
