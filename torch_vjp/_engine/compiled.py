@@ -38,10 +38,11 @@ code object and what its closure holds: tensors by their signature, numbers and 
 value, functions by the same rule, anything else by identity, so that ``lambda x:
 model(x)`` or ``lambda w: loss(w, batch)`` written inside a training loop finds its entry
 again), the call's options, and each primal's shape, dtype, device, layout and
-``requires_grad`` (other values by equality, or identity). The compiled program takes the function as its first argument, and dynamo
-reads the closure of the one each call passes: the tensors a closure holds are inputs of
-the program, as the primals are, never constants of the first call's closure. At most
-:data:`CACHE_MAX` entries are kept, least recently used first out.
+``requires_grad`` (other values by equality, or identity). The compiled program takes the
+function as its first argument, and dynamo reads the closure of the one each call passes:
+the tensors a closure holds are inputs of the program, as the primals are, never
+constants of the first call's closure. At most :data:`CACHE_MAX` entries are kept, least
+recently used first out.
 """
 
 from __future__ import annotations
