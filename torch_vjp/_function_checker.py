@@ -1,0 +1,623 @@
+"""The machinery of :func:`torch_vjp.check_function`: a recorder of what a custom backward
+returns, the checker that runs a Function's forward and backward and compares them with
+finite differences, and their small helpers.
+
+NOTE [seeing what backward really returned]
+torch validates a custom backward's return value inside the autograd engine
+(``validate_outputs``) and *repairs* some mistakes without a word: a gradient whose shape the
+input's shape broadcasts to is summed down (``Tensor.sum_to_size``: ``(2, 4, 3)`` for a
+``(4, 3)`` input is accepted), a float64 gradient for a float32 input is cast, ``None`` for an
+input that requires grad is read as zeros, trailing extra ``None`` values are dropped. Tensor
+hooks and node post-hooks only ever see the repaired values. The engine runs a custom
+Function's node by looking up the attribute ``apply`` on the node object (a
+``BackwardCFunction``, which is also the ``ctx`` forward saw), so an instance attribute
+``apply`` on *our own* node (from a forward we ran on copies of the inputs) sees the raw
+return value before validation. :class:`_Recorder` installs such a pass-through wrapper,
+records ``(grad_outputs, returned)`` and removes it afterwards. The user's backward runs
+exactly once per node, inside the engine, with the grad_outputs torch itself prepares.
+
+NOTE [non-finite values]
+The dot-product test compares ``<J t, c>`` from central differences of forward with
+``<t, backward(c)>``. At an input that holds NaN or inf, or where forward's output holds
+NaN or inf, the differences are NaN or inf whatever backward returns, and the test would
+blame a correct backward. Such inputs are therefore refused with a
+:class:`FunctionCheckValueError` that says which input (or output) and suggests finite
+inputs, after the count, shape, dtype and device checks, which do not depend on values.
+A tensor input that is not differentiated may hold inf (an attention mask of ``-inf``, say)
+as long as forward's outputs stay finite.
+
+NOTE [which inputs are differentiated]
+Tensor inputs with ``requires_grad=True`` are differentiated. If no input requires grad,
+every floating-point and complex tensor input is (the convenient default: ``check_function(
+MyFunc, torch.randn(4, 3))`` checks the gradient for the tensor). Integer tensors and
+non-tensor arguments never are; backward must return ``None`` for non-tensor arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from torch_vjp._backward_check import (
+    Record,
+    Slot,
+    as_tuple,
+    check_record,
+    dtype_name,
+    slot_from_arg,
+    slots_from_node,
+)
+from torch_vjp._errors import (
+    FunctionCheckError,
+    FunctionCheckTypeError,
+    FunctionCheckValueError,
+    shape_str,
+)
+
+__all__ = [
+    "PROBES", "Checker", "callable_name", "check_positive", "describe_arg", "differentiated",
+    "ok_text",
+]
+
+# Random probes (pairs of tangent t and cotangent c) per differentiated input.
+PROBES = 2
+# check_function draws its random grad_outputs, tangents and cotangents from a private
+# generator with this seed: results are reproducible and the global RNG is left alone.
+_SEED = 20240602
+# Default tolerances of the dot-product test, by the precision the values are checked in.
+_DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
+    torch.float64: (1e-8, 1e-5),
+    torch.float32: (1e-5, 1e-2),
+    torch.float16: (1e-3, 1e-1),
+    torch.bfloat16: (1e-3, 1e-1),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# The checker
+
+
+
+@dataclass
+class _StructureResult:
+    grads: dict[int, Any]  # input index of fn -> gradient (raw for a Function subclass)
+    functions: tuple[str, ...]
+
+
+@dataclass
+class _ValueResult:
+    errors: dict[int, tuple[float, float]]  # input index -> (max abs error, max rel error)
+    dtype: torch.dtype | None
+    eps: float
+    atol: float
+    rtol: float
+    notes: list[str]
+
+
+class _Recorder:
+    """Sees what custom backward methods return, before torch validates it.
+
+    See NOTE [seeing what backward really returned]. Only nodes created by our own forward
+    run are touched, and the wrappers are removed by :meth:`uninstall`.
+    """
+
+    def __init__(self, nodes: Sequence[Any]):
+        self.nodes = list(nodes)
+        self.records: list[Record] = []
+        self.raised: list[BaseException] = []
+
+    def install(self) -> None:
+        for node in self.nodes:
+            for attr in ("apply", "apply_boxed"):
+                original = getattr(type(node), attr, None)
+                if original is None:
+                    continue
+                # torch's own method under checked mode's wrapper (NOTE [checked custom
+                # backwards] in torch_vjp.autograd): this check reports, not checked mode
+                while getattr(original, "__torch_vjp_wrapper__", False):
+                    original = original.__wrapped__
+                setattr(node, attr, self._wrap(node, original, boxed=attr == "apply_boxed"))
+
+    def uninstall(self) -> None:
+        for node in self.nodes:
+            for attr in ("apply", "apply_boxed"):
+                node.__dict__.pop(attr, None)
+
+    def _wrap(self, node: Any, original: Callable[..., Any], boxed: bool) -> Callable[..., Any]:
+        def apply(*args: Any) -> Any:
+            try:
+                returned = original(node, *args)
+            except BaseException as exc:  # the user's backward: recorded, re-raised as is
+                self.raised.append(exc)
+                raise
+            grads = args
+            if len(args) == 1 and isinstance(args[0], list) and (
+                boxed or getattr(node._forward_cls, "boxed_grads_call", False)
+            ):
+                grads = tuple(args[0])
+            self.records.append(Record(node, tuple(grads), returned))
+            return returned
+
+        return apply
+
+
+class Checker:
+    def __init__(self, *, call: str, fn: Any, is_function: bool, run: Callable[..., Any],
+                 inputs: tuple[Any, ...], diff: list[int]):
+        self.call = call
+        self.fn = fn
+        self.is_function = is_function
+        self.run = run
+        self.inputs = inputs
+        self.diff = diff
+        self.gen = torch.Generator().manual_seed(_SEED)
+
+    # -- structure: counts, shapes, dtypes, devices, None -------------------------------
+
+    def check_structure(self) -> _StructureResult:
+        leaves = {i: self.inputs[i].detach().clone().requires_grad_(True) for i in self.diff}
+        args = _fresh_args(self.inputs, leaves)
+        with torch.enable_grad():
+            out = self.run(*args)  # the user's forward: errors pass through
+        outputs = [o for o in pytree.tree_flatten(out)[0]
+                   if isinstance(o, Tensor) and o.requires_grad]
+        if not outputs:
+            raise FunctionCheckError(
+                f"{self.call}: no output of fn requires grad, although input"
+                f"{'s' if len(self.diff) > 1 else ''} {_join(self.diff)} "
+                f"{'do' if len(self.diff) > 1 else 'does'}: there is no backward to run.\n"
+                f"  A custom Function's outputs require grad when an input does, unless "
+                f"forward marks them with ctx.mark_non_differentiable, or fn detaches them or "
+                f"returns no tensors. Return the result of MyFunc.apply(...) itself."
+            )
+        nodes = _custom_nodes([o.grad_fn for o in outputs], list(leaves.values()))
+        if not nodes:
+            raise FunctionCheckError(
+                f"{self.call}: found no custom torch.autograd.Function between fn's inputs and "
+                f"its outputs, so there is no backward to check.\n"
+                f"  check_function checks the backward of a torch.autograd.Function subclass: "
+                f"pass the class (torch_vjp.check_function(MyFunc, x)) or a callable that "
+                f"calls MyFunc.apply on its tensor inputs (or on tensors computed from them). "
+                f"Built-in torch operations bring their own, tested backward formulas; "
+                f"torch.autograd.gradcheck compares those with finite differences."
+            )
+        grad_outputs = [_randn_like(o, self.gen) for o in outputs]
+        inputs = [leaves[i] for i in self.diff]
+        recorder = _Recorder(nodes)
+        recorder.install()
+        try:
+            grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        except Exception as exc:
+            if any(exc is raised for raised in recorder.raised):
+                raise  # raised by the user's backward: untouched
+            problem = self._first_problem(recorder.records, args)
+            if problem is None:
+                raise
+            raise FunctionCheckError(problem) from exc
+        finally:
+            recorder.uninstall()
+        problem = self._first_problem(recorder.records, args)
+        if problem is not None:
+            raise FunctionCheckError(problem)
+        if not recorder.records:  # pragma: no cover - autograd ran no custom node
+            raise FunctionCheckError(
+                f"{self.call}: autograd did not run the backward of "
+                f"{_join(sorted({n._forward_cls.__name__ for n in nodes}))} on the way from "
+                f"fn's outputs to its inputs, so there is nothing to check."
+            )
+
+        counts: dict[str, int] = {}
+        for rec in recorder.records:
+            key = f"{rec.node._forward_cls.__name__}.backward"
+            counts[key] = counts.get(key, 0) + 1
+        functions = tuple(k if n == 1 else f"{k} x {n}" for k, n in counts.items())
+
+        result: dict[int, Any] = {}
+        if self.is_function:
+            rec = recorder.records[0]
+            returned = as_tuple(rec.returned)
+            for i in range(len(self.inputs)):
+                if i < len(returned):
+                    result[i] = returned[i]
+        else:
+            for i, g in zip(self.diff, grads):
+                result[i] = g
+        return _StructureResult(grads=result, functions=functions)
+
+    def _slots(self, node: Any, args: Sequence[Any]) -> list[Slot]:
+        needs = tuple(bool(b) for b in node.needs_input_grad)
+        if self.is_function and node._forward_cls is self.fn:
+            bound = _bind_forward_args(self.fn, args)
+            if len(bound) == len(needs):
+                return [slot_from_arg(a, n) for a, n in zip(bound, needs)]
+        return slots_from_node(node, needs)
+
+    def _first_problem(self, records: Sequence[Record], args: Sequence[Any]) -> str | None:
+        for rec in records:
+            problem = check_record(self.call, rec, self._slots(rec.node, args))
+            if problem is not None:
+                return problem
+        return None
+
+    # -- values: the dot-product test ---------------------------------------------------
+
+    def check_finite_inputs(self) -> None:
+        """Refuses differentiated inputs that hold NaN or inf. See NOTE [non-finite values]."""
+        for i in self.diff:
+            x = self.inputs[i]
+            where = _non_finite(x)
+            if where is None:
+                continue
+            args = [str(d) for d in x.shape]
+            if x.dtype != torch.float32:
+                args.append(f"dtype=torch.{dtype_name(x.dtype)}")
+            example = f"torch.randn({', '.join(args)})"
+            raise FunctionCheckValueError(
+                f"{self.call}: input {i} holds non-finite values ({_where_text(where)}), so "
+                f"the values of its gradient cannot be checked.\n"
+                f"  The values are checked against central differences of forward, and at a "
+                f"NaN or inf those differences are NaN whatever backward returns: the test "
+                f"would fail a correct backward. (The count, shapes, dtypes and devices of "
+                f"what backward returns were checked, and are right.)\n"
+                f"  Fix: check at finite inputs, e.g. {example}."
+            )
+
+    def _check_finite_outputs(self, inputs: tuple[Any, ...], flat: Sequence[Any],
+                              pos: list[int], dtype: torch.dtype) -> None:
+        """Refuses a point where forward's outputs hold NaN or inf. See NOTE [non-finite
+        values]."""
+        for k in pos:
+            where = _non_finite(flat[k])
+            if where is None:
+                continue
+            name = "the output of fn" if len(flat) == 1 else f"output {k} of fn"
+            others = [j for j, a in enumerate(inputs)
+                      if j not in self.diff and _non_finite(a) is not None]
+            cause = (
+                f" Input{'s' if len(others) > 1 else ''} {_join(others)}, not differentiated, "
+                f"hold{'' if len(others) > 1 else 's'} NaN or inf too."
+                if others else ""
+            )
+            raise FunctionCheckValueError(
+                f"{self.call}: {name} holds non-finite values at these inputs (in "
+                f"{dtype_name(dtype)}: {_where_text(where)}), so the values of the gradients "
+                f"cannot be checked.\n"
+                f"  The values are checked against central differences of forward, and "
+                f"differences of NaN or inf are NaN whatever backward returns: the test would "
+                f"fail a correct backward. (The count, shapes, dtypes and devices of what "
+                f"backward returns were checked, and are right.){cause}\n"
+                f"  Fix: check at inputs where forward's outputs are finite (for log or sqrt, "
+                f"positive inputs such as torch.rand(...) + 0.1)."
+            )
+
+    def check_values(self, *, eps: float, atol: float | None, rtol: float | None) -> _ValueResult:
+        notes: list[str] = []
+        if any(self.inputs[i].device.type == "meta" for i in self.diff):
+            notes.append("values not checked: inputs on the meta device hold no numbers")
+            return _ValueResult({}, None, eps, atol or 0.0, rtol or 0.0, notes)
+        wide = tuple(_widen(a) for a in self.inputs)
+        widened = any(w is not a for w, a in zip(wide, self.inputs))
+        try:
+            dtype = _value_dtype(wide, self.diff)
+            d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-8, 1e-5))
+            tols = (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
+            probes = self._probe(wide, eps)
+        except Exception as exc:
+            if not widened or isinstance(exc, FunctionCheckError):
+                raise  # fn failed in its own dtype (the user's error, untouched), or ours
+            dtype = _value_dtype(self.inputs, self.diff)
+            low_eps = max(eps, torch.finfo(_real_dtype(dtype)).eps ** (1 / 3))
+            notes.append(
+                f"values checked in {dtype_name(dtype)}, not float64: fn raised "
+                f"{type(exc).__name__} on float64 copies of the inputs ({_first_line(exc)}); "
+                f"eps raised to {low_eps:.3g}"
+            )
+            eps = low_eps
+            d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-5, 1e-2))
+            tols = (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
+            probes = self._probe(self.inputs, eps)
+        atol_, rtol_ = tols
+        errors: dict[int, tuple[float, float]] = {}
+        for i in self.diff:
+            rows = probes[i]
+            worst_abs = max(abs(p.lhs - p.rhs) for p in rows)
+            worst_rel = max(abs(p.lhs - p.rhs) / p.size if p.size > 0 else 0.0 for p in rows)
+            errors[i] = (worst_abs, worst_rel)
+            for p in rows:
+                if abs(p.lhs - p.rhs) > atol_ + rtol_ * p.size + p.noise or not math.isfinite(
+                    p.lhs - p.rhs
+                ):
+                    raise FunctionCheckError(
+                        self._value_message(i, rows, p, dtype, eps, atol_, rtol_)
+                    )
+        return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
+
+    def _probe(self, inputs: tuple[Any, ...], eps: float) -> dict[int, list[_Probe]]:
+        leaves = {i: inputs[i].detach().clone().requires_grad_(True) for i in self.diff}
+        with torch.enable_grad():
+            out = self.run(*_fresh_args(inputs, leaves))
+        flat = pytree.tree_flatten(out)[0]
+        pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
+        outputs = [flat[k] for k in pos]
+        self._check_finite_outputs(inputs, flat, pos, _value_dtype(inputs, self.diff))
+        result: dict[int, list[_Probe]] = {i: [] for i in self.diff}
+        for p in range(PROBES):
+            cots = [_randn_like(o, self.gen) for o in outputs]
+            grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff], cots,
+                                        allow_unused=True, retain_graph=p < PROBES - 1)
+            c_norm = _norm(cots)
+            for i, g in zip(self.diff, grads):
+                x = leaves[i].detach()
+                t = _randn_like(x, self.gen)
+                if g is None:
+                    g = torch.zeros_like(x)
+                rhs = _inner(t, g)
+                with torch.no_grad():
+                    f_plus = self._outputs_at(inputs, i, x + eps * t, pos)
+                    f_minus = self._outputs_at(inputs, i, x - eps * t, pos)
+                jt = [(a - b) / (2 * eps) for a, b in zip(f_plus, f_minus)]
+                lhs = sum((_inner(c, j) for c, j in zip(cots, jt)), 0.0)
+                size = max(_norm(jt) * c_norm, _norm([t]) * _norm([g]))
+                unit = torch.finfo(_real_dtype(x.dtype)).eps
+                noise = 10 * unit * (_norm(f_plus) + _norm(f_minus)) / (2 * eps) * c_norm
+                result[i].append(_Probe(lhs=lhs, rhs=rhs, size=size, noise=noise))
+        return result
+
+    def _outputs_at(self, inputs: tuple[Any, ...], i: int, xi: Tensor,
+                    pos: list[int]) -> list[Tensor]:
+        args = [xi if j == i else (a.detach().clone() if isinstance(a, Tensor) else a)
+                for j, a in enumerate(inputs)]
+        flat = pytree.tree_flatten(self.run(*args))[0]
+        if len(flat) <= max(pos) or not all(isinstance(flat[k], Tensor) for k in pos):
+            raise FunctionCheckError(
+                f"{self.call}: fn returned differently structured outputs for a slightly "
+                f"changed input {i}; finite differences need a forward whose outputs keep "
+                f"their structure and shapes."
+            )
+        return [flat[k] for k in pos]
+
+    def _value_message(self, i: int, rows: list[_Probe], p: _Probe, dtype: torch.dtype,
+                       eps: float, atol: float, rtol: float) -> str:
+        if self.is_function:
+            who = f"the gradient that {self.fn.__name__}.backward returns for input {i}"
+            fix_who = f"{self.fn.__name__}.backward"
+        else:
+            who = f"the gradient autograd computes through fn for input {i}"
+            fix_who = "the backward of the custom Function(s) fn uses"
+        err = abs(p.lhs - p.rhs)
+        lines = [
+            f"{self.call}: {who} does not match finite differences of forward.",
+            f"  dot-product test in {dtype_name(dtype)} with a random tangent t and "
+            f"cotangent c: <J t, c> = {p.lhs:.6g} (central differences of forward, "
+            f"eps={eps:g}), but <t, backward(c)> = {p.rhs:.6g}; |error| = {err:.3g} > "
+            f"atol + rtol * size = {atol:g} + {rtol:g} * {p.size:.3g}.",
+            f"  backward must return dL/d(input {i}) = grad_output times the Jacobian "
+            f"d(output)/d(input {i}): for every c, <t, backward(c)> equals <J t, c>, the "
+            f"change of <output, c> along t.",
+        ]
+        hint = _ratio_hint(rows)
+        if hint:
+            lines.append(f"  {hint}")
+        else:
+            lines.append(
+                f"  Fix: re-derive {fix_who} for input {i}; torch.func.jacrev(forward) gives "
+                f"the Jacobian J to compare grad_output @ J against (in float64, on a small "
+                f"input). Forward must be deterministic for this test to apply."
+            )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    lhs: float  # <J t, c>, J t by central differences
+    rhs: float  # <t, J^T c>, J^T c from backward
+    size: float  # max(|J t| |c|, |t| |J^T c|)
+    noise: float  # the rounding error the finite differences can carry
+
+
+
+def _ratio_hint(rows: list[_Probe]) -> str | None:
+    if all(abs(p.rhs) <= 1e-12 * max(p.size, 1e-300) for p in rows) and any(
+        abs(p.lhs) > 0 for p in rows
+    ):
+        return (
+            "backward returns zero for this input (or None), but forward depends on it: "
+            "return grad_output times the Jacobian for it."
+        )
+    if any(p.rhs == 0 for p in rows):
+        return None
+    ratios = [p.lhs / p.rhs for p in rows]
+    r = ratios[0]
+    if all(abs(q - r) <= 1e-3 * max(abs(r), 1e-12) for q in ratios) and abs(r - 1) > 1e-3:
+        if abs(r + 1) <= 1e-3:
+            return "In every probe <t, backward(c)> = -<J t, c>: backward has the sign flipped."
+        k = 1 / r
+        return (
+            f"In every probe <t, backward(c)> = {k:.6g} * <J t, c>: backward's result is "
+            f"{k:.6g} times the right one, a constant factor off (a forgotten constant such as "
+            f"the 2 in d(x**2)/dx = 2x, or a mean's 1/n)."
+        )
+    return None
+
+
+
+# ---------------------------------------------------------------------------------------
+# Small helpers
+
+
+def callable_name(fn: Any) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return str(name)
+
+
+def check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise FunctionCheckTypeError(
+            f"{call}: {name} must be a number, but got {type(value).__name__}."
+        ) from None
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        raise FunctionCheckValueError(
+            f"{call}: {name} must be a finite number "
+            f"{'>= 0' if allow_zero else '> 0'}, but got {value!r}."
+        )
+    return number
+
+
+def differentiated(inputs: tuple[Any, ...]) -> list[int]:
+    """See NOTE [which inputs are differentiated]."""
+    tensors = [(i, a) for i, a in enumerate(inputs) if isinstance(a, Tensor)]
+    chosen = [i for i, a in tensors if a.requires_grad]
+    if chosen:
+        return chosen
+    return [i for i, a in tensors if a.is_floating_point() or a.is_complex()]
+
+
+def _fresh_args(inputs: Sequence[Any], leaves: dict[int, Tensor]) -> list[Any]:
+    """Forward's arguments: clones, so that forward (even an in-place one) touches no
+    tensor of the caller's and no leaf of ours."""
+    args = []
+    for j, a in enumerate(inputs):
+        if j in leaves:
+            args.append(leaves[j].clone())
+        elif isinstance(a, Tensor):
+            args.append(a.detach().clone())
+        else:
+            args.append(a)
+    return args
+
+
+def _bind_forward_args(fn: type[torch.autograd.Function], args: Sequence[Any]) -> tuple[Any, ...]:
+    """forward's inputs as ``Function.apply`` passes them (it binds defaults when
+    ``setup_context`` is defined)."""
+    if fn.setup_context is torch.autograd.Function.setup_context:
+        return tuple(args)
+    try:
+        bound = inspect.signature(fn.forward).bind(*args)
+        bound.apply_defaults()
+    except (TypeError, ValueError):
+        return tuple(args)
+    return tuple(bound.args)
+
+
+def _custom_nodes(roots: Sequence[Any], leaves: Sequence[Tensor]) -> list[Any]:
+    """The custom Function nodes on some path from ``roots`` to ``leaves`` (iterative DFS)."""
+    leaf_ids = {id(t) for t in leaves}
+    state: dict[int, Any] = {}  # id -> node; holds references so that ids stay unique
+    reaches: dict[int, bool] = {}
+    found: list[Any] = []
+    stack: list[tuple[Any, bool]] = [(r, False) for r in roots if r is not None]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            hit = id(getattr(node, "variable", None)) in leaf_ids
+            for nxt, _ in node.next_functions:
+                if nxt is not None and reaches.get(id(nxt), False):
+                    hit = True
+            reaches[key] = hit
+            if hit and hasattr(type(node), "_forward_cls"):
+                found.append(node)
+            continue
+        if key in state:
+            continue
+        state[key] = node
+        stack.append((node, True))
+        for nxt, _ in node.next_functions:
+            if nxt is not None and id(nxt) not in state:
+                stack.append((nxt, False))
+    found.reverse()  # roughly the order in which backward runs them
+    return found
+
+
+def _randn_like(t: Tensor, gen: torch.Generator) -> Tensor:
+    dtype = t.dtype if (t.is_floating_point() or t.is_complex()) else torch.float64
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    return torch.randn(tuple(t.shape), generator=gen, dtype=wide).to(device=t.device, dtype=dtype)
+
+
+def _non_finite(a: Any) -> tuple[int, int, tuple[int, ...], str] | None:
+    """For a strided floating-point or complex tensor holding NaN or inf: how many such
+    elements, of how many, the index of the first and its value; else ``None``."""
+    if not (isinstance(a, Tensor) and (a.is_floating_point() or a.is_complex())
+            and a.layout == torch.strided and a.device.type != "meta"):
+        return None
+    bad = ~torch.isfinite(a.detach())
+    count = int(bad.sum())
+    if not count:
+        return None
+    first = int(bad.reshape(-1).nonzero()[0, 0])
+    index = tuple(int(d) for d in torch.unravel_index(torch.tensor(first), a.shape))
+    value = a.detach().reshape(-1)[first].item()
+    return count, a.numel(), index, str(value)
+
+
+def _where_text(where: tuple[int, int, tuple[int, ...], str]) -> str:
+    """``"2 of 12 elements are NaN or inf; the first, at index (1, 2), is nan"``."""
+    count, total, index, value = where
+    if total == 1:
+        return f"its one element is {value}"
+    return (f"{count} of {total} elements {'is' if count == 1 else 'are'} NaN or inf; the "
+            f"first, at index {index}, is {value}")
+
+
+def _widen(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        if a.is_complex() and a.dtype != torch.complex128:
+            return a.detach().to(torch.complex128)
+        if a.is_floating_point() and a.dtype != torch.float64:
+            return a.detach().to(torch.float64)
+    return a
+
+
+def _value_dtype(inputs: Sequence[Any], diff: list[int]) -> torch.dtype:
+    """The least precise dtype among the differentiated inputs."""
+    return max((inputs[i].dtype for i in diff), key=lambda d: -torch.finfo(_real_dtype(d)).eps)
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32,
+            torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+def _inner(a: Tensor, b: Tensor) -> float:
+    """Real inner product; for complex tensors Re(sum(conj(a) b)), which matches torch's
+    convention for complex gradients."""
+    a, b = a.detach(), b.detach()
+    if a.is_complex() or b.is_complex():
+        return float((a.to(torch.complex128).conj() * b.to(torch.complex128)).real.sum())
+    return float((a.to(torch.float64) * b.to(torch.float64)).sum())
+
+
+def _norm(tensors: Sequence[Tensor]) -> float:
+    return math.sqrt(sum(float(t.detach().abs().to(torch.float64).pow(2).sum()) for t in tensors))
+
+
+def describe_arg(a: Any) -> str:
+    if isinstance(a, Tensor):
+        return f"Tensor{shape_str(a.shape)} {dtype_name(a.dtype)}"
+    return type(a).__name__
+
+
+def ok_text(flag: bool | None) -> str:
+    return "-" if flag is None else ("ok" if flag else "WRONG")
+
+
+def _join(items: Sequence[Any]) -> str:
+    items = [str(x) for x in items]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:120] if text else type(exc).__name__
