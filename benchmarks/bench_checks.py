@@ -4,7 +4,7 @@
 2. A small MLP training step (forward, ``loss.backward()``, SGD update) inside
    ``tv.checked()`` vs plain (target <= 1.10).
 3. The same step in a fresh process with ``TORCH_VJP_CHECKED=1`` vs plain in that process
-   (checks switched off there with ``torch_vjp.autograd._uninstall`` for the reference).
+   (checks switched off there with ``torch_vjp._checked_mode._uninstall`` for the reference).
 4. The step of 2. with its first layer a custom ``torch.autograd.Function`` (a linear layer
    with a hand-written backward), inside ``tv.checked()`` vs plain: checked mode checks what
    that backward returns on every call (target <= 1.10).
@@ -138,7 +138,7 @@ def bench_step_env(pairs: int, pair_time: float) -> dict:
 import json, statistics, torch, torch.utils.benchmark as tb
 torch.set_num_threads({torch.get_num_threads()})
 import torch_vjp
-from torch_vjp import autograd
+from torch_vjp import _checked_mode, autograd
 assert autograd.is_checked(), "TORCH_VJP_CHECKED=1 did not switch checking on"
 setup = {STEP_SETUP!r}
 timer = tb.Timer("step()", setup=setup)
@@ -148,7 +148,7 @@ checked, plain, ratios = [], [], []
 for k in range({pairs}):
     t = {{}}
     for arm in (("checked", "plain") if k % 2 == 0 else ("plain", "checked")):
-        (autograd._install if arm == "checked" else autograd._uninstall)()
+        (_checked_mode._install if arm == "checked" else _checked_mode._uninstall)()
         t[arm] = med()
     checked.append(t["checked"]); plain.append(t["plain"])
     ratios.append(t["checked"] / t["plain"])

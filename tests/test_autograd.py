@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_vjp as tv
-from torch_vjp import autograd
+from torch_vjp import _checked_mode, autograd
 
 
 def _outer():
@@ -425,7 +425,7 @@ def test_checked_restores_torch_and_nests():
     assert (torch.autograd.grad, torch.autograd.backward, torch.func.vjp) == originals
     # Tensor.backward's wrapper stays (NOTE [wrappers of class attributes stay]) and, outside
     # a checked scope, is torch's: no check, torch's own error
-    assert torch.Tensor.__dict__["backward"] is autograd._checked_tensor_backward
+    assert torch.Tensor.__dict__["backward"] is _checked_mode._checked_tensor_backward
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="Mismatch in shape") as info:
         (x * 2).backward(torch.ones(3))

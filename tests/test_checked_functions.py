@@ -1,6 +1,6 @@
 """Checked mode checks what custom ``autograd.Function`` backwards return (SPEC §8, issue #12).
 
-NOTE [checked custom backwards] in ``torch_vjp.autograd``. On every call, inside
+NOTE [checked custom backwards] in ``torch_vjp._checked_mode``. On every call, inside
 ``with tv.checked():`` and with ``TORCH_VJP_CHECKED=1``: what torch rejects raises a
 ``FunctionCheckError`` whose message is torch's own sentence, with torch_vjp's explanation as a
 note; what torch takes silently (a gradient summed down to its input's shape, cast to its
@@ -23,7 +23,7 @@ import torch
 from torch.autograd.function import BackwardCFunction, once_differentiable
 
 import torch_vjp as tv
-from torch_vjp import autograd
+from torch_vjp import _checked_mode, _checked_scope
 from torch_vjp._errors import full_message
 
 
@@ -677,11 +677,9 @@ def test_node_wrapper_stays_and_checks_nothing_outside_checked():
     """The custom-backward wrapper is not put back on exit (assigning a BackwardCFunction
     attribute invalidates the caches of every custom Function's node class): outside a
     checked scope it defers to torch's method and checks nothing."""
-    from torch_vjp import autograd as checked_autograd
-
     with tv.checked():
         wrapper = BackwardCFunction.__dict__["apply"]
-        assert wrapper is checked_autograd._checked_node_apply
+        assert wrapper is _checked_mode._checked_node_apply
     assert BackwardCFunction.__dict__["apply"] is wrapper
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -691,9 +689,7 @@ def test_node_wrapper_stays_and_checks_nothing_outside_checked():
 
 
 def test_a_patch_of_another_library_is_kept():
-    from torch_vjp import autograd as checked_autograd
-
-    genuine = checked_autograd._GENUINE_NODE_APPLY
+    genuine = _checked_scope._GENUINE_NODE_APPLY
 
     def other(self, *args):
         return genuine(self, *args)
@@ -704,10 +700,10 @@ def test_a_patch_of_another_library_is_kept():
         assert BackwardCFunction.__dict__["apply"] is other
         with tv.checked():  # installed over it again; what it replaced is remembered
             assert BackwardCFunction.__dict__["apply"] is not other
-            assert checked_autograd._PREVIOUS["node_apply"] is other
+            assert _checked_mode._PREVIOUS["node_apply"] is other
     finally:
         BackwardCFunction.apply = genuine
-        checked_autograd._PREVIOUS["node_apply"] = genuine
+        _checked_mode._PREVIOUS["node_apply"] = genuine
 
 
 def test_scope_is_per_thread():
@@ -740,7 +736,7 @@ def test_engine_threads_are_checked_while_a_checked_pass_is_in_flight():
     seen = {}
 
     def probe(key, done):
-        seen[key] = autograd._checks_backwards()
+        seen[key] = _checked_scope._checks_backwards()
         done.release()
 
     def in_foreign_thread(key):
@@ -752,10 +748,10 @@ def test_engine_threads_are_checked_while_a_checked_pass_is_in_flight():
     in_foreign_thread("idle")
     with tv.checked():
         in_foreign_thread("checked block, no pass in flight")
-        with autograd._in_flight_pass():
+        with _checked_scope._in_flight_pass():
             in_foreign_thread("in flight")
             python_thread = threading.Thread(target=lambda: seen.update(
-                python=autograd._checks_backwards()))
+                python=_checked_scope._checks_backwards()))
             python_thread.start()
             python_thread.join(10)
     assert seen == {"idle": False, "checked block, no pass in flight": False,

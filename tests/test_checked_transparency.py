@@ -1,6 +1,6 @@
 """Checked mode and the drop-ins change nothing for calls torch accepts (SPEC §1, §8).
 
-NOTE [transparent checks] in ``torch_vjp.autograd``: torch's full signatures, any iterable
+NOTE [transparent checks] in ``torch_vjp._drop_ins``: torch's full signatures, any iterable
 where torch takes one, torch's own sentence first for a call torch rejects, other code's
 patches of torch left alone, a scope per thread, TorchScript and ``__torch_function__``
 unaffected.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import torch_vjp as tv
-from torch_vjp import autograd
+from torch_vjp import _checked_scope, autograd
 from torch_vjp._errors import full_message
 
 
@@ -388,7 +388,7 @@ def test_torch_function_overrides_see_torchs_own_backward():
             seen.append(func)
             return super().__torch_function__(func, types, args, kwargs or {})
 
-    genuine = autograd._GENUINE_TENSOR_BACKWARD  # torch's, whatever is installed now
+    genuine = _checked_scope._GENUINE_TENSOR_BACKWARD  # torch's, whatever is installed now
     x = torch.ones(2, requires_grad=True).as_subclass(Logged)
     with tv.checked():
         (x * 2).sum().backward()

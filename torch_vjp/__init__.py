@@ -113,7 +113,7 @@ _sys.modules["torch.vjp"] = _self
 _torch.vjp = _self  # type: ignore[attr-defined]
 
 # TORCH_VJP_CHECKED=1 turns checking on for the whole process (SPEC §1).
-from torch_vjp.autograd import install_from_environment as _install_from_environment
+from torch_vjp._checked_mode import install_from_environment as _install_from_environment
 
 _install_from_environment()
 del _install_from_environment

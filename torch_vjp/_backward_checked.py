@@ -1,5 +1,5 @@
 """Checked mode's judgement of what a custom Function's backward returned, on every call
-(NOTE [checked custom backwards] in :mod:`torch_vjp.autograd`): ``backward_return_ok``, the
+(NOTE [checked custom backwards] in :mod:`torch_vjp._checked_mode`): ``backward_return_ok``, the
 fast path; ``backward_problems``, the diagnosis behind it, worded by the message builders of
 :mod:`torch_vjp._backward_check`; ``torch_verdict``, torch's own verdict from a replay.
 """

@@ -8,7 +8,7 @@ cotangents and tangents of :func:`torch_vjp.vjp` / :func:`torch_vjp.jvp`.
 NOTE [fast path, slow message]
 The validation that runs on every call is a tight loop of attribute comparisons (shape,
 dtype, device, requires_grad): it must cost less than the Python-level checks torch itself
-runs, because ``torch_vjp.grad`` replaces them (see ``autograd._run_grad``). Only once a
+runs, because ``torch_vjp.grad`` replaces them (see ``_drop_ins._grad``). Only once a
 mismatch is found do we spend time on the message: guessing the mistake, walking the graph
 for leaf shapes, and so on. The rule for what is accepted is torch's own: whatever
 ``torch.autograd.grad`` accepts we accept (warning where torch silently casts or ignores),

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from torch_vjp._backward_check import dtype_name
 from torch_vjp._errors import (
+    FunctionCheckError,
     FunctionCheckTypeError,
     FunctionCheckValueError,
     shape_str,
@@ -40,6 +41,7 @@ __all__ = [
     "check_function",
     "FunctionCheckReport",
     "InputCheck",
+    "FunctionCheckError",
     "FunctionCheckTypeError",
     "FunctionCheckValueError",
 ]

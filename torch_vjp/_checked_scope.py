@@ -1,0 +1,202 @@
+"""Checked mode's state: torch's own functions behind any wrapper, the checked scope of a
+thread or task, and torch as the judge of what the checker rejects (used by the drop-ins in
+:mod:`torch_vjp._drop_ins` and by the wrappers of :mod:`torch_vjp._checked_mode`).
+
+NOTE [checked scope]
+``with tv.checked():`` checks the calls made in its own thread (and asyncio task), like
+``torch.no_grad``: the scope lives in a ``contextvars.ContextVar``. torch's entry points are
+replaced by checking wrappers while any block is open in any thread (or for good with
+``TORCH_VJP_CHECKED=1``, which checks every thread); outside a checked scope the wrappers
+hand each call, unchanged, to the function they replaced. On the last exit a wrapper is put
+back only if it is still installed: a patch another library made in the meantime stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from torch_vjp._checks import Labels
+from torch_vjp._errors import (
+    GradOutputsError,
+    GradOutputsIndexError,
+    GradOutputsTypeError,
+    GradOutputsValueError,
+    GradOutputsWarning,
+    TorchVJPError,
+    torch_first,
+    user_stacklevel,
+)
+
+__all__ = ["is_checked"]
+
+_WRAPPER_FLAG = "__torch_vjp_wrapper__"
+
+
+def _genuine(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's own function behind ``fn`` (``fn`` itself unless it is one of our wrappers)."""
+    while getattr(fn, _WRAPPER_FLAG, False):
+        fn = fn.__wrapped__  # type: ignore[attr-defined]
+    return fn
+
+
+# torch's own functions, which tv.grad and tv.backward stand in for.
+_GENUINE_GRAD = _genuine(torch.autograd.grad)
+_GENUINE_BACKWARD = _genuine(torch.autograd.backward)
+_GENUINE_TENSOR_BACKWARD = _genuine(torch.Tensor.backward)
+_GENUINE_FUNC_VJP = _genuine(torch.func.vjp)
+# The engine runs a custom Function's backward through these methods of its graph node.
+_GENUINE_NODE_APPLY = _genuine(BackwardCFunction.apply)
+_GENUINE_NODE_APPLY_BOXED = _genuine(getattr(BackwardCFunction, "apply_boxed", None) or
+                                     BackwardCFunction.apply)
+_HAS_APPLY_BOXED = hasattr(BackwardCFunction, "apply_boxed")  # newer torch only
+_AUTOGRAD = sys.modules["torch.autograd"]
+_HAS_ENGINE = hasattr(_AUTOGRAD, "_engine_run_backward")  # torch >= 2.4
+
+
+def _engine(*args: Any, **kwargs: Any) -> Any:
+    """torch's engine entry, looked up on every call as torch.autograd.grad does (so that a
+    patch of it, as ``torch.compiler`` makes for tracing, applies here too)."""
+    return _AUTOGRAD._engine_run_backward(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Torch is the judge (NOTE [transparent checks])
+# ---------------------------------------------------------------------------------------
+
+_BUILTIN_CLASSES: tuple[tuple[type[BaseException], type[GradOutputsError]], ...] = (
+    (IndexError, GradOutputsIndexError),
+    (ValueError, GradOutputsValueError),
+    (TypeError, GradOutputsTypeError),
+    (RuntimeError, GradOutputsError),
+)
+
+
+def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
+    """Runs torch's own function on a call the checker rejected, and raises the checker's
+    error if torch raises too (as the builtin class torch raised); returns torch's result,
+    with a warning, if torch accepts the call after all."""
+    try:
+        with _suppressed():
+            result = run_torch()
+    except TorchVJPError:
+        raise
+    except Exception as torch_err:  # noqa: BLE001 - judged below, else re-raised untouched
+        for builtin, ours in _BUILTIN_CLASSES:
+            if isinstance(torch_err, builtin):
+                break
+        else:  # not torch's validation: the user's own code raised; pass it through
+            raise
+        cls = type(err) if isinstance(err, builtin) else ours
+        sentence = getattr(err, "torch_sentence", None) or str(torch_err)
+        explanation = getattr(err, "explanation", None) or str(err)
+        raise torch_first(cls, explanation, sentence if labels.torch_first else None) from None
+    explanation = getattr(err, "explanation", None) or str(err)
+    warnings.warn(
+        f"{labels.call}: torch accepted this call, although torch_vjp's check reports a "
+        f"mismatch; the result is torch's. (torch ignores the vector given for an output that "
+        f"does not depend on what is differentiated.) The check said:\n{explanation}",
+        GradOutputsWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Scope: NOTE [checked scope]
+# ---------------------------------------------------------------------------------------
+
+
+class _Scope:
+    """The checked state of one thread or task: the open ``checked`` blocks (their ids), and
+    whether checks are suppressed (while torch's own function runs for a checked call)."""
+
+    __slots__ = ("blocks", "suppressed")
+
+    def __init__(self, blocks: tuple[int, ...], suppressed: bool) -> None:
+        self.blocks = blocks
+        self.suppressed = suppressed
+
+
+_SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar(
+    "torch_vjp_checked", default=_Scope((), False)
+)
+_PROCESS_WIDE = False  # TORCH_VJP_CHECKED=1
+
+
+def _process_wide() -> bool:
+    """Whether every thread is checked, for good (``TORCH_VJP_CHECKED=1``)."""
+    return _PROCESS_WIDE
+
+
+def _set_process_wide_flag(on: bool) -> None:
+    """Sets :func:`_process_wide` (under the patch lock of :mod:`torch_vjp._checked_mode`)."""
+    global _PROCESS_WIDE
+    _PROCESS_WIDE = on
+
+
+def _active() -> bool:
+    scope = _SCOPE.get()
+    return (_PROCESS_WIDE or bool(scope.blocks)) and not scope.suppressed
+
+
+def is_checked() -> bool:
+    """Whether torch's autograd entry points are checked in this thread (or task) now.
+
+    Example:
+        >>> import torch_vjp as tv
+        >>> from torch_vjp.autograd import is_checked
+        >>> with tv.checked():
+        ...     is_checked()
+        True
+    """
+    return _active()
+
+
+def _checks_backwards() -> bool:
+    """Whether the custom backward running now in this thread is checked (NOTE [checked
+    custom backwards]): in a checked thread or task (suppression, which only spares
+    grad_outputs a second check, does not count), and in a thread of torch's engine while a
+    checked backward pass is in flight."""
+    return bool(_PROCESS_WIDE or _SCOPE.get().blocks or (
+        _in_flight and isinstance(threading.current_thread(), _FOREIGN_THREAD)))
+
+
+# Threads that Python's ``threading`` did not start (torch's engine workers among them).
+_FOREIGN_THREAD: type = getattr(threading, "_DummyThread", type(None))
+_in_flight = 0  # checked backward passes running now, in every thread
+_flight_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _in_flight_pass() -> Any:
+    """Counts a checked backward pass as in flight while the block runs (see
+    :func:`_checks_backwards`)."""
+    global _in_flight
+    with _flight_lock:
+        _in_flight += 1
+    try:
+        yield
+    finally:
+        with _flight_lock:
+            _in_flight -= 1
+
+
+@contextlib.contextmanager
+def _suppressed() -> Any:
+    scope = _SCOPE.get()
+    token = _SCOPE.set(_Scope(scope.blocks, True))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+

@@ -1,0 +1,263 @@
+"""What ``torch_vjp.grad`` and ``torch_vjp.backward`` do, and what checked mode's wrappers of
+``torch.autograd.grad``, ``torch.autograd.backward`` and ``Tensor.backward`` do in a checked
+scope: torch's own steps, with the checker in place of torch's validation of
+``grad_outputs``.
+
+NOTE [transparent checks]
+A checked call behaves exactly as torch's own whenever torch accepts it: the same
+signatures (positional arguments, ``only_inputs``, ``grad_variables``), any iterable where
+torch takes one, the same results, the same warnings (plus torch_vjp's own about silent
+casts), ``__torch_function__`` overrides called with torch's own function, TorchScript
+compiling the call to torch's built-in. For a call torch rejects, the error's message is
+torch's own sentence, with the explanation attached as a note (NOTE [torch's sentence first]
+in ``_errors``). And torch is the final judge: when the checker finds a mistake, torch's own
+function is run on the same arguments (nothing runs before torch's own validation fails); if
+torch raises, the checker's error is raised; if torch accepts the call after all, its result
+is returned, with a :class:`~torch_vjp.GradOutputsWarning` quoting the checker. So a call is
+never rejected that torch accepts, and an exception raised by the user's own backward code
+passes through untouched.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+from torch.overrides import handle_torch_function, has_torch_function, is_tensor_like
+
+from torch_vjp._checked_scope import (
+    _GENUINE_BACKWARD,
+    _GENUINE_GRAD,
+    _HAS_ENGINE,
+    _arbitrate,
+    _engine,
+)
+from torch_vjp._checks import (
+    Labels,
+    as_entries,
+    normalize_grad_outputs,
+)
+from torch_vjp._errors import (
+    GradOutputsError,
+    GradOutputsTypeError,
+    torch_first,
+    user_stacklevel,
+)
+
+__all__: list[str] = []
+
+
+def _materialized(inputs: Any, ins: tuple[Any, ...]) -> Any:
+    """What to pass on as ``inputs``: a dict as it is (torch returns a dict for it), else the
+    tuple read from it (a generator is consumed once)."""
+    return inputs if inputs is None or type(inputs) is dict else ins
+
+
+def _reusable(given: Any, entries: tuple[Any, ...] | None) -> Any:
+    """``given`` itself if reading it again is harmless (the checker's messages then see what
+    the caller passed, a single tensor say), else the entries already read from it."""
+    if given is None or isinstance(given, (Tensor, tuple, list)):
+        return given
+    return entries
+
+
+def _plain(items: Iterable[Any]) -> bool:
+    """Whether every item is a Tensor we can validate directly (no GradientEdge, no nested
+    tensor); anything else goes to torch unchanged."""
+    for t in items:
+        if not isinstance(t, Tensor) or t.is_nested:
+            return False
+    return True
+
+
+def _outputs_tuple(outputs: Any, labels: Labels) -> tuple[Any, ...]:
+    """``outputs`` as torch reads it: one tensor (or GradientEdge), or any iterable of them."""
+    if isinstance(outputs, (Tensor, GradientEdge)) or is_tensor_like(outputs):
+        return (outputs,)
+    try:
+        return tuple(outputs)
+    except TypeError as err:
+        raise torch_first(
+            GradOutputsTypeError,
+            f"{labels.call}: {labels.outputs} is {_a(outputs)}, but it must be a tensor or a "
+            f"sequence of tensors: the outputs y whose vector-Jacobian product is taken (for a "
+            f"training step, the loss).",
+            str(err),
+        ) from None
+
+
+def _a(obj: object) -> str:
+    return "None" if obj is None else f"a {type(obj).__name__}"
+
+
+def _inputs_tuple(inputs: Any) -> tuple[Any, ...] | None:
+    """``inputs`` as torch reads it, or None where torch itself must judge it (a Mapping
+    that is not a dict, something not iterable)."""
+    if isinstance(inputs, (Tensor, GradientEdge)) or is_tensor_like(inputs):
+        return (inputs,)
+    if type(inputs) is dict:
+        return tuple(inputs.values())
+    if isinstance(inputs, Mapping):
+        return None
+    try:
+        return tuple(inputs)
+    except TypeError:
+        return None
+
+
+def _grad(
+    labels: Labels,
+    torch_grad: Callable[..., Any],
+    outputs: Any,
+    inputs: Any,
+    grad_outputs: Any,
+    retain_graph: bool | None,
+    create_graph: bool,
+    only_inputs: bool,
+    allow_unused: bool | None,
+    is_grads_batched: bool,
+    materialize_grads: bool,
+) -> Any:
+    """torch.autograd.grad's steps, with the checker in place of ``_make_grads``.
+
+    ``torch_grad`` is the function this call stands in for (torch's own, or what was
+    installed before the checking wrapper): everything unusual is handed to it.
+    """
+    outs = _outputs_tuple(outputs, labels)
+    ins = _inputs_tuple(inputs)
+    if ins is None or not ins:  # torch raises its own error for these
+        return torch_grad(outs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
+                          allow_unused, is_grads_batched, materialize_grads)
+    inputs_arg = _materialized(inputs, ins)
+    overridable = tuple(t for t in outs if is_tensor_like(t)) + tuple(
+        t for t in ins if is_tensor_like(t)
+    )
+    if has_torch_function(overridable):
+        if torch_grad is not _GENUINE_GRAD:
+            return torch_grad(outs, inputs_arg, grad_outputs, retain_graph, create_graph,
+                              only_inputs, allow_unused, is_grads_batched, materialize_grads)
+        result = handle_torch_function(
+            _GENUINE_GRAD, overridable, outs, ins, grad_outputs=grad_outputs,
+            retain_graph=retain_graph, create_graph=create_graph, only_inputs=only_inputs,
+            allow_unused=allow_unused, is_grads_batched=is_grads_batched,
+            materialize_grads=materialize_grads,
+        )
+        return dict(zip(inputs.keys(), result)) if type(inputs) is dict else result
+    if not only_inputs:
+        warnings.warn(
+            "only_inputs argument is deprecated and is ignored now (defaults to True). To "
+            "accumulate gradient for other parts of the graph, please use "
+            "torch.autograd.backward.",
+            FutureWarning,
+            stacklevel=user_stacklevel(),
+        )
+    if not _plain(outs):
+        return torch_grad(outs, inputs_arg, grad_outputs, retain_graph, create_graph, True,
+                          allow_unused, is_grads_batched, materialize_grads)
+    entries = as_entries(grad_outputs, labels, outs)
+    try:
+        gos = normalize_grad_outputs(
+            outs, _reusable(grad_outputs, entries), labels, is_grads_batched=is_grads_batched,
+            inputs=ins,
+        )
+    except GradOutputsError as err:
+        return _arbitrate(err, labels, lambda: torch_grad(
+            outs, inputs_arg, entries, retain_graph, create_graph, True, allow_unused,
+            is_grads_batched, materialize_grads,
+        ))
+    if (
+        not _HAS_ENGINE
+        or torch_grad is not _GENUINE_GRAD
+        or is_grads_batched
+        or materialize_grads
+        or type(inputs) is dict
+        or not _plain(ins)
+    ):
+        return torch_grad(outs, inputs_arg, gos, retain_graph, create_graph, True,
+                          allow_unused, is_grads_batched, materialize_grads)
+    # NOTE [skipping torch's _make_grads]
+    # torch.autograd.grad validates grad_outputs in Python (``_make_grads``) and then runs the
+    # C++ engine. ``normalize_grad_outputs`` has already done that validation, more cheaply
+    # and with better messages, and produced the same normalised grad_outputs (``ones_like``
+    # for scalar outputs), so we call the engine entry torch itself calls, with the same
+    # arguments. Anything unusual (batched, materialize_grads, dict inputs, tensor subclasses
+    # with __torch_function__, GradientEdge, nested tensors) goes through torch's function.
+    if retain_graph is None:
+        retain_graph = create_graph
+    return _engine(
+        outs, gos, retain_graph, create_graph, ins,
+        False if allow_unused is None else allow_unused, accumulate_grad=False,
+    )
+
+
+def _backward(
+    labels: Labels,
+    torch_backward: Callable[..., Any],
+    tensors: Any,
+    grad_tensors: Any,
+    retain_graph: bool | None,
+    create_graph: bool,
+    grad_variables: Any,
+    inputs: Any,
+) -> None:
+    """torch.autograd.backward's steps, with the checker in place of ``_make_grads``."""
+    if torch._C._are_functorch_transforms_active():  # torch raises its own error
+        return torch_backward(tensors, grad_tensors, retain_graph, create_graph,
+                              grad_variables, inputs=inputs)
+    if grad_variables is not None:
+        if grad_tensors is not None:
+            raise torch_first(
+                GradOutputsError,
+                f"{labels.call}: both grad_tensors and grad_variables were given; "
+                f"grad_variables is the deprecated name of grad_tensors, so only one may be. "
+                f"Fix: pass grad_tensors alone.",
+                "`grad_tensors` and `grad_variables` (deprecated) arguments both passed to "
+                "`backward()`. Please only use `grad_tensors`.",
+            )
+        warnings.warn("`grad_variables` is deprecated. Use `grad_tensors` instead.",
+                      FutureWarning, stacklevel=user_stacklevel())
+        grad_tensors = grad_variables
+    if inputs is None:
+        ins: tuple[Any, ...] | None = ()
+    else:
+        ins = _inputs_tuple(inputs)
+    if ins is None or (inputs is not None and not ins):  # torch raises its own error
+        return torch_backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
+    inputs_arg = _materialized(inputs, ins)
+    outs = _outputs_tuple(tensors, labels)
+    overridable = tuple(t for t in outs if is_tensor_like(t)) + tuple(
+        t for t in ins if is_tensor_like(t)
+    )
+    if has_torch_function(overridable):
+        if torch_backward is not _GENUINE_BACKWARD:
+            return torch_backward(outs, grad_tensors, retain_graph, create_graph,
+                                  inputs=inputs_arg)
+        return handle_torch_function(
+            _GENUINE_BACKWARD, overridable, outs, grad_tensors=grad_tensors,
+            retain_graph=retain_graph, create_graph=create_graph,
+            inputs=ins if inputs is not None else None,
+        )
+    if not _plain(outs):
+        return torch_backward(outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg)
+    entries = as_entries(grad_tensors, labels, outs)
+    try:
+        gts = normalize_grad_outputs(
+            outs, _reusable(grad_tensors, entries), labels, inputs=ins or None
+        )
+    except GradOutputsError as err:
+        return _arbitrate(err, labels, lambda: torch_backward(
+            outs, entries, retain_graph, create_graph, inputs=inputs_arg))
+    if not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or not _plain(ins):
+        return torch_backward(outs, gts, retain_graph, create_graph, inputs=inputs_arg)
+    # See NOTE [skipping torch's _make_grads]: the engine call of torch.autograd.backward.
+    if retain_graph is None:
+        retain_graph = create_graph
+    _engine(outs, gts, retain_graph, create_graph, ins, allow_unreachable=True,
+            accumulate_grad=True)
+    return None
+
+
