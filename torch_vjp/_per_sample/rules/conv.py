@@ -166,9 +166,9 @@ class ConvFactor(Factor):
         # positions), so it counts towards the chunk budget too. The grouped convolution
         # slows down with its number of groups far more than the work grows: its chunks get
         # the norms' small budget (one example at a time for a 3x3 convolution of 128
-        # channels or more). Measured on 2 cores, B = 16: 256 channels at 8x8, 53 ms in
-        # chunks of 14 examples against 17.5 ms one by one; 512 channels at 4x4, 241 ms
-        # against 31 ms; 12,800 weights, B = 64: 2.1 ms in chunks of 20 against 2.0 ms in one.
+        # channels or more). With B = 16 it takes 0.64, 0.43 and 0.73 of the time that
+        # chunks of the default budget took, for 128, 256 and 512 channels
+        # (benchmarks/results/per_sample_parts.md, conv_chunks).
         per_example = max(self._per_example(), math.prod(self.region_shape))
         budget = None if self._unfolds() else NORM_CHUNK_ELEMENTS
         for s, e in chunks(self.batch, per_example, chunk_size, budget):

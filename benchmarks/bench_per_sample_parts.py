@@ -1,0 +1,139 @@
+"""The three per-sample mechanisms whose speed the code and docs cite, each against what it
+replaced, measured in one run, paired and alternated (median and IQR of per-pair ratios).
+
+- ``huge_pages``: ``per_sample_grads`` (strategy ``hooks``) on ``mlp_b256`` with result
+  buffers advised to use huge pages, against ``TORCH_VJP_HUGE_PAGES=0`` (NOTE [huge pages]
+  in ``torch_vjp/_engine/memory.py``). The switch is read on every allocation, so the two
+  arms alternate in one process.
+- ``conv_chunks``: ``ConvFactor.write`` (per-sample weight gradients of one convolution,
+  B = 16) in the norms' small chunks (as now) against chunks of the default budget (as
+  before), on ResNet-sized layers.
+- ``layer_norm_xhat``: the LayerNorm rule's normalised input from ``F.layer_norm`` without
+  the affine map (as now) against ``var_mean`` (as before), on the transformer workload's
+  LayerNorm input (32, 32, 128).
+
+Run: ``python benchmarks/bench_per_sample_parts.py [--pairs 15]``. Writes
+``results/per_sample_parts.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import torch_vjp as tv
+from torch_vjp._per_sample.factors import CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS, chunks
+from torch_vjp._per_sample.rules.conv import ConvFactor
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_per_sample import THREADS, _quartiles, build, paired_times  # noqa: E402
+
+RESULTS = HERE / "results"
+CONV_LAYERS = ((128, 16), (256, 8), (512, 4))  # (channels, spatial size), 3x3, padding 1
+
+
+def _ratio(new, old, pairs: int) -> dict:
+    a, b, n = paired_times(new, old, pairs)
+    q1, med, q3 = _quartiles([x / y for x, y in zip(a, b)])
+    return dict(new_ms=_quartiles(a)[1] * 1e3, old_ms=_quartiles(b)[1] * 1e3, ratio=med,
+                q1=q1, q3=q3, calls_per_sample=n)
+
+
+def huge_pages(pairs: int) -> dict:
+    model, loss_fn, x, y = build("mlp_b256")
+
+    def step(on: bool):
+        def run():
+            os.environ["TORCH_VJP_HUGE_PAGES"] = "1" if on else "0"
+            tv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+        return run
+
+    try:
+        return dict(case="per_sample_grads(hooks), mlp_b256 (686 MB of results)",
+                    **_ratio(step(True), step(False), pairs))
+    finally:
+        os.environ.pop("TORCH_VJP_HUGE_PAGES", None)
+
+
+def conv_chunks(pairs: int) -> list[dict]:
+    rows = []
+    for c, s in CONV_LAYERS:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, c, s, s, generator=g)
+        go = torch.randn(16, c, s, s, generator=g)
+        f = ConvFactor(x, go, (c, c, 3, 3), (c, c, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+        out = torch.empty(16, c, c, 3, 3)
+
+        def write(budget):
+            def run():
+                for a, e in chunks(16, c * c * 9, None, budget):
+                    f.write_range(out[a:e], a, e, False)
+            return run
+
+        rows.append(dict(case=f"conv {c} channels, {s}x{s}, 3x3, B = 16",
+                         **_ratio(write(NORM_CHUNK_ELEMENTS), write(CHUNK_ELEMENTS), pairs)))
+    return rows
+
+
+def layer_norm_xhat(pairs: int) -> dict:
+    x = torch.randn(32, 32, 128, generator=torch.Generator().manual_seed(0))
+
+    def new():
+        F.layer_norm(x, x.shape[2:], eps=1e-5)
+
+    def old():
+        var, mean = torch.var_mean(x, dim=(2,), keepdim=True, unbiased=False)
+        (x - mean) * torch.rsqrt(var + 1e-5)
+
+    return dict(case="LayerNorm x_hat, (32, 32, 128)", **_ratio(new, old, pairs))
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [
+        "# Per-sample mechanisms, each against what it replaced",
+        "",
+        f"torch {env['torch']}, Python {env['python']}; {env['threads']} threads, float32; "
+        f"{env['pairs']} paired, alternated samples per row; {env['date']}.",
+        "",
+        "*ratio*: the new mechanism's time / the old one's, median of the per-pair ratios "
+        "(IQR); below 1 is faster. Made by `python benchmarks/bench_per_sample_parts.py`.",
+        "",
+        "| mechanism | case | new | old | ratio | IQR |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['mechanism']} | {r['case']} | {r['new_ms']:.2f} ms | "
+                     f"{r['old_ms']:.2f} ms | {r['ratio']:.2f} | {r['q1']:.2f}-{r['q3']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=RESULTS / "per_sample_parts")
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+    rows = [dict(mechanism="huge_pages", **huge_pages(args.pairs))]
+    rows += [dict(mechanism="conv_chunks", **r) for r in conv_chunks(args.pairs)]
+    rows.append(dict(mechanism="layer_norm_xhat", **layer_norm_xhat(args.pairs)))
+    env = dict(torch=torch.__version__, python=platform.python_version(), threads=THREADS,
+               pairs=args.pairs,
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows),
+                                                        indent=1))
+    args.out.with_suffix(".md").write_text(markdown(rows, env))
+    print(markdown(rows, env))
+
+
+if __name__ == "__main__":
+    main()
