@@ -84,7 +84,7 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
 def check_targets(fn: str, targets: Any, B: int) -> None:
     if targets is None:
         return
-    leaves, _ = tree_flatten(targets)
+    leaves = (targets,) if isinstance(targets, Tensor) else tree_flatten(targets)[0]
     for leaf in leaves:
         if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != B):
             raise PerSampleValueError(

@@ -27,12 +27,31 @@ from torch_vjp._errors import PerSampleTypeError, PerSampleValueError
 
 __all__ = ["unwrap", "strip_prefix", "ddp_add_to_grads"]
 
+_FSDP_TYPES: dict[type, bool] = {}
+
+
 def _is_fsdp(model: nn.Module) -> bool:
-    for cls in type(model).__mro__:
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if name.startswith("torch.distributed.fsdp") or cls.__name__.startswith("FSDP"):
-            return True
-    return False
+    kind = type(model)
+    known = _FSDP_TYPES.get(kind)
+    if known is None:  # once per class: the walk over the MRO costs more than the call
+        known = any(
+            f"{cls.__module__}.{cls.__qualname__}".startswith("torch.distributed.fsdp")
+            or cls.__name__.startswith("FSDP")
+            for cls in kind.__mro__
+        )
+        if len(_FSDP_TYPES) < 1024:
+            _FSDP_TYPES[kind] = known
+    return known
+
+
+def _compiled_inner(model: nn.Module) -> Any:
+    """``model._orig_mod`` (torch.compile registers the module it compiled as a submodule),
+    or None; read from ``_modules`` where that is a dict, which spares Module.__getattr__'s
+    failed lookup on every other module."""
+    mods = model.__dict__.get("_modules")
+    if type(mods) is dict:
+        return mods.get("_orig_mod")
+    return getattr(model, "_orig_mod", None)
 
 
 def unwrap(fn: str, model: Any) -> tuple[Any, Any, str]:
@@ -48,8 +67,7 @@ def unwrap(fn: str, model: Any) -> tuple[Any, Any, str]:
             if ddp is None:
                 ddp = model
             model, prefix = model.module, prefix + "module."
-        elif isinstance(model, nn.Module) and isinstance(getattr(model, "_orig_mod", None),
-                                                         nn.Module):
+        elif isinstance(model, nn.Module) and isinstance(_compiled_inner(model), nn.Module):
             model, prefix = model._orig_mod, prefix + "_orig_mod."  # torch.compile(model)
         else:
             break

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.context import grad_enabled
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import Factor
 from torch_vjp._per_sample.losses import scaled_loss_sum
@@ -61,7 +62,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         plan.layers = layers_of(model, plan.wanted)
     rec = Recorder(model, tracked, batch, wanted=plan.wanted, expand_shared=plan.expand,
                    direct=plan.direct, layers=plan.layers)
-    with torch.enable_grad():
+    with grad_enabled(True):
         with rec:
             out = forward(model, job.xs, aliases)
         calls = rec.calls
@@ -113,7 +114,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         else:
             grads = [None] * len(edges)
     del total, out
-    with torch.no_grad():
+    with grad_enabled(False):
         for (c, cp), row in zip(needed, slots):
             gs = []
             for j, slot in enumerate(row):

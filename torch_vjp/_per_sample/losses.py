@@ -64,7 +64,9 @@ def _reduction_scale(loss_fn: Any, out: Any, targets: Any, batch: int) -> float 
         return None
     ignore: int | None = None
     if type(loss_fn) in _SEPARABLE_LOSSES:
-        if getattr(loss_fn, "weight", None) is not None:
+        # (torch's weighted losses register ``weight`` as a buffer; reading the buffer
+        # directly spares Module.__getattr__'s failed lookup on the others)
+        if loss_fn.__dict__.get("_buffers", {}).get("weight") is not None:
             return None
         reduction = loss_fn.reduction
         ignore = getattr(loss_fn, "ignore_index", None)

@@ -34,14 +34,18 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Plan]] = weakref.WeakKeyD
 _MAX_PER_MODEL = 16
 
 
+_SETTING_TYPES = frozenset((int, float, str, bool, type(None)))
+
+
 def _loss_key(loss_fn: Any) -> Any:
     """What identifies a loss for the plan: its type and settings for a loss module (a new
     instance each call is the same loss), its code for a function."""
     if isinstance(loss_fn, nn.Module):
-        settings = tuple(
+        settings = tuple([
             (k, v) for k, v in loss_fn.__dict__.items()
-            if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))
-        )
+            if k[:1] != "_" and (type(v) in _SETTING_TYPES
+                                 or isinstance(v, (int, float, str, type(None))))
+        ])
         return (type(loss_fn), settings)
     code = getattr(loss_fn, "__code__", None)
     return code if code is not None else (type(loss_fn), id(loss_fn))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_vjp._engine.context import grad_enabled
 from torch_vjp._engine.memory import new_buffer
 from torch_vjp._errors import PerSampleError, PerSampleValueError, StrategyError
 from torch_vjp._per_sample import rules as _rules  # noqa: F401 - registers the rules
@@ -135,7 +136,7 @@ class BuffersKept:
                 self.saved.append((b, b.detach().clone()))
 
     def reset(self) -> None:
-        with torch.no_grad():
+        with grad_enabled(False):
             for b, copy in self.saved or ():
                 b.copy_(copy)
 
@@ -242,7 +243,7 @@ def _split(job: Job, plan: Plan, chunk: int | None) -> dict[str, Tensor]:
     plan, res = _hooks(job, plan)
     sel, batch = job.sel, job.batch
     results: dict[str, Tensor] = {}
-    with torch.no_grad():
+    with grad_enabled(False):
         for n in plan.rule_params:
             if n in res.moved:
                 continue
@@ -279,7 +280,7 @@ def norms_and_sums(
     sel, batch = job.sel, job.batch
     like = next(iter(sel.tensors.values()))
     per_param: dict[str, Tensor] = {}
-    with torch.no_grad():
+    with grad_enabled(False):
         for n in plan.rule_params:
             if n in res.moved:
                 continue
@@ -322,7 +323,7 @@ def norms_and_sums(
         for n in names:
             per_param[n] = like.new_zeros(batch)
         for s, e, g in chunked(names, method):
-            with torch.no_grad():
+            with grad_enabled(False):
                 for n in names:
                     per_param[n][s:e] = sq_norms_rows(g[n])
                     sq[s:e] += per_param[n][s:e].to(sq.dtype)
@@ -332,12 +333,12 @@ def norms_and_sums(
     if sums is not None and len(groups) == 2:
         for names, method in groups:
             for s, e, g in chunked(names, method):
-                with torch.no_grad():
+                with grad_enabled(False):
                     add_sums(s, e, g)
     norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
     if sums is not None:
         c = clip_factors(sq, max_norm)  # type: ignore[arg-type]
-        with torch.no_grad():
+        with grad_enabled(False):
             for n in plan.rule_params:
                 fs = res.factors.get(n)
                 if n in res.moved or not fs:
@@ -391,7 +392,7 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
         ddp_add_to_grads(job.fn, job.ddp, job.sel.tensors, sums, job.sel.sparse)
         return
     sparse = job.sel.sparse
-    with torch.no_grad():
+    with grad_enabled(False):
         for n, s in param_sums(job, sums).items():
             p = job.sel.tensors[n]
             if sparse and id(p) in sparse:
