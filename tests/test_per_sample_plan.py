@@ -353,6 +353,25 @@ def test_sparse_embedding(strategy):
                                torch.einsum("b,b...->...", c, ref["0.weight"]))
 
 
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "loop"])
+def test_sparse_flag_switched_between_calls_is_followed(strategy):
+    # Embedding.sparse is a plain attribute: a switch after the first call (whose selection
+    # and plan are cached) decides the layout of the next .grad, as it does for backward
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3), nn.Flatten(), nn.Linear(6, 2)).to(DT)
+    x, y = torch.randint(0, 10, (5, 2)), torch.randn(5, 2, dtype=DT)
+    ref = loop_reference(model, nn.MSELoss(), x, y)["0.weight"]
+    weight = model[0].weight
+    for sparse in (False, True, False):
+        model[0].sparse = sparse
+        weight.grad = None
+        norms = tv.accumulate_clipped_grads(model, nn.MSELoss(), x, y, max_norm=0.5,
+                                            strategy=strategy)
+        assert weight.grad.layout == (torch.sparse_coo if sparse else torch.strided)
+        c = (0.5 / norms).clamp(max=1.0)
+        torch.testing.assert_close(weight.grad.to_dense(), torch.einsum("b,b...->...", c, ref))
+
+
 def test_sparse_embedding_under_vmap_is_named():
     model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Flatten(), nn.Linear(6, 2)).to(DT)
     x, y = torch.randint(0, 10, (5, 2)), torch.randn(5, 2, dtype=DT)

@@ -170,8 +170,11 @@ class Selection:
     frozen: bool  # some selected tensor does not require grad
     #: every module's training flag when the selection was made (set by the caller)
     training: tuple[bool, ...] = ()
-    #: ``id`` of the selected weights of Embedding(Bag) layers with ``sparse=True``
+    #: ``id`` of the selected weights of Embedding(Bag) layers with ``sparse=True`` (read
+    #: from ``tables`` on every call: the flag is a plain attribute a user may switch)
     sparse: frozenset[int] = frozenset()
+    #: the Embedding(Bag) layers whose weight is selected
+    tables: tuple[nn.Module, ...] = ()
 
     @property
     def canonical(self) -> list[str]:

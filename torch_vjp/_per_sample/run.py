@@ -80,7 +80,7 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
         sel = select(fn, model, strip_prefix(params, prefix))
         check_static_mixing(fn, model)
         sel.training = training
-        sel.sparse = frozenset(_sparse_tables(model)) & frozenset(map(id, sel.tensors.values()))
+        sel.tables = _tables(model, frozenset(map(id, sel.tensors.values())))
         if prefix:  # results named as the wrappers name the parameters
             sel.key_of = {prefix + n: c for n, c in sel.key_of.items()}
             sel.names = [prefix + n for n in sel.names]
@@ -88,6 +88,8 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             if len(cache) >= 8:
                 cache.clear()
             cache[key] = sel
+    if sel.tables:
+        sel.sparse = frozenset(id(m.weight) for m in sel.tables if getattr(m, "sparse", False))
     return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy, ddp=ddp)
 
 
@@ -105,13 +107,13 @@ def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...], prefi
             prefix)
 
 
-def _sparse_tables(model: nn.Module) -> set[int]:
-    """ids of the weights of Embedding layers with ``sparse=True`` (whose ``.grad`` backward
-    makes sparse)."""
-    return {
-        id(m.weight) for m in model.modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)
-    }
+def _tables(model: nn.Module, selected: frozenset[int]) -> tuple[nn.Module, ...]:
+    """The Embedding(Bag) layers whose weight is selected: those with ``sparse=True`` get a
+    sparse ``.grad``, as backward gives them."""
+    return tuple(
+        m for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and id(m.weight) in selected
+    )
 
 
 class BuffersKept:
