@@ -67,6 +67,33 @@ def test_new_signature_compiles_a_new_entry_and_inplace_closure_changes_are_seen
                                2 * torch.eye(5, dtype=D))
 
 
+def test_containers_of_primals_are_keyed_by_structure_and_signature():
+    # a dict of parameters (keyed without pytree), a list, and an OrderedDict (pytree's key)
+    from collections import OrderedDict
+
+    x = torch.randn(5, 3, dtype=D)
+
+    def f(p):
+        return torch.tanh(x @ p["w"].T + p["b"])
+
+    def params(n):
+        return {"w": torch.randn(n, 3, dtype=D), "b": torch.randn(n, dtype=D)}
+
+    for p in (params(4), params(4), params(2), {"b": torch.randn(4, dtype=D),
+                                                "w": torch.randn(4, 3, dtype=D)},
+              OrderedDict(params(4))):
+        got = tv.jacobian(f, p, compile=True)
+        ref = torch.func.jacrev(f)(p)
+        assert type(got) is type(p) and list(got) == list(p)
+        for k in p:
+            torch.testing.assert_close(got[k], ref[k])
+    assert _frames() == 4  # 4 rows, 4 columns / 2 rows / keys in another order / OrderedDict
+    g = lambda ws: ws[0] * ws[1].sum()  # noqa: E731
+    for ws in ([torch.randn(3, dtype=D), torch.randn(2, dtype=D)],
+               (torch.randn(3, dtype=D), torch.randn(2, dtype=D))):
+        torch.testing.assert_close(tv.jacobian(g, ws, compile=True), torch.func.jacrev(g)(ws))
+
+
 def test_more_functions_than_dynamos_recompile_limit_all_compile():
     limit = torch._dynamo.config.recompile_limit
     fs = [(lambda k: (lambda x: torch.sin(x) * k))(float(k)) for k in range(limit + 3)]

@@ -328,10 +328,36 @@ def _leaf_signature(v: object) -> object:
     return ("id", id(v))
 
 
+class _NotPlain(Exception):
+    """A container that only pytree knows how to flatten."""
+
+
+def _plain_signature(v: object) -> object:
+    """The signature of tensors (and numbers) nested in plain tuples, lists and dicts with
+    string keys: what ``tree_flatten`` and the spec's hash would give apart, at a fraction of
+    their cost (a dict of parameters is a common primal). Raises ``_NotPlain`` for any other
+    container (a namedtuple, an OrderedDict, a registered pytree node)."""
+    kind = type(v)
+    if kind is tuple or kind is list:
+        return (kind, tuple([_plain_signature(x) for x in v]))  # type: ignore[attr-defined]
+    if kind is dict:
+        if not all(type(k) is str for k in v):  # type: ignore[attr-defined]
+            raise _NotPlain
+        return (dict, tuple([(k, _plain_signature(x))
+                             for k, x in v.items()]))  # type: ignore[attr-defined]
+    if isinstance(v, Tensor) or v is None or kind in (bool, int, float, complex, str):
+        return _leaf_signature(v)
+    raise _NotPlain
+
+
 def _signature(args: tuple[Any, ...]) -> object:
     if all(type(a) is Tensor for a in args):  # the common case, without pytree's cost
         return (tuple((a.shape, a.dtype, a.device, a.layout, a.requires_grad) for a in args),
                 torch.is_grad_enabled())
+    try:
+        return ("plain", _plain_signature(args), torch.is_grad_enabled())
+    except _NotPlain:
+        pass
     leaves, spec = tree_flatten(args)
     return (spec, tuple(map(_leaf_signature, leaves)), torch.is_grad_enabled())
 
