@@ -175,22 +175,32 @@ def modules_reached(f: object, depth: int = 3) -> list[torch.nn.Module]:
     return list(found.values())
 
 
-@contextlib.contextmanager
+class _BuffersKept:
+    """Saves the given buffers on entry; puts back any that changed on exit."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, saved: list[tuple[Tensor, Tensor]]) -> None:
+        self.saved = saved
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():  # (kernels update running statistics without a version bump)
+            for buf, copy in self.saved:
+                if not torch.equal(buf, copy):
+                    buf.copy_(copy)
+
+
 def _module_buffers_kept(modules: Sequence[torch.nn.Module]) -> Any:
-    saved = None
+    # (a module in training mode without buffers, as most are, needs no context)
+    saved: list[tuple[Tensor, Tensor]] = []
     if any(m.training for module in modules for m in module.modules()):
         seen: set[int] = set()
-        saved = []
         for module in modules:
             for b in module.buffers():
                 if id(b) not in seen:
                     seen.add(id(b))
                     saved.append((b, b.detach().clone()))
-    try:
-        yield
-    finally:
-        if saved:
-            with torch.no_grad():  # (kernels update running statistics without a version bump)
-                for buf, copy in saved:
-                    if not torch.equal(buf, copy):
-                        buf.copy_(copy)
+    return _BuffersKept(saved) if saved else NO_CONTEXT
