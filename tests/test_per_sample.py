@@ -432,24 +432,35 @@ def test_batch_of_one():
     _check(model, loss_fn, _ints(5, 1, 4), _ints(2, 1, 4), STRATEGIES)
 
 
+def _weight_set_after(wrap):
+    loss_fn = nn.CrossEntropyLoss()
+    loss_fn.weight = wrap(torch.tensor([1.0, 2.0, 0.5], dtype=DT))
+    return loss_fn
+
+
 @pytest.mark.parametrize(
     "loss_fn",
     [
         nn.CrossEntropyLoss(ignore_index=2),  # ignored targets: not a plain mean any more
         nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5], dtype=DT)),
+        _weight_set_after(lambda w: nn.Parameter(w, requires_grad=False)),  # to parameters
+        _weight_set_after(lambda w: w),  # a tensor assigned in place of the None buffer
         nn.CrossEntropyLoss(label_smoothing=0.1),
         lambda o, t: F.cross_entropy(o, t) ** 2,  # not separable: per-example losses by vmap
         lambda o, t: F.cross_entropy(o, t) * float(o.sum() > -1e9),  # not vmappable: a loop
     ],
-    ids=["ignore-index", "class-weights", "label-smoothing", "squared", "python-control-flow"],
+    ids=["ignore-index", "class-weights", "weight-parameter", "weight-assigned",
+         "label-smoothing", "squared", "python-control-flow"],
 )
 def test_loss_reductions(loss_fn):
     model = mlp().to(DT)
     x, t = _randn(6, 6), torch.tensor([0, 1, 2, 2, 1, 0])
     ref = loop_reference(model, loss_fn, x, t)
-    got = per_sample_grads(model, loss_fn, x, t, strategy="hooks")
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], equal_nan=True)
+    # twice: the second call reuses the plan the first made
+    for _ in range(2):
+        got = per_sample_grads(model, loss_fn, x, t, strategy="hooks")
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], equal_nan=True)
 
 
 def test_model_output_not_batch_first_falls_back():

@@ -64,9 +64,13 @@ def _reduction_scale(loss_fn: Any, out: Any, targets: Any, batch: int) -> float 
         return None
     ignore: int | None = None
     if type(loss_fn) in _SEPARABLE_LOSSES:
-        # (torch's weighted losses register ``weight`` as a buffer; reading the buffer
-        # directly spares Module.__getattr__'s failed lookup on the others)
-        if loss_fn.__dict__.get("_buffers", {}).get("weight") is not None:
+        # (torch's weighted losses register ``weight`` as a buffer, and a user may assign
+        # an nn.Parameter in its place, which moves it to the parameters; reading both dicts
+        # directly spares Module.__getattr__'s failed lookup on the losses without one)
+        d = loss_fn.__dict__
+        if (d.get("_buffers", {}).get("weight") is not None
+                or d.get("_parameters", {}).get("weight") is not None
+                or d.get("weight") is not None):
             return None
         reduction = loss_fn.reduction
         ignore = getattr(loss_fn, "ignore_index", None)
