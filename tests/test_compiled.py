@@ -365,3 +365,51 @@ def test_a_training_modules_buffers_are_left_as_they_were():
     # torch.func refuses the running statistics' in-place update inside a transform, so
     # the signature runs eagerly, as the warning says (the eager path loops, unchanged)
     assert sum("compile=True could not compile" in str(w.message) for w in caught) == 1
+
+
+@pytest.mark.parametrize("call", ["jacobian", "per_sample_grads"])
+def test_hooks_registered_or_removed_after_a_compiled_call_are_followed(call):
+    # dynamo skips guards on empty module hook dicts by default; a compiled program
+    # reused after a hook is added would leave the hook out of the result
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    if call == "jacobian":
+        def compute(eager=False):
+            kw = {"strategy": "rev-loop"} if eager else {"compile": True}
+            return {"J": tv.jacobian(lambda t: model(t), x, **kw)}
+    else:
+        def compute(eager=False):
+            kw = {"strategy": "loop"} if eager else {"compile": True}
+            return tv.per_sample_grads(model, torch.nn.MSELoss(), x, y, **kw)
+
+    def check():
+        got, ref = compute(), compute(eager=True)
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k])
+        return got
+
+    plain = check()
+    check()  # the compiled program, reused
+    handle = model[1].register_forward_hook(lambda m, i, o: o * 2.0)
+    hooked = check()
+    assert not torch.allclose(hooked[next(iter(hooked))], plain[next(iter(plain))])
+    handle.remove()
+    check()
+    handle = model[2].register_forward_pre_hook(lambda m, i: (i[0] * 3.0,))
+    check()
+    handle.remove()
+    check()
+
+
+def test_a_closure_tensor_that_is_the_primal_on_one_call_is_still_a_constant():
+    # the same object as closure value and primal on one call, distinct objects on the
+    # others: each call's Jacobian is that of its own closure
+    make = lambda T: (lambda x: torch.sin(x) * T)  # noqa: E731
+    for k in range(4):
+        x = torch.randn(3, dtype=D)
+        T = x if k in (0, 2) else torch.randn(3, dtype=D)
+        got = tv.jacobian(make(T), x, compile=True)
+        torch.testing.assert_close(got, torch.func.jacrev(make(T))(x))
+        torch.testing.assert_close(got, torch.diag(torch.cos(x) * T))

@@ -21,7 +21,10 @@ one graph.
 * A compiled program runs as the eager call does, inside ``buffers_kept(f)``: a module in
   training mode that ``f`` reaches (or the model, for the per-sample functions) gets back
   every buffer its forward changed (BatchNorm's running statistics, spectral norm's
-  vectors), since the program runs ``f`` as often as the products need.
+  vectors), since the program runs ``f`` as often as the products need. Where ``f`` reaches
+  a module, the call also runs with dynamo's guards on empty module hook dicts switched on
+  (:class:`_HookGuards`): a hook registered after the first call recompiles the program
+  instead of being left out of every later result (about 4 us per call).
 
 Each cache entry compiles a function with a code object of its own, because dynamo keeps its
 compiled variants per code object and stops compiling one after ``recompile_limit`` (8)
@@ -61,7 +64,7 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_vjp._engine.context import NO_CONTEXT, buffers_kept
+from torch_vjp._engine.context import NO_CONTEXT, buffers_kept, modules_reached
 from torch_vjp._engine.symmetry import tolerance
 from torch_vjp._errors import (
     JacobianOptionError,
@@ -457,6 +460,49 @@ def _warn_eager(call: str, f: object, why: str) -> None:
     )
 
 
+class _HookGuards:
+    """Dynamo guards on the hooks of the modules a program calls while any compiled call of
+    ours runs (and may compile).
+
+    By default (``torch._dynamo.config.skip_nnmodule_hook_guards``) dynamo does not guard
+    the empty hook dicts of the modules it traces, so a hook registered after the first
+    call would be ignored by every later one: a forward hook that rescales an output, left
+    out of the Jacobian. Guards are built when a program is compiled, which happens inside
+    the call that meets a new hook (a recompile), so the setting is held for the whole call.
+    A count under ``_LOCK`` keeps it for overlapping calls in several threads; the user's
+    own compiles that run meanwhile get the stricter guards too, which only costs them a
+    check."""
+
+    __slots__ = ("depth", "saved")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.saved = True
+
+    def __enter__(self) -> None:
+        config = torch._dynamo.config  # (imported by torch.compile, which ran before)
+        with _LOCK:
+            if self.depth == 0:
+                self.saved = config.skip_nnmodule_hook_guards
+                config.skip_nnmodule_hook_guards = False
+            self.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        config = torch._dynamo.config
+        with _LOCK:
+            self.depth -= 1
+            if self.depth == 0:
+                config.skip_nnmodule_hook_guards = self.saved
+
+
+_HOOK_GUARDS = _HookGuards()
+
+
+def _hook_guards(modules: list[Any]) -> Any:
+    """:data:`_HOOK_GUARDS` where ``f`` calls modules (hooks cannot matter otherwise)."""
+    return _HOOK_GUARDS if modules else NO_CONTEXT
+
+
 def compiled_call(
     call: str,
     f: object,
@@ -489,8 +535,9 @@ def compiled_call(
     if entry is not None:
         if entry.run is None:
             return eager()
+        modules = modules_reached(f)
         try:
-            with buffers_kept(f):
+            with _hook_guards(modules), buffers_kept(f, modules):
                 return entry.run(f, *args)  # this call's f: its closure as it is now
         except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
             if passes_through(err):
@@ -509,8 +556,9 @@ def compiled_call(
     if rebuilt >= REBUILD_WARN_AT:
         _warn_rebuilt(call, f, rebuilt)
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}"
+    modules = modules_reached(f)
     try:
-        with buffers_kept(f):  # build() may call f for its output sizes
+        with _hook_guards(modules), buffers_kept(f, modules):  # build() may call f
             program = torch.compile(_own_code(build(), name), fullgraph=True, dynamic=False)
             got = program(f, *args)
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands

@@ -106,7 +106,7 @@ def graph_mode(create_graph: object, *, call: str) -> tuple[Any, bool]:
     return NO_CONTEXT, True
 
 
-def buffers_kept(f: object) -> Any:
+def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None) -> Any:
     """Restores the buffers of the modules ``f`` uses if calling ``f`` changed them.
 
     The Jacobian functions call ``f`` more than once (a probe for the output size, a
@@ -117,11 +117,16 @@ def buffers_kept(f: object) -> Any:
     (``lambda t: bn(t)``). Where any of them has a submodule in training mode, every buffer is
     saved first and any that changed is put back, so that nothing of the user's is mutated.
 
+    Args:
+        f: the function.
+        modules: ``modules_reached(f)``, where the caller has it already.
+
     Returns:
         A context manager (one that does nothing when ``f`` reaches no module in training
         mode).
     """
-    modules = modules_reached(f)
+    if modules is None:
+        modules = modules_reached(f)
     if not modules or is_nested():
         return NO_CONTEXT
     return _module_buffers_kept(modules)
