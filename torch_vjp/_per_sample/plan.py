@@ -108,6 +108,12 @@ class Plan:
     #: [one run]), and that was checked against the loop
     verified_one_run: bool = False
     mutable_buffers: list[str] = field(default_factory=list)
+    #: parameters a forward changes in place (Embedding's max_norm renormalises the rows it
+    #: looks up): put back after each call, as the buffers are
+    mutable_params: list[str] = field(default_factory=list)
+    #: the two lists above are not known yet (planning ran no forward): the first call
+    #: keeps every buffer and parameter, and fills them in (BuffersKept)
+    watch: bool = False
     #: the hooked layers and attention modules, ``(path, module)``, found once (Recorder)
     layers: Any = None
 

@@ -94,20 +94,31 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         cache = {}
     plan = None if rebuild else cache.get(key)
     if plan is None:
-        # Planning runs the model a few times: its buffers are put back afterwards, and the
-        # ones those runs changed are the ones each call must keep (a model in training mode
-        # that updates buffers in its forward, as spectral normalisation does).
+        # Planning runs the model a few times: its buffers and parameters are put back
+        # afterwards, and the ones those runs changed are the ones each call must keep (a
+        # model in training mode that updates buffers in its forward, as spectral
+        # normalisation does; an Embedding with max_norm, which renormalises the rows it
+        # looks up in place, in any mode). A parameter changed in place bumps its version
+        # counter; only those are compared (the copies cost one copy of the parameters, on
+        # the first call of a model structure).
         saved = [(n, b, b.detach().clone()) for n, b in model.named_buffers()]
+        params = [(n, p, p.detach().clone(), p._version) for n, p in model.named_parameters()]
         try:
             plan = build_plan(job)
         finally:
-            changed = []
+            changed, changed_params = [], []
             with torch.no_grad():
                 for n, b, copy in saved:
                     if not torch.equal(b, copy):
                         b.copy_(copy)
                         changed.append(n)
+                for n, p, copy, version in params:
+                    if p._version != version and not torch.equal(p, copy):
+                        p.copy_(copy)
+                        changed_params.append(n)
+            del params
         plan.mutable_buffers = changed
+        plan.mutable_params = changed_params
         if len(cache) >= _MAX_PER_MODEL:
             cache.pop(next(iter(cache)))
         cache[key] = plan
@@ -146,10 +157,9 @@ def build_plan(job: Job) -> Plan:
     """Builds the plan (NOTE [the per-sample plan])."""
     model, xs, sel, batch, strategy = job.model, job.xs, job.sel, job.batch, job.strategy
     if strategy == "loop":
-        if next(model.buffers(), None) is not None:
-            with torch.no_grad():  # once, so that plan_for sees the buffers a forward changes
-                seeded_forward(model, xs, aliases_of(sel))
-        return Plan(strategy, _all_params(sel, "loop", "strategy='loop'"), verified=True)
+        # (no forward here: the plan's first call finds what a forward changes in place)
+        return Plan(strategy, _all_params(sel, "loop", "strategy='loop'"), verified=True,
+                    watch=True)
     if strategy == "vmap":
         rng = _Randomness()
         with torch.no_grad(), rng:

@@ -117,37 +117,63 @@ def _tables(model: nn.Module, selected: frozenset[int]) -> tuple[nn.Module, ...]
 
 
 class BuffersKept:
-    """Puts back the buffers the plan found a forward changes (spectral normalisation's
-    vectors in training mode): no buffer of the model changes (SPEC §0). Inside, ``job.reset``
-    is the function that puts them back (None where no forward changes one): the
-    per-example runs call it before each example, so that every example runs alone from the
-    caller's state, as the definition says."""
+    """Puts back the buffers and parameters the plan found a forward changes (spectral
+    normalisation's vectors in training mode, the rows an Embedding with max_norm
+    renormalises): nothing of the model changes (SPEC §0). Inside, ``job.reset`` is the
+    function that puts them back (None where no forward changes one): the per-example runs
+    call it before each example, so that every example runs alone from the caller's state,
+    as the definition says."""
 
-    __slots__ = ("job", "saved")
+    __slots__ = ("job", "saved", "plan", "watched", "changed")
 
     def __init__(self, job: Job, plan: Plan):
         self.job = job
+        self.plan = plan
         self.saved: list[tuple[Tensor, Tensor]] | None = None
-        if plan.mutable_buffers:
+        # (name, is a buffer, tensor, copy, version) of everything, on a plan's first call
+        # where planning ran no forward (strategy='loop')
+        self.watched: list[tuple[str, bool, Tensor, Tensor, int]] | None = None
+        self.changed: dict[str, bool] = {}  # what reset() found changed: name -> a buffer
+        if plan.watch:
+            model = job.model
+            self.watched = [(n, True, b, b.detach().clone(), b._version)
+                            for n, b in model.named_buffers()]
+            self.watched += [(n, False, p, p.detach().clone(), p._version)
+                             for n, p in model.named_parameters()]
+        elif plan.mutable_buffers or plan.mutable_params:
             self.saved = []
-            for n in plan.mutable_buffers:
-                try:
-                    b = job.model.get_buffer(n)
-                except AttributeError:
-                    continue
-                self.saved.append((b, b.detach().clone()))
+            model = job.model
+            for names, get in ((plan.mutable_buffers, model.get_buffer),
+                               (plan.mutable_params, model.get_parameter)):
+                for n in names:
+                    try:
+                        t = get(n)
+                    except AttributeError:
+                        continue
+                    self.saved.append((t, t.detach().clone()))
 
     def reset(self) -> None:
         with grad_enabled(False):
             for b, copy in self.saved or ():
                 b.copy_(copy)
+            for n, is_buffer, t, copy, version in self.watched or ():
+                # (kernels update running statistics without a version bump)
+                if (is_buffer or t._version != version) and not torch.equal(t, copy):
+                    t.copy_(copy)
+                    self.changed[n] = is_buffer
 
     def __enter__(self) -> None:
-        self.job.reset = None if self.saved is None else self.reset
+        self.job.reset = None if self.saved is None and self.watched is None else self.reset
 
     def __exit__(self, *exc: object) -> None:
-        if self.saved is not None:
+        if self.saved is not None or self.watched is not None:
             self.reset()
+        if self.watched is not None:
+            plan = self.plan
+            plan.mutable_buffers = [n for n, b in self.changed.items() if b]
+            plan.mutable_params = [n for n, b in self.changed.items() if not b]
+            plan.watch = False
+            self.watched = None
         self.job.reset = None
 
 
