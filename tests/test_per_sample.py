@@ -249,6 +249,31 @@ def test_sequence_first_transformer(seq):
     _check(model, nn.CrossEntropyLoss(), _ints(20, 5, seq), _ints(3, 5))
 
 
+class PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, mask):
+        return self.head(self.enc(x, src_key_padding_mask=mask).mean(1))
+
+
+def test_encoder_in_eval_mode_with_a_padding_mask():
+    # without grad, nn.TransformerEncoder takes its inference fast path (nested tensors,
+    # fused kernels that call none of its submodules); the plan is made in grad mode, as
+    # the pass it is for, so the rules see the same calls
+    torch.manual_seed(0)
+    model = PaddedEncoder().to(DT).eval()
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    mask[:, -2:] = True
+    x = (_randn(4, 5, 8), mask)
+    _check(model, nn.CrossEntropyLoss(), x, _ints(2, 4), ("hooks", "auto", "loop"))
+    plan = torch_vjp.per_sample_plan(model, nn.CrossEntropyLoss(), x, _ints(2, 4))
+    assert {r.method for r in plan.rows} == {"rule"}, str(plan)
+
+
 class Cross(nn.Module):
     def __init__(self, **kw):
         super().__init__()

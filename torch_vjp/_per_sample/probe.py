@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._errors import TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Job, Selection
@@ -171,7 +171,9 @@ def build_plan(job: Job) -> Plan:
             "generator of its own: no setting of vmap's randomness replays both")
         return Plan(strategy, _all_params(sel, method, reason), vmap_randomness=mode,
                     random_global=rng.global_rng)
-    with torch.no_grad():
+    # (in grad mode, as the pass the plan is for: a module with a fast path for inference,
+    # nn.TransformerEncoder's, takes it only without grad, and would call other modules)
+    with torch.enable_grad():
         try:
             full = _shape_run(model, xs, aliases_of(sel))
         except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
@@ -200,23 +202,25 @@ def build_plan(job: Job) -> Plan:
 def _shape_run(
     model: nn.Module, xs: Sequence[Tensor], aliases: dict[str, Tensor] | None
 ) -> tuple[Any, ShapeRecord]:
-    """One forward without a graph, recording the tensor input shapes of every call of the
-    model's modules, in the order the recorder sees them (when each call returns)."""
+    """One forward, recording the tensor input shapes of every call of the model's modules,
+    in the order the recorder sees them (when each call returns); the output detached, so
+    that its graph is freed at once. (A nested tensor has no shape: None.)"""
     record = ShapeRecord([])
     ours = {id(m) for m in model.modules()}
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in ours:
-            record.calls.append(
-                (id(module), [tuple(t.shape) for t in tree_leaves(args) if isinstance(t, Tensor)])
-            )
+            record.calls.append((id(module), [
+                None if t.is_nested else tuple(t.shape)
+                for t in tree_leaves(args) if isinstance(t, Tensor)
+            ]))
 
     handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
         out = seeded_forward(model, xs, aliases)
     finally:
         handle.remove()
-    return out, record
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), record
 
 
 def _batch_dims_of(full: Any, small: tuple[Any, Any] | None, batch: int) -> list[int] | None:
