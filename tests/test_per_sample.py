@@ -674,7 +674,6 @@ def _err_cases():
     m, lf, x, t = _small()
     bn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.BatchNorm2d(2)), nn.Flatten())
     bn_stats = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2, track_running_stats=False)).eval()
-    inorm = nn.Sequential(nn.Conv1d(1, 2, 1), nn.InstanceNorm1d(2, track_running_stats=True))
     frozen = nn.Linear(3, 2).requires_grad_(False)
     return [
         ("strategy", lambda: per_sample_grads(m, lf, x, t, strategy="jacrev"), StrategyError,
@@ -686,8 +685,6 @@ def _err_cases():
          r".*model\[1\]\[0\].eval\(\).*nn.GroupNorm\(num_groups, 2\)"),
         ("batchnorm-no-running-stats", lambda: per_sample_grads(bn_stats, lf, x, t), PerSampleError,
          r"module '1' \(BatchNorm1d\) has no running statistics \(track_running_stats=False\)"),
-        ("instancenorm-running-stats", lambda: per_sample_grads(inorm, lambda o: o.sum(), _randn(2, 1, 3)),
-         PerSampleError, r"module '1' \(InstanceNorm1d\) is in training mode with track_running_stats"),
         ("model-type", lambda: per_sample_grads(lambda z: z, lf, x, t), PerSampleTypeError,
          r"model must be a torch.nn.Module, got function"),
         ("inputs-type", lambda: per_sample_grads(m, lf, [[1.0, 2.0]], t), PerSampleTypeError,

@@ -6,6 +6,8 @@ Every result is compared in float64 with the definition, one example at a time.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -299,7 +301,8 @@ class _ShrinkInForward(nn.Module):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("layer", ["embedding-max-norm", "shrink-in-forward"])
+@pytest.mark.parametrize("layer", ["embedding-max-norm", "shrink-in-forward",
+                                   "instancenorm-running-stats"])
 def test_parameters_a_forward_changes_in_place_are_put_back(strategy, layer):
     # Embedding(max_norm) renormalises the rows it looks up in place; every example runs
     # from the caller's parameters, as the definition says, and the caller gets them back
@@ -310,9 +313,13 @@ def test_parameters_a_forward_changes_in_place_are_put_back(strategy, layer):
         with torch.no_grad():
             model[0].weight.mul_(3.0)
         x = torch.randint(0, 10, (5, 3))
-    else:
+    elif layer == "shrink-in-forward":
         model = _OwnSequential(nn.Linear(3, 4), _ShrinkInForward(), nn.Linear(4, 2)).to(DT)
         x = torch.randn(5, 3, dtype=DT)
+    else:  # training mode: each example's own statistics; the running ones move
+        model = _OwnSequential(nn.Conv1d(2, 3, 2), nn.InstanceNorm1d(3, affine=True,
+                               track_running_stats=True), nn.Flatten(), nn.Linear(9, 2)).to(DT)
+        x = torch.randn(5, 2, 4, dtype=DT)
     y = torch.randn(5, 2, dtype=DT)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     names = [n for n, p in model.named_parameters()]
@@ -336,7 +343,9 @@ def test_parameters_a_forward_changes_in_place_are_put_back(strategy, layer):
             try:
                 got = call()
             except tv.StrategyError:
-                assert strategy in ("hooks", "vmap")  # no rule; vmap cannot batch the renorm
+                # no rule (InstanceNorm has one); vmap cannot batch the in-place changes
+                assert strategy == "vmap" or (
+                    strategy == "hooks" and layer != "instancenorm-running-stats")
             else:
                 if what == "grads":
                     for n in names:
@@ -503,9 +512,16 @@ class UsesItem(nn.Module):
 def test_vmap_failure_is_a_strategy_error_naming_the_layer():
     model = nn.Sequential(nn.Linear(3, 3), UsesItem(), nn.Linear(3, 2)).to(DT)
     x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
-    with pytest.raises(tv.StrategyError, match=r"(?s)strategy='vmap' cannot batch this model in "
-                       r"module '1' \(UsesItem\).*strategy='loop'.*strategy='auto'"):
-        tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="vmap")
+    # the same error from the three functions (the norms and the clipped step did not
+    # raise: they looped, with a warning that named strategy='auto')
+    for call in (tv.per_sample_grads, tv.per_sample_grad_norms,
+                 functools.partial(tv.accumulate_clipped_grads, max_norm=1.0)):
+        name = getattr(call, "func", call).__name__
+        with pytest.raises(tv.StrategyError, match=rf"(?s)torch_vjp.{name}: strategy='vmap' "
+                           r"cannot batch this model in module '1' \(UsesItem\).*"
+                           r"strategy='loop'.*strategy='auto'"):
+            call(model, nn.MSELoss(), x, y, strategy="vmap")
+    assert all(p.grad is None for p in model.parameters())
     with pytest.warns(tv.TorchVJPWarning, match="could not vectorise"):
         got = tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="auto")
     assert_matches(got, loop_reference(model, nn.MSELoss(), x, y))

@@ -186,6 +186,12 @@ CASES = {
                                           vec_inputs(4), _IN),
     "instancenorm3d-eval-running-stats": (norm_net("instance", 3, track=True, eval_mode=True),
                                           vec_inputs(3), _IN),
+    # ... and training mode with running statistics: each example still normalised by its
+    # own statistics (the running ones, which the forward updates, are put back)
+    "instancenorm1d-train-running-stats": (norm_net("instance", 1, track=True),
+                                           vec_inputs(4), _IN),
+    "instancenorm2d-train-running-stats": (norm_net("instance", 2, track=True),
+                                           vec_inputs(4), _IN),
     "instancenorm2d-batch-of-one": (norm_net("instance", 2), vec_inputs(1), _IN),
     "instancenorm1d-unbatched-input-batch-of-one": (
         norm_net("instance", 1, unbatched=True), vec_inputs(1), _IN),

@@ -149,15 +149,6 @@ def check_static_mixing(fn: str, model: nn.Module) -> None:
                     f"nn.GroupNorm(num_groups, {c}), which normalises each example on its own, "
                     f"or build it with track_running_stats=True and use it in eval mode."
                 )
-        elif isinstance(m, nn.modules.instancenorm._InstanceNorm):
-            if m.training and m.track_running_stats:
-                raise PerSampleError(
-                    f"torch_vjp.{fn}: {where} ({kind}) is in training mode with "
-                    f"track_running_stats=True, so every forward pass updates its running "
-                    f"statistics from the whole batch; computing per-sample gradients would "
-                    f"change the model.\n  Fix: put it in eval mode "
-                    f"({access(path)}.eval()), or build it with track_running_stats=False."
-                )
 
 
 

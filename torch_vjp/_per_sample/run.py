@@ -328,14 +328,17 @@ def norms_and_sums(
     groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
               if names]
 
+    # (strategy='vmap' raises where vmap fails, as per_sample_grads does; the others loop)
+    vmap_mode = "vmap" if job.strategy == "vmap" else "auto"
+
     def chunked(names: list[str], method: str) -> Iterator[tuple[int, int, dict[str, Tensor]]]:
         step = _fallback_chunk(sel, names, batch)
         for s in range(0, batch, step):
             e = min(batch, s + step)
             if job.reset is not None:
                 job.reset()
-            g = fallback_grads(job, "auto" if method == "vmap" else "loop", names, s, e, None,
-                               plan.vmap_randomness if method == "vmap" else None)
+            g = fallback_grads(job, vmap_mode if method == "vmap" else "loop", names, s, e,
+                               None, plan.vmap_randomness if method == "vmap" else None)
             yield s, e, g
 
     def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
