@@ -476,6 +476,22 @@ def test_nothing_is_mutated():
     assert torch.equal(x, x0) and J.shape == (12, 12)
 
 
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr, torch.sparse_csc])
+def test_each_result_owns_its_indices(layout):
+    # the plan caches the index tensors; a result that shared them would change every
+    # later result when the user changes it in place
+    x = torch.randn(5, dtype=D)
+    f = lambda u: u[1:] * u[:-1].exp()  # noqa: E731
+    ref = torch.func.jacrev(f)(x)
+    first = sparse_jacobian(f, x, layout=layout)
+    if layout is torch.sparse_coo:
+        first.t_()
+    else:
+        (first.crow_indices() if layout is torch.sparse_csr else first.ccol_indices()).zero_()
+    again = sparse_jacobian(f, x, layout=layout)
+    torch.testing.assert_close(again.to_dense(), ref)
+
+
 class _Twice(torch.autograd.Function):
     """Forward and both modes of AD, but no vmap support."""
 

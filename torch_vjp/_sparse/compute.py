@@ -360,6 +360,10 @@ def assemble(values: Tensor, plan: Plan, layout: torch.layout) -> Tensor:
     p = plan.pattern
     idx = plan.layout_indices(layout, values.device)
     size = (p.m, p.n)
+    if layout is not torch.strided:
+        # the result owns its indices: the plan's cached ones, handed out, would change
+        # under every later result when a user changes one in place (J.t_(), an index edit)
+        idx = tuple(t.clone() for t in idx)
     if layout is torch.sparse_coo:
         return torch.sparse_coo_tensor(
             idx[0], values, size, is_coalesced=True, check_invariants=False
