@@ -1018,16 +1018,34 @@ def _reach_bn(bn):
     def closure(t):
         return bn(t) * 2
 
+    class Holder:  # a plain object holding the module, as a training script's class does
+        def __init__(self):
+            self.model = bn
+
+        def __call__(self, t):
+            return self.model(t)
+
+        def as_lambda(self):
+            return lambda t: self.model(t)
+
+    held = [bn]
     return {
         "module": bn,
         "lambda": lambda t: bn(t),
         "closure": closure,
         "partial": functools.partial(lambda m, t: m(t), bn),
         "bound-method": bn.forward,
+        "callable-object": Holder(),
+        "lambda-over-self": Holder().as_lambda(),
+        "list": lambda t: held[0](t),
     }
 
 
-@pytest.mark.parametrize("how", ["module", "lambda", "closure", "partial", "bound-method"])
+_REACH = ["module", "lambda", "closure", "partial", "bound-method", "callable-object",
+          "lambda-over-self", "list"]
+
+
+@pytest.mark.parametrize("how", _REACH)
 @pytest.mark.parametrize("call", ["jacobian", "batch_jacobian", "hessian"])
 def test_batchnorm_buffers_never_move(how, call):
     bn = _training_bn()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -132,12 +133,20 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None) -> Any
     return _module_buffers_kept(modules)
 
 
+#: Items of one container (or attributes of one object) :func:`modules_reached` searches.
+_ITEMS_SEARCHED = 32
+_NOT_SEARCHED = (Tensor, str, bytes, int, float, complex, bool, type, types.ModuleType,
+                 type(None))
+
+
 def modules_reached(f: object, depth: int = 3) -> list[torch.nn.Module]:
     """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
-    ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, and
-    the values a function's closure cells and the globals its code names hold (recursively
-    into functions found there, ``depth`` levels). Attributes of plain objects are not
-    searched: a module held in a list in a global is not found."""
+    ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, the
+    values a function's closure cells and the globals its code names hold, the attributes
+    of a plain object (``lambda x: self.model(x)``, a callable wrapper object) and the items
+    of a list, tuple or dict (the first :data:`_ITEMS_SEARCHED`), recursively, ``depth``
+    levels. A module reached deeper, or only through a module it does not own, is not
+    found."""
     found: dict[int, torch.nn.Module] = {}
     seen: set[int] = set()
 
@@ -148,7 +157,15 @@ def modules_reached(f: object, depth: int = 3) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.Module):
             found[id(obj)] = obj
             return
-        if level <= 0 or isinstance(obj, (Tensor, str, bytes, int, float, type)):
+        if level <= 0 or isinstance(obj, _NOT_SEARCHED):
+            return
+        if isinstance(obj, (list, tuple)):
+            for item in obj[:_ITEMS_SEARCHED]:
+                visit(item, level - 1)
+            return
+        if isinstance(obj, dict):
+            for item in itertools.islice(obj.values(), _ITEMS_SEARCHED):
+                visit(item, level - 1)
             return
         if isinstance(obj, functools.partial):
             visit(obj.func, level - 1)
@@ -164,6 +181,10 @@ def modules_reached(f: object, depth: int = 3) -> list[torch.nn.Module]:
         func = getattr(obj, "__func__", obj)
         code = getattr(func, "__code__", None)
         if code is None:
+            attrs = getattr(obj, "__dict__", None)  # a plain object: its attributes
+            if isinstance(attrs, dict):
+                for item in itertools.islice(attrs.values(), _ITEMS_SEARCHED):
+                    visit(item, level - 1)
             return
         for cell in getattr(func, "__closure__", None) or ():
             try:
