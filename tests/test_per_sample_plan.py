@@ -361,6 +361,24 @@ def test_parameters_a_forward_changes_in_place_are_put_back(strategy, layer):
                 assert torch.equal(v, before[k]), (what, k)
 
 
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_a_parameter_changed_in_place_by_later_batches_only_is_put_back(strategy):
+    # the first batch looks up rows within max_norm (renormalising changes nothing, but
+    # the weight's version moves); the second looks up longer rows
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(),
+                          nn.Linear(12, 2)).to(DT)
+    with torch.no_grad():
+        w = model[0].weight
+        w[:5] *= 0.1 / w[:5].norm(dim=1, keepdim=True)
+        w[5:] *= 3.0 / w[5:].norm(dim=1, keepdim=True)
+    before = model[0].weight.clone()
+    y = torch.randn(4, 2, dtype=DT)
+    for x in (torch.randint(0, 5, (4, 3)), torch.randint(5, 10, (4, 3))):
+        tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy=strategy)
+        assert torch.equal(model[0].weight, before)
+
+
 def test_frozen_parameter_named_for_accumulation_is_refused():
     torch.manual_seed(0)
     model = nn.Linear(3, 2).to(DT)

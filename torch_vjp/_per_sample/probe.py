@@ -113,8 +113,12 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
                         b.copy_(copy)
                         changed.append(n)
                 for n, p, copy, version in params:
-                    if p._version != version and not torch.equal(p, copy):
-                        p.copy_(copy)
+                    # (a version that moved marks the parameter even where this batch left
+                    # its values as they were: Embedding's max_norm renormalises only the
+                    # rows a batch looks up that are longer than max_norm)
+                    if p._version != version:
+                        if not torch.equal(p, copy):
+                            p.copy_(copy)
                         changed_params.append(n)
             del params
         plan.mutable_buffers = changed

@@ -157,10 +157,17 @@ class BuffersKept:
             for b, copy in self.saved or ():
                 b.copy_(copy)
             for n, is_buffer, t, copy, version in self.watched or ():
-                # (kernels update running statistics without a version bump)
-                if (is_buffer or t._version != version) and not torch.equal(t, copy):
-                    t.copy_(copy)
-                    self.changed[n] = is_buffer
+                # (kernels update running statistics without a version bump; a parameter
+                # whose version moved is kept from then on, even where its values did not
+                # change this time)
+                if is_buffer:
+                    if not torch.equal(t, copy):
+                        t.copy_(copy)
+                        self.changed[n] = True
+                elif t._version != version:
+                    if not torch.equal(t, copy):
+                        t.copy_(copy)
+                    self.changed[n] = False
 
     def __enter__(self) -> None:
         self.job.reset = None if self.saved is None and self.watched is None else self.reset
