@@ -367,7 +367,7 @@ def test_a_training_modules_buffers_are_left_as_they_were():
     assert sum("compile=True could not compile" in str(w.message) for w in caught) == 1
 
 
-@pytest.mark.parametrize("call", ["jacobian", "per_sample_grads"])
+@pytest.mark.parametrize("call", ["jacobian", "jacobian-through-an-object", "per_sample_grads"])
 def test_hooks_registered_or_removed_after_a_compiled_call_are_followed(call):
     # dynamo skips guards on empty module hook dicts by default; a compiled program
     # reused after a hook is added would leave the hook out of the result
@@ -375,10 +375,19 @@ def test_hooks_registered_or_removed_after_a_compiled_call_are_followed(call):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
                                 torch.nn.Linear(4, 2)).double()
     x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
-    if call == "jacobian":
+    if call.startswith("jacobian"):
+        class Trainer:  # the model reached through an object's attribute
+            def __init__(self):
+                self.net = model
+
+            def step(self, t):
+                return self.net(t)
+
+        f = Trainer().step if call == "jacobian-through-an-object" else (lambda t: model(t))
+
         def compute(eager=False):
             kw = {"strategy": "rev-loop"} if eager else {"compile": True}
-            return {"J": tv.jacobian(lambda t: model(t), x, **kw)}
+            return {"J": tv.jacobian(f, x, **kw)}
     else:
         def compute(eager=False):
             kw = {"strategy": "loop"} if eager else {"compile": True}

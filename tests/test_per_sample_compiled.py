@@ -94,3 +94,38 @@ def test_spectral_norm_vectors_are_left_as_they_were():
     for n, b in model.named_buffers():
         assert torch.equal(b, before[n]), n
     torch.testing.assert_close(got, tv.per_sample_grads(model, loss_fn, x, y, strategy="loop"))
+
+
+class _GrowsInForward(nn.Module):
+    """Changes its own parameter in place on every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.s = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.s.mul_(1.5)
+        return self.lin(x) * self.s
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vmap", "loop"])
+def test_a_forward_changing_a_parameter_in_place_stays_eager_and_leaves_it(strategy):
+    # the eager path puts such a parameter back on every call; a compiled program cannot,
+    # so the signature stays eager (it changed the parameter for good, and later results
+    # were computed from the changed one)
+    torch.manual_seed(0)
+    model = _GrowsInForward().to(D)
+    x, y = torch.randn(4, 3, dtype=D), torch.randn(4, 2, dtype=D)
+    before = model.s.clone()
+    ref = tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="loop")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tv.JacobianWarning)
+        for _ in range(3):
+            got = tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy=strategy,
+                                      compile=True)
+            for n in ref:
+                torch.testing.assert_close(got[n], ref[n], msg=n)
+            assert torch.equal(model.s, before)
+    assert sum("changes a parameter in place" in str(w.message) for w in caught) == 1

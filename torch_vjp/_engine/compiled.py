@@ -21,10 +21,12 @@ one graph.
 * A compiled program runs as the eager call does, inside ``buffers_kept(f)``: a module in
   training mode that ``f`` reaches (or the model, for the per-sample functions) gets back
   every buffer its forward changed (BatchNorm's running statistics, spectral norm's
-  vectors), since the program runs ``f`` as often as the products need. Where ``f`` reaches
-  a module, the call also runs with dynamo's guards on empty module hook dicts switched on
+  vectors), since the program runs ``f`` as often as the products need. Every compiled
+  call also runs with dynamo's guards on empty module hook dicts switched on
   (:class:`_HookGuards`): a hook registered after the first call recompiles the program
-  instead of being left out of every later result (about 4 us per call).
+  instead of being left out of every later result (about 4 us per call). A function whose
+  first compiled run changes a parameter in place (an Embedding with max_norm) gets the
+  parameter back and stays eager, where such changes are put back on every call.
 
 Each cache entry compiles a function with a code object of its own, because dynamo keeps its
 compiled variants per code object and stops compiling one after ``recompile_limit`` (8)
@@ -471,7 +473,9 @@ class _HookGuards:
     the call that meets a new hook (a recompile), so the setting is held for the whole call.
     A count under ``_LOCK`` keeps it for overlapping calls in several threads; the user's
     own compiles that run meanwhile get the stricter guards too, which only costs them a
-    check."""
+    check. Held for every compiled call, not only where :func:`modules_reached` finds a
+    module: a module reached in a way that search does not follow must not lose its
+    hooks."""
 
     __slots__ = ("depth", "saved")
 
@@ -498,9 +502,28 @@ class _HookGuards:
 _HOOK_GUARDS = _HookGuards()
 
 
-def _hook_guards(modules: list[Any]) -> Any:
-    """:data:`_HOOK_GUARDS` where ``f`` calls modules (hooks cannot matter otherwise)."""
-    return _HOOK_GUARDS if modules else NO_CONTEXT
+def _parameters_watched(modules: list[Any]) -> list[tuple[Tensor, Tensor, int]]:
+    """Each parameter of ``modules`` with a copy and its version (the first call only)."""
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((p, p.detach().clone(), p._version))
+    return out
+
+
+def _put_back(params: list[tuple[Tensor, Tensor, int]]) -> bool:
+    """Puts back the parameters whose version moved; whether there were any."""
+    moved = False
+    with torch.no_grad():
+        for p, copy, version in params:
+            if p._version != version:
+                moved = True
+                if not torch.equal(p, copy):
+                    p.copy_(copy)
+    return moved
 
 
 def compiled_call(
@@ -535,9 +558,8 @@ def compiled_call(
     if entry is not None:
         if entry.run is None:
             return eager()
-        modules = modules_reached(f)
         try:
-            with _hook_guards(modules), buffers_kept(f, modules):
+            with _HOOK_GUARDS, buffers_kept(f):
                 return entry.run(f, *args)  # this call's f: its closure as it is now
         except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
             if passes_through(err):
@@ -557,14 +579,23 @@ def compiled_call(
         _warn_rebuilt(call, f, rebuilt)
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}"
     modules = modules_reached(f)
+    params = _parameters_watched(modules)
     try:
-        with _hook_guards(modules), buffers_kept(f, modules):  # build() may call f
+        with _HOOK_GUARDS, buffers_kept(f, modules):  # build() may call f
             program = torch.compile(_own_code(build(), name), fullgraph=True, dynamic=False)
             got = program(f, *args)
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
         if passes_through(err):
             raise
+        _put_back(params)
         _warn_eager(call, f, quote_error(err))
+        return result
+    if _put_back(params):
+        # (the eager path puts back what a forward changes in place; a compiled program
+        # cannot, so this signature stays eager)
+        _warn_eager(call, f, "the function changes a parameter in place (an Embedding with "
+                             "max_norm, a no-grad update in a forward), which the compiled "
+                             "program cannot put back as the eager call does")
         return result
     why = _results_agree(result, got)
     if why is not None:
