@@ -1059,12 +1059,42 @@ def test_batchnorm_buffers_never_move(how, call):
                 jacobian(f, x, strategy=strategy)
             elif call == "batch_jacobian":
                 tv.batch_jacobian(f, x, strategy=strategy)
-            else:  # torch.func refuses the in-place update of the statistics here
-                with pytest.raises(RuntimeError, match="mutate a captured Tensor"):
-                    tv.hessian(lambda t: f(t).pow(2).sum(), x, strategy=strategy)
+            else:  # torch.func refuses the in-place update: plain autograd computes it
+                got = tv.hessian(lambda t: f(t).pow(3).sum(), x, strategy=strategy)
+                for k, v in before.items():  # the reference from the same statistics
+                    bn.state_dict()[k].copy_(v)
+                ref = torch.autograd.functional.hessian(lambda t: f(t).pow(3).sum(), x)
+                for k, v in before.items():
+                    bn.state_dict()[k].copy_(v)
+                torch.testing.assert_close(got, ref)
+    if call == "hessian":  # the vectorised strategies are torch.func's transforms alone
+        for strategy in ("rev", "fwd"):
+            with pytest.raises(RuntimeError, match="mutate a captured Tensor"):
+                tv.hessian(lambda t: f(t).pow(3).sum(), x, strategy=strategy)
     for k, v in bn.state_dict().items():
         assert torch.equal(v, before[k]), (k, v, before[k])
     assert bn.training
+
+
+def test_hessian_of_a_training_module_by_plain_autograd_keeps_its_structure():
+    bn = _training_bn()
+    x, w = torch.randn(5, 3, dtype=D), torch.randn(3, dtype=D)
+    g = lambda z, v: (bn(z) * v).pow(2).sum(0)  # noqa: E731 - a vector output
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    with pytest.warns(tv.JacobianWarning, match="computed with plain autograd"):
+        got = tv.hessian(g, x, w, argnums=(0, 1))
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ref = torch.autograd.functional.jacobian(
+        lambda a, b: torch.autograd.functional.jacobian(g, (a, b), create_graph=True), (x, w))
+    for i in range(2):
+        for j in range(2):
+            torch.testing.assert_close(got[i][j], ref[i][j])
+    assert got[0][1].shape == (3, 5, 3, 3)
+    with pytest.raises(tv.JacobianCallError, match="returns one tensor, not a tuple"):
+        tv.hessian(lambda z: (bn(z).sum(), bn(z).sum()), x)
+    with pytest.raises(tv.JacobianCallError, match="takes tensor primals only"):
+        tv.hessian(lambda d: bn(d["x"]).sum(), {"x": x})
 
 
 def test_modules_reached_finds_modules_behind_f():

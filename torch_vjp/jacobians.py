@@ -40,7 +40,13 @@ from torch_vjp._engine.compiled import (
 )
 from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
-from torch_vjp._engine.jacobian import hessian_gradient, jacobian_blocks
+from torch_vjp._engine.jacobian import (
+    autograd_hessian,
+    function_key,
+    hessian_gradient,
+    jacobian_blocks,
+    mutates_captured,
+)
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
@@ -402,7 +408,10 @@ def hessian(
 
     Warns:
         JacobianWarning: once per function, when ``"auto"`` falls back to a loop, or returns
-            reverse over reverse because forward over reverse was wrong.
+            reverse over reverse because forward over reverse was wrong, or (``"auto"`` and
+            the loop strategies) computes with plain autograd because ``f`` changes a tensor
+            it captured in place (a module in training mode updating its running
+            statistics), which torch.func's transforms refuse.
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -459,7 +468,25 @@ def hessian(
                 detached=detached,
             )
 
-        res = outer_blocks(outer_mode)
+        try:
+            res = outer_blocks(outer_mode)
+        except RuntimeError as err:
+            # torch.func refuses a function that changes a captured tensor in place (a
+            # module in training mode updating its running statistics); "auto" and the
+            # loop strategies then take plain autograd, as torch.autograd.functional does
+            if not mutates_captured(err) or strat.vectorized and not fallback or is_nested():
+                raise
+            warn_once(
+                ("hessian-autograd", call, function_key(f)),
+                f"{call}: f changes a tensor it captured in place (a module in training "
+                f"mode updating its buffers), which torch.func's transforms refuse, so the "
+                f"Hessian was computed with plain autograd, one backward pass per row: "
+                f"usually many times slower. The buffers are put back afterwards. Put the "
+                f"module in eval mode to keep the vectorised path. This warning is shown "
+                f"once per function.",
+                JacobianWarning,
+            )
+            return autograd_hessian(f, primals, argnums, not detached, call)
         if fallback and res.mode == "fwd" and not is_nested():
             res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)
         warn_disconnected(outer, res)

@@ -69,11 +69,12 @@ from torch_vjp._engine.shapes import (
     probe_shapes,
     row_shapes,
 )
-from torch_vjp._errors import JacobianWarning, quote_error, warn_once
+from torch_vjp._errors import JacobianCallError, JacobianWarning, quote_error, warn_once
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
     "JACOBIAN_ALTERNATIVES", "NoForwardMode", "hessian_gradient", "jacobian_blocks",
+    "mutates_captured", "autograd_hessian",
     "function_key", "function_name",
     "fallback_message", "no_forward_message",
 ]
@@ -472,3 +473,56 @@ def hessian_gradient(
         vmap_single=True,
     )
     return assemble(prob, res)
+
+
+def mutates_captured(err: BaseException) -> bool:
+    """Whether ``err`` is torch.func refusing an in-place change of a tensor the function
+    captured (a BatchNorm's running statistics in training mode): plain autograd allows it."""
+    return isinstance(err, RuntimeError) and "mutate a captured Tensor" in str(err)
+
+
+def autograd_hessian(
+    f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
+    create_graph: bool, call: str,
+) -> Any:
+    """The Hessian with plain autograd (``torch.autograd.functional.jacobian`` of the
+    gradient, one backward pass per row): for functions torch.func refuses to transform
+    because they change a captured tensor in place. ``f`` must return one tensor and the
+    differentiated primals must be tensors; the result has :func:`torch_vjp.hessian`'s
+    structure (one tensor for an int ``argnums``, a tuple of tuples for a tuple)."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    nums = tuple(n % len(primals) for n in nums)
+    if not all(isinstance(primals[n], Tensor) for n in nums):
+        raise JacobianCallError(
+            f"{call}: f changes a tensor it captured in place (a module in training mode "
+            f"updating its buffers), which torch.func cannot differentiate, and the plain "
+            f"autograd fallback takes tensor primals only. Fix: put the module in eval mode, "
+            f"or pass the differentiated primals as tensors."
+        )
+
+    def f_sel(*xs: Tensor) -> Tensor:
+        args = list(primals)
+        for n, x in zip(nums, xs):
+            args[n] = x
+        out = f(*args)
+        if not isinstance(out, Tensor):
+            raise JacobianCallError(
+                f"{call}: f changes a tensor it captured in place (a module in training mode "
+                f"updating its buffers), which torch.func cannot differentiate, and the "
+                f"plain autograd fallback takes an f that returns one tensor, not a "
+                f"{type(out).__name__}. Fix: put the module in eval mode, or return one "
+                f"tensor."
+            )
+        return out
+
+    xs = tuple(primals[n].detach() for n in nums)
+
+    def gradient(*ys: Tensor) -> Any:
+        jac = torch.autograd.functional.jacobian(f_sel, ys, create_graph=True)
+        return jac if len(ys) > 1 else jac[0]
+
+    with torch.enable_grad():
+        h = torch.autograd.functional.jacobian(gradient, xs, create_graph=create_graph)
+    if isinstance(argnums, int):
+        return h[0]
+    return tuple(tuple(row) for row in h)
