@@ -518,7 +518,11 @@ def jacobian_of(
         inputs: a tensor or a sequence of tensors with ``requires_grad=True``.
         retain_graph: keep the graph for later backward passes (default: ``create_graph``).
             The graph is always kept while the products run; with ``retain_graph=False``
-            its buffers are freed by the last one (or when ``outputs`` are released).
+            its buffers are freed by the last one where the products run in several
+            vectorised chunks or in the loop, and otherwise when ``outputs`` are released
+            (a single vectorised product keeps the graph: were it to fail, the loop that
+            replaces it needs the graph whole). Do not rely on ``retain_graph=False`` to
+            make a later ``backward`` through ``outputs`` fail.
         create_graph: make the Jacobian differentiable (for higher derivatives).
         chunk_size: output elements per batched backward pass; ``None`` for as many as the
             free memory allows (usually all).
