@@ -366,8 +366,8 @@ def test_a_parameter_changed_in_place_by_later_batches_only_is_put_back(strategy
     # the first batch looks up rows within max_norm (renormalising changes nothing, but
     # the weight's version moves); the second looks up longer rows
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(),
-                          nn.Linear(12, 2)).to(DT)
+    model = _OwnSequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(),
+                           nn.Linear(12, 2)).to(DT)
     with torch.no_grad():
         w = model[0].weight
         w[:5] *= 0.1 / w[:5].norm(dim=1, keepdim=True)
