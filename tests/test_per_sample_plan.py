@@ -800,3 +800,22 @@ def test_a_model_compiled_in_place_gives_the_definition():
     ref = loop_reference(model, nn.CrossEntropyLoss(), x, y)
     model.compile()
     assert_matches(tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y), ref)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_global_hook_state_is_left_behind(strategy):
+    # torch keeps a global hook's with_kwargs flag after the hook is removed; left there,
+    # it makes every later torch.compile(module) warn about global hooks
+    mod = torch.nn.modules.module
+    dicts = ("_global_forward_hooks", "_global_forward_pre_hooks",
+             "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
+             "_global_backward_hooks", "_global_backward_pre_hooks")
+    before = {d: dict(getattr(mod, d)) for d in dicts}
+    model = nn.Sequential(nn.Linear(5, 3)).to(DT)
+    x, y = torch.randn(4, 5, dtype=DT), torch.tensor([0, 1, 2, 1])
+    tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    tv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+    tv.accumulate_clipped_grads(model, nn.CrossEntropyLoss(), x, y, max_norm=1.0,
+                                strategy=strategy)
+    for d in dicts:
+        assert dict(getattr(mod, d)) == before[d], d

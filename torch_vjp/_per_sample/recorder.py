@@ -36,6 +36,8 @@ from torch_vjp._per_sample.rules.attention import AttentionMode, is_attention
 from torch_vjp._per_sample.rules.broadcast import BROADCAST
 from torch_vjp._per_sample.rules.linear import LinearRule
 
+_GLOBAL_WITH_KWARGS = torch.nn.modules.module._global_forward_hooks_with_kwargs
+
 __all__ = ["Recorder", "ModuleCall", "Layers", "layers_of", "edge_of", "out_edge"]
 
 _LINEAR = LinearRule()
@@ -244,6 +246,10 @@ class Recorder:
         self.capturing = False
         for h in self.handles:
             h.remove()
+            # (removing a global hook registered with_kwargs leaves its id in torch's
+            # with-kwargs dict, which makes torch.compile(module) warn about global hooks
+            # for the rest of the process)
+            _GLOBAL_WITH_KWARGS.pop(h.id, None)
         self.handles.clear()
         while self._modes:
             self._modes.pop().__exit__(None, None, None)
