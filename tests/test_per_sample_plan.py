@@ -819,3 +819,35 @@ def test_no_global_hook_state_is_left_behind(strategy):
                                 strategy=strategy)
     for d in dicts:
         assert dict(getattr(mod, d)) == before[d], d
+
+
+class _RegisteredTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 5)
+        self.b = self.a  # the same module under a second name
+        self.head = nn.Linear(5, 3)
+        self.scale = nn.Parameter(torch.ones(5))  # no rule: the fallback runs
+
+    def forward(self, x):
+        return self.head(self.b(torch.tanh(self.a(x))) * self.scale)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vmap", "loop"])
+def test_a_module_registered_under_two_names_keeps_its_parameters(strategy):
+    # torch.func.functional_call leaves such a module holding detached substitutes; the
+    # next calls then left its weights out (they no longer required grad)
+    torch.manual_seed(0)
+    model = _RegisteredTwice().to(DT)
+    params = {n: p for n, p in model.named_parameters()}
+    x, y = torch.randn(4, 5, dtype=DT), torch.tensor([0, 1, 2, 1])
+    ref = loop_reference(model, nn.CrossEntropyLoss(), x, y)
+    for _ in range(2):
+        assert_matches(tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y,
+                                           strategy=strategy), ref)
+        torch.testing.assert_close(
+            tv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y, strategy=strategy),
+            torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1))
+        for n, p in model.named_parameters():
+            assert p is params[n] and isinstance(p, nn.Parameter), n
+        assert model.a.weight is model.b.weight

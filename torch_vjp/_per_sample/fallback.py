@@ -33,6 +33,7 @@ from torch_vjp._errors import (
 )
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree
+from torch_vjp._per_sample.plan import functional_call
 
 __all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state", "CannotBatch",
            "warn_loop"]
@@ -77,10 +78,7 @@ def vmap_grads(
         state.pop(n, None)
 
     def one(d: dict[str, Tensor], xi: tuple[Tensor, ...], ti: Any) -> Tensor:
-        out = torch.func.functional_call(
-            model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi), strict=False,
-            tie_weights=True,
-        )
+        out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi))
         ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
         return scalar_loss(fn, call_loss(loss_fn, out, ti))
 
@@ -104,7 +102,7 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
         with torch.enable_grad():
             if frozen:
                 leaves = {n: sel.tensors[n].detach().requires_grad_(True) for n in names}
-                o = torch.func.functional_call(model, leaves, xi, strict=False, tie_weights=True)
+                o = functional_call(model, leaves, xi)
                 wrt = [leaves[n] for n in names]
             else:
                 o = model(*xi)

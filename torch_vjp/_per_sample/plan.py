@@ -56,8 +56,8 @@ from torch_vjp._per_sample.args import Selection
 from torch_vjp._per_sample.registry import Call
 
 __all__ = [
-    "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "seeded_forward", "aliases_of",
-    "mixing_error",
+    "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call",
+    "seeded_forward", "aliases_of", "mixing_error",
 ]
 
 _SEED = 0x7E5
@@ -176,7 +176,38 @@ def forward(model: nn.Module, xs: tuple[Tensor, ...], aliases: dict[str, Tensor]
     that require grad, for parameters that do not)."""
     if aliases is None:
         return model(*xs)
-    return torch.func.functional_call(model, aliases, xs, strict=False, tie_weights=True)
+    return functional_call(model, aliases, xs)
+
+
+def functional_call(model: nn.Module, state: dict[str, Tensor], args: tuple[Any, ...]) -> Any:
+    """``torch.func.functional_call(model, state, args, strict=False, tie_weights=True)``,
+    after which every module holds its own tensors again.
+
+    A module registered under two names (``self.b = self.a``) comes back from torch's call
+    holding the substitutes (detached tensors) in place of its parameters and buffers, for
+    good: torch puts the originals back under one name and then the substitutes under the
+    other. Those modules' dicts are saved first and put back after."""
+    aliased = _aliased_modules(model)
+    saved = [(m._parameters, dict(m._parameters), m._buffers, dict(m._buffers))
+             for m in aliased]
+    try:
+        return torch.func.functional_call(model, state, args, strict=False, tie_weights=True)
+    finally:
+        for params, p, buffers, b in saved:
+            params.update(p)
+            buffers.update(b)
+
+
+def _aliased_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` registered under more than one name."""
+    count: dict[int, int] = {}
+    found: list[nn.Module] = []
+    for _, m in model.named_modules(remove_duplicate=False):
+        k = count.get(id(m), 0)
+        if k == 1:
+            found.append(m)
+        count[id(m)] = k + 1
+    return found
 
 
 def aliases_of(sel: Selection) -> dict[str, Tensor] | None:
