@@ -851,3 +851,42 @@ def test_a_module_registered_under_two_names_keeps_its_parameters(strategy):
         for n, p in model.named_parameters():
             assert p is params[n] and isinstance(p, nn.Parameter), n
         assert model.a.weight is model.b.weight
+
+
+class _ReassignsItsBuffer(nn.Module):
+    """Assigns a new tensor to its buffer on every forward (a step counter's idiom)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("scale", torch.ones((), dtype=DT))
+
+    def forward(self, x):
+        out = self.fc(x) * self.scale
+        self.scale = self.scale * 2
+        return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_buffer_the_forward_reassigns_is_put_back_by_name(strategy):
+    # every example runs from the caller's buffer, and the caller gets the same tensor
+    # object back (it was left at 16, and each example ran with the previous one's)
+    torch.manual_seed(0)
+    model = _ReassignsItsBuffer().to(DT)
+    original = model.scale
+    x, y = torch.randn(4, 3, dtype=DT), torch.tensor([0, 1, 1, 0])
+    ref = {}
+    for i in range(4):
+        model.scale = original
+        loss = nn.CrossEntropyLoss()(model(x[i:i + 1]), y[i:i + 1])
+        for (n, _), g in zip(model.named_parameters(),
+                             torch.autograd.grad(loss, list(model.parameters()))):
+            ref.setdefault(n, []).append(g)
+    model.scale = original
+    ref = {n: torch.stack(g) for n, g in ref.items()}
+    for _ in range(2):
+        assert_matches(tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y,
+                                           strategy=strategy), ref)
+        assert model.scale is original and float(original) == 1.0
+        tv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+        assert model.scale is original and float(original) == 1.0

@@ -56,7 +56,7 @@ from torch_vjp._per_sample.args import Selection
 from torch_vjp._per_sample.registry import Call
 
 __all__ = [
-    "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call",
+    "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "buffer_slot",
     "seeded_forward", "aliases_of", "mixing_error",
 ]
 
@@ -196,6 +196,14 @@ def functional_call(model: nn.Module, state: dict[str, Tensor], args: tuple[Any,
         for params, p, buffers, b in saved:
             params.update(p)
             buffers.update(b)
+
+
+def buffer_slot(model: nn.Module, name: str) -> tuple[dict[str, Any], str]:
+    """The dict and key that hold buffer ``name`` of ``model``: a forward that assigns a
+    new tensor to a buffer (``self.steps = self.steps + 1``) is undone by putting the old
+    one back there."""
+    prefix, _, attr = name.rpartition(".")
+    return (model.get_submodule(prefix) if prefix else model)._buffers, attr
 
 
 def _aliased_modules(model: nn.Module) -> list[nn.Module]:

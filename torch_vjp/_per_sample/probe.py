@@ -22,6 +22,7 @@ from torch_vjp._per_sample.plan import (
     ParamPlan,
     Plan,
     aliases_of,
+    buffer_slot,
     call_key,
     seeded_forward,
 )
@@ -101,16 +102,22 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         # looks up in place, in any mode). A parameter changed in place bumps its version
         # counter; only those are compared (the copies cost one copy of the parameters, on
         # the first call of a model structure).
-        saved = [(n, b, b.detach().clone()) for n, b in model.named_buffers()]
+        saved = [(n, b, b.detach().clone(), buffer_slot(model, n))
+                 for n, b in model.named_buffers()]
         params = [(n, p, p.detach().clone(), p._version) for n, p in model.named_parameters()]
         try:
             plan = build_plan(job)
         finally:
             changed, changed_params = [], []
             with torch.no_grad():
-                for n, b, copy in saved:
+                for n, b, copy, (slots, attr) in saved:
+                    rebound = slots.get(attr) is not b  # a new tensor assigned to it
+                    if rebound:
+                        slots[attr] = b
                     if not torch.equal(b, copy):
                         b.copy_(copy)
+                        changed.append(n)
+                    elif rebound:
                         changed.append(n)
                 for n, p, copy, version in params:
                     # (a version that moved marks the parameter even where this batch left

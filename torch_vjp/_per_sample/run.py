@@ -39,7 +39,7 @@ from torch_vjp._per_sample.factors import (
 )
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
-from torch_vjp._per_sample.plan import Plan, mixing_error
+from torch_vjp._per_sample.plan import Plan, buffer_slot, mixing_error
 from torch_vjp._per_sample.probe import plan_for
 from torch_vjp._per_sample.registry import registered_types
 from torch_vjp._strategies import get_per_sample_strategy
@@ -129,38 +129,47 @@ class BuffersKept:
     def __init__(self, job: Job, plan: Plan):
         self.job = job
         self.plan = plan
-        self.saved: list[tuple[Tensor, Tensor]] | None = None
-        # (name, is a buffer, tensor, copy, version) of everything, on a plan's first call
-        # where planning ran no forward (strategy='loop')
-        self.watched: list[tuple[str, bool, Tensor, Tensor, int]] | None = None
+        # (tensor, copy, where a buffer is held: None for a parameter)
+        self.saved: list[tuple[Tensor, Tensor, Any]] | None = None
+        # (name, where a buffer is held or None, tensor, copy, version) of everything, on a
+        # plan's first call where planning ran no forward (strategy='loop')
+        self.watched: list[tuple[str, Any, Tensor, Tensor, int]] | None = None
         self.changed: dict[str, bool] = {}  # what reset() found changed: name -> a buffer
+        model = job.model
         if plan.watch:
-            model = job.model
-            self.watched = [(n, True, b, b.detach().clone(), b._version)
+            self.watched = [(n, buffer_slot(model, n), b, b.detach().clone(), b._version)
                             for n, b in model.named_buffers()]
-            self.watched += [(n, False, p, p.detach().clone(), p._version)
+            self.watched += [(n, None, p, p.detach().clone(), p._version)
                              for n, p in model.named_parameters()]
         elif plan.mutable_buffers or plan.mutable_params:
             self.saved = []
-            model = job.model
-            for names, get in ((plan.mutable_buffers, model.get_buffer),
-                               (plan.mutable_params, model.get_parameter)):
-                for n in names:
-                    try:
-                        t = get(n)
-                    except AttributeError:
-                        continue
-                    self.saved.append((t, t.detach().clone()))
+            for n in plan.mutable_buffers:
+                try:
+                    t = model.get_buffer(n)
+                except AttributeError:
+                    continue
+                self.saved.append((t, t.detach().clone(), buffer_slot(model, n)))
+            for n in plan.mutable_params:
+                try:
+                    t = model.get_parameter(n)
+                except AttributeError:
+                    continue
+                self.saved.append((t, t.detach().clone(), None))
 
     def reset(self) -> None:
         with grad_enabled(False):
-            for b, copy in self.saved or ():
-                b.copy_(copy)
-            for n, is_buffer, t, copy, version in self.watched or ():
+            for t, copy, slot in self.saved or ():
+                if slot is not None and slot[0].get(slot[1]) is not t:
+                    slot[0][slot[1]] = t  # a forward assigned a new tensor to the buffer
+                t.copy_(copy)
+            for n, slot, t, copy, version in self.watched or ():
                 # (kernels update running statistics without a version bump; a parameter
                 # whose version moved is kept from then on, even where its values did not
                 # change this time)
-                if is_buffer:
+                if slot is not None:
+                    if slot[0].get(slot[1]) is not t:
+                        slot[0][slot[1]] = t
+                        self.changed[n] = True
                     if not torch.equal(t, copy):
                         t.copy_(copy)
                         self.changed[n] = True
