@@ -158,6 +158,29 @@ def test_err_extra_leading_batch_dimension():
     assert "extra leading dimension of size 3" in msg and "is_grads_batched=True" in msg
 
 
+def test_err_vectors_of_several_outputs_stacked_into_one_entry():
+    # the shape is what torch reports first; the note names the count, and a fix that works
+    x = torch.randn(3, requires_grad=True)
+    y, z = x * 2, x * 3
+    msg = _raises(r"grad_outputs\[0\] has shape \(2, 3\), but outputs\[0\] has shape \(3,\)",
+                  tv.grad, [y, z], x, torch.ones(2, 3))
+    assert "outputs has 2 entries but grad_outputs has 1" in msg
+    assert "list(grad_outputs[0]) or grad_outputs[0].unbind(0)" in msg
+    assert "is_grads_batched" not in msg
+    (g,) = tv.grad([y, z], x, list(torch.ones(2, 3)))
+    torch.testing.assert_close(g, torch.full((3,), 5.0))
+
+
+def test_err_rows_of_one_vector_given_as_several_entries():
+    x = torch.randn(3, requires_grad=True)
+    y = x.expand(2, 3) * 2
+    msg = _raises(r"grad_outputs\[0\] has shape \(3,\), but outputs\[0\] has shape \(2, 3\)",
+                  tv.grad, y, x, list(torch.ones(2, 3).unbind(0)))
+    assert "outputs has 1 entry but grad_outputs has 2" in msg
+    assert "look like the 2 rows of one vector" in msg and "torch.stack" in msg
+    assert "expand_as" not in msg
+
+
 def test_err_missing_leading_batch_dimension():
     x = torch.randn(5, 3, requires_grad=True)
     y = x.tanh()

@@ -119,6 +119,42 @@ def shape_message(
     return head + ("\n  " + fix if fix else "")
 
 
+def _count_fix(
+    labels: Labels, i: int, out: Tensor, go: Tensor, outputs: Sequence[Tensor],
+    gos: Sequence[Any],
+) -> str:
+    """The shape mismatch that a wrong number of entries explains: one tensor stacking the
+    vectors of several outputs, or several entries that are the rows of one vector."""
+    n, m = len(outputs), len(gos)
+    g, o = labels.go(i), labels.out(i)
+    rest = outputs[i:]
+    k = go.shape[0] if go.dim() == out.dim() + 1 else 0
+    if m < n and 1 < k <= len(rest) and all(r.shape == out.shape for r in rest[:k]) and (
+            go.shape[1:] == out.shape):
+        return (
+            f"{labels.outputs} has {_entries(n)} but {labels.grad_outputs} has {m}: {g} stacks {k} "
+            f"vectors, for {labels.out(i)} to {labels.out(i + k - 1)}, along a leading "
+            f"dimension. {labels.grad_outputs} takes one entry per output, so pass them "
+            f"apart: list({g}) or {g}.unbind(0) in its place."
+        )
+    rows = out.shape[0] if out.dim() >= 1 else 0
+    if (m > n and out.dim() == go.dim() + 1 and out.shape[1:] == go.shape and rows > 1
+            and m - i >= rows
+            and all(isinstance(v, Tensor) and v.shape == go.shape for v in gos[i:i + rows])):
+        return (
+            f"{labels.outputs} has {_entries(n)} but {labels.grad_outputs} has {m}: "
+            f"{labels.go(i)} to {labels.go(i + rows - 1)} look like the {rows} rows of one "
+            f"vector for {o}, which has shape {shape_str(out.shape)}. {labels.grad_outputs} "
+            f"takes one entry per output, shaped like it: pass torch.stack of those {rows} "
+            f"as one entry (torch would ignore the extra ones)."
+        )
+    return ""
+
+
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
 def _known_batch_size(gos: Sequence[Any], outputs: Sequence[Tensor]) -> int | None:
     """The batch size K implied by the grad_outputs that do carry a batch dimension."""
     for go, out in zip(gos, outputs):
@@ -158,6 +194,9 @@ def _shape_fix(
         if go.dim() >= 1 and gshape[1:] != oshape and _matches_input(gshape[1:], inputs, outputs):
             return _input_fix(labels, i, gshape[1:], inputs, outputs, batched=True)
         return ""
+    count_fix = _count_fix(labels, i, out, go, outputs, gos)
+    if count_fix:
+        return count_fix
     if out.dim() == 0 and go.numel() == 1:
         return (
             f"{o} is a 0-d scalar (shape ()), and {shape_str(gshape)} is not (): "
