@@ -439,6 +439,21 @@ def test_checked_func_vjp_pullback():
                 vjp_fn, {"a": torch.ones(4), "b": torch.ones(2)})
 
 
+def test_checked_func_vjp_pullback_with_none_for_a_non_scalar_output():
+    # None stands for 1 only where the output is a scalar: a note, not torch's bare error
+    x = torch.randn(4)
+    with tv.checked():
+        _, vjp_fn = torch.func.vjp(torch.sin, x)
+        msg = _raises(r"out has shape \(4,\) \(4 elements\), and no cotangents was given",
+                      vjp_fn, None)
+        assert "torch.ones_like(out)" in msg
+        _, vjp_fn = torch.func.vjp(lambda t: (t.sin(), t.sum()), x)
+        _raises(r"outputs\[0\] has shape \(4,\) \(4 elements\), and no cotangents\[0\]",
+                vjp_fn, (None, None))
+        (g,) = vjp_fn((torch.ones(4), None))  # the scalar's None is torch's implicit 1
+        torch.testing.assert_close(g, x.cos() + 1)
+
+
 def test_checked_restores_torch_and_nests():
     originals = (torch.autograd.grad, torch.autograd.backward, torch.func.vjp)
     with tv.checked():
