@@ -273,8 +273,6 @@ def warn_budget(call: str) -> None:
     )
 
 
-
-
 class _Entry:
     """One function, options and input signature: its compiled program, or None where it
     runs eagerly."""
