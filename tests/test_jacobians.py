@@ -1029,6 +1029,15 @@ def _reach_bn(bn):
             return lambda t: self.model(t)
 
     held = [bn]
+    nested = {"a": {"b": {"net": bn}}}
+
+    class Scaler:
+        def __init__(self):
+            self.m = bn
+
+        def go(self, t, scale):
+            return self.m(t) * scale
+
     return {
         "module": bn,
         "lambda": lambda t: bn(t),
@@ -1038,11 +1047,13 @@ def _reach_bn(bn):
         "callable-object": Holder(),
         "lambda-over-self": Holder().as_lambda(),
         "list": lambda t: held[0](t),
+        "nested-dict": lambda t: nested["a"]["b"]["net"](t),
+        "partial-of-a-method": functools.partial(Scaler().go, scale=2.0),
     }
 
 
 _REACH = ["module", "lambda", "closure", "partial", "bound-method", "callable-object",
-          "lambda-over-self", "list"]
+          "lambda-over-self", "list", "nested-dict", "partial-of-a-method"]
 
 
 @pytest.mark.parametrize("how", _REACH)

@@ -135,23 +135,26 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None) -> Any
 
 #: Items of one container (or attributes of one object) :func:`modules_reached` searches.
 _ITEMS_SEARCHED = 32
+#: Objects :func:`modules_reached` looks at in all, whatever the depth.
+_OBJECTS_SEARCHED = 256
 _NOT_SEARCHED = (Tensor, str, bytes, int, float, complex, bool, type, types.ModuleType,
                  type(None))
 
 
-def modules_reached(f: object, depth: int = 3) -> list[torch.nn.Module]:
+def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
     """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
     ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, the
     values a function's closure cells and the globals its code names hold, the attributes
     of a plain object (``lambda x: self.model(x)``, a callable wrapper object) and the items
     of a list, tuple or dict (the first :data:`_ITEMS_SEARCHED`), recursively, ``depth``
-    levels. A module reached deeper, or only through a module it does not own, is not
+    levels, and at most :data:`_OBJECTS_SEARCHED` objects in all (the search runs on every
+    call). A module reached deeper, or only through a module it does not own, is not
     found."""
     found: dict[int, torch.nn.Module] = {}
     seen: set[int] = set()
 
     def visit(obj: object, level: int) -> None:
-        if id(obj) in seen:
+        if id(obj) in seen or len(seen) >= _OBJECTS_SEARCHED:
             return
         seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
