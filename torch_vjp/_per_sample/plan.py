@@ -57,6 +57,7 @@ from torch_vjp._per_sample.registry import Call
 
 __all__ = [
     "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "buffer_slot",
+    "Slots",
     "seeded_forward", "aliases_of", "mixing_error",
 ]
 
@@ -111,6 +112,9 @@ class Plan:
     #: parameters a forward changes in place (Embedding's max_norm renormalises the rows it
     #: looks up): put back after each call, as the buffers are
     mutable_params: list[str] = field(default_factory=list)
+    #: a forward assigns new tensors to a module's parameters or buffers, or registers new
+    #: ones: every call puts back what each module held (Slots)
+    rebinds: bool = False
     #: the two lists above are not known yet (planning ran no forward): the first call
     #: keeps every buffer and parameter, and fills them in (BuffersKept)
     watch: bool = False
@@ -161,8 +165,8 @@ class Plan:
             p = self.params[n]
             if p.method == "rule":
                 p.method, p.how, p.reason = "vmap" if self.vmap_randomness else "loop", "", reason
-            elif p.method == "vmap":
-                p.method, p.reason = "loop", reason
+            elif p.method in ("vmap", "zero"):  # (a gradient the plan thought none reaches)
+                p.method, p.how, p.reason = "loop", "", reason
 
 
 def call_key(c: Call) -> Any:
@@ -196,6 +200,30 @@ def functional_call(model: nn.Module, state: dict[str, Tensor], args: tuple[Any,
         for params, p, buffers, b in saved:
             params.update(p)
             buffers.update(b)
+
+
+class Slots:
+    """What every module of a model holds in its ``_parameters`` and ``_buffers`` dicts, to
+    put back after a forward that assigns new tensors to them (``self.w = nn.Parameter(..)``
+    in a forward) or registers new ones (a buffer made on the first call)."""
+
+    __slots__ = ("saved", "changed")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = [(d, dict(d)) for m in model.modules()
+                      for d in (m._parameters, m._buffers)]
+        self.changed = False  # restore() ever found something to put back
+
+    def restore(self) -> bool:
+        """Puts back what changed; whether anything had."""
+        changed = False
+        for d, old in self.saved:
+            if len(d) != len(old) or any(d.get(k, d) is not v for k, v in old.items()):
+                changed = True
+                d.clear()
+                d.update(old)
+        self.changed = self.changed or changed
+        return changed
 
 
 def buffer_slot(model: nn.Module, name: str) -> tuple[dict[str, Any], str]:

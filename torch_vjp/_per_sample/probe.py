@@ -21,6 +21,7 @@ from torch_vjp._per_sample.plan import (
     CallPlan,
     ParamPlan,
     Plan,
+    Slots,
     aliases_of,
     buffer_slot,
     call_key,
@@ -105,15 +106,20 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         saved = [(n, b, b.detach().clone(), buffer_slot(model, n))
                  for n, b in model.named_buffers()]
         params = [(n, p, p.detach().clone(), p._version) for n, p in model.named_parameters()]
+        slots = Slots(model)
+        job.reset = slots.restore  # (after each planning forward: every run starts alike)
         try:
             plan = build_plan(job)
         finally:
+            job.reset = None
+            slots.restore()
+            rebinds = slots.changed
             changed, changed_params = [], []
             with torch.no_grad():
-                for n, b, copy, (slots, attr) in saved:
-                    rebound = slots.get(attr) is not b  # a new tensor assigned to it
+                for n, b, copy, (held, attr) in saved:
+                    rebound = held.get(attr) is not b  # a new tensor assigned to it
                     if rebound:
-                        slots[attr] = b
+                        held[attr] = b
                     if not torch.equal(b, copy):
                         b.copy_(copy)
                         changed.append(n)
@@ -130,6 +136,7 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
             del params
         plan.mutable_buffers = changed
         plan.mutable_params = changed_params
+        plan.rebinds = rebinds
         if len(cache) >= _MAX_PER_MODEL:
             cache.pop(next(iter(cache)))
         cache[key] = plan
@@ -175,6 +182,7 @@ def build_plan(job: Job) -> Plan:
         rng = _Randomness()
         with torch.no_grad(), rng:
             seeded_forward(model, xs, aliases_of(sel))
+        _after_forward(job)
         mode = _vmap_randomness(rng)
         method = "vmap" if mode else "loop"
         reason = "strategy='vmap'" if mode else (
@@ -187,6 +195,7 @@ def build_plan(job: Job) -> Plan:
     with torch.enable_grad():
         try:
             full = _shape_run(model, xs, aliases_of(sel))
+            _after_forward(job)
         except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as err:  # noqa: BLE001 - the model fails on the whole batch
@@ -199,6 +208,7 @@ def build_plan(job: Job) -> Plan:
         if batch > 1:
             try:
                 small = _shape_run(model, tuple(x[: batch - 1] for x in xs), aliases_of(sel))
+                _after_forward(job)
             except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
                 raise
             except Exception:  # noqa: BLE001 - a model that cannot run on fewer examples
@@ -208,6 +218,13 @@ def build_plan(job: Job) -> Plan:
     if batch > 1 and out_dims is None:
         return _unsplittable(strategy, sel, full[0], batch)
     return _grad_probe(job, tracked, out_dims, full, small, expand=batch > 1)
+
+
+def _after_forward(job: Job) -> None:
+    """Puts back what a planning forward assigned to or registered on the model's modules
+    (``job.reset`` while planning), so that the next run starts from the caller's model."""
+    if job.reset is not None:
+        job.reset()
 
 
 def _shape_run(
@@ -296,6 +313,7 @@ def _grad_probe(
     with torch.enable_grad(), rng:
         with rec:
             out = seeded_forward(model, leaves, aliases)
+    _after_forward(job)
     # The rewrites of NOTE [direct uses] must not change what the model computes.
     rewritten = any(c.shared for c in rec.calls) or any(
         c.module is None and c.rule.name == "broadcast parameter" for c in rec.calls)

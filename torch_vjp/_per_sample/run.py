@@ -39,7 +39,7 @@ from torch_vjp._per_sample.factors import (
 )
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
-from torch_vjp._per_sample.plan import Plan, buffer_slot, mixing_error
+from torch_vjp._per_sample.plan import Plan, Slots, buffer_slot, mixing_error
 from torch_vjp._per_sample.probe import plan_for
 from torch_vjp._per_sample.registry import registered_types
 from torch_vjp._strategies import get_per_sample_strategy
@@ -124,7 +124,7 @@ class BuffersKept:
     call it before each example, so that every example runs alone from the caller's state,
     as the definition says."""
 
-    __slots__ = ("job", "saved", "plan", "watched", "changed")
+    __slots__ = ("job", "saved", "plan", "watched", "changed", "slots")
 
     def __init__(self, job: Job, plan: Plan):
         self.job = job
@@ -136,6 +136,9 @@ class BuffersKept:
         self.watched: list[tuple[str, Any, Tensor, Tensor, int]] | None = None
         self.changed: dict[str, bool] = {}  # what reset() found changed: name -> a buffer
         model = job.model
+        # what each module holds, where a forward assigns or registers new tensors (or
+        # where that is not known yet)
+        self.slots = Slots(model) if plan.rebinds or plan.watch else None
         if plan.watch:
             self.watched = [(n, buffer_slot(model, n), b, b.detach().clone(), b._version)
                             for n, b in model.named_buffers()]
@@ -157,6 +160,8 @@ class BuffersKept:
                 self.saved.append((t, t.detach().clone(), None))
 
     def reset(self) -> None:
+        if self.slots is not None and self.slots.restore():
+            self.changed[""] = False  # (read on a watched call: the forward rebinds)
         with grad_enabled(False):
             for t, copy, slot in self.saved or ():
                 if slot is not None and slot[0].get(slot[1]) is not t:
@@ -179,13 +184,15 @@ class BuffersKept:
                     self.changed[n] = False
 
     def __enter__(self) -> None:
-        self.job.reset = None if self.saved is None and self.watched is None else self.reset
+        self.job.reset = (None if self.saved is None and self.watched is None
+                          and self.slots is None else self.reset)
 
     def __exit__(self, *exc: object) -> None:
-        if self.saved is not None or self.watched is not None:
+        if self.saved is not None or self.watched is not None or self.slots is not None:
             self.reset()
         if self.watched is not None:
             plan = self.plan
+            plan.rebinds = self.changed.pop("", None) is not None
             plan.mutable_buffers = [n for n, b in self.changed.items() if b]
             plan.mutable_params = [n for n, b in self.changed.items() if not b]
             plan.watch = False
@@ -544,6 +551,12 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
             + "Fix: strategy='auto' (which routes such parameters to a strategy that is "
               "right) or strategy='loop'."
         )
+    # (the loop is the definition: a parameter already on it that disagrees with it, a
+    # nondeterministic forward, stays there; rerouting the others always ends on the loop)
+    bad = {n: why for n, why in bad.items() if plan.params[n].method != "loop"}
+    if not bad:
+        setattr(plan, flag, True)
+        return []
     for n, why in bad.items():
         plan.route([n], why + "; rerouted")
     return list(bad)
