@@ -24,7 +24,7 @@ one graph.
   vectors), since the program runs ``f`` as often as the products need. Every compiled
   call also runs with dynamo's guards on empty module hook dicts switched on
   (:class:`_HookGuards`): a hook registered after the first call recompiles the program
-  instead of being left out of every later result (about 4 us per call). A function whose
+  instead of being left out of every later result. A function whose
   first compiled run changes a parameter in place (an Embedding with max_norm) gets the
   parameter back and stays eager, where such changes are put back on every call.
 
@@ -66,7 +66,7 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_vjp._engine.context import NO_CONTEXT, buffers_kept, modules_reached
+from torch_vjp._engine.context import NO_CONTEXT, Watched, buffers_kept, modules_reached
 from torch_vjp._engine.symmetry import tolerance
 from torch_vjp._errors import (
     JacobianOptionError,
@@ -500,30 +500,6 @@ class _HookGuards:
 _HOOK_GUARDS = _HookGuards()
 
 
-def _parameters_watched(modules: list[Any]) -> list[tuple[Tensor, Tensor, int]]:
-    """Each parameter of ``modules`` with a copy and its version (the first call only)."""
-    seen: set[int] = set()
-    out = []
-    for module in modules:
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((p, p.detach().clone(), p._version))
-    return out
-
-
-def _put_back(params: list[tuple[Tensor, Tensor, int]]) -> bool:
-    """Puts back the parameters whose version moved; whether there were any."""
-    moved = False
-    with torch.no_grad():
-        for p, copy, version in params:
-            if p._version != version:
-                moved = True
-                if not torch.equal(p, copy):
-                    p.copy_(copy)
-    return moved
-
-
 def compiled_call(
     call: str,
     f: object,
@@ -577,7 +553,9 @@ def compiled_call(
         _warn_rebuilt(call, f, rebuilt)
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}"
     modules = modules_reached(f)
-    params = _parameters_watched(modules)
+    seen: set[int] = set()  # the first call only: a copy of the parameters f reaches
+    params = Watched(params=[("", p) for m in modules for p in m.parameters()
+                             if id(p) not in seen and not seen.add(id(p))])
     try:
         with _HOOK_GUARDS, buffers_kept(f, modules):  # build() may call f
             program = torch.compile(_own_code(build(), name), fullgraph=True, dynamic=False)
@@ -585,10 +563,10 @@ def compiled_call(
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
         if passes_through(err):
             raise
-        _put_back(params)
+        params.restore()
         _warn_eager(call, f, quote_error(err))
         return result
-    if _put_back(params):
+    if params.restore():
         # (the eager path puts back what a forward changes in place; a compiled program
         # cannot, so this signature stays eager)
         _warn_eager(call, f, "the function changes a parameter in place (an Embedding with "

@@ -23,7 +23,7 @@ import contextlib
 import functools
 import itertools
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ __all__ = [
     "buffers_kept",
     "modules_reached",
     "grad_enabled",
+    "Watched",
 ]
 
 #: A context manager that does nothing (shared: entering it costs nothing).
@@ -204,32 +205,57 @@ def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
     return list(found.values())
 
 
-class _BuffersKept:
-    """Saves the given buffers on entry; puts back any that changed on exit."""
+class Watched:
+    """Copies of named buffers and parameters, to put back what a forward changed in place.
 
-    __slots__ = ("saved",)
+    A buffer counts as changed where its values differ (kernels update running statistics
+    without a version bump); a parameter where its version moved, values equal or not
+    (Embedding's max_norm renormalises only the rows a batch looks up that are too long, so
+    one batch may change nothing that the next one does). Also a context manager that puts
+    them back on exit."""
 
-    def __init__(self, saved: list[tuple[Tensor, Tensor]]) -> None:
-        self.saved = saved
+    __slots__ = ("entries",)
+
+    def __init__(
+        self,
+        buffers: Iterable[tuple[str, Tensor]] = (),
+        params: Iterable[tuple[str, Tensor]] = (),
+    ) -> None:
+        self.entries = [(n, True, t, t.detach().clone(), t._version) for n, t in buffers]
+        self.entries += [(n, False, t, t.detach().clone(), t._version) for n, t in params]
+
+    def restore(self) -> dict[str, bool]:
+        """Puts back what changed; the names of those that had, each with whether it is a
+        buffer (a parameter once changed is reported on every later call)."""
+        changed: dict[str, bool] = {}
+        with torch.no_grad():
+            for n, is_buffer, t, copy, version in self.entries:
+                if is_buffer:
+                    if not torch.equal(t, copy):
+                        t.copy_(copy)
+                        changed[n] = True
+                elif t._version != version:
+                    if not torch.equal(t, copy):
+                        t.copy_(copy)
+                    changed[n] = False
+        return changed
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: Any) -> None:
-        with torch.no_grad():  # (kernels update running statistics without a version bump)
-            for buf, copy in self.saved:
-                if not torch.equal(buf, copy):
-                    buf.copy_(copy)
+        self.restore()
 
 
 def _module_buffers_kept(modules: Sequence[torch.nn.Module]) -> Any:
     # (a module in training mode without buffers, as most are, needs no context)
-    saved: list[tuple[Tensor, Tensor]] = []
-    if any(m.training for module in modules for m in module.modules()):
-        seen: set[int] = set()
-        for module in modules:
-            for b in module.buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    saved.append((b, b.detach().clone()))
-    return _BuffersKept(saved) if saved else NO_CONTEXT
+    if not any(m.training for module in modules for m in module.modules()):
+        return NO_CONTEXT
+    seen: set[int] = set()
+    buffers = []
+    for module in modules:
+        for b in module.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                buffers.append(("", b))
+    return Watched(buffers) if buffers else NO_CONTEXT

@@ -44,7 +44,7 @@ inside the forward draws the same numbers for every example in a loop, which onl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +56,7 @@ from torch_vjp._per_sample.args import Selection
 from torch_vjp._per_sample.registry import Call
 
 __all__ = [
-    "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "buffer_slot",
-    "Slots",
+    "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "Slots",
     "seeded_forward", "aliases_of", "mixing_error",
 ]
 
@@ -191,27 +190,23 @@ def functional_call(model: nn.Module, state: dict[str, Tensor], args: tuple[Any,
     holding the substitutes (detached tensors) in place of its parameters and buffers, for
     good: torch puts the originals back under one name and then the substitutes under the
     other. Those modules' dicts are saved first and put back after."""
-    aliased = _aliased_modules(model)
-    saved = [(m._parameters, dict(m._parameters), m._buffers, dict(m._buffers))
-             for m in aliased]
+    slots = Slots(_aliased_modules(model))
     try:
         return torch.func.functional_call(model, state, args, strict=False, tie_weights=True)
     finally:
-        for params, p, buffers, b in saved:
-            params.update(p)
-            buffers.update(b)
+        slots.restore()
 
 
 class Slots:
-    """What every module of a model holds in its ``_parameters`` and ``_buffers`` dicts, to
-    put back after a forward that assigns new tensors to them (``self.w = nn.Parameter(..)``
-    in a forward) or registers new ones (a buffer made on the first call)."""
+    """What modules hold in their ``_parameters`` and ``_buffers`` dicts, to put back after a
+    forward that assigns new tensors to them (``self.w = nn.Parameter(..)`` or
+    ``self.steps = self.steps + 1`` in a forward) or registers new ones (a buffer made on
+    the first call). The values of the tensors are :class:`Watched`'s concern."""
 
     __slots__ = ("saved", "changed")
 
-    def __init__(self, model: nn.Module) -> None:
-        self.saved = [(d, dict(d)) for m in model.modules()
-                      for d in (m._parameters, m._buffers)]
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.saved = [(d, dict(d)) for m in modules for d in (m._parameters, m._buffers)]
         self.changed = False  # restore() ever found something to put back
 
     def restore(self) -> bool:
@@ -224,14 +219,6 @@ class Slots:
                 d.update(old)
         self.changed = self.changed or changed
         return changed
-
-
-def buffer_slot(model: nn.Module, name: str) -> tuple[dict[str, Any], str]:
-    """The dict and key that hold buffer ``name`` of ``model``: a forward that assigns a
-    new tensor to a buffer (``self.steps = self.steps + 1``) is undone by putting the old
-    one back there."""
-    prefix, _, attr = name.rpartition(".")
-    return (model.get_submodule(prefix) if prefix else model)._buffers, attr
 
 
 def _aliased_modules(model: nn.Module) -> list[nn.Module]:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from torch_vjp._engine.context import Watched
 from torch_vjp._errors import TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
@@ -23,7 +24,6 @@ from torch_vjp._per_sample.plan import (
     Plan,
     Slots,
     aliases_of,
-    buffer_slot,
     call_key,
     seeded_forward,
 )
@@ -100,43 +100,22 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         # afterwards, and the ones those runs changed are the ones each call must keep (a
         # model in training mode that updates buffers in its forward, as spectral
         # normalisation does; an Embedding with max_norm, which renormalises the rows it
-        # looks up in place, in any mode). A parameter changed in place bumps its version
-        # counter; only those are compared (the copies cost one copy of the parameters, on
-        # the first call of a model structure).
-        saved = [(n, b, b.detach().clone(), buffer_slot(model, n))
-                 for n, b in model.named_buffers()]
-        params = [(n, p, p.detach().clone(), p._version) for n, p in model.named_parameters()]
-        slots = Slots(model)
+        # looks up in place, in any mode), and a forward that assigns new tensors to its
+        # modules is put back after each planning run (the copies cost one copy of the
+        # parameters, on the first call of a model structure).
+        watched = Watched(model.named_buffers(), model.named_parameters())
+        slots = Slots(model.modules())
         job.reset = slots.restore  # (after each planning forward: every run starts alike)
         try:
             plan = build_plan(job)
         finally:
             job.reset = None
             slots.restore()
-            rebinds = slots.changed
-            changed, changed_params = [], []
-            with torch.no_grad():
-                for n, b, copy, (held, attr) in saved:
-                    rebound = held.get(attr) is not b  # a new tensor assigned to it
-                    if rebound:
-                        held[attr] = b
-                    if not torch.equal(b, copy):
-                        b.copy_(copy)
-                        changed.append(n)
-                    elif rebound:
-                        changed.append(n)
-                for n, p, copy, version in params:
-                    # (a version that moved marks the parameter even where this batch left
-                    # its values as they were: Embedding's max_norm renormalises only the
-                    # rows a batch looks up that are longer than max_norm)
-                    if p._version != version:
-                        if not torch.equal(p, copy):
-                            p.copy_(copy)
-                        changed_params.append(n)
-            del params
-        plan.mutable_buffers = changed
-        plan.mutable_params = changed_params
-        plan.rebinds = rebinds
+            changed = watched.restore()
+            del watched
+        plan.mutable_buffers = [n for n, is_buffer in changed.items() if is_buffer]
+        plan.mutable_params = [n for n, is_buffer in changed.items() if not is_buffer]
+        plan.rebinds = slots.changed
         if len(cache) >= _MAX_PER_MODEL:
             cache.pop(next(iter(cache)))
         cache[key] = plan

@@ -10,13 +10,13 @@ elsewhere.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from torch_vjp._engine.context import grad_enabled
+from torch_vjp._engine.context import Watched, grad_enabled
 from torch_vjp._engine.memory import new_buffer
 from torch_vjp._errors import PerSampleError, PerSampleValueError, StrategyError
 from torch_vjp._per_sample import rules as _rules  # noqa: F401 - registers the rules
@@ -39,7 +39,7 @@ from torch_vjp._per_sample.factors import (
 )
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
-from torch_vjp._per_sample.plan import Plan, Slots, buffer_slot, mixing_error
+from torch_vjp._per_sample.plan import Plan, Slots, mixing_error
 from torch_vjp._per_sample.probe import plan_for
 from torch_vjp._per_sample.registry import registered_types
 from torch_vjp._strategies import get_per_sample_strategy
@@ -124,80 +124,55 @@ class BuffersKept:
     call it before each example, so that every example runs alone from the caller's state,
     as the definition says."""
 
-    __slots__ = ("job", "saved", "plan", "watched", "changed", "slots")
+    __slots__ = ("job", "plan", "watched", "slots", "changed")
 
     def __init__(self, job: Job, plan: Plan):
         self.job = job
         self.plan = plan
-        # (tensor, copy, where a buffer is held: None for a parameter)
-        self.saved: list[tuple[Tensor, Tensor, Any]] | None = None
-        # (name, where a buffer is held or None, tensor, copy, version) of everything, on a
-        # plan's first call where planning ran no forward (strategy='loop')
-        self.watched: list[tuple[str, Any, Tensor, Tensor, int]] | None = None
-        self.changed: dict[str, bool] = {}  # what reset() found changed: name -> a buffer
         model = job.model
-        # what each module holds, where a forward assigns or registers new tensors (or
-        # where that is not known yet)
-        self.slots = Slots(model) if plan.rebinds or plan.watch else None
+        # plan.watch: what a forward changes is not known yet (planning ran no forward,
+        # strategy='loop'), so this first call keeps everything and tells the plan
         if plan.watch:
-            self.watched = [(n, buffer_slot(model, n), b, b.detach().clone(), b._version)
-                            for n, b in model.named_buffers()]
-            self.watched += [(n, None, p, p.detach().clone(), p._version)
-                             for n, p in model.named_parameters()]
+            self.watched: Watched | None = Watched(model.named_buffers(),
+                                                   model.named_parameters())
         elif plan.mutable_buffers or plan.mutable_params:
-            self.saved = []
-            for n in plan.mutable_buffers:
-                try:
-                    t = model.get_buffer(n)
-                except AttributeError:
-                    continue
-                self.saved.append((t, t.detach().clone(), buffer_slot(model, n)))
-            for n in plan.mutable_params:
-                try:
-                    t = model.get_parameter(n)
-                except AttributeError:
-                    continue
-                self.saved.append((t, t.detach().clone(), None))
+            self.watched = Watched(_named(model.get_buffer, plan.mutable_buffers),
+                                   _named(model.get_parameter, plan.mutable_params))
+        else:
+            self.watched = None
+        self.slots = Slots(model.modules()) if plan.rebinds or plan.watch else None
+        self.changed: dict[str, bool] = {}  # what reset() found changed: name -> a buffer
 
     def reset(self) -> None:
         if self.slots is not None and self.slots.restore():
             self.changed[""] = False  # (read on a watched call: the forward rebinds)
-        with grad_enabled(False):
-            for t, copy, slot in self.saved or ():
-                if slot is not None and slot[0].get(slot[1]) is not t:
-                    slot[0][slot[1]] = t  # a forward assigned a new tensor to the buffer
-                t.copy_(copy)
-            for n, slot, t, copy, version in self.watched or ():
-                # (kernels update running statistics without a version bump; a parameter
-                # whose version moved is kept from then on, even where its values did not
-                # change this time)
-                if slot is not None:
-                    if slot[0].get(slot[1]) is not t:
-                        slot[0][slot[1]] = t
-                        self.changed[n] = True
-                    if not torch.equal(t, copy):
-                        t.copy_(copy)
-                        self.changed[n] = True
-                elif t._version != version:
-                    if not torch.equal(t, copy):
-                        t.copy_(copy)
-                    self.changed[n] = False
+        if self.watched is not None:
+            self.changed.update(self.watched.restore())
 
     def __enter__(self) -> None:
-        self.job.reset = (None if self.saved is None and self.watched is None
-                          and self.slots is None else self.reset)
+        self.job.reset = None if self.watched is None and self.slots is None else self.reset
 
     def __exit__(self, *exc: object) -> None:
-        if self.saved is not None or self.watched is not None or self.slots is not None:
+        if self.watched is not None or self.slots is not None:
             self.reset()
-        if self.watched is not None:
-            plan = self.plan
+        plan = self.plan
+        if plan.watch:
             plan.rebinds = self.changed.pop("", None) is not None
             plan.mutable_buffers = [n for n, b in self.changed.items() if b]
             plan.mutable_params = [n for n, b in self.changed.items() if not b]
             plan.watch = False
-            self.watched = None
         self.job.reset = None
+
+
+def _named(get: Callable[[str], Tensor], names: list[str]) -> list[tuple[str, Tensor]]:
+    """``(name, get(name))`` for each name that still resolves."""
+    out = []
+    for n in names:
+        try:
+            out.append((n, get(n)))
+        except AttributeError:
+            continue
+    return out
 
 
 def plan_of(job: Job, rebuild: bool = False) -> Plan:
