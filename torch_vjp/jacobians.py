@@ -25,11 +25,11 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.blocks import Blocks, assemble
 from torch_vjp._engine.compiled import (
     COMPILED_STRATEGIES,
-    auto_mode,
     batch_mode,
     check_compilable,
     check_compile,
     compiled_call,
+    compiled_jacobian,
     plain_batch_jacobian,
     plain_hessian,
     plain_chunk,
@@ -40,13 +40,8 @@ from torch_vjp._engine.compiled import (
 )
 from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
-from torch_vjp._engine.jacobian import (
-    autograd_hessian,
-    function_key,
-    hessian_gradient,
-    jacobian_blocks,
-    mutates_captured,
-)
+from torch_vjp._engine.jacobian import (autograd_hessian, hessian_gradient, jacobian_blocks,
+                                        mutates_captured)
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
@@ -205,8 +200,11 @@ def jacobian(
     if (compile is True and strategy in COMPILED_STRATEGIES and process_group is None
             and max_memory is None and not tracing() and not is_nested()):
         # NOTE [compiled Jacobians]: the options are checked by the eager first call
-        return _compiled_jacobian(f, primals, argnums, strategy, chunk_size, has_aux,
-                                  create_graph)
+        return compiled_jacobian(
+            f, primals, (argnums, has_aux, strategy, chunk_size, create_graph),
+            lambda: jacobian(f, *primals, argnums=argnums, strategy=strategy,
+                             chunk_size=chunk_size, has_aux=has_aux,
+                             create_graph=create_graph))
     do_compile = check_compile(compile, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
     with told_on_failure(group):  # the other ranks wait in the first exchange
@@ -476,16 +474,6 @@ def hessian(
             # loop strategies then take plain autograd, as torch.autograd.functional does
             if not mutates_captured(err) or strat.vectorized and not fallback or is_nested():
                 raise
-            warn_once(
-                ("hessian-autograd", call, function_key(f)),
-                f"{call}: f changes a tensor it captured in place (a module in training "
-                f"mode updating its buffers), which torch.func's transforms refuse, so the "
-                f"Hessian was computed with plain autograd, one backward pass per row: "
-                f"usually many times slower. The buffers are put back afterwards. Put the "
-                f"module in eval mode to keep the vectorised path. This warning is shown "
-                f"once per function.",
-                JacobianWarning,
-            )
             return autograd_hessian(f, primals, argnums, not detached, call)
         if fallback and res.mode == "fwd" and not is_nested():
             res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)
@@ -675,35 +663,6 @@ def jacobian_of(
             )
     rows_out = [r[0] if single_in else tuple(r) for r in result]
     return rows_out[0] if single_out else tuple(rows_out)
-
-
-def _compiled_jacobian(
-    f: Callable[..., Any], primals: tuple[Any, ...], argnums: Any, strategy: Any,
-    chunk_size: Any, has_aux: Any, create_graph: Any,
-) -> Any:
-    """``jacobian(compile=True)`` (NOTE [compiled Jacobians]); the eager first call checks
-    every option, so that a cached entry exists only for options that are valid."""
-    call = "torch_vjp.jacobian"
-
-    def eager() -> Any:
-        return jacobian(f, *primals, argnums=argnums, strategy=strategy,
-                        chunk_size=chunk_size, has_aux=has_aux, create_graph=create_graph)
-
-    def build() -> Callable[..., Any]:
-        mode = get_strategy(strategy, call=call).mode or auto_mode(f, primals, argnums, has_aux)
-        context, detached = graph_mode(create_graph, call=call)
-
-        def program(f: Callable[..., Any], *args: Any) -> Any:
-            with plain_context(context, detached):
-                return plain_jacobian(f, args, argnums, has_aux, mode, chunk_size)
-        return program
-
-    try:
-        options = (argnums, has_aux, strategy, chunk_size, create_graph)
-        hash(options)
-    except TypeError:  # an unhashable argnums (a list): the eager call says what is wrong
-        return eager()
-    return compiled_call(call, f, options, primals, eager, build)
 
 
 def _warn(message: str) -> None:

@@ -66,7 +66,8 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_vjp._engine.context import NO_CONTEXT, Watched, buffers_kept, modules_reached
+from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
+                                       modules_reached)
 from torch_vjp._engine.symmetry import tolerance
 from torch_vjp._errors import (
     JacobianOptionError,
@@ -75,7 +76,7 @@ from torch_vjp._errors import (
     quote_error,
     warn_once,
 )
-from torch_vjp._strategies import Strategy, choose_mode
+from torch_vjp._strategies import Strategy, choose_mode, get_strategy
 
 __all__ = [
     "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
@@ -83,6 +84,7 @@ __all__ = [
     "warn_budget", "auto_mode", "batch_mode", "check_compile", "program_key", "compiled_call",
     "tracing", "plain_jacobian",
     "plain_batch_jacobian", "plain_hessian", "plain_jvp", "plain_vjp", "clear_cache",
+    "compiled_jacobian",
 ]
 
 #: Compiled entries kept (each holds a compiled program and the function it calls).
@@ -579,3 +581,29 @@ def compiled_call(
         return result
     entry.run = program
     return result
+
+
+def compiled_jacobian(
+    f: Callable[..., Any], primals: tuple[Any, ...], options: tuple[Any, ...],
+    eager: Callable[[], Any],
+) -> Any:
+    """``jacobian(compile=True)``; ``options`` are ``(argnums, has_aux, strategy,
+    chunk_size, create_graph)`` and ``eager`` the eager call, whose first run checks every
+    option, so that a cached entry exists only for options that are valid."""
+    call = "torch_vjp.jacobian"
+    argnums, has_aux, strategy, chunk_size, create_graph = options
+
+    def build() -> Callable[..., Any]:
+        mode = get_strategy(strategy, call=call).mode or auto_mode(f, primals, argnums, has_aux)
+        context, detached = graph_mode(create_graph, call=call)
+
+        def program(f: Callable[..., Any], *args: Any) -> Any:
+            with plain_context(context, detached):
+                return plain_jacobian(f, args, argnums, has_aux, mode, chunk_size)
+        return program
+
+    try:
+        hash(options)
+    except TypeError:  # an unhashable argnums (a list): the eager call says what is wrong
+        return eager()
+    return compiled_call(call, f, options, primals, eager, build)

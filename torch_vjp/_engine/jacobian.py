@@ -486,8 +486,8 @@ def autograd_hessian(
     create_graph: bool, call: str,
 ) -> Any:
     """The Hessian with plain autograd (``torch.autograd.functional.jacobian`` of the
-    gradient, one backward pass per row): for functions torch.func refuses to transform
-    because they change a captured tensor in place. ``f`` must return one tensor and the
+    gradient, one backward pass per row), with a one-time warning: for functions torch.func
+    refuses to transform because they change a captured tensor in place. ``f`` must return one tensor and the
     differentiated primals must be tensors; the result has :func:`torch_vjp.hessian`'s
     structure (one tensor for an int ``argnums``, a tuple of tuples for a tuple)."""
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -515,6 +515,15 @@ def autograd_hessian(
             )
         return out
 
+    warn_once(
+        ("hessian-autograd", call, function_key(f)),
+        f"{call}: f changes a tensor it captured in place (a module in training mode "
+        f"updating its buffers), which torch.func's transforms refuse, so the Hessian was "
+        f"computed with plain autograd, one backward pass per row: usually many times "
+        f"slower. The buffers are put back afterwards. Put the module in eval mode to keep "
+        f"the vectorised path. This warning is shown once per function.",
+        JacobianWarning,
+    )
     xs = tuple(primals[n].detach() for n in nums)
 
     def gradient(*ys: Tensor) -> Any:
