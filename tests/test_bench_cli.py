@@ -26,9 +26,11 @@ from torch_vjp.bench import (
     get_methods,
     get_workloads,
     jax_available,
+    jax_runs_on,
     load_json,
     reference,
 )
+from torch_vjp.bench.suite import machine_note
 from torch_vjp._measure import NOISY_SPREAD
 
 REPO = Path(__file__).resolve().parent.parent
@@ -421,13 +423,37 @@ def test_output_path_that_is_a_folder_is_a_usage_error(tmp_path, capsys, no_run)
      "(jacobian_of_256): they serve jacobian workloads, and the selected workloads are "
      "jacobian_of. See --list"),
     (["--no-jax", "--only", "two_input", "--methods", "jax.jit(jax.jacrev)"],
-     "jax's methods run only with jax installed, on --device cpu, without --no-jax"),
+     "jax's methods run only with jax installed, without --no-jax, on --device cpu or on a "
+     "GPU that jax sees"),
 ], ids=["no-workload", "no-method", "empty-methods", "kind-mismatch", "no-jax"])
 def test_selection_that_runs_nothing_is_a_usage_error(argv, message, capsys, no_run):
     with pytest.raises(SystemExit) as info:
         main(["bench", *argv])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_jax_runs_on_the_device_of_torch_where_jax_has_one():
+    # jax is installed with its CPU backend alone here (a CUDA jax runs the suite's jax
+    # methods on the GPU, which the GPU results record).
+    pytest.importorskip("jax")
+    import jax
+
+    assert jax_runs_on("cpu") and jax_runs_on(torch.device("cpu"))
+    try:
+        gpus = len(jax.devices("gpu"))
+    except RuntimeError:
+        gpus = 0
+    assert jax_runs_on("cuda") == (gpus > 0)
+    assert jax_runs_on("cuda:1") == (gpus > 1)
+    assert not jax_runs_on("meta")
+
+
+def test_results_of_a_gpu_run_name_the_gpu_and_the_host():
+    env = {"device": "cuda", "gpu": "NVIDIA H200", "cpu": "AMD EPYC 9554"}
+    assert machine_note(env) == "cuda (NVIDIA H200; host AMD EPYC 9554)"
+    assert machine_note({"device": "cpu", "gpu": None, "cpu": "AMD EPYC 9554"}) == \
+        "cpu (AMD EPYC 9554)"
 
 
 def test_cuda_device_index_out_of_range_is_a_usage_error(monkeypatch, capsys, no_run):

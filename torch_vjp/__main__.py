@@ -189,7 +189,14 @@ def _parser() -> argparse.ArgumentParser:
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
-    from torch_vjp.bench import METHODS, WORKLOADS, get_workloads, jax_available, run_suite
+    from torch_vjp.bench import (
+        METHODS,
+        WORKLOADS,
+        get_workloads,
+        jax_available,
+        jax_runs_on,
+        run_suite,
+    )
 
     if args.list:
         print("workloads:")
@@ -241,7 +248,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                          f"names separated by commas (see --list), or leave --methods out "
                          f"to run them all")
     use_jax = not args.no_jax
-    workloads = _served(workloads, methods, parser, jax=use_jax and device_type == "cpu")
+    workloads = _served(workloads, methods, parser, jax=use_jax and jax_runs_on(args.device))
     min_run_time = args.min_run_time
     if min_run_time is None:
         min_run_time = QUICK_MIN_RUN_TIME if args.quick else FULL_MIN_RUN_TIME
@@ -259,6 +266,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if use_jax and not jax_available():
         print("jax is not installed: its methods are left out (pip install jax jaxlib to add them)")
+    elif use_jax and not jax_runs_on(device):
+        print(f"jax has no {device_type} device here: its methods are left out (a jax with GPU "
+              f"support, e.g. pip install 'jax[cuda13]', adds them on --device cuda)")
     start = time.perf_counter()
     result = run_suite(workloads, methods=methods, device=device, threads=args.threads,
                        min_run_time=min_run_time, rounds=args.rounds, quick=args.quick,
@@ -333,8 +343,8 @@ def _served(workloads: list, methods: list[str] | None, parser: argparse.Argumen
             why.append(f"they serve {', '.join(sorted({m.kind for m in chosen}))} workloads, "
                        f"and the selected workloads are {', '.join(kinds)}")
         if not jax and any(m.needs_jax for m in chosen if m.kind in kinds):
-            why.append("jax's methods run only with jax installed, on --device cpu, "
-                       "without --no-jax")
+            why.append("jax's methods run only with jax installed, without --no-jax, on "
+                       "--device cpu or on a GPU that jax sees")
         if not why:  # pragma: no cover - every case is named above
             why.append("no selected method serves them")
         parser.error(f"--methods: none of {methods} runs on the selected workloads "

@@ -26,7 +26,15 @@ Example:
 
 from __future__ import annotations
 
-from torch_vjp.bench.methods import HEADLINE, METHODS, Method, get_methods, jax_available, reference
+from torch_vjp.bench.methods import (
+    HEADLINE,
+    METHODS,
+    Method,
+    get_methods,
+    jax_available,
+    jax_runs_on,
+    reference,
+)
 from torch_vjp.bench.runner import environment, run_suite
 from torch_vjp.bench.suite import (
     SCHEMA,
@@ -48,6 +56,7 @@ __all__ = [
     "HEADLINE",
     "get_methods",
     "jax_available",
+    "jax_runs_on",
     "reference",
     "run_suite",
     "environment",

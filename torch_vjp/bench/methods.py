@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from torch_vjp.bench.workloads import Case, Kind
 
-__all__ = ["Method", "Prepared", "METHODS", "HEADLINE", "COMPILED", "get_methods", "jax_available", "reference"]
+__all__ = ["Method", "Prepared", "METHODS", "HEADLINE", "COMPILED", "get_methods", "jax_available", "jax_runs_on", "reference"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,28 @@ class Method:
 def jax_available() -> bool:
     """True when ``jax`` can be imported (the suite then adds its methods)."""
     return importlib.util.find_spec("jax") is not None
+
+
+def jax_runs_on(device: str | torch.device) -> bool:
+    """True when jax is installed and has a device of ``device``'s kind: always for the
+    CPU, for ``cuda[:N]`` where jax has (at least N + 1) GPUs. The suite's jax methods run
+    on the same device as torch's."""
+    device = torch.device(device)
+    if not jax_available():
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    # jax takes most of a GPU's memory on its first use unless told otherwise; the suite
+    # shares the GPU with torch.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    try:
+        return len(jax.devices("gpu")) > (device.index or 0)
+    except RuntimeError:  # no GPU backend in this jax install
+        return False
 
 
 # --------------------------------------------------------------------------------------
@@ -222,13 +245,15 @@ def _jax_modules() -> tuple[Any, Any, Any]:
     return jax, jnp, lax
 
 
-def _to_jax(tree: Any) -> Any:
-    """Torch tensors -> jax arrays on jax's CPU device (same values and dtype)."""
+def _to_jax(tree: Any, device: torch.device) -> Any:
+    """Torch tensors -> jax arrays (same values and dtype) on jax's device of the same kind
+    and index as ``device`` (its CPU, or its GPU N for ``cuda:N``)."""
     jax, jnp, _ = _jax_modules()
-    cpu = jax.devices("cpu")[0]
+    target = (jax.devices("cpu")[0] if device.type == "cpu"
+              else jax.devices("gpu")[device.index or 0])
 
     def convert(t: Any) -> Any:
-        return jax.device_put(jnp.asarray(t.detach().cpu().numpy()), cpu)
+        return jax.device_put(jnp.asarray(t.detach().cpu().numpy()), target)
 
     if isinstance(tree, dict):
         return {k: convert(v) for k, v in tree.items()}
@@ -245,36 +270,41 @@ def _from_jax(tree: Any) -> Any:
     return torch.from_numpy(np.array(tree))
 
 
-def _jax_check(case: Case) -> None:
+def _jax_device(case: Case) -> torch.device:
+    """The device of the case's tensors, where jax must run too."""
     if case.workload.jax_fn is None:
         raise NotImplementedError(f"{case.workload.name} has no jax version")
-    device = next(iter(case.params.values()), case.primals[0])
-    device = device.device if isinstance(device, Tensor) else torch.device("cpu")
-    if device.type != "cpu":
-        raise NotImplementedError("the jax comparison runs on CPU only")
+    first = next(iter(case.params.values()), case.primals[0])
+    device = first.device if isinstance(first, Tensor) else torch.device("cpu")
+    if not jax_runs_on(device):
+        raise NotImplementedError(f"jax has no {device.type} device here")
+    return device
 
 
 def _jax_jacobian(transform: str) -> Callable[[Case], Prepared]:
     def prepare(case: Case) -> Prepared:
-        _jax_check(case)
+        device = _jax_device(case)
         jax, jnp, lax = _jax_modules()
         fn = case.workload.jax_fn
-        params = _to_jax(case.params)
+        params = _to_jax(case.params, device)
         if case.workload.primal_is_params:
-            inputs = _to_jax(case.inputs)
+            inputs = _to_jax(case.inputs, device)
 
             @jax.jit
             def jac(p: Any, *xs: Any) -> Any:
-                return getattr(jax, transform)(lambda q: fn(jnp, lax, q, *xs))(p)
+                with jax.default_matmul_precision("highest"):  # full float32, as torch
+                    return getattr(jax, transform)(lambda q: fn(jnp, lax, q, *xs))(p)
 
             return Prepared(lambda: jax.block_until_ready(jac(params, *inputs)), _from_jax)
         argnums = case.argnums
 
         @jax.jit
         def jac(p: Any, *xs: Any) -> Any:
-            return getattr(jax, transform)(lambda *ys: fn(jnp, lax, p, *ys), argnums=argnums)(*xs)
+            with jax.default_matmul_precision("highest"):
+                return getattr(jax, transform)(lambda *ys: fn(jnp, lax, p, *ys),
+                                               argnums=argnums)(*xs)
 
-        inputs = _to_jax(case.primals)
+        inputs = _to_jax(case.primals, device)
         return Prepared(lambda: jax.block_until_ready(jac(params, *inputs)), _from_jax)
 
     return prepare
@@ -282,16 +312,17 @@ def _jax_jacobian(transform: str) -> Callable[[Case], Prepared]:
 
 def _jax_vmap_single(transform: str) -> Callable[[Case], Prepared]:
     def prepare(case: Case) -> Prepared:
-        _jax_check(case)
+        device = _jax_device(case)
         jax, jnp, lax = _jax_modules()
         fn = case.workload.jax_fn
 
         @jax.jit
         def jac(p: Any, x: Any) -> Any:
-            return jax.vmap(getattr(jax, transform)(lambda row: fn(jnp, lax, p, row)))(x)
+            with jax.default_matmul_precision("highest"):
+                return jax.vmap(getattr(jax, transform)(lambda row: fn(jnp, lax, p, row)))(x)
 
-        params = _to_jax(case.params)
-        (x,) = _to_jax(case.primals)
+        params = _to_jax(case.params, device)
+        (x,) = _to_jax(case.primals, device)
         return Prepared(lambda: jax.block_until_ready(jac(params, x)), _from_jax)
 
     return prepare

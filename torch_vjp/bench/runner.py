@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from torch_vjp.bench.methods import Method, get_methods, jax_available, reference
+from torch_vjp.bench.methods import Method, get_methods, jax_available, jax_runs_on, reference
 from torch_vjp.bench.suite import MethodResult, SuiteResult, WorkloadResult
 from torch_vjp.bench.workloads import Case, Workload
 from torch_vjp._errors import JacobianOptionError
@@ -140,8 +140,8 @@ def run_suite(
         workloads: From :func:`~torch_vjp.bench.workloads.get_workloads`.
         methods: Method names to keep (exact); ``None`` runs every method of each kind
             (except the slow ones, unless ``drop_slow=False``).
-        device: ``"cpu"`` or a CUDA device; jax always runs on the CPU (and is left out
-            on other devices).
+        device: ``"cpu"`` or a CUDA device; jax's methods run on the same device (left
+            out where jax has none of its kind, e.g. a CPU-only jax and ``"cuda"``).
         dtype: Dtype of the timed runs (the reference is float64).
         threads: ``torch.set_num_threads`` for the run (restored afterwards); default: the
             number of cores this process may use.
@@ -190,11 +190,16 @@ def run_suite(
         else:
             threads = os.cpu_count() or 1
     once_over = min_run_time if once_over is None else once_over
-    use_jax = use_jax and torch.device(device).type == "cpu"
+    use_jax = use_jax and jax_runs_on(device)
     plan = [(w, get_methods(w.kind, names=methods, jax=use_jax, include_slow=not drop_slow))
             for w in workloads]
     saved_threads = torch.get_num_threads()
+    saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.set_num_threads(threads)
+    # Every method computes in full float32: torch's convolutions on a GPU default to TF32
+    # (10-bit mantissas), which the check against the float64 reference rightly fails; jax's
+    # methods are traced with matmul precision 'highest' for the same reason.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     bar = _progress(sum(len(ms) for _, ms in plan) * (1 + rounds), progress)
     results = []
     try:
@@ -204,12 +209,21 @@ def run_suite(
     finally:
         bar.close()
         torch.set_num_threads(saved_threads)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
     env = environment(device=device, threads=threads, dtype=dtype, quick=quick,
                       min_run_time=min_run_time, rounds=rounds, use_jax=use_jax,
                       all_methods=not drop_slow)
     env["once_over_s"] = once_over
     env["aggregate"] = aggregate
+    env["float32_arithmetic"] = "full (TF32 off in torch; jax matmul precision 'highest')"
     return SuiteResult(env, results)
+
+
+def _wait(device: str) -> None:
+    """Waits for the device's queued work, so that a wall-clock time covers it (CUDA runs
+    asynchronously; ``Timer`` waits by itself)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _sizes(case: Case) -> tuple[int, int]:
@@ -246,6 +260,7 @@ def _run_workload(workload: Workload, methods: list[Method], device: str, dtype:
                 prepared = method.prepare(case)
                 start = time.perf_counter()
                 out = prepared.run()
+                _wait(device)
                 result.first_call_s = time.perf_counter() - start
                 out = prepared.to_torch(out)
         except Exception as exc:  # noqa: BLE001 - a failing method is a row with its error
@@ -278,6 +293,7 @@ def _run_workload(workload: Workload, methods: list[Method], device: str, dtype:
                     warnings.simplefilter("ignore")
                     start = time.perf_counter()
                     prepared.run()
+                    _wait(device)
                     result.timed_once = time.perf_counter() - start > once_over
             except Exception:  # noqa: BLE001 - the rounds below record a failing call
                 pass
@@ -295,6 +311,7 @@ def _run_workload(workload: Workload, methods: list[Method], device: str, dtype:
                     if result.timed_once:
                         start = time.perf_counter()
                         run()
+                        _wait(device)
                         times = [time.perf_counter() - start]
                     else:
                         times = block_times(run, min_run_time)

@@ -226,7 +226,7 @@ class SuiteResult:
         return [
             f"torch_vjp {env['torch_vjp']} Jacobian benchmark: torch {env['torch']}{jax}, "
             f"Python {env['python']}",
-            f"{env['device']} ({env['cpu']}), {env['threads']} threads, {env['dtype']}, "
+            f"{machine_note(env)}, {env['threads']} threads, {env['dtype']}, "
             f"{self.settings()}",
             self.how_timed(),
         ]
@@ -297,7 +297,7 @@ class SuiteResult:
         out.append(
             f"torch {env['torch']}, {jax_note(env)}, "
             f"Python {env['python']}; "
-            f"{env['device']} ({env['cpu']}), {env['threads']} threads, {env['dtype']}; "
+            f"{machine_note(env)}, {env['threads']} threads, {env['dtype']}; "
             f"{self.settings()}; {env['date']}."
         )
         out += ["", _capitalise(self.how_timed()) + ". "
@@ -308,7 +308,9 @@ class SuiteResult:
                 "workload, not a failure of torch_vjp. *first call*: the first, untimed call, "
                 "which for `jax.jit` and for *torch_vjp compiled* (`compile=True`) includes "
                 "compiling (for torch_vjp also one eager call, against which the compiled "
-                "result is checked); *time* is the steady state after it.", ""]
+                "result is checked); *time* is the steady state after it."
+                + (f" Float32 arithmetic: {env['float32_arithmetic']}."
+                   if env.get("float32_arithmetic") else ""), ""]
         if image:
             out += [f"[![suite results]({image})]({image})", "",
                     "(Click the figure for the full-size image.)", ""]
@@ -331,6 +333,13 @@ def suite_name(env: dict[str, Any]) -> str:
         return (f"{'quick' if env.get('quick') else 'full'} suite with the loop and "
                 f"full-then-diagonal methods")
     return f"{'quick' if env.get('quick') else 'default'} suite"
+
+
+def machine_note(env: dict[str, Any]) -> str:
+    """``cpu (AMD EPYC ...)`` or, on a GPU, ``cuda (NVIDIA H200; host AMD EPYC ...)``."""
+    if env.get("gpu"):
+        return f"{env['device']} ({env['gpu']}; host {env['cpu']})"
+    return f"{env['device']} ({env['cpu']})"
 
 
 def jax_note(env: dict[str, Any]) -> str:
