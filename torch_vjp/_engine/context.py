@@ -154,14 +154,40 @@ def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
     found: dict[int, torch.nn.Module] = {}
     seen: set[int] = set()
 
+    # Runs on every call, so the common kinds (functions, bound methods) are read directly:
+    # getattr with a default on a missing attribute raises and catches inside, ~0.3 us each.
+    def visit_code(func: types.FunctionType, level: int) -> None:
+        wrapped = func.__dict__.get("__wrapped__")
+        if wrapped is not None:
+            visit(wrapped, level - 1)
+        for cell in func.__closure__ or ():
+            try:
+                visit(cell.cell_contents, level - 1)
+            except ValueError:  # an empty cell
+                pass
+        glob = func.__globals__
+        for name in func.__code__.co_names:
+            value = glob.get(name)
+            if value is not None:
+                visit(value, level - 1)
+
     def visit(obj: object, level: int) -> None:
-        if id(obj) in seen or len(seen) >= _OBJECTS_SEARCHED:
+        if isinstance(obj, _NOT_SEARCHED) or id(obj) in seen or len(seen) >= _OBJECTS_SEARCHED:
             return
         seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
             found[id(obj)] = obj
             return
-        if level <= 0 or isinstance(obj, _NOT_SEARCHED):
+        if level <= 0:
+            return
+        kind = type(obj)
+        if kind is types.FunctionType:
+            visit_code(obj, level)
+            return
+        if kind is types.MethodType:
+            visit(obj.__self__, level - 1)
+            if type(obj.__func__) is types.FunctionType:
+                visit_code(obj.__func__, level)
             return
         if isinstance(obj, (list, tuple)):
             for item in obj[:_ITEMS_SEARCHED]:
@@ -183,23 +209,13 @@ def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
         if wrapped is not None:
             visit(wrapped, level - 1)
         func = getattr(obj, "__func__", obj)
-        code = getattr(func, "__code__", None)
-        if code is None:
-            attrs = getattr(obj, "__dict__", None)  # a plain object: its attributes
-            if isinstance(attrs, dict):
-                for item in itertools.islice(attrs.values(), _ITEMS_SEARCHED):
-                    visit(item, level - 1)
+        if type(func) is types.FunctionType:
+            visit_code(func, level)
             return
-        for cell in getattr(func, "__closure__", None) or ():
-            try:
-                visit(cell.cell_contents, level - 1)
-            except ValueError:  # an empty cell
-                pass
-        glob = getattr(func, "__globals__", None) or {}
-        for name in code.co_names:
-            value = glob.get(name)
-            if value is not None and not isinstance(value, types.ModuleType):
-                visit(value, level - 1)
+        attrs = getattr(obj, "__dict__", None)  # a plain object: its attributes
+        if isinstance(attrs, dict):
+            for item in itertools.islice(attrs.values(), _ITEMS_SEARCHED):
+                visit(item, level - 1)
 
     visit(f, depth)
     return list(found.values())
