@@ -204,6 +204,17 @@ def test_clipped_sums_match_loop(case, strategy):
         torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]), msg=n)
 
 
+@pytest.mark.parametrize("budget", [0, 600], ids=["nothing-kept", "some-kept"])
+@pytest.mark.parametrize("case", sorted(HOOKS_OK))
+def test_clipped_sums_with_a_smaller_budget_of_kept_gradients(case, budget, monkeypatch):
+    # The clipped step keeps per-sample gradients formed for a norm up to a budget of
+    # elements, and recomputes the others' sums: any split must give the same sums.
+    from torch_vjp._per_sample import run
+
+    monkeypatch.setattr(run, "KEEP_ELEMENTS", budget)
+    test_clipped_sums_match_loop(case, "hooks")
+
+
 @pytest.mark.parametrize("strategy", ["hooks", "vmap", "auto"])
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 4, 7, 10, 1000])
 def test_chunk_size_sweep(strategy, chunk_size):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_vjp as tv
-from torch_vjp._per_sample import factors
+from torch_vjp._per_sample import factors, run
 from torch_vjp._per_sample.rules import conv
 
 DT = torch.float64
@@ -221,6 +221,29 @@ def test_matches_loop(name, paths_taken):
     for n, _ in model.named_parameters():
         assert plan[n].method == "rule", str(plan)
         assert plan[n].how == f"{kind} rule in 'layer'", str(plan)
+
+
+@pytest.mark.parametrize("keep", [0, 1], ids=["nothing-kept", "partly-kept"])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.paths[1] == "direct"])
+def test_clipped_sums_whether_or_not_per_sample_gradients_are_kept(name, keep, monkeypatch):
+    # The direct norms form per-sample gradients; the clipped step keeps them within a
+    # budget (its sum is then c @ G) and otherwise computes one weight gradient with the
+    # output gradient scaled. Budget 0 keeps nothing, one example's worth less than the
+    # weight keeps the bias alone where there is one.
+    model, x, t = make(name)
+    budget = 0 if keep == 0 else x.shape[0] * model.layer.weight.numel() - 1
+    monkeypatch.setattr(run, "KEEP_ELEMENTS", budget)
+    check_against_loop(model, x, t)
+
+
+def test_clipped_step_sums_kept_per_sample_gradients_without_a_second_weight_gradient(
+        monkeypatch):
+    def forbidden(self, c):
+        raise AssertionError("the weight gradient was computed again")
+
+    model, x, t = make(next(n for n, c in CASES.items() if c.paths[1] == "direct"))
+    monkeypatch.setattr(conv.ConvFactor, "weighted_sum", forbidden)
+    check_against_loop(model, x, t)
 
 
 def test_cases_cover_every_path_of_every_family():

@@ -250,7 +250,9 @@ def accumulate_clipped_grads(
     One forward and one backward pass where the rules cover the layers (book-keeping, Bu et
     al., ICML 2023): the activations and output gradients of that pass give the norms, then
     each layer's clipped sum ``sum_i c_i g_i^T a_i`` is one matrix product. Per-sample
-    gradients are formed only for parameters that no rule covers (by vmap, in chunks).
+    gradients are formed only for parameters that no rule covers (by vmap, in chunks), and
+    where a layer's norms are cheapest from them (then kept for its sum, up to a fixed
+    budget of 4M numbers in all, instead of a second weight gradient).
 
     Args:
         model: as for :func:`per_sample_grads`.

@@ -42,6 +42,8 @@ from torch import Tensor
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "KEEP_ELEMENTS",
+    "KeepBudget",
     "NORM_CHUNK_ELEMENTS",
     "Factor",
     "SmallFactor",
@@ -61,6 +63,32 @@ CHUNK_ELEMENTS = 1 << 23
 #: (1 MB in float32): these calls promise no buffer of the order of B x P, and on a small
 #: model a layer's temporaries (an unfolded input, say) can be as large as B x P itself.
 NORM_CHUNK_ELEMENTS = 1 << 18
+
+
+#: Elements of per-sample gradients the clipped step may keep, in all, from the norms to the
+#: clipped sums (16 MB in float32): a factor that forms its examples' gradients to take their
+#: norms keeps them where they fit, and its clipped sum is then one matrix-vector product
+#: instead of a second weight gradient (a convolution's is the dearest). Bounded by a
+#: constant, so the clipped step still holds no buffer that grows with the model.
+KEEP_ELEMENTS = 1 << 22
+
+
+class KeepBudget:
+    """What is left of :data:`KEEP_ELEMENTS` in one clipped step."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, elements: int) -> None:
+        self.left = elements
+
+    def buffer(self, batch: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
+        """An empty ``(batch, *shape)`` tensor if the budget allows it (then taken from
+        it), else None."""
+        n = batch * math.prod(shape)
+        if n > self.left:
+            return None
+        self.left -= n
+        return like.new_empty((batch, *shape))
 
 
 def sq_norms_rows(v: Tensor) -> Tensor:
@@ -88,6 +116,9 @@ class Factor:
 
     rows: slice | None = None
     region_shape: tuple[int, ...] = ()
+    #: The per-sample gradients ``(B, ...)`` that :meth:`sq_norms` formed and kept (with a
+    #: ``keep`` budget), for :func:`region_weighted_sum`; None where they were not formed.
+    kept: Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -104,14 +135,22 @@ class Factor:
         for s, e in chunks(self.batch, math.prod(self.region_shape), chunk_size):
             self.write_range(out[s:e], s, e, accumulate)
 
-    def sq_norms(self, chunk_size: int | None) -> Tensor:
-        """The ``(B,)`` squared L2 norms of the per-sample gradients of this region."""
+    def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
+        """The ``(B,)`` squared L2 norms of the per-sample gradients of this region. With
+        ``keep``, per-sample gradients formed for them are kept in :attr:`kept` where the
+        budget allows."""
         out = torch.empty(self.batch, dtype=self._dtype(), device=self._device())
         numel = math.prod(self.region_shape)
+        kept = keep.buffer(self.batch, self.region_shape, out) if keep is not None else None
         for s, e in chunks(self.batch, numel, chunk_size, NORM_CHUNK_ELEMENTS):
-            buf = torch.empty((e - s, *self.region_shape), dtype=out.dtype, device=out.device)
+            if kept is not None:
+                buf = kept[s:e]
+            else:
+                buf = torch.empty((e - s, *self.region_shape), dtype=out.dtype,
+                                  device=out.device)
             self.write_range(buf, s, e, False)
             out[s:e] = sq_norms_rows(buf)
+        self.kept = kept
         return out
 
     def weighted_sum(self, c: Tensor) -> Tensor:
@@ -157,7 +196,7 @@ class SmallFactor(Factor):
     def write(self, out: Tensor, accumulate: bool, chunk_size: int | None) -> None:
         self.write_range(out, 0, self.batch, accumulate)
 
-    def sq_norms(self, chunk_size: int | None) -> Tensor:
+    def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
         return self._sq() if self._sq is not None else sq_norms_rows(self.value)
 
     def weighted_sum(self, c: Tensor) -> Tensor:
@@ -279,7 +318,7 @@ class OuterFactor(Factor):
         q = self.g.shape[2]
         return T * (p + q) <= p * q
 
-    def sq_norms(self, chunk_size: int | None) -> Tensor:
+    def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
         if self.a2 is not None:
             return sq_norms_rows(self.a2).mul_(self.g_sq_norms())
         a, g = self.a, self.g
@@ -294,12 +333,16 @@ class OuterFactor(Factor):
                 gg = torch.bmm(g[s:e], g[s:e].mT)
                 out[s:e] = aa.mul_(gg).view(e - s, -1).sum(1)
         else:
+            kept = keep.buffer(B, (q, p), a) if keep is not None else None
             buf = None
             for s, e in chunks(B, p * q, chunk_size, NORM_CHUNK_ELEMENTS):
-                if buf is None or buf.shape[0] != e - s:
+                if kept is not None:
+                    buf = kept[s:e]
+                elif buf is None or buf.shape[0] != e - s:
                     buf = a.new_empty((e - s, q, p))
                 torch.bmm(g[s:e].mT, a[s:e], out=buf)
                 out[s:e] = sq_norms_rows(buf)
+            self.kept = kept if kept is None or not self.transposed else kept.mT
         return out
 
     def weighted_sum(self, c: Tensor) -> Tensor:
@@ -374,7 +417,7 @@ class EmbeddingFactor(Factor):
             tmp.index_add_(0, keys, src)
             out.add_(tmp.view(out.shape))
 
-    def sq_norms(self, chunk_size: int | None) -> Tensor:
+    def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
         B, T, D = self.g.shape
         uniq, inv = torch.unique(self._keys(), return_inverse=True)
         acc = self.g.new_zeros((uniq.numel(), D)).index_add_(0, inv, self.g.reshape(B * T, D))
@@ -469,8 +512,13 @@ def region_sq_norms(factors: list[Factor], shape: tuple[int, ...], batch: int, l
 
 
 def region_weighted_sum(factors: list[Factor], c: Tensor, param: Tensor) -> Tensor:
-    """``sum_i c[i] G_i`` of one parameter (weighted sums add across factors and regions)."""
+    """``sum_i c[i] G_i`` of one parameter (weighted sums add across factors and regions);
+    from the factor's kept per-sample gradients where it has them."""
     if len(factors) == 1 and factors[0].rows is None:
+        kept = factors[0].kept
+        if kept is not None:
+            res = torch.tensordot(c.to(kept.dtype), kept, dims=1)
+            return res if res.shape == param.shape else res.reshape(param.shape)
         res = factors[0].weighted_sum(c)
         return res if res.shape == param.shape else res.reshape(param.shape)
     total = torch.zeros(param.shape, dtype=c.dtype, device=c.device)

@@ -32,6 +32,8 @@ from torch_vjp._per_sample.args import (
 from torch_vjp._per_sample.distributed import ddp_add_to_grads, strip_prefix, unwrap
 from torch_vjp._per_sample.factors import (
     CHUNK_ELEMENTS,
+    KEEP_ELEMENTS,
+    KeepBudget,
     region_sq_norms,
     region_weighted_sum,
     sq_norms_rows,
@@ -306,13 +308,16 @@ def norms_and_sums(
     sel, batch = job.sel, job.batch
     like = next(iter(sel.tensors.values()))
     per_param: dict[str, Tensor] = {}
+    # (the clipped step keeps per-sample gradients formed for a norm, within a budget, for
+    # its sum: see KEEP_ELEMENTS)
+    keep = KeepBudget(KEEP_ELEMENTS) if max_norm is not None else None
     with grad_enabled(False):
         for n in plan.rule_params:
             if n in res.moved:
                 continue
             fs = res.factors.get(n)
             if fs and len(fs) == 1 and fs[0].rows is None:  # the common case
-                per_param[n] = fs[0].sq_norms(None)
+                per_param[n] = fs[0].sq_norms(None, keep)
             else:
                 per_param[n] = (
                     region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)

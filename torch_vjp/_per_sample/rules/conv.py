@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch_vjp._per_sample.factors import (
     NORM_CHUNK_ELEMENTS,
     Factor,
+    KeepBudget,
     SmallFactor,
     chunks,
     sq_norms_rows,
@@ -179,7 +180,7 @@ class ConvFactor(Factor):
         p, q = cg * k, O // self.groups
         return L * (p + q) < p * q
 
-    def sq_norms(self, chunk_size: int | None) -> Tensor:
+    def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
         B = self.batch
         O, cg, k, L = self._dims()
         G = self.groups
@@ -196,9 +197,15 @@ class ConvFactor(Factor):
                     gg = torch.bmm(g4[:, j].mT, g4[:, j])
                     out[s:e] += aa.mul_(gg).view(n, -1).sum(1)
             return out
-        # Direct: the per-sample gradients (and, for short patches, the unfolded input).
+        # Direct: the per-sample gradients (and, for short patches, the unfolded input),
+        # kept for the clipped sum where the budget allows.
+        kept = keep.buffer(B, self.weight_shape, self.x) if keep is not None else None
         for s, e in chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS):
-            out[s:e] = sq_norms_rows(self._per_sample(s, e))
+            per_sample = self._per_sample(s, e)
+            out[s:e] = sq_norms_rows(per_sample)
+            if kept is not None:
+                kept[s:e] = per_sample
+        self.kept = kept
         return out
 
     def weighted_sum(self, c: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_vjp._errors import PerSampleError
-from torch_vjp._per_sample.factors import EmbeddingFactor, Factor
+from torch_vjp._per_sample.factors import EmbeddingFactor, Factor, KeepBudget
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "BagFactor"]
@@ -111,7 +111,7 @@ class BagFactor(Factor):
             tmp = torch.zeros((n * self.num, D), dtype=out.dtype, device=out.device)
             out.add_(tmp.index_add_(0, keys, src).view(out.shape))
 
-    def sq_norms(self, chunk_size: int | None) -> Tensor:
+    def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
         # the pairs are distinct, so each is one row of one example's gradient
         rows = self.src.square().sum(1)
         return rows.new_zeros(self._batch).index_add_(0, self.ex, rows)
