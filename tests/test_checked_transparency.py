@@ -379,20 +379,57 @@ def test_decorator_on_async_function_and_async_generator():
     assert not _checking()
 
 
-def test_torch_function_overrides_see_torchs_own_backward():
+def test_torch_function_overrides_see_the_public_functions():
+    # torch hands __torch_function__ what its names hold when the call is made (its own
+    # functions look themselves up by name), so an override that recognises
+    # torch.autograd.grad, torch.autograd.backward or Tensor.backward recognises them in a
+    # checked block too, where those names hold the checking wrappers.
     seen = []
 
     class Logged(torch.Tensor):
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
-            seen.append(func)
+            names = {torch.autograd.grad: "grad", torch.autograd.backward: "backward",
+                     torch.Tensor.backward: "Tensor.backward"}
+            if func in names:
+                seen.append(names[func])
             return super().__torch_function__(func, types, args, kwargs or {})
 
-    genuine = _checked_scope._GENUINE_TENSOR_BACKWARD  # torch's, whatever is installed now
-    x = torch.ones(2, requires_grad=True).as_subclass(Logged)
+    def calls():
+        x = torch.ones(3, requires_grad=True)
+        y = (x * 2).as_subclass(Logged).sum()
+        torch.autograd.grad(y, x, retain_graph=True)
+        y.backward(retain_graph=True)
+        torch.autograd.backward(y)
+
+    calls()
+    plain, seen[:] = list(seen), []
     with tv.checked():
+        calls()
+    assert plain == ["grad", "Tensor.backward", "backward"]
+    assert seen == plain
+
+
+def test_tensor_backward_calls_torch_autograd_backward_as_patched():
+    # Tensor.backward looks torch.autograd.backward up when it is called: a patch of it
+    # (a mock, a tracer's shim) sees Tensor.backward's calls, checked or not.
+    from unittest import mock
+
+    calls = []
+    current = torch.autograd.backward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return current(*args, **kwargs)
+
+    x = torch.ones(3, requires_grad=True)
+    with mock.patch.object(torch.autograd, "backward", spy):
         (x * 2).sum().backward()
-    assert genuine in seen
+    with tv.checked():
+        with mock.patch.object(torch.autograd, "backward", spy):
+            (x * 2).sum().backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(x.grad, torch.full((3,), 4.0))
 
 
 def test_engine_patch_point_is_honoured():
@@ -413,6 +450,90 @@ def test_engine_patch_point_is_honoured():
     finally:
         torch.autograd._engine_run_backward = original
     assert len(calls) == 3
+
+
+def test_torch_compile_traces_the_same_graphs_in_a_checked_block():
+    # dynamo knows torch.autograd.grad and Tensor.backward by identity; a checked block
+    # must not change what it traces (graph breaks, operators).
+    import torch._dynamo.testing
+
+    def by_grad(x):
+        return torch.autograd.grad((x.sin() * 2).sum(), x)
+
+    def by_backward(x):
+        (x.sin() * 2).sum().backward()
+        return x.grad
+
+    def counts():
+        out = []
+        for fn in (by_grad, by_backward):
+            torch._dynamo.reset()
+            counter = torch._dynamo.testing.CompileCounter()
+            torch.compile(fn, backend=counter)(torch.ones(3, requires_grad=True))
+            out.append((counter.frame_count, counter.op_count))
+        return out
+
+    plain = counts()
+    with tv.checked():
+        checked = counts()
+    torch._dynamo.reset()
+    assert checked == plain
+
+
+def test_replayed_backward_is_not_seen_by_dispatch_modes():
+    # A custom backward whose return torch casts (float64 for a float32 input) is replayed
+    # to learn torch's verdict; an op logger or FLOP counter around the backward must see
+    # the user's pass only.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return (g * 2).double()
+
+    def ops():
+        x = torch.ones(3, requires_grad=True)
+        y = Twice.apply(x).sum()
+        with Log() as log:
+            y.backward()
+        torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+        return log.ops
+
+    plain = ops()
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.FunctionCheckWarning)  # the cast is reported
+        checked = ops()
+    assert checked == plain
+
+
+def test_torch_rejecting_another_argument_first_raises_torchs_error():
+    # torch refuses materialize_grads=True with allow_unused=False before it looks at
+    # grad_outputs; the mismatched grad_outputs must not replace torch's own error.
+    x = torch.ones(3, requires_grad=True)
+
+    def call():
+        torch.autograd.grad(x * 2, x, torch.ones(4), allow_unused=False, materialize_grads=True)
+
+    with pytest.raises(ValueError) as plain:
+        call()
+    with tv.checked(), pytest.raises(ValueError) as checked:
+        call()
+    assert type(checked.value) is type(plain.value)
+    assert full_message(checked.value) == full_message(plain.value)
+    assert str(plain.value).startswith("Expected allow_unused to be True")
 
 
 def test_torchscript_compiles_autograd_calls_under_checks():

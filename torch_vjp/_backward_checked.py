@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from torch_vjp._backward_check import (
     Slot,
@@ -281,7 +282,10 @@ def torch_verdict(node: Any, returned: Any,
         for j, s in enumerate(slots):
             if s.kind != "unknown":
                 kinds[j] = s.kind
-        verdicts.append(_replay(node._forward_cls.__name__, slots, kinds, returned, grad))
+        # (the replay is ours: dispatch modes around the user's backward, an op logger or
+        # a FLOP counter, must not see it)
+        with _disable_current_modes():
+            verdicts.append(_replay(node._forward_cls.__name__, slots, kinds, returned, grad))
     first = verdicts[0]
     if all(type(v) is type(first) and str(v) == str(first) for v in verdicts):
         return True, first

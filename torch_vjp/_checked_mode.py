@@ -127,6 +127,13 @@ def _wrapper(genuine: Callable[..., Any]) -> Callable[[Callable[..., Any]], Call
     return mark
 
 
+def _compiling() -> bool:
+    """Whether dynamo is tracing the call: it knows torch's autograd entry points by
+    identity, so the wrappers hand it torch's function untouched (the same graph as
+    without checks; the compiled program's backward is torch's)."""
+    return torch.compiler.is_compiling()
+
+
 @_wrapper(_GENUINE_GRAD)
 def _checked_grad(
     outputs: Any,
@@ -141,7 +148,7 @@ def _checked_grad(
 ) -> Any:
     """``torch.autograd.grad``, checked in a checked scope."""
     previous = _PREVIOUS["grad"]
-    if not _active():
+    if not _active() or _compiling():
         return previous(outputs, inputs, grad_outputs, retain_graph, create_graph,
                         only_inputs, allow_unused, is_grads_batched, materialize_grads)
     with _in_flight_pass():
@@ -161,7 +168,7 @@ def _checked_backward(
 ) -> None:
     """``torch.autograd.backward``, checked in a checked scope."""
     previous = _PREVIOUS["backward"]
-    if not _active():
+    if not _active() or _compiling():
         return previous(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
                         inputs=inputs)
     with _in_flight_pass():
@@ -179,14 +186,18 @@ def _checked_tensor_backward(
 ) -> None:
     """``Tensor.backward``, checked in a checked scope."""
     previous = _PREVIOUS["tensor_backward"]
-    if not _active() or previous is not _GENUINE_TENSOR_BACKWARD:
+    if not _active() or previous is not _GENUINE_TENSOR_BACKWARD or _compiling():
         return previous(self, gradient, retain_graph, create_graph, inputs=inputs)
-    if has_torch_function((self,)):  # overrides see torch's own Tensor.backward
+    if has_torch_function((self,)):  # as torch's: overrides get what Tensor.backward names
         return handle_torch_function(
-            _GENUINE_TENSOR_BACKWARD, (self,), self, gradient=gradient,
+            Tensor.backward, (self,), self, gradient=gradient,
             retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
         )
-    # What Tensor.backward does next: torch.autograd.backward with itself as the tensors.
+    # What Tensor.backward does next: torch.autograd.backward with itself as the tensors,
+    # looked up now, as torch's does (a patch made over the checking wrapper is called).
+    current = torch.autograd.backward
+    if current is not _checked_backward:
+        return current(self, gradient, retain_graph, create_graph, inputs=inputs)
     with _in_flight_pass():
         return _backward(TENSOR_BACKWARD, _PREVIOUS["backward"], self, gradient, retain_graph,
                          create_graph, None, inputs)

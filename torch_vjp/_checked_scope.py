@@ -80,10 +80,14 @@ _BUILTIN_CLASSES: tuple[tuple[type[BaseException], type[GradOutputsError]], ...]
 )
 
 
-def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
+def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any], *,
+               same_problem: Callable[[BaseException, GradOutputsError], bool] | None = None
+               ) -> Any:
     """Runs torch's own function on a call the checker rejected, and raises the checker's
     error if torch raises too (as the builtin class torch raised); returns torch's result,
-    with a warning, if torch accepts the call after all."""
+    with a warning, if torch accepts the call after all. ``same_problem(torch_err, err)``,
+    where given, says whether torch's error is about what the checker found; torch's error
+    is re-raised untouched where it is not."""
     try:
         with _suppressed():
             result = run_torch()
@@ -94,6 +98,8 @@ def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], An
             if isinstance(torch_err, builtin):
                 break
         else:  # not torch's validation: the user's own code raised; pass it through
+            raise
+        if same_problem is not None and not same_problem(torch_err, err):
             raise
         cls = type(err) if isinstance(err, builtin) else ours
         sentence = getattr(err, "torch_sentence", None) or str(torch_err)

@@ -20,6 +20,7 @@ passes through untouched.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import handle_torch_function, has_torch_function, is_tensor_like
 
 from torch_vjp._checked_scope import (
+    _AUTOGRAD,
     _GENUINE_BACKWARD,
     _GENUINE_GRAD,
     _HAS_ENGINE,
@@ -109,6 +111,23 @@ def _inputs_tuple(inputs: Any) -> tuple[Any, ...] | None:
         return None
 
 
+_AUTOGRAD_INIT = os.path.join("torch", "autograd", "__init__.py")
+
+
+def _same_problem(torch_err: BaseException, err: GradOutputsError) -> bool:
+    """Whether torch's error on a call the checker rejected may be replaced by the
+    checker's: not where torch refused another argument first, in the body of
+    ``torch.autograd.grad`` or ``backward`` itself (``materialize_grads=True`` with
+    ``allow_unused=False``, empty ``inputs``), before it looked at grad_outputs; that error
+    stands as torch raised it."""
+    tb, code = torch_err.__traceback__, None
+    while tb is not None:
+        code, tb = tb.tb_frame.f_code, tb.tb_next
+    return code is None or not (
+        code.co_name in ("grad", "backward") and code.co_filename.endswith(_AUTOGRAD_INIT)
+    )
+
+
 def _grad(
     labels: Labels,
     torch_grad: Callable[..., Any],
@@ -140,8 +159,10 @@ def _grad(
         if torch_grad is not _GENUINE_GRAD:
             return torch_grad(outs, inputs_arg, grad_outputs, retain_graph, create_graph,
                               only_inputs, allow_unused, is_grads_batched, materialize_grads)
+        # (torch passes what torch.autograd.grad names now: its own function looks itself
+        # up by name, so a checked block hands overrides the checking wrapper too)
         result = handle_torch_function(
-            _GENUINE_GRAD, overridable, outs, ins, grad_outputs=grad_outputs,
+            _AUTOGRAD.grad, overridable, outs, ins, grad_outputs=grad_outputs,
             retain_graph=retain_graph, create_graph=create_graph, only_inputs=only_inputs,
             allow_unused=allow_unused, is_grads_batched=is_grads_batched,
             materialize_grads=materialize_grads,
@@ -168,7 +189,7 @@ def _grad(
         return _arbitrate(err, labels, lambda: torch_grad(
             outs, inputs_arg, entries, retain_graph, create_graph, True, allow_unused,
             is_grads_batched, materialize_grads,
-        ))
+        ), same_problem=_same_problem)
     if (
         not _HAS_ENGINE
         or torch_grad is not _GENUINE_GRAD
@@ -237,7 +258,7 @@ def _backward(
             return torch_backward(outs, grad_tensors, retain_graph, create_graph,
                                   inputs=inputs_arg)
         return handle_torch_function(
-            _GENUINE_BACKWARD, overridable, outs, grad_tensors=grad_tensors,
+            _AUTOGRAD.backward, overridable, outs, grad_tensors=grad_tensors,
             retain_graph=retain_graph, create_graph=create_graph,
             inputs=ins if inputs is not None else None,
         )
@@ -250,7 +271,8 @@ def _backward(
         )
     except GradOutputsError as err:
         return _arbitrate(err, labels, lambda: torch_backward(
-            outs, entries, retain_graph, create_graph, inputs=inputs_arg))
+            outs, entries, retain_graph, create_graph, inputs=inputs_arg),
+            same_problem=_same_problem)
     if not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or not _plain(ins):
         return torch_backward(outs, gts, retain_graph, create_graph, inputs=inputs_arg)
     # See NOTE [skipping torch's _make_grads]: the engine call of torch.autograd.backward.
