@@ -70,6 +70,22 @@ class SortAndRestore(nn.Module):
         return self.fc(x[order])[order.argsort()]
 
 
+class SwapFirstTwo(nn.Module):
+    """Swaps examples 0 and 1 for a layer and back: the examples probed one at a time (the
+    last and the middle one) stay in place, so only a test of every row sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        order = torch.arange(x.shape[0])
+        if x.shape[0] > 1:
+            order[[0, 1]] = order[[1, 0]]
+        return self.out(torch.tanh(self.fc(x[order])[order.argsort()]))
+
+
 class SharedTable(nn.Module):
     """A Linear applied to a (T, F) table used by every example, with T == B."""
 
@@ -114,6 +130,7 @@ class SeededNoise(nn.Module):
 LAYOUTS = {
     "sequence-first-T-eq-B": (SequenceFirst, lambda o: o[-1].pow(2).sum(), (4, 4, 4)),
     "sort-and-restore": (SortAndRestore, lambda o: o.pow(2).sum(), (4, 4)),
+    "swap-first-two": (SwapFirstTwo, lambda o: o.pow(2).sum(), (6, 4)),
     "shared-table-T-eq-B": (SharedTable, lambda o: o.pow(2).sum(), (4, 4, 4)),
     "reshape-scrambles": (Scrambled, lambda o: o.sin().sum(), (4, 3, 4)),
     "seeded-generator": (SeededNoise, lambda o: o.pow(2).sum(), (5, 4)),
@@ -147,9 +164,10 @@ def test_sequence_first_output_uses_rules_with_the_right_dimension():
 
 @pytest.mark.parametrize("case, param, reason", [
     ("sort-and-restore", "fc.weight", "rows do not belong to single examples"),
+    ("swap-first-two", "fc.weight", "rows do not all belong to the examples of the same index"),
     ("shared-table-T-eq-B", "pos_fc.weight", "rows do not belong to single examples"),
     ("reshape-scrambles", "fc.weight", "rows do not belong to single examples"),
-], ids=["sort-and-restore", "shared-table", "reshape-scrambles"])
+], ids=["sort-and-restore", "swap-first-two", "shared-table", "reshape-scrambles"])
 def test_hooks_refuses_what_rules_cannot_do_and_says_why(case, param, reason):
     make, loss_fn, shape = LAYOUTS[case]
     torch.manual_seed(0)

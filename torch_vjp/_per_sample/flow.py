@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from torch_vjp._per_sample.args import Job
-from torch_vjp._per_sample.losses import example_loss
+from torch_vjp._per_sample.losses import example_loss, loss_sum
 from torch_vjp._per_sample.recorder import ModuleCall, Recorder
 from torch_vjp._per_sample.registry import Call
 
@@ -106,10 +107,12 @@ def call_dims(
     edges: list[Any] = []
     owners: list[tuple[str, int, int]] = []  # ("call" | "in" | "out", index, position)
     others: list[dict[int, int]] = []  # per call: its other outputs that hold the examples
+    call_pos: dict[int, int] = {}  # call -> position of its output's edge in ``edges``
     for i, c in enumerate(calls):
         e = c.out_edges[0] if c.out_edges else None
         if e is not None:
             owners.append(("call", i, 0))
+            call_pos[i] = len(edges)
             edges.append(e)
         more = {j: d for j, d in c.rule.other_output_dims(c.module, c.x).items()
                 if j < len(c.out_edges)}
@@ -152,6 +155,7 @@ def call_dims(
         else:
             out_grads[(i, j)] = gs
     mixing = _find_mixing(rec.module_calls, in_grads, out_grads, ks, batch, full, small)
+    weighted = _weighted_grads(job, out, out_dims, edges, batch)
     result: list[tuple[int | None, str]] = []
     for i, c in enumerate(calls):
         y = c.outputs[0] if c.outputs else None
@@ -188,7 +192,15 @@ def call_dims(
             if bad:
                 result.append((None, bad))
                 continue
-            result.append((dims.pop(), ""))
+            d = dims.pop()
+            if weighted is not None and i in call_pos and _rows_moved(
+                    weighted, call_pos[i], y.shape, d, batch):
+                result.append((None, "its output's rows do not all belong to the examples of "
+                                     "the same index (the batch is reordered or mixed before "
+                                     "this layer: a row's gradient follows another example's "
+                                     "loss)"))
+                continue
+            result.append((d, ""))
         elif not dims:
             result.append((None, "its output's rows do not belong to single examples (an "
                                  "example's loss depends on several of them along every "
@@ -198,6 +210,66 @@ def call_dims(
             result.append((None, f"more than one dimension of its output ({sorted(dims)}) "
                                  f"could hold the examples"))
     return result, mixing
+
+
+#: The examples' loss weights of the two passes of :func:`_weighted_grads` (fixed, so that
+#: plans do not depend on a random draw).
+_WEIGHTS = torch.Generator().manual_seed(20261127)
+
+
+def _weighted_grads(
+    job: Job, out: Any, out_dims: list[int] | None, edges: list[Any], batch: int
+) -> tuple[Tensor, Tensor, tuple[Any, ...], tuple[Any, ...]] | None:
+    """The gradients at ``edges`` of ``sum_k w_k loss_k`` for two random weightings ``w``
+    and ``v`` of the examples' losses: ``(w, v, grads_w, grads_v)``. Where a row ``j`` of a
+    tensor belongs to example ``j`` alone, its two gradients are ``w_j u`` and ``v_j u``; a
+    row that follows another example's loss, or several, breaks that ratio. Two backward
+    passes test every example at once, where the per-example probes test two (a model that
+    sorts its batch and restores the order can leave those two in place)."""
+    if not edges:
+        return None
+    leaves = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+    dims = out_dims if out_dims is not None else [0] * len(leaves)
+    pairs = [(t, d) for t, d in zip(leaves, dims) if t.requires_grad]
+    total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
+    if not pairs or not total.requires_grad:
+        return None
+    per_row = torch.autograd.grad(total, [t for t, _ in pairs], retain_graph=True,
+                                  allow_unused=True)
+    weights = [torch.rand(batch, generator=_WEIGHTS, dtype=torch.float64) + 1.0
+               for _ in range(2)]
+    grads = []
+    for w in weights:
+        cotangents = []
+        for (t, d), g in zip(pairs, per_row):
+            shape = [1] * t.dim()
+            shape[d] = batch
+            g = torch.zeros_like(t) if g is None else g
+            cotangents.append(g * w.to(device=g.device, dtype=g.dtype).view(shape))
+        grads.append(torch.autograd.grad([t for t, _ in pairs], edges, cotangents,
+                                         retain_graph=True, allow_unused=True))
+    return weights[0], weights[1], grads[0], grads[1]
+
+
+def _rows_moved(weighted: tuple[Tensor, Tensor, tuple[Any, ...], tuple[Any, ...]], pos: int,
+                shape: Sequence[int], d: int, batch: int) -> bool:
+    """Whether some row along ``d`` of the tensor at edge ``pos`` breaks the ratio of
+    :func:`_weighted_grads` (a row that does not belong to the example of its index)."""
+    w, v, grads_w, grads_v = weighted
+    a, b = grads_w[pos], grads_v[pos]
+    if a is None or b is None:
+        return False
+    if tuple(a.shape) != tuple(shape) and a.numel() == math.prod(shape):
+        a, b = a.reshape(shape), b.reshape(shape)  # a view's base (see confined)
+    if d >= a.dim() or a.shape[d] != batch:
+        return False
+    a = a.detach().movedim(d, 0).reshape(batch, -1).double()
+    b = b.detach().movedim(d, 0).reshape(batch, -1).double()
+    lhs, rhs = a * v.to(a.device).unsqueeze(1), b * w.to(a.device).unsqueeze(1)
+    scale = (lhs.abs() + rhs.abs()).amax(1, keepdim=True)
+    tol = 64 * torch.finfo(grads_w[pos].dtype).eps ** 0.5 if grads_w[pos].is_floating_point() \
+        else 1e-6
+    return bool(((lhs - rhs).abs() > tol * scale).any())
 
 
 def _find_mixing(
