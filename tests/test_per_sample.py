@@ -807,3 +807,30 @@ def test_torchscript_model_is_refused_with_the_fix():
                        r"module before torch.jit.script") as info:
         per_sample_grads(model, nn.MSELoss(), x, y)
     assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_inference_mode_is_refused_not_computed_as_zeros(strategy):
+    model, loss_fn, x, t = make("mlp")
+    calls = {
+        "per_sample_grads": lambda: per_sample_grads(model, loss_fn, x, t, strategy=strategy),
+        "per_sample_grad_norms": lambda: per_sample_grad_norms(model, loss_fn, x, t,
+                                                               strategy=strategy),
+        "accumulate_clipped_grads": lambda: accumulate_clipped_grads(
+            model, loss_fn, x, t, max_norm=1.0, strategy=strategy),
+        "per_sample_plan": lambda: torch_vjp.per_sample_plan(model, loss_fn, x, t,
+                                                             strategy=strategy),
+    }
+    for name, call in calls.items():
+        with torch.inference_mode(), pytest.raises(PerSampleError) as info:
+            call()
+        assert str(info.value).startswith(
+            f"torch_vjp.{name}: called inside torch.inference_mode(), where torch records no "
+            f"graph"), str(info.value)
+        assert "Fix: call it outside the inference_mode block" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
+    # torch.no_grad() is lifted for the call
+    with torch.no_grad():
+        got = per_sample_grads(model, loss_fn, x, t, strategy=strategy)
+    for n, g in loop_reference(model, loss_fn, x, t).items():
+        torch.testing.assert_close(got[n], g)

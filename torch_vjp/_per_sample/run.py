@@ -70,6 +70,14 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             strategy: Any) -> Job:
     """Checks the arguments of a public function; the selection is made once per model."""
     strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
+    if torch.is_inference_mode_enabled():
+        # (no_grad is lifted for the call; inference mode cannot be: the tensors made in it,
+        # the inputs most likely, can never enter a graph)
+        raise PerSampleError(
+            f"torch_vjp.{fn}: called inside torch.inference_mode(), where torch records no "
+            f"graph, so no gradient can be computed (the per-example loop would return zeros)."
+            f"\nFix: call it outside the inference_mode block, on tensors made outside it; "
+            f"torch.no_grad() is fine, the per-sample functions compute with grad enabled.")
     model, ddp, prefix = unwrap(fn, model)
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
