@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -968,3 +969,97 @@ def test_what_a_forward_assigns_or_registers_is_put_back(strategy, cls):
         assert dict(model.named_parameters()) == params
         assert all(b is buffers[n] for n, b in model.named_buffers())
         assert dict(model.named_buffers()).keys() == buffers.keys()
+
+
+# ------------------------------------------------------------------------------------------
+# Forwards the planning or the recording cannot run as they are
+# ------------------------------------------------------------------------------------------
+
+
+class RepeatsTable(nn.Module):
+    """Projects a table of one row and repeats it over the batch by hand (DeBERTa's
+    relative positions): expanding the projection to the batch, as the plan first tries,
+    makes the repeat B times too large."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, 3, 4))
+        self.proj = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        rel = self.proj(self.table).repeat(x.shape[0], 1, 1)
+        return self.fc(torch.tanh(x + rel)).sum(1)
+
+
+class MarksItsInput(nn.Module):
+    """Sets requires_grad on a view of its input (Wav2Vec2's feature encoder in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = x[:, None]
+        h.requires_grad = True
+        return self.fc(h.squeeze(1))
+
+
+class FrozenEncoder(nn.Module):
+    """A frozen nn.TransformerEncoder with a padding mask in eval mode turns its input into a
+    nested tensor, which its attention handles only on a fast path that the recording of the
+    hooks turns off; the head alone is trained."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x, mask):
+        return self.out(self.enc(x, src_key_padding_mask=mask)[:, 0])
+
+
+def _frozen_encoder():
+    model = FrozenEncoder().to(DT).eval()
+    for p in model.enc.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(4, 5, 8, dtype=DT)
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    mask[3, 1:] = True
+    return model, (x, mask)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested tensors are a prototype
+@pytest.mark.parametrize("case", ["repeats-table", "marks-its-input", "frozen-encoder"])
+def test_forwards_the_recording_cannot_run_as_they_are_go_to_the_fallback(case):
+    torch.manual_seed(0)
+    if case == "frozen-encoder":
+        model, xs = _frozen_encoder()
+    else:
+        model = (RepeatsTable if case == "repeats-table" else MarksItsInput)().to(DT).train()
+        xs = (torch.randn(5, 3, 4, dtype=DT) if case == "repeats-table"
+              else torch.randn(5, 4, dtype=DT),)
+    loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    rows = {n: [] for n in names}
+    for i in range(xs[0].shape[0]):
+        loss = loss_fn(model(*(x[i:i + 1] for x in xs)))
+        grads = torch.autograd.grad(loss, [dict(model.named_parameters())[n] for n in names])
+        for n, g in zip(names, grads):
+            rows[n].append(g)
+    ref = {n: torch.stack(v) for n, v in rows.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.TorchVJPWarning)  # auto's loop fallback
+        assert_matches(tv.per_sample_grads(model, loss_fn, xs), ref)
+        norms = tv.per_sample_grad_norms(model, loss_fn, xs)
+    torch.testing.assert_close(norms, torch.cat([g.flatten(1) for g in ref.values()], 1)
+                               .norm(dim=1))
+    if case == "marks-its-input":  # its layers keep their rules
+        assert_matches(tv.per_sample_grads(model, loss_fn, xs, strategy="hooks"), ref)
+    else:
+        why = ("fails while the hooks record it" if case == "frozen-encoder"
+               else "no dimension that could hold the")
+        with pytest.raises(tv.StrategyError, match=why):
+            tv.per_sample_grads(model, loss_fn, xs, strategy="hooks")

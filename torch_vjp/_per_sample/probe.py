@@ -276,11 +276,22 @@ def _grad_probe(
     small: tuple[Any, ShapeRecord] | None,
     *,
     expand: bool,
+    grad_inputs: bool = True,
 ) -> Plan:
-    """Steps 2 to 5 of NOTE [the per-sample plan]."""
+    """Steps 2 to 5 of NOTE [the per-sample plan].
+
+    The recorded forward first runs with the rewrites of NOTE [direct uses] (``expand``)
+    and with the floating inputs requiring grad (their gradients tell which rows of a
+    first layer's input belong to which example). A model that cannot run so is run again
+    without the rewrites (a table of one row expanded to the batch, which a forward that
+    repeats it by hand then repeats B times too), then with its inputs as given (a model
+    that changes its input in place, or sets ``requires_grad`` on a view of it); a model
+    that fails under the recording even then has every parameter planned for vmap or the
+    loop, with the reason (``hooks`` refuses it with that reason)."""
     model, sel, batch = job.model, job.sel, job.batch
     leaves = tuple(
-        x.detach().requires_grad_(True) if x.is_floating_point() or x.is_complex() else x
+        x.detach().requires_grad_(True)
+        if grad_inputs and (x.is_floating_point() or x.is_complex()) else x
         for x in job.xs
     )
     rng = _Randomness()
@@ -289,15 +300,27 @@ def _grad_probe(
         tracked = {id(t): n for n, t in aliases.items()}
     rec = Recorder(model, tracked, batch, probe=True, expand_shared=expand, direct=expand,
                    owners=sel.owners)
-    with torch.enable_grad(), rng:
-        with rec:
-            out = seeded_forward(model, leaves, aliases)
+    try:
+        with torch.enable_grad(), rng:
+            with rec:
+                out = seeded_forward(model, leaves, aliases)
+    except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as err:  # noqa: BLE001 - retried as the docstring says
+        _after_forward(job)
+        if expand or grad_inputs:
+            return _grad_probe(job, tracked, out_dims, full, small, expand=False,
+                               grad_inputs=expand and grad_inputs)
+        return Plan(job.strategy, _all_params(
+            sel, "vmap", f"the model's forward fails while the hooks record it "
+                         f"({quote_error(err)})"))
     _after_forward(job)
     # The rewrites of NOTE [direct uses] must not change what the model computes.
     rewritten = any(c.shared for c in rec.calls) or any(
         c.module is None and c.rule.name == "broadcast parameter" for c in rec.calls)
     if rewritten and not _same_output(out, full[0]):
-        return _grad_probe(job, tracked, out_dims, full, small, expand=False)
+        return _grad_probe(job, tracked, out_dims, full, small, expand=False,
+                           grad_inputs=grad_inputs)
     plan = Plan(job.strategy, {}, out_dims=out_dims, random_global=rng.global_rng,
                 vmap_randomness=_vmap_randomness(rng))
     plan.wanted = dict(rec.wanted)

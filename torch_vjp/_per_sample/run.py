@@ -18,7 +18,13 @@ from torch import Tensor, nn
 
 from torch_vjp._engine.context import Watched, grad_enabled
 from torch_vjp._engine.memory import new_buffer
-from torch_vjp._errors import PerSampleError, PerSampleValueError, StrategyError
+from torch_vjp._errors import (
+    PerSampleError,
+    PerSampleValueError,
+    StrategyError,
+    TorchVJPError,
+    quote_error,
+)
 from torch_vjp._per_sample import rules as _rules  # noqa: F401 - registers the rules
 from torch_vjp._per_sample.args import (
     Job,
@@ -41,7 +47,7 @@ from torch_vjp._per_sample.factors import (
 )
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
-from torch_vjp._per_sample.plan import Plan, Slots, mixing_error
+from torch_vjp._per_sample.plan import Plan, Slots, aliases_of, forward, mixing_error
 from torch_vjp._per_sample.probe import plan_for
 from torch_vjp._per_sample.registry import registered_types
 from torch_vjp._strategies import get_per_sample_strategy
@@ -213,16 +219,38 @@ def _hooks(job: Job, plan: Plan) -> tuple[Plan, HooksResult]:
     """The rules' pass; a model whose layer calls are not the plan's gets a new plan, once."""
     if not plan.rule_params:
         return plan, HooksResult()
-    res = hooks_pass(job, plan)
+    res = _recorded_pass(job, plan)
     if res.mismatch:
         plan = plan_of(job, rebuild=True)
-        res = hooks_pass(job, plan)
+        res = _recorded_pass(job, plan)
         if res.mismatch:  # the layers called change from call to call: no rules this time
             why = "the layers the model calls change from one call to the next"
             if job.strategy == "hooks":
                 raise _no_rule_error(job.fn, {n: why for n in plan.rule_params})
             res = HooksResult(moved={n: why for n in plan.rule_params})
     return plan, res
+
+
+def _recorded_pass(job: Job, plan: Plan) -> HooksResult:
+    """:func:`hooks_pass`, where a forward that fails only while the hooks record it (a
+    module whose fast path the recording turns off, and which cannot run without it) leaves
+    the rule parameters to the fallback ('auto') or is refused with the reason ('hooks'); a
+    forward that fails by itself raises its own error."""
+    try:
+        return hooks_pass(job, plan)
+    except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as err:  # noqa: BLE001 - judged below
+        if job.reset is not None:
+            job.reset()
+        why = f"the model's forward fails while the hooks record it ({quote_error(err)})"
+        if job.strategy == "hooks":
+            with grad_enabled(True):
+                forward(job.model, job.xs, aliases_of(job.sel))  # the model's own error
+            if job.reset is not None:
+                job.reset()
+            raise _no_rule_error(job.fn, {n: why for n in plan.rule_params}) from None
+        return HooksResult(moved={n: why for n in plan.rule_params})
 
 
 def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
