@@ -834,3 +834,44 @@ def test_inference_mode_is_refused_not_computed_as_zeros(strategy):
         got = per_sample_grads(model, loss_fn, x, t, strategy=strategy)
     for n, g in loop_reference(model, loss_fn, x, t).items():
         torch.testing.assert_close(got[n], g)
+
+
+class ScalesItsInput(nn.Module):
+    """Changes its input in place (x.mul_(2)), as a preprocessing step might."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(torch.tanh(x))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_that_changes_its_input_in_place(strategy):
+    # Every forward of the call (planning, the rules' pass, the fallback, the check) must
+    # see the input as given, and the caller's input must come back as it was.
+    torch.manual_seed(0)
+    model = ScalesItsInput().to(DT)
+    loss_fn = lambda o: o.sin().sum()  # noqa: E731
+    x = _randn(5, 4)
+    given = x.clone()
+    rows = {n: [] for n, _ in model.named_parameters()}  # each example on its own copy
+    for i in range(5):
+        grads = torch.autograd.grad(loss_fn(model(given[i:i + 1].clone())),
+                                    list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), grads):
+            rows[n].append(g)
+    ref = {n: torch.stack(v) for n, v in rows.items()}
+    for _ in range(2):  # the planning call, then a call with the plan
+        got = per_sample_grads(model, loss_fn, x, strategy=strategy)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], msg=n)
+        torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, strategy=strategy),
+                                   ref_norms(ref))
+        model.zero_grad(set_to_none=True)
+        accumulate_clipped_grads(model, loss_fn, x, max_norm=1e9, strategy=strategy)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n].sum(0), msg=n)
+        assert torch.equal(x, given)

@@ -144,6 +144,8 @@ def fallback_grads(
     """
     if not names:
         return {}
+    if job.reset is not None:  # from the caller's state (the rules' pass ran before)
+        job.reset()
 
     def loop() -> dict[str, Tensor]:
         out = _new_outputs(job.sel, names, stop - start)

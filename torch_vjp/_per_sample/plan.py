@@ -114,6 +114,10 @@ class Plan:
     #: a forward assigns new tensors to a module's parameters or buffers, or registers new
     #: ones: every call puts back what each module held (Slots)
     rebinds: bool = False
+    #: a forward changes its input tensors in place (``x.mul_(2)``): every call copies the
+    #: inputs and puts them back after each forward, so that each forward, and the caller,
+    #: sees them as given
+    mutable_inputs: bool = False
     #: the two lists above are not known yet (planning ran no forward): the first call
     #: keeps every buffer and parameter, and fills them in (BuffersKept)
     watch: bool = False

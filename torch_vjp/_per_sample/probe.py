@@ -30,7 +30,7 @@ from torch_vjp._per_sample.plan import (
 from torch_vjp._per_sample.recorder import Recorder
 from torch_vjp._per_sample.registry import Call, declining_rule
 
-__all__ = ["plan_for", "plan_key", "forget_plans", "build_plan"]
+__all__ = ["input_entries", "plan_for", "plan_key", "forget_plans", "build_plan"]
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Plan]] = weakref.WeakKeyDictionary()
 _MAX_PER_MODEL = 16
@@ -86,6 +86,12 @@ def forget_plans(model: nn.Module | None = None) -> None:
         _PLANS.pop(model, None)
 
 
+def input_entries(xs: tuple[Any, ...]) -> list[tuple[str, Tensor]]:
+    """The input tensors, named for :class:`Watched` (which puts back those whose version a
+    forward moved)."""
+    return [(f"input {i}", x) for i, x in enumerate(xs) if isinstance(x, Tensor)]
+
+
 def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
     """The cached plan for this model structure, built now on a miss (or with ``rebuild``)."""
     key = plan_key(job)
@@ -105,14 +111,22 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         # parameters, on the first call of a model structure).
         watched = Watched(model.named_buffers(), model.named_parameters())
         slots = Slots(model.modules())
-        job.reset = slots.restore  # (after each planning forward: every run starts alike)
+        inputs = Watched(params=input_entries(job.xs))
+        moved: dict[str, bool] = {}
+
+        def reset() -> None:  # (after each planning forward: every run starts alike)
+            slots.restore()
+            moved.update(inputs.restore())
+
+        job.reset = reset
         try:
             plan = build_plan(job)
         finally:
             job.reset = None
-            slots.restore()
+            reset()
             changed = watched.restore()
-            del watched
+            del watched, inputs
+        plan.mutable_inputs = bool(moved)
         plan.mutable_buffers = [n for n, is_buffer in changed.items() if is_buffer]
         plan.mutable_params = [n for n, is_buffer in changed.items() if not is_buffer]
         plan.rebinds = slots.changed

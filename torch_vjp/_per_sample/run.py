@@ -48,7 +48,7 @@ from torch_vjp._per_sample.factors import (
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
 from torch_vjp._per_sample.plan import Plan, Slots, aliases_of, forward, mixing_error
-from torch_vjp._per_sample.probe import plan_for
+from torch_vjp._per_sample.probe import input_entries, plan_for
 from torch_vjp._per_sample.registry import registered_types
 from torch_vjp._strategies import get_per_sample_strategy
 
@@ -140,7 +140,7 @@ class BuffersKept:
     call it before each example, so that every example runs alone from the caller's state,
     as the definition says."""
 
-    __slots__ = ("job", "plan", "watched", "slots", "changed")
+    __slots__ = ("job", "plan", "watched", "slots", "changed", "inputs", "inputs_moved")
 
     def __init__(self, job: Job, plan: Plan):
         self.job = job
@@ -158,21 +158,29 @@ class BuffersKept:
             self.watched = None
         self.slots = Slots(model.modules()) if plan.rebinds or plan.watch else None
         self.changed: dict[str, bool] = {}  # what reset() found changed: name -> a buffer
+        # (the inputs, where a forward changes them in place: each forward sees them as given)
+        self.inputs = (Watched(params=input_entries(job.xs))
+                       if plan.mutable_inputs or plan.watch else None)
+        self.inputs_moved = False
 
     def reset(self) -> None:
         if self.slots is not None and self.slots.restore():
             self.changed[""] = False  # (read on a watched call: the forward rebinds)
         if self.watched is not None:
             self.changed.update(self.watched.restore())
+        if self.inputs is not None and self.inputs.restore():
+            self.inputs_moved = True
 
     def __enter__(self) -> None:
-        self.job.reset = None if self.watched is None and self.slots is None else self.reset
+        kept = self.watched is not None or self.slots is not None or self.inputs is not None
+        self.job.reset = self.reset if kept else None
 
     def __exit__(self, *exc: object) -> None:
-        if self.watched is not None or self.slots is not None:
+        if self.watched is not None or self.slots is not None or self.inputs is not None:
             self.reset()
         plan = self.plan
         if plan.watch:
+            plan.mutable_inputs = self.inputs_moved
             plan.rebinds = self.changed.pop("", None) is not None
             plan.mutable_buffers = [n for n, b in self.changed.items() if b]
             plan.mutable_params = [n for n, b in self.changed.items() if not b]
