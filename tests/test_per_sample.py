@@ -7,6 +7,7 @@ The reference for every result is the definition itself: for each example ``i``,
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -875,3 +876,50 @@ def test_a_forward_that_changes_its_input_in_place(strategy):
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, ref[n].sum(0), msg=n)
         assert torch.equal(x, given)
+
+
+@pytest.mark.parametrize("layer", ["Embedding", "EmbeddingBag"])
+def test_a_layer_setting_changed_after_planning_is_seen(layer):
+    # The rules decided on the layers' settings when the plan was made: scale_grad_by_freq
+    # switched on later must not be computed with the rule that declines it.
+    loss_fn = lambda o: o.sin().sum() + o.pow(2).sum()  # noqa: E731
+    x = torch.tensor([[1, 1, 2], [3, 3, 3], [1, 2, 4], [5, 5, 6], [1, 4, 1]])
+    torch.manual_seed(0)
+    model = nn.Sequential(getattr(nn, layer)(7, 3), nn.Linear(3, 2)).to(DT)
+    per_sample_grads(model, loss_fn, x)
+    assert torch_vjp.per_sample_plan(model, loss_fn, x)["0.weight"].method == "rule"
+    model[0].scale_grad_by_freq = True
+    ref = loop_reference(model, loss_fn, x, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (vmap's slow path for embedding_bag)
+        got = per_sample_grads(model, loss_fn, x)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    plan = torch_vjp.per_sample_plan(model, loss_fn, x)
+    assert plan["0.weight"].method != "rule" and "scale_grad_by_freq" in plan["0.weight"].reason
+    with pytest.raises(StrategyError, match="does not handle scale_grad_by_freq"):
+        per_sample_grads(model, loss_fn, x, strategy="hooks")
+
+
+def test_recurrent_dropout_set_after_planning_is_seen():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+
+        def forward(self, z):
+            return self.rnn(z)[0][:, -1]
+
+    torch.manual_seed(0)
+    model = Stack().to(DT).train()
+    z = _randn(5, 4, 3)
+    loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+    per_sample_grads(model, loss_fn, z)
+    model.rnn.dropout = 0.3
+    with pytest.raises(StrategyError, match="does not replay dropout between layers"):
+        per_sample_grads(model, loss_fn, z, strategy="hooks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch_vjp.TorchVJPWarning)
+        got = per_sample_grads(model, loss_fn, z)  # (the rule's replay gave zeros here)
+    assert all(bool(g.abs().amax(dim=tuple(range(1, g.dim()))).gt(0).all())
+               for n, g in got.items() if "weight" in n)

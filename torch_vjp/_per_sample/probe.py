@@ -86,6 +86,21 @@ def forget_plans(model: nn.Module | None = None) -> None:
         _PLANS.pop(model, None)
 
 
+_SETTING_TYPES = (bool, int, float, str, tuple, type(None))
+
+
+def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
+    """The public plain-valued attributes of the layers the rules computed (an Embedding's
+    ``scale_grad_by_freq``, a recurrent layer's ``dropout``, a convolution's ``stride``):
+    a rule decided on them when the plan was made, so a plan whose layers' settings have
+    changed since is made again. (A few microseconds a layer, on every call.)"""
+    return tuple(
+        tuple(v for k, v in vars(m).items()
+              if type(v) in _SETTING_TYPES and k[0] != "_" and k != "training")
+        for m in layers
+    )
+
+
 def input_entries(xs: tuple[Any, ...]) -> list[tuple[str, Tensor]]:
     """The input tensors, named for :class:`Watched` (which puts back those whose version a
     forward moved)."""
@@ -101,6 +116,8 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
     except TypeError:  # a model that cannot be weakly referenced: no cache
         cache = {}
     plan = None if rebuild else cache.get(key)
+    if plan is not None and plan.settings and layer_settings(plan.settings[0]) != plan.settings[1]:
+        plan = None  # a layer's settings changed since (its rule may no longer apply)
     if plan is None:
         # Planning runs the model a few times: its buffers and parameters are put back
         # afterwards, and the ones those runs changed are the ones each call must keep (a
@@ -337,6 +354,8 @@ def _grad_probe(
                            grad_inputs=grad_inputs)
     plan = Plan(job.strategy, {}, out_dims=out_dims, random_global=rng.global_rng,
                 vmap_randomness=_vmap_randomness(rng))
+    layers = list({id(c.module): c.module for c in rec.calls if c.module is not None}.values())
+    plan.settings = (layers, layer_settings(layers))
     plan.wanted = dict(rec.wanted)
     total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
     calls = rec.calls
