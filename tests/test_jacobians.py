@@ -1080,7 +1080,7 @@ def test_batchnorm_buffers_never_move(how, call):
                 torch.testing.assert_close(got, ref)
     if call == "hessian":  # the vectorised strategies are torch.func's transforms alone
         for strategy in ("rev", "fwd"):
-            with pytest.raises(RuntimeError, match="mutate a captured Tensor"):
+            with pytest.raises(tv.StrategyError, match="mutate a captured Tensor"):
                 tv.hessian(lambda t: f(t).pow(3).sum(), x, strategy=strategy)
     for k, v in bn.state_dict().items():
         assert torch.equal(v, before[k]), (k, v, before[k])
@@ -1224,3 +1224,73 @@ def test_inside_inference_mode(strategy):
         torch.testing.assert_close(
             tv.sparse_jacobian(lambda v: v ** 2, xi, pattern=pattern).to_dense(),
             torch.diag(2 * xi))
+
+
+@pytest.mark.parametrize("strategy", ["fwd-loop", "rev-loop", "rev", "auto"])
+def test_loop_columns_are_of_one_call_of_a_random_function(strategy):
+    # Dropout in training mode: each column of a forward-mode loop calls f once, and every
+    # column must be of the same function (the same mask), as reverse mode's one call is.
+    W = torch.randn(6, 6, dtype=D)
+    drop = torch.nn.Dropout(0.5).train()
+    x = torch.randn(6, dtype=D)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = jacobian(lambda x: drop(x @ W.T), x, strategy=strategy)
+    kept = (J != 0).any(1).to(D)
+    torch.testing.assert_close(J, 2 * kept[:, None] * W)
+    assert 0 < int(kept.sum()) < 6  # (seed 1 drops some rows and keeps others)
+
+
+def test_jacobian_of_refuses_complex_tensors():
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    with pytest.raises(JacobianCallError, match=r"outputs has dtype torch.complex128; Jacobians "
+                                                r"here .* real part alone\. Fix: .*view_as_real"):
+        jacobian_of(x * (1 + 2j), x)
+    z = torch.randn(3, dtype=torch.complex128, requires_grad=True)
+    with pytest.raises(JacobianCallError, match=r"inputs has dtype torch.complex128"):
+        jacobian_of((z * z).abs(), z)
+
+
+@pytest.mark.parametrize("case", ["batchnorm-train", "dropout-train"])
+@pytest.mark.parametrize("strategy", ["rev", "fwd"])
+def test_vectorised_strategies_explain_what_torch_func_refuses(case, strategy):
+    x = torch.randn(5, 3, dtype=D)
+    module = (torch.nn.BatchNorm1d(3) if case == "batchnorm-train" else torch.nn.Dropout(0.5))
+    module = module.to(D).train()
+    if case == "dropout-train" and strategy == "rev":
+        return  # (one call of f under vjp: reverse mode runs it)
+    why = ("changes a tensor it captured in place" if case == "batchnorm-train"
+           else "draws random numbers")
+    with pytest.raises(tv.StrategyError, match=rf"(?s)torch_vjp.jacobian: the vectorised "
+                                               rf"strategies compute with torch.func, which "
+                                               rf"cannot run f \(.*\) in {strategy}-mode "
+                                               rf"products: f {why}.*Fix: strategy='auto'"):
+        jacobian(module, x, strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        jacobian(module, x, strategy="auto")  # computes
+
+
+def test_hessian_with_a_vectorised_strategy_explains_a_captured_update():
+    bn = torch.nn.BatchNorm1d(3).to(D).train()
+    x = torch.randn(5, 3, dtype=D)
+    with pytest.raises(tv.StrategyError, match=r"(?s)torch_vjp.hessian: .* f changes a tensor it "
+                                               r"captured in place"):
+        tv.hessian(lambda x: bn(x).pow(2).sum(), x, strategy="fwd")
+
+
+def test_batch_jacobian_of_rows_that_mix_gives_the_documented_sums():
+    # Not a per-example Jacobian: reverse mode sums over the outputs, forward mode over the
+    # inputs (the docstring says which), each against the full Jacobian.
+    def f(x):
+        return x + 2 * x[:1]
+
+    x = torch.randn(4, 1, dtype=D)
+    full = torch.func.jacrev(f)(x)[:, 0, :, 0]  # (b', b): d f[b'] / d x[b]
+    by_rev = full.sum(0)  # sum over b'
+    by_fwd = full.sum(1)  # sum over b'
+    for strategy, want in (("rev", by_rev), ("rev-loop", by_rev), ("fwd", by_fwd),
+                           ("fwd-loop", by_fwd)):
+        got = batch_jacobian(f, x, strategy=strategy)[:, 0, 0]
+        torch.testing.assert_close(got, want, msg=strategy)

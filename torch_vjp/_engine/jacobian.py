@@ -54,6 +54,7 @@ from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_ar
 from torch_vjp._engine.plain import fwd_plain, rev_plain
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
+    SameDraws,
     basis_rows,
     eye_basis,
     map_rows,
@@ -69,7 +70,13 @@ from torch_vjp._engine.shapes import (
     probe_shapes,
     row_shapes,
 )
-from torch_vjp._errors import JacobianCallError, JacobianWarning, quote_error, warn_once
+from torch_vjp._errors import (
+    JacobianCallError,
+    JacobianWarning,
+    StrategyError,
+    quote_error,
+    warn_once,
+)
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
@@ -166,7 +173,20 @@ def _blocks(
     if not vectorized:
         return _loop(prob, mode, shapes, opts, functorch_loops)
     if not fallback:
-        return _vectorized(prob, mode, shapes, opts)
+        try:
+            return _vectorized(prob, mode, shapes, opts)
+        except Exception as err:  # noqa: BLE001 - torch.func's known refusals are explained
+            why = None if passes_through(err) else _vmap_refusal(err)
+            if why is None:
+                raise
+            raise StrategyError(
+                f"{prob.call}: the vectorised strategies compute with torch.func, which "
+                f"cannot run f ({function_name(prob.f)}) in {mode}-mode products: {why}\n"
+                f"  torch.func said: {quote_error(err)}\n"
+                f"  Fix: strategy='auto', 'rev-loop' or 'fwd-loop' (they compute such a "
+                f"function with plain autograd or one product at a time), or put the module "
+                f"in eval mode if it is one."
+            ) from None
     return _auto(prob, mode, shapes, opts, functorch_loops)
 
 
@@ -401,8 +421,11 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     prob_g = prob.g_inner  # NOTE [non-differentiated primals]
     check = shapes.check
     unpack_dual = fwAD.unpack_dual
+    same_draws = None if vectorized else SameDraws()  # (one call of f per column)
 
     def g(*xs: Tensor) -> Any:
+        if same_draws is not None:
+            same_draws()
         res = prob_g(*xs)
         out = res[0] if has_aux else res
         if isinstance(out, Tensor):
@@ -473,6 +496,18 @@ def hessian_gradient(
         vmap_single=True,
     )
     return assemble(prob, res)
+
+
+def _vmap_refusal(err: BaseException) -> str | None:
+    """What torch.func's vectorised transforms refused in ``f``, where ``err`` is one of
+    their known refusals of a function plain autograd runs (None otherwise)."""
+    if mutates_captured(err):
+        return ("f changes a tensor it captured in place (a module in training mode "
+                "updating its running statistics, say)")
+    if isinstance(err, RuntimeError) and "randomness error mode" in str(err):
+        return ("f draws random numbers (dropout in training mode, say), which vmap "
+                "refuses by default, since its columns would each draw their own")
+    return None
 
 
 def mutates_captured(err: BaseException) -> bool:

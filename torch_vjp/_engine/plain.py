@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import basis_rows, map_rows
+from torch_vjp._engine.rows import SameDraws, basis_rows, map_rows
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
 
 __all__ = ["rev_plain", "fwd_plain"]
@@ -96,8 +96,10 @@ def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
         return fwAD.unpack_dual(t).primal if isinstance(t, Tensor) else t
 
     connected = [True]
+    same_draws = SameDraws()  # (one call of f per column: one set of random draws)
 
     def fn(*tangents: Tensor) -> Any:
+        same_draws()
         with fwAD.dual_level():
             duals = [fwAD.make_dual(x, t) for x, t in zip(leaves, tangents)]
             res = prob.g(*duals)

@@ -35,10 +35,35 @@ __all__ = [
     "passes_through",
     "run_with_fallback",
     "map_rows_with_fallback",
+    "SameDraws",
 ]
 
 Rows = Callable[[int, int], tuple[Tensor, ...]]
 R = TypeVar("R")
+
+
+class SameDraws:
+    """Makes the calls of ``f`` in a loop of products draw the same random numbers: called
+    before each, it keeps the global generators' state at the first and restores it before
+    every later one. A forward-mode loop calls ``f`` once per column, and the columns must be
+    of one function (one dropout mask, as reverse mode's one call of ``f`` has); the
+    generators end as one call of ``f`` leaves them."""
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self) -> None:
+        self.cpu: Tensor | None = None
+        self.cuda: list[Tensor] | None = None
+
+    def __call__(self) -> None:
+        if self.cpu is None:
+            self.cpu = torch.get_rng_state()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self.cuda = torch.cuda.get_rng_state_all()
+            return
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
 
 
 def basis_rows(
