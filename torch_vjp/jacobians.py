@@ -264,8 +264,10 @@ def batch_jacobian(
     the derivative of ``f(x).sum(0)`` with respect to ``x[b]`` is row ``b``'s own block.
     The result is what ``torch.vmap(torch.func.jacrev(f_single))(x)`` gives, in one vmap
     level instead of two (cf. TensorFlow's ``GradientTape.batch_jacobian``). If rows are not
-    independent, the result is the sum over ``b'`` of ``d f(x)[b'] / d x[b]``, not a
-    per-example Jacobian.
+    independent, the result is not a per-example Jacobian, and the modes disagree: reverse
+    mode (``"rev"``, ``"rev-loop"``) gives the sum over ``b'`` of ``d f(x)[b'] / d x[b]``,
+    forward mode (``"fwd"``, ``"fwd-loop"``) the sum over ``b'`` of
+    ``d f(x)[b] / d x[b']``. Use :func:`jacobian` for such a function.
 
     Args:
         f: maps a batch ``(B, *in)`` to a tensor (or tuple, list or dict of tensors) with the
@@ -551,6 +553,18 @@ def jacobian_of(
     chunk = check_chunk_size(chunk_size, call=call)
     outs = _tensors(outputs, "outputs", call)
     ins = _tensors(inputs, "inputs", call)
+    for what, given, ts in (("outputs", outputs, outs), ("inputs", inputs, ins)):
+        for i, t in enumerate(ts):
+            if t.is_complex():  # (autograd.grad would differentiate the real part alone)
+                name = what if isinstance(given, Tensor) else f"{what}[{i}]"
+                raise JacobianCallError(
+                    f"{call}: {name} has dtype {t.dtype}; Jacobians here (as in "
+                    f"torch.func.jacrev and torch_vjp.jacobian) are defined for real tensors, "
+                    f"and reading one from the graph of a complex tensor would give the "
+                    f"derivatives of its real part alone. Fix: compute with "
+                    f"torch.view_as_real(...) of it and rebuild the complex number where "
+                    f"needed, or use torch_vjp.vjp / torch_vjp.jvp, which take complex "
+                    f"tensors.")
     for i, x in enumerate(ins):
         if not x.requires_grad:
             name = "inputs" if isinstance(inputs, Tensor) else f"inputs[{i}]"
