@@ -1294,3 +1294,28 @@ def test_batch_jacobian_of_rows_that_mix_gives_the_documented_sums():
                            ("fwd-loop", by_fwd)):
         got = batch_jacobian(f, x, strategy=strategy)[:, 0, 0]
         torch.testing.assert_close(got, want, msg=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fwd-loop", "rev-loop"])
+def test_a_function_that_changes_a_captured_tensor_is_warned_about(strategy, monkeypatch):
+    from torch_vjp import _errors
+
+    monkeypatch.setattr(_errors, "_WARNED", set())  # (once per function otherwise)
+    # The Jacobian calls f more than once (a shape probe, the products): each call sees the
+    # state the one before left. That cannot be computed away; it must not pass silently.
+    g = torch.zeros(1, dtype=D)
+
+    def f(x):
+        g.add_(1.0)  # a step counter, a functional running statistic
+        return x * g
+
+    x = torch.ones(3, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jacobian(f, x, strategy=strategy)
+    said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)
+            and "changes a tensor it captures in place" in str(w.message)]
+    calls = int(g.item())
+    assert (len(said) == 1) == (calls > 1), (strategy, calls, said)
+    if said:
+        assert "Fix: keep f free of side effects" in said[0]

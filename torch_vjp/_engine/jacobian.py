@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,10 +151,45 @@ def jacobian_blocks(
         The blocks, the output structure, the aux value and the mode used.
     """
     opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached, vmap_single)
+    watched = () if is_nested() else _captured_tensors(prob.f)
+    versions = [t._version for t in watched]
+    calls = prob.calls
     try:
-        return _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+        blocks = _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
     except StaleShapes:  # remembered output sizes were wrong: they are gone now
-        return _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+        blocks = _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+    if prob.calls - calls > 1 and any(t._version != v for t, v in zip(watched, versions)):
+        warn_once(
+            ("captured-changed", function_key(prob.f)),
+            f"{prob.call}: f ({function_name(prob.f)}) changes a tensor it captures in place. "
+            f"The Jacobian calls f more than once (a probe of its output shapes, then the "
+            f"products; the loop strategies once per product), so each call saw that tensor "
+            f"as the one before left it: the result is the Jacobian of f as its last call "
+            f"found the tensor, and the tensor has moved once per call.\n"
+            f"  Fix: keep f free of side effects (update the tensor outside the Jacobian call, "
+            f"or clone it inside f); strategy='rev-loop' calls f once.",
+            JacobianWarning,
+        )
+    return blocks
+
+
+def _captured_tensors(f: object) -> tuple[Tensor, ...]:
+    """The tensors ``f``'s closure cells, defaults and the globals its code names hold (one
+    level down): an in-place change of one by ``f`` is seen by its next call."""
+    func = getattr(f, "__func__", f)
+    if type(func) is not types.FunctionType:
+        return ()
+    found = [v for v in func.__defaults__ or () if isinstance(v, Tensor)]
+    for cell in func.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, Tensor):
+            found.append(value)
+    glob = func.__globals__
+    found += [v for v in (glob.get(n) for n in func.__code__.co_names) if isinstance(v, Tensor)]
+    return tuple(found)
 
 
 def _blocks(

@@ -413,7 +413,12 @@ class Problem:
                 guard.reset()
         return xs
 
+    #: calls of ``f`` so far (the Jacobian functions warn about a function that changes a
+    #: tensor it captured where they called it more than once)
+    calls = 0
+
     def _checked(self, res: Any) -> Any:
+        self.calls += 1
         out = res
         if self.has_aux:
             if not (isinstance(res, tuple) and len(res) == 2):
