@@ -189,7 +189,8 @@ def _captured_tensors(f: object) -> tuple[Tensor, ...]:
             found.append(value)
     glob = func.__globals__
     found += [v for v in (glob.get(n) for n in func.__code__.co_names) if isinstance(v, Tensor)]
-    return tuple(found)
+    # (an inference tensor has no version counter, and cannot be changed outside inference mode)
+    return tuple(t for t in found if not t.is_inference())
 
 
 def _blocks(

@@ -104,7 +104,8 @@ def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
 def input_entries(xs: tuple[Any, ...]) -> list[tuple[str, Tensor]]:
     """The input tensors, named for :class:`Watched` (which puts back those whose version a
     forward moved)."""
-    return [(f"input {i}", x) for i, x in enumerate(xs) if isinstance(x, Tensor)]
+    return [(f"input {i}", x) for i, x in enumerate(xs)
+            if isinstance(x, Tensor) and not x.is_inference()]  # (no version counter)
 
 
 def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
