@@ -144,3 +144,34 @@ def test_unsupported_wrappers_are_named():
                        r".*Supported: an unwrapped module, or one wrapped in "
                        r"DistributedDataParallel"):
         tv.accumulate_clipped_grads(sharded, nn.MSELoss(), x, y, max_norm=1.0)
+
+
+def _hooks_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        model = _model()
+        # the model's own hooks: a forward hook that rescales the output, and a pre-hook
+        # that reads (and casts) the input; both belong to every real forward
+        model.register_forward_hook(lambda mod, args, out: out * 2)
+        model.register_forward_pre_hook(lambda mod, args: (args[0].to(DT),))
+        x, y = _data()
+        want = _clipped_sum(model, x, y, 0.5)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        per = GLOBAL_BATCH // world
+        mine = slice(rank * per, (rank + 1) * per)
+        tv.accumulate_clipped_grads(ddp, nn.CrossEntropyLoss(reduction="sum"), x[mine],
+                                    y[mine], max_norm=0.5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
+                                       msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_clipped_step_with_hooks_on_the_wrapped_module():
+    # The clipped sums reach .grad through DDP's forward on a stand-in forward: the model's
+    # hooks must not run on it (a forward hook scaled the sums, a pre-hook found no input).
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_hooks_worker, args=(world, os.path.join(d, "init")), nprocs=world, join=True)

@@ -18,9 +18,12 @@ module is not run by that pass, only DDP's book-keeping (its buffer broadcast in
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.modules.module as _module_mod
 from torch import Tensor, nn
 
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError
@@ -143,7 +146,7 @@ def ddp_add_to_grads(
     saved = module.__dict__.get("forward")
     module.forward = surrogate  # type: ignore[method-assign]
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _without_hooks(module):
             out = ddp()
     finally:
         if had:
@@ -151,3 +154,33 @@ def ddp_add_to_grads(
         else:
             del module.forward
     out.backward()
+
+
+#: The hook dicts ``Module.__call__`` runs: the module's own and the global ones.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks",
+                      "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _without_hooks(module: nn.Module) -> Iterator[None]:
+    """The surrogate forward runs as the module's forward without its hooks (nor the global
+    ones): they are the model's, for its real forward; on the surrogate, a hook that scales
+    the output scaled the clipped sums, and a pre-hook that reads the inputs found none."""
+    own = {name: getattr(module, name) for name in _HOOK_DICTS if hasattr(module, name)}
+    glob = {name: getattr(_module_mod, name) for name in _GLOBAL_HOOK_DICTS
+            if hasattr(_module_mod, name)}
+    for name, hooks in own.items():
+        setattr(module, name, type(hooks)())
+    for name, hooks in glob.items():
+        setattr(_module_mod, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for name, hooks in own.items():
+            setattr(module, name, hooks)
+        for name, hooks in glob.items():
+            setattr(_module_mod, name, hooks)
