@@ -923,3 +923,22 @@ def test_recurrent_dropout_set_after_planning_is_seen():
         got = per_sample_grads(model, loss_fn, z)  # (the rule's replay gave zeros here)
     assert all(bool(g.abs().amax(dim=tuple(range(1, g.dim()))).gt(0).all())
                for n, g in got.items() if "weight" in n)
+
+
+def test_autocast_is_checked_at_the_precision_it_computes_in():
+    # Under autocast to bfloat16 the rules and the per-example loop both round at bfloat16's
+    # precision: the first call's check must not call the rule wrong (it raised under
+    # 'hooks' and sent the layer to vmap under 'auto').
+    torch.manual_seed(0)
+    md = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xd, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    ref = loop_reference(md, nn.CrossEntropyLoss(), xd, y)
+    for strategy in ("hooks", "auto"):
+        m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        m.load_state_dict({k: v.float() for k, v in md.state_dict().items()})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = per_sample_grads(m, nn.CrossEntropyLoss(), xd.float(), y, strategy=strategy)
+            plan = torch_vjp.per_sample_plan(m, nn.CrossEntropyLoss(), xd.float(), y)
+        for n in ref:
+            assert float((got[n].double() - ref[n]).norm() / ref[n].norm()) < 3e-2, n
+        assert {r.method for r in plan.rows} == {"rule"}, str(plan)

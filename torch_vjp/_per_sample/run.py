@@ -513,6 +513,19 @@ def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
 _RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
 
 
+def _autocast_rtol(device: torch.device) -> float:
+    """The tolerance of the dtype autocast computes in on ``device`` (0 where autocast is
+    off): the rules and the loop then round at bfloat16's or float16's precision, whatever
+    the dtype of the tensors."""
+    kind = device.type
+    try:
+        if not torch.is_autocast_enabled(kind):
+            return 0.0
+        return _RTOL.get(torch.get_autocast_dtype(kind), 5e-2)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return 0.0
+
+
 def checked(plan: Plan, one_run: bool = False) -> bool:
     """Whether results under ``plan`` were checked against the loop already."""
     return plan.verified_one_run if one_run else plan.verified
@@ -544,7 +557,7 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
     for n in names:
         want = wants[n].sqrt()
         got = sq[n][ks].clamp_min(0).sqrt()
-        rtol = _RTOL.get(want.dtype, 1e-3)
+        rtol = max(_RTOL.get(want.dtype, 1e-3), _autocast_rtol(want.device))
         scale = float(want.max()) if want.numel() else 0.0
         err = (got - want).abs()
         floor = rtol * 1e-3 * whole.to(want.dtype)
