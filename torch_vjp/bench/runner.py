@@ -25,6 +25,7 @@ smallest round would keep whichever was luckiest); its spread is the interquarti
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -32,7 +33,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -194,29 +195,45 @@ def run_suite(
     plan = [(w, get_methods(w.kind, names=methods, jax=use_jax, include_slow=not drop_slow))
             for w in workloads]
     saved_threads = torch.get_num_threads()
-    saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.set_num_threads(threads)
-    # Every method computes in full float32: torch's convolutions on a GPU default to TF32
-    # (10-bit mantissas), which the check against the float64 reference rightly fails; jax's
-    # methods are traced with matmul precision 'highest' for the same reason.
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     bar = _progress(sum(len(ms) for _, ms in plan) * (1 + rounds), progress)
     results = []
     try:
-        for workload, ms in plan:
-            results.append(_run_workload(workload, ms, device, dtype, min_run_time, rounds,
-                                         once_over, aggregate, bar))
+        with _full_float32(device):
+            for workload, ms in plan:
+                results.append(_run_workload(workload, ms, device, dtype, min_run_time,
+                                             rounds, once_over, aggregate, bar))
     finally:
         bar.close()
         torch.set_num_threads(saved_threads)
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
     env = environment(device=device, threads=threads, dtype=dtype, quick=quick,
                       min_run_time=min_run_time, rounds=rounds, use_jax=use_jax,
                       all_methods=not drop_slow)
     env["once_over_s"] = once_over
     env["aggregate"] = aggregate
-    env["float32_arithmetic"] = "full (TF32 off in torch; jax matmul precision 'highest')"
+    if torch.device(device).type == "cuda":
+        env["float32_arithmetic"] = "full (TF32 off in torch; jax matmul precision 'highest')"
     return SuiteResult(env, results)
+
+
+@contextlib.contextmanager
+def _full_float32(device: str) -> Iterator[None]:
+    """On a GPU, every method computes in full float32: torch's convolutions there default to
+    TF32 (10-bit mantissas), which the check against the float64 reference rightly fails
+    (jax's methods are traced with matmul precision 'highest' for the same reason). Both
+    settings are restored after; nothing changes on the CPU."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                         deterministic=cudnn.deterministic, allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _wait(device: str) -> None:
