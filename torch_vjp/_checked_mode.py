@@ -148,7 +148,7 @@ def _checked_grad(
 ) -> Any:
     """``torch.autograd.grad``, checked in a checked scope."""
     previous = _PREVIOUS["grad"]
-    if not _active() or _compiling():
+    if _compiling() or not _active():
         return previous(outputs, inputs, grad_outputs, retain_graph, create_graph,
                         only_inputs, allow_unused, is_grads_batched, materialize_grads)
     with _in_flight_pass():
@@ -168,7 +168,7 @@ def _checked_backward(
 ) -> None:
     """``torch.autograd.backward``, checked in a checked scope."""
     previous = _PREVIOUS["backward"]
-    if not _active() or _compiling():
+    if _compiling() or not _active():
         return previous(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
                         inputs=inputs)
     with _in_flight_pass():
@@ -186,7 +186,7 @@ def _checked_tensor_backward(
 ) -> None:
     """``Tensor.backward``, checked in a checked scope."""
     previous = _PREVIOUS["tensor_backward"]
-    if not _active() or previous is not _GENUINE_TENSOR_BACKWARD or _compiling():
+    if _compiling() or not _active() or previous is not _GENUINE_TENSOR_BACKWARD:
         return previous(self, gradient, retain_graph, create_graph, inputs=inputs)
     if has_torch_function((self,)):  # as torch's: overrides get what Tensor.backward names
         return handle_torch_function(
