@@ -23,7 +23,7 @@ import contextlib
 import functools
 import itertools
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ __all__ = [
     "graph_mode",
     "buffers_kept",
     "modules_reached",
+    "captured_values",
     "grad_enabled",
     "Watched",
 ]
@@ -142,6 +143,21 @@ _NOT_SEARCHED = (Tensor, str, bytes, int, float, complex, bool, type, types.Modu
                  type(None))
 
 
+def captured_values(func: types.FunctionType) -> Iterator[object]:
+    """What a function reads besides its arguments: the contents of its closure cells (empty
+    ones skipped) and the values of the globals its code names (those that exist)."""
+    for cell in func.__closure__ or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    glob = func.__globals__
+    for name in func.__code__.co_names:
+        value = glob.get(name)
+        if value is not None:
+            yield value
+
+
 def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
     """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
     ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, the
@@ -160,16 +176,8 @@ def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
         wrapped = func.__dict__.get("__wrapped__")
         if wrapped is not None:
             visit(wrapped, level - 1)
-        for cell in func.__closure__ or ():
-            try:
-                visit(cell.cell_contents, level - 1)
-            except ValueError:  # an empty cell
-                pass
-        glob = func.__globals__
-        for name in func.__code__.co_names:
-            value = glob.get(name)
-            if value is not None:
-                visit(value, level - 1)
+        for value in captured_values(func):
+            visit(value, level - 1)
 
     def visit(obj: object, level: int) -> None:
         if isinstance(obj, _NOT_SEARCHED) or id(obj) in seen or len(seen) >= _OBJECTS_SEARCHED:

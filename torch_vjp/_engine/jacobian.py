@@ -51,7 +51,13 @@ from torch.func import vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
-from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
+from torch_vjp._engine.context import (
+    captured_values,
+    func_jvp,
+    func_vjp,
+    is_nested,
+    vjp_with_argnums,
+)
 from torch_vjp._engine.plain import fwd_plain, rev_plain
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
@@ -179,18 +185,9 @@ def _captured_tensors(f: object) -> tuple[Tensor, ...]:
     func = getattr(f, "__func__", f)
     if type(func) is not types.FunctionType:
         return ()
-    found = [v for v in func.__defaults__ or () if isinstance(v, Tensor)]
-    for cell in func.__closure__ or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, Tensor):
-            found.append(value)
-    glob = func.__globals__
-    found += [v for v in (glob.get(n) for n in func.__code__.co_names) if isinstance(v, Tensor)]
     # (an inference tensor has no version counter, and cannot be changed outside inference mode)
-    return tuple(t for t in found if not t.is_inference())
+    return tuple(v for v in (*(func.__defaults__ or ()), *captured_values(func))
+                 if isinstance(v, Tensor) and not v.is_inference())
 
 
 def _blocks(

@@ -34,6 +34,14 @@ class ShapeRecord:
     calls: list[tuple[int, list[tuple[int, ...]]]]
 
 
+def _as_shape(g: Tensor, shape: Sequence[int]) -> Tensor:
+    """A recorded tensor's gradient in the tensor's shape: the gradient of a view's base
+    comes in the base's shape (see recorder.out_edge)."""
+    if tuple(g.shape) != tuple(shape) and g.numel() == math.prod(shape):
+        return g.reshape(shape)
+    return g
+
+
 def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int) -> set[int] | None:
     """The dimensions of size B along which the gradient of example ``k``'s loss is zero
     except at index ``k`` (None where the gradient is unused or all zero, or where no
@@ -42,8 +50,7 @@ def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int) -> set[
     decides)."""
     if g is None or batch not in tuple(shape):
         return None
-    if tuple(g.shape) != tuple(shape) and g.numel() == math.prod(shape):
-        g = g.reshape(shape)  # the gradient of a view's base (see recorder.out_edge)
+    g = _as_shape(g, shape)
     nz = g.detach() != 0
     if not bool(nz.any()):
         return None
@@ -259,8 +266,7 @@ def _rows_moved(weighted: tuple[Tensor, Tensor, tuple[Any, ...], tuple[Any, ...]
     a, b = grads_w[pos], grads_v[pos]
     if a is None or b is None:
         return False
-    if tuple(a.shape) != tuple(shape) and a.numel() == math.prod(shape):
-        a, b = a.reshape(shape), b.reshape(shape)  # a view's base (see confined)
+    a, b = _as_shape(a, shape), _as_shape(b, shape)
     if d >= a.dim() or a.shape[d] != batch:
         return False
     a = a.detach().movedim(d, 0).reshape(batch, -1).double()
