@@ -71,7 +71,14 @@ def jax_available() -> bool:
 def jax_runs_on(device: str | torch.device) -> bool:
     """True when jax is installed and has a device of ``device``'s kind: always for the
     CPU, for ``cuda[:N]`` where jax has (at least N + 1) GPUs. The suite's jax methods run
-    on the same device as torch's."""
+    on the same device as torch's.
+
+    Example:
+        >>> jax_runs_on("cpu") == jax_available()
+        True
+        >>> jax_runs_on("meta")  # no jax device of that kind
+        False
+    """
     device = torch.device(device)
     if not jax_available():
         return False
