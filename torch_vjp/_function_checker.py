@@ -50,6 +50,7 @@ from torch_vjp._backward_check import (
     Slot,
     as_tuple,
     check_record,
+    custom_nodes,
     dtype_name,
     slot_from_arg,
     slots_from_node,
@@ -82,7 +83,6 @@ _DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
 
 # ---------------------------------------------------------------------------------------
 # The checker
-
 
 
 @dataclass
@@ -177,7 +177,7 @@ class Checker:
                 f"forward marks them with ctx.mark_non_differentiable, or fn detaches them or "
                 f"returns no tensors. Return the result of MyFunc.apply(...) itself."
             )
-        nodes = _custom_nodes([o.grad_fn for o in outputs], list(leaves.values()))
+        nodes = custom_nodes([o.grad_fn for o in outputs], list(leaves.values()))
         if not nodes:
             raise FunctionCheckError(
                 f"{self.call}: found no custom torch.autograd.Function between fn's inputs and "
@@ -422,7 +422,6 @@ class _Probe:
     noise: float  # the rounding error the finite differences can carry
 
 
-
 def _ratio_hint(rows: list[_Probe]) -> str | None:
     if all(abs(p.rhs) <= 1e-12 * max(p.size, 1e-300) for p in rows) and any(
         abs(p.lhs) > 0 for p in rows
@@ -445,7 +444,6 @@ def _ratio_hint(rows: list[_Probe]) -> str | None:
             f"the 2 in d(x**2)/dx = 2x, or a mean's 1/n)."
         )
     return None
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -506,36 +504,6 @@ def _bind_forward_args(fn: type[torch.autograd.Function], args: Sequence[Any]) -
     except (TypeError, ValueError):
         return tuple(args)
     return tuple(bound.args)
-
-
-def _custom_nodes(roots: Sequence[Any], leaves: Sequence[Tensor]) -> list[Any]:
-    """The custom Function nodes on some path from ``roots`` to ``leaves`` (iterative DFS)."""
-    leaf_ids = {id(t) for t in leaves}
-    state: dict[int, Any] = {}  # id -> node; holds references so that ids stay unique
-    reaches: dict[int, bool] = {}
-    found: list[Any] = []
-    stack: list[tuple[Any, bool]] = [(r, False) for r in roots if r is not None]
-    while stack:
-        node, done = stack.pop()
-        key = id(node)
-        if done:
-            hit = id(getattr(node, "variable", None)) in leaf_ids
-            for nxt, _ in node.next_functions:
-                if nxt is not None and reaches.get(id(nxt), False):
-                    hit = True
-            reaches[key] = hit
-            if hit and hasattr(type(node), "_forward_cls"):
-                found.append(node)
-            continue
-        if key in state:
-            continue
-        state[key] = node
-        stack.append((node, True))
-        for nxt, _ in node.next_functions:
-            if nxt is not None and id(nxt) not in state:
-                stack.append((nxt, False))
-    found.reverse()  # roughly the order in which backward runs them
-    return found
 
 
 def _randn_like(t: Tensor, gen: torch.Generator) -> Tensor:

@@ -25,23 +25,20 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.blocks import Blocks, assemble
 from torch_vjp._engine.compiled import (
     COMPILED_STRATEGIES,
-    batch_mode,
     check_compilable,
     check_compile,
     compiled_call,
     compiled_jacobian,
-    plain_batch_jacobian,
-    plain_hessian,
     plain_chunk,
     plain_context,
-    plain_jacobian,
     tracing,
     warn_budget,
 )
 from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
-from torch_vjp._engine.jacobian import (autograd_hessian, hessian_gradient, jacobian_blocks,
-                                        mutates_captured)
+from torch_vjp._engine.forms import batch_mode, plain_batch_jacobian, plain_hessian, plain_jacobian
+from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient
+from torch_vjp._engine.jacobian import jacobian_blocks, mutates_captured
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback

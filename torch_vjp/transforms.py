@@ -29,8 +29,9 @@ from torch_vjp._checks import (
     check_tree_structure,
     normalize_grad_outputs,
 )
-from torch_vjp._engine.compiled import check_compile, compiled_call, plain_jvp, plain_vjp, tracing
+from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
+from torch_vjp._engine.forms import plain_jvp, plain_vjp
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import map_rows

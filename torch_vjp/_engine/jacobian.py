@@ -50,7 +50,7 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
-from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
+from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import (
     captured_values,
     func_jvp,
@@ -78,7 +78,6 @@ from torch_vjp._engine.shapes import (
     row_shapes,
 )
 from torch_vjp._errors import (
-    JacobianCallError,
     JacobianWarning,
     StrategyError,
     quote_error,
@@ -87,8 +86,7 @@ from torch_vjp._errors import (
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
-    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "hessian_gradient", "jacobian_blocks",
-    "mutates_captured", "autograd_hessian",
+    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "mutates_captured",
     "function_key", "function_name",
     "fallback_message", "no_forward_message",
 ]
@@ -151,7 +149,7 @@ def jacobian_blocks(
             as the inner Jacobian of a Hessian needs) rather than plain autograd.
         detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
         vmap_single: in reverse mode, run even a single product under vmap, as
-            torch.func.jacrev does (NOTE [the gradient inside a Hessian]).
+            torch.func.jacrev does (NOTE [the gradient inside a Hessian] in :mod:`torch_vjp._engine.hessian`).
 
     Returns:
         The blocks, the output structure, the aux value and the mode used.
@@ -412,7 +410,7 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
 
 
 def _single_product(fn: Callable[..., Any], vecs: tuple[Tensor, ...]) -> Any:
-    """One product under vmap (``vmap_single``: NOTE [the gradient inside a Hessian]), or, if
+    """One product under vmap (``vmap_single``: NOTE [the gradient inside a Hessian] in :mod:`torch_vjp._engine.hessian`), or, if
     vmap cannot batch it, the plain call: for one product that costs nothing more, so there
     is nothing to warn about, and an error of the plain call is f's own and propagates."""
     try:
@@ -505,33 +503,6 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0])
 
 
-def hessian_gradient(
-    f: Callable[..., Any],
-    args: tuple[Any, ...],
-    argnums: int | tuple[int, ...],
-    vectorized: bool,
-    fallback: bool,
-    call: str,
-) -> Any:
-    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`torch_vjp.hessian`).
-
-    NOTE [the gradient inside a Hessian]
-    torch.func.hessian is jacfwd(jacrev(f)), and jacrev runs its pullback under vmap even for
-    a single output element. Under vmap torch decomposes backward kernels that have no
-    batching rule into differentiable operations (huber_loss_backward, layer_norm's backward
-    without a weight), and the outer Jacobian then differentiates those; called without vmap,
-    the kernel itself is differentiated, and some have no forward-mode formula (or a double
-    backward that fails). So the gradient here is vectorised for one element too
-    (``vmap_single``); where vmap cannot batch f, "auto" still falls back to the plain call.
-    """
-    prob = Problem(f, args, argnums, has_aux=False, call=call)
-    res = jacobian_blocks(
-        prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None,
-        vmap_single=True,
-    )
-    return assemble(prob, res)
-
-
 def _vmap_refusal(err: BaseException) -> str | None:
     """What torch.func's vectorised transforms refused in ``f``, where ``err`` is one of
     their known refusals of a function plain autograd runs (None otherwise)."""
@@ -548,59 +519,3 @@ def mutates_captured(err: BaseException) -> bool:
     """Whether ``err`` is torch.func refusing an in-place change of a tensor the function
     captured (a BatchNorm's running statistics in training mode): plain autograd allows it."""
     return isinstance(err, RuntimeError) and "mutate a captured Tensor" in str(err)
-
-
-def autograd_hessian(
-    f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
-    create_graph: bool, call: str,
-) -> Any:
-    """The Hessian with plain autograd (``torch.autograd.functional.jacobian`` of the
-    gradient, one backward pass per row), with a one-time warning: for functions torch.func
-    refuses to transform because they change a captured tensor in place. ``f`` must return one tensor and the
-    differentiated primals must be tensors; the result has :func:`torch_vjp.hessian`'s
-    structure (one tensor for an int ``argnums``, a tuple of tuples for a tuple)."""
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    nums = tuple(n % len(primals) for n in nums)
-    if not all(isinstance(primals[n], Tensor) for n in nums):
-        raise JacobianCallError(
-            f"{call}: f changes a tensor it captured in place (a module in training mode "
-            f"updating its buffers), which torch.func cannot differentiate, and the plain "
-            f"autograd fallback takes tensor primals only. Fix: put the module in eval mode, "
-            f"or pass the differentiated primals as tensors."
-        )
-
-    def f_sel(*xs: Tensor) -> Tensor:
-        args = list(primals)
-        for n, x in zip(nums, xs):
-            args[n] = x
-        out = f(*args)
-        if not isinstance(out, Tensor):
-            raise JacobianCallError(
-                f"{call}: f changes a tensor it captured in place (a module in training mode "
-                f"updating its buffers), which torch.func cannot differentiate, and the "
-                f"plain autograd fallback takes an f that returns one tensor, not a "
-                f"{type(out).__name__}. Fix: put the module in eval mode, or return one "
-                f"tensor."
-            )
-        return out
-
-    warn_once(
-        ("hessian-autograd", call, function_key(f)),
-        f"{call}: f changes a tensor it captured in place (a module in training mode "
-        f"updating its buffers), which torch.func's transforms refuse, so the Hessian was "
-        f"computed with plain autograd, one backward pass per row: usually many times "
-        f"slower. The buffers are put back afterwards. Put the module in eval mode to keep "
-        f"the vectorised path. This warning is shown once per function.",
-        JacobianWarning,
-    )
-    xs = tuple(primals[n].detach() for n in nums)
-
-    def gradient(*ys: Tensor) -> Any:
-        jac = torch.autograd.functional.jacobian(f_sel, ys, create_graph=True)
-        return jac if len(ys) > 1 else jac[0]
-
-    with torch.enable_grad():
-        h = torch.autograd.functional.jacobian(gradient, xs, create_graph=create_graph)
-    if isinstance(argnums, int):
-        return h[0]
-    return tuple(tuple(row) for row in h)

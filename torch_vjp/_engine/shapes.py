@@ -55,7 +55,7 @@ class Opts:
             or None for ``Problem.probe``.
         detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
         vmap_single: a single product runs under vmap too, as torch.func.jacrev runs it
-            (NOTE [the gradient inside a Hessian]); by default it is a plain call.
+            (NOTE [the gradient inside a Hessian] in :mod:`torch_vjp._engine.hessian`); by default it is a plain call.
     """
 
     __slots__ = (
