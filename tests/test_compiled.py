@@ -422,3 +422,87 @@ def test_a_closure_tensor_that_is_the_primal_on_one_call_is_still_a_constant():
         got = tv.jacobian(make(T), x, compile=True)
         torch.testing.assert_close(got, torch.func.jacrev(make(T))(x))
         torch.testing.assert_close(got, torch.diag(torch.cos(x) * T))
+
+
+@pytest.mark.parametrize("call", ["jacobian", "hessian"])
+@pytest.mark.parametrize("where", ["inside", "compile=True"])
+def test_a_negative_argnums_is_the_argument_it_counts_back_to(call, where):
+    # torch.func.jacfwd took argnums=-1 for a differentiated argument but pushed its basis
+    # through none: inside the user's torch.compile the forward-mode Jacobian was all zeros
+    def f(x, y):
+        return (x * y.sum()).pow(2)
+
+    def run(x, y):
+        if call == "jacobian":
+            return tv.jacobian(f, x, y, argnums=-1, strategy="fwd")
+        return tv.hessian(lambda x, y: f(x, y).sum(), x, y, argnums=-1)
+
+    def ref(x, y):
+        if call == "jacobian":
+            return torch.func.jacrev(f, 1)(x, y)
+        return torch.func.hessian(lambda x, y: f(x, y).sum(), 1)(x, y)
+
+    compiled = torch.compile(run, fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # compile=True: no eager fallback
+        for _ in range(3):
+            x, y = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
+            if where == "inside":
+                got = compiled(x, y)
+            elif call == "jacobian":
+                got = tv.jacobian(f, x, y, argnums=-1, strategy="fwd", compile=True)
+            else:
+                got = tv.hessian(lambda x, y: f(x, y).sum(), x, y, argnums=-1, compile=True)
+            assert got.abs().sum() > 0
+            torch.testing.assert_close(got, ref(x, y))
+
+
+def test_a_large_jacobian_is_written_into_a_new_buffer_each_call(monkeypatch):
+    # NOTE [the result buffer of a compiled Jacobian]; the threshold lowered to take small ones
+    from torch_vjp._engine import compiled
+
+    made = []
+
+    def counting_buffer(like, shape):
+        made.append(shape)
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(compiled, "HUGE_PAGE_MIN_BYTES", 1)
+    monkeypatch.setattr(compiled, "new_buffer", counting_buffer)
+    f = _mlp(5, 4)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for strategy in ("rev", "fwd"):
+            for _ in range(3):
+                x = torch.randn(5, dtype=D)
+                got = tv.jacobian(f, x, strategy=strategy, compile=True)
+                torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+                results.append((got, got.clone()))
+    assert made == [(4, 5)] * 6  # each compiled call (the first of each is eager) made one
+    for got, kept in results:  # no later call wrote into an earlier call's result
+        assert torch.equal(got, kept)
+    assert len({got.data_ptr() for got, _ in results}) == len(results)
+
+
+ROWS = 6
+
+
+def test_a_result_buffer_of_a_shape_the_program_no_longer_gives_is_left_unused(monkeypatch):
+    # f reads a global: dynamo recompiles when it changes, and the Jacobian's shape with it;
+    # the buffer sized at build must not take (broadcast) the new shape's result
+    import sys
+
+    from torch_vjp._engine import compiled
+
+    monkeypatch.setattr(compiled, "HUGE_PAGE_MIN_BYTES", 1)
+    w = torch.randn(6, 6, dtype=D)
+    f = lambda x: torch.tanh(w @ x)[:ROWS]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for rows in (6, 6, 6, 1, 1):
+            monkeypatch.setattr(sys.modules[__name__], "ROWS", rows)
+            x = torch.randn(6, dtype=D)
+            got = tv.jacobian(f, x, compile=True)
+            assert got.shape == (rows, 6)
+            torch.testing.assert_close(got, torch.func.jacrev(f)(x))

@@ -6,6 +6,16 @@ directly (see NOTE [compiled Jacobians] in :mod:`torch_vjp._engine.compiled`).
 They call torch.func's transforms as this module bound them at import, so that code which
 replaces ``torch.func.jacrev`` and the like by wrappers of torch_vjp's (a test harness
 swapping them) does not send torch_vjp back into itself.
+
+NOTE [a basis inductor fuses]
+A Jacobian's products run on the standard basis. torch.func builds it by zero-filling an
+N x N buffer and writing its diagonal, which inductor keeps as a buffer of its own: every
+compiled call writes N x N numbers and reads them back, beside the Jacobian it writes.
+:func:`pointwise_basis` writes the same basis as a comparison of two ranges, a pointwise
+expression that inductor computes inside the kernel that reads it, so the compiled program
+allocates and writes only the Jacobian (4096 x 4096 elementwise: one 64 MB buffer, not
+two). :func:`plain_jacobian` is torch.func's ``jacrev``/``jacfwd`` on that basis, with their
+result structure.
 """
 
 from __future__ import annotations
@@ -17,13 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
     "auto_mode", "batch_mode", "plain_jacobian", "plain_batch_jacobian", "plain_hessian",
-    "plain_jvp", "plain_vjp",
+    "plain_jvp", "plain_vjp", "pointwise_basis", "output_of",
 ]
 
 
@@ -31,7 +41,7 @@ def _numel(tree: Any) -> int:
     return sum(t.numel() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
 
 
-def _output(f: Callable[..., Any], args: tuple[Any, ...], has_aux: bool) -> Any:
+def output_of(f: Callable[..., Any], args: tuple[Any, ...], has_aux: bool) -> Any:
     with torch.no_grad():
         res = f(*args)
     return res[0] if has_aux else res
@@ -45,24 +55,98 @@ def auto_mode(
     (one call of ``f`` for the output sizes)."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
     n_in = sum(_numel(primals[i]) for i in nums)
-    return choose_mode(n_in, _numel(_output(f, primals, has_aux)))
+    return choose_mode(n_in, _numel(output_of(f, primals, has_aux)))
 
 
 def plain_jacobian(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
-    has_aux: bool, mode: str | None, chunk_size: int | None,
+    has_aux: bool, mode: str | None, chunk_size: int | None, out: Tensor | None = None,
 ) -> Any:
-    """``jacrev`` or ``jacfwd`` of ``f`` at ``primals`` (``mode=None``: by size)."""
+    """``jacrev`` or ``jacfwd`` of ``f`` at ``primals`` (``mode=None``: by size), in their
+    result structure, on the basis of :func:`pointwise_basis` (NOTE [a basis inductor fuses]).
+
+    ``out``: where the Jacobian is one tensor (one output, one differentiated tensor), a
+    buffer of its shape and dtype to write it into (and return), so that the caller decides
+    how the result's memory is allocated (:func:`torch_vjp._engine.memory.new_buffer`).
+    """
     if mode is None:
         mode = auto_mode(f, primals, argnums, has_aux)
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    nums = tuple(i % len(primals) for i in nums)
+    leaves, spec = tree_flatten(tuple(primals[i] for i in nums))
+
+    def g(*xs: Tensor) -> Any:
+        full = list(primals)
+        for i, v in zip(nums, tree_unflatten(list(xs), spec)):
+            full[i] = v
+        return f(*full)
+
     if mode == "rev":
-        return jacrev(f, argnums, has_aux=has_aux, chunk_size=chunk_size)(*primals)
-    return jacfwd(f, argnums, has_aux=has_aux)(*primals)
+        res = vjp(g, *leaves, has_aux=has_aux)
+        outs, out_spec = tree_flatten(res[0])
+        if not outs or not all(o.numel() for o in outs):
+            return jacrev(f, argnums, has_aux=has_aux, chunk_size=chunk_size)(*primals)
+
+        def pull(*b: Tensor) -> Any:
+            return res[1](tree_unflatten(list(b), out_spec))
+
+        rows = vmap(pull, chunk_size=chunk_size)(*pointwise_basis(outs))
+        blocks, off = [], 0
+        for o in outs:
+            blocks.append([r[off:off + o.numel()].reshape(*o.shape, *r.shape[1:]) for r in rows])
+            off += o.numel()
+        aux = res[2] if has_aux else None
+    else:
+        if not leaves or not all(x.numel() for x in leaves):
+            return jacfwd(f, argnums, has_aux=has_aux)(*primals)
+
+        def push(*b: Tensor) -> Any:
+            res = jvp(g, tuple(leaves), b, has_aux=has_aux)
+            return (res[1], res[2]) if has_aux else res[1]
+
+        res = vmap(push, chunk_size=chunk_size)(*pointwise_basis(leaves))
+        cols, out_spec = tree_flatten(res[0] if has_aux else res)
+        blocks = []
+        for c in cols:
+            moved, row, off = c.movedim(0, -1), [], 0
+            for x in leaves:
+                row.append(moved[..., off:off + x.numel()].reshape(*c.shape[1:], *x.shape))
+                off += x.numel()
+            blocks.append(row)
+        aux = tree_map(lambda a: a[0], res[1]) if has_aux else None
+    if out is not None and len(blocks) == 1 and len(blocks[0]) == 1:
+        block = blocks[0][0]
+        if (block.shape, block.dtype, block.device) == (out.shape, out.dtype, out.device):
+            blocks = [[out.copy_(block)]]  # (else a shape not seen at build: out unused)
+    per_output = [tree_unflatten(row, spec) for row in blocks]
+    if isinstance(argnums, int):
+        per_output = [t[0] for t in per_output]
+    jac = tree_unflatten(per_output, out_spec)
+    return (jac, aux) if has_aux else jac
+
+
+def pointwise_basis(leaves: list[Tensor]) -> list[Tensor]:
+    """The standard basis over ``leaves`` taken together, one tensor per leaf: ``(N,
+    *leaf.shape)`` in the leaf's dtype and device, N being all their elements; row ``j`` is
+    one at element ``j`` of their concatenation. See NOTE [a basis inductor fuses].
+
+    Example:
+        >>> [b.tolist() for b in pointwise_basis([torch.zeros(1), torch.zeros(2)])]
+        [[[1.0], [0.0], [0.0]], [[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]]
+    """
+    total = sum(x.numel() for x in leaves)
+    basis, off = [], 0
+    for x in leaves:
+        rows = torch.arange(total, device=x.device)
+        cols = torch.arange(off, off + x.numel(), device=x.device)
+        basis.append((rows[:, None] == cols[None, :]).to(x.dtype).reshape(total, *x.shape))
+        off += x.numel()
+    return basis
 
 
 def batch_mode(f: Callable[[Tensor], Any], x: Tensor) -> str:
     """``"rev"`` or ``"fwd"`` for per-example Jacobians, by the per-row sizes."""
-    out = tree_flatten(_output(f, (x,), False))[0]
+    out = tree_flatten(output_of(f, (x,), False))[0]
     n_out = sum(o[0].numel() for o in out if isinstance(o, Tensor) and o.dim()) if len(x) else 0
     return choose_mode(math.prod(x.shape[1:]), n_out)
 
@@ -78,12 +162,11 @@ def plain_batch_jacobian(
     if mode is None:
         mode = batch_mode(f, x)
     if mode == "rev":
-        jac = jacrev(lambda t: tree_map(lambda o: o.sum(0), f(t)),
-                                chunk_size=chunk_size)(x)
+        jac = plain_jacobian(lambda t: tree_map(lambda o: o.sum(0), f(t)), (x,), 0, False, "rev",
+                             chunk_size)
         return tree_map(lambda j: j.movedim(j.dim() - x.dim(), 0), jac)
     batch = x.shape[0]
-    basis = torch.eye(n_in, dtype=x.dtype, device=x.device).reshape(n_in, 1, *row)
-    basis = basis.expand(n_in, batch, *row)
+    basis = pointwise_basis([x.new_empty(row)])[0].unsqueeze(1).expand(n_in, batch, *row)
 
     def push(t: Tensor) -> Any:
         return jvp(f, (x,), (t,))[1]
@@ -96,9 +179,13 @@ def plain_hessian(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
     mode: str | None,
 ) -> Any:
-    """Forward over reverse (``mode`` ``"fwd"`` or None), or reverse over reverse."""
-    outer = jacrev if mode == "rev" else jacfwd
-    return outer(jacrev(f, argnums), argnums)(*primals)
+    """Forward over reverse (``mode`` ``"fwd"`` or None), or reverse over reverse: the
+    Jacobian of the reverse-mode gradient, both with :func:`plain_jacobian`."""
+
+    def gradient(*args: Any) -> Any:
+        return plain_jacobian(f, args, argnums, False, "rev", None)
+
+    return plain_jacobian(gradient, primals, argnums, False, mode or "fwd", None)
 
 
 def plain_jvp(
