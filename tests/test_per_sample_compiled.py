@@ -129,3 +129,17 @@ def test_a_forward_changing_a_parameter_in_place_stays_eager_and_leaves_it(strat
                 torch.testing.assert_close(got[n], ref[n], msg=n)
             assert torch.equal(model.s, before)
     assert sum("changes a parameter in place" in str(w.message) for w in caught) == 1
+
+
+def test_a_gradient_hook_on_a_parameter_is_applied_to_each_example():
+    # NOTE [gradient hooks on a parameter]: the compiled program differentiates stand-ins,
+    # which never pass through the parameter's hook; the job runs eagerly, hook applied
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = torch.randn(6, 2, 6, 6, dtype=D), torch.randint(0, 3, (6,))
+    for _ in range(2):
+        tv.per_sample_grads(model, loss_fn, x, y, compile=True)
+    model[3].weight.register_hook(lambda g: g * 0)
+    for _ in range(2):
+        got = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
+        assert got["3.weight"].abs().max() == 0
+        torch.testing.assert_close(got, _loop(model, loss_fn, x, y))

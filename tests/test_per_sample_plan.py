@@ -1063,3 +1063,114 @@ def test_forwards_the_recording_cannot_run_as_they_are_go_to_the_fallback(case):
                else "no dimension that could hold the")
         with pytest.raises(tv.StrategyError, match=why):
             tv.per_sample_grads(model, loss_fn, xs, strategy="hooks")
+
+
+# --------------------------------------------------------------------------------------
+# Plans made again, or made right, where what they were made under has changed
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vmap", "loop"])
+def test_a_gradient_hook_registered_after_the_first_call_is_applied_to_each_example(strategy):
+    # NOTE [gradient hooks on a parameter]: the plan made before the hook computed the weight
+    # by rules (or vmap), which never see the hook: rows 0-2 came out non-zero, silently
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+    tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+    mask = torch.ones(6, 4, dtype=DT)
+    mask[:3] = 0
+    model[0].weight.register_hook(lambda g: g * mask)
+    ref = loop_reference(model, loss_fn, x, y)
+    assert ref["0.weight"][:, :3].abs().max() == 0
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy), ref)
+    norms = torch.stack([torch.cat([g[i].flatten() for g in ref.values()]).norm()
+                         for i in range(5)])
+    torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy),
+                               norms)
+    model.zero_grad(set_to_none=True)
+    tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=0.5, strategy=strategy)
+    factor = (0.5 / norms).clamp(max=1.0)
+    torch.testing.assert_close(model[0].weight.grad,
+                               (ref["0.weight"] * factor[:, None, None]).sum(0))
+    if strategy != "loop":
+        row = tv.per_sample_plan(model, loss_fn, x, y, strategy=strategy)["0.weight"]
+        assert row.method == "loop" and "register_hook" in row.reason
+
+
+def test_hooks_refuses_a_parameter_with_a_gradient_hook_naming_it():
+    model = nn.Sequential(nn.Linear(4, 3)).to(DT)
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    model[0].weight.register_hook(lambda g: g * 2)
+    with pytest.raises(tv.StrategyError, match=r"'0\.weight': a gradient hook is registered on "
+                                               r"it \(Tensor\.register_hook\)"):
+        tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+
+
+class _Temperature(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(p), nn.Linear(8, 3))
+        self.temperature = nn.Parameter(torch.ones(3))  # used directly in forward: no rule
+
+    def forward(self, x):
+        return self.body(x) * self.temperature
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_a_first_call_under_no_grad_plans_as_in_grad_mode(strategy):
+    # planning took its loss outside its grad block: under the caller's no_grad the graph
+    # walk saw no gradient reach the temperature and planned it 'zero' (with dropout in
+    # training the first-call check is skipped: zero from then on, silently)
+    torch.manual_seed(0)
+    model = _Temperature().to(DT).eval()
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    with torch.no_grad():
+        row = tv.per_sample_plan(model, loss_fn, x, y)["temperature"]
+    assert row.method != "zero"
+    if strategy == "hooks":  # no rule reaches it: refused for that reason, in any grad mode
+        with torch.no_grad(), pytest.raises(tv.StrategyError, match="'temperature'"):
+            tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+        return
+    with torch.no_grad():
+        got = tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+    assert_matches(got, loop_reference(model, loss_fn, x, y))
+    model.train()  # dropout with p=0 draws from the global generator: no first-call check
+    with torch.no_grad():
+        tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy),
+                   loop_reference(model, loss_fn, x, y))
+
+
+class _Layout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.o = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.time_major = False
+
+    def forward(self, x):  # x: (B, T, 4)
+        if self.time_major:  # the same function of x, the Linear sees (T, B, 4)
+            h = self.l(x.transpose(0, 1)).transpose(0, 1)
+        else:
+            h = self.l(x)
+        return self.o(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_an_attribute_that_moves_the_batch_dimension_of_a_layer_makes_a_new_plan(strategy):
+    torch.manual_seed(0)
+    model = _Layout().to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 7, 4, dtype=DT), torch.randint(0, 3, (5,))
+    tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+    model.time_major = True
+    ref = loop_reference(model, loss_fn, x, y)
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy), ref)
+    norms = torch.stack([torch.cat([g[i].flatten() for g in ref.values()]).norm()
+                         for i in range(5)])
+    torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy),
+                               norms)

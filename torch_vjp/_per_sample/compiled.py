@@ -35,8 +35,10 @@ __all__ = ["compilable", "run_compiled"]
 
 def compilable(job: Job) -> bool:
     """Whether the job can take the compiled path (else it runs eagerly, silently: see the
-    module docstring)."""
-    return job.batch > 0 and job.ddp is None and not job.sel.sparse
+    module docstring). A parameter with a gradient hook takes the loop (NOTE [gradient hooks
+    on a parameter] in :mod:`torch_vjp._per_sample.probe`)."""
+    return (job.batch > 0 and job.ddp is None and not job.sel.sparse
+            and not any(t._backward_hooks for t in job.sel.tensors.values()))
 
 
 def run_compiled(

@@ -69,7 +69,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         signature = plan.signature()
         if len(calls) != len(signature) or any(
             call_key(c) != k for c, k in zip(calls, signature)
-        ):
+        ) or any(_moved_batch(c, cp, batch) for c, cp in zip(calls, plan.calls)):
             result.mismatch = True
             return result
         total, scale = scaled_loss_sum(job.fn, job.loss_fn, out, job.targets, batch,
@@ -135,3 +135,14 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                 name = tracked[id(c.params[role][0])]
                 result.factors.setdefault(name, []).append(factor)
     return result
+
+
+def _moved_batch(c: Call, cp: CallPlan, batch: int) -> bool:
+    """Whether a layer's output no longer holds the examples along the dimension the plan
+    found them in (a model attribute that changes the layout, ``(B, T, D)`` to ``(T, B,
+    D)``): the plan is made again. (A layout whose sizes agree by chance is not seen: NOTE
+    [the per-sample plan].)"""
+    if batch == 1 or not cp.valid or cp.bdim is None or c.module is None or not c.outputs:
+        return False
+    y = c.outputs[0]
+    return isinstance(y, Tensor) and (y.dim() <= cp.bdim or y.shape[cp.bdim] != batch)

@@ -175,6 +175,14 @@ class Plan:
                 p.method, p.how, p.reason = "loop", "", reason
 
 
+    def to_loop(self, names: Sequence[str], reason: str) -> None:
+        """Plans ``names`` for the loop, whatever they were planned for."""
+        self.route([], "")  # (drops the lists made from the methods)
+        for n in names:
+            p = self.params[n]
+            p.method, p.how, p.reason = "loop", "", reason
+
+
 def call_key(c: Call) -> Any:
     """What identifies a recorded rule call from one forward to the next."""
     return (id(c.module) if c.module is not None else c.path, c.rule.name,

@@ -61,8 +61,8 @@ def _tail(t: Any) -> Any:
 
 def plan_key(job: Job) -> Any:
     """The model structure a plan is valid for: the shapes of one example, the training
-    flags, the selected parameters, the loss, the strategy (the batch size is not part of it;
-    a batch of one is planned apart)."""
+    flags, the selected parameters (and which have gradient hooks), the loss, the strategy
+    (the batch size is not part of it; a batch of one is planned apart)."""
     sel, targets = job.sel, job.targets
     return (
         job.strategy,
@@ -74,6 +74,7 @@ def plan_key(job: Job) -> Any:
         sel.training or tuple(m.training for m in job.model.modules()),
         tuple(sel.canonical),
         tuple(t.requires_grad for t in sel.tensors.values()),
+        tuple(bool(t._backward_hooks) for t in sel.tensors.values()),
         _loss_key(job.loss_fn),
     )
 
@@ -87,6 +88,16 @@ def forget_plans(model: nn.Module | None = None) -> None:
 
 
 _SETTING_TYPES = (bool, int, float, str, tuple, type(None))
+
+# NOTE [gradient hooks on a parameter]
+# A hook registered on a parameter (``p.register_hook(fn)``) acts on the gradient that
+# reaches the parameter: in a per-example loop, on each example's gradient. The rules and
+# vmap never pass through the parameter's own gradient (vmap differentiates stand-ins), so a
+# parameter with such a hook is computed by the loop, under every strategy but 'hooks', which
+# refuses it. Whether each selected parameter has hooks is part of the plan's key: a hook
+# registered after the first call makes a new plan.
+_HOOKED = ("a gradient hook is registered on it (Tensor.register_hook), which only the "
+           "per-example loop applies to each example's gradient")
 
 
 def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
@@ -138,7 +149,8 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
 
         job.reset = reset
         try:
-            plan = build_plan(job)
+            with torch.enable_grad():  # (the plan is for the pass run in grad mode)
+                plan = build_plan(job)
         finally:
             job.reset = None
             reset()
@@ -148,6 +160,9 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         plan.mutable_buffers = [n for n, is_buffer in changed.items() if is_buffer]
         plan.mutable_params = [n for n, is_buffer in changed.items() if not is_buffer]
         plan.rebinds = slots.changed
+        hooked = [n for n, t in job.sel.tensors.items() if t._backward_hooks]
+        if hooked:
+            plan.to_loop(hooked, _HOOKED)
         if len(cache) >= _MAX_PER_MODEL:
             cache.pop(next(iter(cache)))
         cache[key] = plan
