@@ -506,3 +506,38 @@ def test_a_result_buffer_of_a_shape_the_program_no_longer_gives_is_left_unused(m
             got = tv.jacobian(f, x, compile=True)
             assert got.shape == (rows, 6)
             torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+
+
+@pytest.mark.parametrize("call", ["jacobian_fwd", "jacobian_rev", "jacobian_auto",
+                                  "batch_jacobian_fwd", "hessian"])
+def test_a_function_that_changes_its_arguments_in_place_leaves_the_callers_as_they_were(call):
+    # the compiled program ran on the caller's tensors, and the build's probes of the
+    # output size called f on them too: x doubled on every call, y grew by one or two, and
+    # each result was taken at other values, silently. (Forward mode takes an f that changes
+    # its differentiated argument; reverse mode refuses that eagerly, as torch.func does.)
+    def f(x):
+        x.mul_(2)
+        return x.sin()
+
+    def g(x, y):
+        y.add_(1.0)
+        return x.sin() * y
+
+    runs = {
+        "jacobian_fwd": lambda x, y, c: tv.jacobian(f, x, strategy="fwd", compile=c),
+        "jacobian_rev": lambda x, y, c: tv.jacobian(g, x, y, strategy="rev", compile=c),
+        "jacobian_auto": lambda x, y, c: tv.jacobian(g, x, y, compile=c),
+        "batch_jacobian_fwd": lambda x, y, c: tv.batch_jacobian(f, x.reshape(2, 2),
+                                                                strategy="fwd", compile=c),
+        "hessian": lambda x, y, c: tv.hessian(lambda x, y: g(x, y).sum(), x, y, compile=c),
+    }
+    x, y = torch.randn(4, dtype=D), torch.zeros(4, dtype=D)
+    x0 = x.clone()
+    want = runs[call](x, y, False)
+    assert torch.equal(x, x0) and torch.equal(y, torch.zeros(4, dtype=D))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # (a fallback to eager is fine)
+        for _ in range(3):
+            got = runs[call](x, y, True)
+            assert torch.equal(x, x0) and torch.equal(y, torch.zeros(4, dtype=D))
+            torch.testing.assert_close(got, want)

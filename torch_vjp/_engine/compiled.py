@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        modules_reached)
@@ -192,12 +192,12 @@ class _Entry:
 
     def __call__(self, f: object, args: tuple[Any, ...]) -> Any:
         assert self.run is not None
-        return self.run(f, *self.fresh(), *args)
+        return self.run(f, *args, *self.fresh())
 
 
 class Built(NamedTuple):
     """What a ``build`` of :func:`compiled_call` may return instead of the bare program:
-    the program, and ``fresh``, which makes the arguments it takes before ``args`` anew on
+    the program, and ``fresh``, which makes the arguments it takes after ``args`` anew on
     each call (a result buffer, see NOTE [the result buffer of a compiled Jacobian])."""
 
     program: Callable[..., Any]
@@ -282,6 +282,21 @@ def _signature(args: tuple[Any, ...]) -> object:
         pass
     leaves, spec = tree_flatten(args)
     return (spec, tuple(map(_leaf_signature, leaves)), torch.is_grad_enabled())
+
+
+def _on_copies(program: Callable[..., Any], n: int) -> Callable[..., Any]:
+    """``program(f, *args, *rest)`` run on copies of the tensors in the first ``n`` args,
+    made inside what is compiled, so that a function that changes its arguments in place
+    (``x.mul_(2)``) changes the copies, never the caller's tensors, as the eager path's
+    own copies do (NOTE [f's own copies] in :mod:`torch_vjp._engine.problem`). Where
+    nothing changes them, inductor reads the copies from the originals without writing
+    them (pointwise consumers), or copies them once."""
+
+    def run(f: Any, *a: Any) -> Any:
+        copies = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, a[:n])
+        return program(f, *copies, *a[n:])
+
+    return run
 
 
 def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -439,7 +454,9 @@ def compiled_call(
             errors included; and every call of a signature that cannot be compiled).
         build: returns the function ``program(f, *args)`` to compile (called on the first
             call only, after ``eager``), or a :class:`Built` whose program takes the
-            arguments its ``fresh`` makes before ``args``. It must compute with the ``f`` it
+            arguments its ``fresh`` makes after ``args``. The program is given copies of
+            the tensors in ``args`` (made inside the compiled program): what ``f`` changes
+            in place stays there, as on the eager path. It must compute with the ``f`` it
             is given, never with one it captured: a later call passes its own ``f``, whose
             closure may hold other tensors of the same signature.
     """
@@ -480,8 +497,9 @@ def compiled_call(
         with _HOOK_GUARDS, buffers_kept(f, modules):  # build() may call f
             built = build()
             built, fresh = built if isinstance(built, Built) else (built, tuple)
-            program = torch.compile(_own_code(built, name), fullgraph=True, dynamic=False)
-            got = program(f, *fresh(), *args)
+            program = torch.compile(_own_code(_on_copies(built, len(args)), name),
+                                    fullgraph=True, dynamic=False)
+            got = program(f, *args, *fresh())
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
         if passes_through(err):
             raise
@@ -527,9 +545,10 @@ def compiled_jacobian(
             return program
         like, shape = block
 
-        def program_into(f: Callable[..., Any], out: Tensor, *args: Any) -> Any:
-            with plain_context(context, detached):
-                return plain_jacobian(f, args, argnums, has_aux, mode, chunk_size, out=out)
+        def program_into(f: Callable[..., Any], *args: Any) -> Any:
+            with plain_context(context, detached):  # (args: the primals, then the buffer)
+                return plain_jacobian(f, args[:-1], argnums, has_aux, mode, chunk_size,
+                                      out=args[-1])
         return Built(program_into, lambda: (new_buffer(like, shape),))
 
     try:

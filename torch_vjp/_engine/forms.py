@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from torch_vjp._strategies import choose_mode
+from torch_vjp._strategies import choose_compiled_mode, choose_mode
 
 __all__ = [
     "auto_mode", "batch_mode", "plain_jacobian", "plain_batch_jacobian", "plain_hessian",
@@ -42,6 +42,9 @@ def _numel(tree: Any) -> int:
 
 
 def output_of(f: Callable[..., Any], args: tuple[Any, ...], has_aux: bool) -> Any:
+    """``f``'s output (without aux), from a call on copies of the tensors in ``args``, so
+    that a function that changes its arguments in place leaves the caller's as they are."""
+    args = tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, args)
     with torch.no_grad():
         res = f(*args)
     return res[0] if has_aux else res
@@ -51,11 +54,11 @@ def auto_mode(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
     has_aux: bool,
 ) -> str:
-    """``"rev"`` or ``"fwd"`` for a Jacobian, by the numbers of output and input elements
-    (one call of ``f`` for the output sizes)."""
+    """``"rev"`` or ``"fwd"`` for a compiled Jacobian, by the numbers of output and input
+    elements (one call of ``f`` for the output sizes; NOTE [auto crossover])."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
     n_in = sum(_numel(primals[i]) for i in nums)
-    return choose_mode(n_in, _numel(output_of(f, primals, has_aux)))
+    return choose_compiled_mode(n_in, _numel(output_of(f, primals, has_aux)))
 
 
 def plain_jacobian(
