@@ -541,3 +541,36 @@ def test_a_function_that_changes_its_arguments_in_place_leaves_the_callers_as_th
             got = runs[call](x, y, True)
             assert torch.equal(x, x0) and torch.equal(y, torch.zeros(4, dtype=D))
             torch.testing.assert_close(got, want)
+
+
+W_GLOBAL = torch.randn(2, 3, dtype=D)
+
+
+@pytest.mark.parametrize("rebind", ["closure", "global", "parameter"])
+def test_a_compiled_vjp_fn_keeps_the_point_of_its_vjp_when_f_is_rebound(rebind):
+    # NOTE [a compiled vjp_fn's point]: the compiled program reran f with what f read when
+    # vjp_fn was called: after W = W_next, vjp_fn gave W_next.T @ v, silently
+    import sys
+
+    x, v = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
+    w0, w1 = torch.randn(2, 3, dtype=D), torch.randn(2, 3, dtype=D)
+    lin = torch.nn.Linear(3, 2).to(D)
+    with torch.no_grad():
+        lin.weight.copy_(w0)
+    w = w0
+    fs = {"closure": lambda x: w @ x, "global": lambda x: W_GLOBAL @ x, "parameter": lin}
+    f = fs[rebind]
+    if rebind == "global":
+        sys.modules[__name__].W_GLOBAL = w0
+    for _ in range(2):  # the second vjp finds the compiled entry the first made
+        _, vjp_fn = tv.vjp(f, x, compile=True)
+        torch.testing.assert_close(vjp_fn(v)[0].detach(), w0.T @ v)
+    if rebind == "closure":
+        w = w1
+    elif rebind == "global":
+        sys.modules[__name__].W_GLOBAL = w1
+    else:
+        lin.weight = torch.nn.Parameter(w1.clone())
+    torch.testing.assert_close(vjp_fn(v)[0].detach(), w0.T @ v)  # the vjp point's
+    _, later = tv.vjp(f, x, compile=True)  # a new vjp: the new point
+    torch.testing.assert_close(later(v)[0].detach(), w1.T @ v)

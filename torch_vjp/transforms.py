@@ -15,6 +15,7 @@ shaped like ``y``.
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -30,7 +31,8 @@ from torch_vjp._checks import (
     normalize_grad_outputs,
 )
 from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
-from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
+from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp, is_nested,
+                                       modules_reached)
 from torch_vjp._engine.forms import plain_jvp, plain_vjp
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
@@ -240,11 +242,15 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
     a compiled program of forward and pullback (NOTE [compiled Jacobians])."""
     res = vjp(f, *primals, has_aux=has_aux)
     eager_fn = res[1]
+    state = _read_state(f)
 
     def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
         opts = _pullback_options(args, dict(options))
         if args or opts["retain_graph"] is not True or opts["create_graph"] is not None:
             return eager_fn(cotangents, *args, **options)
+        now = _read_state(f)
+        if len(now) != len(state) or any(a is not b for a, b in zip(now, state)):
+            return eager_fn(cotangents, **options)  # (NOTE [a compiled vjp_fn's point])
         batched, chunk_size = opts["batched"], opts["chunk_size"]
         chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
 
@@ -258,6 +264,29 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
     return (res[0], vjp_fn) + tuple(res[2:])
+
+
+# NOTE [a compiled vjp_fn's point]
+# vjp(compile=True)'s vjp_fn runs a compiled program of forward and pullback, which reads f's
+# closure, globals and modules as they are when vjp_fn is called; the eager vjp_fn holds the
+# graph of the vjp point. Where f reads something that has been rebound since (a captured
+# tensor, ``W = W_next``; a module's parameter replaced, ``lin.weight = Parameter(...)``),
+# the compiled program would differentiate another function, so vjp_fn uses the graph of
+# the vjp point instead. What is compared, by identity: the contents of f's closure cells
+# and the globals it names (of a plain function, or of a bound method's function), and the
+# parameters and buffers of the modules f reaches. What a function f calls reads in turn is
+# not seen; values changed in place are the same objects (eager autograd sees those too).
+
+
+def _read_state(f: object) -> tuple[object, ...]:
+    """What NOTE [a compiled vjp_fn's point] compares, in a fixed order."""
+    func = f.__func__ if isinstance(f, types.MethodType) else f
+    values = list(captured_values(func)) if isinstance(func, types.FunctionType) else []
+    for module in modules_reached(f):
+        for sub in module.modules():
+            values.extend(sub._parameters.values())
+            values.extend(sub._buffers.values())
+    return tuple(values)
 
 
 @overload
