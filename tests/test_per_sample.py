@@ -659,6 +659,24 @@ def test_accumulate_adds_to_existing_grad_and_creates_missing():
         torch.testing.assert_close(p.grad, e)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES + ("compile",))
+def test_accumulate_runs_the_post_accumulate_grad_hooks_as_backward_does(strategy):
+    # an optimizer step in backward (register_post_accumulate_grad_hook) never ran
+    model, loss_fn, x, t = make("mlp")
+    seen = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: seen.append((n, p.grad.clone())))
+    loss_fn(model(x), t).backward()
+    assert [n for n, _ in seen] and len(seen) == len(list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    seen.clear()
+    options = {"compile": True} if strategy == "compile" else {"strategy": strategy}
+    accumulate_clipped_grads(model, loss_fn, x, t, max_norm=0.3, **options)
+    assert sorted(n for n, _ in seen) == sorted(n for n, _ in model.named_parameters())
+    for n, g in seen:  # each hook ran after its parameter's .grad was written
+        torch.testing.assert_close(g, dict(model.named_parameters())[n].grad)
+
+
 def test_results_are_never_overwritten_by_a_later_call():
     model = nn.Linear(300, 300).to(DT)  # 8 examples x 90k params
     x1, x2, t = _randn(8, 300), _randn(8, 300), _ints(300, 8)

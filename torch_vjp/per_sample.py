@@ -252,7 +252,9 @@ def accumulate_clipped_grads(
     each layer's clipped sum ``sum_i c_i g_i^T a_i`` is one matrix product. Per-sample
     gradients are formed only for parameters that no rule covers (by vmap, in chunks), and
     where a layer's norms are cheapest from them (then kept for its sum, up to a fixed
-    budget of 4M numbers in all, instead of a second weight gradient).
+    budget of 4M numbers in all, instead of a second weight gradient). Each parameter's
+    ``register_post_accumulate_grad_hook`` hooks run once its ``.grad`` is written, as after
+    ``backward``.
 
     Args:
         model: as for :func:`per_sample_grads`.

@@ -481,6 +481,10 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
                 p.grad = p.grad + s
             else:
                 p.grad.add_(s)
+            # backward then runs the hooks of register_post_accumulate_grad_hook (an
+            # optimizer step in backward, gradient logging): so does this call
+            for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
+                hook(p)
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
