@@ -960,3 +960,20 @@ def test_autocast_is_checked_at_the_precision_it_computes_in():
         for n in ref:
             assert float((got[n].double() - ref[n]).norm() / ref[n].norm()) < 3e-2, n
         assert {r.method for r in plan.rows} == {"rule"}, str(plan)
+
+
+@pytest.mark.parametrize("fn", [per_sample_grads, per_sample_grad_norms, "clipped"])
+def test_a_lazy_module_not_yet_run_is_refused_with_the_fix(fn):
+    # torch's ValueError ('uninitialized parameter') came out of the copy of the parameters
+    model = nn.Sequential(nn.LazyLinear(6), nn.Tanh(), nn.LazyLinear(3))
+    x, t = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    call = ((lambda *a: accumulate_clipped_grads(*a, max_norm=1.0)) if fn == "clipped"
+            else fn)
+    with pytest.raises(torch_vjp.PerSampleValueError,
+                       match=r"(?s)lazy module has not created yet \('0\.weight', '0\.bias', "
+                             r"'2\.weight', '2\.bias'\).*Fix: run the model once first"):
+        call(model, nn.CrossEntropyLoss(), x, t)
+    with torch.no_grad():
+        model(x)  # the fix
+    got = per_sample_grads(model, nn.CrossEntropyLoss(), x, t)
+    assert got["0.weight"].shape == (5, 6, 4)

@@ -182,6 +182,17 @@ class Selection:
 
 def select(fn: str, model: nn.Module, params: Any) -> Selection:
     all_named = list(model.named_parameters(remove_duplicate=False))
+    lazy = [n for n, p in all_named if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise PerSampleValueError(
+            f"torch_vjp.{fn}: the model has parameters that a lazy module has not created yet "
+            f"({', '.join(repr(n) for n in lazy[:4])}{', ...' if len(lazy) > 4 else ''}): "
+            f"they take their shapes from the first forward pass, and the per-sample "
+            f"functions need the parameters before they run the model (to select them and "
+            f"to keep the model as it was).\n  Fix: run the model once first, "
+            f"model(inputs) under torch.no_grad() (in eval mode if it has batch norm), as "
+            f"torch's own docs advise before an optimizer is made."
+        )
     by_name = dict(all_named)
     if params is None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
