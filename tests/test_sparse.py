@@ -633,3 +633,18 @@ def test_public_names():
     assert {"sparse_jacobian", "jacobian_sparsity"} <= set(tv.__all__)
     assert tv.sparse.clear_cache is clear_cache
     assert torch.vjp.sparse_jacobian is sparse_jacobian  # the torch namespace plugin
+
+
+def test_auto_takes_reverse_mode_where_forward_mode_fails_with_a_warning():
+    # auto chose forward mode (fewer colours) and torch's raw NotImplementedError came out
+    u = torch.randn(6, dtype=torch.float64)
+
+    def f(u):  # torch.cdist has no forward-mode formula
+        return torch.cdist(u.view(3, 2), u.view(3, 2) + 1).flatten()
+
+    with pytest.warns(tv.JacobianWarning, match=r"forward-mode AD fails on f \(.*f\), so "
+                                                r"strategy='auto' uses reverse mode"):
+        got = tv.sparse_jacobian(f, u)
+    torch.testing.assert_close(got.to_dense(), torch.func.jacrev(f)(u))
+    with pytest.raises(NotImplementedError):  # mode='fwd' asked for: torch's own error
+        tv.sparse_jacobian(f, u, mode="fwd")

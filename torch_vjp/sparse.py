@@ -26,7 +26,10 @@ from torch import Tensor
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
-from torch_vjp._errors import JacobianCallError, JacobianOptionError, StrategyError, shape_str
+from torch_vjp._engine.jacobian import function_key, no_forward_message
+from torch_vjp._engine.rows import passes_through
+from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
+                               StrategyError, shape_str, warn_once)
 from torch_vjp._sparse.compute import (
     assemble,
     clear_plans,
@@ -41,7 +44,8 @@ __all__ = ["jacobian_sparsity", "sparse_jacobian", "clear_cache"]
 
 SparseMode = Literal["auto", "fwd", "rev"]
 _MODES = {
-    "auto": "the mode with fewer colours (products), reverse mode on a tie",
+    "auto": ("the mode with fewer colours (products), reverse mode on a tie or where forward "
+             "mode fails"),
     "fwd": "colour the columns, one JVP per colour",
     "rev": "colour the rows, one VJP per colour",
 }
@@ -185,8 +189,7 @@ def sparse_jacobian(
         ):
             pattern_from_user(pattern, n, call=call)  # raises, saying what is wrong
         plan = user_plan(pattern, lambda: pattern_from_user(pattern, n, call=call))
-    coloring = plan.coloring(mode)
-    comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+    coloring, comp, m = _products(prob, plan, mode, chunk, budget)
     if m != plan.pattern.m:
         if plan.user:
             raise JacobianOptionError(
@@ -197,11 +200,34 @@ def sparse_jacobian(
                 f"torch_vjp.jacobian_sparsity(f, x)."
             )
         plan = lookup_plan(prob, lambda: detect(prob), fresh=True)  # f changed: detect again
-        coloring = plan.coloring(mode)
-        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+        coloring, comp, m = _products(prob, plan, mode, chunk, budget)
     index = plan.gather_index(coloring, layout, comp.device)
     values = comp.reshape(-1).index_select(0, index)
     return assemble(values, plan, layout)
+
+
+def _products(
+    prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None
+) -> tuple[Any, Tensor, int]:
+    """The colouring for ``mode`` and its compressed products. Under ``"auto"``, a function
+    forward mode fails on (an operation without a forward-mode formula, ``torch.cdist``)
+    gets reverse mode's colouring instead, with the one-time warning the dense ``"auto"``
+    gives (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`)."""
+    coloring = plan.coloring(mode)
+    try:
+        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+    except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
+        if mode != "auto" or coloring.mode != "fwd" or passes_through(err):
+            raise
+        warn_once(
+            ("sparse-fwd-to-rev", function_key(prob.f), type(err)),
+            no_forward_message(prob, err, f"with {plan.coloring('rev').count} products "
+                                          f"(colours) against {coloring.count}"),
+            JacobianWarning,
+        )
+        coloring = plan.coloring("rev")
+        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+    return coloring, comp, m
 
 
 def clear_cache(f: Callable[..., Any] | None = None) -> None:
