@@ -574,3 +574,17 @@ def test_a_compiled_vjp_fn_keeps_the_point_of_its_vjp_when_f_is_rebound(rebind):
     torch.testing.assert_close(vjp_fn(v)[0].detach(), w0.T @ v)  # the vjp point's
     _, later = tv.vjp(f, x, compile=True)  # a new vjp: the new point
     torch.testing.assert_close(later(v)[0].detach(), w1.T @ v)
+
+
+@pytest.mark.parametrize("argnums", [2, (0, 0), (0, 5)])
+def test_inside_users_torch_compile_a_bad_argnums_is_the_eager_error(argnums):
+    # the plain form took argnums modulo the number of primals: argnums=2 of two primals
+    # differentiated the first, silently
+    def run(x, y):
+        return tv.jacobian(lambda x, y: x * y, x, y, argnums=argnums)
+
+    x, y = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    with pytest.raises(tv.JacobianCallError, match=r"argnums="):
+        run(x, y)  # eager
+    with pytest.raises(tv.JacobianCallError, match=r"argnums="):
+        torch.compile(run)(x, y)

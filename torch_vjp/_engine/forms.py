@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from torch_vjp._engine.problem import normalize_argnums
 from torch_vjp._strategies import choose_compiled_mode, choose_mode
 
 __all__ = [
@@ -64,18 +65,19 @@ def auto_mode(
 def plain_jacobian(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
     has_aux: bool, mode: str | None, chunk_size: int | None, out: Tensor | None = None,
+    call: str = "torch_vjp.jacobian",
 ) -> Any:
     """``jacrev`` or ``jacfwd`` of ``f`` at ``primals`` (``mode=None``: by size), in their
     result structure, on the basis of :func:`pointwise_basis` (NOTE [a basis inductor fuses]).
 
+    ``argnums`` is checked as the eager path checks it (a JacobianCallError naming ``call``).
     ``out``: where the Jacobian is one tensor (one output, one differentiated tensor), a
     buffer of its shape and dtype to write it into (and return), so that the caller decides
     how the result's memory is allocated (:func:`torch_vjp._engine.memory.new_buffer`).
     """
+    nums = normalize_argnums(argnums, len(primals), call=call)
     if mode is None:
         mode = auto_mode(f, primals, argnums, has_aux)
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    nums = tuple(i % len(primals) for i in nums)
     leaves, spec = tree_flatten(tuple(primals[i] for i in nums))
 
     def g(*xs: Tensor) -> Any:
@@ -186,9 +188,10 @@ def plain_hessian(
     Jacobian of the reverse-mode gradient, both with :func:`plain_jacobian`."""
 
     def gradient(*args: Any) -> Any:
-        return plain_jacobian(f, args, argnums, False, "rev", None)
+        return plain_jacobian(f, args, argnums, False, "rev", None, call="torch_vjp.hessian")
 
-    return plain_jacobian(gradient, primals, argnums, False, mode or "fwd", None)
+    return plain_jacobian(gradient, primals, argnums, False, mode or "fwd", None,
+                          call="torch_vjp.hessian")
 
 
 def plain_jvp(
