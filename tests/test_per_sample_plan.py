@@ -1174,3 +1174,34 @@ def test_an_attribute_that_moves_the_batch_dimension_of_a_layer_makes_a_new_plan
                          for i in range(5)])
     torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy),
                                norms)
+
+
+class _Reentrant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(checkpoint(lambda h: torch.tanh(self.a(h)), x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_a_reentrant_checkpoint_is_planned_as_backward_sees_it(strategy):
+    # planning made the inputs require grad, and the reentrant checkpoint then refused the
+    # plan's autograd.grad with inputs=: torch's raw RuntimeError. Its input does not
+    # require grad, so backward (and the loop) give the checkpointed block no gradient.
+    torch.manual_seed(0)
+    model = _Reentrant().to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's: no input requires grad
+        ref = loop_reference(model, loss_fn, x, y)
+        got = tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+        norms = tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+    assert ref["a.weight"].abs().max() == 0
+    assert_matches(got, ref)
+    torch.testing.assert_close(norms, torch.stack(
+        [torch.cat([g[i].flatten() for g in ref.values()]).norm() for i in range(5)]))

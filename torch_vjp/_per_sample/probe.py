@@ -89,6 +89,9 @@ def forget_plans(model: nn.Module | None = None) -> None:
 
 _SETTING_TYPES = (bool, int, float, str, tuple, type(None))
 
+#: What torch says where a reentrant checkpoint meets ``torch.autograd.grad``.
+_REENTRANT = "use_reentrant=True"
+
 # NOTE [gradient hooks on a parameter]
 # A hook registered on a parameter (``p.register_hook(fn)``) acts on the gradient that
 # reaches the parameter: in a per-example loop, on each example's gradient. The rules and
@@ -375,11 +378,20 @@ def _grad_probe(
     plan.wanted = dict(rec.wanted)
     total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
     calls = rec.calls
-    if batch == 1:
-        dims: list[tuple[int | None, str]] = [(None, "") for _ in calls]
-    else:
-        dims, plan.mixing = call_dims(job, out, out_dims, rec, full, small)
-    outside = walk(total, calls, [d is not None or batch == 1 for d, _ in dims], tracked)
+    try:
+        if batch == 1:
+            dims: list[tuple[int | None, str]] = [(None, "") for _ in calls]
+        else:
+            dims, plan.mixing = call_dims(job, out, out_dims, rec, full, small)
+        outside = walk(total, calls, [d is not None or batch == 1 for d, _ in dims], tracked)
+    except RuntimeError as err:
+        if not (grad_inputs and _REENTRANT in str(err)):
+            raise
+        # torch.utils.checkpoint(use_reentrant=True) refuses autograd.grad with inputs=; it
+        # met them because the inputs were made to require grad (a block whose input does
+        # not require grad gives its parameters no gradient, in backward as in the loop)
+        return _grad_probe(job, tracked, out_dims, full, small, expand=expand,
+                           grad_inputs=False)
     uses: dict[str, list[tuple[Call, int | None, str]]] = {}
     for c, (d, why) in zip(calls, dims):
         valid = batch == 1 or d is not None
