@@ -1205,3 +1205,22 @@ def test_a_reentrant_checkpoint_is_planned_as_backward_sees_it(strategy):
     assert_matches(got, ref)
     torch.testing.assert_close(norms, torch.stack(
         [torch.cat([g[i].flatten() for g in ref.values()]).norm() for i in range(5)]))
+
+
+@pytest.mark.parametrize("wrap", ["parametrization", "weight_norm"])
+def test_hooks_on_a_layer_whose_weight_is_computed_says_so(wrap):
+    # the message said "its module '0' is a Linear, which has no per-layer rule" (it has one)
+    from torch.nn.utils import parametrizations, weight_norm
+
+    layer = nn.Linear(4, 3).to(DT)
+    layer = parametrizations.weight_norm(layer) if wrap == "parametrization" else weight_norm(layer)
+    model = nn.Sequential(layer)
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch's, on the old weight_norm)
+        with pytest.raises(tv.StrategyError, match=r"module '0' is a (Parametrized)?Linear, "
+                                                   r"which has a rule, but the layer is called "
+                                                   r"with a weight computed from its parameters"):
+            tv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+        assert_matches(tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y),
+                       loop_reference(model, nn.CrossEntropyLoss(), x, y))

@@ -28,7 +28,7 @@ from torch_vjp._per_sample.plan import (
     seeded_forward,
 )
 from torch_vjp._per_sample.recorder import Recorder
-from torch_vjp._per_sample.registry import Call, declining_rule
+from torch_vjp._per_sample.registry import Call, declining_rule, rule_for
 
 __all__ = ["input_entries", "plan_for", "plan_key", "forget_plans", "build_plan"]
 
@@ -434,11 +434,29 @@ def _same_output(a: Any, b: Any) -> bool:
     return True
 
 
+_COMPUTED = ("the layer is called with a weight computed from its parameters (a "
+             "parametrization, or weight_norm's pre-hook), and the rule gives per-sample "
+             "gradients for the tensors a layer is called with, not for what they are "
+             "computed from")
+
+
 def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
+    path = name.rpartition(".")[0]
+    # (a parametrized tensor lives in '<layer>.parametrizations.<name>': the layer owns it)
+    dotted = "." + path
+    owner_path = dotted.partition(".parametrizations")[0][1:] if (
+        ".parametrizations" in dotted) else path
+    try:
+        owner = model.get_submodule(owner_path)
+    except AttributeError:
+        owner = None
+    if owner is not None and rule_for(owner) is not None and (
+            owner_path != path or not isinstance(getattr(owner, "weight", None), nn.Parameter)):
+        where = f"module '{owner_path}'" if owner_path else "the model itself"
+        return f"{where} is a {type(owner).__name__}, which has a rule, but {_COMPUTED}"
     if used:
         return ("it is used outside the layers that have rules (directly in a forward, or "
                 "by a layer without one)")
-    path = name.rpartition(".")[0]
     try:
         m = model.get_submodule(path)
     except AttributeError:
