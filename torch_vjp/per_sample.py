@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch_vjp._engine.compiled import check_compile, tracing
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
-from torch_vjp._per_sample.args import check_max_norm
+from torch_vjp._per_sample.args import check_max_norm, check_trainable
 from torch_vjp._per_sample.compiled import compilable, run_compiled
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.plan import Plan
@@ -40,7 +40,6 @@ from torch_vjp._per_sample.registry import register_user_rule
 from torch_vjp._per_sample.run import (
     BuffersKept,
     add_to_grads,
-    check_trainable,
     checked,
     grads,
     norms_and_sums,

@@ -18,6 +18,7 @@ from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValue
 
 __all__ = [
     "check_model",
+    "check_trainable",
     "as_inputs",
     "check_targets",
     "check_max_norm",
@@ -272,3 +273,26 @@ class Job:
     strategy: str
     reset: Callable[[], None] | None = None
     ddp: Any = None
+
+
+def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
+    """Refuses a selected parameter that does not require grad where ``.grad`` is written."""
+    if params is None:
+        return
+    named = dict(model.named_parameters(remove_duplicate=False))
+    names = [params] if isinstance(params, str) else params
+    try:
+        names = list(names)
+    except TypeError:
+        return  # select() reports it
+    for n in names:
+        t = named.get(n) if isinstance(n, str) else None
+        if t is not None and not t.requires_grad:
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: params names {n!r}, which does not require grad. This call "
+                f"adds the clipped gradients to .grad, as backward does, and backward never "
+                f"gives a tensor that does not require grad a .grad (an optimizer would then "
+                f"move a frozen parameter).\n  Fix: leave {n!r} out of params, or set its "
+                f"requires_grad to True if it is meant to train; per_sample_grad_norms and "
+                f"per_sample_grads accept it."
+            )

@@ -20,7 +20,6 @@ from torch_vjp._engine.context import Watched, grad_enabled
 from torch_vjp._engine.memory import new_buffer
 from torch_vjp._errors import (
     PerSampleError,
-    PerSampleValueError,
     StrategyError,
     TorchVJPError,
     quote_error,
@@ -61,7 +60,6 @@ __all__ = [
     "verify",
     "checked",
     "add_to_grads",
-    "check_trainable",
     "clip_factors",
     "param_sums",
 ]
@@ -485,29 +483,6 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
             # optimizer step in backward, gradient logging): so does this call
             for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
                 hook(p)
-
-
-def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
-    """Refuses a selected parameter that does not require grad where ``.grad`` is written."""
-    if params is None:
-        return
-    named = dict(model.named_parameters(remove_duplicate=False))
-    names = [params] if isinstance(params, str) else params
-    try:
-        names = list(names)
-    except TypeError:
-        return  # select() reports it
-    for n in names:
-        t = named.get(n) if isinstance(n, str) else None
-        if t is not None and not t.requires_grad:
-            raise PerSampleValueError(
-                f"torch_vjp.{fn}: params names {n!r}, which does not require grad. This call "
-                f"adds the clipped gradients to .grad, as backward does, and backward never "
-                f"gives a tensor that does not require grad a .grad (an optimizer would then "
-                f"move a frozen parameter).\n  Fix: leave {n!r} out of params, or set its "
-                f"requires_grad to True if it is meant to train; per_sample_grad_norms and "
-                f"per_sample_grads accept it."
-            )
 
 
 # --------------------------------------------------------------------------------------------
