@@ -756,3 +756,36 @@ def test_engine_threads_are_checked_while_a_checked_pass_is_in_flight():
             python_thread.join(10)
     assert seen == {"idle": False, "checked block, no pass in flight": False,
                     "in flight": True, "python": False}
+
+
+class _BackwardFails(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("the user's own backward failed: singular matrix")
+
+
+def test_the_users_own_error_from_backward_passes_through_a_rejected_pullback_call():
+    # the check objects to a cotangent torch ignores (an output that does not depend on x),
+    # so torch's pullback runs to judge; the user's backward then raised, and checked mode
+    # replaced that error with a GradOutputsError about the ignored cotangent
+    def f(t):
+        return _BackwardFails.apply(t), torch.ones(2)
+
+    x = torch.randn(3)
+    cotangents = (torch.ones(3), torch.ones(5))
+    with pytest.raises(RuntimeError, match="the user's own backward failed") as plain:
+        torch.func.vjp(f, x)[1](cotangents)
+    with tv.checked():
+        with pytest.raises(RuntimeError, match="the user's own backward failed") as checked:
+            torch.func.vjp(f, x)[1](cotangents)
+    assert type(checked.value) is type(plain.value) is RuntimeError

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import sys
 import threading
 import warnings
@@ -80,6 +81,23 @@ _BUILTIN_CLASSES: tuple[tuple[type[BaseException], type[GradOutputsError]], ...]
 )
 
 
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.partition(".")[0]])
+)
+
+
+def _raised_in_user_code(err: BaseException) -> bool:
+    """Whether ``err`` was raised in a Python frame outside torch and torch_vjp: the user's
+    own code (a custom Function's backward, a hook) that torch's function ran. torch's own
+    validation raises from its C++ code, whose innermost Python frame is torch's."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
+
+
 def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any], *,
                same_problem: Callable[[BaseException, GradOutputsError], bool] | None = None
                ) -> Any:
@@ -100,6 +118,8 @@ def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], An
         else:  # not torch's validation: the user's own code raised; pass it through
             raise
         if same_problem is not None and not same_problem(torch_err, err):
+            raise
+        if _raised_in_user_code(torch_err):  # (a custom backward's own RuntimeError, say)
             raise
         cls = type(err) if isinstance(err, builtin) else ours
         sentence = getattr(err, "torch_sentence", None) or str(torch_err)
