@@ -693,3 +693,51 @@ def test_infinite_mask_that_is_not_differentiated_is_accepted():
     report = check_function(lambda x, m: RowSoftmax.apply(x + m), _x(2, 4, requires_grad=True),
                             mask)
     assert report.inputs[0].max_error < 1e-6 and not report.inputs[1].requires_grad
+
+
+class _OuterOutputShaped(torch.autograd.Function):
+    """y = outer(x, x); backward returns grad_output * x, of the output's shape."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.outer(x, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x
+
+
+class _MulSumJacobianShaped(torch.autograd.Function):
+    """(x * y).sum(-1) with x (3,), y (4, 3): the broadcast copy's gradient, (4, 3)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return (x * y).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g[:, None] * y, g[:, None] * x
+
+
+def test_a_gradient_of_the_outputs_shape_is_named_so_not_a_per_example_jacobian():
+    # the hint read (3, 3) for a (3,) input as "one Jacobian per example" of a batch of 3
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(_OuterOutputShaped, torch.randn(3, dtype=torch.float64))
+    text = str(info.value)
+    assert "(3, 3) is the shape of the output (and of grad_output)" in text
+    assert "per example" not in text
+
+
+def test_a_jacobian_shaped_gradient_hint_also_names_the_broadcast_reading():
+    # (4, 3) is both out + in and a broadcast copy of x: the Jacobian fix alone was wrong here
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(_MulSumJacobianShaped, torch.randn(3, dtype=torch.float64),
+                          torch.randn(4, 3, dtype=torch.float64))
+    text = str(info.value)
+    assert "the shape of the Jacobian d(the output)/d(input 0)" in text
+    assert "gradient of input 0 broadcast to (4, 3) in forward" in text
+    assert "return grad.sum(0)" in text

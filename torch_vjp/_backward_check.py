@@ -333,6 +333,11 @@ def shape_message(call: str, fname: str, i: int, g: tuple[int, ...], s: tuple[in
     return "\n".join(lines)
 
 
+def _lead_dims(n: int) -> str:
+    """The ``dim`` argument of a sum over ``n`` leading dimensions."""
+    return "0" if n == 1 else f"dim={tuple(range(n))}"
+
+
 def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
                 out_shapes: list[tuple[int, ...] | None]) -> str:
     outs = [(k, o) for k, o in enumerate(out_shapes) if o is not None]
@@ -347,7 +352,10 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
                 f"returns its product with that Jacobian. Fix: return "
                 f"torch.tensordot(grad_output, J, dims={len(o)}) (shape {shape_str(s)}), or "
                 f"better, compute that product directly without building J: not storing "
-                f"Jacobians is why backward works this way."
+                f"Jacobians is why backward works this way. (If it is instead the gradient "
+                f"of input {i} broadcast to {shape_str(g)} in forward, as in (x * y).sum(-1), "
+                f"its sum over the leading dimensions is input {i}'s gradient: return "
+                f"grad.sum({_lead_dims(len(o))}).)"
             )
         if g == s + o:
             return (
@@ -356,6 +364,15 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
                 f"backward returns its product with grad_output = dL/d({out_name}), not the "
                 f"Jacobian. Fix: return torch.tensordot(J, grad_output, dims={len(o)}) "
                 f"(shape {shape_str(s)}), or compute the product without building J."
+            )
+    for k, o in outs:
+        if g == o and o != s:
+            out_name = "the output" if single else f"output {k}"
+            return (
+                f"{shape_str(g)} is the shape of {out_name} (and of grad_output): backward "
+                f"takes gradients with respect to forward's outputs and returns gradients with "
+                f"respect to its inputs. Fix: multiply grad_output by the Jacobian d("
+                f"{out_name})/d(input {i}), which gives a tensor of shape {shape_str(s)}."
             )
     for k, o in outs:
         out_name = "the output" if single else f"output {k}"
@@ -372,15 +389,6 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
                     f"torch.vmap(lambda g, j: torch.tensordot({order}, dims=g.dim()))"
                     f"(grad_output, J), or compute that product without building J."
                 )
-    for k, o in outs:
-        if g == o and o != s:
-            out_name = "the output" if single else f"output {k}"
-            return (
-                f"{shape_str(g)} is the shape of {out_name} (and of grad_output): backward "
-                f"takes gradients with respect to forward's outputs and returns gradients with "
-                f"respect to its inputs. Fix: multiply grad_output by the Jacobian d("
-                f"{out_name})/d(input {i}), which gives a tensor of shape {shape_str(s)}."
-            )
     if len(g) > len(s) and g[len(g) - len(s):] == s:
         lead = g[: len(g) - len(s)]
         dims = "0" if len(lead) == 1 else f"dim={tuple(range(len(lead)))}"
