@@ -978,3 +978,28 @@ def test_a_lazy_module_not_yet_run_is_refused_with_the_fix(fn):
         model(x)  # the fix
     got = per_sample_grads(model, nn.CrossEntropyLoss(), x, t)
     assert got["0.weight"].shape == (5, 6, 4)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_tied_parameters_names_each_get_a_tensor_of_their_own(compile):
+    # an embedding tied to the output head: both names held one tensor, so clipping each
+    # entry in place in a loop scaled the tied one twice
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.head = nn.Linear(4, 7, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x).mean(1))
+
+    torch.manual_seed(0)
+    model = Tied().to(DT)
+    x, t = _ints(7, 5, 3), _ints(7, 5)
+    got = per_sample_grads(model, nn.CrossEntropyLoss(), x, t,
+                           params=["emb.weight", "head.weight"], compile=compile)
+    a, b = got["emb.weight"], got["head.weight"]
+    torch.testing.assert_close(a, b)
+    a.mul_(0.5)
+    torch.testing.assert_close(b, 2 * a)  # the other name's tensor is untouched

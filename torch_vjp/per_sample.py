@@ -137,9 +137,9 @@ def per_sample_grads(
     chunk = check_chunk_size(chunk_size, call=f"torch_vjp.{fn}", what="examples",
                              cls=PerSampleValueError)
     if do_compile and compilable(job) and not tracing():
-        return run_compiled("grads", job, chunk, None, lambda: per_sample_grads(
+        return _own_tensors(run_compiled("grads", job, chunk, None, lambda: per_sample_grads(
             model, loss_fn, inputs, targets, params=params, strategy=strategy,
-            chunk_size=chunk_size))
+            chunk_size=chunk_size)))
     sel = job.sel
     if job.batch == 0:
         return {n: sel.tensors[sel.key_of[n]].new_zeros((0, *sel.tensors[sel.key_of[n]].shape))
@@ -155,7 +155,20 @@ def per_sample_grads(
             sq = {n: sq_norms_rows(g) for n, g in results.items()}
             if not verify(job, plan, sq, one_run):
                 break
-    return {n: results[sel.key_of[n]] for n in sel.names}
+    return _own_tensors({n: results[sel.key_of[n]] for n in sel.names})
+
+
+def _own_tensors(grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Each name's result in memory of its own: names of one tied parameter (an embedding
+    and the output head that shares it) would otherwise hold one tensor, and an in-place
+    change through one name (clipping each entry in a loop) would change the other."""
+    seen: set[object] = set()
+    out = {}
+    for n, g in grads.items():
+        where = (g.data_ptr(), tuple(g.shape), g.stride(), g.dtype) if g.numel() else id(g)
+        out[n] = g.clone() if where in seen else g
+        seen.add(where)
+    return out
 
 
 def per_sample_grad_norms(
