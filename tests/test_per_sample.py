@@ -308,16 +308,20 @@ def test_cross_attention_variants(kw):
     _check(model, nn.CrossEntropyLoss(), (_randn(3, 4, 8), _randn(3, 6, kdim)), _ints(2, 3))
 
 
-def test_tied_embedding_and_head():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(7, 4)
-            self.head = nn.Linear(4, 7, bias=False)
-            self.head.weight = self.emb.weight
+class Tied(nn.Module):
+    """An embedding tied to the output head (GPT-2's token embedding and LM head)."""
 
-        def forward(self, x):
-            return self.head(torch.tanh(self.emb(x)).mean(1))
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x)).mean(1))
+
+
+def test_tied_embedding_and_head():
 
     model = Tied().to(DT)
     _check(model, nn.CrossEntropyLoss(), _ints(7, 4, 3), _ints(7, 4), ("hooks", "auto"))
@@ -984,16 +988,6 @@ def test_a_lazy_module_not_yet_run_is_refused_with_the_fix(fn):
 def test_tied_parameters_names_each_get_a_tensor_of_their_own(compile):
     # an embedding tied to the output head: both names held one tensor, so clipping each
     # entry in place in a loop scaled the tied one twice
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(7, 4)
-            self.head = nn.Linear(4, 7, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, x):
-            return self.head(self.emb(x).mean(1))
-
     torch.manual_seed(0)
     model = Tied().to(DT)
     x, t = _ints(7, 5, 3), _ints(7, 5)
