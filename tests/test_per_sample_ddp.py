@@ -167,6 +167,7 @@ def _hooks_worker(rank, world, init_file):
             torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
                                        msg=name)
     finally:
+        ddp = None  # (its reducer holds the group: freed after the group, gloo's teardown hung)
         dist.destroy_process_group()
 
 
