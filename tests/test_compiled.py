@@ -588,3 +588,18 @@ def test_inside_users_torch_compile_a_bad_argnums_is_the_eager_error(argnums):
         run(x, y)  # eager
     with pytest.raises(tv.JacobianCallError, match=r"argnums="):
         torch.compile(run)(x, y)
+
+
+def test_auto_compiles_reverse_mode_where_forward_mode_has_no_formula():
+    # compiled 'auto' prefers forward mode for square and tall Jacobians: torch.cdist has no
+    # forward-mode formula, and the program failed to compile (eager, with a warning) where
+    # reverse mode compiles
+    def f(u):
+        return torch.cdist(u.view(3, 2), u.view(3, 2) + 1).flatten()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(3):
+            u = torch.randn(6, dtype=D)
+            torch.testing.assert_close(tv.jacobian(f, u, compile=True), torch.func.jacrev(f)(u))
+    assert _frames() == 1

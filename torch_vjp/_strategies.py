@@ -32,7 +32,10 @@ becomes index arithmetic on every element of the Jacobian. :func:`choose_compile
 picks ``"fwd"`` when ``n_out >= n_in``: on the suite's square Jacobians, compiled forward
 mode took 0.36x (laplace 64 x 64), 0.47x (pde 4096), 0.81x (elementwise 4096) and 0.85x
 (two inputs) of compiled reverse mode's time, and 1.02-1.06x on the square MLPs (2
-threads, one run, ``torch.utils.benchmark.Timer``).
+threads, one run, ``torch.utils.benchmark.Timer``). Where forward mode has no formula for an
+operation of ``f`` (``torch.cdist``), ``compile=True`` finds it with one forward-mode product
+when the entry is built and compiles reverse mode; inside the user's own ``torch.compile``
+there is no such probe: pass ``strategy="rev"`` there.
 """
 
 from __future__ import annotations

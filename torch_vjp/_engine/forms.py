@@ -30,11 +30,12 @@ from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torch_vjp._engine.problem import normalize_argnums
+from torch_vjp._engine.rows import passes_through
 from torch_vjp._strategies import choose_compiled_mode, choose_mode
 
 __all__ = [
     "auto_mode", "batch_mode", "plain_jacobian", "plain_batch_jacobian", "plain_hessian",
-    "plain_jvp", "plain_vjp", "pointwise_basis", "output_of",
+    "plain_jvp", "plain_vjp", "pointwise_basis", "output_of", "forward_mode_runs",
 ]
 
 
@@ -60,6 +61,35 @@ def auto_mode(
     nums = (argnums,) if isinstance(argnums, int) else argnums
     n_in = sum(_numel(primals[i]) for i in nums)
     return choose_compiled_mode(n_in, _numel(output_of(f, primals, has_aux)))
+
+
+def forward_mode_runs(
+    f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
+    has_aux: bool,
+) -> bool:
+    """Whether one forward-mode product of ``f`` runs (on copies of ``primals``): ``"auto"``
+    compiles reverse mode instead where an operation has no forward-mode formula, as the
+    eager ``"auto"`` falls back to it (NOTE [auto fallback] in
+    :mod:`torch_vjp._engine.jacobian`). Run after the eager call, which ran ``f`` itself."""
+    args = tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, primals)
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    nums = tuple(i % len(args) for i in nums)
+
+    def g(*xs: Any) -> Any:
+        full = list(args)
+        for i, v in zip(nums, xs):
+            full[i] = v
+        res = f(*full)
+        return res[0] if has_aux else res
+
+    diff = tuple(args[i] for i in nums)
+    try:
+        jvp(g, diff, tree_map(torch.ones_like, diff))
+    except Exception as err:  # noqa: BLE001 - forward mode refused (the eager call ran f)
+        if passes_through(err):
+            raise
+        return False
+    return True
 
 
 def plain_jacobian(
