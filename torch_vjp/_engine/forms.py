@@ -11,8 +11,9 @@ NOTE [a basis inductor fuses]
 A Jacobian's products run on the standard basis. torch.func builds it by zero-filling an
 N x N buffer and writing its diagonal, which inductor keeps as a buffer of its own: every
 compiled call writes N x N numbers and reads them back, beside the Jacobian it writes.
-:func:`pointwise_basis` writes the same basis as a comparison of two ranges, a pointwise
-expression that inductor computes inside the kernel that reads it, so the compiled program
+:func:`~torch_vjp._engine.rows.basis_rows`, while dynamo traces it, writes the same basis as
+a comparison of two ranges, a pointwise expression that inductor computes inside the kernel
+that reads it (eagerly it zero-fills and writes the diagonal), so the compiled program
 allocates and writes only the Jacobian (4096 x 4096 elementwise: one 64 MB buffer, not
 two). :func:`plain_jacobian` is torch.func's ``jacrev``/``jacfwd`` on that basis, with their
 result structure.
@@ -30,12 +31,12 @@ from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torch_vjp._engine.problem import normalize_argnums
-from torch_vjp._engine.rows import passes_through
+from torch_vjp._engine.rows import basis_rows, passes_through
 from torch_vjp._strategies import choose_compiled_mode, choose_mode
 
 __all__ = [
     "auto_mode", "batch_mode", "plain_jacobian", "plain_batch_jacobian", "plain_hessian",
-    "plain_jvp", "plain_vjp", "pointwise_basis", "output_of", "forward_mode_runs",
+    "plain_jvp", "plain_vjp", "output_of", "forward_mode_runs",
 ]
 
 
@@ -43,10 +44,21 @@ def _numel(tree: Any) -> int:
     return sum(t.numel() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
 
 
+def _basis(leaves: list[Tensor]) -> tuple[Tensor, ...]:
+    """All rows of the standard basis over ``leaves`` together: ``(N, *leaf.shape)`` each."""
+    return basis_rows([x.shape for x in leaves], [x.dtype for x in leaves],
+                      [x.device for x in leaves])(0, sum(x.numel() for x in leaves))
+
+
+def _copies(args: Any) -> Any:
+    """Detached copies of the tensors in ``args``, for calls of ``f`` the caller never sees."""
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, args)
+
+
 def output_of(f: Callable[..., Any], args: tuple[Any, ...], has_aux: bool) -> Any:
     """``f``'s output (without aux), from a call on copies of the tensors in ``args``, so
     that a function that changes its arguments in place leaves the caller's as they are."""
-    args = tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, args)
+    args = _copies(args)
     with torch.no_grad():
         res = f(*args)
     return res[0] if has_aux else res
@@ -71,7 +83,7 @@ def forward_mode_runs(
     compiles reverse mode instead where an operation has no forward-mode formula, as the
     eager ``"auto"`` falls back to it (NOTE [auto fallback] in
     :mod:`torch_vjp._engine.jacobian`). Run after the eager call, which ran ``f`` itself."""
-    args = tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, primals)
+    args = _copies(primals)
     nums = (argnums,) if isinstance(argnums, int) else argnums
     nums = tuple(i % len(args) for i in nums)
 
@@ -98,7 +110,8 @@ def plain_jacobian(
     call: str = "torch_vjp.jacobian",
 ) -> Any:
     """``jacrev`` or ``jacfwd`` of ``f`` at ``primals`` (``mode=None``: by size), in their
-    result structure, on the basis of :func:`pointwise_basis` (NOTE [a basis inductor fuses]).
+    result structure, on :func:`~torch_vjp._engine.rows.basis_rows`' basis (NOTE [a basis inductor
+    fuses]).
 
     ``argnums`` is checked as the eager path checks it (a JacobianCallError naming ``call``).
     ``out``: where the Jacobian is one tensor (one output, one differentiated tensor), a
@@ -125,7 +138,7 @@ def plain_jacobian(
         def pull(*b: Tensor) -> Any:
             return res[1](tree_unflatten(list(b), out_spec))
 
-        rows = vmap(pull, chunk_size=chunk_size)(*pointwise_basis(outs))
+        rows = vmap(pull, chunk_size=chunk_size)(*_basis(outs))
         blocks, off = [], 0
         for o in outs:
             blocks.append([r[off:off + o.numel()].reshape(*o.shape, *r.shape[1:]) for r in rows])
@@ -139,7 +152,7 @@ def plain_jacobian(
             res = jvp(g, tuple(leaves), b, has_aux=has_aux)
             return (res[1], res[2]) if has_aux else res[1]
 
-        res = vmap(push, chunk_size=chunk_size)(*pointwise_basis(leaves))
+        res = vmap(push, chunk_size=chunk_size)(*_basis(leaves))
         cols, out_spec = tree_flatten(res[0] if has_aux else res)
         blocks = []
         for c in cols:
@@ -158,25 +171,6 @@ def plain_jacobian(
         per_output = [t[0] for t in per_output]
     jac = tree_unflatten(per_output, out_spec)
     return (jac, aux) if has_aux else jac
-
-
-def pointwise_basis(leaves: list[Tensor]) -> list[Tensor]:
-    """The standard basis over ``leaves`` taken together, one tensor per leaf: ``(N,
-    *leaf.shape)`` in the leaf's dtype and device, N being all their elements; row ``j`` is
-    one at element ``j`` of their concatenation. See NOTE [a basis inductor fuses].
-
-    Example:
-        >>> [b.tolist() for b in pointwise_basis([torch.zeros(1), torch.zeros(2)])]
-        [[[1.0], [0.0], [0.0]], [[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]]
-    """
-    total = sum(x.numel() for x in leaves)
-    basis, off = [], 0
-    for x in leaves:
-        rows = torch.arange(total, device=x.device)
-        cols = torch.arange(off, off + x.numel(), device=x.device)
-        basis.append((rows[:, None] == cols[None, :]).to(x.dtype).reshape(total, *x.shape))
-        off += x.numel()
-    return basis
 
 
 def batch_mode(f: Callable[[Tensor], Any], x: Tensor) -> str:
@@ -201,7 +195,7 @@ def plain_batch_jacobian(
                              chunk_size)
         return tree_map(lambda j: j.movedim(j.dim() - x.dim(), 0), jac)
     batch = x.shape[0]
-    basis = pointwise_basis([x.new_empty(row)])[0].unsqueeze(1).expand(n_in, batch, *row)
+    basis = basis_rows([torch.Size(row)], [x.dtype], [x.device], batch)(0, n_in)[0]
 
     def push(t: Tensor) -> Any:
         return jvp(f, (x,), (t,))[1]

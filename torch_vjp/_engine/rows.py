@@ -95,10 +95,14 @@ def basis_rows(
         c = stop - start
         out = []
         for shape, numel, off, dtype, device in zip(shapes, numels, offsets, dtypes, devices):
-            z = torch.zeros((c, numel), dtype=dtype, device=device)
-            if start < off + numel and off < stop:
-                # element (k, j) is 1 where start + k == off + j
-                z.diagonal(start - off).fill_(1)
+            if torch.compiler.is_compiling():  # NOTE [a basis inductor fuses]
+                z = (torch.arange(start, stop, device=device)[:, None]
+                     == torch.arange(off, off + numel, device=device)[None, :]).to(dtype)
+            else:
+                z = torch.zeros((c, numel), dtype=dtype, device=device)
+                if start < off + numel and off < stop:
+                    # element (k, j) is 1 where start + k == off + j
+                    z.diagonal(start - off).fill_(1)
             z = z.view(c, *shape)
             if batch is not None:
                 z = z.unsqueeze(1).expand(c, batch, *shape)
