@@ -450,8 +450,9 @@ def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
         owner = model.get_submodule(owner_path)
     except AttributeError:
         owner = None
-    if owner is not None and rule_for(owner) is not None and (
-            owner_path != path or not isinstance(getattr(owner, "weight", None), nn.Parameter)):
+    weight = getattr(owner, "weight", None)
+    computed = isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter)
+    if owner is not None and rule_for(owner) is not None and (owner_path != path or computed):
         where = f"module '{owner_path}'" if owner_path else "the model itself"
         return f"{where} is a {type(owner).__name__}, which has a rule, but {_COMPUTED}"
     if used:
