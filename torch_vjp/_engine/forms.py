@@ -82,7 +82,15 @@ def forward_mode_runs(
     """Whether one forward-mode product of ``f`` runs (on copies of ``primals``): ``"auto"``
     compiles reverse mode instead where an operation has no forward-mode formula, as the
     eager ``"auto"`` falls back to it (NOTE [auto fallback] in
-    :mod:`torch_vjp._engine.jacobian`). Run after the eager call, which ran ``f`` itself."""
+    :mod:`torch_vjp._engine.jacobian`). Run after the eager call, which ran ``f`` itself.
+
+    Example:
+        >>> forward_mode_runs(torch.sin, (torch.zeros(2),), 0, False)
+        True
+        >>> forward_mode_runs(lambda u: torch.cdist(u[None], u[None] + 1), (torch.ones(2),),
+        ...                   0, False)
+        False
+    """
     args = _copies(primals)
     nums = (argnums,) if isinstance(argnums, int) else argnums
     nums = tuple(i % len(args) for i in nums)
