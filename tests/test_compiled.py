@@ -603,3 +603,30 @@ def test_auto_compiles_reverse_mode_where_forward_mode_has_no_formula():
             u = torch.randn(6, dtype=D)
             torch.testing.assert_close(tv.jacobian(f, u, compile=True), torch.func.jacrev(f)(u))
     assert _frames() == 1
+
+
+def test_auto_compiles_reverse_mode_where_forward_mode_is_wrong():
+    # torch.triangular_solve's forward-mode formula for the matrix is wrong: the compiled
+    # 'auto' (forward mode for this tall Jacobian) checks one forward product against one
+    # reverse product before it compiles (NOTE [forward mode, checked once])
+    B = torch.linspace(-1.0, 1.0, 160, dtype=D).reshape(2, 80)
+
+    def f(A):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # triangular_solve is deprecated
+            return torch.triangular_solve(B.expand(*A.shape[:-2], 2, 80), A)[0]
+
+    def point(*batch):
+        return torch.randn(*batch, 2, 2, dtype=D).triu() + 3 * torch.eye(2, dtype=D)
+
+    A = point()
+    assert (torch.func.jacfwd(f)(A) - torch.func.jacrev(f)(A)).abs().max() > 0.05
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # (the eager first call's)
+        for _ in range(3):
+            A = point()
+            torch.testing.assert_close(tv.jacobian(f, A, compile=True, strategy="auto"),
+                                       torch.func.jacrev(f)(A))
+            Ab = point(3)
+            torch.testing.assert_close(tv.batch_jacobian(f, Ab, compile=True),
+                                       torch.vmap(torch.func.jacrev(f))(Ab))

@@ -247,6 +247,118 @@ def test_symmetric_hessians_are_returned_as_computed(monkeypatch):
     assert modes == ["fwd"]
 
 
+# --------------------------------------------------------------------------------------
+# Forward mode under "auto", checked once against a reverse product (NOTE [forward mode,
+# checked once])
+# --------------------------------------------------------------------------------------
+
+
+def _solve_wide(A):
+    """Tall Jacobian (300 outputs, 9 inputs): "auto" picks forward mode, whose formula for
+    torch.triangular_solve's matrix argument is wrong in torch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.triangular_solve is deprecated
+        return torch.triangular_solve(_WIDE.expand(*A.shape[:-2], 3, 100), A)[0]
+
+
+_WIDE = torch.linspace(-1.0, 1.0, 300, dtype=D).reshape(3, 100)
+
+
+@pytest.fixture
+def forward_checks_forgotten():
+    from torch_vjp._engine import fwdcheck
+
+    fwdcheck.FORWARD_CHECKED.clear()
+    yield fwdcheck.FORWARD_CHECKED
+    fwdcheck.FORWARD_CHECKED.clear()
+
+
+_FWD_WRONG = (r"forward mode \(strategy='auto' chooses it for a Jacobian with more output "
+              r"than input elements\) and reverse mode disagree on the Jacobian of _solve_wide "
+              r"\(by up to .*, at a scale of .*\): an operator in f has a wrong forward-mode "
+              r"derivative \(torch.triangular_solve is one\). strategy='auto' returned the "
+              r"reverse-mode Jacobian, and uses reverse mode for this function and input "
+              r"shapes from now on.\n  Pass strategy='rev'")
+
+
+def test_auto_jacobian_checks_forward_mode_against_reverse_mode(forward_checks_forgotten):
+    A = _triangular_point()[1]
+    ref = torch.func.jacrev(_solve_wide)(A)
+    assert (torch.func.jacfwd(_solve_wide)(A) - ref).abs().max() > 0.1  # torch's is wrong
+    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.jacobian: " + _FWD_WRONG):
+        J = tv.jacobian(_solve_wide, A)
+    torch.testing.assert_close(J, ref)
+    torch.testing.assert_close(J, fd_jacobian(_solve_wide, A))
+    assert list(forward_checks_forgotten.values()) == ["rev"]
+    with no_jacobian_warnings():  # later calls go to reverse mode directly
+        torch.testing.assert_close(tv.jacobian(_solve_wide, A), ref)
+        # an explicit strategy is not checked: forward mode as asked
+        assert (tv.jacobian(_solve_wide, A, strategy="fwd") - ref).abs().max() > 0.1
+
+
+def test_auto_batch_and_sparse_jacobians_check_forward_mode(forward_checks_forgotten):
+    A = torch.stack([_triangular_point()[1] for _ in range(4)])
+    ref = torch.vmap(torch.func.jacrev(_solve_wide))(A)
+
+    def rows(A):  # (a function of its own: the warning is shown once per function)
+        return _solve_wide(A)
+
+    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.batch_jacobian: forward mode "
+                      r"(?s:.*) disagree on the Jacobian of .*rows"):
+        torch.testing.assert_close(tv.batch_jacobian(rows, A), ref)
+    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.sparse_jacobian: forward mode "
+                      r"\(mode='auto' chooses it where it needs fewer products\) and reverse "
+                      r"mode disagree on the Jacobian of _solve_wide .*mode='auto' returned "
+                      r"the reverse-mode Jacobian"):
+        S = tv.sparse_jacobian(_solve_wide, A[0], layout=torch.strided)
+    torch.testing.assert_close(S.reshape(3, 100, 3, 3), ref[0])
+    with no_jacobian_warnings():
+        S = tv.sparse_jacobian(_solve_wide, A[0], layout=torch.strided)
+    torch.testing.assert_close(S.reshape(3, 100, 3, 3), ref[0])
+
+
+def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forgotten):
+    """The common case: forward mode agrees; the check costs one call of f on the first
+    call for a signature, none later, and leaves the global random state alone."""
+    W = torch.randn(200, 4, dtype=D)
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return torch.tanh(W @ x)
+
+    x = torch.randn(4, dtype=D)
+    state = torch.get_rng_state()
+    with no_jacobian_warnings():
+        J = tv.jacobian(f, x)  # (its output sizes are remembered from now on)
+        torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+        assert list(forward_checks_forgotten.values()) == ["fwd"]
+        forward_checks_forgotten.clear()
+        counts = []
+        for _ in range(2):
+            calls.clear()
+            torch.testing.assert_close(tv.jacobian(f, x), J)
+            counts.append(len(calls))
+    assert counts == [2, 1]  # the products and the check; then the products alone
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_auto_forward_mode_check_sees_the_draws_of_a_random_f(forward_checks_forgotten):
+    """A random f (dropout) is one function per call: the check's call of f draws what the
+    products drew, so it agrees, and forward mode stands."""
+    W = torch.randn(200, 4, dtype=D)
+    f = lambda x: F.dropout(torch.tanh(W @ x), 0.5)  # noqa: E731
+    x = torch.randn(4, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        J = tv.jacobian(f, x)
+    assert not [w for w in caught if "disagree" in str(w.message)]
+    assert list(forward_checks_forgotten.values()) == ["fwd"]
+    kept = (J.abs().sum(1) > 0).to(D)  # the rows dropout kept
+    torch.testing.assert_close(J, kept[:, None] * 2 * torch.func.jacrev(
+        lambda x: torch.tanh(W @ x))(x))
+
+
 def test_asymmetry_pairs_blocks_across_inputs():
     """blocks[o * L + k][i] against blocks[o * L + i][k], transposed."""
     x, y = torch.zeros(2), torch.zeros(3)
@@ -262,9 +374,10 @@ def test_asymmetry_pairs_blocks_across_inputs():
 
 
 def test_asymmetry_compares_large_hessians_a_slice_at_a_time(monkeypatch):
-    from torch_vjp._engine import symmetry
+    from torch_vjp._engine import fwdcheck, symmetry
 
     monkeypatch.setattr(symmetry, "PIECE", 16)
+    monkeypatch.setattr(fwdcheck, "PIECE", 16)
     H = torch.randn(3, 10, 10)
     H = H + H.transpose(1, 2)
     assert asymmetry([[H]], [torch.zeros(10)])[0] == 0.0

@@ -36,7 +36,13 @@ from torch_vjp._engine.compiled import (
 )
 from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
-from torch_vjp._engine.forms import batch_mode, plain_batch_jacobian, plain_hessian, plain_jacobian
+from torch_vjp._engine.forms import (
+    batch_mode,
+    forward_mode_agrees,
+    plain_batch_jacobian,
+    plain_hessian,
+    plain_jacobian,
+)
 from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient
 from torch_vjp._engine.jacobian import jacobian_blocks, mutates_captured
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
@@ -117,7 +123,10 @@ def jacobian(
             several (then the result holds one Jacobian per entry).
         strategy: ``"auto"`` (default: ``"rev"`` or ``"fwd"`` by the numbers of output and
             input elements, at the crossover measured by ``benchmarks/crossover.py``; falls
-            back to a loop strategy, warning once, when vmap cannot batch ``f``), ``"rev"``
+            back to a loop strategy, warning once, when vmap cannot batch ``f``; forward mode
+            is checked against one reverse product the first time for each function and
+            input signature, and reverse mode taken where an operator's forward-mode formula
+            is wrong, such as ``torch.triangular_solve``'s), ``"rev"``
             (one VJP per output element under vmap), ``"fwd"`` (one JVP per input element
             under vmap), ``"rev-loop"``, ``"fwd-loop"`` (the same products in a Python loop,
             for functions vmap cannot batch).
@@ -177,7 +186,8 @@ def jacobian(
             raises; the failing rank its own error).
 
     Warns:
-        JacobianWarning: once per function, when ``"auto"`` falls back to a loop; and, in
+        JacobianWarning: once per function, when ``"auto"`` falls back to a loop, or
+            returns reverse mode's Jacobian because forward mode's disagreed with it; and, in
             checked mode (:class:`torch_vjp.checked`), when an output's value depends on an
             input but not through autograd (its block of zeros is not the derivative).
 
@@ -329,6 +339,9 @@ def batch_jacobian(
     if do_compile and not is_nested():
         def build() -> Callable[..., Any]:
             mode = strat.mode or batch_mode(f, x)
+            if strat.mode is None and mode == "fwd" and not forward_mode_agrees(f, (x,), 0,
+                                                                                False):
+                mode = "rev"  # (as compiled jacobian's "auto": no or a wrong formula)
 
             def program(f: Callable[..., Any], x: Tensor) -> Any:
                 with plain_context(context, detached):

@@ -26,7 +26,8 @@ from torch import Tensor
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.jacobian import function_key, no_forward_message
+from torch_vjp._engine.fwdcheck import RandomState, gap, one_reverse_product, tolerance
+from torch_vjp._engine.jacobian import function_key, function_name, no_forward_message
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
                                StrategyError, shape_str, warn_once)
@@ -45,7 +46,7 @@ __all__ = ["jacobian_sparsity", "sparse_jacobian", "clear_cache"]
 SparseMode = Literal["auto", "fwd", "rev"]
 _MODES = {
     "auto": ("the mode with fewer colours (products), reverse mode on a tie or where forward "
-             "mode fails"),
+             "mode fails or is wrong"),
     "fwd": "colour the columns, one JVP per colour",
     "rev": "colour the rows, one VJP per colour",
 }
@@ -129,7 +130,9 @@ def sparse_jacobian(
             ``sparse_csc``, ...), non-zero (True) where the Jacobian may be non-zero. It
             must include every non-zero: an entry it leaves out is not computed, and can
             spoil the entries that share its colour. Its colourings are kept with it.
-        mode: ``"auto"`` (default: the mode that needs fewer products, reverse on a tie),
+        mode: ``"auto"`` (default: the mode that needs fewer products, reverse on a tie;
+            forward mode is checked against one reverse product once per plan, and reverse
+            mode taken where they disagree, as :func:`torch_vjp.jacobian`'s ``"auto"``),
             ``"fwd"`` (colour the columns, one JVP per colour) or ``"rev"`` (colour the
             rows, one VJP per colour).
         layout: of the result: ``torch.sparse_csr`` (default), ``torch.sparse_coo``,
@@ -189,8 +192,12 @@ def sparse_jacobian(
         ):
             pattern_from_user(pattern, n, call=call)  # raises, saying what is wrong
         plan = user_plan(pattern, lambda: pattern_from_user(pattern, n, call=call))
-    coloring, comp, m = _products(prob, plan, mode, chunk, budget)
+    check = mode == "auto" and plan.checked is None and not is_nested()
+    state = RandomState() if check else None
+    coloring, comp, m = _products(prob, plan, "rev" if mode == "auto" and plan.checked == "rev"
+                                  else mode, chunk, budget)
     if m != plan.pattern.m:
+        check = False  # (checked on the next call)
         if plan.user:
             raise JacobianOptionError(
                 f"{call}: pattern has shape {shape_str((plan.pattern.m, n))}, so "
@@ -201,6 +208,8 @@ def sparse_jacobian(
             )
         plan = lookup_plan(prob, lambda: detect(prob), fresh=True)  # f changed: detect again
         coloring, comp, m = _products(prob, plan, mode, chunk, budget)
+    if check and coloring.mode == "fwd" and m == plan.pattern.m:
+        coloring, comp = _checked_forward(prob, plan, coloring, comp, state, chunk, budget)
     index = plan.gather_index(coloring, layout, comp.device)
     values = comp.reshape(-1).index_select(0, index)
     return assemble(values, plan, layout)
@@ -228,6 +237,57 @@ def _products(
         coloring = plan.coloring("rev")
         comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
     return coloring, comp, m
+
+
+def _checked_forward(
+    prob: Problem, plan: Any, coloring: Any, comp: Tensor, state: RandomState,
+    chunk: int | None, budget: int | None,
+) -> tuple[Any, Tensor]:
+    """Forward mode's products if one reverse product agrees with them, or reverse mode's
+    values agree with theirs; else reverse mode's, with the one-time warning the dense
+    ``"auto"`` gives (NOTE [forward mode, checked once] in
+    :mod:`torch_vjp._engine.fwdcheck`)."""
+    got = one_reverse_product(prob, state)
+    if got is None:
+        plan.checked = "fwd"
+        return coloring, comp
+    _, us, grads = got
+    p = plan.pattern
+    device = comp.device
+
+    def values(c: Any, products: Tensor) -> Tensor:  # in the pattern's (row-major) order
+        return products.reshape(-1).index_select(0, plan.gather_index(c, torch.sparse_csr,
+                                                                        device))
+
+    with torch.no_grad():
+        u = torch.cat([t.reshape(-1) for t in us]).to(comp.dtype)
+        g = torch.cat([t.reshape(-1) for t in grads]).to(comp.dtype)
+        fwd = values(coloring, comp)
+        rows, cols = p.rows.to(device), p.cols.to(device)
+        ut_j = torch.zeros_like(g).index_add_(0, cols, u[rows] * fwd)
+        diff, scale = gap(ut_j, g)
+    rtol = tolerance(comp.dtype)
+    if diff <= rtol * scale:
+        plan.checked = "fwd"
+        return coloring, comp
+    rev_coloring, rev, _ = _products(prob, plan, "rev", chunk, budget)
+    with torch.no_grad():
+        worst, top = gap(fwd, values(rev_coloring, rev))
+    if worst <= rtol * top:
+        return coloring, comp  # forward and reverse mode agree: f is not smooth, or random
+    plan.checked = "rev"
+    warn_once(
+        ("sparse-fwd-checked", function_key(prob.f)),
+        f"{prob.call}: forward mode (mode='auto' chooses it where it needs fewer products) "
+        f"and reverse mode disagree on the Jacobian of {function_name(prob.f)} (by up to "
+        f"{worst:.3g}, at a scale of {top:.3g}): an operator in f has a wrong forward-mode "
+        f"derivative (torch.triangular_solve is one). mode='auto' returned the reverse-mode "
+        f"Jacobian, and uses reverse mode for this function and input shapes from now on.\n"
+        f"  Pass mode='rev' to compute it that way directly. This warning is shown once per "
+        f"function.",
+        JacobianWarning,
+    )
+    return rev_coloring, rev
 
 
 def clear_cache(f: Callable[..., Any] | None = None) -> None:

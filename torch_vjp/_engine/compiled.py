@@ -79,9 +79,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        modules_reached)
-from torch_vjp._engine.forms import auto_mode, forward_mode_runs, output_of, plain_jacobian
+from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
-from torch_vjp._engine.symmetry import tolerance
+from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
@@ -538,8 +538,9 @@ def compiled_jacobian(
         mode = get_strategy(strategy, call=call).mode
         if mode is None:
             mode = auto_mode(f, primals, argnums, has_aux)
-            if mode == "fwd" and not forward_mode_runs(f, primals, argnums, has_aux):
-                mode = "rev"  # (an operation without a forward-mode formula: torch.cdist)
+            if mode == "fwd" and not forward_mode_agrees(f, primals, argnums, has_aux):
+                mode = "rev"  # (an operation without a forward-mode formula, torch.cdist,
+                # or with a wrong one, torch.triangular_solve)
         context, detached = graph_mode(create_graph, call=call)
 
         def program(f: Callable[..., Any], *args: Any) -> Any:

@@ -30,13 +30,14 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from torch_vjp._engine.fwdcheck import RandomState, tolerance
 from torch_vjp._engine.problem import normalize_argnums
 from torch_vjp._engine.rows import basis_rows, passes_through
 from torch_vjp._strategies import choose_compiled_mode, choose_mode
 
 __all__ = [
     "auto_mode", "batch_mode", "plain_jacobian", "plain_batch_jacobian", "plain_hessian",
-    "plain_jvp", "plain_vjp", "output_of", "forward_mode_runs",
+    "plain_jvp", "plain_vjp", "output_of", "forward_mode_agrees",
 ]
 
 
@@ -75,20 +76,26 @@ def auto_mode(
     return choose_compiled_mode(n_in, _numel(output_of(f, primals, has_aux)))
 
 
-def forward_mode_runs(
+def forward_mode_agrees(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
     has_aux: bool,
 ) -> bool:
-    """Whether one forward-mode product of ``f`` runs (on copies of ``primals``): ``"auto"``
-    compiles reverse mode instead where an operation has no forward-mode formula, as the
-    eager ``"auto"`` falls back to it (NOTE [auto fallback] in
-    :mod:`torch_vjp._engine.jacobian`). Run after the eager call, which ran ``f`` itself.
+    """Whether one forward-mode product of ``f`` runs (on copies of ``primals``) and agrees
+    with one reverse-mode product (the dot-product test ``<u, J v> == <J^T u, v>`` on random
+    ``u`` and ``v``): ``"auto"`` compiles reverse mode instead where an operation has no
+    forward-mode formula, or a wrong one, as the eager ``"auto"`` turns to it (NOTE [auto
+    fallback] in :mod:`torch_vjp._engine.jacobian`, NOTE [forward mode, checked once] in
+    :mod:`torch_vjp._engine.fwdcheck`). Run after the eager call, which ran ``f`` itself.
 
     Example:
-        >>> forward_mode_runs(torch.sin, (torch.zeros(2),), 0, False)
+        >>> forward_mode_agrees(torch.sin, (torch.zeros(2),), 0, False)
         True
-        >>> forward_mode_runs(lambda u: torch.cdist(u[None], u[None] + 1), (torch.ones(2),),
-        ...                   0, False)
+        >>> forward_mode_agrees(lambda u: torch.cdist(u[None], u[None] + 1), (torch.ones(2),),
+        ...                     0, False)
+        False
+        >>> A = torch.tensor([[2.0, 1.0], [0.0, 3.0]])
+        >>> forward_mode_agrees(lambda a: torch.triangular_solve(torch.ones(2, 3), a)[0],
+        ...                     (A,), 0, False)
         False
     """
     args = _copies(primals)
@@ -103,13 +110,44 @@ def forward_mode_runs(
         return res[0] if has_aux else res
 
     diff = tuple(args[i] for i in nums)
+    if any(t.is_complex() for t in tree_flatten(diff)[0] if isinstance(t, Tensor)):
+        return True  # (the check is for real tensors; complex ones keep forward mode)
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(t: Tensor) -> Tensor:
+        return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype).to(t.device)
+
+    state = RandomState()
+    v = tree_map(draw, diff)
     try:
-        jvp(g, diff, tree_map(torch.ones_like, diff))
+        _, jv = jvp(g, diff, v)
     except Exception as err:  # noqa: BLE001 - forward mode refused (the eager call ran f)
         if passes_through(err):
             raise
         return False
-    return True
+    state.replay()
+    try:
+        out, pullback = vjp(g, *diff)
+    finally:
+        state.resume()
+    flat_out = tree_flatten(out)[0]
+    if any(o.is_complex() for o in flat_out):
+        return True
+    u = tree_map(draw, out)
+    jtu = pullback(u)
+    with torch.no_grad():
+        lhs = sum((a.double() * b.double()).sum() for a, b in
+                  zip(tree_flatten(u)[0], tree_flatten(jv)[0]))
+        rhs = sum((a.double() * b.double()).sum() for a, b in
+                  zip(tree_flatten(jtu)[0], tree_flatten(v)[0]))
+        scale = (_norm(u) * _norm(jv) + _norm(jtu) * _norm(v))
+        dtype = flat_out[0].dtype if flat_out else torch.float64
+        return bool(abs(float(lhs - rhs)) <= tolerance(dtype) * float(scale))
+
+
+def _norm(tree: Any) -> Tensor:
+    leaves = [t.double().pow(2).sum() for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+    return torch.stack(leaves).sum().sqrt() if leaves else torch.zeros((), dtype=torch.float64)
 
 
 def plain_jacobian(

@@ -58,6 +58,16 @@ from torch_vjp._engine.context import (
     is_nested,
     vjp_with_argnums,
 )
+from torch_vjp._engine.fwdcheck import (
+    FORWARD_CHECKED,
+    RandomState,
+    largest_difference,
+    largest_entry,
+    remember,
+    reverse_gap,
+    signature,
+    tolerance,
+)
 from torch_vjp._engine.plain import fwd_plain, rev_plain
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
@@ -197,11 +207,22 @@ def _blocks(
     functorch_loops: bool,
 ) -> Blocks:
     shapes: Shapes | None = None
+    check: Any = None  # NOTE [forward mode, checked once]: the key, if this call checks
     if mode != "rev":
         shapes = probe_shapes(prob, opts)
         if mode is None:
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
             mode = choose_mode(n_in, sum(math.prod(s) for s in shapes.rows))
+            if mode == "fwd" and fallback and not is_nested():
+                check = signature(function_key(prob.f), prob.leaves, opts.batch)
+                verdict = FORWARD_CHECKED.get(check)
+                if verdict is not None:
+                    mode, check = verdict, None
+    if check is not None:
+        state = RandomState()
+        res = _auto(prob, mode, shapes, opts, functorch_loops)
+        return _checked_forward(prob, res, opts, check, state,
+                                lambda: _auto(prob, "rev", shapes, opts, functorch_loops))
     if not vectorized:
         return _loop(prob, mode, shapes, opts, functorch_loops)
     if not fallback:
@@ -220,6 +241,43 @@ def _blocks(
                 f"in eval mode if it is one."
             ) from None
     return _auto(prob, mode, shapes, opts, functorch_loops)
+
+
+def _checked_forward(
+    prob: Problem, res: Blocks, opts: Opts, key: Any, state: RandomState,
+    reverse: Callable[[], Blocks],
+) -> Blocks:
+    """Forward mode's blocks ``res`` if one reverse product agrees with them, or reverse
+    mode agrees with them; else reverse mode's, with a one-time warning. See NOTE
+    [forward mode, checked once]."""
+    if res.mode != "fwd":  # forward mode failed and "auto" went to reverse mode already
+        return res
+    gap = reverse_gap(prob, res, opts.batch, state)
+    if gap is None:
+        return res
+    diff, scale = gap
+    rtol = tolerance(prob.leaves[0].dtype)
+    if diff <= rtol * scale:  # the common case
+        remember(key, "fwd")
+        return res
+    rev = reverse()
+    worst = float(largest_difference(res.blocks, rev.blocks))
+    if worst <= rtol * max(scale, float(largest_entry(rev.blocks))):
+        return res  # forward and reverse mode agree: f is not smooth here, or random
+    remember(key, "rev")
+    warn_once(
+        ("fwd-checked", function_key(prob.f)),
+        f"{prob.call}: forward mode (strategy='auto' chooses it for a Jacobian with more "
+        f"output than input elements) and reverse mode disagree on the Jacobian of "
+        f"{function_name(prob.f)} (by up to {worst:.3g}, at a scale of {scale:.3g}): an "
+        f"operator in f has a wrong forward-mode derivative (torch.triangular_solve is "
+        f"one). strategy='auto' returned the reverse-mode Jacobian, and uses reverse mode "
+        f"for this function and input shapes from now on.\n"
+        f"  Pass strategy='rev' to compute it that way directly. This warning is shown "
+        f"once per function.",
+        JacobianWarning,
+    )
+    return rev
 
 
 def _vectorized(prob: Problem, mode: str, shapes: Shapes | None, opts: Opts) -> Blocks:

@@ -407,6 +407,11 @@ class Problem:
         transform's level, as torch.func does (NOTE [non-differentiated primals])."""
         return self._checked(self._call_inner(*self._reset(xs)))
 
+    def reset_primals(self) -> None:
+        """Gives every primal an earlier call of ``f`` modified in place the caller's value
+        again (NOTE [f's own copies]), before the leaves are read outside a call of f."""
+        self._reset(())
+
     def _reset(self, xs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         for guard in self._guard:
             if guard[0]._version != guard[2]:

@@ -18,7 +18,6 @@ strategies are not checked: "fwd" is forward-over-reverse as asked.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,32 +25,18 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.blocks import Blocks
+from torch_vjp._engine.fwdcheck import (
+    PIECE,
+    largest_difference,
+    max_abs_difference,
+    tolerance,
+)
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = [
-    "PIECE", "asymmetry", "forward_over_reverse_checked", "largest_difference", "tolerance",
-]
-
-#: Elements compared at once: the check's extra memory is a few tensors of this many.
-PIECE = 1 << 20
-
-
-def _max_abs_difference(a: Tensor, b: Tensor) -> Tensor:
-    """``max |a - b|`` over ``(m, r, c)`` tensors (one kernel for up to :data:`PIECE`
-    elements, else a slice of rows at a time, to bound the temporary difference)."""
-    m, r, c = a.shape
-    if a.numel() <= PIECE:
-        return (a - b).abs().amax()
-    rows = max(1, PIECE // max(1, m * c))
-    diff = a.new_zeros(())
-    for start in range(0, r, rows):
-        piece = a[:, start:start + rows] - b[:, start:start + rows]
-        diff = torch.maximum(diff, piece.abs_().amax())
-    return diff
-
+__all__ = ["asymmetry", "forward_over_reverse_checked"]
 
 def _largest(t: Tensor) -> Tensor:
     return t.abs().amax()
@@ -97,7 +82,7 @@ def asymmetry(
                     parts.append(torch.stack((a - b, a)).abs_().flatten(1).amax(1))
                     kinds.append("ds")
                 else:
-                    parts += [_max_abs_difference(a, b).reshape(1), _largest(a).reshape(1)]
+                    parts += [max_abs_difference(a, b).reshape(1), _largest(a).reshape(1)]
                     kinds += ["d", "s"]
     if not parts:
         return 0.0, 0.0
@@ -109,38 +94,6 @@ def asymmetry(
         else:
             scale = max(scale, value)
     return diff, scale
-
-
-def largest_difference(
-    first: Sequence[Sequence[Tensor]], second: Sequence[Sequence[Tensor]]
-) -> Tensor:
-    """``max |first - second|`` over two grids of blocks of the same shapes (a 0-d tensor).
-
-    Example:
-        >>> float(largest_difference([[torch.ones(2)]], [[torch.tensor([1.0, 3.0])]]))
-        2.0
-    """
-    diff: Tensor | None = None
-    with torch.no_grad():
-        for row_a, row_b in zip(first, second):
-            for a, b in zip(row_a, row_b):
-                if a.numel() == 0:
-                    continue
-                d = _max_abs_difference(
-                    a.detach().reshape(1, -1, 1), b.detach().reshape(1, -1, 1)
-                )
-                diff = d if diff is None else torch.maximum(diff, d)
-    return torch.zeros(()) if diff is None else diff
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The relative difference taken for rounding: ``sqrt(eps)`` of ``dtype``.
-
-    Example:
-        >>> tolerance(torch.float64) < 1e-7 < tolerance(torch.float32) < 1e-3
-        True
-    """
-    return math.sqrt(torch.finfo(dtype).eps)
 
 
 def forward_over_reverse_checked(

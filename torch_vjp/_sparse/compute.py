@@ -74,13 +74,17 @@ class Plan:
         pattern: the ``(m, n)`` pattern.
         user: the pattern was the user's (a size mismatch is then an error, not a reason to
             detect again).
+        checked: whether ``"auto"``'s forward mode was checked, and what it found.
     """
 
-    __slots__ = ("pattern", "user", "_colorings", "_indices", "__weakref__")
+    __slots__ = ("pattern", "user", "checked", "_colorings", "_indices", "__weakref__")
 
     def __init__(self, pattern: Pattern, user: bool = False) -> None:
         self.pattern = pattern
         self.user = user
+        # "auto"'s forward mode checked against one reverse product (NOTE [forward mode,
+        # checked once] in torch_vjp._engine.fwdcheck): None (not yet), "fwd" or "rev"
+        self.checked: str | None = None
         self._colorings: dict[str, Coloring] = {}
         self._indices: dict[Any, Any] = {}
 

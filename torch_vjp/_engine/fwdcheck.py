@@ -1,0 +1,229 @@
+"""Forward mode checked against reverse mode, once per function and input signature.
+
+NOTE [forward mode, checked once]
+``strategy="auto"`` computes a tall Jacobian (more output than input elements) in forward
+mode, which runs the forward-mode formulas of f's operators. A few of those are wrong in
+torch (``torch.triangular_solve``'s: a relative error near 1 on the matrix argument), and
+torch.func.jacfwd returns such a Jacobian silently. Reverse mode runs the backward formulas
+that every gradient uses. So the first time "auto" computes a function's Jacobian in
+forward mode for an input signature, it also takes one reverse product with a random
+cotangent ``u`` and compares ``u^T J`` (read from the forward-mode blocks) with it, within
+rounding (``sqrt(eps)`` of their scale): one more call of f and one pass over J. Where
+they disagree, the Jacobian is computed again in reverse mode: if it agrees with forward
+mode's, forward mode stands (f is not smooth at the point, or random); if not, reverse
+mode's is returned with a one-time warning, and later calls of that function and signature
+go to reverse mode directly. Later calls that agreed are not checked again (a function
+that branches to another operator on other values is checked only where it first ran).
+Explicit strategies are not checked: "fwd" is forward mode as asked. The cotangent comes
+from a generator of its own (the global random state is not drawn from), and f's call for
+the check sees the random state its forward-mode products saw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from torch_vjp._engine.blocks import Blocks
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import passes_through
+
+__all__ = [
+    "FORWARD_CHECKED", "PIECE", "RandomState", "gap", "largest_difference", "largest_entry",
+    "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
+    "tolerance",
+]
+
+#: (function key, input signature) -> "fwd" (checked, forward mode agreed) or "rev"
+#: (forward mode was wrong: use reverse mode). Bounded: cleared when full.
+FORWARD_CHECKED: dict[Hashable, str] = {}
+_MAX_ENTRIES = 512
+
+
+#: Elements compared at once: the check's extra memory is a few tensors of this many.
+PIECE = 1 << 20
+
+
+def max_abs_difference(a: Tensor, b: Tensor) -> Tensor:
+    """``max |a - b|`` over ``(m, r, c)`` tensors (one kernel for up to :data:`PIECE`
+    elements, else a slice of rows at a time, to bound the temporary difference)."""
+    m, r, c = a.shape
+    if a.numel() <= PIECE:
+        return (a - b).abs().amax()
+    rows = max(1, PIECE // max(1, m * c))
+    diff = a.new_zeros(())
+    for start in range(0, r, rows):
+        piece = a[:, start:start + rows] - b[:, start:start + rows]
+        diff = torch.maximum(diff, piece.abs_().amax())
+    return diff
+
+
+def largest_difference(
+    first: Sequence[Sequence[Tensor]], second: Sequence[Sequence[Tensor]]
+) -> Tensor:
+    """``max |first - second|`` over two grids of blocks of the same shapes (a 0-d tensor).
+
+    Example:
+        >>> float(largest_difference([[torch.ones(2)]], [[torch.tensor([1.0, 3.0])]]))
+        2.0
+    """
+    diff: Tensor | None = None
+    with torch.no_grad():
+        for row_a, row_b in zip(first, second):
+            for a, b in zip(row_a, row_b):
+                if a.numel() == 0:
+                    continue
+                d = max_abs_difference(
+                    a.detach().reshape(1, -1, 1), b.detach().reshape(1, -1, 1)
+                )
+                diff = d if diff is None else torch.maximum(diff, d)
+    return torch.zeros(()) if diff is None else diff
+
+
+def largest_entry(blocks: Sequence[Sequence[Tensor]]) -> Tensor:
+    """``max |entry|`` over a grid of blocks (a 0-d tensor)."""
+    top: Tensor | None = None
+    with torch.no_grad():
+        for row in blocks:
+            for a in row:
+                if a.numel():
+                    m = a.detach().abs().amax()
+                    top = m if top is None else torch.maximum(top, m)
+    return torch.zeros(()) if top is None else top
+
+
+def remember(key: Hashable, verdict: str) -> None:
+    if len(FORWARD_CHECKED) >= _MAX_ENTRIES:
+        FORWARD_CHECKED.clear()
+    FORWARD_CHECKED[key] = verdict
+
+
+def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None) -> Hashable:
+    """The key of one function and input signature (shapes, dtypes, devices)."""
+    return (function, batch, tuple((tuple(x.shape), x.dtype, x.device) for x in leaves))
+
+
+class RandomState:
+    """The global generators' state when taken, restored by :meth:`replay` (so that the
+    check's call of f draws what the forward-mode products' first call drew) and put back
+    as it was afterwards by :meth:`resume`."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = (torch.cuda.get_rng_state_all()
+                     if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        self.after: tuple[Tensor, Any] | None = None
+
+    def replay(self) -> None:
+        cuda = (torch.cuda.get_rng_state_all()
+                if self.cuda is not None else None)
+        self.after = (torch.get_rng_state(), cuda)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+    def resume(self) -> None:
+        if self.after is None:
+            return
+        cpu, cuda = self.after
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
+    u = torch.randn(like.shape, generator=gen, dtype=torch.float64)
+    return u.to(dtype=like.dtype, device=like.device)
+
+
+def one_reverse_product(prob: Problem, state: RandomState
+                        ) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
+    """f's flat outputs, random cotangents ``u`` (one per output, from a generator of its
+    own) and ``u^T J`` per leaf (zeros where unused): one more call of f, which draws what
+    the products' first call drew. None where the check does not apply (a complex tensor,
+    a function plain autograd cannot differentiate)."""
+    leaves = prob.leaves
+    if any(x.is_complex() for x in leaves):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.enable_grad():
+            prob.reset_primals()  # (the products' last call of f may have changed them)
+            xs = [x.detach().requires_grad_(True) for x in leaves]
+            state.replay()
+            try:
+                # (copies that are not leaves: f may write into its input, as the products
+                # allowed it to)
+                res_f = prob.g(*[x.clone() for x in xs])
+            finally:
+                state.resume()
+            out = res_f[0] if prob.has_aux else res_f
+            flat, _ = tree_flatten(out)
+            if any(o.is_complex() for o in flat):
+                return None
+            us = [_cotangent(o, gen) for o in flat]
+            live = [(o, u) for o, u in zip(flat, us) if o.requires_grad]
+            grads: Sequence[Tensor | None] = (
+                torch.autograd.grad([o for o, _ in live], xs, [u for _, u in live],
+                                    allow_unused=True)
+                if live else (None,) * len(xs)
+            )
+    except Exception as err:  # noqa: BLE001 - what plain autograd cannot run goes unchecked
+        if passes_through(err):
+            raise
+        return None
+    return (flat, us, [torch.zeros_like(x) if g is None else g.detach()
+                       for x, g in zip(xs, grads)])
+
+
+def gap(a: Tensor, b: Tensor) -> tuple[float, float]:
+    """``(max |a - b|, max(|a|, |b|))`` of two flat tensors, read with one synchronisation."""
+    if a.numel() == 0:
+        return 0.0, 0.0
+    d, s = torch.stack((a - b, torch.maximum(a.abs(), b.abs()))).abs().amax(1).tolist()
+    return d, s
+
+
+def reverse_gap(prob: Problem, res: Blocks, batch: int | None, state: RandomState
+                ) -> tuple[float, float] | None:
+    """``(difference, scale)``: the largest difference between ``u^T J`` from the forward-mode
+    blocks and one reverse product with the same random ``u``, and the largest entry of
+    either; None where the check does not apply."""
+    got = one_reverse_product(prob, state)
+    if got is None:
+        return None
+    flat, us, grads = got
+    if len(flat) != len(res.blocks):
+        return None
+    diff = scale = 0.0
+    with torch.no_grad():
+        for i, (x, g) in enumerate(zip(prob.leaves, grads)):
+            n_in = x[0].numel() if batch is not None else x.numel()
+            total = torch.zeros(g.numel(), dtype=g.dtype, device=g.device)
+            for j, u in enumerate(us):
+                block = res.blocks[j][i].detach()
+                if batch is None:
+                    part = u.reshape(1, -1).to(block.dtype) @ block.reshape(u.numel(), n_in)
+                else:
+                    rows = u.reshape(batch, -1, 1).to(block.dtype)
+                    part = (rows * block.reshape(batch, rows.shape[1], n_in)).sum(1)
+                total += part.reshape(-1).to(total.dtype)
+            d, s = gap(total, g.reshape(-1))
+            diff, scale = max(diff, d), max(scale, s)
+    return diff, scale
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The relative difference taken for rounding: ``sqrt(eps)`` of ``dtype`` (here, and
+    for a Hessian's symmetry).
+
+    Example:
+        >>> tolerance(torch.float64) < 1e-7 < tolerance(torch.float32) < 1e-3
+        True
+    """
+    return math.sqrt(torch.finfo(dtype).eps)
