@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import torch_vjp as tv
@@ -591,24 +592,42 @@ def test_inside_users_torch_compile_a_bad_argnums_is_the_eager_error(argnums):
 
 
 def test_auto_compiles_reverse_mode_where_forward_mode_has_no_formula():
-    # compiled 'auto' prefers forward mode for square and tall Jacobians: torch.cdist has no
+    # compiled 'auto' prefers forward mode for square and tall Jacobians: grid_sample has no
     # forward-mode formula, and the program failed to compile (eager, with a warning) where
     # reverse mode compiles
-    def f(u):
-        return torch.cdist(u.view(3, 2), u.view(3, 2) + 1).flatten()
+    image = torch.randn(1, 4, 3, 3, dtype=D)
+
+    def f(u):  # 12 inputs, 24 outputs
+        return F.grid_sample(image, u.view(1, 3, 2, 2) * 0.8, align_corners=False).flatten()
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
         for _ in range(3):
-            u = torch.randn(6, dtype=D)
-            torch.testing.assert_close(tv.jacobian(f, u, compile=True), torch.func.jacrev(f)(u))
+            u = torch.randn(12, dtype=D)
+            torch.testing.assert_close(tv.jacobian(f, u, compile=True),
+                                       torch.autograd.functional.jacobian(f, u))
     assert _frames() == 1
+
+
+def test_compiled_auto_stays_right_where_vmap_is_wrong():
+    # torch.cdist's backward has a wrong batching rule (and no forward-mode formula): the
+    # eager first call takes the reverse loop (NOTE [auto, checked once]), and a compiled
+    # program that disagrees with it is not used
+    def f(u):
+        return torch.cdist(u.view(3, 2), u.view(3, 2) + 1).flatten()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(3):
+            u = torch.randn(6, dtype=D)
+            torch.testing.assert_close(tv.jacobian(f, u, compile=True),
+                                       torch.autograd.functional.jacobian(f, u))
 
 
 def test_auto_compiles_reverse_mode_where_forward_mode_is_wrong():
     # torch.triangular_solve's forward-mode formula for the matrix is wrong: the compiled
     # 'auto' (forward mode for this tall Jacobian) checks one forward product against one
-    # reverse product before it compiles (NOTE [forward mode, checked once])
+    # reverse product before it compiles (NOTE [auto, checked once])
     B = torch.linspace(-1.0, 1.0, 160, dtype=D).reshape(2, 80)
 
     def f(A):

@@ -654,7 +654,7 @@ def test_output_sizes_are_remembered_and_checked():
     plain = lambda x: torch.tanh(W[: width["n"]] @ x)  # noqa: E731
     f, calls = _counting(plain)
     x = torch.randn(2, dtype=D)
-    # probe + products + the one-time check of forward mode (NOTE [forward mode, checked
+    # probe + products + the one-time check of forward mode (NOTE [auto, checked
     # once]), then the products only
     for expected_calls in (3, 1):
         calls["n"] = 0

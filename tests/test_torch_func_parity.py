@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import warnings
 
 import pytest
@@ -248,8 +249,8 @@ def test_symmetric_hessians_are_returned_as_computed(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------
-# Forward mode under "auto", checked once against a reverse product (NOTE [forward mode,
-# checked once])
+# Forward mode under "auto", checked once against a reverse product (NOTE [auto, checked
+# once])
 # --------------------------------------------------------------------------------------
 
 
@@ -268,16 +269,16 @@ _WIDE = torch.linspace(-1.0, 1.0, 300, dtype=D).reshape(3, 100)
 def forward_checks_forgotten():
     from torch_vjp._engine import fwdcheck
 
-    fwdcheck.FORWARD_CHECKED.clear()
-    yield fwdcheck.FORWARD_CHECKED
-    fwdcheck.FORWARD_CHECKED.clear()
+    fwdcheck.CHECKED.clear()
+    yield fwdcheck.CHECKED
+    fwdcheck.CHECKED.clear()
 
 
 _FWD_WRONG = (r"forward mode \(strategy='auto' chooses it for a Jacobian with more output "
-              r"than input elements\) and reverse mode disagree on the Jacobian of _solve_wide "
-              r"\(by up to .*, at a scale of .*\): an operator in f has a wrong forward-mode "
-              r"derivative \(torch.triangular_solve is one\). strategy='auto' returned the "
-              r"reverse-mode Jacobian, and uses reverse mode for this function and input "
+              r"than input elements\) disagrees with a reverse product on the Jacobian of "
+              r"_solve_wide \(by up to .*, at a scale of .*\): an operator in f has a wrong "
+              r"forward-mode derivative \(torch.triangular_solve is one\). strategy='auto' "
+              r"returned the reverse-mode Jacobian, and uses it for this function and input "
               r"shapes from now on.\n  Pass strategy='rev'")
 
 
@@ -304,17 +305,56 @@ def test_auto_batch_and_sparse_jacobians_check_forward_mode(forward_checks_forgo
         return _solve_wide(A)
 
     with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.batch_jacobian: forward mode "
-                      r"(?s:.*) disagree on the Jacobian of .*rows"):
+                      r"(?s:.*) disagrees with a reverse product on the Jacobian of .*rows"):
         torch.testing.assert_close(tv.batch_jacobian(rows, A), ref)
-    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.sparse_jacobian: forward mode "
-                      r"\(mode='auto' chooses it where it needs fewer products\) and reverse "
-                      r"mode disagree on the Jacobian of _solve_wide .*mode='auto' returned "
-                      r"the reverse-mode Jacobian"):
+    with warnings.catch_warnings(record=True) as caught:  # (and the missing rule's warning)
+        warnings.simplefilter("always")
         S = tv.sparse_jacobian(_solve_wide, A[0], layout=torch.strided)
+    assert [w for w in caught if re.match(
+        r"torch_vjp\.sparse_jacobian: forward mode \(mode='auto' chooses it where it needs "
+        r"fewer products\) and reverse mode disagree on the Jacobian of _solve_wide .*"
+        r"mode='auto' returned the reverse-mode Jacobian", str(w.message), re.S)]
     torch.testing.assert_close(S.reshape(3, 100, 3, 3), ref[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        S = tv.sparse_jacobian(_solve_wide, A[0], layout=torch.strided)
+    assert not [w for w in caught if "disagree" in str(w.message)]  # reverse mode directly
+    torch.testing.assert_close(S.reshape(3, 100, 3, 3), ref[0])
+
+
+def test_auto_jacobian_checks_reverse_mode_under_vmap(forward_checks_forgotten):
+    """torch.cdist's backward has a wrong batching rule (torch 2.13): reverse mode under vmap
+    is wrong by a relative error near 1; one reverse product at a time is right."""
+    y = torch.randn(4, 2, dtype=D)
+
+    def dist(x):
+        return torch.cdist(x, y)
+
+    x = torch.randn(3, 2, dtype=D)
+    ref = torch.autograd.functional.jacobian(dist, x)
+    torch.testing.assert_close(ref, fd_jacobian(dist, x))
+    assert (torch.func.jacrev(dist)(x) - ref).abs().max() > 0.1  # torch.func's is wrong
+    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.jacobian: reverse mode under "
+                      r"torch\.vmap disagrees with a reverse product without it on the "
+                      r"Jacobian of .*dist \(by up to .*\): an operator in f's backward has "
+                      r"a wrong batching rule \(torch\.cdist's is one\)\. strategy='auto' "
+                      r"returned the Jacobian computed one reverse product at a time "
+                      r"\(strategy='rev-loop'\), and uses it for this function and input "
+                      r"shapes from now on.\n  Pass strategy='rev-loop'"):
+        J = tv.jacobian(dist, x)
+    torch.testing.assert_close(J, ref)
+    assert list(forward_checks_forgotten.values()) == ["rev-loop"]
     with no_jacobian_warnings():
-        S = tv.sparse_jacobian(_solve_wide, A[0], layout=torch.strided)
-    torch.testing.assert_close(S.reshape(3, 100, 3, 3), ref[0])
+        torch.testing.assert_close(tv.jacobian(dist, x), ref)
+    xb = torch.randn(5, 3, 2, dtype=D)
+
+    def dists(x):
+        return torch.cdist(x, y.expand(x.shape[0], 4, 2))
+
+    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.batch_jacobian: reverse mode"):
+        torch.testing.assert_close(
+            tv.batch_jacobian(dists, xb),
+            torch.stack([torch.autograd.functional.jacobian(dist, r) for r in xb]))
 
 
 def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forgotten):

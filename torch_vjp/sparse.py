@@ -245,7 +245,7 @@ def _checked_forward(
 ) -> tuple[Any, Tensor]:
     """Forward mode's products if one reverse product agrees with them, or reverse mode's
     values agree with theirs; else reverse mode's, with the one-time warning the dense
-    ``"auto"`` gives (NOTE [forward mode, checked once] in
+    ``"auto"`` gives (NOTE [auto, checked once] in
     :mod:`torch_vjp._engine.fwdcheck`)."""
     got = one_reverse_product(prob, state)
     if got is None:

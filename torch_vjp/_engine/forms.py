@@ -84,7 +84,7 @@ def forward_mode_agrees(
     with one reverse-mode product (the dot-product test ``<u, J v> == <J^T u, v>`` on random
     ``u`` and ``v``): ``"auto"`` compiles reverse mode instead where an operation has no
     forward-mode formula, or a wrong one, as the eager ``"auto"`` turns to it (NOTE [auto
-    fallback] in :mod:`torch_vjp._engine.jacobian`, NOTE [forward mode, checked once] in
+    fallback] in :mod:`torch_vjp._engine.jacobian`, NOTE [auto, checked once] in
     :mod:`torch_vjp._engine.fwdcheck`). Run after the eager call, which ran ``f`` itself.
 
     Example:

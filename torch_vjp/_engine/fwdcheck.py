@@ -1,22 +1,27 @@
-"""Forward mode checked against reverse mode, once per function and input signature.
+""""auto"'s vectorised Jacobian checked against one reverse product, once per function and
+input signature.
 
-NOTE [forward mode, checked once]
-``strategy="auto"`` computes a tall Jacobian (more output than input elements) in forward
-mode, which runs the forward-mode formulas of f's operators. A few of those are wrong in
-torch (``torch.triangular_solve``'s: a relative error near 1 on the matrix argument), and
-torch.func.jacfwd returns such a Jacobian silently. Reverse mode runs the backward formulas
-that every gradient uses. So the first time "auto" computes a function's Jacobian in
-forward mode for an input signature, it also takes one reverse product with a random
-cotangent ``u`` and compares ``u^T J`` (read from the forward-mode blocks) with it, within
-rounding (``sqrt(eps)`` of their scale): one more call of f and one pass over J. Where
-they disagree, the Jacobian is computed again in reverse mode: if it agrees with forward
-mode's, forward mode stands (f is not smooth at the point, or random); if not, reverse
-mode's is returned with a one-time warning, and later calls of that function and signature
-go to reverse mode directly. Later calls that agreed are not checked again (a function
+NOTE [auto, checked once]
+``strategy="auto"`` computes a Jacobian with vectorised products: forward mode for a tall one
+(more output than input elements), which runs the forward-mode formulas of f's operators,
+and reverse mode under ``torch.vmap`` otherwise, which runs the batching rules of the
+backward formulas. A few of either are wrong in torch (``torch.triangular_solve``'s
+forward-mode formula for the matrix: a relative error near 1; the batching rule of
+``torch.cdist``'s backward: the same), and torch.func's ``jacfwd``/``jacrev`` return such
+a Jacobian silently. One reverse product without vmap runs the backward formulas that
+every gradient uses. So the first time "auto" computes a function's Jacobian for an input
+signature, it also takes one reverse product with a random cotangent ``u`` and compares
+``u^T J`` (read from the blocks) with it, within rounding (``sqrt(eps)`` of their scale):
+one more call of f and one pass over J. Where they disagree, it computes the Jacobian again
+by reverse mode under vmap (after forward mode), then one reverse product at a time
+(``"rev-loop"``), and returns the first that agrees with the reverse product, with a
+one-time warning; later calls of that function and signature take that route directly.
+Where none agrees (f is random in a way the check cannot replay, or not smooth at the
+point), the first result stands. Later calls that agreed are not checked again (a function
 that branches to another operator on other values is checked only where it first ran).
-Explicit strategies are not checked: "fwd" is forward mode as asked. The cotangent comes
-from a generator of its own (the global random state is not drawn from), and f's call for
-the check sees the random state its forward-mode products saw.
+Explicit strategies are not checked: "fwd" and "rev" are what was asked. The cotangent
+comes from a generator of its own (the global random state is not drawn from), and f's
+call for the check sees the random state the products' first call saw.
 """
 
 from __future__ import annotations
@@ -34,14 +39,14 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 
 __all__ = [
-    "FORWARD_CHECKED", "PIECE", "RandomState", "gap", "largest_difference", "largest_entry",
+    "CHECKED", "PIECE", "RandomState", "gap", "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
     "tolerance",
 ]
 
-#: (function key, input signature) -> "fwd" (checked, forward mode agreed) or "rev"
-#: (forward mode was wrong: use reverse mode). Bounded: cleared when full.
-FORWARD_CHECKED: dict[Hashable, str] = {}
+#: (function key, input signature) -> the route "auto" takes after its check: "fwd" or "rev"
+#: (vectorised), or "rev-loop". Bounded: cleared when full.
+CHECKED: dict[Hashable, str] = {}
 _MAX_ENTRIES = 512
 
 
@@ -85,22 +90,10 @@ def largest_difference(
     return torch.zeros(()) if diff is None else diff
 
 
-def largest_entry(blocks: Sequence[Sequence[Tensor]]) -> Tensor:
-    """``max |entry|`` over a grid of blocks (a 0-d tensor)."""
-    top: Tensor | None = None
-    with torch.no_grad():
-        for row in blocks:
-            for a in row:
-                if a.numel():
-                    m = a.detach().abs().amax()
-                    top = m if top is None else torch.maximum(top, m)
-    return torch.zeros(()) if top is None else top
-
-
 def remember(key: Hashable, verdict: str) -> None:
-    if len(FORWARD_CHECKED) >= _MAX_ENTRIES:
-        FORWARD_CHECKED.clear()
-    FORWARD_CHECKED[key] = verdict
+    if len(CHECKED) >= _MAX_ENTRIES:
+        CHECKED.clear()
+    CHECKED[key] = verdict
 
 
 def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None) -> Hashable:
@@ -189,17 +182,14 @@ def gap(a: Tensor, b: Tensor) -> tuple[float, float]:
     return d, s
 
 
-def reverse_gap(prob: Problem, res: Blocks, batch: int | None, state: RandomState
-                ) -> tuple[float, float] | None:
-    """``(difference, scale)``: the largest difference between ``u^T J`` from the forward-mode
-    blocks and one reverse product with the same random ``u``, and the largest entry of
-    either; None where the check does not apply."""
-    got = one_reverse_product(prob, state)
-    if got is None:
-        return None
+def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
+                got: tuple[list[Tensor], list[Tensor], list[Tensor]]) -> tuple[float, float]:
+    """``(difference, scale)``: the largest difference between ``u^T J`` from the blocks and
+    the reverse product ``got`` (:func:`one_reverse_product`) with the same ``u``, and the
+    largest entry of either; ``(inf, 0)`` where f's outputs are not the blocks' rows."""
     flat, us, grads = got
     if len(flat) != len(res.blocks):
-        return None
+        return math.inf, 0.0
     diff = scale = 0.0
     with torch.no_grad():
         for i, (x, g) in enumerate(zip(prob.leaves, grads)):
@@ -207,6 +197,8 @@ def reverse_gap(prob: Problem, res: Blocks, batch: int | None, state: RandomStat
             total = torch.zeros(g.numel(), dtype=g.dtype, device=g.device)
             for j, u in enumerate(us):
                 block = res.blocks[j][i].detach()
+                if block.numel() != u.numel() * n_in:
+                    return math.inf, 0.0
                 if batch is None:
                     part = u.reshape(1, -1).to(block.dtype) @ block.reshape(u.numel(), n_in)
                 else:

@@ -59,10 +59,9 @@ from torch_vjp._engine.context import (
     vjp_with_argnums,
 )
 from torch_vjp._engine.fwdcheck import (
-    FORWARD_CHECKED,
+    CHECKED,
     RandomState,
-    largest_difference,
-    largest_entry,
+    one_reverse_product,
     remember,
     reverse_gap,
     signature,
@@ -207,22 +206,23 @@ def _blocks(
     functorch_loops: bool,
 ) -> Blocks:
     shapes: Shapes | None = None
-    check: Any = None  # NOTE [forward mode, checked once]: the key, if this call checks
+    check: Any = None  # NOTE [auto, checked once]: the key, if this call checks
     if mode != "rev":
         shapes = probe_shapes(prob, opts)
         if mode is None:
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
             mode = choose_mode(n_in, sum(math.prod(s) for s in shapes.rows))
-            if mode == "fwd" and fallback and not is_nested():
+            if fallback and vectorized and not is_nested():
                 check = signature(function_key(prob.f), prob.leaves, opts.batch)
-                verdict = FORWARD_CHECKED.get(check)
-                if verdict is not None:
-                    mode, check = verdict, None
+                route = CHECKED.get(check)
+                if route is not None:
+                    if route == "rev-loop":
+                        return _loop(prob, "rev", shapes, opts, functorch_loops)
+                    mode, check = route, None
     if check is not None:
         state = RandomState()
         res = _auto(prob, mode, shapes, opts, functorch_loops)
-        return _checked_forward(prob, res, opts, check, state,
-                                lambda: _auto(prob, "rev", shapes, opts, functorch_loops))
+        return _checked(prob, res, opts, check, state, shapes, functorch_loops)
     if not vectorized:
         return _loop(prob, mode, shapes, opts, functorch_loops)
     if not fallback:
@@ -243,41 +243,67 @@ def _blocks(
     return _auto(prob, mode, shapes, opts, functorch_loops)
 
 
-def _checked_forward(
+_WRONG = {
+    ("fwd", "rev"): (
+        "forward mode (strategy='auto' chooses it for a Jacobian with more output than input "
+        "elements) disagrees with a reverse product on the Jacobian of {name}{by}: an "
+        "operator in f has a wrong forward-mode derivative (torch.triangular_solve is one). "
+        "strategy='auto' returned the reverse-mode Jacobian", "strategy='rev'"),
+    ("fwd", "rev-loop"): (
+        "forward mode and reverse mode under torch.vmap both disagree with a reverse product "
+        "on the Jacobian of {name}{by}: an operator in f has a wrong forward-mode derivative, "
+        "and one has a wrong batching rule for its backward. strategy='auto' returned the "
+        "Jacobian computed one reverse product at a time (strategy='rev-loop')",
+        "strategy='rev-loop'"),
+    ("rev", "rev-loop"): (
+        "reverse mode under torch.vmap disagrees with a reverse product without it on the "
+        "Jacobian of {name}{by}: an operator in f's backward has a wrong batching rule "
+        "(torch.cdist's is one). strategy='auto' returned the Jacobian computed one reverse "
+        "product at a time (strategy='rev-loop')", "strategy='rev-loop'"),
+}
+
+
+def _checked(
     prob: Problem, res: Blocks, opts: Opts, key: Any, state: RandomState,
-    reverse: Callable[[], Blocks],
+    shapes: Shapes | None, functorch: bool,
 ) -> Blocks:
-    """Forward mode's blocks ``res`` if one reverse product agrees with them, or reverse
-    mode agrees with them; else reverse mode's, with a one-time warning. See NOTE
-    [forward mode, checked once]."""
-    if res.mode != "fwd":  # forward mode failed and "auto" went to reverse mode already
+    """``res``, the vectorised blocks "auto" computed, if one reverse product without vmap
+    agrees with them; else the first of reverse mode (after forward mode) and the reverse
+    loop that agrees with it, with a one-time warning. See NOTE [auto, checked once]."""
+    got = one_reverse_product(prob, state)
+    if got is None:
+        remember(key, res.mode)
         return res
-    gap = reverse_gap(prob, res, opts.batch, state)
-    if gap is None:
-        return res
-    diff, scale = gap
     rtol = tolerance(prob.leaves[0].dtype)
+    diff, scale = reverse_gap(prob, res, opts.batch, got)
     if diff <= rtol * scale:  # the common case
-        remember(key, "fwd")
+        remember(key, res.mode)
         return res
-    rev = reverse()
-    worst = float(largest_difference(res.blocks, rev.blocks))
-    if worst <= rtol * max(scale, float(largest_entry(rev.blocks))):
-        return res  # forward and reverse mode agree: f is not smooth here, or random
-    remember(key, "rev")
-    warn_once(
-        ("fwd-checked", function_key(prob.f)),
-        f"{prob.call}: forward mode (strategy='auto' chooses it for a Jacobian with more "
-        f"output than input elements) and reverse mode disagree on the Jacobian of "
-        f"{function_name(prob.f)} (by up to {worst:.3g}, at a scale of {scale:.3g}): an "
-        f"operator in f has a wrong forward-mode derivative (torch.triangular_solve is "
-        f"one). strategy='auto' returned the reverse-mode Jacobian, and uses reverse mode "
-        f"for this function and input shapes from now on.\n"
-        f"  Pass strategy='rev' to compute it that way directly. This warning is shown "
-        f"once per function.",
-        JacobianWarning,
-    )
-    return rev
+    for route in ("rev", "rev-loop") if res.mode == "fwd" else ("rev-loop",):
+        try:
+            alt = (_loop(prob, "rev", shapes, opts, functorch) if route == "rev-loop"
+                   else _auto(prob, "rev", shapes, opts, functorch))
+        except Exception as err:  # noqa: BLE001 - no safer route: the next one, or res
+            if passes_through(err):
+                raise
+            continue
+        alt_diff, alt_scale = reverse_gap(prob, alt, opts.batch, got)
+        if alt_diff > rtol * alt_scale:
+            continue
+        remember(key, route)
+        what, fix = _WRONG[res.mode, route]
+        by = f" (by up to {diff:.3g}, at a scale of {scale:.3g})"
+        warn_once(
+            ("auto-checked", function_key(prob.f), res.mode, route),
+            f"{prob.call}: " + what.format(name=function_name(prob.f), by=by)
+            + f", and uses it for this function and input shapes from now on.\n"
+              f"  Pass {fix} to compute it that way directly. This warning is shown once "
+              f"per function.",
+            JacobianWarning,
+        )
+        return alt
+    remember(key, res.mode)  # nothing agrees: f is random or not smooth here
+    return res
 
 
 def _vectorized(prob: Problem, mode: str, shapes: Shapes | None, opts: Opts) -> Blocks:

@@ -82,8 +82,8 @@ class Plan:
     def __init__(self, pattern: Pattern, user: bool = False) -> None:
         self.pattern = pattern
         self.user = user
-        # "auto"'s forward mode checked against one reverse product (NOTE [forward mode,
-        # checked once] in torch_vjp._engine.fwdcheck): None (not yet), "fwd" or "rev"
+        # "auto"'s forward mode checked against one reverse product (NOTE [auto, checked
+        # once] in torch_vjp._engine.fwdcheck): None (not yet), "fwd" or "rev"
         self.checked: str | None = None
         self._colorings: dict[str, Coloring] = {}
         self._indices: dict[Any, Any] = {}
