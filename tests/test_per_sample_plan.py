@@ -1224,3 +1224,68 @@ def test_hooks_on_a_layer_whose_weight_is_computed_says_so(wrap):
             tv.per_sample_grad_norms(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
         assert_matches(tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y),
                        loop_reference(model, nn.CrossEntropyLoss(), x, y))
+
+
+# --------------------------------------------------------------------------------------
+# A plan is for one structure (NOTE [the structure a plan is for]): a module replaced, a
+# forward hook added or a flag of the model's own modules switched after the first call
+# makes a new one
+# --------------------------------------------------------------------------------------
+
+
+class Center(nn.Module):
+    """Mixes examples: each is centred by the batch mean."""
+
+    def forward(self, h):
+        return h - h.mean(0, keepdim=True)
+
+
+class Switchable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 2)
+        self.center = False
+        self.calls = 0  # a counter: numbers are not part of the structure
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x)
+        return self.b(h - h.mean(0, keepdim=True) if self.center else h)
+
+
+def _sin_loss(o):
+    return o.sin().sum()
+
+
+def test_a_replaced_submodule_makes_a_new_plan():
+    x = torch.randn(4, 3, dtype=DT)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Identity(), nn.Linear(3, 2)).double()
+    assert_matches(tv.per_sample_grads(m, _sin_loss, x), loop_reference(m, _sin_loss, x))
+    m[1] = Center()
+    for fn in (tv.per_sample_grads, tv.per_sample_grad_norms):
+        with pytest.raises(tv.PerSampleError, match=r"module '1' \(Center\) mixes examples"):
+            fn(m, _sin_loss, x)
+
+
+def test_a_forward_hook_added_later_makes_a_new_plan():
+    x = torch.randn(4, 3, dtype=DT)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    tv.per_sample_grads(m, _sin_loss, x)
+    m.register_forward_pre_hook(lambda mod, args: (args[0].flip(0),))  # reverses the batch
+    ref = loop_reference(m, _sin_loss, x)
+    assert_matches(tv.per_sample_grads(m, _sin_loss, x), ref)
+    norms = tv.per_sample_grad_norms(m, _sin_loss, x)
+    torch.testing.assert_close(norms, torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1))
+
+
+def test_a_flag_of_the_models_own_module_makes_a_new_plan():
+    x = torch.randn(4, 3, dtype=DT)
+    m = Switchable().double()
+    assert_matches(tv.per_sample_grads(m, _sin_loss, x), loop_reference(m, _sin_loss, x))
+    plans = plan_module._PLANS[m]
+    count = len(plans)
+    tv.per_sample_grads(m, _sin_loss, x)  # the counter moved: the same plan
+    assert len(plans) == count
+    m.center = True
+    with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
+        tv.per_sample_grad_norms(m, _sin_loss, x)

@@ -18,6 +18,7 @@ from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValue
 
 __all__ = [
     "check_model",
+    "structure_of",
     "check_trainable",
     "as_inputs",
     "check_targets",
@@ -261,6 +262,7 @@ class Job:
             per-example runs call it before each example.
         ddp: the DistributedDataParallel wrapper the caller passed (``model`` is then its
             module), or None (NOTE [DDP] in ``distributed``).
+        structure: :func:`structure_of` the model.
     """
 
     fn: str
@@ -273,6 +275,41 @@ class Job:
     strategy: str
     reset: Callable[[], None] | None = None
     ddp: Any = None
+    structure: Any = None
+
+
+# NOTE [the structure a plan is for]
+# A plan (which layers have rules, in which dimension each finds the examples, which
+# modules mix examples) was made by running the model. It stays valid while the model runs
+# the same code on the same modules: so its key holds, per module, the module itself (its
+# identity and type: a submodule replaced), its training flag, its forward hooks and
+# pre-hooks (a hook added that reorders or mixes the batch), and, for modules defined outside
+# torch, their bool, str and None attributes (a flag the forward branches on); and the global
+# module hooks. Numbers are left out: a counter a forward increments would make a plan per
+# call. Branches on other values (a batch's contents, a number) are not seen.
+_FLAG_TYPES = (bool, str, type(None))
+_OWN_TYPE: dict[type, bool] = {}
+
+
+def structure_of(model: nn.Module) -> tuple[Any, ...]:
+    """The model's structure as NOTE [the structure a plan is for] says, and its modules'
+    training flags."""
+    entries = []
+    training = []
+    for m in model.modules():
+        kind = type(m)
+        own = _OWN_TYPE.get(kind)
+        if own is None:
+            own = _OWN_TYPE[kind] = not kind.__module__.startswith("torch.")
+        fh, ph = m._forward_hooks, m._forward_pre_hooks
+        entry: tuple[Any, ...] = (id(m), kind, tuple(fh) if fh else (), tuple(ph) if ph else ())
+        if own:
+            entry += tuple((k, v) for k, v in m.__dict__.items() if type(v) in _FLAG_TYPES)
+        entries.append(entry)
+        training.append(m.training)
+    glob = torch.nn.modules.module
+    return (tuple(training), tuple(entries), tuple(glob._global_forward_hooks),
+            tuple(glob._global_forward_pre_hooks))
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:

@@ -60,9 +60,10 @@ def _tail(t: Any) -> Any:
 
 
 def plan_key(job: Job) -> Any:
-    """The model structure a plan is valid for: the shapes of one example, the training
-    flags, the selected parameters (and which have gradient hooks), the loss, the strategy
-    (the batch size is not part of it; a batch of one is planned apart)."""
+    """The model structure a plan is valid for: the shapes of one example, the modules
+    (NOTE [the structure a plan is for] in :mod:`torch_vjp._per_sample.args`), the selected
+    parameters (and which have gradient hooks), the loss, the strategy (the batch size is
+    not part of it; a batch of one is planned apart)."""
     sel, targets = job.sel, job.targets
     return (
         job.strategy,
@@ -71,7 +72,7 @@ def plan_key(job: Job) -> Any:
         None if targets is None else (
             _tail(targets) if isinstance(targets, Tensor)
             else tuple(_tail(t) for t in tree_leaves(targets))),
-        sel.training or tuple(m.training for m in job.model.modules()),
+        job.structure,  # NOTE [the structure a plan is for] in _per_sample/args.py
         tuple(sel.canonical),
         tuple(t.requires_grad for t in sel.tensors.values()),
         tuple(bool(t._backward_hooks) for t in sel.tensors.values()),

@@ -33,6 +33,7 @@ from torch_vjp._per_sample.args import (
     check_static_mixing,
     check_targets,
     select,
+    structure_of,
 )
 from torch_vjp._per_sample.distributed import ddp_add_to_grads, strip_prefix, unwrap
 from torch_vjp._per_sample.factors import (
@@ -86,8 +87,9 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
-    training = tuple(m.training for m in model.modules())
-    key = _static_key(model, params, training, prefix)
+    structure = structure_of(model)
+    training = structure[0]
+    key = _static_key(model, params, structure, prefix)
     cache = _STATIC.setdefault(model, {}) if key is not None else {}
     sel = cache.get(key)
     if sel is None:
@@ -104,10 +106,11 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             cache[key] = sel
     if sel.tables:
         sel.sparse = frozenset(id(m.weight) for m in sel.tables if getattr(m, "sparse", False))
-    return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy, ddp=ddp)
+    return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy, ddp=ddp,
+               structure=structure)
 
 
-def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...], prefix: str) -> Any:
+def _static_key(model: nn.Module, params: Any, structure: tuple[Any, ...], prefix: str) -> Any:
     # (a wrapper's selection names its results with the wrapper's names: kept apart)
     if params is None:
         names: Any = None
@@ -117,7 +120,7 @@ def _static_key(model: nn.Module, params: Any, training: tuple[bool, ...], prefi
         names = tuple(params)
     else:
         return None  # a generator, or something select() reports
-    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), training,
+    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), structure,
             prefix)
 
 
