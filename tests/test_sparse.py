@@ -5,6 +5,7 @@ plans are cached, user patterns skip detection, and errors explain themselves.""
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import pytest
@@ -395,7 +396,9 @@ def test_second_call_does_no_detection(monkeypatch):
     first = len(calls)
     J = sparse_jacobian(f, x + 1)
     assert detections.calls == 1
-    assert len(calls) - first == first - 1  # the second call runs f only for the products
+    # the second call runs f only for the products (the first also detected, and checked
+    # the products against one reverse product: NOTE [auto, checked once])
+    assert len(calls) - first == first - 2
     torch.testing.assert_close(J.to_dense(), _jac(_stencil_1d, x + 1))
     sparse_jacobian(f, torch.randn(13, dtype=D))  # another shape: detected again
     sparse_jacobian(f, torch.randn(12))  # another dtype: detected again
@@ -642,9 +645,13 @@ def test_auto_takes_reverse_mode_where_forward_mode_fails_with_a_warning():
     def f(u):  # torch.cdist has no forward-mode formula
         return torch.cdist(u.view(3, 2), u.view(3, 2) + 1).flatten()
 
-    with pytest.warns(tv.JacobianWarning, match=r"forward-mode AD fails on f \(.*f\), so "
-                                                r"strategy='auto' uses reverse mode"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got = tv.sparse_jacobian(f, u)
-    torch.testing.assert_close(got.to_dense(), torch.func.jacrev(f)(u))
+    assert [w for w in caught if re.search(r"forward-mode AD fails on f \(.*f\), so "
+                                           r"strategy='auto' uses reverse mode", str(w.message))]
+    # (torch.func.jacrev is wrong here: cdist's backward has a wrong batching rule, which
+    # 'auto' finds, NOTE [auto, checked once])
+    torch.testing.assert_close(got.to_dense(), torch.autograd.functional.jacobian(f, u))
     with pytest.raises(NotImplementedError):  # mode='fwd' asked for: torch's own error
         tv.sparse_jacobian(f, u, mode="fwd")

@@ -312,8 +312,9 @@ def test_auto_batch_and_sparse_jacobians_check_forward_mode(forward_checks_forgo
         S = tv.sparse_jacobian(_solve_wide, A[0], layout=torch.strided)
     assert [w for w in caught if re.match(
         r"torch_vjp\.sparse_jacobian: forward mode \(mode='auto' chooses it where it needs "
-        r"fewer products\) and reverse mode disagree on the Jacobian of _solve_wide .*"
-        r"mode='auto' returned the reverse-mode Jacobian", str(w.message), re.S)]
+        r"fewer products\) disagrees with a reverse product on the Jacobian of _solve_wide .*"
+        r"mode='auto' returned the reverse-mode Jacobian, and uses it for this function and "
+        r"input shapes from now on.\n  Pass mode='rev'", str(w.message), re.S)]
     torch.testing.assert_close(S.reshape(3, 100, 3, 3), ref[0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -355,6 +356,17 @@ def test_auto_jacobian_checks_reverse_mode_under_vmap(forward_checks_forgotten):
         torch.testing.assert_close(
             tv.batch_jacobian(dists, xb),
             torch.stack([torch.autograd.functional.jacobian(dist, r) for r in xb]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        S = tv.sparse_jacobian(dist, x, layout=torch.strided)
+    torch.testing.assert_close(S, ref.reshape(12, 6))
+    assert [w for w in caught if re.match(
+        r"torch_vjp\.sparse_jacobian: reverse mode under torch\.vmap disagrees with a reverse "
+        r"product without it on the Jacobian of .*dist .*\(mode='rev' with chunk_size=1\), "
+        r"and uses it", str(w.message), re.S)]
+    with no_jacobian_warnings():  # the plan remembers the route
+        torch.testing.assert_close(tv.sparse_jacobian(dist, x, layout=torch.strided),
+                                   ref.reshape(12, 6))
 
 
 def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forgotten):

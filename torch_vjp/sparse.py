@@ -26,7 +26,13 @@ from torch import Tensor
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.fwdcheck import RandomState, gap, one_reverse_product, tolerance
+from torch_vjp._engine.fwdcheck import (
+    RandomState,
+    gap,
+    one_reverse_product,
+    tolerance,
+    wrong_route_message,
+)
 from torch_vjp._engine.jacobian import function_key, function_name, no_forward_message
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
@@ -194,8 +200,9 @@ def sparse_jacobian(
         plan = user_plan(pattern, lambda: pattern_from_user(pattern, n, call=call))
     check = mode == "auto" and plan.checked is None and not is_nested()
     state = RandomState() if check else None
-    coloring, comp, m = _products(prob, plan, "rev" if mode == "auto" and plan.checked == "rev"
-                                  else mode, chunk, budget)
+    route = plan.checked if mode == "auto" else None  # NOTE [auto, checked once]
+    coloring, comp, m = _products(prob, plan, mode if route in (None, "fwd") else "rev",
+                                  1 if route == "rev-loop" else chunk, budget)
     if m != plan.pattern.m:
         check = False  # (checked on the next call)
         if plan.user:
@@ -208,8 +215,8 @@ def sparse_jacobian(
             )
         plan = lookup_plan(prob, lambda: detect(prob), fresh=True)  # f changed: detect again
         coloring, comp, m = _products(prob, plan, mode, chunk, budget)
-    if check and coloring.mode == "fwd" and m == plan.pattern.m:
-        coloring, comp = _checked_forward(prob, plan, coloring, comp, state, chunk, budget)
+    if check and m == plan.pattern.m:
+        coloring, comp = _checked(prob, plan, coloring, comp, state, chunk, budget)
     index = plan.gather_index(coloring, layout, comp.device)
     values = comp.reshape(-1).index_select(0, index)
     return assemble(values, plan, layout)
@@ -239,55 +246,58 @@ def _products(
     return coloring, comp, m
 
 
-def _checked_forward(
+def _checked(
     prob: Problem, plan: Any, coloring: Any, comp: Tensor, state: RandomState,
     chunk: int | None, budget: int | None,
 ) -> tuple[Any, Tensor]:
-    """Forward mode's products if one reverse product agrees with them, or reverse mode's
-    values agree with theirs; else reverse mode's, with the one-time warning the dense
-    ``"auto"`` gives (NOTE [auto, checked once] in
-    :mod:`torch_vjp._engine.fwdcheck`)."""
+    """The products "auto" computed if one reverse product without vmap agrees with them;
+    else the first of reverse mode (after forward mode) and reverse mode one product at a
+    time that agrees with it, with a one-time warning, as :func:`torch_vjp.jacobian`'s
+    ``"auto"`` does (NOTE [auto, checked once] in :mod:`torch_vjp._engine.fwdcheck`)."""
+    first = coloring.mode
     got = one_reverse_product(prob, state)
     if got is None:
-        plan.checked = "fwd"
+        plan.checked = first
         return coloring, comp
     _, us, grads = got
     p = plan.pattern
     device = comp.device
-
-    def values(c: Any, products: Tensor) -> Tensor:  # in the pattern's (row-major) order
-        return products.reshape(-1).index_select(0, plan.gather_index(c, torch.sparse_csr,
-                                                                        device))
-
-    with torch.no_grad():
-        u = torch.cat([t.reshape(-1) for t in us]).to(comp.dtype)
-        g = torch.cat([t.reshape(-1) for t in grads]).to(comp.dtype)
-        fwd = values(coloring, comp)
-        rows, cols = p.rows.to(device), p.cols.to(device)
-        ut_j = torch.zeros_like(g).index_add_(0, cols, u[rows] * fwd)
-        diff, scale = gap(ut_j, g)
+    u = torch.cat([t.reshape(-1) for t in us]).to(comp.dtype)
+    g = torch.cat([t.reshape(-1) for t in grads]).to(comp.dtype)
+    rows, cols = p.rows.to(device), p.cols.to(device)
     rtol = tolerance(comp.dtype)
-    if diff <= rtol * scale:
-        plan.checked = "fwd"
+
+    def gap_of(c: Any, products: Tensor) -> tuple[float, float]:
+        with torch.no_grad():  # u^T J from the values, in the pattern's (row-major) order
+            values = products.reshape(-1).index_select(
+                0, plan.gather_index(c, torch.sparse_csr, device))
+            return gap(torch.zeros_like(g).index_add_(0, cols, u[rows] * values), g)
+
+    diff, scale = gap_of(coloring, comp)
+    if diff <= rtol * scale:  # the common case
+        plan.checked = first
         return coloring, comp
-    rev_coloring, rev, _ = _products(prob, plan, "rev", chunk, budget)
-    with torch.no_grad():
-        worst, top = gap(fwd, values(rev_coloring, rev))
-    if worst <= rtol * top:
-        return coloring, comp  # forward and reverse mode agree: f is not smooth, or random
-    plan.checked = "rev"
-    warn_once(
-        ("sparse-fwd-checked", function_key(prob.f)),
-        f"{prob.call}: forward mode (mode='auto' chooses it where it needs fewer products) "
-        f"and reverse mode disagree on the Jacobian of {function_name(prob.f)} (by up to "
-        f"{worst:.3g}, at a scale of {top:.3g}): an operator in f has a wrong forward-mode "
-        f"derivative (torch.triangular_solve is one). mode='auto' returned the reverse-mode "
-        f"Jacobian, and uses reverse mode for this function and input shapes from now on.\n"
-        f"  Pass mode='rev' to compute it that way directly. This warning is shown once per "
-        f"function.",
-        JacobianWarning,
-    )
-    return rev_coloring, rev
+    for route in ("rev", "rev-loop") if first == "fwd" else ("rev-loop",):
+        try:
+            alt, alt_comp, _ = _products(prob, plan, "rev", 1 if route == "rev-loop" else chunk,
+                                         budget)
+        except Exception as err:  # noqa: BLE001 - no safer route: the next one, or the first
+            if passes_through(err):
+                raise
+            continue
+        alt_diff, alt_scale = gap_of(alt, alt_comp)
+        if alt_diff > rtol * alt_scale:
+            continue
+        plan.checked = route
+        warn_once(
+            ("sparse-auto-checked", function_key(prob.f), first, route),
+            wrong_route_message(prob.call, function_name(prob.f), first, route, diff, scale,
+                                "mode"),
+            JacobianWarning,
+        )
+        return alt, alt_comp
+    plan.checked = first  # nothing agrees: f is random or not smooth here
+    return coloring, comp
 
 
 def clear_cache(f: Callable[..., Any] | None = None) -> None:

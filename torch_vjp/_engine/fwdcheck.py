@@ -41,7 +41,7 @@ from torch_vjp._engine.rows import passes_through
 __all__ = [
     "CHECKED", "PIECE", "RandomState", "gap", "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
-    "tolerance",
+    "tolerance", "wrong_route_message",
 ]
 
 #: (function key, input signature) -> the route "auto" takes after its check: "fwd" or "rev"
@@ -208,6 +208,42 @@ def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
             d, s = gap(total, g.reshape(-1))
             diff, scale = max(diff, d), max(scale, s)
     return diff, scale
+
+
+_WRONG = {
+    ("fwd", "rev"): (
+        "forward mode ({option}='auto' chooses it {why}) disagrees with a reverse product on "
+        "the Jacobian of {name}{by}: an operator in f has a wrong forward-mode derivative "
+        "(torch.triangular_solve is one). {option}='auto' returned the reverse-mode Jacobian"),
+    ("fwd", "rev-loop"): (
+        "forward mode and reverse mode under torch.vmap both disagree with a reverse product "
+        "on the Jacobian of {name}{by}: an operator in f has a wrong forward-mode derivative, "
+        "and one has a wrong batching rule for its backward. {option}='auto' returned the "
+        "Jacobian computed one reverse product at a time"),
+    ("rev", "rev-loop"): (
+        "reverse mode under torch.vmap disagrees with a reverse product without it on the "
+        "Jacobian of {name}{by}: an operator in f's backward has a wrong batching rule "
+        "(torch.cdist's is one). {option}='auto' returned the Jacobian computed one reverse "
+        "product at a time"),
+}
+_WHY = {"strategy": "for a Jacobian with more output than input elements",
+        "mode": "where it needs fewer products"}
+_FIX = {("strategy", "rev"): "strategy='rev'", ("strategy", "rev-loop"): "strategy='rev-loop'",
+        ("mode", "rev"): "mode='rev'", ("mode", "rev-loop"): "mode='rev' with chunk_size=1"}
+
+
+def wrong_route_message(call: str, name: str, first: str, route: str, diff: float,
+                        scale: float, option: str) -> str:
+    """The one-time warning that ``"auto"``'s first route (``first``) disagreed with the
+    reverse product and ``route`` was taken; ``option`` names the argument
+    (``"strategy"`` or ``"mode"``)."""
+    by = f" (by up to {diff:.3g}, at a scale of {scale:.3g})"
+    what = _WRONG[first, route].format(option=option, why=_WHY[option], name=name, by=by)
+    if route == "rev-loop":
+        what += f" ({_FIX[option, route]})"
+    return (f"{call}: {what}, and uses it for this function and input shapes from now on.\n"
+            f"  Pass {_FIX[option, route]} to compute it that way directly. This warning is "
+            f"shown once per function.")
 
 
 def tolerance(dtype: torch.dtype) -> float:

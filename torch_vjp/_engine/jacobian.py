@@ -66,6 +66,7 @@ from torch_vjp._engine.fwdcheck import (
     reverse_gap,
     signature,
     tolerance,
+    wrong_route_message,
 )
 from torch_vjp._engine.plain import fwd_plain, rev_plain
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
@@ -243,26 +244,6 @@ def _blocks(
     return _auto(prob, mode, shapes, opts, functorch_loops)
 
 
-_WRONG = {
-    ("fwd", "rev"): (
-        "forward mode (strategy='auto' chooses it for a Jacobian with more output than input "
-        "elements) disagrees with a reverse product on the Jacobian of {name}{by}: an "
-        "operator in f has a wrong forward-mode derivative (torch.triangular_solve is one). "
-        "strategy='auto' returned the reverse-mode Jacobian", "strategy='rev'"),
-    ("fwd", "rev-loop"): (
-        "forward mode and reverse mode under torch.vmap both disagree with a reverse product "
-        "on the Jacobian of {name}{by}: an operator in f has a wrong forward-mode derivative, "
-        "and one has a wrong batching rule for its backward. strategy='auto' returned the "
-        "Jacobian computed one reverse product at a time (strategy='rev-loop')",
-        "strategy='rev-loop'"),
-    ("rev", "rev-loop"): (
-        "reverse mode under torch.vmap disagrees with a reverse product without it on the "
-        "Jacobian of {name}{by}: an operator in f's backward has a wrong batching rule "
-        "(torch.cdist's is one). strategy='auto' returned the Jacobian computed one reverse "
-        "product at a time (strategy='rev-loop')", "strategy='rev-loop'"),
-}
-
-
 def _checked(
     prob: Problem, res: Blocks, opts: Opts, key: Any, state: RandomState,
     shapes: Shapes | None, functorch: bool,
@@ -291,14 +272,10 @@ def _checked(
         if alt_diff > rtol * alt_scale:
             continue
         remember(key, route)
-        what, fix = _WRONG[res.mode, route]
-        by = f" (by up to {diff:.3g}, at a scale of {scale:.3g})"
         warn_once(
             ("auto-checked", function_key(prob.f), res.mode, route),
-            f"{prob.call}: " + what.format(name=function_name(prob.f), by=by)
-            + f", and uses it for this function and input shapes from now on.\n"
-              f"  Pass {fix} to compute it that way directly. This warning is shown once "
-              f"per function.",
+            wrong_route_message(prob.call, function_name(prob.f), res.mode, route, diff, scale,
+                                "strategy"),
             JacobianWarning,
         )
         return alt
