@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
 import torch_vjp as tv
@@ -1242,6 +1243,28 @@ def test_loop_columns_are_of_one_call_of_a_random_function(strategy):
     kept = (J != 0).any(1).to(D)
     torch.testing.assert_close(J, 2 * kept[:, None] * W)
     assert 0 < int(kept.sum()) < 6  # (seed 1 drops some rows and keeps others)
+
+
+def test_chunks_of_one_column_are_of_one_call_of_a_random_function():
+    # chunk_size=1 runs each product as a plain call of f, without vmap: every column (and
+    # every direction of a batched jvp, every colour of a sparse Jacobian) must be of the
+    # same draws, as in the loop strategies
+    x = torch.randn(4, dtype=D)
+    g = lambda x: torch.rand(5, dtype=D) * x.sum()  # noqa: E731 - J[i, j] = r[i]
+    J = jacobian(g, x, strategy="fwd", chunk_size=1)
+    torch.testing.assert_close(J, J[:, :1].expand_as(J))
+    xb = torch.randn(3, 4, dtype=D)
+    Jb = tv.batch_jacobian(lambda x: torch.rand(3, 5, dtype=D) * x.sum(1, keepdim=True), xb,
+                           strategy="fwd", chunk_size=1)
+    torch.testing.assert_close(Jb, Jb[..., :1].expand_as(Jb))
+    T = torch.randn(3, 4, dtype=D)
+    out, tangents = tv.jvp(g, (x,), (T,), batched=True, chunk_size=1)
+    torch.testing.assert_close(tangents, (out / x.sum()) * T.sum(1, keepdim=True))
+    h = lambda x: F.dropout(x, 0.5, training=True) * x.roll(1)  # noqa: E731
+    S = tv.sparse_jacobian(h, x, mode="fwd", chunk_size=1, layout=torch.strided)
+    kept = (S.diagonal() != 0).to(D)  # one mask: row i is kept or dropped as a whole
+    torch.testing.assert_close(S, torch.autograd.functional.jacobian(
+        lambda v: 2 * kept * v * v.roll(1), x))
 
 
 def test_jacobian_of_refuses_complex_tensors():

@@ -36,7 +36,7 @@ from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp, is_n
 from torch_vjp._engine.forms import plain_jvp, plain_vjp
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import map_rows
+from torch_vjp._engine.rows import SameDraws, map_rows
 from torch_vjp._errors import JacobianCallError
 
 __all__ = ["vjp", "jvp"]
@@ -406,8 +406,13 @@ def jvp(
 
     g = prob.g_inner
     spec_box: list[Any] = []
+    # chunks of one direction are plain calls of f: they draw the same random numbers (one
+    # function, as the vectorised call's one call of f is)
+    same_draws = SameDraws() if chunk == 1 else None
 
     def push(*tangent: Tensor) -> Any:
+        if same_draws is not None:
+            same_draws()
         res = func_jvp(g, leaves, tangent, strict=strict, has_aux=has_aux)
         flat_t, spec = tree_flatten(res[1])
         if not spec_box:

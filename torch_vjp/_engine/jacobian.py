@@ -514,7 +514,8 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     prob_g = prob.g_inner  # NOTE [non-differentiated primals]
     check = shapes.check
     unpack_dual = fwAD.unpack_dual
-    same_draws = None if vectorized else SameDraws()  # (one call of f per column)
+    # (one call of f per column, where no vmap runs: chunks of one column are plain calls)
+    same_draws = None if vectorized and chunk != 1 else SameDraws()
 
     def g(*xs: Tensor) -> Any:
         if same_draws is not None:

@@ -336,16 +336,20 @@ def map_rows_with_fallback(
     on_fallback: Callable[[Exception], None],
     extras: bool = False,
     batched_fn: Callable[..., Any] | None = None,
+    loop_fn: Callable[..., Any] | None = None,
 ) -> tuple[list[Tensor], Any]:
     """:func:`map_rows` vectorised, falling back to its loop by :func:`run_with_fallback`,
     with one product computed unbatched as the check.
 
     A single product, or chunks of one, run without vmap: there is nothing to fall back
-    from, and an error propagates at once.
+    from, and an error propagates at once. ``loop_fn``: ``fn`` as called one vector at a
+    time (chunks of one, the loop), where that differs (one that replays the random draws
+    of f's first call, :class:`SameDraws`); ``fn`` by default.
     """
+    loop_fn = fn if loop_fn is None else loop_fn
     if n == 1 or chunk_size == 1:
         return map_rows(
-            fn, rows, n, vectorized=True, chunk_size=chunk_size, extras=extras,
+            loop_fn, rows, n, vectorized=True, chunk_size=chunk_size, extras=extras,
             batched_fn=batched_fn,
         )
     return run_with_fallback(
@@ -353,7 +357,8 @@ def map_rows_with_fallback(
             fn, rows, n, vectorized=True, chunk_size=chunk_size, extras=extras,
             batched_fn=batched_fn,
         ),
-        lambda: map_rows(fn, rows, n, vectorized=False, chunk_size=chunk_size, extras=extras),
+        lambda: map_rows(loop_fn, rows, n, vectorized=False, chunk_size=chunk_size,
+                         extras=extras),
         on_fallback=on_fallback,
         check_one=lambda: fn(*[v[0] for v in rows(0, 1)]),
     )

@@ -47,7 +47,7 @@ from torch_vjp._engine.context import func_jvp, func_vjp
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.memory import WORK_FACTOR, plan_chunk
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import map_rows_with_fallback
+from torch_vjp._engine.rows import SameDraws, map_rows_with_fallback
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
 from torch_vjp._sparse.coloring import Coloring, color_columns, color_rows
 from torch_vjp._sparse.pattern import Pattern
@@ -305,10 +305,17 @@ def compressed(
     def push(*tangents: Tensor) -> tuple[Tensor]:
         return (_flat_cat(func_jvp(g, leaves, tangents)[1]).detach(),)
 
+    same_draws = SameDraws()
+
+    def push_one(*tangents: Tensor) -> tuple[Tensor]:
+        # (one call of f per colour: every call draws what the first drew, one function)
+        same_draws()
+        return push(*tangents)
+
     rows = _split_rows(seeds, [x.shape for x in leaves])
     (res,), _ = map_rows_with_fallback(
         push, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "fwd"),
-        batched_fn=vmap(push) if chunk is None else None,
+        batched_fn=vmap(push) if chunk is None else None, loop_fn=push_one,
     )
     return res, res.shape[1]
 
