@@ -1344,3 +1344,47 @@ def test_a_function_that_changes_a_captured_tensor_is_warned_about(strategy, mon
     assert (len(said) == 1) == (calls > 1), (strategy, calls, said)
     if said:
         assert "Fix: keep f free of side effects" in said[0]
+
+
+class _OldStyleCube(torch.autograd.Function):
+    """A custom Function without setup_context: torch.func cannot run it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * grad
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev-loop", "fwd-loop"])
+def test_hessian_of_an_old_style_function_takes_plain_autograd(strategy):
+    # torch.autograd.functional.hessian computes it; the hessian raised torch.func's
+    # RuntimeError (must override the setup_context staticmethod)
+    x = torch.randn(3, dtype=D)
+    f = lambda x: _OldStyleCube.apply(x).sum()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        H = hessian(f, x, strategy=strategy)
+    torch.testing.assert_close(H, torch.diag(6 * x))
+    torch.testing.assert_close(H, torch.autograd.functional.hessian(f, x))
+
+
+def test_hessian_with_plain_autograd_says_why():
+    f = lambda x: _OldStyleCube.apply(x).sum() * 2  # noqa: E731
+    with pytest.warns(tv.JacobianWarning, match=r"^torch_vjp\.hessian: torch\.func cannot run f "
+                      r"\(.*setup_context.*\), so the Hessian was computed with plain autograd, "
+                      r"one backward pass per row: usually many times slower .* A custom "
+                      r"autograd\.Function with setup_context \(and vmap support\)"):
+        hessian(f, torch.randn(3, dtype=D), strategy="rev-loop")
+
+
+def test_hessian_passes_fs_own_error_through_after_the_fallback():
+    def f(x):
+        raise ValueError("f's own")
+
+    with pytest.raises(ValueError, match="^f's own$"):
+        hessian(f, torch.randn(3, dtype=D))

@@ -44,7 +44,8 @@ from torch_vjp._engine.forms import (
     plain_jacobian,
 )
 from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient
-from torch_vjp._engine.jacobian import jacobian_blocks, mutates_captured
+from torch_vjp._engine.jacobian import jacobian_blocks
+from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory, plan_products
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
@@ -419,9 +420,10 @@ def hessian(
     Warns:
         JacobianWarning: once per function, when ``"auto"`` falls back to a loop, or returns
             reverse over reverse because forward over reverse was wrong, or (``"auto"`` and
-            the loop strategies) computes with plain autograd because ``f`` changes a tensor
-            it captured in place (a module in training mode updating its running
-            statistics), which torch.func's transforms refuse.
+            the loop strategies) computes with plain autograd because torch.func's
+            transforms cannot run ``f``: it changes a tensor it captured in place (a module
+            in training mode updating its running statistics), or calls a custom
+            autograd.Function without setup_context.
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -480,13 +482,15 @@ def hessian(
 
         try:
             res = outer_blocks(outer_mode)
-        except RuntimeError as err:
-            # torch.func refuses a function that changes a captured tensor in place (a
-            # module in training mode updating its running statistics); "auto" and the
-            # loop strategies then take plain autograd, as torch.autograd.functional does
-            if not mutates_captured(err) or strat.vectorized and not fallback or is_nested():
+        except Exception as err:  # noqa: BLE001 - plain autograd decides below
+            # torch.func cannot run some functions that plain autograd runs: one that changes
+            # a captured tensor in place (a module in training mode updating its running
+            # statistics), a custom autograd.Function without setup_context, NumPy calls;
+            # "auto" and the loop strategies then take plain autograd, as
+            # torch.autograd.functional does (an error of f's own comes from there again)
+            if passes_through(err) or strat.vectorized and not fallback or is_nested():
                 raise
-            return autograd_hessian(f, primals, argnums, not detached, call)
+            return autograd_hessian(f, primals, argnums, not detached, call, err)
         if fallback and res.mode == "fwd" and not is_nested():
             res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)
         warn_disconnected(outer, res)

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.blocks import assemble
-from torch_vjp._engine.jacobian import function_key, jacobian_blocks
+from torch_vjp._engine.jacobian import function_key, jacobian_blocks, mutates_captured
 from torch_vjp._engine.problem import Problem
-from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
+from torch_vjp._errors import JacobianCallError, JacobianWarning, quote_error, warn_once
 
 __all__ = ["hessian_gradient", "autograd_hessian"]
 
@@ -47,21 +47,28 @@ def hessian_gradient(
 
 def autograd_hessian(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
-    create_graph: bool, call: str,
+    create_graph: bool, call: str, refusal: BaseException,
 ) -> Any:
     """The Hessian with plain autograd (``torch.autograd.functional.jacobian`` of the
     gradient, one backward pass per row), with a one-time warning: for functions torch.func
-    refuses to transform because they change a captured tensor in place. ``f`` must return one tensor and the
-    differentiated primals must be tensors; the result has :func:`torch_vjp.hessian`'s
+    cannot transform (``refusal`` is what it raised: a captured tensor changed in place, a
+    custom Function without setup_context, NumPy calls). ``f`` must return one tensor and
+    the differentiated primals must be tensors; the result has :func:`torch_vjp.hessian`'s
     structure (one tensor for an int ``argnums``, a tuple of tuples for a tuple)."""
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     nums = tuple(n % len(primals) for n in nums)
+    if mutates_captured(refusal):
+        why = ("f changes a tensor it captured in place (a module in training mode updating "
+               "its buffers)")
+        keep = "Put the module in eval mode to keep the vectorised path."
+    else:
+        why = f"torch.func cannot run f ({quote_error(refusal)})"
+        keep = ("A custom autograd.Function with setup_context (and vmap support), and torch "
+                "operations in place of NumPy, keep the vectorised path.")
     if not all(isinstance(primals[n], Tensor) for n in nums):
         raise JacobianCallError(
-            f"{call}: f changes a tensor it captured in place (a module in training mode "
-            f"updating its buffers), which torch.func cannot differentiate, and the plain "
-            f"autograd fallback takes tensor primals only. Fix: put the module in eval mode, "
-            f"or pass the differentiated primals as tensors."
+            f"{call}: {why}, and the plain autograd fallback takes tensor primals only. "
+            f"Fix: pass the differentiated primals as tensors. {keep}"
         )
 
     def f_sel(*xs: Tensor) -> Tensor:
@@ -71,21 +78,16 @@ def autograd_hessian(
         out = f(*args)
         if not isinstance(out, Tensor):
             raise JacobianCallError(
-                f"{call}: f changes a tensor it captured in place (a module in training mode "
-                f"updating its buffers), which torch.func cannot differentiate, and the "
-                f"plain autograd fallback takes an f that returns one tensor, not a "
-                f"{type(out).__name__}. Fix: put the module in eval mode, or return one "
-                f"tensor."
+                f"{call}: {why}, and the plain autograd fallback takes an f that returns one "
+                f"tensor, not a {type(out).__name__}. Fix: return one tensor. {keep}"
             )
         return out
 
     warn_once(
         ("hessian-autograd", call, function_key(f)),
-        f"{call}: f changes a tensor it captured in place (a module in training mode "
-        f"updating its buffers), which torch.func's transforms refuse, so the Hessian was "
-        f"computed with plain autograd, one backward pass per row: usually many times "
-        f"slower. The buffers are put back afterwards. Put the module in eval mode to keep "
-        f"the vectorised path. This warning is shown once per function.",
+        f"{call}: {why}, so the Hessian was computed with plain autograd, one backward pass "
+        f"per row: usually many times slower (buffers a forward changes are put back "
+        f"afterwards). {keep} This warning is shown once per function.",
         JacobianWarning,
     )
     xs = tuple(primals[n].detach() for n in nums)
