@@ -1289,3 +1289,46 @@ def test_a_flag_of_the_models_own_module_makes_a_new_plan():
     m.center = True
     with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
         tv.per_sample_grad_norms(m, _sin_loss, x)
+
+
+class MaskedAttention(nn.Module):
+    """A float mask per example, folded with the heads into attention's (B * heads, T, T)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x, mask):
+        B, H, T, _ = mask.shape
+        return self.a(x, x, x, attn_mask=mask.reshape(B * H, T, T), need_weights=False)[0]
+
+
+class FoldedMixer(nn.Module):
+    """Mixes examples through an input folded as (B * T, F): a softmax over all rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        B, T, F_ = x.shape
+        h = self.fc(x).reshape(B * T, F_)
+        return (torch.softmax(h, 0) * h).reshape(B, T, F_)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_a_per_example_mask_folded_with_the_heads_is_not_mixing(strategy):
+    # B == T: the mask's T-sized dimensions were read as batch dimensions, and the model was
+    # refused as one that mixes examples
+    m = MaskedAttention().double()
+    x = torch.randn(3, 3, 4, dtype=DT)
+    mask = torch.randn(3, 2, 3, 3, dtype=DT)
+    got = tv.per_sample_grad_norms(m, _sin_loss, (x, mask), strategy=strategy)
+    torch.testing.assert_close(got, tv.per_sample_grad_norms(m, _sin_loss, (x, mask),
+                                                             strategy="loop"))
+
+
+def test_an_input_folded_with_the_batch_that_mixes_is_still_found():
+    m = FoldedMixer().double()
+    with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
+        tv.per_sample_grad_norms(m, _sin_loss, torch.randn(4, 4, 4, dtype=DT))

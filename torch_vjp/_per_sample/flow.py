@@ -42,13 +42,19 @@ def _as_shape(g: Tensor, shape: Sequence[int]) -> Tensor:
     return g
 
 
-def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int) -> set[int] | None:
+def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int,
+             folded: bool = False) -> set[int] | None:
     """The dimensions of size B along which the gradient of example ``k``'s loss is zero
     except at index ``k`` (None where the gradient is unused or all zero, or where no
     dimension has size B: a flat tensor, the per-entry weights of an EmbeddingBag say, whose
     entries cannot be told apart from the shape alone; the check against the loop then
-    decides)."""
-    if g is None or batch not in tuple(shape):
+    decides). With ``folded``, also the dimensions of size ``m * B`` (the examples folded
+    into another dimension example-major, ``b * m + i``: attention's ``(B * heads, T, T)``
+    mask) along which it is zero except in block ``k``."""
+    def holds(size: int) -> bool:
+        return size == batch or folded and size > 0 and size % batch == 0
+
+    if g is None or not any(holds(size) for size in shape):
         return None
     g = _as_shape(g, shape)
     nz = g.detach() != 0
@@ -56,7 +62,7 @@ def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int) -> set[
         return None
     dims = set()
     for d, size in enumerate(shape):
-        if size != batch or d >= nz.dim():
+        if not holds(size) or d >= nz.dim():
             continue
         along = nz.movedim(d, 0).reshape(batch, -1).any(1)
         if bool(along[k]) and int(along.sum()) == 1:
@@ -295,7 +301,7 @@ def _find_mixing(
     for i, mc in enumerate(module_calls):
         def ok(gs: list[Tensor | None], shape: Sequence[int]) -> bool:
             for a, k in enumerate(ks):
-                got = confined(gs[a], shape, k, batch)
+                got = confined(gs[a], shape, k, batch, folded=True)
                 if got is not None and not got:
                     return False
             return True
