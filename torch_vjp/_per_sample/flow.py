@@ -43,31 +43,40 @@ def _as_shape(g: Tensor, shape: Sequence[int]) -> Tensor:
 
 
 def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int,
-             folded: bool = False) -> set[int] | None:
+             folded: frozenset[int] = frozenset()) -> set[int] | None:
     """The dimensions of size B along which the gradient of example ``k``'s loss is zero
     except at index ``k`` (None where the gradient is unused or all zero, or where no
     dimension has size B: a flat tensor, the per-entry weights of an EmbeddingBag say, whose
     entries cannot be told apart from the shape alone; the check against the loop then
-    decides). With ``folded``, also the dimensions of size ``m * B`` (the examples folded
-    into another dimension example-major, ``b * m + i``: attention's ``(B * heads, T, T)``
-    mask) along which it is zero except in block ``k``."""
-    def holds(size: int) -> bool:
-        return size == batch or folded and size > 0 and size % batch == 0
+    decides).
 
-    if g is None or not any(holds(size) for size in shape):
+    ``folded``: dimensions of size ``m * B`` that shrank by ``m`` with one example fewer,
+    which may hold the examples folded example-major (``b * m + i``: attention's
+    ``(B * heads, T, T)`` mask). Where no dimension of size B keeps the gradient apart, one
+    of them along which it is zero except in block ``k`` does (and is returned); one along
+    which it is not tells nothing (a flat tensor whose examples hold unequal numbers of
+    entries can shrink so by coincidence), so it never makes the answer "mixed"."""
+    if g is None:
         return None
     g = _as_shape(g, shape)
+
+    def along(d: int) -> bool:
+        rows = nz.movedim(d, 0).reshape(batch, -1).any(1)
+        return bool(rows[k]) and int(rows.sum()) == 1
+
+    sized = [d for d, size in enumerate(shape) if size == batch and d < g.dim()]
+    folds = [d for d in folded if d < g.dim() and d not in sized]
+    if not sized and not folds:
+        return None
     nz = g.detach() != 0
     if not bool(nz.any()):
         return None
-    dims = set()
-    for d, size in enumerate(shape):
-        if not holds(size) or d >= nz.dim():
-            continue
-        along = nz.movedim(d, 0).reshape(batch, -1).any(1)
-        if bool(along[k]) and int(along.sum()) == 1:
-            dims.add(d)
-    return dims
+    dims = {d for d in sized if along(d)}
+    if not dims and folds:
+        dims = {d for d in folds if along(d)}
+        if not dims and not sized:
+            return None
+    return dims if sized or dims else None
 
 
 def _other_outputs_mixed(
@@ -295,13 +304,14 @@ def _find_mixing(
 ) -> str | None:
     """The innermost module whose outputs keep examples apart while an input that carries
     the examples does not: its forward mixes examples (None if there is none)."""
-    carries = _carrying_inputs(full[1], None if small is None else small[1],
-                               [id(mc.module) for mc in module_calls])
+    carries, folds = _carrying_inputs(full[1], None if small is None else small[1],
+                                      [id(mc.module) for mc in module_calls], batch)
     mixers: list[ModuleCall] = []
     for i, mc in enumerate(module_calls):
-        def ok(gs: list[Tensor | None], shape: Sequence[int]) -> bool:
+        def ok(gs: list[Tensor | None], shape: Sequence[int],
+               folded: frozenset[int] = frozenset()) -> bool:
             for a, k in enumerate(ks):
-                got = confined(gs[a], shape, k, batch, folded=True)
+                got = confined(gs[a], shape, k, batch, folded)
                 if got is not None and not got:
                     return False
             return True
@@ -314,7 +324,7 @@ def _find_mixing(
             if not carries(i, j):
                 continue
             gs = in_grads.get((i, j))
-            if gs is not None and not ok(gs, s):
+            if gs is not None and not ok(gs, s, folds(i, j)):
                 mixers.append(mc)
                 break
     if not mixers:
@@ -332,17 +342,18 @@ def _find_mixing(
 
 
 def _carrying_inputs(
-    full: ShapeRecord, small: ShapeRecord | None, order: list[int]
-) -> Callable[[int, int], bool]:
+    full: ShapeRecord, small: ShapeRecord | None, order: list[int], batch: int,
+) -> tuple[Callable[[int, int], bool], Callable[[int, int], frozenset[int]]]:
     """Whether input ``j`` of module call ``i`` carries the examples: its shape shrinks with
     the batch (every input, where the three runs did not call the same modules in the same
-    order)."""
+    order); and the dimensions of that input that hold them folded (see :func:`confined`):
+    of size ``m * B``, shrunk by ``m``, with ``m > 1``."""
     if (
         small is None
         or [c[0] for c in full.calls] != order
         or [c[0] for c in small.calls] != order
     ):
-        return lambda i, j: True
+        return (lambda i, j: True), (lambda i, j: frozenset())
 
     def carries(i: int, j: int) -> bool:
         a, b = full.calls[i][1], small.calls[i][1]
@@ -350,7 +361,14 @@ def _carrying_inputs(
             return True
         return a[j] != b[j]
 
-    return carries
+    def folds(i: int, j: int) -> frozenset[int]:
+        a, b = full.calls[i][1], small.calls[i][1]
+        if j >= len(a) or j >= len(b) or len(a[j]) != len(b[j]):
+            return frozenset()
+        return frozenset(d for d, (x, y) in enumerate(zip(a[j], b[j]))
+                         if x - y > 1 and x == batch * (x - y))
+
+    return carries, folds
 
 
 def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[int, str]) -> set[str]:

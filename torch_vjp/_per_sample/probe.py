@@ -266,18 +266,22 @@ def _shape_run(
     record = ShapeRecord([])
     ours = {id(m) for m in model.modules()}
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if id(module) in ours:
+    def hook(module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
+        if id(module) in ours:  # (keyword arguments too, as the recorder lists them)
             record.calls.append((id(module), [
                 None if t.is_nested else tuple(t.shape)
-                for t in tree_leaves(args) if isinstance(t, Tensor)
+                for t in tree_leaves((args, kwargs) if kwargs else args)
+                if isinstance(t, Tensor)
             ]))
 
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
     try:
         out = seeded_forward(model, xs, aliases)
     finally:
         handle.remove()
+        # (a removed global hook registered with_kwargs leaves its id in torch's with-kwargs
+        # dict, which makes torch.compile(module) warn about global hooks afterwards)
+        torch.nn.modules.module._global_forward_hooks_with_kwargs.pop(handle.id, None)
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), record
 
 
