@@ -655,3 +655,22 @@ def test_auto_takes_reverse_mode_where_forward_mode_fails_with_a_warning():
     torch.testing.assert_close(got.to_dense(), torch.autograd.functional.jacobian(f, u))
     with pytest.raises(NotImplementedError):  # mode='fwd' asked for: torch's own error
         tv.sparse_jacobian(f, u, mode="fwd")
+
+
+def test_auto_takes_plain_autograd_where_torch_func_cannot_run_f():
+    # a module in training mode updates its running statistics, which torch.func refuses;
+    # the dense 'auto' computes it with plain autograd, and sparse 'auto' raised torch.func's
+    # RuntimeError
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).double().train()
+    x = torch.randn(4, 3, dtype=D)
+    mean, var = net[1].running_mean.clone(), net[1].running_var.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        J = tv.sparse_jacobian(net, x, layout=torch.strided)
+    assert [w for w in caught if re.match(
+        r"torch_vjp\.sparse_jacobian: torch\.func cannot run f \(Sequential\): f changes a "
+        r"tensor it captured in place .* mode='auto' computed the products with plain "
+        r"autograd, one backward pass per colour", str(w.message))]
+    assert torch.equal(net[1].running_mean, mean) and torch.equal(net[1].running_var, var)
+    ref = torch.autograd.functional.jacobian(lambda u: net(u), x).reshape(12, 12)
+    torch.testing.assert_close(J, ref)

@@ -261,3 +261,27 @@ def test_errors_of_f_pass_through_untouched():
     with pytest.raises(KeyError) as info:
         jvp(f, (torch.randn(3),), (torch.randn(2, 3),), batched=True)
     assert info.value is raised[-1]
+
+
+@pytest.mark.parametrize("which", ["vjp", "jvp", "jvp-batched"])
+def test_a_module_updating_its_statistics_is_explained(which):
+    # torch.func refuses it with "mutate a captured Tensor"; torch_vjp says why and what to do
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).double().train()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    mean = net[1].running_mean.clone()
+    call = {
+        "vjp": lambda: tv.vjp(net, x),
+        "jvp": lambda: tv.jvp(net, (x,), (torch.ones_like(x),)),
+        "jvp-batched": lambda: tv.jvp(net, (x,), (torch.ones(2, 4, 3, dtype=torch.float64),),
+                                      batched=True),
+    }[which]
+    name = which.split("-")[0]
+    with pytest.raises(tv.JacobianCallError, match=(
+            rf"^torch_vjp\.{name}: f changes a tensor it captured in place \(a module in "
+            rf"training mode updating its running statistics, say\), which torch\.func\.{name}, "
+            rf"on which torch_vjp\.{name} computes, cannot differentiate\.\n  torch\.func said: "
+            rf".*mutate a captured Tensor.*\n  Fix: put the module in eval mode")):
+        call()
+    assert isinstance(pytest.raises(RuntimeError, call).value, RuntimeError)
+    net.eval()
+    assert torch.equal(net[1].running_mean, mean)

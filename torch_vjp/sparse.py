@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.context import is_nested
+from torch_vjp._engine.context import buffers_kept, is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
@@ -33,14 +33,20 @@ from torch_vjp._engine.fwdcheck import (
     tolerance,
     wrong_route_message,
 )
-from torch_vjp._engine.jacobian import function_key, function_name, no_forward_message
+from torch_vjp._engine.jacobian import (
+    function_key,
+    function_name,
+    no_forward_message,
+    vmap_refusal,
+)
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
-                               StrategyError, shape_str, warn_once)
+                               StrategyError, quote_error, shape_str, warn_once)
 from torch_vjp._sparse.compute import (
     assemble,
     clear_plans,
     compressed,
+    compressed_plain,
     lookup_plan,
     user_plan,
 )
@@ -233,8 +239,10 @@ def _products(
     try:
         comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
     except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
-        if mode != "auto" or coloring.mode != "fwd" or passes_through(err):
+        if mode != "auto" or passes_through(err):
             raise
+        if coloring.mode == "rev":
+            return coloring, *_plain(prob, plan, coloring, err)
         warn_once(
             ("sparse-fwd-to-rev", function_key(prob.f), type(err)),
             no_forward_message(prob, err, f"with {plan.coloring('rev').count} products "
@@ -242,8 +250,29 @@ def _products(
             JacobianWarning,
         )
         coloring = plan.coloring("rev")
-        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+        try:
+            comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+        except Exception as rev_err:  # noqa: BLE001 - plain autograd decides
+            if passes_through(rev_err):
+                raise
+            return coloring, *_plain(prob, plan, coloring, rev_err)
     return coloring, comp, m
+
+
+def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException) -> tuple[Tensor, int]:
+    """Reverse mode's products with plain autograd where torch.func cannot run f (its error
+    ``err``), with a one-time warning; an error of f's own comes out of that call."""
+    with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
+        comp, m = compressed_plain(prob, plan, coloring)
+    warn_once(
+        ("sparse-plain", function_key(prob.f)),
+        f"{prob.call}: torch.func cannot run f ({function_name(prob.f)}): "
+        f"{vmap_refusal(err) or quote_error(err)}. mode='auto' computed the products with "
+        f"plain autograd, one backward pass per colour ({coloring.count}), without vmap. "
+        f"This warning is shown once per function.",
+        JacobianWarning,
+    )
+    return comp, m
 
 
 def _checked(
@@ -255,7 +284,8 @@ def _checked(
     time that agrees with it, with a one-time warning, as :func:`torch_vjp.jacobian`'s
     ``"auto"`` does (NOTE [auto, checked once] in :mod:`torch_vjp._engine.fwdcheck`)."""
     first = coloring.mode
-    got = one_reverse_product(prob, state)
+    with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
+        got = one_reverse_product(prob, state)
     if got is None:
         plan.checked = first
         return coloring, comp

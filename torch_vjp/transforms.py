@@ -14,9 +14,10 @@ shaped like ``y``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload
 
 import torch
@@ -34,12 +35,33 @@ from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
 from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp, is_nested,
                                        modules_reached)
 from torch_vjp._engine.forms import plain_jvp, plain_vjp
+from torch_vjp._engine.jacobian import mutates_captured
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, map_rows
-from torch_vjp._errors import JacobianCallError
+from torch_vjp._errors import JacobianCallError, quote_error
 
 __all__ = ["vjp", "jvp"]
+
+
+@contextlib.contextmanager
+def _explained(call: str, what: str) -> Iterator[None]:
+    """torch.func's refusal of a function that changes a tensor it captured in place (a
+    module in training mode updating its running statistics) as a JacobianCallError that
+    says so and what to do; every other error passes through untouched."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not mutates_captured(err):
+            raise
+        raise JacobianCallError(
+            f"{call}: f changes a tensor it captured in place (a module in training mode "
+            f"updating its running statistics, say), which torch.func.{what}, on which "
+            f"{call} computes, cannot differentiate.\n  torch.func said: {quote_error(err)}\n"
+            f"  Fix: put the module in eval mode (model.eval()); or differentiate with plain "
+            f"autograd: out = f(x) with x.requires_grad_(), then torch_vjp.grad(out, x, v) "
+            f"for a vjp, or torch.autograd.functional.{what}(f, x, v)."
+        ) from None
 
 
 def _flat_vectors(
@@ -170,7 +192,8 @@ def vjp(
         return _compiled_vjp(f, primals, has_aux)
     # f is called once, on the caller's tensors, as torch.func.vjp calls it
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
-    res = func_vjp(prob.g_inner, *prob.leaves, has_aux=prob.has_aux)
+    with _explained(call, "vjp"):
+        res = func_vjp(prob.g_inner, *prob.leaves, has_aux=prob.has_aux)
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
     single = isinstance(out, Tensor)
@@ -402,7 +425,9 @@ def jvp(
     vectors = _flat_vectors(normalized, prob.leaves, batched)
     leaves = tuple(prob.leaves)
     if not batched:
-        return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict, has_aux=has_aux)
+        with _explained(call, "jvp"):
+            return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict,
+                            has_aux=has_aux)
 
     g = prob.g_inner
     spec_box: list[Any] = []
@@ -427,9 +452,10 @@ def jvp(
         flat_o, spec = tree_flatten(out)
         tan = tree_unflatten([o.new_zeros((0, *o.shape)) for o in flat_o], spec)
         return (out, tan, res[1]) if has_aux else (out, tan)
-    stacked, extra = map_rows(
-        push, lambda s, e: tuple(v[s:e] for v in vectors), k,
-        vectorized=True, chunk_size=chunk, extras=True,
-    )
+    with _explained(call, "jvp"):
+        stacked, extra = map_rows(
+            push, lambda s, e: tuple(v[s:e] for v in vectors), k,
+            vectorized=True, chunk_size=chunk, extras=True,
+        )
     tan = tree_unflatten(stacked, spec_box[0])
     return (extra[0], tan) + tuple(extra[1:])

@@ -97,6 +97,7 @@ from torch_vjp._strategies import choose_mode
 
 __all__ = [
     "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "mutates_captured",
+    "vmap_refusal",
     "function_key", "function_name",
     "fallback_message", "no_forward_message",
 ]
@@ -230,7 +231,7 @@ def _blocks(
         try:
             return _vectorized(prob, mode, shapes, opts)
         except Exception as err:  # noqa: BLE001 - torch.func's known refusals are explained
-            why = None if passes_through(err) else _vmap_refusal(err)
+            why = None if passes_through(err) else vmap_refusal(err)
             if why is None:
                 raise
             raise StrategyError(
@@ -565,7 +566,7 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0])
 
 
-def _vmap_refusal(err: BaseException) -> str | None:
+def vmap_refusal(err: BaseException) -> str | None:
     """What torch.func's vectorised transforms refused in ``f``, where ``err`` is one of
     their known refusals of a function plain autograd runs (None otherwise)."""
     if mutates_captured(err):

@@ -59,6 +59,7 @@ __all__ = [
     "user_plan",
     "clear_plans",
     "compressed",
+    "compressed_plain",
     "assemble",
 ]
 
@@ -318,6 +319,38 @@ def compressed(
         batched_fn=vmap(push) if chunk is None else None, loop_fn=push_one,
     )
     return res, res.shape[1]
+
+
+def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring) -> tuple[Tensor, int]:
+    """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
+    per colour: for functions torch.func cannot run at all (a module in training mode that
+    updates its running statistics, a custom Function without setup_context), as the dense
+    ``"auto"`` falls back to (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`)."""
+    leaves = prob.leaves
+    p, n = coloring.count, plan.pattern.n
+    with torch.enable_grad():
+        xs = [x.detach().requires_grad_(True) for x in leaves]
+        out = prob.g(*xs)
+    flat_out, _ = tree_flatten(out)
+    m = sum(o.numel() for o in flat_out)
+    if m != plan.pattern.m or p == 0:
+        return leaves[0].new_zeros((p, n)), m
+    live = [(j, o) for j, o in enumerate(flat_out) if o.requires_grad]
+    sizes = [o.numel() for o in flat_out]
+    seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device)
+    res = leaves[0].new_zeros((p, n))
+    if not live:
+        return res, m
+    for c in range(p):
+        parts = seeds[c].split(sizes)
+        grads = torch.autograd.grad(
+            [o for _, o in live], xs, [parts[j].view_as(o) for j, o in live],
+            retain_graph=c < p - 1, allow_unused=True,
+        )
+        res[c] = torch.cat([torch.zeros(x.numel(), dtype=res.dtype, device=res.device)
+                            if g is None else g.reshape(-1).to(res.dtype)
+                            for g, x in zip(grads, xs)])
+    return res, m
 
 
 def _chunk(
