@@ -21,7 +21,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where none is present")
 
 
+#: A test that runs longer has hung (a process group's teardown, say): pytest-timeout (in
+#: the test extra) fails it with its stack instead of letting CI run to its own limit. The
+#: slowest test takes under a minute on two cores.
+TEST_TIMEOUT_S = 600
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.pluginmanager.hasplugin("timeout"):
+        for item in items:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device on this machine")
