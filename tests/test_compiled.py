@@ -649,3 +649,22 @@ def test_auto_compiles_reverse_mode_where_forward_mode_is_wrong():
             Ab = point(3)
             torch.testing.assert_close(tv.batch_jacobian(f, Ab, compile=True),
                                        torch.vmap(torch.func.jacrev(f))(Ab))
+
+
+@pytest.mark.parametrize("kind", ["module", "method"])
+def test_the_cache_does_not_keep_a_model_alive(kind):
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(4, 3).double()
+    alive = weakref.ref(model)
+    f = model if kind == "module" else model.forward
+    x = torch.randn(4, dtype=D)
+    for _ in range(2):
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), model.weight)
+    del model, f
+    gc.collect()
+    assert alive() is None
+    # a new model (its id may be the old one's) gets an entry of its own
+    other = torch.nn.Linear(4, 3).double()
+    torch.testing.assert_close(tv.jacobian(other, x, compile=True), other.weight)

@@ -143,3 +143,21 @@ def test_a_gradient_hook_on_a_parameter_is_applied_to_each_example():
         got = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
         assert got["3.weight"].abs().max() == 0
         torch.testing.assert_close(got, _loop(model, loss_fn, x, y))
+
+
+def test_the_compiled_program_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    alive = weakref.ref(model)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss = nn.CrossEntropyLoss()
+    ref = tv.per_sample_grads(model, loss, x, y)
+    for _ in range(2):
+        got = tv.per_sample_grads(model, loss, x, y, compile=True)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n])
+    del model, got, ref
+    gc.collect()
+    assert alive() is None

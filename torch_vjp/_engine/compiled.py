@@ -69,6 +69,7 @@ import functools
 import math
 import threading
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -184,13 +185,27 @@ class _Entry:
     """One function, options and input signature: its compiled program, or None where it
     runs eagerly."""
 
-    __slots__ = ("f", "run", "reused", "fresh")
+    __slots__ = ("f", "owner", "run", "reused", "fresh")
 
     def __init__(self, f: object) -> None:
-        self.f = f  # keeps the ids in the key valid
+        # The ids in the key stay valid while the entry lives: a module (or a bound
+        # method's object) that can be weakly referenced is held weakly, so that the cache
+        # does not keep a model alive after the caller dropped it (the entry is then stale,
+        # see :meth:`alive`); anything else is held.
+        owner = f.__self__ if isinstance(f, types.MethodType) else f
+        self.f: object = None
+        self.owner: Any = None
+        if isinstance(owner, torch.nn.Module):
+            self.owner = weakref.ref(owner)
+        else:
+            self.f = f
         self.run: Callable[..., Any] | None = None
         self.reused = False  # found again by a later call
         self.fresh: Callable[[], tuple[Any, ...]] = tuple  # the program's leading arguments
+
+    def alive(self) -> bool:
+        """Whether the objects whose ids the key holds still live."""
+        return self.owner is None or self.owner() is not None
 
     def __call__(self, f: object, args: tuple[Any, ...]) -> Any:
         assert self.run is not None
@@ -465,6 +480,9 @@ def compiled_call(
     key = (call, program_key(f, passed=True), options, _signature(args))
     with _LOCK:
         entry = _CACHE.get(key)
+        if entry is not None and not entry.alive():  # (an id reused by a new object)
+            del _CACHE[key]
+            entry = None
         if entry is not None:
             _CACHE.move_to_end(key)
             entry.reused = True

@@ -55,20 +55,21 @@ def run_compiled(
 
 def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
              ) -> Callable[..., Any]:
-    model, loss_fn, fn, sel = job.model, job.loss_fn, job.fn, job.sel
+    loss_fn, fn, sel = job.loss_fn, job.fn, job.sel
     keys = list(sel.tensors)
     names, key_of = list(sel.names), dict(sel.key_of)
 
-    def one(d: dict[str, Tensor], state: dict[str, Any], xi: tuple[Tensor, ...],
-            ti: Any) -> Tensor:
-        out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
-                              strict=False, tie_weights=True)
-        ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
-        return scalar_loss(fn, call_loss(loss_fn, out, ti))
-
     # (compiled_call passes the model first: the same object, its identity is in the key;
-    # the loss function is baked in, so the options key it by identity)
-    def program(_model: nn.Module, xs: tuple[Tensor, ...], targets: Any) -> Any:
+    # the program reads it from there, so that the cache does not keep the model alive; the
+    # loss function is baked in, so the options key it by identity)
+    def program(model: nn.Module, xs: tuple[Tensor, ...], targets: Any) -> Any:
+        def one(d: dict[str, Tensor], state: dict[str, Any], xi: tuple[Tensor, ...],
+                ti: Any) -> Tensor:
+            out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
+                                  strict=False, tie_weights=True)
+            ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
+            return scalar_loss(fn, call_loss(loss_fn, out, ti))
+
         state = functional_state(model)
         diff = {k: state.pop(k) for k in keys}
         in_dims = (None, None, 0, 0 if targets is not None else None)
