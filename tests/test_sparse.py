@@ -674,3 +674,39 @@ def test_auto_takes_plain_autograd_where_torch_func_cannot_run_f():
     assert torch.equal(net[1].running_mean, mean) and torch.equal(net[1].running_var, var)
     ref = torch.autograd.functional.jacobian(lambda u: net(u), x).reshape(12, 12)
     torch.testing.assert_close(J, ref)
+
+
+class _DoubleInPlace(torch.autograd.Function):
+    """2 x, whose backward scales its grad_output in place (legal, if unusual)."""
+
+    @staticmethod
+    def forward(x):
+        return 2 * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.mul_(2)
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+def test_products_that_write_into_their_seeds_do_not_change_the_next_call(mode):
+    # the kept seed rows were handed out themselves: a backward that scales grad_output in
+    # place (reverse mode), or a function that writes into its input (forward mode), scaled
+    # them, and every later call of the plan was wrong
+    x = torch.randn(6, dtype=D)
+    f = _DoubleInPlace.apply if mode == "rev" else _writes_in_place
+    ref = torch.autograd.functional.jacobian(lambda u: f(u.clone()), x)
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tv.JacobianWarning)
+            J = tv.sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+        torch.testing.assert_close(J, ref)
+
+
+def _writes_in_place(x):
+    x.mul_(2)
+    return x.sin()

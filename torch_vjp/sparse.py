@@ -38,6 +38,7 @@ from torch_vjp._engine.jacobian import (
     function_name,
     no_forward_message,
     vmap_refusal,
+    writes_into_input,
 )
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
@@ -207,8 +208,15 @@ def sparse_jacobian(
     check = mode == "auto" and plan.checked is None and not is_nested()
     state = RandomState() if check else None
     route = plan.checked if mode == "auto" else None  # NOTE [auto, checked once]
-    coloring, comp, m = _products(prob, plan, mode if route in (None, "fwd") else "rev",
-                                  1 if route == "rev-loop" else chunk, budget)
+    mode_now = mode if route in (None, "fwd") else "rev"
+    chunk_now = 1 if route == "rev-loop" else chunk
+    try:
+        coloring, comp, m = _products(prob, plan, mode_now, chunk_now, budget)
+    except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
+        if not writes_into_input(err):
+            raise
+        prob.writes_inputs = True
+        coloring, comp, m = _products(prob, plan, mode_now, chunk_now, budget)
     if m != plan.pattern.m:
         check = False  # (checked on the next call)
         if plan.user:

@@ -74,7 +74,7 @@ def autograd_hessian(
     def f_sel(*xs: Tensor) -> Tensor:
         args = list(primals)
         for n, x in zip(nums, xs):
-            args[n] = x
+            args[n] = x.clone()  # (f may write into its input: NOTE [f writes into its input])
         out = f(*args)
         if not isinstance(out, Tensor):
             raise JacobianCallError(

@@ -97,7 +97,7 @@ from torch_vjp._strategies import choose_mode
 
 __all__ = [
     "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "mutates_captured",
-    "vmap_refusal",
+    "vmap_refusal", "writes_into_input",
     "function_key", "function_name",
     "fallback_message", "no_forward_message",
 ]
@@ -170,8 +170,20 @@ def jacobian_blocks(
     versions = [t._version for t in watched]
     calls = prob.calls
     try:
-        blocks = _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
-    except StaleShapes:  # remembered output sizes were wrong: they are gone now
+        try:
+            blocks = _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+        except StaleShapes:  # remembered output sizes were wrong: they are gone now
+            blocks = _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+    except RuntimeError as err:
+        # NOTE [f writes into its input]: reverse mode differentiates against the input
+        # tensor itself, and autograd refuses an in-place write into a tensor that requires
+        # grad and has no history; forward mode and f's own semantics allow it. The
+        # products are taken again with f given a copy of each differentiated input (the
+        # write lands in the copy, and the derivative flows through the copy). "auto" and
+        # every strategy that torch.func.jacfwd or a plain backward would run do this.
+        if not writes_into_input(err) or prob.writes_inputs:
+            raise
+        prob.writes_inputs = True
         blocks = _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
     if prob.calls - calls > 1 and any(t._version != v for t, v in zip(watched, versions)):
         warn_once(
@@ -186,6 +198,12 @@ def jacobian_blocks(
             JacobianWarning,
         )
     return blocks
+
+
+def writes_into_input(err: BaseException) -> bool:
+    """Whether ``err`` is autograd refusing an in-place write into a leaf that requires
+    grad (or a view of one): ``f`` writes into the tensor reverse mode differentiates."""
+    return "leaf Variable that requires grad is being used in an in-place operation" in str(err)
 
 
 def _captured_tensors(f: object) -> tuple[Tensor, ...]:

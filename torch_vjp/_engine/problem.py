@@ -9,7 +9,11 @@ caller's grad mode, so a copy stays differentiable with respect to the original 
 graph is wanted), and before each call of f a copy that an earlier call modified in place
 (its version counter moved) is reset to the caller's value. The caller's tensors are never
 written, and every call of f starts from the same point. The copies cost one pass over the
-primals per call, next to products that each cost at least as much.
+primals per call, next to products that each cost at least as much. Reverse mode
+differentiates against the leaves themselves, and autograd refuses a write into a tensor
+that requires grad and has no history: where f makes one (``x[0] = x[1]``), the Jacobian
+is taken again with f given a copy of each differentiated leaf on every call
+(``writes_inputs``; NOTE [f writes into its input] in :mod:`torch_vjp._engine.jacobian`).
 
 vjp and jvp (unbatched) call f exactly once, as torch.func.vjp and torch.func.jvp do, so
 they pass ``copies=False`` and f runs on the caller's tensors, with torch.func's semantics:
@@ -416,7 +420,14 @@ class Problem:
         for guard in self._guard:
             if guard[0]._version != guard[2]:
                 guard.reset()
+        if self.writes_inputs:
+            return tuple(x.clone() for x in xs)
         return xs
+
+    #: f writes into a differentiated input (``x[0] = ...``), which autograd refuses on the
+    #: tensor it differentiates against: f is then given a copy of it (NOTE [f writes into
+    #: its input] in :mod:`torch_vjp._engine.jacobian`)
+    writes_inputs = False
 
     #: calls of ``f`` so far (the Jacobian functions warn about a function that changes a
     #: tensor it captured where they called it more than once)

@@ -140,7 +140,8 @@ class Plan:
 
     def seeds(self, coloring: Coloring, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The ``(colours, n)`` (forward) or ``(colours, m)`` (reverse) seed rows: row ``c``
-        is 1 where the colour is ``c``. Kept per dtype and device when small."""
+        is 1 where the colour is ``c``. Kept per dtype and device when small; each call
+        gets its own copy."""
         key = ("seeds", coloring.mode, dtype, device)
         got = self._indices.get(key)
         if got is None:
@@ -149,7 +150,12 @@ class Plan:
             got = (colors.unsqueeze(0) == c).to(dtype)
             if got.numel() * got.element_size() <= 2**26:
                 self._indices[key] = got
-        return got
+            else:
+                return got
+        # a copy of the kept rows: the products may write into them (a function that
+        # writes into its input scales its tangent in place; a backward may scale its
+        # grad_output in place), and the next call must find them as they were
+        return got.clone()
 
 
 # ---- the cache -----------------------------------------------------------------------------
