@@ -462,9 +462,13 @@ def by_backward(x):
     (x.sin() * 2).sum().backward()
     return x.grad
 
+def by_func_vjp(x):
+    out, pullback = torch.func.vjp(torch.sin, x)
+    return pullback(torch.ones_like(out))[0]
+
 def counts():
     out = []
-    for fn in (by_grad, by_backward):
+    for fn in (by_grad, by_backward, by_func_vjp):
         torch._dynamo.reset()
         counter = torch._dynamo.testing.CompileCounter()
         torch.compile(fn, backend=counter)(torch.ones(3, requires_grad=True))
@@ -480,8 +484,9 @@ assert checked == plain, (plain, checked)
 
 
 def test_torch_compile_traces_the_same_graphs_in_a_checked_block():
-    # dynamo knows torch.autograd.grad and Tensor.backward by identity; a checked block
-    # must not change what it traces (graph breaks, operators). In a fresh process: what
+    # dynamo knows torch.autograd.grad, Tensor.backward and torch.func.vjp by identity; a
+    # checked block must not change what it traces (graph breaks, operators: torch.func.vjp's
+    # wrapper was traced and failed on its ContextVar). In a fresh process: what
     # earlier tests leave in dynamo's state changes the counts of both runs.
     env = {**os.environ, "TORCH_VJP_CHECKED": "0"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_COUNTS], capture_output=True,

@@ -207,7 +207,7 @@ def _checked_tensor_backward(
 def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Any:
     """``torch.func.vjp``, whose pullback checks its cotangents in a checked scope."""
     result = _PREVIOUS["func_vjp"](func, *primals, has_aux=has_aux)
-    if not _active():
+    if _compiling() or not _active():
         return result
     out, pullback = result[0], result[1]
 
@@ -216,7 +216,7 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
     def checked_pullback(
         cotangents: Any, retain_graph: bool = True, create_graph: bool | None = None
     ) -> Any:
-        if _SCOPE.get().suppressed:
+        if _compiling() or _SCOPE.get().suppressed:
             return pullback(cotangents, retain_graph=retain_graph, create_graph=create_graph)
         try:
             check_cotangents(out, cotangents, PULLBACK, primals=primals)
