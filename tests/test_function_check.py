@@ -741,3 +741,28 @@ def test_a_jacobian_shaped_gradient_hint_also_names_the_broadcast_reading():
     assert "the shape of the Jacobian d(the output)/d(input 0)" in text
     assert "gradient of input 0 broadcast to (4, 3) in forward" in text
     assert "return grad.sum(0)" in text
+
+
+class _ScaleWithDefault(torch.autograd.Function):
+    """forward has an optional second input; backward returns a trailing None for it, which
+    torch accepts whether or not the call passed it."""
+
+    @staticmethod
+    def forward(ctx, x, scale=None):
+        ctx.scale = 2.0 if scale is None else scale
+        return x * ctx.scale
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def test_a_trailing_none_for_a_defaulted_forward_input_passes():
+    # it was rejected ("returned 2 values, but forward takes 1 input ... return exactly 1"),
+    # and that fix would break apply(x, 3.0)
+    x = _x(3)
+    assert isinstance(check_function(_ScaleWithDefault, x), FunctionCheckReport)
+    assert isinstance(check_function(_ScaleWithDefault, x, 3.0), FunctionCheckReport)
+    torch.testing.assert_close(
+        torch.autograd.grad(_ScaleWithDefault.apply(x.requires_grad_(), 3.0).sum(), x)[0],
+        torch.full((3,), 3.0, dtype=torch.float64))

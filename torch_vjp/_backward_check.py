@@ -10,6 +10,7 @@ roots and leaves, which check_function looks for.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,13 +143,31 @@ def check_record(call: str, rec: Record, slots: list[Slot]) -> str | None:
     if isinstance(returned, list):
         return list_message(call, fname, returned)
     values = as_tuple(returned)
-    if len(values) != n:
+    if len(values) != n and not (
+        len(values) > n and all(v is None for v in values[n:])
+        and len(values) <= declared_inputs(rec.node._forward_cls)
+    ):  # (trailing None values for parameters forward declares but was not given are right)
         return count_message(call, fname, values, slots)
     for i, (value, slot) in enumerate(zip(values, slots)):
         problem = _check_one(call, fname, i, value, slot, out_shapes)
         if problem is not None:
             return problem
     return None
+
+
+def declared_inputs(cls: type) -> int:
+    """How many inputs ``cls.forward`` declares (not counting ctx; 0 where it cannot be
+    told, or for ``*args``): a backward may return a trailing None for each one a call left
+    to its default (``forward(ctx, x, scale=None)`` called as ``apply(x)``)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return 0
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 0
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    old_style = getattr(cls, "setup_context", None) is torch.autograd.Function.setup_context
+    return max(0, len(positional) - (1 if old_style else 0))
 
 
 def count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[Slot],
