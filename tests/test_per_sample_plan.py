@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import warnings
 
 import pytest
@@ -1332,3 +1333,53 @@ def test_an_input_folded_with_the_batch_that_mixes_is_still_found():
     m = FoldedMixer().double()
     with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
         tv.per_sample_grad_norms(m, _sin_loss, torch.randn(4, 4, 4, dtype=DT))
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.gate = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        o = self.fc(x)
+        return o * self.gate if USE_GATE else o
+
+
+USE_GATE = False
+L2 = 0.0
+
+
+def _l2_loss(model):
+    def loss_fn(out, t):
+        loss = F.cross_entropy(out, t)
+        if L2:
+            loss = loss + L2 * model[0].weight.pow(2).sum()
+        return loss
+    return loss_fn
+
+
+def test_a_loss_term_switched_on_after_the_first_call_makes_a_new_plan(monkeypatch):
+    # the plan was keyed on the loss's code alone: the L2 term's gradient was left out of
+    # every later call, silently, under 'auto', 'hooks' and 'vmap'
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    loss_fn = _l2_loss(model)
+    x, t = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    tv.per_sample_grads(model, loss_fn, x, t)
+    monkeypatch.setattr(sys.modules[__name__], "L2", 0.5)
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, t),
+                   loop_reference(model, loss_fn, x, t))
+    with pytest.raises(tv.StrategyError, match=r"'0\.weight': it is used outside the layers"):
+        tv.per_sample_grads(model, loss_fn, x, t, strategy="hooks")
+
+
+def test_a_global_flag_a_forward_reads_makes_a_new_plan(monkeypatch):
+    # a parameter the first call did not reach was planned as zero for good
+    model = _Gated().double()
+    x, t = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    loss = nn.CrossEntropyLoss()
+    tv.per_sample_grads(model, loss, x, t)
+    monkeypatch.setattr(sys.modules[__name__], "USE_GATE", True)
+    got = tv.per_sample_grads(model, loss, x, t)
+    assert_matches(got, loop_reference(model, loss, x, t))
+    assert got["gate"].abs().max() > 0

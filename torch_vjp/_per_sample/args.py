@@ -19,6 +19,7 @@ from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValue
 __all__ = [
     "check_model",
     "structure_of",
+    "function_flags",
     "check_trainable",
     "as_inputs",
     "check_targets",
@@ -280,15 +281,60 @@ class Job:
 
 # NOTE [the structure a plan is for]
 # A plan (which layers have rules, in which dimension each finds the examples, which
-# modules mix examples) was made by running the model. It stays valid while the model runs
-# the same code on the same modules: so its key holds, per module, the module itself (its
-# identity and type: a submodule replaced), its training flag, its forward hooks and
-# pre-hooks (a hook added that reorders or mixes the batch), and, for modules defined outside
-# torch, their bool, str and None attributes (a flag the forward branches on); and the global
-# module hooks. Numbers are left out: a counter a forward increments would make a plan per
-# call. Branches on other values (a batch's contents, a number) are not seen.
+# modules mix examples, which parameters the loss reaches) was made by running the model
+# and the loss. It stays valid while they run the same code on the same modules: so its key
+# holds, per module, the module itself (its identity and type: a submodule replaced), its
+# training flag, its forward hooks and pre-hooks (a hook added that reorders or mixes the
+# batch), and, for modules defined outside torch, the flags of their attributes and of the
+# globals their forward reads (``self.center = True``, ``USE_GATE``); the global module
+# hooks; and the flags of the loss function's closure and the globals it reads (an L2 term
+# switched on after warm-up). A flag is a bool, str or None value itself; for what a
+# function reads (closure cells, globals), also a number's truth (zero or not: ``if l2:``,
+# a coefficient switched on). A module's numeric attributes are left out: a counter a
+# forward increments (and a loop resets) would make plan after plan. Branches on other
+# values (a batch's contents, a threshold compared with a number) are not seen.
 _FLAG_TYPES = (bool, str, type(None))
+_NUMBER_TYPES = (int, float)
 _OWN_TYPE: dict[type, bool] = {}
+_READS: dict[Any, tuple[str, ...]] = {}
+
+
+def flag_of(v: Any, numbers: bool = True) -> Any:
+    """What a value contributes to a plan's key (NOTE [the structure a plan is for]), or
+    ``NotImplemented`` for a value that contributes nothing (``numbers``: whether a number
+    contributes its truth)."""
+    kind = type(v)
+    if kind in _FLAG_TYPES:
+        return v
+    if numbers and kind in _NUMBER_TYPES:
+        return bool(v)
+    return NotImplemented
+
+
+def function_flags(fn: Any) -> tuple[Any, ...]:
+    """The flags of what a Python function reads: its closure cells and the globals its code
+    names (a method's function for a bound method)."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ()
+    names = _READS.get(code)
+    glob = getattr(fn, "__globals__", {})
+    if names is None:
+        names = _READS[code] = tuple(n for n in code.co_names if n in glob)
+    out = []
+    for n in names:
+        f = flag_of(glob.get(n))
+        if f is not NotImplemented:
+            out.append((n, f))
+    for i, cell in enumerate(fn.__closure__ or ()):
+        try:
+            f = flag_of(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+        if f is not NotImplemented:
+            out.append((i, f))
+    return tuple(out)
 
 
 def structure_of(model: nn.Module) -> tuple[Any, ...]:
@@ -304,7 +350,11 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         fh, ph = m._forward_hooks, m._forward_pre_hooks
         entry: tuple[Any, ...] = (id(m), kind, tuple(fh) if fh else (), tuple(ph) if ph else ())
         if own:
-            entry += tuple((k, v) for k, v in m.__dict__.items() if type(v) in _FLAG_TYPES)
+            for k, v in m.__dict__.items():
+                f = flag_of(v, numbers=False)
+                if f is not NotImplemented:
+                    entry += ((k, f),)
+            entry += function_flags(kind.forward)
         entries.append(entry)
         training.append(m.training)
     glob = torch.nn.modules.module

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._engine.context import Watched
 from torch_vjp._errors import TorchVJPError, quote_error
-from torch_vjp._per_sample.args import Job, Selection
+from torch_vjp._per_sample.args import Job, Selection, function_flags
 from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import loss_sum
 from torch_vjp._per_sample.plan import (
@@ -41,7 +41,8 @@ _SETTING_TYPES = frozenset((int, float, str, bool, type(None)))
 
 def _loss_key(loss_fn: Any) -> Any:
     """What identifies a loss for the plan: its type and settings for a loss module (a new
-    instance each call is the same loss), its code for a function."""
+    instance each call is the same loss), its code and the flags of what it reads for a
+    function."""
     if isinstance(loss_fn, nn.Module):
         settings = tuple([
             (k, v) for k, v in loss_fn.__dict__.items()
@@ -49,8 +50,11 @@ def _loss_key(loss_fn: Any) -> Any:
                                  or isinstance(v, (int, float, str, type(None))))
         ])
         return (type(loss_fn), settings)
-    code = getattr(loss_fn, "__code__", None)
-    return code if code is not None else (type(loss_fn), id(loss_fn))
+    code = getattr(getattr(loss_fn, "__func__", loss_fn), "__code__", None)
+    if code is None:
+        return (type(loss_fn), id(loss_fn))
+    # (and the flags of what it reads: NOTE [the structure a plan is for] in args.py)
+    return (code, function_flags(loss_fn))
 
 
 def _tail(t: Any) -> Any:
