@@ -278,6 +278,26 @@ def test_err_output_does_not_require_grad():
     assert "requires_grad=True" in msg and ".detach()" in msg
 
 
+def test_err_one_tensor_that_does_not_require_grad_has_a_plain_fix():
+    # (the fix ended "or leave y out of y" for Tensor.backward's one tensor)
+    y = torch.randn(3) * 2
+    with tv.checked(), pytest.raises(tv.GradOutputsError) as info:
+        y.sum().backward()
+    msg = info.value.explanation
+    assert msg.endswith("before computing y.") and "out of y" not in msg
+
+
+def test_warn_a_sequence_of_gradients_for_one_tensor():
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    with tv.checked(), pytest.warns(tv.GradOutputsWarning, match=(
+            r"^y\.backward\(gradient\): gradient is a sequence of 2 tensors for the one "
+            r"tensor y; torch uses the first and ignores the other 1\. gradient is dL/dy, one "
+            r"tensor of y's shape: pass that tensor itself")):
+        y.backward([torch.ones(3), torch.full((3,), 5.0)])
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
 @pytest.mark.parametrize(
     "out_dtype, go_dtype, fix",
     [

@@ -766,3 +766,21 @@ def test_a_trailing_none_for_a_defaulted_forward_input_passes():
     torch.testing.assert_close(
         torch.autograd.grad(_ScaleWithDefault.apply(x.requires_grad_(), 3.0).sum(), x)[0],
         torch.full((3,), 3.0, dtype=torch.float64))
+
+
+class _ScalesGradOutputInPlace(torch.autograd.Function):
+    """2 x, whose backward scales its grad_output in place and returns it: right."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.mul_(2)
+
+
+def test_a_backward_that_scales_grad_output_in_place_passes():
+    # the checker's own cotangents were scaled by it, and the right backward was reported as
+    # 'backward's result is 0.5 times the right one'
+    assert isinstance(check_function(_ScalesGradOutputInPlace, _x(3)), FunctionCheckReport)

@@ -351,7 +351,8 @@ def no_grad_message(labels: Labels, i: int, out: Tensor) -> str:
         f"requires_grad=True, with grad mode on; {o} was computed from none, under "
         f"torch.no_grad(), or after .detach()/.item()/.numpy()/torch.tensor(...).\n"
         f"  Fix: create the inputs with requires_grad=True (or call .requires_grad_() on "
-        f"them) before computing {o}, or leave {o} out of {labels.outputs}."
+        f"them) before computing {o}"
+        + (f", or leave {o} out of {labels.outputs}." if o != labels.outputs else ".")
     )
 
 

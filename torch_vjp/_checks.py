@@ -255,14 +255,22 @@ def normalize_grad_outputs(
             )
     if m > n:
         extra = m - n
-        warnings.warn(
-            f"{labels.call}: got {m} {labels.grad_outputs} for {n} {labels.outputs}; torch "
-            f"ignores the last {extra}. {labels.grad_outputs} holds one vector per entry of "
-            f"{labels.outputs}, in the same order: check that none is missing from "
-            f"{labels.outputs}.",
-            GradOutputsWarning,
-            stacklevel=user_stacklevel(),
-        )
+        if labels.indexed:
+            text = (
+                f"{labels.call}: got {m} {labels.grad_outputs} for {n} {labels.outputs}; torch "
+                f"ignores the last {extra}. {labels.grad_outputs} holds one vector per entry "
+                f"of {labels.outputs}, in the same order: check that none is missing from "
+                f"{labels.outputs}."
+            )
+        else:  # one tensor (Tensor.backward): the sequence was not needed at all
+            text = (
+                f"{labels.call}: {labels.grad_outputs} is a sequence of {m} tensors for the "
+                f"one tensor {labels.outputs}; torch uses the first and ignores the other "
+                f"{extra}. {labels.grad_outputs} is dL/d{labels.outputs}, one tensor of "
+                f"{labels.outputs}'s shape: pass that tensor itself (to backpropagate from "
+                f"several tensors, torch.autograd.backward([y1, y2], [g1, g2]))."
+            )
+        warnings.warn(text, GradOutputsWarning, stacklevel=user_stacklevel())
     return tuple(result)
 
 

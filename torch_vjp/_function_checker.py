@@ -350,7 +350,10 @@ class Checker:
         result: dict[int, list[_Probe]] = {i: [] for i in self.diff}
         for p in range(PROBES):
             cots = [_randn_like(o, self.gen) for o in outputs]
-            grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff], cots,
+            # (copies: a backward may scale its grad_output in place, which must not move
+            # the cotangents the dot-product test reads afterwards)
+            grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff],
+                                        [c.clone() for c in cots],
                                         allow_unused=True, retain_graph=p < PROBES - 1)
             c_norm = _norm(cots)
             for i, g in zip(self.diff, grads):
