@@ -784,3 +784,24 @@ def test_a_backward_that_scales_grad_output_in_place_passes():
     # the checker's own cotangents were scaled by it, and the right backward was reported as
     # 'backward's result is 0.5 times the right one'
     assert isinstance(check_function(_ScalesGradOutputInPlace, _x(3)), FunctionCheckReport)
+
+
+def _lin_jacobian_backward(ctx, g):
+    (W,) = ctx.saved_tensors
+    return W, None  # the Jacobian of one example, not grad_output @ W
+
+
+def _lin_forward(ctx, x, W):
+    ctx.save_for_backward(W)
+    return x @ W.T
+
+
+def test_the_jacobian_of_a_batch_of_one_is_named_so():
+    # it was read as a broadcast input 'Fix: return grad.sum(dim=0, keepdim=True)', right
+    # only for a grad_output of ones
+    Lin = _function("Lin", _lin_jacobian_backward, _lin_forward)
+    with pytest.raises(FunctionCheckError, match=(
+            r"\(2, 3\) is the Jacobian of the batch's one example: the shapes of one row of "
+            r"the output, \(2,\), and of input 0, \(3,\)\..*Fix: contract the Jacobian with "
+            r"grad_output: torch\.tensordot\(grad_output\[0\], J, dims=1\)\.unsqueeze\(0\)")):
+        check_function(Lin, _x(1, 3, requires_grad=True), _x(2, 3, seed=1))

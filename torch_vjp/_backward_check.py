@@ -408,6 +408,20 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
                     f"torch.vmap(lambda g, j: torch.tensordot({order}, dims=g.dim()))"
                     f"(grad_output, J), or compute that product without building J."
                 )
+    for k, o in outs:
+        out_name = "the output" if single else f"output {k}"
+        if len(s) >= 2 and len(o) >= 2 and s[0] == o[0] == 1 and g in (
+                o[1:] + s[1:], s[1:] + o[1:]):
+            return (
+                f"{shape_str(g)} is the Jacobian of the batch's one example: the shapes of "
+                f"one row of {out_name}, {shape_str(o[1:])}, and of input {i}, "
+                f"{shape_str(s[1:])}. backward never forms Jacobians: a batch input of "
+                f"shape {shape_str(s)} gets a gradient of shape {shape_str(s)}, dL/d(input "
+                f"{i}). Fix: contract the Jacobian with grad_output: torch.tensordot("
+                + ("grad_output[0], J, dims=" if g == o[1:] + s[1:] else "J, grad_output[0], "
+                   "dims=")
+                + f"{len(o) - 1}).unsqueeze(0), or compute that product without building J."
+            )
     if len(g) > len(s) and g[len(g) - len(s):] == s:
         lead = g[: len(g) - len(s)]
         dims = "0" if len(lead) == 1 else f"dim={tuple(range(len(lead)))}"
