@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_failing_strategy_is_a_row_not_an_exception():
     assert report["fwd-loop"].reason.startswith("NotImplementedError")
     assert report["rev-loop"].status == "ok"
     assert report["auto"].status == "ok"
-    # The reference could not use vmap either: it fell back to a loop of autograd.grad.
+    # The reference is a loop of autograd.grad: no vmap.
     assert "loop of torch.autograd.grad" in report.reference
     assert report.best is not None and report.best.strategy in ("rev-loop", "auto")
     text = str(report)
@@ -106,6 +107,65 @@ def test_failing_strategy_records_the_fallback_warning():
     assert row.ok
     assert any("rev-loop" in w for w in row.warnings)
     assert "(warned: torch_vjp.jacobian" in str(report)
+
+
+def test_a_fallback_warning_is_recorded_on_every_report():
+    # the warning is shown once per function: a second report (or a call of f before the
+    # first) recorded nothing, and the row read plain "ok" though auto had fallen back
+    def own(x):
+        return _Branchy.apply(x).sin()
+
+    x = torch.randn(3, dtype=torch.float64)
+    for _ in range(2):
+        report = compare_strategies(own, x, strategies=["auto"], min_run_time=FAST)
+        assert any("rev-loop" in w for w in report["auto"].warnings)
+
+
+class _NanTangent(torch.autograd.Function):
+    """sin, with a right backward and a forward-mode rule that returns NaN."""
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * float("nan")
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return _NanTangent.apply(x), in_dims[0]
+
+
+def test_a_nan_result_is_wrong_not_ok():
+    # max(0.0, nan) is 0.0: the NaN Jacobian was reported "ok" with error 0
+    report = compare_strategies(_NanTangent.apply, torch.randn(3, dtype=torch.float64),
+                                strategies=["rev", "fwd"], min_run_time=FAST)
+    assert report["rev"].ok
+    assert report["fwd"].status == "wrong" and math.isnan(report["fwd"].error)
+    assert report.best.strategy == "rev"
+
+
+def test_the_reference_does_not_share_vmaps_batching_rules():
+    # torch.cdist's backward has a wrong batching rule (torch 2.13): with torch.func.jacrev
+    # as the reference, the wrong 'rev' was "ok" and best, the right 'rev-loop' "wrong"
+    y = torch.randn(4, 2, dtype=torch.float64)
+    x = torch.randn(3, 2, dtype=torch.float64)
+    report = compare_strategies(lambda x: torch.cdist(x, y), x,
+                                strategies=["rev", "rev-loop"], min_run_time=FAST)
+    assert report.reference == "a loop of torch.autograd.grad in float64"
+    assert report["rev"].status == "wrong" and report["rev-loop"].ok
+    assert report.best.strategy == "rev-loop"
 
 
 def _row(name, status, time, error=0.0):
@@ -342,7 +402,7 @@ def test_reference_falls_back_to_the_inputs_dtype():
 
     report = compare_strategies(lambda x: w @ x, torch.randn(4), strategies=["rev"],
                                 min_run_time=FAST)
-    assert report.reference == "torch.func.jacrev in the inputs' own dtype"
+    assert report.reference == "a loop of torch.autograd.grad in the inputs' own dtype"
     assert report["rev"].ok
 
 

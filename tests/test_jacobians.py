@@ -578,12 +578,29 @@ def test_max_memory_units(value, expected):
     assert parse_max_memory(value, call="t") == expected
 
 
+def test_max_memory_of_numpy_and_huge_integers():
+    np = pytest.importorskip("numpy")
+    assert parse_max_memory(np.int64(2_000), call="t") == 2_000
+    assert parse_max_memory(np.float32(2e3), call="t") == 2_000
+    assert parse_max_memory(10 ** 400, call="t") == 10 ** 400
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_batch_jacobian_of_an_empty_batch(strategy):
+    # 'auto' raised a raw IndexError from its check of the first call
+    J = batch_jacobian(torch.sin, torch.randn(0, 3, dtype=D), strategy=strategy)
+    assert J.shape == (0, 3, 3)
+
+
 @pytest.mark.parametrize(
     "value, match",
     [("2G", r"'2G' is ambiguous: write '2GB' \(powers of 1000\) or '2GiB'"),
      ("lots", r"'lots' is not a memory size. Pass a number of bytes"),
      (-5, r"must be a positive number of bytes"), (0, "positive"), (True, "not a memory size"),
-     ("0 MB", "zero bytes"), ([1], "not a memory size")],
+     ("0 MB", "zero bytes"), ([1], "not a memory size"),
+     # (an OverflowError came out of these, and '-1' was "not a memory size")
+     ("1e400", "too large a number"), ("1e309 B", "too large a number"),
+     ("-1", "is negative"), ("-2GB", "is negative"), (float("nan"), "positive number")],
     ids=str,
 )
 def test_bad_max_memory(value, match):

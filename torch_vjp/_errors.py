@@ -7,10 +7,12 @@ working after switching to torch_vjp.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -44,6 +46,7 @@ __all__ = [
     "user_stacklevel",
     "first_time",
     "warn_once",
+    "every_time",
     "quote_error",
     "passes_through",
 ]
@@ -231,15 +234,30 @@ def user_stacklevel() -> int:
 
 
 _WARNED: set[Any] = set()
+_EVERY_TIME = threading.local()  # within every_time(): once-only warnings are shown anyway
 
 
 def first_time(key: Any) -> bool:
     """True the first time ``key`` is seen in this process: the one registry behind every
-    once-only warning."""
+    once-only warning (always True within :func:`every_time`)."""
+    if getattr(_EVERY_TIME, "on", False):
+        return True
     if key in _WARNED:
         return False
     _WARNED.add(key)
     return True
+
+
+@contextlib.contextmanager
+def every_time() -> Iterator[None]:
+    """Within it (this thread), a once-only warning is shown each time its cause recurs: for
+    a report that records what each of its runs warned (``compare_strategies``)."""
+    before = getattr(_EVERY_TIME, "on", False)
+    _EVERY_TIME.on = True
+    try:
+        yield
+    finally:
+        _EVERY_TIME.on = before
 
 
 def warn_once(key: Any, message: str, category: type[Warning]) -> None:

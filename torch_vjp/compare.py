@@ -26,6 +26,7 @@ from torch_vjp._engine.context import buffers_kept
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import (
     StrategyError,
+    every_time,
     StrategyTypeError,
     format_bytes,
     shape_str,
@@ -84,7 +85,8 @@ def _loop_jacobian(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) 
         leaves = [t.detach().requires_grad_(True) for t in leaves]
         diff_leaves.append(leaves)
         diff_specs.append(spec)
-        args[i] = _unflatten(leaves, spec)
+        # (f gets copies it may write into: autograd refuses writes into the leaves)
+        args[i] = _unflatten([t.clone() for t in leaves], spec)
     with torch.enable_grad():
         out = f(*args)
     out_leaves, out_spec = tree_flatten(out)
@@ -126,23 +128,24 @@ def _unflatten(leaves: list[Any], spec: Any) -> Any:
 def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> tuple[Any, str]:
     """The reference Jacobian and a description of how it was computed.
 
-    Tries, in order: ``torch.func.jacrev`` on float64 copies of the primals; a loop of
-    ``torch.autograd.grad`` on float64 copies; the same two at the primals' own dtype (for a
-    function that holds float32 weights, which float64 inputs cannot multiply).
+    Tries, in order: a loop of ``torch.autograd.grad`` on float64 copies of the primals (no
+    vmap: a wrong batching rule, which every vectorised strategy and ``torch.func.jacrev``
+    share, cannot reach it); ``torch.func.jacrev`` on them; the same two at the primals' own
+    dtype (for a function that holds float32 weights, which float64 inputs cannot multiply).
     """
     attempts = []
     double = _to_double(primals)
     for args, dtype_note in ((double, "float64"), (primals, "the inputs' own dtype")):
         try:
-            jac = torch.func.jacrev(f, argnums=argnums)(*args)
-            return jac, f"torch.func.jacrev in {dtype_note}"
+            jac = _loop_jacobian(f, args, argnums)
+            return jac, f"a loop of torch.autograd.grad in {dtype_note}"
         except Exception as exc:  # noqa: BLE001 - the next attempt, or the row says why
-            attempts.append(f"jacrev in {dtype_note}: {reason(exc, 120)}")
-        try:
-            return (_loop_jacobian(f, args, argnums),
-                    f"a loop of torch.autograd.grad in {dtype_note} (torch.func.jacrev failed)")
-        except Exception as exc:  # noqa: BLE001
             attempts.append(f"autograd.grad loop in {dtype_note}: {reason(exc, 120)}")
+        try:
+            jac = torch.func.jacrev(f, argnums=argnums)(*args)
+            return jac, f"torch.func.jacrev in {dtype_note} (the autograd.grad loop failed)"
+        except Exception as exc:  # noqa: BLE001
+            attempts.append(f"jacrev in {dtype_note}: {reason(exc, 120)}")
     raise _NoReference("; ".join(attempts))
 
 
@@ -388,11 +391,12 @@ def compare_strategies(
       times. A row whose IQR exceeds 25% of its
       median is marked *noisy*: the machine disturbed it too much to rank it (run again
       when the machine is quieter, or raise ``min_run_time``).
-    * **reference and error**: the reference is ``torch.func.jacrev`` applied to float64
-      copies of the primals (an implementation independent of torch_vjp). If ``f`` cannot
-      run in float64 (it holds float32 weights, say), the primals' own dtype is used; if
-      vmap cannot batch ``f``, a Python loop of ``torch.autograd.grad`` over the output
-      elements is used instead. ``report.reference`` says which. ``error`` is the largest
+    * **reference and error**: the reference is a Python loop of ``torch.autograd.grad``
+      over the output elements, on float64 copies of the primals: independent of torch_vjp,
+      and of vmap, whose batching rules the vectorised strategies rely on (torch.cdist's
+      backward has a wrong one, which ``torch.func.jacrev`` inherits). If ``f`` cannot run
+      in float64 (it holds float32 weights, say), the primals' own dtype is used; if the
+      loop fails, ``torch.func.jacrev`` is used instead. ``report.reference`` says which. ``error`` is the largest
       absolute difference; a row is ``"ok"`` when it is at most ``atol + rtol *
       max|reference|``.
     * **peak extra memory**: on CUDA, the caching allocator's peak during one call
@@ -482,7 +486,9 @@ def compare_strategies(
         def call(name: str = name) -> Any:
             return jacobian(f, *primals, argnums=argnums, strategy=name)
 
-        with warnings.catch_warnings(record=True) as caught:
+        # (every_time: a once-only warning, of an earlier call of f or an earlier report,
+        # is recorded on every row it concerns)
+        with warnings.catch_warnings(record=True) as caught, every_time():
             warnings.simplefilter("always")
             try:
                 with buffers_kept(f):

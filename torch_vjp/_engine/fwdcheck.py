@@ -193,7 +193,7 @@ def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
     diff = scale = 0.0
     with torch.no_grad():
         for i, (x, g) in enumerate(zip(prob.leaves, grads)):
-            n_in = x[0].numel() if batch is not None else x.numel()
+            n_in = math.prod(x.shape[1:]) if batch is not None else x.numel()
             total = torch.zeros(g.numel(), dtype=g.dtype, device=g.device)
             for j, u in enumerate(us):
                 block = res.blocks[j][i].detach()
@@ -202,11 +202,14 @@ def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
                 if batch is None:
                     part = u.reshape(1, -1).to(block.dtype) @ block.reshape(u.numel(), n_in)
                 else:
-                    rows = u.reshape(batch, -1, 1).to(block.dtype)
-                    part = (rows * block.reshape(batch, rows.shape[1], n_in)).sum(1)
+                    n_row = math.prod(u.shape[1:])
+                    rows = u.reshape(batch, n_row, 1).to(block.dtype)
+                    part = (rows * block.reshape(batch, n_row, n_in)).sum(1)
                 total += part.reshape(-1).to(total.dtype)
             d, s = gap(total, g.reshape(-1))
-            diff, scale = max(diff, d), max(scale, s)
+            if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
+                diff = d
+            scale = max(scale, s)
     return diff, scale
 
 

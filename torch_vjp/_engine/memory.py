@@ -20,6 +20,7 @@ or an explicit ``chunk_size``.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable
@@ -121,8 +122,10 @@ def parse_max_memory(value: object, *, call: str) -> int | None:
     )
     if isinstance(value, bool):
         raise JacobianOptionError(f"{call}: max_memory={value!r} is not a memory size. {how}")
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy
     if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value <= 0:
+        if value <= 0 or isinstance(value, float) and not math.isfinite(value):
             raise JacobianOptionError(
                 f"{call}: max_memory={value!r}, but it must be a positive number of bytes. "
                 f"{how}"
@@ -133,7 +136,13 @@ def parse_max_memory(value: object, *, call: str) -> int | None:
         if m is not None:
             unit = m.group(2).lower()
             if unit in _UNITS:
-                nbytes = int(float(m.group(1)) * _UNITS[unit])
+                size = float(m.group(1)) * _UNITS[unit]
+                if not math.isfinite(size):
+                    raise JacobianOptionError(
+                        f"{call}: max_memory={value!r} is too large a number to be a memory "
+                        f"size. {how}"
+                    )
+                nbytes = int(size)
                 if nbytes > 0:
                     return nbytes
                 raise JacobianOptionError(
@@ -145,6 +154,11 @@ def parse_max_memory(value: object, *, call: str) -> int | None:
                     f"{call}: max_memory={value!r} is ambiguous: write '{m.group(1)}{u}B' "
                     f"(powers of 1000) or '{m.group(1)}{u}iB' (powers of 1024)."
                 )
+        if value.strip().startswith("-") and _SIZE_RE.match(value.strip()[1:]):
+            raise JacobianOptionError(
+                f"{call}: max_memory={value!r} is negative; it must be a positive memory size. "
+                f"{how}"
+            )
     raise JacobianOptionError(f"{call}: max_memory={value!r} is not a memory size. {how}")
 
 
