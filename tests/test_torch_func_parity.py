@@ -369,6 +369,24 @@ def test_auto_jacobian_checks_reverse_mode_under_vmap(forward_checks_forgotten):
                                    ref.reshape(12, 6))
 
 
+def test_auto_checks_again_for_another_flag_among_the_primals(forward_checks_forgotten):
+    # f branches on a plain argument to the operator whose forward-mode formula is wrong:
+    # the check of the first call (the right branch) covered the second, silently wrong
+    def f(A, wrong):
+        if wrong:
+            return _solve_wide(A)
+        return torch.linalg.solve_triangular(A, _WIDE, upper=True)
+
+    A = _triangular_point()[1]
+    with no_jacobian_warnings():
+        torch.testing.assert_close(tv.jacobian(f, A, False),
+                                   torch.func.jacrev(lambda M: f(M, False))(A))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = tv.jacobian(f, A, True)
+    torch.testing.assert_close(J, torch.func.jacrev(_solve_wide)(A))
+
+
 def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forgotten):
     """The common case: forward mode agrees; the check costs one call of f on the first
     call for a signature, none later, and leaves the global random state alone."""

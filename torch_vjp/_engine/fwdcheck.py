@@ -18,7 +18,9 @@ by reverse mode under vmap (after forward mode), then one reverse product at a t
 one-time warning; later calls of that function and signature take that route directly.
 Where none agrees (f is random in a way the check cannot replay, or not smooth at the
 point), the first result stands. Later calls that agreed are not checked again (a function
-that branches to another operator on other values is checked only where it first ran).
+that branches to another operator on other values is checked only where it first ran; a
+bool, str or None among its plain arguments, or whether a number among them is zero, is
+part of the signature).
 Explicit strategies are not checked: "fwd" and "rev" are what was asked. The cotangent
 comes from a generator of its own (the global random state is not drawn from), and f's
 call for the check sees the random state the products' first call saw.
@@ -96,9 +98,27 @@ def remember(key: Hashable, verdict: str) -> None:
     CHECKED[key] = verdict
 
 
-def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None) -> Hashable:
-    """The key of one function and input signature (shapes, dtypes, devices)."""
-    return (function, batch, tuple((tuple(x.shape), x.dtype, x.device) for x in leaves))
+_FLAGS = (bool, str, type(None))
+
+
+def _flag(v: object) -> object:
+    """A plain argument's part of the key: a bool, str or None itself, a number's truth
+    (``mode="lower"``, ``upper=True`` choose another operator; a number that changes every
+    call, a time step, must not make every call a first one), nothing for anything else."""
+    if type(v) in _FLAGS:
+        return v
+    if type(v) in (int, float):
+        return bool(v)
+    return type(v)
+
+
+def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None,
+              primals: Sequence[object] = ()) -> Hashable:
+    """The key of one function and input signature: the leaves' shapes, dtypes, devices,
+    and the flags of the primals that are not tensors (a function that branches on one to
+    another operator is checked again there)."""
+    return (function, batch, tuple((tuple(x.shape), x.dtype, x.device) for x in leaves),
+            tuple(_flag(p) for p in primals if not isinstance(p, Tensor)))
 
 
 class RandomState:

@@ -233,7 +233,8 @@ def _blocks(
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
             mode = choose_mode(n_in, sum(math.prod(s) for s in shapes.rows))
             if fallback and vectorized and not is_nested():
-                check = signature(function_key(prob.f), prob.leaves, opts.batch)
+                check = signature(function_key(prob.f), prob.leaves, opts.batch,
+                                  prob.primals)
                 route = CHECKED.get(check)
                 if route is not None:
                     if route == "rev-loop":
