@@ -29,7 +29,7 @@ call for the check sees the random state the products' first call saw.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -39,9 +39,10 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
+from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = [
-    "CHECKED", "PIECE", "RandomState", "gap", "largest_difference",
+    "CHECKED", "PIECE", "RandomState", "checked_route", "gap", "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
     "tolerance", "wrong_route_message",
 ]
@@ -267,6 +268,45 @@ def wrong_route_message(call: str, name: str, first: str, route: str, diff: floa
     return (f"{call}: {what}, and uses it for this function and input shapes from now on.\n"
             f"  Pass {_FIX[option, route]} to compute it that way directly. This warning is "
             f"shown once per function.")
+
+
+def checked_route(
+    prob: Problem, res: Blocks, batch: int | None, key: Hashable, state: RandomState,
+    route: Callable[[str], Blocks], named: tuple[Hashable, str],
+) -> Blocks:
+    """``res``, the vectorised blocks "auto" computed, if one reverse product without vmap
+    agrees with them; else the first of the routes ``route("rev")`` (after forward mode) and
+    ``route("rev-loop")`` that agrees with it, with a one-time warning naming f
+    (``named``: its key and name); ``res`` where none agrees (f is random, or not smooth
+    here). See NOTE [auto, checked once]."""
+    got = one_reverse_product(prob, state)
+    if got is None:
+        remember(key, res.mode)
+        return res
+    rtol = tolerance(prob.leaves[0].dtype)
+    diff, scale = reverse_gap(prob, res, batch, got)
+    if diff <= rtol * scale:  # the common case
+        remember(key, res.mode)
+        return res
+    for name in ("rev", "rev-loop") if res.mode == "fwd" else ("rev-loop",):
+        try:
+            alt = route(name)
+        except Exception as err:  # noqa: BLE001 - no safer route: the next one, or res
+            if passes_through(err):
+                raise
+            continue
+        alt_diff, alt_scale = reverse_gap(prob, alt, batch, got)
+        if alt_diff > rtol * alt_scale:
+            continue
+        remember(key, name)
+        warn_once(
+            ("auto-checked", named[0], res.mode, name),
+            wrong_route_message(prob.call, named[1], res.mode, name, diff, scale, "strategy"),
+            JacobianWarning,
+        )
+        return alt
+    remember(key, res.mode)
+    return res
 
 
 def tolerance(dtype: torch.dtype) -> float:

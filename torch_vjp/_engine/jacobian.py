@@ -58,16 +58,7 @@ from torch_vjp._engine.context import (
     is_nested,
     vjp_with_argnums,
 )
-from torch_vjp._engine.fwdcheck import (
-    CHECKED,
-    RandomState,
-    one_reverse_product,
-    remember,
-    reverse_gap,
-    signature,
-    tolerance,
-    wrong_route_message,
-)
+from torch_vjp._engine.fwdcheck import CHECKED, RandomState, checked_route, signature
 from torch_vjp._engine.plain import fwd_plain, rev_plain
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
@@ -243,7 +234,14 @@ def _blocks(
     if check is not None:
         state = RandomState()
         res = _auto(prob, mode, shapes, opts, functorch_loops)
-        return _checked(prob, res, opts, check, state, shapes, functorch_loops)
+
+        def route(name: str) -> Blocks:
+            if name == "rev-loop":
+                return _loop(prob, "rev", shapes, opts, functorch_loops)
+            return _auto(prob, "rev", shapes, opts, functorch_loops)
+
+        return checked_route(prob, res, opts.batch, check, state, route,
+                             (function_key(prob.f), function_name(prob.f)))
     if not vectorized:
         return _loop(prob, mode, shapes, opts, functorch_loops)
     if not fallback:
@@ -262,45 +260,6 @@ def _blocks(
                 f"in eval mode if it is one."
             ) from None
     return _auto(prob, mode, shapes, opts, functorch_loops)
-
-
-def _checked(
-    prob: Problem, res: Blocks, opts: Opts, key: Any, state: RandomState,
-    shapes: Shapes | None, functorch: bool,
-) -> Blocks:
-    """``res``, the vectorised blocks "auto" computed, if one reverse product without vmap
-    agrees with them; else the first of reverse mode (after forward mode) and the reverse
-    loop that agrees with it, with a one-time warning. See NOTE [auto, checked once]."""
-    got = one_reverse_product(prob, state)
-    if got is None:
-        remember(key, res.mode)
-        return res
-    rtol = tolerance(prob.leaves[0].dtype)
-    diff, scale = reverse_gap(prob, res, opts.batch, got)
-    if diff <= rtol * scale:  # the common case
-        remember(key, res.mode)
-        return res
-    for route in ("rev", "rev-loop") if res.mode == "fwd" else ("rev-loop",):
-        try:
-            alt = (_loop(prob, "rev", shapes, opts, functorch) if route == "rev-loop"
-                   else _auto(prob, "rev", shapes, opts, functorch))
-        except Exception as err:  # noqa: BLE001 - no safer route: the next one, or res
-            if passes_through(err):
-                raise
-            continue
-        alt_diff, alt_scale = reverse_gap(prob, alt, opts.batch, got)
-        if alt_diff > rtol * alt_scale:
-            continue
-        remember(key, route)
-        warn_once(
-            ("auto-checked", function_key(prob.f), res.mode, route),
-            wrong_route_message(prob.call, function_name(prob.f), res.mode, route, diff, scale,
-                                "strategy"),
-            JacobianWarning,
-        )
-        return alt
-    remember(key, res.mode)  # nothing agrees: f is random or not smooth here
-    return res
 
 
 def _vectorized(prob: Problem, mode: str, shapes: Shapes | None, opts: Opts) -> Blocks:
