@@ -1383,3 +1383,16 @@ def test_a_global_flag_a_forward_reads_makes_a_new_plan(monkeypatch):
     got = tv.per_sample_grads(model, loss, x, t)
     assert_matches(got, loop_reference(model, loss, x, t))
     assert got["gate"].abs().max() > 0
+
+
+def test_a_hook_registered_around_every_step_keeps_the_plan():
+    # the plan key held the hooks' handle ids: a hook registered and removed each step made
+    # a new plan (several model runs) on every call
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, t = torch.randn(5, 4, dtype=DT), torch.randint(0, 2, (5,))
+    loss = nn.CrossEntropyLoss()
+    for _ in range(3):
+        handle = model[0].register_forward_hook(lambda m, i, o: None)
+        tv.per_sample_grads(model, loss, x, t)
+        handle.remove()
+    assert len(plan_module._PLANS[model]) == 1

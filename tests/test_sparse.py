@@ -671,9 +671,13 @@ def test_auto_takes_plain_autograd_where_torch_func_cannot_run_f():
         r"torch_vjp\.sparse_jacobian: torch\.func cannot run f \(Sequential\): f changes a "
         r"tensor it captured in place .* mode='auto' computed the products with plain "
         r"autograd, one backward pass per colour", str(w.message))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J2 = tv.sparse_jacobian(net, x, layout=torch.strided)  # the remembered route too
     assert torch.equal(net[1].running_mean, mean) and torch.equal(net[1].running_var, var)
     ref = torch.autograd.functional.jacobian(lambda u: net(u), x).reshape(12, 12)
     torch.testing.assert_close(J, ref)
+    torch.testing.assert_close(J2, ref)
 
 
 class _DoubleInPlace(torch.autograd.Function):

@@ -387,6 +387,25 @@ def test_auto_checks_again_for_another_flag_among_the_primals(forward_checks_for
     torch.testing.assert_close(J, torch.func.jacrev(_solve_wide)(A))
 
 
+def test_auto_routes_are_remembered_per_function_not_per_code(forward_checks_forgotten):
+    # two functions made by one line (or two nn.Sequential) share a code object: the route
+    # checked for the first was taken by the second, whose forward-mode formula is wrong
+    def make(op):
+        return lambda A: op(A)
+
+    A = _triangular_point()[1]
+    right = make(lambda M: torch.linalg.solve_triangular(M, _WIDE, upper=True))
+    wrong = make(_solve_wide)
+    tv.jacobian(right, A)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        torch.testing.assert_close(tv.jacobian(wrong, A), torch.func.jacrev(_solve_wide)(A))
+        P = torch.ones(300, 9, dtype=torch.bool)  # a user's pattern serves both
+        tv.sparse_jacobian(right, A, pattern=P, layout=torch.strided)
+        S = tv.sparse_jacobian(wrong, A, pattern=P, layout=torch.strided)
+    torch.testing.assert_close(S.reshape(3, 100, 3, 3), torch.func.jacrev(_solve_wide)(A))
+
+
 def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forgotten):
     """The common case: forward mode agrees; the check costs one call of f on the first
     call for a signature, none later, and leaves the global random state alone."""
@@ -413,9 +432,10 @@ def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forg
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_auto_forward_mode_check_sees_the_draws_of_a_random_f(forward_checks_forgotten):
-    """A random f (dropout) is one function per call: the check's call of f draws what the
-    products drew, so it agrees, and forward mode stands."""
+def test_auto_forward_mode_check_keeps_the_result_of_a_random_f(forward_checks_forgotten):
+    """A random f (dropout) disagrees with its own products (the check draws on; the global
+    generators are never rewound, another thread may be drawing): no route agrees, and
+    forward mode's result stands, without a warning."""
     W = torch.randn(200, 4, dtype=D)
     f = lambda x: F.dropout(torch.tanh(W @ x), 0.5)  # noqa: E731
     x = torch.randn(4, dtype=D)

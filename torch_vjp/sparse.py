@@ -27,8 +27,8 @@ from torch_vjp._engine.context import buffers_kept, is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
-    RandomState,
     gap,
+    route_key,
     one_reverse_product,
     tolerance,
     wrong_route_message,
@@ -205,18 +205,20 @@ def sparse_jacobian(
         ):
             pattern_from_user(pattern, n, call=call)  # raises, saying what is wrong
         plan = user_plan(pattern, lambda: pattern_from_user(pattern, n, call=call))
-    check = mode == "auto" and plan.checked is None and not is_nested()
-    state = RandomState() if check else None
-    route = plan.checked if mode == "auto" else None  # NOTE [auto, checked once]
-    mode_now = mode if route in (None, "fwd") else "rev"
+    # NOTE [auto, checked once]: the route is remembered per plan and function (a user's
+    # pattern serves several functions)
+    fkey = route_key(f) if mode == "auto" else None
+    route = plan.checked.get(fkey) if fkey is not None else None
+    check = mode == "auto" and route is None and not is_nested()
+    colour = None if route in (None, "fwd") else "rev"  # ("auto": its fallbacks stay)
     chunk_now = 1 if route == "rev-loop" else chunk
     try:
-        coloring, comp, m = _products(prob, plan, mode_now, chunk_now, budget)
+        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
         if not writes_into_input(err):
             raise
         prob.writes_inputs = True
-        coloring, comp, m = _products(prob, plan, mode_now, chunk_now, budget)
+        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour)
     if m != plan.pattern.m:
         check = False  # (checked on the next call)
         if plan.user:
@@ -230,20 +232,22 @@ def sparse_jacobian(
         plan = lookup_plan(prob, lambda: detect(prob), fresh=True)  # f changed: detect again
         coloring, comp, m = _products(prob, plan, mode, chunk, budget)
     if check and m == plan.pattern.m:
-        coloring, comp = _checked(prob, plan, coloring, comp, state, chunk, budget)
+        coloring, comp = _checked(prob, plan, coloring, comp, chunk, budget, fkey)
     index = plan.gather_index(coloring, layout, comp.device)
     values = comp.reshape(-1).index_select(0, index)
     return assemble(values, plan, layout)
 
 
 def _products(
-    prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None
+    prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
+    colour: str | None = None,
 ) -> tuple[Any, Tensor, int]:
-    """The colouring for ``mode`` and its compressed products. Under ``"auto"``, a function
-    forward mode fails on (an operation without a forward-mode formula, ``torch.cdist``)
-    gets reverse mode's colouring instead, with the one-time warning the dense ``"auto"``
-    gives (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`)."""
-    coloring = plan.coloring(mode)
+    """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered)
+    and its compressed products. Under ``"auto"``, a function forward mode fails on (an
+    operation without a forward-mode formula, ``torch.cdist``) gets reverse mode's colouring
+    instead, with the one-time warning the dense ``"auto"`` gives (NOTE [auto fallback] in
+    :mod:`torch_vjp._engine.jacobian`), and one torch.func cannot run at all plain autograd."""
+    coloring = plan.coloring(colour or mode)
     try:
         comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
     except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
@@ -284,8 +288,8 @@ def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException) -> tuple
 
 
 def _checked(
-    prob: Problem, plan: Any, coloring: Any, comp: Tensor, state: RandomState,
-    chunk: int | None, budget: int | None,
+    prob: Problem, plan: Any, coloring: Any, comp: Tensor, chunk: int | None,
+    budget: int | None, fkey: Any,
 ) -> tuple[Any, Tensor]:
     """The products "auto" computed if one reverse product without vmap agrees with them;
     else the first of reverse mode (after forward mode) and reverse mode one product at a
@@ -293,9 +297,9 @@ def _checked(
     ``"auto"`` does (NOTE [auto, checked once] in :mod:`torch_vjp._engine.fwdcheck`)."""
     first = coloring.mode
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
-        got = one_reverse_product(prob, state)
+        got = one_reverse_product(prob)
     if got is None:
-        plan.checked = first
+        plan.remember(fkey, first)
         return coloring, comp
     _, us, grads = got
     p = plan.pattern
@@ -313,12 +317,12 @@ def _checked(
 
     diff, scale = gap_of(coloring, comp)
     if diff <= rtol * scale:  # the common case
-        plan.checked = first
+        plan.remember(fkey, first)
         return coloring, comp
     for route in ("rev", "rev-loop") if first == "fwd" else ("rev-loop",):
         try:
-            alt, alt_comp, _ = _products(prob, plan, "rev", 1 if route == "rev-loop" else chunk,
-                                         budget)
+            alt, alt_comp, _ = _products(prob, plan, "auto", 1 if route == "rev-loop" else chunk,
+                                         budget, "rev")
         except Exception as err:  # noqa: BLE001 - no safer route: the next one, or the first
             if passes_through(err):
                 raise
@@ -326,7 +330,7 @@ def _checked(
         alt_diff, alt_scale = gap_of(alt, alt_comp)
         if alt_diff > rtol * alt_scale:
             continue
-        plan.checked = route
+        plan.remember(fkey, route)
         warn_once(
             ("sparse-auto-checked", function_key(prob.f), first, route),
             wrong_route_message(prob.call, function_name(prob.f), first, route, diff, scale,
@@ -334,7 +338,7 @@ def _checked(
             JacobianWarning,
         )
         return alt, alt_comp
-    plan.checked = first  # nothing agrees: f is random or not smooth here
+    plan.remember(fkey, first)  # nothing agrees: f is random or not smooth here
     return coloring, comp
 
 

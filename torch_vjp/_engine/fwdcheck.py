@@ -16,21 +16,24 @@ one more call of f and one pass over J. Where they disagree, it computes the Jac
 by reverse mode under vmap (after forward mode), then one reverse product at a time
 (``"rev-loop"``), and returns the first that agrees with the reverse product, with a
 one-time warning; later calls of that function and signature take that route directly.
-Where none agrees (f is random in a way the check cannot replay, or not smooth at the
+Where none agrees (f is random, or not smooth at the
 point), the first result stands. Later calls that agreed are not checked again (a function
 that branches to another operator on other values is checked only where it first ran; a
 bool, str or None among its plain arguments, or whether a number among them is zero, is
 part of the signature).
 Explicit strategies are not checked: "fwd" and "rev" are what was asked. The cotangent
-comes from a generator of its own (the global random state is not drawn from), and f's
-call for the check sees the random state the products' first call saw.
+comes from a generator of its own. The global generators are never set: f's call for the
+check draws on from where the products left them (another thread may be drawing too), so
+a random f (dropout) disagrees with its own products; the other routes disagree too, and
+the first result stands, at the cost of those routes on the first call.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,7 +45,7 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = [
-    "CHECKED", "PIECE", "RandomState", "checked_route", "gap", "largest_difference",
+    "CHECKED", "PIECE", "checked_route", "gap", "route_key", "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
     "tolerance", "wrong_route_message",
 ]
@@ -102,6 +105,42 @@ def remember(key: Hashable, verdict: str) -> None:
 _FLAGS = (bool, str, type(None))
 
 
+def route_key(f: object, depth: int = 3) -> Hashable:
+    """Which function a remembered route is for: its code and what its closure and defaults
+    hold (a tensor by its signature, a flag by value, a number by its truth, a function by
+    its own key, ``depth`` levels deep, anything else, a module say, by identity and type);
+    a bound method by its function and object; any other callable (a module) by identity
+    and type. Two functions made by one line over other operators (``make(op)``), or two
+    ``nn.Sequential`` of other layers, have other keys; a lambda made anew each step over
+    the same model and a new batch has the same."""
+    if isinstance(f, types.MethodType):
+        return ("method", route_key(f.__func__, depth), id(f.__self__), type(f.__self__))
+    if isinstance(f, functools.partial):
+        return ("partial", route_key(f.func, depth), tuple(_held(a, depth) for a in f.args),
+                tuple((k, _held(v, depth)) for k, v in sorted(f.keywords.items())))
+    if isinstance(f, types.FunctionType):
+        cells = []
+        for c in f.__closure__ or ():
+            try:
+                cells.append(_held(c.cell_contents, depth))
+            except ValueError:  # an empty cell
+                cells.append(None)
+        return ("function", f.__code__, tuple(cells),
+                tuple(_held(d, depth) for d in f.__defaults__ or ()))
+    return ("object", id(f), type(f))
+
+
+def _held(v: object, depth: int) -> Hashable:
+    if isinstance(v, Tensor):
+        return ("T", tuple(v.shape), v.dtype, v.device)
+    if type(v) in _FLAGS or type(v) in (int, float):
+        return _flag(v)
+    if callable(v) and depth > 1 and isinstance(v, (types.FunctionType, types.MethodType,
+                                                     functools.partial)):
+        return route_key(v, depth - 1)
+    return (id(v), type(v))
+
+
 def _flag(v: object) -> object:
     """A plain argument's part of the key: a bool, str or None itself, a number's truth
     (``mode="lower"``, ``upper=True`` choose another operator; a number that changes every
@@ -122,45 +161,17 @@ def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None,
             tuple(_flag(p) for p in primals if not isinstance(p, Tensor)))
 
 
-class RandomState:
-    """The global generators' state when taken, restored by :meth:`replay` (so that the
-    check's call of f draws what the forward-mode products' first call drew) and put back
-    as it was afterwards by :meth:`resume`."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (torch.cuda.get_rng_state_all()
-                     if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
-        self.after: tuple[Tensor, Any] | None = None
-
-    def replay(self) -> None:
-        cuda = (torch.cuda.get_rng_state_all()
-                if self.cuda is not None else None)
-        self.after = (torch.get_rng_state(), cuda)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-
-    def resume(self) -> None:
-        if self.after is None:
-            return
-        cpu, cuda = self.after
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
 def _cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
     u = torch.randn(like.shape, generator=gen, dtype=torch.float64)
     return u.to(dtype=like.dtype, device=like.device)
 
 
-def one_reverse_product(prob: Problem, state: RandomState
+def one_reverse_product(prob: Problem
                         ) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
     """f's flat outputs, random cotangents ``u`` (one per output, from a generator of its
-    own) and ``u^T J`` per leaf (zeros where unused): one more call of f, which draws what
-    the products' first call drew. None where the check does not apply (a complex tensor,
-    a function plain autograd cannot differentiate)."""
+    own) and ``u^T J`` per leaf (zeros where unused): one more call of f. None where the
+    check does not apply (a complex tensor, a function plain autograd cannot
+    differentiate)."""
     leaves = prob.leaves
     if any(x.is_complex() for x in leaves):
         return None
@@ -169,13 +180,9 @@ def one_reverse_product(prob: Problem, state: RandomState
         with torch.enable_grad():
             prob.reset_primals()  # (the products' last call of f may have changed them)
             xs = [x.detach().requires_grad_(True) for x in leaves]
-            state.replay()
-            try:
-                # (copies that are not leaves: f may write into its input, as the products
-                # allowed it to)
-                res_f = prob.g(*[x.clone() for x in xs])
-            finally:
-                state.resume()
+            # (copies that are not leaves: f may write into its input, as the products
+            # allowed it to)
+            res_f = prob.g(*[x.clone() for x in xs])
             out = res_f[0] if prob.has_aux else res_f
             flat, _ = tree_flatten(out)
             if any(o.is_complex() for o in flat):
@@ -271,7 +278,7 @@ def wrong_route_message(call: str, name: str, first: str, route: str, diff: floa
 
 
 def checked_route(
-    prob: Problem, res: Blocks, batch: int | None, key: Hashable, state: RandomState,
+    prob: Problem, res: Blocks, batch: int | None, key: Hashable,
     route: Callable[[str], Blocks], named: tuple[Hashable, str],
 ) -> Blocks:
     """``res``, the vectorised blocks "auto" computed, if one reverse product without vmap
@@ -279,7 +286,7 @@ def checked_route(
     ``route("rev-loop")`` that agrees with it, with a one-time warning naming f
     (``named``: its key and name); ``res`` where none agrees (f is random, or not smooth
     here). See NOTE [auto, checked once]."""
-    got = one_reverse_product(prob, state)
+    got = one_reverse_product(prob)
     if got is None:
         remember(key, res.mode)
         return res

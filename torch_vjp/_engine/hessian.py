@@ -83,13 +83,6 @@ def autograd_hessian(
             )
         return out
 
-    warn_once(
-        ("hessian-autograd", call, function_key(f)),
-        f"{call}: {why}, so the Hessian was computed with plain autograd, one backward pass "
-        f"per row: usually many times slower (buffers a forward changes are put back "
-        f"afterwards). {keep} This warning is shown once per function.",
-        JacobianWarning,
-    )
     xs = tuple(primals[n].detach() for n in nums)
 
     def gradient(*ys: Tensor) -> Any:
@@ -98,6 +91,14 @@ def autograd_hessian(
 
     with torch.enable_grad():
         h = torch.autograd.functional.jacobian(gradient, xs, create_graph=create_graph)
+    # (warned once it worked: an error of f's own comes out of the call above alone)
+    warn_once(
+        ("hessian-autograd", call, function_key(f)),
+        f"{call}: {why}, so the Hessian was computed with plain autograd, one backward pass "
+        f"per row: usually many times slower (buffers a forward changes are put back "
+        f"afterwards). {keep} This warning is shown once per function.",
+        JacobianWarning,
+    )
     if isinstance(argnums, int):
         return h[0]
     return tuple(tuple(row) for row in h)

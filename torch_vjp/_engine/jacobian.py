@@ -58,7 +58,12 @@ from torch_vjp._engine.context import (
     is_nested,
     vjp_with_argnums,
 )
-from torch_vjp._engine.fwdcheck import CHECKED, RandomState, checked_route, signature
+from torch_vjp._engine.fwdcheck import (
+    CHECKED,
+    checked_route,
+    route_key,
+    signature,
+)
 from torch_vjp._engine.plain import fwd_plain, rev_plain
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
@@ -224,7 +229,7 @@ def _blocks(
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
             mode = choose_mode(n_in, sum(math.prod(s) for s in shapes.rows))
             if fallback and vectorized and not is_nested():
-                check = signature(function_key(prob.f), prob.leaves, opts.batch,
+                check = signature(route_key(prob.f), prob.leaves, opts.batch,
                                   prob.primals)
                 route = CHECKED.get(check)
                 if route is not None:
@@ -232,7 +237,6 @@ def _blocks(
                         return _loop(prob, "rev", shapes, opts, functorch_loops)
                     mode, check = route, None
     if check is not None:
-        state = RandomState()
         res = _auto(prob, mode, shapes, opts, functorch_loops)
 
         def route(name: str) -> Blocks:
@@ -240,7 +244,7 @@ def _blocks(
                 return _loop(prob, "rev", shapes, opts, functorch_loops)
             return _auto(prob, "rev", shapes, opts, functorch_loops)
 
-        return checked_route(prob, res, opts.batch, check, state, route,
+        return checked_route(prob, res, opts.batch, check, route,
                              (function_key(prob.f), function_name(prob.f)))
     if not vectorized:
         return _loop(prob, mode, shapes, opts, functorch_loops)

@@ -348,7 +348,8 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         if own is None:
             own = _OWN_TYPE[kind] = not kind.__module__.startswith("torch.")
         fh, ph = m._forward_hooks, m._forward_pre_hooks
-        entry: tuple[Any, ...] = (id(m), kind, tuple(fh) if fh else (), tuple(ph) if ph else ())
+        entry: tuple[Any, ...] = (id(m), kind, _hooks_key(fh) if fh else (),
+                                  _hooks_key(ph) if ph else ())
         if own:
             for k, v in m.__dict__.items():
                 f = flag_of(v, numbers=False)
@@ -358,8 +359,15 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         entries.append(entry)
         training.append(m.training)
     glob = torch.nn.modules.module
-    return (tuple(training), tuple(entries), tuple(glob._global_forward_hooks),
-            tuple(glob._global_forward_pre_hooks))
+    return (tuple(training), tuple(entries), _hooks_key(glob._global_forward_hooks),
+            _hooks_key(glob._global_forward_pre_hooks))
+
+
+def _hooks_key(hooks: dict[int, Any]) -> tuple[Any, ...]:
+    """Hooks by what they run (their code), not by their handles: a hook registered and
+    removed around every step is the same hook each time, and must not make a plan per
+    call (a tool's global hooks, a ModuleTracker, are too)."""
+    return tuple(getattr(getattr(h, "__func__", h), "__code__", type(h)) for h in hooks.values())
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:

@@ -75,7 +75,7 @@ class Plan:
         pattern: the ``(m, n)`` pattern.
         user: the pattern was the user's (a size mismatch is then an error, not a reason to
             detect again).
-        checked: whether ``"auto"``'s forward mode was checked, and what it found.
+        checked: the route ``"auto"`` takes after its check, per function.
     """
 
     __slots__ = ("pattern", "user", "checked", "_colorings", "_indices", "__weakref__")
@@ -83,11 +83,17 @@ class Plan:
     def __init__(self, pattern: Pattern, user: bool = False) -> None:
         self.pattern = pattern
         self.user = user
-        # "auto"'s forward mode checked against one reverse product (NOTE [auto, checked
-        # once] in torch_vjp._engine.fwdcheck): None (not yet), "fwd" or "rev"
-        self.checked: str | None = None
+        # the route "auto" took after its check (NOTE [auto, checked once] in
+        # torch_vjp._engine.fwdcheck), per function: "fwd", "rev" or "rev-loop"
+        self.checked: dict[Any, str] = {}
         self._colorings: dict[str, Coloring] = {}
         self._indices: dict[Any, Any] = {}
+
+    def remember(self, fkey: Any, route: str) -> None:
+        """The route "auto" takes for the function of ``fkey`` from now on (bounded)."""
+        if len(self.checked) >= 64:
+            self.checked.clear()
+        self.checked[fkey] = route
 
     def coloring(self, mode: str) -> Coloring:
         """The colouring for ``"fwd"`` or ``"rev"``; ``"auto"``: the one with fewer colours
