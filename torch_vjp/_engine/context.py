@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - other torch layouts
     vjp_with_argnums = None
 
 __all__ = [
+    "flag_of",
     "func_vjp",
     "func_jvp",
     "vjp_with_argnums",
@@ -141,6 +142,30 @@ _ITEMS_SEARCHED = 32
 _OBJECTS_SEARCHED = 256
 _NOT_SEARCHED = (Tensor, str, bytes, int, float, complex, bool, type, types.ModuleType,
                  type(None))
+
+
+_FLAG_TYPES = (bool, str, type(None))
+_NUMBER_TYPES = (int, float)
+
+
+def flag_of(v: object, numbers: bool = True) -> object:
+    """What a plain value a function branches on contributes to a key that says whether an
+    earlier decision still holds (the route of NOTE [auto, checked once], the per-sample
+    plan of NOTE [the structure a plan is for]): a bool, str or None itself, a number's
+    truth (``if l2:``, a coefficient switched on; a number that changes every call, a time
+    step, must not make every call a first one), and ``NotImplemented`` for any other value
+    (or for a number, without ``numbers``).
+
+    Example:
+        >>> flag_of(True), flag_of(0.0), flag_of(3), flag_of("lower"), flag_of([1])
+        (True, False, True, 'lower', NotImplemented)
+    """
+    kind = type(v)
+    if kind in _FLAG_TYPES:
+        return v
+    if numbers and kind in _NUMBER_TYPES:
+        return bool(v)
+    return NotImplemented
 
 
 def captured_values(func: types.FunctionType) -> Iterator[object]:

@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks
+from torch_vjp._engine.context import flag_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
@@ -102,9 +103,6 @@ def remember(key: Hashable, verdict: str) -> None:
     CHECKED[key] = verdict
 
 
-_FLAGS = (bool, str, type(None))
-
-
 def route_key(f: object, depth: int = 3) -> Hashable:
     """Which function a remembered route is for: its code and what its closure and defaults
     hold (a tensor by its signature, a flag by value, a number by its truth, a function by
@@ -133,32 +131,25 @@ def route_key(f: object, depth: int = 3) -> Hashable:
 def _held(v: object, depth: int) -> Hashable:
     if isinstance(v, Tensor):
         return ("T", tuple(v.shape), v.dtype, v.device)
-    if type(v) in _FLAGS or type(v) in (int, float):
-        return _flag(v)
+    flag = flag_of(v)
+    if flag is not NotImplemented:
+        return flag
     if callable(v) and depth > 1 and isinstance(v, (types.FunctionType, types.MethodType,
                                                      functools.partial)):
         return route_key(v, depth - 1)
     return (id(v), type(v))
 
 
-def _flag(v: object) -> object:
-    """A plain argument's part of the key: a bool, str or None itself, a number's truth
-    (``mode="lower"``, ``upper=True`` choose another operator; a number that changes every
-    call, a time step, must not make every call a first one), nothing for anything else."""
-    if type(v) in _FLAGS:
-        return v
-    if type(v) in (int, float):
-        return bool(v)
-    return type(v)
-
-
 def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None,
               primals: Sequence[object] = ()) -> Hashable:
     """The key of one function and input signature: the leaves' shapes, dtypes, devices,
-    and the flags of the primals that are not tensors (a function that branches on one to
-    another operator is checked again there)."""
+    and the flags of the primals that are not tensors (:func:`flag_of`: ``mode="lower"``
+    or ``upper=True`` may choose another operator, checked again there; any other value
+    by its type)."""
+    flags = ((f if (f := flag_of(p)) is not NotImplemented else type(p))
+             for p in primals if not isinstance(p, Tensor))
     return (function, batch, tuple((tuple(x.shape), x.dtype, x.device) for x in leaves),
-            tuple(_flag(p) for p in primals if not isinstance(p, Tensor)))
+            tuple(flags))
 
 
 def _cotangent(like: Tensor, gen: torch.Generator) -> Tensor:

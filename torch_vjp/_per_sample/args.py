@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from torch_vjp._engine.context import flag_of
 from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValueError, shape_str
 
 __all__ = [
@@ -293,22 +294,8 @@ class Job:
 # a coefficient switched on). A module's numeric attributes are left out: a counter a
 # forward increments (and a loop resets) would make plan after plan. Branches on other
 # values (a batch's contents, a threshold compared with a number) are not seen.
-_FLAG_TYPES = (bool, str, type(None))
-_NUMBER_TYPES = (int, float)
 _OWN_TYPE: dict[type, bool] = {}
 _READS: dict[Any, tuple[str, ...]] = {}
-
-
-def flag_of(v: Any, numbers: bool = True) -> Any:
-    """What a value contributes to a plan's key (NOTE [the structure a plan is for]), or
-    ``NotImplemented`` for a value that contributes nothing (``numbers``: whether a number
-    contributes its truth)."""
-    kind = type(v)
-    if kind in _FLAG_TYPES:
-        return v
-    if numbers and kind in _NUMBER_TYPES:
-        return bool(v)
-    return NotImplemented
 
 
 def function_flags(fn: Any) -> tuple[Any, ...]:
