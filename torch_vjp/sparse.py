@@ -27,11 +27,11 @@ from torch_vjp._engine.context import buffers_kept, is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
+    agreeing_route,
     gap,
     route_key,
     one_reverse_product,
     tolerance,
-    wrong_route_message,
 )
 from torch_vjp._engine.jacobian import (
     function_key,
@@ -315,31 +315,16 @@ def _checked(
                 0, plan.gather_index(c, torch.sparse_csr, device))
             return gap(torch.zeros_like(g).index_add_(0, cols, u[rows] * values), g)
 
-    diff, scale = gap_of(coloring, comp)
-    if diff <= rtol * scale:  # the common case
-        plan.remember(fkey, first)
-        return coloring, comp
-    for route in ("rev", "rev-loop") if first == "fwd" else ("rev-loop",):
-        try:
-            alt, alt_comp, _ = _products(prob, plan, "auto", 1 if route == "rev-loop" else chunk,
-                                         budget, "rev")
-        except Exception as err:  # noqa: BLE001 - no safer route: the next one, or the first
-            if passes_through(err):
-                raise
-            continue
-        alt_diff, alt_scale = gap_of(alt, alt_comp)
-        if alt_diff > rtol * alt_scale:
-            continue
-        plan.remember(fkey, route)
-        warn_once(
-            ("sparse-auto-checked", function_key(prob.f), first, route),
-            wrong_route_message(prob.call, function_name(prob.f), first, route, diff, scale,
-                                "mode"),
-            JacobianWarning,
-        )
+    def run(route: str) -> tuple[Any, Tensor]:
+        alt, alt_comp, _ = _products(prob, plan, "auto", 1 if route == "rev-loop" else chunk,
+                                     budget, "rev")
         return alt, alt_comp
-    plan.remember(fkey, first)  # nothing agrees: f is random or not smooth here
-    return coloring, comp
+
+    return agreeing_route(
+        prob, first, (coloring, comp), lambda pair: gap_of(*pair), run,
+        lambda route: plan.remember(fkey, route), (function_key(prob.f), function_name(prob.f)),
+        "mode", rtol,
+    )
 
 
 def clear_cache(f: Callable[..., Any] | None = None) -> None:

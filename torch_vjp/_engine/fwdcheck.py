@@ -34,6 +34,7 @@ import functools
 import math
 import types
 from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -46,7 +47,7 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = [
-    "CHECKED", "PIECE", "checked_route", "gap", "route_key", "largest_difference",
+    "CHECKED", "PIECE", "agreeing_route", "checked_route", "gap", "route_key", "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
     "tolerance", "wrong_route_message",
 ]
@@ -274,37 +275,56 @@ def checked_route(
 ) -> Blocks:
     """``res``, the vectorised blocks "auto" computed, if one reverse product without vmap
     agrees with them; else the first of the routes ``route("rev")`` (after forward mode) and
-    ``route("rev-loop")`` that agrees with it, with a one-time warning naming f
-    (``named``: its key and name); ``res`` where none agrees (f is random, or not smooth
-    here). See NOTE [auto, checked once]."""
+    ``route("rev-loop")`` that agrees with it (:func:`agreeing_route`), with a one-time
+    warning naming f (``named``: its key and name). See NOTE [auto, checked once]."""
     got = one_reverse_product(prob)
     if got is None:
         remember(key, res.mode)
         return res
-    rtol = tolerance(prob.leaves[0].dtype)
-    diff, scale = reverse_gap(prob, res, batch, got)
+    return agreeing_route(
+        prob, res.mode, res, lambda b: reverse_gap(prob, b, batch, got), route,
+        lambda name: remember(key, name), named, "strategy", tolerance(prob.leaves[0].dtype),
+    )
+
+
+R = TypeVar("R")
+
+
+def agreeing_route(
+    prob: Problem, first: str, result: R, gap_of: Callable[[R], tuple[float, float]],
+    route: Callable[[str], R], keep: Callable[[str], None], named: tuple[Hashable, str],
+    option: str, rtol: float,
+) -> R:
+    """The route decision of NOTE [auto, checked once], for dense and sparse Jacobians
+    alike: ``result`` (of route ``first``) where ``gap_of`` finds it agrees with the
+    reverse product within ``rtol``; else the first of ``route("rev")`` (after forward
+    mode) and ``route("rev-loop")`` that agrees, with a one-time warning naming f
+    (``named``: its key and name; ``option``: the argument the warning names); ``result``
+    where none agrees (f is random, or not smooth here). ``keep`` remembers the route
+    taken."""
+    diff, scale = gap_of(result)
     if diff <= rtol * scale:  # the common case
-        remember(key, res.mode)
-        return res
-    for name in ("rev", "rev-loop") if res.mode == "fwd" else ("rev-loop",):
+        keep(first)
+        return result
+    for name in ("rev", "rev-loop") if first == "fwd" else ("rev-loop",):
         try:
             alt = route(name)
-        except Exception as err:  # noqa: BLE001 - no safer route: the next one, or res
+        except Exception as err:  # noqa: BLE001 - no safer route: the next one, or result
             if passes_through(err):
                 raise
             continue
-        alt_diff, alt_scale = reverse_gap(prob, alt, batch, got)
+        alt_diff, alt_scale = gap_of(alt)
         if alt_diff > rtol * alt_scale:
             continue
-        remember(key, name)
+        keep(name)
         warn_once(
-            ("auto-checked", named[0], res.mode, name),
-            wrong_route_message(prob.call, named[1], res.mode, name, diff, scale, "strategy"),
+            (prob.call, named[0], first, name),
+            wrong_route_message(prob.call, named[1], first, name, diff, scale, option),
             JacobianWarning,
         )
         return alt
-    remember(key, res.mode)
-    return res
+    keep(first)
+    return result
 
 
 def tolerance(dtype: torch.dtype) -> float:
