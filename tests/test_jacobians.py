@@ -1446,3 +1446,19 @@ def test_hessian_batch_and_sparse_jacobians_of_f_that_writes_into_its_input():
         torch.stack([torch.autograd.functional.jacobian(
             lambda r: rows(r.unsqueeze(0).clone()).squeeze(0), row) for row in x.T]))
     assert torch.equal(x, x0)
+
+
+def test_hessian_plain_autograd_fallback_says_what_it_cannot_take():
+    # where torch.func cannot run f and plain autograd takes over, the fallback needs tensor
+    # primals and an f of one tensor: the messages say which refusal led there
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(JacobianCallError, match=(
+            r"^torch_vjp\.hessian: torch\.func cannot run f \(.*setup_context.*\), and the "
+            r"plain autograd fallback takes an f that returns one tensor, not a tuple\. Fix: "
+            r"return one tensor\. A custom autograd\.Function with setup_context")):
+        hessian(lambda x: (_OldStyleCube.apply(x).sum(),), x, strategy="rev-loop")
+    with pytest.raises(JacobianCallError, match=(
+            r"^torch_vjp\.hessian: torch\.func cannot run f \(.*\), and the plain autograd "
+            r"fallback takes tensor primals only\. Fix: pass the differentiated primals as "
+            r"tensors\.")):
+        hessian(lambda p: _OldStyleCube.apply(p["x"]).sum(), {"x": x}, strategy="rev-loop")
