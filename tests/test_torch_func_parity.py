@@ -406,6 +406,43 @@ def test_auto_routes_are_remembered_per_function_not_per_code(forward_checks_for
     torch.testing.assert_close(S.reshape(3, 100, 3, 3), torch.func.jacrev(_solve_wide)(A))
 
 
+class _Solver(torch.nn.Module):
+    """A module whose forward branches on an attribute: solve_triangular (right in forward
+    mode) or torch.triangular_solve (wrong in forward mode)."""
+
+    def __init__(self, wrong):
+        super().__init__()
+        self.wrong = wrong
+
+    def forward(self, A):
+        if self.wrong:
+            return _solve_wide(A)
+        return torch.linalg.solve_triangular(A, _WIDE, upper=True)
+
+
+def test_auto_route_of_a_dead_module_is_not_taken_by_a_new_one_at_its_address(
+        forward_checks_forgotten):
+    # A module is known by identity; CPython gives a new object the address (id) of one
+    # that died. The check of the dead module covered the new one, whose forward-mode
+    # formula is wrong: a silently wrong Jacobian.
+    A = _triangular_point()[1]
+    ref = torch.func.jacrev(_solve_wide)(A)
+    for _ in range(200):
+        right = _Solver(False)
+        tv.jacobian(right, A)
+        address = id(right)
+        del right
+        wrong = _Solver(True)
+        if id(wrong) == address:
+            break
+    else:
+        pytest.skip("no new module was given a dead one's address")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        torch.testing.assert_close(tv.jacobian(wrong, A), ref)
+        torch.testing.assert_close(tv.jacobian(wrong.forward, A), ref)
+
+
 def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forgotten):
     """The common case: forward mode agrees; the check costs one call of f on the first
     call for a signature, none later, and leaves the global random state alone."""

@@ -31,8 +31,10 @@ the first result stands, at the cost of those routes on the first call.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import types
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
@@ -47,7 +49,8 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = [
-    "CHECKED", "PIECE", "agreeing_route", "checked_route", "gap", "route_key", "largest_difference",
+    "CHECKED", "PIECE", "agreeing_route", "checked_route", "gap", "identity", "route_key",
+    "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
     "tolerance", "wrong_route_message",
 ]
@@ -104,16 +107,46 @@ def remember(key: Hashable, verdict: str) -> None:
     CHECKED[key] = verdict
 
 
+#: id -> (a weak reference to the object, its token): see :func:`identity`.
+_IDENTITIES: dict[int, tuple[weakref.ref, int]] = {}
+_TOKENS = itertools.count()
+
+
+def identity(obj: object) -> Hashable:
+    """``obj``'s identity in a key that outlives it: its ``id`` and a token no later object
+    shares. CPython gives a new object the address, so the ``id``, of one that died: a
+    route remembered for a dead module was taken by a new module of the same type, whose
+    Jacobian was then never checked. An object that cannot be weakly referenced (a list, a
+    dict) counts by ``id`` alone."""
+    i = id(obj)
+    entry = _IDENTITIES.get(i)
+    if entry is not None and entry[0]() is obj:
+        return (i, entry[1])
+    try:
+        ref = weakref.ref(obj, functools.partial(_forget, i))
+    except TypeError:
+        return i
+    token = next(_TOKENS)
+    _IDENTITIES[i] = (ref, token)
+    return (i, token)
+
+
+def _forget(i: int, ref: weakref.ref) -> None:
+    entry = _IDENTITIES.get(i)
+    if entry is not None and entry[0] is ref:
+        del _IDENTITIES[i]
+
+
 def route_key(f: object, depth: int = 3) -> Hashable:
     """Which function a remembered route is for: its code and what its closure and defaults
     hold (a tensor by its signature, a flag by value, a number by its truth, a function by
-    its own key, ``depth`` levels deep, anything else, a module say, by identity and type);
-    a bound method by its function and object; any other callable (a module) by identity
-    and type. Two functions made by one line over other operators (``make(op)``), or two
+    its own key, ``depth`` levels deep, anything else, a module say, by :func:`identity`
+    and type); a bound method by its function and object; any other callable (a module) by
+    :func:`identity` and type. Two functions made by one line over other operators (``make(op)``), or two
     ``nn.Sequential`` of other layers, have other keys; a lambda made anew each step over
     the same model and a new batch has the same."""
     if isinstance(f, types.MethodType):
-        return ("method", route_key(f.__func__, depth), id(f.__self__), type(f.__self__))
+        return ("method", route_key(f.__func__, depth), identity(f.__self__), type(f.__self__))
     if isinstance(f, functools.partial):
         return ("partial", route_key(f.func, depth), tuple(_held(a, depth) for a in f.args),
                 tuple((k, _held(v, depth)) for k, v in sorted(f.keywords.items())))
@@ -126,7 +159,7 @@ def route_key(f: object, depth: int = 3) -> Hashable:
                 cells.append(None)
         return ("function", f.__code__, tuple(cells),
                 tuple(_held(d, depth) for d in f.__defaults__ or ()))
-    return ("object", id(f), type(f))
+    return ("object", identity(f), type(f))
 
 
 def _held(v: object, depth: int) -> Hashable:
@@ -138,7 +171,7 @@ def _held(v: object, depth: int) -> Hashable:
     if callable(v) and depth > 1 and isinstance(v, (types.FunctionType, types.MethodType,
                                                      functools.partial)):
         return route_key(v, depth - 1)
-    return (id(v), type(v))
+    return (identity(v), type(v))
 
 
 def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None,
