@@ -280,6 +280,46 @@ def test_falls_back_to_the_inputs_dtype_when_fn_cannot_run_in_float64():
     assert "note: values checked in float32" in str(report)
 
 
+def _float32_inside(backward_scale):
+    class SinInFloat32(torch.autograd.Function):
+        """float64 in and out, float32 inside."""
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.float().sin().to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            (x,) = ctx.saved_tensors
+            return grad_output * x.cos() * backward_scale
+
+    return SinInFloat32
+
+
+def test_a_forward_that_computes_in_float32_inside_is_checked_at_float32_precision():
+    # Its float64 outputs carry float32's rounding: central differences with eps=1e-6 are
+    # off by about 6e-8 / 1e-6, and a right backward was reported as wrong.
+    x = _x(4, 3, dtype=torch.float64)
+    report = check_function(_float32_inside(1.0), x)
+    assert report.value_dtype == torch.float32
+    assert report.eps > 1e-3
+    assert any("lie on float32's grid" in note for note in report.notes)
+    assert "note: values checked at float32's precision" in str(report)
+    # a wrong backward is still caught
+    with pytest.raises(FunctionCheckError, match=r"does not match finite differences"):
+        check_function(_float32_inside(1.1), x)
+    with pytest.raises(FunctionCheckError, match=r"does not match finite differences"):
+        check_function(_float32_inside(-1.0), x)
+
+
+def test_a_float64_forward_with_integer_outputs_keeps_float64_precision():
+    # (integer values lie on every grid: they do not say the forward rounds to float32)
+    x = _x(4, 3, dtype=torch.float64)
+    report = check_function(lambda t: torch.cat([(10 * t).floor(), Exp.apply(t)]), x)
+    assert report.value_dtype == torch.float64 and report.eps == 1e-6
+
+
 # ---------------------------------------------------------------------------------------
 # Broken Functions: one per mistake
 

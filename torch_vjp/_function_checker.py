@@ -306,9 +306,7 @@ class Checker:
         widened = any(w is not a for w, a in zip(wide, self.inputs))
         try:
             dtype = _value_dtype(wide, self.diff)
-            d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-8, 1e-5))
-            tols = (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
-            probes = self._probe(wide, eps)
+            probes, grid, probe_eps = self._probe(wide, eps)
         except Exception as exc:
             if not widened or isinstance(exc, FunctionCheckError):
                 raise  # fn failed in its own dtype (the user's error, untouched), or ours
@@ -320,10 +318,18 @@ class Checker:
                 f"eps raised to {low_eps:.3g}"
             )
             eps = low_eps
-            d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-5, 1e-2))
-            tols = (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
-            probes = self._probe(self.inputs, eps)
-        atol_, rtol_ = tols
+            probes, grid, probe_eps = self._probe(self.inputs, eps)
+        if grid is not None:
+            notes.append(
+                f"values checked at {dtype_name(grid)}'s precision: fn's {dtype_name(dtype)} "
+                f"outputs lie on {dtype_name(grid)}'s grid (it computes in "
+                f"{dtype_name(grid)} inside), so finite differences carry its rounding; eps "
+                f"raised to {probe_eps:.3g}"
+            )
+            dtype, eps = grid, probe_eps
+        d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-5, 1e-2))
+        atol_ = d_atol if atol is None else atol
+        rtol_ = d_rtol if rtol is None else rtol
         errors: dict[int, tuple[float, float]] = {}
         for i in self.diff:
             rows = probes[i]
@@ -339,7 +345,11 @@ class Checker:
                     )
         return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
 
-    def _probe(self, inputs: tuple[Any, ...], eps: float) -> dict[int, list[_Probe]]:
+    def _probe(self, inputs: tuple[Any, ...], eps: float
+               ) -> tuple[dict[int, list[_Probe]], torch.dtype | None, float]:
+        """The dot-product probes; and the narrower dtype fn computes in inside (its outputs
+        lie on that dtype's grid, :func:`output_grid`), with the step raised for it, or
+        None and ``eps``."""
         leaves = {i: inputs[i].detach().clone().requires_grad_(True) for i in self.diff}
         with torch.enable_grad():
             out = self.run(*_fresh_args(inputs, leaves))
@@ -347,6 +357,11 @@ class Checker:
         pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
         outputs = [flat[k] for k in pos]
         self._check_finite_outputs(inputs, flat, pos, _value_dtype(inputs, self.diff))
+        grid = output_grid(outputs)
+        unit_floor = 0.0
+        if grid is not None:
+            unit_floor = torch.finfo(grid).eps
+            eps = max(eps, unit_floor ** (1 / 3))
         result: dict[int, list[_Probe]] = {i: [] for i in self.diff}
         for p in range(PROBES):
             cots = [_randn_like(o, self.gen) for o in outputs]
@@ -368,10 +383,10 @@ class Checker:
                 jt = [(a - b) / (2 * eps) for a, b in zip(f_plus, f_minus)]
                 lhs = sum((_inner(c, j) for c, j in zip(cots, jt)), 0.0)
                 size = max(_norm(jt) * c_norm, _norm([t]) * _norm([g]))
-                unit = torch.finfo(_real_dtype(x.dtype)).eps
+                unit = max(torch.finfo(_real_dtype(x.dtype)).eps, unit_floor)
                 noise = 10 * unit * (_norm(f_plus) + _norm(f_minus)) / (2 * eps) * c_norm
                 result[i].append(_Probe(lhs=lhs, rhs=rhs, size=size, noise=noise))
-        return result
+        return result, grid, eps
 
     def _outputs_at(self, inputs: tuple[Any, ...], i: int, xi: Tensor,
                     pos: list[int]) -> list[Tensor]:
@@ -507,6 +522,34 @@ def _bind_forward_args(fn: type[torch.autograd.Function], args: Sequence[Any]) -
     except (TypeError, ValueError):
         return tuple(args)
     return tuple(bound.args)
+
+
+#: Narrower dtypes a forward may compute in inside, coarsest first.
+_GRIDS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def output_grid(outputs: Sequence[Any]) -> torch.dtype | None:
+    """The coarsest dtype narrower than the outputs' on whose grid every output value lies,
+    or None: a forward that computes in float32 inside returns float64 values that float32
+    holds exactly, and carries float32's rounding. Integer values lie on every grid and
+    say nothing; without other values, None."""
+    values = []
+    for o in outputs:
+        if isinstance(o, Tensor) and o.is_floating_point() and o.numel():
+            v = o.detach().reshape(-1)
+            v = v[torch.isfinite(v) & (v != v.round())]
+            if v.numel():
+                values.append(v)
+    if not values:
+        return None
+    for d in _GRIDS:
+        unit = torch.finfo(d).eps
+        narrower = [v for v in values if torch.finfo(v.dtype).eps < unit]
+        if len(narrower) == len(values) and all(
+            torch.equal(v.to(d).to(v.dtype), v) for v in values
+        ):
+            return d
+    return None
 
 
 def _randn_like(t: Tensor, gen: torch.Generator) -> Tensor:

@@ -91,8 +91,9 @@ class FunctionCheckReport:
             ``"MyFunc.backward"`` (with ``" x N"`` when it ran N times).
         inputs: One :class:`InputCheck` per input of ``fn``.
         value_dtype: The dtype the values were checked in (float64, or the inputs' own
-            dtype where ``fn`` could not run in float64; see ``notes``), ``None`` when the
-            values were not checked.
+            dtype where ``fn`` could not run in float64; the narrower dtype ``fn`` computes
+            in inside where its outputs lie on that dtype's grid, checked with that dtype's
+            step and tolerances; see ``notes``), ``None`` when the values were not checked.
         eps: The finite-difference step used.
         atol: Absolute tolerance of the dot-product test.
         rtol: Relative tolerance of the dot-product test.
