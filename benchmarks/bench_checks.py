@@ -13,10 +13,10 @@ Each ratio is paired: ``--pairs`` pairs of ``torch.utils.benchmark.Timer.blocked
 medians of the reference and of torch_vjp, taken back to back with the order alternating
 (the drift of a shared machine cancels within a pair); reported: the median of the pairs'
 ratios and their interquartile range. Writes ``results/checks_overhead.json`` and
-``.md`` next to this file.
+``.md`` next to this file (or into ``--out``).
 
-Run: ``python benchmarks/bench_checks.py [--pairs 41] [--pair-time 0.05]`` (about a minute
-and a half).
+Run: ``python benchmarks/bench_checks.py [--pairs 41] [--pair-time 0.05] [--out DIR]``
+(about a minute and a half).
 """
 
 from __future__ import annotations
@@ -178,13 +178,16 @@ def main() -> None:
     parser.add_argument("--pair-time", type=float, default=0.05,
                         help="min_run_time of each blocked_autorange in a pair (seconds)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="folder for checks_overhead.json/.md (default: results/)")
     args = parser.parse_args()
+    out = args.out
     torch.set_num_threads(args.threads)
     rows = [f(args.pairs, args.pair_time)
             for f in (bench_grad, bench_step_checked, bench_step_env, bench_step_custom)]
     result = {"environment": environment(), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "checks_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "checks_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Checking overhead",
         "",
@@ -203,7 +206,7 @@ def main() -> None:
         lines.append(f"| {r['case']} | {r['reference']} | {r['reference_s'] * 1e6:.1f} | "
                      f"{r['torch_vjp_s'] * 1e6:.1f} | {r['ratio']:.3f} | "
                      f"{r['ratio_q1']:.3f}-{r['ratio_q3']:.3f} | <= {r['target']} ({ok}) |")
-    (RESULTS / "checks_overhead.md").write_text("\n".join(lines) + "\n")
+    (out / "checks_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
