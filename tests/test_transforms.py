@@ -191,6 +191,31 @@ def test_tangent_structure_names_the_primals():
         jvp(lambda x: W @ x, (x,), [torch.ones(4, dtype=D)])
 
 
+def test_none_cotangent_stands_for_one_for_a_scalar_output():
+    # as torch.func.vjp and torch.autograd.grad read it (vjp_fn(None) gave zeros, and a None
+    # beside a vector dropped the scalar output's part)
+    x = torch.randn(3, dtype=D)
+    (g,) = vjp(lambda x: (x ** 2).sum(), x)[1](None)
+    torch.testing.assert_close(g, 2 * x)
+    f = lambda x: (2 * x, (x ** 2).sum())  # noqa: E731
+    ones = torch.ones(3, dtype=D)
+    (g,) = vjp(f, x)[1]((ones, None))
+    torch.testing.assert_close(g, torch.func.vjp(f, x)[1]((ones, None))[0])
+    torch.testing.assert_close(g, 2 + 2 * x)
+
+
+def test_none_cotangent_is_refused_with_batched():
+    # K stacked vectors have no None: it gave zeros for every product, silently
+    x = torch.randn(3, dtype=D)
+    vjp_fn = vjp(lambda x: (2 * x, (x ** 2).sum()), x)[1]
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.vjp: vjp_fn: cotangents[0] is None, but batched=True.\n") + r"(?s:.*)"
+            + re.escape("Fix: pass torch.ones_like(outputs[0]).expand(2, *outputs[0].shape)")):
+        vjp_fn((None, torch.ones(2, dtype=D)), batched=True)
+    with pytest.raises(tv.GradOutputsError, match=r"cotangents\[1\] is None, but batched=True"):
+        vjp_fn((torch.ones(2, 3, dtype=D), None), batched=True)
+
+
 def test_none_tangent_is_refused():
     x = torch.randn(4, dtype=D)
     with pytest.raises(tv.GradOutputsError, match=r"tangents\[1\] is None, but each entry of "

@@ -480,25 +480,36 @@ def check_cotangents(
     if isinstance(out, Tensor):
         labels = _single(labels)
     inputs = None if primals is None else tuple(tree_leaves(primals))
-    if not batched:
-        # (the output a pullback is given does not require grad, but the one it
-        # differentiates does: None stands for 1, as torch makes it, for a scalar only)
-        for i, (o, c) in enumerate(zip(flat_out, flat_cot)):
-            if c is None and (o.numel() != 1 or not o.dtype.is_floating_point):
-                sentence = ("grad can be implicitly created only for scalar outputs"
-                            if o.numel() != 1 else
-                            "grad can be implicitly created only for real scalar outputs "
-                            f"but got {o.dtype}")
-                message = (missing_message(labels, i, o, inputs) if o.numel() != 1
-                           else implicit_dtype_message(labels, i, o))
-                raise _error(GradOutputsError, labels, message, sentence)
-    return normalize_grad_outputs(
+    # (the output a pullback is given does not require grad, but the one it differentiates
+    # does: None stands for 1, as torch makes it, for a real scalar only, and never for K
+    # stacked vectors)
+    for i, (o, c) in enumerate(zip(flat_out, flat_cot)):
+        if c is not None:
+            continue
+        if batched:
+            raise _error(GradOutputsError, labels,
+                         batched_none_message(labels, i, o, flat_cot, flat_out), None)
+        if o.numel() != 1 or not o.dtype.is_floating_point:
+            sentence = ("grad can be implicitly created only for scalar outputs"
+                        if o.numel() != 1 else
+                        "grad can be implicitly created only for real scalar outputs "
+                        f"but got {o.dtype}")
+            message = (missing_message(labels, i, o, inputs) if o.numel() != 1
+                       else implicit_dtype_message(labels, i, o))
+            raise _error(GradOutputsError, labels, message, sentence)
+    normalized = normalize_grad_outputs(
         flat_out,
         flat_cot,
         labels,
         is_grads_batched=batched,
         inputs=inputs,
     )
+    if any(c is None for c in flat_cot):
+        normalized = tuple(
+            torch.ones_like(o) if c is None else v
+            for o, c, v in zip(flat_out, flat_cot, normalized)
+        )
+    return normalized
 
 
 _SINGLE: dict[int, tuple[Labels, Labels]] = {}

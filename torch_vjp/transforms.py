@@ -162,7 +162,9 @@ def vjp(
         ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with ``has_aux``). ``vjp_fn(
         cotangents, retain_graph=True, create_graph=None, *, batched=False,
         chunk_size=None)`` takes cotangents in the output's structure, each shaped like its
-        output (dL/d output), and returns a tuple with one ``v^T J`` per primal, each shaped
+        output (dL/d output; ``None`` stands for 1 for a real scalar output, as in
+        torch.func.vjp, but not with ``batched=True``), and returns a tuple with one
+        ``v^T J`` per primal, each shaped
         like its primal. ``retain_graph`` and ``create_graph`` are torch.func's (by default
         the result is differentiable when grad mode is on). With ``batched=True`` every
         cotangent carries an extra leading dimension K (the same for all), and every result
