@@ -369,6 +369,46 @@ def test_auto_jacobian_checks_reverse_mode_under_vmap(forward_checks_forgotten):
                                    ref.reshape(12, 6))
 
 
+def test_jacobian_of_checks_its_vectorised_backward_once_per_graph(forward_checks_forgotten):
+    """jacobian_of takes its products under torch.vmap: where a backward formula has a wrong
+    batching rule (torch.cdist's, torch 2.13) the first call for a graph of that structure
+    finds it against one backward pass without vmap and returns the loop's Jacobian."""
+    y = torch.randn(4, 2, dtype=D)
+    ref_fn = lambda x: torch.cdist(x, y)  # noqa: E731
+    x = torch.randn(3, 2, dtype=D, requires_grad=True)
+    ref = torch.autograd.functional.jacobian(ref_fn, x.detach())
+    torch.testing.assert_close(ref, fd_jacobian(ref_fn, x.detach()))
+    with pytest.warns(tv.JacobianWarning, match=(
+            r"^torch_vjp\.jacobian_of: the vectorised backward pass \(torch\.vmap over "
+            r"torch\.autograd\.grad\) disagrees with one backward pass without it \(by up "
+            r"to .*\): an operator in the graph has a wrong batching rule for its backward "
+            r"\(torch\.cdist's is one\)\. jacobian_of returned the Jacobian computed one "
+            r"backward pass per output element, and does so for graphs of this structure from "
+            r"now on\.\n  Pass chunk_size=1 to compute it that way directly\.")):
+        J = tv.jacobian_of(torch.cdist(x, y), x)
+    torch.testing.assert_close(J, ref)
+    with no_jacobian_warnings():  # a new graph of the same structure: the loop directly
+        x2 = torch.randn(3, 2, dtype=D, requires_grad=True)
+        out = torch.cdist(x2, y)
+        torch.testing.assert_close(tv.jacobian_of(out, x2, retain_graph=True),
+                                   torch.autograd.functional.jacobian(ref_fn, x2.detach()))
+        out.sum().backward()  # the graph kept, as asked
+
+
+def test_jacobian_of_check_keeps_the_graph_when_asked(forward_checks_forgotten):
+    # the common case: the vectorised products agree, silently; retain_graph=True keeps the
+    # graph through the check's extra backward pass
+    W = torch.randn(5, 3, dtype=D)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    out = torch.tanh(W @ x)
+    with no_jacobian_warnings():
+        J = tv.jacobian_of(out, x, retain_graph=True)
+    torch.testing.assert_close(J, torch.func.jacrev(lambda v: torch.tanh(W @ v))(x.detach()))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, J.sum(0))
+    assert list(forward_checks_forgotten.values()) == ["rev"]
+
+
 def test_auto_checks_again_for_another_flag_among_the_primals(forward_checks_forgotten):
     # f branches on a plain argument to the operator whose forward-mode formula is wrong:
     # the check of the first call (the right branch) covered the second, silently wrong

@@ -533,9 +533,15 @@ def jacobian_of(
         JacobianCallError: an input does not require grad, or an argument is not a tensor.
         JacobianMemoryError: the Jacobian does not fit the free memory.
 
+    The first vectorised Jacobian of a graph structure (node types, shapes and dtypes of
+    outputs and inputs) is checked against one backward pass without vmap; where a batching
+    rule is wrong (torch.cdist's backward) the loop's Jacobian is returned, and graphs of that
+    structure take the loop from then on (NOTE [jacobian_of, checked once]).
+
     Warns:
         JacobianWarning: for an output with no autograd path to an input (its block is
-            zeros); once, when the batched backward pass fails and a loop is used.
+            zeros); once, when the batched backward pass fails and a loop is used; once per
+            graph structure, when the batched backward pass disagrees with the loop.
 
     Example:
         >>> import torch, torch_vjp as tv

@@ -1,18 +1,31 @@
 """The Jacobian of tensors already computed (:func:`torch_vjp.jacobian_of`): one backward
 pass per output element through their autograd graph, vectorised with ``torch.vmap`` over
 ``torch.autograd.grad`` and falling back to a loop (NOTE [one fallback policy] in
-:mod:`torch_vjp._engine.rows`)."""
+:mod:`torch_vjp._engine.rows`).
+
+NOTE [jacobian_of, checked once]
+The vectorised products run the batching rules of the backward formulas, and a few are wrong
+in torch (``torch.cdist``'s: a relative error near 1), as for "auto" in NOTE [auto, checked
+once]. So the first vectorised Jacobian of a graph structure (the types of its nodes, in
+the order of a walk from the outputs, and the shapes and dtypes of outputs and inputs) is
+compared with one backward pass without vmap, with a random cotangent ``u``: ``u^T J`` from
+the blocks against the pass. Where they disagree, the Jacobian is computed again one
+backward pass per output element (as ``chunk_size=1``), with a one-time warning, and graphs
+of that structure take the loop from then on. That first call keeps the graph until the
+outputs are released (the loop may need it), as a single vectorised chunk always has.
+"""
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.fwdcheck import CHECKED, gap, remember, tolerance
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once
@@ -44,19 +57,27 @@ def computed_jacobian(
         ),
     )
     unused: set[int] = set()
+    # NOTE [jacobian_of, checked once]: the route remembered for this graph's structure
+    key = _graph_key(d_outs, ins) if n > 1 and plan != 1 else None
+    route = CHECKED.get(key) if key is not None else None
+    if route == "rev-loop":
+        plan = 1
+    checking = key is not None and route is None and not any(
+        t.is_complex() for t in (*d_outs, *ins))
     # NOTE [jacobian_of retain_graph]: the graph is kept until the last product, and freed
     # by it (retain_graph=False) only once a vectorised product has succeeded: a failing
-    # vectorised attempt must leave the graph whole for the loop that replaces it.
+    # vectorised attempt must leave the graph whole for the loop that replaces it (and the
+    # first call for a graph structure keeps it for the check's loop, if it needs one).
     state = {"stop": 0, "next": 0, "proven": False}
 
     def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
         if vectorized:  # runs once per chunk, under torch.vmap
             last = state["stop"] >= n
-            retain = retain_graph if (last and state["proven"]) else True
+            retain = retain_graph if (last and state["proven"] and not checking) else True
         else:
             last = state["next"] >= n - 1
             state["next"] += 1
-            retain = retain_graph if last else True
+            retain = retain_graph if (last and not checking) else True
         res = torch.autograd.grad(
             d_outs, ins, list(vecs), retain_graph=retain, create_graph=create_graph,
             allow_unused=True,
@@ -80,18 +101,49 @@ def computed_jacobian(
             state["stop"], state["next"] = stop, start
             return basis(start, stop)
 
-        blocks_by_input, _ = map_rows_with_fallback(
-            lambda *v: grads(v, False), rows, n, chunk_size=plan,
-            batched_fn=torch.vmap(lambda *v: grads(v, True)),
-            on_fallback=lambda err: warn_once(
-                ("jacobian_of", type(err)),
-                f"{call}: the vectorised backward pass (torch.vmap over torch.autograd.grad) "
-                f"failed, so the Jacobian is computed with one backward pass per output "
-                f"element in a Python loop, usually many times slower.\n  It said: "
-                f"{quote_error(err)}\n  This warning is shown once.",
-                JacobianWarning,
-            ),
-        )
+        def products(chunk_size: int | None) -> list[Tensor]:
+            return map_rows_with_fallback(
+                lambda *v: grads(v, False), rows, n, chunk_size=chunk_size,
+                batched_fn=torch.vmap(lambda *v: grads(v, True)),
+                on_fallback=lambda err: warn_once(
+                    ("jacobian_of", type(err)),
+                    f"{call}: the vectorised backward pass (torch.vmap over "
+                    f"torch.autograd.grad) failed, so the Jacobian is computed with one "
+                    f"backward pass per output element in a Python loop, usually many times "
+                    f"slower.\n  It said: {quote_error(err)}\n  This warning is shown once.",
+                    JacobianWarning,
+                ),
+            )[0]
+
+        blocks_by_input = products(plan)
+        if checking and state["proven"]:
+            rtol = tolerance(ins[0].dtype)
+            got = _unbatched_product(d_outs, ins)
+            diff, scale = _gap(got, blocks_by_input)
+            if diff <= rtol * scale:  # the common case
+                remember(key, "rev")
+            else:
+                checking = False  # (the loop's last product frees the graph, if asked)
+                unused.clear()
+                blocks_by_input = products(1)
+                loop_diff, loop_scale = _gap(got, blocks_by_input)
+                # (where the loop disagrees too, NaNs say, no route is shown wrong: the
+                # loop's result stands, silently, and later calls stay vectorised)
+                wrong = loop_diff <= rtol * loop_scale
+                remember(key, "rev-loop" if wrong else "rev")
+                if wrong:
+                    warn_once(
+                        ("jacobian_of route", key),
+                        f"{call}: the vectorised backward pass (torch.vmap over "
+                        f"torch.autograd.grad) disagrees with one backward pass without it (by "
+                        f"up to {diff:.3g}, at a scale of {scale:.3g}): an operator in the "
+                        f"graph has a wrong batching rule for its backward (torch.cdist's is "
+                        f"one). jacobian_of returned the Jacobian computed one backward pass "
+                        f"per output element, and does so for graphs of this structure from "
+                        f"now on.\n  Pass chunk_size=1 to compute it that way directly. This "
+                        f"warning is shown once per graph structure.",
+                        JacobianWarning,
+                    )
     # blocks_by_input[i]: (n, *in_i) over the outputs that require grad
     numels = [math.prod(s) for s in shapes]
     result: list[list[Tensor]] = []
@@ -128,6 +180,52 @@ def computed_jacobian(
     return rows_out[0] if single_out else tuple(rows_out)
 
 
+
+
+def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> Hashable:
+    """What a remembered route is for (NOTE [jacobian_of, checked once]): the graph's node
+    types in the order of a walk from ``outs``, and the shapes and dtypes of both ends."""
+    nodes: list[type] = []
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in reversed(outs) if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(type(node))
+        stack.extend(nxt for nxt, _ in reversed(node.next_functions) if nxt is not None)
+    return ("jacobian_of", tuple(nodes), tuple((o.shape, o.dtype) for o in outs),
+            tuple((x.shape, x.dtype) for x in ins))
+
+
+def _unbatched_product(outs: Sequence[Tensor], ins: Sequence[Tensor]
+                       ) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+    """A random cotangent ``u`` (flat, from a generator of its own) and ``u^T J`` by one
+    backward pass without vmap, which keeps the graph."""
+    gen = torch.Generator().manual_seed(0)
+    us = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).to(o.device)
+          for o in outs]
+    got = torch.autograd.grad(outs, ins, us, retain_graph=True, allow_unused=True)
+    return torch.cat([v.reshape(-1) for v in us]), got
+
+
+def _gap(product: tuple[Tensor, tuple[Tensor | None, ...]], blocks: Sequence[Tensor]
+         ) -> tuple[float, float]:
+    """``(difference, scale)`` between ``u^T J`` read from ``blocks`` (``(n, *in_i)`` per
+    input) and the backward pass ``product`` (:func:`_unbatched_product`)."""
+    u, got = product
+    diff = scale = 0.0
+    with torch.no_grad():
+        for b, g in zip(blocks, got):
+            b = b.detach()
+            want = torch.zeros(b.shape[1:], dtype=b.dtype, device=b.device) if g is None else g
+            d, s = gap((u.to(b.dtype) @ b.reshape(u.numel(), -1)).reshape(-1),
+                       want.reshape(-1).to(b.dtype))
+            if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
+                diff = d
+            scale = max(scale, s)
+    return diff, scale
 
 
 def _warn(message: str) -> None:
