@@ -464,6 +464,30 @@ def test_a_modified_dense_pattern_is_coloured_again():
     assert J.values().numel() == 7
 
 
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_a_sparse_pattern_whose_values_are_changed_in_place_is_read_again(layout):
+    # the plan kept with a sparse pattern tensor ignored writes into its values: an entry
+    # turned on in place was left out of the next Jacobian (an error of 4.0, silently)
+    def f(x):
+        return x * x.roll(1)
+
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=D)
+    ref = torch.func.jacrev(f)(x)
+    convert = {"coo": lambda t: t.to_sparse(), "csr": lambda t: t.to_sparse_csr(),
+               "csc": lambda t: t.to_sparse_csc()}[layout]
+    pattern = convert(torch.ones(4, 4, dtype=D))
+    # (every entry stored: the values run row by row, column by column for csc)
+    pattern.values().copy_(torch.eye(4, dtype=D).reshape(-1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        sparse_jacobian(f, x, pattern=pattern, mode="fwd")
+        want = ref.ne(0).to(D)
+        pattern.values().copy_((want if layout != "csc" else want.T).reshape(-1))
+        assert torch.equal(pattern.to_dense().ne(0), ref.ne(0))
+        J = sparse_jacobian(f, x, pattern=pattern, mode="fwd")
+    torch.testing.assert_close(J.to_dense(), ref)
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

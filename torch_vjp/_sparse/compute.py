@@ -223,7 +223,9 @@ def user_plan(pattern: Tensor, build: Callable[[], Pattern]) -> Plan:
     """The plan of a user's pattern tensor, kept with the tensor while it is unchanged."""
     if pattern.is_inference():  # no version counter: a change could not be seen
         return Plan(build(), user=True)
-    version = getattr(pattern, "_version", None) if pattern.layout is torch.strided else None
+    # (a sparse pattern's version counts writes into its values too: an entry set to zero
+    # in place changes the pattern as much as a dense one's)
+    version = getattr(pattern, "_version", None)
     got = _USER.get(pattern)
     if got is not None and got[0] == version:
         return got[1]
