@@ -686,6 +686,23 @@ def test_output_sizes_are_remembered_and_checked():
         width["n"] = 350 if width["n"] == 400 else 400
 
 
+@pytest.mark.parametrize("strategy", ["fwd", "fwd-loop"])
+def test_remembered_output_sizes_are_checked_for_an_empty_input(strategy):
+    # with no input element no product calls f, and remembered sizes went unchecked: the
+    # Jacobian kept the old output's shape, silently
+    width = {"n": 2}
+    f = lambda x: torch.cat([x, torch.ones(width["n"], dtype=D)]).sin()  # noqa: E731
+    x = torch.randn(0, dtype=D)
+    assert jacobian(f, x, strategy=strategy).shape == (2, 0)
+    width["n"] = 5
+    assert jacobian(f, x, strategy=strategy).shape == (5, 0)
+    g = lambda x: torch.cat([x, torch.ones(4, width["n"], dtype=D)], 1).sin()  # noqa: E731
+    xb = torch.randn(4, 0, dtype=D)
+    assert batch_jacobian(g, xb, strategy=strategy).shape == (4, 5, 0)
+    width["n"] = 3
+    assert batch_jacobian(g, xb, strategy=strategy).shape == (4, 3, 0)
+
+
 def test_output_sizes_are_remembered_for_pytree_primals():
     """A dict of parameters (the functional_call pattern) is keyed by its structure and
     its leaves' sizes: the second call skips the probe; a different structure probes again."""

@@ -517,10 +517,16 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     aux = None
     dtypes, devices = [x.dtype for x in leaves], [x.device for x in leaves]
     if n == 0:
-        stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in shapes.flat]
-        if has_aux:
+        if has_aux or shapes.key is not None:
+            # (no product calls f: remembered output sizes are checked by this call, the
+            # only one, as the products check them)
             with torch.no_grad():
-                aux = prob.g(*leaves)[1]
+                res0 = prob.g(*leaves)
+            flat0, spec0 = tree_flatten(res0[0] if has_aux else res0)
+            check(flat0, spec0)
+            if has_aux:
+                aux = res0[1]
+        stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in shapes.flat]
     elif vectorized and chunk is None and n > 1 and not has_aux:  # NOTE [per-call overhead]
 
         def push(*tangents: Tensor) -> Any:
