@@ -409,6 +409,26 @@ def test_jacobian_of_check_keeps_the_graph_when_asked(forward_checks_forgotten):
     assert list(forward_checks_forgotten.values()) == ["rev"]
 
 
+def test_auto_chooses_the_mode_on_the_output_size_f_has_now(forward_checks_forgotten):
+    # The output size is remembered per function and input shapes, and reverse mode does not
+    # check it: after f's output grew (a global rebound) "auto" kept reverse mode, and the
+    # route remembered for the wide Jacobian served the tall one (43x slower, measured)
+    W1 = torch.randn(16, 4, dtype=D)
+    out = {"W": torch.randn(2, 16, dtype=D)}
+
+    def f(x):
+        return out["W"] @ torch.tanh(W1 @ x)
+
+    x = torch.randn(4, dtype=D)
+    for rows, mode in ((2, "rev"), (300, "fwd")):
+        out["W"] = torch.randn(rows, 16, dtype=D)
+        ref = torch.func.jacrev(f)(x)
+        for _ in range(2):  # the first call after the change may still be reverse mode
+            torch.testing.assert_close(tv.jacobian(f, x), ref)
+        assert mode in forward_checks_forgotten.values()
+    assert sorted(forward_checks_forgotten.values()) == ["fwd", "rev"]
+
+
 def test_auto_checks_again_for_another_flag_among_the_primals(forward_checks_forgotten):
     # f branches on a plain argument to the operator whose forward-mode formula is wrong:
     # the check of the first call (the right branch) covered the second, silently wrong

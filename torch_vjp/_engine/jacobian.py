@@ -221,16 +221,41 @@ def _blocks(
     opts: Opts,
     functorch_loops: bool,
 ) -> Blocks:
+    read: list[Shapes] = []
+    res = _blocks_of(prob, mode, vectorized, fallback, opts, functorch_loops, read)
+    if read and res.mode == "rev":
+        # reverse mode does not check remembered output sizes (NOTE [output sizes]) as it
+        # goes: sizes it found changed are forgotten, and the next call's mode is chosen on
+        # the real ones (f's output grew past its input, a global rebound, say)
+        per_row = math.prod(in_rows(prob, opts.batch)[0]) if prob.leaves else 0
+        if per_row:
+            read[0].forget_unless([row[0].numel() // per_row for row in res.blocks])
+    return res
+
+
+def _blocks_of(
+    prob: Problem,
+    mode: str | None,
+    vectorized: bool,
+    fallback: bool,
+    opts: Opts,
+    functorch_loops: bool,
+    read: list[Shapes],
+) -> Blocks:
     shapes: Shapes | None = None
     check: Any = None  # NOTE [auto, checked once]: the key, if this call checks
     if mode != "rev":
         shapes = probe_shapes(prob, opts)
+        read.append(shapes)
         if mode is None:
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
             mode = choose_mode(n_in, sum(math.prod(s) for s in shapes.rows))
             if fallback and vectorized and not is_nested():
-                check = signature(route_key(prob.f), prob.leaves, opts.batch,
-                                  prob.primals)
+                # (with the mode the sizes chose: a route remembered for a wide Jacobian is
+                # not one for a tall Jacobian of the same function and input shapes, whose
+                # output size changed)
+                check = (signature(route_key(prob.f), prob.leaves, opts.batch,
+                                   prob.primals), mode)
                 route = CHECKED.get(check)
                 if route is not None:
                     if route == "rev-loop":

@@ -147,6 +147,17 @@ class Shapes:
             raise StaleShapes
 
 
+    def forget_unless(self, numels: Sequence[int]) -> None:
+        """Forgets remembered sizes that a computation which does not check them (reverse
+        mode) found other: ``numels``, the element counts of the outputs it saw; the next
+        call probes again."""
+        if self.key is not None and (
+            len(numels) != len(self.flat)
+            or any(k != m.numel() for k, m in zip(numels, self.flat))
+        ):
+            _SHAPES.pop(self.key, None)
+
+
 _SHAPES: dict[Any, tuple[Any, list[Tensor], TreeSpec, list[torch.Size], bool]] = {}
 
 
