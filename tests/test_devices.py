@@ -201,3 +201,20 @@ def test_compiled_per_sample_on_device(device):
         for n, g in grads.items():
             assert g.device.type == device, n
             _close(g, ref[n], msg=n)
+
+
+def test_auto_jacobians_on_the_meta_device():
+    # the check of "auto" (NOTE [auto, checked once]) compares numbers, which a tensor on
+    # the meta device does not hold: it raised "Cannot copy out of meta tensor", where every
+    # explicit strategy gives the Jacobian's shape
+    W = torch.randn(5, 3, device="meta")
+    x = torch.randn(3, device="meta")
+    for f, shape in ((lambda v: torch.tanh(W @ v), (5, 3)),  # tall: forward mode
+                     (lambda v: (torch.tanh(W @ v) ** 2).sum(0, keepdim=True), (1, 3))):
+        J = tv.jacobian(f, x)
+        assert J.device.type == "meta" and J.shape == shape
+    J = tv.batch_jacobian(lambda v: torch.tanh(v @ W.T), torch.randn(4, 3, device="meta"))
+    assert J.device.type == "meta" and J.shape == (4, 5, 3)
+    xr = torch.randn(3, device="meta", requires_grad=True)
+    J = tv.jacobian_of(torch.outer(xr, xr), xr)
+    assert J.device.type == "meta" and J.shape == (3, 3, 3)

@@ -63,7 +63,7 @@ def computed_jacobian(
     if route == "rev-loop":
         plan = 1
     checking = key is not None and route is None and not any(
-        t.is_complex() for t in (*d_outs, *ins))
+        t.is_complex() or t.device.type == "meta" for t in (*d_outs, *ins))
     # NOTE [jacobian_of retain_graph]: the graph is kept until the last product, and freed
     # by it (retain_graph=False) only once a vectorised product has succeeded: a failing
     # vectorised attempt must leave the graph whole for the loop that replaces it (and the

@@ -195,11 +195,11 @@ def one_reverse_product(prob: Problem
                         ) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
     """f's flat outputs, random cotangents ``u`` (one per output, from a generator of its
     own) and ``u^T J`` per leaf (zeros where unused): one more call of f. None where the
-    check does not apply (a complex tensor, a function plain autograd cannot
-    differentiate)."""
+    check does not apply (a complex tensor or one on the meta device, a function plain
+    autograd cannot differentiate)."""
     leaves = prob.leaves
-    if any(x.is_complex() for x in leaves):
-        return None
+    if any(x.is_complex() or x.device.type == "meta" for x in leaves):
+        return None  # (a tensor on the meta device holds no numbers to compare)
     gen = torch.Generator().manual_seed(0)
     try:
         with torch.enable_grad():
