@@ -488,6 +488,57 @@ def test_a_sparse_pattern_whose_values_are_changed_in_place_is_read_again(layout
     torch.testing.assert_close(J.to_dense(), ref)
 
 
+_BY_VALUE = {
+    "where": lambda x: torch.where(x > 0, x, 0.0),
+    "masked_fill": lambda x: x.masked_fill(x < 0, 0.0),
+    "max_dim": lambda x: x.view(4, 4).max(1).values,
+    "sort": lambda x: x.sort().values,
+    "topk": lambda x: x.topk(3).values,
+    "index_by_argmax": lambda x: x[x.view(4, 4).argmax(1)],
+    "branch": lambda x: x.roll(1) * x if x.sum() > 0 else x.roll(-1) * x,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BY_VALUE))
+def test_a_pattern_shaped_by_the_input_values_is_detected_at_every_point(name):
+    # the pattern detected at the first point (where a mask, an argmax or a branch on x took
+    # it) was cached and reused at other points: wrong there by 1, silently
+    f = _BY_VALUE[name]
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, generator=gen, dtype=D) for _ in range(4)]
+    xs[1] = -xs[0]  # (another branch for sure)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            J = sparse_jacobian(f, x, layout=torch.strided)
+            torch.testing.assert_close(J, torch.func.jacrev(f)(x).reshape(J.shape))
+    told = [w for w in caught if "depends on the values of x" in str(w.message)]
+    assert told and re.search(
+        r"^torch_vjp\.sparse_jacobian: the sparsity pattern of <lambda> depends on the values "
+        r"of x \(aten\.\w+ .*\): the pattern found at one x need not hold at another, so it "
+        r"is detected again on every call \(one traced run of f\)\.\n  For speed, pass "
+        r"pattern= a pattern that covers every case", str(told[0].message))
+
+
+def test_a_pattern_is_still_kept_where_values_only_scale(monkeypatch):
+    # a mask that multiplies (x * (x > 0)) or a mask that is a constant does not move the
+    # pattern: kept, detected once
+    import torch_vjp.sparse as sp
+
+    mask = torch.arange(16) % 3 == 0
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for f in (lambda x: x * (x > 0), lambda x: torch.where(mask, x.roll(1), x)):
+            detections.calls = 0
+            for seed in range(3):
+                x = torch.randn(16, generator=torch.Generator().manual_seed(seed), dtype=D)
+                J = sparse_jacobian(f, x, layout=torch.strided)
+                torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+            assert detections.calls == 1
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

@@ -65,6 +65,19 @@ _MODES = {
 }
 
 
+def _warn_by_value(prob: Problem, op: str) -> None:
+    warn_once(
+        ("sparse-by-value", function_key(prob.f)),
+        f"{prob.call}: the sparsity pattern of {function_name(prob.f)} depends on the values "
+        f"of x ({op}): the pattern found at one x need not hold at another, so it is "
+        f"detected again on every call (one traced run of f).\n  For speed, pass pattern= a "
+        f"pattern that covers every case (the union of the patterns of its branches; "
+        f"torch_vjp.jacobian_sparsity(f, x) gives the one at x), or use torch_vjp.jacobian. "
+        f"This warning is shown once per function.",
+        JacobianWarning,
+    )
+
+
 def _problem(f: Callable[..., Any], x: Any, call: str) -> Problem:
     if is_nested():
         raise JacobianCallError(
@@ -198,6 +211,8 @@ def sparse_jacobian(
     n = sum(leaf.numel() for leaf in prob.leaves)
     if pattern is None:
         plan = lookup_plan(prob, lambda: detect(prob))
+        if plan.pattern.by_value is not None:
+            _warn_by_value(prob, plan.pattern.by_value)
     else:
         if not (
             isinstance(pattern, Tensor) and not pattern.is_nested and pattern.dim() == 2
@@ -230,6 +245,8 @@ def sparse_jacobian(
                 f"torch_vjp.jacobian_sparsity(f, x)."
             )
         plan = lookup_plan(prob, lambda: detect(prob), fresh=True)  # f changed: detect again
+        if plan.pattern.by_value is not None:
+            _warn_by_value(prob, plan.pattern.by_value)
         coloring, comp, m = _products(prob, plan, mode, chunk, budget)
     if check and m == plan.pattern.m:
         coloring, comp = _checked(prob, plan, coloring, comp, chunk, budget, fkey)

@@ -207,7 +207,9 @@ def lookup_plan(prob: Problem, build: Callable[[], Pattern], *, fresh: bool = Fa
         if plan is not None:
             return plan
     plan = Plan(build())
-    if plans is not None:
+    if plans is not None and plan.pattern.by_value is None:
+        # (a pattern shaped by x's values holds at this x only: not kept, NOTE [a pattern
+        # shaped by values] in torch_vjp._sparse.tracer)
         plans[key] = plan
     return plan
 

@@ -54,4 +54,6 @@ def detect(prob: Problem) -> Pattern:
             f"This warning is shown once per function.",
             JacobianWarning,
         )
-    return Pattern(ids.numel(), n, rows, cols, ordered=True)
+    pattern = Pattern(ids.numel(), n, rows, cols, ordered=True)
+    pattern.by_value = tracer.by_value
+    return pattern

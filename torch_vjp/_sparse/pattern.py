@@ -31,7 +31,7 @@ class Pattern:
         ([0, 1, 1], [0, 0, 2], [0, 1, 3])
     """
 
-    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc")
+    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc", "by_value")
 
     def __init__(self, m: int, n: int, rows: Tensor, cols: Tensor, *, ordered: bool = False):
         self.m, self.n = int(m), int(n)
@@ -43,6 +43,9 @@ class Pattern:
         self.rows, self.cols = rows, cols
         self._crow: Tensor | None = None
         self._csc: tuple[Tensor, Tensor] | None = None
+        #: where detection found the pattern shaped by the input's values, the op that did
+        #: (it holds at that input only: NOTE [a pattern shaped by values]); else None
+        self.by_value: str | None = None
 
     @property
     def nnz(self) -> int:

@@ -213,6 +213,14 @@ MOVES = frozenset({
     "block_diag", "split_copy", "split_with_sizes_copy", "unbind_copy", "rot90",
 })
 # ops with a ``reduce`` or ``accumulate`` argument are accumulations, ruled in RULES
+
+#: Ops whose rules place ids by the values of integer or boolean arguments (indices, masks,
+#: conditions): where those were computed from x, the pattern holds at this x only (NOTE [a
+#: pattern shaped by values] in :mod:`~torch_vjp._sparse.tracer`).
+INDEXED = MOVES | {"scatter", "scatter_add", "scatter_reduce", "index_add", "index_reduce",
+                   "put", "index_put_impl", "_index_put_impl"}
+#: Ops that hand a tensor's value to Python (``.item()``, ``bool(t)``: a branch on it).
+SCALAR_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "item"})
 _FLOAT_MOVES: set[str] = set()  # ops without int64 kernels, found at run time
 
 
@@ -346,6 +354,7 @@ def along_with_indices(tr: Tracer, call: Call) -> list[Tensor | None]:
         return [None, None]
     if x.dim() == 0:
         return [ids.reshape(values.shape), None]
+    tr.shaped_by_value(f"aten.{call.name} (values picked by their order)")
     dim = call.bound.get("dim")
     dim = -1 if dim is None else dim
     idx = indices.cpu()

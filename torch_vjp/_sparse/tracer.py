@@ -26,6 +26,16 @@ weight matrix. It follows the branches ``f`` takes at this point: Python control
 values, and the values of integer tensors (indices, masks, comparisons), are taken as they
 are here. Integer and boolean results carry no sets (no derivative flows through them), as
 in autograd.
+
+NOTE [a pattern shaped by values]
+So the pattern holds at every x only where no value of x chose where ids go. The tracer
+marks the storages of tensors computed from x that carry no sets (comparisons, argmax,
+sort's indices, a 0/1 float mask), and records the first op (:attr:`Tracer.by_value`) that
+placed ids by such a tensor (an index, a mask, a condition: :data:`rules.INDEXED`), that
+picked values by their order (``max(dim)``, ``sort``, ``topk``), or that handed a value to
+Python (``.item()``, ``bool(t)``: a branch on x). Such a pattern is not cached
+(``sparse_jacobian`` detects again at each call, and warns once); a mask that only
+multiplies, or a constant one, changes nothing.
 """
 
 from __future__ import annotations
@@ -133,6 +143,9 @@ class Tracer(TorchDispatchMode):
         table: the run's :class:`~torch_vjp._sparse.sets.SetTable`.
         conservative_ops: names of the ops that had no rule and made outputs depend on
             every input element they read (for the one-time warning).
+        by_value: the first op whose use of the input's values shaped the pattern (NOTE
+            [a pattern shaped by values]), as ``"aten.where (reading a mask computed from
+            x)"``; None where the pattern holds at every x.
     """
 
     def __init__(self, n: int) -> None:
@@ -142,6 +155,14 @@ class Tracer(TorchDispatchMode):
         self._opaque: dict[int, tuple[Tensor, int]] = {}
         self.conservative_ops: set[str] = set()
         self._next = 1
+        # storages of integer and boolean tensors computed from the input's values
+        self._from_values: set[int] = set()
+        self.by_value: str | None = None
+
+    def shaped_by_value(self, why: str) -> None:
+        """Records (the first) op whose use of the input's values shaped the pattern."""
+        if self.by_value is None:
+            self.by_value = why
 
     # ---- the shadow --------------------------------------------------------------------
 
@@ -239,9 +260,20 @@ class Tracer(TorchDispatchMode):
         if func.is_view and not mutating:
             return  # shares its input's storage, hence its shadow
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        if not any(self.tracked(t) for t in inputs):
+        read_values = [t for t in inputs if not self.tracked(t)
+                       and _storage_key(t) in self._from_values]
+        if not read_values and not any(self.tracked(t) for t in inputs):
             return  # constants in, constants out
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        # NOTE [a pattern shaped by values]
+        for t in outs:
+            if not carries_sets(t) and (key := _storage_key(t)) is not None:
+                self._from_values.add(key)
+        name = func._schema.name.removeprefix("aten::")
+        if name in rules.SCALAR_READS:
+            self.shaped_by_value(f"aten.{name} (a number read from x, for Python to use)")
+        elif read_values and name in rules.INDEXED and any(carries_sets(t) for t in outs):
+            self.shaped_by_value(f"aten.{name} (reading indices or a mask computed from x)")
         aliased: set[int | None] = set()
         if not mutating:  # outputs that share an input's storage are views: nothing to write
             aliased = {_storage_key(t) for t in inputs} - {None}
@@ -268,3 +300,6 @@ class Tracer(TorchDispatchMode):
         for t, ids in zip(targets, results):
             if carries_sets(t) and _storage_key(t) not in aliased:
                 self.write(t, ids)
+        for t in outs:  # (a float computed from x's values that carries no set: a 0/1 mask)
+            if not self.tracked(t) and (key := _storage_key(t)) is not None:
+                self._from_values.add(key)
