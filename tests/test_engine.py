@@ -141,9 +141,10 @@ def test_over_budget_raises_with_size_source_and_alternatives():
 
 
 def test_result_that_fits_without_room_for_one_product():
-    with pytest.raises(JacobianMemoryError, match=r"^c: the result needs 800 B \(with at least "
-                       r"640 B of working memory for one product\): w\. That is more than "
-                       r"max_memory=1 kB\."):
+    # (the total is what exceeds the budget: the result alone fits)
+    with pytest.raises(JacobianMemoryError, match=r"^c: the result needs 800 B and at least "
+                       r"640 B of working memory for one product, 1\.44 kB in all: w\. That "
+                       r"is more than max_memory=1 kB\."):
         plan_chunk(10, 800, 640, chunk_size=None, max_memory=1000, device=CPU, call="c",
                    what="w", alternatives="a")
 

@@ -285,8 +285,8 @@ def plan_chunk(
             extra = ""
             if jac_bytes <= budget:
                 extra = (
-                    f" (with at least {format_bytes(per_vector)} of working memory for "
-                    f"one product)"
+                    f" and at least {format_bytes(per_vector)} of working memory for one "
+                    f"product, {format_bytes(jac_bytes + per_vector)} in all"
                 )
             if callable(what):
                 what = what()
