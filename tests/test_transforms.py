@@ -233,6 +233,26 @@ def test_wrong_tangent_shape():
         jvp(lambda x: W @ x, (x,), (torch.ones(3, dtype=D),))
 
 
+def test_a_tangent_shaped_like_the_output_is_named_so():
+    # a vector for a vector-Jacobian product given to jvp (the confusion of the first user
+    # thread): the message said only that the shape was wrong, or suggested batched=True
+    # and jacobian_of (which needs a graph jvp does not leave)
+    x = torch.randn(5, dtype=D)
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.jvp: tangents[0] has shape (3,), but primals[0] has shape (5,).\n"
+        "  tangents[0] is a direction of change dx for primals[0]: one number per element of "
+        "primals[0], so it must have shape (5,).\n"
+        "  tangents[0] has the shape of f's output, (3,): a vector shaped like the output is a "
+        "cotangent, for a vector-Jacobian product v^T J (torch_vjp.vjp(f, *primals)[1](v)); a "
+        "tangent is a change of the input, shaped like primals[0], for J t. "
+        "torch_vjp.jacobian(f, *primals) gives the whole Jacobian.")):
+        jvp(lambda v: torch.ones(3, 5, dtype=D) @ v, (x,), (torch.ones(3, dtype=D),))
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "pass batched=True; torch_vjp.jacobian(f, *primals) computes the whole Jacobian.\n"
+        "  tangents[0] has the shape of f's output, (4, 4): ") + r".*for J t\.$"):
+        jvp(lambda t: torch.outer(t, t), (torch.ones(4, dtype=D),), (torch.ones(4, 4, dtype=D),))
+
+
 def test_wrong_batched_tangent_shape():
     x = torch.randn(4, dtype=D)
     with pytest.raises(tv.GradOutputsError, match=re.escape(

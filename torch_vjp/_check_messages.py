@@ -222,7 +222,7 @@ def _shape_fix(
         return (
             f"{g} has an extra leading dimension of size {k}. If it holds {k} "
             f"vector{'s' if k != 1 else ''}, one per {labels.product}, "
-            f"{labels.batch_hint}; torch_vjp.jacobian_of computes the whole Jacobian."
+            f"{labels.batch_hint}; {labels.whole_jacobian} computes the whole Jacobian."
         )
     if out.numel() == 1 and go.dim() == 0:
         return (
@@ -312,7 +312,8 @@ def missing_message(
         f"element of {o}, so here it must be a tensor of shape {shape}.\n"
         f"  To differentiate the sum of {o}'s elements, pass torch.ones_like({o}) (or call "
         f".sum() on it first); for the full Jacobian of {o}, use "
-        f"torch_vjp.jacobian_of({o}, {target})."
+        + (f"torch_vjp.jacobian_of({o}, {target})." if labels.whole_jacobian ==
+           "torch_vjp.jacobian_of" else f"{labels.whole_jacobian}.")
     )
 
 

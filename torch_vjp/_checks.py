@@ -115,6 +115,15 @@ class Labels:
         return dataclasses.replace(self, **changes)
 
     @property
+    def whole_jacobian(self) -> str:
+        """What computes the whole Jacobian from where this call stands: ``jacobian_of``
+        where a graph was built (``grad``, ``backward``), else ``jacobian`` of the function
+        (a pullback's or a JVP's outputs hold no graph of the caller's)."""
+        if self.role == "tangents" or self.inputs == "primals":
+            return "torch_vjp.jacobian(f, *primals)"
+        return "torch_vjp.jacobian_of"
+
+    @property
     def product(self) -> str:
         """The product one vector makes: a VJP for cotangents, a JVP for tangents."""
         return "Jacobian-vector product" if self.role == "tangents" else "vector-Jacobian product"

@@ -39,7 +39,7 @@ from torch_vjp._engine.jacobian import mutates_captured
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, map_rows
-from torch_vjp._errors import JacobianCallError, quote_error
+from torch_vjp._errors import GradOutputsError, JacobianCallError, quote_error, shape_str
 
 __all__ = ["vjp", "jvp"]
 
@@ -77,6 +77,36 @@ def _flat_vectors(
             v = t.new_zeros((k, *t.shape) if batched else t.shape)
         out.append(v)
     return out
+
+
+def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bool
+                           ) -> str | None:
+    """Where a refused tangent has the shape of an output of f (a vector for a
+    vector-Jacobian product, given to a JVP), the sentence that says so; else None. Runs f
+    once, without a graph, on this error path only; an error of f's leaves the message as
+    it was."""
+    try:
+        with torch.no_grad():
+            res = prob.g(*prob.leaves)
+        outs = tree_leaves(res[0] if prob.has_aux else res)
+    except Exception:  # noqa: BLE001 - only a hint: f's own failure shows elsewhere
+        return None
+    for i, (t, x) in enumerate(zip(tangents, prob.leaves)):
+        if not isinstance(t, Tensor):
+            continue
+        shape = t.shape[1:] if batched and t.dim() else t.shape
+        if shape == x.shape:
+            continue
+        for o in outs:
+            if isinstance(o, Tensor) and o.shape == shape and o.shape != x.shape:
+                return (
+                    f"tangents[{i}] has the shape of f's output, {shape_str(o.shape)}: a "
+                    f"vector shaped like the output is a cotangent, for a vector-Jacobian "
+                    f"product v^T J (torch_vjp.vjp(f, *primals)[1](v)); a tangent is a change "
+                    f"of the input, shaped like primals[{i}], for J t. "
+                    f"torch_vjp.jacobian(f, *primals) gives the whole Jacobian."
+                )
+    return None
 
 
 def _batch_size(vectors: list[Tensor]) -> int:
@@ -421,9 +451,18 @@ def jvp(
     # batched, once per chunk, on copies (NOTE [f's own copies])
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True,
                    copies=batched)
-    normalized = normalize_grad_outputs(
-        tuple(prob.leaves), tuple(tree_leaves(tangents)), TANGENTS, is_grads_batched=batched
-    )
+    try:
+        normalized = normalize_grad_outputs(
+            tuple(prob.leaves), tuple(tree_leaves(tangents)), TANGENTS, is_grads_batched=batched
+        )
+    except GradOutputsError as err:
+        hint = _output_shaped_tangent(prob, tuple(tree_leaves(tangents)), batched)
+        if hint is None:
+            raise
+        whole = " torch_vjp.jacobian(f, *primals) gives the whole Jacobian."
+        if "torch_vjp.jacobian(f, *primals)" in str(err):
+            hint = hint.removesuffix(whole)
+        raise type(err)(f"{err}\n  {hint}") from None
     vectors = _flat_vectors(normalized, prob.leaves, batched)
     leaves = tuple(prob.leaves)
     if not batched:
