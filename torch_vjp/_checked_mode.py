@@ -42,6 +42,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import re
 import sys
 import threading
 import warnings
@@ -53,6 +54,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import handle_torch_function, has_torch_function
 
+from torch_vjp._backward_check import Slot, non_tensor_input_message
 from torch_vjp._backward_checked import (
     backward_problems,
     backward_return_ok,
@@ -151,7 +153,7 @@ def _checked_grad(
     if _compiling() or not _active():
         return previous(outputs, inputs, grad_outputs, retain_graph, create_graph,
                         only_inputs, allow_unused, is_grads_batched, materialize_grads)
-    with _in_flight_pass():
+    with _in_flight_pass(), _engine_errors_explained():
         return _grad(_TORCH_GRAD, previous, outputs, inputs, grad_outputs, retain_graph,
                      create_graph, only_inputs, allow_unused, is_grads_batched,
                      materialize_grads)
@@ -171,7 +173,7 @@ def _checked_backward(
     if _compiling() or not _active():
         return previous(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
                         inputs=inputs)
-    with _in_flight_pass():
+    with _in_flight_pass(), _engine_errors_explained():
         return _backward(_TORCH_BACKWARD, previous, tensors, grad_tensors, retain_graph,
                          create_graph, grad_variables, inputs)
 
@@ -198,7 +200,7 @@ def _checked_tensor_backward(
     current = torch.autograd.backward
     if current is not _checked_backward:
         return current(self, gradient, retain_graph, create_graph, inputs=inputs)
-    with _in_flight_pass():
+    with _in_flight_pass(), _engine_errors_explained():
         return _backward(TENSOR_BACKWARD, _PREVIOUS["backward"], self, gradient, retain_graph,
                          create_graph, None, inputs)
 
@@ -255,6 +257,32 @@ def _checked_return(node: Any, returned: Any) -> Any:
 
 
 _CHECKED = "torch_vjp.checked"  # how messages about custom backwards name checked mode
+
+_NOT_A_VARIABLE = re.compile(
+    r"function (\w+)Backward returned a gradient different than None at position (\d+), "
+    r"but the corresponding forward input was not a Variable"
+)
+
+
+@contextlib.contextmanager
+def _engine_errors_explained() -> Any:
+    """torch's engine's refusal of a value a custom backward returned for a non-tensor
+    input, explained where the check could not see it: a node does not record which of its
+    inputs that need no gradient were tensors, so where some were and some were not, the
+    check lets torch judge (NOTE [checked custom backwards]); torch's sentence names the
+    position, and the explanation follows it as a note."""
+    try:
+        yield
+    except RuntimeError as err:
+        m = _NOT_A_VARIABLE.search(str(err))
+        if m is None or isinstance(err, FunctionCheckError):
+            raise
+        i = int(m.group(2)) - 1
+        message = non_tensor_input_message(
+            _CHECKED, m.group(1), i, Slot("other", False, type_name="non-tensor"),
+            torch_line=False,
+        )
+        raise torch_first(FunctionCheckError, message, str(err)) from None
 
 
 def _judge_backward(node: Any, returned: Any) -> None:
