@@ -362,3 +362,20 @@ if __name__ == "__main__":  # python tests/test_docs.py docs/pages/<page>.md ...
     for arg in sys.argv[1:]:
         n = update_listings(Path(arg).resolve())
         print(f"{arg}: {n} listing(s) updated")
+
+
+def test_readme_first_example_lists_the_error_it_raises():
+    # the README's first example lists the error as a comment; it had gone stale (it showed
+    # the explanation where torch's own sentence comes first)
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = "\n".join(line for line in block.splitlines() if not line.startswith("#"))
+    listed = " ".join(line.lstrip("#").strip() for line in block.splitlines()
+                      if line.startswith("#"))
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the listing names the class
+        exec(compile(code, "README.md", "exec"), {})
+    err = info.value
+    shown = "".join(traceback.format_exception_only(type(err), err))
+    shown = shown.replace(f"{type(err).__module__}.{type(err).__qualname__}",
+                          f"torch_vjp.{type(err).__qualname__}")
+    assert listed == " ".join(shown.split())
