@@ -334,6 +334,45 @@ def test_auto_handles_old_style_autograd_function():
     assert any("uses reverse mode instead" in str(w.message) for w in caught)
 
 
+def test_explicit_strategies_explain_what_they_cannot_run():
+    # a Function whose forward takes ctx: torch.func cannot run it, forward mode has no
+    # formula for it (raw RuntimeError and NotImplementedError came through)
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(tv.StrategyError, match=(
+            r"^torch_vjp\.jacobian: the vectorised strategies compute with torch\.func, which "
+            r"cannot run f \(Function\.apply\) in rev-mode products: f uses a custom "
+            r"torch\.autograd\.Function whose forward takes ctx \(no setup_context "
+            r"staticmethod\), which torch\.func's transforms cannot run\n  torch\.func said: "
+            r"RuntimeError: .*\n  Fix: strategy='auto', 'rev-loop' or 'fwd-loop'")):
+        jacobian(_OldStyle.apply, x, strategy="rev")
+    with pytest.raises(tv.StrategyError, match=(
+            r"^torch_vjp\.jacobian: strategy='fwd-loop' computes with forward-mode AD, and an "
+            r"operator in f has no forward-mode formula \(a custom torch\.autograd\.Function "
+            r"without jvp, or a torch operator torch has none for\)\.\n  torch said: "
+            r"NotImplementedError: .*\n  Fix: strategy='rev-loop' or 'auto'")):
+        jacobian(_OldStyle.apply, x, strategy="fwd-loop")
+    with pytest.raises(tv.StrategyError, match=(
+            r"^torch_vjp\.jacobian: strategy='fwd' computes with forward-mode AD, and an "
+            r"operator in f has no forward-mode formula .*\n  torch said: NotImplementedError: "
+            r"Trying to use forward AD with _cdist_forward .*\n  Fix: strategy='rev' or "
+            r"'auto'")):
+        jacobian(lambda v: torch.cdist(v.view(3, 1), torch.ones(2, 1, dtype=D)), x,
+                 strategy="fwd")
+    torch.testing.assert_close(jacobian(_OldStyle.apply, x, strategy="rev-loop"),
+                               torch.diag(x.exp()))
+
+
+def test_vjp_and_jvp_explain_a_function_torch_func_cannot_run():
+    x = torch.randn(3, dtype=D)
+    for call in (lambda: tv.vjp(_OldStyle.apply, x), lambda: tv.jvp(_OldStyle.apply, (x,), (x,))):
+        with pytest.raises(tv.JacobianCallError, match=(
+                r"^torch_vjp\.(vjp|jvp): f uses a custom torch\.autograd\.Function whose "
+                r"forward takes ctx \(no setup_context staticmethod\), which torch\.func's "
+                r"transforms cannot run\.\n  torch\.func said: RuntimeError: .*\n  Fix: give "
+                r"the Function a setup_context staticmethod")):
+            call()
+
+
 def test_explicit_vectorised_strategy_does_not_fall_back():
     x = torch.randn(4, dtype=D)
     with pytest.raises(RuntimeError, match="data-dependent control flow") as info:

@@ -35,7 +35,7 @@ from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
 from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp, is_nested,
                                        modules_reached)
 from torch_vjp._engine.forms import plain_jvp, plain_vjp
-from torch_vjp._engine.jacobian import mutates_captured
+from torch_vjp._engine.jacobian import mutates_captured, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, map_rows
@@ -53,7 +53,17 @@ def _explained(call: str, what: str) -> Iterator[None]:
         yield
     except RuntimeError as err:
         if not mutates_captured(err):
-            raise
+            why = vmap_refusal(err)
+            if why is None:
+                raise
+            raise JacobianCallError(
+                f"{call}: {why}.\n  torch.func said: {quote_error(err)}\n"
+                f"  Fix: give the Function a setup_context staticmethod (forward without ctx; "
+                f"see torch's 'Extending torch.func with autograd.Function'); or "
+                f"differentiate with plain autograd: out = f(x) with x.requires_grad_(), then "
+                f"torch_vjp.grad(out, x, v) for a vjp, or "
+                f"torch.autograd.functional.{what}(f, x, v)."
+            ) from None
         raise JacobianCallError(
             f"{call}: f changes a tensor it captured in place (a module in training mode "
             f"updating its running statistics, say), which torch.func.{what}, on which "

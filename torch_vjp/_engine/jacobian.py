@@ -93,7 +93,7 @@ from torch_vjp._strategies import choose_mode
 
 __all__ = [
     "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "mutates_captured",
-    "vmap_refusal", "writes_into_input",
+    "forward_refusal", "vmap_refusal", "writes_into_input",
     "function_key", "function_name",
     "fallback_message", "no_forward_message",
 ]
@@ -272,12 +272,32 @@ def _blocks_of(
         return checked_route(prob, res, opts.batch, check, route,
                              (function_key(prob.f), function_name(prob.f)))
     if not vectorized:
-        return _loop(prob, mode, shapes, opts, functorch_loops)
+        try:
+            return _loop(prob, mode, shapes, opts, functorch_loops)
+        except NotImplementedError as err:
+            why = None if mode != "fwd" or passes_through(err) else forward_refusal(err)
+            if why is None:
+                raise
+            raise StrategyError(
+                f"{prob.call}: strategy='fwd-loop' computes with forward-mode AD, and {why}.\n"
+                f"  torch said: {quote_error(err)}\n"
+                f"  Fix: strategy='rev-loop' or 'auto' (reverse mode needs only backward "
+                f"formulas), or give the Function a jvp staticmethod."
+            ) from None
     if not fallback:
         try:
             return _vectorized(prob, mode, shapes, opts)
         except Exception as err:  # noqa: BLE001 - torch.func's known refusals are explained
             why = None if passes_through(err) else vmap_refusal(err)
+            if why is None and mode == "fwd" and not passes_through(err):
+                why = forward_refusal(err)
+                if why is not None:
+                    raise StrategyError(
+                        f"{prob.call}: strategy='fwd' computes with forward-mode AD, and "
+                        f"{why}.\n  torch said: {quote_error(err)}\n"
+                        f"  Fix: strategy='rev' or 'auto' (reverse mode needs only backward "
+                        f"formulas)."
+                    ) from None
             if why is None:
                 raise
             raise StrategyError(
@@ -588,6 +608,22 @@ def vmap_refusal(err: BaseException) -> str | None:
     if isinstance(err, RuntimeError) and "randomness error mode" in str(err):
         return ("f draws random numbers (dropout in training mode, say), which vmap "
                 "refuses by default, since its columns would each draw their own")
+    if isinstance(err, RuntimeError) and "must override the setup_context staticmethod" in str(
+            err):
+        return ("f uses a custom torch.autograd.Function whose forward takes ctx (no "
+                "setup_context staticmethod), which torch.func's transforms cannot run")
+    return None
+
+
+def forward_refusal(err: BaseException) -> str | None:
+    """What forward-mode AD refused in ``f``: an operator, or a custom Function, without a
+    forward-mode formula (None for any other error)."""
+    text = str(err)
+    if isinstance(err, NotImplementedError) and (
+        "forward AD" in text or "implement the jvp function" in text
+    ):
+        return ("an operator in f has no forward-mode formula (a custom "
+                "torch.autograd.Function without jvp, or a torch operator torch has none for)")
     return None
 
 
