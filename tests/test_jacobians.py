@@ -373,6 +373,23 @@ def test_vjp_and_jvp_explain_a_function_torch_func_cannot_run():
             call()
 
 
+@pytest.mark.parametrize("strategy", ALL)
+def test_aux_carries_a_graph_only_with_create_graph(strategy):
+    # forward mode's aux kept a graph (through a chunk's batched copy of the forward pass)
+    # where reverse mode's was detached: no graph outlives the call without create_graph
+    W = torch.randn(4, 4, dtype=D, requires_grad=True)
+    x = torch.randn(4, dtype=D)
+    f = lambda z: (torch.tanh(W @ z) * z, (W.sum() * z, [W.sum()]))  # noqa: E731
+    for chunk in (None, 2):
+        _, aux = jacobian(f, x, strategy=strategy, has_aux=True, chunk_size=chunk)
+        assert not aux[0].requires_grad and not aux[1][0].requires_grad
+        torch.testing.assert_close(aux[0], W.detach().sum() * x)
+        _, aux = jacobian(f, x, strategy=strategy, has_aux=True, chunk_size=chunk,
+                          create_graph=True)
+        (g,) = torch.autograd.grad(aux[0].sum(), W)
+        torch.testing.assert_close(g, torch.full_like(W, float(x.sum())))
+
+
 def test_explicit_vectorised_strategy_does_not_fall_back():
     x = torch.randn(4, dtype=D)
     with pytest.raises(RuntimeError, match="data-dependent control flow") as info:

@@ -128,7 +128,8 @@ def jacobian(
             such as ``"2GB"``, ``"1.5 GB"`` (powers of 1000) or ``"512MiB"`` (powers of
             1024). The chunk size is derived from it. ``None``: the memory free on the
             device.
-        has_aux: ``f`` returns ``(output, aux)``; the result is then ``(J, aux)``.
+        has_aux: ``f`` returns ``(output, aux)``; the result is then ``(J, aux)`` (aux, like
+            J, carries an autograd graph only with ``create_graph=True``).
         create_graph: make the Jacobian differentiable with respect to the primals and to
             tensors ``f`` closes over that require grad (a module's parameters), as
             ``torch.autograd.functional.jacobian(create_graph=True)`` does. By default (as

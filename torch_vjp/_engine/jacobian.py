@@ -48,7 +48,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch.func import vmap
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import (
@@ -181,6 +181,10 @@ def jacobian_blocks(
             raise
         prob.writes_inputs = True
         blocks = _blocks(prob, mode, vectorized, fallback, opts, functorch_loops)
+    if detached and blocks.aux is not None:
+        # (as reverse mode's: no graph outlives the call, aux's included; forward mode's
+        # aux kept one, through a chunk's batched copy of the forward pass)
+        blocks.aux = tree_map_only(Tensor, lambda t: t.detach(), blocks.aux)
     if prob.calls - calls > 1 and any(t._version != v for t, v in zip(watched, versions)):
         warn_once(
             ("captured-changed", function_key(prob.f)),
