@@ -997,3 +997,52 @@ def test_tied_parameters_names_each_get_a_tensor_of_their_own(compile):
     torch.testing.assert_close(a, b)
     a.mul_(0.5)
     torch.testing.assert_close(b, 2 * a)  # the other name's tensor is untouched
+
+
+# ---- the ghost-norm identity in low precision --------------------------------------------
+
+
+class _SignedTokens(nn.Module):
+    """A layer over 24 near-identical tokens: the loss below gives them output gradients
+    of alternating sign, so each example's weight gradient is far smaller than its terms."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+        self.layer = nn.Conv1d(64, 64, 1, bias=False) if conv else nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):  # (B, 24, 64)
+        return self.layer(x.transpose(1, 2)).transpose(1, 2) if self.conv else self.layer(x)
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv1d"])
+def test_ghost_norms_in_float32_do_not_cancel_to_zero(conv):
+    # <a_i a_i^T, g_i g_i^T> summed over 24^2 token pairs cancelled in float32 to 0 (or a
+    # fraction of the norm): a clip factor of 1, an example's contribution past max_norm
+    # (27x the bound on the clipped sum), silently, on every batch after the checked first
+    gen = torch.Generator().manual_seed(0)
+    model = _SignedTokens(conv)
+    w = torch.randn(64, generator=gen)
+    sign = torch.tensor([1.0, -1.0]).repeat(12)
+
+    def loss(out):
+        return (out @ w.to(out.dtype) * sign.to(out.dtype)).sum()
+
+    B = 8
+    torch_vjp.per_sample_grad_norms(model, loss, torch.randn(B, 24, 64, generator=gen))
+    x = torch.randn(B, 1, 64, generator=gen) + 3e-5 * torch.randn(B, 24, 64, generator=gen)
+    wide = copy.deepcopy(model).double()
+    rows = [torch.func.grad(lambda p, i=i: loss(torch.func.functional_call(
+        wide, p, (x[i:i + 1].double(),))))({"layer.weight": wide.layer.weight.detach()})
+        ["layer.weight"].reshape(-1) for i in range(B)]
+    truth = torch.stack(rows).norm(dim=1)
+    for strategy in ("auto", "hooks"):
+        norms = torch_vjp.per_sample_grad_norms(model, loss, x, strategy=strategy)
+        torch.testing.assert_close(norms.double(), truth, rtol=1e-3, atol=0)
+        model.zero_grad(set_to_none=True)
+        C = 1e-4
+        torch_vjp.accumulate_clipped_grads(model, loss, x, max_norm=C, strategy=strategy)
+        c = (C / truth).clamp(max=1.0)
+        want = (c[:, None] * torch.stack(rows)).sum(0).reshape(model.layer.weight.shape)
+        torch.testing.assert_close(model.layer.weight.grad.double(), want, rtol=2e-3,
+                                   atol=1e-3 * B * C)

@@ -16,7 +16,9 @@ in-projection) without necessarily materialising it:
   ``g: (B, T, q)`` (Linear over any leading dimensions, attention projections, GPT-2's
   ``Conv1D``). Squared norms use the ghost-norm identity ``<a_i a_i^T, g_i g_i^T>`` when
   ``T (p + q) <= p q``, else the direct ``||G_i||^2`` in chunks of examples; ``T == 1`` gives
-  ``||a_i||^2 ||g_i||^2``. The clipped sum ``sum_i c_i G_i`` is one matrix product over the
+  ``||a_i||^2 ||g_i||^2``. (NOTE [ghost norms, checked]: the identity sums ``T^2`` products
+  whose rounding, in float32, can be the whole of a small gradient's norm; examples where it
+  may be get the direct norm, see :func:`ghost_unsure`.) The clipped sum ``sum_i c_i G_i`` is one matrix product over the
   ``B * T`` rows.
 - :class:`EmbeddingFactor`: ``G_i = sum_t onehot(idx[i, t]) g[i, t]^T``; norms and sums by
   index_add over the distinct (example, index) pairs, never a ``(B, V, D)`` tensor.
@@ -52,6 +54,7 @@ __all__ = [
     "merge_factors",
     "chunks",
     "sq_norms_rows",
+    "ghost_unsure",
     "region_sq_norms",
     "region_weighted_sum",
     "write_region",
@@ -96,6 +99,22 @@ def sq_norms_rows(v: Tensor) -> Tensor:
     rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)
     # (one reduction: linalg.vecdot would first form the B x P product of the rows)
     return torch.linalg.vector_norm(rows, dim=1).square_()
+
+
+def ghost_unsure(sq: Tensor, a: Tensor, g: Tensor) -> Tensor:
+    """The examples (indices into ``sq``) whose ghost norm ``sq`` may have cancelled away:
+    ``sum_{t,t'} <a_t, a_t'><g_t, g_t'>`` is computed in the dtype of ``a: (n, T, p)``
+    and ``g: (n, T, q)``, with a rounding error of about ``eps * sqrt(p + q + T^2)`` times
+    ``(sum_t |a_t| |g_t|)^2``; where an example's gradient is far smaller than its terms
+    (tokens whose products nearly cancel) that error is its whole norm, and a float32 norm
+    came out 0: a clip factor of 1, past ``max_norm``. These get the direct ``||G_i||^2``,
+    whose error is of the order of ``eps`` itself (NOTE [ghost norms, checked])."""
+    n, T, p = a.shape
+    q = g.shape[2]
+    unit = torch.finfo(sq.dtype).eps
+    rel = 1e3 * unit * math.sqrt(p + q + T * T)  # (1e-3 relative, at the estimated error)
+    bound = (torch.linalg.vector_norm(a, dim=2) * torch.linalg.vector_norm(g, dim=2)).sum(1)
+    return (sq <= rel * bound.square_()).nonzero().view(-1)
 
 
 def chunks(
@@ -332,6 +351,10 @@ class OuterFactor(Factor):
                 aa = torch.bmm(a[s:e], a[s:e].mT)
                 gg = torch.bmm(g[s:e], g[s:e].mT)
                 out[s:e] = aa.mul_(gg).view(e - s, -1).sum(1)
+                unsure = ghost_unsure(out[s:e], a[s:e], g[s:e])
+                if unsure.numel():  # NOTE [ghost norms, checked]
+                    idx = unsure + s
+                    out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx]))
         else:
             kept = keep.buffer(B, (q, p), a) if keep is not None else None
             buf = None

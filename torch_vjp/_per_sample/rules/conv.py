@@ -26,6 +26,7 @@ from torch_vjp._per_sample.factors import (
     KeepBudget,
     SmallFactor,
     chunks,
+    ghost_unsure,
     sq_norms_rows,
 )
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
@@ -195,7 +196,13 @@ class ConvFactor(Factor):
                 for j in range(G):
                     aa = torch.bmm(U4[:, j].mT, U4[:, j])
                     gg = torch.bmm(g4[:, j].mT, g4[:, j])
-                    out[s:e] += aa.mul_(gg).view(n, -1).sum(1)
+                    part = aa.mul_(gg).view(n, -1).sum(1)
+                    # (NOTE [ghost norms, checked] in torch_vjp._per_sample.factors)
+                    unsure = ghost_unsure(part, U4[:, j].mT, g4[:, j].mT)
+                    if unsure.numel():
+                        part[unsure] = sq_norms_rows(torch.bmm(
+                            g4[unsure, j], U4[unsure, j].mT))
+                    out[s:e] += part
             return out
         # Direct: the per-sample gradients (and, for short patches, the unfolded input),
         # kept for the clipped sum where the budget allows.
