@@ -1396,3 +1396,35 @@ def test_a_hook_registered_around_every_step_keeps_the_plan():
         tv.per_sample_grads(model, loss, x, t)
         handle.remove()
     assert len(plan_module._PLANS[model]) == 1
+
+
+def _scale_hook(mod, inp, out, k):
+    return out * k  # per example
+
+
+def _center_hook(mod, inp, out):
+    return out - out.mean(0)  # mixes the examples of the batch
+
+
+def _hook_factory(k):
+    return lambda mod, inp, out: out + k * out.mean(0)
+
+
+@pytest.mark.parametrize("swap", ["partial", "closure"])
+def test_a_hook_swapped_for_one_of_the_same_code_makes_a_new_plan(swap):
+    # hooks counted by their code alone: every functools.partial had the same key, and
+    # closures from one factory too; a hook that mixes examples took the plan of a benign
+    # one (gradients off by 1.07, norms by 1.46, silently)
+    x, t = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    loss = nn.CrossEntropyLoss()
+    first, second = ((functools.partial(_scale_hook, k=2.0), functools.partial(_center_hook))
+                     if swap == "partial" else (_hook_factory(0.0), _hook_factory(1.0)))
+    handle = m[0].register_forward_hook(first)
+    assert_matches(tv.per_sample_grads(m, loss, x, t), loop_reference(m, loss, x, t))
+    handle.remove()
+    m[0].register_forward_hook(second)
+    with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
+        tv.per_sample_grads(m, loss, x, t)
+    assert_matches(tv.per_sample_grads(m, loss, x, t, strategy="loop"),
+                   loop_reference(m, loss, x, t))

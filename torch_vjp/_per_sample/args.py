@@ -6,6 +6,8 @@ Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleVal
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.context import flag_of
+from torch_vjp._engine.fwdcheck import route_key
 from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValueError, shape_str
 
 __all__ = [
@@ -351,10 +354,16 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
 
 
 def _hooks_key(hooks: dict[int, Any]) -> tuple[Any, ...]:
-    """Hooks by what they run (their code), not by their handles: a hook registered and
-    removed around every step is the same hook each time, and must not make a plan per
-    call (a tool's global hooks, a ModuleTracker, are too)."""
-    return tuple(getattr(getattr(h, "__func__", h), "__code__", type(h)) for h in hooks.values())
+    """Hooks by what they run, not by their handles: a hook registered and removed around
+    every step is the same hook each time, and must not make a plan per call (a tool's
+    global hooks, a ModuleTracker, are too). A function, a bound method or a
+    ``functools.partial`` counts by its code and what it holds (``route_key``: a
+    ``partial(scale, k=2.0)`` swapped for a ``partial(center)`` that mixes examples, or a
+    hook factory's closure over another flag, is another hook); another callable object by
+    its type."""
+    return tuple(route_key(h) if isinstance(h, (types.FunctionType, types.MethodType,
+                                                 functools.partial)) else type(h)
+                 for h in hooks.values())
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
