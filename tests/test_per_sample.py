@@ -1046,3 +1046,23 @@ def test_ghost_norms_in_float32_do_not_cancel_to_zero(conv):
         want = (c[:, None] * torch.stack(rows)).sum(0).reshape(model.layer.weight.shape)
         torch.testing.assert_close(model.layer.weight.grad.double(), want, rtol=2e-3,
                                    atol=1e-3 * B * C)
+
+
+@pytest.mark.parametrize("loss_fn", [nn.L1Loss(), nn.MSELoss(), nn.HuberLoss(), F.l1_loss],
+                         ids=["l1", "mse", "huber", "F.l1_loss"])
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "vmap", "loop"])
+def test_an_elementwise_loss_with_broadcast_targets_keeps_its_examples_apart(loss_fn, strategy):
+    # a (B, 1) output against (B,) targets: the batched loss broadcasts to (B, B) and pairs
+    # every output with every target, so it is not the sum of the examples' losses (taken
+    # as one: 'auto' and 'hooks' were off by up to 5.0, silently)
+    model = nn.Linear(1, 1).double()
+    x = torch.tensor([[0.0], [1.0], [2.0], [10.0], [3.0], [11.0]], dtype=torch.float64)
+    y = torch.tensor([0.5, 1.5, 2.5, 0.0, 3.5, 0.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's "target size ... different"
+        ref = loop_reference(model, loss_fn, x, y)
+        got = per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n])
+        torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy),
+                                   ref_norms(ref))

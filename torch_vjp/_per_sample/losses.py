@@ -37,6 +37,10 @@ _SEPARABLE_LOSSES: tuple[type, ...] = (
     nn.BCELoss,
     nn.BCEWithLogitsLoss,
 )
+# elementwise losses: separable only where output and targets have one shape (a (B, 1)
+# output against (B,) targets broadcasts to (B, B) and pairs every output with every target)
+_ELEMENTWISE = frozenset({nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
+                          nn.BCEWithLogitsLoss})
 # functional losses, and whether they ignore target -100 by default
 _SEPARABLE_FUNCTIONS: tuple[tuple[Any, bool], ...] = (
     (F.cross_entropy, True),
@@ -63,6 +67,9 @@ def _reduction_scale(loss_fn: Any, out: Any, targets: Any, batch: int) -> float 
     if out.shape[0] != batch or targets.shape[0] != batch:
         return None
     ignore: int | None = None
+    if (type(loss_fn) in _ELEMENTWISE or loss_fn is F.mse_loss or loss_fn is F.l1_loss) and (
+            out.shape != targets.shape):
+        return None
     if type(loss_fn) in _SEPARABLE_LOSSES:
         # (torch's weighted losses register ``weight`` as a buffer, and a user may assign
         # an nn.Parameter in its place, which moves it to the parameters; reading both dicts
