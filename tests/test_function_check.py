@@ -313,6 +313,28 @@ def test_a_forward_that_computes_in_float32_inside_is_checked_at_float32_precisi
         check_function(_float32_inside(-1.0), x)
 
 
+def _scaling(name, factor, backward_scale):
+    return _function(name, lambda ctx, g: g * factor * backward_scale,
+                     forward=lambda ctx, x: x * factor)
+
+
+def test_a_forward_that_moves_or_scales_grid_values_keeps_float64_precision():
+    # float32 inputs (widened) and round float64 inputs lie on narrower grids themselves:
+    # a forward that scales them returned values on those grids, and was taken for one that
+    # computes in float32 (or bfloat16) inside, with its tolerances: a backward 0.5% (5%)
+    # wrong passed
+    with pytest.raises(FunctionCheckError, match=r"does not match finite differences"):
+        check_function(_scaling("Twice", 2.0, 1.005), _x(50, dtype=torch.float32))
+    with pytest.raises(FunctionCheckError, match=r"does not match finite differences"):
+        check_function(_scaling("Half", 0.5, 1.05),
+                       torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.float64))
+    # and a right backward at a kink's doorstep is checked with float64's small step
+    relu = _function("Relu", lambda ctx, g: g * (ctx.saved_tensors[0] > 0),
+                     forward=lambda ctx, x: (ctx.save_for_backward(x), x.clamp_min(0))[1])
+    report = check_function(relu, torch.tensor([0.001, 0.002]))
+    assert report.value_dtype == torch.float64 and report.eps == 1e-6
+
+
 def test_a_float64_forward_with_integer_outputs_keeps_float64_precision():
     # (integer values lie on every grid: they do not say the forward rounds to float32)
     x = _x(4, 3, dtype=torch.float64)

@@ -357,7 +357,7 @@ class Checker:
         pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
         outputs = [flat[k] for k in pos]
         self._check_finite_outputs(inputs, flat, pos, _value_dtype(inputs, self.diff))
-        grid = output_grid(outputs)
+        grid = self._grid_off_the_inputs(inputs, pos)
         unit_floor = 0.0
         if grid is not None:
             unit_floor = torch.finfo(grid).eps
@@ -387,6 +387,22 @@ class Checker:
                 noise = 10 * unit * (_norm(f_plus) + _norm(f_minus)) / (2 * eps) * c_norm
                 result[i].append(_Probe(lhs=lhs, rhs=rhs, size=size, noise=noise))
         return result, grid, eps
+
+    def _grid_off_the_inputs(self, inputs: tuple[Any, ...], pos: list[int]
+                             ) -> torch.dtype | None:
+        """The narrower dtype ``fn`` computes in inside (:func:`output_grid`), read off its
+        outputs at inputs moved off every narrower grid: at the inputs themselves (float32
+        values widened, or round numbers) a forward that only moves or scales them returns
+        values on float32's, even bfloat16's, grid too. One more call of ``fn``."""
+        gen = torch.Generator().manual_seed(1)
+        moved = list(inputs)
+        for i in self.diff:
+            x = inputs[i]
+            step = torch.rand(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)
+            moved[i] = x.detach() + (1e-3 * (x.detach().abs() + 1)) * (0.5 + step)
+        with torch.no_grad():
+            flat = pytree.tree_flatten(self.run(*_fresh_args(tuple(moved), {})))[0]
+        return output_grid([flat[k] for k in pos if k < len(flat)])
 
     def _outputs_at(self, inputs: tuple[Any, ...], i: int, xi: Tensor,
                     pos: list[int]) -> list[Tensor]:
