@@ -426,7 +426,7 @@ def test_auto_chooses_the_mode_on_the_output_size_f_has_now(forward_checks_forgo
         for _ in range(2):  # the first call after the change may still be reverse mode
             torch.testing.assert_close(tv.jacobian(f, x), ref)
         assert mode in forward_checks_forgotten.values()
-    assert sorted(forward_checks_forgotten.values()) == ["fwd", "rev"]
+    assert set(forward_checks_forgotten.values()) == {"fwd", "rev"}
 
 
 def test_auto_checks_again_for_another_flag_among_the_primals(forward_checks_forgotten):
@@ -501,6 +501,64 @@ def test_auto_route_of_a_dead_module_is_not_taken_by_a_new_one_at_its_address(
         warnings.simplefilter("ignore", tv.JacobianWarning)
         torch.testing.assert_close(tv.jacobian(wrong, A), ref)
         torch.testing.assert_close(tv.jacobian(wrong.forward, A), ref)
+
+
+class _SlotsHolder:
+    __slots__ = ("op",)  # (no __weakref__: cannot be weakly referenced)
+
+    def __init__(self, op):
+        self.op = op
+
+
+def test_a_route_key_reads_a_list_or_dict_by_what_it_holds():
+    # (a list cannot be weakly referenced, so its identity would be its id alone, which a
+    # new list takes over once the old one dies)
+    from torch_vjp._engine.fwdcheck import route_key
+
+    def make(h):
+        return lambda M: h[0](M)
+
+    def right(M):
+        return torch.linalg.solve_triangular(M, _WIDE, upper=True)
+
+    assert route_key(make([right])) == route_key(make([right]))
+    assert route_key(make([right])) != route_key(make([_solve_wide]))
+    assert route_key(make({0: right})) != route_key(make({0: _solve_wide}))
+    looped = []
+    looped.append(looped)  # (a list that holds itself: the key is finite)
+    assert route_key(make(looped)) is not None
+
+
+@pytest.mark.parametrize("holder", ["slots"])
+def test_auto_route_of_a_dead_container_is_not_taken_by_a_new_one(holder,
+                                                                   forward_checks_forgotten):
+    # a closure over a list (keyed by id alone: lists cannot be weakly referenced) or over
+    # an object of a __slots__ class: a new one at a dead one's address took its route, and
+    # forward mode's wrong triangular_solve Jacobian came back silently
+    A = _triangular_point()[1]
+    ref = torch.func.jacrev(_solve_wide)(A)
+
+    def right(M):
+        return torch.linalg.solve_triangular(M, _WIDE, upper=True)
+
+    def make(h):
+        if holder == "list":
+            return lambda M: h[0](M)
+        return lambda M: h.op(M)
+
+    for _ in range(500):
+        first = [right] if holder == "list" else _SlotsHolder(right)
+        tv.jacobian(make(first), A)
+        address = id(first)
+        del first
+        second = [_solve_wide] if holder == "list" else _SlotsHolder(_solve_wide)
+        if id(second) == address:
+            break
+    else:
+        pytest.skip("no new holder was given a dead one's address")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        torch.testing.assert_close(tv.jacobian(make(second), A), ref)
 
 
 def test_auto_forward_mode_check_runs_once_and_draws_nothing(forward_checks_forgotten):

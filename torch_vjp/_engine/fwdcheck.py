@@ -116,8 +116,9 @@ def identity(obj: object) -> Hashable:
     """``obj``'s identity in a key that outlives it: its ``id`` and a token no later object
     shares. CPython gives a new object the address, so the ``id``, of one that died: a
     route remembered for a dead module was taken by a new module of the same type, whose
-    Jacobian was then never checked. An object that cannot be weakly referenced (a list, a
-    dict) counts by ``id`` alone."""
+    Jacobian was then never checked. An object that cannot be weakly referenced (a
+    ``__slots__`` class's) gets a new token each time: its route is checked on every call
+    (lists, tuples and dicts count by their contents instead, see :func:`route_key`)."""
     i = id(obj)
     entry = _IDENTITIES.get(i)
     if entry is not None and entry[0]() is obj:
@@ -125,7 +126,9 @@ def identity(obj: object) -> Hashable:
     try:
         ref = weakref.ref(obj, functools.partial(_forget, i))
     except TypeError:
-        return i
+        # (nothing tells it from a later object at its address: a token of its own, so
+        # that no route is ever taken for it unchecked)
+        return ("once", next(_TOKENS))
     token = next(_TOKENS)
     _IDENTITIES[i] = (ref, token)
     return (i, token)
@@ -140,11 +143,13 @@ def _forget(i: int, ref: weakref.ref) -> None:
 def route_key(f: object, depth: int = 3) -> Hashable:
     """Which function a remembered route is for: its code and what its closure and defaults
     hold (a tensor by its signature, a flag by value, a number by its truth, a function by
-    its own key, ``depth`` levels deep, anything else, a module say, by :func:`identity`
-    and type); a bound method by its function and object; any other callable (a module) by
-    :func:`identity` and type. Two functions made by one line over other operators (``make(op)``), or two
-    ``nn.Sequential`` of other layers, have other keys; a lambda made anew each step over
-    the same model and a new batch has the same."""
+    its own key and a list, tuple or dict by what it holds, ``depth`` levels deep, anything
+    else, a module say, by :func:`identity` and type); a bound method by its function and
+    object; any other callable (a module) by :func:`identity` and type. Two functions made
+    by one line over other operators (``make(op)``), or two ``nn.Sequential`` of other
+    layers, have other keys; a lambda made anew each step over the same model and a new
+    batch (a tensor, or a list, tuple or dict of them) has the same, one over a new object
+    of another kind each step (a dataclass) has a new one, and is checked again."""
     if isinstance(f, types.MethodType):
         return ("method", route_key(f.__func__, depth), identity(f.__self__), type(f.__self__))
     if isinstance(f, functools.partial):
@@ -162,6 +167,10 @@ def route_key(f: object, depth: int = 3) -> Hashable:
     return ("object", identity(f), type(f))
 
 
+#: Items of a list, tuple or dict a key reads, at most (a larger one counts as new each call).
+_CONTENTS = 1024
+
+
 def _held(v: object, depth: int) -> Hashable:
     if isinstance(v, Tensor):
         return ("T", tuple(v.shape), v.dtype, v.device)
@@ -171,6 +180,11 @@ def _held(v: object, depth: int) -> Hashable:
     if callable(v) and depth > 1 and isinstance(v, (types.FunctionType, types.MethodType,
                                                      functools.partial)):
         return route_key(v, depth - 1)
+    if depth > 1 and type(v) in (list, tuple) and len(v) <= _CONTENTS:  # type: ignore[arg-type]
+        return (type(v), tuple(_held(item, depth - 1) for item in v))  # type: ignore[attr-defined]
+    if depth > 1 and type(v) is dict and len(v) <= _CONTENTS:  # type: ignore[arg-type]
+        return (dict, tuple((_held(k, depth - 1), _held(item, depth - 1))
+                            for k, item in v.items()))  # type: ignore[attr-defined]
     return (identity(v), type(v))
 
 
