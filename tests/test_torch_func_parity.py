@@ -510,9 +510,10 @@ class _SlotsHolder:
         self.op = op
 
 
-def test_a_route_key_reads_a_list_or_dict_by_what_it_holds():
-    # (a list cannot be weakly referenced, so its identity would be its id alone, which a
-    # new list takes over once the old one dies)
+def test_a_route_key_reads_the_callables_a_list_or_dict_holds():
+    # (a list cannot be weakly referenced, so its identity is its id alone, which a new list
+    # takes over once the old one dies: the callables it holds tell two apart; the numbers
+    # it logs do not make a new key on every call)
     from torch_vjp._engine.fwdcheck import route_key
 
     def make(h):
@@ -521,9 +522,19 @@ def test_a_route_key_reads_a_list_or_dict_by_what_it_holds():
     def right(M):
         return torch.linalg.solve_triangular(M, _WIDE, upper=True)
 
-    assert route_key(make([right])) == route_key(make([right]))
-    assert route_key(make([right])) != route_key(make([_solve_wide]))
-    assert route_key(make({0: right})) != route_key(make({0: _solve_wide}))
+    ops = [right]
+    before = route_key(make(ops))
+    ops[0] = _solve_wide
+    assert route_key(make(ops)) != before
+    table = {0: right}
+    before = route_key(make(table))
+    table[0] = _solve_wide
+    assert route_key(make(table)) != before
+    log = [right]
+    before = route_key(make(log))
+    log.extend([1.0, 2.0])
+    assert route_key(make(log)) == before
+    assert route_key(make((right,))) == route_key(make((right,)))  # a tuple: its contents
     looped = []
     looped.append(looped)  # (a list that holds itself: the key is finite)
     assert route_key(make(looped)) is not None

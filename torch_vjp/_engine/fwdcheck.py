@@ -118,7 +118,7 @@ def identity(obj: object) -> Hashable:
     route remembered for a dead module was taken by a new module of the same type, whose
     Jacobian was then never checked. An object that cannot be weakly referenced (a
     ``__slots__`` class's) gets a new token each time: its route is checked on every call
-    (lists, tuples and dicts count by their contents instead, see :func:`route_key`)."""
+    (lists, tuples and dicts count otherwise, see :func:`route_key`)."""
     i = id(obj)
     entry = _IDENTITIES.get(i)
     if entry is not None and entry[0]() is obj:
@@ -143,13 +143,13 @@ def _forget(i: int, ref: weakref.ref) -> None:
 def route_key(f: object, depth: int = 3) -> Hashable:
     """Which function a remembered route is for: its code and what its closure and defaults
     hold (a tensor by its signature, a flag by value, a number by its truth, a function by
-    its own key and a list, tuple or dict by what it holds, ``depth`` levels deep, anything
-    else, a module say, by :func:`identity` and type); a bound method by its function and
-    object; any other callable (a module) by :func:`identity` and type. Two functions made
-    by one line over other operators (``make(op)``), or two ``nn.Sequential`` of other
-    layers, have other keys; a lambda made anew each step over the same model and a new
-    batch (a tensor, or a list, tuple or dict of them) has the same, one over a new object
-    of another kind each step (a dataclass) has a new one, and is checked again."""
+    its own key, a tuple by what it holds and a list or dict by its id and the callables it
+    holds, ``depth`` levels deep, anything else, a module say, by :func:`identity` and
+    type); a bound method by its function and object; any other callable (a module) by
+    :func:`identity` and type. Two functions made by one line over other operators
+    (``make(op)``), or two ``nn.Sequential`` of other layers, have other keys; a lambda made anew each step over the same model and a new
+    batch (a tensor, or a tuple of them) has the same, one over a new object of another
+    kind each step (a dataclass) has a new one, and is checked again."""
     if isinstance(f, types.MethodType):
         return ("method", route_key(f.__func__, depth), identity(f.__self__), type(f.__self__))
     if isinstance(f, functools.partial):
@@ -167,7 +167,7 @@ def route_key(f: object, depth: int = 3) -> Hashable:
     return ("object", identity(f), type(f))
 
 
-#: Items of a list, tuple or dict a key reads, at most (a larger one counts as new each call).
+#: Items of a list, tuple or dict a key reads, at most (a larger one: by identity).
 _CONTENTS = 1024
 
 
@@ -180,11 +180,15 @@ def _held(v: object, depth: int) -> Hashable:
     if callable(v) and depth > 1 and isinstance(v, (types.FunctionType, types.MethodType,
                                                      functools.partial)):
         return route_key(v, depth - 1)
-    if depth > 1 and type(v) in (list, tuple) and len(v) <= _CONTENTS:  # type: ignore[arg-type]
-        return (type(v), tuple(_held(item, depth - 1) for item in v))  # type: ignore[attr-defined]
-    if depth > 1 and type(v) is dict and len(v) <= _CONTENTS:  # type: ignore[arg-type]
-        return (dict, tuple((_held(k, depth - 1), _held(item, depth - 1))
-                            for k, item in v.items()))  # type: ignore[attr-defined]
+    if depth > 1 and type(v) is tuple and len(v) <= _CONTENTS:  # type: ignore[arg-type]
+        return (tuple, tuple(_held(item, depth - 1) for item in v))  # type: ignore[attr-defined]
+    if depth > 1 and type(v) in (list, dict) and len(v) <= _CONTENTS:  # type: ignore[arg-type]
+        # (a list or dict changes in place, a log or a counter on every call: by its id,
+        # which a new one takes over once it dies, and by the callables it holds, which
+        # say what it runs)
+        items = v.values() if type(v) is dict else v  # type: ignore[attr-defined]
+        return (id(v), type(v), tuple(_held(item, depth - 1) for item in items
+                                      if callable(item) and not isinstance(item, Tensor)))
     return (identity(v), type(v))
 
 
