@@ -141,8 +141,9 @@ CASES = {
                                                torch.logsumexp(x.view(3, 4), 0)]), 12, False, True),
     "vector_norm": (lambda x: torch.linalg.vector_norm(x.view(4, 3), dim=0), 12, False, True),
     "amax": (lambda x: x.view(3, 4).amax(1), 12, True, False),
+    # (values picked by their order: each depends on its whole line, at every x)
     "max_dim_sort_topk": (lambda x: torch.cat([x.view(3, 4).max(1)[0], torch.sort(x)[0],
-                                               torch.topk(x, 3)[0]]), 12, True, True),
+                                               torch.topk(x, 3)[0]]), 12, False, False),
     "cumsum": (lambda x: torch.cumsum(x.view(3, 4), 1).reshape(-1), 12, False, False),
     "matmul_dense": (lambda x: torch.tanh(W_DENSE @ x), 12, False, True),
     "matmul_banded": (lambda x: W_BAND @ torch.sin(x), 12, False, True),
@@ -170,8 +171,9 @@ CASES = {
                        12, False, True),
     "pad_modes": (_pad_modes, 12, False, True),
     "reshape_transpose": (_reshape_transpose, 12, False, True),
+    # (by a condition computed from x: both branches, at every x)
     "where_masked_fill": (lambda x: torch.where(x > 0, x, x.flip(0)) + x.masked_fill(x < 0, 1.0),
-                          12, True, True),
+                          12, False, False),
     "tril_roll_repeat": (lambda x: torch.cat([torch.tril(x.view(3, 4)).reshape(-1) ** 2,
                                               torch.roll(x, 2), x[:2].repeat(3)]), 12, False, True),
     "in_place_buffer": (_buffer_writes, 12, False, True),
@@ -488,34 +490,63 @@ def test_a_sparse_pattern_whose_values_are_changed_in_place_is_read_again(layout
     torch.testing.assert_close(J.to_dense(), ref)
 
 
-_BY_VALUE = {
+_SUPERSETS = {
     "where": lambda x: torch.where(x > 0, x, 0.0),
     "masked_fill": lambda x: x.masked_fill(x < 0, 0.0),
+    "leaky": lambda x: torch.where(x > 0, x, 0.01 * x),
     "max_dim": lambda x: x.view(4, 4).max(1).values,
     "sort": lambda x: x.sort().values,
     "topk": lambda x: x.topk(3).values,
+    "cummax": lambda x: x.cummax(0).values,
+}
+_BY_VALUE = {
     "index_by_argmax": lambda x: x[x.view(4, 4).argmax(1)],
     "branch": lambda x: x.roll(1) * x if x.sum() > 0 else x.roll(-1) * x,
+    "gather_by_argsort": lambda x: x.gather(0, x.argsort()),
+    "count_of_positives": lambda x: x.roll(1) * x if len(torch.nonzero(x[:1] > 0)) else x,
+    "branch_on_tolist": lambda x: x.roll(1) * x if x.tolist()[0] > 0 else x.roll(-1) * x,
 }
+
+
+def _points():
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, generator=gen, dtype=D) for _ in range(4)]
+    xs[1] = -xs[0]  # (another branch for sure)
+    return xs
+
+
+@pytest.mark.parametrize("name", sorted(_SUPERSETS))
+def test_a_condition_or_order_from_the_values_gives_a_pattern_for_every_point(name, monkeypatch):
+    # where/masked_fill by a mask computed from x, and values picked by their order, gave
+    # the pattern at the first point, cached and reused at others: wrong there by 1,
+    # silently; the pattern now unites the branches (the whole line), detected once
+    import torch_vjp.sparse as sp
+
+    f = _SUPERSETS[name]
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for x in _points():
+            J = sparse_jacobian(f, x, layout=torch.strided)
+            torch.testing.assert_close(J, torch.func.jacrev(f)(x).reshape(J.shape))
+    assert detections.calls == 1
 
 
 @pytest.mark.parametrize("name", sorted(_BY_VALUE))
 def test_a_pattern_shaped_by_the_input_values_is_detected_at_every_point(name):
-    # the pattern detected at the first point (where a mask, an argmax or a branch on x took
-    # it) was cached and reused at other points: wrong there by 1, silently
+    # indices computed from x that place x's elements, or a branch on x, give a pattern of
+    # that point only: it was cached and reused at other points, wrong there by 1, silently
     f = _BY_VALUE[name]
-    gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(16, generator=gen, dtype=D) for _ in range(4)]
-    xs[1] = -xs[0]  # (another branch for sure)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x in xs:
+        for x in _points():
             J = sparse_jacobian(f, x, layout=torch.strided)
             torch.testing.assert_close(J, torch.func.jacrev(f)(x).reshape(J.shape))
     told = [w for w in caught if "depends on the values of x" in str(w.message)]
     assert told and re.search(
         r"^torch_vjp\.sparse_jacobian: the sparsity pattern of <lambda> depends on the values "
-        r"of x \(aten\.\w+ .*\): the pattern found at one x need not hold at another, so it "
+        r"of x \((aten|Tensor)\.\w+ .*\): the pattern found at one x need not hold at another, so it "
         r"is detected again on every call \(one traced run of f\)\.\n  For speed, pass "
         r"pattern= a pattern that covers every case", str(told[0].message))
 
@@ -530,7 +561,12 @@ def test_a_pattern_is_still_kept_where_values_only_scale(monkeypatch):
     monkeypatch.setattr(sp, "detect", detections)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
-        for f in (lambda x: x * (x > 0), lambda x: torch.where(mask, x.roll(1), x)):
+        for f in (lambda x: x * (x > 0), lambda x: torch.where(mask, x.roll(1), x),
+                  lambda x: x * torch.where(x > 0, 1.0, 0.5),
+                  lambda x: torch.cat([x.sin(), (x > 0).to(x.dtype)]),
+                  lambda x: x + (x > 0).to(x.dtype).clone(),
+                  lambda x: torch.softmax(x.view(4, 4) - x.view(4, 4).max(-1, keepdim=True)
+                                          .values, -1).reshape(-1)):
             detections.calls = 0
             for seed in range(3):
                 x = torch.randn(16, generator=torch.Generator().manual_seed(seed), dtype=D)

@@ -12,7 +12,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianWarning, warn_once
 from torch_vjp._sparse import contract, rules  # noqa: F401  (the rules register themselves)
 from torch_vjp._sparse.pattern import Pattern
-from torch_vjp._sparse.tracer import Tracer, one_thread
+from torch_vjp._sparse.tracer import Tracer, ValueReads, one_thread
 
 __all__ = ["detect"]
 
@@ -33,7 +33,7 @@ def detect(prob: Problem) -> Pattern:
     with one_thread():
         for leaf in leaves:
             tracer.register_input(leaf)
-    with buffers_kept(prob.f), tracer:
+    with buffers_kept(prob.f), tracer, ValueReads(tracer):
         res = prob.g(*leaves)
     flat = [res] if isinstance(res, torch.Tensor) else tree_leaves(res)
     with one_thread():

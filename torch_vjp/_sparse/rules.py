@@ -214,13 +214,31 @@ MOVES = frozenset({
 })
 # ops with a ``reduce`` or ``accumulate`` argument are accumulations, ruled in RULES
 
-#: Ops whose rules place ids by the values of integer or boolean arguments (indices, masks,
-#: conditions): where those were computed from x, the pattern holds at this x only (NOTE [a
-#: pattern shaped by values] in :mod:`~torch_vjp._sparse.tracer`).
-INDEXED = MOVES | {"scatter", "scatter_add", "scatter_reduce", "index_add", "index_reduce",
-                   "put", "index_put_impl", "_index_put_impl"}
+#: The arguments by which ops place data (NOTE [a pattern shaped by values] in
+#: :mod:`~torch_vjp._sparse.tracer`): where one was computed from x and the op moves
+#: tracked data by it, the pattern holds at this x only. ``where`` and ``masked_fill`` by
+#: such a condition take the union of their branches instead (:func:`where`).
+PLACING_ARGS = ("condition", "mask", "index", "indices")
+#: Ops whose outputs' shapes are read off the values (flagged where those come from x: a
+#: shape Python then reads, ``len(x.nonzero())``, is invisible to the tracer).
+DATA_SHAPED = frozenset({"nonzero", "nonzero_static", "argwhere", "masked_select",
+                         "_unique", "_unique2", "unique_dim", "unique_consecutive",
+                         "unique_dim_consecutive", "bincount", "repeat_interleave"})
 #: Ops that hand a tensor's value to Python (``.item()``, ``bool(t)``: a branch on it).
 SCALAR_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "item"})
+
+
+@register("where", "masked_fill")
+def where(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """By a constant condition or mask, the op moves ids as it moves values; by one
+    computed from x, each element may come from either branch at another x: the union of
+    the two (a superset that holds at every x)."""
+    cond = call.bound.get("condition", call.bound.get("mask"))
+    if not (isinstance(cond, Tensor) and tr.from_values(cond)):
+        return move(tr, call)
+    shape = call.outs[0].shape
+    parts = [tr.ids(t) for t in _float_inputs(call)]
+    return _for_outputs(call, combine(tr, shape, parts))
 _FLOAT_MOVES: set[str] = set()  # ops without int64 kernels, found at run time
 
 
@@ -345,23 +363,23 @@ def along_dim(tr: Tracer, call: Call) -> list[Tensor | None]:
 
 @register("sort", "topk", "kthvalue", "mode", "cummax", "cummin")
 def along_with_indices(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """Ops that return ``(values, indices)``: the values are the input's elements at the
-    indices, so their ids are gathered the same way (as autograd routes their gradients)."""
+    """Ops that return ``(values, indices)``: each value is one element of its line along
+    ``dim``, which one chosen by the values: every element of the line, a superset that
+    holds at every x (as ``amax``'s rule; NOTE [a pattern shaped by values] in
+    :mod:`~torch_vjp._sparse.tracer`)."""
     x = _self(call)
     ids = tr.ids(x)
-    values, indices = call.outs[0], call.outs[1]
+    values = call.outs[0]
     if ids is None:
-        return [None, None]
+        return [None] * len(call.outs)
     if x.dim() == 0:
-        return [ids.reshape(values.shape), None]
-    tr.shaped_by_value(f"aten.{call.name} (values picked by their order)")
+        return [ids.reshape(values.shape)] + [None] * (len(call.outs) - 1)
     dim = call.bound.get("dim")
     dim = -1 if dim is None else dim
-    idx = indices.cpu()
-    if idx.dim() < x.dim():  # keepdim=False
-        idx = idx.unsqueeze(dim)
-    got = torch.gather(ids, dim, idx)
-    return [got.reshape(values.shape), None]
+    line = group(tr, ids, [dim])  # (the dimension kept, of size 1)
+    if values.dim() < x.dim():  # keepdim=False
+        line = line.squeeze(dim % x.dim())
+    return [line.expand(values.shape)] + [None] * (len(call.outs) - 1)
 
 
 # ---- accumulating scatters ---------------------------------------------------------------

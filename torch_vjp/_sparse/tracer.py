@@ -29,13 +29,17 @@ in autograd.
 
 NOTE [a pattern shaped by values]
 So the pattern holds at every x only where no value of x chose where ids go. The tracer
-marks the storages of tensors computed from x that carry no sets (comparisons, argmax,
-sort's indices, a 0/1 float mask), and records the first op (:attr:`Tracer.by_value`) that
-placed ids by such a tensor (an index, a mask, a condition: :data:`rules.INDEXED`), that
-picked values by their order (``max(dim)``, ``sort``, ``topk``), or that handed a value to
-Python (``.item()``, ``bool(t)``: a branch on x). Such a pattern is not cached
-(``sparse_jacobian`` detects again at each call, and warns once); a mask that only
-multiplies, or a constant one, changes nothing.
+marks the tensors computed from x that carry no sets (comparisons, argmax, sort's indices,
+a 0/1 float mask). Where such a tensor is a condition or mask of ``where`` or
+``masked_fill``, the rule takes the union of both branches, and ops that pick values by
+their order (``max(dim)``, ``sort``, ``topk``, ``cummax``) take their whole line: supersets
+that hold at every x. What the tracer cannot make hold at every x it records
+(:attr:`Tracer.by_value`, the first such op): tracked data placed by such a tensor (an
+index, a mask: :data:`rules.PLACING_ARGS`), an output whose shape is read off values from x
+(:data:`rules.DATA_SHAPED`), a value handed to Python (``.item()``, ``bool(t)``: a branch
+on x; ``.tolist()`` and ``.numpy()``, which bypass torch's dispatch, by :class:`ValueReads`
+beside it). Such a pattern is not cached (``sparse_jacobian`` detects again at each call,
+and warns once). A mask that only multiplies, or a constant one, changes nothing.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torch_vjp._sparse.sets import SetTable
 
-__all__ = ["Call", "Tracer", "carries_sets", "one_thread", "bind"]
+__all__ = ["Call", "Tracer", "ValueReads", "carries_sets", "one_thread", "bind"]
 
 _LONG = torch.long
 
@@ -155,9 +160,15 @@ class Tracer(TorchDispatchMode):
         self._opaque: dict[int, tuple[Tensor, int]] = {}
         self.conservative_ops: set[str] = set()
         self._next = 1
-        # storages of integer and boolean tensors computed from the input's values
-        self._from_values: set[int] = set()
+        # tensors computed from the input's values that carry no sets, by storage (kept
+        # alive while the run lasts, as shadows keep theirs: no address is reused as a key)
+        self._from_values: dict[int, Tensor] = {}
         self.by_value: str | None = None
+
+    def from_values(self, t: Tensor) -> bool:
+        """Whether ``t`` was computed from the input's values and carries no sets (a
+        comparison, an argmax, sort's indices, a 0/1 mask)."""
+        return not self.tracked(t) and _storage_key(t) in self._from_values
 
     def shaped_by_value(self, why: str) -> None:
         """Records (the first) op whose use of the input's values shaped the pattern."""
@@ -260,20 +271,27 @@ class Tracer(TorchDispatchMode):
         if func.is_view and not mutating:
             return  # shares its input's storage, hence its shadow
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        read_values = [t for t in inputs if not self.tracked(t)
-                       and _storage_key(t) in self._from_values]
-        if not read_values and not any(self.tracked(t) for t in inputs):
+        read_values = any(self.from_values(t) for t in inputs)
+        tracked_in = any(self.tracked(t) for t in inputs)
+        if not read_values and not tracked_in:
             return  # constants in, constants out
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         # NOTE [a pattern shaped by values]
         for t in outs:
             if not carries_sets(t) and (key := _storage_key(t)) is not None:
-                self._from_values.add(key)
+                self._from_values[key] = t
         name = func._schema.name.removeprefix("aten::")
         if name in rules.SCALAR_READS:
             self.shaped_by_value(f"aten.{name} (a number read from x, for Python to use)")
-        elif read_values and name in rules.INDEXED and any(carries_sets(t) for t in outs):
-            self.shaped_by_value(f"aten.{name} (reading indices or a mask computed from x)")
+        elif name in rules.DATA_SHAPED:
+            self.shaped_by_value(f"aten.{name} (a shape read off values computed from x)")
+        elif read_values and tracked_in and name not in ("where", "masked_fill"):
+            bound = rules.bind(func, args, kwargs)
+            placing = [v for a in rules.PLACING_ARGS if (v := bound.get(a)) is not None]
+            if any(self.from_values(t) for t in tree_leaves(placing)
+                   if isinstance(t, Tensor)):
+                self.shaped_by_value(
+                    f"aten.{name} (placing x's elements by indices or a mask computed from x)")
         aliased: set[int | None] = set()
         if not mutating:  # outputs that share an input's storage are views: nothing to write
             aliased = {_storage_key(t) for t in inputs} - {None}
@@ -302,4 +320,29 @@ class Tracer(TorchDispatchMode):
                 self.write(t, ids)
         for t in outs:  # (a float computed from x's values that carries no set: a 0/1 mask)
             if not self.tracked(t) and (key := _storage_key(t)) is not None:
-                self._from_values.add(key)
+                self._from_values[key] = t
+
+
+#: Tensor methods that hand values to Python or NumPy without reaching torch's dispatch.
+_PYTHON_READS = frozenset({"tolist", "numpy", "__array__", "__float__", "__int__", "__index__",
+                           "__complex__"})
+
+
+class ValueReads(TorchFunctionMode):
+    """Beside the :class:`Tracer` of a run: records (NOTE [a pattern shaped by values]) a
+    read of x's values that bypasses torch's dispatch, ``.tolist()`` or ``.numpy()`` (a
+    branch on ``x.tolist()[0] > 0``), which the tracer cannot see."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in _PYTHON_READS and args and isinstance(args[0], Tensor):
+            t = args[0]
+            if self.tracer.tracked(t) or self.tracer.from_values(t):
+                self.tracer.shaped_by_value(
+                    f"Tensor.{name} (a value read from x, for Python to use)")
+        return func(*args, **(kwargs or {}))
