@@ -429,6 +429,32 @@ def test_auto_chooses_the_mode_on_the_output_size_f_has_now(forward_checks_forgo
     assert set(forward_checks_forgotten.values()) == {"fwd", "rev"}
 
 
+def test_jacobian_of_check_rounds_at_the_graphs_least_precise_dtype(forward_checks_forgotten,
+                                                                    monkeypatch):
+    # a float32 step inside a float64 graph: the vectorised products and the unbatched one
+    # round differently at float32's precision, which the check took for a disagreement:
+    # the first call took every output element's backward pass again, one at a time
+    from torch_vjp._engine import computed
+
+    chunk_sizes = []
+    real = computed.map_rows_with_fallback
+
+    def spy(*args, **kwargs):
+        chunk_sizes.append(kwargs.get("chunk_size"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(computed, "map_rows_with_fallback", spy)
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(2000, 300, generator=gen)
+    x = torch.randn(300, dtype=D, generator=gen).requires_grad_()
+    out = torch.tanh(W @ x.float()).double()
+    with no_jacobian_warnings():
+        J = tv.jacobian_of(out, x)
+    assert J.shape == (2000, 300)
+    assert chunk_sizes == [None]
+    assert list(forward_checks_forgotten.values()) == ["rev"]
+
+
 def test_auto_checks_again_for_another_flag_among_the_primals(forward_checks_forgotten):
     # f branches on a plain argument to the operator whose forward-mode formula is wrong:
     # the check of the first call (the right branch) covered the second, silently wrong

@@ -58,7 +58,7 @@ def computed_jacobian(
     )
     unused: set[int] = set()
     # NOTE [jacobian_of, checked once]: the route remembered for this graph's structure
-    key = _graph_key(d_outs, ins) if n > 1 and plan != 1 else None
+    key, least = _graph_key(d_outs, ins) if n > 1 and plan != 1 else (None, None)
     route = CHECKED.get(key) if key is not None else None
     if route == "rev-loop":
         plan = 1
@@ -117,7 +117,7 @@ def computed_jacobian(
 
         blocks_by_input = products(plan)
         if checking and state["proven"]:
-            rtol = tolerance(ins[0].dtype)
+            rtol = tolerance(least)  # (the graph's least precise dtype: see _graph_key)
             got = _unbatched_product(d_outs, ins)
             diff, scale = _gap(got, blocks_by_input)
             if diff <= rtol * scale:  # the common case
@@ -182,11 +182,16 @@ def computed_jacobian(
 
 
 
-def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> Hashable:
+def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
+               ) -> tuple[Hashable, torch.dtype]:
     """What a remembered route is for (NOTE [jacobian_of, checked once]): the graph's node
-    types in the order of a walk from ``outs``, and the shapes and dtypes of both ends."""
+    types in the order of a walk from ``outs``, and the shapes, dtypes and devices of both
+    ends; and the least precise floating dtype the graph computes in (a float32 step inside
+    a float64 graph rounds at float32's)."""
     nodes: list[type] = []
     seen: set[int] = set()
+    least = min((t.dtype for t in (*outs, *ins) if t.dtype.is_floating_point),
+                key=lambda d: -torch.finfo(d).eps, default=torch.float64)
     stack = [o.grad_fn for o in reversed(outs) if o.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -194,9 +199,17 @@ def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> Hashable:
             continue
         seen.add(id(node))
         nodes.append(type(node))
+        try:
+            for m in node._input_metadata:
+                if m.dtype.is_floating_point and torch.finfo(m.dtype).eps > torch.finfo(
+                        least).eps:
+                    least = m.dtype
+        except (AttributeError, RuntimeError, TypeError):
+            pass
         stack.extend(nxt for nxt, _ in reversed(node.next_functions) if nxt is not None)
-    return ("jacobian_of", tuple(nodes), tuple((o.shape, o.dtype) for o in outs),
-            tuple((x.shape, x.dtype) for x in ins))
+    key = ("jacobian_of", tuple(nodes), tuple((o.shape, o.dtype, o.device) for o in outs),
+           tuple((x.shape, x.dtype, x.device) for x in ins))
+    return key, least
 
 
 def _unbatched_product(outs: Sequence[Tensor], ins: Sequence[Tensor]
