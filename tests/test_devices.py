@@ -218,3 +218,5 @@ def test_auto_jacobians_on_the_meta_device():
     xr = torch.randn(3, device="meta", requires_grad=True)
     J = tv.jacobian_of(torch.outer(xr, xr), xr)
     assert J.device.type == "meta" and J.shape == (3, 3, 3)
+    H = tv.hessian(lambda v: (v ** 3).sum(), torch.randn(5, device="meta"))  # (its symmetry)
+    assert H.device.type == "meta" and H.shape == (5, 5)

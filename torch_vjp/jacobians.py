@@ -483,7 +483,8 @@ def hessian(
             if passes_through(err) or strat.vectorized and not fallback or is_nested():
                 raise
             return autograd_hessian(f, primals, argnums, not detached, call, err)
-        if fallback and res.mode == "fwd" and not is_nested():
+        if fallback and res.mode == "fwd" and not is_nested() and not any(
+                x.device.type == "meta" for x in outer.leaves):  # (no numbers to compare)
             res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)
         warn_disconnected(outer, res)
         return assemble(outer, res)
