@@ -209,10 +209,18 @@ def test_none_cotangent_is_refused_with_batched():
     x = torch.randn(3, dtype=D)
     vjp_fn = vjp(lambda x: (2 * x, (x ** 2).sum()), x)[1]
     with pytest.raises(tv.GradOutputsError, match=re.escape(
-        "torch_vjp.vjp: vjp_fn: cotangents[0] is None, but batched=True.\n") + r"(?s:.*)"
-            + re.escape("Fix: pass torch.ones_like(outputs[0]).expand(2, *outputs[0].shape)")):
+        "torch_vjp.vjp: vjp_fn: cotangents[0] is None, but batched=True.\n  With batched=True "
+        "every cotangents entry stacks K vectors dL/d output along a leading batch dimension; "
+        "None stands for dL/d output = 1 only for a real scalar output, and outputs[0] has "
+        "shape (3,). cotangents[0] must be a tensor of shape (2, 3). Fix: pass the 2 vectors, "
+        "one per product, stacked: a tensor of shape (2, 3) (torch.ones_like(outputs[0])"
+        ".expand(2, *outputs[0].shape) for the sum of outputs[0]'s elements in every "
+        "product).")):
         vjp_fn((None, torch.ones(2, dtype=D)), batched=True)
-    with pytest.raises(tv.GradOutputsError, match=r"cotangents\[1\] is None, but batched=True"):
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "cotangents[1] is None, but batched=True.\n") + r".*for None torch would create a "
+            r"single unbatched 1.* must be a tensor of shape \(2,\)\. Fix: pass "
+            r"torch\.ones_like\(outputs\[1\]\)\.expand\(2, \*outputs\[1\]\.shape\)"):
         vjp_fn((torch.ones(2, 3, dtype=D), None), batched=True)
 
 

@@ -322,14 +322,25 @@ def batched_none_message(
 ) -> str:
     o, g = labels.out(i), labels.go(i)
     k = _known_batch_size(gos, outputs)
-    shape = ", ".join(["K"] + [str(d) for d in out.shape])
-    expand = f"torch.ones_like({o}).expand({k if k is not None else 'K'}, *{o}.shape)"
+    dims = [str(k if k is not None else "K")] + [str(d) for d in out.shape]
+    shape = f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+    kk = k if k is not None else "K"
+    if out.numel() == 1 and out.dtype.is_floating_point:
+        why = ("for None torch would create a single unbatched 1, which has no batch "
+               "dimension to map over")
+        fix = (f"pass torch.ones_like({o}).expand({kk}, *{o}.shape) to use dL/d {o} = 1 in "
+               f"every product")
+    else:
+        why = (f"None stands for dL/d output = 1 only for a real scalar output, and {o} has "
+               f"shape {shape_str(out.shape)}")
+        fix = (f"pass the {kk} vectors, one per product, stacked: a tensor of shape {shape} "
+               f"(torch.ones_like({o}).expand({kk}, *{o}.shape) for the sum of {o}'s "
+               f"elements in every product)")
     return (
         f"{labels.call}: {g} is None, but {labels.batch_flag}=True.\n"
         f"  With {labels.batch_flag}=True every {labels.grad_outputs} entry stacks K vectors "
-        f"dL/d output along a leading batch dimension; for None torch would create a single "
-        f"unbatched 1, which has no batch dimension to map over. {g} must be a tensor of "
-        f"shape ({shape}). Fix: pass {expand} to use dL/d {o} = 1 in every product."
+        f"dL/d output along a leading batch dimension; {why}. {g} must be a tensor of "
+        f"shape {shape}. Fix: {fix}."
     )
 
 
