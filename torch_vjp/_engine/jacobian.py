@@ -237,15 +237,9 @@ def _blocks(
     return res
 
 
-def _blocks_of(
-    prob: Problem,
-    mode: str | None,
-    vectorized: bool,
-    fallback: bool,
-    opts: Opts,
-    functorch_loops: bool,
-    read: list[Shapes],
-) -> Blocks:
+def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool, opts: Opts,
+               functorch_loops: bool, read: list[Shapes]) -> Blocks:
+    """:func:`_blocks`' work; the output sizes it read (remembered or probed) go in ``read``."""
     shapes: Shapes | None = None
     check: Any = None  # NOTE [auto, checked once]: the key, if this call checks
     if mode != "rev":
