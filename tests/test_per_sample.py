@@ -746,6 +746,11 @@ def _err_cases():
          r"for one example; it must return one floating-point number"),
         ("loss-not-scalar-hooks", lambda: per_sample_grads(m, lambda o, t: o, x, t, strategy="hooks"),
          PerSampleValueError, r"loss_fn returned a tensor of shape \(1, 2\)"),
+        # (a Python number: the fix is not a reduction, it told to avoid reduction='none')
+        ("loss-a-python-number", lambda: per_sample_grads(m, lambda o, t: float(o.sum()), x, t,
+                                                          strategy="vmap"),
+         PerSampleValueError, r"loss_fn returned a float for one example(.|\n)*has no autograd "
+         r"graph back to the parameters: compute the loss with torch operations"),
         ("chunk-size", lambda: per_sample_grads(m, lf, x, t, chunk_size=0), PerSampleValueError,
          r"chunk_size=0, but it must be None or an int >= 1"),
         ("max-norm-value", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm=-1.0), PerSampleValueError,

@@ -107,11 +107,17 @@ def scalar_loss(fn: str, loss: Any) -> Tensor:
             if isinstance(loss, Tensor)
             else f"a {type(loss).__name__}"
         )
+        fix = (
+            "  The gradient of a loss is only defined for a scalar: use reduction='mean' or "
+            "'sum' rather than 'none'."
+            if isinstance(loss, Tensor) else
+            "  A number that is not a tensor has no autograd graph back to the parameters: "
+            "compute the loss with torch operations on the output and return that tensor "
+            "(not .item() or float(...))."
+        )
         raise PerSampleValueError(
             f"torch_vjp.{fn}: loss_fn returned {got} for one example; it must return one "
-            f"floating-point number per example (the loss of that example).\n  The gradient of "
-            f"a loss is only defined for a scalar: use reduction='mean' or 'sum' rather than "
-            f"'none'."
+            f"floating-point number per example (the loss of that example).\n{fix}"
         )
     return loss if loss.dim() == 0 else loss.reshape(())
 
