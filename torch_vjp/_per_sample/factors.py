@@ -101,20 +101,21 @@ def sq_norms_rows(v: Tensor) -> Tensor:
     return torch.linalg.vector_norm(rows, dim=1).square_()
 
 
-def ghost_unsure(sq: Tensor, a: Tensor, g: Tensor) -> Tensor:
-    """The examples (indices into ``sq``) whose ghost norm ``sq`` may have cancelled away:
-    ``sum_{t,t'} <a_t, a_t'><g_t, g_t'>`` is computed in the dtype of ``a: (n, T, p)``
-    and ``g: (n, T, q)``, with a rounding error of about ``eps * sqrt(p + q + T^2)`` times
-    ``(sum_t |a_t| |g_t|)^2``; where an example's gradient is far smaller than its terms
-    (tokens whose products nearly cancel) that error is its whole norm, and a float32 norm
-    came out 0: a clip factor of 1, past ``max_norm``. These get the direct ``||G_i||^2``,
-    whose error is of the order of ``eps`` itself (NOTE [ghost norms, checked])."""
-    n, T, p = a.shape
-    q = g.shape[2]
+def ghost_unsure(sq: Tensor, products: Tensor, width: int) -> Tensor:
+    """The examples (indices into ``sq``) whose ghost norm ``sq`` may have cancelled away.
+
+    ``products`` is ``(n, T, T)``, ``<a_t, a_t'><g_t, g_t'>``, whose sum is ``sq``; each
+    inner product over ``width = p + q`` elements rounds by about ``eps * sqrt(width)``
+    of its size, so the sum carries about ``eps * sqrt(width + 1)`` times ``sum_t |a_t|^2
+    |g_t|^2`` (its diagonal, the size of its terms taken as random). An example whose
+    gradient is far smaller than that (tokens whose products nearly cancel) can lose its
+    whole norm: a float32 norm came out 0, a clip factor of 1, past ``max_norm``. These
+    get the direct ``||G_i||^2``, whose error is of the order of ``eps`` itself (NOTE
+    [ghost norms, checked])."""
     unit = torch.finfo(sq.dtype).eps
-    rel = 1e3 * unit * math.sqrt(p + q + T * T)  # (1e-3 relative, at the estimated error)
-    bound = (torch.linalg.vector_norm(a, dim=2) * torch.linalg.vector_norm(g, dim=2)).sum(1)
-    return (sq <= rel * bound.square_()).nonzero().view(-1)
+    tol = 1e3 * unit * math.sqrt(width + 1)  # (a 1e-3 relative error, at the estimate)
+    diag = products.diagonal(dim1=1, dim2=2).sum(1)
+    return (sq <= tol * diag).nonzero().view(-1)
 
 
 def chunks(
@@ -350,8 +351,9 @@ class OuterFactor(Factor):
             for s, e in chunks(B, 2 * T * T, chunk_size, NORM_CHUNK_ELEMENTS):
                 aa = torch.bmm(a[s:e], a[s:e].mT)
                 gg = torch.bmm(g[s:e], g[s:e].mT)
-                out[s:e] = aa.mul_(gg).view(e - s, -1).sum(1)
-                unsure = ghost_unsure(out[s:e], a[s:e], g[s:e])
+                products = aa.mul_(gg)
+                out[s:e] = products.view(e - s, -1).sum(1)
+                unsure = ghost_unsure(out[s:e], products, p + q)
                 if unsure.numel():  # NOTE [ghost norms, checked]
                     idx = unsure + s
                     out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx]))

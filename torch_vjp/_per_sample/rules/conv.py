@@ -196,9 +196,10 @@ class ConvFactor(Factor):
                 for j in range(G):
                     aa = torch.bmm(U4[:, j].mT, U4[:, j])
                     gg = torch.bmm(g4[:, j].mT, g4[:, j])
-                    part = aa.mul_(gg).view(n, -1).sum(1)
+                    products = aa.mul_(gg)
+                    part = products.view(n, -1).sum(1)
                     # (NOTE [ghost norms, checked] in torch_vjp._per_sample.factors)
-                    unsure = ghost_unsure(part, U4[:, j].mT, g4[:, j].mT)
+                    unsure = ghost_unsure(part, products, cg * k + og)
                     if unsure.numel():
                         part[unsure] = sq_norms_rows(torch.bmm(
                             g4[unsure, j], U4[unsure, j].mT))
