@@ -1071,3 +1071,38 @@ def test_an_elementwise_loss_with_broadcast_targets_keeps_its_examples_apart(los
             torch.testing.assert_close(got[n], ref[n])
         torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy),
                                    ref_norms(ref))
+
+
+def test_norms_and_clipped_sums_under_bfloat16_autocast_are_taken_at_float32_precision():
+    # under autocast the recorded inputs and output gradients are bfloat16: the ghost norms
+    # of near-cancelling tokens were off by up to 24% (the cancellation check read float32's
+    # rounding off bfloat16 products), one example's clipped contribution reached 1.15x
+    # max_norm, and the direct norm that the check falls back to raised a dtype error
+    gen = torch.Generator().manual_seed(0)
+    B, T, d = 8, 24, 64
+    model = nn.Linear(d, d, bias=False)
+    sign = torch.tensor([1.0, -1.0]).repeat(T // 2)
+    W0 = torch.randn(B, d, generator=gen)
+
+    def loss(out, tgt):  # d loss / d out[i, t] = sign_t W0[i] + 0.1 noise
+        return (out.float() * (sign[None, :, None] * tgt[:, :1] + 0.1 * tgt[:, 1:])).sum()
+
+    tgt = torch.cat([W0[:, None], torch.randn(B, T, d, generator=gen)], 1)
+    x = torch.randn(B, 1, d, generator=gen) + 0.05 * torch.randn(B, T, d, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch_vjp.per_sample_grad_norms(model, loss, torch.randn(B, T, d, generator=gen), tgt)
+        norms = torch_vjp.per_sample_grad_norms(model, loss, x, tgt)
+    truth = []
+    for i in range(B):  # each example alone, under the same autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            one = loss(model(x[i:i + 1]), tgt[i:i + 1])
+        (g,) = torch.autograd.grad(one, model.weight)
+        truth.append(g.double().norm())
+    truth = torch.stack(truth)
+    torch.testing.assert_close(norms.double(), truth, rtol=5e-3, atol=0)
+    C = float(truth.min()) / 2
+    for i in range(B):  # each example's clipped contribution is max_norm, not past it
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch_vjp.accumulate_clipped_grads(model, loss, x[i:i + 1], tgt[i:i + 1], max_norm=C)
+        assert float(model.weight.grad.double().norm()) <= C * (1 + 5e-3)

@@ -55,6 +55,8 @@ __all__ = [
     "chunks",
     "sq_norms_rows",
     "ghost_unsure",
+    "widened",
+    "full_precision",
     "region_sq_norms",
     "region_weighted_sum",
     "write_region",
@@ -94,6 +96,26 @@ class KeepBudget:
         return like.new_empty((batch, *shape))
 
 
+_F32_EPS = torch.finfo(torch.float32).eps
+
+
+def widened(t: Any) -> Any:
+    """``t`` in float32 where it is a floating tensor of lower precision (bfloat16, float16),
+    else ``t``. NOTE [norms at float32's precision]: under autocast the recorded inputs and
+    output gradients are bfloat16 or float16, whose rounding of a norm (0.4% in bfloat16)
+    lets a clipped contribution pass ``max_norm``, and blinds the ghost-norm check; the
+    norms and the clipped sums are taken from them widened, with autocast off
+    (:func:`full_precision`)."""
+    if isinstance(t, Tensor) and t.is_floating_point() and torch.finfo(t.dtype).eps > _F32_EPS:
+        return t.float()
+    return t
+
+
+def full_precision(device: torch.device) -> Any:
+    """Autocast off on ``device`` (NOTE [norms at float32's precision])."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def sq_norms_rows(v: Tensor) -> Tensor:
     """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``."""
     rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)
@@ -112,7 +134,7 @@ def ghost_unsure(sq: Tensor, products: Tensor, width: int) -> Tensor:
     whole norm: a float32 norm came out 0, a clip factor of 1, past ``max_norm``. These
     get the direct ``||G_i||^2``, whose error is of the order of ``eps`` itself (NOTE
     [ghost norms, checked])."""
-    unit = torch.finfo(sq.dtype).eps
+    unit = max(torch.finfo(sq.dtype).eps, torch.finfo(products.dtype).eps)
     tol = 1e3 * unit * math.sqrt(width + 1)  # (a 1e-3 relative error, at the estimate)
     diag = products.diagonal(dim1=1, dim2=2).sum(1)
     return (sq <= tol * diag).nonzero().view(-1)
@@ -354,9 +376,12 @@ class OuterFactor(Factor):
                 products = aa.mul_(gg)
                 out[s:e] = products.view(e - s, -1).sum(1)
                 unsure = ghost_unsure(out[s:e], products, p + q)
-                if unsure.numel():  # NOTE [ghost norms, checked]
-                    idx = unsure + s
-                    out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx]))
+                # NOTE [ghost norms, checked]: the unsure examples' own gradients, a few at
+                # a time within the norms' budget
+                step = max(1, NORM_CHUNK_ELEMENTS // max(1, p * q))
+                for k in range(0, unsure.numel(), step):
+                    idx = unsure[k:k + step] + s
+                    out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx])).to(out.dtype)
         else:
             kept = keep.buffer(B, (q, p), a) if keep is not None else None
             buf = None

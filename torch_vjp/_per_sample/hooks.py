@@ -7,6 +7,8 @@ factors (NOTE [Factors]) for the parameters the plan computes by rules.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from torch_vjp._engine.context import grad_enabled
 from torch_vjp._per_sample.args import Job
-from torch_vjp._per_sample.factors import Factor
+from torch_vjp._per_sample.factors import Factor, full_precision, widened
 from torch_vjp._per_sample.losses import scaled_loss_sum
 from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
 from torch_vjp._per_sample.recorder import Recorder, layers_of
@@ -114,14 +116,19 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         else:
             grads = [None] * len(edges)
     del total, out
-    with grad_enabled(False):
+    # (norms and clipped sums at float32's precision at least: NOTE [norms at float32's
+    # precision] in torch_vjp._per_sample.factors)
+    norms = job.fn != "per_sample_grads"
+    wide = widened if norms else (lambda t: t)
+    device = next(iter(sel.tensors.values())).device
+    with grad_enabled(False), (full_precision(device) if norms else contextlib.nullcontext()):
         for (c, cp), row in zip(needed, slots):
             gs = []
             for j, slot in enumerate(row):
                 g = None if slot is None else grads[slot]
                 if g is not None and tuple(g.shape) != tuple(c.outputs[j].shape):
                     g = g.reshape(c.outputs[j].shape)
-                gs.append(g)
+                gs.append(wide(g))
             roles = cp.roles if not result.moved else None
             if roles is None:
                 roles = {r for r, (t, _) in c.params.items() if tracked.get(id(t)) in covered}
@@ -129,7 +136,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                     cp.roles = roles
             if not roles:
                 continue
-            args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
+            args = tuple(wide(a.detach()) if isinstance(a, Tensor) else a for a in c.args)
             c.args = args
             for role, factor in c.rule.factors(c, gs, roles, batch):
                 name = tracked[id(c.params[role][0])]

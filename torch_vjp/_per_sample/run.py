@@ -40,6 +40,7 @@ from torch_vjp._per_sample.factors import (
     CHUNK_ELEMENTS,
     KEEP_ELEMENTS,
     KeepBudget,
+    full_precision,
     region_sq_norms,
     region_weighted_sum,
     sq_norms_rows,
@@ -356,7 +357,8 @@ def norms_and_sums(
     # (the clipped step keeps per-sample gradients formed for a norm, within a budget, for
     # its sum: see KEEP_ELEMENTS)
     keep = KeepBudget(KEEP_ELEMENTS) if max_norm is not None else None
-    with grad_enabled(False):
+    # (the rules' norms and sums with autocast off: NOTE [norms at float32's precision])
+    with grad_enabled(False), full_precision(like.device):
         for n in plan.rule_params:
             if n in res.moved:
                 continue
@@ -417,7 +419,7 @@ def norms_and_sums(
     norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
     if sums is not None:
         c = clip_factors(sq, max_norm)  # type: ignore[arg-type]
-        with grad_enabled(False):
+        with grad_enabled(False), full_precision(like.device):
             for n in plan.rule_params:
                 fs = res.factors.get(n)
                 if n in res.moved or not fs:

@@ -202,7 +202,7 @@ class ConvFactor(Factor):
                     unsure = ghost_unsure(part, products, cg * k + og)
                     if unsure.numel():
                         part[unsure] = sq_norms_rows(torch.bmm(
-                            g4[unsure, j], U4[unsure, j].mT))
+                            g4[unsure, j], U4[unsure, j].mT)).to(part.dtype)
                     out[s:e] += part
             return out
         # Direct: the per-sample gradients (and, for short patches, the unfolded input),
