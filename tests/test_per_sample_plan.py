@@ -1428,3 +1428,42 @@ def test_a_hook_swapped_for_one_of_the_same_code_makes_a_new_plan(swap):
         tv.per_sample_grads(m, loss, x, t)
     assert_matches(tv.per_sample_grads(m, loss, x, t, strategy="loop"),
                    loop_reference(m, loss, x, t))
+
+
+class _FlagHook:
+    def __init__(self, mix):
+        self.mix = mix
+        self.seen = []
+
+    def __call__(self, mod, inp, out):
+        return out - out.mean(0, keepdim=True) if self.mix else 2 * out
+
+    def record(self, mod, inp, out):
+        self.seen.append(out.detach())
+
+
+def test_hook_objects_count_by_their_flags_not_their_identity():
+    # a callable hook object counted by its type alone: Hook(mix=True) took Hook(mix=False)'s
+    # plan (silently wrong); a bound method counted by its object's identity: a tracker made
+    # afresh each step made a new plan (several model runs) every step
+    x, t = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    loss = nn.CrossEntropyLoss()
+    handle = m[0].register_forward_hook(_FlagHook(False))
+    assert_matches(tv.per_sample_grads(m, loss, x, t), loop_reference(m, loss, x, t))
+    handle.remove()
+    handle = m[0].register_forward_hook(_FlagHook(True))
+    with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
+        tv.per_sample_grads(m, loss, x, t)
+    handle.remove()
+    plans = plan_module._PLANS[m]
+    for step in range(3):
+        tracker = _FlagHook(False)
+        handle = m[0].register_forward_hook(tracker.record)
+        tv.per_sample_grads(m, loss, x, t)
+        handle.remove()
+        if step == 0:  # (a new hook: planned and checked against the loop)
+            count = len(plans)
+        else:
+            assert len(tracker.seen) == 1  # one model run: the plan was kept
+    assert len(plans) == count

@@ -564,6 +564,11 @@ def test_a_route_key_reads_the_callables_a_list_or_dict_holds():
     looped = []
     looped.append(looped)  # (a list that holds itself: the key is finite)
     assert route_key(make(looped)) is not None
+    # immutable values that cannot be weakly referenced are held as values, not as new
+    # objects on every call (a closure over a dtype was checked again on every call)
+    for value in (torch.float32, torch.device("cpu"), torch.Size([2, 3]), slice(1, 2)):
+        f = make(value)
+        assert route_key(f) == route_key(f) == route_key(make(value))
 
 
 @pytest.mark.parametrize("holder", ["slots"])

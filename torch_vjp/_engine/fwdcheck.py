@@ -167,6 +167,10 @@ def route_key(f: object, depth: int = 3) -> Hashable:
     return ("object", identity(f), type(f))
 
 
+#: Immutable values a key holds as they are (none can be weakly referenced).
+_VALUES = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, slice,
+           range, complex, float, int, bytes, str, frozenset, type(None), type(Ellipsis))
+
 #: Items of a list, tuple or dict a key reads, at most (a larger one: by identity).
 _CONTENTS = 1024
 
@@ -180,13 +184,16 @@ def _held(v: object, depth: int) -> Hashable:
     if callable(v) and depth > 1 and isinstance(v, (types.FunctionType, types.MethodType,
                                                      functools.partial)):
         return route_key(v, depth - 1)
-    if depth > 1 and type(v) is tuple and len(v) <= _CONTENTS:  # type: ignore[arg-type]
-        return (tuple, tuple(_held(item, depth - 1) for item in v))  # type: ignore[attr-defined]
-    if depth > 1 and type(v) in (list, dict) and len(v) <= _CONTENTS:  # type: ignore[arg-type]
+    if isinstance(v, _VALUES):  # (immutable values: by value)
+        return ("value", type(v), v)
+    if depth > 1 and isinstance(v, tuple) and len(v) <= _CONTENTS:
+        # (a tuple, a namedtuple, a torch.Size: by what it holds)
+        return (type(v), tuple(_held(item, depth - 1) for item in v))
+    if depth > 1 and isinstance(v, (list, dict)) and len(v) <= _CONTENTS:
         # (a list or dict changes in place, a log or a counter on every call: by its id,
         # which a new one takes over once it dies, and by the callables it holds, which
         # say what it runs)
-        items = v.values() if type(v) is dict else v  # type: ignore[attr-defined]
+        items = v.values() if isinstance(v, dict) else v
         return (id(v), type(v), tuple(_held(item, depth - 1) for item in items
                                       if callable(item) and not isinstance(item, Tensor)))
     return (identity(v), type(v))

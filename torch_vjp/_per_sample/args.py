@@ -359,11 +359,29 @@ def _hooks_key(hooks: dict[int, Any]) -> tuple[Any, ...]:
     global hooks, a ModuleTracker, are too). A function, a bound method or a
     ``functools.partial`` counts by its code and what it holds (``route_key``: a
     ``partial(scale, k=2.0)`` swapped for a ``partial(center)`` that mixes examples, or a
-    hook factory's closure over another flag, is another hook); another callable object by
-    its type."""
-    return tuple(route_key(h) if isinstance(h, (types.FunctionType, types.MethodType,
-                                                 functools.partial)) else type(h)
-                 for h in hooks.values())
+    hook factory's closure over another flag, is another hook); see :func:`_hook_key`."""
+    return tuple(_hook_key(h) for h in hooks.values())
+
+
+def _hook_key(h: Any) -> Any:
+    """One hook's part of :func:`_hooks_key`: a function or ``functools.partial`` by
+    ``route_key``; a bound method by its function, its object's type and the object's
+    bool/str/None attributes; another callable object by its type and those attributes (a
+    hook object made afresh each step keeps the plan; one whose ``mix`` flag turned on
+    makes another)."""
+    if isinstance(h, (types.FunctionType, functools.partial)):
+        return route_key(h)
+    if isinstance(h, types.MethodType):
+        return ("method", route_key(h.__func__), type(h.__self__), _object_flags(h.__self__))
+    return (type(h), _object_flags(h))
+
+
+def _object_flags(obj: object) -> tuple[Any, ...]:
+    try:
+        items = vars(obj).items()
+    except TypeError:  # (no __dict__)
+        return ()
+    return tuple((k, f) for k, v in items if (f := flag_of(v, numbers=False)) is not NotImplemented)
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
