@@ -261,6 +261,32 @@ def test_a_tangent_shaped_like_the_output_is_named_so():
         jvp(lambda t: torch.outer(t, t), (torch.ones(4, dtype=D),), (torch.ones(4, 4, dtype=D),))
 
 
+def test_the_output_shape_hint_leaves_the_callers_tensors_alone():
+    # the hint ran f on the caller's own tensors: a forward that writes into its input
+    # doubled it on the error path; the error also lost its explanation attribute
+    def doubles(x):
+        x.mul_(2)
+        return x[:2].clone()
+
+    x = torch.ones(3, dtype=D)
+    with pytest.raises(tv.GradOutputsError) as info:
+        jvp(doubles, (x,), (torch.ones(2, dtype=D),))
+    assert torch.equal(x, torch.ones(3, dtype=D))
+    assert "has the shape of f's output, (2,)" in info.value.explanation
+
+
+def test_batched_jvp_of_a_random_function_names_the_fix_for_randomness():
+    # every refusal got the fix for a Function without setup_context
+    drop = torch.nn.Dropout(0.5).train()
+    x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(tv.JacobianCallError, match=(
+            r"^torch_vjp\.jvp: f draws random numbers .*\n  torch\.func said: .*\n  Fix: put "
+            r"the module in eval mode \(model\.eval\(\)\) if the draws are dropout's; or take "
+            r"the directions one at a time \(chunk_size=1")) as info:
+        jvp(lambda v: drop(v) * 2, (x,), (torch.randn(3, 3, 4, dtype=D),), batched=True)
+    assert "setup_context" not in str(info.value)
+
+
 def test_wrong_batched_tangent_shape():
     x = torch.randn(4, dtype=D)
     with pytest.raises(tv.GradOutputsError, match=re.escape(

@@ -32,8 +32,8 @@ from torch_vjp._checks import (
     normalize_grad_outputs,
 )
 from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
-from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp, is_nested,
-                                       modules_reached)
+from torch_vjp._engine.context import (buffers_kept, captured_values, func_jvp, func_vjp,
+                                       is_nested, modules_reached)
 from torch_vjp._engine.forms import plain_jvp, plain_vjp
 from torch_vjp._engine.jacobian import mutates_captured, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
@@ -56,13 +56,21 @@ def _explained(call: str, what: str) -> Iterator[None]:
             why = vmap_refusal(err)
             if why is None:
                 raise
+            plain = (f"differentiate with plain autograd: out = f(x) with "
+                     f"x.requires_grad_(), then torch_vjp.grad(out, x, v) for a vjp, or "
+                     f"torch.autograd.functional.{what}(f, x, v)")
+            if "setup_context" in str(err):
+                fix = (f"give the Function a setup_context staticmethod (forward without ctx; "
+                       f"see torch's 'Extending torch.func with autograd.Function'); or "
+                       f"{plain}")
+            elif "randomness" in str(err):
+                fix = ("put the module in eval mode (model.eval()) if the draws are dropout's; "
+                       "or take the directions one at a time (chunk_size=1: plain calls of "
+                       "f, with the same draws for every direction)")
+            else:
+                fix = plain
             raise JacobianCallError(
-                f"{call}: {why}.\n  torch.func said: {quote_error(err)}\n"
-                f"  Fix: give the Function a setup_context staticmethod (forward without ctx; "
-                f"see torch's 'Extending torch.func with autograd.Function'); or "
-                f"differentiate with plain autograd: out = f(x) with x.requires_grad_(), then "
-                f"torch_vjp.grad(out, x, v) for a vjp, or "
-                f"torch.autograd.functional.{what}(f, x, v)."
+                f"{call}: {why}.\n  torch.func said: {quote_error(err)}\n  Fix: {fix}."
             ) from None
         raise JacobianCallError(
             f"{call}: f changes a tensor it captured in place (a module in training mode "
@@ -96,8 +104,10 @@ def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bo
     once, without a graph, on this error path only; an error of f's leaves the message as
     it was."""
     try:
-        with torch.no_grad():
-            res = prob.g(*prob.leaves)
+        # (on copies, with the random state and the modules' buffers put back: the caller's
+        # tensors, generators and running statistics are as the refused call found them)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), buffers_kept(prob.f):
+            res = prob.g(*[x.detach().clone() for x in prob.leaves])
         outs = tree_leaves(res[0] if prob.has_aux else res)
     except Exception:  # noqa: BLE001 - only a hint: f's own failure shows elsewhere
         return None
@@ -472,7 +482,11 @@ def jvp(
         whole = " torch_vjp.jacobian(f, *primals) gives the whole Jacobian."
         if "torch_vjp.jacobian(f, *primals)" in str(err):
             hint = hint.removesuffix(whole)
-        raise type(err)(f"{err}\n  {hint}") from None
+        # (the same error, its message longer: its attributes stay)
+        err.args = (f"{err}\n  {hint}",) + err.args[1:]
+        if isinstance(getattr(err, "explanation", None), str):
+            err.explanation = f"{err.explanation}\n  {hint}"
+        raise
     vectors = _flat_vectors(normalized, prob.leaves, batched)
     leaves = tuple(prob.leaves)
     if not batched:
