@@ -551,6 +551,12 @@ def test_a_pattern_shaped_by_the_input_values_is_detected_at_every_point(name):
         r"pattern= a pattern that covers every case", str(told[0].message))
 
 
+def _zero_the_negatives(x):
+    y = torch.tanh(x).clone()
+    y[x < 0] = 0
+    return y
+
+
 def test_a_pattern_is_still_kept_where_values_only_scale(monkeypatch):
     # a mask that multiplies (x * (x > 0)) or a mask that is a constant does not move the
     # pattern: kept, detected once
@@ -566,7 +572,10 @@ def test_a_pattern_is_still_kept_where_values_only_scale(monkeypatch):
                   lambda x: torch.cat([x.sin(), (x > 0).to(x.dtype)]),
                   lambda x: x + (x > 0).to(x.dtype).clone(),
                   lambda x: torch.softmax(x.view(4, 4) - x.view(4, 4).max(-1, keepdim=True)
-                                          .values, -1).reshape(-1)):
+                                          .values, -1).reshape(-1),
+                  _zero_the_negatives,  # (y[x < 0] = 0: united, as masked_fill)
+                  lambda x: x.masked_select(mask) * 2,  # (a constant mask: a fixed shape)
+                  lambda x: x.gather(0, torch.zeros_like(x, dtype=torch.long)) + x):
             detections.calls = 0
             for seed in range(3):
                 x = torch.randn(16, generator=torch.Generator().manual_seed(seed), dtype=D)

@@ -219,11 +219,15 @@ MOVES = frozenset({
 #: tracked data by it, the pattern holds at this x only. ``where`` and ``masked_fill`` by
 #: such a condition take the union of their branches instead (:func:`where`).
 PLACING_ARGS = ("condition", "mask", "index", "indices")
-#: Ops whose outputs' shapes are read off the values (flagged where those come from x: a
-#: shape Python then reads, ``len(x.nonzero())``, is invisible to the tracer).
-DATA_SHAPED = frozenset({"nonzero", "nonzero_static", "argwhere", "masked_select",
-                         "_unique", "_unique2", "unique_dim", "unique_consecutive",
-                         "unique_dim_consecutive", "bincount", "repeat_interleave"})
+#: Ops whose rules unite the branches where a placing argument comes from x.
+UNITED_BY_VALUE = frozenset({"where", "masked_fill", "index_put", "_unsafe_index_put",
+                             "index_put_impl", "_index_put_impl"})
+#: Ops whose outputs' shapes are read off the values of an argument (flagged where it comes
+#: from x: a shape Python then reads, ``len(x.nonzero())``, is invisible to the tracer), by
+#: the argument that sets the shape (``self`` or ``input`` where not named).
+DATA_SHAPED = {"nonzero": (), "nonzero_static": (), "argwhere": (), "masked_select": ("mask",),
+               "_unique": (), "_unique2": (), "unique_dim": (), "unique_consecutive": (),
+               "unique_dim_consecutive": (), "bincount": (), "repeat_interleave": ("repeats",)}
 #: Ops that hand a tensor's value to Python (``.item()``, ``bool(t)``: a branch on it).
 SCALAR_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "item"})
 
@@ -412,10 +416,19 @@ def _accumulate(
 
 @register("index_put", "_unsafe_index_put", "index_put_impl", "_index_put_impl")
 def index_put(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """``self[indices] = values`` overwrites (a move); with ``accumulate=True`` it adds."""
+    """``self[indices] = values`` overwrites (a move); with ``accumulate=True`` it adds. By
+    indices or a mask computed from x (``y[x < 0] = 0``), the values may land anywhere:
+    every element unites its own set with all of the values' (a superset that holds at
+    every x, as :func:`where`'s)."""
+    x = call.bound["self"]
+    if any(isinstance(i, Tensor) and tr.from_values(i) for i in call.bound["indices"]):
+        vals = call.bound.get("values")
+        v = tr.ids(vals) if isinstance(vals, Tensor) else None
+        sid = tr.table.union_all(v.reshape(-1)) if v is not None and v.numel() else 0
+        spread = torch.full(x.shape, sid, dtype=_LONG) if sid else None
+        return _for_outputs(call, combine(tr, x.shape, [tr.ids(x), spread]))
     if not call.bound.get("accumulate"):
         return move(tr, call)
-    x = call.bound["self"]
     indices = [None if i is None else i.cpu() for i in call.bound["indices"]]
     pos = aten.index.Tensor(_positions(x), indices)
     return _accumulate(tr, call, x, pos, call.bound["values"])
@@ -452,6 +465,7 @@ def put(tr: Tracer, call: Call) -> list[Tensor | None]:
 
 # ---- creation, conversion, random masks --------------------------------------------------
 
+#: Ops that make new tensors: their values owe nothing to x's (zeros_like(x) has x's shape).
 _FACTORIES = (
     "empty", "zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "rand",
     "randn", "randint", "randperm", "scalar_tensor", "empty_strided", "tensor", "bernoulli",
@@ -460,6 +474,9 @@ _FACTORIES = (
     "new_full", "new_empty_strided", "normal_", "uniform", "exponential", "geometric",
     "cauchy", "log_normal", "random",
 )
+
+
+FACTORIES = frozenset(_FACTORIES)
 
 
 @register(*_FACTORIES)

@@ -276,16 +276,22 @@ class Tracer(TorchDispatchMode):
         if not read_values and not tracked_in:
             return  # constants in, constants out
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        # (an in-place op by its functional name: index_put_ as index_put)
+        name = func._schema.name.removeprefix("aten::").removesuffix("_")
         # NOTE [a pattern shaped by values]
+        made = name in rules.FACTORIES  # (zeros_like(x): not from values)
         for t in outs:
-            if not carries_sets(t) and (key := _storage_key(t)) is not None:
+            if not made and not carries_sets(t) and (key := _storage_key(t)) is not None:
                 self._from_values[key] = t
-        name = func._schema.name.removeprefix("aten::")
         if name in rules.SCALAR_READS:
             self.shaped_by_value(f"aten.{name} (a number read from x, for Python to use)")
         elif name in rules.DATA_SHAPED:
-            self.shaped_by_value(f"aten.{name} (a shape read off values computed from x)")
-        elif read_values and tracked_in and name not in ("where", "masked_fill"):
+            bound = rules.bind(func, args, kwargs)
+            shaping = [bound.get(a) for a in rules.DATA_SHAPED[name] or ("self", "input")]
+            if any(isinstance(t, Tensor) and (self.tracked(t) or self.from_values(t))
+                   for t in shaping):
+                self.shaped_by_value(f"aten.{name} (a shape read off values computed from x)")
+        elif read_values and tracked_in and name not in rules.UNITED_BY_VALUE:
             bound = rules.bind(func, args, kwargs)
             placing = [v for a in rules.PLACING_ARGS if (v := bound.get(a)) is not None]
             if any(self.from_values(t) for t in tree_leaves(placing)
@@ -319,7 +325,7 @@ class Tracer(TorchDispatchMode):
             if carries_sets(t) and _storage_key(t) not in aliased:
                 self.write(t, ids)
         for t in outs:  # (a float computed from x's values that carries no set: a 0/1 mask)
-            if not self.tracked(t) and (key := _storage_key(t)) is not None:
+            if not made and not self.tracked(t) and (key := _storage_key(t)) is not None:
                 self._from_values[key] = t
 
 
