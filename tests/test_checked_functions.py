@@ -223,8 +223,8 @@ MISTAKES = {
     "tensor-for-non-tensor-input-beside-a-constant-tensor": (
         _function("Scale", lambda ctx, g: (g * 2, None, torch.ones(()))),
         lambda: (_leaf(4), torch.ones(4, dtype=torch.float64), 2.0), "raises",
-        r"^torch_vjp\.checked: Scale\.backward returned a tensor at index 2, but forward input "
-        r"2 is not a tensor\.(.|\n)*Fix: return None at index 2"),
+        r"^torch_vjp\.checked: Scale\.backward returned a value other than None at index 2, but "
+        r"forward input 2 is not a tensor\.(.|\n)*Fix: return None at index 2"),
     "shape-incompatible": (
         _function("Scale", lambda ctx, g: (g * 2).mT), lambda: (_leaf(4, 3),), "raises",
         r"^torch_vjp\.checked: Scale\.backward returned a gradient of shape \(3, 4\) at index "

@@ -281,7 +281,8 @@ def _engine_errors_explained() -> Any:
         message = non_tensor_input_message(
             _CHECKED, m.group(1), i, Slot("other", False, type_name="non-tensor"),
             torch_line=False,
-        )
+        ).replace(f"returned a tensor at index {i}",  # (torch's sentence does not say which)
+                  f"returned a value other than None at index {i}", 1)
         raise torch_first(FunctionCheckError, message, str(err)) from None
 
 
