@@ -1467,3 +1467,25 @@ def test_hook_objects_count_by_their_flags_not_their_identity():
         else:
             assert len(tracker.seen) == 1  # one model run: the plan was kept
     assert len(plans) == count
+
+
+class _Mixer:
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def hook(self, mod, inp, out):
+        return out + self.alpha * out.mean(0, keepdim=True)
+
+
+def test_a_hook_objects_number_counts_by_its_truth():
+    # a fresh hook object whose mixing weight went from 0.0 to 0.5 took the plan made when it
+    # mixed nothing (off by 0.80 from the loop, silently)
+    x, y = torch.randn(4, 5, dtype=DT), torch.randn(4, 1, dtype=DT)
+    m = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    loss = nn.MSELoss(reduction="sum")
+    handle = m[0].register_forward_hook(_Mixer(0.0).hook)
+    assert_matches(tv.per_sample_grads(m, loss, x, y), loop_reference(m, loss, x, y))
+    handle.remove()
+    m[0].register_forward_hook(_Mixer(0.5).hook)
+    with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
+        tv.per_sample_grads(m, loss, x, y)

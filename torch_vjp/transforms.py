@@ -106,7 +106,8 @@ def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bo
     try:
         # (on copies, with the random state and the modules' buffers put back: the caller's
         # tensors, generators and running statistics are as the refused call found them)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), buffers_kept(prob.f):
+        cuda = sorted({x.device.index or 0 for x in prob.leaves if x.device.type == "cuda"})
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), buffers_kept(prob.f):
             res = prob.g(*[x.detach().clone() for x in prob.leaves])
         outs = tree_leaves(res[0] if prob.has_aux else res)
     except Exception:  # noqa: BLE001 - only a hint: f's own failure shows elsewhere

@@ -182,6 +182,11 @@ def computed_jacobian(
 
 
 
+#: Backward nodes of ops that can change a dtype: casts, and copies into a buffer of
+#: another dtype (``buf.copy_(x)``, ``buf[:] = x``).
+_CASTS = frozenset({"ToCopyBackward0", "CopyBackwards", "CopySlices"})
+
+
 def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
                ) -> tuple[Hashable, torch.dtype]:
     """What a remembered route is for (NOTE [jacobian_of, checked once]): the graph's node
@@ -200,7 +205,7 @@ def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
         seen.add(id(node))
         kind = type(node)
         nodes.append(kind)
-        if kind.__name__ == "ToCopyBackward0":  # (a cast: the one place a dtype changes)
+        if kind.__name__ in _CASTS:  # (where a dtype can change)
             try:
                 for m in node._input_metadata:
                     if m.dtype.is_floating_point and torch.finfo(m.dtype).eps > torch.finfo(

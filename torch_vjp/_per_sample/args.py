@@ -366,7 +366,8 @@ def _hooks_key(hooks: dict[int, Any]) -> tuple[Any, ...]:
 def _hook_key(h: Any) -> Any:
     """One hook's part of :func:`_hooks_key`: a function or ``functools.partial`` by
     ``route_key``; a bound method by its function, its object's type and the object's
-    bool/str/None attributes; another callable object by its type and those attributes (a
+    bool/str/None attributes and the truth of its numbers; another callable object by its
+    type and those attributes (a
     hook object made afresh each step keeps the plan; one whose ``mix`` flag turned on
     makes another)."""
     if isinstance(h, (types.FunctionType, functools.partial)):
@@ -381,7 +382,9 @@ def _object_flags(obj: object) -> tuple[Any, ...]:
         items = vars(obj).items()
     except TypeError:  # (no __dict__)
         return ()
-    return tuple((k, f) for k, v in items if (f := flag_of(v, numbers=False)) is not NotImplemented)
+    # (numbers by their truth, as route_key reads a closure's: a mixing weight of 0.0 made
+    # 0.5 is another hook)
+    return tuple((k, f) for k, v in items if (f := flag_of(v)) is not NotImplemented)
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:

@@ -44,6 +44,7 @@ from torch_vjp._per_sample.factors import (
     region_sq_norms,
     region_weighted_sum,
     sq_norms_rows,
+    widened,
     write_region,
 )
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
@@ -393,9 +394,13 @@ def norms_and_sums(
 
     def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
         c = clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
-        for n, gn in g.items():
-            w = torch.tensordot(c.to(gn.dtype), gn, dims=1)
-            sums[n] = w if n not in sums else sums[n] + w  # type: ignore[index]
+        # (with autocast off, at float32's precision at least: NOTE [norms at float32's
+        # precision] in torch_vjp._per_sample.factors)
+        with full_precision(like.device):
+            for n, gn in g.items():
+                gn = widened(gn)
+                w = torch.tensordot(c.to(gn.dtype), gn, dims=1)
+                sums[n] = w if n not in sums else sums[n] + w  # type: ignore[index]
 
     # The clip factor of an example needs its full norm: with one fallback group it is
     # known chunk by chunk (the rules' part is known already); with two, the second group's

@@ -476,7 +476,14 @@ _FACTORIES = (
 )
 
 
-FACTORIES = frozenset(_FACTORIES)
+#: Factories whose tensor arguments give only a shape, dtype or device (``zeros_like(x)``):
+#: their values owe nothing to x's. (``multinomial(p)``, ``poisson(rates)``,
+#: ``bernoulli(p)`` and ``linspace`` with tensor ends read values.)
+SHAPE_ONLY = frozenset({
+    "empty", "zeros", "ones", "full", "arange", "eye", "scalar_tensor", "empty_strided",
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
+})
 
 
 @register(*_FACTORIES)

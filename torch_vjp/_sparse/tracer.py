@@ -279,7 +279,7 @@ class Tracer(TorchDispatchMode):
         # (an in-place op by its functional name: index_put_ as index_put)
         name = func._schema.name.removeprefix("aten::").removesuffix("_")
         # NOTE [a pattern shaped by values]
-        made = name in rules.FACTORIES  # (zeros_like(x): not from values)
+        made = name in rules.SHAPE_ONLY  # (zeros_like(x): not from values)
         for t in outs:
             if not made and not carries_sets(t) and (key := _storage_key(t)) is not None:
                 self._from_values[key] = t
