@@ -545,6 +545,28 @@ def test_a_function_that_changes_its_arguments_in_place_leaves_the_callers_as_th
             torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("written", ["captured", "primal"])
+def test_a_compiled_vjp_fn_keeps_the_point_of_its_vjp_when_a_tensor_is_written(written):
+    # the compiled program reran f with the values written in place since the vjp call
+    # (S.add_(5): 12 where the eager vjp_fn and torch.func.vjp give 2), silently
+    S = torch.tensor([1.0, 1.0], dtype=D)
+    x, v = torch.tensor([0.0, 1.0, 2.0], dtype=D), torch.ones(3, dtype=D)
+    f = (lambda t: t * S.sum()) if written == "captured" else torch.exp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(2):  # (the second vjp finds the compiled entry the first made)
+            _, compiled = tv.vjp(f, x, compile=True)
+            compiled(v)
+        _, eager = tv.vjp(f, x)
+        want = eager(v)[0].clone()
+        if written == "captured":
+            S.add_(5.0)
+        else:
+            x.add_(1.0)
+        torch.testing.assert_close(compiled(v)[0].detach(), want)
+        torch.testing.assert_close(eager(v)[0], want)
+
+
 W_GLOBAL = torch.randn(2, 3, dtype=D)
 
 

@@ -316,16 +316,21 @@ def _traced_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) 
 def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
     """``vjp(compile=True)``: the eager output, and a ``vjp_fn`` whose plain calls run
     a compiled program of forward and pullback (NOTE [compiled Jacobians])."""
+    state = _read_state(f)
+    inputs = tuple(t for t in tree_leaves(primals) if isinstance(t, Tensor))
+    versions = _versions(state + inputs)  # (before f runs: f may write into them itself)
     res = vjp(f, *primals, has_aux=has_aux)
     eager_fn = res[1]
-    state = _read_state(f)
+    versions = _versions(state + inputs) if versions == _versions(state + inputs) else None
 
     def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
         opts = _pullback_options(args, dict(options))
         if args or opts["retain_graph"] is not True or opts["create_graph"] is not None:
             return eager_fn(cotangents, *args, **options)
         now = _read_state(f)
-        if len(now) != len(state) or any(a is not b for a, b in zip(now, state)):
+        if (versions is None or len(now) != len(state)
+                or any(a is not b for a, b in zip(now, state))
+                or _versions(now + inputs) != versions):
             return eager_fn(cotangents, **options)  # (NOTE [a compiled vjp_fn's point])
         batched, chunk_size = opts["batched"], opts["chunk_size"]
         chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
@@ -348,10 +353,18 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 # graph of the vjp point. Where f reads something that has been rebound since (a captured
 # tensor, ``W = W_next``; a module's parameter replaced, ``lin.weight = Parameter(...)``),
 # the compiled program would differentiate another function, so vjp_fn uses the graph of
-# the vjp point instead. What is compared, by identity: the contents of f's closure cells
-# and the globals it names (of a plain function, or of a bound method's function), and the
-# parameters and buffers of the modules f reaches. What a function f calls reads in turn is
-# not seen; values changed in place are the same objects (eager autograd sees those too).
+# the vjp point instead; the same where one of them, or a primal, was written in place since
+# (``S.add_(5)``: the graph saved the old values, the program would read the new). What is
+# compared, by identity and version counter: the contents of f's closure cells and the
+# globals it names (of a plain function, or of a bound method's function), the parameters
+# and buffers of the modules f reaches, and the primals. A function f that writes into them
+# itself always uses the graph. What a function f calls reads in turn is not seen.
+
+
+def _versions(values: tuple[object, ...]) -> tuple[int | None, ...]:
+    """The version counters of the tensors among ``values`` (in-place writes move them)."""
+    return tuple(v._version if isinstance(v, Tensor) and not v.is_inference() else None
+                 for v in values)
 
 
 def _read_state(f: object) -> tuple[object, ...]:
