@@ -215,6 +215,21 @@ def test_auto_hessian_prefers_reverse_over_reverse_where_forward_is_wrong():
         torch.func.hessian(_triangular, argnums=1)(b, A)
 
 
+def test_auto_hessian_of_a_zero_hessian_gives_no_warning():
+    # the true Hessian is zero: forward over reverse returns rounding (1e-14) whose scale is
+    # its own, so the symmetry check read it as asymmetric, and "auto" warned that an
+    # operator has a wrong forward-mode derivative, and returned reverse over reverse
+    w = torch.arange(1.0, 5.0, dtype=D).view(1, 4, 1)
+
+    def f(x):
+        return F.group_norm(x.view(1, 4, 1) * w, 2).pow(3).sum()
+
+    x = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=D)
+    with no_jacobian_warnings():
+        H = tv.hessian(f, x)
+    torch.testing.assert_close(H, fd_hessian(f, x), atol=1e-7, rtol=0)
+
+
 def test_auto_hessian_checks_every_block_pair():
     b, A = _triangular_point()
     with warnings.catch_warnings():
