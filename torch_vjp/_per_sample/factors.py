@@ -35,6 +35,7 @@ order of ``B x P`` exists.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -112,7 +113,14 @@ def widened(t: Any) -> Any:
 
 
 def full_precision(device: torch.device) -> Any:
-    """Autocast off on ``device`` (NOTE [norms at float32's precision])."""
+    """Autocast off on ``device`` (NOTE [norms at float32's precision]); nothing to do, and
+    no context to enter, where it is off already (the common case: per-call cost)."""
+    try:
+        on = torch.is_autocast_enabled(device.type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return contextlib.nullcontext()
+    if not on:
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 
