@@ -61,6 +61,17 @@ from torch_vjp._errors import (
     FunctionCheckValueError,
     shape_str,
 )
+from torch_vjp._function_values import (
+    inner,
+    non_finite,
+    norm,
+    output_grid,
+    randn_like,
+    real_dtype,
+    value_dtype,
+    where_text,
+    widen,
+)
 
 __all__ = [
     "PROBES", "Checker", "callable_name", "check_positive", "describe_arg", "differentiated",
@@ -188,7 +199,7 @@ class Checker:
                 f"Built-in torch operations bring their own, tested backward formulas; "
                 f"torch.autograd.gradcheck compares those with finite differences."
             )
-        grad_outputs = [_randn_like(o, self.gen) for o in outputs]
+        grad_outputs = [randn_like(o, self.gen) for o in outputs]
         inputs = [leaves[i] for i in self.diff]
         recorder = _Recorder(nodes)
         recorder.install()
@@ -252,7 +263,7 @@ class Checker:
         """Refuses differentiated inputs that hold NaN or inf. See NOTE [non-finite values]."""
         for i in self.diff:
             x = self.inputs[i]
-            where = _non_finite(x)
+            where = non_finite(x)
             if where is None:
                 continue
             args = [str(d) for d in x.shape]
@@ -260,7 +271,7 @@ class Checker:
                 args.append(f"dtype=torch.{dtype_name(x.dtype)}")
             example = f"torch.randn({', '.join(args)})"
             raise FunctionCheckValueError(
-                f"{self.call}: input {i} holds non-finite values ({_where_text(where)}), so "
+                f"{self.call}: input {i} holds non-finite values ({where_text(where)}), so "
                 f"the values of its gradient cannot be checked.\n"
                 f"  The values are checked against central differences of forward, and at a "
                 f"NaN or inf those differences are NaN whatever backward returns: the test "
@@ -274,12 +285,12 @@ class Checker:
         """Refuses a point where forward's outputs hold NaN or inf. See NOTE [non-finite
         values]."""
         for k in pos:
-            where = _non_finite(flat[k])
+            where = non_finite(flat[k])
             if where is None:
                 continue
             name = "the output of fn" if len(flat) == 1 else f"output {k} of fn"
             others = [j for j, a in enumerate(inputs)
-                      if j not in self.diff and _non_finite(a) is not None]
+                      if j not in self.diff and non_finite(a) is not None]
             cause = (
                 f" Input{'s' if len(others) > 1 else ''} {_join(others)}, not differentiated, "
                 f"hold{'' if len(others) > 1 else 's'} NaN or inf too."
@@ -287,7 +298,7 @@ class Checker:
             )
             raise FunctionCheckValueError(
                 f"{self.call}: {name} holds non-finite values at these inputs (in "
-                f"{dtype_name(dtype)}: {_where_text(where)}), so the values of the gradients "
+                f"{dtype_name(dtype)}: {where_text(where)}), so the values of the gradients "
                 f"cannot be checked.\n"
                 f"  The values are checked against central differences of forward, and "
                 f"differences of NaN or inf are NaN whatever backward returns: the test would "
@@ -302,16 +313,16 @@ class Checker:
         if any(self.inputs[i].device.type == "meta" for i in self.diff):
             notes.append("values not checked: inputs on the meta device hold no numbers")
             return _ValueResult({}, None, eps, atol or 0.0, rtol or 0.0, notes)
-        wide = tuple(_widen(a) for a in self.inputs)
+        wide = tuple(widen(a) for a in self.inputs)
         widened = any(w is not a for w, a in zip(wide, self.inputs))
         try:
-            dtype = _value_dtype(wide, self.diff)
+            dtype = value_dtype(wide, self.diff)
             probes, grid, probe_eps = self._probe(wide, eps)
         except Exception as exc:
             if not widened or isinstance(exc, FunctionCheckError):
                 raise  # fn failed in its own dtype (the user's error, untouched), or ours
-            dtype = _value_dtype(self.inputs, self.diff)
-            low_eps = max(eps, torch.finfo(_real_dtype(dtype)).eps ** (1 / 3))
+            dtype = value_dtype(self.inputs, self.diff)
+            low_eps = max(eps, torch.finfo(real_dtype(dtype)).eps ** (1 / 3))
             notes.append(
                 f"values checked in {dtype_name(dtype)}, not float64: fn raised "
                 f"{type(exc).__name__} on float64 copies of the inputs ({_first_line(exc)}); "
@@ -327,7 +338,7 @@ class Checker:
                 f"raised to {probe_eps:.3g}"
             )
             dtype, eps = grid, probe_eps
-        d_atol, d_rtol = _DEFAULT_TOLERANCES.get(_real_dtype(dtype), (1e-5, 1e-2))
+        d_atol, d_rtol = _DEFAULT_TOLERANCES.get(real_dtype(dtype), (1e-5, 1e-2))
         atol_ = d_atol if atol is None else atol
         rtol_ = d_rtol if rtol is None else rtol
         errors: dict[int, tuple[float, float]] = {}
@@ -356,7 +367,7 @@ class Checker:
         flat = pytree.tree_flatten(out)[0]
         pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
         outputs = [flat[k] for k in pos]
-        self._check_finite_outputs(inputs, flat, pos, _value_dtype(inputs, self.diff))
+        self._check_finite_outputs(inputs, flat, pos, value_dtype(inputs, self.diff))
         grid = self._grid_off_the_inputs(inputs, pos)
         unit_floor = 0.0
         if grid is not None:
@@ -364,27 +375,27 @@ class Checker:
             eps = max(eps, unit_floor ** (1 / 3))
         result: dict[int, list[_Probe]] = {i: [] for i in self.diff}
         for p in range(PROBES):
-            cots = [_randn_like(o, self.gen) for o in outputs]
+            cots = [randn_like(o, self.gen) for o in outputs]
             # (copies: a backward may scale its grad_output in place, which must not move
             # the cotangents the dot-product test reads afterwards)
             grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff],
                                         [c.clone() for c in cots],
                                         allow_unused=True, retain_graph=p < PROBES - 1)
-            c_norm = _norm(cots)
+            c_norm = norm(cots)
             for i, g in zip(self.diff, grads):
                 x = leaves[i].detach()
-                t = _randn_like(x, self.gen)
+                t = randn_like(x, self.gen)
                 if g is None:
                     g = torch.zeros_like(x)
-                rhs = _inner(t, g)
+                rhs = inner(t, g)
                 with torch.no_grad():
                     f_plus = self._outputs_at(inputs, i, x + eps * t, pos)
                     f_minus = self._outputs_at(inputs, i, x - eps * t, pos)
                 jt = [(a - b) / (2 * eps) for a, b in zip(f_plus, f_minus)]
-                lhs = sum((_inner(c, j) for c, j in zip(cots, jt)), 0.0)
-                size = max(_norm(jt) * c_norm, _norm([t]) * _norm([g]))
-                unit = max(torch.finfo(_real_dtype(x.dtype)).eps, unit_floor)
-                noise = 10 * unit * (_norm(f_plus) + _norm(f_minus)) / (2 * eps) * c_norm
+                lhs = sum((inner(c, j) for c, j in zip(cots, jt)), 0.0)
+                size = max(norm(jt) * c_norm, norm([t]) * norm([g]))
+                unit = max(torch.finfo(real_dtype(x.dtype)).eps, unit_floor)
+                noise = 10 * unit * (norm(f_plus) + norm(f_minus)) / (2 * eps) * c_norm
                 result[i].append(_Probe(lhs=lhs, rhs=rhs, size=size, noise=noise))
         return result, grid, eps
 
@@ -538,97 +549,6 @@ def _bind_forward_args(fn: type[torch.autograd.Function], args: Sequence[Any]) -
     except (TypeError, ValueError):
         return tuple(args)
     return tuple(bound.args)
-
-
-#: Narrower dtypes a forward may compute in inside, coarsest first.
-_GRIDS = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def output_grid(outputs: Sequence[Any]) -> torch.dtype | None:
-    """The coarsest dtype narrower than the outputs' on whose grid every output value lies,
-    or None: a forward that computes in float32 inside returns float64 values that float32
-    holds exactly, and carries float32's rounding. Integer values lie on every grid and
-    say nothing; without other values, None."""
-    values = []
-    for o in outputs:
-        if isinstance(o, Tensor) and o.is_floating_point() and o.numel():
-            v = o.detach().reshape(-1)
-            v = v[torch.isfinite(v) & (v != v.round())]
-            if v.numel():
-                values.append(v)
-    if not values:
-        return None
-    for d in _GRIDS:
-        unit = torch.finfo(d).eps
-        narrower = [v for v in values if torch.finfo(v.dtype).eps < unit]
-        if len(narrower) == len(values) and all(
-            torch.equal(v.to(d).to(v.dtype), v) for v in values
-        ):
-            return d
-    return None
-
-
-def _randn_like(t: Tensor, gen: torch.Generator) -> Tensor:
-    dtype = t.dtype if (t.is_floating_point() or t.is_complex()) else torch.float64
-    wide = torch.complex128 if dtype.is_complex else torch.float64
-    return torch.randn(tuple(t.shape), generator=gen, dtype=wide).to(device=t.device, dtype=dtype)
-
-
-def _non_finite(a: Any) -> tuple[int, int, tuple[int, ...], str] | None:
-    """For a strided floating-point or complex tensor holding NaN or inf: how many such
-    elements, of how many, the index of the first and its value; else ``None``."""
-    if not (isinstance(a, Tensor) and (a.is_floating_point() or a.is_complex())
-            and a.layout == torch.strided and a.device.type != "meta"):
-        return None
-    bad = ~torch.isfinite(a.detach())
-    count = int(bad.sum())
-    if not count:
-        return None
-    first = int(bad.reshape(-1).nonzero()[0, 0])
-    index = tuple(int(d) for d in torch.unravel_index(torch.tensor(first), a.shape))
-    value = a.detach().reshape(-1)[first].item()
-    return count, a.numel(), index, str(value)
-
-
-def _where_text(where: tuple[int, int, tuple[int, ...], str]) -> str:
-    """``"2 of 12 elements are NaN or inf; the first, at index (1, 2), is nan"``."""
-    count, total, index, value = where
-    if total == 1:
-        return f"its one element is {value}"
-    return (f"{count} of {total} elements {'is' if count == 1 else 'are'} NaN or inf; the "
-            f"first, at index {index}, is {value}")
-
-
-def _widen(a: Any) -> Any:
-    if isinstance(a, Tensor):
-        if a.is_complex() and a.dtype != torch.complex128:
-            return a.detach().to(torch.complex128)
-        if a.is_floating_point() and a.dtype != torch.float64:
-            return a.detach().to(torch.float64)
-    return a
-
-
-def _value_dtype(inputs: Sequence[Any], diff: list[int]) -> torch.dtype:
-    """The least precise dtype among the differentiated inputs."""
-    return max((inputs[i].dtype for i in diff), key=lambda d: -torch.finfo(_real_dtype(d)).eps)
-
-
-def _real_dtype(dtype: torch.dtype) -> torch.dtype:
-    return {torch.complex32: torch.float16, torch.complex64: torch.float32,
-            torch.complex128: torch.float64}.get(dtype, dtype)
-
-
-def _inner(a: Tensor, b: Tensor) -> float:
-    """Real inner product; for complex tensors Re(sum(conj(a) b)), which matches torch's
-    convention for complex gradients."""
-    a, b = a.detach(), b.detach()
-    if a.is_complex() or b.is_complex():
-        return float((a.to(torch.complex128).conj() * b.to(torch.complex128)).real.sum())
-    return float((a.to(torch.float64) * b.to(torch.float64)).sum())
-
-
-def _norm(tensors: Sequence[Tensor]) -> float:
-    return math.sqrt(sum(float(t.detach().abs().to(torch.float64).pow(2).sum()) for t in tensors))
 
 
 def describe_arg(a: Any) -> str:

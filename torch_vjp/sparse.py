@@ -37,9 +37,8 @@ from torch_vjp._engine.jacobian import (
     function_key,
     function_name,
     no_forward_message,
-    vmap_refusal,
-    writes_into_input,
 )
+from torch_vjp._engine.refusals import vmap_refusal, writes_into_input
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
                                StrategyError, quote_error, shape_str, warn_once)

@@ -35,7 +35,7 @@ from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
 from torch_vjp._engine.context import (buffers_kept, captured_values, func_jvp, func_vjp,
                                        is_nested, modules_reached)
 from torch_vjp._engine.forms import plain_jvp, plain_vjp
-from torch_vjp._engine.jacobian import mutates_captured, vmap_refusal
+from torch_vjp._engine.refusals import mutates_captured, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, map_rows

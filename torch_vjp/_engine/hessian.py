@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.blocks import assemble
-from torch_vjp._engine.jacobian import function_key, jacobian_blocks, mutates_captured
+from torch_vjp._engine.jacobian import function_key, jacobian_blocks
+from torch_vjp._engine.refusals import mutates_captured
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianCallError, JacobianWarning, quote_error, warn_once
 

@@ -74,6 +74,7 @@ from torch_vjp._engine.rows import (
     passes_through,
     run_with_fallback,
 )
+from torch_vjp._engine.refusals import forward_refusal, vmap_refusal, writes_into_input
 from torch_vjp._engine.shapes import (
     Opts,
     Shapes,
@@ -92,8 +93,7 @@ from torch_vjp._errors import (
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
-    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "mutates_captured",
-    "forward_refusal", "vmap_refusal", "writes_into_input",
+    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks",
     "function_key", "function_name",
     "fallback_message", "no_forward_message",
 ]
@@ -198,12 +198,6 @@ def jacobian_blocks(
             JacobianWarning,
         )
     return blocks
-
-
-def writes_into_input(err: BaseException) -> bool:
-    """Whether ``err`` is autograd refusing an in-place write into a leaf that requires
-    grad (or a view of one): ``f`` writes into the tensor reverse mode differentiates."""
-    return "leaf Variable that requires grad is being used in an in-place operation" in str(err)
 
 
 def _captured_tensors(f: object) -> tuple[Tensor, ...]:
@@ -595,37 +589,3 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
         stacked = [t.detach() for t in stacked]
     blocks, views = fwd_blocks(stacked, rows_in)
     return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0])
-
-
-def vmap_refusal(err: BaseException) -> str | None:
-    """What torch.func's vectorised transforms refused in ``f``, where ``err`` is one of
-    their known refusals of a function plain autograd runs (None otherwise)."""
-    if mutates_captured(err):
-        return ("f changes a tensor it captured in place (a module in training mode "
-                "updating its running statistics, say)")
-    if isinstance(err, RuntimeError) and "randomness error mode" in str(err):
-        return ("f draws random numbers (dropout in training mode, say), which vmap "
-                "refuses by default, since its columns would each draw their own")
-    if isinstance(err, RuntimeError) and "must override the setup_context staticmethod" in str(
-            err):
-        return ("f uses a custom torch.autograd.Function whose forward takes ctx (no "
-                "setup_context staticmethod), which torch.func's transforms cannot run")
-    return None
-
-
-def forward_refusal(err: BaseException) -> str | None:
-    """What forward-mode AD refused in ``f``: an operator, or a custom Function, without a
-    forward-mode formula (None for any other error)."""
-    text = str(err)
-    if isinstance(err, NotImplementedError) and (
-        "forward AD" in text or "implement the jvp function" in text
-    ):
-        return ("an operator in f has no forward-mode formula (a custom "
-                "torch.autograd.Function without jvp, or a torch operator torch has none for)")
-    return None
-
-
-def mutates_captured(err: BaseException) -> bool:
-    """Whether ``err`` is torch.func refusing an in-place change of a tensor the function
-    captured (a BatchNorm's running statistics in training mode): plain autograd allows it."""
-    return isinstance(err, RuntimeError) and "mutate a captured Tensor" in str(err)

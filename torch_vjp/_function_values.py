@@ -1,0 +1,106 @@
+"""The numbers of check_function's value test: random probes, inner products and norms in
+float64, the dtype the values are checked in (:func:`value_dtype`, :func:`widen`), the
+narrower grid a forward may compute in (:func:`output_grid`), and non-finite values."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["GRIDS", "inner", "non_finite", "norm", "output_grid", "randn_like", "real_dtype",
+           "value_dtype", "where_text", "widen"]
+
+
+#: Narrower dtypes a forward may compute in inside, coarsest first.
+GRIDS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def output_grid(outputs: Sequence[Any]) -> torch.dtype | None:
+    """The coarsest dtype narrower than the outputs' on whose grid every output value lies,
+    or None: a forward that computes in float32 inside returns float64 values that float32
+    holds exactly, and carries float32's rounding. Integer values lie on every grid and
+    say nothing; without other values, None."""
+    values = []
+    for o in outputs:
+        if isinstance(o, Tensor) and o.is_floating_point() and o.numel():
+            v = o.detach().reshape(-1)
+            v = v[torch.isfinite(v) & (v != v.round())]
+            if v.numel():
+                values.append(v)
+    if not values:
+        return None
+    for d in GRIDS:
+        unit = torch.finfo(d).eps
+        narrower = [v for v in values if torch.finfo(v.dtype).eps < unit]
+        if len(narrower) == len(values) and all(
+            torch.equal(v.to(d).to(v.dtype), v) for v in values
+        ):
+            return d
+    return None
+
+
+def randn_like(t: Tensor, gen: torch.Generator) -> Tensor:
+    dtype = t.dtype if (t.is_floating_point() or t.is_complex()) else torch.float64
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    return torch.randn(tuple(t.shape), generator=gen, dtype=wide).to(device=t.device, dtype=dtype)
+
+
+def non_finite(a: Any) -> tuple[int, int, tuple[int, ...], str] | None:
+    """For a strided floating-point or complex tensor holding NaN or inf: how many such
+    elements, of how many, the index of the first and its value; else ``None``."""
+    if not (isinstance(a, Tensor) and (a.is_floating_point() or a.is_complex())
+            and a.layout == torch.strided and a.device.type != "meta"):
+        return None
+    bad = ~torch.isfinite(a.detach())
+    count = int(bad.sum())
+    if not count:
+        return None
+    first = int(bad.reshape(-1).nonzero()[0, 0])
+    index = tuple(int(d) for d in torch.unravel_index(torch.tensor(first), a.shape))
+    value = a.detach().reshape(-1)[first].item()
+    return count, a.numel(), index, str(value)
+
+
+def where_text(where: tuple[int, int, tuple[int, ...], str]) -> str:
+    """``"2 of 12 elements are NaN or inf; the first, at index (1, 2), is nan"``."""
+    count, total, index, value = where
+    if total == 1:
+        return f"its one element is {value}"
+    return (f"{count} of {total} elements {'is' if count == 1 else 'are'} NaN or inf; the "
+            f"first, at index {index}, is {value}")
+
+
+def widen(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        if a.is_complex() and a.dtype != torch.complex128:
+            return a.detach().to(torch.complex128)
+        if a.is_floating_point() and a.dtype != torch.float64:
+            return a.detach().to(torch.float64)
+    return a
+
+
+def value_dtype(inputs: Sequence[Any], diff: list[int]) -> torch.dtype:
+    """The least precise dtype among the differentiated inputs."""
+    return max((inputs[i].dtype for i in diff), key=lambda d: -torch.finfo(real_dtype(d)).eps)
+
+
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32,
+            torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+def inner(a: Tensor, b: Tensor) -> float:
+    """Real inner product; for complex tensors Re(sum(conj(a) b)), which matches torch's
+    convention for complex gradients."""
+    a, b = a.detach(), b.detach()
+    if a.is_complex() or b.is_complex():
+        return float((a.to(torch.complex128).conj() * b.to(torch.complex128)).real.sum())
+    return float((a.to(torch.float64) * b.to(torch.float64)).sum())
+
+
+def norm(tensors: Sequence[Tensor]) -> float:
+    return math.sqrt(sum(float(t.detach().abs().to(torch.float64).pow(2).sum()) for t in tensors))
