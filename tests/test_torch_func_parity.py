@@ -215,19 +215,33 @@ def test_auto_hessian_prefers_reverse_over_reverse_where_forward_is_wrong():
         torch.func.hessian(_triangular, argnums=1)(b, A)
 
 
+@pytest.mark.parametrize("scale", [1e-8, 1e-12])
+def test_auto_hessian_sees_a_wrong_formula_at_a_small_scale(scale):
+    # an absolute floor on the disagreement (sqrt(eps)) let forward mode's wrong Hessian
+    # through wherever the Hessian's entries were smaller than it (relative error 0.85)
+    b, A = _triangular_point()
+
+    def small(b, A):
+        return scale * _triangular(b, A)
+
+    rev = tv.hessian(small, b, A, argnums=1, strategy="rev")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        torch.testing.assert_close(tv.hessian(small, b, A, argnums=1), rev, atol=0, rtol=1e-6)
+
+
 def test_auto_hessian_of_a_zero_hessian_gives_no_warning():
-    # the true Hessian is zero: forward over reverse returns rounding (1e-14) whose scale is
-    # its own, so the symmetry check read it as asymmetric, and "auto" warned that an
-    # operator has a wrong forward-mode derivative, and returned reverse over reverse
-    w = torch.arange(1.0, 5.0, dtype=D).view(1, 4, 1)
-
+    # the true Hessian is zero (exp(log a + log b) - a b): forward over reverse returns
+    # rounding (1e-16) whose scale is its own, and "auto" warned that an operator has a
+    # wrong forward-mode derivative; the gradient's scale (1) says it is rounding
     def f(x):
-        return F.group_norm(x.view(1, 4, 1) * w, 2).pow(3).sum()
+        return ((torch.exp(torch.log(x[0]) + torch.log(x[1])) - x[0] * x[1]) * 3.7 + x.sum()
+                + torch.exp(torch.log(x[1]) + torch.log(x[2])) - x[1] * x[2])
 
-    x = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=D)
+    x = torch.tensor([1.3, 0.7, 2.1], dtype=D)
     with no_jacobian_warnings():
         H = tv.hessian(f, x)
-    torch.testing.assert_close(H, fd_hessian(f, x), atol=1e-7, rtol=0)
+    torch.testing.assert_close(H, torch.zeros(3, 3, dtype=D), atol=1e-12, rtol=0)
 
 
 def test_auto_hessian_checks_every_block_pair():

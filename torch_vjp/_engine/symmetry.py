@@ -20,11 +20,13 @@ strategies are not checked: "fwd" is forward-over-reverse as asked.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.fwdcheck import (
@@ -121,10 +123,9 @@ def forward_over_reverse_checked(
     gap = float(largest_difference(res.blocks, rev.blocks))
     if gap <= rtol * scale:
         return res  # asymmetric for real (f is not smooth here): both routes agree
-    if gap <= rtol:
-        # (an absolute floor, as the compiled results' comparison has: a Hessian that is
-        # zero comes back as rounding, entries of 1e-14 whose scale is their own, and both
-        # routes' rounding differs; nothing shows forward mode wrong)
+    if gap <= rtol * _gradient_scale(outer):
+        # (a Hessian that is zero comes back as rounding, entries of 1e-14 whose scale is
+        # their own; the gradient's scale over the input's says what rounding is here)
         return res
     warn_once(
         ("fwd-over-rev", function_key(f)),
@@ -139,3 +140,22 @@ def forward_over_reverse_checked(
         JacobianWarning,
     )
     return rev
+
+
+def _gradient_scale(outer: Problem) -> float:
+    """The scale rounding in a Hessian takes at this point: the largest gradient entry over
+    the largest input entry (at least 1), from one more gradient; 0 where it cannot be
+    had. A Hessian of a function scaled by ``s`` has its rounding scaled by ``s`` too, so a
+    wrong formula at a small scale is still seen."""
+    try:
+        grads = [g for g in tree_flatten(outer.g(*outer.leaves))[0]
+                 if isinstance(g, Tensor) and g.numel()]
+    except Exception as err:  # noqa: BLE001 - no scale: the floor is 0
+        if passes_through(err):
+            raise
+        return 0.0
+    if not grads:
+        return 0.0
+    g = max(float(t.detach().abs().max()) for t in grads)
+    x = max([float(t.detach().abs().max()) for t in outer.leaves if t.numel()] + [1.0])
+    return g / x if math.isfinite(g) else 0.0
