@@ -567,6 +567,46 @@ def test_a_compiled_vjp_fn_keeps_the_point_of_its_vjp_when_a_tensor_is_written(w
         torch.testing.assert_close(eager(v)[0], want)
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.alpha = 1.0  # a plain attribute: neither a parameter nor a buffer
+
+    def forward(self, t):
+        return t * self.alpha * 2
+
+
+@pytest.mark.parametrize("change", ["default", "data", "attribute", "eval"])
+def test_a_compiled_vjp_fn_keeps_the_point_when_what_f_reads_changes_unseen(change):
+    # a default argument, a write through .data, a module's plain attribute or its training
+    # flag: none is a closure cell, a global, a parameter or a buffer, and the compiled
+    # program read them as changed (12 or 7 where the eager vjp_fn gives 2), silently
+    S = torch.tensor([1.0, 1.0], dtype=D)
+    m = _Scaled()
+
+    class Branchy(torch.nn.Module):
+        def forward(self, t):
+            return t * 2 if self.training else t * 7
+
+    b = Branchy()
+    f = {"default": lambda t, S=S: t * S.sum(), "data": lambda t: t * S.sum(),
+         "attribute": m, "eval": b}[change]
+    x, v = torch.tensor([0.0, 1.0, 2.0], dtype=D), torch.ones(3, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(2):
+            _, compiled = tv.vjp(f, x, compile=True)
+            compiled(v)
+        want = tv.vjp(f, x)[1](v)[0].clone()
+        if change in ("default", "data"):
+            S.data.add_(5.0)
+        elif change == "attribute":
+            m.alpha = 6.0
+        else:
+            b.eval()
+        torch.testing.assert_close(compiled(v)[0].detach(), want)
+
+
 W_GLOBAL = torch.randn(2, 3, dtype=D)
 
 

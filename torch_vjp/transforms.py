@@ -34,7 +34,8 @@ from torch_vjp._checks import (
 from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
 from torch_vjp._engine.context import (buffers_kept, captured_values, func_jvp, func_vjp,
                                        is_nested, modules_reached)
-from torch_vjp._engine.forms import plain_jvp, plain_vjp
+from torch_vjp._engine.forms import plain_jvp
+from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._engine.refusals import mutates_captured, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
@@ -336,12 +337,20 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
         chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
 
         def program(f: Callable[..., Any], primals: tuple[Any, ...], cotangents: Any) -> Any:
-            return plain_vjp(f, primals, cotangents, has_aux, batched, chunk)
+            # (the forward's output too: where it is not the vjp point's, f reads something
+            # the checks above do not see, and the graph of the vjp point answers)
+            pulled = func_vjp(f, *primals, has_aux=has_aux)
+            grads = (pulled[1](cotangents) if not batched
+                     else torch.func.vmap(pulled[1], chunk_size=chunk)(cotangents))
+            return pulled[0], grads
 
-        return compiled_call(
-            "torch_vjp.vjp", f, (has_aux, batched, chunk), (primals, cotangents),
-            lambda: eager_fn(cotangents, **options), lambda: program,
+        out, grads = compiled_call(
+            "torch_vjp.vjp", f, (has_aux, batched, chunk, "with output"), (primals, cotangents),
+            lambda: (res[0], eager_fn(cotangents, **options)), lambda: program,
         )
+        if not _same_output(out, res[0]):  # (NOTE [a compiled vjp_fn's point])
+            return eager_fn(cotangents, **options)
+        return grads
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
     return (res[0], vjp_fn) + tuple(res[2:])
@@ -358,7 +367,31 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 # compared, by identity and version counter: the contents of f's closure cells and the
 # globals it names (of a plain function, or of a bound method's function), the parameters
 # and buffers of the modules f reaches, and the primals. A function f that writes into them
-# itself always uses the graph. What a function f calls reads in turn is not seen.
+# itself always uses the graph. What these do not see (a default argument, a tensor in a
+# list or a partial, a module's plain attribute or training flag, a write through
+# ``.data``) the program's own forward output shows: where it is not the vjp point's (up to
+# the rounding of a compiled program), the graph answers too.
+
+
+def _same_output(got: Any, want: Any) -> bool:
+    """Whether the compiled program's forward output is the vjp point's, up to the rounding
+    of a compiled program (``sqrt(eps)``, relative, of each tensor's dtype)."""
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    if got_spec != want_spec:
+        return False
+    for a, b in zip(got_leaves, want_leaves):
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            if a.shape != b.shape:
+                return False
+            if a.is_floating_point() or a.is_complex():
+                tol = tolerance(a.real.dtype if a.is_complex() else a.dtype)
+                if not torch.allclose(a.detach(), b.detach().to(a.dtype), rtol=tol, atol=tol,
+                                      equal_nan=True):
+                    return False
+            elif not torch.equal(a, b):
+                return False
+    return True
 
 
 def _versions(values: tuple[object, ...]) -> tuple[int | None, ...]:

@@ -37,7 +37,7 @@ from torch_vjp._strategies import choose_compiled_mode, choose_mode
 
 __all__ = [
     "auto_mode", "batch_mode", "plain_jacobian", "plain_batch_jacobian", "plain_hessian",
-    "plain_jvp", "plain_vjp", "output_of", "forward_mode_agrees",
+    "plain_jvp", "output_of", "forward_mode_agrees",
 ]
 
 
@@ -272,14 +272,3 @@ def plain_jvp(
 
     out_dims = (None, 0, None) if has_aux else (None, 0)
     return vmap(push, out_dims=out_dims, chunk_size=chunk_size)(tangents)
-
-
-def plain_vjp(
-    f: Callable[..., Any], primals: tuple[Any, ...], cotangents: Any, has_aux: bool,
-    batched: bool, chunk_size: int | None,
-) -> Any:
-    """The pullback of ``f`` at ``primals`` applied to ``cotangents`` (forward included)."""
-    pull = vjp(f, *primals, has_aux=has_aux)[1]
-    if not batched:
-        return pull(cotangents)
-    return vmap(pull, chunk_size=chunk_size)(cotangents)
