@@ -1477,15 +1477,33 @@ class _Mixer:
         return out + self.alpha * out.mean(0, keepdim=True)
 
 
-def test_a_hook_objects_number_counts_by_its_truth():
+class _SlotsMixer:
+    __slots__ = ("alpha",)
+
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def __call__(self, mod, inp, out):
+        return out + self.alpha * out.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("kind", ["float", "numpy", "tensor", "slots"])
+def test_a_hook_objects_number_counts_by_its_truth(kind):
     # a fresh hook object whose mixing weight went from 0.0 to 0.5 took the plan made when it
     # mixed nothing (off by 0.80 from the loop, silently)
     x, y = torch.randn(4, 5, dtype=DT), torch.randn(4, 1, dtype=DT)
     m = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1)).double()
     loss = nn.MSELoss(reduction="sum")
-    handle = m[0].register_forward_hook(_Mixer(0.0).hook)
+    import numpy as np
+
+    def make(alpha):
+        value = {"float": float, "numpy": np.float64, "tensor": torch.tensor,
+                 "slots": float}[kind](alpha)
+        return _SlotsMixer(value) if kind == "slots" else _Mixer(value).hook
+
+    handle = m[0].register_forward_hook(make(0.0))
     assert_matches(tv.per_sample_grads(m, loss, x, y), loop_reference(m, loss, x, y))
     handle.remove()
-    m[0].register_forward_hook(_Mixer(0.5).hook)
+    m[0].register_forward_hook(make(0.5))
     with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
         tv.per_sample_grads(m, loss, x, y)

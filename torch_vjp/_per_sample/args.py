@@ -7,6 +7,7 @@ Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleVal
 from __future__ import annotations
 
 import functools
+import numbers
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -378,13 +379,29 @@ def _hook_key(h: Any) -> Any:
 
 
 def _object_flags(obj: object) -> tuple[Any, ...]:
-    try:
-        items = vars(obj).items()
-    except TypeError:  # (no __dict__)
-        return ()
-    # (numbers by their truth, as route_key reads a closure's: a mixing weight of 0.0 made
-    # 0.5 is another hook)
-    return tuple((k, f) for k, v in items if (f := flag_of(v)) is not NotImplemented)
+    """The flags of a hook object's attributes (its ``__dict__`` and ``__slots__``): bools,
+    strings and None by value, numbers (numpy's too, and a one-element tensor on the CPU)
+    by their truth, as route_key reads a closure's: a mixing weight of 0.0 made 0.5 is
+    another hook."""
+    items = list(getattr(obj, "__dict__", {}).items())
+    for cls in type(obj).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                items.append((name, getattr(obj, name)))
+    out = []
+    for k, v in items:
+        f = flag_of(v)
+        if f is NotImplemented:
+            if isinstance(v, numbers.Number):
+                f = bool(v)
+            elif (isinstance(v, Tensor) and v.numel() == 1 and v.device.type == "cpu"
+                  and not v.requires_grad):
+                f = ("tensor", bool(v))
+            else:
+                continue
+        out.append((k, f))
+    return tuple(out)
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
