@@ -1111,3 +1111,17 @@ def test_norms_and_clipped_sums_under_bfloat16_autocast_are_taken_at_float32_pre
         # (the clipped sum at float32's precision: the loop's was summed in bfloat16, 0.3%
         # past max_norm)
         assert float(model.weight.grad.double().norm()) <= C * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "vmap", "loop"])
+def test_per_sample_grads_under_bfloat16_autocast_with_a_sequence_input(strategy):
+    # a Linear over (B, T, d) under autocast: the rule's bfloat16 input and output gradient
+    # met a float32 result buffer in torch.bmm(out=...): "expected scalar type BFloat16"
+    gen = torch.Generator().manual_seed(0)
+    m = nn.Linear(8, 4)
+    x, y = torch.randn(6, 5, 8, generator=gen), torch.randn(6, 5, 4, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = per_sample_grads(m, nn.MSELoss(), x, y, strategy=strategy)
+        want = per_sample_grads(m, nn.MSELoss(), x, y, strategy="loop")
+    assert got["weight"].dtype == torch.float32
+    torch.testing.assert_close(got["weight"], want["weight"], rtol=2e-2, atol=2e-2)

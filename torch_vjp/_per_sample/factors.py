@@ -347,6 +347,8 @@ class OuterFactor(Factor):
 
     @staticmethod
     def _product(o: Tensor, a: Tensor, g: Tensor, accumulate: bool) -> None:
+        if a.dtype != o.dtype or g.dtype != o.dtype:  # (autocast's bfloat16 into a float32 buffer)
+            a, g = a.to(o.dtype), g.to(o.dtype)
         if a.shape[1] == 1:
             gs, as_ = g[:, 0, :, None], a[:, 0, None, :]
             if accumulate:
