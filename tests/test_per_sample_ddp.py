@@ -183,3 +183,61 @@ def test_ddp_clipped_step_with_hooks_on_the_wrapped_module():
             _hooks_worker(0, 1, os.path.join(d, "init"))
         finally:
             torch.set_num_threads(threads)
+
+
+def _buffers_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    ddp = None
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).to(DT)
+        ddp = nn.parallel.DistributedDataParallel(model)  # broadcast_buffers=True
+        with torch.no_grad():  # rank-local statistics, as after a training step
+            model[1].running_mean.fill_(float(rank))
+        model.eval()
+        x, y = _data()
+        mine = slice(rank * 6, (rank + 1) * 6)
+        loss = nn.CrossEntropyLoss(reduction="sum")
+        first = tv.per_sample_grad_norms(ddp, loss, x[mine], y[mine])
+        # DDP's own forward gives every rank rank 0's buffers first: so must this call
+        assert float(model[1].running_mean.abs().max()) == 0.0
+        again = tv.per_sample_grad_norms(ddp, loss, x[mine], y[mine])
+        torch.testing.assert_close(first, again, rtol=1e-12, atol=1e-14)
+        dist.barrier()  # (both ranks done before the group goes)
+    finally:
+        ddp = None
+        dist.destroy_process_group()
+
+
+def test_ddp_buffers_are_broadcast_before_the_per_example_passes():
+    # with broadcast_buffers=True (the default), rank 1 computed its norms with its own
+    # stale statistics, and the clipped step's pass through DDP then copied rank 0's over
+    # them: the same call twice gave other results
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_buffers_worker, args=(2, os.path.join(d, "init")), nprocs=2, join=True)
+
+
+def test_hooks_on_the_ddp_wrapper_itself_are_refused():
+    # the computation runs on ddp.module, where the wrapper's hooks never run; the clipped
+    # step's pass through the wrapper ran them (a forward hook doubled .grad, silently; a
+    # pre-hook raised a raw IndexError)
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}",
+                                rank=0, world_size=1)
+        ddp = None
+        try:
+            ddp = nn.parallel.DistributedDataParallel(_model())
+            ddp.register_forward_hook(lambda m, a, o: o * 2)
+            x, y = _data()
+            with pytest.raises(tv.PerSampleTypeError, match=(
+                    r"the DistributedDataParallel wrapper itself has forward hooks or "
+                    r"pre-hooks(?s:.*)Fix: register them on ddp\.module")):
+                tv.accumulate_clipped_grads(ddp, nn.CrossEntropyLoss(reduction="sum"), x, y,
+                                            max_norm=0.5)
+        finally:
+            ddp = None
+            dist.destroy_process_group()

@@ -67,6 +67,17 @@ def unwrap(fn: str, model: Any) -> tuple[Any, Any, str]:
     prefix = ""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
+            if model._forward_hooks or model._forward_pre_hooks:
+                # (the per-sample computation runs on ddp.module, where the wrapper's hooks
+                # never run; the clipped step's synchronising pass runs through the wrapper,
+                # where they do: the result would match neither)
+                raise PerSampleTypeError(
+                    f"torch_vjp.{fn}: the DistributedDataParallel wrapper itself has forward "
+                    f"hooks or pre-hooks; the per-sample computation runs on its module "
+                    f"(ddp.module), where those would not run.\n  Fix: register them on "
+                    f"ddp.module (ddp.module.register_forward_hook(...)): DDP's forward calls "
+                    f"the module, so they run in ordinary training steps as before."
+                )
             if ddp is None:
                 ddp = model
             model, prefix = model.module, prefix + "module."

@@ -86,6 +86,10 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             f"\nFix: call it outside the inference_mode block, on tensors made outside it; "
             f"torch.no_grad() is fine, the per-sample functions compute with grad enabled.")
     model, ddp, prefix = unwrap(fn, model)
+    if ddp is not None and ddp._check_sync_bufs_pre_fwd():
+        # (as DDP's own forward does first: rank 0's buffers, BatchNorm's running statistics,
+        # on every rank before any per-example forward reads them; NOTE [DDP])
+        ddp._sync_buffers()
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
