@@ -227,6 +227,25 @@ def _errors_across_ranks(rank, world, group):
                            r"has no whole Jacobian to return\. Rank 1 said: "
                            r"JacobianCallError: .*argnums"):
             tv.jacobian(lambda a, b: a * b, *two, argnums=0, process_group=group)
+    # an argument checked before the group (batch_jacobian's x and chunk_size, jacobian's
+    # compile): the rank that rejected it raised, and the others waited in the first
+    # exchange until gloo's timeout
+    xb = torch.randn(3, 4, dtype=DT)
+    for call, bad in (
+        (lambda bad: tv.batch_jacobian(torch.sin, xb[0, 0] if bad else xb,
+                                       process_group=group), r"x is a 0-d tensor"),
+        (lambda bad: tv.batch_jacobian(torch.sin, xb, chunk_size=0 if bad else None,
+                                       process_group=group), r"chunk_size=0"),
+        (lambda bad: tv.jacobian(torch.sin, x, compile="yes" if bad else False,
+                                 process_group=group), r"compile='yes'"),
+    ):
+        if rank == 1:
+            with pytest.raises(tv.TorchVJPError, match=bad):
+                call(True)
+        else:
+            with pytest.raises(tv.JacobianCallError, match=r"(?s)rank 1 of the process_group "
+                               r"rejected its call before any product.*Rank 1 said: .*" + bad):
+                call(False)
     # an option that one rank rejects once the group is known valid (create_graph=True
     # there): that rank raises its own error, the others hear of it
     if rank == 1:

@@ -205,9 +205,9 @@ def jacobian(
             lambda: jacobian(f, *primals, argnums=argnums, strategy=strategy,
                              chunk_size=chunk_size, has_aux=has_aux,
                              create_graph=create_graph))
-    do_compile = check_compile(compile, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
     with told_on_failure(group):  # the other ranks wait in the first exchange
+        do_compile = check_compile(compile, call=call)
         strat = get_strategy(strategy, call=call)
         chunk = check_chunk_size(chunk_size, call=call)
         budget = parse_max_memory(max_memory, call=call)
@@ -312,20 +312,22 @@ def batch_jacobian(
         >>> torch.testing.assert_close(J, ref)
     """
     call = "torch_vjp.batch_jacobian"
-    do_compile = check_compile(compile, call=call)
-    strat = get_strategy(strategy, call=call)
-    chunk = check_chunk_size(chunk_size, call=call)
-    if not isinstance(x, Tensor) or x.dim() == 0:
-        what = "a 0-d tensor" if isinstance(x, Tensor) else f"a {type(x).__name__}"
-        raise JacobianCallError(
-            f"{call}: x is {what}, but it must be a tensor whose first dimension is the "
-            f"batch, (B, *in). For a single example, use torch_vjp.jacobian(f, x), or pass "
-            f"x.unsqueeze(0)."
-        )
-    context, detached = graph_mode(create_graph, call=call)
     group = check_group(process_group, shard, create_graph, call=call)
-    if do_compile:
-        check_compilable(strat, group, call)
+    # (an argument refused on one rank reaches the others, which wait in the first exchange)
+    with told_on_failure(group):
+        do_compile = check_compile(compile, call=call)
+        strat = get_strategy(strategy, call=call)
+        chunk = check_chunk_size(chunk_size, call=call)
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            what = "a 0-d tensor" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+            raise JacobianCallError(
+                f"{call}: x is {what}, but it must be a tensor whose first dimension is the "
+                f"batch, (B, *in). For a single example, use torch_vjp.jacobian(f, x), or "
+                f"pass x.unsqueeze(0)."
+            )
+        context, detached = graph_mode(create_graph, call=call)
+        if do_compile:
+            check_compilable(strat, group, call)
     if tracing() and group is None:  # NOTE [compiled Jacobians]
         with plain_context(context, detached):
             return plain_batch_jacobian(f, x, strat.mode, plain_chunk(strat, chunk))
