@@ -31,11 +31,10 @@ from torch_vjp._checks import (
     check_tree_structure,
     normalize_grad_outputs,
 )
-from torch_vjp._engine.compiled import check_compile, compiled_call, tracing
+from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
 from torch_vjp._engine.context import (buffers_kept, captured_values, func_jvp, func_vjp,
                                        is_nested, modules_reached)
 from torch_vjp._engine.forms import plain_jvp
-from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._engine.refusals import mutates_captured, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
@@ -348,7 +347,7 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
             "torch_vjp.vjp", f, (has_aux, batched, chunk, "with output"), (primals, cotangents),
             lambda: (res[0], eager_fn(cotangents, **options)), lambda: program,
         )
-        if not _same_output(out, res[0]):  # (NOTE [a compiled vjp_fn's point])
+        if results_agree(res[0], out) is not None:  # (NOTE [a compiled vjp_fn's point])
             return eager_fn(cotangents, **options)
         return grads
 
@@ -371,27 +370,6 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 # list or a partial, a module's plain attribute or training flag, a write through
 # ``.data``) the program's own forward output shows: where it is not the vjp point's (up to
 # the rounding of a compiled program), the graph answers too.
-
-
-def _same_output(got: Any, want: Any) -> bool:
-    """Whether the compiled program's forward output is the vjp point's, up to the rounding
-    of a compiled program (``sqrt(eps)``, relative, of each tensor's dtype)."""
-    got_leaves, got_spec = tree_flatten(got)
-    want_leaves, want_spec = tree_flatten(want)
-    if got_spec != want_spec:
-        return False
-    for a, b in zip(got_leaves, want_leaves):
-        if isinstance(a, Tensor) and isinstance(b, Tensor):
-            if a.shape != b.shape:
-                return False
-            if a.is_floating_point() or a.is_complex():
-                tol = tolerance(a.real.dtype if a.is_complex() else a.dtype)
-                if not torch.allclose(a.detach(), b.detach().to(a.dtype), rtol=tol, atol=tol,
-                                      equal_nan=True):
-                    return False
-            elif not torch.equal(a, b):
-                return False
-    return True
 
 
 def _versions(values: tuple[object, ...]) -> tuple[int | None, ...]:

@@ -95,7 +95,7 @@ from torch_vjp._strategies import Strategy, get_strategy
 __all__ = [
     "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
     "plain_context", "warn_budget", "check_compile", "program_key", "compiled_call", "tracing",
-    "clear_cache", "compiled_jacobian",
+    "clear_cache", "compiled_jacobian", "results_agree",
 ]
 
 #: Compiled entries kept (each holds a compiled program and the function it calls).
@@ -326,8 +326,10 @@ def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return types.FunctionType(code, run.__globals__, name, None, run.__closure__)
 
 
-def _results_agree(ref: Any, got: Any) -> str | None:
-    """None if ``got`` equals ``ref`` up to rounding; else what differs."""
+def results_agree(ref: Any, got: Any) -> str | None:
+    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1;
+    integer tensors exactly); else what differs. The compiled result against the eager first
+    call, and a compiled ``vjp_fn``'s forward output against the vjp point's."""
     ref_leaves, ref_spec = tree_flatten(ref)
     got_leaves, got_spec = tree_flatten(got)
     if ref_spec != got_spec:
@@ -337,7 +339,11 @@ def _results_agree(ref: Any, got: Any) -> str | None:
             continue
         if not isinstance(b, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
             return "the results have different shapes or dtypes"
-        if a.numel() == 0 or not (a.is_floating_point() or a.is_complex()):
+        if a.numel() == 0:
+            continue
+        if not (a.is_floating_point() or a.is_complex()):
+            if not torch.equal(a, b):
+                return "the results' integer entries differ"
             continue
         a, b = a.detach(), b.detach()
         rtol = tolerance(a.real.dtype)  # sqrt(eps), as the Hessian's symmetry check
@@ -533,7 +539,7 @@ def compiled_call(
                              "max_norm, a no-grad update in a forward), which the compiled "
                              "program cannot put back as the eager call does")
         return result
-    why = _results_agree(result, got)
+    why = results_agree(result, got)
     if why is not None:
         _warn_eager(call, f, why)
         return result
