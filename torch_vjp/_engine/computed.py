@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.fwdcheck import CHECKED, gap, remember, tolerance
+from torch_vjp._engine.fwdcheck import CHECKED, cotangent, gap, remember, tolerance
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once
@@ -224,8 +224,7 @@ def _unbatched_product(outs: Sequence[Tensor], ins: Sequence[Tensor]
     """A random cotangent ``u`` (flat, from a generator of its own) and ``u^T J`` by one
     backward pass without vmap, which keeps the graph."""
     gen = torch.Generator().manual_seed(0)
-    us = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).to(o.device)
-          for o in outs]
+    us = [cotangent(o, gen) for o in outs]
     got = torch.autograd.grad(outs, ins, us, retain_graph=True, allow_unused=True)
     return torch.cat([v.reshape(-1) for v in us]), got
 

@@ -49,7 +49,8 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = [
-    "CHECKED", "PIECE", "agreeing_route", "checked_route", "gap", "identity", "route_key",
+    "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "gap", "identity",
+    "route_key",
     "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
     "tolerance", "wrong_route_message",
@@ -211,7 +212,9 @@ def signature(function: Hashable, leaves: Sequence[Tensor], batch: int | None,
             tuple(flags))
 
 
-def _cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
+def cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
+    """A random cotangent shaped like ``like``, drawn in float64 from ``gen`` (a generator of
+    the check's own: the global ones are never touched)."""
     u = torch.randn(like.shape, generator=gen, dtype=torch.float64)
     return u.to(dtype=like.dtype, device=like.device)
 
@@ -237,7 +240,7 @@ def one_reverse_product(prob: Problem
             flat, _ = tree_flatten(out)
             if any(o.is_complex() for o in flat):
                 return None
-            us = [_cotangent(o, gen) for o in flat]
+            us = [cotangent(o, gen) for o in flat]
             live = [(o, u) for o, u in zip(flat, us) if o.requires_grad]
             grads: Sequence[Tensor | None] = (
                 torch.autograd.grad([o for o, _ in live], xs, [u for _, u in live],

@@ -18,8 +18,8 @@ in-projection) without necessarily materialising it:
   ``T (p + q) <= p q``, else the direct ``||G_i||^2`` in chunks of examples; ``T == 1`` gives
   ``||a_i||^2 ||g_i||^2``. (NOTE [ghost norms, checked]: the identity sums ``T^2`` products
   whose rounding, in float32, can be the whole of a small gradient's norm; examples where it
-  may be get the direct norm, see :func:`ghost_unsure`.) The clipped sum ``sum_i c_i G_i`` is one matrix product over the
-  ``B * T`` rows.
+  may be get the direct norm, see :func:`ghost_unsure`.) The clipped sum ``sum_i c_i G_i``
+  is one matrix product over the ``B * T`` rows.
 - :class:`EmbeddingFactor`: ``G_i = sum_t onehot(idx[i, t]) g[i, t]^T``; norms and sums by
   index_add over the distinct (example, index) pairs, never a ``(B, V, D)`` tensor.
 - ``ConvFactor`` (in ``rules.conv``): the same for convolution weights.
@@ -388,9 +388,8 @@ class OuterFactor(Factor):
                 unsure = ghost_unsure(out[s:e], products, p + q)
                 # NOTE [ghost norms, checked]: the unsure examples' own gradients, a few at
                 # a time within the norms' budget
-                step = max(1, NORM_CHUNK_ELEMENTS // max(1, p * q))
-                for k in range(0, unsure.numel(), step):
-                    idx = unsure[k:k + step] + s
+                for first, last in chunks(unsure.numel(), p * q, None, NORM_CHUNK_ELEMENTS):
+                    idx = unsure[first:last] + s
                     out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx])).to(out.dtype)
         else:
             kept = keep.buffer(B, (q, p), a) if keep is not None else None

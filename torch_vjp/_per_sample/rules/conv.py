@@ -200,9 +200,12 @@ class ConvFactor(Factor):
                     part = products.view(n, -1).sum(1)
                     # (NOTE [ghost norms, checked] in torch_vjp._per_sample.factors)
                     unsure = ghost_unsure(part, products, cg * k + og)
-                    if unsure.numel():
-                        part[unsure] = sq_norms_rows(torch.bmm(
-                            g4[unsure, j], U4[unsure, j].mT)).to(part.dtype)
+                    # (their own gradients, a few at a time within the norms' budget)
+                    for first, last in chunks(unsure.numel(), og * cg * k, None,
+                                              NORM_CHUNK_ELEMENTS):
+                        idx = unsure[first:last]
+                        part[idx] = sq_norms_rows(torch.bmm(
+                            g4[idx, j], U4[idx, j].mT)).to(part.dtype)
                     out[s:e] += part
             return out
         # Direct: the per-sample gradients (and, for short patches, the unfolded input),
