@@ -35,7 +35,7 @@ from torch_vjp._engine.compiled import check_compile, compiled_call, results_agr
 from torch_vjp._engine.context import (buffers_kept, captured_values, func_jvp, func_vjp,
                                        is_nested, modules_reached)
 from torch_vjp._engine.forms import plain_jvp
-from torch_vjp._engine.refusals import mutates_captured, vmap_refusal
+from torch_vjp._engine.refusals import mutates_captured, refusal_kind, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, map_rows
@@ -59,11 +59,12 @@ def _explained(call: str, what: str) -> Iterator[None]:
             plain = (f"differentiate with plain autograd: out = f(x) with "
                      f"x.requires_grad_(), then torch_vjp.grad(out, x, v) for a vjp, or "
                      f"torch.autograd.functional.{what}(f, x, v)")
-            if "setup_context" in str(err):
+            kind = refusal_kind(err)
+            if kind == "setup_context":
                 fix = (f"give the Function a setup_context staticmethod (forward without ctx; "
                        f"see torch's 'Extending torch.func with autograd.Function'); or "
                        f"{plain}")
-            elif "randomness" in str(err):
+            elif kind == "randomness":
                 fix = ("put the module in eval mode (model.eval()) if the draws are dropout's; "
                        "or take the directions one at a time (chunk_size=1: plain calls of "
                        "f, with the same draws for every direction)")

@@ -5,23 +5,41 @@ refusal of an in-place write into a differentiated leaf (:func:`writes_into_inpu
 
 from __future__ import annotations
 
-__all__ = ["forward_refusal", "mutates_captured", "vmap_refusal", "writes_into_input"]
+__all__ = ["forward_refusal", "mutates_captured", "refusal_kind", "vmap_refusal",
+           "writes_into_input"]
+
+
+#: What each known refusal of torch.func's transforms says, by its kind.
+_WHY = {
+    "captured": ("f changes a tensor it captured in place (a module in training mode "
+                 "updating its running statistics, say)"),
+    "randomness": ("f draws random numbers (dropout in training mode, say), which vmap "
+                   "refuses by default, since its columns would each draw their own"),
+    "setup_context": ("f uses a custom torch.autograd.Function whose forward takes ctx (no "
+                      "setup_context staticmethod), which torch.func's transforms cannot run"),
+}
+
+
+def refusal_kind(err: BaseException) -> str | None:
+    """Which known refusal of torch.func's transforms ``err`` is, of a function plain
+    autograd runs: ``"captured"``, ``"randomness"`` or ``"setup_context"``; else None."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err)
+    if "mutate a captured Tensor" in text:
+        return "captured"
+    if "randomness error mode" in text:
+        return "randomness"
+    if "must override the setup_context staticmethod" in text:
+        return "setup_context"
+    return None
 
 
 def vmap_refusal(err: BaseException) -> str | None:
     """What torch.func's vectorised transforms refused in ``f``, where ``err`` is one of
     their known refusals of a function plain autograd runs (None otherwise)."""
-    if mutates_captured(err):
-        return ("f changes a tensor it captured in place (a module in training mode "
-                "updating its running statistics, say)")
-    if isinstance(err, RuntimeError) and "randomness error mode" in str(err):
-        return ("f draws random numbers (dropout in training mode, say), which vmap "
-                "refuses by default, since its columns would each draw their own")
-    if isinstance(err, RuntimeError) and "must override the setup_context staticmethod" in str(
-            err):
-        return ("f uses a custom torch.autograd.Function whose forward takes ctx (no "
-                "setup_context staticmethod), which torch.func's transforms cannot run")
-    return None
+    kind = refusal_kind(err)
+    return None if kind is None else _WHY[kind]
 
 
 def forward_refusal(err: BaseException) -> str | None:
@@ -39,7 +57,7 @@ def forward_refusal(err: BaseException) -> str | None:
 def mutates_captured(err: BaseException) -> bool:
     """Whether ``err`` is torch.func refusing an in-place change of a tensor the function
     captured (a BatchNorm's running statistics in training mode): plain autograd allows it."""
-    return isinstance(err, RuntimeError) and "mutate a captured Tensor" in str(err)
+    return refusal_kind(err) == "captured"
 
 
 def writes_into_input(err: BaseException) -> bool:
