@@ -1,4 +1,4 @@
-"""The three per-sample mechanisms whose speed the code and docs cite, each against what it
+"""The per-sample mechanisms whose speed the code and docs cite, each against what it
 replaced, measured in one run, paired and alternated (median and IQR of per-pair ratios).
 
 - ``huge_pages``: ``per_sample_grads`` (strategy ``hooks``) on ``mlp_b256`` with result
@@ -11,9 +11,13 @@ replaced, measured in one run, paired and alternated (median and IQR of per-pair
 - ``layer_norm_xhat``: the LayerNorm rule's normalised input from ``F.layer_norm`` without
   the affine map (as now) against ``var_mean`` (as before), on the transformer workload's
   LayerNorm input (32, 32, 128).
+- ``ghost_check``: ``OuterFactor.sq_norms`` by the ghost-norm identity with its check for
+  cancellation (NOTE [ghost norms, checked] in ``torch_vjp/_per_sample/factors.py``, as
+  now) against the identity alone (as before), on ordinary random data of transformer
+  shapes.
 
-Run: ``python benchmarks/bench_per_sample_parts.py [--pairs 15]``. Writes
-``results/per_sample_parts.json`` and ``.md``.
+Run: ``python benchmarks/bench_per_sample_parts.py [--pairs 15] [--mechanisms NAMES]``.
+Writes ``results/per_sample_parts.json`` and ``.md`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -97,6 +101,39 @@ def layer_norm_xhat(pairs: int) -> dict:
     return dict(case="LayerNorm x_hat, (32, 32, 128)", **_ratio(new, old, pairs))
 
 
+GHOST_SHAPES = ((32, 32, 128, 128), (8, 64, 256, 256), (16, 128, 768, 768))  # (B, T, p, q)
+
+
+def ghost_check(pairs: int) -> list[dict]:
+    from torch_vjp._per_sample import factors
+
+    checked = factors.ghost_unsure
+
+    def unchecked(sq, products, width):
+        return sq.new_zeros(0, dtype=torch.long)
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for B, T, p, q in GHOST_SHAPES:
+        f = factors.OuterFactor(torch.randn(B, T, p, generator=gen),
+                                torch.randn(B, T, q, generator=gen), (q, p))
+        assert f.use_ghost()
+
+        def new(f=f):
+            factors.ghost_unsure = checked
+            f.sq_norms(None)
+
+        def old(f=f):
+            factors.ghost_unsure = unchecked
+            try:
+                f.sq_norms(None)
+            finally:
+                factors.ghost_unsure = checked
+
+        rows.append(dict(case=f"ghost norms, B={B} T={T} p={p} q={q}", **_ratio(new, old, pairs)))
+    return rows
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         "# Per-sample mechanisms, each against what it replaced",
@@ -120,11 +157,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS / "per_sample_parts")
+    parser.add_argument("--mechanisms", default="huge_pages,conv_chunks,layer_norm_xhat,"
+                        "ghost_check", help="comma-separated names of the rows to measure")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    rows = [dict(mechanism="huge_pages", **huge_pages(args.pairs))]
-    rows += [dict(mechanism="conv_chunks", **r) for r in conv_chunks(args.pairs)]
-    rows.append(dict(mechanism="layer_norm_xhat", **layer_norm_xhat(args.pairs)))
+    wanted = set(args.mechanisms.split(","))
+    rows = []
+    if "huge_pages" in wanted:
+        rows.append(dict(mechanism="huge_pages", **huge_pages(args.pairs)))
+    if "conv_chunks" in wanted:
+        rows += [dict(mechanism="conv_chunks", **r) for r in conv_chunks(args.pairs)]
+    if "layer_norm_xhat" in wanted:
+        rows.append(dict(mechanism="layer_norm_xhat", **layer_norm_xhat(args.pairs)))
+    if "ghost_check" in wanted:
+        rows += [dict(mechanism="ghost_check", **r) for r in ghost_check(args.pairs)]
     env = dict(torch=torch.__version__, python=platform.python_version(), threads=THREADS,
                pairs=args.pairs,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
