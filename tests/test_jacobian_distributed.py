@@ -18,6 +18,7 @@ import datetime
 import math
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -325,6 +326,93 @@ def _auto_fallbacks(rank, world, group):
     _close(got, torch.func.jacrev(g)(x), f"rank {rank}/{world}, auto vmap -> loop")
 
 
+def _solve_wide(A, cols=torch.linspace(-1.0, 1.0, 300, dtype=DT).reshape(3, 100)):
+    """300 outputs of 9 inputs ("auto": forward mode), whose forward-mode formula for
+    torch.triangular_solve's matrix is wrong in torch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.triangular_solve is deprecated
+        return torch.triangular_solve(cols.expand(*A.shape[:-2], 3, 100), A)[0]
+
+
+def _auto_checked(rank, world, group):
+    """"auto" checks each rank's products against one reverse product, and every rank takes
+    the same next route where some rank's disagree (NOTE [sharded auto, checked])."""
+    from torch_vjp._engine import fwdcheck
+
+    g = torch.Generator().manual_seed(1)
+    A = torch.triu(torch.randn(3, 3, dtype=DT, generator=g)) + 3 * torch.eye(3, dtype=DT)
+    want = torch.autograd.functional.jacobian(_solve_wide, A)
+    assert (torch.func.jacfwd(_solve_wide)(A) - want).abs().max() > 0.1  # forward mode is wrong
+    fwdcheck.CHECKED.clear()
+    what = f"rank {rank}/{world}"
+    with pytest.warns(tv.JacobianWarning, match=r"forward mode .* disagrees with a reverse "
+                      r"product on the Jacobian of .*_solve_wide.*returned the reverse-mode "
+                      r"Jacobian"):
+        _close(tv.jacobian(_solve_wide, A, process_group=group), want, what + ", solve")
+    with warnings.catch_warnings():  # remembered: no warning, no check
+        warnings.simplefilter("error", tv.JacobianWarning)
+        _close(tv.jacobian(_solve_wide, A, process_group=group), want, what + ", solve again")
+        sh = tv.jacobian(_solve_wide, A, process_group=group, shard=True)
+    assert sh.mode == "rev" and sh.total == 300, what
+    torch.testing.assert_close(sh.values, want.reshape(300, 3, 3)[sh.start:sh.stop])
+    # shard=True, checked first (the warning was shown once); and a batch of matrices
+    fwdcheck.CHECKED.clear()
+    sh = tv.jacobian(_solve_wide, A, process_group=group, shard=True)
+    assert sh.mode == "rev" and list(fwdcheck.CHECKED.values()) == ["rev"], what
+    torch.testing.assert_close(sh.values, want.reshape(300, 3, 3)[sh.start:sh.stop])
+    As = torch.stack([A, A.T.triu() + torch.eye(3, dtype=DT)])
+    want_b = torch.stack([torch.autograd.functional.jacobian(_solve_wide, a) for a in As])
+    with pytest.warns(tv.JacobianWarning, match=r"batch_jacobian: forward mode .* disagrees"):
+        _close(tv.batch_jacobian(_solve_wide, As, process_group=group), want_b, what + " batch")
+    # reverse mode under vmap is wrong for torch.cdist's backward (and it has no forward
+    # mode): one reverse product at a time
+    y = torch.randn(4, 2, dtype=DT, generator=g)
+    x = torch.randn(3, 2, dtype=DT, generator=g)
+    dist_y = lambda x: torch.cdist(x, y)  # noqa: E731
+    want = torch.autograd.functional.jacobian(dist_y, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _close(tv.jacobian(dist_y, x, process_group=group), want, what + ", cdist")
+    assert any("reverse mode under torch.vmap disagrees" in str(w.message) for w in caught)
+    sh = tv.jacobian(dist_y, x, process_group=group, shard=True)
+    torch.testing.assert_close(sh.values, want.reshape(12, 3, 2)[sh.start:sh.stop])
+    # ranks that remember different routes (rank 0 alone ran the function first) check again
+    # together, and still compute in one mode
+    fwdcheck.CHECKED.clear()
+    solve = lambda A: _solve_wide(A) * 1.0  # noqa: E731  a function of its own
+    if rank == 0:
+        with pytest.warns(tv.JacobianWarning, match=r"forward mode .* disagrees"):
+            tv.jacobian(solve, A)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        _close(tv.jacobian(solve, A, process_group=group), want_b[0], what + ", rank 0 first")
+    # a function whose forward mode is right is checked once and keeps forward mode
+    fwdcheck.CHECKED.clear()
+    tall = lambda v: torch.outer(v.sin(), torch.arange(40.0, dtype=DT))  # noqa: E731
+    v = torch.randn(5, dtype=DT, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        assert tv.jacobian(tall, v, process_group=group, shard=True).mode == "fwd"
+    assert list(fwdcheck.CHECKED.values()) == ["fwd"], what
+    if world == 1:
+        return
+
+    # an error no check may hide (out of memory), raised in one rank's reverse product for the
+    # check, reaches every rank: none waits for the verdict
+    def runs_out(v):
+        if v.requires_grad and rank == 1:  # (only the check's call records a graph)
+            raise MemoryError("rank 1 ran out of memory")
+        return torch.outer(v.cos(), torch.arange(40.0, dtype=DT))
+
+    if rank == 1:
+        with pytest.raises(MemoryError, match="rank 1 ran out of memory"):
+            tv.jacobian(runs_out, v, process_group=group)
+    else:
+        with pytest.raises(tv.JacobianCallError, match=r"rank 1 of the process_group failed "
+                           r"while computing its share .*MemoryError: rank 1 ran out"):
+            tv.jacobian(runs_out, v, process_group=group)
+
+
 def _worker(rank, world, init_file):
     # a failure that leaves one rank in a collective ends it in a minute, not never
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -336,6 +424,7 @@ def _worker(rank, world, init_file):
         assert not failures, "\n".join(failures)
         _errors_across_ranks(rank, world, dist.group.WORLD)
         _auto_fallbacks(rank, world, dist.group.WORLD)
+        _auto_checked(rank, world, dist.group.WORLD)
         # a subgroup of ranks 0 and 1: the others stay out of it
         sub = dist.new_group([0, 1])
         if rank < 2:
@@ -375,6 +464,7 @@ def one_rank_group():
 def test_one_rank_group_equals_single_process(one_rank_group):
     failures = _run_cases(0, 1, one_rank_group) + _run_batch_cases(0, 1, one_rank_group)
     assert not failures, "\n".join(failures)
+    _auto_checked(0, 1, one_rank_group)
 
 
 def test_sharded_jacobian_err_check(one_rank_group):

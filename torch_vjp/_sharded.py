@@ -22,7 +22,8 @@ with rank 0's: strategy, ``argnums``, ``has_aux``, ``shard``, the differentiated
 shapes and dtypes, and two checksums of their values (the sum and a position-weighted sum, in
 float64, compared to a relative 1e-9: the same values summed with different thread counts
 may differ in the last bits). The mode of ``"auto"`` is then chosen from sizes alone, the
-same on every rank. After the products, one ``all_reduce`` (MAX) of a status code tells every
+same on every rank, and its products are checked against one reverse product as on one
+process (NOTE [sharded auto, checked] in ``torch_vjp._sharded_check``). After the products, one ``all_reduce`` (MAX) of a status code tells every
 rank whether some rank failed: then every rank raises (the failing ranks their own error,
 the others a :class:`JacobianCallError` naming the rank and quoting its error), and none waits
 for a gather that will not come. ``"auto"`` falls back from vmap to a loop on each rank by
@@ -48,11 +49,13 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
+from torch_vjp._engine.fwdcheck import remember, route_key, signature, wrong_route_message
 from torch_vjp._engine.jacobian import (
     JACOBIAN_ALTERNATIVES,
     NoForwardMode,
     fallback_message,
     function_key,
+    function_name,
     no_forward_message,
 )
 from torch_vjp._engine.memory import plan_products
@@ -65,8 +68,14 @@ from torch_vjp._errors import (
     JacobianWarning,
     passes_through,
     quote_error,
-    shape_str,
     warn_once,
+)
+from torch_vjp._sharded_check import (
+    agreed_route,
+    check_agreement,
+    fail_before_exchange,
+    own_gap,
+    verdict,
 )
 from torch_vjp._strategies import Strategy, choose_mode
 
@@ -257,36 +266,34 @@ def sharded_jacobian(
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _comm_device(group, prob.leaves[0].device)
-    _check_agreement(prob, strat, shard, group, rank, world)
+    check_agreement(prob, strat.name, shard, group, rank, world)
     work = _Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
-    mode = strat.mode
-    try:
-        shapes = None
-        if mode != "rev":
+    mode, shapes, key, route = strat.mode, None, None, None
+    if mode is None:  # "auto": the mode from sizes alone, the same on every rank
+        try:
             shapes = _probe(prob)
-            if mode is None:  # from sizes alone: the same on every rank
-                n_in = sum(math.prod(s) for s in in_rows(prob, batch))
-                n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob))
-                mode = choose_mode(n_in, n_out)
-        part = work.run(mode, shapes)
-        status, err = _OK, None
-    except NoForwardMode as failed:
-        part, status, err = None, _NO_FWD, failed.err
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
-        part, status, err = None, _FAILED, exc
-    code = _all_max(status, group, device)
+            n_in = sum(math.prod(s) for s in in_rows(prob, batch))
+            n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob))
+            mode = choose_mode(n_in, n_out)
+            key = (signature(route_key(prob.f), prob.leaves, batch, prob.primals), mode)
+            err = None
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+            err = exc
+        if _all_max(_OK if err is None else _FAILED, group, device) == _FAILED:
+            _raise_failure(prob, err, group, rank, world)
+        route = agreed_route(key, group, device)  # NOTE [sharded auto, checked]
+    part, code, err = _attempt(lambda: _route(work, route or mode, shapes), group, device)
     if code == _NO_FWD:
         if err is not None:
             _warn_no_forward(prob, err)
         mode = "rev"
-        try:
-            part = work.run(mode, None)
-            status, err = _OK, None
-        except Exception as exc:  # noqa: BLE001 - as above
-            part, status, err = None, _FAILED, exc
-        code = _all_max(status, group, device)
+        part, code, err = _attempt(lambda: work.run(mode, None), group, device)
     if code == _FAILED:
         _raise_failure(prob, err, group, rank, world)
+    if route is not None and route != "fwd":
+        mode = "rev"
+    elif key is not None:
+        part, mode = _checked(prob, work, part, mode, shapes, key, group, device)
     assert part is not None
     stacked, spec, rows_out, aux, start, stop, n = part
     if shard:
@@ -299,6 +306,60 @@ def sharded_jacobian(
         blocks, views = fwd_blocks(full, in_rows(prob, batch))
     jac = assemble(prob, Blocks(blocks, spec, aux, mode, views))
     return (jac, aux) if prob.has_aux else jac
+
+
+def _attempt(compute: Any, group: Any, device: torch.device) -> tuple[Any, int, Any]:
+    """``(part, code, err)``: this rank's products, and the worst status over the ranks."""
+    try:
+        part, status, err = compute(), _OK, None
+    except NoForwardMode as failed:
+        part, status, err = None, _NO_FWD, failed.err
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+        part, status, err = None, _FAILED, exc
+    return part, _all_max(status, group, device), err
+
+
+def _route(work: _Work, route: str, shapes: Any) -> tuple[Any, ...]:
+    """This rank's products by ``route`` ("fwd", "rev" or "rev-loop")."""
+    if route == "rev-loop":
+        return work._products("rev", None, False)
+    return work.run(route, shapes if route == "fwd" else None)
+
+
+def _checked(prob: Problem, work: _Work, part: tuple[Any, ...], mode: str, shapes: Any,
+             key: Any, group: Any, device: torch.device) -> tuple[tuple[Any, ...], str]:
+    """``(part, mode)`` if every rank's products agree with a reverse product; else the
+    first of the next routes that does, on every rank alike, and "rev" (NOTE [sharded auto,
+    checked])."""
+    def agrees(p: tuple[Any, ...], m: str) -> tuple[bool, float, float]:
+        err = None
+        try:
+            mine = own_gap(prob, m, p[0], p[4], p[5], work.batch)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+            mine, err = None, exc
+        ok, d, s, failed = verdict(mine, prob.leaves[0].dtype, err is not None, group, device)
+        if failed:
+            _raise_failure(prob, err, group, work.rank, work.world)
+        return ok, d, s
+
+    ok, diff, scale = agrees(part, mode)
+    if ok:
+        remember(key, mode)
+        return part, mode
+    for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
+        alt, code, _ = _attempt(lambda: _route(work, name, shapes), group, device)
+        if code != _OK or not agrees(alt, "rev")[0]:
+            continue
+        remember(key, name)
+        warn_once(
+            (prob.call, function_key(prob.f), mode, name),
+            wrong_route_message(prob.call, function_name(prob.f), mode, name, diff, scale,
+                                "strategy"),
+            JacobianWarning,
+        )
+        return alt, "rev"
+    remember(key, mode)
+    return part, mode
 
 
 class _Work:
@@ -464,94 +525,6 @@ def _gather(t: Tensor, n: int, group: Any, world: int, device: torch.device) -> 
         a, b = shard_range(n, r, world)
         parts.append(piece[: b - a])
     return torch.cat(parts).to(t.device)
-
-
-def _signature(prob: Problem, strat: Strategy, shard: bool) -> dict[str, Any]:
-    sums = []
-    for leaf in prob.leaves:
-        x = leaf.detach().reshape(-1).to(torch.float64)
-        if x.is_complex():
-            x = torch.view_as_real(x).reshape(-1)
-        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
-        sums.append((float(x.sum()), float((x * w).sum() / max(1, x.numel()))))
-    return {
-        "strategy": strat.name,
-        "argnums": prob.argnums,
-        "has_aux": prob.has_aux,
-        "shard": shard,
-        "shapes": [tuple(leaf.shape) for leaf in prob.leaves],
-        "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
-        "sums": sums,
-    }
-
-
-def _check_agreement(prob: Problem, strat: Strategy, shard: bool, group: Any, rank: int,
-                     world: int) -> None:
-    """Raises, on every rank, if some rank's call differs from rank 0's, or some rank could
-    not even set its call up (NOTE [sharded Jacobian])."""
-    mine = _signature(prob, strat, shard)
-    sigs: list[Any] = [None] * world
-    _dist().all_gather_object(sigs, mine, group=group)
-    for r, sig in enumerate(sigs):
-        if "failed" in sig:
-            raise JacobianCallError(
-                f"{prob.call}: rank {r} of the process_group rejected its call before any "
-                f"product, so this rank ({rank}) has no whole Jacobian to return. Rank {r} "
-                f"said: {sig['failed']}\n"
-                f"  The cause and its fix are in rank {r}'s traceback; every rank must make "
-                f"the same call."
-            )
-    ref = sigs[0]
-    for r, sig in enumerate(sigs[1:], start=1):
-        for key in ("strategy", "argnums", "has_aux", "shard", "shapes", "dtypes"):
-            if sig[key] != ref[key]:
-                _disagree(prob, r, key, ref[key], sig[key])
-        for i, (a, b) in enumerate(zip(ref["sums"], sig["sums"])):
-            for u, v in zip(a, b):
-                if abs(u - v) > 1e-9 * max(1.0, abs(u), abs(v)):
-                    _disagree(prob, r, "values", None, None, i)
-
-
-def fail_before_exchange(err: BaseException, group: Any) -> None:
-    """This rank's call failed before the exchange that opens a sharded Jacobian (an invalid
-    option, primal or argnums): tells the other ranks, which are waiting in that exchange, so
-    that they raise too (:func:`_check_agreement`) instead of waiting for ever. The caller
-    raises ``err`` next."""
-    try:
-        dist = _dist()
-        said: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(said, {"failed": quote_error(err)}, group=group)
-    except Exception:  # noqa: BLE001 - the caller's own error is what this rank raises
-        pass
-
-
-def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0) -> None:
-    call = prob.call
-    if key == "values":
-        raise JacobianCallError(
-            f"{call}: the differentiated {prob.leaf_name(leaf)} holds different values "
-            f"on rank {r} than on rank 0 (their checksums differ), but with a process_group "
-            f"every rank computes a share of one Jacobian, at one point, so the primals must "
-            f"be the same on every rank.\n"
-            f"  Fix: make them equal (seed every rank's generator alike, or broadcast them "
-            f"from rank 0 with torch.distributed.broadcast), or pass process_group=None to "
-            f"compute each rank's own Jacobian."
-        )
-    if key in ("shapes", "dtypes"):
-        fmt = shape_str if key == "shapes" else str
-        got = f"the differentiated primals have {key[:-1]}s {', '.join(fmt(s) for s in got)}"
-        ref = ", ".join(fmt(s) for s in ref)
-        what = f"{got} on rank {r} but {ref} on rank 0"
-    else:
-        what = f"{key}={got!r} on rank {r} but {key}={ref!r} on rank 0"
-    raise JacobianCallError(
-        f"{call}: the call differs between ranks: {what}. With a process_group every "
-        f"rank computes a share of one Jacobian, so every rank must make the same call "
-        f"(the same strategy, argnums, has_aux and shard, and primals of the same shapes, "
-        f"dtypes and values).\n"
-        f"  Fix: call it with the same arguments on every rank, or pass process_group=None "
-        f"to compute each rank's own Jacobian."
-    )
 
 
 def _raise_failure(prob: Problem, err: BaseException | None, group: Any, rank: int,

@@ -219,11 +219,13 @@ def cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
     return u.to(dtype=like.dtype, device=like.device)
 
 
-def one_reverse_product(prob: Problem
-                        ) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
+def one_reverse_product(
+    prob: Problem, keep: Callable[[list[Tensor]], list[Tensor]] | None = None
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
     """f's flat outputs, random cotangents ``u`` (one per output, from a generator of its
-    own) and ``u^T J`` per leaf (zeros where unused): one more call of f. None where the
-    check does not apply (a complex tensor or one on the meta device, a function plain
+    own, then rewritten by ``keep`` where given: a rank's share, NOTE [sharded auto,
+    checked]) and ``u^T J`` per leaf (zeros where unused): one more call of f. None where
+    the check does not apply (a complex tensor or one on the meta device, a function plain
     autograd cannot differentiate)."""
     leaves = prob.leaves
     if any(x.is_complex() or x.device.type == "meta" for x in leaves):
@@ -241,6 +243,8 @@ def one_reverse_product(prob: Problem
             if any(o.is_complex() for o in flat):
                 return None
             us = [cotangent(o, gen) for o in flat]
+            if keep is not None:
+                us = keep(us)
             live = [(o, u) for o, u in zip(flat, us) if o.requires_grad]
             grads: Sequence[Tensor | None] = (
                 torch.autograd.grad([o for o, _ in live], xs, [u for _, u in live],

@@ -1,0 +1,242 @@
+"""What a sharded Jacobian checks: that every rank makes the same call (NOTE [sharded
+Jacobian] in ``torch_vjp._sharded``), and ``"auto"``'s products against one reverse
+product, on every rank.
+
+NOTE [sharded auto, checked]
+``"auto"`` checks its vectorised Jacobian against one reverse product without vmap (NOTE
+[auto, checked once] in ``torch_vjp._engine.fwdcheck``): forward-mode formulas and the
+batching rules of backward formulas are wrong for a few torch operators. With a process
+group no rank holds the whole Jacobian before the gather (and with ``shard=True`` none
+ever does), so each rank checks its own products:
+
+- forward mode: its columns ``[start, stop)`` give ``(u^T J)[start:stop]``, compared with
+  those entries of one reverse product ``u^T J``;
+- reverse mode: its rows ``[start, stop)`` give ``u'^T J`` for the cotangent ``u'`` that is
+  ``u`` on those rows and zero elsewhere, compared with one reverse product with ``u'``.
+
+``u`` comes from a generator of the check's own, the same on every rank. One ``all_reduce``
+(MAX) of the largest difference, the largest entry and an "unchecked" flag (a rank whose
+reverse product plain autograd cannot take) makes the verdict the same on every rank, so
+every rank takes the same next route: reverse mode under vmap after forward mode, then
+one reverse product at a time, the first that agrees, with the single-process warning.
+The route is remembered under the key the single-process check uses (the same function,
+input signature and size-chosen mode: the verdict is about f's operators, not about the
+group); before computing, one ``all_reduce`` (SUM of one-hot votes) takes a remembered
+route only where every rank remembers the same one, so that ranks whose caches differ
+(one rank also ran the function alone) still compute in one mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_vjp._engine.fwdcheck import CHECKED, gap, one_reverse_product, tolerance
+from torch_vjp._engine.problem import Problem
+from torch_vjp._errors import JacobianCallError, quote_error, shape_str
+
+__all__ = [
+    "ROUTES", "agreed_route", "check_agreement", "fail_before_exchange", "own_gap", "verdict",
+]
+
+#: The routes "auto" may take, in the order it tries them.
+ROUTES = ("fwd", "rev", "rev-loop")
+
+
+def agreed_route(key: Hashable, group: Any, device: torch.device) -> str | None:
+    """The route every rank of ``group`` remembers for ``key``, or None where some rank
+    remembers none or another one (then the call is checked again)."""
+    import torch.distributed as dist
+
+    votes = torch.zeros(len(ROUTES) + 1, dtype=torch.int64, device=device)
+    route = CHECKED.get(key)
+    votes[ROUTES.index(route) if route in ROUTES else len(ROUTES)] = 1
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group)
+    world = dist.get_world_size(group)
+    for name, n in zip(ROUTES, votes.tolist()):
+        if n == world:
+            return name
+    return None
+
+
+def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, stop: int,
+            batch: int | None) -> tuple[float, float] | None:
+    """``(difference, scale)`` between ``u^T J`` read from this rank's products (``stacked``,
+    in ``mode``, numbered ``[start, stop)``) and one reverse product (NOTE [sharded auto,
+    checked]); None where the reverse product cannot be taken."""
+    if stop == start:
+        return 0.0, 0.0
+    keep = None if mode == "fwd" else (lambda us: _only_rows(us, start, stop, batch))
+    got = one_reverse_product(prob, keep)
+    if got is None:
+        return None
+    flat, us, grads = got
+    with torch.no_grad():
+        if mode == "fwd":
+            if len(flat) != len(stacked):
+                return math.inf, 0.0
+            k = stop - start
+            mine = None
+            for t, u in zip(stacked, us):
+                t = t.detach()
+                if batch is None:
+                    part = t.reshape(k, -1) @ u.reshape(-1).to(t.dtype)
+                else:
+                    part = (t.reshape(k, batch, -1) * u.reshape(1, batch, -1).to(t.dtype)).sum(-1)
+                part = part.to(grads[0].dtype) if grads else part
+                mine = part if mine is None else mine + part
+            ref = (torch.cat([g.reshape(-1) for g in grads])[start:stop] if batch is None
+                   else torch.cat([g.reshape(batch, -1) for g in grads], 1)[:, start:stop].T)
+            if mine is None or mine.shape != ref.shape:
+                return math.inf, 0.0
+            return gap(mine.reshape(-1), ref.reshape(-1))
+        rows = _flat_cotangent(us, batch)[..., start:stop]  # (k,) or (B, k)
+        diff = scale = 0.0
+        for t, g in zip(stacked, grads):
+            t = t.detach()
+            k = t.shape[0]
+            if batch is None:
+                mine = rows.to(t.dtype) @ t.reshape(k, -1)
+            else:
+                mine = (rows.T.to(t.dtype).reshape(k, batch, 1) * t.reshape(k, batch, -1)).sum(0)
+            d, s = gap(mine.reshape(-1).to(g.dtype), g.reshape(-1))
+            if math.isnan(d) or d > diff:
+                diff = d
+            scale = max(scale, s)
+        return diff, scale
+
+
+def verdict(gap: tuple[float, float] | None, dtype: torch.dtype, failed: bool, group: Any,
+            device: torch.device) -> tuple[bool, float, float, bool]:
+    """Every rank's ``(agrees, difference, scale, failed)`` from each rank's :func:`own_gap`:
+    the largest difference against the largest scale over the ranks; a rank that could not
+    check makes the result stand (``agrees``); ``failed``: some rank's check raised (every
+    rank raises next)."""
+    import torch.distributed as dist
+
+    diff, scale = (0.0, 0.0) if gap is None else gap
+    if math.isnan(diff):
+        diff = math.inf  # (a NaN is a disagreement; MAX of a NaN is not defined by every backend)
+    t = torch.tensor([diff, scale, float(gap is None), float(failed)], dtype=torch.float64,
+                     device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    diff, scale, unchecked, failed_any = t.tolist()
+    return (bool(unchecked) or diff <= tolerance(dtype) * scale, diff, scale,
+            bool(failed_any))
+
+
+def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
+    sums = []
+    for leaf in prob.leaves:
+        x = leaf.detach().reshape(-1).to(torch.float64)
+        if x.is_complex():
+            x = torch.view_as_real(x).reshape(-1)
+        w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+        sums.append((float(x.sum()), float((x * w).sum() / max(1, x.numel()))))
+    return {
+        "strategy": strategy,
+        "argnums": prob.argnums,
+        "has_aux": prob.has_aux,
+        "shard": shard,
+        "shapes": [tuple(leaf.shape) for leaf in prob.leaves],
+        "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
+        "sums": sums,
+    }
+
+
+def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank: int,
+                    world: int) -> None:
+    """Raises, on every rank, if some rank's call differs from rank 0's, or some rank could
+    not even set its call up (NOTE [sharded Jacobian])."""
+    import torch.distributed as dist
+
+    mine = _signature(prob, strategy, shard)
+    sigs: list[Any] = [None] * world
+    dist.all_gather_object(sigs, mine, group=group)
+    for r, sig in enumerate(sigs):
+        if "failed" in sig:
+            raise JacobianCallError(
+                f"{prob.call}: rank {r} of the process_group rejected its call before any "
+                f"product, so this rank ({rank}) has no whole Jacobian to return. Rank {r} "
+                f"said: {sig['failed']}\n"
+                f"  The cause and its fix are in rank {r}'s traceback; every rank must make "
+                f"the same call."
+            )
+    ref = sigs[0]
+    for r, sig in enumerate(sigs[1:], start=1):
+        for key in ("strategy", "argnums", "has_aux", "shard", "shapes", "dtypes"):
+            if sig[key] != ref[key]:
+                _disagree(prob, r, key, ref[key], sig[key])
+        for i, (a, b) in enumerate(zip(ref["sums"], sig["sums"])):
+            for u, v in zip(a, b):
+                if abs(u - v) > 1e-9 * max(1.0, abs(u), abs(v)):
+                    _disagree(prob, r, "values", None, None, i)
+
+
+def fail_before_exchange(err: BaseException, group: Any) -> None:
+    """This rank's call failed before the exchange that opens a sharded Jacobian (an invalid
+    option, primal or argnums): tells the other ranks, which are waiting in that exchange, so
+    that they raise too (:func:`check_agreement`) instead of waiting for ever. The caller
+    raises ``err`` next."""
+    try:
+        import torch.distributed as dist
+
+        said: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, {"failed": quote_error(err)}, group=group)
+    except Exception:  # noqa: BLE001 - the caller's own error is what this rank raises
+        pass
+
+
+def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0) -> None:
+    call = prob.call
+    if key == "values":
+        raise JacobianCallError(
+            f"{call}: the differentiated {prob.leaf_name(leaf)} holds different values "
+            f"on rank {r} than on rank 0 (their checksums differ), but with a process_group "
+            f"every rank computes a share of one Jacobian, at one point, so the primals must "
+            f"be the same on every rank.\n"
+            f"  Fix: make them equal (seed every rank's generator alike, or broadcast them "
+            f"from rank 0 with torch.distributed.broadcast), or pass process_group=None to "
+            f"compute each rank's own Jacobian."
+        )
+    if key in ("shapes", "dtypes"):
+        fmt = shape_str if key == "shapes" else str
+        got = f"the differentiated primals have {key[:-1]}s {', '.join(fmt(s) for s in got)}"
+        ref = ", ".join(fmt(s) for s in ref)
+        what = f"{got} on rank {r} but {ref} on rank 0"
+    else:
+        what = f"{key}={got!r} on rank {r} but {key}={ref!r} on rank 0"
+    raise JacobianCallError(
+        f"{call}: the call differs between ranks: {what}. With a process_group every "
+        f"rank computes a share of one Jacobian, so every rank must make the same call "
+        f"(the same strategy, argnums, has_aux and shard, and primals of the same shapes, "
+        f"dtypes and values).\n"
+        f"  Fix: call it with the same arguments on every rank, or pass process_group=None "
+        f"to compute each rank's own Jacobian."
+    )
+
+
+def _flat_cotangent(us: Sequence[Tensor], batch: int | None) -> Tensor:
+    """The cotangents concatenated in the products' numbering: flat, or ``(B, n)`` per row."""
+    if batch is None:
+        return torch.cat([u.reshape(-1).to(torch.float64) for u in us])
+    return torch.cat([u.reshape(batch, -1).to(torch.float64) for u in us], 1)
+
+
+def _only_rows(us: list[Tensor], start: int, stop: int, batch: int | None) -> list[Tensor]:
+    """The cotangents with every element outside the products ``[start, stop)`` zeroed."""
+    out, offset = [], 0
+    for u in us:
+        n = u.numel() if batch is None else math.prod(u.shape[1:])
+        v = u.clone().reshape(-1) if batch is None else u.clone().reshape(batch, -1)
+        lo, hi = min(max(start - offset, 0), n), min(max(stop - offset, 0), n)
+        v[..., :lo] = 0
+        v[..., hi:] = 0
+        out.append(v.reshape(u.shape))
+        offset += n
+    return out
+
