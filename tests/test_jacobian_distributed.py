@@ -194,6 +194,17 @@ def _errors_across_ranks(rank, world, group):
                        r"different values on rank 1 than on rank 0.*must be the same on every "
                        r"rank.*Fix: make them equal .*broadcast"):
         tv.jacobian(f, x + rank * 1e-3, process_group=group)
+    # a change that cancels in the sum and in a position-weighted sum; values at a tiny scale
+    cancels = x.clone()
+    cancels[:3] += torch.tensor([1.0, -2.0, 1.0], dtype=DT) * 1e-3 * rank
+    tiny = x * 1e-12 * (1 + rank)
+    for y in (cancels, tiny):
+        with pytest.raises(tv.JacobianCallError, match=r"holds different values on rank 1"):
+            tv.jacobian(f, y, process_group=group)
+    # NaN and inf alike on every rank are the same values
+    same = x.clone()
+    same[0], same[1] = float("nan"), float("inf")
+    tv.jacobian(f, same, process_group=group)
     with pytest.raises(tv.JacobianCallError, match=r"(?s)the call differs between ranks: "
                        r"the differentiated primals have shapes \(6,\) on rank 1 but \(5,\) "
                        r"on rank 0.*Fix: call it with the same arguments on every rank"):

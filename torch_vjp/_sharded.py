@@ -19,14 +19,15 @@ returns a :class:`JacobianShard` holding its own products and their range.
 Ranks must agree on what they compute, or a collective would wait for ever or gather
 mismatched pieces. Before any product, one ``all_gather_object`` compares every rank's call
 with rank 0's: strategy, ``argnums``, ``has_aux``, ``shard``, the differentiated primals'
-shapes and dtypes, and two checksums of their values (the sum and a position-weighted sum, in
-float64, compared to a relative 1e-9: the same values summed with different thread counts
-may differ in the last bits). The mode of ``"auto"`` is then chosen from sizes alone, the
-same on every rank, and its products are checked against one reverse product as on one
-process (NOTE [sharded auto, checked] in ``torch_vjp._sharded_check``). After the products, one ``all_reduce`` (MAX) of a status code tells every
-rank whether some rank failed: then every rank raises (the failing ranks their own error,
-the others a :class:`JacobianCallError` naming the rank and quoting its error), and none waits
-for a gather that will not come. ``"auto"`` falls back from vmap to a loop on each rank by
+shapes and dtypes, and two checksums of their values (the sum and a sum weighted by random
+numbers drawn alike on every rank, in float64, each compared to 1e-9 of the sum of its
+terms' magnitudes: the same values summed with different thread counts may differ in the
+last bits). The mode of ``"auto"`` is then chosen from sizes alone, the same on every rank,
+and its products are checked against one reverse product as on one process (NOTE [sharded
+auto, checked] in ``torch_vjp._sharded_check``). After the products, one ``all_reduce``
+(MAX) of a status code tells every rank whether some rank failed: then every rank raises
+(the failing ranks their own error, the others a :class:`JacobianCallError` naming the rank
+and quoting its error), and none waits for a gather that will not come. ``"auto"`` falls back from vmap to a loop on each rank by
 itself (the values are the same either way); when forward mode fails on some rank, every
 rank computes again in reverse mode, so that the shards fit together.
 
