@@ -143,8 +143,10 @@ def test_only_inputs_false_warns_as_torch_does():
 def test_grad_tensors_and_grad_variables_both_raise_torch_sentence():
     x = torch.ones(2, requires_grad=True)
     for fn in (tv.backward, torch.autograd.backward):
-        with pytest.raises(RuntimeError, match="`grad_tensors` and `grad_variables` .deprecated. "
-                                               "arguments both passed"):
+        # (torch warns of the deprecated name before it raises)
+        with pytest.warns(FutureWarning, match="`grad_variables` is deprecated"), \
+                pytest.raises(RuntimeError, match="`grad_tensors` and `grad_variables` "
+                              ".deprecated. arguments both passed"):
             fn(x * 3, torch.ones(2), grad_variables=torch.ones(2))
     with pytest.raises(tv.GradOutputsError, match="only one may be") as info:
         tv.backward(x * 3, torch.ones(2), grad_variables=torch.ones(2))

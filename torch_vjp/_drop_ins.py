@@ -230,6 +230,9 @@ def _backward(
         return torch_backward(tensors, grad_tensors, retain_graph, create_graph,
                               grad_variables, inputs=inputs)
     if grad_variables is not None:
+        # (torch warns of the deprecated name first, whether or not it then raises)
+        warnings.warn("`grad_variables` is deprecated. Use `grad_tensors` instead.",
+                      FutureWarning, stacklevel=user_stacklevel())
         if grad_tensors is not None:
             raise torch_first(
                 GradOutputsError,
@@ -239,8 +242,6 @@ def _backward(
                 "`grad_tensors` and `grad_variables` (deprecated) arguments both passed to "
                 "`backward()`. Please only use `grad_tensors`.",
             )
-        warnings.warn("`grad_variables` is deprecated. Use `grad_tensors` instead.",
-                      FutureWarning, stacklevel=user_stacklevel())
         grad_tensors = grad_variables
     if inputs is None:
         ins: tuple[Any, ...] | None = ()
