@@ -35,7 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.fwdcheck import CHECKED, gap, one_reverse_product, tolerance
+from torch_vjp._engine.fwdcheck import (
+    CHECKED,
+    gap,
+    one_reverse_product,
+    stacked_gap,
+    tolerance,
+)
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianCallError, quote_error, shape_str
 
@@ -95,19 +101,7 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
                 return math.inf, 0.0
             return gap(mine.reshape(-1), ref.reshape(-1))
         rows = _flat_cotangent(us, batch)[..., start:stop]  # (k,) or (B, k)
-        diff = scale = 0.0
-        for t, g in zip(stacked, grads):
-            t = t.detach()
-            k = t.shape[0]
-            if batch is None:
-                mine = rows.to(t.dtype) @ t.reshape(k, -1)
-            else:
-                mine = (rows.T.to(t.dtype).reshape(k, batch, 1) * t.reshape(k, batch, -1)).sum(0)
-            d, s = gap(mine.reshape(-1).to(g.dtype), g.reshape(-1))
-            if math.isnan(d) or d > diff:
-                diff = d
-            scale = max(scale, s)
-        return diff, scale
+        return stacked_gap(rows, stacked, grads, batch)
 
 
 def verdict(gap: tuple[float, float] | None, dtype: torch.dtype, failed: bool, group: Any,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.fwdcheck import CHECKED, cotangent, gap, remember, tolerance
+from torch_vjp._engine.fwdcheck import CHECKED, cotangent, remember, stacked_gap, tolerance
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once
@@ -234,17 +234,7 @@ def _gap(product: tuple[Tensor, tuple[Tensor | None, ...]], blocks: Sequence[Ten
     """``(difference, scale)`` between ``u^T J`` read from ``blocks`` (``(n, *in_i)`` per
     input) and the backward pass ``product`` (:func:`_unbatched_product`)."""
     u, got = product
-    diff = scale = 0.0
-    with torch.no_grad():
-        for b, g in zip(blocks, got):
-            b = b.detach()
-            want = torch.zeros(b.shape[1:], dtype=b.dtype, device=b.device) if g is None else g
-            d, s = gap((u.to(b.dtype) @ b.reshape(u.numel(), -1)).reshape(-1),
-                       want.reshape(-1).to(b.dtype))
-            if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
-                diff = d
-            scale = max(scale, s)
-    return diff, scale
+    return stacked_gap(u.reshape(-1), blocks, got)
 
 
 def _warn(message: str) -> None:

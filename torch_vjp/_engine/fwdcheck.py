@@ -53,6 +53,7 @@ __all__ = [
     "route_key",
     "largest_difference",
     "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
+    "stacked_gap",
     "tolerance", "wrong_route_message",
 ]
 
@@ -265,6 +266,34 @@ def gap(a: Tensor, b: Tensor) -> tuple[float, float]:
         return 0.0, 0.0
     d, s = torch.stack((a - b, torch.maximum(a.abs(), b.abs()))).abs().amax(1).tolist()
     return d, s
+
+
+def stacked_gap(u: Tensor, stacked: Sequence[Tensor], grads: Sequence[Tensor | None],
+                batch: int | None = None) -> tuple[float, float]:
+    """``(difference, scale)`` between ``u^T J`` read from reverse-mode products
+    (``stacked[i]``: ``(k, [B,] *in_i)``, one row per cotangent element; ``u``: ``(k,)``, or
+    ``(B, k)`` per row of a batch) and reverse products ``grads`` (None: zeros), over
+    every input.
+
+    Example:
+        >>> stacked_gap(torch.tensor([1.0, 2.0]), [torch.eye(2)], [torch.tensor([1.0, 2.5])])
+        (0.5, 2.5)
+    """
+    diff = scale = 0.0
+    with torch.no_grad():
+        for t, g in zip(stacked, grads):
+            t = t.detach()
+            k = t.shape[0]
+            if batch is None:
+                mine = u.to(t.dtype) @ t.reshape(k, -1)
+            else:
+                mine = (u.T.to(t.dtype).reshape(k, batch, 1) * t.reshape(k, batch, -1)).sum(0)
+            want = torch.zeros_like(mine) if g is None else g.to(t.dtype)
+            d, s = gap(mine.reshape(-1), want.reshape(-1))
+            if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
+                diff = d
+            scale = max(scale, s)
+    return diff, scale
 
 
 def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
