@@ -165,3 +165,31 @@ def test_tied_weights_norms_need_no_batch_times_parameter_buffer():
         lambda: torch.autograd.grad(_lm_loss(model(ids), ids), list(model.parameters())), cpu)
     # the tied table's per-sample gradients are written a chunk of examples at a time
     assert peak - plain < batch_times_table / 2, (peak, plain)
+
+
+@pytest.mark.parametrize("tool", ["ModuleTracker", "FlopCounterMode"])
+def test_works_under_torch_tools_that_hook_every_module(tool):
+    """torch's ModuleTracker (and FlopCounterMode, which uses it) registers a global forward
+    pre-hook that puts a multi-grad hook on each module's inputs; such a hook cannot take a
+    leaf inside ``torch.autograd.grad``, and the plan's data-flow probe ran the model on
+    leaves that require grad (valid code raised torch's "A leaf node was passed to
+    _will_engine_execute_node")."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.module_tracker import ModuleTracker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(3 * 4 * 4, 2)).to(DT)
+    x, y = torch.randn(5, 2, 6, 6, dtype=DT), torch.randn(5, 2, dtype=DT)
+    loss = nn.MSELoss()
+    want = tv.per_sample_grads(model, loss, x, y, strategy="loop")
+    want_norms = torch.stack([torch.cat([g[i].reshape(-1) for g in want.values()]).norm()
+                              for i in range(5)])
+    for strategy in ("auto", "hooks", "vmap", "loop"):  # (the plan is built under the tool)
+        ctx = ModuleTracker() if tool == "ModuleTracker" else FlopCounterMode(display=False)
+        with ctx:
+            got = tv.per_sample_grads(model, loss, x, y, strategy=strategy)
+            norms = tv.per_sample_grad_norms(model, loss, x, y, strategy=strategy)
+        for name, g in want.items():
+            torch.testing.assert_close(got[name], g, msg=f"{strategy} {name}")
+        torch.testing.assert_close(norms, want_norms, msg=strategy)

@@ -348,8 +348,11 @@ def _grad_probe(
     that fails under the recording even then has every parameter planned for vmap or the
     loop, with the reason (``hooks`` refuses it with that reason)."""
     model, sel, batch = job.model, job.sel, job.batch
+    # (views of leaves, not the leaves: a global module hook that registers a multi-grad
+    # hook on a module's inputs, torch's ModuleTracker and FlopCounterMode, cannot take a
+    # leaf inside autograd.grad, which the probe's data-flow test runs)
     leaves = tuple(
-        x.detach().requires_grad_(True)
+        x.detach().requires_grad_(True).view_as(x)
         if grad_inputs and (x.is_floating_point() or x.is_complex()) else x
         for x in job.xs
     )
