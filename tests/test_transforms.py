@@ -250,29 +250,33 @@ def test_a_tangent_shaped_like_the_output_is_named_so():
         "torch_vjp.jvp: tangents[0] has shape (3,), but primals[0] has shape (5,).\n"
         "  tangents[0] is a direction of change dx for primals[0]: one number per element of "
         "primals[0], so it must have shape (5,).\n"
-        "  tangents[0] has the shape of f's output, (3,): a vector shaped like the output is a "
-        "cotangent, for a vector-Jacobian product v^T J (torch_vjp.vjp(f, *primals)[1](v)); a "
-        "tangent is a change of the input, shaped like primals[0], for J t. "
+        "  If tangents[0] is shaped like f's output, it is a cotangent: a vector shaped like "
+        "the output is for a vector-Jacobian product v^T J (torch_vjp.vjp(f, *primals)[1](v)); "
+        "a tangent is a change of the input, shaped like primals[0], for J t. "
         "torch_vjp.jacobian(f, *primals) gives the whole Jacobian.")):
         jvp(lambda v: torch.ones(3, 5, dtype=D) @ v, (x,), (torch.ones(3, dtype=D),))
     with pytest.raises(tv.GradOutputsError, match=re.escape(
         "pass batched=True; torch_vjp.jacobian(f, *primals) computes the whole Jacobian.\n"
-        "  tangents[0] has the shape of f's output, (4, 4): ") + r".*for J t\.$"):
+        "  If tangents[0] is shaped like f's output, it is a cotangent: ") + r".*for J t\.$"):
         jvp(lambda t: torch.outer(t, t), (torch.ones(4, dtype=D),), (torch.ones(4, 4, dtype=D),))
 
 
-def test_the_output_shape_hint_leaves_the_callers_tensors_alone():
-    # the hint ran f on the caller's own tensors: a forward that writes into its input
-    # doubled it on the error path; the error also lost its explanation attribute
-    def doubles(x):
+def test_a_refused_tangent_does_not_run_f():
+    # the hint ran f once more on the error path (on copies, with the random state and the
+    # buffers put back), but a tensor f captures and writes into still moved, and the
+    # refused call had effects; the error also lost its explanation attribute once
+    counter = torch.zeros((), dtype=D)
+
+    def counts(x):
+        counter.add_(1)
         x.mul_(2)
         return x[:2].clone()
 
     x = torch.ones(3, dtype=D)
     with pytest.raises(tv.GradOutputsError) as info:
-        jvp(doubles, (x,), (torch.ones(2, dtype=D),))
-    assert torch.equal(x, torch.ones(3, dtype=D))
-    assert "has the shape of f's output, (2,)" in info.value.explanation
+        jvp(counts, (x,), (torch.ones(2, dtype=D),))
+    assert torch.equal(x, torch.ones(3, dtype=D)) and counter.item() == 0
+    assert "If tangents[0] is shaped like f's output" in info.value.explanation
 
 
 def test_batched_jvp_of_a_random_function_names_the_fix_for_randomness():

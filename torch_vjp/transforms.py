@@ -32,14 +32,14 @@ from torch_vjp._checks import (
     normalize_grad_outputs,
 )
 from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
-from torch_vjp._engine.context import (buffers_kept, captured_values, func_jvp, func_vjp,
+from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp,
                                        is_nested, modules_reached)
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.refusals import mutates_captured, refusal_kind, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, map_rows
-from torch_vjp._errors import GradOutputsError, JacobianCallError, quote_error, shape_str
+from torch_vjp._errors import GradOutputsError, JacobianCallError, quote_error
 
 __all__ = ["vjp", "jvp"]
 
@@ -100,34 +100,24 @@ def _flat_vectors(
 
 def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bool
                            ) -> str | None:
-    """Where a refused tangent has the shape of an output of f (a vector for a
-    vector-Jacobian product, given to a JVP), the sentence that says so; else None. Runs f
-    once, without a graph, on this error path only; an error of f's leaves the message as
-    it was."""
-    try:
-        # (on copies, with the random state and the modules' buffers put back: the caller's
-        # tensors, generators and running statistics are as the refused call found them)
-        cuda = sorted({x.device.index or 0 for x in prob.leaves if x.device.type == "cuda"})
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), buffers_kept(prob.f):
-            res = prob.g(*[x.detach().clone() for x in prob.leaves])
-        outs = tree_leaves(res[0] if prob.has_aux else res)
-    except Exception:  # noqa: BLE001 - only a hint: f's own failure shows elsewhere
-        return None
+    """Where a refused tangent's shape is not its primal's, the sentence that tells a
+    tangent from a cotangent (a vector shaped like f's output, for a vector-Jacobian
+    product, given to a JVP is the common mistake); else None. f is not run for it: a call
+    on the error path would be one more call of f, with its effects (a counter it
+    increments, a tensor it writes into)."""
     for i, (t, x) in enumerate(zip(tangents, prob.leaves)):
         if not isinstance(t, Tensor):
             continue
         shape = t.shape[1:] if batched and t.dim() else t.shape
         if shape == x.shape:
             continue
-        for o in outs:
-            if isinstance(o, Tensor) and o.shape == shape and o.shape != x.shape:
-                return (
-                    f"tangents[{i}] has the shape of f's output, {shape_str(o.shape)}: a "
-                    f"vector shaped like the output is a cotangent, for a vector-Jacobian "
-                    f"product v^T J (torch_vjp.vjp(f, *primals)[1](v)); a tangent is a change "
-                    f"of the input, shaped like primals[{i}], for J t. "
-                    f"torch_vjp.jacobian(f, *primals) gives the whole Jacobian."
-                )
+        return (
+            f"If tangents[{i}] is shaped like f's output, it is a cotangent: a vector shaped "
+            f"like the output is for a vector-Jacobian product v^T J "
+            f"(torch_vjp.vjp(f, *primals)[1](v)); a tangent is a change of the input, shaped "
+            f"like primals[{i}], for J t. torch_vjp.jacobian(f, *primals) gives the whole "
+            f"Jacobian."
+        )
     return None
 
 
