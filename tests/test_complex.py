@@ -164,9 +164,13 @@ def test_complex_cotangent_for_a_real_output_is_refused_with_the_fix():
         vjp_fn(torch.ones(4, dtype=D))
 
 
-def test_real_tangent_for_a_complex_primal_is_refused():
+def test_real_tangent_for_a_complex_primal_is_the_direction_with_zero_imaginary_part():
+    # torch.func.jvp takes it; a complex tangent for a real primal stays refused
+    z = torch.randn(3, dtype=C)
+    _, tan = tv.jvp(torch.exp, (z,), (torch.ones(3, dtype=D),))
+    torch.testing.assert_close(tan, torch.func.jvp(torch.exp, (z,), (torch.ones(3, dtype=C),))[1])
     with pytest.raises(tv.GradOutputsError, match=r"complex"):
-        tv.jvp(torch.exp, (torch.randn(3, dtype=C),), (torch.ones(3, dtype=D),))
+        tv.jvp(torch.exp, (torch.randn(3, dtype=D),), (torch.ones(3, dtype=C),))
 
 
 def test_integer_output_names_both_kinds_in_vjp():

@@ -4,6 +4,7 @@ of single products, in float64; cotangents and tangents checked with grad's mess
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -368,3 +369,39 @@ def test_a_module_updating_its_statistics_is_explained(which):
     assert isinstance(pytest.raises(RuntimeError, call).value, RuntimeError)
     net.eval()
     assert torch.equal(net[1].running_mean, mean)
+
+
+def test_a_tangent_of_another_dtype_is_cast_to_its_primals():
+    # the warning said torch casts the tangent, but torch.func.jvp does not: J t came back
+    # in the tangent's dtype (sin), or an operator of f raised torch's dtype error (W @ x)
+    x32 = torch.randn(3)
+    t64 = torch.randn(3, dtype=D)
+    with pytest.warns(tv.GradOutputsWarning, match=re.escape(
+            "torch_vjp.jvp: tangents[0] has dtype torch.float64 but primals[0] has dtype "
+            "torch.float32; torch_vjp.jvp casts the torch.float64 tangents to torch.float32")):
+        out, tan = jvp(torch.sin, (x32,), (t64,))
+    assert tan.dtype == torch.float32
+    torch.testing.assert_close(tan, torch.func.jvp(torch.sin, (x32,), (t64.float(),))[1])
+    x = torch.randn(4, dtype=D)
+    with pytest.warns(tv.GradOutputsWarning, match="casts the torch.float32 tangents"):
+        _, tan = jvp(lambda v: W @ v, (x,), (torch.ones(4),))
+    torch.testing.assert_close(tan, W @ torch.ones(4, dtype=D))
+    with pytest.warns(tv.GradOutputsWarning, match="casts the torch.float32 tangents"):
+        _, tans = jvp(lambda v: W @ v, (x,), (torch.eye(4),), batched=True)
+    torch.testing.assert_close(tans, W.T)
+
+
+def test_a_real_tangent_of_a_complex_primal_is_taken():
+    # torch.func.jvp takes it (the complex direction with zero imaginary part); the checker
+    # refused it, saying torch never casts between real and complex
+    z = torch.randn(3, dtype=torch.complex128)
+    t = torch.randn(3, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.GradOutputsWarning)
+        out, tan = jvp(lambda z: z * z, (z,), (t,))
+        _, tans = jvp(lambda z: z * z, (z,), (torch.stack([t, 2 * t]),), batched=True)
+    want = torch.func.jvp(lambda z: z * z, (z,), (t.to(z.dtype),))[1]
+    torch.testing.assert_close(tan, want)
+    torch.testing.assert_close(tans, torch.stack([want, 2 * want]))
+    with pytest.raises(tv.GradOutputsError, match="never between complex and real"):
+        jvp(torch.sin, (t,), (z,))  # a complex tangent of a real primal stays refused

@@ -472,11 +472,22 @@ def cast_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
         what = "integer"
     else:
         what = str(go.dtype)
-    msg = (
-        f"{labels.call}: {g} has dtype {go.dtype} but {o} has dtype {out.dtype}; torch casts "
-        f"the {what} {labels.grad_outputs} to {out.dtype} silently. Pass {g}.to({out.dtype}) "
-        f"to make the cast explicit"
-    )
+    if labels.role == "tangents":
+        # (torch.func.jvp does not cast: J t came back in the tangent's dtype, or an
+        # operator of f refused the mix of dtypes)
+        msg = (
+            f"{labels.call}: {g} has dtype {go.dtype} but {o} has dtype {out.dtype}; "
+            f"{labels.call} casts the {what} {labels.grad_outputs} to {out.dtype}, the dtype "
+            f"of the space a tangent of {o} lives in (torch.func.jvp does not cast: J t "
+            f"would come back in {go.dtype}, or an operator of f would refuse the mix). Pass "
+            f"{g}.to({out.dtype}) to make the cast explicit"
+        )
+    else:
+        msg = (
+            f"{labels.call}: {g} has dtype {go.dtype} but {o} has dtype {out.dtype}; torch "
+            f"casts the {what} {labels.grad_outputs} to {out.dtype} silently. Pass "
+            f"{g}.to({out.dtype}) to make the cast explicit"
+        )
     if go.dtype.is_floating_point and go.dtype.itemsize > out.dtype.itemsize:
         # only a wider floating-point dtype is precision the caller may have wanted
         return msg + f", or compute {o} in {go.dtype} if you need that precision."

@@ -165,6 +165,12 @@ def as_entries(grad_outputs: Any, labels: Labels, outputs: Sequence[Tensor]) -> 
         ) from None
 
 
+def _real_tangent_of_complex(labels: Labels, go: Tensor, out: Tensor) -> bool:
+    """A real tangent for a complex primal: the complex direction with zero imaginary part,
+    which torch.func.jvp takes (and torch_vjp.jvp casts, exactly)."""
+    return labels.role == "tangents" and out.dtype.is_complex and go.dtype.is_floating_point
+
+
 def normalize_grad_outputs(
     outputs: Sequence[Tensor],
     grad_outputs: Any,
@@ -242,7 +248,8 @@ def normalize_grad_outputs(
                 ok = False
                 break
             if go.dtype != out.dtype and (
-                go.dtype.is_complex != out.dtype.is_complex
+                (go.dtype.is_complex != out.dtype.is_complex
+                 and not _real_tangent_of_complex(labels, go, out))
                 or (labels.role == "tangents" and not go.dtype.is_floating_point)
             ):
                 ok = False
@@ -257,7 +264,8 @@ def normalize_grad_outputs(
         raise _diagnose(outputs, gos, labels, is_grads_batched, inputs, grad_outputs)
     for i in range(n):
         go = gos[i]
-        if go is not None and go.dtype != outputs[i].dtype:
+        if (go is not None and go.dtype != outputs[i].dtype
+                and not _real_tangent_of_complex(labels, go, outputs[i])):
             warnings.warn(
                 cast_message(labels, i, outputs[i], go), GradOutputsWarning,
                 stacklevel=user_stacklevel(),
@@ -385,7 +393,8 @@ def _diagnose(
                 GradOutputsValueError, labels, integer_tangent_message(labels, i, out, go),
                 f"Expected tangent to be floating point or complex, but got: {go.dtype}",
             )
-        if go.dtype.is_complex != out.dtype.is_complex:
+        if go.dtype.is_complex != out.dtype.is_complex and not _real_tangent_of_complex(
+                labels, go, out):
             return _error(
                 GradOutputsError, labels, complex_message(labels, i, out, go),
                 "For complex Tensors, both grad_output and output are required to have the "

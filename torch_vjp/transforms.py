@@ -503,7 +503,10 @@ def jvp(
         if isinstance(getattr(err, "explanation", None), str):
             err.explanation = f"{err.explanation}\n  {hint}"
         raise
-    vectors = _flat_vectors(normalized, prob.leaves, batched)
+    # (a tangent lives in its primal's space: cast to its dtype, as the checker warned, or
+    # exactly for a real tangent of a complex primal)
+    vectors = [v if v.dtype == x.dtype else v.to(x.dtype)
+               for v, x in zip(_flat_vectors(normalized, prob.leaves, batched), prob.leaves)]
     leaves = tuple(prob.leaves)
     if not batched:
         with _explained(call, "jvp"):
