@@ -405,3 +405,58 @@ def test_a_real_tangent_of_a_complex_primal_is_taken():
     torch.testing.assert_close(tans, torch.stack([want, 2 * want]))
     with pytest.raises(tv.GradOutputsError, match="never between complex and real"):
         jvp(torch.sin, (t,), (z,))  # a complex tangent of a real primal stays refused
+
+
+def test_vjp_fn_refuses_a_point_written_in_place_since():
+    # the products mixed the values saved at the vjp point with the new ones, silently
+    # (torch.func.vjp does; plain autograd raises "modified by an inplace operation")
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=D)
+    out, vjp_fn = vjp(lambda x: x.exp() * x, x)
+    want = vjp_fn(torch.ones(3, dtype=D))
+    x.mul_(3)
+    with pytest.raises(JacobianCallError, match=re.escape(
+            "torch_vjp.vjp: vjp_fn: primals[0] was written in place after torch_vjp.vjp "
+            "computed the output, and the graph of the vjp point reads it.") +
+            r".*\n  Fix: call torch_vjp\.vjp again after the change"):
+        vjp_fn(torch.ones(3, dtype=D))
+    Wc = W.clone()
+    y = torch.randn(4, dtype=D)
+    _, vjp_fn = vjp(lambda v: Wc @ v, y)
+    Wc.add_(1)
+    with pytest.raises(JacobianCallError, match=r"a tensor f captures \(of shape \(3, 4\)"):
+        vjp_fn(torch.ones(3, dtype=D))
+    lin = torch.nn.Linear(4, 2).to(D)
+    _, vjp_fn = vjp(lin, y)
+    with torch.no_grad():
+        lin.weight.sub_(0.1)  # an optimizer step
+    with pytest.raises(JacobianCallError, match="a parameter or buffer of a module f uses"):
+        vjp_fn(torch.ones(2, dtype=D))
+    with pytest.raises(JacobianCallError, match="primals"):  # the compiled vjp_fn too
+        x2 = torch.randn(3, dtype=D)
+        _, fn = vjp(torch.sin, x2, compile=True)
+        x2.add_(1)
+        fn(torch.ones(3, dtype=D))
+    assert len(want) == 1
+
+
+def test_vjp_fn_takes_a_write_its_graph_does_not_read():
+    # exp saves its output, not x; t * S.sum() saves the sum, not S: the products are still
+    # the vjp point's, and are returned
+    x = torch.tensor([0.0, 1.0, 2.0], dtype=D)
+    _, vjp_fn = vjp(torch.exp, x)
+    (want,) = vjp_fn(torch.ones(3, dtype=D))
+    x.add_(1.0)
+    (got,) = vjp_fn(torch.ones(3, dtype=D))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x, torch.tensor([1.0, 2.0, 3.0], dtype=D))  # (put back)
+    (got,) = vjp_fn(torch.ones(3, dtype=D), batched=False, chunk_size=None)
+    torch.testing.assert_close(got, want)
+    # a module in eval mode saves its running statistics: writing them is refused
+    bn = torch.nn.BatchNorm1d(4).to(D).eval()
+    _, vjp_fn = vjp(bn, torch.randn(5, 4, dtype=D))
+    v0 = bn.running_var._version
+    bn.running_var.mul_(4)
+    with pytest.raises(JacobianCallError, match="a parameter or buffer of a module f uses"):
+        vjp_fn(torch.ones(5, 4, dtype=D))
+    assert bn.running_var._version == v0 + 1  # (the check moved no version counter)
+    torch.testing.assert_close(bn.running_var, torch.full((4,), 4.0, dtype=D))

@@ -216,7 +216,10 @@ def vjp(
     Raises:
         GradOutputsError: (from ``vjp_fn``) cotangents of the wrong structure, shape,
             batch size, dtype or device, with the same messages as :func:`torch_vjp.grad`.
-        JacobianCallError: a primal or an output of ``f`` cannot be differentiated.
+        JacobianCallError: a primal or an output of ``f`` cannot be differentiated; (from
+            ``vjp_fn``) a primal, or a tensor ``f`` captures (a module's parameter or
+            buffer too), was written in place since the vjp call and the graph of the vjp
+            point reads it (NOTE [the vjp point, kept]).
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -238,6 +241,7 @@ def vjp(
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
     with _explained(call, "vjp"):
         res = func_vjp(prob.g_inner, *prob.leaves, has_aux=prob.has_aux)
+    point = _Point(f, prob.leaves)  # (NOTE [the vjp point, kept])
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
     single = isinstance(out, Tensor)
@@ -268,23 +272,99 @@ def vjp(
             out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves)
         )
         vectors = _flat_vectors(normalized, flat_out, batched)
-        if not batched:
-            grads = pull_with(*vectors)
-        else:
+
+        def products() -> Any:
+            if not batched:
+                return pull_with(*vectors)
             k = _batch_size(vectors)
             if k == 0:
-                grads = tuple(x.new_zeros((0, *x.shape)) for x in prob.leaves)
-            else:
-                grads, _ = map_rows(
-                    pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
-                    vectorized=True, chunk_size=chunk,
-                )
+                return tuple(x.new_zeros((0, *x.shape)) for x in prob.leaves)
+            return map_rows(pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
+                            vectorized=True, chunk_size=chunk)[0]
+
+        grads = point.settled(products, pull_call)
         return tree_unflatten(list(grads), prob.in_spec)
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
     if has_aux:
         return out, vjp_fn, res[2]
     return out, vjp_fn
+
+
+# NOTE [the vjp point, kept]
+# vjp_fn differentiates at the point of the vjp call: torch.func's graph holds what f saved
+# there, and reads the caller's tensors themselves where it saved them (the primals, and
+# the tensors f captures, which torch.func does not copy). A write into one of them between
+# the vjp call and a vjp_fn call (``x.mul_(3)``, an optimizer step on a parameter f uses,
+# ``W.add_(1)`` on a captured weight) made the products mix old and new values, silently:
+# torch.func's wrappers have version counters of their own, so its check of saved tensors
+# never fires (plain autograd raises "modified by an inplace operation" there). So vjp
+# records the version counters of the primals, of the tensors f's closure cells and named
+# globals hold, and of the parameters and buffers of the modules f reaches, right after f
+# ran (f's own writes are part of the point). Where one moved when vjp_fn runs, the graph
+# may or may not read it (``x.exp()`` saves its output, not x; ``t * S.sum()`` saves the
+# sum, not S), so vjp_fn finds out: it computes the products, then again with the moved
+# tensors' values changed for a moment (through ``.data``, so that no version counter, of
+# the caller's other graphs either, moves), and puts them back. Equal products do not read
+# them (they are the vjp point's, for this cotangent): returned. Others: a JacobianCallError.
+# Only a moved point pays for it: one copy of the moved tensors and one more product.
+class _Point:
+    """The version counters of what a vjp point's graph may read (NOTE [the vjp point,
+    kept])."""
+
+    def __init__(self, f: Callable[..., Any], leaves: list[Tensor]) -> None:
+        self.tensors = tuple(leaves) + tuple(
+            v for v in _read_state(f) if isinstance(v, Tensor))
+        self.n_primals = len(leaves)
+        self.versions = _versions(self.tensors)
+
+    def settled(self, products: Callable[[], Any], call: str) -> Any:
+        """``products()``, where it does not read a tensor of the point written since."""
+        res = products()
+        now = _versions(self.tensors)
+        if now == self.versions:
+            return res
+        moved = [i for i, (a, b) in enumerate(zip(now, self.versions)) if a != b]
+        if _reads(products, res, [self.tensors[i] for i in moved]):
+            self._refuse(moved[0], call)
+        self.versions = now  # (unread: later calls need not find out again)
+        return res
+
+    def _refuse(self, i: int, call: str) -> None:
+        what = (f"primals[{i}]" if i < self.n_primals else
+                f"a tensor f captures (of shape {tuple(self.tensors[i].shape)}: a closure "
+                f"variable, a global, or a parameter or buffer of a module f uses)")
+        raise JacobianCallError(
+            f"{call}: {what} was written in place after torch_vjp.vjp computed the output, "
+            f"and the graph of the vjp point reads it. vjp_fn differentiates at the point "
+            f"of the vjp call, with the values f saved there: the products would mix the old "
+            f"and the new values (torch.func.vjp returns them silently).\n"
+            f"  Fix: call torch_vjp.vjp again after the change, for the new point; or write "
+            f"into a copy (x = x.clone()) and keep the tensors of the vjp point as they were."
+        )
+
+
+def _reads(products: Callable[[], Any], res: Any, tensors: list[Tensor]) -> bool:
+    """Whether ``products()`` changes (from ``res``) while ``tensors`` hold other values for
+    a moment (NOTE [the vjp point, kept])."""
+    kept = [t.detach().clone() for t in tensors]
+    try:
+        with torch.no_grad():
+            for t in tensors:
+                d = t.data
+                if d.is_floating_point() or d.is_complex():
+                    d.mul_(1.5).add_(0.25)
+                else:
+                    d.add_(1)
+            again = products()
+        return not all(torch.equal(a.detach(), b.detach())
+                       for a, b in zip(tree_leaves(res), tree_leaves(again)))
+    except Exception:  # noqa: BLE001 - a product that fails on other values reads them
+        return True
+    finally:
+        with torch.no_grad():
+            for t, k in zip(tensors, kept):
+                t.data.copy_(k)
 
 
 def _traced_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
