@@ -167,6 +167,18 @@ def test_func_vjp_pullback_ignores_cotangent_of_unconnected_output_with_a_warnin
     torch.testing.assert_close(got, expected)
 
 
+def test_func_vjp_pullback_takes_none_for_an_unconnected_output_without_a_word():
+    # torch.func takes None as the cotangent of an output that does not depend on the
+    # primals; checked mode warned that torch accepted a mistake
+    x = torch.randn(3)
+    f = lambda t: (t.detach() * 2, t.sum())  # noqa: E731
+    (expected,) = torch.func.vjp(f, x)[1]((None, torch.tensor(1.0)))
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.GradOutputsWarning)
+        (got,) = torch.func.vjp(f, x)[1]((None, torch.tensor(1.0)))
+    torch.testing.assert_close(got, expected)
+
+
 def test_sparse_coo_grad_outputs_accepted_csr_rejected_like_torch():
     x = torch.randn(3, 3, requires_grad=True)
     y = x * 2

@@ -460,3 +460,18 @@ def test_vjp_fn_takes_a_write_its_graph_does_not_read():
         vjp_fn(torch.ones(5, 4, dtype=D))
     assert bn.running_var._version == v0 + 1  # (the check moved no version counter)
     torch.testing.assert_close(bn.running_var, torch.full((4,), 4.0, dtype=D))
+
+
+def test_none_is_the_cotangent_of_an_output_that_does_not_depend_on_the_primals():
+    # torch.func.vjp takes None there (the output is not differentiated); vjp_fn refused it
+    x = torch.randn(3, dtype=D)
+    f = lambda x: (x.detach() * 2, x.sum())  # noqa: E731
+    want = torch.func.vjp(f, x)[1]((None, torch.tensor(1.0, dtype=D)))
+    _, vjp_fn = vjp(f, x)
+    got = vjp_fn((None, torch.tensor(1.0, dtype=D)))
+    torch.testing.assert_close(got, want)
+    (rows,) = vjp_fn((None, torch.tensor([1.0, 2.0], dtype=D)), batched=True)
+    torch.testing.assert_close(rows, torch.stack([want[0], 2 * want[0]]))
+    g = lambda x: (x * 2, x.sum())  # noqa: E731  (the first output depends on x: refused)
+    with pytest.raises(tv.GradOutputsError, match=r"no cotangents\[0\] was given"):
+        vjp(g, x)[1]((None, torch.tensor(1.0, dtype=D)))

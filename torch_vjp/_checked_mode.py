@@ -86,6 +86,7 @@ from torch_vjp._checks import (
     PULLBACK,
     TENSOR_BACKWARD,
     check_cotangents,
+    recording_connected,
 )
 from torch_vjp._drop_ins import _backward, _grad
 from torch_vjp._errors import (
@@ -208,9 +209,10 @@ def _checked_tensor_backward(
 @_wrapper(_GENUINE_FUNC_VJP)
 def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Any:
     """``torch.func.vjp``, whose pullback checks its cotangents in a checked scope."""
-    result = _PREVIOUS["func_vjp"](func, *primals, has_aux=has_aux)
     if _compiling() or not _active():
-        return result
+        return _PREVIOUS["func_vjp"](func, *primals, has_aux=has_aux)
+    recorded, connected = recording_connected(func, has_aux)
+    result = _PREVIOUS["func_vjp"](recorded, *primals, has_aux=has_aux)
     out, pullback = result[0], result[1]
 
     # The pullback of a checked vjp stays checked wherever it is called.
@@ -221,7 +223,8 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
         if _compiling() or _SCOPE.get().suppressed:
             return pullback(cotangents, retain_graph=retain_graph, create_graph=create_graph)
         try:
-            check_cotangents(out, cotangents, PULLBACK, primals=primals)
+            check_cotangents(out, cotangents, PULLBACK, primals=primals,
+                             connected=connected or None)
         except GradOutputsError as err:
             return _arbitrate(err, PULLBACK, lambda: pullback(
                 cotangents, retain_graph=retain_graph, create_graph=create_graph))

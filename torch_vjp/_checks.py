@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ __all__ = [
     "TENSOR_BACKWARD",
     "CHECK",
     "PULLBACK",
+    "recording_connected",
     "VJP",
     "TANGENTS",
     "as_entries",
@@ -467,6 +468,24 @@ def check_tree_structure(
     )
 
 
+def recording_connected(f: Callable[..., Any], has_aux: bool
+                        ) -> tuple[Callable[..., Any], list[bool]]:
+    """``f`` as torch.func.vjp calls it, recording into the list returned with it whether
+    each flat output depends on the primals (requires grad at the transform's level), for
+    :func:`check_cotangents`' ``connected``."""
+    from torch.utils._pytree import tree_leaves
+
+    connected: list[bool] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        res = f(*args, **kwargs)
+        out = res[0] if has_aux and isinstance(res, tuple) and len(res) == 2 else res
+        connected[:] = [not isinstance(o, Tensor) or o.requires_grad for o in tree_leaves(out)]
+        return res
+
+    return recorded, connected
+
+
 def check_cotangents(
     out: Any,
     cotangents: Any,
@@ -474,13 +493,16 @@ def check_cotangents(
     *,
     batched: bool = False,
     primals: Sequence[Any] | None = None,
+    connected: Sequence[bool] | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Validates the cotangents given to a pullback against the function's output pytree.
 
     Shared by ``torch.func.vjp`` pullbacks inside :func:`checked` and by
     :func:`torch_vjp.vjp`'s ``vjp_fn``. ``labels`` name the outputs ``outputs[i]``; for an
     output that is a single tensor, it is called ``out``. ``primals`` (the pytree of primals)
-    lets a message recognise a primal's shape passed by mistake.
+    lets a message recognise a primal's shape passed by mistake. ``connected`` (per flat
+    output, where known): whether it depends on the primals; ``None`` is the cotangent of
+    one that does not, as torch.func takes it (it is not differentiated).
 
     Returns:
         The flat tuple of cotangents, aligned with the output's tensor leaves.
@@ -502,7 +524,7 @@ def check_cotangents(
     # does: None stands for 1, as torch makes it, for a real scalar only, and never for K
     # stacked vectors)
     for i, (o, c) in enumerate(zip(flat_out, flat_cot)):
-        if c is not None:
+        if c is not None or (connected is not None and not connected[i]):
             continue
         if batched:
             raise _error(GradOutputsError, labels,
@@ -524,8 +546,8 @@ def check_cotangents(
     )
     if any(c is None for c in flat_cot):
         normalized = tuple(
-            torch.ones_like(o) if c is None else v
-            for o, c, v in zip(flat_out, flat_cot, normalized)
+            torch.ones_like(o) if c is None and (connected is None or connected[i]) else v
+            for i, (o, c, v) in enumerate(zip(flat_out, flat_cot, normalized))
         )
     return normalized
 

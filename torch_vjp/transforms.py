@@ -30,6 +30,7 @@ from torch_vjp._checks import (
     check_cotangents,
     check_tree_structure,
     normalize_grad_outputs,
+    recording_connected,
 )
 from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
 from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp,
@@ -239,8 +240,9 @@ def vjp(
         return _compiled_vjp(f, primals, has_aux)
     # f is called once, on the caller's tensors, as torch.func.vjp calls it
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
+    g_inner, connected = recording_connected(prob.g_inner, has_aux)
     with _explained(call, "vjp"):
-        res = func_vjp(prob.g_inner, *prob.leaves, has_aux=prob.has_aux)
+        res = func_vjp(g_inner, *prob.leaves, has_aux=prob.has_aux)
     point = _Point(f, prob.leaves)  # (NOTE [the vjp point, kept])
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
@@ -269,7 +271,8 @@ def vjp(
                                 **graph)
         chunk = check_chunk_size(chunk_size, call=pull_call)
         normalized = check_cotangents(
-            out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves)
+            out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves),
+            connected=connected or None,
         )
         vectors = _flat_vectors(normalized, flat_out, batched)
 
