@@ -475,3 +475,15 @@ def test_none_is_the_cotangent_of_an_output_that_does_not_depend_on_the_primals(
     g = lambda x: (x * 2, x.sum())  # noqa: E731  (the first output depends on x: refused)
     with pytest.raises(tv.GradOutputsError, match=r"no cotangents\[0\] was given"):
         vjp(g, x)[1]((None, torch.tensor(1.0, dtype=D)))
+
+
+def test_vjp_fn_warns_once_in_checked_mode():
+    # the pullback's own torch.autograd.grad call was checked again, and warned a second
+    # time of the same cast, naming torch.autograd.grad and grad_outputs[0]
+    x = torch.randn(3)
+    with tv.checked(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (g,) = vjp(lambda x: x * 2, x)[1](torch.ones(3, dtype=D))
+    said = [str(w.message) for w in caught if issubclass(w.category, tv.GradOutputsWarning)]
+    assert len(said) == 1 and said[0].startswith("torch_vjp.vjp: vjp_fn: cotangents has dtype")
+    torch.testing.assert_close(g, torch.full((3,), 2.0))

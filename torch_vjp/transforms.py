@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from torch_vjp._checked_scope import _suppressed
 from torch_vjp._checks import (
     TANGENTS,
     VJP,
@@ -285,7 +286,10 @@ def vjp(
             return map_rows(pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
                             vectorized=True, chunk_size=chunk)[0]
 
-        grads = point.settled(products, pull_call)
+        # (the cotangents are checked above: torch.autograd.grad, which the pullback calls,
+        # is not checked again in checked mode, and does not warn a second time)
+        with _suppressed():
+            grads = point.settled(products, pull_call)
         return tree_unflatten(list(grads), prob.in_spec)
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
