@@ -487,3 +487,16 @@ def test_vjp_fn_warns_once_in_checked_mode():
     said = [str(w.message) for w in caught if issubclass(w.category, tv.GradOutputsWarning)]
     assert len(said) == 1 and said[0].startswith("torch_vjp.vjp: vjp_fn: cotangents has dtype")
     torch.testing.assert_close(g, torch.full((3,), 2.0))
+
+
+def test_jvp_gives_an_integer_output_a_zero_tangent():
+    # torch.func.jvp does (x.max(0)'s indices); jvp refused the call, quoting torch.func.vjp
+    x = torch.randn(4, dtype=D)
+    want = torch.func.jvp(lambda x: x.max(0), (x,), (torch.ones(4, dtype=D),))
+    got = jvp(lambda x: x.max(0), (x,), (torch.ones(4, dtype=D),))
+    for a, b in zip(tree_flatten(got)[0], tree_flatten(want)[0]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    _, (zeros, tan) = jvp(lambda x: ((x * 2).long(), x.sin()), (x,), (torch.eye(4, dtype=D),),
+                          batched=True)
+    assert zeros.dtype == torch.int64 and torch.equal(zeros, torch.zeros(4, 4, dtype=torch.int64))
+    torch.testing.assert_close(tan, torch.diag(x.cos()))

@@ -573,7 +573,7 @@ def jvp(
     # unbatched, f is called once, on the caller's tensors, as torch.func.jvp calls it;
     # batched, once per chunk, on copies (NOTE [f's own copies])
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True,
-                   copies=batched)
+                   copies=batched, any_outputs=True)
     try:
         normalized = normalize_grad_outputs(
             tuple(prob.leaves), tuple(tree_leaves(tangents)), TANGENTS, is_grads_batched=batched

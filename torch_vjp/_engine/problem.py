@@ -299,6 +299,7 @@ class Problem:
         detached: bool = False,
         complex_ok: bool = False,
         copies: bool = True,
+        any_outputs: bool = False,
     ) -> None:
         if not callable(f):
             raise JacobianCallTypeError(
@@ -325,6 +326,8 @@ class Problem:
         self.argnums = idx
         self.int_argnums = not isinstance(argnums, tuple)
         self.complex_ok = complex_ok
+        # (JVPs: an integer or boolean output gets a zero tangent, as torch.func.jvp gives)
+        self.any_outputs = any_outputs
         if all(isinstance(primals[i], Tensor) for i in idx):  # no pytree work
             self.leaves: list[Tensor] = [primals[i] for i in idx]
             self.in_spec = LEAF_SPEC if self.int_argnums else _tuple_spec(len(idx))
@@ -446,13 +449,15 @@ class Problem:
             out = res[0]
             self._check_aux(res[1])
         if isinstance(out, Tensor):
-            if not out.dtype.is_floating_point and not (self.complex_ok and out.is_complex()):
+            if not (out.dtype.is_floating_point or self.any_outputs
+                    or (self.complex_ok and out.is_complex())):
                 self._bad_output(out, None)
         else:
             for path, leaf in tree_flatten_with_path(out)[0]:
                 if not (
                     isinstance(leaf, Tensor)
-                    and (leaf.dtype.is_floating_point or (self.complex_ok and leaf.is_complex()))
+                    and (leaf.dtype.is_floating_point or self.any_outputs
+                         or (self.complex_ok and leaf.is_complex()))
                 ):
                     self._bad_output(leaf, path)
             if not tree_leaves(out):
