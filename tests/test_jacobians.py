@@ -340,7 +340,7 @@ def test_explicit_strategies_explain_what_they_cannot_run():
     x = torch.randn(3, dtype=D)
     with pytest.raises(tv.StrategyError, match=(
             r"^torch_vjp\.jacobian: the vectorised strategies compute with torch\.func, which "
-            r"cannot run f \(Function\.apply\) in rev-mode products: f uses a custom "
+            r"cannot run f \(_OldStyle\.apply\) in rev-mode products: f uses a custom "
             r"torch\.autograd\.Function whose forward takes ctx \(no setup_context "
             r"staticmethod\), which torch\.func's transforms cannot run\n  torch\.func said: "
             r"RuntimeError: .*\n  Fix: strategy='auto', 'rev-loop' or 'fwd-loop'")):

@@ -40,8 +40,15 @@ from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.refusals import mutates_captured, refusal_kind, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import SameDraws, map_rows
-from torch_vjp._errors import GradOutputsError, JacobianCallError, quote_error
+from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.rows import SameDraws, map_rows, run_with_fallback
+from torch_vjp._errors import (
+    GradOutputsError,
+    JacobianCallError,
+    JacobianWarning,
+    quote_error,
+    warn_once,
+)
 
 __all__ = ["vjp", "jvp"]
 
@@ -121,6 +128,32 @@ def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bo
             f"Jacobian."
         )
     return None
+
+
+def _vectorised_or_loop(call: str, f: object, vectors: str,
+                        products: Callable[[bool], Any]) -> Any:
+    """``products(True)``, the batched products under vmap; where vmap cannot run them and
+    one at a time can, ``products(False)``, with a one-time warning (NOTE [one fallback
+    policy]). torch.func's known refusals (a Function without setup_context, random draws,
+    a write into a captured tensor) are raised, for :func:`_explained` to explain."""
+
+    def warn(err: Exception) -> None:
+        if refusal_kind(err) is not None:
+            raise err
+        warn_once(
+            (call, function_key(f), type(err)),
+            f"{call}: batched=True could not vectorise the products of "
+            f"{function_name(f)} (torch.func transforms under torch.vmap), so it computed "
+            f"them one {vectors[:-1]} at a time in a Python loop, usually many times slower.\n"
+            f"  The vectorised attempt said: {quote_error(err)}\n"
+            f"  Typical causes: a custom autograd.Function without vmap support, or with "
+            f".item() or Python control flow on tensor values in its backward; NumPy calls "
+            f"inside f; an operator without a batching rule. Pass chunk_size=1 to skip the "
+            f"vectorised attempt. This warning is shown once per function.",
+            JacobianWarning,
+        )
+
+    return run_with_fallback(lambda: products(True), lambda: products(False), on_fallback=warn)
 
 
 def _batch_size(vectors: list[Tensor]) -> int:
@@ -283,8 +316,10 @@ def vjp(
             k = _batch_size(vectors)
             if k == 0:
                 return tuple(x.new_zeros((0, *x.shape)) for x in prob.leaves)
-            return map_rows(pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
-                            vectorized=True, chunk_size=chunk)[0]
+            return _vectorised_or_loop(
+                pull_call, f, "cotangents", lambda vec: map_rows(
+                    pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
+                    vectorized=vec, chunk_size=chunk)[0])
 
         # (the cotangents are checked above: torch.autograd.grad, which the pullback calls,
         # is not checked again in checked mode, and does not warn a second time)
@@ -623,10 +658,21 @@ def jvp(
         flat_o, spec = tree_flatten(out)
         tan = tree_unflatten([o.new_zeros((0, *o.shape)) for o in flat_o], spec)
         return (out, tan, res[1]) if has_aux else (out, tan)
+    def products(vec: bool) -> Any:
+        if not vec and same_draws is None:  # (one direction at a time: one function)
+            return _with_same_draws(lambda: products(False))
+        return map_rows(push, lambda s, e: tuple(v[s:e] for v in vectors), k,
+                        vectorized=vec, chunk_size=chunk, extras=True)
+
+    def _with_same_draws(run: Callable[[], Any]) -> Any:
+        nonlocal same_draws
+        same_draws = SameDraws()
+        try:
+            return run()
+        finally:
+            same_draws = None
+
     with _explained(call, "jvp"):
-        stacked, extra = map_rows(
-            push, lambda s, e: tuple(v[s:e] for v in vectors), k,
-            vectorized=True, chunk_size=chunk, extras=True,
-        )
+        stacked, extra = _vectorised_or_loop(call, f, "tangents", products)
     tan = tree_unflatten(stacked, spec_box[0])
     return (extra[0], tan) + tuple(extra[1:])

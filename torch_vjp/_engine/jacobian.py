@@ -108,7 +108,11 @@ JACOBIAN_ALTERNATIVES = (
 
 def function_key(f: object) -> object:
     """What identifies ``f`` for one-time warnings: its code object (the same for every
-    lambda made by one line), or its type."""
+    lambda made by one line), or its type; a classmethod by its class too (``Fn.apply`` of
+    every custom Function has one code object)."""
+    owner = getattr(f, "__self__", None)
+    if isinstance(owner, type):
+        return (getattr(f, "__code__", None), owner)
     code = getattr(f, "__code__", None)
     if code is None:
         code = getattr(getattr(f, "forward", None), "__code__", None)
@@ -116,7 +120,11 @@ def function_key(f: object) -> object:
 
 
 def function_name(f: object) -> str:
-    """``f``'s name for messages: its qualified name, or its type's name."""
+    """``f``'s name for messages: its qualified name (a classmethod's with its class:
+    ``Exp.apply``, not ``Function.apply``), or its type's name."""
+    owner = getattr(f, "__self__", None)
+    if isinstance(owner, type):
+        return f"{owner.__qualname__}.{getattr(f, '__name__', 'apply')}"
     name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
     return str(name) if name else type(f).__name__
 
