@@ -1536,3 +1536,23 @@ def test_hessian_plain_autograd_fallback_says_what_it_cannot_take():
             r"fallback takes tensor primals only\. Fix: pass the differentiated primals as "
             r"tensors\.")):
         hessian(lambda p: _OldStyleCube.apply(p["x"]).sum(), {"x": x}, strategy="rev-loop")
+
+
+def test_messages_name_only_the_options_the_function_has():
+    # batch_jacobian, hessian and sparse_jacobian have no has_aux (and the first and last no
+    # argnums): their messages told the user to pass has_aux=True or to leave a position out
+    # of argnums, and named x "primals[0]"
+    x = torch.randn(3, 2, dtype=D)
+    cases = [
+        (lambda: tv.batch_jacobian(lambda r: r.long(), x), "torch_vjp.batch_jacobian"),
+        (lambda: tv.hessian(lambda r: (r.sum().long(), r), x[0]), "torch_vjp.hessian"),
+        (lambda: tv.sparse_jacobian(lambda r: (r, None), x[0]), "torch_vjp.sparse_jacobian"),
+        (lambda: tv.sparse_jacobian(torch.sin, torch.ones(3, dtype=torch.int64)),
+         "torch_vjp.sparse_jacobian: x has dtype torch.int64"),
+    ]
+    for run, start in cases:
+        with pytest.raises(JacobianCallError) as info:
+            run()
+        msg = str(info.value)
+        assert msg.startswith(start), msg
+        assert "has_aux" not in msg and "argnums" not in msg and "primals[" not in msg, msg

@@ -351,7 +351,8 @@ def batch_jacobian(
         )
     with context, buffers_kept(f):
         with told_on_failure(group):  # the other ranks wait in the first exchange
-            prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached)
+            prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached,
+                           aux=False, named="x")
         if group is not None:  # NOTE [sharded Jacobian]
             return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
                                     max_memory=None, batch=x.shape[0],
@@ -449,14 +450,14 @@ def hessian(
     vectorized = strat.vectorized
     fallback = strat.mode is None
     if not callable(f):  # the outer function below is, so check f itself
-        Problem(f, primals, argnums, has_aux=False, call=call)
+        Problem(f, primals, argnums, has_aux=False, call=call, aux=False)
     context, detached = graph_mode(create_graph, call=call)
     with context, buffers_kept(f):
         outer = Problem(lambda *args: hessian_gradient(f, args, argnums, vectorized, fallback,
                                                        call),
-                        primals, argnums, has_aux=False, call=call, detached=detached)
+                        primals, argnums, has_aux=False, call=call, detached=detached, aux=False)
         # Shapes of the gradient without computing it: f's outputs and the primals suffice.
-        inner = Problem(f, primals, argnums, has_aux=False, call=call)
+        inner = Problem(f, primals, argnums, has_aux=False, call=call, aux=False)
 
         def probe() -> tuple[list[Tensor], Any]:
             flat_out, out_spec = inner.probe()

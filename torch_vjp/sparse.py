@@ -85,7 +85,7 @@ def _problem(f: Callable[..., Any], x: Any, call: str) -> Problem:
             f"runs at top level only. Fix: call it outside the transform, or use "
             f"torch_vjp.jacobian inside it."
         )
-    return Problem(f, (x,), 0, has_aux=False, call=call, detached=True)
+    return Problem(f, (x,), 0, has_aux=False, call=call, detached=True, aux=False, named="x")
 
 
 def jacobian_sparsity(f: Callable[..., Any], x: Any) -> Tensor:

@@ -38,7 +38,7 @@ def hessian_gradient(
     backward that fails). So the gradient here is vectorised for one element too
     (``vmap_single``); where vmap cannot batch f, "auto" still falls back to the plain call.
     """
-    prob = Problem(f, args, argnums, has_aux=False, call=call)
+    prob = Problem(f, args, argnums, has_aux=False, call=call, aux=False)
     res = jacobian_blocks(
         prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None,
         vmap_single=True,

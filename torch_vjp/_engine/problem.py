@@ -151,9 +151,11 @@ def _differentiable(t: object, complex_ok: bool = False) -> bool:
 
 
 def _check_primal_leaf(
-    leaf: object, name: str, call: str, selected: bool, complex_ok: bool = False
+    leaf: object, name: str, call: str, selected: bool, complex_ok: bool = False,
+    whole: str | None = None,
 ) -> None:
-    """Raises the error that says why ``leaf`` cannot be differentiated."""
+    """Raises the error that says why ``leaf`` cannot be differentiated (``whole``: the one
+    primal's own name, for a function without argnums, which differentiates all of it)."""
     if isinstance(leaf, Tensor) and (leaf.is_nested or leaf.layout is not torch.strided):
         kind = "a nested tensor" if leaf.is_nested else f"a sparse tensor (layout {leaf.layout})"
         fix = (
@@ -174,8 +176,9 @@ def _check_primal_leaf(
                 f"differentiation, and derivatives are taken with respect to tensors. Fix: "
                 f"pass torch.tensor(...) for it, or leave its position out of argnums."
             )
+        every = f"all of {whole} is" if whole is not None else "every primal is"
         raise JacobianCallError(
-            f"{call}: {name} is a {type(leaf).__name__}, but every primal is differentiated, "
+            f"{call}: {name} is a {type(leaf).__name__}, but {every} differentiated, "
             f"and derivatives are taken with respect to tensors. Fix: pass torch.tensor(...) "
             f"for it, or bind it inside f (functools.partial or a lambda)."
         )
@@ -300,6 +303,8 @@ class Problem:
         complex_ok: bool = False,
         copies: bool = True,
         any_outputs: bool = False,
+        aux: bool = True,
+        named: str | None = None,
     ) -> None:
         if not callable(f):
             raise JacobianCallTypeError(
@@ -328,6 +333,10 @@ class Problem:
         self.complex_ok = complex_ok
         # (JVPs: an integer or boolean output gets a zero tangent, as torch.func.jvp gives)
         self.any_outputs = any_outputs
+        # (what the calling function offers, for messages: has_aux, or one primal by its
+        # own name, ``x``, and no argnums)
+        self.aux_option = aux
+        self.named = named
         if all(isinstance(primals[i], Tensor) for i in idx):  # no pytree work
             self.leaves: list[Tensor] = [primals[i] for i in idx]
             self.in_spec = LEAF_SPEC if self.int_argnums else _tuple_spec(len(idx))
@@ -397,7 +406,8 @@ class Problem:
         for k, leaf in enumerate(self.leaves):
             if not _differentiable(leaf, self.complex_ok):
                 _check_primal_leaf(
-                    leaf, self.leaf_name(k), self.call, self.selected, self.complex_ok
+                    leaf, self.leaf_name(k), self.call, self.selected and self.named is None,
+                    self.complex_ok, whole=self.named,
                 )
 
     def g(self, *xs: Tensor) -> Any:
@@ -489,6 +499,7 @@ class Problem:
             hint = ""
             if (
                 not self.has_aux
+                and self.aux_option
                 and isinstance(path, tuple)
                 and len(path) == 1
                 and getattr(path[0], "idx", None) == 1
@@ -514,10 +525,12 @@ class Problem:
                 f"dimension of 2), or use torch_vjp.vjp / torch_vjp.jvp, which take complex "
                 f"outputs."
             )
+        aside = (", or move it to aux with has_aux=True" if self.aux_option else
+                 ", or leave it out of f's output")
         raise JacobianCallError(
             f"{self.call}: {where} has dtype {leaf.dtype}; only real floating-point outputs "
             f"have a Jacobian here (as in torch.func.jacrev). Fix: return it as .double() or "
-            f".float() if it is differentiable, or move it to aux with has_aux=True."
+            f".float() if it is differentiable{aside}."
         )
 
     def leaf_name(self, k: int) -> str:
@@ -526,6 +539,8 @@ class Problem:
             tree_unflatten(list(range(len(self.leaves))), self.in_spec)
         )[0]
         path = flat[k][0]
+        if self.named is not None:
+            return self.named + (keystr(path) if path else "")
         if self.int_argnums:
             return _primal_name(self.argnums[0], path, None)
         pos = getattr(path[0], "idx", 0)
