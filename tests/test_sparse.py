@@ -587,6 +587,78 @@ def test_a_pattern_is_still_kept_where_values_only_scale(monkeypatch):
             assert detections.calls == 1
 
 
+_A6 = _w(6, 6)
+_VALUE_WEIGHTS = {
+    # a 0/1 matrix computed from x multiplies: its zeros move with x
+    "diag_of_mask": lambda x: torch.diag((x > 0).to(x.dtype)) @ (_A6 @ torch.tanh(x)),
+    # a weight picked by x's values, no number read into Python
+    "weight_by_where": lambda x: torch.where(x.sum() > 0, _w(6, 6), torch.eye(6, dtype=D)) @ x,
+    # a tracked tensor some of whose elements are a mask from x
+    "cat_with_mask": lambda x: torch.diag(torch.cat([x[:1], (x[1:] > 0).to(x.dtype)]))
+    @ (_A6 @ torch.tanh(x)),
+    # a mask from x written into a constant buffer
+    "mask_in_buffer": lambda x: torch.zeros(6, 6, dtype=D).index_put_(
+        (torch.arange(6), torch.arange(6)), (x > 0).to(x.dtype)) @ torch.tanh(x),
+    # a convolution kernel from x's values
+    "kernel_by_mask": lambda x: F.conv1d(x.view(1, 1, 6), torch.stack(
+        [(x[0] > 0).to(x.dtype), x.new_ones(()), (x[0] <= 0).to(x.dtype)]).view(1, 1, 3)
+    ).reshape(-1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_VALUE_WEIGHTS))
+def test_zeros_of_a_value_computed_from_x_are_not_structural(name):
+    # a 0/1 mask or a weight computed from x's values, as the other operand of a matrix
+    # product or convolution, had its zeros at the first point taken as structural, and the
+    # pattern was cached: at -x the Jacobian came back with non-zeros missing, silently
+    f = _VALUE_WEIGHTS[name]
+    x = torch.randn(6, generator=torch.Generator().manual_seed(3), dtype=D)
+    for mode in ("rev", "fwd"):
+        clear_cache(f)
+        for point in (x, -x, x, -x):
+            J = sparse_jacobian(f, point, mode=mode, layout=torch.strided)
+            torch.testing.assert_close(J, torch.func.jacrev(f)(point).reshape(J.shape))
+
+
+_N = 12
+_BAND = _banded(_N, 1)
+_RANDOM_WEIGHTS = {
+    # DropConnect: dropout applied to a weight inside f; every entry is 0 or 2 W[i, j]
+    "dropconnect": (lambda x: F.dropout(_BAND, 0.5, training=True) @ x,
+                    lambda J: torch.isclose(J, torch.zeros((), dtype=D)) | torch.isclose(J, 2 * _BAND)),
+    # a random permutation matrix: one 1 per row and column
+    "permutation_matrix": (lambda x: torch.eye(_N, dtype=D)[torch.randperm(_N)] @ x,
+                           lambda J: ((J == 0) | (J == 1)).all() & ((J != 0).sum(0) == 1).all()
+                           & ((J != 0).sum(1) == 1).all()),
+    # x's elements placed by a random permutation
+    "permuted_x": (lambda x: 2 * x[torch.randperm(_N)],
+                   lambda J: ((J == 0) | (J == 2)).all() & ((J != 0).sum(0) == 1).all()
+                   & ((J != 0).sum(1) == 1).all()),
+    # a random 0/1 mask as the matrix
+    "random_mask": (lambda x: (torch.rand(_N, _N, dtype=D) > 0.5).to(D) @ x,
+                    lambda J: (J == 0) | (J == 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RANDOM_WEIGHTS))
+def test_zeros_of_a_random_draw_are_not_structural(name):
+    # a weight drawn inside f (dropout of a weight, a random permutation) counted as a
+    # constant: the zeros of the detection run's draw became structural and were cached,
+    # while every product drew others; the result was the Jacobian of no draw at all
+    # (a permutation of the first draw's pattern is one too: the calls must also differ)
+    f, is_a_draw = _RANDOM_WEIGHTS[name]
+    x = torch.randn(_N, generator=torch.Generator().manual_seed(4), dtype=D)
+    for mode in ("rev", "fwd"):
+        clear_cache(f)
+        got = []
+        for seed in range(4):
+            torch.manual_seed(seed)
+            J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+            assert bool(is_a_draw(J).all()), (mode, seed, J)
+            got.append(J)
+        assert not all(torch.equal(got[0], J) for J in got[1:]), mode
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

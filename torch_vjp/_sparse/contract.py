@@ -35,7 +35,13 @@ _LONG = torch.long
 
 
 def maybe_nonzero(tr: Tracer, t: Tensor) -> Tensor:
-    """Where ``t`` may be non-zero at other inputs: non-zero here, or not a constant."""
+    """Where ``t`` may be non-zero at other inputs: non-zero here, or not a constant. A
+    tensor some of whose values were computed from the input's values or drawn at random
+    (a 0/1 mask ``(x > 0).double()``, a weight picked by ``where`` on x, ``dropout(W)``)
+    may be non-zero everywhere: its zeros move with x (or the draw), so none of them is
+    structural (NOTE [a pattern shaped by values] in :mod:`~torch_vjp._sparse.tracer`)."""
+    if tr.value_dependent(t):
+        return torch.ones(t.shape, dtype=torch.bool)
     nz = t.detach().cpu() != 0
     ids = tr.ids(t)
     return nz if ids is None else nz | (ids != 0)

@@ -476,6 +476,17 @@ _FACTORIES = (
 )
 
 
+#: Ops that draw random numbers (dropout's mask among them): their values are not
+#: constants, and differ between the detection run, the products and calls (NOTE [a pattern
+#: shaped by values] in :mod:`~torch_vjp._sparse.tracer`).
+RANDOM = frozenset({
+    "rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "poisson", "normal",
+    "uniform", "exponential", "geometric", "cauchy", "log_normal", "random", "rand_like",
+    "randn_like", "randint_like", "native_dropout", "dropout", "feature_dropout",
+    "alpha_dropout", "feature_alpha_dropout", "rrelu_with_noise", "_fused_dropout",
+    "_standard_gamma", "_sample_dirichlet", "binomial", "_dirichlet_grad",
+})
+
 #: Factories whose tensor arguments give only a shape, dtype or device (``zeros_like(x)``):
 #: their values owe nothing to x's. (``multinomial(p)``, ``poisson(rates)``,
 #: ``bernoulli(p)`` and ``linspace`` with tensor ends read values.)

@@ -40,6 +40,15 @@ index, a mask: :data:`rules.PLACING_ARGS`), an output whose shape is read off va
 on x; ``.tolist()`` and ``.numpy()``, which bypass torch's dispatch, by :class:`ValueReads`
 beside it). Such a pattern is not cached (``sparse_jacobian`` detects again at each call,
 and warns once). A mask that only multiplies, or a constant one, changes nothing.
+The zeros of a tensor some of whose values were computed from x's values (a 0/1 mask, a
+weight picked by ``where`` on x, a mask written into a buffer) are not structural: the
+tracer keeps their storages (:meth:`Tracer.value_dependent`), and the contraction rules
+take such an operand as non-zero everywhere. A random draw made inside ``f`` (``rand``,
+``randperm``, dropout's mask: :data:`rules.RANDOM`) is such a value too, since detection,
+the products and every later call draw different ones; tracked data placed by an index or
+mask derived from a draw is ruled conservatively (every output element of the op depends
+on every input element it reads), which holds for every draw, where re-detection would
+not (it draws again).
 """
 
 from __future__ import annotations
@@ -163,12 +172,40 @@ class Tracer(TorchDispatchMode):
         # tensors computed from the input's values that carry no sets, by storage (kept
         # alive while the run lasts, as shadows keep theirs: no address is reused as a key)
         self._from_values: dict[int, Tensor] = {}
+        # storages whose values (some of them) were computed from the input's values or
+        # drawn at random, tracked or not: their zeros are not structural (NOTE [a pattern
+        # shaped by values]); and, among them, those drawn at random
+        self._valued: dict[int, Tensor] = {}
+        self._random: dict[int, Tensor] = {}
         self.by_value: str | None = None
 
     def from_values(self, t: Tensor) -> bool:
         """Whether ``t`` was computed from the input's values and carries no sets (a
         comparison, an argmax, sort's indices, a 0/1 mask)."""
         return not self.tracked(t) and _storage_key(t) in self._from_values
+
+    def value_dependent(self, t: Tensor) -> bool:
+        """Whether some of ``t``'s values were computed from the input's values or drawn at
+        random (tracked or not): its zeros may move at another input or another draw, so
+        none of them is structural."""
+        key = _storage_key(t)
+        return key is not None and (key in self._valued or key in self._from_values)
+
+    def random(self, t: Tensor) -> bool:
+        """Whether ``t``'s values derive from a random draw made inside ``f``."""
+        key = _storage_key(t)
+        return key is not None and key in self._random
+
+    def _mark(self, outs: Sequence[Tensor], random: bool) -> None:
+        for t in outs:
+            key = _storage_key(t)
+            if key is None:
+                continue
+            self._valued[key] = t
+            if random:
+                self._random[key] = t
+            if not self.tracked(t):  # (a random draw acts as a value from x: a mask,
+                self._from_values[key] = t  # an index, a weight that moves between calls)
 
     def shaped_by_value(self, why: str) -> None:
         """Records (the first) op whose use of the input's values shaped the pattern."""
@@ -271,15 +308,30 @@ class Tracer(TorchDispatchMode):
         if func.is_view and not mutating:
             return  # shares its input's storage, hence its shadow
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        read_values = any(self.from_values(t) for t in inputs)
-        tracked_in = any(self.tracked(t) for t in inputs)
-        if not read_values and not tracked_in:
-            return  # constants in, constants out
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         # (an in-place op by its functional name: index_put_ as index_put)
         name = func._schema.name.removeprefix("aten::").removesuffix("_")
+        # a random draw made inside f (dropout's mask, randperm) differs between the
+        # detection run and the products, and between calls: its values, and whatever is
+        # computed from them, are not constants (their zeros are not structural)
+        random_in = name in rules.RANDOM or any(self.random(t) for t in inputs)
+        valued_in = any(self.value_dependent(t) for t in inputs)
+        read_values = any(self.from_values(t) for t in inputs)
+        tracked_in = any(self.tracked(t) for t in inputs)
+        if mutating and not outs:
+            written = [a.name for a in schema.arguments
+                       if a.alias_info is not None and a.alias_info.is_write]
+            marked = [v for a in written
+                      if isinstance(v := rules.bind(func, args, kwargs).get(a), Tensor)]
+        else:
+            marked = outs
+        if not read_values and not tracked_in:
+            if random_in or valued_in:
+                self._mark(marked, random_in)
+            return  # constants in, constants out
         # NOTE [a pattern shaped by values]
-        made = name in rules.SHAPE_ONLY  # (zeros_like(x): not from values)
+        made = name in rules.SHAPE_ONLY and not random_in  # (zeros_like(x): not from values)
+        place_anywhere = False
         for t in outs:
             if not made and not carries_sets(t) and (key := _storage_key(t)) is not None:
                 self._from_values[key] = t
@@ -293,11 +345,18 @@ class Tracer(TorchDispatchMode):
                 self.shaped_by_value(f"aten.{name} (a shape read off values computed from x)")
         elif read_values and tracked_in and name not in rules.UNITED_BY_VALUE:
             bound = rules.bind(func, args, kwargs)
-            placing = [v for a in rules.PLACING_ARGS if (v := bound.get(a)) is not None]
-            if any(self.from_values(t) for t in tree_leaves(placing)
-                   if isinstance(t, Tensor)):
+            placing = [t for a in rules.PLACING_ARGS if (v := bound.get(a)) is not None
+                       for t in tree_leaves(v) if isinstance(t, Tensor)]
+            if any(self.random(t) for t in placing):
+                # placed by a random draw: detection's draw is not the products' one, so
+                # no pattern of this draw holds; every output element may read any input
+                # element of the op (a superset that holds for every draw)
+                place_anywhere = True
+            elif any(self.from_values(t) for t in placing):
                 self.shaped_by_value(
                     f"aten.{name} (placing x's elements by indices or a mask computed from x)")
+        if (read_values or random_in or valued_in) and not made:
+            self._mark(marked, random_in)
         aliased: set[int | None] = set()
         if not mutating:  # outputs that share an input's storage are views: nothing to write
             aliased = {_storage_key(t) for t in inputs} - {None}
@@ -312,6 +371,8 @@ class Tracer(TorchDispatchMode):
                 and isinstance(call.bound.get(a.name), Tensor)
             ]
             results = rules.conservative(self, call, targets)
+        elif place_anywhere:
+            results = rules.conservative(self, call)
         else:
             try:
                 results = rules.apply(self, call)
