@@ -659,6 +659,34 @@ def test_zeros_of_a_random_draw_are_not_structural(name):
         assert not all(torch.equal(got[0], J) for J in got[1:]), mode
 
 
+_W3 = _w(3, 3)
+_SPARSE_INSIDE = {
+    "mm": lambda x: (x.view(2, 3).to_sparse() @ _W3).reshape(-1),
+    "mv": lambda x: torch.mv(x.view(2, 3).to_sparse(), torch.ones(3, dtype=D)),
+    "addmm": lambda x: torch.addmm(torch.zeros(2, 3, dtype=D), x.view(2, 3).to_sparse(),
+                                   _W3).reshape(-1),
+    "values": lambda x: x.view(2, 3).to_sparse().values() * 2,
+    "coalesce_values": lambda x: x.view(2, 3).to_sparse().coalesce().values() * 2,
+    "dense_at_sparse": lambda x: (_W3.T @ x.view(3, 2).to_sparse()).reshape(-1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SPARSE_INSIDE))
+def test_a_sparse_tensor_built_from_x_inside_f_keeps_its_dependence(name):
+    # a sparse tensor has no storage, so its set is kept by object; the product rules looked
+    # up a reshaped or indexed copy (a new object, no set), and a sparse tensor's values()
+    # (a view with storage of its own) had none either: an empty pattern, an all-zero J
+    f = _SPARSE_INSIDE[name]
+    x = torch.randn(6, generator=torch.Generator().manual_seed(5), dtype=D)
+    ref = torch.autograd.functional.jacobian(f, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pattern = jacobian_sparsity(f, x).to_dense()
+        J = sparse_jacobian(f, x, mode="rev", layout=torch.strided)
+    assert not ((ref != 0) & ~pattern).any()
+    torch.testing.assert_close(J, ref)
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

@@ -12,7 +12,9 @@ created inside ``f`` updates the shadow of the storage it writes, which every vi
 storage sees. Storages without a shadow (constants: weights ``f`` closes over, tensors it
 creates) hold the empty set. Each shadow keeps a tensor of its storage alive until the run
 ends, so that no storage address is reused while it is a key. Tensors without storage
-(sparse, nested) carry one set for all their elements.
+(sparse, nested) carry one set for all their elements, kept by object: an op that reads one
+is ruled conservatively (a rule would look up the ids of a reshaped or indexed copy, a new
+object without any), and a view of one with storage of its own (``values()``) gets its set.
 
 NOTE [what the pattern means]
 The pattern is the structure of the derivative automatic differentiation computes at the
@@ -305,9 +307,17 @@ class Tracer(TorchDispatchMode):
 
         schema = func._schema
         mutating = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        if func.is_view and not mutating:
-            return  # shares its input's storage, hence its shadow
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if func.is_view and not mutating:
+            # shares its input's storage, hence its shadow; but a view of a tensor without
+            # storage (a sparse tensor's values()) has storage of its own, without a shadow
+            if any(_storage_key(t) is None and self.tracked(t) for t in inputs):
+                outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)
+                        and _storage_key(t) is not None and not self.tracked(t)]
+                call = rules.make_call(func, args, kwargs, outs)
+                for t, ids in zip(outs, rules.conservative(self, call)):
+                    self.write(t, ids)
+            return
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         # (an in-place op by its functional name: index_put_ as index_put)
         name = func._schema.name.removeprefix("aten::").removesuffix("_")
@@ -371,7 +381,11 @@ class Tracer(TorchDispatchMode):
                 and isinstance(call.bound.get(a.name), Tensor)
             ]
             results = rules.conservative(self, call, targets)
-        elif place_anywhere:
+        elif place_anywhere or any(_storage_key(t) is None and self.tracked(t) for t in inputs):
+            # (a tensor without storage, sparse or nested, carries one set kept by object:
+            # a rule that indexes or reshapes it would look up a new object and find none,
+            # and succeed with nothing; such an op is ruled conservatively, which its one
+            # set makes nearly exact)
             results = rules.conservative(self, call)
         else:
             try:
