@@ -687,6 +687,44 @@ def test_a_sparse_tensor_built_from_x_inside_f_keeps_its_dependence(name):
     torch.testing.assert_close(J, ref)
 
 
+def _assign_twice(x):
+    y = torch.zeros(2, dtype=D)
+    y[[0, 0]] = x[:2]  # y[0] = x[1] (the last write), but both writers get its gradient
+    return torch.cat([y, 3 * x[:1]])
+
+
+def _add_into_repeated_columns(x):
+    y = x[:4].view(2, 2).clone()
+    y[:, [1, 1, 0]] += x[4:10].view(2, 3)
+    return torch.cat([y.reshape(-1), 3 * x[:2]])
+
+
+_REPEATED_WRITES = {
+    "index_put": _assign_twice,
+    "add_into_repeated_columns": _add_into_repeated_columns,
+    "scatter": lambda x: torch.cat([torch.zeros(2, dtype=D).scatter(
+        0, torch.tensor([0, 0]), x[:2]), 3 * x[:1]]),
+    "index_copy": lambda x: torch.cat([torch.zeros(2, dtype=D).index_copy(
+        0, torch.tensor([0, 0]), x[:2]), 3 * x[:1]]),
+    "put": lambda x: torch.cat([torch.zeros(2, dtype=D).put(torch.tensor([0, -2]), x[:2]),
+                                3 * x[:1]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REPEATED_WRITES))
+def test_a_write_at_a_repeated_index_depends_on_every_writer(name):
+    # an overwriting scatter with a repeated index kept only the last writer in the
+    # pattern, but autograd's backward sends the element's gradient to every writer: in
+    # reverse mode that gradient leaked into another row of the same colour (J[2, 0] = 4
+    # where it is 3), silently
+    f = _REPEATED_WRITES[name]
+    x = torch.randn(10, generator=torch.Generator().manual_seed(6), dtype=D)
+    for mode, ref in (("rev", torch.func.jacrev), ("fwd", torch.func.jacfwd)):
+        clear_cache(f)
+        J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+        torch.testing.assert_close(J, ref(f)(x))
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

@@ -414,6 +414,20 @@ def _accumulate(
     return _for_outputs(call, res)
 
 
+def _overwrite(
+    tr: Tracer, call: Call, target: Tensor, pos: Tensor, src: Any, sliced: bool = False
+) -> list[Tensor | None]:
+    """An overwriting scatter of ``src`` into ``target`` at flat positions ``pos``: a move,
+    unless some position is written more than once. Then the value is the last writer's,
+    but autograd's backward sends that element's gradient to every writer (and forward
+    mode takes the last one), so the element depends on all of them: united, as
+    :func:`_accumulate` does (a superset: the target's own set is kept too)."""
+    flat = pos.reshape(-1)
+    if isinstance(src, Tensor) and flat.numel() > 1 and flat.unique().numel() < flat.numel():
+        return _accumulate(tr, call, target, pos, src, sliced)
+    return move(tr, call)
+
+
 @register("index_put", "_unsafe_index_put", "index_put_impl", "_index_put_impl")
 def index_put(tr: Tracer, call: Call) -> list[Tensor | None]:
     """``self[indices] = values`` overwrites (a move); with ``accumulate=True`` it adds. By
@@ -427,10 +441,10 @@ def index_put(tr: Tracer, call: Call) -> list[Tensor | None]:
         sid = tr.table.union_all(v.reshape(-1)) if v is not None and v.numel() else 0
         spread = torch.full(x.shape, sid, dtype=_LONG) if sid else None
         return _for_outputs(call, combine(tr, x.shape, [tr.ids(x), spread]))
-    if not call.bound.get("accumulate"):
-        return move(tr, call)
     indices = [None if i is None else i.cpu() for i in call.bound["indices"]]
     pos = aten.index.Tensor(_positions(x), indices)
+    if not call.bound.get("accumulate"):
+        return _overwrite(tr, call, x, pos, call.bound["values"])
     return _accumulate(tr, call, x, pos, call.bound["values"])
 
 
@@ -438,11 +452,20 @@ def index_put(tr: Tracer, call: Call) -> list[Tensor | None]:
 def scatter(tr: Tracer, call: Call) -> list[Tensor | None]:
     """``scatter`` without ``reduce`` overwrites (a move); ``scatter_add``,
     ``scatter_reduce`` and ``scatter(reduce=...)`` unite."""
-    if call.name == "scatter" and call.bound.get("reduce") is None:
-        return move(tr, call)
     x = call.bound["self"]
     pos = torch.gather(_positions(x), call.bound["dim"], call.bound["index"].cpu())
+    if call.name == "scatter" and call.bound.get("reduce") is None:
+        return _overwrite(tr, call, x, pos, call.bound.get("src"), sliced=True)
     return _accumulate(tr, call, x, pos, call.bound.get("src"), sliced=True)
+
+
+@register("index_copy")
+def index_copy(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``index_copy`` overwrites the selected slices with ``source`` (a move; united where
+    an index repeats, :func:`_overwrite`)."""
+    x = call.bound["self"]
+    pos = torch.index_select(_positions(x), call.bound["dim"], call.bound["index"].cpu())
+    return _overwrite(tr, call, x, pos, call.bound["source"])
 
 
 @register("index_add", "index_reduce")
@@ -456,10 +479,10 @@ def index_add(tr: Tracer, call: Call) -> list[Tensor | None]:
 @register("put")
 def put(tr: Tracer, call: Call) -> list[Tensor | None]:
     """``put`` overwrites, or with ``accumulate=True`` adds, at flat indices."""
-    if not call.bound.get("accumulate"):
-        return move(tr, call)
     x = call.bound["self"]
     pos = call.bound["index"].cpu().reshape(-1) % max(1, x.numel())
+    if not call.bound.get("accumulate"):
+        return _overwrite(tr, call, x, pos, call.bound["source"])
     return _accumulate(tr, call, x, pos, call.bound["source"])
 
 
