@@ -725,6 +725,35 @@ def test_a_write_at_a_repeated_index_depends_on_every_writer(name):
         torch.testing.assert_close(J, ref(f)(x))
 
 
+def _copy_ints_into(x):
+    y = x.clone()
+    y[:2].copy_(torch.tensor([3, 1]))  # y[0], y[1] become constants
+    return y
+
+
+_INTEGER_DATA = {
+    "cat_large": lambda x: torch.cat([x, torch.tensor([2024])]),
+    "cat_small": lambda x: torch.cat([x, torch.arange(1, 4)]),
+    "stack": lambda x: torch.stack([x, torch.tensor([1, 2, 3, 0])]).reshape(-1),
+    "where": lambda x: torch.where(torch.tensor([True, False, True, False]), x,
+                                   torch.tensor([1, 2, 3, 4])),
+    "copy": _copy_ints_into,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_INTEGER_DATA))
+def test_integer_data_carries_no_dependence(name):
+    # the data-movement rule ran the op on set ids but passed integer tensors through as
+    # they were, so an integer data operand's values were read as set ids: a raw
+    # IndexError for large ones, false dependencies for small ones
+    f = _INTEGER_DATA[name]
+    x = torch.randn(4, generator=torch.Generator().manual_seed(7), dtype=D)
+    truth = torch.func.jacrev(f)(x).reshape(-1, 4) != 0
+    assert torch.equal(jacobian_sparsity(f, x).to_dense(), truth)
+    J = sparse_jacobian(f, x, layout=torch.strided)
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x).reshape(J.shape))
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

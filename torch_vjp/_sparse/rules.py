@@ -266,13 +266,17 @@ def _move(tr: Tracer, call: Call, dtype: torch.dtype) -> list[Tensor | None]:
         a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
     )  # an out= variant: its out arguments get fresh tensors
 
-    def sub(v: Any, fresh: bool) -> Any:
+    def sub(v: Any, fresh: bool, placing: bool) -> Any:
         if isinstance(v, Tensor):
             if carries_sets(v):
                 if fresh:
                     return torch.zeros(v.shape, dtype=dtype)
                 return tr.ids_or_empty(v).to(dtype)
-            return v.cpu()
+            if placing:  # an index or a mask: it places the ids as it places the values
+                return v.cpu()
+            # integer or boolean data (cat([x, torch.tensor([2024])]), torch promotes it):
+            # its values are no set ids, it carries the empty set
+            return torch.zeros(v.shape, dtype=dtype)
         return v
 
     args, kwargs = [], {}
@@ -288,7 +292,9 @@ def _move(tr: Tracer, call: Call, dtype: torch.dtype) -> list[Tensor | None]:
         if str(arg.type) == "number":
             value = 0
         else:
-            value = tree_map(lambda v, fresh=fresh: sub(v, fresh), value)
+            placing = arg.name in PLACING_ARGS
+            value = tree_map(lambda v, fresh=fresh, placing=placing: sub(v, fresh, placing),
+                             value)
         if present:
             args.append(value)
         else:
