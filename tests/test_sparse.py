@@ -754,6 +754,67 @@ def test_integer_data_carries_no_dependence(name):
     torch.testing.assert_close(J, torch.func.jacrev(f)(x).reshape(J.shape))
 
 
+_BN3 = torch.nn.BatchNorm1d(3).double()
+
+
+def _bn_in_a_closure():
+    bn = torch.nn.BatchNorm1d(3).double()
+    return bn, lambda x: bn(x) * 2
+
+
+class _WithNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(3).double()
+
+    def forward(self, x):
+        return self.norm(x.sin())
+
+
+def _bn_cases():
+    own = torch.nn.BatchNorm1d(3).double()
+    closed, by_closure = _bn_in_a_closure()
+    partial_bn = torch.nn.BatchNorm1d(3).double()
+    seq = _WithNorm()
+    return {
+        "module": (own, own),
+        "global": (_BN3, lambda x: _BN3(x) + 1),
+        "closure": (closed, by_closure),
+        "partial": (partial_bn, functools.partial(lambda m, x: m(x), partial_bn)),
+        "bound_method": (seq, seq.forward),
+        "submodule": (seq.norm, seq),
+    }
+
+
+@pytest.mark.parametrize("name", ["module", "global", "closure", "partial", "bound_method",
+                                  "submodule"])
+def test_a_module_switched_between_eval_and_train_is_detected_again(name):
+    # the plan cache was keyed by the function and x's shapes only: a BatchNorm switched
+    # from eval() to train() kept the eval pattern (diagonal) for the batch-coupled
+    # training Jacobian (12 non-zeros where there are 48), silently
+    module, f = _bn_cases()[name]
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(8), dtype=D)
+    for training in (False, True, False, True):
+        module.train(training)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            J = sparse_jacobian(f, x, layout=torch.strided)
+            ref = torch.autograd.functional.jacobian(f, x).reshape(12, 12)
+        torch.testing.assert_close(J, ref)
+
+
+def test_another_memory_layout_of_x_is_detected_again():
+    # the cache key had no strides: an f that follows x's memory layout (as_strided) got
+    # the pattern of the first layout at another one of the same shape
+    def f(u):
+        return u.as_strided((4,), (1,)) * 2.0
+
+    a = torch.randn(2, 2, generator=torch.Generator().manual_seed(9), dtype=D)
+    for x in (a, a.t(), a, a.t()):
+        J = sparse_jacobian(f, x, layout=torch.strided)
+        torch.testing.assert_close(J, torch.func.jacrev(f)(x).reshape(4, 4))
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

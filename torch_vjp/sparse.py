@@ -143,7 +143,8 @@ def sparse_jacobian(
     that columns (rows) of one colour share no row (column); the products with the colours'
     seed vectors hold every non-zero, which are then gathered into the result. Pattern and
     colourings are cached per function object and input signature (structure of ``x``, and
-    each leaf's shape, dtype and device): the first call detects and colours, later calls
+    each leaf's shape, strides, dtype and device; and the training flags of the modules
+    ``f`` reaches): the first call detects and colours, later calls
     only compute. The cache assumes that ``f``'s structure does not change; see
     :func:`clear_cache`.
 
