@@ -1004,8 +1004,39 @@ def test_auto_takes_reverse_mode_where_forward_mode_fails_with_a_warning():
     # (torch.func.jacrev is wrong here: cdist's backward has a wrong batching rule, which
     # 'auto' finds, NOTE [auto, checked once])
     torch.testing.assert_close(got.to_dense(), torch.autograd.functional.jacobian(f, u))
-    with pytest.raises(NotImplementedError):  # mode='fwd' asked for: torch's own error
+    with pytest.raises(StrategyError) as err:  # mode='fwd' asked for: explained
         tv.sparse_jacobian(f, u, mode="fwd")
+    assert re.match(r"torch_vjp\.sparse_jacobian: mode='fwd' computes the products with "
+                    r"forward-mode AD, and an operator in f has no forward-mode formula .*\n"
+                    r"  torch said: NotImplementedError: .*\n  Fix: mode='rev' or 'auto'",
+                    full_message(err.value))
+
+
+_CSR = _w(4, 4).to_sparse_csr()
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+@pytest.mark.parametrize("case", ["batch_norm_training", "sparse_csr_constant"])
+def test_an_explicit_mode_explains_what_torch_func_refuses(case, mode):
+    # with mode='fwd' or 'rev', torch.func's refusals came through as torch's raw errors,
+    # where torch_vjp.jacobian(strategy=...) explains them; 'auto' computes them
+    bn = torch.nn.BatchNorm1d(3).double().train()
+    f = {"batch_norm_training": lambda x: bn(x.view(4, 3)).reshape(-1),
+         "sparse_csr_constant": lambda x: _CSR @ x[:4]}[case]
+    x = torch.randn(12, generator=torch.Generator().manual_seed(10), dtype=D)
+    with pytest.raises(StrategyError) as err:
+        sparse_jacobian(f, x, mode=mode)
+    what = {"batch_norm_training": r"f changes a tensor it captured in place",
+            "sparse_csr_constant": r"f uses a tensor without strides"}[case]
+    assert re.match(
+        rf"torch_vjp\.sparse_jacobian: mode='{mode}' computes the products with torch\.func, "
+        rf"which cannot run f \(.*<lambda>\): {what}.*\n  torch\.func said: RuntimeError: .*\n"
+        rf"  Fix: mode='auto'", full_message(err.value))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        J = sparse_jacobian(f, x, mode="auto", layout=torch.strided)
+    if case == "sparse_csr_constant":
+        torch.testing.assert_close(J, torch.autograd.functional.jacobian(f, x))
 
 
 def test_auto_takes_plain_autograd_where_torch_func_cannot_run_f():

@@ -38,7 +38,7 @@ from torch_vjp._engine.jacobian import (
     function_name,
     no_forward_message,
 )
-from torch_vjp._engine.refusals import vmap_refusal, writes_into_input
+from torch_vjp._engine.refusals import forward_refusal, vmap_refusal, writes_into_input
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
                                StrategyError, quote_error, shape_str, warn_once)
@@ -175,7 +175,10 @@ def sparse_jacobian(
         ``torch.func.jacrev``'s layout for one tensor in and out.
 
     Raises:
-        StrategyError: unknown ``mode``.
+        StrategyError: unknown ``mode``; with ``mode="fwd"`` or ``"rev"``, torch cannot
+            compute those products (an operator without a forward-mode formula, a module
+            that updates its running statistics, a sparse CSR constant), which ``"auto"``
+            works around.
         JacobianOptionError: unknown ``layout``; a ``pattern`` that is not 2-D or whose
             shape does not match ``x`` and ``f``'s output; a bad ``chunk_size`` or
             ``max_memory``.
@@ -268,7 +271,10 @@ def _products(
     try:
         comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
     except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
-        if mode != "auto" or passes_through(err):
+        if passes_through(err):
+            raise
+        if mode != "auto":
+            _explain_refusal(prob, mode, err)  # (raises for torch's known refusals)
             raise
         if coloring.mode == "rev":
             return coloring, *_plain(prob, plan, coloring, err)
@@ -286,6 +292,38 @@ def _products(
                 raise
             return coloring, *_plain(prob, plan, coloring, rev_err)
     return coloring, comp, m
+
+
+#: What torch.func says of a tensor without strides (a sparse CSR, CSC or BSR constant):
+#: its transforms cannot take one, where plain autograd can.
+_NO_STRIDES = "Sparse CSR tensors do not have strides"
+
+
+def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
+    """Raises a :class:`StrategyError` that explains ``err`` where it is one of torch's known
+    refusals of the products of an explicit ``mode`` (forward mode without a formula,
+    torch.func's refusals, as :func:`torch_vjp.jacobian` explains them); returns for any
+    other error (f's own: it passes through untouched)."""
+    said = quote_error(err)
+    if mode == "fwd" and (why := forward_refusal(err)) is not None:
+        raise StrategyError(
+            f"{prob.call}: mode='fwd' computes the products with forward-mode AD, and {why}.\n"
+            f"  torch said: {said}\n"
+            f"  Fix: mode='rev' or 'auto' (reverse mode needs only backward formulas), or "
+            f"give the Function a jvp staticmethod."
+        ) from None
+    why, also = vmap_refusal(err), ", or put the module in eval mode if it is one"
+    if why is None and isinstance(err, RuntimeError) and _NO_STRIDES in str(err):
+        why = ("f uses a tensor without strides (a sparse CSR, CSC or BSR tensor), which "
+               "torch.func's transforms cannot take")
+        also = ", or make that tensor a COO or dense one"
+    if why is not None:
+        raise StrategyError(
+            f"{prob.call}: mode={mode!r} computes the products with torch.func, which cannot "
+            f"run f ({function_name(prob.f)}): {why}.\n  torch.func said: {said}\n"
+            f"  Fix: mode='auto' (it computes such a function with plain autograd, one "
+            f"backward pass per colour){also}."
+        ) from None
 
 
 def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException) -> tuple[Tensor, int]:
