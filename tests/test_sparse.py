@@ -945,6 +945,20 @@ def test_sparse_jacobian_err_check():
         sparse_jacobian(lambda u: (u > 0), x)
 
 
+@pytest.mark.parametrize("layout", [torch.strided, torch.sparse_coo])
+def test_a_pattern_on_the_meta_device_is_refused_with_an_explanation(layout):
+    # a meta pattern has no values to read: torch's raw NotImplementedError came through
+    pattern = torch.ones(4, 4, device="meta")
+    if layout is torch.sparse_coo:
+        pattern = torch.sparse_coo_tensor(torch.zeros(2, 1, dtype=torch.long), torch.ones(1),
+                                          (4, 4), device="meta")
+    with pytest.raises(JacobianOptionError) as err:
+        sparse_jacobian(lambda t: t, torch.ones(4, dtype=D), pattern=pattern)
+    assert re.match(r"torch_vjp\.sparse_jacobian: pattern is on the meta device, so it has "
+                    r"no values to read .* Fix: pass torch_vjp\.jacobian_sparsity\(f, x\)",
+                    full_message(err.value))
+
+
 def test_inside_a_transform_is_refused():
     x = torch.randn(3, 4, dtype=D)
     with pytest.raises(JacobianCallError, match=r"called inside a torch.func transform.*Fix: "

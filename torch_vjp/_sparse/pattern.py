@@ -109,7 +109,7 @@ def pattern_from_user(pattern: object, n: int, *, call: str) -> Pattern:
     Raises:
         JacobianCallTypeError: ``pattern`` is not a tensor.
         JacobianOptionError: it is not 2-D, has the wrong number of columns, or a layout
-            that has no entries to read (nested tensors).
+            or device that has no entries to read (nested tensors, the meta device).
     """
     what = (
         "a boolean tensor of shape (m, n), m the number of output elements and n the number "
@@ -141,6 +141,12 @@ def pattern_from_user(pattern: object, n: int, *, call: str) -> Pattern:
             f"columns, but x has {n} elements: column j is element j of x flattened (of the "
             f"leaves of x concatenated, for a tuple, list or dict). Fix: {fix}, at an x of "
             f"this shape."
+        )
+    if pattern.is_meta:
+        raise JacobianOptionError(
+            f"{call}: pattern is on the meta device, so it has no values to read which "
+            f"entries may be non-zero, but it must be {what}, with its values. Fix: {fix} (on "
+            f"the CPU or x's device)."
         )
     rows, cols = _entries(pattern)
     return Pattern(pattern.shape[0], n, rows, cols)
