@@ -815,6 +815,26 @@ def test_another_memory_layout_of_x_is_detected_again():
         torch.testing.assert_close(J, torch.func.jacrev(f)(x).reshape(4, 4))
 
 
+def test_a_pattern_shaped_by_a_random_number_is_the_one_of_the_products_draw():
+    # a random number read into Python (a random shift) shapes the pattern: it is detected
+    # at every call, but detection drew one shift and the products another, and the result
+    # mixed the two (the Jacobian of no draw); the products now draw what detection drew
+    n = 8
+    x = torch.randn(n, generator=torch.Generator().manual_seed(11), dtype=D)
+
+    def f(u):
+        return u.roll(int(torch.randint(1, n, ()))) * u
+
+    draws = [torch.func.jacrev(lambda u, k=k: u.roll(k) * u)(x) for k in range(1, n)]
+    for mode in ("rev", "fwd", "auto"):
+        for seed in range(4):
+            torch.manual_seed(seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+            assert any(torch.allclose(J, R) for R in draws), (mode, seed)
+
+
 # ---- what is not changed ---------------------------------------------------------------------
 
 

@@ -39,7 +39,7 @@ from torch_vjp._engine.jacobian import (
     no_forward_message,
 )
 from torch_vjp._engine.refusals import forward_refusal, vmap_refusal, writes_into_input
-from torch_vjp._engine.rows import passes_through
+from torch_vjp._engine.rows import SameDraws, passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
                                StrategyError, quote_error, shape_str, warn_once)
 from torch_vjp._sparse.compute import (
@@ -75,6 +75,20 @@ def _warn_by_value(prob: Problem, op: str) -> None:
         f"This warning is shown once per function.",
         JacobianWarning,
     )
+
+
+def _detect(prob: Problem) -> Any:
+    """The pattern of ``prob``, with the global random generators put back as detection
+    found them: the products that follow draw what detection drew (a pattern shaped by a
+    random number read into Python, ``u.roll(int(torch.randint(...)))``, detected at each
+    call, is then the pattern of the products' draw), and a call of ``sparse_jacobian``
+    advances the generators as one call of ``f`` does."""
+    draws = SameDraws()
+    draws()  # (keeps the state)
+    try:
+        return detect(prob)
+    finally:
+        draws()  # (puts it back)
 
 
 def _problem(f: Callable[..., Any], x: Any, call: str) -> Problem:
@@ -213,7 +227,7 @@ def sparse_jacobian(
     prob = _problem(f, x, call)
     n = sum(leaf.numel() for leaf in prob.leaves)
     if pattern is None:
-        plan = lookup_plan(prob, lambda: detect(prob))
+        plan = lookup_plan(prob, lambda: _detect(prob))
         if plan.pattern.by_value is not None:
             _warn_by_value(prob, plan.pattern.by_value)
     else:
@@ -247,7 +261,7 @@ def sparse_jacobian(
                 f"tuple, list or dict). Fix: pass the pattern of this f, e.g. "
                 f"torch_vjp.jacobian_sparsity(f, x)."
             )
-        plan = lookup_plan(prob, lambda: detect(prob), fresh=True)  # f changed: detect again
+        plan = lookup_plan(prob, lambda: _detect(prob), fresh=True)  # f changed: detect again
         if plan.pattern.by_value is not None:
             _warn_by_value(prob, plan.pattern.by_value)
         coloring, comp, m = _products(prob, plan, mode, chunk, budget)

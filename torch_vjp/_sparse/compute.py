@@ -393,6 +393,9 @@ def compressed(
         return (_flat_cat(func_jvp(g, leaves, tangents)[1]).detach(),)
 
     same_draws = SameDraws()
+    # (the state before any product: the vectorised attempt's check of one product calls f
+    # before the loop, and the loop must draw what detection, just before, drew)
+    same_draws()
 
     def push_one(*tangents: Tensor) -> tuple[Tensor]:
         # (one call of f per colour: every call draws what the first drew, one function)
