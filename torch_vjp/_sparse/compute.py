@@ -215,6 +215,8 @@ def _modules_reached(f: Any, found: dict[int, torch.nn.Module], seen: set[int],
         return
     if not callable(f) or isinstance(f, (type, Tensor)):
         return
+    if (getattr(f, "__module__", None) or "").split(".")[0] in ("torch", "torch_vjp", "numpy"):
+        return  # (library code: it holds no module of the user's)
     owner = getattr(f, "__self__", None)
     if owner is not None and not isinstance(owner, type(torch)):  # (not a module's builtin)
         _modules_reached(owner, found, seen, depth + 1)
