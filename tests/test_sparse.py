@@ -625,7 +625,8 @@ _BAND = _banded(_N, 1)
 _RANDOM_WEIGHTS = {
     # DropConnect: dropout applied to a weight inside f; every entry is 0 or 2 W[i, j]
     "dropconnect": (lambda x: F.dropout(_BAND, 0.5, training=True) @ x,
-                    lambda J: torch.isclose(J, torch.zeros((), dtype=D)) | torch.isclose(J, 2 * _BAND)),
+                    lambda J: torch.isclose(J, torch.zeros((), dtype=D))
+                    | torch.isclose(J, 2 * _BAND)),
     # a random permutation matrix: one 1 per row and column
     "permutation_matrix": (lambda x: torch.eye(_N, dtype=D)[torch.randperm(_N)] @ x,
                            lambda J: ((J == 0) | (J == 1)).all() & ((J != 0).sum(0) == 1).all()
