@@ -1048,6 +1048,26 @@ def test_auto_takes_reverse_mode_where_forward_mode_fails_with_a_warning():
 
 
 _CSR = _w(4, 4).to_sparse_csr()
+_COO = _w(4, 4).to_sparse()
+
+
+def test_an_explicit_forward_mode_explains_a_sparse_operand():
+    # forward mode has no zero tangent for a sparse COO operand: torch's raw
+    # NotImplementedError (_efficientzerotensor on SparseCPU) came through
+    def f(x):
+        return _COO @ x
+
+    x = torch.randn(4, generator=torch.Generator().manual_seed(12), dtype=D)
+    with pytest.raises(StrategyError) as err:
+        sparse_jacobian(f, x, mode="fwd")
+    assert re.match(r"torch_vjp\.sparse_jacobian: mode='fwd' computes the products with "
+                    r"forward-mode AD, and f multiplies by a sparse tensor, for which torch's "
+                    r"forward mode has no kernel .*\n  torch said: NotImplementedError: .*\n"
+                    r"  Fix: mode='rev' or 'auto'", full_message(err.value))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        J = sparse_jacobian(f, x, layout=torch.strided)
+    torch.testing.assert_close(J, _COO.to_dense())
 
 
 @pytest.mark.parametrize("mode", ["fwd", "rev"])

@@ -311,6 +311,8 @@ def _products(
 #: What torch.func says of a tensor without strides (a sparse CSR, CSC or BSR constant):
 #: its transforms cannot take one, where plain autograd can.
 _NO_STRIDES = "Sparse CSR tensors do not have strides"
+#: What torch's forward mode says of a sparse COO operand (it has no sparse zero tangent).
+_SPARSE_ZEROS = ("_efficientzerotensor", "Sparse")
 
 
 def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
@@ -319,12 +321,17 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
     torch.func's refusals, as :func:`torch_vjp.jacobian` explains them); returns for any
     other error (f's own: it passes through untouched)."""
     said = quote_error(err)
-    if mode == "fwd" and (why := forward_refusal(err)) is not None:
+    why, also = forward_refusal(err), ", or give the Function a jvp staticmethod"
+    if why is None and isinstance(err, NotImplementedError) and all(
+            w in str(err) for w in _SPARSE_ZEROS):
+        why = ("f multiplies by a sparse tensor, for which torch's forward mode has no kernel "
+               "(its zero tangent)")
+        also = ", or make that tensor a dense one"
+    if mode == "fwd" and why is not None:
         raise StrategyError(
             f"{prob.call}: mode='fwd' computes the products with forward-mode AD, and {why}.\n"
             f"  torch said: {said}\n"
-            f"  Fix: mode='rev' or 'auto' (reverse mode needs only backward formulas), or "
-            f"give the Function a jvp staticmethod."
+            f"  Fix: mode='rev' or 'auto' (reverse mode needs only backward formulas){also}."
         ) from None
     why, also = vmap_refusal(err), ", or put the module in eval mode if it is one"
     if why is None and isinstance(err, RuntimeError) and _NO_STRIDES in str(err):
