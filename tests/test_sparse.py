@@ -1051,6 +1051,28 @@ _CSR = _w(4, 4).to_sparse_csr()
 _COO = _w(4, 4).to_sparse()
 
 
+def test_an_explicit_reverse_mode_explains_saved_tensor_hooks():
+    # torch.func's reverse mode refuses saved tensor hooks (checkpointing): with mode='rev',
+    # its raw RuntimeError came through; 'auto' computes such a function
+    import torch.utils.checkpoint
+
+    def f(x):
+        return torch.utils.checkpoint.checkpoint(lambda v: v.sin() * v.roll(1), x,
+                                                 use_reentrant=False)
+
+    x = torch.randn(6, generator=torch.Generator().manual_seed(13), dtype=D)
+    with pytest.raises(StrategyError) as err:
+        sparse_jacobian(f, x, mode="rev")
+    assert re.match(r"torch_vjp\.sparse_jacobian: mode='rev' computes the products with "
+                    r"torch\.func, which cannot run f \(.*f\): f uses saved tensor hooks .*\n"
+                    r"  torch\.func said: RuntimeError: .*\n  Fix: mode='auto' .* or "
+                    r"mode='fwd'\.", full_message(err.value))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        J = sparse_jacobian(f, x, layout=torch.strided)
+    torch.testing.assert_close(J, torch.autograd.functional.jacobian(f, x))
+
+
 def test_an_explicit_forward_mode_explains_a_sparse_operand():
     # forward mode has no zero tangent for a sparse COO operand: torch's raw
     # NotImplementedError (_efficientzerotensor on SparseCPU) came through

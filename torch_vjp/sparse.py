@@ -311,6 +311,8 @@ def _products(
 #: What torch.func says of a tensor without strides (a sparse CSR, CSC or BSR constant):
 #: its transforms cannot take one, where plain autograd can.
 _NO_STRIDES = "Sparse CSR tensors do not have strides"
+#: What torch.func's reverse mode says of saved tensor hooks (torch.utils.checkpoint).
+_HOOKS = "don't yet support saved tensor hooks"
 #: What torch's forward mode says of a sparse COO operand (it has no sparse zero tangent).
 _SPARSE_ZEROS = ("_efficientzerotensor", "Sparse")
 
@@ -338,6 +340,11 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
         why = ("f uses a tensor without strides (a sparse CSR, CSC or BSR tensor), which "
                "torch.func's transforms cannot take")
         also = ", or make that tensor a COO or dense one"
+    elif why is None and isinstance(err, RuntimeError) and _HOOKS in str(err):
+        why = ("f uses saved tensor hooks (torch.utils.checkpoint, "
+               "torch.autograd.graph.saved_tensors_hooks), which torch.func's reverse mode "
+               "does not support")
+        also = " or mode='fwd'"
     if why is not None:
         raise StrategyError(
             f"{prob.call}: mode={mode!r} computes the products with torch.func, which cannot "
