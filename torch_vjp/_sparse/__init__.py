@@ -6,7 +6,8 @@ the order they build on each other:
 * ``tracer``: the dispatch mode that runs ``f`` once and keeps a shadow of set ids beside
   every tracked storage (NOTE [shadow storage], NOTE [what the pattern means]);
 * ``rules``: the rule of each kind of aten op (elementwise, reductions, data movement,
-  scatters, norms, factories, and the conservative rule for ops without one);
+  norms, factories, and the conservative rule for ops without one);
+* ``scatters``: the rules of writes at positions, overwriting or accumulating;
 * ``contract``: the rules of matrix products and convolutions (NOTE [contraction rule]);
 * ``pattern``: patterns as sorted index arrays, and the checks of a user's pattern;
 * ``detect``: one detection run, from ``f`` to its pattern;

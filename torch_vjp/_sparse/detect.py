@@ -10,7 +10,7 @@ from torch_vjp._engine.context import buffers_kept
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianWarning, warn_once
-from torch_vjp._sparse import contract, rules  # noqa: F401  (the rules register themselves)
+from torch_vjp._sparse import contract, rules, scatters  # noqa: F401  (the rules register themselves)
 from torch_vjp._sparse.pattern import Pattern
 from torch_vjp._sparse.tracer import Tracer, ValueReads, one_thread
 

@@ -35,6 +35,8 @@ from torch_vjp._sparse.tracer import Call, Tracer, bind, carries_sets
 __all__ = [
     "RULES",
     "MOVES",
+    "for_outputs",
+    "move",
     "make_call",
     "apply",
     "combine",
@@ -158,7 +160,7 @@ def _self(call: Call) -> Tensor:
     raise KeyError("no self argument")
 
 
-def _for_outputs(call: Call, ids: Tensor | None) -> list[Tensor | None]:
+def for_outputs(call: Call, ids: Tensor | None) -> list[Tensor | None]:
     """``ids`` reshaped for every floating output of the same number of elements."""
     res: list[Tensor | None] = []
     for o in call.outs:
@@ -191,7 +193,7 @@ def pointwise(tr: Tracer, call: Call) -> list[Tensor | None]:
     if shape is None:
         return [None] * len(call.outs)
     parts = [tr.ids(t) for t in _float_inputs(call)]
-    return _for_outputs(call, combine(tr, shape, parts))
+    return for_outputs(call, combine(tr, shape, parts))
 
 
 #: Ops that move data: ruled by running them on the ids (see :func:`move`).
@@ -242,7 +244,7 @@ def where(tr: Tracer, call: Call) -> list[Tensor | None]:
         return move(tr, call)
     shape = call.outs[0].shape
     parts = [tr.ids(t) for t in _float_inputs(call)]
-    return _for_outputs(call, combine(tr, shape, parts))
+    return for_outputs(call, combine(tr, shape, parts))
 _FLOAT_MOVES: set[str] = set()  # ops without int64 kernels, found at run time
 
 
@@ -344,16 +346,16 @@ def reduction(tr: Tracer, call: Call) -> list[Tensor | None]:
         inputs = _float_inputs(call)
         shape = torch.broadcast_shapes(*(t.shape for t in inputs))
         both = combine(tr, shape, [tr.ids(t) for t in inputs])
-        return _for_outputs(call, None if both is None else group(tr, both, range(len(shape))))
+        return for_outputs(call, None if both is None else group(tr, both, range(len(shape))))
     x = _self(call)
     ids = tr.ids(x)
     if ids is None:
         return [None] * len(call.outs)
     if call.name == "trace":
         diag = torch.diagonal(ids)
-        return _for_outputs(call, group(tr, diag, [0]))
+        return for_outputs(call, group(tr, diag, [0]))
     dims = _dims(call.bound.get("dim"), x.dim())
-    return _for_outputs(call, group(tr, ids, dims))
+    return for_outputs(call, group(tr, ids, dims))
 
 
 @register("_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod", "logcumsumexp",
@@ -368,7 +370,7 @@ def along_dim(tr: Tracer, call: Call) -> list[Tensor | None]:
         ids = tr.ids(t)
         if ids is not None:
             parts.append(group(tr, ids, [dim]).expand(t.shape) if t.dim() else ids)
-    return _for_outputs(call, combine(tr, shape, parts))
+    return for_outputs(call, combine(tr, shape, parts))
 
 
 @register("sort", "topk", "kthvalue", "mode", "cummax", "cummin")
@@ -390,106 +392,6 @@ def along_with_indices(tr: Tracer, call: Call) -> list[Tensor | None]:
     if values.dim() < x.dim():  # keepdim=False
         line = line.squeeze(dim % x.dim())
     return [line.expand(values.shape)] + [None] * (len(call.outs) - 1)
-
-
-# ---- accumulating scatters ---------------------------------------------------------------
-
-
-def _positions(x: Tensor) -> Tensor:
-    return torch.arange(x.numel(), dtype=_LONG).view(x.shape)
-
-
-def _accumulate(
-    tr: Tracer, call: Call, target: Tensor, pos: Tensor, src: Any, sliced: bool = False
-) -> list[Tensor | None]:
-    """``target``'s elements united with ``src``'s at flat positions ``pos`` (``src``
-    broadcast to ``pos``'s shape, or with ``sliced`` its leading block of that shape, as
-    ``scatter`` reads it)."""
-    numel = target.numel()
-    rows = [torch.arange(numel, dtype=_LONG)]
-    ids = [tr.ids_or_empty(target).reshape(-1)]
-    if isinstance(src, Tensor) and carries_sets(src):
-        src_ids = tr.ids(src)
-        if src_ids is not None:
-            if sliced:
-                src_ids = src_ids[tuple(slice(0, s) for s in pos.shape)]
-            src_ids = src_ids.expand(pos.shape)
-            rows.append(pos.reshape(-1))
-            ids.append(src_ids.reshape(-1))
-    res = tr.table.union(torch.cat(rows), torch.cat(ids), numel).view(target.shape)
-    return _for_outputs(call, res)
-
-
-def _overwrite(
-    tr: Tracer, call: Call, target: Tensor, pos: Tensor, src: Any, sliced: bool = False
-) -> list[Tensor | None]:
-    """An overwriting scatter of ``src`` into ``target`` at flat positions ``pos``: a move,
-    unless some position is written more than once. Then the value is the last writer's,
-    but autograd's backward sends that element's gradient to every writer (and forward
-    mode takes the last one), so the element depends on all of them: united, as
-    :func:`_accumulate` does (a superset: the target's own set is kept too)."""
-    flat = pos.reshape(-1)
-    if isinstance(src, Tensor) and flat.numel() > 1 and flat.unique().numel() < flat.numel():
-        return _accumulate(tr, call, target, pos, src, sliced)
-    return move(tr, call)
-
-
-@register("index_put", "_unsafe_index_put", "index_put_impl", "_index_put_impl")
-def index_put(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """``self[indices] = values`` overwrites (a move); with ``accumulate=True`` it adds. By
-    indices or a mask computed from x (``y[x < 0] = 0``), the values may land anywhere:
-    every element unites its own set with all of the values' (a superset that holds at
-    every x, as :func:`where`'s)."""
-    x = call.bound["self"]
-    if any(isinstance(i, Tensor) and tr.from_values(i) for i in call.bound["indices"]):
-        vals = call.bound.get("values")
-        v = tr.ids(vals) if isinstance(vals, Tensor) else None
-        sid = tr.table.union_all(v.reshape(-1)) if v is not None and v.numel() else 0
-        spread = torch.full(x.shape, sid, dtype=_LONG) if sid else None
-        return _for_outputs(call, combine(tr, x.shape, [tr.ids(x), spread]))
-    indices = [None if i is None else i.cpu() for i in call.bound["indices"]]
-    pos = aten.index.Tensor(_positions(x), indices)
-    if not call.bound.get("accumulate"):
-        return _overwrite(tr, call, x, pos, call.bound["values"])
-    return _accumulate(tr, call, x, pos, call.bound["values"])
-
-
-@register("scatter", "scatter_add", "scatter_reduce")
-def scatter(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """``scatter`` without ``reduce`` overwrites (a move); ``scatter_add``,
-    ``scatter_reduce`` and ``scatter(reduce=...)`` unite."""
-    x = call.bound["self"]
-    pos = torch.gather(_positions(x), call.bound["dim"], call.bound["index"].cpu())
-    if call.name == "scatter" and call.bound.get("reduce") is None:
-        return _overwrite(tr, call, x, pos, call.bound.get("src"), sliced=True)
-    return _accumulate(tr, call, x, pos, call.bound.get("src"), sliced=True)
-
-
-@register("index_copy")
-def index_copy(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """``index_copy`` overwrites the selected slices with ``source`` (a move; united where
-    an index repeats, :func:`_overwrite`)."""
-    x = call.bound["self"]
-    pos = torch.index_select(_positions(x), call.bound["dim"], call.bound["index"].cpu())
-    return _overwrite(tr, call, x, pos, call.bound["source"])
-
-
-@register("index_add", "index_reduce")
-def index_add(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """``index_add``/``index_reduce`` unite ``source`` into the selected slices."""
-    x = call.bound["self"]
-    pos = torch.index_select(_positions(x), call.bound["dim"], call.bound["index"].cpu())
-    return _accumulate(tr, call, x, pos, call.bound["source"])
-
-
-@register("put")
-def put(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """``put`` overwrites, or with ``accumulate=True`` adds, at flat indices."""
-    x = call.bound["self"]
-    pos = call.bound["index"].cpu().reshape(-1) % max(1, x.numel())
-    if not call.bound.get("accumulate"):
-        return _overwrite(tr, call, x, pos, call.bound["source"])
-    return _accumulate(tr, call, x, pos, call.bound["source"])
 
 
 # ---- creation, conversion, random masks --------------------------------------------------
@@ -537,7 +439,7 @@ def to_copy(tr: Tracer, call: Call) -> list[Tensor | None]:
     """A copy in another dtype or on another device: the same sets (none for an integer
     result)."""
     ids = tr.ids(_self(call))
-    return _for_outputs(call, ids)
+    return for_outputs(call, ids)
 
 
 @register("native_dropout", "dropout", "feature_dropout", "alpha_dropout")
