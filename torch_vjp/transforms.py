@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import types
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload
 
@@ -34,11 +33,11 @@ from torch_vjp._checks import (
     recording_connected,
 )
 from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
-from torch_vjp._engine.context import (captured_values, func_jvp, func_vjp,
-                                       is_nested, modules_reached)
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.refusals import mutates_captured, refusal_kind, vmap_refusal
 from torch_vjp._engine.memory import check_chunk_size
+from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.rows import SameDraws, map_rows, run_with_fallback
@@ -277,7 +276,7 @@ def vjp(
     g_inner, connected = recording_connected(prob.g_inner, has_aux)
     with _explained(call, "vjp"):
         res = func_vjp(g_inner, *prob.leaves, has_aux=prob.has_aux)
-    point = _Point(f, prob.leaves)  # (NOTE [the vjp point, kept])
+    point = Point(f, prob.leaves)  # (NOTE [the vjp point, kept])
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
     single = isinstance(out, Tensor)
@@ -333,82 +332,6 @@ def vjp(
     return out, vjp_fn
 
 
-# NOTE [the vjp point, kept]
-# vjp_fn differentiates at the point of the vjp call: torch.func's graph holds what f saved
-# there, and reads the caller's tensors themselves where it saved them (the primals, and
-# the tensors f captures, which torch.func does not copy). A write into one of them between
-# the vjp call and a vjp_fn call (``x.mul_(3)``, an optimizer step on a parameter f uses,
-# ``W.add_(1)`` on a captured weight) made the products mix old and new values, silently:
-# torch.func's wrappers have version counters of their own, so its check of saved tensors
-# never fires (plain autograd raises "modified by an inplace operation" there). So vjp
-# records the version counters of the primals, of the tensors f's closure cells and named
-# globals hold, and of the parameters and buffers of the modules f reaches, right after f
-# ran (f's own writes are part of the point). Where one moved when vjp_fn runs, the graph
-# may or may not read it (``x.exp()`` saves its output, not x; ``t * S.sum()`` saves the
-# sum, not S), so vjp_fn finds out: it computes the products, then again with the moved
-# tensors' values changed for a moment (through ``.data``, so that no version counter, of
-# the caller's other graphs either, moves), and puts them back. Equal products do not read
-# them (they are the vjp point's, for this cotangent): returned. Others: a JacobianCallError.
-# Only a moved point pays for it: one copy of the moved tensors and one more product.
-class _Point:
-    """The version counters of what a vjp point's graph may read (NOTE [the vjp point,
-    kept])."""
-
-    def __init__(self, f: Callable[..., Any], leaves: list[Tensor]) -> None:
-        self.tensors = tuple(leaves) + tuple(
-            v for v in _read_state(f) if isinstance(v, Tensor))
-        self.n_primals = len(leaves)
-        self.versions = _versions(self.tensors)
-
-    def settled(self, products: Callable[[], Any], call: str) -> Any:
-        """``products()``, where it does not read a tensor of the point written since."""
-        res = products()
-        now = _versions(self.tensors)
-        if now == self.versions:
-            return res
-        moved = [i for i, (a, b) in enumerate(zip(now, self.versions)) if a != b]
-        if _reads(products, res, [self.tensors[i] for i in moved]):
-            self._refuse(moved[0], call)
-        self.versions = now  # (unread: later calls need not find out again)
-        return res
-
-    def _refuse(self, i: int, call: str) -> None:
-        what = (f"primals[{i}]" if i < self.n_primals else
-                f"a tensor f captures (of shape {tuple(self.tensors[i].shape)}: a closure "
-                f"variable, a global, or a parameter or buffer of a module f uses)")
-        raise JacobianCallError(
-            f"{call}: {what} was written in place after torch_vjp.vjp computed the output, "
-            f"and the graph of the vjp point reads it. vjp_fn differentiates at the point "
-            f"of the vjp call, with the values f saved there: the products would mix the old "
-            f"and the new values (torch.func.vjp returns them silently).\n"
-            f"  Fix: call torch_vjp.vjp again after the change, for the new point; or write "
-            f"into a copy (x = x.clone()) and keep the tensors of the vjp point as they were."
-        )
-
-
-def _reads(products: Callable[[], Any], res: Any, tensors: list[Tensor]) -> bool:
-    """Whether ``products()`` changes (from ``res``) while ``tensors`` hold other values for
-    a moment (NOTE [the vjp point, kept])."""
-    kept = [t.detach().clone() for t in tensors]
-    try:
-        with torch.no_grad():
-            for t in tensors:
-                d = t.data
-                if d.is_floating_point() or d.is_complex():
-                    d.mul_(1.5).add_(0.25)
-                else:
-                    d.add_(1)
-            again = products()
-        return not all(torch.equal(a.detach(), b.detach())
-                       for a, b in zip(tree_leaves(res), tree_leaves(again)))
-    except Exception:  # noqa: BLE001 - a product that fails on other values reads them
-        return True
-    finally:
-        with torch.no_grad():
-            for t, k in zip(tensors, kept):
-                t.data.copy_(k)
-
-
 def _traced_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
     """``vjp`` inside the user's torch.compile: torch.func's, with ``vjp_fn``'s options."""
     res = torch.func.vjp(f, *primals, has_aux=has_aux)
@@ -429,21 +352,21 @@ def _traced_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) 
 def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
     """``vjp(compile=True)``: the eager output, and a ``vjp_fn`` whose plain calls run
     a compiled program of forward and pullback (NOTE [compiled Jacobians])."""
-    state = _read_state(f)
+    state = read_state(f)
     inputs = tuple(t for t in tree_leaves(primals) if isinstance(t, Tensor))
-    versions = _versions(state + inputs)  # (before f runs: f may write into them itself)
+    versions = versions_of(state + inputs)  # (before f runs: f may write into them itself)
     res = vjp(f, *primals, has_aux=has_aux)
     eager_fn = res[1]
-    versions = _versions(state + inputs) if versions == _versions(state + inputs) else None
+    versions = versions_of(state + inputs) if versions == versions_of(state + inputs) else None
 
     def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
         opts = _pullback_options(args, dict(options))
         if args or opts["retain_graph"] is not True or opts["create_graph"] is not None:
             return eager_fn(cotangents, *args, **options)
-        now = _read_state(f)
+        now = read_state(f)
         if (versions is None or len(now) != len(state)
                 or any(a is not b for a, b in zip(now, state))
-                or _versions(now + inputs) != versions):
+                or versions_of(now + inputs) != versions):
             return eager_fn(cotangents, **options)  # (NOTE [a compiled vjp_fn's point])
         batched, chunk_size = opts["batched"], opts["chunk_size"]
         chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
@@ -483,23 +406,6 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 # list or a partial, a module's plain attribute or training flag, a write through
 # ``.data``) the program's own forward output shows: where it is not the vjp point's (up to
 # the rounding of a compiled program), the graph answers too.
-
-
-def _versions(values: tuple[object, ...]) -> tuple[int | None, ...]:
-    """The version counters of the tensors among ``values`` (in-place writes move them)."""
-    return tuple(v._version if isinstance(v, Tensor) and not v.is_inference() else None
-                 for v in values)
-
-
-def _read_state(f: object) -> tuple[object, ...]:
-    """What NOTE [a compiled vjp_fn's point] compares, in a fixed order."""
-    func = f.__func__ if isinstance(f, types.MethodType) else f
-    values = list(captured_values(func)) if isinstance(func, types.FunctionType) else []
-    for module in modules_reached(f):
-        for sub in module.modules():
-            values.extend(sub._parameters.values())
-            values.extend(sub._buffers.values())
-    return tuple(values)
 
 
 @overload
