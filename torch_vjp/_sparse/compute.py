@@ -33,7 +33,6 @@ colourings) with the pattern tensor, as long as that tensor lives and is not mod
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 import weakref
@@ -46,7 +45,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_vjp._engine.context import func_jvp, func_vjp
+from torch_vjp._engine.context import func_jvp, func_vjp, modules_reached
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.memory import WORK_FACTOR, plan_chunk
 from torch_vjp._engine.problem import Problem
@@ -193,70 +192,15 @@ def _slot(f: Any, create: bool) -> tuple[dict[Any, Plan] | None, Any]:
             return None, sub
 
 
-def _modules_reached(f: Any, found: dict[int, torch.nn.Module], seen: set[int],
-                     depth: int = 0) -> None:
-    """Collects the ``nn.Module`` objects ``f`` reaches cheaply: ``f`` itself, a bound
-    method's object, a ``functools.partial``'s function and arguments, a function's closure
-    cells and the globals its code names, a callable object's attributes (a few levels deep,
-    containers one level)."""
-    if depth > 4 or id(f) in seen:
-        return
-    seen.add(id(f))
-    if isinstance(f, torch.nn.Module):
-        found.setdefault(id(f), f)
-        return
-    if isinstance(f, (list, tuple)):
-        for v in f[:64]:
-            _modules_reached(v, found, seen, depth + 1)
-        return
-    if isinstance(f, dict):
-        for v in list(f.values())[:64]:
-            _modules_reached(v, found, seen, depth + 1)
-        return
-    if not callable(f) or isinstance(f, (type, Tensor)):
-        return
-    if (getattr(f, "__module__", None) or "").split(".")[0] in ("torch", "torch_vjp", "numpy"):
-        return  # (library code: it holds no module of the user's)
-    owner = getattr(f, "__self__", None)
-    if owner is not None and not isinstance(owner, type(torch)):  # (not a module's builtin)
-        _modules_reached(owner, found, seen, depth + 1)
-    for name in ("__func__", "func", "__wrapped__"):
-        inner = getattr(f, name, None)
-        if inner is not None and callable(inner):
-            _modules_reached(inner, found, seen, depth + 1)
-    if isinstance(f, functools.partial):
-        _modules_reached((*f.args, *f.keywords.values()), found, seen, depth + 1)
-    code = getattr(f, "__code__", None)
-    if code is not None:
-        for cell in getattr(f, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            _modules_reached(value, found, seen, depth + 1)
-        glob = getattr(f, "__globals__", {})
-        codes = [code]
-        while codes:
-            c = codes.pop()
-            for name in c.co_names:
-                if name in glob:
-                    _modules_reached(glob[name], found, seen, depth + 1)
-            codes.extend(k for k in c.co_consts if hasattr(k, "co_names"))
-    elif not isinstance(f, torch.nn.Module) and hasattr(f, "__dict__") and not hasattr(
-            f, "__code__") and type(f).__module__ != "builtins":
-        _modules_reached(dict(vars(f)), found, seen, depth + 1)
-
-
 def _branch_state(f: Any) -> tuple[bool, ...]:
     """What selects ``f``'s branches besides ``x`` and is cheap to read: the training flags
     of the modules it reaches (BatchNorm and dropout compute another function in training
     mode)."""
-    found: dict[int, torch.nn.Module] = {}
     try:
-        _modules_reached(f, found, set())
+        found = modules_reached(f)
     except Exception:  # noqa: BLE001 - an odd callable: nothing to add to the key
         return ()
-    return tuple(m.training for top in found.values() for m in top.modules())
+    return tuple(m.training for top in found for m in top.modules())
 
 
 def _signature(prob: Problem) -> Any:
