@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -525,3 +526,20 @@ def test_cuda_peak_uses_the_allocator():
     assert peak >= 64 * 64 * 4
     report = compare_strategies(torch.sin, x, strategies=["rev"], min_run_time=FAST)
     assert report.device.startswith("cuda") and "max_memory_allocated" in report.memory_method
+
+
+def test_one_large_entry_does_not_hide_wrong_small_ones():
+    # the tolerance was atol + rtol * max|reference| over the whole Jacobian: a row of 1e4
+    # let reverse mode's wrong cdist block (torch.cdist's batching rule, errors of 100%)
+    # pass as "ok" and be ranked best
+    g = torch.Generator().manual_seed(0)
+    y, x = torch.randn(3, 2, generator=g), torch.randn(4, 2, generator=g)
+
+    def f(x):
+        return torch.cat([1e4 * x.sum().reshape(1), torch.cdist(x, y).flatten()])
+
+    report = compare_strategies(f, x, strategies=("rev", "rev-loop"), min_run_time=0.01,
+                                memory=False)
+    assert report["rev"].status == "wrong", report["rev"]
+    assert re.search(r"abs error .* \(entry \d+\) > its tolerance", report["rev"].reason)
+    assert report["rev-loop"].status == "ok" and report.best.strategy == "rev-loop"

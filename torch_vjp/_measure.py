@@ -34,7 +34,8 @@ __all__ = [
     "memory_method",
     "leaves",
     "max_error",
-    "tolerance",
+    "check_result",
+    "ENTRY_FLOOR",
     "reason",
     "shorten",
     "format_time",
@@ -47,8 +48,9 @@ __all__ = [
 ]
 
 
-#: Relative tolerance of the correctness check, by the dtype a result is computed in: the
-#: error is compared against ``atol + rtol * max|reference|`` (see :func:`tolerance`).
+#: Relative tolerance of the correctness check, by the dtype a result is computed in: each
+#: entry's error is compared against ``atol + rtol * max(|its reference|, ENTRY_FLOOR *
+#: max|reference|)`` (see :func:`check_result`).
 RTOL = {
     torch.float16: 1e-2,
     torch.bfloat16: 2e-2,
@@ -325,13 +327,56 @@ def _scale(reference: Any) -> float:
     return max((float(t.detach().abs().max()) for t in blocks), default=0.0)
 
 
-def tolerance(result: Any, reference: Any, rtol: float | None, atol: float | None) -> float:
-    """``atol + rtol * max|reference|``; defaults by the result's least precise dtype."""
+def _tolerances(result: Any, rtol: float | None, atol: float | None) -> tuple[float, float]:
     if rtol is None:
         rtol = max((RTOL.get(t.dtype, 1e-4) for t in leaves(result)), default=1e-7)
     if atol is None:
         atol = rtol * 1e-3
-    return atol + rtol * _scale(reference)
+    return rtol, atol
+
+
+#: An entry's tolerance counts at least this share of the reference's largest entry: the
+#: rounding of a small entry may follow the magnitudes of the others (terms that cancel).
+ENTRY_FLOOR = 1e-1
+
+
+def check_result(result: Any, reference: Any, rtol: float | None, atol: float | None
+                 ) -> tuple[float, float, str | None]:
+    """``(error, tolerance, why)``: the largest absolute error of ``result`` against
+    ``reference``, the tolerance of the entry furthest past its own (or of the largest
+    error), and why the result is wrong: None where every entry is within ``atol + rtol *
+    max(|reference entry|, ENTRY_FLOOR * max|reference|)``. Entry by entry, so that one
+    large entry no longer hides wrong small ones (a block of size 1 beside a block of 1e4
+    passed with errors of 100%).
+
+    Raises:
+        ValueError: The structures or the shapes differ (said in the message).
+    """
+    rtol, atol = _tolerances(result, rtol, atol)
+    error = max_error(result, reference)  # (and the structure and shapes, said as it says)
+    floor = ENTRY_FLOOR * _scale(reference)
+    worst_ratio, worst_tol, why = -1.0, atol + rtol * floor, None
+    blocks = list(zip(leaves(result), leaves(reference)))
+    for i, (g, w) in enumerate(blocks):
+        if not w.numel():
+            continue
+        g64 = torch.as_tensor(g).detach().cpu()
+        w64 = w.detach().cpu()
+        dt = torch.complex128 if g64.is_complex() or w64.is_complex() else torch.float64
+        diff = (g64.to(dt) - w64.to(dt)).abs().reshape(-1)
+        tol = atol + rtol * w64.to(dt).abs().reshape(-1).clamp(min=floor)
+        ratio = diff / tol
+        ratio = torch.where(torch.isnan(diff), torch.full_like(ratio, math.inf), ratio)
+        k = int(ratio.argmax())
+        r = float(ratio[k])
+        if r > worst_ratio:
+            worst_ratio, worst_tol = r, float(tol[k])
+            if r > 1.0:
+                where = f" (entry {k} of Jacobian block {i})" if len(blocks) > 1 else (
+                    f" (entry {k})")
+                why = (f"abs error {float(diff[k]):.2e}{where} > its tolerance {worst_tol:.2e} "
+                       f"(max abs error {error:.2e})")
+    return error, worst_tol, why
 
 
 def reason(exc: BaseException, limit: int = 300) -> str:

@@ -35,20 +35,19 @@ from torch_vjp._measure import (
     NOISY_SPREAD,
     Timing,
     check_min_run_time,
+    check_result,
     check_tolerance,
     device_of,
     format_table,
     format_time,
     block_times,
     format_spread,
-    max_error,
     measure_peak,
     memory_method,
     noisy_note,
     reason,
     shorten,
     summarize_times,
-    tolerance,
 )
 
 __all__ = ["compare_strategies", "StrategyComparison", "StrategyRow"]
@@ -225,7 +224,8 @@ class StrategyComparison:
     Attributes:
         rows: One :class:`StrategyRow` per strategy, in the order they were asked for.
         reference: How the reference Jacobian was computed, or why none could be.
-        tolerance: The largest absolute error an ``"ok"`` row may have.
+        tolerance: The largest tolerance of an entry the rows were judged by (at each row's
+            worst entry: its own reference entry's, or 0.1 of the largest, times rtol, plus atol).
         device: The device of the primals.
         threads: ``torch.get_num_threads()`` during the measurement.
         memory_method: How ``peak_memory`` was measured on this device.
@@ -397,8 +397,9 @@ def compare_strategies(
       backward has a wrong one, which ``torch.func.jacrev`` inherits). If ``f`` cannot run
       in float64 (it holds float32 weights, say), the primals' own dtype is used; if the
       loop fails, ``torch.func.jacrev`` is used instead. ``report.reference`` says which. ``error`` is the largest
-      absolute difference; a row is ``"ok"`` when it is at most ``atol + rtol *
-      max|reference|``.
+      absolute difference; a row is ``"ok"`` when every entry's is at most ``atol + rtol *
+      max(|its reference entry|, 0.1 * max|reference|)`` (one large entry does not hide
+      wrong small ones).
     * **peak extra memory**: on CUDA, the caching allocator's peak during one call
       (``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``)
       minus what was allocated before it. On CPU, the peak of live tensor bytes during one
@@ -501,17 +502,12 @@ def compare_strategies(
         status, error, why = "unchecked", None, None
         if reference is not None:
             try:
-                error = max_error(result, reference)
+                error, row_tol, why = check_result(result, reference, rtol, atol)
             except (ValueError, TypeError) as exc:
                 status, why = "wrong", str(exc)
             else:
-                row_tol = tolerance(result, reference, rtol, atol)
                 worst_tol = row_tol if worst_tol is None else max(worst_tol, row_tol)
-                if error <= row_tol:
-                    status = "ok"
-                else:
-                    status = "wrong"
-                    why = f"max abs error {error:.2e} > tolerance {row_tol:.2e}"
+                status = "ok" if why is None else "wrong"
         del result
         peak = timing = None
         with warnings.catch_warnings():

@@ -46,12 +46,11 @@ from torch_vjp._measure import (
     NOISY_SPREAD,
     block_times,
     check_min_run_time,
+    check_result,
     cpu_model,
     leaves,
-    max_error,
     reason,
     summarize_times,
-    tolerance,
 )
 
 __all__ = ["run_suite", "environment"]
@@ -287,14 +286,12 @@ def _run_workload(workload: Workload, methods: list[Method], device: str, dtype:
             bar.update(1 + rounds)
             continue
         try:
-            result.max_abs_error = max_error(out, ref)
-            tol = tolerance(out, ref, None, None)
+            result.max_abs_error, tol, why = check_result(out, ref, None, None)
             worst_tol = max(worst_tol, tol)
-            if result.max_abs_error <= tol:
+            if why is None:
                 result.status = "ok"
             else:
-                result.status = "wrong"
-                result.error = f"max abs error {result.max_abs_error:.2e} > tolerance {tol:.2e}"
+                result.status, result.error = "wrong", why
         except (ValueError, TypeError) as exc:
             result.status, result.error = "wrong", str(exc)
         del out

@@ -129,7 +129,8 @@ class WorkloadResult:
         title: What it computes.
         kind: ``"jacobian"``, ``"batch_jacobian"`` or ``"jacobian_of"``.
         jacobian_shapes: The shapes of the reference's blocks.
-        tolerance: The error an ``"ok"`` method may have.
+        tolerance: The largest tolerance of an entry the methods were judged by (each entry:
+            atol + rtol * max(|its reference entry|, 0.1 * max|reference|)).
         results: One :class:`MethodResult` per method.
         n_in: Input elements differentiated (per example for ``"batch_jacobian"``): the
             Jacobian's columns.
