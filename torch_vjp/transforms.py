@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from torch_vjp._checked_scope import _suppressed
 from torch_vjp._checks import (
     TANGENTS,
     VJP,
@@ -251,9 +250,9 @@ def vjp(
         GradOutputsError: (from ``vjp_fn``) cotangents of the wrong structure, shape,
             batch size, dtype or device, with the same messages as :func:`torch_vjp.grad`.
         JacobianCallError: a primal or an output of ``f`` cannot be differentiated; (from
-            ``vjp_fn``) a primal, or a tensor ``f`` captures (a module's parameter or
-            buffer too), was written in place since the vjp call and the graph of the vjp
-            point reads it (NOTE [the vjp point, kept]).
+            ``vjp_fn``) a primal, the output, or a tensor ``f`` captures (a module's
+            parameter or buffer too) was written in place since the vjp call (NOTE [the vjp
+            point, kept]).
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -276,9 +275,9 @@ def vjp(
     g_inner, connected = recording_connected(prob.g_inner, has_aux)
     with _explained(call, "vjp"):
         res = func_vjp(g_inner, *prob.leaves, has_aux=prob.has_aux)
-    point = Point(f, prob.leaves)  # (NOTE [the vjp point, kept])
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
+    point = Point(f, prob.leaves, [o for o in flat_out if isinstance(o, Tensor)])
     single = isinstance(out, Tensor)
     pull_call = "torch_vjp.vjp: vjp_fn"
 
@@ -307,7 +306,10 @@ def vjp(
             out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves),
             connected=connected or None,
         )
-        vectors = _flat_vectors(normalized, flat_out, batched)
+        # (cast as torch casts them, and as the check above warned: the pullback's own
+        # torch.autograd.grad, checked in checked mode, then has nothing to warn of again)
+        vectors = [v if v.dtype == o.dtype or v.is_complex() != o.is_complex() else v.to(o.dtype)
+                   for v, o in zip(_flat_vectors(normalized, flat_out, batched), flat_out)]
 
         def products() -> Any:
             if not batched:
@@ -320,10 +322,8 @@ def vjp(
                     pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
                     vectorized=vec, chunk_size=chunk)[0])
 
-        # (the cotangents are checked above: torch.autograd.grad, which the pullback calls,
-        # is not checked again in checked mode, and does not warn a second time)
-        with _suppressed():
-            grads = point.settled(products, pull_call)
+        point.check(pull_call)  # (NOTE [the vjp point, kept])
+        grads = products()
         return tree_unflatten(list(grads), prob.in_spec)
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]

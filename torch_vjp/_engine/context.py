@@ -53,6 +53,7 @@ __all__ = [
     "graph_mode",
     "buffers_kept",
     "modules_reached",
+    "reached",
     "captured_values",
     "grad_enabled",
     "Watched",
@@ -186,13 +187,21 @@ def captured_values(func: types.FunctionType) -> Iterator[object]:
 def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
     """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
     ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, the
-    values a function's closure cells and the globals its code names hold, the attributes
-    of a plain object (``lambda x: self.model(x)``, a callable wrapper object) and the items
-    of a list, tuple or dict (the first :data:`_ITEMS_SEARCHED`), recursively, ``depth``
-    levels, and at most :data:`_OBJECTS_SEARCHED` objects in all (the search runs on every
-    call). A module reached deeper, or only through a module it does not own, is not
-    found."""
+    values a function's closure cells, defaults and the globals its code names hold, the
+    attributes of a plain object (``lambda x: self.model(x)``, a callable wrapper object)
+    and the items of a list, tuple or dict (the first :data:`_ITEMS_SEARCHED`), recursively,
+    ``depth`` levels, and at most :data:`_OBJECTS_SEARCHED` objects in all (the search runs
+    on every call). A module reached deeper, or only through a module it does not own, is
+    not found."""
+    return reached(f, depth)[0]
+
+
+def reached(f: object, depth: int = 6) -> tuple[list[torch.nn.Module], list[Tensor]]:
+    """The modules (:func:`modules_reached`) and the tensors ``f`` reaches the same way (a
+    tensor in a closure cell, a default, a global, a ``partial``'s arguments, a dict of
+    parameters ``f`` hands to ``functional_call``; not those inside the modules)."""
     found: dict[int, torch.nn.Module] = {}
+    tensors: dict[int, Tensor] = {}
     seen: set[int] = set()
 
     # Runs on every call, so the common kinds (functions, bound methods) are read directly:
@@ -203,8 +212,16 @@ def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
             visit(wrapped, level - 1)
         for value in captured_values(func):
             visit(value, level - 1)
+        for value in func.__defaults__ or ():
+            visit(value, level - 1)
+        if func.__kwdefaults__:
+            for value in func.__kwdefaults__.values():
+                visit(value, level - 1)
 
     def visit(obj: object, level: int) -> None:
+        if isinstance(obj, Tensor):
+            tensors[id(obj)] = obj
+            return
         if isinstance(obj, _NOT_SEARCHED) or id(obj) in seen or len(seen) >= _OBJECTS_SEARCHED:
             return
         seen.add(id(obj))
@@ -251,7 +268,7 @@ def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
                 visit(item, level - 1)
 
     visit(f, depth)
-    return list(found.values())
+    return list(found.values()), list(tensors.values())
 
 
 class Watched:
