@@ -576,3 +576,29 @@ def test_batched_products_vmap_cannot_run_are_looped_with_a_warning():
         warnings.simplefilter("error", tv.JacobianWarning)
         _, cols = jvp(_NoVmapRule.apply, (x,), (eye,), batched=True, chunk_size=1)
     torch.testing.assert_close(cols, 2 * eye)
+
+
+class _GradForAnInt(torch.autograd.Function):
+    """x * n + t whose backward returns a gradient for the int n (wrong)."""
+
+    @staticmethod
+    def forward(x, t, n):
+        return x * n + t
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None, g.sum()
+
+
+def test_checked_mode_still_checks_the_users_backward_inside_vjp_fn():
+    # the pullback ran with checked mode suppressed (to keep it from warning of the
+    # cotangents a second time): the user's wrong backward gave torch's raw engine error
+    t = torch.ones(3, dtype=D)
+    _, vjp_fn = vjp(lambda x: _GradForAnInt.apply(x, t, 2), torch.randn(3, dtype=D))
+    with tv.checked(), pytest.raises(tv.FunctionCheckError) as info:
+        vjp_fn(torch.ones(3, dtype=D))
+    assert getattr(info.value, "explanation", None)
