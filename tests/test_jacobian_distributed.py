@@ -201,10 +201,18 @@ def _errors_across_ranks(rank, world, group):
     for y in (cancels, tiny):
         with pytest.raises(tv.JacobianCallError, match=r"holds different values on rank 1"):
             tv.jacobian(f, y, process_group=group)
-    # NaN and inf alike on every rank are the same values
+    # NaN and inf alike on every rank are the same values; one inf or NaN masks no other
+    # difference, and neither does a large value beside a small one
     same = x.clone()
     same[0], same[1] = float("nan"), float("inf")
     tv.jacobian(f, same, process_group=group)
+    masked = same.clone()
+    masked[2] += rank
+    large = x.clone()
+    large[0], large[1] = 1e12, 0.5 - rank
+    for y in (masked, large):
+        with pytest.raises(tv.JacobianCallError, match=r"holds different values on rank 1"):
+            tv.jacobian(f, y, process_group=group)
     with pytest.raises(tv.JacobianCallError, match=r"(?s)the call differs between ranks: "
                        r"the differentiated primals have shapes \(6,\) on rank 1 but \(5,\) "
                        r"on rank 0.*Fix: call it with the same arguments on every rank"):
@@ -407,6 +415,36 @@ def _auto_checked(rank, world, group):
     assert list(fwdcheck.CHECKED.values()) == ["fwd"], what
     if world == 1:
         return
+
+    # a rank that cannot take the reverse product (its f fails where the output requires
+    # grad) does not outvote a rank that found forward mode wrong
+    fwdcheck.CHECKED.clear()
+
+    def logs_on_rank_1(A):
+        out = _solve_wide(A)
+        if rank == 1 and out.requires_grad and not (
+                torch._C._functorch.is_functorch_wrapped_tensor(out)):
+            out.numpy()  # (raises in the check's call of f, which records a plain graph)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        _close(tv.jacobian(logs_on_rank_1, A, process_group=group), want_b[0],
+               what + ", one rank unchecked")
+
+    # out of memory on the route the check falls back to reaches every rank, as on one
+    # process: no rank returns the forward-mode Jacobian the check found wrong
+    fwdcheck.CHECKED.clear()
+
+    def reverse_runs_out(A):
+        if torch._C._functorch.is_functorch_wrapped_tensor(A) and A.requires_grad and (
+                torch.autograd.forward_ad.unpack_dual(A).tangent is None):
+            raise torch.OutOfMemoryError("reverse mode ran out of memory")
+        return _solve_wide(A)
+
+    with pytest.raises((torch.OutOfMemoryError, tv.JacobianCallError),
+                       match="reverse mode ran out of memory"):
+        tv.jacobian(reverse_runs_out, A, process_group=group)
 
     # an error no check may hide (out of memory), raised in one rank's reverse product for the
     # check, reaches every rank: none waits for the verdict

@@ -19,10 +19,11 @@ returns a :class:`JacobianShard` holding its own products and their range.
 Ranks must agree on what they compute, or a collective would wait for ever or gather
 mismatched pieces. Before any product, one ``all_gather_object`` compares every rank's call
 with rank 0's: strategy, ``argnums``, ``has_aux``, ``shard``, the differentiated primals'
-shapes and dtypes, and two checksums of their values (the sum and a sum weighted by random
-numbers drawn alike on every rank, in float64, each compared to 1e-9 of the sum of its
-terms' magnitudes: the same values summed with different thread counts may differ in the
-last bits). The mode of ``"auto"`` is then chosen from sizes alone, the same on every rank,
+shapes and dtypes, and checksums of their values (the sum and a sum weighted by random
+numbers drawn alike on every rank, in float64, of the finite values, and one of where the
+non-finite ones are and what they are; each compared to the bound of float64 rounding, 2 n
+eps times the sum of its terms' magnitudes: the same values summed with different thread
+counts may differ in the last bits). The mode of ``"auto"`` is then chosen from sizes alone, the same on every rank,
 and its products are checked against one reverse product as on one process (NOTE [sharded
 auto, checked] in ``torch_vjp._sharded_check``). After the products, one ``all_reduce``
 (MAX) of a status code tells every rank whether some rank failed: then every rank raises
@@ -84,7 +85,9 @@ __all__ = [
     "JacobianShard", "shard_range", "check_group", "sharded_jacobian", "told_on_failure",
 ]
 
-_OK, _NO_FWD, _FAILED = 0, 1, 2
+# (_PASSES: an error no fallback may hide, out of memory or torch_vjp's own: every rank
+# raises, on an alternative route of "auto"'s check too)
+_OK, _NO_FWD, _FAILED, _PASSES = 0, 1, 2, 3
 
 
 class JacobianShard(NamedTuple):
@@ -289,7 +292,7 @@ def sharded_jacobian(
             _warn_no_forward(prob, err)
         mode = "rev"
         part, code, err = _attempt(lambda: work.run(mode, None), group, device)
-    if code == _FAILED:
+    if code >= _FAILED:
         _raise_failure(prob, err, group, rank, world)
     if route is not None and route != "fwd":
         mode = "rev"
@@ -316,7 +319,7 @@ def _attempt(compute: Any, group: Any, device: torch.device) -> tuple[Any, int, 
     except NoForwardMode as failed:
         part, status, err = None, _NO_FWD, failed.err
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
-        part, status, err = None, _FAILED, exc
+        part, status, err = None, _PASSES if passes_through(exc) else _FAILED, exc
     return part, _all_max(status, group, device), err
 
 
@@ -348,7 +351,9 @@ def _checked(prob: Problem, work: _Work, part: tuple[Any, ...], mode: str, shape
         remember(key, mode)
         return part, mode
     for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
-        alt, code, _ = _attempt(lambda: _route(work, name, shapes), group, device)
+        alt, code, err = _attempt(lambda: _route(work, name, shapes), group, device)
+        if code == _PASSES:  # (out of memory: no other route hides it)
+            _raise_failure(prob, err, group, work.rank, work.world)
         if code != _OK or not agrees(alt, "rev")[0]:
             continue
         remember(key, name)
