@@ -16,12 +16,13 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.context import grad_enabled
+from torch_vjp._errors import StrategyError
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import Factor, full_precision, widened
 from torch_vjp._per_sample.losses import scaled_loss_sum
 from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
 from torch_vjp._per_sample.recorder import Recorder, layers_of
-from torch_vjp._per_sample.registry import Call
+from torch_vjp._per_sample.registry import Call, Declined
 
 __all__ = ["HooksResult", "hooks_pass"]
 
@@ -138,10 +139,36 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                 continue
             args = tuple(wide(a.detach()) if isinstance(a, Tensor) else a for a in c.args)
             c.args = args
-            for role, factor in c.rule.factors(c, gs, roles, batch):
+            try:
+                found = c.rule.factors(c, gs, roles, batch)
+            except Declined as err:
+                # a call the rule cannot split into examples: its parameters go to the
+                # fallback for this call (the rule says so itself, rather than give no
+                # factors, which would read as a zero gradient)
+                own = {tracked[id(c.params[r][0])] for r in roles}
+                if job.strategy == "hooks":
+                    raise _declined_error(job.fn, c, own, str(err)) from None
+                for n in own:
+                    result.moved.setdefault(
+                        n, f"the {c.rule.name} rule in '{c.path}' cannot compute this call: "
+                           f"{err}")
+                    result.factors.pop(n, None)
+                continue
+            for role, factor in found:
                 name = tracked[id(c.params[role][0])]
+                if name in result.moved:
+                    continue
                 result.factors.setdefault(name, []).append(factor)
     return result
+
+
+def _declined_error(fn: str, c: Call, names: set[str], why: str) -> StrategyError:
+    listed = ", ".join(repr(n) for n in sorted(names))
+    return StrategyError(
+        f"torch_vjp.{fn}: strategy='hooks' cannot compute {listed}: the {c.rule.name} rule in "
+        f"'{c.path}' cannot compute this call of the layer ({why}).\n"
+        f"  Fix: strategy='auto' (which computes these parameters with vmap or the loop), "
+        f"or strategy='vmap' or strategy='loop'.")
 
 
 def _moved_batch(c: Call, cp: CallPlan, batch: int) -> bool:

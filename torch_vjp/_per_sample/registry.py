@@ -20,7 +20,7 @@ from torch.autograd.graph import GradientEdge
 from torch_vjp._errors import PerSampleTypeError
 from torch_vjp._per_sample.factors import Factor, SmallFactor
 
-__all__ = ["Call", "Rule", "register_rule", "rule_for", "UserRule", "to_batch_first"]
+__all__ = ["Call", "Rule", "Declined", "register_rule", "rule_for", "UserRule", "to_batch_first"]
 
 
 @dataclass
@@ -64,6 +64,13 @@ class Call:
     @property
     def x(self) -> Any:
         return self.args[0] if self.args else None
+
+
+class Declined(Exception):
+    """Raised by :meth:`Rule.factors` for a call the rule cannot compute (the recorded call is
+    not one it can split into examples): the parameters of the call go to the fallback for
+    this call. ``str(err)`` says why, as a phrase. (Returning no factors means that no
+    gradient reaches the parameters, which is not the same.)"""
 
 
 def to_batch_first(t: Tensor, bdim: int | None) -> Tensor:

@@ -532,16 +532,27 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
     flag = "verified_one_run" if one_run else "verified"
     if getattr(plan, flag):
         return []
-    if plan.random_global or job.strategy == "loop":
+    if job.strategy == "loop":
         setattr(plan, flag, True)
         return []
     sel, batch = job.sel, job.batch
     ks = sorted({batch - 1, batch // 2})
     names = list(sel.canonical)
     ref = {n: sel.tensors[n].new_empty((len(ks), *sel.tensors[n].shape)) for n in names}
-    for j, k in enumerate(ks):
-        one = {n: ref[n][j:j + 1] for n in names}
-        loop_grads(job, names, k, k + 1, one)
+    if plan.random_global:
+        # The draws of the batch's pass cannot be replayed example by example. Dropout
+        # layers draw independently per element, so the plan's computation and the loop are
+        # both made again with them off; what the model still draws (an F.dropout of its
+        # own, torch.randn in a forward) leaves the check undone, as it must.
+        recomputed = _without_dropout(job, plan, ks, names, ref, one_run)
+        if recomputed is None:
+            setattr(plan, flag, True)
+            return []
+        sq = recomputed
+    else:
+        for j, k in enumerate(ks):
+            one = {n: ref[n][j:j + 1] for n in names}
+            loop_grads(job, names, k, k + 1, one)
     bad: dict[str, str] = {}
     wants = {n: sq_norms_rows(ref[n]) for n in names}
     # each example's whole gradient (all the parameters): a parameter whose true gradient is
@@ -590,3 +601,47 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
     for n, why in bad.items():
         plan.route([n], why + "; rerouted")
     return list(bad)
+
+
+def _rng_states(devices: set[torch.device]) -> list[Tensor]:
+    states = [torch.get_rng_state()]
+    for d in sorted({d.index or 0 for d in devices if d.type == "cuda"}):
+        states.append(torch.cuda.get_rng_state(d))
+    return states
+
+
+def _without_dropout(job: Job, plan: Plan, ks: list[int], names: list[str],
+                     ref: dict[str, Tensor], one_run: bool) -> dict[str, Tensor] | None:
+    """For :func:`verify` of a model that draws from the global generator: with the model's
+    dropout layers in eval mode, the squared norms of the plan's computation (the whole batch,
+    as the call made it), with the loop's gradients of the examples ``ks`` written into
+    ``ref``; None where the model still draws random numbers (or has no dropout layer)."""
+    drops = [m for m in job.model.modules()
+             if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+    if not drops:
+        return None
+    devices = {t.device for t in job.sel.tensors.values()}
+    devices.update(x.device for x in job.xs)
+    before = _rng_states(devices)
+    try:
+        for m in drops:
+            m.training = False
+        if job.reset is not None:
+            job.reset()
+        if one_run:
+            results, _ = grads(job, plan, None)
+            sq = {n: sq_norms_rows(g) for n, g in results.items()}
+        else:
+            sq = norms_and_sums(job, plan, None)[2]
+        for j, k in enumerate(ks):
+            one = {n: ref[n][j:j + 1] for n in names}
+            loop_grads(job, names, k, k + 1, one)
+        if job.reset is not None:
+            job.reset()
+    finally:
+        for m in drops:
+            m.training = True
+    after = _rng_states(devices)
+    if any(not torch.equal(a, b) for a, b in zip(before, after)):
+        return None  # randomness other than the dropout layers'
+    return sq

@@ -29,9 +29,12 @@ What the rule does not handle:
   :class:`~torch_vjp.PerSampleError` rather than give wrong gradients;
 * an initial state the recorder did not see (passed by keyword: forward hooks see positional
   arguments only), or anything else that makes the recomputed forward differ from the
-  recorded outputs: the rule returns no factors, so the layer's parameters get zero
-  gradients, which the check of the first call against the per-example loop (NOTE [the
-  per-sample plan]) finds and routes to the fallback (or refuses, under ``strategy="hooks"``).
+  recorded outputs, or a call whose input does not hold one row per example (a model that
+  folds ``(B, S, T, F)`` into ``(B * S, T, F)``, which the data flow cannot tell from one
+  example per row when ``B == 1``): the rule raises :class:`Declined`, and the layer's
+  parameters go to the fallback for that call (or are refused, under ``strategy="hooks"``).
+  The rule does not rely on the first call's check against the loop for these, which is not
+  made on every model (nor on every later batch).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from torch import Tensor, nn
 
 from torch_vjp._errors import PerSampleError
 from torch_vjp._per_sample.factors import Factor, OuterFactor, SmallFactor
-from torch_vjp._per_sample.registry import Call, Rule, register_rule
+from torch_vjp._per_sample.registry import Call, Declined, Rule, register_rule
 
 __all__ = ["RecurrentRule", "RNNRule", "LSTMRule", "GRURule"]
 
@@ -121,7 +124,9 @@ class RecurrentRule(Rule):
         unbatched = x.dim() == 2
         xs = _batch_first(x.detach(), m.batch_first, unbatched)
         if xs.shape[0] != batch:  # not one row per example: nothing this rule can split
-            return []
+            raise Declined(
+                f"its input holds {xs.shape[0]} sequences for a batch of {batch} example(s), "
+                f"not one per example")
         state = self._initial_state(call, xs, unbatched)
         dirs = self._directions(m, roles)
         if not dirs:
@@ -131,9 +136,11 @@ class RecurrentRule(Rule):
             recorded = self._recorded(call, m, unbatched)
             if not _replays(outs, recorded):
                 # an input the hook did not see (a state passed by keyword), or a forward
-                # that differs from the stock one: no factors, so the first call's check
-                # against the loop routes the layer to the fallback
-                return []
+                # that differs from the stock one
+                raise Declined(
+                    "the rule's recomputation of the layer does not reproduce its recorded "
+                    "output (an initial state passed by keyword, or a forward other than "
+                    "the stock one)")
             pairs = [
                 (o, _as_internal(g, j, m.batch_first, unbatched))
                 for j, (o, g) in enumerate(zip(outs, grads)) if g is not None
