@@ -8,6 +8,7 @@ Every result is compared in float64 with the definition, one example at a time.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -19,13 +20,14 @@ import torch_vjp as tv
 DT = torch.float64
 
 
-def definition(model, loss_fn, xs, t, names=None):
-    """Each example alone, from a copy of the model as passed."""
+def definition(model, loss_fn, xs, t, names=None, copies=True):
+    """Each example alone, from a copy of the model as passed (``copies=False``: from the
+    model itself, for a loss that reads the model's parameters)."""
     if not isinstance(xs, tuple):
         xs = (xs,)
     out = []
     for i in range(xs[0].shape[0]):
-        m = copy.deepcopy(model)
+        m = copy.deepcopy(model) if copies else model
         ps = dict(m.named_parameters())
         sel = names or [n for n, p in ps.items() if p.requires_grad]
         loss = loss_fn(m(*(x[i:i + 1] for x in xs)), t[i:i + 1])
@@ -124,3 +126,165 @@ def test_dropout_does_not_skip_the_check_against_the_loop(fn):
         torch.testing.assert_close(got, norms_of(ref))
     assert torch.equal(model.ema, torch.zeros(4, dtype=DT))
     assert model.drop.training
+
+
+# ------------------------------------------------------------------------------------------
+# A plan is not reused after a flag one level deep, or a number, changed
+# ------------------------------------------------------------------------------------------
+
+
+def _mse(o, t):
+    return ((o - t) ** 2).sum()
+
+
+class _L2Object:
+    def __init__(self, model):
+        self.l2, self.model = 0.0, model
+
+    def __call__(self, o, t):
+        return _mse(o, t) + self.l2 * self.model[0].weight.pow(2).sum()
+
+
+class _Trainer(_L2Object):
+    def loss(self, o, t):
+        return _mse(o, t) + self.l2 * self.model[0].weight.pow(2).sum()
+
+
+_CFG = types.SimpleNamespace(l2=0.0, extra=False, center=False)
+_CONF = {"l2": 0.0, "extra": False}
+_MODEL: list[nn.Module] = []
+
+
+def _cfg_loss(o, t):
+    return _mse(o, t) + _CFG.l2 * _MODEL[0][0].weight.pow(2).sum()
+
+
+def _dict_loss(o, t):
+    return _mse(o, t) + _CONF["l2"] * _MODEL[0][0].weight.pow(2).sum()
+
+
+@pytest.fixture
+def _flags_off():
+    yield
+    _CFG.l2, _CFG.extra, _CFG.center = 0.0, False, False
+    _CONF.update(l2=0.0, extra=False)
+    _MODEL.clear()
+
+
+def _all_three(model, loss_fn, x, t, max_norm=1.0):
+    """per_sample_grads, the norms and the clipped sum, against the definition."""
+    ref = definition(model, loss_fn, x, t, copies=False)
+    got = tv.per_sample_grads(model, loss_fn, x, t)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n])
+    norms = norms_of(ref)
+    torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, t), norms)
+    for p in model.parameters():
+        p.grad = None
+    tv.accumulate_clipped_grads(model, loss_fn, x, t, max_norm=max_norm)
+    c = (max_norm / norms).clamp(max=1.0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.tensordot(c, ref[n], dims=1))
+        p.grad = None
+
+
+@pytest.mark.parametrize("kind", ["object", "bound method", "global object", "global dict"])
+def test_a_loss_coefficient_switched_on_later_makes_a_new_plan(kind, _flags_off):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    _MODEL.append(model)
+    obj = _L2Object(model) if kind == "object" else _Trainer(model)
+    loss_fn = {"object": obj, "bound method": getattr(obj, "loss", None),
+               "global object": _cfg_loss, "global dict": _dict_loss}[kind]
+    x, t = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    _all_three(model, loss_fn, x, t)  # the plan, made with the term off
+    obj.l2 = _CFG.l2 = 0.1
+    _CONF["l2"] = 0.1
+    _all_three(model, loss_fn, x, t)
+
+
+class _Reuse(nn.Module):
+    """Reuses a layer's weight outside the layer (or centres the batch) behind a flag."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.l, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.how = how
+        self.opts = {"extra": False}
+        self.reps = 0
+
+    def forward(self, x):
+        on = {"global object": lambda: _CFG.extra, "global dict": lambda: _CONF["extra"],
+              "attribute dict": lambda: self.opts["extra"], "count": lambda: False}[self.how]()
+        h = self.l(x).tanh()
+        if on:
+            h = h + F.linear(h, self.l.weight)
+        for _ in range(self.reps):
+            h = h + F.linear(h, self.l.weight)
+        return self.o(h)
+
+
+@pytest.mark.parametrize("how", ["global object", "global dict", "attribute dict", "count"])
+def test_a_flag_one_level_deep_or_a_number_switched_on_makes_a_new_plan(how, _flags_off):
+    torch.manual_seed(0)
+    model = _Reuse(how).double()
+    x, t = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    _all_three(model, _mse, x, t)  # the plan, made with the flag off
+    _CFG.extra = True
+    _CONF["extra"] = True
+    model.opts["extra"] = True
+    model.reps = 1 if how == "count" else 0
+    _all_three(model, _mse, x, t)
+
+
+class _Centred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.l(x)
+        if _CFG.center:
+            h = h - h.mean(0, keepdim=True)  # mixes examples
+        return self.o(h.tanh())
+
+
+def test_a_global_config_flag_that_mixes_examples_is_refused_after_the_first_call(_flags_off):
+    torch.manual_seed(0)
+    model = _Centred().double()
+    x, t = torch.randn(6, 4, dtype=DT), torch.randn(6, 2, dtype=DT)
+    tv.accumulate_clipped_grads(model, _mse, x, t, max_norm=0.1)
+    _CFG.center = True
+    with pytest.raises(tv.PerSampleError, match="mixes examples"):
+        tv.accumulate_clipped_grads(model, _mse, x, t, max_norm=0.1)
+
+
+def _sin(o):
+    return o.sin().sum()
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(3, 2)
+        self.calls = 0
+        self.scale = 1.0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.l(x) * self.scale
+
+
+def test_a_counter_the_forward_moves_makes_no_plan_per_call():
+    from torch_vjp._per_sample import probe
+
+    model = _Counting().double()
+    x = torch.randn(4, 3, dtype=DT)
+    tv.per_sample_grad_norms(model, _sin, x)
+    plans = set(map(id, probe._PLANS[model].values()))
+    assert len(plans) == 1
+    for _ in range(3):
+        tv.per_sample_grad_norms(model, _sin, x)
+    model.calls = 0  # (a loop that resets it)
+    tv.per_sample_grad_norms(model, _sin, x)
+    assert set(map(id, probe._PLANS[model].values())) == plans

@@ -293,18 +293,68 @@ class Job:
 # batch), and, for modules defined outside torch, the flags of their attributes and of the
 # globals their forward reads (``self.center = True``, ``USE_GATE``); the global module
 # hooks; and the flags of the loss function's closure and the globals it reads (an L2 term
-# switched on after warm-up). A flag is a bool, str or None value itself; for what a
-# function reads (closure cells, globals), also a number's truth (zero or not: ``if l2:``,
-# a coefficient switched on). A module's numeric attributes are left out: a counter a
-# forward increments (and a loop resets) would make plan after plan. Branches on other
-# values (a batch's contents, a threshold compared with a number) are not seen.
+# switched on after warm-up; a callable loss object's attributes, a bound method's
+# object's). A flag is a bool, str or None value itself, or a number's truth (zero or not:
+# ``if l2:``, a coefficient switched on, ``for _ in range(self.reps)``); flags are read one
+# level into a dict or plain object (``cfg.extra``, ``CONF["l2"]``, ``self.opts["extra"]``;
+# ``nested_flags``). A module's numeric attribute that the planning forwards moved (a
+# counter a forward increments, which a loop may reset) is left out from then on
+# (``note_counters``), else it would make plan after plan. Branches on other values (a
+# batch's contents, a threshold compared with a number, a flag two levels deep) are not
+# seen.
 _OWN_TYPE: dict[type, bool] = {}
 _READS: dict[Any, tuple[str, ...]] = {}
 
 
+#: The most entries of a dict (or attributes of an object) read one level deep for flags.
+_MAX_NESTED = 64
+#: Types never read one level deep: what holds no flag of the user's, or holds too much.
+_NOT_NESTED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+               types.MethodType, functools.partial, nn.Module, Tensor)
+_NESTED: dict[type, int] = {}  # per type: 0 not read, 1 a dict, 2 an object's attributes
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The names a code object reads, with those of the functions, lambdas and
+    comprehensions defined in it (a ``lambda: cfg.extra`` inside a forward)."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names_read(c)
+    return names
+
+
+def nested_flags(v: object, numbers: bool = True) -> object:
+    """A value's flag (``flag_of``), or, for a dict or a plain object (a config namespace, a
+    dataclass), the flags of its entries or attributes, one level deep: ``cfg.extra``,
+    ``CONF["l2"]``, ``self.opts["extra"]``; NotImplemented for anything else."""
+    f = flag_of(v, numbers)
+    if f is not NotImplemented:
+        return f
+    kind = type(v)
+    how = _NESTED.get(kind)
+    if how is None:
+        how = _NESTED[kind] = (1 if kind is dict else
+                               0 if issubclass(kind, _NOT_NESTED) else 2)
+    if how == 0:
+        return NotImplemented
+    items = v if how == 1 else getattr(v, "__dict__", None)
+    if items is None or len(items) > _MAX_NESTED:  # type: ignore[arg-type]
+        return NotImplemented
+    out = []
+    for k, x in items.items():  # type: ignore[union-attr]
+        f = flag_of(x, numbers)
+        if f is not NotImplemented:
+            out.append((k, f))
+    return ("nested", tuple(out))
+
+
 def function_flags(fn: Any) -> tuple[Any, ...]:
     """The flags of what a Python function reads: its closure cells and the globals its code
-    names (a method's function for a bound method)."""
+    (or a function, lambda or comprehension defined in it) names, and the entries and
+    attributes one level into those (``cfg.l2``, ``CONF["l2"]``); for a bound method, also
+    those of its object (``self.l2``). A method's function for a bound method."""
+    owner = getattr(fn, "__self__", None)
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -312,20 +362,70 @@ def function_flags(fn: Any) -> tuple[Any, ...]:
     names = _READS.get(code)
     glob = getattr(fn, "__globals__", {})
     if names is None:
-        names = _READS[code] = tuple(n for n in code.co_names if n in glob)
+        names = _READS[code] = tuple(sorted(n for n in _names_read(code) if n in glob))
     out = []
     for n in names:
-        f = flag_of(glob.get(n))
+        f = nested_flags(glob.get(n))
         if f is not NotImplemented:
             out.append((n, f))
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
-            f = flag_of(cell.cell_contents)
+            f = nested_flags(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
         if f is not NotImplemented:
             out.append((i, f))
+    if owner is not None and not isinstance(owner, (types.ModuleType, type)):
+        out.append(("self", object_flags(owner)))
     return tuple(out)
+
+
+def object_flags(obj: object) -> tuple[Any, ...]:
+    """The flags of an object's own attributes, and one level into those that are dicts or
+    plain objects (``nested_flags``); numbers by their truth. (An ``nn.Module``'s private
+    containers, ``_parameters`` and the like, are left out.)"""
+    module = isinstance(obj, nn.Module)
+    out = []
+    for k, v in getattr(obj, "__dict__", {}).items():
+        if module and k[:1] == "_":
+            continue
+        f = nested_flags(v)
+        if f is not NotImplemented:
+            out.append((k, f))
+    return tuple(out)
+
+
+#: Per module type of the user's: the numeric attributes a forward changes (counters), left
+#: out of the structure (found by ``note_counters`` while a plan is made).
+_COUNTERS: dict[type, frozenset[str]] = {}
+_NUMBERS = (int, float)
+#: What every nn.Module holds (its containers of parameters, buffers, submodules and hooks,
+#: and its training flag, which the structure holds apart): never a flag of the user's.
+_TORCH_ATTRS = frozenset(nn.Module().__dict__) - {"_is_full_backward_hook"}
+
+
+def numbers_of(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """The numeric attributes of the model's modules of the user's, for ``note_counters``."""
+    out = []
+    for m in model.modules():
+        if _OWN_TYPE.get(type(m)):
+            out.append((m, {k: v for k, v in m.__dict__.items() if type(v) in _NUMBERS}))
+    return out
+
+
+def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
+    """Records the numeric attributes that changed since ``before`` (the forwards that made a
+    plan moved them: counters, a step number) as counters of their module's type, which the
+    structure then leaves out; whether any was new."""
+    new = False
+    for m, numbers in before:
+        moved = {k for k, v in numbers.items() if m.__dict__.get(k, None) is not v
+                 and m.__dict__.get(k, None) != v}
+        known = _COUNTERS.get(type(m), frozenset())
+        if moved - known:
+            _COUNTERS[type(m)] = known | moved
+            new = True
+    return new
 
 
 def structure_of(model: nn.Module) -> tuple[Any, ...]:
@@ -342,8 +442,11 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         entry: tuple[Any, ...] = (id(m), kind, _hooks_key(fh) if fh else (),
                                   _hooks_key(ph) if ph else ())
         if own:
+            counters = _COUNTERS.get(kind) or _TORCH_ATTRS
             for k, v in m.__dict__.items():
-                f = flag_of(v, numbers=False)
+                if k in counters or k in _TORCH_ATTRS:
+                    continue
+                f = flag_of(v) if k[:1] == "_" else nested_flags(v)
                 if f is not NotImplemented:
                     entry += ((k, f),)
             entry += function_flags(kind.forward)

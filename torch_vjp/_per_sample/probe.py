@@ -4,6 +4,7 @@ plans per model structure.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,15 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._engine.context import Watched
 from torch_vjp._errors import TorchVJPError, quote_error
-from torch_vjp._per_sample.args import Job, Selection, function_flags
+from torch_vjp._per_sample.args import (
+    Job,
+    Selection,
+    function_flags,
+    note_counters,
+    numbers_of,
+    object_flags,
+    structure_of,
+)
 from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import loss_sum
 from torch_vjp._per_sample.plan import (
@@ -52,7 +61,11 @@ def _loss_key(loss_fn: Any) -> Any:
         return (type(loss_fn), settings)
     code = getattr(getattr(loss_fn, "__func__", loss_fn), "__code__", None)
     if code is None:
-        return (type(loss_fn), id(loss_fn))
+        # a callable object: by identity, and the flags of its attributes and of what its
+        # __call__ reads (``self.l2`` switched on after warm-up)
+        call = getattr(type(loss_fn), "__call__", None)
+        return (type(loss_fn), id(loss_fn), object_flags(loss_fn),
+                function_flags(call) if isinstance(call, types.FunctionType) else ())
     # (and the flags of what it reads: NOTE [the structure a plan is for] in args.py)
     return (code, function_flags(loss_fn))
 
@@ -156,6 +169,7 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
             moved.update(inputs.restore())
 
         job.reset = reset
+        numbers = numbers_of(model)
         try:
             with torch.enable_grad():  # (the plan is for the pass run in grad mode)
                 plan = build_plan(job)
@@ -164,6 +178,13 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
             reset()
             changed = watched.restore()
             del watched, inputs
+        if note_counters(numbers):
+            # the forwards moved a numeric attribute (a counter): the structure leaves it out
+            # from now on, and the plan is kept under that key too
+            job.structure = structure_of(model)
+            extra_key = plan_key(job)
+        else:
+            extra_key = None
         plan.mutable_inputs = bool(moved)
         plan.mutable_buffers = [n for n, is_buffer in changed.items() if is_buffer]
         plan.mutable_params = [n for n, is_buffer in changed.items() if not is_buffer]
@@ -174,6 +195,8 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         if len(cache) >= _MAX_PER_MODEL:
             cache.pop(next(iter(cache)))
         cache[key] = plan
+        if extra_key is not None:
+            cache[extra_key] = plan
     return plan
 
 
