@@ -288,3 +288,61 @@ def test_a_counter_the_forward_moves_makes_no_plan_per_call():
     model.calls = 0  # (a loop that resets it)
     tv.per_sample_grad_norms(model, _sin, x)
     assert set(map(id, probe._PLANS[model].values())) == plans
+
+
+# ------------------------------------------------------------------------------------------
+# A model that loops over its examples is not taken for one that mixes them
+# ------------------------------------------------------------------------------------------
+
+
+class _PerExample(nn.Module):
+    """Runs its layer on each example alone: B calls for a batch of B."""
+
+    def __init__(self, layer, mix=False):
+        super().__init__()
+        self.layer = layer
+        self.head = nn.Linear(3, 2)
+        self.norm = nn.BatchNorm1d(3) if mix else nn.Identity()
+
+    def forward(self, x):
+        rows = []
+        for i in range(x.shape[0]):
+            y = self.layer(x[i])
+            y = y[0] if isinstance(y, tuple) else y
+            rows.append(y.reshape(-1, 3).sum(0))
+        return self.head(self.norm(torch.stack(rows)))
+
+
+_LAYERS = {
+    "Linear": lambda: nn.Linear(4, 3),
+    "Conv1d": lambda: nn.Conv1d(5, 3, 2),
+    "ConvTranspose1d": lambda: nn.ConvTranspose1d(5, 3, 2),
+    "GRU": lambda: nn.GRU(4, 3),
+    "LSTM": lambda: nn.LSTM(4, 3),
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("layer", sorted(_LAYERS))
+@pytest.mark.parametrize("batch", [4, 5])
+def test_a_layer_called_once_per_example_is_not_taken_for_mixing(layer, batch):
+    torch.manual_seed(0)
+    model = _PerExample(_LAYERS[layer]()).double()
+    x, t = torch.randn(batch, 5, 4, dtype=DT), torch.randn(batch, 2, dtype=DT)  # 4 features
+    ref = definition(model, _mse, x, t)
+    got = tv.per_sample_grads(model, _mse, x, t)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n])
+    norms = norms_of(ref)
+    torch.testing.assert_close(tv.per_sample_grad_norms(model, _mse, x, t), norms)
+    tv.accumulate_clipped_grads(model, _mse, x, t, max_norm=0.5)
+    c = (0.5 / norms).clamp(max=1.0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.tensordot(c, ref[n], dims=1))
+
+
+def test_a_module_that_mixes_is_still_named_beside_a_loop_over_the_examples():
+    model = _PerExample(nn.Linear(4, 3), mix=True).double()
+    x, t = torch.randn(4, 5, 4, dtype=DT), torch.randn(4, 2, dtype=DT)
+    with pytest.raises(tv.PerSampleError, match=r"'norm' \(BatchNorm1d\)"):
+        tv.per_sample_grad_norms(model, _mse, x, t)

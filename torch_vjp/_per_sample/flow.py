@@ -176,9 +176,14 @@ def call_dims(
             in_grads[(i, j)] = gs
         else:
             out_grads[(i, j)] = gs
-    mixing = _find_mixing(rec.module_calls, in_grads, out_grads, ks, batch, full, small)
+    mixing, unsure = _find_mixing(rec.module_calls, in_grads, out_grads, ks, batch, full,
+                                  small)
     weighted = _weighted_grads(job, out, out_dims, edges, batch)
     result: list[tuple[int | None, str]] = []
+    if unsure is not None:
+        # whether a module mixes examples cannot be told: no rule is trusted, the fallback
+        # computes the definition
+        return [(None, unsure) for _ in calls], None
     for i, c in enumerate(calls):
         y = c.outputs[0] if c.outputs else None
         if y is None:
@@ -301,12 +306,18 @@ def _find_mixing(
     batch: int,
     full: tuple[Any, ShapeRecord],
     small: tuple[Any, ShapeRecord] | None,
-) -> str | None:
+) -> tuple[str | None, str | None]:
     """The innermost module whose outputs keep examples apart while an input that carries
-    the examples does not: its forward mixes examples (None if there is none)."""
-    carries, folds = _carrying_inputs(full[1], None if small is None else small[1],
-                                      [id(mc.module) for mc in module_calls], batch)
+    the examples does not: its forward mixes examples (None if there is none). And, where
+    the only such modules are ones whose inputs could not be compared between the runs on
+    ``B`` and ``B - 1`` examples (a layer called once per example, by a loop over the batch:
+    every input then counts as carrying the examples, and a dimension that happens to have
+    size ``B`` reads as mixed), why the rules cannot be trusted (None otherwise)."""
+    carries, folds, unsure = _carrying_inputs(
+        full[1], None if small is None else small[1], [id(mc.module) for mc in module_calls],
+        batch)
     mixers: list[ModuleCall] = []
+    guessed: list[ModuleCall] = []
     for i, mc in enumerate(module_calls):
         def ok(gs: list[Tensor | None], shape: Sequence[int],
                folded: frozenset[int] = frozenset()) -> bool:
@@ -325,10 +336,18 @@ def _find_mixing(
                 continue
             gs = in_grads.get((i, j))
             if gs is not None and not ok(gs, s, folds(i, j)):
-                mixers.append(mc)
+                (guessed if unsure(i) else mixers).append(mc)
                 break
     if not mixers:
-        return None
+        if guessed:
+            mc = guessed[0]
+            name = f"'{mc.path}' ({type(mc.module).__name__})" if mc.path else (
+                f"the model itself ({type(mc.module).__name__})")
+            return None, (
+                f"the model calls {name} a different number of times for a batch of {batch} "
+                f"examples and for one of {batch - 1} (a loop over the examples, say), so "
+                f"whether its calls keep the examples apart cannot be told from the data flow")
+        return None, None
     # the innermost: no other mixer lies inside it
     paths = [mc.path for mc in mixers]
     inner = [
@@ -338,37 +357,63 @@ def _find_mixing(
     mc = inner[0] if inner else mixers[0]
     where = f"module '{mc.path}' ({type(mc.module).__name__})" if mc.path else (
         f"the model's own forward ({type(mc.module).__name__})")
-    return where
+    return where, None
 
 
 def _carrying_inputs(
     full: ShapeRecord, small: ShapeRecord | None, order: list[int], batch: int,
-) -> tuple[Callable[[int, int], bool], Callable[[int, int], frozenset[int]]]:
+) -> tuple[Callable[[int, int], bool], Callable[[int, int], frozenset[int]],
+           Callable[[int], bool]]:
     """Whether input ``j`` of module call ``i`` carries the examples: its shape shrinks with
-    the batch (every input, where the three runs did not call the same modules in the same
-    order); and the dimensions of that input that hold them folded (see :func:`confined`):
-    of size ``m * B``, shrunk by ``m``, with ``m > 1``."""
-    if (
-        small is None
-        or [c[0] for c in full.calls] != order
-        or [c[0] for c in small.calls] != order
-    ):
-        return (lambda i, j: True), (lambda i, j: frozenset())
+    the batch; the dimensions of that input that hold them folded (see :func:`confined`): of
+    size ``m * B``, shrunk by ``m``, with ``m > 1``; and whether call ``i`` could not be
+    compared (then every input counts as carrying the examples).
+
+    The calls of the two runs are matched module by module, occurrence by occurrence, for the
+    modules called as many times in both; a module called a different number of times (once
+    per example, by a loop over the batch) cannot be matched. Where the recorded run did not
+    call the modules of the run on the batch in the same order, none can."""
+    if small is None:
+        return (lambda i, j: True), (lambda i, j: frozenset()), (lambda i: False)
+    if [c[0] for c in full.calls] != order:
+        return (lambda i, j: True), (lambda i, j: frozenset()), (lambda i: True)
+    if [c[0] for c in small.calls] == order:
+        match: list[int | None] = list(range(len(order)))
+    else:
+        in_small: dict[int, list[int]] = {}
+        for s, c in enumerate(small.calls):
+            in_small.setdefault(c[0], []).append(s)
+        in_full: dict[int, int] = {}
+        for m in order:
+            in_full[m] = in_full.get(m, 0) + 1
+        seen: dict[int, int] = {}
+        match = []
+        for m in order:
+            n = seen.get(m, 0)
+            seen[m] = n + 1
+            found = in_small.get(m, [])
+            match.append(found[n] if len(found) == in_full[m] else None)
 
     def carries(i: int, j: int) -> bool:
-        a, b = full.calls[i][1], small.calls[i][1]
+        s = match[i]
+        if s is None:
+            return True
+        a, b = full.calls[i][1], small.calls[s][1]
         if j >= len(a) or j >= len(b):
             return True
         return a[j] != b[j]
 
     def folds(i: int, j: int) -> frozenset[int]:
-        a, b = full.calls[i][1], small.calls[i][1]
+        s = match[i]
+        if s is None:
+            return frozenset()
+        a, b = full.calls[i][1], small.calls[s][1]
         if j >= len(a) or j >= len(b) or len(a[j]) != len(b[j]):
             return frozenset()
         return frozenset(d for d, (x, y) in enumerate(zip(a[j], b[j]))
                          if x - y > 1 and x == batch * (x - y))
 
-    return carries, folds
+    return carries, folds, (lambda i: match[i] is None)
 
 
 def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[int, str]) -> set[str]:

@@ -22,7 +22,11 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
 3. A module whose outputs pass that test while an input that carries the examples fails it
    mixes examples inside its forward (attention across the batch, ``x - x.mean(0)``,
    BatchNorm in training mode): the plan names the innermost such module, and the strategies
-   that rely on rules refuse the model (:class:`~torch_vjp.PerSampleError`).
+   that rely on rules refuse the model (:class:`~torch_vjp.PerSampleError`). The module
+   calls of the two runs are matched module by module; a module called a different number
+   of times in them (a loop over the examples) cannot be matched, and if only such modules
+   look like mixing, no rule is trusted (the fallback computes the definition) rather than
+   the model refused.
 4. The autograd graph of the total loss is walked from the loss, skipping trusted calls: a
    parameter reached otherwise is used outside the layers that have rules.
 5. Random operators are classified while the model runs (NOTE [randomness]).
