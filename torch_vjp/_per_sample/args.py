@@ -418,8 +418,8 @@ def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
     plan moved them: counters, a step number) as counters of their module's type, which the
     structure then leaves out; whether any was new."""
     new = False
-    for m, numbers in before:
-        moved = {k for k, v in numbers.items() if m.__dict__.get(k, None) is not v
+    for m, values in before:
+        moved = {k for k, v in values.items() if m.__dict__.get(k, None) is not v
                  and m.__dict__.get(k, None) != v}
         known = _COUNTERS.get(type(m), frozenset())
         if moved - known:

@@ -621,7 +621,7 @@ def _without_dropout(job: Job, plan: Plan, ks: list[int], names: list[str],
     if not drops:
         return None
     devices = {t.device for t in job.sel.tensors.values()}
-    devices.update(x.device for x in job.xs)
+    devices.update(x.device for x in job.xs if isinstance(x, Tensor))
     before = _rng_states(devices)
     try:
         for m in drops:
