@@ -346,3 +346,34 @@ def test_a_module_that_mixes_is_still_named_beside_a_loop_over_the_examples():
     x, t = torch.randn(4, 5, 4, dtype=DT), torch.randn(4, 2, dtype=DT)
     with pytest.raises(tv.PerSampleError, match=r"'norm' \(BatchNorm1d\)"):
         tv.per_sample_grad_norms(model, _mse, x, t)
+
+
+class _BigConfig:
+    def __init__(self):
+        for i in range(100):
+            setattr(self, f"unused_{i}", i)
+        self.extra = False
+
+
+class _HelperReads(nn.Module):
+    """Reads its config's flag in a method its forward calls, among a hundred entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.config = _BigConfig()
+
+    def _extra(self, h):
+        return h + F.linear(h, self.l.weight) if self.config.extra else h
+
+    def forward(self, x):
+        return self.o(self._extra(self.l(x).tanh()))
+
+
+def test_a_config_flag_read_by_a_helper_method_makes_a_new_plan():
+    torch.manual_seed(0)
+    model = _HelperReads().double()
+    x, t = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    _all_three(model, _mse, x, t)
+    model.config.extra = True
+    _all_three(model, _mse, x, t)

@@ -297,7 +297,8 @@ class Job:
 # object's). A flag is a bool, str or None value itself, or a number's truth (zero or not:
 # ``if l2:``, a coefficient switched on, ``for _ in range(self.reps)``); flags are read one
 # level into a dict or plain object (``cfg.extra``, ``CONF["l2"]``, ``self.opts["extra"]``;
-# ``nested_flags``). A module's numeric attribute that the planning forwards moved (a
+# ``nested_flags``), the entries the code names only (a model config of a hundred entries
+# costs the few its methods read). A module's numeric attribute that the planning forwards moved (a
 # counter a forward increments, which a loop may reset) is left out from then on
 # (``note_counters``), else it would make plan after plan. Branches on other values (a
 # batch's contents, a threshold compared with a number, a flag two levels deep) are not
@@ -307,30 +308,67 @@ _READS: dict[Any, tuple[str, ...]] = {}
 
 
 #: The most entries of a dict (or attributes of an object) read one level deep for flags.
-_MAX_NESTED = 64
+_MAX_NESTED = 256
 #: Types never read one level deep: what holds no flag of the user's, or holds too much.
 _NOT_NESTED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
                types.MethodType, functools.partial, nn.Module, Tensor)
 _NESTED: dict[type, int] = {}  # per type: 0 not read, 1 a dict, 2 an object's attributes
+_CODE_READS: dict[Any, frozenset[str]] = {}  # per code object: ``_names_read``
+_TYPE_READS: dict[type, frozenset[str]] = {}  # per module type: ``_type_reads``
+#: Per dict read one level deep, and set of names: ``(the dict, its length, the keys that
+#: are names read)``, so that a call looks up those keys alone (a model config of a hundred entries
+#: of which the forward reads two). The dict is held, so that its id is not reused.
+_KEYS: dict[tuple[int, int], tuple[Any, int, tuple[Any, ...]]] = {}
 
 
-def _names_read(code: types.CodeType) -> set[str]:
-    """The names a code object reads, with those of the functions, lambdas and
-    comprehensions defined in it (a ``lambda: cfg.extra`` inside a forward)."""
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _names_read(c)
-    return names
+def _names_read(code: types.CodeType) -> frozenset[str]:
+    """The names a code object reads and the strings it holds (``cfg.extra``,
+    ``CONF["extra"]``), with those of the functions, lambdas and comprehensions defined in
+    it (a ``lambda: cfg.extra`` inside a forward)."""
+    found = _CODE_READS.get(code)
+    if found is None:
+        names = set(code.co_names)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                names |= _names_read(c)
+            elif isinstance(c, str):
+                names.add(c)
+        found = _CODE_READS[code] = frozenset(names)
+    return found
 
 
-def nested_flags(v: object, numbers: bool = True) -> object:
+def _type_reads(kind: type) -> frozenset[str]:
+    """What the methods of a module type of the user's read (``_names_read`` of each
+    function its classes define, but ``__init__``): the entries a forward, or a method it
+    calls, may branch on one level into an attribute (``self.opts["extra"]``)."""
+    found = _TYPE_READS.get(kind)
+    if found is None:
+        names: set[str] = set()
+        for cls in kind.__mro__:
+            if cls.__module__.startswith("torch.") or cls is object:
+                continue
+            for k, f in vars(cls).items():
+                f = getattr(f, "__func__", getattr(f, "fget", f))
+                code = getattr(f, "__code__", None)
+                if k != "__init__" and isinstance(code, types.CodeType):
+                    names |= _names_read(code)
+        found = _TYPE_READS[kind] = frozenset(names)
+    return found
+
+
+def nested_flags(v: object, reads: frozenset[str], numbers: bool = True) -> object:
     """A value's flag (``flag_of``), or, for a dict or a plain object (a config namespace, a
-    dataclass), the flags of its entries or attributes, one level deep: ``cfg.extra``,
-    ``CONF["l2"]``, ``self.opts["extra"]``; NotImplemented for anything else."""
+    dataclass), the flags of those of its entries or attributes whose names are in
+    ``reads`` (what the code reads), one level deep: ``cfg.extra``, ``CONF["l2"]``,
+    ``self.opts["extra"]``; NotImplemented for anything else."""
     f = flag_of(v, numbers)
     if f is not NotImplemented:
         return f
+    return _inside(v, reads, numbers)
+
+
+def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
+    """:func:`nested_flags` of a value that is not a flag itself."""
     kind = type(v)
     how = _NESTED.get(kind)
     if how is None:
@@ -341,9 +379,16 @@ def nested_flags(v: object, numbers: bool = True) -> object:
     items = v if how == 1 else getattr(v, "__dict__", None)
     if items is None or len(items) > _MAX_NESTED:  # type: ignore[arg-type]
         return NotImplemented
+    key = (id(items), id(reads))
+    hit = _KEYS.get(key)
+    if hit is None or hit[0] is not items or hit[1] != len(items):  # type: ignore[arg-type]
+        if len(_KEYS) >= 4096:
+            _KEYS.clear()
+        hit = _KEYS[key] = (items, len(items),  # type: ignore[arg-type]
+                            tuple(k for k in items if k in reads))  # type: ignore[union-attr]
     out = []
-    for k, x in items.items():  # type: ignore[union-attr]
-        f = flag_of(x, numbers)
+    for k in hit[2]:
+        f = flag_of(items.get(k), numbers)  # type: ignore[union-attr]
         if f is not NotImplemented:
             out.append((k, f))
     return ("nested", tuple(out))
@@ -352,8 +397,9 @@ def nested_flags(v: object, numbers: bool = True) -> object:
 def function_flags(fn: Any) -> tuple[Any, ...]:
     """The flags of what a Python function reads: its closure cells and the globals its code
     (or a function, lambda or comprehension defined in it) names, and the entries and
-    attributes one level into those (``cfg.l2``, ``CONF["l2"]``); for a bound method, also
-    those of its object (``self.l2``). A method's function for a bound method."""
+    attributes one level into those that the code names (``cfg.l2``, ``CONF["l2"]``); for a
+    bound method, also those of its object (``self.l2``). A method's function for a bound
+    method."""
     owner = getattr(fn, "__self__", None)
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
@@ -361,35 +407,43 @@ def function_flags(fn: Any) -> tuple[Any, ...]:
         return ()
     names = _READS.get(code)
     glob = getattr(fn, "__globals__", {})
+    reads = _names_read(code)
     if names is None:
-        names = _READS[code] = tuple(sorted(n for n in _names_read(code) if n in glob))
+        names = _READS[code] = tuple(sorted(n for n in reads if n in glob))
     out = []
     for n in names:
-        f = nested_flags(glob.get(n))
-        if f is not NotImplemented:
-            out.append((n, f))
+        v = glob.get(n)
+        f = flag_of(v)
+        if f is NotImplemented:
+            if _NESTED.get(type(v)) == 0:  # (a module, a class, a function: the common case)
+                continue
+            f = _inside(v, reads, True)
+            if f is NotImplemented:
+                continue
+        out.append((n, f))
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
-            f = nested_flags(cell.cell_contents)
+            f = nested_flags(cell.cell_contents, reads)
         except ValueError:  # an empty cell
             continue
         if f is not NotImplemented:
             out.append((i, f))
     if owner is not None and not isinstance(owner, (types.ModuleType, type)):
-        out.append(("self", object_flags(owner)))
+        out.append(("self", object_flags(owner, reads)))
     return tuple(out)
 
 
-def object_flags(obj: object) -> tuple[Any, ...]:
-    """The flags of an object's own attributes, and one level into those that are dicts or
-    plain objects (``nested_flags``); numbers by their truth. (An ``nn.Module``'s private
-    containers, ``_parameters`` and the like, are left out.)"""
+def object_flags(obj: object, reads: frozenset[str] = frozenset()) -> tuple[Any, ...]:
+    """The flags of an object's own attributes, numbers by their truth, and one level into
+    those that are dicts or plain objects (``nested_flags``: the entries named in ``reads``,
+    what the code that uses the object reads). (An ``nn.Module``'s private containers,
+    ``_parameters`` and the like, are left out.)"""
     module = isinstance(obj, nn.Module)
     out = []
     for k, v in getattr(obj, "__dict__", {}).items():
         if module and k[:1] == "_":
             continue
-        f = nested_flags(v)
+        f = nested_flags(v, reads)
         if f is not NotImplemented:
             out.append((k, f))
     return tuple(out)
@@ -421,9 +475,9 @@ def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
     for m, values in before:
         moved = {k for k, v in values.items() if m.__dict__.get(k, None) is not v
                  and m.__dict__.get(k, None) != v}
-        known = _COUNTERS.get(type(m), frozenset())
+        known = _COUNTERS.get(type(m), _TORCH_ATTRS)
         if moved - known:
-            _COUNTERS[type(m)] = known | moved
+            _COUNTERS[type(m)] = known | moved  # (with torch's attributes: what is skipped)
             new = True
     return new
 
@@ -442,14 +496,21 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         entry: tuple[Any, ...] = (id(m), kind, _hooks_key(fh) if fh else (),
                                   _hooks_key(ph) if ph else ())
         if own:
-            counters = _COUNTERS.get(kind) or _TORCH_ATTRS
+            skip = _COUNTERS.get(kind) or _TORCH_ATTRS
+            reads = _TYPE_READS.get(kind) or _type_reads(kind)
+            flags = []
             for k, v in m.__dict__.items():
-                if k in counters or k in _TORCH_ATTRS:
+                if k in skip:
                     continue
-                f = flag_of(v) if k[:1] == "_" else nested_flags(v)
-                if f is not NotImplemented:
-                    entry += ((k, f),)
-            entry += function_flags(kind.forward)
+                f = flag_of(v)
+                if f is NotImplemented:
+                    if k[:1] == "_" or _NESTED.get(type(v)) == 0:
+                        continue
+                    f = _inside(v, reads, True)
+                    if f is NotImplemented:
+                        continue
+                flags.append((k, f))
+            entry += (*flags, *function_flags(kind.forward))
         entries.append(entry)
         training.append(m.training)
     glob = torch.nn.modules.module

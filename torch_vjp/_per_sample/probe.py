@@ -19,6 +19,7 @@ from torch_vjp._errors import TorchVJPError, quote_error
 from torch_vjp._per_sample.args import (
     Job,
     Selection,
+    _names_read,
     function_flags,
     note_counters,
     numbers_of,
@@ -64,8 +65,10 @@ def _loss_key(loss_fn: Any) -> Any:
         # a callable object: by identity, and the flags of its attributes and of what its
         # __call__ reads (``self.l2`` switched on after warm-up)
         call = getattr(type(loss_fn), "__call__", None)
-        return (type(loss_fn), id(loss_fn), object_flags(loss_fn),
-                function_flags(call) if isinstance(call, types.FunctionType) else ())
+        if not isinstance(call, types.FunctionType):
+            return (type(loss_fn), id(loss_fn), object_flags(loss_fn))
+        return (type(loss_fn), id(loss_fn), object_flags(loss_fn, _names_read(call.__code__)),
+                function_flags(call))
     # (and the flags of what it reads: NOTE [the structure a plan is for] in args.py)
     return (code, function_flags(loss_fn))
 
