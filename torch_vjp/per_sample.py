@@ -40,14 +40,13 @@ from torch_vjp._per_sample.registry import register_user_rule
 from torch_vjp._per_sample.run import (
     BuffersKept,
     add_to_grads,
-    checked,
     grads,
     norms_and_sums,
     param_sums,
     plan_of,
     prepare,
-    verify,
 )
+from torch_vjp._per_sample.verify import checked, verify
 from torch_vjp._strategies import PerSampleStrategyName
 
 __all__ = [

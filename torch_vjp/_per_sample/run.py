@@ -3,7 +3,7 @@
 Every public function prepares a :class:`~torch_vjp._per_sample.args.Job` (:func:`prepare`),
 gets the plan for the model structure (:func:`plan_of`), computes under it inside
 :class:`BuffersKept`, and on the first call of a plan checks the result against the
-per-example loop (:func:`verify`), computing again when the check routed parameters
+per-example loop (:func:`~torch_vjp._per_sample.verify.verify`), computing again when the check routed parameters
 elsewhere.
 """
 
@@ -47,7 +47,7 @@ from torch_vjp._per_sample.factors import (
     widened,
     write_region,
 )
-from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, loop_grads, warn_loop
+from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
 from torch_vjp._per_sample.plan import Plan, Slots, aliases_of, forward, mixing_error
 from torch_vjp._per_sample.probe import input_entries, plan_for
@@ -60,8 +60,6 @@ __all__ = [
     "BuffersKept",
     "grads",
     "norms_and_sums",
-    "verify",
-    "checked",
     "add_to_grads",
     "clip_factors",
     "param_sums",
@@ -497,151 +495,3 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
             # optimizer step in backward, gradient logging): so does this call
             for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
                 hook(p)
-
-
-# --------------------------------------------------------------------------------------------
-# The check against the per-example loop
-# --------------------------------------------------------------------------------------------
-
-_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 5e-2}
-
-
-def _autocast_rtol(device: torch.device) -> float:
-    """The tolerance of the dtype autocast computes in on ``device`` (0 where autocast is
-    off): the rules and the loop then round at bfloat16's or float16's precision, whatever
-    the dtype of the tensors."""
-    kind = device.type
-    try:
-        if not torch.is_autocast_enabled(kind):
-            return 0.0
-        return _RTOL.get(torch.get_autocast_dtype(kind), 5e-2)
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        return 0.0
-
-
-def checked(plan: Plan, one_run: bool = False) -> bool:
-    """Whether results under ``plan`` were checked against the loop already."""
-    return plan.verified_one_run if one_run else plan.verified
-
-
-def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -> list[str]:
-    """Compares the per-parameter squared norms ``sq`` of two examples with the per-example
-    loop (NOTE [the per-sample plan]); returns the parameters that disagree, after routing
-    them off their method (or raising, for an explicit strategy). ``one_run``: the result
-    came from one vmap run (NOTE [one run]), which is checked apart from the rules."""
-    flag = "verified_one_run" if one_run else "verified"
-    if getattr(plan, flag):
-        return []
-    if job.strategy == "loop":
-        setattr(plan, flag, True)
-        return []
-    sel, batch = job.sel, job.batch
-    ks = sorted({batch - 1, batch // 2})
-    names = list(sel.canonical)
-    ref = {n: sel.tensors[n].new_empty((len(ks), *sel.tensors[n].shape)) for n in names}
-    if plan.random_global:
-        # The draws of the batch's pass cannot be replayed example by example. Dropout
-        # layers draw independently per element, so the plan's computation and the loop are
-        # both made again with them off; what the model still draws (an F.dropout of its
-        # own, torch.randn in a forward) leaves the check undone, as it must.
-        recomputed = _without_dropout(job, plan, ks, names, ref, one_run)
-        if recomputed is None:
-            setattr(plan, flag, True)
-            return []
-        sq = recomputed
-    else:
-        for j, k in enumerate(ks):
-            one = {n: ref[n][j:j + 1] for n in names}
-            loop_grads(job, names, k, k + 1, one)
-    bad: dict[str, str] = {}
-    wants = {n: sq_norms_rows(ref[n]) for n in names}
-    # each example's whole gradient (all the parameters): a parameter whose true gradient is
-    # zero but for rounding is compared against that scale, not against its own
-    whole = torch.stack([w.to(torch.float64) for w in wants.values()]).sum(0).sqrt()
-    for n in names:
-        want = wants[n].sqrt()
-        got = sq[n][ks].clamp_min(0).sqrt()
-        rtol = max(_RTOL.get(want.dtype, 1e-3), _autocast_rtol(want.device))
-        scale = float(want.max()) if want.numel() else 0.0
-        err = (got - want).abs()
-        floor = rtol * 1e-3 * whole.to(want.dtype)
-        if bool((err > rtol * want + rtol * 1e-3 * scale + floor + 1e-30).any()):
-            j = int(err.argmax())
-            method = "vmap" if one_run and plan.params[n].method == "rule" else (
-                plan.params[n].method)
-            bad[n] = (
-                f"the {method} result disagreed with the per-example loop on "
-                f"example {ks[j]} (gradient norm {float(got[j]):.6g} against "
-                f"{float(want[j]):.6g})"
-            )
-    if not bad:
-        setattr(plan, flag, True)
-        return []
-    if job.strategy != "auto":
-        n, why = next(iter(bad.items()))
-        raise PerSampleError(
-            f"torch_vjp.{job.fn}: strategy={job.strategy!r} gives wrong per-sample gradients "
-            f"for this model: for {n!r}, {why}.\n"
-            + (f"  The per-layer rule ({plan.params[n].how or 'its layer'}) does not "
-               f"reproduce what each example computes alone: the model reorders or mixes "
-               f"examples in a way the plan cannot see, or the layer's call is one the rule "
-               f"cannot replay (a forward other than the stock one, say). "
-               if plan.params[n].method == "rule" else
-               "  vmap does not reproduce what each example computes alone (randomness "
-               "drawn with a generator of the model's own, say). ")
-            + "Fix: strategy='auto' (which routes such parameters to a strategy that is "
-              "right) or strategy='loop'."
-        )
-    # (the loop is the definition: a parameter already on it that disagrees with it, a
-    # nondeterministic forward, stays there; rerouting the others always ends on the loop)
-    bad = {n: why for n, why in bad.items() if plan.params[n].method != "loop"}
-    if not bad:
-        setattr(plan, flag, True)
-        return []
-    for n, why in bad.items():
-        plan.route([n], why + "; rerouted")
-    return list(bad)
-
-
-def _rng_states(devices: set[torch.device]) -> list[Tensor]:
-    states = [torch.get_rng_state()]
-    for d in sorted({d.index or 0 for d in devices if d.type == "cuda"}):
-        states.append(torch.cuda.get_rng_state(d))
-    return states
-
-
-def _without_dropout(job: Job, plan: Plan, ks: list[int], names: list[str],
-                     ref: dict[str, Tensor], one_run: bool) -> dict[str, Tensor] | None:
-    """For :func:`verify` of a model that draws from the global generator: with the model's
-    dropout layers in eval mode, the squared norms of the plan's computation (the whole batch,
-    as the call made it), with the loop's gradients of the examples ``ks`` written into
-    ``ref``; None where the model still draws random numbers (or has no dropout layer)."""
-    drops = [m for m in job.model.modules()
-             if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
-    if not drops:
-        return None
-    devices = {t.device for t in job.sel.tensors.values()}
-    devices.update(x.device for x in job.xs if isinstance(x, Tensor))
-    before = _rng_states(devices)
-    try:
-        for m in drops:
-            m.training = False
-        if job.reset is not None:
-            job.reset()
-        if one_run:
-            results, _ = grads(job, plan, None)
-            sq = {n: sq_norms_rows(g) for n, g in results.items()}
-        else:
-            sq = norms_and_sums(job, plan, None)[2]
-        for j, k in enumerate(ks):
-            one = {n: ref[n][j:j + 1] for n in names}
-            loop_grads(job, names, k, k + 1, one)
-        if job.reset is not None:
-            job.reset()
-    finally:
-        for m in drops:
-            m.training = True
-    after = _rng_states(devices)
-    if any(not torch.equal(a, b) for a, b in zip(before, after)):
-        return None  # randomness other than the dropout layers'
-    return sq
