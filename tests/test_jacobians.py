@@ -1556,3 +1556,23 @@ def test_messages_name_only_the_options_the_function_has():
         msg = str(info.value)
         assert msg.startswith(start), msg
         assert "has_aux" not in msg and "argnums" not in msg and "primals[" not in msg, msg
+
+
+def test_a_module_passed_as_a_primal_keeps_its_buffers():
+    # modules were searched for in f only: a BatchNorm passed as a non-differentiated primal
+    # had its running statistics moved by the probe and the products
+    def apply(x, m):
+        return m(x)
+
+    x = torch.randn(4, 3, dtype=D)
+    for strategy in ("rev-loop", "fwd-loop"):
+        bn = torch.nn.BatchNorm1d(3).to(D)
+        J = tv.jacobian(apply, x, bn, strategy=strategy)
+        assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_mean,
+                                                                 torch.zeros(3, dtype=D))
+        torch.testing.assert_close(J, torch.autograd.functional.jacobian(
+            lambda t: torch.nn.BatchNorm1d(3).to(D)(t), x))
+    bn = torch.nn.BatchNorm1d(3).to(D)
+    tv.compare_strategies(apply, x, bn, strategies=("rev-loop",), min_run_time=0.01,
+                          memory=False)
+    assert int(bn.num_batches_tracked) == 0

@@ -466,14 +466,14 @@ def compare_strategies(
     # its memory measurement and its timing loop) runs inside buffers_kept(f): a module in
     # training mode gets its buffers (BatchNorm's running statistics) back after each, so
     # every call sees the same module and nothing of the caller's is left changed.
-    with buffers_kept(f):
+    with buffers_kept(f, primals=primals):
         # A plain call first: an error of f's own propagates untouched, before any
         # strategy; an output that has no Jacobian raises as in torch_vjp.jacobian.
         out = prob.g(*prob.leaves)
         description = _describe(primals, argnums, out)
         del out
 
-    with buffers_kept(f):
+    with buffers_kept(f, primals=primals):
         try:
             reference, reference_note = _reference(f, primals, argnums)
         except _NoReference as exc:
@@ -492,7 +492,7 @@ def compare_strategies(
         with warnings.catch_warnings(record=True) as caught, every_time():
             warnings.simplefilter("always")
             try:
-                with buffers_kept(f):
+                with buffers_kept(f, primals=primals):
                     result = call()
             except Exception as exc:  # noqa: BLE001 - a failing strategy is a row
                 rows.append(StrategyRow(name, "failed", reason=reason(exc),
@@ -513,7 +513,7 @@ def compare_strategies(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                with buffers_kept(f):
+                with buffers_kept(f, primals=primals):
                     if memory:
                         peak = measure_peak(call, device)
                     timing = summarize_times([block_times(call, min_run_time, 3)])

@@ -220,7 +220,7 @@ def jacobian(
                                   plain_chunk(strat, chunk))
     if do_compile and not is_nested() and budget is not None:
         warn_budget(call)
-    with context, buffers_kept(f):
+    with context, buffers_kept(f, primals=primals):
         with told_on_failure(group):
             prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
         if group is not None:  # NOTE [sharded Jacobian]
@@ -452,7 +452,7 @@ def hessian(
     if not callable(f):  # the outer function below is, so check f itself
         Problem(f, primals, argnums, has_aux=False, call=call, aux=False)
     context, detached = graph_mode(create_graph, call=call)
-    with context, buffers_kept(f):
+    with context, buffers_kept(f, primals=primals):
         outer = Problem(lambda *args: hessian_gradient(f, args, argnums, vectorized, fallback,
                                                        call),
                         primals, argnums, has_aux=False, call=call, detached=detached, aux=False)

@@ -111,7 +111,8 @@ def graph_mode(create_graph: object, *, call: str) -> tuple[Any, bool]:
     return NO_CONTEXT, True
 
 
-def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None) -> Any:
+def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
+                 primals: tuple[object, ...] = ()) -> Any:
     """Restores the buffers of the modules ``f`` uses if calling ``f`` changed them.
 
     The Jacobian functions call ``f`` more than once (a probe for the output size, a
@@ -125,6 +126,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None) -> Any
     Args:
         f: the function.
         modules: ``modules_reached(f)``, where the caller has it already.
+        primals: the arguments ``f`` is called with: a module among them (``f(bn, x)``
+            with ``argnums=1``) is kept too.
 
     Returns:
         A context manager (one that does nothing when ``f`` reaches no module in training
@@ -132,6 +135,9 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None) -> Any
     """
     if modules is None:
         modules = modules_reached(f)
+        if primals:
+            known = {id(m) for m in modules}
+            modules += [m for m in modules_reached(primals) if id(m) not in known]
     if not modules or is_nested():
         return NO_CONTEXT
     return _module_buffers_kept(modules)
