@@ -867,3 +867,67 @@ def test_the_jacobian_of_a_batch_of_one_is_named_so():
             r"the output, \(2,\), and of input 0, \(3,\)\..*Fix: contract the Jacobian with "
             r"grad_output: torch\.tensordot\(grad_output\[0\], J, dims=1\)\.unsqueeze\(0\)")):
         check_function(Lin, _x(1, 3, requires_grad=True), _x(2, 3, seed=1))
+
+
+class _SquareOneWrong(torch.autograd.Function):
+    """x ** 2 whose backward is wrong (0) for one element of many."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        r = 2 * x * g
+        r[0, 7] = 0
+        return r
+
+
+class _Sin32Wrong(torch.autograd.Function):
+    """sin computed in float32 inside, whose backward is 3% too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sin(x.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 1.03 * g * torch.cos(x)
+
+
+class _SquareToFloat32(torch.autograd.Function):
+    """x ** 2 returned in float32 (a correct backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.float() ** 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return (2 * x * g).to(x.dtype)
+
+
+def test_the_dot_product_test_sees_one_wrong_element_and_a_few_percent():
+    # the tolerance was rtol times |J t| |c| (or |t| |g|), sqrt(n) times the scale of the
+    # inner products: a backward wrong in one element of 250000, or 3% too large at
+    # float32's tolerance, passed (NOTE [the dot-product test])
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(FunctionCheckError, match="does not match finite differences"):
+        check_function(_SquareOneWrong, torch.randn(500, 500, dtype=torch.float64, generator=g))
+    with pytest.raises(FunctionCheckError, match="does not match finite differences"):
+        check_function(_Sin32Wrong, torch.randn(50, dtype=torch.float64, generator=g))
+
+
+def test_an_output_of_a_narrower_dtype_is_checked_at_its_precision():
+    # finite differences of a float32 output were held to float64's tolerances: a correct
+    # backward failed
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float64, torch.float32):
+        report = check_function(_SquareToFloat32, torch.randn(20, dtype=dtype, generator=g))
+        assert report.value_dtype == torch.float32  # (a report: it passed)

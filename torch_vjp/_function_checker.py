@@ -68,6 +68,7 @@ from torch_vjp._function_values import (
     output_grid,
     randn_like,
     real_dtype,
+    spread,
     value_dtype,
     where_text,
     widen,
@@ -83,6 +84,15 @@ PROBES = 2
 # check_function draws its random grad_outputs, tangents and cotangents from a private
 # generator with this seed: results are reproducible and the global RNG is left alone.
 _SEED = 20240602
+# NOTE [the dot-product test]
+# Each probe compares <c, J t> (finite differences along a random t, against a random
+# cotangent c) with <t, J^T c> (the backward's gradient g for c). Both are sums of n random-
+# signed terms, so their natural scale is sqrt(sum |term|^2), not |c| |J t| (sqrt(n) times
+# larger for n terms of one size): the tolerance is rtol times that scale, plus the
+# rounding the finite differences carry, 10 unit/(2 eps) times the same scale of c against
+# |f(x + eps t)| + |f(x - eps t)|. A floor of _NORM_SHARE of the product of the norms keeps
+# a probe whose terms are all small by chance from a false alarm.
+_NORM_SHARE = 1e-3
 # Default tolerances of the dot-product test, by the precision the values are checked in.
 _DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
     torch.float64: (1e-8, 1e-5),
@@ -369,6 +379,14 @@ class Checker:
         outputs = [flat[k] for k in pos]
         self._check_finite_outputs(inputs, flat, pos, value_dtype(inputs, self.diff))
         grid = self._grid_off_the_inputs(inputs, pos)
+        # (outputs of a narrower dtype than the inputs, x.float() ** 2: their own rounding
+        # is what the finite differences carry, as for a forward computing in it inside)
+        widest = torch.finfo(real_dtype(value_dtype(inputs, self.diff))).eps
+        for o in outputs:
+            if o.is_floating_point() or o.is_complex():
+                own = real_dtype(o.dtype)
+                if torch.finfo(own).eps > max(widest, torch.finfo(grid).eps if grid else 0.0):
+                    grid = own
         unit_floor = 0.0
         if grid is not None:
             unit_floor = torch.finfo(grid).eps
@@ -393,9 +411,14 @@ class Checker:
                     f_minus = self._outputs_at(inputs, i, x - eps * t, pos)
                 jt = [(a - b) / (2 * eps) for a, b in zip(f_plus, f_minus)]
                 lhs = sum((inner(c, j) for c, j in zip(cots, jt)), 0.0)
-                size = max(norm(jt) * c_norm, norm([t]) * norm([g]))
+                # (the scale of each side's terms, not the product of the norms: that is
+                # sqrt(n) times larger, and let a backward wrong in one element of many, or
+                # by a few percent at float32's tolerance, pass; NOTE [the dot-product test])
+                size = max(spread(cots, jt), spread([t], [g]),
+                           _NORM_SHARE * max(norm(jt) * c_norm, norm([t]) * norm([g])))
                 unit = max(torch.finfo(real_dtype(x.dtype)).eps, unit_floor)
-                noise = 10 * unit * (norm(f_plus) + norm(f_minus)) / (2 * eps) * c_norm
+                level = [a.detach().abs() + b.detach().abs() for a, b in zip(f_plus, f_minus)]
+                noise = 10 * unit * spread(cots, level) / (2 * eps)
                 result[i].append(_Probe(lhs=lhs, rhs=rhs, size=size, noise=noise))
         return result, grid, eps
 

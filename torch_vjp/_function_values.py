@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["GRIDS", "inner", "non_finite", "norm", "output_grid", "randn_like", "real_dtype",
-           "value_dtype", "where_text", "widen"]
+           "spread", "value_dtype", "where_text", "widen"]
 
 
 #: Narrower dtypes a forward may compute in inside, coarsest first.
@@ -100,6 +100,19 @@ def inner(a: Tensor, b: Tensor) -> float:
     if a.is_complex() or b.is_complex():
         return float((a.to(torch.complex128).conj() * b.to(torch.complex128)).real.sum())
     return float((a.to(torch.float64) * b.to(torch.float64)).sum())
+
+
+def spread(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    """``sqrt(sum |a_k b_k|^2)`` over the elements of pairs of tensors: the scale of the
+    inner product ``<a, b>`` when the signs of its terms are random (a random probe's),
+    ``sqrt(n)`` times smaller than ``|a| |b|`` for ``n`` terms of one size, so that a wrong
+    element among ``n`` is not lost in the product of the norms."""
+    total = 0.0
+    for x, y in zip(a, b):
+        x64 = x.detach().abs().to(torch.float64)
+        y64 = y.detach().abs().to(torch.float64)
+        total += float((x64 * y64).pow(2).sum())
+    return math.sqrt(total)
 
 
 def norm(tensors: Sequence[Tensor]) -> float:
