@@ -668,6 +668,12 @@ def test_registered_rule_is_used_and_checked():
         assert tv.per_sample_plan(model, nn.MSELoss(), x, y)["0.w"].method == "rule"
         assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="hooks"),
                        loop_reference(model, nn.MSELoss(), x, y))
+        # one example: the rule gets (1, 3), batch-first as always (it got (1, 1, 3), and its
+        # right result was refused as the rule's mistake)
+        for strategy in ("hooks", "auto"):
+            assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x[:1], y[:1],
+                                               strategy=strategy),
+                           loop_reference(model, nn.MSELoss(), x[:1], y[:1]))
     finally:
         registry._RULES.pop(MyScale, None)
         plan_module.forget_plans()

@@ -221,11 +221,17 @@ class UserRule(Rule):
         g = grads[0]
         if g is None:
             return []
-        gb = to_batch_first(g, call.bdim)
-        inputs = tuple(
-            to_batch_first(a, call.bdim) if isinstance(a, Tensor) and a.dim() > 0 else a
-            for a in call.args
-        )
+        one = call.bdim is None and batch == 1
+
+        def first(t: Tensor) -> Tensor:
+            # (one example, whose dimension of size 1 no probe can tell from the others: a
+            # leading one is taken for it, as the rule's batch-first contract reads it;
+            # everything belongs to that example either way)
+            return to_batch_first(t, 0 if one and t.shape[0] == 1 else call.bdim)
+
+        gb = first(g) if g.dim() > 0 else to_batch_first(g, call.bdim)
+        inputs = tuple(first(a) if isinstance(a, Tensor) and a.dim() > 0 else a
+                       for a in call.args)
         result = self.fn(call.module, inputs, gb)
         if not isinstance(result, dict):
             raise PerSampleTypeError(
