@@ -697,6 +697,17 @@ def test_registered_rule_mistakes_are_named():
                            r"\(5, 3\)"):
             tv.per_sample_grads(model, nn.MSELoss(), torch.randn(5, 3, dtype=DT),
                                 torch.randn(5, 2, dtype=DT), strategy="hooks")
+        # a key that is no parameter of the layer (a typo) was ignored without a word
+        registry._RULES.pop(Other, None)
+        plan_module.forget_plans()
+        tv.register_per_sample_rule(Other, lambda m, inputs, g: {"weight": inputs[0] * g})
+        model = nn.Sequential(Other(3), nn.Linear(3, 2)).to(DT)
+        for strategy in ("hooks", "auto"):
+            with pytest.raises(tv.PerSampleValueError, match=r"returned a gradient for "
+                               r"'weight', but the layer '0' \(Other\) has no parameter of "
+                               r"that name: its own are \['w'\].*Fix: return \{'w': \.\.\.\}"):
+                tv.per_sample_grads(model, nn.MSELoss(), torch.randn(5, 3, dtype=DT),
+                                    torch.randn(5, 2, dtype=DT), strategy=strategy)
     finally:
         registry._RULES.pop(Other, None)
         plan_module.forget_plans()
