@@ -602,3 +602,21 @@ def test_checked_mode_still_checks_the_users_backward_inside_vjp_fn():
     with tv.checked(), pytest.raises(tv.FunctionCheckError) as info:
         vjp_fn(torch.ones(3, dtype=D))
     assert getattr(info.value, "explanation", None)
+
+
+def test_none_for_an_output_of_parameters_only_is_taken_and_a_lossy_tangent_warns():
+    # an output that depends only on a module's parameter looks connected inside the
+    # transform: vjp_fn refused None for it, which torch.func.vjp takes
+    x = torch.randn(3, dtype=D)
+    lin = torch.nn.Linear(3, 3).to(D)
+    f = lambda x: (x.sin(), lin.weight @ torch.ones(3, dtype=D))  # noqa: E731
+    v = torch.ones(3, dtype=D)
+    want = torch.func.vjp(f, x)[1]((v, None))
+    torch.testing.assert_close(vjp(f, x)[1]((v, None)), want)
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.GradOutputsWarning)
+        torch.testing.assert_close(torch.func.vjp(f, x)[1]((v, None)), want)
+    # a float64 tangent of a complex64 primal is rounded by the cast: it warns
+    z = torch.randn(3, dtype=torch.complex64)
+    with pytest.warns(tv.GradOutputsWarning, match="casts the torch.float64 tangents"):
+        jvp(torch.exp, (z,), (torch.randn(3, dtype=D),))

@@ -266,7 +266,10 @@ def normalize_grad_outputs(
     for i in range(n):
         go = gos[i]
         if (go is not None and go.dtype != outputs[i].dtype
-                and not _real_tangent_of_complex(labels, go, outputs[i])):
+                and not (_real_tangent_of_complex(labels, go, outputs[i])
+                         and 2 * go.dtype.itemsize <= outputs[i].dtype.itemsize)):
+            # (a real tangent of a complex primal warns only where the cast rounds it:
+            # float64 to complex64)
             warnings.warn(
                 cast_message(labels, i, outputs[i], go), GradOutputsWarning,
                 stacklevel=user_stacklevel(),
