@@ -486,7 +486,7 @@ class Checker:
 class _Probe:
     lhs: float  # <J t, c>, J t by central differences
     rhs: float  # <t, J^T c>, J^T c from backward
-    size: float  # max(|J t| |c|, |t| |J^T c|)
+    size: float  # max(|(J t) * c|, |t * (J^T c)|) (NOTE [the dot-product test])
     noise: float  # the rounding error the finite differences can carry
 
 

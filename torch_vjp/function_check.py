@@ -66,8 +66,9 @@ class InputCheck:
         max_error: Largest ``|<J t, c> - <t, J^T c>|`` over the random probes, where
             ``J t`` comes from central differences of forward and ``J^T c`` from backward
             (``None`` for inputs that are not differentiated).
-        max_rel_error: ``max_error`` relative to the size of the two products
-            (``max(|J t| |c|, |t| |J^T c|)``).
+        max_rel_error: ``max_error`` relative to the size of the two products: the scale
+            of their terms, ``max(|(J t) * c|, |t * (J^T c)|)`` (elementwise products; NOTE
+            [the dot-product test]).
     """
 
     index: int
@@ -188,8 +189,9 @@ def check_function(
             anything else, in order. Floating-point tensors are copied to float64 for the
             value check.
         atol: Absolute tolerance of the dot-product test. Default: 1e-8 in float64.
-        rtol: Relative tolerance of the dot-product test, relative to
-            ``max(|J t| |c|, |t| |J^T c|)``. Default: 1e-5 in float64.
+        rtol: Relative tolerance of the dot-product test, relative to the scale of its
+            terms, ``max(|(J t) * c|, |t * (J^T c)|)`` (elementwise products, sqrt(n) times
+            smaller than the product of the norms). Default: 1e-5 in float64.
         eps: Step of the central finite differences (in float64). If ``fn`` cannot run in
             float64 (it raised there), the values are checked in the inputs' own dtype with
             a step of at least ``finfo(dtype).eps ** (1/3)`` and looser default tolerances,
