@@ -516,26 +516,6 @@ def test_jvp_gives_an_integer_output_a_zero_tangent():
     torch.testing.assert_close(tan, torch.diag(x.cos()))
 
 
-class _ItemBackward(torch.autograd.Function):
-    """2x, whose backward reads a value with .item() (vmap cannot batch it)."""
-
-    @staticmethod
-    def forward(x):
-        return x * 2
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * (0 * g.sum().item() + 2)
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t * 2
-
-
 class _NoVmapRule(torch.autograd.Function):
     """2x with both AD formulas and no vmap support."""
 
@@ -556,6 +536,14 @@ class _NoVmapRule(torch.autograd.Function):
         return t * 2
 
 
+class _ItemBackward(_NoVmapRule):
+    """2x, whose backward reads a value with .item() (vmap cannot batch it)."""
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (0 * g.sum().item() + 2)
+
+
 def test_batched_products_vmap_cannot_run_are_looped_with_a_warning():
     # they came through as torch's raw vmap errors, naming neither the call nor the fix
     x = torch.randn(3, dtype=D)
@@ -564,7 +552,8 @@ def test_batched_products_vmap_cannot_run_are_looped_with_a_warning():
     with pytest.warns(tv.JacobianWarning, match=(
             r"(?s)^torch_vjp\.vjp: vjp_fn: batched=True could not vectorise the products of "
             r"_ItemBackward\.apply .*one cotangent at a time.*\n  The vectorised attempt said: "
-            r".*\.item\(\).*Pass chunk_size=1 to skip the vectorised attempt")):
+            r"RuntimeError: vmap: It looks like you're calling \.item\(\).*Pass chunk_size=1 to skip "
+            r"the vectorised attempt")):
         (rows,) = vjp_fn(eye, batched=True)
     torch.testing.assert_close(rows, 2 * eye)
     with pytest.warns(tv.JacobianWarning, match=(
