@@ -432,6 +432,19 @@ def _auto_checked(rank, world, group):
         _close(tv.jacobian(logs_on_rank_1, A, process_group=group), want_b[0],
                what + ", one rank unchecked")
 
+    # where no route agrees (reverse mode fails on rank 1), forward mode's result stands,
+    # with a warning on every rank that says so (it stood without a word)
+    fwdcheck.CHECKED.clear()
+
+    def no_reverse_on_rank_1(A):
+        out = _solve_wide(A)
+        if rank == 1 and out.requires_grad:
+            out.numpy()
+        return out
+
+    with pytest.warns(tv.JacobianWarning, match=r"no other route agrees with it either"):
+        tv.jacobian(no_reverse_on_rank_1, A, process_group=group)
+
     # out of memory on the route the check falls back to reaches every rank, as on one
     # process: no rank returns the forward-mode Jacobian the check found wrong
     fwdcheck.CHECKED.clear()

@@ -51,7 +51,13 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
-from torch_vjp._engine.fwdcheck import remember, route_key, signature, wrong_route_message
+from torch_vjp._engine.fwdcheck import (
+    no_route_message,
+    remember,
+    route_key,
+    signature,
+    wrong_route_message,
+)
 from torch_vjp._engine.jacobian import (
     JACOBIAN_ALTERNATIVES,
     NoForwardMode,
@@ -365,6 +371,10 @@ def _checked(prob: Problem, work: _Work, part: tuple[Any, ...], mode: str, shape
         )
         return alt, "rev"
     remember(key, mode)
+    warn_once((prob.call, function_key(prob.f), mode, "none"),
+              no_route_message(prob.call, function_name(prob.f), mode, diff, scale,
+                               "strategy"),
+              JacobianWarning)
     return part, mode
 
 

@@ -52,8 +52,8 @@ __all__ = [
     "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "gap", "identity",
     "route_key",
     "largest_difference",
-    "max_abs_difference", "one_reverse_product", "remember", "reverse_gap", "signature",
-    "stacked_gap",
+    "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
+    "reverse_gap", "signature", "stacked_gap",
     "tolerance", "wrong_route_message",
 ]
 
@@ -418,7 +418,27 @@ def agreeing_route(
         )
         return alt
     keep(first)
+    warn_once((prob.call, named[0], first, "none"),
+              no_route_message(prob.call, named[1], first, diff, scale, option),
+              JacobianWarning)
     return result
+
+
+def no_route_message(call: str, name: str, first: str, diff: float, scale: float,
+                     option: str) -> str:
+    """The one-time warning that ``"auto"``'s first route (``first``) disagreed with the
+    reverse product and no other route agreed either: the first result stands."""
+    mode = "forward mode" if first == "fwd" else "reverse mode under torch.vmap"
+    return (
+        f"{call}: {mode} disagrees with a reverse product on the Jacobian of {name} (by up "
+        f"to {diff:.3g}, at a scale of {scale:.3g}), and no other route agrees with it "
+        f"either: f draws random numbers (dropout in training mode), is not smooth at this "
+        f"point, or computes otherwise on each call. {option}='auto' returned the first "
+        f"result, and does so for this function and input shapes from now on.\n"
+        f"  Check it (torch.autograd.gradcheck, or finite differences) before relying on "
+        f"it; for a random f, fix its draws (model.eval(), or a seeded generator). This "
+        f"warning is shown once per function."
+    )
 
 
 def tolerance(dtype: torch.dtype) -> float:
