@@ -17,7 +17,7 @@ by reverse mode under vmap (after forward mode), then one reverse product at a t
 (``"rev-loop"``), and returns the first that agrees with the reverse product, with a
 one-time warning; later calls of that function and signature take that route directly.
 Where none agrees (f is random, or not smooth at the
-point), the first result stands. Later calls that agreed are not checked again (a function
+point), the first result stands, with a one-time warning that says so. Later calls that agreed are not checked again (a function
 that branches to another operator on other values is checked only where it first ran; a
 bool, str or None among its plain arguments, or whether a number among them is zero, is
 part of the signature).
@@ -25,7 +25,7 @@ Explicit strategies are not checked: "fwd" and "rev" are what was asked. The cot
 comes from a generator of its own. The global generators are never set: f's call for the
 check draws on from where the products left them (another thread may be drawing too), so
 a random f (dropout) disagrees with its own products; the other routes disagree too, and
-the first result stands, at the cost of those routes on the first call.
+the first result stands (with the warning), at the cost of those routes on the first call.
 """
 
 from __future__ import annotations
