@@ -543,3 +543,15 @@ def test_one_large_entry_does_not_hide_wrong_small_ones():
     assert report["rev"].status == "wrong", report["rev"]
     assert re.search(r"abs error .* \(entry \d+\) > its tolerance", report["rev"].reason)
     assert report["rev-loop"].status == "ok" and report.best.strategy == "rev-loop"
+
+
+def test_a_random_f_is_named_in_the_report():
+    # every strategy of a dropout f was marked wrong, and nothing said f is random
+    W = torch.randn(6, 3, dtype=torch.float64)
+    f = lambda x: torch.nn.functional.dropout(W @ x, 0.5)  # noqa: E731
+    report = compare_strategies(f, torch.randn(3, dtype=torch.float64), strategies=("rev",),
+                                min_run_time=0.01, memory=False)
+    assert "f is random (two calls at the same point differ" in report.reference
+    plain = compare_strategies(lambda x: W @ x, torch.randn(3, dtype=torch.float64),
+                               strategies=("rev",), min_run_time=0.01, memory=False)
+    assert "random" not in plain.reference

@@ -471,13 +471,24 @@ def compare_strategies(
         # strategy; an output that has no Jacobian raises as in torch_vjp.jacobian.
         out = prob.g(*prob.leaves)
         description = _describe(primals, argnums, out)
-        del out
+        # (a second call at the same point: a random f, dropout in training mode, gives
+        # every strategy draws of its own, and the report says so)
+        again = prob.g(*prob.leaves)
+        random_f = not all(torch.equal(a, b) for a, b in zip(tree_leaves(out),
+                                                               tree_leaves(again)))
+        del out, again
 
     with buffers_kept(f, primals=primals):
         try:
             reference, reference_note = _reference(f, primals, argnums)
         except _NoReference as exc:
             reference, reference_note = None, f"none could be computed ({exc})"
+    if random_f:
+        reference_note += (
+            "; f is random (two calls at the same point differ: dropout in training mode, "
+            "say), so each strategy and the reference use draws of their own, and a row "
+            "marked wrong may be right for its draws: fix f's draws (model.eval(), or a "
+            "seeded generator) to compare")
 
     from torch_vjp.jacobians import jacobian
 
