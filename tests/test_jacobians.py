@@ -1576,3 +1576,19 @@ def test_a_module_passed_as_a_primal_keeps_its_buffers():
     tv.compare_strategies(apply, x, bn, strategies=("rev-loop",), min_run_time=0.01,
                           memory=False)
     assert int(bn.num_batches_tracked) == 0
+
+
+def test_explicit_reverse_mode_explains_checkpointing():
+    # torch.func's reverse mode refuses saved tensor hooks: strategy='rev' let torch's raw
+    # RuntimeError through (sparse_jacobian explained it; the refusal is now known to both)
+    def f(x):
+        return torch.utils.checkpoint.checkpoint(lambda v: v.sin() * v.roll(1), x,
+                                                 use_reentrant=False)
+
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(tv.StrategyError, match=(
+            r"(?s)^torch_vjp\.jacobian: the vectorised strategies compute with torch\.func, "
+            r"which cannot run f \(.*\) in rev-mode products: f uses saved tensor hooks "
+            r"\(torch\.utils\.checkpoint, .*\n  Fix: strategy='auto', 'rev-loop' or 'fwd-loop'")):
+        jacobian(f, x, strategy="rev")
+    torch.testing.assert_close(jacobian(f, x), torch.autograd.functional.jacobian(f, x))

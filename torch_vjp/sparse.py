@@ -38,7 +38,13 @@ from torch_vjp._engine.jacobian import (
     function_name,
     no_forward_message,
 )
-from torch_vjp._engine.refusals import forward_refusal, vmap_refusal, writes_into_input
+from torch_vjp._engine.refusals import (
+    SPARSE_TANGENT,
+    forward_refusal,
+    refusal_kind,
+    vmap_refusal,
+    writes_into_input,
+)
 from torch_vjp._engine.rows import SameDraws, passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
                                StrategyError, quote_error, shape_str, warn_once)
@@ -308,44 +314,31 @@ def _products(
     return coloring, comp, m
 
 
-#: What torch.func says of a tensor without strides (a sparse CSR, CSC or BSR constant):
-#: its transforms cannot take one, where plain autograd can.
-_NO_STRIDES = "Sparse CSR tensors do not have strides"
-#: What torch.func's reverse mode says of saved tensor hooks (torch.utils.checkpoint).
-_HOOKS = "don't yet support saved tensor hooks"
-#: What torch's forward mode says of a sparse COO operand (it has no sparse zero tangent).
-_SPARSE_ZEROS = ("_efficientzerotensor", "Sparse")
+#: The fix each known refusal of torch.func adds to mode='auto' (by refusal_kind).
+_ALSO = {"captured": ", or put the module in eval mode if it is one",
+         "randomness": ", or put the module in eval mode if its draws are dropout's",
+         "no_strides": ", or make that tensor a COO or dense one",
+         "saved_hooks": " or mode='fwd'"}
 
 
 def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
     """Raises a :class:`StrategyError` that explains ``err`` where it is one of torch's known
     refusals of the products of an explicit ``mode`` (forward mode without a formula,
-    torch.func's refusals, as :func:`torch_vjp.jacobian` explains them); returns for any
-    other error (f's own: it passes through untouched)."""
+    torch.func's refusals: :mod:`torch_vjp._engine.refusals`, as :func:`torch_vjp.jacobian`
+    explains them); returns for any other error (f's own: it passes through untouched)."""
     said = quote_error(err)
-    why, also = forward_refusal(err), ", or give the Function a jvp staticmethod"
-    if why is None and isinstance(err, NotImplementedError) and all(
-            w in str(err) for w in _SPARSE_ZEROS):
-        why = ("f multiplies by a sparse tensor, for which torch's forward mode has no kernel "
-               "(its zero tangent)")
-        also = ", or make that tensor a dense one"
+    why = forward_refusal(err)
     if mode == "fwd" and why is not None:
+        also = (", or make that tensor a dense one" if why == SPARSE_TANGENT else
+                ", or give the Function a jvp staticmethod")
         raise StrategyError(
             f"{prob.call}: mode='fwd' computes the products with forward-mode AD, and {why}.\n"
             f"  torch said: {said}\n"
             f"  Fix: mode='rev' or 'auto' (reverse mode needs only backward formulas){also}."
         ) from None
-    why, also = vmap_refusal(err), ", or put the module in eval mode if it is one"
-    if why is None and isinstance(err, RuntimeError) and _NO_STRIDES in str(err):
-        why = ("f uses a tensor without strides (a sparse CSR, CSC or BSR tensor), which "
-               "torch.func's transforms cannot take")
-        also = ", or make that tensor a COO or dense one"
-    elif why is None and isinstance(err, RuntimeError) and _HOOKS in str(err):
-        why = ("f uses saved tensor hooks (torch.utils.checkpoint, "
-               "torch.autograd.graph.saved_tensors_hooks), which torch.func's reverse mode "
-               "does not support")
-        also = " or mode='fwd'"
+    why = vmap_refusal(err)
     if why is not None:
+        also = _ALSO.get(refusal_kind(err) or "", "")
         raise StrategyError(
             f"{prob.call}: mode={mode!r} computes the products with torch.func, which cannot "
             f"run f ({function_name(prob.f)}): {why}.\n  torch.func said: {said}\n"

@@ -34,7 +34,12 @@ from torch_vjp._checks import (
 from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.forms import plain_jvp
-from torch_vjp._engine.refusals import mutates_captured, refusal_kind, vmap_refusal
+from torch_vjp._engine.refusals import (
+    VMAP_CAUSES,
+    mutates_captured,
+    refusal_kind,
+    vmap_refusal,
+)
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
@@ -144,10 +149,8 @@ def _vectorised_or_loop(call: str, f: object, vectors: str,
             f"{function_name(f)} (torch.func transforms under torch.vmap), so it computed "
             f"them one {vectors[:-1]} at a time in a Python loop, usually many times slower.\n"
             f"  The vectorised attempt said: {quote_error(err)}\n"
-            f"  Typical causes: a custom autograd.Function without vmap support, or with "
-            f".item() or Python control flow on tensor values in its backward; NumPy calls "
-            f"inside f; an operator without a batching rule. Pass chunk_size=1 to skip the "
-            f"vectorised attempt. This warning is shown once per function.",
+            f"  Typical causes: {VMAP_CAUSES}. Pass chunk_size=1 to skip the vectorised "
+            f"attempt. This warning is shown once per function.",
             JacobianWarning,
         )
 

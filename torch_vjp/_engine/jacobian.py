@@ -74,7 +74,12 @@ from torch_vjp._engine.rows import (
     passes_through,
     run_with_fallback,
 )
-from torch_vjp._engine.refusals import forward_refusal, vmap_refusal, writes_into_input
+from torch_vjp._engine.refusals import (
+    VMAP_CAUSES,
+    forward_refusal,
+    vmap_refusal,
+    writes_into_input,
+)
 from torch_vjp._engine.shapes import (
     Opts,
     Shapes,
@@ -415,11 +420,8 @@ def fallback_message(prob: Problem, mode: str, err: BaseException, who: str = "i
         f"torch.vmap), so {who} used strategy={loop!r}: one {unit} at a time in a Python loop, "
         f"usually many times slower.\n"
         f"  The vectorised attempt said: {quote_error(err)}\n"
-        f"  Typical causes: a custom autograd.Function without setup_context or vmap "
-        f"support, or with .item() or Python control flow on tensor values in its backward; "
-        f"NumPy calls inside f; an operator without a batching rule. Pass "
-        f"strategy={loop!r} to skip the vectorised attempt. This warning is shown once per "
-        f"function."
+        f"  Typical causes: {VMAP_CAUSES}. Pass strategy={loop!r} to skip the vectorised "
+        f"attempt. This warning is shown once per function."
     )
 
 

@@ -5,8 +5,8 @@ refusal of an in-place write into a differentiated leaf (:func:`writes_into_inpu
 
 from __future__ import annotations
 
-__all__ = ["forward_refusal", "mutates_captured", "refusal_kind", "vmap_refusal",
-           "writes_into_input"]
+__all__ = ["SPARSE_TANGENT", "VMAP_CAUSES", "forward_refusal", "mutates_captured", "refusal_kind",
+           "vmap_refusal", "writes_into_input"]
 
 
 #: What each known refusal of torch.func's transforms says, by its kind.
@@ -17,12 +17,32 @@ _WHY = {
                    "refuses by default, since its columns would each draw their own"),
     "setup_context": ("f uses a custom torch.autograd.Function whose forward takes ctx (no "
                       "setup_context staticmethod), which torch.func's transforms cannot run"),
+    "no_strides": ("f uses a tensor without strides (a sparse CSR, CSC or BSR tensor), which "
+                   "torch.func's transforms cannot take"),
+    "saved_hooks": ("f uses saved tensor hooks (torch.utils.checkpoint, "
+                    "torch.autograd.graph.saved_tensors_hooks), which torch.func's reverse "
+                    "mode does not support"),
 }
+
+#: What forward mode refuses in a sparse COO operand (it has no sparse zero tangent).
+SPARSE_TANGENT = ("f multiplies by a sparse tensor, for which torch's forward mode has no "
+                  "kernel (its zero tangent)")
+
+
+#: What usually keeps torch.vmap from batching a function: the one sentence every
+#: vmap-to-loop fallback warning quotes.
+VMAP_CAUSES = (
+    "a custom autograd.Function without setup_context or vmap support, or with .item() or "
+    "Python control flow on tensor values in its backward; NumPy calls inside f; an "
+    "operator without a batching rule"
+)
 
 
 def refusal_kind(err: BaseException) -> str | None:
     """Which known refusal of torch.func's transforms ``err`` is, of a function plain
-    autograd runs: ``"captured"``, ``"randomness"`` or ``"setup_context"``; else None."""
+    autograd runs: ``"captured"``, ``"randomness"``, ``"setup_context"``, ``"no_strides"``
+    (a sparse CSR constant) or ``"saved_hooks"`` (checkpointing, in reverse mode); else
+    None."""
     if not isinstance(err, RuntimeError):
         return None
     text = str(err)
@@ -32,6 +52,10 @@ def refusal_kind(err: BaseException) -> str | None:
         return "randomness"
     if "must override the setup_context staticmethod" in text:
         return "setup_context"
+    if "Sparse CSR tensors do not have strides" in text:
+        return "no_strides"
+    if "don't yet support saved tensor hooks" in text:
+        return "saved_hooks"
     return None
 
 
@@ -51,6 +75,9 @@ def forward_refusal(err: BaseException) -> str | None:
     ):
         return ("an operator in f has no forward-mode formula (a custom "
                 "torch.autograd.Function without jvp, or a torch operator torch has none for)")
+    if isinstance(err, NotImplementedError) and "_efficientzerotensor" in text and (
+            "Sparse" in text):
+        return SPARSE_TANGENT
     return None
 
 

@@ -49,6 +49,7 @@ from torch_vjp._engine.context import func_jvp, func_vjp, modules_reached
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.memory import WORK_FACTOR, plan_chunk
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.refusals import VMAP_CAUSES
 from torch_vjp._engine.rows import SameDraws, map_rows_with_fallback
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
 from torch_vjp._sparse.coloring import Coloring, color_columns, color_rows
@@ -425,9 +426,7 @@ def _warn_fallback(prob: Problem, mode: str) -> Callable[[Exception], None]:
             f"{prob.call}: could not vectorise the {unit}s of {function_name(prob.f)} with "
             f"torch.vmap, so it computes them one colour at a time in a Python loop.\n"
             f"  The vectorised attempt said: {quote_error(err)}\n"
-            f"  Typical causes: a custom autograd.Function without vmap support, .item() "
-            f"or Python control flow on tensor values, an operator without a batching "
-            f"rule. This warning is shown once per function.",
+            f"  Typical causes: {VMAP_CAUSES}. This warning is shown once per function.",
             JacobianWarning,
         )
 
