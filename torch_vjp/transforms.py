@@ -15,6 +15,7 @@ shaped like ``y``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload
@@ -284,8 +285,8 @@ def vjp(
     single = isinstance(out, Tensor)
     pull_call = "torch_vjp.vjp: vjp_fn"
 
-    def pull(*cot: Tensor) -> Any:
-        return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec))
+    def pull(*cot: Tensor, **graph: Any) -> Any:
+        return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec), **graph)
 
     def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
         """``v^T J`` for the cotangents ``v`` (K of them with ``batched=True``).
@@ -299,11 +300,8 @@ def vjp(
         if args or options:
             opts = _pullback_options(args, options)
             batched, chunk_size = opts["batched"], opts["chunk_size"]
-            graph = {"retain_graph": opts["retain_graph"], "create_graph": opts["create_graph"]}
-
-            def pull_with(*cot: Tensor) -> Any:
-                return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec),
-                                **graph)
+            pull_with = functools.partial(pull, retain_graph=opts["retain_graph"],
+                                          create_graph=opts["create_graph"])
         chunk = check_chunk_size(chunk_size, call=pull_call)
         try:
             normalized = check_cotangents(
@@ -560,12 +558,13 @@ def jvp(
 
     g = prob.g_inner
     spec_box: list[Any] = []
-    # chunks of one direction are plain calls of f: they draw the same random numbers (one
-    # function, as the vectorised call's one call of f is)
-    same_draws = SameDraws() if chunk == 1 else None
+    # one direction at a time (chunks of one, or the loop vmap falls back to), the products
+    # are plain calls of f: they draw the same random numbers (one function, as the
+    # vectorised call's one call of f is)
+    same_draws = SameDraws()
 
-    def push(*tangent: Tensor) -> Any:
-        if same_draws is not None:
+    def push(*tangent: Tensor, plain: bool = False) -> Any:
+        if plain:
             same_draws()
         res = func_jvp(g, leaves, tangent, strict=strict, has_aux=has_aux)
         flat_t, spec = tree_flatten(res[1])
@@ -582,18 +581,9 @@ def jvp(
         tan = tree_unflatten([o.new_zeros((0, *o.shape)) for o in flat_o], spec)
         return (out, tan, res[1]) if has_aux else (out, tan)
     def products(vec: bool) -> Any:
-        if not vec and same_draws is None:  # (one direction at a time: one function)
-            return _with_same_draws(lambda: products(False))
-        return map_rows(push, lambda s, e: tuple(v[s:e] for v in vectors), k,
+        return map_rows(functools.partial(push, plain=not vec or chunk == 1),
+                        lambda s, e: tuple(v[s:e] for v in vectors), k,
                         vectorized=vec, chunk_size=chunk, extras=True)
-
-    def _with_same_draws(run: Callable[[], Any]) -> Any:
-        nonlocal same_draws
-        same_draws = SameDraws()
-        try:
-            return run()
-        finally:
-            same_draws = None
 
     with _explained(call, "jvp"):
         stacked, extra = _vectorised_or_loop(call, f, "tangents", products)
