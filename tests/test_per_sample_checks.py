@@ -377,3 +377,49 @@ def test_a_config_flag_read_by_a_helper_method_makes_a_new_plan():
     _all_three(model, _mse, x, t)
     model.config.extra = True
     _all_three(model, _mse, x, t)
+
+
+class _OptsCentred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.opts = {"foo": True}
+
+    def forward(self, x):
+        h = self.l(x)
+        if self.opts.get("extra"):
+            h = h - h.mean(0, keepdim=True)  # mixes examples
+        return self.o(h)
+
+
+def test_an_entry_swapped_for_another_of_the_same_count_makes_a_new_plan():
+    # the names read were cached by the dict's size: one entry deleted and another added
+    # kept the stale plan, and norms came out wrong (by 7.5) with no error
+    model = _OptsCentred().double()
+    x, t = torch.randn(6, 4, dtype=DT), torch.randn(6, 2, dtype=DT)
+    tv.per_sample_grad_norms(model, _mse, x, t)
+    del model.opts["foo"]
+    model.opts["extra"] = True
+    with pytest.raises(tv.PerSampleError, match="mixes examples"):
+        tv.per_sample_grad_norms(model, _mse, x, t)
+
+
+class _StatusTrainer:
+    def __init__(self):
+        self.status = "start"
+
+    def loss(self, out, t):
+        return ((out - t) ** 2).sum()
+
+
+def test_a_bound_method_loss_keys_only_what_it_reads():
+    # every attribute of the loss's object was in the plan key: a status string that
+    # changes each step made a new plan (probe, forwards and the check) on every call
+    from torch_vjp._per_sample import probe
+
+    trainer, model = _StatusTrainer(), nn.Linear(4, 2).double()
+    x, t = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    for i in range(4):
+        trainer.status = f"step {i}"
+        tv.per_sample_grad_norms(model, trainer.loss, x, t)
+    assert len(set(map(id, probe._PLANS[model].values()))) == 1

@@ -315,10 +315,10 @@ _NOT_NESTED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunction
 _NESTED: dict[type, int] = {}  # per type: 0 not read, 1 a dict, 2 an object's attributes
 _CODE_READS: dict[Any, frozenset[str]] = {}  # per code object: ``_names_read``
 _TYPE_READS: dict[type, frozenset[str]] = {}  # per module type: ``_type_reads``
-#: Per dict read one level deep, and set of names: ``(the dict, its length, the keys that
-#: are names read)``, so that a call looks up those keys alone (a model config of a hundred entries
-#: of which the forward reads two). The dict is held, so that its id is not reused.
-_KEYS: dict[tuple[int, int], tuple[Any, int, tuple[Any, ...]]] = {}
+#: Per set of names read (by id; the set is held, so that its id is not reused): the names
+#: sorted, so that a call looks up those names alone in an object read one level deep (a
+#: model config of a hundred entries of which the forward reads two).
+_KEYS: dict[int, tuple[frozenset[str], tuple[str, ...]]] = {}
 
 
 def _names_read(code: types.CodeType) -> frozenset[str]:
@@ -379,19 +379,25 @@ def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
     items = v if how == 1 else getattr(v, "__dict__", None)
     if items is None or len(items) > _MAX_NESTED:  # type: ignore[arg-type]
         return NotImplemented
-    key = (id(items), id(reads))
-    hit = _KEYS.get(key)
-    if hit is None or hit[0] is not items or hit[1] != len(items):  # type: ignore[arg-type]
+    # (the names read that the object holds now, looked up each call: a cache by the
+    # object's size missed an entry deleted and another added, and reused a stale plan)
+    out = []
+    for k in _sorted_reads(reads):
+        if k in items:  # type: ignore[operator]
+            f = flag_of(items.get(k), numbers)  # type: ignore[union-attr]
+            if f is not NotImplemented:
+                out.append((k, f))
+    return ("nested", tuple(out))
+
+
+def _sorted_reads(reads: frozenset[str]) -> tuple[str, ...]:
+    """``reads`` in a fixed order (the key must not depend on a set's iteration order)."""
+    hit = _KEYS.get(id(reads))
+    if hit is None or hit[0] is not reads:
         if len(_KEYS) >= 4096:
             _KEYS.clear()
-        hit = _KEYS[key] = (items, len(items),  # type: ignore[arg-type]
-                            tuple(k for k in items if k in reads))  # type: ignore[union-attr]
-    out = []
-    for k in hit[2]:
-        f = flag_of(items.get(k), numbers)  # type: ignore[union-attr]
-        if f is not NotImplemented:
-            out.append((k, f))
-    return ("nested", tuple(out))
+        hit = _KEYS[id(reads)] = (reads, tuple(sorted(reads)))
+    return hit[1]
 
 
 def function_flags(fn: Any) -> tuple[Any, ...]:
@@ -441,7 +447,9 @@ def object_flags(obj: object, reads: frozenset[str] = frozenset()) -> tuple[Any,
     module = isinstance(obj, nn.Module)
     out = []
     for k, v in getattr(obj, "__dict__", {}).items():
-        if module and k[:1] == "_":
+        if (module and k[:1] == "_") or (reads and k not in reads):
+            # (with ``reads``, only what the code names: a trainer's status string that
+            # changes every step is no flag of its loss, and must not make a plan per call)
             continue
         f = nested_flags(v, reads)
         if f is not NotImplemented:
