@@ -335,8 +335,9 @@ def test_bad_min_run_time_raises(value):
 def test_bad_tolerance_raises(name, value, shown):
     with pytest.raises(JacobianOptionError, match=(
             rf"torch_vjp\.compare_strategies: {shown}, but it must be None or a finite number "
-            rf">= 0: a row is 'ok' when its max abs error is at most atol \+ rtol \* "
-            rf"max\|reference\|.*Fix: leave {name}=None")):
+            rf">= 0: a row is 'ok' when each entry's abs error is at most atol \+ rtol \* "
+            rf"max\(\|its reference entry\|, 0\.1 \* max\|reference\|\).*Fix: leave "
+            rf"{name}=None")):
         compare_strategies(_never_called, _f64(3), **{name: value})
 
 
@@ -555,3 +556,23 @@ def test_a_random_f_is_named_in_the_report():
     plain = compare_strategies(lambda x: W @ x, torch.randn(3, dtype=torch.float64),
                                strategies=("rev",), min_run_time=0.01, memory=False)
     assert "random" not in plain.reference
+    # (a NaN at the same point twice is the same value: log of a negative entry)
+    logs = compare_strategies(torch.log, torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64),
+                              strategies=("rev",), min_run_time=0.01, memory=False)
+    assert "random" not in logs.reference
+
+
+def test_a_wrong_entry_at_a_zero_tolerance_is_wrong():
+    # the ratio error / tolerance was 0 / 0 = nan at an exact entry of tolerance 0, and the
+    # argmax took that nan: a result wrong by 1 passed with atol = rtol = 0
+    from torch_vjp._measure import check_result
+
+    ref = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    error, tol, why = check_result(torch.tensor([0.0, 2.0], dtype=torch.float64), ref, 0.0,
+                                   0.0)
+    assert error == 1.0 and why is not None and "entry 1" in why
+    assert check_result(ref.clone(), ref, 0.0, 0.0)[2] is None
+    # the tolerance reported is the largest of any entry: an ok row's error is within it
+    big = torch.tensor([1e4, 1.0], dtype=torch.float64)
+    error, tol, why = check_result(big + torch.tensor([5e-4, 9e-5]), big, 1e-7, 0.0)
+    assert why is None and error <= tol

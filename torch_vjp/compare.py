@@ -224,8 +224,9 @@ class StrategyComparison:
     Attributes:
         rows: One :class:`StrategyRow` per strategy, in the order they were asked for.
         reference: How the reference Jacobian was computed, or why none could be.
-        tolerance: The largest tolerance of an entry the rows were judged by (at each row's
-            worst entry: its own reference entry's, or 0.1 of the largest, times rtol, plus atol).
+        tolerance: The largest tolerance of any entry the rows were judged by, ``atol +
+            rtol * max|reference|`` (each entry's: ``atol + rtol * max(|its reference
+            entry|, 0.1 * max|reference|)``).
         device: The device of the primals.
         threads: ``torch.get_num_threads()`` during the measurement.
         memory_method: How ``peak_memory`` was measured on this device.
@@ -474,8 +475,10 @@ def compare_strategies(
         # (a second call at the same point: a random f, dropout in training mode, gives
         # every strategy draws of its own, and the report says so)
         again = prob.g(*prob.leaves)
-        random_f = not all(torch.equal(a, b) for a, b in zip(tree_leaves(out),
-                                                               tree_leaves(again)))
+        random_f = not all(
+            not isinstance(a, Tensor) or torch.allclose(a, b, rtol=0.0, atol=0.0,
+                                                        equal_nan=True)
+            for a, b in zip(tree_leaves(out), tree_leaves(again)))
         del out, again
 
     with buffers_kept(f, primals=primals):
