@@ -602,6 +602,11 @@ def test_none_for_an_output_of_parameters_only_is_taken_and_a_lossy_tangent_warn
     v = torch.ones(3, dtype=D)
     want = torch.func.vjp(f, x)[1]((v, None))
     torch.testing.assert_close(vjp(f, x)[1]((v, None)), want)
+    # batched too (the checker saw the None itself, and refused it)
+    V = torch.randn(2, 3, dtype=D)
+    pull = torch.func.vjp(f, x)[1]
+    torch.testing.assert_close(vjp(f, x)[1]((V, None), batched=True),
+                               torch.vmap(lambda r: pull((r, None)))(V))
     with tv.checked(), warnings.catch_warnings():
         warnings.simplefilter("error", tv.GradOutputsWarning)
         torch.testing.assert_close(torch.func.vjp(f, x)[1]((v, None)), want)

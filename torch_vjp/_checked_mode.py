@@ -50,7 +50,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import handle_torch_function, has_torch_function
@@ -227,15 +226,6 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
             check_cotangents(out, cotangents, PULLBACK, primals=primals,
                              connected=connected or None)
         except GradOutputsError as err:
-            if any(c is None for c in tree_leaves(cotangents)):
-                # (None for an output that depends only on tensors outside the transform,
-                # a module's parameter: where torch takes it, as no vector, it is no mistake)
-                try:
-                    with _suppressed():
-                        return pullback(cotangents, retain_graph=retain_graph,
-                                        create_graph=create_graph)
-                except Exception:  # noqa: BLE001 - torch refuses it too: judged below
-                    pass
             return _arbitrate(err, PULLBACK, lambda: pullback(
                 cotangents, retain_graph=retain_graph, create_graph=create_graph))
         with _in_flight_pass():

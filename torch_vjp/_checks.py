@@ -540,13 +540,25 @@ def check_cotangents(
             message = (missing_message(labels, i, o, inputs) if o.numel() != 1
                        else implicit_dtype_message(labels, i, o))
             raise _error(GradOutputsError, labels, message, sentence)
+    # (the None of an output that does not depend on the primals stands for no vector: the
+    # checker is shown zeros of its shape there, and the None comes back)
+    absent = [connected is not None and c is None and not connected[i]
+              for i, c in enumerate(flat_cot)]
+    shown = flat_cot
+    if any(absent):
+        k = next((c.shape[0] for c in flat_cot if isinstance(c, Tensor) and c.dim()), 0)
+        shown = tuple(
+            (o.new_zeros((k, *o.shape)) if batched else torch.zeros_like(o)) if gone else c
+            for o, c, gone in zip(flat_out, flat_cot, absent))
     normalized = normalize_grad_outputs(
         flat_out,
-        flat_cot,
+        shown,
         labels,
         is_grads_batched=batched,
         inputs=inputs,
     )
+    if any(absent):
+        normalized = tuple(None if gone else v for v, gone in zip(normalized, absent))
     if any(c is None for c in flat_cot):
         normalized = tuple(
             torch.ones_like(o) if c is None and (connected is None or connected[i]) else v

@@ -303,24 +303,10 @@ def vjp(
             pull_with = functools.partial(pull, retain_graph=opts["retain_graph"],
                                           create_graph=opts["create_graph"])
         chunk = check_chunk_size(chunk_size, call=pull_call)
-        try:
-            normalized = check_cotangents(
-                out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves),
-                connected=connected or None,
-            )
-        except GradOutputsError as err:
-            # (None for an output the transform's level cannot see depends on the primals,
-            # one that depends only on a module's parameter: torch.func takes it, as no
-            # vector; where torch takes the call, its result is the answer)
-            given = tree_leaves(cotangents)
-            if batched or len(given) != len(flat_out) or not any(c is None for c in given):
-                raise
-            point.check(pull_call)
-            try:
-                grads = pull_with(*given)
-            except Exception:  # noqa: BLE001 - torch refuses it too: the check's error
-                raise err from None
-            return tree_unflatten(list(grads), prob.in_spec)
+        normalized = check_cotangents(
+            out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves),
+            connected=connected or None,
+        )
         # (cast as torch casts them, and as the check above warned: the pullback's own
         # torch.autograd.grad, checked in checked mode, then has nothing to warn of again)
         vectors = [v if v.dtype == o.dtype or v.is_complex() != o.is_complex() else v.to(o.dtype)
