@@ -282,9 +282,19 @@ def test_a_refused_tangent_does_not_run_f():
 
 
 def test_batched_jvp_of_a_random_function_names_the_fix_for_randomness():
-    # every refusal got the fix for a Function without setup_context
+    # every refusal got the fix for a Function without setup_context; and the refusal is
+    # raised after one product without vmap, not after the whole loop it then threw away
     drop = torch.nn.Dropout(0.5).train()
+    calls = [0]
+
+    def counted(v):
+        calls[0] += 1
+        return drop(v) * 2
+
     x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(tv.JacobianCallError, match="f draws random numbers"):
+        jvp(counted, (x,), (torch.randn(5, 3, 4, dtype=D),), batched=True)
+    assert calls[0] == 2  # (the vectorised attempt, and one product)
     with pytest.raises(tv.JacobianCallError, match=(
             r"^torch_vjp\.jvp: f draws random numbers .*\n  torch\.func said: .*\n  Fix: put "
             r"the module in eval mode \(model\.eval\(\)\) if the draws are dropout's; or take "

@@ -135,11 +135,12 @@ def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bo
 
 
 def _vectorised_or_loop(call: str, f: object, vectors: str,
-                        products: Callable[[bool], Any]) -> Any:
+                        products: Callable[[bool], Any], first: Callable[[], Any]) -> Any:
     """``products(True)``, the batched products under vmap; where vmap cannot run them and
-    one at a time can, ``products(False)``, with a one-time warning (NOTE [one fallback
-    policy]). torch.func's known refusals (a Function without setup_context, random draws,
-    a write into a captured tensor) are raised, for :func:`_explained` to explain."""
+    one at a time can (``first()``, the first product without vmap, runs), ``products(False)``,
+    with a one-time warning (NOTE [one fallback policy]). torch.func's known refusals (a
+    Function without setup_context, random draws, a write into a captured tensor) are
+    raised before the loop, for :func:`_explained` to explain."""
 
     def warn(err: Exception) -> None:
         if refusal_kind(err) is not None:
@@ -155,7 +156,8 @@ def _vectorised_or_loop(call: str, f: object, vectors: str,
             JacobianWarning,
         )
 
-    return run_with_fallback(lambda: products(True), lambda: products(False), on_fallback=warn)
+    return run_with_fallback(lambda: products(True), lambda: products(False), on_fallback=warn,
+                             check_one=first)
 
 
 def _batch_size(vectors: list[Tensor]) -> int:
@@ -321,7 +323,8 @@ def vjp(
             return _vectorised_or_loop(
                 pull_call, f, "cotangents", lambda vec: map_rows(
                     pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
-                    vectorized=vec, chunk_size=chunk)[0])
+                    vectorized=vec, chunk_size=chunk)[0],
+                lambda: pull_with(*(v[0] for v in vectors)))
 
         point.check(pull_call)  # (NOTE [the vjp point, kept])
         grads = products()
@@ -572,6 +575,7 @@ def jvp(
                         vectorized=vec, chunk_size=chunk, extras=True)
 
     with _explained(call, "jvp"):
-        stacked, extra = _vectorised_or_loop(call, f, "tangents", products)
+        stacked, extra = _vectorised_or_loop(
+            call, f, "tangents", products, lambda: push(*(v[0] for v in vectors), plain=True))
     tan = tree_unflatten(stacked, spec_box[0])
     return (extra[0], tan) + tuple(extra[1:])
