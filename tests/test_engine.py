@@ -674,3 +674,20 @@ def test_zero_blocks_that_are_derivatives_are_not_warned(f):
     with warnings.catch_warnings(), tv.checked():
         warnings.simplefilter("error", tv.JacobianWarning)
         warn_disconnected(prob, res)
+
+
+def test_a_builtin_function_keeps_its_checked_route():
+    # a builtin callable cannot be weakly referenced: its route key had a new token on every
+    # call, so "auto" checked torch.sin again on every call (one more call of f and a
+    # reverse product) and each call added an entry to the table of checked routes
+    from torch_vjp._engine import fwdcheck
+
+    x = torch.randn(5, dtype=torch.float64)
+    for f in (torch.sin, torch.Tensor.exp):
+        assert fwdcheck.route_key(f) == fwdcheck.route_key(f)
+        tv.jacobian(f, x)
+        before = dict(fwdcheck.CHECKED)
+        for _ in range(3):
+            tv.jacobian(f, x)
+        assert fwdcheck.CHECKED == before
+    assert fwdcheck.route_key(torch.sin) != fwdcheck.route_key(torch.cos)

@@ -112,6 +112,11 @@ def remember(key: Hashable, verdict: str) -> None:
 #: id -> (a weak reference to the object, its token): see :func:`identity`.
 _IDENTITIES: dict[int, tuple[weakref.ref, int]] = {}
 _TOKENS = itertools.count()
+#: Builtin callables (they cannot be weakly referenced), held with their token.
+_HELD: dict[int, tuple[object, int]] = {}
+_BUILTIN_CALLABLES = (types.BuiltinFunctionType, types.MethodDescriptorType,
+                      types.WrapperDescriptorType, types.MethodWrapperType,
+                      types.ClassMethodDescriptorType)
 
 
 def identity(obj: object) -> Hashable:
@@ -128,6 +133,13 @@ def identity(obj: object) -> Hashable:
     try:
         ref = weakref.ref(obj, functools.partial(_forget, i))
     except TypeError:
+        if isinstance(obj, _BUILTIN_CALLABLES):
+            # (torch.Tensor.exp, torch.sin: held, so that its address is not reused; a
+            # token per call re-ran the check on every call and filled CHECKED)
+            held = _HELD.get(i)
+            if held is None or held[0] is not obj:
+                held = _HELD[i] = (obj, next(_TOKENS))
+            return (i, held[1])
         # (nothing tells it from a later object at its address: a token of its own, so
         # that no route is ever taken for it unchecked)
         return ("once", next(_TOKENS))
