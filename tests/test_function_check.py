@@ -931,3 +931,26 @@ def test_an_output_of_a_narrower_dtype_is_checked_at_its_precision():
     for dtype in (torch.float64, torch.float32):
         report = check_function(_SquareToFloat32, torch.randn(20, dtype=dtype, generator=g))
         assert report.value_dtype == torch.float32  # (a report: it passed)
+
+
+class _DefinedBelowOne(torch.autograd.Function):
+    """x ** 2, defined for x <= 1 only (raises above)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        if bool((x > 1).any()):
+            raise ValueError("defined for x <= 1 only")
+        ctx.save_for_backward(x)
+        return x ** 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_the_grid_probe_off_the_point_does_not_fail_the_check():
+    # the probe for a narrower inner dtype calls fn at inputs moved by about 1e-3: a fn
+    # defined only up to 1 raised its own error from a point the caller never passed
+    report = check_function(_DefinedBelowOne, torch.full((3,), 0.999, dtype=torch.float64))
+    assert report.value_dtype == torch.float64
