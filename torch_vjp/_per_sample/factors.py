@@ -145,7 +145,8 @@ def ghost_unsure(sq: Tensor, products: Tensor, width: int) -> Tensor:
     unit = max(torch.finfo(sq.dtype).eps, torch.finfo(products.dtype).eps)
     tol = 1e3 * unit * math.sqrt(width + 1)  # (a 1e-3 relative error, at the estimate)
     diag = products.diagonal(dim1=1, dim2=2).sum(1)
-    return (sq <= tol * diag).nonzero().view(-1)
+    # (an example with no gradient at all, diag 0, has nothing to cancel)
+    return ((sq <= tol * diag) & (diag > 0)).nonzero().view(-1)
 
 
 def chunks(

@@ -158,5 +158,11 @@ def _without_dropout(job: Job, plan: Plan, ks: list[int], names: list[str],
             m.training = True
     after = _rng_states(devices)
     if any(not torch.equal(a, b) for a, b in zip(before, after)):
-        return None  # randomness other than the dropout layers'
+        # randomness other than the dropout layers': no check, and the caller's generators
+        # as the check found them (its forwards drew for nothing)
+        torch.set_rng_state(before[0])
+        for d, state in zip(sorted({d.index or 0 for d in devices if d.type == "cuda"}),
+                            before[1:]):
+            torch.cuda.set_rng_state(state, d)
+        return None
     return sq
