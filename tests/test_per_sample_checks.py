@@ -339,6 +339,9 @@ def test_a_layer_called_once_per_example_is_not_taken_for_mixing(layer, batch):
     c = (0.5 / norms).clamp(max=1.0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, torch.tensordot(c, ref[n], dims=1))
+    if batch == 4:  # (where a feature dimension of size B looked mixed: the reason says why)
+        assert "a different number of times for a batch of 4 examples and for one of 3" in (
+            str(tv.per_sample_plan(model, _mse, x, t)))
 
 
 def test_a_module_that_mixes_is_still_named_beside_a_loop_over_the_examples():

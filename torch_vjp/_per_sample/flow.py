@@ -178,12 +178,12 @@ def call_dims(
             out_grads[(i, j)] = gs
     mixing, unsure = _find_mixing(rec.module_calls, in_grads, out_grads, ks, batch, full,
                                   small)
-    weighted = _weighted_grads(job, out, out_dims, edges, batch)
-    result: list[tuple[int | None, str]] = []
     if unsure is not None:
         # whether a module mixes examples cannot be told: no rule is trusted, the fallback
         # computes the definition
         return [(None, unsure) for _ in calls], None
+    weighted = _weighted_grads(job, out, out_dims, edges, batch)
+    result: list[tuple[int | None, str]] = []
     for i, c in enumerate(calls):
         y = c.outputs[0] if c.outputs else None
         if y is None:
@@ -313,9 +313,10 @@ def _find_mixing(
     ``B`` and ``B - 1`` examples (a layer called once per example, by a loop over the batch:
     every input then counts as carrying the examples, and a dimension that happens to have
     size ``B`` reads as mixed), why the rules cannot be trusted (None otherwise)."""
+    order = [id(mc.module) for mc in module_calls]
+    reordered = small is not None and [c[0] for c in full[1].calls] != order
     carries, folds, unsure = _carrying_inputs(
-        full[1], None if small is None else small[1], [id(mc.module) for mc in module_calls],
-        batch)
+        full[1], None if small is None else small[1], order, batch)
     mixers: list[ModuleCall] = []
     guessed: list[ModuleCall] = []
     for i, mc in enumerate(module_calls):
@@ -343,10 +344,14 @@ def _find_mixing(
             mc = guessed[0]
             name = f"'{mc.path}' ({type(mc.module).__name__})" if mc.path else (
                 f"the model itself ({type(mc.module).__name__})")
-            return None, (
-                f"the model calls {name} a different number of times for a batch of {batch} "
-                f"examples and for one of {batch - 1} (a loop over the examples, say), so "
-                f"whether its calls keep the examples apart cannot be told from the data flow")
+            how = (f"in another order on one run of the batch than on the next (control "
+                   f"flow by values or random draws), so whether {name} keeps the examples "
+                   f"apart" if reordered else
+                   f"{name} a different number of times for a batch of {batch} examples and "
+                   f"for one of {batch - 1} (a loop over the examples, say), so whether its "
+                   f"calls keep the examples apart")
+            return None, (f"the model calls {'its modules ' if reordered else ''}{how} cannot "
+                          f"be told from the data flow")
         return None, None
     # the innermost: no other mixer lies inside it
     paths = [mc.path for mc in mixers]
