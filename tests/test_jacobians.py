@@ -1549,6 +1549,8 @@ def test_messages_name_only_the_options_the_function_has():
         (lambda: tv.sparse_jacobian(lambda r: (r, None), x[0]), "torch_vjp.sparse_jacobian"),
         (lambda: tv.sparse_jacobian(torch.sin, torch.ones(3, dtype=torch.int64)),
          "torch_vjp.sparse_jacobian: x has dtype torch.int64"),
+        (lambda: tv.sparse_jacobian(lambda d: d["a"] * 2, {"a": x[0], "b": 1.0}),
+         "torch_vjp.sparse_jacobian: x['b'] is a float, but all of x is differentiated"),
     ]
     for run, start in cases:
         with pytest.raises(JacobianCallError) as info:
@@ -1556,6 +1558,9 @@ def test_messages_name_only_the_options_the_function_has():
         msg = str(info.value)
         assert msg.startswith(start), msg
         assert "has_aux" not in msg and "argnums" not in msg and "primals[" not in msg, msg
+    with pytest.raises(JacobianCallError, match=r"if it is differentiable, or leave it out "
+                       r"of f's output\.$"):
+        tv.batch_jacobian(lambda r: r.long(), x)
 
 
 def test_a_module_passed_as_a_primal_keeps_its_buffers():

@@ -244,18 +244,15 @@ class UserRule(Rule):
         own = (None if call.module is None else
                [n for n, _ in call.module.named_parameters(recurse=False)])
         for key, value in result.items():
-            if isinstance(key, str) and own is not None and key not in own:
+            # (a rule runs only for a layer with parameters of its own: ``own`` is not empty)
+            if isinstance(key, str) and own and key not in own:
                 raise PerSampleValueError(
                     f"torch_vjp: the per-sample rule {self.name} returned a gradient for "
                     f"{key!r}, but the layer '{call.path}' ({type(call.module).__name__}) has "
                     f"no parameter of that name: its own are {own}. A key is the name of a "
                     f"parameter of the layer itself (as in module.named_parameters("
                     f"recurse=False)), or the parameter tensor. Fix: return "
-                    f"{{{own[0]!r}: ...}}." if own else
-                    f"torch_vjp: the per-sample rule {self.name} returned a gradient for "
-                    f"{key!r}, but the layer '{call.path}' ({type(call.module).__name__}) has "
-                    f"no parameters of its own. Fix: register the rule for the layer that "
-                    f"holds the parameter."
+                    f"{{{own[0]!r}: ...}}."
                 )
             role = key if isinstance(key, str) else by_id.get(id(key))
             if role is None or role not in call.params:
