@@ -2,7 +2,12 @@
 
 NOTE [DDP]
 A model wrapped in ``DistributedDataParallel`` is computed on its ``.module``: each rank's
-per-sample gradients and norms are those of its own examples, with no communication. The
+per-sample gradients and norms are those of its own examples. The one communication before
+them is DDP's own first step: where DDP broadcasts buffers before its forward
+(``broadcast_buffers=True`` and the model has buffers), rank 0's buffers (BatchNorm's running
+statistics) are broadcast first, as a forward of the DDP model does, so that every rank
+computes with the statistics its DDP forward would use; like that forward, every rank of the
+group must then make the call (a call on one rank alone waits for the others). The
 clipped step adds the rank's clipped sum to ``.grad`` through DDP's own machinery: a pass of
 DDP's forward whose module returns ``sum_p <p, s_p>`` (``s_p`` the rank's clipped sum of
 parameter ``p``), then its backward. The gradient of that sum is exactly ``s_p``, accumulated
