@@ -128,11 +128,13 @@ def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
         x = leaf.detach().reshape(-1).to(torch.float64)
         if x.is_complex():
             x = torch.view_as_real(x).reshape(-1)
-        # (weights drawn alike on every rank: a change that cancels in the plain sum, or in
-        # any fixed weighting, does not cancel in a random one; the non-finite values apart,
-        # by where they are and what they are, so that one inf masks nothing)
-        w = torch.randn(x.numel(), generator=torch.Generator().manual_seed(0),
-                        dtype=torch.float64).to(x.device)
+        # (weights alike on every rank, spread like random ones: the fractional parts of
+        # multiples of the golden ratio, computed where x is, without a CPU generator's draw
+        # and copy of x's size; a change that cancels in the plain sum, or in a position-
+        # weighted one, does not cancel here. The non-finite values apart, by where they are
+        # and what they are, so that one inf masks nothing)
+        w = torch.arange(x.numel(), dtype=torch.float64, device=x.device)
+        w = w.mul_(0.6180339887498949).frac_().sub_(0.5)
         finite = torch.isfinite(x)
         xf = torch.where(finite, x, 0.0)
         kinds = torch.where(torch.isnan(x), 1.0, torch.where(x > 0, 2.0, 3.0))
