@@ -55,6 +55,7 @@ __all__ = [
     "merge_factors",
     "chunks",
     "sq_norms_rows",
+    "ghost_sq_norms",
     "ghost_unsure",
     "widened",
     "full_precision",
@@ -147,6 +148,22 @@ def ghost_unsure(sq: Tensor, products: Tensor, width: int) -> Tensor:
     diag = products.diagonal(dim1=1, dim2=2).sum(1)
     # (an example with no gradient at all, diag 0, has nothing to cancel)
     return ((sq <= tol * diag) & (diag > 0)).nonzero().view(-1)
+
+
+def ghost_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+    """``||g_i^T a_i||^2`` of ``a: (n, T, p)`` and ``g: (n, T, q)`` by the ghost-norm identity,
+    ``sum_{t,t'} <a_t, a_t'><g_t, g_t'>``, with the examples whose sum may have cancelled
+    (:func:`ghost_unsure`) computed from their own gradients, a few at a time within the
+    norms' budget (NOTE [ghost norms, checked])."""
+    n, _, p = a.shape
+    q = g.shape[2]
+    products = torch.bmm(a, a.mT).mul_(torch.bmm(g, g.mT))
+    out = products.view(n, -1).sum(1)
+    unsure = ghost_unsure(out, products, p + q)
+    for first, last in chunks(unsure.numel(), p * q, None, NORM_CHUNK_ELEMENTS):
+        idx = unsure[first:last]
+        out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx])).to(out.dtype)
+    return out
 
 
 def chunks(
@@ -382,16 +399,7 @@ class OuterFactor(Factor):
         out = a.new_empty(B)
         if self.use_ghost():
             for s, e in chunks(B, 2 * T * T, chunk_size, NORM_CHUNK_ELEMENTS):
-                aa = torch.bmm(a[s:e], a[s:e].mT)
-                gg = torch.bmm(g[s:e], g[s:e].mT)
-                products = aa.mul_(gg)
-                out[s:e] = products.view(e - s, -1).sum(1)
-                unsure = ghost_unsure(out[s:e], products, p + q)
-                # NOTE [ghost norms, checked]: the unsure examples' own gradients, a few at
-                # a time within the norms' budget
-                for first, last in chunks(unsure.numel(), p * q, None, NORM_CHUNK_ELEMENTS):
-                    idx = unsure[first:last] + s
-                    out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx])).to(out.dtype)
+                out[s:e] = ghost_sq_norms(a[s:e], g[s:e])
         else:
             kept = keep.buffer(B, (q, p), a) if keep is not None else None
             buf = None

@@ -26,7 +26,7 @@ from torch_vjp._per_sample.factors import (
     KeepBudget,
     SmallFactor,
     chunks,
-    ghost_unsure,
+    ghost_sq_norms,
     sq_norms_rows,
 )
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
@@ -193,20 +193,8 @@ class ConvFactor(Factor):
                 n = e - s
                 U4 = self._unfold(s, e).view(n, G, cg * k, L)
                 g4 = self.g[s:e].reshape(n, G, og, L)
-                for j in range(G):
-                    aa = torch.bmm(U4[:, j].mT, U4[:, j])
-                    gg = torch.bmm(g4[:, j].mT, g4[:, j])
-                    products = aa.mul_(gg)
-                    part = products.view(n, -1).sum(1)
-                    # (NOTE [ghost norms, checked] in torch_vjp._per_sample.factors)
-                    unsure = ghost_unsure(part, products, cg * k + og)
-                    # (their own gradients, a few at a time within the norms' budget)
-                    for first, last in chunks(unsure.numel(), og * cg * k, None,
-                                              NORM_CHUNK_ELEMENTS):
-                        idx = unsure[first:last]
-                        part[idx] = sq_norms_rows(torch.bmm(
-                            g4[idx, j], U4[idx, j].mT)).to(part.dtype)
-                    out[s:e] += part
+                for j in range(G):  # (patches and output gradients, position-major)
+                    out[s:e] += ghost_sq_norms(U4[:, j].mT, g4[:, j].mT)
             return out
         # Direct: the per-sample gradients (and, for short patches, the unfolded input),
         # kept for the clipped sum where the budget allows.
