@@ -418,15 +418,9 @@ def function_flags(fn: Any) -> tuple[Any, ...]:
         names = _READS[code] = tuple(sorted(n for n in reads if n in glob))
     out = []
     for n in names:
-        v = glob.get(n)
-        f = flag_of(v)
-        if f is NotImplemented:
-            if _NESTED.get(type(v)) == 0:  # (a module, a class, a function: the common case)
-                continue
-            f = _inside(v, reads, True)
-            if f is NotImplemented:
-                continue
-        out.append((n, f))
+        f = nested_flags(glob.get(n), reads)
+        if f is not NotImplemented:
+            out.append((n, f))
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
             f = nested_flags(cell.cell_contents, reads)
@@ -510,14 +504,10 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
             for k, v in m.__dict__.items():
                 if k in skip:
                     continue
-                f = flag_of(v)
-                if f is NotImplemented:
-                    if k[:1] == "_" or _NESTED.get(type(v)) == 0:
-                        continue
-                    f = _inside(v, reads, True)
-                    if f is NotImplemented:
-                        continue
-                flags.append((k, f))
+                # (a private attribute's own flag, not what it holds)
+                f = flag_of(v) if k[:1] == "_" else nested_flags(v, reads)
+                if f is not NotImplemented:
+                    flags.append((k, f))
             entry += (*flags, *function_flags(kind.forward))
         entries.append(entry)
         training.append(m.training)

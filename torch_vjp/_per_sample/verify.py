@@ -65,9 +65,7 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
             return []
         sq = recomputed
     else:
-        for j, k in enumerate(ks):
-            one = {n: ref[n][j:j + 1] for n in names}
-            loop_grads(job, names, k, k + 1, one)
+        _loop_reference(job, ks, names, ref)
     bad: dict[str, str] = {}
     wants = {n: sq_norms_rows(ref[n]) for n in names}
     # each example's whole gradient (all the parameters): a parameter whose true gradient is
@@ -118,6 +116,13 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
     return list(bad)
 
 
+def _loop_reference(job: Job, ks: list[int], names: list[str], ref: dict[str, Tensor]
+                    ) -> None:
+    """The per-example loop's gradients of the examples ``ks``, written into ``ref``."""
+    for j, k in enumerate(ks):
+        loop_grads(job, names, k, k + 1, {n: ref[n][j:j + 1] for n in names})
+
+
 def _rng_states(devices: set[torch.device]) -> list[Tensor]:
     states = [torch.get_rng_state()]
     for d in sorted({d.index or 0 for d in devices if d.type == "cuda"}):
@@ -148,9 +153,7 @@ def _without_dropout(job: Job, plan: Plan, ks: list[int], names: list[str],
             sq = {n: sq_norms_rows(g) for n, g in results.items()}
         else:
             sq = norms_and_sums(job, plan, None)[2]
-        for j, k in enumerate(ks):
-            one = {n: ref[n][j:j + 1] for n in names}
-            loop_grads(job, names, k, k + 1, one)
+        _loop_reference(job, ks, names, ref)
         if job.reset is not None:
             job.reset()
     finally:
