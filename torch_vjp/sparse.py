@@ -87,8 +87,8 @@ def _detect(prob: Problem) -> Any:
     """The pattern of ``prob``, with the global random generators put back as detection
     found them: the products that follow draw what detection drew (a pattern shaped by a
     random number read into Python, ``u.roll(int(torch.randint(...)))``, detected at each
-    call, is then the pattern of the products' draw), and a call of ``sparse_jacobian``
-    advances the generators as one call of ``f`` does."""
+    call, is then the pattern of the products' draw). (Where ``mode="auto"`` computes again
+    by another route, or checks its result, ``f`` runs more than once and draws more.)"""
     draws = SameDraws()
     draws()  # (keeps the state)
     try:
