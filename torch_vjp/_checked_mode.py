@@ -86,9 +86,9 @@ from torch_vjp._checks import (
     PULLBACK,
     TENSOR_BACKWARD,
     check_cotangents,
-    recording_connected,
 )
 from torch_vjp._drop_ins import _backward, _grad
+from torch_vjp._engine.context import recording_connected
 from torch_vjp._errors import (
     FunctionCheckError,
     FunctionCheckWarning,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -60,7 +60,6 @@ __all__ = [
     "TENSOR_BACKWARD",
     "CHECK",
     "PULLBACK",
-    "recording_connected",
     "VJP",
     "TANGENTS",
     "as_entries",
@@ -469,24 +468,6 @@ def check_tree_structure(
         f"containers, same keys, same order), each with that tensor's shape. Fix: build it "
         f"from {against} itself, e.g. torch.utils._pytree.tree_map(torch.ones_like, ...)."
     )
-
-
-def recording_connected(f: Callable[..., Any], has_aux: bool
-                        ) -> tuple[Callable[..., Any], list[bool]]:
-    """``f`` as torch.func.vjp calls it, recording into the list returned with it whether
-    each flat output depends on the primals (requires grad at the transform's level), for
-    :func:`check_cotangents`' ``connected``."""
-    from torch.utils._pytree import tree_leaves
-
-    connected: list[bool] = []
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        res = f(*args, **kwargs)
-        out = res[0] if has_aux and isinstance(res, tuple) and len(res) == 2 else res
-        connected[:] = [not isinstance(o, Tensor) or o.requires_grad for o in tree_leaves(out)]
-        return res
-
-    return recorded, connected
 
 
 def check_cotangents(

@@ -30,10 +30,9 @@ from torch_vjp._checks import (
     check_cotangents,
     check_tree_structure,
     normalize_grad_outputs,
-    recording_connected,
 )
 from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
-from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, recording_connected
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.refusals import (
     VMAP_CAUSES,

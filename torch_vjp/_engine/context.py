@@ -23,11 +23,12 @@ import contextlib
 import functools
 import itertools
 import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from torch_vjp._errors import JacobianOptionError
 
@@ -54,6 +55,7 @@ __all__ = [
     "buffers_kept",
     "modules_reached",
     "reached",
+    "recording_connected",
     "captured_values",
     "grad_enabled",
     "Watched",
@@ -331,3 +333,19 @@ def _module_buffers_kept(modules: Sequence[torch.nn.Module]) -> Any:
                 seen.add(id(b))
                 buffers.append(("", b))
     return Watched(buffers) if buffers else NO_CONTEXT
+
+
+def recording_connected(f: Callable[..., Any], has_aux: bool
+                        ) -> tuple[Callable[..., Any], list[bool]]:
+    """``f`` as torch.func.vjp calls it, recording into the list returned with it whether
+    each flat output depends on the primals (requires grad at the transform's level), for
+    :func:`torch_vjp._checks.check_cotangents`' ``connected``."""
+    connected: list[bool] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        res = f(*args, **kwargs)
+        out = res[0] if has_aux and isinstance(res, tuple) and len(res) == 2 else res
+        connected[:] = [not isinstance(o, Tensor) or o.requires_grad for o in tree_leaves(out)]
+        return res
+
+    return recorded, connected
