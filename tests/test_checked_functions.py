@@ -796,3 +796,42 @@ def test_the_users_own_error_from_backward_passes_through_a_rejected_pullback_ca
         with pytest.raises(RuntimeError, match="the user's own backward failed") as checked:
             torch.func.vjp(f, x)[1](cotangents)
     assert type(checked.value) is type(plain.value) is RuntimeError
+
+
+class _SummedDown(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.sum(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g  # wrong: (4,) for an input of shape (3, 4), which torch rejects
+
+
+def test_a_rejected_backward_leaves_no_reference_cycle_behind():
+    # the replay's error was kept with its traceback, whose frames lead back to the frames
+    # holding it and on to the user's step: the step's activations stayed alive until the
+    # cyclic collector ran (plain torch frees them as soon as the error is handled)
+    import gc
+    import weakref
+
+    def step(act):
+        _SummedDown.apply(act).sum().backward()
+
+    def run():
+        act = torch.randn(3, 4, requires_grad=True) * 3
+        alive = weakref.ref(act)
+        with pytest.raises(tv.FunctionCheckError, match="invalid gradient at index 0"):
+            with tv.checked():
+                step(act)
+        del act
+        return alive
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        alive = run()
+        assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()

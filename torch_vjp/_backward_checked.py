@@ -316,8 +316,25 @@ def _replay(name: str, slots: list[Slot], kinds: list[str], returned: Any,
             warnings.simplefilter("ignore")
             grad(out, leaves, allow_unused=True)
     except Exception as err:  # noqa: BLE001 - torch's verdict, returned to the caller
-        return err
+        return _detached(err)
     return None
+
+
+def _detached(err: BaseException) -> BaseException:
+    """``err`` (and the exceptions chained to it) without tracebacks: only its type and
+    message are read. A traceback's frames lead back, through ``f_back``, to the frames that
+    hold ``err``, and on to the user's step that ran the backward pass: a reference cycle
+    that kept the user's activations alive until the cyclic collector ran."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+    return err
 
 
 _STAND_INS: dict[str, type[torch.autograd.Function]] = {}

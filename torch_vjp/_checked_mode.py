@@ -303,8 +303,10 @@ def _judge_backward(node: Any, returned: Any) -> None:
     else:
         judged, error = torch_verdict(node, returned, _GENUINE_GRAD)
     if error is not None:
+        sentence = str(error)
+        del error  # (only its sentence is needed: the raised error must not hold it)
         if rejected:
-            raise torch_first(FunctionCheckError, rejected[0].message, str(error)) from None
+            raise torch_first(FunctionCheckError, rejected[0].message, sentence) from None
         return  # torch rejects it for a reason the check does not see: torch's error follows
     if rejected and not judged:
         return  # what torch does is not known here: torch judges, its error follows if any
