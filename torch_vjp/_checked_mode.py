@@ -107,8 +107,8 @@ __all__ = ["checked", "install_from_environment"]
 
 _TORCH_GRAD = GRAD.replace(call="torch.autograd.grad")
 _TORCH_BACKWARD = BACKWARD.replace(call="torch.autograd.backward")
-# What each wrapper replaced when it was installed (torch's own function by default).
-_PREVIOUS: dict[str, Callable[..., Any]] = {
+# torch's own function behind each entry point.
+_GENUINE: dict[str, Callable[..., Any]] = {
     "grad": _GENUINE_GRAD,
     "backward": _GENUINE_BACKWARD,
     "tensor_backward": _GENUINE_TENSOR_BACKWARD,
@@ -116,6 +116,9 @@ _PREVIOUS: dict[str, Callable[..., Any]] = {
     "node_apply": _GENUINE_NODE_APPLY,
     "node_apply_boxed": _GENUINE_NODE_APPLY_BOXED,
 }
+# What each wrapper calls: what it replaced when it was installed (torch's own function by
+# default), guarded where that is another library's patch (NOTE [patches of other libraries]).
+_PREVIOUS: dict[str, Callable[..., Any]] = dict(_GENUINE)
 
 
 def _wrapper(genuine: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -342,29 +345,80 @@ _open_blocks = 0
 # made a training step with a custom Function about 10% slower (benchmarks/bench_checks.py).
 # Once installed they stay; outside a checked scope each calls the method it replaced,
 # unchanged, and checks nothing (one Python call more). A patch another library makes over
-# them is kept as for the others.
+# them is kept as for the others (NOTE [patches of other libraries]).
 _KEPT_OWNERS = (torch.Tensor, BackwardCFunction)
+
+
+# NOTE [patches of other libraries]
+# Another library may wrap an entry point too, before or after ours, calling the function it
+# found: while our wrapper is in place, that is ours. So:
+# * A patch made over our wrapper is never replaced: not on the last exit (it stays, and our
+#   wrapper beneath it checks in a checked scope and passes through outside one), and not on
+#   the next entry either. Installing ours over it again would make ours call it and it call
+#   ours, forever (a RecursionError on every later call). A patch that drops ours is the
+#   library's choice; only torch's own function, or what ours replaced, put back by someone,
+#   is replaced by ours again.
+# * A patch found where ours goes is replaced and called by ours, guarded: it may call ours
+#   back (a library that took ours in one block and installed its wrapper after the block),
+#   and where it does, in the same thread and backward pass, the inner call goes on to
+#   torch's own function instead of round again. A call made from within a backward pass
+#   (a custom backward calling torch.autograd.grad) is a new call, not a cycle.
+# Where ours has been (and may still be, beneath a patch) since it was last installed:
+_INSTALLED: dict[str, bool] = {key: False for key in _GENUINE}
+# What ours replaced when it was last installed, as it was found there (put back on exit).
+_REPLACED: dict[str, Callable[..., Any]] = dict(_GENUINE)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_guard = threading.local()
+
+
+def _guarded(key: str, patch: Callable[..., Any]) -> Callable[..., Any]:
+    """``patch``, another library's function that our wrapper of ``key`` replaced, as our
+    wrapper calls it: a call that comes back round to it from our wrapper (``patch`` calling
+    ours, in the same thread and backward pass) goes to torch's own function instead."""
+    genuine = _GENUINE[key]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        active = _guard.__dict__.setdefault("active", set())
+        mark = (key, _graph_task_id())
+        if mark in active:  # round again: ours -> patch -> ours -> here
+            return genuine(*args, **kwargs)
+        active.add(mark)
+        try:
+            return patch(*args, **kwargs)
+        finally:
+            active.discard(mark)
+
+    return call
 
 
 def _install() -> None:
     """Puts the checking wrappers in place of torch's entry points (remembering what they
-    replace), if they are not there already."""
+    replace), where they are not there already and no patch was made over them since
+    (NOTE [patches of other libraries])."""
     for key, owner, attr, wrapper in _TARGETS:
         current = getattr(owner, attr)
-        if current is not wrapper:
-            _PREVIOUS[key] = current
-            setattr(owner, attr, wrapper)
+        if current is wrapper:
+            _INSTALLED[key] = True
+            continue
+        if _INSTALLED[key] and current is not _REPLACED[key] and current is not _GENUINE[key]:
+            continue  # a patch made over ours (which calls ours): kept
+        _REPLACED[key] = current
+        _PREVIOUS[key] = current if current is _GENUINE[key] else _guarded(key, current)
+        setattr(owner, attr, wrapper)
+        _INSTALLED[key] = True
 
 
 def _uninstall() -> None:
     """Puts back what each wrapper replaced, where the wrapper is still installed; the
     wrappers of class attributes (``Tensor.backward``, the custom-backward node's ``apply``)
-    stay (NOTE [wrappers of class attributes stay])."""
+    stay (NOTE [wrappers of class attributes stay]), and so does a patch made over a
+    wrapper (NOTE [patches of other libraries])."""
     for key, owner, attr, wrapper in _TARGETS:
         if owner in _KEPT_OWNERS:
             continue
         if getattr(owner, attr) is wrapper:
-            setattr(owner, attr, _PREVIOUS[key])
+            setattr(owner, attr, _REPLACED[key])
+            _INSTALLED[key] = False
 
 
 def _acquire() -> None:

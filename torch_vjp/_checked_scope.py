@@ -8,7 +8,9 @@ NOTE [checked scope]
 replaced by checking wrappers while any block is open in any thread (or for good with
 ``TORCH_VJP_CHECKED=1``, which checks every thread); outside a checked scope the wrappers
 hand each call, unchanged, to the function they replaced. On the last exit a wrapper is put
-back only if it is still installed: a patch another library made in the meantime stays.
+back only if it is still installed: a patch another library made in the meantime stays, and
+is not replaced on the next entry either (NOTE [patches of other libraries] in
+:mod:`torch_vjp._checked_mode`).
 """
 
 from __future__ import annotations
