@@ -170,3 +170,15 @@ def test_a_patch_removed_again_leaves_the_wrapper_to_be_put_back():
         with pytest.raises(tv.GradOutputsError):
             torch.autograd.grad(x * 2, x, torch.ones(4))
     assert torch.autograd.grad is _checked_scope._GENUINE_GRAD
+
+
+def test_an_error_a_patch_raises_itself_passes_through_a_rejected_call():
+    x = _leaf()
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("the library's own refusal")
+
+    torch.autograd.grad = refusing
+    with tv.checked(), pytest.raises(RuntimeError, match="^the library's own refusal$") as info:
+        torch.autograd.grad(x * 2, x, torch.ones(4))  # rejected: torch (here, the patch) judges
+    assert type(info.value) is RuntimeError

@@ -161,10 +161,72 @@ def test_func_vjp_pullback_ignores_cotangent_of_unconnected_output_with_a_warnin
     (expected,) = plain_fn((torch.ones(4), torch.ones(7)))  # torch ignores the (7,) one
     with tv.checked():
         _, vjp_fn = torch.func.vjp(f, x)
-        with pytest.warns(tv.GradOutputsWarning, match=r"(?s)torch accepted this call.*"
+        with pytest.warns(tv.GradOutputsWarning, match=r"(?s)cotangents\[1\] does not fit "
+                          r"outputs\[1\], but torch ignores it: outputs\[1\] does not depend on "
+                          r"the primals.*"
                           r"cotangents\[1\] has shape \(7,\), but outputs\[1\] has shape \(3,\)"):
             (got,) = vjp_fn((torch.ones(4), torch.ones(7)))
     torch.testing.assert_close(got, expected)
+
+
+class _InterpolatedBackward(torch.autograd.Function):
+    """A custom Function whose backward fails inside torch's own Python code."""
+
+    @staticmethod
+    def forward(t):
+        return t * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.nn.functional.interpolate(g, scale_factor=2)  # 1-d: torch raises
+
+
+@pytest.mark.parametrize("first", [
+    pytest.param(lambda t: torch.special.zeta(t, torch.tensor([2.0, 3.0, 4.0])),
+                 id="missing-derivative"),
+    pytest.param(_InterpolatedBackward.apply, id="backward-fails-in-torch-code"),
+])
+def test_func_vjp_pullback_passes_an_error_of_running_the_graph_through(first):
+    # the cotangent of the constant output has the wrong shape, which torch ignores; torch
+    # then failed for its own reason, and checked mode raised its shape error instead
+    x = torch.randn(3) + 3
+    f = lambda t: (first(t), torch.zeros(2))  # noqa: E731
+    cotangents = (torch.ones(3), torch.zeros(5))
+    with pytest.raises(Exception) as plain:
+        torch.func.vjp(f, x)[1](cotangents)
+    with tv.checked(), pytest.warns(tv.GradOutputsWarning, match=r"(?s)cotangents\[1\] does "
+                                    r"not fit outputs\[1\], but torch ignores it.*has shape "
+                                    r"\(5,\), but outputs\[1\] has shape \(2,\)"):
+        with pytest.raises(Exception) as checked:
+            torch.func.vjp(f, x)[1](cotangents)
+    assert type(checked.value) is type(plain.value) is NotImplementedError
+    assert str(checked.value) == str(plain.value)
+
+
+def test_func_vjp_pullback_runs_normally_with_an_ignored_cotangent_of_another_type():
+    x = torch.randn(3)
+    f = lambda t: (t.sin(), torch.zeros(2))  # noqa: E731
+    (expected,) = torch.func.vjp(f, x)[1]((torch.ones(3), 1.5))
+    with tv.checked(), pytest.warns(tv.GradOutputsWarning, match=r"(?s)cotangents\[1\] does "
+                                    r"not fit outputs\[1\], but torch ignores it.*"
+                                    r"cotangents\[1\] is a float"):
+        (got,) = torch.func.vjp(f, x)[1]((torch.ones(3), 1.5))
+    torch.testing.assert_close(got, expected)
+
+
+def test_func_vjp_pullback_still_rejects_a_connected_output_beside_an_ignored_one():
+    x = torch.randn(3)
+    f = lambda t: (torch.zeros(2), t.sin())  # noqa: E731
+    with tv.checked(), pytest.warns(tv.GradOutputsWarning, match="torch ignores it"):
+        with pytest.raises(tv.GradOutputsError, match=r"^Mismatch in shape: grad_output\[1\] "
+                           r"has a shape of torch.Size\(\[4\]\)") as info:
+            torch.func.vjp(f, x)[1]((torch.zeros(5), torch.ones(4)))
+    assert "cotangents[1] has shape (4,), but outputs[1] has shape (3,)" in full_message(
+        info.value)
 
 
 def test_func_vjp_pullback_takes_none_for_an_unconnected_output_without_a_word():

@@ -8,13 +8,14 @@ graph for the shapes of leaf tensors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from torch_vjp._errors import shape_str
+from torch_vjp._errors import GradOutputsWarning, shape_str, user_stacklevel
 
 if TYPE_CHECKING:
     from torch_vjp._checks import Labels
@@ -30,6 +31,7 @@ __all__ = [
     "type_message",
     "not_a_sequence_message",
     "count_message",
+    "extra_message",
     "batch_size_message",
     "empty_batch_message",
     "integer_tangent_message",
@@ -37,6 +39,7 @@ __all__ = [
     "cast_message",
     "layout_message",
     "device_message",
+    "warn_ignored_cotangents",
 ]
 
 
@@ -395,6 +398,24 @@ def not_a_sequence_message(labels: Labels, go: Any, outputs: Sequence[Tensor]) -
     )
 
 
+def extra_message(labels: Labels, m: int, n: int) -> str:
+    """The warning for ``m`` vectors given for ``n < m`` outputs (torch ignores the rest)."""
+    if labels.indexed:
+        return (
+            f"{labels.call}: got {m} {labels.grad_outputs} for {n} {labels.outputs}; torch "
+            f"ignores the last {m - n}. {labels.grad_outputs} holds one vector per entry "
+            f"of {labels.outputs}, in the same order: check that none is missing from "
+            f"{labels.outputs}."
+        )
+    return (  # one tensor (Tensor.backward): the sequence was not needed at all
+        f"{labels.call}: {labels.grad_outputs} is a sequence of {m} tensors for the "
+        f"one tensor {labels.outputs}; torch uses the first and ignores the other "
+        f"{m - n}. {labels.grad_outputs} is dL/d{labels.outputs}, one tensor of "
+        f"{labels.outputs}'s shape: pass that tensor itself (to backpropagate from "
+        f"several tensors, torch.autograd.backward([y1, y2], [g1, g2]))."
+    )
+
+
 def count_message(
     labels: Labels, outputs: Sequence[Tensor], gos: Sequence[Any], given: Any
 ) -> str:
@@ -511,3 +532,27 @@ def device_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
         f"  {labels.meaning(i)}, consumed where {o}'s graph runs, so it must be on "
         f"{out.device}. Fix: pass {g}.to({o}.device)."
     )
+
+
+def warn_ignored_cotangents(labels: Labels, outputs: Sequence[Tensor], cotangents: Sequence[Any],
+                            ignored: Sequence[bool], batched: bool,
+                            inputs: Sequence[Tensor] | None) -> None:
+    """Warns of each cotangent that torch.func's pullback ignores (``ignored[i]``: its output
+    does not depend on the primals) and that is not None and does not fit its output: not a
+    tensor, or not of its shape."""
+    for i, (o, c, gone) in enumerate(zip(outputs, cotangents, ignored)):
+        if not gone or c is None:
+            continue
+        if not isinstance(c, Tensor):
+            explanation = type_message(labels, i, o, c)
+        elif (c.shape[1:] if batched and c.dim() else c.shape) != o.shape:
+            explanation = shape_message(labels, i, o, c, outputs, cotangents, batched, inputs)
+        else:
+            continue
+        warnings.warn(
+            f"{labels.call}: {labels.go(i)} does not fit {labels.out(i)}, but torch ignores "
+            f"it: {labels.out(i)} does not depend on the primals, so it needs no vector (None "
+            f"will do). The check said:\n{explanation}",
+            GradOutputsWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -62,18 +62,15 @@ from torch_vjp._backward_checked import (
     torch_verdict,
 )
 from torch_vjp._checked_scope import (
-    _GENUINE_BACKWARD,
-    _GENUINE_FUNC_VJP,
+    _GENUINE,
     _GENUINE_GRAD,
-    _GENUINE_NODE_APPLY,
-    _GENUINE_NODE_APPLY_BOXED,
-    _GENUINE_TENSOR_BACKWARD,
     _HAS_APPLY_BOXED,
     _SCOPE,
     _WRAPPER_FLAG,
     _active,
     _arbitrate,
     _checks_backwards,
+    _guarded,
     _in_flight_pass,
     _process_wide,
     _Scope,
@@ -107,15 +104,6 @@ __all__ = ["checked", "install_from_environment"]
 
 _TORCH_GRAD = GRAD.replace(call="torch.autograd.grad")
 _TORCH_BACKWARD = BACKWARD.replace(call="torch.autograd.backward")
-# torch's own function behind each entry point.
-_GENUINE: dict[str, Callable[..., Any]] = {
-    "grad": _GENUINE_GRAD,
-    "backward": _GENUINE_BACKWARD,
-    "tensor_backward": _GENUINE_TENSOR_BACKWARD,
-    "func_vjp": _GENUINE_FUNC_VJP,
-    "node_apply": _GENUINE_NODE_APPLY,
-    "node_apply_boxed": _GENUINE_NODE_APPLY_BOXED,
-}
 # What each wrapper calls: what it replaced when it was installed (torch's own function by
 # default), guarded where that is another library's patch (NOTE [patches of other libraries]).
 _PREVIOUS: dict[str, Callable[..., Any]] = dict(_GENUINE)
@@ -163,7 +151,7 @@ def _checked_grad(
                      materialize_grads)
 
 
-@_wrapper(_GENUINE_BACKWARD)
+@_wrapper(_GENUINE["backward"])
 def _checked_backward(
     tensors: Any,
     grad_tensors: Any = None,
@@ -182,7 +170,7 @@ def _checked_backward(
                          create_graph, grad_variables, inputs)
 
 
-@_wrapper(_GENUINE_TENSOR_BACKWARD)
+@_wrapper(_GENUINE["tensor_backward"])
 def _checked_tensor_backward(
     self: Tensor,
     gradient: Tensor | None = None,
@@ -192,7 +180,7 @@ def _checked_tensor_backward(
 ) -> None:
     """``Tensor.backward``, checked in a checked scope."""
     previous = _PREVIOUS["tensor_backward"]
-    if _compiling() or not _active() or previous is not _GENUINE_TENSOR_BACKWARD:
+    if _compiling() or not _active() or previous is not _GENUINE["tensor_backward"]:
         return previous(self, gradient, retain_graph, create_graph, inputs=inputs)
     if has_torch_function((self,)):  # as torch's: overrides get what Tensor.backward names
         return handle_torch_function(
@@ -209,7 +197,7 @@ def _checked_tensor_backward(
                          create_graph, None, inputs)
 
 
-@_wrapper(_GENUINE_FUNC_VJP)
+@_wrapper(_GENUINE["func_vjp"])
 def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Any:
     """``torch.func.vjp``, whose pullback checks its cotangents in a checked scope."""
     if _compiling() or not _active():
@@ -227,7 +215,7 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
             return pullback(cotangents, retain_graph=retain_graph, create_graph=create_graph)
         try:
             check_cotangents(out, cotangents, PULLBACK, primals=primals,
-                             connected=connected or None)
+                             connected=connected or None, ignores_unconnected=True)
         except GradOutputsError as err:
             return _arbitrate(err, PULLBACK, lambda: pullback(
                 cotangents, retain_graph=retain_graph, create_graph=create_graph))
@@ -239,7 +227,7 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
     return (out, checked_pullback) + tuple(result[2:])
 
 
-@_wrapper(_GENUINE_NODE_APPLY)
+@_wrapper(_GENUINE["node_apply"])
 def _checked_node_apply(self: Any, *args: Any) -> Any:
     """``BackwardCFunction.apply``: runs a custom Function's backward, then, in a checked
     scope, checks what it returned (NOTE [checked custom backwards])."""
@@ -247,7 +235,7 @@ def _checked_node_apply(self: Any, *args: Any) -> Any:
     return _checked_return(self, _PREVIOUS["node_apply"](self, *args))
 
 
-@_wrapper(_GENUINE_NODE_APPLY_BOXED)
+@_wrapper(_GENUINE["node_apply_boxed"])
 def _checked_node_apply_boxed(self: Any, *args: Any) -> Any:
     """``BackwardCFunction.apply_boxed`` (grads in one list that backward may empty), checked
     as ``apply`` is."""
@@ -367,29 +355,6 @@ _KEPT_OWNERS = (torch.Tensor, BackwardCFunction)
 _INSTALLED: dict[str, bool] = {key: False for key in _GENUINE}
 # What ours replaced when it was last installed, as it was found there (put back on exit).
 _REPLACED: dict[str, Callable[..., Any]] = dict(_GENUINE)
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_guard = threading.local()
-
-
-def _guarded(key: str, patch: Callable[..., Any]) -> Callable[..., Any]:
-    """``patch``, another library's function that our wrapper of ``key`` replaced, as our
-    wrapper calls it: a call that comes back round to it from our wrapper (``patch`` calling
-    ours, in the same thread and backward pass) goes to torch's own function instead."""
-    genuine = _GENUINE[key]
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        active = _guard.__dict__.setdefault("active", set())
-        mark = (key, _graph_task_id())
-        if mark in active:  # round again: ours -> patch -> ours -> here
-            return genuine(*args, **kwargs)
-        active.add(mark)
-        try:
-            return patch(*args, **kwargs)
-        finally:
-            active.discard(mark)
-
-    return call
-
 
 def _install() -> None:
     """Puts the checking wrappers in place of torch's entry points (remembering what they

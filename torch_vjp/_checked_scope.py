@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 import sys
 import threading
 import warnings
@@ -61,6 +62,38 @@ _GENUINE_NODE_APPLY = _genuine(BackwardCFunction.apply)
 _GENUINE_NODE_APPLY_BOXED = _genuine(getattr(BackwardCFunction, "apply_boxed", None) or
                                      BackwardCFunction.apply)
 _HAS_APPLY_BOXED = hasattr(BackwardCFunction, "apply_boxed")  # newer torch only
+# torch's own function behind each entry point that checked mode wraps.
+_GENUINE: dict[str, Callable[..., Any]] = {
+    "grad": _GENUINE_GRAD,
+    "backward": _GENUINE_BACKWARD,
+    "tensor_backward": _GENUINE_TENSOR_BACKWARD,
+    "func_vjp": _GENUINE_FUNC_VJP,
+    "node_apply": _GENUINE_NODE_APPLY,
+    "node_apply_boxed": _GENUINE_NODE_APPLY_BOXED,
+}
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_guard = threading.local()
+
+
+def _guarded(key: str, patch: Callable[..., Any]) -> Callable[..., Any]:
+    """``patch``, another library's function that the checking wrapper of ``key`` replaced,
+    as that wrapper calls it: a call that comes back round to it (``patch`` calling the
+    wrapper, in the same thread and backward pass) goes to torch's own function instead
+    (NOTE [patches of other libraries] in :mod:`torch_vjp._checked_mode`)."""
+    genuine = _GENUINE[key]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        active = _guard.__dict__.setdefault("active", set())
+        mark = (key, _graph_task_id())
+        if mark in active:  # round again: wrapper -> patch -> wrapper -> here
+            return genuine(*args, **kwargs)
+        active.add(mark)
+        try:
+            return patch(*args, **kwargs)
+        finally:
+            active.discard(mark)
+
+    return call
 _AUTOGRAD = sys.modules["torch.autograd"]
 _HAS_ENGINE = hasattr(_AUTOGRAD, "_engine_run_backward")  # torch >= 2.4
 
@@ -83,31 +116,64 @@ _BUILTIN_CLASSES: tuple[tuple[type[BaseException], type[GradOutputsError]], ...]
 )
 
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.partition(".")[0]])
+# Where torch validates grad_outputs (cotangents) before a backward pass runs: (the end of the
+# file's path, the function), for Python code that raises in the function itself or in what
+# it calls (``_make_grads`` indexes, compares and reads the grads).
+_VALIDATING = (
+    (os.path.join("torch", "autograd", "__init__.py"), ("_make_grads", "_calculate_shape")),
+)
+# Where torch raises its validation itself, the error's innermost frame: the vmap that stacks
+# batched grad_outputs (the batch sizes), functorch's pullback (the pytree structure).
+_VALIDATING_LAST = (
+    (os.path.join("torch", "_vmap_internals.py"), None),
+    (os.path.join("torch", "_functorch", "eager_transforms.py"), ("wrapper",)),
+)
+# Where torch's engine is entered (torch >= 2.4; before, the body of grad and backward): what
+# the engine raises there before any node runs is its validation of the roots, told by the
+# sentence; a node's own failure (a missing derivative) raises there too.
+_ENGINE_ENTRY = (
+    (os.path.join("torch", "autograd", "graph.py"), ("_engine_run_backward",)),
+    (os.path.join("torch", "autograd", "__init__.py"), ("grad", "backward")),
+)
+_ENGINE_VALIDATION = re.compile(
+    r"got \d+ tensors and \d+ gradients"
+    r"|element \d+ of tensors does not require grad"
+    r"|invalid gradient at index \d+ - "
 )
 
 
-def _raised_in_user_code(err: BaseException) -> bool:
-    """Whether ``err`` was raised in a Python frame outside torch and torch_vjp: the user's
-    own code (a custom Function's backward, a hook) that torch's function ran. torch's own
-    validation raises from its C++ code, whose innermost Python frame is torch's."""
+def _at(code: Any, places: tuple[tuple[str, tuple[str, ...] | None], ...]) -> bool:
+    return any(code.co_filename.endswith(path) and (names is None or code.co_name in names)
+               for path, names in places)
+
+
+def _torch_validation(err: BaseException) -> bool:
+    """Whether ``err`` is torch's own validation of the vectors of a backward pass, raised
+    before any node of the graph ran: in ``_make_grads`` (and what it calls), the batching
+    vmap, functorch's pullback, or the engine's check of its roots. Not an error of
+    running the graph (a missing derivative, a custom backward's or a hook's own error,
+    anything torch's code raises for them), nor one torch raised about another argument
+    first (empty ``inputs``), nor one raised by another library's patch of an entry point.
+    The frames are read from the outermost in: the first entry into the engine decides."""
     tb = err.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if _at(code, _VALIDATING):
+            return True
+        innermost = tb.tb_next is None
+        if innermost and _at(code, _VALIDATING_LAST):
+            return True
+        if _at(code, _ENGINE_ENTRY) and (innermost or code.co_name == "_engine_run_backward"):
+            return innermost and _ENGINE_VALIDATION.match(str(err)) is not None
         tb = tb.tb_next
-    return not tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
+    return False
 
 
-def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any], *,
-               same_problem: Callable[[BaseException, GradOutputsError], bool] | None = None
-               ) -> Any:
+def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
     """Runs torch's own function on a call the checker rejected, and raises the checker's
-    error if torch raises too (as the builtin class torch raised); returns torch's result,
-    with a warning, if torch accepts the call after all. ``same_problem(torch_err, err)``,
-    where given, says whether torch's error is about what the checker found; torch's error
-    is re-raised untouched where it is not."""
+    error if torch raises too, in its own validation of the vectors (as the builtin class
+    torch raised); any other error of torch's, or of code torch runs, is re-raised
+    untouched. Returns torch's result, with a warning, if torch accepts the call after all."""
     try:
         with _suppressed():
             result = run_torch()
@@ -119,9 +185,7 @@ def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], An
                 break
         else:  # not torch's validation: the user's own code raised; pass it through
             raise
-        if same_problem is not None and not same_problem(torch_err, err):
-            raise
-        if _raised_in_user_code(torch_err):  # (a custom backward's own RuntimeError, say)
+        if not _torch_validation(torch_err):
             raise
         cls = type(err) if isinstance(err, builtin) else ours
         sentence = getattr(err, "torch_sentence", None) or str(torch_err)

@@ -34,6 +34,7 @@ from torch_vjp._check_messages import (
     describe_tree,
     device_message,
     empty_batch_message,
+    extra_message,
     implicit_dtype_message,
     integer_tangent_message,
     layout_message,
@@ -42,6 +43,7 @@ from torch_vjp._check_messages import (
     not_a_sequence_message,
     shape_message,
     type_message,
+    warn_ignored_cotangents,
 )
 from torch_vjp._errors import (
     GradOutputsError,
@@ -274,23 +276,8 @@ def normalize_grad_outputs(
                 stacklevel=user_stacklevel(),
             )
     if m > n:
-        extra = m - n
-        if labels.indexed:
-            text = (
-                f"{labels.call}: got {m} {labels.grad_outputs} for {n} {labels.outputs}; torch "
-                f"ignores the last {extra}. {labels.grad_outputs} holds one vector per entry "
-                f"of {labels.outputs}, in the same order: check that none is missing from "
-                f"{labels.outputs}."
-            )
-        else:  # one tensor (Tensor.backward): the sequence was not needed at all
-            text = (
-                f"{labels.call}: {labels.grad_outputs} is a sequence of {m} tensors for the "
-                f"one tensor {labels.outputs}; torch uses the first and ignores the other "
-                f"{extra}. {labels.grad_outputs} is dL/d{labels.outputs}, one tensor of "
-                f"{labels.outputs}'s shape: pass that tensor itself (to backpropagate from "
-                f"several tensors, torch.autograd.backward([y1, y2], [g1, g2]))."
-            )
-        warnings.warn(text, GradOutputsWarning, stacklevel=user_stacklevel())
+        warnings.warn(extra_message(labels, m, n), GradOutputsWarning,
+                      stacklevel=user_stacklevel())
     return tuple(result)
 
 
@@ -478,6 +465,7 @@ def check_cotangents(
     batched: bool = False,
     primals: Sequence[Any] | None = None,
     connected: Sequence[bool] | None = None,
+    ignores_unconnected: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """Validates the cotangents given to a pullback against the function's output pytree.
 
@@ -487,6 +475,8 @@ def check_cotangents(
     lets a message recognise a primal's shape passed by mistake. ``connected`` (per flat
     output, where known): whether it depends on the primals; ``None`` is the cotangent of
     one that does not, as torch.func takes it (it is not differentiated).
+    ``ignores_unconnected``: as torch.func's pullback, ignore any cotangent of such an output
+    (it is not checked; where it does not fit, a :class:`GradOutputsWarning` says so).
 
     Returns:
         The flat tuple of cotangents, aligned with the output's tensor leaves.
@@ -521,13 +511,16 @@ def check_cotangents(
             message = (missing_message(labels, i, o, inputs) if o.numel() != 1
                        else implicit_dtype_message(labels, i, o))
             raise _error(GradOutputsError, labels, message, sentence)
-    # (the None of an output that does not depend on the primals stands for no vector: the
-    # checker is shown zeros of its shape there, and the None comes back)
-    absent = [connected is not None and c is None and not connected[i]
+    # (the None of an output that does not depend on the primals stands for no vector, as
+    # does anything torch ignores there: the checker is shown zeros of its shape, and the
+    # None comes back)
+    absent = [connected is not None and not connected[i] and (c is None or ignores_unconnected)
               for i, c in enumerate(flat_cot)]
     shown = flat_cot
     if any(absent):
-        k = next((c.shape[0] for c in flat_cot if isinstance(c, Tensor) and c.dim()), 0)
+        warn_ignored_cotangents(labels, flat_out, flat_cot, absent, batched, inputs)
+        k = next((c.shape[0] for c, gone in zip(flat_cot, absent)
+                  if isinstance(c, Tensor) and c.dim() and not gone), 0)
         shown = tuple(
             (o.new_zeros((k, *o.shape)) if batched else torch.zeros_like(o)) if gone else c
             for o, c, gone in zip(flat_out, flat_cot, absent))

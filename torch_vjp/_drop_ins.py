@@ -12,15 +12,17 @@ compiling the call to torch's built-in. For a call torch rejects, the error's me
 torch's own sentence, with the explanation attached as a note (NOTE [torch's sentence first]
 in ``_errors``). And torch is the final judge: when the checker finds a mistake, torch's own
 function is run on the same arguments (nothing runs before torch's own validation fails); if
-torch raises, the checker's error is raised; if torch accepts the call after all, its result
-is returned, with a :class:`~torch_vjp.GradOutputsWarning` quoting the checker. So a call is
-never rejected that torch accepts, and an exception raised by the user's own backward code
-passes through untouched.
+torch raises in its own validation of the vectors (``_checked_scope._torch_validation``), the
+checker's error is raised; any other error passes through untouched: one of running the
+graph (a missing derivative, the user's own backward or hook, failing in their code or in
+torch's), one torch raises about another argument first, one another library's patch raises.
+If torch accepts the call after all, its result is returned, with a
+:class:`~torch_vjp.GradOutputsWarning` quoting the checker. So a call is never rejected that
+torch accepts, and torch's and the user's own errors stay theirs.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -111,23 +113,6 @@ def _inputs_tuple(inputs: Any) -> tuple[Any, ...] | None:
         return None
 
 
-_AUTOGRAD_INIT = os.path.join("torch", "autograd", "__init__.py")
-
-
-def _same_problem(torch_err: BaseException, err: GradOutputsError) -> bool:
-    """Whether torch's error on a call the checker rejected may be replaced by the
-    checker's: not where torch refused another argument first, in the body of
-    ``torch.autograd.grad`` or ``backward`` itself (``materialize_grads=True`` with
-    ``allow_unused=False``, empty ``inputs``), before it looked at grad_outputs; that error
-    stands as torch raised it."""
-    tb, code = torch_err.__traceback__, None
-    while tb is not None:
-        code, tb = tb.tb_frame.f_code, tb.tb_next
-    return code is None or not (
-        code.co_name in ("grad", "backward") and code.co_filename.endswith(_AUTOGRAD_INIT)
-    )
-
-
 def _grad(
     labels: Labels,
     torch_grad: Callable[..., Any],
@@ -189,7 +174,7 @@ def _grad(
         return _arbitrate(err, labels, lambda: torch_grad(
             outs, inputs_arg, entries, retain_graph, create_graph, True, allow_unused,
             is_grads_batched, materialize_grads,
-        ), same_problem=_same_problem)
+        ))
     if (
         not _HAS_ENGINE
         or torch_grad is not _GENUINE_GRAD
@@ -272,8 +257,7 @@ def _backward(
         )
     except GradOutputsError as err:
         return _arbitrate(err, labels, lambda: torch_backward(
-            outs, entries, retain_graph, create_graph, inputs=inputs_arg),
-            same_problem=_same_problem)
+            outs, entries, retain_graph, create_graph, inputs=inputs_arg))
     if not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or not _plain(ins):
         return torch_backward(outs, gts, retain_graph, create_graph, inputs=inputs_arg)
     # See NOTE [skipping torch's _make_grads]: the engine call of torch.autograd.backward.
