@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 __all__ = [
     "describe_tree",
     "leaf_shapes",
+    "STAND_IN_NODE",
+    "output_type_message",
     "shape_message",
     "missing_message",
     "batched_none_message",
@@ -59,6 +61,11 @@ def describe_tree(tree: Any) -> str:
     return type(tree).__name__
 
 
+#: The attribute of a tensor that stands in for a GradientEdge output (its metadata, for the
+#: checker) that holds the edge's node.
+STAND_IN_NODE = "_torch_vjp_edge_node"
+
+
 def leaf_shapes(outputs: Sequence[Tensor], limit: int = 2000) -> list[torch.Size]:
     """Shapes of the leaf tensors (those that accumulate ``.grad``) behind ``outputs``.
 
@@ -67,9 +74,12 @@ def leaf_shapes(outputs: Sequence[Tensor], limit: int = 2000) -> list[torch.Size
     """
     shapes: list[torch.Size] = []
     seen: set[int] = set()
-    frontier = [o.grad_fn for o in outputs if isinstance(o, Tensor) and o.grad_fn is not None]
-    for o in outputs:
-        if isinstance(o, Tensor) and o.grad_fn is None and o.requires_grad:
+    # (the stand-in of a GradientEdge output is walked from the edge's node)
+    nodes = [getattr(o, STAND_IN_NODE, None) or o.grad_fn if isinstance(o, Tensor) else None
+             for o in outputs]
+    frontier = [node for node in nodes if node is not None]
+    for o, node in zip(outputs, nodes):
+        if isinstance(o, Tensor) and node is None and o.requires_grad:
             shapes.append(o.shape)
     visited = 0
     while frontier and visited < limit:
@@ -354,6 +364,17 @@ def implicit_dtype_message(labels: Labels, i: int, out: Tensor) -> str:
         f"  torch creates the starting gradient 1 only for real floating-point scalars. Pass "
         f"{g} explicitly, e.g. torch.ones_like({o}), or differentiate a real function of "
         f"{o} (for a complex output, its .abs() or .real)."
+    )
+
+
+def output_type_message(labels: Labels, i: int, out: Any) -> str:
+    o = labels.out(i)
+    return (
+        f"{labels.call}: {o} is {'None' if out is None else 'a ' + type(out).__name__}, but "
+        f"each entry of {labels.outputs} must be a tensor (or a GradientEdge of one).\n"
+        f"  {labels.outputs} are the outputs y whose vector-Jacobian product is taken, "
+        f"tensors computed from ones that require grad. Fix: pass the tensor itself (.item() "
+        f"gives a number, which holds no graph)."
     )
 
 

@@ -40,6 +40,7 @@ from torch_vjp._checked_scope import (
     _arbitrate,
     _engine,
 )
+from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
 from torch_vjp._checks import (
     Labels,
     as_entries,
@@ -76,6 +77,56 @@ def _plain(items: Iterable[Any]) -> bool:
         if not isinstance(t, Tensor) or t.is_nested:
             return False
     return True
+
+
+def _edge_stand_in(edge: GradientEdge) -> Tensor | None:
+    """A tensor with what torch's ``_make_grads`` reads of a GradientEdge output (shape,
+    dtype, device: the metadata of the edge's node at its input), for the checker; None
+    where that is not known (no metadata in this torch, a nested tensor)."""
+    try:
+        meta = edge.node._input_metadata[edge.output_nr]
+        if meta.is_nested_tensor or meta.is_cpp_nested_tensor:
+            return None
+        shape, dtype, device = torch.Size(meta.shape), meta.dtype, meta.device
+        if not (dtype.is_floating_point or dtype.is_complex):
+            return None
+        stand_in = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+    setattr(stand_in.requires_grad_(), STAND_IN_NODE, edge.node)
+    return stand_in
+
+
+def _checkable(outs: tuple[Any, ...]) -> tuple[Tensor, ...] | None:
+    """``outs`` as the checker sees them: the tensors, with a stand-in for each GradientEdge
+    (:func:`_edge_stand_in`); None where one is neither (or a nested tensor): torch judges."""
+    if _plain(outs):
+        return outs
+    seen: list[Tensor] = []
+    for o in outs:
+        if isinstance(o, GradientEdge):
+            o = _edge_stand_in(o)
+        if not isinstance(o, Tensor) or o.is_nested:
+            return None
+        seen.append(o)
+    return tuple(seen)
+
+
+def _check_outputs(outs: tuple[Any, ...], labels: Labels) -> tuple[Tensor, ...]:
+    """``outs`` as the checker sees them (:func:`_checkable`), for torch_vjp's own
+    ``check_grad_outputs``: an output that is neither a tensor nor a GradientEdge raises."""
+    checked = _checkable(outs)
+    if checked is not None:
+        return checked
+    for i, o in enumerate(outs):
+        if isinstance(o, GradientEdge) and _edge_stand_in(o) is None:
+            raise GradOutputsTypeError(
+                f"{labels.call}: {labels.out(i)} is a GradientEdge whose shape, dtype and "
+                f"device this version of torch does not tell; pass the tensor itself."
+            )
+        if not isinstance(o, (Tensor, GradientEdge)):
+            raise GradOutputsTypeError(output_type_message(labels, i, o))
+    return outs  # (nested tensors: the checker reads them as they are)
 
 
 def _outputs_tuple(outputs: Any, labels: Labels) -> tuple[Any, ...]:
@@ -161,13 +212,14 @@ def _grad(
             FutureWarning,
             stacklevel=user_stacklevel(),
         )
-    if not _plain(outs):
+    seen = _checkable(outs)  # (batched grads of GradientEdge outputs: torch refuses them)
+    if seen is None or (is_grads_batched and seen is not outs):
         return torch_grad(outs, inputs_arg, grad_outputs, retain_graph, create_graph, True,
                           allow_unused, is_grads_batched, materialize_grads)
     entries = as_entries(grad_outputs, labels, outs)
     try:
         gos = normalize_grad_outputs(
-            outs, _reusable(grad_outputs, entries), labels, is_grads_batched=is_grads_batched,
+            seen, _reusable(grad_outputs, entries), labels, is_grads_batched=is_grads_batched,
             inputs=ins,
         )
     except GradOutputsError as err:
@@ -181,6 +233,7 @@ def _grad(
         or is_grads_batched
         or materialize_grads
         or type(inputs) is dict
+        or seen is not outs
         or not _plain(ins)
     ):
         return torch_grad(outs, inputs_arg, gos, retain_graph, create_graph, True,
@@ -191,7 +244,8 @@ def _grad(
     # and with better messages, and produced the same normalised grad_outputs (``ones_like``
     # for scalar outputs), so we call the engine entry torch itself calls, with the same
     # arguments. Anything unusual (batched, materialize_grads, dict inputs, tensor subclasses
-    # with __torch_function__, GradientEdge, nested tensors) goes through torch's function.
+    # with __torch_function__, GradientEdge, nested tensors) goes through torch's function
+    # (GradientEdge outputs after the checker has seen their stand-ins: ``_checkable``).
     if retain_graph is None:
         retain_graph = create_graph
     return _engine(
@@ -248,17 +302,19 @@ def _backward(
             retain_graph=retain_graph, create_graph=create_graph,
             inputs=ins if inputs is not None else None,
         )
-    if not _plain(outs):
+    seen = _checkable(outs)
+    if seen is None:
         return torch_backward(outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg)
     entries = as_entries(grad_tensors, labels, outs)
     try:
         gts = normalize_grad_outputs(
-            outs, _reusable(grad_tensors, entries), labels, inputs=ins or None
+            seen, _reusable(grad_tensors, entries), labels, inputs=ins or None
         )
     except GradOutputsError as err:
         return _arbitrate(err, labels, lambda: torch_backward(
             outs, entries, retain_graph, create_graph, inputs=inputs_arg))
-    if not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or not _plain(ins):
+    if (not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or seen is not outs
+            or not _plain(ins)):
         return torch_backward(outs, gts, retain_graph, create_graph, inputs=inputs_arg)
     # See NOTE [skipping torch's _make_grads]: the engine call of torch.autograd.backward.
     if retain_graph is None:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from torch_vjp._checked_scope import _GENUINE_BACKWARD, _GENUINE_GRAD
 from torch_vjp._checks import BACKWARD, CHECK, GRAD, normalize_grad_outputs
-from torch_vjp._drop_ins import _backward, _grad, _outputs_tuple
+from torch_vjp._drop_ins import _backward, _check_outputs, _grad, _outputs_tuple
 
 __all__ = ["grad", "backward", "check_grad_outputs", "checked", "is_checked"]
 
@@ -155,7 +155,9 @@ def check_grad_outputs(
     output is, on its device; or ``None`` for a scalar output, which stands for 1.
 
     Args:
-        outputs: a tensor or a sequence of tensors that require grad.
+        outputs: a tensor or a sequence of tensors that require grad (or GradientEdges of
+            them, as ``torch.autograd.graph.get_gradient_edge`` gives, read as torch reads
+            them: the shape, dtype and device of the edge).
         grad_outputs: ``None``, a tensor, or an iterable with one entry per output.
         is_grads_batched: whether each entry stacks K vectors along a leading dimension.
 
@@ -165,7 +167,8 @@ def check_grad_outputs(
 
     Raises:
         GradOutputsError: what torch would reject: torch's sentence, then the reason and a
-            fix.
+            fix. :class:`GradOutputsTypeError` (a ``TypeError``) for an output that is not a
+            tensor or GradientEdge (a number, None).
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -180,7 +183,7 @@ def check_grad_outputs(
         torch_vjp.check_grad_outputs: grad_outputs[0] has shape (1,), but outputs[0] has shape ().
         ...
     """
-    outs = _outputs_tuple(outputs, CHECK)
+    outs = _check_outputs(_outputs_tuple(outputs, CHECK), CHECK)
     return normalize_grad_outputs(outs, grad_outputs, CHECK, is_grads_batched=is_grads_batched)
 
 
