@@ -506,6 +506,28 @@ def test_checked_as_decorator():
     assert not autograd.is_checked()
 
 
+def test_checked_as_decorator_without_parentheses():
+    # as @torch.no_grad: this raised TypeError (checked() takes no arguments)
+    @tv.checked
+    def step(x):
+        assert autograd.is_checked()
+        (x * 2).backward(torch.ones(5))
+
+    assert step.__name__ == "step"
+    with pytest.raises(tv.GradOutputsError, match=r"gradient has shape \(5,\)"):
+        step(torch.ones(2, requires_grad=True))
+    assert not autograd.is_checked()
+
+    @tv.checked
+    def items():
+        yield autograd.is_checked()
+
+    assert list(items()) == [True] and not autograd.is_checked()
+    with pytest.raises(TypeError, match=r"^torch_vjp.checked takes no arguments, but was given "
+                       r"int 3: use it as `with tv.checked\(\):` or as a decorator"):
+        tv.checked(3)
+
+
 def test_checked_training_step_unchanged():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))

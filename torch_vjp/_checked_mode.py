@@ -468,8 +468,8 @@ _ids = itertools.count(1)
 class checked(contextlib.ContextDecorator):
     """Checks every ``grad_outputs`` given to torch's own autograd entry points.
 
-    Inside ``with tv.checked():`` (or a function decorated with ``@tv.checked()``: plain,
-    generator or ``async``), plain ``torch.autograd.grad``, ``torch.autograd.backward``,
+    Inside ``with tv.checked():`` (or a function decorated with ``@tv.checked()`` or
+    ``@tv.checked``: plain, generator or ``async``), plain ``torch.autograd.grad``, ``torch.autograd.backward``,
     ``Tensor.backward`` and the pullbacks returned by ``torch.func.vjp`` validate their vectors
     as :func:`grad` does and raise :class:`GradOutputsError` with the same explanations, after
     torch's own sentence. Setting the environment variable ``TORCH_VJP_CHECKED=1`` turns this
@@ -491,7 +491,19 @@ class checked(contextlib.ContextDecorator):
         ...
     """
 
-    def __init__(self) -> None:
+    def __new__(cls, fn: Callable[..., Any] | None = None) -> Any:
+        # ``@tv.checked`` without parentheses, as ``@torch.no_grad``: the decorated function
+        if fn is None:
+            return super().__new__(cls)
+        if not callable(fn):
+            raise TypeError(
+                f"torch_vjp.checked takes no arguments, but was given {type(fn).__name__} "
+                f"{fn!r:.40}: use it as `with tv.checked():` or as a decorator, `@tv.checked` "
+                f"or `@tv.checked()`."
+            )
+        return cls()(fn)
+
+    def __init__(self, fn: Callable[..., Any] | None = None) -> None:
         self._id = next(_ids)
 
     def __enter__(self) -> checked:
