@@ -64,6 +64,7 @@ from torch_vjp._backward_checked import (
 from torch_vjp._checked_scope import (
     _GENUINE,
     _GENUINE_GRAD,
+    _GENUINE_TENSOR_BACKWARD,
     _HAS_APPLY_BOXED,
     _SCOPE,
     _WRAPPER_FLAG,
@@ -180,7 +181,7 @@ def _checked_tensor_backward(
 ) -> None:
     """``Tensor.backward``, checked in a checked scope."""
     previous = _PREVIOUS["tensor_backward"]
-    if _compiling() or not _active() or previous is not _GENUINE["tensor_backward"]:
+    if _compiling() or not _active() or previous is not _GENUINE_TENSOR_BACKWARD:
         return previous(self, gradient, retain_graph, create_graph, inputs=inputs)
     if has_torch_function((self,)):  # as torch's: overrides get what Tensor.backward names
         return handle_torch_function(
@@ -356,6 +357,7 @@ _INSTALLED: dict[str, bool] = {key: False for key in _GENUINE}
 # What ours replaced when it was last installed, as it was found there (put back on exit).
 _REPLACED: dict[str, Callable[..., Any]] = dict(_GENUINE)
 
+
 def _install() -> None:
     """Puts the checking wrappers in place of torch's entry points (remembering what they
     replace), where they are not there already and no patch was made over them since
@@ -469,12 +471,12 @@ class checked(contextlib.ContextDecorator):
     """Checks every ``grad_outputs`` given to torch's own autograd entry points.
 
     Inside ``with tv.checked():`` (or a function decorated with ``@tv.checked()`` or
-    ``@tv.checked``: plain, generator or ``async``), plain ``torch.autograd.grad``, ``torch.autograd.backward``,
-    ``Tensor.backward`` and the pullbacks returned by ``torch.func.vjp`` validate their vectors
-    as :func:`grad` does and raise :class:`GradOutputsError` with the same explanations, after
-    torch's own sentence. Setting the environment variable ``TORCH_VJP_CHECKED=1`` turns this
-    on for a whole process (every thread), with no code change (with torch_vjp installed,
-    ``import torch`` is enough).
+    ``@tv.checked``: plain, generator or ``async``), plain ``torch.autograd.grad``,
+    ``torch.autograd.backward``, ``Tensor.backward`` and the pullbacks returned by
+    ``torch.func.vjp`` validate their vectors as :func:`grad` does and raise
+    :class:`GradOutputsError` with the same explanations, after torch's own sentence. Setting
+    the environment variable ``TORCH_VJP_CHECKED=1`` turns this on for a whole process (every
+    thread), with no code change (with torch_vjp installed, ``import torch`` is enough).
 
     The scope is the current thread (and asyncio task), as for ``torch.no_grad``; blocks nest,
     and calls torch accepts behave exactly as without checks (NOTE [transparent checks]).
