@@ -57,6 +57,8 @@ __all__ = [
     "reached",
     "recording_connected",
     "captured_values",
+    "named_globals",
+    "module_tree",
     "grad_enabled",
     "Watched",
 ]
@@ -122,7 +124,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
     on every call (BatchNorm's running statistics, spectral norm's power-iteration vectors).
     The modules are found from ``f`` itself (:func:`modules_reached`): ``f`` a module, a bound
     method of one, a ``functools.partial``, or a function whose closure or globals name one
-    (``lambda t: bn(t)``). Where any of them has a submodule in training mode, every buffer is
+    (``lambda t: bn(t)``), with every module they hold (:func:`module_tree`: a BatchNorm kept
+    in a plain list attribute too). Where any of them is in training mode, every buffer is
     saved first and any that changed is put back, so that nothing of the user's is mutated.
 
     Args:
@@ -185,11 +188,57 @@ def captured_values(func: types.FunctionType) -> Iterator[object]:
             yield cell.cell_contents
         except ValueError:  # an empty cell
             continue
+    for _, value in named_globals(func):
+        yield value
+
+
+def named_globals(func: types.FunctionType) -> Iterator[tuple[str, object]]:
+    """The globals a function's code names that exist, each with its name (a name its code
+    reads as an attribute, ``torch.sin``'s ``sin``, is skipped where no global has it)."""
     glob = func.__globals__
     for name in func.__code__.co_names:
         value = glob.get(name)
         if value is not None:
-            yield value
+            yield name, value
+
+
+#: The attributes every nn.Module has (its registries, hooks, training flag): not searched
+#: by :func:`module_tree`.
+_MODULE_ATTRS = frozenset(torch.nn.Module().__dict__)
+_PLAIN_TYPES = frozenset({int, float, bool, str, type(None), Tensor, torch.nn.Parameter})
+
+
+def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every module the ``roots`` hold, each once, in the order of ``Module.modules()``: the
+    registered submodules, and the modules held in a plain list, tuple or dict attribute of
+    any of them (``self.norms = [nn.BatchNorm1d(3)]``, which nn.Module does not register, and
+    whose buffers ``modules()`` and ``buffers()`` therefore miss; the first
+    :data:`_ITEMS_SEARCHED` items of each), with theirs in turn."""
+    out: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    stack = list(roots)[::-1]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        attrs = m.__dict__
+        children = [c for c in attrs["_modules"].values() if c is not None]
+        for name in attrs.keys() - _MODULE_ATTRS:  # (attributes of its own: containers?)
+            value = attrs[name]
+            if type(value) in _PLAIN_TYPES:  # (a number, a string, a flag: the common case)
+                continue
+            items: Iterable[object]
+            if isinstance(value, (list, tuple)):
+                items = value[:_ITEMS_SEARCHED]
+            elif isinstance(value, dict):
+                items = itertools.islice(value.values(), _ITEMS_SEARCHED)
+            else:
+                continue
+            children += [c for c in items if isinstance(c, torch.nn.Module)]
+        stack.extend(reversed(children))
+    return out
 
 
 def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
@@ -322,14 +371,16 @@ class Watched:
 
 
 def _module_buffers_kept(modules: Sequence[torch.nn.Module]) -> Any:
+    # (every module they hold, those in a plain list attribute too: :func:`module_tree`)
+    tree = module_tree(modules)
     # (a module in training mode without buffers, as most are, needs no context)
-    if not any(m.training for module in modules for m in module.modules()):
+    if not any(m.training for m in tree):
         return NO_CONTEXT
     seen: set[int] = set()
     buffers = []
-    for module in modules:
-        for b in module.buffers():
-            if id(b) not in seen:
+    for m in tree:
+        for b in m._buffers.values():
+            if b is not None and id(b) not in seen:
                 seen.add(id(b))
                 buffers.append(("", b))
     return Watched(buffers) if buffers else NO_CONTEXT

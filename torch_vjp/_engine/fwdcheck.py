@@ -43,14 +43,14 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks
-from torch_vjp._engine.context import flag_of
+from torch_vjp._engine.context import flag_of, module_tree, named_globals
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = [
     "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "gap", "identity",
-    "route_key",
+    "route_key", "module_key",
     "largest_difference",
     "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
     "reverse_gap", "signature", "stacked_gap",
@@ -155,17 +155,19 @@ def _forget(i: int, ref: weakref.ref) -> None:
 
 
 def route_key(f: object, depth: int = 3) -> Hashable:
-    """Which function a remembered route is for: its code and what its closure and defaults
-    hold (a tensor by its signature, a flag by value, a number by its truth, a function by
-    its own key, a tuple by what it holds and a list or dict by its id and the callables it
-    holds, ``depth`` levels deep, anything else, a module say, by :func:`identity` and
-    type); a bound method by its function and object; any other callable (a module) by
-    :func:`identity` and type. Two functions made by one line over other operators
-    (``make(op)``), or two ``nn.Sequential`` of other layers, have other keys; a lambda made anew each step over the same model and a new
-    batch (a tensor, or a tuple of them) has the same, one over a new object of another
+    """Which function a remembered route is for: what f runs, as far as a cheap look can
+    tell (NOTE [what a route key covers]). A function by its code, what its closure and
+    defaults hold and the globals its code names (each by :func:`_held`); a bound method by
+    its function and object; a ``functools.partial`` by its function and arguments; a module
+    by :func:`module_key`; any other callable by :func:`identity` and type. Two functions
+    made by one line over other operators (``make(op)``), two ``nn.Sequential`` of other
+    layers, one whose layer was replaced (``model[0] = other``) or whose global helper was
+    defined again have other keys; a lambda made anew each step over the same model and a
+    new batch (a tensor, or a tuple of them) has the same, one over a new object of another
     kind each step (a dataclass) has a new one, and is checked again."""
     if isinstance(f, types.MethodType):
-        return ("method", route_key(f.__func__, depth), identity(f.__self__), type(f.__self__))
+        return ("method", route_key(f.__func__, depth), _held(f.__self__, depth),
+                type(f.__self__))
     if isinstance(f, functools.partial):
         return ("partial", route_key(f.func, depth), tuple(_held(a, depth) for a in f.args),
                 tuple((k, _held(v, depth)) for k, v in sorted(f.keywords.items())))
@@ -177,8 +179,54 @@ def route_key(f: object, depth: int = 3) -> Hashable:
             except ValueError:  # an empty cell
                 cells.append(None)
         return ("function", f.__code__, tuple(cells),
-                tuple(_held(d, depth) for d in f.__defaults__ or ()))
+                tuple(_held(d, depth) for d in f.__defaults__ or ()),
+                tuple((name, _global(v, depth)) for name, v in named_globals(f)))
+    if isinstance(f, torch.nn.Module):
+        return module_key(f)
     return ("object", identity(f), type(f))
+
+
+def _global(v: object, depth: int) -> Hashable:
+    """A global a function names, as a key holds it: a Python module (``torch``, ``F``), and
+    torch's own functions, whose code is not defined again between calls, by
+    :func:`identity` (reading their globals in turn cost 70 us for ``F.cross_entropy``);
+    anything else by :func:`_held`."""
+    kind = type(v)
+    if kind is types.ModuleType or (
+            kind is types.FunctionType and (v.__module__ or "").startswith("torch")):
+        return identity(v)
+    return _held(v, depth)
+
+
+def module_key(module: torch.nn.Module) -> Hashable:
+    """A module as a route key holds it: a weak reference, the type and the training flag of
+    every module it holds (:func:`module_tree`: its registered submodules and those in a
+    plain list attribute), so that replacing a layer (``model[0] = TriSolve()``), or
+    switching train and eval mode, makes another key. (A weak reference is an identity that
+    outlives its module, as :func:`identity`'s token is, at a third of the cost: once the
+    module dies, it equals no reference to a later module at its address.)"""
+    ref = weakref.ref
+    return ("module", tuple((ref(m), type(m), m.training) for m in module_tree((module,))))
+
+
+# NOTE [what a route key covers]
+# A route remembered by NOTE [auto, checked once] is taken unchecked by every later call
+# with the same key, so the key must change wherever f may run other operators: a route
+# checked for a layer's forward-mode formula is wrong for the layer that replaced it (the
+# first check catches torch.triangular_solve's wrong formula; a remembered route would not).
+# A function is keyed by its code and by what it reads besides its arguments: its closure
+# cells and defaults, and the globals its code names (context.named_globals, as
+# captured_values reads them: a helper defined again in a notebook is a new function); a
+# module by every module it holds, each by identity, type and training flag (a layer
+# replaced, one in a plain list attribute included; BatchNorm and dropout run otherwise in
+# training mode). Values are held as _held says, ``depth`` levels deep (a function a global
+# names by its own key, one level less). Not covered: the globals of a module's forward
+# (its class's code) and of functions more than ``depth`` levels down, forward hooks added
+# later, and a module's plain attributes other than modules (a flag it branches on): such
+# a change is not seen, and the remembered route is taken. The key is computed on every
+# call of "auto" (measured with timeit on a shared 2-core CPU: 3 us for a lambda over a
+# global tensor, 0.5 us before it read globals; 10 us for a Sequential of 6 modules, 200 us
+# for one of 101; a Jacobian call of the smallest function costs about 320 us there).
 
 
 #: Immutable values a key holds as they are (none can be weakly referenced).
@@ -192,6 +240,8 @@ _CONTENTS = 1024
 def _held(v: object, depth: int) -> Hashable:
     if isinstance(v, Tensor):
         return ("T", tuple(v.shape), v.dtype, v.device)
+    if isinstance(v, torch.nn.Module):
+        return module_key(v)
     flag = flag_of(v)
     if flag is not NotImplemented:
         return flag

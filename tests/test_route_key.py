@@ -1,0 +1,121 @@
+"""What a route that strategy="auto" remembers is for (NOTE [what a route key covers]): a
+function whose layer was replaced, or whose global helper was defined again, is checked
+again rather than given the route checked for what it ran before."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import torch_vjp as tv
+from torch_vjp._engine.fwdcheck import route_key
+
+D = torch.float64
+
+
+def _trisolve_point() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(3, 3, dtype=D, generator=gen).triu() + 3 * torch.eye(3, dtype=D)
+    b = torch.randn(3, 200, dtype=D, generator=gen)
+    return A, b
+
+
+def _jacobian_quietly(f, A):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the check's one-time warning; deprecation)
+        return tv.jacobian(f, A)
+
+
+def test_a_replaced_layer_is_checked_again():
+    # A tall Jacobian: "auto" takes forward mode, whose formula for triangular_solve is wrong
+    # in torch; the first call's check catches it. A route remembered for the layer before
+    # (forward mode, right for it) must not be taken for the layer that replaced it.
+    A, b = _trisolve_point()
+
+    class Sin(torch.nn.Module):
+        def forward(self, A):
+            return A.sin() @ b
+
+    class TriSolve(torch.nn.Module):
+        def forward(self, A):
+            return torch.triangular_solve(b, A).solution
+
+    model = torch.nn.Sequential(Sin())
+    torch.testing.assert_close(_jacobian_quietly(model, A), torch.func.jacrev(model)(A))
+    model[0] = TriSolve()
+    torch.testing.assert_close(_jacobian_quietly(model, A), torch.func.jacrev(model)(A))
+
+
+def test_a_layer_in_a_plain_list_replaced_is_checked_again():
+    A, b = _trisolve_point()
+
+    class Sin(torch.nn.Module):
+        def forward(self, A):
+            return A.sin() @ b
+
+    class TriSolve(torch.nn.Module):
+        def forward(self, A):
+            return torch.triangular_solve(b, A).solution
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Sin()]  # (a plain list: nn.Module does not register it)
+
+        def forward(self, A):
+            return self.layers[0](A)
+
+    net = Net()
+    _jacobian_quietly(net, A)
+    net.layers[0] = TriSolve()
+    torch.testing.assert_close(_jacobian_quietly(net, A), torch.func.jacrev(net)(A))
+
+
+_NS: dict = {}
+_SOURCE = """
+def helper(A):
+    return A.sin() @ b
+
+def f(A):
+    return helper(A)
+"""
+_REDEFINED = """
+def helper(A):
+    return torch.triangular_solve(b, A).solution
+"""
+
+
+def test_a_global_helper_defined_again_is_checked_again():
+    # (a notebook cell run again: f is the same object, the helper it names is another)
+    A, b = _trisolve_point()
+    ns = {"torch": torch, "b": b}
+    exec(_SOURCE, ns)
+    f = ns["f"]
+    _jacobian_quietly(f, A)
+    exec(_REDEFINED, ns)
+    torch.testing.assert_close(_jacobian_quietly(f, A), torch.func.jacrev(f)(A))
+
+
+def test_the_key_reads_globals_layers_and_modes():
+    A, b = _trisolve_point()
+    ns = {"torch": torch, "b": b}
+    exec(_SOURCE, ns)
+    f = ns["f"]
+    before = route_key(f)
+    assert route_key(f) == before  # (the same function, nothing changed: the same key)
+    exec(_REDEFINED, ns)
+    assert route_key(f) != before
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+    key = route_key(model)
+    assert route_key(model) == key
+    model[1] = torch.nn.Tanh()  # (another object of the same type)
+    assert route_key(model) != key
+    key = route_key(model)
+    model.eval()
+    assert route_key(model) != key
+    # a module named by a lambda's closure, and a bound method of one, are keyed the same way
+    lam = lambda t: model(t)  # noqa: E731
+    key = route_key(lam), route_key(model.forward)
+    model[0] = torch.nn.Linear(2, 2)
+    assert route_key(lam) != key[0] and route_key(model.forward) != key[1]
