@@ -33,6 +33,7 @@ from torch_vjp._checks import (
 )
 from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, recording_connected
+from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.refusals import (
     VMAP_CAUSES,
@@ -248,8 +249,11 @@ def vjp(
         like its primal. ``retain_graph`` and ``create_graph`` are torch.func's (by default
         the result is differentiable when grad mode is on). With ``batched=True`` every
         cotangent carries an extra leading dimension K (the same for all), and every result
-        too: K products in one vectorised call, ``chunk_size`` at a time. ``vjp_fn`` can be
-        called any number of times.
+        too: K products in one vectorised call, ``chunk_size`` at a time (the first batched
+        call for a function and shapes also takes one product without vmap and, where the two
+        disagree, a batching rule of torch's is wrong: the products are computed one at a
+        time, with a one-time warning; NOTE [batched products, checked once]). ``vjp_fn``
+        can be called any number of times.
 
     Raises:
         GradOutputsError: (from ``vjp_fn``) cotangents of the wrong structure, shape,
@@ -285,6 +289,7 @@ def vjp(
     point = Point(f, prob.leaves, [o for o in flat_out if isinstance(o, Tensor)])
     single = isinstance(out, Tensor)
     pull_call = "torch_vjp.vjp: vjp_fn"
+    key_box: list[Any] = []  # (the key of NOTE [batched products, checked once], once made)
 
     def pull(*cot: Tensor, **graph: Any) -> Any:
         return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec), **graph)
@@ -298,6 +303,7 @@ def vjp(
         pullback]).
         """
         batched, chunk_size, pull_with = False, None, pull
+        opts = _PULLBACK_DEFAULTS
         if args or options:
             opts = _pullback_options(args, options)
             batched, chunk_size = opts["batched"], opts["chunk_size"]
@@ -319,11 +325,30 @@ def vjp(
             k = _batch_size(vectors)
             if k == 0:
                 return tuple(x.new_zeros((0, *x.shape)) for x in prob.leaves)
-            return _vectorised_or_loop(
-                pull_call, f, "cotangents", lambda vec: map_rows(
-                    pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
-                    vectorized=vec, chunk_size=chunk)[0],
-                lambda: pull_with(*(v[0] for v in vectors)))
+
+            def stacked(vec: bool) -> Any:
+                return map_rows(pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
+                                vectorized=vec, chunk_size=chunk)[0]
+
+            # NOTE [batched products, checked once]
+            key = None
+            if (k > 1 and chunk != 1 and not is_nested() and opts["retain_graph"] is not False
+                    and not any(t.is_complex() for t in (*vectors, *prob.leaves))):
+                if not key_box:
+                    key_box.append(("vjp_fn batched", signature(
+                        route_key(f), prob.leaves, None, prob.primals),
+                        tuple(o.shape for o in flat_out)))
+                key = key_box[0]
+                if CHECKED.get(key) == "rev-loop":
+                    return stacked(False)
+            res = _vectorised_or_loop(pull_call, f, "cotangents", stacked,
+                                      lambda: pull_with(*(v[0] for v in vectors)))
+            if key is None or CHECKED.get(key) is not None:
+                return res
+            return checked_batch(
+                pull_call, key, (function_key(f), function_name(f)), vectors, res,
+                lambda: stacked(False),
+                lambda vecs: pull(*vecs, retain_graph=True, create_graph=False))
 
         point.check(pull_call)  # (NOTE [the vjp point, kept])
         grads = products()

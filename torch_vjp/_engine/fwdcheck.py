@@ -50,7 +50,7 @@ from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = [
     "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "gap", "identity",
-    "route_key", "module_key",
+    "route_key", "module_key", "checked_batch",
     "largest_difference",
     "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
     "reverse_gap", "signature", "stacked_gap",
@@ -444,6 +444,77 @@ def checked_route(
 
 
 R = TypeVar("R")
+
+
+# NOTE [batched products, checked once]
+# vjp_fn(v, batched=True) computes K products under torch.vmap, which runs the batching
+# rules of the backward formulas: torch.cdist's is wrong (a relative error near 1), as in
+# NOTE [auto, checked once]. So the first batched call for a function and the shapes of its
+# primals and outputs also takes one product without vmap, of the cotangents combined with
+# random weights ``w`` (from a generator of its own), and compares it with the same
+# combination of the K products: by linearity they agree, within rounding (``sqrt(eps)`` of
+# their scale). One more product and one pass over the results. Where they disagree, the K
+# products are computed again one at a time; if those agree, they are returned, with a
+# one-time warning, and later batched calls of that key take the loop directly; if they do
+# not (NaNs), the loop's result stands, silently, and later calls stay vectorised (as NOTE
+# [jacobian_of, checked once]). Not checked: complex values, calls inside an outer torch.func
+# transform, chunks of one (already the loop), retain_graph=False (the check's product
+# would find the graph freed), and a vmap that fell back to the loop. Batched jvp is not
+# checked: forward mode runs f again under vmap with the forward formulas, whose known bug
+# (triangular_solve's) is in the formula itself, which the unbatched product shares.
+
+
+def checked_batch(
+    call: str, key: Hashable, named: tuple[Hashable, str], vectors: Sequence[Tensor],
+    result: Sequence[Tensor], loop: Callable[[], Sequence[Tensor]],
+    single: Callable[[list[Tensor]], Sequence[Tensor | None]],
+) -> Sequence[Tensor]:
+    """``result``, K products stacked (one tensor per input of f), of the K-stacked
+    ``vectors``, where one product without vmap (``single``) agrees with them; else
+    ``loop()`` (NOTE [batched products, checked once]). ``key`` is remembered: "rev" or
+    "rev-loop"."""
+    k = vectors[0].shape[0]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(k, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        combined = [torch.tensordot(w.to(v.dtype).to(v.device), v, dims=1) for v in vectors]
+    want = single(combined)
+
+    def gap_of(res: Sequence[Tensor]) -> tuple[float, float]:
+        diff = scale = 0.0
+        with torch.no_grad():
+            for r, g in zip(res, want):
+                mine = torch.tensordot(w.to(r.dtype).to(r.device), r.detach(), dims=1)
+                d, s = gap(mine.reshape(-1), (torch.zeros_like(mine) if g is None
+                                              else g.detach().to(mine.dtype)).reshape(-1))
+                if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
+                    diff = d
+                scale = max(scale, s)
+        return diff, scale
+
+    rtol = tolerance(min((r.dtype for r in result if r.is_floating_point()),
+                         key=lambda d: -torch.finfo(d).eps, default=torch.float64))
+    diff, scale = gap_of(result)
+    if diff <= rtol * scale:  # the common case
+        remember(key, "rev")
+        return result
+    looped = loop()
+    loop_diff, loop_scale = gap_of(looped)
+    wrong = loop_diff <= rtol * loop_scale
+    remember(key, "rev-loop" if wrong else "rev")
+    if wrong:
+        warn_once(
+            (call, "batched route", named[0]),
+            f"{call}: the K products of batched=True (torch.vmap over the pullback) disagree "
+            f"with one product without vmap on {named[1]} (by up to {diff:.3g}, at a scale of "
+            f"{scale:.3g}): an operator in f's backward has a wrong batching rule "
+            f"(torch.cdist's is one). vjp_fn returned the products computed one cotangent at "
+            f"a time, and does so for this function and shapes from now on.\n"
+            f"  Pass chunk_size=1 to compute them that way directly. This warning is shown "
+            f"once per function.",
+            JacobianWarning,
+        )
+    return looped
 
 
 def agreeing_route(

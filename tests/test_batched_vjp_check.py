@@ -1,0 +1,80 @@
+"""vjp_fn(v, batched=True) checked once against one product without vmap (NOTE [batched
+products, checked once]): torch.cdist's backward has a wrong batching rule."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+from torch_vjp._engine import fwdcheck
+
+D = torch.float64
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    from torch_vjp import _errors
+
+    monkeypatch.setattr(_errors, "_WARNED", set())  # (once per function otherwise)
+    saved = dict(fwdcheck.CHECKED)
+    fwdcheck.CHECKED.clear()
+    yield
+    fwdcheck.CHECKED.clear()
+    fwdcheck.CHECKED.update(saved)
+
+
+def _reference(f, x, V):
+    xr = x.clone().requires_grad_()
+    out = f(xr)
+    return torch.stack([torch.autograd.grad(out, xr, V[k], retain_graph=True)[0]
+                        for k in range(V.shape[0])])
+
+
+def test_batched_vjp_of_cdist_is_right_and_says_why(fresh):
+    x = torch.randn(4, 3, dtype=D)
+    y = torch.randn(5, 3, dtype=D)
+
+    def f(x):
+        return torch.cdist(x, y)
+
+    V = torch.randn(6, 4, 5, dtype=D)
+    want = _reference(f, x, V)
+    _, vjp_fn = tv.vjp(f, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (got,) = vjp_fn(V, batched=True)
+    torch.testing.assert_close(got, want)
+    said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "torch_vjp.vjp: vjp_fn: the K products of batched=True (torch.vmap over the pullback) "
+        "disagree with one product without vmap on ")
+    assert "wrong batching rule (torch.cdist's is one)" in said[0]
+    assert "Pass chunk_size=1 to compute them that way directly" in said[0]
+    # later calls, from a new vjp of the same function and shapes, take the loop directly
+    _, vjp_fn = tv.vjp(f, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (got,) = vjp_fn(V, batched=True)
+    torch.testing.assert_close(got, want)
+    assert not [w for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert list(fwdcheck.CHECKED.values()) == ["rev-loop"]
+
+
+def test_batched_vjp_with_right_batching_rules_stays_vectorised(fresh):
+    W = torch.randn(5, 4, dtype=D)
+
+    def f(x):
+        return torch.tanh(W @ x)
+
+    x = torch.randn(4, 3, dtype=D)
+    V = torch.randn(7, 5, 3, dtype=D)
+    _, vjp_fn = tv.vjp(f, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = vjp_fn(V, batched=True)
+    torch.testing.assert_close(got, _reference(f, x, V))
+    assert list(fwdcheck.CHECKED.values()) == ["rev"]
