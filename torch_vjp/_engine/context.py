@@ -1,5 +1,7 @@
 """Where the engine runs: torch.func's own transforms, outer transforms around a call, the
-autograd graph a result may keep, and the module buffers a call must put back.
+autograd graph a result may keep, the module buffers a call must put back, and what a
+function reads (its globals, the modules a module holds) for the keys of decisions
+remembered for it (NOTE [what a route key covers]).
 
 NOTE [no graph outlives its chunk]
 Under grad mode, a product that involves tensors requiring grad (a module's parameters that
@@ -23,7 +25,8 @@ import contextlib
 import functools
 import itertools
 import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +62,9 @@ __all__ = [
     "captured_values",
     "named_globals",
     "module_tree",
+    "identity",
+    "module_key",
+    "route_key",
     "grad_enabled",
     "Watched",
 ]
@@ -239,6 +245,160 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
             children += [c for c in items if isinstance(c, torch.nn.Module)]
         stack.extend(reversed(children))
     return out
+
+
+#: id -> (a weak reference to the object, its token): see :func:`identity`.
+_IDENTITIES: dict[int, tuple[weakref.ref, int]] = {}
+_TOKENS = itertools.count()
+#: Builtin callables (they cannot be weakly referenced), held with their token.
+_HELD: dict[int, tuple[object, int]] = {}
+_BUILTIN_CALLABLES = (types.BuiltinFunctionType, types.MethodDescriptorType,
+                      types.WrapperDescriptorType, types.MethodWrapperType,
+                      types.ClassMethodDescriptorType)
+
+
+def identity(obj: object) -> Hashable:
+    """``obj``'s identity in a key that outlives it: its ``id`` and a token no later object
+    shares. CPython gives a new object the address, so the ``id``, of one that died: a
+    route remembered for a dead module was taken by a new module of the same type, whose
+    Jacobian was then never checked. An object that cannot be weakly referenced (a
+    ``__slots__`` class's) gets a new token each time: its route is checked on every call
+    (lists, tuples and dicts count otherwise, see :func:`route_key`)."""
+    i = id(obj)
+    entry = _IDENTITIES.get(i)
+    if entry is not None and entry[0]() is obj:
+        return (i, entry[1])
+    try:
+        ref = weakref.ref(obj, functools.partial(_forget, i))
+    except TypeError:
+        if isinstance(obj, _BUILTIN_CALLABLES):
+            # (torch.Tensor.exp, torch.sin: held, so that its address is not reused; a
+            # token per call re-ran the check on every call and filled CHECKED)
+            held = _HELD.get(i)
+            if held is None or held[0] is not obj:
+                held = _HELD[i] = (obj, next(_TOKENS))
+            return (i, held[1])
+        # (nothing tells it from a later object at its address: a token of its own, so
+        # that no route is ever taken for it unchecked)
+        return ("once", next(_TOKENS))
+    token = next(_TOKENS)
+    _IDENTITIES[i] = (ref, token)
+    return (i, token)
+
+
+def _forget(i: int, ref: weakref.ref) -> None:
+    entry = _IDENTITIES.get(i)
+    if entry is not None and entry[0] is ref:
+        del _IDENTITIES[i]
+
+
+def route_key(f: object, depth: int = 3) -> Hashable:
+    """Which function a remembered route is for: what f runs, as far as a cheap look can
+    tell (NOTE [what a route key covers]). A function by its code, what its closure and
+    defaults hold and the globals its code names (each by :func:`_held`); a bound method by
+    its function and object; a ``functools.partial`` by its function and arguments; a module
+    by :func:`module_key`; any other callable by :func:`identity` and type. Two functions
+    made by one line over other operators (``make(op)``), two ``nn.Sequential`` of other
+    layers, one whose layer was replaced (``model[0] = other``) or whose global helper was
+    defined again have other keys; a lambda made anew each step over the same model and a
+    new batch (a tensor, or a tuple of them) has the same, one over a new object of another
+    kind each step (a dataclass) has a new one, and is checked again."""
+    if isinstance(f, types.MethodType):
+        return ("method", route_key(f.__func__, depth), _held(f.__self__, depth),
+                type(f.__self__))
+    if isinstance(f, functools.partial):
+        return ("partial", route_key(f.func, depth), tuple(_held(a, depth) for a in f.args),
+                tuple((k, _held(v, depth)) for k, v in sorted(f.keywords.items())))
+    if isinstance(f, types.FunctionType):
+        cells = []
+        for c in f.__closure__ or ():
+            try:
+                cells.append(_held(c.cell_contents, depth))
+            except ValueError:  # an empty cell
+                cells.append(None)
+        return ("function", f.__code__, tuple(cells),
+                tuple(_held(d, depth) for d in f.__defaults__ or ()),
+                tuple((name, _global(v, depth)) for name, v in named_globals(f)))
+    if isinstance(f, torch.nn.Module):
+        return module_key(f)
+    return ("object", identity(f), type(f))
+
+
+def _global(v: object, depth: int) -> Hashable:
+    """A global a function names, as a key holds it: a Python module (``torch``, ``F``), and
+    torch's own functions, whose code is not defined again between calls, by
+    :func:`identity` (reading their globals in turn cost 70 us for ``F.cross_entropy``);
+    anything else by :func:`_held`."""
+    kind = type(v)
+    if kind is types.ModuleType or (
+            kind is types.FunctionType and (v.__module__ or "").startswith("torch")):
+        return identity(v)
+    return _held(v, depth)
+
+
+def module_key(module: torch.nn.Module) -> Hashable:
+    """A module as a route key holds it: a weak reference, the type and the training flag of
+    every module it holds (:func:`module_tree`: its registered submodules and those in a
+    plain list attribute), so that replacing a layer (``model[0] = TriSolve()``), or
+    switching train and eval mode, makes another key. (A weak reference is an identity that
+    outlives its module, as :func:`identity`'s token is, at a third of the cost: once the
+    module dies, it equals no reference to a later module at its address.)"""
+    ref = weakref.ref
+    return ("module", tuple((ref(m), type(m), m.training) for m in module_tree((module,))))
+
+
+# NOTE [what a route key covers]
+# A route remembered by NOTE [auto, checked once] is taken unchecked by every later call
+# with the same key, so the key must change wherever f may run other operators: a route
+# checked for a layer's forward-mode formula is wrong for the layer that replaced it (the
+# first check catches torch.triangular_solve's wrong formula; a remembered route would not).
+# A function is keyed by its code and by what it reads besides its arguments: its closure
+# cells and defaults, and the globals its code names (context.named_globals, as
+# captured_values reads them: a helper defined again in a notebook is a new function); a
+# module by every module it holds, each by identity, type and training flag (a layer
+# replaced, one in a plain list attribute included; BatchNorm and dropout run otherwise in
+# training mode). Values are held as _held says, ``depth`` levels deep (a function a global
+# names by its own key, one level less). Not covered: the globals of a module's forward
+# (its class's code) and of functions more than ``depth`` levels down, forward hooks added
+# later, and a module's plain attributes other than modules (a flag it branches on): such
+# a change is not seen, and the remembered route is taken. The key is computed on every
+# call of "auto" (measured with timeit on a shared 2-core CPU: 3 us for a lambda over a
+# global tensor, 0.5 us before it read globals; 10 us for a Sequential of 6 modules, 200 us
+# for one of 101; a Jacobian call of the smallest function costs about 320 us there).
+
+
+#: Immutable values a key holds as they are (none can be weakly referenced).
+_VALUES = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, slice,
+           range, complex, float, int, bytes, str, frozenset, type(None), type(Ellipsis))
+
+#: Items of a list, tuple or dict a key reads, at most (a larger one: by identity).
+_CONTENTS = 1024
+
+
+def _held(v: object, depth: int) -> Hashable:
+    if isinstance(v, Tensor):
+        return ("T", tuple(v.shape), v.dtype, v.device)
+    if isinstance(v, torch.nn.Module):
+        return module_key(v)
+    flag = flag_of(v)
+    if flag is not NotImplemented:
+        return flag
+    if callable(v) and depth > 1 and isinstance(v, (types.FunctionType, types.MethodType,
+                                                     functools.partial)):
+        return route_key(v, depth - 1)
+    if isinstance(v, _VALUES):  # (immutable values: by value)
+        return ("value", type(v), v)
+    if depth > 1 and isinstance(v, tuple) and len(v) <= _CONTENTS:
+        # (a tuple, a namedtuple, a torch.Size: by what it holds)
+        return (type(v), tuple(_held(item, depth - 1) for item in v))
+    if depth > 1 and isinstance(v, (list, dict)) and len(v) <= _CONTENTS:
+        # (a list or dict changes in place, a log or a counter on every call: by its id,
+        # which a new one takes over once it dies, and by the callables it holds, which
+        # say what it runs)
+        items = v.values() if isinstance(v, dict) else v
+        return (id(v), type(v), tuple(_held(item, depth - 1) for item in items
+                                      if callable(item) and not isinstance(item, Tensor)))
+    return (identity(v), type(v))
 
 
 def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
