@@ -37,6 +37,7 @@ from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signat
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.refusals import (
     VMAP_CAUSES,
+    forward_refusal,
     mutates_captured,
     refusal_kind,
     vmap_refusal,
@@ -60,10 +61,23 @@ __all__ = ["vjp", "jvp"]
 @contextlib.contextmanager
 def _explained(call: str, what: str) -> Iterator[None]:
     """torch.func's refusal of a function that changes a tensor it captured in place (a
-    module in training mode updating its running statistics) as a JacobianCallError that
-    says so and what to do; every other error passes through untouched."""
+    module in training mode updating its running statistics), its other known refusals
+    (:func:`vmap_refusal`) and, for a jvp, forward mode's (an operator without a forward-mode
+    formula: :func:`forward_refusal`) as a JacobianCallError that says so and what to do;
+    every other error passes through untouched."""
     try:
         yield
+    except NotImplementedError as err:
+        why = forward_refusal(err) if what == "jvp" else None
+        if why is None:
+            raise
+        raise JacobianCallError(
+            f"{call}: a Jacobian-vector product computes with forward-mode AD, and {why}.\n"
+            f"  torch said: {quote_error(err)}\n  Fix: compute with reverse mode, which needs "
+            f"only backward formulas: torch_vjp.vjp(f, *primals) for v^T J, or "
+            f"torch_vjp.jacobian(f, *primals, strategy='rev') times the tangents for J t; or "
+            f"give the Function a jvp staticmethod."
+        ) from None
     except RuntimeError as err:
         if not mutates_captured(err):
             why = vmap_refusal(err)

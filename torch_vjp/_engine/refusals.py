@@ -22,7 +22,17 @@ _WHY = {
     "saved_hooks": ("f uses saved tensor hooks (torch.utils.checkpoint, "
                     "torch.autograd.graph.saved_tensors_hooks), which torch.func's reverse "
                     "mode does not support"),
+    "no_storage": ("f reads a tensor's memory directly (NumPy: .numpy(), np.asarray; "
+                   ".data_ptr(); a C extension), which a tensor inside a torch.func transform "
+                   "does not have (it holds no storage of its own)"),
+    "no_vmap": ("f uses a custom torch.autograd.Function without vmap support (no vmap "
+                "staticmethod, generate_vmap_rule unset), which torch.vmap cannot batch"),
 }
+
+#: Refusals of torch.vmap alone: one product at a time (a loop) runs such a function, so
+#: :func:`refusal_kind` does not name them (a batched vjp or jvp falls back to its loop),
+#: and only :func:`vmap_refusal` explains them, for a strategy that promised vmap.
+_VMAP_ONLY = {"no_vmap": "does not have vmap support"}
 
 #: What forward mode refuses in a sparse COO operand (it has no sparse zero tangent).
 SPARSE_TANGENT = ("f multiplies by a sparse tensor, for which torch's forward mode has no "
@@ -41,7 +51,8 @@ VMAP_CAUSES = (
 def refusal_kind(err: BaseException) -> str | None:
     """Which known refusal of torch.func's transforms ``err`` is, of a function plain
     autograd runs: ``"captured"``, ``"randomness"``, ``"setup_context"``, ``"no_strides"``
-    (a sparse CSR constant) or ``"saved_hooks"`` (checkpointing, in reverse mode); else
+    (a sparse CSR constant), ``"saved_hooks"`` (checkpointing, in reverse mode) or
+    ``"no_storage"`` (NumPy inside f, in every torch.func transform, loops too); else
     None."""
     if not isinstance(err, RuntimeError):
         return None
@@ -56,13 +67,19 @@ def refusal_kind(err: BaseException) -> str | None:
         return "no_strides"
     if "don't yet support saved tensor hooks" in text:
         return "saved_hooks"
+    if "Cannot access data pointer of Tensor that doesn't have storage" in text:
+        return "no_storage"
     return None
 
 
 def vmap_refusal(err: BaseException) -> str | None:
     """What torch.func's vectorised transforms refused in ``f``, where ``err`` is one of
-    their known refusals of a function plain autograd runs (None otherwise)."""
+    their known refusals of a function plain autograd runs (:func:`refusal_kind`'s, and
+    torch.vmap's alone: a custom Function without vmap support), None otherwise."""
     kind = refusal_kind(err)
+    if kind is None and isinstance(err, RuntimeError):
+        text = str(err)
+        kind = next((k for k, said in _VMAP_ONLY.items() if said in text), None)
     return None if kind is None else _WHY[kind]
 
 
