@@ -52,7 +52,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map_on
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import (
-    captured_values,
+    KEPT_ELEMENTS, captured_values,
     func_jvp,
     func_vjp,
     is_nested,
@@ -98,9 +98,8 @@ from torch_vjp._errors import (
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
-    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks",
-    "function_key", "function_name",
-    "fallback_message", "no_forward_message",
+    "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "function_key",
+    "function_name", "fallback_message", "no_forward_message",
 ]
 
 JACOBIAN_ALTERNATIVES = (
@@ -205,7 +204,8 @@ def jacobian_blocks(
             f"The Jacobian calls f more than once (a probe of its output shapes, then the "
             f"products; the loop strategies once per product), so each call saw that tensor "
             f"as the one before left it: the result is the Jacobian of f as its last call "
-            f"found the tensor, and the tensor has moved once per call.\n"
+            f"found the tensor, which is then put back as it was (one of over {KEPT_ELEMENTS} "
+            f"elements, or requiring grad, is not: it has moved once per call).\n"
             f"  Fix: keep f free of side effects (update the tensor outside the Jacobian call, "
             f"or clone it inside f); strategy='rev-loop' calls f once.",
             JacobianWarning,
