@@ -1162,6 +1162,10 @@ def test_batchnorm_buffers_never_move(how, call):
         for strategy in ("auto", "fwd-loop", "rev-loop"):
             if call == "jacobian":
                 jacobian(f, x, strategy=strategy)
+            elif call == "batch_jacobian" and strategy == "auto":
+                # (BatchNorm in training mode mixes the rows: NOTE [a batch that mixes rows])
+                with pytest.raises(tv.JacobianCallError, match="mixes examples of the batch"):
+                    tv.batch_jacobian(f, x, strategy=strategy)
             elif call == "batch_jacobian":
                 tv.batch_jacobian(f, x, strategy=strategy)
             else:  # torch.func refuses the in-place update: plain autograd computes it
@@ -1320,6 +1324,23 @@ def test_inside_inference_mode(strategy):
         torch.testing.assert_close(
             tv.sparse_jacobian(lambda v: v ** 2, xi, pattern=pattern).to_dense(),
             torch.diag(2 * xi))
+
+
+def test_auto_inside_inference_mode_is_not_checked_against_nothing(monkeypatch):
+    # Plain autograd records nothing in inference mode: "auto"'s reverse product (NOTE
+    # [auto, checked once]) was all zeros there, so every route "disagreed" with it, a false
+    # warning (and for batch_jacobian, NOTE [a batch that mixes rows], a false error).
+    from torch_vjp import _errors
+
+    monkeypatch.setattr(_errors, "_WARNED", set())
+    with torch.inference_mode():
+        xi = torch.randn(3, dtype=D)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tv.JacobianWarning)
+            got = tv.batch_jacobian(torch.sin, xi.reshape(3, 1))
+            full = tv.jacobian(torch.sin, xi)
+    torch.testing.assert_close(got, torch.cos(xi).reshape(3, 1, 1))
+    torch.testing.assert_close(full, torch.func.jacrev(torch.sin)(xi.clone()))
 
 
 @pytest.mark.parametrize("strategy", ["fwd-loop", "rev-loop", "rev", "auto"])

@@ -267,7 +267,9 @@ def batch_jacobian(
     independent, the result is not a per-example Jacobian, and the modes disagree: reverse
     mode (``"rev"``, ``"rev-loop"``) gives the sum over ``b'`` of ``d f(x)[b'] / d x[b]``,
     forward mode (``"fwd"``, ``"fwd-loop"``) the sum over ``b'`` of
-    ``d f(x)[b] / d x[b']``. Use :func:`jacobian` for such a function.
+    ``d f(x)[b] / d x[b']``. Use :func:`jacobian` for such a function. ``"auto"`` checks
+    its first result for a function and input signature against a reverse product of the
+    whole batch, and raises where ``f`` mixes rows (NOTE [a batch that mixes rows]).
 
     Args:
         f: maps a batch ``(B, *in)`` to a tensor (or tuple, list or dict of tensors) with the
@@ -294,7 +296,8 @@ def batch_jacobian(
 
     Raises:
         JacobianCallError: ``x`` has no batch dimension, or an output of ``f`` lacks the
-            leading dimension B.
+            leading dimension B; (``"auto"``) ``f`` mixes the rows of its batch (a mean over
+            the batch, BatchNorm in training mode).
         JacobianMemoryError: the result does not fit the free memory.
         JacobianOptionError: an invalid ``chunk_size``, ``process_group`` or ``shard``, as in
             :func:`jacobian`.

@@ -43,12 +43,12 @@ from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
-from torch_vjp._errors import JacobianWarning, warn_once
+from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
 
 __all__ = [
     "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "gap", "identity",
     "route_key", "module_key", "checked_batch",
-    "largest_difference",
+    "largest_difference", "mixing_message",
     "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
     "reverse_gap", "signature", "stacked_gap",
     "tolerance", "wrong_route_message",
@@ -276,13 +276,58 @@ def checked_route(
     agrees with them; else the first of the routes ``route("rev")`` (after forward mode) and
     ``route("rev-loop")`` that agrees with it (:func:`agreeing_route`), with a one-time
     warning naming f (``named``: its key and name). See NOTE [auto, checked once]."""
+    if torch.is_inference_mode_enabled():
+        # (plain autograd records nothing there: no reverse product to compare with; the
+        # route is not remembered, so that a call outside inference mode checks it)
+        return res
     got = one_reverse_product(prob)
     if got is None:
         remember(key, res.mode)
         return res
+
+    def mixing(tried: Sequence[str], diff: float, scale: float) -> None:
+        # NOTE [a batch that mixes rows]
+        again = one_reverse_product(prob) if "rev-loop" in tried else None
+        if again is None or not all(torch.equal(a, b) for a, b in zip(got[2], again[2])):
+            return  # (f draws or counts: its products differ from call to call)
+        raise JacobianCallError(mixing_message(prob.call, named[1], diff, scale))
+
     return agreeing_route(
         prob, res.mode, res, lambda b: reverse_gap(prob, b, batch, got), route,
         lambda name: remember(key, name), named, "strategy", tolerance(prob.leaves[0].dtype),
+        on_none=None if batch is None else mixing,
+    )
+
+
+# NOTE [a batch that mixes rows]
+# batch_jacobian's products take each basis vector for every row of the batch at once, which
+# gives row b's own block only where row b of f's output depends on row b of x alone (SPEC
+# §3: f maps a batch row by row). Where f mixes the rows (a mean over the batch, BatchNorm
+# in training mode), the result is a sum of cross-example blocks, not a Jacobian of f, and
+# "auto"'s check (NOTE [auto, checked once]) finds every route off the reverse product of
+# the whole batch, "rev-loop" included, whose backward formulas are the reverse product's
+# own: for a deterministic f, only mixing explains that. So where batch_jacobian's
+# "auto" finds no route that agrees, after "rev-loop" was computed, one more reverse product
+# (one more call of f) tells a random f (dropout: its products differ between calls; the
+# first result stands, with the warning of no_route_message) from one that mixes rows (the
+# same product again, bit for bit): for the latter a JacobianCallError says so and names
+# the fixes, rather than return a result known to be no Jacobian of f. Nothing is
+# remembered: every call raises. The explicit strategies are not checked (the docstring
+# says which sums they give).
+
+
+def mixing_message(call: str, name: str, diff: float, scale: float) -> str:
+    """The error of NOTE [a batch that mixes rows]."""
+    return (
+        f"{call}: f ({name}) mixes examples of the batch (a mean over the batch, BatchNorm in "
+        f"training mode, attention across rows): row b of its output depends on other rows "
+        f"of x, so it has no per-example Jacobian, which batch_jacobian computes for a "
+        f"function that maps a batch row by row. Every route disagrees with a reverse "
+        f"product of the whole batch (by up to {diff:.3g}, at a scale of {scale:.3g}), and f "
+        f"gives the same product on another call, so it is not random.\n"
+        f"  Fix: torch_vjp.jacobian(f, x) of the whole batch, and take its diagonal blocks "
+        f"(J[b, ..., b, ...]) if those are what you want; or make f row-wise (BatchNorm in "
+        f"eval mode, or GroupNorm or LayerNorm; no statistic over the batch)."
     )
 
 
@@ -364,18 +409,21 @@ def agreeing_route(
     prob: Problem, first: str, result: R, gap_of: Callable[[R], tuple[float, float]],
     route: Callable[[str], R], keep: Callable[[str], None], named: tuple[Hashable, str],
     option: str, rtol: float,
+    on_none: Callable[[Sequence[str], float, float], None] | None = None,
 ) -> R:
     """The route decision of NOTE [auto, checked once], for dense and sparse Jacobians
     alike: ``result`` (of route ``first``) where ``gap_of`` finds it agrees with the
     reverse product within ``rtol``; else the first of ``route("rev")`` (after forward
     mode) and ``route("rev-loop")`` that agrees, with a one-time warning naming f
     (``named``: its key and name; ``option``: the argument the warning names); ``result``
-    where none agrees (f is random, or not smooth here). ``keep`` remembers the route
-    taken."""
+    where none agrees (f is random, or not smooth here), after ``on_none`` (given the
+    routes computed, the difference and the scale), which may raise instead. ``keep``
+    remembers the route taken."""
     diff, scale = gap_of(result)
     if diff <= rtol * scale:  # the common case
         keep(first)
         return result
+    tried = []
     for name in ("rev", "rev-loop") if first == "fwd" else ("rev-loop",):
         try:
             alt = route(name)
@@ -383,6 +431,7 @@ def agreeing_route(
             if passes_through(err):
                 raise
             continue
+        tried.append(name)
         alt_diff, alt_scale = gap_of(alt)
         if alt_diff > rtol * alt_scale:
             continue
@@ -393,6 +442,8 @@ def agreeing_route(
             JacobianWarning,
         )
         return alt
+    if on_none is not None:
+        on_none(tried, diff, scale)
     keep(first)
     warn_once((prob.call, named[0], first, "none"),
               no_route_message(prob.call, named[1], first, diff, scale, option),
