@@ -17,7 +17,10 @@ by reverse mode under vmap (after forward mode), then one reverse product at a t
 (``"rev-loop"``), and returns the first that agrees with the reverse product, with a
 one-time warning; later calls of that function and signature take that route directly.
 Where none agrees (f is random, or not smooth at the
-point), the first result stands, with a one-time warning that says so. Later calls that agreed are not checked again (the key: NOTE [what a route key
+point), the first result stands, with a one-time warning that says so (for batch_jacobian,
+where f gives the same reverse product on a second call, it mixes the rows of its batch,
+and an error says so: NOTE [a batch that mixes rows]). Not checked in inference mode, where
+plain autograd records nothing (nor remembered there). Later calls that agreed are not checked again (the key: NOTE [what a route key
 covers] in :mod:`torch_vjp._engine.context`; a function
 that branches to another operator on other values is checked only where it first ran; a
 bool, str or None among its plain arguments, or whether a number among them is zero, is
