@@ -290,9 +290,11 @@ class Job:
 # and the loss. It stays valid while they run the same code on the same modules: so its key
 # holds, per module, the module itself (its identity and type: a submodule replaced), its
 # training flag, its forward hooks and pre-hooks (a hook added that reorders or mixes the
-# batch), and, for modules defined outside torch, the flags of their attributes and of the
+# batch), its backward hooks and backward pre-hooks (``register_full_backward_hook``: a
+# hook that rescales or mixes the gradients the layers below receive, which the rules read),
+# and, for modules defined outside torch, the flags of their attributes and of the
 # globals their forward reads (``self.center = True``, ``USE_GATE``); the global module
-# hooks; and the flags of the loss function's closure and the globals it reads (an L2 term
+# hooks, forward and backward alike; and the flags of the loss function's closure and the globals it reads (an L2 term
 # switched on after warm-up; a callable loss object's attributes, a bound method's
 # object's). A flag is a bool, str or None value itself, or a number's truth (zero or not:
 # ``if l2:``, a coefficient switched on, ``for _ in range(self.reps)``); flags are read one
@@ -495,8 +497,11 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         if own is None:
             own = _OWN_TYPE[kind] = not kind.__module__.startswith("torch.")
         fh, ph = m._forward_hooks, m._forward_pre_hooks
+        bh, bph = m._backward_hooks, m._backward_pre_hooks
         entry: tuple[Any, ...] = (id(m), kind, _hooks_key(fh) if fh else (),
                                   _hooks_key(ph) if ph else ())
+        if bh or bph:  # (rare: kept out of the entry of every module without them)
+            entry += (("backward", _hooks_key(bh), _hooks_key(bph)),)
         if own:
             skip = _COUNTERS.get(kind) or _TORCH_ATTRS
             reads = _TYPE_READS.get(kind) or _type_reads(kind)
@@ -513,7 +518,9 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         training.append(m.training)
     glob = torch.nn.modules.module
     return (tuple(training), tuple(entries), _hooks_key(glob._global_forward_hooks),
-            _hooks_key(glob._global_forward_pre_hooks))
+            _hooks_key(glob._global_forward_pre_hooks),
+            _hooks_key(glob._global_backward_hooks),
+            _hooks_key(glob._global_backward_pre_hooks))
 
 
 def _hooks_key(hooks: dict[int, Any]) -> tuple[Any, ...]:
