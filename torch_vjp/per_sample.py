@@ -482,6 +482,10 @@ def register_per_sample_rule(
         PerSampleTypeError: ``module_type`` is not an ``nn.Module`` subclass, or ``rule``
             cannot be called as ``rule(module, inputs, grad_output)``.
 
+    An exception the rule raises when a per-sample function calls it reaches that caller
+    as a ``PerSampleError`` naming the rule and the layer, with the rule's own exception as
+    its ``__cause__`` (strategy ``"auto"`` does not hide it behind vmap).
+
     Example:
         >>> import torch, torch_vjp as tv
         >>> class Scale(torch.nn.Module):                 # y = x * w, elementwise

@@ -16,13 +16,13 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.context import grad_enabled
-from torch_vjp._errors import StrategyError
+from torch_vjp._errors import PerSampleError, StrategyError, TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import Factor, full_precision, widened
 from torch_vjp._per_sample.losses import scaled_loss_sum
 from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
 from torch_vjp._per_sample.recorder import Recorder, layers_of
-from torch_vjp._per_sample.registry import Call, Declined
+from torch_vjp._per_sample.registry import Call, Declined, UserRule
 
 __all__ = ["HooksResult", "hooks_pass"]
 
@@ -154,12 +154,29 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                            f"{err}")
                     result.factors.pop(n, None)
                 continue
+            except Exception as err:
+                if isinstance(c.rule, UserRule) and not isinstance(err, TorchVJPError):
+                    # (a bug in the user's rule is theirs to see: never left to the
+                    # fallback, where it would vanish, nor blamed on the forward)
+                    raise _user_rule_error(job.fn, c, err) from err
+                raise
             for role, factor in found:
                 name = tracked[id(c.params[role][0])]
                 if name in result.moved:
                     continue
                 result.factors.setdefault(name, []).append(factor)
     return result
+
+
+def _user_rule_error(fn: str, c: Call, err: BaseException) -> PerSampleError:
+    kind = type(c.module).__name__ if c.module is not None else "layer"
+    return PerSampleError(
+        f"torch_vjp.{fn}: the per-sample rule {c.rule.name} raised {quote_error(err)} on "
+        f"the layer '{c.path}' ({kind}); the rule's own error is chained above.\n"
+        f"  A rule registered with torch_vjp.register_per_sample_rule computes the per-sample "
+        f"gradients of its layer's parameters under strategy='auto' and 'hooks', from "
+        f"(module, inputs, grad_output), each with the examples along dimension 0. Fix the "
+        f"rule, or pass strategy='vmap' or strategy='loop', which do not use it.")
 
 
 def _declined_error(fn: str, c: Call, names: set[str], why: str) -> StrategyError:

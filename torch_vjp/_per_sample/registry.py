@@ -201,7 +201,9 @@ class UserRule(Rule):
     ``inputs`` are the layer's positional tensor inputs and ``grad_output`` the gradient of
     its (first) output, each with the examples moved to dimension 0; the function returns the
     per-sample gradients ``(B, *param.shape)`` of the layer's own parameters, keyed by
-    attribute name or by the parameter itself. See
+    attribute name or by the parameter itself. An exception the function raises reaches
+    the caller chained in a PerSampleError that names the rule and the layer (``hooks``):
+    never left to the fallback, where the user's bug would vanish. See
     :func:`torch_vjp.register_per_sample_rule`.
     """
 

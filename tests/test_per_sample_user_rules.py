@@ -1,0 +1,81 @@
+"""Rules registered with tv.register_per_sample_rule: an error a rule raises is the user's
+to see, chained in a PerSampleError naming the rule and the layer; never left silently to
+the fallback, nor blamed on the model's forward."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torch_vjp as tv
+from torch_vjp._per_sample import probe, registry
+
+DT = torch.float64
+
+
+class _Scale(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((n,), 1.5))
+
+    def forward(self, x):
+        return x * self.w
+
+
+@pytest.fixture
+def failing_rule():
+    calls = []
+
+    class Scale(_Scale):
+        pass
+
+    def scale_rule(module, inputs, grad_output):
+        calls.append(1)
+        raise ValueError("bug in my rule")
+
+    tv.register_per_sample_rule(Scale, scale_rule)
+    try:
+        yield Scale, calls
+    finally:
+        registry._RULES.pop(Scale, None)
+        probe.forget_plans()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+@pytest.mark.parametrize("fn", ["per_sample_grads", "per_sample_grad_norms",
+                                "accumulate_clipped_grads"])
+def test_an_error_in_a_registered_rule_propagates_chained(failing_rule, fn, strategy):
+    Scale, calls = failing_rule
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Scale(4), nn.Linear(4, 3)).to(DT)
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    kw = {"max_norm": 1.0} if fn == "accumulate_clipped_grads" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning instead of the error either)
+        with pytest.raises(tv.PerSampleError, match=(
+                r"(?s)the per-sample rule .*scale_rule \(registered for Scale\) raised "
+                r"ValueError: bug in my rule on the layer '1' \(Scale\); the rule's own error "
+                r"is chained above.*Fix the rule, or pass strategy='vmap' or "
+                r"strategy='loop'")) as info:
+            getattr(tv, fn)(model, nn.CrossEntropyLoss(), x, y, strategy=strategy, **kw)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert str(info.value.__cause__) == "bug in my rule"
+    assert calls
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_rule_that_works_is_still_used_after_one_that_failed(failing_rule):
+    Scale, _ = failing_rule
+    tv.register_per_sample_rule(Scale, lambda m, inputs, g: {"w": inputs[0] * g})
+    probe.forget_plans()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Scale(4), nn.Linear(4, 3)).to(DT)
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    loss_fn = nn.CrossEntropyLoss()
+    got = tv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+    for i in range(5):
+        ref = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), model[1].w)[0]
+        torch.testing.assert_close(got["1.w"][i], ref)
