@@ -34,7 +34,7 @@ from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
 from torch_vjp._per_sample.args import check_max_norm, check_trainable
 from torch_vjp._per_sample.compiled import compilable, run_compiled
 from torch_vjp._per_sample.factors import sq_norms_rows
-from torch_vjp._per_sample.plan import Plan
+from torch_vjp._per_sample.plan import Plan, parametrize_cache_off
 from torch_vjp._per_sample.probe import forget_plans, plan_for
 from torch_vjp._per_sample.registry import register_user_rule
 from torch_vjp._per_sample.run import (
@@ -66,6 +66,7 @@ __all__ = [
 # ============================================================================================
 
 
+@parametrize_cache_off
 def per_sample_grads(
     model: nn.Module,
     loss_fn: Callable[..., Tensor],
@@ -170,6 +171,7 @@ def _own_tensors(grads: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+@parametrize_cache_off
 def per_sample_grad_norms(
     model: nn.Module,
     loss_fn: Callable[..., Tensor],
@@ -245,6 +247,7 @@ def _norms_run(
     return norms, sums, job
 
 
+@parametrize_cache_off
 def accumulate_clipped_grads(
     model: nn.Module,
     loss_fn: Callable[..., Tensor],
@@ -403,6 +406,7 @@ class PerSamplePlan:
     __repr__ = __str__
 
 
+@parametrize_cache_off
 def per_sample_plan(
     model: nn.Module,
     loss_fn: Callable[..., Tensor],

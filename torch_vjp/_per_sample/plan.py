@@ -51,12 +51,14 @@ inside the forward draws the same numbers for every example in a loop, which onl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from torch_vjp._errors import PerSampleError
 from torch_vjp._per_sample.args import Selection
@@ -64,7 +66,7 @@ from torch_vjp._per_sample.registry import Call
 
 __all__ = [
     "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "Slots",
-    "seeded_forward", "aliases_of", "mixing_error",
+    "seeded_forward", "aliases_of", "mixing_error", "parametrize_cache_off",
 ]
 
 _SEED = 0x7E5
@@ -284,3 +286,44 @@ def mixing_error(fn: str, where: str, strategy: str) -> PerSampleError:
         f"(the model run on each example alone) is what you want, pass strategy='vmap' or "
         f"strategy='loop', which compute exactly that."
     )
+
+
+# NOTE [parametrize.cached()]
+# Inside ``torch.nn.utils.parametrize.cached()`` a parametrized tensor (weight_norm's
+# weight, say) is computed once and the same tensor is returned at every later read,
+# graph and all. A per-sample call runs the model many times (the plan's probes, the rules'
+# pass, vmap over stand-ins of the parameters, one forward and backward per example): with
+# the cache on, every run after the first would read the weight the first run computed,
+# from the caller's own parameters, so vmap's stand-ins receive no gradient (zeros,
+# silently) and the loop's second backward meets a freed graph. Each public function
+# therefore runs with the cache off, as a plain forward computes: the caller's cache
+# (its counter and its dict) is set aside for the call and put back after it, on an error
+# too, so the caller's block goes on as it was. A forward that enters ``cached()`` itself
+# caches within that forward, as it would alone. (A module attribute read per call when
+# the cache is off, as it is almost always.)
+
+
+class _CacheSetAside:
+    __slots__ = ("saved",)
+
+    def __enter__(self) -> None:
+        self.saved = (parametrize._cache_enabled, parametrize._cache)
+        parametrize._cache_enabled = 0
+        parametrize._cache = {}
+
+    def __exit__(self, *exc: object) -> None:
+        parametrize._cache_enabled, parametrize._cache = self.saved
+
+
+def parametrize_cache_off(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: ``fn`` runs with torch's parametrization cache off (NOTE
+    [parametrize.cached()])."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not parametrize._cache_enabled:
+            return fn(*args, **kwargs)
+        with _CacheSetAside():
+            return fn(*args, **kwargs)
+
+    return run

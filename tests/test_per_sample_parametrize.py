@@ -1,0 +1,68 @@
+"""Per-sample calls on parametrized models made inside torch.nn.utils.parametrize.cached()
+(NOTE [parametrize.cached()] in torch_vjp._per_sample.plan), compared in float64 with the
+definition, one example at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+
+import torch_vjp as tv
+
+DT = torch.float64
+STRATEGIES = ("auto", "vmap", "loop")
+
+
+def _model():
+    torch.manual_seed(1)
+    return nn.Sequential(parametrizations.weight_norm(nn.Linear(4, 5)), nn.Tanh(),
+                         nn.Linear(5, 3)).to(DT)
+
+
+def _data():
+    torch.manual_seed(0)
+    return torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+
+
+def loop_reference(model, loss_fn, x, t):
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    per = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), t[i:i + 1]), params)
+           for i in range(x.shape[0])]
+    return {n: torch.stack([g[k] for g in per]) for k, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("first_call_outside", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_calls_inside_parametrize_cached_give_the_definition(strategy, first_call_outside):
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = _data()
+    ref = loop_reference(model, loss_fn, x, y)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    clip = (1.0 / norms).clamp(max=1.0)
+    if first_call_outside:  # a plan made on an earlier step, outside the block
+        tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+    with parametrize.cached():
+        got = tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+        got_norms = tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+        tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=1.0, strategy=strategy)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    torch.testing.assert_close(got_norms, norms)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", clip, ref[n]), msg=n)
+
+
+def test_the_callers_cache_is_kept_and_put_back_after_an_error():
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = _data()
+    with parametrize.cached():
+        w = model[0].weight
+        tv.per_sample_grad_norms(model, loss_fn, x, y)
+        assert model[0].weight is w  # the caller's block still caches, the same tensor
+        with pytest.raises(tv.PerSampleValueError, match="targets has shape"):
+            tv.per_sample_grad_norms(model, loss_fn, x, y[:2])
+        assert parametrize._cache_enabled == 1 and model[0].weight is w
+    assert parametrize._cache_enabled == 0 and not parametrize._cache
