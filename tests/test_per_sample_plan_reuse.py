@@ -40,6 +40,7 @@ def _batch_normalised_pre(module, grad_output):
     return (grad_output[0] / grad_output[0].norm(),)
 
 
+@pytest.mark.filterwarnings("ignore:.*could not vectorise")  # (vmap meets the hook: loop)
 @pytest.mark.parametrize("strategy", ["auto", "hooks"])
 @pytest.mark.parametrize("how", ["module", "module_pre", "global", "global_pre"])
 def test_a_backward_hook_registered_after_the_first_call_makes_a_new_plan(how, strategy):
@@ -73,3 +74,106 @@ def test_a_backward_hook_registered_after_the_first_call_makes_a_new_plan(how, s
             tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy), ref_norms(ref))
     finally:
         handle.remove()
+
+
+# --------------------------------------------------------------------------------------
+# Parameters at values that hide a dependence (NOTE [probes at a generic point])
+# --------------------------------------------------------------------------------------
+
+
+class _GatedContext(nn.Module):
+    """A batch-context term behind a trainable gate (ReZero / adapter style)."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.gate = nn.Parameter(torch.full((1,), gate))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.gate * h.mean(0, keepdim=True))
+
+
+class _OneMinus(_GatedContext):
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h + (1 - self.gate) * h.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+@pytest.mark.parametrize("case", ["zero gate", "one minus gate"])
+def test_mixing_hidden_by_a_parameters_value_is_found_on_the_first_call(case, strategy):
+    # the plan made at gate == 0 saw no mixing and was kept: after an optimizer step moved
+    # the gate, 'auto' norms and clipped sums were silently wrong
+    torch.manual_seed(0)
+    model = (_GatedContext(0.0) if case == "zero gate" else _OneMinus(1.0)).to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    where = r"the model's own forward \(_(GatedContext|OneMinus)\) mixes examples"
+    with pytest.raises(tv.PerSampleError, match=where):
+        tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=1.0, strategy=strategy)
+    assert all(p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        model.gate.add_(0.5)  # the optimizer's step
+    for fn in (tv.per_sample_grad_norms, tv.per_sample_grads):
+        with pytest.raises(tv.PerSampleError, match=where):
+            fn(model, loss_fn, x, y, strategy=strategy)
+    # the definition strategies compute the definition at any gate
+    ref = loop_reference(model, loss_fn, x, y)
+    torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, y, strategy="vmap"),
+                               ref_norms(ref))
+
+
+class _LoRA(nn.Module):
+    """A frozen base layer with a low-rank update whose B starts at zero, and a ReZero
+    residual whose gate starts at zero; no example mixes with another."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 6)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Linear(4, 2, bias=False)
+        self.lora_b = nn.Linear(2, 6, bias=False)
+        nn.init.zeros_(self.lora_b.weight)
+        self.block = nn.Linear(6, 6)
+        self.gate = nn.Parameter(torch.zeros(1))
+        self.head = nn.Linear(6, 3)
+        nn.init.zeros_(self.head.weight)
+
+    def forward(self, x):
+        h = torch.tanh(self.base(x) + self.lora_b(self.lora_a(x)))
+        h = h + self.gate * torch.tanh(self.block(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_a_plan_made_at_zero_initialised_parameters_stays_right_after_they_move(seq):
+    torch.manual_seed(0)
+    model = _LoRA().to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    B = 5
+    # (a sequence as long as the batch: only the data flow tells which dimension holds it)
+    x = torch.randn(B, B, 4, dtype=DT) if seq else torch.randn(B, 4, dtype=DT)
+    y = torch.randint(0, 3, (B, B) if seq else (B,))
+    lf = (lambda o, t: loss_fn(o.flatten(0, 1), t.flatten())) if seq else loss_fn
+    plan = tv.per_sample_plan(model, lf, x, y)
+    for n in ("lora_a.weight", "lora_b.weight", "block.weight", "head.weight"):
+        assert plan[n].method == "rule", plan
+    tv.accumulate_clipped_grads(model, lf, x, y, max_norm=1.0)  # step 1, at zero
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.3)  # the optimizer's steps
+    ref = loop_reference(model, lf, x, y)
+    norms = ref_norms(ref)
+    got = tv.per_sample_grads(model, lf, x, y)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    torch.testing.assert_close(tv.accumulate_clipped_grads(model, lf, x, y, max_norm=1.0),
+                               norms)
+    clip = (1.0 / norms).clamp(max=1.0)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", clip, ref[n]),
+                                       msg=n)

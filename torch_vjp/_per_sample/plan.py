@@ -13,7 +13,9 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
    the dimension of each output (and of each module's tensor inputs) that shrinks by one
    holds the examples. The output's batch dimensions split the loss into the examples'
    own losses (``losses.loss_sum``).
-2. The model runs once more, recording every module call and every rule call
+2. The model runs once more, with its parameters moved to a generic point near their
+   values (NOTE [probes at a generic point]: a gate at zero hides no mixing there),
+   recording every module call and every rule call
    (``recorder``), and for two examples ``k`` the gradient of example ``k``'s own loss alone
    is taken with respect to every recorded tensor. Example ``k``'s loss depends only on index
    ``k`` along the batch dimension of anything that holds the examples one per row; a rule
@@ -262,6 +264,77 @@ def aliases_of(sel: Selection) -> dict[str, Tensor] | None:
     if not sel.frozen:
         return None
     return {n: t.detach().requires_grad_(True) for n, t in sel.tensors.items()}
+
+
+# NOTE [probes at a generic point]
+# The data-flow tests (steps 2 and 3 of NOTE [the per-sample plan]) read which gradient
+# entries are exactly zero, and the plan is then kept for the model structure, whatever
+# values the parameters take later. At the parameters' current values a dependence can
+# vanish: a cross-example term behind a gate initialised at zero (``h + gate *
+# h.mean(0)``, ReZero, an adapter), a zero-initialised LoRA ``B`` or last layer, ``(1 - a)
+# * mix`` with ``a == 1``; a plan made there trusted rules that an optimizer step then made
+# wrong, silently. So the probed forward, its data-flow tests and the graph walk run at a
+# point near the current one where no such accident holds (:class:`GenericPoint`): every
+# floating parameter entry ``p`` is ``p * (1 + u)`` there, and an entry that is exactly
+# zero is ``u * s`` (``u`` uniform in [1/32, 1/16) from a fixed seed, so that plans do not
+# depend on a random draw; ``s`` the mean magnitude of the tensor's entries, 1 for a tensor
+# of zeros). Signs are kept and zeros become small positive numbers, so that a parameter
+# that is a scale, a variance or a log's argument stays in its domain. The values are
+# written through ``.data`` (no version bump: nothing the planning watches counts it as a
+# change by the forward) and the parameters' own bits are put back as soon as the probe is
+# done, on an error too. Buffers are left as they are (running statistics, masks). The
+# shape runs of step 1, which also find what a forward changes in place, run at the
+# parameters' own values; a model that fails at the generic point, or gives a non-finite
+# output there where it does not at its own values, is probed at its own values. This
+# costs one copy of the parameters while a plan is made and nothing per call (a key
+# holding which parameters are zero would cost a pass over them on every call).
+_GENERIC_SEED = 0x9E3779B9
+
+
+class GenericPoint:
+    """Moves the model's floating parameters to the generic point of NOTE [probes at a
+    generic point] for the ``with`` block, and puts their own values back after it."""
+
+    __slots__ = ("model", "saved")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.saved: list[tuple[Tensor, Tensor]] = []
+
+    def __enter__(self) -> GenericPoint:
+        gens: dict[torch.device, torch.Generator] = {}
+        try:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if not (p.is_floating_point() or p.is_complex()) or p.is_meta or (
+                            p.layout != torch.strided) or p.numel() == 0 or (
+                            type(p.data) is not Tensor):  # (a DTensor's shards, say)
+                        continue
+                    real = p.real if p.is_complex() else p
+                    gen = gens.get(p.device)
+                    if gen is None:
+                        try:
+                            gen = torch.Generator(device=p.device)
+                        except RuntimeError:  # a device without generators: the CPU's
+                            gen = torch.Generator()
+                        gens[p.device] = gen.manual_seed(_GENERIC_SEED)
+                    u = torch.rand(p.shape, generator=gen, device=gen.device,
+                                   dtype=real.dtype).to(p.device).add_(1).div_(32)
+                    scale = p.abs().mean().to(real.dtype)
+                    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+                    moved = torch.where(p == 0, u * scale, p * (1 + u))
+                    self.saved.append((p, p.detach().clone()))
+                    p.data.copy_(moved)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for p, own in self.saved:
+                p.data.copy_(own)
+        self.saved.clear()
 
 
 def seeded_forward(

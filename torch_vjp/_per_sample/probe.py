@@ -30,6 +30,7 @@ from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import loss_sum
 from torch_vjp._per_sample.plan import (
     CallPlan,
+    GenericPoint,
     ParamPlan,
     Plan,
     Slots,
@@ -353,6 +354,11 @@ def _unsplittable(strategy: str, sel: Selection, out: Any, batch: int) -> Plan:
     return Plan(strategy, _all_params(sel, "vmap", reason))
 
 
+class _NotGeneric(Exception):
+    """The model fails, or gives a non-finite output, at the generic point of NOTE [probes
+    at a generic point] (in ``plan``): it is probed at its own values."""
+
+
 def _grad_probe(
     job: Job,
     tracked: dict[int, str],
@@ -362,8 +368,34 @@ def _grad_probe(
     *,
     expand: bool,
     grad_inputs: bool = True,
+    point: GenericPoint | None = None,
 ) -> Plan:
-    """Steps 2 to 5 of NOTE [the per-sample plan].
+    """Steps 2 to 5 of NOTE [the per-sample plan], at the generic point of NOTE [probes at
+    a generic point] in ``plan`` (``point``: already there), else at the parameters' own
+    values where the model cannot be probed there."""
+    if point is None:
+        try:
+            with GenericPoint(job.model) as point:
+                return _grad_probe(job, tracked, out_dims, full, small, expand=expand,
+                                   grad_inputs=grad_inputs, point=point)
+        except _NotGeneric:
+            _after_forward(job)
+    return _probe_at(job, tracked, out_dims, full, small, expand=expand,
+                     grad_inputs=grad_inputs, point=point)
+
+
+def _probe_at(
+    job: Job,
+    tracked: dict[int, str],
+    out_dims: list[int] | None,
+    full: tuple[Any, ShapeRecord],
+    small: tuple[Any, ShapeRecord] | None,
+    *,
+    expand: bool,
+    grad_inputs: bool,
+    point: GenericPoint | None,
+) -> Plan:
+    """Steps 2 to 5 of NOTE [the per-sample plan] (see :func:`_grad_probe`).
 
     The recorded forward first runs with the rewrites of NOTE [direct uses] (``expand``)
     and with the floating inputs requiring grad (their gradients tell which rows of a
@@ -397,18 +429,22 @@ def _grad_probe(
     except Exception as err:  # noqa: BLE001 - retried as the docstring says
         _after_forward(job)
         if expand or grad_inputs:
-            return _grad_probe(job, tracked, out_dims, full, small, expand=False,
-                               grad_inputs=expand and grad_inputs)
+            return _probe_at(job, tracked, out_dims, full, small, expand=False,
+                             grad_inputs=expand and grad_inputs, point=point)
+        if point is not None:
+            raise _NotGeneric from err
         return Plan(job.strategy, _all_params(
             sel, "vmap", f"the model's forward fails while the hooks record it "
                          f"({quote_error(err)})"))
     _after_forward(job)
+    if point is not None and _finite(full[0]) and not _finite(out):
+        raise _NotGeneric
     # The rewrites of NOTE [direct uses] must not change what the model computes.
     rewritten = any(c.shared for c in rec.calls) or any(
         c.module is None and c.rule.name == "broadcast parameter" for c in rec.calls)
-    if rewritten and not _same_output(out, full[0]):
-        return _grad_probe(job, tracked, out_dims, full, small, expand=False,
-                           grad_inputs=grad_inputs)
+    if rewritten and not _same_output(out, full[0] if point is None else _plain_run(job)):
+        return _probe_at(job, tracked, out_dims, full, small, expand=False,
+                         grad_inputs=grad_inputs, point=point)
     plan = Plan(job.strategy, {}, out_dims=out_dims, random_global=rng.global_rng,
                 vmap_randomness=_vmap_randomness(rng))
     layers = list({id(c.module): c.module for c in rec.calls if c.module is not None}.values())
@@ -428,8 +464,8 @@ def _grad_probe(
         # torch.utils.checkpoint(use_reentrant=True) refuses autograd.grad with inputs=; it
         # met them because the inputs were made to require grad (a block whose input does
         # not require grad gives its parameters no gradient, in backward as in the loop)
-        return _grad_probe(job, tracked, out_dims, full, small, expand=expand,
-                           grad_inputs=False)
+        return _probe_at(job, tracked, out_dims, full, small, expand=expand,
+                         grad_inputs=False, point=point)
     uses: dict[str, list[tuple[Call, int | None, str]]] = {}
     for c, (d, why) in zip(calls, dims):
         valid = batch == 1 or d is not None
@@ -458,6 +494,19 @@ def _grad_probe(
                 f"{c.rule.name} rule" + (f" in '{c.path}'" if c.path else "") for c, _, _ in used))
             plan.params[name] = ParamPlan(name, "rule", how)
     return plan
+
+
+def _finite(out: Any) -> bool:
+    return all(bool(torch.isfinite(t.detach()).all()) for t in tree_leaves(out)
+               if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()))
+
+
+def _plain_run(job: Job) -> Any:
+    """The model's output as it is now, without the recording."""
+    with torch.no_grad():
+        out = seeded_forward(job.model, job.xs, aliases_of(job.sel))
+    _after_forward(job)
+    return out
 
 
 def _same_output(a: Any, b: Any) -> bool:
