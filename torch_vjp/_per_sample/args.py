@@ -269,6 +269,9 @@ class Job:
         ddp: the DistributedDataParallel wrapper the caller passed (``model`` is then its
             module), or None (NOTE [DDP] in ``distributed``).
         structure: :func:`structure_of` the model.
+        by_backward: the per-example loop differentiates with ``backward()`` (a reentrant
+            checkpoint refused ``autograd.grad``: NOTE [reentrant checkpoints] in
+            ``fallback``).
     """
 
     fn: str
@@ -282,6 +285,7 @@ class Job:
     reset: Callable[[], None] | None = None
     ddp: Any = None
     structure: Any = None
+    by_backward: bool = False
 
 
 # NOTE [the structure a plan is for]

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map
 from torch_vjp._engine.memory import new_buffer
 from torch_vjp._engine.rows import run_with_fallback
 from torch_vjp._errors import (
+    PerSampleError,
     StrategyError,
     TorchVJPWarning,
     first_time,
@@ -36,7 +37,7 @@ from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree
 from torch_vjp._per_sample.plan import functional_call
 
 __all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state", "CannotBatch",
-           "warn_loop"]
+           "warn_loop", "REENTRANT"]
 
 
 class CannotBatch(Exception):
@@ -99,24 +100,128 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
         if reset is not None:
             reset()
         xi = tuple(x[i : i + 1] for x in xs)
-        with torch.enable_grad():
-            if frozen:
-                leaves = {n: sel.tensors[n].detach().requires_grad_(True) for n in names}
-                o = functional_call(model, leaves, xi)
-                wrt = [leaves[n] for n in names]
-            else:
-                o = model(*xi)
-                wrt = [sel.tensors[n] for n in names]
-            loss = scalar_loss(fn, call_loss(loss_fn, o, slice_tree(targets, i, i + 1)))
-            grads = (
-                torch.autograd.grad(loss, wrt, allow_unused=True)
-                if loss.requires_grad else [None] * len(wrt)
-            )
+        grads = None
+        if not job.by_backward:
+            try:
+                with torch.enable_grad():
+                    if frozen:
+                        leaves = {n: sel.tensors[n].detach().requires_grad_(True)
+                                  for n in names}
+                        o = functional_call(model, leaves, xi)
+                        wrt = [leaves[n] for n in names]
+                    else:
+                        o = model(*xi)
+                        wrt = [sel.tensors[n] for n in names]
+                    loss = scalar_loss(fn, call_loss(loss_fn, o, slice_tree(targets, i, i + 1)))
+                    grads = (
+                        torch.autograd.grad(loss, wrt, allow_unused=True)
+                        if loss.requires_grad else [None] * len(wrt)
+                    )
+                if frozen and None in grads and _reentrant_in(loss):
+                    grads = None  # (the stand-ins are gone when the checkpoint recomputes)
+            except RuntimeError as err:
+                if REENTRANT not in str(err):
+                    raise
+            if grads is None:
+                job.by_backward = True
+                if reset is not None:
+                    reset()
+        if grads is None:
+            grads = _by_backward(job, names, xi, i)
         for n, g in zip(names, grads):
             if g is None:
                 out[n][i - start].zero_()
             else:
                 out[n][i - start].copy_(g.to_dense() if g.layout != torch.strided else g)
+
+
+#: What torch says where a reentrant checkpoint meets ``torch.autograd.grad``.
+REENTRANT = "use_reentrant=True"
+
+# NOTE [reentrant checkpoints]
+# ``torch.utils.checkpoint(fn, x, use_reentrant=True)`` runs its backward only under
+# ``backward()`` without ``inputs=``: ``torch.autograd.grad``, which every strategy uses,
+# raises "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
+# once the block's input requires grad (a block after the first layer). The plan then
+# gives every parameter to the loop (``probe``), and the loop, told so by that error,
+# differentiates each example with ``backward()`` (``Job.by_backward``): before each
+# example the ``.grad`` of the model's parameters (and of a loss module's) are set aside
+# and their post-accumulate-grad hooks unhooked (an optimizer step in backward must not
+# run per example); the selected parameters' ``.grad`` is the example's gradient; then
+# everything is put back as it was, on an error too. The inputs and targets of the example
+# are detached (inputs made leaves that require grad as before), so that the backward
+# stops at them and never reaches, frees or accumulates into a graph of the caller's. A
+# leaf only a loss function's closure holds would still receive a ``.grad``: no list of
+# such leaves exists. Selected parameters that do not require grad are differentiated
+# elsewhere through stand-ins (``functional_call``), which are gone by the time the
+# checkpoint recomputes its block in the backward pass (no error: their gradients come out
+# None); where one does and the graph holds a reentrant checkpoint, the loop goes to
+# ``backward()`` too, with those parameters made to require grad for the example (and
+# their flags put back). A model wrapped in DistributedDataParallel (whose reducer fires on
+# ``backward()``) cannot be computed so: PerSampleError, with the fix use_reentrant=False.
+
+
+def _reentrant_in(loss: Tensor) -> bool:
+    """Whether the graph of ``loss`` holds a reentrant checkpoint's node."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def _reentrant_error(job: Job, why: str) -> PerSampleError:
+    return PerSampleError(
+        f"torch_vjp.{job.fn}: the model runs torch.utils.checkpoint with use_reentrant=True "
+        f"on a block whose input requires grad, whose backward runs only under backward() "
+        f"(torch.autograd.grad refuses it), and {why}.\n"
+        f"  Fix: pass use_reentrant=False to torch.utils.checkpoint (torch's recommended "
+        f"setting), which every strategy differentiates.")
+
+
+def _by_backward(job: Job, names: list[str], xi: tuple[Tensor, ...], i: int
+                 ) -> list[Tensor | None]:
+    """One example's gradients of ``names`` by ``backward()`` (NOTE [reentrant
+    checkpoints])."""
+    sel = job.sel
+    if job.ddp is not None:
+        raise _reentrant_error(job, "the model is wrapped in DistributedDataParallel, whose "
+                                    "reducer would fire on each example's backward()")
+    frozen = [sel.tensors[n] for n in names if not sel.tensors[n].requires_grad]
+    leaves = {id(p): p for p in job.model.parameters()}
+    leaves.update((id(p), p) for p in frozen)
+    if isinstance(job.loss_fn, nn.Module):
+        leaves.update((id(p), p) for p in job.loss_fn.parameters())
+    saved = [(p, p.grad) for p in leaves.values()]
+    hooks = [(p._post_accumulate_grad_hooks, dict(p._post_accumulate_grad_hooks))
+             for p in leaves.values() if p._post_accumulate_grad_hooks]
+    xi = tuple(x.detach().requires_grad_(x.requires_grad) for x in xi)
+    ti = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
+                  slice_tree(job.targets, i, i + 1))
+    try:
+        for p, _ in saved:
+            p.grad = None
+        for live, _ in hooks:  # (emptied in place: autograd holds this dict)
+            live.clear()
+        for p in frozen:  # (for this example only: stand-ins would be gone by the time
+            p.requires_grad_(True)  # the checkpoint recomputes its block)
+        with torch.enable_grad():
+            loss = scalar_loss(job.fn, call_loss(job.loss_fn, job.model(*xi), ti))
+            if loss.requires_grad:
+                loss.backward()
+        return [sel.tensors[n].grad for n in names]
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+        for p, g in saved:
+            p.grad = g
+        for live, own in hooks:
+            live.update(own)
 
 
 def _new_outputs(sel: Selection, names: list[str], n: int) -> dict[str, Tensor]:
@@ -177,6 +282,9 @@ def _vmap_error(job: Job, names: list[str], start: int, stop: int,
     fn = job.fn
     where = _failing_layer(job, names, start, stop)
     place = f" in {where}" if where else ""
+    if job.by_backward:  # (the example without vmap needed backward(): NOTE [reentrant ...])
+        place += (" (it runs torch.utils.checkpoint with use_reentrant=True, whose autograd "
+                  "Function torch.func cannot transform; use_reentrant=False can be)")
     return StrategyError(
         f"torch_vjp.{fn}: strategy='vmap' cannot batch this model{place}: torch.func.vmap "
         f"said {quote_error(failure)}\n"

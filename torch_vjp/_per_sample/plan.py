@@ -137,6 +137,9 @@ class Plan:
     watch: bool = False
     #: the hooked layers and attention modules, ``(path, module)``, found once (Recorder)
     layers: Any = None
+    #: a reentrant checkpoint refused autograd.grad: the loop runs backward() (NOTE
+    #: [reentrant checkpoints] in ``fallback``)
+    by_backward: bool = False
 
     # The lists below are made once, when the finished plan is first used; route() resets them.
 

@@ -26,6 +26,7 @@ from torch_vjp._per_sample.args import (
     object_flags,
     structure_of,
 )
+from torch_vjp._per_sample.fallback import REENTRANT
 from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import loss_sum
 from torch_vjp._per_sample.plan import (
@@ -111,8 +112,11 @@ def forget_plans(model: nn.Module | None = None) -> None:
 
 _SETTING_TYPES = (bool, int, float, str, tuple, type(None))
 
-#: What torch says where a reentrant checkpoint meets ``torch.autograd.grad``.
-_REENTRANT = "use_reentrant=True"
+_REENTRANT_REASON = (
+    "the model runs torch.utils.checkpoint with use_reentrant=True on a block whose input "
+    "requires grad, which only backward() differentiates (torch.autograd.grad, which the "
+    "rules and vmap need, refuses it); the loop runs backward() per example. Fix: "
+    "use_reentrant=False in torch.utils.checkpoint")
 
 # NOTE [gradient hooks on a parameter]
 # A hook registered on a parameter (``p.register_hook(fn)``) acts on the gradient that
@@ -459,11 +463,17 @@ def _probe_at(
             dims, plan.mixing = call_dims(job, out, out_dims, rec, full, small)
         outside = walk(total, calls, [d is not None or batch == 1 for d, _ in dims], tracked)
     except RuntimeError as err:
-        if not (grad_inputs and _REENTRANT in str(err)):
+        if REENTRANT not in str(err):
             raise
+        if not grad_inputs:
+            # a reentrant checkpoint on a block whose input requires grad: only backward()
+            # passes through it, which the loop uses (NOTE [reentrant checkpoints])
+            return Plan(job.strategy, _all_params(sel, "loop", _REENTRANT_REASON),
+                        by_backward=True)
         # torch.utils.checkpoint(use_reentrant=True) refuses autograd.grad with inputs=; it
-        # met them because the inputs were made to require grad (a block whose input does
-        # not require grad gives its parameters no gradient, in backward as in the loop)
+        # may have met them because the inputs were made to require grad (a block whose
+        # input does not require grad gives its parameters no gradient, in backward as in
+        # the loop)
         return _probe_at(job, tracked, out_dims, full, small, expand=expand,
                          grad_inputs=False, point=point)
     uses: dict[str, list[tuple[Call, int | None, str]]] = {}

@@ -1,0 +1,136 @@
+"""Models that run torch.utils.checkpoint with use_reentrant=True on a block whose input
+requires grad (NOTE [reentrant checkpoints] in torch_vjp._per_sample.fallback): only
+backward() differentiates them; the loop does so, 'auto' uses it, and the strategies that
+cannot say why and what to change. Compared in float64 with the definition, one example at
+a time (by backward, as autograd.grad is refused)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import torch_vjp as tv
+
+DT = torch.float64
+pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 5)
+        self.block = nn.Sequential(nn.Linear(5, 5), nn.Tanh())
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(checkpoint(self.block, self.inp(x), use_reentrant=True))
+
+
+def _setup():
+    torch.manual_seed(0)
+    return _Net().to(DT), nn.CrossEntropyLoss(), torch.randn(5, 4, dtype=DT), \
+        torch.randint(0, 3, (5,))
+
+
+def backward_reference(model, loss_fn, x, y):
+    out = {n: [] for n, _ in model.named_parameters()}
+    for i in range(x.shape[0]):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x[i:i + 1]), y[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            out[n].append(p.grad.clone())
+    model.zero_grad(set_to_none=True)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_a_reentrant_checkpoint_after_the_first_layer_gives_the_definition(strategy):
+    model, loss_fn, x, y = _setup()
+    ref = backward_reference(model, loss_fn, x, y)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    # a .grad and an optimizer-in-backward hook of the caller's, which the per-example
+    # backward passes must neither change nor run
+    fired = []
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    got = tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, y,
+                                                        strategy=strategy), norms)
+    assert all(bool((p.grad == 1).all()) for p in model.parameters()) and not fired
+    clip = (1.0 / norms).clamp(max=1.0)
+    torch.testing.assert_close(tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=1.0,
+                                                           strategy=strategy), norms)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 1 + torch.einsum("b,b...->...", clip, ref[n]),
+                                   msg=n)
+    assert len(fired) == len(list(model.parameters()))  # once each, as after backward
+
+
+def test_inputs_that_require_grad_get_no_grad():
+    model, loss_fn, x, y = _setup()
+    ref = backward_reference(model, loss_fn, x, y)
+    x.requires_grad_(True)
+    got = tv.per_sample_grads(model, loss_fn, x, y)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    assert x.grad is None
+
+
+def test_the_plan_and_hooks_name_the_checkpoint_and_the_fix():
+    model, loss_fn, x, y = _setup()
+    plan = tv.per_sample_plan(model, loss_fn, x, y)
+    assert {r.method for r in plan} == {"loop"}
+    why = (r"the model runs torch.utils.checkpoint with use_reentrant=True on a block whose "
+           r"input requires grad, which only backward\(\) differentiates .*Fix: "
+           r"use_reentrant=False in torch.utils.checkpoint")
+    assert "use_reentrant=False" in plan["block.0.weight"].reason
+    with pytest.raises(tv.StrategyError, match=r"'block.0.weight': " + why):
+        tv.per_sample_grad_norms(model, loss_fn, x, y, strategy="hooks")
+
+
+def test_vmap_names_the_checkpoint():
+    model, loss_fn, x, y = _setup()
+    with pytest.raises(tv.StrategyError, match=r"strategy='vmap' cannot batch this model .*"
+                       r"it runs torch.utils.checkpoint with use_reentrant=True, whose "
+                       r"autograd Function torch.func cannot transform; use_reentrant=False "
+                       r"can be"):
+        tv.per_sample_grads(model, loss_fn, x, y, strategy="vmap")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_a_frozen_parameter_named_in_params_gets_its_gradient(strategy):
+    # its stand-in (functional_call) is gone when the checkpoint recomputes the block:
+    # zeros, silently
+    model, loss_fn, x, y = _setup()
+    ref = backward_reference(model, loss_fn, x, y)
+    model.block[0].weight.requires_grad_(False)
+    names = ["block.0.weight", "out.weight"]
+    got = tv.per_sample_grads(model, loss_fn, x, y, params=names, strategy=strategy)
+    for n in names:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    assert not model.block[0].weight.requires_grad and model.block[0].weight.grad is None
+
+
+@pytest.mark.skipif(not torch.distributed.is_available()
+                    or not torch.distributed.is_gloo_available(), reason="no gloo")
+def test_a_ddp_model_is_refused_with_the_fix(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        model, loss_fn, x, y = _setup()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(tv.PerSampleError, match=(
+                r"(?s)use_reentrant=True on a block whose input requires grad.*and the model "
+                r"is wrapped in DistributedDataParallel, whose reducer would fire on each "
+                r"example's backward\(\).*Fix: pass use_reentrant=False")):
+            tv.per_sample_grad_norms(ddp, loss_fn, x, y)
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
