@@ -66,3 +66,32 @@ def test_the_callers_cache_is_kept_and_put_back_after_an_error():
             tv.per_sample_grad_norms(model, loss_fn, x, y[:2])
         assert parametrize._cache_enabled == 1 and model[0].weight is w
     assert parametrize._cache_enabled == 0 and not parametrize._cache
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (torch's, on the old weight_norm)
+@pytest.mark.parametrize("wrap", ["parametrization", "weight_norm"])
+def test_hooks_computes_the_plain_bias_of_a_layer_whose_weight_is_computed(wrap):
+    # the bias was refused with a reason that fits only the weight
+    from torch.nn.utils import weight_norm
+
+    torch.manual_seed(1)
+    first = nn.Linear(4, 5)
+    first = parametrizations.weight_norm(first) if wrap == "parametrization" else (
+        weight_norm(first))
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = _data()
+    ref = loop_reference(model, loss_fn, x, y)
+    names = ["0.bias", "2.weight"]
+    got = tv.per_sample_grads(model, loss_fn, x, y, strategy="hooks", params=names)
+    for n in names:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    plan = tv.per_sample_plan(model, loss_fn, x, y, strategy="hooks")
+    assert plan["0.bias"].method == "rule"
+    # what hooks cannot compute is listed as refused (it never falls back to vmap)
+    computed = [r for r in plan if r.name not in ("0.bias", "2.weight", "2.bias")]
+    assert computed and all(r.method == "refused" for r in computed)
+    assert all("weight computed from its parameters" in r.reason for r in computed)
+    assert "refused  module '0' is a " in str(plan)
+    auto = tv.per_sample_plan(model, loss_fn, x, y)
+    assert {auto[r.name].method for r in computed} == {"vmap"}

@@ -351,8 +351,10 @@ class PerSamplePlan:
     Attributes:
         rows: one :class:`PerSamplePlanRow` per selected parameter: ``method`` is
             ``"rule"`` (per-layer rules, ``how`` names them), ``"vmap"``, ``"loop"`` or
-            ``"zero"`` (no gradient reaches it); ``reason`` says why a parameter is not
-            computed by rules.
+            ``"zero"`` (no gradient reaches it), and under ``strategy="hooks"``
+            ``"refused"`` for a parameter no rule covers (the per-sample functions raise
+            StrategyError for it); ``reason`` says why a parameter is not computed by
+            rules.
         mixing: where the model mixes examples, or None.
         strategy: the strategy planned for.
         one_run: under ``"auto"``, some parameters go to rules and others to vmap:
@@ -367,10 +369,11 @@ class PerSamplePlan:
         methods = {p.method for p in plan.params.values()}
         self.one_run = (plan.strategy == "auto" and "rule" in methods and "vmap" in methods
                         and plan.vmap_randomness is not None)
-        self.rows = [
-            PerSamplePlanRow(n, plan.params[key_of[n]].method, plan.params[key_of[n]].how,
-                             plan.params[key_of[n]].reason)
-            for n in names
+        refused = ("vmap", "loop") if plan.strategy == "hooks" else ()  # (hooks never
+        self.rows = [                                                  # falls back)
+            PerSamplePlanRow(n, "refused" if p.method in refused else p.method, p.how,
+                             p.reason)
+            for n in names for p in (plan.params[key_of[n]],)
         ]
 
     def __getitem__(self, name: str) -> PerSamplePlanRow:

@@ -427,31 +427,46 @@ def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[in
     Walks the autograd graph from the loss; at the output node of a trusted call it continues
     only into the call's inputs, skipping the layer's own use of its parameters. A call whose
     weight is computed from a parameter (a parametrization) is walked through, so that
-    parameter is found and left to the fallback rather than mistaken for unused.
+    parameter is found and left to the fallback rather than mistaken for unused; the
+    call's own parameters that its rule computes (a plain bias beside the computed weight),
+    met inside it before its inputs, are the rule's use and not counted.
     """
     jump: dict[Any, list[Any]] = {}
+    # a trusted call whose weight is computed: its internals are walked, but the
+    # parameters the rule computes (the call's own, a plain bias) found inside them, before
+    # its inputs, are the rule's use
+    inside: dict[Any, tuple[frozenset[int], frozenset[Any]]] = {}
     for c, ok in zip(calls, trusted):
-        if ok and c.complete:
-            for e in c.out_edges:
-                if e is not None:
-                    jump[e.node] = [x.node for x in c.in_edges]
+        for e in c.out_edges if ok else ():
+            if e is None:
+                continue
+            if c.complete:
+                jump[e.node] = [x.node for x in c.in_edges]
+            elif c.params:
+                inside[e.node] = (frozenset(id(t) for t, _ in c.params.values()),
+                                  frozenset(x.node for x in c.in_edges))
     found: set[str] = set()
     seen: set[Any] = set()
-    stack = [total.grad_fn]
+    none: tuple[frozenset[int], frozenset[Any]] = (frozenset(), frozenset())
+    stack: list[tuple[Any, tuple[frozenset[int], frozenset[Any]]]] = [(total.grad_fn, none)]
     while stack:
-        node = stack.pop()
-        if node is None or node in seen:
+        node, (own, ins) = stack.pop()
+        if node in ins:
+            own, ins = none[0], none[1]
+        key = node if not own else (node, own)
+        if node is None or key in seen:
             continue
-        seen.add(node)
+        seen.add(key)
         nxt = jump.get(node)
         if nxt is not None:
-            stack.extend(nxt)
+            stack.extend((n, none) for n in nxt)
             continue
         var = getattr(node, "variable", None)
         if var is not None:
             name = tracked.get(id(var))
-            if name is not None:
+            if name is not None and id(var) not in own:
                 found.add(name)
             continue
-        stack.extend(n for n, _ in node.next_functions)
+        ctx = inside.get(node, (own, ins))
+        stack.extend((n, ctx) for n, _ in node.next_functions)
     return found

@@ -30,7 +30,9 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
    look like mixing, no rule is trusted (the fallback computes the definition) rather than
    the model refused.
 4. The autograd graph of the total loss is walked from the loss, skipping trusted calls: a
-   parameter reached otherwise is used outside the layers that have rules.
+   parameter reached otherwise is used outside the layers that have rules. (A trusted call
+   whose weight is computed, a parametrization, is walked through, to find what the weight
+   is computed from; its own parameters the rule computes, a plain bias, stay the rule's.)
 5. Random operators are classified while the model runs (NOTE [randomness]).
 
 A parameter whose every use is a trusted rule call is computed by rules; the others by vmap
