@@ -521,10 +521,10 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         entries.append(entry)
         training.append(m.training)
     glob = torch.nn.modules.module
-    return (tuple(training), tuple(entries), _hooks_key(glob._global_forward_hooks),
-            _hooks_key(glob._global_forward_pre_hooks),
-            _hooks_key(glob._global_backward_hooks),
-            _hooks_key(glob._global_backward_pre_hooks))
+    return (tuple(training), tuple(entries),
+            *(_hooks_key(h) if h else () for h in (
+                glob._global_forward_hooks, glob._global_forward_pre_hooks,
+                glob._global_backward_hooks, glob._global_backward_pre_hooks)))
 
 
 def _hooks_key(hooks: dict[int, Any]) -> tuple[Any, ...]:
