@@ -177,3 +177,44 @@ def test_a_plan_made_at_zero_initialised_parameters_stays_right_after_they_move(
         if p.requires_grad:
             torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", clip, ref[n]),
                                        msg=n)
+
+
+class _AcosScale(nn.Module):
+    """A frozen parameter at the edge of its operator's domain: acos(c) with c == 1 (its
+    output is not finite a hair above 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.c = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x) * torch.acos(self.c).cos()
+
+
+class _ExactValue(nn.Module):
+    """A forward that refuses any value of a frozen parameter but its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.c = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, x):
+        if float(self.c) != 1.0:
+            raise ValueError("c must be 1")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("cls", [_AcosScale, _ExactValue])
+def test_a_model_that_cannot_run_near_its_values_is_probed_at_them(cls):
+    torch.manual_seed(0)
+    model = cls().to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    assert tv.per_sample_plan(model, loss_fn, x, y)["lin.weight"].method == "rule"
+    assert float(model.c) == 1.0  # (the parameters' own values are back)
+    ref = loop_reference(model, loss_fn, x, y)
+    got = tv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)

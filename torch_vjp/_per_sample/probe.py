@@ -371,21 +371,18 @@ def _grad_probe(
     small: tuple[Any, ShapeRecord] | None,
     *,
     expand: bool,
-    grad_inputs: bool = True,
-    point: GenericPoint | None = None,
 ) -> Plan:
     """Steps 2 to 5 of NOTE [the per-sample plan], at the generic point of NOTE [probes at
-    a generic point] in ``plan`` (``point``: already there), else at the parameters' own
-    values where the model cannot be probed there."""
-    if point is None:
-        try:
-            with GenericPoint(job.model) as point:
-                return _grad_probe(job, tracked, out_dims, full, small, expand=expand,
-                                   grad_inputs=grad_inputs, point=point)
-        except _NotGeneric:
-            _after_forward(job)
-    return _probe_at(job, tracked, out_dims, full, small, expand=expand,
-                     grad_inputs=grad_inputs, point=point)
+    a generic point] in ``plan``, else at the parameters' own values where the model
+    cannot be probed there."""
+    try:
+        with GenericPoint(job.model) as point:
+            return _probe_at(job, tracked, out_dims, full, small, expand=expand,
+                             grad_inputs=True, point=point)
+    except _NotGeneric:
+        _after_forward(job)
+    return _probe_at(job, tracked, out_dims, full, small, expand=expand, grad_inputs=True,
+                     point=None)
 
 
 def _probe_at(
