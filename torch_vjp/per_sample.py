@@ -369,8 +369,9 @@ class PerSamplePlan:
         methods = {p.method for p in plan.params.values()}
         self.one_run = (plan.strategy == "auto" and "rule" in methods and "vmap" in methods
                         and plan.vmap_randomness is not None)
-        refused = ("vmap", "loop") if plan.strategy == "hooks" else ()  # (hooks never
-        self.rows = [                                                  # falls back)
+        # (strategy='hooks' never falls back: what no rule covers, it refuses)
+        refused = ("vmap", "loop") if plan.strategy == "hooks" else ()
+        self.rows = [
             PerSamplePlanRow(n, "refused" if p.method in refused else p.method, p.how,
                              p.reason)
             for n in names for p in (plan.params[key_of[n]],)
