@@ -161,3 +161,28 @@ def test_the_compiled_program_does_not_keep_the_model_alive():
     del model, got, ref
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("name", ["per_sample_grads", "per_sample_grad_norms",
+                                  "accumulate_clipped_grads"])
+def test_inside_users_torch_compile_against_the_loop(name):
+    # (the plain vmap-of-grad program, traced by the user's compile; no eager call first)
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = torch.randn(6, 2, 6, 6, dtype=D), torch.randint(0, 3, (6,))
+    ref = _loop(model, loss_fn, x, y)
+    ref_norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    if name == "per_sample_grads":
+        got = torch.compile(lambda x, y: tv.per_sample_grads(model, loss_fn, x, y))(x, y)
+        assert list(got) == list(ref)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n])
+    elif name == "per_sample_grad_norms":
+        got = torch.compile(lambda x, y: tv.per_sample_grad_norms(model, loss_fn, x, y))(x, y)
+        torch.testing.assert_close(got, ref_norms)
+    else:
+        got = torch.compile(lambda x, y: tv.accumulate_clipped_grads(
+            model, loss_fn, x, y, max_norm=0.5))(x, y)
+        torch.testing.assert_close(got, ref_norms)
+        c = (0.5 / ref_norms).clamp(max=1.0)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]))

@@ -32,7 +32,7 @@ from torch_vjp._engine.compiled import check_compile, tracing
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
 from torch_vjp._per_sample.args import check_max_norm, check_trainable
-from torch_vjp._per_sample.compiled import compilable, run_compiled
+from torch_vjp._per_sample.compiled import compilable, run_compiled, run_traced
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.plan import Plan, parametrize_cache_off
 from torch_vjp._per_sample.probe import forget_plans, plan_for
@@ -133,6 +133,12 @@ def per_sample_grads(
     """
     fn = "per_sample_grads"
     do_compile = check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError)
+    if tracing():  # NOTE [compiled Jacobians] (None: the job runs eagerly)
+        traced = run_traced("grads", fn, model, loss_fn, inputs, targets, params, strategy,
+                            check_chunk_size(chunk_size, call=f"torch_vjp.{fn}",
+                                             what="examples", cls=PerSampleValueError))
+        if traced is not None:
+            return traced
     job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
     chunk = check_chunk_size(chunk_size, call=f"torch_vjp.{fn}", what="examples",
                              cls=PerSampleValueError)
@@ -219,6 +225,11 @@ def per_sample_grad_norms(
         True
     """
     fn = "per_sample_grad_norms"
+    if tracing():  # NOTE [compiled Jacobians] (None: the job runs eagerly)
+        check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError)
+        traced = run_traced("norms", fn, model, loss_fn, inputs, targets, params, strategy)
+        if traced is not None:
+            return traced
     if check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError) and not tracing():
         job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
         if compilable(job):
@@ -311,6 +322,11 @@ def accumulate_clipped_grads(
     max_norm = check_max_norm(fn, max_norm)
     if isinstance(model, nn.Module):
         check_trainable(fn, model, params)
+    if tracing():  # NOTE [compiled Jacobians] (None: the job runs eagerly)
+        traced = run_traced("clipped", fn, model, loss_fn, inputs, targets, params, strategy,
+                            max_norm=max_norm)
+        if traced is not None:
+            return traced
     if do_compile and not tracing():
         job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
         if compilable(job):

@@ -28,9 +28,9 @@ from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.fallback import functional_state
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.losses import call_loss, scalar_loss
-from torch_vjp._per_sample.run import clip_factors
+from torch_vjp._per_sample.run import add_to_grads, clip_factors, prepare
 
-__all__ = ["compilable", "run_compiled"]
+__all__ = ["compilable", "run_compiled", "run_traced"]
 
 
 def compilable(job: Job) -> bool:
@@ -51,6 +51,33 @@ def run_compiled(
                max_norm, sel.training, tuple(map(id, sel.tensors.values())))
     return compiled_call(f"torch_vjp.{job.fn}", job.model, options, (job.xs, job.targets),
                          eager, lambda: _program(kind, job, chunk, max_norm))
+
+
+def run_traced(
+    kind: str, fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params: Any,
+    strategy: Any, chunk: int | None = None, max_norm: float | None = None,
+) -> Any:
+    """A per-sample function inside the user's own ``torch.compile`` (NOTE [compiled
+    Jacobians]): the plain program that ``compile=True`` compiles, traced by the user's
+    compile, after the eager path's argument checks. The eager computation (plans, hooks,
+    rules, checks) is Python that dynamo cannot trace. ``kind`` as for :func:`run_compiled`;
+    ``"clipped"`` adds the sums to ``.grad`` and returns the norms. None where the job takes
+    no compiled path (the module docstring): the caller runs the eager path then."""
+    job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
+    if not compilable(job):
+        return None
+    out = _program(kind, job, chunk, max_norm)(job.model, job.xs, job.targets)
+    if kind == "grads":  # (each name its own tensor, as the eager result: tied parameters)
+        seen: set[int] = set()
+        own = {}
+        for n, g in out.items():
+            own[n] = g.clone() if id(g) in seen else g
+            seen.add(id(g))
+        return own
+    if kind == "clipped":
+        add_to_grads(job, out[1])
+        return out[0]
+    return out
 
 
 def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
