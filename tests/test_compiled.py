@@ -734,3 +734,32 @@ def test_the_cache_does_not_keep_a_model_alive(kind):
     # a new model (its id may be the old one's) gets an entry of its own
     other = torch.nn.Linear(4, 3).double()
     torch.testing.assert_close(tv.jacobian(other, x, compile=True), other.weight)
+
+
+@pytest.mark.parametrize("name", ["jacobian", "jacobian_rev", "jacobian_fwd", "batch_jacobian",
+                                  "hessian", "jvp", "vjp"])
+def test_inside_users_torch_compile_a_graph_break_in_f_is_traced_around(name):
+    # (a print or a log call in f breaks the user's graph: the calls must resume after it,
+    # as torch.func's transforms do, not fail in dynamo's resume of the public function)
+    def f(a):
+        torch._dynamo.graph_break()
+        return torch.sin(a) * a.sum()
+
+    x, t = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    calls = {
+        "jacobian": (lambda x: tv.jacobian(f, x), lambda x: torch.func.jacrev(f)(x)),
+        "jacobian_rev": (lambda x: tv.jacobian(f, x, strategy="rev"),
+                         lambda x: torch.func.jacrev(f)(x)),
+        "jacobian_fwd": (lambda x: tv.jacobian(f, x, strategy="fwd"),
+                         lambda x: torch.func.jacrev(f)(x)),
+        "batch_jacobian": (lambda x: tv.batch_jacobian(lambda b: f(b[0])[None], x[None]),
+                           lambda x: torch.func.jacrev(f)(x)[None]),
+        "hessian": (lambda x: tv.hessian(lambda a: f(a).sum(), x),
+                    lambda x: torch.func.hessian(lambda a: f(a).sum())(x)),
+        "jvp": (lambda x: tv.jvp(f, (x,), (t,))[1],
+                lambda x: torch.func.jvp(f, (x,), (t,))[1]),
+        "vjp": (lambda x: tv.vjp(f, x)[1](t)[0], lambda x: torch.func.vjp(f, x)[1](t)[0]),
+    }
+    ours, ref = calls[name]
+    torch.testing.assert_close(torch.compile(ours)(x), ref(x))
+

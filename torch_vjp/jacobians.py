@@ -28,6 +28,7 @@ from torch_vjp._engine.compiled import (
     check_compile,
     compiled_call,
     compiled_jacobian,
+    in_plain_context,
     plain_chunk,
     plain_context,
     tracing,
@@ -215,9 +216,8 @@ def jacobian(
         if do_compile:
             check_compilable(strat, group, call)
     if tracing() and group is None:  # NOTE [compiled Jacobians]
-        with plain_context(context, detached):
-            return plain_jacobian(f, primals, argnums, has_aux, strat.mode,
-                                  plain_chunk(strat, chunk))
+        return in_plain_context(context, detached, plain_jacobian, f, primals, argnums,
+                                has_aux, strat.mode, plain_chunk(strat, chunk))
     if do_compile and not is_nested() and budget is not None:
         warn_budget(call)
     with context, buffers_kept(f, primals=primals):
@@ -332,8 +332,8 @@ def batch_jacobian(
         if do_compile:
             check_compilable(strat, group, call)
     if tracing() and group is None:  # NOTE [compiled Jacobians]
-        with plain_context(context, detached):
-            return plain_batch_jacobian(f, x, strat.mode, plain_chunk(strat, chunk))
+        return in_plain_context(context, detached, plain_batch_jacobian, f, x, strat.mode,
+                                plain_chunk(strat, chunk))
     if do_compile and not is_nested():
         def build() -> Callable[..., Any]:
             mode = strat.mode or batch_mode(f, x)

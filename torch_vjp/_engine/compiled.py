@@ -94,7 +94,7 @@ from torch_vjp._strategies import Strategy, get_strategy
 
 __all__ = [
     "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
-    "plain_context", "warn_budget", "check_compile", "program_key", "compiled_call", "tracing",
+    "plain_context", "in_plain_context", "warn_budget", "check_compile", "program_key", "compiled_call", "tracing",
     "clear_cache", "compiled_jacobian", "results_agree",
 ]
 
@@ -168,6 +168,16 @@ def plain_context(context: Any, detached: bool) -> Any:
     if detached:
         return torch.no_grad()
     return torch.enable_grad() if context is not NO_CONTEXT else contextlib.nullcontext()
+
+
+def in_plain_context(context: Any, detached: bool, fn: Callable[..., Any], *args: Any
+                     ) -> Any:
+    """``fn(*args)`` in :func:`plain_context`, in a frame of its own: inside the user's
+    ``torch.compile``, a graph break in ``f`` (a print) makes dynamo resume the frame that
+    holds the ``with`` block, and it cannot resume a public function's frame there (its
+    prologue fails to trace: ResumePrologueTracingError); this small frame it can."""
+    with plain_context(context, detached):
+        return fn(*args)
 
 
 def warn_budget(call: str) -> None:
