@@ -763,3 +763,17 @@ def test_inside_users_torch_compile_a_graph_break_in_f_is_traced_around(name):
     ours, ref = calls[name]
     torch.testing.assert_close(torch.compile(ours)(x), ref(x))
 
+
+@pytest.mark.parametrize("argnums,has_aux", [([0, 1], False), (0, [])])
+def test_an_unhashable_option_with_compile_is_the_eager_calls(argnums, has_aux):
+    f = lambda x, y: (x.sin() * y).sum()  # noqa: E731
+    x, y = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    if has_aux == []:  # (falsy, as the eager call takes it: the eager result, uncached)
+        got = tv.jvp(lambda a: a.sin(), (x,), (y,), has_aux=has_aux, compile=True)
+        torch.testing.assert_close(got, torch.func.jvp(torch.sin, (x,), (y,)))
+        return
+    for name in ("hessian", "jacobian"):
+        with pytest.raises(tv.JacobianCallError, match=(
+                rf"torch_vjp.{name}: argnums=\[0, 1\], but it must be an int or a non-empty "
+                rf"tuple of ints")):
+            getattr(tv, name)(f, x, y, argnums=argnums, compile=True)

@@ -494,6 +494,10 @@ def compiled_call(
             closure may hold other tensors of the same signature.
     """
     key = (call, program_key(f, passed=True), options, _signature(args))
+    try:
+        hash(key)
+    except TypeError:  # (an option given as a list, argnums=[0, 1]: the eager call says
+        return eager()  # what is wrong, or computes without a cache entry)
     with _LOCK:
         entry = _CACHE.get(key)
         if entry is not None and not entry.alive():  # (an id reused by a new object)
@@ -592,10 +596,6 @@ def compiled_jacobian(
                                       out=args[-1])
         return Built(program_into, lambda: (new_buffer(like, shape),))
 
-    try:
-        hash(options)
-    except TypeError:  # an unhashable argnums (a list): the eager call says what is wrong
-        return eager()
     return compiled_call(call, f, options, primals, eager, build)
 
 
