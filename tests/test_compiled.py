@@ -777,3 +777,62 @@ def test_an_unhashable_option_with_compile_is_the_eager_calls(argnums, has_aux):
                 rf"torch_vjp.{name}: argnums=\[0, 1\], but it must be an int or a non-empty "
                 rf"tuple of ints")):
             getattr(tv, name)(f, x, y, argnums=argnums, compile=True)
+
+
+class _Temperature(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3, bias=False).double()
+        self.scale = 2.0  # (a plain float attribute, as LoRA's alpha / r)
+
+    def forward(self, x):
+        return self.scale * self.lin(x)
+
+
+class _Config:
+    def __init__(self):
+        self.k = 2.0
+
+    def f(self, x):
+        return self.k * torch.sin(x)
+
+
+_CFG = _Config()
+
+
+@pytest.mark.parametrize("holder", ["module", "global_object", "closure_dict", "method",
+                                    "default"])
+def test_a_compiled_vjp_fn_keeps_the_point_when_a_number_f_reads_changes(holder):
+    # (at x = 0 the forward output is the same before and after the change, so only the
+    # state snapshot can tell: the compiled program differentiated the new function)
+    torch.manual_seed(0)
+    m, cfg, obj = _Temperature(), {"k": 2.0}, _Config()
+
+    def with_default(x, k=2.0):
+        return k * torch.sin(x)
+
+    fs = {"module": m, "global_object": lambda x: _CFG.k * torch.sin(x),
+          "closure_dict": lambda x: cfg["k"] * torch.sin(x), "method": obj.f,
+          "default": with_default}
+    f = fs[holder]
+    v = torch.randn(3, dtype=D)
+    try:
+        for _ in range(2):  # the entry, compiled and found again
+            _, fn = tv.vjp(f, torch.randn(3, dtype=D), compile=True)
+            fn(v)
+        x0 = torch.zeros(3, dtype=D)
+        _, compiled = tv.vjp(f, x0, compile=True)
+        want = torch.func.vjp(f, x0)[1](v)[0]
+        if holder == "module":
+            m.scale = 5.0
+        elif holder == "global_object":
+            _CFG.k = 5.0
+        elif holder == "closure_dict":
+            cfg["k"] = 5.0
+        elif holder == "method":
+            obj.k = 5.0
+        else:
+            with_default.__defaults__ = (5.0,)
+        torch.testing.assert_close(compiled(v)[0].detach(), want)
+    finally:
+        _CFG.k = 2.0

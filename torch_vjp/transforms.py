@@ -441,13 +441,15 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 # the compiled program would differentiate another function, so vjp_fn uses the graph of
 # the vjp point instead; the same where one of them, or a primal, was written in place since
 # (``S.add_(5)``: the graph saved the old values, the program would read the new). What is
-# compared, by identity and version counter: the contents of f's closure cells and the
-# globals it names (of a plain function, or of a bound method's function), the parameters
-# and buffers of the modules f reaches, and the primals. A function f that writes into them
-# itself always uses the graph. What these do not see (a default argument, a tensor in a
-# list or a partial, a module's plain attribute or training flag, a write through
-# ``.data``) the program's own forward output shows: where it is not the vjp point's (up to
-# the rounding of a compiled program), the graph answers too.
+# compared, by identity and version counter: the contents of f's closure cells, defaults and
+# the globals it names (of a plain function, or of a bound method's function), the numbers,
+# flags and strings among the attributes of the objects (and items of the dicts) they hold,
+# the parameters, buffers and plain attributes (a scale, the training flag) of the modules
+# f reaches, and the primals (:func:`~torch_vjp._engine.point.read_state`). A function f
+# that writes into them itself always uses the graph. What these do not see (a tensor in a
+# list or a partial, a write through ``.data``, a number two objects deep) the program's own
+# forward output may show: where it is not the vjp point's (up to the rounding of a compiled
+# program), the graph answers too.
 
 
 @overload

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Module
 
 from torch_vjp._engine.context import captured_values, reached
 from torch_vjp._errors import JacobianCallError
@@ -75,11 +76,28 @@ def versions_of(values: tuple[object, ...]) -> tuple[int | None, ...]:
 
 def read_state(f: object) -> tuple[object, ...]:
     """What NOTE [a compiled vjp_fn's point] compares, in a fixed order: what ``f``'s
-    closure cells and named globals hold, the tensors it reaches further (defaults,
-    containers, a ``partial``'s arguments), and the parameters and buffers of the modules
-    it reaches."""
+    closure cells, named globals and defaults hold, the numbers, flags and strings among
+    the attributes of the plain objects they hold (and of a bound method's object) and
+    among the values of the dicts they hold, the
+    tensors it reaches further (containers, a ``partial``'s arguments), and the parameters,
+    buffers and plain attributes (``training``, a scale) of the modules it reaches.
+
+    Numbers, flags and strings are immutable, so the same object is the same value: a
+    change (``m.scale = 5.0``, ``cfg.k = 5.0``) shows as another object."""
     func = f.__func__ if isinstance(f, types.MethodType) else f
-    values = list(captured_values(func)) if isinstance(func, types.FunctionType) else []
+    values: list[object] = []
+    if isinstance(func, types.FunctionType):
+        values.extend(captured_values(func))
+        values.extend(func.__defaults__ or ())
+        values.extend((func.__kwdefaults__ or {}).values())
+    holders = list(values)
+    if isinstance(f, types.MethodType):
+        holders.append(f.__self__)
+    for holder in holders:  # (a plain object's attributes or a dict's items, one level)
+        if isinstance(holder, dict):
+            values.extend(_scalars(holder))
+        elif not isinstance(holder, (Module, type, types.ModuleType, types.FunctionType)):
+            values.extend(_scalars(getattr(holder, "__dict__", None)))
     modules, tensors = reached(f)
     known = {id(v) for v in values}
     values.extend(t for t in tensors if id(t) not in known)
@@ -87,4 +105,15 @@ def read_state(f: object) -> tuple[object, ...]:
         for sub in module.modules():
             values.extend(sub._parameters.values())
             values.extend(sub._buffers.values())
+            values.extend(_scalars(sub.__dict__))
     return tuple(values)
+
+
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def _scalars(attrs: object) -> list[object]:
+    """The numbers, flags and strings among an object's attributes, in their order."""
+    if not isinstance(attrs, dict):
+        return []
+    return [v for v in attrs.values() if isinstance(v, _SCALARS)]
