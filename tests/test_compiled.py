@@ -779,6 +779,106 @@ def test_an_unhashable_option_with_compile_is_the_eager_calls(argnums, has_aux):
             getattr(tv, name)(f, x, y, argnums=argnums, compile=True)
 
 
+_LEGACY = False  # (read by _solve, as a config switch in a model's code)
+
+
+def _solve(a):
+    b = torch.ones(3, 4, dtype=a.dtype)
+    if _LEGACY:  # (triangular_solve's forward-mode formula is wrong in torch)
+        return torch.triangular_solve(b, a)[0]
+    return torch.linalg.solve_triangular(a, b, upper=True)
+
+
+def test_a_global_that_changes_the_function_after_the_first_call_is_checked_again():
+    # (dynamo recompiles the entry for the new global: the new program is built again,
+    # here in reverse mode, and compared with the eager call, NOTE [a recompiled entry])
+    global _LEGACY
+    a = torch.triu(torch.rand(3, 3, dtype=D)) + 2 * torch.eye(3, dtype=D)
+    try:
+        for legacy in (False, False, True, True, False):
+            _LEGACY = legacy
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # (triangular_solve's)
+                got = tv.jacobian(_solve, a, compile=True)
+                torch.testing.assert_close(got, torch.func.jacrev(_solve)(a))
+    finally:
+        _LEGACY = False
+
+
+def test_autocast_is_part_of_the_signature():
+    w = torch.randn(8, 8)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    x = torch.randn(8)
+    for _ in range(2):
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, ref = tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x)
+        assert got.dtype == ref.dtype == torch.float32
+        torch.testing.assert_close(got, ref)
+    g = lambda x: torch.sin(w @ x)  # noqa: E731  (compiled first under autocast)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert tv.jacobian(g, x, compile=True).dtype == torch.float32
+    torch.testing.assert_close(tv.jacobian(g, x, compile=True), torch.func.jacrev(g)(x))
+
+
+@pytest.mark.parametrize("call", ["jacobian", "per_sample_grad_norms"])
+def test_a_global_module_hook_registered_after_the_first_call_is_followed(call):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(),
+                            torch.nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=D), torch.randint(0, 3, (6,))
+    ce = torch.nn.CrossEntropyLoss()
+
+    def compute(compile):
+        if call == "jacobian":
+            return tv.jacobian(lambda x: m(x), x, compile=compile)
+        return tv.per_sample_grad_norms(m, ce, x, y, compile=compile)
+
+    for _ in range(2):
+        compute(True)
+    h = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, inp, out: out * 2 if isinstance(mod, torch.nn.Tanh) else None)
+    try:
+        ref = (torch.func.jacrev(m)(x) if call == "jacobian" else
+               torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+                   ce(m(x[i:i + 1]), y[i:i + 1]), list(m.parameters()))]).norm()
+                   for i in range(len(x))]))
+        for _ in range(2):
+            torch.testing.assert_close(compute(True), ref)
+    finally:
+        h.remove()
+    torch.testing.assert_close(compute(True), compute(False))
+
+
+_STEP = 0
+
+
+def test_a_function_recompiled_on_every_call_stays_eager_with_a_warning():
+    from torch_vjp._engine.compiled import REBUILD_WARN_AT
+
+    global _STEP
+
+    def f(x):
+        return torch.sin(x) * _STEP  # (a global that changes on every call)
+
+    x = torch.randn(3, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _STEP in range(1, 12):
+            got = tv.jacobian(f, x, compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+    _STEP = 0
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(msgs) == 1, msgs
+    assert "runs eagerly" in msgs[0]
+    assert "torch_vjp.jacobian: compile=True could not compile" in msgs[0]
+    assert f"recompiled {REBUILD_WARN_AT} times for the same function" in msgs[0]
+    assert "a global, an attribute of an object or module" in msgs[0]
+    assert "Pass what changes as an argument" in msgs[0]
+
+
 class _Temperature(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -17,7 +17,8 @@ one graph.
   it, and compares the two results. If compiling fails, or the results differ beyond
   rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why and that signature stays
   eager; otherwise later calls with that signature run the compiled program only. The first
-  call returns the eager result.
+  call returns the eager result; so does a later call that makes dynamo recompile the
+  entry (NOTE [a recompiled entry]).
 * A compiled program runs as the eager call does, inside ``buffers_kept(f)``: a module in
   training mode that ``f`` reaches (or the model, for the per-sample functions) gets back
   every buffer its forward changed (BatchNorm's running statistics, spectral norm's
@@ -54,8 +55,11 @@ Entries are keyed by what determines the traced program: the function (a lambda 
 code object and what its closure holds: tensors by their signature, numbers and strings by
 value, functions by the same rule, anything else by identity, so that ``lambda x:
 model(x)`` or ``lambda w: loss(w, batch)`` written inside a training loop finds its entry
-again), the call's options, and each primal's shape, dtype, device, layout and
-``requires_grad`` (other values by equality, or identity). The compiled program takes the
+again), the call's options, each primal's shape, dtype, device, layout and
+``requires_grad`` (other values by equality, or identity), grad mode, autocast, and the
+global module hooks (:mod:`torch_vjp._engine.compile_key`). What else a program depends on
+(a global flag, an object's attribute) dynamo guards, and a call that recompiles its entry
+is a first call again (NOTE [a recompiled entry]). The compiled program takes the
 function as its first argument, and dynamo reads the closure of the one each call passes:
 the tensors a closure holds are inputs of the program, as the primals are, never
 constants of the first call's closure. At most :data:`CACHE_MAX` entries are kept, least
@@ -65,7 +69,6 @@ recently used first out.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 import types
@@ -78,6 +81,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torch_vjp._engine.compile_key import call_signature, program_key
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        modules_reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
@@ -195,7 +199,7 @@ class _Entry:
     """One function, options and input signature: its compiled program, or None where it
     runs eagerly."""
 
-    __slots__ = ("f", "owner", "run", "reused", "fresh")
+    __slots__ = ("f", "owner", "run", "reused", "fresh", "code", "recompiles")
 
     def __init__(self, f: object) -> None:
         # The ids in the key stay valid while the entry lives: a module (or a bound
@@ -212,6 +216,8 @@ class _Entry:
         self.run: Callable[..., Any] | None = None
         self.reused = False  # found again by a later call
         self.fresh: Callable[[], tuple[Any, ...]] = tuple  # the program's leading arguments
+        self.code: types.CodeType | None = None  # the compiled function's own code object
+        self.recompiles = 0  # entries of this key rebuilt before (NOTE [a recompiled entry])
 
     def alive(self) -> bool:
         """Whether the objects whose ids the key holds still live."""
@@ -229,86 +235,6 @@ class Built(NamedTuple):
 
     program: Callable[..., Any]
     fresh: Callable[[], tuple[Any, ...]]
-
-
-def program_key(f: object, *, passed: bool = False, depth: int = 3) -> object:
-    """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians]).
-
-    With ``passed`` (``f`` is an argument of the compiled program, which reads its closure
-    on every call), a tensor that a function's closure or defaults hold counts by its
-    signature, numbers and strings by value, and a function they hold (``depth`` levels
-    deep) by its own key: a lambda over a new batch each step, or over a loss made for
-    each batch, finds its entry again. Otherwise (``f`` baked into the program) everything
-    counts by identity."""
-    if isinstance(f, functools.partial):
-        return ("partial", program_key(f.func), tuple(map(id, f.args)),
-                tuple((k, id(v)) for k, v in sorted(f.keywords.items())))
-    if isinstance(f, types.MethodType):
-        return ("method", f.__func__, id(f.__self__))
-    if isinstance(f, types.FunctionType):
-        if passed:
-            def held(v: object) -> object:
-                if isinstance(v, types.FunctionType) and depth > 1:
-                    return program_key(v, passed=True, depth=depth - 1)
-                return _leaf_signature(v)
-        else:
-            held = id
-        cells = tuple(held(c.cell_contents) if _filled(c) else None
-                      for c in (f.__closure__ or ()))
-        defaults = tuple(map(held, f.__defaults__ or ()))
-        return ("function", f.__code__, cells, defaults)
-    return ("object", id(f))
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
-
-
-def _leaf_signature(v: object) -> object:
-    if isinstance(v, Tensor):
-        return ("T", tuple(v.shape), v.dtype, v.device, v.layout, v.requires_grad,
-                type(v))
-    if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype)):
-        return (type(v), v)
-    return ("id", id(v))
-
-
-class _NotPlain(Exception):
-    """A container that only pytree knows how to flatten."""
-
-
-def _plain_signature(v: object) -> object:
-    """The signature of tensors (and numbers) nested in plain tuples, lists and dicts with
-    string keys: what ``tree_flatten`` and the spec's hash would give apart, at a fraction of
-    their cost (a dict of parameters is a common primal). Raises ``_NotPlain`` for any other
-    container (a namedtuple, an OrderedDict, a registered pytree node)."""
-    kind = type(v)
-    if kind is tuple or kind is list:
-        return (kind, tuple([_plain_signature(x) for x in v]))  # type: ignore[attr-defined]
-    if kind is dict:
-        if not all(type(k) is str for k in v):  # type: ignore[attr-defined]
-            raise _NotPlain
-        return (dict, tuple([(k, _plain_signature(x))
-                             for k, x in v.items()]))  # type: ignore[attr-defined]
-    if isinstance(v, Tensor) or v is None or kind in (bool, int, float, complex, str):
-        return _leaf_signature(v)
-    raise _NotPlain
-
-
-def _signature(args: tuple[Any, ...]) -> object:
-    if all(type(a) is Tensor for a in args):  # the common case, without pytree's cost
-        return (tuple((a.shape, a.dtype, a.device, a.layout, a.requires_grad) for a in args),
-                torch.is_grad_enabled())
-    try:
-        return ("plain", _plain_signature(args), torch.is_grad_enabled())
-    except _NotPlain:
-        pass
-    leaves, spec = tree_flatten(args)
-    return (spec, tuple(map(_leaf_signature, leaves)), torch.is_grad_enabled())
 
 
 def _on_copies(program: Callable[..., Any], n: int) -> Callable[..., Any]:
@@ -493,7 +419,7 @@ def compiled_call(
             is given, never with one it captured: a later call passes its own ``f``, whose
             closure may hold other tensors of the same signature.
     """
-    key = (call, program_key(f, passed=True), options, _signature(args))
+    key = (call, program_key(f, passed=True), options, call_signature(args))
     try:
         hash(key)
     except TypeError:  # (an option given as a list, argnums=[0, 1]: the eager call says
@@ -506,21 +432,61 @@ def compiled_call(
         if entry is not None:
             _CACHE.move_to_end(key)
             entry.reused = True
-    if entry is not None:
-        if entry.run is None:
-            return eager()
-        try:
-            with _HOOK_GUARDS, buffers_kept(f):
-                return entry(f, args)  # this call's f: its closure as it is now
-        except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
-            if passes_through(err):
-                raise
-            result = eager()  # f's own errors propagate from here, untouched
-            entry.run = None
-            _warn_eager(call, f, quote_error(err))
-            return result
+    if entry is None:
+        return _first_call(call, key, f, args, eager, build, 0)
+    if entry.run is None:
+        return eager()
+    try:
+        with _HOOK_GUARDS, buffers_kept(f):
+            before = _variants(entry.code)
+            got = entry(f, args)  # this call's f: its closure as it is now
+            recompiled = _variants(entry.code) != before
+    except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
+        if passes_through(err):
+            raise
+        result = eager()  # f's own errors propagate from here, untouched
+        entry.run = None
+        _warn_eager(call, f, quote_error(err))
+        return result
+    if not recompiled:
+        return got
+    with _LOCK:  # NOTE [a recompiled entry]
+        if _CACHE.get(key) is entry:
+            del _CACHE[key]
+    return _first_call(call, key, f, args, eager, build, entry.recompiles + 1)
+
+
+# NOTE [a recompiled entry]
+# The key holds what a call passes (the function, its closure, the options, the arguments'
+# signature) and the global state :func:`~torch_vjp._engine.compile_key.global_state` reads,
+# not everything a traced program depends on: a global flag ``f`` reads, an attribute of an
+# object or module, a module hook. Dynamo guards those, and recompiles the entry's code
+# object when one changes: a program traced under the new state, never compared with the
+# eager call, and built with the old build-time decisions (forward or reverse mode, the
+# result buffer's shape). So every call counts the dynamo cache entries of its entry's own
+# code object (unique per entry, NOTE [compiled Jacobians]) before and after it runs, and a
+# call that added one is a first call again: its result is dropped, and the eager call,
+# ``build`` and a new compiled program (a code object of its own) are compared as on the
+# first call, with the fallback and the warning. Where the same key is rebuilt
+# :data:`REBUILD_WARN_AT` times (something ``f`` reads changes on every call), it stays
+# eager, with a warning that says so.
+
+
+def _variants(code: types.CodeType | None) -> int:
+    """How many programs dynamo keeps for ``code`` (0 where torch does not say)."""
+    entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    return len(entries(code)) if entries is not None and code is not None else 0
+
+
+def _first_call(
+    call: str, key: Any, f: object, args: tuple[Any, ...], eager: Callable[[], Any],
+    build: Callable[[], Any], recompiles: int,
+) -> Any:
+    """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
+    of that key): the eager result, and the entry compiled, checked against it, or eager."""
     result = eager()  # the checks, and f's own errors, of the eager path
     entry = _Entry(f)
+    entry.recompiles = recompiles
     with _LOCK:
         _CACHE[key] = entry
         while len(_CACHE) > CACHE_MAX:
@@ -528,7 +494,16 @@ def compiled_call(
         rebuilt = _closure_variants(key)
     if rebuilt >= REBUILD_WARN_AT:
         _warn_rebuilt(call, f, rebuilt)
-    name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}"
+    if recompiles >= REBUILD_WARN_AT:
+        _warn_eager(call, f, f"the compiled program was recompiled {recompiles} times for "
+                             f"the same function, options and input signature: something "
+                             f"the function reads besides its arguments and closure (a "
+                             f"global, an attribute of an object or module, a module hook) "
+                             f"changed before each of those calls, and each change needs "
+                             f"a new program, checked against the eager call. Pass what "
+                             f"changes as an argument (a tensor) to compile one program")
+        return result
+    name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}_{recompiles}"
     modules = modules_reached(f)
     seen: set[int] = set()  # the first call only: a copy of the parameters f reaches
     params = Watched(params=[("", p) for m in modules for p in m.parameters()
@@ -537,8 +512,8 @@ def compiled_call(
         with _HOOK_GUARDS, buffers_kept(f, modules):  # build() may call f
             built = build()
             built, fresh = built if isinstance(built, Built) else (built, tuple)
-            program = torch.compile(_own_code(_on_copies(built, len(args)), name),
-                                    fullgraph=True, dynamic=False)
+            own = _own_code(_on_copies(built, len(args)), name)
+            program = torch.compile(own, fullgraph=True, dynamic=False)
             got = program(f, *args, *fresh())
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
         if passes_through(err):
@@ -558,6 +533,7 @@ def compiled_call(
         _warn_eager(call, f, why)
         return result
     entry.fresh = fresh
+    entry.code = own.__code__
     entry.run = program
     return result
 

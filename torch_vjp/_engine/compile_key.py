@@ -1,0 +1,122 @@
+"""The cache key of a compiled entry (NOTE [compiled Jacobians] in
+:mod:`torch_vjp._engine.compiled`): what identifies the program a function traces to, and the
+signature of a call's arguments and of the global state a traced program bakes in."""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["program_key", "call_signature", "global_state"]
+
+
+def program_key(f: object, *, passed: bool = False, depth: int = 3) -> object:
+    """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians]).
+
+    With ``passed`` (``f`` is an argument of the compiled program, which reads its closure
+    on every call), a tensor that a function's closure or defaults hold counts by its
+    signature, numbers and strings by value, and a function they hold (``depth`` levels
+    deep) by its own key: a lambda over a new batch each step, or over a loss made for
+    each batch, finds its entry again. Otherwise (``f`` baked into the program) everything
+    counts by identity."""
+    if isinstance(f, functools.partial):
+        return ("partial", program_key(f.func), tuple(map(id, f.args)),
+                tuple((k, id(v)) for k, v in sorted(f.keywords.items())))
+    if isinstance(f, types.MethodType):
+        return ("method", f.__func__, id(f.__self__))
+    if isinstance(f, types.FunctionType):
+        if passed:
+            def held(v: object) -> object:
+                if isinstance(v, types.FunctionType) and depth > 1:
+                    return program_key(v, passed=True, depth=depth - 1)
+                return _leaf_signature(v)
+        else:
+            held = id
+        cells = tuple(held(c.cell_contents) if _filled(c) else None
+                      for c in (f.__closure__ or ()))
+        defaults = tuple(map(held, f.__defaults__ or ()))
+        return ("function", f.__code__, cells, defaults)
+    return ("object", id(f))
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _leaf_signature(v: object) -> object:
+    if isinstance(v, Tensor):
+        return ("T", tuple(v.shape), v.dtype, v.device, v.layout, v.requires_grad,
+                type(v))
+    if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype)):
+        return (type(v), v)
+    return ("id", id(v))
+
+
+class _NotPlain(Exception):
+    """A container that only pytree knows how to flatten."""
+
+
+def _plain_signature(v: object) -> object:
+    """The signature of tensors (and numbers) nested in plain tuples, lists and dicts with
+    string keys: what ``tree_flatten`` and the spec's hash would give apart, at a fraction of
+    their cost (a dict of parameters is a common primal). Raises ``_NotPlain`` for any other
+    container (a namedtuple, an OrderedDict, a registered pytree node)."""
+    kind = type(v)
+    if kind is tuple or kind is list:
+        return (kind, tuple([_plain_signature(x) for x in v]))  # type: ignore[attr-defined]
+    if kind is dict:
+        if not all(type(k) is str for k in v):  # type: ignore[attr-defined]
+            raise _NotPlain
+        return (dict, tuple([(k, _plain_signature(x))
+                             for k, x in v.items()]))  # type: ignore[attr-defined]
+    if isinstance(v, Tensor) or v is None or kind in (bool, int, float, complex, str):
+        return _leaf_signature(v)
+    raise _NotPlain
+
+
+def call_signature(args: tuple[Any, ...]) -> object:
+    """The signature of a call's arguments (tensors by shape, dtype, device, layout and
+    ``requires_grad``; other values by equality, or identity), with the state that changes
+    what a traced program computes without being an argument: grad mode, autocast, and the
+    global module hooks (:func:`global_state`)."""
+    return (_arguments(args), global_state())
+
+
+def global_state() -> object:
+    """Grad mode, autocast (enabled, and its dtype, per device type), and the keys of the
+    global module hook dicts (``nn.modules.module.register_module_forward_hook`` and its
+    kin): what a compiled program bakes in, and the first-call check must see again when
+    it changes (NOTE [compiled Jacobians]). A few microseconds."""
+    cast = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
+    hooks = tuple(tuple(h) for h in _global_hook_dicts())
+    return torch.is_grad_enabled(), cast, hooks
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _global_hook_dicts() -> tuple[dict[Any, Any], ...]:
+    m = torch.nn.modules.module
+    return (m._global_forward_pre_hooks, m._global_forward_hooks,  # noqa: SLF001
+            m._global_backward_pre_hooks, m._global_backward_hooks)  # noqa: SLF001
+
+
+def _arguments(args: tuple[Any, ...]) -> object:
+    if all(type(a) is Tensor for a in args):  # the common case, without pytree's cost
+        return tuple((a.shape, a.dtype, a.device, a.layout, a.requires_grad) for a in args)
+    try:
+        return ("plain", _plain_signature(args))
+    except _NotPlain:
+        pass
+    leaves, spec = tree_flatten(args)
+    return (spec, tuple(map(_leaf_signature, leaves)))
