@@ -936,3 +936,40 @@ def test_a_compiled_vjp_fn_keeps_the_point_when_a_number_f_reads_changes(holder)
         torch.testing.assert_close(compiled(v)[0].detach(), want)
     finally:
         _CFG.k = 2.0
+
+
+def _batch_loss(w, batch):
+    return torch.tanh(batch @ w).pow(2).sum()
+
+
+def test_a_partial_over_a_new_batch_each_call_reuses_one_program():
+    import functools
+
+    w = torch.randn(4, dtype=D)
+    for _ in range(4):
+        batch = torch.randn(5, 4, dtype=D)
+        f = functools.partial(_batch_loss, batch=batch)
+        torch.testing.assert_close(tv.jacobian(f, w, compile=True),
+                                   torch.func.jacrev(f)(w))
+    assert _frames() == 1
+
+
+def test_a_partial_over_new_objects_each_call_is_warned_once():
+    import functools
+
+    from torch_vjp._engine.compiled import REBUILD_WARN_AT
+
+    w = torch.randn(4, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(REBUILD_WARN_AT + 1):
+            data = {"batch": torch.randn(5, 4, dtype=D)}  # a new dict: known by identity
+            f = functools.partial(lambda w, data: _batch_loss(w, data["batch"]), data=data)
+            torch.testing.assert_close(tv.jacobian(f, w, compile=True),
+                                       torch.func.jacrev(f)(w))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(msgs) == 1, msgs
+    assert f"torch_vjp.jacobian: compile=True has compiled" in msgs[0]
+    assert f"{REBUILD_WARN_AT} times for the same argument signature" in msgs[0]
+    assert "or a partial's arguments) holds new objects" in msgs[0]
+    assert "Fix: pass what changes from call to call as an argument" in msgs[0]

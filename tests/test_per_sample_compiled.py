@@ -186,3 +186,44 @@ def test_inside_users_torch_compile_against_the_loop(name):
         c = (0.5 / ref_norms).clamp(max=1.0)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]))
+
+
+@pytest.mark.parametrize("loss", ["module_per_step", "lambda_over_weights"])
+def test_a_loss_made_for_each_batch_reuses_one_program(loss):
+    import torch.nn.functional as F
+
+    model = _model()
+    for _ in range(3):
+        x, y = torch.randn(6, 2, 6, 6, dtype=D), torch.randint(0, 3, (6,))
+        if loss == "module_per_step":
+            loss_fn = nn.CrossEntropyLoss()
+        else:  # (per-batch class weights, a new tensor of one signature each step)
+            w = torch.bincount(y, minlength=3).to(D).clamp(min=1).reciprocal()
+            loss_fn = lambda o, t: F.cross_entropy(o, t, weight=w)  # noqa: E731
+        got = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
+        ref = _loop(model, loss_fn, x, y)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_loss_over_new_objects_each_batch_is_warned_once_with_the_fix():
+    import torch.nn.functional as F
+
+    from torch_vjp._engine.compiled import REBUILD_WARN_AT
+
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=D), torch.tensor([0, 1, 1, 0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(REBUILD_WARN_AT + 1):
+            opts = {"reduction": "sum"}  # a new dict each step: known by identity
+            loss_fn = lambda o, t: F.cross_entropy(o, t, **opts)  # noqa: E731
+            got = tv.per_sample_grad_norms(model, loss_fn, x, y, compile=True)
+            torch.testing.assert_close(got, tv.per_sample_grad_norms(model, loss_fn, x, y))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(msgs) == 1, msgs
+    assert ("torch_vjp.per_sample_grad_norms: compile=True has compiled the loss function "
+            "of Linear") in msgs[0]
+    assert "each call passed a new function whose closure" in msgs[0]
+    assert "Fix: define the loss function once, outside the loop" in msgs[0]

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["program_key", "call_signature", "global_state"]
+__all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem"]
 
 
 def program_key(f: object, *, passed: bool = False, depth: int = 3) -> object:
@@ -21,27 +22,43 @@ def program_key(f: object, *, passed: bool = False, depth: int = 3) -> object:
     With ``passed`` (``f`` is an argument of the compiled program, which reads its closure
     on every call), a tensor that a function's closure or defaults hold counts by its
     signature, numbers and strings by value, and a function they hold (``depth`` levels
-    deep) by its own key: a lambda over a new batch each step, or over a loss made for
-    each batch, finds its entry again. Otherwise (``f`` baked into the program) everything
-    counts by identity."""
-    if isinstance(f, functools.partial):
-        return ("partial", program_key(f.func), tuple(map(id, f.args)),
-                tuple((k, id(v)) for k, v in sorted(f.keywords.items())))
+    deep) by its own key (:func:`held_key`), and so do the arguments of a ``partial``: a
+    lambda or a ``partial`` over a new batch each step, or over a loss made for each batch,
+    finds its entry again. Otherwise (``f`` baked into the program) everything counts by
+    identity."""
+    held: Callable[[object], object] = (
+        (lambda v: held_key(v, depth - 1)) if passed else id)
+    if isinstance(f, functools.partial):  # (dynamo reads its arguments as it reads a closure)
+        inner = program_key(f.func, passed=passed, depth=depth - 1) if passed else program_key(
+            f.func)
+        return ("partial", inner, tuple(map(held, f.args)),
+                tuple((k, held(v)) for k, v in sorted(f.keywords.items())))
     if isinstance(f, types.MethodType):
         return ("method", f.__func__, id(f.__self__))
     if isinstance(f, types.FunctionType):
-        if passed:
-            def held(v: object) -> object:
-                if isinstance(v, types.FunctionType) and depth > 1:
-                    return program_key(v, passed=True, depth=depth - 1)
-                return _leaf_signature(v)
-        else:
-            held = id
         cells = tuple(held(c.cell_contents) if _filled(c) else None
                       for c in (f.__closure__ or ()))
         defaults = tuple(map(held, f.__defaults__ or ()))
         return ("function", f.__code__, cells, defaults)
     return ("object", id(f))
+
+
+def held_key(v: object, depth: int = 2) -> object:
+    """What a value passed to a compiled program (or held by the closure or ``partial`` of
+    one) counts as in its key: a tensor by its signature, numbers and strings by value, a
+    function or ``partial`` (``depth`` levels deep) by :func:`program_key`, a module without
+    parameters or submodules (a loss, ``nn.CrossEntropyLoss()`` made for each batch) by its
+    type, attributes and buffers; anything else by identity. Dynamo reads such values on
+    every call, so a new one of the same key runs the same program."""
+    if depth >= 1 and isinstance(v, (types.FunctionType, functools.partial)):
+        return program_key(v, passed=True, depth=depth)
+    if (isinstance(v, torch.nn.Module) and not v._parameters and not v._modules
+            and type(v).forward is not torch.nn.Module.forward):
+        attrs = tuple((k, _leaf_signature(x)) for k, x in v.__dict__.items()
+                      if not k.startswith("_"))
+        buffers = tuple((k, _leaf_signature(x)) for k, x in v._buffers.items())
+        return ("module", type(v), attrs, buffers)
+    return _leaf_signature(v)
 
 
 def _filled(cell: Any) -> bool:
@@ -120,3 +137,17 @@ def _arguments(args: tuple[Any, ...]) -> object:
         pass
     leaves, spec = tree_flatten(args)
     return (spec, tuple(map(_leaf_signature, leaves)))
+
+
+def key_stem(key: object) -> object:
+    """``key`` with what the closures, defaults and ``partial`` arguments of the functions
+    in it hold left out: the keys of one function written anew for each call, over new
+    objects, share a stem (the warning of ``_closure_variants`` in
+    :mod:`torch_vjp._engine.compiled`)."""
+    if type(key) is not tuple:
+        return key
+    if key and key[0] == "function" and len(key) == 4:
+        return ("function", key[1])
+    if key and key[0] == "partial" and len(key) == 4:
+        return ("partial", key_stem(key[1]), len(key[2]), tuple(k for k, _ in key[3]))
+    return tuple(key_stem(k) for k in key)

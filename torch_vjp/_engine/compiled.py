@@ -81,7 +81,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_vjp._engine.compile_key import call_signature, program_key
+from torch_vjp._engine.compile_key import call_signature, held_key, key_stem, program_key
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        modules_reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
@@ -299,17 +299,16 @@ REBUILD_WARN_AT = 8
 
 
 def _closure_variants(key: tuple[Any, ...]) -> int:
-    """How many cached entries differ from ``key`` only in what a function's closure cells
-    (or defaults) hold (the same code, options and argument signature), or 0 if one of them
-    was ever found again (under ``_LOCK``)."""
-    call, pk, options, signature = key
-    if not (isinstance(pk, tuple) and pk and pk[0] == "function"):
+    """How many cached entries differ from ``key`` only in what the closure cells (or
+    defaults, or a ``partial``'s arguments) of a function in it hold (the same code, options
+    and argument signature): ``f`` itself, or a loss function of the per-sample functions;
+    or 0 if one of them was ever found again (under ``_LOCK``)."""
+    stem = key_stem(key)
+    if stem == key:
         return 0
-    code = pk[1]
     count = 0
     for k, entry in _CACHE.items():
-        if (k[0] == call and k[2] == options and k[3] == signature
-                and isinstance(k[1], tuple) and k[1][0] == "function" and k[1][1] is code):
+        if key_stem(k) == stem:
             if entry.reused:
                 return 0
             count += 1
@@ -319,7 +318,14 @@ def _closure_variants(key: tuple[Any, ...]) -> int:
 def _warn_rebuilt(call: str, f: object, count: int) -> None:
     name = getattr(f, "__qualname__", None) or type(f).__name__
     short = call.split(".")[-1]
-    if short in ("jacobian", "hessian"):
+    per_sample = short.startswith("per_sample") or short == "accumulate_clipped_grads"
+    if per_sample:
+        name = f"the loss function of {name}"
+        fix = ("define the loss function once, outside the loop (a loss module, or a "
+               "function of the output and targets), and pass what changes from batch to "
+               "batch as tensors: in targets (a tuple or dict of tensors), or in a tensor "
+               "the loss function holds")
+    elif short in ("jacobian", "hessian"):
         fix = (f"pass what changes from call to call as an argument that is not "
                f"differentiated: {short}(lambda w, batch: loss(w, batch), w, batch, "
                f"argnums=0) rather than {short}(lambda w: loss(w, batch), w)")
@@ -330,9 +336,10 @@ def _warn_rebuilt(call: str, f: object, count: int) -> None:
     warn_once(
         ("compile-rebuilt", call, getattr(f, "__code__", None)),
         f"{call}: compile=True has compiled {name} {count} times for the same argument "
-        f"signature, because each call passed a new function whose closure (or defaults) "
-        f"holds new objects. A compiled program is kept per function and what its closure "
-        f"holds, so each such call runs eagerly and then compiles again (a fraction of a "
+        f"signature, because each call passed a new function whose closure (or defaults, "
+        f"or a partial's arguments) holds new objects. A compiled program is kept per "
+        f"function and what its closure holds (new objects count by identity), so each "
+        f"such call runs eagerly and then compiles again (a fraction of a "
         f"second to seconds): far slower than compile=False.\n"
         f"  Fix: {fix}, so that one compiled program serves every call. This warning is "
         f"shown once.",
@@ -400,9 +407,10 @@ def compiled_call(
     args: tuple[Any, ...],
     eager: Callable[[], Any],
     build: Callable[[], Callable[..., Any]],
+    passed: tuple[Any, ...] = (),
 ) -> Any:
-    """The result of ``program(f, *args)`` compiled, cached per ``f``, ``options`` and the
-    signature of ``args``; see NOTE [compiled Jacobians].
+    """The result of ``program(f, *args, *passed)`` compiled, cached per ``f``, ``options``,
+    the signature of ``args`` and the keys of ``passed``; see NOTE [compiled Jacobians].
 
     Args:
         call: the public name, for messages.
@@ -418,8 +426,15 @@ def compiled_call(
             in place stays there, as on the eager path. It must compute with the ``f`` it
             is given, never with one it captured: a later call passes its own ``f``, whose
             closure may hold other tensors of the same signature.
+        passed: functions the program calls beside ``f`` (the per-sample functions' loss),
+            keyed as ``f``'s closure is (:func:`~torch_vjp._engine.compile_key.held_key`):
+            one made anew for each call, over new tensors of the same signature, runs the
+            same program. The program takes them after ``args``.
     """
+    if passed:
+        options = (*options, tuple(map(held_key, passed)))
     key = (call, program_key(f, passed=True), options, call_signature(args))
+    args = (*args, *passed)
     try:
         hash(key)
     except TypeError:  # (an option given as a list, argnums=[0, 1]: the eager call says

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
-from torch_vjp._engine.compiled import compiled_call, program_key
+from torch_vjp._engine.compiled import compiled_call
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.fallback import functional_state
 from torch_vjp._per_sample.factors import sq_norms_rows
@@ -47,10 +47,11 @@ def run_compiled(
     """The compiled result of ``kind`` (``"grads"``: the named dict; ``"norms"``: ``(B,)``;
     ``"clipped"``: ``(norms, sums)`` with the sums by canonical name, not yet added)."""
     sel = job.sel
-    options = (kind, program_key(job.loss_fn), tuple(sel.names), job.strategy, chunk,
-               max_norm, sel.training, tuple(map(id, sel.tensors.values())))
+    options = (kind, tuple(sel.names), job.strategy, chunk, max_norm, sel.training,
+               tuple(map(id, sel.tensors.values())))
     return compiled_call(f"torch_vjp.{job.fn}", job.model, options, (job.xs, job.targets),
-                         eager, lambda: _program(kind, job, chunk, max_norm))
+                         eager, lambda: _program(kind, job, chunk, max_norm),
+                         passed=(job.loss_fn,))
 
 
 def run_traced(
@@ -66,7 +67,7 @@ def run_traced(
     job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
     if not compilable(job):
         return None
-    out = _program(kind, job, chunk, max_norm)(job.model, job.xs, job.targets)
+    out = _program(kind, job, chunk, max_norm)(job.model, job.xs, job.targets, job.loss_fn)
     if kind == "grads":  # (each name its own tensor, as the eager result: tied parameters)
         seen: set[int] = set()
         own = {}
@@ -82,14 +83,15 @@ def run_traced(
 
 def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
              ) -> Callable[..., Any]:
-    loss_fn, fn, sel = job.loss_fn, job.fn, job.sel
+    fn, sel = job.fn, job.sel
     keys = list(sel.tensors)
     names, key_of = list(sel.names), dict(sel.key_of)
 
     # (compiled_call passes the model first: the same object, its identity is in the key;
     # the program reads it from there, so that the cache does not keep the model alive; the
-    # loss function is baked in, so the options key it by identity)
-    def program(model: nn.Module, xs: tuple[Tensor, ...], targets: Any) -> Any:
+    # loss function last, keyed as a closure is, so that a loss made for each batch, or a
+    # lambda over per-batch weights, runs the same program)
+    def program(model: nn.Module, xs: tuple[Tensor, ...], targets: Any, loss_fn: Any) -> Any:
         def one(d: dict[str, Tensor], state: dict[str, Any], xi: tuple[Tensor, ...],
                 ti: Any) -> Tensor:
             out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
