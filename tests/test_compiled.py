@@ -973,3 +973,40 @@ def test_a_partial_over_new_objects_each_call_is_warned_once():
     assert f"{REBUILD_WARN_AT} times for the same argument signature" in msgs[0]
     assert "or a partial's arguments) holds new objects" in msgs[0]
     assert "Fix: pass what changes from call to call as an argument" in msgs[0]
+
+
+def _compile_warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)
+            and "compile=True" in str(w.message)]
+
+
+@pytest.mark.parametrize("cause", ["randn", "dropout", "in_place"])
+def test_a_fallback_warning_names_the_likely_cause(cause):
+    x, t = torch.randn(3, dtype=D), torch.ones(3, dtype=D)
+    if cause == "randn":
+        msgs = _compile_warnings(lambda: tv.jvp(lambda a: a * torch.randn(3, dtype=D), (x,),
+                                                (t,), compile=True))
+    elif cause == "dropout":
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(5, 3)).double().train()
+        msgs = _compile_warnings(lambda: tv.per_sample_grads(
+            m, torch.nn.CrossEntropyLoss(), torch.randn(6, 4, dtype=D),
+            torch.randint(0, 3, (6,)), compile=True))
+    else:
+        xx = x.clone()
+        msgs = _compile_warnings(lambda: tv.jvp(lambda a: a.mul_(2).sin(), (xx,), (t,),
+                                                compile=True))
+    assert len(msgs) == 1, msgs
+    assert "compile=True could not compile the computation" in msgs[0]
+    assert "Why: the compiled result differs from the eager one" in msgs[0]
+    if cause == "in_place":
+        assert "The function wrote into its input in place" in msgs[0]
+        assert "Fix: write into a copy inside the function (x = x.clone()" in msgs[0]
+    else:
+        assert "The function draws random numbers" in msgs[0]
+        assert "Fix: draw the random numbers outside and pass them in as an argument" in msgs[0]
+

@@ -15,8 +15,10 @@ one graph.
   options and input signature runs the eager call (every check of the eager path, every
   error it raises, untouched), then compiles the plain form with ``fullgraph=True`` and runs
   it, and compares the two results. If compiling fails, or the results differ beyond
-  rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why and that signature stays
-  eager; otherwise later calls with that signature run the compiled program only. The first
+  rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why (naming the likely
+  cause where the eager call drew random numbers or wrote into its input:
+  :class:`~torch_vjp._engine.compile_checks.FirstRun`) and that signature stays eager;
+  otherwise later calls with that signature run the compiled program only. The first
   call returns the eager result; so does a later call that makes dynamo recompile the
   entry (NOTE [a recompiled entry]).
 * A compiled program runs as the eager call does, inside ``buffers_kept(f)``: a module in
@@ -79,14 +81,14 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
+from torch_vjp._engine.compile_checks import FirstRun, results_agree, warn_eager, warn_rebuilt
 from torch_vjp._engine.compile_key import call_signature, held_key, key_stem, program_key
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        modules_reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
-from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
@@ -262,35 +264,6 @@ def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return types.FunctionType(code, run.__globals__, name, None, run.__closure__)
 
 
-def results_agree(ref: Any, got: Any) -> str | None:
-    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1;
-    integer tensors exactly); else what differs. The compiled result against the eager first
-    call, and a compiled ``vjp_fn``'s forward output against the vjp point's."""
-    ref_leaves, ref_spec = tree_flatten(ref)
-    got_leaves, got_spec = tree_flatten(got)
-    if ref_spec != got_spec:
-        return f"the results have different structures ({ref_spec} and {got_spec})"
-    for a, b in zip(ref_leaves, got_leaves):
-        if not isinstance(a, Tensor):
-            continue
-        if not isinstance(b, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-            return "the results have different shapes or dtypes"
-        if a.numel() == 0:
-            continue
-        if not (a.is_floating_point() or a.is_complex()):
-            if not torch.equal(a, b):
-                return "the results' integer entries differ"
-            continue
-        a, b = a.detach(), b.detach()
-        rtol = tolerance(a.real.dtype)  # sqrt(eps), as the Hessian's symmetry check
-        scale = float(a.abs().max())
-        diff = float((a - b).abs().max())
-        if not diff <= rtol * max(scale, 1.0):
-            return (f"the compiled result differs from the eager one by up to {diff:.3g} "
-                    f"at a scale of {scale:.3g}")
-    return None
-
-
 #: A function compiled this many times, for one argument signature, because each call's
 #: closure held new objects, and no such program ever used again, is warned about (see
 #: :func:`_warn_rebuilt`). Several functions of one code that are each reused (one closure
@@ -313,51 +286,6 @@ def _closure_variants(key: tuple[Any, ...]) -> int:
                 return 0
             count += 1
     return count
-
-
-def _warn_rebuilt(call: str, f: object, count: int) -> None:
-    name = getattr(f, "__qualname__", None) or type(f).__name__
-    short = call.split(".")[-1]
-    per_sample = short.startswith("per_sample") or short == "accumulate_clipped_grads"
-    if per_sample:
-        name = f"the loss function of {name}"
-        fix = ("define the loss function once, outside the loop (a loss module, or a "
-               "function of the output and targets), and pass what changes from batch to "
-               "batch as tensors: in targets (a tuple or dict of tensors), or in a tensor "
-               "the loss function holds")
-    elif short in ("jacobian", "hessian"):
-        fix = (f"pass what changes from call to call as an argument that is not "
-               f"differentiated: {short}(lambda w, batch: loss(w, batch), w, batch, "
-               f"argnums=0) rather than {short}(lambda w: loss(w, batch), w)")
-    else:
-        fix = ("define the function once, outside the loop, and let it read what changes "
-               "from an object that stays the same (a module, or a dict whose entries you "
-               "replace), or pass the changing tensors as arguments")
-    warn_once(
-        ("compile-rebuilt", call, getattr(f, "__code__", None)),
-        f"{call}: compile=True has compiled {name} {count} times for the same argument "
-        f"signature, because each call passed a new function whose closure (or defaults, "
-        f"or a partial's arguments) holds new objects. A compiled program is kept per "
-        f"function and what its closure holds (new objects count by identity), so each "
-        f"such call runs eagerly and then compiles again (a fraction of a "
-        f"second to seconds): far slower than compile=False.\n"
-        f"  Fix: {fix}, so that one compiled program serves every call. This warning is "
-        f"shown once.",
-        JacobianWarning,
-    )
-
-
-def _warn_eager(call: str, f: object, why: str) -> None:
-    name = getattr(f, "__qualname__", None) or type(f).__name__
-    warn_once(
-        ("compile-fallback", call, program_key(f), why),
-        f"{call}: compile=True could not compile the computation for {name}, so it runs "
-        f"eagerly for this input signature.\n"
-        f"  Why: {why}\n"
-        f"  The eager result is exact; only the speed-up is lost. Pass compile=False to "
-        f"skip the attempt. This warning is shown once.",
-        JacobianWarning,
-    )
 
 
 class _HookGuards:
@@ -461,7 +389,7 @@ def compiled_call(
             raise
         result = eager()  # f's own errors propagate from here, untouched
         entry.run = None
-        _warn_eager(call, f, quote_error(err))
+        warn_eager(call, f, quote_error(err))
         return result
     if not recompiled:
         return got
@@ -499,7 +427,9 @@ def _first_call(
 ) -> Any:
     """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
     of that key): the eager result, and the entry compiled, checked against it, or eager."""
+    run = FirstRun(args)
     result = eager()  # the checks, and f's own errors, of the eager path
+    run.after_eager()
     entry = _Entry(f)
     entry.recompiles = recompiles
     with _LOCK:
@@ -508,9 +438,9 @@ def _first_call(
             _CACHE.popitem(last=False)
         rebuilt = _closure_variants(key)
     if rebuilt >= REBUILD_WARN_AT:
-        _warn_rebuilt(call, f, rebuilt)
+        warn_rebuilt(call, f, rebuilt)
     if recompiles >= REBUILD_WARN_AT:
-        _warn_eager(call, f, f"the compiled program was recompiled {recompiles} times for "
+        warn_eager(call, f, f"the compiled program was recompiled {recompiles} times for "
                              f"the same function, options and input signature: something "
                              f"the function reads besides its arguments and closure (a "
                              f"global, an attribute of an object or module, a module hook) "
@@ -534,18 +464,18 @@ def _first_call(
         if passes_through(err):
             raise
         params.restore()
-        _warn_eager(call, f, quote_error(err))
+        warn_eager(call, f, quote_error(err))
         return result
     if params.restore():
         # (the eager path puts back what a forward changes in place; a compiled program
         # cannot, so this signature stays eager)
-        _warn_eager(call, f, "the function changes a parameter in place (an Embedding with "
+        warn_eager(call, f, "the function changes a parameter in place (an Embedding with "
                              "max_norm, a no-grad update in a forward), which the compiled "
                              "program cannot put back as the eager call does")
         return result
     why = results_agree(result, got)
     if why is not None:
-        _warn_eager(call, f, why)
+        warn_eager(call, f, run.why(why))
         return result
     entry.fresh = fresh
     entry.code = own.__code__

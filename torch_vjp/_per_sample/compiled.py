@@ -9,8 +9,14 @@ the norms, the clip factors and the clipped sums: torch.compile fuses those with
 per-sample gradients. The eager call (any strategy) runs first and checks every argument;
 its result and the compiled one are compared on the first call of a signature. The model's
 parameters are read inside the program, so an optimizer's in-place updates are seen without
-recompiling. What runs eagerly: an empty batch, a model wrapped in DistributedDataParallel,
+recompiling. The loss function is an argument of the program, keyed as a closure is
+(:func:`~torch_vjp._engine.compile_key.held_key`): a loss module made for each batch runs the
+same program. What runs eagerly: an empty batch, a model wrapped in DistributedDataParallel,
 and a sparse Embedding (its sparse gradient has no compiled form here).
+
+Inside the user's own ``torch.compile``, the per-sample functions return the same program's
+result (:func:`run_traced`), traced by the user's compile, as the Jacobian functions return
+their plain forms (NOTE [compiled Jacobians]).
 """
 
 from __future__ import annotations

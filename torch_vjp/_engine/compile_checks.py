@@ -1,0 +1,134 @@
+"""What the first call of a compiled entry compares and says (NOTE [compiled Jacobians] in
+:mod:`torch_vjp._engine.compiled`): whether the compiled result agrees with the eager one,
+the likely cause where it does not, and the warnings of ``compile=True``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from torch_vjp._engine.compile_key import program_key
+from torch_vjp._engine.fwdcheck import tolerance
+from torch_vjp._engine.point import versions_of
+from torch_vjp._errors import JacobianWarning, warn_once
+
+__all__ = ["results_agree", "FirstRun", "warn_rebuilt", "warn_eager"]
+
+
+def results_agree(ref: Any, got: Any) -> str | None:
+    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1;
+    integer tensors exactly); else what differs. The compiled result against the eager first
+    call, and a compiled ``vjp_fn``'s forward output against the vjp point's."""
+    ref_leaves, ref_spec = tree_flatten(ref)
+    got_leaves, got_spec = tree_flatten(got)
+    if ref_spec != got_spec:
+        return f"the results have different structures ({ref_spec} and {got_spec})"
+    for a, b in zip(ref_leaves, got_leaves):
+        if not isinstance(a, Tensor):
+            continue
+        if not isinstance(b, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return "the results have different shapes or dtypes"
+        if a.numel() == 0:
+            continue
+        if not (a.is_floating_point() or a.is_complex()):
+            if not torch.equal(a, b):
+                return "the results' integer entries differ"
+            continue
+        a, b = a.detach(), b.detach()
+        rtol = tolerance(a.real.dtype)  # sqrt(eps), as the Hessian's symmetry check
+        scale = float(a.abs().max())
+        diff = float((a - b).abs().max())
+        if not diff <= rtol * max(scale, 1.0):
+            return (f"the compiled result differs from the eager one by up to {diff:.3g} "
+                    f"at a scale of {scale:.3g}")
+    return None
+
+
+class FirstRun:
+    """What the eager run of a first call did besides its result, for the warning where the
+    compiled result differs from it: whether it drew random numbers from the global
+    generators, and whether it wrote into the caller's tensors in ``args``. Made before the
+    eager run; :meth:`after_eager` right after it."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.tensors = tuple(t for t in tree_leaves(args) if isinstance(t, Tensor))
+        self.versions = versions_of(self.tensors)
+        self.rng = _rng_states()
+        self.drew = self.wrote = False
+
+    def after_eager(self) -> None:
+        self.wrote = versions_of(self.tensors) != self.versions
+        now = _rng_states()
+        self.drew = len(now) != len(self.rng) or not all(
+            torch.equal(a, b) for a, b in zip(now, self.rng))
+
+    def why(self, differ: str) -> str:
+        """``differ`` (what :func:`results_agree` said), with its likely cause and fix."""
+        if self.wrote:
+            return (f"{differ}. The function wrote into its input in place (the caller's "
+                    f"tensor changed during the eager call), so the compiled run started "
+                    f"from the changed values. Fix: write into a copy inside the function "
+                    f"(x = x.clone() before x.mul_(2)), or use the out-of-place operation")
+        if self.drew:
+            return (f"{differ}. The function draws random numbers (torch.randn, dropout in "
+                    f"training mode: the global random generator moved during the eager "
+                    f"call), and the compiled run drew others, so no two runs agree. Fix: "
+                    f"draw the random numbers outside and pass them in as an argument "
+                    f"(f(x, noise) with noise = torch.randn(...)), or put the model in eval "
+                    f"mode for the call")
+        return differ
+
+
+def _rng_states() -> list[Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def warn_rebuilt(call: str, f: object, count: int) -> None:
+    name = getattr(f, "__qualname__", None) or type(f).__name__
+    short = call.split(".")[-1]
+    per_sample = short.startswith("per_sample") or short == "accumulate_clipped_grads"
+    if per_sample:
+        name = f"the loss function of {name}"
+        fix = ("define the loss function once, outside the loop (a loss module, or a "
+               "function of the output and targets), and pass what changes from batch to "
+               "batch as tensors: in targets (a tuple or dict of tensors), or in a tensor "
+               "the loss function holds")
+    elif short in ("jacobian", "hessian"):
+        fix = (f"pass what changes from call to call as an argument that is not "
+               f"differentiated: {short}(lambda w, batch: loss(w, batch), w, batch, "
+               f"argnums=0) rather than {short}(lambda w: loss(w, batch), w)")
+    else:
+        fix = ("define the function once, outside the loop, and let it read what changes "
+               "from an object that stays the same (a module, or a dict whose entries you "
+               "replace), or pass the changing tensors as arguments")
+    warn_once(
+        ("compile-rebuilt", call, getattr(f, "__code__", None)),
+        f"{call}: compile=True has compiled {name} {count} times for the same argument "
+        f"signature, because each call passed a new function whose closure (or defaults, "
+        f"or a partial's arguments) holds new objects. A compiled program is kept per "
+        f"function and what its closure holds (new objects count by identity), so each "
+        f"such call runs eagerly and then compiles again (a fraction of a "
+        f"second to seconds): far slower than compile=False.\n"
+        f"  Fix: {fix}, so that one compiled program serves every call. This warning is "
+        f"shown once.",
+        JacobianWarning,
+    )
+
+
+def warn_eager(call: str, f: object, why: str) -> None:
+    name = getattr(f, "__qualname__", None) or type(f).__name__
+    warn_once(
+        ("compile-fallback", call, program_key(f), why),
+        f"{call}: compile=True could not compile the computation for {name}, so it runs "
+        f"eagerly for this input signature.\n"
+        f"  Why: {why}\n"
+        f"  The eager result is exact; only the speed-up is lost. Pass compile=False to "
+        f"skip the attempt. This warning is shown once.",
+        JacobianWarning,
+    )
