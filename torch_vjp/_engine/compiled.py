@@ -100,8 +100,8 @@ from torch_vjp._strategies import Strategy, get_strategy
 
 __all__ = [
     "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
-    "plain_context", "in_plain_context", "warn_budget", "check_compile", "program_key", "compiled_call", "tracing",
-    "clear_cache", "compiled_jacobian", "results_agree",
+    "plain_context", "in_plain_context", "warn_budget", "check_compile", "program_key",
+    "compiled_call", "tracing", "clear_cache", "compiled_jacobian", "results_agree",
 ]
 
 #: Compiled entries kept (each holds a compiled program and the function it calls).
