@@ -63,7 +63,11 @@ from torch_vjp._backward_checked import (
 )
 from torch_vjp._checked_scope import (
     _GENUINE,
+    _GENUINE_BACKWARD,
+    _GENUINE_FUNC_VJP,
     _GENUINE_GRAD,
+    _GENUINE_NODE_APPLY,
+    _GENUINE_NODE_APPLY_BOXED,
     _GENUINE_TENSOR_BACKWARD,
     _HAS_APPLY_BOXED,
     _SCOPE,
@@ -71,7 +75,7 @@ from torch_vjp._checked_scope import (
     _active,
     _arbitrate,
     _checks_backwards,
-    _guarded,
+    _Guarded,
     _in_flight_pass,
     _process_wide,
     _Scope,
@@ -106,7 +110,8 @@ __all__ = ["checked", "install_from_environment"]
 _TORCH_GRAD = GRAD.replace(call="torch.autograd.grad")
 _TORCH_BACKWARD = BACKWARD.replace(call="torch.autograd.backward")
 # What each wrapper calls: what it replaced when it was installed (torch's own function by
-# default), guarded where that is another library's patch (NOTE [patches of other libraries]).
+# default), guarded where that is another library's patch (NOTE [patches of other libraries],
+# in _checked_scope.py).
 _PREVIOUS: dict[str, Callable[..., Any]] = dict(_GENUINE)
 
 
@@ -120,6 +125,11 @@ def _wrapper(genuine: Callable[..., Any]) -> Callable[[Callable[..., Any]], Call
         return wrapped
 
     return mark
+
+
+def _passes(previous: Any, genuine: Callable[..., Any]) -> bool:
+    """Whether the call came back round from a patch beneath the wrapper (``_Guarded``)."""
+    return previous is not genuine and previous.round_again()
 
 
 def _compiling() -> bool:
@@ -143,7 +153,7 @@ def _checked_grad(
 ) -> Any:
     """``torch.autograd.grad``, checked in a checked scope."""
     previous = _PREVIOUS["grad"]
-    if _compiling() or not _active():
+    if _compiling() or not _active() or _passes(previous, _GENUINE_GRAD):
         return previous(outputs, inputs, grad_outputs, retain_graph, create_graph,
                         only_inputs, allow_unused, is_grads_batched, materialize_grads)
     with _in_flight_pass(), _engine_errors_explained():
@@ -163,7 +173,7 @@ def _checked_backward(
 ) -> None:
     """``torch.autograd.backward``, checked in a checked scope."""
     previous = _PREVIOUS["backward"]
-    if _compiling() or not _active():
+    if _compiling() or not _active() or _passes(previous, _GENUINE_BACKWARD):
         return previous(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
                         inputs=inputs)
     with _in_flight_pass(), _engine_errors_explained():
@@ -181,7 +191,8 @@ def _checked_tensor_backward(
 ) -> None:
     """``Tensor.backward``, checked in a checked scope."""
     previous = _PREVIOUS["tensor_backward"]
-    if _compiling() or not _active() or previous is not _GENUINE_TENSOR_BACKWARD:
+    if _compiling() or not _active() or (previous is not _GENUINE_TENSOR_BACKWARD
+                                         and not previous.reaches_torch()):
         return previous(self, gradient, retain_graph, create_graph, inputs=inputs)
     if has_torch_function((self,)):  # as torch's: overrides get what Tensor.backward names
         return handle_torch_function(
@@ -201,10 +212,11 @@ def _checked_tensor_backward(
 @_wrapper(_GENUINE["func_vjp"])
 def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Any:
     """``torch.func.vjp``, whose pullback checks its cotangents in a checked scope."""
-    if _compiling() or not _active():
-        return _PREVIOUS["func_vjp"](func, *primals, has_aux=has_aux)
+    previous = _PREVIOUS["func_vjp"]
+    if _compiling() or not _active() or _passes(previous, _GENUINE_FUNC_VJP):
+        return previous(func, *primals, has_aux=has_aux)
     recorded, connected = recording_connected(func, has_aux)
-    result = _PREVIOUS["func_vjp"](recorded, *primals, has_aux=has_aux)
+    result = previous(recorded, *primals, has_aux=has_aux)
     out, pullback = result[0], result[1]
 
     # The pullback of a checked vjp stays checked wherever it is called.
@@ -232,15 +244,21 @@ def _checked_func_vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = F
 def _checked_node_apply(self: Any, *args: Any) -> Any:
     """``BackwardCFunction.apply``: runs a custom Function's backward, then, in a checked
     scope, checks what it returned (NOTE [checked custom backwards])."""
+    previous = _PREVIOUS["node_apply"]
+    if previous is not _GENUINE_NODE_APPLY and previous.round_again():  # (_passes)
+        return previous(self, *args)
     # the user's backward: its errors pass through
-    return _checked_return(self, _PREVIOUS["node_apply"](self, *args))
+    return _checked_return(self, previous(self, *args))
 
 
 @_wrapper(_GENUINE["node_apply_boxed"])
 def _checked_node_apply_boxed(self: Any, *args: Any) -> Any:
     """``BackwardCFunction.apply_boxed`` (grads in one list that backward may empty), checked
     as ``apply`` is."""
-    return _checked_return(self, _PREVIOUS["node_apply_boxed"](self, *args))
+    previous = _PREVIOUS["node_apply_boxed"]
+    if previous is not _GENUINE_NODE_APPLY_BOXED and previous.round_again():  # (_passes)
+        return previous(self, *args)
+    return _checked_return(self, previous(self, *args))
 
 
 def _checked_return(node: Any, returned: Any) -> Any:
@@ -333,66 +351,50 @@ _open_blocks = 0
 # Function's node class), so putting them back and forth at every ``with tv.checked():``
 # made a training step with a custom Function about 10% slower (benchmarks/bench_checks.py).
 # Once installed they stay; outside a checked scope each calls the method it replaced,
-# unchanged, and checks nothing (one Python call more). A patch another library makes over
-# them is kept as for the others (NOTE [patches of other libraries]).
+# unchanged, and checks nothing (one Python call more). Only where one went over another
+# library's patch is the patch put back on top on the last exit, as for the others.
 _KEPT_OWNERS = (torch.Tensor, BackwardCFunction)
 
 
-# NOTE [patches of other libraries]
-# Another library may wrap an entry point too, before or after ours, calling the function it
-# found: while our wrapper is in place, that is ours. So:
-# * A patch made over our wrapper is never replaced: not on the last exit (it stays, and our
-#   wrapper beneath it checks in a checked scope and passes through outside one), and not on
-#   the next entry either. Installing ours over it again would make ours call it and it call
-#   ours, forever (a RecursionError on every later call). A patch that drops ours is the
-#   library's choice; only torch's own function, or what ours replaced, put back by someone,
-#   is replaced by ours again.
-# * A patch found where ours goes is replaced and called by ours, guarded: it may call ours
-#   back (a library that took ours in one block and installed its wrapper after the block),
-#   and where it does, in the same thread and backward pass, the inner call goes on to
-#   torch's own function instead of round again. A call made from within a backward pass
-#   (a custom backward calling torch.autograd.grad) is a new call, not a cycle.
-# Where ours has been (and may still be, beneath a patch) since it was last installed:
-_INSTALLED: dict[str, bool] = {key: False for key in _GENUINE}
-# What ours replaced when it was last installed, as it was found there (put back on exit).
+# What ours replaced when it was last installed, as it was found there (put back on exit),
+# and what ours called before it went over that (what it calls again after the exit):
 _REPLACED: dict[str, Callable[..., Any]] = dict(_GENUINE)
+_BENEATH: dict[str, Callable[..., Any]] = dict(_GENUINE)
 
 
 def _install() -> None:
-    """Puts the checking wrappers in place of torch's entry points (remembering what they
-    replace), where they are not there already and no patch was made over them since
+    """Puts the checking wrappers on top of torch's entry points, over any patch found there
     (NOTE [patches of other libraries])."""
     for key, owner, attr, wrapper in _TARGETS:
         current = getattr(owner, attr)
         if current is wrapper:
-            _INSTALLED[key] = True
             continue
-        if _INSTALLED[key] and current is not _REPLACED[key] and current is not _GENUINE[key]:
-            continue  # a patch made over ours (which calls ours): kept
+        if current is _GENUINE[key]:
+            _PREVIOUS[key] = _BENEATH[key] = current
+        else:  # what ours replaced, put back (on exit), or a patch made since
+            beneath = _BENEATH[key] if current is _REPLACED[key] else _PREVIOUS[key]
+            _PREVIOUS[key], _BENEATH[key] = _Guarded(current, beneath), beneath
         _REPLACED[key] = current
-        _PREVIOUS[key] = current if current is _GENUINE[key] else _guarded(key, current)
         setattr(owner, attr, wrapper)
-        _INSTALLED[key] = True
 
 
-def _uninstall() -> None:
-    """Puts back what each wrapper replaced, where the wrapper is still installed; the
-    wrappers of class attributes (``Tensor.backward``, the custom-backward node's ``apply``)
-    stay (NOTE [wrappers of class attributes stay]), and so does a patch made over a
-    wrapper (NOTE [patches of other libraries])."""
+def _uninstall(kept: bool = False) -> None:
+    """Puts back what each wrapper on top replaced; those of class attributes (NOTE [wrappers
+    of class attributes stay]), and all where ``kept``, stay over torch's own function."""
     for key, owner, attr, wrapper in _TARGETS:
-        if owner in _KEPT_OWNERS:
+        if getattr(owner, attr) is not wrapper:
+            continue  # a patch made over ours: it stays
+        if (kept or owner in _KEPT_OWNERS) and _REPLACED[key] is _GENUINE[key]:
             continue
-        if getattr(owner, attr) is wrapper:
-            setattr(owner, attr, _REPLACED[key])
-            _INSTALLED[key] = False
+        setattr(owner, attr, _REPLACED[key])
+        _PREVIOUS[key] = _BENEATH[key]
 
 
 def _acquire() -> None:
     global _open_blocks
     with _patch_lock:
         _open_blocks += 1
-        if _open_blocks == 1 and not _process_wide():
+        if _open_blocks == 1:  # (also with TORCH_VJP_CHECKED=1: over a patch made since)
             _install()
 
 
@@ -400,8 +402,8 @@ def _release() -> None:
     global _open_blocks
     with _patch_lock:
         _open_blocks -= 1
-        if _open_blocks == 0 and not _process_wide():
-            _uninstall()
+        if _open_blocks == 0:
+            _uninstall(kept=_process_wide())
 
 
 def _set_process_wide(on: bool) -> None:

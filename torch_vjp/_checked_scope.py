@@ -7,10 +7,9 @@ NOTE [checked scope]
 ``torch.no_grad``: the scope lives in a ``contextvars.ContextVar``. torch's entry points are
 replaced by checking wrappers while any block is open in any thread (or for good with
 ``TORCH_VJP_CHECKED=1``, which checks every thread); outside a checked scope the wrappers
-hand each call, unchanged, to the function they replaced. On the last exit a wrapper is put
-back only if it is still installed: a patch another library made in the meantime stays, and
-is not replaced on the next entry either (NOTE [patches of other libraries] in
-:mod:`torch_vjp._checked_mode`).
+hand each call, unchanged, to the function they replaced. The first entry puts each wrapper
+on top of whatever is there, another library's patch included, and the last exit puts back
+what it replaced where the wrapper is still on top (NOTE [patches of other libraries]).
 """
 
 from __future__ import annotations
@@ -75,25 +74,68 @@ _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", 
 _guard = threading.local()
 
 
-def _guarded(key: str, patch: Callable[..., Any]) -> Callable[..., Any]:
-    """``patch``, another library's function that the checking wrapper of ``key`` replaced,
-    as that wrapper calls it: a call that comes back round to it (``patch`` calling the
-    wrapper, in the same thread and backward pass) goes to torch's own function instead
-    (NOTE [patches of other libraries] in :mod:`torch_vjp._checked_mode`)."""
-    genuine = _GENUINE[key]
+# NOTE [patches of other libraries]
+# Another library may patch an entry point too, before or after ours, calling the function it
+# found (ours, while ours is in place) or one it took earlier (torch's own, taken at import).
+# * Entering a checked block puts ours on top of whatever patch is found there, and ours calls
+#   that patch: what it does still happens, and the call is checked even where the patch goes
+#   straight to torch's own function (left on top, such a patch turned checks off for good).
+#   The last exit puts the patch back on top, where ours still is, and ours calls again what
+#   it called before; a patch made over ours during the block stays (ours, beneath it, checks
+#   in a checked scope and passes through outside one). With ``TORCH_VJP_CHECKED=1`` the same
+#   holds, except that ours stays where it went over torch's own function: between blocks,
+#   a patch that goes straight to torch's own function is not checked.
+# * Ours calls the patch guarded (``_Guarded``): the patch may call ours back (it took ours
+#   in an earlier block, or made itself over ours), and where it does, in the same thread and
+#   backward pass, ours hands the call on to what it called before it went over the patch
+#   (torch's own function, or a patch found earlier) instead of round again; the check is made
+#   once, by ours further out (by ours innermost for Tensor.backward, which hands a patch the
+#   call unchecked). A call made from within a backward pass (a custom backward calling
+#   torch.autograd.grad) is a new call, not a cycle.
+# * Not seen: a patch made over ours that the library takes away again (putting ours back)
+#   while ours is on top of it in a block still runs until the exit, which puts it back.
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+
+class _Guarded:
+    """``patch``, another library's function that a checking wrapper was installed over, as
+    that wrapper calls it: a call that comes back round to it (``patch`` calling the wrapper,
+    in the same thread and backward pass) goes on to ``beneath`` instead, what the wrapper
+    called before it went over ``patch`` (NOTE [patches of other libraries])."""
+
+    __slots__ = ("patch", "beneath")
+
+    def __init__(self, patch: Callable[..., Any], beneath: Callable[..., Any]) -> None:
+        self.patch = patch
+        self.beneath = beneath
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         active = _guard.__dict__.setdefault("active", set())
-        mark = (key, _graph_task_id())
+        mark = (self, _graph_task_id())
         if mark in active:  # round again: wrapper -> patch -> wrapper -> here
-            return genuine(*args, **kwargs)
+            return self.beneath(*args, **kwargs)
         active.add(mark)
         try:
-            return patch(*args, **kwargs)
+            return self.patch(*args, **kwargs)
         finally:
             active.discard(mark)
 
-    return call
+    def round_again(self) -> bool:
+        """Whether a call now comes back round from the patch: a wrapper further out, in
+        this thread and backward pass, called it, and handles the call."""
+        active = _guard.__dict__.get("active")
+        return bool(active) and (self, _graph_task_id()) in active
+
+    def reaches_torch(self) -> bool:
+        """Whether a call now goes on to torch's own function: every patch beneath the
+        wrapper is running already (each came back round to it)."""
+        fn: Any = self
+        while isinstance(fn, _Guarded):
+            if not fn.round_again():
+                return False
+            fn = fn.beneath
+        return True
+
+
 _AUTOGRAD = sys.modules["torch.autograd"]
 _HAS_ENGINE = hasattr(_AUTOGRAD, "_engine_run_backward")  # torch >= 2.4
 
