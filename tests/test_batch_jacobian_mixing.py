@@ -1,6 +1,7 @@
 """batch_jacobian(strategy="auto") of a function that mixes the rows of its batch raises a
 JacobianCallError that says so, rather than return a result that is no Jacobian of f (NOTE
-[a batch that mixes rows]); a random row-wise f keeps its warning."""
+[a batch that mixes rows]); a random row-wise f, or a deterministic row-wise f whose backward
+clips its gradient, keeps its warning and its result."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_a_function_that_centres_over_the_batch_raises_and_names_the_fix(shape):
             "torch_vjp.batch_jacobian: f (_centred.<locals>.<lambda>) mixes examples of the "
             "batch (a mean over the batch, BatchNorm in training mode, attention across "
             "rows): row b of its output depends on other rows of x"), msg
-        assert "so it is not random" in msg
+        assert "A reverse product whose cotangent is zero outside rows " in msg, msg
+        assert "gives a nonzero gradient on row " in msg, msg
         assert ("Fix: torch_vjp.jacobian(f, x) of the whole batch, and take its diagonal "
                 "blocks (J[b, ..., b, ...])") in msg
     # the fix it names: the diagonal blocks of the whole Jacobian (against torch.func.jacrev)
@@ -86,3 +88,84 @@ def test_a_random_row_wise_function_still_returns_with_the_warning():
     said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
     assert any("no other route agrees with it either: f draws random numbers" in m
                for m in said), said
+
+
+class _ClipGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clamp(-0.1, 0.1)
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return x.view_as(x), in_dims[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t
+
+
+def _clipped_by_function(W):
+    return lambda x: _ClipGrad.apply(torch.tanh(x @ W.T))
+
+
+def _clipped_by_hook(W):
+    def g(x):
+        h = torch.tanh(x @ W.T)
+        if h.requires_grad:
+            h.register_hook(lambda grad: grad.clamp(-0.1, 0.1))
+        return h
+    return g
+
+
+@pytest.mark.parametrize("make", [_clipped_by_function, _clipped_by_hook])
+def test_a_row_wise_function_whose_backward_clips_is_not_said_to_mix(make):
+    # (its reverse product is not linear in the cotangent, so no route agrees with it; no
+    # gradient flows across rows, which is what the mixing test looks at)
+    W = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    f = make(W)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        J = tv.batch_jacobian(f, x)
+    assert J.shape == (5, 8, 4)
+    said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert said and all("mixes examples" not in m for m in said), said
+    want = tv.batch_jacobian(f, x, strategy="rev")
+    torch.testing.assert_close(J, want)
+
+
+def test_an_infinite_derivative_in_one_row_is_not_a_mix():
+    # (0 * inf is NaN on a row the cotangent leaves out: no flow across rows)
+    x = torch.tensor([[0.0], [1.0], [4.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = tv.batch_jacobian(torch.sqrt, x)
+    assert J.flatten().tolist() == [float("inf"), 0.5, 0.25]
+
+
+def test_a_backward_that_gives_something_for_nothing_is_not_said_to_mix():
+    # (a hook that adds to every gradient makes a zero cotangent's gradient nonzero: the
+    # mixing test cannot tell, so the result stands with the warning)
+    W = torch.randn(3, 3, dtype=D)
+
+    def f(x):
+        h = torch.tanh(x @ W)
+        if h.requires_grad:
+            h.register_hook(lambda grad: grad + 0.5)
+        return h
+
+    x = torch.randn(5, 3, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        J = tv.batch_jacobian(f, x)
+    assert J.shape == (5, 3, 3)
+    said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert any("no other route agrees with it either" in m for m in said), said
