@@ -78,3 +78,40 @@ def test_batched_vjp_with_right_batching_rules_stays_vectorised(fresh):
         (got,) = vjp_fn(V, batched=True)
     torch.testing.assert_close(got, _reference(f, x, V))
     assert list(fwdcheck.CHECKED.values()) == ["rev"]
+
+
+@pytest.mark.parametrize("first", ["zeros", "equal rows"])
+def test_a_first_batch_that_cannot_tell_does_not_decide_the_route(fresh, first):
+    # (all-zero cotangents, a masked step, or K equal rows pass a check made of the user's
+    # cotangents alone with a wrong batching rule: the check draws cotangents of its own)
+    x = torch.randn(4, 3, dtype=D)
+    y = torch.randn(5, 3, dtype=D)
+
+    def f(x):
+        return torch.cdist(x, y)
+
+    V0 = (torch.zeros(6, 4, 5, dtype=D) if first == "zeros"
+          else torch.randn(1, 4, 5, dtype=D).expand(6, 4, 5).clone())
+    _, vjp_fn = tv.vjp(f, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        (got0,) = vjp_fn(V0, batched=True)
+        torch.testing.assert_close(got0, _reference(f, x, V0))
+        V = torch.randn(6, 4, 5, dtype=D)
+        (got,) = vjp_fn(V, batched=True)
+    torch.testing.assert_close(got, _reference(f, x, V))
+    assert list(fwdcheck.CHECKED.values()) == ["rev-loop"]
+
+
+def test_a_zero_jacobian_remembers_nothing(fresh):
+    # (at a point where every product is zero, no route can be told wrong: the next call,
+    # at another point, checks again)
+    y = torch.randn(5, 3, dtype=D)
+
+    def f(x):
+        return torch.cdist(x, y) * 0
+
+    _, vjp_fn = tv.vjp(f, torch.randn(4, 3, dtype=D))
+    (got,) = vjp_fn(torch.randn(6, 4, 5, dtype=D), batched=True)
+    assert not got.any()
+    assert not fwdcheck.CHECKED

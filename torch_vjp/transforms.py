@@ -308,6 +308,9 @@ def vjp(
     def pull(*cot: Tensor, **graph: Any) -> Any:
         return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec), **graph)
 
+    def pull_checked(*cot: Tensor) -> Any:  # (the products of NOTE [batched products,
+        return pull(*cot, retain_graph=True, create_graph=False)  # checked once])
+
     def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
         """``v^T J`` for the cotangents ``v`` (K of them with ``batched=True``).
 
@@ -361,8 +364,9 @@ def vjp(
                 return res
             return checked_batch(
                 pull_call, key, (function_key(f), function_name(f)), vectors, res,
-                lambda: stacked(False),
-                lambda vecs: pull(*vecs, retain_graph=True, create_graph=False))
+                lambda: stacked(False), pull_checked,
+                lambda vecs, vec: map_rows(pull_checked, lambda s, e: tuple(v[s:e] for v in vecs),
+                                           _batch_size(vecs), vectorized=vec, chunk_size=chunk)[0])
 
         point.check(pull_call)  # (NOTE [the vjp point, kept])
         grads = products()

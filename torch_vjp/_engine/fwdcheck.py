@@ -399,53 +399,74 @@ R = TypeVar("R")
 # primals and outputs also takes one product without vmap, of the cotangents combined with
 # random weights ``w`` (from a generator of its own), and compares it with the same
 # combination of the K products: by linearity they agree, within rounding (``sqrt(eps)`` of
-# their scale). One more product and one pass over the results. Where they disagree, the K
-# products are computed again one at a time; if those agree, they are returned, with a
-# one-time warning, and later batched calls of that key take the loop directly; if they do
-# not (NaNs), the loop's result stands, silently, and later calls stay vectorised (as NOTE
-# [jacobian_of, checked once]). Not checked: complex values, calls inside an outer torch.func
-# transform, chunks of one (already the loop), retain_graph=False (the check's product
-# would find the graph freed), and a vmap that fell back to the loop. Batched jvp is not
-# checked: forward mode runs f again under vmap with the forward formulas, whose known bug
-# (triangular_solve's) is in the formula itself, which the unbatched product shares.
+# their scale). The user's cotangents alone cannot always tell: all zero (a masked or padded
+# step), or K equal rows, and a wrong rule passes. So the route is decided by cotangents of
+# the check's own as well: min(K, 4) random ones, vectorised as the call's are (its chunk
+# size), and their combination without vmap. Where both agree, the products are returned
+# and "rev" remembered (not where the own check's scale is zero, a Jacobian zero at this
+# point: it tells nothing, and the next call checks again). Where either disagrees, the K
+# products are computed again one at a time; if those agree (on the own cotangents), they
+# are returned, with a one-time warning, and later batched calls of that key take the loop
+# directly; if they do not (NaNs), the loop's result stands, silently, and later calls stay
+# vectorised (as NOTE [jacobian_of, checked once]). Costs, once per key: two products
+# without vmap and min(K, 4) under it. Not checked: complex values, calls inside an outer
+# torch.func transform, chunks of one (already the loop), retain_graph=False (the check's
+# products would find the graph freed), and a vmap that fell back to the loop. Batched jvp
+# is not checked: forward mode runs f again under vmap with the forward formulas, whose
+# known bug (triangular_solve's) is in the formula itself, which the unbatched product
+# shares.
+
+#: Cotangents of the check's own (NOTE [batched products, checked once]), at most.
+_OWN = 4
 
 
 def checked_batch(
     call: str, key: Hashable, named: tuple[Hashable, str], vectors: Sequence[Tensor],
     result: Sequence[Tensor], loop: Callable[[], Sequence[Tensor]],
-    single: Callable[[list[Tensor]], Sequence[Tensor | None]],
+    single: Callable[..., Sequence[Tensor | None]],
+    products: Callable[[Sequence[Tensor], bool], Sequence[Tensor]],
 ) -> Sequence[Tensor]:
     """``result``, K products stacked (one tensor per input of f), of the K-stacked
-    ``vectors``, where one product without vmap (``single``) agrees with them; else
-    ``loop()`` (NOTE [batched products, checked once]). ``key`` is remembered: "rev" or
-    "rev-loop"."""
-    k = vectors[0].shape[0]
+    ``vectors``, where products without vmap (``single``) agree with them and with the
+    vectorised products of random cotangents (``products(vecs, True)``; ``False``: one at
+    a time); else ``loop()`` (NOTE [batched products, checked once]). ``key`` is
+    remembered: "rev" or "rev-loop"."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(k, generator=gen, dtype=torch.float64)
-    with torch.no_grad():
-        combined = [torch.tensordot(w.to(v.dtype).to(v.device), v, dims=1) for v in vectors]
-    want = single(combined)
 
-    def gap_of(res: Sequence[Tensor]) -> tuple[float, float]:
-        diff = scale = 0.0
+    def against(vecs: Sequence[Tensor]) -> Callable[[Sequence[Tensor]], tuple[float, float]]:
+        # (the gap of K products of ``vecs`` to one product of their random combination)
+        w = torch.randn(vecs[0].shape[0], generator=gen, dtype=torch.float64)
         with torch.no_grad():
-            for r, g in zip(res, want):
-                mine = torch.tensordot(w.to(r.dtype).to(r.device), r.detach(), dims=1)
-                d, s = gap(mine.reshape(-1), (torch.zeros_like(mine) if g is None
-                                              else g.detach().to(mine.dtype)).reshape(-1))
-                if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
-                    diff = d
-                scale = max(scale, s)
-        return diff, scale
+            combined = [torch.tensordot(w.to(v.dtype).to(v.device), v, dims=1) for v in vecs]
+        want = single(*combined)
+
+        def gap_of(res: Sequence[Tensor]) -> tuple[float, float]:
+            diff = scale = 0.0
+            with torch.no_grad():
+                for r, g in zip(res, want):
+                    mine = torch.tensordot(w.to(r.dtype).to(r.device), r.detach(), dims=1)
+                    d, s = gap(mine.reshape(-1), (torch.zeros_like(mine) if g is None
+                                                  else g.detach().to(mine.dtype)).reshape(-1))
+                    if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
+                        diff = d
+                    scale = max(scale, s)
+            return diff, scale
+
+        return gap_of
 
     rtol = tolerance(min((r.dtype for r in result if r.is_floating_point()),
                          key=lambda d: -torch.finfo(d).eps, default=torch.float64))
-    diff, scale = gap_of(result)
-    if diff <= rtol * scale:  # the common case
-        remember(key, "rev")
-        return result
+    diff, scale = against(vectors)(result)
+    own = [cotangent(v[:_OWN], gen) for v in vectors]
+    own_gap = against(own)
+    if diff <= rtol * scale:
+        diff, scale = own_gap(products(own, True))
+        if diff <= rtol * scale:  # the common case
+            if scale > 0:  # (a zero Jacobian here tells nothing of the route)
+                remember(key, "rev")
+            return result
     looped = loop()
-    loop_diff, loop_scale = gap_of(looped)
+    loop_diff, loop_scale = own_gap(products(own, False))
     wrong = loop_diff <= rtol * loop_scale
     remember(key, "rev-loop" if wrong else "rev")
     if wrong:
