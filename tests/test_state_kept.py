@@ -95,3 +95,44 @@ def test_a_large_captured_tensor_is_not_copied():
     ctx = buffers_kept(f)
     kept = [t for _, _, t, _, _ in ctx.entries]
     assert any(t is small for t in kept) and not any(t is big for t in kept)
+
+
+def test_an_unchanged_tensor_holding_nan_is_not_written():
+    # (NOTE [unchanged, bit for bit]: torch.equal says a NaN differs from itself; writing the
+    # "changed" tensor back bumped its version and broke the user's graph that saved it)
+    c = torch.tensor([1.0, float("nan"), 2.0, -0.0])
+    w = torch.randn(4, requires_grad=True)
+    y = (w * c).nansum()  # (saves c for backward)
+    before = c._version
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for strategy in ("auto", "rev-loop"):
+            tv.jacobian(lambda t: torch.nan_to_num(t * c), torch.randn(4), strategy=strategy)
+    assert c._version == before
+    y.backward()  # (would raise: modified by an inplace operation)
+    torch.testing.assert_close(w.grad, torch.tensor([1.0, float("nan"), 2.0, -0.0]),
+                               equal_nan=True)
+
+
+def test_a_captured_sign_of_zero_is_put_back():
+    # (bit for bit: -0.0 written as 0.0 by f is a change, and the copy puts it back)
+    c = torch.tensor([-0.0, 1.0])
+
+    def f(t):
+        c.abs_()
+        return t * 2
+
+    tv.jacobian(f, torch.randn(2), strategy="rev-loop")
+    assert torch.signbit(c).tolist() == [True, False]
+
+
+def test_same_bits():
+    from torch_vjp._engine.kept import same_bits
+
+    t = torch.tensor([1.0, float("nan"), -0.0])
+    assert same_bits(t, t.clone())
+    assert not same_bits(t, torch.tensor([1.0, float("nan"), 0.0]))
+    z = torch.tensor([complex(1, float("nan"))])
+    assert same_bits(z, z.clone()) and same_bits(z.conj(), z.conj().clone())
+    assert same_bits(torch.tensor([1, 2]), torch.tensor([1, 2]))
+    assert same_bits(t[::2], t.clone()[::2])  # (strided)

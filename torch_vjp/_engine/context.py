@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from torch_vjp._engine.kept import Watched
 from torch_vjp._errors import JacobianOptionError
 
 try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
@@ -171,8 +172,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
 # updated by f just as well: F.batch_norm(t, running_mean, running_var, training=True)
 # updates its statistics in a kernel, without a version bump, so no version counter tells.
 # So the captured tensors that do not require grad (a parameter is a weight, not a state)
-# are copied before the call and compared by value after it, and put back where they
-# changed; at most KEPT_ELEMENTS elements each and _KEPT_TOTAL in all (running statistics
+# are copied before the call and compared by value after it, bit for bit (NOTE [unchanged,
+# bit for bit] in kept.py: a NaN equals itself), and put back where they changed; at most KEPT_ELEMENTS elements each and _KEPT_TOTAL in all (running statistics
 # and counters are small; a weight matrix or a dataset would cost a copy per call): a larger
 # one is not put back, and jacobian_blocks' warning (by version counter) is all there is.
 # Measured: 9 us per call for a function over one 8x8 tensor (2.6 us before).
@@ -525,48 +526,6 @@ def reached(f: object, depth: int = 6) -> tuple[list[torch.nn.Module], list[Tens
 
     visit(f, depth)
     return list(found.values()), list(tensors.values())
-
-
-class Watched:
-    """Copies of named buffers and parameters, to put back what a forward changed in place.
-
-    A buffer counts as changed where its values differ (kernels update running statistics
-    without a version bump); a parameter where its version moved, values equal or not
-    (Embedding's max_norm renormalises only the rows a batch looks up that are too long, so
-    one batch may change nothing that the next one does). Also a context manager that puts
-    them back on exit."""
-
-    __slots__ = ("entries",)
-
-    def __init__(
-        self,
-        buffers: Iterable[tuple[str, Tensor]] = (),
-        params: Iterable[tuple[str, Tensor]] = (),
-    ) -> None:
-        self.entries = [(n, True, t, t.detach().clone(), t._version) for n, t in buffers]
-        self.entries += [(n, False, t, t.detach().clone(), t._version) for n, t in params]
-
-    def restore(self) -> dict[str, bool]:
-        """Puts back what changed; the names of those that had, each with whether it is a
-        buffer (a parameter once changed is reported on every later call)."""
-        changed: dict[str, bool] = {}
-        with torch.no_grad():
-            for n, is_buffer, t, copy, version in self.entries:
-                if is_buffer:
-                    if not torch.equal(t, copy):
-                        t.copy_(copy)
-                        changed[n] = True
-                elif t._version != version:
-                    if not torch.equal(t, copy):
-                        t.copy_(copy)
-                    changed[n] = False
-        return changed
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        self.restore()
 
 
 def _module_buffers(modules: Sequence[torch.nn.Module]) -> list[tuple[str, Tensor]]:
