@@ -345,13 +345,14 @@ def test_explicit_strategies_explain_what_they_cannot_run():
             r"staticmethod\), which torch\.func's transforms cannot run\n  torch\.func said: "
             r"RuntimeError: .*\n  Fix: strategy='auto', 'rev-loop' or 'fwd-loop'")):
         jacobian(_OldStyle.apply, x, strategy="rev")
-    with pytest.raises(tv.StrategyError, match=(
+    # (a missing forward-mode formula is torch's NotImplementedError: still one)
+    with pytest.raises(tv.StrategyNotImplementedError, match=(
             r"^torch_vjp\.jacobian: strategy='fwd-loop' computes with forward-mode AD, and an "
             r"operator in f has no forward-mode formula \(a custom torch\.autograd\.Function "
             r"without jvp, or a torch operator torch has none for\)\.\n  torch said: "
             r"NotImplementedError: .*\n  Fix: strategy='rev-loop' or 'auto'")):
         jacobian(_OldStyle.apply, x, strategy="fwd-loop")
-    with pytest.raises(tv.StrategyError, match=(
+    with pytest.raises(tv.StrategyNotImplementedError, match=(
             r"^torch_vjp\.jacobian: strategy='fwd' computes with forward-mode AD, and an "
             r"operator in f has no forward-mode formula .*\n  torch said: NotImplementedError: "
             r"Trying to use forward AD with _cdist_forward .*\n  Fix: strategy='rev' or "
@@ -360,6 +361,12 @@ def test_explicit_strategies_explain_what_they_cannot_run():
                  strategy="fwd")
     torch.testing.assert_close(jacobian(_OldStyle.apply, x, strategy="rev-loop"),
                                torch.diag(x.exp()))
+    for strategy in ("fwd", "fwd-loop"):  # (code written against torch.func keeps working)
+        with pytest.raises(NotImplementedError) as info:
+            jacobian(lambda v: torch.cdist(v.view(3, 1), torch.ones(2, 1, dtype=D)), x,
+                     strategy=strategy)
+        assert isinstance(info.value, tv.StrategyError)
+        assert isinstance(info.value, ValueError)
 
 
 def test_vjp_and_jvp_explain_a_function_torch_func_cannot_run():

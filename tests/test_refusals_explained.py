@@ -99,6 +99,9 @@ def test_jvp_without_a_forward_formula_names_reverse_mode(batched):
     with pytest.raises(tv.JacobianCallError) as info:
         tv.jvp(_cdist_f, (x,), (t,), batched=batched)
     assert isinstance(info.value, RuntimeError)
+    # (torch.func.jvp raises NotImplementedError: `except NotImplementedError:` still works)
+    assert isinstance(info.value, NotImplementedError)
+    assert isinstance(info.value, tv.JacobianNotImplementedError)
     msg = str(info.value)
     assert msg.startswith(
         "torch_vjp.jvp: a Jacobian-vector product computes with forward-mode AD, and an "
@@ -134,3 +137,27 @@ def test_batched_vjp_of_a_function_without_vmap_support_still_loops():
         warnings.simplefilter("ignore")
         (got,) = tv.vjp(_CubeNoVmap.apply, x)[1](V, batched=True)
     torch.testing.assert_close(got, V * 3 * x ** 2)
+
+
+class _CubeNoJvp(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x ** 3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 3 * ctx.saved_tensors[0] ** 2 * g
+
+
+def test_jvp_of_a_function_without_jvp_is_a_not_implemented_error_as_in_torch():
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(NotImplementedError):
+        torch.func.jvp(_CubeNoJvp.apply, (x,), (x,))
+    with pytest.raises(NotImplementedError) as info:  # (a fallback to reverse mode keeps working)
+        tv.jvp(_CubeNoJvp.apply, (x,), (x,))
+    assert isinstance(info.value, tv.JacobianCallError)
+    assert "give the Function a jvp staticmethod" in str(info.value)

@@ -28,9 +28,11 @@ __all__ = [
     "FunctionCheckValueError",
     "StrategyError",
     "StrategyTypeError",
+    "StrategyNotImplementedError",
     "JacobianOptionError",
     "JacobianCallError",
     "JacobianCallTypeError",
+    "JacobianNotImplementedError",
     "JacobianMemoryError",
     "PerSampleError",
     "PerSampleValueError",
@@ -113,12 +115,24 @@ class JacobianCallTypeError(JacobianCallError, TypeError):
     where torch raises TypeError."""
 
 
+class JacobianNotImplementedError(JacobianCallError, NotImplementedError):
+    """A :class:`JacobianCallError` where torch raises NotImplementedError: ``tv.jvp`` of a
+    function with an operator, or a custom Function, without a forward-mode formula (so that
+    ``except NotImplementedError:`` around ``torch.func.jvp`` keeps working)."""
+
+
 class JacobianMemoryError(TorchVJPError, MemoryError):
     """The requested Jacobian cannot fit the memory budget; raised before allocating."""
 
 
 class StrategyTypeError(StrategyError, TypeError):
     """A ``strategies=`` argument of the wrong type (not a name or a sequence of names)."""
+
+
+class StrategyNotImplementedError(StrategyError, NotImplementedError):
+    """A :class:`StrategyError` where torch raises NotImplementedError: a forward-mode
+    strategy (``"fwd"``, ``"fwd-loop"``) for a function with an operator, or a custom
+    Function, without a forward-mode formula."""
 
 
 class PerSampleError(TorchVJPError, RuntimeError):

@@ -50,6 +50,7 @@ from torch_vjp._engine.rows import SameDraws, map_rows, run_with_fallback
 from torch_vjp._errors import (
     GradOutputsError,
     JacobianCallError,
+    JacobianNotImplementedError,
     JacobianWarning,
     quote_error,
     warn_once,
@@ -63,7 +64,8 @@ def _explained(call: str, what: str) -> Iterator[None]:
     """torch.func's refusal of a function that changes a tensor it captured in place (a
     module in training mode updating its running statistics), its other known refusals
     (:func:`vmap_refusal`) and, for a jvp, forward mode's (an operator without a forward-mode
-    formula: :func:`forward_refusal`) as a JacobianCallError that says so and what to do;
+    formula: :func:`forward_refusal`, a JacobianNotImplementedError) as a JacobianCallError
+    that says so and what to do;
     every other error passes through untouched."""
     try:
         yield
@@ -71,7 +73,7 @@ def _explained(call: str, what: str) -> Iterator[None]:
         why = forward_refusal(err) if what == "jvp" else None
         if why is None:
             raise
-        raise JacobianCallError(
+        raise JacobianNotImplementedError(
             f"{call}: a Jacobian-vector product computes with forward-mode AD, and {why}.\n"
             f"  torch said: {quote_error(err)}\n  Fix: compute with reverse mode, which needs "
             f"only backward formulas: torch_vjp.vjp(f, *primals) for v^T J, or "
@@ -523,7 +525,9 @@ def jvp(
         GradOutputsError: tangents of the wrong structure, shape, batch size, dtype or
             device, with the same messages as :func:`torch_vjp.grad`.
         JacobianCallError: ``primals`` is not a tuple, or a primal or an output of ``f``
-            cannot be differentiated.
+            cannot be differentiated; a :class:`~torch_vjp.JacobianNotImplementedError`
+            (also a NotImplementedError, as torch's) where an operator in ``f`` has no
+            forward-mode formula.
 
     Example:
         >>> import torch, torch_vjp as tv

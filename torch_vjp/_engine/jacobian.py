@@ -92,8 +92,8 @@ from torch_vjp._engine.shapes import (
 from torch_vjp._errors import (
     JacobianWarning,
     StrategyError,
-    quote_error,
-    warn_once,
+    StrategyNotImplementedError,
+    quote_error, warn_once,
 )
 from torch_vjp._strategies import choose_mode
 
@@ -283,7 +283,7 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
             why = None if mode != "fwd" or passes_through(err) else forward_refusal(err)
             if why is None:
                 raise
-            raise StrategyError(
+            raise StrategyNotImplementedError(
                 f"{prob.call}: strategy='fwd-loop' computes with forward-mode AD, and {why}.\n"
                 f"  torch said: {quote_error(err)}\n"
                 f"  Fix: strategy='rev-loop' or 'auto' (reverse mode needs only backward "
@@ -297,7 +297,7 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
             if why is None and mode == "fwd" and not passes_through(err):
                 why = forward_refusal(err)
                 if why is not None:
-                    raise StrategyError(
+                    raise StrategyNotImplementedError(
                         f"{prob.call}: strategy='fwd' computes with forward-mode AD, and "
                         f"{why}.\n  torch said: {quote_error(err)}\n"
                         f"  Fix: strategy='rev' or 'auto' (reverse mode needs only backward "
