@@ -26,14 +26,15 @@ import functools
 import itertools
 import types
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.kept import Watched
+from torch_vjp._engine.kept import (KEPT_ELEMENTS, Walked, Watched, captured_kept,
+                                     module_buffers, walked_tree)
 from torch_vjp._errors import JacobianOptionError
 
 try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
@@ -126,7 +127,7 @@ def graph_mode(create_graph: object, *, call: str) -> tuple[Any, bool]:
 def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
                  primals: tuple[object, ...] = ()) -> Any:
     """Restores the buffers of the modules ``f`` uses, and the tensors it captures, if
-    calling ``f`` changed them (NOTE [what a call puts back]).
+    calling ``f`` changed them (NOTE [what a call puts back], in kept.py).
 
     The Jacobian functions call ``f`` more than once (a probe for the output size, a
     fallback, one call per product in a loop), and a module in training mode updates buffers
@@ -158,41 +159,14 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
             modules += [m for m in modules_reached(primals) if id(m) not in known]
     if (not modules and not tensors) or is_nested():
         return NO_CONTEXT
-    kept = _module_buffers(modules) if modules else []
+    trees = {id(m): module_tree((m,)) for m in modules}
+    kept = module_buffers(trees.values()) if modules else []
     if tensors:
-        kept += _captured_kept(tensors, {id(t) for _, t in kept})
-    return Watched(kept) if kept else NO_CONTEXT
-
-
-# NOTE [what a call puts back]
-# SPEC: no user tensor or buffer is changed by a call. A module's buffers are saved where a
-# module f reaches is in training mode (BatchNorm's running statistics move on every call of
-# f), and put back where their values changed. A tensor f captures (a closure cell, a
-# default, a global it names, a partial's argument, as :func:`reached` finds them) may be
-# updated by f just as well: F.batch_norm(t, running_mean, running_var, training=True)
-# updates its statistics in a kernel, without a version bump, so no version counter tells.
-# So the captured tensors that do not require grad (a parameter is a weight, not a state)
-# are copied before the call and compared by value after it, bit for bit (NOTE [unchanged,
-# bit for bit] in kept.py: a NaN equals itself), and put back where they changed; at most KEPT_ELEMENTS elements each and _KEPT_TOTAL in all (running statistics
-# and counters are small; a weight matrix or a dataset would cost a copy per call): a larger
-# one is not put back, and jacobian_blocks' warning (by version counter) is all there is.
-# Measured: 9 us per call for a function over one 8x8 tensor (2.6 us before).
-KEPT_ELEMENTS = 1 << 16
-_KEPT_TOTAL = 1 << 20
-
-
-def _captured_kept(tensors: Sequence[Tensor], known: set[int]) -> list[tuple[str, Tensor]]:
-    kept: list[tuple[str, Tensor]] = []
-    total = 0
-    for t in tensors:
-        n = t.numel()
-        if (id(t) in known or t.requires_grad or n > KEPT_ELEMENTS or total + n > _KEPT_TOTAL
-                or t.is_inference() or t.layout != torch.strided or t.device.type == "meta"
-                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
-            continue
-        total += n
-        kept.append(("", t))
-    return kept
+        kept += captured_kept(tensors, {id(t) for _, t in kept})
+    watched = Watched(kept) if kept else None
+    if modules:
+        return Walked(trees, watched)  # (NOTE [one walk per call] in kept.py)
+    return NO_CONTEXT if watched is None else watched
 
 
 #: Items of one container (or attributes of one object) :func:`modules_reached` searches.
@@ -260,7 +234,9 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     registered submodules, and the modules held in a plain list, tuple or dict attribute of
     any of them (``self.norms = [nn.BatchNorm1d(3)]``, which nn.Module does not register, and
     whose buffers ``modules()`` and ``buffers()`` therefore miss; the first
-    :data:`_ITEMS_SEARCHED` items of each), with theirs in turn."""
+    :data:`_ITEMS_SEARCHED` items of each), with theirs in turn. The plain attributes of
+    torch.nn's own classes are not looked at: theirs hold no module (a Linear's are numbers;
+    a Transformer's layers are in a ModuleList), and the look cost 1.7 us per module."""
     out: list[torch.nn.Module] = []
     seen: set[int] = set()
     stack = list(roots)[::-1]
@@ -272,20 +248,28 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
         out.append(m)
         attrs = m.__dict__
         children = [c for c in attrs["_modules"].values() if c is not None]
-        for name in attrs.keys() - _MODULE_ATTRS:  # (attributes of its own: containers?)
-            value = attrs[name]
-            if type(value) in _PLAIN_TYPES:  # (a number, a string, a flag: the common case)
-                continue
-            items: Iterable[object]
-            if isinstance(value, (list, tuple)):
-                items = value[:_ITEMS_SEARCHED]
-            elif isinstance(value, dict):
-                items = itertools.islice(value.values(), _ITEMS_SEARCHED)
-            else:
-                continue
-            children += [c for c in items if isinstance(c, torch.nn.Module)]
+        cls = type(m)
+        own = _TORCH_CLASSES.get(cls)
+        if own is None:
+            own = _TORCH_CLASSES[cls] = (cls.__module__ or "").startswith("torch.nn.")
+        if not own:
+            for name, value in attrs.items():  # (attributes of its own: containers?)
+                if type(value) in _PLAIN_TYPES or name in _MODULE_ATTRS:
+                    continue  # (a number, a string, a flag: the common case)
+                items: Iterable[object]
+                if isinstance(value, (list, tuple)):
+                    items = value[:_ITEMS_SEARCHED]
+                elif isinstance(value, dict):
+                    items = itertools.islice(value.values(), _ITEMS_SEARCHED)
+                else:
+                    continue
+                children += [c for c in items if isinstance(c, torch.nn.Module)]
         stack.extend(reversed(children))
     return out
+
+
+#: class -> whether it is one of torch.nn's own (see :func:`module_tree`).
+_TORCH_CLASSES: dict[type, bool] = {}
 
 
 #: id -> (a weak reference to the object, its token): see :func:`identity`.
@@ -378,14 +362,16 @@ def _global(v: object, depth: int) -> Hashable:
 
 
 def module_key(module: torch.nn.Module) -> Hashable:
-    """A module as a route key holds it: a weak reference, the type and the training flag of
+    """A module as a route key holds it: the :func:`identity`, type and training flag of
     every module it holds (:func:`module_tree`: its registered submodules and those in a
     plain list attribute), so that replacing a layer (``model[0] = TriSolve()``), or
-    switching train and eval mode, makes another key. (A weak reference is an identity that
-    outlives its module, as :func:`identity`'s token is, at a third of the cost: once the
-    module dies, it equals no reference to a later module at its address.)"""
-    ref = weakref.ref
-    return ("module", tuple((ref(m), type(m), m.training) for m in module_tree((module,))))
+    switching train and eval mode, makes another key. (By identity, not by a weak
+    reference, whose hash is the module's: a module class that defines ``__eq__`` has
+    none.) Within a call, the tree :func:`buffers_kept` walked is read again."""
+    tree = walked_tree(module)  # (the walk of this call's buffers_kept)
+    if tree is None:
+        tree = module_tree((module,))
+    return ("module", tuple((identity(m), type(m), m.training) for m in tree))
 
 
 # NOTE [what a route key covers]
@@ -403,8 +389,9 @@ def module_key(module: torch.nn.Module) -> Hashable:
 # forward hooks added later, a module's plain attributes other than modules (a flag it
 # branches on): such a change is not seen, and the remembered route is taken. The key is computed on every
 # call of "auto" (measured with timeit on a shared 2-core CPU: 3 us for a lambda over a
-# global tensor, 0.5 us before it read globals; 10 us for a Sequential of 6 modules, 200 us
-# for one of 101; a Jacobian call of the smallest function costs about 320 us there).
+# global tensor, 0.5 us before it read globals; 10 us for a Sequential of 6 modules, 80 us
+# for one of 101; a Jacobian call of the smallest function costs about 320 us there): the
+# module tree is walked once per call, for this key and buffers_kept alike (_Walked).
 
 
 #: Immutable values a key holds as they are (none can be weakly referenced).
@@ -526,22 +513,6 @@ def reached(f: object, depth: int = 6) -> tuple[list[torch.nn.Module], list[Tens
 
     visit(f, depth)
     return list(found.values()), list(tensors.values())
-
-
-def _module_buffers(modules: Sequence[torch.nn.Module]) -> list[tuple[str, Tensor]]:
-    # (every module they hold, those in a plain list attribute too: :func:`module_tree`)
-    tree = module_tree(modules)
-    # (a module in training mode without buffers, as most are, needs nothing kept)
-    if not any(m.training for m in tree):
-        return []
-    seen: set[int] = set()
-    buffers = []
-    for m in tree:
-        for b in m._buffers.values():
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                buffers.append(("", b))
-    return buffers
 
 
 def recording_connected(f: Callable[..., Any], has_aux: bool

@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 from torch.nn import Module
 
-from torch_vjp._engine.context import captured_values, reached
+from torch_vjp._engine.context import captured_values, module_tree, reached
 from torch_vjp._errors import JacobianCallError
 
 __all__ = ["Point", "read_state", "versions_of"]
@@ -101,11 +101,10 @@ def read_state(f: object) -> tuple[object, ...]:
     modules, tensors = reached(f)
     known = {id(v) for v in values}
     values.extend(t for t in tensors if id(t) not in known)
-    for module in modules:
-        for sub in module.modules():
-            values.extend(sub._parameters.values())
-            values.extend(sub._buffers.values())
-            values.extend(_scalars(sub.__dict__))
+    for sub in module_tree(modules):  # (not Module.modules(): it hashes each module)
+        values.extend(sub._parameters.values())
+        values.extend(sub._buffers.values())
+        values.extend(_scalars(sub.__dict__))
     return tuple(values)
 
 
