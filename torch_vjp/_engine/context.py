@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import numbers
 import types
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -287,7 +288,7 @@ def identity(obj: object) -> Hashable:
     shares. CPython gives a new object the address, so the ``id``, of one that died: a
     route remembered for a dead module was taken by a new module of the same type, whose
     Jacobian was then never checked. An object that cannot be weakly referenced (a
-    ``__slots__`` class's) gets a new token each time: its route is checked on every call
+    ``__slots__`` class's, a set) is held by the key instead, which compares by identity
     (lists, tuples and dicts count otherwise, see :func:`route_key`)."""
     i = id(obj)
     entry = _IDENTITIES.get(i)
@@ -303,12 +304,29 @@ def identity(obj: object) -> Hashable:
             if held is None or held[0] is not obj:
                 held = _HELD[i] = (obj, next(_TOKENS))
             return (i, held[1])
-        # (nothing tells it from a later object at its address: a token of its own, so
-        # that no route is ever taken for it unchecked)
-        return ("once", next(_TOKENS))
+        # (held by the key itself, so that its address is not reused while the key lives:
+        # a token per call made every call a first one, and flooded CHECKED)
+        return _Same(obj)
     token = next(_TOKENS)
     _IDENTITIES[i] = (ref, token)
     return (i, token)
+
+
+class _Same:
+    """An object that cannot be weakly referenced (a set, a tuple or dict over
+    :data:`_CONTENTS` items, a ``__slots__`` class's), as a key holds it: by identity,
+    alive while the key is."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Same and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
 
 
 def _forget(i: int, ref: weakref.ref) -> None:
@@ -415,6 +433,9 @@ def _held(v: object, depth: int) -> Hashable:
         return route_key(v, depth - 1)
     if isinstance(v, _VALUES):  # (immutable values: by value)
         return ("value", type(v), v)
+    if isinstance(v, numbers.Number) and not isinstance(v, Tensor):
+        # (a NumPy scalar, a Decimal: by its truth, as flag_of takes a number)
+        return ("number", type(v), bool(v))
     if depth > 1 and isinstance(v, tuple) and len(v) <= _CONTENTS:
         # (a tuple, a namedtuple, a torch.Size: by what it holds)
         return (type(v), tuple(_held(item, depth - 1) for item in v))

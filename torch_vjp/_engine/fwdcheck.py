@@ -57,9 +57,26 @@ __all__ = [
     "tolerance", "wrong_route_message",
 ]
 
+class _Routes(dict):  # type: ignore[type-arg]
+    """A dict whose ``get`` marks an entry as used: :func:`remember` drops the one used
+    longest ago when full, so that a function that makes a new key on every call (one over
+    an object made anew each step) cannot push out the routes of those in use (clearing
+    the whole cache when full did, every 512 calls of such a function)."""
+
+    def get(self, key: Hashable, default: object = None) -> object:
+        value = dict.get(self, key, _MISSING)
+        if value is _MISSING:
+            return default
+        del self[key]  # (moved to the end: used last)
+        self[key] = value
+        return value
+
+
+_MISSING = object()
+
 #: (function key, input signature) -> the route "auto" takes after its check: "fwd" or "rev"
-#: (vectorised), or "rev-loop". Bounded: cleared when full.
-CHECKED: dict[Hashable, str] = {}
+#: (vectorised), or "rev-loop". Bounded: the entry used longest ago goes when full.
+CHECKED: dict[Hashable, str] = _Routes()
 _MAX_ENTRIES = 512
 
 
@@ -104,8 +121,9 @@ def largest_difference(
 
 
 def remember(key: Hashable, verdict: str) -> None:
-    if len(CHECKED) >= _MAX_ENTRIES:
-        CHECKED.clear()
+    CHECKED.pop(key, None)
+    while len(CHECKED) >= _MAX_ENTRIES:
+        del CHECKED[next(iter(CHECKED))]  # (the one used longest ago)
     CHECKED[key] = verdict
 
 
@@ -411,7 +429,8 @@ R = TypeVar("R")
 # vectorised (as NOTE [jacobian_of, checked once]). Costs, once per key: two products
 # without vmap and min(K, 4) under it. Not checked: complex values, calls inside an outer
 # torch.func transform, chunks of one (already the loop), retain_graph=False (the check's
-# products would find the graph freed), and a vmap that fell back to the loop. Batched jvp
+# products would find the graph freed), and a vmap that fell back to the loop (the own
+# cotangents' vmap fails too: the call's loop stands). Batched jvp
 # is not checked: forward mode runs f again under vmap with the forward formulas, whose
 # known bug (triangular_solve's) is in the formula itself, which the unbatched product
 # shares.
@@ -460,7 +479,13 @@ def checked_batch(
     own = [cotangent(v[:_OWN], gen) for v in vectors]
     own_gap = against(own)
     if diff <= rtol * scale:
-        diff, scale = own_gap(products(own, True))
+        try:
+            diff, scale = own_gap(products(own, True))
+        except Exception as err:  # noqa: BLE001 - vmap cannot run f: the call's products
+            if passes_through(err):  # came from its loop (run_with_fallback), right
+                raise
+            remember(key, "rev")
+            return result
         if diff <= rtol * scale:  # the common case
             if scale > 0:  # (a zero Jacobian here tells nothing of the route)
                 remember(key, "rev")
