@@ -183,3 +183,81 @@ def test_a_user_module_inside_torch_containers_is_still_searched():
     h = Holder()
     tree = module_tree([torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ModuleList([h]))])
     assert h in tree and h.norms[0] in tree
+
+
+_SKIP = {3, 7}  # (a set: not weakly referenceable)
+_VOCAB = {f"w{i}": i for i in range(2000)}  # (a dict over _CONTENTS items)
+_W64 = torch.randn(6, 6, dtype=D)
+
+
+def _uses_a_set(x):
+    if 3 in _SKIP:
+        x = x * 2
+    return torch.tanh(_W64 @ x)
+
+
+def _uses_a_big_dict(x):
+    return torch.tanh(_W64 @ x) * len(_VOCAB)
+
+
+def test_a_global_that_cannot_be_weakly_referenced_keeps_its_route():
+    # (it had a new token per call: every call was a first one, checked again, and CHECKED
+    # grew by one entry per call)
+    from torch_vjp._engine import fwdcheck
+
+    saved = dict(fwdcheck.CHECKED)
+    x = torch.randn(6, dtype=D)
+    try:
+        for f in (_uses_a_set, _uses_a_big_dict):
+            fwdcheck.CHECKED.clear()
+            for _ in range(4):
+                torch.testing.assert_close(tv.jacobian(f, x), torch.func.jacrev(f)(x))
+            assert len(fwdcheck.CHECKED) == 1
+    finally:
+        fwdcheck.CHECKED.clear()
+        fwdcheck.CHECKED.update(saved)
+    import decimal
+    import operator
+
+    import numpy as np
+
+    from torch_vjp._engine.context import _held
+
+    for v in (np.float32(1.0), torch.finfo(torch.float32), decimal.Decimal(1),
+              operator.itemgetter(0), bytearray(b"x"), tuple(range(2000)), set(_SKIP)):
+        assert _held(v, 2) == _held(v, 2), v
+
+
+def test_a_function_with_a_new_key_each_call_does_not_push_out_the_others(monkeypatch):
+    from torch_vjp._engine import fwdcheck
+
+    monkeypatch.setattr(fwdcheck, "_MAX_ENTRIES", 4)
+    saved = dict(fwdcheck.CHECKED)
+    fwdcheck.CHECKED.clear()
+    try:
+        class Slotted:
+            __slots__ = ()
+
+        calls = []
+
+        def steady(x):
+            calls.append(1)
+            return torch.tanh(_W64 @ x)
+
+        x = torch.randn(6, dtype=D)
+        tv.jacobian(steady, x)  # (checked: one more call of f)
+        (kept,) = fwdcheck.CHECKED
+        before = len(calls)
+        tv.jacobian(steady, x)
+        unchecked = len(calls) - before
+        for _ in range(10):
+            o = Slotted()  # (a new object each step: a new key)
+            tv.jacobian(lambda t, o=o: torch.sin(_W64 @ t), x)
+            before = len(calls)
+            tv.jacobian(steady, x)
+            assert len(calls) - before == unchecked  # (its route taken, not checked again)
+            assert kept in fwdcheck.CHECKED
+        assert len(fwdcheck.CHECKED) == 4
+    finally:
+        fwdcheck.CHECKED.clear()
+        fwdcheck.CHECKED.update(saved)
