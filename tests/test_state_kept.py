@@ -93,7 +93,7 @@ def test_a_large_captured_tensor_is_not_copied():
     with buffers_kept(f) as _:
         pass
     ctx = buffers_kept(f)
-    kept = [t for _, _, t, _, _ in ctx.entries]
+    kept = [t for _, _, t, _, _ in ctx.watched.entries]  # (Walked holds the Watched)
     assert any(t is small for t in kept) and not any(t is big for t in kept)
 
 
@@ -136,3 +136,29 @@ def test_same_bits():
     assert same_bits(z, z.clone()) and same_bits(z.conj(), z.conj().clone())
     assert same_bits(torch.tensor([1, 2]), torch.tensor([1, 2]))
     assert same_bits(t[::2], t.clone()[::2])  # (strided)
+
+
+@pytest.mark.parametrize("strategy", ["rev-loop", "auto"])
+def test_captured_tensors_past_the_total_are_warned_of(strategy, monkeypatch):
+    # (NOTE [what a call puts back]: tensors in a global list past KEPT_TOTAL elements are not
+    # put back; the warning reads the same collection as the put-back, so it says so)
+    from torch_vjp import _errors
+
+    monkeypatch.setattr(_errors, "_WARNED", set())
+    bufs = [torch.zeros(60000) for _ in range(20)]  # (1.2M elements: past the total)
+
+    def f(x):
+        for b in bufs:
+            b.add_(1.0)
+        return x * 2
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tv.jacobian(f, torch.randn(3), strategy=strategy)
+    moved = [int(b[0]) for b in bufs]
+    said = [str(w.message) for w in caught
+            if "changes a tensor it captures in place" in str(w.message)]
+    assert moved[0] == 0  # (the first ones are put back)
+    assert any(moved), moved  # (the last ones are not)
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "1048576 elements of such tensors in all" in said[0]

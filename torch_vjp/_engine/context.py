@@ -34,8 +34,9 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.kept import (KEPT_ELEMENTS, Walked, Watched, captured_kept,
-                                     module_buffers, walked_tree)
+from torch_vjp._engine.kept import (KEPT_ELEMENTS, KEPT_TOTAL, Walked, Watched,
+                                     captured_kept, module_buffers, walked_tensors,
+                                     walked_tree)
 from torch_vjp._errors import JacobianOptionError
 
 try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
@@ -60,6 +61,8 @@ __all__ = [
     "graph_mode",
     "buffers_kept",
     "KEPT_ELEMENTS",
+    "KEPT_TOTAL",
+    "captured_tensors",
     "modules_reached",
     "reached",
     "recording_connected",
@@ -152,7 +155,7 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
         A context manager (one that does nothing when ``f`` reaches no module in training
         mode and no tensor it could keep).
     """
-    tensors: list[Tensor] = []
+    tensors: list[Tensor] | None = None  # (None: not looked for)
     if modules is None:
         modules, tensors = reached(f)
         if primals:
@@ -164,10 +167,18 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
     kept = module_buffers(trees.values()) if modules else []
     if tensors:
         kept += captured_kept(tensors, {id(t) for _, t in kept})
-    watched = Watched(kept) if kept else None
-    if modules:
-        return Walked(trees, watched)  # (NOTE [one walk per call] in kept.py)
-    return NO_CONTEXT if watched is None else watched
+    # (NOTE [one walk per call] in kept.py: the call reads the trees and tensors found here)
+    return Walked(f, trees, tensors, Watched(kept) if kept else None)
+
+
+def captured_tensors(f: object) -> tuple[Tensor, ...]:
+    """The tensors ``f`` reaches (:func:`reached`), as the running call's
+    :func:`buffers_kept` found them (those it puts back and those it cannot: one
+    collection, NOTE [what a call puts back]), but inference tensors (no version counter)."""
+    found = walked_tensors(f)
+    if found is None:
+        found = reached(f)[1]
+    return tuple(t for t in found if not t.is_inference())
 
 
 #: Items of one container (or attributes of one object) :func:`modules_reached` searches.

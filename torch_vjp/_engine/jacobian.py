@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,12 +51,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map_on
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import (
-    KEPT_ELEMENTS, captured_values,
+    captured_tensors,
     func_jvp,
     func_vjp,
     is_nested,
     vjp_with_argnums,
 )
+from torch_vjp._engine.kept import moved_message, put_back
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
     checked_route,
@@ -174,7 +174,7 @@ def jacobian_blocks(
         The blocks, the output structure, the aux value and the mode used.
     """
     opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached, vmap_single)
-    watched = () if is_nested() else _captured_tensors(prob.f)
+    watched = () if is_nested() else captured_tensors(prob.f)  # (buffers_kept's)
     versions = [t._version for t in watched]
     calls = prob.calls
     try:
@@ -197,31 +197,12 @@ def jacobian_blocks(
         # (as reverse mode's: no graph outlives the call, aux's included; forward mode's
         # aux kept one, through a chunk's batched copy of the forward pass)
         blocks.aux = tree_map_only(Tensor, lambda t: t.detach(), blocks.aux)
-    if prob.calls - calls > 1 and any(t._version != v for t, v in zip(watched, versions)):
-        warn_once(
-            ("captured-changed", function_key(prob.f)),
-            f"{prob.call}: f ({function_name(prob.f)}) changes a tensor it captures in place. "
-            f"The Jacobian calls f more than once (a probe of its output shapes, then the "
-            f"products; the loop strategies once per product), so each call saw that tensor "
-            f"as the one before left it: the result is the Jacobian of f as its last call "
-            f"found the tensor, which is then put back as it was (one of over {KEPT_ELEMENTS} "
-            f"elements, or requiring grad, is not: it has moved once per call).\n"
-            f"  Fix: keep f free of side effects (update the tensor outside the Jacobian call, "
-            f"or clone it inside f); strategy='rev-loop' calls f once.",
-            JacobianWarning,
-        )
+    moved = [t for t, v in zip(watched, versions) if t._version != v]
+    several = prob.calls - calls > 1  # (NOTE [what a call puts back], in kept.py)
+    if moved and (several or not all(put_back(t) for t in moved)):
+        warn_once(("captured-changed", function_key(prob.f)),
+                  moved_message(prob.call, function_name(prob.f), several), JacobianWarning)
     return blocks
-
-
-def _captured_tensors(f: object) -> tuple[Tensor, ...]:
-    """The tensors ``f``'s closure cells, defaults and the globals its code names hold (one
-    level down): an in-place change of one by ``f`` is seen by its next call."""
-    func = getattr(f, "__func__", f)
-    if type(func) is not types.FunctionType:
-        return ()
-    # (an inference tensor has no version counter, and cannot be changed outside inference mode)
-    return tuple(v for v in (*(func.__defaults__ or ()), *captured_values(func))
-                 if isinstance(v, Tensor) and not v.is_inference())
 
 
 def _blocks(

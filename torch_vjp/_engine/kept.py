@@ -13,8 +13,11 @@ So the captured tensors that do not require grad (a parameter is a weight, not a
 are copied before the call and compared after it, bit for bit (NOTE [unchanged, bit for
 bit]), and put back where they changed; at most KEPT_ELEMENTS elements each and
 KEPT_TOTAL in all (running statistics and counters are small; a weight matrix or a dataset
-would cost a copy per call): a larger one is not put back, and jacobian_blocks' warning (by
-version counter) is all there is. Measured: 9 us per call for a function over one 8x8
+would cost a copy per call): such a one is not put back. jacobian_blocks warns of any
+tensor f reaches whose version counter a call moved, reading the same collection
+(context.captured_tensors: the tensors buffers_kept found, those inside a global list
+included), so that none is left moved unsaid; a change without a version bump (a kernel's)
+to a tensor not put back is not seen. Measured: 9 us per call for a function over one 8x8
 tensor (2.6 us before).
 
 NOTE [one walk per call]
@@ -22,7 +25,8 @@ A route key (context.module_key) and the buffers a call keeps both need every mo
 reaches (context.module_tree): a walk of 0.3 us to 1.7 us per module, so a function over a
 model of 501 modules paid for two walks of it per call. buffers_kept walks each module f
 reaches once, and its context (Walked) holds the trees while the call runs, for
-module_key to read (walked_tree): the tree as the call found it on entry.
+module_key to read (walked_tree): the tree as the call found it on entry; and the tensors
+f reaches, for jacobian_blocks' warning (walked_tensors).
 
 NOTE [unchanged, bit for bit]
 A tensor is put back only where its values changed, and "changed" is read bit for bit: a
@@ -43,7 +47,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["KEPT_ELEMENTS", "KEPT_TOTAL", "Walked", "Watched", "captured_kept", "module_buffers",
-           "same_bits", "walked_tree"]
+           "moved_message", "put_back", "same_bits", "walked_tensors", "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
@@ -151,32 +155,68 @@ def module_buffers(trees: Iterable[list[torch.nn.Module]]) -> list[tuple[str, Te
     return buffers
 
 
-#: The module trees of the running :class:`Walked` contexts, by root id, per thread.
+#: The running :class:`Walked` context, per thread.
 _WALKS = threading.local()
 
 
 def walked_tree(module: torch.nn.Module) -> list[torch.nn.Module] | None:
     """The tree of ``module`` the running call walked (NOTE [one walk per call]), or None."""
-    trees = getattr(_WALKS, "trees", None)
-    tree = trees.get(id(module)) if trees else None
+    walked = getattr(_WALKS, "now", None)
+    tree = walked.trees.get(id(module)) if walked is not None else None
     return tree if tree is not None and tree[0] is module else None
 
 
+def walked_tensors(f: object) -> list[Tensor] | None:
+    """The tensors ``f`` reaches, as the running call for ``f`` found them, or None."""
+    walked = getattr(_WALKS, "now", None)
+    return walked.tensors if walked is not None and walked.f is f else None
+
+
 class Walked:
-    """context.buffers_kept's context where ``f`` reaches modules: while the call runs, the
-    trees walked for its buffers are read by context.module_key (NOTE [one walk per call]);
-    on exit, what the call changed is put back."""
+    """context.buffers_kept's context: while the call runs, the module trees walked for its
+    buffers are read by context.module_key, and the tensors ``f`` reaches by
+    context.captured_tensors (NOTE [one walk per call]); on exit, what the call changed is
+    put back."""
 
-    __slots__ = ("trees", "watched", "prev")
+    __slots__ = ("f", "trees", "tensors", "watched", "prev")
 
-    def __init__(self, trees: dict[int, list[torch.nn.Module]], watched: Watched | None):
-        self.trees, self.watched, self.prev = trees, watched, None
+    def __init__(self, f: object, trees: dict[int, list[torch.nn.Module]],
+                 tensors: list[Tensor] | None, watched: Watched | None) -> None:
+        self.f, self.trees, self.tensors, self.watched = f, trees, tensors, watched
+        self.prev: Walked | None = None
 
     def __enter__(self) -> None:
-        self.prev = getattr(_WALKS, "trees", None)
-        _WALKS.trees = self.trees
+        self.prev = getattr(_WALKS, "now", None)
+        _WALKS.now = self
 
     def __exit__(self, *exc: Any) -> None:
-        _WALKS.trees = self.prev
+        _WALKS.now = self.prev
         if self.watched is not None:
             self.watched.restore()
+
+
+def put_back(t: Tensor) -> bool:
+    """Whether the running call (its :class:`Walked` context) puts ``t`` back."""
+    walked = getattr(_WALKS, "now", None)
+    watched = walked.watched if walked is not None else None
+    return watched is not None and any(e[2] is t for e in watched.entries)
+
+
+def moved_message(call: str, name: str, several: bool) -> str:
+    """jacobian_blocks' warning that ``f`` moved a tensor it captures: over ``several``
+    calls of f (each saw the tensor as the one before left it), or in one call, of a
+    tensor not put back (NOTE [what a call puts back])."""
+    not_kept = (f"one of over {KEPT_ELEMENTS} elements, one past {KEPT_TOTAL} elements of "
+                f"such tensors in all, or one requiring grad")
+    if several:
+        what = (f"The Jacobian calls f more than once (a probe of its output shapes, then "
+                f"the products; the loop strategies once per product), so each call saw that "
+                f"tensor as the one before left it: the result is the Jacobian of f as its "
+                f"last call found the tensor, which is then put back as it was ({not_kept}, "
+                f"is not: it has moved once per call).")
+    else:
+        what = (f"It is not put back after the call ({not_kept} is not): it has moved as a "
+                f"call of f moves it.")
+    return (f"{call}: f ({name}) changes a tensor it captures in place. {what}\n"
+            f"  Fix: keep f free of side effects (update the tensor outside the Jacobian "
+            f"call, or clone it inside f); strategy='rev-loop' calls f once.")
