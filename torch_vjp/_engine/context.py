@@ -252,18 +252,23 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     out: list[torch.nn.Module] = []
     seen: set[int] = set()
     stack = list(roots)[::-1]
+    torch_classes = _TORCH_CLASSES
     while stack:
         m = stack.pop()
-        if id(m) in seen:
+        i = id(m)
+        if i in seen:
             continue
-        seen.add(id(m))
+        seen.add(i)
         out.append(m)
         attrs = m.__dict__
-        children = [c for c in attrs["_modules"].values() if c is not None]
+        modules = attrs["_modules"]
         cls = type(m)
-        own = _TORCH_CLASSES.get(cls)
+        own = torch_classes.get(cls)
         if own is None:
-            own = _TORCH_CLASSES[cls] = (cls.__module__ or "").startswith("torch.nn.")
+            own = torch_classes[cls] = (cls.__module__ or "").startswith("torch.nn.")
+        if own and not modules:  # (a leaf of torch.nn's: most of a model)
+            continue
+        children = [c for c in modules.values() if c is not None]
         if not own:
             for name, value in attrs.items():  # (attributes of its own: containers?)
                 if type(value) in _PLAIN_TYPES or name in _MODULE_ATTRS:
