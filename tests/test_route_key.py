@@ -185,7 +185,7 @@ def test_a_user_module_inside_torch_containers_is_still_searched():
     assert h in tree and h.norms[0] in tree
 
 
-_SKIP = {3, 7}  # (a set: not weakly referenceable)
+_SKIP = {3, 7}  # (a set: held by a weak reference)
 _VOCAB = {f"w{i}": i for i in range(2000)}  # (a dict over _CONTENTS items)
 _W64 = torch.randn(6, 6, dtype=D)
 

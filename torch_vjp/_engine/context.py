@@ -304,7 +304,7 @@ def identity(obj: object) -> Hashable:
     shares. CPython gives a new object the address, so the ``id``, of one that died: a
     route remembered for a dead module was taken by a new module of the same type, whose
     Jacobian was then never checked. An object that cannot be weakly referenced (a
-    ``__slots__`` class's, a set) is held by the key instead, which compares by identity
+    ``__slots__`` class's, a bytearray) is held by the key instead, which compares by identity
     (lists, tuples and dicts count otherwise, see :func:`route_key`)."""
     i = id(obj)
     entry = _IDENTITIES.get(i)
@@ -329,7 +329,7 @@ def identity(obj: object) -> Hashable:
 
 
 class _Same:
-    """An object that cannot be weakly referenced (a set, a tuple or dict over
+    """An object that cannot be weakly referenced (a bytearray, a tuple or dict over
     :data:`_CONTENTS` items, a ``__slots__`` class's), as a key holds it: by identity,
     alive while the key is."""
 
