@@ -70,7 +70,7 @@ from torch_vjp._per_sample.registry import Call
 
 __all__ = [
     "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "Slots",
-    "seeded_forward", "aliases_of", "mixing_error", "parametrize_cache_off",
+    "seeded_forward", "aliases_of", "GenericPoint", "mixing_error", "parametrize_cache_off",
 ]
 
 _SEED = 0x7E5
@@ -279,67 +279,96 @@ def aliases_of(sel: Selection) -> dict[str, Tensor] | None:
 # h.mean(0)``, ReZero, an adapter), a zero-initialised LoRA ``B`` or last layer, ``(1 - a)
 # * mix`` with ``a == 1``; a plan made there trusted rules that an optimizer step then made
 # wrong, silently. So the probed forward, its data-flow tests and the graph walk run at a
-# point near the current one where no such accident holds (:class:`GenericPoint`): every
-# floating parameter entry ``p`` is ``p * (1 + u)`` there, and an entry that is exactly
-# zero is ``u * s`` (``u`` uniform in [1/32, 1/16) from a fixed seed, so that plans do not
-# depend on a random draw; ``s`` the mean magnitude of the tensor's entries, 1 for a tensor
-# of zeros). Signs are kept and zeros become small positive numbers, so that a parameter
-# that is a scale, a variance or a log's argument stays in its domain. The values are
-# written through ``.data`` (no version bump: nothing the planning watches counts it as a
-# change by the forward) and the parameters' own bits are put back as soon as the probe is
-# done, on an error too. Buffers are left as they are (running statistics, masks). The
-# shape runs of step 1, which also find what a forward changes in place, run at the
-# parameters' own values; a model that fails at the generic point, or gives a non-finite
-# output there where it does not at its own values, is probed at its own values. This
-# costs one copy of the parameters while a plan is made and nothing per call (a key
-# holding which parameters are zero would cost a pass over them on every call).
+# point near the current one where no such accident holds (:func:`generic_state`): every
+# floating entry ``p`` of a parameter that requires grad is ``p * (1 + u)`` there, and an
+# entry that is exactly zero is ``u * s`` (``u`` uniform in [1/32, 1/16) from a fixed seed,
+# so that plans do not depend on a random draw; ``s`` the mean magnitude of the tensor's
+# entries, 1 for a tensor of zeros). Signs are kept and zeros become small positive
+# numbers, so that a parameter that is a scale, a variance or a log's argument stays in
+# its domain.
+# The moved values are new tensors (``nn.Parameter`` leaves), put in the modules'
+# ``_parameters`` dicts in place of the parameters for the probe (:class:`GenericPoint`,
+# forward and loss alike: a loss that reads a parameter, an L2 term, reads the moved one
+# too) and the parameters put back after it: the user's storage is never written, so
+# parameters that share storage (``nn.Parameter(other.data)``, views of one flat buffer)
+# and an expanded parameter are safe, and nothing outlives the probe. (While the probe
+# runs, the module attributes hold the copies, as under ``torch.func.functional_call``:
+# the forward itself, and another thread reading those attributes then, see moved
+# values.) Only parameters that require grad move: a frozen one does not move under an
+# optimizer (and a change of ``requires_grad`` makes a new plan), so a frozen zero that
+# switches a cross-example term off keeps it off, as the model computes. Selected frozen
+# parameters get stand-ins at their own values (as ``aliases_of`` gives). Buffers stay as
+# they are (running statistics, masks, schedules). The shape runs of step 1, which also
+# find what a forward changes in place, run at the parameters' own values; a model that
+# raises anything (forward, loss, backward of the data-flow test) at the generic point, or
+# gives a non-finite output there where it does not at its own values, is probed at its
+# own values. This costs one copy of the parameters that require grad while a plan is
+# made and nothing per call (a key holding which parameters are zero would cost a pass
+# over them on every call).
+#
+# What this covers: a dependence that vanishes because a parameter that requires grad
+# sits at an exact value (zero, one, a cancellation) where a small relative move revives
+# it. What it does not: a gate that stays exactly zero in a whole neighbourhood of the
+# current values (``relu(g)`` or ``g.clamp(0, 1)`` with ``g < 0``, a hard threshold, a
+# coefficient kept in a buffer or a frozen parameter that a schedule changes later). A
+# plan made there is kept after the gate opens, and the check of the first call under a
+# plan does not run again, so the rules' results are then wrong, silently: pass
+# ``strategy='vmap'`` or ``'loop'`` for such a model (docs/pages/per-sample.md).
 _GENERIC_SEED = 0x9E3779B9
 
 
 class GenericPoint:
-    """Moves the model's floating parameters to the generic point of NOTE [probes at a
-    generic point] for the ``with`` block, and puts their own values back after it."""
+    """The generic point of NOTE [probes at a generic point]: moved copies of the
+    parameters that require grad, and stand-ins for the selected ones that do not, which
+    :meth:`swap` puts in the modules' ``_parameters`` dicts and :meth:`unswap` takes out
+    again. Nothing of the model is written but those dicts."""
 
-    __slots__ = ("model", "saved")
+    __slots__ = ("places", "tracked")
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.saved: list[tuple[Tensor, Tensor]] = []
-
-    def __enter__(self) -> GenericPoint:
+    def __init__(self, model: nn.Module, sel: Selection) -> None:
+        new: dict[int, Tensor] = {}
+        frozen_sel = {id(t) for t in sel.tensors.values() if not t.requires_grad}
         gens: dict[torch.device, torch.Generator] = {}
-        try:
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if not (p.is_floating_point() or p.is_complex()) or p.is_meta or (
-                            p.layout != torch.strided) or p.numel() == 0 or (
-                            type(p.data) is not Tensor):  # (a DTensor's shards, say)
-                        continue
-                    real = p.real if p.is_complex() else p
-                    gen = gens.get(p.device)
-                    if gen is None:
-                        try:
-                            gen = torch.Generator(device=p.device)
-                        except RuntimeError:  # a device without generators: the CPU's
-                            gen = torch.Generator()
-                        gens[p.device] = gen.manual_seed(_GENERIC_SEED)
-                    u = torch.rand(p.shape, generator=gen, device=gen.device,
-                                   dtype=real.dtype).to(p.device).add_(1).div_(32)
-                    scale = p.abs().mean().to(real.dtype)
-                    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-                    moved = torch.where(p == 0, u * scale, p * (1 + u))
-                    self.saved.append((p, p.detach().clone()))
-                    p.data.copy_(moved)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
-            for p, own in self.saved:
-                p.data.copy_(own)
-        self.saved.clear()
+            for p in model.parameters():
+                if id(p) in frozen_sel:
+                    new[id(p)] = nn.Parameter(p.detach(), requires_grad=True)
+                    continue
+                if not p.requires_grad or not (p.is_floating_point() or p.is_complex()) or (
+                        p.is_meta or p.layout != torch.strided or p.numel() == 0 or
+                        type(p.data) is not Tensor):  # (a DTensor's shards, say)
+                    continue
+                real = p.real if p.is_complex() else p
+                gen = gens.get(p.device)
+                if gen is None:
+                    try:
+                        gen = torch.Generator(device=p.device)
+                    except RuntimeError:  # a device without generators: the CPU's
+                        gen = torch.Generator()
+                    gens[p.device] = gen.manual_seed(_GENERIC_SEED)
+                u = torch.rand(p.shape, generator=gen, device=gen.device,
+                               dtype=real.dtype).to(p.device).add_(1).div_(32)
+                scale = p.abs().mean().to(real.dtype)
+                scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+                moved = torch.where(p == 0, u * scale, p * (1 + u))
+                new[id(p)] = nn.Parameter(moved, requires_grad=True)
+        #: (the dict, the key, the parameter, its copy) for every place a parameter is held
+        self.places = [(d, k, p, new[id(p)]) for m in model.modules()
+                       for d in (m._parameters,) for k, p in d.items()
+                       if p is not None and id(p) in new]
+        #: ``id`` of the copy of each selected tensor -> its canonical name
+        self.tracked = {id(new[id(t)]): n for n, t in sel.tensors.items() if id(t) in new}
+
+    def __bool__(self) -> bool:
+        return bool(self.places)
+
+    def swap(self) -> None:
+        for d, k, _, copy in self.places:
+            d[k] = copy
+
+    def unswap(self) -> None:
+        for d, k, p, _ in self.places:
+            d[k] = p
 
 
 def seeded_forward(

@@ -31,11 +31,11 @@ from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import loss_sum
 from torch_vjp._per_sample.plan import (
     CallPlan,
-    GenericPoint,
     ParamPlan,
     Plan,
     Slots,
     aliases_of,
+    GenericPoint,
     call_key,
     seeded_forward,
 )
@@ -359,8 +359,8 @@ def _unsplittable(strategy: str, sel: Selection, out: Any, batch: int) -> Plan:
 
 
 class _NotGeneric(Exception):
-    """The model fails, or gives a non-finite output, at the generic point of NOTE [probes
-    at a generic point] (in ``plan``): it is probed at its own values."""
+    """The model gives a non-finite output at the generic point of NOTE [probes at a
+    generic point] (in ``plan``) where it does not at its own values."""
 
 
 def _grad_probe(
@@ -374,12 +374,29 @@ def _grad_probe(
 ) -> Plan:
     """Steps 2 to 5 of NOTE [the per-sample plan], at the generic point of NOTE [probes at
     a generic point] in ``plan``, else at the parameters' own values where the model
-    cannot be probed there."""
-    try:
-        with GenericPoint(job.model) as point:
+    raises anything there (or gives a non-finite output)."""
+    point = GenericPoint(job.model, job.sel)
+    if point:
+        own = job.reset
+
+        def reset() -> None:  # (the planning's own reset sees the model's parameters)
+            point.unswap()
+            if own is not None:
+                own()
+            point.swap()
+
+        job.reset = reset
+        try:
+            point.swap()
             return _probe_at(job, tracked, out_dims, full, small, expand=expand,
                              grad_inputs=True, point=point)
-    except _NotGeneric:
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception:  # noqa: BLE001 - retried at the model's own values
+            pass
+        finally:
+            point.unswap()
+            job.reset = own
         _after_forward(job)
     return _probe_at(job, tracked, out_dims, full, small, expand=expand, grad_inputs=True,
                      point=None)
@@ -416,9 +433,11 @@ def _probe_at(
         for x in job.xs
     )
     rng = _Randomness()
-    aliases = aliases_of(sel)
+    aliases = aliases_of(sel) if point is None else None
     if aliases is not None:
         tracked = {id(t): n for n, t in aliases.items()}
+    elif point is not None:
+        tracked = point.tracked
     rec = Recorder(model, tracked, batch, probe=True, expand_shared=expand, direct=expand,
                    owners=sel.owners)
     try:
@@ -433,7 +452,7 @@ def _probe_at(
             return _probe_at(job, tracked, out_dims, full, small, expand=False,
                              grad_inputs=expand and grad_inputs, point=point)
         if point is not None:
-            raise _NotGeneric from err
+            raise _NotGeneric from err  # (retried at the model's own values)
         return Plan(job.strategy, _all_params(
             sel, "vmap", f"the model's forward fails while the hooks record it "
                          f"({quote_error(err)})"))
@@ -509,9 +528,9 @@ def _finite(out: Any) -> bool:
 
 
 def _plain_run(job: Job) -> Any:
-    """The model's output as it is now, without the recording."""
+    """The model's output at the generic point (swapped in), without the recording."""
     with torch.no_grad():
-        out = seeded_forward(job.model, job.xs, aliases_of(job.sel))
+        out = seeded_forward(job.model, job.xs, None)
     _after_forward(job)
     return out
 
