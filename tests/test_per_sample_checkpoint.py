@@ -134,3 +134,45 @@ def test_a_ddp_model_is_refused_with_the_fix(tmp_path):
         assert all(p.grad is None for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_a_selection_of_the_block_and_later_layers_gets_the_blocks_gradients(strategy):
+    # none of the asked tensors lies below the checkpoint's node: autograd.grad raised
+    # nothing and skipped the block, whose parameters got zeros, silently
+    model, loss_fn, x, y = _setup()
+    ref = backward_reference(model, loss_fn, x, y)
+    names = ["block.0.weight", "block.0.bias", "out.weight"]
+    got = tv.per_sample_grads(model, loss_fn, x, y, params=names, strategy=strategy)
+    for n in names:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    norms = torch.cat([ref[n].flatten(1) for n in names], 1).norm(dim=1)
+    torch.testing.assert_close(
+        tv.per_sample_grad_norms(model, loss_fn, x, y, params=names, strategy=strategy), norms)
+
+
+class _FirstBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 5), nn.Tanh())
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(checkpoint(self.block, x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_inputs_that_require_grad_after_a_plan_made_without_give_the_blocks_gradients(
+        strategy):
+    # a checkpoint on the first block has a gradient only where the input requires grad;
+    # the plan made with plain inputs was kept for inputs that require grad (zeros)
+    torch.manual_seed(0)
+    model, loss_fn = _FirstBlock().to(DT), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    tv.per_sample_grad_norms(model, loss_fn, x, y, strategy=strategy)
+    xr = x.clone().requires_grad_(True)
+    ref = backward_reference(model, loss_fn, x.clone().requires_grad_(True), y)
+    got = tv.per_sample_grads(model, loss_fn, xr, y, strategy=strategy)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    assert xr.grad is None

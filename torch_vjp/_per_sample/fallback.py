@@ -113,12 +113,13 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
                         o = model(*xi)
                         wrt = [sel.tensors[n] for n in names]
                     loss = scalar_loss(fn, call_loss(loss_fn, o, slice_tree(targets, i, i + 1)))
-                    grads = (
-                        torch.autograd.grad(loss, wrt, allow_unused=True)
-                        if loss.requires_grad else [None] * len(wrt)
-                    )
-                if frozen and None in grads and _reentrant_in(loss):
-                    grads = None  # (the stand-ins are gone when the checkpoint recomputes)
+                    if loss.requires_grad and _reentrant_in(loss):
+                        grads = None  # (autograd.grad would skip its block: backward())
+                    else:
+                        grads = (
+                            torch.autograd.grad(loss, wrt, allow_unused=True)
+                            if loss.requires_grad else [None] * len(wrt)
+                        )
             except RuntimeError as err:
                 if REENTRANT not in str(err):
                     raise
@@ -142,9 +143,16 @@ REENTRANT = "use_reentrant=True"
 # ``torch.utils.checkpoint(fn, x, use_reentrant=True)`` runs its backward only under
 # ``backward()`` without ``inputs=``: ``torch.autograd.grad``, which every strategy uses,
 # raises "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
-# once the block's input requires grad (a block after the first layer). The plan then
-# gives every parameter to the loop (``probe``), and the loop, told so by that error,
-# differentiates each example with ``backward()`` (``Job.by_backward``): before each
+# once the block's input requires grad (a block after the first layer), where ``inputs``
+# lie below the checkpoint's node; where none does (only the block's parameters, or those
+# of layers after it, are asked for), ``autograd.grad`` raises nothing and skips the node,
+# giving the block's parameters no gradient, silently (the block's parameters are not
+# edges of its node: its backward reaches them by a backward() of its own). The plan then
+# gives every parameter to the loop (``probe``; whether the inputs require grad is part of
+# the plan's key), and the loop, which looks for the checkpoint's node in every example's
+# graph before it differentiates (a walk of one example's graph: small beside its forward
+# and backward), differentiates each example with ``backward()`` (``Job.by_backward``)
+# wherever the graph holds one: before each
 # example the ``.grad`` of the model's parameters (and of a loss module's) are set aside
 # and their post-accumulate-grad hooks unhooked (an optimizer step in backward must not
 # run per example); the selected parameters' ``.grad`` is the example's gradient; then
@@ -154,10 +162,8 @@ REENTRANT = "use_reentrant=True"
 # leaf only a loss function's closure holds would still receive a ``.grad``: no list of
 # such leaves exists. Selected parameters that do not require grad are differentiated
 # elsewhere through stand-ins (``functional_call``), which are gone by the time the
-# checkpoint recomputes its block in the backward pass (no error: their gradients come out
-# None); where one does and the graph holds a reentrant checkpoint, the loop goes to
-# ``backward()`` too, with those parameters made to require grad for the example (and
-# their flags put back). A model wrapped in DistributedDataParallel (whose reducer fires on
+# checkpoint recomputes its block in the backward pass; under ``backward()`` those
+# parameters are made to require grad for the example (and their flags put back). A model wrapped in DistributedDataParallel (whose reducer fires on
 # ``backward()``) cannot be computed so: PerSampleError, with the fix use_reentrant=False.
 
 

@@ -76,8 +76,9 @@ def _loss_key(loss_fn: Any) -> Any:
 
 
 def _tail(t: Any) -> Any:
-    if isinstance(t, Tensor):
-        return (t.shape[1:], t.dtype, t.device)
+    if isinstance(t, Tensor):  # (requires_grad: a reentrant checkpoint's block has a
+        # gradient only where its input requires grad; NOTE [reentrant checkpoints])
+        return (t.shape[1:], t.dtype, t.device, t.requires_grad)
     return type(t)
 
 
