@@ -95,3 +95,46 @@ def test_hooks_computes_the_plain_bias_of_a_layer_whose_weight_is_computed(wrap)
     assert "refused  module '0' is a " in str(plan)
     auto = tv.per_sample_plan(model, loss_fn, x, y)
     assert {auto[r.name].method for r in computed} == {"vmap"}
+
+
+def test_a_cached_block_another_thread_leaves_during_a_call_stays_left():
+    # the call saved the counter's value and wrote it back at the end: a block another
+    # thread left meanwhile stayed open for good (the cache on everywhere, parametrized
+    # weights stale after a change of their parameters)
+    import threading
+
+    leave, left = threading.Event(), threading.Event()
+
+    def other_thread():
+        with parametrize.cached():
+            leave.wait(30)
+        left.set()
+
+    class _LeavesMeanwhile(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3).to(DT)
+
+        def forward(self, x):
+            if not leave.is_set():
+                leave.set()
+                left.wait(30)
+            return self.lin(x)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        while not parametrize._cache_enabled and thread.is_alive():
+            thread.join(0.01)
+        x, _ = _data()
+        tv.per_sample_grads(_LeavesMeanwhile(), lambda o: o.sum(), x, strategy="loop")
+    finally:
+        leave.set()
+        thread.join()
+    count, parametrize._cache_enabled = parametrize._cache_enabled, 0  # (for later tests)
+    assert count == 0
+    model, (x, _) = _model(), _data()
+    before = model(x)
+    with torch.no_grad():
+        model[0].parametrizations.weight.original0.mul_(2)
+    assert not torch.equal(model(x), before)

@@ -403,23 +403,35 @@ def mixing_error(fn: str, where: str, strategy: str) -> PerSampleError:
 # the cache on, every run after the first would read the weight the first run computed,
 # from the caller's own parameters, so vmap's stand-ins receive no gradient (zeros,
 # silently) and the loop's second backward meets a freed graph. Each public function
-# therefore runs with the cache off, as a plain forward computes: the caller's cache
-# (its counter and its dict) is set aside for the call and put back after it, on an error
-# too, so the caller's block goes on as it was. A forward that enters ``cached()`` itself
-# caches within that forward, as it would alone. (A module attribute read per call when
-# the cache is off, as it is almost always.)
+# therefore runs with the cache off, as a plain forward computes: the caller's cache is
+# set aside for the call and put back after it, on an error too, so the caller's block
+# goes on as it was. The counter is changed relatively, as ``cached()`` changes it (minus
+# its value on entry, plus that on exit), so that another thread entering or leaving a
+# ``cached()`` block meanwhile keeps its change; the caller's dict is put back only where
+# the call's own empty one is still in place and the counter is not back at zero (where
+# it is, the dict is emptied, as ``cached()`` does on leaving its last block). torch's
+# cache is one for the process, not per thread: while another thread's block is open
+# (or after it closes during the call, the counter then below zero), reads in the call
+# are cached too; per-sample calls and ``cached()`` blocks in concurrent threads do not
+# mix. A forward that enters ``cached()`` itself caches within that forward, as it would
+# alone. (A module attribute read per call when the cache is off, as it is almost always.)
 
 
 class _CacheSetAside:
-    __slots__ = ("saved",)
+    __slots__ = ("count", "saved", "ours")
 
     def __enter__(self) -> None:
-        self.saved = (parametrize._cache_enabled, parametrize._cache)
-        parametrize._cache_enabled = 0
-        parametrize._cache = {}
+        self.count = n = parametrize._cache_enabled
+        self.saved = parametrize._cache
+        parametrize._cache_enabled -= n
+        self.ours = parametrize._cache = {}
 
     def __exit__(self, *exc: object) -> None:
-        parametrize._cache_enabled, parametrize._cache = self.saved
+        parametrize._cache_enabled += self.count
+        if not parametrize._cache_enabled:
+            parametrize._cache = {}
+        elif parametrize._cache is self.ours:
+            parametrize._cache = self.saved
 
 
 def parametrize_cache_off(fn: Callable[..., Any]) -> Callable[..., Any]:
