@@ -506,9 +506,12 @@ def register_per_sample_rule(
         PerSampleTypeError: ``module_type`` is not an ``nn.Module`` subclass, or ``rule``
             cannot be called as ``rule(module, inputs, grad_output)``.
 
-    An exception the rule raises when a per-sample function calls it reaches that caller
-    as a ``PerSampleError`` naming the rule and the layer, with the rule's own exception as
-    its ``__cause__`` (strategy ``"auto"`` does not hide it behind vmap).
+    A rule declines a call it cannot compute (a configuration of the layer it does not
+    cover) by raising ``NotImplementedError``: under ``"auto"`` that call's parameters are
+    computed by vmap or the loop instead, and ``"hooks"`` raises ``tv.StrategyError`` with
+    the rule's message. Any other exception the rule raises reaches the caller of the
+    per-sample function as it is (not wrapped; strategy ``"auto"`` does not hide it behind
+    vmap), with a note (``__notes__``) naming the rule and the layer.
 
     Example:
         >>> import torch, torch_vjp as tv

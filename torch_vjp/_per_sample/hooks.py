@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.context import grad_enabled
-from torch_vjp._errors import PerSampleError, StrategyError, TorchVJPError, quote_error
+from torch_vjp._errors import StrategyError, TorchVJPError
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import Factor, full_precision, widened
 from torch_vjp._per_sample.losses import scaled_loss_sum
@@ -24,7 +24,16 @@ from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, for
 from torch_vjp._per_sample.recorder import Recorder, layers_of
 from torch_vjp._per_sample.registry import Call, Declined, UserRule
 
-__all__ = ["HooksResult", "hooks_pass"]
+__all__ = ["HooksResult", "hooks_pass", "RuleRaised"]
+
+
+class RuleRaised(Exception):
+    """Carries an exception a user's rule raised (``err``, a note added) past the
+    handlers of the rules' pass, which re-raise ``err`` itself (SPEC §0)."""
+
+    def __init__(self, err: Exception) -> None:
+        super().__init__(str(err))
+        self.err = err
 
 if hasattr(torch.autograd, "_engine_run_backward"):  # the engine entry autograd.grad calls
 
@@ -156,9 +165,10 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                 continue
             except Exception as err:
                 if isinstance(c.rule, UserRule) and not isinstance(err, TorchVJPError):
-                    # (a bug in the user's rule is theirs to see: never left to the
-                    # fallback, where it would vanish, nor blamed on the forward)
-                    raise _user_rule_error(job.fn, c, err) from err
+                    # (a bug in the user's rule is theirs to see, as it is (SPEC §0): never
+                    # left to the fallback, where it would vanish, nor blamed on the forward)
+                    err.add_note(_user_rule_note(job.fn, c))
+                    raise RuleRaised(err) from None
                 raise
             for role, factor in found:
                 name = tracked[id(c.params[role][0])]
@@ -168,15 +178,16 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
     return result
 
 
-def _user_rule_error(fn: str, c: Call, err: BaseException) -> PerSampleError:
+def _user_rule_note(fn: str, c: Call) -> str:
     kind = type(c.module).__name__ if c.module is not None else "layer"
-    return PerSampleError(
-        f"torch_vjp.{fn}: the per-sample rule {c.rule.name} raised {quote_error(err)} on "
-        f"the layer '{c.path}' ({kind}); the rule's own error is chained above.\n"
-        f"  A rule registered with torch_vjp.register_per_sample_rule computes the per-sample "
-        f"gradients of its layer's parameters under strategy='auto' and 'hooks', from "
-        f"(module, inputs, grad_output), each with the examples along dimension 0. Fix the "
-        f"rule, or pass strategy='vmap' or strategy='loop', which do not use it.")
+    return (
+        f"(raised in torch_vjp.{fn} by the per-sample rule {c.rule.name} on the layer "
+        f"'{c.path}' ({kind}). A rule registered with torch_vjp.register_per_sample_rule "
+        f"computes the per-sample gradients of its layer's parameters under strategy='auto' "
+        f"and 'hooks', from (module, inputs, grad_output), each with the examples along "
+        f"dimension 0; a rule declines a call it cannot compute by raising "
+        f"NotImplementedError. Fix the rule, or pass strategy='vmap' or strategy='loop', "
+        f"which do not use it.)")
 
 
 def _declined_error(fn: str, c: Call, names: set[str], why: str) -> StrategyError:

@@ -201,10 +201,10 @@ class UserRule(Rule):
     ``inputs`` are the layer's positional tensor inputs and ``grad_output`` the gradient of
     its (first) output, each with the examples moved to dimension 0; the function returns the
     per-sample gradients ``(B, *param.shape)`` of the layer's own parameters, keyed by
-    attribute name or by the parameter itself. An exception the function raises reaches
-    the caller chained in a PerSampleError that names the rule and the layer (``hooks``):
-    never left to the fallback, where the user's bug would vanish. See
-    :func:`torch_vjp.register_per_sample_rule`.
+    attribute name or by the parameter itself. ``NotImplementedError`` from the function
+    declines the call (:class:`Declined`); any other exception reaches the caller as it is,
+    with a note naming the rule and the layer (``hooks``): never left to the fallback,
+    where the user's bug would vanish. See :func:`torch_vjp.register_per_sample_rule`.
     """
 
     roles = None
@@ -234,7 +234,11 @@ class UserRule(Rule):
         gb = first(g) if g.dim() > 0 else to_batch_first(g, call.bdim)
         inputs = tuple(first(a) if isinstance(a, Tensor) and a.dim() > 0 else a
                        for a in call.args)
-        result = self.fn(call.module, inputs, gb)
+        try:
+            result = self.fn(call.module, inputs, gb)
+        except NotImplementedError as err:  # (the rule's way to decline a call)
+            raise Declined(f"the rule raised NotImplementedError: {err}" if str(err) else
+                           "the rule raised NotImplementedError") from err
         if not isinstance(result, dict):
             raise PerSampleTypeError(
                 f"torch_vjp: the per-sample rule {self.name} returned a "
@@ -303,5 +307,6 @@ def register_user_rule(
             f"subclass, got {module_type!r}."
         )
     check_user_rule(fn)
-    name = f"{getattr(fn, '__qualname__', 'rule')} (registered for {module_type.__name__})"
+    qual = str(getattr(fn, "__qualname__", None) or type(fn).__name__).rpartition(".<locals>.")[2]
+    name = f"'{qual}' (registered for {module_type.__name__})"
     _RULES[module_type] = (UserRule(fn, name, batch_dims), False)

@@ -48,7 +48,7 @@ from torch_vjp._per_sample.factors import (
     write_region,
 )
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, warn_loop
-from torch_vjp._per_sample.hooks import HooksResult, hooks_pass
+from torch_vjp._per_sample.hooks import HooksResult, RuleRaised, hooks_pass
 from torch_vjp._per_sample.plan import Plan, Slots, aliases_of, forward, mixing_error
 from torch_vjp._per_sample.probe import input_entries, plan_for
 from torch_vjp._per_sample.registry import registered_types
@@ -252,6 +252,8 @@ def _recorded_pass(job: Job, plan: Plan) -> HooksResult:
     forward that fails by itself raises its own error."""
     try:
         return hooks_pass(job, plan)
+    except RuleRaised as raised:
+        err = raised.err  # (raised below, outside this handler: its context untouched)
     except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as err:  # noqa: BLE001 - judged below
@@ -265,6 +267,9 @@ def _recorded_pass(job: Job, plan: Plan) -> HooksResult:
                 job.reset()
             raise _no_rule_error(job.fn, {n: why for n in plan.rule_params}) from None
         return HooksResult(moved={n: why for n in plan.rule_params})
+    if job.reset is not None:
+        job.reset()
+    raise err  # a user's rule's own error, as it is
 
 
 def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
