@@ -176,3 +176,37 @@ def test_inputs_that_require_grad_after_a_plan_made_without_give_the_blocks_grad
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], msg=n)
     assert xr.grad is None
+
+
+class _WithLeaf(_Net):
+    def __init__(self):
+        super().__init__()
+        self.shift = torch.zeros(5, dtype=DT, requires_grad=True)  # a plain leaf attribute
+
+    def forward(self, x):
+        return self.out(checkpoint(self.block, self.inp(x), use_reentrant=True) + self.shift)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_leaves_that_are_not_parameters_keep_their_grad(strategy):
+    # each example's backward() accumulated into a leaf of the loss's closure and a plain
+    # leaf attribute of the model
+    torch.manual_seed(0)
+    model = _WithLeaf().to(DT)
+    scale = torch.ones(3, dtype=DT, requires_grad=True)
+    fired = []
+    scale.register_post_accumulate_grad_hook(lambda t: fired.append(t))
+
+    def loss_fn(o, t):
+        return nn.functional.cross_entropy(o * scale, t)
+
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    ref = backward_reference(model, loss_fn, x, y)
+    scale.grad = None
+    model.shift.grad = torch.full((5,), 7.0, dtype=DT)
+    fired.clear()
+    got = tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    assert scale.grad is None and not fired
+    assert torch.equal(model.shift.grad, torch.full((5,), 7.0, dtype=DT))

@@ -158,9 +158,13 @@ REENTRANT = "use_reentrant=True"
 # run per example); the selected parameters' ``.grad`` is the example's gradient; then
 # everything is put back as it was, on an error too. The inputs and targets of the example
 # are detached (inputs made leaves that require grad as before), so that the backward
-# stops at them and never reaches, frees or accumulates into a graph of the caller's. A
-# leaf only a loss function's closure holds would still receive a ``.grad``: no list of
-# such leaves exists. Selected parameters that do not require grad are differentiated
+# stops at them and never reaches, frees or accumulates into a graph of the caller's. The
+# leaves set aside are the model's parameters, a loss module's, the modules' plain tensor
+# attributes that are leaves requiring grad, and every other leaf the example's loss graph
+# reaches (one a loss function's closure holds), found by a walk of that graph before
+# ``backward()``. A leaf used only inside the checkpointed block that is none of those (a
+# closure's, read by the block) is not in that graph (the block's graph is recomputed in
+# the backward pass) and would still receive a ``.grad``. Selected parameters that do not require grad are differentiated
 # elsewhere through stand-ins (``functional_call``), which are gone by the time the
 # checkpoint recomputes its block in the backward pass; under ``backward()`` those
 # parameters are made to require grad for the example (and their flags put back). A model wrapped in DistributedDataParallel (whose reducer fires on
@@ -203,22 +207,34 @@ def _by_backward(job: Job, names: list[str], xi: tuple[Tensor, ...], i: int
     leaves.update((id(p), p) for p in frozen)
     if isinstance(job.loss_fn, nn.Module):
         leaves.update((id(p), p) for p in job.loss_fn.parameters())
-    saved = [(p, p.grad) for p in leaves.values()]
-    hooks = [(p._post_accumulate_grad_hooks, dict(p._post_accumulate_grad_hooks))
-             for p in leaves.values() if p._post_accumulate_grad_hooks]
+    for m in job.model.modules():  # (plain tensor attributes that are leaves requiring grad)
+        leaves.update((id(t), t) for t in m.__dict__.values()
+                      if isinstance(t, Tensor) and t.requires_grad and t.is_leaf)
     xi = tuple(x.detach().requires_grad_(x.requires_grad) for x in xi)
     ti = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
                   slice_tree(job.targets, i, i + 1))
-    try:
-        for p, _ in saved:
+    saved: list[tuple[Tensor, Any]] = []
+    hooks: list[tuple[dict, dict]] = []
+
+    def set_aside(ts: Any) -> None:
+        for p in ts:
+            saved.append((p, p.grad))
             p.grad = None
-        for live, _ in hooks:  # (emptied in place: autograd holds this dict)
-            live.clear()
+            if p._post_accumulate_grad_hooks:  # (emptied in place: autograd holds the dict)
+                live = p._post_accumulate_grad_hooks
+                hooks.append((live, dict(live)))
+                live.clear()
+
+    try:
+        set_aside(leaves.values())
         for p in frozen:  # (for this example only: stand-ins would be gone by the time
             p.requires_grad_(True)  # the checkpoint recomputes its block)
         with torch.enable_grad():
             loss = scalar_loss(job.fn, call_loss(job.loss_fn, job.model(*xi), ti))
             if loss.requires_grad:
+                # every other leaf the loss's graph reaches (one a loss function's closure
+                # holds): its .grad is set aside too
+                set_aside(_graph_leaves(loss, leaves, {id(x) for x in xi}))
                 loss.backward()
         return [sel.tensors[n].grad for n in names]
     finally:
@@ -228,6 +244,25 @@ def _by_backward(job: Job, names: list[str], xi: tuple[Tensor, ...], i: int
             p.grad = g
         for live, own in hooks:
             live.update(own)
+
+
+def _graph_leaves(loss: Tensor, known: dict[int, Tensor], skip: set[int]) -> list[Tensor]:
+    """The leaves the graph of ``loss`` accumulates into, but those in ``known`` or
+    ``skip`` (by ``id``)."""
+    found: dict[int, Tensor] = {}
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if isinstance(var, Tensor):
+            if id(var) not in known and id(var) not in skip:
+                found[id(var)] = var
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    return list(found.values())
 
 
 def _new_outputs(sel: Selection, names: list[str], n: int) -> dict[str, Tensor]:
