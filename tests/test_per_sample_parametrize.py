@@ -138,3 +138,50 @@ def test_a_cached_block_another_thread_leaves_during_a_call_stays_left():
     with torch.no_grad():
         model[0].parametrizations.weight.original0.mul_(2)
     assert not torch.equal(model(x), before)
+
+
+class _BiasCoupled(nn.Module):
+    """A parametrization of a Linear's weight that reads the layer's own bias."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.ref = [lin]
+        self.c = nn.Parameter(torch.tensor(0.3, dtype=DT))
+
+    def forward(self, w):
+        return w + self.c * self.ref[0].bias[:, None]
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_a_bias_the_weights_parametrization_reads_is_not_the_rules(seq):
+    # the graph walk counted every use of the layer's bias inside the call as the rule's:
+    # hooks gave the bias's gradient without the share through the weight, silently
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 5).to(DT)
+    parametrize.register_parametrization(lin, "weight", _BiasCoupled(lin))
+    model = nn.Sequential(lin, nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    x = torch.randn(6, 2, 4, dtype=DT) if seq else torch.randn(6, 4, dtype=DT)
+    y = torch.randint(0, 3, (6,))
+    loss_fn = (lambda o, t: nn.functional.cross_entropy(o.sum(1), t)) if seq else \
+        nn.CrossEntropyLoss()
+    plan = {r.name: r.method for r in tv.per_sample_plan(model, loss_fn, x, y)}
+    assert plan["0.bias"] != "rule" and plan["2.weight"] == "rule", plan
+    with pytest.raises(tv.StrategyError, match=r"'0\.bias': module '0' is a ParametrizedLinear"):
+        tv.per_sample_grads(model, loss_fn, x, y, params=["0.bias", "2.weight"],
+                            strategy="hooks")
+    ref = loop_reference(model, loss_fn, x, y)
+    got = tv.per_sample_grads(model, loss_fn, x, y)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_the_plain_bias_of_a_weight_normed_layer_stays_the_rules(seq):
+    torch.manual_seed(0)
+    model = _model()
+    x = torch.randn(6, 2, 4, dtype=DT) if seq else torch.randn(6, 4, dtype=DT)
+    y = torch.randint(0, 3, (6,))
+    loss_fn = (lambda o, t: nn.functional.cross_entropy(o.sum(1), t)) if seq else \
+        nn.CrossEntropyLoss()
+    plan = {r.name: r.method for r in tv.per_sample_plan(model, loss_fn, x, y)}
+    assert plan["0.bias"] == "rule", plan

@@ -421,6 +421,14 @@ def _carrying_inputs(
     return carries, folds, (lambda i: match[i] is None)
 
 
+_VIEWS = ("View", "UnsafeView", "Reshape", "Expand", "Squeeze", "Unsqueeze", "Permute",
+          "Transpose", "TBackward", "Alias", "AsStrided")
+
+
+def _is_view(node: Any) -> bool:
+    return type(node).__name__.startswith(_VIEWS)
+
+
 def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[int, str]) -> set[str]:
     """Names of tracked parameters the loss reaches other than through a trusted rule call.
 
@@ -428,13 +436,15 @@ def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[in
     only into the call's inputs, skipping the layer's own use of its parameters. A call whose
     weight is computed from a parameter (a parametrization) is walked through, so that
     parameter is found and left to the fallback rather than mistaken for unused; the
-    call's own parameters that its rule computes (a plain bias beside the computed weight),
-    met inside it before its inputs, are the rule's use and not counted.
+    call's own parameters that its rule computes (a plain bias beside the computed weight)
+    are the rule's use only where they are direct inputs of the call's operator: the node
+    of its output, or the first node below it that is not a view (``addmm`` under the view
+    of a 3-d Linear). Met deeper (the weight's parametrization reads the layer's own bias),
+    they are a use outside the rule.
     """
     jump: dict[Any, list[Any]] = {}
-    # a trusted call whose weight is computed: its internals are walked, but the
-    # parameters the rule computes (the call's own, a plain bias) found inside them, before
-    # its inputs, are the rule's use
+    # a trusted call whose weight is computed: its internals are walked, the call's own
+    # parameters met as direct inputs of its operator counted as the rule's use
     inside: dict[Any, tuple[frozenset[int], frozenset[Any]]] = {}
     for c, ok in zip(calls, trusted):
         for e in c.out_edges if ok else ():
@@ -447,13 +457,18 @@ def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[in
                                   frozenset(x.node for x in c.in_edges))
     found: set[str] = set()
     seen: set[Any] = set()
-    none: tuple[frozenset[int], frozenset[Any]] = (frozenset(), frozenset())
-    stack: list[tuple[Any, tuple[frozenset[int], frozenset[Any]]]] = [(total.grad_fn, none)]
+    none: tuple[frozenset[int], frozenset[Any], bool] = (frozenset(), frozenset(), False)
+    # (node, (own, ins, head)): ``own`` the parameters that count as the rule's use here,
+    # ``ins`` the nodes of the call's inputs (where ``own`` ends), ``head`` whether the node
+    # is the call's output node or a view of it (its children are the operator's inputs)
+    stack: list[tuple[Any, tuple[frozenset[int], frozenset[Any], bool]]] = [
+        (total.grad_fn, none)]
     while stack:
-        node, (own, ins) = stack.pop()
-        if node in ins:
-            own, ins = none[0], none[1]
-        key = node if not own else (node, own)
+        node, ctx = stack.pop()
+        if node in ctx[1]:
+            ctx = none
+        own, ins, head = ctx
+        key = node if not own else (node, own, head)
         if node is None or key in seen:
             continue
         seen.add(key)
@@ -467,6 +482,13 @@ def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[in
             if name is not None and id(var) not in own:
                 found.add(name)
             continue
-        ctx = inside.get(node, (own, ins))
-        stack.extend((n, ctx) for n, _ in node.next_functions)
+        entered = inside.get(node)
+        if entered is not None:
+            own, ins, head = entered[0], entered[1], True
+        if own:
+            child = (own, ins, True) if head and _is_view(node) else (
+                (own, ins, False) if head else none)
+        else:
+            child = none
+        stack.extend((n, child) for n, _ in node.next_functions)
     return found
