@@ -14,9 +14,9 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
    holds the examples. The output's batch dimensions split the loss into the examples'
    own losses (``losses.loss_sum``).
 2. The model runs once more, with its parameters moved to a generic point near their
-   values (NOTE [probes at a generic point]: a gate at zero hides no mixing there),
-   recording every module call and every rule call
-   (``recorder``), and for two examples ``k`` the gradient of example ``k``'s own loss alone
+   values (NOTE [probes at a generic point]: a trainable gate at zero hides no mixing
+   there; the NOTE says what it does not cover), recording every module call and every
+   rule call (``recorder``), and for two examples ``k`` the gradient of example ``k``'s own loss alone
    is taken with respect to every recorded tensor. Example ``k``'s loss depends only on index
    ``k`` along the batch dimension of anything that holds the examples one per row; a rule
    call is trusted with the dimension along which this holds for both examples (and only
@@ -279,7 +279,7 @@ def aliases_of(sel: Selection) -> dict[str, Tensor] | None:
 # h.mean(0)``, ReZero, an adapter), a zero-initialised LoRA ``B`` or last layer, ``(1 - a)
 # * mix`` with ``a == 1``; a plan made there trusted rules that an optimizer step then made
 # wrong, silently. So the probed forward, its data-flow tests and the graph walk run at a
-# point near the current one where no such accident holds (:func:`generic_state`): every
+# point near the current one where no such accident holds (:class:`GenericPoint`): every
 # floating entry ``p`` of a parameter that requires grad is ``p * (1 + u)`` there, and an
 # entry that is exactly zero is ``u * s`` (``u`` uniform in [1/32, 1/16) from a fixed seed,
 # so that plans do not depend on a random draw; ``s`` the mean magnitude of the tensor's
