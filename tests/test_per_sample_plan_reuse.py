@@ -333,3 +333,23 @@ def test_a_backward_that_fails_at_the_generic_point_is_probed_at_the_own_values(
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     ref = ref_norms(loop_reference(model, loss_fn, x, y))
     torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, y), ref)
+
+
+def test_one_hook_on_many_modules_is_keyed_once_per_call(monkeypatch):
+    # the plan key read the same hook's code and closure once per module holding it
+    # (200 Linear layers with one backward hook each: 157 -> 712 us per call)
+    from torch_vjp._per_sample import args
+
+    def hook(module, grad_input, grad_output):
+        return None
+
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(20)])
+    for layer in model:
+        layer.register_full_backward_hook(hook)
+        layer.register_forward_hook(hook)
+    seen = []
+    real = args._hook_key
+    monkeypatch.setattr(args, "_hook_key", lambda h: seen.append(h) or real(h))
+    key = args.structure_of(model)
+    assert seen == [hook]
+    assert key == args.structure_of(model)

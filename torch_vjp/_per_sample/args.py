@@ -468,11 +468,8 @@ _TORCH_ATTRS = frozenset(nn.Module().__dict__) - {"_is_full_backward_hook"}
 
 def numbers_of(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
     """The numeric attributes of the model's modules of the user's, for ``note_counters``."""
-    out = []
-    for m in model.modules():
-        if _OWN_TYPE.get(type(m)):
-            out.append((m, {k: v for k, v in m.__dict__.items() if type(v) in _NUMBERS}))
-    return out
+    return [(m, {k: v for k, v in m.__dict__.items() if type(v) in _NUMBERS})
+            for m in model.modules() if _OWN_TYPE.get(type(m))]
 
 
 def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
@@ -493,8 +490,7 @@ def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
 def structure_of(model: nn.Module) -> tuple[Any, ...]:
     """The model's structure as NOTE [the structure a plan is for] says, and its modules'
     training flags."""
-    entries = []
-    training = []
+    entries, training, memo = [], [], {}  # (memo: a hook on many modules is keyed once)
     for m in model.modules():
         kind = type(m)
         own = _OWN_TYPE.get(kind)
@@ -502,10 +498,11 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
             own = _OWN_TYPE[kind] = not kind.__module__.startswith("torch.")
         fh, ph = m._forward_hooks, m._forward_pre_hooks
         bh, bph = m._backward_hooks, m._backward_pre_hooks
-        entry: tuple[Any, ...] = (id(m), kind, _hooks_key(fh) if fh else (),
-                                  _hooks_key(ph) if ph else ())
+        entry: tuple[Any, ...] = (id(m), kind, _hooks_key(fh, memo) if fh else (),
+                                  _hooks_key(ph, memo) if ph else ())
         if bh or bph:  # (rare: kept out of the entry of every module without them)
-            entry += (("backward", _hooks_key(bh), _hooks_key(bph)),)
+            entry += (("backward", _hooks_key(bh, memo) if bh else (),
+                       _hooks_key(bph, memo) if bph else ()),)
         if own:
             skip = _COUNTERS.get(kind) or _TORCH_ATTRS
             reads = _TYPE_READS.get(kind) or _type_reads(kind)
@@ -522,28 +519,29 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         training.append(m.training)
     glob = torch.nn.modules.module
     return (tuple(training), tuple(entries),
-            *(_hooks_key(h) if h else () for h in (
+            *(_hooks_key(h, memo) if h else () for h in (
                 glob._global_forward_hooks, glob._global_forward_pre_hooks,
                 glob._global_backward_hooks, glob._global_backward_pre_hooks)))
 
 
-def _hooks_key(hooks: dict[int, Any]) -> tuple[Any, ...]:
+def _hooks_key(hooks: dict[int, Any], memo: dict[int, Any]) -> tuple[Any, ...]:
     """Hooks by what they run, not by their handles: a hook registered and removed around
     every step is the same hook each time, and must not make a plan per call (a tool's
     global hooks, a ModuleTracker, are too). A function, a bound method or a
     ``functools.partial`` counts by its code and what it holds (``route_key``: a
     ``partial(scale, k=2.0)`` swapped for a ``partial(center)`` that mixes examples, or a
-    hook factory's closure over another flag, is another hook); see :func:`_hook_key`."""
-    return tuple(_hook_key(h) for h in hooks.values())
+    hook factory's closure over another flag, is another hook); see :func:`_hook_key`
+    (``memo``: the keys found in this look at the model, by the hook's ``id``)."""
+    return tuple([memo.get(id(h)) or memo.setdefault(id(h), _hook_key(h))
+                  for h in hooks.values()])
 
 
 def _hook_key(h: Any) -> Any:
     """One hook's part of :func:`_hooks_key`: a function or ``functools.partial`` by
     ``route_key``; a bound method by its function, its object's type and the object's
     bool/str/None attributes and the truth of its numbers; another callable object by its
-    type and those attributes (a
-    hook object made afresh each step keeps the plan; one whose ``mix`` flag turned on
-    makes another)."""
+    type and those attributes (a hook object made afresh each step keeps the plan; one
+    whose ``mix`` flag turned on makes another)."""
     if isinstance(h, (types.FunctionType, functools.partial)):
         return route_key(h)
     if isinstance(h, types.MethodType):
