@@ -326,6 +326,7 @@ class _BackwardNeedsOwnValues(nn.Module):
         return self.head(_SymmetricOnly.apply(torch.tanh(self.lin(x)), self.a))
 
 
+@pytest.mark.filterwarnings("ignore:.*could not vectorise the per-sample gradients")
 def test_a_backward_that_fails_at_the_generic_point_is_probed_at_the_own_values():
     torch.manual_seed(0)
     model = _BackwardNeedsOwnValues().to(DT)
