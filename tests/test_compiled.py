@@ -1010,3 +1010,21 @@ def test_a_fallback_warning_names_the_likely_cause(cause):
         assert "The function draws random numbers" in msgs[0]
         assert "Fix: draw the random numbers outside and pass them in as an argument" in msgs[0]
 
+
+
+def test_a_captured_tensor_f_changes_is_put_back_on_the_first_compiled_call_too():
+    # F.batch_norm's running statistics move without a version bump; the eager call puts
+    # them back (NOTE [what a call puts back]), and the first compile=True call, which
+    # runs f in build() and in the compiled program, must too.
+    rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+
+    def g(x):
+        return torch.nn.functional.batch_norm(x, rm, rv, training=True)
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        J = tv.jacobian(g, x, compile=True)
+    assert torch.equal(rm, torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(rv, torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(J, torch.func.jacrev(g)(x))

@@ -454,7 +454,7 @@ def _first_call(
     params = Watched(params=[("", p) for m in modules for p in m.parameters()
                              if id(p) not in seen and not seen.add(id(p))])
     try:
-        with _HOOK_GUARDS, buffers_kept(f, modules):  # build() may call f
+        with _HOOK_GUARDS, buffers_kept(f):  # build() may call f (captured tensors kept too)
             built = build()
             built, fresh = built if isinstance(built, Built) else (built, tuple)
             own = _own_code(_on_copies(built, len(args)), name)
