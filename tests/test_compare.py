@@ -88,7 +88,7 @@ def test_failing_strategy_is_a_row_not_an_exception():
     assert report["rev"].reason.startswith("RuntimeError: ")
     assert report["rev"].time is None and report["rev"].peak_memory is None
     assert report["fwd-loop"].status == "failed"
-    assert report["fwd-loop"].reason.startswith("StrategyError: ")
+    assert report["fwd-loop"].reason.startswith("StrategyNotImplementedError: ")
     assert "no forward-mode formula" in report["fwd-loop"].reason
     assert report["rev-loop"].status == "ok"
     assert report["auto"].status == "ok"

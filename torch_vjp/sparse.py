@@ -47,7 +47,8 @@ from torch_vjp._engine.refusals import (
 )
 from torch_vjp._engine.rows import SameDraws, passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
-                               StrategyError, quote_error, shape_str, warn_once)
+                               StrategyError, StrategyNotImplementedError, quote_error,
+                               shape_str, warn_once)
 from torch_vjp._sparse.compute import (
     assemble,
     clear_plans,
@@ -331,7 +332,10 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
     if mode == "fwd" and why is not None:
         also = (", or make that tensor a dense one" if why == SPARSE_TANGENT else
                 ", or give the Function a jvp staticmethod")
-        raise StrategyError(
+        # (also a NotImplementedError where torch raised one: except NotImplementedError
+        # keeps working, as for torch_vjp.jacobian)
+        cls = StrategyNotImplementedError if isinstance(err, NotImplementedError) else StrategyError
+        raise cls(
             f"{prob.call}: mode='fwd' computes the products with forward-mode AD, and {why}.\n"
             f"  torch said: {said}\n"
             f"  Fix: mode='rev' or 'auto' (reverse mode needs only backward formulas){also}."
