@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.kept import (KEPT_ELEMENTS, KEPT_TOTAL, Walked, Watched,
-                                     captured_kept, module_buffers, walked_tensors,
+from torch_vjp._engine.kept import (CAPTURED, KEPT_ELEMENTS, KEPT_TOTAL, MOVES, Walked,
+                                     Watched, captured_kept, module_buffers, walked_tensors,
                                      walked_tree)
 from torch_vjp._errors import JacobianOptionError
 
@@ -165,10 +165,20 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
         return NO_CONTEXT
     trees = {id(m): module_tree((m,)) for m in modules}
     kept = module_buffers(trees.values()) if modules else []
-    if tensors:
-        kept += captured_kept(tensors, {id(t) for _, t in kept})
+    key = None
+    captured = captured_kept(tensors, {id(t) for _, t in kept}) if tensors else []
+    if captured:  # (NOTE [captured tensors, learned once] in kept.py)
+        try:
+            key = route_key(f)
+            moves = MOVES.get(key)
+        except TypeError:  # (an unhashable key: kept on every call)
+            key, moves = None, None
+        if moves is not False:
+            kept += [(CAPTURED, t) for _, t in captured]
+        if moves is not None:
+            key = None
     # (NOTE [one walk per call] in kept.py: the call reads the trees and tensors found here)
-    return Walked(f, trees, tensors, Watched(kept) if kept else None)
+    return Walked(f, trees, tensors, Watched(kept) if kept else None, key)
 
 
 def captured_tensors(f: object) -> tuple[Tensor, ...]:

@@ -20,6 +20,19 @@ included), so that none is left moved unsaid; a change without a version bump (a
 to a tensor not put back is not seen. Measured: 9 us per call for a function over one 8x8
 tensor (2.6 us before).
 
+NOTE [captured tensors, learned once]
+Copying and comparing every captured tensor on every call cost a function over a few
+weight tensors (the suite's MLPs, their weights captured in a dict) 90 us of a 370 us
+compiled call. A function that updates a captured tensor (F.batch_norm's statistics, a
+counter) does so on its first call as on every other, so whether a call moved one is
+learned once per function, by its route key (context.route_key: its code, what its closure
+and defaults hold, the flags and truths of the globals it names): where the first
+(successful) call moved none, later calls with that key copy none. A function that moves
+a captured tensor only on some calls, on a condition the key does not see (a tensor's
+values, an attribute deeper than the key reads), is put back only from the first call that
+was seen to move it; the version warning of jacobian_blocks still names a change that
+bumps the version.
+
 NOTE [one walk per call]
 A route key (context.module_key) and the buffers a call keeps both need every module f
 reaches (context.module_tree): a walk of 0.3 us to 1.7 us per module, so a function over a
@@ -46,13 +59,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["KEPT_ELEMENTS", "KEPT_TOTAL", "Walked", "Watched", "captured_kept", "module_buffers",
+__all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "Walked", "Watched", "captured_kept", "module_buffers",
            "moved_message", "put_back", "same_bits", "walked_tensors", "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
 #: Elements of the captured tensors put back, at most, in all.
 KEPT_TOTAL = 1 << 20
+
+#: The name a captured tensor is watched under (its module buffers have "").
+CAPTURED = "<captured>"
+#: Route key -> whether a call moved a tensor it captures (NOTE [captured tensors, learned
+#: once]); at most MOVES_KEPT keys, the oldest dropped first.
+MOVES: dict[Any, bool] = {}
+MOVES_KEPT = 512
 
 #: The integer dtype of each element size: a float tensor's bits, read as integers.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -178,12 +198,14 @@ class Walked:
     context.captured_tensors (NOTE [one walk per call]); on exit, what the call changed is
     put back."""
 
-    __slots__ = ("f", "trees", "tensors", "watched", "prev")
+    __slots__ = ("f", "trees", "tensors", "watched", "prev", "key")
 
     def __init__(self, f: object, trees: dict[int, list[torch.nn.Module]],
-                 tensors: list[Tensor] | None, watched: Watched | None) -> None:
+                 tensors: list[Tensor] | None, watched: Watched | None,
+                 key: Any = None) -> None:
         self.f, self.trees, self.tensors, self.watched = f, trees, tensors, watched
         self.prev: Walked | None = None
+        self.key = key  # (a route key whose captured tensors are being learned, or None)
 
     def __enter__(self) -> None:
         self.prev = getattr(_WALKS, "now", None)
@@ -191,8 +213,11 @@ class Walked:
 
     def __exit__(self, *exc: Any) -> None:
         _WALKS.now = self.prev
-        if self.watched is not None:
-            self.watched.restore()
+        changed = self.watched.restore() if self.watched is not None else {}
+        if self.key is not None and (exc[0] is None or CAPTURED in changed):
+            if len(MOVES) >= MOVES_KEPT and self.key not in MOVES:
+                MOVES.pop(next(iter(MOVES)))
+            MOVES[self.key] = MOVES.get(self.key, False) or CAPTURED in changed
 
 
 def put_back(t: Tensor) -> bool:
