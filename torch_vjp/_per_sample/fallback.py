@@ -16,6 +16,7 @@ names the strategy, the layer vmap failed in, and the alternatives.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -171,18 +172,23 @@ REENTRANT = "use_reentrant=True"
 # ``backward()``) cannot be computed so: PerSampleError, with the fix use_reentrant=False.
 
 
-def _reentrant_in(loss: Tensor) -> bool:
-    """Whether the graph of ``loss`` holds a reentrant checkpoint's node."""
+def _graph_nodes(loss: Tensor) -> Iterator[Any]:
+    """The nodes of the graph of ``loss``, each once (an AccumulateGrad node's inputs are
+    not followed: it has none)."""
     seen, stack = set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
+        yield node
         stack.extend(n for n, _ in node.next_functions)
-    return False
+
+
+def _reentrant_in(loss: Tensor) -> bool:
+    """Whether the graph of ``loss`` holds a reentrant checkpoint's node."""
+    return any(type(node).__name__ == "CheckpointFunctionBackward"
+               for node in _graph_nodes(loss))
 
 
 def _reentrant_error(job: Job, why: str) -> PerSampleError:
@@ -250,18 +256,10 @@ def _graph_leaves(loss: Tensor, known: dict[int, Tensor], skip: set[int]) -> lis
     """The leaves the graph of ``loss`` accumulates into, but those in ``known`` or
     ``skip`` (by ``id``)."""
     found: dict[int, Tensor] = {}
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in _graph_nodes(loss):
         var = getattr(node, "variable", None)
-        if isinstance(var, Tensor):
-            if id(var) not in known and id(var) not in skip:
-                found[id(var)] = var
-            continue
-        stack.extend(n for n, _ in node.next_functions)
+        if isinstance(var, Tensor) and id(var) not in known and id(var) not in skip:
+            found[id(var)] = var
     return list(found.values())
 
 
