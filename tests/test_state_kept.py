@@ -95,28 +95,51 @@ def test_a_large_captured_tensor_is_not_copied():
     assert any(t is small for t in kept) and not any(t is big for t in kept)
 
 
-def test_a_function_that_moved_no_captured_tensor_is_not_copied_again():
+def test_a_function_that_moved_no_captured_weight_does_not_copy_it_again():
     # (NOTE [captured tensors, learned once]: a copy and a comparison of every captured
     # weight on every call cost a compiled MLP Jacobian a quarter of its time)
-    from torch_vjp._engine.context import buffers_kept
+    from torch_vjp._engine.context import LEARNED_FROM, buffers_kept
 
-    w, rm, rv = torch.randn(3, 3, dtype=D), torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+    n = int(LEARNED_FROM ** 0.5) + 1  # (a weight of at least LEARNED_FROM elements)
+    w, b = torch.randn(n, n, dtype=D), torch.zeros(n, dtype=D)
+    rm, rv = torch.zeros(n, dtype=D), torch.ones(n, dtype=D)
 
     def still(t):
-        return t @ w
+        return t @ w + b
 
     def moving(t):
         return torch.nn.functional.batch_norm(t @ w, rm, rv, training=True)
 
     with buffers_kept(still):
-        still(torch.randn(4, 3, dtype=D))
-    assert buffers_kept(still).watched is None  # learned: nothing to put back
+        still(torch.randn(4, n, dtype=D))
+    kept = [e[2] for e in buffers_kept(still).watched.entries]
+    assert any(t is b for t in kept) and not any(t is w for t in kept)  # small: every call
     for _ in range(3):  # learned the other way: put back on every call
         with buffers_kept(moving):
-            moving(torch.randn(4, 3, dtype=D))
-        assert torch.equal(rm, torch.zeros(3, dtype=D)) and torch.equal(rv, torch.ones(3, dtype=D))
-    assert any(t is rm for _, _, t, _, _ in buffers_kept(moving).watched.entries)
+            moving(torch.randn(4, n, dtype=D))
+        assert torch.equal(rm, torch.zeros(n, dtype=D)) and torch.equal(rv, torch.ones(n, dtype=D))
 
+
+def test_statistics_a_function_moves_only_on_a_later_call_are_put_back():
+    # A flag the route key does not see (an object's attribute, the batch size) switches
+    # the update on after the first call: small tensors are kept on every call.
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(train=False)
+    rm, rv = torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+
+    def f(t):
+        return torch.nn.functional.batch_norm(t, rm, rv, training=cfg.train or t.shape[0] > 4)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tv.jacobian(f, torch.randn(4, 3, dtype=D))
+        cfg.train = True
+        tv.jacobian(f, torch.randn(4, 3, dtype=D))
+        assert torch.equal(rm, torch.zeros(3, dtype=D)) and torch.equal(rv, torch.ones(3, dtype=D))
+        cfg.train = False
+        tv.jacobian(f, torch.randn(6, 3, dtype=D))
+    assert torch.equal(rm, torch.zeros(3, dtype=D)) and torch.equal(rv, torch.ones(3, dtype=D))
 
 def test_an_unchanged_tensor_holding_nan_is_not_written():
     # (NOTE [unchanged, bit for bit]: torch.equal says a NaN differs from itself; writing the

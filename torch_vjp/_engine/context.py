@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.kept import (CAPTURED, KEPT_ELEMENTS, KEPT_TOTAL, MOVES, Walked,
-                                     Watched, captured_kept, module_buffers, walked_tensors,
+from torch_vjp._engine.kept import (CAPTURED, KEPT_ELEMENTS, KEPT_TOTAL, LEARNED_FROM, MOVES,
+                                     Walked, Watched, captured_kept, module_buffers, walked_tensors,
                                      walked_tree)
 from torch_vjp._errors import JacobianOptionError
 
@@ -173,8 +173,10 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
             moves = MOVES.get(key)
         except TypeError:  # (an unhashable key: kept on every call)
             key, moves = None, None
-        if moves is not False:
-            kept += [(CAPTURED, t) for _, t in captured]
+        # (small tensors, where a state lives, are kept on every call; only larger ones,
+        # weights, are left out once a call was seen to move none)
+        kept += [(CAPTURED, t) for _, t in captured
+                 if moves is not False or t.numel() < LEARNED_FROM]
         if moves is not None:
             key = None
     # (NOTE [one walk per call] in kept.py: the call reads the trees and tensors found here)

@@ -23,31 +23,16 @@ tensor (2.6 us before).
 NOTE [captured tensors, learned once]
 Copying and comparing every captured tensor on every call cost a function over a few
 weight tensors (the suite's MLPs, their weights captured in a dict) 90 us of a 370 us
-compiled call. A function that updates a captured tensor (F.batch_norm's statistics, a
-counter) does so on its first call as on every other, so whether a call moved one is
-learned once per function, by its route key (context.route_key: its code, what its closure
-and defaults hold, the flags and truths of the globals it names): where the first
-(successful) call moved none, later calls with that key copy none. A function that moves
-a captured tensor only on some calls, on a condition the key does not see (a tensor's
-values, an attribute deeper than the key reads), is put back only from the first call that
-was seen to move it; the version warning of jacobian_blocks still names a change that
-bumps the version.
-
-NOTE [one walk per call]
-A route key (context.module_key) and the buffers a call keeps both need every module f
-reaches (context.module_tree): a walk of 0.3 us to 1.7 us per module, so a function over a
-model of 501 modules paid for two walks of it per call. buffers_kept walks each module f
-reaches once, and its context (Walked) holds the trees while the call runs, for
-module_key to read (walked_tree): the tree as the call found it on entry; and the tensors
-f reaches, for jacobian_blocks' warning (walked_tensors).
-
-NOTE [unchanged, bit for bit]
-A tensor is put back only where its values changed, and "changed" is read bit for bit: a
-NaN equals itself (``torch.equal`` says a tensor holding a NaN differs from its own copy, so
-a captured mask or padding value with a NaN was written back on every call, bumping its
-version, and a graph of the user's that saved it could no longer run backward), and -0.0
-differs from 0.0 (the copy puts the sign back). A tensor whose bits are unchanged is never
-written: its version stays.
+compiled call. So for the larger ones (LEARNED_FROM elements or more: weights, which a
+function reads and does not update) whether a call moves them is learned once per
+function, by its route key (context.route_key: its code, what its closure and defaults
+hold, the flags and truths of the globals it names): where the first successful call moved
+none of them, later calls with that key copy none. The small ones (running statistics,
+counters: where a state lives) are copied on every call, so that a function that updates
+one only on some calls, on a condition the key does not see (``training=cfg.train`` with
+``cfg`` an object, ``training=x.shape[0] > 1``), still has it put back. A tensor of
+LEARNED_FROM elements or more that such a function moves only after its first call is left
+moved; jacobian_blocks' version warning still names a change that bumps the version.
 """
 
 from __future__ import annotations
@@ -59,8 +44,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "Walked", "Watched", "captured_kept", "module_buffers",
-           "moved_message", "put_back", "same_bits", "walked_tensors", "walked_tree"]
+__all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "LEARNED_FROM", "Walked", "Watched",
+           "captured_kept", "module_buffers", "moved_message", "put_back", "same_bits",
+           "walked_tensors", "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
@@ -73,6 +59,9 @@ CAPTURED = "<captured>"
 #: once]); at most MOVES_KEPT keys, the oldest dropped first.
 MOVES: dict[Any, bool] = {}
 MOVES_KEPT = 512
+#: Captured tensors of at least this many elements are kept only while a function's calls
+#: are seen to move one (NOTE [captured tensors, learned once]); smaller ones on every call.
+LEARNED_FROM = 1 << 12
 
 #: The integer dtype of each element size: a float tensor's bits, read as integers.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
