@@ -188,6 +188,29 @@ def test_inside_users_torch_compile_against_the_loop(name):
             torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]))
 
 
+class _OwnNet(nn.Module):  # (a model class of the user's own, with its own forward)
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x).tanh()
+
+
+def test_inside_users_torch_compile_after_an_eager_call_of_an_own_model_class():
+    # The eager call leaves caches keyed by the forward's code object; the traced call made
+    # dynamo fail on a guard over them (InternalTorchDynamoError).
+    model, loss_fn = _OwnNet().double(), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=D), torch.randint(0, 3, (5,))
+    eager = tv.per_sample_grads(model, loss_fn, x, y)
+    got = torch.compile(lambda x, y: tv.per_sample_grads(model, loss_fn, x, y),
+                        backend="eager")(x, y)
+    ref = _loop(model, loss_fn, x, y)
+    assert list(got) == list(ref) == list(eager)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n])
+
+
 @pytest.mark.parametrize("loss", ["module_per_step", "lambda_over_weights"])
 def test_a_loss_made_for_each_batch_reuses_one_program(loss):
     import torch.nn.functional as F

@@ -91,9 +91,15 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
     check_model(fn, model)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
-    structure = structure_of(model)
+    if torch.compiler.is_compiling():
+        # (under the user's torch.compile, which traces the plain program: no plan, so no
+        # structure key; its caches, keyed by code objects, made dynamo fail on a guard)
+        structure: tuple[Any, ...] = (tuple(m.training for m in model.modules()),)
+        key = None
+    else:
+        structure = structure_of(model)
+        key = _static_key(model, params, structure, prefix)
     training = structure[0]
-    key = _static_key(model, params, structure, prefix)
     cache = _STATIC.setdefault(model, {}) if key is not None else {}
     sel = cache.get(key)
     if sel is None:
