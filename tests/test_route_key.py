@@ -21,6 +21,21 @@ def _trisolve_point() -> tuple[torch.Tensor, torch.Tensor]:
     return A, b
 
 
+def _layers(b: torch.Tensor) -> tuple[type, type]:
+    """Two layer classes over ``b``: one whose forward-mode formula is right in torch, and
+    one whose formula (triangular_solve's) is wrong."""
+
+    class Sin(torch.nn.Module):
+        def forward(self, A):
+            return A.sin() @ b
+
+    class TriSolve(torch.nn.Module):
+        def forward(self, A):
+            return torch.triangular_solve(b, A).solution
+
+    return Sin, TriSolve
+
+
 def _jacobian_quietly(f, A):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the check's one-time warning; deprecation)
@@ -32,14 +47,7 @@ def test_a_replaced_layer_is_checked_again():
     # in torch; the first call's check catches it. A route remembered for the layer before
     # (forward mode, right for it) must not be taken for the layer that replaced it.
     A, b = _trisolve_point()
-
-    class Sin(torch.nn.Module):
-        def forward(self, A):
-            return A.sin() @ b
-
-    class TriSolve(torch.nn.Module):
-        def forward(self, A):
-            return torch.triangular_solve(b, A).solution
+    Sin, TriSolve = _layers(b)
 
     model = torch.nn.Sequential(Sin())
     torch.testing.assert_close(_jacobian_quietly(model, A), torch.func.jacrev(model)(A))
@@ -49,14 +57,7 @@ def test_a_replaced_layer_is_checked_again():
 
 def test_a_layer_in_a_plain_list_replaced_is_checked_again():
     A, b = _trisolve_point()
-
-    class Sin(torch.nn.Module):
-        def forward(self, A):
-            return A.sin() @ b
-
-    class TriSolve(torch.nn.Module):
-        def forward(self, A):
-            return torch.triangular_solve(b, A).solution
+    Sin, TriSolve = _layers(b)
 
     class Net(torch.nn.Module):
         def __init__(self):
