@@ -33,6 +33,14 @@ def _centred():
     return lambda x: torch.tanh(x @ W) - torch.tanh(x @ W).mean(0)
 
 
+def _batch_jacobian_warned(f, x):
+    """``tv.batch_jacobian(f, x)`` and the messages of the JacobianWarnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        J = tv.batch_jacobian(f, x)
+    return J, [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+
+
 @pytest.mark.parametrize("shape", [(5, 3), (40, 3)])  # (tall and wide per-row Jacobians)
 def test_a_function_that_centres_over_the_batch_raises_and_names_the_fix(shape):
     f = _centred()
@@ -81,11 +89,8 @@ def test_a_random_row_wise_function_still_returns_with_the_warning():
         return drop(torch.tanh(x @ W))
 
     x = torch.randn(5, 3, dtype=D)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        J = tv.batch_jacobian(f, x)
+    J, said = _batch_jacobian_warned(f, x)
     assert J.shape == (5, 3, 3)
-    said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
     assert any("no other route agrees with it either: f draws random numbers" in m
                for m in said), said
 
@@ -163,9 +168,6 @@ def test_a_backward_that_gives_something_for_nothing_is_not_said_to_mix():
         return h
 
     x = torch.randn(5, 3, dtype=D)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        J = tv.batch_jacobian(f, x)
+    J, said = _batch_jacobian_warned(f, x)
     assert J.shape == (5, 3, 3)
-    said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
     assert any("no other route agrees with it either" in m for m in said), said
