@@ -1028,3 +1028,58 @@ def test_a_captured_tensor_f_changes_is_put_back_on_the_first_compiled_call_too(
     assert torch.equal(rm, torch.zeros(3, dtype=torch.float64))
     assert torch.equal(rv, torch.ones(3, dtype=torch.float64))
     torch.testing.assert_close(J, torch.func.jacrev(g)(x))
+
+
+class _Inner:
+    k = 2.0
+
+
+class _Outer:
+    def __init__(self):
+        self.inner = _Inner()
+
+
+def test_a_compiled_vjp_fn_keeps_its_point_after_another_point_built_a_program():
+    # NOTE [a compiled vjp_fn's point]: k two objects deep, and at x = c the output is c
+    # whatever k is; the program rebuilt for k = 3 (the second point's) gave the first
+    # point's vjp_fn (1 + 3) v where its answer is (1 + 2) v, silently (error 2.2)
+    cfg, c = _Outer(), torch.randn(5, dtype=D)
+
+    def f(x):
+        return x + cfg.inner.k * (x - c)
+
+    v = torch.randn(5, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(2):
+            _, first = tv.vjp(f, c.clone(), compile=True)
+            torch.testing.assert_close(first(v)[0], 3.0 * v)
+        cfg.inner.k = 3.0
+        for _ in range(3):  # the program rebuilt for k = 3, and found again
+            _, second = tv.vjp(f, c.clone(), compile=True)
+            torch.testing.assert_close(second(v)[0], 4.0 * v)
+        torch.testing.assert_close(first(v)[0], 3.0 * v)
+        torch.testing.assert_close(second(v)[0], 4.0 * v)
+
+
+def test_a_compiled_vjp_fn_runs_its_program_on_every_call_where_nothing_is_built(
+        monkeypatch):
+    from torch_vjp._engine import compiled
+
+    runs = []
+    call = compiled._Entry.__call__
+    monkeypatch.setattr(compiled._Entry, "__call__",
+                        lambda self, *a: runs.append(1) or call(self, *a))
+    w, v = torch.randn(4, 3, dtype=D), torch.randn(4, dtype=D)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    x = torch.randn(3, dtype=D)
+    _, built_here = tv.vjp(f, x, compile=True)
+    want = torch.func.vjp(f, x)[1](v)[0]
+    torch.testing.assert_close(built_here(v)[0], want)  # builds: the eager products
+    assert runs == []
+    for _ in range(2):  # its program was checked against its own products: it runs it
+        torch.testing.assert_close(built_here(v)[0], want)
+    _, later = tv.vjp(f, x, compile=True)
+    for _ in range(2):
+        torch.testing.assert_close(later(v)[0], want)
+    assert len(runs) == 4

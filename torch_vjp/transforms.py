@@ -31,7 +31,8 @@ from torch_vjp._checks import (
     check_tree_structure,
     normalize_grad_outputs,
 )
-from torch_vjp._engine.compiled import check_compile, compiled_call, results_agree, tracing
+from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, results_agree,
+                                        tracing)
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, recording_connected
 from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
@@ -406,13 +407,14 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
     res = vjp(f, *primals, has_aux=has_aux)
     eager_fn = res[1]
     versions = versions_of(state + inputs) if versions == versions_of(state + inputs) else None
+    built = [builds()]  # (the programs built so far: NOTE [a compiled vjp_fn's point])
 
     def vjp_fn(cotangents: Any, *args: Any, **options: Any) -> Any:
         opts = _pullback_options(args, dict(options))
         if args or opts["retain_graph"] is not True or opts["create_graph"] is not None:
             return eager_fn(cotangents, *args, **options)
         now = read_state(f)
-        if (versions is None or len(now) != len(state)
+        if (versions is None or len(now) != len(state) or builds() != built[0]
                 or any(a is not b for a, b in zip(now, state))
                 or versions_of(now + inputs) != versions):
             return eager_fn(cotangents, **options)  # (NOTE [a compiled vjp_fn's point])
@@ -431,6 +433,8 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
             "torch_vjp.vjp", f, (has_aux, batched, chunk, "with output"), (primals, cotangents),
             lambda: (res[0], eager_fn(cotangents, **options)), lambda: program,
         )
+        # (a program built in this call was checked against this point's eager products)
+        built[0] = builds()
         if results_agree(res[0], out) is not None:  # (NOTE [a compiled vjp_fn's point])
             return eager_fn(cotangents, **options)
         return grads
@@ -455,7 +459,15 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 # that writes into them itself always uses the graph. What these do not see (a tensor in a
 # list or a partial, a write through ``.data``, a number two objects deep) the program's own
 # forward output may show: where it is not the vjp point's (up to the rounding of a compiled
-# program), the graph answers too.
+# program), the graph answers too. Nor does the output show a change that moves only the
+# derivative there (``x + cfg.inner.k * (x - c)`` at ``x = c``, ``k`` two objects deep):
+# dynamo guards such a value and recompiles, and the rebuilt program (NOTE [a recompiled
+# entry]) computes the new function's products. So a vjp_fn also counts the programs built
+# in the process (:func:`~torch_vjp._engine.compiled.builds`): where one was built since its
+# vjp call, other than in a call of its own (whose program was checked against its own eager
+# products), the graph answers. A training loop that builds nothing after its first step
+# keeps the compiled program; a vjp_fn made before another point's program was built does
+# not.
 
 
 @overload

@@ -102,6 +102,7 @@ __all__ = [
     "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
     "plain_context", "in_plain_context", "warn_budget", "check_compile", "program_key",
     "compiled_call", "tracing", "clear_cache", "compiled_jacobian", "results_agree",
+    "builds",
 ]
 
 #: Compiled entries kept (each holds a compiled program and the function it calls).
@@ -109,6 +110,16 @@ CACHE_MAX = 64
 
 _CACHE: OrderedDict[Any, _Entry] = OrderedDict()
 _LOCK = threading.Lock()
+#: How many programs have been built (first calls and recompiled entries), in all: see
+#: :func:`builds`.
+_BUILDS = 0
+
+
+def builds() -> int:
+    """How many compiled programs this process has built so far (a first call of an entry,
+    or an entry rebuilt after dynamo recompiled it). A ``vjp_fn`` compares it with the count
+    at its ``vjp`` call (NOTE [a compiled vjp_fn's point] in :mod:`torch_vjp.transforms`)."""
+    return _BUILDS
 
 
 def check_compile(
@@ -448,6 +459,9 @@ def _first_call(
                              f"a new program, checked against the eager call. Pass what "
                              f"changes as an argument (a tensor) to compile one program")
         return result
+    global _BUILDS
+    with _LOCK:
+        _BUILDS += 1
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}_{recompiles}"
     modules = modules_reached(f)
     seen: set[int] = set()  # the first call only: a copy of the parameters f reaches
