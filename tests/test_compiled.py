@@ -1083,3 +1083,28 @@ def test_a_compiled_vjp_fn_runs_its_program_on_every_call_where_nothing_is_built
     for _ in range(2):
         torch.testing.assert_close(later(v)[0], want)
     assert len(runs) == 4
+
+
+class _EqualModule(torch.nn.Module):
+    # (__eq__ without __hash__: such a module cannot be put in a set, as Module.parameters()
+    # puts each module it walks)
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2).to(D)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+    def __eq__(self, other):
+        return isinstance(other, _EqualModule)
+
+
+def test_compile_true_takes_a_module_that_cannot_be_hashed():
+    # compile=True raised TypeError: unhashable type, where the eager call computes
+    m, x = _EqualModule(), torch.randn(3, dtype=D)
+    for f in (m, lambda x: m(x)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tv.JacobianWarning)  # (dynamo may decline it)
+            for _ in range(2):
+                torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                           torch.func.jacrev(f)(x))

@@ -86,7 +86,7 @@ from torch.utils._pytree import tree_map
 from torch_vjp._engine.compile_checks import FirstRun, results_agree, warn_eager, warn_rebuilt
 from torch_vjp._engine.compile_key import call_signature, held_key, key_stem, program_key
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
-                                       modules_reached)
+                                       module_tree, modules_reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
 from torch_vjp._errors import (
@@ -465,8 +465,9 @@ def _first_call(
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}_{recompiles}"
     modules = modules_reached(f)
     seen: set[int] = set()  # the first call only: a copy of the parameters f reaches
-    params = Watched(params=[("", p) for m in modules for p in m.parameters()
-                             if id(p) not in seen and not seen.add(id(p))])
+    params = Watched(params=[("", p) for m in module_tree(modules)  # (no hashing: a module
+                             for p in m._parameters.values()  # may define __eq__ alone)
+                             if p is not None and id(p) not in seen and not seen.add(id(p))])
     try:
         with _HOOK_GUARDS, buffers_kept(f):  # build() may call f (captured tensors kept too)
             built = build()
