@@ -323,13 +323,17 @@ class Packed(nn.Module):
         return self.fc(out.sum(1) / lengths.unsqueeze(1) + h[-1])
 
 
-def test_packed_sequences_are_declined():
+# batch == EMB: the packed flat data (sum of lengths, EMB) has a feature dimension of size B
+# that does not shrink with the batch; it was read as the examples' dimension and the GRU as
+# a layer that mixes them (a PerSampleError for a valid model)
+@pytest.mark.parametrize("batch", [4, EMB], ids=["batch4", "batch-equals-input-size"])
+def test_packed_sequences_are_declined(batch):
     torch.manual_seed(0)
     model = Packed().to(DT)
-    x = torch.randint(1, VOCAB, (4, 5))
+    x = torch.randint(1, VOCAB, (batch, 5))
     x[1, 3:] = 0
     x[2, 2:] = 0
-    t = torch.randint(0, CLASSES, (4,))
+    t = torch.randint(0, CLASSES, (batch,))
     plan = tv.per_sample_plan(model, nn.CrossEntropyLoss(), x, t)
     assert plan["rnn.weight_ih_l0"].method in ("vmap", "loop"), str(plan)
     assert "rule does not handle this call's input (a PackedSequence)" in (

@@ -43,12 +43,15 @@ def _as_shape(g: Tensor, shape: Sequence[int]) -> Tensor:
 
 
 def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int,
-             folded: frozenset[int] = frozenset()) -> set[int] | None:
+             folded: frozenset[int] = frozenset(),
+             kept: frozenset[int] = frozenset()) -> set[int] | None:
     """The dimensions of size B along which the gradient of example ``k``'s loss is zero
     except at index ``k`` (None where the gradient is unused or all zero, or where no
     dimension has size B: a flat tensor, the per-entry weights of an EmbeddingBag say, whose
     entries cannot be told apart from the shape alone; the check against the loop then
-    decides).
+    decides). ``kept``: dimensions of size B that kept their size with one example fewer,
+    so do not hold the examples (the features of a PackedSequence's flat data where
+    ``input_size == B``); they are not candidates.
 
     ``folded``: dimensions of size ``m * B`` that shrank by ``m`` with one example fewer,
     which may hold the examples folded example-major (``b * m + i``: attention's
@@ -64,7 +67,8 @@ def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int,
         rows = nz.movedim(d, 0).reshape(batch, -1).any(1)
         return bool(rows[k]) and int(rows.sum()) == 1
 
-    sized = [d for d, size in enumerate(shape) if size == batch and d < g.dim()]
+    sized = [d for d, size in enumerate(shape)
+             if size == batch and d < g.dim() and d not in kept]
     folds = [d for d in folded if d < g.dim() and d not in sized]
     if not sized and not folds:
         return None
@@ -321,9 +325,10 @@ def _find_mixing(
     guessed: list[ModuleCall] = []
     for i, mc in enumerate(module_calls):
         def ok(gs: list[Tensor | None], shape: Sequence[int],
-               folded: frozenset[int] = frozenset()) -> bool:
+               folded: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
+               ) -> bool:
             for a, k in enumerate(ks):
-                got = confined(gs[a], shape, k, batch, folded)
+                got = confined(gs[a], shape, k, batch, *folded)
                 if got is not None and not got:
                     return False
             return True
@@ -365,23 +370,28 @@ def _find_mixing(
     return where, None
 
 
+_NO_DIMS: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+
+
 def _carrying_inputs(
     full: ShapeRecord, small: ShapeRecord | None, order: list[int], batch: int,
-) -> tuple[Callable[[int, int], bool], Callable[[int, int], frozenset[int]],
+) -> tuple[Callable[[int, int], bool],
+           Callable[[int, int], tuple[frozenset[int], frozenset[int]]],
            Callable[[int], bool]]:
     """Whether input ``j`` of module call ``i`` carries the examples: its shape shrinks with
     the batch; the dimensions of that input that hold them folded (see :func:`confined`): of
-    size ``m * B``, shrunk by ``m``, with ``m > 1``; and whether call ``i`` could not be
-    compared (then every input counts as carrying the examples).
+    size ``m * B``, shrunk by ``m``, with ``m > 1``, and those of size B that did not shrink
+    (``kept`` of :func:`confined`); and whether call ``i`` could not be compared (then every
+    input counts as carrying the examples).
 
     The calls of the two runs are matched module by module, occurrence by occurrence, for the
     modules called as many times in both; a module called a different number of times (once
     per example, by a loop over the batch) cannot be matched. Where the recorded run did not
     call the modules of the run on the batch in the same order, none can."""
     if small is None:
-        return (lambda i, j: True), (lambda i, j: frozenset()), (lambda i: False)
+        return (lambda i, j: True), (lambda i, j: _NO_DIMS), (lambda i: False)
     if [c[0] for c in full.calls] != order:
-        return (lambda i, j: True), (lambda i, j: frozenset()), (lambda i: True)
+        return (lambda i, j: True), (lambda i, j: _NO_DIMS), (lambda i: True)
     if [c[0] for c in small.calls] == order:
         match: list[int | None] = list(range(len(order)))
     else:
@@ -408,15 +418,16 @@ def _carrying_inputs(
             return True
         return a[j] != b[j]
 
-    def folds(i: int, j: int) -> frozenset[int]:
+    def folds(i: int, j: int) -> tuple[frozenset[int], frozenset[int]]:
         s = match[i]
         if s is None:
-            return frozenset()
+            return _NO_DIMS
         a, b = full.calls[i][1], small.calls[s][1]
         if j >= len(a) or j >= len(b) or len(a[j]) != len(b[j]):
-            return frozenset()
-        return frozenset(d for d, (x, y) in enumerate(zip(a[j], b[j]))
-                         if x - y > 1 and x == batch * (x - y))
+            return _NO_DIMS
+        pairs = list(enumerate(zip(a[j], b[j])))
+        return (frozenset(d for d, (x, y) in pairs if x - y > 1 and x == batch * (x - y)),
+                frozenset(d for d, (x, y) in pairs if x == y == batch))
 
     return carries, folds, (lambda i: match[i] is None)
 
