@@ -742,6 +742,23 @@ def test_a_rule_that_declines_the_configuration_says_so():
         "(module '0': Embedding)")
 
 
+def test_a_declined_layer_whose_settings_change_is_planned_again():
+    # the plan made while the rule declined scale_grad_by_freq was reused after it was
+    # switched off and max_norm set: the reason named the old setting, and once the layer
+    # had no setting the rule declines, it stayed on the fallback
+    model = nn.Sequential(nn.Embedding(10, 3, scale_grad_by_freq=True), nn.Flatten(),
+                          nn.Linear(6, 2)).to(DT)
+    x, y = torch.randint(0, 10, (5, 2)), torch.randn(5, 2, dtype=DT)
+    assert "handle scale_grad_by_freq" in tv.per_sample_plan(
+        model, nn.MSELoss(), x, y)["0.weight"].reason
+    model[0].scale_grad_by_freq, model[0].max_norm = False, 1.0
+    with pytest.raises(tv.StrategyError, match=r"'0.weight': the Embedding rule does not "
+                       r"handle max_norm \(rows renormalised in place\)"):
+        tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="hooks")
+    model[0].max_norm = None
+    assert tv.per_sample_plan(model, nn.MSELoss(), x, y)["0.weight"].method == "rule"
+
+
 def test_plan_rows_by_name_or_in_order():
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).to(DT)
     x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 1, dtype=DT)

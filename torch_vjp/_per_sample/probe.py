@@ -520,7 +520,19 @@ def _probe_at(
             how = ", ".join(dict.fromkeys(
                 f"{c.rule.name} rule" + (f" in '{c.path}'" if c.path else "") for c, _, _ in used))
             plan.params[name] = ParamPlan(name, "rule", how)
+    # a layer whose rule declined its settings (max_norm) was decided on them too
+    declined = _declined_layers(model, plan.params)
+    if declined:
+        layers += declined
+        plan.settings = (layers, layer_settings(layers))
     return plan
+
+
+def _declined_layers(model: nn.Module, params: dict[str, ParamPlan]) -> list[nn.Module]:
+    mods = dict(model.named_modules())
+    found = {id(m): m for m in (mods.get(n.rpartition(".")[0]) for n, p in params.items()
+                                if p.method != "rule") if m is not None and declining_rule(m)}
+    return list(found.values())
 
 
 def _finite(out: Any) -> bool:
