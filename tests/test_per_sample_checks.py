@@ -426,3 +426,51 @@ def test_a_bound_method_loss_keys_only_what_it_reads():
         trainer.status = f"step {i}"
         tv.per_sample_grad_norms(model, trainer.loss, x, t)
     assert len(set(map(id, probe._PLANS[model].values()))) == 1
+
+
+class _BatchGate(nn.Module):
+    """Takes one branch for the whole batch, on a test that reads every example: a batch's
+    examples can get a branch they would not take alone (mixing by control flow, which no
+    gradient shows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.a(x) if bool((x[:, 0] > 0).all()) else self.b(x)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("fn", ["grads", "norms", "clipped"])
+def test_control_flow_on_the_whole_batch_is_caught_by_the_first_example(fn):
+    # the first two examples alone take branch a, the last two (and the batch, and the batch
+    # without its last example) branch b; the check against the loop looked at examples 2
+    # and 3 only, and the rules gave the first two branch b's gradients, silently
+    torch.manual_seed(0)
+    model = _BatchGate().to(DT)
+    x = torch.randn(4, 3, dtype=DT)
+    x[:2, 0], x[2:, 0] = 1.0, -1.0
+    t = torch.randn(4, 2, dtype=DT)
+    ref = definition(model, nn.MSELoss(), x, t)
+    if fn == "grads":
+        got = tv.per_sample_grads(model, nn.MSELoss(), x, t)
+        for n, want in ref.items():
+            torch.testing.assert_close(got[n], want, msg=n)
+    elif fn == "norms":
+        torch.testing.assert_close(tv.per_sample_grad_norms(model, nn.MSELoss(), x, t),
+                                   norms_of(ref))
+    else:
+        tv.accumulate_clipped_grads(model, nn.MSELoss(), x, t, max_norm=1e9)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n].sum(0), msg=n)
+    # (the message said "vmap does not reproduce what each example computes alone" of a
+    # parameter the plan had as receiving no gradient)
+    with pytest.raises(tv.PerSampleError, match=r"strategy='hooks' gives wrong per-sample "
+                       r"gradients for this model: for 'a\.weight', the zero result disagreed "
+                       r"with the per-example loop on example 0 .*\n  No gradient reaches it "
+                       r"when the model runs on the batch, but one does when the example runs "
+                       r"alone: the forward takes another branch .* so it mixes examples\. "
+                       r"Fix: strategy='auto'"):
+        tv.per_sample_grads(_BatchGate().to(DT), nn.MSELoss(), x, t, strategy="hooks")

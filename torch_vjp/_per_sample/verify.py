@@ -51,7 +51,9 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
         setattr(plan, flag, True)
         return []
     sel, batch = job.sel, job.batch
-    ks = sorted({batch - 1, batch // 2})
+    # (the first example too: a forward whose control flow reads the whole batch, ``if
+    # (x[:, 0] > 0).all()``, takes for the batch the branch the last ones take alone)
+    ks = sorted({0, batch - 1, batch // 2})
     names = list(sel.canonical)
     ref = {n: sel.tensors[n].new_empty((len(ks), *sel.tensors[n].shape)) for n in names}
     if plan.random_global:
@@ -100,6 +102,11 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
                f"examples in a way the plan cannot see, or the layer's call is one the rule "
                f"cannot replay (a forward other than the stock one, say). "
                if plan.params[n].method == "rule" else
+               "  No gradient reaches it when the model runs on the batch, but one does when "
+               "the example runs alone: the forward takes another branch for the batch than "
+               "for the example (control flow on values of the whole batch, such as "
+               "`if (x > 0).all()`), so it mixes examples. "
+               if plan.params[n].method == "zero" else
                "  vmap does not reproduce what each example computes alone (randomness "
                "drawn with a generator of the model's own, say). ")
             + "Fix: strategy='auto' (which routes such parameters to a strategy that is "
