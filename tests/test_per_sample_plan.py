@@ -1261,6 +1261,72 @@ def test_hooks_on_a_layer_whose_weight_is_computed_says_so(wrap):
                        loop_reference(model, nn.CrossEntropyLoss(), x, y))
 
 
+class _ReadsLayerWeights(nn.Module):
+    """Reads a Linear's and a LayerNorm's parameters without calling the layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.ln = nn.LayerNorm(3)
+
+    def forward(self, x):
+        return torch.tanh(x @ (self.lin.weight * 2)) * self.ln.weight
+
+
+class _HeadInLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 3)  # called by the loss function only
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("where", ["forward", "loss"])
+def test_a_layer_with_a_rule_whose_parameters_are_read_directly_says_so(where):
+    # the reason said "its module 'lin' is a Linear, which has no per-layer rule"
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3, dtype=DT), torch.randint(0, 3, (5,))
+    if where == "forward":
+        model, loss_fn, name, kind = _ReadsLayerWeights().to(DT), nn.CrossEntropyLoss(), \
+            "lin", "Linear"
+    else:
+        model = _HeadInLoss().to(DT)
+        loss_fn, name, kind = (lambda o, t: F.cross_entropy(model.head(o), t)), "head", "Linear"
+    with pytest.raises(tv.StrategyError, match=rf"'{name}\.weight': its module '{name}' "
+                       rf"\({kind}\) has a rule but is not called: the parameter is read "
+                       rf"directly \(by a forward, or by the loss function\)"):
+        tv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+    if where == "forward":
+        assert tv.per_sample_plan(model, loss_fn, x, y)["ln.weight"].reason.startswith(
+            "its module 'ln' (LayerNorm) has a rule but is not called")
+
+
+def test_vmap_with_a_loss_that_reads_a_parameter_says_so():
+    # the loss reads the model's parameter itself, where vmap's copies do not reach: the
+    # check against the loop refuses, and said only "randomness drawn with a generator"
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4).to(DT)
+    x, y = torch.randn(5, 3, dtype=DT), torch.randint(0, 4, (5,))
+    def loss_fn(o, t):
+        return F.cross_entropy(o * model.bias.sum(), t)
+    with pytest.raises(tv.PerSampleError, match=r"(?s)strategy='vmap' gives wrong per-sample "
+                       r"gradients .*or a parameter the loss function reads itself, which "
+                       r"vmap's copies of the parameters do not reach\)"):
+        tv.per_sample_grads(model, loss_fn, x, y, strategy="vmap")
+    # the definition is what auto computes
+    assert_matches(tv.per_sample_grads(model, loss_fn, x, y),
+                   _reference_reading(model, loss_fn, x, y))
+
+
+def _reference_reading(model, loss_fn, x, y):
+    ps = dict(model.named_parameters())
+    rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), list(ps.values()))
+            for i in range(x.shape[0])]
+    return {n: torch.stack([r[j] for r in rows]) for j, n in enumerate(ps)}
+
+
 # --------------------------------------------------------------------------------------
 # A plan is for one structure (NOTE [the structure a plan is for]): a module replaced, a
 # forward hook added or a flag of the model's own modules switched after the first call

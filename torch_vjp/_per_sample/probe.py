@@ -520,11 +520,9 @@ def _probe_at(
             how = ", ".join(dict.fromkeys(
                 f"{c.rule.name} rule" + (f" in '{c.path}'" if c.path else "") for c, _, _ in used))
             plan.params[name] = ParamPlan(name, "rule", how)
-    # a layer whose rule declined its settings (max_norm) was decided on them too
-    declined = _declined_layers(model, plan.params)
+    declined = _declined_layers(model, plan.params)  # (decided on their settings too)
     if declined:
-        layers += declined
-        plan.settings = (layers, layer_settings(layers))
+        plan.settings = (layers + declined, layer_settings(layers + declined))
     return plan
 
 
@@ -592,6 +590,9 @@ def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
     if declining is not None:
         where = f"module '{path}'" if path else "the model itself"
         return f"{declining.declined(m)} ({where}: {type(m).__name__})"
+    if rule_for(m) is not None:
+        return (f"its module '{path}' ({type(m).__name__}) has a rule but is not called: the "
+                f"parameter is read directly (by a forward, or by the loss function)")
     if not path:
         return (f"it belongs to the model itself, a {type(m).__name__}, which has no per-layer "
                 f"rule")

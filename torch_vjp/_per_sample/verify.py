@@ -108,7 +108,8 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
                "`if (x > 0).all()`), so it mixes examples. "
                if plan.params[n].method == "zero" else
                "  vmap does not reproduce what each example computes alone (randomness "
-               "drawn with a generator of the model's own, say). ")
+               "drawn with a generator of the model's own, or a parameter the loss function "
+               "reads itself, which vmap's copies of the parameters do not reach). ")
             + "Fix: strategy='auto' (which routes such parameters to a strategy that is "
               "right) or strategy='loop'."
         )
