@@ -37,10 +37,10 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
 
 A parameter whose every use is a trusted rule call is computed by rules; the others by vmap
 (or the loop). The first real computation under a plan is then checked against the
-per-example loop on two examples (a model that draws from the global generator, whose
-draws no per-example run can replay, is checked with its dropout layers in eval mode, the
-plan's computation made again for the check; a model that still draws then is not
-checked); a disagreement routes the parameters concerned to vmap, then to the loop. A rule
+per-example loop on three examples, the first, the middle and the last (a model that
+draws from the global generator, whose draws no per-example run can replay, is checked with
+its dropout layers in eval mode, the plan's computation made again for the check; a model
+that still draws then is not checked); a disagreement routes the parameters concerned to vmap, then to the loop. A rule
 that cannot split a call into examples raises ``registry.Declined`` rather than rely on
 the check: that call's parameters go to the fallback. Later calls on models of the same structure reuse the plan: the
 recorded layer calls are compared with the plan's and a mismatch (data-dependent control

@@ -1,5 +1,5 @@
 """The check of a plan's first results against the per-example loop (NOTE [the per-sample
-plan] in :mod:`torch_vjp._per_sample.plan`): two examples' squared norms per parameter,
+plan] in :mod:`torch_vjp._per_sample.plan`): three examples' squared norms per parameter,
 compared with the loop's; a model that draws from the global generator is checked with its
 dropout layers in eval mode."""
 
@@ -40,7 +40,7 @@ def checked(plan: Plan, one_run: bool = False) -> bool:
 
 
 def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -> list[str]:
-    """Compares the per-parameter squared norms ``sq`` of two examples with the per-example
+    """Compares the per-parameter squared norms ``sq`` of three examples with the per-example
     loop (NOTE [the per-sample plan]); returns the parameters that disagree, after routing
     them off their method (or raising, for an explicit strategy). ``one_run``: the result
     came from one vmap run (NOTE [one run]), which is checked apart from the rules."""
