@@ -474,6 +474,35 @@ def test_batch_of_one():
     _check(model, loss_fn, _ints(5, 1, 4), _ints(2, 1, 4), STRATEGIES)
 
 
+class _Squeezed(nn.Module):
+    """A binary classifier that squeezes its output: (B,) for a batch, 0-d for one example."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x))).squeeze()
+
+
+def test_batch_of_one_whose_output_is_squeezed_to_a_scalar():
+    # the output of a batch of one example has no batch dimension left; the loss was still
+    # sliced example by example: IndexError (slice() cannot be applied to a 0-dim tensor)
+    torch.manual_seed(0)
+    model = _Squeezed().to(DT)
+    loss_fn = lambda o, t: F.binary_cross_entropy_with_logits(o.reshape(-1), t)  # noqa: E731
+    x, t = _randn(1, 3), torch.rand(1, dtype=DT)
+    _check(model, loss_fn, x, t, STRATEGIES)
+    ref = loop_reference(model, loss_fn, x, t)
+    for s in STRATEGIES:
+        for p in model.parameters():
+            p.grad = None
+        accumulate_clipped_grads(model, loss_fn, x, t, max_norm=1e9, strategy=s)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n][0], msg=f"{s}: {n}")
+
+
 def _weight_set_after(wrap):
     loss_fn = nn.CrossEntropyLoss()
     loss_fn.weight = wrap(torch.tensor([1.0, 2.0, 0.5], dtype=DT))

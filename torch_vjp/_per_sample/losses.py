@@ -176,6 +176,9 @@ def scaled_loss_sum(
 ) -> tuple[Tensor, float]:
     """``(loss, scale)`` with ``scale * loss`` the :func:`loss_sum` (the caller folds the
     scale into the gradient it starts the backward pass from: one operation fewer)."""
+    if batch == 1:  # (the batch is the one example: its output as it is, which a forward
+        # that squeezes its output, ``.squeeze()`` to 0-d, leaves with no batch to slice)
+        return scalar_loss(fn, call_loss(loss_fn, out, targets)), 1.0
     batch_first = dims is None or all(d == 0 for d in dims)
     if batch_first:
         scale = _reduction_scale(loss_fn, out, targets, batch)
