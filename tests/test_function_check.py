@@ -954,3 +954,81 @@ def test_the_grid_probe_off_the_point_does_not_fail_the_check():
     # defined only up to 1 raised its own error from a point the caller never passed
     report = check_function(_DefinedBelowOne, torch.full((3,), 0.999, dtype=torch.float64))
     assert report.value_dtype == torch.float64
+
+
+class _RandomMask(torch.autograd.Function):
+    """x times a random mask of 0 and 2 drawn from the global generator (dropout at p=0.5),
+    with a correct backward: the mask forward drew."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = (torch.rand(x.shape, dtype=x.dtype, device=x.device) > 0.5).to(x.dtype) * 2
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask
+
+
+class _RandomMaskUnscaled(_RandomMask):
+    """The same forward; backward forgets the mask's scale of 2."""
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * (mask > 0).to(g.dtype)
+
+
+def test_a_forward_that_draws_random_numbers_sees_the_same_draws_on_every_call():
+    # every call of forward drew a new mask, so the finite differences mixed masks and a
+    # correct backward failed by orders of magnitude (<J t, c> = 167843 against 0.80); and
+    # the draws moved the caller's global generator (NOTE [check_function's draws])
+    x = _x(6, 5)
+    torch.manual_seed(3)
+    state = torch.random.get_rng_state()
+    report = check_function(_RandomMask, x)
+    assert report.max_error < 1e-6
+    assert torch.equal(torch.random.get_rng_state(), state)
+    # a callable whose forward draws inside, too
+    report = check_function(lambda t: _RandomMask.apply(t.sin()), x)
+    assert report.max_error < 1e-6
+    assert torch.equal(torch.random.get_rng_state(), state)
+    # a backward wrong for the mask it was given is still caught, and the state put back
+    with pytest.raises(FunctionCheckError, match=r"backward's result is 0\.5 times the right"):
+        check_function(_RandomMaskUnscaled, x)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class _SquareOfNormalized(torch.autograd.Function):
+    """y ** 2, with a correct backward (used on the output of a BatchNorm)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        return y * y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 2 * y * g
+
+
+def test_a_module_in_training_mode_keeps_its_running_statistics():
+    # check_function calls fn about ten times: a BatchNorm in training mode inside it
+    # updated its running statistics on every call (running_mean 0 -> 0.17,
+    # num_batches_tracked 0 -> 7), SPEC §0's "nothing is mutated"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3).double(),
+                                torch.nn.BatchNorm1d(3).double())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def fn(x):
+        return _SquareOfNormalized.apply(model(x))
+
+    check_function(fn, _x(5, 3))
+    check_function(lambda x, m: _SquareOfNormalized.apply(m(x)), _x(5, 3), model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model.training

@@ -61,6 +61,7 @@ from torch_vjp._errors import (
     FunctionCheckValueError,
     shape_str,
 )
+from torch_vjp._function_calls import SameDraws
 from torch_vjp._function_values import (
     inner,
     non_finite,
@@ -171,8 +172,9 @@ class _Recorder:
 
 class Checker:
     def __init__(self, *, call: str, fn: Any, is_function: bool, run: Callable[..., Any],
-                 inputs: tuple[Any, ...], diff: list[int]):
+                 inputs: tuple[Any, ...], diff: list[int], draws: SameDraws | None = None):
         self.call = call
+        self.draws = draws
         self.fn = fn
         self.is_function = is_function
         self.run = run
@@ -180,13 +182,20 @@ class Checker:
         self.diff = diff
         self.gen = torch.Generator().manual_seed(_SEED)
 
+    def _forward(self, *args: Any) -> Any:
+        """The user's forward (or fn), with the draws of every other call (NOTE
+        [check_function's draws]); its errors pass through."""
+        if self.draws is not None:
+            self.draws.reset()
+        return self.run(*args)
+
     # -- structure: counts, shapes, dtypes, devices, None -------------------------------
 
     def check_structure(self) -> _StructureResult:
         leaves = {i: self.inputs[i].detach().clone().requires_grad_(True) for i in self.diff}
         args = _fresh_args(self.inputs, leaves)
         with torch.enable_grad():
-            out = self.run(*args)  # the user's forward: errors pass through
+            out = self._forward(*args)  # the user's forward: errors pass through
         outputs = [o for o in pytree.tree_flatten(out)[0]
                    if isinstance(o, Tensor) and o.requires_grad]
         if not outputs:
@@ -373,7 +382,7 @@ class Checker:
         None and ``eps``."""
         leaves = {i: inputs[i].detach().clone().requires_grad_(True) for i in self.diff}
         with torch.enable_grad():
-            out = self.run(*_fresh_args(inputs, leaves))
+            out = self._forward(*_fresh_args(inputs, leaves))
         flat = pytree.tree_flatten(out)[0]
         pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
         outputs = [flat[k] for k in pos]
@@ -436,7 +445,7 @@ class Checker:
             moved[i] = x.detach() + (1e-3 * (x.detach().abs() + 1)) * (0.5 + step)
         try:
             with torch.no_grad():
-                flat = pytree.tree_flatten(self.run(*_fresh_args(tuple(moved), {})))[0]
+                flat = pytree.tree_flatten(self._forward(*_fresh_args(tuple(moved), {})))[0]
         except Exception:  # noqa: BLE001 - fn need not run off the user's point: no grid read
             return None
         return output_grid([flat[k] for k in pos if k < len(flat)])
@@ -445,7 +454,7 @@ class Checker:
                     pos: list[int]) -> list[Tensor]:
         args = [xi if j == i else (a.detach().clone() if isinstance(a, Tensor) else a)
                 for j, a in enumerate(inputs)]
-        flat = pytree.tree_flatten(self.run(*args))[0]
+        flat = pytree.tree_flatten(self._forward(*args))[0]
         if len(flat) <= max(pos) or not all(isinstance(flat[k], Tensor) for k in pos):
             raise FunctionCheckError(
                 f"{self.call}: fn returned differently structured outputs for a slightly "

@@ -27,6 +27,7 @@ from torch_vjp._errors import (
     FunctionCheckValueError,
     shape_str,
 )
+from torch_vjp._function_calls import kept
 from torch_vjp._function_checker import (
     PROBES,
     Checker,
@@ -267,11 +268,14 @@ def check_function(
             f"so there is no gradient to check. Pass forward's arguments after fn, e.g. "
             f"torch_vjp.check_function({name}, torch.randn(4, 3))."
         )
-    checker = Checker(call=call, fn=fn, is_function=is_function, run=run, inputs=inputs,
-                       diff=diff)
-    structure = checker.check_structure()
-    checker.check_finite_inputs()
-    values = checker.check_values(eps=eps, atol=atol, rtol=rtol)
+    # (every call of forward with the caller's draws, and the caller's RNG state and module
+    # buffers put back: NOTE [check_function's draws])
+    with kept(fn, is_function, inputs) as draws:
+        checker = Checker(call=call, fn=fn, is_function=is_function, run=run, inputs=inputs,
+                          diff=diff, draws=draws)
+        structure = checker.check_structure()
+        checker.check_finite_inputs()
+        values = checker.check_values(eps=eps, atol=atol, rtol=rtol)
 
     rows = []
     for i, arg in enumerate(inputs):
