@@ -1032,3 +1032,59 @@ def test_a_module_in_training_mode_keeps_its_running_statistics():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert model.training
+
+
+class _Relu(torch.autograd.Function):
+    """relu with torch's own convention at 0 (gradient 0 there): correct."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x > 0).to(g.dtype)
+
+
+class _SteepExpOff(torch.autograd.Function):
+    """exp(20 x), smooth and steep; backward 1% too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.exp(20 * x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 20.2 * y * g
+
+
+def test_a_kink_at_the_inputs_is_refused_not_blamed_on_backward():
+    # relu at 0 (inputs of whole numbers): the central difference averages the two
+    # one-sided slopes (t/2), backward returns torch's 0, and a correct backward was
+    # reported as not matching forward (NOTE [kinks])
+    x = torch.tensor([-2.0, 0.0, 1.0, 3.0], dtype=torch.float64)
+    with pytest.raises(FunctionCheckValueError, match=(
+        r"(?s)check_function\(_Relu\): forward is not differentiable at these inputs: along a "
+        r"random direction t of input 0, the output of fn at index \(1,\) changes at a rate "
+        r"of .* on one side and .* on the other \(one-sided differences, eps=1e-06\), so no "
+        r"gradient matches its finite differences there, right or wrong\.\n"
+        r"  This is a kink: relu, abs or clamp exactly at their corner.*\(input 0 holds 1 zero "
+        r"and 4 whole numbers, where kinks often lie\).*torch's own relu gives 0 at 0.*"
+        r"\(The count, shapes, dtypes and devices of what backward returns were checked, and "
+        r"are right\.\)\n"
+        r"  Fix: check at a point away from kinks, e.g\. torch\.randn\(4, dtype=torch\.float64\)"
+    )):
+        check_function(_Relu, x)
+    one_zero = _x(3, 2)
+    one_zero[2, 1] = 0.0
+    with pytest.raises(FunctionCheckValueError, match=r"output 0 of fn at index \(2, 1\)"):
+        check_function(lambda a: (_Relu.apply(a), a.sum()), one_zero)
+    # away from the kink it passes; a wrong backward of a steep smooth forward is blamed
+    assert check_function(_Relu, _x(4)).max_error < 1e-6
+    with pytest.raises(FunctionCheckError, match="backward's result is 1.01 times the right"):
+        check_function(_SteepExpOff, _x(5) * 0.1)

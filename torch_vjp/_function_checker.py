@@ -62,6 +62,7 @@ from torch_vjp._errors import (
     shape_str,
 )
 from torch_vjp._function_calls import SameDraws
+from torch_vjp._function_verdict import Kink, Probe, kink_message, value_message
 from torch_vjp._function_values import (
     inner,
     non_finite,
@@ -370,13 +371,18 @@ class Checker:
                 if abs(p.lhs - p.rhs) > atol_ + rtol_ * p.size + p.noise or not math.isfinite(
                     p.lhs - p.rhs
                 ):
-                    raise FunctionCheckError(
-                        self._value_message(i, rows, p, dtype, eps, atol_, rtol_)
-                    )
+                    tol = atol_ + rtol_ * p.size + p.noise
+                    kink = self._kink(i, p, eps, tol, torch.finfo(real_dtype(dtype)).eps)
+                    if kink is not None:  # (the point is refused, not backward: NOTE [kinks])
+                        raise FunctionCheckValueError(kink_message(
+                            self.call, i, self.inputs[i], kink, len(self._at[1]), eps))
+                    raise FunctionCheckError(value_message(
+                        self.call, self.fn, self.is_function, i, rows, p, dtype, eps, atol_,
+                        rtol_))
         return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
 
     def _probe(self, inputs: tuple[Any, ...], eps: float
-               ) -> tuple[dict[int, list[_Probe]], torch.dtype | None, float]:
+               ) -> tuple[dict[int, list[Probe]], torch.dtype | None, float]:
         """The dot-product probes; and the narrower dtype fn computes in inside (its outputs
         lie on that dtype's grid, :func:`output_grid`), with the step raised for it, or
         None and ``eps``."""
@@ -386,6 +392,7 @@ class Checker:
         flat = pytree.tree_flatten(out)[0]
         pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
         outputs = [flat[k] for k in pos]
+        self._at = (inputs, pos)  # (where the probes are taken, for a kink's look: _kink)
         self._check_finite_outputs(inputs, flat, pos, value_dtype(inputs, self.diff))
         grid = self._grid_off_the_inputs(inputs, pos)
         # (outputs of a narrower dtype than the inputs, x.float() ** 2: their own rounding
@@ -400,7 +407,7 @@ class Checker:
         if grid is not None:
             unit_floor = torch.finfo(grid).eps
             eps = max(eps, unit_floor ** (1 / 3))
-        result: dict[int, list[_Probe]] = {i: [] for i in self.diff}
+        result: dict[int, list[Probe]] = {i: [] for i in self.diff}
         for p in range(PROBES):
             cots = [randn_like(o, self.gen) for o in outputs]
             # (copies: a backward may scale its grad_output in place, which must not move
@@ -428,8 +435,36 @@ class Checker:
                 unit = max(torch.finfo(real_dtype(x.dtype)).eps, unit_floor)
                 level = [a.detach().abs() + b.detach().abs() for a, b in zip(f_plus, f_minus)]
                 noise = 10 * unit * spread(cots, level) / (2 * eps)
-                result[i].append(_Probe(lhs=lhs, rhs=rhs, size=size, noise=noise))
+                result[i].append(Probe(lhs=lhs, rhs=rhs, size=size, noise=noise, x=x, t=t,
+                                       cots=cots))
         return result, grid, eps
+
+    def _kink(self, i: int, p: Probe, eps: float, tol: float, unit: float) -> Kink | None:
+        """Where forward has a kink along the failed probe's tangent, or None (NOTE
+        [kinks]): two more forwards per step, only once the test has failed."""
+        inputs, pos = self._at
+        x, t, cots = p.x, p.t, p.cots
+        assert x is not None and t is not None
+        seen = []
+        for step in (eps, eps / 10):
+            with torch.no_grad():
+                f0, fp, fm = (self._outputs_at(inputs, i, x + k * step * t, pos)
+                              for k in (0, 1, -1))
+            gap = [((a - b) - (b - c)) / step for a, b, c in zip(fp, f0, fm)]
+            level = [a.abs() + 2 * b.abs() + c.abs() for a, b, c in zip(fp, f0, fm)]
+            seen.append((spread(cots, gap), 10 * unit * spread(cots, level) / step, gap,
+                         (f0, fp, fm)))
+        (big, big_noise, gap, (f0, fp, fm)), (small, small_noise, _, _) = seen
+        if not (big > max(tol, big_noise) and small > max(0.5 * big, small_noise)):
+            return None
+        weighted = [(c.abs() * d.abs()).reshape(-1) for c, d in zip(cots, gap)]
+        k = max(range(len(weighted)),
+                key=lambda j: float(weighted[j].max()) if weighted[j].numel() else -1.0)
+        flat_at = int(weighted[k].argmax())
+        index = tuple(int(d) for d in torch.unravel_index(torch.tensor(flat_at), f0[k].shape))
+        left = ((f0[k] - fm[k]) / eps).reshape(-1)[flat_at].item()
+        right = ((fp[k] - f0[k]) / eps).reshape(-1)[flat_at].item()
+        return Kink(k, index, left, right)
 
     def _grid_off_the_inputs(self, inputs: tuple[Any, ...], pos: list[int]
                              ) -> torch.dtype | None:
@@ -462,68 +497,6 @@ class Checker:
                 f"their structure and shapes."
             )
         return [flat[k] for k in pos]
-
-    def _value_message(self, i: int, rows: list[_Probe], p: _Probe, dtype: torch.dtype,
-                       eps: float, atol: float, rtol: float) -> str:
-        if self.is_function:
-            who = f"the gradient that {self.fn.__name__}.backward returns for input {i}"
-            fix_who = f"{self.fn.__name__}.backward"
-        else:
-            who = f"the gradient autograd computes through fn for input {i}"
-            fix_who = "the backward of the custom Function(s) fn uses"
-        err = abs(p.lhs - p.rhs)
-        lines = [
-            f"{self.call}: {who} does not match finite differences of forward.",
-            f"  dot-product test in {dtype_name(dtype)} with a random tangent t and "
-            f"cotangent c: <J t, c> = {p.lhs:.6g} (central differences of forward, "
-            f"eps={eps:g}), but <t, backward(c)> = {p.rhs:.6g}; |error| = {err:.3g} > "
-            f"atol + rtol * size = {atol:g} + {rtol:g} * {p.size:.3g}.",
-            f"  backward must return dL/d(input {i}) = grad_output times the Jacobian "
-            f"d(output)/d(input {i}): for every c, <t, backward(c)> equals <J t, c>, the "
-            f"change of <output, c> along t.",
-        ]
-        hint = _ratio_hint(rows)
-        if hint:
-            lines.append(f"  {hint}")
-        else:
-            lines.append(
-                f"  Fix: re-derive {fix_who} for input {i}; torch.func.jacrev(forward) gives "
-                f"the Jacobian J to compare grad_output @ J against (in float64, on a small "
-                f"input). Forward must be deterministic for this test to apply."
-            )
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class _Probe:
-    lhs: float  # <J t, c>, J t by central differences
-    rhs: float  # <t, J^T c>, J^T c from backward
-    size: float  # max(|(J t) * c|, |t * (J^T c)|) (NOTE [the dot-product test])
-    noise: float  # the rounding error the finite differences can carry
-
-
-def _ratio_hint(rows: list[_Probe]) -> str | None:
-    if all(abs(p.rhs) <= 1e-12 * max(p.size, 1e-300) for p in rows) and any(
-        abs(p.lhs) > 0 for p in rows
-    ):
-        return (
-            "backward returns zero for this input (or None), but forward depends on it: "
-            "return grad_output times the Jacobian for it."
-        )
-    if any(p.rhs == 0 for p in rows):
-        return None
-    ratios = [p.lhs / p.rhs for p in rows]
-    r = ratios[0]
-    if all(abs(q - r) <= 1e-3 * max(abs(r), 1e-12) for q in ratios) and abs(r - 1) > 1e-3:
-        if abs(r + 1) <= 1e-3:
-            return "In every probe <t, backward(c)> = -<J t, c>: backward has the sign flipped."
-        k = 1 / r
-        return (
-            f"In every probe <t, backward(c)> = {k:.6g} * <J t, c>: backward's result is "
-            f"{k:.6g} times the right one, a constant factor off (a forgotten constant such as "
-            f"the 2 in d(x**2)/dx = 2x, or a mean's 1/n)."
-        )
-    return None
 
 
 # ---------------------------------------------------------------------------------------

@@ -211,8 +211,10 @@ def check_function(
         FunctionCheckValueError: ``eps``, ``atol`` or ``rtol`` is not a valid number, no
             input can be differentiated, or the values cannot be checked because a
             differentiated input, or an output of forward at the inputs, holds NaN or inf
-            (see NOTE [non-finite values]). The count, shape, dtype and device checks run
-            before this one.
+            (see NOTE [non-finite values]), or because forward has a kink at the inputs
+            (relu at 0: its one-sided differences disagree, NOTE [kinks] in
+            ``torch_vjp._function_verdict``). The count, shape, dtype and device checks run
+            before these.
         Exception: Whatever ``fn``'s own forward or backward raises, untouched.
 
     Example:

@@ -1,0 +1,136 @@
+"""What :func:`torch_vjp.check_function` says when the values of a gradient do not match:
+the dot-product probes (:class:`Probe`), the message that blames backward, and the one that
+blames the point instead, where forward has a kink (NOTE [kinks]).
+
+NOTE [kinks]
+At a point where forward is not differentiable (relu, abs or clamp exactly at their corner,
+max at a tie), the central difference ``(f(x + eps t) - f(x - eps t)) / (2 eps)`` averages
+the two one-sided slopes, while backward (torch's own formulas too: relu's gradient at 0 is
+0) returns one of them: the dot-product test would blame a correct backward. When a probe
+fails, the checker therefore compares the one-sided differences along its tangent ``t``:
+their gap, weighted by the probe's cotangent ``c`` (``sqrt(sum (c * gap)^2)``), is about
+``eps |f''| t^2`` where forward is smooth, and does not shrink with the step at a kink. A
+gap above the test's tolerance that stays (at least half of it) at a step ten times smaller,
+and above the rounding of both, is a kink: the point is refused with a
+:class:`FunctionCheckValueError` (as a non-finite one is), not blamed on backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_vjp._backward_check import dtype_name
+
+__all__ = ["Kink", "Probe", "kink_message", "value_message"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    lhs: float  # <J t, c>, J t by central differences
+    rhs: float  # <t, J^T c>, J^T c from backward
+    size: float  # max(|(J t) * c|, |t * (J^T c)|) (NOTE [the dot-product test])
+    noise: float  # the rounding error the finite differences can carry
+    # (the probe's point, tangent and cotangents: kept to look for a kink, NOTE [kinks])
+    x: Tensor | None = field(default=None, repr=False, compare=False)
+    t: Tensor | None = field(default=None, repr=False, compare=False)
+    cots: Sequence[Tensor] = field(default=(), repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Kink:
+    """Where the one-sided differences of a probe disagree most (NOTE [kinks])."""
+
+    output: int  # index among the differentiated outputs
+    index: tuple[int, ...]  # the element of that output
+    left: float  # (f(x) - f(x - eps t)) / eps there
+    right: float  # (f(x + eps t) - f(x)) / eps there
+
+
+def value_message(call: str, fn: Any, is_function: bool, i: int, rows: list[Probe], p: Probe,
+                  dtype: torch.dtype, eps: float, atol: float, rtol: float) -> str:
+    if is_function:
+        who = f"the gradient that {fn.__name__}.backward returns for input {i}"
+        fix_who = f"{fn.__name__}.backward"
+    else:
+        who = f"the gradient autograd computes through fn for input {i}"
+        fix_who = "the backward of the custom Function(s) fn uses"
+    err = abs(p.lhs - p.rhs)
+    lines = [
+        f"{call}: {who} does not match finite differences of forward.",
+        f"  dot-product test in {dtype_name(dtype)} with a random tangent t and "
+        f"cotangent c: <J t, c> = {p.lhs:.6g} (central differences of forward, "
+        f"eps={eps:g}), but <t, backward(c)> = {p.rhs:.6g}; |error| = {err:.3g} > "
+        f"atol + rtol * size = {atol:g} + {rtol:g} * {p.size:.3g}.",
+        f"  backward must return dL/d(input {i}) = grad_output times the Jacobian "
+        f"d(output)/d(input {i}): for every c, <t, backward(c)> equals <J t, c>, the "
+        f"change of <output, c> along t.",
+    ]
+    hint = _ratio_hint(rows)
+    if hint:
+        lines.append(f"  {hint}")
+    else:
+        lines.append(
+            f"  Fix: re-derive {fix_who} for input {i}; torch.func.jacrev(forward) gives "
+            f"the Jacobian J to compare grad_output @ J against (in float64, on a small "
+            f"input). Forward must be deterministic for this test to apply."
+        )
+    return "\n".join(lines)
+
+
+def kink_message(call: str, i: int, x: Tensor, kink: Kink, n_outputs: int, eps: float) -> str:
+    """The point refused: forward has a kink there (NOTE [kinks])."""
+    name = "the output of fn" if n_outputs == 1 else f"output {kink.output} of fn"
+    at = f" at index {kink.index}" if kink.index else ""
+    zeros = int((x == 0).sum()) if x.numel() else 0
+    whole = int((x == x.round()).sum()) if x.numel() and not x.is_complex() else 0
+    held = []
+    if zeros:
+        held.append(f"{zeros} zero{'s' if zeros != 1 else ''}")
+    if whole > zeros:
+        held.append(f"{whole} whole number{'s' if whole != 1 else ''}")
+    holds = f" (input {i} holds {' and '.join(held)}, where kinks often lie)" if held else ""
+    shape = ", ".join(str(d) for d in x.shape)
+    dtype = "" if x.dtype == torch.float32 else f", dtype=torch.{dtype_name(x.dtype)}"
+    return (
+        f"{call}: forward is not differentiable at these inputs: along a random direction t "
+        f"of input {i}, {name}{at} changes at a rate of {kink.right:.6g} on one side and "
+        f"{kink.left:.6g} on the other (one-sided differences, eps={eps:g}), so no gradient "
+        f"matches its finite differences there, right or wrong.\n"
+        f"  This is a kink: relu, abs or clamp exactly at their corner, max or min at a tie, "
+        f"a piecewise formula at its boundary{holds}. backward returns one side's slope "
+        f"there (torch's own relu gives 0 at 0), and the central difference that the values "
+        f"are checked against averages the two sides, so the check would blame a backward "
+        f"that may be right. (The count, shapes, dtypes and devices of what backward returns "
+        f"were checked, and are right.)\n"
+        f"  Fix: check at a point away from kinks, e.g. torch.randn({shape}{dtype}): random "
+        f"values lie on a kink with probability zero."
+    )
+
+
+def _ratio_hint(rows: list[Probe]) -> str | None:
+    if all(abs(p.rhs) <= 1e-12 * max(p.size, 1e-300) for p in rows) and any(
+        abs(p.lhs) > 0 for p in rows
+    ):
+        return (
+            "backward returns zero for this input (or None), but forward depends on it: "
+            "return grad_output times the Jacobian for it."
+        )
+    if any(p.rhs == 0 for p in rows):
+        return None
+    ratios = [p.lhs / p.rhs for p in rows]
+    r = ratios[0]
+    if all(abs(q - r) <= 1e-3 * max(abs(r), 1e-12) for q in ratios) and abs(r - 1) > 1e-3:
+        if abs(r + 1) <= 1e-3:
+            return "In every probe <t, backward(c)> = -<J t, c>: backward has the sign flipped."
+        k = 1 / r
+        return (
+            f"In every probe <t, backward(c)> = {k:.6g} * <J t, c>: backward's result is "
+            f"{k:.6g} times the right one, a constant factor off (a forgotten constant such as "
+            f"the 2 in d(x**2)/dx = 2x, or a mean's 1/n)."
+        )
+    return None
