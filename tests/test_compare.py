@@ -418,6 +418,30 @@ def test_nothing_is_mutated():
     assert not x.requires_grad and y.requires_grad and y.grad is None
 
 
+def test_an_argument_that_f_writes_into_is_not_mutated():
+    # the reference called f with the caller's own tensor for an argument not
+    # differentiated (x.to(torch.float64) of a float64 tensor is x itself; a float32 one was
+    # passed as is to the second attempt, after the float64 one failed): an f that counts
+    # its calls in a buffer left the caller's buffer at 1
+    w32 = torch.eye(4)
+
+    def f(x, calls):
+        calls.add_(1)
+        return x.sin() * 2
+
+    def f32(x, calls):
+        calls.add_(1)
+        return w32 @ x  # float32 weights: the float64 reference fails, then its own dtype
+
+    for fn, dtype in ((f, torch.float64), (f32, torch.float32)):
+        calls = torch.zeros(4, dtype=dtype)
+        report = compare_strategies(fn, torch.randn(4, dtype=dtype), calls,
+                                    strategies=("rev", "fwd"), min_run_time=FAST,
+                                    memory=False)
+        assert torch.equal(calls, torch.zeros(4, dtype=dtype)), calls
+        assert all(row.ok for row in report.rows), str(report)
+
+
 def _training_batchnorm():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(4).double()

@@ -61,15 +61,24 @@ _CALL = "torch_vjp.compare_strategies"
 
 
 def _to_double(tree: Any) -> Any:
+    """Copies of the tensors in ``tree``, floating-point ones in float64: never the
+    caller's own tensors (``x.to(torch.float64)`` of a float64 tensor is ``x`` itself, which
+    an ``f`` that writes into an argument would change)."""
     def cast(x: Any) -> Any:
         if isinstance(x, Tensor):
             if x.is_floating_point():
-                return x.detach().to(torch.float64)
+                return x.detach().to(torch.float64, copy=True)
             if x.is_complex():
-                return x.detach().to(torch.complex128)
+                return x.detach().to(torch.complex128, copy=True)
+            return x.detach().clone()
         return x
 
     return tree_map(cast, tree)
+
+
+def _copies(tree: Any) -> Any:
+    """Copies of the tensors in ``tree``, in their own dtypes."""
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, Tensor) else x, tree)
 
 
 def _loop_jacobian(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> Any:
@@ -133,15 +142,17 @@ def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> t
     dtype (for a function that holds float32 weights, which float64 inputs cannot multiply).
     """
     attempts = []
-    double = _to_double(primals)
-    for args, dtype_note in ((double, "float64"), (primals, "the inputs' own dtype")):
+    # (each attempt on fresh copies: f may write into its arguments, and none of the
+    # caller's tensors may change; nor may an attempt that failed halfway leave its writes
+    # to the next)
+    for copy, dtype_note in ((_to_double, "float64"), (_copies, "the inputs' own dtype")):
         try:
-            jac = _loop_jacobian(f, args, argnums)
+            jac = _loop_jacobian(f, copy(primals), argnums)
             return jac, f"a loop of torch.autograd.grad in {dtype_note}"
         except Exception as exc:  # noqa: BLE001 - the next attempt, or the row says why
             attempts.append(f"autograd.grad loop in {dtype_note}: {reason(exc, 120)}")
         try:
-            jac = torch.func.jacrev(f, argnums=argnums)(*args)
+            jac = torch.func.jacrev(f, argnums=argnums)(*copy(primals))
             return jac, f"torch.func.jacrev in {dtype_note} (the autograd.grad loop failed)"
         except Exception as exc:  # noqa: BLE001
             attempts.append(f"jacrev in {dtype_note}: {reason(exc, 120)}")
