@@ -277,6 +277,34 @@ def _errors_across_ranks(rank, world, group):
                            r"rejected its call before any product.*Rank 1 said: "
                            r"JacobianOptionError: .*create_graph=True with a process_group"):
             tv.jacobian(f, x, process_group=group)
+    # an argument of f that is not differentiated but differs between ranks: the Jacobian
+    # depends on it, and each rank's share was computed for its own value, so the gathered
+    # Jacobian mixed two functions without a word (its rows 0-1 from y = 1, 2-4 from y = 2)
+    y = torch.full((5,), 1.0 + rank, dtype=DT)
+    scaled = lambda x, y: x.sin() * y  # noqa: E731
+    for strategy in ("rev", "fwd", "auto"):
+        with pytest.raises(tv.JacobianCallError, match=(
+            r"(?s)primals\[1\], an argument of f that is not differentiated, differs between "
+            r"ranks: it holds different values on rank 1 than on rank 0 \(their checksums "
+            r"differ\)\. With a process_group .*depends on every argument of f, not only on "
+            r"the differentiated ones.*Fix: pass the same primals\[1\] on every rank "
+            r"\(broadcast it.*bind it into f instead.*functools\.partial")):
+            tv.jacobian(scaled, x, y, strategy=strategy, process_group=group)
+    with pytest.raises(tv.JacobianCallError, match=r"primals\[1\], an argument of f that is "
+                       r"not differentiated, differs between ranks: it is 2\.0 on rank 1 but "
+                       r"1\.0 on rank 0"):
+        tv.jacobian(scaled, x, 1.0 + min(rank, 1), process_group=group)
+    with pytest.raises(tv.JacobianCallError, match=r"primals\[0\]\['s'\], an argument .* it "
+                       r"has shape \(2,\) and dtype float64 on rank 1 but \(\) and float64 "
+                       r"on rank 0"):
+        tv.jacobian(lambda p, x: x * p["s"].sum(), {"s": torch.ones((2,) * min(rank, 1),
+                                                                    dtype=DT)},
+                    x, argnums=1, process_group=group)
+    # alike on every rank (objects other than numbers are not compared): the Jacobian
+    tagged = lambda x, y, tag: x.sin() * y  # noqa: E731
+    same = torch.full((5,), 2.0, dtype=DT)
+    _close(tv.jacobian(tagged, x, same, f"rank {rank}", process_group=group),
+           torch.func.jacrev(tagged)(x, same, ""), "same other arguments")
     # the group still works after every error
     _close(tv.jacobian(f, x, process_group=group), torch.func.jacrev(f)(x), "after errors")
 

@@ -19,7 +19,9 @@ returns a :class:`JacobianShard` holding its own products and their range.
 Ranks must agree on what they compute, or a collective would wait for ever or gather
 mismatched pieces. Before any product, one ``all_gather_object`` compares every rank's call
 with rank 0's: strategy, ``argnums``, ``has_aux``, ``shard``, the differentiated primals'
-shapes and dtypes, and checksums of their values (the sum and a sum weighted by numbers
+shapes and dtypes, the arguments of ``f`` not differentiated (the Jacobian depends on them
+too: their tensors' shapes, dtypes and checksums, their numbers' values; other objects are
+not compared), and checksums of the values (the sum and a sum weighted by numbers
 spread like random ones, alike on every rank, in float64, of the finite values, and one of where the
 non-finite ones are and what they are; each compared to the bound of float64 rounding, 2 n
 eps times the sum of its terms' magnitudes: the same values summed with different thread

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
@@ -122,26 +123,51 @@ def verdict(gap: tuple[float, float] | None, dtype: torch.dtype, failed: bool, g
     return diff <= tolerance(dtype) * scale, diff, scale, bool(failed_any)
 
 
+def _checksums(leaf: Tensor) -> tuple[Any, int]:
+    """``(((sum, sum of |terms|) per checksum), numel)`` of a tensor's values (NOTE [sharded
+    Jacobian])."""
+    x = leaf.detach().reshape(-1).to(torch.float64)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    # (weights alike on every rank, spread like random ones: the fractional parts of
+    # multiples of the golden ratio, computed where x is, without a CPU generator's draw
+    # and copy of x's size; a change that cancels in the plain sum, or in a position-
+    # weighted one, does not cancel here. The non-finite values apart, by where they are
+    # and what they are, so that one inf masks nothing)
+    w = torch.arange(x.numel(), dtype=torch.float64, device=x.device)
+    w = w.mul_(0.6180339887498949).frac_().sub_(0.5)
+    finite = torch.isfinite(x)
+    xf = torch.where(finite, x, 0.0)
+    kinds = torch.where(torch.isnan(x), 1.0, torch.where(x > 0, 2.0, 3.0))
+    odd = torch.where(finite, 0.0, kinds * (w + 4.0))
+    terms = torch.stack((xf, xf * w, odd))
+    return tuple(zip(terms.sum(1).tolist(), terms.abs().sum(1).tolist())), x.numel()
+
+
+def _other_leaf(leaf: Any) -> tuple[Any, ...]:
+    """What every rank must agree on of one leaf of an argument that is not differentiated:
+    a tensor's shape, dtype and checksums, a number's value; other objects (a module, a
+    device, a string) are not compared (NOTE [sharded Jacobian])."""
+    if isinstance(leaf, Tensor):
+        sums = None
+        if leaf.layout == torch.strided and not leaf.is_nested and leaf.device.type != "meta":
+            try:
+                sums = _checksums(leaf)
+            except (RuntimeError, TypeError):  # (a dtype float64 cannot hold: unchecked)
+                sums = None
+        return ("tensor", tuple(leaf.shape), str(leaf.dtype).replace("torch.", ""), sums)
+    if isinstance(leaf, (bool, int, float, complex)) or leaf is None:
+        return ("number", repr(leaf))
+    return ("object",)
+
+
 def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
-    sums = []
-    for leaf in prob.leaves:
-        x = leaf.detach().reshape(-1).to(torch.float64)
-        if x.is_complex():
-            x = torch.view_as_real(x).reshape(-1)
-        # (weights alike on every rank, spread like random ones: the fractional parts of
-        # multiples of the golden ratio, computed where x is, without a CPU generator's draw
-        # and copy of x's size; a change that cancels in the plain sum, or in a position-
-        # weighted one, does not cancel here. The non-finite values apart, by where they are
-        # and what they are, so that one inf masks nothing)
-        w = torch.arange(x.numel(), dtype=torch.float64, device=x.device)
-        w = w.mul_(0.6180339887498949).frac_().sub_(0.5)
-        finite = torch.isfinite(x)
-        xf = torch.where(finite, x, 0.0)
-        kinds = torch.where(torch.isnan(x), 1.0, torch.where(x > 0, 2.0, 3.0))
-        odd = torch.where(finite, 0.0, kinds * (w + 4.0))
-        terms = torch.stack((xf, xf * w, odd))
-        sums.append((tuple(zip(terms.sum(1).tolist(), terms.abs().sum(1).tolist())),
-                     x.numel()))
+    others = []
+    for i, primal in enumerate(prob.primals):
+        if i in prob.argnums:
+            continue
+        leaves = tree_flatten_with_path(primal)[0]
+        others.append((i, [(keystr(path), _other_leaf(leaf)) for path, leaf in leaves]))
     return {
         "strategy": strategy,
         "argnums": prob.argnums,
@@ -149,8 +175,42 @@ def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
         "shard": shard,
         "shapes": [tuple(leaf.shape) for leaf in prob.leaves],
         "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
-        "sums": sums,
+        "sums": [_checksums(leaf) for leaf in prob.leaves],
+        "others": others,
     }
+
+
+def _same_sums(a: Any, b: Any) -> bool:
+    """Whether two :func:`_checksums` agree to float64's rounding of their sums."""
+    (sums_a, n), (sums_b, _) = a, b
+    # (each sum against the bound of float64 rounding for n terms summed in any order,
+    # 2 n eps sum|terms|: the same values summed with other thread counts differ by no
+    # more, at any scale)
+    bound = 2 * max(n, 1) * torch.finfo(torch.float64).eps
+    return all(abs(u - v) <= bound * max(su, sv) for (u, su), (v, sv) in zip(sums_a, sums_b))
+
+
+def _other_differs(ref: list[Any], got: list[Any], r: int) -> tuple[str, str] | None:
+    """``(name, how)`` of the first argument not differentiated that differs on rank ``r``
+    from rank 0, or None."""
+    for (i, leaves_a), (_, leaves_b) in zip(ref, got):
+        if len(leaves_a) != len(leaves_b):
+            return f"primals[{i}]", f"it holds {len(leaves_b)} leaves on rank {r} but " \
+                f"{len(leaves_a)} on rank 0"
+        for (path, a), (_, b) in zip(leaves_a, leaves_b):
+            name = f"primals[{i}]{path}"
+            if a[0] != b[0]:
+                return name, f"it is a {b[0]} on rank {r} but a {a[0]} on rank 0"
+            if a[0] == "tensor":
+                if a[1:3] != b[1:3]:
+                    return name, (f"it has shape {shape_str(b[1])} and dtype {b[2]} on "
+                                  f"rank {r} but {shape_str(a[1])} and {a[2]} on rank 0")
+                if a[3] is not None and b[3] is not None and not _same_sums(a[3], b[3]):
+                    return name, (f"it holds different values on rank {r} than on rank 0 "
+                                  f"(their checksums differ)")
+            elif a != b:
+                return name, f"it is {b[1]} on rank {r} but {a[1]} on rank 0"
+    return None
 
 
 def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank: int,
@@ -176,14 +236,12 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
         for key in ("strategy", "argnums", "has_aux", "shard", "shapes", "dtypes"):
             if sig[key] != ref[key]:
                 _disagree(prob, r, key, ref[key], sig[key])
-        for i, ((a, n), (b, _)) in enumerate(zip(ref["sums"], sig["sums"])):
-            # (each sum against the bound of float64 rounding for n terms summed in any
-            # order, 2 n eps sum|terms|: the same values summed with other thread counts
-            # differ by no more, at any scale)
-            bound = 2 * max(n, 1) * torch.finfo(torch.float64).eps
-            for (u, su), (v, sv) in zip(a, b):
-                if not abs(u - v) <= bound * max(su, sv):
-                    _disagree(prob, r, "values", None, None, i)
+        for i, (a, b) in enumerate(zip(ref["sums"], sig["sums"])):
+            if not _same_sums(a, b):
+                _disagree(prob, r, "values", None, None, i)
+        other = _other_differs(ref["others"], sig["others"], r)
+        if other is not None:
+            _other_disagrees(prob, *other)
 
 
 def fail_before_exchange(err: BaseException, group: Any) -> None:
@@ -226,6 +284,20 @@ def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0
         f"dtypes and values).\n"
         f"  Fix: call it with the same arguments on every rank, or pass process_group=None "
         f"to compute each rank's own Jacobian."
+    )
+
+
+def _other_disagrees(prob: Problem, name: str, how: str) -> None:
+    raise JacobianCallError(
+        f"{prob.call}: {name}, an argument of f that is not differentiated, differs between "
+        f"ranks: {how}. With a process_group every rank computes a share "
+        f"of one Jacobian, and the Jacobian depends on every argument of f, not only on the "
+        f"differentiated ones: the gathered shares would belong to different functions.\n"
+        f"  Fix: pass the same {name} on every rank (broadcast it from rank 0 with "
+        f"torch.distributed.broadcast or broadcast_object_list); if it does not change f's "
+        f"result (a rank number for logging), bind it into f instead of passing it "
+        f"(functools.partial); or pass process_group=None to compute each rank's own "
+        f"Jacobian."
     )
 
 
