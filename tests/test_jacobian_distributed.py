@@ -305,6 +305,38 @@ def _errors_across_ranks(rank, world, group):
     same = torch.full((5,), 2.0, dtype=DT)
     _close(tv.jacobian(tagged, x, same, f"rank {rank}", process_group=group),
            torch.func.jacrev(tagged)(x, same, ""), "same other arguments")
+    # a function whose weights differ between ranks (a model built without a common seed,
+    # a captured tensor drawn per rank): each rank's share was of its own function, and the
+    # gathered Jacobian mixed them without a word
+    torch.manual_seed(100 + rank)
+    lin = torch.nn.Linear(5, 3).double()
+    W = torch.randn(3, 5, dtype=DT)
+    with pytest.raises(tv.JacobianCallError, match=(
+        r"(?s)the function differs between ranks: the 'weight' of the Linear f uses holds "
+        r"different values on rank 1 than on rank 0 \(their checksums differ\)\. With a "
+        r"process_group every rank computes a share of the Jacobian of one function.*Fix: "
+        r"make the weights equal on every rank: seed every rank's generator alike.*"
+        r"broadcast them from rank 0")):
+        tv.jacobian(lin, x, process_group=group)
+    with pytest.raises(tv.JacobianCallError, match=r"the function differs between ranks: a "
+                       r"tensor of shape \(3, 5\) that f captures holds different values on "
+                       r"rank 1"):
+        tv.jacobian(lambda x: torch.tanh(W @ x), x, process_group=group)
+    with pytest.raises(tv.JacobianCallError, match=r"the '0\.weight' of the Sequential f uses"):
+        tv.jacobian(lambda m, x: m(x), torch.nn.Sequential(lin), x, argnums=1,
+                    process_group=group)
+    # made equal: the Jacobian; buffers are compared too (a BatchNorm's running statistics,
+    # in its output in eval mode)
+    for t in (*lin.parameters(), W):
+        dist.broadcast(t.data, 0, group=group)
+    _close(tv.jacobian(lin, x, process_group=group), torch.func.jacrev(lin)(x), "same weights")
+    bn = torch.nn.BatchNorm1d(5).double()
+    bn.running_mean.fill_(float(rank))
+    xb = torch.randn(3, 5, dtype=DT, generator=torch.Generator().manual_seed(1))
+    bn.eval()
+    with pytest.raises(tv.JacobianCallError, match=r"the 'running_mean' of the BatchNorm1d f "
+                       r"uses holds different values on rank 1"):
+        tv.jacobian(bn, xb, process_group=group)
     # the group still works after every error
     _close(tv.jacobian(f, x, process_group=group), torch.func.jacrev(f)(x), "after errors")
 

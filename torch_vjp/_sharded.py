@@ -21,7 +21,9 @@ mismatched pieces. Before any product, one ``all_gather_object`` compares every 
 with rank 0's: strategy, ``argnums``, ``has_aux``, ``shard``, the differentiated primals'
 shapes and dtypes, the arguments of ``f`` not differentiated (the Jacobian depends on them
 too: their tensors' shapes, dtypes and checksums, their numbers' values; other objects are
-not compared), and checksums of the values (the sum and a sum weighted by numbers
+not compared), the parameters and buffers of the modules ``f`` reaches and the tensors it
+captures (weights drawn on each rank without a common seed make a function of each rank's
+own), and checksums of the values (the sum and a sum weighted by numbers
 spread like random ones, alike on every rank, in float64, of the finite values, and one of where the
 non-finite ones are and what they are; each compared to the bound of float64 rounding, 2 n
 eps times the sum of its terms' magnitudes: the same values summed with different thread

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from torch_vjp._engine.context import modules_reached, reached
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
     gap,
@@ -161,6 +162,31 @@ def _other_leaf(leaf: Any) -> tuple[Any, ...]:
     return ("object",)
 
 
+def _used_tensors(prob: Problem) -> list[tuple[str, Any]]:
+    """``(name, owner, what to agree on)`` of the tensors ``f`` uses that are not its
+    arguments: the parameters and buffers of the modules it reaches (itself, a closure's or
+    an argument's) and the tensors it captures (NOTE [sharded Jacobian]). (A module in
+    training mode that updates its buffers, BatchNorm's running statistics, cannot run in a
+    sharded Jacobian at all: torch.func refuses the in-place update.)"""
+    modules, tensors = reached(prob.f)
+    known = {id(m) for m in modules}
+    modules += [m for m in modules_reached(prob.primals) if id(m) not in known]
+    seen: set[int] = set()
+    used = []
+    for root in modules:
+        for prefix, m in root.named_modules():
+            for name, t in (*m._parameters.items(), *m._buffers.items()):
+                if isinstance(t, Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    used.append((f"{prefix}.{name}" if prefix else name, type(root).__name__,
+                                 _other_leaf(t)))
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            used.append(("", "", _other_leaf(t)))
+    return used
+
+
 def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
     others = []
     for i, primal in enumerate(prob.primals):
@@ -177,6 +203,7 @@ def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
         "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
         "sums": [_checksums(leaf) for leaf in prob.leaves],
         "others": others,
+        "used": _used_tensors(prob),
     }
 
 
@@ -242,6 +269,9 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
         other = _other_differs(ref["others"], sig["others"], r)
         if other is not None:
             _other_disagrees(prob, *other)
+        used = _used_differs(ref["used"], sig["used"], r)
+        if used is not None:
+            _used_disagrees(prob, used)
 
 
 def fail_before_exchange(err: BaseException, group: Any) -> None:
@@ -284,6 +314,37 @@ def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0
         f"dtypes and values).\n"
         f"  Fix: call it with the same arguments on every rank, or pass process_group=None "
         f"to compute each rank's own Jacobian."
+    )
+
+
+def _used_differs(ref: list[Any], got: list[Any], r: int) -> str | None:
+    """How the tensors ``f`` uses differ on rank ``r`` from rank 0 (:func:`_used_tensors`),
+    or None."""
+    if len(ref) != len(got):
+        return (f"f uses {len(got)} tensors that are not its arguments on rank {r} but "
+                f"{len(ref)} on rank 0")
+    for (name, owner, a), (name_b, owner_b, b) in zip(ref, got):
+        what = (f"the {name!r} of the {owner} f uses" if owner
+                else f"a tensor of shape {shape_str(a[1])} that f captures")
+        if (name, owner, a[:3]) != (name_b, owner_b, b[:3]):
+            return (f"{what} has shape {shape_str(b[1])} and dtype {b[2]} on rank {r} but "
+                    f"{shape_str(a[1])} and {a[2]} on rank 0")
+        if a[3] is not None and b[3] is not None and not _same_sums(a[3], b[3]):
+            return f"{what} holds different values on rank {r} than on rank 0 (their " \
+                   f"checksums differ)"
+    return None
+
+
+def _used_disagrees(prob: Problem, how: str) -> None:
+    raise JacobianCallError(
+        f"{prob.call}: the function differs between ranks: {how}. With a process_group "
+        f"every rank computes a share of the Jacobian of one function at one point; each "
+        f"rank's share here is of its own function, and the gathered Jacobian would mix "
+        f"them.\n"
+        f"  Fix: make the weights equal on every rank: seed every rank's generator alike "
+        f"before building them, or broadcast them from rank 0 (torch.distributed.broadcast "
+        f"of each tensor; DistributedDataParallel does it for a model's parameters and "
+        f"buffers), or pass process_group=None to compute each rank's own Jacobian."
     )
 
 
