@@ -8,6 +8,7 @@ the check that catches it. Errors from the user's own forward/backward pass thro
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -1088,3 +1089,42 @@ def test_a_kink_at_the_inputs_is_refused_not_blamed_on_backward():
     assert check_function(_Relu, _x(4)).max_error < 1e-6
     with pytest.raises(FunctionCheckError, match="backward's result is 1.01 times the right"):
         check_function(_SteepExpOff, _x(5) * 0.1)
+
+
+class _SqrtOff(torch.autograd.Function):
+    """sqrt, with a backward 1% too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.sqrt()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 1.01 * g / (2 * y)
+
+
+class _Sqrt(_SqrtOff):
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g / (2 * y)
+
+
+def test_inputs_near_a_singularity_are_checked_with_a_smaller_step():
+    # log at 3e-6 (central differences with eps=1e-6 off by 2e-4 of the scale) and at 1e-7
+    # (the step leaves the domain), sqrt at 1e-8: a correct backward failed (NOTE [a smaller
+    # step])
+    for fn, small in ((Log, 3e-6), (Log, 1e-7), (_Sqrt, 1e-8)):
+        x = torch.tensor([small, 0.5, 2.0], dtype=torch.float64)
+        report = check_function(fn, x)
+        assert report.max_error / max(r.max_rel_error for r in report.inputs) > 0  # (ran)
+        assert any(re.match(r"input 0: the central differences converged only at a step of "
+                            r"1e-\d+ \(forward curves strongly at these inputs\)", note)
+                   for note in report.notes), report.notes
+        assert report.inputs[0].max_rel_error < 1e-5
+    # a backward 1% off is still blamed there, at every step
+    with pytest.raises(FunctionCheckError, match=r"backward's result is 1\.01 times the right"):
+        check_function(_SqrtOff, torch.tensor([1e-8, 0.5, 2.0], dtype=torch.float64))

@@ -62,8 +62,15 @@ from torch_vjp._errors import (
     shape_str,
 )
 from torch_vjp._function_calls import SameDraws
-from torch_vjp._function_verdict import Kink, Probe, kink_message, value_message
+from torch_vjp._function_verdict import (
+    Probe,
+    find_kink,
+    kink_message,
+    smaller_step,
+    value_message,
+)
 from torch_vjp._function_values import (
+    NORM_SHARE,
     inner,
     non_finite,
     norm,
@@ -92,9 +99,9 @@ _SEED = 20240602
 # signed terms, so their natural scale is sqrt(sum |term|^2), not |c| |J t| (sqrt(n) times
 # larger for n terms of one size): the tolerance is rtol times that scale, plus the
 # rounding the finite differences carry, 10 unit/(2 eps) times the same scale of c against
-# |f(x + eps t)| + |f(x - eps t)|. A floor of _NORM_SHARE of the product of the norms keeps
+# |f(x + eps t)| + |f(x - eps t)|. A floor of NORM_SHARE of the product of the norms keeps
 # a probe whose terms are all small by chance from a false alarm.
-_NORM_SHARE = 1e-3
+# (NORM_SHARE, in _function_values)
 # Default tolerances of the dot-product test, by the precision the values are checked in.
 _DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
     torch.float64: (1e-8, 1e-5),
@@ -362,23 +369,44 @@ class Checker:
         atol_ = d_atol if atol is None else atol
         rtol_ = d_rtol if rtol is None else rtol
         errors: dict[int, tuple[float, float]] = {}
+        unit = torch.finfo(real_dtype(dtype)).eps
+        inputs, pos = self._at
+
+        def fails(p: Probe) -> bool:
+            err = abs(p.lhs - p.rhs)
+            return not math.isfinite(err) or err > atol_ + rtol_ * p.size + p.noise
+
+        def refined(p: Probe, at: Any) -> Probe:
+            """NOTE [a smaller step]: the differences of a failed probe may not have
+            converged. A smaller step's probe stands in for it where it passes, or where
+            the original's differences are not finite (the step left forward's domain)."""
+            q = smaller_step(p, at, eps, atol_, rtol_, unit)
+            if q is None or (fails(q) and math.isfinite(p.lhs - p.rhs)):
+                return p
+            return q
+
         for i in self.diff:
-            rows = probes[i]
-            worst_abs = max(abs(p.lhs - p.rhs) for p in rows)
-            worst_rel = max(abs(p.lhs - p.rhs) / p.size if p.size > 0 else 0.0 for p in rows)
-            errors[i] = (worst_abs, worst_rel)
-            for p in rows:
-                if abs(p.lhs - p.rhs) > atol_ + rtol_ * p.size + p.noise or not math.isfinite(
-                    p.lhs - p.rhs
-                ):
-                    tol = atol_ + rtol_ * p.size + p.noise
-                    kink = self._kink(i, p, eps, tol, torch.finfo(real_dtype(dtype)).eps)
-                    if kink is not None:  # (the point is refused, not backward: NOTE [kinks])
-                        raise FunctionCheckValueError(kink_message(
-                            self.call, i, self.inputs[i], kink, len(self._at[1]), eps))
-                    raise FunctionCheckError(value_message(
-                        self.call, self.fn, self.is_function, i, rows, p, dtype, eps, atol_,
-                        rtol_))
+            rows = list(probes[i])
+            at = (lambda xi, i=i: self._outputs_at(inputs, i, xi, pos))  # noqa: E731
+            first = [p for p in rows if fails(p)]
+            rows = [refined(p, at) if fails(p) else p for p in rows]
+            errors[i] = (max(abs(p.lhs - p.rhs) for p in rows),
+                         max(abs(p.lhs - p.rhs) / p.size if p.size > 0 else 0.0 for p in rows))
+            failed = [k for k, p in enumerate(rows) if fails(p)]
+            if not failed:
+                if first:
+                    notes.append(
+                        f"input {i}: the central differences converged only at a step of "
+                        f"{max(p.step for p in rows if p.step < eps):.3g} (forward curves "
+                        f"strongly at these inputs)")
+                continue
+            p = rows[failed[0]]
+            kink = find_kink(p, at, eps, atol_ + rtol_ * p.size + p.noise, unit)
+            if kink is not None:  # (the point is refused, not backward: NOTE [kinks])
+                raise FunctionCheckValueError(kink_message(
+                    self.call, i, self.inputs[i], kink, len(pos), eps))
+            raise FunctionCheckError(value_message(
+                self.call, self.fn, self.is_function, i, rows, p, dtype, p.step, atol_, rtol_))
         return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
 
     def _probe(self, inputs: tuple[Any, ...], eps: float
@@ -430,41 +458,14 @@ class Checker:
                 # (the scale of each side's terms, not the product of the norms: that is
                 # sqrt(n) times larger, and let a backward wrong in one element of many, or
                 # by a few percent at float32's tolerance, pass; NOTE [the dot-product test])
-                size = max(spread(cots, jt), spread([t], [g]),
-                           _NORM_SHARE * max(norm(jt) * c_norm, norm([t]) * norm([g])))
+                g_size = max(spread([t], [g]), NORM_SHARE * norm([t]) * norm([g]))
+                size = max(spread(cots, jt), g_size, NORM_SHARE * norm(jt) * c_norm)
                 unit = max(torch.finfo(real_dtype(x.dtype)).eps, unit_floor)
                 level = [a.detach().abs() + b.detach().abs() for a, b in zip(f_plus, f_minus)]
                 noise = 10 * unit * spread(cots, level) / (2 * eps)
                 result[i].append(Probe(lhs=lhs, rhs=rhs, size=size, noise=noise, x=x, t=t,
-                                       cots=cots))
+                                       cots=cots, g_size=g_size, step=eps))
         return result, grid, eps
-
-    def _kink(self, i: int, p: Probe, eps: float, tol: float, unit: float) -> Kink | None:
-        """Where forward has a kink along the failed probe's tangent, or None (NOTE
-        [kinks]): two more forwards per step, only once the test has failed."""
-        inputs, pos = self._at
-        x, t, cots = p.x, p.t, p.cots
-        assert x is not None and t is not None
-        seen = []
-        for step in (eps, eps / 10):
-            with torch.no_grad():
-                f0, fp, fm = (self._outputs_at(inputs, i, x + k * step * t, pos)
-                              for k in (0, 1, -1))
-            gap = [((a - b) - (b - c)) / step for a, b, c in zip(fp, f0, fm)]
-            level = [a.abs() + 2 * b.abs() + c.abs() for a, b, c in zip(fp, f0, fm)]
-            seen.append((spread(cots, gap), 10 * unit * spread(cots, level) / step, gap,
-                         (f0, fp, fm)))
-        (big, big_noise, gap, (f0, fp, fm)), (small, small_noise, _, _) = seen
-        if not (big > max(tol, big_noise) and small > max(0.5 * big, small_noise)):
-            return None
-        weighted = [(c.abs() * d.abs()).reshape(-1) for c, d in zip(cots, gap)]
-        k = max(range(len(weighted)),
-                key=lambda j: float(weighted[j].max()) if weighted[j].numel() else -1.0)
-        flat_at = int(weighted[k].argmax())
-        index = tuple(int(d) for d in torch.unravel_index(torch.tensor(flat_at), f0[k].shape))
-        left = ((f0[k] - fm[k]) / eps).reshape(-1)[flat_at].item()
-        right = ((fp[k] - f0[k]) / eps).reshape(-1)[flat_at].item()
-        return Kink(k, index, left, right)
 
     def _grid_off_the_inputs(self, inputs: tuple[Any, ...], pos: list[int]
                              ) -> torch.dtype | None:

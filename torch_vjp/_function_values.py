@@ -11,9 +11,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GRIDS", "inner", "non_finite", "norm", "output_grid", "randn_like", "real_dtype",
+__all__ = ["GRIDS", "NORM_SHARE", "inner", "non_finite", "norm", "output_grid", "randn_like", "real_dtype",
            "spread", "value_dtype", "where_text", "widen"]
 
+
+#: The floor of a probe's scale, as a share of the product of the norms (NOTE [the
+#: dot-product test] in _function_checker).
+NORM_SHARE = 1e-3
 
 #: Narrower dtypes a forward may compute in inside, coarsest first.
 GRIDS = (torch.bfloat16, torch.float16, torch.float32)
