@@ -1120,7 +1120,6 @@ def test_inputs_near_a_singularity_are_checked_with_a_smaller_step():
     for fn, small in ((Log, 3e-6), (Log, 1e-7), (_Sqrt, 1e-8)):
         x = torch.tensor([small, 0.5, 2.0], dtype=torch.float64)
         report = check_function(fn, x)
-        assert report.max_error / max(r.max_rel_error for r in report.inputs) > 0  # (ran)
         assert any(re.match(r"input 0: the central differences converged only at a step of "
                             r"1e-\d+ \(forward curves strongly at these inputs\)", note)
                    for note in report.notes), report.notes
