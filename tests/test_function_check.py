@@ -1127,3 +1127,65 @@ def test_inputs_near_a_singularity_are_checked_with_a_smaller_step():
     # a backward 1% off is still blamed there, at every step
     with pytest.raises(FunctionCheckError, match=r"backward's result is 1\.01 times the right"):
         check_function(_SqrtOff, torch.tensor([1e-8, 0.5, 2.0], dtype=torch.float64))
+
+
+class _LinearWeightOff(torch.autograd.Function):
+    """x @ w.T; backward's gradient for w is 1.5 times too large (for x it is right)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, 1.5 * (g.T @ x)
+
+
+class _UsesLinearWeightOff(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = torch.nn.Linear(4, 4).double()
+        self.w = torch.nn.Parameter(_x(3, 4, seed=5))
+
+    def forward(self, x):
+        return _LinearWeightOff.apply(self.pre(x), self.w)
+
+
+def test_the_parameters_of_fns_modules_are_checked_too():
+    # check_function(model, x) differentiated x only: a backward wrong for the module's
+    # weight (here 1.5 times too large) passed (NOTE [parameters of fn's modules])
+    model = _UsesLinearWeightOff()
+    before = {k: (v.clone(), v._version) for k, v in model.state_dict(keep_vars=True).items()}
+    for fn, args in ((model, (_x(5, 4),)), (lambda x: model(x), (_x(5, 4),)),
+                     (lambda x, m: m(x), (_x(5, 4), model))):
+        with pytest.raises(FunctionCheckError, match=(
+            r"(?s)the gradient autograd computes through fn for parameter _UsesLinearWeightOff\.w "
+            r"does not match finite differences of forward\.\n.*dL/d\(parameter "
+            r"_UsesLinearWeightOff\.w\) = grad_output times the Jacobian.*backward's result is "
+            r"1\.5 times the right one")):
+            check_function(fn, *args)
+    for k, v in model.state_dict(keep_vars=True).items():  # not written into, not even once
+        assert torch.equal(v, before[k][0]) and v._version == before[k][1], k
+        assert v.grad is None
+    # with a right backward: one row per parameter that feeds the custom Function
+    model.w.requires_grad_(False)  # (no gradient needed: not checked)
+    report = check_function(model, _x(5, 4))
+    assert [r.description for r in report.parameters] == [
+        "_UsesLinearWeightOff.pre.weight: Tensor(4, 4) float64",
+        "_UsesLinearWeightOff.pre.bias: Tensor(4,) float64",
+    ]
+    assert all(r.shape_ok and r.max_rel_error < 1e-6 for r in report.parameters)
+    assert "param 0  _UsesLinearWeightOff.pre.weight" in str(report)
+
+
+def test_a_captured_tensor_that_requires_grad_is_noted_as_unchecked():
+    w = _x(3, 4, seed=5, requires_grad=True)
+    report = check_function(lambda x: _LinearWeightOff.apply(x, w), _x(5, 4))
+    assert report.notes == (
+        "gradients not checked for 1 tensor that fn captures outside a module ((3, 4)): it "
+        "requires grad and feeds a custom Function, but cannot be moved for finite "
+        "differences; pass it as input of fn to check its gradient",)
+    with pytest.raises(FunctionCheckError, match=r"for input 1 does not match"):
+        check_function(lambda x, w: _LinearWeightOff.apply(x, w), _x(5, 4), w)

@@ -180,8 +180,11 @@ class _Recorder:
 
 class Checker:
     def __init__(self, *, call: str, fn: Any, is_function: bool, run: Callable[..., Any],
-                 inputs: tuple[Any, ...], diff: list[int], draws: SameDraws | None = None):
+                 inputs: tuple[Any, ...], diff: list[int], draws: SameDraws | None = None,
+                 labels: dict[int, str] | None = None):
         self.call = call
+        self.labels = labels or {}  # (index -> "parameter Model.w", NOTE [parameters of fn's
+        # modules]; the others are "input i")
         self.draws = draws
         self.fn = fn
         self.is_function = is_function
@@ -298,7 +301,8 @@ class Checker:
                 args.append(f"dtype=torch.{dtype_name(x.dtype)}")
             example = f"torch.randn({', '.join(args)})"
             raise FunctionCheckValueError(
-                f"{self.call}: input {i} holds non-finite values ({where_text(where)}), so "
+                f"{self.call}: {self.labels.get(i, f'input {i}')} holds non-finite values "
+                f"({where_text(where)}), so "
                 f"the values of its gradient cannot be checked.\n"
                 f"  The values are checked against central differences of forward, and at a "
                 f"NaN or inf those differences are NaN whatever backward returns: the test "
@@ -396,7 +400,8 @@ class Checker:
             if not failed:
                 if first:
                     notes.append(
-                        f"input {i}: the central differences converged only at a step of "
+                        f"{self.labels.get(i, f'input {i}')}: the central differences "
+                        f"converged only at a step of "
                         f"{max(p.step for p in rows if p.step < eps):.3g} (forward curves "
                         f"strongly at these inputs)")
                 continue
@@ -404,9 +409,10 @@ class Checker:
             kink = find_kink(p, at, eps, atol_ + rtol_ * p.size + p.noise, unit)
             if kink is not None:  # (the point is refused, not backward: NOTE [kinks])
                 raise FunctionCheckValueError(kink_message(
-                    self.call, i, self.inputs[i], kink, len(pos), eps))
+                    self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
             raise FunctionCheckError(value_message(
-                self.call, self.fn, self.is_function, i, rows, p, dtype, p.step, atol_, rtol_))
+                self.call, self.fn, self.is_function, self.labels.get(i, i), rows, p, dtype,
+                p.step, atol_, rtol_))
         return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
 
     def _probe(self, inputs: tuple[Any, ...], eps: float

@@ -122,13 +122,17 @@ def find_kink(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, tol: f
     return Kink(k, index, left, right)
 
 
-def value_message(call: str, fn: Any, is_function: bool, i: int, rows: list[Probe], p: Probe,
+def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: list[Probe],
+                  p: Probe,
                   dtype: torch.dtype, eps: float, atol: float, rtol: float) -> str:
+    """The values of the gradient for input ``i`` (or the parameter ``i`` names) are
+    wrong."""
+    what = i if isinstance(i, str) else f"input {i}"
     if is_function:
-        who = f"the gradient that {fn.__name__}.backward returns for input {i}"
+        who = f"the gradient that {fn.__name__}.backward returns for {what}"
         fix_who = f"{fn.__name__}.backward"
     else:
-        who = f"the gradient autograd computes through fn for input {i}"
+        who = f"the gradient autograd computes through fn for {what}"
         fix_who = "the backward of the custom Function(s) fn uses"
     err = abs(p.lhs - p.rhs)
     lines = [
@@ -137,8 +141,8 @@ def value_message(call: str, fn: Any, is_function: bool, i: int, rows: list[Prob
         f"cotangent c: <J t, c> = {p.lhs:.6g} (central differences of forward, "
         f"eps={eps:g}), but <t, backward(c)> = {p.rhs:.6g}; |error| = {err:.3g} > "
         f"atol + rtol * size = {atol:g} + {rtol:g} * {p.size:.3g}.",
-        f"  backward must return dL/d(input {i}) = grad_output times the Jacobian "
-        f"d(output)/d(input {i}): for every c, <t, backward(c)> equals <J t, c>, the "
+        f"  backward must return dL/d({what}) = grad_output times the Jacobian "
+        f"d(output)/d({what}): for every c, <t, backward(c)> equals <J t, c>, the "
         f"change of <output, c> along t.",
     ]
     hint = _ratio_hint(rows)
@@ -146,15 +150,17 @@ def value_message(call: str, fn: Any, is_function: bool, i: int, rows: list[Prob
         lines.append(f"  {hint}")
     else:
         lines.append(
-            f"  Fix: re-derive {fix_who} for input {i}; torch.func.jacrev(forward) gives "
+            f"  Fix: re-derive {fix_who} for {what}; torch.func.jacrev(forward) gives "
             f"the Jacobian J to compare grad_output @ J against (in float64, on a small "
             f"input). Forward must be deterministic for this test to apply."
         )
     return "\n".join(lines)
 
 
-def kink_message(call: str, i: int, x: Tensor, kink: Kink, n_outputs: int, eps: float) -> str:
-    """The point refused: forward has a kink there (NOTE [kinks])."""
+def kink_message(call: str, i: int | str, x: Tensor, kink: Kink, n_outputs: int, eps: float) -> str:
+    """The point refused: forward has a kink there (NOTE [kinks]); ``i`` an input's index or
+    a parameter's name."""
+    what = i if isinstance(i, str) else f"input {i}"
     name = "the output of fn" if n_outputs == 1 else f"output {kink.output} of fn"
     at = f" at index {kink.index}" if kink.index else ""
     zeros = int((x == 0).sum()) if x.numel() else 0
@@ -164,12 +170,12 @@ def kink_message(call: str, i: int, x: Tensor, kink: Kink, n_outputs: int, eps: 
         held.append(f"{zeros} zero{'s' if zeros != 1 else ''}")
     if whole > zeros:
         held.append(f"{whole} whole number{'s' if whole != 1 else ''}")
-    holds = f" (input {i} holds {' and '.join(held)}, where kinks often lie)" if held else ""
+    holds = f" ({what} holds {' and '.join(held)}, where kinks often lie)" if held else ""
     shape = ", ".join(str(d) for d in x.shape)
     dtype = "" if x.dtype == torch.float32 else f", dtype=torch.{dtype_name(x.dtype)}"
     return (
         f"{call}: forward is not differentiable at these inputs: along a random direction t "
-        f"of input {i}, {name}{at} changes at a rate of {kink.right:.6g} on one side and "
+        f"of {what}, {name}{at} changes at a rate of {kink.right:.6g} on one side and "
         f"{kink.left:.6g} on the other (one-sided differences, eps={eps:g}), so no gradient "
         f"matches its finite differences there, right or wrong.\n"
         f"  This is a kink: relu, abs or clamp exactly at their corner, max or min at a tie, "

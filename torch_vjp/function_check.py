@@ -28,6 +28,7 @@ from torch_vjp._errors import (
     shape_str,
 )
 from torch_vjp._function_calls import kept
+from torch_vjp._function_params import module_parameters
 from torch_vjp._function_checker import (
     PROBES,
     Checker,
@@ -92,6 +93,11 @@ class FunctionCheckReport:
         functions: The custom Functions whose backward was checked, as
             ``"MyFunc.backward"`` (with ``" x N"`` when it ran N times).
         inputs: One :class:`InputCheck` per input of ``fn``.
+        parameters: One :class:`InputCheck` per parameter of a module ``fn`` uses that
+            requires grad and feeds a custom Function, checked like an input (its
+            ``index`` counts parameters, its ``description`` starts with its name,
+            ``"Model.fc.weight: Tensor(3, 4) float32"``; NOTE [parameters of fn's modules]
+            in ``torch_vjp._function_params``).
         value_dtype: The dtype the values were checked in (float64, or the inputs' own
             dtype where ``fn`` could not run in float64; the narrower dtype ``fn`` computes
             in inside where its outputs lie on that dtype's grid, checked with that dtype's
@@ -112,11 +118,13 @@ class FunctionCheckReport:
     rtol: float
     probes: int
     notes: tuple[str, ...] = ()
+    parameters: tuple[InputCheck, ...] = ()
 
     @property
     def max_error(self) -> float:
         """Largest dot-product error over all differentiated inputs (0.0 if none)."""
-        errors = [row.max_error for row in self.inputs if row.max_error is not None]
+        errors = [row.max_error for row in (*self.inputs, *self.parameters)
+                  if row.max_error is not None]
         return max(errors, default=0.0)
 
     def __str__(self) -> str:
@@ -134,9 +142,9 @@ class FunctionCheckReport:
         header = ("index", "input", "needs grad", "returned", "shape", "dtype", "device",
                   "max abs err", "max rel err")
         rows = [header]
-        for r in self.inputs:
+        for r in (*self.inputs, *self.parameters):
             rows.append((
-                str(r.index),
+                str(r.index) if r in self.inputs else f"param {r.index}",
                 r.description,
                 "yes" if r.requires_grad else "no",
                 "-" if r.grad_shape is None else shape_str(r.grad_shape),
@@ -185,7 +193,10 @@ def check_function(
         fn: A ``torch.autograd.Function`` subclass (its ``apply`` is called), or a callable
             that uses one or more custom Functions; for a callable, every custom Function
             between its inputs and outputs is checked, and the values are those of the whole
-            callable.
+            callable. The parameters that require grad of the modules it uses (itself, a
+            module in its closure or among its inputs) and that feed a custom Function are
+            checked like inputs (``report.parameters``), without being written into; a
+            tensor it captures outside a module is not, and the report says so.
         *inputs: The arguments of forward (for a subclass) or of ``fn``, tensors and
             anything else, in order. Floating-point tensors are copied to float64 for the
             value check.
@@ -273,22 +284,33 @@ def check_function(
     # (every call of forward with the caller's draws, and the caller's RNG state and module
     # buffers put back: NOTE [check_function's draws])
     with kept(fn, is_function, inputs) as draws:
-        checker = Checker(call=call, fn=fn, is_function=is_function, run=run, inputs=inputs,
-                          diff=diff, draws=draws)
+        # (the parameters of fn's modules that feed a custom Function are checked as inputs
+        # after fn's own: NOTE [parameters of fn's modules])
+        params = None if is_function else module_parameters(fn, inputs, diff, draws.reset)
+        every, every_diff, labels = inputs, diff, {}
+        if params is not None and params.tensors:
+            n = len(inputs)
+            run = params.run
+            every = inputs + params.tensors
+            every_diff = diff + [n + k for k in range(len(params.tensors))]
+            labels = {n + k: f"parameter {name}" for k, name in enumerate(params.names)}
+        checker = Checker(call=call, fn=fn, is_function=is_function, run=run, inputs=every,
+                          diff=every_diff, draws=draws, labels=labels)
         structure = checker.check_structure()
         checker.check_finite_inputs()
         values = checker.check_values(eps=eps, atol=atol, rtol=rtol)
 
     rows = []
-    for i, arg in enumerate(inputs):
+    for i, arg in enumerate(every):
         grad = structure.grads.get(i)
         err = values.errors.get(i)
         is_tensor_grad = isinstance(grad, Tensor)
         checked = isinstance(arg, Tensor) and is_tensor_grad
         rows.append(InputCheck(
-            index=i,
-            description=describe_arg(arg),
-            requires_grad=i in diff,
+            index=i if i < len(inputs) else i - len(inputs),
+            description=describe_arg(arg) if i < len(inputs) else
+            f"{labels[i].removeprefix('parameter ')}: {describe_arg(arg)}",
+            requires_grad=i in every_diff,
             grad_shape=tuple(grad.shape) if is_tensor_grad else None,
             shape_ok=(tuple(grad.shape) == tuple(arg.shape)) if checked else None,
             dtype_ok=(grad.dtype == arg.dtype) if checked else None,
@@ -299,11 +321,28 @@ def check_function(
     return FunctionCheckReport(
         name=name,
         functions=structure.functions,
-        inputs=tuple(rows),
+        inputs=tuple(rows[:len(inputs)]),
+        parameters=tuple(rows[len(inputs):]),
         value_dtype=values.dtype,
         eps=values.eps,
         atol=values.atol,
         rtol=values.rtol,
         probes=PROBES,
-        notes=tuple(values.notes),
+        notes=tuple(values.notes) + _unchecked_note(params),
+    )
+
+
+def _unchecked_note(params: Any) -> tuple[str, ...]:
+    """NOTE [parameters of fn's modules]: captured tensors whose gradients went unchecked."""
+    shapes = getattr(params, "unchecked", ())
+    if not shapes:
+        return ()
+    listed = ", ".join(shape_str(s) for s in shapes)
+    many = len(shapes) > 1
+    return (
+        f"gradients not checked for {len(shapes)} tensor{'s' if many else ''} that fn "
+        f"captures outside a module ({listed}): {'they require' if many else 'it requires'} "
+        f"grad and feed{'' if many else 's'} a custom Function, but cannot be moved for "
+        f"finite differences; pass {'them' if many else 'it'} as input{'s' if many else ''} "
+        f"of fn to check {'their' if many else 'its'} gradient{'s' if many else ''}",
     )
