@@ -1189,3 +1189,39 @@ def test_a_captured_tensor_that_requires_grad_is_noted_as_unchecked():
         "differences; pass it as input of fn to check its gradient",)
     with pytest.raises(FunctionCheckError, match=r"for input 1 does not match"):
         check_function(lambda x, w: _LinearWeightOff.apply(x, w), _x(5, 4), w)
+
+
+class _TimesThreeOff(torch.autograd.Function):
+    """3 x; backward returns 2 g."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 3 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def test_integer_inputs_with_module_parameters_are_checked_not_refused():
+    # an embedding lookup of integer indices: no input to differentiate, but the module's
+    # weight feeds the custom Function; it was refused as "nothing to check"
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 3).double()
+    idx = torch.tensor([1, 4, 1])
+    with pytest.raises(FunctionCheckError, match=r"(?s)for parameter Embedding\.weight does not "
+                       r"match.*0\.666667 times the right one"):
+        check_function(lambda i: _TimesThreeOff.apply(emb(i)), idx)
+    report = check_function(lambda i: ScaleAddSquare.apply(emb(i), 2.0, emb(i)), idx)
+    assert [r.description for r in report.parameters] == ["Embedding.weight: Tensor(5, 3) float64"]
+    assert report.inputs[0].requires_grad is False
+
+
+def test_tensors_inside_a_list_input_are_named_when_nothing_is_differentiated():
+    with pytest.raises(FunctionCheckValueError, match=(
+        r"(?s)none of the 1 inputs is a floating-point or complex tensor, so there is no "
+        r"gradient to check\.\n  Input 0 is a list holding tensors, but check_function "
+        r"differentiates only the tensors passed directly as arguments.*\n  Fix: pass them as "
+        r"separate arguments, e.g\. torch_vjp\.check_function\(lambda a, b: fn\(\[a, b\]\), a, b\)"
+    )):
+        check_function(lambda xs: Exp.apply(xs[0]) * xs[1], [_x(3), _x(3, seed=1)])

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from torch_vjp._backward_check import dtype_name
 from torch_vjp._errors import (
@@ -275,18 +276,16 @@ def check_function(
 
     run = fn.apply if is_function else fn
     diff = differentiated(inputs)
-    if not diff:
-        raise FunctionCheckValueError(
-            f"{call}: none of the {len(inputs)} inputs is a floating-point or complex tensor, "
-            f"so there is no gradient to check. Pass forward's arguments after fn, e.g. "
-            f"torch_vjp.check_function({name}, torch.randn(4, 3))."
-        )
+    if not diff and is_function:
+        raise FunctionCheckValueError(_nothing_to_check(call, name, inputs))
     # (every call of forward with the caller's draws, and the caller's RNG state and module
     # buffers put back: NOTE [check_function's draws])
     with kept(fn, is_function, inputs) as draws:
         # (the parameters of fn's modules that feed a custom Function are checked as inputs
         # after fn's own: NOTE [parameters of fn's modules])
         params = None if is_function else module_parameters(fn, inputs, diff, draws.reset)
+        if not diff and (params is None or not params.tensors):
+            raise FunctionCheckValueError(_nothing_to_check(call, name, inputs))
         every, every_diff, labels = inputs, diff, {}
         if params is not None and params.tensors:
             n = len(inputs)
@@ -346,3 +345,32 @@ def _unchecked_note(params: Any) -> tuple[str, ...]:
         f"finite differences; pass {'them' if many else 'it'} as input{'s' if many else ''} "
         f"of fn to check {'their' if many else 'its'} gradient{'s' if many else ''}",
     )
+
+
+
+def _nothing_to_check(call: str, name: str, inputs: tuple[Any, ...]) -> str:
+    """No input is a floating-point or complex tensor, and no parameter of fn's modules
+    feeds a custom Function."""
+    nested = [i for i, a in enumerate(inputs)
+              if not isinstance(a, Tensor) and any(
+                  isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
+                  for t in pytree.tree_leaves(a))]
+    lines = [
+        f"{call}: none of the {len(inputs)} inputs is a floating-point or complex tensor, so "
+        f"there is no gradient to check.",
+    ]
+    if nested:
+        i = nested[0]
+        lines.append(
+            f"  Input {i} is a {type(inputs[i]).__name__} holding tensors, but check_function "
+            f"differentiates only the tensors passed directly as arguments (as torch.autograd."
+            f"Function.apply tracks only those).\n"
+            f"  Fix: pass them as separate arguments, e.g. torch_vjp.check_function(lambda a, "
+            f"b: fn([a, b]), a, b)."
+        )
+    else:
+        lines.append(
+            f"  Fix: pass forward's arguments after fn, e.g. torch_vjp.check_function({name}, "
+            f"torch.randn(4, 3))."
+        )
+    return "\n".join(lines)
