@@ -192,6 +192,7 @@ class Checker:
         self.inputs = inputs
         self.diff = diff
         self.gen = torch.Generator().manual_seed(_SEED)
+        self._at: tuple[tuple[Any, ...], list[int]] = ((), [])  # (set by _probe)
 
     def _forward(self, *args: Any) -> Any:
         """The user's forward (or fn), with the draws of every other call (NOTE
@@ -426,7 +427,7 @@ class Checker:
         flat = pytree.tree_flatten(out)[0]
         pos = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
         outputs = [flat[k] for k in pos]
-        self._at = (inputs, pos)  # (where the probes are taken, for a kink's look: _kink)
+        self._at = (inputs, pos)  # (where the probes were taken: a failed one's second look)
         self._check_finite_outputs(inputs, flat, pos, value_dtype(inputs, self.diff))
         grid = self._grid_off_the_inputs(inputs, pos)
         # (outputs of a narrower dtype than the inputs, x.float() ** 2: their own rounding

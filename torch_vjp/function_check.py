@@ -143,9 +143,11 @@ class FunctionCheckReport:
         header = ("index", "input", "needs grad", "returned", "shape", "dtype", "device",
                   "max abs err", "max rel err")
         rows = [header]
-        for r in (*self.inputs, *self.parameters):
+        labelled = [(str(r.index), r) for r in self.inputs]
+        labelled += [(f"param {r.index}", r) for r in self.parameters]
+        for label, r in labelled:
             rows.append((
-                str(r.index) if r in self.inputs else f"param {r.index}",
+                label,
                 r.description,
                 "yes" if r.requires_grad else "no",
                 "-" if r.grad_shape is None else shape_str(r.grad_shape),
