@@ -156,6 +156,9 @@ def test_a_nan_result_is_wrong_not_ok():
     assert report["rev"].ok
     assert report["fwd"].status == "wrong" and math.isnan(report["fwd"].error)
     assert report.best.strategy == "rev"
+    # strict JSON has no NaN: json.dumps wrote a bare NaN, which JSON.parse refuses
+    data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert data["rows"][1]["max_abs_error"] == "nan" and data["rows"][0]["max_abs_error"] == 0
 
 
 def test_the_reference_does_not_share_vmaps_batching_rules():

@@ -13,6 +13,7 @@ Time, memory and error are measured by :mod:`torch_vjp._measure`, which the benc
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -214,7 +215,10 @@ class StrategyRow:
         return self.status == "ok"
 
     def to_dict(self) -> dict[str, Any]:
-        """The row as plain JSON-serialisable values (``time`` in seconds)."""
+        """The row as plain JSON-serialisable values (``time`` in seconds). A NaN or
+        infinite error, which strict JSON cannot hold (``json.dumps`` writes a bare ``NaN``
+        that ``JSON.parse`` and ``json.dumps(..., allow_nan=False)`` refuse), is the string
+        ``"nan"``, ``"inf"`` or ``"-inf"``."""
         return {
             "strategy": self.strategy,
             "status": self.status,
@@ -222,7 +226,8 @@ class StrategyRow:
             "iqr_s": self.iqr,
             "noisy": self.noisy,
             "peak_memory_bytes": self.peak_memory,
-            "max_abs_error": self.error,
+            "max_abs_error": (self.error if self.error is None or math.isfinite(self.error)
+                              else str(self.error)),
             "reason": self.reason,
             "warnings": list(self.warnings),
         }
