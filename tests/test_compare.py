@@ -589,6 +589,21 @@ def test_a_random_f_is_named_in_the_report():
     assert "random" not in logs.reference
 
 
+def test_a_random_f_gives_the_reference_and_each_strategy_the_same_draws():
+    # every strategy of a dropout f was marked wrong against a reference with draws of its
+    # own, and the draws moved the caller's global generator
+    W = torch.randn(6, 3, dtype=torch.float64)
+    f = lambda x: torch.nn.functional.dropout(W @ x, 0.5)  # noqa: E731
+    torch.manual_seed(1)
+    state = torch.random.get_rng_state()
+    report = compare_strategies(f, torch.randn(3, dtype=torch.float64, generator=torch.Generator()
+                                               .manual_seed(0)),
+                                strategies=("rev", "rev-loop"), min_run_time=FAST, memory=False)
+    assert [row.status for row in report.rows] == ["ok", "ok"], str(report)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert "the reference and each strategy start from the same generator state" in \
+        report.reference
+
 def test_a_wrong_entry_at_a_zero_tolerance_is_wrong():
     # the ratio error / tolerance was 0 / 0 = nan at an exact entry of tolerance 0, and the
     # argmax took that nan: a result wrong by 1 passed with atol = rtol = 0

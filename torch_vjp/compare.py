@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from torch_vjp._engine.context import buffers_kept
 from torch_vjp._engine.problem import Problem
+from torch_vjp._function_calls import SameDraws
 from torch_vjp._errors import (
     StrategyError,
     every_time,
@@ -134,7 +135,8 @@ def _unflatten(leaves: list[Any], spec: Any) -> Any:
     return tree_unflatten(leaves, spec)
 
 
-def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> tuple[Any, str]:
+def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...],
+               before: Callable[[], None] = lambda: None) -> tuple[Any, str]:
     """The reference Jacobian and a description of how it was computed.
 
     Tries, in order: a loop of ``torch.autograd.grad`` on float64 copies of the primals (no
@@ -148,11 +150,13 @@ def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) -> t
     # to the next)
     for copy, dtype_note in ((_to_double, "float64"), (_copies, "the inputs' own dtype")):
         try:
+            before()  # (each attempt with the caller's draws)
             jac = _loop_jacobian(f, copy(primals), argnums)
             return jac, f"a loop of torch.autograd.grad in {dtype_note}"
         except Exception as exc:  # noqa: BLE001 - the next attempt, or the row says why
             attempts.append(f"autograd.grad loop in {dtype_note}: {reason(exc, 120)}")
         try:
+            before()
             jac = torch.func.jacrev(f, argnums=argnums)(*copy(primals))
             return jac, f"torch.func.jacrev in {dtype_note} (the autograd.grad loop failed)"
         except Exception as exc:  # noqa: BLE001
@@ -398,7 +402,9 @@ def compare_strategies(
     arguments (``argnums``, the primals, the options) raise before ``f`` runs, as in
     :func:`torch_vjp.jacobian`; errors raised by ``f`` itself on a plain call (before any
     strategy runs) propagate unchanged. Nothing of the caller's is mutated: a module in
-    training mode gets its buffers (BatchNorm's running statistics) back after every call.
+    training mode gets its buffers (BatchNorm's running statistics) back after every call,
+    and the global random generator its state. A random ``f`` (dropout in training mode)
+    gets the caller's draws for the reference and for each strategy's checked call.
 
     How each column is measured:
 
@@ -483,75 +489,81 @@ def compare_strategies(
     # its memory measurement and its timing loop) runs inside buffers_kept(f): a module in
     # training mode gets its buffers (BatchNorm's running statistics) back after each, so
     # every call sees the same module and nothing of the caller's is left changed.
-    with buffers_kept(f, primals=primals):
-        # A plain call first: an error of f's own propagates untouched, before any
-        # strategy; an output that has no Jacobian raises as in torch_vjp.jacobian.
-        out = prob.g(*prob.leaves)
-        description = _describe(primals, argnums, out)
-        # (a second call at the same point: a random f, dropout in training mode, gives
-        # every strategy draws of its own, and the report says so)
-        again = prob.g(*prob.leaves)
-        random_f = not all(
-            not isinstance(a, Tensor) or torch.allclose(a, b, rtol=0.0, atol=0.0,
-                                                        equal_nan=True)
-            for a, b in zip(tree_leaves(out), tree_leaves(again)))
-        del out, again
+    # (NOTE [check_function's draws], as there: the reference and each strategy's checked
+    # call start from the caller's generator state, which is put back at the end)
+    with SameDraws(primals) as draws:
+        with buffers_kept(f, primals=primals):
+            # A plain call first: an error of f's own propagates untouched, before any
+            # strategy; an output that has no Jacobian raises as in torch_vjp.jacobian.
+            out = prob.g(*prob.leaves)
+            description = _describe(primals, argnums, out)
+            # (a second call at the same point: a random f, dropout in training mode, gives
+            # every strategy draws of its own, and the report says so)
+            again = prob.g(*prob.leaves)
+            random_f = not all(
+                not isinstance(a, Tensor) or torch.allclose(a, b, rtol=0.0, atol=0.0,
+                                                            equal_nan=True)
+                for a, b in zip(tree_leaves(out), tree_leaves(again)))
+            del out, again
 
-    with buffers_kept(f, primals=primals):
-        try:
-            reference, reference_note = _reference(f, primals, argnums)
-        except _NoReference as exc:
-            reference, reference_note = None, f"none could be computed ({exc})"
-    if random_f:
-        reference_note += (
-            "; f is random (two calls at the same point differ: dropout in training mode, "
-            "say), so each strategy and the reference use draws of their own, and a row "
-            "marked wrong may be right for its draws: fix f's draws (model.eval(), or a "
-            "seeded generator) to compare")
-
-    from torch_vjp.jacobians import jacobian
-
-    rows = []
-    worst_tol = None
-    for name in names:
-        def call(name: str = name) -> Any:
-            return jacobian(f, *primals, argnums=argnums, strategy=name)
-
-        # (every_time: a once-only warning, of an earlier call of f or an earlier report,
-        # is recorded on every row it concerns)
-        with warnings.catch_warnings(record=True) as caught, every_time():
-            warnings.simplefilter("always")
+        with buffers_kept(f, primals=primals):
             try:
-                with buffers_kept(f, primals=primals):
-                    result = call()
-            except Exception as exc:  # noqa: BLE001 - a failing strategy is a row
-                rows.append(StrategyRow(name, "failed", reason=reason(exc),
-                                        warnings=_messages(caught)))
-                continue
-        messages = _messages(caught)
-        status, error, why = "unchecked", None, None
-        if reference is not None:
-            try:
-                error, row_tol, why = check_result(result, reference, rtol, atol)
-            except (ValueError, TypeError) as exc:
-                status, why = "wrong", str(exc)
-            else:
-                worst_tol = row_tol if worst_tol is None else max(worst_tol, row_tol)
-                status = "ok" if why is None else "wrong"
-        del result
-        peak = timing = None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                with buffers_kept(f, primals=primals):
-                    if memory:
-                        peak = measure_peak(call, device)
-                    timing = summarize_times([block_times(call, min_run_time, 3)])
-            except Exception as exc:  # noqa: BLE001 - ran once, then failed: still a row
-                status, why = "failed", f"on a repeated call: {reason(exc)}"
-        rows.append(StrategyRow(
-            name, status, timing.median if timing else None, peak, error, why, messages,
-            iqr=timing.iqr if timing else None, noisy=timing.noisy if timing else False))
+                reference, reference_note = _reference(f, primals, argnums, draws.reset)
+            except _NoReference as exc:
+                reference, reference_note = None, f"none could be computed ({exc})"
+        if random_f:
+            reference_note += (
+                "; f is random (two calls at the same point differ: dropout in training mode, "
+                "say): the reference and each strategy start from the same generator state, "
+                "so a strategy that calls f once per Jacobian sees the reference's draws, but "
+                "one that calls it once per product (fwd-loop) draws anew each time and may be "
+                "marked wrong for that: fix f's draws (model.eval(), or a seeded generator) to "
+                "compare every strategy")
+
+        from torch_vjp.jacobians import jacobian
+
+        rows = []
+        worst_tol = None
+        for name in names:
+            def call(name: str = name) -> Any:
+                return jacobian(f, *primals, argnums=argnums, strategy=name)
+
+            # (every_time: a once-only warning, of an earlier call of f or an earlier report,
+            # is recorded on every row it concerns)
+            with warnings.catch_warnings(record=True) as caught, every_time():
+                warnings.simplefilter("always")
+                try:
+                    with buffers_kept(f, primals=primals):
+                        draws.reset()
+                        result = call()
+                except Exception as exc:  # noqa: BLE001 - a failing strategy is a row
+                    rows.append(StrategyRow(name, "failed", reason=reason(exc),
+                                            warnings=_messages(caught)))
+                    continue
+            messages = _messages(caught)
+            status, error, why = "unchecked", None, None
+            if reference is not None:
+                try:
+                    error, row_tol, why = check_result(result, reference, rtol, atol)
+                except (ValueError, TypeError) as exc:
+                    status, why = "wrong", str(exc)
+                else:
+                    worst_tol = row_tol if worst_tol is None else max(worst_tol, row_tol)
+                    status = "ok" if why is None else "wrong"
+            del result
+            peak = timing = None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    with buffers_kept(f, primals=primals):
+                        if memory:
+                            peak = measure_peak(call, device)
+                        timing = summarize_times([block_times(call, min_run_time, 3)])
+                except Exception as exc:  # noqa: BLE001 - ran once, then failed: still a row
+                    status, why = "failed", f"on a repeated call: {reason(exc)}"
+            rows.append(StrategyRow(
+                name, status, timing.median if timing else None, peak, error, why, messages,
+                iqr=timing.iqr if timing else None, noisy=timing.noisy if timing else False))
 
     return StrategyComparison(
         rows=tuple(rows),
