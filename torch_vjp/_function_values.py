@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GRIDS", "NORM_SHARE", "inner", "non_finite", "norm", "output_grid", "randn_like", "real_dtype",
-           "spread", "value_dtype", "where_text", "widen"]
+__all__ = ["GRIDS", "NORM_SHARE", "inner", "non_finite", "norm", "output_grid", "randn_like",
+           "real_dtype", "spread", "value_dtype", "where_text", "widen"]
 
 
 #: The floor of a probe's scale, as a share of the product of the norms (NOTE [the
