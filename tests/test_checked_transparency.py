@@ -661,3 +661,26 @@ def test_environment_variable_values(value, on):
 
 def test_is_checked_outside_any_block():
     assert not autograd.is_checked()
+
+
+def test_environment_variable_logs_no_api_usage_of_its_own():
+    # TORCH_VJP_CHECKED=1 imports torch_vjp in every process that imports torch; importing it
+    # must not do what the user's program did not: building an nn.Module (to learn its
+    # attributes) logged torch's "python.nn_module" API usage in a program that has none.
+    code = "import torch\nx = torch.ones(3, requires_grad=True)\n(x * 2).sum().backward()\n"
+
+    def usage(checked):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_VJP_")}
+        env["PYTORCH_API_USAGE_STDERR"] = "1"
+        if checked:
+            env["TORCH_VJP_CHECKED"] = "1"
+        else:
+            env["TORCH_VJP_AUTOLOAD"] = "0"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return {line for line in out.stderr.splitlines() if line.startswith("PYTORCH_API_USAGE")}
+
+    plain = usage(checked=False)
+    assert "PYTORCH_API_USAGE torch.python.import" in plain
+    assert usage(checked=True) == plain

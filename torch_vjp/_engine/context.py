@@ -248,8 +248,10 @@ def named_globals(func: types.FunctionType) -> Iterator[tuple[str, object]]:
 
 
 #: The attributes every nn.Module has (its registries, hooks, training flag): not searched
-#: by :func:`module_tree`.
-_MODULE_ATTRS = frozenset(torch.nn.Module().__dict__)
+#: by :func:`module_tree`. Learned from a Module built on the first call, not at import: building
+#: one logs torch's ``python.nn_module`` API usage, and ``TORCH_VJP_CHECKED=1`` imports this
+#: package in every process that imports torch, one that never builds a module included.
+_MODULE_ATTRS: frozenset[str] | None = None
 _PLAIN_TYPES = frozenset({int, float, bool, str, type(None), Tensor, torch.nn.Parameter})
 
 
@@ -261,6 +263,10 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     :data:`_ITEMS_SEARCHED` items of each), with theirs in turn. The plain attributes of
     torch.nn's own classes are not looked at: theirs hold no module (a Linear's are numbers;
     a Transformer's layers are in a ModuleList), and the look cost 1.7 us per module."""
+    global _MODULE_ATTRS
+    module_attrs = _MODULE_ATTRS
+    if module_attrs is None:
+        module_attrs = _MODULE_ATTRS = frozenset(torch.nn.Module().__dict__)
     out: list[torch.nn.Module] = []
     seen: set[int] = set()
     stack = list(roots)[::-1]
@@ -283,7 +289,7 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
         children = [c for c in modules.values() if c is not None]
         if not own:
             for name, value in attrs.items():  # (attributes of its own: containers?)
-                if type(value) in _PLAIN_TYPES or name in _MODULE_ATTRS:
+                if type(value) in _PLAIN_TYPES or name in module_attrs:
                     continue  # (a number, a string, a flag: the common case)
                 items: Iterable[object]
                 if isinstance(value, (list, tuple)):

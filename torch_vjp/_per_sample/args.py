@@ -463,7 +463,17 @@ _COUNTERS: dict[type, frozenset[str]] = {}
 _NUMBERS = (int, float)
 #: What every nn.Module holds (its containers of parameters, buffers, submodules and hooks,
 #: and its training flag, which the structure holds apart): never a flag of the user's.
-_TORCH_ATTRS = frozenset(nn.Module().__dict__) - {"_is_full_backward_hook"}
+#: Learned from a Module built on first use (:func:`_torch_attrs`), not at import: building one
+#: logs torch's ``python.nn_module`` API usage, and ``TORCH_VJP_CHECKED=1`` imports this package
+#: in every process that imports torch.
+_TORCH_ATTRS: frozenset[str] | None = None
+
+
+def _torch_attrs() -> frozenset[str]:
+    global _TORCH_ATTRS
+    if _TORCH_ATTRS is None:
+        _TORCH_ATTRS = frozenset(nn.Module().__dict__) - {"_is_full_backward_hook"}
+    return _TORCH_ATTRS
 
 
 def numbers_of(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
@@ -477,10 +487,11 @@ def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
     plan moved them: counters, a step number) as counters of their module's type, which the
     structure then leaves out; whether any was new."""
     new = False
+    torch_attrs = _torch_attrs()
     for m, values in before:
         moved = {k for k, v in values.items() if m.__dict__.get(k, None) is not v
                  and m.__dict__.get(k, None) != v}
-        known = _COUNTERS.get(type(m), _TORCH_ATTRS)
+        known = _COUNTERS.get(type(m), torch_attrs)
         if moved - known:
             _COUNTERS[type(m)] = known | moved  # (with torch's attributes: what is skipped)
             new = True
@@ -491,6 +502,7 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
     """The model's structure as NOTE [the structure a plan is for] says, and its modules'
     training flags."""
     entries, training, memo = [], [], {}  # (memo: a hook on many modules is keyed once)
+    torch_attrs = _TORCH_ATTRS or _torch_attrs()
     for m in model.modules():
         kind = type(m)
         own = _OWN_TYPE.get(kind)
@@ -504,7 +516,7 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
             entry += (("backward", _hooks_key(bh, memo) if bh else (),
                        _hooks_key(bph, memo) if bph else ()),)
         if own:
-            skip = _COUNTERS.get(kind) or _TORCH_ATTRS
+            skip = _COUNTERS.get(kind) or torch_attrs
             reads = _TYPE_READS.get(kind) or _type_reads(kind)
             flags = []
             for k, v in m.__dict__.items():
