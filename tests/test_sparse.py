@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -894,6 +896,96 @@ def test_vmap_fallback_warns_and_computes():
                                              r"time in a Python loop"):
         J = sparse_jacobian(f, x, mode="fwd")
     torch.testing.assert_close(J.to_dense(), _jac(lambda u: 2 * (u + u.roll(1)), x))
+
+
+class _CumsumByNumPy(torch.autograd.Function):
+    """A cumulative sum computed in NumPy (as a Function wrapping SciPy is): its forward runs
+    no torch op on x, and its backward and jvp are torch's."""
+
+    @staticmethod
+    def forward(x):
+        return torch.from_numpy(np.cumsum(x.detach().cpu().numpy()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.flip(0).cumsum(0).flip(0)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.cumsum(0)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounds elementwise in forward; its derivative (backward and jvp) couples neighbours."""
+
+    @staticmethod
+    def forward(x):
+        return x.round()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.roll(1)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t + t.roll(-1)
+
+
+_CUMSUM_OP = _CumsumByNumPy.apply  # (bound before any detection, as libraries do)
+
+
+@pytest.mark.parametrize("case", ["numpy_forward", "numpy_bound_early", "straight_through"])
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+def test_a_custom_function_is_ruled_by_its_derivative_not_its_forward(case, mode):
+    # the tracer followed the forward's ops: a forward in NumPy gave its outputs no set (the
+    # sparse Jacobian was silently zero there), and a straight-through estimator the
+    # forward's diagonal, not the backward's structure
+    f = {"numpy_forward": lambda u: _CumsumByNumPy.apply(u[:4]) * u[4:],
+         "numpy_bound_early": _CUMSUM_OP,
+         "straight_through": lambda u: _StraightThrough.apply(u) * 2}[case]
+    x = torch.randn(8, dtype=D)
+    ref = torch.autograd.functional.jacobian(f, x)
+    pattern = _dense(jacobian_sparsity(f, x))
+    assert not (ref != 0)[~pattern].any(), "entries missing from the pattern"
+    J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+    torch.testing.assert_close(J, ref)
+
+
+def test_a_custom_function_is_named_in_the_conservative_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jacobian_sparsity(lambda u: _StraightThrough.apply(u * 2), torch.randn(4, dtype=D))
+    messages = [str(w.message) for w in caught if issubclass(w.category, JacobianWarning)]
+    assert any("no sparsity rule for _StraightThrough (a custom autograd.Function)" in m
+               for m in messages), messages
+
+
+def test_a_custom_function_keeps_the_profile_function_and_sparse_neighbours():
+    seen = []
+
+    def profile(frame, event, arg):
+        seen.append(event)
+
+    f = lambda u: torch.cat([_CumsumByNumPy.apply(u[:3]), u[3:] ** 2])  # noqa: E731
+    sys.setprofile(profile)
+    try:
+        pattern = _dense(jacobian_sparsity(f, torch.randn(6, dtype=D)))
+    finally:
+        kept = sys.getprofile()
+        sys.setprofile(None)
+    assert kept is profile
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    expected[:3, :3] = True  # (the Function: every output on every input it read)
+    expected[3:, 3:] = torch.eye(3, dtype=torch.bool)  # (the rest keeps its structure)
+    assert torch.equal(pattern, expected)
 
 
 def test_op_without_a_rule_warns_once():

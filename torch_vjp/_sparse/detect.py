@@ -11,6 +11,7 @@ from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianWarning, warn_once
 from torch_vjp._sparse import contract, rules, scatters  # noqa: F401  (the rules register themselves)
+from torch_vjp._sparse.functions import functions_ruled
 from torch_vjp._sparse.pattern import Pattern
 from torch_vjp._sparse.tracer import Tracer, ValueReads, one_thread
 
@@ -20,7 +21,8 @@ __all__ = ["detect"]
 def detect(prob: Problem) -> Pattern:
     """The sparsity pattern of ``prob.g`` at its leaves: runs ``f`` once, for real, under
     the tracer (NOTE [shadow storage], NOTE [what the pattern means] in
-    :mod:`~torch_vjp._sparse.tracer`). Module buffers ``f`` updates (BatchNorm's running
+    :mod:`~torch_vjp._sparse.tracer`; custom autograd.Functions: NOTE [custom Functions] in
+    :mod:`~torch_vjp._sparse.functions`). Module buffers ``f`` updates (BatchNorm's running
     statistics) are put back. Warns once per function and op when an op without a rule made
     the pattern conservative.
 
@@ -33,7 +35,7 @@ def detect(prob: Problem) -> Pattern:
     with one_thread():
         for leaf in leaves:
             tracer.register_input(leaf)
-    with buffers_kept(prob.f), tracer, ValueReads(tracer):
+    with buffers_kept(prob.f), functions_ruled(tracer), tracer, ValueReads(tracer):
         res = prob.g(*leaves)
     flat = [res] if isinstance(res, torch.Tensor) else tree_leaves(res)
     with one_thread():

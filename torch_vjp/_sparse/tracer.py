@@ -209,6 +209,11 @@ class Tracer(TorchDispatchMode):
             if not self.tracked(t):  # (a random draw acts as a value from x: a mask,
                 self._from_values[key] = t  # an index, a weight that moves between calls)
 
+    def mark_from_values(self, outs: Sequence[Tensor]) -> None:
+        """Records ``outs`` as values computed from the input's (their zeros are not
+        structural; those without sets place or select by values)."""
+        self._mark(outs, False)
+
     def shaped_by_value(self, why: str) -> None:
         """Records (the first) op whose use of the input's values shaped the pattern."""
         if self.by_value is None:
