@@ -425,6 +425,59 @@ def test_bound_methods_share_their_plan(monkeypatch):
     torch.testing.assert_close(J.to_dense(), _jac(model, x))
 
 
+class _Pruned(torch.nn.Module):
+    """A linear layer whose weight is computed in forward (weight * mask, as pruning does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(6, 6, dtype=D))
+        self.register_buffer("mask", torch.ones(6, 6, dtype=D).triu())
+
+    def forward(self, x):
+        return torch.tanh((self.weight * self.mask) @ x)
+
+
+def _zero_head():
+    lin = torch.nn.Linear(6, 6).double()
+    with torch.no_grad():
+        lin.weight.zero_()  # (a zero-initialised last layer)
+    return lin
+
+
+def _changed(module, how):
+    new = torch.randn(6, 6, dtype=D, generator=torch.Generator().manual_seed(3))
+    if how == "in_place":  # (an optimizer's step)
+        with torch.no_grad():
+            module.weight.add_(new)
+    elif how == "load_state_dict":
+        module.load_state_dict({**module.state_dict(), "weight": new})
+    else:  # .data =: another storage, the same version
+        module.weight.data = new
+
+
+@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data"])
+@pytest.mark.parametrize("make", [_zero_head, _Pruned], ids=["zero_head", "pruned"])
+def test_a_weight_whose_zeros_moved_is_detected_again(make, how, monkeypatch):
+    # the zeros of a module's weight were taken as structural and the plan cached: once the
+    # weight was trained (or loaded), the entries of the zeros that moved were silently
+    # missing from every later sparse Jacobian of the same module
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    module = make()
+    x = torch.randn(6, dtype=D)
+    sparse_jacobian(module, x)
+    sparse_jacobian(module, x)
+    assert detections.calls == 1  # (nothing changed: the plan is kept)
+    _changed(module, how)
+    J = sparse_jacobian(module, x, layout=torch.strided)
+    assert detections.calls == 2
+    torch.testing.assert_close(J, torch.func.jacrev(module)(x))
+    if make is _Pruned:  # (the mask's zeros stay structural)
+        assert not J[torch.ones(6, 6, dtype=torch.bool).tril(-1)].any()
+
+
 def test_a_changed_output_size_is_detected_again():
     size = [4]
     f = lambda x: x[: size[0]] * 2  # noqa: E731

@@ -166,8 +166,10 @@ def sparse_jacobian(
     colourings are cached per function object and input signature (structure of ``x``, and
     each leaf's shape, strides, dtype and device; and the training flags of the modules
     ``f`` reaches): the first call detects and colours, later calls
-    only compute. The cache assumes that ``f``'s structure does not change; see
-    :func:`clear_cache`.
+    only compute. A weight whose zeros the pattern took as structural is watched: written
+    in place (an optimizer's step, ``load_state_dict``) or given other ``.data``, the next
+    call detects again. Otherwise the cache assumes that ``f``'s structure does not change;
+    see :func:`clear_cache`.
 
     Args:
         f: a function of ``x`` returning a tensor, or a tuple, list or dict of tensors.
@@ -412,7 +414,9 @@ def clear_cache(f: Callable[..., Any] | None = None) -> None:
     every function, and every user pattern, with ``None``).
 
     Needed when ``f``'s structure changes while it stays the same object: another branch
-    of its control flow, or a weight it closes over whose zeros moved.
+    of its control flow, or a weight it closes over rebound to another tensor whose zeros
+    differ (a weight written in place, or given other ``.data``, is detected again
+    without it).
 
     Example:
         >>> f = lambda u: u * u

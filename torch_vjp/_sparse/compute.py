@@ -25,9 +25,10 @@ and device, and the training flags of the modules ``f`` reaches: its own, a boun
 object's, those in its closure, its globals, a partial's arguments): weakly per function
 object (a bound method by its object and function), so that
 the cache dies with the function. A plan assumes that ``f``'s structure does not change:
-the same branches and the same constant zeros (a weight whose zero pattern changes needs
-``torch_vjp.sparse.clear_cache(f)``). An output whose size differs from the plan's
-(``f`` changed) makes the plan be detected again. A user's pattern keeps its plan (its
+the same branches and the same constant zeros (a weight written in place since, or given
+other data, is seen: NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`;
+one rebound to another tensor needs ``torch_vjp.sparse.clear_cache(f)``). An output whose
+size differs from the plan's (``f`` changed) makes the plan be detected again. A user's pattern keeps its plan (its
 colourings) with the pattern tensor, as long as that tensor lives and is not modified.
 """
 
@@ -221,8 +222,8 @@ def lookup_plan(prob: Problem, build: Callable[[], Pattern], *, fresh: bool = Fa
     key = (sub, _signature(prob))
     if plans is not None and not fresh:
         plan = plans.get(key)
-        if plan is not None:
-            return plan
+        if plan is not None and plan.pattern.holds():  # (NOTE [structural zeros that move]
+            return plan  # in torch_vjp._sparse.tracer: a weight whose zeros moved)
     plan = Plan(build())
     if plans is not None and plan.pattern.by_value is None:
         # (a pattern shaped by x's values holds at this x only: not kept, NOTE [a pattern

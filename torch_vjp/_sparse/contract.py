@@ -44,7 +44,10 @@ def maybe_nonzero(tr: Tracer, t: Tensor) -> Tensor:
         return torch.ones(t.shape, dtype=torch.bool)
     nz = t.detach().cpu() != 0
     ids = tr.ids(t)
-    return nz if ids is None else nz | (ids != 0)
+    nz = nz if ids is None else nz | (ids != 0)
+    if not bool(nz.all()):  # (NOTE [structural zeros that move] in torch_vjp._sparse.tracer)
+        tr.zeros_taken_as_structural(t)
+    return nz
 
 
 def unique_rows(mat: Tensor) -> tuple[Tensor, Tensor]:

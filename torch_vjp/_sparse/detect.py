@@ -58,4 +58,5 @@ def detect(prob: Problem) -> Pattern:
         )
     pattern = Pattern(ids.numel(), n, rows, cols, ordered=True)
     pattern.by_value = tracer.by_value
+    pattern.guard(tracer.guards.values())  # (after buffers_kept put buffers back)
     return pattern

@@ -8,6 +8,9 @@ output element ``i`` (output leaves concatenated in pytree order, each flattened
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -31,7 +34,7 @@ class Pattern:
         ([0, 1, 1], [0, 0, 2], [0, 1, 3])
     """
 
-    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc", "by_value")
+    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc", "by_value", "guards")
 
     def __init__(self, m: int, n: int, rows: Tensor, cols: Tensor, *, ordered: bool = False):
         self.m, self.n = int(m), int(n)
@@ -46,6 +49,25 @@ class Pattern:
         #: where detection found the pattern shaped by the input's values, the op that did
         #: (it holds at that input only: NOTE [a pattern shaped by values]); else None
         self.by_value: str | None = None
+        #: the tensors whose zeros detection took as structural, as (weak reference,
+        #: version, storage) when detected (NOTE [structural zeros that move])
+        self.guards: tuple[tuple[Any, int, int], ...] = ()
+
+    def guard(self, tensors: Any) -> None:
+        """Keeps ``tensors`` (from before detection's run) as the pattern's guards."""
+        self.guards = tuple(
+            (weakref.ref(t), t._version, t.untyped_storage()._cdata) for t in tensors
+        )
+
+    def holds(self) -> bool:
+        """Whether no guard changed since detection (a dead one changes nothing: NOTE
+        [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`)."""
+        for ref, version, storage in self.guards:
+            t = ref()
+            if t is not None and (t._version != version
+                                  or t.untyped_storage()._cdata != storage):
+                return False
+        return True
 
     @property
     def nnz(self) -> int:

@@ -51,6 +51,22 @@ the products and every later call draw different ones; tracked data placed by an
 mask derived from a draw is ruled conservatively (every output element of the op depends
 on every input element it reads), which holds for every draw, where re-detection would
 not (it draws again).
+
+NOTE [structural zeros that move]
+The zeros of a constant operand of a contraction are structural (a banded weight gives a
+banded pattern), but a weight ``f`` reads can change between calls while ``f`` stays the
+same object: a module's parameters, zero-initialised (a zero-initialised last layer) and then
+trained, or loaded (``load_state_dict``), change in place. A cached pattern then misses the
+entries of the zeros that moved, and ``sparse_jacobian`` would be silently wrong. So the
+tracer records, for each storage made during the run, which tensors from before the run
+(weights, buffers, tensors ``f`` closes over) its values came from, and where a rule takes
+zeros of an operand as structural, those tensors become the pattern's guards: a cached plan
+is used only while each living guard has the version (in-place writes) and storage
+(``.data =``) it had (:meth:`~torch_vjp._sparse.pattern.Pattern.holds`); else detection runs
+again. A weight without zeros guards nothing (the densest pattern holds whatever its
+values), and a tensor that dies (a constant made at each call) guards nothing. A weight
+rebound to another tensor (``W = new`` in a closure) is not seen:
+``torch_vjp.sparse.clear_cache(f)``.
 """
 
 from __future__ import annotations
@@ -180,6 +196,12 @@ class Tracer(TorchDispatchMode):
         self._valued: dict[int, Tensor] = {}
         self._random: dict[int, Tensor] = {}
         self.by_value: str | None = None
+        # NOTE [structural zeros that move]: the tensors from before the run (weights f
+        # reads) whose values reached each storage made during the run, by storage; those
+        # tensors by id; and those whose zeros some rule took as structural
+        self._sources: dict[int, set[int]] = {}
+        self._external: dict[int, Tensor] = {}
+        self.guards: dict[int, Tensor] = {}
 
     def from_values(self, t: Tensor) -> bool:
         """Whether ``t`` was computed from the input's values and carries no sets (a
@@ -214,6 +236,40 @@ class Tracer(TorchDispatchMode):
         structural; those without sets place or select by values)."""
         self._mark(outs, False)
 
+    # ---- NOTE [structural zeros that move] ------------------------------------------------
+
+    def _sources_of(self, t: Tensor) -> set[int]:
+        key = _storage_key(t)
+        if key is None:
+            return set()
+        got = self._sources.get(key)
+        if got is None:  # (a view of a weight: the weight, as an op's argument shows it;
+            base = t if t._base is None else t._base  # a rule's own views have no base)
+            self._external[id(base)] = base
+            got = self._sources[key] = {id(base)}
+        return got
+
+    def _flow(self, inputs: Sequence[Tensor], outs: Sequence[Tensor], mutating: bool) -> None:
+        """Records which tensors from before the run reached ``outs`` (written by an op
+        that read ``inputs``; ``mutating``: written in place, so what they held stays)."""
+        src: set[int] = set()
+        for t in inputs:
+            src |= self._sources_of(t)
+        for t in outs:
+            key = _storage_key(t)
+            if key is None:
+                continue
+            if mutating:  # (a weight written in place: its own source too)
+                self._sources[key] = self._sources_of(t) | src
+            else:
+                self._sources[key] = set(src)
+
+    def zeros_taken_as_structural(self, t: Tensor) -> None:
+        """Records that a rule took zeros of ``t`` as structural: the tensors from before
+        the run whose values reached ``t`` become guards of the pattern."""
+        for s in self._sources_of(t):
+            self.guards[s] = self._external[s]
+
     def shaped_by_value(self, why: str) -> None:
         """Records (the first) op whose use of the input's values shaped the pattern."""
         if self.by_value is None:
@@ -227,6 +283,9 @@ class Tracer(TorchDispatchMode):
         ids = torch.arange(self._next, self._next + k, dtype=_LONG).view(leaf.shape)
         self._next += k
         self.write(leaf, ids)
+        key = _storage_key(leaf)
+        if key is not None:  # (x is no weight: NOTE [structural zeros that move])
+            self._sources[key] = set()
 
     def ids(self, t: object) -> Tensor | None:
         """The set ids of ``t``'s elements (a CPU int64 tensor of its shape, a view of its
@@ -340,6 +399,7 @@ class Tracer(TorchDispatchMode):
                       if isinstance(v := rules.bind(func, args, kwargs).get(a), Tensor)]
         else:
             marked = outs
+        self._flow(inputs, marked, mutating)
         if not read_values and not tracked_in:
             if random_in or valued_in:
                 self._mark(marked, random_in)
