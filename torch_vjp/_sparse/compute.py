@@ -28,8 +28,9 @@ the cache dies with the function. A plan assumes that ``f``'s structure does not
 the same branches and the same constant zeros (a weight written in place since, or given
 other data, is seen: NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`;
 one rebound to another tensor needs ``torch_vjp.sparse.clear_cache(f)``). An output whose
-size differs from the plan's (``f`` changed) makes the plan be detected again. A user's pattern keeps its plan (its
-colourings) with the pattern tensor, as long as that tensor lives and is not modified.
+size differs from the plan's (``f`` changed) makes the plan be detected again. A user's
+pattern keeps its plan (its colourings) with the pattern tensor, as long as that tensor
+lives and is not modified.
 """
 
 from __future__ import annotations
