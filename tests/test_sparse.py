@@ -478,6 +478,31 @@ def test_a_weight_whose_zeros_moved_is_detected_again(make, how, monkeypatch):
         assert not J[torch.ones(6, 6, dtype=torch.bool).tril(-1)].any()
 
 
+@pytest.mark.parametrize("read", ["item", "bool", "tolist"])
+def test_a_branch_on_a_value_of_a_buffer_changed_since_is_detected_again(read, monkeypatch):
+    # f branched on a tensor it closes over (a step counter); the plan of the first branch
+    # was kept after the counter changed in place, and later calls were silently wrong
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    step = torch.zeros((), dtype=torch.int64)
+    value = {"item": lambda: step.item(), "bool": lambda: bool(step),
+             "tolist": lambda: step.tolist()}[read]
+
+    def f(u):
+        return u * u.roll(1) if value() > 0 else u * 2
+
+    x = torch.randn(6, dtype=D)
+    sparse_jacobian(f, x)
+    sparse_jacobian(f, x)
+    assert detections.calls == 1
+    step.add_(1)
+    J = sparse_jacobian(f, x, layout=torch.strided)
+    assert detections.calls == 2
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+
+
 def test_a_changed_output_size_is_detected_again():
     size = [4]
     f = lambda x: x[: size[0]] * 2  # noqa: E731

@@ -64,7 +64,9 @@ zeros of an operand as structural, those tensors become the pattern's guards: a 
 is used only while each living guard has the version (in-place writes) and storage
 (``.data =``) it had (:meth:`~torch_vjp._sparse.pattern.Pattern.holds`); else detection runs
 again. A weight without zeros guards nothing (the densest pattern holds whatever its
-values), and a tensor that dies (a constant made at each call) guards nothing. A weight
+values), and a tensor that dies (a constant made at each call) guards nothing. A value read
+for Python (``.item()``, ``bool(t)``) of such a tensor guards too: ``f`` may branch on it
+(``if self.step > warmup``), as on x's values (NOTE [a pattern shaped by values]). A weight
 rebound to another tensor (``W = new`` in a closure) is not seen:
 ``torch_vjp.sparse.clear_cache(f)``.
 """
@@ -265,8 +267,9 @@ class Tracer(TorchDispatchMode):
                 self._sources[key] = set(src)
 
     def zeros_taken_as_structural(self, t: Tensor) -> None:
-        """Records that a rule took zeros of ``t`` as structural: the tensors from before
-        the run whose values reached ``t`` become guards of the pattern."""
+        """Records that a rule took zeros of ``t`` as structural (or that Python read a
+        value of ``t``, to branch on): the tensors from before the run whose values reached
+        ``t`` become guards of the pattern."""
         for s in self._sources_of(t):
             self.guards[s] = self._external[s]
 
@@ -400,6 +403,9 @@ class Tracer(TorchDispatchMode):
         else:
             marked = outs
         self._flow(inputs, marked, mutating)
+        if name in rules.SCALAR_READS:  # (a branch on a weight's value: it guards too)
+            for t in inputs:
+                self.zeros_taken_as_structural(t)
         if not read_values and not tracked_in:
             if random_in or valued_in:
                 self._mark(marked, random_in)
@@ -488,6 +494,7 @@ class ValueReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _PYTHON_READS and args and isinstance(args[0], Tensor):
             t = args[0]
+            self.tracer.zeros_taken_as_structural(t)  # (a branch on a weight's value)
             if self.tracer.tracked(t) or self.tracer.from_values(t):
                 self.tracer.shaped_by_value(
                     f"Tensor.{name} (a value read from x, for Python to use)")
