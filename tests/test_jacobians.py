@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_structure
 
 import torch_vjp as tv
 from torch_vjp._engine.jacobian import jacobian_blocks
@@ -1207,12 +1207,18 @@ def test_hessian_of_a_training_module_by_plain_autograd_keeps_its_structure():
         for j in range(2):
             torch.testing.assert_close(got[i][j], ref[i][j])
     assert got[0][1].shape == (3, 5, 3, 3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tv.JacobianWarning)  # the fallback's, before it fails
-        with pytest.raises(tv.JacobianCallError, match="returns one tensor, not a tuple"):
-            tv.hessian(lambda z: (bn(z).sum(), bn(z).sum()), x)
-        with pytest.raises(tv.JacobianCallError, match="takes tensor primals only"):
-            tv.hessian(lambda d: bn(d["x"]).sum(), {"x": x})
+    before = {k: v.clone() for k, v in bn.state_dict().items()}  # (ref's forward moved them)
+    with warnings.catch_warnings():  # (pytrees, which the fallback refused)
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        pair = tv.hessian(lambda z: ((bn(z) ** 2 * w).sum(), bn(z).pow(3).sum()), x)
+        in_dict = tv.hessian(lambda d: (bn(d["x"]) ** 3).sum(), {"x": x})
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    hess = torch.autograd.functional.hessian
+    torch.testing.assert_close(pair[0], hess(lambda z: (bn(z) ** 2 * w).sum(), x))
+    torch.testing.assert_close(pair[1], hess(lambda z: bn(z).pow(3).sum(), x))
+    assert list(in_dict) == ["x"] and list(in_dict["x"]) == ["x"]
+    torch.testing.assert_close(in_dict["x"]["x"], hess(lambda z: (bn(z) ** 3).sum(), x))
 
 
 def test_modules_reached_finds_modules_behind_f():
@@ -1555,20 +1561,48 @@ def test_hessian_batch_and_sparse_jacobians_of_f_that_writes_into_its_input():
     assert torch.equal(x, x0)
 
 
+@pytest.mark.parametrize("case", ["tuple_out", "dict_primal", "tuple_argnums_dict_out",
+                                  "list_primal"])
+@pytest.mark.parametrize("strategy", ["auto", "rev-loop", "fwd-loop"])
+def test_hessian_plain_autograd_fallback_takes_pytrees(case, strategy):
+    # where torch.func cannot run f and plain autograd takes over, the fallback refused
+    # (JacobianCallError) an f returning a tuple or dict and primals that are dicts or lists,
+    # which the vectorised path and torch.func.hessian take
+    x, y = torch.randn(4, dtype=D), torch.randn(3, dtype=D)
+
+    def make(cube):
+        return {
+            "tuple_out": (lambda a: (cube(a).sum(), (a**2).sum() * a[0]), (x,), 0),
+            "dict_primal": (lambda d: cube(d["a"]).sum() * d["b"].sum(),
+                            ({"a": x, "b": y},), 0),
+            "tuple_argnums_dict_out": (lambda a, b: {"p": cube(a[:3]) * b,
+                                                     "q": cube(b).sum()}, (x, y), (0, 1)),
+            "list_primal": (lambda l, b: cube(l[0]).sum() * l[1].sum() * b.sum(),
+                            ([x, y], y), (1, 0)),
+        }[case]
+
+    f, primals, argnums = make(_OldStyleCube.apply)
+    ref = torch.func.hessian(make(lambda a: a**3)[0], argnums=argnums)(*primals)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        H = hessian(f, *primals, argnums=argnums, strategy=strategy)
+    assert tree_structure(H) == tree_structure(ref)
+    for got, want in zip(tree_leaves(H), tree_leaves(ref)):
+        torch.testing.assert_close(got, want)
+
+
 def test_hessian_plain_autograd_fallback_says_what_it_cannot_take():
-    # where torch.func cannot run f and plain autograd takes over, the fallback needs tensor
-    # primals and an f of one tensor: the messages say which refusal led there
+    # the fallback needs an f of floating-point tensors: the message says which refusal led
+    # there
     x = torch.randn(3, dtype=D)
-    with pytest.raises(JacobianCallError, match=(
-            r"^torch_vjp\.hessian: torch\.func cannot run f \(.*setup_context.*\), and the "
-            r"plain autograd fallback takes an f that returns one tensor, not a tuple\. Fix: "
-            r"return one tensor\. A custom autograd\.Function with setup_context")):
-        hessian(lambda x: (_OldStyleCube.apply(x).sum(),), x, strategy="rev-loop")
-    with pytest.raises(JacobianCallError, match=(
-            r"^torch_vjp\.hessian: torch\.func cannot run f \(.*\), and the plain autograd "
-            r"fallback takes tensor primals only\. Fix: pass the differentiated primals as "
-            r"tensors\.")):
-        hessian(lambda p: _OldStyleCube.apply(p["x"]).sum(), {"x": x}, strategy="rev-loop")
+    for out, got in ((lambda u: (u, 3)), "a value of type int"), ((lambda u: []), "no tensor"):
+        with pytest.raises(JacobianCallError, match=(
+                r"^torch_vjp\.hessian: torch\.func cannot run f \(.*setup_context.*\), and "
+                r"the plain autograd fallback takes an f that returns floating-point tensors "
+                r"\(one, or a tuple, list or dict of them\), but f returned " + got + r"\. "
+                r"Fix: return only the differentiable results, as floating-point tensors\. A "
+                r"custom autograd\.Function with setup_context")):
+            hessian(lambda x: out(_OldStyleCube.apply(x).sum()), x, strategy="rev-loop")
 
 
 def test_messages_name_only_the_options_the_function_has():

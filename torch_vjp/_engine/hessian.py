@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_vjp._engine.blocks import assemble
 from torch_vjp._engine.jacobian import function_key, jacobian_blocks
@@ -53,9 +54,11 @@ def autograd_hessian(
     """The Hessian with plain autograd (``torch.autograd.functional.jacobian`` of the
     gradient, one backward pass per row), with a one-time warning: for functions torch.func
     cannot transform (``refusal`` is what it raised: a captured tensor changed in place, a
-    custom Function without setup_context, NumPy calls). ``f`` must return one tensor and
-    the differentiated primals must be tensors; the result has :func:`torch_vjp.hessian`'s
-    structure (one tensor for an int ``argnums``, a tuple of tuples for a tuple)."""
+    custom Function without setup_context, NumPy calls). The differentiated primals and
+    ``f``'s output may be pytrees of tensors; the result has :func:`torch_vjp.hessian`'s
+    structure, ``torch.func.hessian``'s: the output's structure, each leaf holding the
+    structure of the differentiated primals (a tuple of them for a tuple ``argnums``) twice
+    nested, of blocks ``out.shape + x_i.shape + x_j.shape``."""
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     nums = tuple(n % len(primals) for n in nums)
     if mutates_captured(refusal):
@@ -66,29 +69,44 @@ def autograd_hessian(
         why = f"torch.func cannot run f ({quote_error(refusal)})"
         keep = ("A custom autograd.Function with setup_context (and vmap support), and torch "
                 "operations in place of NumPy, keep the vectorised path.")
-    if not all(isinstance(primals[n], Tensor) for n in nums):
+    flat = [tree_flatten(primals[n]) for n in nums]
+    if not all(isinstance(t, Tensor) for leaves, _ in flat for t in leaves):
         raise JacobianCallError(
-            f"{call}: {why}, and the plain autograd fallback takes tensor primals only. "
-            f"Fix: pass the differentiated primals as tensors. {keep}"
+            f"{call}: {why}, and the plain autograd fallback takes primals whose leaves are "
+            f"all tensors. Fix: pass the differentiated primals as tensors (or tuples, "
+            f"lists and dicts of them). {keep}"
         )
+    sizes = [len(leaves) for leaves, _ in flat]
+    n_leaves = sum(sizes)
+    out_spec: list[Any] = []
 
-    def f_sel(*xs: Tensor) -> Tensor:
+    def f_sel(*xs: Tensor) -> tuple[Tensor, ...]:
         args = list(primals)
-        for n, x in zip(nums, xs):
-            args[n] = x.clone()  # (f may write into its input: NOTE [f writes into its input])
-        out = f(*args)
-        if not isinstance(out, Tensor):
+        start = 0
+        for n, (_, spec), size in zip(nums, flat, sizes):
+            # (f may write into its input: NOTE [f writes into its input])
+            args[n] = tree_unflatten([x.clone() for x in xs[start:start + size]], spec)
+            start += size
+        outs, spec = tree_flatten(f(*args))
+        bad = next((o for o in outs if not (isinstance(o, Tensor)
+                                            and o.dtype.is_floating_point)), None)
+        if not outs or bad is not None:
+            got = ("no tensor" if not outs else f"a tensor of dtype {bad.dtype}"
+                   if isinstance(bad, Tensor) else f"a value of type {type(bad).__name__}")
             raise JacobianCallError(
-                f"{call}: {why}, and the plain autograd fallback takes an f that returns one "
-                f"tensor, not a {type(out).__name__}. Fix: return one tensor. {keep}"
+                f"{call}: {why}, and the plain autograd fallback takes an f that returns "
+                f"floating-point tensors (one, or a tuple, list or dict of them), but f "
+                f"returned {got}. Fix: return only the differentiable results, as floating-"
+                f"point tensors. {keep}"
             )
-        return out
+        out_spec[:] = [spec]
+        return tuple(outs)
 
-    xs = tuple(primals[n].detach() for n in nums)
+    xs = tuple(t.detach() for leaves, _ in flat for t in leaves)
 
-    def gradient(*ys: Tensor) -> Any:
+    def gradient(*ys: Tensor) -> tuple[Tensor, ...]:
         jac = torch.autograd.functional.jacobian(f_sel, ys, create_graph=True)
-        return jac if len(ys) > 1 else jac[0]
+        return tuple(block for row in jac for block in row)  # (output i, leaf j) at i*L + j
 
     with torch.enable_grad():
         h = torch.autograd.functional.jacobian(gradient, xs, create_graph=create_graph)
@@ -100,6 +118,19 @@ def autograd_hessian(
         f"afterwards). {keep} This warning is shown once per function.",
         JacobianWarning,
     )
-    if isinstance(argnums, int):
-        return h[0]
-    return tuple(tuple(row) for row in h)
+
+    def by_primal(block: Callable[[int], Any]) -> Any:
+        """The structure of the differentiated primals, leaf ``l`` (counted over all of
+        them) holding ``block(l)``."""
+        parts, start = [], 0
+        for (_, spec), size in zip(flat, sizes):
+            parts.append(tree_unflatten([block(start + k) for k in range(size)], spec))
+            start += size
+        return parts[0] if isinstance(argnums, int) else tuple(parts)
+
+    n_out = out_spec[0].num_leaves
+    return tree_unflatten(
+        [by_primal(lambda j, i=i: by_primal(lambda k, j=j: h[i * n_leaves + j][k]))
+         for i in range(n_out)],
+        out_spec[0],
+    )
