@@ -1037,6 +1037,19 @@ def test_a_custom_function_is_ruled_by_its_derivative_not_its_forward(case, mode
     torch.testing.assert_close(J, ref)
 
 
+def test_a_custom_function_whose_rule_fails_depends_on_everything(monkeypatch):
+    # (an error in the profile function would end it and reach f)
+    from torch_vjp._sparse import functions
+
+    def broken(*args):
+        raise ValueError("the rule's own failure")
+
+    monkeypatch.setattr(functions, "_rule", broken)
+    x = torch.randn(5, dtype=D)
+    pattern = _dense(jacobian_sparsity(lambda u: _StraightThrough.apply(u[:3]) * 2, x))
+    assert pattern.all() and pattern.shape == (3, 5)
+
+
 def test_a_custom_function_is_named_in_the_conservative_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

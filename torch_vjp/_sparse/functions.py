@@ -65,6 +65,16 @@ def _rule(tracer: Tracer, cls: type, inputs: Any, out: Any) -> None:
         tracer.mark_from_values(outs)
 
 
+def _everything(tracer: Tracer, cls: type, out: Any) -> None:
+    """Every floating output of the Function depends on every input element of ``f``."""
+    n = tracer.table.n
+    sid = tracer.table.union_all(torch.arange(1, n + 1, dtype=_LONG)) if n else 0
+    tracer.conservative_ops.add(f"{cls.__qualname__} (a custom autograd.Function)")
+    for o in tree_leaves(out):
+        if isinstance(o, Tensor) and carries_sets(o := _base(o)):
+            tracer.write(o, torch.full(o.shape, sid, dtype=_LONG) if sid else None)
+
+
 @contextlib.contextmanager
 def functions_ruled(tracer: Tracer) -> Iterator[None]:
     """While a detection runs: custom Functions ruled as NOTE [custom Functions] says, by a
@@ -87,7 +97,10 @@ def functions_ruled(tracer: Tracer) -> Iterator[None]:
             if arg is None or not isinstance(cls, type):  # (an error: it passes through)
                 return
             with _disable_current_modes(), torch._C.DisableTorchFunction():
-                _rule(tracer, cls, inputs, arg)
+                try:
+                    _rule(tracer, cls, inputs, arg)
+                except Exception:  # noqa: BLE001 - (an error here would end the profile
+                    _everything(tracer, cls, arg)  # function and reach f): the widest sets
 
     before = sys.getprofile()
     sys.setprofile(profile)
