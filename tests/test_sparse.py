@@ -1020,7 +1020,8 @@ class _StraightThrough(torch.autograd.Function):
 _CUMSUM_OP = _CumsumByNumPy.apply  # (bound before any detection, as libraries do)
 
 
-@pytest.mark.parametrize("case", ["numpy_forward", "numpy_bound_early", "straight_through"])
+@pytest.mark.parametrize("case", ["numpy_forward", "numpy_bound_early", "straight_through",
+                                  "numpy_inside_grad"])
 @pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
 def test_a_custom_function_is_ruled_by_its_derivative_not_its_forward(case, mode):
     # the tracer followed the forward's ops: a forward in NumPy gave its outputs no set (the
@@ -1028,7 +1029,10 @@ def test_a_custom_function_is_ruled_by_its_derivative_not_its_forward(case, mode
     # forward's diagonal, not the backward's structure
     f = {"numpy_forward": lambda u: _CumsumByNumPy.apply(u[:4]) * u[4:],
          "numpy_bound_early": _CUMSUM_OP,
-         "straight_through": lambda u: _StraightThrough.apply(u) * 2}[case]
+         "straight_through": lambda u: _StraightThrough.apply(u) * 2,
+         # (the rule runs inside torch.func.grad: its own work must stay outside it)
+         "numpy_inside_grad": lambda u: torch.func.grad(
+             lambda v: (_CumsumByNumPy.apply(v) ** 2).sum())(u)}[case]
     x = torch.randn(8, dtype=D)
     ref = torch.autograd.functional.jacobian(f, x)
     pattern = _dense(jacobian_sparsity(f, x))

@@ -96,7 +96,10 @@ def functions_ruled(tracer: Tracer) -> Iterator[None]:
             cls, inputs = loc.get("cls"), (loc.get("args"), loc.get("kwargs"))
             if arg is None or not isinstance(cls, type):  # (an error: it passes through)
                 return
-            with _disable_current_modes(), torch._C.DisableTorchFunction():
+            # (the tracer's own work, outside f's modes and torch.func transforms: a
+            # Function called inside torch.func.grad in f)
+            with _disable_current_modes(), torch._C.DisableTorchFunction(), \
+                    torch._C._DisableFuncTorch():
                 try:
                     _rule(tracer, cls, inputs, arg)
                 except Exception:  # noqa: BLE001 - (an error here would end the profile
