@@ -503,6 +503,32 @@ def test_a_branch_on_a_value_of_a_buffer_changed_since_is_detected_again(read, m
     torch.testing.assert_close(J, torch.func.jacrev(f)(x))
 
 
+@pytest.mark.parametrize("op", ["index", "where", "index_add", "derived_index"])
+def test_an_index_or_mask_changed_in_place_since_is_detected_again(op, monkeypatch):
+    # the values of an integer or boolean tensor f closes over place x's elements (a
+    # permutation buffer, a boundary mask): reshuffled in place, the plan of the old
+    # placement was kept and later sparse Jacobians were silently wrong
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    perm = torch.tensor([1, 2, 3, 4, 5, 0])
+    mask = torch.tensor([True, False, True, False, True, False])
+    f = {"index": lambda u: u[perm] * u,
+         "where": lambda u: torch.where(mask, u, u.roll(1)),
+         "index_add": lambda u: torch.zeros_like(u).index_add(0, perm, u.roll(2)),
+         "derived_index": lambda u: u[(perm * 5) % 6] * u}[op]
+    x = torch.randn(6, dtype=D)
+    sparse_jacobian(f, x)
+    sparse_jacobian(f, x)
+    assert detections.calls == 1
+    perm.copy_(perm.roll(2))
+    mask.copy_(mask.roll(1))
+    J = sparse_jacobian(f, x, layout=torch.strided)
+    assert detections.calls == 2
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+
+
 def test_a_changed_output_size_is_detected_again():
     size = [4]
     f = lambda x: x[: size[0]] * 2  # noqa: E731

@@ -166,9 +166,10 @@ def sparse_jacobian(
     colourings are cached per function object and input signature (structure of ``x``, and
     each leaf's shape, strides, dtype and device; and the training flags of the modules
     ``f`` reaches): the first call detects and colours, later calls
-    only compute. A weight whose zeros the pattern took as structural is watched: written
-    in place (an optimizer's step, ``load_state_dict``) or given other ``.data``, the next
-    call detects again. Otherwise the cache assumes that ``f``'s structure does not change;
+    only compute. The tensors whose values shaped the pattern (a weight whose zeros it took
+    as structural, an index or mask buffer, a tensor ``f`` reads a number from) are
+    watched: written in place (an optimizer's step, ``load_state_dict``) or given other
+    ``.data``, the next call detects again. Otherwise the cache assumes that ``f``'s structure does not change;
     see :func:`clear_cache`.
 
     Args:

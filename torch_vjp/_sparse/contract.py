@@ -46,7 +46,7 @@ def maybe_nonzero(tr: Tracer, t: Tensor) -> Tensor:
     ids = tr.ids(t)
     nz = nz if ids is None else nz | (ids != 0)
     if not bool(nz.all()):  # (NOTE [structural zeros that move] in torch_vjp._sparse.tracer)
-        tr.zeros_taken_as_structural(t)
+        tr.guarded_by(t)
     return nz
 
 

@@ -64,9 +64,12 @@ zeros of an operand as structural, those tensors become the pattern's guards: a 
 is used only while each living guard has the version (in-place writes) and storage
 (``.data =``) it had (:meth:`~torch_vjp._sparse.pattern.Pattern.holds`); else detection runs
 again. A weight without zeros guards nothing (the densest pattern holds whatever its
-values), and a tensor that dies (a constant made at each call) guards nothing. A value read
-for Python (``.item()``, ``bool(t)``) of such a tensor guards too: ``f`` may branch on it
-(``if self.step > warmup``), as on x's values (NOTE [a pattern shaped by values]). A weight
+values), and a tensor that dies (a constant made at each call) guards nothing. The values
+of such tensors shape the pattern in two more ways, which guard too: an integer or boolean
+tensor that an op on tracked data reads (an index buffer ``u[perm]``, a boundary mask in
+``torch.where``: it places the data; reshuffled in place, the pattern moves), and a value
+read for Python (``.item()``, ``bool(t)``: ``f`` may branch on it, ``if self.step >
+warmup``), as on x's values (NOTE [a pattern shaped by values]). A weight
 rebound to another tensor (``W = new`` in a closure) is not seen:
 ``torch_vjp.sparse.clear_cache(f)``.
 """
@@ -266,10 +269,11 @@ class Tracer(TorchDispatchMode):
             else:
                 self._sources[key] = set(src)
 
-    def zeros_taken_as_structural(self, t: Tensor) -> None:
-        """Records that a rule took zeros of ``t`` as structural (or that Python read a
-        value of ``t``, to branch on): the tensors from before the run whose values reached
-        ``t`` become guards of the pattern."""
+    def guarded_by(self, t: Tensor) -> None:
+        """Records that the pattern owes something to ``t``'s values: a rule took zeros of
+        ``t`` as structural, ``t`` placed tracked data (an index, a mask), or Python read a
+        value of ``t`` to branch on. The tensors from before the run whose values reached
+        ``t`` become guards of the pattern (NOTE [structural zeros that move])."""
         for s in self._sources_of(t):
             self.guards[s] = self._external[s]
 
@@ -405,7 +409,11 @@ class Tracer(TorchDispatchMode):
         self._flow(inputs, marked, mutating)
         if name in rules.SCALAR_READS:  # (a branch on a weight's value: it guards too)
             for t in inputs:
-                self.zeros_taken_as_structural(t)
+                self.guarded_by(t)
+        elif tracked_in:  # (an index or mask that places tracked data guards too)
+            for t in inputs:
+                if not carries_sets(t):
+                    self.guarded_by(t)
         if not read_values and not tracked_in:
             if random_in or valued_in:
                 self._mark(marked, random_in)
@@ -494,7 +502,7 @@ class ValueReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _PYTHON_READS and args and isinstance(args[0], Tensor):
             t = args[0]
-            self.tracer.zeros_taken_as_structural(t)  # (a branch on a weight's value)
+            self.tracer.guarded_by(t)  # (a branch on a weight's value)
             if self.tracer.tracked(t) or self.tracer.from_values(t):
                 self.tracer.shaped_by_value(
                     f"Tensor.{name} (a value read from x, for Python to use)")
