@@ -562,6 +562,38 @@ def test_user_pattern_skips_detection(kind, monkeypatch):
     assert detections.calls == 0 and colourings.calls == 1  # kept with the pattern
 
 
+def test_auto_refuses_a_user_pattern_that_leaves_out_non_zeros():
+    # mode="auto" checks its products against a reverse product once; where no mode agreed
+    # it returned the wrong Jacobian with a warning that blamed a random or non-smooth f
+    f = lambda u: u + 0.5 * u.roll(1)  # noqa: E731
+    x = torch.randn(12, dtype=D)
+    pattern = torch.eye(12, dtype=torch.bool)  # (the sub-diagonal left out)
+    with pytest.raises(JacobianOptionError, match=(
+            r"^torch_vjp\.sparse_jacobian: pattern leaves out non-zeros of the Jacobian: the "
+            r"Jacobian computed with it disagrees with a reverse product of f by up to "
+            r"[0-9.e+-]+ \(at a scale of [0-9.e+-]+\) in every mode, and f is deterministic "
+            r"\(two reverse products agree\)\. An entry the pattern leaves out is not "
+            r"computed, and spoils the entries that share its colour, so the result would "
+            r"be wrong\.\n  Fix: pass a pattern that holds every entry that can be non-zero "
+            r"\(torch_vjp\.jacobian_sparsity\(f, x\) detects one")):
+        sparse_jacobian(f, x, pattern=pattern)
+    full = pattern | _dense(jacobian_sparsity(f, x))  # (the fix the message names)
+    torch.testing.assert_close(sparse_jacobian(f, x, pattern=full).to_dense(), _jac(f, x))
+
+
+def test_auto_keeps_a_user_pattern_of_a_random_function():
+    # (a random f disagrees with any reverse product: that says nothing about the pattern)
+    torch.manual_seed(0)
+    drop = torch.nn.Dropout(0.5).train()
+    f = lambda u: drop(u * u.roll(1))  # noqa: E731
+    x = torch.randn(12, dtype=D)
+    pattern = torch.eye(12, dtype=torch.bool) | torch.eye(12, dtype=torch.bool).roll(-1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JacobianWarning)
+        J = sparse_jacobian(f, x, pattern=pattern, layout=torch.strided)
+    assert not J[~pattern].any()
+
+
 def test_a_modified_dense_pattern_is_coloured_again():
     x = torch.randn(6, dtype=D)
     pattern = torch.eye(6, dtype=torch.bool)

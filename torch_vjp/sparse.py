@@ -204,8 +204,9 @@ def sparse_jacobian(
             that updates its running statistics, a sparse CSR constant), which ``"auto"``
             works around.
         JacobianOptionError: unknown ``layout``; a ``pattern`` that is not 2-D or whose
-            shape does not match ``x`` and ``f``'s output; a bad ``chunk_size`` or
-            ``max_memory``.
+            shape does not match ``x`` and ``f``'s output, or (``mode="auto"``, whose check
+            finds it, f being deterministic) that leaves out non-zeros; a bad
+            ``chunk_size`` or ``max_memory``.
         JacobianCallTypeError: ``pattern`` is not a tensor.
         JacobianCallError: ``x`` or ``f``'s output is not floating point; called inside a
             torch.func transform.
@@ -403,10 +404,33 @@ def _checked(
                                      budget, "rev")
         return alt, alt_comp
 
+    def blame_pattern(tried: Any, diff: float, scale: float) -> None:
+        # no route agrees: a random f, or (with a user's pattern, the same in every route)
+        # entries the pattern leaves out; a second reverse product tells them apart
+        if not plan.user or not tried:
+            return
+        with buffers_kept(prob.f):
+            again = one_reverse_product(prob)
+        if again is None:
+            return
+        g2 = torch.cat([t.reshape(-1) for t in again[2]]).to(comp.dtype)
+        same, size = gap(g2, g)
+        if same <= rtol * size:  # (f is deterministic: the pattern is to blame)
+            raise JacobianOptionError(
+                f"{prob.call}: pattern leaves out non-zeros of the Jacobian: the Jacobian "
+                f"computed with it disagrees with a reverse product of f by up to {diff:.3g} "
+                f"(at a scale of {scale:.3g}) in every mode, and f is deterministic (two "
+                f"reverse products agree). An entry the pattern leaves out is not computed, "
+                f"and spoils the entries that share its colour, so the result would be "
+                f"wrong.\n  Fix: pass a pattern that holds every entry that can be non-zero "
+                f"(torch_vjp.jacobian_sparsity(f, x) detects one; yours added to it: "
+                f"detected.to_dense() | pattern.to_dense().bool()), or leave pattern out."
+            )
+
     return agreeing_route(
         prob, first, (coloring, comp), lambda pair: gap_of(*pair), run,
         lambda route: plan.remember(fkey, route), (function_key(prob.f), function_name(prob.f)),
-        "mode", rtol,
+        "mode", rtol, on_none=blame_pattern,
     )
 
 
