@@ -451,11 +451,16 @@ def _changed(module, how):
             module.weight.add_(new)
     elif how == "load_state_dict":
         module.load_state_dict({**module.state_dict(), "weight": new})
-    else:  # .data =: another storage, the same version
+    elif how == "data":  # .data =: another storage, the same version
         module.weight.data = new
+    else:  # rebound: the old parameter lives on (an optimizer holds it), unchanged
+        old = module.weight
+        module.weight = torch.nn.Parameter(new)
+        return old
+    return None
 
 
-@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data"])
+@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data", "rebound"])
 @pytest.mark.parametrize("make", [_zero_head, _Pruned], ids=["zero_head", "pruned"])
 def test_a_weight_whose_zeros_moved_is_detected_again(make, how, monkeypatch):
     # the zeros of a module's weight were taken as structural and the plan cached: once the
@@ -470,8 +475,9 @@ def test_a_weight_whose_zeros_moved_is_detected_again(make, how, monkeypatch):
     sparse_jacobian(module, x)
     sparse_jacobian(module, x)
     assert detections.calls == 1  # (nothing changed: the plan is kept)
-    _changed(module, how)
+    old = _changed(module, how)
     J = sparse_jacobian(module, x, layout=torch.strided)
+    del old
     assert detections.calls == 2
     torch.testing.assert_close(J, torch.func.jacrev(module)(x))
     if make is _Pruned:  # (the mask's zeros stay structural)

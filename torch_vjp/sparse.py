@@ -439,9 +439,9 @@ def clear_cache(f: Callable[..., Any] | None = None) -> None:
     every function, and every user pattern, with ``None``).
 
     Needed when ``f``'s structure changes while it stays the same object: another branch
-    of its control flow, or a weight it closes over rebound to another tensor whose zeros
-    differ (a weight written in place, or given other ``.data``, is detected again
-    without it).
+    of its control flow, or a tensor it closes over rebound to another one whose zeros
+    differ (a weight written in place, or given other ``.data``, and a module's parameter
+    rebound, are detected again without it).
 
     Example:
         >>> f = lambda u: u * u

@@ -27,7 +27,8 @@ object (a bound method by its object and function), so that
 the cache dies with the function. A plan assumes that ``f``'s structure does not change:
 the same branches and the same constant zeros (a weight written in place since, or given
 other data, is seen: NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`;
-one rebound to another tensor needs ``torch_vjp.sparse.clear_cache(f)``). An output whose
+so is a module's parameter or buffer rebound to another tensor, by the key; a tensor
+rebound in a closure needs ``torch_vjp.sparse.clear_cache(f)``). An output whose
 size differs from the plan's (``f`` changed) makes the plan be detected again. A user's
 pattern keeps its plan (its colourings) with the pattern tensor, as long as that tensor
 lives and is not modified.
@@ -195,15 +196,27 @@ def _slot(f: Any, create: bool) -> tuple[dict[Any, Plan] | None, Any]:
             return None, sub
 
 
-def _branch_state(f: Any) -> tuple[bool, ...]:
-    """What selects ``f``'s branches besides ``x`` and is cheap to read: the training flags
-    of the modules it reaches (BatchNorm and dropout compute another function in training
-    mode)."""
+def _branch_state(f: Any) -> tuple[Any, ...]:
+    """What selects ``f``'s branches or constants besides ``x`` and is cheap to read: the
+    training flags of the modules it reaches (BatchNorm and dropout compute another
+    function in training mode), and which tensors their parameters and buffers are (one
+    rebound, ``module.weight = nn.Parameter(...)``, may have other zeros: NOTE [structural
+    zeros that move] in :mod:`~torch_vjp._sparse.tracer` sees writes into the old one)."""
     try:
         found = modules_reached(f)
     except Exception:  # noqa: BLE001 - an odd callable: nothing to add to the key
         return ()
-    return tuple(m.training for top in found for m in top.modules())
+    flags = tuple(m.training for top in found for m in top.modules())
+    tensors = tuple((id(t), _storage_id(t)) for top in found
+                    for t in (*top.parameters(), *top.buffers()))
+    return flags + tensors
+
+
+def _storage_id(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):  # (a sparse tensor)
+        return None
 
 
 def _signature(prob: Problem) -> Any:

@@ -69,9 +69,10 @@ of such tensors shape the pattern in two more ways, which guard too: an integer 
 tensor that an op on tracked data reads (an index buffer ``u[perm]``, a boundary mask in
 ``torch.where``: it places the data; reshuffled in place, the pattern moves), and a value
 read for Python (``.item()``, ``bool(t)``: ``f`` may branch on it, ``if self.step >
-warmup``), as on x's values (NOTE [a pattern shaped by values]). A weight
-rebound to another tensor (``W = new`` in a closure) is not seen:
-``torch_vjp.sparse.clear_cache(f)``.
+warmup``), as on x's values (NOTE [a pattern shaped by values]). A module's parameter
+or buffer rebound to another tensor changes the plan's key (``_branch_state`` in
+:mod:`~torch_vjp._sparse.compute`); a tensor rebound in a closure (``W = new``) is not
+seen: ``torch_vjp.sparse.clear_cache(f)``.
 """
 
 from __future__ import annotations
