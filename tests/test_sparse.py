@@ -535,6 +535,27 @@ def test_an_index_or_mask_changed_in_place_since_is_detected_again(op, monkeypat
     torch.testing.assert_close(J, torch.func.jacrev(f)(x))
 
 
+def test_plans_kept_per_function_are_bounded():
+    # (the key holds which tensors a module's buffers are: one rebound on every call makes
+    # a key per call)
+    class Rebinds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("last", torch.zeros(4, dtype=D))
+
+        def forward(self, x):
+            self.last = x.detach().clone()  # (a new buffer tensor at every call)
+            return x * x.roll(1)
+
+    module = Rebinds()
+    x = torch.randn(4, dtype=D)
+    for _ in range(compute._PLANS_PER_FUNCTION + 8):
+        J = sparse_jacobian(module, x)
+    plans, _ = compute._slot(module, create=False)
+    assert len(plans) == compute._PLANS_PER_FUNCTION
+    torch.testing.assert_close(J.to_dense(), _jac(module, x))
+
+
 def test_a_changed_output_size_is_detected_again():
     size = [4]
     f = lambda x: x[: size[0]] * 2  # noqa: E731

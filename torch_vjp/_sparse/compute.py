@@ -172,6 +172,8 @@ class Plan:
 
 # ---- the cache -----------------------------------------------------------------------------
 
+#: Plans kept per function (the oldest is forgotten first).
+_PLANS_PER_FUNCTION = 32
 _PLANS: weakref.WeakKeyDictionary[Any, dict[Any, Plan]] = weakref.WeakKeyDictionary()
 _STRONG: dict[Any, dict[Any, Plan]] = {}  # functions that cannot be weakly referenced
 _USER: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -242,6 +244,9 @@ def lookup_plan(prob: Problem, build: Callable[[], Pattern], *, fresh: bool = Fa
     if plans is not None and plan.pattern.by_value is None:
         # (a pattern shaped by x's values holds at this x only: not kept, NOTE [a pattern
         # shaped by values] in torch_vjp._sparse.tracer)
+        if key not in plans and len(plans) >= _PLANS_PER_FUNCTION:
+            # (bounded: a module that rebinds a buffer on every call makes a key per call)
+            del plans[next(iter(plans))]
         plans[key] = plan
     return plan
 
