@@ -536,16 +536,16 @@ def test_an_index_or_mask_changed_in_place_since_is_detected_again(op, monkeypat
 
 
 def test_plans_kept_per_function_are_bounded():
-    # (the key holds which tensors a module's buffers are: one rebound on every call makes
-    # a key per call)
+    # (the key holds which tensors a module's parameters are: one rebound on every call
+    # makes a key per call)
     class Rebinds(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.register_buffer("last", torch.zeros(4, dtype=D))
+            self.scale = torch.nn.Parameter(torch.ones(4, dtype=D))
 
         def forward(self, x):
-            self.last = x.detach().clone()  # (a new buffer tensor at every call)
-            return x * x.roll(1)
+            self.scale = torch.nn.Parameter(self.scale.detach().clone())  # (new per call)
+            return x * x.roll(1) * self.scale
 
     module = Rebinds()
     x = torch.randn(4, dtype=D)

@@ -27,7 +27,7 @@ object (a bound method by its object and function), so that
 the cache dies with the function. A plan assumes that ``f``'s structure does not change:
 the same branches and the same constant zeros (a weight written in place since, or given
 other data, is seen: NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`;
-so is a module's parameter or buffer rebound to another tensor, by the key; a tensor
+so is a module's parameter rebound to another tensor, by the key; a tensor
 rebound in a closure needs ``torch_vjp.sparse.clear_cache(f)``). An output whose
 size differs from the plan's (``f`` changed) makes the plan be detected again. A user's
 pattern keeps its plan (its colourings) with the pattern tensor, as long as that tensor
@@ -201,16 +201,16 @@ def _slot(f: Any, create: bool) -> tuple[dict[Any, Plan] | None, Any]:
 def _branch_state(f: Any) -> tuple[Any, ...]:
     """What selects ``f``'s branches or constants besides ``x`` and is cheap to read: the
     training flags of the modules it reaches (BatchNorm and dropout compute another
-    function in training mode), and which tensors their parameters and buffers are (one
-    rebound, ``module.weight = nn.Parameter(...)``, may have other zeros: NOTE [structural
-    zeros that move] in :mod:`~torch_vjp._sparse.tracer` sees writes into the old one)."""
+    function in training mode), and which tensors their parameters are (one rebound,
+    ``module.weight = nn.Parameter(...)``, may have other zeros: NOTE [structural zeros
+    that move] in :mod:`~torch_vjp._sparse.tracer` sees writes into the old one; buffers
+    are left out, as a module may rebind one on every call, a cache of its last input)."""
     try:
         found = modules_reached(f)
     except Exception:  # noqa: BLE001 - an odd callable: nothing to add to the key
         return ()
     flags = tuple(m.training for top in found for m in top.modules())
-    tensors = tuple((id(t), _storage_id(t)) for top in found
-                    for t in (*top.parameters(), *top.buffers()))
+    tensors = tuple((id(t), _storage_id(t)) for top in found for t in top.parameters())
     return flags + tensors
 
 
@@ -245,7 +245,7 @@ def lookup_plan(prob: Problem, build: Callable[[], Pattern], *, fresh: bool = Fa
         # (a pattern shaped by x's values holds at this x only: not kept, NOTE [a pattern
         # shaped by values] in torch_vjp._sparse.tracer)
         if key not in plans and len(plans) >= _PLANS_PER_FUNCTION:
-            # (bounded: a module that rebinds a buffer on every call makes a key per call)
+            # (bounded: a module that rebinds a parameter on every call makes a key per call)
             del plans[next(iter(plans))]
         plans[key] = plan
     return plan

@@ -70,7 +70,7 @@ tensor that an op on tracked data reads (an index buffer ``u[perm]``, a boundary
 ``torch.where``: it places the data; reshuffled in place, the pattern moves), and a value
 read for Python (``.item()``, ``bool(t)``: ``f`` may branch on it, ``if self.step >
 warmup``), as on x's values (NOTE [a pattern shaped by values]). A module's parameter
-or buffer rebound to another tensor changes the plan's key (``_branch_state`` in
+rebound to another tensor changes the plan's key (``_branch_state`` in
 :mod:`~torch_vjp._sparse.compute`); a tensor rebound in a closure (``W = new``) is not
 seen: ``torch_vjp.sparse.clear_cache(f)``.
 """
