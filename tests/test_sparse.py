@@ -608,6 +608,20 @@ def test_auto_refuses_a_user_pattern_that_leaves_out_non_zeros():
     torch.testing.assert_close(sparse_jacobian(f, x, pattern=full).to_dense(), _jac(f, x))
 
 
+@pytest.mark.parametrize("user_pattern", [False, True])
+def test_auto_inside_inference_mode_is_not_checked_against_nothing(user_pattern):
+    # plain autograd records nothing in inference mode: the check's reverse product was all
+    # zeros, every mode "disagreed" with it, and auto warned that f is random or not smooth
+    f = lambda u: u * u.roll(1)  # noqa: E731
+    with torch.inference_mode():
+        x = torch.randn(6, dtype=D)
+        pattern = jacobian_sparsity(f, x) if user_pattern else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", JacobianWarning)
+            J = sparse_jacobian(f, x, pattern=pattern, layout=torch.strided)
+    torch.testing.assert_close(J, _jac(f, x.clone()))
+
+
 def test_auto_keeps_a_user_pattern_of_a_random_function():
     # (a random f disagrees with any reverse product: that says nothing about the pattern)
     torch.manual_seed(0)

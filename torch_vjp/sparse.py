@@ -252,7 +252,10 @@ def sparse_jacobian(
     # pattern serves several functions)
     fkey = route_key(f) if mode == "auto" else None
     route = plan.checked.get(fkey) if fkey is not None else None
-    check = mode == "auto" and route is None and not is_nested()
+    # (plain autograd records nothing in inference mode: no reverse product to check with,
+    # and the route is not remembered, so that a call outside it checks)
+    check = (mode == "auto" and route is None and not is_nested()
+             and not torch.is_inference_mode_enabled())
     colour = None if route in (None, "fwd") else "rev"  # ("auto": its fallbacks stay)
     chunk_now = 1 if route == "rev-loop" else chunk
     try:
