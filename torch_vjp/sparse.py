@@ -28,6 +28,7 @@ from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
     agreeing_route,
+    cotangent,
     gap,
     route_key,
     one_reverse_product,
@@ -408,24 +409,36 @@ def _checked(
         return alt, alt_comp
 
     def blame_pattern(tried: Any, diff: float, scale: float) -> None:
-        # no route agrees: a random f, or (with a user's pattern, the same in every route)
-        # entries the pattern leaves out; a second reverse product tells them apart
+        # no route agrees: a random f, a backward that is not linear in its cotangent (a
+        # hook that clamps the gradient), or (with a user's pattern, the same in every
+        # route) entries the pattern leaves out. Where reverse products are additive,
+        # u^T J + v^T J == (u + v)^T J, f is a deterministic linear map's: the pattern
         if not plan.user or not tried:
             return
+        gen = torch.Generator().manual_seed(1)
+        vs: list[Tensor] = []
+
+        def other(us: list[Tensor]) -> list[Tensor]:
+            vs[:] = [cotangent(t, gen) for t in us]
+            return vs
+
         with buffers_kept(prob.f):
-            again = one_reverse_product(prob)
-        if again is None:
+            got_v = one_reverse_product(prob, keep=other)
+            got_uv = one_reverse_product(prob, keep=lambda us: [a + b for a, b in zip(us, vs)])
+        if got_v is None or got_uv is None:
             return
-        g2 = torch.cat([t.reshape(-1) for t in again[2]]).to(comp.dtype)
-        same, size = gap(g2, g)
-        if same <= rtol * size:  # (f is deterministic: the pattern is to blame)
+        g_v, g_uv = (torch.cat([t.reshape(-1) for t in r[2]]).to(comp.dtype)
+                     for r in (got_v, got_uv))
+        off, size = gap(g_uv, g + g_v)
+        if off <= rtol * size:
             raise JacobianOptionError(
                 f"{prob.call}: pattern leaves out non-zeros of the Jacobian: the Jacobian "
                 f"computed with it disagrees with a reverse product of f by up to {diff:.3g} "
-                f"(at a scale of {scale:.3g}) in every mode, and f is deterministic (two "
-                f"reverse products agree). An entry the pattern leaves out is not computed, "
-                f"and spoils the entries that share its colour, so the result would be "
-                f"wrong.\n  Fix: pass a pattern that holds every entry that can be non-zero "
+                f"(at a scale of {scale:.3g}) in every mode, while f's reverse products are "
+                f"those of one linear map (deterministic and additive in the cotangent). An "
+                f"entry the pattern leaves out is not computed, and spoils the entries that "
+                f"share its colour, so the result would be wrong.\n  Fix: pass a pattern "
+                f"that holds every entry that can be non-zero "
                 f"(torch_vjp.jacobian_sparsity(f, x) detects one; yours added to it: "
                 f"detected.to_dense() | pattern.to_dense().bool()), or leave pattern out."
             )
