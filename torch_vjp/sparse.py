@@ -170,8 +170,8 @@ def sparse_jacobian(
     only compute. The tensors whose values shaped the pattern (a weight whose zeros it took
     as structural, an index or mask buffer, a tensor ``f`` reads a number from) are
     watched: written in place (an optimizer's step, ``load_state_dict``) or given other
-    ``.data``, the next call detects again. Otherwise the cache assumes that ``f``'s structure does not change;
-    see :func:`clear_cache`.
+    ``.data``, the next call detects again. Otherwise the cache assumes that ``f``'s
+    structure does not change; see :func:`clear_cache`.
 
     Args:
         f: a function of ``x`` returning a tensor, or a tuple, list or dict of tensors.
