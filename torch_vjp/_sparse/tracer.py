@@ -265,9 +265,7 @@ class Tracer(TorchDispatchMode):
             key = _storage_key(t)
             if key is None:
                 continue
-            if mutating or any(_storage_key(i) == key for i in inputs):
-                # (a weight written in place, or an output that aliases an input: what
-                # it held stays among its sources)
+            if mutating:  # (a weight written in place: its own source too)
                 self._sources[key] = self._sources_of(t) | src
             else:
                 self._sources[key] = set(src)
