@@ -1076,13 +1076,13 @@ def test_a_compiled_vjp_fn_runs_its_program_on_every_call_where_nothing_is_built
     _, built_here = tv.vjp(f, x, compile=True)
     want = torch.func.vjp(f, x)[1](v)[0]
     torch.testing.assert_close(built_here(v)[0], want)  # builds: the eager products
-    assert runs == []
+    assert runs == [1]  # (and the program once, at random cotangents: its check)
     for _ in range(2):  # its program was checked against its own products: it runs it
         torch.testing.assert_close(built_here(v)[0], want)
     _, later = tv.vjp(f, x, compile=True)
     for _ in range(2):
         torch.testing.assert_close(later(v)[0], want)
-    assert len(runs) == 4
+    assert len(runs) == 5
 
 
 class _EqualModule(torch.nn.Module):
@@ -1108,3 +1108,73 @@ def test_compile_true_takes_a_module_that_cannot_be_hashed():
             for _ in range(2):
                 torch.testing.assert_close(tv.jacobian(f, x, compile=True),
                                            torch.func.jacrev(f)(x))
+
+
+def test_a_compiled_vjp_fn_whose_own_build_agreed_by_coincidence_keeps_its_point():
+    # k changed after the vjp call; the vjp_fn's first call rebuilt the program for k = 3
+    # and compared it with the vjp point's products at cotangents with w[0] = 0, which k
+    # does not move: they agreed, and the next call ran the k = 3 program, 4 v[0] where
+    # the vjp point's answer is 3 v[0], silently
+    cfg, c = _Outer(), torch.randn(5, dtype=D)
+    e0 = torch.zeros(5, dtype=D)
+    e0[0] = 1.0
+
+    def f(x):
+        return x + cfg.inner.k * e0 * (x - c)
+
+    v = torch.randn(5, dtype=D)
+    w = v.clone()
+    w[0] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(2):
+            _, warm = tv.vjp(f, c.clone(), compile=True)
+            torch.testing.assert_close(warm(v)[0], v + 2.0 * e0 * v)
+        _, point = tv.vjp(f, c.clone(), compile=True)
+        cfg.inner.k = 3.0
+        torch.testing.assert_close(point(w)[0], w)
+        for _ in range(2):
+            torch.testing.assert_close(point(v)[0], v + 2.0 * e0 * v)
+
+
+def test_a_compiled_vjp_fn_does_not_take_another_threads_build_for_its_own(monkeypatch):
+    # after the vjp_fn's call had found no build since its vjp call, and before it looked
+    # its program up, another thread moved k and built the program for its own point: the
+    # call ran that program, (1 + 3) v where its answer is (1 + 2) v, and counted the build
+    # as its own
+    import threading
+
+    from torch_vjp._engine import compiled
+
+    cfg, c, v = _Outer(), torch.randn(5, dtype=D), torch.randn(5, dtype=D)
+
+    def f(x):
+        return x + cfg.inner.k * (x - c)
+
+    def other_point():
+        cfg.inner.k = 3.0
+        _, other = tv.vjp(f, c.clone(), compile=True)
+        torch.testing.assert_close(other(v)[0], 4.0 * v)
+
+    pending = []
+    signature = compiled.call_signature
+
+    def call_signature(args):  # (the lookup of the program: the other thread runs first)
+        if pending:
+            thread = threading.Thread(target=pending.pop())
+            thread.start()
+            thread.join()
+        return signature(args)
+
+    monkeypatch.setattr(compiled, "call_signature", call_signature)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(2):
+            _, warm = tv.vjp(f, c.clone(), compile=True)
+            torch.testing.assert_close(warm(v)[0], 3.0 * v)
+        _, point = tv.vjp(f, c.clone(), compile=True)
+        pending.append(other_point)
+        torch.testing.assert_close(point(v)[0], 3.0 * v)
+        assert not pending and cfg.inner.k == 3.0
+        for _ in range(2):
+            torch.testing.assert_close(point(v)[0], 3.0 * v)

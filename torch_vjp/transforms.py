@@ -22,7 +22,7 @@ from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from torch_vjp._checks import (
     TANGENTS,
@@ -31,8 +31,8 @@ from torch_vjp._checks import (
     check_tree_structure,
     normalize_grad_outputs,
 )
-from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, results_agree,
-                                        tracing)
+from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, own_builds,
+                                        results_agree, tracing)
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, recording_connected
 from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
@@ -429,11 +429,25 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
                      else torch.func.vmap(pulled[1], chunk_size=chunk)(cotangents))
             return pulled[0], grads
 
-        out, grads = compiled_call(
-            "torch_vjp.vjp", f, (has_aux, batched, chunk, "with output"), (primals, cotangents),
-            lambda: (res[0], eager_fn(cotangents, **options)), lambda: program,
-        )
-        # (a program built in this call was checked against this point's eager products)
+        def run(cot: Any) -> Any:
+            return compiled_call(
+                "torch_vjp.vjp", f, (has_aux, batched, chunk, "with output"), (primals, cot),
+                lambda: (res[0], eager_fn(cot, **options)), lambda: program,
+            )
+
+        mine = own_builds()
+        out, grads = run(cotangents)
+        made = own_builds() - mine
+        if builds() - built[0] != made:  # (another thread built a program since the check
+            return eager_fn(cotangents, **options)  # above: this call may have run it)
+        if made:  # (NOTE [a compiled vjp_fn's point]: its answer was the eager one)
+            probe = _probe_cotangents(cotangents)
+            before = (builds(), own_builds())
+            out_p, grads_p = run(probe)
+            if (own_builds() != before[1] or builds() != before[0]
+                    or results_agree(res[0], out_p) is not None
+                    or results_agree(eager_fn(probe, **options), grads_p) is not None):
+                return grads  # (built[0] stays behind: the graph answers from now on)
         built[0] = builds()
         if results_agree(res[0], out) is not None:  # (NOTE [a compiled vjp_fn's point])
             return eager_fn(cotangents, **options)
@@ -441,6 +455,20 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
     return (res[0], vjp_fn) + tuple(res[2:])
+
+
+def _probe_cotangents(cotangents: Any) -> Any:
+    """Cotangents drawn from a generator of their own (the caller's stays where it is), of
+    the shapes, dtypes and devices of ``cotangents``: NOTE [a compiled vjp_fn's point]."""
+    gen = torch.Generator().manual_seed(20261127)
+
+    def draw(t: Any) -> Any:
+        if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
+            return t
+        wide = torch.complex128 if t.is_complex() else torch.float64
+        return torch.randn(t.shape, dtype=wide, generator=gen).to(dtype=t.dtype,
+                                                                  device=t.device)
+    return tree_map(draw, cotangents)
 
 
 # NOTE [a compiled vjp_fn's point]
@@ -464,10 +492,15 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 # dynamo guards such a value and recompiles, and the rebuilt program (NOTE [a recompiled
 # entry]) computes the new function's products. So a vjp_fn also counts the programs built
 # in the process (:func:`~torch_vjp._engine.compiled.builds`): where one was built since its
-# vjp call, other than in a call of its own (whose program was checked against its own eager
-# products), the graph answers. A training loop that builds nothing after its first step
-# keeps the compiled program; a vjp_fn made before another point's program was built does
-# not.
+# vjp call, other than in a call of its own, the graph answers. A program built in a call of
+# its own was compared with its eager products at that call's cotangents only, which can
+# agree by coincidence (``k`` changed after the vjp call, and cotangents orthogonal to the
+# directions it moves); so that call also runs the program at cotangents drawn at random and
+# compares it with the graph's products there, and where they differ the graph answers from
+# then on. Builds are counted per thread too (:func:`~torch_vjp._engine.compiled.own_builds`):
+# one another thread made during a call is not the call's own. A training loop that builds
+# nothing after its first step keeps the compiled program; a vjp_fn made before another
+# point's program was built does not.
 
 
 @overload

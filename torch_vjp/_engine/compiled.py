@@ -102,7 +102,7 @@ __all__ = [
     "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
     "plain_context", "in_plain_context", "warn_budget", "check_compile", "program_key",
     "compiled_call", "tracing", "clear_cache", "compiled_jacobian", "results_agree",
-    "builds",
+    "builds", "own_builds",
 ]
 
 #: Compiled entries kept (each holds a compiled program and the function it calls).
@@ -113,6 +113,7 @@ _LOCK = threading.Lock()
 #: How many programs have been built (first calls and recompiled entries), in all: see
 #: :func:`builds`.
 _BUILDS = 0
+_OWN = threading.local()  # (``n``: the programs built by this thread)
 
 
 def builds() -> int:
@@ -120,6 +121,12 @@ def builds() -> int:
     or an entry rebuilt after dynamo recompiled it). A ``vjp_fn`` compares it with the count
     at its ``vjp`` call (NOTE [a compiled vjp_fn's point] in :mod:`torch_vjp.transforms`)."""
     return _BUILDS
+
+
+def own_builds() -> int:
+    """How many of :func:`builds` the calling thread built (a ``vjp_fn`` tells the programs
+    built inside its own call from those another thread built meanwhile)."""
+    return getattr(_OWN, "n", 0)
 
 
 def check_compile(
@@ -462,6 +469,7 @@ def _first_call(
     global _BUILDS
     with _LOCK:
         _BUILDS += 1
+    _OWN.n = own_builds() + 1
     name = f"torch_vjp_compiled_{abs(hash(key)) % 10**8}_{recompiles}"
     modules = modules_reached(f)
     seen: set[int] = set()  # the first call only: a copy of the parameters f reaches
