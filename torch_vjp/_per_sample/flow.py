@@ -180,13 +180,14 @@ def call_dims(
             in_grads[(i, j)] = gs
         else:
             out_grads[(i, j)] = gs
+    weighted = _weighted_grads(job, out, out_dims, edges, batch)
+    where = {(kind, i, j): pos for pos, (kind, i, j) in enumerate(owners)}
     mixing, unsure = _find_mixing(rec.module_calls, in_grads, out_grads, ks, batch, full,
-                                  small)
+                                  small, weighted, where)
     if unsure is not None:
         # whether a module mixes examples cannot be told: no rule is trusted, the fallback
         # computes the definition
         return [(None, unsure) for _ in calls], None
-    weighted = _weighted_grads(job, out, out_dims, edges, batch)
     result: list[tuple[int | None, str]] = []
     for i, c in enumerate(calls):
         y = c.outputs[0] if c.outputs else None
@@ -250,9 +251,10 @@ _WEIGHTS = torch.Generator().manual_seed(20261127)
 
 def _weighted_grads(
     job: Job, out: Any, out_dims: list[int] | None, edges: list[Any], batch: int
-) -> tuple[Tensor, Tensor, tuple[Any, ...], tuple[Any, ...]] | None:
+) -> tuple[Any, ...] | None:
     """The gradients at ``edges`` of ``sum_k w_k loss_k`` for two random weightings ``w``
-    and ``v`` of the examples' losses: ``(w, v, grads_w, grads_v)``. Where a row ``j`` of a
+    and ``v`` of the examples' losses, and for ``w + v``: ``(w, v, grads_w, grads_v,
+    grads_sum)``. Where a row ``j`` of a
     tensor belongs to example ``j`` alone, its two gradients are ``w_j u`` and ``v_j u``; a
     row that follows another example's loss, or several, breaks that ratio. Two backward
     passes test every example at once, where the per-example probes test two (a model that
@@ -269,6 +271,7 @@ def _weighted_grads(
                                   allow_unused=True)
     weights = [torch.rand(batch, generator=_WEIGHTS, dtype=torch.float64) + 1.0
                for _ in range(2)]
+    weights.append(weights[0] + weights[1])  # (the backward's linearity: see _linear_at)
     grads = []
     for w in weights:
         cotangents = []
@@ -279,14 +282,28 @@ def _weighted_grads(
             cotangents.append(g * w.to(device=g.device, dtype=g.dtype).view(shape))
         grads.append(torch.autograd.grad([t for t, _ in pairs], edges, cotangents,
                                          retain_graph=True, allow_unused=True))
-    return weights[0], weights[1], grads[0], grads[1]
+    return weights[0], weights[1], grads[0], grads[1], grads[2]
 
 
-def _rows_moved(weighted: tuple[Tensor, Tensor, tuple[Any, ...], tuple[Any, ...]], pos: int,
-                shape: Sequence[int], d: int, batch: int) -> bool:
+def _linear_at(weighted: tuple[Any, ...], pos: int) -> bool:
+    """Whether the gradient at edge ``pos`` is linear in the examples' loss weights (the sum
+    weighting's gradient the sum of the two weightings'): a backward hook that normalises a
+    gradient by its norm over the batch is not, and breaks every row's ratio without any
+    example's loss reaching another's rows (the per-example probes see that case right)."""
+    a, b, c = weighted[2][pos], weighted[3][pos], weighted[4][pos]
+    if a is None or b is None or c is None:
+        return False
+    a, b, c = a.detach().double(), b.detach().double(), c.detach().double()
+    tol = 64 * torch.finfo(weighted[2][pos].dtype).eps ** 0.5 if (
+        weighted[2][pos].is_floating_point()) else 1e-6
+    return bool(((a + b - c).abs() <= tol * (a.abs() + b.abs()).amax() + 1e-30).all())
+
+
+def _rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: int,
+                batch: int) -> bool:
     """Whether some row along ``d`` of the tensor at edge ``pos`` breaks the ratio of
     :func:`_weighted_grads` (a row that does not belong to the example of its index)."""
-    w, v, grads_w, grads_v = weighted
+    w, v, grads_w, grads_v = weighted[:4]
     a, b = grads_w[pos], grads_v[pos]
     if a is None or b is None:
         return False
@@ -310,30 +327,47 @@ def _find_mixing(
     batch: int,
     full: tuple[Any, ShapeRecord],
     small: tuple[Any, ShapeRecord] | None,
+    weighted: tuple[Any, ...] | None = None,
+    where: dict[tuple[str, int, int], int] | None = None,
 ) -> tuple[str | None, str | None]:
     """The innermost module whose outputs keep examples apart while an input that carries
-    the examples does not: its forward mixes examples (None if there is none). And, where
+    the examples does not: its forward mixes examples (None if there is none). A tensor
+    keeps them apart where, for the probed examples, their losses' gradients are confined
+    to their rows (:func:`confined`) and, for every example at once, the gradients of the
+    two weightings of :func:`_weighted_grads` keep each row's ratio along a dimension of
+    size B that shrank with the batch (a module that mixes only some examples, those
+    sharing a group id say, leaves the probed two apart). And, where
     the only such modules are ones whose inputs could not be compared between the runs on
     ``B`` and ``B - 1`` examples (a layer called once per example, by a loop over the batch:
     every input then counts as carrying the examples, and a dimension that happens to have
     size ``B`` reads as mixed), why the rules cannot be trusted (None otherwise)."""
     order = [id(mc.module) for mc in module_calls]
     reordered = small is not None and [c[0] for c in full[1].calls] != order
-    carries, folds, unsure = _carrying_inputs(
+    carries, folds, unsure, compared = _carrying_inputs(
         full[1], None if small is None else small[1], order, batch)
+
+    def shrinks(kind: str, i: int, j: int) -> bool:
+        # (an output: any dimension of size B; an input: one whose shapes were compared)
+        return kind == "out" or compared(i, j)
     mixers: list[ModuleCall] = []
     guessed: list[ModuleCall] = []
     for i, mc in enumerate(module_calls):
         def ok(gs: list[Tensor | None], shape: Sequence[int],
                folded: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
-               ) -> bool:
+               pos: int | None = None, shrunk: bool = False) -> bool:
             for a, k in enumerate(ks):
                 got = confined(gs[a], shape, k, batch, *folded)
                 if got is not None and not got:
                     return False
-            return True
+            # every example: a row along each dimension of size B that shrank with the batch
+            # follows other examples' losses (NOTE [the per-sample plan], step 3)
+            sized = [d for d, size in enumerate(shape) if size == batch and d not in folded[1]]
+            return not (shrunk and weighted is not None and pos is not None and sized
+                        and all(_rows_moved(weighted, pos, shape, d, batch) for d in sized)
+                        and _linear_at(weighted, pos))
 
-        outs_ok = all(ok(out_grads.get((i, j), [None] * len(ks)), s)
+        outs_ok = all(ok(out_grads.get((i, j), [None] * len(ks)), s, pos=where.get(("out", i, j))
+                         if where else None, shrunk=shrinks("out", i, j))
                       for j, s in enumerate(mc.out_shapes))
         if not outs_ok:
             continue
@@ -341,7 +375,8 @@ def _find_mixing(
             if not carries(i, j):
                 continue
             gs = in_grads.get((i, j))
-            if gs is not None and not ok(gs, s, folds(i, j)):
+            if gs is not None and not ok(gs, s, folds(i, j), where.get(("in", i, j))
+                                         if where else None, shrunk=shrinks("in", i, j)):
                 (guessed if unsure(i) else mixers).append(mc)
                 break
     if not mixers:
@@ -377,21 +412,23 @@ def _carrying_inputs(
     full: ShapeRecord, small: ShapeRecord | None, order: list[int], batch: int,
 ) -> tuple[Callable[[int, int], bool],
            Callable[[int, int], tuple[frozenset[int], frozenset[int]]],
-           Callable[[int], bool]]:
+           Callable[[int], bool], Callable[[int, int], bool]]:
     """Whether input ``j`` of module call ``i`` carries the examples: its shape shrinks with
     the batch; the dimensions of that input that hold them folded (see :func:`confined`): of
     size ``m * B``, shrunk by ``m``, with ``m > 1``, and those of size B that did not shrink
-    (``kept`` of :func:`confined`); and whether call ``i`` could not be compared (then every
-    input counts as carrying the examples).
+    (``kept`` of :func:`confined`); whether call ``i`` could not be compared (then every
+    input counts as carrying the examples); and whether input ``j`` of call ``i`` was (its
+    dimensions of size B outside ``kept`` then shrank with the batch).
 
     The calls of the two runs are matched module by module, occurrence by occurrence, for the
     modules called as many times in both; a module called a different number of times (once
     per example, by a loop over the batch) cannot be matched. Where the recorded run did not
     call the modules of the run on the batch in the same order, none can."""
+    never = (lambda i, j: False)
     if small is None:
-        return (lambda i, j: True), (lambda i, j: _NO_DIMS), (lambda i: False)
+        return (lambda i, j: True), (lambda i, j: _NO_DIMS), (lambda i: False), never
     if [c[0] for c in full.calls] != order:
-        return (lambda i, j: True), (lambda i, j: _NO_DIMS), (lambda i: True)
+        return (lambda i, j: True), (lambda i, j: _NO_DIMS), (lambda i: True), never
     if [c[0] for c in small.calls] == order:
         match: list[int | None] = list(range(len(order)))
     else:
@@ -429,7 +466,15 @@ def _carrying_inputs(
         return (frozenset(d for d, (x, y) in pairs if x - y > 1 and x == batch * (x - y)),
                 frozenset(d for d, (x, y) in pairs if x == y == batch))
 
-    return carries, folds, (lambda i: match[i] is None)
+    def compared(i: int, j: int) -> bool:
+        s = match[i]
+        if s is None:
+            return False
+        a, b = full.calls[i][1], small.calls[s][1]
+        return j < len(a) and j < len(b) and a[j] is not None and b[j] is not None and len(
+            a[j]) == len(b[j])
+
+    return carries, folds, (lambda i: match[i] is None), compared
 
 
 _VIEWS = ("View", "UnsafeView", "Reshape", "Expand", "Squeeze", "Unsqueeze", "Permute",

@@ -23,7 +23,12 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
    that one).
 3. A module whose outputs pass that test while an input that carries the examples fails it
    mixes examples inside its forward (attention across the batch, ``x - x.mean(0)``,
-   BatchNorm in training mode): the plan names the innermost such module, and the strategies
+   BatchNorm in training mode). So does one where, for every example at once, the gradient
+   of a random weighting of the examples' losses breaks a row's ratio to another
+   weighting's (``flow._weighted_grads``; a module that mixes only some examples, those
+   that share a group id, can leave the two probed ones apart), where that gradient is
+   linear in the weights (a backward hook that normalises over the batch is not). The plan
+   names the innermost such module, and the strategies
    that rely on rules refuse the model (:class:`~torch_vjp.PerSampleError`). The module
    calls of the two runs are matched module by module; a module called a different number
    of times in them (a loop over the examples) cannot be matched, and if only such modules
