@@ -1225,3 +1225,21 @@ def test_tensors_inside_a_list_input_are_named_when_nothing_is_differentiated():
         r"separate arguments, e.g\. torch_vjp\.check_function\(lambda a, b: fn\(\[a, b\]\), a, b\)"
     )):
         check_function(lambda xs: Exp.apply(xs[0]) * xs[1], [_x(3), _x(3, seed=1)])
+
+
+def test_an_input_fn_writes_into_is_not_the_callers_with_module_parameters():
+    # the call that finds the parameters feeding a custom Function passed a tensor input
+    # that is not differentiated as is: a forward adding into it (an output buffer) wrote
+    # into the caller's tensor once
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 3).double()
+    out = torch.zeros(3, 3, dtype=torch.long)
+
+    def fn(i, buf):
+        buf.add_(1)
+        return ScaleAddSquare.apply(emb(i), 2.0, emb(i)) + buf
+
+    report = check_function(fn, torch.tensor([1, 4, 1]), out)
+    assert [r.description for r in report.parameters] == ["Embedding.weight: Tensor(5, 3) float64"]
+    assert torch.equal(out, torch.zeros(3, 3, dtype=torch.long))
+    assert out._version == 0

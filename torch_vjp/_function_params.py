@@ -86,7 +86,10 @@ def module_parameters(fn: Callable[..., Any], inputs: tuple[Any, ...], diff: lis
 
     # (which parameters feed a custom Function: one call with leaves for every one)
     leaves = [p.detach().clone().requires_grad_(True) for _, _, p in entries]
-    args = [inputs[i].detach().clone().requires_grad_(True) if i in diff else a
+    # (copies of every tensor input: a forward that writes into an input that is not
+    # differentiated, an output buffer, must not write into the caller's)
+    args = [inputs[i].detach().clone().requires_grad_(True) if i in diff else
+            a.detach().clone() if isinstance(a, Tensor) else a
             for i, a in enumerate(inputs)]
     before_call()
     with torch.enable_grad():
