@@ -1243,3 +1243,28 @@ def test_an_input_fn_writes_into_is_not_the_callers_with_module_parameters():
     assert [r.description for r in report.parameters] == ["Embedding.weight: Tensor(5, 3) float64"]
     assert torch.equal(out, torch.zeros(3, 3, dtype=torch.long))
     assert out._version == 0
+
+
+class _SinInFloat32Zero(torch.autograd.Function):
+    """sin computed in float32 inside; backward returns zeros."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.float().sin().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0
+
+
+def test_a_smaller_step_that_jumps_to_a_plateau_passes_no_wrong_backward():
+    # a forward computing in float32 inside, outputs moved off float32's grid: below
+    # float32's rounding it is flat, the smaller steps' differences jumped to that plateau,
+    # and a backward returning zeros for the sin passed, the report saying the differences
+    # had "converged only at a step of 1e-07" (NOTE [a smaller step])
+    for seed in (0, 4):
+        x = torch.randn(1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        with pytest.raises(FunctionCheckError, match=(
+                r"the gradient autograd computes through fn for input 0 does not match finite "
+                r"differences of forward")):
+            check_function(lambda x: _SinInFloat32Zero.apply(x) * 1.37 + 0.1 * x, x)

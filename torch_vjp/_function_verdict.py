@@ -23,7 +23,12 @@ there. When a probe fails, its differences are therefore taken again with steps 
 (up to 1e8) times smaller, as long as their rounding (which grows as the step shrinks) stays
 below a tenth of ``rtol`` of the probe's scale, so that the test is not loosened:
 differences that converge to what backward returned clear it, and the report notes the step
-that was needed. A wrong backward disagrees at every step.
+that was needed. A wrong backward disagrees at every step. The first passing step must be
+where the larger steps converge: its change to one more step, ten times smaller, is the one
+their error's ``step ** 2`` trend predicts (:func:`_converges`). A forward that computes in
+float32 inside, with outputs moved off float32's grid (``F.apply(x) * 1.37``), is flat at
+steps below float32's rounding: the differences jumped to that plateau, passed a backward
+returning zeros there, and the report said they had converged.
 """
 
 from __future__ import annotations
@@ -69,30 +74,61 @@ class Kink:
 def smaller_step(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, atol: float,
                  rtol: float, unit: float) -> Probe | None:
     """The failed probe ``p`` again with central differences of steps 10, 100, ... times
-    smaller: the first that passes, else the last finite one whose rounding stays small, or
-    None (NOTE [a smaller step]). ``at(xi)``: forward's differentiated outputs with the
-    probe's input at ``xi``."""
+    smaller: the first that passes, where one more step confirms that the differences
+    converge there (else None), or, where none passes, the last finite one whose rounding
+    stays small, or None (NOTE [a smaller step]). ``at(xi)``: forward's differentiated
+    outputs with the probe's input at ``xi``."""
     x, t, cots = p.x, p.t, p.cots
     assert x is not None and t is not None
     c_norm = norm(cots)
-    closest = None
-    for k in range(1, 9):
-        step = eps / 10 ** k
+
+    def probe_at(step: float) -> tuple[float, float, float]:
         with torch.no_grad():
             f_plus, f_minus = at(x + step * t), at(x - step * t)
         jt = [(a - b) / (2 * step) for a, b in zip(f_plus, f_minus)]
         lhs = sum((inner(c, j) for c, j in zip(cots, jt)), 0.0)
         size = max(spread(cots, jt), p.g_size, NORM_SHARE * norm(jt) * c_norm)
         level = [a.abs() + b.abs() for a, b in zip(f_plus, f_minus)]
-        noise = 10 * unit * spread(cots, level) / (2 * step)
+        return lhs, size, 10 * unit * spread(cots, level) / (2 * step)
+
+    # (the larger steps' finite differences: a passing step must continue their trend)
+    larger = [(eps, p.lhs)] if math.isfinite(p.lhs) else []
+    closest = None
+    for k in range(1, 9):
+        step = eps / 10 ** k
+        lhs, size, noise = probe_at(step)
         if not (math.isfinite(lhs) and math.isfinite(size)):
             continue  # (NaN off the domain: a smaller step may stay in it)
         if noise > 0.1 * rtol * size:
             break  # (rounding, growing as the step shrinks, would loosen the test)
         closest = replace(p, lhs=lhs, size=size, noise=noise, step=step)
         if abs(lhs - p.rhs) <= atol + rtol * size + noise:
-            break
+            return closest if _converges(larger, step, lhs, probe_at, atol, rtol) else None
+        larger.append((step, lhs))
     return closest
+
+
+def _converges(larger: list[tuple[float, float]], step: float, lhs: float,
+               probe_at: Callable[[float], tuple[float, float, float]], atol: float,
+               rtol: float) -> bool:
+    """Whether the differences ``lhs`` at ``step``, which pass the test where the larger
+    steps' failed, are where the larger ones converge (NOTE [a smaller step]): their error
+    shrinks as ``step ** 2`` (truncation, ``lhs(s) = T + C s^2``), so the change to a step
+    ten times smaller is the one the last larger step predicts. A forward that rounds
+    coarser than its outputs' dtype (float32 inside, outputs moved off its grid) is flat
+    below its rounding: differences that jump from the slope to a plateau with no trend
+    towards it, and a backward missing that slope would pass at the plateau."""
+    nxt = step / 10
+    lhs_next, size, noise = probe_at(nxt)
+    if not (math.isfinite(lhs_next) and math.isfinite(size)):
+        return False
+    change = lhs - lhs_next
+    if larger:
+        s_j, lhs_j = larger[-1]
+        predicted = (lhs_j - lhs) * (step ** 2 - nxt ** 2) / (s_j ** 2 - step ** 2)
+    else:
+        predicted = 0.0  # (no finite larger step: the next one must agree)
+    return abs(change - predicted) <= atol + rtol * size + noise
 
 
 def find_kink(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, tol: float,
