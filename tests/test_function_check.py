@@ -1268,3 +1268,41 @@ def test_a_smaller_step_that_jumps_to_a_plateau_passes_no_wrong_backward():
                 r"the gradient autograd computes through fn for input 0 does not match finite "
                 r"differences of forward")):
             check_function(lambda x: _SinInFloat32Zero.apply(x) * 1.37 + 0.1 * x, x)
+
+
+class _SinInFloat32(_SinInFloat32Zero):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.float().sin().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()
+
+
+def test_a_forward_rounding_coarser_than_its_outputs_is_no_kink():
+    # float32 inside, outputs moved off float32's grid: the one-sided differences disagree
+    # by rounding, which grows as the step shrinks; it was refused as "not differentiable at
+    # these inputs" (a kink), a backward returning zeros included (NOTE [kinks])
+    x = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for fn in (_SinInFloat32, _SinInFloat32Zero):
+        with pytest.raises(FunctionCheckError, match=(
+                r"(?s)for input 0 does not match finite differences of forward\..*\n  But "
+                r"forward's finite differences grow noisier as the step shrinks \(their "
+                r"one-sided gap grew [\d.]+ times at a step ten times smaller\): forward rounds "
+                r"coarser than its float64 outputs hold \(it computes in float32 or lower "
+                r"inside, say\), so this test cannot tell a right backward from a wrong one at "
+                r"eps=1e-06\.\n  Fix: check with a step and tolerances for that precision, "
+                r"e\.g\. check_function\(fn, \.\.\., eps=5e-3, atol=1e-5, rtol=1e-2\) for "
+                r"float32 inside\.$")) as info:
+            check_function(lambda x, fn=fn: fn.apply(x) * 1.37 + 0.1 * x, x)
+        assert not isinstance(info.value, FunctionCheckValueError)
+    # the suggested step and tolerances tell them apart
+    report = check_function(lambda x: _SinInFloat32.apply(x) * 1.37 + 0.1 * x, x, eps=5e-3,
+                            atol=1e-5, rtol=1e-2)
+    assert report.max_error < 1e-3
+    with pytest.raises(FunctionCheckError, match=r"does not match finite differences"):
+        check_function(lambda x: _SinInFloat32Zero.apply(x) * 1.37 + 0.1 * x, x, eps=5e-3,
+                       atol=1e-5, rtol=1e-2)

@@ -63,6 +63,7 @@ from torch_vjp._errors import (
 )
 from torch_vjp._function_calls import SameDraws
 from torch_vjp._function_verdict import (
+    Kink,
     Probe,
     find_kink,
     kink_message,
@@ -408,12 +409,12 @@ class Checker:
                 continue
             p = rows[failed[0]]
             kink = find_kink(p, at, eps, atol_ + rtol_ * p.size + p.noise, unit)
-            if kink is not None:  # (the point is refused, not backward: NOTE [kinks])
+            if isinstance(kink, Kink):  # (the point is refused, not backward: NOTE [kinks])
                 raise FunctionCheckValueError(kink_message(
                     self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
             raise FunctionCheckError(value_message(
                 self.call, self.fn, self.is_function, self.labels.get(i, i), rows, p, dtype,
-                p.step, atol_, rtol_))
+                p.step, atol_, rtol_, kink))
         return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
 
     def _probe(self, inputs: tuple[Any, ...], eps: float

@@ -10,8 +10,10 @@ the two one-sided slopes, while backward (torch's own formulas too: relu's gradi
 fails, the checker therefore compares the one-sided differences along its tangent ``t``:
 their gap, weighted by the probe's cotangent ``c`` (``sqrt(sum (c * gap)^2)``), is about
 ``eps |f''| t^2`` where forward is smooth, and does not shrink with the step at a kink. A
-gap above the test's tolerance that stays (at least half of it) at a step ten times smaller,
-and above the rounding of both, is a kink: the point is refused with a
+gap above the test's tolerance that stays (at least half of it, at most twice it) at a step
+ten times smaller, and above the rounding of both, is a kink (a gap of rounding grows
+tenfold: a forward computing in float32 inside, its outputs moved off float32's grid, was
+refused as a kink, a backward returning zeros included): the point is refused with a
 :class:`FunctionCheckValueError` (as a non-finite one is), not blamed on backward.
 
 NOTE [a smaller step]
@@ -44,7 +46,7 @@ from torch import Tensor
 from torch_vjp._backward_check import dtype_name
 from torch_vjp._function_values import NORM_SHARE, inner, norm, spread
 
-__all__ = ["Kink", "Probe", "find_kink", "kink_message", "smaller_step", "value_message"]
+__all__ = ["Kink", "Probe", "Rough", "find_kink", "kink_message", "smaller_step", "value_message"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,15 @@ class Probe:
     cots: Sequence[Tensor] = field(default=(), repr=False, compare=False)
     g_size: float = 0.0  # the backward side's share of ``size``
     step: float = 0.0  # the step of the central differences
+
+
+@dataclass(frozen=True)
+class Rough:
+    """The one-sided differences of a failed probe disagree more at a step ten times
+    smaller (``growth`` times): rounding coarser than the outputs' dtype, no kink (NOTE
+    [kinks])."""
+
+    growth: float
 
 
 @dataclass(frozen=True)
@@ -132,9 +143,10 @@ def _converges(larger: list[tuple[float, float]], step: float, lhs: float,
 
 
 def find_kink(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, tol: float,
-              unit: float) -> Kink | None:
-    """Where forward has a kink along the failed probe's tangent, or None (NOTE [kinks]):
-    three more forwards per step, only once the test has failed."""
+              unit: float) -> Kink | Rough | None:
+    """Where forward has a kink along the failed probe's tangent, or :class:`Rough` where
+    its differences grow noisier as the step shrinks, or None (NOTE [kinks]): three more
+    forwards per step, only once the test has failed."""
     x, t, cots = p.x, p.t, p.cots
     assert x is not None and t is not None
     seen = []
@@ -146,7 +158,12 @@ def find_kink(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, tol: f
         seen.append((spread(cots, gap), 10 * unit * spread(cots, level) / step, gap,
                      (f0, fp, fm)))
     (big, big_noise, gap, (f0, fp, fm)), (small, small_noise, _, _) = seen
-    if not (big > max(tol, big_noise) and small > max(0.5 * big, small_noise)):
+    # (a kink's gap keeps its size at the smaller step; rounding's grows tenfold: a forward
+    # that rounds coarser than its outputs' dtype, float32 inside with outputs off its grid,
+    # is no kink, and a wrong backward there must be blamed)
+    if small >= 2 * big and small > max(tol, small_noise):
+        return Rough(small / big if big > 0 else math.inf)
+    if not (big > max(tol, big_noise) and max(small_noise, 0.5 * big) < small < 2 * big):
         return None
     weighted = [(c.abs() * d.abs()).reshape(-1) for c, d in zip(cots, gap)]
     k = max(range(len(weighted)),
@@ -160,9 +177,11 @@ def find_kink(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, tol: f
 
 def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: list[Probe],
                   p: Probe,
-                  dtype: torch.dtype, eps: float, atol: float, rtol: float) -> str:
+                  dtype: torch.dtype, eps: float, atol: float, rtol: float,
+                  rough: Rough | None = None) -> str:
     """The values of the gradient for input ``i`` (or the parameter ``i`` names) are
-    wrong."""
+    wrong; ``rough``: forward's differences grow noisier as the step shrinks, and a
+    right backward may fail too."""
     what = i if isinstance(i, str) else f"input {i}"
     if is_function:
         who = f"the gradient that {fn.__name__}.backward returns for {what}"
@@ -182,7 +201,17 @@ def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: lis
         f"change of <output, c> along t.",
     ]
     hint = _ratio_hint(rows)
-    if hint:
+    if rough is not None:
+        lines.append(
+            f"  But forward's finite differences grow noisier as the step shrinks (their "
+            f"one-sided gap grew {rough.growth:.3g} times at a step ten times smaller): "
+            f"forward rounds coarser than its {dtype_name(dtype)} outputs hold (it computes in "
+            f"float32 or lower inside, say), so this test cannot tell a right backward from a "
+            f"wrong one at eps={eps:g}.\n"
+            f"  Fix: check with a step and tolerances for that precision, e.g. "
+            f"check_function(fn, ..., eps=5e-3, atol=1e-5, rtol=1e-2) for float32 inside."
+        )
+    elif hint:
         lines.append(f"  {hint}")
     else:
         lines.append(
