@@ -1306,3 +1306,38 @@ def test_a_forward_rounding_coarser_than_its_outputs_is_no_kink():
     with pytest.raises(FunctionCheckError, match=r"does not match finite differences"):
         check_function(lambda x: _SinInFloat32Zero.apply(x) * 1.37 + 0.1 * x, x, eps=5e-3,
                        atol=1e-5, rtol=1e-2)
+
+
+class _TakesWeight(torch.nn.Module):
+    def __init__(self, w, fn):
+        super().__init__()
+        self.w, self.fn = w, fn
+
+    def forward(self, x):
+        return self.fn.apply(x, self.w)
+
+
+def test_a_parameter_shared_by_two_modules_moves_in_both():
+    # a weight shared by two modules fn reaches (neither owning the other) was swapped in
+    # the first only: fn could not run in float64 (a float32 weight met a float64 one), the
+    # values fell back to float32, the second use went unchecked, and the report noted the
+    # weight as "a tensor fn captures outside a module"
+    w = torch.nn.Parameter(_x(3, 4, seed=5).float())
+    first, second = _TakesWeight(w, _LinearWeightOff), _TakesWeight(w, _LinearWeightOff)
+    with pytest.raises(FunctionCheckError, match=(
+            r"(?s)for parameter _TakesWeight\.w does not match finite differences of forward"
+            r"\.\n  dot-product test in float64.*1\.5 times the right one")):
+        check_function(lambda x: first(x) + second(x), _x(5, 4).float())
+    first.fn = second.fn = _LinearRight
+    report = check_function(lambda x: first(x) + second(x), _x(5, 4).float())
+    assert report.value_dtype == torch.float64 and report.notes == ()
+    assert [r.description for r in report.parameters] == ["_TakesWeight.w: Tensor(3, 4) float32"]
+    assert report.parameters[0].max_rel_error < 1e-6
+    assert first.w is w and second.w is w
+
+
+class _LinearRight(_LinearWeightOff):
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.T @ x

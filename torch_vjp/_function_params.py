@@ -11,7 +11,9 @@ the Jacobian functions find them) are therefore checked too, where they feed a c
 Function: ``fn`` is called with each module's parameters replaced for the call by
 ``torch.nn.utils.stateless._reparametrize_module`` (what ``torch.func.functional_call``
 does), so that the finite differences move a parameter without writing into it: nothing of
-the caller's changes, not even a version counter. Parameters that reach no custom Function
+the caller's changes, not even a version counter. A parameter that several of these
+modules hold (one weight shared by two layers, neither owning the other) is replaced in
+every one of them. Parameters that reach no custom Function
 (a plain ``Linear`` before it) have torch's own gradients and are left out. A tensor that
 ``fn`` captures outside any module (``lambda x: F.apply(x, w)``) cannot be replaced for a
 call: if it requires grad and feeds a custom Function, the report notes that its gradient
@@ -67,18 +69,23 @@ def module_parameters(fn: Callable[..., Any], inputs: tuple[Any, ...], diff: lis
     known = {id(m) for m in roots}
     roots += [m for m in modules_reached(inputs) if id(m) not in known]
     entries: list[tuple[int, str, Tensor]] = []
-    seen: set[int] = set()
+    # (every place of each parameter: one shared by two modules fn reaches, neither owning
+    # the other, is swapped in both, or the differences moved one use of it only)
+    places: dict[int, list[tuple[int, str]]] = {}
     for r, root in enumerate(roots):
         for name, p in root.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                entries.append((r, name, p))
+            if p.requires_grad:
+                if id(p) not in places:
+                    places[id(p)] = []
+                    entries.append((r, name, p))
+                places[id(p)].append((r, name))
     n = len(inputs)
 
     def run(*args: Any) -> Any:
         per_root: dict[int, dict[str, Tensor]] = {}
-        for (r, name, _), value in zip(entries, args[n:]):
-            per_root.setdefault(r, {})[name] = value
+        for (_, _, p), value in zip(entries, args[n:]):
+            for r, name in places[id(p)]:
+                per_root.setdefault(r, {})[name] = value
         with contextlib.ExitStack() as stack:
             for r, mapping in per_root.items():
                 stack.enter_context(swap(roots[r], mapping, tie_weights=True))
