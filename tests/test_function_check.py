@@ -1341,3 +1341,35 @@ class _LinearRight(_LinearWeightOff):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         return g @ w, g.T @ x
+
+
+class _DropWithGenerator(torch.nn.Module):
+    """Exp, then a dropout mask drawn from a generator the module holds."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.gen = gen
+
+    def forward(self, x):
+        return Exp.apply(x) * (torch.rand(x.shape, generator=self.gen, dtype=x.dtype) > 0.5)
+
+
+def test_a_forward_drawing_from_its_own_generator_sees_the_same_draws_on_every_call():
+    # a dropout drawing from a torch.Generator of fn's closure (or of a module it uses) drew
+    # another mask on every call: the point was refused as a kink (slopes of +-7e5), and
+    # the generator moved (NOTE [check_function's draws])
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    x = _x(6, 5)
+
+    def dropped(t):
+        return Exp.apply(t) * (torch.rand(t.shape, generator=gen, dtype=t.dtype) > 0.5)
+
+    for fn in (dropped, _DropWithGenerator(gen), lambda t: _DropWithGenerator(gen)(t)):
+        report = check_function(fn, x)
+        assert report.inputs[0].max_rel_error < 1e-6
+        assert torch.equal(gen.get_state(), state)
+    # a wrong backward is still caught, and the generator put back
+    with pytest.raises(FunctionCheckError, match=r"backward's result is 0\.666667 times"):
+        check_function(lambda t: _TimesThreeOff.apply(dropped(t)), x)
+    assert torch.equal(gen.get_state(), state)

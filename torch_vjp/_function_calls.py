@@ -11,7 +11,11 @@ the generator state the caller had (:class:`SameDraws`): every forward sees the 
 the ones a plain call would have seen, and the finite differences are those of one fixed
 function. The caller's state is put back at the end, so the global RNG is untouched whether
 or not forward draws. CUDA generators are treated alike for the CUDA devices the inputs
-live on.
+live on, and so are the ``torch.Generator`` objects forward reaches (:func:`generators`: in
+its closure, defaults or globals, a ``partial``'s arguments, an attribute of a module or
+object it uses, among the inputs): a dropout drawing from ``generator=g`` of its closure drew
+other masks on every call, and the check refused the point as a kink (slopes of +-7e5) and
+moved ``g``.
 
 Module buffers that a forward in training mode updates (BatchNorm's running statistics)
 are put back by :func:`torch_vjp._engine.context.buffers_kept`, as the Jacobian functions do.
@@ -20,6 +24,9 @@ are put back by :func:`torch_vjp._engine.context.buffers_kept`, as the Jacobian 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,9 +34,9 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from torch_vjp._engine.context import buffers_kept
+from torch_vjp._engine.context import buffers_kept, captured_values, module_tree
 
-__all__ = ["SameDraws", "kept"]
+__all__ = ["SameDraws", "generators", "kept"]
 
 
 class SameDraws:
@@ -37,7 +44,9 @@ class SameDraws:
     draws]); use as a context manager around the whole check, and call :meth:`reset`
     before each call of forward."""
 
-    def __init__(self, inputs: tuple[Any, ...]) -> None:
+    def __init__(self, inputs: tuple[Any, ...], own: list[torch.Generator] = ()) -> None:
+        self._own = list(own)  # (the generators forward reaches: generators(fn, inputs))
+        self._own_states: list[Tensor] = []
         self._cuda = sorted({
             t.device.index if t.device.index is not None else torch.cuda.current_device()
             for t in pytree.tree_leaves(inputs)
@@ -49,6 +58,7 @@ class SameDraws:
     def __enter__(self) -> SameDraws:
         self._cpu = torch.get_rng_state()
         self._gpu = [torch.cuda.get_rng_state(d) for d in self._cuda]
+        self._own_states = [g.get_state() for g in self._own]
         return self
 
     def reset(self) -> None:
@@ -56,6 +66,8 @@ class SameDraws:
         torch.set_rng_state(self._cpu)
         for d, state in zip(self._cuda, self._gpu):
             torch.cuda.set_rng_state(state, d)
+        for g, state in zip(self._own, self._own_states):
+            g.set_state(state)
 
     def __exit__(self, *exc: Any) -> None:
         self.reset()
@@ -66,5 +78,58 @@ def kept(fn: Any, is_function: bool, inputs: tuple[Any, ...]) -> Iterator[SameDr
     """The whole check's calls: the same draws on every call of forward, the caller's RNG
     state and the buffers of the modules forward uses put back afterwards."""
     target = fn.forward if is_function else fn
-    with buffers_kept(target, primals=inputs), SameDraws(inputs) as draws:
+    with buffers_kept(target, primals=inputs), SameDraws(
+            inputs, generators(target, inputs)) as draws:
         yield draws
+
+
+#: Objects :func:`generators` looks at in all, and items of one list or dict.
+_SEARCHED, _ITEMS = 512, 64
+_SKIPPED = (Tensor, str, bytes, int, float, complex, bool, type, types.ModuleType, type(None))
+
+
+def generators(fn: Any, inputs: tuple[Any, ...], depth: int = 6) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``fn`` reaches (NOTE [check_function's draws]): in
+    its closure cells, defaults and the globals its code names, a ``partial``'s function and
+    arguments, a bound method's object, the attributes of a plain object or of any module it
+    holds, the items of a list, tuple or dict, and the inputs; ``depth`` levels, at most
+    :data:`_SEARCHED` objects."""
+    found: dict[int, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, level: int) -> None:
+        if isinstance(obj, torch.Generator):
+            found[id(obj)] = obj
+            return
+        if isinstance(obj, _SKIPPED) or id(obj) in seen or len(seen) >= _SEARCHED or level <= 0:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            for m in module_tree((obj,)):
+                seen.add(id(m))
+                for value in itertools.islice(vars(m).values(), _ITEMS):
+                    if not isinstance(value, torch.nn.Module):
+                        visit(value, level - 1)
+            return
+        if isinstance(obj, types.FunctionType):
+            items = [*captured_values(obj), *(obj.__defaults__ or ()),
+                     *(obj.__kwdefaults__ or {}).values()]
+        elif isinstance(obj, types.MethodType):
+            items = [obj.__self__, obj.__func__]
+        elif isinstance(obj, functools.partial):
+            items = [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            items = list(itertools.islice(obj, _ITEMS))
+        elif isinstance(obj, dict):
+            items = list(itertools.islice(obj.values(), _ITEMS))
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            items = list(itertools.islice(attrs.values(), _ITEMS)) if isinstance(
+                attrs, dict) else []
+        for item in items:
+            visit(item, level - 1)
+
+    visit(fn, depth)
+    for a in inputs:
+        visit(a, depth)
+    return list(found.values())
