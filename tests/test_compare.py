@@ -604,6 +604,22 @@ def test_a_random_f_gives_the_reference_and_each_strategy_the_same_draws():
     assert "the reference and each strategy start from the same generator state" in \
         report.reference
 
+def test_a_random_f_drawing_from_its_own_generator_gets_the_same_draws_too():
+    # a dropout drawing from a torch.Generator in f's closure: the reference and every
+    # strategy drew other masks (each row "wrong"), and the caller's generator moved
+    W = torch.randn(4, 4, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+
+    def f(x):
+        return torch.tanh(W @ (x * (torch.rand(x.shape, generator=gen, dtype=x.dtype) > 0.5)))
+
+    report = compare_strategies(f, torch.randn(4, dtype=torch.float64), strategies=(
+        "rev", "rev-loop"), min_run_time=FAST, memory=False)
+    assert [row.status for row in report.rows] == ["ok", "ok"], str(report)
+    assert torch.equal(gen.get_state(), state)
+
+
 def test_a_wrong_entry_at_a_zero_tolerance_is_wrong():
     # the ratio error / tolerance was 0 / 0 = nan at an exact entry of tolerance 0, and the
     # argmax took that nan: a result wrong by 1 passed with atol = rtol = 0
