@@ -337,6 +337,16 @@ def _errors_across_ranks(rank, world, group):
     with pytest.raises(tv.JacobianCallError, match=r"the 'running_mean' of the BatchNorm1d f "
                        r"uses holds different values on rank 1"):
         tv.jacobian(bn, xb, process_group=group)
+    # complex values that differ in their imaginary parts only: the checksums cast them to
+    # float64, which dropped the imaginary parts, and the gathered Jacobian mixed two
+    # functions (an argument not differentiated, a captured tensor)
+    z = torch.complex(x, x.cos() + 1e-3 * rank)
+    with pytest.raises(tv.JacobianCallError, match=r"the function differs between ranks: a "
+                       r"tensor of shape \(5,\) that f captures holds different values"):
+        tv.jacobian(lambda x: x * z.imag, x, process_group=group)
+    with pytest.raises(tv.JacobianCallError, match=r"primals\[1\], an argument of f that is "
+                       r"not differentiated, differs between ranks: it holds different values"):
+        tv.jacobian(lambda x, z: x * z.imag, x, z, process_group=group)
     # the group still works after every error
     _close(tv.jacobian(f, x, process_group=group), torch.func.jacrev(f)(x), "after errors")
 
@@ -652,3 +662,22 @@ def test_sharded_jacobian_nccl():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_cuda_worker, args=(world, os.path.join(d, "init")), nprocs=world,
                  join=True)
+
+
+def test_checksums_of_a_large_tensor_take_little_memory_more():
+    # the checksums of a tensor (a primal, an argument, a module's weight) held a dozen
+    # float64 temporaries of its size at once: 2 GB more for a 100 MB weight, on every call
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, torch\n"
+        "from torch_vjp._sharded_check import _checksums\n"
+        "x = torch.ones(25_000_000)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "_checksums(x)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=os.environ, check=True)
+    assert int(out.stdout.strip()) < 500, out.stdout  # (MB more than the 100 MB tensor)

@@ -124,25 +124,39 @@ def verdict(gap: tuple[float, float] | None, dtype: torch.dtype, failed: bool, g
     return diff <= tolerance(dtype) * scale, diff, scale, bool(failed_any)
 
 
+#: Elements of a tensor checksummed at a time: the float64 temporaries of one chunk (about
+#: a dozen of its size) stay small whatever the tensor's size (a model's embedding).
+_CHUNK = 1 << 20
+
+
 def _checksums(leaf: Tensor) -> tuple[Any, int]:
     """``(((sum, sum of |terms|) per checksum), numel)`` of a tensor's values (NOTE [sharded
-    Jacobian])."""
-    x = leaf.detach().reshape(-1).to(torch.float64)
-    if x.is_complex():
+    Jacobian]): a complex tensor's real and imaginary parts both, a chunk of
+    :data:`_CHUNK` elements at a time (the whole tensor at once held a dozen float64 copies
+    of it: 2 GB more for a 100 MB weight)."""
+    x = leaf.detach().reshape(-1)
+    if x.is_complex():  # (before float64: .to(float64) drops the imaginary part)
         x = torch.view_as_real(x).reshape(-1)
-    # (weights alike on every rank, spread like random ones: the fractional parts of
-    # multiples of the golden ratio, computed where x is, without a CPU generator's draw
-    # and copy of x's size; a change that cancels in the plain sum, or in a position-
-    # weighted one, does not cancel here. The non-finite values apart, by where they are
-    # and what they are, so that one inf masks nothing)
-    w = torch.arange(x.numel(), dtype=torch.float64, device=x.device)
-    w = w.mul_(0.6180339887498949).frac_().sub_(0.5)
-    finite = torch.isfinite(x)
-    xf = torch.where(finite, x, 0.0)
-    kinds = torch.where(torch.isnan(x), 1.0, torch.where(x > 0, 2.0, 3.0))
-    odd = torch.where(finite, 0.0, kinds * (w + 4.0))
-    terms = torch.stack((xf, xf * w, odd))
-    return tuple(zip(terms.sum(1).tolist(), terms.abs().sum(1).tolist())), x.numel()
+    n = x.numel()
+    totals = [[0.0, 0.0] for _ in range(3)]
+    for start in range(0, n, _CHUNK):
+        part = x[start:start + _CHUNK].to(torch.float64)
+        # (weights alike on every rank, spread like random ones: the fractional parts of
+        # multiples of the golden ratio, computed where x is, without a CPU generator's
+        # draw; a change that cancels in the plain sum, or in a position-weighted one, does
+        # not cancel here. The non-finite values apart, by where they are and what they
+        # are, so that one inf masks nothing)
+        w = torch.arange(start, start + part.numel(), dtype=torch.float64, device=x.device)
+        w = w.mul_(0.6180339887498949).frac_().sub_(0.5)
+        finite = torch.isfinite(part)
+        xf = torch.where(finite, part, 0.0)
+        kinds = torch.where(torch.isnan(part), 1.0, torch.where(part > 0, 2.0, 3.0))
+        odd = torch.where(finite, 0.0, kinds * (w + 4.0))
+        terms = torch.stack((xf, xf * w, odd))
+        for total, s, a in zip(totals, terms.sum(1).tolist(), terms.abs().sum(1).tolist()):
+            total[0] += s
+            total[1] += a
+    return tuple((s, a) for s, a in totals), n
 
 
 def _other_leaf(leaf: Any) -> tuple[Any, ...]:
