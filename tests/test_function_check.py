@@ -1373,3 +1373,43 @@ def test_a_forward_drawing_from_its_own_generator_sees_the_same_draws_on_every_c
     with pytest.raises(FunctionCheckError, match=r"backward's result is 0\.666667 times"):
         check_function(lambda t: _TimesThreeOff.apply(dropped(t)), x)
     assert torch.equal(gen.get_state(), state)
+
+
+class _SpectralLinear(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.weight = torch.nn.Parameter(_x(3, 4, seed=5))
+
+    def forward(self, x):
+        return self.fn.apply(x, self.weight)
+
+
+def test_a_buffer_a_call_updates_and_the_next_reads_is_put_back_before_every_call():
+    # spectral norm in training mode: each call moves its power-iteration vectors, which
+    # normalise the weight, so every call was another function and a correct backward was
+    # blamed for input 0 (<J t, c> = -2.7 against 1.5); the buffers were put back only at
+    # the end (NOTE [check_function's draws])
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = parametrizations.spectral_norm(_SpectralLinear(_LinearRight))
+    before = {k: (v.clone(), v._version) for k, v in model.state_dict(keep_vars=True).items()}
+    report = check_function(model, _x(2, 4))
+    assert report.inputs[0].max_rel_error < 1e-6
+    assert report.parameters[0].max_rel_error < 1e-6
+    for k, v in model.state_dict(keep_vars=True).items():
+        assert torch.equal(v, before[k][0]), k
+    # torch.nn.utils.spectral_norm (one power iteration per call, from the vectors the last
+    # call left): a correct backward for input 0 was blamed by 30 times
+    old = torch.nn.utils.spectral_norm(_SpectralLinear(_LinearRight))
+    old.weight_orig.requires_grad_(False)  # (its power iteration is not differentiated)
+    before = {k: v.clone() for k, v in old.state_dict().items()}
+    assert check_function(old, _x(2, 4)).inputs[0].max_rel_error < 1e-6
+    for k, v in old.state_dict().items():  # (its own in-place writes move the versions)
+        assert torch.equal(v, before[k]), k
+    # a backward wrong for the weight is still blamed
+    model = parametrizations.spectral_norm(_SpectralLinear(_LinearWeightOff))
+    with pytest.raises(FunctionCheckError, match=r"(?s)for parameter Parametrized_SpectralLinear"
+                       r"\.parametrizations\.weight\.original does not match.*1\.5 times"):
+        check_function(model, _x(2, 4))
