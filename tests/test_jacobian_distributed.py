@@ -300,6 +300,20 @@ def _errors_across_ranks(rank, world, group):
         tv.jacobian(lambda p, x: x * p["s"].sum(), {"s": torch.ones((2,) * min(rank, 1),
                                                                     dtype=DT)},
                     x, argnums=1, process_group=group)
+    # an argument passed on one rank only (f's default on the other): the ranks' shares were
+    # of two functions, gathered without a word
+    scaled_default = lambda x, s=1.0: x.sin() * s  # noqa: E731
+    extra = (2.0,) if rank == 1 else ()
+    with pytest.raises(tv.JacobianCallError, match=r"primals\[1\], an argument of f that is "
+                       r"not differentiated, differs between ranks: it is passed on rank 1 but "
+                       r"not on rank 0"):
+        tv.jacobian(scaled_default, x, *extra, process_group=group)
+    # a dict built in another order on another rank is the same argument: the Jacobian
+    ws = {"a": torch.full((5,), 2.0, dtype=DT), "b": torch.full((5,), 3.0, dtype=DT)}
+    ordered = ws if rank == 0 else {"b": ws["b"], "a": ws["a"]}
+    weighted = lambda x, w: x.sin() * w["a"] + x * w["b"]  # noqa: E731
+    _close(tv.jacobian(weighted, x, ordered, process_group=group),
+           torch.func.jacrev(weighted)(x, ws), "a dict in another order")
     # alike on every rank (objects other than numbers are not compared): the Jacobian
     tagged = lambda x, y, tag: x.sin() * y  # noqa: E731
     same = torch.full((5,), 2.0, dtype=DT)

@@ -207,7 +207,9 @@ def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
         if i in prob.argnums:
             continue
         leaves = tree_flatten_with_path(primal)[0]
-        others.append((i, [(keystr(path), _other_leaf(leaf)) for path, leaf in leaves]))
+        # (by path: a dict built in another order on another rank is the same argument)
+        others.append((i, sorted(((keystr(path), _other_leaf(leaf)) for path, leaf in leaves),
+                                 key=lambda item: item[0])))
     return {
         "strategy": strategy,
         "argnums": prob.argnums,
@@ -234,12 +236,19 @@ def _same_sums(a: Any, b: Any) -> bool:
 def _other_differs(ref: list[Any], got: list[Any], r: int) -> tuple[str, str] | None:
     """``(name, how)`` of the first argument not differentiated that differs on rank ``r``
     from rank 0, or None."""
+    if len(ref) != len(got):  # (an argument passed on some ranks only: f(x, *extra))
+        more, fewer, where = (got, ref, f"on rank {r} but not on rank 0") if len(got) > len(
+            ref) else (ref, got, f"on rank 0 but not on rank {r}")
+        return f"primals[{more[len(fewer)][0]}]", f"it is passed {where}"
     for (i, leaves_a), (_, leaves_b) in zip(ref, got):
         if len(leaves_a) != len(leaves_b):
             return f"primals[{i}]", f"it holds {len(leaves_b)} leaves on rank {r} but " \
                 f"{len(leaves_a)} on rank 0"
-        for (path, a), (_, b) in zip(leaves_a, leaves_b):
+        for (path, a), (path_b, b) in zip(leaves_a, leaves_b):
             name = f"primals[{i}]{path}"
+            if path != path_b:
+                return f"primals[{i}]", (f"it holds primals[{i}]{path_b} on rank {r} where "
+                                         f"rank 0's holds {name}")
             if a[0] != b[0]:
                 return name, f"it is a {b[0]} on rank {r} but a {a[0]} on rank 0"
             if a[0] == "tensor":
