@@ -1413,3 +1413,34 @@ def test_a_buffer_a_call_updates_and_the_next_reads_is_put_back_before_every_cal
     with pytest.raises(FunctionCheckError, match=r"(?s)for parameter Parametrized_SpectralLinear"
                        r"\.parametrizations\.weight\.original does not match.*1\.5 times"):
         check_function(model, _x(2, 4))
+
+
+class _ReluOfWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.0, 1.5, -2.0], dtype=torch.float64))
+
+    def forward(self, x):
+        return Exp.apply(x * torch.relu(self.w))
+
+
+def test_a_parameter_refused_for_its_values_names_a_fix_for_a_parameter():
+    # a parameter holding NaN, or at a kink, was refused with the inputs' fix, "check at
+    # finite inputs, e.g. torch.randn(3, 4)": no argument of fn holds it
+    model = _UsesLinearWeightOff()
+    with torch.no_grad():
+        model.w[1, 2] = float("nan")
+    with pytest.raises(FunctionCheckValueError, match=(
+            r"(?s)parameter _UsesLinearWeightOff\.w holds non-finite values \(1 of 12 elements "
+            r"is NaN or inf.*\n  Fix: parameter _UsesLinearWeightOff\.w is the module's own "
+            r"tensor, not an argument of fn: check a copy of the module whose w is moved to "
+            r"finite values \(m = copy\.deepcopy\(model\); torch\.nn\.init\.normal_\(m\.w\); "
+            r"torch_vjp\.check_function\(m, \.\.\.\)\), or leave its gradient unchecked with "
+            r"model\.w\.requires_grad_\(False\)\.$")):
+        check_function(model, _x(5, 4))
+    with pytest.raises(FunctionCheckValueError, match=(
+            r"(?s)forward is not differentiable at these inputs: along a random direction t "
+            r"of parameter _ReluOfWeight\.w.*\n  Fix: parameter _ReluOfWeight\.w is the "
+            r"module's own tensor, not an argument of fn: check a copy of the module whose w "
+            r"is moved away from the kink")):
+        check_function(_ReluOfWeight(), _x(3))

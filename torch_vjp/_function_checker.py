@@ -67,6 +67,7 @@ from torch_vjp._function_verdict import (
     Probe,
     find_kink,
     kink_message,
+    parameter_fix,
     smaller_step,
     value_message,
 )
@@ -310,8 +311,8 @@ class Checker:
                 f"NaN or inf those differences are NaN whatever backward returns: the test "
                 f"would fail a correct backward. (The count, shapes, dtypes and devices of "
                 f"what backward returns were checked, and are right.)\n"
-                f"  Fix: check at finite inputs, e.g. {example}."
-            )
+                + (parameter_fix(self.labels[i], "to finite values") if i in self.labels
+                   else f"  Fix: check at finite inputs, e.g. {example}."))
 
     def _check_finite_outputs(self, inputs: tuple[Any, ...], flat: Sequence[Any],
                               pos: list[int], dtype: torch.dtype) -> None:

@@ -46,7 +46,8 @@ from torch import Tensor
 from torch_vjp._backward_check import dtype_name
 from torch_vjp._function_values import NORM_SHARE, inner, norm, spread
 
-__all__ = ["Kink", "Probe", "Rough", "find_kink", "kink_message", "smaller_step", "value_message"]
+__all__ = ["Kink", "Probe", "Rough", "find_kink", "kink_message", "parameter_fix",
+           "smaller_step", "value_message"]
 
 
 @dataclass(frozen=True)
@@ -249,8 +250,23 @@ def kink_message(call: str, i: int | str, x: Tensor, kink: Kink, n_outputs: int,
         f"are checked against averages the two sides, so the check would blame a backward "
         f"that may be right. (The count, shapes, dtypes and devices of what backward returns "
         f"were checked, and are right.)\n"
-        f"  Fix: check at a point away from kinks, e.g. torch.randn({shape}{dtype}): random "
-        f"values lie on a kink with probability zero."
+        + (parameter_fix(i, "away from the kink") if isinstance(i, str) else
+           f"  Fix: check at a point away from kinks, e.g. torch.randn({shape}{dtype}): random "
+           f"values lie on a kink with probability zero.")
+    )
+
+
+def parameter_fix(label: str, where: str) -> str:
+    """The fix where the point refused is a module's parameter (``label``, ``"parameter
+    Model.w"``): its values are the module's, not an argument the caller can change in the
+    call (the inputs' ``torch.randn(...)`` was suggested)."""
+    name = label.removeprefix("parameter ")
+    attr = name.split(".", 1)[1] if "." in name else name
+    return (
+        f"  Fix: {label} is the module's own tensor, not an argument of fn: check a copy of "
+        f"the module whose {attr} is moved {where} (m = copy.deepcopy(model); "
+        f"torch.nn.init.normal_(m.{attr}); torch_vjp.check_function(m, ...)), or leave its "
+        f"gradient unchecked with model.{attr}.requires_grad_(False)."
     )
 
 
