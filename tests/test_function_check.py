@@ -1325,13 +1325,15 @@ def test_a_parameter_shared_by_two_modules_moves_in_both():
     w = torch.nn.Parameter(_x(3, 4, seed=5).float())
     first, second = _TakesWeight(w, _LinearWeightOff), _TakesWeight(w, _LinearWeightOff)
     with pytest.raises(FunctionCheckError, match=(
-            r"(?s)for parameter _TakesWeight\.w does not match finite differences of forward"
+            r"(?s)for parameter _TakesWeight\[0\]\.w does not match finite differences of "
+            r"forward"
             r"\.\n  dot-product test in float64.*1\.5 times the right one")):
         check_function(lambda x: first(x) + second(x), _x(5, 4).float())
     first.fn = second.fn = _LinearRight
     report = check_function(lambda x: first(x) + second(x), _x(5, 4).float())
     assert report.value_dtype == torch.float64 and report.notes == ()
-    assert [r.description for r in report.parameters] == ["_TakesWeight.w: Tensor(3, 4) float32"]
+    assert [r.description for r in report.parameters] == [
+        "_TakesWeight[0].w: Tensor(3, 4) float32"]
     assert report.parameters[0].max_rel_error < 1e-6
     assert first.w is w and second.w is w
 
@@ -1444,3 +1446,17 @@ def test_a_parameter_refused_for_its_values_names_a_fix_for_a_parameter():
             r"module's own tensor, not an argument of fn: check a copy of the module whose w "
             r"is moved away from the kink")):
         check_function(_ReluOfWeight(), _x(3))
+
+
+def test_the_parameters_of_two_modules_of_one_class_are_told_apart():
+    # two modules of one class, each with its own weight, were both "_TakesWeight.w": the
+    # message did not say which one's gradient was wrong
+    right = _TakesWeight(torch.nn.Parameter(_x(3, 4, seed=5)), _LinearRight)
+    wrong = _TakesWeight(torch.nn.Parameter(_x(3, 4, seed=6)), _LinearWeightOff)
+    with pytest.raises(FunctionCheckError, match=r"for parameter _TakesWeight\[1\]\.w does not "
+                       r"match"):
+        check_function(lambda x: right(x) + wrong(x).sin(), _x(5, 4))
+    wrong.fn = _LinearRight
+    report = check_function(lambda x: right(x) + wrong(x).sin(), _x(5, 4))
+    assert [r.description.split(":")[0] for r in report.parameters] == [
+        "_TakesWeight[0].w", "_TakesWeight[1].w"]

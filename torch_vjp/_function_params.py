@@ -117,8 +117,13 @@ def module_parameters(fn: Callable[..., Any], inputs: tuple[Any, ...], diff: lis
         full = [values.get(k, p) for k, (_, _, p) in enumerate(entries)]
         return run(*args[:n], *full)
 
+    # (two modules of one class, each with its own w, were both "M.w": which one's gradient
+    # was wrong, the report did not say; such roots are numbered in the order fn reaches them)
+    kinds = [type(root).__name__ for root in roots]
+    label = [f"{k}[{kinds[:r].count(k)}]" if kinds.count(k) > 1 else k
+             for r, k in enumerate(kinds)]
     return Params(
-        names=tuple(f"{type(roots[r]).__name__}.{name}" for r, name, _ in kept),
+        names=tuple(f"{label[r]}.{name}" for r, name, _ in kept),
         tensors=tuple(p for _, _, p in kept),
         run=run_kept,
         unchecked=unchecked,
