@@ -1460,3 +1460,29 @@ def test_the_parameters_of_two_modules_of_one_class_are_told_apart():
     report = check_function(lambda x: right(x) + wrong(x).sin(), _x(5, 4))
     assert [r.description.split(":")[0] for r in report.parameters] == [
         "_TakesWeight[0].w", "_TakesWeight[1].w"]
+
+
+class _ReluDoubled(_Relu):
+    """relu whose backward doubles every gradient."""
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * g * (x > 0).to(g.dtype)
+
+
+def test_a_kink_does_not_excuse_an_error_it_cannot_explain():
+    # a relu whose backward doubles every gradient, checked at whole numbers (a zero among
+    # them): refused as a kink, "the check would blame a backward that may be right"; no
+    # choice of one-sided slopes comes near its error (NOTE [kinks])
+    x = torch.tensor([-2.0, 0.0, 1.0, 3.0, 2.0, 5.0], dtype=torch.float64)
+    with pytest.raises(FunctionCheckError, match=(
+            r"(?s)check_function\(_ReluDoubled\): the gradient that _ReluDoubled\.backward "
+            r"returns for input 0 does not match finite differences of forward\..*\n  forward "
+            r"has a kink at these inputs too \(one-sided rates of .* and .*\), but any choice "
+            r"of one-sided slopes stays within [\d.e+-]+ of <J t, c>, far less than the error: "
+            r"it is backward's\.\n  Fix: re-derive _ReluDoubled\.backward")) as info:
+        check_function(_ReluDoubled, x)
+    assert not isinstance(info.value, FunctionCheckValueError)
+    with pytest.raises(FunctionCheckValueError, match=r"forward is not differentiable"):
+        check_function(_Relu, x)

@@ -410,7 +410,8 @@ class Checker:
                 continue
             p = rows[failed[0]]
             kink = find_kink(p, at, eps, atol_ + rtol_ * p.size + p.noise, unit)
-            if isinstance(kink, Kink):  # (the point is refused, not backward: NOTE [kinks])
+            if isinstance(kink, Kink) and abs(p.lhs - p.rhs) <= 2 * kink.explains + atol_ + \
+                    rtol_ * p.size + p.noise:  # (the point is refused, not backward: NOTE [kinks])
                 raise FunctionCheckValueError(kink_message(
                     self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
             raise FunctionCheckError(value_message(

@@ -13,7 +13,11 @@ their gap, weighted by the probe's cotangent ``c`` (``sqrt(sum (c * gap)^2)``), 
 gap above the test's tolerance that stays (at least half of it, at most twice it) at a step
 ten times smaller, and above the rounding of both, is a kink (a gap of rounding grows
 tenfold: a forward computing in float32 inside, its outputs moved off float32's grid, was
-refused as a kink, a backward returning zeros included): the point is refused with a
+refused as a kink, a backward returning zeros included). A backward that returns either
+one-sided slope, element by element, lies within ``0.5 sum |c * gap|`` of the central
+differences; an error more than twice that is backward's whatever the kink, and is blamed
+(a relu whose backward doubled every gradient, checked at whole numbers, was refused as a
+kink, 'a backward that may be right'). Else: the point is refused with a
 :class:`FunctionCheckValueError` (as a non-finite one is), not blamed on backward.
 
 NOTE [a smaller step]
@@ -81,6 +85,9 @@ class Kink:
     index: tuple[int, ...]  # the element of that output
     left: float  # (f(x) - f(x - eps t)) / eps there
     right: float  # (f(x + eps t) - f(x)) / eps there
+    # (how far from the central differences any choice of one-sided slopes lies, in the
+    # probe's terms: 0.5 sum |c * gap|; an error beyond it is backward's, NOTE [kinks])
+    explains: float = math.inf
 
 
 def smaller_step(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, atol: float,
@@ -173,13 +180,14 @@ def find_kink(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, tol: f
     index = tuple(int(d) for d in torch.unravel_index(torch.tensor(flat_at), f0[k].shape))
     left = ((f0[k] - fm[k]) / eps).reshape(-1)[flat_at].item()
     right = ((fp[k] - f0[k]) / eps).reshape(-1)[flat_at].item()
-    return Kink(k, index, left, right)
+    explains = 0.5 * sum(float(w.sum()) for w in weighted)
+    return Kink(k, index, left, right, explains)
 
 
 def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: list[Probe],
                   p: Probe,
                   dtype: torch.dtype, eps: float, atol: float, rtol: float,
-                  rough: Rough | None = None) -> str:
+                  rough: Rough | Kink | None = None) -> str:
     """The values of the gradient for input ``i`` (or the parameter ``i`` names) are
     wrong; ``rough``: forward's differences grow noisier as the step shrinks, and a
     right backward may fail too."""
@@ -202,6 +210,12 @@ def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: lis
         f"change of <output, c> along t.",
     ]
     hint = _ratio_hint(rows)
+    if isinstance(rough, Kink):  # (NOTE [kinks]: one it cannot explain)
+        lines.append(
+            f"  forward has a kink at these inputs too (one-sided rates of {rough.right:.6g} "
+            f"and {rough.left:.6g}), but any choice of one-sided slopes stays within "
+            f"{rough.explains:.3g} of <J t, c>, far less than the error: it is backward's.")
+        rough = None
     if rough is not None:
         lines.append(
             f"  But forward's finite differences grow noisier as the step shrinks (their "
