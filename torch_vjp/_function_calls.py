@@ -22,7 +22,9 @@ are put back by :func:`torch_vjp._engine.context.buffers_kept`, as the Jacobian 
 and, where a module forward uses is in training mode, before every call too
 (:class:`SameDraws`' ``buffers``): a buffer that a call updates and the next reads (spectral
 norm's power-iteration vectors, which normalise the weight) made every call a different
-function, and a correct backward was blamed (<J t, c> = -51 against 1.5).
+function, and a correct backward was blamed (<J t, c> = -51 against 1.5). A buffer that
+forward replaces (``self.scale = self.scale * 1.1``) gets its own tensor back, so the
+module is left as it was (it was left with the last call's).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class SameDraws:
     before each call of forward."""
 
     def __init__(self, inputs: tuple[Any, ...], own: list[torch.Generator] = (),
-                 buffers: list[Tensor] = ()) -> None:
+                 buffers: list[tuple[torch.nn.Module, str, Tensor]] = ()) -> None:
         self._own = list(own)  # (the generators forward reaches: generators(fn, inputs))
         self._buffers = list(buffers)  # (of its modules, when one is in training mode)
         self._buffer_values: list[Tensor] = []
@@ -72,7 +74,7 @@ class SameDraws:
         self._cpu = torch.get_rng_state()
         self._gpu = [torch.cuda.get_rng_state(d) for d in self._cuda]
         self._own_states = [g.get_state() for g in self._own]
-        self._buffer_values = [b.detach().clone() for b in self._buffers]
+        self._buffer_values = [b.detach().clone() for _, _, b in self._buffers]
         return self
 
     def reset(self) -> None:
@@ -83,7 +85,9 @@ class SameDraws:
         for g, state in zip(self._own, self._own_states):
             g.set_state(state)
         with torch.no_grad():
-            for b, value in zip(self._buffers, self._buffer_values):
+            for (m, name, b), value in zip(self._buffers, self._buffer_values):
+                if m._buffers.get(name) is not b:  # (reassigned: self.n = self.n + 1)
+                    m._buffers[name] = b
                 if not torch.equal(b, value):
                     # (through .data, as BatchNorm's kernel writes its running statistics:
                     # no version bump, which would fail the backward of a graph that saved
@@ -104,21 +108,19 @@ def kept(fn: Any, is_function: bool, inputs: tuple[Any, ...]) -> Iterator[SameDr
         yield draws
 
 
-def _training_buffers(fn: Any, inputs: tuple[Any, ...]) -> list[Tensor]:
-    """The buffers of the modules ``fn`` uses (:func:`reached`, and those among the inputs)
-    where any of them is in training mode, else none (NOTE [check_function's draws])."""
+def _training_buffers(fn: Any, inputs: tuple[Any, ...]
+                      ) -> list[tuple[torch.nn.Module, str, Tensor]]:
+    """The buffers of the modules ``fn`` uses (:func:`reached`, and those among the inputs),
+    each with its module and name, where any of them is in training mode, else none (NOTE
+    [check_function's draws])."""
     roots, _ = reached(fn)
     known = {id(m) for m in roots}
     roots += [m for m in modules_reached(inputs) if id(m) not in known]
     modules = module_tree(roots)
     if not any(m.training for m in modules):
         return []
-    found: dict[int, Tensor] = {}
-    for m in modules:
-        for b in m._buffers.values():
-            if isinstance(b, Tensor) and b.layout == torch.strided:
-                found.setdefault(id(b), b)
-    return list(found.values())
+    return [(m, name, b) for m in modules for name, b in m._buffers.items()
+            if isinstance(b, Tensor) and b.layout == torch.strided]
 
 
 #: Objects :func:`generators` looks at in all, and items of one list or dict.
