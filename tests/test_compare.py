@@ -620,6 +620,32 @@ def test_a_random_f_drawing_from_its_own_generator_gets_the_same_draws_too():
     assert torch.equal(gen.get_state(), state)
 
 
+class _GrowingScale(torch.nn.Module):
+    """sin times a buffer that forward replaces in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        out = x.sin() * self.scale
+        if self.training:
+            self.scale = self.scale * 1.1
+        return out
+
+
+def test_a_buffer_f_replaces_is_put_back():
+    # f replaced a module's buffer on every call: the module was left holding a
+    # GradTrackingTensor of torch.func's, of value 8.8e20, and the reference and the
+    # strategies were of other scales (every row wrong)
+    model = _GrowingScale()
+    scale = model.scale
+    report = compare_strategies(model, torch.randn(3, dtype=torch.float64), strategies=(
+        "rev", "rev-loop"), min_run_time=FAST, memory=False)
+    assert model.scale is scale and float(scale) == 1.0
+    assert [row.status for row in report.rows] == ["ok", "ok"], str(report)
+
+
 def test_a_wrong_entry_at_a_zero_tolerance_is_wrong():
     # the ratio error / tolerance was 0 / 0 = nan at an exact entry of tolerance 0, and the
     # argmax took that nan: a result wrong by 1 passed with atol = rtol = 0

@@ -48,7 +48,7 @@ from torch_vjp._engine.context import (
     reached,
 )
 
-__all__ = ["SameDraws", "generators", "kept"]
+__all__ = ["SameDraws", "generators", "kept", "training_buffers"]
 
 
 class SameDraws:
@@ -104,11 +104,11 @@ def kept(fn: Any, is_function: bool, inputs: tuple[Any, ...]) -> Iterator[SameDr
     state and the buffers of the modules forward uses put back afterwards."""
     target = fn.forward if is_function else fn
     with buffers_kept(target, primals=inputs), SameDraws(
-            inputs, generators(target, inputs), _training_buffers(target, inputs)) as draws:
+            inputs, generators(target, inputs), training_buffers(target, inputs)) as draws:
         yield draws
 
 
-def _training_buffers(fn: Any, inputs: tuple[Any, ...]
+def training_buffers(fn: Any, inputs: tuple[Any, ...]
                       ) -> list[tuple[torch.nn.Module, str, Tensor]]:
     """The buffers of the modules ``fn`` uses (:func:`reached`, and those among the inputs),
     each with its module and name, where any of them is in training mode, else none (NOTE
