@@ -410,8 +410,10 @@ class Checker:
                 continue
             p = rows[failed[0]]
             kink = find_kink(p, at, eps, atol_ + rtol_ * p.size + p.noise, unit)
-            if isinstance(kink, Kink) and abs(p.lhs - p.rhs) <= 2 * kink.explains + atol_ + \
-                    rtol_ * p.size + p.noise:  # (the point is refused, not backward: NOTE [kinks])
+            # (the point is refused, not backward, where the kink explains the error: NOTE
+            # [kinks])
+            tol = atol_ + rtol_ * p.size + p.noise
+            if isinstance(kink, Kink) and abs(p.lhs - p.rhs) <= 2 * kink.explains + tol:
                 raise FunctionCheckValueError(kink_message(
                     self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
             raise FunctionCheckError(value_message(
