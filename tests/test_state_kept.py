@@ -206,3 +206,30 @@ def test_captured_tensors_past_the_total_are_warned_of(strategy, monkeypatch):
     assert any(moved), moved  # (the last ones are not)
     assert len(said) == 1, [str(w.message) for w in caught]
     assert "1048576 elements of such tensors in all" in said[0]
+
+
+class _Rebinds(torch.nn.Module):
+    # (a forward that rebinds its buffer, as a running scale or a lazily grown cache does)
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.register_buffer("scale", torch.tensor(2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        self.scale = self.scale * 1.1
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("strategy", ["rev", "fwd", "rev-loop"])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_buffer_the_forward_rebinds_is_the_modules_own_again(strategy, training):
+    # the module was left holding the tensor its last call of f made (2.2 or 2.42, where
+    # it held 2.0), a torch.func wrapper where that call ran under a transform
+    m = _Rebinds().train(training)
+    scale, x = m.scale, torch.randn(3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        tv.jacobian(m, x, strategy=strategy)
+        tv.batch_jacobian(lambda xs: m(xs), x.expand(2, 3), strategy=strategy)
+    assert m.scale is scale and scale.item() == 2.0
+    assert list(m._buffers) == ["scale"]

@@ -185,9 +185,11 @@ class Walked:
     """context.buffers_kept's context: while the call runs, the module trees walked for its
     buffers are read by context.module_key, and the tensors ``f`` reaches by
     context.captured_tensors (NOTE [one walk per call]); on exit, what the call changed is
-    put back."""
+    put back: the buffers' values, and which tensor each buffer of a module with buffers
+    is (a forward that rebinds one, ``self.scale = self.scale * 1.1``, left the module
+    holding what its last call under a torch.func transform made)."""
 
-    __slots__ = ("f", "trees", "tensors", "watched", "prev", "key")
+    __slots__ = ("f", "trees", "tensors", "watched", "prev", "key", "bound")
 
     def __init__(self, f: object, trees: dict[int, list[torch.nn.Module]],
                  tensors: list[Tensor] | None, watched: Watched | None,
@@ -195,6 +197,8 @@ class Walked:
         self.f, self.trees, self.tensors, self.watched = f, trees, tensors, watched
         self.prev: Walked | None = None
         self.key = key  # (a route key whose captured tensors are being learned, or None)
+        self.bound = [(m, dict(m._buffers)) for tree in trees.values() for m in tree
+                      if m._buffers]
 
     def __enter__(self) -> None:
         self.prev = getattr(_WALKS, "now", None)
@@ -202,6 +206,11 @@ class Walked:
 
     def __exit__(self, *exc: Any) -> None:
         _WALKS.now = self.prev
+        for m, saved in self.bound:
+            now = m._buffers
+            if len(now) != len(saved) or any(now.get(k) is not v for k, v in saved.items()):
+                now.clear()
+                now.update(saved)
         changed = self.watched.restore() if self.watched is not None else {}
         if self.key is not None and (exc[0] is None or CAPTURED in changed):
             if len(MOVES) >= MOVES_KEPT and self.key not in MOVES:
