@@ -339,7 +339,7 @@ def test_a_backward_that_fails_at_the_generic_point_is_probed_at_the_own_values(
 def test_one_hook_on_many_modules_is_keyed_once_per_call(monkeypatch):
     # the plan key read the same hook's code and closure once per module holding it
     # (200 Linear layers with one backward hook each: 157 -> 712 us per call)
-    from torch_vjp._per_sample import args
+    from torch_vjp._per_sample import structure as args
 
     def hook(module, grad_input, grad_output):
         return None

@@ -1,4 +1,5 @@
-"""Arguments of the per-sample functions: their checks, and the selection of parameters.
+"""Arguments of the per-sample functions: their checks, and the selection of parameters
+(the structure a plan is for lives in :mod:`torch_vjp._per_sample.structure`).
 
 Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleValueError``,
 ``PerSampleTypeError``) naming the call, what it got, and what it must be.
@@ -6,9 +7,6 @@ Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleVal
 
 from __future__ import annotations
 
-import functools
-import numbers
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,14 +15,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from torch_vjp._engine.context import flag_of
-from torch_vjp._engine.fwdcheck import route_key
 from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValueError, shape_str
 
 __all__ = [
     "check_model",
-    "structure_of",
-    "function_flags",
     "check_trainable",
     "as_inputs",
     "check_targets",
@@ -268,7 +262,7 @@ class Job:
             per-example runs call it before each example.
         ddp: the DistributedDataParallel wrapper the caller passed (``model`` is then its
             module), or None (NOTE [DDP] in ``distributed``).
-        structure: :func:`structure_of` the model.
+        structure: :func:`~torch_vjp._per_sample.structure.structure_of` the model.
         by_backward: the per-example loop differentiates with ``backward()`` (a reentrant
             checkpoint refused ``autograd.grad``: NOTE [reentrant checkpoints] in
             ``fallback``).
@@ -286,305 +280,6 @@ class Job:
     ddp: Any = None
     structure: Any = None
     by_backward: bool = False
-
-
-# NOTE [the structure a plan is for]
-# A plan (which layers have rules, in which dimension each finds the examples, which
-# modules mix examples, which parameters the loss reaches) was made by running the model
-# and the loss. It stays valid while they run the same code on the same modules: so its key
-# holds, per module, the module itself (its identity and type: a submodule replaced), its
-# training flag, its forward hooks and pre-hooks (a hook added that reorders or mixes the
-# batch), its backward hooks and backward pre-hooks (``register_full_backward_hook``: a
-# hook that rescales or mixes the gradients the layers below receive, which the rules read),
-# and, for modules defined outside torch, the flags of their attributes and of the
-# globals their forward reads (``self.center = True``, ``USE_GATE``); the global module
-# hooks, forward and backward alike; and the flags of the loss function's closure and the globals it reads (an L2 term
-# switched on after warm-up; a callable loss object's attributes, a bound method's
-# object's). A flag is a bool, str or None value itself, or a number's truth (zero or not:
-# ``if l2:``, a coefficient switched on, ``for _ in range(self.reps)``); flags are read one
-# level into a dict or plain object (``cfg.extra``, ``CONF["l2"]``, ``self.opts["extra"]``;
-# ``nested_flags``), the entries the code names only (a model config of a hundred entries
-# costs the few its methods read). A module's numeric attribute that the planning forwards moved (a
-# counter a forward increments, which a loop may reset) is left out from then on
-# (``note_counters``), else it would make plan after plan. Branches on other values (a
-# batch's contents, a threshold compared with a number, a flag two levels deep) are not
-# seen.
-_OWN_TYPE: dict[type, bool] = {}
-_READS: dict[Any, tuple[str, ...]] = {}
-
-
-#: The most entries of a dict (or attributes of an object) read one level deep for flags.
-_MAX_NESTED = 256
-#: Types never read one level deep: what holds no flag of the user's, or holds too much.
-_NOT_NESTED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-               types.MethodType, functools.partial, nn.Module, Tensor)
-_NESTED: dict[type, int] = {}  # per type: 0 not read, 1 a dict, 2 an object's attributes
-_CODE_READS: dict[Any, frozenset[str]] = {}  # per code object: ``_names_read``
-_TYPE_READS: dict[type, frozenset[str]] = {}  # per module type: ``_type_reads``
-#: Per set of names read (by id; the set is held, so that its id is not reused): the names
-#: sorted, so that a call looks up those names alone in an object read one level deep (a
-#: model config of a hundred entries of which the forward reads two).
-_KEYS: dict[int, tuple[frozenset[str], tuple[str, ...]]] = {}
-
-
-def _names_read(code: types.CodeType) -> frozenset[str]:
-    """The names a code object reads and the strings it holds (``cfg.extra``,
-    ``CONF["extra"]``), with those of the functions, lambdas and comprehensions defined in
-    it (a ``lambda: cfg.extra`` inside a forward)."""
-    found = _CODE_READS.get(code)
-    if found is None:
-        names = set(code.co_names)
-        for c in code.co_consts:
-            if isinstance(c, types.CodeType):
-                names |= _names_read(c)
-            elif isinstance(c, str):
-                names.add(c)
-        found = _CODE_READS[code] = frozenset(names)
-    return found
-
-
-def _type_reads(kind: type) -> frozenset[str]:
-    """What the methods of a module type of the user's read (``_names_read`` of each
-    function its classes define, but ``__init__``): the entries a forward, or a method it
-    calls, may branch on one level into an attribute (``self.opts["extra"]``)."""
-    found = _TYPE_READS.get(kind)
-    if found is None:
-        names: set[str] = set()
-        for cls in kind.__mro__:
-            if cls.__module__.startswith("torch.") or cls is object:
-                continue
-            for k, f in vars(cls).items():
-                f = getattr(f, "__func__", getattr(f, "fget", f))
-                code = getattr(f, "__code__", None)
-                if k != "__init__" and isinstance(code, types.CodeType):
-                    names |= _names_read(code)
-        found = _TYPE_READS[kind] = frozenset(names)
-    return found
-
-
-def nested_flags(v: object, reads: frozenset[str], numbers: bool = True) -> object:
-    """A value's flag (``flag_of``), or, for a dict or a plain object (a config namespace, a
-    dataclass), the flags of those of its entries or attributes whose names are in
-    ``reads`` (what the code reads), one level deep: ``cfg.extra``, ``CONF["l2"]``,
-    ``self.opts["extra"]``; NotImplemented for anything else."""
-    f = flag_of(v, numbers)
-    if f is not NotImplemented:
-        return f
-    return _inside(v, reads, numbers)
-
-
-def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
-    """:func:`nested_flags` of a value that is not a flag itself."""
-    kind = type(v)
-    how = _NESTED.get(kind)
-    if how is None:
-        how = _NESTED[kind] = (1 if kind is dict else
-                               0 if issubclass(kind, _NOT_NESTED) else 2)
-    if how == 0:
-        return NotImplemented
-    items = v if how == 1 else getattr(v, "__dict__", None)
-    if items is None or len(items) > _MAX_NESTED:  # type: ignore[arg-type]
-        return NotImplemented
-    # (the names read that the object holds now, looked up each call: a cache by the
-    # object's size missed an entry deleted and another added, and reused a stale plan)
-    out = []
-    for k in _sorted_reads(reads):
-        if k in items:  # type: ignore[operator]
-            f = flag_of(items.get(k), numbers)  # type: ignore[union-attr]
-            if f is not NotImplemented:
-                out.append((k, f))
-    return ("nested", tuple(out))
-
-
-def _sorted_reads(reads: frozenset[str]) -> tuple[str, ...]:
-    """``reads`` in a fixed order (the key must not depend on a set's iteration order)."""
-    hit = _KEYS.get(id(reads))
-    if hit is None or hit[0] is not reads:
-        if len(_KEYS) >= 4096:
-            _KEYS.clear()
-        hit = _KEYS[id(reads)] = (reads, tuple(sorted(reads)))
-    return hit[1]
-
-
-def function_flags(fn: Any) -> tuple[Any, ...]:
-    """The flags of what a Python function reads: its closure cells and the globals its code
-    (or a function, lambda or comprehension defined in it) names, and the entries and
-    attributes one level into those that the code names (``cfg.l2``, ``CONF["l2"]``); for a
-    bound method, also those of its object (``self.l2``). A method's function for a bound
-    method."""
-    owner = getattr(fn, "__self__", None)
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    names = _READS.get(code)
-    glob = getattr(fn, "__globals__", {})
-    reads = _names_read(code)
-    if names is None:
-        names = _READS[code] = tuple(sorted(n for n in reads if n in glob))
-    out = []
-    for n in names:
-        f = nested_flags(glob.get(n), reads)
-        if f is not NotImplemented:
-            out.append((n, f))
-    for i, cell in enumerate(fn.__closure__ or ()):
-        try:
-            f = nested_flags(cell.cell_contents, reads)
-        except ValueError:  # an empty cell
-            continue
-        if f is not NotImplemented:
-            out.append((i, f))
-    if owner is not None and not isinstance(owner, (types.ModuleType, type)):
-        out.append(("self", object_flags(owner, reads)))
-    return tuple(out)
-
-
-def object_flags(obj: object, reads: frozenset[str] = frozenset()) -> tuple[Any, ...]:
-    """The flags of an object's own attributes, numbers by their truth, and one level into
-    those that are dicts or plain objects (``nested_flags``: the entries named in ``reads``,
-    what the code that uses the object reads). (An ``nn.Module``'s private containers,
-    ``_parameters`` and the like, are left out.)"""
-    module = isinstance(obj, nn.Module)
-    out = []
-    for k, v in getattr(obj, "__dict__", {}).items():
-        if (module and k[:1] == "_") or (reads and k not in reads):
-            # (with ``reads``, only what the code names: a trainer's status string that
-            # changes every step is no flag of its loss, and must not make a plan per call)
-            continue
-        f = nested_flags(v, reads)
-        if f is not NotImplemented:
-            out.append((k, f))
-    return tuple(out)
-
-
-#: Per module type of the user's: the numeric attributes a forward changes (counters), left
-#: out of the structure (found by ``note_counters`` while a plan is made).
-_COUNTERS: dict[type, frozenset[str]] = {}
-_NUMBERS = (int, float)
-#: What every nn.Module holds (its containers of parameters, buffers, submodules and hooks,
-#: and its training flag, which the structure holds apart): never a flag of the user's.
-#: Learned from a Module built on first use (:func:`_torch_attrs`), not at import: building one
-#: logs torch's ``python.nn_module`` API usage, and ``TORCH_VJP_CHECKED=1`` imports this package
-#: in every process that imports torch.
-_TORCH_ATTRS: frozenset[str] | None = None
-
-
-def _torch_attrs() -> frozenset[str]:
-    global _TORCH_ATTRS
-    if _TORCH_ATTRS is None:
-        _TORCH_ATTRS = frozenset(nn.Module().__dict__) - {"_is_full_backward_hook"}
-    return _TORCH_ATTRS
-
-
-def numbers_of(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
-    """The numeric attributes of the model's modules of the user's, for ``note_counters``."""
-    return [(m, {k: v for k, v in m.__dict__.items() if type(v) in _NUMBERS})
-            for m in model.modules() if _OWN_TYPE.get(type(m))]
-
-
-def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
-    """Records the numeric attributes that changed since ``before`` (the forwards that made a
-    plan moved them: counters, a step number) as counters of their module's type, which the
-    structure then leaves out; whether any was new."""
-    new = False
-    torch_attrs = _torch_attrs()
-    for m, values in before:
-        moved = {k for k, v in values.items() if m.__dict__.get(k, None) is not v
-                 and m.__dict__.get(k, None) != v}
-        known = _COUNTERS.get(type(m), torch_attrs)
-        if moved - known:
-            _COUNTERS[type(m)] = known | moved  # (with torch's attributes: what is skipped)
-            new = True
-    return new
-
-
-def structure_of(model: nn.Module) -> tuple[Any, ...]:
-    """The model's structure as NOTE [the structure a plan is for] says, and its modules'
-    training flags."""
-    entries, training, memo = [], [], {}  # (memo: a hook on many modules is keyed once)
-    torch_attrs = _TORCH_ATTRS or _torch_attrs()
-    for m in model.modules():
-        kind = type(m)
-        own = _OWN_TYPE.get(kind)
-        if own is None:
-            own = _OWN_TYPE[kind] = not kind.__module__.startswith("torch.")
-        fh, ph = m._forward_hooks, m._forward_pre_hooks
-        bh, bph = m._backward_hooks, m._backward_pre_hooks
-        entry: tuple[Any, ...] = (id(m), kind, _hooks_key(fh, memo) if fh else (),
-                                  _hooks_key(ph, memo) if ph else ())
-        if bh or bph:  # (rare: kept out of the entry of every module without them)
-            entry += (("backward", _hooks_key(bh, memo) if bh else (),
-                       _hooks_key(bph, memo) if bph else ()),)
-        if own:
-            skip = _COUNTERS.get(kind) or torch_attrs
-            reads = _TYPE_READS.get(kind) or _type_reads(kind)
-            flags = []
-            for k, v in m.__dict__.items():
-                if k in skip:
-                    continue
-                # (a private attribute's own flag, not what it holds)
-                f = flag_of(v) if k[:1] == "_" else nested_flags(v, reads)
-                if f is not NotImplemented:
-                    flags.append((k, f))
-            entry += (*flags, *function_flags(kind.forward))
-        entries.append(entry)
-        training.append(m.training)
-    glob = torch.nn.modules.module
-    return (tuple(training), tuple(entries),
-            *(_hooks_key(h, memo) if h else () for h in (
-                glob._global_forward_hooks, glob._global_forward_pre_hooks,
-                glob._global_backward_hooks, glob._global_backward_pre_hooks)))
-
-
-def _hooks_key(hooks: dict[int, Any], memo: dict[int, Any]) -> tuple[Any, ...]:
-    """Hooks by what they run, not by their handles: a hook registered and removed around
-    every step is the same hook each time, and must not make a plan per call (a tool's
-    global hooks, a ModuleTracker, are too). A function, a bound method or a
-    ``functools.partial`` counts by its code and what it holds (``route_key``: a
-    ``partial(scale, k=2.0)`` swapped for a ``partial(center)`` that mixes examples, or a
-    hook factory's closure over another flag, is another hook); see :func:`_hook_key`
-    (``memo``: the keys found in this look at the model, by the hook's ``id``)."""
-    return tuple([memo.get(id(h)) or memo.setdefault(id(h), _hook_key(h))
-                  for h in hooks.values()])
-
-
-def _hook_key(h: Any) -> Any:
-    """One hook's part of :func:`_hooks_key`: a function or ``functools.partial`` by
-    ``route_key``; a bound method by its function, its object's type and the object's
-    bool/str/None attributes and the truth of its numbers; another callable object by its
-    type and those attributes (a hook object made afresh each step keeps the plan; one
-    whose ``mix`` flag turned on makes another)."""
-    if isinstance(h, (types.FunctionType, functools.partial)):
-        return route_key(h)
-    if isinstance(h, types.MethodType):
-        return ("method", route_key(h.__func__), type(h.__self__), _object_flags(h.__self__))
-    return (type(h), _object_flags(h))
-
-
-def _object_flags(obj: object) -> tuple[Any, ...]:
-    """The flags of a hook object's attributes (its ``__dict__`` and ``__slots__``): bools,
-    strings and None by value, numbers (numpy's too, and a one-element tensor on the CPU)
-    by their truth, as route_key reads a closure's: a mixing weight of 0.0 made 0.5 is
-    another hook."""
-    items = list(getattr(obj, "__dict__", {}).items())
-    for cls in type(obj).__mro__:
-        slots = getattr(cls, "__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                items.append((name, getattr(obj, name)))
-    out = []
-    for k, v in items:
-        f = flag_of(v)
-        if f is NotImplemented:
-            if isinstance(v, numbers.Number):
-                f = bool(v)
-            elif (isinstance(v, Tensor) and v.numel() == 1 and v.device.type == "cpu"
-                  and not v.requires_grad):
-                f = ("tensor", bool(v))
-            else:
-                continue
-        out.append((k, f))
-    return tuple(out)
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:

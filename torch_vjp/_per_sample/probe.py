@@ -16,9 +16,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._engine.context import Watched
 from torch_vjp._errors import TorchVJPError, quote_error
-from torch_vjp._per_sample.args import (
-    Job,
-    Selection,
+from torch_vjp._per_sample.args import Job, Selection
+from torch_vjp._per_sample.structure import (
     _names_read,
     function_flags,
     note_counters,
@@ -71,7 +70,7 @@ def _loss_key(loss_fn: Any) -> Any:
             return (type(loss_fn), id(loss_fn), object_flags(loss_fn))
         return (type(loss_fn), id(loss_fn), object_flags(loss_fn, _names_read(call.__code__)),
                 function_flags(call))
-    # (and the flags of what it reads: NOTE [the structure a plan is for] in args.py)
+    # (and the flags of what it reads: NOTE [the structure a plan is for] in structure.py)
     return (code, function_flags(loss_fn))
 
 
@@ -84,7 +83,7 @@ def _tail(t: Any) -> Any:
 
 def plan_key(job: Job) -> Any:
     """The model structure a plan is valid for: the shapes of one example, the modules
-    (NOTE [the structure a plan is for] in :mod:`torch_vjp._per_sample.args`), the selected
+    (NOTE [the structure a plan is for] in :mod:`torch_vjp._per_sample.structure`), the selected
     parameters (and which have gradient hooks), the loss, the strategy (the batch size is
     not part of it; a batch of one is planned apart)."""
     sel, targets = job.sel, job.targets
@@ -95,7 +94,7 @@ def plan_key(job: Job) -> Any:
         None if targets is None else (
             _tail(targets) if isinstance(targets, Tensor)
             else tuple(_tail(t) for t in tree_leaves(targets))),
-        job.structure,  # NOTE [the structure a plan is for] in _per_sample/args.py
+        job.structure,  # NOTE [the structure a plan is for] in _per_sample/structure.py
         tuple(sel.canonical),
         tuple(t.requires_grad for t in sel.tensors.values()),
         tuple(bool(t._backward_hooks) for t in sel.tensors.values()),

@@ -33,8 +33,8 @@ from torch_vjp._per_sample.args import (
     check_static_mixing,
     check_targets,
     select,
-    structure_of,
 )
+from torch_vjp._per_sample.structure import structure_of
 from torch_vjp._per_sample.distributed import ddp_add_to_grads, strip_prefix, unwrap
 from torch_vjp._per_sample.factors import (
     CHUNK_ELEMENTS,
