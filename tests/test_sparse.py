@@ -1192,6 +1192,48 @@ def test_a_custom_function_keeps_the_profile_function_and_sparse_neighbours():
     assert torch.equal(pattern, expected)
 
 
+def _marker_inside_f(u):
+    return u * 3
+
+
+def test_detection_keeps_cprofile_running():
+    # sys.getprofile() is cProfile's Profile object (before Python 3.12), which cannot be
+    # called: putting it back with sys.setprofile made the next event raise TypeError
+    # ('Profile' object is not callable) out of sparse_jacobian, and ended the profiler
+    import cProfile
+    import pstats
+
+    f = lambda u: torch.cat([_CumsumByNumPy.apply(u[:3]), u[3:] ** 2])  # noqa: E731
+    x = torch.randn(6, dtype=D)
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        J = sparse_jacobian(f, x, layout=torch.strided)
+        after = _marker_inside_f(x)
+    finally:
+        prof.disable()
+    torch.testing.assert_close(J, torch.autograd.functional.jacobian(f, x))
+    torch.testing.assert_close(after, x * 3)
+    names = {fn for (_, _, fn) in pstats.Stats(prof).stats}
+    assert "_marker_inside_f" in names  # (still profiling after the detection)
+
+
+def test_detection_passes_every_event_to_the_users_profile_function():
+    # the user's profile function saw nothing of f while detection ran
+    seen = []
+
+    def profile(frame, event, arg):
+        seen.append(frame.f_code.co_name)
+
+    f = lambda u: _marker_inside_f(u) ** 2  # noqa: E731
+    sys.setprofile(profile)
+    try:
+        jacobian_sparsity(f, torch.randn(4, dtype=D))
+    finally:
+        sys.setprofile(None)
+    assert "_marker_inside_f" in seen
+
+
 def test_op_without_a_rule_warns_once():
     clear_cache()
     f = lambda x: torch.fft.rfft(x).real  # noqa: E731

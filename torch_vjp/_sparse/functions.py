@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from torch_vjp._errors import JacobianWarning, warn_once
 from torch_vjp._sparse.tracer import Tracer, carries_sets
 
 __all__ = ["functions_ruled"]
@@ -80,11 +81,18 @@ def functions_ruled(tracer: Tracer) -> Iterator[None]:
     """While a detection runs: custom Functions ruled as NOTE [custom Functions] says, by a
     profile function of this thread that sees each return of ``Function.apply`` (its
     frame's ``cls``, ``args`` and ``kwargs``, and the value it returns). The thread's own
-    profile function, if any, is put back afterwards."""
+    profile function, if any, still sees every event meanwhile (one set from Python), and
+    is put back afterwards (cProfile's too: :func:`_restore`)."""
 
     entered: list[str | None] = []  # tracer.by_value as each running apply found it
+    before = sys.getprofile()
+    # (a profile function set from Python, profile.Profile's, keeps seeing every event;
+    # a C one, cProfile's before Python 3.12, is an object that cannot be called)
+    chained = before if callable(before) else None
 
     def profile(frame: Any, event: str, arg: Any) -> None:
+        if chained is not None:
+            chained(frame, event, arg)
         if frame.f_code is not _APPLY:
             return
         if event == "call":
@@ -105,9 +113,31 @@ def functions_ruled(tracer: Tracer) -> Iterator[None]:
                 except Exception:  # noqa: BLE001 - (an error here would end the profile
                     _everything(tracer, cls, arg)  # function and reach f): the widest sets
 
-    before = sys.getprofile()
     sys.setprofile(profile)
     try:
         yield
     finally:
+        _restore(before)
+
+
+def _restore(before: Any) -> None:
+    """Puts the thread's profile function back. ``sys.setprofile(before)`` would make a C
+    profiler's object (cProfile's ``Profile``, which ``sys.getprofile()`` returns before
+    Python 3.12) a Python profile function: the next event calls it, a ``TypeError`` (not
+    callable) that ends the profiler and reaches the caller. Such a profiler is put back by
+    its own ``enable()``."""
+    if before is None or callable(before):
         sys.setprofile(before)
+        return
+    sys.setprofile(None)
+    enable = getattr(before, "enable", None)
+    if callable(enable):
+        enable()
+    else:
+        warn_once(
+            ("profile-function", type(before)),
+            f"sparsity detection turned off this thread's profile function "
+            f"({type(before).__qualname__}), set by a C extension, to see custom "
+            f"autograd.Functions, and cannot put it back from Python.",
+            JacobianWarning,
+        )
