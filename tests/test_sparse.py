@@ -453,6 +453,10 @@ def _changed(module, how):
         module.load_state_dict({**module.state_dict(), "weight": new})
     elif how == "data":  # .data =: another storage, the same version
         module.weight.data = new
+    elif how == "data_in_place":  # (a target network's update): the same version
+        module.weight.data.copy_(new)
+    elif how == "numpy":  # the same version
+        module.weight.detach().numpy()[:] = new.numpy()
     else:  # rebound: the old parameter lives on (an optimizer holds it), unchanged
         old = module.weight
         module.weight = torch.nn.Parameter(new)
@@ -460,7 +464,8 @@ def _changed(module, how):
     return None
 
 
-@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data", "rebound"])
+@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data", "rebound",
+                                 "data_in_place", "numpy"])
 @pytest.mark.parametrize("make", [_zero_head, _Pruned], ids=["zero_head", "pruned"])
 def test_a_weight_whose_zeros_moved_is_detected_again(make, how, monkeypatch):
     # the zeros of a module's weight were taken as structural and the plan cached: once the
@@ -482,6 +487,43 @@ def test_a_weight_whose_zeros_moved_is_detected_again(make, how, monkeypatch):
     torch.testing.assert_close(J, torch.func.jacrev(module)(x))
     if make is _Pruned:  # (the mask's zeros stay structural)
         assert not J[torch.ones(6, 6, dtype=torch.bool).tril(-1)].any()
+
+
+@pytest.mark.parametrize("write", ["in_place", "inference_mode"])
+def test_a_constant_made_in_inference_mode_guards_the_plan(write, monkeypatch):
+    # an inference tensor counts no versions: guarding the plan by its _version raised
+    # RuntimeError (Inference tensors do not track version counter) out of every call
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    with torch.inference_mode():
+        W = torch.eye(6, dtype=D) + torch.eye(6, dtype=D).roll(1, 1)
+    f = lambda u: torch.tanh(W @ u)  # noqa: E731
+    x = torch.randn(6, dtype=D)
+    sparse_jacobian(f, x)
+    sparse_jacobian(f, x)
+    assert detections.calls == 1
+    with torch.inference_mode():
+        W.fill_(1.0)
+    J = sparse_jacobian(f, x, layout=torch.strided)
+    assert detections.calls == 2
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+
+
+def test_a_weight_with_a_nan_keeps_its_plan(monkeypatch):
+    # (values are compared: NaN must equal NaN, or every call would detect again)
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    W = torch.eye(6, dtype=D)
+    W[0, 3] = float("nan")
+    f = lambda u: W @ u  # noqa: E731
+    x = torch.randn(6, dtype=D)
+    sparse_jacobian(f, x)
+    sparse_jacobian(f, x)
+    assert detections.calls == 1
 
 
 @pytest.mark.parametrize("read", ["item", "bool", "tolist"])

@@ -169,8 +169,9 @@ def sparse_jacobian(
     ``f`` reaches): the first call detects and colours, later calls
     only compute. The tensors whose values shaped the pattern (a weight whose zeros it took
     as structural, an index or mask buffer, a tensor ``f`` reads a number from) are
-    watched: written in place (an optimizer's step, ``load_state_dict``) or given other
-    ``.data``, the next call detects again. Otherwise the cache assumes that ``f``'s
+    watched (a copy of their values is kept): written in place (an optimizer's step,
+    ``load_state_dict``, ``w.data.copy_``) or given other ``.data``, the next call
+    detects again. Otherwise the cache assumes that ``f``'s
     structure does not change; see :func:`clear_cache`.
 
     Args:

@@ -49,23 +49,27 @@ class Pattern:
         #: where detection found the pattern shaped by the input's values, the op that did
         #: (it holds at that input only: NOTE [a pattern shaped by values]); else None
         self.by_value: str | None = None
-        #: the tensors whose zeros detection took as structural, as (weak reference,
-        #: version, storage) when detected (NOTE [structural zeros that move])
-        self.guards: tuple[tuple[Any, int, int], ...] = ()
+        #: the tensors whose zeros detection took as structural, as (weak reference, a
+        #: copy of its values) when detected (NOTE [structural zeros that move])
+        self.guards: tuple[tuple[Any, Tensor], ...] = ()
 
     def guard(self, tensors: Any) -> None:
-        """Keeps ``tensors`` (from before detection's run) as the pattern's guards."""
-        self.guards = tuple(
-            (weakref.ref(t), t._version, t.untyped_storage()._cdata) for t in tensors
-        )
+        """Keeps ``tensors`` (from before detection's run) as the pattern's guards, with a
+        copy of their values: a write through ``.data`` (``target.data.copy_(source)``,
+        ``w.data.normal_()``) or NumPy leaves ``_version`` as it was, and a tensor made in
+        ``torch.inference_mode`` has none."""
+        with torch.no_grad():
+            self.guards = tuple((weakref.ref(t), t.detach().clone()) for t in tensors)
 
     def holds(self) -> bool:
-        """Whether no guard changed since detection (a dead one changes nothing: NOTE
-        [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`)."""
-        for ref, version, storage in self.guards:
+        """Whether no guard's values changed since detection (a dead one changes nothing:
+        NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`)."""
+        for ref, copy in self.guards:
             t = ref()
-            if t is not None and (t._version != version
-                                  or t.untyped_storage()._cdata != storage):
+            if t is not None and not (
+                t.shape == copy.shape and t.dtype == copy.dtype and t.device == copy.device
+                and _same(t.detach(), copy)
+            ):
                 return False
         return True
 
@@ -98,6 +102,14 @@ class Pattern:
         return torch.sparse_coo_tensor(
             indices, values, (self.m, self.n), is_coalesced=True, check_invariants=False
         )
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values (NaN where NaN was: such a weight would
+    otherwise be detected again at every call)."""
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+    return torch.equal(a, b)
 
 
 def _entries(p: Tensor) -> tuple[Tensor, Tensor]:

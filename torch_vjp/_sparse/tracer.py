@@ -61,9 +61,10 @@ entries of the zeros that moved, and ``sparse_jacobian`` would be silently wrong
 tracer records, for each storage made during the run, which tensors from before the run
 (weights, buffers, tensors ``f`` closes over) its values came from, and where a rule takes
 zeros of an operand as structural, those tensors become the pattern's guards: a cached plan
-is used only while each living guard has the version (in-place writes) and storage
-(``.data =``) it had (:meth:`~torch_vjp._sparse.pattern.Pattern.holds`); else detection runs
-again. A weight without zeros guards nothing (the densest pattern holds whatever its
+is used only while each living guard has the values it had (the pattern keeps a copy: a
+write through ``.data`` or NumPy, ``target.data.copy_(source)``, bumps no version, and an
+inference tensor has none: :meth:`~torch_vjp._sparse.pattern.Pattern.holds`); else
+detection runs again. A weight without zeros guards nothing (the densest pattern holds whatever its
 values), and a tensor that dies (a constant made at each call) guards nothing. The values
 of such tensors shape the pattern in two more ways, which guard too: an integer or boolean
 tensor that an op on tracked data reads (an index buffer ``u[perm]``, a boundary mask in
