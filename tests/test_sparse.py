@@ -721,6 +721,28 @@ def test_a_sparse_pattern_whose_values_are_changed_in_place_is_read_again(layout
     torch.testing.assert_close(J.to_dense(), ref)
 
 
+@pytest.mark.parametrize("how", ["numpy", "data"])
+def test_a_dense_pattern_changed_without_a_version_is_read_again(how):
+    # a pattern made by torch.from_numpy whose array changed (or written through .data)
+    # bumps no version: the plan of the old pattern was kept, an entry silently left out
+    def f(x):
+        return x * x.roll(1)
+
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=D)
+    ref = torch.func.jacrev(f)(x)
+    array = np.eye(4, dtype=bool)
+    pattern = torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        sparse_jacobian(f, x, pattern=pattern, mode="fwd")
+        if how == "numpy":
+            array[:] = ref.ne(0).numpy()
+        else:
+            pattern.data.copy_(ref.ne(0))
+        J = sparse_jacobian(f, x, pattern=pattern, mode="fwd", layout=torch.strided)
+    torch.testing.assert_close(J, ref)
+
+
 _SUPERSETS = {
     "where": lambda x: torch.where(x > 0, x, 0.0),
     "masked_fill": lambda x: x.masked_fill(x < 0, 0.0),

@@ -31,7 +31,8 @@ so is a module's parameter rebound to another tensor, by the key; a tensor
 rebound in a closure needs ``torch_vjp.sparse.clear_cache(f)``). An output whose
 size differs from the plan's (``f`` changed) makes the plan be detected again. A user's
 pattern keeps its plan (its colourings) with the pattern tensor, as long as that tensor
-lives and is not modified.
+lives and is not modified (a dense one is compared with a copy: a write through NumPy or
+``.data`` bumps no version).
 """
 
 from __future__ import annotations
@@ -266,11 +267,15 @@ def user_plan(pattern: Tensor, build: Callable[[], Pattern]) -> Plan:
     # in place changes the pattern as much as a dense one's)
     version = getattr(pattern, "_version", None)
     got = _USER.get(pattern)
-    if got is not None and got[0] == version:
+    if got is not None and got[0] == version and (got[2] is None
+                                                  or torch.equal(pattern, got[2])):
         return got[1]
     plan = Plan(build(), user=True)
+    # a dense pattern's values are kept too: a write through NumPy (a pattern made by
+    # torch.from_numpy, its array changed) or .data bumps no version
+    copy = pattern.detach().clone() if pattern.layout is torch.strided else None
     try:
-        _USER[pattern] = (version, plan)
+        _USER[pattern] = (version, plan, copy)
     except TypeError:  # pragma: no cover - tensors are weakly referenceable
         pass
     return plan
