@@ -1256,6 +1256,25 @@ def test_a_custom_function_keeps_the_profile_function_and_sparse_neighbours():
     assert torch.equal(pattern, expected)
 
 
+def test_a_reentrant_checkpoint_keeps_its_blocks_structure():
+    # torch.utils.checkpoint(use_reentrant=True) runs the block in an autograd.Function
+    # whose backward differentiates the block again: ruled as a custom Function, the
+    # block's pattern was dense (and named in a warning)
+    from torch.utils.checkpoint import checkpoint
+
+    def block(u):
+        return torch.sin(u) * u.roll(1)
+
+    x = torch.randn(6, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pattern = _dense(jacobian_sparsity(
+            lambda u: checkpoint(block, u, use_reentrant=True) * 2, x))
+    assert torch.equal(pattern, _dense(jacobian_sparsity(block, x)))
+    assert pattern.sum() == 12
+    assert not any("CheckpointFunction" in str(w.message) for w in caught)
+
+
 def _marker_inside_f(u):
     return u * 3
 

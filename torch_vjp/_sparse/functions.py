@@ -16,7 +16,9 @@ read of x's values for Python (``x.numpy()``) shapes none of that, so it does no
 pattern as shaped by values; the Function's outputs are values computed from x (an integer
 output indexes by them). A profile function of the detecting thread sees each call of
 ``Function.apply`` return (``sys.setprofile``: a Function bound long before,
-``my_op = Fn.apply``, runs the same code), so other threads are not touched.
+``my_op = Fn.apply``, runs the same code), so other threads are not touched. torch's
+reentrant checkpoint (``CheckpointFunction``) is left to the trace: its backward runs the
+block again under autograd, so the forward's ops are its derivative's structure.
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ _LONG = torch.long
 #: The code of ``torch.autograd.Function.apply``: every call of a custom Function runs it,
 #: ``Fn.apply`` looked up at the call or bound long before (``my_op = Fn.apply``).
 _APPLY = torch.autograd.Function.__dict__["apply"].__func__.__code__
+
+
+def _differentiates_its_forward() -> frozenset[type]:
+    """torch's own Functions whose backward is autograd's derivative of their forward's ops:
+    the forward's trace is their structure. ``torch.utils.checkpoint`` with
+    ``use_reentrant=True`` runs the block in a ``CheckpointFunction`` whose backward runs
+    the block again under autograd (ruled as a custom Function, a checkpointed block was
+    dense)."""
+    import torch.utils.checkpoint as checkpoint
+
+    got = getattr(checkpoint, "CheckpointFunction", None)
+    return frozenset([got] if isinstance(got, type) else [])
+
+
+_TRACED = _differentiates_its_forward()
 
 
 def _base(t: Tensor) -> Tensor:
@@ -103,6 +120,8 @@ def functions_ruled(tracer: Tracer) -> Iterator[None]:
             loc = frame.f_locals
             cls, inputs = loc.get("cls"), (loc.get("args"), loc.get("kwargs"))
             if arg is None or not isinstance(cls, type):  # (an error: it passes through)
+                return
+            if cls in _TRACED:  # (its ops were traced, and are what its backward runs)
                 return
             # (the tracer's own work, outside f's modes and torch.func transforms: a
             # Function called inside torch.func.grad in f)
