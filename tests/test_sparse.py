@@ -1301,6 +1301,23 @@ def test_detection_keeps_cprofile_running():
     assert "_marker_inside_f" in names  # (still profiling after the detection)
 
 
+def test_detection_under_torch_profiler_with_stacks_warns_it_stopped_it():
+    # torch's profiler sets a C profile function whose object is not callable: putting it
+    # back with sys.setprofile raised TypeError ('TraceContext' object is not callable)
+    f = lambda u: u.sin() * u.roll(1)  # noqa: E731
+    x = torch.randn(5, dtype=D)
+    with torch.profiler.profile(with_stack=True):
+        if sys.getprofile() is None or callable(sys.getprofile()):
+            pytest.skip("this torch's profiler sets no C profile function")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            J = sparse_jacobian(f, x, layout=torch.strided)
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+    messages = [str(w.message) for w in caught if issubclass(w.category, JacobianWarning)]
+    assert any("sparsity detection replaced this thread's profile function" in m
+               and "Fix: detect outside the profiler" in m for m in messages), messages
+
+
 def test_detection_passes_every_event_to_the_users_profile_function():
     # the user's profile function saw nothing of f while detection ran
     seen = []

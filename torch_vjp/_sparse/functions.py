@@ -155,8 +155,12 @@ def _restore(before: Any) -> None:
     else:
         warn_once(
             ("profile-function", type(before)),
-            f"sparsity detection turned off this thread's profile function "
-            f"({type(before).__qualname__}), set by a C extension, to see custom "
-            f"autograd.Functions, and cannot put it back from Python.",
+            f"sparsity detection replaced this thread's profile function (a "
+            f"{type(before).__qualname__}, set by a C extension, as "
+            f"torch.profiler.profile(with_stack=True) does) to see custom "
+            f"autograd.Functions, and cannot put it back from Python: this thread's Python "
+            f"calls are no longer profiled.\n  Fix: detect outside the profiler (a call of "
+            f"sparse_jacobian before it starts caches the pattern), or pass pattern=. This "
+            f"warning is shown once.",
             JacobianWarning,
         )
