@@ -489,6 +489,28 @@ def test_a_weight_whose_zeros_moved_is_detected_again(make, how, monkeypatch):
         assert not J[torch.ones(6, 6, dtype=torch.bool).tril(-1)].any()
 
 
+def test_a_buffer_rebound_since_is_detected_again(monkeypatch):
+    # the plan key leaves buffers out, and the old buffer died: a dead guard changed
+    # nothing, so the plan of the old mask's zeros was kept, silently wrong
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    module = _Pruned()
+    with torch.no_grad():
+        module.weight.normal_()
+    x = torch.randn(6, dtype=D)
+    sparse_jacobian(module, x)
+    sparse_jacobian(module, x)
+    assert detections.calls == 1
+    module.mask = torch.ones(6, 6, dtype=D).tril()  # (the old mask dies)
+    J = sparse_jacobian(module, x, layout=torch.strided)
+    assert detections.calls == 2
+    torch.testing.assert_close(J, torch.func.jacrev(module)(x))
+    sparse_jacobian(module, x)
+    assert detections.calls == 2
+
+
 @pytest.mark.parametrize("write", ["in_place", "inference_mode"])
 def test_a_constant_made_in_inference_mode_guards_the_plan(write, monkeypatch):
     # an inference tensor counts no versions: guarding the plan by its _version raised

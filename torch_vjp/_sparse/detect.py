@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.context import buffers_kept
+from torch_vjp._engine.context import buffers_kept, modules_reached
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianWarning, warn_once
@@ -59,4 +59,10 @@ def detect(prob: Problem) -> Pattern:
     pattern = Pattern(ids.numel(), n, rows, cols, ordered=True)
     pattern.by_value = tracer.by_value
     pattern.guard(tracer.guards.values())  # (after buffers_kept put buffers back)
+    if pattern.guards:
+        try:
+            found = modules_reached(prob.f)
+        except Exception:  # noqa: BLE001 - an odd callable: no module to watch
+            found = []
+        pattern.house({id(m): m for top in found for m in top.modules()}.values())
     return pattern

@@ -34,7 +34,7 @@ class Pattern:
         ([0, 1, 1], [0, 0, 2], [0, 1, 3])
     """
 
-    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc", "by_value", "guards")
+    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc", "by_value", "guards", "homes")
 
     def __init__(self, m: int, n: int, rows: Tensor, cols: Tensor, *, ordered: bool = False):
         self.m, self.n = int(m), int(n)
@@ -52,6 +52,9 @@ class Pattern:
         #: the tensors whose zeros detection took as structural, as (weak reference, a
         #: copy of its values) when detected (NOTE [structural zeros that move])
         self.guards: tuple[tuple[Any, Tensor], ...] = ()
+        #: the module buffers among the guards, as (weak reference to the module, name,
+        #: weak reference to the buffer): one rebound is a guard that changed
+        self.homes: tuple[tuple[Any, str, Any], ...] = ()
 
     def guard(self, tensors: Any) -> None:
         """Keeps ``tensors`` (from before detection's run) as the pattern's guards, with a
@@ -61,9 +64,25 @@ class Pattern:
         with torch.no_grad():
             self.guards = tuple((weakref.ref(t), t.detach().clone()) for t in tensors)
 
+    def house(self, modules: Any) -> None:
+        """Records which buffers of ``modules`` are guards. A buffer rebound
+        (``module.mask = new``) lets the old one die, and a dead guard changes nothing (a
+        constant made at each call): its module says whether it was replaced."""
+        ids = {id(ref()) for ref, _ in self.guards}
+        self.homes = tuple(
+            (weakref.ref(m), name, weakref.ref(b))
+            for m in modules for name, b in m._buffers.items()
+            if b is not None and id(b) in ids
+        )
+
     def holds(self) -> bool:
         """Whether no guard's values changed since detection (a dead one changes nothing:
-        NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`)."""
+        NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`), and no
+        module buffer among them was rebound."""
+        for module, name, buffer in self.homes:
+            m = module()
+            if m is not None and m._buffers.get(name) is not buffer():
+                return False
         for ref, copy in self.guards:
             t = ref()
             if t is not None and not (
