@@ -233,3 +233,26 @@ def test_a_buffer_the_forward_rebinds_is_the_modules_own_again(strategy, trainin
         tv.batch_jacobian(lambda xs: m(xs), x.expand(2, 3), strategy=strategy)
     assert m.scale is scale and scale.item() == 2.0
     assert list(m._buffers) == ["scale"]
+
+
+@pytest.mark.parametrize("call", ["jvp", "jvp batched", "vjp"])
+def test_a_buffer_the_forward_rebinds_is_the_modules_own_again_after_jvp_and_vjp(call):
+    # tv.jvp and tv.vjp left the module holding the GradTrackingTensor of value 2.2 their
+    # call of f made under torch.func's transform
+    m = _Rebinds()
+    scale, x = m.scale, torch.randn(3, dtype=torch.float64)
+    eye = torch.eye(3, dtype=torch.float64)
+    if call == "jvp":
+        out, jt = tv.jvp(m, (x,), (eye[0],))
+        expected = 2.2 * m.lin.weight.detach()[:, 0]
+    elif call == "jvp batched":
+        out, jt = tv.jvp(m, (x,), (eye,), batched=True)
+        expected = 2.2 * m.lin.weight.detach().T
+    else:
+        out, vjp_fn = tv.vjp(m, x)
+        jt, = vjp_fn(eye[1])
+        expected = 2.2 * m.lin.weight.detach()[1]
+    assert m.scale is scale and scale.item() == 2.0
+    assert type(m.scale) is torch.Tensor and list(m._buffers) == ["scale"]
+    torch.testing.assert_close(out, m.lin(x) * 2.2)
+    torch.testing.assert_close(jt, expected)

@@ -33,7 +33,8 @@ from torch_vjp._checks import (
 )
 from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, own_builds,
                                         results_agree, tracing)
-from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, recording_connected
+from torch_vjp._engine.context import (buffers_kept, func_jvp, func_vjp, is_nested,
+                                       recording_connected)
 from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.refusals import (
@@ -299,7 +300,10 @@ def vjp(
     # f is called once, on the caller's tensors, as torch.func.vjp calls it
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
     g_inner, connected = recording_connected(prob.g_inner, has_aux)
-    with _explained(call, "vjp"):
+    # (a buffer f rebinds, ``self.scale = self.scale * 1.1``, is the module's own tensor
+    # again after the call, not the torch.func wrapper the call made; the graph keeps
+    # what f saved)
+    with buffers_kept(f, primals=primals), _explained(call, "vjp"):
         res = func_vjp(g_inner, *prob.leaves, has_aux=prob.has_aux)
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
@@ -633,8 +637,8 @@ def jvp(
     vectors = [v if v.dtype == x.dtype else v.to(x.dtype)
                for v, x in zip(_flat_vectors(normalized, prob.leaves, batched), prob.leaves)]
     leaves = tuple(prob.leaves)
-    if not batched:
-        with _explained(call, "jvp"):
+    if not batched:  # (buffers_kept: as vjp's call of f)
+        with buffers_kept(f, primals=primals), _explained(call, "jvp"):
             return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict,
                             has_aux=has_aux)
 
@@ -667,7 +671,7 @@ def jvp(
                         lambda s, e: tuple(v[s:e] for v in vectors), k,
                         vectorized=vec, chunk_size=chunk, extras=True)
 
-    with _explained(call, "jvp"):
+    with buffers_kept(f, primals=primals), _explained(call, "jvp"):
         stacked, extra = _vectorised_or_loop(
             call, f, "tangents", products, lambda: push(*(v[0] for v in vectors), plain=True))
     tan = tree_unflatten(stacked, spec_box[0])
