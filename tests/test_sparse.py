@@ -511,6 +511,57 @@ def test_a_buffer_rebound_since_is_detected_again(monkeypatch):
     assert detections.calls == 2
 
 
+class _MaskedAttr(torch.nn.Module):
+    # a mask kept as a plain tensor attribute (not registered), or as a buffer
+    def __init__(self, registered):
+        super().__init__()
+        mask = torch.eye(6, dtype=D)
+        if registered:
+            self.register_buffer("mask", mask)
+        else:
+            self.mask = mask
+
+    def forward(self, x):
+        return (self.mask * 2.0) @ x
+
+
+class _InPlainList(torch.nn.Module):
+    # a submodule held in a plain list attribute: nn.Module does not register it
+    def __init__(self, registered):
+        super().__init__()
+        self.blocks = [_MaskedAttr(registered)]
+
+    def forward(self, x):
+        return self.blocks[0](x)
+
+
+class _Callable:
+    def __init__(self, registered):
+        self.mask = torch.eye(6, dtype=D)
+
+    def __call__(self, x):
+        return (self.mask * 2.0) @ x
+
+
+@pytest.mark.parametrize("holder", ["module attribute", "list buffer", "list attribute",
+                                    "callable object"])
+def test_a_guard_rebound_where_it_lives_is_detected_again(holder):
+    # only a buffer of a module that Module.modules() finds was watched where it lives: a
+    # mask rebound as a plain tensor attribute, in a module held in a plain list, or on a
+    # callable object let the old mask die, and the old plan was kept, silently wrong
+    make, registered = {"module attribute": (_MaskedAttr, False),
+                        "list buffer": (_InPlainList, True),
+                        "list attribute": (_InPlainList, False),
+                        "callable object": (_Callable, False)}[holder]
+    f = make(registered)
+    owner = f.blocks[0] if isinstance(f, _InPlainList) else f
+    x = torch.randn(6, dtype=D)
+    sparse_jacobian(f, x)
+    owner.mask = torch.eye(6, dtype=D).roll(1, 1)  # (the old mask dies)
+    J = sparse_jacobian(f, x, layout=torch.strided)
+    torch.testing.assert_close(J, 2.0 * torch.eye(6, dtype=D).roll(1, 1))
+
+
 @pytest.mark.parametrize("write", ["in_place", "inference_mode"])
 def test_a_constant_made_in_inference_mode_guards_the_plan(write, monkeypatch):
     # an inference tensor counts no versions: guarding the plan by its _version raised

@@ -3,10 +3,12 @@ its outputs' index sets read off as the Jacobian's pattern."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.context import buffers_kept, modules_reached
+from torch_vjp._engine.context import buffers_kept, module_tree, modules_reached
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianWarning, warn_once
@@ -60,9 +62,21 @@ def detect(prob: Problem) -> Pattern:
     pattern.by_value = tracer.by_value
     pattern.guard(tracer.guards.values())  # (after buffers_kept put buffers back)
     if pattern.guards:
-        try:
-            found = modules_reached(prob.f)
-        except Exception:  # noqa: BLE001 - an odd callable: no module to watch
-            found = []
-        pattern.house({id(m): m for top in found for m in top.modules()}.values())
+        pattern.house(_holders(prob.f))
     return pattern
+
+
+def _holders(f: object) -> list[object]:
+    """Where the tensors whose values shaped ``f``'s pattern may live, to be watched there
+    (:meth:`~torch_vjp._sparse.pattern.Pattern.house`): every module ``f`` reaches, with
+    the modules they hold (a plain list attribute's too: :func:`module_tree`), and ``f``
+    itself or its bound object where that is a plain object (a callable holding
+    ``self.W``)."""
+    try:
+        found: list[object] = list(module_tree(modules_reached(f)))
+    except Exception:  # noqa: BLE001 - an odd callable: no module to watch
+        found = []
+    own = f.__self__ if isinstance(f, types.MethodType) else f
+    if not isinstance(own, (torch.nn.Module, types.FunctionType, type, types.ModuleType)):
+        found.append(own)
+    return found

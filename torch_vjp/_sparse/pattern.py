@@ -52,9 +52,10 @@ class Pattern:
         #: the tensors whose zeros detection took as structural, as (weak reference, a
         #: copy of its values) when detected (NOTE [structural zeros that move])
         self.guards: tuple[tuple[Any, Tensor], ...] = ()
-        #: the module buffers among the guards, as (weak reference to the module, name,
-        #: weak reference to the buffer): one rebound is a guard that changed
-        self.homes: tuple[tuple[Any, str, Any], ...] = ()
+        #: where guards live, as (weak reference to the module or object holding one,
+        #: "_buffers" or "__dict__", name, weak reference to the guard): one rebound is a
+        #: guard that changed
+        self.homes: tuple[tuple[Any, str, str, Any], ...] = ()
 
     def guard(self, tensors: Any) -> None:
         """Keeps ``tensors`` (from before detection's run) as the pattern's guards, with a
@@ -64,24 +65,32 @@ class Pattern:
         with torch.no_grad():
             self.guards = tuple((weakref.ref(t), t.detach().clone()) for t in tensors)
 
-    def house(self, modules: Any) -> None:
-        """Records which buffers of ``modules`` are guards. A buffer rebound
-        (``module.mask = new``) lets the old one die, and a dead guard changes nothing (a
-        constant made at each call): its module says whether it was replaced."""
+    def house(self, holders: Any) -> None:
+        """Records where the guards live among ``holders``: a module's buffer or plain
+        tensor attribute (``self.W = w``, not registered), a plain object's attribute. One
+        rebound (``module.mask = new``) lets the old one die, and a dead guard changes
+        nothing (a constant made at each call): its holder says whether it was replaced."""
         ids = {id(ref()) for ref, _ in self.guards}
-        self.homes = tuple(
-            (weakref.ref(m), name, weakref.ref(b))
-            for m in modules for name, b in m._buffers.items()
-            if b is not None and id(b) in ids
-        )
+        homes = []
+        for h in holders:
+            places = ((("_buffers", h._buffers),) if isinstance(h, torch.nn.Module) else ())
+            places += (("__dict__", getattr(h, "__dict__", None) or {}),)
+            for where, held in places:
+                for name, t in list(held.items()):
+                    if isinstance(t, Tensor) and id(t) in ids:
+                        try:
+                            homes.append((weakref.ref(h), where, name, weakref.ref(t)))
+                        except TypeError:  # (an object that takes no weak reference)
+                            break
+        self.homes = tuple(homes)
 
     def holds(self) -> bool:
         """Whether no guard's values changed since detection (a dead one changes nothing:
-        NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`), and no
-        module buffer among them was rebound."""
-        for module, name, buffer in self.homes:
-            m = module()
-            if m is not None and m._buffers.get(name) is not buffer():
+        NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`), and none
+        of them was rebound where it lives (:meth:`house`)."""
+        for holder, where, name, tensor in self.homes:
+            h = holder()
+            if h is not None and getattr(h, where).get(name) is not tensor():
                 return False
         for ref, copy in self.guards:
             t = ref()

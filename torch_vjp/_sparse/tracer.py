@@ -72,9 +72,11 @@ tensor that an op on tracked data reads (an index buffer ``u[perm]``, a boundary
 read for Python (``.item()``, ``bool(t)``: ``f`` may branch on it, ``if self.step >
 warmup``), as on x's values (NOTE [a pattern shaped by values]). A module's parameter
 rebound to another tensor changes the plan's key (``_branch_state`` in
-:mod:`~torch_vjp._sparse.compute`), and a guard that is a module's buffer is watched where
-it lives (:meth:`~torch_vjp._sparse.pattern.Pattern.house`: rebound, the old one dies);
-a tensor rebound in a closure (``W = new``) is not seen: ``torch_vjp.sparse.clear_cache(f)``.
+:mod:`~torch_vjp._sparse.compute`), and a guard that is a buffer or a plain tensor
+attribute of a module ``f`` reaches (one in a plain list attribute too), or an attribute of
+a callable object ``f``, is watched where it lives
+(:meth:`~torch_vjp._sparse.pattern.Pattern.house`: rebound, the old one dies); a tensor
+rebound in a closure (``W = new``) is not seen: ``torch_vjp.sparse.clear_cache(f)``.
 """
 
 from __future__ import annotations
