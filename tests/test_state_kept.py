@@ -256,3 +256,51 @@ def test_a_buffer_the_forward_rebinds_is_the_modules_own_again_after_jvp_and_vjp
     assert type(m.scale) is torch.Tensor and list(m._buffers) == ["scale"]
     torch.testing.assert_close(out, m.lin(x) * 2.2)
     torch.testing.assert_close(jt, expected)
+
+
+class _LazyCache(torch.nn.Module):
+    # no buffer until its first call, which registers one from a tensor of the call (as a
+    # rotary embedding's cache is made on first use)
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        if getattr(self, "cache", None) is None:
+            self.register_buffer("cache", torch.ones_like(x) * 2, persistent=False)
+        return self.lin(x) * self.cache
+
+
+class _BufferToParameter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.tensor(2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        if "w" in self._buffers:
+            w = self._buffers.pop("w")
+            self.w = torch.nn.Parameter(w.detach().clone())
+        return x * self.w
+
+
+@pytest.mark.parametrize("strategy", ["rev", "fwd", "rev-loop"])
+def test_a_buffer_the_forward_registers_or_replaces_is_taken_back(strategy):
+    # a module without buffers was not looked at on exit: the buffer its forward registered
+    # lazily stayed, a GradTrackingTensor of a finished transform; and a buffer f replaced
+    # by a Parameter came back beside it, the name both a buffer and a parameter
+    x = torch.randn(3, dtype=torch.float64)
+    lazy = _LazyCache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = tv.jacobian(lazy, x, strategy=strategy)
+    assert dict(lazy._buffers) == {}
+    torch.testing.assert_close(J, 2.0 * lazy.lin.weight.detach())
+    assert type(lazy(x)) is torch.Tensor and type(lazy.cache) is torch.Tensor
+    m = _BufferToParameter()
+    w = m.w
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = tv.jacobian(m, x, strategy=strategy)
+    torch.testing.assert_close(J, 2.0 * torch.eye(3, dtype=torch.float64))
+    assert m._buffers["w"] is w and dict(m._parameters) == {}
+    assert [name for name, _ in m.named_buffers()] == ["w"]

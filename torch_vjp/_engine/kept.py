@@ -181,6 +181,10 @@ def walked_tensors(f: object) -> list[Tensor] | None:
     return walked.tensors if walked is not None and walked.f is f else None
 
 
+#: (Walked's record of a module without buffers; read only)
+_NO_BUFFERS: dict[str, Any] = {}
+
+
 class Walked:
     """context.buffers_kept's context: while the call runs, the module trees walked for its
     buffers are read by context.module_key, and the tensors ``f`` reaches by
@@ -197,8 +201,10 @@ class Walked:
         self.f, self.trees, self.tensors, self.watched = f, trees, tensors, watched
         self.prev: Walked | None = None
         self.key = key  # (a route key whose captured tensors are being learned, or None)
-        self.bound = [(m, dict(m._buffers)) for tree in trees.values() for m in tree
-                      if m._buffers]
+        # (every module of the trees: one without buffers may register one lazily in f,
+        # from a tensor of the call, a torch.func wrapper under a transform)
+        self.bound = [(m, dict(b) if b else _NO_BUFFERS) for tree in trees.values()
+                      for m in tree for b in (m._buffers,)]
 
     def __enter__(self) -> None:
         self.prev = getattr(_WALKS, "now", None)
@@ -211,6 +217,9 @@ class Walked:
             if len(now) != len(saved) or any(now.get(k) is not v for k, v in saved.items()):
                 now.clear()
                 now.update(saved)
+                for k in saved:  # (one f made a Parameter or a plain attribute: its name
+                    m._parameters.pop(k, None)  # is the buffer's again, as nn.Module's
+                    m.__dict__.pop(k, None)  # names are each in one place)
         changed = self.watched.restore() if self.watched is not None else {}
         if self.key is not None and (exc[0] is None or CAPTURED in changed):
             if len(MOVES) >= MOVES_KEPT and self.key not in MOVES:
