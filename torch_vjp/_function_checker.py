@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ from torch_vjp._function_verdict import (
     Kink,
     Probe,
     find_kink,
+    hidden_error,
     kink_message,
     parameter_fix,
     smaller_step,
@@ -414,8 +415,11 @@ class Checker:
             # [kinks])
             tol = atol_ + rtol_ * p.size + p.noise
             if isinstance(kink, Kink) and abs(p.lhs - p.rhs) <= 2 * kink.explains + tol:
-                raise FunctionCheckValueError(kink_message(
-                    self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
+                kink = replace(kink, hidden=hidden_error(
+                    p, kink, at, lambda c, i=i: self._vjp_at(i, p.x, c), p.step or eps, tol))
+                if kink.hidden is None:
+                    raise FunctionCheckValueError(kink_message(
+                        self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
             raise FunctionCheckError(value_message(
                 self.call, self.fn, self.is_function, self.labels.get(i, i), rows, p, dtype,
                 p.step, atol_, rtol_, kink))
@@ -497,6 +501,16 @@ class Checker:
         except Exception:  # noqa: BLE001 - fn need not run off the user's point: no grid read
             return None
         return output_grid([flat[k] for k in pos if k < len(flat)])
+
+    def _vjp_at(self, i: int, xi: Tensor, cots: list[Tensor]) -> Tensor:
+        """Backward's gradient for input ``i`` at ``xi`` for ``cots`` (NOTE [kinks])."""
+        (inputs, pos), leaf = self._at, xi.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            flat = pytree.tree_flatten(self._forward(*_fresh_args(inputs, {i: leaf})))[0]
+            used = [(flat[k], c.clone()) for k, c in zip(pos, cots) if flat[k].requires_grad]
+            g = torch.autograd.grad([o for o, _ in used], [leaf], [c for _, c in used],
+                                    allow_unused=True)[0] if used else None
+        return torch.zeros_like(xi) if g is None else g
 
     def _outputs_at(self, inputs: tuple[Any, ...], i: int, xi: Tensor,
                     pos: list[int]) -> list[Tensor]:
