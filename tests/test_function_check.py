@@ -1556,3 +1556,42 @@ def test_a_kink_does_not_excuse_a_few_percent_wrong_on_the_other_outputs():
     # right everywhere: still the kink's refusal, not backward's blame
     with pytest.raises(FunctionCheckValueError, match=r"forward is not differentiable"):
         check_function(lambda a: (_Relu.apply(a), a.sin()), x)
+
+
+class _Forwarding:
+    """A proxy with no __dict__ whose __getattr__ (user code) forwards and records."""
+
+    __slots__ = ("_target", "_asked")
+
+    def __init__(self, target, asked):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_asked", asked)
+
+    def __getattr__(self, name):
+        object.__getattribute__(self, "_asked").append(name)
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+
+def test_the_search_for_generators_runs_no_user_code():
+    # the search read an object's attributes by getattr(obj, "__dict__"): an object with
+    # no __dict__ (slots) ran its __getattr__, user code, with "__dict__" (NOTE
+    # [check_function's draws])
+    from torch_vjp._function_calls import generators
+
+    gen, asked = torch.Generator().manual_seed(3), []
+
+    class Holder:
+        def __init__(self):
+            self.gen = gen
+
+    proxy, holder = _Forwarding(Holder(), asked), Holder()
+
+    def fn(t):
+        return t * proxy.gen.initial_seed() * holder.gen.initial_seed()
+
+    asked.clear()
+    assert generators(fn, (torch.ones(2),)) == [gen]
+    assert asked == []
+    asked.clear()
+    assert generators(lambda t: t, (proxy,)) == []
+    assert asked == []

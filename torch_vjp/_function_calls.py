@@ -163,7 +163,10 @@ def generators(fn: Any, inputs: tuple[Any, ...], depth: int = 6) -> list[torch.G
         elif isinstance(obj, dict):
             items = list(itertools.islice(obj.values(), _ITEMS))
         else:
-            attrs = getattr(obj, "__dict__", None)
+            try:  # (not getattr: an object without one runs its __getattr__, user code)
+                attrs = object.__getattribute__(obj, "__dict__")
+            except AttributeError:
+                attrs = None
             items = list(itertools.islice(attrs.values(), _ITEMS)) if isinstance(
                 attrs, dict) else []
         for item in items:
