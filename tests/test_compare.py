@@ -660,3 +660,32 @@ def test_a_wrong_entry_at_a_zero_tolerance_is_wrong():
     big = torch.tensor([1e4, 1.0], dtype=torch.float64)
     error, tol, why = check_result(big + torch.tensor([5e-4, 9e-5]), big, 1e-7, 0.0)
     assert why is None and error <= tol
+
+
+class _BufferRewriter(torch.nn.Module):
+    """sin times a buffer that forward makes a Parameter, in any mode, and a buffer it
+    registers on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        out = x.sin() * self.scale
+        self.scale = torch.nn.Parameter(self.scale.detach() * 1.1, requires_grad=False)
+        self.register_buffer(f"seen{len(self._buffers)}", x.detach().clone())
+        return out
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_buffer_f_makes_a_parameter_is_put_back(training):
+    # the module was left holding both the buffer and a Parameter of the same name (of
+    # value 4.8e47 after the timing loops), and the buffers f registered; in eval mode the
+    # buffer was not put back before the reference and the strategies
+    model = _BufferRewriter().train(training)
+    scale = model.scale
+    report = compare_strategies(model, torch.randn(3, dtype=torch.float64), strategies=(
+        "rev-loop",), min_run_time=FAST, memory=False)
+    assert model.scale is scale and float(scale) == 1.0
+    assert dict(model._parameters) == {} and list(model._buffers) == ["scale"]
+    assert [row.status for row in report.rows] == ["ok"], str(report)

@@ -19,12 +19,13 @@ moved ``g``.
 
 Module buffers that a forward in training mode updates (BatchNorm's running statistics)
 are put back by :func:`torch_vjp._engine.context.buffers_kept`, as the Jacobian functions do;
-and, where a module forward uses is in training mode, before every call too
-(:class:`SameDraws`' ``buffers``): a buffer that a call updates and the next reads (spectral
+and before every call too, in eval mode as well (:class:`SameDraws`' ``buffers``): a buffer that a call updates and the next reads (spectral
 norm's power-iteration vectors, which normalise the weight) made every call a different
 function, and a correct backward was blamed (<J t, c> = -51 against 1.5). A buffer that
 forward replaces (``self.scale = self.scale * 1.1``) gets its own tensor back, so the
-module is left as it was (it was left with the last call's).
+module is left as it was (it was left with the last call's); one it makes a Parameter
+(``self.scale = nn.Parameter(...)``) is the buffer again, not both, and a buffer forward
+registers is dropped again.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch_vjp._engine.context import (
     reached,
 )
 
-__all__ = ["SameDraws", "generators", "kept", "training_buffers"]
+__all__ = ["SameDraws", "generators", "kept", "module_buffers"]
 
 
 class SameDraws:
@@ -57,9 +58,13 @@ class SameDraws:
     before each call of forward."""
 
     def __init__(self, inputs: tuple[Any, ...], own: list[torch.Generator] = (),
-                 buffers: list[tuple[torch.nn.Module, str, Tensor]] = ()) -> None:
+                 buffers: tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str, Tensor]]]
+                 = ((), ())) -> None:
         self._own = list(own)  # (the generators forward reaches: generators(fn, inputs))
-        self._buffers = list(buffers)  # (of its modules, when one is in training mode)
+        modules, kept_buffers = buffers  # (of the modules it uses: module_buffers(fn, inputs))
+        self._buffers = list(kept_buffers)
+        # (each module's buffer names: one forward registers is dropped again)
+        self._names = [(m, set(m._buffers)) for m in modules]
         self._buffer_values: list[Tensor] = []
         self._own_states: list[Tensor] = []
         self._cuda = sorted({
@@ -85,7 +90,14 @@ class SameDraws:
         for g, state in zip(self._own, self._own_states):
             g.set_state(state)
         with torch.no_grad():
+            for m, names in self._names:
+                for name in [n for n in m._buffers if n not in names]:
+                    del m._buffers[name]  # (registered by forward: register_buffer("c", ..))
             for (m, name, b), value in zip(self._buffers, self._buffer_values):
+                # (made a Parameter, or a plain attribute: the buffer's name again, even
+                # where buffers_kept put the buffer back beside it)
+                m._parameters.pop(name, None)
+                m.__dict__.pop(name, None)
                 if m._buffers.get(name) is not b:  # (reassigned: self.n = self.n + 1)
                     m._buffers[name] = b
                 if not torch.equal(b, value):
@@ -104,23 +116,22 @@ def kept(fn: Any, is_function: bool, inputs: tuple[Any, ...]) -> Iterator[SameDr
     state and the buffers of the modules forward uses put back afterwards."""
     target = fn.forward if is_function else fn
     with buffers_kept(target, primals=inputs), SameDraws(
-            inputs, generators(target, inputs), training_buffers(target, inputs)) as draws:
+            inputs, generators(target, inputs), module_buffers(target, inputs)) as draws:
         yield draws
 
 
-def training_buffers(fn: Any, inputs: tuple[Any, ...]
-                      ) -> list[tuple[torch.nn.Module, str, Tensor]]:
-    """The buffers of the modules ``fn`` uses (:func:`reached`, and those among the inputs),
-    each with its module and name, where any of them is in training mode, else none (NOTE
-    [check_function's draws])."""
+def module_buffers(fn: Any, inputs: tuple[Any, ...]) -> tuple[
+        list[torch.nn.Module], list[tuple[torch.nn.Module, str, Tensor]]]:
+    """The modules ``fn`` uses (:func:`reached`, and those among the inputs), and their
+    buffers, each with its module and name (NOTE [check_function's draws]), in eval mode
+    too: a forward that replaces its buffer (``self.scale = self.scale * 1.1``) in eval
+    mode made every call another function, and a correct backward was blamed."""
     roots, _ = reached(fn)
     known = {id(m) for m in roots}
     roots += [m for m in modules_reached(inputs) if id(m) not in known]
     modules = module_tree(roots)
-    if not any(m.training for m in modules):
-        return []
-    return [(m, name, b) for m in modules for name, b in m._buffers.items()
-            if isinstance(b, Tensor) and b.layout == torch.strided]
+    return modules, [(m, name, b) for m in modules for name, b in m._buffers.items()
+                     if isinstance(b, Tensor) and b.layout == torch.strided]
 
 
 #: Objects :func:`generators` looks at in all, and items of one list or dict.
