@@ -19,13 +19,13 @@ moved ``g``.
 
 Module buffers that a forward in training mode updates (BatchNorm's running statistics)
 are put back by :func:`torch_vjp._engine.context.buffers_kept`, as the Jacobian functions do;
-and before every call too, in eval mode as well (:class:`SameDraws`' ``buffers``): a buffer that a call updates and the next reads (spectral
-norm's power-iteration vectors, which normalise the weight) made every call a different
-function, and a correct backward was blamed (<J t, c> = -51 against 1.5). A buffer that
-forward replaces (``self.scale = self.scale * 1.1``) gets its own tensor back, so the
-module is left as it was (it was left with the last call's); one it makes a Parameter
-(``self.scale = nn.Parameter(...)``) is the buffer again, not both, and a buffer forward
-registers is dropped again.
+and before every call too, in eval mode as well (:class:`SameDraws`' ``buffers``): a buffer
+that a call updates and the next reads (spectral norm's power-iteration vectors, which
+normalise the weight) made every call a different function, and a correct backward was
+blamed (<J t, c> = -51 against 1.5). A buffer that forward replaces (``self.scale =
+self.scale * 1.1``) gets its own tensor back, so the module is left as it was (it was left
+with the last call's); one it makes a Parameter (``self.scale = nn.Parameter(...)``) is the
+buffer again, not both, and a buffer forward registers is dropped again.
 """
 
 from __future__ import annotations

@@ -74,10 +74,12 @@ from torch_vjp._function_verdict import (
 )
 from torch_vjp._function_values import (
     NORM_SHARE,
+    balanced,
     inner,
     non_finite,
     norm,
     output_grid,
+    paired_norm,
     randn_like,
     real_dtype,
     spread,
@@ -96,15 +98,7 @@ PROBES = 2
 # check_function draws its random grad_outputs, tangents and cotangents from a private
 # generator with this seed: results are reproducible and the global RNG is left alone.
 _SEED = 20240602
-# NOTE [the dot-product test]
-# Each probe compares <c, J t> (finite differences along a random t, against a random
-# cotangent c) with <t, J^T c> (the backward's gradient g for c). Both are sums of n random-
-# signed terms, so their natural scale is sqrt(sum |term|^2), not |c| |J t| (sqrt(n) times
-# larger for n terms of one size): the tolerance is rtol times that scale, plus the
-# rounding the finite differences carry, 10 unit/(2 eps) times the same scale of c against
-# |f(x + eps t)| + |f(x - eps t)|. A floor of NORM_SHARE of the product of the norms keeps
-# a probe whose terms are all small by chance from a false alarm.
-# (NORM_SHARE, in _function_values)
+# (NOTE [the dot-product test]: in _function_values)
 # Default tolerances of the dot-product test, by the precision the values are checked in.
 _DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
     torch.float64: (1e-8, 1e-5),
@@ -454,28 +448,31 @@ class Checker:
         result: dict[int, list[Probe]] = {i: [] for i in self.diff}
         for p in range(PROBES):
             cots = [randn_like(o, self.gen) for o in outputs]
+            ts = {i: randn_like(leaves[i], self.gen) for i in self.diff}
+            with torch.no_grad():  # (forward's first: they weight the cotangents)
+                sides = {i: tuple(self._outputs_at(inputs, i, leaves[i].detach() + e * ts[i], pos)
+                                  for e in (eps, -eps)) for i in self.diff}
+            cots = balanced(cots, [sides[i] for i in self.diff],
+                            max(torch.finfo(real_dtype(value_dtype(inputs, self.diff))).eps,
+                                unit_floor))
             # (copies: a backward may scale its grad_output in place, which must not move
             # the cotangents the dot-product test reads afterwards)
             grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff],
                                         [c.clone() for c in cots],
                                         allow_unused=True, retain_graph=p < PROBES - 1)
-            c_norm = norm(cots)
             for i, g in zip(self.diff, grads):
-                x = leaves[i].detach()
-                t = randn_like(x, self.gen)
+                x, t = leaves[i].detach(), ts[i]
                 if g is None:
                     g = torch.zeros_like(x)
                 rhs = inner(t, g)
-                with torch.no_grad():
-                    f_plus = self._outputs_at(inputs, i, x + eps * t, pos)
-                    f_minus = self._outputs_at(inputs, i, x - eps * t, pos)
+                f_plus, f_minus = sides[i]
                 jt = [(a - b) / (2 * eps) for a, b in zip(f_plus, f_minus)]
                 lhs = sum((inner(c, j) for c, j in zip(cots, jt)), 0.0)
                 # (the scale of each side's terms, not the product of the norms: that is
                 # sqrt(n) times larger, and let a backward wrong in one element of many, or
                 # by a few percent at float32's tolerance, pass; NOTE [the dot-product test])
                 g_size = max(spread([t], [g]), NORM_SHARE * norm([t]) * norm([g]))
-                size = max(spread(cots, jt), g_size, NORM_SHARE * norm(jt) * c_norm)
+                size = max(spread(cots, jt), g_size, NORM_SHARE * paired_norm(cots, jt))
                 unit = max(torch.finfo(real_dtype(x.dtype)).eps, unit_floor)
                 level = [a.detach().abs() + b.detach().abs() for a, b in zip(f_plus, f_minus)]
                 noise = 10 * unit * spread(cots, level) / (2 * eps)

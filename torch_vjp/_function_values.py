@@ -11,12 +11,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GRIDS", "NORM_SHARE", "inner", "non_finite", "norm", "output_grid", "randn_like",
-           "real_dtype", "spread", "value_dtype", "where_text", "widen"]
+__all__ = ["GRIDS", "NORM_SHARE", "balanced", "inner", "non_finite", "norm", "output_grid",
+           "paired_norm", "randn_like", "real_dtype", "spread", "value_dtype", "where_text",
+           "widen"]
+
+# NOTE [the dot-product test]
+# Each probe compares <c, J t> (finite differences along a random t, against a random
+# cotangent c) with <t, J^T c> (the backward's gradient g for c). Both are sums of n random-
+# signed terms, so their natural scale is sqrt(sum |term|^2), not |c| |J t| (sqrt(n) times
+# larger for n terms of one size): the tolerance is rtol times that scale, plus the
+# rounding the finite differences carry, 10 unit/(2 eps) times the same scale of c against
+# |f(x + eps t)| + |f(x - eps t)|. A floor of NORM_SHARE of the product of the norms keeps
+# a probe whose terms are all small by chance from a false alarm.
+# A probe's cotangent is weighted output by output (:func:`balanced`) so that each output's
+# share of <c, J t> is of one size: outputs 1e7 apart in scale (1e4 sin(a) b beside
+# 1e-3 tanh(a + b)) left the small one's share below the large one's tolerance, and a
+# gradient 3% wrong there passed; the floor's product of norms is taken output by output
+# (:func:`paired_norm`) for the same reason.
 
 
 #: The floor of a probe's scale, as a share of the product of the norms (NOTE [the
-#: dot-product test] in _function_checker).
+#: dot-product test]).
 NORM_SHARE = 1e-3
 
 #: Narrower dtypes a forward may compute in inside, coarsest first.
@@ -121,3 +136,33 @@ def spread(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
 
 def norm(tensors: Sequence[Tensor]) -> float:
     return math.sqrt(sum(float(t.detach().abs().to(torch.float64).pow(2).sum()) for t in tensors))
+
+
+def balanced(cots: list[Tensor], sides: list[tuple[list[Tensor], list[Tensor]]],
+             unit: float) -> list[Tensor]:
+    """A probe's cotangents with each output's scaled so that its share of ``<J t, c>`` is
+    of one size with the others' (NOTE [the dot-product test]): ``sides`` are forward's
+    outputs at ``x + eps t`` and ``x - eps t`` for each input. An output's weight stays
+    below what would let its rounding (``unit`` of its values) reach the larger ones'
+    tolerance, and an output that no input moves keeps its own."""
+    scale, level = [0.0] * len(cots), [0.0] * len(cots)
+    for plus, minus in sides:
+        for k, (a, b) in enumerate(zip(plus, minus)):
+            a, b = a.detach().to(torch.complex128 if a.is_complex() else torch.float64), b
+            scale[k] += float((a - b).abs().pow(2).sum())
+            level[k] += float((a.abs() + b.abs()).pow(2).sum())
+    scale, level = [math.sqrt(v) for v in scale], [math.sqrt(v) for v in level]
+    top = max(scale, default=0.0)
+    if not math.isfinite(top) or top == 0.0:
+        return cots
+    weights = [1.0 if s == 0.0 or not math.isfinite(lv) else
+               max(1.0, min(top / s, 1e-7 * top / (unit * lv) if lv > 0 else top / s))
+               for s, lv in zip(scale, level)]
+    return [c * w if w != 1.0 else c for c, w in zip(cots, weights)]
+
+
+def paired_norm(cots: Sequence[Tensor], jt: Sequence[Tensor]) -> float:
+    """``sqrt(sum_k (|c_k| |jt_k|)^2)``: the product of the norms output by output, so that
+    a cotangent weighted up on a small output (:func:`balanced`) is not multiplied by a
+    large output's differences."""
+    return math.sqrt(sum((norm([c]) * norm([j])) ** 2 for c, j in zip(cots, jt)))

@@ -20,8 +20,9 @@ differences; an error more than twice that is backward's whatever the kink, and 
 kink, 'a backward that may be right'). An error within it is tested again with ``c`` zero
 on the outputs whose gaps make up all but a quarter of the tolerance (:func:`hidden_error`):
 a backward a few percent off on the smooth outputs (a sin beside a relu at 0, or relu's
-other elements) hid inside the kink's excuse and was refused as a kink. Else: the point is refused with a
-:class:`FunctionCheckValueError` (as a non-finite one is), not blamed on backward.
+other elements) hid inside the kink's excuse and was refused as a kink. Else: the point is
+refused with a :class:`FunctionCheckValueError` (as a non-finite one is), not blamed on
+backward.
 
 NOTE [a smaller step]
 The central difference carries a truncation error of about ``eps^2 |f3| / 6`` (``f3`` the
@@ -51,7 +52,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._backward_check import dtype_name
-from torch_vjp._function_values import NORM_SHARE, inner, norm, spread
+from torch_vjp._function_values import NORM_SHARE, inner, norm, paired_norm, spread
 
 __all__ = ["Kink", "Probe", "Rough", "find_kink", "kink_message", "parameter_fix",
            "smaller_step", "value_message"]
@@ -106,14 +107,13 @@ def smaller_step(p: Probe, at: Callable[[Tensor], list[Tensor]], eps: float, ato
     outputs with the probe's input at ``xi``."""
     x, t, cots = p.x, p.t, p.cots
     assert x is not None and t is not None
-    c_norm = norm(cots)
 
     def probe_at(step: float) -> tuple[float, float, float]:
         with torch.no_grad():
             f_plus, f_minus = at(x + step * t), at(x - step * t)
         jt = [(a - b) / (2 * step) for a, b in zip(f_plus, f_minus)]
         lhs = sum((inner(c, j) for c, j in zip(cots, jt)), 0.0)
-        size = max(spread(cots, jt), p.g_size, NORM_SHARE * norm(jt) * c_norm)
+        size = max(spread(cots, jt), p.g_size, NORM_SHARE * paired_norm(cots, jt))
         level = [a.abs() + b.abs() for a, b in zip(f_plus, f_minus)]
         return lhs, size, 10 * unit * spread(cots, level) / (2 * step)
 
