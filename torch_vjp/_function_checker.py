@@ -57,7 +57,6 @@ from torch_vjp._backward_check import (
 )
 from torch_vjp._errors import (
     FunctionCheckError,
-    FunctionCheckTypeError,
     FunctionCheckValueError,
     shape_str,
 )
@@ -89,7 +88,7 @@ from torch_vjp._function_values import (
 )
 
 __all__ = [
-    "PROBES", "Checker", "callable_name", "check_positive", "describe_arg", "differentiated",
+    "PROBES", "Checker", "callable_name", "describe_arg", "differentiated",
     "ok_text",
 ]
 
@@ -530,21 +529,6 @@ class Checker:
 def callable_name(fn: Any) -> str:
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return str(name)
-
-
-def check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise FunctionCheckTypeError(
-            f"{call}: {name} must be a number, but got {type(value).__name__}."
-        ) from None
-    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-        raise FunctionCheckValueError(
-            f"{call}: {name} must be a finite number "
-            f"{'>= 0' if allow_zero else '> 0'}, but got {value!r}."
-        )
-    return number
 
 
 def differentiated(inputs: tuple[Any, ...]) -> list[int]:

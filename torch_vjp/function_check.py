@@ -13,6 +13,7 @@ validation, non-finite inputs, which inputs are differentiated) is in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,6 @@ from torch_vjp._function_checker import (
     PROBES,
     Checker,
     callable_name,
-    check_positive,
     describe_arg,
     differentiated,
     ok_text,
@@ -270,11 +270,11 @@ def check_function(
             f"{call}: fn must be a torch.autograd.Function subclass or a callable that uses "
             f"one, but got {type(fn).__name__}."
         )
-    eps = check_positive(call, "eps", eps, allow_zero=False)
+    eps = _check_positive(call, "eps", eps, allow_zero=False)
     if atol is not None:
-        atol = check_positive(call, "atol", atol, allow_zero=True)
+        atol = _check_positive(call, "atol", atol, allow_zero=True)
     if rtol is not None:
-        rtol = check_positive(call, "rtol", rtol, allow_zero=True)
+        rtol = _check_positive(call, "rtol", rtol, allow_zero=True)
 
     run = fn.apply if is_function else fn
     diff = differentiated(inputs)
@@ -376,3 +376,19 @@ def _nothing_to_check(call: str, name: str, inputs: tuple[Any, ...]) -> str:
             f"torch.randn(4, 3))."
         )
     return "\n".join(lines)
+
+
+def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> float:
+    """``value`` as a float, checked finite and positive (or zero, with ``allow_zero``)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise FunctionCheckTypeError(
+            f"{call}: {name} must be a number, but got {type(value).__name__}."
+        ) from None
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        raise FunctionCheckValueError(
+            f"{call}: {name} must be a finite number "
+            f"{'>= 0' if allow_zero else '> 0'}, but got {value!r}."
+        )
+    return number
