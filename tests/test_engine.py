@@ -691,3 +691,35 @@ def test_a_builtin_function_keeps_its_checked_route():
             tv.jacobian(f, x)
         assert fwdcheck.CHECKED == before
     assert fwdcheck.route_key(torch.sin) != fwdcheck.route_key(torch.cos)
+
+
+class _Proxy:
+    # (a forwarding proxy, as config and tracking wrappers are: its __getattr__ is user code
+    # that forwards what it finds and raises what it likes for the rest)
+    __slots__ = ("_target", "_asked")
+
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_asked", [])
+
+    def __getattr__(self, name):
+        object.__getattribute__(self, "_asked").append(name)
+        if name.startswith("__"):
+            raise RuntimeError(f"the proxy has no {name}")
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+
+def test_the_walk_of_what_f_reaches_runs_no_proxy_code():
+    # the walk asked the proxy for __self__, __wrapped__, __func__ and __dict__ through its
+    # __getattr__: the proxy's RuntimeError came out of tv.jacobian for a valid f
+    cfg = _Proxy(torch.nn.Linear(3, 2).double())
+    w = torch.randn(2, 3, dtype=torch.float64)
+
+    def f(x):
+        return torch.tanh(w @ x) * cfg.weight.sum()
+
+    x = torch.randn(3, dtype=torch.float64)
+    for strategy in ("auto", "rev", "fwd"):
+        torch.testing.assert_close(tv.jacobian(f, x, strategy=strategy),
+                                   torch.func.jacrev(f)(x))
+    assert [n for n in object.__getattribute__(cfg, "_asked") if n.startswith("__")] == []

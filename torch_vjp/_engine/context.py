@@ -483,6 +483,16 @@ def _held(v: object, depth: int) -> Hashable:
     return (identity(v), type(v))
 
 
+def _own_attr(obj: object, name: str, default: object) -> object:
+    """``obj.name`` as the object itself holds it, or ``default``: read past a class's own
+    ``__getattr__`` and ``__getattribute__``, so that walking what ``f`` reaches runs no
+    user code of a proxy (whose ``__getattr__`` forwards, or raises what it likes)."""
+    try:
+        return object.__getattribute__(obj, name)
+    except Exception:  # noqa: BLE001 - (AttributeError, or a property's own error)
+        return default
+
+
 def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
     """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
     ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, the
@@ -551,17 +561,17 @@ def reached(f: object, depth: int = 6) -> tuple[list[torch.nn.Module], list[Tens
             for arg in (*obj.args, *obj.keywords.values()):
                 visit(arg, level - 1)
             return
-        owner = getattr(obj, "__self__", None)
+        owner = _own_attr(obj, "__self__", None)
         if owner is not None:
             visit(owner, level - 1)
-        wrapped = getattr(obj, "__wrapped__", None)
+        wrapped = _own_attr(obj, "__wrapped__", None)
         if wrapped is not None:
             visit(wrapped, level - 1)
-        func = getattr(obj, "__func__", obj)
+        func = _own_attr(obj, "__func__", obj)
         if type(func) is types.FunctionType:
             visit_code(func, level)
             return
-        attrs = getattr(obj, "__dict__", None)  # a plain object: its attributes
+        attrs = _own_attr(obj, "__dict__", None)  # a plain object: its attributes
         if isinstance(attrs, dict):
             for item in itertools.islice(attrs.values(), _ITEMS_SEARCHED):
                 visit(item, level - 1)
