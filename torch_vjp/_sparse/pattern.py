@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.kept import same_bits
 from torch_vjp._errors import JacobianCallTypeError, JacobianOptionError, shape_str
 
 __all__ = ["Pattern", "pattern_from_user", "LAYOUTS"]
@@ -94,10 +95,9 @@ class Pattern:
                 return False
         for ref, copy in self.guards:
             t = ref()
-            if t is not None and not (
-                t.shape == copy.shape and t.dtype == copy.dtype and t.device == copy.device
-                and _same(t.detach(), copy)
-            ):
+            # (bit for bit, NaN where NaN was: such a weight is not detected again at
+            # every call; kept.same_bits)
+            if t is not None and not (t.device == copy.device and same_bits(t.detach(), copy)):
                 return False
         return True
 
@@ -130,14 +130,6 @@ class Pattern:
         return torch.sparse_coo_tensor(
             indices, values, (self.m, self.n), is_coalesced=True, check_invariants=False
         )
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` hold the same values (NaN where NaN was: such a weight would
-    otherwise be detected again at every call)."""
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
-    return torch.equal(a, b)
 
 
 def _entries(p: Tensor) -> tuple[Tensor, Tensor]:
