@@ -48,6 +48,7 @@ from torch_vjp._engine.context import (
     modules_reached,
     reached,
 )
+from torch_vjp._engine.kept import bound_buffers, rebind_buffers
 
 __all__ = ["SameDraws", "generators", "kept", "module_buffers"]
 
@@ -63,8 +64,9 @@ class SameDraws:
         self._own = list(own)  # (the generators forward reaches: generators(fn, inputs))
         modules, kept_buffers = buffers  # (of the modules it uses: module_buffers(fn, inputs))
         self._buffers = list(kept_buffers)
-        # (each module's buffer names: one forward registers is dropped again)
-        self._names = [(m, set(m._buffers)) for m in modules]
+        # (which tensor each buffer of each module is: one forward rebinds, makes a
+        # Parameter or registers is put back by name, kept.rebind_buffers)
+        self._bound = bound_buffers(modules)
         self._buffer_values: list[Tensor] = []
         self._own_states: list[Tensor] = []
         self._cuda = sorted({
@@ -89,17 +91,9 @@ class SameDraws:
             torch.cuda.set_rng_state(state, d)
         for g, state in zip(self._own, self._own_states):
             g.set_state(state)
+        rebind_buffers(self._bound)
         with torch.no_grad():
-            for m, names in self._names:
-                for name in [n for n in m._buffers if n not in names]:
-                    del m._buffers[name]  # (registered by forward: register_buffer("c", ..))
-            for (m, name, b), value in zip(self._buffers, self._buffer_values):
-                # (made a Parameter, or a plain attribute: the buffer's name again, even
-                # where buffers_kept put the buffer back beside it)
-                m._parameters.pop(name, None)
-                m.__dict__.pop(name, None)
-                if m._buffers.get(name) is not b:  # (reassigned: self.n = self.n + 1)
-                    m._buffers[name] = b
+            for (_, _, b), value in zip(self._buffers, self._buffer_values):
                 if not torch.equal(b, value):
                     # (through .data, as BatchNorm's kernel writes its running statistics:
                     # no version bump, which would fail the backward of a graph that saved

@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "LEARNED_FROM", "Walked", "Watched",
-           "captured_kept", "module_buffers", "moved_message", "put_back", "same_bits",
-           "walked_tensors", "walked_tree"]
+           "bound_buffers", "captured_kept", "module_buffers", "moved_message", "put_back",
+           "rebind_buffers", "same_bits", "walked_tensors", "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
@@ -203,8 +203,7 @@ class Walked:
         self.key = key  # (a route key whose captured tensors are being learned, or None)
         # (every module of the trees: one without buffers may register one lazily in f,
         # from a tensor of the call, a torch.func wrapper under a transform)
-        self.bound = [(m, dict(b) if b else _NO_BUFFERS) for tree in trees.values()
-                      for m in tree for b in (m._buffers,)]
+        self.bound = bound_buffers(m for tree in trees.values() for m in tree)
 
     def __enter__(self) -> None:
         self.prev = getattr(_WALKS, "now", None)
@@ -212,19 +211,33 @@ class Walked:
 
     def __exit__(self, *exc: Any) -> None:
         _WALKS.now = self.prev
-        for m, saved in self.bound:
-            now = m._buffers
-            if len(now) != len(saved) or any(now.get(k) is not v for k, v in saved.items()):
-                now.clear()
-                now.update(saved)
-                for k in saved:  # (one f made a Parameter or a plain attribute: its name
-                    m._parameters.pop(k, None)  # is the buffer's again, as nn.Module's
-                    m.__dict__.pop(k, None)  # names are each in one place)
+        rebind_buffers(self.bound)
         changed = self.watched.restore() if self.watched is not None else {}
         if self.key is not None and (exc[0] is None or CAPTURED in changed):
             if len(MOVES) >= MOVES_KEPT and self.key not in MOVES:
                 MOVES.pop(next(iter(MOVES)))
             MOVES[self.key] = MOVES.get(self.key, False) or CAPTURED in changed
+
+
+def bound_buffers(modules: Iterable[torch.nn.Module]
+                  ) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
+    """Which tensor each buffer of each of ``modules`` is, for :func:`rebind_buffers` (a
+    module without buffers shares one empty dict: no copy)."""
+    return [(m, dict(b) if b else _NO_BUFFERS) for m in modules for b in (m._buffers,)]
+
+
+def rebind_buffers(bound: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
+    """Puts back the buffers :func:`bound_buffers` saw, by name: a buffer a forward rebound
+    (``self.scale = self.scale * 1.1``), made a Parameter or registered anew leaves each
+    module holding its own buffers again, and only them."""
+    for m, saved in bound:
+        now = m._buffers
+        if len(now) != len(saved) or any(now.get(k) is not v for k, v in saved.items()):
+            now.clear()
+            now.update(saved)
+            for k in saved:  # (one f made a Parameter or a plain attribute: its name
+                m._parameters.pop(k, None)  # is the buffer's again, as nn.Module's
+                m.__dict__.pop(k, None)  # names are each in one place)
 
 
 def put_back(t: Tensor) -> bool:
