@@ -255,6 +255,18 @@ def check_function(
         ...     print(str(e).splitlines()[0])  # doctest: +ELLIPSIS
         torch_vjp.check_function(Forgot2): the gradient that Forgot2.backward returns ... does not
         match finite differences of forward.
+
+        A module whose parameter feeds the Function: the parameter is checked too.
+
+        >>> class Scaled(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.randn(3))
+        ...     def forward(self, x):
+        ...         return Square.apply(x * self.w)
+        >>> report = tv.check_function(Scaled(), torch.randn(4, 3))
+        >>> [row.description.split(":")[0] for row in report.parameters]
+        ['Scaled.w']
     """
     is_function = isinstance(fn, type) and issubclass(fn, torch.autograd.Function)
     name = fn.__name__ if is_function else callable_name(fn)
