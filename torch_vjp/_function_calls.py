@@ -50,7 +50,7 @@ from torch_vjp._engine.context import (
 )
 from torch_vjp._engine.kept import bound_buffers, rebind_buffers
 
-__all__ = ["SameDraws", "generators", "kept", "module_buffers"]
+__all__ = ["SameDraws", "generators", "kept", "buffers_used"]
 
 
 class SameDraws:
@@ -62,7 +62,7 @@ class SameDraws:
                  buffers: tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str, Tensor]]]
                  = ((), ())) -> None:
         self._own = list(own)  # (the generators forward reaches: generators(fn, inputs))
-        modules, kept_buffers = buffers  # (of the modules it uses: module_buffers(fn, inputs))
+        modules, kept_buffers = buffers  # (of the modules it uses: buffers_used(fn, inputs))
         self._buffers = list(kept_buffers)
         # (which tensor each buffer of each module is: one forward rebinds, makes a
         # Parameter or registers is put back by name, kept.rebind_buffers)
@@ -110,11 +110,11 @@ def kept(fn: Any, is_function: bool, inputs: tuple[Any, ...]) -> Iterator[SameDr
     state and the buffers of the modules forward uses put back afterwards."""
     target = fn.forward if is_function else fn
     with buffers_kept(target, primals=inputs), SameDraws(
-            inputs, generators(target, inputs), module_buffers(target, inputs)) as draws:
+            inputs, generators(target, inputs), buffers_used(target, inputs)) as draws:
         yield draws
 
 
-def module_buffers(fn: Any, inputs: tuple[Any, ...]) -> tuple[
+def buffers_used(fn: Any, inputs: tuple[Any, ...]) -> tuple[
         list[torch.nn.Module], list[tuple[torch.nn.Module, str, Tensor]]]:
     """The modules ``fn`` uses (:func:`reached`, and those among the inputs), and their
     buffers, each with its module and name (NOTE [check_function's draws]), in eval mode

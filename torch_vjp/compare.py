@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch_vjp._engine.context import buffers_kept
 from torch_vjp._compare_reference import NoReference, reference_jacobian
 from torch_vjp._engine.problem import Problem
-from torch_vjp._function_calls import SameDraws, generators, module_buffers
+from torch_vjp._function_calls import SameDraws, generators, buffers_used
 from torch_vjp._errors import (
     StrategyError,
     every_time,
@@ -381,7 +381,7 @@ def compare_strategies(
     # every call sees the same module and nothing of the caller's is left changed.
     # (NOTE [check_function's draws], as there: the reference and each strategy's checked
     # call start from the caller's generator state, which is put back at the end)
-    with SameDraws(primals, generators(f, primals), module_buffers(f, primals)) as draws:
+    with SameDraws(primals, generators(f, primals), buffers_used(f, primals)) as draws:
         with buffers_kept(f, primals=primals):
             # A plain call first: an error of f's own propagates untouched, before any
             # strategy; an output that has no Jacobian raises as in torch_vjp.jacobian.
