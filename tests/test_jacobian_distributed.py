@@ -497,6 +497,19 @@ def _auto_checked(rank, world, group):
         warnings.simplefilter("error", tv.JacobianWarning)
         assert tv.jacobian(tall, v, process_group=group, shard=True).mode == "fwd"
     assert list(fwdcheck.CHECKED.values()) == ["fwd"], what
+    # batch_jacobian of an f that mixes the rows of its batch: every rank raises, as one
+    # process does, in both modes "auto" may choose (NOTE [a batch that mixes rows]); it
+    # returned a sum of cross-example blocks (0.8 off) with a warning only
+    xb = torch.randn(6, 3, dtype=DT, generator=g)
+    centred = lambda x: torch.tanh(x - x.mean(0))  # noqa: E731
+    centred_tall = lambda x: torch.tanh(x - x.mean(0)).repeat(1, 4)  # noqa: E731
+    for mixes, kind in ((centred, "rev"), (centred_tall, "fwd")):
+        for shard in (False, True):
+            with pytest.raises(tv.JacobianCallError, match=r"(?s)batch_jacobian: f \(\S*<lambda>\) "
+                               r"mixes examples of the batch.*Fix: torch_vjp\.jacobian\(f, x\)"):
+                tv.batch_jacobian(mixes, xb, process_group=group, shard=shard)
+        assert tv.batch_jacobian(mixes, xb, process_group=group, strategy=kind,
+                                 shard=True).mode == kind, what  # (explicit: not checked)
     if world == 1:
         return
 

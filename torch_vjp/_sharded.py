@@ -56,6 +56,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.fwdcheck import (
+    cross_row_flow,
+    mixing_message,
     no_route_message,
     remember,
     route_key,
@@ -374,12 +376,36 @@ def _checked(prob: Problem, work: _Work, part: tuple[Any, ...], mode: str, shape
             JacobianWarning,
         )
         return alt, "rev"
+    if work.batch is not None:
+        _refuse_mixing(prob, work, diff, scale, group, device)
     remember(key, mode)
     warn_once((prob.call, function_key(prob.f), mode, "none"),
               no_route_message(prob.call, function_name(prob.f), mode, diff, scale,
                                "strategy"),
               JacobianWarning)
     return part, mode
+
+
+def _refuse_mixing(prob: Problem, work: _Work, diff: float, scale: float, group: Any,
+                   device: torch.device) -> None:
+    """batch_jacobian's "auto" where no route agrees: every rank raises NOTE [a batch that
+    mixes rows]'s error once some rank finds a flow across rows (each rank tests the batch
+    itself: the ranks hold the same f and x, checked before the products), rather than
+    return a result that is no per-example Jacobian with a warning only."""
+    err = flow = None
+    try:
+        flow = cross_row_flow(prob, work.batch)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+        err = exc
+    code = _all_max(_FAILED if err is not None else 0 if flow is None else 1, group, device)
+    if code == _FAILED:
+        _raise_failure(prob, err, group, work.rank, work.world)
+    if code == 1:
+        said: list[Any] = [None] * work.world
+        _dist().all_gather_object(said, flow, group=group)
+        rows, j = next(s for s in said if s is not None)
+        raise JacobianCallError(mixing_message(prob.call, function_name(prob.f), diff, scale,
+                                               rows, j))
 
 
 class _Work:

@@ -23,7 +23,9 @@ The route is remembered under the key the single-process check uses (the same fu
 input signature and size-chosen mode: the verdict is about f's operators, not about the
 group); before computing, one ``all_reduce`` (SUM of one-hot votes) takes a remembered
 route only where every rank remembers the same one, so that ranks whose caches differ
-(one rank also ran the function alone) still compute in one mode.
+(one rank also ran the function alone) still compute in one mode. For batch_jacobian,
+where no route agrees, each rank tests the batch for a flow across rows (NOTE [a batch that
+mixes rows]), and every rank raises its error once one rank finds one, as one process does.
 """
 
 from __future__ import annotations
