@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,6 +93,15 @@ def _check_output_path(option: str, path: str, parser: argparse.ArgumentParser) 
     if not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"{option} {path}: cannot be written: the folder {folder} is not "
                      f"writable")
+    # (os.access answers yes to root everywhere, and nothing of a file system that refuses
+    # files, such as /proc: a file is made and removed there, the folder made if need be)
+    try:
+        os.makedirs(target.absolute().parent, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.absolute().parent):
+            pass
+    except OSError as exc:
+        parser.error(f"{option} {path}: cannot be written: a file could not be made in "
+                     f"{target.absolute().parent} ({type(exc).__name__}: {exc})")
 
 
 _SUFFIX = {"--json": ".json", "--markdown": ".md", "--plot": ".png"}
