@@ -599,6 +599,118 @@ def test_a_weight_with_a_nan_keeps_its_plan(monkeypatch):
     assert detections.calls == 1
 
 
+class _Cfg:
+    shift = 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+@pytest.mark.parametrize("where", ["list", "attribute", "closure"])
+def test_a_branch_on_state_outside_the_key_is_detected_again(mode, where, monkeypatch):
+    # NOTE [a cached plan, probed]: f branched on a flag its plan's key does not see (a
+    # list item, an object's attribute, a number in a closure); the plan of the first
+    # branch was used on the second, silently 0.94 off
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    flag, cfg, shift = [0], _Cfg(), 0
+
+    def f(u):
+        s = {"list": flag[0], "attribute": cfg.shift, "closure": shift}[where]
+        return torch.tanh(u.roll(s)) * u
+
+    def set_shift(k):
+        nonlocal shift
+        flag[0] = cfg.shift = shift = k
+
+    x = torch.randn(7, dtype=D)
+    # (back to shift 0: its pattern, the diagonal, is inside the kept one: right as it is)
+    for k, calls in ((0, 1), (0, 1), (2, 2), (2, 2), (0, 2), (1, 3)):
+        set_shift(k)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tv.JacobianWarning)
+            J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+        torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+        assert detections.calls == calls, (k, calls)
+
+
+def test_a_changed_branch_warns_once_naming_the_function_and_the_fix():
+    flag = [0]
+    f = lambda u: torch.tanh(u.roll(flag[0])) * u  # noqa: E731
+    x = torch.randn(5, dtype=D)
+    sparse_jacobian(f, x)
+    flag[0] = 1
+    with pytest.warns(tv.JacobianWarning, match=r"(?s)sparse_jacobian: the Jacobian of "
+                      r"\S*<lambda> has entries outside the sparsity pattern detected on an "
+                      r"earlier call: f took another branch.*pass pattern= one that covers "
+                      r"every branch"):
+        sparse_jacobian(f, x)
+    flag[0] = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        torch.testing.assert_close(sparse_jacobian(f, x, layout=torch.strided),
+                                   torch.func.jacrev(f)(x))
+
+
+class _Squares(torch.autograd.Function):
+    # a backward that is not linear in its cotangent: products with 0/1 seeds and with the
+    # probe row do not combine
+    @staticmethod
+    def forward(u):
+        return u * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * g
+
+
+def test_products_not_linear_in_their_seeds_detect_once_more_then_keep_the_plan(monkeypatch):
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    f = lambda u: _Squares.apply(u)[:4] + u[1:5]  # noqa: E731
+    x = torch.randn(6, dtype=D)
+    first = sparse_jacobian(f, x, mode="rev", layout=torch.strided)
+    assert detections.calls == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # (the same pattern: no warning)
+        second = sparse_jacobian(f, x, mode="rev", layout=torch.strided)
+        assert detections.calls == 2  # the probe disagreed; detecting again found the same
+        third = sparse_jacobian(f, x, mode="rev", layout=torch.strided)
+    assert detections.calls == 2  # and the plan is no longer probed
+    torch.testing.assert_close(second, first)
+    torch.testing.assert_close(third, first)
+
+
+def test_a_users_pattern_is_not_probed(monkeypatch):
+    # (the user's word: an explicit mode computes what its pattern says, as documented)
+    f = lambda u: u * u.roll(1)  # noqa: E731
+    x = torch.randn(5, dtype=D)
+    diag = torch.eye(5, dtype=torch.bool)
+    plan_calls = []
+    orig = compute.compressed
+
+    def spy(*args, **kwargs):
+        plan_calls.append(kwargs.get("probe", False))
+        return orig(*args, **kwargs)
+
+    import torch_vjp.sparse as sp
+
+    monkeypatch.setattr(sp, "compressed", spy)
+    for _ in range(2):
+        sparse_jacobian(f, x, pattern=diag, mode="fwd")
+    assert plan_calls == [False, False]
+    # (a detected plan is: its second call adds the probe row)
+    sparse_jacobian(f, x, mode="fwd")
+    sparse_jacobian(f, x, mode="fwd")
+    assert plan_calls[2:] == [False, True]
+
+
 @pytest.mark.parametrize("read", ["item", "bool", "tolist"])
 def test_a_branch_on_a_value_of_a_buffer_changed_since_is_detected_again(read, monkeypatch):
     # f branched on a tensor it closes over (a step counter); the plan of the first branch

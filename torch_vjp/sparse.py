@@ -17,6 +17,7 @@ tridiagonal Jacobian, whatever its size. See the docs page "Sparse Jacobians".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -56,6 +57,7 @@ from torch_vjp._sparse.compute import (
     compressed,
     compressed_plain,
     lookup_plan,
+    probe_row,
     user_plan,
 )
 from torch_vjp._sparse.detect import detect
@@ -171,8 +173,12 @@ def sparse_jacobian(
     as structural, an index or mask buffer, a tensor ``f`` reads a number from) are
     watched (a copy of their values is kept): written in place (an optimizer's step,
     ``load_state_dict``, ``w.data.copy_``) or given other ``.data``, the next call
-    detects again. Otherwise the cache assumes that ``f``'s
-    structure does not change; see :func:`clear_cache`.
+    detects again. Any other change of ``f``'s structure (another branch, on a flag the
+    key does not see) is found by one product more that each call with a cached plan
+    computes with the others, ``J r`` (``r^T J`` in reverse mode) for a fixed ``r``,
+    compared with the same product read from the result: where they disagree, the pattern
+    is detected again, with a one-time :class:`~torch_vjp.JacobianWarning`. A ``pattern``
+    you pass is not probed: it is your word.
 
     Args:
         f: a function of ``x`` returning a tensor, or a tuple, list or dict of tensors.
@@ -239,8 +245,9 @@ def sparse_jacobian(
     budget = parse_max_memory(max_memory, call=call)
     prob = _problem(f, x, call)
     n = sum(leaf.numel() for leaf in prob.leaves)
+    built: list[bool] = []
     if pattern is None:
-        plan = lookup_plan(prob, lambda: _detect(prob))
+        plan = lookup_plan(prob, lambda: built.append(True) or _detect(prob))
         if plan.pattern.by_value is not None:
             _warn_by_value(prob, plan.pattern.by_value)
     else:
@@ -260,13 +267,28 @@ def sparse_jacobian(
              and not torch.is_inference_mode_enabled())
     colour = None if route in (None, "fwd") else "rev"  # ("auto": its fallbacks stay)
     chunk_now = 1 if route == "rev-loop" else chunk
+    # NOTE [a cached plan, probed] in torch_vjp._sparse.compute
+    probe = not built and plan.probed and plan.pattern.by_value is None
     try:
-        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour)
+        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
         if not writes_into_input(err):
             raise
         prob.writes_inputs = True
-        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour)
+        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour, probe)
+    if probe and m == plan.pattern.m:
+        comp, extra = comp[:-1], comp[-1]
+        if _stale(plan, coloring, comp, extra):
+            again = _detect(prob)
+            if again.same_entries(plan.pattern):
+                plan.probed = False  # (not a stale plan: the result stands, as it was)
+            else:
+                _warn_changed(prob)
+                plan = lookup_plan(prob, lambda: again, fresh=True)
+                if plan.pattern.by_value is not None:
+                    _warn_by_value(prob, plan.pattern.by_value)
+                coloring, comp, m = _products(prob, plan, mode, chunk, budget)
+                check = (mode == "auto" and not torch.is_inference_mode_enabled())
     if m != plan.pattern.m:
         check = False  # (checked on the next call)
         if plan.user:
@@ -288,18 +310,60 @@ def sparse_jacobian(
     return assemble(values, plan, layout)
 
 
+def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor) -> bool:
+    """Whether the probe product ``extra`` disagrees with the same product read from the
+    values the plan gathers from ``comp`` (NOTE [a cached plan, probed])."""
+    p = plan.pattern
+    device = comp.device
+    with torch.no_grad():
+        values = comp.reshape(-1).index_select(
+            0, plan.gather_index(coloring, torch.sparse_csr, device))
+        (entries,) = plan.layout_indices(torch.sparse_coo, device)
+        rows, cols = entries[0], entries[1]
+        if coloring.mode == "fwd":  # J r
+            r = probe_row(p.n, comp.dtype, device)
+            mine = comp.new_zeros(p.m).index_add_(0, rows, values * r[cols])
+        else:  # r^T J
+            r = probe_row(p.m, comp.dtype, device)
+            mine = comp.new_zeros(p.n).index_add_(0, cols, values * r[rows])
+        extra = extra.to(comp.dtype)
+        diff, scale = gap(mine, extra)
+        if not math.isfinite(diff) or not math.isfinite(scale):
+            # (a NaN or inf of the Jacobian reaches both products alike: the finite rest)
+            bad = ~mine.isfinite()
+            if not torch.equal(bad, ~extra.isfinite()):
+                return True
+            diff, scale = gap(mine[~bad], extra[~bad])
+    return not diff <= tolerance(comp.dtype) * scale
+
+
+def _warn_changed(prob: Problem) -> None:
+    warn_once(
+        ("sparse-changed", function_key(prob.f)),
+        f"{prob.call}: the Jacobian of {function_name(prob.f)} has entries outside the "
+        f"sparsity pattern detected on an earlier call: f took another branch (a flag or "
+        f"number it reads that is not an argument changed), so the pattern was detected "
+        f"again. Each change costs one detection.\n  To skip detection, pass pattern= one "
+        f"that covers every branch (the union of torch_vjp.jacobian_sparsity(f, x) over "
+        f"them). This warning is shown once per function.",
+        JacobianWarning,
+    )
+
+
 def _products(
     prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
-    colour: str | None = None,
+    colour: str | None = None, probe: bool = False,
 ) -> tuple[Any, Tensor, int]:
     """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered)
-    and its compressed products. Under ``"auto"``, a function forward mode fails on (an
+    and its compressed products (with ``probe``, the probe row's product last: NOTE [a
+    cached plan, probed]). Under ``"auto"``, a function forward mode fails on (an
     operation without a forward-mode formula, ``torch.cdist``) gets reverse mode's colouring
     instead, with the one-time warning the dense ``"auto"`` gives (NOTE [auto fallback] in
     :mod:`torch_vjp._engine.jacobian`), and one torch.func cannot run at all plain autograd."""
     coloring = plan.coloring(colour or mode)
     try:
-        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget,
+                             probe=probe)
     except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
         if passes_through(err):
             raise
@@ -307,7 +371,7 @@ def _products(
             _explain_refusal(prob, mode, err)  # (raises for torch's known refusals)
             raise
         if coloring.mode == "rev":
-            return coloring, *_plain(prob, plan, coloring, err)
+            return coloring, *_plain(prob, plan, coloring, err, probe)
         warn_once(
             ("sparse-fwd-to-rev", function_key(prob.f), type(err)),
             no_forward_message(prob, err, f"with {plan.coloring('rev').count} products "
@@ -316,11 +380,12 @@ def _products(
         )
         coloring = plan.coloring("rev")
         try:
-            comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget)
+            comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget,
+                                 probe=probe)
         except Exception as rev_err:  # noqa: BLE001 - plain autograd decides
             if passes_through(rev_err):
                 raise
-            return coloring, *_plain(prob, plan, coloring, rev_err)
+            return coloring, *_plain(prob, plan, coloring, rev_err, probe)
     return coloring, comp, m
 
 
@@ -360,11 +425,12 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
         ) from None
 
 
-def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException) -> tuple[Tensor, int]:
+def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
+           probe: bool = False) -> tuple[Tensor, int]:
     """Reverse mode's products with plain autograd where torch.func cannot run f (its error
     ``err``), with a one-time warning; an error of f's own comes out of that call."""
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
-        comp, m = compressed_plain(prob, plan, coloring)
+        comp, m = compressed_plain(prob, plan, coloring, probe)
     warn_once(
         ("sparse-plain", function_key(prob.f)),
         f"{prob.call}: torch.func cannot run f ({function_name(prob.f)}): "
@@ -455,10 +521,11 @@ def clear_cache(f: Callable[..., Any] | None = None) -> None:
     """Forgets the patterns and colourings :func:`sparse_jacobian` keeps for ``f`` (for
     every function, and every user pattern, with ``None``).
 
-    Needed when ``f``'s structure changes while it stays the same object: another branch
-    of its control flow, or a tensor it closes over rebound to another one whose zeros
-    differ (a weight written in place, or given other ``.data``, and a module's parameter
-    rebound, are detected again without it).
+    Not needed for correctness: a call with a cached plan checks it with one product more
+    and detects again where ``f`` took another branch (NOTE [a cached plan, probed] in
+    :mod:`torch_vjp._sparse.compute`); a weight written in place, or given other
+    ``.data``, and a module's parameter rebound, are detected again before any product.
+    It frees the memory the plans hold, and makes the next call detect from scratch.
 
     Example:
         >>> f = lambda u: u * u

@@ -27,12 +27,29 @@ object (a bound method by its object and function), so that
 the cache dies with the function. A plan assumes that ``f``'s structure does not change:
 the same branches and the same constant zeros (a weight written in place since, or given
 other data, is seen: NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`;
-so is a module's parameter rebound to another tensor, by the key; a tensor
-rebound in a closure needs ``torch_vjp.sparse.clear_cache(f)``). An output whose
+so is a module's parameter rebound to another tensor, by the key; anything else is
+found by the probe row of NOTE [a cached plan, probed]). An output whose
 size differs from the plan's (``f`` changed) makes the plan be detected again. A user's
 pattern keeps its plan (its colourings) with the pattern tensor, as long as that tensor
 lives and is not modified (a dense one is compared with a copy: a write through NumPy or
 ``.data`` bumps no version).
+
+NOTE [a cached plan, probed]
+What selects ``f``'s branches is not all in the key: a flag in a list or on an object
+(``cfg.shift``), a number a closure holds, another function bound to a name. A plan
+detected on one branch and used on another leaves out the entries of the other, and the
+gathered Jacobian is wrong (0.94 off, with no error, on ``x.roll(cfg.shift)`` after
+``cfg.shift`` changed). So every call that uses a cached plan (not a user's pattern, which
+is the user's word) computes one product more in the same vectorised call: ``J r`` in
+forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` of numbers in ``[0.5, 1.5)``,
+compared with the same product read from the gathered values, within rounding
+(``sqrt(eps)`` of their scale). An entry the plan leaves out adds ``J[i, j] r[j]`` to the
+first and nothing to the second. Where they disagree the pattern is detected again: a
+different one becomes the plan (its first call is checked as any first call is), with a
+one-time warning; the same one means the products are not linear in their seeds (a hook
+that clamps the gradient), the result stands as it was, and the plan is not probed again.
+It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (the
+single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most).
 """
 
 from __future__ import annotations
@@ -68,6 +85,7 @@ __all__ = [
     "compressed",
     "compressed_plain",
     "assemble",
+    "probe_row",
 ]
 
 _LONG = torch.long
@@ -83,13 +101,18 @@ class Plan:
         user: the pattern was the user's (a size mismatch is then an error, not a reason to
             detect again).
         checked: the route ``"auto"`` takes after its check, per function.
+        probed: later calls check the plan with a probe row (NOTE [a cached plan, probed]).
     """
 
-    __slots__ = ("pattern", "user", "checked", "_colorings", "_indices", "__weakref__")
+    __slots__ = ("pattern", "user", "checked", "probed", "_colorings", "_indices",
+                 "__weakref__")
 
     def __init__(self, pattern: Pattern, user: bool = False) -> None:
         self.pattern = pattern
         self.user = user
+        # whether a call with this plan cached adds the probe row (NOTE [a cached plan,
+        # probed]); off where detecting again found the same pattern
+        self.probed = not user
         # the route "auto" took after its check (NOTE [auto, checked once] in
         # torch_vjp._engine.fwdcheck), per function: "fwd", "rev" or "rev-loop"
         self.checked: dict[Any, str] = {}
@@ -318,6 +341,14 @@ def _split_rows(
     return rows
 
 
+def probe_row(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The probe row of NOTE [a cached plan, probed]: the same ``length`` numbers in
+    ``[0.5, 1.5)`` on every call (a generator of its own; the global ones are not drawn)."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    return (torch.rand(length, generator=gen, dtype=torch.float64) + 0.5).to(dtype=dtype,
+                                                                             device=device)
+
+
 def compressed(
     prob: Problem,
     plan: Plan,
@@ -325,13 +356,15 @@ def compressed(
     *,
     chunk_size: int | None,
     max_memory: int | None,
+    probe: bool = False,
 ) -> tuple[Tensor, int]:
     """The compressed Jacobian, ``(colours, m)`` in forward mode or ``(colours, n)`` in
     reverse mode, and the number of output elements ``f`` returned. See NOTE
-    [compression]."""
+    [compression]. With ``probe``, one row more: the product with :func:`probe_row`
+    (NOTE [a cached plan, probed])."""
     leaves = tuple(prob.leaves)
     x0 = leaves[0]
-    p = coloring.count
+    p = coloring.count + probe
     n = plan.pattern.n
     g = prob.g
     if coloring.mode == "rev":
@@ -342,7 +375,8 @@ def compressed(
             if m != plan.pattern.m or p == 0:
                 return x0.new_zeros((p, n)), m
             chunk = _chunk(prob, plan, p, flat_out[0].dtype, chunk_size, max_memory)
-            seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device)
+            seeds = _with_probe(plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device),
+                                probe, m)
             one = len(flat_out) == 1
 
             def pull(*cot: Tensor) -> tuple[Tensor]:
@@ -359,7 +393,7 @@ def compressed(
             m = sum(o.numel() for o in prob.probe()[0])
         return x0.new_zeros((0, plan.pattern.m)), m
     chunk = _chunk(prob, plan, p, x0.dtype, chunk_size, max_memory)
-    seeds = plan.seeds(coloring, x0.dtype, x0.device)
+    seeds = _with_probe(plan.seeds(coloring, x0.dtype, x0.device), probe, n)
 
     def push(*tangents: Tensor) -> tuple[Tensor]:
         return (_flat_cat(func_jvp(g, leaves, tangents)[1]).detach(),)
@@ -382,13 +416,22 @@ def compressed(
     return res, res.shape[1]
 
 
-def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring) -> tuple[Tensor, int]:
+def _with_probe(seeds: Tensor, probe: bool, length: int) -> Tensor:
+    """``seeds`` with the probe row under them, where ``probe``."""
+    if not probe:
+        return seeds
+    return torch.cat([seeds, probe_row(length, seeds.dtype, seeds.device).unsqueeze(0)])
+
+
+def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
+                     probe: bool = False) -> tuple[Tensor, int]:
     """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
     per colour: for functions torch.func cannot run at all (a module in training mode that
     updates its running statistics, a custom Function without setup_context), as the dense
-    ``"auto"`` falls back to (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`)."""
+    ``"auto"`` falls back to (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`).
+    With ``probe``, one product more, as :func:`compressed`."""
     leaves = prob.leaves
-    p, n = coloring.count, plan.pattern.n
+    p, n = coloring.count + probe, plan.pattern.n
     with torch.enable_grad():
         xs = [x.detach().requires_grad_(True) for x in leaves]
         out = prob.g(*xs)
@@ -398,7 +441,7 @@ def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring) -> tuple[Ten
         return leaves[0].new_zeros((p, n)), m
     live = [(j, o) for j, o in enumerate(flat_out) if o.requires_grad]
     sizes = [o.numel() for o in flat_out]
-    seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device)
+    seeds = _with_probe(plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device), probe, m)
     res = leaves[0].new_zeros((p, n))
     if not live:
         return res, m

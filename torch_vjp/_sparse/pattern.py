@@ -58,6 +58,12 @@ class Pattern:
         #: guard that changed
         self.homes: tuple[tuple[Any, str, str, Any], ...] = ()
 
+    def same_entries(self, other: "Pattern") -> bool:
+        """Whether ``other`` has the same shape and entries."""
+        return (self.m == other.m and self.n == other.n
+                and self.rows.numel() == other.rows.numel()
+                and torch.equal(self.rows, other.rows) and torch.equal(self.cols, other.cols))
+
     def guard(self, tensors: Any) -> None:
         """Keeps ``tensors`` (from before detection's run) as the pattern's guards, with a
         copy of their values: a write through ``.data`` (``target.data.copy_(source)``,
