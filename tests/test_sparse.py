@@ -687,11 +687,12 @@ def test_products_not_linear_in_their_seeds_detect_once_more_then_keep_the_plan(
     torch.testing.assert_close(third, first)
 
 
-def test_a_users_pattern_is_not_probed(monkeypatch):
-    # (the user's word: an explicit mode computes what its pattern says, as documented)
+def test_which_calls_add_the_probe_row(monkeypatch):
+    # (NOTE [a cached plan, probed]: every call but a plan's first; a user's pattern from
+    # its first call in an explicit mode)
     f = lambda u: u * u.roll(1)  # noqa: E731
     x = torch.randn(5, dtype=D)
-    diag = torch.eye(5, dtype=torch.bool)
+    diag = torch.eye(5, dtype=torch.bool) | torch.eye(5, dtype=torch.bool).roll(-1, 1)
     plan_calls = []
     orig = compute.compressed
 
@@ -704,11 +705,28 @@ def test_a_users_pattern_is_not_probed(monkeypatch):
     monkeypatch.setattr(sp, "compressed", spy)
     for _ in range(2):
         sparse_jacobian(f, x, pattern=diag, mode="fwd")
-    assert plan_calls == [False, False]
+    assert plan_calls == [True, True]
+    plan_calls.clear()
     # (a detected plan is: its second call adds the probe row)
     sparse_jacobian(f, x, mode="fwd")
     sparse_jacobian(f, x, mode="fwd")
-    assert plan_calls[2:] == [False, True]
+    assert plan_calls == [False, True]
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev", "auto"])
+def test_a_users_pattern_that_leaves_out_entries_is_refused_in_every_mode(mode):
+    # the explicit modes used to compute what such a pattern said: the sums of the entries
+    # sharing a colour, silently (here row sums for the diagonal, 3.4 off); "auto" checked
+    # its first call only
+    f = lambda u: u * u.roll(1)  # noqa: E731
+    x = torch.randn(5, dtype=D)
+    diag = torch.eye(5, dtype=torch.bool)
+    with pytest.raises(tv.JacobianOptionError, match=r"(?s)pattern leaves out non-zeros of "
+                       r"the Jacobian.*Fix: pass a pattern that holds every entry"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tv.JacobianWarning)
+            sparse_jacobian(f, x, pattern=diag, mode=mode)
+            sparse_jacobian(f, x, pattern=diag, mode=mode)  # ("auto": the call after)
 
 
 @pytest.mark.parametrize("read", ["item", "bool", "tolist"])
@@ -893,17 +911,23 @@ def test_a_sparse_pattern_whose_values_are_changed_in_place_is_read_again(layout
     ref = torch.func.jacrev(f)(x)
     convert = {"coo": lambda t: t.to_sparse(), "csr": lambda t: t.to_sparse_csr(),
                "csc": lambda t: t.to_sparse_csc()}[layout]
-    pattern = convert(torch.ones(4, 4, dtype=D))
     # (every entry stored: the values run row by row, column by column for csc)
-    pattern.values().copy_(torch.eye(4, dtype=D).reshape(-1))
+    pattern = convert(torch.ones(4, 4, dtype=D))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tv.JacobianWarning)
-        sparse_jacobian(f, x, pattern=pattern, mode="fwd")
+        assert sparse_jacobian(f, x, pattern=pattern, mode="fwd").values().numel() == 16
         want = ref.ne(0).to(D)
         pattern.values().copy_((want if layout != "csc" else want.T).reshape(-1))
         assert torch.equal(pattern.to_dense().ne(0), ref.ne(0))
         J = sparse_jacobian(f, x, pattern=pattern, mode="fwd")
+    # (the entries of the pattern as it is now, not as it was: 8, not 16)
+    assert J.values().numel() == int(ref.ne(0).sum())
     torch.testing.assert_close(J.to_dense(), ref)
+    # an entry turned off in place, which the Jacobian has: the check of the next call
+    # finds it left out (before, the Jacobian was silently 4.0 off)
+    pattern.values().copy_(torch.eye(4, dtype=D).reshape(-1))
+    with pytest.raises(tv.JacobianOptionError, match="pattern leaves out non-zeros"):
+        sparse_jacobian(f, x, pattern=pattern, mode="fwd")
 
 
 @pytest.mark.parametrize("how", ["numpy", "data"])
@@ -915,17 +939,19 @@ def test_a_dense_pattern_changed_without_a_version_is_read_again(how):
 
     x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=D)
     ref = torch.func.jacrev(f)(x)
-    array = np.eye(4, dtype=bool)
+    array = np.ones((4, 4), dtype=bool)
     pattern = torch.from_numpy(array)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tv.JacobianWarning)
-        sparse_jacobian(f, x, pattern=pattern, mode="fwd")
+        assert sparse_jacobian(f, x, pattern=pattern, mode="fwd").values().numel() == 16
         if how == "numpy":
             array[:] = ref.ne(0).numpy()
         else:
             pattern.data.copy_(ref.ne(0))
-        J = sparse_jacobian(f, x, pattern=pattern, mode="fwd", layout=torch.strided)
-    torch.testing.assert_close(J, ref)
+        J = sparse_jacobian(f, x, pattern=pattern, mode="fwd")
+    # (the entries of the pattern as it is now, not as it was)
+    assert J.values().numel() == int(ref.ne(0).sum())
+    torch.testing.assert_close(J.to_dense(), ref)
 
 
 _SUPERSETS = {

@@ -178,7 +178,7 @@ def sparse_jacobian(
     computes with the others, ``J r`` (``r^T J`` in reverse mode) for a fixed ``r``,
     compared with the same product read from the result: where they disagree, the pattern
     is detected again, with a one-time :class:`~torch_vjp.JacobianWarning`. A ``pattern``
-    you pass is not probed: it is your word.
+    you pass is probed alike, in every mode: one that leaves out entries is an error.
 
     Args:
         f: a function of ``x`` returning a tensor, or a tuple, list or dict of tensors.
@@ -212,9 +212,10 @@ def sparse_jacobian(
             that updates its running statistics, a sparse CSR constant), which ``"auto"``
             works around.
         JacobianOptionError: unknown ``layout``; a ``pattern`` that is not 2-D or whose
-            shape does not match ``x`` and ``f``'s output, or (``mode="auto"``, whose check
-            finds it, f being deterministic) that leaves out non-zeros; a bad
-            ``chunk_size`` or ``max_memory``.
+            shape does not match ``x`` and ``f``'s output, or that leaves out non-zeros
+            (found by ``"auto"``'s check of its first call, or by the probe of any other
+            call, f's reverse products being linear); a bad ``chunk_size`` or
+            ``max_memory``.
         JacobianCallTypeError: ``pattern`` is not a tensor.
         JacobianCallError: ``x`` or ``f``'s output is not floating point; called inside a
             torch.func transform.
@@ -268,7 +269,9 @@ def sparse_jacobian(
     colour = None if route in (None, "fwd") else "rev"  # ("auto": its fallbacks stay)
     chunk_now = 1 if route == "rev-loop" else chunk
     # NOTE [a cached plan, probed] in torch_vjp._sparse.compute
-    probe = not built and plan.probed and plan.pattern.by_value is None
+    # (not on a first call that "auto" checks anyway; a user's pattern on every other call)
+    probe = (not built and plan.probed and plan.pattern.by_value is None
+             and not (check and plan.user))
     try:
         coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
@@ -278,7 +281,10 @@ def sparse_jacobian(
         coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     if probe and m == plan.pattern.m:
         comp, extra = comp[:-1], comp[-1]
-        if _stale(plan, coloring, comp, extra):
+        stale, diff, scale = _stale(plan, coloring, comp, extra)
+        if stale and plan.user:
+            _users_pattern_misses(prob, plan, comp.dtype, diff, scale)
+        elif stale:
             again = _detect(prob)
             if again.same_entries(plan.pattern):
                 plan.probed = False  # (not a stale plan: the result stands, as it was)
@@ -310,9 +316,10 @@ def sparse_jacobian(
     return assemble(values, plan, layout)
 
 
-def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor) -> bool:
+def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor) -> tuple[bool, float, float]:
     """Whether the probe product ``extra`` disagrees with the same product read from the
-    values the plan gathers from ``comp`` (NOTE [a cached plan, probed])."""
+    values the plan gathers from ``comp`` (NOTE [a cached plan, probed]), by how much, and
+    at what scale."""
     p = plan.pattern
     device = comp.device
     with torch.no_grad():
@@ -332,9 +339,9 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor) -> bool:
             # (a NaN or inf of the Jacobian reaches both products alike: the finite rest)
             bad = ~mine.isfinite()
             if not torch.equal(bad, ~extra.isfinite()):
-                return True
+                return True, math.inf, scale
             diff, scale = gap(mine[~bad], extra[~bad])
-    return not diff <= tolerance(comp.dtype) * scale
+    return not diff <= tolerance(comp.dtype) * scale, diff, scale
 
 
 def _warn_changed(prob: Problem) -> None:
@@ -478,43 +485,68 @@ def _checked(
     def blame_pattern(tried: Any, diff: float, scale: float) -> None:
         # no route agrees: a random f, a backward that is not linear in its cotangent (a
         # hook that clamps the gradient), or (with a user's pattern, the same in every
-        # route) entries the pattern leaves out. Where reverse products are additive,
-        # u^T J + v^T J == (u + v)^T J, f is a deterministic linear map's: the pattern
-        if not plan.user or not tried:
-            return
-        gen = torch.Generator().manual_seed(1)
-        vs: list[Tensor] = []
-
-        def other(us: list[Tensor]) -> list[Tensor]:
-            vs[:] = [cotangent(t, gen) for t in us]
-            return vs
-
-        with buffers_kept(prob.f):
-            got_v = one_reverse_product(prob, keep=other)
-            got_uv = one_reverse_product(prob, keep=lambda us: [a + b for a, b in zip(us, vs)])
-        if got_v is None or got_uv is None:
-            return
-        g_v, g_uv = (torch.cat([t.reshape(-1) for t in r[2]]).to(comp.dtype)
-                     for r in (got_v, got_uv))
-        off, size = gap(g_uv, g + g_v)
-        if off <= rtol * size:
-            raise JacobianOptionError(
-                f"{prob.call}: pattern leaves out non-zeros of the Jacobian: the Jacobian "
-                f"computed with it disagrees with a reverse product of f by up to {diff:.3g} "
-                f"(at a scale of {scale:.3g}) in every mode, while f's reverse products are "
-                f"those of one linear map (deterministic and additive in the cotangent). An "
-                f"entry the pattern leaves out is not computed, and spoils the entries that "
-                f"share its colour, so the result would be wrong.\n  Fix: pass a pattern "
-                f"that holds every entry that can be non-zero "
-                f"(torch_vjp.jacobian_sparsity(f, x) detects one; yours added to it: "
-                f"detected.to_dense() | pattern.to_dense().bool()), or leave pattern out."
-            )
+        # route) entries the pattern leaves out
+        if plan.user and tried and _linear(prob, us, g, comp.dtype):
+            raise JacobianOptionError(_misses_message(
+                prob.call, f"disagrees with a reverse product of f by up to {diff:.3g} (at "
+                           f"a scale of {scale:.3g}) in every mode"))
 
     return agreeing_route(
         prob, first, (coloring, comp), lambda pair: gap_of(*pair), run,
         lambda route: plan.remember(fkey, route), (function_key(prob.f), function_name(prob.f)),
         "mode", rtol, on_none=blame_pattern,
     )
+
+
+def _linear(prob: Problem, us: list[Tensor], g: Tensor, dtype: torch.dtype) -> bool:
+    """Whether f's reverse products are those of one linear map, deterministic and additive
+    in the cotangent: ``u^T J + v^T J == (u + v)^T J`` for a random ``v`` (``g``: the
+    product with ``us``, flat). Then a Jacobian that disagrees with them was computed with
+    a pattern that leaves out entries."""
+    gen = torch.Generator().manual_seed(1)
+    vs: list[Tensor] = []
+
+    def other(outs: list[Tensor]) -> list[Tensor]:
+        vs[:] = [cotangent(t, gen) for t in outs]
+        return vs
+
+    with buffers_kept(prob.f):
+        got_v = one_reverse_product(prob, keep=other)
+        got_uv = one_reverse_product(prob, keep=lambda outs: [a + b for a, b in zip(us, vs)])
+    if got_v is None or got_uv is None:
+        return False
+    g_v, g_uv = (torch.cat([t.reshape(-1) for t in r[2]]).to(dtype) for r in (got_v, got_uv))
+    off, size = gap(g_uv, g + g_v)
+    return off <= tolerance(dtype) * size
+
+
+def _misses_message(call: str, how: str) -> str:
+    return (
+        f"{call}: pattern leaves out non-zeros of the Jacobian: the Jacobian computed with it "
+        f"{how}, while f's reverse products are those of one linear map (deterministic and "
+        f"additive in the cotangent). An entry the pattern leaves out is not computed, and "
+        f"spoils the entries that share its colour, so the result would be wrong.\n  Fix: "
+        f"pass a pattern that holds every entry that can be non-zero "
+        f"(torch_vjp.jacobian_sparsity(f, x) detects one; yours added to it: "
+        f"detected.to_dense() | pattern.to_dense().bool()), or leave pattern out."
+    )
+
+
+def _users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: float,
+                          scale: float) -> None:
+    """A user's pattern whose probe disagreed (NOTE [a cached plan, probed]): raises where
+    f's reverse products are linear (the pattern leaves out entries); otherwise the plan is
+    not probed again, and the result stands."""
+    with buffers_kept(prob.f):
+        got = one_reverse_product(prob)
+    if got is not None:
+        _, us, grads = got
+        g = torch.cat([t.reshape(-1) for t in grads]).to(dtype)
+        if _linear(prob, us, g, dtype):
+            raise JacobianOptionError(_misses_message(
+                prob.call, f"disagrees with one more product of f, computed with the others "
+                           f"for a check, by up to {diff:.3g} (at a scale of {scale:.3g})"))
+    plan.probed = False
 
 
 def clear_cache(f: Callable[..., Any] | None = None) -> None:

@@ -48,6 +48,11 @@ first and nothing to the second. Where they disagree the pattern is detected aga
 different one becomes the plan (its first call is checked as any first call is), with a
 one-time warning; the same one means the products are not linear in their seeds (a hook
 that clamps the gradient), the result stands as it was, and the plan is not probed again.
+A user's pattern is probed too, in every mode (only "auto"'s first call with it was
+checked, and the explicit modes never): where the probe disagrees and f's reverse
+products are those of one linear map (the additivity test of "auto"'s check), the pattern
+leaves out entries and a JacobianOptionError says so; otherwise the result stands and the
+pattern is not probed again.
 It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (the
 single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most).
 """
@@ -111,8 +116,8 @@ class Plan:
         self.pattern = pattern
         self.user = user
         # whether a call with this plan cached adds the probe row (NOTE [a cached plan,
-        # probed]); off where detecting again found the same pattern
-        self.probed = not user
+        # probed]); off where the probe disagreed and the pattern was not to blame
+        self.probed = True
         # the route "auto" took after its check (NOTE [auto, checked once] in
         # torch_vjp._engine.fwdcheck), per function: "fwd", "rev" or "rev-loop"
         self.checked: dict[Any, str] = {}
