@@ -57,7 +57,6 @@ from torch_vjp._sparse.compute import (
     compressed,
     compressed_plain,
     lookup_plan,
-    probe_row,
     user_plan,
 )
 from torch_vjp._sparse.detect import detect
@@ -320,19 +319,13 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor) -> tuple[bool,
     """Whether the probe product ``extra`` disagrees with the same product read from the
     values the plan gathers from ``comp`` (NOTE [a cached plan, probed]), by how much, and
     at what scale."""
-    p = plan.pattern
     device = comp.device
     with torch.no_grad():
+        where, weights, length = plan.probe_weights(coloring, comp.dtype, device)
         values = comp.reshape(-1).index_select(
             0, plan.gather_index(coloring, torch.sparse_csr, device))
-        (entries,) = plan.layout_indices(torch.sparse_coo, device)
-        rows, cols = entries[0], entries[1]
-        if coloring.mode == "fwd":  # J r
-            r = probe_row(p.n, comp.dtype, device)
-            mine = comp.new_zeros(p.m).index_add_(0, rows, values * r[cols])
-        else:  # r^T J
-            r = probe_row(p.m, comp.dtype, device)
-            mine = comp.new_zeros(p.n).index_add_(0, cols, values * r[rows])
+        # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns)
+        mine = comp.new_zeros(length).index_add_(0, where, values * weights)
         extra = extra.to(comp.dtype)
         diff, scale = gap(mine, extra)
         if not math.isfinite(diff) or not math.isfinite(scale):

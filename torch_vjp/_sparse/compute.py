@@ -179,16 +179,46 @@ class Plan:
             got = self._indices[key] = tuple(t.to(device) for t in got)
         return got
 
-    def seeds(self, coloring: Coloring, dtype: torch.dtype, device: torch.device) -> Tensor:
+    def probe(self, length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """:func:`probe_row`, kept per length, dtype and device (not to be written into)."""
+        key = ("probe", length, dtype, device)
+        got = self._indices.get(key)
+        if got is None:
+            got = self._indices[key] = probe_row(length, dtype, device)
+        return got
+
+    def probe_weights(self, coloring: Coloring, dtype: torch.dtype,
+                      device: torch.device) -> tuple[Tensor, Tensor, int]:
+        """``(where, weights, length)``: the probe product read from the values (in the
+        pattern's order) is ``zeros(length).index_add_(0, where, values * weights)``, ``J r``
+        for a column colouring, ``r^T J`` for a row colouring. Kept per dtype and device."""
+        key = ("probe weights", coloring.mode, dtype, device)
+        got = self._indices.get(key)
+        if got is None:
+            p = self.pattern
+            (entries,) = self.layout_indices(torch.sparse_coo, device)
+            if coloring.mode == "fwd":
+                got = (entries[0], self.probe(p.n, dtype, device)[entries[1]], p.m)
+            else:
+                got = (entries[1], self.probe(p.m, dtype, device)[entries[0]], p.n)
+            self._indices[key] = got
+        return got
+
+    def seeds(self, coloring: Coloring, dtype: torch.dtype, device: torch.device,
+              probe: bool = False) -> Tensor:
         """The ``(colours, n)`` (forward) or ``(colours, m)`` (reverse) seed rows: row ``c``
-        is 1 where the colour is ``c``. Kept per dtype and device when small; each call
-        gets its own copy."""
-        key = ("seeds", coloring.mode, dtype, device)
+        is 1 where the colour is ``c``; with ``probe``, the probe row under them (NOTE [a
+        cached plan, probed]). Kept per dtype and device when small; each call gets its own
+        copy."""
+        key = ("seeds", coloring.mode, dtype, device, probe)
         got = self._indices.get(key)
         if got is None:
             colors = coloring.colors.to(device)
             c = torch.arange(coloring.count, device=device).unsqueeze(1)
             got = (colors.unsqueeze(0) == c).to(dtype)
+            if probe:
+                length = self.pattern.n if coloring.mode == "fwd" else self.pattern.m
+                got = torch.cat([got, self.probe(length, dtype, device).unsqueeze(0)])
             if got.numel() * got.element_size() <= 2**26:
                 self._indices[key] = got
             else:
@@ -380,8 +410,7 @@ def compressed(
             if m != plan.pattern.m or p == 0:
                 return x0.new_zeros((p, n)), m
             chunk = _chunk(prob, plan, p, flat_out[0].dtype, chunk_size, max_memory)
-            seeds = _with_probe(plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device),
-                                probe, m)
+            seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device, probe)
             one = len(flat_out) == 1
 
             def pull(*cot: Tensor) -> tuple[Tensor]:
@@ -398,7 +427,7 @@ def compressed(
             m = sum(o.numel() for o in prob.probe()[0])
         return x0.new_zeros((0, plan.pattern.m)), m
     chunk = _chunk(prob, plan, p, x0.dtype, chunk_size, max_memory)
-    seeds = _with_probe(plan.seeds(coloring, x0.dtype, x0.device), probe, n)
+    seeds = plan.seeds(coloring, x0.dtype, x0.device, probe)
 
     def push(*tangents: Tensor) -> tuple[Tensor]:
         return (_flat_cat(func_jvp(g, leaves, tangents)[1]).detach(),)
@@ -421,13 +450,6 @@ def compressed(
     return res, res.shape[1]
 
 
-def _with_probe(seeds: Tensor, probe: bool, length: int) -> Tensor:
-    """``seeds`` with the probe row under them, where ``probe``."""
-    if not probe:
-        return seeds
-    return torch.cat([seeds, probe_row(length, seeds.dtype, seeds.device).unsqueeze(0)])
-
-
 def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
                      probe: bool = False) -> tuple[Tensor, int]:
     """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
@@ -446,7 +468,7 @@ def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
         return leaves[0].new_zeros((p, n)), m
     live = [(j, o) for j, o in enumerate(flat_out) if o.requires_grad]
     sizes = [o.numel() for o in flat_out]
-    seeds = _with_probe(plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device), probe, m)
+    seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device, probe)
     res = leaves[0].new_zeros((p, n))
     if not live:
         return res, m
