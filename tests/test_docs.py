@@ -379,3 +379,49 @@ def test_readme_first_example_lists_the_error_it_raises():
     shown = shown.replace(f"{type(err).__module__}.{type(err).__qualname__}",
                           f"torch_vjp.{type(err).__qualname__}")
     assert listed == " ".join(shown.split())
+
+
+def _markdown_rows(text: str, header_start: str) -> list[list[str]]:
+    """The body rows of the Markdown table whose header line starts with ``header_start``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_strategies_page_shows_the_committed_crossover_results():
+    # the page says its tables are the committed results of benchmarks/crossover.py; they
+    # had stayed those of an earlier run (1 thread, 5 rounds, 2026-11-21) after the results
+    # were measured again (2 threads, 3 rounds, 2026-11-23)
+    import json
+
+    results = json.loads((REPO / "benchmarks" / "results" / "crossover.json").read_text())
+    page = (PAGES / "strategies.md").read_text(encoding="utf-8")
+    env = results["environment"]
+    date = env["date"].split()[0]
+    assert f"Measured {date} with torch {env['torch']}" in page
+    assert f"{env['threads']} thread{'s' if env['threads'] > 1 else ''}," in page
+    assert f"{env['rounds']} interleaved rounds" in page
+    assert f"({env['clock']} clock)" in page
+
+    sweep = _markdown_rows(page, "| n_in \\ n_out")
+    columns = sorted({r["n_out"] for r in results["sweep"]})
+    assert [int(row[0]) for row in sweep] == sorted({r["n_in"] for r in results["sweep"]})
+    for row in sweep:
+        for n_out, cell in zip(columns, row[1:]):
+            (entry,) = [r for r in results["sweep"]
+                        if r["n_in"] == int(row[0]) and r["n_out"] == n_out]
+            picks_fwd = n_out > results["FWD_OUT_IN_RATIO"] * int(row[0]) + results["FWD_OFFSET"]
+            assert cell == (f"**{entry['fwd_over_rev']:.2f}**" if picks_fwd
+                            else f"{entry['fwd_over_rev']:.2f}"), (row[0], n_out)
+
+    grid = _markdown_rows(page, "| case | n_in -> n_out")
+    assert [row[0] for row in grid] == [r["case"] for r in results["grid"]]
+    for row, entry in zip(grid, results["grid"]):
+        assert row[1] == f"{entry['n_in']} -> {entry['n_out']}"
+        assert row[2:] == [f"`{entry['auto_picks']}`", f"`{entry['best']}`",
+                           f"{entry['auto_over_best']:.2f}"], entry["case"]
