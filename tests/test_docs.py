@@ -425,3 +425,36 @@ def test_strategies_page_shows_the_committed_crossover_results():
         assert row[1] == f"{entry['n_in']} -> {entry['n_out']}"
         assert row[2:] == [f"`{entry['auto_picks']}`", f"`{entry['best']}`",
                            f"{entry['auto_over_best']:.2f}"], entry["case"]
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?(?:\s*(?:ns|us|ms|s|B|kB|MB|GB|x|%))?")
+
+
+def _report_shape(listing: str) -> list[str]:
+    """A compare_strategies table with its measurements left out: the header lines (numbers
+    as ``#``), then per row the strategy and its outcome (``ok`` for ok and best, since which
+    strategy is fastest depends on the machine; ``failed: <exception class>``)."""
+    lines = normalize_output(listing).split("\n")
+    sep = next(i for i, line in enumerate(lines) if line.startswith("--------"))
+    shape = [" ".join(re.sub("-+", "-", _NUMBER.sub("#", line)).split())
+             for line in lines[: sep + 1]]
+    for row in lines[sep + 1:]:
+        strategy, rest = row.split(None, 1)
+        failed = re.search(r"\bfailed: (\w+)", rest)
+        shape.append(f"{strategy} failed: {failed.group(1)}" if failed else f"{strategy} ok")
+    return shape
+
+
+def test_benchmarks_page_lists_reports_as_compare_strategies_prints_them():
+    # the listings after the compare_strategies examples are not exact (times vary), but
+    # their columns, header lines and outcomes must be what str(report) prints: they had
+    # gone stale (no IQR column, no 'time:' line, failures of torch's classes where the
+    # strategies now raise torch_vjp's)
+    page = PAGES / "benchmarks.md"
+    text = page.read_text(encoding="utf-8")
+    listings = re.findall(r"^```text\n(compare_strategies:.*?)^```", text, re.M | re.S)
+    assert len(listings) == 2
+    printed = [out for _, out in run_page(page) if out.startswith("compare_strategies:")]
+    assert len(printed) == 2
+    for listed, got in zip(listings, printed):
+        assert _report_shape(listed) == _report_shape(got)
