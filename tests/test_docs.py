@@ -458,3 +458,14 @@ def test_benchmarks_page_lists_reports_as_compare_strategies_prints_them():
     assert len(printed) == 2
     for listed, got in zip(listings, printed):
         assert _report_shape(listed) == _report_shape(got)
+
+
+def test_pages_have_no_one_word_sentence_left_over_from_an_edit():
+    # per-sample.md read "... for such a model. rules. Every row is then tested ...": the
+    # end of a sentence that an edit had moved away
+    for page in [*_pages(), REPO / "README.md"]:
+        prose = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        prose = " ".join(re.sub(r"`[^`]*`", "``", prose).split())
+        fragments = [prose[max(0, m.start() - 60): m.end() + 30]
+                     for m in re.finditer(r"[a-z)\]]\. [a-z]\w*\. ", prose)]
+        assert not fragments, f"{page.name}: {fragments}"
