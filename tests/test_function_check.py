@@ -1659,3 +1659,22 @@ def test_a_wrong_gradient_of_a_small_output_beside_a_large_one_is_blamed():
                 r"check_function\(_ScalesOff\): the gradient that _ScalesOff\.backward "
                 r"returns for input 0 does not match finite differences of forward")):
             check_function(_ScalesOff, a, b)
+
+
+# The batch questions of a custom backward ("it does not handle batches?"): what a user
+# returns who expects backward to give a Jacobian, or to average over the batch.
+
+def _batch_linear_forward(ctx, x):  # (b, 3) -> (b, 2)
+    return x @ _W.to(x.dtype).mT
+
+
+def test_per_example_transposed_jacobians_are_named_in_their_order():
+    # (b, n, k) was described as 'the batch of 4, then the shapes of one row of the output
+    # and of input 0', the order of (b, k, n)
+    F = _function("F", lambda ctx, g: _W.mT.expand(4, 3, 2).clone(), _batch_linear_forward)
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(F, _x(4, 3))
+    text = str(info.value)
+    assert ("(4, 3, 2) holds one Jacobian per example: the batch of 4, then the shapes of one "
+            "row of input 0 and of the output: each example's transposed Jacobian") in text
+    assert "torch.tensordot(j, g, dims=g.dim())" in text

@@ -398,10 +398,14 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
         if s and o and s[0] == o[0] and len(g) > len(s):
             b = s[0]
             if g == (b,) + o[1:] + s[1:] or g == (b,) + s[1:] + o[1:]:
-                order = "j, g" if g == (b,) + s[1:] + o[1:] else "g, j"
+                transposed = g == (b,) + s[1:] + o[1:]
+                order = "j, g" if transposed else "g, j"
+                rows = (f"of one row of input {i} and of {out_name}: each example's "
+                        f"transposed Jacobian" if transposed
+                        else f"of one row of {out_name} and of input {i}")
                 return (
                     f"{shape_str(g)} holds one Jacobian per example: the batch of {b}, then "
-                    f"the shapes of one row of {out_name} and of input {i}. backward never "
+                    f"the shapes {rows}. backward never "
                     f"forms per-example Jacobians: a batch input of shape {shape_str(s)} gets "
                     f"a gradient of shape {shape_str(s)}, row e being dL/d(input {i}[e]). "
                     f"Fix: contract each example's Jacobian with its row of grad_output: "
