@@ -1678,3 +1678,23 @@ def test_per_example_transposed_jacobians_are_named_in_their_order():
     assert ("(4, 3, 2) holds one Jacobian per example: the batch of 4, then the shapes of one "
             "row of input 0 and of the output: each example's transposed Jacobian") in text
     assert "torch.tensordot(j, g, dims=g.dim())" in text
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["jacobian", "transposed"])
+def test_one_examples_jacobian_for_a_batch_is_named_so_with_a_fix_that_works(transposed):
+    # (k, n) for a (b, n) input, b > 1, got only 'Fix: return grad_output times the
+    # Jacobian'; the batch of one had its own hint
+    J = _W.mT if transposed else _W
+    F = _function("F", lambda ctx, g: J.to(g.dtype).clone(), _batch_linear_forward)
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(F, _x(4, 3))
+    text = str(info.value)
+    rows = ("one row of input 0, (3,), and of the output, (2,)" if transposed
+            else "one row of the output, (2,), and of input 0, (3,)")
+    assert f"{tuple(J.shape)} has the shapes of {rows}: one example's Jacobian" in text
+    fix = re.search(r"return (torch\.tensordot\(grad_output, J, dims=.*?\)) \(shape", text).group(1)
+    # the fix it names is the right backward
+    Fixed = _function("Fixed", lambda ctx, grad_output: eval(
+        fix, {"torch": torch, "grad_output": grad_output, "J": J.to(grad_output.dtype)}),
+        _batch_linear_forward)
+    assert isinstance(check_function(Fixed, _x(4, 3)), FunctionCheckReport)

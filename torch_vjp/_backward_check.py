@@ -426,6 +426,28 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
                    "dims=")
                 + f"{len(o) - 1}).unsqueeze(0), or compute that product without building J."
             )
+    for k, o in outs:
+        out_name = "the output" if single else f"output {k}"
+        if len(s) >= 2 and len(o) >= 2 and s[0] == o[0] > 1 and g in (
+                o[1:] + s[1:], s[1:] + o[1:]):
+            b, n = s[0], len(o) - 1
+            out_row = f"{out_name}, {shape_str(o[1:])}"
+            in_row = f"input {i}, {shape_str(s[1:])}"
+            if g == o[1:] + s[1:]:
+                what, dims, kind = f"of one row of {out_row}, and of {in_row}", n, ""
+            else:
+                what, kind = f"of one row of {in_row}, and of {out_row}", " (transposed)"
+                dims = (list(range(1, n + 1)), list(range(len(s) - 1, len(s) - 1 + n)))
+            return (
+                f"{shape_str(g)} has the shapes {what}: one example's Jacobian"
+                f"{kind}, not the gradient of the "
+                f"batch of {b}. backward never forms Jacobians: a batch input of shape "
+                f"{shape_str(s)} gets a gradient of shape {shape_str(s)}, row e being "
+                f"grad_output[e] times example e's Jacobian. Fix: if every example has this "
+                f"Jacobian J (a linear map, say), return torch.tensordot(grad_output, J, "
+                f"dims={dims}) (shape {shape_str(s)}); otherwise compute each row's product "
+                f"without building J."
+            )
     if len(g) > len(s) and g[len(g) - len(s):] == s:
         lead = g[: len(g) - len(s)]
         dims = "0" if len(lead) == 1 else f"dim={tuple(range(len(lead)))}"
