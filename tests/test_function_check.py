@@ -1698,3 +1698,17 @@ def test_one_examples_jacobian_for_a_batch_is_named_so_with_a_fix_that_works(tra
         fix, {"torch": torch, "grad_output": grad_output, "J": J.to(grad_output.dtype)}),
         _batch_linear_forward)
     assert isinstance(check_function(Fixed, _x(4, 3)), FunctionCheckReport)
+
+
+
+def test_a_gradient_reduced_over_the_batch_is_named_so():
+    # (n,) for a (b, n) input was told 'if every slice of input 0 gets this same gradient,
+    # return grad.expand(...)': the wrong fix for a backward that averaged over the batch
+    F = _function("F", lambda ctx, g: (g @ _W.to(g.dtype)).mean(0), _batch_linear_forward)
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(F, _x(4, 3))
+    text = str(info.value)
+    assert ("(3,) lacks input 0's leading dimension of size 4, the batch that the output "
+            "(4, 2) has too. backward neither sums nor averages over the batch") in text
+    assert "a factor 1/4 in grad_output" in text
+    assert "return them without that reduction" in text

@@ -469,6 +469,21 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
             f"grad.sum(dim={dims if len(dims) > 1 else dims[0]}, keepdim=True)."
         )
     if len(g) < len(s) and s[len(s) - len(g):] == g:
+        batch = [(k, o) for k, o in outs if len(s) - len(g) == 1 and o and o[0] == s[0] > 1]
+        if batch:
+            k, o = batch[0]
+            return (
+                f"{shape_str(g)} lacks input {i}'s leading dimension of size {s[0]}, the "
+                f"batch that {'the output' if single else f'output {k}'} {shape_str(o)} has "
+                f"too. backward neither "
+                f"sums nor averages over the batch: a batch input of shape {shape_str(s)} "
+                f"gets a gradient of shape {shape_str(s)}, row e being dL/d(input {i}[e]), "
+                f"and a mean over the batch in the loss already reaches backward as a factor "
+                f"1/{s[0]} in grad_output. Fix: if this is the examples' gradients summed or "
+                f"averaged over the batch, return them without that reduction (if instead "
+                f"every row of input {i} gets this same gradient, return "
+                f"grad.expand({shape_str(s)}).clone())."
+            )
         return (
             f"{shape_str(g)} lacks input {i}'s leading dimension"
             f"{'s' if len(s) - len(g) > 1 else ''} {shape_str(s[: len(s) - len(g)])}. If every "
