@@ -469,3 +469,17 @@ def test_pages_have_no_one_word_sentence_left_over_from_an_edit():
         fragments = [prose[max(0, m.start() - 60): m.end() + 30]
                      for m in re.finditer(r"[a-z)\]]\. [a-z]\w*\. ", prose)]
         assert not fragments, f"{page.name}: {fragments}"
+
+
+def test_dp_sgd_loops_on_the_pages_sample_as_the_accountant_assumes():
+    # per-sample.md's "DP-SGD training loop" drew fixed-size batches with torch.randint
+    # (with replacement) and divided by that size; the accountants the docs recommend assume
+    # Poisson sampling and a division by the expected batch size
+    loops = [(page, block) for page in _pages()
+             for block in python_blocks(page.read_text(encoding="utf-8"))
+             if "accumulate_clipped_grads(" in block.source and ".step()" in block.source]
+    assert len(loops) >= 3
+    for page, block in loops:
+        where = f"{_page_id(page)}, block {block.number} (line {block.line})"
+        assert "torch.randint" not in block.source and "randperm" not in block.source, where
+        assert re.search(r"torch\.rand\(.*\) < q\b", block.source), where
