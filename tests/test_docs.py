@@ -483,3 +483,25 @@ def test_dp_sgd_loops_on_the_pages_sample_as_the_accountant_assumes():
         where = f"{_page_id(page)}, block {block.number} (line {block.line})"
         assert "torch.randint" not in block.source and "randperm" not in block.source, where
         assert re.search(r"torch\.rand\(.*\) < q\b", block.source), where
+
+
+def test_a_listing_right_after_a_python_block_is_checked():
+    # grad-outputs.md listed what its outer-product example prints without the mark, so the
+    # listing was never compared; the compare_strategies tables (times vary) are checked by
+    # test_benchmarks_page_lists_reports_as_compare_strategies_prints_them
+    for page in _pages():
+        lines = page.read_text(encoding="utf-8").split("\n")
+        in_python = False
+        for n, line in enumerate(lines):
+            if re.match(r"\s*```\s*python\b", line):
+                in_python = True
+            elif in_python and line.strip() == "```":
+                in_python = False
+                after = n + 1
+                while after < len(lines) and not lines[after].strip():
+                    after += 1
+                if (after < len(lines) and lines[after].strip().startswith("```text")
+                        and not lines[after + 1].startswith("compare_strategies:")):
+                    raise AssertionError(
+                        f"{_page_id(page)}:{after + 1}: a ```text listing follows a python "
+                        f"block without a {PRINTED_MARK} line, so it is not checked")
