@@ -193,6 +193,23 @@ def test_tangent_structure_names_the_primals():
         jvp(lambda x: W @ x, (x,), [torch.ones(4, dtype=D)])
 
 
+@pytest.mark.parametrize("call, fix", [
+    (lambda x: jvp(torch.sin, (x,), torch.ones(4, dtype=D)),
+     "Fix: like the primals, tangents must be a tuple of one tensor: pass (tangents,)."),
+    (lambda x: jvp(torch.sin, (x,), [torch.ones(4, dtype=D)]),
+     "Fix: like the primals, tangents must be a tuple, not a list: pass tuple(tangents)."),
+    (lambda x: vjp(torch.sin, x)[1]((torch.ones(4, dtype=D),)),
+     "Fix: like the function's output, cotangents must be a single tensor, not a tuple: "
+     "pass cotangents[0]."),
+], ids=["bare-tangent", "list-of-tangents", "tuple-of-one-cotangent"])
+def test_structure_mistakes_of_one_tensor_get_their_fix(call, fix):
+    # a bare tangent for (x,), as torch.func.jvp's users write it, was told only to 'build it
+    # from the primals itself, e.g. torch.utils._pytree.tree_map(torch.ones_like, ...)'
+    with pytest.raises(tv.GradOutputsError) as info:
+        call(torch.randn(4, dtype=D))
+    assert str(info.value).endswith(fix)
+
+
 def test_none_cotangent_stands_for_one_for_a_scalar_output():
     # as torch.func.vjp and torch.autograd.grad read it (vjp_fn(None) gave zeros, and a None
     # beside a vector dropped the scalar output's part)

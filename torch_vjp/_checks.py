@@ -447,13 +447,29 @@ def check_tree_structure(
     have = tree_structure(got)
     if want == have:
         return
+    if (isinstance(got, Tensor) and isinstance(expected, (tuple, list))
+            and len(expected) == 1 and isinstance(expected[0], Tensor)):
+        kind = type(expected).__name__
+        fix = (f"Fix: like {against}, {name} must be a {kind} of one tensor: pass "
+               + (f"({name},)." if kind == "tuple" else f"[{name}]."))
+    elif (isinstance(expected, Tensor) and isinstance(got, (tuple, list))
+            and len(got) == 1 and isinstance(got[0], Tensor)):
+        fix = (f"Fix: like {against}, {name} must be a single tensor, not a "
+               f"{type(got).__name__}: pass {name}[0].")
+    elif (isinstance(got, (tuple, list)) and isinstance(expected, (tuple, list))
+            and tree_structure(type(expected)(got)) == want):
+        kind = type(expected).__name__
+        fix = (f"Fix: like {against}, {name} must be a {kind}, not a {type(got).__name__}: "
+               f"pass {kind}({name}).")
+    else:
+        fix = (f"Fix: build it from {against} itself, e.g. "
+               f"torch.utils._pytree.tree_map(torch.ones_like, ...).")
     raise GradOutputsError(
         f"{call}: {name} must have the same structure as {against}, but it does not.\n"
         f"  expected: {describe_tree(expected)}\n"
         f"  got:      {describe_tree(got)}\n"
         f"  {name} holds one vector per tensor of {against}, arranged exactly like it (same "
-        f"containers, same keys, same order), each with that tensor's shape. Fix: build it "
-        f"from {against} itself, e.g. torch.utils._pytree.tree_map(torch.ones_like, ...)."
+        f"containers, same keys, same order), each with that tensor's shape. {fix}"
     )
 
 
