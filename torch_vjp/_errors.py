@@ -171,8 +171,9 @@ class FunctionCheckWarning(TorchVJPWarning):
 
 
 class JacobianWarning(TorchVJPWarning):
-    """A Jacobian computation fell back to a slower strategy, or an output does not depend
-    on an input through autograd (its block is zeros)."""
+    """A Jacobian computation fell back to a slower strategy, or ``"auto"`` returned another
+    route's result than its first, or (in checked mode only) an output does not depend on an
+    input through autograd although its value changes with it (its block is zeros)."""
 
 
 def shape_str(shape: Sequence[int]) -> str:
