@@ -158,6 +158,16 @@ def test_err_extra_leading_batch_dimension():
     assert "extra leading dimension of size 3" in msg and "is_grads_batched=True" in msg
 
 
+def test_err_one_element_for_a_scalar_names_its_own_shape():
+    # a (1, 1) vector for a 0-d output was told 'torch.Size([1]) and torch.Size([]) differ'
+    x = torch.randn(3, requires_grad=True)
+    msg = _raises(r"grad_outputs\[0\] has shape \(1, 1\), but outputs\[0\] has shape \(\)",
+                  tv.grad, x.sum(), x, torch.ones(1, 1))
+    assert "(1, 1) is not (): torch.Size([1, 1]) and torch.Size([]) differ" in msg
+    msg = _raises(r"has shape \(1,\)", tv.grad, x.sum(), x, torch.ones(1))
+    assert "torch.Size([1]) and torch.Size([]) differ" in msg
+
+
 def test_err_vectors_of_several_outputs_stacked_into_one_entry():
     # the shape is what torch reports first; the note names the count, and a fix that works
     x = torch.randn(3, requires_grad=True)

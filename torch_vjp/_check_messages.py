@@ -213,7 +213,7 @@ def _shape_fix(
     if out.dim() == 0 and go.numel() == 1:
         return (
             f"{o} is a 0-d scalar (shape ()), and {shape_str(gshape)} is not (): "
-            f"torch.Size([1]) and torch.Size([]) differ. Pass {g}.reshape(()), or "
+            f"torch.Size({list(gshape)}) and torch.Size([]) differ. Pass {g}.reshape(()), or "
             f"torch.ones_like({o}), or leave it None: for a scalar output torch uses 1."
         )
     extra_leading = go.dim() == out.dim() + 1 and gshape[1:] == oshape
