@@ -168,6 +168,20 @@ def test_err_one_element_for_a_scalar_names_its_own_shape():
     assert "torch.Size([1]) and torch.Size([]) differ" in msg
 
 
+def test_err_extra_leading_dimension_of_size_one_is_squeezed():
+    # it was told 'If it holds 1 vector, one per vector-Jacobian product, pass
+    # is_grads_batched=True', the batch reading of a stray unsqueeze
+    x, y = _outer()
+    msg = _raises(r"grad_outputs\[0\] has shape \(1, 4, 4\), but outputs\[0\] has shape \(4, 4\)",
+                  tv.grad, y, x, torch.ones(1, 4, 4))
+    assert "extra leading dimension of size 1" in msg
+    assert "pass grad_outputs[0].squeeze(0)" in msg
+    assert "If it holds 1 vector" not in msg
+    (g,) = tv.grad(y, x, torch.ones(1, 4, 4).squeeze(0))
+    torch.testing.assert_close(g, torch.func.jacrev(lambda t: torch.outer(t, t))(
+        x.detach()).sum(dim=(0, 1)))
+
+
 def test_err_vectors_of_several_outputs_stacked_into_one_entry():
     # the shape is what torch reports first; the note names the count, and a fix that works
     x = torch.randn(3, requires_grad=True)

@@ -232,6 +232,12 @@ def _shape_fix(
         )
     if go.dim() == out.dim() + 1 and gshape[1:] == oshape:
         k = gshape[0]
+        if k == 1:
+            return (
+                f"{g} has an extra leading dimension of size 1 (an unsqueeze, a [None] or a "
+                f"keepdim=True too many?): pass {g}.squeeze(0). (If it stacks one vector for "
+                f"one {labels.product}, {labels.batch_hint}.)"
+            )
         return (
             f"{g} has an extra leading dimension of size {k}. If it holds {k} "
             f"vector{'s' if k != 1 else ''}, one per {labels.product}, "
