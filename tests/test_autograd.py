@@ -182,6 +182,19 @@ def test_err_extra_leading_dimension_of_size_one_is_squeezed():
         x.detach()).sum(dim=(0, 1)))
 
 
+def test_err_one_weight_per_row_gets_the_expand_that_works():
+    # a (B,) vector of per-example weights for a (B, k) output got no fix at all
+    x = torch.randn(3, 4, requires_grad=True)
+    y = x.tanh()
+    w = torch.tensor([1.0, 2.0, 3.0])
+    msg = _raises(r"grad_outputs\[0\] has shape \(3,\), but outputs\[0\] has shape \(3, 4\)",
+                  tv.grad, y, x, w, retain_graph=True)
+    assert "(3,) is the shape of outputs[0]'s leading dimension (3,)" in msg
+    assert "pass grad_outputs[0].reshape((3, 1)).expand_as(outputs[0])" in msg
+    (g,) = tv.grad(y, x, w.reshape(3, 1).expand_as(y))
+    torch.testing.assert_close(g, w[:, None] * (1 - y.detach() ** 2))
+
+
 def test_err_vectors_of_several_outputs_stacked_into_one_entry():
     # the shape is what torch reports first; the note names the count, and a fix that works
     x = torch.randn(3, requires_grad=True)

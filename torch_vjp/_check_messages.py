@@ -274,6 +274,17 @@ def _shape_fix(
             f"torch does not broadcast {labels.grad_outputs}: pass {g}.expand_as({o}) to "
             f"repeat it over {o}'s shape."
         )
+    if (labels.role != "tangents" and 1 <= go.dim() < out.dim()
+            and tuple(oshape[:go.dim()]) == tuple(gshape)):
+        lead = shape_str(oshape[:go.dim()])
+        ones = shape_str(tuple(gshape) + (1,) * (out.dim() - go.dim()))
+        return (
+            f"{shape_str(gshape)} is the shape of {o}'s leading dimension"
+            f"{'s' if go.dim() > 1 else ''} {lead}, and torch does not broadcast "
+            f"{labels.grad_outputs} (broadcasting would align the last dimensions, not the "
+            f"first). If it holds one weight per {'row' if go.dim() == 1 else 'slice'} of {o}, "
+            f"pass {g}.reshape({ones}).expand_as({o})."
+        )
     return ""
 
 
