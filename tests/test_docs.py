@@ -505,3 +505,19 @@ def test_a_listing_right_after_a_python_block_is_checked():
                     raise AssertionError(
                         f"{_page_id(page)}:{after + 1}: a ```text listing follows a python "
                         f"block without a {PRINTED_MARK} line, so it is not checked")
+
+
+def test_the_jacobian_signature_listed_on_the_scaling_page_is_the_real_one():
+    # it had not gained compile=False
+    import inspect
+
+    import torch_vjp as tv
+
+    page = (PAGES / "scaling.md").read_text(encoding="utf-8")
+    listed = re.search(r"^tv\.jacobian\((.*?)\)\n```", page, re.M | re.S).group(1)
+    listed = [p.strip() for p in " ".join(listed.split()).split(",")]
+    real = []
+    for p in inspect.signature(tv.jacobian).parameters.values():
+        name = {p.VAR_POSITIONAL: f"*{p.name}"}.get(p.kind, p.name)
+        real.append(name if p.default is p.empty else f"{name}={p.default!r}".replace("'", '"'))
+    assert listed == real
