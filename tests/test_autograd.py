@@ -195,6 +195,22 @@ def test_err_one_weight_per_row_gets_the_expand_that_works():
     torch.testing.assert_close(g, w[:, None] * (1 - y.detach() ** 2))
 
 
+def test_err_output_cut_off_from_inputs_that_require_grad_is_not_told_to_set_it():
+    # an output computed under torch.no_grad() from an input that requires grad was told
+    # 'Fix: create the inputs with requires_grad=True', which they already were
+    x = torch.randn(4, requires_grad=True)
+    with torch.no_grad():
+        z = x * 2
+    msg = _raises(r"element 0 of tensors does not require grad", tv.grad, z, x, torch.ones(4))
+    assert ("inputs[0] already requires grad, so if outputs[0] was computed from it, the "
+            "graph was cut on the way") in msg
+    assert "Fix: compute outputs[0] with grad mode on, from it directly" in msg
+    assert "create the inputs with requires_grad=True" not in msg
+    w = torch.randn(4)                          # here requires_grad is what is missing
+    msg = _raises(r"does not require grad", tv.grad, w * 2, w, torch.ones(4))
+    assert "Fix: create the inputs with requires_grad=True" in msg
+
+
 def test_err_vectors_of_several_outputs_stacked_into_one_entry():
     # the shape is what torch reports first; the note names the count, and a fix that works
     x = torch.randn(3, requires_grad=True)

@@ -395,16 +395,29 @@ def output_type_message(labels: Labels, i: int, out: Any) -> str:
     )
 
 
-def no_grad_message(labels: Labels, i: int, out: Tensor) -> str:
+def no_grad_message(labels: Labels, i: int, out: Tensor,
+                    inputs: Sequence[Tensor] | None = None) -> str:
     o = labels.out(i)
+    if inputs and all(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+        # the inputs are not what is missing: the graph from them to the output is
+        one = len(inputs) == 1
+        which = f"{labels.inputs}[0]" if one else f"every tensor of {labels.inputs}"
+        fix = (
+            f"  {which} already requires grad, so if {o} was computed from "
+            f"{'it' if one else 'them'}, the graph was cut on the way: under torch.no_grad() "
+            f"or torch.inference_mode(), or through a .detach()ed, .item() or copied value. "
+            f"Fix: compute {o} with grad mode on, from {'it' if one else 'them'} directly"
+        )
+    else:
+        fix = (f"  Fix: create the inputs with requires_grad=True (or call .requires_grad_() "
+               f"on them) before computing {o}")
     return (
         f"{labels.call}: {o} (shape {shape_str(out.shape)}) does not require grad: it has "
         f"no grad_fn, so there is no graph to differentiate back from it.\n"
         f"  Autograd records a graph only for tensors computed from tensors with "
         f"requires_grad=True, with grad mode on; {o} was computed from none, under "
         f"torch.no_grad(), or after .detach()/.item()/.numpy()/torch.tensor(...).\n"
-        f"  Fix: create the inputs with requires_grad=True (or call .requires_grad_() on "
-        f"them) before computing {o}"
+        + fix
         + (f", or leave {o} out of {labels.outputs}." if o != labels.outputs else ".")
     )
 

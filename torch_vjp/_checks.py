@@ -405,7 +405,7 @@ def _diagnose(
     if labels.require_grad:
         for i, out in enumerate(outputs):
             if not out.requires_grad:
-                return _error(GradOutputsError, labels, no_grad_message(labels, i, out),
+                return _error(GradOutputsError, labels, no_grad_message(labels, i, out, inputs),
                               f"element {i} of tensors does not require grad and does not "
                               f"have a grad_fn")
     for i in range(n):
