@@ -845,3 +845,62 @@ def test_a_checked_error_leaves_no_reference_cycle_behind(step, error):
     finally:
         if enabled:
             gc.enable()
+
+
+class _AmpMatmul(torch.autograd.Function):
+    """The custom Function of torch's AMP examples: forward in float32 whatever autocast
+    does around it (``custom_fwd(cast_inputs=torch.float32)``)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+class _AmpAutocastBackward(torch.autograd.Function):
+    """``custom_fwd`` without cast_inputs: forward and (``custom_bwd``) backward run under
+    autocast, so a float32 input gets a bfloat16 gradient, which torch casts back."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+@pytest.mark.parametrize("fn", [_AmpMatmul, _AmpAutocastBackward])
+def test_amp_custom_functions_under_autocast_change_nothing(fn):
+    """torch's documented AMP recipe for custom Functions (custom_fwd/custom_bwd) returns
+    gradients in the dtype autocast computed them in; torch casts them to each input's dtype
+    by design, so a training step under autocast is valid code: no warning."""
+
+    def step():
+        lin = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            lin.weight.copy_(_leaf(4, 4, dtype=torch.float32))
+            lin.bias.zero_()
+        w = _leaf(4, 3, dtype=torch.float32, seed=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = lin(_leaf(2, 4, dtype=torch.float32, seed=2).detach())  # bfloat16
+            loss = fn.apply(h, w).float().sum()
+        loss.backward()
+        return lin.weight.grad, lin.bias.grad, w.grad
+
+    reference = step()
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = step()
+    _same(got, reference)
