@@ -491,6 +491,15 @@ VALID = {
     "complex": (_apply_and_sum(_function("Conj", lambda ctx, g: g * 2)),
                 lambda: (_leaf(3, dtype=torch.complex128),)),
     "zero-dim": (_apply_and_sum(_function("Scalar", lambda ctx, g: g * 2)), lambda: (_leaf(),)),
+    # torch sums these down over dimensions of size 1 only: the gradient, exactly
+    "keepdim-bias-gradient": (
+        _apply_and_sum(_function("AddBias", lambda ctx, g: (g, g.sum(0, keepdim=True)),
+                                 forward=lambda ctx, x, b: x + b)),
+        lambda: (_leaf(4, 3), _leaf(3, seed=1))),
+    "one-element-gradient-of-a-0d-input": (
+        _apply_and_sum(_function("Scale", lambda ctx, g: (g * 2, g.sum().reshape(1, 1)),
+                                 forward=lambda ctx, x, t: x * 2 + t)),
+        lambda: (_leaf(4, 3), _leaf(seed=1))),
 }
 
 

@@ -7,6 +7,7 @@ fast path; ``backward_problems``, the diagnosis behind it, worded by the message
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,7 +113,9 @@ def amp_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
 
 
 def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
-    """Whether a gradient of shape ``g`` for an input of shape ``s`` follows torch's idiom
+    """Whether a gradient of shape ``g`` for an input of shape ``s`` is exact once torch
+    sums it down to ``s``: ``s`` broadcasts to ``g`` with the same number of elements (the
+    sum runs over dimensions of size 1 only), or ``g`` follows torch's idiom
     for an input that forward broadcast: ``g`` is the shape of one of forward's outputs and
     ``s`` broadcasts to it, so the gradient was computed per output element and torch's sum
     over the broadcast dimensions (``sum_to_size``) is exactly the adjoint of broadcasting.
@@ -121,6 +124,10 @@ def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
     g, s = tuple(g), tuple(s)
     if not broadcasts_to(s, g):
         return False
+    if math.prod(g) == math.prod(s):
+        # only dimensions of size 1 to sum over (a bias gradient summed with keepdim=True,
+        # a (1,) gradient of a 0-d input): torch's sum is a reshape, the gradient is exact
+        return True
     return any(o == g for o in _received_shapes(node))
 
 
