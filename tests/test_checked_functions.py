@@ -913,3 +913,53 @@ def test_amp_custom_functions_under_autocast_change_nothing(fn):
         warnings.simplefilter("error")
         got = step()
     _same(got, reference)
+
+
+class _LinearUnderAutocast(torch.autograd.Function):
+    """A linear map with no AMP decorators, run under autocast: forward's matmul computes in
+    bfloat16, and backward computes the gradients in the precision of its grad_output."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.to(g.dtype), g.t() @ x.to(g.dtype)
+
+
+class _InFloat64(torch.autograd.Function):
+    """Computes in float64 (forward returns float64), so its gradients are float64 too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.double().exp()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.double().exp()
+
+
+def test_gradients_in_the_precision_of_forwards_outputs_change_nothing():
+    """A Function whose outputs have another floating dtype than its inputs (autocast's
+    bfloat16, a float64 computation) returns gradients in its outputs' precision; torch casts
+    each back to its input's dtype, as it does for its own ``.to()``: valid code, no warning."""
+
+    def step():
+        x = _leaf(2, 4, dtype=torch.float32)
+        w = _leaf(3, 4, dtype=torch.float32, seed=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = _LinearUnderAutocast.apply(x, w)
+        loss = y.float().sum() + _InFloat64.apply(x).sum()
+        loss.backward()
+        return x.grad, w.grad
+
+    reference = step()
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = step()
+    _same(got, reference)

@@ -75,7 +75,7 @@ def backward_return_ok(node: Any, returned: Any) -> bool:
                     meta = fn._input_metadata[nr]
                     if value.device != meta.device or (
                             value.dtype is not meta.dtype
-                            and not amp_cast(node, value.dtype, meta.dtype)):
+                            and not precision_cast(node, value.dtype, meta.dtype)):
                         return False
                     shape = tuple(meta.shape)
                     if value.shape != shape and not _summed_broadcast(node, value.shape, shape):
@@ -100,16 +100,25 @@ def backward_return_ok(node: Any, returned: Any) -> bool:
     return True
 
 
-def amp_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
-    """Whether a gradient of dtype ``g`` for an input of dtype ``s`` is automatic mixed
-    precision at work, which torch casts back to ``s`` by design: both floating point, and
-    the Function opted into autocast (``torch.amp.custom_fwd`` on its forward, which records
-    ``_fwd_used_autocast`` on the node). torch's AMP recipe for custom Functions computes in
-    another precision than an input's own (``cast_inputs=torch.float32`` for a bfloat16
-    activation; ``custom_bwd``'s backward under autocast for a float32 weight) and returns
-    the gradient in that precision: valid code, not a mistake to warn of on every step."""
-    return (g.is_floating_point and s.is_floating_point
-            and hasattr(node, "_fwd_used_autocast"))
+def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
+    """Whether a gradient of dtype ``g`` for an input of dtype ``s`` is in a precision the
+    Function computes in, which torch's engine casts back to ``s`` by design (as it does for
+    its own ``.to()``): both floating point, and either ``g`` is the dtype of one of
+    forward's outputs (the dtype backward's grad_outputs have: a Function that computes in
+    float64, or whose matmul autocast ran in bfloat16, returns gradients in that precision),
+    or the Function opted into autocast (``torch.amp.custom_fwd`` on its forward, which
+    records ``_fwd_used_autocast`` on the node: with ``cast_inputs=torch.float32`` for a
+    bfloat16 activation, or ``custom_bwd``'s backward under autocast for a float32 weight).
+    Valid code, not a mistake to warn of on every step; a gradient of another dtype (a
+    float64 tensor made inside the backward of a float32 Function) still is."""
+    if not (g.is_floating_point and s.is_floating_point):
+        return False
+    if hasattr(node, "_fwd_used_autocast"):
+        return True
+    try:
+        return any(m.dtype is g for m in node._input_metadata)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
@@ -195,8 +204,8 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
                 i, "sums" if broadcasts_to(slot.shape, g) else "rejects",
                 shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
         elif slot.dtype is not None and value.dtype != slot.dtype:
-            if amp_cast(node, value.dtype, slot.dtype):
-                continue  # autocast's precision, cast back by torch by design
+            if precision_cast(node, value.dtype, slot.dtype):
+                continue  # the Function's own precision, cast back by torch by design
             cast = value.is_floating_point() or value.is_complex() == slot.dtype.is_complex
             problems.append(BackwardProblem(
                 i, "accepts" if cast else "rejects",

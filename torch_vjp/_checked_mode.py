@@ -15,7 +15,10 @@ forward input), and for each input that needs a gradient the dtype, device and s
 torch's engine will check the gradient against (the metadata of the node's next edge).
 That fast path is a few attribute reads per gradient (``_backward_checked.backward_return_ok``).
 A gradient of the shape of one of forward's outputs, for an input that forward broadcast to
-it, is torch's idiom, summed down by torch as the adjoint of broadcasting: accepted.
+it, is torch's idiom, summed down by torch as the adjoint of broadcasting: accepted; so is a
+gradient torch sums over dimensions of size 1 only (exact), and a floating-point gradient in
+the precision the Function computes in (an output's dtype, or autocast's under
+``torch.amp.custom_fwd``), which torch casts back as it does for its own ``.to()``.
 Only when the fast path objects does the slow path run: check_function's diagnosis
 (``_backward_checked.backward_problems``) and torch's own verdict, from replaying the value
 through torch's engine on a stand-in node with the same inputs (``torch_verdict``). Where
