@@ -248,6 +248,14 @@ MISTAKES = {
         r"^torch_vjp\.checked: Scale\.backward returned a gradient on device meta at index 0, "
         r"but forward input 0 is on cpu\.(.|\n)*Fix: create the tensors backward needs on "
         r"grad_output\.device"),
+    # (torch would cast the float32 gradient to float64, then rejects its device: the
+    # explanation of the device was missing, torch's raw RuntimeError came through)
+    "wrong-device-and-dtype": (
+        _function("Scale", lambda ctx, g: torch.ones(4, device="meta")),
+        lambda: (_leaf(4),), "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned a gradient on device meta at index 0, "
+        r"but forward input 0 is on cpu\.(.|\n)*Fix: create the tensors backward needs on "
+        r"grad_output\.device"),
     "jacobian-summed": (
         _function("Exp", lambda ctx, g: torch.diag(g * 2)), lambda: (_leaf(4),), "warns",
         r"^torch_vjp\.checked: Exp\.backward returned a gradient of shape \(4, 4\) at index 0, "

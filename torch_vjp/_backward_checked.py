@@ -203,17 +203,21 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
             problems.append(BackwardProblem(
                 i, "sums" if broadcasts_to(slot.shape, g) else "rejects",
                 shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
-        elif slot.dtype is not None and value.dtype != slot.dtype:
-            if precision_cast(node, value.dtype, slot.dtype):
-                continue  # the Function's own precision, cast back by torch by design
-            cast = value.is_floating_point() or value.is_complex() == slot.dtype.is_complex
-            problems.append(BackwardProblem(
-                i, "accepts" if cast else "rejects",
-                dtype_message(call, fname, i, value, slot, False)))
-        elif slot.device is not None and value.device != slot.device:
-            problems.append(BackwardProblem(
-                i, "accepts" if value.dim() == 0 else "rejects",
-                device_message(call, fname, i, value, slot, False)))
+        else:
+            # torch casts a gradient to its input's dtype and then checks its device: a dtype
+            # it would cast does not hide a device it rejects (a tensor made in backward
+            # without dtype= and device=), so both are told, the dtype first
+            if (slot.dtype is not None and value.dtype != slot.dtype
+                    and not precision_cast(node, value.dtype, slot.dtype)):
+                # (the Function's own precision is cast back by torch by design)
+                cast = value.is_floating_point() or value.is_complex() == slot.dtype.is_complex
+                problems.append(BackwardProblem(
+                    i, "accepts" if cast else "rejects",
+                    dtype_message(call, fname, i, value, slot, False)))
+            if slot.device is not None and value.device != slot.device:
+                problems.append(BackwardProblem(
+                    i, "accepts" if value.dim() == 0 else "rejects",
+                    device_message(call, fname, i, value, slot, False)))
     misplaced = _misplaced_message(call, fname, values, slots)
     if misplaced is not None:
         problems.append(BackwardProblem(None, "accepts", misplaced))
