@@ -256,6 +256,21 @@ MISTAKES = {
         r"^torch_vjp\.checked: Scale\.backward returned a gradient on device meta at index 0, "
         r"but forward input 0 is on cpu\.(.|\n)*Fix: create the tensors backward needs on "
         r"grad_output\.device"),
+    # (torch sums these down to the input's shape, then rejects the device: the explanation
+    # of the device was missing, torch's raw RuntimeError came through)
+    "summed-shape-on-the-wrong-device": (
+        _function("Exp", lambda ctx, g: torch.diag(g * 2).to("meta")), lambda: (_leaf(4),),
+        "raises",
+        r"^torch_vjp\.checked: Exp\.backward returned a gradient on device meta at index 0, "
+        r"but forward input 0 is on cpu\.(.|\n)*Fix: create the tensors backward needs on "
+        r"grad_output\.device"),
+    "broadcast-idiom-on-the-wrong-device": (
+        _function("Rows", lambda ctx, g: (g * 2).to("meta"),
+                  forward=lambda ctx, x: x.expand(3, 4) * 2),
+        lambda: (_leaf(4),), "raises",
+        r"^torch_vjp\.checked: Rows\.backward returned a gradient on device meta at index 0, "
+        r"but forward input 0 is on cpu\.(.|\n)*Fix: create the tensors backward needs on "
+        r"grad_output\.device"),
     "jacobian-summed": (
         _function("Exp", lambda ctx, g: torch.diag(g * 2)), lambda: (_leaf(4),), "warns",
         r"^torch_vjp\.checked: Exp\.backward returned a gradient of shape \(4, 4\) at index 0, "

@@ -196,17 +196,22 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
         elif (not slot.needs_grad or slot.shape is None or type(value) is not Tensor
               or value.is_nested):
             continue
-        elif tuple(value.shape) != slot.shape:
-            g = tuple(value.shape)
-            if _summed_broadcast(node, g, slot.shape):
-                continue  # torch's idiom for a broadcast input
-            problems.append(BackwardProblem(
-                i, "sums" if broadcasts_to(slot.shape, g) else "rejects",
-                shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
         else:
-            # torch casts a gradient to its input's dtype and then checks its device: a dtype
-            # it would cast does not hide a device it rejects (a tensor made in backward
-            # without dtype= and device=), so both are told, the dtype first
+            g = tuple(value.shape)
+            if g != slot.shape:
+                if not broadcasts_to(slot.shape, g):
+                    problems.append(BackwardProblem(
+                        i, "rejects",
+                        shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
+                    continue
+                if not _summed_broadcast(node, g, slot.shape):  # (torch's idiom is fine)
+                    problems.append(BackwardProblem(
+                        i, "sums",
+                        shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
+            # torch sums a gradient down to its input's shape, casts it to its input's dtype,
+            # and then checks its device: a shape it sums or a dtype it casts does not hide a
+            # device it rejects (a tensor made in backward without dtype= and device=), so
+            # each is told, in torch's order
             if (slot.dtype is not None and value.dtype != slot.dtype
                     and not precision_cast(node, value.dtype, slot.dtype)):
                 # (the Function's own precision is cast back by torch by design)
