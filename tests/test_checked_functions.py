@@ -231,6 +231,15 @@ MISTAKES = {
         r"0, but forward input 0 has shape \(4, 3\)\.(.|\n)*torch's \"shape compatible with "
         r"\[4, 3\]\" means \(4, 3\) itself, or a shape that \(4, 3\) broadcasts to(.|\n)*"
         r"shape reversed: return grad\.mT"),
+    # (a frozen tensor and a number beside it: the node does not tell which of the two is
+    # the tensor, so the check cannot replay torch's verdict beforehand; torch's raw
+    # RuntimeError came through unexplained)
+    "shape-beside-a-frozen-tensor-and-a-number": (
+        _function("Lin", lambda ctx, g: ((g * 2).mT, g, None),
+                  forward=lambda ctx, x, w, eps: x * 2 + w + eps),
+        lambda: (_leaf(4, 3), _leaf(4, 3, seed=1).detach(), 0.5), "raises",
+        r"^torch_vjp\.checked: Lin\.backward returned a gradient of shape \(3, 4\) at index "
+        r"0, but forward input 0 has shape \(4, 3\)\.(.|\n)*shape reversed: return grad\.mT"),
     "grad-output-returned-for-a-reduction": (
         _function("RowSum", lambda ctx, g: g, forward=lambda ctx, x: x.sum(1)),
         lambda: (_leaf(4, 3),), "raises",

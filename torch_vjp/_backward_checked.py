@@ -152,11 +152,15 @@ class BackwardProblem:
             broadcasts to down to the input's shape, without a word) or ``"accepts"`` (takes
             it, casting or moving it, or dropping it, without a word).
         message: The explanation: what was returned, what was expected and why, the fix.
+        kind: What it is about: ``"list"``, ``"count"``, ``"type"``, ``"non-tensor"``,
+            ``"shape"``, ``"dtype"``, ``"device"`` or ``"misplaced"`` (to match it with
+            torch's sentence where torch's verdict is not known beforehand).
     """
 
     index: int | None
     torch: str
     message: str
+    kind: str = ""
 
 
 def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProblem]:
@@ -176,11 +180,11 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
     slots = slots_from_node(node, needs)
     n = len(slots)
     if isinstance(returned, list):
-        return [BackwardProblem(None, "rejects", list_message(call, fname, returned, False))]
+        return [BackwardProblem(None, "rejects", list_message(call, fname, returned, False), "list")]
     values = as_tuple(returned)
     if len(values) < n or any(v is not None for v in values[n:]):
         return [BackwardProblem(None, "rejects",
-                                count_message(call, fname, values, slots, False))]
+                                count_message(call, fname, values, slots, False), "count")]
     out_shapes = _received_shapes(node)
     problems = []
     for i, slot in enumerate(slots):
@@ -189,10 +193,11 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
             continue
         if not isinstance(value, Tensor):
             problems.append(BackwardProblem(
-                i, "rejects", type_message(call, fname, i, value, slot, False)))
+                i, "rejects", type_message(call, fname, i, value, slot, False), "type"))
         elif slot.kind == "other":
             problems.append(BackwardProblem(
-                i, "rejects", non_tensor_input_message(call, fname, i, slot, False)))
+                i, "rejects", non_tensor_input_message(call, fname, i, slot, False),
+                "non-tensor"))
         elif (not slot.needs_grad or slot.shape is None or type(value) is not Tensor
               or value.is_nested):
             continue
@@ -202,12 +207,14 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
                 if not broadcasts_to(slot.shape, g):
                     problems.append(BackwardProblem(
                         i, "rejects",
-                        shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
+                        shape_message(call, fname, i, g, slot.shape, out_shapes, False),
+                        "shape"))
                     continue
                 if not _summed_broadcast(node, g, slot.shape):  # (torch's idiom is fine)
                     problems.append(BackwardProblem(
                         i, "sums",
-                        shape_message(call, fname, i, g, slot.shape, out_shapes, False)))
+                        shape_message(call, fname, i, g, slot.shape, out_shapes, False),
+                        "shape"))
             # torch sums a gradient down to its input's shape, casts it to its input's dtype,
             # and then checks its device: a shape it sums or a dtype it casts does not hide a
             # device it rejects (a tensor made in backward without dtype= and device=), so
@@ -218,14 +225,14 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
                 cast = value.is_floating_point() or value.is_complex() == slot.dtype.is_complex
                 problems.append(BackwardProblem(
                     i, "accepts" if cast else "rejects",
-                    dtype_message(call, fname, i, value, slot, False)))
+                    dtype_message(call, fname, i, value, slot, False), "dtype"))
             if slot.device is not None and value.device != slot.device:
                 problems.append(BackwardProblem(
                     i, "accepts" if value.dim() == 0 else "rejects",
-                    device_message(call, fname, i, value, slot, False)))
+                    device_message(call, fname, i, value, slot, False), "device"))
     misplaced = _misplaced_message(call, fname, values, slots)
     if misplaced is not None:
-        problems.append(BackwardProblem(None, "accepts", misplaced))
+        problems.append(BackwardProblem(None, "accepts", misplaced, "misplaced"))
     return problems
 
 

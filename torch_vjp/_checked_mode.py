@@ -280,18 +280,45 @@ _NOT_A_VARIABLE = re.compile(
 )
 
 
+# torch's sentences for what a custom backward returned, and what each is about (the
+# ``kind`` of a BackwardProblem)
+_TORCH_SENTENCES = (
+    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - got "), "shape"),
+    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - expected "
+                r"device"), "device"),
+    (re.compile(r"function (\w+)Backward returned an incorrect number of gradients"), "count"),
+)
+# The objections to a backward's value that torch was left to judge (``_judge_backward``),
+# by the name of its Function: explained once torch's error comes through.
+_unjudged: dict[str, list[Any]] = {}
+
+
 @contextlib.contextmanager
 def _engine_errors_explained() -> Any:
-    """torch's engine's refusal of a value a custom backward returned for a non-tensor
-    input, explained where the check could not see it: a node does not record which of its
+    """torch's engine's refusal of a value a custom backward returned, explained where the
+    check could not tell torch's verdict beforehand: a node does not record which of its
     inputs that need no gradient were tensors, so where some were and some were not, the
-    check lets torch judge (NOTE [checked custom backwards]); torch's sentence names the
-    position, and the explanation follows it as a note."""
+    check lets torch judge (NOTE [checked custom backwards]); torch's sentence comes first,
+    and the explanation follows it as a note."""
+    _unjudged.clear()
     try:
         yield
     except RuntimeError as err:
-        m = _NOT_A_VARIABLE.search(str(err))
-        if m is None or isinstance(err, FunctionCheckError):
+        pending = dict(_unjudged)
+        _unjudged.clear()
+        if isinstance(err, FunctionCheckError):
+            raise
+        sentence = str(err)
+        for pattern, kind in _TORCH_SENTENCES:
+            found = pattern.search(sentence)
+            if found is None:
+                continue
+            problem = next((p for p in pending.get(found.group(1), ())
+                            if p.kind == kind and p.torch == "rejects"), None)
+            if problem is not None:
+                raise torch_first(FunctionCheckError, problem.message, sentence) from None
+        m = _NOT_A_VARIABLE.search(sentence)
+        if m is None:
             raise
         i = int(m.group(2)) - 1
         message = non_tensor_input_message(
@@ -322,7 +349,11 @@ def _judge_backward(node: Any, returned: Any) -> None:
             raise torch_first(FunctionCheckError, rejected[0].message, sentence) from None
         return  # torch rejects it for a reason the check does not see: torch's error follows
     if rejected and not judged:
-        return  # what torch does is not known here: torch judges, its error follows if any
+        # what torch does is not known here: torch judges, and its error, if it follows, is
+        # explained (_engine_errors_explained)
+        if len(_unjudged) < 64:
+            _unjudged[node._forward_cls.__name__] = rejected
+        return
     problem = problems[0]
     message = problem.message
     if problem.torch == "rejects":
