@@ -240,6 +240,12 @@ MISTAKES = {
         lambda: (_leaf(4, 3), _leaf(4, 3, seed=1).detach(), 0.5), "raises",
         r"^torch_vjp\.checked: Lin\.backward returned a gradient of shape \(3, 4\) at index "
         r"0, but forward input 0 has shape \(4, 3\)\.(.|\n)*shape reversed: return grad\.mT"),
+    "number-beside-an-index-tensor-and-a-number": (
+        _function("Pick", lambda ctx, g: (g * 2, 1.0, None),
+                  forward=lambda ctx, x, index, k: x * 2),
+        lambda: (_leaf(4), torch.tensor([1, 2]), 3), "raises",
+        r"^torch_vjp\.checked: Pick\.backward returned a float at index 1; backward returns, at "
+        r"each index, a tensor \(dL/d input 1\) or None\."),
     "grad-output-returned-for-a-reduction": (
         _function("RowSum", lambda ctx, g: g, forward=lambda ctx, x: x.sum(1)),
         lambda: (_leaf(4, 3),), "raises",
@@ -995,3 +1001,16 @@ def test_gradients_in_the_precision_of_forwards_outputs_change_nothing():
         warnings.simplefilter("error")
         got = step()
     _same(got, reference)
+
+
+def test_torchs_own_error_class_is_kept_where_torch_raises_another_builtin():
+    """torch sums a (3, 4) gradient of a 0-d input down to 0-d and then moves it to the input's
+    device: from the meta device it cannot, and raises NotImplementedError. That error is not
+    one of torch's validation sentences; it comes through as torch raised it (checked mode
+    raised a FunctionCheckError, which `except NotImplementedError` does not catch)."""
+    fn = _function("Total", lambda ctx, g: torch.ones(3, 4, dtype=g.dtype, device="meta"))
+    with pytest.raises(NotImplementedError) as plain:
+        _grads(fn, (_leaf(),))
+    with tv.checked(), pytest.raises(NotImplementedError) as checked:
+        _grads(fn, (_leaf(),))
+    assert str(checked.value) == str(plain.value)

@@ -227,8 +227,9 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
                     i, "accepts" if cast else "rejects",
                     dtype_message(call, fname, i, value, slot, False), "dtype"))
             if slot.device is not None and value.device != slot.device:
+                # (torch moves a gradient that is 0-d once summed down to its input's shape)
                 problems.append(BackwardProblem(
-                    i, "accepts" if value.dim() == 0 else "rejects",
+                    i, "accepts" if len(slot.shape) == 0 else "rejects",
                     device_message(call, fname, i, value, slot, False), "device"))
     misplaced = _misplaced_message(call, fname, values, slots)
     if misplaced is not None:

@@ -287,10 +287,19 @@ _TORCH_SENTENCES = (
     (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - expected "
                 r"device"), "device"),
     (re.compile(r"function (\w+)Backward returned an incorrect number of gradients"), "count"),
+    (re.compile(r"^expected Variable or None \(got (?!list\))"), "type"),  # (names no Function)
 )
 # The objections to a backward's value that torch was left to judge (``_judge_backward``),
 # by the name of its Function: explained once torch's error comes through.
 _unjudged: dict[str, list[Any]] = {}
+
+
+def _matching(rejected: list[Any], sentence: str) -> Any:
+    """The objection that torch's ``sentence`` is about (the first where it cannot tell)."""
+    for pattern, kind in _TORCH_SENTENCES:
+        if pattern.search(sentence) is not None:
+            return next((p for p in rejected if p.kind == kind), rejected[0])
+    return rejected[0]
 
 
 @contextlib.contextmanager
@@ -313,7 +322,8 @@ def _engine_errors_explained() -> Any:
             found = pattern.search(sentence)
             if found is None:
                 continue
-            problem = next((p for p in pending.get(found.group(1), ())
+            named = (pending.get(found.group(1), ()),) if found.groups() else pending.values()
+            problem = next((p for problems in named for p in problems
                             if p.kind == kind and p.torch == "rejects"), None)
             if problem is not None:
                 raise torch_first(FunctionCheckError, problem.message, sentence) from None
@@ -344,9 +354,11 @@ def _judge_backward(node: Any, returned: Any) -> None:
         judged, error = torch_verdict(node, returned, _GENUINE_GRAD)
     if error is not None:
         sentence = str(error)
-        del error  # (only its sentence is needed: the raised error must not hold it)
-        if rejected:
-            raise torch_first(FunctionCheckError, rejected[0].message, sentence) from None
+        plain = type(error) is RuntimeError  # (all of torch's validation; not a meta copy's
+        del error  # NotImplementedError) (only its sentence is needed: the raised error
+        if rejected and plain:  # must not hold it)
+            raise torch_first(FunctionCheckError, _matching(rejected, sentence).message,
+                              sentence) from None
         return  # torch rejects it for a reason the check does not see: torch's error follows
     if rejected and not judged:
         # what torch does is not known here: torch judges, and its error, if it follows, is
