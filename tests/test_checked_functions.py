@@ -1014,3 +1014,22 @@ def test_torchs_own_error_class_is_kept_where_torch_raises_another_builtin():
     with tv.checked(), pytest.raises(NotImplementedError) as checked:
         _grads(fn, (_leaf(),))
     assert str(checked.value) == str(plain.value)
+
+
+def test_float64_gradient_of_a_custom_fwd_function_outside_autocast_still_warns():
+    """custom_fwd outside autocast changes nothing: a float64 gradient for a float32 input
+    there is the mistake it always was."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            return (g * 2).double()
+
+    with tv.checked(), pytest.warns(tv.FunctionCheckWarning, match="dtype torch.float64"):
+        _grads(Scale, (_leaf(3, dtype=torch.float32),))

@@ -106,14 +106,15 @@ def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
     its own ``.to()``): both floating point, and either ``g`` is the dtype of one of
     forward's outputs (the dtype backward's grad_outputs have: a Function that computes in
     float64, or whose matmul autocast ran in bfloat16, returns gradients in that precision),
-    or the Function opted into autocast (``torch.amp.custom_fwd`` on its forward, which
-    records ``_fwd_used_autocast`` on the node: with ``cast_inputs=torch.float32`` for a
-    bfloat16 activation, or ``custom_bwd``'s backward under autocast for a float32 weight).
+    or forward ran under autocast as ``torch.amp.custom_fwd`` records it on the node
+    (``_fwd_used_autocast``: ``custom_bwd``'s backward then runs under autocast too, and
+    gives a float32 weight a bfloat16 gradient; with ``cast_inputs=torch.float32``, forward's
+    outputs are float32, and so is the gradient of a bfloat16 activation).
     Valid code, not a mistake to warn of on every step; a gradient of another dtype (a
     float64 tensor made inside the backward of a float32 Function) still is."""
     if not (g.is_floating_point and s.is_floating_point):
         return False
-    if hasattr(node, "_fwd_used_autocast"):
+    if getattr(node, "_fwd_used_autocast", False) is True:
         return True
     try:
         return any(m.dtype is g for m in node._input_metadata)
