@@ -181,7 +181,8 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
     slots = slots_from_node(node, needs)
     n = len(slots)
     if isinstance(returned, list):
-        return [BackwardProblem(None, "rejects", list_message(call, fname, returned, False), "list")]
+        return [BackwardProblem(None, "rejects", list_message(call, fname, returned, False),
+                                "list")]
     values = as_tuple(returned)
     if len(values) < n or any(v is not None for v in values[n:]):
         return [BackwardProblem(None, "rejects",

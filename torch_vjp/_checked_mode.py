@@ -283,7 +283,8 @@ _NOT_A_VARIABLE = re.compile(
 # torch's sentences for what a custom backward returned, and what each is about (the
 # ``kind`` of a BackwardProblem)
 _TORCH_SENTENCES = (
-    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - got "), "shape"),
+    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - got "),
+     "shape"),
     (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - expected "
                 r"device"), "device"),
     (re.compile(r"function (\w+)Backward returned an incorrect number of gradients"), "count"),
@@ -354,9 +355,11 @@ def _judge_backward(node: Any, returned: Any) -> None:
         judged, error = torch_verdict(node, returned, _GENUINE_GRAD)
     if error is not None:
         sentence = str(error)
-        plain = type(error) is RuntimeError  # (all of torch's validation; not a meta copy's
-        del error  # NotImplementedError) (only its sentence is needed: the raised error
-        if rejected and plain:  # must not hold it)
+        # (torch's validation raises RuntimeError itself; another class, such as the
+        # NotImplementedError of moving a gradient off the meta device, is left to torch)
+        plain = type(error) is RuntimeError
+        del error  # (only its sentence is needed: the raised error must not hold it)
+        if rejected and plain:
             raise torch_first(FunctionCheckError, _matching(rejected, sentence).message,
                               sentence) from None
         return  # torch rejects it for a reason the check does not see: torch's error follows
