@@ -684,3 +684,44 @@ def test_environment_variable_logs_no_api_usage_of_its_own():
     plain = usage(checked=False)
     assert "PYTORCH_API_USAGE torch.python.import" in plain
     assert usage(checked=True) == plain
+
+
+def test_decorated_generators_throw_with_one_argument():
+    """An exception thrown into a decorated generator reaches the user's generator as
+    ``throw(exc)``: the three-argument ``throw(type, value, traceback)`` is deprecated since
+    Python 3.12 (a DeprecationWarning for every exception thrown in; the package supports
+    3.10+)."""
+    import asyncio
+
+    thrown = []
+
+    class FakeGenerator:
+        def send(self, value):
+            return 1
+
+        def throw(self, *args):
+            thrown.append(args)
+            raise StopIteration(5)
+
+    class FakeAsyncGenerator:
+        async def asend(self, value):
+            return 1
+
+        async def athrow(self, *args):
+            thrown.append(args)
+            raise StopAsyncIteration
+
+    it = tv.checked()._generator(lambda: FakeGenerator())()
+    assert next(it) == 1
+    error = ValueError("into the generator")
+    with pytest.raises(StopIteration):
+        it.throw(error)
+
+    async def drive():
+        agen = tv.checked()._async_generator(lambda: FakeAsyncGenerator())()
+        assert await agen.asend(None) == 1
+        with pytest.raises(StopAsyncIteration):
+            await agen.athrow(error)
+
+    asyncio.run(drive())
+    assert thrown == [(error,), (error,)]

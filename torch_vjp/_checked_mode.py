@@ -612,7 +612,7 @@ class checked(contextlib.ContextDecorator):
                         raise
                     except BaseException:
                         with self:
-                            response = gen.throw(*sys.exc_info())
+                            response = gen.throw(sys.exc_info()[1])
                     else:
                         with self:
                             response = gen.send(request)
@@ -637,7 +637,7 @@ class checked(contextlib.ContextDecorator):
                         raise
                     except BaseException:
                         with self:
-                            response = await agen.athrow(*sys.exc_info())
+                            response = await agen.athrow(sys.exc_info()[1])
                     else:
                         with self:
                             response = await agen.asend(request)
