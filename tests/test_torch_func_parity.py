@@ -966,3 +966,23 @@ def test_non_tensor_aux_is_named_everywhere(call):
         with pytest.raises(tv.JacobianCallError, match=r": aux\[1\] is a str, but with "
                            r"has_aux=True the aux value f returns must be a tensor"):
             call(lambda t: (t.sin(), (t.cos(), "label")), torch.randn(3, dtype=D))
+
+
+@pytest.mark.parametrize("aux", [None, {"a": None}], ids=["None", "dict-of-None"])
+@pytest.mark.parametrize("call", [
+    lambda f, x: tv.jvp(f, (x,), (torch.eye(3, dtype=D),), batched=True, has_aux=True),
+    lambda f, x: tv.jvp(f, (x,), (x,), has_aux=True),
+    lambda f, x: tv.vjp(f, x, has_aux=True),
+    *[lambda f, x, s=s: tv.jacobian(f, x, has_aux=True, strategy=s) for s in ALL],
+], ids=["jvp-batched", "jvp", "vjp", *ALL])
+def test_none_aux_is_named_everywhere(call, aux):
+    # torch.func refuses None in aux ("Expected tensors, got unsupported type NoneType"):
+    # "rev", "fwd", vjp and jvp raised that raw error, "auto" warned and fell back to the
+    # loop, and the loops returned it
+    where = "aux" if aux is None else r"aux\['a'\]"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with pytest.raises(tv.JacobianCallError, match=where + r" is None, but with "
+                           r"has_aux=True the aux value f returns must be a tensor.*Fix: "
+                           r"leave it out of aux"):
+            call(lambda t: (t.sin(), aux), torch.randn(3, dtype=D))

@@ -478,19 +478,23 @@ class Problem:
         return res
 
     def _check_aux(self, aux: Any) -> None:
-        """``aux`` must be a tensor or a pytree of tensors (None allowed), under every
-        strategy: torch.func's vjp and jvp refuse anything else ("Expected tensors"), and
-        vmap carries only tensors."""
-        if aux is None or isinstance(aux, Tensor):
+        """``aux`` must be a tensor or a pytree of tensors, under every strategy: torch.func's
+        vjp and jvp refuse anything else, ``None`` included ("Expected tensors, got
+        unsupported type"), and vmap carries only tensors."""
+        if isinstance(aux, Tensor):
             return
         for path, leaf in tree_flatten_with_path(aux)[0]:
-            if leaf is not None and not isinstance(leaf, Tensor):
+            if not isinstance(leaf, Tensor):
                 where = leaf_name(path, "aux")
+                what = "None" if leaf is None else describe(leaf)
+                fix = ("leave it out of aux (return only tensors there; to return no aux, "
+                       "pass has_aux=False and return the output alone)" if leaf is None
+                       else "return torch.tensor(...) for it, or keep the Python value "
+                            "outside f")
                 raise JacobianCallError(
-                    f"{self.call}: {where} is {describe(leaf)}, but with has_aux=True the aux "
+                    f"{self.call}: {where} is {what}, but with has_aux=True the aux "
                     f"value f returns must be a tensor or a tuple, list or dict of tensors "
-                    f"(torch.func's transforms carry only tensors out). Fix: return "
-                    f"torch.tensor(...) for it, or keep the Python value outside f."
+                    f"(torch.func's transforms carry only tensors out). Fix: {fix}."
                 )
 
     def _bad_output(self, leaf: object, path: Any) -> None:
