@@ -127,6 +127,26 @@ def test_vjp_fn_can_be_called_many_times_and_nothing_is_mutated():
     assert x.requires_grad and x.grad is None
 
 
+@pytest.mark.parametrize("primal", [
+    torch.randn(1, 3, dtype=D).expand(2, 3),
+    torch.tensor(0.5, dtype=D).expand(4),
+    torch.randn(4, dtype=D).as_strided((3, 2), (1, 1)),
+], ids=["expanded", "expanded-0-dim", "overlapping-as-strided"])
+def test_jvp_at_a_primal_whose_elements_share_memory(primal):
+    # torch.func.jvp's make_dual raised "more than one element of the written-to tensor
+    # refers to a single memory location" (NOTE [an expanded primal])
+    before = primal.clone()
+    t = torch.randn(primal.shape, dtype=D)
+    out, jt = jvp(lambda x: x.sin() * x, (primal,), (t,))
+    ref = torch.func.jvp(lambda x: x.sin() * x, (primal.contiguous(),), (t,))
+    torch.testing.assert_close((out, jt), ref)
+    assert torch.equal(primal, before)
+    x = torch.randn(1, 3, dtype=D, requires_grad=True)
+    out, _ = jvp(lambda y: y.sin(), (x.expand(2, 3),), (torch.ones(2, 3, dtype=D),))
+    (g,) = torch.autograd.grad(out.sum(), x)  # the primal's history is kept
+    torch.testing.assert_close(g, 2 * x.detach().cos())
+
+
 def test_zero_products():
     x = torch.randn(3, dtype=D)
     _, vjp_fn = vjp(lambda x: x * 2, x)

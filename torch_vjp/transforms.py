@@ -178,6 +178,27 @@ def _vectorised_or_loop(call: str, f: object, vectors: str,
                              check_one=first)
 
 
+# NOTE [an expanded primal]
+# torch.func.jvp pairs each primal with its tangent by forward AD's make_dual, which writes the
+# tangent into a tensor of the primal's strides; for a primal whose elements share memory
+# (``x.expand(...)``, a stride of 0) that write fails with torch's "more than one element of
+# the written-to tensor refers to a single memory location", an error about a write the
+# caller never made. f cannot write into such a primal either (torch refuses the same
+# write), so the unbatched jvp differentiates a dense copy of it instead (under grad mode, so
+# that the copy keeps the primal's autograd history); the batched jvp, like the Jacobians,
+# already gives f copies (NOTE [f's own copies]).
+# (Inside an outer torch.func transform a primal is its wrapper, which the check cannot
+# read: torch.func's own behaviour stays there.)
+_overlap_check = getattr(torch, "_debug_has_internal_overlap", lambda x: 0)
+
+
+def _has_internal_overlap(x: Tensor) -> bool:
+    try:
+        return bool(_overlap_check(x))
+    except RuntimeError:  # (a torch.func wrapper: "Batching rule not implemented")
+        return False
+
+
 def _batch_size(vectors: list[Tensor]) -> int:
     return int(vectors[0].shape[0])
 
@@ -638,6 +659,10 @@ def jvp(
                for v, x in zip(_flat_vectors(normalized, prob.leaves, batched), prob.leaves)]
     leaves = tuple(prob.leaves)
     if not batched:  # (buffers_kept: as vjp's call of f)
+        if any(_has_internal_overlap(x) for x in leaves):  # NOTE [an expanded primal]
+            with torch.enable_grad():
+                leaves = tuple(x.contiguous() if _has_internal_overlap(x) else x
+                               for x in leaves)
         with buffers_kept(f, primals=primals), _explained(call, "jvp"):
             return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict,
                             has_aux=has_aux)
