@@ -280,6 +280,19 @@ def test_wrong_tangent_shape():
         jvp(lambda x: W @ x, (x,), (torch.ones(3, dtype=D),))
 
 
+def test_batched_tangents_of_different_k_name_jacobian_vector_products():
+    # the message called the K tangents "vector-Jacobian products"
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+        "torch_vjp.jvp: with batched=True the tangents have different batch sizes "
+        "(tangents[0]: 2, tangents[1]: 3).\n"
+        "  The leading dimension K is the number of Jacobian-vector products computed at "
+        "once, so it must be the same for every entry of tangents."
+    )):
+        jvp(lambda x, y: x * y, (x, x), (torch.ones(2, 4, dtype=D), torch.ones(3, 4, dtype=D)),
+            batched=True)
+
+
 def test_a_tangent_shaped_like_the_output_is_named_so():
     # a vector for a vector-Jacobian product given to jvp (the confusion of the first user
     # thread): the message said only that the shape was wrong, or suggested batched=True

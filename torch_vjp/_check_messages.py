@@ -495,7 +495,7 @@ def batch_size_message(labels: Labels, gos: Sequence[Any]) -> str:
     return (
         f"{labels.call}: with {labels.batch_flag}=True the {labels.grad_outputs} have "
         f"different batch sizes ({sizes}).\n"
-        f"  The leading dimension K is the number of vector-Jacobian products computed at "
+        f"  The leading dimension K is the number of {labels.product}s computed at "
         f"once, so it must be the same for every entry of {labels.grad_outputs}. Fix: give "
         f"each the same K, e.g. by .expand(K, ...) of a shared vector."
     )
