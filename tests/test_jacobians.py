@@ -1404,6 +1404,23 @@ def test_jacobian_of_refuses_complex_tensors():
         jacobian_of((z * z).abs(), z)
 
 
+@pytest.mark.parametrize("make", [lambda x: (x * 2).long(), lambda x: x > 0,
+                                  lambda x: (x.sin(), x.argmax())],
+                         ids=["long", "comparison", "argmax-in-a-tuple"])
+def test_jacobian_of_refuses_integer_and_boolean_outputs(make):
+    # as torch_vjp.jacobian and torch.func.jacrev do; it returned zeros with a warning that
+    # blamed .item(), .detach() or torch.no_grad()
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    outputs = make(x)
+    name = r"outputs\[1\]" if isinstance(outputs, tuple) else "outputs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with pytest.raises(JacobianCallError, match=name + r" has dtype torch\.(int64|bool); "
+                           r"only floating-point outputs have a Jacobian here .* Fix: leave it "
+                           r"out of outputs"):
+            jacobian_of(outputs, x)
+
+
 @pytest.mark.parametrize("case", ["batchnorm-train", "dropout-train"])
 @pytest.mark.parametrize("strategy", ["rev", "fwd"])
 def test_vectorised_strategies_explain_what_torch_func_refuses(case, strategy):

@@ -538,7 +538,8 @@ def jacobian_of(
 
     Raises:
         JacobianOptionError: ``compile=True`` (see above), or an invalid ``chunk_size``.
-        JacobianCallError: an input does not require grad, or an argument is not a tensor.
+        JacobianCallError: an input does not require grad, an argument is not a tensor, or
+            a tensor is complex (an output also integer or boolean).
         JacobianMemoryError: the Jacobian does not fit the free memory.
 
     The first vectorised Jacobian of a graph structure (node types, shapes and dtypes of
@@ -584,6 +585,16 @@ def jacobian_of(
                     f"torch.view_as_real(...) of it and rebuild the complex number where "
                     f"needed, or use torch_vjp.vjp / torch_vjp.jvp, which take complex "
                     f"tensors.")
+            if what == "outputs" and not t.dtype.is_floating_point:
+                name = what if isinstance(given, Tensor) else f"outputs[{i}]"
+                raise JacobianCallError(
+                    f"{call}: {name} has dtype {t.dtype}; only floating-point outputs have a "
+                    f"Jacobian here (as in torch.func.jacrev and torch_vjp.jacobian): an "
+                    f"integer or boolean tensor (made by .long(), .round().int(), a "
+                    f"comparison, argmax) carries no autograd graph, so its block would be "
+                    f"zeros that say nothing about how it depends on the inputs. Fix: leave "
+                    f"it out of outputs, or compute it in floating point if it is "
+                    f"differentiable.")
     for i, x in enumerate(ins):
         if not x.requires_grad:
             name = "inputs" if isinstance(inputs, Tensor) else f"inputs[{i}]"
