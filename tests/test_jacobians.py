@@ -1441,6 +1441,27 @@ def test_vectorised_strategies_explain_what_torch_func_refuses(case, strategy):
         jacobian(module, x, strategy="auto")  # computes
 
 
+def _calls_backward(x):
+    w = torch.ones(3, dtype=D, requires_grad=True)
+    (w * 2).sum().backward()  # (plain autograd of f's own, which torch.func refuses)
+    return x.sin()
+
+
+@pytest.mark.parametrize("strategy", ["rev", "fwd"])
+def test_vectorised_strategies_explain_plain_autograd_inside_f(strategy):
+    # torch.func's raw "backward() called inside a functorch transform" passed through,
+    # without the strategies that compute such an f
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(tv.StrategyError, match=rf"(?s)cannot run f \(_calls_backward\) in "
+                                               rf"{strategy}-mode products: f runs plain "
+                                               rf"autograd itself \(\.backward\(\).*"
+                                               rf"Fix: strategy='auto'"):
+        jacobian(_calls_backward, x, strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        torch.testing.assert_close(jacobian(_calls_backward, x), torch.diag(x.cos()))
+
+
 def test_hessian_with_a_vectorised_strategy_explains_a_captured_update():
     bn = torch.nn.BatchNorm1d(3).to(D).train()
     x = torch.randn(5, 3, dtype=D)

@@ -147,6 +147,24 @@ def test_jvp_at_a_primal_whose_elements_share_memory(primal):
     torch.testing.assert_close(g, 2 * x.detach().cos())
 
 
+@pytest.mark.parametrize("call", [
+    lambda f, x: vjp(f, x),
+    lambda f, x: jvp(f, (x,), (x,)),
+    lambda f, x: jvp(f, (x,), (x[None],), batched=True),
+], ids=["vjp", "jvp", "jvp-batched"])
+def test_plain_autograd_inside_f_is_explained(call):
+    # torch.func's raw "backward() called inside a functorch transform" passed through
+    def f(x):
+        w = torch.ones(3, dtype=D, requires_grad=True)
+        (w * 2).sum().backward()
+        return x.sin()
+
+    with pytest.raises(JacobianCallError, match=r"(?s)f runs plain autograd itself "
+                       r"\(\.backward\(\).*torch.func said: RuntimeError: backward\(\) called "
+                       r"inside a functorch transform.*Fix: differentiate with plain autograd"):
+        call(f, torch.randn(3, dtype=D))
+
+
 def test_zero_products():
     x = torch.randn(3, dtype=D)
     _, vjp_fn = vjp(lambda x: x * 2, x)

@@ -25,6 +25,9 @@ _WHY = {
     "no_storage": ("f reads a tensor's memory directly (NumPy: .numpy(), np.asarray; "
                    ".data_ptr(); a C extension), which a tensor inside a torch.func transform "
                    "does not have (it holds no storage of its own)"),
+    "plain_autograd": ("f runs plain autograd itself (.backward(), .requires_grad_(), "
+                       "torch.autograd.functional), which torch.func's transforms refuse "
+                       "inside the function they transform"),
     "no_vmap": ("f uses a custom torch.autograd.Function without vmap support (no vmap "
                 "staticmethod, generate_vmap_rule unset), which torch.vmap cannot batch"),
 }
@@ -51,8 +54,9 @@ VMAP_CAUSES = (
 def refusal_kind(err: BaseException) -> str | None:
     """Which known refusal of torch.func's transforms ``err`` is, of a function plain
     autograd runs: ``"captured"``, ``"randomness"``, ``"setup_context"``, ``"no_strides"``
-    (a sparse CSR constant), ``"saved_hooks"`` (checkpointing, in reverse mode) or
-    ``"no_storage"`` (NumPy inside f, in every torch.func transform, loops too); else
+    (a sparse CSR constant), ``"saved_hooks"`` (checkpointing, in reverse mode),
+    ``"no_storage"`` (NumPy inside f, in every torch.func transform, loops too) or
+    ``"plain_autograd"`` (f calls ``.backward()`` or ``.requires_grad_()`` itself); else
     None."""
     if not isinstance(err, RuntimeError):
         return None
@@ -69,6 +73,9 @@ def refusal_kind(err: BaseException) -> str | None:
         return "saved_hooks"
     if "Cannot access data pointer of Tensor that doesn't have storage" in text:
         return "no_storage"
+    if ("backward() called inside a functorch transform" in text
+            or "call Tensor.requires_grad_() (or perhaps using torch.autograd.functional" in text):
+        return "plain_autograd"
     return None
 
 
