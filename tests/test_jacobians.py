@@ -1462,6 +1462,37 @@ def test_vectorised_strategies_explain_plain_autograd_inside_f(strategy):
         torch.testing.assert_close(jacobian(_calls_backward, x), torch.diag(x.cos()))
 
 
+def test_auto_computes_an_f_that_takes_the_gradient_of_its_own_input():
+    # NOTE [a probe f cannot answer]: a physics-informed f, torch.autograd.grad of its input,
+    # answers only when differentiated; "auto" raised "element 0 of tensors does not require
+    # grad" from its plain shape probe, where "rev" and torch.func.jacrev compute it
+    W = torch.randn(3, 3, dtype=D)
+
+    def u(x):
+        return torch.tanh(x @ W).sum()
+
+    def du(x):
+        return torch.autograd.grad(u(x), x, create_graph=True)[0]
+
+    x, xs = torch.randn(3, dtype=D), torch.randn(4, 3, dtype=D)
+    before = x.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        torch.testing.assert_close(jacobian(du, x), torch.func.jacrev(torch.func.grad(u))(x))
+        torch.testing.assert_close(tv.batch_jacobian(du, xs),
+                                   torch.func.vmap(torch.func.jacrev(torch.func.grad(u)))(xs))
+    assert torch.equal(x, before) and not x.requires_grad
+
+    class Mine(Exception):
+        pass
+
+    def fails(x):
+        raise Mine("f's own")
+
+    with pytest.raises(Mine, match="^f's own$"):  # (from reverse mode, untouched)
+        jacobian(fails, x)
+
+
 def test_hessian_with_a_vectorised_strategy_explains_a_captured_update():
     bn = torch.nn.BatchNorm1d(3).to(D).train()
     x = torch.randn(5, 3, dtype=D)

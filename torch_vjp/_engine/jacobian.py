@@ -19,6 +19,15 @@ loop (an operator or custom Function without a forward-mode formula), ``"auto"``
 reverse mode, also with a one-time warning. Out-of-memory errors and torch_vjp's own errors
 are never caught.
 
+NOTE [a probe f cannot answer]
+``"auto"`` chooses the mode by the output size, which it reads from one plain call of ``f``
+(the probe: the copies of the primals, no transform around them). Some functions answer only
+when differentiated: one that takes the gradient of its own input with plain autograd
+(``torch.autograd.grad(u(x), x, create_graph=True)``, as physics-informed losses do) needs
+an input that requires grad, which reverse mode gives it and the probe does not. Where the
+probe fails, ``"auto"`` takes reverse mode, which needs no sizes in advance; an error of f's
+own comes from there again, untouched (one more call of f, on the error path only).
+
 NOTE [per-call overhead]
 torch.func.jacrev and jacfwd cost little more than the vmapped products themselves, so
 every microsecond of Python around the products shows in the ratio to them on small and
@@ -231,7 +240,12 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
     shapes: Shapes | None = None
     check: Any = None  # NOTE [auto, checked once]: the key, if this call checks
     if mode != "rev":
-        shapes = probe_shapes(prob, opts)
+        try:
+            shapes = probe_shapes(prob, opts)
+        except Exception as err:  # noqa: BLE001 - NOTE [a probe f cannot answer]
+            if mode is not None or not fallback or passes_through(err):
+                raise
+            return _blocks_of(prob, "rev", vectorized, fallback, opts, functorch_loops, read)
         read.append(shapes)
         if mode is None:
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
