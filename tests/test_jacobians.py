@@ -1493,6 +1493,25 @@ def test_auto_computes_an_f_that_takes_the_gradient_of_its_own_input():
         jacobian(fails, x)
 
 
+@pytest.mark.parametrize("strategy", ALL)
+def test_hessian_of_an_f_that_takes_the_gradient_of_its_own_input(strategy):
+    # "fwd" (forward over reverse, as torch.func.hessian) raised "element 0 of tensors does
+    # not require grad" from its plain shape probe (NOTE [a probe f cannot answer])
+    W = torch.randn(3, 3, dtype=D)
+
+    def u(x):
+        return torch.tanh(x @ W).sum()
+
+    def f(x):
+        return torch.autograd.grad(u(x), x, create_graph=True)[0].pow(2).sum()
+
+    x = torch.randn(3, dtype=D)
+    ref = torch.func.hessian(lambda x: torch.func.grad(u)(x).pow(2).sum())(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        torch.testing.assert_close(tv.hessian(f, x, strategy=strategy), ref)
+
+
 def test_hessian_with_a_vectorised_strategy_explains_a_captured_update():
     bn = torch.nn.BatchNorm1d(3).to(D).train()
     x = torch.randn(5, 3, dtype=D)

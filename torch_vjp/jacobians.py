@@ -35,7 +35,7 @@ from torch_vjp._engine.compiled import (
     warn_budget,
 )
 from torch_vjp._engine.computed import computed_jacobian
-from torch_vjp._engine.context import buffers_kept, graph_mode, is_nested
+from torch_vjp._engine.context import buffers_kept, func_vjp, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
 from torch_vjp._engine.forms import (
     batch_mode,
@@ -463,7 +463,15 @@ def hessian(
         inner = Problem(f, primals, argnums, has_aux=False, call=call, aux=False)
 
         def probe() -> tuple[list[Tensor], Any]:
-            flat_out, out_spec = inner.probe()
+            try:
+                flat_out, out_spec = inner.probe()
+            except Exception as err:  # noqa: BLE001 - NOTE [a probe f cannot answer]
+                if passes_through(err):
+                    raise
+                # (f answers only when differentiated, as the gradient's reverse mode does:
+                # its outputs from there; an error of f's own comes from there again)
+                with torch.no_grad():
+                    flat_out, out_spec = tree_flatten(func_vjp(inner.g, *inner.leaves)[0])
             blocks = [
                 [torch.empty((*o.shape, *x.shape), dtype=x.dtype, device="meta")
                  for x in inner.leaves]
