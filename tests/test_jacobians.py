@@ -1462,6 +1462,22 @@ def test_vectorised_strategies_explain_plain_autograd_inside_f(strategy):
         torch.testing.assert_close(jacobian(_calls_backward, x), torch.diag(x.cos()))
 
 
+@pytest.mark.parametrize("call", [
+    lambda f, x: jacobian(f, x), lambda f, x: jacobian(f, x, strategy="rev"),
+    lambda f, x: tv.batch_jacobian(f, x[None]), lambda f, x: tv.hessian(f, x),
+    lambda f, x: tv.vjp(f, x), lambda f, x: tv.jvp(f, (x,), (x,)),
+], ids=["jacobian", "jacobian-rev", "batch_jacobian", "hessian", "vjp", "jvp"])
+def test_f_that_returns_none_is_told_about_its_return_statement(call):
+    # the message said "the output of f is a NoneType", without the likely cause
+    def f(x):
+        x.sin()  # (no return)
+
+    with pytest.raises(JacobianCallError, match=r"the output of f is None, but every output "
+                       r"of f must be a Tensor.* f returned None: if it ends without a return "
+                       r"statement \(or with a bare return\), return its result\."):
+        call(f, torch.randn(3, dtype=D))
+
+
 def test_auto_computes_an_f_that_takes_the_gradient_of_its_own_input():
     # NOTE [a probe f cannot answer]: a physics-informed f, torch.autograd.grad of its input,
     # answers only when differentiated; "auto" raised "element 0 of tensors does not require

@@ -509,8 +509,12 @@ class Problem:
                 and getattr(path[0], "idx", None) == 1
             ):
                 hint = " If f returns (output, aux), pass has_aux=True."
+            if leaf is None and not path:
+                hint = (" f returned None: if it ends without a return statement (or with a "
+                        "bare return), return its result.")
+            what = "None" if leaf is None else f"a {type(leaf).__name__}"
             raise JacobianCallError(
-                f"{self.call}: {where} is a {type(leaf).__name__}, but every output of f must "
+                f"{self.call}: {where} is {what}, but every output of f must "
                 f"be a Tensor (or a tuple, list or dict of Tensors): the Jacobian has one "
                 f"block per output tensor.{hint}"
             )
