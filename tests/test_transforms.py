@@ -165,6 +165,28 @@ def test_plain_autograd_inside_f_is_explained(call):
         call(f, torch.randn(3, dtype=D))
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+@pytest.mark.parametrize("expanded", [False, True], ids=["tangents", "expanded-tangents"])
+def test_batched_jvp_of_an_f_that_writes_into_its_input_leaves_the_tangents(expanded,
+                                                                            chunk_size):
+    # forward AD writes f's in-place x.mul_(2) into the tangent too: the caller's tangents
+    # came back doubled, and an expanded one broke vmap (a warning and the loop) and had
+    # the loop's writes compound in its shared memory: every product wrong
+    def f(x):
+        x.mul_(2)
+        return x.sin()
+
+    x = torch.randn(3, dtype=D)
+    T = torch.randn(1, 3, dtype=D).expand(4, 3) if expanded else torch.randn(4, 3, dtype=D)
+    x0, T0 = x.clone(), T.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        out, jt = jvp(f, (x,), (T,), batched=True, chunk_size=chunk_size)
+    torch.testing.assert_close(jt, 2 * torch.cos(2 * x0) * T0)
+    torch.testing.assert_close(out, torch.sin(2 * x0))
+    assert torch.equal(T, T0) and torch.equal(x, x0)
+
+
 def test_zero_products():
     x = torch.randn(3, dtype=D)
     _, vjp_fn = vjp(lambda x: x * 2, x)

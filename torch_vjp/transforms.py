@@ -691,13 +691,21 @@ def jvp(
         flat_o, spec = tree_flatten(out)
         tan = tree_unflatten([o.new_zeros((0, *o.shape)) for o in flat_o], spec)
         return (out, tan, res[1]) if has_aux else (out, tan)
+    # NOTE [the caller's tangents, never written]: forward AD pairs a primal with its
+    # tangent itself, so a write f makes into its (copied) primal, ``x.mul_(2)``, also
+    # writes into the tangent. So each chunk's directions are copied first (one pass over
+    # them, next to a forward pass of f per direction); without the copy the caller's
+    # tangents came back doubled, and an expanded one (``t.expand(K, n)``) broke the
+    # vectorised call and had the loop's writes compound in its shared memory, into wrong
+    # products.
     def products(vec: bool) -> Any:
         return map_rows(functools.partial(push, plain=not vec or chunk == 1),
-                        lambda s, e: tuple(v[s:e] for v in vectors), k,
+                        lambda s, e: tuple(v[s:e].clone() for v in vectors), k,
                         vectorized=vec, chunk_size=chunk, extras=True)
 
     with buffers_kept(f, primals=primals), _explained(call, "jvp"):
         stacked, extra = _vectorised_or_loop(
-            call, f, "tangents", products, lambda: push(*(v[0] for v in vectors), plain=True))
+            call, f, "tangents", products,
+            lambda: push(*(v[0].clone() for v in vectors), plain=True))
     tan = tree_unflatten(stacked, spec_box[0])
     return (extra[0], tan) + tuple(extra[1:])
