@@ -1528,6 +1528,45 @@ def test_hessian_of_an_f_that_takes_the_gradient_of_its_own_input(strategy):
         torch.testing.assert_close(tv.hessian(f, x, strategy=strategy), ref)
 
 
+@pytest.mark.parametrize("shape", [(2, 40), (40, 2)], ids=["wide-fwd", "tall-rev"])
+def test_auto_differentiates_a_random_f_at_the_first_draw(shape):
+    # NOTE [auto's extra calls draw what the products draw]: the first call of a signature
+    # differentiated the second draw (the probe drew the first), warned "disagrees with a
+    # reverse product ... no other route agrees" (its check drew a third), and left the
+    # generator three calls on; later calls (probe and check remembered) did neither
+    n_in, n_out = shape
+    W = torch.randn(n_out, n_in, dtype=D)
+    x = torch.randn(n_in, dtype=D)
+
+    def f(x):
+        return torch.nn.functional.dropout(W @ x, 0.5, training=True)
+
+    for _ in range(2):  # the first call of the signature, then a remembered one
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tv.JacobianWarning)
+            J = jacobian(f, x)
+        after = torch.rand(1)
+        torch.manual_seed(0)
+        torch.testing.assert_close(J, torch.func.jacrev(f)(x))  # one call: the first draw
+        assert torch.equal(after, torch.rand(1))
+
+
+@pytest.mark.parametrize("strategy", ["fwd-loop", "rev-loop"])
+def test_a_loop_strategy_differentiates_a_random_f_at_the_first_draw(strategy):
+    n_in, n_out = (3, 7) if strategy == "fwd-loop" else (4, 6)
+    W = torch.randn(n_out, n_in, dtype=D)
+
+    def f(x):
+        return torch.nn.functional.dropout(W @ x, 0.5, training=True)
+
+    x = torch.randn(n_in, dtype=D)
+    torch.manual_seed(0)
+    J = jacobian(f, x, strategy=strategy)
+    torch.manual_seed(0)
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+
+
 def test_hessian_with_a_vectorised_strategy_explains_a_captured_update():
     bn = torch.nn.BatchNorm1d(3).to(D).train()
     x = torch.randn(5, 3, dtype=D)

@@ -26,10 +26,12 @@ that branches to another operator on other values is checked only where it first
 bool, str or None among its plain arguments, or whether a number among them is zero, is
 part of the signature).
 Explicit strategies are not checked: "fwd" and "rev" are what was asked. The cotangent
-comes from a generator of its own. The global generators are never set: f's call for the
-check draws on from where the products left them (another thread may be drawing too), so
-a random f (dropout) disagrees with its own products; the other routes disagree too, and
-the first result stands (with the warning), at the cost of those routes on the first call.
+comes from a generator of its own. f's call for the check (and any route it tries) starts
+from the global generators' state the products started from, and the generators are then
+put where the products left them (NOTE [auto's extra calls draw what the products draw] in
+:mod:`torch_vjp._engine.jacobian`): a random f (dropout) is checked against its products'
+own draw, and agrees. (Another thread drawing meanwhile from the global generators may see
+numbers drawn again, as in the loops' SameDraws.)
 """
 
 from __future__ import annotations

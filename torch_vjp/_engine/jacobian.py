@@ -28,6 +28,18 @@ an input that requires grad, which reverse mode gives it and the probe does not.
 probe fails, ``"auto"`` takes reverse mode, which needs no sizes in advance; an error of f's
 own comes from there again, untouched (one more call of f, on the error path only).
 
+NOTE [auto's extra calls draw what the products draw]
+``"auto"`` calls f more often than the products need: a probe for the output sizes, and,
+the first time for a function and input signature, one reverse product without vmap to
+check the vectorised result (NOTE [auto, checked once]). For an f that draws random numbers
+(dropout in training mode) each call drew new numbers: the products differentiated the
+second draw, not the one a plain call of f at the caller's generator state makes (as
+torch.func.jacrev's does), the check compared two draws and warned that no route agreed, and
+the generators ended two or three calls on. So the probe puts the generators back, and
+the check (and any route it tries) starts from the state the products started from; the
+generators end as the products left them, one call of f on. Only where f is probed or
+checked: the first call of a signature.
+
 NOTE [per-call overhead]
 torch.func.jacrev and jacfwd cost little more than the vmapped products themselves, so
 every microsecond of Python around the products shows in the ratio to them on small and
@@ -262,15 +274,24 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                         return _loop(prob, "rev", shapes, opts, functorch_loops)
                     mode, check = route, None
     if check is not None:
+        first = SameDraws()  # NOTE [auto's extra calls draw what the products draw]
+        first()
         res = _auto(prob, mode, shapes, opts, functorch_loops)
+        after = SameDraws()
+        after()
+        first()
 
         def route(name: str) -> Blocks:
+            first()
             if name == "rev-loop":
                 return _loop(prob, "rev", shapes, opts, functorch_loops)
             return _auto(prob, "rev", shapes, opts, functorch_loops)
 
-        return checked_route(prob, res, opts.batch, check, route,
-                             (function_key(prob.f), function_name(prob.f)))
+        try:
+            return checked_route(prob, res, opts.batch, check, route,
+                                 (function_key(prob.f), function_name(prob.f)))
+        finally:
+            after()
     if not vectorized:
         try:
             return _loop(prob, mode, shapes, opts, functorch_loops)

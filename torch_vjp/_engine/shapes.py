@@ -24,7 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import Restart
+from torch_vjp._engine.rows import Restart, SameDraws
 from torch_vjp._errors import JacobianCallError, shape_str
 
 __all__ = [
@@ -218,8 +218,13 @@ def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
             return Shapes(hit[1], hit[2], hit[3], key, record and hit[4])
     if opts.probe is not None:
         flat, spec = opts.probe()
-    else:
-        flat, spec = prob.probe(record)
+    else:  # (drawing nothing: NOTE [auto's extra calls draw what the products draw])
+        draws = SameDraws()
+        draws()
+        try:
+            flat, spec = prob.probe(record)
+        finally:
+            draws()
     records = record and any(o.requires_grad for o in flat)
     rows = row_shapes(flat, opts.batch, prob)
     if key is not None:
