@@ -1552,6 +1552,27 @@ def test_auto_differentiates_a_random_f_at_the_first_draw(shape):
         assert torch.equal(after, torch.rand(1))
 
 
+@pytest.mark.parametrize("strategy", ["auto", "fwd-loop", "rev", "rev-loop"])
+def test_hessian_of_a_random_f_at_the_first_draw(strategy):
+    # forward over reverse probed f's output sizes with a call of f on every call: the
+    # Hessian was of the second draw, and the generator ended two calls on
+    W = torch.randn(5, 5, dtype=D)
+
+    def f(x):
+        return torch.nn.functional.dropout(torch.tanh(W @ x), 0.5).pow(2).sum()
+
+    x = torch.randn(5, dtype=D)
+    for _ in range(2):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tv.JacobianWarning)  # (vmap's fallback)
+            H = tv.hessian(f, x, strategy=strategy)
+        after = torch.rand(1)
+        torch.manual_seed(0)  # (reverse over reverse: one call of f)
+        torch.testing.assert_close(H, torch.func.jacrev(torch.func.jacrev(f))(x))
+        assert torch.equal(after, torch.rand(1))
+
+
 @pytest.mark.parametrize("strategy", ["fwd-loop", "rev-loop"])
 def test_a_loop_strategy_differentiates_a_random_f_at_the_first_draw(strategy):
     n_in, n_out = (3, 7) if strategy == "fwd-loop" else (4, 6)

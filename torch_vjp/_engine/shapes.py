@@ -216,15 +216,12 @@ def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
         hit = _SHAPES.get(key)
         if hit is not None:
             return Shapes(hit[1], hit[2], hit[3], key, record and hit[4])
-    if opts.probe is not None:
-        flat, spec = opts.probe()
-    else:  # (drawing nothing: NOTE [auto's extra calls draw what the products draw])
-        draws = SameDraws()
+    draws = SameDraws()  # (drawing nothing: NOTE [auto's extra calls draw what the
+    draws()              # products draw])
+    try:
+        flat, spec = opts.probe() if opts.probe is not None else prob.probe(record)
+    finally:
         draws()
-        try:
-            flat, spec = prob.probe(record)
-        finally:
-            draws()
     records = record and any(o.requires_grad for o in flat)
     rows = row_shapes(flat, opts.batch, prob)
     if key is not None:
