@@ -333,6 +333,27 @@ def test_batched_tangents_of_different_k_name_jacobian_vector_products():
             batched=True)
 
 
+def test_a_structure_that_differs_only_in_its_container_type_shows_the_type():
+    # a tuple for a namedtuple output was refused with "expected: (Tensor(3,), Tensor())"
+    # and "got: (Tensor(3,), Tensor())", two lines that read the same
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+    x = torch.randn(3, dtype=D)
+    _, vjp_fn = vjp(lambda x: Pair(x.sin(), x.sum()), x)
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+            "  expected: Pair(a=Tensor(3,), b=Tensor())\n"
+            "  got:      (Tensor(3,), Tensor())\n")):
+        vjp_fn((torch.ones(3, dtype=D), torch.ones((), dtype=D)))
+    _, vjp_fn = vjp(lambda x: collections.OrderedDict(u=x.sin()), x)
+    with pytest.raises(tv.GradOutputsError, match=re.escape(
+            "  expected: OrderedDict({'u': Tensor(3,)})\n  got:      {'u': Tensor(3,)}\n")):
+        vjp_fn({"u": torch.ones(3, dtype=D)})
+    # (the right containers are taken)
+    torch.testing.assert_close(vjp_fn(collections.OrderedDict(u=torch.ones(3, dtype=D)))[0],
+                               x.cos())
+
+
 def test_a_tangent_shaped_like_the_output_is_named_so():
     # a vector for a vector-Jacobian product given to jvp (the confusion of the first user
     # thread): the message said only that the shape was wrong, or suggested batched=True

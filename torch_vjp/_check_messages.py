@@ -46,16 +46,26 @@ __all__ = [
 
 
 def describe_tree(tree: Any) -> str:
-    """A short structural description of a pytree with tensor shapes at the leaves."""
+    """A short structural description of a pytree with tensor shapes at the leaves; a
+    container of another type than tuple, list or dict (a namedtuple, an OrderedDict) by
+    its type's name too, since the pytree structure tells them apart."""
     if isinstance(tree, Tensor):
         return f"Tensor{shape_str(tree.shape)}"
+    kind = type(tree)
     if isinstance(tree, tuple):
+        fields = getattr(kind, "_fields", None)
+        if fields is not None:  # a namedtuple
+            inner = ", ".join(f"{k}={describe_tree(v)}" for k, v in zip(fields, tree))
+            return f"{kind.__name__}({inner})"
         inner = ", ".join(describe_tree(t) for t in tree)
-        return f"({inner}{',' if len(tree) == 1 else ''})"
+        body = f"({inner}{',' if len(tree) == 1 else ''})"
+        return body if kind is tuple else f"{kind.__name__}{body}"
     if isinstance(tree, list):
-        return "[" + ", ".join(describe_tree(t) for t in tree) + "]"
+        body = "[" + ", ".join(describe_tree(t) for t in tree) + "]"
+        return body if kind is list else f"{kind.__name__}({body})"
     if isinstance(tree, dict):
-        return "{" + ", ".join(f"{k!r}: {describe_tree(v)}" for k, v in tree.items()) + "}"
+        body = "{" + ", ".join(f"{k!r}: {describe_tree(v)}" for k, v in tree.items()) + "}"
+        return body if kind is dict else f"{kind.__name__}({body})"
     if tree is None:
         return "None"
     return type(tree).__name__
