@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_structure
@@ -486,8 +487,15 @@ def test_argnums_normalized(argnums, n, expected):
     ([0, 1], 2, r"c: argnums=\[0, 1\], but it must be an int or a non-empty tuple of ints: "
                 r"the positions of the primals to differentiate against\. Fix: "
                 r"argnums=\(0, 1\)\."),
-    ((0, 1.0), 2, r"c: argnums=\(0, 1\.0\) holds 1\.0, but its entries must be ints\."),
+    ((0, 1.0), 2, r"c: argnums=\(0, 1\.0\) holds 1\.0, but its entries must be ints: the "
+                  r"positions of the primals to differentiate against\.$"),
     (True, 2, r"c: argnums=True, but it must be an int or a non-empty tuple of ints"),
+    # an integer of another type is named with the fix (it had none)
+    (np.int64(1), 2, r"c: argnums=np\.int64\(1\), but it must be an int or a non-empty "
+                     r"tuple of ints: .* Fix: argnums=1 \(a Python int\)\.$"),
+    (torch.tensor(0), 2, r"c: argnums=tensor\(0\), .* Fix: argnums=0 \(a Python int\)\.$"),
+    ((0, np.int32(1)), 2, r"c: argnums=\(0, np\.int32\(1\)\) holds np\.int32\(1\), but its "
+                          r"entries must be ints: .* Fix: argnums=\(0, 1\) \(Python ints\)\.$"),
 ], ids=str)
 def test_argnums_rejected(argnums, n, message):
     with pytest.raises(JacobianCallError, match="^" + message):

@@ -36,6 +36,7 @@ tensor among the other primals the two are the same function.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +95,8 @@ def normalize_argnums(argnums: object, n_args: int, *, call: str) -> tuple[int, 
         items = argnums
     else:
         fix = f" Fix: argnums={tuple(argnums)!r}." if isinstance(argnums, list) and argnums else ""
+        if _as_int(argnums) is not None:  # (a NumPy integer, a 0-d integer tensor)
+            fix = f" Fix: argnums={_as_int(argnums)} (a Python int)."
         raise JacobianCallError(
             f"{call}: argnums={argnums!r}, but it must be an int or a non-empty tuple of "
             f"ints: the positions of the primals to differentiate against.{fix}"
@@ -101,8 +104,12 @@ def normalize_argnums(argnums: object, n_args: int, *, call: str) -> tuple[int, 
     out = []
     for a in items:
         if isinstance(a, bool) or not isinstance(a, int):
+            fixed = tuple(_as_int(b) if _as_int(b) is not None else b for b in items)
+            fix = (f" Fix: argnums={fixed!r} (Python ints)."
+                   if all(type(b) is int for b in fixed) else "")
             raise JacobianCallError(
-                f"{call}: argnums={argnums!r} holds {a!r}, but its entries must be ints."
+                f"{call}: argnums={argnums!r} holds {a!r}, but its entries must be ints: the "
+                f"positions of the primals to differentiate against.{fix}"
             )
         if not -n_args <= a < n_args:
             raise JacobianCallError(
@@ -116,6 +123,17 @@ def normalize_argnums(argnums: object, n_args: int, *, call: str) -> tuple[int, 
             f"{call}: argnums={argnums!r} names a primal twice; each may appear once."
         )
     return tuple(out)
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as a Python int where it is an integer of another type (a NumPy integer, a
+    0-d integer tensor: what ``operator.index`` takes), else None."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return value if type(value) is int else None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def leaf_name(path: Any, root: str) -> str:
