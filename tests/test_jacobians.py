@@ -301,6 +301,26 @@ def test_auto_falls_back_to_rev_loop_once():
     assert "slower" in msg and "once per function" in msg
 
 
+def test_auto_fallback_names_a_known_refusal_rather_than_the_typical_causes():
+    # the warning listed vmap's typical causes (custom Functions, NumPy, batching rules),
+    # none of them f's: it changes a tensor it captured
+    count = torch.zeros((), dtype=D)
+
+    def f(x):
+        with torch.no_grad():
+            count.add_(1)
+        return x.sin()
+
+    x = torch.randn(3, dtype=D)
+    _, caught = _fallback_warnings(f, x, times=1)
+    said = [str(w.message) for w in caught if "could not vectorise" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert ("  That is: f changes a tensor it captured in place (a module in training mode "
+            "updating its running statistics, say). Pass strategy='rev-loop'") in said[0]
+    assert "Typical causes" not in said[0]
+    assert count.item() == 0  # (put back)
+
+
 def test_auto_falls_back_to_fwd_loop_once():
     x = torch.randn(2, dtype=D)
 

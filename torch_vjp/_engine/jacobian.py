@@ -430,13 +430,15 @@ def fallback_message(prob: Problem, mode: str, err: BaseException, who: str = "i
     the loop (``"this rank"`` for a sharded Jacobian)."""
     loop = f"{mode}-loop"
     unit = "JVP per input element" if mode == "fwd" else "VJP per output element"
+    why = vmap_refusal(err)  # (a known refusal is named, not among the typical causes)
+    causes = f"That is: {why}." if why is not None else f"Typical causes: {VMAP_CAUSES}."
     return (
         f"{prob.call}: strategy='auto' could not vectorise the Jacobian of "
         f"{function_name(prob.f)} (strategy={mode!r}: torch.func transforms under "
         f"torch.vmap), so {who} used strategy={loop!r}: one {unit} at a time in a Python loop, "
         f"usually many times slower.\n"
         f"  The vectorised attempt said: {quote_error(err)}\n"
-        f"  Typical causes: {VMAP_CAUSES}. Pass strategy={loop!r} to skip the vectorised "
+        f"  {causes} Pass strategy={loop!r} to skip the vectorised "
         f"attempt. This warning is shown once per function."
     )
 
