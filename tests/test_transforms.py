@@ -343,8 +343,11 @@ def test_a_structure_that_differs_only_in_its_container_type_shows_the_type():
     _, vjp_fn = vjp(lambda x: Pair(x.sin(), x.sum()), x)
     with pytest.raises(tv.GradOutputsError, match=re.escape(
             "  expected: Pair(a=Tensor(3,), b=Tensor())\n"
-            "  got:      (Tensor(3,), Tensor())\n")):
+            "  got:      (Tensor(3,), Tensor())\n")) as info:
         vjp_fn((torch.ones(3, dtype=D), torch.ones((), dtype=D)))
+    # (the fix rebuilds the namedtuple from the items: Pair(*tuple) — Pair(tuple) raised a
+    # TypeError of its own while the message was being made)
+    assert "pass Pair(*" in str(info.value)
     _, vjp_fn = vjp(lambda x: collections.OrderedDict(u=x.sin()), x)
     with pytest.raises(tv.GradOutputsError, match=re.escape(
             "  expected: OrderedDict({'u': Tensor(3,)})\n  got:      {'u': Tensor(3,)}\n")):

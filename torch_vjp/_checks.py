@@ -426,6 +426,18 @@ def _diagnose(
                   f"{labels.call}: {labels.grad_outputs} does not fit {labels.outputs}.", None)
 
 
+def _rebuilt_structure(expected: Any, got: Any) -> Any:
+    """The pytree structure of ``got``'s items in ``expected``'s container type (a
+    namedtuple's fields positionally), or None where that type cannot hold them."""
+    from torch.utils._pytree import tree_structure
+
+    kind = type(expected)
+    try:
+        return tree_structure(kind(*got) if hasattr(kind, "_fields") else kind(got))
+    except Exception:  # noqa: BLE001 - a container that cannot be rebuilt so: no such fix
+        return None
+
+
 def check_tree_structure(
     expected: Any, got: Any, *, call: str, name: str, against: str = "the function's output"
 ) -> None:
@@ -457,10 +469,11 @@ def check_tree_structure(
         fix = (f"Fix: like {against}, {name} must be a single tensor, not a "
                f"{type(got).__name__}: pass {name}[0].")
     elif (isinstance(got, (tuple, list)) and isinstance(expected, (tuple, list))
-            and tree_structure(type(expected)(got)) == want):
+            and _rebuilt_structure(expected, got) == want):
         kind = type(expected).__name__
+        star = "*" if hasattr(type(expected), "_fields") else ""  # (a namedtuple)
         fix = (f"Fix: like {against}, {name} must be a {kind}, not a {type(got).__name__}: "
-               f"pass {kind}({name}).")
+               f"pass {kind}({star}{name}).")
     else:
         fix = (f"Fix: build it from {against} itself, e.g. "
                f"torch.utils._pytree.tree_map(torch.ones_like, ...).")
