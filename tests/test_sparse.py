@@ -900,6 +900,19 @@ def test_a_modified_dense_pattern_is_coloured_again():
     assert J.values().numel() == 7
 
 
+def test_a_hybrid_coo_pattern_is_read_by_its_entries():
+    # x.to_sparse(1): sparse rows, each a dense row of values; it raised a raw IndexError
+    f = lambda u: u * u.roll(1)  # noqa: E731
+    x = torch.randn(5, dtype=D)
+    want = torch.func.jacrev(f)(x)
+    for dtype in (torch.bool, D):
+        pattern = want.ne(0).to(dtype).to_sparse(1)
+        assert pattern.dense_dim() == 1
+        J = sparse_jacobian(f, x, pattern=pattern)
+        assert J.values().numel() == int(want.ne(0).sum())
+        torch.testing.assert_close(J.to_dense(), want)
+
+
 @pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
 def test_a_sparse_pattern_whose_values_are_changed_in_place_is_read_again(layout):
     # the plan kept with a sparse pattern tensor ignored writes into its values: an entry

@@ -149,6 +149,9 @@ def _entries(p: Tensor) -> tuple[Tensor, Tensor]:
         return r, c
     if layout is torch.sparse_coo:
         q = p.detach().cpu().coalesce()
+        if q.dense_dim():  # (hybrid, x.to_sparse(1): rows sparse, each a dense row of values)
+            k, c = torch.nonzero(q.values() != 0, as_tuple=True)
+            return q.indices()[0][k], c
         keep = q.values() != 0
         return q.indices()[0][keep], q.indices()[1][keep]
     q = p.detach().cpu()
