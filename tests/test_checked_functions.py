@@ -1033,3 +1033,29 @@ def test_float64_gradient_of_a_custom_fwd_function_outside_autocast_still_warns(
 
     with tv.checked(), pytest.warns(tv.FunctionCheckWarning, match="dtype torch.float64"):
         _grads(Scale, (_leaf(3, dtype=torch.float32),))
+
+
+def test_float64_gradient_of_a_custom_fwd_function_under_autocast_still_warns():
+    """Under autocast, custom_bwd's backward computes in autocast's dtype or in float32; a
+    float64 tensor made inside it for a float32 input is not autocast's precision: the
+    mistake is reported as outside autocast."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.t(), (x.t() @ g).double()
+
+    x = _leaf(3, 4, dtype=torch.float32)
+    w = _leaf(4, 5, dtype=torch.float32, seed=1)
+    with tv.checked(), pytest.warns(tv.FunctionCheckWarning, match="dtype torch.float64"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = Scale.apply(x, w)
+        y.float().sum().backward()

@@ -108,13 +108,17 @@ def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
     float64, or whose matmul autocast ran in bfloat16, returns gradients in that precision),
     or forward ran under autocast as ``torch.amp.custom_fwd`` records it on the node
     (``_fwd_used_autocast``: ``custom_bwd``'s backward then runs under autocast too, and
-    gives a float32 weight a bfloat16 gradient; with ``cast_inputs=torch.float32``, forward's
-    outputs are float32, and so is the gradient of a bfloat16 activation).
+    gives a float32 weight a bfloat16 gradient: autocast's dtype, ``_dtype`` on the node, or
+    float32; with ``cast_inputs=torch.float32``, forward's outputs are float32, and so is the
+    gradient of a bfloat16 activation).
     Valid code, not a mistake to warn of on every step; a gradient of another dtype (a
     float64 tensor made inside the backward of a float32 Function) still is."""
     if not (g.is_floating_point and s.is_floating_point):
         return False
-    if getattr(node, "_fwd_used_autocast", False) is True:
+    if getattr(node, "_fwd_used_autocast", False) is True and (
+            g is torch.float32 or g is getattr(node, "_dtype", None)):
+        # (autocast computes in its own dtype, or in float32 for the ops it runs there; a
+        # float64 tensor made in backward is no precision of autocast's)
         return True
     try:
         return any(m.dtype is g for m in node._input_metadata)
