@@ -1059,3 +1059,50 @@ def test_float64_gradient_of_a_custom_fwd_function_under_autocast_still_warns():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = Scale.apply(x, w)
         y.float().sum().backward()
+
+
+def test_narrower_gradient_where_an_output_keeps_the_inputs_dtype_still_warns():
+    """A Function with outputs of two dtypes, one of them its input's (float32) and one
+    narrower (a float16 copy): a float16 gradient for the float32 input is not the precision
+    the Function computes in, but a precision lost in backward; it is reported as for a
+    Function with a single float32 output."""
+
+    class Two(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, (x * 3).half()
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            return g1.half() * 2 + g2 * 3
+
+    x = _leaf(5, dtype=torch.float32)
+    with tv.checked(), pytest.warns(tv.FunctionCheckWarning, match="dtype torch.float16"):
+        a, b = Two.apply(x)
+        (a.sum() + b.float().sum()).backward()
+
+
+def test_wider_gradient_of_a_function_with_outputs_of_two_dtypes_changes_nothing():
+    """Outputs in float32 and float64: backward's sum of their grad_outputs promotes to
+    float64, the precision of one of forward's outputs; torch casts it back: no warning."""
+
+    class Two(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, x.double() * 3
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            return g1 * 2 + g2 * 3
+
+    def step():
+        x = _leaf(5, dtype=torch.float32)
+        a, b = Two.apply(x)
+        (a.sum() + b.sum()).backward()
+        return (x.grad,)
+
+    reference = step()
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = step()
+    _same(got, reference)

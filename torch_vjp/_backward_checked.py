@@ -112,7 +112,9 @@ def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
     float32; with ``cast_inputs=torch.float32``, forward's outputs are float32, and so is the
     gradient of a bfloat16 activation).
     Valid code, not a mistake to warn of on every step; a gradient of another dtype (a
-    float64 tensor made inside the backward of a float32 Function) still is."""
+    float64 tensor made inside the backward of a float32 Function) still is, and so is a
+    narrower one where one of forward's outputs has the input's own dtype (a float16 gradient
+    for a float32 input of a Function that returns a float32 and a float16 output)."""
     if not (g.is_floating_point and s.is_floating_point):
         return False
     if getattr(node, "_fwd_used_autocast", False) is True and (
@@ -121,9 +123,15 @@ def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
         # float64 tensor made in backward is no precision of autocast's)
         return True
     try:
-        return any(m.dtype is g for m in node._input_metadata)
+        outs = {m.dtype for m in node._input_metadata}
     except (AttributeError, RuntimeError, TypeError):
         return False
+    if g not in outs:
+        return False
+    # a narrower gradient where forward also returned the input's own dtype is precision
+    # lost in backward (a float16 copy among the outputs does not make float16 the
+    # precision a float32 input's gradient is computed in)
+    return s not in outs or torch.finfo(g).bits > torch.finfo(s).bits
 
 
 def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
