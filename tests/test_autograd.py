@@ -679,3 +679,19 @@ def test_missing_size_one_leading_dimension_is_an_unsqueeze():
     assert "lacks the leading dimension of size 1 that outputs[0] has: pass " \
            "grad_outputs[0].unsqueeze(0)" in msg
     assert "same vector for every row" not in msg
+
+
+def test_err_square_output_names_both_readings_of_a_vector():
+    # a (B,) vector of per-example weights for a (B, B) output matches both the output's
+    # leading dimension and its last; it was told only to expand_as, which weights the
+    # columns: a wrong gradient, without a word, for the per-row reading
+    x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    y = x.tanh()
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    msg = _raises(r"grad_outputs\[0\] has shape \(3,\), but outputs\[0\] has shape \(3, 3\)",
+                  tv.grad, y, x, w, retain_graph=True)
+    assert "pass grad_outputs[0].expand_as(outputs[0])" in msg
+    assert "pass grad_outputs[0].reshape((3, 1)).expand_as(outputs[0])" in msg
+    (g,) = tv.grad(y, x, w.reshape(3, 1).expand_as(y))
+    jac = torch.func.jacrev(torch.tanh)(x.detach())
+    torch.testing.assert_close(g, torch.einsum("b,bkij->ij", w, jac))

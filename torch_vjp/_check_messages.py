@@ -261,6 +261,17 @@ def _shape_fix(
         )
     if _matches_input(gshape, inputs, outputs):
         return _input_fix(labels, i, gshape, inputs, outputs, batched=False)
+    # a vector of the shape of the output's leading dimensions: one weight per row (per-example
+    # weights (B,) for a (B, k) output), which torch's broadcasting would not align; where it
+    # matches the last dimensions too (a (B, B) output), both readings are told
+    per_row = ""
+    if (labels.role != "tangents" and 1 <= go.dim() < out.dim()
+            and tuple(oshape[:go.dim()]) == tuple(gshape)):
+        ones = shape_str(tuple(gshape) + (1,) * (out.dim() - go.dim()))
+        per_row = (
+            f"If it holds one weight per {'row' if go.dim() == 1 else 'slice'} of {o}, "
+            f"pass {g}.reshape({ones}).expand_as({o})."
+        )
     if out.dim() == go.dim() + 1 and oshape[1:] == gshape:
         if oshape[0] == 1:
             return (
@@ -270,6 +281,7 @@ def _shape_fix(
         return (
             f"{g} lacks the leading dimension of size {oshape[0]} that {o} has. To use the "
             f"same vector for every row of {o}, pass {g}.expand_as({o})."
+            + (f" {per_row}" if per_row else "")
         )
     if go.dim() >= 2 and tuple(reversed(gshape)) == tuple(oshape):
         perm = "mT" if go.dim() == 2 else f"permute({', '.join(str(d) for d in reversed(range(go.dim())))})"
@@ -283,17 +295,15 @@ def _shape_fix(
         return (
             f"torch does not broadcast {labels.grad_outputs}: pass {g}.expand_as({o}) to "
             f"repeat it over {o}'s shape."
+            + (f" {per_row}" if per_row else "")
         )
-    if (labels.role != "tangents" and 1 <= go.dim() < out.dim()
-            and tuple(oshape[:go.dim()]) == tuple(gshape)):
+    if per_row:
         lead = shape_str(oshape[:go.dim()])
-        ones = shape_str(tuple(gshape) + (1,) * (out.dim() - go.dim()))
         return (
             f"{shape_str(gshape)} is the shape of {o}'s leading dimension"
             f"{'s' if go.dim() > 1 else ''} {lead}, and torch does not broadcast "
             f"{labels.grad_outputs} (broadcasting would align the last dimensions, not the "
-            f"first). If it holds one weight per {'row' if go.dim() == 1 else 'slice'} of {o}, "
-            f"pass {g}.reshape({ones}).expand_as({o})."
+            f"first). {per_row}"
         )
     return ""
 
