@@ -1106,3 +1106,66 @@ def test_wider_gradient_of_a_function_with_outputs_of_two_dtypes_changes_nothing
         warnings.simplefilter("error")
         got = step()
     _same(got, reference)
+
+
+def test_objection_left_to_torch_is_explained_in_its_own_thread_only():
+    """Two threads run the same Function, each with a transposed gradient of its own shape,
+    beside a frozen tensor and a number (torch judges it, the explanation waits for torch's
+    error). The other thread's objection, kept meanwhile, must neither replace this thread's
+    (a note about another shape than torch's sentence) nor be lost to it."""
+
+    class Lin(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, s):
+            ctx.save_for_backward(x, w)
+            return (x @ w.t()) * s
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return (g @ w * 0.5).t(), g.t() @ x, None
+
+    first_kept, second_kept, first_done = (threading.Event(), threading.Event(),
+                                           threading.Event())
+    judge = _checked_mode._judge_backward
+
+    def interleaved(node, returned):
+        judge(node, returned)
+        if threading.current_thread().name == "first":
+            first_kept.set()
+            second_kept.wait(10)   # the second thread keeps its objection meanwhile
+        else:
+            second_kept.set()
+            first_done.wait(10)    # and meets torch's error after the first thread
+
+    results = {}
+
+    def run(n):
+        name = threading.current_thread().name
+        if name == "second":
+            first_kept.wait(10)
+        x = _leaf(n, 4, dtype=torch.float32)
+        try:
+            with tv.checked():
+                Lin.apply(x, torch.ones(3, 4), 0.5).sum().backward()
+        except RuntimeError as err:
+            results[name] = (type(err), str(err), full_message(err))
+        if name == "first":
+            first_done.set()
+
+    _checked_mode._judge_backward = interleaved
+    try:
+        threads = [threading.Thread(target=run, args=(n,), name=name)
+                   for n, name in ((2, "first"), (5, "second"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        _checked_mode._judge_backward = judge
+    for name, n in (("first", 2), ("second", 5)):
+        cls, sentence, full = results[name]
+        assert cls is tv.FunctionCheckError, name
+        assert sentence.startswith(f"Function LinBackward returned an invalid gradient at "
+                                   f"index 0 - got [4, {n}]")
+        assert f"gradient of shape (4, {n}) at index 0" in full

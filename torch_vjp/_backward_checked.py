@@ -168,12 +168,14 @@ class BackwardProblem:
         kind: What it is about: ``"list"``, ``"count"``, ``"type"``, ``"non-tensor"``,
             ``"shape"``, ``"dtype"``, ``"device"`` or ``"misplaced"`` (to match it with
             torch's sentence where torch's verdict is not known beforehand).
+        got: For ``"shape"``, the shape of the returned gradient (torch's sentence names it).
     """
 
     index: int | None
     torch: str
     message: str
     kind: str = ""
+    got: tuple[int, ...] | None = None
 
 
 def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProblem]:
@@ -222,13 +224,13 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
                     problems.append(BackwardProblem(
                         i, "rejects",
                         shape_message(call, fname, i, g, slot.shape, out_shapes, False),
-                        "shape"))
+                        "shape", g))
                     continue
                 if not _summed_broadcast(node, g, slot.shape):  # (torch's idiom is fine)
                     problems.append(BackwardProblem(
                         i, "sums",
                         shape_message(call, fname, i, g, slot.shape, out_shapes, False),
-                        "shape"))
+                        "shape", g))
             # torch sums a gradient down to its input's shape, casts it to its input's dtype,
             # and then checks its device: a shape it sums or a dtype it casts does not hide a
             # device it rejects (a tensor made in backward without dtype= and device=), so

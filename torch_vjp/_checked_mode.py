@@ -283,16 +283,21 @@ _NOT_A_VARIABLE = re.compile(
 # torch's sentences for what a custom backward returned, and what each is about (the
 # ``kind`` of a BackwardProblem)
 _TORCH_SENTENCES = (
-    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - got "),
-     "shape"),
-    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index \d+ - expected "
-                r"device"), "device"),
+    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index (\d+) - got "
+                r"\[([\d, ]*)\]"), "shape"),
+    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index (\d+) - "
+                r"expected device"), "device"),
     (re.compile(r"function (\w+)Backward returned an incorrect number of gradients"), "count"),
     (re.compile(r"^expected Variable or None \(got (?!list\))"), "type"),  # (names no Function)
 )
-# The objections to a backward's value that torch was left to judge (``_judge_backward``),
-# by the name of its Function: explained once torch's error comes through.
-_unjudged: dict[str, list[Any]] = {}
+# The objections to a backward's value that torch was left to judge (``_judge_backward``):
+# (thread, name of its Function, objections), explained once torch's error comes through.
+# Shared by all threads (a CUDA node's backward runs on the engine's device thread, not the
+# caller's): a checked call clears only its own thread's, and takes an objection only where
+# it is about what torch's sentence names (the Function, the index, the shape returned),
+# its own thread's first, so that a concurrent call's objection is neither lost nor told.
+_unjudged: list[tuple[int, str, list[Any]]] = []
+_unjudged_lock = threading.Lock()
 
 
 def _matching(rejected: list[Any], sentence: str) -> Any:
@@ -303,6 +308,28 @@ def _matching(rejected: list[Any], sentence: str) -> Any:
     return rejected[0]
 
 
+def _forget_unjudged(thread: int) -> None:
+    """Drops the objections kept by ``thread`` (a checked call's own, at its start and end)."""
+    with _unjudged_lock:
+        _unjudged[:] = [entry for entry in _unjudged if entry[0] != thread]
+
+
+def _about(found: Any, kind: str, name: str, problem: Any) -> bool:
+    """Whether ``problem``, an objection to the backward of Function ``name``, is what
+    torch's sentence (``found``, of that ``kind``) is about."""
+    if problem.kind != kind or problem.torch != "rejects":
+        return False
+    groups = found.groups()
+    if groups and groups[0] != name:
+        return False
+    if kind in ("shape", "device") and problem.index != int(groups[1]):
+        return False
+    if kind == "shape":
+        got = tuple(int(d) for d in groups[2].split(",") if d.strip())
+        return problem.got == got
+    return True
+
+
 @contextlib.contextmanager
 def _engine_errors_explained() -> Any:
     """torch's engine's refusal of a value a custom backward returned, explained where the
@@ -310,12 +337,13 @@ def _engine_errors_explained() -> Any:
     inputs that need no gradient were tensors, so where some were and some were not, the
     check lets torch judge (NOTE [checked custom backwards]); torch's sentence comes first,
     and the explanation follows it as a note."""
-    _unjudged.clear()
+    me = threading.get_ident()
+    _forget_unjudged(me)
     try:
         yield
     except RuntimeError as err:
-        pending = dict(_unjudged)
-        _unjudged.clear()
+        pending = sorted(list(_unjudged), key=lambda entry: entry[0] != me)  # (own first)
+        _forget_unjudged(me)
         if isinstance(err, FunctionCheckError):
             raise
         sentence = str(err)
@@ -323,9 +351,8 @@ def _engine_errors_explained() -> Any:
             found = pattern.search(sentence)
             if found is None:
                 continue
-            named = (pending.get(found.group(1), ()),) if found.groups() else pending.values()
-            problem = next((p for problems in named for p in problems
-                            if p.kind == kind and p.torch == "rejects"), None)
+            problem = next((p for _, name, problems in pending for p in problems
+                            if _about(found, kind, name, p)), None)
             if problem is not None:
                 raise torch_first(FunctionCheckError, problem.message, sentence) from None
         m = _NOT_A_VARIABLE.search(sentence)
@@ -366,8 +393,10 @@ def _judge_backward(node: Any, returned: Any) -> None:
     if rejected and not judged:
         # what torch does is not known here: torch judges, and its error, if it follows, is
         # explained (_engine_errors_explained)
-        if len(_unjudged) < 64:
-            _unjudged[node._forward_cls.__name__] = rejected
+        with _unjudged_lock:
+            if len(_unjudged) >= 64:
+                del _unjudged[0]
+            _unjudged.append((threading.get_ident(), node._forward_cls.__name__, rejected))
         return
     problem = problems[0]
     message = problem.message
