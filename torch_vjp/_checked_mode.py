@@ -310,6 +310,8 @@ def _matching(rejected: list[Any], sentence: str) -> Any:
 
 def _forget_unjudged(thread: int) -> None:
     """Drops the objections kept by ``thread`` (a checked call's own, at its start and end)."""
+    if not _unjudged:
+        return  # (the usual case: nothing kept, no lock taken on a checked call's way)
     with _unjudged_lock:
         _unjudged[:] = [entry for entry in _unjudged if entry[0] != thread]
 
