@@ -1169,3 +1169,30 @@ def test_objection_left_to_torch_is_explained_in_its_own_thread_only():
         assert sentence.startswith(f"Function LinBackward returned an invalid gradient at "
                                    f"index 0 - got [4, {n}]")
         assert f"gradient of shape (4, {n}) at index 0" in full
+
+
+def test_complex_gradients_in_the_precision_of_forwards_outputs_change_nothing():
+    """As for real dtypes: a Function that computes in complex128 for a complex64 input
+    returns its gradient in complex128, which torch casts back: valid code, no warning."""
+
+    class InComplex128(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z):
+            return z.to(torch.complex128) * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    def step():
+        z = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+        InComplex128.apply(z).abs().sum().backward()
+        return (z.grad,)
+
+    torch.manual_seed(0)
+    reference = step()
+    torch.manual_seed(0)
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = step()
+    _same(got, reference)

@@ -115,8 +115,9 @@ def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
     float64 tensor made inside the backward of a float32 Function) still is, and so is a
     narrower one where one of forward's outputs has the input's own dtype (a float16 gradient
     for a float32 input of a Function that returns a float32 and a float16 output)."""
-    if not (g.is_floating_point and s.is_floating_point):
-        return False
+    if not ((g.is_floating_point and s.is_floating_point)
+            or (g.is_complex and s.is_complex)):  # (complex128 for complex64 as float64 for
+        return False                              # float32)
     if getattr(node, "_fwd_used_autocast", False) is True and (
             g is torch.float32 or g is getattr(node, "_dtype", None)):
         # (autocast computes in its own dtype, or in float32 for the ops it runs there; a
