@@ -738,3 +738,33 @@ def test_none_for_an_output_of_parameters_only_is_taken_and_a_lossy_tangent_warn
     z = torch.randn(3, dtype=torch.complex64)
     with pytest.warns(tv.GradOutputsWarning, match="casts the torch.float64 tangents"):
         jvp(torch.exp, (z,), (torch.randn(3, dtype=D),))
+
+
+def test_structure_mistakes_against_a_namedtuple_output_get_a_fix_that_builds_it():
+    # a list or plain tuple of cotangents for a namedtuple output made the message's own
+    # fix-finder call P(cotangents), so the user got TypeError "P.__new__() missing 1
+    # required positional argument" instead of the structure error; a bare cotangent for a
+    # one-field namedtuple was told "pass [cotangents]", a list
+    import collections
+
+    P = collections.namedtuple("P", "a b")
+    Q = collections.namedtuple("Q", "a")
+    x = torch.randn(3, dtype=D)
+    _, pull = vjp(lambda t: P(t.sin(), t.cos()), x)
+    for cot in ([x, x], (x, x)):
+        with pytest.raises(tv.GradOutputsError) as info:
+            pull(cot)
+        assert "expected: P(Tensor(3,), Tensor(3,))" in str(info.value)  # (not a tuple's)
+        assert str(info.value).endswith(
+            "Fix: like the function's output, cotangents must be a P, not a "
+            f"{type(cot).__name__}: pass P(*cotangents).")
+        (g,) = pull(P(*cot))
+        torch.testing.assert_close(g, x * x.cos() - x * x.sin())
+    _, pull = vjp(lambda t: Q(t.sin()), x)
+    with pytest.raises(tv.GradOutputsError) as info:
+        pull(x)
+    assert str(info.value).endswith(
+        "Fix: like the function's output, cotangents must be a Q of one tensor: pass "
+        "Q(cotangents).")
+    (g,) = pull(Q(x))
+    torch.testing.assert_close(g, x * x.cos())

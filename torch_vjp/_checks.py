@@ -426,18 +426,6 @@ def _diagnose(
                   f"{labels.call}: {labels.grad_outputs} does not fit {labels.outputs}.", None)
 
 
-def _rebuilt_structure(expected: Any, got: Any) -> Any:
-    """The pytree structure of ``got``'s items in ``expected``'s container type (a
-    namedtuple's fields positionally), or None where that type cannot hold them."""
-    from torch.utils._pytree import tree_structure
-
-    kind = type(expected)
-    try:
-        return tree_structure(kind(*got) if hasattr(kind, "_fields") else kind(got))
-    except Exception:  # noqa: BLE001 - a container that cannot be rebuilt so: no such fix
-        return None
-
-
 def check_tree_structure(
     expected: Any, got: Any, *, call: str, name: str, against: str = "the function's output"
 ) -> None:
@@ -459,21 +447,27 @@ def check_tree_structure(
     have = tree_structure(got)
     if want == have:
         return
-    if (isinstance(got, Tensor) and isinstance(expected, (tuple, list))
+    # how to build a container of ``expected``'s type from ``name``'s items: a tuple or a
+    # list takes them as one iterable, a namedtuple as arguments; another tuple subclass
+    # gets no such fix (the builder is never called for it here)
+    named = isinstance(expected, tuple) and hasattr(type(expected), "_fields")
+    plain = type(expected) in (tuple, list)
+    if (isinstance(got, Tensor) and (plain or named)
             and len(expected) == 1 and isinstance(expected[0], Tensor)):
         kind = type(expected).__name__
         fix = (f"Fix: like {against}, {name} must be a {kind} of one tensor: pass "
-               + (f"({name},)." if kind == "tuple" else f"[{name}]."))
+               + (f"{kind}({name})." if named
+                  else f"({name},)." if kind == "tuple" else f"[{name}]."))
     elif (isinstance(expected, Tensor) and isinstance(got, (tuple, list))
             and len(got) == 1 and isinstance(got[0], Tensor)):
         fix = (f"Fix: like {against}, {name} must be a single tensor, not a "
                f"{type(got).__name__}: pass {name}[0].")
-    elif (isinstance(got, (tuple, list)) and isinstance(expected, (tuple, list))
-            and _rebuilt_structure(expected, got) == want):
+    elif (isinstance(got, (tuple, list)) and (plain or named)
+            and len(got) == len(expected)
+            and tree_structure(type(expected)(*got) if named else type(expected)(got)) == want):
         kind = type(expected).__name__
-        star = "*" if hasattr(type(expected), "_fields") else ""  # (a namedtuple)
         fix = (f"Fix: like {against}, {name} must be a {kind}, not a {type(got).__name__}: "
-               f"pass {kind}({star}{name}).")
+               f"pass {kind}({'*' if named else ''}{name}).")
     else:
         fix = (f"Fix: build it from {against} itself, e.g. "
                f"torch.utils._pytree.tree_map(torch.ones_like, ...).")
