@@ -695,3 +695,17 @@ def test_err_square_output_names_both_readings_of_a_vector():
     (g,) = tv.grad(y, x, w.reshape(3, 1).expand_as(y))
     jac = torch.func.jacrev(torch.tanh)(x.detach())
     torch.testing.assert_close(g, torch.einsum("b,bkij->ij", w, jac))
+
+
+def test_err_output_cut_off_where_only_some_inputs_require_grad_is_told_both():
+    # inputs[0] requires grad and outputs[0] was computed from it under torch.no_grad(); the
+    # message told only to 'create the inputs with requires_grad=True', which inputs[0] was
+    p = torch.randn(4, requires_grad=True)
+    w = torch.randn(4)
+    with torch.no_grad():
+        z = p * 3
+    msg = _raises(r"element 0 of tensors does not require grad", tv.grad, z, [p, w],
+                  torch.ones(4))
+    assert "inputs[1] does not require grad, but the other inputs do" in msg
+    assert "the graph was cut on the way" in msg
+    assert "create the inputs with requires_grad=True" not in msg

@@ -428,6 +428,21 @@ def no_grad_message(labels: Labels, i: int, out: Tensor,
             f"or torch.inference_mode(), or through a .detach()ed, .item() or copied value. "
             f"Fix: compute {o} with grad mode on, from {'it' if one else 'them'} directly"
         )
+    elif inputs and any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+        # some inputs require grad: the others may be what is missing, or the graph from
+        # those that do was cut; both are told (not only to create what already is)
+        frozen = [k for k, t in enumerate(inputs)
+                  if not (isinstance(t, Tensor) and t.requires_grad)]
+        names = ", ".join(f"{labels.inputs}[{k}]" for k in frozen[:4])
+        names += ", ..." if len(frozen) > 4 else ""
+        fix = (
+            f"  {names} {'does' if len(frozen) == 1 else 'do'} not require grad, but the "
+            f"other {labels.inputs} do: if {o} was computed from those, the graph was cut on "
+            f"the way (torch.no_grad(), torch.inference_mode(), a .detach()ed, .item() or "
+            f"copied value). Fix: compute {o} with grad mode on from {labels.inputs} that "
+            f"require grad (call .requires_grad_() on {names} first if {o} is computed from "
+            f"{'it' if len(frozen) == 1 else 'them'})"
+        )
     else:
         fix = (f"  Fix: create the inputs with requires_grad=True (or call .requires_grad_() "
                f"on them) before computing {o}")
