@@ -1196,3 +1196,37 @@ def test_complex_gradients_in_the_precision_of_forwards_outputs_change_nothing()
         warnings.simplefilter("error")
         got = step()
     _same(got, reference)
+
+
+def test_autocast_result_beside_a_float32_statistic_changes_nothing():
+    """Under autocast, without AMP decorators: forward's result is bfloat16 (its matmul),
+    beside a float32 statistic marked non-differentiable; backward's gradients are in the
+    result's precision, bfloat16, for float32 inputs: valid code, no warning (the float32
+    output does not make bfloat16 a precision lost in backward)."""
+
+    class WithStat(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            stat = x.float().pow(2).mean()
+            ctx.mark_non_differentiable(stat)
+            ctx.save_for_backward(x, w)
+            return x @ w.t(), stat
+
+        @staticmethod
+        def backward(ctx, g, gstat):
+            x, w = ctx.saved_tensors
+            return g @ w.to(g.dtype), g.t() @ x.to(g.dtype)
+
+    def step():
+        x = _leaf(2, 4, dtype=torch.float32)
+        w = _leaf(3, 4, dtype=torch.float32, seed=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = WithStat.apply(x, w)
+        y.float().sum().backward()
+        return x.grad, w.grad
+
+    reference = step()
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = step()
+    _same(got, reference)

@@ -124,15 +124,17 @@ def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
         # float64 tensor made in backward is no precision of autocast's)
         return True
     try:
-        outs = {m.dtype for m in node._input_metadata}
+        outs = [m.dtype for m in node._input_metadata]
     except (AttributeError, RuntimeError, TypeError):
         return False
     if g not in outs:
         return False
     # a narrower gradient where forward also returned the input's own dtype is precision
     # lost in backward (a float16 copy among the outputs does not make float16 the
-    # precision a float32 input's gradient is computed in)
-    return s not in outs or torch.finfo(g).bits > torch.finfo(s).bits
+    # precision a float32 input's gradient is computed in), unless it is the dtype of
+    # forward's first output, its result (a bfloat16 result that autocast computed, beside
+    # a float32 statistic)
+    return s not in outs or torch.finfo(g).bits > torch.finfo(s).bits or outs[0] is g
 
 
 def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
