@@ -1712,3 +1712,26 @@ def test_a_gradient_reduced_over_the_batch_is_named_so():
             "(4, 2) has too. backward neither sums nor averages over the batch") in text
     assert "a factor 1/4 in grad_output" in text
     assert "return them without that reduction" in text
+
+def test_per_example_jacobians_of_a_square_map_get_the_fix_of_their_usual_order():
+    # a (b, n) -> (b, n) map: (b, n, n) is both (b, *out, *in) and (b, *in, *out); it was
+    # read as transposed, and its fix tensordot(j, g) gives J^T g per row where the usual
+    # order (torch.func.jacrev's, (out, in)) needs g J
+    A = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0], [4.0, 1.0, 1.0]], dtype=torch.float64)
+
+    def fwd(ctx, x):
+        return x @ A.mT
+
+    J = torch.func.vmap(torch.func.jacrev(lambda r: A @ r))(_x(4, 3))  # (4, 3, 3): (out, in)
+    F = _function("F", lambda ctx, g: J.to(g.dtype).clone(), fwd)
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(F, _x(4, 3))
+    text = str(info.value)
+    assert "then the shapes of one row of the output and of input 0" in text
+    fix = re.search(r"torch\.vmap\((lambda g, j: torch\.tensordot\(g, j, dims=g\.dim\(\)\))\)",
+                    text)
+    assert fix is not None, text
+    Fixed = _function("Fixed", lambda ctx, grad_output: torch.vmap(eval(fix.group(1), {
+        "torch": torch}))(grad_output, J.to(grad_output.dtype)), fwd)
+    assert isinstance(check_function(Fixed, _x(4, 3)), FunctionCheckReport)
+    assert "(b, *in, *out)" in text  # the other order is named too

@@ -398,11 +398,16 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
         if s and o and s[0] == o[0] and len(g) > len(s):
             b = s[0]
             if g == (b,) + o[1:] + s[1:] or g == (b,) + s[1:] + o[1:]:
-                transposed = g == (b,) + s[1:] + o[1:]
+                # (where a row of the input and of the output have one shape, both orders
+                # read alike: the usual one, (b, *out, *in), is told, and the other named)
+                transposed = g != (b,) + o[1:] + s[1:]
                 order = "j, g" if transposed else "g, j"
                 rows = (f"of one row of input {i} and of {out_name}: each example's "
                         f"transposed Jacobian" if transposed
                         else f"of one row of {out_name} and of input {i}")
+                other = ("" if transposed or s[1:] != o[1:] else
+                         " (If J holds them transposed, (b, *in, *out), contract with "
+                         "torch.tensordot(j, g, dims=g.dim()) instead.)")
                 return (
                     f"{shape_str(g)} holds one Jacobian per example: the batch of {b}, then "
                     f"the shapes {rows}. backward never "
@@ -410,7 +415,7 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
                     f"a gradient of shape {shape_str(s)}, row e being dL/d(input {i}[e]). "
                     f"Fix: contract each example's Jacobian with its row of grad_output: "
                     f"torch.vmap(lambda g, j: torch.tensordot({order}, dims=g.dim()))"
-                    f"(grad_output, J), or compute that product without building J."
+                    f"(grad_output, J), or compute that product without building J.{other}"
                 )
     for k, o in outs:
         out_name = "the output" if single else f"output {k}"
