@@ -768,3 +768,21 @@ def test_structure_mistakes_against_a_namedtuple_output_get_a_fix_that_builds_it
         "Q(cotangents).")
     (g,) = pull(Q(x))
     torch.testing.assert_close(g, x * x.cos())
+
+
+def test_checked_func_vjp_keeps_torchs_structure_error_for_a_namedtuple_output():
+    # under tv.checked(), torch.func.vjp's pullback with a list for a namedtuple output
+    # raised TypeError (P.__new__ ...) from the message's fix-finder, where torch raises its
+    # RuntimeError 'Expected pytree structure of cotangents ...'
+    import collections
+
+    P = collections.namedtuple("P", "a b")
+    x = torch.randn(3, dtype=D)
+    _, pull = torch.func.vjp(lambda t: P(t.sin(), t.cos()), x)
+    with pytest.raises(RuntimeError) as plain:
+        pull([x, x])
+    with tv.checked():
+        _, pull = torch.func.vjp(lambda t: P(t.sin(), t.cos()), x)
+        with pytest.raises(RuntimeError) as checked:
+            pull([x, x])
+    assert str(checked.value).startswith(str(plain.value))
