@@ -754,7 +754,7 @@ def test_structure_mistakes_against_a_namedtuple_output_get_a_fix_that_builds_it
     for cot in ([x, x], (x, x)):
         with pytest.raises(tv.GradOutputsError) as info:
             pull(cot)
-        assert "expected: P(Tensor(3,), Tensor(3,))" in str(info.value)  # (not a tuple's)
+        assert "expected: P(a=Tensor(3,), b=Tensor(3,))" in str(info.value)  # (not a tuple's)
         assert str(info.value).endswith(
             "Fix: like the function's output, cotangents must be a P, not a "
             f"{type(cot).__name__}: pass P(*cotangents).")
