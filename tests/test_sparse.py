@@ -687,6 +687,37 @@ def test_products_not_linear_in_their_seeds_detect_once_more_then_keep_the_plan(
     torch.testing.assert_close(third, first)
 
 
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.float64, torch.float32),
+                                               (torch.float32, torch.float64)])
+def test_the_probe_of_an_f_whose_output_dtype_is_not_xs_agrees(mode, x_dtype, out_dtype,
+                                                                 monkeypatch):
+    # the seeds held the probe row in their dtype (x's in forward mode, the output's in
+    # reverse mode), the weights read it in the products' (the other one), and the
+    # products were compared within the products' dtype's tolerance: a float32 row read
+    # as float64 numbers, or a float32 product returned in float64, disagreed by float32's
+    # rounding, under float64's tolerance. Every second call detected again, found the
+    # same pattern and stopped probing the plan, so that a later branch was gathered
+    # wrong, silently (2.3 off)
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    flag = [1]
+    f = lambda u: (u.roll(flag[0]) * u * 3).to(out_dtype)  # noqa: E731
+    x = torch.randn(64, dtype=x_dtype, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        sparse_jacobian(f, x, mode=mode)
+    assert detections.calls == 1
+    flag[0] = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+    assert detections.calls == 2
+    want = torch.func.jacrev(f)(x).to(J.dtype)
+    torch.testing.assert_close(J, want)
+
+
 def test_which_calls_add_the_probe_row(monkeypatch):
     # (NOTE [a cached plan, probed]: every call but a plan's first; a user's pattern from
     # its first call in an explicit mode)

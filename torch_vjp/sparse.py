@@ -272,15 +272,15 @@ def sparse_jacobian(
     probe = (not built and plan.probed and plan.pattern.by_value is None
              and not (check and plan.user))
     try:
-        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour, probe)
+        coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
         if not writes_into_input(err):
             raise
         prob.writes_inputs = True
-        coloring, comp, m = _products(prob, plan, mode, chunk_now, budget, colour, probe)
+        coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     if probe and m == plan.pattern.m:
         comp, extra = comp[:-1], comp[-1]
-        stale, diff, scale = _stale(plan, coloring, comp, extra)
+        stale, diff, scale = _stale(plan, coloring, comp, extra, seed)
         if stale and plan.user:
             _users_pattern_misses(prob, plan, comp.dtype, diff, scale)
         elif stale:
@@ -292,7 +292,7 @@ def sparse_jacobian(
                 plan = lookup_plan(prob, lambda: again, fresh=True)
                 if plan.pattern.by_value is not None:
                     _warn_by_value(prob, plan.pattern.by_value)
-                coloring, comp, m = _products(prob, plan, mode, chunk, budget)
+                coloring, comp, m, _ = _products(prob, plan, mode, chunk, budget)
                 check = (mode == "auto" and not torch.is_inference_mode_enabled())
     if m != plan.pattern.m:
         check = False  # (checked on the next call)
@@ -307,7 +307,7 @@ def sparse_jacobian(
         plan = lookup_plan(prob, lambda: _detect(prob), fresh=True)  # f changed: detect again
         if plan.pattern.by_value is not None:
             _warn_by_value(prob, plan.pattern.by_value)
-        coloring, comp, m = _products(prob, plan, mode, chunk, budget)
+        coloring, comp, m, _ = _products(prob, plan, mode, chunk, budget)
     if check and m == plan.pattern.m:
         coloring, comp = _checked(prob, plan, coloring, comp, chunk, budget, fkey)
     index = plan.gather_index(coloring, layout, comp.device)
@@ -315,13 +315,14 @@ def sparse_jacobian(
     return assemble(values, plan, layout)
 
 
-def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor) -> tuple[bool, float, float]:
-    """Whether the probe product ``extra`` disagrees with the same product read from the
-    values the plan gathers from ``comp`` (NOTE [a cached plan, probed]), by how much, and
-    at what scale."""
+def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
+           seed: torch.dtype) -> tuple[bool, float, float]:
+    """Whether the probe product ``extra`` (of the probe row in the seeds' dtype ``seed``)
+    disagrees with the same product read from the values the plan gathers from ``comp``
+    (NOTE [a cached plan, probed]), by how much, and at what scale."""
     device = comp.device
     with torch.no_grad():
-        where, weights, length = plan.probe_weights(coloring, comp.dtype, device)
+        where, weights, length = plan.probe_weights(coloring, comp.dtype, device, seed)
         values = comp.reshape(-1).index_select(
             0, plan.gather_index(coloring, torch.sparse_csr, device))
         # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns)
@@ -334,7 +335,10 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor) -> tuple[bool,
             if not torch.equal(bad, ~extra.isfinite()):
                 return True, math.inf, scale
             diff, scale = gap(mine[~bad], extra[~bad])
-    return not diff <= tolerance(comp.dtype) * scale, diff, scale
+    # (the coarser of x's dtype and the output's: the seeds' and the products' are those
+    # two, and a product computed in float32 and returned in float64 is float32's)
+    rtol = max(tolerance(comp.dtype), tolerance(seed))
+    return not diff <= rtol * scale, diff, scale
 
 
 def _warn_changed(prob: Problem) -> None:
@@ -353,17 +357,18 @@ def _warn_changed(prob: Problem) -> None:
 def _products(
     prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
     colour: str | None = None, probe: bool = False,
-) -> tuple[Any, Tensor, int]:
-    """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered)
-    and its compressed products (with ``probe``, the probe row's product last: NOTE [a
-    cached plan, probed]). Under ``"auto"``, a function forward mode fails on (an
-    operation without a forward-mode formula, ``torch.cdist``) gets reverse mode's colouring
-    instead, with the one-time warning the dense ``"auto"`` gives (NOTE [auto fallback] in
-    :mod:`torch_vjp._engine.jacobian`), and one torch.func cannot run at all plain autograd."""
+) -> tuple[Any, Tensor, int, torch.dtype]:
+    """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered),
+    its compressed products (with ``probe``, the probe row's product last: NOTE [a cached
+    plan, probed]), the number of output elements and the seeds' dtype. Under ``"auto"``, a
+    function forward mode fails on (an operation without a forward-mode formula,
+    ``torch.cdist``) gets reverse mode's colouring instead, with the one-time warning the
+    dense ``"auto"`` gives (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`), and
+    one torch.func cannot run at all plain autograd."""
     coloring = plan.coloring(colour or mode)
     try:
-        comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget,
-                             probe=probe)
+        comp, m, seed = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget,
+                                   probe=probe)
     except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
         if passes_through(err):
             raise
@@ -380,13 +385,13 @@ def _products(
         )
         coloring = plan.coloring("rev")
         try:
-            comp, m = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget,
-                                 probe=probe)
+            comp, m, seed = compressed(prob, plan, coloring, chunk_size=chunk,
+                                       max_memory=budget, probe=probe)
         except Exception as rev_err:  # noqa: BLE001 - plain autograd decides
             if passes_through(rev_err):
                 raise
             return coloring, *_plain(prob, plan, coloring, rev_err, probe)
-    return coloring, comp, m
+    return coloring, comp, m, seed
 
 
 #: The fix each known refusal of torch.func adds to mode='auto' (by refusal_kind).
@@ -426,11 +431,11 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
 
 
 def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
-           probe: bool = False) -> tuple[Tensor, int]:
+           probe: bool = False) -> tuple[Tensor, int, torch.dtype]:
     """Reverse mode's products with plain autograd where torch.func cannot run f (its error
     ``err``), with a one-time warning; an error of f's own comes out of that call."""
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
-        comp, m = compressed_plain(prob, plan, coloring, probe)
+        comp, m, seed = compressed_plain(prob, plan, coloring, probe)
     warn_once(
         ("sparse-plain", function_key(prob.f)),
         f"{prob.call}: torch.func cannot run f ({function_name(prob.f)}): "
@@ -439,7 +444,7 @@ def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
         f"This warning is shown once per function.",
         JacobianWarning,
     )
-    return comp, m
+    return comp, m, seed
 
 
 def _checked(
@@ -471,7 +476,7 @@ def _checked(
             return gap(torch.zeros_like(g).index_add_(0, cols, u[rows] * values), g)
 
     def run(route: str) -> tuple[Any, Tensor]:
-        alt, alt_comp, _ = _products(prob, plan, "auto", 1 if route == "rev-loop" else chunk,
+        alt, alt_comp, _, _ = _products(prob, plan, "auto", 1 if route == "rev-loop" else chunk,
                                      budget, "rev")
         return alt, alt_comp
 

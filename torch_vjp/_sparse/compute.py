@@ -43,11 +43,13 @@ gathered Jacobian is wrong (0.94 off, with no error, on ``x.roll(cfg.shift)`` af
 is the user's word) computes one product more in the same vectorised call: ``J r`` in
 forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` of numbers in ``[0.5, 1.5)``,
 compared with the same product read from the gathered values, within rounding
-(``sqrt(eps)`` of their scale). An entry the plan leaves out adds ``J[i, j] r[j]`` to the
-first and nothing to the second. Where they disagree the pattern is detected again: a
-different one becomes the plan (its first call is checked as any first call is), with a
-one-time warning; the same one means the products are not linear in their seeds (a hook
-that clamps the gradient), the result stands as it was, and the plan is not probed again.
+(``sqrt(eps)`` of their scale, for the coarser of x's dtype and the output's; the row is
+read as the seeds held it, in their dtype). An entry the plan leaves out adds
+``J[i, j] r[j]`` to the first and nothing to the second. Where they disagree the pattern
+is detected again: a different one becomes the plan (its first call is checked as any
+first call is), with a one-time warning; the same one means the products are not linear
+in their seeds (a hook that clamps the gradient), the result stands as it was, and the
+plan is not probed again.
 A user's pattern is probed too, in every mode (only "auto"'s first call with it was
 checked, and the explicit modes never): where the probe disagrees and f's reverse
 products are those of one linear map (the additivity test of "auto"'s check), the pattern
@@ -187,20 +189,25 @@ class Plan:
             got = self._indices[key] = probe_row(length, dtype, device)
         return got
 
-    def probe_weights(self, coloring: Coloring, dtype: torch.dtype,
-                      device: torch.device) -> tuple[Tensor, Tensor, int]:
+    def probe_weights(self, coloring: Coloring, dtype: torch.dtype, device: torch.device,
+                      seed_dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
         """``(where, weights, length)``: the probe product read from the values (in the
         pattern's order) is ``zeros(length).index_add_(0, where, values * weights)``, ``J r``
-        for a column colouring, ``r^T J`` for a row colouring. Kept per dtype and device."""
-        key = ("probe weights", coloring.mode, dtype, device)
+        for a column colouring, ``r^T J`` for a row colouring. ``weights`` in ``dtype``, the
+        row as the seeds held it (``seed_dtype``: rounded to it, then to ``dtype``, so
+        that a float32 row under float64 products is read as the float32 numbers the
+        products took). Kept per dtypes and device."""
+        key = ("probe weights", coloring.mode, dtype, device, seed_dtype)
         got = self._indices.get(key)
         if got is None:
             p = self.pattern
             (entries,) = self.layout_indices(torch.sparse_coo, device)
             if coloring.mode == "fwd":
-                got = (entries[0], self.probe(p.n, dtype, device)[entries[1]], p.m)
+                row = self.probe(p.n, seed_dtype, device).to(dtype)
+                got = (entries[0], row[entries[1]], p.m)
             else:
-                got = (entries[1], self.probe(p.m, dtype, device)[entries[0]], p.n)
+                row = self.probe(p.m, seed_dtype, device).to(dtype)
+                got = (entries[1], row[entries[0]], p.n)
             self._indices[key] = got
         return got
 
@@ -392,11 +399,12 @@ def compressed(
     chunk_size: int | None,
     max_memory: int | None,
     probe: bool = False,
-) -> tuple[Tensor, int]:
+) -> tuple[Tensor, int, torch.dtype]:
     """The compressed Jacobian, ``(colours, m)`` in forward mode or ``(colours, n)`` in
-    reverse mode, and the number of output elements ``f`` returned. See NOTE
-    [compression]. With ``probe``, one row more: the product with :func:`probe_row`
-    (NOTE [a cached plan, probed])."""
+    reverse mode, the number of output elements ``f`` returned, and the dtype of the seeds
+    (x's in forward mode, f's output's in reverse mode). See NOTE [compression]. With
+    ``probe``, one row more: the product with :func:`probe_row` in that dtype (NOTE [a
+    cached plan, probed])."""
     leaves = tuple(prob.leaves)
     x0 = leaves[0]
     p = coloring.count + probe
@@ -408,7 +416,7 @@ def compressed(
             flat_out, spec = tree_flatten(out)
             m = sum(o.numel() for o in flat_out)
             if m != plan.pattern.m or p == 0:
-                return x0.new_zeros((p, n)), m
+                return x0.new_zeros((p, n)), m, flat_out[0].dtype
             chunk = _chunk(prob, plan, p, flat_out[0].dtype, chunk_size, max_memory)
             seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device, probe)
             one = len(flat_out) == 1
@@ -421,11 +429,11 @@ def compressed(
             (res,), _ = map_rows_with_fallback(
                 pull, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "rev")
             )
-            return res, m
+            return res, m, seeds.dtype
     if p == 0:
         with torch.no_grad():
             m = sum(o.numel() for o in prob.probe()[0])
-        return x0.new_zeros((0, plan.pattern.m)), m
+        return x0.new_zeros((0, plan.pattern.m)), m, x0.dtype
     chunk = _chunk(prob, plan, p, x0.dtype, chunk_size, max_memory)
     seeds = plan.seeds(coloring, x0.dtype, x0.device, probe)
 
@@ -447,16 +455,16 @@ def compressed(
         push, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "fwd"),
         batched_fn=vmap(push) if chunk is None else None, loop_fn=push_one,
     )
-    return res, res.shape[1]
+    return res, res.shape[1], seeds.dtype
 
 
 def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
-                     probe: bool = False) -> tuple[Tensor, int]:
+                     probe: bool = False) -> tuple[Tensor, int, torch.dtype]:
     """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
     per colour: for functions torch.func cannot run at all (a module in training mode that
     updates its running statistics, a custom Function without setup_context), as the dense
     ``"auto"`` falls back to (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`).
-    With ``probe``, one product more, as :func:`compressed`."""
+    With ``probe``, one product more, as :func:`compressed`, which it returns as."""
     leaves = prob.leaves
     p, n = coloring.count + probe, plan.pattern.n
     with torch.enable_grad():
@@ -465,13 +473,13 @@ def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
     flat_out, _ = tree_flatten(out)
     m = sum(o.numel() for o in flat_out)
     if m != plan.pattern.m or p == 0:
-        return leaves[0].new_zeros((p, n)), m
+        return leaves[0].new_zeros((p, n)), m, flat_out[0].dtype
     live = [(j, o) for j, o in enumerate(flat_out) if o.requires_grad]
     sizes = [o.numel() for o in flat_out]
     seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device, probe)
     res = leaves[0].new_zeros((p, n))
     if not live:
-        return res, m
+        return res, m, seeds.dtype
     for c in range(p):
         parts = seeds[c].split(sizes)
         grads = torch.autograd.grad(
@@ -481,7 +489,7 @@ def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
         res[c] = torch.cat([torch.zeros(x.numel(), dtype=res.dtype, device=res.device)
                             if g is None else g.reshape(-1).to(res.dtype)
                             for g, x in zip(grads, xs)])
-    return res, m
+    return res, m, seeds.dtype
 
 
 def _chunk(
