@@ -718,6 +718,24 @@ def test_the_probe_of_an_f_whose_output_dtype_is_not_xs_agrees(mode, x_dtype, ou
     torch.testing.assert_close(J, want)
 
 
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_a_users_pattern_not_probed_for_one_function_is_still_probed_for_another(mode):
+    # the probe was turned off per pattern: after a function whose products are not linear
+    # in their seeds (its probe disagreed, the pattern not to blame), another function
+    # with the same pattern tensor, which leaves out its entries, got row sums (2.2 off),
+    # silently
+    x = torch.randn(5, dtype=D)
+    diag = torch.eye(5, dtype=torch.bool)
+    g = lambda u: _Squares.apply(u)  # noqa: E731
+    f = lambda u: u * u.roll(1)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        sparse_jacobian(g, x, pattern=diag, mode="rev")
+        sparse_jacobian(g, x, pattern=diag, mode="rev")
+        with pytest.raises(tv.JacobianOptionError, match="pattern leaves out non-zeros"):
+            sparse_jacobian(f, x, pattern=diag, mode=mode)
+
+
 def test_which_calls_add_the_probe_row(monkeypatch):
     # (NOTE [a cached plan, probed]: every call but a plan's first; a user's pattern from
     # its first call in an explicit mode)

@@ -269,7 +269,9 @@ def sparse_jacobian(
     chunk_now = 1 if route == "rev-loop" else chunk
     # NOTE [a cached plan, probed] in torch_vjp._sparse.compute
     # (not on a first call that "auto" checks anyway; a user's pattern on every other call)
-    probe = (not built and plan.probed and plan.pattern.by_value is None
+    # (per function for a user's pattern, which serves several: Plan.unprobed)
+    pkey = (fkey if fkey is not None else route_key(f)) if plan.user else None
+    probe = (not built and plan.probes(pkey) and plan.pattern.by_value is None
              and not (check and plan.user))
     try:
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
@@ -282,11 +284,11 @@ def sparse_jacobian(
         comp, extra = comp[:-1], comp[-1]
         stale, diff, scale = _stale(plan, coloring, comp, extra, seed)
         if stale and plan.user:
-            _users_pattern_misses(prob, plan, comp.dtype, diff, scale)
+            _users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey)
         elif stale:
             again = _detect(prob)
             if again.same_entries(plan.pattern):
-                plan.probed = False  # (not a stale plan: the result stands, as it was)
+                plan.stop_probing(pkey)  # (not a stale plan: the result stands, as it was)
             else:
                 _warn_changed(prob)
                 plan = lookup_plan(prob, lambda: again, fresh=True)
@@ -531,10 +533,10 @@ def _misses_message(call: str, how: str) -> str:
 
 
 def _users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: float,
-                          scale: float) -> None:
+                          scale: float, pkey: Any) -> None:
     """A user's pattern whose probe disagreed (NOTE [a cached plan, probed]): raises where
     f's reverse products are linear (the pattern leaves out entries); otherwise the plan is
-    not probed again, and the result stands."""
+    not probed again for this function (``pkey``: its route key), and the result stands."""
     with buffers_kept(prob.f):
         got = one_reverse_product(prob)
     if got is not None:
@@ -544,7 +546,7 @@ def _users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: fl
             raise JacobianOptionError(_misses_message(
                 prob.call, f"disagrees with one more product of f, computed with the others "
                            f"for a check, by up to {diff:.3g} (at a scale of {scale:.3g})"))
-    plan.probed = False
+    plan.stop_probing(pkey)
 
 
 def clear_cache(f: Callable[..., Any] | None = None) -> None:

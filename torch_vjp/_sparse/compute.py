@@ -54,7 +54,8 @@ A user's pattern is probed too, in every mode (only "auto"'s first call with it 
 checked, and the explicit modes never): where the probe disagrees and f's reverse
 products are those of one linear map (the additivity test of "auto"'s check), the pattern
 leaves out entries and a JacobianOptionError says so; otherwise the result stands and the
-pattern is not probed again.
+pattern is not probed again for that function (Plan.unprobed: a pattern serves several,
+and another's calls with it are still probed).
 It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (the
 single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most).
 """
@@ -108,18 +109,21 @@ class Plan:
         user: the pattern was the user's (a size mismatch is then an error, not a reason to
             detect again).
         checked: the route ``"auto"`` takes after its check, per function.
-        probed: later calls check the plan with a probe row (NOTE [a cached plan, probed]).
+        unprobed: the functions whose calls with the plan no longer add the probe row (NOTE
+            [a cached plan, probed]): a user's pattern keeps them by route key, as it
+            serves several functions; a detected plan, one function's, as None.
     """
 
-    __slots__ = ("pattern", "user", "checked", "probed", "_colorings", "_indices",
+    __slots__ = ("pattern", "user", "checked", "unprobed", "_colorings", "_indices",
                  "__weakref__")
 
     def __init__(self, pattern: Pattern, user: bool = False) -> None:
         self.pattern = pattern
         self.user = user
-        # whether a call with this plan cached adds the probe row (NOTE [a cached plan,
-        # probed]); off where the probe disagreed and the pattern was not to blame
-        self.probed = True
+        # the functions whose calls with this plan add no probe row (NOTE [a cached plan,
+        # probed]): where the probe disagreed and the pattern was not to blame; per
+        # function, as a user's pattern serves several
+        self.unprobed: set[Any] = set()
         # the route "auto" took after its check (NOTE [auto, checked once] in
         # torch_vjp._engine.fwdcheck), per function: "fwd", "rev" or "rev-loop"
         self.checked: dict[Any, str] = {}
@@ -131,6 +135,16 @@ class Plan:
         if len(self.checked) >= 64:
             self.checked.clear()
         self.checked[fkey] = route
+
+    def probes(self, key: Any) -> bool:
+        """Whether calls of the function of ``key`` (see ``unprobed``) add the probe row."""
+        return key not in self.unprobed
+
+    def stop_probing(self, key: Any) -> None:
+        """Calls of the function of ``key`` add no probe row from now on (bounded)."""
+        if len(self.unprobed) >= 64:
+            self.unprobed.clear()
+        self.unprobed.add(key)
 
     def coloring(self, mode: str) -> Coloring:
         """The colouring for ``"fwd"`` or ``"rev"``; ``"auto"``: the one with fewer colours
