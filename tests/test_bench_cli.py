@@ -419,6 +419,19 @@ def test_output_folder_that_refuses_files_is_a_usage_error(option, capsys, no_ru
     assert "cannot be written" in capsys.readouterr().err
 
 
+def test_the_output_check_leaves_no_folder_behind(tmp_path, capsys, no_run):
+    # the check made the folders of a path to test a file in them, and left them: a usage
+    # error on another path, or a run that failed, left empty folders
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--json", str(tmp_path / "new" / "sub" / "r.json"),
+              "--markdown", str(tmp_path / "file" / "r.md")])
+    assert info.value.code == 2
+    with pytest.raises(AssertionError, match="the suite ran"):
+        main(["bench", "--out", str(tmp_path / "out" / "sub"), "--no-plot"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_output_path_that_is_a_folder_is_a_usage_error(tmp_path, capsys, no_run):
     with pytest.raises(SystemExit):
         main(["bench", "--json", str(tmp_path)])

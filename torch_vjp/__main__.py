@@ -94,14 +94,25 @@ def _check_output_path(option: str, path: str, parser: argparse.ArgumentParser) 
         parser.error(f"{option} {path}: cannot be written: the folder {folder} is not "
                      f"writable")
     # (os.access answers yes to root everywhere, and nothing of a file system that refuses
-    # files, such as /proc: a file is made and removed there, the folder made if need be)
+    # files, such as /proc: a file is made and removed there, the folder made if need be,
+    # and removed again: a usage error, a failed or interrupted run, a plot left unwritten
+    # leave no empty folders behind; the writes after the run make them)
+    parent = target.absolute().parent
+    made = [parent, *parent.parents]
+    made = made[:made.index(folder)] if folder in made else []
     try:
-        os.makedirs(target.absolute().parent, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target.absolute().parent):
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as exc:
         parser.error(f"{option} {path}: cannot be written: a file could not be made in "
-                     f"{target.absolute().parent} ({type(exc).__name__}: {exc})")
+                     f"{parent} ({type(exc).__name__}: {exc})")
+    finally:
+        for made_folder in made:  # (deepest first; one the run's files are in stays)
+            try:
+                made_folder.rmdir()
+            except OSError:
+                break
 
 
 _SUFFIX = {"--json": ".json", "--markdown": ".md", "--plot": ".png"}
