@@ -736,6 +736,25 @@ def test_a_users_pattern_not_probed_for_one_function_is_still_probed_for_another
             sparse_jacobian(f, x, pattern=diag, mode=mode)
 
 
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+@pytest.mark.parametrize("dtype,big", [(torch.float32, 1e3), (torch.float64, 1e8)])
+def test_a_changed_branch_in_rows_much_smaller_than_others_is_detected(mode, dtype, big):
+    # the probe compared its products within sqrt(eps) of their largest element: rows a
+    # thousand times smaller than others (float32; 1e8 in float64), another branch there
+    # went unseen and those rows came out wrong by all they hold, silently
+    flag = [1]
+    f = lambda u: torch.cat([big * torch.tanh(u[:8]),  # noqa: E731
+                             torch.tanh(u[8:].roll(flag[0])) * u[8:]])
+    x = torch.randn(16, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    sparse_jacobian(f, x, mode=mode)
+    sparse_jacobian(f, x, mode=mode)
+    flag[0] = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+
+
 def test_which_calls_add_the_probe_row(monkeypatch):
     # (NOTE [a cached plan, probed]: every call but a plan's first; a user's pattern from
     # its first call in an explicit mode)

@@ -321,26 +321,48 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
            seed: torch.dtype) -> tuple[bool, float, float]:
     """Whether the probe product ``extra`` (of the probe row in the seeds' dtype ``seed``)
     disagrees with the same product read from the values the plan gathers from ``comp``
-    (NOTE [a cached plan, probed]), by how much, and at what scale."""
+    (NOTE [a cached plan, probed]), by how much, and at what scale: element by element,
+    each within rounding of its own scale (``|J| r``, or the products' own), so that a row
+    a thousand times smaller than the largest is probed too; a scale under ``sqrt(eps)`` of
+    the largest counts as that (rounding carried over from the large ones)."""
+    if extra.numel() == 0:
+        return False, 0.0, 0.0
+    # (the coarser of x's dtype and the output's: the seeds' and the products' are those
+    # two, and a product computed in float32 and returned in float64 is float32's)
+    rtol = max(tolerance(comp.dtype), tolerance(seed))
     device = comp.device
     with torch.no_grad():
         where, weights, length = plan.probe_weights(coloring, comp.dtype, device, seed)
         values = comp.reshape(-1).index_select(
             0, plan.gather_index(coloring, torch.sparse_csr, device))
-        # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns)
-        mine = comp.new_zeros(length).index_add_(0, where, values * weights)
+        # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns), and
+        # |J| r (the weights are positive)
+        terms = values * weights
+        off = comp.new_zeros(length).index_add_(0, where, terms)
+        local = comp.new_zeros(length).index_add_(0, where, terms.abs())
         extra = extra.to(comp.dtype)
-        diff, scale = gap(mine, extra)
-        if not math.isfinite(diff) or not math.isfinite(scale):
-            # (a NaN or inf of the Jacobian reaches both products alike: the finite rest)
-            bad = ~mine.isfinite()
+        off.sub_(extra).abs_()
+        torch.maximum(local, extra.abs(), out=local)
+        top = local.max()
+        bound = local.clamp(min=rtol * top).mul_(rtol)
+        over = off > bound
+        top_, over_ = torch.stack((top, over.any().to(top.dtype))).tolist()
+        if not math.isfinite(top_):
+            # (a NaN or inf of the Jacobian reaches both products alike: the finite rest;
+            # J r is finite where |J| r is)
+            bad = ~comp.new_zeros(length).index_add_(0, where, terms).isfinite()
             if not torch.equal(bad, ~extra.isfinite()):
-                return True, math.inf, scale
-            diff, scale = gap(mine[~bad], extra[~bad])
-    # (the coarser of x's dtype and the output's: the seeds' and the products' are those
-    # two, and a product computed in float32 and returned in float64 is float32's)
-    rtol = max(tolerance(comp.dtype), tolerance(seed))
-    return not diff <= rtol * scale, diff, scale
+                return True, math.inf, math.inf
+            local = torch.where(bad, 0, local)
+            off = torch.where(bad, 0, off)
+            bound = local.clamp(min=rtol * local.max()).mul_(rtol)
+            over = off > bound
+            over_ = over.any().item()
+        if not over_:
+            return False, 0.0, 0.0
+        worst = torch.where(over, off - bound, -1).argmax()
+        diff, scale = torch.stack((off[worst], local[worst])).tolist()
+    return True, diff, scale
 
 
 def _warn_changed(prob: Problem) -> None:

@@ -42,9 +42,11 @@ gathered Jacobian is wrong (0.94 off, with no error, on ``x.roll(cfg.shift)`` af
 ``cfg.shift`` changed). So every call that uses a cached plan (not a user's pattern, which
 is the user's word) computes one product more in the same vectorised call: ``J r`` in
 forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` of numbers in ``[0.5, 1.5)``,
-compared with the same product read from the gathered values, within rounding
-(``sqrt(eps)`` of their scale, for the coarser of x's dtype and the output's; the row is
-read as the seeds held it, in their dtype). An entry the plan leaves out adds
+compared with the same product read from the gathered values, element by element, within
+rounding (``sqrt(eps)``, for the coarser of x's dtype and the output's, of the element's
+own scale, ``|J| r``, or of ``sqrt(eps)`` of the largest where that is larger: a row a
+thousand times smaller than others is probed too; the row is read as the seeds held it,
+in their dtype). An entry the plan leaves out adds
 ``J[i, j] r[j]`` to the first and nothing to the second. Where they disagree the pattern
 is detected again: a different one becomes the plan (its first call is checked as any
 first call is), with a one-time warning; the same one means the products are not linear
