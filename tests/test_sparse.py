@@ -755,6 +755,30 @@ def test_a_changed_branch_in_rows_much_smaller_than_others_is_detected(mode, dty
     torch.testing.assert_close(J, torch.func.jacrev(f)(x))
 
 
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+def test_the_probe_of_outputs_of_two_dtypes_agrees(mode, monkeypatch):
+    # a float32 output beside a float64 one: the probe was judged within float64's
+    # tolerance (reverse mode: the float64 row fed to the float32 output too), disagreed
+    # on every plan's first probe, and the plan was no longer probed
+    import torch_vjp.sparse as sp
+
+    detections = _Counter(sp.detect)
+    monkeypatch.setattr(sp, "detect", detections)
+    flag = [1]
+    f = lambda u: (u * u.roll(flag[0]), (torch.tanh(u) * 3).float())  # noqa: E731
+    x = torch.randn(64, dtype=D, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        sparse_jacobian(f, x, mode=mode)
+    assert detections.calls == 1
+    flag[0] = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+    assert detections.calls == 2
+    want = torch.cat([t.reshape(64, 64).to(D) for t in torch.func.jacrev(f)(x)])
+    torch.testing.assert_close(J.to(D), want, rtol=1e-5, atol=1e-6)
+
+
 def test_which_calls_add_the_probe_row(monkeypatch):
     # (NOTE [a cached plan, probed]: every call but a plan's first; a user's pattern from
     # its first call in an explicit mode)

@@ -318,8 +318,9 @@ def sparse_jacobian(
 
 
 def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
-           seed: torch.dtype) -> tuple[bool, float, float]:
-    """Whether the probe product ``extra`` (of the probe row in the seeds' dtype ``seed``)
+           dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[bool, float, float]:
+    """Whether the probe product ``extra`` (of the probe row in the seeds' dtype, the first
+    of ``dtypes``; the second, the coarsest dtype of x's and f's tensors)
     disagrees with the same product read from the values the plan gathers from ``comp``
     (NOTE [a cached plan, probed]), by how much, and at what scale: element by element,
     each within rounding of its own scale (``|J| r``, or the products' own), so that a row
@@ -327,9 +328,10 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
     the largest counts as that (rounding carried over from the large ones)."""
     if extra.numel() == 0:
         return False, 0.0, 0.0
-    # (the coarser of x's dtype and the output's: the seeds' and the products' are those
-    # two, and a product computed in float32 and returned in float64 is float32's)
-    rtol = max(tolerance(comp.dtype), tolerance(seed))
+    # (the coarsest of x's dtypes and the outputs': a product computed in float32 and
+    # returned in float64, or a float32 output beside a float64 one, is float32's)
+    seed, coarsest = dtypes
+    rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
     device = comp.device
     with torch.no_grad():
         where, weights, length = plan.probe_weights(coloring, comp.dtype, device, seed)
@@ -381,14 +383,15 @@ def _warn_changed(prob: Problem) -> None:
 def _products(
     prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
     colour: str | None = None, probe: bool = False,
-) -> tuple[Any, Tensor, int, torch.dtype]:
+) -> tuple[Any, Tensor, int, tuple[torch.dtype, torch.dtype]]:
     """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered),
     its compressed products (with ``probe``, the probe row's product last: NOTE [a cached
-    plan, probed]), the number of output elements and the seeds' dtype. Under ``"auto"``, a
-    function forward mode fails on (an operation without a forward-mode formula,
-    ``torch.cdist``) gets reverse mode's colouring instead, with the one-time warning the
-    dense ``"auto"`` gives (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`), and
-    one torch.func cannot run at all plain autograd."""
+    plan, probed]), the number of output elements and the dtypes of :func:`compressed`.
+    Under ``"auto"``, a function forward mode fails on (an operation without a forward-mode
+    formula, ``torch.cdist``) gets reverse mode's colouring instead, with the one-time
+    warning the dense ``"auto"`` gives (NOTE [auto fallback] in
+    :mod:`torch_vjp._engine.jacobian`), and one torch.func cannot run at all plain
+    autograd."""
     coloring = plan.coloring(colour or mode)
     try:
         comp, m, seed = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget,
@@ -455,7 +458,7 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
 
 
 def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
-           probe: bool = False) -> tuple[Tensor, int, torch.dtype]:
+           probe: bool = False) -> tuple[Tensor, int, tuple[torch.dtype, torch.dtype]]:
     """Reverse mode's products with plain autograd where torch.func cannot run f (its error
     ``err``), with a one-time warning; an error of f's own comes out of that call."""
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)

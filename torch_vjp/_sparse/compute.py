@@ -415,12 +415,13 @@ def compressed(
     chunk_size: int | None,
     max_memory: int | None,
     probe: bool = False,
-) -> tuple[Tensor, int, torch.dtype]:
+) -> tuple[Tensor, int, tuple[torch.dtype, torch.dtype]]:
     """The compressed Jacobian, ``(colours, m)`` in forward mode or ``(colours, n)`` in
     reverse mode, the number of output elements ``f`` returned, and the dtype of the seeds
-    (x's in forward mode, f's output's in reverse mode). See NOTE [compression]. With
-    ``probe``, one row more: the product with :func:`probe_row` in that dtype (NOTE [a
-    cached plan, probed])."""
+    (x's in forward mode, f's first output's in reverse mode) with the coarsest dtype of
+    x's and f's tensors (:func:`_dtypes`). See NOTE [compression]. With ``probe``, one row
+    more: the product with :func:`probe_row` in the seeds' dtype (NOTE [a cached plan,
+    probed])."""
     leaves = tuple(prob.leaves)
     x0 = leaves[0]
     p = coloring.count + probe
@@ -432,7 +433,7 @@ def compressed(
             flat_out, spec = tree_flatten(out)
             m = sum(o.numel() for o in flat_out)
             if m != plan.pattern.m or p == 0:
-                return x0.new_zeros((p, n)), m, flat_out[0].dtype
+                return x0.new_zeros((p, n)), m, _dtypes(flat_out[0].dtype, leaves, flat_out)
             chunk = _chunk(prob, plan, p, flat_out[0].dtype, chunk_size, max_memory)
             seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device, probe)
             one = len(flat_out) == 1
@@ -445,16 +446,21 @@ def compressed(
             (res,), _ = map_rows_with_fallback(
                 pull, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "rev")
             )
-            return res, m, seeds.dtype
+            return res, m, _dtypes(seeds.dtype, leaves, flat_out)
     if p == 0:
         with torch.no_grad():
-            m = sum(o.numel() for o in prob.probe()[0])
-        return x0.new_zeros((0, plan.pattern.m)), m, x0.dtype
+            flat_out = prob.probe()[0]
+            m = sum(o.numel() for o in flat_out)
+        return x0.new_zeros((0, plan.pattern.m)), m, _dtypes(x0.dtype, leaves, flat_out)
     chunk = _chunk(prob, plan, p, x0.dtype, chunk_size, max_memory)
     seeds = plan.seeds(coloring, x0.dtype, x0.device, probe)
 
+    outs: list[Tensor] = []  # (f's output tangents, for their dtypes)
+
     def push(*tangents: Tensor) -> tuple[Tensor]:
-        return (_flat_cat(func_jvp(g, leaves, tangents)[1]).detach(),)
+        out = func_jvp(g, leaves, tangents)[1]
+        outs[:] = tree_leaves(out)
+        return (_flat_cat(out).detach(),)
 
     same_draws = SameDraws()
     # (the state before any product: the vectorised attempt's check of one product calls f
@@ -471,11 +477,20 @@ def compressed(
         push, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "fwd"),
         batched_fn=vmap(push) if chunk is None else None, loop_fn=push_one,
     )
-    return res, res.shape[1], seeds.dtype
+    return res, res.shape[1], _dtypes(seeds.dtype, leaves, outs)
+
+
+def _dtypes(seed: torch.dtype, leaves: Any, outs: Any) -> tuple[torch.dtype, torch.dtype]:
+    """``seed`` and the coarsest floating dtype of ``leaves`` and ``outs`` (the largest
+    eps): products that pass through several dtypes (a float32 output beside a float64
+    one) are within that one's rounding."""
+    dtypes = [t.dtype for t in (*leaves, *outs) if t.dtype.is_floating_point]
+    return seed, max(dtypes, key=lambda d: torch.finfo(d).eps, default=seed)
 
 
 def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
-                     probe: bool = False) -> tuple[Tensor, int, torch.dtype]:
+                     probe: bool = False
+                     ) -> tuple[Tensor, int, tuple[torch.dtype, torch.dtype]]:
     """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
     per colour: for functions torch.func cannot run at all (a module in training mode that
     updates its running statistics, a custom Function without setup_context), as the dense
@@ -489,13 +504,13 @@ def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
     flat_out, _ = tree_flatten(out)
     m = sum(o.numel() for o in flat_out)
     if m != plan.pattern.m or p == 0:
-        return leaves[0].new_zeros((p, n)), m, flat_out[0].dtype
+        return leaves[0].new_zeros((p, n)), m, _dtypes(flat_out[0].dtype, leaves, flat_out)
     live = [(j, o) for j, o in enumerate(flat_out) if o.requires_grad]
     sizes = [o.numel() for o in flat_out]
     seeds = plan.seeds(coloring, flat_out[0].dtype, flat_out[0].device, probe)
     res = leaves[0].new_zeros((p, n))
     if not live:
-        return res, m, seeds.dtype
+        return res, m, _dtypes(seeds.dtype, leaves, flat_out)
     for c in range(p):
         parts = seeds[c].split(sizes)
         grads = torch.autograd.grad(
@@ -505,7 +520,7 @@ def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
         res[c] = torch.cat([torch.zeros(x.numel(), dtype=res.dtype, device=res.device)
                             if g is None else g.reshape(-1).to(res.dtype)
                             for g, x in zip(grads, xs)])
-    return res, m, seeds.dtype
+    return res, m, _dtypes(seeds.dtype, leaves, flat_out)
 
 
 def _chunk(
