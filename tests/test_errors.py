@@ -115,3 +115,22 @@ def test_warn_once_warns_once_per_key():
     assert [str(w.message) for w in caught] == ["said once"]
     assert caught[0].filename == __file__  # pointed at the caller, outside torch_vjp
     assert not first_time(key)
+
+
+def test_messages_name_a_type_with_its_article():
+    # messages said "is a int", "is a NoneType", "a Embedding"
+    import torch
+
+    from torch_vjp._errors import a_type, with_article
+
+    assert [a_type(v) for v in (3, 2.5, None, [], {}, "s")] == [
+        "an int", "a float", "None", "a list", "a dict", "a str"]
+    assert [with_article(n) for n in ("Embedding", "LSTM", "GRU", "RNN", "MSELoss", "Linear",
+                                      "ndarray", "OrderedDict", "HuberLoss")] == [
+        "an Embedding", "an LSTM", "a GRU", "an RNN", "an MSELoss", "a Linear", "an ndarray",
+        "an OrderedDict", "a HuberLoss"]
+    with pytest.raises(tv.GradOutputsTypeError, match=r"grad_outputs\[0\] is an int, but"):
+        x = torch.randn(3, requires_grad=True)
+        tv.grad(x * 2, x, [5])
+    with pytest.raises(tv.JacobianCallError, match=r"the output of f is None"):
+        tv.jacobian(lambda x: None, torch.randn(3))

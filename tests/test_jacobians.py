@@ -707,7 +707,7 @@ def test_bad_max_memory(value, match):
         (lambda x: x.abs(), (torch.randn(3, dtype=torch.complex64),), {},
          r"primals\[0\] has dtype torch.complex64"),
         (lambda x: (x, 1), (torch.randn(3),), {},
-         r"the output of f\[1\] is a int.*If f returns \(output, aux\), pass has_aux=True"),
+         r"the output of f\[1\] is an int.*If f returns \(output, aux\), pass has_aux=True"),
         (lambda x: x.argmax(), (torch.randn(3),), {},
          r"the output of f has dtype torch.int64; only real floating-point outputs"),
         (lambda x: x.sin(), (torch.randn(3),), {"has_aux": True},

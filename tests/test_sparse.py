@@ -1760,7 +1760,7 @@ def test_errors_of_f_pass_through_untouched(pattern, mode):
 def test_jacobian_sparsity_err_check():
     with pytest.raises(JacobianCallError, match=r"x is a sparse tensor"):
         jacobian_sparsity(torch.sin, torch.eye(3).to_sparse())
-    with pytest.raises(JacobianCallTypeError, match=r"f is a int"):
+    with pytest.raises(JacobianCallTypeError, match=r"f is an int"):
         jacobian_sparsity(3, torch.ones(2))
 
 

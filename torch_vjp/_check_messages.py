@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torch_vjp._errors import GradOutputsWarning, shape_str, user_stacklevel
+from torch_vjp._errors import GradOutputsWarning, a_type, shape_str, user_stacklevel
 
 if TYPE_CHECKING:
     from torch_vjp._checks import Labels
@@ -407,7 +407,7 @@ def implicit_dtype_message(labels: Labels, i: int, out: Tensor) -> str:
 def output_type_message(labels: Labels, i: int, out: Any) -> str:
     o = labels.out(i)
     return (
-        f"{labels.call}: {o} is {'None' if out is None else 'a ' + type(out).__name__}, but "
+        f"{labels.call}: {o} is {a_type(out)}, but "
         f"each entry of {labels.outputs} must be a tensor (or a GradientEdge of one).\n"
         f"  {labels.outputs} are the outputs y whose vector-Jacobian product is taken, "
         f"tensors computed from ones that require grad. Fix: pass the tensor itself (.item() "
@@ -467,7 +467,7 @@ def type_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
             f"{shape_str(out.shape)}. Fix: torch.zeros_like({o}) to hold {o} fixed."
         )
     return (
-        f"{labels.call}: {g} is {'None' if go is None else 'a ' + type(go).__name__}, but each "
+        f"{labels.call}: {g} is {a_type(go)}, but each "
         f"entry of {labels.grad_outputs} must be {allowed}.\n"
         f"  {labels.meaning(i)}, a tensor of {o}'s shape {shape_str(out.shape)}. Fix: "
         f"torch.full_like({o}, value) for a constant, or torch.as_tensor(...) for data."
@@ -476,7 +476,7 @@ def type_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
 
 def not_a_sequence_message(labels: Labels, go: Any, outputs: Sequence[Tensor]) -> str:
     return (
-        f"{labels.call}: {labels.grad_outputs} is a {type(go).__name__}, but it must be a "
+        f"{labels.call}: {labels.grad_outputs} is {a_type(go)}, but it must be a "
         f"Tensor, a list or tuple of Tensors (None for scalar outputs), or None.\n"
         f"  It holds one vector dL/d output per entry of {labels.outputs}, each with that "
         f"output's shape. Fix: pass a tensor, e.g. torch.full_like(output, value) for a "

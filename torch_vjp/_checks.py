@@ -51,8 +51,10 @@ from torch_vjp._errors import (
     GradOutputsTypeError,
     GradOutputsValueError,
     GradOutputsWarning,
+    a_type,
     torch_first,
     user_stacklevel,
+    with_article,
 )
 
 __all__ = [
@@ -455,19 +457,19 @@ def check_tree_structure(
     if (isinstance(got, Tensor) and (plain or named)
             and len(expected) == 1 and isinstance(expected[0], Tensor)):
         kind = type(expected).__name__
-        fix = (f"Fix: like {against}, {name} must be a {kind} of one tensor: pass "
+        fix = (f"Fix: like {against}, {name} must be {with_article(kind)} of one tensor: pass "
                + (f"{kind}({name})." if named
                   else f"({name},)." if kind == "tuple" else f"[{name}]."))
     elif (isinstance(expected, Tensor) and isinstance(got, (tuple, list))
             and len(got) == 1 and isinstance(got[0], Tensor)):
-        fix = (f"Fix: like {against}, {name} must be a single tensor, not a "
-               f"{type(got).__name__}: pass {name}[0].")
+        fix = (f"Fix: like {against}, {name} must be a single tensor, not "
+               f"{a_type(got)}: pass {name}[0].")
     elif (isinstance(got, (tuple, list)) and (plain or named)
             and len(got) == len(expected)
             and tree_structure(type(expected)(*got) if named else type(expected)(got)) == want):
         kind = type(expected).__name__
-        fix = (f"Fix: like {against}, {name} must be a {kind}, not a {type(got).__name__}: "
-               f"pass {kind}({'*' if named else ''}{name}).")
+        fix = (f"Fix: like {against}, {name} must be {with_article(kind)}, not "
+               f"{a_type(got)}: pass {kind}({'*' if named else ''}{name}).")
     else:
         fix = (f"Fix: build it from {against} itself, e.g. "
                f"torch.utils._pytree.tree_map(torch.ones_like, ...).")

@@ -49,6 +49,7 @@ from torch_vjp._checks import (
 from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsTypeError,
+    a_type,
     torch_first,
     user_stacklevel,
 )
@@ -146,7 +147,7 @@ def _outputs_tuple(outputs: Any, labels: Labels) -> tuple[Any, ...]:
 
 
 def _a(obj: object) -> str:
-    return "None" if obj is None else f"a {type(obj).__name__}"
+    return a_type(obj)
 
 
 def _inputs_tuple(inputs: Any) -> tuple[Any, ...] | None:

@@ -42,6 +42,8 @@ __all__ = [
     "FunctionCheckWarning",
     "JacobianWarning",
     "shape_str",
+    "a_type",
+    "with_article",
     "format_bytes",
     "torch_first",
     "env_flag",
@@ -182,6 +184,26 @@ def shape_str(shape: Sequence[int]) -> str:
     if len(dims) == 1:
         return f"({dims[0]},)"
     return "(" + ", ".join(str(d) for d in dims) + ")"
+
+
+# class names read letter by letter whose first letter sounds like a vowel: "an LSTM",
+# "an MSELoss", "an RNN", "an ndarray"
+_LETTER_VOWEL = frozenset("FHLMNRSX")
+
+
+def with_article(name: str) -> str:
+    """``name`` after its indefinite article: "an int", "a float", "an Embedding", "an
+    LSTM", "a GRU", "an ndarray"."""
+    head = name[:1]
+    vowel = head.lower() in "aeiou" or name.startswith("nd") or (
+        head in _LETTER_VOWEL and name[1:2].isupper())
+    return ("an " if vowel else "a ") + name
+
+
+def a_type(obj: object) -> str:
+    """What ``obj`` is, for a message: "None", or its type's name after its article ("an
+    int", "a list", "an OrderedDict")."""
+    return "None" if obj is None else with_article(type(obj).__name__)
 
 
 def format_bytes(n: float | None) -> str:

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._errors import JacobianOptionError, format_bytes, shape_str
+from torch_vjp._errors import JacobianOptionError, a_type, format_bytes, shape_str
 
 __all__ = [
     "RTOL",
@@ -435,7 +435,7 @@ def _real_option(name: str, value: object, *, call: str, positive: bool, must: s
         return float(value)
     given = f"{name}={value!r}"
     if not isinstance(value, numbers.Real):
-        given += f" (a {type(value).__name__})"
+        given += f" ({a_type(value)})"
     raise JacobianOptionError(f"{call}: {given}, but it must be {must}")
 
 

@@ -27,6 +27,7 @@ from torch_vjp._errors import (
     FunctionCheckError,
     FunctionCheckTypeError,
     FunctionCheckValueError,
+    a_type,
     shape_str,
 )
 from torch_vjp._function_calls import kept
@@ -376,7 +377,7 @@ def _nothing_to_check(call: str, name: str, inputs: tuple[Any, ...]) -> str:
     if nested:
         i = nested[0]
         lines.append(
-            f"  Input {i} is a {type(inputs[i]).__name__} holding tensors, but check_function "
+            f"  Input {i} is {a_type(inputs[i])} holding tensors, but check_function "
             f"differentiates only the tensors passed directly as arguments (as torch.autograd."
             f"Function.apply tracks only those).\n"
             f"  Fix: pass them as separate arguments, e.g. torch_vjp.check_function(lambda a, "

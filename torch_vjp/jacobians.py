@@ -50,7 +50,7 @@ from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.symmetry import forward_over_reverse_checked
-from torch_vjp._errors import JacobianCallError, JacobianOptionError, shape_str
+from torch_vjp._errors import JacobianCallError, JacobianOptionError, a_type, shape_str
 from torch_vjp._sharded import check_group, sharded_jacobian, told_on_failure
 from torch_vjp._strategies import StrategyName, get_strategy
 
@@ -322,7 +322,7 @@ def batch_jacobian(
         strat = get_strategy(strategy, call=call)
         chunk = check_chunk_size(chunk_size, call=call)
         if not isinstance(x, Tensor) or x.dim() == 0:
-            what = "a 0-d tensor" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+            what = "a 0-d tensor" if isinstance(x, Tensor) else a_type(x)
             raise JacobianCallError(
                 f"{call}: x is {what}, but it must be a tensor whose first dimension is the "
                 f"batch, (B, *in). For a single example, use torch_vjp.jacobian(f, x), or "

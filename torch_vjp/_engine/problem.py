@@ -52,7 +52,7 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from torch_vjp._errors import JacobianCallError, JacobianCallTypeError, shape_str
+from torch_vjp._errors import JacobianCallError, JacobianCallTypeError, a_type, shape_str
 
 __all__ = ["LEAF_SPEC", "normalize_argnums", "leaf_name", "describe", "Problem"]
 
@@ -154,7 +154,7 @@ def describe(obj: object) -> str:
         return f"a Tensor of shape {shape_str(obj.shape)}"
     if isinstance(obj, tuple):
         return f"a tuple of length {len(obj)}"
-    return f"a {type(obj).__name__}"
+    return a_type(obj)
 
 
 def _differentiable(t: object, complex_ok: bool = False) -> bool:
@@ -190,13 +190,13 @@ def _check_primal_leaf(
     if not isinstance(leaf, Tensor):
         if selected:
             raise JacobianCallError(
-                f"{call}: {name} is a {type(leaf).__name__}, but argnums selects it for "
+                f"{call}: {name} is {a_type(leaf)}, but argnums selects it for "
                 f"differentiation, and derivatives are taken with respect to tensors. Fix: "
                 f"pass torch.tensor(...) for it, or leave its position out of argnums."
             )
         every = f"all of {whole} is" if whole is not None else "every primal is"
         raise JacobianCallError(
-            f"{call}: {name} is a {type(leaf).__name__}, but {every} differentiated, "
+            f"{call}: {name} is {a_type(leaf)}, but {every} differentiated, "
             f"and derivatives are taken with respect to tensors. Fix: pass torch.tensor(...) "
             f"for it, or bind it inside f (functools.partial or a lambda)."
         )
@@ -530,7 +530,7 @@ class Problem:
             if leaf is None and not path:
                 hint = (" f returned None: if it ends without a return statement (or with a "
                         "bare return), return its result.")
-            what = "None" if leaf is None else f"a {type(leaf).__name__}"
+            what = a_type(leaf)
             raise JacobianCallError(
                 f"{self.call}: {where} is {what}, but every output of f must "
                 f"be a Tensor (or a tuple, list or dict of Tensors): the Jacobian has one "

@@ -15,7 +15,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from torch_vjp._errors import PerSampleError, PerSampleTypeError, PerSampleValueError, shape_str
+from torch_vjp._errors import (
+    PerSampleError,
+    PerSampleTypeError,
+    PerSampleValueError,
+    a_type,
+    shape_str,
+)
 
 __all__ = [
     "check_model",
@@ -61,7 +67,7 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
     for k, x in enumerate(xs):
         if not isinstance(x, Tensor):
             raise PerSampleTypeError(
-                f"torch_vjp.{fn}: inputs[{k}] is a {type(x).__name__}, not a tensor.\n"
+                f"torch_vjp.{fn}: inputs[{k}] is {a_type(x)}, not a tensor.\n"
                 f"  inputs must be a tensor or a tuple of tensors, each with the batch along "
                 f"its first dimension; bind other arguments of the model in the module."
             )

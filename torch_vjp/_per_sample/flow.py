@@ -22,6 +22,7 @@ from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.losses import example_loss, loss_sum
 from torch_vjp._per_sample.recorder import ModuleCall, Recorder
 from torch_vjp._per_sample.registry import Call
+from torch_vjp._errors import a_type
 
 __all__ = ["ShapeRecord", "confined", "probe_indices", "call_dims", "walk"]
 
@@ -198,7 +199,7 @@ def call_dims(
         cands = (fixed,) if fixed is not None else c.rule.batch_dims(c.module, c.x)
         if not cands and not isinstance(c.x, Tensor):
             result.append((None, f"the {c.rule.name} rule does not handle this call's input "
-                                 f"(a {type(c.x).__name__})"))
+                                 f"({a_type(c.x)})"))
             continue
         cands = tuple(d for d in cands if d < y.dim() and y.shape[d] == batch)
         if not cands:

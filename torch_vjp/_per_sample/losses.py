@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torch_vjp._engine.rows import run_with_fallback
-from torch_vjp._errors import PerSampleValueError, shape_str
+from torch_vjp._errors import PerSampleValueError, a_type, shape_str
 
 __all__ = ["loss_sum", "scaled_loss_sum", "example_loss", "scalar_loss", "call_loss", "slice_tree"]
 
@@ -105,7 +105,7 @@ def scalar_loss(fn: str, loss: Any) -> Tensor:
         got = (
             f"a tensor of shape {shape_str(loss.shape)} and dtype {loss.dtype}"
             if isinstance(loss, Tensor)
-            else f"a {type(loss).__name__}"
+            else a_type(loss)
         )
         fix = (
             "  The gradient of a loss is only defined for a scalar: use reduction='mean' or "

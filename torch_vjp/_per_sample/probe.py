@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._engine.context import Watched
-from torch_vjp._errors import TorchVJPError, quote_error
+from torch_vjp._errors import TorchVJPError, a_type, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.structure import (
     _names_read,
@@ -577,7 +577,7 @@ def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
     computed = isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter)
     if owner is not None and rule_for(owner) is not None and (owner_path != path or computed):
         where = f"module '{owner_path}'" if owner_path else "the model itself"
-        return f"{where} is a {type(owner).__name__}, which has a rule, but {_COMPUTED}"
+        return f"{where} is {a_type(owner)}, which has a rule, but {_COMPUTED}"
     if used:
         return ("it is used outside the layers that have rules (directly in a forward, or "
                 "by a layer without one)")
@@ -593,6 +593,6 @@ def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
         return (f"its module '{path}' ({type(m).__name__}) has a rule but is not called: the "
                 f"parameter is read directly (by a forward, or by the loss function)")
     if not path:
-        return (f"it belongs to the model itself, a {type(m).__name__}, which has no per-layer "
+        return (f"it belongs to the model itself, {a_type(m)}, which has no per-layer "
                 f"rule")
-    return f"its module '{path}' is a {type(m).__name__}, which has no per-layer rule"
+    return f"its module '{path}' is {a_type(m)}, which has no per-layer rule"

@@ -17,7 +17,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from torch_vjp._errors import PerSampleTypeError, PerSampleValueError
+from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, a_type
 from torch_vjp._per_sample.factors import Factor, SmallFactor
 
 __all__ = ["Call", "Rule", "Declined", "register_rule", "rule_for", "UserRule", "to_batch_first"]
@@ -284,7 +284,7 @@ def check_user_rule(fn: Callable[..., Any]) -> None:
     if not callable(fn):
         raise PerSampleTypeError(
             f"torch_vjp.register_per_sample_rule: the rule must be a function "
-            f"fn(module, inputs, grad_output) -> dict, got a {type(fn).__name__}."
+            f"fn(module, inputs, grad_output) -> dict, got {a_type(fn)}."
         )
     try:
         inspect.signature(fn).bind(None, None, None)

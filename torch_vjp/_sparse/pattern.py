@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.kept import same_bits
-from torch_vjp._errors import JacobianCallTypeError, JacobianOptionError, shape_str
+from torch_vjp._errors import JacobianCallTypeError, JacobianOptionError, a_type, shape_str
 
 __all__ = ["Pattern", "pattern_from_user", "LAYOUTS"]
 
@@ -184,7 +184,7 @@ def pattern_from_user(pattern: object, n: int, *, call: str) -> Pattern:
     )
     if not isinstance(pattern, Tensor):
         raise JacobianCallTypeError(
-            f"{call}: pattern is a {type(pattern).__name__}, but it must be {what}. Fix: {fix}."
+            f"{call}: pattern is {a_type(pattern)}, but it must be {what}. Fix: {fix}."
         )
     if pattern.is_nested:
         raise JacobianOptionError(
