@@ -427,6 +427,28 @@ def _auto_fallbacks(rank, world, group):
     else:
         got = tv.jacobian(g, x, process_group=group)
     _close(got, torch.func.jacrev(g)(x), f"rank {rank}/{world}, auto vmap -> loop")
+    # a module in training mode that updates its running statistics, which torch.func
+    # cannot run at all: "auto" and "rev-loop" compute with plain autograd, as one process
+    # does; "rev" explains torch.func's refusal. (Each raised torch.func's raw RuntimeError.)
+    torch.manual_seed(0)
+    bn = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).to(DT).train()
+    xb = torch.randn(5, 3, dtype=DT, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        want = tv.jacobian(bn, xb)
+    stats = [b.clone() for b in bn.buffers()]
+    with pytest.warns(tv.JacobianWarning, match=r"(?s)torch\.func cannot run f \(Sequential\).*"
+                      r"computed this rank's share of the products with plain autograd"):
+        _close(tv.jacobian(bn, xb, process_group=group), want, f"rank {rank}/{world}, bn auto")
+    _close(tv.jacobian(bn, xb, process_group=group, strategy="rev-loop"), want,
+           f"rank {rank}/{world}, bn rev-loop")
+    sh = tv.jacobian(bn, xb, process_group=group, shard=True)
+    torch.testing.assert_close(sh.values, want.reshape(20, 5, 3)[sh.start:sh.stop])
+    assert all(torch.equal(a, b) for a, b in zip(stats, bn.buffers()))  # (put back)
+    with pytest.raises(tv.StrategyError, match=r"(?s)the vectorised strategies compute with "
+                       r"torch\.func, which cannot run f \(Sequential\).*changes a tensor it "
+                       r"captured.*Fix: strategy='auto', 'rev-loop'"):
+        tv.jacobian(bn, xb, process_group=group, strategy="rev")
 
 
 def _solve_wide(A, cols=torch.linspace(-1.0, 1.0, 300, dtype=DT).reshape(3, 100)):
@@ -624,6 +646,7 @@ def test_one_rank_group_equals_single_process(one_rank_group):
     failures = _run_cases(0, 1, one_rank_group) + _run_batch_cases(0, 1, one_rank_group)
     assert not failures, "\n".join(failures)
     _auto_checked(0, 1, one_rank_group)
+    _auto_fallbacks(0, 1, one_rank_group)
 
 
 def test_sharded_jacobian_err_check(one_rank_group):

@@ -38,8 +38,10 @@ rank computes again in reverse mode, so that the shards fit together.
 
 Not supported with a group: ``create_graph=True`` and use inside an outer torch.func
 transform (the gathered Jacobian would not carry gradients back to the other ranks'
-products), and the plain-autograd loop for functions torch.func cannot run at all (the loop
-strategies use torch.func's ``vjp``/``jvp`` one product at a time).
+products). A function torch.func cannot run at all (a module in training mode that updates
+its running statistics, an old-style custom Function) is computed by ``"auto"`` with plain
+autograd, each rank its own share of reverse-mode products (``torch_vjp._sharded_work``);
+the named strategies use torch.func's ``vjp``/``jvp``.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
-from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
+from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
     cross_row_flow,
     mixing_message,
@@ -67,14 +69,11 @@ from torch_vjp._engine.fwdcheck import (
 from torch_vjp._engine.jacobian import (
     JACOBIAN_ALTERNATIVES,
     NoForwardMode,
-    fallback_message,
     function_key,
     function_name,
     no_forward_message,
 )
-from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import basis_rows, map_rows, run_with_fallback
 from torch_vjp._engine.shapes import in_rows, row_shapes
 from torch_vjp._errors import (
     JacobianCallError,
@@ -91,6 +90,7 @@ from torch_vjp._sharded_check import (
     own_gap,
     verdict,
 )
+from torch_vjp._sharded_work import Work, probe_outputs, shard_range
 from torch_vjp._strategies import Strategy, choose_mode
 
 __all__ = [
@@ -154,17 +154,6 @@ class JacobianShard(NamedTuple):
 
 
 JacobianShard.__module__ = "torch_vjp"  # the public path, as for the error classes
-
-
-def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The products ``[start, stop)`` that ``rank`` computes of ``n`` split over
-    ``world_size`` ranks: contiguous, sizes differing by at most one.
-
-    Example:
-        >>> [shard_range(5, r, 3) for r in range(3)]
-        [(0, 1), (1, 3), (3, 5)]
-    """
-    return n * rank // world_size, n * (rank + 1) // world_size
 
 
 def _dist() -> Any:
@@ -283,11 +272,11 @@ def sharded_jacobian(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _comm_device(group, prob.leaves[0].device)
     check_agreement(prob, strat.name, shard, group, rank, world)
-    work = _Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
+    work = Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
     mode, shapes, key, route = strat.mode, None, None, None
     if mode is None:  # "auto": the mode from sizes alone, the same on every rank
         try:
-            shapes = _probe(prob)
+            shapes = probe_outputs(prob)
             n_in = sum(math.prod(s) for s in in_rows(prob, batch))
             n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob))
             mode = choose_mode(n_in, n_out)
@@ -335,14 +324,14 @@ def _attempt(compute: Any, group: Any, device: torch.device) -> tuple[Any, int, 
     return part, _all_max(status, group, device), err
 
 
-def _route(work: _Work, route: str, shapes: Any) -> tuple[Any, ...]:
+def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...]:
     """This rank's products by ``route`` ("fwd", "rev" or "rev-loop")."""
     if route == "rev-loop":
         return work._products("rev", None, False)
     return work.run(route, shapes if route == "fwd" else None)
 
 
-def _checked(prob: Problem, work: _Work, part: tuple[Any, ...], mode: str, shapes: Any,
+def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes: Any,
              key: Any, group: Any, device: torch.device) -> tuple[tuple[Any, ...], str]:
     """``(part, mode)`` if every rank's products agree with a reverse product; else the
     first of the next routes that does, on every rank alike, and "rev" (NOTE [sharded auto,
@@ -386,7 +375,7 @@ def _checked(prob: Problem, work: _Work, part: tuple[Any, ...], mode: str, shape
     return part, mode
 
 
-def _refuse_mixing(prob: Problem, work: _Work, diff: float, scale: float, group: Any,
+def _refuse_mixing(prob: Problem, work: Work, diff: float, scale: float, group: Any,
                    device: torch.device) -> None:
     """batch_jacobian's "auto" where no route agrees: every rank raises NOTE [a batch that
     mixes rows]'s error once some rank finds a flow across rows (each rank tests the batch
@@ -406,137 +395,6 @@ def _refuse_mixing(prob: Problem, work: _Work, diff: float, scale: float, group:
         rows, j = next(s for s in said if s is not None)
         raise JacobianCallError(mixing_message(prob.call, function_name(prob.f), diff, scale,
                                                rows, j))
-
-
-class _Work:
-    """This rank's products, in one mode, with ``"auto"``'s vmap-to-loop fallback."""
-
-    def __init__(self, prob: Problem, strat: Strategy, rank: int, world: int, shard: bool,
-                 chunk_size: int | None, max_memory: int | None, batch: int | None,
-                 alternatives: str) -> None:
-        self.prob, self.strat, self.rank, self.world = prob, strat, rank, world
-        self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
-        self.batch, self.alternatives = batch, alternatives
-        self._mode = "rev"
-
-    def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
-        if self.strat.mode is not None:  # a named strategy: no fallback
-            return self._products(mode, shapes, self.strat.vectorized)
-        if mode == "rev":
-            return self._auto(mode, shapes)
-        try:
-            return self._auto(mode, shapes)
-        except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
-            if passes_through(err):
-                raise
-            raise NoForwardMode(err) from None
-
-    def _auto(self, mode: str, shapes: Any) -> tuple[Any, ...]:
-        prob = self.prob
-
-        def warn(err: Exception) -> None:
-            warn_once(
-                ("vmap-fallback-sharded", function_key(prob.f), mode, type(err)),
-                fallback_message(prob, mode, err, who="this rank"),
-                JacobianWarning,
-            )
-
-        return run_with_fallback(
-            lambda: self._products(mode, shapes, True),
-            lambda: self._products(mode, shapes, False),
-            on_fallback=warn,
-        )
-
-    def _chunk(self, k: int, n_out: int, n_in: int, out_dtypes: list[torch.dtype], dtype: Any,
-               records: bool = False) -> int | None:
-        """The chunk size for this rank's ``k`` products: the result it holds is the whole
-        Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns. ``records``:
-        the products record autograd graphs (forward mode of an ``f`` that involves tensors
-        requiring grad), counted as the single-process engine counts them."""
-        if self.shard:
-            n_out, n_in = (k, n_in) if self._mode == "rev" else (n_out, k)
-        itemsize = max(max(d.itemsize for d in out_dtypes),
-                       max(leaf.dtype.itemsize for leaf in self.prob.leaves))
-        return plan_products(
-            k, n_out, n_in, itemsize, chunk_size=self.chunk_size, max_memory=self.max_memory,
-            device=self.prob.leaves[0].device, call=self.prob.call,
-            alternatives=self.alternatives, batch=self.batch, dtype=dtype, records=records,
-        )
-
-    def _products(self, mode: str, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
-        self._mode = mode
-        with torch.no_grad() if mode == "rev" else contextlib.nullcontext():
-            if mode == "rev":
-                return self._rev(vectorized)
-            return self._fwd(shapes if shapes is not None else _probe(self.prob), vectorized)
-
-    def _rev(self, vectorized: bool) -> tuple[Any, ...]:
-        prob = self.prob
-        leaves = prob.leaves
-        res = func_vjp(prob.g_inner, *leaves, has_aux=prob.has_aux)
-        out, pullback = res[0], res[1]
-        aux = res[2] if prob.has_aux else None
-        flat_out, out_spec = tree_flatten(out)
-        rows_out = row_shapes(flat_out, self.batch, prob)
-        n = sum(math.prod(s) for s in rows_out)
-        start, stop = shard_range(n, self.rank, self.world)
-        k = stop - start
-        if k == 0:
-            stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
-        else:
-            n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
-            chunk = self._chunk(k, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype)
-            rows = basis_rows(rows_out, [o.dtype for o in flat_out],
-                              [o.device for o in flat_out], self.batch)
-
-            def fn(*cot: Tensor) -> Any:
-                return pullback(tree_unflatten(list(cot), out_spec))
-
-            stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
-                                  vectorized=vectorized, chunk_size=chunk, detach=True)
-        return stacked, out_spec, rows_out, aux, start, stop, n
-
-    def _fwd(self, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
-        prob = self.prob
-        leaves = tuple(prob.leaves)
-        flat_out, out_spec, records = shapes
-        rows_in = in_rows(prob, self.batch)
-        n = sum(math.prod(s) for s in rows_in)
-        start, stop = shard_range(n, self.rank, self.world)
-        k = stop - start
-        has_aux = prob.has_aux
-        aux = None
-        if k == 0:
-            stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in flat_out]
-            if has_aux:
-                with torch.no_grad():
-                    aux = prob.g(*leaves)[1]
-        else:
-            n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob))
-            chunk = self._chunk(k, n_out, n, [o.dtype for o in flat_out],
-                                flat_out[0].dtype if flat_out else None, records)
-            rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
-                              self.batch)
-            g = prob.g_inner
-
-            def fn(*tangents: Tensor) -> Any:
-                res = func_jvp(g, leaves, tangents, has_aux=has_aux)
-                tan_flat = tuple(tree_leaves(res[1]))
-                return (tan_flat, res[2]) if has_aux else tan_flat
-
-            stacked, aux = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
-                                    vectorized=vectorized, chunk_size=chunk, extras=has_aux,
-                                    detach=True)
-        return stacked, out_spec, None, aux, start, stop, n
-
-
-def _probe(prob: Problem) -> tuple[list[Tensor], Any, bool]:
-    """The outputs (detached), their structure, and whether forward-mode products will
-    record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
-    result (NOTE [memory model])."""
-    flat, spec = prob.probe(torch.is_grad_enabled())
-    records = any(o.requires_grad for o in flat)
-    return [o.detach() for o in flat], spec, records
 
 
 def _comm_device(group: Any, device: torch.device) -> torch.device:

@@ -119,6 +119,7 @@ from torch_vjp._errors import (
 from torch_vjp._strategies import choose_mode
 
 __all__ = [
+    "func_refusal",
     "JACOBIAN_ALTERNATIVES", "NoForwardMode", "jacobian_blocks", "function_key",
     "function_name", "fallback_message", "no_forward_message",
 ]
@@ -321,15 +322,21 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                     ) from None
             if why is None:
                 raise
-            raise StrategyError(
-                f"{prob.call}: the vectorised strategies compute with torch.func, which "
-                f"cannot run f ({function_name(prob.f)}) in {mode}-mode products: {why}\n"
-                f"  torch.func said: {quote_error(err)}\n"
-                f"  Fix: strategy='auto', 'rev-loop' or 'fwd-loop' (they compute such a "
-                f"function with plain autograd or one product at a time), or put the module "
-                f"in eval mode if it is one."
-            ) from None
+            raise func_refusal(prob, mode, why, err) from None
     return _auto(prob, mode, shapes, opts, functorch_loops)
+
+
+def func_refusal(prob: Problem, mode: str, why: str, err: BaseException) -> StrategyError:
+    """The error of a vectorised strategy that torch.func refuses to run ``f`` in (``why``:
+    :func:`~torch_vjp._engine.refusals.vmap_refusal` of ``err``)."""
+    return StrategyError(
+        f"{prob.call}: the vectorised strategies compute with torch.func, which "
+        f"cannot run f ({function_name(prob.f)}) in {mode}-mode products: {why}\n"
+        f"  torch.func said: {quote_error(err)}\n"
+        f"  Fix: strategy='auto', 'rev-loop' or 'fwd-loop' (they compute such a "
+        f"function with plain autograd or one product at a time), or put the module "
+        f"in eval mode if it is one."
+    )
 
 
 def _vectorized(prob: Problem, mode: str, shapes: Shapes | None, opts: Opts) -> Blocks:

@@ -1,0 +1,249 @@
+"""One rank's share of a sharded Jacobian's products (NOTE [sharded Jacobian] in
+:mod:`torch_vjp._sharded`): its range of basis vectors, reverse or forward mode, with
+``"auto"``'s fallbacks from vmap to a loop, and from torch.func to plain autograd (reverse
+mode) for a function torch.func cannot run at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
+from torch_vjp._engine.jacobian import (
+    NoForwardMode,
+    fallback_message,
+    func_refusal,
+    function_key,
+    function_name,
+)
+from torch_vjp._engine.memory import plan_products
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.refusals import vmap_refusal
+from torch_vjp._engine.rows import basis_rows, map_rows, run_with_fallback
+from torch_vjp._engine.shapes import in_rows, row_shapes
+from torch_vjp._errors import JacobianWarning, passes_through, quote_error, warn_once
+from torch_vjp._strategies import Strategy
+
+__all__ = ["Work", "probe_outputs", "shard_range"]
+
+
+def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The products ``[start, stop)`` that ``rank`` computes of ``n`` split over
+    ``world_size`` ranks: contiguous, sizes differing by at most one.
+
+    Example:
+        >>> [shard_range(5, r, 3) for r in range(3)]
+        [(0, 1), (1, 3), (3, 5)]
+    """
+    return n * rank // world_size, n * (rank + 1) // world_size
+
+
+
+class Work:
+    """This rank's products, in one mode, with ``"auto"``'s vmap-to-loop fallback."""
+
+    def __init__(self, prob: Problem, strat: Strategy, rank: int, world: int, shard: bool,
+                 chunk_size: int | None, max_memory: int | None, batch: int | None,
+                 alternatives: str) -> None:
+        self.prob, self.strat, self.rank, self.world = prob, strat, rank, world
+        self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
+        self.batch, self.alternatives = batch, alternatives
+        self._mode = "rev"
+
+    def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
+        if self.strat.mode is not None:  # a named strategy: no fallback but plain autograd's
+            try:
+                return self._products(mode, shapes, self.strat.vectorized)
+            except Exception as err:  # noqa: BLE001 - torch.func's known refusals below
+                if passes_through(err) or is_nested():
+                    raise
+                if mode == "rev" and not self.strat.vectorized:
+                    # ("rev-loop": plain autograd where torch.func cannot run f, as on one
+                    # process)
+                    return self._rev_plain()
+                why = vmap_refusal(err)
+                if why is None or not self.strat.vectorized:
+                    raise
+                raise func_refusal(self.prob, mode, why, err) from None
+        if mode == "rev":
+            return self._auto(mode, shapes)
+        try:
+            return self._auto(mode, shapes)
+        except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
+            if passes_through(err):
+                raise
+            raise NoForwardMode(err) from None
+
+    def _auto(self, mode: str, shapes: Any) -> tuple[Any, ...]:
+        prob = self.prob
+
+        def warn(err: Exception) -> None:
+            warn_once(
+                ("vmap-fallback-sharded", function_key(prob.f), mode, type(err)),
+                fallback_message(prob, mode, err, who="this rank"),
+                JacobianWarning,
+            )
+
+        try:
+            return run_with_fallback(
+                lambda: self._products(mode, shapes, True),
+                lambda: self._products(mode, shapes, False),
+                on_fallback=warn,
+            )
+        except Exception as err:  # noqa: BLE001 - plain autograd decides below
+            if mode != "rev" or passes_through(err) or is_nested():
+                raise
+            plain_err = err
+        # torch.func cannot run f at all (a module in training mode that updates its
+        # running statistics): plain autograd, as on one process (NOTE [auto fallback])
+        res = self._rev_plain()
+        warn_once(
+            ("plain-sharded", function_key(prob.f)),
+            f"{prob.call}: torch.func cannot run f ({function_name(prob.f)}): "
+            f"{vmap_refusal(plain_err) or quote_error(plain_err)}. strategy='auto' computed "
+            f"this rank's share of the products with plain autograd, one backward pass per "
+            f"output element, without vmap. This warning is shown once per function.",
+            JacobianWarning,
+        )
+        return res
+
+    def _chunk(self, k: int, n_out: int, n_in: int, out_dtypes: list[torch.dtype], dtype: Any,
+               records: bool = False) -> int | None:
+        """The chunk size for this rank's ``k`` products: the result it holds is the whole
+        Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns. ``records``:
+        the products record autograd graphs (forward mode of an ``f`` that involves tensors
+        requiring grad), counted as the single-process engine counts them."""
+        if self.shard:
+            n_out, n_in = (k, n_in) if self._mode == "rev" else (n_out, k)
+        itemsize = max(max(d.itemsize for d in out_dtypes),
+                       max(leaf.dtype.itemsize for leaf in self.prob.leaves))
+        return plan_products(
+            k, n_out, n_in, itemsize, chunk_size=self.chunk_size, max_memory=self.max_memory,
+            device=self.prob.leaves[0].device, call=self.prob.call,
+            alternatives=self.alternatives, batch=self.batch, dtype=dtype, records=records,
+        )
+
+    def _products(self, mode: str, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
+        self._mode = mode
+        with torch.no_grad() if mode == "rev" else contextlib.nullcontext():
+            if mode == "rev":
+                return self._rev(vectorized)
+            return self._fwd(shapes if shapes is not None else probe_outputs(self.prob), vectorized)
+
+    def _rev(self, vectorized: bool) -> tuple[Any, ...]:
+        prob = self.prob
+        leaves = prob.leaves
+        res = func_vjp(prob.g_inner, *leaves, has_aux=prob.has_aux)
+        out, pullback = res[0], res[1]
+        aux = res[2] if prob.has_aux else None
+        flat_out, out_spec = tree_flatten(out)
+        rows_out = row_shapes(flat_out, self.batch, prob)
+        n = sum(math.prod(s) for s in rows_out)
+        start, stop = shard_range(n, self.rank, self.world)
+        k = stop - start
+        if k == 0:
+            stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
+        else:
+            n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
+            chunk = self._chunk(k, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype)
+            rows = basis_rows(rows_out, [o.dtype for o in flat_out],
+                              [o.device for o in flat_out], self.batch)
+
+            def fn(*cot: Tensor) -> Any:
+                return pullback(tree_unflatten(list(cot), out_spec))
+
+            stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
+                                  vectorized=vectorized, chunk_size=chunk, detach=True)
+        return stacked, out_spec, rows_out, aux, start, stop, n
+
+    def _rev_plain(self) -> tuple[Any, ...]:
+        """This rank's reverse-mode products with plain autograd: f once, then one
+        ``torch.autograd.grad`` per output element of its share (as
+        ``torch_vjp._engine.plain.rev_plain`` on one process)."""
+        prob = self.prob
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_() for x in prob.leaves]
+            res = prob.g(*xs)
+        out = res[0] if prob.has_aux else res
+        aux = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
+                       res[1]) if prob.has_aux else None
+        flat_out, out_spec = tree_flatten(out)
+        rows_out = row_shapes(flat_out, self.batch, prob)
+        n = sum(math.prod(s) for s in rows_out)
+        start, stop = shard_range(n, self.rank, self.world)
+        diff = [j for j, o in enumerate(flat_out) if o.requires_grad]
+
+        def fn(*cot: Tensor) -> tuple[Tensor, ...]:
+            grads = (torch.autograd.grad([flat_out[j] for j in diff], xs,
+                                         [cot[j] for j in diff], retain_graph=True,
+                                         allow_unused=True)
+                     if diff else (None,) * len(xs))
+            return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
+
+        if stop == start:
+            stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
+        else:
+            rows = basis_rows(rows_out, [o.dtype for o in flat_out],
+                              [o.device for o in flat_out], self.batch)
+            with torch.no_grad():
+                stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e),
+                                      stop - start, vectorized=False, chunk_size=None,
+                                      detach=True)
+        return stacked, out_spec, rows_out, aux, start, stop, n
+
+    def _fwd(self, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
+        prob = self.prob
+        leaves = tuple(prob.leaves)
+        flat_out, out_spec, records = shapes
+        rows_in = in_rows(prob, self.batch)
+        n = sum(math.prod(s) for s in rows_in)
+        start, stop = shard_range(n, self.rank, self.world)
+        k = stop - start
+        has_aux = prob.has_aux
+        aux = None
+        if k == 0:
+            stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in flat_out]
+            if has_aux:
+                with torch.no_grad():
+                    aux = prob.g(*leaves)[1]
+        else:
+            n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob))
+            chunk = self._chunk(k, n_out, n, [o.dtype for o in flat_out],
+                                flat_out[0].dtype if flat_out else None, records)
+            rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
+                              self.batch)
+            g = prob.g_inner
+
+            def fn(*tangents: Tensor) -> Any:
+                res = func_jvp(g, leaves, tangents, has_aux=has_aux)
+                tan_flat = tuple(tree_leaves(res[1]))
+                return (tan_flat, res[2]) if has_aux else tan_flat
+
+            stacked, aux = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
+                                    vectorized=vectorized, chunk_size=chunk, extras=has_aux,
+                                    detach=True)
+        return stacked, out_spec, None, aux, start, stop, n
+
+
+def _probe(prob: Problem) -> tuple[list[Tensor], Any, bool]:
+    """The outputs (detached), their structure, and whether forward-mode products will
+    record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
+    result (NOTE [memory model])."""
+    flat, spec = prob.probe(torch.is_grad_enabled())
+    records = any(o.requires_grad for o in flat)
+    return [o.detach() for o in flat], spec, records
+
+
+def probe_outputs(prob: Problem) -> tuple[list[Tensor], Any, bool]:
+    """The outputs (detached), their structure, and whether forward-mode products will
+    record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
+    result (NOTE [memory model])."""
+    flat, spec = prob.probe(torch.is_grad_enabled())
+    records = any(o.requires_grad for o in flat)
+    return [o.detach() for o in flat], spec, records
