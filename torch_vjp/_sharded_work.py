@@ -231,15 +231,6 @@ class Work:
         return stacked, out_spec, None, aux, start, stop, n
 
 
-def _probe(prob: Problem) -> tuple[list[Tensor], Any, bool]:
-    """The outputs (detached), their structure, and whether forward-mode products will
-    record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
-    result (NOTE [memory model])."""
-    flat, spec = prob.probe(torch.is_grad_enabled())
-    records = any(o.requires_grad for o in flat)
-    return [o.detach() for o in flat], spec, records
-
-
 def probe_outputs(prob: Problem) -> tuple[list[Tensor], Any, bool]:
     """The outputs (detached), their structure, and whether forward-mode products will
     record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
