@@ -333,16 +333,19 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
     seed, coarsest = dtypes
     rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
     device = comp.device
+    # (summed in float32 at least: a row of hundreds of terms summed in bfloat16 or float16
+    # is off by more than their tolerance, a false alarm of the sums, not of f)
+    acc = torch.promote_types(comp.dtype, torch.float32)
     with torch.no_grad():
-        where, weights, length = plan.probe_weights(coloring, comp.dtype, device, seed)
+        where, weights, length = plan.probe_weights(coloring, acc, device, seed)
         values = comp.reshape(-1).index_select(
-            0, plan.gather_index(coloring, torch.sparse_csr, device))
+            0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc)
         # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns), and
         # |J| r (the weights are positive)
         terms = values * weights
-        off = comp.new_zeros(length).index_add_(0, where, terms)
-        local = comp.new_zeros(length).index_add_(0, where, terms.abs())
-        extra = extra.to(comp.dtype)
+        off = values.new_zeros(length).index_add_(0, where, terms)
+        local = values.new_zeros(length).index_add_(0, where, terms.abs())
+        extra = extra.to(acc)
         off.sub_(extra).abs_()
         torch.maximum(local, extra.abs(), out=local)
         top = local.max()
@@ -352,7 +355,7 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
         if not math.isfinite(top_):
             # (a NaN or inf of the Jacobian reaches both products alike: the finite rest;
             # J r is finite where |J| r is)
-            bad = ~comp.new_zeros(length).index_add_(0, where, terms).isfinite()
+            bad = ~values.new_zeros(length).index_add_(0, where, terms).isfinite()
             if not torch.equal(bad, ~extra.isfinite()):
                 return True, math.inf, math.inf
             local = torch.where(bad, 0, local)
