@@ -1230,3 +1230,30 @@ def test_autocast_result_beside_a_float32_statistic_changes_nothing():
         warnings.simplefilter("error")
         got = step()
     _same(got, reference)
+
+
+def test_float32_gradient_of_a_float64_input_under_autocast_still_warns():
+    """Autocast casts no float64 tensor (forward here computes in float64, its output is
+    float64): a float32 gradient made in custom_bwd's backward for a float64 input is
+    precision lost, not autocast's, and is reported as outside autocast (it was accepted:
+    torch casts it back to float64 without a word)."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return (g * w).float(), (g * x).float()
+
+    x = _leaf(3, dtype=torch.float64)
+    w = _leaf(3, dtype=torch.float32, seed=1)
+    with tv.checked(), pytest.warns(tv.FunctionCheckWarning, match="dtype torch.float32"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = Scale.apply(x, w)
+        y.sum().backward()

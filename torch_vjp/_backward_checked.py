@@ -118,10 +118,11 @@ def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:
     if not ((g.is_floating_point and s.is_floating_point)
             or (g.is_complex and s.is_complex)):  # (complex128 for complex64 as float64 for
         return False                              # float32)
-    if getattr(node, "_fwd_used_autocast", False) is True and (
+    if getattr(node, "_fwd_used_autocast", False) is True and s is not torch.float64 and (
             g is torch.float32 or g is getattr(node, "_dtype", None)):
         # (autocast computes in its own dtype, or in float32 for the ops it runs there; a
-        # float64 tensor made in backward is no precision of autocast's)
+        # float64 tensor made in backward is no precision of autocast's, and autocast casts
+        # no float64 tensor: a float64 input's narrower gradient is precision lost)
         return True
     try:
         outs = [m.dtype for m in node._input_metadata]
