@@ -1949,3 +1949,36 @@ def test_the_probe_of_dense_rows_in_bfloat16_agrees(mode, name, monkeypatch):
     for _ in range(2):
         sparse_jacobian(f, x, mode=mode)
     assert detections.calls == 1
+
+
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+def test_a_users_exact_pattern_of_f_with_a_part_under_autocast_is_not_refused(mode):
+    # a float32 output, part of it computed in bfloat16 under autocast: the probe (judged
+    # in float32, element by element) disagreed in the bfloat16 rows, and the additivity
+    # test, judged at the scale of the whole product, passed (the float32 part is ten times
+    # larger): the exact pattern was refused with a JacobianOptionError in "fwd" and "auto"
+    lin = torch.nn.Linear(64, 64)
+
+    def f(u):
+        h = u.view(-1, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(h)
+        return torch.cat([(10 * h).reshape(-1), y.float().reshape(-1)])
+
+    x = torch.randn(4 * 64, generator=torch.Generator().manual_seed(0))
+    pattern = tv.jacobian_sparsity(f, x)
+    for _ in range(3):
+        J = sparse_jacobian(f, x, pattern=pattern, mode=mode, layout=torch.strided)
+    want = torch.func.jacrev(f)(x)
+    torch.testing.assert_close(J, want, rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_a_users_pattern_that_misses_entries_beside_a_larger_part_is_still_refused(mode):
+    # (the additivity test at the probe's scale passes for an f computed in its dtype)
+    f = lambda u: torch.cat([100 * u, u * u.roll(1)])  # noqa: E731
+    x = torch.randn(50, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    eye = torch.eye(50, dtype=torch.bool)
+    with pytest.raises(tv.JacobianOptionError, match="leaves out non-zeros"):
+        for _ in range(2):
+            sparse_jacobian(f, x, pattern=torch.cat([eye, eye]), mode=mode)

@@ -24,7 +24,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.context import buffers_kept, is_nested
+from torch.utils._pytree import tree_leaves
+
+from torch_vjp._engine.context import buffers_kept, func_jvp, is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
@@ -284,7 +286,8 @@ def sparse_jacobian(
         comp, extra = comp[:-1], comp[-1]
         stale, diff, scale = _stale(plan, coloring, comp, extra, seed)
         if stale and plan.user:
-            _users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey)
+            _users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
+                                  (coloring, comp, seed))
         elif stale:
             again = _detect(prob)
             if again.same_entries(plan.pattern):
@@ -560,11 +563,77 @@ def _misses_message(call: str, how: str) -> str:
     )
 
 
+def _additive_at_probe_scale(prob: Problem, plan: Any, coloring: Any, comp: Tensor,
+                             seed: torch.dtype, rtol: float) -> bool:
+    """Whether f's products in the probe's own space (J v, or v^T J in reverse mode) are
+    additive element by element within the probe's tolerance of each element's scale
+    (``|J| v`` from the values, as :func:`_stale` judges): ``J (r + b) == J r + J b`` for the
+    probe row ``r`` and ``b``, ``r`` reversed. Not so where f rounds more coarsely than its
+    tensors' dtypes say (a part computed in bfloat16 under autocast, then cast to float32;
+    entries that cancel), and the probe's disagreement is then rounding, not entries
+    the pattern leaves out. True where the products cannot be computed here (unknown)."""
+    device = comp.device
+    acc = torch.promote_types(comp.dtype, torch.float32)
+    fwd = coloring.mode == "fwd"
+    p = plan.pattern
+    r = plan.probe(p.n if fwd else p.m, seed, device)
+    vs = [r, r.flip(0)]
+    vs.append(vs[0] + vs[1])
+    try:
+        with buffers_kept(prob.f):
+            if fwd:
+                leaves = tuple(prob.leaves)
+                sizes = [x.numel() for x in leaves]
+                got = []
+                for v in vs:
+                    prob.reset_primals()
+                    tangents = tuple(t.reshape(x.shape).to(x.dtype) for t, x
+                                     in zip(v.split(sizes), leaves))
+                    with torch.no_grad():
+                        out = func_jvp(prob.g, leaves, tangents)[1]
+                    got.append(torch.cat([t.detach().reshape(-1).to(acc)
+                                          for t in tree_leaves(out)]))
+            else:
+                got = []
+                for v in vs:
+                    def keep(outs: list[Tensor], v: Tensor = v) -> list[Tensor]:
+                        parts = v.split([o.numel() for o in outs])
+                        return [t.reshape(o.shape).to(o.dtype) for t, o in zip(parts, outs)]
+                    res = one_reverse_product(prob, keep=keep)
+                    if res is None:
+                        return True
+                    got.append(torch.cat([t.reshape(-1).to(acc) for t in res[2]]))
+    except Exception as err:  # noqa: BLE001 - unknown: judged as before
+        if passes_through(err):
+            raise
+        return True
+    with torch.no_grad():
+        (entries,) = plan.layout_indices(torch.sparse_coo, device)
+        where, at = (entries[0], entries[1]) if fwd else (entries[1], entries[0])
+        values = comp.reshape(-1).index_select(
+            0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc).abs()
+        local = values.new_zeros(p.m if fwd else p.n).index_add_(
+            0, where, values * vs[2].to(acc)[at])
+        for g in got:
+            torch.maximum(local, g.abs(), out=local)
+        bound = local.clamp(min=rtol * local.max()).mul_(rtol)
+        off = (got[2] - got[0] - got[1]).abs_()
+        return not bool((off > bound).any())
+
+
 def _users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: float,
-                          scale: float, pkey: Any) -> None:
+                          scale: float, pkey: Any, probed: Any = None) -> None:
     """A user's pattern whose probe disagreed (NOTE [a cached plan, probed]): raises where
-    f's reverse products are linear (the pattern leaves out entries); otherwise the plan is
-    not probed again for this function (``pkey``: its route key), and the result stands."""
+    f's reverse products are linear (the pattern leaves out entries), and f's products are
+    additive at the probe's own scale (``probed``: the colouring, products and seeds' dtype
+    the probe was judged with; :func:`_additive_at_probe_scale`); otherwise the plan is not
+    probed again for this function (``pkey``: its route key), and the result stands."""
+    if probed is not None:
+        coloring, comp, (seed, coarsest) = probed
+        rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
+        if not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol):
+            plan.stop_probing(pkey)
+            return
     with buffers_kept(prob.f):
         got = one_reverse_product(prob)
     if got is not None:

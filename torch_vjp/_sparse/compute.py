@@ -54,7 +54,10 @@ in their seeds (a hook that clamps the gradient), the result stands as it was, a
 plan is not probed again.
 A user's pattern is probed too, in every mode (only "auto"'s first call with it was
 checked, and the explicit modes never): where the probe disagrees and f's reverse
-products are those of one linear map (the additivity test of "auto"'s check), the pattern
+products are those of one linear map (the additivity test of "auto"'s check) and f's
+products in the probe's own space are additive element by element at the probe's own
+scale (not so where a part of f rounds more coarsely than its tensors' dtypes, bfloat16
+under autocast cast back to float32: the disagreement is then rounding), the pattern
 leaves out entries and a JacobianOptionError says so; otherwise the result stands and the
 pattern is not probed again for that function (Plan.unprobed: a pattern serves several,
 and another's calls with it are still probed).
