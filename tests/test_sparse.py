@@ -1982,3 +1982,22 @@ def test_a_users_pattern_that_misses_entries_beside_a_larger_part_is_still_refus
     with pytest.raises(tv.JacobianOptionError, match="leaves out non-zeros"):
         for _ in range(2):
             sparse_jacobian(f, x, pattern=torch.cat([eye, eye]), mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+def test_a_changed_branch_beside_a_bfloat16_output_is_found(mode):
+    # 25b2e41 judged every element of the probe within the coarsest dtype of all outputs:
+    # beside a bfloat16 output, the float32 output's rows were judged within bfloat16's
+    # tolerance (0.088), and a branch change there worth 2.5% of its rows went unseen
+    # (the entries of u.roll(3) gathered from u.roll(1)'s plan, 0.17 off, silently)
+    flag = [1]
+    f = lambda u: (u * u + 0.05 * u * u.roll(flag[0]), (u[:8] * 2).bfloat16())  # noqa: E731
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        sparse_jacobian(f, x, mode=mode)
+    flag[0] = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+    want = torch.cat([t.reshape(-1, 64).float() for t in torch.func.jacrev(f)(x)])
+    torch.testing.assert_close(J.float(), want, rtol=1e-2, atol=1e-5)

@@ -321,9 +321,10 @@ def sparse_jacobian(
 
 
 def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
-           dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[bool, float, float]:
+           dtypes: tuple[Any, ...]) -> tuple[bool, float, float]:
     """Whether the probe product ``extra`` (of the probe row in the seeds' dtype, the first
-    of ``dtypes``; the second, the coarsest dtype of x's and f's tensors)
+    of ``dtypes``; the second, the coarsest dtype of x's and f's tensors, which
+    :func:`_probe_tolerance` narrows per element to the dtypes of its entries' sides)
     disagrees with the same product read from the values the plan gathers from ``comp``
     (NOTE [a cached plan, probed]), by how much, and at what scale: element by element,
     each within rounding of its own scale (``|J| r``, or the products' own), so that a row
@@ -333,7 +334,7 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
         return False, 0.0, 0.0
     # (the coarsest of x's dtypes and the outputs': a product computed in float32 and
     # returned in float64, or a float32 output beside a float64 one, is float32's)
-    seed, coarsest = dtypes
+    seed, coarsest = dtypes[:2]
     rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
     device = comp.device
     # (summed in float32 at least: a row of hundreds of terms summed in bfloat16 or float16
@@ -352,7 +353,9 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
         off.sub_(extra).abs_()
         torch.maximum(local, extra.abs(), out=local)
         top = local.max()
-        bound = local.clamp(min=rtol * top).mul_(rtol)
+        tol = _probe_tolerance(plan, coloring, dtypes, rtol, length, where, acc,
+                               comp.dtype, device)
+        bound = torch.maximum(local, tol * top).mul_(tol)
         over = off > bound
         top_, over_ = torch.stack((top, over.any().to(top.dtype))).tolist()
         if not math.isfinite(top_):
@@ -363,7 +366,7 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
                 return True, math.inf, math.inf
             local = torch.where(bad, 0, local)
             off = torch.where(bad, 0, off)
-            bound = local.clamp(min=rtol * local.max()).mul_(rtol)
+            bound = torch.maximum(local, tol * local.max()).mul_(tol)
             over = off > bound
             over_ = over.any().item()
         if not over_:
@@ -371,6 +374,36 @@ def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
         worst = torch.where(over, off - bound, -1).argmax()
         diff, scale = torch.stack((off[worst], local[worst])).tolist()
     return True, diff, scale
+
+
+def _probe_tolerance(plan: Any, coloring: Any, dtypes: tuple[Any, ...], rtol: float,
+                     length: int, where: Tensor, acc: torch.dtype, products: torch.dtype,
+                     device: torch.device) -> Tensor | float:
+    """Per element of the probe product, the tolerance of the coarsest dtype its entries
+    pass through: the output of their row and the leaf of their column (and the products'
+    and seeds' dtypes); ``rtol`` (the coarsest of all) where the sides are not known. Kept
+    per plan, dtypes and device."""
+    if len(dtypes) < 3:
+        return rtol
+    seed, _, (outs, leaves) = dtypes
+    key = ("probe tolerance", coloring.mode, outs, leaves, seed, acc, products, device)
+    got = plan._indices.get(key)
+    if got is None:
+        p = plan.pattern
+        if sum(k for k, _ in outs) != p.m or sum(k for k, _ in leaves) != p.n:
+            return rtol
+
+        def per(side: Any) -> Tensor:
+            return torch.cat([torch.full((k,), tolerance(d) if d.is_floating_point else 0.0,
+                                         dtype=acc, device=device) for k, d in side])
+
+        (entries,) = plan.layout_indices(torch.sparse_coo, device)
+        each = torch.maximum(per(outs)[entries[0]], per(leaves)[entries[1]])
+        base = max(tolerance(products), tolerance(seed))
+        got = torch.full((length,), base, dtype=acc, device=device).scatter_reduce_(
+            0, where, each, "amax")
+        plan._indices[key] = got
+    return got
 
 
 def _warn_changed(prob: Problem) -> None:
@@ -389,7 +422,7 @@ def _warn_changed(prob: Problem) -> None:
 def _products(
     prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
     colour: str | None = None, probe: bool = False,
-) -> tuple[Any, Tensor, int, tuple[torch.dtype, torch.dtype]]:
+) -> tuple[Any, Tensor, int, tuple[Any, ...]]:
     """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered),
     its compressed products (with ``probe``, the probe row's product last: NOTE [a cached
     plan, probed]), the number of output elements and the dtypes of :func:`compressed`.
@@ -464,7 +497,7 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
 
 
 def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
-           probe: bool = False) -> tuple[Tensor, int, tuple[torch.dtype, torch.dtype]]:
+           probe: bool = False) -> tuple[Tensor, int, tuple[Any, ...]]:
     """Reverse mode's products with plain autograd where torch.func cannot run f (its error
     ``err``), with a one-time warning; an error of f's own comes out of that call."""
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
@@ -629,7 +662,7 @@ def _users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: fl
     the probe was judged with; :func:`_additive_at_probe_scale`); otherwise the plan is not
     probed again for this function (``pkey``: its route key), and the result stands."""
     if probed is not None:
-        coloring, comp, (seed, coarsest) = probed
+        coloring, comp, (seed, coarsest, *_) = probed
         rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
         if not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol):
             plan.stop_probing(pkey)

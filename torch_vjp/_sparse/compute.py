@@ -43,7 +43,8 @@ gathered Jacobian is wrong (0.94 off, with no error, on ``x.roll(cfg.shift)`` af
 is the user's word) computes one product more in the same vectorised call: ``J r`` in
 forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` of numbers in ``[0.5, 1.5)``,
 compared with the same product read from the gathered values, element by element, within
-rounding (``sqrt(eps)``, for the coarser of x's dtype and the output's, of the element's
+rounding (``sqrt(eps)``, for the coarsest of the dtypes its entries pass through: the
+output of their row, the leaf of their column, the seeds' and products', of the element's
 own scale, ``|J| r``, or of ``sqrt(eps)`` of the largest where that is larger: a row a
 thousand times smaller than others is probed too; the row is read as the seeds held it,
 in their dtype). An entry the plan leaves out adds
@@ -418,7 +419,7 @@ def compressed(
     chunk_size: int | None,
     max_memory: int | None,
     probe: bool = False,
-) -> tuple[Tensor, int, tuple[torch.dtype, torch.dtype]]:
+) -> tuple[Tensor, int, tuple[Any, ...]]:
     """The compressed Jacobian, ``(colours, m)`` in forward mode or ``(colours, n)`` in
     reverse mode, the number of output elements ``f`` returned, and the dtype of the seeds
     (x's in forward mode, f's first output's in reverse mode) with the coarsest dtype of
@@ -483,17 +484,22 @@ def compressed(
     return res, res.shape[1], _dtypes(seeds.dtype, leaves, outs)
 
 
-def _dtypes(seed: torch.dtype, leaves: Any, outs: Any) -> tuple[torch.dtype, torch.dtype]:
-    """``seed`` and the coarsest floating dtype of ``leaves`` and ``outs`` (the largest
-    eps): products that pass through several dtypes (a float32 output beside a float64
-    one) are within that one's rounding."""
+def _dtypes(seed: torch.dtype, leaves: Any, outs: Any) -> tuple[Any, ...]:
+    """``seed``, the coarsest floating dtype of ``leaves`` and ``outs`` (the largest eps):
+    products that pass through several dtypes (a float32 output beside a float64 one) are
+    within that one's rounding; and ``((numel, dtype) per output, (numel, dtype) per
+    leaf)``, so that the probe judges each row (column) within the rounding of the outputs
+    and leaves its entries come from, not of the coarsest of all (a bfloat16 output beside
+    a float32 one leaves the float32 rows at float32's tolerance)."""
     dtypes = [t.dtype for t in (*leaves, *outs) if t.dtype.is_floating_point]
-    return seed, max(dtypes, key=lambda d: torch.finfo(d).eps, default=seed)
+    sides = (tuple((t.numel(), t.dtype) for t in outs),
+             tuple((t.numel(), t.dtype) for t in leaves))
+    return seed, max(dtypes, key=lambda d: torch.finfo(d).eps, default=seed), sides
 
 
 def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
                      probe: bool = False
-                     ) -> tuple[Tensor, int, tuple[torch.dtype, torch.dtype]]:
+                     ) -> tuple[Tensor, int, tuple[Any, ...]]:
     """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
     per colour: for functions torch.func cannot run at all (a module in training mode that
     updates its running statistics, a custom Function without setup_context), as the dense
