@@ -17,21 +17,17 @@ tridiagonal Jacobian, whatever its size. See the docs page "Sparse Jacobians".
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from torch.utils._pytree import tree_leaves
-
-from torch_vjp._engine.context import buffers_kept, func_jvp, is_nested
+from torch_vjp._engine.context import buffers_kept, is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
     agreeing_route,
-    cotangent,
     gap,
     route_key,
     one_reverse_product,
@@ -63,6 +59,13 @@ from torch_vjp._sparse.compute import (
 )
 from torch_vjp._sparse.detect import detect
 from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
+from torch_vjp._sparse.probe import (
+    linear,
+    misses_message,
+    stale,
+    users_pattern_misses,
+    warn_changed,
+)
 
 __all__ = ["jacobian_sparsity", "sparse_jacobian", "clear_cache"]
 
@@ -269,7 +272,7 @@ def sparse_jacobian(
              and not torch.is_inference_mode_enabled())
     colour = None if route in (None, "fwd") else "rev"  # ("auto": its fallbacks stay)
     chunk_now = 1 if route == "rev-loop" else chunk
-    # NOTE [a cached plan, probed] in torch_vjp._sparse.compute
+    # NOTE [a cached plan, probed] in torch_vjp._sparse.probe
     # (not on a first call that "auto" checks anyway; a user's pattern on every other call)
     # (per function for a user's pattern, which serves several: Plan.unprobed)
     pkey = (fkey if fkey is not None else route_key(f)) if plan.user else None
@@ -284,16 +287,16 @@ def sparse_jacobian(
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     if probe and m == plan.pattern.m:
         comp, extra = comp[:-1], comp[-1]
-        stale, diff, scale = _stale(plan, coloring, comp, extra, seed)
-        if stale and plan.user:
-            _users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
-                                  (coloring, comp, seed))
-        elif stale:
+        off, diff, scale = stale(plan, coloring, comp, extra, seed)
+        if off and plan.user:
+            users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
+                                 (coloring, comp, seed))
+        elif off:
             again = _detect(prob)
             if again.same_entries(plan.pattern):
                 plan.stop_probing(pkey)  # (not a stale plan: the result stands, as it was)
             else:
-                _warn_changed(prob)
+                warn_changed(prob)
                 plan = lookup_plan(prob, lambda: again, fresh=True)
                 if plan.pattern.by_value is not None:
                     _warn_by_value(prob, plan.pattern.by_value)
@@ -318,105 +321,6 @@ def sparse_jacobian(
     index = plan.gather_index(coloring, layout, comp.device)
     values = comp.reshape(-1).index_select(0, index)
     return assemble(values, plan, layout)
-
-
-def _stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
-           dtypes: tuple[Any, ...]) -> tuple[bool, float, float]:
-    """Whether the probe product ``extra`` (of the probe row in the seeds' dtype, the first
-    of ``dtypes``; the second, the coarsest dtype of x's and f's tensors, which
-    :func:`_probe_tolerance` narrows per element to the dtypes of its entries' sides)
-    disagrees with the same product read from the values the plan gathers from ``comp``
-    (NOTE [a cached plan, probed]), by how much, and at what scale: element by element,
-    each within rounding of its own scale (``|J| r``, or the products' own), so that a row
-    a thousand times smaller than the largest is probed too; a scale under ``sqrt(eps)`` of
-    the largest counts as that (rounding carried over from the large ones)."""
-    if extra.numel() == 0:
-        return False, 0.0, 0.0
-    # (the coarsest of x's dtypes and the outputs': a product computed in float32 and
-    # returned in float64, or a float32 output beside a float64 one, is float32's)
-    seed, coarsest = dtypes[:2]
-    rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
-    device = comp.device
-    # (summed in float32 at least: a row of hundreds of terms summed in bfloat16 or float16
-    # is off by more than their tolerance, a false alarm of the sums, not of f)
-    acc = torch.promote_types(comp.dtype, torch.float32)
-    with torch.no_grad():
-        where, weights, length = plan.probe_weights(coloring, acc, device, seed)
-        values = comp.reshape(-1).index_select(
-            0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc)
-        # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns), and
-        # |J| r (the weights are positive)
-        terms = values * weights
-        off = values.new_zeros(length).index_add_(0, where, terms)
-        local = values.new_zeros(length).index_add_(0, where, terms.abs())
-        extra = extra.to(acc)
-        off.sub_(extra).abs_()
-        torch.maximum(local, extra.abs(), out=local)
-        top = local.max()
-        tol = _probe_tolerance(plan, coloring, dtypes, rtol, length, where, acc,
-                               comp.dtype, device)
-        bound = torch.maximum(local, tol * top).mul_(tol)
-        over = off > bound
-        top_, over_ = torch.stack((top, over.any().to(top.dtype))).tolist()
-        if not math.isfinite(top_):
-            # (a NaN or inf of the Jacobian reaches both products alike: the finite rest;
-            # J r is finite where |J| r is)
-            bad = ~values.new_zeros(length).index_add_(0, where, terms).isfinite()
-            if not torch.equal(bad, ~extra.isfinite()):
-                return True, math.inf, math.inf
-            local = torch.where(bad, 0, local)
-            off = torch.where(bad, 0, off)
-            bound = torch.maximum(local, tol * local.max()).mul_(tol)
-            over = off > bound
-            over_ = over.any().item()
-        if not over_:
-            return False, 0.0, 0.0
-        worst = torch.where(over, off - bound, -1).argmax()
-        diff, scale = torch.stack((off[worst], local[worst])).tolist()
-    return True, diff, scale
-
-
-def _probe_tolerance(plan: Any, coloring: Any, dtypes: tuple[Any, ...], rtol: float,
-                     length: int, where: Tensor, acc: torch.dtype, products: torch.dtype,
-                     device: torch.device) -> Tensor | float:
-    """Per element of the probe product, the tolerance of the coarsest dtype its entries
-    pass through: the output of their row and the leaf of their column (and the products'
-    and seeds' dtypes); ``rtol`` (the coarsest of all) where the sides are not known. Kept
-    per plan, dtypes and device."""
-    if len(dtypes) < 3:
-        return rtol
-    seed, _, (outs, leaves) = dtypes
-    key = ("probe tolerance", coloring.mode, outs, leaves, seed, acc, products, device)
-    got = plan._indices.get(key)
-    if got is None:
-        p = plan.pattern
-        if sum(k for k, _ in outs) != p.m or sum(k for k, _ in leaves) != p.n:
-            return rtol
-
-        def per(side: Any) -> Tensor:
-            return torch.cat([torch.full((k,), tolerance(d) if d.is_floating_point else 0.0,
-                                         dtype=acc, device=device) for k, d in side])
-
-        (entries,) = plan.layout_indices(torch.sparse_coo, device)
-        each = torch.maximum(per(outs)[entries[0]], per(leaves)[entries[1]])
-        base = max(tolerance(products), tolerance(seed))
-        got = torch.full((length,), base, dtype=acc, device=device).scatter_reduce_(
-            0, where, each, "amax")
-        plan._indices[key] = got
-    return got
-
-
-def _warn_changed(prob: Problem) -> None:
-    warn_once(
-        ("sparse-changed", function_key(prob.f)),
-        f"{prob.call}: the Jacobian of {function_name(prob.f)} has entries outside the "
-        f"sparsity pattern detected on an earlier call: f took another branch (a flag or "
-        f"number it reads that is not an argument changed), so the pattern was detected "
-        f"again. Each change costs one detection.\n  To skip detection, pass pattern= one "
-        f"that covers every branch (the union of torch_vjp.jacobian_sparsity(f, x) over "
-        f"them). This warning is shown once per function.",
-        JacobianWarning,
-    )
 
 
 def _products(
@@ -550,8 +454,8 @@ def _checked(
         # no route agrees: a random f, a backward that is not linear in its cotangent (a
         # hook that clamps the gradient), or (with a user's pattern, the same in every
         # route) entries the pattern leaves out
-        if plan.user and tried and _linear(prob, us, g, comp.dtype):
-            raise JacobianOptionError(_misses_message(
+        if plan.user and tried and linear(prob, us, g, comp.dtype):
+            raise JacobianOptionError(misses_message(
                 prob.call, f"disagrees with a reverse product of f by up to {diff:.3g} (at "
                            f"a scale of {scale:.3g}) in every mode"))
 
@@ -562,130 +466,13 @@ def _checked(
     )
 
 
-def _linear(prob: Problem, us: list[Tensor], g: Tensor, dtype: torch.dtype) -> bool:
-    """Whether f's reverse products are those of one linear map, deterministic and additive
-    in the cotangent: ``u^T J + v^T J == (u + v)^T J`` for a random ``v`` (``g``: the
-    product with ``us``, flat). Then a Jacobian that disagrees with them was computed with
-    a pattern that leaves out entries."""
-    gen = torch.Generator().manual_seed(1)
-    vs: list[Tensor] = []
-
-    def other(outs: list[Tensor]) -> list[Tensor]:
-        vs[:] = [cotangent(t, gen) for t in outs]
-        return vs
-
-    with buffers_kept(prob.f):
-        got_v = one_reverse_product(prob, keep=other)
-        got_uv = one_reverse_product(prob, keep=lambda outs: [a + b for a, b in zip(us, vs)])
-    if got_v is None or got_uv is None:
-        return False
-    g_v, g_uv = (torch.cat([t.reshape(-1) for t in r[2]]).to(dtype) for r in (got_v, got_uv))
-    off, size = gap(g_uv, g + g_v)
-    return off <= tolerance(dtype) * size
-
-
-def _misses_message(call: str, how: str) -> str:
-    return (
-        f"{call}: pattern leaves out non-zeros of the Jacobian: the Jacobian computed with it "
-        f"{how}, while f's reverse products are those of one linear map (deterministic and "
-        f"additive in the cotangent). An entry the pattern leaves out is not computed, and "
-        f"spoils the entries that share its colour, so the result would be wrong.\n  Fix: "
-        f"pass a pattern that holds every entry that can be non-zero "
-        f"(torch_vjp.jacobian_sparsity(f, x) detects one; yours added to it: "
-        f"detected.to_dense() | pattern.to_dense().bool()), or leave pattern out."
-    )
-
-
-def _additive_at_probe_scale(prob: Problem, plan: Any, coloring: Any, comp: Tensor,
-                             seed: torch.dtype, rtol: float) -> bool:
-    """Whether f's products in the probe's own space (J v, or v^T J in reverse mode) are
-    additive element by element within the probe's tolerance of each element's scale
-    (``|J| v`` from the values, as :func:`_stale` judges): ``J (r + b) == J r + J b`` for the
-    probe row ``r`` and ``b``, ``r`` reversed. Not so where f rounds more coarsely than its
-    tensors' dtypes say (a part computed in bfloat16 under autocast, then cast to float32;
-    entries that cancel), and the probe's disagreement is then rounding, not entries
-    the pattern leaves out. True where the products cannot be computed here (unknown)."""
-    device = comp.device
-    acc = torch.promote_types(comp.dtype, torch.float32)
-    fwd = coloring.mode == "fwd"
-    p = plan.pattern
-    r = plan.probe(p.n if fwd else p.m, seed, device)
-    vs = [r, r.flip(0)]
-    vs.append(vs[0] + vs[1])
-    try:
-        with buffers_kept(prob.f):
-            if fwd:
-                leaves = tuple(prob.leaves)
-                sizes = [x.numel() for x in leaves]
-                got = []
-                for v in vs:
-                    prob.reset_primals()
-                    tangents = tuple(t.reshape(x.shape).to(x.dtype) for t, x
-                                     in zip(v.split(sizes), leaves))
-                    with torch.no_grad():
-                        out = func_jvp(prob.g, leaves, tangents)[1]
-                    got.append(torch.cat([t.detach().reshape(-1).to(acc)
-                                          for t in tree_leaves(out)]))
-            else:
-                got = []
-                for v in vs:
-                    def keep(outs: list[Tensor], v: Tensor = v) -> list[Tensor]:
-                        parts = v.split([o.numel() for o in outs])
-                        return [t.reshape(o.shape).to(o.dtype) for t, o in zip(parts, outs)]
-                    res = one_reverse_product(prob, keep=keep)
-                    if res is None:
-                        return True
-                    got.append(torch.cat([t.reshape(-1).to(acc) for t in res[2]]))
-    except Exception as err:  # noqa: BLE001 - unknown: judged as before
-        if passes_through(err):
-            raise
-        return True
-    with torch.no_grad():
-        (entries,) = plan.layout_indices(torch.sparse_coo, device)
-        where, at = (entries[0], entries[1]) if fwd else (entries[1], entries[0])
-        values = comp.reshape(-1).index_select(
-            0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc).abs()
-        local = values.new_zeros(p.m if fwd else p.n).index_add_(
-            0, where, values * vs[2].to(acc)[at])
-        for g in got:
-            torch.maximum(local, g.abs(), out=local)
-        bound = local.clamp(min=rtol * local.max()).mul_(rtol)
-        off = (got[2] - got[0] - got[1]).abs_()
-        return not bool((off > bound).any())
-
-
-def _users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: float,
-                          scale: float, pkey: Any, probed: Any = None) -> None:
-    """A user's pattern whose probe disagreed (NOTE [a cached plan, probed]): raises where
-    f's reverse products are linear (the pattern leaves out entries), and f's products are
-    additive at the probe's own scale (``probed``: the colouring, products and seeds' dtype
-    the probe was judged with; :func:`_additive_at_probe_scale`); otherwise the plan is not
-    probed again for this function (``pkey``: its route key), and the result stands."""
-    if probed is not None:
-        coloring, comp, (seed, coarsest, *_) = probed
-        rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
-        if not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol):
-            plan.stop_probing(pkey)
-            return
-    with buffers_kept(prob.f):
-        got = one_reverse_product(prob)
-    if got is not None:
-        _, us, grads = got
-        g = torch.cat([t.reshape(-1) for t in grads]).to(dtype)
-        if _linear(prob, us, g, dtype):
-            raise JacobianOptionError(_misses_message(
-                prob.call, f"disagrees with one more product of f, computed with the others "
-                           f"for a check, by up to {diff:.3g} (at a scale of {scale:.3g})"))
-    plan.stop_probing(pkey)
-
-
 def clear_cache(f: Callable[..., Any] | None = None) -> None:
     """Forgets the patterns and colourings :func:`sparse_jacobian` keeps for ``f`` (for
     every function, and every user pattern, with ``None``).
 
     Not needed for correctness: a call with a cached plan checks it with one product more
     and detects again where ``f`` took another branch (NOTE [a cached plan, probed] in
-    :mod:`torch_vjp._sparse.compute`); a weight written in place, or given other
+    :mod:`torch_vjp._sparse.probe`); a weight written in place, or given other
     ``.data``, and a module's parameter rebound, are detected again before any product.
     It frees the memory the plans hold, and makes the next call detect from scratch.
 

@@ -12,6 +12,8 @@ the order they build on each other:
 * ``pattern``: patterns as sorted index arrays, and the checks of a user's pattern;
 * ``detect``: one detection run, from ``f`` to its pattern;
 * ``coloring``: greedy distance-2 colourings of columns or rows (NOTE [colouring]);
+* ``probe``: the probe row that checks a cached plan on every call (NOTE [a cached plan,
+  probed]);
 * ``compute``: plans and their cache, the compressed products under vmap, and the
   decompressed result (NOTE [compression], NOTE [plan cache]).
 """

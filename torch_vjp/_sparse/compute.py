@@ -28,42 +28,12 @@ the cache dies with the function. A plan assumes that ``f``'s structure does not
 the same branches and the same constant zeros (a weight written in place since, or given
 other data, is seen: NOTE [structural zeros that move] in :mod:`~torch_vjp._sparse.tracer`;
 so is a module's parameter rebound to another tensor, by the key; anything else is
-found by the probe row of NOTE [a cached plan, probed]). An output whose
+found by the probe row of NOTE [a cached plan, probed] in
+:mod:`~torch_vjp._sparse.probe`). An output whose
 size differs from the plan's (``f`` changed) makes the plan be detected again. A user's
 pattern keeps its plan (its colourings) with the pattern tensor, as long as that tensor
 lives and is not modified (a dense one is compared with a copy: a write through NumPy or
 ``.data`` bumps no version).
-
-NOTE [a cached plan, probed]
-What selects ``f``'s branches is not all in the key: a flag in a list or on an object
-(``cfg.shift``), a number a closure holds, another function bound to a name. A plan
-detected on one branch and used on another leaves out the entries of the other, and the
-gathered Jacobian is wrong (0.94 off, with no error, on ``x.roll(cfg.shift)`` after
-``cfg.shift`` changed). So every call that uses a cached plan (not a user's pattern, which
-is the user's word) computes one product more in the same vectorised call: ``J r`` in
-forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` of numbers in ``[0.5, 1.5)``,
-compared with the same product read from the gathered values, element by element, within
-rounding (``sqrt(eps)``, for the coarsest of the dtypes its entries pass through: the
-output of their row, the leaf of their column, the seeds' and products', of the element's
-own scale, ``|J| r``, or of ``sqrt(eps)`` of the largest where that is larger: a row a
-thousand times smaller than others is probed too; the row is read as the seeds held it,
-in their dtype). An entry the plan leaves out adds
-``J[i, j] r[j]`` to the first and nothing to the second. Where they disagree the pattern
-is detected again: a different one becomes the plan (its first call is checked as any
-first call is), with a one-time warning; the same one means the products are not linear
-in their seeds (a hook that clamps the gradient), the result stands as it was, and the
-plan is not probed again.
-A user's pattern is probed too, in every mode (only "auto"'s first call with it was
-checked, and the explicit modes never): where the probe disagrees and f's reverse
-products are those of one linear map (the additivity test of "auto"'s check) and f's
-products in the probe's own space are additive element by element at the probe's own
-scale (not so where a part of f rounds more coarsely than its tensors' dtypes, bfloat16
-under autocast cast back to float32: the disagreement is then rounding), the pattern
-leaves out entries and a JacobianOptionError says so; otherwise the result stands and the
-pattern is not probed again for that function (Plan.unprobed: a pattern serves several,
-and another's calls with it are still probed).
-It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (the
-single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most).
 """
 
 from __future__ import annotations
@@ -89,6 +59,7 @@ from torch_vjp._engine.rows import SameDraws, map_rows_with_fallback
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
 from torch_vjp._sparse.coloring import Coloring, color_columns, color_rows
 from torch_vjp._sparse.pattern import Pattern
+from torch_vjp._sparse.probe import probe_row
 
 __all__ = [
     "Plan",
@@ -99,7 +70,6 @@ __all__ = [
     "compressed",
     "compressed_plain",
     "assemble",
-    "probe_row",
 ]
 
 _LONG = torch.long
@@ -401,14 +371,6 @@ def _split_rows(
         return tuple(t.reshape(stop - start, *s) for t, s in zip(parts, shapes))
 
     return rows
-
-
-def probe_row(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The probe row of NOTE [a cached plan, probed]: the same ``length`` numbers in
-    ``[0.5, 1.5)`` on every call (a generator of its own; the global ones are not drawn)."""
-    gen = torch.Generator().manual_seed(0x5EED)
-    return (torch.rand(length, generator=gen, dtype=torch.float64) + 0.5).to(dtype=dtype,
-                                                                             device=device)
 
 
 def compressed(

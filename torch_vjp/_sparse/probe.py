@@ -1,0 +1,275 @@
+"""The probe row: a check of a sparse Jacobian's plan on every call that uses it.
+
+NOTE [a cached plan, probed]
+What selects ``f``'s branches is not all in the key: a flag in a list or on an object
+(``cfg.shift``), a number a closure holds, another function bound to a name. A plan
+detected on one branch and used on another leaves out the entries of the other, and the
+gathered Jacobian is wrong (0.94 off, with no error, on ``x.roll(cfg.shift)`` after
+``cfg.shift`` changed). So every call that uses a cached plan (and, below, every call with
+a user's pattern) computes one product more in the same vectorised call: ``J r`` in
+forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` of numbers in ``[0.5, 1.5)``,
+compared with the same product read from the gathered values, element by element, within
+rounding (``sqrt(eps)``, for the coarsest of the dtypes its entries pass through: the
+output of their row, the leaf of their column, the seeds' and products', of the element's
+own scale, ``|J| r``, or of ``sqrt(eps)`` of the largest where that is larger: a row a
+thousand times smaller than others is probed too; the row is read as the seeds held it,
+in their dtype). An entry the plan leaves out adds
+``J[i, j] r[j]`` to the first and nothing to the second. Where they disagree the pattern
+is detected again: a different one becomes the plan (its first call is checked as any
+first call is), with a one-time warning; the same one means the products are not linear
+in their seeds (a hook that clamps the gradient), the result stands as it was, and the
+plan is not probed again.
+A user's pattern is probed too, in every mode (only "auto"'s first call with it was
+checked, and the explicit modes never): where the probe disagrees and f's reverse
+products are those of one linear map (the additivity test of "auto"'s check) and f's
+products in the probe's own space are additive element by element at the probe's own
+scale (not so where a part of f rounds more coarsely than its tensors' dtypes, bfloat16
+under autocast cast back to float32: the disagreement is then rounding), the pattern
+leaves out entries and a JacobianOptionError says so; otherwise the result stands and the
+pattern is not probed again for that function (Plan.unprobed: a pattern serves several,
+and another's calls with it are still probed).
+It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (the
+single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from torch_vjp._engine.context import buffers_kept, func_jvp
+from torch_vjp._engine.fwdcheck import cotangent, gap, one_reverse_product, tolerance
+from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.problem import Problem
+from torch_vjp._errors import JacobianOptionError, JacobianWarning, passes_through, warn_once
+
+__all__ = ["probe_row", "stale", "warn_changed", "users_pattern_misses", "linear",
+           "misses_message"]
+
+
+def probe_row(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The probe row of NOTE [a cached plan, probed]: the same ``length`` numbers in
+    ``[0.5, 1.5)`` on every call (a generator of its own; the global ones are not drawn)."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    return (torch.rand(length, generator=gen, dtype=torch.float64) + 0.5).to(dtype=dtype,
+                                                                             device=device)
+
+
+def stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
+           dtypes: tuple[Any, ...]) -> tuple[bool, float, float]:
+    """Whether the probe product ``extra`` (of the probe row in the seeds' dtype, the first
+    of ``dtypes``; the second, the coarsest dtype of x's and f's tensors, which
+    :func:`_probe_tolerance` narrows per element to the dtypes of its entries' sides)
+    disagrees with the same product read from the values the plan gathers from ``comp``
+    (NOTE [a cached plan, probed]), by how much, and at what scale: element by element,
+    each within rounding of its own scale (``|J| r``, or the products' own), so that a row
+    a thousand times smaller than the largest is probed too; a scale under ``sqrt(eps)`` of
+    the largest counts as that (rounding carried over from the large ones)."""
+    if extra.numel() == 0:
+        return False, 0.0, 0.0
+    # (the coarsest of x's dtypes and the outputs': a product computed in float32 and
+    # returned in float64, or a float32 output beside a float64 one, is float32's)
+    seed, coarsest = dtypes[:2]
+    rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
+    device = comp.device
+    # (summed in float32 at least: a row of hundreds of terms summed in bfloat16 or float16
+    # is off by more than their tolerance, a false alarm of the sums, not of f)
+    acc = torch.promote_types(comp.dtype, torch.float32)
+    with torch.no_grad():
+        where, weights, length = plan.probe_weights(coloring, acc, device, seed)
+        values = comp.reshape(-1).index_select(
+            0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc)
+        # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns), and
+        # |J| r (the weights are positive)
+        terms = values * weights
+        off = values.new_zeros(length).index_add_(0, where, terms)
+        local = values.new_zeros(length).index_add_(0, where, terms.abs())
+        extra = extra.to(acc)
+        off.sub_(extra).abs_()
+        torch.maximum(local, extra.abs(), out=local)
+        top = local.max()
+        tol = _probe_tolerance(plan, coloring, dtypes, rtol, length, where, acc,
+                               comp.dtype, device)
+        bound = torch.maximum(local, tol * top).mul_(tol)
+        over = off > bound
+        top_, over_ = torch.stack((top, over.any().to(top.dtype))).tolist()
+        if not math.isfinite(top_):
+            # (a NaN or inf of the Jacobian reaches both products alike: the finite rest;
+            # J r is finite where |J| r is)
+            bad = ~values.new_zeros(length).index_add_(0, where, terms).isfinite()
+            if not torch.equal(bad, ~extra.isfinite()):
+                return True, math.inf, math.inf
+            local = torch.where(bad, 0, local)
+            off = torch.where(bad, 0, off)
+            bound = torch.maximum(local, tol * local.max()).mul_(tol)
+            over = off > bound
+            over_ = over.any().item()
+        if not over_:
+            return False, 0.0, 0.0
+        worst = torch.where(over, off - bound, -1).argmax()
+        diff, scale = torch.stack((off[worst], local[worst])).tolist()
+    return True, diff, scale
+
+
+def _probe_tolerance(plan: Any, coloring: Any, dtypes: tuple[Any, ...], rtol: float,
+                     length: int, where: Tensor, acc: torch.dtype, products: torch.dtype,
+                     device: torch.device) -> Tensor | float:
+    """Per element of the probe product, the tolerance of the coarsest dtype its entries
+    pass through: the output of their row and the leaf of their column (and the products'
+    and seeds' dtypes); ``rtol`` (the coarsest of all) where the sides are not known. Kept
+    per plan, dtypes and device."""
+    if len(dtypes) < 3:
+        return rtol
+    seed, _, (outs, leaves) = dtypes
+    key = ("probe tolerance", coloring.mode, outs, leaves, seed, acc, products, device)
+    got = plan._indices.get(key)
+    if got is None:
+        p = plan.pattern
+        if sum(k for k, _ in outs) != p.m or sum(k for k, _ in leaves) != p.n:
+            return rtol
+
+        def per(side: Any) -> Tensor:
+            return torch.cat([torch.full((k,), tolerance(d) if d.is_floating_point else 0.0,
+                                         dtype=acc, device=device) for k, d in side])
+
+        (entries,) = plan.layout_indices(torch.sparse_coo, device)
+        each = torch.maximum(per(outs)[entries[0]], per(leaves)[entries[1]])
+        base = max(tolerance(products), tolerance(seed))
+        got = torch.full((length,), base, dtype=acc, device=device).scatter_reduce_(
+            0, where, each, "amax")
+        plan._indices[key] = got
+    return got
+
+
+def warn_changed(prob: Problem) -> None:
+    warn_once(
+        ("sparse-changed", function_key(prob.f)),
+        f"{prob.call}: the Jacobian of {function_name(prob.f)} has entries outside the "
+        f"sparsity pattern detected on an earlier call: f took another branch (a flag or "
+        f"number it reads that is not an argument changed), so the pattern was detected "
+        f"again. Each change costs one detection.\n  To skip detection, pass pattern= one "
+        f"that covers every branch (the union of torch_vjp.jacobian_sparsity(f, x) over "
+        f"them). This warning is shown once per function.",
+        JacobianWarning,
+    )
+
+
+def _additive_at_probe_scale(prob: Problem, plan: Any, coloring: Any, comp: Tensor,
+                             seed: torch.dtype, rtol: float) -> bool:
+    """Whether f's products in the probe's own space (J v, or v^T J in reverse mode) are
+    additive element by element within the probe's tolerance of each element's scale
+    (``|J| v`` from the values, as :func:`stale` judges): ``J (r + b) == J r + J b`` for the
+    probe row ``r`` and ``b``, ``r`` reversed. Not so where f rounds more coarsely than its
+    tensors' dtypes say (a part computed in bfloat16 under autocast, then cast to float32;
+    entries that cancel), and the probe's disagreement is then rounding, not entries
+    the pattern leaves out. True where the products cannot be computed here (unknown)."""
+    device = comp.device
+    acc = torch.promote_types(comp.dtype, torch.float32)
+    fwd = coloring.mode == "fwd"
+    p = plan.pattern
+    r = plan.probe(p.n if fwd else p.m, seed, device)
+    vs = [r, r.flip(0)]
+    vs.append(vs[0] + vs[1])
+    try:
+        with buffers_kept(prob.f):
+            if fwd:
+                leaves = tuple(prob.leaves)
+                sizes = [x.numel() for x in leaves]
+                got = []
+                for v in vs:
+                    prob.reset_primals()
+                    tangents = tuple(t.reshape(x.shape).to(x.dtype) for t, x
+                                     in zip(v.split(sizes), leaves))
+                    with torch.no_grad():
+                        out = func_jvp(prob.g, leaves, tangents)[1]
+                    got.append(torch.cat([t.detach().reshape(-1).to(acc)
+                                          for t in tree_leaves(out)]))
+            else:
+                got = []
+                for v in vs:
+                    def keep(outs: list[Tensor], v: Tensor = v) -> list[Tensor]:
+                        parts = v.split([o.numel() for o in outs])
+                        return [t.reshape(o.shape).to(o.dtype) for t, o in zip(parts, outs)]
+                    res = one_reverse_product(prob, keep=keep)
+                    if res is None:
+                        return True
+                    got.append(torch.cat([t.reshape(-1).to(acc) for t in res[2]]))
+    except Exception as err:  # noqa: BLE001 - unknown: judged as before
+        if passes_through(err):
+            raise
+        return True
+    with torch.no_grad():
+        (entries,) = plan.layout_indices(torch.sparse_coo, device)
+        where, at = (entries[0], entries[1]) if fwd else (entries[1], entries[0])
+        values = comp.reshape(-1).index_select(
+            0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc).abs()
+        local = values.new_zeros(p.m if fwd else p.n).index_add_(
+            0, where, values * vs[2].to(acc)[at])
+        for g in got:
+            torch.maximum(local, g.abs(), out=local)
+        bound = local.clamp(min=rtol * local.max()).mul_(rtol)
+        off = (got[2] - got[0] - got[1]).abs_()
+        return not bool((off > bound).any())
+
+
+def users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: float,
+                          scale: float, pkey: Any, probed: Any = None) -> None:
+    """A user's pattern whose probe disagreed (NOTE [a cached plan, probed]): raises where
+    f's reverse products are linear (the pattern leaves out entries), and f's products are
+    additive at the probe's own scale (``probed``: the colouring, products and seeds' dtype
+    the probe was judged with; :func:`_additive_at_probe_scale`); otherwise the plan is not
+    probed again for this function (``pkey``: its route key), and the result stands."""
+    if probed is not None:
+        coloring, comp, (seed, coarsest, *_) = probed
+        rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
+        if not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol):
+            plan.stop_probing(pkey)
+            return
+    with buffers_kept(prob.f):
+        got = one_reverse_product(prob)
+    if got is not None:
+        _, us, grads = got
+        g = torch.cat([t.reshape(-1) for t in grads]).to(dtype)
+        if linear(prob, us, g, dtype):
+            raise JacobianOptionError(misses_message(
+                prob.call, f"disagrees with one more product of f, computed with the others "
+                           f"for a check, by up to {diff:.3g} (at a scale of {scale:.3g})"))
+    plan.stop_probing(pkey)
+
+
+def linear(prob: Problem, us: list[Tensor], g: Tensor, dtype: torch.dtype) -> bool:
+    """Whether f's reverse products are those of one linear map, deterministic and additive
+    in the cotangent: ``u^T J + v^T J == (u + v)^T J`` for a random ``v`` (``g``: the
+    product with ``us``, flat). Then a Jacobian that disagrees with them was computed with
+    a pattern that leaves out entries."""
+    gen = torch.Generator().manual_seed(1)
+    vs: list[Tensor] = []
+
+    def other(outs: list[Tensor]) -> list[Tensor]:
+        vs[:] = [cotangent(t, gen) for t in outs]
+        return vs
+
+    with buffers_kept(prob.f):
+        got_v = one_reverse_product(prob, keep=other)
+        got_uv = one_reverse_product(prob, keep=lambda outs: [a + b for a, b in zip(us, vs)])
+    if got_v is None or got_uv is None:
+        return False
+    g_v, g_uv = (torch.cat([t.reshape(-1) for t in r[2]]).to(dtype) for r in (got_v, got_uv))
+    off, size = gap(g_uv, g + g_v)
+    return off <= tolerance(dtype) * size
+
+
+def misses_message(call: str, how: str) -> str:
+    return (
+        f"{call}: pattern leaves out non-zeros of the Jacobian: the Jacobian computed with it "
+        f"{how}, while f's reverse products are those of one linear map (deterministic and "
+        f"additive in the cotangent). An entry the pattern leaves out is not computed, and "
+        f"spoils the entries that share its colour, so the result would be wrong.\n  Fix: "
+        f"pass a pattern that holds every entry that can be non-zero "
+        f"(torch_vjp.jacobian_sparsity(f, x) detects one; yours added to it: "
+        f"detected.to_dense() | pattern.to_dense().bool()), or leave pattern out."
+    )
