@@ -1593,6 +1593,48 @@ def test_hessian_of_a_random_f_at_the_first_draw(strategy):
         assert torch.equal(after, torch.rand(1))
 
 
+@pytest.mark.parametrize("source", ["generator", "numpy", "random"])
+@pytest.mark.parametrize("shape", [(2, 40), (40, 2)], ids=["wide-fwd", "tall-rev"])
+def test_auto_differentiates_f_at_the_first_draw_of_its_own_generator(shape, source):
+    # NOTE [auto's extra calls draw what the products draw]: an f drawing from a
+    # torch.Generator of its own, or from NumPy's or Python's global generator, had the
+    # first call of a signature differentiate the probe's next draw and warn that no route
+    # agreed (the check drew a third), and moved the generator three calls on
+    import random
+
+    import numpy as np
+
+    n_in, n_out = shape
+    W = torch.randn(n_out, n_in, dtype=D)
+    x = torch.randn(n_in, dtype=D)
+    g = torch.Generator()
+
+    def seed():
+        g.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+
+    def draw():
+        if source == "generator":
+            return torch.rand(n_out, generator=g, dtype=D)
+        if source == "numpy":
+            return torch.from_numpy(np.random.rand(n_out))
+        return torch.tensor([random.random() for _ in range(n_out)], dtype=D)
+
+    def f(x):
+        return (W @ x) ** 2 * draw()
+
+    for _ in range(2):  # the first call of the signature, then a remembered one
+        seed()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tv.JacobianWarning)
+            J = jacobian(f, x)
+        after = draw()
+        seed()
+        torch.testing.assert_close(J, torch.func.jacrev(f)(x))  # one call: the first draw
+        torch.testing.assert_close(after, draw())
+
+
 @pytest.mark.parametrize("strategy", ["fwd-loop", "rev-loop"])
 def test_a_loop_strategy_differentiates_a_random_f_at_the_first_draw(strategy):
     n_in, n_out = (3, 7) if strategy == "fwd-loop" else (4, 6)

@@ -38,7 +38,12 @@ torch.func.jacrev's does), the check compared two draws and warned that no route
 the generators ended two or three calls on. So the probe puts the generators back, and
 the check (and any route it tries) starts from the state the products started from; the
 generators end as the products left them, one call of f on. Only where f is probed or
-checked: the first call of a signature.
+checked: the first call of a signature. The torch.Generator objects f reaches (its closure,
+globals, modules: :func:`torch_vjp._function_calls.generators`, as check_function finds
+them) and NumPy's and Python's global generators are put back alike: an f drawing from them
+had the same wrong draw and warning. (A search of f's objects and a copy of NumPy's state:
+tens of microseconds, on that first call only; the loops and hessian's probe, which run on
+every call, keep torch's global generators alone.)
 
 NOTE [per-call overhead]
 torch.func.jacrev and jacfwd cost little more than the vmapped products themselves, so
@@ -92,6 +97,7 @@ from torch_vjp._engine.rows import (
     basis_rows,
     eye_basis,
     map_rows,
+    own_generators,
     passes_through,
     run_with_fallback,
 )
@@ -275,10 +281,11 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                         return _loop(prob, "rev", shapes, opts, functorch_loops)
                     mode, check = route, None
     if check is not None:
-        first = SameDraws()  # NOTE [auto's extra calls draw what the products draw]
+        own = own_generators(prob)  # NOTE [auto's extra calls draw what the products draw]
+        first = SameDraws(own, host=True)
         first()
         res = _auto(prob, mode, shapes, opts, functorch_loops)
-        after = SameDraws()
+        after = SameDraws(own, host=True)
         after()
         first()
 

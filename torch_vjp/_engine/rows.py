@@ -16,6 +16,8 @@ errors and the signal to start over (:class:`Restart`) are never caught.
 from __future__ import annotations
 
 import math
+import random
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -36,6 +38,7 @@ __all__ = [
     "run_with_fallback",
     "map_rows_with_fallback",
     "SameDraws",
+    "own_generators",
 ]
 
 Rows = Callable[[int, int], tuple[Tensor, ...]]
@@ -47,23 +50,55 @@ class SameDraws:
     before each, it keeps the global generators' state at the first and restores it before
     every later one. A forward-mode loop calls ``f`` once per column, and the columns must be
     of one function (one dropout mask, as reverse mode's one call of ``f`` has); the
-    generators end as one call of ``f`` leaves them."""
+    generators end as one call of ``f`` leaves them. ``own``: ``torch.Generator`` objects of
+    f's own, kept alike; ``host``: NumPy's and Python's global generators too (NOTE [auto's
+    extra calls draw what the products draw]; a few microseconds, so not in the loops)."""
 
-    __slots__ = ("cpu", "cuda")
+    __slots__ = ("cpu", "cuda", "own", "own_states", "host")
 
-    def __init__(self) -> None:
+    def __init__(self, own: Sequence[torch.Generator] = (), host: bool = False) -> None:
         self.cpu: Tensor | None = None
         self.cuda: list[Tensor] | None = None
+        self.own = own
+        self.own_states: list[Tensor] = []
+        self.host: Any = host
 
     def __call__(self) -> None:
         if self.cpu is None:
             self.cpu = torch.get_rng_state()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 self.cuda = torch.cuda.get_rng_state_all()
+            self.own_states = [g.get_state() for g in self.own]
+            if self.host:
+                self.host = _host_states()
             return
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+        for g, state in zip(self.own, self.own_states):
+            g.set_state(state)
+        if self.host:
+            for module, state in self.host:
+                module.setstate(state) if module is random else module.set_state(state)
+
+
+def own_generators(prob: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects f reaches (in its closure, defaults, globals, modules
+    or among the primals: :func:`torch_vjp._function_calls.generators`), for the calls that
+    'auto' adds (NOTE [auto's extra calls draw what the products draw]): a search of f's
+    objects, so where f is first probed or checked only, not on every call."""
+    from torch_vjp._function_calls import generators  # (it imports the engine)
+
+    return generators(prob.f, prob.primals)
+
+
+def _host_states() -> list[tuple[Any, Any]]:
+    """The states of Python's global generator and, where NumPy is imported, of NumPy's."""
+    states: list[tuple[Any, Any]] = [(random, random.getstate())]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        states.append((np.random, np.random.get_state()))
+    return states
 
 
 def basis_rows(

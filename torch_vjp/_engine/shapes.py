@@ -24,7 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import Restart, SameDraws
+from torch_vjp._engine.rows import Restart, SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, shape_str
 
 __all__ = [
@@ -216,8 +216,10 @@ def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
         hit = _SHAPES.get(key)
         if hit is not None:
             return Shapes(hit[1], hit[2], hit[3], key, record and hit[4])
-    draws = SameDraws()  # (drawing nothing: NOTE [auto's extra calls draw what the
-    draws()              # products draw])
+    # (drawing nothing: NOTE [auto's extra calls draw what the products draw]; f's own
+    # generators and the host's only where the probe is remembered, not hessian's per call)
+    draws = SameDraws(own_generators(prob), host=True) if key is not None else SameDraws()
+    draws()
     try:
         flat, spec = opts.probe() if opts.probe is not None else prob.probe(record)
     finally:
