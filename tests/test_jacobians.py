@@ -1529,6 +1529,28 @@ def test_auto_computes_an_f_that_takes_the_gradient_of_its_own_input():
         jacobian(fails, x)
 
 
+@pytest.mark.parametrize("call", ["jacobian", "batch_jacobian"])
+def test_auto_calls_f_twice_for_an_error_of_its_own(call):
+    # NOTE [a probe f cannot answer]: an error of f's own comes from reverse mode again, one
+    # more call of f; the retry fell back to the functorch loop and the plain loop as if the
+    # error were vmap's, and called f four times (a costly f, or one that counts or logs)
+    calls = []
+
+    class Mine(Exception):
+        pass
+
+    def fails(x):
+        calls.append(1)
+        raise Mine("f's own")
+
+    x = torch.randn(4, 3, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with pytest.raises(Mine, match="^f's own$"):
+            getattr(tv, call)(fails, x)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("strategy", ALL)
 def test_hessian_of_an_f_that_takes_the_gradient_of_its_own_input(strategy):
     # "fwd" (forward over reverse, as torch.func.hessian) raised "element 0 of tensors does

@@ -26,7 +26,9 @@ when differentiated: one that takes the gradient of its own input with plain aut
 (``torch.autograd.grad(u(x), x, create_graph=True)``, as physics-informed losses do) needs
 an input that requires grad, which reverse mode gives it and the probe does not. Where the
 probe fails, ``"auto"`` takes reverse mode, which needs no sizes in advance; an error of f's
-own comes from there again, untouched (one more call of f, on the error path only).
+own comes from there again, untouched (one more call of f, on the error path only: reverse
+mode's raising the probe's error again, same type and message, is not taken for vmap's, and
+the loops, which would call f again each, are not tried).
 
 NOTE [auto's extra calls draw what the products draw]
 ``"auto"`` calls f more often than the products need: a probe for the output sizes, and,
@@ -264,7 +266,10 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
         except Exception as err:  # noqa: BLE001 - NOTE [a probe f cannot answer]
             if mode is not None or not fallback or passes_through(err):
                 raise
-            return _blocks_of(prob, "rev", vectorized, fallback, opts, functorch_loops, read)
+            if not vectorized:
+                return _blocks_of(prob, "rev", vectorized, fallback, opts, functorch_loops,
+                                  read)
+            return _auto(prob, "rev", None, opts, functorch_loops, probe_error=err)
         read.append(shapes)
         if mode is None:
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
@@ -393,12 +398,26 @@ class NoForwardMode(Exception):
 
 
 def _auto(
-    prob: Problem, mode: str, shapes: Shapes | None, opts: Opts, functorch: bool
+    prob: Problem, mode: str, shapes: Shapes | None, opts: Opts, functorch: bool,
+    probe_error: Exception | None = None,
 ) -> Blocks:
     """The vectorised strategy, then its loop, then (from forward mode) reverse mode.
-    See NOTE [auto fallback]."""
+    See NOTE [auto fallback]. ``probe_error``: the error of the shape probe that sent
+    'auto' to reverse mode (NOTE [a probe f cannot answer]); reverse mode raising it again
+    is f's own error, and propagates without the loops (each would call f once more)."""
+    failed: list[Exception] = []
+
+    def vectorized() -> Blocks:
+        try:
+            return _vectorized(prob, mode, shapes, opts)
+        except Exception as err:  # noqa: BLE001 - only noted, re-raised at once
+            failed.append(err)
+            raise
 
     def loop() -> Blocks:
+        if probe_error is not None and failed and type(failed[0]) is type(probe_error) \
+                and str(failed[0]) == str(probe_error):
+            raise failed[0]
         try:
             return _loop(prob, mode, shapes, opts, functorch)
         except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
@@ -414,9 +433,7 @@ def _auto(
         )
 
     try:
-        return run_with_fallback(
-            lambda: _vectorized(prob, mode, shapes, opts), loop, on_fallback=warn_vmap_failed
-        )
+        return run_with_fallback(vectorized, loop, on_fallback=warn_vmap_failed)
     except NoForwardMode as failed:
         loop_failure = failed.err
     warn_once(
