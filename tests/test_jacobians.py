@@ -1551,6 +1551,24 @@ def test_auto_calls_f_twice_for_an_error_of_its_own(call):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("strategy", ["auto", "fwd", "fwd-loop"])
+def test_hessian_calls_f_twice_for_an_error_of_its_own(strategy):
+    # NOTE [a probe f cannot answer]: the shape probe's retry in the gradient's reverse mode
+    # raises f's own error again; "auto" then tried plain autograd too, a third call of f
+    calls = []
+
+    class Mine(Exception):
+        pass
+
+    def fails(x):
+        calls.append(1)
+        raise Mine("f's own")
+
+    with pytest.raises(Mine, match="^f's own$"):
+        hessian(fails, torch.randn(3, dtype=D), strategy=strategy)
+    assert len(calls) <= 2
+
+
 @pytest.mark.parametrize("strategy", ALL)
 def test_hessian_of_an_f_that_takes_the_gradient_of_its_own_input(strategy):
     # "fwd" (forward over reverse, as torch.func.hessian) raised "element 0 of tensors does

@@ -462,6 +462,8 @@ def hessian(
         # Shapes of the gradient without computing it: f's outputs and the primals suffice.
         inner = Problem(f, primals, argnums, has_aux=False, call=call, aux=False)
 
+        own: list[Exception] = []  # f's own error, raised by the probe twice
+
         def probe() -> tuple[list[Tensor], Any]:
             try:
                 flat_out, out_spec = inner.probe()
@@ -469,9 +471,16 @@ def hessian(
                 if passes_through(err):
                     raise
                 # (f answers only when differentiated, as the gradient's reverse mode does:
-                # its outputs from there; an error of f's own comes from there again)
-                with torch.no_grad():
-                    flat_out, out_spec = tree_flatten(func_vjp(inner.g, *inner.leaves)[0])
+                # its outputs from there; an error of f's own comes from there again, and
+                # is not tried a third time in plain autograd below)
+                try:
+                    with torch.no_grad():
+                        flat_out, out_spec = tree_flatten(
+                            func_vjp(inner.g, *inner.leaves)[0])
+                except Exception as again:
+                    if type(again) is type(err) and str(again) == str(err):
+                        own.append(again)
+                    raise
             blocks = [
                 [torch.empty((*o.shape, *x.shape), dtype=x.dtype, device="meta")
                  for x in inner.leaves]
@@ -494,7 +503,8 @@ def hessian(
             # statistics), a custom autograd.Function without setup_context, NumPy calls;
             # "auto" and the loop strategies then take plain autograd, as
             # torch.autograd.functional does (an error of f's own comes from there again)
-            if passes_through(err) or strat.vectorized and not fallback or is_nested():
+            if (passes_through(err) or strat.vectorized and not fallback or is_nested()
+                    or any(err is e for e in own)):
                 raise
             return autograd_hessian(f, primals, argnums, not detached, call, err)
         if fallback and res.mode == "fwd" and not is_nested() and not any(
