@@ -1529,6 +1529,20 @@ def test_auto_computes_an_f_that_takes_the_gradient_of_its_own_input():
         jacobian(fails, x)
 
 
+def test_a_none_output_beside_aux_is_not_blamed_on_a_missing_return():
+    # ef77185 named a missing return statement for every output that is None; an f with
+    # has_aux=True that returns (None, aux) has its return statement
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(JacobianCallError) as info:
+        jacobian(lambda x: (None, x), x, has_aux=True)
+    assert "return statement" not in str(info.value)
+    assert "(output, aux)" in str(info.value)
+    with pytest.raises(JacobianCallError, match="return statement"):
+        jacobian(lambda x: None, x)
+    with pytest.raises(JacobianCallError, match="returned None. .*return statement"):
+        jacobian(lambda x: None, x, has_aux=True)  # (it said "returned a NoneType")
+
+
 @pytest.mark.parametrize("call", ["jacobian", "batch_jacobian"])
 def test_auto_calls_f_twice_for_an_error_of_its_own(call):
     # NOTE [a probe f cannot answer]: an error of f's own comes from reverse mode again, one

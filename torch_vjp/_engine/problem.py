@@ -469,9 +469,11 @@ class Problem:
         out = res
         if self.has_aux:
             if not (isinstance(res, tuple) and len(res) == 2):
+                got, why = ("None", " (if f ends without a return statement, or with a bare "
+                            "return, return the pair)") if res is None else (describe(res), "")
                 raise JacobianCallError(
                     f"{self.call}: with has_aux=True, f must return a pair (output, aux), "
-                    f"but it returned {describe(res)}. Return (output, aux), or pass "
+                    f"but it returned {got}. Return (output, aux){why}, or pass "
                     f"has_aux=False."
                 )
             out = res[0]
@@ -528,7 +530,9 @@ class Problem:
             ):
                 hint = " If f returns (output, aux), pass has_aux=True."
             if leaf is None and not path:
-                hint = (" f returned None: if it ends without a return statement (or with a "
+                hint = (" f returned (None, aux): the output, the first of the (output, aux) "
+                        "pair that has_aux=True reads, is None." if self.has_aux else
+                        " f returned None: if it ends without a return statement (or with a "
                         "bare return), return its result.")
             what = a_type(leaf)
             raise JacobianCallError(
