@@ -1012,6 +1012,25 @@ def test_a_fallback_warning_names_the_likely_cause(cause):
 
 
 
+def test_the_first_compiled_call_leaves_the_generator_where_the_eager_call_did():
+    # NOTE [auto's extra calls draw what the products draw]: the first compile=True call
+    # returns the eager result; the compiled run's draws (discarded with its result) moved
+    # the global generator on too, so it ended where no number of plain calls of f leaves it
+    W, x = torch.randn(6, 3, dtype=D), torch.randn(3, dtype=D)
+
+    def f(x):
+        return F.dropout(W @ x, 0.5, training=True)
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = tv.jacobian(f, x, compile=True)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+    torch.testing.assert_close(after, torch.rand(3))
+
+
 def test_a_captured_tensor_f_changes_is_put_back_on_the_first_compiled_call_too():
     # F.batch_norm's running statistics move without a version bump; the eager call puts
     # them back (NOTE [what a call puts back]), and the first compile=True call, which

@@ -89,6 +89,7 @@ from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_
                                        module_tree, modules_reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
+from torch_vjp._engine.rows import SameDraws
 from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
@@ -448,6 +449,21 @@ def _first_call(
     run = FirstRun(args)
     result = eager()  # the checks, and f's own errors, of the eager path
     run.after_eager()
+    # (the compiled run's draws are discarded with its result: the generators end where the
+    # eager call left them, NOTE [auto's extra calls draw what the products draw])
+    drawn = SameDraws()
+    drawn()
+    try:
+        return _compile_first(call, key, f, args, result, run, build, recompiles)
+    finally:
+        drawn()
+
+
+def _compile_first(
+    call: str, key: Any, f: object, args: tuple[Any, ...], result: Any, run: FirstRun,
+    build: Callable[[], Any], recompiles: int,
+) -> Any:
+    """:func:`_first_call` after its eager call: ``result``."""
     entry = _Entry(f)
     entry.recompiles = recompiles
     with _LOCK:
