@@ -1689,6 +1689,24 @@ def test_auto_differentiates_f_at_the_first_draw_of_its_own_generator(shape, sou
         torch.testing.assert_close(after, draw())
 
 
+def test_auto_under_inference_mode_searches_no_generators_per_call(monkeypatch):
+    # NOTE [auto's extra calls draw what the products draw]: under inference mode "auto"'s
+    # check neither runs nor is remembered, so every call reaches it; the search of f's
+    # objects for generators (~1 ms for a 20-layer model) ran on every call there
+    import torch_vjp._engine.jacobian as engine
+
+    searched = []
+    monkeypatch.setattr(engine, "own_generators",
+                        lambda prob: searched.append(1) or [], raising=False)
+    lin = torch.nn.Linear(3, 2).to(D)
+    x = torch.randn(3, dtype=D)
+    with torch.inference_mode():
+        for _ in range(3):
+            J = jacobian(lin, x)
+    torch.testing.assert_close(J, lin.weight)
+    assert len(searched) == 0
+
+
 @pytest.mark.parametrize("strategy", ["fwd-loop", "rev-loop"])
 def test_a_loop_strategy_differentiates_a_random_f_at_the_first_draw(strategy):
     n_in, n_out = (3, 7) if strategy == "fwd-loop" else (4, 6)

@@ -285,6 +285,11 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                     if route == "rev-loop":
                         return _loop(prob, "rev", shapes, opts, functorch_loops)
                     mode, check = route, None
+    if check is not None and torch.is_inference_mode_enabled():
+        # (no reverse product to check against there, and the route is not remembered:
+        # checked_route returns the result as it is, on every call, so nothing is drawn
+        # again and nothing is put back)
+        return _auto(prob, mode, shapes, opts, functorch_loops)
     if check is not None:
         own = own_generators(prob)  # NOTE [auto's extra calls draw what the products draw]
         first = SameDraws(own, host=True)
