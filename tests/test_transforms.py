@@ -147,6 +147,22 @@ def test_jvp_at_a_primal_whose_elements_share_memory(primal):
     torch.testing.assert_close(g, 2 * x.detach().cos())
 
 
+def test_jvp_at_a_strided_primal_is_torch_funcs():
+    # NOTE [an expanded primal]: a strided primal whose elements do not share memory
+    # (x[::2]; torch's overlap check answers "too hard") was copied as an overlapping one:
+    # an f writing into its input then wrote into the caller's tangent, not its primal,
+    # the reverse of torch.func.jvp (and a copy per call)
+    def f(a):
+        return a.mul_(2).sin()
+
+    base, t = torch.randn(8, dtype=D), torch.randn(4, dtype=D)
+    base2, t2 = base.clone(), t.clone()
+    out, jt = jvp(f, (base[::2],), (t,))
+    ref_out, ref_jt = torch.func.jvp(f, (base2[::2],), (t2,))
+    torch.testing.assert_close((out, jt), (ref_out, ref_jt))
+    torch.testing.assert_close((base, t), (base2, t2))
+
+
 @pytest.mark.parametrize("call", [
     lambda f, x: vjp(f, x),
     lambda f, x: jvp(f, (x,), (x,)),

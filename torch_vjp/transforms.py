@@ -194,9 +194,24 @@ _overlap_check = getattr(torch, "_debug_has_internal_overlap", lambda x: 0)
 
 def _has_internal_overlap(x: Tensor) -> bool:
     try:
-        return bool(_overlap_check(x))
+        answer = int(_overlap_check(x))
     except RuntimeError:  # (a torch.func wrapper: "Batching rule not implemented")
         return False
+    if answer != 2:
+        return bool(answer)
+    # ("too hard": strided but not dense, x[::2] as much as an overlapping as_strided. One
+    # whose strides, smallest first, each clear the extent of the dimensions below shares
+    # no memory, and make_dual pairs it as torch.func does; a copy of it would have f's
+    # writes go to the caller's tangent instead of its primal)
+    if x.numel() == 0:
+        return False
+    extent = 0
+    for size, stride in sorted(((n, s) for n, s in zip(x.shape, x.stride()) if n > 1),
+                               key=lambda d: d[1]):
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False
 
 
 def _batch_size(vectors: list[Tensor]) -> int:
