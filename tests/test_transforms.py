@@ -147,6 +147,15 @@ def test_jvp_at_a_primal_whose_elements_share_memory(primal):
     torch.testing.assert_close(g, 2 * x.detach().cos())
 
 
+def test_jvp_at_an_expanded_primal_leaves_the_callers_tangent():
+    # NOTE [an expanded primal]: the dense copy of the primal was paired with the caller's
+    # tangent itself (strides alike), so an f writing into its input doubled that tangent
+    t = torch.ones(4, dtype=D)
+    out, jt = jvp(lambda a: a.mul_(2).sin(), (torch.ones(1, dtype=D).expand(4),), (t,))
+    assert torch.equal(t, torch.ones(4, dtype=D))
+    torch.testing.assert_close(jt, 2 * torch.cos(torch.full((4,), 2.0, dtype=D)))
+
+
 def test_jvp_at_a_strided_primal_is_torch_funcs():
     # NOTE [an expanded primal]: a strided primal whose elements do not share memory
     # (x[::2]; torch's overlap check answers "too hard") was copied as an overlapping one:

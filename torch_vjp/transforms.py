@@ -675,9 +675,12 @@ def jvp(
     leaves = tuple(prob.leaves)
     if not batched:  # (buffers_kept: as vjp's call of f)
         if any(_has_internal_overlap(x) for x in leaves):  # NOTE [an expanded primal]
+            # (its tangent copied too: make_dual pairs a dense copy with the caller's
+            # tangent itself, and a write f makes into its input would write into that)
+            copied = [_has_internal_overlap(x) for x in leaves]
             with torch.enable_grad():
-                leaves = tuple(x.contiguous() if _has_internal_overlap(x) else x
-                               for x in leaves)
+                leaves = tuple(x.contiguous() if c else x for x, c in zip(leaves, copied))
+                vectors = [v.clone() if c else v for v, c in zip(vectors, copied)]
         with buffers_kept(f, primals=primals), _explained(call, "jvp"):
             return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict,
                             has_aux=has_aux)
