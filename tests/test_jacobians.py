@@ -1962,3 +1962,40 @@ def test_explicit_reverse_mode_explains_checkpointing():
             r"\(torch\.utils\.checkpoint, .*\n  Fix: strategy='auto', 'rev-loop' or 'fwd-loop'")):
         jacobian(f, x, strategy="rev")
     torch.testing.assert_close(jacobian(f, x), torch.autograd.functional.jacobian(f, x))
+
+
+def test_loops_draw_from_fs_own_generator_what_one_call_draws():
+    # a loop calls f once per column: f's own torch.Generator drew anew for each, so the
+    # columns came from different functions (fwd-loop Jacobian, hessian's forward over
+    # reverse, batched jvp one direction at a time), silently; each now replays one draw
+    g = torch.Generator()
+    x = torch.randn(4, dtype=D)
+
+    def f(x):
+        return x ** 2 * torch.rand(4, generator=g, dtype=D)
+
+    def h(x):
+        return (x ** 3 * torch.rand(4, generator=g, dtype=D)).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        g.manual_seed(0)
+        J = tv.jacobian(f, x, strategy="fwd-loop")
+        after = torch.rand(1, generator=g, dtype=D)
+        g.manual_seed(0)
+        torch.testing.assert_close(J, torch.func.jacrev(f)(x))
+        assert torch.equal(after, torch.rand(1, generator=g, dtype=D))  # (one call on)
+        g.manual_seed(0)
+        _, T = tv.jvp(f, (x,), (torch.eye(4, dtype=D),), batched=True, chunk_size=1)
+        g.manual_seed(0)
+        torch.testing.assert_close(T, torch.func.jacrev(f)(x).T)
+        for strategy in ("auto", "fwd-loop"):
+            H = tv.hessian(h, x, strategy=strategy)
+            # the Hessian of one draw r: diagonal 6 x r, r the same numbers in every column
+            # (before, each column's came from another draw)
+            r = H.diagonal() / (6 * x)
+            g.manual_seed(0)
+            draws = [torch.rand(4, generator=g, dtype=D) for _ in range(6)]
+            assert any(torch.allclose(r, d) for d in draws), strategy
+            assert torch.equal(H, torch.diag(H.diagonal()))
+            g.manual_seed(0)

@@ -48,7 +48,7 @@ from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.jacobian import function_key, function_name
-from torch_vjp._engine.rows import SameDraws, map_rows, run_with_fallback
+from torch_vjp._engine.rows import SameDraws, map_rows, own_generators, run_with_fallback
 from torch_vjp._errors import (
     GradOutputsError,
     JacobianCallError,
@@ -689,8 +689,9 @@ def jvp(
     spec_box: list[Any] = []
     # one direction at a time (chunks of one, or the loop vmap falls back to), the products
     # are plain calls of f: they draw the same random numbers (one function, as the
-    # vectorised call's one call of f is)
-    same_draws = SameDraws()
+    # vectorised call's one call of f is), from f's own generators too where there are
+    # several
+    same_draws = SameDraws(lambda: own_generators(prob) if k > 1 else ())
 
     def push(*tangent: Tensor, plain: bool = False) -> Any:
         if plain:

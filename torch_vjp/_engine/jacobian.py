@@ -598,8 +598,10 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     prob_g = prob.g_inner  # NOTE [non-differentiated primals]
     check = shapes.check
     unpack_dual = fwAD.unpack_dual
-    # (one call of f per column, where no vmap runs: chunks of one column are plain calls)
-    same_draws = None if vectorized and chunk != 1 else SameDraws()
+    # (one call of f per column, where no vmap runs: chunks of one column are plain calls;
+    # the generators of f's own too, where there are several columns)
+    same_draws = None if vectorized and chunk != 1 else SameDraws(
+        lambda: own_generators(prob) if n > 1 else ())
 
     def g(*xs: Tensor) -> Any:
         if same_draws is not None:

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import SameDraws, basis_rows, map_rows
+from torch_vjp._engine.rows import SameDraws, basis_rows, map_rows, own_generators
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
 
 __all__ = ["rev_plain", "fwd_plain"]
@@ -96,7 +96,8 @@ def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
         return fwAD.unpack_dual(t).primal if isinstance(t, Tensor) else t
 
     connected = [True]
-    same_draws = SameDraws()  # (one call of f per column: one set of random draws)
+    # (one call of f per column: one set of random draws, of f's own generators too)
+    same_draws = SameDraws(lambda: own_generators(prob) if n > 1 else ())
 
     def fn(*tangents: Tensor) -> Any:
         same_draws()

@@ -51,12 +51,15 @@ class SameDraws:
     every later one. A forward-mode loop calls ``f`` once per column, and the columns must be
     of one function (one dropout mask, as reverse mode's one call of ``f`` has); the
     generators end as one call of ``f`` leaves them. ``own``: ``torch.Generator`` objects of
-    f's own, kept alike; ``host``: NumPy's and Python's global generators too (NOTE [auto's
-    extra calls draw what the products draw]; a few microseconds, so not in the loops)."""
+    f's own, kept alike, or a function that finds them, called at the first call (a loop
+    that runs no product searches for nothing); ``host``: NumPy's and Python's global
+    generators too (NOTE [auto's extra calls draw what the products draw]; a few
+    microseconds, so not in the loops)."""
 
     __slots__ = ("cpu", "cuda", "own", "own_states", "host")
 
-    def __init__(self, own: Sequence[torch.Generator] = (), host: bool = False) -> None:
+    def __init__(self, own: Sequence[torch.Generator] | Callable[[], Sequence[torch.Generator]]
+                 = (), host: bool = False) -> None:
         self.cpu: Tensor | None = None
         self.cuda: list[Tensor] | None = None
         self.own = own
@@ -65,6 +68,8 @@ class SameDraws:
 
     def __call__(self) -> None:
         if self.cpu is None:
+            if callable(self.own):
+                self.own = self.own()
             self.cpu = torch.get_rng_state()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 self.cuda = torch.cuda.get_rng_state_all()
