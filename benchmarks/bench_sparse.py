@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from torch_vjp._engine.problem import Problem
-from torch_vjp._measure import cpu_model, max_error, median_time, tolerance
+from torch_vjp._measure import check_result, cpu_model, median_time
 from torch_vjp._sparse import compute
 from torch_vjp._sparse.compute import Plan
 from torch_vjp._sparse.pattern import Pattern
@@ -152,8 +152,8 @@ def bench_workload(name: str, args: argparse.Namespace, use_jax: bool) -> dict[s
     for label, run in variants.items():
         result = run()
         dense = result if result.layout is torch.strided else result.to_dense()
-        err = max_error(dense.view(ref.shape), ref)
-        ok = err <= tolerance(dense, ref, None, None)
+        err, _, why = check_result(dense.view(ref.shape), ref, None, None)
+        ok = why is None
         ours[label] = {"error": err, "ok": ok}
     plan = compute.cached_plan(Problem(f, (x,), 0, has_aux=False, call="bench"))
     out.update({
@@ -169,8 +169,8 @@ def bench_workload(name: str, args: argparse.Namespace, use_jax: bool) -> dict[s
         try:
             prepared = method.prepare(case)
             got = prepared.to_torch(prepared.run())
-            err = max_error(got, ref)
-            ok = err <= tolerance(got, ref, None, None)
+            err, _, why = check_result(got, ref, None, None)
+            ok = why is None
         except Exception as exc:  # noqa: BLE001 - recorded, not fatal
             peers[method.name] = {"ok": False, "failed": f"{type(exc).__name__}: {exc}"[:300]}
             continue

@@ -766,3 +766,21 @@ def test_a_slow_first_call_alone_does_not_time_a_method_by_single_calls(monkeypa
     assert auto.status == "ok" and auto.first_call_s >= 0.05
     assert not auto.timed_once and "one call per round" not in result.table()
     assert calls["n"] > 3  # timed in blocks of calls, not once per round
+
+
+BENCH_SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", BENCH_SCRIPTS, ids=lambda p: p.name)
+def test_every_benchmark_script_imports(script, monkeypatch):
+    # bench_sparse.py imported a name _measure no longer had (tolerance, now check_result):
+    # the script failed at its first line, and no test ran it
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(script.parent))
+    name = f"_bench_{script.stem}"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)  # (their __main__ guard keeps them from running)
+    assert callable(getattr(module, "main", None)) or module.__doc__
