@@ -15,13 +15,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torch_vjp._errors import GradOutputsWarning, a_type, shape_str, user_stacklevel
+from torch_vjp._errors import (
+    GradOutputsError,
+    GradOutputsWarning,
+    a_type,
+    shape_str,
+    user_stacklevel,
+    with_article,
+)
+from torch_vjp._shape_messages import (
+    STAND_IN_NODE,
+    known_batch_size,
+    leaf_shapes,
+    missing_message,
+    shape_message,
+)
 
 if TYPE_CHECKING:
     from torch_vjp._checks import Labels
 
 __all__ = [
     "describe_tree",
+    "check_tree_structure",
     "leaf_shapes",
     "STAND_IN_NODE",
     "output_type_message",
@@ -73,305 +88,65 @@ def describe_tree(tree: Any) -> str:
 
 #: The attribute of a tensor that stands in for a GradientEdge output (its metadata, for the
 #: checker) that holds the edge's node.
-STAND_IN_NODE = "_torch_vjp_edge_node"
 
+def check_tree_structure(
+    expected: Any, got: Any, *, call: str, name: str, against: str = "the function's output"
+) -> None:
+    """Raises :class:`GradOutputsError` unless ``got`` has the pytree structure of ``expected``.
 
-def leaf_shapes(outputs: Sequence[Tensor], limit: int = 2000) -> list[torch.Size]:
-    """Shapes of the leaf tensors (those that accumulate ``.grad``) behind ``outputs``.
+    Args:
+        expected: the function's output (or primals), any pytree of tensors.
+        got: the cotangents (or tangents) given for it.
+        call: the public call named in the message.
+        name: how the call names ``got``.
+        against: what ``expected`` is, in words (``"the primals"`` for tangents).
 
-    Walks the autograd graph breadth-first, visiting at most ``limit`` nodes. Used only to
-    word messages: "(4,) is the shape of a leaf tensor that outputs[0] was computed from".
+    Raises:
+        GradOutputsError: the structures differ.
     """
-    shapes: list[torch.Size] = []
-    seen: set[int] = set()
-    # (the stand-in of a GradientEdge output is walked from the edge's node)
-    nodes = [getattr(o, STAND_IN_NODE, None) or o.grad_fn if isinstance(o, Tensor) else None
-             for o in outputs]
-    frontier = [node for node in nodes if node is not None]
-    for o, node in zip(outputs, nodes):
-        if isinstance(o, Tensor) and node is None and o.requires_grad:
-            shapes.append(o.shape)
-    visited = 0
-    while frontier and visited < limit:
-        node = frontier.pop(0)
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        visited += 1
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor) and variable.shape not in shapes:
-            shapes.append(variable.shape)
-        frontier.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return shapes
+    from torch.utils._pytree import tree_structure
 
-
-def shape_message(
-    labels: Labels,
-    i: int,
-    out: Tensor,
-    go: Tensor,
-    outputs: Sequence[Tensor],
-    gos: Sequence[Any],
-    batched: bool,
-    inputs: Sequence[Tensor] | None,
-) -> str:
-    o, g = labels.out(i), labels.go(i)
-    gshape, oshape = tuple(go.shape), tuple(out.shape)
-    if batched:
-        k = _known_batch_size(gos, outputs)
-        want = f"(K, {', '.join(str(d) for d in oshape)})" if oshape else "(K,)"
-        if k is not None:  # K known from the entries that do carry a batch dimension
-            want += f" with K = {k}, as in the other {labels.grad_outputs}"
-        else:
-            want += ", K being the number of products"
-        head = (
-            f"{labels.call}: {g} has shape {shape_str(gshape)}, but {o} has shape "
-            f"{shape_str(oshape)} and {labels.batch_flag}=True.\n"
-            f"  With {labels.batch_flag}=True, {g} stacks K vectors along a new leading batch "
-            f"dimension, one per {labels.product}: {labels.meaning(i)}, so each "
-            f"vector has shape {shape_str(oshape)} and {g} must have shape {want}."
-        )
+    want = tree_structure(expected)
+    have = tree_structure(got)
+    if want == have:
+        return
+    # how to build a container of ``expected``'s type from ``name``'s items: a tuple or a
+    # list takes them as one iterable, a namedtuple as arguments; another tuple subclass
+    # gets no such fix (the builder is never called for it here)
+    named = isinstance(expected, tuple) and hasattr(type(expected), "_fields")
+    plain = type(expected) in (tuple, list)
+    if (isinstance(got, Tensor) and (plain or named)
+            and len(expected) == 1 and isinstance(expected[0], Tensor)):
+        kind = type(expected).__name__
+        fix = (f"Fix: like {against}, {name} must be {with_article(kind)} of one tensor: pass "
+               + (f"{kind}({name})." if named
+                  else f"({name},)." if kind == "tuple" else f"[{name}]."))
+    elif (isinstance(expected, Tensor) and isinstance(got, (tuple, list))
+            and len(got) == 1 and isinstance(got[0], Tensor)):
+        fix = (f"Fix: like {against}, {name} must be a single tensor, not "
+               f"{a_type(got)}: pass {name}[0].")
+    elif (isinstance(got, (tuple, list)) and (plain or named)
+            and len(got) == len(expected)
+            and tree_structure(type(expected)(*got) if named else type(expected)(got)) == want):
+        kind = type(expected).__name__
+        fix = (f"Fix: like {against}, {name} must be {with_article(kind)}, not "
+               f"{a_type(got)}: pass {kind}({'*' if named else ''}{name}).")
     else:
-        head = (
-            f"{labels.call}: {g} has shape {shape_str(gshape)}, but {o} has shape "
-            f"{shape_str(oshape)}.\n"
-            f"  {labels.meaning(i)}: one number per element of {o}, so it must have shape "
-            f"{shape_str(oshape)}."
-        )
-    fix = _shape_fix(labels, i, out, go, outputs, gos, batched, inputs)
-    return head + ("\n  " + fix if fix else "")
-
-
-def _count_fix(
-    labels: Labels, i: int, out: Tensor, go: Tensor, outputs: Sequence[Tensor],
-    gos: Sequence[Any],
-) -> str:
-    """The shape mismatch that a wrong number of entries explains: one tensor stacking the
-    vectors of several outputs, or several entries that are the rows of one vector."""
-    n, m = len(outputs), len(gos)
-    g, o = labels.go(i), labels.out(i)
-    rest = outputs[i:]
-    k = go.shape[0] if go.dim() == out.dim() + 1 else 0
-    if m < n and 1 < k <= len(rest) and all(r.shape == out.shape for r in rest[:k]) and (
-            go.shape[1:] == out.shape):
-        return (
-            f"{labels.outputs} has {_entries(n)} but {labels.grad_outputs} has {m}: {g} stacks {k} "
-            f"vectors, for {labels.out(i)} to {labels.out(i + k - 1)}, along a leading "
-            f"dimension. {labels.grad_outputs} takes one entry per output, so pass them "
-            f"apart: list({g}) or {g}.unbind(0) in its place."
-        )
-    rows = out.shape[0] if out.dim() >= 1 else 0
-    if (m > n and out.dim() == go.dim() + 1 and out.shape[1:] == go.shape and rows > 1
-            and m - i >= rows
-            and all(isinstance(v, Tensor) and v.shape == go.shape for v in gos[i:i + rows])):
-        return (
-            f"{labels.outputs} has {_entries(n)} but {labels.grad_outputs} has {m}: "
-            f"{labels.go(i)} to {labels.go(i + rows - 1)} look like the {rows} rows of one "
-            f"vector for {o}, which has shape {shape_str(out.shape)}. {labels.grad_outputs} "
-            f"takes one entry per output, shaped like it: pass torch.stack of those {rows} "
-            f"as one entry (torch would ignore the extra ones)."
-        )
-    return ""
-
-
-def _entries(n: int) -> str:
-    return f"{n} entry" if n == 1 else f"{n} entries"
-
-
-def _known_batch_size(gos: Sequence[Any], outputs: Sequence[Tensor]) -> int | None:
-    """The batch size K implied by the grad_outputs that do carry a batch dimension."""
-    for go, out in zip(gos, outputs):
-        if isinstance(go, Tensor) and go.dim() == out.dim() + 1 and go.shape[1:] == out.shape:
-            return int(go.shape[0])
-    return None
-
-
-def _shape_fix(
-    labels: Labels,
-    i: int,
-    out: Tensor,
-    go: Tensor,
-    outputs: Sequence[Tensor],
-    gos: Sequence[Any],
-    batched: bool,
-    inputs: Sequence[Tensor] | None,
-) -> str:
-    """One recognisable mistake and its fix, or an empty string."""
-    o, g = labels.out(i), labels.go(i)
-    gshape, oshape = go.shape, out.shape
-    if batched:
-        if gshape == oshape or go.dim() == 0:
-            k = _known_batch_size(gos, outputs)
-            if k is not None:
-                return (
-                    f"{g} has no batch dimension, while other {labels.grad_outputs} have one "
-                    f"of size {k}: with {labels.batch_flag}=True every one of them must carry "
-                    f"it. To use the same vector in all {k} products, pass "
-                    f"{g}.expand({k}, *{o}.shape)."
-                )
-            return (
-                f"{g} has no batch dimension. If you meant a single {labels.product.split()[0]} "
-                f"product, pass {labels.batch_flag}=False; for K products, stack K vectors: "
-                f"torch.stack([v1, v2, ...])."
-            )
-        if go.dim() >= 1 and gshape[1:] != oshape and _matches_input(gshape[1:], inputs, outputs):
-            return _input_fix(labels, i, gshape[1:], inputs, outputs, batched=True)
-        return ""
-    count_fix = _count_fix(labels, i, out, go, outputs, gos)
-    if count_fix:
-        return count_fix
-    if out.dim() == 0 and go.numel() == 1:
-        return (
-            f"{o} is a 0-d scalar (shape ()), and {shape_str(gshape)} is not (): "
-            f"torch.Size({list(gshape)}) and torch.Size([]) differ. Pass {g}.reshape(()), or "
-            f"torch.ones_like({o}), or leave it None: for a scalar output torch uses 1."
-        )
-    extra_leading = go.dim() == out.dim() + 1 and gshape[1:] == oshape
-    if out.numel() == 1 and go.numel() > 1 and (out.dim() == 0 or not extra_leading):
-        if out.dim() == 0:
-            what, one = f"{o} is a 0-d scalar (shape ())", "a 0-d tensor such as torch.tensor(1.0)"
-        else:
-            what = f"{o} has shape {shape_str(oshape)}: a single element"
-            one = f"a tensor of shape {shape_str(oshape)} such as torch.ones_like({o})"
-        return (
-            f"{what}, so dL/d {o} is a single number, not {go.numel()}. Pass {one}, or leave "
-            f"it None (torch uses 1). If the {go.numel()} numbers are weights for "
-            f"{go.numel()} separate outputs, differentiate the vector of those outputs (before "
-            f"any .sum()) with this as its {labels.grad_outputs}; if they are {go.numel()} "
-            f"separate vectors, {labels.batch_hint}."
-        )
-    if go.dim() == out.dim() + 1 and gshape[1:] == oshape:
-        k = gshape[0]
-        if k == 1:
-            return (
-                f"{g} has an extra leading dimension of size 1 (an unsqueeze, a [None] or a "
-                f"keepdim=True too many?): pass {g}.squeeze(0). (If it stacks one vector for "
-                f"one {labels.product}, {labels.batch_hint}.)"
-            )
-        return (
-            f"{g} has an extra leading dimension of size {k}. If it holds {k} "
-            f"vector{'s' if k != 1 else ''}, one per {labels.product}, "
-            f"{labels.batch_hint}; {labels.whole_jacobian} computes the whole Jacobian."
-        )
-    if out.numel() == 1 and go.dim() == 0:
-        return (
-            f"{o} has one element but shape {shape_str(oshape)}, not (): pass "
-            f"{g}.reshape({shape_str(oshape)}), or leave it None: for a one-element output "
-            f"torch uses 1."
-        )
-    if _matches_input(gshape, inputs, outputs):
-        return _input_fix(labels, i, gshape, inputs, outputs, batched=False)
-    # a vector of the shape of the output's leading dimensions: one weight per row (per-example
-    # weights (B,) for a (B, k) output), which torch's broadcasting would not align; where it
-    # matches the last dimensions too (a (B, B) output), both readings are told
-    per_row = ""
-    if (labels.role != "tangents" and 1 <= go.dim() < out.dim()
-            and tuple(oshape[:go.dim()]) == tuple(gshape)):
-        ones = shape_str(tuple(gshape) + (1,) * (out.dim() - go.dim()))
-        per_row = (
-            f"If it holds one weight per {'row' if go.dim() == 1 else 'slice'} of {o}, "
-            f"pass {g}.reshape({ones}).expand_as({o})."
-        )
-    if out.dim() == go.dim() + 1 and oshape[1:] == gshape:
-        if oshape[0] == 1:
-            return (
-                f"{g} lacks the leading dimension of size 1 that {o} has: pass "
-                f"{g}.unsqueeze(0)."
-            )
-        return (
-            f"{g} lacks the leading dimension of size {oshape[0]} that {o} has. To use the "
-            f"same vector for every row of {o}, pass {g}.expand_as({o})."
-            + (f" {per_row}" if per_row else "")
-        )
-    if go.dim() >= 2 and tuple(reversed(gshape)) == tuple(oshape):
-        perm = "mT" if go.dim() == 2 else f"permute({', '.join(str(d) for d in reversed(range(go.dim())))})"
-        return f"{shape_str(gshape)} is {o}'s shape reversed: did you mean {g}.{perm}?"
-    if go.numel() == out.numel():
-        return (
-            f"{g} has the right number of elements ({go.numel()}) in the wrong shape: if its "
-            f"elements are in the order of {o}'s, pass {g}.reshape({o}.shape)."
-        )
-    if _broadcastable(gshape, oshape):
-        return (
-            f"torch does not broadcast {labels.grad_outputs}: pass {g}.expand_as({o}) to "
-            f"repeat it over {o}'s shape."
-            + (f" {per_row}" if per_row else "")
-        )
-    if per_row:
-        lead = shape_str(oshape[:go.dim()])
-        return (
-            f"{shape_str(gshape)} is the shape of {o}'s leading dimension"
-            f"{'s' if go.dim() > 1 else ''} {lead}, and torch does not broadcast "
-            f"{labels.grad_outputs} (broadcasting would align the last dimensions, not the "
-            f"first). {per_row}"
-        )
-    return ""
-
-
-def _matches_input(
-    shape: torch.Size, inputs: Sequence[Tensor] | None, outputs: Sequence[Tensor]
-) -> bool:
-    if inputs is not None:
-        return any(isinstance(t, Tensor) and t.shape == shape for t in inputs)
-    return shape in leaf_shapes(outputs)
-
-
-def _input_fix(
-    labels: Labels,
-    i: int,
-    shape: torch.Size,
-    inputs: Sequence[Tensor] | None,
-    outputs: Sequence[Tensor],
-    batched: bool,
-) -> str:
-    o = labels.out(i)
-    if labels.role == "tangents":
-        return ""
-    if inputs is not None:
-        j = next(j for j, t in enumerate(inputs) if isinstance(t, Tensor) and t.shape == shape)
-        whose = f"{labels.inputs}[{j}]"
-        what = f"{shape_str(shape)} is the shape of {whose}"
-    else:
-        what = f"{shape_str(shape)} is the shape of a leaf tensor that {o} was computed from"
-    ones = f"torch.ones_like({o})"
-    if batched:
-        ones = f"torch.ones_like({o}).expand(K, *{o}.shape)"
-    return (
-        f"{what}; gradients with respect to the inputs are what the call returns, not what "
-        f"it takes. To sum the elements of {o}, pass {ones}."
+        fix = (f"Fix: build it from {against} itself, e.g. "
+               f"torch.utils._pytree.tree_map(torch.ones_like, ...).")
+    raise GradOutputsError(
+        f"{call}: {name} must have the same structure as {against}, but it does not.\n"
+        f"  expected: {describe_tree(expected)}\n"
+        f"  got:      {describe_tree(got)}\n"
+        f"  {name} holds one vector per tensor of {against}, arranged exactly like it (same "
+        f"containers, same keys, same order), each with that tensor's shape. {fix}"
     )
-
-
-def _broadcastable(a: Sequence[int], b: Sequence[int]) -> bool:
-    if len(a) > len(b):
-        return False
-    return all(x == y or x == 1 for x, y in zip(reversed(a), reversed(b)))
-
-
-def missing_message(
-    labels: Labels, i: int, out: Tensor, inputs: Sequence[Tensor] | None
-) -> str:
-    o, g = labels.out(i), labels.go(i)
-    shape = shape_str(out.shape)
-    target = "inputs" if inputs is not None else "x"
-    return (
-        f"{labels.call}: {o} has shape {shape} ({out.numel()} elements), and no {g} was "
-        f"given.\n"
-        f"  torch can start a backward pass without {labels.grad_outputs} only from a "
-        f"scalar output (it uses dL/d output = 1). {labels.meaning(i)}: one number per "
-        f"element of {o}, so here it must be a tensor of shape {shape}.\n"
-        f"  To differentiate the sum of {o}'s elements, pass torch.ones_like({o}) (or call "
-        f".sum() on it first); for the full Jacobian of {o}, use "
-        + (f"torch_vjp.jacobian_of({o}, {target})." if labels.whole_jacobian ==
-           "torch_vjp.jacobian_of" else f"{labels.whole_jacobian}.")
-    )
-
 
 def batched_none_message(
     labels: Labels, i: int, out: Tensor, gos: Sequence[Any], outputs: Sequence[Tensor]
 ) -> str:
     o, g = labels.out(i), labels.go(i)
-    k = _known_batch_size(gos, outputs)
+    k = known_batch_size(gos, outputs)
     dims = [str(k if k is not None else "K")] + [str(d) for d in out.shape]
     shape = f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
     kk = k if k is not None else "K"

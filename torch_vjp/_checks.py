@@ -31,7 +31,7 @@ from torch_vjp._check_messages import (
     cast_message,
     complex_message,
     count_message,
-    describe_tree,
+    check_tree_structure,
     device_message,
     empty_batch_message,
     extra_message,
@@ -51,10 +51,8 @@ from torch_vjp._errors import (
     GradOutputsTypeError,
     GradOutputsValueError,
     GradOutputsWarning,
-    a_type,
     torch_first,
     user_stacklevel,
-    with_article,
 )
 
 __all__ = [
@@ -426,60 +424,6 @@ def _diagnose(
     # is a bug here; say so rather than reject silently.
     return _error(GradOutputsError, labels,
                   f"{labels.call}: {labels.grad_outputs} does not fit {labels.outputs}.", None)
-
-
-def check_tree_structure(
-    expected: Any, got: Any, *, call: str, name: str, against: str = "the function's output"
-) -> None:
-    """Raises :class:`GradOutputsError` unless ``got`` has the pytree structure of ``expected``.
-
-    Args:
-        expected: the function's output (or primals), any pytree of tensors.
-        got: the cotangents (or tangents) given for it.
-        call: the public call named in the message.
-        name: how the call names ``got``.
-        against: what ``expected`` is, in words (``"the primals"`` for tangents).
-
-    Raises:
-        GradOutputsError: the structures differ.
-    """
-    from torch.utils._pytree import tree_structure
-
-    want = tree_structure(expected)
-    have = tree_structure(got)
-    if want == have:
-        return
-    # how to build a container of ``expected``'s type from ``name``'s items: a tuple or a
-    # list takes them as one iterable, a namedtuple as arguments; another tuple subclass
-    # gets no such fix (the builder is never called for it here)
-    named = isinstance(expected, tuple) and hasattr(type(expected), "_fields")
-    plain = type(expected) in (tuple, list)
-    if (isinstance(got, Tensor) and (plain or named)
-            and len(expected) == 1 and isinstance(expected[0], Tensor)):
-        kind = type(expected).__name__
-        fix = (f"Fix: like {against}, {name} must be {with_article(kind)} of one tensor: pass "
-               + (f"{kind}({name})." if named
-                  else f"({name},)." if kind == "tuple" else f"[{name}]."))
-    elif (isinstance(expected, Tensor) and isinstance(got, (tuple, list))
-            and len(got) == 1 and isinstance(got[0], Tensor)):
-        fix = (f"Fix: like {against}, {name} must be a single tensor, not "
-               f"{a_type(got)}: pass {name}[0].")
-    elif (isinstance(got, (tuple, list)) and (plain or named)
-            and len(got) == len(expected)
-            and tree_structure(type(expected)(*got) if named else type(expected)(got)) == want):
-        kind = type(expected).__name__
-        fix = (f"Fix: like {against}, {name} must be {with_article(kind)}, not "
-               f"{a_type(got)}: pass {kind}({'*' if named else ''}{name}).")
-    else:
-        fix = (f"Fix: build it from {against} itself, e.g. "
-               f"torch.utils._pytree.tree_map(torch.ones_like, ...).")
-    raise GradOutputsError(
-        f"{call}: {name} must have the same structure as {against}, but it does not.\n"
-        f"  expected: {describe_tree(expected)}\n"
-        f"  got:      {describe_tree(got)}\n"
-        f"  {name} holds one vector per tensor of {against}, arranged exactly like it (same "
-        f"containers, same keys, same order), each with that tensor's shape. {fix}"
-    )
 
 
 def check_cotangents(

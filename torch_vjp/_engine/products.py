@@ -1,0 +1,211 @@
+"""The products of a Jacobian with torch.func: reverse mode (one ``vjp`` forward, then its
+pullback per output element) and forward mode (``jvp`` per input element), each under vmap
+or in a loop, assembled into :class:`~torch_vjp._engine.blocks.Blocks`. The strategy
+engine that chooses among them is :mod:`torch_vjp._engine.jacobian`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor
+from torch.func import vmap
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
+from torch_vjp._engine.problem import LEAF_SPEC, Problem
+from torch_vjp._engine.rows import (
+    SameDraws,
+    basis_rows,
+    eye_basis,
+    map_rows,
+    own_generators,
+    passes_through,
+)
+from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
+
+__all__: list[str] = []
+
+
+def _rev(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
+    """Reverse mode with torch.func: one ``vjp`` forward, then its pullback per output
+    element, under vmap or in a loop (under ``torch.no_grad()`` for a detached result: NOTE
+    [no graph outlives its chunk])."""
+    if opts.detached:
+        with torch.no_grad():
+            return _rev_products(prob, opts, vectorized=vectorized)
+    return _rev_products(prob, opts, vectorized=vectorized)
+
+
+def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
+    connected = [False]
+    has_aux = prob.has_aux
+    prob_g = prob.g_inner  # NOTE [non-differentiated primals]
+
+    def g(*xs: Tensor) -> Any:
+        res = prob_g(*xs)
+        out = res[0] if has_aux else res
+        if isinstance(out, Tensor):
+            connected[0] = out.requires_grad
+        else:
+            connected[0] = all(o.requires_grad for o in tree_leaves(out))
+        return res
+
+    leaves = prob.leaves
+    nested = is_nested()
+    one_leaf = len(leaves) == 1 and vjp_with_argnums is not None
+    if one_leaf:  # the pullback returns a tensor
+        res = vjp_with_argnums(g, leaves[0], argnums=0, has_aux=has_aux)
+    else:  # the pullback returns a tuple, one tensor per leaf
+        res = func_vjp(g, *leaves, has_aux=has_aux)
+    out, pullback = res[0], res[1]
+    if nested:
+        # Differentiated by an outer transform (a Hessian's forward-over-reverse): the
+        # backward pass must itself be differentiable. torch.func's pullback decides by the
+        # grad mode, which graph_mode turns off at top level; and forward mode over a
+        # pullback run without create_graph is silently wrong for some operators (logdet).
+        pullback = functools.partial(pullback, create_graph=True)
+    aux = res[2] if has_aux else None
+    if isinstance(out, Tensor):
+        flat_out, out_spec = [out], LEAF_SPEC
+    else:
+        flat_out, out_spec = tree_flatten(out)
+    out_rows = row_shapes(flat_out, opts.batch, prob)
+    n = sum(math.prod(s) for s in out_rows)
+    out_dtypes = [o.dtype for o in flat_out]
+    chunk = chunk_for(prob, "rev", out_rows, out_dtypes, opts)
+    if n == 0:
+        stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
+    else:
+        if out_spec.is_leaf():
+            fn = pullback
+        else:
+
+            def fn(*cot: Tensor) -> Any:
+                return pullback(tree_unflatten(list(cot), out_spec))
+
+        if vectorized and chunk is None and (n > 1 or opts.vmap_single):
+            # NOTE [per-call overhead]
+            vecs = _all_rows(out_rows, out_dtypes, [o.device for o in flat_out], n, opts.batch)
+            products = vmap(fn)(*vecs) if n > 1 else _single_product(fn, vecs)
+            stacked = [products] if one_leaf else list(products)
+        else:
+            if one_leaf:
+                pb = fn
+
+                def fn(*cot: Tensor) -> Any:
+                    return (pb(*cot),)
+
+            rows = basis_rows(out_rows, out_dtypes, [o.device for o in flat_out], opts.batch)
+            stacked, _ = map_rows(fn, rows, n, vectorized=vectorized, chunk_size=chunk)
+    blocks, views = rev_blocks(stacked, out_rows, opts.batch)
+    return Blocks(blocks, out_spec, aux, "rev", views, connected[0])
+
+
+def _single_product(fn: Callable[..., Any], vecs: tuple[Tensor, ...]) -> Any:
+    """One product under vmap (``vmap_single``: NOTE [the gradient inside a Hessian] in :mod:`torch_vjp._engine.hessian`), or, if
+    vmap cannot batch it, the plain call: for one product that costs nothing more, so there
+    is nothing to warn about, and an error of the plain call is f's own and propagates."""
+    try:
+        return vmap(fn)(*vecs)
+    except Exception as err:  # noqa: BLE001 - classified by the plain call below
+        if passes_through(err):
+            raise
+    res = fn(*[v[0] for v in vecs])
+    if isinstance(res, Tensor):
+        return res.unsqueeze(0)
+    return tuple(r.unsqueeze(0) for r in res)
+
+
+def _all_rows(
+    shapes: Sequence[torch.Size],
+    dtypes: Sequence[torch.dtype],
+    devices: Sequence[torch.device],
+    n: int,
+    batch: int | None,
+) -> tuple[Tensor, ...]:
+    """The whole basis at once (NOTE [per-call overhead]): one ``torch.eye`` for one tensor,
+    else :func:`basis_rows` (materialised over a batch)."""
+    if len(shapes) == 1:
+        return (eye_basis(shapes[0], n, dtypes[0], devices[0], batch),)
+    vecs = basis_rows(shapes, dtypes, devices, batch)(0, n)
+    if batch is not None:
+        vecs = tuple(v.contiguous() for v in vecs)
+    return vecs
+
+
+def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Blocks:
+    """Forward mode with torch.func: ``jvp`` per input element, under vmap or in a loop."""
+    leaves = tuple(prob.leaves)
+    rows_in = in_rows(prob, opts.batch)
+    n = sum(math.prod(s) for s in rows_in)
+    chunk = chunk_for(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts,
+                      shapes.records)
+    has_aux = prob.has_aux
+    connected = [False]
+    prob_g = prob.g_inner  # NOTE [non-differentiated primals]
+    check = shapes.check
+    unpack_dual = fwAD.unpack_dual
+    # (one call of f per column, where no vmap runs: chunks of one column are plain calls;
+    # the generators of f's own too, where there are several columns)
+    same_draws = None if vectorized and chunk != 1 else SameDraws(
+        lambda: own_generators(prob) if n > 1 else ())
+
+    def g(*xs: Tensor) -> Any:
+        if same_draws is not None:
+            same_draws()
+        res = prob_g(*xs)
+        out = res[0] if has_aux else res
+        if isinstance(out, Tensor):
+            check((out,), LEAF_SPEC)
+            connected[0] = unpack_dual(out).tangent is not None
+        else:
+            flat, spec = tree_flatten(out)
+            check(flat, spec)
+            connected[0] = all(unpack_dual(o).tangent is not None for o in flat)
+        return res
+
+    aux = None
+    dtypes, devices = [x.dtype for x in leaves], [x.device for x in leaves]
+    if n == 0:
+        if has_aux or shapes.key is not None:
+            # (no product calls f: remembered output sizes are checked by this call, the
+            # only one, as the products check them)
+            with torch.no_grad():
+                res0 = prob.g(*leaves)
+            flat0, spec0 = tree_flatten(res0[0] if has_aux else res0)
+            check(flat0, spec0)
+            if has_aux:
+                aux = res0[1]
+        stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in shapes.flat]
+    elif vectorized and chunk is None and n > 1 and not has_aux:  # NOTE [per-call overhead]
+
+        def push(*tangents: Tensor) -> Any:
+            tan = func_jvp(g, leaves, tangents)[1]
+            return tan if isinstance(tan, Tensor) else tuple(tree_leaves(tan))
+
+        products = vmap(push)(*_all_rows(rows_in, dtypes, devices, n, opts.batch))
+        stacked = [products] if isinstance(products, Tensor) else list(products)
+    else:
+
+        def fn(*tangents: Tensor) -> Any:
+            res = func_jvp(g, leaves, tangents, has_aux=has_aux)
+            tan = res[1]
+            tan_flat = (tan,) if isinstance(tan, Tensor) else tuple(tree_leaves(tan))
+            return (tan_flat, res[2]) if has_aux else tan_flat
+
+        rows = basis_rows(rows_in, dtypes, devices, opts.batch)
+        stacked, aux = map_rows(
+            fn, rows, n, vectorized=vectorized, chunk_size=chunk, extras=has_aux,
+            detach=opts.detached,
+        )
+    if opts.detached:
+        stacked = [t.detach() for t in stacked]
+    blocks, views = fwd_blocks(stacked, rows_in)
+    return Blocks(blocks, shapes.spec, aux, "fwd", views, connected[0])
