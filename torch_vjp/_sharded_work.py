@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.jacobian import (
@@ -23,6 +23,7 @@ from torch_vjp._engine.jacobian import (
     function_name,
 )
 from torch_vjp._engine.memory import plan_products
+from torch_vjp._engine.plain import plain_pullback
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.refusals import vmap_refusal
 from torch_vjp._engine.rows import basis_rows, map_rows, run_with_fallback
@@ -167,25 +168,10 @@ class Work:
         ``torch.autograd.grad`` per output element of its share (as
         ``torch_vjp._engine.plain.rev_plain`` on one process)."""
         prob = self.prob
-        with torch.enable_grad():
-            xs = [x.detach().requires_grad_() for x in prob.leaves]
-            res = prob.g(*xs)
-        out = res[0] if prob.has_aux else res
-        aux = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
-                       res[1]) if prob.has_aux else None
-        flat_out, out_spec = tree_flatten(out)
+        fn, flat_out, out_spec, aux, _ = plain_pullback(prob)
         rows_out = row_shapes(flat_out, self.batch, prob)
         n = sum(math.prod(s) for s in rows_out)
         start, stop = shard_range(n, self.rank, self.world)
-        diff = [j for j, o in enumerate(flat_out) if o.requires_grad]
-
-        def fn(*cot: Tensor) -> tuple[Tensor, ...]:
-            grads = (torch.autograd.grad([flat_out[j] for j in diff], xs,
-                                         [cot[j] for j in diff], retain_graph=True,
-                                         allow_unused=True)
-                     if diff else (None,) * len(xs))
-            return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
-
         if stop == start:
             stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
         else:

@@ -11,6 +11,7 @@ NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,10 +21,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import SameDraws, basis_rows, map_rows, own_generators
+from torch_vjp._engine.rows import basis_rows, loop_draws, map_rows
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
 
-__all__ = ["rev_plain", "fwd_plain"]
+__all__ = ["rev_plain", "fwd_plain", "plain_pullback"]
 
 
 def _detach_tree(tree: Any) -> Any:
@@ -47,6 +48,30 @@ def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
     differentiable (``create_graph``) when grad mode is on and a primal requires grad.
     """
     need_graph = torch.is_grad_enabled() and any(x.requires_grad for x in prob.leaves)
+    fn, flat_out, out_spec, aux, connected = plain_pullback(prob, need_graph)
+    out_rows = row_shapes(flat_out, opts.batch, prob)
+    n = sum(math.prod(s) for s in out_rows)
+    chunk = chunk_for(prob, "rev", out_rows, [o.dtype for o in flat_out], opts)
+    if n == 0:
+        stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
+    else:
+        rows = basis_rows(
+            out_rows, [o.dtype for o in flat_out], [o.device for o in flat_out], opts.batch
+        )
+        stacked, _ = map_rows(fn, rows, n, vectorized=False, chunk_size=chunk)
+    blocks, views = rev_blocks(stacked, out_rows, opts.batch)
+    return Blocks(blocks, out_spec, aux, "rev", views, connected)
+
+
+def plain_pullback(
+    prob: Problem, need_graph: bool = False
+) -> tuple[Callable[..., tuple[Tensor, ...]], list[Tensor], Any, Any, bool]:
+    """f called once with plain autograd: ``(fn, flat outputs, their structure, aux,
+    connected)``, ``fn(*cotangents)`` one ``torch.autograd.grad`` (the graph kept), a gradient
+    per leaf, zeros where unused; ``connected``: every output depends on the leaves. With
+    ``need_graph``, the leaves keep the primals' history and the gradients are
+    differentiable (``create_graph``); otherwise aux is detached. The one sharded Jacobians
+    use too, each rank for its own rows."""
     with torch.enable_grad():
         xs = [x.view_as(x) if need_graph else x.detach().requires_grad_() for x in prob.leaves]
         res = prob.g(*xs)
@@ -55,12 +80,8 @@ def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
     if prob.has_aux:
         aux = res[1] if need_graph else _detach_tree(res[1])
     flat_out, out_spec = tree_flatten(out)
-    out_rows = row_shapes(flat_out, opts.batch, prob)
-    n = sum(math.prod(s) for s in out_rows)
-    chunk = chunk_for(prob, "rev", out_rows, [o.dtype for o in flat_out], opts)
     diff = [j for j, o in enumerate(flat_out) if o.requires_grad]
     d_outs = [flat_out[j] for j in diff]
-    connected = len(diff) == len(flat_out)
 
     def fn(*cot: Tensor) -> tuple[Tensor, ...]:
         if not d_outs:
@@ -71,15 +92,7 @@ def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
         )
         return tuple(torch.zeros_like(x) if gx is None else gx for gx, x in zip(grads, xs))
 
-    if n == 0:
-        stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
-    else:
-        rows = basis_rows(
-            out_rows, [o.dtype for o in flat_out], [o.device for o in flat_out], opts.batch
-        )
-        stacked, _ = map_rows(fn, rows, n, vectorized=False, chunk_size=chunk)
-    blocks, views = rev_blocks(stacked, out_rows, opts.batch)
-    return Blocks(blocks, out_spec, aux, "rev", views, connected)
+    return fn, flat_out, out_spec, aux, len(diff) == len(flat_out)
 
 
 def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
@@ -97,7 +110,7 @@ def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
 
     connected = [True]
     # (one call of f per column: one set of random draws, of f's own generators too)
-    same_draws = SameDraws(lambda: own_generators(prob) if n > 1 else ())
+    same_draws = loop_draws(prob, n)
 
     def fn(*tangents: Tensor) -> Any:
         same_draws()

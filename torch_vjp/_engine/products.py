@@ -21,11 +21,10 @@ from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
-    SameDraws,
     basis_rows,
     eye_basis,
     map_rows,
-    own_generators,
+    loop_draws,
     passes_through,
 )
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
@@ -154,8 +153,7 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     unpack_dual = fwAD.unpack_dual
     # (one call of f per column, where no vmap runs: chunks of one column are plain calls;
     # the generators of f's own too, where there are several columns)
-    same_draws = None if vectorized and chunk != 1 else SameDraws(
-        lambda: own_generators(prob) if n > 1 else ())
+    same_draws = None if vectorized and chunk != 1 else loop_draws(prob, n)
 
     def g(*xs: Tensor) -> Any:
         if same_draws is not None:

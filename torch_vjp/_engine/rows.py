@@ -38,6 +38,7 @@ __all__ = [
     "run_with_fallback",
     "map_rows_with_fallback",
     "SameDraws",
+    "loop_draws",
     "own_generators",
 ]
 
@@ -85,6 +86,13 @@ class SameDraws:
         if self.host:
             for module, state in self.host:
                 module.setstate(state) if module is random else module.set_state(state)
+
+
+def loop_draws(prob: Any, n: int) -> SameDraws:
+    """The :class:`SameDraws` of a loop of ``n`` products, one call of f each: f's own
+    generators kept alike too where there are several calls, found at the first (a loop
+    that runs no product, or one, searches nothing)."""
+    return SameDraws(lambda: own_generators(prob) if n > 1 else ())
 
 
 def own_generators(prob: Any) -> list[torch.Generator]:
