@@ -14,10 +14,9 @@ shaped like ``y``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import torch
@@ -37,185 +36,22 @@ from torch_vjp._engine.context import (buffers_kept, func_jvp, func_vjp, is_nest
                                        recording_connected)
 from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
-from torch_vjp._engine.refusals import (
-    VMAP_CAUSES,
-    forward_refusal,
-    mutates_captured,
-    refusal_kind,
-    vmap_refusal,
-)
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.jacobian import function_key, function_name
-from torch_vjp._engine.rows import SameDraws, map_rows, own_generators, run_with_fallback
-from torch_vjp._errors import (
-    GradOutputsError,
-    JacobianCallError,
-    JacobianNotImplementedError,
-    JacobianWarning,
-    quote_error,
-    warn_once,
+from torch_vjp._engine.rows import loop_draws, map_rows
+from torch_vjp._errors import GradOutputsError, JacobianCallError
+from torch_vjp._transform_support import (
+    _batch_size,
+    _explained,
+    _flat_vectors,
+    _has_internal_overlap,
+    _output_shaped_tangent,
+    _vectorised_or_loop,
 )
 
 __all__ = ["vjp", "jvp"]
-
-
-@contextlib.contextmanager
-def _explained(call: str, what: str) -> Iterator[None]:
-    """torch.func's refusal of a function that changes a tensor it captured in place (a
-    module in training mode updating its running statistics), its other known refusals
-    (:func:`vmap_refusal`) and, for a jvp, forward mode's (an operator without a forward-mode
-    formula: :func:`forward_refusal`, a JacobianNotImplementedError) as a JacobianCallError
-    that says so and what to do;
-    every other error passes through untouched."""
-    try:
-        yield
-    except NotImplementedError as err:
-        why = forward_refusal(err) if what == "jvp" else None
-        if why is None:
-            raise
-        raise JacobianNotImplementedError(
-            f"{call}: a Jacobian-vector product computes with forward-mode AD, and {why}.\n"
-            f"  torch said: {quote_error(err)}\n  Fix: compute with reverse mode, which needs "
-            f"only backward formulas: torch_vjp.vjp(f, *primals) for v^T J, or "
-            f"torch_vjp.jacobian(f, *primals, strategy='rev') times the tangents for J t; or "
-            f"give the Function a jvp staticmethod."
-        ) from None
-    except RuntimeError as err:
-        if not mutates_captured(err):
-            why = vmap_refusal(err)
-            if why is None:
-                raise
-            plain = (f"differentiate with plain autograd: out = f(x) with "
-                     f"x.requires_grad_(), then torch_vjp.grad(out, x, v) for a vjp, or "
-                     f"torch.autograd.functional.{what}(f, x, v)")
-            kind = refusal_kind(err)
-            if kind == "setup_context":
-                fix = (f"give the Function a setup_context staticmethod (forward without ctx; "
-                       f"see torch's 'Extending torch.func with autograd.Function'); or "
-                       f"{plain}")
-            elif kind == "randomness":
-                fix = ("put the module in eval mode (model.eval()) if the draws are dropout's; "
-                       "or take the directions one at a time (chunk_size=1: plain calls of "
-                       "f, with the same draws for every direction)")
-            else:
-                fix = plain
-            raise JacobianCallError(
-                f"{call}: {why}.\n  torch.func said: {quote_error(err)}\n  Fix: {fix}."
-            ) from None
-        raise JacobianCallError(
-            f"{call}: f changes a tensor it captured in place (a module in training mode "
-            f"updating its running statistics, say), which torch.func.{what}, on which "
-            f"{call} computes, cannot differentiate.\n  torch.func said: {quote_error(err)}\n"
-            f"  Fix: put the module in eval mode (model.eval()); or differentiate with plain "
-            f"autograd: out = f(x) with x.requires_grad_(), then torch_vjp.grad(out, x, v) "
-            f"for a vjp, or torch.autograd.functional.{what}(f, x, v)."
-        ) from None
-
-
-def _flat_vectors(
-    normalized: tuple[Tensor | None, ...], like: list[Tensor], batched: bool
-) -> list[Tensor]:
-    """Replaces the checker's ``None`` (no vector for an output that needs none) by zeros."""
-    k = None
-    if batched:
-        k = next((v.shape[0] for v in normalized if v is not None), 0)
-    out = []
-    for v, t in zip(normalized, like):
-        if v is None:
-            v = t.new_zeros((k, *t.shape) if batched else t.shape)
-        out.append(v)
-    return out
-
-
-def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bool
-                           ) -> str | None:
-    """Where a refused tangent's shape is not its primal's, the sentence that tells a
-    tangent from a cotangent (a vector shaped like f's output, for a vector-Jacobian
-    product, given to a JVP is the common mistake); else None. f is not run for it: a call
-    on the error path would be one more call of f, with its effects (a counter it
-    increments, a tensor it writes into)."""
-    for i, (t, x) in enumerate(zip(tangents, prob.leaves)):
-        if not isinstance(t, Tensor):
-            continue
-        shape = t.shape[1:] if batched and t.dim() else t.shape
-        if shape == x.shape:
-            continue
-        return (
-            f"If tangents[{i}] is shaped like f's output, it is a cotangent: a vector shaped "
-            f"like the output is for a vector-Jacobian product v^T J "
-            f"(torch_vjp.vjp(f, *primals)[1](v)); a tangent is a change of the input, shaped "
-            f"like primals[{i}], for J t. torch_vjp.jacobian(f, *primals) gives the whole "
-            f"Jacobian."
-        )
-    return None
-
-
-def _vectorised_or_loop(call: str, f: object, vectors: str,
-                        products: Callable[[bool], Any], first: Callable[[], Any]) -> Any:
-    """``products(True)``, the batched products under vmap; where vmap cannot run them and
-    one at a time can (``first()``, the first product without vmap, runs), ``products(False)``,
-    with a one-time warning (NOTE [one fallback policy]). torch.func's known refusals (a
-    Function without setup_context, random draws, a write into a captured tensor) are
-    raised before the loop, for :func:`_explained` to explain."""
-
-    def warn(err: Exception) -> None:
-        if refusal_kind(err) is not None:
-            raise err
-        warn_once(
-            (call, function_key(f), type(err)),
-            f"{call}: batched=True could not vectorise the products of "
-            f"{function_name(f)} (torch.func transforms under torch.vmap), so it computed "
-            f"them one {vectors[:-1]} at a time in a Python loop, usually many times slower.\n"
-            f"  The vectorised attempt said: {quote_error(err)}\n"
-            f"  Typical causes: {VMAP_CAUSES}. Pass chunk_size=1 to skip the vectorised "
-            f"attempt. This warning is shown once per function.",
-            JacobianWarning,
-        )
-
-    return run_with_fallback(lambda: products(True), lambda: products(False), on_fallback=warn,
-                             check_one=first)
-
-
-# NOTE [an expanded primal]
-# torch.func.jvp pairs each primal with its tangent by forward AD's make_dual, which writes the
-# tangent into a tensor of the primal's strides; for a primal whose elements share memory
-# (``x.expand(...)``, a stride of 0) that write fails with torch's "more than one element of
-# the written-to tensor refers to a single memory location", an error about a write the
-# caller never made. f cannot write into such a primal either (torch refuses the same
-# write), so the unbatched jvp differentiates a dense copy of it instead (under grad mode, so
-# that the copy keeps the primal's autograd history); the batched jvp, like the Jacobians,
-# already gives f copies (NOTE [f's own copies]).
-# (Inside an outer torch.func transform a primal is its wrapper, which the check cannot
-# read: torch.func's own behaviour stays there.)
-_overlap_check = getattr(torch, "_debug_has_internal_overlap", lambda x: 0)
-
-
-def _has_internal_overlap(x: Tensor) -> bool:
-    try:
-        answer = int(_overlap_check(x))
-    except RuntimeError:  # (a torch.func wrapper: "Batching rule not implemented")
-        return False
-    if answer != 2:
-        return bool(answer)
-    # ("too hard": strided but not dense, x[::2] as much as an overlapping as_strided. One
-    # whose strides, smallest first, each clear the extent of the dimensions below shares
-    # no memory, and make_dual pairs it as torch.func does; a copy of it would have f's
-    # writes go to the caller's tangent instead of its primal)
-    if x.numel() == 0:
-        return False
-    extent = 0
-    for size, stride in sorted(((n, s) for n, s in zip(x.shape, x.stride()) if n > 1),
-                               key=lambda d: d[1]):
-        if stride <= extent:
-            return True
-        extent += stride * (size - 1)
-    return False
-
-
-def _batch_size(vectors: list[Tensor]) -> int:
-    return int(vectors[0].shape[0])
 
 
 # NOTE [a traceable pullback]
@@ -691,7 +527,8 @@ def jvp(
     # are plain calls of f: they draw the same random numbers (one function, as the
     # vectorised call's one call of f is), from f's own generators too where there are
     # several
-    same_draws = SameDraws(lambda: own_generators(prob) if k > 1 else ())
+    k = _batch_size(vectors)
+    same_draws = loop_draws(prob, k)
 
     def push(*tangent: Tensor, plain: bool = False) -> Any:
         if plain:
@@ -702,7 +539,6 @@ def jvp(
             spec_box.append(spec)
         return tuple(flat_t), (res[0],) + tuple(res[2:])
 
-    k = _batch_size(vectors)
     if k == 0:
         with torch.no_grad():
             res = prob.g(*leaves)
