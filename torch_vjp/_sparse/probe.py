@@ -217,18 +217,17 @@ def _additive_at_probe_scale(prob: Problem, plan: Any, coloring: Any, comp: Tens
 
 
 def users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: float,
-                          scale: float, pkey: Any, probed: Any = None) -> None:
+                          scale: float, pkey: Any, probed: Any) -> None:
     """A user's pattern whose probe disagreed (NOTE [a cached plan, probed]): raises where
     f's reverse products are linear (the pattern leaves out entries), and f's products are
     additive at the probe's own scale (``probed``: the colouring, products and seeds' dtype
     the probe was judged with; :func:`_additive_at_probe_scale`); otherwise the plan is not
     probed again for this function (``pkey``: its route key), and the result stands."""
-    if probed is not None:
-        coloring, comp, (seed, coarsest, *_) = probed
-        rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
-        if not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol):
-            plan.stop_probing(pkey)
-            return
+    coloring, comp, (seed, coarsest, *_) = probed
+    rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
+    if not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol):
+        plan.stop_probing(pkey)
+        return
     with buffers_kept(prob.f):
         got = one_reverse_product(prob)
     if got is not None:
