@@ -445,9 +445,20 @@ def _auto_fallbacks(rank, world, group):
     sh = tv.jacobian(bn, xb, process_group=group, shard=True)
     torch.testing.assert_close(sh.values, want.reshape(20, 5, 3)[sh.start:sh.stop])
     assert all(torch.equal(a, b) for a, b in zip(stats, bn.buffers()))  # (put back)
+    # a random f, one column at a time: every column of every rank from one draw, as on one
+    # process (each column drew anew: a dropout Jacobian's diagonal was 0 where one process's
+    # was not, silently)
+    drop = lambda v: torch.nn.functional.dropout(v.sin(), 0.5, training=True)  # noqa: E731
+    v = torch.randn(6, dtype=DT, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(5)
+    one = tv.jacobian(drop, v, strategy="fwd-loop")
+    torch.manual_seed(5)
+    _close(tv.jacobian(drop, v, strategy="fwd-loop", process_group=group), one,
+           f"rank {rank}/{world}, dropout fwd-loop")
+    assert torch.equal(one, torch.diag(one.diagonal()))  # (one function: a diagonal)
     with pytest.raises(tv.StrategyError, match=r"(?s)the vectorised strategies compute with "
                        r"torch\.func, which cannot run f \(Sequential\).*changes a tensor it "
-                       r"captured.*Fix: strategy='auto', 'rev-loop'"):
+                       r"captured.*Fix: strategy='auto' or 'rev-loop' \(they"):
         tv.jacobian(bn, xb, process_group=group, strategy="rev")
 
 

@@ -41,7 +41,7 @@ transform (the gathered Jacobian would not carry gradients back to the other ran
 products). A function torch.func cannot run at all (a module in training mode that updates
 its running statistics, an old-style custom Function) is computed by ``"auto"`` with plain
 autograd, each rank its own share of reverse-mode products (``torch_vjp._sharded_work``);
-the named strategies use torch.func's ``vjp``/``jvp``.
+``"rev-loop"`` does too; the other named strategies use torch.func's ``vjp``/``jvp``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,14 @@ from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.plain import plain_pullback
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.refusals import vmap_refusal
-from torch_vjp._engine.rows import basis_rows, map_rows, run_with_fallback
+from torch_vjp._engine.rows import (
+    SameDraws,
+    basis_rows,
+    loop_draws,
+    map_rows,
+    own_generators,
+    run_with_fallback,
+)
 from torch_vjp._engine.shapes import in_rows, row_shapes
 from torch_vjp._errors import JacobianWarning, passes_through, quote_error, warn_once
 from torch_vjp._strategies import Strategy
@@ -71,7 +78,9 @@ class Work:
                 why = vmap_refusal(err)
                 if why is None or not self.strat.vectorized:
                     raise
-                raise func_refusal(self.prob, mode, why, err) from None
+                # (with a group, only reverse mode has the plain-autograd loop)
+                raise func_refusal(self.prob, mode, why, err,
+                                   choices="'auto' or 'rev-loop'") from None
         if mode == "rev":
             return self._auto(mode, shapes)
         try:
@@ -175,11 +184,14 @@ class Work:
         if stop == start:
             stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
         else:
+            n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
+            chunk = self._chunk(stop - start, n, n_in, [o.dtype for o in flat_out],
+                                prob.leaves[0].dtype)
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
                               [o.device for o in flat_out], self.batch)
             with torch.no_grad():
                 stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e),
-                                      stop - start, vectorized=False, chunk_size=None,
+                                      stop - start, vectorized=False, chunk_size=chunk,
                                       detach=True)
         return stacked, out_spec, rows_out, aux, start, stop, n
 
@@ -205,8 +217,13 @@ class Work:
             rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
                               self.batch)
             g = prob.g_inner
+            # (one call of f per column where no vmap runs: the same draws for each, as on
+            # one process: NOTE [auto's extra calls draw what the products draw])
+            same_draws = None if vectorized and chunk != 1 else loop_draws(prob, k)
 
             def fn(*tangents: Tensor) -> Any:
+                if same_draws is not None:
+                    same_draws()
                 res = func_jvp(g, leaves, tangents, has_aux=has_aux)
                 tan_flat = tuple(tree_leaves(res[1]))
                 return (tan_flat, res[2]) if has_aux else tan_flat
@@ -221,6 +238,13 @@ def probe_outputs(prob: Problem) -> tuple[list[Tensor], Any, bool]:
     """The outputs (detached), their structure, and whether forward-mode products will
     record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
     result (NOTE [memory model])."""
-    flat, spec = prob.probe(torch.is_grad_enabled())
+    # (drawing nothing: the products that follow draw what a plain call draws, as on one
+    # process, NOTE [auto's extra calls draw what the products draw])
+    draws = SameDraws(own_generators(prob))
+    draws()
+    try:
+        flat, spec = prob.probe(torch.is_grad_enabled())
+    finally:
+        draws()
     records = any(o.requires_grad for o in flat)
     return [o.detach() for o in flat], spec, records

@@ -325,14 +325,16 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
     return _auto(prob, mode, shapes, opts, functorch_loops)
 
 
-def func_refusal(prob: Problem, mode: str, why: str, err: BaseException) -> StrategyError:
+def func_refusal(prob: Problem, mode: str, why: str, err: BaseException,
+                 choices: str = "'auto', 'rev-loop' or 'fwd-loop'") -> StrategyError:
     """The error of a vectorised strategy that torch.func refuses to run ``f`` in (``why``:
-    :func:`~torch_vjp._engine.refusals.vmap_refusal` of ``err``)."""
+    :func:`~torch_vjp._engine.refusals.vmap_refusal` of ``err``); ``choices``: the
+    strategies that compute such a function there (a sharded call: "auto" and "rev-loop")."""
     return StrategyError(
         f"{prob.call}: the vectorised strategies compute with torch.func, which "
         f"cannot run f ({function_name(prob.f)}) in {mode}-mode products: {why}\n"
         f"  torch.func said: {quote_error(err)}\n"
-        f"  Fix: strategy='auto', 'rev-loop' or 'fwd-loop' (they compute such a "
+        f"  Fix: strategy={choices} (they compute such a "
         f"function with plain autograd or one product at a time), or put the module "
         f"in eval mode if it is one."
     )
