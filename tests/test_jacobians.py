@@ -1536,7 +1536,8 @@ def test_a_none_output_beside_aux_is_not_blamed_on_a_missing_return():
     with pytest.raises(JacobianCallError) as info:
         jacobian(lambda x: (None, x), x, has_aux=True)
     assert "return statement" not in str(info.value)
-    assert "(output, aux)" in str(info.value)
+    assert ("f returned (None, aux): the output, the first of the (output, aux) pair that "
+            "has_aux=True reads, is None.") in str(info.value)
     with pytest.raises(JacobianCallError, match="return statement"):
         jacobian(lambda x: None, x)
     with pytest.raises(JacobianCallError, match="returned None. .*return statement"):

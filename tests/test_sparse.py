@@ -814,11 +814,15 @@ def test_a_users_pattern_that_leaves_out_entries_is_refused_in_every_mode(mode):
     x = torch.randn(5, dtype=D)
     diag = torch.eye(5, dtype=torch.bool)
     with pytest.raises(tv.JacobianOptionError, match=r"(?s)pattern leaves out non-zeros of "
-                       r"the Jacobian.*Fix: pass a pattern that holds every entry"):
+                       r"the Jacobian.*Fix: pass a pattern that holds every entry") as info:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tv.JacobianWarning)
             sparse_jacobian(f, x, pattern=diag, mode=mode)
             sparse_jacobian(f, x, pattern=diag, mode=mode)  # ("auto": the call after)
+    # (the explicit modes by the probe row; "auto" by the check of its first call)
+    said = ("disagrees with one more product of f, computed with the others for a check"
+            if mode != "auto" else "disagrees with a reverse product of f")
+    assert said in str(info.value)
 
 
 @pytest.mark.parametrize("read", ["item", "bool", "tolist"])

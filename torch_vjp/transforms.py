@@ -510,10 +510,10 @@ def jvp(
                for v, x in zip(_flat_vectors(normalized, prob.leaves, batched), prob.leaves)]
     leaves = tuple(prob.leaves)
     if not batched:  # (buffers_kept: as vjp's call of f)
-        if any(_has_internal_overlap(x) for x in leaves):  # NOTE [an expanded primal]
+        copied = [_has_internal_overlap(x) for x in leaves]  # NOTE [an expanded primal]
+        if any(copied):
             # (its tangent copied too: make_dual pairs a dense copy with the caller's
             # tangent itself, and a write f makes into its input would write into that)
-            copied = [_has_internal_overlap(x) for x in leaves]
             with torch.enable_grad():
                 leaves = tuple(x.contiguous() if c else x for x, c in zip(leaves, copied))
                 vectors = [v.clone() if c else v for v, c in zip(vectors, copied)]

@@ -59,6 +59,12 @@ def probe_row(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
                                                                              device=device)
 
 
+def _probe_rtol(products: torch.dtype, seed: torch.dtype, coarsest: torch.dtype) -> float:
+    """The probe's relative tolerance: the coarsest of the products', the seeds' and the
+    tensors' dtypes."""
+    return max(tolerance(products), tolerance(seed), tolerance(coarsest))
+
+
 def stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
            dtypes: tuple[Any, ...]) -> tuple[bool, float, float]:
     """Whether the probe product ``extra`` (of the probe row in the seeds' dtype, the first
@@ -74,7 +80,7 @@ def stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
     # (the coarsest of x's dtypes and the outputs': a product computed in float32 and
     # returned in float64, or a float32 output beside a float64 one, is float32's)
     seed, coarsest = dtypes[:2]
-    rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
+    rtol = _probe_rtol(comp.dtype, seed, coarsest)
     device = comp.device
     # (summed in float32 at least: a row of hundreds of terms summed in bfloat16 or float16
     # is off by more than their tolerance, a false alarm of the sums, not of f)
@@ -224,7 +230,7 @@ def users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: flo
     the probe was judged with; :func:`_additive_at_probe_scale`); otherwise the plan is not
     probed again for this function (``pkey``: its route key), and the result stands."""
     coloring, comp, (seed, coarsest, *_) = probed
-    rtol = max(tolerance(comp.dtype), tolerance(seed), tolerance(coarsest))
+    rtol = _probe_rtol(comp.dtype, seed, coarsest)
     if not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol):
         plan.stop_probing(pkey)
         return
