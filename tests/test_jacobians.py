@@ -1813,6 +1813,28 @@ def test_hessian_with_plain_autograd_says_why():
         hessian(f, torch.randn(3, dtype=D), strategy="rev-loop")
 
 
+def _cube_sum_running_backward(x):
+    w = x.detach().requires_grad_()
+    (w * w).sum().backward()  # (plain autograd of f's own, which torch.func refuses)
+    return (x ** 3).sum()
+
+
+@pytest.mark.parametrize("strategy", ["rev", "fwd"])
+def test_hessian_vectorised_strategies_explain_plain_autograd_inside_f(strategy):
+    # strategy="fwd" raised torch.func's raw RuntimeError (requires_grad_() inside a
+    # transform) from the output-size probe, and named no strategy that computes it
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(tv.StrategyError, match=rf"(?s)^torch_vjp\.hessian: the vectorised "
+                       rf"strategies compute with torch\.func, which cannot run f "
+                       rf"\(_cube_sum_running_backward\) in {strategy}-mode products: f runs "
+                       rf"plain autograd itself.*Fix: strategy='auto'"):
+        hessian(_cube_sum_running_backward, x, strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        H = hessian(_cube_sum_running_backward, x, strategy="auto")
+    torch.testing.assert_close(H, torch.diag(6 * x))
+
+
 def test_hessian_passes_fs_own_error_through_after_the_fallback():
     def f(x):
         raise ValueError("f's own")

@@ -45,7 +45,7 @@ from torch_vjp._engine.forms import (
     plain_jacobian,
 )
 from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient
-from torch_vjp._engine.jacobian import jacobian_blocks
+from torch_vjp._engine.jacobian import function_name, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
@@ -456,9 +456,12 @@ def hessian(
         Problem(f, primals, argnums, has_aux=False, call=call, aux=False)
     context, detached = graph_mode(create_graph, call=call)
     with context, buffers_kept(f, primals=primals):
-        outer = Problem(lambda *args: hessian_gradient(f, args, argnums, vectorized, fallback,
-                                                       call),
-                        primals, argnums, has_aux=False, call=call, detached=detached, aux=False)
+        def gradient(*args: Any) -> Any:
+            return hessian_gradient(f, args, argnums, vectorized, fallback, call)
+
+        gradient.__qualname__ = function_name(f)  # (messages about the outer Jacobian name f)
+        outer = Problem(gradient, primals, argnums, has_aux=False, call=call,
+                        detached=detached, aux=False)
         # Shapes of the gradient without computing it: f's outputs and the primals suffice.
         inner = Problem(f, primals, argnums, has_aux=False, call=call, aux=False)
 

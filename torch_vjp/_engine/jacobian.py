@@ -247,6 +247,10 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
             shapes = probe_shapes(prob, opts)
         except Exception as err:  # noqa: BLE001 - NOTE [a probe f cannot answer]
             if mode is not None or not fallback or passes_through(err):
+                why = (None if passes_through(err) or fallback or not vectorized
+                       else vmap_refusal(err))
+                if why is not None:  # (a probe under torch.func: hessian's gradient)
+                    raise func_refusal(prob, mode or "fwd", why, err) from None
                 raise
             if not vectorized:
                 return _blocks_of(prob, "rev", vectorized, fallback, opts, functorch_loops,
