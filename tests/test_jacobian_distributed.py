@@ -605,6 +605,47 @@ def _auto_checked(rank, world, group):
             tv.jacobian(runs_out, v, process_group=group)
 
 
+def _auto_checked_draws(rank, world, group):
+    """"auto"'s check of a random f (a generator of f's own) runs its reverse products on the
+    draw the products used, and leaves the generator where one call of f leaves it: the check
+    warned that no route agrees (by up to 3.6) and left the generator advanced."""
+    from torch_vjp._engine import fwdcheck
+
+    gen = torch.Generator()
+    scale = torch.arange(1.0, 4.0, dtype=DT)
+
+    def f(x):
+        mask = (torch.rand(x.shape, generator=gen, dtype=DT) > 0.5).to(DT)
+        return torch.outer(x * mask, scale).reshape(-1)
+
+    x = torch.randn(6, dtype=DT, generator=torch.Generator().manual_seed(0))
+    fwdcheck.CHECKED.clear()
+    gen.manual_seed(5)
+    mask = (torch.rand(x.shape, generator=gen, dtype=DT) > 0.5).to(DT)
+    after_one_call = gen.get_state()
+    want = torch.func.jacrev(lambda x: torch.outer(x * mask, scale).reshape(-1))(x)
+    gen.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        _close(tv.jacobian(f, x, process_group=group), want, f"rank {rank}/{world}, own draws")
+    assert torch.equal(gen.get_state(), after_one_call), f"rank {rank}: generator moved on"
+    # the route every rank remembers is taken without a check: one call of f fewer (the
+    # check's reverse product ran on every call where "fwd" was remembered)
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return torch.outer(x.sin(), scale)
+
+    fwdcheck.CHECKED.clear()
+    n = []
+    for _ in range(3):
+        calls.clear()
+        tv.jacobian(counted, x, process_group=group)
+        n.append(len(calls))
+    assert n[1] == n[2] == n[0] - 1, f"rank {rank}: calls of f per call {n}"
+
+
 def _worker(rank, world, init_file):
     # a failure that leaves one rank in a collective ends it in a minute, not never
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -617,6 +658,7 @@ def _worker(rank, world, init_file):
         _errors_across_ranks(rank, world, dist.group.WORLD)
         _auto_fallbacks(rank, world, dist.group.WORLD)
         _auto_checked(rank, world, dist.group.WORLD)
+        _auto_checked_draws(rank, world, dist.group.WORLD)
         # a subgroup of ranks 0 and 1: the others stay out of it
         sub = dist.new_group([0, 1])
         if rank < 2:

@@ -74,6 +74,7 @@ from torch_vjp._engine.jacobian import (
     no_forward_message,
 )
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._engine.shapes import in_rows, row_shapes
 from torch_vjp._errors import (
     JacobianCallError,
@@ -287,6 +288,13 @@ def sharded_jacobian(
         if _all_max(_OK if err is None else _FAILED, group, device) == _FAILED:
             _raise_failure(prob, err, group, rank, world)
         route = agreed_route(key, group, device)  # NOTE [sharded auto, checked]
+    # (a call that checks: the check's reverse products, and the routes tried after it,
+    # draw what the products drew, and the generators end where the products left them,
+    # NOTE [auto's extra calls draw what the products draw] in _engine/jacobian.py)
+    checks = key is not None and route is None
+    first = SameDraws(own_generators(prob), host=True) if checks else None
+    if first is not None:
+        first()
     part, code, err = _attempt(lambda: _route(work, route or mode, shapes), group, device)
     if code == _NO_FWD:
         if err is not None:
@@ -295,10 +303,16 @@ def sharded_jacobian(
         part, code, err = _attempt(lambda: work.run(mode, None), group, device)
     if code >= _FAILED:
         _raise_failure(prob, err, group, rank, world)
-    if route is not None and route != "fwd":
-        mode = "rev"
-    elif key is not None:
-        part, mode = _checked(prob, work, part, mode, shapes, key, group, device)
+    if route is not None:  # (remembered by every rank: not checked again)
+        if route != "fwd":  # (after "fwd", mode is "fwd", or "rev" where forward mode failed)
+            mode = "rev"
+    elif first is not None:
+        after = SameDraws(first.own, host=True)
+        after()
+        try:
+            part, mode = _checked(prob, work, part, mode, shapes, key, group, device, first)
+        finally:
+            after()
     assert part is not None
     stacked, spec, rows_out, aux, start, stop, n = part
     if shard:
@@ -332,12 +346,15 @@ def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...]:
 
 
 def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes: Any,
-             key: Any, group: Any, device: torch.device) -> tuple[tuple[Any, ...], str]:
+             key: Any, group: Any, device: torch.device, first: SameDraws
+             ) -> tuple[tuple[Any, ...], str]:
     """``(part, mode)`` if every rank's products agree with a reverse product; else the
     first of the next routes that does, on every rank alike, and "rev" (NOTE [sharded auto,
-    checked])."""
+    checked]). ``first()`` puts the generators back where the products started, before each
+    reverse product and each route."""
     def agrees(p: tuple[Any, ...], m: str) -> tuple[bool, float, float]:
         err = None
+        first()
         try:
             mine = own_gap(prob, m, p[0], p[4], p[5], work.batch)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
@@ -352,6 +369,7 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
         remember(key, mode)
         return part, mode
     for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
+        first()
         alt, code, err = _attempt(lambda: _route(work, name, shapes), group, device)
         if code == _PASSES:  # (out of memory: no other route hides it)
             _raise_failure(prob, err, group, work.rank, work.world)
