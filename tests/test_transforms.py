@@ -811,3 +811,25 @@ def test_checked_func_vjp_keeps_torchs_structure_error_for_a_namedtuple_output()
         with pytest.raises(RuntimeError) as checked:
             pull([x, x])
     assert str(checked.value).startswith(str(plain.value))
+
+
+@pytest.mark.parametrize("which", ["vjp_fn", "jvp"])
+def test_chunk_size_without_batched_is_warned_about(which, monkeypatch):
+    # chunk_size without batched=True was dropped without a word
+    from torch_vjp import _errors
+
+    monkeypatch.setattr(_errors, "_WARNED", set())  # (once per call otherwise)
+    x = torch.randn(3, dtype=torch.float64)
+    name = "torch_vjp.vjp: vjp_fn" if which == "vjp_fn" else "torch_vjp.jvp"
+    with pytest.warns(tv.JacobianWarning, match=rf"^{name}: chunk_size=2 has no effect without "
+                      r"batched=True: an unbatched call computes one product\. To compute K "
+                      r"products chunk_size at a time, stack K vectors .* pass batched=True; "
+                      r"otherwise drop chunk_size\."):
+        if which == "vjp_fn":
+            got = tv.vjp(torch.sin, x)[1](torch.ones(3, dtype=x.dtype), chunk_size=2)[0]
+        else:
+            got = tv.jvp(torch.sin, (x,), (torch.ones(3, dtype=x.dtype),), chunk_size=2)[1]
+    torch.testing.assert_close(got, x.cos())
+    with warnings.catch_warnings():  # (batched: chunk_size is used, nothing to say)
+        warnings.simplefilter("error", tv.JacobianWarning)
+        tv.jvp(torch.sin, (x,), (torch.eye(3, dtype=x.dtype),), batched=True, chunk_size=2)

@@ -41,7 +41,7 @@ from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.rows import loop_draws, map_rows
-from torch_vjp._errors import GradOutputsError, JacobianCallError
+from torch_vjp._errors import GradOutputsError, JacobianCallError, JacobianWarning, warn_once
 from torch_vjp._transform_support import (
     _batch_size,
     _explained,
@@ -206,6 +206,7 @@ def vjp(
             pull_with = functools.partial(pull, retain_graph=opts["retain_graph"],
                                           create_graph=opts["create_graph"])
         chunk = check_chunk_size(chunk_size, call=pull_call)
+        _warn_unbatched_chunk(pull_call, chunk, batched)
         normalized = check_cotangents(
             out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves),
             connected=connected or None,
@@ -257,6 +258,20 @@ def vjp(
     return out, vjp_fn
 
 
+def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
+    """Warns once where ``chunk_size`` is given without ``batched=True``: an unbatched call
+    computes one product, so the option would be dropped without a word."""
+    if chunk is not None and batched is False:
+        warn_once(
+            ("chunk-unbatched", call),
+            f"{call}: chunk_size={chunk} has no effect without batched=True: an unbatched "
+            f"call computes one product. To compute K products chunk_size at a time, stack "
+            f"K vectors along a new leading dimension and pass batched=True; otherwise drop "
+            f"chunk_size. This warning is shown once.",
+            JacobianWarning,
+        )
+
+
 def _traced_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
     """``vjp`` inside the user's torch.compile: torch.func's, with ``vjp_fn``'s options."""
     res = torch.func.vjp(f, *primals, has_aux=has_aux)
@@ -296,6 +311,7 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
             return eager_fn(cotangents, **options)  # (NOTE [a compiled vjp_fn's point])
         batched, chunk_size = opts["batched"], opts["chunk_size"]
         chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
+        _warn_unbatched_chunk("torch_vjp.vjp: vjp_fn", chunk, batched)
 
         def program(f: Callable[..., Any], primals: tuple[Any, ...], cotangents: Any) -> Any:
             # (the forward's output too: where it is not the vjp point's, f reads something
@@ -428,7 +444,8 @@ def jvp(
             primal. With ``batched=True`` each carries an extra leading dimension K (the same
             for all): K products in one vectorised call, ``chunk_size`` at a time.
         batched: the tangents hold K directions each.
-        chunk_size: with ``batched``, directions per vectorised call (``None``: all).
+        chunk_size: with ``batched``, directions per vectorised call (``None``: all);
+            without it, no effect (a one-time JacobianWarning says so).
         strict: as torch.func.jvp's: raise a RuntimeError when an output does not depend
             on the primals (its tangent would be zeros).
         has_aux: ``f`` returns ``(output, aux)``; the result is then
@@ -464,6 +481,7 @@ def jvp(
     call = "torch_vjp.jvp"
     do_compile = check_compile(compile, call=call)
     chunk = check_chunk_size(chunk_size, call=call)
+    _warn_unbatched_chunk(call, chunk, batched)
     if tracing() or (do_compile and not strict and not is_nested()):
 
         def program(f: Callable[..., Any], primals: tuple[Any, ...],
