@@ -646,6 +646,40 @@ def _auto_checked_draws(rank, world, group):
     assert n[1] == n[2] == n[0] - 1, f"rank {rank}: calls of f per call {n}"
 
 
+class _OldNoJvp(torch.autograd.Function):
+    """x ** 3 in the old style (no setup_context: torch.func cannot run it), no jvp."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * g
+
+
+def _runs_backward(x):
+    w = torch.ones(3, dtype=DT, requires_grad=True)
+    (w * 2).sum().backward()  # (plain autograd of f's own: torch.func refuses it)
+    return torch.outer(x.sin(), torch.arange(4.0, dtype=DT))
+
+
+def _fwd_loop_plain(rank, world, group):
+    """"fwd-loop" computes with plain forward-mode AD as on one process: it raised
+    torch.func's raw RuntimeError for an f that runs .backward() itself, and for a Function
+    without a jvp formula, instead of the single-process StrategyNotImplementedError."""
+    x = torch.randn(5, dtype=DT, generator=torch.Generator().manual_seed(4))
+    want = torch.autograd.functional.jacobian(_runs_backward, x)
+    _close(tv.jacobian(_runs_backward, x, strategy="fwd-loop", process_group=group), want,
+           f"rank {rank}/{world}, fwd-loop of an f running backward")
+    with pytest.raises(tv.StrategyNotImplementedError, match=r"(?s)^torch_vjp\.jacobian: "
+                       r"strategy='fwd-loop' computes with forward-mode AD, and .*Fix: "
+                       r"strategy='rev-loop' or 'auto'"):
+        tv.jacobian(_OldNoJvp.apply, x, strategy="fwd-loop", process_group=group)
+
+
 def _worker(rank, world, init_file):
     # a failure that leaves one rank in a collective ends it in a minute, not never
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -659,6 +693,7 @@ def _worker(rank, world, init_file):
         _auto_fallbacks(rank, world, dist.group.WORLD)
         _auto_checked(rank, world, dist.group.WORLD)
         _auto_checked_draws(rank, world, dist.group.WORLD)
+        _fwd_loop_plain(rank, world, dist.group.WORLD)
         # a subgroup of ranks 0 and 1: the others stay out of it
         sub = dist.new_group([0, 1])
         if rank < 2:

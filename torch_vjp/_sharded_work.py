@@ -20,10 +20,11 @@ from torch_vjp._engine.jacobian import (
     fallback_message,
     func_refusal,
     function_key,
+    fwd_loop_refusal,
     function_name,
 )
 from torch_vjp._engine.memory import plan_products
-from torch_vjp._engine.plain import plain_pullback
+from torch_vjp._engine.plain import plain_pullback, plain_push
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.refusals import vmap_refusal
 from torch_vjp._engine.rows import (
@@ -34,7 +35,7 @@ from torch_vjp._engine.rows import (
     own_generators,
     run_with_fallback,
 )
-from torch_vjp._engine.shapes import in_rows, row_shapes
+from torch_vjp._engine.shapes import Shapes, in_rows, row_shapes
 from torch_vjp._errors import JacobianWarning, passes_through, quote_error, warn_once
 from torch_vjp._strategies import Strategy
 
@@ -75,6 +76,11 @@ class Work:
                     # ("rev-loop": plain autograd where torch.func cannot run f, as on one
                     # process)
                     return self._rev_plain()
+                if mode == "fwd" and not self.strat.vectorized:
+                    refusal = fwd_loop_refusal(self.prob, err)
+                    if refusal is None:
+                        raise
+                    raise refusal from None
                 why = vmap_refusal(err)
                 if why is None or not self.strat.vectorized:
                     raise
@@ -144,7 +150,11 @@ class Work:
         with torch.no_grad() if mode == "rev" else contextlib.nullcontext():
             if mode == "rev":
                 return self._rev(vectorized)
-            return self._fwd(shapes if shapes is not None else probe_outputs(self.prob), vectorized)
+            # ("fwd-loop" computes with plain forward-mode AD, as on one process: torch.func
+            # cannot run some functions it runs, one that calls .backward() itself)
+            plain = self.strat.mode == "fwd" and not self.strat.vectorized
+            return self._fwd(shapes if shapes is not None else probe_outputs(self.prob),
+                             vectorized, plain)
 
     def _rev(self, vectorized: bool) -> tuple[Any, ...]:
         prob = self.prob
@@ -195,7 +205,7 @@ class Work:
                                       detach=True)
         return stacked, out_spec, rows_out, aux, start, stop, n
 
-    def _fwd(self, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
+    def _fwd(self, shapes: Any, vectorized: bool, plain: bool = False) -> tuple[Any, ...]:
         prob = self.prob
         leaves = tuple(prob.leaves)
         flat_out, out_spec, records = shapes
@@ -221,16 +231,17 @@ class Work:
             # one process: NOTE [auto's extra calls draw what the products draw])
             same_draws = None if vectorized and chunk != 1 else loop_draws(prob, k)
 
-            def fn(*tangents: Tensor) -> Any:
+            def push(*tangents: Tensor) -> Any:
                 if same_draws is not None:
                     same_draws()
                 res = func_jvp(g, leaves, tangents, has_aux=has_aux)
                 tan_flat = tuple(tree_leaves(res[1]))
                 return (tan_flat, res[2]) if has_aux else tan_flat
 
+            fn = plain_push(prob, Shapes(flat_out, out_spec, []).check, k)[0] if plain else push
             stacked, aux = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
-                                    vectorized=vectorized, chunk_size=chunk, extras=has_aux,
-                                    detach=True)
+                                    vectorized=vectorized and not plain, chunk_size=chunk,
+                                    extras=has_aux, detach=True)
         return stacked, out_spec, None, aux, start, stop, n
 
 

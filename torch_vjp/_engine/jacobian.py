@@ -300,15 +300,10 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
         try:
             return _loop(prob, mode, shapes, opts, functorch_loops)
         except NotImplementedError as err:
-            why = None if mode != "fwd" or passes_through(err) else forward_refusal(err)
-            if why is None:
+            refusal = None if mode != "fwd" else fwd_loop_refusal(prob, err)
+            if refusal is None:
                 raise
-            raise StrategyNotImplementedError(
-                f"{prob.call}: strategy='fwd-loop' computes with forward-mode AD, and {why}.\n"
-                f"  torch said: {quote_error(err)}\n"
-                f"  Fix: strategy='rev-loop' or 'auto' (reverse mode needs only backward "
-                f"formulas), or give the Function a jvp staticmethod."
-            ) from None
+            raise refusal from None
     if not fallback:
         try:
             return _vectorized(prob, mode, shapes, opts)
@@ -327,6 +322,20 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                 raise
             raise func_refusal(prob, mode, why, err) from None
     return _auto(prob, mode, shapes, opts, functorch_loops)
+
+
+def fwd_loop_refusal(prob: Problem, err: BaseException) -> Exception | None:
+    """The error of strategy "fwd-loop" where forward-mode AD has no formula for an operator
+    in f (``err``, what torch raised), or None for any other error."""
+    why = None if passes_through(err) else forward_refusal(err)
+    if why is None:
+        return None
+    return StrategyNotImplementedError(
+        f"{prob.call}: strategy='fwd-loop' computes with forward-mode AD, and {why}.\n"
+        f"  torch said: {quote_error(err)}\n"
+        f"  Fix: strategy='rev-loop' or 'auto' (reverse mode needs only backward "
+        f"formulas), or give the Function a jvp staticmethod."
+    )
 
 
 def func_refusal(prob: Problem, mode: str, why: str, err: BaseException,

@@ -95,14 +95,15 @@ def plain_pullback(
     return fn, flat_out, out_spec, aux, len(diff) == len(flat_out)
 
 
-def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
-    """Forward mode with plain forward-mode AD (``torch.autograd.forward_ad``), one
-    forward pass with dual tensors per input element."""
+def plain_push(prob: Problem, check: Callable[[list[Tensor], Any], None], n: int
+               ) -> tuple[Callable[..., Any], list[bool]]:
+    """``(fn, connected)``: ``fn(*tangents)`` one forward pass of f with dual tensors (plain
+    forward-mode AD, ``torch.autograd.forward_ad``), the tangents of its flat outputs (and
+    aux, with ``has_aux``); ``connected[0]`` turns False where an output has no tangent.
+    ``check(flat, spec)`` sees each call's outputs (a structure that changed between calls
+    raises); ``n``: the calls the loop makes, which draw what one call of f draws. The one sharded
+    Jacobians use too, each rank for its own columns."""
     leaves = prob.leaves
-    rows_in = in_rows(prob, opts.batch)
-    n = sum(math.prod(s) for s in rows_in)
-    chunk = chunk_for(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts,
-                      shapes.records)
     has_aux = prob.has_aux
 
     def primal(t: Any) -> Any:
@@ -119,7 +120,7 @@ def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
             res = prob.g(*duals)
             out = res[0] if has_aux else res
             flat, spec = tree_flatten(out)
-            shapes.check(flat, spec)
+            check(flat, spec)
             tans = []
             for o in flat:
                 p, t = fwAD.unpack_dual(o)
@@ -130,6 +131,19 @@ def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
             aux = tree_map(primal, res[1]) if has_aux else None
         return (tuple(tans), aux) if has_aux else tuple(tans)
 
+    return fn, connected
+
+
+def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
+    """Forward mode with plain forward-mode AD (``torch.autograd.forward_ad``), one
+    forward pass with dual tensors per input element."""
+    leaves = prob.leaves
+    rows_in = in_rows(prob, opts.batch)
+    n = sum(math.prod(s) for s in rows_in)
+    chunk = chunk_for(prob, "fwd", shapes.rows, [o.dtype for o in shapes.flat], opts,
+                      shapes.records)
+    has_aux = prob.has_aux
+    fn, connected = plain_push(prob, shapes.check, n)
     aux = None
     if n == 0:
         stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in shapes.flat]
