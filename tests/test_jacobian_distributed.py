@@ -344,6 +344,14 @@ def _errors_across_ranks(rank, world, group):
     for t in (*lin.parameters(), W):
         dist.broadcast(t.data, 0, group=group)
     _close(tv.jacobian(lin, x, process_group=group), torch.func.jacrev(lin)(x), "same weights")
+    # a module f reaches but never calls (a head of each rank's own, left out) differs
+    # harmlessly: it was refused as "the function differs between ranks"
+    parts = torch.nn.ModuleDict({"enc": lin, "head": torch.nn.Linear(3, 2).double()})
+    _close(tv.jacobian(lambda x: parts["enc"](x), x, process_group=group),
+           torch.func.jacrev(lin)(x), "a head f does not use")
+    with pytest.raises(tv.JacobianCallError, match=r"the 'head\.weight' of the ModuleDict f "
+                       r"uses holds different values on rank 1"):
+        tv.jacobian(lambda x: parts["head"](parts["enc"](x)), x, process_group=group)
     bn = torch.nn.BatchNorm1d(5).double()
     bn.running_mean.fill_(float(rank))
     xb = torch.randn(3, 5, dtype=DT, generator=torch.Generator().manual_seed(1))

@@ -23,7 +23,9 @@ shapes and dtypes, the arguments of ``f`` not differentiated (the Jacobian depen
 too: their tensors' shapes, dtypes and checksums, their numbers' values; other objects are
 not compared), the parameters and buffers of the modules ``f`` reaches and the tensors it
 captures (weights drawn on each rank without a common seed make a function of each rank's
-own), and checksums of the values (the sum and a sum weighted by numbers
+own; where one differs, one more call of ``f`` on every rank, recording the tensors torch's
+functions are given, tells whether ``f`` reads it: a module's part that ``f`` never calls,
+a head of each rank's own, may differ), and checksums of the values (the sum and a sum weighted by numbers
 spread like random ones, alike on every rank, in float64, of the finite values, and one of where the
 non-finite ones are and what they are; each compared to the bound of float64 rounding, 2 n
 eps times the sum of its terms' magnitudes: the same values summed with different thread
@@ -272,7 +274,7 @@ def sharded_jacobian(
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _comm_device(group, prob.leaves[0].device)
-    check_agreement(prob, strat.name, shard, group, rank, world)
+    check_agreement(prob, strat.name, shard, group, rank, world, device)
     work = Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
     mode, shapes, key, route = strat.mode, None, None, None
     if mode is None:  # "auto": the mode from sizes alone, the same on every rank

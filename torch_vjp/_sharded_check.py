@@ -31,14 +31,14 @@ mixes rows]), and every rank raises its error once one rank finds one, as one pr
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
-from torch_vjp._engine.context import modules_reached, reached
+from torch_vjp._engine.context import buffers_kept, modules_reached, reached
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
     gap,
@@ -47,6 +47,7 @@ from torch_vjp._engine.fwdcheck import (
     tolerance,
 )
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, quote_error, shape_str
 
 __all__ = [
@@ -178,17 +179,18 @@ def _other_leaf(leaf: Any) -> tuple[Any, ...]:
     return ("object",)
 
 
-def _used_tensors(prob: Problem) -> list[tuple[str, Any]]:
-    """``(name, owner, what to agree on)`` of the tensors ``f`` uses that are not its
-    arguments: the parameters and buffers of the modules it reaches (itself, a closure's or
-    an argument's) and the tensors it captures (NOTE [sharded Jacobian]). (A module in
-    training mode that updates its buffers, BatchNorm's running statistics, cannot run in a
-    sharded Jacobian at all: torch.func refuses the in-place update.)"""
+def _used_tensors(prob: Problem) -> tuple[list[tuple[str, str, Any]], list[Tensor]]:
+    """``(name, owner, what to agree on)`` of the tensors ``f`` may use that are not its
+    arguments, and the tensors themselves: the parameters and buffers of the modules it
+    reaches (itself, a closure's or an argument's) and the tensors it captures (NOTE
+    [sharded Jacobian]). (A module in training mode that updates its buffers, BatchNorm's
+    running statistics, cannot run in a sharded Jacobian at all: torch.func refuses the
+    in-place update.)"""
     modules, tensors = reached(prob.f)
     known = {id(m) for m in modules}
     modules += [m for m in modules_reached(prob.primals) if id(m) not in known]
     seen: set[int] = set()
-    used = []
+    used, objects = [], []
     for root in modules:
         for prefix, m in root.named_modules():
             for name, t in (*m._parameters.items(), *m._buffers.items()):
@@ -196,11 +198,46 @@ def _used_tensors(prob: Problem) -> list[tuple[str, Any]]:
                     seen.add(id(t))
                     used.append((f"{prefix}.{name}" if prefix else name, type(root).__name__,
                                  _other_leaf(t)))
+                    objects.append(t)
     for t in tensors:
         if id(t) not in seen:
             seen.add(id(t))
             used.append(("", "", _other_leaf(t)))
-    return used
+            objects.append(t)
+    return used, objects
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Records the ids of the tensors passed to torch functions and methods while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        for leaf in tree_leaves((args, kwargs or {})):
+            if isinstance(leaf, Tensor):
+                self.ids.add(id(leaf))
+        return func(*args, **(kwargs or {}))
+
+
+def _read_by_f(prob: Problem, tensors: Sequence[Tensor]) -> list[bool]:
+    """Whether one call of ``f`` reads each of ``tensors``: a parameter of a module that
+    ``f`` reaches but never calls (a head left out) differs between ranks harmlessly. f is
+    called once, without a graph, its draws and buffers put back; a call that fails reads
+    every tensor (the products will raise its error)."""
+    reads = _Reads()
+    draws = SameDraws(own_generators(prob), host=True)
+    draws()
+    try:
+        with torch.no_grad(), buffers_kept(prob.f, primals=prob.primals), reads:
+            prob.g(*prob.leaves)
+    except Exception:  # noqa: BLE001 - (the products raise it, on every rank)
+        return [True] * len(tensors)
+    finally:
+        draws()
+    return [id(t) in reads.ids for t in tensors]
 
 
 def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
@@ -221,7 +258,7 @@ def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
         "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
         "sums": [_checksums(leaf) for leaf in prob.leaves],
         "others": others,
-        "used": _used_tensors(prob),
+        "used": _used_tensors(prob)[0],
     }
 
 
@@ -266,7 +303,7 @@ def _other_differs(ref: list[Any], got: list[Any], r: int) -> tuple[str, str] | 
 
 
 def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank: int,
-                    world: int) -> None:
+                    world: int, device: torch.device) -> None:
     """Raises, on every rank, if some rank's call differs from rank 0's, or some rank could
     not even set its call up (NOTE [sharded Jacobian])."""
     import torch.distributed as dist
@@ -294,9 +331,23 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
         other = _other_differs(ref["others"], sig["others"], r)
         if other is not None:
             _other_disagrees(prob, *other)
-        used = _used_differs(ref["used"], sig["used"], r)
-        if used is not None:
-            _used_disagrees(prob, used)
+        if len(sig["used"]) != len(ref["used"]):
+            _used_disagrees(prob, f"f uses {len(sig['used'])} tensors that are not its "
+                                  f"arguments on rank {r} but {len(ref['used'])} on rank 0")
+    # a tensor f reaches that differs between ranks is an error only where f reads it
+    differ = {i: how for r, sig in reversed(list(enumerate(sigs[1:], start=1)))
+              for i, how in _used_differs(ref["used"], sig["used"], r)}
+    if differ:
+        import torch.distributed as dist
+
+        objects = _used_tensors(prob)[1]
+        order = sorted(differ)
+        flags = torch.tensor(_read_by_f(prob, [objects[i] for i in order]), dtype=torch.int64,
+                             device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        for i, read in zip(order, flags.tolist()):
+            if read:
+                _used_disagrees(prob, differ[i])
 
 
 def fail_before_exchange(err: BaseException, group: Any) -> None:
@@ -342,22 +393,18 @@ def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0
     )
 
 
-def _used_differs(ref: list[Any], got: list[Any], r: int) -> str | None:
-    """How the tensors ``f`` uses differ on rank ``r`` from rank 0 (:func:`_used_tensors`),
-    or None."""
-    if len(ref) != len(got):
-        return (f"f uses {len(got)} tensors that are not its arguments on rank {r} but "
-                f"{len(ref)} on rank 0")
-    for (name, owner, a), (name_b, owner_b, b) in zip(ref, got):
+def _used_differs(ref: list[Any], got: list[Any], r: int) -> Iterator[tuple[int, str]]:
+    """``(index, how)`` for each tensor ``f`` reaches (:func:`_used_tensors`, as many on
+    both ranks) that differs on rank ``r`` from rank 0's."""
+    for i, ((name, owner, a), (name_b, owner_b, b)) in enumerate(zip(ref, got)):
         what = (f"the {name!r} of the {owner} f uses" if owner
                 else f"a tensor of shape {shape_str(a[1])} that f captures")
         if (name, owner, a[:3]) != (name_b, owner_b, b[:3]):
-            return (f"{what} has shape {shape_str(b[1])} and dtype {b[2]} on rank {r} but "
-                    f"{shape_str(a[1])} and {a[2]} on rank 0")
-        if a[3] is not None and b[3] is not None and not _same_sums(a[3], b[3]):
-            return f"{what} holds different values on rank {r} than on rank 0 (their " \
-                   f"checksums differ)"
-    return None
+            yield i, (f"{what} has shape {shape_str(b[1])} and dtype {b[2]} on rank {r} but "
+                      f"{shape_str(a[1])} and {a[2]} on rank 0")
+        elif a[3] is not None and b[3] is not None and not _same_sums(a[3], b[3]):
+            yield i, (f"{what} holds different values on rank {r} than on rank 0 (their "
+                      f"checksums differ)")
 
 
 def _used_disagrees(prob: Problem, how: str) -> None:
