@@ -2044,3 +2044,41 @@ def test_loops_draw_from_fs_own_generator_what_one_call_draws():
             assert any(torch.allclose(r, d) for d in draws), strategy
             assert torch.equal(H, torch.diag(H.diagonal()))
             g.manual_seed(0)
+
+
+def _roll_times(x):
+    return x.roll(1) * x
+
+
+@pytest.mark.parametrize("call", ["jacobian", "sparse_jacobian"])
+def test_auto_at_a_nan_input_is_not_read_as_a_wrong_formula(call):
+    # a NaN in x gives NaN in the same entries of the vectorised products and of the check's
+    # reverse product: the check read NaN - NaN as a disagreement, warned of a wrong batching
+    # rule ("by up to nan"), and remembered the one-product-at-a-time route for this
+    # function and input shapes, for every later call at finite points too
+    from torch_vjp._engine import fwdcheck
+
+    fwdcheck.CHECKED.clear()
+    tv.sparse.clear_cache()
+    x = torch.tensor([float("nan"), 1.0, 2.0], dtype=D)
+    fn = jacobian if call == "jacobian" else (lambda f, x: tv.sparse_jacobian(f, x).to_dense())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        got = fn(_roll_times, x)
+        fn(_roll_times, torch.tensor([0.5, 1.0, 2.0], dtype=D))
+    assert "rev-loop" not in fwdcheck.CHECKED.values()
+    if call == "jacobian":
+        torch.testing.assert_close(got, torch.func.jacrev(_roll_times)(x), equal_nan=True)
+    else:  # (rows 0 and 1 as reverse mode gives them, row 2 of f's other entries)
+        assert got[0, 0] == 2.0 and got[1, 0] == 1.0 and got[2, 0] == 0.0
+
+
+def test_the_check_counts_a_nan_on_one_side_only_as_a_disagreement():
+    from torch_vjp._engine.fwdcheck import gap
+
+    nan, inf = float("nan"), float("inf")
+    assert gap(torch.tensor([1.0, nan, inf]), torch.tensor([1.0, nan, inf])) == (0.0, 1.0)
+    d, _ = gap(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0]))
+    assert d != d  # (NaN: a disagreement)
+    assert gap(torch.tensor([1.0, inf]), torch.tensor([1.0, 5.0]))[0] == inf
+    assert gap(torch.tensor([1.0, -inf]), torch.tensor([1.0, inf]))[0] == inf

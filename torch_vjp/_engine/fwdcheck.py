@@ -189,10 +189,24 @@ def one_reverse_product(
 
 
 def gap(a: Tensor, b: Tensor) -> tuple[float, float]:
-    """``(max |a - b|, max(|a|, |b|))`` of two flat tensors, read with one synchronisation."""
+    """``(max |a - b|, max(|a|, |b|))`` of two flat tensors, read with one synchronisation.
+
+    Entries equal (an infinity of one sign in both) or NaN in both agree, and the scale is
+    that of the entries finite in both: a NaN in ``x`` (or an overflow) gives NaN in the
+    same entries by every route, which is no sign of a wrong formula; a NaN or an infinity
+    in one of them only is a disagreement (NaN or infinite difference).
+
+    Example:
+        >>> gap(torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([1.5, float("nan"), 3.0]))
+        (0.5, 3.0)
+    """
     if a.numel() == 0:
         return 0.0, 0.0
-    d, s = torch.stack((a - b, torch.maximum(a.abs(), b.abs()))).abs().amax(1).tolist()
+    agree = (a == b) | (a.isnan() & b.isnan())
+    finite = a.isfinite() & b.isfinite()
+    d, s = torch.stack((torch.where(agree, 0.0, a - b),
+                        torch.where(finite, torch.maximum(a.abs(), b.abs()), 0.0))
+                       ).abs().amax(1).tolist()
     return d, s
 
 
