@@ -2065,6 +2065,8 @@ def test_auto_at_a_nan_input_is_not_read_as_a_wrong_formula(call):
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
         got = fn(_roll_times, x)
+        fn(_roll_times, torch.tensor([float("inf"), 1.0, 2.0], dtype=D))
+        assert not fwdcheck.CHECKED  # (nothing compared, nothing remembered)
         fn(_roll_times, torch.tensor([0.5, 1.0, 2.0], dtype=D))
     assert "rev-loop" not in fwdcheck.CHECKED.values()
     if call == "jacobian":
@@ -2082,3 +2084,22 @@ def test_the_check_counts_a_nan_on_one_side_only_as_a_disagreement():
     assert d != d  # (NaN: a disagreement)
     assert gap(torch.tensor([1.0, inf]), torch.tensor([1.0, 5.0]))[0] == inf
     assert gap(torch.tensor([1.0, -inf]), torch.tensor([1.0, inf]))[0] == inf
+
+
+def _cdist_rows(x):
+    return torch.cdist(x.reshape(4, 3), x.reshape(4, 3)[:2]).reshape(-1)
+
+
+def test_auto_checks_at_the_first_finite_point_after_a_nan_one():
+    # a route taken unchecked at a NaN point is not remembered: the wrong batching rule of
+    # cdist's backward is still caught at the next, finite, point
+    from torch_vjp._engine import fwdcheck
+
+    fwdcheck.CHECKED.clear()
+    x = torch.randn(12, dtype=D, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        jacobian(_cdist_rows, torch.where(torch.arange(12) == 0, float("nan"), x))
+    with pytest.warns(tv.JacobianWarning, match=r"reverse mode under torch\.vmap disagrees"):
+        got = jacobian(_cdist_rows, x)
+    torch.testing.assert_close(got, torch.autograd.functional.jacobian(_cdist_rows, x))

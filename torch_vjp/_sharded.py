@@ -61,6 +61,7 @@ from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
     cross_row_flow,
+    finite_point,
     mixing_message,
     no_route_message,
     remember,
@@ -368,7 +369,8 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
 
     ok, diff, scale = agrees(part, mode)
     if ok:
-        remember(key, mode)
+        if finite_point(prob):  # (at a NaN or an infinity nothing was compared)
+            remember(key, mode)
         return part, mode
     for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
         first()

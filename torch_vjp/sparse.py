@@ -28,6 +28,7 @@ from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
     agreeing_route,
+    finite_point,
     gap,
     route_key,
     one_reverse_product,
@@ -429,7 +430,8 @@ def _checked(
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
         got = one_reverse_product(prob)
     if got is None:
-        plan.remember(fkey, first)
+        if finite_point(prob):  # (at a NaN or an infinity: checked at a later call)
+            plan.remember(fkey, first)
         return coloring, comp
     _, us, grads = got
     p = plan.pattern

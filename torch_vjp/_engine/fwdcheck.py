@@ -51,7 +51,8 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
 
 __all__ = [
-    "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "gap", "identity",
+    "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "finite_point", "gap",
+    "identity",
     "route_key", "module_key", "checked_batch", "cross_row_flow",
     "largest_difference", "mixing_message",
     "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
@@ -159,6 +160,8 @@ def one_reverse_product(
     leaves = prob.leaves
     if any(x.is_complex() or x.device.type == "meta" for x in leaves):
         return None  # (a tensor on the meta device holds no numbers to compare)
+    if not finite_point(prob):
+        return None  # (NaN and infinities land in the products by each route its own way)
     gen = torch.Generator().manual_seed(0)
     try:
         with torch.enable_grad():
@@ -186,6 +189,16 @@ def one_reverse_product(
         return None
     return (flat, us, [torch.zeros_like(x) if g is None else g.detach()
                        for x, g in zip(xs, grads)])
+
+
+def finite_point(prob: Problem) -> bool:
+    """Whether every differentiated input is finite: at a NaN or an infinity, the products
+    of two routes hold NaN and infinities in entries of their own (``0 * inf``, sums of
+    opposite infinities), so a check there compares nothing, and no route is remembered
+    from it (a later call at a finite point checks)."""
+    with torch.no_grad():
+        return all(bool(x.isfinite().all()) for x in prob.leaves
+                   if x.is_floating_point() and x.device.type != "meta")
 
 
 def gap(a: Tensor, b: Tensor) -> tuple[float, float]:
@@ -319,7 +332,8 @@ def checked_route(
         return res
     got = one_reverse_product(prob)
     if got is None:
-        remember(key, res.mode)
+        if finite_point(prob):
+            remember(key, res.mode)
         return res
 
     def mixing(tried: Sequence[str], diff: float, scale: float) -> None:
