@@ -25,8 +25,8 @@ not compared), the parameters and buffers of the modules ``f`` reaches and the t
 captures (weights drawn on each rank without a common seed make a function of each rank's
 own; where one differs, one more call of ``f`` on every rank, recording the tensors torch's
 functions are given, tells whether ``f`` reads it: a module's part that ``f`` never calls,
-a head of each rank's own, may differ), and checksums of the values (the sum and a sum weighted by numbers
-spread like random ones, alike on every rank, in float64, of the finite values, and one of where the
+a head of each rank's own, may differ), and checksums of the values (the sum and a sum
+weighted by numbers spread like random ones, alike on every rank, in float64, of the finite values, and one of where the
 non-finite ones are and what they are; each compared to the bound of float64 rounding, 2 n
 eps times the sum of its terms' magnitudes: the same values summed with different thread
 counts may differ in the last bits). The mode of ``"auto"`` is then chosen from sizes alone, the same on every rank,
