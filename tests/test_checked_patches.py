@@ -349,3 +349,32 @@ def test_process_wide_checks_go_over_a_patch_in_the_next_block():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["RuntimeError", "GradOutputsError", "RuntimeError",
                                   "True", "3"]
+
+
+_ALIAS_SCRIPT = """
+import torch, torch_vjp as tv
+from torch.autograd import grad
+x = torch.tensor([1., 2., 3., 4.], requires_grad=True)
+y = torch.outer(x, x)
+for call in (lambda: grad(y, x, torch.ones(4), retain_graph=True),
+             lambda: torch.autograd.grad(y, x, torch.ones(4), retain_graph=True)):
+    with tv.checked():
+        try:
+            call()
+        except RuntimeError as e:
+            print(type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("process_wide", [False, True])
+def test_a_name_bound_to_grad_before_the_block_as_the_docs_say(process_wide):
+    # docs/pages/grad-outputs.md: a block checks torch.autograd.grad where torch keeps it; a
+    # name bound before it holds torch's own function, except with TORCH_VJP_CHECKED=1
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_VJP_")}
+    if process_wide:
+        env["TORCH_VJP_CHECKED"] = "1"
+    out = subprocess.run([sys.executable, "-c", _ALIAS_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first = "GradOutputsError" if process_wide else "RuntimeError"
+    assert out.stdout.split() == [first, "GradOutputsError"]
