@@ -164,7 +164,11 @@ def jacobian(
 
     Returns:
         The Jacobian (``(J, aux)`` with ``has_aux``); with ``shard=True``, this rank's
-        :class:`~torch_vjp.JacobianShard` (its ``aux`` holds the aux value).
+        :class:`~torch_vjp.JacobianShard` (its ``aux`` holds the aux value). Each block's
+        dtype is that of the mode computing it, as in torch.func: the input's in reverse
+        mode (``jacrev``), the output's in forward mode (``jacfwd``). Where ``f`` changes
+        the dtype (float32 in, float64 out), ``"auto"``'s choice by sizes decides it: name
+        the strategy, or cast, to fix it.
 
     Raises:
         StrategyError: unknown ``strategy``.
