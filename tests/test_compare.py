@@ -662,6 +662,40 @@ def test_a_wrong_entry_at_a_zero_tolerance_is_wrong():
     assert why is None and error <= tol
 
 
+def test_a_reference_with_an_infinite_entry_still_judges_the_finite_ones():
+    # one infinite reference entry made every entry's tolerance infinite: a result wrong by
+    # 4 in a finite entry passed; and inf - inf = nan marked a result equal to it wrong
+    from torch_vjp._measure import check_result
+
+    inf = float("inf")
+    ref = torch.tensor([inf, 1.0, 2.0], dtype=torch.float64)
+    error, tol, why = check_result(torch.tensor([inf, 5.0, 2.0]), ref, None, None)
+    assert error == 4.0 and math.isfinite(tol) and why is not None and "entry 1" in why
+    error, tol, why = check_result(ref.clone(), ref, None, None)
+    assert error == 0.0 and why is None and tol < 1e-6
+    error, _, why = check_result(torch.tensor([3.0, 1.0, 2.0]), ref, None, None)
+    assert error == inf and why.startswith("value 3.00e+00 (entry 0) where the reference "
+                                           "has inf")
+
+
+def test_a_nan_where_the_reference_has_a_nan_is_right():
+    # sqrt at 0: the reference loop's Jacobian is NaN where 0 * inf meets, and rev's is the
+    # same; the NaN made every entry's tolerance NaN, so every strategy was "wrong" (error
+    # nan) and best was None
+    x = torch.tensor([0.0, 1.0, 4.0], dtype=torch.float64)
+    report = compare_strategies(torch.sqrt, x, strategies=("rev", "rev-loop"),
+                                min_run_time=FAST, memory=False)
+    assert [row.status for row in report.rows] == ["ok", "ok"], str(report)
+    assert report.rows[0].error == 0.0 and report.best is not None
+    assert math.isfinite(report.tolerance)
+    # a NaN where the reference has a number is still wrong
+    from torch_vjp._measure import check_result
+
+    ref = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    assert check_result(torch.tensor([float("nan"), 1.5]), ref, None, None)[2] is not None
+    assert "reference has nan" in check_result(torch.ones(2), ref, None, None)[2]
+
+
 class _BufferRewriter(torch.nn.Module):
     """sin times a buffer that forward makes a Parameter, in any mode, and a buffer it
     registers on every call."""

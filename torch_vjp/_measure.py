@@ -297,7 +297,9 @@ def leaves(tree: Any) -> list[Tensor]:
 
 
 def max_error(result: Any, reference: Any) -> float:
-    """Largest absolute difference between two results of the same structure and shapes.
+    """Largest absolute difference between two results of the same structure and shapes;
+    an entry that equals its reference entry, a NaN where the reference has a NaN or the
+    same infinity, counts as no difference (see :func:`_entry_errors`).
 
     Raises:
         ValueError: The structures or the shapes differ (said in the message).
@@ -314,17 +316,33 @@ def max_error(result: Any, reference: Any) -> float:
                 f"the reference has {shape_str(w.shape)}"
             )
         if g.numel():
-            diff = (g.detach().cpu().to(torch.complex128 if g.is_complex() else torch.float64)
-                    - w.detach().cpu().to(torch.complex128 if w.is_complex() else torch.float64))
-            e = float(diff.abs().max())
+            e = float(_entry_errors(g, w)[0].max())
             if math.isnan(e) or e > error:  # (a NaN stays: max(0.0, nan) is 0.0)
                 error = e
     return error
 
 
+def _entry_errors(result: Tensor, reference: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(errors, magnitudes, same)``, flat and in float64 (complex128 for a complex
+    operand): each entry's absolute error, its reference entry's size, and whether the two
+    entries agree exactly. Entries that agree count an error of 0, a NaN beside a NaN and an
+    infinity beside the same infinity included: a Jacobian whose reference is NaN or
+    infinite somewhere (``sqrt`` at 0) is matched there by a result with the same entries
+    (``inf - inf`` and ``nan - nan`` would be NaN errors, and mark every strategy wrong)."""
+    g = result.detach().cpu().reshape(-1)
+    w = reference.detach().cpu().reshape(-1)
+    dt = torch.complex128 if g.is_complex() or w.is_complex() else torch.float64
+    g, w = g.to(dt), w.to(dt)
+    same = (g == w) | (torch.isnan(g) & torch.isnan(w))
+    errors = torch.where(same, torch.zeros((), dtype=torch.float64), (g - w).abs())
+    return errors, w.abs(), same
+
+
 def _scale(reference: Any) -> float:
-    blocks = [t for t in leaves(reference) if t.numel()]
-    return max((float(t.detach().abs().max()) for t in blocks), default=0.0)
+    """The largest finite entry of the reference in size (an infinite or NaN entry would
+    make every entry's tolerance infinite or NaN, and pass or fail every entry with it)."""
+    blocks = [t.detach().abs() for t in leaves(reference) if t.numel()]
+    return max((float(torch.where(t.isfinite(), t, 0).max()) for t in blocks), default=0.0)
 
 
 def _tolerances(result: Any, rtol: float | None, atol: float | None) -> tuple[float, float]:
@@ -360,16 +378,19 @@ def check_result(result: Any, reference: Any, rtol: float | None, atol: float | 
     for i, (g, w) in enumerate(blocks):
         if not w.numel():
             continue
-        g64 = torch.as_tensor(g).detach().cpu()
-        w64 = w.detach().cpu()
-        dt = torch.complex128 if g64.is_complex() or w64.is_complex() else torch.float64
-        diff = (g64.to(dt) - w64.to(dt)).abs().reshape(-1)
-        tol = atol + rtol * w64.to(dt).abs().reshape(-1).clamp(min=floor)
-        bad = (diff > tol) | torch.isnan(diff)  # (a NaN is wrong; a zero tolerance too)
+        diff, size, same = _entry_errors(torch.as_tensor(g), w)
+        tol = atol + rtol * size.clamp(min=floor)
+        # (a NaN or infinite error is wrong, whatever the tolerance; a zero tolerance too)
+        bad = ~same & ((diff > tol) | ~torch.isfinite(diff))
         if bool(bad.any()):
             k = int(bad.nonzero()[0])
             where = f" (entry {k} of Jacobian block {i})" if len(blocks) > 1 else (
                 f" (entry {k})")
+            if not math.isfinite(float(diff[k])):  # (no tolerance to compare it with)
+                got, want = torch.as_tensor(g).reshape(-1)[k], w.reshape(-1)[k]
+                return error, atol + rtol * scale, (
+                    f"value {got.item():.2e}{where} where the reference has {want.item():.2e} "
+                    f"(max abs error {error:.2e})")
             return error, atol + rtol * scale, (
                 f"abs error {float(diff[k]):.2e}{where} > its tolerance {float(tol[k]):.2e} "
                 f"(max abs error {error:.2e})")

@@ -312,7 +312,8 @@ def compare_strategies(
       loop fails, ``torch.func.jacrev`` is used instead. ``report.reference`` says which. ``error`` is the largest
       absolute difference; a row is ``"ok"`` when every entry's is at most ``atol + rtol *
       max(|its reference entry|, 0.1 * max|reference|)`` (one large entry does not hide
-      wrong small ones).
+      wrong small ones; an entry equal to its reference entry, a NaN or an infinity
+      included, is right, and an infinite reference entry widens no other's tolerance).
     * **peak extra memory**: on CUDA, the caching allocator's peak during one call
       (``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``)
       minus what was allocated before it. On CPU, the peak of live tensor bytes during one
