@@ -787,3 +787,23 @@ def test_every_benchmark_script_imports(script, monkeypatch):
     monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)  # (their __main__ guard keeps them from running)
     assert callable(getattr(module, "main", None)) or module.__doc__
+
+
+def test_ctrl_c_during_the_run_is_one_line_and_exit_status_130(monkeypatch, tmp_path, capsys):
+    # Ctrl-C printed a traceback through whichever method was running (torch._dynamo's
+    # frames for the compiled one) and nothing said what was left; now one line on stderr
+    import torch_vjp.bench
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch_vjp.bench, "run_suite", interrupted)
+    status = main(["bench", "--only", "jacobian_of", "--no-plot", "--out", str(tmp_path / "o")])
+    assert status == 130
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert re.search(r"torch-vjp bench: interrupted \(Ctrl-C\) after \d+\.\d s, before the "
+                     r"suite finished: no table, and no file was written\. For a shorter run: "
+                     r"--quick, --only NAMES, --methods NAMES or a lower --min-run-time\.",
+                     captured.err)
+    assert not (tmp_path / "o").exists()

@@ -32,6 +32,8 @@ DEFAULT_PLOT = os.path.join(DEFAULT_OUT, STEM + ".png")
 QUICK_MIN_RUN_TIME = 0.01
 FULL_MIN_RUN_TIME = 0.1
 DEFAULT_ROUNDS = 3
+#: The exit status of a run interrupted with Ctrl-C: 128 + SIGINT, as the shells report it.
+INTERRUPTED = 130
 
 
 def _seconds(text: str) -> float:
@@ -291,10 +293,19 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"jax has no {device_type} device here: its methods are left out (a jax with GPU "
               f"support, e.g. pip install 'jax[cuda13]', adds them on --device cuda)")
     start = time.perf_counter()
-    result = run_suite(workloads, methods=methods, device=device, threads=args.threads,
-                       min_run_time=min_run_time, rounds=args.rounds, quick=args.quick,
-                       use_jax=use_jax, progress=not args.no_progress,
-                       drop_slow=not args.all_methods)
+    try:
+        result = run_suite(workloads, methods=methods, device=device, threads=args.threads,
+                           min_run_time=min_run_time, rounds=args.rounds, quick=args.quick,
+                           use_jax=use_jax, progress=not args.no_progress,
+                           drop_slow=not args.all_methods)
+    except KeyboardInterrupt:
+        # (a line, not a traceback through whichever method was running; the suite has
+        # already put torch's thread count back)
+        print(f"\ntorch-vjp bench: interrupted (Ctrl-C) after "
+              f"{time.perf_counter() - start:.1f} s, before the suite finished: no table, "
+              f"and no file was written. For a shorter run: --quick, --only NAMES, "
+              f"--methods NAMES or a lower --min-run-time.", file=sys.stderr)
+        return INTERRUPTED
     elapsed = time.perf_counter() - start
     print(result.table())
     print(f"\n{len(workloads)} workloads in {elapsed:.1f} s")
@@ -387,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 on success, 2 for a usage error (argparse's convention, found
         before the run; ``--version`` exits with 0), 1 when the run finished but a result
         file (the JSON, the Markdown or the plot) could not be written; the table is
-        printed and the other files are written all the same.
+        printed and the other files are written all the same; 130 (the shells' 128 +
+        SIGINT) when the run was interrupted with Ctrl-C, said in one line on stderr.
     """
     parser = _parser()
     args = parser.parse_args(argv)
