@@ -807,3 +807,20 @@ def test_ctrl_c_during_the_run_is_one_line_and_exit_status_130(monkeypatch, tmp_
                      r"--quick, --only NAMES, --methods NAMES or a lower --min-run-time\.",
                      captured.err)
     assert not (tmp_path / "o").exists()
+
+
+def test_an_unknown_method_that_is_part_of_names_says_which(capsys, no_run):
+    # '--methods jacrev' said only "unknown method(s) ['jacrev']; see --list": nothing told
+    # that names are exact, unlike --only's parts of names, nor which name was meant
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--methods", "jacfwd"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--methods: unknown method(s) ['jacfwd']; see --list. Method names are exact and "
+            "whole (--only takes parts of workload names, --methods does not); did you mean "
+            "'torch.func.jacfwd', ") in err
+    assert "e.g. --methods 'torch.func.jacfwd'" in err
+    with pytest.raises(SystemExit):
+        main(["bench", "--methods", "xyzzy"])
+    assert ("Method names are exact and whole, as --list prints them, e.g. --methods "
+            "'torch_vjp rev,torch.func.jacrev'") in capsys.readouterr().err

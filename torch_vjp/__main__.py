@@ -265,7 +265,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in {x.name for x in METHODS}]
         if unknown:
-            parser.error(f"--methods: unknown method(s) {unknown}; see --list")
+            parser.error(f"--methods: unknown method(s) {unknown}; see --list"
+                         + _method_hint(unknown, [x.name for x in METHODS]))
         if not methods:
             parser.error(f"--methods {args.methods!r}: names no method; pass exact method "
                          f"names separated by commas (see --list), or leave --methods out "
@@ -356,6 +357,27 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if what in written:
             print(f"{what}: {written[what]}")
     return status
+
+
+def _method_hint(unknown: list[str], names: list[str]) -> str:
+    """What the unknown ``--methods`` names may have meant: the method names that contain
+    one (case aside), or are close to it; a hint on exact names if none is."""
+    import difflib
+
+    lowered = {name.lower(): name for name in names}
+    meant: list[str] = []
+    for given in unknown:
+        found = [name for name in names if given.lower() in name.lower()]
+        found = found or [lowered[m] for m in difflib.get_close_matches(
+            given.lower(), list(lowered), n=3, cutoff=0.6)]
+        meant += [name for name in found if name not in meant]
+    if meant:
+        return (f". Method names are exact and whole (--only takes parts of workload names, "
+                f"--methods does not); did you mean "
+                f"{', '.join(repr(name) for name in meant[:6])}? e.g. --methods "
+                f"{meant[0]!r}")
+    return (". Method names are exact and whole, as --list prints them, e.g. --methods "
+            "'torch_vjp rev,torch.func.jacrev'")
 
 
 def _served(workloads: list, methods: list[str] | None, parser: argparse.ArgumentParser, *,
