@@ -723,3 +723,20 @@ def test_a_buffer_f_makes_a_parameter_is_put_back(training):
     assert model.scale is scale and float(scale) == 1.0
     assert dict(model._parameters) == {} and list(model._buffers) == ["scale"]
     assert [row.status for row in report.rows] == ["ok"], str(report)
+
+
+def test_an_integer_output_is_not_told_to_use_has_aux_which_compare_has_not():
+    # the error's fix read "or move it to aux with has_aux=True", but compare_strategies has
+    # no has_aux (passing it is a TypeError)
+    x = torch.randn(3, dtype=torch.float64)
+    with pytest.raises(JacobianCallError) as info:
+        compare_strategies(lambda a: (a * 2, a.argmax()), x, min_run_time=FAST)
+    message = str(info.value)
+    assert "has_aux" not in message
+    assert message.startswith("torch_vjp.compare_strategies: the output of f[1] has dtype "
+                              "torch.int64; only real floating-point outputs have a Jacobian")
+    assert message.endswith("Fix: return it as .double() or .float() if it is "
+                            "differentiable, or leave it out of f's output.")
+    with pytest.raises(JacobianCallError) as info:
+        compare_strategies(lambda a: (a * 2, None), x, min_run_time=FAST)
+    assert "has_aux" not in str(info.value)

@@ -373,7 +373,8 @@ def compare_strategies(
     rtol = check_tolerance("rtol", rtol, call=_CALL)
     atol = check_tolerance("atol", atol, call=_CALL)
     # argnums and the primals are checked as torch_vjp.jacobian checks them, before f runs.
-    prob = Problem(f, primals, argnums, has_aux=False, call=_CALL)
+    # (aux=False: compare_strategies has no has_aux, so no message may offer it)
+    prob = Problem(f, primals, argnums, has_aux=False, call=_CALL, aux=False)
     device = device_of(primals)
 
     # Every call of f below (the plain call, the reference, each strategy's checked call,
