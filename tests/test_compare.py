@@ -740,3 +740,15 @@ def test_an_integer_output_is_not_told_to_use_has_aux_which_compare_has_not():
     with pytest.raises(JacobianCallError) as info:
         compare_strategies(lambda a: (a * 2, None), x, min_run_time=FAST)
     assert "has_aux" not in str(info.value)
+
+
+@pytest.mark.parametrize("memory", ["no", None, 0])
+def test_memory_that_is_not_a_bool_is_refused(memory):
+    # memory="no" is truthy: memory was measured although the caller asked not to
+    with pytest.raises(JacobianOptionError) as info:
+        compare_strategies(torch.sin, torch.randn(3, dtype=torch.float64), memory=memory,
+                           min_run_time=FAST)
+    assert str(info.value) == (
+        f"torch_vjp.compare_strategies: memory={memory!r}, but it must be True or False: "
+        f"whether to measure each strategy's peak extra memory (one more call per strategy). "
+        f"Fix: memory=False to skip the measurement, or leave the default True.")

@@ -28,6 +28,7 @@ from torch_vjp._compare_reference import NoReference, reference_jacobian
 from torch_vjp._engine.problem import Problem
 from torch_vjp._function_calls import SameDraws, generators, buffers_used
 from torch_vjp._errors import (
+    JacobianOptionError,
     StrategyError,
     every_time,
     StrategyTypeError,
@@ -347,8 +348,9 @@ def compare_strategies(
         StrategyError: A name in ``strategies`` is not a registered strategy, the sequence
             is empty, or it names a strategy twice.
         StrategyTypeError: ``strategies`` is neither a name nor a sequence of names.
-        JacobianOptionError: ``min_run_time`` is not a finite number of seconds > 0, or
-            ``rtol``/``atol`` is not ``None`` or a finite number >= 0.
+        JacobianOptionError: ``min_run_time`` is not a finite number of seconds > 0,
+            ``rtol``/``atol`` is not ``None`` or a finite number >= 0, or ``memory`` is not
+            a bool.
         JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit, as in
             :func:`torch_vjp.jacobian` (an ``argnums`` out of range or repeated, an integer
             primal, an integer output, ...).
@@ -372,6 +374,13 @@ def compare_strategies(
     min_run_time = check_min_run_time(min_run_time, call=_CALL)
     rtol = check_tolerance("rtol", rtol, call=_CALL)
     atol = check_tolerance("atol", atol, call=_CALL)
+    if not isinstance(memory, bool):
+        # (a str such as "no" is truthy: memory would be measured against the caller's wish)
+        raise JacobianOptionError(
+            f"{_CALL}: memory={memory!r}, but it must be True or False: "
+            f"whether to measure each strategy's peak extra memory (one more call per "
+            f"strategy). Fix: memory=False to skip the measurement, or leave the default True."
+        )
     # argnums and the primals are checked as torch_vjp.jacobian checks them, before f runs.
     # (aux=False: compare_strategies has no has_aux, so no message may offer it)
     prob = Problem(f, primals, argnums, has_aux=False, call=_CALL, aux=False)
