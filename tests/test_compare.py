@@ -752,3 +752,13 @@ def test_memory_that_is_not_a_bool_is_refused(memory):
         f"torch_vjp.compare_strategies: memory={memory!r}, but it must be True or False: "
         f"whether to measure each strategy's peak extra memory (one more call per strategy). "
         f"Fix: memory=False to skip the measurement, or leave the default True.")
+
+
+def test_a_strategy_entry_that_is_not_a_str_is_a_type_error():
+    # ("rev", 1) raised StrategyError "unknown strategy 1", as if 1 were a misspelt name
+    with pytest.raises(StrategyTypeError) as info:
+        compare_strategies(torch.sin, torch.randn(3, dtype=torch.float64),
+                           strategies=("rev", 1), min_run_time=FAST)
+    assert str(info.value) == (
+        f"torch_vjp.compare_strategies: strategies[1] is 1 (int), but each entry must be a "
+        f"strategy name, a str. Valid strategies: {ALL}; e.g. strategies=('rev', 'fwd').")

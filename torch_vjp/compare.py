@@ -347,7 +347,8 @@ def compare_strategies(
     Raises:
         StrategyError: A name in ``strategies`` is not a registered strategy, the sequence
             is empty, or it names a strategy twice.
-        StrategyTypeError: ``strategies`` is neither a name nor a sequence of names.
+        StrategyTypeError: ``strategies`` is neither a name nor a sequence of names (an
+            entry that is not a str included).
         JacobianOptionError: ``min_run_time`` is not a finite number of seconds > 0,
             ``rtol``/``atol`` is not ``None`` or a finite number >= 0, or ``memory`` is not
             a bool.
@@ -503,7 +504,13 @@ def _normalise_strategies(strategies: Sequence[str] | str | None) -> tuple[str, 
             f"compare. Fix: leave strategies=None to compare every strategy "
             f"{_registered_strategies()}, or name some, e.g. strategies=('rev', 'fwd')."
         )
-    for name in names:
+    for k, name in enumerate(names):
+        if not isinstance(name, str):
+            raise StrategyTypeError(
+                f"{_CALL}: strategies[{k}] is {name!r} ({type(name).__name__}), but each "
+                f"entry must be a strategy name, a str. Valid strategies: "
+                f"{_registered_strategies()}; e.g. strategies=('rev', 'fwd')."
+            )
         get_strategy(name, call=_CALL)  # raises StrategyError naming the valid ones
     twice = [name for name in dict.fromkeys(names) if names.count(name) > 1]
     if twice:
