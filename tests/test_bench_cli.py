@@ -824,3 +824,16 @@ def test_an_unknown_method_that_is_part_of_names_says_which(capsys, no_run):
         main(["bench", "--methods", "xyzzy"])
     assert ("Method names are exact and whole, as --list prints them, e.g. --methods "
             "'torch_vjp rev,torch.func.jacrev'") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "CPU"])
+def test_a_device_torch_cannot_read_says_so(device, capsys, no_run):
+    # 'cuda:x' was told "only cpu and cuda are supported", although it names cuda
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--device", device])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--device {device}: not a device torch can read (" in err
+    assert ("); expected cpu, cuda or cuda:N, N the index of a GPU (lower case, no spaces), "
+            "e.g. --device cuda:0") in err
+    assert "only cpu and cuda are supported" not in err

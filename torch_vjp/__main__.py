@@ -235,8 +235,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     device = args.device
     try:
         device_type = torch.device(device).type
-    except RuntimeError:
+    except RuntimeError as exc:
         device_type = None
+        if device.strip().lower().startswith(("cpu", "cuda")):
+            # ('cuda:x', 'CPU', 'cuda0': cpu or cuda meant, written as torch does not read it)
+            parser.error(f"--device {device}: not a device torch can read ({exc}); expected "
+                         f"cpu, cuda or cuda:N, N the index of a GPU (lower case, no spaces), "
+                         f"e.g. --device cuda:0")
     if device_type not in ("cpu", "cuda"):
         parser.error(f"--device {device}: only cpu and cuda are supported")
     if device_type == "cuda" and not torch.cuda.is_available():
