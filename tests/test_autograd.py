@@ -709,3 +709,26 @@ def test_err_output_cut_off_where_only_some_inputs_require_grad_is_told_both():
     assert "inputs[1] does not require grad, but the other inputs do" in msg
     assert "the graph was cut on the way" in msg
     assert "create the inputs with requires_grad=True" not in msg
+
+
+@pytest.mark.parametrize("bad,what", [(None, "None"), (3.0, "a float")])
+def test_an_output_that_is_not_a_tensor_is_explained_under_torchs_sentence(bad, what):
+    # tv.grad([y, None], ...) raised torch's bare AssertionError "Expected output to be a
+    # torch.Tensor" with no word on which output or why (check_grad_outputs explains it)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = x * 2
+    calls = [
+        ("torch_vjp.grad", "outputs", lambda: tv.grad([y, bad], x, [torch.ones(4, 3), None])),
+        ("torch_vjp.backward", "tensors",
+         lambda: tv.backward([y, bad], [torch.ones(4, 3), None])),
+    ]
+    for call, name, run in calls:
+        with pytest.raises(AssertionError) as info:  # (torch's class and sentence, kept)
+            run()
+        assert str(info.value) == "Expected output to be a torch.Tensor"
+        assert info.value.__notes__ == [
+            f"{call}: {name}[1] is {what}, but each entry of {name} must be a tensor (or a "
+            f"GradientEdge of one).\n  {name} are the outputs y whose vector-Jacobian product "
+            f"is taken, tensors computed from ones that require grad. Fix: pass the tensor "
+            f"itself (.item() gives a number, which holds no graph)."]
+    assert x.grad is None

@@ -39,6 +39,7 @@ from torch_vjp._checked_scope import (
     _HAS_ENGINE,
     _arbitrate,
     _engine,
+    _torch_validation,
 )
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
 from torch_vjp._checks import (
@@ -130,6 +131,26 @@ def _check_outputs(outs: tuple[Any, ...], labels: Labels) -> tuple[Tensor, ...]:
     return outs  # (nested tensors: the checker reads them as they are)
 
 
+def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], Any]) -> Any:
+    """torch's own call, for outputs the checker does not read (:func:`_checkable`). An
+    output that is neither a tensor nor a GradientEdge (None, a number, ``loss.item()``) is
+    refused by torch's ``_make_grads`` with a bare ``AssertionError("Expected output to be a
+    torch.Tensor")``: that error, torch's class and sentence, gets the explanation as a note
+    (NOTE [torch's sentence first]); any other passes through untouched."""
+    try:
+        return run_torch()
+    except AssertionError as err:
+        bad = [i for i, o in enumerate(outs)
+               if not isinstance(o, (Tensor, GradientEdge)) and not is_tensor_like(o)]
+        if not bad or not _torch_validation(err):
+            raise
+        explanation = output_type_message(labels, bad[0], outs[bad[0]])
+        if not hasattr(err, "add_note"):  # pragma: no cover - Python 3.10
+            raise torch_first(AssertionError, explanation, str(err)) from None
+        err.add_note(explanation)
+        raise
+
+
 def _outputs_tuple(outputs: Any, labels: Labels) -> tuple[Any, ...]:
     """``outputs`` as torch reads it: one tensor (or GradientEdge), or any iterable of them."""
     if isinstance(outputs, (Tensor, GradientEdge)) or is_tensor_like(outputs):
@@ -215,8 +236,9 @@ def _grad(
         )
     seen = _checkable(outs)  # (batched grads of GradientEdge outputs: torch refuses them)
     if seen is None or (is_grads_batched and seen is not outs):
-        return torch_grad(outs, inputs_arg, grad_outputs, retain_graph, create_graph, True,
-                          allow_unused, is_grads_batched, materialize_grads)
+        return _unchecked(labels, outs, lambda: torch_grad(
+            outs, inputs_arg, grad_outputs, retain_graph, create_graph, True, allow_unused,
+            is_grads_batched, materialize_grads))
     entries = as_entries(grad_outputs, labels, outs)
     try:
         gos = normalize_grad_outputs(
@@ -305,7 +327,8 @@ def _backward(
         )
     seen = _checkable(outs)
     if seen is None:
-        return torch_backward(outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg)
+        return _unchecked(labels, outs, lambda: torch_backward(
+            outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg))
     entries = as_entries(grad_tensors, labels, outs)
     try:
         gts = normalize_grad_outputs(
