@@ -732,3 +732,32 @@ def test_an_output_that_is_not_a_tensor_is_explained_under_torchs_sentence(bad, 
             f"is taken, tensors computed from ones that require grad. Fix: pass the tensor "
             f"itself (.item() gives a number, which holds no graph)."]
     assert x.grad is None
+
+
+def test_a_dict_of_grad_outputs_is_named_as_a_dict():
+    # torch reads a dict as its keys; the explanation said only "grad_outputs[0] is a str",
+    # which the caller never passed
+    x = torch.randn(4, 3, requires_grad=True)
+    y = x * 2
+    for call, go, out, run in [
+        ("torch_vjp.grad", "grad_outputs", "outputs",
+         lambda: tv.grad(y, x, {"a": torch.ones(4, 3)})),
+        ("torch_vjp.backward", "grad_tensors", "tensors",
+         lambda: tv.backward([y], {"a": torch.ones(4, 3)})),
+    ]:
+        with pytest.raises(tv.GradOutputsTypeError) as info:
+            run()
+        assert str(info.value) == "gradients can be either Tensors or None, but got str"
+        assert info.value.__notes__ == [
+            f"{call}: {go} is a dict, and torch reads a dict as the sequence of its keys: "
+            f"{go}[0] is its key 'a', a str, not a gradient.\n  {go} holds one entry per entry "
+            f"of {out}, in the same order: a tensor of that output's shape (None for a scalar "
+            f"output). Fix: pass a list, e.g. list({go}.values()) if the dict's values are in "
+            f"the order of {out}."]
+    with tv.checked(), pytest.raises(tv.GradOutputsTypeError) as info:
+        y.backward({"a": torch.ones(4, 3)})
+    assert info.value.__notes__[0].endswith(
+        "gradient is dL/dy, one tensor of y's shape. Fix: pass that tensor itself, not a dict "
+        "holding it.")
+    # a dict whose keys are tensors is read as torch reads it
+    assert torch.equal(tv.grad(y, x, {torch.ones(4, 3): 1})[0], torch.full((4, 3), 2.0))

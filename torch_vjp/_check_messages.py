@@ -249,6 +249,26 @@ def type_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
     )
 
 
+def mapping_message(labels: Labels, i: int, key: Any) -> str:
+    """A dict given as ``grad_outputs``: torch iterates it, so its keys are the entries."""
+    first = (
+        f"{labels.call}: {labels.grad_outputs} is a dict, and torch reads a dict as the "
+        f"sequence of its keys: {labels.go(i)} is its key {key!r}, {a_type(key)}, not a "
+        f"gradient.\n"
+    )
+    if not labels.indexed:  # (Tensor.backward: one tensor)
+        return first + (
+            f"  {labels.grad_outputs} is dL/d{labels.outputs}, one tensor of "
+            f"{labels.outputs}'s shape. Fix: pass that tensor itself, not a dict holding it."
+        )
+    return first + (
+        f"  {labels.grad_outputs} holds one entry per entry of {labels.outputs}, in the same "
+        f"order: a tensor of that output's shape (None for a scalar output). Fix: pass a "
+        f"list, e.g. list({labels.grad_outputs}.values()) if the dict's values are in the "
+        f"order of {labels.outputs}."
+    )
+
+
 def not_a_sequence_message(labels: Labels, go: Any, outputs: Sequence[Tensor]) -> str:
     return (
         f"{labels.call}: {labels.grad_outputs} is {a_type(go)}, but it must be a "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch_vjp._check_messages import (
     implicit_dtype_message,
     integer_tangent_message,
     layout_message,
+    mapping_message,
     missing_message,
     no_grad_message,
     not_a_sequence_message,
@@ -158,6 +159,15 @@ def as_entries(grad_outputs: Any, labels: Labels, outputs: Sequence[Tensor]) -> 
         return (grad_outputs,)
     if isinstance(grad_outputs, (tuple, list)):
         return tuple(grad_outputs)
+    if isinstance(grad_outputs, Mapping):
+        # (torch reads a dict as its keys: a key that is no gradient is named as one)
+        keys = tuple(grad_outputs)
+        for i, key in enumerate(keys[:len(outputs)]):
+            if key is not None and not isinstance(key, Tensor):
+                raise _error(GradOutputsTypeError, labels, mapping_message(labels, i, key),
+                             f"gradients can be either Tensors or None, but got "
+                             f"{type(key).__name__}")
+        return keys
     try:
         return tuple(grad_outputs)
     except TypeError as err:
