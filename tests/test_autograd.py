@@ -761,3 +761,34 @@ def test_a_dict_of_grad_outputs_is_named_as_a_dict():
         "holding it.")
     # a dict whose keys are tensors is read as torch reads it
     assert torch.equal(tv.grad(y, x, {torch.ones(4, 3): 1})[0], torch.full((4, 3), 2.0))
+
+
+def test_a_shape_no_hint_explains_still_gets_a_fix():
+    # a grad_output of an unrelated shape, or of the output's shape twice (an identity basis
+    # for the Jacobian), was told only that its shape was wrong: no fix
+    x = torch.randn(4, 3, requires_grad=True)
+    y = x.sin()
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(y, x, torch.ones(5, 7))
+    assert info.value.__notes__[0].endswith(
+        "so it must have shape (4, 3).\n  Fix: pass a tensor of outputs[0]'s shape (4, 3) as "
+        "grad_outputs[0], e.g. torch.ones_like(outputs[0]) to differentiate the sum of "
+        "outputs[0]'s elements.")
+    basis = torch.eye(12).reshape(4, 3, 4, 3)
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(y, x, basis, retain_graph=True)
+    assert info.value.__notes__[0].endswith(
+        "(4, 3, 4, 3) is outputs[0]'s shape twice, the shape of the Jacobian of outputs[0] "
+        "with respect to itself (an identity basis, one vector per element of outputs[0]?). "
+        "For the Jacobian, torch_vjp.jacobian_of computes it; to use these vectors, one "
+        "vector-Jacobian product each, pass grad_outputs[0].reshape(-1, *outputs[0].shape) "
+        "and is_grads_batched=True.")
+    # (the fix it gives works)
+    (jac,) = tv.grad(y, x, basis.reshape(-1, *y.shape), is_grads_batched=True)
+    torch.testing.assert_close(jac.reshape(4, 3, 4, 3), torch.diag(x.detach().cos().reshape(
+        -1)).reshape(4, 3, 4, 3))
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(y.sum(), x, torch.ones(4, 1), is_grads_batched=True)
+    assert info.value.__notes__[0].endswith(
+        "Fix: make grad_outputs[0] torch.stack([v1, v2, ...]) of K vectors, each of "
+        "outputs[0]'s shape ().")

@@ -86,8 +86,21 @@ def shape_message(
             f"  {labels.meaning(i)}: one number per element of {o}, so it must have shape "
             f"{shape_str(oshape)}."
         )
-    fix = _shape_fix(labels, i, out, go, outputs, gos, batched, inputs)
+    fix = (_shape_fix(labels, i, out, go, outputs, gos, batched, inputs)
+           or _plain_fix(labels, i, out, batched))
     return head + ("\n  " + fix if fix else "")
+
+
+def _plain_fix(labels: Labels, i: int, out: Tensor, batched: bool) -> str:
+    """The fix where no recognisable mistake explains the shape: what to pass."""
+    o, g = labels.out(i), labels.go(i)
+    if batched:
+        return (f"Fix: make {g} torch.stack([v1, v2, ...]) of K vectors, each of {o}'s shape "
+                f"{shape_str(out.shape)}.")
+    if labels.role == "tangents":  # (jvp adds its own: a tangent or a cotangent)
+        return ""
+    return (f"Fix: pass a tensor of {o}'s shape {shape_str(out.shape)} as {g}, e.g. "
+            f"torch.ones_like({o}) to differentiate the sum of {o}'s elements.")
 
 
 def _count_fix(
@@ -209,6 +222,15 @@ def _shape_fix(
         )
     if _matches_input(gshape, inputs, outputs):
         return _input_fix(labels, i, gshape, inputs, outputs, batched=False)
+    if out.dim() >= 1 and tuple(gshape) == tuple(oshape) * 2:
+        # (torch.eye(n).reshape(*shape, *shape): one basis vector per element, for the Jacobian)
+        return (
+            f"{shape_str(gshape)} is {o}'s shape twice, the shape of the Jacobian of {o} with "
+            f"respect to itself (an identity basis, one vector per element of {o}?). For the "
+            f"Jacobian, {labels.whole_jacobian} computes it; to use these vectors, one "
+            f"{labels.product} each, pass {g}.reshape(-1, *{o}.shape) and "
+            f"{labels.batch_hint.removeprefix('pass ')}."
+        )
     # a vector of the shape of the output's leading dimensions: one weight per row (per-example
     # weights (B,) for a (B, k) output), which torch's broadcasting would not align; where it
     # matches the last dimensions too (a (B, B) output), both readings are told
