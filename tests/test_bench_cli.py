@@ -837,3 +837,20 @@ def test_a_device_torch_cannot_read_says_so(device, capsys, no_run):
     assert ("); expected cpu, cuda or cuda:N, N the index of a GPU (lower case, no spaces), "
             "e.g. --device cuda:0") in err
     assert "only cpu and cuda are supported" not in err
+
+
+@pytest.mark.parametrize("argv,option,other", [
+    (["--json", "{d}/same.out", "--markdown", "{d}/./same.out"], "--markdown", "--json"),
+    (["--out", "{d}", "--json", "{d}/jacobian_suite.png"], "--plot", "--json"),
+], ids=["json-and-markdown", "json-and-default-plot"])
+def test_two_result_files_at_one_path_are_a_usage_error(argv, option, other, tmp_path, capsys,
+                                                        no_run):
+    # --json x --markdown x wrote the Markdown over the JSON and still printed "json: x"
+    argv = [a.format(d=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv])
+    assert info.value.code == 2
+    assert (f": {other} writes the same file, and the one written last would replace the "
+            f"other. Give each its own file, e.g. --json results.json --markdown results.md "
+            f"--plot results.png") in capsys.readouterr().err
+    assert not (tmp_path / "same.out").exists()

@@ -286,6 +286,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     markdown_path = args.markdown or (str(out / f"{STEM}.md") if out else None)
     plot_path = None if args.no_plot else args.plot or (str(out / f"{STEM}.png") if out else None)
     # Every output path is checked before the run, which can take minutes.
+    _check_distinct((("--json", json_path), ("--markdown", markdown_path),
+                     ("--plot", plot_path)), parser)
     if plot_path:
         _check_plot_path(plot_path, parser)
     for option, path in (("--json", json_path), ("--markdown", markdown_path),
@@ -383,6 +385,23 @@ def _method_hint(unknown: list[str], names: list[str]) -> str:
                 f"{meant[0]!r}")
     return (". Method names are exact and whole, as --list prints them, e.g. --methods "
             "'torch_vjp rev,torch.func.jacrev'")
+
+
+def _check_distinct(paths: Sequence[tuple[str, str | None]],
+                    parser: argparse.ArgumentParser) -> None:
+    """Two result files at one path: the one written last would replace the other, and the
+    command would still say where both went."""
+    seen: dict[str, str] = {}
+    for option, path in paths:
+        if not path:
+            continue
+        key = os.path.normcase(os.path.realpath(path))
+        if key in seen:
+            parser.error(
+                f"{option} {path}: {seen[key]} writes the same file, and the one written last "
+                f"would replace the other. Give each its own file, e.g. --json results.json "
+                f"--markdown results.md --plot results.png")
+        seen[key] = option
 
 
 def _served(workloads: list, methods: list[str] | None, parser: argparse.ArgumentParser, *,
