@@ -762,3 +762,17 @@ def test_a_strategy_entry_that_is_not_a_str_is_a_type_error():
     assert str(info.value) == (
         f"torch_vjp.compare_strategies: strategies[1] is 1 (int), but each entry must be a "
         f"strategy name, a str. Valid strategies: {ALL}; e.g. strategies=('rev', 'fwd').")
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_caller_in_no_grad_gets_a_true_reference(mode):
+    # under torch.no_grad() the reference loop read its rows off an output that recorded no
+    # graph: the reference was all zeros and every strategy (right, |error| = |cos x|) was
+    # "wrong", best None
+    x = torch.randn(4, dtype=torch.float64)
+    with mode():
+        report = compare_strategies(torch.sin, x, strategies=("rev", "rev-loop"),
+                                    min_run_time=FAST, memory=False)
+    assert [row.status for row in report.rows] == ["ok", "ok"], str(report)
+    assert report.best is not None and report.rows[0].error == 0.0
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

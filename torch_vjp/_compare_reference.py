@@ -54,8 +54,7 @@ def _loop_jacobian(f: Callable, primals: tuple, argnums: int | tuple[int, ...]) 
         diff_specs.append(spec)
         # (f gets copies it may write into: autograd refuses writes into the leaves)
         args[i] = _unflatten([t.clone() for t in leaves], spec)
-    with torch.enable_grad():
-        out = f(*args)
+    out = f(*args)
     out_leaves, out_spec = tree_flatten(out)
     flat_inputs = [t for leaves in diff_leaves for t in leaves]
     blocks: list[Any] = []
@@ -101,6 +100,15 @@ def reference_jacobian(f: Callable, primals: tuple, argnums: int | tuple[int, ..
     share, cannot reach it); ``torch.func.jacrev`` on them; the same two at the primals' own
     dtype (for a function that holds float32 weights, which float64 inputs cannot multiply).
     """
+    # (grad mode on and inference mode off, whatever the caller's: under torch.no_grad() the
+    # loop's rows were read off an output that records no graph, and the reference was all
+    # zeros, so every strategy was 'wrong'; the strategies themselves switch grad mode on)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _reference(f, primals, argnums, before)
+
+
+def _reference(f: Callable, primals: tuple, argnums: int | tuple[int, ...],
+               before: Callable[[], None]) -> tuple[Any, str]:
     attempts = []
     # (each attempt on fresh copies: f may write into its arguments, and none of the
     # caller's tensors may change; nor may an attempt that failed halfway leave its writes
