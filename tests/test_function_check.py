@@ -1735,3 +1735,33 @@ def test_per_example_jacobians_of_a_square_map_get_the_fix_of_their_usual_order(
         "torch": torch}))(grad_output, J.to(grad_output.dtype)), fwd)
     assert isinstance(check_function(Fixed, _x(4, 3)), FunctionCheckReport)
     assert "(b, *in, *out)" in text  # the other order is named too
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_caller_in_no_grad_mode_gets_the_check(mode):
+    # under torch.no_grad() no output required grad, and a correct Function was refused:
+    # "no output of fn requires grad, although input 0 does: there is no backward to run"
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    class Forgot2(Square):
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return x * g
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with mode():
+        report = check_function(Square, x)
+        assert report.max_error < 1e-6
+        with pytest.raises(FunctionCheckError, match="does not match finite differences"):
+            check_function(Forgot2, x)
+        assert not torch.is_grad_enabled()

@@ -294,8 +294,10 @@ def check_function(
     if not diff and is_function:
         raise FunctionCheckValueError(_nothing_to_check(call, name, inputs))
     # (every call of forward with the caller's draws, and the caller's RNG state and module
-    # buffers put back: NOTE [check_function's draws])
-    with kept(fn, is_function, inputs) as draws:
+    # buffers put back: NOTE [check_function's draws]; grad mode on and inference mode off
+    # whatever the caller's: under torch.no_grad() no output required grad, and a correct
+    # Function was refused for it)
+    with torch.inference_mode(False), torch.enable_grad(), kept(fn, is_function, inputs) as draws:
         # (the parameters of fn's modules that feed a custom Function are checked as inputs
         # after fn's own: NOTE [parameters of fn's modules])
         params = None if is_function else module_parameters(fn, inputs, diff, draws.reset)
