@@ -854,3 +854,18 @@ def test_two_result_files_at_one_path_are_a_usage_error(argv, option, other, tmp
             f"other. Give each its own file, e.g. --json results.json --markdown results.md "
             f"--plot results.png") in capsys.readouterr().err
     assert not (tmp_path / "same.out").exists()
+
+
+def test_run_suite_under_no_grad_measures_what_it_measures_with_grad():
+    # under torch.no_grad() the jacobian_of workload's graph was never recorded: torch_vjp's
+    # jacobian_of returned zeros and was "wrong" (abs error 0.27), autograd.grad's method
+    # "unsupported" (element 0 of tensors does not require grad)
+    from torch_vjp.bench import run_suite
+
+    with torch.no_grad():
+        result = run_suite(get_workloads("jacobian_of", quick=True), min_run_time=0.002,
+                           rounds=1, progress=False, use_jax=False)
+        assert not torch.is_grad_enabled()
+    statuses = {r.method: r.status for r in result.workloads[0].results}
+    assert statuses == {"torch_vjp jacobian_of": "ok",
+                        "autograd.grad(is_grads_batched=True)": "ok"}, statuses

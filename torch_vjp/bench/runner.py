@@ -198,7 +198,10 @@ def run_suite(
     bar = _progress(sum(len(ms) for _, ms in plan) * (1 + rounds), progress)
     results = []
     try:
-        with _full_float32(device):
+        # (grad mode on and inference mode off, whatever the caller's: under torch.no_grad()
+        # the jacobian_of workload's graph was never recorded, torch_vjp's method was 'wrong'
+        # with zeros and autograd.grad's 'unsupported')
+        with torch.inference_mode(False), torch.enable_grad(), _full_float32(device):
             for workload, ms in plan:
                 results.append(_run_workload(workload, ms, device, dtype, min_run_time,
                                              rounds, once_over, aggregate, bar))
