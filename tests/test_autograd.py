@@ -792,3 +792,21 @@ def test_a_shape_no_hint_explains_still_gets_a_fix():
     assert info.value.__notes__[0].endswith(
         "Fix: make grad_outputs[0] torch.stack([v1, v2, ...]) of K vectors, each of "
         "outputs[0]'s shape ().")
+
+
+def test_a_number_as_gradient_of_tensor_backward_is_told_to_make_a_tensor():
+    # y.backward(2.0) in checked mode was told "gradient ... must be a Tensor, a list or tuple
+    # of Tensors ... It holds one vector dL/d output per entry of y": y.backward takes one
+    # tensor, and the number the caller gave was not used in the fix
+    x = torch.randn(3, requires_grad=True)
+    y = (x * 2).sum()
+    with tv.checked(), pytest.raises(tv.GradOutputsTypeError) as info:
+        y.backward(2.0)
+    assert info.value.__notes__ == [
+        "y.backward(gradient): gradient is a float, but it must be a Tensor of y's shape, or "
+        "None for a scalar y.\n  gradient is dL/dy: one number per element of y. Fix: "
+        "torch.full_like(y, 2.0) to weight every element by 2.0."]
+    with pytest.raises(tv.GradOutputsTypeError) as info:
+        tv.grad(y, x, 2.0)
+    assert info.value.__notes__[0].endswith(
+        "Fix: pass a tensor, e.g. torch.full_like(outputs[0], 2.0) for a constant.")

@@ -270,12 +270,23 @@ def mapping_message(labels: Labels, i: int, key: Any) -> str:
 
 
 def not_a_sequence_message(labels: Labels, go: Any, outputs: Sequence[Tensor]) -> str:
+    number = isinstance(go, (int, float, complex)) and not isinstance(go, bool)
+    if not labels.indexed:  # (Tensor.backward: one tensor, dL/d of the tensor itself)
+        y = labels.outputs
+        return (
+            f"{labels.call}: {labels.grad_outputs} is {a_type(go)}, but it must be a Tensor "
+            f"of {y}'s shape, or None for a scalar {y}.\n"
+            f"  {labels.grad_outputs} is dL/d{y}: one number per element of {y}. Fix: "
+            + (f"torch.full_like({y}, {go!r}) to weight every element by {go!r}."
+               if number else f"pass a tensor of {y}'s shape, e.g. torch.ones_like({y}).")
+        )
+    one = f"{labels.outputs}[0]" if len(outputs) == 1 else "output"
     return (
         f"{labels.call}: {labels.grad_outputs} is {a_type(go)}, but it must be a "
         f"Tensor, a list or tuple of Tensors (None for scalar outputs), or None.\n"
         f"  It holds one vector dL/d output per entry of {labels.outputs}, each with that "
-        f"output's shape. Fix: pass a tensor, e.g. torch.full_like(output, value) for a "
-        f"constant."
+        f"output's shape. Fix: pass a tensor, e.g. torch.full_like({one}, "
+        f"{repr(go) if number else 'value'}) for a constant."
     )
 
 
