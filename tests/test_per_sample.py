@@ -693,6 +693,27 @@ def test_accumulate_adds_to_existing_grad_and_creates_missing():
         torch.testing.assert_close(p.grad, e)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_accumulate_writes_grad_in_the_dtype_backward_gives(strategy):
+    # a parameter with grad_dtype=float32 (mixed precision) and no .grad raised torch's
+    # "attempting to assign a gradient with dtype 'double' to a tensor with grad_dtype 'Float'"
+    model, loss_fn, x, t = make("mlp")
+    ref = loop_reference(model, loss_fn, x, t)
+    c = (0.3 / ref_norms(ref)).clamp(max=1.0)
+    expect = torch.einsum("b,bij->ij", c, ref["0.weight"])
+    w = model[0].weight
+    w.grad_dtype = torch.float32
+    accumulate_clipped_grads(model, loss_fn, x, t, max_norm=0.3, strategy=strategy)
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, expect.float())
+    # grad_dtype=None: an existing .grad keeps its dtype, as backward accumulates into it
+    w.grad_dtype = None
+    w.grad = torch.ones(w.shape, dtype=torch.float32)
+    accumulate_clipped_grads(model, loss_fn, x, t, max_norm=0.3, strategy=strategy)
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, 1.0 + expect.float())
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES + ("compile",))
 def test_accumulate_runs_the_post_accumulate_grad_hooks_as_backward_does(strategy):
     # an optimizer step in backward (register_post_accumulate_grad_hook) never ran

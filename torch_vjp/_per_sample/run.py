@@ -495,6 +495,13 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
     with grad_enabled(False):
         for n, s in param_sums(job, sums).items():
             p = job.sel.tensors[n]
+            # (in the dtype backward gives: that of the .grad it accumulates into, else the
+            # parameter's grad_dtype, float32 for bfloat16 weights trained in mixed precision;
+            # assigning another dtype raises)
+            want = p.grad.dtype if p.grad is not None else (
+                getattr(p, "grad_dtype", None) or p.dtype)
+            if s.dtype != want:
+                s = s.to(want)
             if sparse and id(p) in sparse:
                 s = s.to_sparse()
             if p.grad is None:
