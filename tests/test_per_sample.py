@@ -801,6 +801,15 @@ def _err_cases():
                                                           strategy="vmap"),
          PerSampleValueError, r"loss_fn returned a float for one example(.|\n)*has no autograd "
          r"graph back to the parameters: compute the loss with torch operations"),
+        # (a (loss, aux) pair and an integer loss were told that "a number that is not a
+        # tensor has no autograd graph" and to "use reduction='mean'": neither is the fix)
+        ("loss-with-aux", lambda: per_sample_grads(m, lambda o, t: (F.cross_entropy(o, t), o), x, t),
+         PerSampleValueError, r"loss_fn returned a tuple of 2 items for one example(.|\n)*without "
+         r"auxiliary outputs \(a \(loss, aux\) pair\). Fix: return only the loss"),
+        ("loss-integer", lambda: per_sample_grads(m, lambda o, t: (o.argmax(1) == t).sum(), x, t),
+         PerSampleValueError, r"loss_fn returned a tensor of shape \(\) and dtype torch.int64 for one "
+         r"example(.|\n)*an integer or boolean result \(a count of correct predictions, an argmax\) "
+         r"has no gradient"),
         ("chunk-size", lambda: per_sample_grads(m, lf, x, t, chunk_size=0), PerSampleValueError,
          r"chunk_size=0, but it must be None or an int >= 1"),
         ("max-norm-value", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm=-1.0), PerSampleValueError,

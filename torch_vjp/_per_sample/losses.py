@@ -101,25 +101,32 @@ def _reduction_scale(loss_fn: Any, out: Any, targets: Any, batch: int) -> float 
 
 def scalar_loss(fn: str, loss: Any) -> Tensor:
     """The one example's loss as a 0-d tensor; raises unless it is one number."""
-    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        got = (
-            f"a tensor of shape {shape_str(loss.shape)} and dtype {loss.dtype}"
-            if isinstance(loss, Tensor)
-            else a_type(loss)
-        )
-        fix = (
-            "  The gradient of a loss is only defined for a scalar: use reduction='mean' or "
-            "'sum' rather than 'none'."
-            if isinstance(loss, Tensor) else
-            "  A number that is not a tensor has no autograd graph back to the parameters: "
-            "compute the loss with torch operations on the output and return that tensor "
-            "(not .item() or float(...))."
-        )
-        raise PerSampleValueError(
-            f"torch_vjp.{fn}: loss_fn returned {got} for one example; it must return one "
-            f"floating-point number per example (the loss of that example).\n{fix}"
-        )
-    return loss if loss.dim() == 0 else loss.reshape(())
+    if isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss if loss.dim() == 0 else loss.reshape(())
+    if isinstance(loss, Tensor):
+        got = f"a tensor of shape {shape_str(loss.shape)} and dtype {loss.dtype}"
+    if isinstance(loss, Tensor) and loss.numel() != 1:
+        fix = ("  The gradient of a loss is only defined for a scalar: use reduction='mean' "
+               "or 'sum' rather than 'none'.")
+    elif isinstance(loss, Tensor):
+        fix = ("  Gradients flow only through floating-point values: an integer or boolean "
+               "result (a count of correct predictions, an argmax) has no gradient. Fix: "
+               "return the floating-point loss the model is trained on.")
+    elif isinstance(loss, (tuple, list)):
+        got = f"{a_type(loss)} of {len(loss)} items"
+        fix = ("  The per-sample functions take the loss alone, without auxiliary outputs "
+               "(a (loss, aux) pair). Fix: return only the loss, e.g. "
+               "loss_fn=lambda out, t: my_loss(out, t)[0], and compute the auxiliary values "
+               "outside.")
+    else:
+        got = a_type(loss)
+        fix = ("  A number that is not a tensor has no autograd graph back to the parameters: "
+               "compute the loss with torch operations on the output and return that tensor "
+               "(not .item() or float(...)).")
+    raise PerSampleValueError(
+        f"torch_vjp.{fn}: loss_fn returned {got} for one example; it must return one "
+        f"floating-point number per example (the loss of that example).\n{fix}"
+    )
 
 
 def call_loss(loss_fn: Callable, out: Any, targets: Any) -> Any:
