@@ -782,6 +782,12 @@ def _err_cases():
          PerSampleValueError, r"inputs\[1\] has shape \(5, 2\), but inputs\[0\] has shape \(4, 3\)"),
         ("targets-batch", lambda: per_sample_grads(m, lf, x, _ints(2, 5)), PerSampleValueError,
          r"targets has shape \(5,\), but the batch has 4 examples"),
+        # (a pytree's leaf was reported as "targets has shape ()", not which leaf nor why)
+        ("targets-leaf-0d", lambda: per_sample_grads(
+            m, lambda o, t: F.cross_entropy(o, t["y"]) * t["w"], x, {"y": t, "w": torch.tensor(2.0)}),
+         PerSampleValueError, r"targets\['w'\] has shape \(\), but the batch has 4 examples "
+         r"\(inputs\[0\] has 4 rows\): it has no batch dimension(.|\n)*Fix: a value shared by all "
+         r"examples"),
         ("params-unknown", lambda: per_sample_grads(m, lf, x, t, params=["0.weigth"]), PerSampleValueError,
          r"params names '0.weigth', which is not a parameter of the model.\n  Its parameters are: "
          r"'0.weight', '0.bias'"),

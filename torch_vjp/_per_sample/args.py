@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from torch_vjp._errors import (
     PerSampleError,
@@ -92,13 +92,18 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
 def check_targets(fn: str, targets: Any, B: int) -> None:
     if targets is None:
         return
-    leaves = (targets,) if isinstance(targets, Tensor) else tree_flatten(targets)[0]
-    for leaf in leaves:
+    for path, leaf in tree_flatten_with_path(targets)[0]:
         if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != B):
+            where = f"targets{keystr(path)}"
+            why = ("it has no batch dimension (a 0-d tensor)" if leaf.dim() == 0 else
+                   f"its first dimension (the batch) is {leaf.shape[0]}")
             raise PerSampleValueError(
-                f"torch_vjp.{fn}: targets has shape {shape_str(leaf.shape)}, but the batch has "
-                f"{B} examples (inputs[0] has {B} rows).\n  targets[i] must belong to "
-                f"inputs[i]: the first dimension of targets must be {B}."
+                f"torch_vjp.{fn}: {where} has shape {shape_str(leaf.shape)}, but the batch has "
+                f"{B} examples (inputs[0] has {B} rows): {why}.\n  targets[i] must belong to "
+                f"inputs[i]: every tensor in targets is split along its first dimension, "
+                f"which must be {B}. Fix: a value shared by all examples (a weight, a "
+                f"temperature) belongs in loss_fn (a closure or functools.partial) or in "
+                f"targets as a Python number, not as a tensor without the batch."
             )
 
 
