@@ -182,6 +182,28 @@ def test_hooks_refuses_what_rules_cannot_do_and_says_why(case, param, reason):
         tv.per_sample_grads(model, loss_fn, x, strategy="hooks")
 
 
+def test_hooks_refusal_of_examples_merged_with_another_dimension_says_so():
+    # x.reshape(-1, features) before a Linear was called "a table shared by every example"
+    class Merged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 4)
+
+        def forward(self, x):
+            return self.fc(x.reshape(-1, 5)).reshape(x.shape[0], -1).sum(1)
+
+    model = Merged().to(DT)
+    x = torch.randn(4, 3, 5, dtype=DT)
+    with pytest.raises(tv.StrategyError, match=(
+            r"'fc.weight': in 'fc', its output of shape \(12, 4\) has no dimension that could "
+            r"hold the 4 examples: if the 12 rows of dimension 0 are the examples merged with "
+            r"another dimension \(4 x 3, as after x.reshape\(-1, features\)\), rules need the "
+            r"examples along a dimension of their own")):
+        tv.per_sample_grads(model, lambda o: o.sum(), x, strategy="hooks")
+    assert_matches(tv.per_sample_grads(model, lambda o: o.sum(), x),
+                   loop_reference(model, lambda o: o.sum(), x))
+
+
 def test_seeded_generator_goes_to_vmap_with_shared_randomness():
     make, loss_fn, shape = LAYOUTS["seeded-generator"]
     torch.manual_seed(0)

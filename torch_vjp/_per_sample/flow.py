@@ -203,9 +203,7 @@ def call_dims(
             continue
         cands = tuple(d for d in cands if d < y.dim() and y.shape[d] == batch)
         if not cands:
-            result.append((None, f"its output of shape {tuple(y.shape)} has no dimension that "
-                                 f"could hold the {batch} examples (a table shared by every "
-                                 f"example)"))
+            result.append((None, _no_batch_dim(tuple(y.shape), batch)))
             continue
         dims: set[int] | None = None
         for a, k in enumerate(ks):
@@ -243,6 +241,20 @@ def call_dims(
             result.append((None, f"more than one dimension of its output ({sorted(dims)}) "
                                  f"could hold the examples"))
     return result, mixing
+
+
+def _no_batch_dim(shape: tuple[int, ...], batch: int) -> str:
+    """Why a call whose output has no dimension of the batch's size gets no rule."""
+    why = f"its output of shape {shape} has no dimension that could hold the {batch} examples"
+    merged = [d for d, n in enumerate(shape) if batch > 1 and n > batch and n % batch == 0]
+    if not merged:
+        return why + " (a table shared by every example)"
+    d = merged[0]
+    return (why + f": if the {shape[d]} rows of dimension {d} are the examples merged with "
+            f"another dimension ({batch} x {shape[d] // batch}, as after x.reshape(-1, "
+            f"features)), rules need the examples along a dimension of their own (nn.Linear "
+            f"and nn.Conv take extra dimensions as they are: (B, T, features)); otherwise "
+            f"the output is a table shared by every example")
 
 
 #: The examples' loss weights of the two passes of :func:`_weighted_grads` (fixed, so that
