@@ -114,3 +114,53 @@ def test_not_implemented_error_from_a_rule_declines_the_call(strategy):
     finally:
         registry._RULES.pop(Scale, None)
         probe.forget_plans()
+
+
+class _Affine(nn.Module):  # y = x * w + b, the bias added in the layer's own forward
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.b = nn.Parameter(torch.linspace(-1.0, 1.0, n))
+
+    def forward(self, x):
+        return x * self.w + self.b
+
+
+@pytest.fixture
+def affine_rule():
+    class Affine(_Affine):
+        pass
+
+    tv.register_per_sample_rule(Affine, lambda m, inputs, g: {"w": inputs[0] * g, "b": g})
+    try:
+        yield Affine
+    finally:
+        registry._RULES.pop(Affine, None)
+        probe.forget_plans()
+
+
+@pytest.mark.parametrize("fn", ["per_sample_grads", "per_sample_grad_norms",
+                                "accumulate_clipped_grads"])
+def test_a_rule_layer_that_adds_its_own_bias_counts_it_once(affine_rule, fn):
+    # the add of self.b was recorded as a broadcast parameter as well as by the rule: the
+    # bias's gradient came out twice (norm 1.01 against 0.51), and strategy='hooks' raised
+    # "gives wrong per-sample gradients"
+    torch.manual_seed(0)
+    model = nn.Sequential(affine_rule(3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    loss_fn = nn.CrossEntropyLoss()
+    ref = tv.per_sample_grads(model, loss_fn, x, y, strategy="loop")
+    assert tv.per_sample_plan(model, loss_fn, x, y, strategy="hooks")["0.b"].method == "rule"
+    norms = sum(g.flatten(1).pow(2).sum(1) for g in ref.values()).sqrt()
+    if fn == "per_sample_grads":
+        got = tv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+        for n, g in ref.items():
+            torch.testing.assert_close(got[n], g)
+    elif fn == "per_sample_grad_norms":
+        torch.testing.assert_close(
+            tv.per_sample_grad_norms(model, loss_fn, x, y, strategy="hooks"), norms)
+    else:
+        got = tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=0.2, strategy="hooks")
+        torch.testing.assert_close(got, norms)
+        c = (0.2 / norms).clamp(max=1.0)
+        torch.testing.assert_close(model[0].b.grad, torch.einsum("b,bi->i", c, ref["0.b"]))

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._per_sample.registry import Call, Rule, rule_for
+from torch_vjp._per_sample.registry import Call, Rule, UserRule, rule_for
 from torch_vjp._per_sample.rules.attention import AttentionMode, is_attention
 from torch_vjp._per_sample.rules.broadcast import BROADCAST
 from torch_vjp._per_sample.rules.linear import LinearRule
@@ -192,6 +192,10 @@ class Recorder:
         self._attention: AttentionMode | None = None
         self._direct = _DirectUseMode(self) if direct else None
         self.wanted = wanted if wanted is not None else self._find_wanted(owners)
+        #: tracked parameters of layers with a user's rule, whose forward may use them in
+        #: an add (``x * self.w + self.b``): that use is the layer's own, computed by its
+        #: rule, not a direct use (recording it too counted the gradient twice)
+        self.rule_owned = self._rule_owned() if direct else frozenset()
         self.layers = layers
         self.capturing = False
 
@@ -213,6 +217,15 @@ class Recorder:
             if rule is not None:
                 wanted[id(m)] = Wanted(rule)
         return wanted
+
+    def _rule_owned(self) -> frozenset[str]:
+        names = set()
+        for m in self.model.modules():
+            w = self.wanted.get(id(m))
+            if w is not None and isinstance(w.rule, UserRule):
+                names.update(self.tracked[id(t)] for t in m._parameters.values()
+                             if t is not None and id(t) in self.tracked)
+        return frozenset(names)
 
     def paths(self) -> dict[int, str]:
         return {id(m): path for path, m in self.model.named_modules()}
@@ -454,7 +467,7 @@ class _DirectUseMode(torch.overrides.TorchFunctionMode):
             if isinstance(a, Tensor) and id(a) in tracked:
                 hit = a
                 break
-        if hit is None:
+        if hit is None or tracked[id(hit)] in rec.rule_owned:
             return func(*args, **kwargs)
         if func in _EXPANDS:
             out = func(*args, **kwargs)
