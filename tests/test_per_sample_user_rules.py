@@ -164,3 +164,52 @@ def test_a_rule_layer_that_adds_its_own_bias_counts_it_once(affine_rule, fn):
         torch.testing.assert_close(got, norms)
         c = (0.2 / norms).clamp(max=1.0)
         torch.testing.assert_close(model[0].b.grad, torch.einsum("b,bi->i", c, ref["0.b"]))
+
+
+@pytest.mark.parametrize("key, match", [
+    (0, r"returned a gradient keyed by 0 \(an int\), which is neither the name of a parameter "
+        r"of the layer '0' \(Scale\) nor one of its parameter tensors(.|\n)*Fix: key each "
+        r"gradient by its attribute name \(\['w'\]\)"),
+    ("other", r"keyed by a tensor of shape \(3,\), which is neither"),
+])
+def test_a_rule_keying_a_gradient_by_something_else_is_named(key, match):
+    # the gradient was dropped silently: 'hooks' then blamed the model ("gives wrong
+    # per-sample gradients", norm 0 against 0.97)
+    class Scale(_Scale):
+        pass
+
+    other = nn.Linear(2, 3)
+    k = other.bias if key == "other" else key
+    tv.register_per_sample_rule(Scale, lambda m, inputs, g: {k: inputs[0] * g})
+    try:
+        model = nn.Sequential(Scale(3), nn.Linear(3, 2)).to(DT)
+        with pytest.raises(tv.PerSampleTypeError, match=match):
+            tv.per_sample_grads(model, lambda o: o.sum(), torch.randn(4, 3, dtype=DT),
+                                strategy="hooks")
+    finally:
+        registry._RULES.pop(Scale, None)
+        probe.forget_plans()
+
+
+def test_a_rule_result_in_another_dtype_is_given_in_the_parameters():
+    # a float32 result for a float64 parameter came back as float32 (error 2e-8)
+    class Scale(_Scale):
+        pass
+
+    tv.register_per_sample_rule(Scale, lambda m, inputs, g: {"w": (inputs[0] * g).float()})
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(Scale(3), nn.Linear(3, 2)).to(DT)
+        x = torch.randn(4, 3, dtype=DT)
+        got = tv.per_sample_grads(model, lambda o: o.sum(), x, strategy="hooks")
+        ref = tv.per_sample_grads(model, lambda o: o.sum(), x, strategy="loop")
+        assert got["0.w"].dtype == DT
+        torch.testing.assert_close(got["0.w"], ref["0.w"], rtol=1e-6, atol=1e-7)
+        tv.register_per_sample_rule(Scale, lambda m, inputs, g: {"w": (inputs[0] * g).long()})
+        with pytest.raises(tv.PerSampleTypeError, match=(
+                r"returned a tensor of dtype torch.int64 for '0.w', but gradients are floating "
+                r"point, in the parameter's dtype \(torch.float64\)")):
+            tv.per_sample_grads(model, lambda o: o.sum(), x, strategy="hooks")
+    finally:
+        registry._RULES.pop(Scale, None)
+        probe.forget_plans()

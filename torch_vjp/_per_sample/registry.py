@@ -261,8 +261,18 @@ class UserRule(Rule):
                     f"{{{own[0]!r}: ...}}."
                 )
             role = key if isinstance(key, str) else by_id.get(id(key))
+            if role is None and not (isinstance(key, Tensor) and call.module is not None and any(
+                    key is t for t in call.module._parameters.values())):
+                raise PerSampleTypeError(
+                    f"torch_vjp: the per-sample rule {self.name} returned a gradient keyed by "
+                    f"{_key_str(key)}, which is neither the name of a parameter of the layer "
+                    f"'{call.path}' ({type(call.module).__name__}) nor one of its parameter "
+                    f"tensors, so the gradient would belong to nothing. A rule computes the "
+                    f"layer's own parameters only. Fix: key each gradient by its attribute "
+                    f"name ({own}) or by the parameter itself (module.<name>)."
+                )
             if role is None or role not in call.params:
-                continue  # a parameter not selected, or not the layer's own
+                continue  # a parameter of the layer that is not selected
             if role not in roles:
                 continue
             param = call.params[role][0]
@@ -274,8 +284,24 @@ class UserRule(Rule):
                     f"shape (B, *param.shape) = {(batch, *tuple(param.shape))}: one gradient "
                     f"per example, each the size of the parameter."
                 )
+            if value.dtype != param.dtype:
+                if not value.is_floating_point():
+                    raise PerSampleTypeError(
+                        f"torch_vjp: the per-sample rule {self.name} returned a tensor of "
+                        f"dtype {value.dtype} for '{call.path}.{role}', but gradients are "
+                        f"floating point, in the parameter's dtype ({param.dtype}). Fix: "
+                        f"compute the gradient from the floating-point inputs and grad_output "
+                        f"the rule receives."
+                    )
+                value = value.to(param.dtype)  # (as autograd gives it: the parameter's dtype)
             out.append((role, SmallFactor(value)))
         return out
+
+
+def _key_str(key: Any) -> str:
+    if isinstance(key, Tensor):
+        return f"a tensor of shape {tuple(key.shape)}"
+    return f"{key!r} ({a_type(key)})"
 
 
 def check_user_rule(fn: Callable[..., Any]) -> None:
