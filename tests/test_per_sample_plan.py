@@ -590,6 +590,21 @@ def test_vmap_failure_is_a_strategy_error_naming_the_layer():
     assert_matches(got, loop_reference(model, nn.MSELoss(), x, y))
 
 
+def test_vmap_failure_from_a_full_backward_hook_names_the_hook():
+    # the message blamed "custom autograd Functions without vmap support": the user wrote
+    # none, torch made one for their register_full_backward_hook
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+    model[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    with pytest.raises(tv.StrategyError, match=(
+            r"strategy='vmap' cannot batch this model in module '2' \(Linear\); '2' has a full "
+            r"backward hook \(register_full_backward_hook or register_full_backward_pre_hook\), "
+            r"which torch runs through an autograd Function that torch.func cannot transform")):
+        tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="vmap")
+    assert_matches(tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="auto"),
+                   loop_reference(model, nn.MSELoss(), x, y))
+
+
 def test_the_models_own_error_passes_through_vmap_untouched():
     class Broken(nn.Module):
         def __init__(self):

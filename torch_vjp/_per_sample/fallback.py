@@ -369,8 +369,17 @@ def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
         return ""
     path = failed[-1]
     module = model.get_submodule(path) if path else model
-    return f"module '{path}' ({type(module).__name__})" if path else (
+    where = f"module '{path}' ({type(module).__name__})" if path else (
         f"the model's own forward ({type(module).__name__})")
+    hooked = [p or "the model" for p in failed
+              for m in (model.get_submodule(p) if p else model,)
+              if m._backward_pre_hooks or (m._backward_hooks and m._is_full_backward_hook)]
+    if hooked:  # (torch wraps such a module's inputs and outputs in BackwardHookFunction)
+        where += (f"; '{hooked[-1]}' has a full backward hook (register_full_backward_hook or "
+                  f"register_full_backward_pre_hook), which torch runs through an autograd "
+                  f"Function that torch.func cannot transform: remove the hook for vmap, or "
+                  f"keep it with strategy='loop' or 'auto'")
+    return where
 
 
 def warn_loop(fn: str, model: nn.Module, err: BaseException) -> None:
