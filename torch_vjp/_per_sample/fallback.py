@@ -197,7 +197,8 @@ def _reentrant_error(job: Job, why: str) -> PerSampleError:
         f"on a block whose input requires grad, whose backward runs only under backward() "
         f"(torch.autograd.grad refuses it), and {why}.\n"
         f"  Fix: pass use_reentrant=False to torch.utils.checkpoint (torch's recommended "
-        f"setting), which every strategy differentiates.")
+        f"setting), which strategies 'auto', 'hooks' and 'loop' differentiate ('vmap' "
+        f"cannot: torch.func runs no saved-tensor hooks).")
 
 
 def _by_backward(job: Job, names: list[str], xi: tuple[Tensor, ...], i: int
@@ -323,13 +324,21 @@ def _vmap_error(job: Job, names: list[str], start: int, stop: int,
     place = f" in {where}" if where else ""
     if job.by_backward:  # (the example without vmap needed backward(): NOTE [reentrant ...])
         place += (" (it runs torch.utils.checkpoint with use_reentrant=True, whose autograd "
-                  "Function torch.func cannot transform; use_reentrant=False can be)")
+                  "Function torch.func cannot transform; nor can it run the saved-tensor "
+                  "hooks of use_reentrant=False, which the other strategies differentiate)")
+    if "saved tensor hooks" in str(failure):
+        cause = ("torch.func does not run saved-tensor hooks, which torch.utils.checkpoint "
+                 "(use_reentrant=False), torch.autograd.graph.save_on_cpu and activation "
+                 "offloading install")
+    else:
+        cause = ("vmap lacks a batching rule for an operation it uses (stock recurrent "
+                 "layers, autograd Functions without vmap support: your own, "
+                 "torch.utils.checkpoint with use_reentrant=True, full backward hooks; "
+                 "in-place updates of buffers, .item() on tensors)")
     return StrategyError(
         f"torch_vjp.{fn}: strategy='vmap' cannot batch this model{place}: torch.func.vmap "
         f"said {quote_error(failure)}\n"
-        f"  The same example runs without vmap, so the model itself is fine; vmap lacks a "
-        f"batching rule for an operation it uses (stock recurrent layers, custom autograd "
-        f"Functions without vmap support, in-place updates of buffers, .item() on tensors).\n"
+        f"  The same example runs without vmap, so the model itself is fine; {cause}.\n"
         f"  Alternatives: strategy='loop' (one backward per example, always works), or "
         f"strategy='auto' (per-layer rules where they exist, vmap or the loop for the rest)."
     )
