@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -820,9 +821,22 @@ def _err_cases():
          r"chunk_size=0, but it must be None or an int >= 1"),
         ("max-norm-value", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm=-1.0), PerSampleValueError,
          r"max_norm must be a positive finite number, got -1.0"),
+        ("max-norm-several", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm=torch.ones(2)),
+         PerSampleTypeError, r"max_norm must be one positive number, got a tensor of shape \(2,\)"),
         ("max-norm-type", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm="1"), PerSampleTypeError,
          r"max_norm must be a positive number, got str"),
     ]
+
+
+@pytest.mark.parametrize("max_norm", [np.float32(0.3), np.int64(1), torch.tensor(0.3)],
+                         ids=["np.float32", "np.int64", "tensor"])
+def test_max_norm_of_any_real_number_type(max_norm):
+    # numpy's float32 and int64 scalars were refused ("must be a positive number, got float32")
+    model, loss_fn, x, t = make("mlp")
+    ref = loop_reference(model, loss_fn, x, t)
+    c = (float(max_norm) / ref_norms(ref)).clamp(max=1.0)
+    accumulate_clipped_grads(model, loss_fn, x, t, max_norm=max_norm)
+    torch.testing.assert_close(model[0].weight.grad, torch.einsum("b,bij->ij", c, ref["0.weight"]))
 
 
 @pytest.mark.parametrize("name,call,exc,match", _err_cases(), ids=[c[0] for c in _err_cases()])

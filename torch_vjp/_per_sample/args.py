@@ -7,10 +7,12 @@ Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleVal
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
@@ -110,17 +112,29 @@ def check_targets(fn: str, targets: Any, B: int) -> None:
 def check_max_norm(fn: str, max_norm: Any) -> float:
     if isinstance(max_norm, Tensor) and max_norm.numel() == 1:
         max_norm = max_norm.item()
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+    if isinstance(max_norm, Tensor):
+        raise PerSampleTypeError(
+            f"torch_vjp.{fn}: max_norm must be one positive number, got a tensor of shape "
+            f"{shape_str(max_norm.shape)}.\n  Every example's gradient (all selected "
+            f"parameters together) is scaled to the one L2 norm max_norm; pass a float, or "
+            f"a tensor of one element."
+        )
+    # (numbers.Real: numpy's scalars too, np.float32 from a config or a sweep)
+    if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, numbers.Real):
         raise PerSampleTypeError(
             f"torch_vjp.{fn}: max_norm must be a positive number, got "
-            f"{type(max_norm).__name__}."
+            f"{type(max_norm).__name__}.\n  Pass the clipping bound as a float (each "
+            f"example's gradient is scaled to L2 norm at most max_norm)."
         )
+    max_norm = float(max_norm)
     if not (max_norm > 0) or max_norm == float("inf"):
         raise PerSampleValueError(
             f"torch_vjp.{fn}: max_norm must be a positive finite number, got {max_norm}.\n"
-            f"  Each example's gradient is scaled to L2 norm at most max_norm."
+            f"  Each example's gradient is scaled to L2 norm at most max_norm, so it must be "
+            f"above 0 (0 would zero every gradient); for the plain sum without clipping, "
+            f"call backward on the summed loss instead."
         )
-    return float(max_norm)
+    return max_norm
 
 
 _BN_FIX = (
