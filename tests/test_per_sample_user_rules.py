@@ -213,3 +213,52 @@ def test_a_rule_result_in_another_dtype_is_given_in_the_parameters():
     finally:
         registry._RULES.pop(Scale, None)
         probe.forget_plans()
+
+
+def _scale_rule(module, inputs, grad_output):
+    (x,) = inputs
+    return {"w": (x * grad_output).sum(1)}
+
+
+@pytest.mark.parametrize("batch_dims", [lambda x: 0, lambda x: [-3], lambda x: (0, 1)],
+                         ids=["an-int", "negative", "two"])
+def test_batch_dims_as_an_int_or_counted_from_the_end(batch_dims):
+    # an int raised "TypeError: 'int' object is not iterable"; -3 (dimension 0 of a 3-D
+    # input) was taken for no dimension, and 'hooks' refused the layer
+    class Scale(_Scale):
+        pass
+
+    tv.register_per_sample_rule(Scale, _scale_rule, batch_dims=batch_dims)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(Scale(3), nn.Linear(3, 2)).to(DT)
+        x = torch.randn(4, 5, 3, dtype=DT)
+        loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+        got = tv.per_sample_grads(model, loss_fn, x, strategy="hooks")
+        ref = tv.per_sample_grads(model, loss_fn, x, strategy="loop")
+        for n, g in ref.items():
+            torch.testing.assert_close(got[n], g)
+    finally:
+        registry._RULES.pop(Scale, None)
+        probe.forget_plans()
+
+
+@pytest.mark.parametrize("returned, shown", [(None, "None"), (["a"], r"\['a'\]"), ([5], r"\[5\]")])
+def test_batch_dims_that_are_not_dimensions_of_the_input_are_named(returned, shown):
+    # None and ['a'] raised TypeError from inside torch_vjp ("'NoneType' object is not
+    # iterable", "'<' not supported"); [5] was refused as "a table shared by every example"
+    class Scale(_Scale):
+        pass
+
+    tv.register_per_sample_rule(Scale, _scale_rule, batch_dims=lambda x: returned)
+    try:
+        model = nn.Sequential(Scale(3), nn.Linear(3, 2)).to(DT)
+        with pytest.raises(tv.PerSampleTypeError, match=(
+                rf"batch_dims of the per-sample rule '_scale_rule' \(registered for Scale\) "
+                rf"returned {shown} for the layer's first input \(shape \(4, 5, 3\)\), but it "
+                rf"must give a sequence of dimensions of that input \(ints from -3 to 2\)")):
+            tv.per_sample_grads(model, lambda o: o.sum(), torch.randn(4, 5, 3, dtype=DT),
+                                strategy="auto")
+    finally:
+        registry._RULES.pop(Scale, None)
+        probe.forget_plans()

@@ -497,7 +497,8 @@ def register_per_sample_rule(
         module_type: the ``nn.Module`` subclass (its subclasses get the rule too).
         rule: the function; omit it to use this as a decorator.
         batch_dims: ``batch_dims(x)`` gives the dimensions of the layer's first input that
-            may hold the examples (default: dimension 0).
+            may hold the examples, a sequence of ints or one int (negative ones count from
+            the end); default: dimension 0.
 
     Returns:
         ``rule`` (or, as a decorator, a function that registers and returns it).

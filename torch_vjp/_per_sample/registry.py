@@ -216,8 +216,31 @@ class UserRule(Rule):
 
     def batch_dims(self, module: nn.Module | None, x: Any) -> tuple[int, ...]:
         if self._batch_dims is not None:
-            return tuple(self._batch_dims(x))
+            return self._checked_dims(self._batch_dims(x), x)
         return (0,) if isinstance(x, Tensor) and x.dim() >= 1 else ()
+
+    def _checked_dims(self, dims: Any, x: Any) -> tuple[int, ...]:
+        """``batch_dims(x)`` as a tuple of dimensions of ``x`` (a lone int is one dimension;
+        negative ones count from the end, as torch's do)."""
+        given = dims
+        if isinstance(dims, int) and not isinstance(dims, bool):
+            dims = (dims,)
+        n = x.dim() if isinstance(x, Tensor) else 0
+        try:
+            dims = tuple(dims)
+        except TypeError:
+            dims = (dims,)
+        for d in dims:
+            if isinstance(d, bool) or not isinstance(d, int) or not -n <= d < n:
+                shape = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else a_type(x)
+                raise PerSampleTypeError(
+                    f"torch_vjp: batch_dims of the per-sample rule {self.name} returned "
+                    f"{given!r} for the layer's first input ({shape}), but it must give a "
+                    f"sequence of dimensions of that input (ints from {-n} to {n - 1}) that "
+                    f"may hold the examples. Fix: return e.g. (0,) for a batch-first input, "
+                    f"(1,) for a sequence-first one."
+                )
+        return tuple(dict.fromkeys(d % n for d in dims))
 
     def factors(self, call, grads, roles, batch):
         g = grads[0]
