@@ -605,6 +605,19 @@ def test_vmap_failure_from_a_full_backward_hook_names_the_hook():
                    loop_reference(model, nn.MSELoss(), x, y))
 
 
+def test_vmap_failure_from_a_global_full_backward_hook_names_it():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        with pytest.raises(tv.StrategyError, match=(
+                r"cannot batch this model in .*; every module has a full backward hook, "
+                r"through a global one \(register_module_full_backward_hook or _pre_hook\)")):
+            tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="vmap")
+    finally:
+        handle.remove()
+
+
 def test_the_models_own_error_passes_through_vmap_untouched():
     class Broken(nn.Module):
         def __init__(self):

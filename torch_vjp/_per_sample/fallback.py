@@ -383,11 +383,20 @@ def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
     hooked = [p or "the model" for p in failed
               for m in (model.get_submodule(p) if p else model,)
               if m._backward_pre_hooks or (m._backward_hooks and m._is_full_backward_hook)]
-    if hooked:  # (torch wraps such a module's inputs and outputs in BackwardHookFunction)
-        where += (f"; '{hooked[-1]}' has a full backward hook (register_full_backward_hook or "
-                  f"register_full_backward_pre_hook), which torch runs through an autograd "
-                  f"Function that torch.func cannot transform: remove the hook for vmap, or "
-                  f"keep it with strategy='loop' or 'auto'")
+    glob = torch.nn.modules.module
+    if glob._global_backward_pre_hooks or (glob._global_backward_hooks
+                                           and glob._global_is_full_backward_hook):
+        owner = ("every module has a full backward hook, through a global one "
+                 "(register_module_full_backward_hook or _pre_hook),")
+    elif hooked:
+        owner = (f"'{hooked[-1]}' has a full backward hook (register_full_backward_hook or "
+                 f"register_full_backward_pre_hook),")
+    else:
+        owner = ""
+    if owner:  # (torch wraps such a module's inputs and outputs in BackwardHookFunction)
+        where += (f"; {owner} which torch runs through an autograd Function that torch.func "
+                  f"cannot transform: remove the hook for vmap, or keep it with "
+                  f"strategy='loop' or 'auto'")
     return where
 
 
