@@ -776,7 +776,12 @@ def _err_cases():
         ("inputs-type", lambda: per_sample_grads(m, lf, [[1.0, 2.0]], t), PerSampleTypeError,
          r"inputs\[0\] is a list, not a tensor"),
         ("inputs-dict", lambda: per_sample_grads(m, lf, {"x": x}, t), PerSampleTypeError,
-         r"inputs must be a tensor or a tuple of tensors, got dict"),
+         r"inputs must be a tensor or a tuple of tensors, got a dict(.|\n)*Keyword inputs are "
+         r"not passed as such: pass the tensors as a tuple in the order of the model's forward"),
+        # (an empty tuple was told "got tuple", the type it asked for)
+        ("inputs-empty", lambda: per_sample_grads(m, lf, (), t), PerSampleTypeError,
+         r"inputs must be a tensor or a tuple of tensors, got an empty tuple(.|\n)*at least one "
+         r"tensor is needed"),
         ("inputs-0d", lambda: per_sample_grads(m, lf, torch.tensor(1.0), t), PerSampleValueError,
          r"inputs\[0\] is a 0-dimensional tensor"),
         ("inputs-batch", lambda: per_sample_grads(TwoInputs(), lf, (_randn(4, 3), _randn(5, 2)), t),

@@ -60,11 +60,21 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
     """Normalises ``inputs`` to a tuple of tensors and returns the batch size."""
     xs = (inputs,) if isinstance(inputs, Tensor) else inputs
     if not isinstance(xs, (tuple, list)) or len(xs) == 0:
+        got = (f"an empty {type(xs).__name__}" if isinstance(xs, (tuple, list))
+               else a_type(inputs))
+        if isinstance(inputs, dict):
+            fix = (" Keyword inputs are not passed as such: pass the tensors as a tuple in "
+                   "the order of the model's forward, or wrap the model in a module whose "
+                   "forward takes them positionally and calls it by keyword.")
+        elif isinstance(xs, (tuple, list)):
+            fix = (" The examples are counted along the first dimension of inputs[0], so at "
+                   "least one tensor is needed; a model without inputs has no examples.")
+        else:
+            fix = ""
         raise PerSampleTypeError(
-            f"torch_vjp.{fn}: inputs must be a tensor or a tuple of tensors, got "
-            f"{type(inputs).__name__}.\n"
+            f"torch_vjp.{fn}: inputs must be a tensor or a tuple of tensors, got {got}.\n"
             f"  Each tensor holds the batch along its first dimension and is passed as "
-            f"model(*inputs)."
+            f"model(*inputs).{fix}"
         )
     for k, x in enumerate(xs):
         if not isinstance(x, Tensor):
