@@ -193,3 +193,41 @@ def test_works_under_torch_tools_that_hook_every_module(tool):
         for name, g in want.items():
             torch.testing.assert_close(got[name], g, msg=f"{strategy} {name}")
         torch.testing.assert_close(norms, want_norms, msg=strategy)
+
+
+class GradSampleModule(nn.Module):
+    """Stands in for opacus.GradSampleModule (importing opacus takes seconds): its type's
+    module and hooks flag are what the check reads. The real one's hooks broke on the
+    plan's second run ("einsum(): subscript n has size 3 ... 4", raised from inside Opacus)
+    and left .grad_sample on the parameters."""
+
+    __module__ = "opacus.grad_sample.grad_sample_module"
+
+    def __init__(self, module):
+        super().__init__()
+        self._module = module
+        self.hooks_enabled = True
+
+    def disable_hooks(self):
+        self.hooks_enabled = False
+
+    def forward(self, *args):
+        return self._module(*args)
+
+
+def test_an_opacus_grad_sample_module_with_its_hooks_on_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(DT)
+    gsm = GradSampleModule(inner)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    loss_fn = nn.CrossEntropyLoss()
+    for holder, where in ((gsm, r"model is"), (nn.Sequential(gsm), r"module '0' is")):
+        with pytest.raises(tv.PerSampleTypeError, match=(
+                rf"{where} an Opacus GradSampleModule with its hooks on(.|\n)*Fix: pass the "
+                rf"module it wraps, model(\[0\])?._module")):
+            tv.per_sample_grads(holder, loss_fn, x, y)
+    gsm.disable_hooks()  # the fix the message names
+    got = tv.per_sample_grads(gsm, loss_fn, x, y)
+    ref = tv.per_sample_grads(inner, loss_fn, x, y, strategy="loop")
+    for n, g in ref.items():
+        torch.testing.assert_close(got["_module." + n], g)

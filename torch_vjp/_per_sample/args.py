@@ -27,6 +27,7 @@ from torch_vjp._errors import (
 
 __all__ = [
     "check_model",
+    "check_opacus_hooks",
     "check_trainable",
     "as_inputs",
     "check_targets",
@@ -54,6 +55,24 @@ def check_model(fn: str, model: Any) -> None:
             f"all run the Python modules. Fix: pass the module before torch.jit.script (or "
             f"torch.jit.trace), and script it for inference only."
         )
+
+
+def check_opacus_hooks(fn: str, path: str, module: nn.Module) -> None:
+    """Refuses an Opacus GradSampleModule whose hooks are on (by name: opacus is never
+    imported here)."""
+    if not getattr(module, "hooks_enabled", False) or not any(
+            c.__module__.startswith("opacus.grad_sample") for c in type(module).__mro__):
+        return
+    where = f"module '{path}'" if path else "model"
+    raise PerSampleTypeError(
+        f"torch_vjp.{fn}: {where} is an Opacus {type(module).__name__} with its hooks on: "
+        f"they compute .grad_sample on every backward pass, and the per-sample functions "
+        f"run the model more than once (the plan runs the batch and the batch without its "
+        f"last example), which breaks their bookkeeping (an einsum over mismatched batch "
+        f"sizes) and leaves .grad_sample on the parameters.\n  Fix: pass the module it "
+        f"wraps, {access(path)}._module (torch_vjp computes the per-sample gradients "
+        f"itself), or call {access(path)}.disable_hooks() first."
+    )
 
 
 def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
@@ -166,6 +185,7 @@ def access(path: str) -> str:
 def check_static_mixing(fn: str, model: nn.Module) -> None:
     """Raises PerSampleError for layers whose output for one example depends on the others."""
     for path, m in model.named_modules():
+        check_opacus_hooks(fn, path, m)
         where = f"module '{path}'" if path else "the model itself"
         kind = type(m).__name__
         if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -30,6 +30,7 @@ from torch_vjp._per_sample.args import (
     Selection,
     as_inputs,
     check_model,
+    check_opacus_hooks,
     check_static_mixing,
     check_targets,
     select,
@@ -89,6 +90,7 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
         # on every rank before any per-example forward reads them; NOTE [DDP])
         ddp._sync_buffers()
     check_model(fn, model)
+    check_opacus_hooks(fn, "", model)  # (every call: its hooks may be switched on again)
     xs, batch = as_inputs(fn, inputs)
     check_targets(fn, targets, batch)
     if torch.compiler.is_compiling():
