@@ -262,3 +262,31 @@ def test_batch_dims_that_are_not_dimensions_of_the_input_are_named(returned, sho
     finally:
         registry._RULES.pop(Scale, None)
         probe.forget_plans()
+
+
+def test_a_rule_layer_that_adds_its_own_bias_counts_it_once_beside_a_frozen_selection(
+        affine_rule):
+    # a frozen parameter in params makes the rules' pass track stand-ins, which the layer
+    # does not hold before its forward, and a parameter added to the batch makes that pass
+    # record direct uses: the layer's own add was recorded again there ('hooks' refused,
+    # "the layers the model calls change from one call to the next")
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = affine_rule(3)
+            self.pos = nn.Parameter(torch.linspace(-0.5, 0.5, 3))
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(torch.tanh(self.a(x) + self.pos))
+
+    torch.manual_seed(0)
+    model = Net().to(DT)
+    model.fc.weight.requires_grad_(False)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    names = ["a.w", "a.b", "pos", "fc.weight"]
+    ref = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, params=names, strategy="loop")
+    got = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, params=names,
+                              strategy="hooks")
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g)

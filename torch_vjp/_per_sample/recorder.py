@@ -219,12 +219,20 @@ class Recorder:
         return wanted
 
     def _rule_owned(self) -> frozenset[str]:
+        # (by the tensors the layer holds now and by its parameters' names: the tracked
+        # tensors may be stand-ins that the forward swaps in, for frozen parameters)
+        known = set(self.tracked.values())
         names = set()
-        for m in self.model.modules():
+        for path, m in self.model.named_modules():
             w = self.wanted.get(id(m))
-            if w is not None and isinstance(w.rule, UserRule):
-                names.update(self.tracked[id(t)] for t in m._parameters.values()
-                             if t is not None and id(t) in self.tracked)
+            if w is None or not isinstance(w.rule, UserRule):
+                continue
+            for role, t in m._parameters.items():
+                name = f"{path}.{role}" if path else role
+                if t is not None and id(t) in self.tracked:
+                    names.add(self.tracked[id(t)])
+                elif name in known:
+                    names.add(name)
         return frozenset(names)
 
     def paths(self) -> dict[int, str]:
