@@ -694,6 +694,22 @@ def test_accumulate_adds_to_existing_grad_and_creates_missing():
         torch.testing.assert_close(p.grad, e)
 
 
+def test_params_given_as_a_generator_are_read_once():
+    # accumulate_clipped_grads read params twice (the requires-grad check, then the
+    # selection) and refused a generator: "params is empty; name at least one parameter"
+    model, loss_fn, x, t = make("mlp")
+    ref = loop_reference(model, loss_fn, x, t)
+    norms = ref["0.weight"].flatten(1).norm(dim=1)
+    c = (0.3 / norms).clamp(max=1.0)
+    got = accumulate_clipped_grads(model, loss_fn, x, t, max_norm=0.3,
+                                   params=(n for n in ["0.weight"]))
+    torch.testing.assert_close(got, norms)
+    torch.testing.assert_close(model[0].weight.grad, torch.einsum("b,bij->ij", c, ref["0.weight"]))
+    assert model[0].bias.grad is None
+    torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, t,
+                                                     params=iter(["0.weight"])), norms)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_accumulate_writes_grad_in_the_dtype_backward_gives(strategy):
     # a parameter with grad_dtype=float32 (mixed precision) and no .grad raised torch's

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch_vjp._engine.compiled import check_compile, tracing
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
-from torch_vjp._per_sample.args import check_max_norm, check_trainable
+from torch_vjp._per_sample.args import check_max_norm, check_trainable, params_once
 from torch_vjp._per_sample.compiled import compilable, run_compiled, run_traced
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.plan import Plan, parametrize_cache_off
@@ -132,6 +132,7 @@ def per_sample_grads(
         True
     """
     fn = "per_sample_grads"
+    params = params_once(params)
     do_compile = check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError)
     if tracing():  # NOTE [compiled Jacobians] (None: the job runs eagerly)
         traced = run_traced("grads", fn, model, loss_fn, inputs, targets, params, strategy,
@@ -225,6 +226,7 @@ def per_sample_grad_norms(
         True
     """
     fn = "per_sample_grad_norms"
+    params = params_once(params)
     if tracing():  # NOTE [compiled Jacobians] (None: the job runs eagerly)
         check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError)
         traced = run_traced("norms", fn, model, loss_fn, inputs, targets, params, strategy)
@@ -318,6 +320,7 @@ def accumulate_clipped_grads(
         True
     """
     fn = "accumulate_clipped_grads"
+    params = params_once(params)
     do_compile = check_compile(compile, call=f"torch_vjp.{fn}", cls=PerSampleValueError)
     max_norm = check_max_norm(fn, max_norm)
     if isinstance(model, nn.Module):
@@ -465,6 +468,7 @@ def per_sample_plan(
         ('rule', "Linear rule in '0'")
     """
     fn = "per_sample_plan"
+    params = params_once(params)
     job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
     if job.batch == 0:
         raise PerSampleValueError(

@@ -32,6 +32,7 @@ __all__ = [
     "as_inputs",
     "check_targets",
     "check_max_norm",
+    "params_once",
     "check_static_mixing",
     "Selection",
     "select",
@@ -335,6 +336,18 @@ class Job:
     ddp: Any = None
     structure: Any = None
     by_backward: bool = False
+
+
+def params_once(params: Any) -> Any:
+    """``params`` as a list where it is an iterable of names other than a str: a generator
+    or iterator is read once, and several steps of a call read the names (the check of
+    what requires grad, the selection, a compiled run and its eager twin)."""
+    if params is None or isinstance(params, (str, list, tuple)):
+        return params
+    try:
+        return list(params)
+    except TypeError:
+        return params  # (select() reports it)
 
 
 def check_trainable(fn: str, model: nn.Module, params: Any) -> None:
