@@ -838,6 +838,9 @@ def _err_cases():
          PerSampleValueError, r"loss_fn returned a tensor of shape \(\) and dtype torch.int64 for one "
          r"example(.|\n)*an integer or boolean result \(a count of correct predictions, an argmax\) "
          r"has no gradient"),
+        ("loss-complex", lambda: per_sample_grads(m, lambda o, t: o.sum() * 1j, x, t),
+         PerSampleValueError, r"loss_fn returned a tensor of shape \(\) and dtype torch.complex128 "
+         r"(.|\n)*A loss is minimised, so it must be real"),
         ("chunk-size", lambda: per_sample_grads(m, lf, x, t, chunk_size=0), PerSampleValueError,
          r"chunk_size=0, but it must be None or an int >= 1"),
         ("max-norm-value", lambda: accumulate_clipped_grads(m, lf, x, t, max_norm=-1.0), PerSampleValueError,

@@ -108,6 +108,9 @@ def scalar_loss(fn: str, loss: Any) -> Tensor:
     if isinstance(loss, Tensor) and loss.numel() != 1:
         fix = ("  The gradient of a loss is only defined for a scalar: use reduction='mean' "
                "or 'sum' rather than 'none'.")
+    elif isinstance(loss, Tensor) and loss.is_complex():
+        fix = ("  A loss is minimised, so it must be real: return a real number computed from "
+               "the complex one (its .abs() or .real).")
     elif isinstance(loss, Tensor):
         fix = ("  Gradients flow only through floating-point values: an integer or boolean "
                "result (a count of correct predictions, an argmax) has no gradient. Fix: "
