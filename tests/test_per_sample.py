@@ -802,6 +802,11 @@ def _err_cases():
          r"inputs\[0\] is a 0-dimensional tensor"),
         ("inputs-batch", lambda: per_sample_grads(TwoInputs(), lf, (_randn(4, 3), _randn(5, 2)), t),
          PerSampleValueError, r"inputs\[1\] has shape \(5, 2\), but inputs\[0\] has shape \(4, 3\)"),
+        # (EmbeddingBag's flat indices and offsets got no word on how to pass them)
+        ("inputs-offsets", lambda: per_sample_grads(TwoInputs(), lf, (_ints(9, 9), _ints(9, 4)), t),
+         PerSampleValueError, r"inputs\[1\] has shape \(4,\), but inputs\[0\] has shape \(9,\)(.|\n)*"
+         r"Flat indices and offsets \(as nn.EmbeddingBag takes them\) hold no batch dimension: "
+         r"pass the indices padded to \(B, L\)"),
         ("targets-batch", lambda: per_sample_grads(m, lf, x, _ints(2, 5)), PerSampleValueError,
          r"targets has shape \(5,\), but the batch has 4 examples"),
         # (a pytree's leaf was reported as "targets has shape ()", not which leaf nor why)

@@ -112,11 +112,16 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
     B = xs[0].shape[0]
     for k, x in enumerate(xs[1:], 1):
         if x.shape[0] != B:
+            flat = all(t.dim() == 1 and not t.is_floating_point() for t in (xs[0], x))
+            hint = (" Flat indices and offsets (as nn.EmbeddingBag takes them) hold no batch "
+                    "dimension: pass the indices padded to (B, L) (with the layer's "
+                    "padding_idx, which every mode leaves out), and let the layer take the "
+                    "2-D input." if flat else "")
             raise PerSampleValueError(
                 f"torch_vjp.{fn}: inputs[{k}] has shape {shape_str(x.shape)}, but inputs[0] has "
                 f"shape {shape_str(xs[0].shape)}: their first dimensions (the batch) differ, "
                 f"{x.shape[0]} vs {B}.\n  Every input must hold the same examples along its "
-                f"first dimension."
+                f"first dimension.{hint}"
             )
     return tuple(xs), B
 
