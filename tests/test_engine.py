@@ -65,6 +65,19 @@ def test_chunk_size_accepted(value):
     assert check_chunk_size(value, call="c") == value
 
 
+def test_chunk_size_of_a_numpy_integer_is_accepted_as_an_int():
+    # (np.int64(2), a count read off an array, was refused as "must be None or an int")
+    import numpy as np
+
+    got = check_chunk_size(np.int64(2), call="c")
+    assert got == 2 and type(got) is int
+    x = torch.randn(4, dtype=torch.float64)
+    f = lambda x: torch.outer(x, x.sin())  # noqa: E731
+    for strategy in ("rev", "fwd"):
+        torch.testing.assert_close(tv.jacobian(f, x, chunk_size=np.int64(3), strategy=strategy),
+                                   torch.func.jacrev(f)(x))
+
+
 @pytest.mark.parametrize("value", [0, -3, 1.5, 2.0, True, False, "4", (2,)], ids=repr)
 def test_chunk_size_rejected_with_its_meaning(value):
     with pytest.raises(JacobianOptionError) as info:

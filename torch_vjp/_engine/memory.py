@@ -75,13 +75,14 @@ def check_chunk_size(
     """
     if chunk_size is None:
         return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+            or chunk_size < 1):
         raise cls(
             f"{call}: chunk_size={chunk_size!r}, but it must be None or an int >= 1: the "
             f"number of {what} computed at once. None computes them all at once when memory "
             f"allows; 1 computes one at a time."
         )
-    return chunk_size
+    return int(chunk_size)  # (a NumPy integer, a count from an array's shape, as a Python int)
 
 
 _UNITS = {
