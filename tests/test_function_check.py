@@ -479,8 +479,16 @@ FAIL_CASES = [
     ),
     pytest.param(
         _function("MyFunc", lambda ctx, g: [_exp_grad(ctx, g), None]), (_x(4), 2.0),
-        r"returned a list of 2 values(.|\n)*Fix: return a tuple",
+        r"returned a list of 2 values(.|\n)*torch reports this as: function MyFuncBackward "
+        r"returned an incorrect number of gradients \(expected 2, got 1\)\.(.|\n)*Fix: "
+        r"return a tuple",
         id="list-instead-of-tuple",
+    ),
+    pytest.param(  # (one input: torch rejects the list's type, not the count)
+        _function("MyFunc", lambda ctx, g: [_exp_grad(ctx, g)]), (_x(4),),
+        r"returned a list of 1 value(.|\n)*torch reports this as: expected Variable or None "
+        r"\(got list\)\.(.|\n)*Fix: return a tuple",
+        id="list-instead-of-tuple-one-input",
     ),
     pytest.param(
         _function("MyFunc", lambda ctx, g: _exp_grad(ctx, g) * 0.5), (_x(4, 3),),

@@ -141,7 +141,7 @@ def check_record(call: str, rec: Record, slots: list[Slot]) -> str | None:
     out_shapes = [tuple(g.shape) if isinstance(g, Tensor) else None for g in rec.grad_outputs]
     n = len(slots)
     if isinstance(returned, list):
-        return list_message(call, fname, returned)
+        return list_message(call, fname, returned, n_inputs=n)
     values = as_tuple(returned)
     if len(values) != n and not (
         len(values) > n and all(v is None for v in values[n:])
@@ -248,15 +248,20 @@ def _check_one(call: str, fname: str, i: int, value: Any, slot: Slot,
     return None
 
 
-def list_message(call: str, fname: str, returned: list[Any], torch_line: bool = True) -> str:
+def list_message(call: str, fname: str, returned: list[Any], torch_line: bool = True,
+                 n_inputs: int = 1) -> str:
     count = f"{len(returned)} value{'' if len(returned) == 1 else 's'}"
+    # (torch counts the list as one gradient: for one input it rejects the value's type,
+    # for several the count)
+    said = ("expected Variable or None (got list)" if n_inputs <= 1 else
+            f"function {fname}Backward returned an incorrect number of gradients (expected "
+            f"{n_inputs}, got 1)")
     return (
         f"{call}: {fname}.backward returned a list of {count}; torch reads a list as one "
         f"single value, which is not a gradient.\n"
         f"  backward returns a tuple: one gradient (or None) per forward input, in forward's "
         f"order.\n"
-        + ("  torch reports this as: expected Variable or None (got list).\n" if torch_line
-           else "")
+        + (f"  torch reports this as: {said}.\n" if torch_line else "")
         + "  Fix: return a tuple: return tuple(grads), or return grad_a, grad_b."
     )
 
