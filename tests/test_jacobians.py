@@ -679,16 +679,27 @@ def test_batch_jacobian_of_an_empty_batch(strategy):
     "value, match",
     [("2G", r"'2G' is ambiguous: write '2GB' \(powers of 1000\) or '2GiB'"),
      ("lots", r"'lots' is not a memory size. Pass a number of bytes"),
-     (-5, r"must be a positive number of bytes"), (0, "positive"), (True, "not a memory size"),
+     (-5, r"must be a positive, finite number of bytes \(None sets no budget\)"),
+     (0, "positive"), (True, "not a memory size"),
+     (float("inf"), r"max_memory=inf, but it must be a positive, finite number of bytes"),
      ("0 MB", "zero bytes"), ([1], "not a memory size"),
      # (an OverflowError came out of these, and '-1' was "not a memory size")
      ("1e400", "too large a number"), ("1e309 B", "too large a number"),
-     ("-1", "is negative"), ("-2GB", "is negative"), (float("nan"), "positive number")],
+     ("-1", "is negative"), ("-2GB", "is negative"), (float("nan"), "positive, finite")],
     ids=str,
 )
 def test_bad_max_memory(value, match):
     with pytest.raises(JacobianOptionError, match=match):
         jacobian(torch.sin, torch.randn(3), max_memory=value)
+
+
+def test_max_memory_digits_grouped_with_underscores_as_the_message_shows():
+    # the message's own example, 2_000_000_000, was refused when written as a string
+    from torch_vjp._engine.memory import parse_max_memory
+
+    assert parse_max_memory("2_000_000_000", call="c") == 2_000_000_000
+    assert parse_max_memory("1_500 MB", call="c") == 1_500_000_000
+
 
 
 @pytest.mark.parametrize(

@@ -128,12 +128,13 @@ def parse_max_memory(value: object, *, call: str) -> int | None:
     if isinstance(value, (int, float)):
         if value <= 0 or isinstance(value, float) and not math.isfinite(value):
             raise JacobianOptionError(
-                f"{call}: max_memory={value!r}, but it must be a positive number of bytes. "
-                f"{how}"
+                f"{call}: max_memory={value!r}, but it must be a positive, finite number of "
+                f"bytes (None sets no budget). {how}"
             )
         return int(value)
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
+        # ('2_000_000_000', digits grouped as in the example above and in Python's literals)
+        m = _SIZE_RE.match(re.sub(r"(?<=\d)_(?=\d)", "", value))
         if m is not None:
             unit = m.group(2).lower()
             if unit in _UNITS:
