@@ -736,6 +736,30 @@ def test_the_cache_does_not_keep_a_model_alive(kind):
     torch.testing.assert_close(tv.jacobian(other, x, compile=True), other.weight)
 
 
+def test_the_cache_does_not_keep_what_a_lambda_closes_over_alive():
+    # (the entry held the lambda itself, so its model and its batch stayed in the cache
+    # after the caller dropped them)
+    import gc
+    import weakref
+
+    def step():
+        model = torch.nn.Linear(4, 3).double()
+        batch = torch.randn(4, dtype=D)
+        for _ in range(2):
+            got = tv.jacobian(lambda w: model(w * batch), torch.randn(4, dtype=D),
+                              compile=True)
+            torch.testing.assert_close(got, model.weight * batch)
+        return weakref.ref(model), weakref.ref(batch)
+
+    refs = step()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    # a model made next (its id may be the dropped one's) gets an entry of its own
+    model = torch.nn.Linear(4, 3).double()
+    x = torch.randn(4, dtype=D)
+    torch.testing.assert_close(tv.jacobian(lambda w: model(w), x, compile=True), model.weight)
+
+
 @pytest.mark.parametrize("name", ["jacobian", "jacobian_rev", "jacobian_fwd", "batch_jacobian",
                                   "hessian", "jvp", "vjp"])
 def test_inside_users_torch_compile_a_graph_break_in_f_is_traced_around(name):

@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem"]
 
 
-def program_key(f: object, *, passed: bool = False, depth: int = 3) -> object:
+def program_key(f: object, *, passed: bool = False, depth: int = 3,
+                keep: list[object] | None = None) -> object:
     """What identifies the program ``f`` traces to (see NOTE [compiled Jacobians]).
 
     With ``passed`` (``f`` is an argument of the compiled program, which reads its closure
@@ -25,40 +26,50 @@ def program_key(f: object, *, passed: bool = False, depth: int = 3) -> object:
     deep) by its own key (:func:`held_key`), and so do the arguments of a ``partial``: a
     lambda or a ``partial`` over a new batch each step, or over a loss made for each batch,
     finds its entry again. Otherwise (``f`` baked into the program) everything counts by
-    identity."""
+    identity. ``keep``, where given, gets every object the key counts by its ``id`` (the
+    cache holds those, weakly where it can, so that their ids stay theirs: NOTE [what an
+    entry keeps] in :mod:`torch_vjp._engine.compiled`)."""
     held: Callable[[object], object] = (
-        (lambda v: held_key(v, depth - 1)) if passed else id)
+        (lambda v: held_key(v, depth - 1, keep)) if passed else id)
     if isinstance(f, functools.partial):  # (dynamo reads its arguments as it reads a closure)
-        inner = program_key(f.func, passed=passed, depth=depth - 1) if passed else program_key(
-            f.func)
+        inner = (program_key(f.func, passed=True, depth=depth - 1, keep=keep) if passed
+                 else program_key(f.func))
         return ("partial", inner, tuple(map(held, f.args)),
                 tuple((k, held(v)) for k, v in sorted(f.keywords.items())))
     if isinstance(f, types.MethodType):
+        _kept(f.__self__, keep)
         return ("method", f.__func__, id(f.__self__))
     if isinstance(f, types.FunctionType):
         cells = tuple(held(c.cell_contents) if _filled(c) else None
                       for c in (f.__closure__ or ()))
         defaults = tuple(map(held, f.__defaults__ or ()))
         return ("function", f.__code__, cells, defaults)
+    _kept(f, keep)
     return ("object", id(f))
 
 
-def held_key(v: object, depth: int = 2) -> object:
+def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> object:
     """What a value passed to a compiled program (or held by the closure or ``partial`` of
     one) counts as in its key: a tensor by its signature, numbers and strings by value, a
     function or ``partial`` (``depth`` levels deep) by :func:`program_key`, a module without
     parameters or submodules (a loss, ``nn.CrossEntropyLoss()`` made for each batch) by its
-    type, attributes and buffers; anything else by identity. Dynamo reads such values on
-    every call, so a new one of the same key runs the same program."""
+    type, attributes and buffers; anything else by identity (and put in ``keep``, as
+    :func:`program_key` does). Dynamo reads such values on every call, so a new one of the
+    same key runs the same program."""
     if depth >= 1 and isinstance(v, (types.FunctionType, functools.partial)):
-        return program_key(v, passed=True, depth=depth)
+        return program_key(v, passed=True, depth=depth, keep=keep)
     if (isinstance(v, torch.nn.Module) and not v._parameters and not v._modules
             and type(v).forward is not torch.nn.Module.forward):
-        attrs = tuple((k, _leaf_signature(x)) for k, x in v.__dict__.items()
+        attrs = tuple((k, _leaf_signature(x, keep)) for k, x in v.__dict__.items()
                       if not k.startswith("_"))
-        buffers = tuple((k, _leaf_signature(x)) for k, x in v._buffers.items())
+        buffers = tuple((k, _leaf_signature(x, keep)) for k, x in v._buffers.items())
         return ("module", type(v), attrs, buffers)
-    return _leaf_signature(v)
+    return _leaf_signature(v, keep)
+
+
+def _kept(v: object, keep: list[object] | None) -> None:
+    if keep is not None:
+        keep.append(v)
 
 
 def _filled(cell: Any) -> bool:
@@ -69,12 +80,13 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-def _leaf_signature(v: object) -> object:
+def _leaf_signature(v: object, keep: list[object] | None = None) -> object:
     if isinstance(v, Tensor):
         return ("T", tuple(v.shape), v.dtype, v.device, v.layout, v.requires_grad,
                 type(v))
     if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype)):
         return (type(v), v)
+    _kept(v, keep)
     return ("id", id(v))
 
 

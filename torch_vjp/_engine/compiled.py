@@ -216,24 +216,31 @@ def warn_budget(call: str) -> None:
     )
 
 
+# NOTE [what an entry keeps]
+# A key holds some objects by their id (a module, or a model a lambda's closure holds, any
+# object that is not a tensor, a number or a string: :func:`program_key`). The entry keeps
+# exactly those, weakly where they can be weakly referenced (a module, a bound method's
+# object), so that the id is not another object's while the entry lives (an entry whose
+# object died is stale: :meth:`_Entry.alive`); it never keeps the function itself. A
+# ``lambda x: model(x)`` or ``lambda w: loss(w, batch)`` made inside a function would
+# otherwise keep its model, and the batch tensor it closes over, alive in the cache after
+# the caller dropped them, up to :data:`CACHE_MAX` of them (the program takes the function
+# each call passes, never the first call's).
+
+
 class _Entry:
     """One function, options and input signature: its compiled program, or None where it
     runs eagerly."""
 
-    __slots__ = ("f", "owner", "run", "reused", "fresh", "code", "recompiles")
+    __slots__ = ("kept", "run", "reused", "fresh", "code", "recompiles")
 
-    def __init__(self, f: object) -> None:
-        # The ids in the key stay valid while the entry lives: a module (or a bound
-        # method's object) that can be weakly referenced is held weakly, so that the cache
-        # does not keep a model alive after the caller dropped it (the entry is then stale,
-        # see :meth:`alive`); anything else is held.
-        owner = f.__self__ if isinstance(f, types.MethodType) else f
-        self.f: object = None
-        self.owner: Any = None
-        if isinstance(owner, torch.nn.Module):
-            self.owner = weakref.ref(owner)
-        else:
-            self.f = f
+    def __init__(self, kept: list[object]) -> None:
+        self.kept: list[Any] = []
+        for v in kept:
+            try:
+                self.kept.append(weakref.ref(v))
+            except TypeError:  # (a list, a dict: held, as small as the key's own values)
+                self.kept.append(lambda v=v: v)
         self.run: Callable[..., Any] | None = None
         self.reused = False  # found again by a later call
         self.fresh: Callable[[], tuple[Any, ...]] = tuple  # the program's leading arguments
@@ -242,7 +249,7 @@ class _Entry:
 
     def alive(self) -> bool:
         """Whether the objects whose ids the key holds still live."""
-        return self.owner is None or self.owner() is not None
+        return all(ref() is not None for ref in self.kept)
 
     def __call__(self, f: object, args: tuple[Any, ...]) -> Any:
         assert self.run is not None
@@ -378,9 +385,10 @@ def compiled_call(
             one made anew for each call, over new tensors of the same signature, runs the
             same program. The program takes them after ``args``.
     """
+    kept: list[object] = []  # (NOTE [what an entry keeps])
     if passed:
-        options = (*options, tuple(map(held_key, passed)))
-    key = (call, program_key(f, passed=True), options, call_signature(args))
+        options = (*options, tuple(held_key(p, keep=kept) for p in passed))
+    key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args))
     args = (*args, *passed)
     try:
         hash(key)
@@ -395,7 +403,7 @@ def compiled_call(
             _CACHE.move_to_end(key)
             entry.reused = True
     if entry is None:
-        return _first_call(call, key, f, args, eager, build, 0)
+        return _first_call(call, key, kept, f, args, eager, build, 0)
     if entry.run is None:
         return eager()
     try:
@@ -415,7 +423,7 @@ def compiled_call(
     with _LOCK:  # NOTE [a recompiled entry]
         if _CACHE.get(key) is entry:
             del _CACHE[key]
-    return _first_call(call, key, f, args, eager, build, entry.recompiles + 1)
+    return _first_call(call, key, kept, f, args, eager, build, entry.recompiles + 1)
 
 
 # NOTE [a recompiled entry]
@@ -441,8 +449,8 @@ def _variants(code: types.CodeType | None) -> int:
 
 
 def _first_call(
-    call: str, key: Any, f: object, args: tuple[Any, ...], eager: Callable[[], Any],
-    build: Callable[[], Any], recompiles: int,
+    call: str, key: Any, kept: list[object], f: object, args: tuple[Any, ...],
+    eager: Callable[[], Any], build: Callable[[], Any], recompiles: int,
 ) -> Any:
     """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
     of that key): the eager result, and the entry compiled, checked against it, or eager."""
@@ -454,17 +462,17 @@ def _first_call(
     drawn = SameDraws()
     drawn()
     try:
-        return _compile_first(call, key, f, args, result, run, build, recompiles)
+        return _compile_first(call, key, kept, f, args, result, run, build, recompiles)
     finally:
         drawn()
 
 
 def _compile_first(
-    call: str, key: Any, f: object, args: tuple[Any, ...], result: Any, run: FirstRun,
-    build: Callable[[], Any], recompiles: int,
+    call: str, key: Any, kept: list[object], f: object, args: tuple[Any, ...], result: Any,
+    run: FirstRun, build: Callable[[], Any], recompiles: int,
 ) -> Any:
     """:func:`_first_call` after its eager call: ``result``."""
-    entry = _Entry(f)
+    entry = _Entry(kept)
     entry.recompiles = recompiles
     with _LOCK:
         _CACHE[key] = entry
