@@ -54,6 +54,24 @@ def test_a_lambda_written_in_a_loop_finds_its_entry():
     assert _frames() == 1
 
 
+def test_inputs_of_two_memory_layouts_each_keep_their_program():
+    # (the key left strides out while dynamo's guards hold them: every call that switched
+    # between a tensor and a transpose of the same shape recompiled, eager call and check
+    # included, and the eighth went eager for good, blaming "a global")
+    from torch_vjp._engine.compiled import builds
+
+    w = torch.randn(4, 3, dtype=D)
+    f = lambda x: torch.sin(x) * w  # noqa: E731
+    before = builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for k in range(4):
+            x = torch.randn(4, 3, dtype=D) if k % 2 else torch.randn(3, 4, dtype=D).t()
+            got = tv.jacobian(f, x, compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+    assert builds() - before == 2  # one program per layout, each reused
+
+
 def test_new_signature_compiles_a_new_entry_and_inplace_closure_changes_are_seen():
     w = torch.randn(4, 3, dtype=D)
     f = lambda x: w @ x  # noqa: E731

@@ -82,12 +82,22 @@ def _filled(cell: Any) -> bool:
 
 def _leaf_signature(v: object, keep: list[object] | None = None) -> object:
     if isinstance(v, Tensor):
-        return ("T", tuple(v.shape), v.dtype, v.device, v.layout, v.requires_grad,
-                type(v))
+        return ("T", tuple(v.shape), _strides(v), v.dtype, v.device, v.layout,
+                v.requires_grad, type(v))
     if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype)):
         return (type(v), v)
     _kept(v, keep)
     return ("id", id(v))
+
+
+def _strides(t: Tensor) -> object:
+    """``t``'s strides (None for a sparse layout, which has none): dynamo's guards hold
+    them (``dynamic=False``), so a program traced for a contiguous tensor is recompiled for
+    its transpose; in the key, each layout finds a program of its own instead of
+    recompiling the entry on every call that alternates them (NOTE [a recompiled entry] in
+    :mod:`torch_vjp._engine.compiled`), which after ``REBUILD_WARN_AT`` such calls ran
+    eagerly, blaming a global."""
+    return t.stride() if t.layout is torch.strided else None
 
 
 class _NotPlain(Exception):
@@ -113,8 +123,8 @@ def _plain_signature(v: object) -> object:
 
 
 def call_signature(args: tuple[Any, ...]) -> object:
-    """The signature of a call's arguments (tensors by shape, dtype, device, layout and
-    ``requires_grad``; other values by equality, or identity), with the state that changes
+    """The signature of a call's arguments (tensors by shape, strides, dtype, device, layout
+    and ``requires_grad``; other values by equality, or identity), with the state that changes
     what a traced program computes without being an argument: grad mode, autocast, and the
     global module hooks (:func:`global_state`)."""
     return (_arguments(args), global_state())
@@ -142,7 +152,8 @@ def _global_hook_dicts() -> tuple[dict[Any, Any], ...]:
 
 def _arguments(args: tuple[Any, ...]) -> object:
     if all(type(a) is Tensor for a in args):  # the common case, without pytree's cost
-        return tuple((a.shape, a.dtype, a.device, a.layout, a.requires_grad) for a in args)
+        return tuple((a.shape, _strides(a), a.dtype, a.device, a.layout, a.requires_grad)
+                     for a in args)
     try:
         return ("plain", _plain_signature(args))
     except _NotPlain:
