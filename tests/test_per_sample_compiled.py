@@ -188,6 +188,30 @@ def test_inside_users_torch_compile_against_the_loop(name):
             torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, ref[n]))
 
 
+@pytest.mark.parametrize("name", ["per_sample_grads", "per_sample_grad_norms",
+                                  "accumulate_clipped_grads"])
+def test_inside_users_torch_compile_fullgraph_no_graph_break(name):
+    # (the inference-mode check of the arguments asked torch.is_inference_mode_enabled(),
+    # which dynamo cannot trace: a graph break, and with fullgraph=True an Unsupported error)
+    torch.manual_seed(0)
+    model, loss_fn = nn.Linear(4, 3).double(), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=D), torch.randint(0, 3, (5,))
+    ref = _loop(model, loss_fn, x, y)
+    ref_norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    if name == "accumulate_clipped_grads":
+        run = lambda x, y: tv.accumulate_clipped_grads(model, loss_fn, x, y,  # noqa: E731
+                                                       max_norm=1e9)
+    else:
+        run = lambda x, y: getattr(tv, name)(model, loss_fn, x, y)  # noqa: E731
+    got = torch.compile(run, fullgraph=True, backend="eager")(x, y)
+    assert sum(counters["graph_break"].values()) == 0
+    if name == "per_sample_grads":
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n])
+    else:
+        torch.testing.assert_close(got, ref_norms)
+
+
 class _OwnNet(nn.Module):  # (a model class of the user's own, with its own forward)
     def __init__(self):
         super().__init__()

@@ -76,9 +76,10 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             strategy: Any) -> Job:
     """Checks the arguments of a public function; the selection is made once per model."""
     strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
-    if torch.is_inference_mode_enabled():
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         # (no_grad is lifted for the call; inference mode cannot be: the tensors made in it,
-        # the inputs most likely, can never enter a graph)
+        # the inputs most likely, can never enter a graph. Dynamo cannot trace the query: a
+        # graph break inside the user's torch.compile, an error with fullgraph=True)
         raise PerSampleError(
             f"torch_vjp.{fn}: called inside torch.inference_mode(), where torch records no "
             f"graph, so no gradient can be computed (the per-example loop would return zeros)."
