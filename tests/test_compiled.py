@@ -72,6 +72,29 @@ def test_inputs_of_two_memory_layouts_each_keep_their_program():
     assert builds() - before == 2  # one program per layout, each reused
 
 
+def test_a_training_mode_call_leaves_the_eval_mode_program_compiled():
+    # (the key left the training flag to dynamo's guard: one call in training mode
+    # recompiled the eval-mode entry, dropout's draws failed its check, and every later
+    # eval-mode call of that key ran eagerly)
+    from torch_vjp._engine import compiled
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5),
+                                torch.nn.Tanh()).double()
+    x = torch.randn(4, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # (training mode's, stays eager)
+        for mode in ("eval", "train", "eval"):
+            getattr(model, mode)()
+            got = tv.jacobian(model, x, compile=True)
+        # (the training-mode entry eager, the eval-mode one compiled, and used)
+        assert [e.run is not None for e in compiled._CACHE.values()] == [False, True]
+        before = compiled.builds()
+        torch.testing.assert_close(tv.jacobian(model, x, compile=True), got)
+        assert compiled.builds() == before
+    torch.testing.assert_close(got, torch.func.jacrev(model)(x))
+
+
 def test_new_signature_compiles_a_new_entry_and_inplace_closure_changes_are_seen():
     w = torch.randn(4, 3, dtype=D)
     f = lambda x: w @ x  # noqa: E731

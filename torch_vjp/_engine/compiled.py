@@ -58,8 +58,9 @@ code object and what its closure holds: tensors by their signature, numbers and 
 value, functions by the same rule, anything else by identity, so that ``lambda x:
 model(x)`` or ``lambda w: loss(w, batch)`` written inside a training loop finds its entry
 again), the call's options, each primal's shape, strides, dtype, device, layout and
-``requires_grad`` (other values by equality, or identity), grad mode, autocast, and the
-global module hooks (:mod:`torch_vjp._engine.compile_key`). What else a program depends on
+``requires_grad`` (other values by equality, or identity), grad mode, autocast, the training
+flags of the modules ``f`` reaches (NOTE [train and eval entries]), and the global module
+hooks (:mod:`torch_vjp._engine.compile_key`). What else a program depends on
 (a global flag, an object's attribute) dynamo guards, and a call that recompiles its entry
 is a first call again (NOTE [a recompiled entry]). The compiled program takes the
 function as its first argument, and dynamo reads the closure of the one each call passes:
@@ -388,7 +389,8 @@ def compiled_call(
     kept: list[object] = []  # (NOTE [what an entry keeps])
     if passed:
         options = (*options, tuple(held_key(p, keep=kept) for p in passed))
-    key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args))
+    key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
+           tuple(m.training for m in modules_reached(f)))  # NOTE [train and eval entries]
     args = (*args, *passed)
     try:
         hash(key)
@@ -440,6 +442,17 @@ def compiled_call(
 # first call, with the fallback and the warning. Where the same key is rebuilt
 # :data:`REBUILD_WARN_AT` times (something ``f`` reads changes on every call), it stays
 # eager, with a warning that says so.
+
+
+# NOTE [train and eval entries]
+# The key holds the training flags of the modules ``f`` reaches (``model.train()`` and
+# ``model.eval()`` set them all): the two modes are two programs, and the one that fails
+# (a model with dropout, whose training-mode draws differ between the eager and the
+# compiled run; BatchNorm's running statistics, written under vmap) stays eager alone.
+# Left to dynamo's guard on ``training``, a single training-mode call recompiled the
+# eval-mode entry (NOTE [a recompiled entry]), its check failed, and the key, eval mode's
+# too, ran eagerly from then on. A submodule switched on its own is still left to that
+# guard.
 
 
 def _variants(code: types.CodeType | None) -> int:
