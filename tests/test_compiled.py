@@ -307,6 +307,22 @@ def test_batch_jacobian_hessian_jvp_vjp_compiled():
     assert _frames() == 8
 
 
+def test_the_fallback_warning_names_what_dynamo_stopped_at_and_where(capsys):
+    # (it quoted dynamo's title alone: "Why: Unsupported: Failed to trace builtin operator",
+    # neither the operator nor the line of f)
+    def f(x):
+        print("step")
+        return torch.sin(x) * 2
+
+    x = torch.randn(4, dtype=D)
+    with pytest.warns(tv.JacobianWarning) as caught:
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.diag(2 * x.cos()))
+    msg = next(str(w.message) for w in caught if "could not compile" in str(w.message))
+    assert "builtin operator `print`" in msg
+    assert f'line {f.__code__.co_firstlineno + 1}, in f: print("step")' in msg
+    capsys.readouterr()
+
+
 def test_uncompilable_function_falls_back_with_a_warning_that_says_why():
     def f(x):
         torch._dynamo.graph_break()  # what a call dynamo cannot trace does; eagerly nothing

@@ -13,9 +13,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from torch_vjp._engine.compile_key import program_key
 from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._engine.point import versions_of
-from torch_vjp._errors import JacobianWarning, warn_once
+from torch_vjp._errors import JacobianWarning, quote_error, warn_once
 
-__all__ = ["results_agree", "FirstRun", "warn_rebuilt", "warn_eager"]
+__all__ = ["results_agree", "FirstRun", "warn_rebuilt", "warn_eager", "compile_failure"]
 
 
 def results_agree(ref: Any, got: Any) -> str | None:
@@ -119,6 +119,28 @@ def warn_rebuilt(call: str, f: object, count: int) -> None:
         f"shown once.",
         JacobianWarning,
     )
+
+
+def compile_failure(err: BaseException) -> str:
+    """Why compiling failed, for :func:`warn_eager`: the error's first line (dynamo's is a
+    title alone, "Failed to trace builtin operator"), with its ``Explanation:`` line (which
+    operator) and the last line of the user's code it points to, where it has them."""
+    why = quote_error(err)
+    lines = str(err).splitlines()
+    said = [ln.strip()[len("Explanation:"):].strip() for ln in lines
+            if ln.strip().startswith("Explanation:")]
+    if said:
+        text = said[0].rstrip(".")
+        why += f" ({text if len(text) <= 300 else text[:297] + '...'})"
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == "from user code:"), None)
+    if start is not None:
+        frames = [i for i in range(start, len(lines)) if lines[i].strip().startswith("File ")]
+        if frames:
+            at = frames[-1]
+            source = lines[at + 1].strip() if at + 1 < len(lines) else ""
+            where = lines[at].strip()[len("File "):]
+            why += f", at {where}" + (f": {source}" if source else "")
+    return why
 
 
 def warn_eager(call: str, f: object, why: str) -> None:

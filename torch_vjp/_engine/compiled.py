@@ -84,7 +84,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from torch_vjp._engine.compile_checks import FirstRun, results_agree, warn_eager, warn_rebuilt
+from torch_vjp._engine.compile_checks import (FirstRun, compile_failure, results_agree,
+                                              warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import call_signature, held_key, key_stem, program_key
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        module_tree, modules_reached)
@@ -95,7 +96,6 @@ from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
     passes_through,
-    quote_error,
     warn_once,
 )
 from torch_vjp._strategies import Strategy, get_strategy
@@ -418,7 +418,7 @@ def compiled_call(
             raise
         result = eager()  # f's own errors propagate from here, untouched
         entry.run = None
-        warn_eager(call, f, quote_error(err))
+        warn_eager(call, f, compile_failure(err))
         return result
     if not recompiled:
         return got
@@ -524,7 +524,7 @@ def _compile_first(
         if passes_through(err):
             raise
         params.restore()
-        warn_eager(call, f, quote_error(err))
+        warn_eager(call, f, compile_failure(err))
         return result
     if params.restore():
         # (the eager path puts back what a forward changes in place; a compiled program
