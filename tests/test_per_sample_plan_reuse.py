@@ -354,3 +354,34 @@ def test_one_hook_on_many_modules_is_keyed_once_per_call(monkeypatch):
     key = args.structure_of(model)
     assert seen == [hook]
     assert key == args.structure_of(model)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_the_plan_cache_does_not_keep_a_one_layer_model_alive(strategy):
+    # (the plan held the layers its rules compute, and the model that is one layer is such
+    # a layer: the cache, weak in the model, kept it and its plan alive for good)
+    import gc
+    import weakref
+
+    def step():
+        model = nn.Linear(4, 3).to(DT)
+        x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+        for _ in range(2):  # (the second call: the cached plan, its layers)
+            got = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy=strategy)
+        g = torch.autograd.grad(nn.functional.cross_entropy(model(x[:1]), y[:1]), model.weight)
+        torch.testing.assert_close(got["weight"][0], g[0])
+        return weakref.ref(model)
+
+    alive = step()
+    gc.collect()
+    assert alive() is None
+    # a layer's settings changed still makes the plan again (the layers held weakly)
+    model = nn.Embedding(6, 3).to(DT)
+    ids, y = torch.tensor([[1], [1], [2]]), torch.randint(0, 3, (3,))
+    loss = lambda out, y: nn.functional.cross_entropy(out.squeeze(1), y)  # noqa: E731
+    tv.per_sample_grads(model, loss, ids, y)
+    model.scale_grad_by_freq = True  # ('hooks' refuses it: its rule does not handle it)
+    got = tv.per_sample_grads(model, loss, ids, y)["weight"]
+    for i in range(3):
+        ref = torch.autograd.grad(loss(model(ids[i:i + 1]), y[i:i + 1]), model.weight)[0]
+        torch.testing.assert_close(got[i], ref)

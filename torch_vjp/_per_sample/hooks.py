@@ -70,10 +70,14 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         tracked = {id(t): n for n, t in aliases.items()}
     else:
         tracked = sel.tracked
-    if plan.layers is None:
-        plan.layers = layers_of(model, plan.wanted)
+    layers = plan.layers
+    if layers is None:
+        layers = layers_of(model, plan.wanted)
+        if not any(m is model for _, m in layers.hooked + layers.attention):
+            plan.layers = layers  # (a plan that held its model would keep it alive in the
+            # cache, which is weak in the model: a model that is one layer finds it anew)
     rec = Recorder(model, tracked, batch, wanted=plan.wanted, expand_shared=plan.expand,
-                   direct=plan.direct, layers=plan.layers)
+                   direct=plan.direct, layers=layers)
     with grad_enabled(True):
         with rec:
             out = forward(model, job.xs, aliases)

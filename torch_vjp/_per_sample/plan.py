@@ -136,8 +136,8 @@ class Plan:
     #: inputs and puts them back after each forward, so that each forward, and the caller,
     #: sees them as given
     mutable_inputs: bool = False
-    #: the layers the rules compute and their settings when planned (``layer_settings``):
-    #: the plan is made again where they change
+    #: the layers the rules compute (held weakly) and their settings when planned
+    #: (``layer_settings``): the plan is made again where they change
     settings: tuple[Any, ...] | None = None
     #: the two lists above are not known yet (planning ran no forward): the first call
     #: keeps every buffer and parameter, and fills them in (BuffersKept)

@@ -141,6 +141,17 @@ def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
     )
 
 
+def _settings(layers: list[nn.Module]) -> tuple[Any, ...]:
+    """``Plan.settings``, the layers held weakly: a plan that held its model (one that is a
+    layer, ``nn.Linear``) kept it alive in the cache, which is weak in the model."""
+    return tuple(map(weakref.ref, layers)), layer_settings(layers)
+
+
+def _settings_changed(settings: tuple[Any, ...]) -> bool:
+    layers = [ref() for ref in settings[0]]
+    return any(m is None for m in layers) or layer_settings(layers) != settings[1]
+
+
 def input_entries(xs: tuple[Any, ...]) -> list[tuple[str, Tensor]]:
     """The input tensors, named for :class:`Watched` (which puts back those whose version a
     forward moved)."""
@@ -157,7 +168,7 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
     except TypeError:  # a model that cannot be weakly referenced: no cache
         cache = {}
     plan = None if rebuild else cache.get(key)
-    if plan is not None and plan.settings and layer_settings(plan.settings[0]) != plan.settings[1]:
+    if plan is not None and plan.settings and _settings_changed(plan.settings):
         plan = None  # a layer's settings changed since (its rule may no longer apply)
     if plan is None:
         # Planning runs the model a few times: its buffers and parameters are put back
@@ -468,7 +479,7 @@ def _probe_at(
     plan = Plan(job.strategy, {}, out_dims=out_dims, random_global=rng.global_rng,
                 vmap_randomness=_vmap_randomness(rng))
     layers = list({id(c.module): c.module for c in rec.calls if c.module is not None}.values())
-    plan.settings = (layers, layer_settings(layers))
+    plan.settings = _settings(layers)
     plan.wanted = dict(rec.wanted)
     total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
     calls = rec.calls
@@ -521,7 +532,7 @@ def _probe_at(
             plan.params[name] = ParamPlan(name, "rule", how)
     declined = _declined_layers(model, plan.params)  # (decided on their settings too)
     if declined:
-        plan.settings = (layers + declined, layer_settings(layers + declined))
+        plan.settings = _settings(layers + declined)
     return plan
 
 
