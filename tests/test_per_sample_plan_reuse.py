@@ -385,3 +385,32 @@ def test_the_plan_cache_does_not_keep_a_one_layer_model_alive(strategy):
     for i in range(3):
         ref = torch.autograd.grad(loss(model(ids[i:i + 1]), y[i:i + 1]), model.weight)[0]
         torch.testing.assert_close(got[i], ref)
+
+
+def test_the_selection_cache_does_not_keep_an_embedding_model_alive():
+    # (the selection, cached weakly per model, held the Embedding layers whose weight is
+    # selected, for their sparse flag: a model that is one Embedding was never freed)
+    import gc
+    import weakref
+
+    loss = lambda out, y: nn.functional.cross_entropy(out.squeeze(1), y)  # noqa: E731
+    ids, y = torch.tensor([[1], [4], [2]]), torch.tensor([0, 2, 1])
+
+    def step():
+        model = nn.Embedding(6, 3).to(DT)
+        for _ in range(2):
+            got = tv.per_sample_grads(model, loss, ids, y)["weight"]
+        ref = torch.autograd.grad(loss(model(ids[:1]), y[:1]), model.weight)[0]
+        torch.testing.assert_close(got[0], ref)
+        return weakref.ref(model)
+
+    alive = step()
+    gc.collect()
+    assert alive() is None
+    # the sparse flag is still read on every call
+    model = nn.Embedding(6, 3).to(DT)
+    tv.per_sample_grads(model, loss, ids, y)
+    model.sparse = True
+    model.zero_grad()
+    tv.accumulate_clipped_grads(model, loss, ids, y, max_norm=1.0)
+    assert model.weight.grad.is_sparse

@@ -227,8 +227,8 @@ class Selection:
     #: ``id`` of the selected weights of Embedding(Bag) layers with ``sparse=True`` (read
     #: from ``tables`` on every call: the flag is a plain attribute a user may switch)
     sparse: frozenset[int] = frozenset()
-    #: the Embedding(Bag) layers whose weight is selected
-    tables: tuple[nn.Module, ...] = ()
+    #: the Embedding(Bag) layers whose weight is selected (weak references)
+    tables: tuple[Any, ...] = ()
 
     @property
     def canonical(self) -> list[str]:

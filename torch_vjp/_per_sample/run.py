@@ -118,7 +118,8 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
                 cache.clear()
             cache[key] = sel
     if sel.tables:
-        sel.sparse = frozenset(id(m.weight) for m in sel.tables if getattr(m, "sparse", False))
+        sel.sparse = frozenset(id(m.weight) for m in (r() for r in sel.tables)
+                               if m is not None and getattr(m, "sparse", False))
     return Job(fn, model, loss_fn, xs, targets, sel, batch, strategy, ddp=ddp,
                structure=structure)
 
@@ -137,11 +138,12 @@ def _static_key(model: nn.Module, params: Any, structure: tuple[Any, ...], prefi
             prefix)
 
 
-def _tables(model: nn.Module, selected: frozenset[int]) -> tuple[nn.Module, ...]:
-    """The Embedding(Bag) layers whose weight is selected: those with ``sparse=True`` get a
-    sparse ``.grad``, as backward gives them."""
+def _tables(model: nn.Module, selected: frozenset[int]) -> tuple[Any, ...]:
+    """The Embedding(Bag) layers whose weight is selected (those with ``sparse=True`` get a
+    sparse ``.grad``, as backward gives them), held weakly: ``_STATIC`` is weak in the
+    model, and a selection that held a model that is one Embedding kept it alive."""
     return tuple(
-        m for m in model.modules()
+        weakref.ref(m) for m in model.modules()
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and id(m.weight) in selected
     )
 
