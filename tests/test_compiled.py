@@ -323,6 +323,22 @@ def test_the_fallback_warning_names_what_dynamo_stopped_at_and_where(capsys):
     capsys.readouterr()
 
 
+def test_the_fallback_reason_says_an_empty_compiler_error_is_torchs():
+    # (inductor's failed assertions, here a Hessian of x[idx] ** 3 with compile=True, gave
+    # "Why: InductorError: AssertionError: " and nothing more)
+    from torch._inductor.exc import InductorError
+
+    from torch_vjp._engine.compile_checks import compile_failure
+
+    err = InductorError(AssertionError(""), None)  # (str: "AssertionError: ", then a hint)
+    err.args = ("AssertionError: \n\nSet TORCHDYNAMO_VERBOSE=1 for the internal stack trace",)
+    why = compile_failure(err)
+    assert why.startswith("InductorError: AssertionError: (an internal error of "
+                          "torch.compile with no message of its own, not an error of the "
+                          "function")
+    assert compile_failure(ValueError("bad value")) == "ValueError: bad value"
+
+
 def test_uncompilable_function_falls_back_with_a_warning_that_says_why():
     def f(x):
         torch._dynamo.graph_break()  # what a call dynamo cannot trace does; eagerly nothing

@@ -124,8 +124,12 @@ def warn_rebuilt(call: str, f: object, count: int) -> None:
 def compile_failure(err: BaseException) -> str:
     """Why compiling failed, for :func:`warn_eager`: the error's first line (dynamo's is a
     title alone, "Failed to trace builtin operator"), with its ``Explanation:`` line (which
-    operator) and the last line of the user's code it points to, where it has them."""
-    why = quote_error(err)
+    operator) and the last line of the user's code it points to, where it has them; an
+    error whose message is empty (inductor's failed assertions) is said to be torch's."""
+    why = quote_error(err).rstrip()
+    if why.endswith(":"):  # ("InductorError: AssertionError:", the whole of its message)
+        why += (" (an internal error of torch.compile with no message of its own, not an "
+                "error of the function; TORCHDYNAMO_VERBOSE=1 shows where it arose)")
     lines = str(err).splitlines()
     said = [ln.strip()[len("Explanation:"):].strip() for ln in lines
             if ln.strip().startswith("Explanation:")]
