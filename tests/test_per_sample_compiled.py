@@ -235,11 +235,19 @@ def test_inside_users_torch_compile_after_an_eager_call_of_an_own_model_class():
         torch.testing.assert_close(got[n], ref[n])
 
 
-@pytest.mark.parametrize("loss", ["module_per_step", "lambda_over_weights"])
+class _Trainer:  # (its loss a method: ``self.loss`` is a new bound method on each access)
+    def __init__(self):
+        self.smoothing = 0.1
+
+    def loss(self, out, y):
+        return nn.functional.cross_entropy(out, y, label_smoothing=self.smoothing)
+
+
+@pytest.mark.parametrize("loss", ["module_per_step", "lambda_over_weights", "bound_method"])
 def test_a_loss_made_for_each_batch_reuses_one_program(loss):
     import torch.nn.functional as F
 
-    model = _model()
+    model, trainer = _model(), _Trainer()
     for _ in range(3):
         x, y = torch.randn(6, 2, 6, 6, dtype=D), torch.randint(0, 3, (6,))
         if loss == "module_per_step":
@@ -247,6 +255,8 @@ def test_a_loss_made_for_each_batch_reuses_one_program(loss):
         else:  # (per-batch class weights, a new tensor of one signature each step)
             w = torch.bincount(y, minlength=3).to(D).clamp(min=1).reciprocal()
             loss_fn = lambda o, t: F.cross_entropy(o, t, weight=w)  # noqa: E731
+        if loss == "bound_method":  # (by its own id: a new program on every call)
+            loss_fn = trainer.loss
         got = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
         ref = _loop(model, loss_fn, x, y)
         for n in ref:

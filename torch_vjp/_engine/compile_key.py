@@ -51,12 +51,14 @@ def program_key(f: object, *, passed: bool = False, depth: int = 3,
 def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> object:
     """What a value passed to a compiled program (or held by the closure or ``partial`` of
     one) counts as in its key: a tensor by its signature, numbers and strings by value, a
-    function or ``partial`` (``depth`` levels deep) by :func:`program_key`, a module without
-    parameters or submodules (a loss, ``nn.CrossEntropyLoss()`` made for each batch) by its
-    type, attributes and buffers; anything else by identity (and put in ``keep``, as
+    function, bound method or ``partial`` (``depth`` levels deep) by :func:`program_key`,
+    a module without parameters or submodules (a loss, ``nn.CrossEntropyLoss()`` made for
+    each batch) by its type, attributes and buffers; anything else by identity (and put in ``keep``, as
     :func:`program_key` does). Dynamo reads such values on every call, so a new one of the
     same key runs the same program."""
-    if depth >= 1 and isinstance(v, (types.FunctionType, functools.partial)):
+    if depth >= 1 and isinstance(v, (types.FunctionType, functools.partial, types.MethodType)):
+        # (a bound method by its function and its object: ``self.loss`` is a new method
+        # object on every access, and by its own id it made a new program on every call)
         return program_key(v, passed=True, depth=depth, keep=keep)
     if (isinstance(v, torch.nn.Module) and not v._parameters and not v._modules
             and type(v).forward is not torch.nn.Module.forward):
