@@ -503,8 +503,11 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
             # (in the dtype backward gives: that of the .grad it accumulates into, else the
             # parameter's grad_dtype, float32 for bfloat16 weights trained in mixed precision;
             # assigning another dtype raises)
+            # (dynamo cannot trace the grad_dtype property: inside the user's torch.compile,
+            # the parameter's dtype)
             want = p.grad.dtype if p.grad is not None else (
-                getattr(p, "grad_dtype", None) or p.dtype)
+                None if torch.compiler.is_compiling() else getattr(p, "grad_dtype", None)
+            ) or p.dtype
             if s.dtype != want:
                 s = s.to(want)
             if sparse and id(p) in sparse:
