@@ -60,9 +60,7 @@ from torch.utils._pytree import tree_unflatten
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
-    cross_row_flow,
     finite_point,
-    mixing_message,
     no_route_message,
     remember,
     route_key,
@@ -76,6 +74,7 @@ from torch_vjp._engine.jacobian import (
     function_name,
     no_forward_message,
 )
+from torch_vjp._engine.mixing import cross_row_flow, mixing_message
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._engine.shapes import in_rows, row_shapes
