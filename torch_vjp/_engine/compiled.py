@@ -88,7 +88,7 @@ from torch_vjp._engine.compile_checks import (FirstRun, compile_failure, results
                                               warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import call_signature, held_key, key_stem, program_key
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
-                                       module_tree, modules_reached)
+                                       module_tree, modules_reached, reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
 from torch_vjp._engine.rows import SameDraws
@@ -389,8 +389,9 @@ def compiled_call(
     kept: list[object] = []  # (NOTE [what an entry keeps])
     if passed:
         options = (*options, tuple(held_key(p, keep=kept) for p in passed))
+    found = reached(f)  # (one walk of what f reaches: the key's flags and buffers_kept's)
     key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
-           tuple(m.training for m in modules_reached(f)))  # NOTE [train and eval entries]
+           tuple(m.training for m in found[0]))  # NOTE [train and eval entries]
     args = (*args, *passed)
     try:
         hash(key)
@@ -409,7 +410,7 @@ def compiled_call(
     if entry.run is None:
         return eager()
     try:
-        with _HOOK_GUARDS, buffers_kept(f):
+        with _HOOK_GUARDS, buffers_kept(f, found=found):
             before = _variants(entry.code)
             got = entry(f, args)  # this call's f: its closure as it is now
             recompiled = _variants(entry.code) != before

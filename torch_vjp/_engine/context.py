@@ -129,7 +129,8 @@ def graph_mode(create_graph: object, *, call: str) -> tuple[Any, bool]:
 
 
 def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
-                 primals: tuple[object, ...] = ()) -> Any:
+                 primals: tuple[object, ...] = (),
+                 found: tuple[list[torch.nn.Module], list[Tensor]] | None = None) -> Any:
     """Restores the buffers of the modules ``f`` uses, and the tensors it captures, if
     calling ``f`` changed them (NOTE [what a call puts back], in kept.py).
 
@@ -150,6 +151,7 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
             tensors are not kept).
         primals: the arguments ``f`` is called with: a module among them (``f(bn, x)``
             with ``argnums=1``) is kept too.
+        found: ``reached(f)``, where the caller has it already (one walk per call).
 
     Returns:
         A context manager (one that does nothing when ``f`` reaches no module in training
@@ -157,7 +159,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
     """
     tensors: list[Tensor] | None = None  # (None: not looked for)
     if modules is None:
-        modules, tensors = reached(f)
+        modules, tensors = found if found is not None else reached(f)
+        modules = list(modules)  # (extended below: not the caller's list)
         if primals:
             known = {id(m) for m in modules}
             modules += [m for m in modules_reached(primals) if id(m) not in known]
