@@ -290,3 +290,65 @@ def test_a_rule_layer_that_adds_its_own_bias_counts_it_once_beside_a_frozen_sele
                               strategy="hooks")
     for n, g in ref.items():
         torch.testing.assert_close(got[n], g)
+
+
+def _frozen_selection_net(layer):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = layer
+            self.pos = nn.Parameter(torch.linspace(-0.5, 0.5, 3))
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(torch.tanh(self.a(x) + self.pos))
+
+    torch.manual_seed(0)
+    model = Net().to(DT)
+    model.a.w.requires_grad_(False)  # (frozen, but in params: the call records a stand-in)
+    return model, torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+
+
+def test_a_rule_keyed_by_a_frozen_selected_parameter_itself_is_not_dropped():
+    # keyed by the parameter tensor (module.w), for a frozen parameter in params: the call
+    # holds a stand-in, so the key matched no recorded tensor and the gradient was dropped
+    # ('hooks' blamed the model: norm 0 against 0.15)
+    class Keyed(_Affine):
+        pass
+
+    tv.register_per_sample_rule(Keyed, lambda m, inputs, g: {m.w: inputs[0] * g, m.b: g})
+    try:
+        model, x, y = _frozen_selection_net(Keyed(3))
+        names = ["a.w", "a.b", "pos", "fc.weight", "fc.bias"]
+        loss_fn = nn.CrossEntropyLoss()
+        ref = tv.per_sample_grads(model, loss_fn, x, y, params=names, strategy="loop")
+        got = tv.per_sample_grads(model, loss_fn, x, y, params=iter(names), strategy="hooks")
+        for n, g in ref.items():
+            torch.testing.assert_close(got[n], g)
+    finally:
+        registry._RULES.pop(Keyed, None)
+        probe.forget_plans()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_rule_giving_a_parameter_twice_is_refused(frozen):
+    # {"w": g, module.w: g}: both were summed (norm 0.30 against 0.15) or, for a frozen
+    # parameter in params, the second was dropped
+    class Twice(_Affine):
+        pass
+
+    tv.register_per_sample_rule(
+        Twice, lambda m, inputs, g: {"w": inputs[0] * g, m.w: inputs[0] * g, "b": g})
+    try:
+        model, x, y = _frozen_selection_net(Twice(3))
+        model.a.w.requires_grad_(not frozen)
+        names = ["a.w", "a.b", "pos", "fc.weight", "fc.bias"]
+        with pytest.raises(tv.PerSampleValueError, match=re.escape(
+                "returned two gradients for 'a.w' (keyed once by its name and once by the "
+                "parameter itself), which would count its gradient twice. Fix: return one "
+                "entry per parameter")):
+            tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, params=names,
+                                strategy="hooks")
+    finally:
+        registry._RULES.pop(Twice, None)
+        probe.forget_plans()

@@ -270,6 +270,7 @@ class UserRule(Rule):
             )
         by_id = {id(t): role for role, (t, _) in call.params.items()}
         out = []
+        given: set[str] = set()
         own = (None if call.module is None else
                [n for n, _ in call.module.named_parameters(recurse=False)])
         for key, value in result.items():
@@ -284,8 +285,11 @@ class UserRule(Rule):
                     f"{{{own[0]!r}: ...}}."
                 )
             role = key if isinstance(key, str) else by_id.get(id(key))
-            if role is None and not (isinstance(key, Tensor) and call.module is not None and any(
-                    key is t for t in call.module._parameters.values())):
+            if role is None and isinstance(key, Tensor) and call.module is not None:
+                # (the layer's parameter itself, where the call recorded a stand-in for it:
+                # a frozen parameter in params)
+                role = next((r for r, t in call.module._parameters.items() if t is key), None)
+            if role is None:
                 raise PerSampleTypeError(
                     f"torch_vjp: the per-sample rule {self.name} returned a gradient keyed by "
                     f"{_key_str(key)}, which is neither the name of a parameter of the layer "
@@ -294,7 +298,15 @@ class UserRule(Rule):
                     f"layer's own parameters only. Fix: key each gradient by its attribute "
                     f"name ({own}) or by the parameter itself (module.<name>)."
                 )
-            if role is None or role not in call.params:
+            if role in given:
+                raise PerSampleValueError(
+                    f"torch_vjp: the per-sample rule {self.name} returned two gradients for "
+                    f"'{call.path}.{role}' (keyed once by its name and once by the parameter "
+                    f"itself), which would count its gradient twice. Fix: return one entry "
+                    f"per parameter."
+                )
+            given.add(role)
+            if role not in call.params:
                 continue  # a parameter of the layer that is not selected
             if role not in roles:
                 continue
