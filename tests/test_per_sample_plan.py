@@ -1621,6 +1621,42 @@ def test_hook_objects_count_by_their_flags_not_their_identity():
     assert len(plans) == count
 
 
+_FLAG = {"on": False}
+
+
+def _dict_flag_hook(mod, inp, out):
+    return out - out.mean(0, keepdim=True) if _FLAG["on"] else 2 * out
+
+
+def _dict_flag_partial(flag, mod, inp, out):
+    return out - out.mean(0, keepdim=True) if flag["on"] else 2 * out
+
+
+@pytest.mark.parametrize("kind", ["global", "closure", "partial"])
+def test_a_hook_reading_a_flag_in_a_dict_makes_a_new_plan_when_it_is_switched(kind):
+    # hooks were keyed by route_key, which reads a dict by its identity only: switching
+    # flag["on"] on kept the plan made with it off, the hook then mixed the examples and
+    # the gradients were off by 0.36 with no error (loss functions read the entries)
+    x, t = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    loss = nn.CrossEntropyLoss()
+    flag = _FLAG if kind == "global" else {"on": False}
+    flag["on"] = False
+    hook = (_dict_flag_hook if kind == "global" else
+            functools.partial(_dict_flag_partial, flag) if kind == "partial" else
+            (lambda mod, inp, out: out - out.mean(0, keepdim=True) if flag["on"] else 2 * out))
+    m[0].register_forward_hook(hook)
+    try:
+        for _ in range(2):  # (the dict unchanged: the plan is kept)
+            assert_matches(tv.per_sample_grads(m, loss, x, t), loop_reference(m, loss, x, t))
+        assert len(plan_module._PLANS[m]) == 1
+        flag["on"] = True
+        with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
+            tv.per_sample_grads(m, loss, x, t)
+    finally:
+        _FLAG["on"] = False
+
+
 class _Mixer:
     def __init__(self, alpha):
         self.alpha = alpha

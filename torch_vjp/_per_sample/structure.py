@@ -283,12 +283,23 @@ def _hook_key(h: Any) -> Any:
     ``route_key``; a bound method by its function, its object's type and the object's
     bool/str/None attributes and the truth of its numbers; another callable object by its
     type and those attributes (a hook object made afresh each step keeps the plan; one
-    whose ``mix`` flag turned on makes another)."""
-    if isinstance(h, (types.FunctionType, functools.partial)):
-        return route_key(h)
+    whose ``mix`` flag turned on makes another). A function's, method's or partial's also
+    by the flags its code reads (:func:`function_flags`, as a loss function is keyed, and
+    the entries of a partial's arguments): ``route_key`` reads a dict only by its identity,
+    so a hook reading ``flag["on"]`` kept its plan when the flag was switched on."""
+    if isinstance(h, functools.partial):
+        reads = _names_read(getattr(h.func, "__code__", None) or _EMPTY_CODE)
+        held = tuple(nested_flags(a, reads) for a in (*h.args, *h.keywords.values()))
+        return (route_key(h), function_flags(h.func), held)
+    if isinstance(h, types.FunctionType):
+        return (route_key(h), function_flags(h))
     if isinstance(h, types.MethodType):
-        return ("method", route_key(h.__func__), type(h.__self__), _object_flags(h.__self__))
+        return ("method", route_key(h.__func__), type(h.__self__), _object_flags(h.__self__),
+                function_flags(h))
     return (type(h), _object_flags(h))
+
+
+_EMPTY_CODE = (lambda: None).__code__
 
 
 def _object_flags(obj: object) -> tuple[Any, ...]:
