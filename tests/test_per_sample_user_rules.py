@@ -352,3 +352,39 @@ def test_a_rule_giving_a_parameter_twice_is_refused(frozen):
     finally:
         registry._RULES.pop(Twice, None)
         probe.forget_plans()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("use", ["add_after", "expand_after", "add_before", "tied"])
+def test_a_rule_layers_parameter_added_outside_its_forward_is_recorded(affine_rule, use,
+                                                                       frozen):
+    # the layer's own add was left to its rule by refusing to record any use of its
+    # parameters, so an add outside the layer (or through a tied name) was never recorded
+    # and 'hooks' refused ('used outside the layers that have rules'; with a frozen
+    # parameter in params and a tied one, 'the layers the model calls change')
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = affine_rule(3)
+            self.fc = nn.Linear(3, 2)
+            if use == "tied":
+                self.pos = self.a.b
+
+        def forward(self, x):
+            if use == "add_before":
+                return self.fc(torch.tanh(self.a(torch.tanh(x + self.a.b))))
+            h = self.a(x)
+            if use == "expand_after":
+                return self.fc(torch.tanh(h + self.a.b.expand_as(h)))
+            return self.fc(torch.tanh(h + (self.pos if use == "tied" else self.a.b)))
+
+    torch.manual_seed(0)
+    model = Net().to(DT)
+    model.fc.weight.requires_grad_(not frozen)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    names = [n for n, _ in model.named_parameters()]
+    loss_fn = nn.CrossEntropyLoss()
+    ref = tv.per_sample_grads(model, loss_fn, x, y, params=names, strategy="loop")
+    got = tv.per_sample_grads(model, loss_fn, x, y, params=names, strategy="hooks")
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g)

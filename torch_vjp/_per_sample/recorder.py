@@ -192,10 +192,13 @@ class Recorder:
         self._attention: AttentionMode | None = None
         self._direct = _DirectUseMode(self) if direct else None
         self.wanted = wanted if wanted is not None else self._find_wanted(owners)
-        #: tracked parameters of layers with a user's rule, whose forward may use them in
-        #: an add (``x * self.w + self.b``): that use is the layer's own, computed by its
-        #: rule, not a direct use (recording it too counted the gradient twice)
-        self.rule_owned = self._rule_owned() if direct else frozenset()
+        #: the tracked parameters of the layers with a user's rule whose forward runs now:
+        #: a use there (``x * self.w + self.b``) is the layer's own, computed by its rule,
+        #: not a direct use (recording it too counted the gradient twice); a use of them
+        #: outside that forward is one (NOTE [direct uses])
+        self.rule_owned: frozenset[str] = frozenset()
+        self._owned_by = self._rule_owned() if direct else {}
+        self._owned_stack: list[frozenset[str]] = []
         self.layers = layers
         self.capturing = False
 
@@ -218,22 +221,42 @@ class Recorder:
                 wanted[id(m)] = Wanted(rule)
         return wanted
 
-    def _rule_owned(self) -> frozenset[str]:
+    def _rule_owned(self) -> dict[int, tuple[nn.Module, frozenset[str]]]:
+        """``id(layer)`` -> the layer and the names of its tracked parameters, for each layer
+        with a user's rule."""
         # (by the tensors the layer holds now and by its parameters' names: the tracked
         # tensors may be stand-ins that the forward swaps in, for frozen parameters)
-        known = set(self.tracked.values())
-        names = set()
+        # (a tied parameter by the name it is tracked by: the first of its names)
+        known, first, canon = set(self.tracked.values()), {}, {}
+        for name, t in self.model.named_parameters(remove_duplicate=False):
+            canon[name] = first.setdefault(id(t), name)
+        owned = {}
         for path, m in self.model.named_modules():
             w = self.wanted.get(id(m))
-            if w is None or not isinstance(w.rule, UserRule):
+            if w is None or not isinstance(w.rule, UserRule) or id(m) in owned:
                 continue
+            names = set()
             for role, t in m._parameters.items():
                 name = f"{path}.{role}" if path else role
                 if t is not None and id(t) in self.tracked:
                     names.add(self.tracked[id(t)])
-                elif name in known:
-                    names.add(name)
-        return frozenset(names)
+                elif canon.get(name, name) in known:
+                    names.add(canon.get(name, name))
+            if names:
+                owned[id(m)] = (m, frozenset(names))
+        return owned
+
+    def _enter_rule_layer(self, names: frozenset[str]) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            self._owned_stack.append(names)
+            self.rule_owned = self.rule_owned | names
+
+        return pre_hook
+
+    def _exit_rule_layer(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._owned_stack:
+            self._owned_stack.pop()
+            self.rule_owned = frozenset().union(*self._owned_stack)
 
     def paths(self) -> dict[int, str]:
         return {id(m): path for path, m in self.model.named_modules()}
@@ -258,6 +281,12 @@ class Recorder:
                 self._attention = AttentionMode(self)
             self.handles.append(m.register_forward_pre_hook(self._enter_attention(path)))
             self.handles.append(m.register_forward_hook(self._exit_attention, always_call=True))
+        for m, names in self._owned_by.values():
+            # (the enter first and the exit last, around the recorder's own hook)
+            self.handles.append(m.register_forward_pre_hook(
+                self._enter_rule_layer(names), prepend=True))
+            self.handles.append(m.register_forward_hook(self._exit_rule_layer,
+                                                        always_call=True))
         if self._direct is not None:
             self._direct.__enter__()
             self._modes.append(self._direct)
@@ -272,6 +301,8 @@ class Recorder:
             # for the rest of the process)
             _GLOBAL_WITH_KWARGS.pop(h.id, None)
         self.handles.clear()
+        self._owned_stack.clear()
+        self.rule_owned = frozenset()
         while self._modes:
             self._modes.pop().__exit__(None, None, None)
 
