@@ -843,6 +843,15 @@ def _err_cases():
          PerSampleValueError, r"loss_fn returned a tensor of shape \(\) and dtype torch.int64 for one "
          r"example(.|\n)*an integer or boolean result \(a count of correct predictions, an argmax\) "
          r"has no gradient"),
+        # (None and a dict were told that "a number that is not a tensor has no autograd
+        # graph", and to avoid .item(): neither is the fix)
+        ("loss-none", lambda: per_sample_grads(m, lambda o, t: None, x, t),
+         PerSampleValueError, r"loss_fn returned None for one example(.|\n)*A function without "
+         r"a return statement returns None. Fix: return the loss tensor"),
+        ("loss-dict", lambda: per_sample_grads(m, lambda o, t: {"loss": F.cross_entropy(o, t)},
+                                               x, t),
+         PerSampleValueError, r"loss_fn returned a dict with keys \['loss'\] for one "
+         r"example(.|\n)*not a dict of outputs. Fix: return its loss entry"),
         ("loss-complex", lambda: per_sample_grads(m, lambda o, t: o.sum() * 1j, x, t),
          PerSampleValueError, r"loss_fn returned a tensor of shape \(\) and dtype torch.complex128 "
          r"(.|\n)*A loss is minimised, so it must be real"),

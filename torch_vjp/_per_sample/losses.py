@@ -11,7 +11,7 @@ over the examples, else one call per example.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -121,6 +121,15 @@ def scalar_loss(fn: str, loss: Any) -> Tensor:
                "(a (loss, aux) pair). Fix: return only the loss, e.g. "
                "loss_fn=lambda out, t: my_loss(out, t)[0], and compute the auxiliary values "
                "outside.")
+    elif loss is None:
+        got = "None"
+        fix = ("  A function without a return statement returns None. Fix: return the loss "
+               "tensor loss_fn computes.")
+    elif isinstance(loss, Mapping):
+        got = f"{a_type(loss)} with keys {list(loss)[:4]}"
+        fix = ("  The per-sample functions take the loss alone, not a dict of outputs. Fix: "
+               "return its loss entry, e.g. loss_fn=lambda out, t: my_loss(out, t)['loss'], "
+               "and compute the other values outside.")
     else:
         got = a_type(loss)
         fix = ("  A number that is not a tensor has no autograd graph back to the parameters: "
