@@ -1242,3 +1242,24 @@ def test_per_sample_grads_under_bfloat16_autocast_with_a_sequence_input(strategy
         want = per_sample_grads(m, nn.MSELoss(), x, y, strategy="loop")
     assert got["weight"].dtype == torch.float32
     torch.testing.assert_close(got["weight"], want["weight"], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "auto", "hooks", "loop"])
+def test_a_python_number_in_targets_is_shared_by_every_example(strategy):
+    # the refusal of a 0-d tensor in targets says a shared value belongs "in targets as a
+    # Python number"; strategy='vmap' then failed (vmap's in_dims gave every leaf of targets
+    # dimension 0: "Got in_dim=0 for an input but the input is of type <class 'float'>")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x, y = torch.randn(5, 3, dtype=DT), torch.randint(0, 2, (5,))
+    ref = loop_reference(model, lambda o, t: F.cross_entropy(o, t) * 0.5, x, y)
+
+    def loss_fn(out, t):
+        return F.cross_entropy(out, t["y"]) * t["w"]
+
+    targets = {"y": y, "w": 0.5, "none": None}
+    got = per_sample_grads(model, loss_fn, x, targets, strategy=strategy)
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g)
+    torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, targets,
+                                                     strategy=strategy), ref_norms(ref))

@@ -33,7 +33,7 @@ from torch_vjp._engine.compiled import compiled_call
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.fallback import functional_state
 from torch_vjp._per_sample.factors import sq_norms_rows
-from torch_vjp._per_sample.losses import call_loss, scalar_loss
+from torch_vjp._per_sample.losses import call_loss, scalar_loss, targets_in_dims
 from torch_vjp._per_sample.run import add_to_grads, clip_factors, prepare
 
 __all__ = ["compilable", "run_compiled", "run_traced"]
@@ -107,7 +107,7 @@ def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
 
         state = functional_state(model)
         diff = {k: state.pop(k) for k in keys}
-        in_dims = (None, None, 0, 0 if targets is not None else None)
+        in_dims = (None, None, 0, targets_in_dims(targets))
         per_sample = vmap(grad(one), in_dims=in_dims, randomness="different",
                           chunk_size=chunk)(diff, state, xs, targets)
         if kind == "grads":

@@ -34,7 +34,7 @@ from torch_vjp._errors import (
     user_stacklevel,
 )
 from torch_vjp._per_sample.args import Job, Selection
-from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree
+from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree, targets_in_dims
 from torch_vjp._per_sample.plan import functional_call
 
 __all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state", "CannotBatch",
@@ -84,7 +84,7 @@ def vmap_grads(
         ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
         return scalar_loss(fn, call_loss(loss_fn, out, ti))
 
-    in_dims = (None, 0, 0 if targets is not None else None)
+    in_dims = (None, 0, targets_in_dims(targets))
     return torch.func.vmap(
         torch.func.grad(one), in_dims=in_dims, randomness=randomness, chunk_size=chunk_size
     )(diff, xs, targets)

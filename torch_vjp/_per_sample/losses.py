@@ -145,6 +145,15 @@ def call_loss(loss_fn: Callable, out: Any, targets: Any) -> Any:
     return loss_fn(out) if targets is None else loss_fn(out, targets)
 
 
+def targets_in_dims(targets: Any) -> Any:
+    """vmap's ``in_dims`` for ``targets``: the examples along dimension 0 of each tensor leaf;
+    a leaf that is not a tensor (a Python number shared by every example) is passed as it
+    is, None."""
+    if targets is None:
+        return None
+    return tree_map(lambda z: 0 if isinstance(z, Tensor) else None, targets)
+
+
 def slice_tree(tree: Any, start: int, stop: int, dims: Sequence[int] | None = None) -> Any:
     """Examples ``start:stop`` of every tensor leaf of ``tree`` (along ``dims[j]`` for leaf
     ``j``, dimension 0 by default)."""
@@ -226,7 +235,7 @@ def scaled_loss_sum(
 
     def vectorized() -> tuple[Tensor, float]:
         losses = torch.func.vmap(
-            one, in_dims=(out_in_dims, 0 if targets is not None else None),
+            one, in_dims=(out_in_dims, targets_in_dims(targets)),
             randomness="different",
         )(out, targets)
         return losses.sum(), 1.0
