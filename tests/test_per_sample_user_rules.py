@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -220,11 +221,13 @@ def _scale_rule(module, inputs, grad_output):
     return {"w": (x * grad_output).sum(1)}
 
 
-@pytest.mark.parametrize("batch_dims", [lambda x: 0, lambda x: [-3], lambda x: (0, 1)],
-                         ids=["an-int", "negative", "two"])
+@pytest.mark.parametrize("batch_dims", [lambda x: 0, lambda x: [-3], lambda x: (0, 1),
+                                        lambda x: np.int64(0), lambda x: [np.int32(-3)]],
+                         ids=["an-int", "negative", "two", "numpy-int", "numpy-ints"])
 def test_batch_dims_as_an_int_or_counted_from_the_end(batch_dims):
     # an int raised "TypeError: 'int' object is not iterable"; -3 (dimension 0 of a 3-D
-    # input) was taken for no dimension, and 'hooks' refused the layer
+    # input) was taken for no dimension, and 'hooks' refused the layer; numpy's integers
+    # (which torch takes for dimensions) were refused as "must give a sequence of ints"
     class Scale(_Scale):
         pass
 
@@ -256,7 +259,8 @@ def test_batch_dims_that_are_not_dimensions_of_the_input_are_named(returned, sho
         with pytest.raises(tv.PerSampleTypeError, match=(
                 rf"batch_dims of the per-sample rule '_scale_rule' \(registered for Scale\) "
                 rf"returned {shown} for the layer's first input \(shape \(4, 5, 3\)\), but it "
-                rf"must give a sequence of dimensions of that input \(ints from -3 to 2\)")):
+                rf"must give a dimension of that input, or a sequence of them \(ints from -3 to "
+                rf"2\), that may hold the examples")):
             tv.per_sample_grads(model, lambda o: o.sum(), torch.randn(4, 5, 3, dtype=DT),
                                 strategy="auto")
     finally:

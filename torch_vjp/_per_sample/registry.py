@@ -10,6 +10,7 @@ subclasses that keep the registered type's ``forward``).
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,21 +224,24 @@ class UserRule(Rule):
         """``batch_dims(x)`` as a tuple of dimensions of ``x`` (a lone int is one dimension;
         negative ones count from the end, as torch's do)."""
         given = dims
-        if isinstance(dims, int) and not isinstance(dims, bool):
+        if isinstance(dims, numbers.Integral) and not isinstance(dims, bool):
             dims = (dims,)
         n = x.dim() if isinstance(x, Tensor) else 0
         try:
             dims = tuple(dims)
         except TypeError:
             dims = (dims,)
+        # (numpy's integers are ints to torch's dimension arguments too)
+        dims = tuple(int(d) if isinstance(d, numbers.Integral) and not isinstance(d, bool)
+                     else d for d in dims)
         for d in dims:
             if isinstance(d, bool) or not isinstance(d, int) or not -n <= d < n:
                 shape = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else a_type(x)
                 raise PerSampleTypeError(
                     f"torch_vjp: batch_dims of the per-sample rule {self.name} returned "
                     f"{given!r} for the layer's first input ({shape}), but it must give a "
-                    f"sequence of dimensions of that input (ints from {-n} to {n - 1}) that "
-                    f"may hold the examples. Fix: return e.g. (0,) for a batch-first input, "
+                    f"dimension of that input, or a sequence of them (ints from {-n} to "
+                    f"{n - 1}), that may hold the examples. Fix: return e.g. (0,) for a batch-first input, "
                     f"(1,) for a sequence-first one."
                 )
         return tuple(dict.fromkeys(d % n for d in dims))
