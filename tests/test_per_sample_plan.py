@@ -1639,8 +1639,10 @@ class _DictFlagHooks:
     def hook(self, mod, inp, out):
         return out - out.mean(0, keepdim=True) if self.cfg["on"] else 2 * out
 
+    __call__ = hook
 
-@pytest.mark.parametrize("kind", ["global", "closure", "partial", "method"])
+
+@pytest.mark.parametrize("kind", ["global", "closure", "partial", "method", "object"])
 def test_a_hook_reading_a_flag_in_a_dict_makes_a_new_plan_when_it_is_switched(kind):
     # hooks were keyed by route_key, which reads a dict by its identity only: switching
     # flag["on"] on kept the plan made with it off, the hook then mixed the examples and
@@ -1653,6 +1655,7 @@ def test_a_hook_reading_a_flag_in_a_dict_makes_a_new_plan_when_it_is_switched(ki
     hook = (_dict_flag_hook if kind == "global" else
             functools.partial(_dict_flag_partial, flag) if kind == "partial" else
             _DictFlagHooks(flag).hook if kind == "method" else
+            _DictFlagHooks(flag) if kind == "object" else
             (lambda mod, inp, out: out - out.mean(0, keepdim=True) if flag["on"] else 2 * out))
     m[0].register_forward_hook(hook)
     try:

@@ -283,7 +283,8 @@ def _hook_key(h: Any) -> Any:
     ``route_key``; a bound method by its function, its object's type and the object's
     bool/str/None attributes and the truth of its numbers; another callable object by its
     type and those attributes (a hook object made afresh each step keeps the plan; one
-    whose ``mix`` flag turned on makes another). A function's, method's or partial's also
+    whose ``mix`` flag turned on makes another), and by the entries its ``__call__`` reads
+    one level into those attributes (``self.cfg["on"]``). A function's, method's or partial's also
     by the flags its code reads (:func:`function_flags`, as a loss function is keyed, and
     the entries of a partial's arguments): ``route_key`` reads a dict only by its identity,
     so a hook reading ``flag["on"]`` kept its plan when the flag was switched on."""
@@ -296,7 +297,10 @@ def _hook_key(h: Any) -> Any:
     if isinstance(h, types.MethodType):
         return ("method", route_key(h.__func__), type(h.__self__), _object_flags(h.__self__),
                 function_flags(h))
-    return (type(h), _object_flags(h))
+    # (and by what its __call__ reads: self.cfg["on"])
+    call = getattr(type(h), "__call__", None)
+    reads = _names_read(getattr(call, "__code__", None) or _EMPTY_CODE)
+    return (type(h), _object_flags(h), object_flags(h, reads) if reads else ())
 
 
 _EMPTY_CODE = (lambda: None).__code__
