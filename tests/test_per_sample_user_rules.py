@@ -392,3 +392,26 @@ def test_a_rule_layers_parameter_added_outside_its_forward_is_recorded(affine_ru
     got = tv.per_sample_grads(model, loss_fn, x, y, params=names, strategy="hooks")
     for n, g in ref.items():
         torch.testing.assert_close(got[n], g)
+
+
+def test_a_rule_that_leaves_out_a_parameter_is_named_by_the_hooks_refusal():
+    # a rule returning {"w": ...} for a layer with w and b: 'hooks' blamed the model ("the
+    # model reorders or mixes examples ... or the layer's call is one the rule cannot
+    # replay"; '0.b' norm 0 against 0.28), not the rule
+    class NoBias(_Affine):
+        pass
+
+    tv.register_per_sample_rule(NoBias, lambda m, inputs, g: {"w": inputs[0] * g})
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(NoBias(3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+        x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+        with pytest.raises(tv.PerSampleError, match=re.escape(
+                "for '0.b', the rule result disagreed with the per-example loop") + "(.|\n)*"
+                + re.escape("or the rule you registered, '<lambda>' (registered for NoBias), "
+                            "gives a wrong gradient for it, or none (a parameter left out of "
+                            "the dict it returns gets none, norm 0)")):
+            tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
+    finally:
+        registry._RULES.pop(NoBias, None)
+        probe.forget_plans()

@@ -85,12 +85,14 @@ _SEED = 0x7E5
 class ParamPlan:
     """How one (canonical) parameter is computed: ``method`` is ``"rule"``, ``"vmap"``,
     ``"loop"`` or ``"zero"`` (no gradient reaches it); ``how`` names the rules (and layers)
-    for ``"rule"``; ``reason`` says why a parameter is not computed by rules."""
+    for ``"rule"``; ``reason`` says why a parameter is not computed by rules; ``user`` names
+    the rules registered by the user among them."""
 
     name: str
     method: str
     how: str = ""
     reason: str = ""
+    user: str = ""
 
 
 @dataclass

@@ -39,7 +39,7 @@ from torch_vjp._per_sample.plan import (
     seeded_forward,
 )
 from torch_vjp._per_sample.recorder import Recorder
-from torch_vjp._per_sample.registry import Call, declining_rule, rule_for
+from torch_vjp._per_sample.registry import Call, UserRule, declining_rule, rule_for
 
 __all__ = ["input_entries", "plan_for", "plan_key", "forget_plans", "build_plan"]
 
@@ -529,7 +529,9 @@ def _probe_at(
         else:
             how = ", ".join(dict.fromkeys(
                 f"{c.rule.name} rule" + (f" in '{c.path}'" if c.path else "") for c, _, _ in used))
-            plan.params[name] = ParamPlan(name, "rule", how)
+            user = ", ".join(dict.fromkeys(
+                c.rule.name for c, _, _ in used if isinstance(c.rule, UserRule)))
+            plan.params[name] = ParamPlan(name, "rule", how, user=user)
     declined = _declined_layers(model, plan.params)  # (decided on their settings too)
     if declined:
         plan.settings = _settings(layers + declined)

@@ -94,13 +94,17 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
         return []
     if job.strategy != "auto":
         n, why = next(iter(bad.items()))
+        user = plan.params[n].user
         raise PerSampleError(
             f"torch_vjp.{job.fn}: strategy={job.strategy!r} gives wrong per-sample gradients "
             f"for this model: for {n!r}, {why}.\n"
             + (f"  The per-layer rule ({plan.params[n].how or 'its layer'}) does not "
                f"reproduce what each example computes alone: the model reorders or mixes "
                f"examples in a way the plan cannot see, or the layer's call is one the rule "
-               f"cannot replay (a forward other than the stock one, say). "
+               f"cannot replay (a forward other than the stock one, say)"
+               + (f"; or the rule you registered, {user}, gives a wrong gradient for it, or "
+                  f"none (a parameter left out of the dict it returns gets none, norm 0): "
+                  f"check it against strategy='loop'. " if user else ". ")
                if plan.params[n].method == "rule" else
                "  No gradient reaches it when the model runs on the batch, but one does when "
                "the example runs alone: the forward takes another branch for the batch than "
