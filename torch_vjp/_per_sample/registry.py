@@ -241,8 +241,8 @@ class UserRule(Rule):
                     f"torch_vjp: batch_dims of the per-sample rule {self.name} returned "
                     f"{given!r} for the layer's first input ({shape}), but it must give a "
                     f"dimension of that input, or a sequence of them (ints from {-n} to "
-                    f"{n - 1}), that may hold the examples. Fix: return e.g. (0,) for a batch-first input, "
-                    f"(1,) for a sequence-first one."
+                    f"{n - 1}), that may hold the examples. Fix: return e.g. (0,) for a "
+                    f"batch-first input, (1,) for a sequence-first one."
                 )
         return tuple(dict.fromkeys(d % n for d in dims))
 
