@@ -2005,3 +2005,19 @@ def test_a_changed_branch_beside_a_bfloat16_output_is_found(mode):
         J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
     want = torch.cat([t.reshape(-1, 64).float() for t in torch.func.jacrev(f)(x)])
     torch.testing.assert_close(J.float(), want, rtol=1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_users_pattern_probed_at_a_nan_point_is_still_probed_at_a_finite_one(mode, bad):
+    # a probe at a point holding a NaN or an infinity disagreed (or went unchecked) and
+    # turned probing off for the function: the next call, at a finite point, with a pattern
+    # that leaves out entries, was silently 1.6 off
+    x = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0))
+    diag = torch.eye(5, dtype=torch.bool)
+    f = lambda u: u * u.roll(1)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        sparse_jacobian(f, torch.where(torch.arange(5) == 2, bad, x), pattern=diag, mode=mode)
+        with pytest.raises(tv.JacobianOptionError, match="pattern leaves out non-zeros"):
+            sparse_jacobian(f, x, pattern=diag, mode=mode)

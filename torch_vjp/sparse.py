@@ -277,8 +277,11 @@ def sparse_jacobian(
     # (not on a first call that "auto" checks anyway; a user's pattern on every other call)
     # (per function for a user's pattern, which serves several: Plan.unprobed)
     pkey = (fkey if fkey is not None else route_key(f)) if plan.user else None
+    # (and at a finite point only: at a NaN or an infinity the probe's products hold NaN
+    # and infinities of their own, and a disagreement there turned probing off for good, so
+    # a user's pattern that leaves out entries went unchecked at every later finite point)
     probe = (not built and plan.probes(pkey) and plan.pattern.by_value is None
-             and not (check and plan.user))
+             and not (check and plan.user) and finite_point(prob))
     try:
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
