@@ -833,3 +833,20 @@ def test_chunk_size_without_batched_is_warned_about(which, monkeypatch):
     with warnings.catch_warnings():  # (batched: chunk_size is used, nothing to say)
         warnings.simplefilter("error", tv.JacobianWarning)
         tv.jvp(torch.sin, (x,), (torch.eye(3, dtype=x.dtype),), batched=True, chunk_size=2)
+
+
+def test_chunk_size_without_batched_compiles_in_one_graph(monkeypatch):
+    # the warning's warnings.warn ran while dynamo traced the user's torch.compile: with
+    # fullgraph=True, tv.jvp(..., chunk_size=2) raised torch._dynamo's Unsupported
+    # ('sys._getframe'), where it compiled before the warning was added
+    from torch_vjp import _errors
+
+    monkeypatch.setattr(_errors, "_WARNED", set())
+    torch._dynamo.reset()
+    x, v = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+
+    def g(x, v):
+        return tv.jvp(torch.sin, (x,), (v,), chunk_size=2)[1]
+
+    got = torch.compile(g, fullgraph=True, backend="eager")(x, v)
+    torch.testing.assert_close(got, x.cos() * v)

@@ -260,8 +260,10 @@ def vjp(
 
 def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
     """Warns once where ``chunk_size`` is given without ``batched=True``: an unbatched call
-    computes one product, so the option would be dropped without a word."""
-    if chunk is not None and batched is False:
+    computes one product, so the option would be dropped without a word. Not while dynamo
+    traces the call (the user's torch.compile): warnings.warn is a graph break there, and
+    fullgraph=True refused a call it compiled before."""
+    if chunk is not None and batched is False and not tracing():
         warn_once(
             ("chunk-unbatched", call),
             f"{call}: chunk_size={chunk} has no effect without batched=True: an unbatched "
