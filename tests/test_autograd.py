@@ -713,6 +713,8 @@ def test_err_output_cut_off_where_only_some_inputs_require_grad_is_told_both():
 
 @pytest.mark.parametrize("bad,what", [(None, "None"), (3.0, "a float")])
 def test_an_output_that_is_not_a_tensor_is_explained_under_torchs_sentence(bad, what):
+    # (for None, the fix was 'pass the tensor itself (.item() gives a number ...)', about a
+    # number and a tensor the caller never had: it now says to leave the entry out)
     # tv.grad([y, None], ...) raised torch's bare AssertionError "Expected output to be a
     # torch.Tensor" with no word on which output or why (check_grad_outputs explains it)
     x = torch.randn(4, 3, requires_grad=True)
@@ -726,11 +728,14 @@ def test_an_output_that_is_not_a_tensor_is_explained_under_torchs_sentence(bad, 
         with pytest.raises(AssertionError) as info:  # (torch's class and sentence, kept)
             run()
         assert str(info.value) == "Expected output to be a torch.Tensor"
+        fix = (f"Fix: leave {name}[1] out of {name}, and its entry out of "
+               f"{'grad_outputs' if name == 'outputs' else 'grad_tensors'}: None holds "
+               f"nothing to differentiate." if bad is None else
+               "Fix: pass the tensor itself (.item() gives a number, which holds no graph).")
         assert info.value.__notes__ == [
             f"{call}: {name}[1] is {what}, but each entry of {name} must be a tensor (or a "
             f"GradientEdge of one).\n  {name} are the outputs y whose vector-Jacobian product "
-            f"is taken, tensors computed from ones that require grad. Fix: pass the tensor "
-            f"itself (.item() gives a number, which holds no graph)."]
+            f"is taken, tensors computed from ones that require grad. {fix}"]
     assert x.grad is None
 
 

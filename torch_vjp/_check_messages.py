@@ -185,8 +185,11 @@ def output_type_message(labels: Labels, i: int, out: Any) -> str:
         f"{labels.call}: {o} is {a_type(out)}, but "
         f"each entry of {labels.outputs} must be a tensor (or a GradientEdge of one).\n"
         f"  {labels.outputs} are the outputs y whose vector-Jacobian product is taken, "
-        f"tensors computed from ones that require grad. Fix: pass the tensor itself (.item() "
-        f"gives a number, which holds no graph)."
+        f"tensors computed from ones that require grad. " + (
+            f"Fix: leave {o} out of {labels.outputs}, and its entry out of "
+            f"{labels.grad_outputs}: None holds nothing to differentiate."
+            if out is None else
+            "Fix: pass the tensor itself (.item() gives a number, which holds no graph).")
     )
 
 
