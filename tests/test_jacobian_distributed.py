@@ -745,6 +745,20 @@ def test_one_rank_group_equals_single_process(one_rank_group):
     _auto_fallbacks(0, 1, one_rank_group)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_sharded_batch_jacobian_of_a_mixing_f_at_a_nan_point_raises(one_rank_group, bad):
+    # at a NaN or infinite point 'auto' compares no route, so the mixing test never ran:
+    # x - x.mean(0) returned all-zero blocks (the true ones are 0.75 I) without a word
+    from torch_vjp._engine import fwdcheck
+
+    fwdcheck.CHECKED.clear()
+    xb = torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(0))
+    xb[0, 0] = bad
+    with pytest.raises(tv.JacobianCallError, match=r"(?s)mixes examples of the batch.*\(no "
+                       r"route was compared: x holds a NaN or an infinity\)"):
+        tv.batch_jacobian(lambda x: x - x.mean(0), xb, process_group=one_rank_group)
+
+
 def test_sharded_jacobian_err_check(one_rank_group):
     x = torch.randn(4, dtype=DT)
     with pytest.raises(tv.JacobianOptionError, match=r"(?s)process_group is an object of type "

@@ -2101,6 +2101,25 @@ def _cdist_rows(x):
     return torch.cdist(x.reshape(4, 3), x.reshape(4, 3)[:2]).reshape(-1)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_batch_jacobian_of_a_mixing_f_at_a_nan_point_still_raises(bad):
+    # 'auto' compares no route at a NaN or infinite point, so the mixing test that a failed
+    # comparison leads to never ran: x - x.mean(0) with one NaN in x returned all-zero blocks
+    # (the sums of its cross-example blocks; the true ones are 0.75 I), without a word
+    from torch_vjp._engine import fwdcheck
+
+    fwdcheck.CHECKED.clear()
+    x = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(0))
+    x[0, 0] = bad
+    with pytest.raises(tv.JacobianCallError, match=r"(?s)f \(\S*<lambda>\) mixes examples of "
+                       r"the batch.*\(no route was compared: x holds a NaN or an infinity\)"):
+        batch_jacobian(lambda x: x - x.mean(0), x)
+    # a row-wise f at the same point: no error, its blocks
+    got = batch_jacobian(lambda x: x.sin() * x, x)
+    want = torch.func.vmap(torch.func.jacrev(lambda r: r.sin() * r))(x)
+    torch.testing.assert_close(got[1:], want[1:])
+
+
 def test_auto_checks_at_the_first_finite_point_after_a_nan_one():
     # a route taken unchecked at a NaN point is not remembered: the wrong batching rule of
     # cdist's backward is still caught at the next, finite, point

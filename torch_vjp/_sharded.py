@@ -370,6 +370,8 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
     if ok:
         if finite_point(prob):  # (at a NaN or an infinity nothing was compared)
             remember(key, mode)
+        elif work.batch is not None:  # (but a flow across rows shows there too)
+            _refuse_mixing(prob, work, None, None, group, device)
         return part, mode
     for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
         first()
@@ -396,8 +398,8 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
     return part, mode
 
 
-def _refuse_mixing(prob: Problem, work: Work, diff: float, scale: float, group: Any,
-                   device: torch.device) -> None:
+def _refuse_mixing(prob: Problem, work: Work, diff: float | None, scale: float | None,
+                   group: Any, device: torch.device) -> None:
     """batch_jacobian's "auto" where no route agrees: every rank raises NOTE [a batch that
     mixes rows]'s error once some rank finds a flow across rows (each rank tests the batch
     itself: the ranks hold the same f and x, checked before the products), rather than

@@ -150,17 +150,19 @@ def cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
 
 
 def one_reverse_product(
-    prob: Problem, keep: Callable[[list[Tensor]], list[Tensor]] | None = None
+    prob: Problem, keep: Callable[[list[Tensor]], list[Tensor]] | None = None, *,
+    anywhere: bool = False,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
     """f's flat outputs, random cotangents ``u`` (one per output, from a generator of its
     own, then rewritten by ``keep`` where given: a rank's share, NOTE [sharded auto,
     checked]) and ``u^T J`` per leaf (zeros where unused): one more call of f. None where
     the check does not apply (a complex tensor or one on the meta device, a function plain
-    autograd cannot differentiate)."""
+    autograd cannot differentiate), and at a NaN or infinite point unless ``anywhere``
+    (where only the product's finite entries are read: :func:`cross_row_flow`)."""
     leaves = prob.leaves
     if any(x.is_complex() or x.device.type == "meta" for x in leaves):
         return None  # (a tensor on the meta device holds no numbers to compare)
-    if not finite_point(prob):
+    if not anywhere and not finite_point(prob):
         return None  # (NaN and infinities land in the products by each route its own way)
     gen = torch.Generator().manual_seed(0)
     try:
@@ -330,16 +332,24 @@ def checked_route(
         # (plain autograd records nothing there: no reverse product to compare with; the
         # route is not remembered, so that a call outside inference mode checks it)
         return res
+    # (NOTE [a batch that mixes rows] is in mixing.py, which imports this module)
+    from torch_vjp._engine.mixing import cross_row_flow, mixing_message
+
     got = one_reverse_product(prob)
     if got is None:
         if finite_point(prob):
             remember(key, res.mode)
+        elif batch is not None:
+            # (no route is compared at a NaN or an infinity, but a flow across rows shows
+            # there too, in finite entries: a mixing f returned sums of cross-example
+            # blocks, all zeros for x - x.mean(0), without a word)
+            flow = cross_row_flow(prob, batch)
+            if flow is not None:
+                raise JacobianCallError(mixing_message(prob.call, named[1], None, None, *flow))
         return res
 
     def mixing(tried: Sequence[str], diff: float, scale: float) -> None:
-        # NOTE [a batch that mixes rows] (in mixing.py, which imports this module)
-        from torch_vjp._engine.mixing import cross_row_flow, mixing_message
-
+        # NOTE [a batch that mixes rows]
         flow = cross_row_flow(prob, batch) if batch is not None else None
         if flow is not None:
             raise JacobianCallError(mixing_message(prob.call, named[1], diff, scale, *flow))

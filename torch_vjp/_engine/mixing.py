@@ -71,23 +71,27 @@ def cross_row_flow(prob: Problem, batch: int) -> tuple[list[int], int] | None:
                                 torch.zeros((), dtype=u.dtype, device=u.device))
                     if u.dim() and u.shape[0] == batch else u for u in us]
 
-        got = one_reverse_product(prob, keep)
+        got = one_reverse_product(prob, keep, anywhere=True)
         if got is None:
             return None
         j = _flow_outside(got[2], rows, batch)
         if j is None:
             continue
-        nothing = one_reverse_product(prob, lambda us: [torch.zeros_like(u) for u in us])
+        nothing = one_reverse_product(prob, lambda us: [torch.zeros_like(u) for u in us],
+                                      anywhere=True)
         if nothing is None or _flow_outside(nothing[2], None, batch) is not None:
             return None  # (a backward that gives something for nothing: no test)
         return rows.nonzero().flatten().tolist(), j
     return None
 
 
-def mixing_message(call: str, name: str, diff: float, scale: float, rows: Sequence[int],
-                   j: int) -> str:
+def mixing_message(call: str, name: str, diff: float | None, scale: float | None,
+                   rows: Sequence[int], j: int) -> str:
     """The error of NOTE [a batch that mixes rows]: a cotangent on ``rows`` alone gave a
-    gradient on row ``j``."""
+    gradient on row ``j`` (``diff``: None where no route was compared, at a NaN point)."""
+    compared = ("no route was compared: x holds a NaN or an infinity" if diff is None else
+                f"every route also disagrees with a reverse product of the whole batch, by up "
+                f"to {diff:.3g}, at a scale of {scale:.3g}")
     shown = ", ".join(str(r) for r in rows[:5]) + (", ..." if len(rows) > 5 else "")
     return (
         f"{call}: f ({name}) mixes examples of the batch (a mean over the batch, BatchNorm in "
@@ -95,8 +99,7 @@ def mixing_message(call: str, name: str, diff: float, scale: float, rows: Sequen
         f"of x, so it has no per-example Jacobian, which batch_jacobian computes for a "
         f"function that maps a batch row by row. A reverse product whose cotangent is zero "
         f"outside rows {shown} of f's output gives a nonzero gradient on row {j} of x "
-        f"(every route also disagrees with a reverse product of the whole batch, by up to "
-        f"{diff:.3g}, at a scale of {scale:.3g}).\n"
+        f"({compared}).\n"
         f"  Fix: torch_vjp.jacobian(f, x) of the whole batch, and take its diagonal blocks "
         f"(J[b, ..., b, ...]) if those are what you want; or make f row-wise (BatchNorm in "
         f"eval mode, or GroupNorm or LayerNorm; no statistic over the batch)."
