@@ -754,6 +754,17 @@ def test_memory_that_is_not_a_bool_is_refused(memory):
         f"Fix: memory=False to skip the measurement, or leave the default True.")
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_memory_as_a_numpy_bool_is_taken_as_the_bool(flag):
+    # memory must be a bool (fdf179f) refused numpy's bool (np.False_, as read from an
+    # array or a config), which was taken for its truth value before
+    np = pytest.importorskip("numpy")
+    report = compare_strategies(torch.sin, torch.randn(3, dtype=torch.float64),
+                                strategies=("rev",), memory=np.bool_(flag), min_run_time=FAST)
+    assert report.rows[0].ok
+    assert (report.rows[0].peak_memory is not None) == flag
+
+
 def test_a_strategy_entry_that_is_not_a_str_is_a_type_error():
     # ("rev", 1) raised StrategyError "unknown strategy 1", as if 1 were a misspelt name
     with pytest.raises(StrategyTypeError) as info:

@@ -14,6 +14,7 @@ Time, memory and error are measured by :mod:`torch_vjp._measure`, which the benc
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -351,7 +352,7 @@ def compare_strategies(
             entry that is not a str included).
         JacobianOptionError: ``min_run_time`` is not a finite number of seconds > 0,
             ``rtol``/``atol`` is not ``None`` or a finite number >= 0, or ``memory`` is not
-            a bool.
+            a bool (numpy's bool included).
         JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit, as in
             :func:`torch_vjp.jacobian` (an ``argnums`` out of range or repeated, an integer
             primal, an integer output, ...).
@@ -375,6 +376,9 @@ def compare_strategies(
     min_run_time = check_min_run_time(min_run_time, call=_CALL)
     rtol = check_tolerance("rtol", rtol, call=_CALL)
     atol = check_tolerance("atol", atol, call=_CALL)
+    np = sys.modules.get("numpy")  # (a numpy bool, read from an array or a config, is one)
+    if np is not None and isinstance(memory, np.bool_):
+        memory = bool(memory)
     if not isinstance(memory, bool):
         # (a str such as "no" is truthy: memory would be measured against the caller's wish)
         raise JacobianOptionError(
