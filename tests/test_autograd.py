@@ -799,6 +799,34 @@ def test_a_shape_no_hint_explains_still_gets_a_fix():
         "outputs[0]'s shape ().")
 
 
+def test_an_identity_basis_passed_batched_is_recognised():
+    # with is_grads_batched=True (or vjp_fn's batched=True) the basis torch.eye(12).reshape(
+    # 4, 3, 4, 3) got only 'make it torch.stack([v1, v2, ...])', where the unbatched call
+    # named the basis and its reshape
+    x = torch.randn(4, 3, requires_grad=True)
+    y = x.sin()
+    basis = torch.eye(12).reshape(4, 3, 4, 3)
+    tail = ("(4, 3, 4, 3) is {o}'s shape twice, the shape of the Jacobian of {o} with respect "
+            "to itself (an identity basis, one vector per element of {o}?). For the Jacobian, "
+            "{whole} computes it; to use these vectors, one vector-Jacobian product each, pass "
+            "{g}.reshape(-1, *{o}.shape), keeping {flag}=True: the K vectors go along one "
+            "leading dimension.")
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(y, x, basis, is_grads_batched=True, retain_graph=True)
+    assert info.value.__notes__[0].endswith(tail.format(
+        o="outputs[0]", g="grad_outputs[0]", whole="torch_vjp.jacobian_of",
+        flag="is_grads_batched"))
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.vjp(torch.sin, x.detach())[1](basis, batched=True)
+    assert str(info.value).endswith(tail.format(
+        o="out", g="cotangents", whole="torch_vjp.jacobian(f, *primals)", flag="batched"))
+    # (the fix it gives works; and a (3, 3) basis of a (3,) output is K = 3 products, valid)
+    (jac,) = tv.grad(y, x, basis.reshape(-1, *y.shape), is_grads_batched=True)
+    torch.testing.assert_close(jac.reshape(12, 12), torch.diag(x.detach().cos().reshape(-1)))
+    v = torch.randn(3, requires_grad=True)
+    tv.grad(v.sin(), v, torch.eye(3), is_grads_batched=True)
+
+
 def test_a_number_as_gradient_of_tensor_backward_is_told_to_make_a_tensor():
     # y.backward(2.0) in checked mode was told "gradient ... must be a Tensor, a list or tuple
     # of Tensors ... It holds one vector dL/d output per entry of y": y.backward takes one

@@ -147,6 +147,21 @@ def known_batch_size(gos: Sequence[Any], outputs: Sequence[Tensor]) -> int | Non
     return None
 
 
+def _basis_fix(labels: Labels, i: int, gshape: Sequence[int], batched: bool) -> str:
+    """``gshape`` is the output's shape twice: ``torch.eye(n).reshape(*shape, *shape)``, one
+    basis vector per element, for the Jacobian; the batched call needs them along one
+    leading dimension."""
+    o, g = labels.out(i), labels.go(i)
+    how = (f", keeping {labels.batch_flag}=True: the K vectors go along one leading "
+           f"dimension" if batched else f" and {labels.batch_hint.removeprefix('pass ')}")
+    return (
+        f"{shape_str(gshape)} is {o}'s shape twice, the shape of the Jacobian of {o} with "
+        f"respect to itself (an identity basis, one vector per element of {o}?). For the "
+        f"Jacobian, {labels.whole_jacobian} computes it; to use these vectors, one "
+        f"{labels.product} each, pass {g}.reshape(-1, *{o}.shape){how}."
+    )
+
+
 def _shape_fix(
     labels: Labels,
     i: int,
@@ -177,6 +192,8 @@ def _shape_fix(
             )
         if go.dim() >= 1 and gshape[1:] != oshape and _matches_input(gshape[1:], inputs, outputs):
             return _input_fix(labels, i, gshape[1:], inputs, outputs, batched=True)
+        if out.dim() >= 2 and tuple(gshape) == tuple(oshape) * 2:  # (1-d: K = n, valid)
+            return _basis_fix(labels, i, gshape, batched=True)
         return ""
     count_fix = _count_fix(labels, i, out, go, outputs, gos)
     if count_fix:
@@ -223,14 +240,7 @@ def _shape_fix(
     if _matches_input(gshape, inputs, outputs):
         return _input_fix(labels, i, gshape, inputs, outputs, batched=False)
     if out.dim() >= 1 and tuple(gshape) == tuple(oshape) * 2:
-        # (torch.eye(n).reshape(*shape, *shape): one basis vector per element, for the Jacobian)
-        return (
-            f"{shape_str(gshape)} is {o}'s shape twice, the shape of the Jacobian of {o} with "
-            f"respect to itself (an identity basis, one vector per element of {o}?). For the "
-            f"Jacobian, {labels.whole_jacobian} computes it; to use these vectors, one "
-            f"{labels.product} each, pass {g}.reshape(-1, *{o}.shape) and "
-            f"{labels.batch_hint.removeprefix('pass ')}."
-        )
+        return _basis_fix(labels, i, gshape, batched=False)
     # a vector of the shape of the output's leading dimensions: one weight per row (per-example
     # weights (B,) for a (B, k) output), which torch's broadcasting would not align; where it
     # matches the last dimensions too (a (B, B) output), both readings are told
