@@ -2112,12 +2112,31 @@ def test_batch_jacobian_of_a_mixing_f_at_a_nan_point_still_raises(bad):
     x = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(0))
     x[0, 0] = bad
     with pytest.raises(tv.JacobianCallError, match=r"(?s)f \(\S*<lambda>\) mixes examples of "
-                       r"the batch.*\(no route was compared: x holds a NaN or an infinity\)"):
+                       r"the batch.*\(no route was compared: a NaN or an infinity is in the "
+                       r"products here\)"):
         batch_jacobian(lambda x: x - x.mean(0), x)
     # a row-wise f at the same point: no error, its blocks
     got = batch_jacobian(lambda x: x.sin() * x, x)
     want = torch.func.vmap(torch.func.jacrev(lambda r: r.sin() * r))(x)
     torch.testing.assert_close(got[1:], want[1:])
+
+
+def test_auto_with_an_infinity_in_a_tensor_not_differentiated_warns_and_remembers_nothing():
+    # 6d660f0 skipped the check where x is not finite, but an infinity in an argument not
+    # differentiated (argnums=0) or in a captured tensor reaches the products too: 'auto'
+    # warned 'reverse mode under torch.vmap disagrees ... (by up to nan, at a scale of 0)'
+    # and remembered the one-product-at-a-time loop for the function and shapes
+    from torch_vjp._engine import fwdcheck
+
+    fwdcheck.CHECKED.clear()
+    x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([1.0, float("inf"), -2.0, 0.5], dtype=D)
+    w = y.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        jacobian(lambda x, y: torch.outer(x, y) * x.sum(), x, y, argnums=0)
+        jacobian(lambda x: torch.outer(x, w) * x.sum(), x)
+    assert not fwdcheck.CHECKED
 
 
 def test_auto_checks_at_the_first_finite_point_after_a_nan_one():

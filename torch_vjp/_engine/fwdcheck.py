@@ -203,6 +203,12 @@ def finite_point(prob: Problem) -> bool:
                    if x.is_floating_point() and x.device.type != "meta")
 
 
+def finite_products(grads: Sequence[Tensor]) -> bool:
+    """Whether every entry of the reverse products ``grads`` is finite (one synchronisation)."""
+    flags = [g.isfinite().all() for g in grads if g.is_floating_point() and g.numel()]
+    return not flags or bool(torch.stack([f.cpu() for f in flags]).all())
+
+
 def gap(a: Tensor, b: Tensor) -> tuple[float, float]:
     """``(max |a - b|, max(|a|, |b|))`` of two flat tensors, read with one synchronisation.
 
@@ -336,8 +342,12 @@ def checked_route(
     from torch_vjp._engine.mixing import cross_row_flow, mixing_message
 
     got = one_reverse_product(prob)
-    if got is None:
-        if finite_point(prob):
+    # (a NaN or an infinity in the reverse product, from a tensor f reads that is not
+    # differentiated, an argument or one it captured, lands in the products by each route
+    # its own way too: a false 'wrong formula' warning, and the loop remembered for good)
+    finite = got is None or finite_products(got[2])
+    if got is None or not finite:
+        if finite and finite_point(prob):
             remember(key, res.mode)
         elif batch is not None:
             # (no route is compared at a NaN or an infinity, but a flow across rows shows

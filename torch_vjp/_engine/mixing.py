@@ -89,7 +89,8 @@ def mixing_message(call: str, name: str, diff: float | None, scale: float | None
                    rows: Sequence[int], j: int) -> str:
     """The error of NOTE [a batch that mixes rows]: a cotangent on ``rows`` alone gave a
     gradient on row ``j`` (``diff``: None where no route was compared, at a NaN point)."""
-    compared = ("no route was compared: x holds a NaN or an infinity" if diff is None else
+    compared = ("no route was compared: a NaN or an infinity is in the products here"
+                if diff is None else
                 f"every route also disagrees with a reverse product of the whole batch, by up "
                 f"to {diff:.3g}, at a scale of {scale:.3g}")
     shown = ", ".join(str(r) for r in rows[:5]) + (", ..." if len(rows) > 5 else "")
