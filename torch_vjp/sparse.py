@@ -29,6 +29,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
     agreeing_route,
     finite_point,
+    finite_products,
     gap,
     route_key,
     one_reverse_product,
@@ -432,8 +433,10 @@ def _checked(
     first = coloring.mode
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
         got = one_reverse_product(prob)
-    if got is None:
-        if finite_point(prob):  # (at a NaN or an infinity: checked at a later call)
+    # (a NaN or an infinity in the reverse product, from a tensor f captured or an argument
+    # not differentiated, is no point to check at either: checked_route's rule)
+    if got is None or not finite_products(got[2]):
+        if got is None and finite_point(prob):  # (at a NaN or an infinity: a later call)
             plan.remember(fkey, first)
         return coloring, comp
     _, us, grads = got
