@@ -1294,3 +1294,35 @@ def test_a_compiled_vjp_fn_does_not_take_another_threads_build_for_its_own(monke
         assert not pending and cfg.inner.k == 3.0
         for _ in range(2):
             torch.testing.assert_close(point(v)[0], 3.0 * v)
+
+
+def test_a_first_call_at_a_nan_input_leaves_the_next_call_to_compile():
+    # (the first call compared the compiled result with the eager one at x = [nan, 1, 2],
+    # read NaN - NaN as a difference "by up to nan at a scale of nan", and kept the entry
+    # eager for good: every later call at finite points lost its program)
+    from torch_vjp._engine import compiled
+
+    f = lambda x: x.roll(1) * x  # noqa: E731
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        got = tv.jacobian(f, torch.tensor([float("nan"), 1.0, 2.0], dtype=D), compile=True)
+        assert got.isnan().any()
+        for _ in range(2):
+            x = torch.randn(3, dtype=D)
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+    assert compiled.builds() - before == 1  # built by the first finite call, then reused
+    assert [e.run is not None for e in compiled._CACHE.values()] == [True]
+
+
+def test_results_agree_reads_nan_in_both_and_equal_infinities_as_agreeing():
+    from torch_vjp._engine.compile_checks import results_agree
+
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([nan, inf, -inf, 1.0], dtype=D)
+    assert results_agree(a, a.clone()) is None
+    assert results_agree((a, a[:2]), (a.clone(), a[:2].clone())) is None
+    for b in ([nan, inf, -inf, 1.5], [1.0, inf, -inf, 1.0], [nan, -inf, -inf, 1.0]):
+        why = results_agree(a, torch.tensor(b, dtype=D))
+        assert why is not None and why.startswith("the compiled result differs from the eager")

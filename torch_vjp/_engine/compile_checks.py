@@ -11,17 +11,19 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from torch_vjp._engine.compile_key import program_key
-from torch_vjp._engine.fwdcheck import tolerance
+from torch_vjp._engine.fwdcheck import gap, tolerance
 from torch_vjp._engine.point import versions_of
 from torch_vjp._errors import JacobianWarning, quote_error, warn_once
 
-__all__ = ["results_agree", "FirstRun", "warn_rebuilt", "warn_eager", "compile_failure"]
+__all__ = ["results_agree", "all_finite", "FirstRun", "warn_rebuilt", "warn_eager",
+           "compile_failure"]
 
 
 def results_agree(ref: Any, got: Any) -> str | None:
     """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1;
-    integer tensors exactly); else what differs. The compiled result against the eager first
-    call, and a compiled ``vjp_fn``'s forward output against the vjp point's."""
+    integer tensors exactly; entries NaN in both, or equal infinities, agree, as in
+    :func:`~torch_vjp._engine.fwdcheck.gap`); else what differs. The compiled result
+    against the eager first call, and a compiled ``vjp_fn``'s forward output against the vjp point's."""
     ref_leaves, ref_spec = tree_flatten(ref)
     got_leaves, got_spec = tree_flatten(got)
     if ref_spec != got_spec:
@@ -37,14 +39,22 @@ def results_agree(ref: Any, got: Any) -> str | None:
             if not torch.equal(a, b):
                 return "the results' integer entries differ"
             continue
-        a, b = a.detach(), b.detach()
         rtol = tolerance(a.real.dtype)  # sqrt(eps), as the Hessian's symmetry check
-        scale = float(a.abs().max())
-        diff = float((a - b).abs().max())
+        # (NaN in both, or an infinity of one sign in both, agree: gap's rule)
+        diff, scale = gap(a.detach().reshape(-1), b.detach().reshape(-1))
         if not diff <= rtol * max(scale, 1.0):
             return (f"the compiled result differs from the eager one by up to {diff:.3g} "
                     f"at a scale of {scale:.3g}")
     return None
+
+
+def all_finite(args: tuple[Any, ...]) -> bool:
+    """Whether every floating or complex tensor in ``args`` is finite. A first call at an
+    input holding a NaN or an infinity is not judged (NOTE [compiled Jacobians]): which
+    entries of a result are NaN there depends on the order of operations (``0 * nan``),
+    not on whether the compiled program is right."""
+    return all(bool(t.isfinite().all()) for t in tree_leaves(args)
+               if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 class FirstRun:

@@ -14,8 +14,10 @@ one graph.
 * ``compile=True`` at top level (:func:`compiled_call`): the first call for a function,
   options and input signature runs the eager call (every check of the eager path, every
   error it raises, untouched), then compiles the plain form with ``fullgraph=True`` and runs
-  it, and compares the two results. If compiling fails, or the results differ beyond
-  rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why (naming the likely
+  it, and compares the two results (not at an input holding a NaN or an infinity, where
+  which entries come out NaN depends on the order of operations: that call returns the
+  eager result and makes no entry, so the next call is a first call). If compiling
+  fails, or the results differ beyond rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why (naming the likely
   cause where the eager call drew random numbers or wrote into its input:
   :class:`~torch_vjp._engine.compile_checks.FirstRun`) and that signature stays eager;
   otherwise later calls with that signature run the compiled program only. The first
@@ -84,8 +86,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from torch_vjp._engine.compile_checks import (FirstRun, compile_failure, results_agree,
-                                              warn_eager, warn_rebuilt)
+from torch_vjp._engine.compile_checks import (FirstRun, all_finite, compile_failure,
+                                              results_agree, warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import call_signature, held_key, key_stem, program_key
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        module_tree, modules_reached, reached)
@@ -470,6 +472,8 @@ def _first_call(
     of that key): the eager result, and the entry compiled, checked against it, or eager."""
     run = FirstRun(args)
     result = eager()  # the checks, and f's own errors, of the eager path
+    if not all_finite(args):  # (not judged: no entry, so the next call is a first call)
+        return result
     run.after_eager()
     # (the compiled run's draws are discarded with its result: the generators end where the
     # eager call left them, NOTE [auto's extra calls draw what the products draw])
