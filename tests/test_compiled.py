@@ -95,6 +95,29 @@ def test_a_training_mode_call_leaves_the_eval_mode_program_compiled():
     torch.testing.assert_close(got, torch.func.jacrev(model)(x))
 
 
+def test_a_training_mode_call_leaves_the_eval_mode_program_of_a_model_argument_compiled():
+    # (the key held the training flags of the modules f reaches, not of a model passed as
+    # an argument that is not differentiated: one training-mode call recompiled the
+    # eval-mode entry, dropout's draws failed its check, and eval mode ran eagerly after)
+    from torch_vjp._engine import compiled
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5),
+                                torch.nn.Tanh()).double()
+    x = torch.randn(4, dtype=D)
+    f = lambda x, m: m(x)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # (training mode's, stays eager)
+        for mode in ("eval", "train", "eval"):
+            getattr(model, mode)()
+            got = tv.jacobian(f, x, model, argnums=0, compile=True)
+        assert [e.run is not None for e in compiled._CACHE.values()] == [False, True]
+        before = compiled.builds()
+        torch.testing.assert_close(tv.jacobian(f, x, model, argnums=0, compile=True), got)
+        assert compiled.builds() == before
+    torch.testing.assert_close(got, torch.func.jacrev(model)(x))
+
+
 def test_new_signature_compiles_a_new_entry_and_inplace_closure_changes_are_seen():
     w = torch.randn(4, 3, dtype=D)
     f = lambda x: w @ x  # noqa: E731

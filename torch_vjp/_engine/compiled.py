@@ -393,7 +393,8 @@ def compiled_call(
         options = (*options, tuple(held_key(p, keep=kept) for p in passed))
     found = reached(f)  # (one walk of what f reaches: the key's flags and buffers_kept's)
     key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
-           tuple(m.training for m in found[0]))  # NOTE [train and eval entries]
+           tuple(m.training for m in found[0]),  # NOTE [train and eval entries]
+           tuple(m.training for m in modules_reached(args)))
     args = (*args, *passed)
     try:
         hash(key)
@@ -454,8 +455,9 @@ def compiled_call(
 # compiled run; BatchNorm's running statistics, written under vmap) stays eager alone.
 # Left to dynamo's guard on ``training``, a single training-mode call recompiled the
 # eval-mode entry (NOTE [a recompiled entry]), its check failed, and the key, eval mode's
-# too, ran eagerly from then on. A submodule switched on its own is still left to that
-# guard.
+# too, ran eagerly from then on. The modules among the arguments count too (``f(x, model)``
+# with ``argnums=0``: a model ``f`` reaches only through an argument). A submodule
+# switched on its own is still left to that guard.
 
 
 def _variants(code: types.CodeType | None) -> int:
