@@ -1339,6 +1339,24 @@ def test_a_first_call_at_a_nan_input_leaves_the_next_call_to_compile():
     assert [e.run is not None for e in compiled._CACHE.values()] == [True]
 
 
+def test_inputs_that_always_hold_a_nan_the_function_masks_still_compile():
+    # (a first call at a non-finite input was never judged, so data that always holds a
+    # NaN, masked by the function, ran eagerly on every call: no program was ever built)
+    from torch_vjp._engine import compiled
+
+    f = lambda x: torch.nan_to_num(x, nan=0.0).sin()  # noqa: E731
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for k in range(3):
+            x = torch.randn(4, dtype=D)
+            x[k] = float("nan")
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+    assert compiled.builds() - before == 1
+    assert [e.run is not None for e in compiled._CACHE.values()] == [True]
+
+
 def test_results_agree_reads_nan_in_both_and_equal_infinities_as_agreeing():
     from torch_vjp._engine.compile_checks import results_agree
 

@@ -50,9 +50,9 @@ def results_agree(ref: Any, got: Any) -> str | None:
 
 def all_finite(args: tuple[Any, ...]) -> bool:
     """Whether every floating or complex tensor in ``args`` is finite. A first call at an
-    input holding a NaN or an infinity is not judged (NOTE [compiled Jacobians]): which
-    entries of a result are NaN there depends on the order of operations (``0 * nan``),
-    not on whether the compiled program is right."""
+    input holding a NaN or an infinity whose result holds one too is not judged (NOTE
+    [compiled Jacobians]): which entries of the result are NaN there depends on the order
+    of operations (``0 * nan``), not on whether the compiled program is right."""
     return all(bool(t.isfinite().all()) for t in tree_leaves(args)
                if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()))
 

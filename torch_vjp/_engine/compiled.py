@@ -14,9 +14,11 @@ one graph.
 * ``compile=True`` at top level (:func:`compiled_call`): the first call for a function,
   options and input signature runs the eager call (every check of the eager path, every
   error it raises, untouched), then compiles the plain form with ``fullgraph=True`` and runs
-  it, and compares the two results (not at an input holding a NaN or an infinity, where
-  which entries come out NaN depends on the order of operations: that call returns the
-  eager result and makes no entry, so the next call is a first call). If compiling
+  it, and compares the two results (not where an input and the result hold a NaN or an
+  infinity, where which entries come out NaN depends on the order of operations: that
+  call returns the eager result and makes no entry, so the next call is a first call;
+  data that always holds a NaN the function masks gives a finite result, which is
+  compared). If compiling
   fails, or the results differ beyond rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why (naming the likely
   cause where the eager call drew random numbers or wrote into its input:
   :class:`~torch_vjp._engine.compile_checks.FirstRun`) and that signature stays eager;
@@ -474,8 +476,8 @@ def _first_call(
     of that key): the eager result, and the entry compiled, checked against it, or eager."""
     run = FirstRun(args)
     result = eager()  # the checks, and f's own errors, of the eager path
-    if not all_finite(args):  # (not judged: no entry, so the next call is a first call)
-        return result
+    if not (all_finite(args) or all_finite(result)):  # (not judged: no entry, so the
+        return result  # next call is a first call; a finite result is: nan_to_num(x))
     run.after_eager()
     # (the compiled run's draws are discarded with its result: the generators end where the
     # eager call left them, NOTE [auto's extra calls draw what the products draw])
