@@ -72,6 +72,33 @@ def test_inputs_of_two_memory_layouts_each_keep_their_program():
     assert builds() - before == 2  # one program per layout, each reused
 
 
+@pytest.mark.parametrize("kind", ["inference", "conj"])
+def test_inference_tensors_and_conjugate_views_each_keep_their_program(kind):
+    # (the key left out the dispatch bits dynamo's guards hold: every call that switched
+    # between a tensor made under inference_mode (or a conjugate view) and a plain one
+    # recompiled the entry, eager call and check included, and the eighth went eager for
+    # good, blaming "a global")
+    from torch_vjp._engine.compiled import builds
+
+    dtype = D if kind == "inference" else torch.complex128
+    w = torch.randn(3, 3, dtype=dtype)
+    f = lambda x: (w @ x) * x  # noqa: E731
+    before = builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for k in range(4):
+            x, t = torch.randn(3, dtype=dtype), torch.randn(3, dtype=dtype)
+            if k % 2 and kind == "conj":
+                x = x.conj()
+            elif k % 2:
+                with torch.inference_mode():
+                    x = torch.randn(3, dtype=dtype)
+            out, got = tv.jvp(f, (x,), (t,), compile=True)
+            want = torch.func.jvp(f, (x.resolve_conj().clone(),), (t,))
+            torch.testing.assert_close((out, got), want)
+    assert builds() - before == 2  # one program per kind of tensor, each reused
+
+
 def test_a_training_mode_call_leaves_the_eval_mode_program_compiled():
     # (the key left the training flag to dynamo's guard: one call in training mode
     # recompiled the eval-mode entry, dropout's draws failed its check, and every later

@@ -85,7 +85,7 @@ def _filled(cell: Any) -> bool:
 def _leaf_signature(v: object, keep: list[object] | None = None) -> object:
     if isinstance(v, Tensor):
         return ("T", tuple(v.shape), _strides(v), v.dtype, v.device, v.layout,
-                v.requires_grad, type(v))
+                v.requires_grad, type(v), _bits(v))
     if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype)):
         return (type(v), v)
     _kept(v, keep)
@@ -100,6 +100,16 @@ def _strides(t: Tensor) -> object:
     :mod:`torch_vjp._engine.compiled`), which after ``REBUILD_WARN_AT`` such calls ran
     eagerly, blaming a global."""
     return t.stride() if t.layout is torch.strided else None
+
+
+def _bits(t: Tensor) -> tuple[bool, bool, bool]:
+    """Whether ``t`` is a conjugate or negative view, or an inference tensor: dynamo's
+    guards hold its dispatch keys, which say so, and recompile a program traced for one
+    kind of tensor for the other; in the key, as the strides are (:func:`_strides`), each
+    finds a program of its own (alternating a tensor made under ``torch.inference_mode``
+    and one made outside recompiled the entry on every call, and the eighth went eager,
+    blaming a global)."""
+    return t.is_conj(), t.is_neg(), t.is_inference()
 
 
 class _NotPlain(Exception):
@@ -125,8 +135,8 @@ def _plain_signature(v: object) -> object:
 
 
 def call_signature(args: tuple[Any, ...]) -> object:
-    """The signature of a call's arguments (tensors by shape, strides, dtype, device, layout
-    and ``requires_grad``; other values by equality, or identity), with the state that changes
+    """The signature of a call's arguments (tensors by shape, strides, dtype, device, layout,
+    ``requires_grad`` and their conjugate, negative and inference bits; other values by equality, or identity), with the state that changes
     what a traced program computes without being an argument: grad mode, autocast, and the
     global module hooks (:func:`global_state`)."""
     return (_arguments(args), global_state())
@@ -154,8 +164,8 @@ def _global_hook_dicts() -> tuple[dict[Any, Any], ...]:
 
 def _arguments(args: tuple[Any, ...]) -> object:
     if all(type(a) is Tensor for a in args):  # the common case, without pytree's cost
-        return tuple((a.shape, _strides(a), a.dtype, a.device, a.layout, a.requires_grad)
-                     for a in args)
+        return tuple((a.shape, _strides(a), a.dtype, a.device, a.layout, a.requires_grad,
+                      _bits(a)) for a in args)
     try:
         return ("plain", _plain_signature(args))
     except _NotPlain:
