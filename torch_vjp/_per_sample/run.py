@@ -489,6 +489,18 @@ def param_sums(job: Job, sums: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def _grad_dtype(p: Tensor) -> torch.dtype:
+    """``p.grad_dtype`` (where torch has it), else ``p.dtype``. Read at trace time inside
+    the user's torch.compile: dynamo cannot trace the attribute ("torch.* op returned
+    non-Tensor"), which broke the graph of accumulate_clipped_grads there, and raised with
+    ``fullgraph=True``."""
+    return getattr(p, "grad_dtype", None) or p.dtype
+
+
+# (what torch.compiler.assume_constant_result does, without importing dynamo with torch_vjp)
+_grad_dtype._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
     """Adds each selected parameter's clipped sum to its ``.grad``, as backward would (a
     sparse ``.grad`` for an Embedding with ``sparse=True``; through DDP's reducer for a model
@@ -503,11 +515,7 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
             # (in the dtype backward gives: that of the .grad it accumulates into, else the
             # parameter's grad_dtype, float32 for bfloat16 weights trained in mixed precision;
             # assigning another dtype raises)
-            # (dynamo cannot trace the grad_dtype property: inside the user's torch.compile,
-            # the parameter's dtype)
-            want = p.grad.dtype if p.grad is not None else (
-                None if torch.compiler.is_compiling() else getattr(p, "grad_dtype", None)
-            ) or p.dtype
+            want = p.grad.dtype if p.grad is not None else _grad_dtype(p)
             if s.dtype != want:
                 s = s.to(want)
             if sparse and id(p) in sparse:
