@@ -28,6 +28,13 @@ def _mlp(n_in, n_out, seed=0):
     return lambda x: torch.tanh(w2 @ torch.tanh(w1 @ x))
 
 
+class _Box:  # (a plain object of the user's: counted in a key by identity, and held
+    __slots__ = ("batch",)  # strongly, as it has no weak references: its id stays its own)
+
+    def __init__(self, batch):
+        self.batch = batch
+
+
 def _frames():
     return counters["stats"]["unique_graphs"]
 
@@ -265,8 +272,8 @@ def test_a_closure_over_new_objects_each_call_is_warned_once_with_the_fix(name):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(REBUILD_WARN_AT + 1):
-            data = {"batch": torch.randn(3, dtype=D)}  # a new dict: known by identity
-            f = lambda x: torch.sin(x * data["batch"])  # noqa: E731
+            data = _Box(batch=torch.randn(3, dtype=D))  # a new object: known by identity
+            f = lambda x: torch.sin(x * data.batch)  # noqa: E731
             got = getattr(tv, name)(f, x, compile=True)
             ref = torch.func.jacrev(f)(x)
             if name == "batch_jacobian":
@@ -281,6 +288,38 @@ def test_a_closure_over_new_objects_each_call_is_warned_once_with_the_fix(name):
         assert "jacobian(lambda w, batch: loss(w, batch), w, batch, argnums=0)" in msgs[0]
     else:
         assert "define the function once, outside the loop" in msgs[0]
+
+
+@pytest.mark.parametrize("holder", [dict, list, tuple])
+def test_a_closure_over_a_new_batch_container_each_call_reuses_one_program(holder):
+    # (a dict, list or tuple a closure holds was counted by its identity, and held
+    # strongly: lambda w: loss(w, {"x": x, "y": y}) made for each step compiled a new
+    # program on every call, and the cache kept every batch alive, up to CACHE_MAX)
+    import gc
+    import weakref
+
+    from torch_vjp._engine.compiled import builds
+
+    def loss(w, batch):
+        x, y = (batch["x"], batch["y"]) if holder is dict else batch
+        return (x @ w - y).pow(2)
+
+    alive = []
+    before = builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(3):
+            x, y = torch.randn(5, 3, dtype=D), torch.randn(5, dtype=D)
+            batch = {"x": x, "y": y} if holder is dict else holder((x, y))
+            w = torch.randn(3, dtype=D)
+            f = lambda w: loss(w, batch)  # noqa: E731
+            torch.testing.assert_close(tv.jacobian(f, w, compile=True),
+                                       torch.func.jacrev(f)(w))
+            alive.append(weakref.ref(x))
+    del x, batch, f
+    gc.collect()
+    assert builds() - before == 1
+    assert [r() is None for r in alive] == [True] * 3
 
 
 def test_the_fix_one_program_for_data_passed_as_an_argument_and_reused_closures_unwarned():
@@ -1110,8 +1149,8 @@ def test_a_partial_over_new_objects_each_call_is_warned_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(REBUILD_WARN_AT + 1):
-            data = {"batch": torch.randn(5, 4, dtype=D)}  # a new dict: known by identity
-            f = functools.partial(lambda w, data: _batch_loss(w, data["batch"]), data=data)
+            data = _Box(batch=torch.randn(5, 4, dtype=D))  # a new object: by identity
+            f = functools.partial(lambda w, data: _batch_loss(w, data.batch), data=data)
             torch.testing.assert_close(tv.jacobian(f, w, compile=True),
                                        torch.func.jacrev(f)(w))
     msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]

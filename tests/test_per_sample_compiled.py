@@ -265,6 +265,8 @@ def test_a_loss_made_for_each_batch_reuses_one_program(loss):
 
 
 def test_a_loss_over_new_objects_each_batch_is_warned_once_with_the_fix():
+    import types
+
     import torch.nn.functional as F
 
     from torch_vjp._engine.compiled import REBUILD_WARN_AT
@@ -274,8 +276,8 @@ def test_a_loss_over_new_objects_each_batch_is_warned_once_with_the_fix():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(REBUILD_WARN_AT + 1):
-            opts = {"reduction": "sum"}  # a new dict each step: known by identity
-            loss_fn = lambda o, t: F.cross_entropy(o, t, **opts)  # noqa: E731
+            opts = types.SimpleNamespace(reduction="sum")  # a new object: by identity
+            loss_fn = lambda o, t: F.cross_entropy(o, t, reduction=opts.reduction)  # noqa: E731
             got = tv.per_sample_grad_norms(model, loss_fn, x, y, compile=True)
             torch.testing.assert_close(got, tv.per_sample_grad_norms(model, loss_fn, x, y))
     msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]

@@ -53,8 +53,10 @@ def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> obj
     one) counts as in its key: a tensor by its signature, numbers and strings by value, a
     function, bound method or ``partial`` (``depth`` levels deep) by :func:`program_key`,
     a module without parameters or submodules (a loss, ``nn.CrossEntropyLoss()`` made for
-    each batch) by its type, attributes and buffers; anything else by identity (and put in ``keep``, as
-    :func:`program_key` does). Dynamo reads such values on every call, so a new one of the
+    each batch) by its type, attributes and buffers, a tuple, list or dict of tensors and
+    numbers (string keys) by its structure and their signatures (a batch ``{"x": x, "y":
+    y}`` made for each step, as a tensor is); anything else by identity (and put in
+    ``keep``, as :func:`program_key` does). Dynamo reads such values on every call, so a new one of the
     same key runs the same program."""
     if depth >= 1 and isinstance(v, (types.FunctionType, functools.partial, types.MethodType)):
         # (a bound method by its function and its object: ``self.loss`` is a new method
@@ -66,6 +68,11 @@ def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> obj
                       if not k.startswith("_"))
         buffers = tuple((k, _leaf_signature(x, keep)) for k, x in v._buffers.items())
         return ("module", type(v), attrs, buffers)
+    if type(v) in (tuple, list, dict):  # (a batch held as a dict or tuple of tensors)
+        try:
+            return ("plain", _plain_signature(v))
+        except (_NotPlain, RecursionError):  # (one that holds itself: by identity)
+            pass
     return _leaf_signature(v, keep)
 
 
