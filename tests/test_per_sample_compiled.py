@@ -286,3 +286,33 @@ def test_a_loss_over_new_objects_each_batch_is_warned_once_with_the_fix():
             "of Linear") in msgs[0]
     assert "each call passed a new function whose closure" in msgs[0]
     assert "Fix: define the loss function once, outside the loop" in msgs[0]
+
+
+class _ScaledLoss(nn.Module):  # (a loss whose state is a private attribute)
+    def __init__(self, s):
+        super().__init__()
+        self._s = s
+
+    def forward(self, out, y):
+        return nn.functional.cross_entropy(out * self._s, y)
+
+
+def test_two_losses_that_differ_in_a_private_attribute_each_keep_their_program():
+    # (a parameterless loss module was keyed by its public attributes only: two instances
+    # that differ in self._s shared an entry, dynamo's guard on _s recompiled it on every
+    # call that alternated them, and the eighth such call left it eager, blaming a global)
+    from torch_vjp._engine.compiled import builds
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x, y = torch.randn(5, 4, dtype=D), torch.randint(0, 3, (5,))
+    losses = (_ScaledLoss(1.0), _ScaledLoss(3.0))
+    before = builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for k in range(4):
+            loss_fn = losses[k % 2]
+            got = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
+            for n, g in _loop(model, loss_fn, x, y).items():
+                torch.testing.assert_close(got[n], g)
+    assert builds() - before == 2
