@@ -304,19 +304,18 @@ def test_a_closure_over_a_new_batch_container_each_call_reuses_one_program(holde
         x, y = (batch["x"], batch["y"]) if holder is dict else batch
         return (x @ w - y).pow(2)
 
-    alive = []
+    def step():
+        x, y = torch.randn(5, 3, dtype=D), torch.randn(5, dtype=D)
+        batch = {"x": x, "y": y} if holder is dict else holder((x, y))
+        w = torch.randn(3, dtype=D)
+        f = lambda w: loss(w, batch)  # noqa: E731
+        torch.testing.assert_close(tv.jacobian(f, w, compile=True), torch.func.jacrev(f)(w))
+        return weakref.ref(x)
+
     before = builds()
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
-        for _ in range(3):
-            x, y = torch.randn(5, 3, dtype=D), torch.randn(5, dtype=D)
-            batch = {"x": x, "y": y} if holder is dict else holder((x, y))
-            w = torch.randn(3, dtype=D)
-            f = lambda w: loss(w, batch)  # noqa: E731
-            torch.testing.assert_close(tv.jacobian(f, w, compile=True),
-                                       torch.func.jacrev(f)(w))
-            alive.append(weakref.ref(x))
-    del x, batch, f
+        alive = [step() for _ in range(3)]
     gc.collect()
     assert builds() - before == 1
     assert [r() is None for r in alive] == [True] * 3

@@ -23,7 +23,8 @@ def results_agree(ref: Any, got: Any) -> str | None:
     """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1;
     integer tensors exactly; entries NaN in both, or equal infinities, agree, as in
     :func:`~torch_vjp._engine.fwdcheck.gap`); else what differs. The compiled result
-    against the eager first call, and a compiled ``vjp_fn``'s forward output against the vjp point's."""
+    against the eager first call, and a compiled ``vjp_fn``'s forward output against the
+    vjp point's."""
     ref_leaves, ref_spec = tree_flatten(ref)
     got_leaves, got_spec = tree_flatten(got)
     if ref_spec != got_spec:

@@ -56,8 +56,8 @@ def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> obj
     each batch) by its type, attributes and buffers, a tuple, list or dict of tensors and
     numbers (string keys) by its structure and their signatures (a batch ``{"x": x, "y":
     y}`` made for each step, as a tensor is); anything else by identity (and put in
-    ``keep``, as :func:`program_key` does). Dynamo reads such values on every call, so a new one of the
-    same key runs the same program."""
+    ``keep``, as :func:`program_key` does). Dynamo reads such values on every call, so a
+    new one of the same key runs the same program."""
     if depth >= 1 and isinstance(v, (types.FunctionType, functools.partial, types.MethodType)):
         # (a bound method by its function and its object: ``self.loss`` is a new method
         # object on every access, and by its own id it made a new program on every call)
@@ -150,9 +150,10 @@ def _plain_signature(v: object) -> object:
 
 def call_signature(args: tuple[Any, ...]) -> object:
     """The signature of a call's arguments (tensors by shape, strides, dtype, device, layout,
-    ``requires_grad`` and their conjugate, negative and inference bits; other values by equality, or identity), with the state that changes
-    what a traced program computes without being an argument: grad mode, autocast, and the
-    global module hooks (:func:`global_state`)."""
+    ``requires_grad`` and their conjugate, negative and inference bits; other values by
+    equality, or identity), with the state that changes what a traced program computes
+    without being an argument: grad mode, autocast, and the global module hooks
+    (:func:`global_state`)."""
     return (_arguments(args), global_state())
 
 
