@@ -51,9 +51,11 @@ def results_agree(ref: Any, got: Any) -> str | None:
 
 def all_finite(args: tuple[Any, ...]) -> bool:
     """Whether every floating or complex tensor in ``args`` is finite. A first call at an
-    input holding a NaN or an infinity whose result holds one too is not judged (NOTE
-    [compiled Jacobians]): which entries of the result are NaN there depends on the order
-    of operations (``0 * nan``), not on whether the compiled program is right."""
+    input holding a NaN or an infinity whose result holds one too is not judged (no entry
+    is made, so the next call is a first call): which entries of the result are NaN there
+    depends on the order of operations (``0 * nan``), not on whether the compiled program
+    is right. A finite result (``nan_to_num(x)``: data that always holds a masked NaN) is
+    judged as any other."""
     return all(bool(t.isfinite().all()) for t in tree_leaves(args)
                if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()))
 

@@ -15,12 +15,9 @@ one graph.
   options and input signature runs the eager call (every check of the eager path, every
   error it raises, untouched), then compiles the plain form with ``fullgraph=True`` and runs
   it, and compares the two results (not where an input and the result hold a NaN or an
-  infinity, where which entries come out NaN depends on the order of operations: that
-  call returns the eager result and makes no entry, so the next call is a first call;
-  data that always holds a NaN the function masks gives a finite result, which is
-  compared). If compiling fails, or the results differ beyond rounding, a one-time
-  :class:`~torch_vjp.JacobianWarning` says why (naming the likely cause where the eager
-  call drew random numbers or wrote into its input:
+  infinity, ``all_finite``: that call makes no entry). If compiling fails, or the results
+  differ beyond rounding, a one-time :class:`~torch_vjp.JacobianWarning` says why (naming
+  the likely cause where the eager call drew random numbers or wrote into its input:
   :class:`~torch_vjp._engine.compile_checks.FirstRun`) and that signature stays eager;
   otherwise later calls with that signature run the compiled program only. The first
   call returns the eager result; so does a later call that makes dynamo recompile the
