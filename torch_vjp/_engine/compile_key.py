@@ -5,6 +5,7 @@ signature of a call's arguments and of the global state a traced program bakes i
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem"]
+__all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem",
+           "HOOK_GUARDS", "HookGuards"]
 
 
 def program_key(f: object, *, passed: bool = False, depth: int = 3,
@@ -201,3 +203,44 @@ def key_stem(key: object) -> object:
     if key and key[0] == "partial" and len(key) == 4:
         return ("partial", key_stem(key[1]), len(key[2]), tuple(k for k, _ in key[3]))
     return tuple(key_stem(k) for k in key)
+
+
+class HookGuards:
+    """Dynamo guards on the hooks of the modules a program calls while any compiled call of
+    ours runs (and may compile).
+
+    By default (``torch._dynamo.config.skip_nnmodule_hook_guards``) dynamo does not guard
+    the empty hook dicts of the modules it traces, so a hook registered after the first
+    call would be ignored by every later one: a forward hook that rescales an output, left
+    out of the Jacobian. Guards are built when a program is compiled, which happens inside
+    the call that meets a new hook (a recompile), so the setting is held for the whole call.
+    A count under a lock keeps it for overlapping calls in several threads; the user's
+    own compiles that run meanwhile get the stricter guards too, which only costs them a
+    check. Held for every compiled call, not only where :func:`modules_reached` finds a
+    module: a module reached in a way that search does not follow must not lose its
+    hooks."""
+
+    __slots__ = ("depth", "saved", "lock")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.saved = True
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        config = torch._dynamo.config  # (imported by torch.compile, which ran before)
+        with self.lock:
+            if self.depth == 0:
+                self.saved = config.skip_nnmodule_hook_guards
+                config.skip_nnmodule_hook_guards = False
+            self.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        config = torch._dynamo.config
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                config.skip_nnmodule_hook_guards = self.saved
+
+
+HOOK_GUARDS = HookGuards()

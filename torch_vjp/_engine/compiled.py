@@ -27,8 +27,9 @@ one graph.
   every buffer its forward changed (BatchNorm's running statistics, spectral norm's
   vectors), since the program runs ``f`` as often as the products need. Every compiled
   call also runs with dynamo's guards on empty module hook dicts switched on
-  (:class:`_HookGuards`): a hook registered after the first call recompiles the program
-  instead of being left out of every later result. A function whose
+  (:class:`~torch_vjp._engine.compile_key.HookGuards`): a hook registered after the first
+  call recompiles the program instead of being left out of every later result. A function
+  whose
   first compiled run changes a parameter in place (an Embedding with max_norm) gets the
   parameter back and stays eager, where such changes are put back on every call.
 
@@ -88,7 +89,8 @@ from torch.utils._pytree import tree_map
 
 from torch_vjp._engine.compile_checks import (FirstRun, all_finite, compile_failure,
                                               results_agree, warn_eager, warn_rebuilt)
-from torch_vjp._engine.compile_key import call_signature, held_key, key_stem, program_key
+from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
+                                          program_key)
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        module_tree, modules_reached, reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
@@ -317,46 +319,6 @@ def _closure_variants(key: tuple[Any, ...]) -> int:
     return count
 
 
-class _HookGuards:
-    """Dynamo guards on the hooks of the modules a program calls while any compiled call of
-    ours runs (and may compile).
-
-    By default (``torch._dynamo.config.skip_nnmodule_hook_guards``) dynamo does not guard
-    the empty hook dicts of the modules it traces, so a hook registered after the first
-    call would be ignored by every later one: a forward hook that rescales an output, left
-    out of the Jacobian. Guards are built when a program is compiled, which happens inside
-    the call that meets a new hook (a recompile), so the setting is held for the whole call.
-    A count under ``_LOCK`` keeps it for overlapping calls in several threads; the user's
-    own compiles that run meanwhile get the stricter guards too, which only costs them a
-    check. Held for every compiled call, not only where :func:`modules_reached` finds a
-    module: a module reached in a way that search does not follow must not lose its
-    hooks."""
-
-    __slots__ = ("depth", "saved")
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.saved = True
-
-    def __enter__(self) -> None:
-        config = torch._dynamo.config  # (imported by torch.compile, which ran before)
-        with _LOCK:
-            if self.depth == 0:
-                self.saved = config.skip_nnmodule_hook_guards
-                config.skip_nnmodule_hook_guards = False
-            self.depth += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        config = torch._dynamo.config
-        with _LOCK:
-            self.depth -= 1
-            if self.depth == 0:
-                config.skip_nnmodule_hook_guards = self.saved
-
-
-_HOOK_GUARDS = _HookGuards()
-
-
 def compiled_call(
     call: str,
     f: object,
@@ -413,7 +375,7 @@ def compiled_call(
     if entry.run is None:
         return eager()
     try:
-        with _HOOK_GUARDS, buffers_kept(f, found=found):
+        with HOOK_GUARDS, buffers_kept(f, found=found):
             before = _variants(entry.code)
             got = entry(f, args)  # this call's f: its closure as it is now
             recompiled = _variants(entry.code) != before
@@ -521,7 +483,7 @@ def _compile_first(
                              for p in m._parameters.values()  # may define __eq__ alone)
                              if p is not None and id(p) not in seen and not seen.add(id(p))])
     try:
-        with _HOOK_GUARDS, buffers_kept(f):  # build() may call f (captured tensors kept too)
+        with HOOK_GUARDS, buffers_kept(f):  # build() may call f (captured tensors kept too)
             built = build()
             built, fresh = built if isinstance(built, Built) else (built, tuple)
             own = _own_code(_on_copies(built, len(args)), name)
