@@ -2033,3 +2033,21 @@ def test_auto_with_an_infinity_in_a_captured_tensor_warns_and_remembers_nothing(
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
         sparse_jacobian(f, x)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_a_users_pattern_probed_with_an_inf_in_a_captured_tensor_is_still_probed(mode):
+    # x finite, an infinity in a tensor f captures: the probe's products held NaN, it
+    # disagreed, and probing stopped for good; the next finite call with a pattern that
+    # leaves out entries was silently 2.18 off
+    x = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0))
+    c = torch.ones(5, dtype=D)
+    diag = torch.eye(5, dtype=torch.bool)
+    f = lambda u: u * u.roll(1) * c  # noqa: E731
+    c[2] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        sparse_jacobian(f, x, pattern=diag, mode=mode)
+    c[2] = 1.0
+    with pytest.raises(tv.JacobianOptionError, match="pattern leaves out non-zeros"):
+        sparse_jacobian(f, x, pattern=diag, mode=mode)

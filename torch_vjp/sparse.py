@@ -292,7 +292,10 @@ def sparse_jacobian(
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     if probe and m == plan.pattern.m:
         comp, extra = comp[:-1], comp[-1]
-        off, diff, scale = stale(plan, coloring, comp, extra, seed)
+        # (nor where the products hold a NaN or an infinity from a tensor f captures, x
+        # finite: a disagreement there turned probing off for good as much)
+        off, diff, scale = (stale(plan, coloring, comp, extra, seed)
+                            if finite_products([comp, extra]) else (False, 0.0, 0.0))
         if off and plan.user:
             users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
                                  (coloring, comp, seed))
