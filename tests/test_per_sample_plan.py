@@ -1642,7 +1642,14 @@ class _DictFlagHooks:
     __call__ = hook
 
 
-@pytest.mark.parametrize("kind", ["global", "closure", "partial", "method", "object"])
+class _GlobalFlagHook:
+    # (reads a global dict, not an attribute: its __call__'s globals were not keyed)
+    def __call__(self, mod, inp, out):
+        return out - out.mean(0, keepdim=True) if _FLAG["on"] else 2 * out
+
+
+@pytest.mark.parametrize("kind", ["global", "closure", "partial", "method", "object",
+                                  "object-global", "partial-object"])
 def test_a_hook_reading_a_flag_in_a_dict_makes_a_new_plan_when_it_is_switched(kind):
     # hooks were keyed by route_key, which reads a dict by its identity only: switching
     # flag["on"] on kept the plan made with it off, the hook then mixed the examples and
@@ -1650,9 +1657,11 @@ def test_a_hook_reading_a_flag_in_a_dict_makes_a_new_plan_when_it_is_switched(ki
     x, t = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     loss = nn.CrossEntropyLoss()
-    flag = _FLAG if kind == "global" else {"on": False}
+    flag = _FLAG if kind in ("global", "object-global") else {"on": False}
     flag["on"] = False
     hook = (_dict_flag_hook if kind == "global" else
+            _GlobalFlagHook() if kind == "object-global" else
+            functools.partial(_DictFlagHooks(flag)) if kind == "partial-object" else
             functools.partial(_dict_flag_partial, flag) if kind == "partial" else
             _DictFlagHooks(flag).hook if kind == "method" else
             _DictFlagHooks(flag) if kind == "object" else

@@ -284,23 +284,29 @@ def _hook_key(h: Any) -> Any:
     bool/str/None attributes and the truth of its numbers; another callable object by its
     type and those attributes (a hook object made afresh each step keeps the plan; one
     whose ``mix`` flag turned on makes another), and by the entries its ``__call__`` reads
-    one level into those attributes (``self.cfg["on"]``). A function's, method's or partial's also
+    one level into those attributes (``self.cfg["on"]``) and the globals and closure cells
+    it names (``CFG["on"]``), as a bound method's. A function's, method's or partial's also
     by the flags its code reads (:func:`function_flags`, as a loss function is keyed, and
     the entries of a partial's arguments): ``route_key`` reads a dict only by its identity,
-    so a hook reading ``flag["on"]`` kept its plan when the flag was switched on."""
+    so a hook reading ``flag["on"]`` kept its plan when the flag was switched on. A
+    partial's function by this key too (a partial of a hook object)."""
     if isinstance(h, functools.partial):
-        reads = _names_read(getattr(h.func, "__code__", None) or _EMPTY_CODE)
+        # (its function by _hook_key too: a callable object's __call__, whose flags
+        # function_flags does not find, as it has no __code__)
+        func = h.func if hasattr(h.func, "__code__") else getattr(type(h.func), "__call__", None)
+        reads = _names_read(getattr(func, "__code__", None) or _EMPTY_CODE)
         held = tuple(nested_flags(a, reads) for a in (*h.args, *h.keywords.values()))
-        return (route_key(h), function_flags(h.func), held)
+        return (route_key(h), _hook_key(h.func), held)
     if isinstance(h, types.FunctionType):
         return (route_key(h), function_flags(h))
     if isinstance(h, types.MethodType):
         return ("method", route_key(h.__func__), type(h.__self__), _object_flags(h.__self__),
                 function_flags(h))
-    # (and by what its __call__ reads: self.cfg["on"])
+    # (and by what its __call__ reads: self.cfg["on"], and the globals and closure cells
+    # it names, CFG["on"], as a bound method's)
     call = getattr(type(h), "__call__", None)
-    reads = _names_read(getattr(call, "__code__", None) or _EMPTY_CODE)
-    return (type(h), _object_flags(h), object_flags(h, reads) if reads else ())
+    return (type(h), _object_flags(h), function_flags(types.MethodType(call, h))
+            if isinstance(call, types.FunctionType) else ())
 
 
 _EMPTY_CODE = (lambda: None).__code__
