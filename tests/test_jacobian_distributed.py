@@ -759,6 +759,27 @@ def test_sharded_batch_jacobian_of_a_mixing_f_at_a_nan_point_raises(one_rank_gro
         tv.batch_jacobian(lambda x: x - x.mean(0), xb, process_group=one_rank_group)
 
 
+def test_sharded_auto_with_an_infinity_in_a_captured_tensor_warns_and_remembers_nothing(
+        one_rank_group):
+    # 7d9b55d fixed this on one process only: sharded, x finite and w[1] = inf captured,
+    # batch_jacobian warned 'reverse mode under torch.vmap disagrees ... (by up to inf)'
+    # and jacobian remembered 'rev' for the function and shapes (no check at a later point)
+    from torch_vjp._engine import fwdcheck
+
+    fwdcheck.CHECKED.clear()
+    x = torch.randn(3, dtype=DT, generator=torch.Generator().manual_seed(0))
+    xb = torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    w = torch.tensor([1.0, float("inf"), -2.0, 0.5], dtype=DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        tv.jacobian(lambda x: torch.outer(x, w) * x.sum(), x, process_group=one_rank_group)
+        got = tv.batch_jacobian(lambda x: x.sin() * w[:3], xb, process_group=one_rank_group)
+    assert not fwdcheck.CHECKED
+    want = torch.func.vmap(torch.func.jacrev(lambda r: r.sin() * w[:3]))(xb)
+    keep = torch.tensor([0, 2])  # (the finite block: jacrev gives 0 * inf = NaN beside it)
+    torch.testing.assert_close(got[:, keep][:, :, keep], want[:, keep][:, :, keep])
+
+
 def test_sharded_jacobian_err_check(one_rank_group):
     x = torch.randn(4, dtype=DT)
     with pytest.raises(tv.JacobianOptionError, match=r"(?s)process_group is an object of type "

@@ -368,7 +368,8 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
 
     ok, diff, scale = agrees(part, mode)
     if ok:
-        if finite_point(prob):  # (at a NaN or an infinity nothing was compared)
+        # (at a NaN or an infinity, in x or in the products, nothing was compared)
+        if finite_point(prob) and math.isfinite(scale):
             remember(key, mode)
         elif work.batch is not None:  # (but a flow across rows shows there too)
             _refuse_mixing(prob, work, None, None, group, device)

@@ -41,6 +41,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from torch_vjp._engine.context import buffers_kept, modules_reached, reached
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
+    finite_products,
     gap,
     one_reverse_product,
     stacked_gap,
@@ -78,7 +79,9 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
             batch: int | None) -> tuple[float, float] | None:
     """``(difference, scale)`` between ``u^T J`` read from this rank's products (``stacked``,
     in ``mode``, numbered ``[start, stop)``) and one reverse product (NOTE [sharded auto,
-    checked]); None where the reverse product cannot be taken."""
+    checked]); None where the reverse product cannot be taken; ``(0, inf)`` where it holds a
+    NaN or an infinity (from a tensor f reads but does not differentiate, x finite): no
+    comparison there, and a scale no rank's route is remembered at."""
     if stop == start:
         return 0.0, 0.0
     keep = None if mode == "fwd" else (lambda us: _only_rows(us, start, stop, batch))
@@ -86,6 +89,8 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
     if got is None:
         return None
     flat, us, grads = got
+    if not finite_products(grads):
+        return 0.0, math.inf
     with torch.no_grad():
         if mode == "fwd":
             if len(flat) != len(stacked):
