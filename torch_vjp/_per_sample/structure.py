@@ -46,9 +46,9 @@ _READS: dict[Any, tuple[str, ...]] = {}
 #: The most entries of a dict (or attributes of an object) read one level deep for flags.
 _MAX_NESTED = 256
 #: Types never read one level deep: what holds no flag of the user's, or holds too much.
-_NOT_NESTED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+_NOT_NESTED = (type, types.FunctionType, types.BuiltinFunctionType,
                types.MethodType, functools.partial, nn.Module, Tensor)
-_NESTED: dict[type, int] = {}  # per type: 0 not read, 1 a dict, 2 an object's attributes
+_NESTED: dict[type, int] = {}  # per type: 0 not read, 1 a dict, 2 an object's, 3 a module's
 _CODE_READS: dict[Any, frozenset[str]] = {}  # per code object: ``_names_read``
 _TYPE_READS: dict[type, frozenset[str]] = {}  # per module type: ``_type_reads``
 #: Per set of names read (by id; the set is held, so that its id is not reused): the names
@@ -108,12 +108,14 @@ def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
     kind = type(v)
     how = _NESTED.get(kind)
     if how is None:
-        how = _NESTED[kind] = (1 if kind is dict else
-                               0 if issubclass(kind, _NOT_NESTED) else 2)
-    if how == 0:
+        how = _NESTED[kind] = (1 if kind is dict else 3 if issubclass(kind, types.ModuleType)
+                               else 0 if issubclass(kind, _NOT_NESTED) else 2)
+    if how == 0 or (how == 3 and v.__name__.partition(".")[0] == "torch"):  # type: ignore
         return NotImplemented
     items = v if how == 1 else getattr(v, "__dict__", None)
-    if items is None or len(items) > _MAX_NESTED:  # type: ignore[arg-type]
+    # (a config module of the user's, mycfg.MIX, at any size: only the names read are
+    # looked up; torch's own hold no flag of the user's)
+    if items is None or (how != 3 and len(items) > _MAX_NESTED):  # type: ignore[arg-type]
         return NotImplemented
     # (the names read that the object holds now, looked up each call: a cache by the
     # object's size missed an entry deleted and another added, and reused a stale plan)
