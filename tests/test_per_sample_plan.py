@@ -1683,26 +1683,37 @@ _CFG_MODULE = types.ModuleType("user_config")  # (a config module: import cfg; c
 _CFG_MODULE.MIX = False
 
 
+class _CfgClass:  # (a config class: Config.MIX)
+    MIX = False
+
+
 def _module_flag_hook(mod, inp, out):
     return out - out.mean(0, keepdim=True) if _CFG_MODULE.MIX else 2 * out
 
 
-def test_a_hook_reading_a_flag_of_a_config_module_makes_a_new_plan_when_it_is_switched():
-    # modules were never read one level deep for flags: a hook reading cfg.MIX kept the
-    # plan made with it off, and with it on the gradients were off by 0.85, no error
+def _class_flag_hook(mod, inp, out):
+    return out - out.mean(0, keepdim=True) if _CfgClass.MIX else 2 * out
+
+
+@pytest.mark.parametrize("kind", ["module", "class"])
+def test_a_hook_reading_a_flag_of_a_config_module_makes_a_new_plan_when_it_is_switched(kind):
+    # modules and classes were never read one level deep for flags: a hook reading cfg.MIX
+    # (or Config.MIX) kept the plan made with it off; with it on the gradients were off by
+    # 0.85, no error
     x, t = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     loss = nn.CrossEntropyLoss()
-    m[0].register_forward_hook(_module_flag_hook)
+    cfg = _CFG_MODULE if kind == "module" else _CfgClass
+    m[0].register_forward_hook(_module_flag_hook if kind == "module" else _class_flag_hook)
     try:
-        for _ in range(2):  # (the module unchanged: the plan is kept)
+        for _ in range(2):  # (unchanged: the plan is kept)
             assert_matches(tv.per_sample_grads(m, loss, x, t), loop_reference(m, loss, x, t))
         assert len(plan_module._PLANS[m]) == 1
-        _CFG_MODULE.MIX = True
+        cfg.MIX = True
         with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
             tv.per_sample_grads(m, loss, x, t)
     finally:
-        _CFG_MODULE.MIX = False
+        cfg.MIX = False
 
 
 class _Mixer:

@@ -49,6 +49,8 @@ _MAX_NESTED = 256
 _NOT_NESTED = (type, types.FunctionType, types.BuiltinFunctionType,
                types.MethodType, functools.partial, nn.Module, Tensor)
 _NESTED: dict[type, int] = {}  # per type: 0 not read, 1 a dict, 2 an object's, 3 a module's
+#: or a class's (read by the names the code reads); those of other modules than these
+_NOT_USERS = frozenset({"torch", "builtins"})
 _CODE_READS: dict[Any, frozenset[str]] = {}  # per code object: ``_names_read``
 _TYPE_READS: dict[type, frozenset[str]] = {}  # per module type: ``_type_reads``
 #: Per set of names read (by id; the set is held, so that its id is not reused): the names
@@ -109,12 +111,13 @@ def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
     how = _NESTED.get(kind)
     if how is None:
         how = _NESTED[kind] = (1 if kind is dict else 3 if issubclass(kind, types.ModuleType)
+                               else 3 if issubclass(kind, type)
                                else 0 if issubclass(kind, _NOT_NESTED) else 2)
-    if how == 0 or (how == 3 and v.__name__.partition(".")[0] == "torch"):  # type: ignore
+    if how == 0 or (how == 3 and not _users(v)):
         return NotImplemented
     items = v if how == 1 else getattr(v, "__dict__", None)
-    # (a config module of the user's, mycfg.MIX, at any size: only the names read are
-    # looked up; torch's own hold no flag of the user's)
+    # (a config module of the user's, mycfg.MIX, or a class, Config.MIX, at any size: only
+    # the names read are looked up; torch's own and the builtins hold no flag of the user's)
     if items is None or (how != 3 and len(items) > _MAX_NESTED):  # type: ignore[arg-type]
         return NotImplemented
     # (the names read that the object holds now, looked up each call: a cache by the
@@ -126,6 +129,12 @@ def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
             if f is not NotImplemented:
                 out.append((k, f))
     return ("nested", tuple(out))
+
+
+def _users(v: object) -> bool:
+    """Whether a module or a class is the user's: not torch's, not a builtin."""
+    name = getattr(v, "__module__" if isinstance(v, type) else "__name__", None)
+    return isinstance(name, str) and name.partition(".")[0] not in _NOT_USERS
 
 
 def _sorted_reads(reads: frozenset[str]) -> tuple[str, ...]:
