@@ -29,6 +29,7 @@ from torch_vjp._errors import (
     PerSampleError,
     StrategyError,
     TorchVJPWarning,
+    a_type,
     first_time,
     quote_error,
     user_stacklevel,
@@ -36,9 +37,10 @@ from torch_vjp._errors import (
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree, targets_in_dims
 from torch_vjp._per_sample.plan import functional_call
+from torch_vjp._per_sample.registry import declining_rule, rule_for
 
 __all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state", "CannotBatch",
-           "warn_loop", "REENTRANT"]
+           "warn_loop", "REENTRANT", "outside_reason"]
 
 
 class CannotBatch(Exception):
@@ -416,3 +418,45 @@ def warn_loop(fn: str, model: nn.Module, err: BaseException) -> None:
         stacklevel=user_stacklevel(),
     )
 
+
+_COMPUTED = ("the layer is called with a weight computed from its parameters (a "
+             "parametrization, or weight_norm's pre-hook), and the rule gives per-sample "
+             "gradients for the tensors a layer is called with, not for what they are "
+             "computed from")
+
+
+def outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
+    """Why parameter ``name`` falls back to vmap or the loop (no rule computes it): the
+    reason a plan shows for it."""
+    path = name.rpartition(".")[0]
+    # (a parametrized tensor lives in '<layer>.parametrizations.<name>': the layer owns it)
+    dotted = "." + path
+    owner_path = dotted.partition(".parametrizations")[0][1:] if (
+        ".parametrizations" in dotted) else path
+    try:
+        owner = model.get_submodule(owner_path)
+    except AttributeError:
+        owner = None
+    weight = getattr(owner, "weight", None)
+    computed = isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter)
+    if owner is not None and rule_for(owner) is not None and (owner_path != path or computed):
+        where = f"module '{owner_path}'" if owner_path else "the model itself"
+        return f"{where} is {a_type(owner)}, which has a rule, but {_COMPUTED}"
+    if used:
+        return ("it is used outside the layers that have rules (directly in a forward, or "
+                "by a layer without one)")
+    try:
+        m = model.get_submodule(path)
+    except AttributeError:
+        return "it has no per-layer rule"
+    declining = declining_rule(m)
+    if declining is not None:
+        where = f"module '{path}'" if path else "the model itself"
+        return f"{declining.declined(m)} ({where}: {type(m).__name__})"
+    if rule_for(m) is not None:
+        return (f"its module '{path}' ({type(m).__name__}) has a rule but is not called: the "
+                f"parameter is read directly (by a forward, or by the loss function)")
+    if not path:
+        return (f"it belongs to the model itself, {a_type(m)}, which has no per-layer "
+                f"rule")
+    return f"its module '{path}' is {a_type(m)}, which has no per-layer rule"

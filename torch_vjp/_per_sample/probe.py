@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._engine.context import Watched
-from torch_vjp._errors import TorchVJPError, a_type, quote_error
+from torch_vjp._errors import TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.structure import (
     _names_read,
@@ -25,7 +25,7 @@ from torch_vjp._per_sample.structure import (
     object_flags,
     structure_of,
 )
-from torch_vjp._per_sample.fallback import REENTRANT
+from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import loss_sum
 from torch_vjp._per_sample.plan import (
@@ -39,15 +39,12 @@ from torch_vjp._per_sample.plan import (
     seeded_forward,
 )
 from torch_vjp._per_sample.recorder import Recorder
-from torch_vjp._per_sample.registry import Call, UserRule, declining_rule, rule_for
+from torch_vjp._per_sample.registry import Call, UserRule, declining_rule
 
 __all__ = ["input_entries", "plan_for", "plan_key", "forget_plans", "build_plan"]
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Plan]] = weakref.WeakKeyDictionary()
 _MAX_PER_MODEL = 16
-
-
-_SETTING_TYPES = frozenset((int, float, str, bool, type(None)))
 
 
 def _loss_key(loss_fn: Any) -> Any:
@@ -523,7 +520,7 @@ def _probe_at(
             c, why = bad[0]
             plan.params[name] = ParamPlan(name, fallback, "", f"in '{c.path}', {why}")
         elif name in outside:
-            plan.params[name] = ParamPlan(name, fallback, "", _outside_reason(model, name, used))
+            plan.params[name] = ParamPlan(name, fallback, "", outside_reason(model, name, used))
         elif not used:
             plan.params[name] = ParamPlan(name, "zero", "", "no gradient reaches it")
         else:
@@ -568,44 +565,3 @@ def _same_output(a: Any, b: Any) -> bool:
                                                     equal_nan=True):
             return False
     return True
-
-
-_COMPUTED = ("the layer is called with a weight computed from its parameters (a "
-             "parametrization, or weight_norm's pre-hook), and the rule gives per-sample "
-             "gradients for the tensors a layer is called with, not for what they are "
-             "computed from")
-
-
-def _outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
-    path = name.rpartition(".")[0]
-    # (a parametrized tensor lives in '<layer>.parametrizations.<name>': the layer owns it)
-    dotted = "." + path
-    owner_path = dotted.partition(".parametrizations")[0][1:] if (
-        ".parametrizations" in dotted) else path
-    try:
-        owner = model.get_submodule(owner_path)
-    except AttributeError:
-        owner = None
-    weight = getattr(owner, "weight", None)
-    computed = isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter)
-    if owner is not None and rule_for(owner) is not None and (owner_path != path or computed):
-        where = f"module '{owner_path}'" if owner_path else "the model itself"
-        return f"{where} is {a_type(owner)}, which has a rule, but {_COMPUTED}"
-    if used:
-        return ("it is used outside the layers that have rules (directly in a forward, or "
-                "by a layer without one)")
-    try:
-        m = model.get_submodule(path)
-    except AttributeError:
-        return "it has no per-layer rule"
-    declining = declining_rule(m)
-    if declining is not None:
-        where = f"module '{path}'" if path else "the model itself"
-        return f"{declining.declined(m)} ({where}: {type(m).__name__})"
-    if rule_for(m) is not None:
-        return (f"its module '{path}' ({type(m).__name__}) has a rule but is not called: the "
-                f"parameter is read directly (by a forward, or by the loss function)")
-    if not path:
-        return (f"it belongs to the model itself, {a_type(m)}, which has no per-layer "
-                f"rule")
-    return f"its module '{path}' is {a_type(m)}, which has no per-layer rule"
