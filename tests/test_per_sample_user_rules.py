@@ -268,35 +268,9 @@ def test_batch_dims_that_are_not_dimensions_of_the_input_are_named(returned, sho
         probe.forget_plans()
 
 
-def test_a_rule_layer_that_adds_its_own_bias_counts_it_once_beside_a_frozen_selection(
-        affine_rule):
-    # a frozen parameter in params makes the rules' pass track stand-ins, which the layer
-    # does not hold before its forward, and a parameter added to the batch makes that pass
-    # record direct uses: the layer's own add was recorded again there ('hooks' refused,
-    # "the layers the model calls change from one call to the next")
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = affine_rule(3)
-            self.pos = nn.Parameter(torch.linspace(-0.5, 0.5, 3))
-            self.fc = nn.Linear(3, 2)
-
-        def forward(self, x):
-            return self.fc(torch.tanh(self.a(x) + self.pos))
-
-    torch.manual_seed(0)
-    model = Net().to(DT)
-    model.fc.weight.requires_grad_(False)
-    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
-    names = ["a.w", "a.b", "pos", "fc.weight"]
-    ref = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, params=names, strategy="loop")
-    got = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, params=names,
-                              strategy="hooks")
-    for n, g in ref.items():
-        torch.testing.assert_close(got[n], g)
-
-
-def _frozen_selection_net(layer):
+def _frozen_selection_net(layer, frozen="a.w"):
+    """A rule layer ``a``, a parameter added to its output, and a Linear; the parameter
+    ``frozen`` is frozen (in params, the call then records a stand-in for it)."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -309,8 +283,23 @@ def _frozen_selection_net(layer):
 
     torch.manual_seed(0)
     model = Net().to(DT)
-    model.a.w.requires_grad_(False)  # (frozen, but in params: the call records a stand-in)
+    model.get_parameter(frozen).requires_grad_(False)
     return model, torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+
+
+def test_a_rule_layer_that_adds_its_own_bias_counts_it_once_beside_a_frozen_selection(
+        affine_rule):
+    # a frozen parameter in params makes the rules' pass track stand-ins, which the layer
+    # does not hold before its forward, and a parameter added to the batch makes that pass
+    # record direct uses: the layer's own add was recorded again there ('hooks' refused,
+    # "the layers the model calls change from one call to the next")
+    model, x, y = _frozen_selection_net(affine_rule(3), frozen="fc.weight")
+    names = ["a.w", "a.b", "pos", "fc.weight"]
+    ref = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, params=names, strategy="loop")
+    got = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, params=names,
+                              strategy="hooks")
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g)
 
 
 def test_a_rule_keyed_by_a_frozen_selected_parameter_itself_is_not_dropped():
