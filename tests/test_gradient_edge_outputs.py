@@ -96,10 +96,13 @@ def test_check_grad_outputs_rejects_an_output_that_is_no_tensor(other):
     with pytest.raises(tv.GradOutputsTypeError) as info:
         tv.check_grad_outputs([x * 2, other], [torch.ones(3), None])
     name = "a float" if other is not None else "None"
+    fix = ("pass the tensor itself (.item() gives a number, which holds no graph)"
+           if other is not None else
+           "leave outputs[1] out of outputs, and its entry out of grad_outputs: None holds "
+           "nothing to differentiate")
     assert str(info.value) == (
         f"torch_vjp.check_grad_outputs: outputs[1] is {name}, but each entry of outputs must "
         f"be a tensor (or a GradientEdge of one).\n"
         f"  outputs are the outputs y whose vector-Jacobian product is taken, tensors "
-        f"computed from ones that require grad. Fix: pass the tensor itself (.item() gives a "
-        f"number, which holds no graph).")
+        f"computed from ones that require grad. Fix: {fix}.")
     assert isinstance(info.value, TypeError)

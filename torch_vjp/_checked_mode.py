@@ -86,7 +86,7 @@ from torch_vjp._checks import (
     check_cotangents,
 )
 from torch_vjp._drop_ins import _backward, _grad
-from torch_vjp._engine.context import recording_connected
+from torch_vjp._transform_support import recording_connected
 from torch_vjp._errors import GradOutputsError, env_flag
 
 

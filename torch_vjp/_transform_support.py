@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
@@ -32,7 +33,7 @@ from torch_vjp._errors import (
     warn_once,
 )
 
-__all__: list[str] = []
+__all__ = ["recording_connected"]
 
 
 @contextlib.contextmanager
@@ -190,3 +191,19 @@ def _has_internal_overlap(x: Tensor) -> bool:
 
 def _batch_size(vectors: list[Tensor]) -> int:
     return int(vectors[0].shape[0])
+
+
+def recording_connected(f: Callable[..., Any], has_aux: bool
+                        ) -> tuple[Callable[..., Any], list[bool]]:
+    """``f`` as torch.func.vjp calls it, recording into the list returned with it whether
+    each flat output depends on the primals (requires grad at the transform's level), for
+    :func:`torch_vjp._checks.check_cotangents`' ``connected``."""
+    connected: list[bool] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        res = f(*args, **kwargs)
+        out = res[0] if has_aux and isinstance(res, tuple) and len(res) == 2 else res
+        connected[:] = [not isinstance(o, Tensor) or o.requires_grad for o in tree_leaves(out)]
+        return res
+
+    return recorded, connected

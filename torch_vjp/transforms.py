@@ -32,8 +32,7 @@ from torch_vjp._checks import (
 )
 from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, own_builds,
                                         results_agree, tracing)
-from torch_vjp._engine.context import (buffers_kept, func_jvp, func_vjp, is_nested,
-                                       recording_connected)
+from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp, is_nested
 from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.memory import check_chunk_size
@@ -49,6 +48,7 @@ from torch_vjp._transform_support import (
     _has_internal_overlap,
     _output_shaped_tangent,
     _vectorised_or_loop,
+    recording_connected,
 )
 
 __all__ = ["vjp", "jvp"]

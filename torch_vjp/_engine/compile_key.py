@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
+from torch_vjp._engine.context import module_own_attrs
+
 __all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem",
            "HOOK_GUARDS", "HookGuards"]
 
@@ -66,8 +68,14 @@ def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> obj
         return program_key(v, passed=True, depth=depth, keep=keep)
     if (isinstance(v, torch.nn.Module) and not v._parameters and not v._modules
             and type(v).forward is not torch.nn.Module.forward):
+        # (its attributes but those every module has, its registries and hooks, learned
+        # from a Module built on the first call, not at import, which would log torch's
+        # API usage: the user's own, private ones too, ``self._margin``: two instances that
+        # differ there only shared an entry, and dynamo's guard on it recompiled it on
+        # every call that alternated them, until it went eager, blaming a global)
+        own = module_own_attrs()
         attrs = tuple((k, held_key(x, 0, keep)) for k, x in v.__dict__.items()
-                      if k not in _MODULE_OWN)
+                      if k not in own or k == "training")
         buffers = tuple((k, _leaf_signature(x, keep)) for k, x in v._buffers.items())
         return ("module", type(v), attrs, buffers)
     if type(v) in (tuple, list, dict):  # (a batch held as a dict or tuple of tensors)
@@ -76,13 +84,6 @@ def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> obj
         except (_NotPlain, RecursionError):  # (one that holds itself: by identity)
             pass
     return _leaf_signature(v, keep)
-
-
-#: The attributes every module has (its parameters, buffers, hooks): left out of a loss
-#: module's key, which holds the user's own, private ones too (``self._margin``: two
-#: instances that differ there only shared an entry, and dynamo's guard on it recompiled
-#: it on every call that alternated them, until it went eager, blaming a global).
-_MODULE_OWN = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
 def _kept(v: object, keep: list[object] | None) -> None:

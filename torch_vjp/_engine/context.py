@@ -27,12 +27,11 @@ import itertools
 import numbers
 import types
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.kept import (CAPTURED, KEPT_ELEMENTS, KEPT_TOTAL, LEARNED_FROM, MOVES,
                                      Walked, Watched, captured_kept, module_buffers, walked_tensors,
@@ -65,7 +64,6 @@ __all__ = [
     "captured_tensors",
     "modules_reached",
     "reached",
-    "recording_connected",
     "captured_values",
     "named_globals",
     "module_tree",
@@ -258,6 +256,14 @@ _MODULE_ATTRS: frozenset[str] | None = None
 _PLAIN_TYPES = frozenset({int, float, bool, str, type(None), Tensor, torch.nn.Parameter})
 
 
+def module_own_attrs() -> frozenset[str]:
+    """:data:`_MODULE_ATTRS`, learned on the first call (not at import: see there)."""
+    global _MODULE_ATTRS
+    if _MODULE_ATTRS is None:
+        _MODULE_ATTRS = frozenset(torch.nn.Module().__dict__)
+    return _MODULE_ATTRS
+
+
 def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     """Every module the ``roots`` hold, each once, in the order of ``Module.modules()``: the
     registered submodules, and the modules held in a plain list, tuple or dict attribute of
@@ -266,10 +272,7 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     :data:`_ITEMS_SEARCHED` items of each), with theirs in turn. The plain attributes of
     torch.nn's own classes are not looked at: theirs hold no module (a Linear's are numbers;
     a Transformer's layers are in a ModuleList), and the look cost 1.7 us per module."""
-    global _MODULE_ATTRS
-    module_attrs = _MODULE_ATTRS
-    if module_attrs is None:
-        module_attrs = _MODULE_ATTRS = frozenset(torch.nn.Module().__dict__)
+    module_attrs = module_own_attrs()
     out: list[torch.nn.Module] = []
     seen: set[int] = set()
     stack = list(roots)[::-1]
@@ -581,19 +584,3 @@ def reached(f: object, depth: int = 6) -> tuple[list[torch.nn.Module], list[Tens
 
     visit(f, depth)
     return list(found.values()), list(tensors.values())
-
-
-def recording_connected(f: Callable[..., Any], has_aux: bool
-                        ) -> tuple[Callable[..., Any], list[bool]]:
-    """``f`` as torch.func.vjp calls it, recording into the list returned with it whether
-    each flat output depends on the primals (requires grad at the transform's level), for
-    :func:`torch_vjp._checks.check_cotangents`' ``connected``."""
-    connected: list[bool] = []
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        res = f(*args, **kwargs)
-        out = res[0] if has_aux and isinstance(res, tuple) and len(res) == 2 else res
-        connected[:] = [not isinstance(o, Tensor) or o.requires_grad for o in tree_leaves(out)]
-        return res
-
-    return recorded, connected
