@@ -7,6 +7,7 @@ Every check raises a :class:`~torch_vjp.PerSampleError` subclass (``PerSampleVal
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from torch_vjp._errors import (
     PerSampleError,
@@ -58,11 +59,17 @@ def check_model(fn: str, model: Any) -> None:
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _is_opacus(cls: type) -> bool:
+    """Whether ``cls`` is one of Opacus's GradSampleModule classes (per class, once: the
+    check runs on every call)."""
+    return any(c.__module__.startswith("opacus.grad_sample") for c in cls.__mro__)
+
+
 def check_opacus_hooks(fn: str, path: str, module: nn.Module) -> None:
     """Refuses an Opacus GradSampleModule whose hooks are on (by name: opacus is never
     imported here)."""
-    if not getattr(module, "hooks_enabled", False) or not any(
-            c.__module__.startswith("opacus.grad_sample") for c in type(module).__mro__):
+    if not _is_opacus(type(module)) or not getattr(module, "hooks_enabled", False):
         return
     where = f"module '{path}'" if path else "model"
     raise PerSampleTypeError(
@@ -129,6 +136,9 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
 def check_targets(fn: str, targets: Any, B: int) -> None:
     if targets is None:
         return
+    leaves = (targets,) if isinstance(targets, Tensor) else tree_leaves(targets)
+    if all(not isinstance(t, Tensor) or t.dim() and t.shape[0] == B for t in leaves):
+        return  # (the common case, without the paths, which cost microseconds per call)
     for path, leaf in tree_flatten_with_path(targets)[0]:
         if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != B):
             where = f"targets{keystr(path)}"
