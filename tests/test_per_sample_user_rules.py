@@ -404,3 +404,32 @@ def test_a_rule_that_leaves_out_a_parameter_is_named_by_the_hooks_refusal():
     finally:
         registry._RULES.pop(NoBias, None)
         probe.forget_plans()
+
+
+def test_auto_warns_where_a_users_rule_is_wrong_and_computes_it_another_way(monkeypatch):
+    # 'auto' rerouted a parameter whose user rule disagreed with the loop without a word, so
+    # the rule's bug (here b left out of its dict) went unseen, and every call ran slower
+    from torch_vjp import _errors
+
+    monkeypatch.setattr(_errors, "_WARNED", set())
+
+    class NoBias2(_Affine):
+        pass
+
+    tv.register_per_sample_rule(NoBias2, lambda m, inputs, g: {"w": inputs[0] * g})
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(NoBias2(3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+        x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+        with pytest.warns(tv.TorchVJPWarning, match=re.escape(
+                "the per-sample rule you registered, '<lambda>' (registered for NoBias2), "
+                "gives wrong per-sample gradients for '0.b': the rule result disagreed with "
+                "the per-example loop") + "(.|\n)*" + re.escape(
+                "Check the rule against strategy='loop': it must return every parameter")):
+            got = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="auto")
+        ref = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="loop")
+        for n, g in ref.items():
+            torch.testing.assert_close(got[n], g)
+    finally:
+        registry._RULES.pop(NoBias2, None)
+        probe.forget_plans()

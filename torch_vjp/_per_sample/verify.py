@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from torch_vjp._errors import PerSampleError
+from torch_vjp._errors import PerSampleError, TorchVJPWarning, warn_once
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.fallback import loop_grads
@@ -124,6 +124,18 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
         setattr(plan, flag, True)
         return []
     for n, why in bad.items():
+        user = plan.params[n].user if plan.params[n].method == "rule" else ""
+        if user:  # (the user's own rule is the likely culprit: say so, once per rule)
+            warn_once(
+                ("per-sample-user-rule", user),
+                f"torch_vjp.{job.fn}: the per-sample rule you registered, {user}, gives "
+                f"wrong per-sample gradients for {n!r}: {why}. strategy='auto' computes it "
+                f"with vmap or the per-example loop instead, which is slower.\n  Check the "
+                f"rule against strategy='loop': it must return every parameter of the layer "
+                f"(a parameter left out of its dict gets none, norm 0), each of shape "
+                f"(B, *parameter.shape). This warning is shown once per rule.",
+                TorchVJPWarning,
+            )
         plan.route([n], why + "; rerouted")
     return list(bad)
 
