@@ -8,6 +8,7 @@ Every result is compared in float64 with the definition, one example at a time.
 from __future__ import annotations
 
 import copy
+import re
 import types
 
 import pytest
@@ -522,3 +523,26 @@ def test_a_module_that_mixes_examples_the_probes_do_not_look_at_is_refused(fn, s
     got = tv.per_sample_grads(model, nn.CrossEntropyLoss(), (x, alone), t, strategy=strategy)
     for n, want in ref.items():
         torch.testing.assert_close(got[n], want, msg=n)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "vmap", "loop"])
+@pytest.mark.parametrize("fn", ["per_sample_grads", "per_sample_grad_norms",
+                                "accumulate_clipped_grads"])
+def test_a_detached_loss_is_refused_not_taken_for_zero_gradients(fn, strategy):
+    # loss_fn returning its loss .detach()ed gave all-zero per-sample gradients (norms 0,
+    # nothing added to .grad) under every strategy, where torch.autograd.grad raises
+    model = torch.nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (4,))
+
+    def loss_fn(out, t):
+        return torch.nn.functional.cross_entropy(out, t).detach()
+
+    kwargs = {"max_norm": 1.0} if fn == "accumulate_clipped_grads" else {}
+    with pytest.raises(tv.PerSampleValueError, match=re.escape(
+            f"torch_vjp.{fn}: loss_fn returned a loss with no autograd graph back to the "
+            f"model's output (it does not require grad, though the output does), so every "
+            f"per-sample gradient would be zero") + r"(.|\n)*Fix: compute the loss from the "
+            r"output with torch operations, without \.detach\(\)"):
+        getattr(tv, fn)(model, loss_fn, x, y, strategy=strategy, **kwargs)
+    assert model.weight.grad is None

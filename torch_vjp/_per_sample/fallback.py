@@ -35,7 +35,8 @@ from torch_vjp._errors import (
     user_stacklevel,
 )
 from torch_vjp._per_sample.args import Job, Selection
-from torch_vjp._per_sample.losses import call_loss, scalar_loss, slice_tree, targets_in_dims
+from torch_vjp._per_sample.losses import (call_loss, check_connected, scalar_loss, slice_tree,
+                                         targets_in_dims)
 from torch_vjp._per_sample.plan import functional_call
 from torch_vjp._per_sample.registry import declining_rule, rule_for
 
@@ -116,6 +117,7 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
                         o = model(*xi)
                         wrt = [sel.tensors[n] for n in names]
                     loss = scalar_loss(fn, call_loss(loss_fn, o, slice_tree(targets, i, i + 1)))
+                    check_connected(fn, loss, o)
                     if loss.requires_grad and _reentrant_in(loss):
                         grads = None  # (autograd.grad would skip its block: backward())
                     else:
@@ -239,7 +241,9 @@ def _by_backward(job: Job, names: list[str], xi: tuple[Tensor, ...], i: int
         for p in frozen:  # (for this example only: stand-ins would be gone by the time
             p.requires_grad_(True)  # the checkpoint recomputes its block)
         with torch.enable_grad():
-            loss = scalar_loss(job.fn, call_loss(job.loss_fn, job.model(*xi), ti))
+            out = job.model(*xi)
+            loss = scalar_loss(job.fn, call_loss(job.loss_fn, out, ti))
+            check_connected(job.fn, loss, out)
             if loss.requires_grad:
                 # every other leaf the loss's graph reaches (one a loss function's closure
                 # holds): its .grad is set aside too

@@ -19,7 +19,7 @@ from torch_vjp._engine.context import grad_enabled
 from torch_vjp._errors import StrategyError, TorchVJPError
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import Factor, full_precision, widened
-from torch_vjp._per_sample.losses import scaled_loss_sum
+from torch_vjp._per_sample.losses import check_connected, scaled_loss_sum
 from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
 from torch_vjp._per_sample.recorder import Recorder, layers_of
 from torch_vjp._per_sample.registry import Call, Declined, UserRule
@@ -90,6 +90,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
             return result
         total, scale = scaled_loss_sum(job.fn, job.loss_fn, out, job.targets, batch,
                                        plan.out_dims)
+        check_connected(job.fn, total, out)
         covered = plan.rule_set()
         needed: list[tuple[Call, CallPlan]] = []
         for c, cp in zip(calls, plan.calls):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from torch_vjp._engine.rows import run_with_fallback
 from torch_vjp._errors import PerSampleValueError, a_type, shape_str
@@ -138,6 +138,23 @@ def scalar_loss(fn: str, loss: Any) -> Tensor:
     raise PerSampleValueError(
         f"torch_vjp.{fn}: loss_fn returned {got} for one example; it must return one "
         f"floating-point number per example (the loss of that example).\n{fix}"
+    )
+
+
+def check_connected(fn: str, loss: Tensor, out: Any) -> None:
+    """Raises where ``loss`` has no graph back to the model's output ``out`` though ``out``
+    has one (``.detach()``, a number turned back into a tensor, ``torch.no_grad`` inside
+    loss_fn): every per-sample gradient would be zero, where ``torch.autograd.grad`` raises.
+    One attribute read where the loss is connected."""
+    if loss.requires_grad or not any(isinstance(t, Tensor) and t.requires_grad
+                                     for t in tree_leaves(out)):
+        return
+    raise PerSampleValueError(
+        f"torch_vjp.{fn}: loss_fn returned a loss with no autograd graph back to the model's "
+        f"output (it does not require grad, though the output does), so every per-sample "
+        f"gradient would be zero; torch.autograd.grad refuses such a loss too.\n  Fix: "
+        f"compute the loss from the output with torch operations, without .detach(), "
+        f".item() or torch.no_grad() inside loss_fn."
     )
 
 

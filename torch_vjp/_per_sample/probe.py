@@ -27,7 +27,7 @@ from torch_vjp._per_sample.structure import (
 )
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
-from torch_vjp._per_sample.losses import loss_sum
+from torch_vjp._per_sample.losses import check_connected, loss_sum
 from torch_vjp._per_sample.plan import (
     CallPlan,
     ParamPlan,
@@ -479,6 +479,7 @@ def _probe_at(
     plan.settings = _settings(layers)
     plan.wanted = dict(rec.wanted)
     total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
+    check_connected(job.fn, total, out)
     calls = rec.calls
     try:
         if batch == 1:
