@@ -1749,16 +1749,7 @@ def test_per_example_jacobians_of_a_square_map_get_the_fix_of_their_usual_order(
 def test_a_caller_in_no_grad_mode_gets_the_check(mode):
     # under torch.no_grad() no output required grad, and a correct Function was refused:
     # "no output of fn requires grad, although input 0 does: there is no backward to run"
-    class Square(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2 * x * g
+    Square = _SquareOfNormalized  # (x * x with a correct backward)
 
     class Forgot2(Square):
         @staticmethod

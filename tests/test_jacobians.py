@@ -1478,19 +1478,30 @@ def _calls_backward(x):
     return x.sin()
 
 
+def _cube_sum_running_backward(x):
+    w = x.detach().requires_grad_()
+    (w * w).sum().backward()  # (plain autograd of f's own, which torch.func refuses)
+    return (x ** 3).sum()
+
+
 @pytest.mark.parametrize("strategy", ["rev", "fwd"])
-def test_vectorised_strategies_explain_plain_autograd_inside_f(strategy):
+@pytest.mark.parametrize("call", ["jacobian", "hessian"])
+def test_vectorised_strategies_explain_plain_autograd_inside_f(call, strategy):
     # torch.func's raw "backward() called inside a functorch transform" passed through,
-    # without the strategies that compute such an f
+    # without the strategies that compute such an f; hessian(strategy="fwd") raised it
+    # (requires_grad_() inside a transform) from the output-size probe
     x = torch.randn(3, dtype=D)
-    with pytest.raises(tv.StrategyError, match=rf"(?s)cannot run f \(_calls_backward\) in "
-                                               rf"{strategy}-mode products: f runs plain "
-                                               rf"autograd itself \(\.backward\(\).*"
-                                               rf"Fix: strategy='auto'"):
-        jacobian(_calls_backward, x, strategy=strategy)
+    fn, f = ((jacobian, _calls_backward) if call == "jacobian"
+             else (hessian, _cube_sum_running_backward))
+    with pytest.raises(tv.StrategyError, match=rf"(?s)^torch_vjp\.{call}: the vectorised "
+                       rf"strategies compute with torch\.func, which cannot run f "
+                       rf"\({f.__name__}\) in {strategy}-mode products: f runs plain "
+                       rf"autograd itself \(\.backward\(\).*Fix: strategy='auto'"):
+        fn(f, x, strategy=strategy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tv.JacobianWarning)
-        torch.testing.assert_close(jacobian(_calls_backward, x), torch.diag(x.cos()))
+        torch.testing.assert_close(fn(f, x), torch.diag(x.cos() if call == "jacobian"
+                                                        else 6 * x))
 
 
 @pytest.mark.parametrize("call", [
@@ -1822,28 +1833,6 @@ def test_hessian_with_plain_autograd_says_why():
                       r"one backward pass per row: usually many times slower .* A custom "
                       r"autograd\.Function with setup_context \(and vmap support\)"):
         hessian(f, torch.randn(3, dtype=D), strategy="rev-loop")
-
-
-def _cube_sum_running_backward(x):
-    w = x.detach().requires_grad_()
-    (w * w).sum().backward()  # (plain autograd of f's own, which torch.func refuses)
-    return (x ** 3).sum()
-
-
-@pytest.mark.parametrize("strategy", ["rev", "fwd"])
-def test_hessian_vectorised_strategies_explain_plain_autograd_inside_f(strategy):
-    # strategy="fwd" raised torch.func's raw RuntimeError (requires_grad_() inside a
-    # transform) from the output-size probe, and named no strategy that computes it
-    x = torch.randn(3, dtype=D)
-    with pytest.raises(tv.StrategyError, match=rf"(?s)^torch_vjp\.hessian: the vectorised "
-                       rf"strategies compute with torch\.func, which cannot run f "
-                       rf"\(_cube_sum_running_backward\) in {strategy}-mode products: f runs "
-                       rf"plain autograd itself.*Fix: strategy='auto'"):
-        hessian(_cube_sum_running_backward, x, strategy=strategy)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tv.JacobianWarning)
-        H = hessian(_cube_sum_running_backward, x, strategy="auto")
-    torch.testing.assert_close(H, torch.diag(6 * x))
 
 
 @pytest.mark.parametrize("strategy", ["auto", "rev", "rev-loop", "fwd-loop"])

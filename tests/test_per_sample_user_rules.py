@@ -383,6 +383,15 @@ def test_a_rule_layers_parameter_added_outside_its_forward_is_recorded(affine_ru
         torch.testing.assert_close(got[n], g)
 
 
+def _registered_without_bias(cls):
+    """``cls`` (an _Affine) registered with a rule that leaves b out of its dict, and a
+    model and batch that use it."""
+    tv.register_per_sample_rule(cls, lambda m, inputs, g: {"w": inputs[0] * g})
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
+    return model, torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+
+
 def test_a_rule_that_leaves_out_a_parameter_is_named_by_the_hooks_refusal():
     # a rule returning {"w": ...} for a layer with w and b: 'hooks' blamed the model ("the
     # model reorders or mixes examples ... or the layer's call is one the rule cannot
@@ -390,11 +399,8 @@ def test_a_rule_that_leaves_out_a_parameter_is_named_by_the_hooks_refusal():
     class NoBias(_Affine):
         pass
 
-    tv.register_per_sample_rule(NoBias, lambda m, inputs, g: {"w": inputs[0] * g})
+    model, x, y = _registered_without_bias(NoBias)
     try:
-        torch.manual_seed(0)
-        model = nn.Sequential(NoBias(3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
-        x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
         with pytest.raises(tv.PerSampleError, match=re.escape(
                 "for '0.b', the rule result disagreed with the per-example loop") + "(.|\n)*"
                 + re.escape("or the rule you registered, '<lambda>' (registered for NoBias), "
@@ -416,11 +422,8 @@ def test_auto_warns_where_a_users_rule_is_wrong_and_computes_it_another_way(monk
     class NoBias2(_Affine):
         pass
 
-    tv.register_per_sample_rule(NoBias2, lambda m, inputs, g: {"w": inputs[0] * g})
+    model, x, y = _registered_without_bias(NoBias2)
     try:
-        torch.manual_seed(0)
-        model = nn.Sequential(NoBias2(3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
-        x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
         with pytest.warns(tv.TorchVJPWarning, match=re.escape(
                 "the per-sample rule you registered, '<lambda>' (registered for NoBias2), "
                 "gives wrong per-sample gradients for '0.b': the rule result disagreed with "
