@@ -1566,24 +1566,29 @@ def test_a_none_output_beside_aux_is_not_blamed_on_a_missing_return():
         jacobian(lambda x: None, x, has_aux=True)  # (it said "returned a NoneType")
 
 
+class _Mine(Exception):
+    """An error of f's own (NOTE [a probe f cannot answer])."""
+
+
+def _failing_with_its_own_error(calls):
+    def fails(x):
+        calls.append(1)
+        raise _Mine("f's own")
+
+    return fails
+
+
 @pytest.mark.parametrize("call", ["jacobian", "batch_jacobian"])
 def test_auto_calls_f_twice_for_an_error_of_its_own(call):
     # NOTE [a probe f cannot answer]: an error of f's own comes from reverse mode again, one
     # more call of f; the retry fell back to the functorch loop and the plain loop as if the
     # error were vmap's, and called f four times (a costly f, or one that counts or logs)
     calls = []
-
-    class Mine(Exception):
-        pass
-
-    def fails(x):
-        calls.append(1)
-        raise Mine("f's own")
-
+    fails = _failing_with_its_own_error(calls)
     x = torch.randn(4, 3, dtype=D)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
-        with pytest.raises(Mine, match="^f's own$"):
+        with pytest.raises(_Mine, match="^f's own$"):
             getattr(tv, call)(fails, x)
     assert len(calls) == 2
 
@@ -1593,15 +1598,8 @@ def test_hessian_calls_f_twice_for_an_error_of_its_own(strategy):
     # NOTE [a probe f cannot answer]: the shape probe's retry in the gradient's reverse mode
     # raises f's own error again; "auto" then tried plain autograd too, a third call of f
     calls = []
-
-    class Mine(Exception):
-        pass
-
-    def fails(x):
-        calls.append(1)
-        raise Mine("f's own")
-
-    with pytest.raises(Mine, match="^f's own$"):
+    fails = _failing_with_its_own_error(calls)
+    with pytest.raises(_Mine, match="^f's own$"):
         hessian(fails, torch.randn(3, dtype=D), strategy=strategy)
     assert len(calls) <= 2
 
