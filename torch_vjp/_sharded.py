@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_unflatten
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
-    finite_point,
+    all_finite,
     no_route_message,
     remember,
     route_key,
@@ -369,7 +369,7 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
     ok, diff, scale = agrees(part, mode)
     if ok:
         # (at a NaN or an infinity, in x or in the products, nothing was compared)
-        if finite_point(prob) and math.isfinite(scale):
+        if all_finite(prob.leaves) and math.isfinite(scale):
             remember(key, mode)
         elif work.batch is not None:  # (but a flow across rows shows there too)
             _refuse_mixing(prob, work, None, None, group, device)

@@ -41,7 +41,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from torch_vjp._engine.context import buffers_kept, modules_reached, reached
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
-    finite_products,
+    all_finite,
     gap,
     one_reverse_product,
     stacked_gap,
@@ -89,7 +89,7 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
     if got is None:
         return None
     flat, us, grads = got
-    if not finite_products(grads):
+    if not all_finite(grads):
         return 0.0, math.inf
     with torch.no_grad():
         if mode == "fwd":

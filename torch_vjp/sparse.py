@@ -28,8 +28,7 @@ from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.fwdcheck import (
     agreeing_route,
-    finite_point,
-    finite_products,
+    all_finite,
     gap,
     route_key,
     one_reverse_product,
@@ -282,7 +281,7 @@ def sparse_jacobian(
     # and infinities of their own, and a disagreement there turned probing off for good, so
     # a user's pattern that leaves out entries went unchecked at every later finite point)
     probe = (not built and plan.probes(pkey) and plan.pattern.by_value is None
-             and not (check and plan.user) and finite_point(prob))
+             and not (check and plan.user) and all_finite(prob.leaves))
     try:
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
@@ -295,7 +294,7 @@ def sparse_jacobian(
         # (nor where the products hold a NaN or an infinity from a tensor f captures, x
         # finite: a disagreement there turned probing off for good as much)
         off, diff, scale = (stale(plan, coloring, comp, extra, seed)
-                            if finite_products([comp, extra]) else (False, 0.0, 0.0))
+                            if all_finite([comp, extra]) else (False, 0.0, 0.0))
         if off and plan.user:
             users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
                                  (coloring, comp, seed))
@@ -438,8 +437,8 @@ def _checked(
         got = one_reverse_product(prob)
     # (a NaN or an infinity in the reverse product, from a tensor f captured or an argument
     # not differentiated, is no point to check at either: checked_route's rule)
-    if got is None or not finite_products(got[2]):
-        if got is None and finite_point(prob):  # (at a NaN or an infinity: a later call)
+    if got is None or not all_finite(got[2]):
+        if got is None and all_finite(prob.leaves):  # (at a NaN or an infinity: a later call)
             plan.remember(fkey, first)
         return coloring, comp
     _, us, grads = got

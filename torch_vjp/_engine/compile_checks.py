@@ -15,7 +15,7 @@ from torch_vjp._engine.fwdcheck import gap, tolerance
 from torch_vjp._engine.point import versions_of
 from torch_vjp._errors import JacobianWarning, quote_error, warn_once
 
-__all__ = ["results_agree", "all_finite", "FirstRun", "warn_rebuilt", "warn_eager",
+__all__ = ["results_agree", "FirstRun", "warn_rebuilt", "warn_eager",
            "compile_failure"]
 
 
@@ -47,17 +47,6 @@ def results_agree(ref: Any, got: Any) -> str | None:
             return (f"the compiled result differs from the eager one by up to {diff:.3g} "
                     f"at a scale of {scale:.3g}")
     return None
-
-
-def all_finite(args: tuple[Any, ...]) -> bool:
-    """Whether every floating or complex tensor in ``args`` is finite. A first call at an
-    input holding a NaN or an infinity whose result holds one too is not judged (no entry
-    is made, so the next call is a first call): which entries of the result are NaN there
-    depends on the order of operations (``0 * nan``), not on whether the compiled program
-    is right. A finite result (``nan_to_num(x)``: data that always holds a masked NaN) is
-    judged as any other."""
-    return all(bool(t.isfinite().all()) for t in tree_leaves(args)
-               if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 class FirstRun:

@@ -87,13 +87,14 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from torch_vjp._engine.compile_checks import (FirstRun, all_finite, compile_failure,
+from torch_vjp._engine.compile_checks import (FirstRun, compile_failure,
                                               results_agree, warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
                                           program_key)
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
                                        module_tree, modules_reached, reached)
 from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
+from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
 from torch_vjp._engine.rows import SameDraws
 from torch_vjp._errors import (

@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
@@ -51,7 +51,7 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
 
 __all__ = [
-    "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "finite_point", "gap",
+    "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "all_finite", "gap",
     "identity",
     "route_key", "module_key", "checked_batch",
     "largest_difference",
@@ -162,7 +162,7 @@ def one_reverse_product(
     leaves = prob.leaves
     if any(x.is_complex() or x.device.type == "meta" for x in leaves):
         return None  # (a tensor on the meta device holds no numbers to compare)
-    if not anywhere and not finite_point(prob):
+    if not anywhere and not all_finite(prob.leaves):
         return None  # (NaN and infinities land in the products by each route its own way)
     gen = torch.Generator().manual_seed(0)
     try:
@@ -193,19 +193,17 @@ def one_reverse_product(
                        for x, g in zip(xs, grads)])
 
 
-def finite_point(prob: Problem) -> bool:
-    """Whether every differentiated input is finite: at a NaN or an infinity, the products
-    of two routes hold NaN and infinities in entries of their own (``0 * inf``, sums of
-    opposite infinities), so a check there compares nothing, and no route is remembered
-    from it (a later call at a finite point checks)."""
-    with torch.no_grad():
-        return all(bool(x.isfinite().all()) for x in prob.leaves
-                   if x.is_floating_point() and x.device.type != "meta")
-
-
-def finite_products(grads: Sequence[Tensor]) -> bool:
-    """Whether every entry of the reverse products ``grads`` is finite (one synchronisation)."""
-    flags = [g.isfinite().all() for g in grads if g.is_floating_point() and g.numel()]
+def all_finite(tree: Any) -> bool:
+    """Whether every floating-point or complex tensor in ``tree`` (a tensor or a pytree) is
+    finite, read with one synchronisation; one on the meta device holds no numbers and
+    counts as finite. At a point holding a NaN or an infinity, the products of two routes
+    hold NaN and infinities in entries of their own (``0 * inf``, sums of opposite
+    infinities), so a check there compares nothing, and no route is remembered from it (a
+    later call at a finite point checks); a reverse product holding one (from a tensor f
+    reads but does not differentiate) is read the same way."""
+    flags = [t.isfinite().all() for t in tree_leaves(tree)
+             if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
+             and t.numel() and t.device.type != "meta"]
     return not flags or bool(torch.stack([f.cpu() for f in flags]).all())
 
 
@@ -345,9 +343,9 @@ def checked_route(
     # (a NaN or an infinity in the reverse product, from a tensor f reads that is not
     # differentiated, an argument or one it captured, lands in the products by each route
     # its own way too: a false 'wrong formula' warning, and the loop remembered for good)
-    finite = got is None or finite_products(got[2])
+    finite = got is None or all_finite(got[2])
     if got is None or not finite:
-        if finite and finite_point(prob):
+        if finite and all_finite(prob.leaves):
             remember(key, res.mode)
         elif batch is not None:
             # (no route is compared at a NaN or an infinity, but a flow across rows shows

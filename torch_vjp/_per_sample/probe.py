@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._engine.context import Watched
+from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.structure import (
@@ -465,7 +466,7 @@ def _probe_at(
             sel, "vmap", f"the model's forward fails while the hooks record it "
                          f"({quote_error(err)})"))
     _after_forward(job)
-    if point is not None and _finite(full[0]) and not _finite(out):
+    if point is not None and all_finite(full[0]) and not all_finite(out):
         raise _NotGeneric
     # The rewrites of NOTE [direct uses] must not change what the model computes.
     rewritten = any(c.shared for c in rec.calls) or any(
@@ -541,11 +542,6 @@ def _declined_layers(model: nn.Module, params: dict[str, ParamPlan]) -> list[nn.
     found = {id(m): m for m in (mods.get(n.rpartition(".")[0]) for n, p in params.items()
                                 if p.method != "rule") if m is not None and declining_rule(m)}
     return list(found.values())
-
-
-def _finite(out: Any) -> bool:
-    return all(bool(torch.isfinite(t.detach()).all()) for t in tree_leaves(out)
-               if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 def _plain_run(job: Job) -> Any:
