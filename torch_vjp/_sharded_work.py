@@ -228,8 +228,10 @@ class Work:
                               self.batch)
             g = prob.g_inner
             # (one call of f per column where no vmap runs: the same draws for each, as on
-            # one process: NOTE [auto's extra calls draw what the products draw])
-            same_draws = None if vectorized and chunk != 1 else loop_draws(prob, k)
+            # one process: NOTE [auto's extra calls draw what the products draw]; plain_push
+            # keeps its own)
+            same_draws = (None if plain or vectorized and chunk != 1
+                          else loop_draws(prob, k))
 
             def push(*tangents: Tensor) -> Any:
                 if same_draws is not None:
