@@ -48,7 +48,7 @@ from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient
 from torch_vjp._engine.jacobian import function_name, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import SameDraws, own_generators, passes_through
+from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.symmetry import forward_over_reverse_checked
 from torch_vjp._errors import JacobianCallError, JacobianOptionError, a_type, shape_str
 from torch_vjp._sharded import check_group, sharded_jacobian, told_on_failure
@@ -472,17 +472,6 @@ def hessian(
         own: list[Exception] = []  # f's own error, raised by the probe twice
 
         def probe() -> tuple[list[Tensor], Any]:
-            # (drawing nothing, from f's own generators too: the products that follow draw
-            # what one call of f draws, NOTE [auto's extra calls draw what the products
-            # draw]; the search for them runs once per hessian call, here)
-            draws = SameDraws(own_generators(inner), host=True)
-            draws()
-            try:
-                return _probed()
-            finally:
-                draws()
-
-        def _probed() -> tuple[list[Tensor], Any]:
             try:
                 flat_out, out_spec = inner.probe()
             except Exception as err:  # noqa: BLE001 - NOTE [a probe f cannot answer]

@@ -216,9 +216,10 @@ def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
         hit = _SHAPES.get(key)
         if hit is not None:
             return Shapes(hit[1], hit[2], hit[3], key, record and hit[4])
-    # (drawing nothing: NOTE [auto's extra calls draw what the products draw]; f's own
-    # generators and the host's only where the probe is remembered, not hessian's per call)
-    draws = SameDraws(own_generators(prob), host=True) if key is not None else SameDraws()
+    # (drawing nothing, from f's own generators and the host's too: NOTE [auto's extra
+    # calls draw what the products draw]; hessian's probe of the gradient, run on every
+    # call, searches f's objects for them each time)
+    draws = SameDraws(own_generators(prob), host=True)
     draws()
     try:
         flat, spec = opts.probe() if opts.probe is not None else prob.probe(record)
