@@ -10,8 +10,10 @@ are those of the rank's own examples.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -58,68 +60,79 @@ def _worker(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        torch.set_num_threads(1)
-        x, y = _data()
-        ref_model = _model()
-        want = _clipped_sum(ref_model, x, y, MAX_NORM)
-        ddp = nn.parallel.DistributedDataParallel(_model())
-        loss_fn = nn.CrossEntropyLoss(reduction="sum")
-        # 2 ranks: 6 examples each; 3 ranks: 6, 6 and none (Poisson sampling draws empty
-        # batches: the rank still takes part in the reduction)
-        per = 6
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-
-        # the clipped step: .grad equals the global clipped sum / world size on every rank
-        norms = tv.accumulate_clipped_grads(ddp, loss_fn, xs, ys, max_norm=MAX_NORM)
-        for name, p in ddp.module.named_parameters():
-            torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
-                                       msg=f"rank {rank}: {name}")
-        # norms: the rank's own examples
-        ref_g = tv.per_sample_grads(ref_model, loss_fn, xs, ys, strategy="loop")
-        ref_norms = (sum(g.flatten(1).pow(2).sum(1) for g in ref_g.values()).sqrt()
-                     if xs.shape[0] else torch.zeros(0, dtype=DT))
-        torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(tv.per_sample_grad_norms(ddp, loss_fn, xs, ys), ref_norms,
-                                   rtol=1e-10, atol=1e-12)
-        # per-sample gradients: named as the wrapper names its parameters
-        got = tv.per_sample_grads(ddp, loss_fn, xs, ys)
-        assert list(got) == [n for n, _ in ddp.named_parameters()]
-        for name, g in got.items():
-            torch.testing.assert_close(g, ref_g[name[len("module."):]], rtol=1e-10,
-                                       atol=1e-12)
-
-        # accumulation under no_sync, then one synchronised step: DDP's convention
-        for p in ddp.parameters():
-            p.grad = None
-        half = xs.shape[0] // 2
-        with ddp.no_sync():
-            tv.accumulate_clipped_grads(ddp, loss_fn, xs[:half], ys[:half], max_norm=MAX_NORM)
-        tv.accumulate_clipped_grads(ddp, loss_fn, xs[half:], ys[half:], max_norm=MAX_NORM)
-        for name, p in ddp.module.named_parameters():
-            torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
-                                       msg=f"rank {rank}, accumulated: {name}")
-
-        # a subset of the parameters: DDP's reducer would wait for the others ...
-        with pytest.raises(tv.PerSampleValueError, match=r"(?s)params leaves out 4 trainable "
-                           r"parameter\(s\).*first: '0\.weight'.*find_unused_parameters=True"):
-            tv.accumulate_clipped_grads(ddp, loss_fn, xs, ys, max_norm=MAX_NORM,
-                                        params=["module.3.weight", "module.3.bias"])
-        # ... unless it looks for unused parameters; the norms are then those of the subset
-        sub = nn.parallel.DistributedDataParallel(_model(), find_unused_parameters=True)
-        tv.accumulate_clipped_grads(sub, loss_fn, xs, ys, max_norm=MAX_NORM,
-                                    params=["module.3.weight", "module.3.bias"])
-        g = tv.per_sample_grads(ref_model, loss_fn, x, y, params=["3.weight", "3.bias"],
-                                strategy="loop")
-        c = (MAX_NORM / (g["3.weight"].flatten(1).pow(2).sum(1)
-                         + g["3.bias"].pow(2).sum(1)).sqrt()).clamp(max=1.0)
-        c = c[:world * per]  # the examples some rank holds
-        for name in ("3.weight", "3.bias"):
-            p = sub.module.get_parameter(name)
-            want_sub = torch.einsum("b,b...->...", c, g[name][:world * per]) / world
-            torch.testing.assert_close(p.grad, want_sub, rtol=1e-10, atol=1e-12)
-        assert sub.module[0].weight.grad is None
+        wrappers = _check(rank, world)
+        # DDP's reducer holds the process group: destroying the group while a wrapper is
+        # alive aborts the process at exit now and then (torch itself, without torch_vjp).
+        # The wrappers are gone once _check returns, so nothing of torch_vjp keeps them.
+        gc.collect()
+        assert [w() for w in wrappers] == [None, None], f"rank {rank}: a DDP wrapper is kept"
     finally:
         dist.destroy_process_group()
+
+
+def _check(rank, world):
+    """Every assertion of one rank; returns weak references to the DDP wrappers it made."""
+    torch.set_num_threads(1)
+    x, y = _data()
+    ref_model = _model()
+    want = _clipped_sum(ref_model, x, y, MAX_NORM)
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    # 2 ranks: 6 examples each; 3 ranks: 6, 6 and none (Poisson sampling draws empty
+    # batches: the rank still takes part in the reduction)
+    per = 6
+    xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+    # the clipped step: .grad equals the global clipped sum / world size on every rank
+    norms = tv.accumulate_clipped_grads(ddp, loss_fn, xs, ys, max_norm=MAX_NORM)
+    for name, p in ddp.module.named_parameters():
+        torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
+                                   msg=f"rank {rank}: {name}")
+    # norms: the rank's own examples
+    ref_g = tv.per_sample_grads(ref_model, loss_fn, xs, ys, strategy="loop")
+    ref_norms = (sum(g.flatten(1).pow(2).sum(1) for g in ref_g.values()).sqrt()
+                 if xs.shape[0] else torch.zeros(0, dtype=DT))
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(tv.per_sample_grad_norms(ddp, loss_fn, xs, ys), ref_norms,
+                               rtol=1e-10, atol=1e-12)
+    # per-sample gradients: named as the wrapper names its parameters
+    got = tv.per_sample_grads(ddp, loss_fn, xs, ys)
+    assert list(got) == [n for n, _ in ddp.named_parameters()]
+    for name, g in got.items():
+        torch.testing.assert_close(g, ref_g[name[len("module."):]], rtol=1e-10,
+                                   atol=1e-12)
+
+    # accumulation under no_sync, then one synchronised step: DDP's convention
+    for p in ddp.parameters():
+        p.grad = None
+    half = xs.shape[0] // 2
+    with ddp.no_sync():
+        tv.accumulate_clipped_grads(ddp, loss_fn, xs[:half], ys[:half], max_norm=MAX_NORM)
+    tv.accumulate_clipped_grads(ddp, loss_fn, xs[half:], ys[half:], max_norm=MAX_NORM)
+    for name, p in ddp.module.named_parameters():
+        torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10, atol=1e-12,
+                                   msg=f"rank {rank}, accumulated: {name}")
+
+    # a subset of the parameters: DDP's reducer would wait for the others ...
+    with pytest.raises(tv.PerSampleValueError, match=r"(?s)params leaves out 4 trainable "
+                       r"parameter\(s\).*first: '0\.weight'.*find_unused_parameters=True"):
+        tv.accumulate_clipped_grads(ddp, loss_fn, xs, ys, max_norm=MAX_NORM,
+                                    params=["module.3.weight", "module.3.bias"])
+    # ... unless it looks for unused parameters; the norms are then those of the subset
+    sub = nn.parallel.DistributedDataParallel(_model(), find_unused_parameters=True)
+    tv.accumulate_clipped_grads(sub, loss_fn, xs, ys, max_norm=MAX_NORM,
+                                params=["module.3.weight", "module.3.bias"])
+    g = tv.per_sample_grads(ref_model, loss_fn, x, y, params=["3.weight", "3.bias"],
+                            strategy="loop")
+    c = (MAX_NORM / (g["3.weight"].flatten(1).pow(2).sum(1)
+                     + g["3.bias"].pow(2).sum(1)).sqrt()).clamp(max=1.0)
+    c = c[:world * per]  # the examples some rank holds
+    for name in ("3.weight", "3.bias"):
+        p = sub.module.get_parameter(name)
+        want_sub = torch.einsum("b,b...->...", c, g[name][:world * per]) / world
+        torch.testing.assert_close(p.grad, want_sub, rtol=1e-10, atol=1e-12)
+    assert sub.module[0].weight.grad is None
+    return [weakref.ref(ddp), weakref.ref(sub)]
 
 
 def _run(world):
