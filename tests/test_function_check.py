@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -643,11 +644,29 @@ def test_outputs_do_not_require_grad():
                      r"rtol must be a finite number >= 0", id="rtol-negative"),
         pytest.param(Exp, (_x(3),), {"atol": "big"}, FunctionCheckTypeError,
                      r"atol must be a number, but got str", id="atol-str"),
+        # a string float() parses, and a bool (rtol=True was a tolerance of 1, under which
+        # nothing failed; eps=True a step of 1)
+        pytest.param(Exp, (_x(3),), {"eps": "1e-6"}, FunctionCheckTypeError,
+                     r"eps must be a number, but got str \('1e-6'\)\. Fix: pass a float, "
+                     r"e\.g\. eps=1e-06", id="eps-numeric-str"),
+        pytest.param(Exp, (_x(3),), {"rtol": True}, FunctionCheckTypeError,
+                     r"rtol must be a number, but got bool \(True\)\. Fix: pass a float, "
+                     r"e\.g\. rtol=1e-05", id="rtol-bool"),
+        pytest.param(Exp, (_x(3),), {"atol": False}, FunctionCheckTypeError,
+                     r"atol must be a number, but got bool", id="atol-bool"),
+        pytest.param(Exp, (_x(3),), {"eps": torch.tensor(True)}, FunctionCheckTypeError,
+                     r"eps must be a number, but got Tensor", id="eps-bool-tensor"),
     ],
 )
 def test_argument_errors(fn, inputs, kwargs, error, match):
     with pytest.raises(error, match=match):
         check_function(fn, *inputs, **kwargs)
+
+
+@pytest.mark.parametrize("value", [Fraction(1, 10000), torch.tensor(1e-4), 1], ids=str)
+def test_real_numbers_of_every_kind_are_tolerances(value):
+    report = check_function(Exp, _x(3), rtol=value)
+    assert report.rtol == float(value)
 
 
 def test_function_instance_instead_of_class():

@@ -14,6 +14,7 @@ validation, non-finite inputs, which inputs are differentiated) is in
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -222,8 +223,9 @@ def check_function(
             what backward must return instead and why, and the fix where the mistake is
             recognisable (a Jacobian returned instead of the product, an extra batch
             dimension, a missing gradient, ...).
-        FunctionCheckTypeError: ``fn`` is neither a Function subclass nor callable.
-        FunctionCheckValueError: ``eps``, ``atol`` or ``rtol`` is not a valid number, no
+        FunctionCheckTypeError: ``fn`` is neither a Function subclass nor callable, or
+            ``eps``, ``atol`` or ``rtol`` is not a real number (a bool or a string).
+        FunctionCheckValueError: ``eps``, ``atol`` or ``rtol`` is not finite, or negative, no
             input can be differentiated, or the values cannot be checked because a
             differentiated input, or an output of forward at the inputs, holds NaN or inf
             (see NOTE [non-finite values]), or because forward has a kink at the inputs
@@ -393,14 +395,22 @@ def _nothing_to_check(call: str, name: str, inputs: tuple[Any, ...]) -> str:
     return "\n".join(lines)
 
 
+#: The defaults in float64, named in the fix of a mistyped tolerance or step.
+_DEFAULTS = {"eps": 1e-6, "atol": 1e-8, "rtol": 1e-5}
+
+
 def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> float:
-    """``value`` as a float, checked finite and positive (or zero, with ``allow_zero``)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
+    """``value`` as a float, checked finite and positive (or zero, with ``allow_zero``). A real
+    number or a real 0-d tensor; never a bool (``rtol=True`` was a tolerance of 1, under which
+    no check fails) or a string (``float("1e-6")`` parses, but a string is a mistake)."""
+    real_tensor = (isinstance(value, Tensor) and value.numel() == 1
+                   and not value.is_complex() and value.dtype != torch.bool)
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) or real_tensor):
         raise FunctionCheckTypeError(
-            f"{call}: {name} must be a number, but got {type(value).__name__}."
-        ) from None
+            f"{call}: {name} must be a number, but got {type(value).__name__} "
+            f"({value!r}). Fix: pass a float, e.g. {name}={_DEFAULTS[name]}."
+        )
+    number = float(value)
     if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
         raise FunctionCheckValueError(
             f"{call}: {name} must be a finite number "
