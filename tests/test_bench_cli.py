@@ -546,19 +546,37 @@ def test_json_that_cannot_be_written_after_the_run(tmp_path, monkeypatch, capsys
     assert "jacobian_of_256" in captured.out and md.read_text().startswith("# torch_vjp")
 
 
-def test_without_matplotlib_the_plot_is_not_checked_and_not_written(tmp_path, monkeypatch,
-                                                                    capsys):
+def test_without_matplotlib_an_asked_plot_is_refused_before_the_run(tmp_path, monkeypatch,
+                                                                     capsys):
+    # (it ran the whole suite first, then said the figure could not be drawn)
     import torch_vjp.__main__ as cli
 
     monkeypatch.setattr(cli, "_plot_formats", lambda: None)  # as without matplotlib
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    import torch_vjp.bench as bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_suite", lambda *a, **k: ran.append(1))
     js = tmp_path / "r.json"
-    status = main([*TINY, "--plot", str(tmp_path / "r.txt"), "--json", str(js), "--no-save"])
+    with pytest.raises(SystemExit) as exc:
+        main([*TINY, "--plot", str(tmp_path / "r.png"), "--json", str(js), "--no-save"])
+    assert exc.value.code == 2 and not ran and not js.exists()
+    assert (f"--plot {tmp_path / 'r.png'}: matplotlib is not installed, so no figure can be "
+            f"drawn. Fix: pip install 'torch_vjp[bench]', or leave --plot out"
+            in capsys.readouterr().err)
+
+
+def test_without_matplotlib_the_default_plot_is_left_out(tmp_path, monkeypatch, capsys):
+    import torch_vjp.__main__ as cli
+
+    monkeypatch.setattr(cli, "_plot_formats", lambda: None)  # as without matplotlib
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    status = main([*TINY, "--out", str(tmp_path)])
     captured = capsys.readouterr()
-    assert status == 1
-    assert "plot: not written: " in captured.err
-    assert "pip install 'torch_vjp[bench]'" in captured.err
-    assert js.is_file()
+    assert status == 0
+    assert "plot: not written (matplotlib is not installed" in captured.out
+    assert (tmp_path / "jacobian_suite.json").is_file()
+    assert not list(tmp_path.glob("*.png"))
 
 
 # ---- the library entry points check their options too ------------------------------------

@@ -61,11 +61,17 @@ def _plot_formats() -> dict[str, str] | None:
     return dict(Figure().canvas.get_supported_filetypes())
 
 
-def _check_plot_path(path: str, parser: argparse.ArgumentParser) -> None:
+def _check_plot_path(path: str, parser: argparse.ArgumentParser, asked: bool) -> None:
     """The figure's format is its extension: one matplotlib can write, checked before the
-    run. Without matplotlib nothing is checked (the run then says it is not installed)."""
+    run. Without matplotlib, a figure ``asked`` for by ``--plot`` is a usage error before the
+    run (not a missing file minutes later); the default one is left out, and the run says so
+    at its end."""
     formats = _plot_formats()
     if formats is None:
+        if asked:
+            parser.error(f"--plot {path}: matplotlib is not installed, so no figure can be "
+                         f"drawn. Fix: pip install 'torch_vjp[bench]', or leave --plot out "
+                         f"(the table and the JSON need no matplotlib)")
         return
     suffix = Path(path).suffix
     supported = ", ".join(f".{ext}" for ext in sorted(formats))
@@ -289,7 +295,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_distinct((("--json", json_path), ("--markdown", markdown_path),
                      ("--plot", plot_path)), parser)
     if plot_path:
-        _check_plot_path(plot_path, parser)
+        _check_plot_path(plot_path, parser, asked=bool(args.plot))
     for option, path in (("--json", json_path), ("--markdown", markdown_path),
                          ("--plot", plot_path)):
         if path:
