@@ -291,6 +291,11 @@ def test_workload_selection():
             "jacobian_of_256"} <= names
     with pytest.raises(ValueError, match="no workload matches 'zzz'"):
         get_workloads("zzz")
+    # in any case (--only MLP was 'no workload matches')
+    assert [w.name for w in get_workloads("MLP_1024, Batch_MLP")] == ["mlp_1024x1024",
+                                                                     "batch_mlp_64x32"]
+    with pytest.raises(ValueError, match="no workload matches 'Zzz'"):
+        get_workloads("Zzz")
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)

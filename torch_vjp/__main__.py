@@ -196,8 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None,
                        help="torch.set_num_threads for the run; default: the usable cores")
     bench.add_argument("--only", metavar="NAMES",
-                       help="comma-separated workload names or parts of names, "
-                       "e.g. mlp_8x512,batch")
+                       help="comma-separated workload names or parts of names, in any "
+                       "case, e.g. mlp_8x512,batch")
     bench.add_argument("--methods", metavar="NAMES",
                        help="comma-separated exact method names to run (default: all)")
     bench.add_argument("--no-jax", action="store_true", help="leave jax out even if installed")

@@ -441,8 +441,8 @@ def get_workloads(only: str | list[str] | tuple[str, ...] | None = None, *, quic
     """The workloads to run.
 
     Args:
-        only: Names, or parts of names, to keep (a comma-separated string or a list),
-            chosen among all workloads; ``None`` keeps all (or the quick ones).
+        only: Names, or parts of names, to keep (a comma-separated string or a list), in
+            any case, chosen among all workloads; ``None`` keeps all (or the quick ones).
         quick: Without ``only``, keep only the workloads of the ``--quick`` suite.
 
     Returns:
@@ -457,9 +457,11 @@ def get_workloads(only: str | list[str] | tuple[str, ...] | None = None, *, quic
     """
     if only is None:
         return [w for w in WORKLOADS if w.quick or not quick]
-    filters = [s.strip() for s in (only.split(",") if isinstance(only, str) else only) if s.strip()]
-    for pattern in filters:
+    # (in any case: the names are lower case, and --only MLP meant them)
+    given = [s.strip() for s in (only.split(",") if isinstance(only, str) else only) if s.strip()]
+    filters = [s.lower() for s in given]
+    for spelled, pattern in zip(given, filters):
         if not any(pattern in w.name for w in WORKLOADS):
             names = ", ".join(w.name for w in WORKLOADS)
-            raise ValueError(f"no workload matches {pattern!r}; workloads: {names}")
+            raise ValueError(f"no workload matches {spelled!r}; workloads: {names}")
     return [w for w in WORKLOADS if any(pattern in w.name for pattern in filters)]
