@@ -826,10 +826,52 @@ def test_ctrl_c_during_the_run_is_one_line_and_exit_status_130(monkeypatch, tmp_
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     assert re.search(r"torch-vjp bench: interrupted \(Ctrl-C\) after \d+\.\d s, before the "
-                     r"suite finished: no table, and no file was written\. For a shorter run: "
-                     r"--quick, --only NAMES, --methods NAMES or a lower --min-run-time\.",
-                     captured.err)
+                     r"first workload finished: no table, and no file was written\. For a "
+                     r"shorter run: --quick, --only NAMES, --methods NAMES or a lower "
+                     r"--min-run-time\.", captured.err)
     assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_after_a_workload_finished_reports_and_writes_it(monkeypatch, tmp_path,
+                                                                capsys):
+    # (the finished workloads were thrown away with the rest: no table, no file)
+    import torch_vjp.bench.runner as runner
+
+    real = runner._run_workload
+    calls = []
+
+    def second_interrupted(*args, **kwargs):
+        calls.append(args[0].name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_run_workload", second_interrupted)
+    threads = torch.get_num_threads()
+    out = tmp_path / "o"
+    two = ["--methods", "torch_vjp rev,torch_vjp jacobian_of"]  # (one for each workload)
+    status = main([*TINY, *two, "--no-plot", "--out", str(out)])
+    assert status == 130 and torch.get_num_threads() == threads
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert re.search(r"torch-vjp bench: interrupted \(Ctrl-C\) after \d+\.\d s: the 1 of 2 "
+                     r"workloads that finished are reported and written below, the others "
+                     r"left out\.", captured.err)
+    first, second = calls
+    assert f"{first}:" in captured.out and f"{second}:" not in captured.out
+    assert "interrupted (Ctrl-C) after 1 of 2 workloads" in captured.out
+    data = json.loads((out / "jacobian_suite.json").read_text())
+    assert [w["name"] for w in data["workloads"]] == [first]
+    assert data["environment"]["interrupted"] == "1 of 2 workloads"
+    assert "interrupted (Ctrl-C) after 1 of 2 workloads" in (out / "jacobian_suite.md").read_text()
+    # the library's caller gets a KeyboardInterrupt still, with the finished workloads
+    calls.clear()
+    from torch_vjp.bench import get_workloads, run_suite
+    with pytest.raises(KeyboardInterrupt) as exc:
+        run_suite(get_workloads("two_input,jacobian_of"),
+                  methods=["torch_vjp rev", "torch_vjp jacobian_of"],
+                  min_run_time=0.002, rounds=1, progress=False, use_jax=False)
+    assert [w.name for w in exc.value.result.workloads] == calls[:1]
 
 
 def test_an_unknown_method_that_is_part_of_names_says_which(capsys, no_run):

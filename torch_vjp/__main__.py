@@ -312,17 +312,24 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                            min_run_time=min_run_time, rounds=args.rounds, quick=args.quick,
                            use_jax=use_jax, progress=not args.no_progress,
                            drop_slow=not args.all_methods)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # (a line, not a traceback through whichever method was running; the suite has
         # already put torch's thread count back)
+        partial = getattr(exc, "result", None)  # (SuiteInterrupted: workloads finished)
+        if partial is None:
+            print(f"\ntorch-vjp bench: interrupted (Ctrl-C) after "
+                  f"{time.perf_counter() - start:.1f} s, before the first workload finished: "
+                  f"no table, and no file was written. For a shorter run: --quick, --only "
+                  f"NAMES, --methods NAMES or a lower --min-run-time.", file=sys.stderr)
+            return INTERRUPTED
+        result = partial
         print(f"\ntorch-vjp bench: interrupted (Ctrl-C) after "
-              f"{time.perf_counter() - start:.1f} s, before the suite finished: no table, "
-              f"and no file was written. For a shorter run: --quick, --only NAMES, "
-              f"--methods NAMES or a lower --min-run-time.", file=sys.stderr)
-        return INTERRUPTED
+              f"{time.perf_counter() - start:.1f} s: the {result.environment['interrupted']} "
+              f"that finished are reported and written below, the others left out.",
+              file=sys.stderr)
     elapsed = time.perf_counter() - start
     print(result.table())
-    print(f"\n{len(workloads)} workloads in {elapsed:.1f} s")
+    print(f"\n{len(result.workloads)} workloads in {elapsed:.1f} s")
     # From here on the results exist: a file that cannot be written is reported and the
     # others are still written; the exit status is then 1. The last lines say where the
     # table, the JSON and the plot went, the plot's last.
@@ -369,7 +376,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for what in ("json", "plot"):
         if what in written:
             print(f"{what}: {written[what]}")
-    return status
+    return INTERRUPTED if result.environment.get("interrupted") else status
 
 
 def _method_hint(unknown: list[str], names: list[str]) -> str:
@@ -451,7 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         before the run; ``--version`` exits with 0), 1 when the run finished but a result
         file (the JSON, the Markdown or the plot) could not be written; the table is
         printed and the other files are written all the same; 130 (the shells' 128 +
-        SIGINT) when the run was interrupted with Ctrl-C, said in one line on stderr.
+        SIGINT) when the run was interrupted with Ctrl-C, said in one line on stderr; the
+        workloads that had finished are then printed and written, marked as interrupted.
     """
     parser = _parser()
     args = parser.parse_args(argv)

@@ -53,7 +53,17 @@ from torch_vjp._measure import (
     summarize_times,
 )
 
-__all__ = ["run_suite", "environment"]
+__all__ = ["run_suite", "environment", "SuiteInterrupted"]
+
+
+class SuiteInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_suite` after one workload or more had finished: still a
+    ``KeyboardInterrupt``, with those workloads' results in ``result`` (its environment says
+    how many of the suite's had finished)."""
+
+    def __init__(self, result: SuiteResult) -> None:
+        super().__init__()
+        self.result = result
 
 
 def environment(*, device: str, threads: int, dtype: torch.dtype, quick: bool,
@@ -165,6 +175,8 @@ def run_suite(
         JacobianOptionError: ``min_run_time`` is not a finite number of seconds > 0,
             ``rounds`` or ``threads`` is not an int >= 1, or ``aggregate`` is neither
             ``"median"`` nor ``"min"`` (checked before anything runs).
+        KeyboardInterrupt: Ctrl-C; after one workload or more had finished, a
+            ``SuiteInterrupted`` (a ``KeyboardInterrupt``) whose ``result`` holds them.
     """
     call = "torch_vjp.bench.run_suite"
     min_run_time = check_min_run_time(min_run_time, call=call)
@@ -197,6 +209,7 @@ def run_suite(
     torch.set_num_threads(threads)
     bar = _progress(sum(len(ms) for _, ms in plan) * (1 + rounds), progress)
     results = []
+    interrupted = False
     try:
         # (grad mode on and inference mode off, whatever the caller's: under torch.no_grad()
         # the jacobian_of workload's graph was never recorded, torch_vjp's method was 'wrong'
@@ -205,6 +218,10 @@ def run_suite(
             for workload, ms in plan:
                 results.append(_run_workload(workload, ms, device, dtype, min_run_time,
                                              rounds, once_over, aggregate, bar))
+    except KeyboardInterrupt:
+        if not results:
+            raise
+        interrupted = True  # (the finished workloads are kept: SuiteInterrupted below)
     finally:
         bar.close()
         torch.set_num_threads(saved_threads)
@@ -215,6 +232,9 @@ def run_suite(
     env["aggregate"] = aggregate
     if torch.device(device).type == "cuda":
         env["float32_arithmetic"] = "full (TF32 off in torch; jax matmul precision 'highest')"
+    if interrupted:
+        env["interrupted"] = f"{len(results)} of {len(plan)} workloads"
+        raise SuiteInterrupted(SuiteResult(env, results)) from None
     return SuiteResult(env, results)
 
 

@@ -206,7 +206,9 @@ class SuiteResult:
         env = self.environment
         rounds = env.get("rounds", 1)
         return (f"{suite_name(env)}, min_run_time {env['min_run_time']} s, {rounds} "
-                f"interleaved round{'s' if rounds != 1 else ''}")
+                f"interleaved round{'s' if rounds != 1 else ''}"
+                + (f"; interrupted (Ctrl-C) after {env['interrupted']}"
+                   if env.get("interrupted") else ""))
 
     def how_timed(self) -> str:
         """How the figures were obtained, in one sentence per column."""
