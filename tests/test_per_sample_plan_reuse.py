@@ -5,6 +5,9 @@ one example at a time."""
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -414,3 +417,106 @@ def test_the_selection_cache_does_not_keep_an_embedding_model_alive():
     model.zero_grad()
     tv.accumulate_clipped_grads(model, loss, ids, y, max_norm=1.0)
     assert model.weight.grad.is_sparse
+
+
+# ---- NOTE [checked again]: what the plan's key cannot see -----------------------------------
+
+
+def _hidden_switch(kind):
+    """A model whose first layer starts mixing examples when a switch the plan's key cannot
+    see is turned: a flag kept in a list, or a 0-d tensor weight a hook reads."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    if kind == "list-flag":
+        state = [False]
+        model[0].register_forward_hook(
+            lambda m, i, out: out - 0.5 * out.mean(0) if state[0] else out)
+        return model, lambda: state.__setitem__(0, True)
+    w = torch.zeros((), dtype=DT)
+    model[0].register_forward_hook(lambda m, i, out: out + w * out.mean(0))
+    return model, lambda: w.fill_(0.7)
+
+
+@pytest.mark.parametrize("fn", ["norms", "clipped", "grads"])
+@pytest.mark.parametrize("kind", ["list-flag", "tensor-weight"])
+def test_a_switch_the_key_cannot_see_is_caught_by_the_check_made_again(kind, fn):
+    # it stayed silently wrong on every later call (0.45 to 0.85 off in the norms)
+    model, turn = _hidden_switch(kind)
+    loss_fn = nn.MSELoss(reduction="sum")
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(8, 4, dtype=DT, generator=g), torch.randn(8, 3, dtype=DT, generator=g)
+
+    def call():
+        if fn == "norms":
+            return tv.per_sample_grad_norms(model, loss_fn, x, t)
+        if fn == "grads":
+            return ref_norms(tv.per_sample_grads(model, loss_fn, x, t))
+        for p in model.parameters():
+            p.grad = None
+        return tv.accumulate_clipped_grads(model, loss_fn, x, t, max_norm=1e9)
+
+    for _ in range(3):  # the first check and two uses: right, no warning
+        torch.testing.assert_close(call(), ref_norms(loop_reference(model, loss_fn, x, t)))
+    turn()
+    warned = None
+    for k in range(8):  # the check is made again on the plan's 4th, 8th, ... use
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            got = call()
+        found = [w for w in record if issubclass(w.category, tv.TorchVJPWarning)]
+        if found:
+            warned = k, str(found[0].message), got
+            break
+    assert warned is not None, "no check within 8 calls of the switch"
+    k, message, got = warned
+    ref = loop_reference(model, loss_fn, x, t)
+    assert k <= 1  # (the switch came on the 4th call; the check, on the 4th or 5th)
+    assert re.search(r"the per-sample gradients planned for this model disagree with the "
+                     r"per-example loop: for '0\.\w+', .*It agreed when checked \d+ call\(s\) "
+                     r"before this one: something the plan cannot see changed since .* may "
+                     r"have given wrong results\. This call is computed again with vmap or "
+                     r"the per-example loop, and is right; the next call makes a new plan\.",
+                     message, re.S)
+    torch.testing.assert_close(got, ref_norms(ref))  # the warned call is right
+    if fn == "clipped":
+        for (n, p) in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n].sum(0))
+    # the new plan sees the mixing, and auto refuses the model as any that mixes examples
+    with pytest.raises(tv.PerSampleError, match=r"mixes examples"):
+        call()
+
+
+def test_an_explicit_strategy_raises_when_the_check_made_again_disagrees():
+    model, turn = _hidden_switch("list-flag")
+    loss_fn = nn.MSELoss(reduction="sum")
+    x, t = torch.randn(8, 4, dtype=DT), torch.randn(8, 3, dtype=DT)
+    for _ in range(2):
+        tv.per_sample_grad_norms(model, loss_fn, x, t, strategy="hooks")
+    turn()
+    with pytest.raises(tv.PerSampleError, match=(
+            r"(?s)strategy='hooks' gives wrong per-sample gradients for this model: for "
+            r"'0\.\w+', the rule result disagreed.*It agreed when checked \d+ call\(s\) before "
+            r"this one")):
+        for _ in range(8):
+            tv.per_sample_grad_norms(model, loss_fn, x, t, strategy="hooks")
+
+
+def test_the_check_is_made_again_on_a_schedule(monkeypatch):
+    # on the plan's 4th, 8th, 16th, ... use after the first check, and not on the others
+    from torch_vjp._per_sample import verify as verify_mod
+
+    made = []
+    real = verify_mod._loop_reference
+    monkeypatch.setattr(verify_mod, "_loop_reference",
+                        lambda *a: made.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    loss_fn = nn.MSELoss(reduction="sum")
+    x, t = torch.randn(8, 4, dtype=DT), torch.randn(8, 3, dtype=DT)
+    checked_on = []
+    for call in range(1, 18):
+        before = len(made)
+        tv.per_sample_grad_norms(model, loss_fn, x, t)
+        if len(made) > before:
+            checked_on.append(call)
+    assert checked_on == [1, 5, 9, 17]  # (call 1: the first check; then uses 4, 8, 16)

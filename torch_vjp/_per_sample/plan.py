@@ -49,7 +49,8 @@ that still draws then is not checked); a disagreement routes the parameters conc
 that cannot split a call into examples raises ``registry.Declined`` rather than rely on
 the check: that call's parameters go to the fallback. Later calls on models of the same structure reuse the plan: the
 recorded layer calls are compared with the plan's and a mismatch (data-dependent control
-flow) builds a new one.
+flow) builds a new one. The check is made again now and then, for what the plan's key cannot
+see (NOTE [checked again] in ``verify``).
 
 NOTE [randomness]
 ``vmap(randomness="different")`` gives each example its own draws from the global
@@ -127,6 +128,12 @@ class Plan:
     #: per_sample_grads under "auto" computed every parameter with vmap in one run (NOTE
     #: [one run]), and that was checked against the loop
     verified_one_run: bool = False
+    #: calls under the plan after its first check, and the one of its last (NOTE [checked
+    #: again] in ``verify``); a check is under way; a check found it stale (made anew)
+    uses: int = 0
+    checked_at: int = 0
+    rechecking: bool = False
+    stale: bool = False
     mutable_buffers: list[str] = field(default_factory=list)
     #: parameters a forward changes in place (Embedding's max_norm renormalises the rows it
     #: looks up): put back after each call, as the buffers are

@@ -166,6 +166,8 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
     except TypeError:  # a model that cannot be weakly referenced: no cache
         cache = {}
     plan = None if rebuild else cache.get(key)
+    if plan is not None and plan.stale:
+        plan = None  # a check made again found it wrong (NOTE [checked again] in verify.py)
     if plan is not None and plan.settings and _settings_changed(plan.settings):
         plan = None  # a layer's settings changed since (its rule may no longer apply)
     if plan is None:

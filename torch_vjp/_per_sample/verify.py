@@ -5,10 +5,12 @@ dropout layers in eval mode."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 
-from torch_vjp._errors import PerSampleError, TorchVJPWarning, warn_once
+from torch_vjp._errors import PerSampleError, TorchVJPWarning, user_stacklevel, warn_once
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.fallback import loop_grads
@@ -34,9 +36,49 @@ def _autocast_rtol(device: torch.device) -> float:
         return 0.0
 
 
+# NOTE [checked again]
+# A plan is kept under a key of what the model and the loss run (NOTE [the structure a plan
+# is for] in ``structure``), and checked against the loop on its first call. What the key
+# does not hold can change under it: a hook's flag kept in a list (``state[0]``), a tensor a
+# hook reads (``out + w * out.mean(0)`` with ``w`` at 0 when planned), a flag two levels
+# deep. A plan that then mixes examples, or misplaces them, would be silently wrong from that
+# call on. So the check is made again on the plan's 4th, 8th, 16th, ... use after the first
+# check, then on every 1024th (the three examples' loop costs about 3/B of a call; on average
+# under 0.1% of a call from there). A disagreement computes the call again as the first check
+# does (the parameters concerned on vmap, then the loop, which is the definition), warns that
+# the calls since the last agreeing check may be wrong, and marks the plan stale: the next
+# call makes a new one (which, for a model that now mixes examples, refuses it as for any
+# such model). A strategy named explicitly raises, as on the first call.
+#: After this many uses, the plan is checked again every this many uses.
+RECHECK_EVERY = 1024
+#: The first use checked again.
+_FIRST_RECHECK = 4
+
+
+def _recheck_due(plan: Plan) -> bool:
+    """Counts a use of the checked ``plan``; whether the check is due again (NOTE [checked
+    again]), and if so starts it."""
+    plan.uses = n = plan.uses + 1
+    due = (n % RECHECK_EVERY == 0) if n > RECHECK_EVERY else (
+        n >= _FIRST_RECHECK and n & (n - 1) == 0)
+    if due:
+        plan.rechecking = True
+        plan.verified = plan.verified_one_run = False
+    return due
+
+
+def _passed(plan: Plan, flag: str) -> None:
+    setattr(plan, flag, True)
+    plan.rechecking = False
+    plan.checked_at = plan.uses
+
+
 def checked(plan: Plan, one_run: bool = False) -> bool:
-    """Whether results under ``plan`` were checked against the loop already."""
-    return plan.verified_one_run if one_run else plan.verified
+    """Whether results under ``plan`` were checked against the loop already (and need not be
+    again on this call: NOTE [checked again])."""
+    if not (plan.verified_one_run if one_run else plan.verified):
+        return False
+    return not _recheck_due(plan)
 
 
 def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -> list[str]:
@@ -45,10 +87,10 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
     them off their method (or raising, for an explicit strategy). ``one_run``: the result
     came from one vmap run (NOTE [one run]), which is checked apart from the rules."""
     flag = "verified_one_run" if one_run else "verified"
-    if getattr(plan, flag):
+    if getattr(plan, flag) and not _recheck_due(plan):
         return []
     if job.strategy == "loop":
-        setattr(plan, flag, True)
+        _passed(plan, flag)
         return []
     sel, batch = job.sel, job.batch
     # (the first example too: a forward whose control flow reads the whole batch, ``if
@@ -63,7 +105,7 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
         # own, torch.randn in a forward) leaves the check undone, as it must.
         recomputed = _without_dropout(job, plan, ks, names, ref, one_run)
         if recomputed is None:
-            setattr(plan, flag, True)
+            _passed(plan, flag)
             return []
         sq = recomputed
     else:
@@ -90,7 +132,7 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
                 f"{float(want[j]):.6g})"
             )
     if not bad:
-        setattr(plan, flag, True)
+        _passed(plan, flag)
         return []
     if job.strategy != "auto":
         n, why = next(iter(bad.items()))
@@ -114,6 +156,7 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
                "  vmap does not reproduce what each example computes alone (randomness "
                "drawn with a generator of the model's own, or a parameter the loss function "
                "reads itself, which vmap's copies of the parameters do not reach). ")
+            + (_since(plan) if plan.rechecking else "")
             + "Fix: strategy='auto' (which routes such parameters to a strategy that is "
               "right) or strategy='loop'."
         )
@@ -121,7 +164,7 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
     # nondeterministic forward, stays there; rerouting the others always ends on the loop)
     bad = {n: why for n, why in bad.items() if plan.params[n].method != "loop"}
     if not bad:
-        setattr(plan, flag, True)
+        _passed(plan, flag)
         return []
     for n, why in bad.items():
         user = plan.params[n].user if plan.params[n].method == "rule" else ""
@@ -137,7 +180,29 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
                 TorchVJPWarning,
             )
         plan.route([n], why + "; rerouted")
+    if plan.rechecking and not plan.stale:
+        plan.stale = True  # (the next call makes a new plan: NOTE [checked again])
+        n, why = next(iter(bad.items()))
+        warnings.warn(
+            f"torch_vjp.{job.fn}: the per-sample gradients planned for this model disagree "
+            f"with the per-example loop: for {n!r}, {why}.\n  " + _since(plan)
+            + "This call is computed again with vmap or the per-example loop, and is right; "
+              "the next call makes a new plan. Fix: keep a switch that changes what the "
+              "model computes as a plain attribute of a module (self.mix = True) or a bool "
+              "a hook reads from its closure, which the plan sees; or use strategy='loop' "
+              "while such a switch changes.",
+            TorchVJPWarning, stacklevel=user_stacklevel())
     return list(bad)
+
+
+def _since(plan: Plan) -> str:
+    """What a check made again (NOTE [checked again]) says of the calls before it."""
+    between = plan.uses - plan.checked_at - 1
+    return (f"It agreed when checked {plan.uses - plan.checked_at} call(s) before this one: "
+            f"something the plan cannot see changed since (a flag kept in a list, a tensor "
+            f"that a hook or forward reads, a setting two levels into a config), and the "
+            f"{between} call(s) between the two checks may have given wrong results. "
+            if between >= 0 else "")
 
 
 def _loop_reference(job: Job, ks: list[int], names: list[str], ref: dict[str, Tensor]
