@@ -321,8 +321,8 @@ def _rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: in
     if a is None or b is None:
         return False
     a, b = _as_shape(a, shape), _as_shape(b, shape)
-    if d >= a.dim() or a.shape[d] != batch:
-        return False
+    if d >= a.dim() or a.shape[d] != batch or a.numel() == 0:
+        return False  # (rows of no elements, a sequence of length 0: no ratio to break)
     a = a.detach().movedim(d, 0).reshape(batch, -1).double()
     b = b.detach().movedim(d, 0).reshape(batch, -1).double()
     lhs, rhs = a * v.to(a.device).unsqueeze(1), b * w.to(a.device).unsqueeze(1)
