@@ -30,6 +30,7 @@ from torch_vjp._engine.fwdcheck import (
     agreeing_route,
     all_finite,
     gap,
+    least_precise,
     route_key,
     one_reverse_product,
     tolerance,
@@ -447,7 +448,8 @@ def _checked(
     u = torch.cat([t.reshape(-1) for t in us]).to(comp.dtype)
     g = torch.cat([t.reshape(-1) for t in grads]).to(comp.dtype)
     rows, cols = p.rows.to(device), p.cols.to(device)
-    rtol = tolerance(comp.dtype)
+    # (f's least precise step: a float32 one in a float64 f rounds every route at float32's)
+    rtol = tolerance(least_precise(got[0], [comp, *prob.leaves]))
 
     def gap_of(c: Any, products: Tensor) -> tuple[float, float]:
         with torch.no_grad():  # u^T J from the values, in the pattern's (row-major) order

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.fwdcheck import CHECKED, cotangent, remember, stacked_gap, tolerance
+from torch_vjp._engine.fwdcheck import (
+    CHECKED, cast_dtype, cotangent, remember, stacked_gap, tolerance,
+)
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once
@@ -180,13 +182,6 @@ def computed_jacobian(
     return rows_out[0] if single_out else tuple(rows_out)
 
 
-
-
-#: Backward nodes of ops that can change a dtype: casts, and copies into a buffer of
-#: another dtype (``buf.copy_(x)``, ``buf[:] = x``).
-_CASTS = frozenset({"ToCopyBackward0", "CopyBackwards", "CopySlices"})
-
-
 def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
                ) -> tuple[Hashable, torch.dtype]:
     """What a remembered route is for (NOTE [jacobian_of, checked once]): the graph's node
@@ -203,16 +198,8 @@ def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
         if id(node) in seen:
             continue
         seen.add(id(node))
-        kind = type(node)
-        nodes.append(kind)
-        if kind.__name__ in _CASTS:  # (where a dtype can change)
-            try:
-                for m in node._input_metadata:
-                    if m.dtype.is_floating_point and torch.finfo(m.dtype).eps > torch.finfo(
-                            least).eps:
-                        least = m.dtype
-            except (AttributeError, RuntimeError, TypeError):
-                pass
+        nodes.append(type(node))
+        least = cast_dtype(node, least)  # (where a dtype can change)
         stack.extend(nxt for nxt, _ in reversed(node.next_functions) if nxt is not None)
     key = ("jacobian_of", tuple(nodes), tuple((o.shape, o.dtype, o.device) for o in outs),
            tuple((x.shape, x.dtype, x.device) for x in ins))

@@ -11,8 +11,10 @@ forward-mode formula for the matrix: a relative error near 1; the batching rule 
 a Jacobian silently. One reverse product without vmap runs the backward formulas that
 every gradient uses. So the first time "auto" computes a function's Jacobian for an input
 signature, it also takes one reverse product with a random cotangent ``u`` and compares
-``u^T J`` (read from the blocks) with it, within rounding (``sqrt(eps)`` of their scale):
-one more call of f and one pass over J. Where they disagree, it computes the Jacobian again
+``u^T J`` (read from the blocks) with it, within rounding (``sqrt(eps)`` of their scale,
+for the least precise dtype f's graph computes in: a float32 step in a float64 f, as the
+RMSNorm of Llama and T5, rounds every route at float32's): one more call of f and one pass
+over J. Where they disagree, it computes the Jacobian again
 by reverse mode under vmap (after forward mode), then one reverse product at a time
 (``"rev-loop"``), and returns the first that agrees with the reverse product, with a
 one-time warning; later calls of that function and signature take that route directly.
@@ -54,7 +56,7 @@ __all__ = [
     "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "all_finite", "gap",
     "identity",
     "route_key", "module_key", "checked_batch",
-    "largest_difference",
+    "largest_difference", "least_precise", "cast_dtype", "CASTS",
     "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
     "reverse_gap", "signature", "stacked_gap",
     "tolerance", "wrong_route_message",
@@ -364,7 +366,8 @@ def checked_route(
 
     return agreeing_route(
         prob, res.mode, res, lambda b: reverse_gap(prob, b, batch, got), route,
-        lambda name: remember(key, name), named, "strategy", tolerance(prob.leaves[0].dtype),
+        lambda name: remember(key, name), named, "strategy",
+        tolerance(least_precise(got[0], prob.leaves)),
         on_none=None if batch is None else mixing,
     )
 
@@ -532,6 +535,44 @@ def no_route_message(call: str, name: str, first: str, diff: float, scale: float
         f"it; for a random f, fix its draws (model.eval(), or a seeded generator). This "
         f"warning is shown once per function."
     )
+
+
+#: Backward nodes of ops that can change a dtype: casts, and copies into a buffer of
+#: another dtype (``buf.copy_(x)``, ``buf[:] = x``).
+CASTS = frozenset({"ToCopyBackward0", "CopyBackwards", "CopySlices"})
+
+
+def cast_dtype(node: Any, least: torch.dtype) -> torch.dtype:
+    """``least``, or the floating dtype a cast node of a graph (:data:`CASTS`) computes in
+    where that one is less precise."""
+    if type(node).__name__ in CASTS:
+        try:
+            for m in node._input_metadata:
+                if m.dtype.is_floating_point and torch.finfo(m.dtype).eps > torch.finfo(
+                        least).eps:
+                    least = m.dtype
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+    return least
+
+
+def least_precise(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> torch.dtype:
+    """The least precise floating dtype the graph from ``ins`` to ``outs`` computes in: a
+    float32 step inside a float64 function (the RMSNorm of Llama and T5 casts to float32)
+    rounds at float32's, so routes that sum in another order differ at float32's rounding,
+    and the comparison of routes must allow that."""
+    least = min((t.dtype for t in (*outs, *ins) if t.dtype.is_floating_point),
+                key=lambda d: -torch.finfo(d).eps, default=torch.float64)
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        least = cast_dtype(node, least)
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return least
 
 
 def tolerance(dtype: torch.dtype) -> float:
