@@ -2159,3 +2159,22 @@ def test_auto_check_allows_a_float32_step_inside_a_float64_function():
     with no_jacobian_warnings():
         got = jacobian(f, x)
     torch.testing.assert_close(got, torch.func.jacrev(f)(x), rtol=0, atol=1e-12)
+
+
+def test_hessian_auto_allows_a_float32_step_inside_a_float64_function():
+    # forward-over-reverse and reverse-over-reverse both round at float32's there: "auto"
+    # warned of "a wrong forward-mode derivative" (asymmetry 4.33e-07 at a scale of 5.58)
+    # and returned reverse-over-reverse.
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(64, 32, generator=g, dtype=D)
+    w2 = torch.randn(48, 64, generator=g, dtype=D)
+
+    def f(x):
+        h = (w1 @ x).float()
+        h = (h - h.mean()) / (h - h.mean()).pow(2).mean().sqrt()
+        return (w2 @ h.double()).tanh().sum()
+
+    x = torch.randn(32, generator=g, dtype=D)
+    with no_jacobian_warnings():
+        got = hessian(f, x)
+    torch.testing.assert_close(got, torch.func.hessian(f)(x), rtol=0, atol=1e-12)
