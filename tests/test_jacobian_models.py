@@ -69,3 +69,47 @@ def test_llama_jacobian_by_parameters_as_a_dict():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_t5_encoder_with_relative_position_bias_every_strategy_agrees():
+    # T5LayerNorm computes in float32 too: routes agree at float32's rounding, and "auto"
+    # must neither warn nor switch routes for it.
+    cfg = transformers.T5Config(vocab_size=20, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                num_heads=2, dropout_rate=0.0)
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel._from_config(cfg, attn_implementation="eager").to(D)
+    model.eval()
+    emb = torch.randn(1, 3, 16, dtype=D)
+    mask = torch.tensor([[1, 1, 0]])
+
+    def hidden(e):
+        return model(inputs_embeds=e, attention_mask=mask).last_hidden_state
+
+    want = jacrev(hidden)(emb)
+    for strategy in ("auto", "rev", "fwd", "rev-loop"):
+        got, warned = _jacobian_warnings(lambda s=strategy: tv.jacobian(hidden, emb, strategy=s))
+        assert warned == [], strategy
+        # (at float32's rounding: forward mode sums in another order)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=strategy)
+
+
+def test_packed_lstm_falls_back_to_the_loop_and_matches_autograd():
+    torch.manual_seed(0)
+    rnn = torch.nn.LSTM(3, 4, batch_first=True).to(D)
+    x = torch.randn(2, 5, 3, dtype=D)
+    lengths = torch.tensor([5, 3])
+
+    def f(x):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        out, _ = rnn(packed)
+        return torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0]
+
+    xx = x.clone().requires_grad_()
+    y = f(xx).reshape(-1)
+    want = torch.stack([torch.autograd.grad(y[i], xx, retain_graph=True)[0]
+                        for i in range(y.numel())]).reshape(f(x).shape + x.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for strategy in ("auto", "rev-loop"):
+            torch.testing.assert_close(tv.jacobian(f, x, strategy=strategy), want,
+                                       rtol=0, atol=1e-12)
