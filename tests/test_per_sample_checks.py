@@ -546,3 +546,43 @@ def test_a_detached_loss_is_refused_not_taken_for_zero_gradients(fn, strategy):
             r"output with torch operations, without \.detach\(\)"):
         getattr(tv, fn)(model, loss_fn, x, y, strategy=strategy, **kwargs)
     assert model.weight.grad is None
+
+
+class MaskedPool(nn.Module):
+    """Attention pooling over a padded sequence: an example whose mask is all off gets NaN
+    (softmax over only -inf), as a padded attention does for a fully masked row."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.score = nn.Linear(d, 1)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x, mask):
+        s = self.score(x).squeeze(-1).masked_fill(~mask, float("-inf"))
+        pooled = (s.softmax(-1).unsqueeze(-1) * x).sum(1)
+        return self.head(self.ln(pooled))
+
+
+def test_an_example_with_a_non_finite_output_is_not_taken_for_mixing():
+    torch.manual_seed(0)
+    model = MaskedPool().to(DT)
+    x, y = torch.randn(4, 5, 4, dtype=DT), torch.randint(0, 3, (4,))
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1] = False  # example 1: nothing to attend to, NaN output
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    ref = {n: [] for n, _ in model.named_parameters()}
+    for i in range(4):
+        loss = loss_fn(model(x[i:i + 1], mask[i:i + 1]), y[i:i + 1])
+        for n, g in zip(ref, torch.autograd.grad(loss, list(model.parameters()))):
+            ref[n].append(g)
+    ref = {n: torch.stack(g) for n, g in ref.items()}
+    assert ref["head.weight"][1].isnan().all() and ref["head.weight"][0].isfinite().all()
+    got = tv.per_sample_grads(model, loss_fn, (x, mask), y)
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g, equal_nan=True, msg=n)
+    norms = tv.per_sample_grad_norms(model, loss_fn, (x, mask), y)
+    want = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms, want, equal_nan=True)
+    with pytest.raises(tv.StrategyError, match="hold NaN or infinity"):
+        tv.per_sample_grads(MaskedPool().to(DT), loss_fn, (x, mask), y, strategy="hooks")

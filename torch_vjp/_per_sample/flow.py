@@ -22,6 +22,7 @@ from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.losses import example_loss, loss_sum
 from torch_vjp._per_sample.recorder import ModuleCall, Recorder
 from torch_vjp._per_sample.registry import Call
+from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import a_type
 
 __all__ = ["ShapeRecord", "confined", "probe_indices", "call_dims", "walk"]
@@ -167,6 +168,14 @@ def call_dims(
         else:
             grads = [None] * len(edges)
         grads_by_k.append(list(grads))
+    if not all_finite(grads_by_k):
+        # A NaN or infinity in an example's output or loss reaches every row of the layers
+        # below in the backward pass (0 * nan), so confined rows cannot be read and a layer
+        # would pass for one that mixes examples: the fallback computes the definition.
+        why = ("the gradients of the probed examples' losses hold NaN or infinity (the "
+               "model's output or loss is not finite for some example of this batch), so "
+               "which rows belong to which example cannot be told")
+        return [(None, why) for _ in calls], None
     call_grads: dict[int, list[Tensor | None]] = {}
     other_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     in_grads: dict[tuple[int, int], list[Tensor | None]] = {}
