@@ -798,10 +798,15 @@ def _err_cases():
         ("inputs-empty", lambda: per_sample_grads(m, lf, (), t), PerSampleTypeError,
          r"inputs must be a tensor or a tuple of tensors, got an empty tuple(.|\n)*at least one "
          r"tensor is needed"),
+        # (these two said what was wrong but not how to pass a tensor the examples share)
         ("inputs-0d", lambda: per_sample_grads(m, lf, torch.tensor(1.0), t), PerSampleValueError,
-         r"inputs\[0\] is a 0-dimensional tensor"),
-        ("inputs-batch", lambda: per_sample_grads(TwoInputs(), lf, (_randn(4, 3), _randn(5, 2)), t),
-         PerSampleValueError, r"inputs\[1\] has shape \(5, 2\), but inputs\[0\] has shape \(4, 3\)"),
+         r"inputs\[0\] is a 0-dimensional tensor(.|\n)*Fix: a tensor that every example shares "
+         r"(.|\n)*expand it to the batch \(t.expand\(B\)\) or hold it in the model"),
+        ("inputs-batch", lambda: per_sample_grads(TwoInputs(), lf, (_randn(4, 3), _randn(1, 2)), t),
+         PerSampleValueError, r"inputs\[1\] has shape \(1, 2\), but inputs\[0\] has shape \(4, 3\)"
+         r"(.|\n)*Fix: a tensor that every example shares \(position ids or a mask of shape "
+         r"\(1, T\), a scale\) is not an input: expand it to the batch "
+         r"\(t.expand\(4, \*t.shape\[1:\]\)\) or hold it in the model"),
         # (EmbeddingBag's flat indices and offsets got no word on how to pass them)
         ("inputs-offsets", lambda: per_sample_grads(TwoInputs(), lf, (_ints(9, 9), _ints(9, 4)), t),
          PerSampleValueError, r"inputs\[1\] has shape \(4,\), but inputs\[0\] has shape \(9,\)(.|\n)*"

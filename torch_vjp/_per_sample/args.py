@@ -114,7 +114,8 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
             raise PerSampleValueError(
                 f"torch_vjp.{fn}: inputs[{k}] is a 0-dimensional tensor, so it has no batch "
                 f"dimension.\n  Per-sample gradients split every input along its first "
-                f"dimension, one example per row."
+                f"dimension, one example per row. "
+                f"{_SHARED_INPUT_FIX.replace('t.expand(B, *t.shape[1:])', 't.expand(B)')}"
             )
     B = xs[0].shape[0]
     for k, x in enumerate(xs[1:], 1):
@@ -128,9 +129,17 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
                 f"torch_vjp.{fn}: inputs[{k}] has shape {shape_str(x.shape)}, but inputs[0] has "
                 f"shape {shape_str(xs[0].shape)}: their first dimensions (the batch) differ, "
                 f"{x.shape[0]} vs {B}.\n  Every input must hold the same examples along its "
-                f"first dimension.{hint}"
+                f"first dimension, since example i is model(*(x[i:i+1] for x in inputs)).{hint}"
+                f"{'' if hint else ' ' + _SHARED_INPUT_FIX.replace('(B,', f'({B},')}"
             )
     return tuple(xs), B
+
+
+_SHARED_INPUT_FIX = (
+    "Fix: a tensor that every example shares (position ids or a mask of shape (1, T), a "
+    "scale) is not an input: expand it to the batch (t.expand(B, *t.shape[1:])) or hold it "
+    "in the model (a buffer or attribute its forward reads)."
+)
 
 
 def check_targets(fn: str, targets: Any, B: int) -> None:
