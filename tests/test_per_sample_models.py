@@ -3,8 +3,9 @@
 GPT-2 and BERT come from ``transformers`` (random weights from a small config; skipped when
 it is not installed); the ViT below follows torchvision's ``VisionTransformer`` layout (a
 class token expanded over the batch and concatenated, a positional table added). Every
-parameter must be computed by rules (``per_sample_plan``), and the results must equal the
-definition in float64.
+parameter of those must be computed by rules (``per_sample_plan``), and the results must equal
+the definition in float64. Further transformers models (Llama, T5, ALBERT, Swin, ConvNeXt,
+wav2vec2, ResNet) must equal the definition under every strategy that takes them.
 """
 
 from __future__ import annotations
@@ -231,3 +232,210 @@ def test_an_opacus_grad_sample_module_with_its_hooks_on_is_refused_with_the_fix(
     ref = tv.per_sample_grads(inner, loss_fn, x, y, strategy="loop")
     for n, g in ref.items():
         torch.testing.assert_close(got["_module." + n], g)
+
+
+# More transformers models, each in a tiny random configuration: what their layers do that
+# GPT-2 and BERT do not (rotary embeddings, RMSNorm and grouped-query attention, a relative
+# attention bias from an Embedding called without the batch, layers sharing parameters, a
+# bias table indexed directly, a layer-scale Parameter, weight_norm's parametrization, a
+# GroupNorm-swapped ResNet). "auto" and "vmap" must equal the definition; "hooks" must equal
+# it or refuse with StrategyError (a layer class of the model's own has no rule).
+
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    T, v = transformers, 40
+    torch.manual_seed(0)
+    ids = torch.randint(2, v, (3, 5))
+    labels = torch.randint(0, 3, (3,))
+
+    class Logits(nn.Module):
+        def __init__(self, m, **kw):
+            super().__init__()
+            self.m, self.kw = m, kw
+
+        def forward(self, *xs):
+            keys = self.kw["keys"]
+            return self.m(**dict(zip(keys, xs)), **self.kw.get("extra", {})).logits
+
+    ce_sum = nn.CrossEntropyLoss(reduction="sum")
+
+    def lm_sum(out, t):
+        return ce_sum(out.reshape(-1, out.shape[-1]), t.reshape(-1))
+
+    if name == "llama":  # rotary, RMSNorm, gated MLP, grouped-query attention, tied head
+        m = T.LlamaForCausalLM(T.LlamaConfig(
+            vocab_size=v, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            tie_word_embeddings=True))
+        mask = torch.ones(3, 5, dtype=torch.long)
+        mask[1, 3:] = 0
+        return Logits(m, keys=("input_ids", "attention_mask"), extra={"use_cache": False}), \
+            lm_sum, (ids, mask), ids
+    if name == "t5":  # relative attention bias: an Embedding called on a (T, T) table
+        m = T.T5ForConditionalGeneration(T.T5Config(
+            vocab_size=v, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+            num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
+            decoder_start_token_id=0))
+        dec = ids[:, :4]
+        return Logits(m, keys=("input_ids", "decoder_input_ids"), extra={"use_cache": False}), \
+            lm_sum, (ids, dec), dec
+    if name == "albert":  # one layer's parameters shared by every layer
+        m = T.AlbertForSequenceClassification(T.AlbertConfig(
+            vocab_size=v, embedding_size=8, hidden_size=16, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
+            hidden_dropout_prob=0, attention_probs_dropout_prob=0, classifier_dropout_prob=0,
+            num_labels=3))
+        return Logits(m, keys=("input_ids",)), nn.CrossEntropyLoss(), ids, labels
+    if name == "swin":  # a relative position bias table indexed directly
+        m = T.SwinForImageClassification(T.SwinConfig(
+            image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[1, 1],
+            num_heads=[2, 2], window_size=2, num_labels=3, hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0, drop_path_rate=0))
+        return Logits(m, keys=("pixel_values",)), ce_sum, torch.randn(3, 3, 8, 8), labels
+    if name == "convnext":  # layer-scale Parameter, channels-first LayerNorm
+        m = T.ConvNextForImageClassification(T.ConvNextConfig(
+            num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3,
+            drop_path_rate=0, layer_scale_init_value=0.5))
+        return Logits(m, keys=("pixel_values",)), ce_sum, torch.randn(3, 3, 16, 16), labels
+    if name == "wav2vec2":  # Conv1d, GroupNorm, a weight_norm positional convolution
+        m = T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
+            vocab_size=v, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4),
+            num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+            feat_extract_norm="group", hidden_dropout=0, attention_dropout=0,
+            activation_dropout=0, feat_proj_dropout=0, final_dropout=0, layerdrop=0,
+            mask_time_prob=0, num_labels=3, classifier_proj_size=8))
+        return Logits(m, keys=("input_values",)), ce_sum, torch.randn(3, 60), labels
+    if name == "resnet_groupnorm":  # BatchNorm swapped for GroupNorm, as Opacus users do
+        m = T.ResNetForImageClassification(T.ResNetConfig(
+            num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+            layer_type="basic", num_labels=3))
+
+        def swap(mod):
+            for n, c in mod.named_children():
+                if isinstance(c, nn.BatchNorm2d):
+                    setattr(mod, n, nn.GroupNorm(4, c.num_features))
+                else:
+                    swap(c)
+        swap(m)
+        return Logits(m, keys=("pixel_values",)), ce_sum, torch.randn(3, 3, 16, 16), labels
+    raise AssertionError(name)
+
+
+def _cast(x):
+    if isinstance(x, tuple):
+        return tuple(_cast(t) for t in x)
+    return x.to(DT) if x.is_floating_point() else x
+
+
+def _definition(model, loss_fn, x, t):
+    """The per-example loop, written out with torch.autograd.grad."""
+    xs = x if isinstance(x, tuple) else (x,)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows = []
+    for i in range(xs[0].shape[0]):
+        loss = loss_fn(model(*(a[i:i + 1] for a in xs)), t[i:i + 1])
+        rows.append(torch.autograd.grad(loss, [p for _, p in named]))
+    return {n: torch.stack([r[k] for r in rows]) for k, (n, _) in enumerate(named)}
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "albert", "swin", "convnext", "wav2vec2",
+                                  "resnet_groupnorm"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_more_transformers_models_against_the_definition(name, mode):
+    model, loss_fn, x, t = _hf(name)
+    model = getattr(model.to(DT), mode)()
+    x, t = _cast(x), _cast(t)
+    ref = _definition(model, loss_fn, x, t)
+    want = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    max_norm = float(want.median())
+    clip = (max_norm / want).clamp(max=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for strategy in ("auto", "hooks", "vmap"):
+            try:
+                got = tv.per_sample_grads(model, loss_fn, x, t, strategy=strategy)
+            except tv.StrategyError:
+                assert strategy != "auto"
+                continue
+            for n in ref:
+                torch.testing.assert_close(got[n], ref[n], msg=f"{strategy} {n}")
+            norms = tv.per_sample_grad_norms(model, loss_fn, x, t, strategy=strategy)
+            torch.testing.assert_close(norms, want, msg=strategy)
+            for p in model.parameters():
+                p.grad = None
+            tv.accumulate_clipped_grads(model, loss_fn, x, t, max_norm=max_norm,
+                                        strategy=strategy)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", clip, ref[n]),
+                                           msg=f"{strategy} {n}")
+    assert model.training == (mode == "train")
+
+
+def test_resnet_batchnorm_in_training_mode_is_refused_with_the_fix_and_right_in_eval():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    net = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+        layer_type="basic", num_labels=3)).to(DT)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = net
+
+        def forward(self, x):
+            return self.m(pixel_values=x).logits
+
+    model, loss_fn = Net(), nn.CrossEntropyLoss(reduction="sum")
+    x, y = torch.randn(3, 3, 16, 16, dtype=DT), torch.randint(0, 3, (3,))
+    for strategy in ("auto", "hooks", "vmap", "loop"):
+        with pytest.raises(tv.PerSampleError, match=(
+                r"module 'm.resnet.embedder.embedder.normalization' \(BatchNorm2d\) is in "
+                r"training mode(.|\n)*Fix: put it in eval mode(.|\n)*nn.GroupNorm")):
+            tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+    model.eval()
+    ref = _definition(model, loss_fn, x, y)
+    got = tv.per_sample_grads(model, loss_fn, x, y, strategy="hooks")
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
+    assert not model.training
+
+
+def test_bloom_with_a_fully_masked_row_gives_the_definition_not_a_mixing_error():
+    """A left-padded mask makes Bloom's attention softmax a row of -inf for the padded
+    positions: NaN in that example's output alone. The loop gives NaN for that example and
+    exact gradients for the others; the plan's data-flow probe took the NaN that reaches
+    every row in the backward pass for a layer that mixes examples (PerSampleError naming
+    ln_f)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=40, hidden_size=16, n_layer=1, n_head=2, hidden_dropout=0,
+        attention_dropout=0)).to(DT).eval()
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = bloom
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    model = LM()
+    ids = torch.randint(0, 40, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[2, :2] = 0
+    ref = _definition(model, lambda o, t: _lm_loss(o, t) * t.numel(), (ids, mask), ids)
+    assert ref["m.transformer.ln_f.weight"][2].isnan().any()
+    assert ref["m.transformer.ln_f.weight"][:2].isfinite().all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = tv.per_sample_grads(model, lambda o, t: _lm_loss(o, t) * t.numel(), (ids, mask),
+                                  ids)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], equal_nan=True, msg=n)
