@@ -584,5 +584,16 @@ def test_an_example_with_a_non_finite_output_is_not_taken_for_mixing():
     norms = tv.per_sample_grad_norms(model, loss_fn, (x, mask), y)
     want = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
     torch.testing.assert_close(norms, want, equal_nan=True)
+    fresh = MaskedPool().to(DT)
     with pytest.raises(tv.StrategyError, match="hold NaN or infinity"):
-        tv.per_sample_grads(MaskedPool().to(DT), loss_fn, (x, mask), y, strategy="hooks")
+        tv.per_sample_grads(fresh, loss_fn, (x, mask), y, strategy="hooks")
+    # what was planned for that batch is not kept: a finite batch gets the rules
+    full = torch.ones(4, 5, dtype=torch.bool)
+    for m in (model, fresh):
+        for strategy in ("auto", "hooks"):
+            assert {r.method for r in tv.per_sample_plan(
+                m, loss_fn, (x, full), y, strategy=strategy).rows} == {"rule"}
+        want = tv.per_sample_grads(m, loss_fn, (x, full), y, strategy="loop")
+        got = tv.per_sample_grads(m, loss_fn, (x, full), y, strategy="hooks")
+        for n, g in want.items():
+            torch.testing.assert_close(got[n], g, msg=n)

@@ -25,7 +25,13 @@ from torch_vjp._per_sample.registry import Call
 from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import a_type
 
-__all__ = ["ShapeRecord", "confined", "probe_indices", "call_dims", "walk"]
+__all__ = ["ShapeRecord", "confined", "probe_indices", "call_dims", "walk", "NON_FINITE"]
+
+#: Why no rule is trusted where the probe's gradients are not finite (and the plan, made for
+#: this batch alone, is not kept for the next one: ``probe.plan_for``).
+NON_FINITE = ("the gradients of the probed examples' losses hold NaN or infinity (the model's "
+              "output or loss is not finite for some example of this batch), so which rows "
+              "belong to which example cannot be told")
 
 
 @dataclass
@@ -172,10 +178,7 @@ def call_dims(
         # A NaN or infinity in an example's output or loss reaches every row of the layers
         # below in the backward pass (0 * nan), so confined rows cannot be read and a layer
         # would pass for one that mixes examples: the fallback computes the definition.
-        why = ("the gradients of the probed examples' losses hold NaN or infinity (the "
-               "model's output or loss is not finite for some example of this batch), so "
-               "which rows belong to which example cannot be told")
-        return [(None, why) for _ in calls], None
+        return [(None, NON_FINITE) for _ in calls], None
     call_grads: dict[int, list[Tensor | None]] = {}
     other_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     in_grads: dict[tuple[int, int], list[Tensor | None]] = {}

@@ -27,7 +27,7 @@ from torch_vjp._per_sample.structure import (
     structure_of,
 )
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
-from torch_vjp._per_sample.flow import ShapeRecord, call_dims, walk
+from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
 from torch_vjp._per_sample.plan import (
     CallPlan,
@@ -211,6 +211,8 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         hooked = [n for n, t in job.sel.tensors.items() if t._backward_hooks]
         if hooked:
             plan.to_loop(hooked, _HOOKED)
+        if any(NON_FINITE in p.reason for p in plan.params.values()):
+            return plan  # (made for this batch's NaN alone: the next batch plans afresh)
         if len(cache) >= _MAX_PER_MODEL:
             cache.pop(next(iter(cache)))
         cache[key] = plan
