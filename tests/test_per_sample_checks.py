@@ -597,3 +597,32 @@ def test_an_example_with_a_non_finite_output_is_not_taken_for_mixing():
         got = tv.per_sample_grads(m, loss_fn, (x, full), y, strategy="hooks")
         for n, g in want.items():
             torch.testing.assert_close(got[n], g, msg=n)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "vmap"])
+@pytest.mark.parametrize("case", ["embedding", "linear", "layernorm"])
+def test_examples_whose_sequences_are_empty_have_zero_gradients(case, strategy):
+    # a batch of sequences of length 0 (a (B, 0) tensor of token ids): the plan's row test
+    # raised an IndexError from inside (amax over rows of no elements), the Embedding rule
+    # and the Linear rule's clipped sum could not reshape their 0 elements
+    torch.manual_seed(0)
+    model, x = {
+        "embedding": (nn.Embedding(5, 3), torch.zeros(2, 0, dtype=torch.long)),
+        "linear": (nn.Linear(3, 4), torch.zeros(2, 0, 3, dtype=DT)),
+        "layernorm": (nn.LayerNorm(3), torch.zeros(2, 0, 3, dtype=DT)),
+    }[case]
+    model = model.to(DT)
+    with torch.no_grad():
+        t = torch.randn(model(x).shape, dtype=DT)
+
+    def loss_fn(out, t):
+        return (out * t).sum()
+
+    got = tv.per_sample_grads(model, loss_fn, x, t, strategy=strategy)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], torch.zeros(2, *p.shape, dtype=DT))
+    norms = tv.per_sample_grad_norms(model, loss_fn, x, t, strategy=strategy)
+    torch.testing.assert_close(norms, torch.zeros(2, dtype=DT))
+    tv.accumulate_clipped_grads(model, loss_fn, x, t, max_norm=1.0, strategy=strategy)
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, torch.zeros_like(p))

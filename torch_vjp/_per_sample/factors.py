@@ -419,7 +419,7 @@ class OuterFactor(Factor):
         else:
             B, T, p = self._a3.shape  # type: ignore[union-attr]
             a = self._a3.reshape(B * T, p)  # type: ignore[union-attr]
-            g = self._g3.reshape(B * T, -1)  # type: ignore[union-attr]
+            g = self._g3.reshape(B * T, self._g3.shape[-1])  # type: ignore[union-attr]
             c = c.repeat_interleave(T) if T != 1 else c
         if c.dtype != g.dtype:  # type: ignore[union-attr]
             c = c.to(g.dtype)  # type: ignore[union-attr]

@@ -57,7 +57,8 @@ class EmbeddingRule(Rule):
             return []
         m = call.module
         idx = to_batch_first(call.x, call.bdim).reshape(batch, -1)
-        gb = to_batch_first(grads[0], call.bdim).reshape(batch, idx.shape[1], -1)
+        gb = to_batch_first(grads[0], call.bdim)
+        gb = gb.reshape(batch, idx.shape[1], gb.shape[-1])
         return [("weight", EmbeddingFactor(idx, gb, m.num_embeddings, m.padding_idx))]
 
 
