@@ -2141,11 +2141,8 @@ def test_auto_checks_at_the_first_finite_point_after_a_nan_one():
     torch.testing.assert_close(got, torch.autograd.functional.jacobian(_cdist_rows, x))
 
 
-def test_auto_check_allows_a_float32_step_inside_a_float64_function():
-    # An RMSNorm-like step in float32 (as Llama's and T5's norms cast) rounds every route
-    # at float32's: vectorised and single reverse products differ by ~1e-7 relative there,
-    # which is rounding, not a wrong formula or a random f; "auto" warned that no route
-    # agreed (by 1.53e-06 at a scale of 17.4).
+def _float32_step():
+    """A float64 function with a normalisation computed in float32 inside, and its point."""
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(64, 32, generator=g, dtype=D)
     w2 = torch.randn(48, 64, generator=g, dtype=D)
@@ -2155,7 +2152,15 @@ def test_auto_check_allows_a_float32_step_inside_a_float64_function():
         h = (h - h.mean()) / (h - h.mean()).pow(2).mean().sqrt()
         return w2 @ h.double()
 
-    x = torch.randn(32, generator=g, dtype=D)
+    return f, torch.randn(32, generator=g, dtype=D)
+
+
+def test_auto_check_allows_a_float32_step_inside_a_float64_function():
+    # An RMSNorm-like step in float32 (as Llama's and T5's norms cast) rounds every route
+    # at float32's: vectorised and single reverse products differ by ~1e-7 relative there,
+    # which is rounding, not a wrong formula or a random f; "auto" warned that no route
+    # agreed (by 1.53e-06 at a scale of 17.4).
+    f, x = _float32_step()
     with no_jacobian_warnings():
         got = jacobian(f, x)
     torch.testing.assert_close(got, torch.func.jacrev(f)(x), rtol=0, atol=1e-12)
@@ -2165,16 +2170,11 @@ def test_hessian_auto_allows_a_float32_step_inside_a_float64_function():
     # forward-over-reverse and reverse-over-reverse both round at float32's there: "auto"
     # warned of "a wrong forward-mode derivative" (asymmetry 4.33e-07 at a scale of 5.58)
     # and returned reverse-over-reverse.
-    g = torch.Generator().manual_seed(0)
-    w1 = torch.randn(64, 32, generator=g, dtype=D)
-    w2 = torch.randn(48, 64, generator=g, dtype=D)
+    step, x = _float32_step()
 
     def f(x):
-        h = (w1 @ x).float()
-        h = (h - h.mean()) / (h - h.mean()).pow(2).mean().sqrt()
-        return (w2 @ h.double()).tanh().sum()
+        return step(x).tanh().sum()
 
-    x = torch.randn(32, generator=g, dtype=D)
     with no_jacobian_warnings():
         got = hessian(f, x)
     torch.testing.assert_close(got, torch.func.hessian(f)(x), rtol=0, atol=1e-12)
