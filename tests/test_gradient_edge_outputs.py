@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import get_gradient_edge
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_vjp as tv
 from torch_vjp import _drop_ins
@@ -106,3 +108,64 @@ def test_check_grad_outputs_rejects_an_output_that_is_no_tensor(other):
         f"  outputs are the outputs y whose vector-Jacobian product is taken, tensors "
         f"computed from ones that require grad. Fix: {fix}.")
     assert isinstance(info.value, TypeError)
+
+
+class _OpLog(TorchDispatchMode):
+    """Records the aten ops that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _checked_backward(*args, **kwargs):
+    with tv.checked():
+        return torch.autograd.backward(*args, **kwargs)
+
+
+def _edge_call(call, vector):
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)
+    y = (x * 3.0).sum() if vector is None else x * 3.0
+    edge = get_gradient_edge(y)
+    with _OpLog() as log:
+        out = call(edge, x, vector)
+    return log.ops, out, x
+
+
+@pytest.mark.parametrize("vector", [None, "given"], ids=["implicit", "given"])
+@pytest.mark.parametrize("kind", ["grad", "backward"])
+@pytest.mark.parametrize("checked", [False, True], ids=["drop-in", "checked"])
+def test_edges_show_a_dispatch_mode_only_torch_s_own_ops(kind, checked, vector):
+    # The checker's stand-in for an edge (and its implicit ones) ran under the caller's
+    # TorchDispatchMode: it logged aten.empty_strided and aten.ones_like that torch's own
+    # call never runs (and a FakeTensorMode rejected the real stand-in).
+    vec = None if vector is None else torch.ones(3, dtype=torch.float64)
+    if kind == "grad":
+        ours = _checked_grad if checked else tv.grad
+        ref, mine = (lambda e, x, v, f=f: f(e, x, v) for f in (torch.autograd.grad, ours))
+    else:
+        ours = _checked_backward if checked else tv.backward
+        ref, mine = (lambda e, x, v, f=f: f(e, v, inputs=x) for f in (torch.autograd.backward,
+                                                                        ours))
+    ref_ops, ref_out, ref_x = _edge_call(ref, vec)
+    ops, out, x = _edge_call(mine, vec)
+    assert ops == ref_ops
+    if kind == "grad":
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        torch.testing.assert_close(out[0], torch.full((3,), 3.0, dtype=torch.float64))
+    else:
+        torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, torch.full((3,), 3.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("grad", [tv.grad, _checked_grad], ids=["tv.grad", "checked"])
+def test_an_edge_under_fake_tensor_mode_works_as_in_torch(grad):
+    with FakeTensorMode():
+        x = torch.randn(3, requires_grad=True)
+        edge = get_gradient_edge((x * 2.0).sum())
+        (g,) = grad(edge, x)
+        assert isinstance(g, FakeTensor) and g.shape == (3,)

@@ -42,6 +42,7 @@ from torch_vjp._check_messages import (
     missing_message,
     no_grad_message,
     not_a_sequence_message,
+    STAND_IN_NODE,
     shape_message,
     type_message,
     warn_ignored_cotangents,
@@ -239,7 +240,7 @@ def normalize_grad_outputs(
                     if is_grads_batched or out.numel() != 1 or not out.dtype.is_floating_point:
                         ok = False
                         break
-                    go = torch.ones_like(out, memory_format=torch.preserve_format)
+                    go = _implicit_grad(out)
                 result.append(go)
                 continue
             if not isinstance(go, Tensor):
@@ -289,6 +290,18 @@ def normalize_grad_outputs(
         warnings.warn(extra_message(labels, m, n), GradOutputsWarning,
                       stacklevel=user_stacklevel())
     return tuple(result)
+
+
+def _implicit_grad(out: Tensor) -> Tensor:
+    """The gradient torch makes for a scalar output given None: ``ones_like(output)``. For
+    the stand-in of a GradientEdge output (the checker's own tensor, which torch's call never
+    sees: it makes its own ``torch.ones``), one made with dispatch modes out of the way, so
+    that a ``TorchDispatchMode`` of the caller (a logger, ``FakeTensorMode``) sees nothing
+    of it."""
+    if getattr(out, STAND_IN_NODE, None) is None:
+        return torch.ones_like(out, memory_format=torch.preserve_format)
+    with torch._C._DisableTorchDispatch():
+        return torch.ones_like(out, memory_format=torch.preserve_format)
 
 
 def _error(

@@ -84,7 +84,10 @@ def _plain(items: Iterable[Any]) -> bool:
 def _edge_stand_in(edge: GradientEdge) -> Tensor | None:
     """A tensor with what torch's ``_make_grads`` reads of a GradientEdge output (shape,
     dtype, device: the metadata of the edge's node at its input), for the checker; None
-    where that is not known (no metadata in this torch, a nested tensor)."""
+    where that is not known (no metadata in this torch, a nested tensor). Made with torch's
+    dispatch modes and subclasses out of the way: it is the checker's own, and a
+    ``TorchDispatchMode`` the caller runs (a logger, a FLOP counter) sees only what torch's
+    own call does."""
     try:
         meta = edge.node._input_metadata[edge.output_nr]
         if meta.is_nested_tensor or meta.is_cpp_nested_tensor:
@@ -92,11 +95,27 @@ def _edge_stand_in(edge: GradientEdge) -> Tensor | None:
         shape, dtype, device = torch.Size(meta.shape), meta.dtype, meta.device
         if not (dtype.is_floating_point or dtype.is_complex):
             return None
-        stand_in = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
+        with torch._C._DisableTorchDispatch():
+            stand_in = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype,
+                                           device=device)
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
     setattr(stand_in.requires_grad_(), STAND_IN_NODE, edge.node)
     return stand_in
+
+
+def _torch_makes_edge_grads(
+    outs: tuple[Any, ...], entries: tuple[Any, ...] | None, normalized: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """``normalized`` as handed to torch's own function: None again where the caller gave
+    None for a GradientEdge output, so that torch's ``_make_grads`` makes its implicit
+    gradient (``torch.ones`` of the edge's shape) itself, as without the check, rather than
+    the checker's ``ones_like`` of the stand-in (:func:`_edge_stand_in`)."""
+    given = entries or ()
+    return tuple(
+        None if isinstance(o, GradientEdge) and (i >= len(given) or given[i] is None) else g
+        for i, (o, g) in enumerate(zip(outs, normalized))
+    )
 
 
 def _checkable(outs: tuple[Any, ...]) -> tuple[Tensor, ...] | None:
@@ -250,6 +269,8 @@ def _grad(
             outs, inputs_arg, entries, retain_graph, create_graph, True, allow_unused,
             is_grads_batched, materialize_grads,
         ))
+    if seen is not outs:
+        gos = _torch_makes_edge_grads(outs, entries, gos)
     if (
         not _HAS_ENGINE
         or torch_grad is not _GENUINE_GRAD
@@ -337,6 +358,8 @@ def _backward(
     except GradOutputsError as err:
         return _arbitrate(err, labels, lambda: torch_backward(
             outs, entries, retain_graph, create_graph, inputs=inputs_arg))
+    if seen is not outs:
+        gts = _torch_makes_edge_grads(outs, entries, gts)
     if (not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or seen is not outs
             or not _plain(ins)):
         return torch_backward(outs, gts, retain_graph, create_graph, inputs=inputs_arg)
