@@ -89,14 +89,28 @@ def slots_from_node(node: Any, needs: tuple[bool, ...]) -> list[Slot]:
     return slots
 
 
+def engine_grad_dtype(next_node: Any, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype torch's engine gives a gradient on its way into ``next_node``: ``dtype``, the
+    node's metadata, except at a leaf's ``AccumulateGrad``, where the leaf's ``grad_dtype``
+    decides (torch casts to it; where it is None, torch casts nothing and ``.grad`` keeps the
+    gradient's own dtype). None for "any dtype"."""
+    if type(next_node).__name__ != "AccumulateGrad":
+        return dtype
+    try:
+        return next_node.variable.grad_dtype  # (unset, it is the leaf's own dtype)
+    except (AttributeError, RuntimeError):  # (a torch without grad_dtype)
+        return dtype
+
+
 def _edge_metadata(
     next_node: Any, nr: int
-) -> tuple[tuple[int, ...], torch.dtype, torch.device] | None:
+) -> tuple[tuple[int, ...], torch.dtype | None, torch.device] | None:
     try:  # torch >= 2.1 exposes what a node expects at each of its inputs
         m = next_node._input_metadata[nr]
         if getattr(m, "is_nested_tensor", False):
             return None
-        return tuple(int(d) for d in m.shape), m.dtype, torch.device(m.device)
+        return (tuple(int(d) for d in m.shape), engine_grad_dtype(next_node, m.dtype),
+                torch.device(m.device))
     except (AttributeError, IndexError, TypeError, RuntimeError):
         pass
     variable = getattr(next_node, "variable", None)  # AccumulateGrad: the leaf itself

@@ -24,6 +24,7 @@ from torch_vjp._backward_check import (
     count_message,
     device_message,
     dtype_message,
+    engine_grad_dtype,
     list_message,
     non_tensor_input_message,
     shape_message,
@@ -75,7 +76,8 @@ def backward_return_ok(node: Any, returned: Any) -> bool:
                     meta = fn._input_metadata[nr]
                     if value.device != meta.device or (
                             value.dtype is not meta.dtype
-                            and not precision_cast(node, value.dtype, meta.dtype)):
+                            and not precision_cast(node, value.dtype, meta.dtype)
+                            and not _leaf_takes(fn, value.dtype, meta.dtype)):
                         return False
                     shape = tuple(meta.shape)
                     if value.shape != shape and not _summed_broadcast(node, value.shape, shape):
@@ -98,6 +100,16 @@ def backward_return_ok(node: Any, returned: Any) -> bool:
             if not needs[i] and values[i] is not None and not isinstance(values[i], Tensor):
                 return False
     return True
+
+
+def _leaf_takes(fn: Any, g: torch.dtype, s: torch.dtype) -> bool:
+    """Whether ``fn``, the node a gradient of dtype ``g`` flows into, is the AccumulateGrad
+    of a leaf whose ``grad_dtype`` takes ``g`` as it is: ``g`` itself, or None (any dtype of
+    the same kind as the leaf's own ``s``)."""
+    target = engine_grad_dtype(fn, s)
+    if target is None:
+        return g.is_floating_point == s.is_floating_point and g.is_complex == s.is_complex
+    return target is not s and g is target
 
 
 def precision_cast(node: Any, g: torch.dtype, s: torch.dtype) -> bool:

@@ -279,7 +279,8 @@ def normalize_grad_outputs(
         go = gos[i]
         if (go is not None and go.dtype != outputs[i].dtype
                 and not (_real_tangent_of_complex(labels, go, outputs[i])
-                         and 2 * go.dtype.itemsize <= outputs[i].dtype.itemsize)):
+                         and 2 * go.dtype.itemsize <= outputs[i].dtype.itemsize)
+                and not _leaf_keeps(outputs[i], go)):
             # (a real tangent of a complex primal warns only where the cast rounds it:
             # float64 to complex64)
             warnings.warn(
@@ -290,6 +291,19 @@ def normalize_grad_outputs(
         warnings.warn(extra_message(labels, m, n), GradOutputsWarning,
                       stacklevel=user_stacklevel())
     return tuple(result)
+
+
+def _leaf_keeps(out: Tensor, go: Tensor) -> bool:
+    """Whether torch keeps ``go``'s dtype as it is, uncast, where ``out`` is a leaf (or the
+    stand-in of a leaf's GradientEdge) whose ``grad_dtype`` is ``go``'s dtype or None (any
+    floating-point dtype): torch casts the gradient of a leaf output to its ``grad_dtype``,
+    not to its dtype."""
+    if out.grad_fn is not None or not out.requires_grad:
+        return False
+    target = getattr(out, "grad_dtype", out.dtype)
+    if target is None:
+        return go.dtype.is_floating_point and out.dtype.is_floating_point
+    return go.dtype == target
 
 
 def _implicit_grad(out: Tensor) -> Tensor:

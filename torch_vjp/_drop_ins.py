@@ -101,6 +101,11 @@ def _edge_stand_in(edge: GradientEdge) -> Tensor | None:
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
     setattr(stand_in.requires_grad_(), STAND_IN_NODE, edge.node)
+    if type(edge.node).__name__ == "AccumulateGrad":  # a leaf's edge: its grad_dtype counts
+        try:
+            stand_in.grad_dtype = edge.node.variable.grad_dtype
+        except (AttributeError, RuntimeError, TypeError):  # (a torch without grad_dtype)
+            pass
     return stand_in
 
 
