@@ -259,6 +259,29 @@ def test_sparse_coo_grad_outputs_accepted_csr_rejected_like_torch():
         assert str(info.value) == "invalid gradient at index 0 - expected layout Strided but got SparseCsr"
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no mkldnn")
+@pytest.mark.parametrize("grad", [tv.grad, "checked"])
+def test_an_mkldnn_vector_is_rejected_with_torch_s_own_sentence(grad):
+    # torch names the layout "Mkldnn"; the checker's copy of the sentence said
+    # "torch._mkldnn", so code matching torch's message broke under the checks
+    x = torch.randn(3, 3, requires_grad=True)
+    y = x * 2
+    go = torch.ones(3, 3).to_mkldnn()
+    with pytest.raises(RuntimeError) as torch_info:
+        torch.autograd.grad(y, x, go, retain_graph=True)
+    assert str(torch_info.value) == (
+        "invalid gradient at index 0 - expected layout Strided but got Mkldnn")
+    with pytest.raises(tv.GradOutputsError) as info:
+        if grad == "checked":
+            with tv.checked():
+                torch.autograd.grad(y, x, go, retain_graph=True)
+        else:
+            grad(y, x, go, retain_graph=True)
+    assert str(info.value) == str(torch_info.value)
+    assert "has layout torch._mkldnn, but outputs[0] has layout torch.strided" in full_message(
+        info.value)
+
+
 # --------------------------------------------------------------------------------------
 # Rejected calls: torch's sentence first, then torch_vjp's explanation
 # --------------------------------------------------------------------------------------

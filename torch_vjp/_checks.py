@@ -336,7 +336,10 @@ def _layout_name(layout: torch.layout) -> str:
     """A layout as torch's engine prints it: ``Strided``, ``Sparse``, ``SparseCsr``."""
     names = {torch.strided: "Strided", torch.sparse_coo: "Sparse", torch.sparse_csr: "SparseCsr",
              torch.sparse_csc: "SparseCsc", torch.sparse_bsr: "SparseBsr",
-             torch.sparse_bsc: "SparseBsc"}
+             torch.sparse_bsc: "SparseBsc", torch._mkldnn: "Mkldnn"}  # type: ignore[attr-defined]
+    jagged = getattr(torch, "jagged", None)
+    if layout is jagged:
+        return "Jagged"
     return names.get(layout, str(layout))
 
 
