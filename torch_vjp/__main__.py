@@ -61,17 +61,11 @@ def _plot_formats() -> dict[str, str] | None:
     return dict(Figure().canvas.get_supported_filetypes())
 
 
-def _check_plot_path(path: str, parser: argparse.ArgumentParser, asked: bool) -> None:
+def _check_plot_path(path: str, parser: argparse.ArgumentParser) -> None:
     """The figure's format is its extension: one matplotlib can write, checked before the
-    run. Without matplotlib, a figure ``asked`` for by ``--plot`` is a usage error before the
-    run (not a missing file minutes later); the default one is left out, and the run says so
-    at its end."""
+    run. Without matplotlib nothing is checked here (:func:`_check_matplotlib`)."""
     formats = _plot_formats()
     if formats is None:
-        if asked:
-            parser.error(f"--plot {path}: matplotlib is not installed, so no figure can be "
-                         f"drawn. Fix: pip install 'torch_vjp[bench]', or leave --plot out "
-                         f"(the table and the JSON need no matplotlib)")
         return
     suffix = Path(path).suffix
     supported = ", ".join(f".{ext}" for ext in sorted(formats))
@@ -83,6 +77,16 @@ def _check_plot_path(path: str, parser: argparse.ArgumentParser, asked: bool) ->
         parser.error(f"--plot {path}: matplotlib cannot write {suffix} files; the extension "
                      f"chooses the format. Supported: {supported}. "
                      f"Fix: --plot {Path(path).with_suffix('.png')}")
+
+
+def _check_matplotlib(path: str, parser: argparse.ArgumentParser) -> None:
+    """A figure asked for by ``--plot`` without matplotlib: a usage error before the run (not
+    a missing file minutes later). The default figure is left out instead, and the run says
+    so at its end."""
+    if _plot_formats() is None:
+        parser.error(f"--plot {path}: matplotlib is not installed, so no figure can be "
+                     f"drawn. Fix: pip install 'torch_vjp[bench]', or leave --plot out "
+                     f"(the table and the JSON need no matplotlib)")
 
 
 def _check_output_path(option: str, path: str, parser: argparse.ArgumentParser) -> None:
@@ -295,11 +299,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_distinct((("--json", json_path), ("--markdown", markdown_path),
                      ("--plot", plot_path)), parser)
     if plot_path:
-        _check_plot_path(plot_path, parser, asked=bool(args.plot))
+        _check_plot_path(plot_path, parser)
     for option, path in (("--json", json_path), ("--markdown", markdown_path),
                          ("--plot", plot_path)):
         if path:
             _check_output_path(option, path, parser)
+    if plot_path and args.plot:
+        _check_matplotlib(plot_path, parser)
 
     if use_jax and not jax_available():
         print("jax is not installed: its methods are left out (pip install jax jaxlib to add them)")
