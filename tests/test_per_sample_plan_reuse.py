@@ -520,3 +520,41 @@ def test_the_check_is_made_again_on_a_schedule(monkeypatch):
         if len(made) > before:
             checked_on.append(call)
     assert checked_on == [1, 5, 9, 17]  # (call 1: the first check; then uses 4, 8, 16)
+
+
+@pytest.mark.parametrize("fn", ["norms", "grads"])
+def test_a_plan_made_anew_for_other_layer_calls_is_checked_on_that_call(monkeypatch, fn):
+    # a batch that takes another branch (other layers called) makes a new plan inside the
+    # call; the call's results came from it, but the check judged the old, checked plan,
+    # and so did not run: the new plan's first results went unchecked
+    from torch_vjp._per_sample import verify as verify_mod
+
+    made = []
+    real = verify_mod._loop_reference
+    monkeypatch.setattr(verify_mod, "_loop_reference", lambda *a: made.append(1) or real(*a))
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.a(x) if bool((x > 0).all()) else self.b(x)))
+
+    torch.manual_seed(0)
+    model = Branchy().to(DT)
+    loss_fn = nn.MSELoss(reduction="sum")
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(8, 4, dtype=DT, generator=g).abs(), torch.randn(8, 3, dtype=DT)
+
+    def call(x):
+        if fn == "norms":
+            return tv.per_sample_grad_norms(model, loss_fn, x, t)
+        return ref_norms(tv.per_sample_grads(model, loss_fn, x, t))
+
+    call(x)
+    assert made  # the first plan's check
+    made.clear()
+    got = call(-x)  # every example takes the other branch: the batch too, so no mixing
+    assert made, "the plan made anew for the other branch was not checked"
+    torch.testing.assert_close(got, ref_norms(loop_reference(model, loss_fn, -x, t)))

@@ -157,6 +157,7 @@ def per_sample_grads(
             results, one_run = grads(job, plan, chunk)
             if job.reset is not None:
                 job.reset()
+            plan, job.replanned = job.replanned or plan, None  # (made anew by the call)
             if checked(plan, one_run):
                 break
             sq = {n: sq_norms_rows(g) for n, g in results.items()}
@@ -255,6 +256,7 @@ def _norms_run(
             norms, sums, per_param = norms_and_sums(job, plan, max_norm)
             if job.reset is not None:
                 job.reset()
+            plan, job.replanned = job.replanned or plan, None  # (made anew by the call)
             if not verify(job, plan, per_param):
                 break
     return norms, sums, job

@@ -346,6 +346,8 @@ class Job:
         by_backward: the per-example loop differentiates with ``backward()`` (a reentrant
             checkpoint refused ``autograd.grad``: NOTE [reentrant checkpoints] in
             ``fallback``).
+        replanned: the plan made anew during the call (the layers called were not the
+            plan's), which the call's results came from and the check must judge; or None.
     """
 
     fn: str
@@ -360,6 +362,7 @@ class Job:
     ddp: Any = None
     structure: Any = None
     by_backward: bool = False
+    replanned: Any = None
 
 
 def params_once(params: Any) -> Any:

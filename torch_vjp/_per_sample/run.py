@@ -246,7 +246,7 @@ def _hooks(job: Job, plan: Plan) -> tuple[Plan, HooksResult]:
         return plan, HooksResult()
     res = _recorded_pass(job, plan)
     if res.mismatch:
-        plan = plan_of(job, rebuild=True)
+        plan = job.replanned = plan_of(job, rebuild=True)  # (the caller checks this one)
         res = _recorded_pass(job, plan)
         if res.mismatch:  # the layers called change from call to call: no rules this time
             why = "the layers the model calls change from one call to the next"
