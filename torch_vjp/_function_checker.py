@@ -88,7 +88,7 @@ from torch_vjp._function_values import (
 )
 
 __all__ = [
-    "PROBES", "Checker", "callable_name", "describe_arg", "differentiated",
+    "DEFAULT_TOLERANCES", "PROBES", "Checker", "callable_name", "describe_arg", "differentiated",
     "ok_text",
 ]
 
@@ -99,7 +99,7 @@ PROBES = 2
 _SEED = 20240602
 # (NOTE [the dot-product test]: in _function_values)
 # Default tolerances of the dot-product test, by the precision the values are checked in.
-_DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
+DEFAULT_TOLERANCES = {  # dtype -> (atol, rtol)
     torch.float64: (1e-8, 1e-5),
     torch.float32: (1e-5, 1e-2),
     torch.float16: (1e-3, 1e-1),
@@ -366,7 +366,7 @@ class Checker:
                 f"raised to {probe_eps:.3g}"
             )
             dtype, eps = grid, probe_eps
-        d_atol, d_rtol = _DEFAULT_TOLERANCES.get(real_dtype(dtype), (1e-5, 1e-2))
+        d_atol, d_rtol = DEFAULT_TOLERANCES.get(real_dtype(dtype), (1e-5, 1e-2))
         atol_ = d_atol if atol is None else atol
         rtol_ = d_rtol if rtol is None else rtol
         errors: dict[int, tuple[float, float]] = {}

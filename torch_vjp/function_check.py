@@ -34,6 +34,7 @@ from torch_vjp._errors import (
 from torch_vjp._function_calls import kept
 from torch_vjp._function_params import module_parameters
 from torch_vjp._function_checker import (
+    DEFAULT_TOLERANCES,
     PROBES,
     Checker,
     callable_name,
@@ -395,8 +396,15 @@ def _nothing_to_check(call: str, name: str, inputs: tuple[Any, ...]) -> str:
     return "\n".join(lines)
 
 
-#: The defaults in float64, named in the fix of a mistyped tolerance or step.
-_DEFAULTS = {"eps": 1e-6, "atol": 1e-8, "rtol": 1e-5}
+
+
+def _default(name: str) -> float:
+    """The default of ``eps``, ``atol`` or ``rtol`` in float64, named in the fix of a mistyped
+    one: ``eps`` from the signature, the tolerances from the checker's table."""
+    if name == "eps":
+        return check_function.__kwdefaults__["eps"]
+    atol, rtol = DEFAULT_TOLERANCES[torch.float64]
+    return atol if name == "atol" else rtol
 
 
 def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> float:
@@ -408,7 +416,7 @@ def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> fl
     if isinstance(value, bool) or not (isinstance(value, numbers.Real) or real_tensor):
         raise FunctionCheckTypeError(
             f"{call}: {name} must be a number, but got {type(value).__name__} "
-            f"({value!r}). Fix: pass a float, e.g. {name}={_DEFAULTS[name]}."
+            f"({value!r}). Fix: pass a float, e.g. {name}={_default(name)}."
         )
     number = float(value)
     if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):

@@ -56,7 +56,7 @@ __all__ = [
     "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "all_finite", "gap",
     "identity",
     "route_key", "module_key", "checked_batch",
-    "largest_difference", "least_precise", "cast_dtype", "CASTS",
+    "largest_difference", "least_precise", "cast_dtype",
     "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
     "reverse_gap", "signature", "stacked_gap",
     "tolerance", "wrong_route_message",
@@ -539,13 +539,13 @@ def no_route_message(call: str, name: str, first: str, diff: float, scale: float
 
 #: Backward nodes of ops that can change a dtype: casts, and copies into a buffer of
 #: another dtype (``buf.copy_(x)``, ``buf[:] = x``).
-CASTS = frozenset({"ToCopyBackward0", "CopyBackwards", "CopySlices"})
+_CASTS = frozenset({"ToCopyBackward0", "CopyBackwards", "CopySlices"})
 
 
 def cast_dtype(node: Any, least: torch.dtype) -> torch.dtype:
-    """``least``, or the floating dtype a cast node of a graph (:data:`CASTS`) computes in
+    """``least``, or the floating dtype a cast node of a graph (:data:`_CASTS`) computes in
     where that one is less precise."""
-    if type(node).__name__ in CASTS:
+    if type(node).__name__ in _CASTS:
         try:
             for m in node._input_metadata:
                 if m.dtype.is_floating_point and torch.finfo(m.dtype).eps > torch.finfo(
