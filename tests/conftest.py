@@ -17,6 +17,24 @@ except ImportError:  # pragma: no cover - hypothesis is in the test extra
     pass
 
 
+@pytest.fixture
+def op_log():
+    """A TorchDispatchMode class whose instances record, in ``ops``, the aten ops that run
+    under them: what a user's op logger or FLOP counter would see."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return OpLog
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where none is present")
 

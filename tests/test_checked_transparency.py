@@ -593,21 +593,10 @@ def test_torch_compile_traces_the_same_graphs_in_a_checked_block():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_replayed_backward_is_not_seen_by_dispatch_modes():
+def test_replayed_backward_is_not_seen_by_dispatch_modes(op_log):
     # A custom backward whose return torch casts (float64 for a float32 input) is replayed
     # to learn torch's verdict; an op logger or FLOP counter around the backward must see
     # the user's pass only.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     class Twice(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -620,7 +609,7 @@ def test_replayed_backward_is_not_seen_by_dispatch_modes():
     def ops():
         x = torch.ones(3, requires_grad=True)
         y = Twice.apply(x).sum()
-        with Log() as log:
+        with op_log() as log:
             y.backward()
         torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
         return log.ops
