@@ -2178,3 +2178,37 @@ def test_hessian_auto_allows_a_float32_step_inside_a_float64_function():
     with no_jacobian_warnings():
         got = hessian(f, x)
     torch.testing.assert_close(got, torch.func.hessian(f)(x), rtol=0, atol=1e-12)
+
+
+def test_auto_after_the_vmap_fallback_names_the_loop():
+    # a vmap that could not run f (NumPy) left 'auto' with the Jacobian of its loop, but the
+    # result went on as "rev": the check's warning blamed "reverse mode under torch.vmap"
+    # and a wrong batching rule, though vmap never ran
+    W = torch.randn(3, 5, dtype=D)
+    vmapped, calls = [], []
+
+    def f(x):
+        try:
+            x.detach().numpy()
+        except RuntimeError:  # (a tensor under torch.vmap holds no storage)
+            vmapped.append(1)
+            raise
+        calls.append(1)
+        return torch.tanh(W @ x) * (1 + 0.1 * len(calls))  # computes otherwise each call
+
+    x = torch.randn(5, dtype=D)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        jacobian(f, x)
+    said = [str(w.message) for w in said if issubclass(w.category, tv.JacobianWarning)]
+    check = [m for m in said if "disagrees with a reverse product" in m]
+    assert len(check) == 1, said
+    assert check[0].startswith("torch_vjp.jacobian: reverse mode one product at a time "
+                               "(torch.vmap could not run f) disagrees"), check[0]
+    assert "under torch.vmap" not in check[0] and "no other route" not in check[0]
+    assert vmapped  # (torch.func did try f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # each warning was shown once
+        J = jacobian(f, x)
+    ref = torch.func.jacrev(lambda x: torch.tanh(W @ x) * (1 + 0.1 * len(calls)))(x)
+    torch.testing.assert_close(J, ref)  # the Jacobian of the call that computed it

@@ -29,9 +29,10 @@ class Blocks:
     ``j`` with respect to flat input leaf ``i``; ``views[j][i]`` holds the same elements (a
     row slice of the stacked products), cheap to scan for all-zero blocks; ``connected`` is
     True when every output was seen to depend on the differentiated leaves through autograd
-    (it requires grad in reverse mode, it has a tangent in forward mode)."""
+    (it requires grad in reverse mode, it has a tangent in forward mode); ``looped`` is True
+    when "auto" computed them by its loop because torch.vmap could not run f."""
 
-    __slots__ = ("blocks", "out_spec", "aux", "mode", "views", "connected")
+    __slots__ = ("blocks", "out_spec", "aux", "mode", "views", "connected", "looped")
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class Blocks:
         self.mode = mode
         self.views = views if views is not None else blocks
         self.connected = connected
+        self.looped = False
 
 
 def rev_blocks(

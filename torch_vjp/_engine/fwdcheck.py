@@ -341,6 +341,7 @@ def checked_route(
     # (NOTE [a batch that mixes rows] is in mixing.py, which imports this module)
     from torch_vjp._engine.mixing import cross_row_flow, mixing_message
 
+    first = "rev-loop" if res.looped and res.mode == "rev" else res.mode
     got = one_reverse_product(prob)
     # (a NaN or an infinity in the reverse product, from a tensor f reads that is not
     # differentiated, an argument or one it captured, lands in the products by each route
@@ -348,7 +349,7 @@ def checked_route(
     finite = got is None or all_finite(got[2])
     if got is None or not finite:
         if finite and all_finite(prob.leaves):
-            remember(key, res.mode)
+            remember(key, first)
         elif batch is not None:
             # (no route is compared at a NaN or an infinity, but a flow across rows shows
             # there too, in finite entries: a mixing f returned sums of cross-example
@@ -365,7 +366,7 @@ def checked_route(
             raise JacobianCallError(mixing_message(prob.call, named[1], diff, scale, *flow))
 
     return agreeing_route(
-        prob, res.mode, res, lambda b: reverse_gap(prob, b, batch, got), route,
+        prob, first, res, lambda b: reverse_gap(prob, b, batch, got), route,
         lambda name: remember(key, name), named, "strategy",
         tolerance(least_precise(got[0], prob.leaves)),
         on_none=None if batch is None else mixing,
@@ -493,7 +494,8 @@ def agreeing_route(
         keep(first)
         return result
     tried = []
-    for name in ("rev", "rev-loop") if first == "fwd" else ("rev-loop",):
+    # (after the loop, "rev-loop", no other route is left: f changes on each call)
+    for name in {"fwd": ("rev", "rev-loop"), "rev": ("rev-loop",)}.get(first, ()):
         try:
             alt = route(name)
         except Exception as err:  # noqa: BLE001 - no safer route: the next one, or result
@@ -524,11 +526,12 @@ def no_route_message(call: str, name: str, first: str, diff: float, scale: float
                      option: str) -> str:
     """The one-time warning that ``"auto"``'s first route (``first``) disagreed with the
     reverse product and no other route agreed either: the first result stands."""
-    mode = "forward mode" if first == "fwd" else "reverse mode under torch.vmap"
+    mode = {"fwd": "forward mode", "rev": "reverse mode under torch.vmap"}.get(
+        first, "reverse mode one product at a time (torch.vmap could not run f)")
+    others = ", and no other route agrees with it either" if first in ("fwd", "rev") else ""
     return (
         f"{call}: {mode} disagrees with a reverse product on the Jacobian of {name} (by up "
-        f"to {diff:.3g}, at a scale of {scale:.3g}), and no other route agrees with it "
-        f"either: f draws random numbers (dropout in training mode), is not smooth at this "
+        f"to {diff:.3g}, at a scale of {scale:.3g}){others}: f draws random numbers (dropout in training mode), is not smooth at this "
         f"point, or computes otherwise on each call. {option}='auto' returned the first "
         f"result, and does so for this function and input shapes from now on.\n"
         f"  Check it (torch.autograd.gradcheck, or finite differences) before relying on "

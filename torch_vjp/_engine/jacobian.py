@@ -421,11 +421,13 @@ def _auto(
                 and str(failed[0]) == str(probe_error):
             raise failed[0]
         try:
-            return _loop(prob, mode, shapes, opts, functorch)
+            res = _loop(prob, mode, shapes, opts, functorch)
         except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
             if mode == "rev" or passes_through(err):
                 raise
             raise NoForwardMode(err) from None
+        res.looped = True  # (the route the check names and remembers: vmap did not run)
+        return res
 
     def warn_vmap_failed(err: Exception) -> None:
         warn_once(
