@@ -1785,14 +1785,19 @@ def test_a_function_that_changes_a_captured_tensor_is_warned_about(strategy, mon
     x = torch.ones(3, dtype=D)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jacobian(f, x, strategy=strategy)
+        J = jacobian(f, x, strategy=strategy)
     said = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)
             and "changes a tensor it captures in place" in str(w.message)]
     calls = len(counted)
     assert (len(said) == 1) == (calls > 1), (strategy, calls, said)
     if said:
         assert "Fix: keep f free of side effects" in said[0]
-        assert "which is then put back as it was" in said[0]
+        assert "the tensor is then put back as it was" in said[0]
+        # (what it says of the result: one call's Jacobian, or one call per column)
+        assert "(the last call; in a loop of forward products, each column's own call)" \
+            in said[0]
+        diag = J.diagonal()
+        assert (len(set(diag.tolist())) == 3) == (strategy == "fwd-loop"), (strategy, diag)
     # (NOTE [what a call puts back]: the counter is as it was before the call)
     assert g.item() == 0.0
 

@@ -256,9 +256,10 @@ def moved_message(call: str, name: str, several: bool) -> str:
     if several:
         what = (f"The Jacobian calls f more than once (a probe of its output shapes, then "
                 f"the products; the loop strategies once per product), so each call saw that "
-                f"tensor as the one before left it: the result is the Jacobian of f as its "
-                f"last call found the tensor, which is then put back as it was ({not_kept}, "
-                f"is not: it has moved once per call).")
+                f"tensor as the one before left it: the result is the Jacobian of f as the "
+                f"calls that computed it found the tensor (the last call; in a loop of "
+                f"forward products, each column's own call), and the tensor is then put "
+                f"back as it was ({not_kept}, is not: it has moved once per call).")
     else:
         what = (f"It is not put back after the call ({not_kept} is not): it has moved as a "
                 f"call of f moves it.")
