@@ -32,7 +32,7 @@ from torch_vjp._shape_messages import (
 )
 
 if TYPE_CHECKING:
-    from torch_vjp._checks import Labels
+    from torch_vjp._check_labels import Labels
 
 __all__ = [
     "describe_tree",

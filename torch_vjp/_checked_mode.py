@@ -78,13 +78,8 @@ from torch_vjp._checked_scope import (
     _set_process_wide_flag,
     _suppressed,
 )
-from torch_vjp._checks import (
-    BACKWARD,
-    GRAD,
-    PULLBACK,
-    TENSOR_BACKWARD,
-    check_cotangents,
-)
+from torch_vjp._check_labels import BACKWARD, GRAD, PULLBACK, TENSOR_BACKWARD
+from torch_vjp._checks import check_cotangents
 from torch_vjp._drop_ins import _backward, _grad
 from torch_vjp._transform_support import recording_connected
 from torch_vjp._errors import GradOutputsError, env_flag

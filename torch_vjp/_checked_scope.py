@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from torch_vjp._checks import Labels
+from torch_vjp._check_labels import Labels
 from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsIndexError,

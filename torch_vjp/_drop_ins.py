@@ -42,11 +42,8 @@ from torch_vjp._checked_scope import (
     _torch_validation,
 )
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
-from torch_vjp._checks import (
-    Labels,
-    as_entries,
-    normalize_grad_outputs,
-)
+from torch_vjp._check_labels import Labels
+from torch_vjp._checks import as_entries, normalize_grad_outputs
 from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsTypeError,

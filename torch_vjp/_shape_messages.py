@@ -16,7 +16,7 @@ from torch import Tensor
 from torch_vjp._errors import shape_str
 
 if TYPE_CHECKING:
-    from torch_vjp._checks import Labels
+    from torch_vjp._check_labels import Labels
 
 __all__ = ["STAND_IN_NODE", "known_batch_size", "leaf_shapes", "missing_message",
            "shape_message"]

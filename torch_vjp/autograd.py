@@ -21,7 +21,8 @@ from typing import Any
 from torch import Tensor
 
 from torch_vjp._checked_scope import _GENUINE_BACKWARD, _GENUINE_GRAD
-from torch_vjp._checks import BACKWARD, CHECK, GRAD, normalize_grad_outputs
+from torch_vjp._check_labels import BACKWARD, CHECK, GRAD
+from torch_vjp._checks import normalize_grad_outputs
 from torch_vjp._drop_ins import _backward, _check_outputs, _grad, _outputs_tuple
 
 __all__ = ["grad", "backward", "check_grad_outputs", "checked", "is_checked"]

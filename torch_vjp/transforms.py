@@ -23,9 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from torch_vjp._check_labels import TANGENTS, VJP
 from torch_vjp._checks import (
-    TANGENTS,
-    VJP,
     check_cotangents,
     check_tree_structure,
     normalize_grad_outputs,

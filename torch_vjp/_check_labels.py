@@ -1,0 +1,130 @@
+"""How each call of the ``grad_outputs`` checker (:mod:`torch_vjp._checks`) names its
+arguments in messages: :class:`Labels`, and one preset per call site, made once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["Labels", "GRAD", "BACKWARD", "TENSOR_BACKWARD", "CHECK", "PULLBACK", "VJP",
+           "TANGENTS", "single"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Labels:
+    """How one call names its arguments in messages, and whether it speaks torch's language:
+    the label preset of one calling context.
+
+    ``torch_vjp.grad`` speaks of ``outputs[i]`` and ``grad_outputs[i]``; ``Tensor.backward`` of
+    ``y`` and ``gradient``; a JVP of ``primals[i]`` and ``tangents[i]``. One instance per call
+    site, made once (see the presets at the end of this module), so the checker's fast path
+    allocates nothing.
+
+    Attributes:
+        call: the public call named at the start of every explanation.
+        outputs, grad_outputs, inputs: how the call names its arguments.
+        indexed: whether messages index them (``outputs[0]``) or not (``gradient``).
+        role: ``"grad_outputs"`` (cotangents, dL/d output) or ``"tangents"`` (JVP directions).
+        batch_hint: how this call computes K products at once.
+        batch_flag: the name of the call's batching flag.
+        require_grad: whether an output that does not require grad is an error (it is for
+            ``grad``/``backward``; products of torch.func and torch_vjp ignore such outputs).
+        allow_none: whether ``None`` entries are accepted (not for JVP tangents).
+        torch_first: whether the call stands in for one of torch's own (``grad``, ``backward``,
+            ``Tensor.backward``, a ``torch.func.vjp`` pullback): then an error's message is
+            torch's sentence and the explanation a note (NOTE [torch's sentence first]).
+        empty_batch_ok: whether a batch of K = 0 vectors is accepted (torch_vjp's own
+            batched products return empty results; torch.autograd.grad raises).
+    """
+
+    call: str
+    outputs: str = "outputs"
+    grad_outputs: str = "grad_outputs"
+    _: dataclasses.KW_ONLY
+    indexed: bool = True
+    role: str = "grad_outputs"
+    inputs: str = "inputs"
+    batch_hint: str = "pass is_grads_batched=True"
+    batch_flag: str = "is_grads_batched"
+    require_grad: bool = True
+    allow_none: bool = True
+    torch_first: bool = True
+    empty_batch_ok: bool = False
+
+    def replace(self, **changes: Any) -> Labels:
+        """A copy with some attributes changed, e.g. ``GRAD.replace(call="torch.autograd.grad")``."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def whole_jacobian(self) -> str:
+        """What computes the whole Jacobian from where this call stands: ``jacobian_of``
+        where a graph was built (``grad``, ``backward``), else ``jacobian`` of the function
+        (a pullback's or a JVP's outputs hold no graph of the caller's)."""
+        if self.role == "tangents" or self.inputs == "primals":
+            return "torch_vjp.jacobian(f, *primals)"
+        return "torch_vjp.jacobian_of"
+
+    @property
+    def product(self) -> str:
+        """The product one vector makes: a VJP for cotangents, a JVP for tangents."""
+        return "Jacobian-vector product" if self.role == "tangents" else "vector-Jacobian product"
+
+    def out(self, i: int) -> str:
+        return f"{self.outputs}[{i}]" if self.indexed else self.outputs
+
+    def go(self, i: int) -> str:
+        return f"{self.grad_outputs}[{i}]" if self.indexed else self.grad_outputs
+
+    def meaning(self, i: int) -> str:
+        """What the vector is, in words: the reason for every rule."""
+        if self.role == "tangents":
+            return f"{self.go(i)} is a direction of change dx for {self.out(i)}"
+        return f"{self.go(i)} is dL/d {self.out(i)}"
+
+
+_SINGLE: dict[int, tuple[Labels, Labels]] = {}
+
+
+def single(labels: Labels) -> Labels:
+    """``labels`` for a function whose output is one tensor: ``out``, not indexed."""
+    hit = _SINGLE.get(id(labels))
+    if hit is None or hit[0] is not labels:
+        single = labels.replace(outputs="out", indexed=False)
+        hit = _SINGLE[id(labels)] = (labels, single)
+    return hit[1]
+
+
+# ---------------------------------------------------------------------------------------
+# How each call site names things (one object each, made once).
+# ---------------------------------------------------------------------------------------
+
+#: ``torch_vjp.grad`` and ``torch.autograd.grad`` (checked).
+GRAD = Labels("torch_vjp.grad")
+#: ``torch_vjp.backward`` and ``torch.autograd.backward`` (checked).
+BACKWARD = Labels(
+    "torch_vjp.backward", "tensors", "grad_tensors",
+    batch_hint="use torch_vjp.grad(..., is_grads_batched=True): backward has no batched form",
+)
+#: ``Tensor.backward(gradient)`` (checked).
+TENSOR_BACKWARD = Labels(
+    "y.backward(gradient)", "y", "gradient", indexed=False,
+    batch_hint="use torch_vjp.grad(y, x, gradient, is_grads_batched=True): backward has no "
+    "batched form",
+)
+#: ``torch_vjp.check_grad_outputs``.
+CHECK = GRAD.replace(call="torch_vjp.check_grad_outputs")
+#: The pullback of ``torch.func.vjp`` (checked): outputs that do not depend on the primals
+#: are ignored, as torch.func ignores them.
+PULLBACK = Labels(
+    "torch.func.vjp: vjp_fn(cotangents)", "outputs", "cotangents", inputs="primals",
+    batch_hint="call vjp_fn(cotangents, batched=True) of torch_vjp.vjp", batch_flag="batched",
+    require_grad=False,
+)
+#: ``vjp_fn`` of ``torch_vjp.vjp``: torch_vjp's own wording.
+VJP = PULLBACK.replace(call="torch_vjp.vjp: vjp_fn", torch_first=False, empty_batch_ok=True)
+#: The tangents of ``torch_vjp.jvp``.
+TANGENTS = Labels(
+    "torch_vjp.jvp", "primals", "tangents", role="tangents", require_grad=False,
+    allow_none=False, batch_hint="pass batched=True", batch_flag="batched", torch_first=False,
+    empty_batch_ok=True,
+)
