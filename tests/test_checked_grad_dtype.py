@@ -114,3 +114,21 @@ def test_the_casts_torch_does_make_are_still_told():
     leaf = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     with pytest.warns(tv.FunctionCheckWarning, match="dtype torch.float64"):
         _checked(lambda: _Twice.apply(leaf).sum().backward())()
+
+
+@pytest.mark.parametrize("call", list(_BACKWARDS), ids=list(_BACKWARDS))
+def test_a_cast_to_a_leaf_s_grad_dtype_names_that_dtype(call):
+    # a float16 gradient for a float32 leaf whose grad_dtype is float64: torch casts it to
+    # float64, and the warning named float32 (the leaf's dtype) as the target and the fix
+    ref = _leaf(torch.float64)
+    ref.backward(_gradient().half())
+    leaf = _leaf(torch.float64)
+    with pytest.warns(tv.GradOutputsWarning) as said:
+        _BACKWARDS[call](leaf, _gradient().half())
+    msg = str(said[0].message)
+    assert "has dtype torch.float32 (a leaf whose grad_dtype is torch.float64); torch casts " \
+           "the torch.float16" in msg, msg
+    assert "to torch.float64 silently" in msg and ".to(torch.float64) to make the cast " \
+           "explicit." in msg, msg
+    assert leaf.grad.dtype == torch.float64
+    torch.testing.assert_close(leaf.grad, ref.grad, rtol=0, atol=0)

@@ -380,8 +380,13 @@ def complex_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
     )
 
 
-def cast_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
+def cast_message(labels: Labels, i: int, out: Tensor, go: Tensor,
+                 to: torch.dtype | None = None) -> str:
+    """The warning that ``go`` is cast silently to ``to``: ``out``'s dtype, or the
+    ``grad_dtype`` of a leaf ``out``."""
     o, g = labels.out(i), labels.go(i)
+    to = to or out.dtype
+    leaf = "" if to == out.dtype else f" (a leaf whose grad_dtype is {to})"
     if go.dtype == torch.bool:
         what = "boolean"
     elif not (go.dtype.is_floating_point or go.dtype.is_complex):
@@ -400,11 +405,11 @@ def cast_message(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
         )
     else:
         msg = (
-            f"{labels.call}: {g} has dtype {go.dtype} but {o} has dtype {out.dtype}; torch "
-            f"casts the {what} {labels.grad_outputs} to {out.dtype} silently. Pass "
-            f"{g}.to({out.dtype}) to make the cast explicit"
+            f"{labels.call}: {g} has dtype {go.dtype} but {o} has dtype {out.dtype}{leaf}; "
+            f"torch casts the {what} {labels.grad_outputs} to {to} silently. Pass "
+            f"{g}.to({to}) to make the cast explicit"
         )
-    if go.dtype.is_floating_point and go.dtype.itemsize > out.dtype.itemsize:
+    if go.dtype.is_floating_point and go.dtype.itemsize > to.itemsize:
         # only a wider floating-point dtype is precision the caller may have wanted
         return msg + f", or compute {o} in {go.dtype} if you need that precision."
     return msg + "."

@@ -200,11 +200,12 @@ def normalize_grad_outputs(
         if (go is not None and go.dtype != outputs[i].dtype
                 and not (_real_tangent_of_complex(labels, go, outputs[i])
                          and 2 * go.dtype.itemsize <= outputs[i].dtype.itemsize)
-                and not _leaf_keeps(outputs[i], go)):
+                and _cast_target(outputs[i], go) is not None):
             # (a real tangent of a complex primal warns only where the cast rounds it:
             # float64 to complex64)
             warnings.warn(
-                cast_message(labels, i, outputs[i], go), GradOutputsWarning,
+                cast_message(labels, i, outputs[i], go, _cast_target(outputs[i], go)),
+                GradOutputsWarning,
                 stacklevel=user_stacklevel(),
             )
     if m > n:
@@ -213,17 +214,18 @@ def normalize_grad_outputs(
     return tuple(result)
 
 
-def _leaf_keeps(out: Tensor, go: Tensor) -> bool:
-    """Whether torch keeps ``go``'s dtype as it is, uncast, where ``out`` is a leaf (or the
-    stand-in of a leaf's GradientEdge) whose ``grad_dtype`` is ``go``'s dtype or None (any
-    floating-point dtype): torch casts the gradient of a leaf output to its ``grad_dtype``,
-    not to its dtype."""
+def _cast_target(out: Tensor, go: Tensor) -> torch.dtype | None:
+    """The dtype torch casts ``go`` (of another dtype than ``out``'s) to: ``out``'s, except
+    where ``out`` is a leaf (or the stand-in of a leaf's GradientEdge), whose gradient torch
+    casts to its ``grad_dtype``; None where that keeps ``go`` as it is (``go``'s dtype, or
+    None: any floating-point dtype)."""
     if out.grad_fn is not None or not out.requires_grad:
-        return False
+        return out.dtype
     target = getattr(out, "grad_dtype", out.dtype)
     if target is None:
-        return go.dtype.is_floating_point and out.dtype.is_floating_point
-    return go.dtype == target
+        keeps = go.dtype.is_floating_point and out.dtype.is_floating_point
+        return None if keeps else out.dtype
+    return None if go.dtype == target else target
 
 
 def _implicit_grad(out: Tensor) -> Tensor:
