@@ -806,3 +806,19 @@ def test_a_float32_step_inside_a_float64_function_is_judged_at_float32s_toleranc
     report = tv.compare_strategies(f, x, min_run_time=0.01, memory=False)
     assert {row.strategy: row.reason for row in report.rows if row.status != "ok"} == {}
     assert "f computes in float32 inside" in report.reference
+
+
+def test_python_state_f_changes_is_not_undone_as_documented():
+    # compare_strategies puts back tensors (buffers, generators), not plain Python state:
+    # the docstring says so, and each of f's calls sees what the calls before it left
+    seen = []
+    W = torch.randn(3, 3, dtype=torch.float64)
+
+    def f(x):
+        seen.append(len(seen))
+        return torch.tanh(W @ x)
+
+    report = compare_strategies(f, torch.randn(3, dtype=torch.float64), strategies=["rev"],
+                                min_run_time=0.01, memory=False)
+    assert report.rows[0].status == "ok"
+    assert len(seen) > 3 and seen == list(range(len(seen)))  # reference, check, timed calls

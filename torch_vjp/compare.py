@@ -298,7 +298,10 @@ def compare_strategies(
     strategy runs) propagate unchanged. Nothing of the caller's is mutated: a module in
     training mode gets its buffers (BatchNorm's running statistics) back after every call,
     and the global random generator its state. A random ``f`` (dropout in training mode)
-    gets the caller's draws for the reference and for each strategy's checked call.
+    gets the caller's draws for the reference and for each strategy's checked call. What
+    ``f`` changes outside tensors (a Python counter, a list it appends to, an attribute it
+    sets) is not undone: ``f`` runs many times (the reference, each strategy, each timed
+    call), and such a change is seen by the calls after it, as in any benchmark loop.
 
     How each column is measured:
 
