@@ -843,3 +843,68 @@ def test_a_number_as_gradient_of_tensor_backward_is_told_to_make_a_tensor():
         tv.grad(y, x, 2.0)
     assert info.value.__notes__[0].endswith(
         "Fix: pass a tensor, e.g. torch.full_like(outputs[0], 2.0) for a constant.")
+
+
+def _jagged(lengths, inner=3, requires_grad=False):
+    return torch.nested.nested_tensor([torch.randn(k, inner, dtype=torch.float64)
+                                       for k in lengths], layout=torch.jagged,
+                                      requires_grad=requires_grad)
+
+
+_JAGGED_CALLS = {
+    "tv.grad": lambda y, x, v: tv.grad(y, x, v),
+    "tv.grad list": lambda y, x, v: tv.grad([y], [x], [v]),
+    "checked grad": lambda y, x, v: _in_checked(torch.autograd.grad, y, x, v),
+    "checked Tensor.backward": lambda y, x, v: _in_checked(y.backward, v),
+    "tv.backward": lambda y, x, v: tv.backward(y, v),
+}
+
+
+def _in_checked(fn, *args):
+    with tv.checked():
+        return fn(*args)
+
+
+@pytest.mark.parametrize("call", list(_JAGGED_CALLS))
+@pytest.mark.parametrize("case", ["same lengths", "other lengths", "other inner", "dense"])
+def test_a_vector_that_does_not_fit_a_jagged_output_is_explained(call, case):
+    # torch's "Mismatch in shape: ... torch.Size([2, j4, 3]) and ... torch.Size([2, j1, 3])"
+    # passed through bare, though the lengths were the same: a nested tensor built anew
+    # gets a ragged dimension of its own. torch's class and sentence stay, with a note.
+    x = _jagged([2, 3], requires_grad=True)
+    y = x * 2
+    v = {"same lengths": _jagged([2, 3]), "other lengths": _jagged([3, 2]),
+         "other inner": _jagged([2, 3], inner=4),
+         "dense": torch.ones(2, 3, dtype=torch.float64)}[case]
+    with pytest.raises(RuntimeError, match=r"^Mismatch in shape: grad_output\[0\]") as info:
+        _JAGGED_CALLS[call](y, x, v)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "torch compares a ragged dimension (j1, j2, ...) by the offsets tensor" in note
+    assert ".offsets()), values of shape" in note and "Fix: build " in note, note
+    said = {"same lengths": "'s lengths, (2, 3), but is not built on ",
+            "other lengths": "is a jagged nested tensor of shape (2, lengths (3, 2), 3), ",
+            "other inner": "is a jagged nested tensor of shape (2, lengths (2, 3), 4), ",
+            "dense": "is a jagged nested tensor, and "}[case]
+    assert said in note, note
+    # the fix works: a vector on the output's offsets, or ones_like
+    for fixed in (torch.nested.nested_tensor_from_jagged(
+            torch.ones_like(y.values()), y.offsets()), torch.ones_like(y)):
+        (g,) = tv.grad(x * 2, x, fixed)
+        torch.testing.assert_close(g.values(), 2 * torch.ones_like(x.values()))
+
+
+def test_an_error_in_a_jagged_graph_of_the_user_s_own_passes_through():
+    # (the note is for torch's check of the vector, not for a shape error of a backward)
+    class Bad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("Mismatch in shape: grad_output[0] mine")
+
+    x = _jagged([2, 3], requires_grad=True)
+    with pytest.raises(RuntimeError, match="mine") as info:
+        tv.grad(Bad.apply(x), x, torch.ones_like(x))
+    assert not getattr(info.value, "__notes__", None)

@@ -23,6 +23,7 @@ torch accepts, and torch's and the user's own errors stay theirs.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -42,6 +43,7 @@ from torch_vjp._checked_scope import (
     _torch_validation,
 )
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
+from torch_vjp._shape_messages import jagged_message
 from torch_vjp._check_labels import Labels
 from torch_vjp._checks import as_entries, normalize_grad_outputs
 from torch_vjp._errors import (
@@ -152,14 +154,32 @@ def _check_outputs(outs: tuple[Any, ...], labels: Labels) -> tuple[Tensor, ...]:
     return outs  # (nested tensors: the checker reads them as they are)
 
 
-def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], Any]) -> Any:
+#: torch's sentence for a vector whose shape is not its output's (``_make_grads``).
+_MISMATCH = re.compile(r"Mismatch in shape: grad_output\[(\d+)\]")
+
+
+def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], Any],
+               given: Any = None) -> Any:
     """torch's own call, for outputs the checker does not read (:func:`_checkable`). An
     output that is neither a tensor nor a GradientEdge (None, a number, ``loss.item()``) is
     refused by torch's ``_make_grads`` with a bare ``AssertionError("Expected output to be a
-    torch.Tensor")``: that error, torch's class and sentence, gets the explanation as a note
-    (NOTE [torch's sentence first]); any other passes through untouched."""
+    torch.Tensor")``, and a vector that does not fit a jagged nested output with "Mismatch
+    in shape": those errors, torch's class and sentence, get the explanation as a note
+    (NOTE [torch's sentence first]); any other passes through untouched. ``given``: the
+    vectors as the caller passed them."""
     try:
         return run_torch()
+    except RuntimeError as err:
+        said = _MISMATCH.match(str(err))
+        i = int(said.group(1)) if said else -1
+        out = outs[i] if 0 <= i < len(outs) else None
+        if (not isinstance(out, Tensor) or not out.is_nested or not _torch_validation(err)
+                or not hasattr(err, "add_note")):
+            raise
+        entries = (given,) if isinstance(given, Tensor) else given
+        go = entries[i] if isinstance(entries, (tuple, list)) and i < len(entries) else None
+        err.add_note(jagged_message(labels, i, out, go))
+        raise
     except AssertionError as err:
         bad = [i for i, o in enumerate(outs)
                if not isinstance(o, (Tensor, GradientEdge)) and not is_tensor_like(o)]
@@ -240,12 +260,12 @@ def _grad(
                               only_inputs, allow_unused, is_grads_batched, materialize_grads)
         # (torch passes what torch.autograd.grad names now: its own function looks itself
         # up by name, so a checked block hands overrides the checking wrapper too)
-        result = handle_torch_function(
+        result = _unchecked(labels, outs, lambda: handle_torch_function(
             _AUTOGRAD.grad, overridable, outs, ins, grad_outputs=grad_outputs,
             retain_graph=retain_graph, create_graph=create_graph, only_inputs=only_inputs,
             allow_unused=allow_unused, is_grads_batched=is_grads_batched,
             materialize_grads=materialize_grads,
-        )
+        ), grad_outputs)
         return dict(zip(inputs.keys(), result)) if type(inputs) is dict else result
     if not only_inputs:
         warnings.warn(
@@ -259,7 +279,7 @@ def _grad(
     if seen is None or (is_grads_batched and seen is not outs):
         return _unchecked(labels, outs, lambda: torch_grad(
             outs, inputs_arg, grad_outputs, retain_graph, create_graph, True, allow_unused,
-            is_grads_batched, materialize_grads))
+            is_grads_batched, materialize_grads), grad_outputs)
     entries = as_entries(grad_outputs, labels, outs)
     try:
         gos = normalize_grad_outputs(
@@ -343,15 +363,15 @@ def _backward(
         if torch_backward is not _GENUINE_BACKWARD:
             return torch_backward(outs, grad_tensors, retain_graph, create_graph,
                                   inputs=inputs_arg)
-        return handle_torch_function(
+        return _unchecked(labels, outs, lambda: handle_torch_function(
             _AUTOGRAD.backward, overridable, outs, grad_tensors=grad_tensors,
             retain_graph=retain_graph, create_graph=create_graph,
             inputs=ins if inputs is not None else None,
-        )
+        ), grad_tensors)
     seen = _checkable(outs)
     if seen is None:
         return _unchecked(labels, outs, lambda: torch_backward(
-            outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg))
+            outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg), grad_tensors)
     entries = as_entries(grad_tensors, labels, outs)
     try:
         gts = normalize_grad_outputs(

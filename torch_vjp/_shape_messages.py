@@ -18,8 +18,8 @@ from torch_vjp._errors import shape_str
 if TYPE_CHECKING:
     from torch_vjp._check_labels import Labels
 
-__all__ = ["STAND_IN_NODE", "known_batch_size", "leaf_shapes", "missing_message",
-           "shape_message"]
+__all__ = ["STAND_IN_NODE", "jagged_message", "known_batch_size", "leaf_shapes",
+           "missing_message", "shape_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
 
@@ -345,3 +345,46 @@ def missing_message(
         + (f"torch_vjp.jacobian_of({o}, {target})." if labels.whole_jacobian ==
            "torch_vjp.jacobian_of" else f"{labels.whole_jacobian}.")
     )
+
+
+def jagged_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
+    """The note on torch's shape refusal of ``go`` for a jagged nested output ``out``: torch
+    compares a ragged dimension by the offsets it was made from, not by its lengths."""
+    o, g = labels.out(i), labels.go(i)
+    jagged = isinstance(go, Tensor) and go.is_nested and go.layout is out.layout
+    if jagged and go.dim() == out.dim():
+        ragged = getattr(out, "_ragged_idx", 1)
+        mine, theirs = _lengths(out), _lengths(go)
+        if mine == theirs and all(a == b for d, (a, b) in enumerate(zip(go.shape, out.shape))
+                                  if d != ragged):
+            what = f"{g} has {o}'s lengths, {mine}, but is not built on {o}'s offsets"
+        else:
+            what = (f"{g} is a jagged nested tensor of shape {_nested_shape(go, theirs)}, "
+                    f"{o} one of shape {_nested_shape(out, mine)}")
+    elif isinstance(go, Tensor):
+        what = (f"{o} is a jagged nested tensor, and {g} "
+                + ("is a nested tensor of another layout" if go.is_nested
+                   else f"a dense one of shape {shape_str(go.shape)}"))
+    else:
+        what = f"{g} does not fit {o}, a jagged nested tensor"
+    return (
+        f"{labels.call}: {what}. {labels.meaning(i)}: it must have {o}'s shape, and torch "
+        f"compares a ragged dimension (j1, j2, ...) by the offsets tensor it was made from, "
+        f"not by its lengths, so a nested tensor built anew gets a ragged dimension of its "
+        f"own.\n  Fix: build {g} on {o}'s offsets: torch.nested.nested_tensor_from_jagged("
+        f"values, {o}.offsets()), values of shape {o}.values().shape; or "
+        f"torch.ones_like({o}) for a vector of ones."
+    )
+
+
+def _lengths(t: Tensor) -> str:
+    """The lengths of a jagged nested tensor's rows, for a message (the first eight)."""
+    n = t.offsets().diff().tolist()
+    return "(" + ", ".join(str(k) for k in n[:8]) + (", ...)" if len(n) > 8 else ")")
+
+
+def _nested_shape(t: Tensor, lengths: str) -> str:
+    """A jagged nested tensor's shape with its ragged dimension's lengths in place."""
+    ragged = getattr(t, "_ragged_idx", 1)
+    return "(" + ", ".join(f"lengths {lengths}" if d == ragged else str(int(k))
+                           for d, k in enumerate(t.shape)) + ")"
