@@ -1783,3 +1783,18 @@ def test_a_caller_in_no_grad_mode_gets_the_check(mode):
         with pytest.raises(FunctionCheckError, match="does not match finite differences"):
             check_function(Forgot2, x)
         assert not torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("cls", [torch.nn.Linear, torch.nn.Tanh, dict])
+def test_a_class_that_is_not_a_function_is_refused_before_it_is_constructed(cls):
+    # a class is callable: check_function called it with the inputs, and the constructor's
+    # own error came out ("Linear.__init__() missing 1 required positional argument"), or,
+    # for nn.Tanh, "Tanh.__init__() takes 1 positional argument but 2 were given"
+    name = cls.__name__
+    with pytest.raises(FunctionCheckTypeError, match=(
+            rf"^torch_vjp\.check_function\({name}\): got the class {name}, which is not a "
+            rf"torch\.autograd\.Function subclass: calling it would construct a {name}, not "
+            rf"compute with one\. Fix: pass a torch\.autograd\.Function subclass, or a "
+            rf"callable that uses one: an instance \(torch_vjp\.check_function\({name}\(\.\.\.\), "
+            rf"x\)\) or a function\.$")):
+        check_function(cls, _x(3))

@@ -30,6 +30,7 @@ from torch_vjp._errors import (
     FunctionCheckValueError,
     a_type,
     shape_str,
+    with_article,
 )
 from torch_vjp._function_calls import kept
 from torch_vjp._function_params import module_parameters
@@ -280,6 +281,15 @@ def check_function(
             f"{call}: got an instance of {type(fn).__name__}; pass the class itself: "
             f"torch_vjp.check_function({type(fn).__name__}, ...). Custom Functions are "
             f"used through their static methods (MyFunc.apply(x)), never instantiated."
+        )
+    if isinstance(fn, type) and not is_function:
+        # (calling a class makes an instance: its constructor would run on the inputs)
+        raise FunctionCheckTypeError(
+            f"{call}: got the class {fn.__name__}, which is not a torch.autograd.Function "
+            f"subclass: calling it would construct {with_article(fn.__name__)}, not compute "
+            f"with one. Fix: pass a torch.autograd.Function subclass, or a callable that "
+            f"uses one: an instance (torch_vjp.check_function({fn.__name__}(...), x)) or "
+            f"a function."
         )
     if not is_function and not callable(fn):
         raise FunctionCheckTypeError(
