@@ -2217,3 +2217,31 @@ def test_auto_after_the_vmap_fallback_names_the_loop():
         J = jacobian(f, x)
     ref = torch.func.jacrev(lambda x: torch.tanh(W @ x) * (1 + 0.1 * len(calls)))(x)
     torch.testing.assert_close(J, ref)  # the Jacobian of the call that computed it
+
+
+@pytest.mark.parametrize("earlier", ["backward", "autograd.grad"])
+def test_jacobian_of_a_graph_an_earlier_backward_freed_says_so(earlier):
+    # torch's "Trying to backward through the graph a second time ... Specify
+    # retain_graph=True" came out bare, not saying which call freed it: the user's own
+    # backward before jacobian_of. torch's class and sentence stay, with a note.
+    W = torch.randn(4, 3, dtype=D)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    y = torch.tanh(W @ x)
+    if earlier == "backward":
+        y.sum().backward()
+    else:
+        torch.autograd.grad(y.sum(), x)
+    with pytest.raises(RuntimeError, match="^Trying to backward through the graph a second "
+                                           "time") as info:
+        jacobian_of(y, x)
+    (note,) = info.value.__notes__
+    assert note.startswith("torch_vjp.jacobian_of: the Jacobian is read from the graph that "
+                           "computed outputs, and part of it was freed by an earlier "
+                           "backward pass"), note
+    assert "Fix: pass retain_graph=True to that earlier call, or call jacobian_of before " \
+           "it, or compute outputs again." in note
+    # the fix: retain_graph=True on the earlier call
+    y = torch.tanh(W @ x)
+    y.sum().backward(retain_graph=True)
+    torch.testing.assert_close(jacobian_of(y, x),
+                               torch.func.jacrev(lambda x: torch.tanh(W @ x))(x.detach()))

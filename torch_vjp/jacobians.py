@@ -632,8 +632,24 @@ def jacobian_of(
             )
     if retain_graph is None:
         retain_graph = create_graph
-    return computed_jacobian(outs, ins, retain_graph, create_graph, chunk, call,
-                             isinstance(outputs, Tensor), isinstance(inputs, Tensor))
+    try:
+        return computed_jacobian(outs, ins, retain_graph, create_graph, chunk, call,
+                                 isinstance(outputs, Tensor), isinstance(inputs, Tensor))
+    except RuntimeError as err:
+        if str(err).startswith(_FREED) and hasattr(err, "add_note"):
+            # (torch's class and sentence, with what it means here: NOTE [torch's sentence
+            # first])
+            err.add_note(
+                f"{call}: the Jacobian is read from the graph that computed outputs, and "
+                f"part of it was freed by an earlier backward pass through it: .backward(), "
+                f"torch.autograd.grad or jacobian_of, called without retain_graph=True.\n"
+                f"  Fix: pass retain_graph=True to that earlier call, or call jacobian_of "
+                f"before it, or compute outputs again.")
+        raise
+
+
+#: torch's error for a backward pass through a freed graph.
+_FREED = "Trying to backward through the graph a second time"
 
 
 def _tensors(value: Any, name: str, call: str) -> tuple[Tensor, ...]:
