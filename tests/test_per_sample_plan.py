@@ -183,6 +183,66 @@ def test_hooks_refuses_what_rules_cannot_do_and_says_why(case, param, reason):
         tv.per_sample_grads(model, loss_fn, x, strategy="hooks")
 
 
+class _TinyLlama(nn.Module):
+    """Embedding, RMSNorm, causal attention and a gated MLP, then a final RMSNorm whose
+    weight stays at 1: the squared output of that norm does not depend on its input, so
+    every gradient below it is rounding."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(11, d)
+        self.n1, self.n2, self.norm = nn.RMSNorm(d), nn.RMSNorm(d), nn.RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        self.norm.weight.requires_grad_(False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        B, T, D = x.shape
+        h = self.n1(x)
+
+        def split(t):
+            return t.view(B, T, self.heads, D // self.heads).transpose(1, 2)
+        a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)),
+                                           is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
+        h = self.n2(x)
+        return self.norm(x + self.down(F.silu(self.gate(h)) * self.up(h)))
+
+
+def test_gradients_at_rounding_level_keep_the_rules():
+    # every rule layer below the final norm went to the fallback ("rows do not all belong to
+    # the examples of the same index"), and hooks refused them: the ratio test compared
+    # rounding errors with each other
+    torch.manual_seed(0)
+    model = _TinyLlama().to(DT)
+    ids = torch.randint(0, 11, (4, 5))
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731
+    plan = tv.per_sample_plan(model, loss_fn, ids)
+    assert all(plan[n].method == "rule" for n in ("emb.weight", "q.weight", "down.weight",
+                                                  "n1.weight")), str(plan)
+    ref = loop_reference(model, loss_fn, ids)
+    assert_matches(tv.per_sample_grads(model, loss_fn, ids, strategy="hooks"), ref)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30])
+def test_a_swap_of_examples_is_found_at_any_scale_of_the_gradients(scale):
+    # rounding gets a floor; a row that follows another example's loss is no rounding,
+    # however small or large the gradients are
+    make, _, shape = LAYOUTS["swap-first-two"]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = torch.randn(*shape, dtype=DT)
+    loss_fn = lambda o: (scale * o).pow(2).sum()  # noqa: E731
+    plan = tv.per_sample_plan(model, loss_fn, x)
+    assert plan["fc.weight"].method == "vmap", str(plan)
+    assert "rows do not all belong to the examples of the same index" in plan["fc.weight"].reason
+    torch.testing.assert_close(tv.per_sample_grads(model, loss_fn, x)["fc.weight"],
+                               loop_reference(model, loss_fn, x)["fc.weight"])
+
+
 def test_hooks_refusal_of_examples_merged_with_another_dimension_says_so():
     # x.reshape(-1, features) before a Linear was called "a table shared by every example"
     class Merged(nn.Module):

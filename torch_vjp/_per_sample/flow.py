@@ -279,7 +279,9 @@ def _weighted_grads(
 ) -> tuple[Any, ...] | None:
     """The gradients at ``edges`` of ``sum_k w_k loss_k`` for two random weightings ``w``
     and ``v`` of the examples' losses, and for ``w + v``: ``(w, v, grads_w, grads_v,
-    grads_sum)``. Where a row ``j`` of a
+    grads_sum, top)``, ``top`` the largest entry of the cotangents the sum weighting's
+    backward starts from (the scale of its values: see :func:`_rows_moved`). Where a row
+    ``j`` of a
     tensor belongs to example ``j`` alone, its two gradients are ``w_j u`` and ``v_j u``; a
     row that follows another example's loss, or several, breaks that ratio. Two backward
     passes test every example at once, where the per-example probes test two (a model that
@@ -298,6 +300,8 @@ def _weighted_grads(
                for _ in range(2)]
     weights.append(weights[0] + weights[1])  # (the backward's linearity: see _linear_at)
     grads = []
+    top = max((float(g.detach().abs().amax()) for g in per_row
+               if g is not None and g.numel()), default=0.0) * float(weights[2].max())
     for w in weights:
         cotangents = []
         for (t, d), g in zip(pairs, per_row):
@@ -307,7 +311,7 @@ def _weighted_grads(
             cotangents.append(g * w.to(device=g.device, dtype=g.dtype).view(shape))
         grads.append(torch.autograd.grad([t for t, _ in pairs], edges, cotangents,
                                          retain_graph=True, allow_unused=True))
-    return weights[0], weights[1], grads[0], grads[1], grads[2]
+    return weights[0], weights[1], grads[0], grads[1], grads[2], top
 
 
 def _linear_at(weighted: tuple[Any, ...], pos: int) -> bool:
@@ -327,7 +331,20 @@ def _linear_at(weighted: tuple[Any, ...], pos: int) -> bool:
 def _rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: int,
                 batch: int) -> bool:
     """Whether some row along ``d`` of the tensor at edge ``pos`` breaks the ratio of
-    :func:`_weighted_grads` (a row that does not belong to the example of its index)."""
+    :func:`_weighted_grads` (a row that does not belong to the example of its index).
+
+    A row whose gradients are rounding errors has no ratio to keep: where the gradient
+    cancels exactly in the backward (the squared output of an RMSNorm whose weight is 1 does
+    not depend on its input), what reaches the layers below is rounding of values of the
+    size of the cotangents the backward started from, which breaks the ratio of every row.
+    The backward's own rounding is measured at the edge, as the amount by which the sum
+    weighting's gradient differs from the sum of the two weightings' (zero in exact
+    arithmetic for a backward linear in the examples' weights); where that amount is itself
+    at rounding level of the starting cotangents, deviations within a few times it are
+    taken as rounding. A row that follows another example's loss deviates by its whole
+    size while the backward stays linear up to rounding, so it is still found; a backward
+    that is not linear (a hook that normalises the gradient over the batch) differs by
+    far more than rounding and gets no floor."""
     w, v, grads_w, grads_v = weighted[:4]
     a, b = grads_w[pos], grads_v[pos]
     if a is None or b is None:
@@ -339,9 +356,22 @@ def _rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: in
     b = b.detach().movedim(d, 0).reshape(batch, -1).double()
     lhs, rhs = a * v.to(a.device).unsqueeze(1), b * w.to(a.device).unsqueeze(1)
     scale = (lhs.abs() + rhs.abs()).amax(1, keepdim=True)
-    tol = 64 * torch.finfo(grads_w[pos].dtype).eps ** 0.5 if grads_w[pos].is_floating_point() \
-        else 1e-6
-    return bool(((lhs - rhs).abs() > tol * scale).any())
+    floating = grads_w[pos].is_floating_point()
+    eps = torch.finfo(grads_w[pos].dtype).eps if floating else 0.0
+    tol = 64 * eps ** 0.5 if floating else 1e-6
+    off = (lhs - rhs).abs()
+    moved = off > tol * scale
+    if not bool(moved.any()):
+        return False
+    c = weighted[4][pos] if len(weighted) > 5 else None
+    if c is None or not floating:
+        return True
+    c = _as_shape(c, shape).detach().movedim(d, 0).reshape(batch, -1).double()
+    rounding = float((a + b - c).abs().amax())
+    if rounding > eps ** 0.5 * weighted[5]:
+        return True  # (the backward is not linear beyond rounding: no floor)
+    top = float(torch.maximum(w, v).max())
+    return bool((moved & (off > 16 * top * rounding)).any())
 
 
 def _find_mixing(
