@@ -114,6 +114,24 @@ def ce(out, t):
     return F.cross_entropy(out, t)
 
 
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(9, 2)
+
+    def forward(self, idx, offsets):
+        return self.bag(idx, offsets)
+
+
+class Ids(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 2)
+
+    def forward(self, ids, table):
+        return self.emb(ids) + self.emb(table).mean(0)
+
+
 def _ints(high, *shape):
     return torch.randint(0, high, shape)
 
@@ -808,10 +826,20 @@ def _err_cases():
          r"\(1, T\), a scale\) is not an input: expand it to the batch "
          r"\(t.expand\(4, \*t.shape\[1:\]\)\) or hold it in the model"),
         # (EmbeddingBag's flat indices and offsets got no word on how to pass them)
-        ("inputs-offsets", lambda: per_sample_grads(TwoInputs(), lf, (_ints(9, 9), _ints(9, 4)), t),
+        ("inputs-offsets", lambda: per_sample_grads(Bag(), lf, (_ints(9, 9), torch.tensor([0, 2, 2, 5])), t),
          PerSampleValueError, r"inputs\[1\] has shape \(4,\), but inputs\[0\] has shape \(9,\)(.|\n)*"
          r"Flat indices and offsets \(as nn.EmbeddingBag takes them\) hold no batch dimension: "
          r"pass the indices padded to \(B, L\)"),
+        # (any two 1-D integer inputs of unequal lengths were told about EmbeddingBag, in
+        # place of the fix for a tensor the examples share: a model without one, or a table
+        # of ids that are no offsets)
+        ("inputs-shared-ids", lambda: per_sample_grads(Ids(), lf, (_ints(9, 4), _ints(9, 9)), t),
+         PerSampleValueError, r"inputs\[1\] has shape \(9,\), but inputs\[0\] has shape \(4,\)"
+         r"(.|\n)*\(the batch\) differ, 9 vs 4.(.|\n)*Fix: a tensor that every example shares "
+         r"[^$]*expand it to the batch \(t.expand\(4, \*t.shape\[1:\]\)\)(?!(.|\n)*EmbeddingBag)"),
+        ("inputs-ids-no-offsets", lambda: per_sample_grads(Bag(), lf, (_ints(9, 4) + 1, _ints(9, 9)), t),
+         PerSampleValueError, r"differ, 9 vs 4.(.|\n)*Fix: a tensor that every example shares"
+         r"(?!(.|\n)*EmbeddingBag)"),
         ("targets-batch", lambda: per_sample_grads(m, lf, x, _ints(2, 5)), PerSampleValueError,
          r"targets has shape \(5,\), but the batch has 4 examples"),
         # (a pytree's leaf was reported as "targets has shape ()", not which leaf nor why)

@@ -83,8 +83,29 @@ def check_opacus_hooks(fn: str, path: str, module: nn.Module) -> None:
     )
 
 
-def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
-    """Normalises ``inputs`` to a tuple of tensors and returns the batch size."""
+def _flat_bags(model: nn.Module | None, xs: tuple[Tensor, ...]) -> bool:
+    """Whether two 1-D inputs of unequal lengths are an ``nn.EmbeddingBag``'s flat indices
+    and offsets: the model holds an EmbeddingBag, and the shorter one, of integers, starts
+    at 0 and never decreases nor passes the other's length (an error path: the values may
+    be read)."""
+    if model is None or len(xs) != 2 or not any(
+            isinstance(m, nn.EmbeddingBag) for m in model.modules()):
+        return False
+    if not all(t.dim() == 1 and not t.is_floating_point() and not t.is_complex()
+               and t.dtype != torch.bool and not t.is_meta for t in xs):
+        return False
+    idx, offs = sorted(xs, key=lambda t: t.shape[0], reverse=True)
+    if offs.numel() == 0:
+        return False
+    offs = offs.detach().long().cpu()
+    return bool(offs[0] == 0) and bool((offs[1:] >= offs[:-1]).all()) and bool(
+        offs[-1] <= idx.shape[0])
+
+
+def as_inputs(fn: str, inputs: Any, model: nn.Module | None = None
+              ) -> tuple[tuple[Tensor, ...], int]:
+    """Normalises ``inputs`` to a tuple of tensors and returns the batch size (``model``
+    only words an error)."""
     xs = (inputs,) if isinstance(inputs, Tensor) else inputs
     if not isinstance(xs, (tuple, list)) or len(xs) == 0:
         got = (f"an empty {type(xs).__name__}" if isinstance(xs, (tuple, list))
@@ -120,7 +141,7 @@ def as_inputs(fn: str, inputs: Any) -> tuple[tuple[Tensor, ...], int]:
     B = xs[0].shape[0]
     for k, x in enumerate(xs[1:], 1):
         if x.shape[0] != B:
-            flat = all(t.dim() == 1 and not t.is_floating_point() for t in (xs[0], x))
+            flat = _flat_bags(model, (xs[0], x))
             hint = (" Flat indices and offsets (as nn.EmbeddingBag takes them) hold no batch "
                     "dimension: pass the indices padded to (B, L) (with the layer's "
                     "padding_idx, which every mode leaves out), and let the layer take the "

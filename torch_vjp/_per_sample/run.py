@@ -92,7 +92,7 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
         ddp._sync_buffers()
     check_model(fn, model)
     check_opacus_hooks(fn, "", model)  # (every call: its hooks may be switched on again)
-    xs, batch = as_inputs(fn, inputs)
+    xs, batch = as_inputs(fn, inputs, model)
     check_targets(fn, targets, batch)
     if torch.compiler.is_compiling():
         # (under the user's torch.compile, which traces the plain program: no plan, so no
