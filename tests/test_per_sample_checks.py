@@ -238,6 +238,63 @@ def test_a_flag_one_level_deep_or_a_number_switched_on_makes_a_new_plan(how, _fl
     _all_three(model, _mse, x, t)
 
 
+_DEEP = {"model": {"extra": False}, "loss": {"l2": 0.0}}
+
+
+class _DeepFlag(nn.Module):
+    """Reuses a layer's weight outside the layer behind a flag more than one level deep, or
+    on a torch container (the layers in an nn.Sequential inside an nn.ModuleList)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 2)])
+        self.blocks.extra = False
+        self.blocks[0].extra = False
+        self.how = how
+        self.cfg = types.SimpleNamespace(sub=types.SimpleNamespace(extra=False))
+        self.opts = {"inner": {"extra": False}}
+
+    def forward(self, x):
+        on = {"object in object": lambda: self.cfg.sub.extra,
+              "dict in dict": lambda: self.opts["inner"]["extra"],
+              "global dict in dict": lambda: _DEEP["model"]["extra"],
+              "module list": lambda: self.blocks.extra,
+              "sequential in module list": lambda: self.blocks[0].extra,
+              "loss": lambda: False}[self.how]()
+        lin = self.blocks[0][0]
+        h = self.blocks[0](x)
+        if on:
+            h = h + F.linear(h, lin.weight)
+        return self.blocks[1](h)
+
+
+def _deep_loss(o, t):
+    return _mse(o, t) + _DEEP["loss"]["l2"] * _MODEL[0].blocks[1].weight.pow(2).sum()
+
+
+@pytest.mark.parametrize("how", ["object in object", "dict in dict", "global dict in dict",
+                                 "module list", "sequential in module list", "loss"])
+def test_a_flag_deeper_or_on_a_torch_container_makes_a_new_plan(how, _flags_off):
+    # the plan made with the flag off was kept after it was switched on: the rules' norms
+    # were silently wrong (off by 0.51; by 0.053 for the loss's coefficient)
+    torch.manual_seed(0)
+    model = _DeepFlag(how).double()
+    _MODEL.append(model)
+    loss_fn = _deep_loss if how == "loss" else _mse
+    x, t = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    try:
+        _all_three(model, loss_fn, x, t)  # the plan, made with the flag off
+        model.cfg.sub.extra = model.opts["inner"]["extra"] = True
+        model.blocks.extra = model.blocks[0].extra = True
+        _DEEP["model"]["extra"], _DEEP["loss"]["l2"] = True, 0.1
+        ref = definition(model, loss_fn, x, t, copies=False)
+        torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, t),
+                                   norms_of(ref))
+        _all_three(model, loss_fn, x, t)
+    finally:
+        _DEEP["model"]["extra"], _DEEP["loss"]["l2"] = False, 0.0
+
+
 class _Centred(nn.Module):
     def __init__(self):
         super().__init__()

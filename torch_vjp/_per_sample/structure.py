@@ -31,20 +31,25 @@ __all__ = ["structure_of", "function_flags", "object_flags", "nested_flags", "nu
 # hooks, forward and backward alike; and the flags of the loss function's closure and the globals it reads (an L2 term
 # switched on after warm-up; a callable loss object's attributes, a bound method's
 # object's). A flag is a bool, str or None value itself, or a number's truth (zero or not:
-# ``if l2:``, a coefficient switched on, ``for _ in range(self.reps)``); flags are read one
-# level into a dict or plain object (``cfg.extra``, ``CONF["l2"]``, ``self.opts["extra"]``;
-# ``nested_flags``), the entries the code names only (a model config of a hundred entries
-# costs the few its methods read). A module's numeric attribute that the planning forwards moved (a
+# ``if l2:``, a coefficient switched on, ``for _ in range(self.reps)``); flags are read into
+# dicts and plain objects, ``_MAX_DEPTH`` levels deep (``cfg.extra``, ``CONF["l2"]``,
+# ``self.opts["extra"]``, ``cfg.sub.extra``; ``nested_flags``), the entries the code names
+# only (a model config of a hundred entries costs the few its methods read), and on torch's
+# modules, the attributes a user's module class reads (``self.blocks.extra`` on an
+# nn.ModuleList, which its forward branches on). A module's numeric attribute that the planning forwards moved (a
 # counter a forward increments, which a loop may reset) is left out from then on
 # (``note_counters``), else it would make plan after plan. Branches on other values (a
-# batch's contents, a threshold compared with a number, a flag two levels deep) are not
+# batch's contents, a threshold compared with a number, a flag deeper than that) are not
 # seen.
 _OWN_TYPE: dict[type, bool] = {}
 _READS: dict[Any, tuple[str, ...]] = {}
 
 
-#: The most entries of a dict (or attributes of an object) read one level deep for flags.
+#: The most entries of a dict (or attributes of an object) read for flags.
 _MAX_NESTED = 256
+#: How many levels of dicts and plain objects are read into for flags (``cfg.sub.mix``,
+#: ``self.opts["inner"]["mix"]``): each level by the names the code reads alone.
+_MAX_DEPTH = 4
 #: Types never read one level deep: what holds no flag of the user's, or holds too much.
 _NOT_NESTED = (type, types.FunctionType, types.BuiltinFunctionType,
                types.MethodType, functools.partial, nn.Module, Tensor)
@@ -97,16 +102,17 @@ def _type_reads(kind: type) -> frozenset[str]:
 def nested_flags(v: object, reads: frozenset[str], numbers: bool = True) -> object:
     """A value's flag (``flag_of``), or, for a dict or a plain object (a config namespace, a
     dataclass), the flags of those of its entries or attributes whose names are in
-    ``reads`` (what the code reads), one level deep: ``cfg.extra``, ``CONF["l2"]``,
-    ``self.opts["extra"]``; NotImplemented for anything else."""
+    ``reads`` (what the code reads), and so on into those that are dicts or plain objects
+    themselves, ``_MAX_DEPTH`` levels deep: ``cfg.extra``, ``CONF["l2"]``,
+    ``self.opts["extra"]``, ``cfg.sub.mix``; NotImplemented for anything else."""
     f = flag_of(v, numbers)
     if f is not NotImplemented:
         return f
-    return _inside(v, reads, numbers)
+    return _inside(v, reads, numbers, _MAX_DEPTH)
 
 
-def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
-    """:func:`nested_flags` of a value that is not a flag itself."""
+def _inside(v: object, reads: frozenset[str], numbers: bool, depth: int) -> object:
+    """:func:`nested_flags` of a value that is not a flag itself, ``depth`` levels deep."""
     kind = type(v)
     how = _NESTED.get(kind)
     if how is None:
@@ -125,7 +131,10 @@ def _inside(v: object, reads: frozenset[str], numbers: bool) -> object:
     out = []
     for k in _sorted_reads(reads):
         if k in items:  # type: ignore[operator]
-            f = flag_of(items.get(k), numbers)  # type: ignore[union-attr]
+            x = items.get(k)  # type: ignore[union-attr]
+            f = flag_of(x, numbers)
+            if f is NotImplemented and depth > 1:
+                f = _inside(x, reads, numbers, depth - 1)
             if f is not NotImplemented:
                 out.append((k, f))
     return ("nested", tuple(out))
@@ -244,6 +253,11 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
     training flags."""
     entries, training, memo = [], [], {}  # (memo: a hook on many modules is keyed once)
     torch_attrs = _TORCH_ATTRS or _torch_attrs()
+    # what the code of the model's own module types reads, for the attributes of torch's
+    # modules below them (``self.blocks.mix`` on an nn.ModuleList): the modules come parent
+    # first, so a module's readers are counted before it
+    read_kinds: set[type] = set()
+    read_names: set[str] = set()
     for m in model.modules():
         kind = type(m)
         own = _OWN_TYPE.get(kind)
@@ -268,6 +282,18 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
                 if f is not NotImplemented:
                     flags.append((k, f))
             entry += (*flags, *function_flags(kind.forward))
+            if kind not in read_kinds:
+                read_kinds.add(kind)
+                read_names |= reads
+        elif read_names and not read_names.isdisjoint(m.__dict__):
+            # (a flag the user set on a torch module, a container most likely, that code of
+            # the user's reads; the test above is one pass over the module's dict, in C)
+            hit = sorted(k for k in m.__dict__.keys() & read_names
+                         if k[:1] != "_" and k not in torch_attrs)
+            if hit:
+                reads = _frozen(read_names)
+                found = [(k, nested_flags(m.__dict__[k], reads)) for k in hit]
+                entry += (("attrs", tuple(kf for kf in found if kf[1] is not NotImplemented)),)
         entries.append(entry)
         training.append(m.training)
     glob = torch.nn.modules.module
@@ -275,6 +301,21 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
             *(_hooks_key(h, memo) if h else () for h in (
                 glob._global_forward_hooks, glob._global_forward_pre_hooks,
                 glob._global_backward_hooks, glob._global_backward_pre_hooks)))
+
+
+_FROZEN: dict[frozenset[str], frozenset[str]] = {}
+
+
+def _frozen(names: set[str]) -> frozenset[str]:
+    """``names`` as one frozenset per set of names (the same object on every call, which
+    ``_sorted_reads`` keys by its identity)."""
+    key = frozenset(names)
+    found = _FROZEN.get(key)
+    if found is None:
+        if len(_FROZEN) >= 256:
+            _FROZEN.clear()
+        found = _FROZEN[key] = key
+    return found
 
 
 def _hooks_key(hooks: dict[int, Any], memo: dict[int, Any]) -> tuple[Any, ...]:
