@@ -185,3 +185,78 @@ def test_the_plain_bias_of_a_weight_normed_layer_stays_the_rules(seq):
         nn.CrossEntropyLoss()
     plan = {r.name: r.method for r in tv.per_sample_plan(model, loss_fn, x, y)}
     assert plan["0.bias"] == "rule", plan
+
+
+class _Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+class _Seq(nn.Module):
+    """A recurrent layer (or attention) over (B, T, 4), then a Linear."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.rnn = (nn.LSTM(4, 3, batch_first=True) if kind == "lstm" else
+                    nn.MultiheadAttention(4, 2, batch_first=True))
+        self.o = nn.Linear(3 if kind == "lstm" else 4, 2)
+
+    def forward(self, x):
+        h = self.rnn(x)[0] if self.kind == "lstm" else self.rnn(x, x, x)[0]
+        return self.o(h[:, -1])
+
+
+def _parametrized(case):
+    torch.manual_seed(0)
+    if case == "linear bias":
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+        parametrize.register_parametrization(model[0], "bias", _Double())
+        return model, torch.randn(5, 4, dtype=DT)
+    model = _Seq("mha" if case == "attention in_proj_weight" else "lstm").to(DT)
+    x = torch.randn(5, 3, 4, dtype=DT)
+    if case == "lstm orthogonal":
+        parametrizations.orthogonal(model.rnn, "weight_hh_l0")
+    elif case == "attention in_proj_weight":
+        parametrize.register_parametrization(model.rnn, "in_proj_weight", _Double())
+    else:  # the older weight_norm: a forward pre-hook sets the weight it computes
+        with pytest.warns(FutureWarning):
+            torch.nn.utils.weight_norm(model.rnn, "weight_hh_l0")
+    return model, x
+
+
+@pytest.mark.parametrize("case, name, reason", [
+    # (said "it is used outside the layers that have rules (directly in a forward, or by a
+    # layer without one)": the layer has a rule, and the parameter is used by it alone)
+    ("linear bias", "0.weight", r"module '0' is a ParametrizedLinear, which has a rule, but "
+     r"the layer is called with a bias computed from its parameters \(a parametrization, "
+     r"torch.nn.utils.parametrize\), so the call is not one the rule computes whole"),
+    ("lstm orthogonal", "rnn.weight_ih_l0", r"module 'rnn' is a ParametrizedLSTM, which has a "
+     r"rule, but the layer is called with a weight_hh_l0 computed from its parameters"),
+    # (said "its module 'rnn.parametrizations.in_proj_weight' is a ParametrizationList,
+    # which has no per-layer rule")
+    ("attention in_proj_weight", "rnn.parametrizations.in_proj_weight.original",
+     r"module 'rnn' is a ParametrizedMultiheadAttention, which has a rule, but the layer is "
+     r"called with an in_proj_weight computed from its parameters \(a parametrization"),
+    # (hooks raised "the model's forward fails while the hooks record it (KeyError:
+    # 'weight_hh_l0')": the LSTM rule read the weight from the layer's parameters)
+    ("lstm old weight_norm", "rnn.weight_hh_l0_g", r"the LSTM rule reads the layer's weights "
+     r"as its parameters, and weight_hh_l0 is computed by a forward pre-hook "
+     r"\(torch.nn.utils.weight_norm or spectral_norm\)"),
+])
+@pytest.mark.filterwarnings("ignore:.*could not vectorise")  # (vmap and the LSTM's kernel)
+def test_a_parametrized_layers_refusal_says_what_is_computed(case, name, reason):
+    model, x = _parametrized(case)
+    loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+    plan = tv.per_sample_plan(model, loss_fn, x)
+    assert plan[name].method == "vmap", str(plan)
+    assert "used outside" not in str(plan) and "ParametrizationList" not in str(plan)
+    with pytest.raises(tv.StrategyError, match=rf"'{name}': {reason}(.|\n)*Or use "
+                                                r"strategy='auto'"):
+        tv.per_sample_grads(model, loss_fn, x, strategy="hooks")
+    names = [n for n, _ in model.named_parameters()]
+    per = [torch.autograd.grad(loss_fn(model(x[i:i + 1])), list(model.parameters()))
+           for i in range(x.shape[0])]
+    got = tv.per_sample_grads(model, loss_fn, x)
+    for k, n in enumerate(names):
+        torch.testing.assert_close(got[n], torch.stack([g[k] for g in per]), msg=n)

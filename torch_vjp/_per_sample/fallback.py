@@ -39,6 +39,7 @@ from torch_vjp._per_sample.losses import (call_loss, check_connected, scalar_los
                                          targets_in_dims)
 from torch_vjp._per_sample.plan import functional_call
 from torch_vjp._per_sample.registry import declining_rule, rule_for
+from torch_vjp._per_sample.rules.attention import is_attention
 
 __all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state", "CannotBatch",
            "warn_loop", "REENTRANT", "outside_reason"]
@@ -423,10 +424,22 @@ def warn_loop(fn: str, model: nn.Module, err: BaseException) -> None:
     )
 
 
-_COMPUTED = ("the layer is called with a weight computed from its parameters (a "
-             "parametrization, or weight_norm's pre-hook), and the rule gives per-sample "
-             "gradients for the tensors a layer is called with, not for what they are "
-             "computed from")
+def _computed(owner: nn.Module) -> tuple[list[str], str]:
+    """The tensors a layer is called with that are computed from parameters, rather than
+    held as parameters, and by what: a parametrization (``torch.nn.utils.parametrize``, and
+    the ``parametrizations`` weight_norm, orthogonal, spectral_norm) or a forward pre-hook
+    that sets them as plain attributes (the older ``torch.nn.utils.weight_norm`` and
+    ``spectral_norm``)."""
+    lists = owner._modules.get("parametrizations")
+    if isinstance(lists, nn.ModuleDict) and len(lists):
+        return list(lists.keys()), "a parametrization, torch.nn.utils.parametrize"
+    plain = [k for k, v in vars(owner).items()
+             if k[:1] != "_" and isinstance(v, Tensor) and not isinstance(v, nn.Parameter)]
+    return plain, "weight_norm's or spectral_norm's forward pre-hook"
+
+
+def _has_rule(m: nn.Module) -> bool:
+    return rule_for(m) is not None or is_attention(m)
 
 
 def outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
@@ -435,17 +448,35 @@ def outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
     path = name.rpartition(".")[0]
     # (a parametrized tensor lives in '<layer>.parametrizations.<name>': the layer owns it)
     dotted = "." + path
-    owner_path = dotted.partition(".parametrizations")[0][1:] if (
-        ".parametrizations" in dotted) else path
+    param = ".parametrizations" in dotted
+    owner_path = dotted.partition(".parametrizations")[0][1:] if param else path
     try:
         owner = model.get_submodule(owner_path)
     except AttributeError:
         owner = None
-    weight = getattr(owner, "weight", None)
-    computed = isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter)
-    if owner is not None and rule_for(owner) is not None and (owner_path != path or computed):
+    if owner is not None and _has_rule(owner):
+        computed, how = _computed(owner)
         where = f"module '{owner_path}'" if owner_path else "the model itself"
-        return f"{where} is {a_type(owner)}, which has a rule, but {_COMPUTED}"
+        head = f"{where} is {a_type(owner)}, which has a rule, but the layer is called with "
+        leaf = name.rpartition(".")[2]
+        # (the older weight_norm and spectral_norm keep what they compute 'weight' from as
+        # 'weight_g', 'weight_v', 'weight_orig')
+        source = [c for c in computed if leaf.startswith(c + "_")]
+        if param or source:
+            # this parameter is what a tensor the layer is called with is computed from
+            tensor = (dotted.partition(".parametrizations.")[2].partition(".")[0] if param
+                      else source[0]) or "weight"
+            article = "an" if tensor[:1] in ("a", "e", "i", "o", "u") else "a"
+            return (head + f"{article} {tensor} computed from its parameters ({how}), and the rule "
+                    f"gives per-sample gradients for the tensors a layer is called with, not "
+                    f"for what they are computed from")
+        if computed:
+            what = (("an " if computed[0][:1] in ("a", "e", "i", "o", "u") else "a ")
+                    + computed[0] if len(computed) == 1 else
+                    f"its {', '.join(computed[:-1])} and {computed[-1]}")
+            return (head + f"{what} computed from its parameters ({how}), so the call is "
+                    f"not one the rule computes whole, and this parameter's use in it is not "
+                    f"told apart from that computation: it takes the fallback with them")
     if used:
         return ("it is used outside the layers that have rules (directly in a forward, or "
                 "by a layer without one)")

@@ -84,10 +84,20 @@ class RecurrentRule(Rule):
     roles = None  # weight_ih_l0, bias_hh_l1_reverse, weight_hr_l0, ...: all the layer's own
 
     def applies(self, module: nn.Module) -> bool:
-        # dropout acts only between layers, and only in training mode
-        return not (module.dropout > 0 and module.training and module.num_layers > 1)
+        # dropout acts only between layers, and only in training mode; the rule reads the
+        # weights from the layer's parameters, which a forward pre-hook (the older
+        # weight_norm and spectral_norm) replaces by tensors it computes (a parametrization
+        # is seen by the plan, NOTE [direct uses])
+        return not (module.dropout > 0 and module.training and module.num_layers > 1) and (
+            not _hooked_weights(module))
 
     def declined(self, module: nn.Module) -> str:
+        hooked = _hooked_weights(module)
+        if hooked:
+            return (f"the {type(module).__name__} rule reads the layer's weights as its "
+                    f"parameters, and {', '.join(hooked)} is computed by a forward pre-hook "
+                    f"(torch.nn.utils.weight_norm or spectral_norm) from other parameters, "
+                    f"whose per-sample gradients the rule does not give")
         return (f"the {type(module).__name__} rule does not replay dropout between layers in "
                 f"training mode (its randomness is drawn inside torch's kernel)")
 
@@ -322,6 +332,17 @@ def _kind(m: nn.Module) -> str:
 def _out_size(m: nn.Module) -> int:
     """The size of ``h``: ``proj_size`` where an LSTM projects, else ``hidden_size``."""
     return getattr(m, "proj_size", 0) or m.hidden_size
+
+
+def _hooked_weights(m: nn.Module) -> list[str]:
+    """The weights of a recurrent layer that are not its parameters (nor parametrized):
+    computed by a forward pre-hook, as the older ``torch.nn.utils.weight_norm`` does."""
+    params = m._parameters
+    names = getattr(m, "_flat_weights_names", ())
+    if len(names) and all(n in params for n in names):
+        return []
+    lists = m._modules.get("parametrizations")
+    return [n for n in names if n not in params and not (lists is not None and n in lists)]
 
 
 def _weight(m: nn.Module, name: str) -> Tensor:
