@@ -1296,3 +1296,35 @@ def test_a_python_number_in_targets_is_shared_by_every_example(strategy):
         torch.testing.assert_close(got[n], g)
     torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, targets,
                                                      strategy=strategy), ref_norms(ref))
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules")  # (torch's, on .to(complex))
+def test_complex_parameters_follow_torchs_convention():
+    # the Linear rule gave x^T g for a complex weight where torch gives x^H g (off by 0.91
+    # under auto and hooks), and the norms and the clipped sum raised "clamp is not
+    # supported for complex types" under every strategy
+    torch.manual_seed(0)
+    C = torch.complex128
+    m = nn.Sequential(nn.Linear(4, 4).to(C), nn.Linear(4, 2).to(C))
+    x = torch.randn(5, 4, dtype=C)
+    lf = lambda o: o.abs().pow(2).sum()  # noqa: E731
+    params = list(m.parameters())
+    per = [torch.autograd.grad(lf(m(x[i:i + 1])), params) for i in range(5)]
+    ref = {n: torch.stack([g[k] for g in per]) for k, (n, _) in enumerate(m.named_parameters())}
+    norms = torch.cat([r.flatten(1) for r in ref.values()], 1).norm(dim=1)
+    for strategy in ("auto", "vmap", "loop"):
+        got = per_sample_grads(m, lf, x, strategy=strategy)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], msg=n)
+        torch.testing.assert_close(per_sample_grad_norms(m, lf, x, strategy=strategy), norms)
+        for p in params:
+            p.grad = None
+        torch.testing.assert_close(
+            accumulate_clipped_grads(m, lf, x, max_norm=1.0, strategy=strategy), norms)
+        c = (1.0 / norms).clamp(max=1.0).to(C)
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, torch.tensordot(c, ref[n], dims=1), msg=n)
+    with pytest.raises(StrategyError, match=r"'0.weight': in '0', its parameters are complex, "
+                                            r"and the rules give the per-sample gradients of "
+                                            r"real parameters"):
+        per_sample_grads(m, lf, x, strategy="hooks")

@@ -415,6 +415,11 @@ def _grad_probe(
                      point=None)
 
 
+_COMPLEX = ("its parameters are complex, and the rules give the per-sample gradients of real "
+            "parameters (the fallback gives torch's convention for complex ones, the "
+            "conjugate Wirtinger derivative times two)")
+
+
 def _probe_at(
     job: Job,
     tracked: dict[int, str],
@@ -491,7 +496,12 @@ def _probe_at(
             dims: list[tuple[int | None, str]] = [(None, "") for _ in calls]
         else:
             dims, plan.mixing = call_dims(job, out, out_dims, rec, full, small)
-        outside = walk(total, calls, [d is not None or batch == 1 for d, _ in dims], tracked)
+        # the rules' factors are those of real parameters (x^T g, not x^H g): a complex
+        # parameter's layer is computed by the fallback, which follows torch's convention
+        dims = [(None, _COMPLEX) if any(t.is_complex() for t, _ in c.params.values()) else dw
+                for c, dw in zip(calls, dims)]
+        outside = walk(total, calls, [d is not None or (batch == 1 and why != _COMPLEX)
+                                      for d, why in dims], tracked)
     except RuntimeError as err:
         if REENTRANT not in str(err):
             raise
@@ -508,7 +518,7 @@ def _probe_at(
                          grad_inputs=False, point=point)
     uses: dict[str, list[tuple[Call, int | None, str]]] = {}
     for c, (d, why) in zip(calls, dims):
-        valid = batch == 1 or d is not None
+        valid = (batch == 1 and why != _COMPLEX) or d is not None
         plan.calls.append(CallPlan(call_key(c), c.path, c.rule.name, d, valid, why))
         if c.shared and valid:
             plan.expand.add(id(c.module))
@@ -521,7 +531,8 @@ def _probe_at(
     fallback = plan.vmap_randomness and "vmap" or "loop"
     for name in sel.canonical:
         used = uses.get(name, [])
-        bad = [(c, why) for c, d, why in used if not (batch == 1 or d is not None)]
+        bad = [(c, why) for c, d, why in used
+               if not ((batch == 1 and why != _COMPLEX) or d is not None)]
         if bad:
             c, why = bad[0]
             plan.params[name] = ParamPlan(name, fallback, "", f"in '{c.path}', {why}")

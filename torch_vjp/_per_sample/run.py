@@ -373,6 +373,8 @@ def norms_and_sums(
     plan, res = _hooks(job, plan)
     sel, batch = job.sel, job.batch
     like = next(iter(sel.tensors.values()))
+    if like.is_complex():  # (squared norms are real)
+        like = like.real
     per_param: dict[str, Tensor] = {}
     # (the clipped step keeps per-sample gradients formed for a norm, within a budget, for
     # its sum: see KEEP_ELEMENTS)
