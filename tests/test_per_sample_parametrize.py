@@ -226,11 +226,12 @@ def _parametrized(case):
 
 
 @pytest.mark.parametrize("case, name, reason", [
+    ("linear bias", "0.parametrizations.bias.original", r"module '0' is a ParametrizedLinear, "
+     r"which has a rule, but the layer is called with a bias computed from its parameters "
+     r"\(a parametrization, torch.nn.utils.parametrize\), and the rule gives per-sample "
+     r"gradients for the tensors a layer is called with"),
     # (said "it is used outside the layers that have rules (directly in a forward, or by a
     # layer without one)": the layer has a rule, and the parameter is used by it alone)
-    ("linear bias", "0.weight", r"module '0' is a ParametrizedLinear, which has a rule, but "
-     r"the layer is called with a bias computed from its parameters \(a parametrization, "
-     r"torch.nn.utils.parametrize\), so the call is not one the rule computes whole"),
     ("lstm orthogonal", "rnn.weight_ih_l0", r"module 'rnn' is a ParametrizedLSTM, which has a "
      r"rule, but the layer is called with a weight_hh_l0 computed from its parameters"),
     # (said "its module 'rnn.parametrizations.in_proj_weight' is a ParametrizationList,
@@ -260,3 +261,49 @@ def test_a_parametrized_layers_refusal_says_what_is_computed(case, name, reason)
     got = tv.per_sample_grads(model, loss_fn, x)
     for k, n in enumerate(names):
         torch.testing.assert_close(got[n], torch.stack([g[k] for g in per]), msg=n)
+
+
+def test_the_plain_weight_of_a_layer_whose_bias_is_computed_stays_the_rules():
+    # the weight reaches the layer's operator through weight.t(), a view, which was taken
+    # for a use outside the rule: '0.weight' went to vmap, and hooks refused it ("it is
+    # used outside the layers that have rules")
+    model, x = _parametrized("linear bias")
+    loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+    plan = tv.per_sample_plan(model, loss_fn, x)
+    assert plan["0.weight"].method == "rule", str(plan)
+    names = ["0.weight", "2.weight", "2.bias"]
+    got = tv.per_sample_grads(model, loss_fn, x, strategy="hooks", params=names)
+    params = dict(model.named_parameters())
+    for n in names:
+        want = torch.stack([torch.autograd.grad(loss_fn(model(x[i:i + 1])), params[n])[0]
+                            for i in range(x.shape[0])])
+        torch.testing.assert_close(got[n], want, msg=n)
+
+
+class _ViewOfBias(nn.Module):
+    """A weight computed as a chain of views of the layer's own bias."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = [layer]  # (a list: not a submodule)
+
+    def forward(self, w):
+        return self.layer[0].bias.unsqueeze(1).expand_as(w)
+
+
+def test_a_bias_the_weight_is_a_view_of_is_not_the_rules():
+    # the rule's share of the bias is its direct use alone; through the weight, a chain of
+    # views below weight.t(), the bias is used outside the rule
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    parametrize.register_parametrization(model[0], "weight", _ViewOfBias(model[0]),
+                                         unsafe=True)
+    x = torch.randn(5, 4, dtype=DT)
+    loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+    assert tv.per_sample_plan(model, loss_fn, x)["0.bias"].method == "vmap"
+    with pytest.raises(tv.StrategyError, match=r"'0.bias': module '0' is a ParametrizedLinear"):
+        tv.per_sample_grads(model, loss_fn, x, strategy="hooks")
+    bias = model[0].bias
+    want = torch.stack([torch.autograd.grad(loss_fn(model(x[i:i + 1])), bias)[0]
+                        for i in range(5)])
+    torch.testing.assert_close(tv.per_sample_grads(model, loss_fn, x)["0.bias"], want)

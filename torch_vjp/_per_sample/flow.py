@@ -548,9 +548,9 @@ def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[in
     weight is computed from a parameter (a parametrization) is walked through, so that
     parameter is found and left to the fallback rather than mistaken for unused; the
     call's own parameters that its rule computes (a plain bias beside the computed weight)
-    are the rule's use only where they are direct inputs of the call's operator: the node
-    of its output, or the first node below it that is not a view (``addmm`` under the view
-    of a 3-d Linear). Met deeper (the weight's parametrization reads the layer's own bias),
+    are the rule's use only where they are direct inputs of the call's operator (or one
+    view of them, the ``weight.t()`` a 2-d Linear passes): the node of its output, or the first
+    node below it that is not a view (``addmm`` under the view of a 3-d Linear). Met deeper (the weight's parametrization reads the layer's own bias),
     they are a use outside the rule.
     """
     jump: dict[Any, list[Any]] = {}
@@ -568,11 +568,12 @@ def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[in
                                   frozenset(x.node for x in c.in_edges))
     found: set[str] = set()
     seen: set[Any] = set()
-    none: tuple[frozenset[int], frozenset[Any], bool] = (frozenset(), frozenset(), False)
+    none: tuple[frozenset[int], frozenset[Any], bool | None] = (frozenset(), frozenset(), False)
     # (node, (own, ins, head)): ``own`` the parameters that count as the rule's use here,
-    # ``ins`` the nodes of the call's inputs (where ``own`` ends), ``head`` whether the node
-    # is the call's output node or a view of it (its children are the operator's inputs)
-    stack: list[tuple[Any, tuple[frozenset[int], frozenset[Any], bool]]] = [
+    # ``ins`` the nodes of the call's inputs (where ``own`` ends), ``head`` True where the
+    # node is the call's output node or a view of it (its children are the operator's
+    # inputs), False below that (an input of the operator), None for one view of an input
+    stack: list[tuple[Any, tuple[frozenset[int], frozenset[Any], bool | None]]] = [
         (total.grad_fn, none)]
     while stack:
         node, ctx = stack.pop()
@@ -597,8 +598,12 @@ def walk(total: Tensor, calls: list[Call], trusted: list[bool], tracked: dict[in
         if entered is not None:
             own, ins, head = entered[0], entered[1], True
         if own:
-            child = (own, ins, True) if head and _is_view(node) else (
-                (own, ins, False) if head else none)
+            # (below the output's views, the operator; below the operator, its arguments,
+            # and one view of an argument, weight.t() of a 2-d Linear: a chain of views
+            # below it, weight computed as bias.unsqueeze(1).expand(...), is no argument)
+            view = _is_view(node)
+            child = (own, ins, True if view else False) if head is True else (
+                (own, ins, None) if head is False and view else none)
         else:
             child = none
         stack.extend((n, child) for n, _ in node.next_functions)
