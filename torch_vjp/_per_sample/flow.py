@@ -9,21 +9,20 @@ examples one per row.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
 
 from torch_vjp._per_sample.args import Job
-from torch_vjp._per_sample.losses import example_loss, loss_sum
+from torch_vjp._per_sample.losses import example_loss
 from torch_vjp._per_sample.recorder import ModuleCall, Recorder
 from torch_vjp._per_sample.registry import Call
 from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import a_type
+from torch_vjp._per_sample.weighted import as_shape, linear_at, rows_moved, weighted_grads
 
 __all__ = ["ShapeRecord", "confined", "probe_indices", "call_dims", "walk", "NON_FINITE"]
 
@@ -40,14 +39,6 @@ class ShapeRecord:
     in the order the calls return."""
 
     calls: list[tuple[int, list[tuple[int, ...]]]]
-
-
-def _as_shape(g: Tensor, shape: Sequence[int]) -> Tensor:
-    """A recorded tensor's gradient in the tensor's shape: the gradient of a view's base
-    comes in the base's shape (see recorder.out_edge)."""
-    if tuple(g.shape) != tuple(shape) and g.numel() == math.prod(shape):
-        return g.reshape(shape)
-    return g
 
 
 def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int,
@@ -69,7 +60,7 @@ def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int,
     entries can shrink so by coincidence), so it never makes the answer "mixed"."""
     if g is None:
         return None
-    g = _as_shape(g, shape)
+    g = as_shape(g, shape)
 
     def along(d: int) -> bool:
         rows = nz.movedim(d, 0).reshape(batch, -1).any(1)
@@ -193,7 +184,7 @@ def call_dims(
             in_grads[(i, j)] = gs
         else:
             out_grads[(i, j)] = gs
-    weighted = _weighted_grads(job, out, out_dims, edges, batch)
+    weighted = weighted_grads(job, out, out_dims, edges, batch)
     where = {(kind, i, j): pos for pos, (kind, i, j) in enumerate(owners)}
     mixing, unsure = _find_mixing(rec.module_calls, in_grads, out_grads, ks, batch, full,
                                   small, weighted, where)
@@ -236,7 +227,7 @@ def call_dims(
                 result.append((None, bad))
                 continue
             d = dims.pop()
-            if weighted is not None and i in call_pos and _rows_moved(
+            if weighted is not None and i in call_pos and rows_moved(
                     weighted, call_pos[i], y.shape, d, batch):
                 result.append((None, "its output's rows do not all belong to the examples of "
                                      "the same index (the batch is reordered or mixed before "
@@ -269,111 +260,6 @@ def _no_batch_dim(shape: tuple[int, ...], batch: int) -> str:
             f"the output is a table shared by every example")
 
 
-#: The examples' loss weights of the two passes of :func:`_weighted_grads` (fixed, so that
-#: plans do not depend on a random draw).
-_WEIGHTS = torch.Generator().manual_seed(20261127)
-
-
-def _weighted_grads(
-    job: Job, out: Any, out_dims: list[int] | None, edges: list[Any], batch: int
-) -> tuple[Any, ...] | None:
-    """The gradients at ``edges`` of ``sum_k w_k loss_k`` for two random weightings ``w``
-    and ``v`` of the examples' losses, and for ``w + v``: ``(w, v, grads_w, grads_v,
-    grads_sum, top)``, ``top`` the largest entry of the cotangents the sum weighting's
-    backward starts from (the scale of its values: see :func:`_rows_moved`). Where a row
-    ``j`` of a
-    tensor belongs to example ``j`` alone, its two gradients are ``w_j u`` and ``v_j u``; a
-    row that follows another example's loss, or several, breaks that ratio. Two backward
-    passes test every example at once, where the per-example probes test two (a model that
-    sorts its batch and restores the order can leave those two in place)."""
-    if not edges:
-        return None
-    leaves = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-    dims = out_dims if out_dims is not None else [0] * len(leaves)
-    pairs = [(t, d) for t, d in zip(leaves, dims) if t.requires_grad]
-    total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
-    if not pairs or not total.requires_grad:
-        return None
-    per_row = torch.autograd.grad(total, [t for t, _ in pairs], retain_graph=True,
-                                  allow_unused=True)
-    weights = [torch.rand(batch, generator=_WEIGHTS, dtype=torch.float64) + 1.0
-               for _ in range(2)]
-    weights.append(weights[0] + weights[1])  # (the backward's linearity: see _linear_at)
-    grads = []
-    top = max((float(g.detach().abs().amax()) for g in per_row
-               if g is not None and g.numel()), default=0.0) * float(weights[2].max())
-    for w in weights:
-        cotangents = []
-        for (t, d), g in zip(pairs, per_row):
-            shape = [1] * t.dim()
-            shape[d] = batch
-            g = torch.zeros_like(t) if g is None else g
-            cotangents.append(g * w.to(device=g.device, dtype=g.dtype).view(shape))
-        grads.append(torch.autograd.grad([t for t, _ in pairs], edges, cotangents,
-                                         retain_graph=True, allow_unused=True))
-    return weights[0], weights[1], grads[0], grads[1], grads[2], top
-
-
-def _linear_at(weighted: tuple[Any, ...], pos: int) -> bool:
-    """Whether the gradient at edge ``pos`` is linear in the examples' loss weights (the sum
-    weighting's gradient the sum of the two weightings'): a backward hook that normalises a
-    gradient by its norm over the batch is not, and breaks every row's ratio without any
-    example's loss reaching another's rows (the per-example probes see that case right)."""
-    a, b, c = weighted[2][pos], weighted[3][pos], weighted[4][pos]
-    if a is None or b is None or c is None:
-        return False
-    a, b, c = a.detach().double(), b.detach().double(), c.detach().double()
-    tol = 64 * torch.finfo(weighted[2][pos].dtype).eps ** 0.5 if (
-        weighted[2][pos].is_floating_point()) else 1e-6
-    return bool(((a + b - c).abs() <= tol * (a.abs() + b.abs()).amax() + 1e-30).all())
-
-
-def _rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: int,
-                batch: int) -> bool:
-    """Whether some row along ``d`` of the tensor at edge ``pos`` breaks the ratio of
-    :func:`_weighted_grads` (a row that does not belong to the example of its index).
-
-    A row whose gradients are rounding errors has no ratio to keep: where the gradient
-    cancels exactly in the backward (the squared output of an RMSNorm whose weight is 1 does
-    not depend on its input), what reaches the layers below is rounding of values of the
-    size of the cotangents the backward started from, which breaks the ratio of every row.
-    The backward's own rounding is measured at the edge, as the amount by which the sum
-    weighting's gradient differs from the sum of the two weightings' (zero in exact
-    arithmetic for a backward linear in the examples' weights); where that amount is itself
-    at rounding level of the starting cotangents, deviations within a few times it are
-    taken as rounding. A row that follows another example's loss deviates by its whole
-    size while the backward stays linear up to rounding, so it is still found; a backward
-    that is not linear (a hook that normalises the gradient over the batch) differs by
-    far more than rounding and gets no floor."""
-    w, v, grads_w, grads_v = weighted[:4]
-    a, b = grads_w[pos], grads_v[pos]
-    if a is None or b is None:
-        return False
-    a, b = _as_shape(a, shape), _as_shape(b, shape)
-    if d >= a.dim() or a.shape[d] != batch or a.numel() == 0:
-        return False  # (rows of no elements, a sequence of length 0: no ratio to break)
-    a = a.detach().movedim(d, 0).reshape(batch, -1).double()
-    b = b.detach().movedim(d, 0).reshape(batch, -1).double()
-    lhs, rhs = a * v.to(a.device).unsqueeze(1), b * w.to(a.device).unsqueeze(1)
-    scale = (lhs.abs() + rhs.abs()).amax(1, keepdim=True)
-    floating = grads_w[pos].is_floating_point()
-    eps = torch.finfo(grads_w[pos].dtype).eps if floating else 0.0
-    tol = 64 * eps ** 0.5 if floating else 1e-6
-    off = (lhs - rhs).abs()
-    moved = off > tol * scale
-    if not bool(moved.any()):
-        return False
-    c = weighted[4][pos] if len(weighted) > 5 else None
-    if c is None or not floating:
-        return True
-    c = _as_shape(c, shape).detach().movedim(d, 0).reshape(batch, -1).double()
-    rounding = float((a + b - c).abs().amax())
-    if rounding > eps ** 0.5 * weighted[5]:
-        return True  # (the backward is not linear beyond rounding: no floor)
-    top = float(torch.maximum(w, v).max())
-    return bool((moved & (off > 16 * top * rounding)).any())
-
-
 def _find_mixing(
     module_calls: list[ModuleCall],
     in_grads: dict[tuple[int, int], list[Tensor | None]],
@@ -389,7 +275,7 @@ def _find_mixing(
     the examples does not: its forward mixes examples (None if there is none). A tensor
     keeps them apart where, for the probed examples, their losses' gradients are confined
     to their rows (:func:`confined`) and, for every example at once, the gradients of the
-    two weightings of :func:`_weighted_grads` keep each row's ratio along a dimension of
+    two weightings of :func:`weighted_grads` keep each row's ratio along a dimension of
     size B that shrank with the batch (a module that mixes only some examples, those
     sharing a group id say, leaves the probed two apart). And, where
     the only such modules are ones whose inputs could not be compared between the runs on
@@ -418,8 +304,8 @@ def _find_mixing(
             # follows other examples' losses (NOTE [the per-sample plan], step 3)
             sized = [d for d, size in enumerate(shape) if size == batch and d not in folded[1]]
             return not (shrunk and weighted is not None and pos is not None and sized
-                        and all(_rows_moved(weighted, pos, shape, d, batch) for d in sized)
-                        and _linear_at(weighted, pos))
+                        and all(rows_moved(weighted, pos, shape, d, batch) for d in sized)
+                        and linear_at(weighted, pos))
 
         outs_ok = all(ok(out_grads.get((i, j), [None] * len(ks)), s, pos=where.get(("out", i, j))
                          if where else None, shrunk=shrinks("out", i, j))

@@ -25,7 +25,7 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
    mixes examples inside its forward (attention across the batch, ``x - x.mean(0)``,
    BatchNorm in training mode). So does one where, for every example at once, the gradient
    of a random weighting of the examples' losses breaks a row's ratio to another
-   weighting's (``flow._weighted_grads``; a module that mixes only some examples, those
+   weighting's (``weighted.weighted_grads``; a module that mixes only some examples, those
    that share a group id, can leave the two probed ones apart), where that gradient is
    linear in the weights (a backward hook that normalises over the batch is not). The plan
    names the innermost such module, and the strategies
