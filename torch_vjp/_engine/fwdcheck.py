@@ -341,7 +341,11 @@ def checked_route(
     # (NOTE [a batch that mixes rows] is in mixing.py, which imports this module)
     from torch_vjp._engine.mixing import cross_row_flow, mixing_message
 
+    # (blocks the loop computed because vmap could not run f: the route is the loop, which
+    # the check names and tries no other route after; the route remembered stays "rev", as
+    # vmap may run f at another call: the loop then stands on its own fallback)
     first = "rev-loop" if res.looped and res.mode == "rev" else res.mode
+    keep = res.mode if first == "rev-loop" else None
     got = one_reverse_product(prob)
     # (a NaN or an infinity in the reverse product, from a tensor f reads that is not
     # differentiated, an argument or one it captured, lands in the products by each route
@@ -349,7 +353,7 @@ def checked_route(
     finite = got is None or all_finite(got[2])
     if got is None or not finite:
         if finite and all_finite(prob.leaves):
-            remember(key, first)
+            remember(key, keep or first)
         elif batch is not None:
             # (no route is compared at a NaN or an infinity, but a flow across rows shows
             # there too, in finite entries: a mixing f returned sums of cross-example
@@ -367,7 +371,7 @@ def checked_route(
 
     return agreeing_route(
         prob, first, res, lambda b: reverse_gap(prob, b, batch, got), route,
-        lambda name: remember(key, name), named, "strategy",
+        lambda name: remember(key, keep or name), named, "strategy",
         tolerance(least_precise(got[0], prob.leaves)),
         on_none=None if batch is None else mixing,
     )
