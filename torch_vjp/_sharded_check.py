@@ -43,6 +43,7 @@ from torch_vjp._engine.fwdcheck import (
     CHECKED,
     all_finite,
     gap,
+    least_precise,
     one_reverse_product,
     stacked_gap,
     tolerance,
@@ -76,21 +77,32 @@ def agreed_route(key: Hashable, group: Any, device: torch.device) -> str | None:
 
 
 def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, stop: int,
-            batch: int | None) -> tuple[float, float] | None:
-    """``(difference, scale)`` between ``u^T J`` read from this rank's products (``stacked``,
-    in ``mode``, numbered ``[start, stop)``) and one reverse product (NOTE [sharded auto,
-    checked]); None where the reverse product cannot be taken; ``(0, inf)`` where it holds a
-    NaN or an infinity (from a tensor f reads but does not differentiate, x finite): no
-    comparison there, and a scale no rank's route is remembered at."""
+            batch: int | None) -> tuple[float, float, float] | None:
+    """``(difference, scale, rtol)`` between ``u^T J`` read from this rank's products
+    (``stacked``, in ``mode``, numbered ``[start, stop)``) and one reverse product (NOTE
+    [sharded auto, checked]), ``rtol`` the rounding of the least precise dtype f's graph
+    computes in (a float32 step in a float64 f: ``least_precise``); None where the reverse
+    product cannot be taken; ``(0, inf, 0)`` where it holds a NaN or an infinity (from a
+    tensor f reads but does not differentiate, x finite): no comparison there, and a scale
+    no rank's route is remembered at."""
     if stop == start:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     keep = None if mode == "fwd" else (lambda us: _only_rows(us, start, stop, batch))
     got = one_reverse_product(prob, keep)
     if got is None:
         return None
     flat, us, grads = got
     if not all_finite(grads):
-        return 0.0, math.inf
+        return 0.0, math.inf, 0.0
+    rtol = tolerance(least_precise(flat, prob.leaves))
+    return (*_gap(prob, mode, stacked, start, stop, batch, flat, us, grads), rtol)
+
+
+def _gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, stop: int,
+         batch: int | None, flat: Sequence[Tensor], us: Sequence[Tensor],
+         grads: Sequence[Tensor]) -> tuple[float, float]:
+    """:func:`own_gap`'s ``(difference, scale)``, from the reverse product ``grads`` of the
+    cotangents ``us`` of the outputs ``flat``."""
     with torch.no_grad():
         if mode == "fwd":
             if len(flat) != len(stacked):
@@ -114,22 +126,24 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
         return stacked_gap(rows, stacked, grads, batch)
 
 
-def verdict(gap: tuple[float, float] | None, dtype: torch.dtype, failed: bool, group: Any,
-            device: torch.device) -> tuple[bool, float, float, bool]:
+def verdict(gap: tuple[float, float, float] | None, dtype: torch.dtype, failed: bool,
+            group: Any, device: torch.device) -> tuple[bool, float, float, bool]:
     """Every rank's ``(agrees, difference, scale, failed)`` from each rank's :func:`own_gap`:
-    the largest difference against the largest scale over the ranks (a rank that could not
-    check counts as agreeing: where none could, the result stands); ``failed``: some rank's
-    check raised (every rank raises next)."""
+    the largest difference against the largest scale over the ranks, within the largest
+    rounding any rank's graph computes at (at least ``dtype``'s: every rank decides alike);
+    a rank that could not check counts as agreeing: where none could, the result stands;
+    ``failed``: some rank's check raised (every rank raises next)."""
     import torch.distributed as dist
 
-    diff, scale = (0.0, 0.0) if gap is None else gap
+    diff, scale, rtol = (0.0, 0.0, 0.0) if gap is None else gap
     if math.isnan(diff):
         diff = math.inf  # (a NaN is a disagreement; MAX of a NaN is not defined by every backend)
-    t = torch.tensor([diff, scale, float(failed)], dtype=torch.float64, device=device)
+    rtol = max(rtol, tolerance(dtype))
+    t = torch.tensor([diff, scale, float(failed), rtol], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    diff, scale, failed_any = t.tolist()
+    diff, scale, failed_any, rtol = t.tolist()
     # (a rank that could not check adds nothing: another rank's disagreement stands)
-    return diff <= tolerance(dtype) * scale, diff, scale, bool(failed_any)
+    return diff <= rtol * scale, diff, scale, bool(failed_any)
 
 
 #: Elements of a tensor checksummed at a time: the float64 temporaries of one chunk (about
