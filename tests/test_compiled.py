@@ -1432,3 +1432,37 @@ def test_results_agree_reads_nan_in_both_and_equal_infinities_as_agreeing():
     for b in ([nan, inf, -inf, 1.5], [1.0, inf, -inf, 1.0], [nan, -inf, -inf, 1.0]):
         why = results_agree(a, torch.tensor(b, dtype=D))
         assert why is not None and why.startswith("the compiled result differs from the eager")
+
+
+def test_a_float32_step_inside_a_float64_function_compiles():
+    # the first call's comparison took float64's tolerance: a float32 step inside f (a
+    # float32 submodule, Llama's and T5's norms) rounds the compiled program at float32's,
+    # so it warned "the compiled result differs from the eager one by up to 1.25e-07 at a
+    # scale of 1.42" and the signature stayed eager
+    from torch_vjp._engine import compiled
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    W = torch.randn(16, 16, dtype=D, generator=g)
+
+    def f(x):
+        h = torch.tanh(W @ x)
+        return lin(h.float()).sin().double() * h
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(2):
+            x = torch.randn(16, dtype=D, generator=g)
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x), rtol=1e-5, atol=1e-6)
+    assert [e.run is not None for e in compiled._CACHE.values()] == [True]
+
+
+def test_results_agree_rounds_at_the_least_precise_dtype_of_the_graph():
+    from torch_vjp._engine.compile_checks import results_agree
+
+    a = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    b = a * (1 + 1e-6)  # float32's rounding, not float64's
+    assert results_agree(a, b).startswith("the compiled result differs")
+    assert results_agree(a, b, torch.float32) is None
+    assert results_agree(a, a * 1.01, torch.float32) is not None  # (a real difference)

@@ -15,13 +15,15 @@ from torch_vjp._engine.fwdcheck import gap, tolerance
 from torch_vjp._engine.point import versions_of
 from torch_vjp._errors import JacobianWarning, quote_error, warn_once
 
-__all__ = ["results_agree", "FirstRun", "warn_rebuilt", "warn_eager",
+__all__ = ["results_agree", "GraphPrecision", "FirstRun", "warn_rebuilt", "warn_eager",
            "compile_failure"]
 
 
-def results_agree(ref: Any, got: Any) -> str | None:
-    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1;
-    integer tensors exactly; entries NaN in both, or equal infinities, agree, as in
+def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
+    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1,
+    for the less precise of each result's dtype and ``least``, the least precise dtype the
+    computation ran in, where known: :class:`GraphPrecision`; integer tensors exactly;
+    entries NaN in both, or equal infinities, agree, as in
     :func:`~torch_vjp._engine.fwdcheck.gap`); else what differs. The compiled result
     against the eager first call, and a compiled ``vjp_fn``'s forward output against the
     vjp point's."""
@@ -41,12 +43,40 @@ def results_agree(ref: Any, got: Any) -> str | None:
                 return "the results' integer entries differ"
             continue
         rtol = tolerance(a.real.dtype)  # sqrt(eps), as the Hessian's symmetry check
+        if least is not None:  # (a float32 step in a float64 f rounds at float32's)
+            rtol = max(rtol, tolerance(least))
         # (NaN in both, or an infinity of one sign in both, agree: gap's rule)
         diff, scale = gap(a.detach().reshape(-1), b.detach().reshape(-1))
         if not diff <= rtol * max(scale, 1.0):
             return (f"the compiled result differs from the eager one by up to {diff:.3g} "
                     f"at a scale of {scale:.3g}")
     return None
+
+
+class GraphPrecision:
+    """A ``torch.compile`` backend that notes the least precise floating dtype of the graphs
+    it is given (``least``: a float32 step in a float64 function, as the RMSNorm of Llama and
+    T5 casts to float32) and hands each to inductor, the default backend. The compiled
+    program fuses and reorders that step's arithmetic, so it rounds differently from the
+    eager call at float32's rounding: the first call's comparison (:func:`results_agree`)
+    must allow that, as 'auto''s check of routes does (NOTE [auto, checked once])."""
+
+    def __init__(self) -> None:
+        self.least: torch.dtype | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        for mod in gm.modules():  # (subgraphs of higher-order ops are submodules)
+            graph = getattr(mod, "graph", None)
+            for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+                value = node.meta.get("example_value", node.meta.get("val"))
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, Tensor) and t.dtype.is_floating_point and (
+                            self.least is None
+                            or torch.finfo(t.dtype).eps > torch.finfo(self.least).eps):
+                        self.least = t.dtype
+        from torch._inductor import compile as inductor  # (imported when compiling only)
+
+        return inductor(gm, example_inputs)
 
 
 class FirstRun:

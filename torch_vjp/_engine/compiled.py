@@ -87,7 +87,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from torch_vjp._engine.compile_checks import (FirstRun, compile_failure,
+from torch_vjp._engine.compile_checks import (FirstRun, GraphPrecision, compile_failure,
                                               results_agree, warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
                                           program_key)
@@ -488,7 +488,8 @@ def _compile_first(
             built = build()
             built, fresh = built if isinstance(built, Built) else (built, tuple)
             own = _own_code(_on_copies(built, len(args)), name)
-            program = torch.compile(own, fullgraph=True, dynamic=False)
+            precision = GraphPrecision()
+            program = torch.compile(own, fullgraph=True, dynamic=False, backend=precision)
             got = program(f, *args, *fresh())
     except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
         if passes_through(err):
@@ -503,7 +504,7 @@ def _compile_first(
                              "max_norm, a no-grad update in a forward), which the compiled "
                              "program cannot put back as the eager call does")
         return result
-    why = results_agree(result, got)
+    why = results_agree(result, got, precision.least)
     if why is not None:
         warn_eager(call, f, run.why(why))
         return result
