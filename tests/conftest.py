@@ -35,6 +35,22 @@ def op_log():
     return OpLog
 
 
+@pytest.fixture
+def float32_step():
+    """A float64 function with a normalisation computed in float32 inside (as Llama's and
+    T5's RMSNorm cast), and its point: every route rounds at float32's there."""
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    w2 = torch.randn(48, 64, generator=g, dtype=torch.float64)
+
+    def f(x):
+        h = (w1 @ x).float()
+        h = (h - h.mean()) / (h - h.mean()).pow(2).mean().sqrt()
+        return w2 @ h.double()
+
+    return f, torch.randn(32, generator=g, dtype=torch.float64)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where none is present")
 

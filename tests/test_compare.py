@@ -789,20 +789,12 @@ def test_a_caller_in_no_grad_gets_a_true_reference(mode):
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
-def test_a_float32_step_inside_a_float64_function_is_judged_at_float32s_tolerance():
+def test_a_float32_step_inside_a_float64_function_is_judged_at_float32s_tolerance(
+        float32_step):
     # Llama's and T5's RMSNorm cast to float32 inside a float64 model: every strategy then
     # rounds at float32's, and rev, fwd, fwd-loop and auto were marked "wrong" (abs error
     # 2.36e-07 > its tolerance 3.87e-08) although all were right to that precision.
-    g = torch.Generator().manual_seed(0)
-    w1 = torch.randn(64, 32, generator=g, dtype=torch.float64)
-    w2 = torch.randn(48, 64, generator=g, dtype=torch.float64)
-
-    def f(x):
-        h = (w1 @ x).float()
-        h = (h - h.mean()) / (h - h.mean()).pow(2).mean().sqrt()
-        return w2 @ h.double()
-
-    x = torch.randn(32, generator=g, dtype=torch.float64)
+    f, x = float32_step
     report = tv.compare_strategies(f, x, min_run_time=0.01, memory=False)
     assert {row.strategy: row.reason for row in report.rows if row.status != "ok"} == {}
     assert "f computes in float32 inside" in report.reference

@@ -864,23 +864,15 @@ def test_checksums_of_a_large_tensor_take_little_memory_more():
     assert int(out.stdout.strip()) < 500, out.stdout  # (MB more than the 100 MB tensor)
 
 
-def test_sharded_auto_check_allows_a_float32_step_inside_a_float64_function(one_rank_group):
+def test_sharded_auto_check_allows_a_float32_step_inside_a_float64_function(one_rank_group,
+                                                                           float32_step):
     # the sharded check judged at the dtype of the first input (float64), so a float32 step
     # inside f (as Llama's and T5's norms cast), which rounds every route at float32's,
     # read as a disagreement: a false warning, and the result of another route
     from torch_vjp._engine import fwdcheck
 
     fwdcheck.CHECKED.clear()
-    g = torch.Generator().manual_seed(0)
-    w1 = torch.randn(64, 32, generator=g, dtype=DT)
-    w2 = torch.randn(48, 64, generator=g, dtype=DT)
-
-    def f(x):
-        h = (w1 @ x).float()
-        h = (h - h.mean()) / (h - h.mean()).pow(2).mean().sqrt()
-        return w2 @ h.double()
-
-    x = torch.randn(32, generator=g, dtype=DT)
+    f, x = float32_step
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
         got = tv.jacobian(f, x, process_group=one_rank_group)

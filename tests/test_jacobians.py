@@ -2146,36 +2146,22 @@ def test_auto_checks_at_the_first_finite_point_after_a_nan_one():
     torch.testing.assert_close(got, torch.autograd.functional.jacobian(_cdist_rows, x))
 
 
-def _float32_step():
-    """A float64 function with a normalisation computed in float32 inside, and its point."""
-    g = torch.Generator().manual_seed(0)
-    w1 = torch.randn(64, 32, generator=g, dtype=D)
-    w2 = torch.randn(48, 64, generator=g, dtype=D)
-
-    def f(x):
-        h = (w1 @ x).float()
-        h = (h - h.mean()) / (h - h.mean()).pow(2).mean().sqrt()
-        return w2 @ h.double()
-
-    return f, torch.randn(32, generator=g, dtype=D)
-
-
-def test_auto_check_allows_a_float32_step_inside_a_float64_function():
+def test_auto_check_allows_a_float32_step_inside_a_float64_function(float32_step):
     # An RMSNorm-like step in float32 (as Llama's and T5's norms cast) rounds every route
     # at float32's: vectorised and single reverse products differ by ~1e-7 relative there,
     # which is rounding, not a wrong formula or a random f; "auto" warned that no route
     # agreed (by 1.53e-06 at a scale of 17.4).
-    f, x = _float32_step()
+    f, x = float32_step
     with no_jacobian_warnings():
         got = jacobian(f, x)
     torch.testing.assert_close(got, torch.func.jacrev(f)(x), rtol=0, atol=1e-12)
 
 
-def test_hessian_auto_allows_a_float32_step_inside_a_float64_function():
+def test_hessian_auto_allows_a_float32_step_inside_a_float64_function(float32_step):
     # forward-over-reverse and reverse-over-reverse both round at float32's there: "auto"
     # warned of "a wrong forward-mode derivative" (asymmetry 4.33e-07 at a scale of 5.58)
     # and returned reverse-over-reverse.
-    step, x = _float32_step()
+    step, x = float32_step
 
     def f(x):
         return step(x).tanh().sum()
