@@ -1328,3 +1328,25 @@ def test_complex_parameters_follow_torchs_convention():
                                             r"and the rules give the per-sample gradients of "
                                             r"real parameters"):
         per_sample_grads(m, lf, x, strategy="hooks")
+
+
+def test_the_row_test_of_a_complex_layer_reads_both_parts():
+    # the plan's test that each row keeps its example's loss weights took .double() of the
+    # complex gradients: torch warned "Casting complex values to real discards the imaginary
+    # part" on every plan, and the test saw the real parts alone
+    torch.manual_seed(0)
+    C = torch.complex128
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch's note on complex modules)
+        m = nn.Sequential(nn.Linear(4, 4).to(C), nn.Linear(4, 2).to(C))
+    x = torch.randn(5, 4, dtype=C)
+    lf = lambda o: o.abs().pow(2).sum()  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = per_sample_grads(m, lf, x)
+    assert not [str(w.message) for w in caught if "imaginary" in str(w.message)]
+    params = list(m.parameters())
+    for i in range(5):
+        want = torch.autograd.grad(lf(m(x[i:i + 1])), params)
+        for (n, _), g in zip(m.named_parameters(), want):
+            torch.testing.assert_close(got[n][i], g, msg=n)

@@ -79,9 +79,10 @@ def linear_at(weighted: tuple[Any, ...], pos: int) -> bool:
     a, b, c = weighted[2][pos], weighted[3][pos], weighted[4][pos]
     if a is None or b is None or c is None:
         return False
-    a, b, c = a.detach().double(), b.detach().double(), c.detach().double()
-    tol = 64 * torch.finfo(weighted[2][pos].dtype).eps ** 0.5 if (
-        weighted[2][pos].is_floating_point()) else 1e-6
+    a, b, c = _as_real(a), _as_real(b), _as_real(c)
+    dtype = weighted[2][pos].dtype
+    tol = 64 * torch.finfo(_real_dtype(dtype)).eps ** 0.5 if (
+        dtype.is_floating_point or dtype.is_complex) else 1e-6
     return bool(((a + b - c).abs() <= tol * (a.abs() + b.abs()).amax() + 1e-30).all())
 
 
@@ -109,12 +110,12 @@ def rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: int
     a, b = as_shape(a, shape), as_shape(b, shape)
     if d >= a.dim() or a.shape[d] != batch or a.numel() == 0:
         return False  # (rows of no elements, a sequence of length 0: no ratio to break)
-    a = a.detach().movedim(d, 0).reshape(batch, -1).double()
-    b = b.detach().movedim(d, 0).reshape(batch, -1).double()
+    a = _as_real(a.detach().movedim(d, 0).reshape(batch, -1)).reshape(batch, -1)
+    b = _as_real(b.detach().movedim(d, 0).reshape(batch, -1)).reshape(batch, -1)
     lhs, rhs = a * v.to(a.device).unsqueeze(1), b * w.to(a.device).unsqueeze(1)
     scale = (lhs.abs() + rhs.abs()).amax(1, keepdim=True)
-    floating = grads_w[pos].is_floating_point()
-    eps = torch.finfo(grads_w[pos].dtype).eps if floating else 0.0
+    floating = grads_w[pos].is_floating_point() or grads_w[pos].is_complex()
+    eps = torch.finfo(_real_dtype(grads_w[pos].dtype)).eps if floating else 0.0
     tol = 64 * eps ** 0.5 if floating else 1e-6
     off = (lhs - rhs).abs()
     moved = off > tol * scale
@@ -123,9 +124,24 @@ def rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: int
     c = weighted[4][pos] if len(weighted) > 5 else None
     if c is None or not floating:
         return True
-    c = as_shape(c, shape).detach().movedim(d, 0).reshape(batch, -1).double()
+    c = _as_real(as_shape(c, shape).detach().movedim(d, 0).reshape(batch, -1)).reshape(
+        batch, -1)
     rounding = float((a + b - c).abs().amax())
     if rounding > eps ** 0.5 * weighted[5]:
         return True  # (the backward is not linear beyond rounding: no floor)
     top = float(torch.maximum(w, v).max())
     return bool((moved & (off > 16 * top * rounding)).any())
+
+
+def _as_real(t: Tensor) -> Tensor:
+    """``t`` in float64, a complex tensor as its real and imaginary parts (a last dimension
+    of 2): the ratio of a row's gradients holds for both parts, and ``.double()`` of a
+    complex tensor would drop the imaginary one."""
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj().contiguous())
+    return t.double()
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The real dtype of a complex one (``complex64``: ``float32``); any other as it is."""
+    return dtype.to_real() if dtype.is_complex else dtype
