@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from torch_vjp._engine.compile_key import program_key
-from torch_vjp._engine.fwdcheck import gap, tolerance
+from torch_vjp._engine.fwdcheck import gap, least_of, tolerance
 from torch_vjp._engine.point import versions_of
 from torch_vjp._errors import JacobianWarning, quote_error, warn_once
 
@@ -69,11 +69,11 @@ class GraphPrecision:
             graph = getattr(mod, "graph", None)
             for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
                 value = node.meta.get("example_value", node.meta.get("val"))
-                for t in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(t, Tensor) and t.dtype.is_floating_point and (
-                            self.least is None
-                            or torch.finfo(t.dtype).eps > torch.finfo(self.least).eps):
-                        self.least = t.dtype
+                values = value if isinstance(value, (tuple, list)) else (value,)
+                found = least_of((t.dtype for t in values if isinstance(t, Tensor)), None)
+                if found is not None:
+                    self.least = least_of((found,) if self.least is None
+                                          else (found, self.least))
         from torch._inductor import compile as inductor  # (imported when compiling only)
 
         return inductor(gm, example_inputs)

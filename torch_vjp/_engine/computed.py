@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.fwdcheck import (
-    CHECKED, cast_dtype, cotangent, remember, stacked_gap, tolerance,
+    CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
 )
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
@@ -190,8 +190,7 @@ def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
     a float64 graph rounds at float32's)."""
     nodes: list[type] = []
     seen: set[int] = set()
-    least = min((t.dtype for t in (*outs, *ins) if t.dtype.is_floating_point),
-                key=lambda d: -torch.finfo(d).eps, default=torch.float64)
+    least = least_of(t.dtype for t in (*outs, *ins))
     stack = [o.grad_fn for o in reversed(outs) if o.grad_fn is not None]
     while stack:
         node = stack.pop()

@@ -39,7 +39,7 @@ numbers drawn again, as in the loops' SameDraws.)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -56,7 +56,7 @@ __all__ = [
     "CHECKED", "PIECE", "agreeing_route", "checked_route", "cotangent", "all_finite", "gap",
     "identity",
     "route_key", "module_key", "checked_batch",
-    "largest_difference", "least_precise", "cast_dtype",
+    "largest_difference", "least_of", "least_precise", "cast_dtype",
     "max_abs_difference", "no_route_message", "one_reverse_product", "remember",
     "reverse_gap", "signature", "stacked_gap",
     "tolerance", "wrong_route_message",
@@ -443,8 +443,7 @@ def checked_batch(
 
         return gap_of
 
-    rtol = tolerance(min((r.dtype for r in result if r.is_floating_point()),
-                         key=lambda d: -torch.finfo(d).eps, default=torch.float64))
+    rtol = tolerance(least_of(r.dtype for r in result))
     diff, scale = against(vectors)(result)
     own = [cotangent(v[:_OWN], gen) for v in vectors]
     own_gap = against(own)
@@ -549,15 +548,24 @@ def no_route_message(call: str, name: str, first: str, diff: float, scale: float
 _CASTS = frozenset({"ToCopyBackward0", "CopyBackwards", "CopySlices"})
 
 
+def least_of(dtypes: Iterable[torch.dtype], default: torch.dtype | None = torch.float64
+             ) -> torch.dtype | None:
+    """The least precise floating dtype among ``dtypes`` (largest ``eps``), else ``default``.
+
+    Example:
+        >>> least_of([torch.int64, torch.float64, torch.float32])
+        torch.float32
+    """
+    return min((d for d in dtypes if d.is_floating_point),
+               key=lambda d: -torch.finfo(d).eps, default=default)
+
+
 def cast_dtype(node: Any, least: torch.dtype) -> torch.dtype:
     """``least``, or the floating dtype a cast node of a graph (:data:`_CASTS`) computes in
     where that one is less precise."""
     if type(node).__name__ in _CASTS:
         try:
-            for m in node._input_metadata:
-                if m.dtype.is_floating_point and torch.finfo(m.dtype).eps > torch.finfo(
-                        least).eps:
-                    least = m.dtype
+            least = least_of((least, *(m.dtype for m in node._input_metadata)))
         except (AttributeError, RuntimeError, TypeError):
             pass
     return least
@@ -568,8 +576,7 @@ def least_precise(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> torch.dtype:
     float32 step inside a float64 function (the RMSNorm of Llama and T5 casts to float32)
     rounds at float32's, so routes that sum in another order differ at float32's rounding,
     and the comparison of routes must allow that."""
-    least = min((t.dtype for t in (*outs, *ins) if t.dtype.is_floating_point),
-                key=lambda d: -torch.finfo(d).eps, default=torch.float64)
+    least = least_of(t.dtype for t in (*outs, *ins))
     seen: set[int] = set()
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:

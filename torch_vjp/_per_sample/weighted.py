@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from torch_vjp._function_values import real_dtype
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.losses import loss_sum
 
@@ -81,7 +82,7 @@ def linear_at(weighted: tuple[Any, ...], pos: int) -> bool:
         return False
     a, b, c = _as_real(a), _as_real(b), _as_real(c)
     dtype = weighted[2][pos].dtype
-    tol = 64 * torch.finfo(_real_dtype(dtype)).eps ** 0.5 if (
+    tol = 64 * torch.finfo(real_dtype(dtype)).eps ** 0.5 if (
         dtype.is_floating_point or dtype.is_complex) else 1e-6
     return bool(((a + b - c).abs() <= tol * (a.abs() + b.abs()).amax() + 1e-30).all())
 
@@ -115,7 +116,7 @@ def rows_moved(weighted: tuple[Any, ...], pos: int, shape: Sequence[int], d: int
     lhs, rhs = a * v.to(a.device).unsqueeze(1), b * w.to(a.device).unsqueeze(1)
     scale = (lhs.abs() + rhs.abs()).amax(1, keepdim=True)
     floating = grads_w[pos].is_floating_point() or grads_w[pos].is_complex()
-    eps = torch.finfo(_real_dtype(grads_w[pos].dtype)).eps if floating else 0.0
+    eps = torch.finfo(real_dtype(grads_w[pos].dtype)).eps if floating else 0.0
     tol = 64 * eps ** 0.5 if floating else 1e-6
     off = (lhs - rhs).abs()
     moved = off > tol * scale
@@ -140,8 +141,3 @@ def _as_real(t: Tensor) -> Tensor:
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj().contiguous())
     return t.double()
-
-
-def _real_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The real dtype of a complex one (``complex64``: ``float32``); any other as it is."""
-    return dtype.to_real() if dtype.is_complex else dtype
