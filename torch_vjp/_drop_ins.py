@@ -176,8 +176,10 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
         if (not isinstance(out, Tensor) or not out.is_nested or not _torch_validation(err)
                 or not hasattr(err, "add_note")):
             raise
-        entries = (given,) if isinstance(given, Tensor) else given
-        go = entries[i] if isinstance(entries, (tuple, list)) and i < len(entries) else None
+        # (what torch read, where reading it again is harmless: a generator is spent)
+        entries = as_entries(given, labels, outs) if isinstance(
+            given, (Tensor, tuple, list)) else None
+        go = entries[i] if entries is not None and i < len(entries) else None
         err.add_note(jagged_message(labels, i, out, go))
         raise
     except AssertionError as err:
