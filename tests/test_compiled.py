@@ -1422,6 +1422,27 @@ def test_inputs_that_always_hold_a_nan_the_function_masks_still_compile():
     assert [e.run is not None for e in compiled._CACHE.values()] == [True]
 
 
+def test_a_nan_in_a_tensor_the_function_captures_compiles_and_agrees_with_eager():
+    # (x finite, the result NaN where the captured weight's NaN reaches it: the first
+    # call's comparison reads NaN in both results as agreeing, so the entry is compiled
+    # once, and every call gives torch.func's NaN entries and values)
+    from torch_vjp._engine import compiled
+
+    W = torch.randn(3, 3, dtype=D)
+    W[1, 2] = float("nan")
+    f = lambda x: torch.tanh(W @ x)  # noqa: E731
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(3):
+            x = torch.randn(3, dtype=D)
+            got = tv.jacobian(f, x, compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(f)(x), equal_nan=True)
+            assert got.isnan().any()
+    assert compiled.builds() - before == 1
+    assert [e.run is not None for e in compiled._CACHE.values()] == [True]
+
+
 def test_results_agree_reads_nan_in_both_and_equal_infinities_as_agreeing():
     from torch_vjp._engine.compile_checks import results_agree
 
