@@ -4,8 +4,9 @@ GPT-2 and BERT come from ``transformers`` (random weights from a small config; s
 it is not installed); the ViT below follows torchvision's ``VisionTransformer`` layout (a
 class token expanded over the batch and concatenated, a positional table added). Every
 parameter of those must be computed by rules (``per_sample_plan``), and the results must equal
-the definition in float64. Further transformers models (Llama, T5, ALBERT, Swin, ConvNeXt,
-wav2vec2, ResNet) must equal the definition under every strategy that takes them.
+the definition in float64. Further transformers models (Llama, Mistral, Qwen2, Gemma, Phi,
+Falcon, GPT-Neo, OPT, T5, BART, ALBERT, RoBERTa, DistilBERT, ELECTRA, DeBERTa-v2, ViT, Swin,
+ConvNeXt, wav2vec2, ResNet) must equal the definition under every strategy that takes them.
 """
 
 from __future__ import annotations
@@ -238,7 +239,9 @@ def test_an_opacus_grad_sample_module_with_its_hooks_on_is_refused_with_the_fix(
 # GPT-2 and BERT do not (rotary embeddings, RMSNorm and grouped-query attention, a relative
 # attention bias from an Embedding called without the batch, layers sharing parameters, a
 # bias table indexed directly, a layer-scale Parameter, weight_norm's parametrization, a
-# GroupNorm-swapped ResNet). "auto" and "vmap" must equal the definition; "hooks" must equal
+# GroupNorm-swapped ResNet; local and sliding-window attention, offset learned positions,
+# fused and parallel attention blocks, disentangled relative attention, an encoder-decoder
+# classifier, a class token). "auto" and "vmap" must equal the definition; "hooks" must equal
 # it or refuse with StrategyError (a layer class of the model's own has no rule).
 
 
@@ -308,6 +311,68 @@ def _hf(name):
             activation_dropout=0, feat_proj_dropout=0, final_dropout=0, layerdrop=0,
             mask_time_prob=0, num_labels=3, classifier_proj_size=8))
         return Logits(m, keys=("input_values",)), ce_sum, torch.randn(3, 60), labels
+    causal = {"gpt_neo": lambda: T.GPTNeoForCausalLM(T.GPTNeoConfig(  # local attention
+                  vocab_size=v, max_position_embeddings=16, hidden_size=16, num_layers=2,
+                  num_heads=2, attention_types=[[["global", "local"], 1]], window_size=2,
+                  resid_dropout=0, embed_dropout=0, attention_dropout=0)),
+              "opt": lambda: T.OPTForCausalLM(T.OPTConfig(  # positions offset by 2
+                  vocab_size=v, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                  num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16,
+                  dropout=0, attention_dropout=0)),
+              "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(  # sliding window
+                  vocab_size=v, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=16,
+                  sliding_window=2)),
+              "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(  # biased q, k, v only
+                  vocab_size=v, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)),
+              "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(  # scaled embedding, 1 + w
+                  vocab_size=v, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                  max_position_embeddings=16)),
+              "phi": lambda: T.PhiForCausalLM(T.PhiConfig(  # partial rotary, parallel block
+                  vocab_size=v, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, max_position_embeddings=16, resid_pdrop=0,
+                  embd_pdrop=0, attention_dropout=0)),
+              "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(  # fused query_key_value
+                  vocab_size=v, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  hidden_dropout=0, attention_dropout=0))}
+    if name in causal:
+        return Logits(causal[name](), keys=("input_ids",), extra={"use_cache": False}), \
+            lm_sum, ids, ids
+    encoders = {"roberta": lambda: T.RobertaForSequenceClassification(T.RobertaConfig(
+                    vocab_size=v, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=32, max_position_embeddings=16, pad_token_id=0,
+                    hidden_dropout_prob=0, attention_probs_dropout_prob=0, num_labels=3)),
+                "distilbert": lambda: T.DistilBertForSequenceClassification(
+                    T.DistilBertConfig(vocab_size=v, dim=16, n_layers=1, n_heads=2,
+                                       hidden_dim=32, max_position_embeddings=16, dropout=0,
+                                       attention_dropout=0, seq_classif_dropout=0,
+                                       num_labels=3)),
+                "electra": lambda: T.ElectraForSequenceClassification(T.ElectraConfig(
+                    vocab_size=v, embedding_size=8, hidden_size=16, num_hidden_layers=1,
+                    num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
+                    hidden_dropout_prob=0, attention_probs_dropout_prob=0, num_labels=3)),
+                "deberta_v2": lambda: T.DebertaV2ForSequenceClassification(T.DebertaV2Config(
+                    vocab_size=v, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0,
+                    attention_probs_dropout_prob=0, pooler_dropout=0, num_labels=3)),
+                "bart": lambda: T.BartForSequenceClassification(T.BartConfig(
+                    vocab_size=v, d_model=16, encoder_layers=1, decoder_layers=1,
+                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                    decoder_ffn_dim=32, max_position_embeddings=16, dropout=0,
+                    attention_dropout=0, activation_dropout=0, classifier_dropout=0,
+                    num_labels=3, eos_token_id=1, pad_token_id=0))}
+    if name in encoders:  # (relative positions, disentangled attention, encoder-decoder)
+        x = ids.clone()
+        x[:, -1] = 1  # (BART classifies at its end-of-sequence token, id 1 here)
+        return Logits(encoders[name](), keys=("input_ids",)), ce_sum, x, labels
+    if name == "vit":  # a class token concatenated, a position table added
+        m = T.ViTForImageClassification(T.ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=32, num_labels=3, hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0))
+        return Logits(m, keys=("pixel_values",)), ce_sum, torch.randn(3, 3, 8, 8), labels
     if name == "resnet_groupnorm":  # BatchNorm swapped for GroupNorm, as Opacus users do
         m = T.ResNetForImageClassification(T.ResNetConfig(
             num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
@@ -342,7 +407,9 @@ def _definition(model, loss_fn, x, t):
 
 
 @pytest.mark.parametrize("name", ["llama", "t5", "albert", "swin", "convnext", "wav2vec2",
-                                  "resnet_groupnorm"])
+                                  "resnet_groupnorm", "gpt_neo", "opt", "mistral", "qwen2",
+                                  "gemma", "phi", "falcon", "roberta", "distilbert",
+                                  "electra", "deberta_v2", "bart", "vit"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_more_transformers_models_against_the_definition(name, mode):
     model, loss_fn, x, t = _hf(name)
