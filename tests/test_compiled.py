@@ -129,6 +129,32 @@ def test_a_training_mode_call_leaves_the_eval_mode_program_compiled():
     torch.testing.assert_close(got, torch.func.jacrev(model)(x))
 
 
+def test_a_submodule_switched_to_training_alone_leaves_the_eval_mode_program_compiled():
+    # (the key held the training flags of the modules f reaches, not of their submodules:
+    # ``model[1].train()`` alone recompiled the eval-mode entry under dynamo's guard, the
+    # dropout draws failed its check, and the eval-mode calls after ``model[1].eval()``
+    # ran eagerly for good)
+    from torch_vjp._engine import compiled
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(6, 3)).double().eval()
+    f = lambda x: model(x)  # noqa: E731
+    x = torch.randn(4, dtype=D)
+    want = torch.func.jacrev(f)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)  # (training mode's, stays eager)
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), want)
+        model[1].train()
+        assert not torch.allclose(tv.jacobian(f, x, compile=True), want)  # (dropout draws)
+        model[1].eval()
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), want)
+    assert [e.run is not None for e in compiled._CACHE.values()] == [False, True]
+    before = compiled.builds()
+    torch.testing.assert_close(tv.jacobian(f, x, compile=True), want)
+    assert compiled.builds() == before
+
+
 def test_a_training_mode_call_leaves_the_eval_mode_program_of_a_model_argument_compiled():
     # (the key held the training flags of the modules f reaches, not of a model passed as
     # an argument that is not differentiated: one training-mode call recompiled the

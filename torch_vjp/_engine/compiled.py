@@ -355,9 +355,10 @@ def compiled_call(
     if passed:
         options = (*options, tuple(held_key(p, keep=kept) for p in passed))
     found = reached(f)  # (one walk of what f reaches: the key's flags and buffers_kept's)
+    trees = {id(m): module_tree((m,)) for m in found[0]}
     key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
-           tuple(m.training for m in found[0]),  # NOTE [train and eval entries]
-           tuple(m.training for m in modules_reached(args)))
+           tuple(m.training for t in trees.values() for m in t),  # NOTE [train and eval
+           tuple(m.training for m in module_tree(modules_reached(args))))  # entries]
     args = (*args, *passed)
     try:
         hash(key)
@@ -376,7 +377,7 @@ def compiled_call(
     if entry.run is None:
         return eager()
     try:
-        with HOOK_GUARDS, buffers_kept(f, found=found):
+        with HOOK_GUARDS, buffers_kept(f, found=found, trees=trees):
             before = _variants(entry.code)
             got = entry(f, args)  # this call's f: its closure as it is now
             recompiled = _variants(entry.code) != before
@@ -412,15 +413,16 @@ def compiled_call(
 
 
 # NOTE [train and eval entries]
-# The key holds the training flags of the modules ``f`` reaches (``model.train()`` and
-# ``model.eval()`` set them all): the two modes are two programs, and the one that fails
-# (a model with dropout, whose training-mode draws differ between the eager and the
-# compiled run; BatchNorm's running statistics, written under vmap) stays eager alone.
-# Left to dynamo's guard on ``training``, a single training-mode call recompiled the
-# eval-mode entry (NOTE [a recompiled entry]), its check failed, and the key, eval mode's
-# too, ran eagerly from then on. The modules among the arguments count too (``f(x, model)``
-# with ``argnums=0``: a model ``f`` reaches only through an argument). A submodule
-# switched on its own is still left to that guard.
+# The key holds the training flags of the modules ``f`` reaches and of every module they
+# hold (``context.module_tree``, the walk buffers_kept reads too): the two modes are two
+# programs, and the one that fails (a model with dropout, whose training-mode draws differ
+# between the eager and the compiled run; BatchNorm's running statistics, written under
+# vmap) stays eager alone. Left to dynamo's guard on ``training``, a single training-mode
+# call recompiled the eval-mode entry (NOTE [a recompiled entry]), its check failed, and
+# the key, eval mode's too, ran eagerly from then on; so it went for a submodule switched
+# on its own (``model.dropout.train()``), until the flags of the whole tree were keyed. The
+# modules among the arguments count too (``f(x, model)`` with ``argnums=0``: a model ``f``
+# reaches only through an argument).
 
 
 def _variants(code: types.CodeType | None) -> int:

@@ -128,7 +128,8 @@ def graph_mode(create_graph: object, *, call: str) -> tuple[Any, bool]:
 
 def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
                  primals: tuple[object, ...] = (),
-                 found: tuple[list[torch.nn.Module], list[Tensor]] | None = None) -> Any:
+                 found: tuple[list[torch.nn.Module], list[Tensor]] | None = None,
+                 trees: dict[int, list[torch.nn.Module]] | None = None) -> Any:
     """Restores the buffers of the modules ``f`` uses, and the tensors it captures, if
     calling ``f`` changed them (NOTE [what a call puts back], in kept.py).
 
@@ -150,6 +151,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
         primals: the arguments ``f`` is called with: a module among them (``f(bn, x)``
             with ``argnums=1``) is kept too.
         found: ``reached(f)``, where the caller has it already (one walk per call).
+        trees: ``module_tree`` of each module of ``found`` by its id, where the caller has
+            them already.
 
     Returns:
         A context manager (one that does nothing when ``f`` reaches no module in training
@@ -164,7 +167,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
             modules += [m for m in modules_reached(primals) if id(m) not in known]
     if (not modules and not tensors) or is_nested():
         return NO_CONTEXT
-    trees = {id(m): module_tree((m,)) for m in modules}
+    known = trees or {}
+    trees = {id(m): known.get(id(m)) or module_tree((m,)) for m in modules}
     kept = module_buffers(trees.values()) if modules else []
     key = None
     captured = captured_kept(tensors, {id(t) for _, t in kept}) if tensors else []
