@@ -316,6 +316,40 @@ def test_a_closure_over_new_objects_each_call_is_warned_once_with_the_fix(name):
         assert "define the function once, outside the loop" in msgs[0]
 
 
+def test_after_the_warning_new_closures_run_eagerly_and_one_met_again_compiles():
+    # (every call over new objects compiled a program that was never used again, a
+    # fraction of a second to seconds each, after the warning too; now the later ones
+    # run eagerly, and one whose objects a later call passes again is compiled then)
+    from torch_vjp._engine.compiled import REBUILD_WARN_AT, builds
+
+    x = torch.randn(3, dtype=D)
+
+    def make(box):
+        return lambda x: torch.sin(x * box.batch)
+
+    before = builds()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(REBUILD_WARN_AT + 4):
+            f = make(_Box(batch=torch.randn(3, dtype=D)))  # a new object: by identity
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+        assert builds() - before == REBUILD_WARN_AT  # (none after the warning)
+        msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+        assert len(msgs) == 1, msgs
+        assert ("From now on a new such function runs eagerly, at compile=False's speed, "
+                "and is compiled only if a later call passes it again") in msgs[0]
+        kept = _Box(batch=torch.randn(3, dtype=D))  # settled: one object from now on
+        for k in range(3):
+            f = make(kept)
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+            assert builds() - before == REBUILD_WARN_AT + (k >= 1)  # (compiled when met again)
+        f = make(_Box(batch=torch.randn(3, dtype=D)))  # one of them reused: compiled again
+        tv.jacobian(f, x, compile=True)
+        assert builds() - before == REBUILD_WARN_AT + 2
+
+
 @pytest.mark.parametrize("holder", [dict, list, tuple])
 def test_a_closure_over_a_new_batch_container_each_call_reuses_one_program(holder):
     # (a dict, list or tuple a closure holds was counted by its identity, and held

@@ -145,8 +145,10 @@ def warn_rebuilt(call: str, f: object, count: int) -> None:
         f"signature, because each call passed a new function whose closure (or defaults, "
         f"or a partial's arguments) holds new objects. A compiled program is kept per "
         f"function and what its closure holds (new objects count by identity), so each "
-        f"such call runs eagerly and then compiles again (a fraction of a "
-        f"second to seconds): far slower than compile=False.\n"
+        f"such call ran eagerly and then compiled again (a fraction of a second to "
+        f"seconds), far slower than compile=False. From now on a new such function runs "
+        f"eagerly, at compile=False's speed, and is compiled only if a later call passes "
+        f"it again.\n"
         f"  Fix: {fix}, so that one compiled program serves every call. This warning is "
         f"shown once.",
         JacobianWarning,

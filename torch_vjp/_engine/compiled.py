@@ -238,7 +238,7 @@ class _Entry:
     """One function, options and input signature: its compiled program, or None where it
     runs eagerly."""
 
-    __slots__ = ("kept", "run", "reused", "fresh", "code", "recompiles")
+    __slots__ = ("kept", "run", "reused", "fresh", "code", "recompiles", "deferred")
 
     def __init__(self, kept: list[object]) -> None:
         self.kept: list[Any] = []
@@ -252,6 +252,7 @@ class _Entry:
         self.fresh: Callable[[], tuple[Any, ...]] = tuple  # the program's leading arguments
         self.code: types.CodeType | None = None  # the compiled function's own code object
         self.recompiles = 0  # entries of this key rebuilt before (NOTE [a recompiled entry])
+        self.deferred = False  # eager until found again (NOTE [closures over new objects])
 
     def alive(self) -> bool:
         """Whether the objects whose ids the key holds still live."""
@@ -297,10 +298,21 @@ def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 #: A function compiled this many times, for one argument signature, because each call's
-#: closure held new objects, and no such program ever used again, is warned about (see
-#: :func:`_warn_rebuilt`). Several functions of one code that are each reused (one closure
-#: per layer, say) are not.
+#: closure held new objects, and no such program ever used again, is warned about at the
+#: next such call (:func:`warn_rebuilt`), and its later variants are compiled only when found
+#: again (NOTE [closures over new objects]). Several functions of one code that are each reused (one
+#: closure per layer, say) are not.
 REBUILD_WARN_AT = 8
+
+# NOTE [closures over new objects]
+# A function made anew on every call over new objects (``lambda x: f(x, Cfg())``, an object
+# counted by identity) has a new key on every call: each call ran eagerly, compiled a
+# program (a fraction of a second to seconds) and never used it. Once
+# :data:`REBUILD_WARN_AT` such variants of one code, options and argument signature were
+# compiled, none of them ever found again, a new variant is left eager (the entry ``deferred``, with the
+# warning that says why and how to write it), at compile=False's speed; a deferred entry
+# that a later call finds again (the closure settled on objects it keeps) is compiled
+# then, and the functions of that code compile as before, since one of them was reused.
 
 
 def _closure_variants(key: tuple[Any, ...]) -> int:
@@ -375,6 +387,11 @@ def compiled_call(
     if entry is None:
         return _first_call(call, key, kept, f, args, eager, build, 0)
     if entry.run is None:
+        if entry.deferred:  # (found again: compiled now, NOTE [closures over new objects])
+            with _LOCK:
+                if _CACHE.get(key) is entry:
+                    del _CACHE[key]
+            return _first_call(call, key, kept, f, args, eager, build, 0, reused=True)
         return eager()
     try:
         with HOOK_GUARDS, buffers_kept(f, found=found, trees=trees):
@@ -433,10 +450,11 @@ def _variants(code: types.CodeType | None) -> int:
 
 def _first_call(
     call: str, key: Any, kept: list[object], f: object, args: tuple[Any, ...],
-    eager: Callable[[], Any], build: Callable[[], Any], recompiles: int,
+    eager: Callable[[], Any], build: Callable[[], Any], recompiles: int, reused: bool = False,
 ) -> Any:
     """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
-    of that key): the eager result, and the entry compiled, checked against it, or eager."""
+    of that key; or that found a deferred entry, ``reused``): the eager result, and the
+    entry compiled, checked against it, or eager."""
     run = FirstRun(args)
     result = eager()  # the checks, and f's own errors, of the eager path
     if not (all_finite(args) or all_finite(result)):  # (not judged: no entry, so the
@@ -447,25 +465,29 @@ def _first_call(
     drawn = SameDraws()
     drawn()
     try:
-        return _compile_first(call, key, kept, f, args, result, run, build, recompiles)
+        return _compile_first(call, key, kept, f, args, result, run, build, recompiles,
+                              reused)
     finally:
         drawn()
 
 
 def _compile_first(
     call: str, key: Any, kept: list[object], f: object, args: tuple[Any, ...], result: Any,
-    run: FirstRun, build: Callable[[], Any], recompiles: int,
+    run: FirstRun, build: Callable[[], Any], recompiles: int, reused: bool = False,
 ) -> Any:
     """:func:`_first_call` after its eager call: ``result``."""
     entry = _Entry(kept)
     entry.recompiles = recompiles
+    entry.reused = reused
     with _LOCK:
         _CACHE[key] = entry
         while len(_CACHE) > CACHE_MAX:
             _CACHE.popitem(last=False)
         rebuilt = _closure_variants(key)
-    if rebuilt >= REBUILD_WARN_AT:
-        warn_rebuilt(call, f, rebuilt)
+    if rebuilt > REBUILD_WARN_AT:  # (this one, and REBUILD_WARN_AT compiled before it)
+        warn_rebuilt(call, f, rebuilt - 1)
+        entry.deferred = True  # NOTE [closures over new objects]
+        return result
     if recompiles >= REBUILD_WARN_AT:
         warn_eager(call, f, f"the compiled program was recompiled {recompiles} times for "
                              f"the same function, options and input signature: something "
