@@ -299,9 +299,9 @@ def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 #: A function compiled this many times, for one argument signature, because each call's
 #: closure held new objects, and no such program ever used again, is warned about at the
-#: next such call (:func:`warn_rebuilt`), and its later variants are compiled only when found
-#: again (NOTE [closures over new objects]). Several functions of one code that are each reused (one
-#: closure per layer, say) are not.
+#: next such call (:func:`warn_rebuilt`), and its later variants are compiled only when
+#: found again (NOTE [closures over new objects]). Several functions of one code that are
+#: each reused (one closure per layer, say) are not.
 REBUILD_WARN_AT = 8
 
 # NOTE [closures over new objects]
@@ -309,10 +309,11 @@ REBUILD_WARN_AT = 8
 # counted by identity) has a new key on every call: each call ran eagerly, compiled a
 # program (a fraction of a second to seconds) and never used it. Once
 # :data:`REBUILD_WARN_AT` such variants of one code, options and argument signature were
-# compiled, none of them ever found again, a new variant is left eager (the entry ``deferred``, with the
-# warning that says why and how to write it), at compile=False's speed; a deferred entry
-# that a later call finds again (the closure settled on objects it keeps) is compiled
-# then, and the functions of that code compile as before, since one of them was reused.
+# compiled, none of them ever found again, a new variant is left eager (its entry
+# ``deferred``, with the warning that says why and how to write it), at compile=False's
+# speed; a deferred entry that a later call finds again (the closure settled on objects it
+# keeps) is compiled then, and the functions of that code compile as before, since one of
+# them was reused.
 
 
 def _closure_variants(key: tuple[Any, ...]) -> int:
@@ -368,9 +369,11 @@ def compiled_call(
         options = (*options, tuple(held_key(p, keep=kept) for p in passed))
     found = reached(f)  # (one walk of what f reaches: the key's flags and buffers_kept's)
     trees = {id(m): module_tree((m,)) for m in found[0]}
+    # (the training flags of every module f and the arguments reach: NOTE [train and eval
+    # entries])
     key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
-           tuple(m.training for t in trees.values() for m in t),  # NOTE [train and eval
-           tuple(m.training for m in module_tree(modules_reached(args))))  # entries]
+           tuple(m.training for t in trees.values() for m in t),
+           tuple(m.training for m in module_tree(modules_reached(args))))
     args = (*args, *passed)
     try:
         hash(key)

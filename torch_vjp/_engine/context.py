@@ -167,8 +167,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
             modules += [m for m in modules_reached(primals) if id(m) not in known]
     if (not modules and not tensors) or is_nested():
         return NO_CONTEXT
-    known = trees or {}
-    trees = {id(m): known.get(id(m)) or module_tree((m,)) for m in modules}
+    given = trees or {}
+    trees = {id(m): given.get(id(m)) or module_tree((m,)) for m in modules}
     kept = module_buffers(trees.values()) if modules else []
     key = None
     captured = captured_kept(tensors, {id(t) for _, t in kept}) if tensors else []
