@@ -1,6 +1,7 @@
 """What the first call of a compiled entry compares and says (NOTE [compiled Jacobians] in
 :mod:`torch_vjp._engine.compiled`): whether the compiled result agrees with the eager one,
-the likely cause where it does not, and the warnings of ``compile=True``."""
+the likely cause where it does not, and the warnings of ``compile=True``; and the checks of
+the option itself."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from torch_vjp._engine.compile_key import program_key
 from torch_vjp._engine.fwdcheck import gap, least_of, tolerance
 from torch_vjp._engine.point import versions_of
-from torch_vjp._errors import JacobianWarning, quote_error, warn_once
+from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
+from torch_vjp._strategies import Strategy
 
 __all__ = ["results_agree", "GraphPrecision", "FirstRun", "warn_rebuilt", "warn_eager",
-           "compile_failure"]
+           "compile_failure", "COMPILED_STRATEGIES", "check_compile", "check_compilable",
+           "warn_budget"]
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
@@ -190,5 +193,55 @@ def warn_eager(call: str, f: object, why: str) -> None:
         f"  Why: {why}\n"
         f"  The eager result is exact; only the speed-up is lost. Pass compile=False to "
         f"skip the attempt. This warning is shown once.",
+        JacobianWarning,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The options of compile=True, and its warning under a memory budget
+# --------------------------------------------------------------------------------------
+
+def check_compile(
+    compile: object, *, call: str, cls: type[Exception] = JacobianOptionError
+) -> bool:
+    """``compile``, checked: it must be a bool (else ``cls``, the caller's option error)."""
+    if not isinstance(compile, bool):
+        raise cls(
+            f"{call}: compile={compile!r}, but it must be True or False: whether to compile "
+            f"the computation with torch.compile once per function and input signature "
+            f"(True) or run it eagerly (False, the default)."
+        )
+    return compile
+
+
+#: The strategies ``compile=True`` takes.
+COMPILED_STRATEGIES = frozenset({"auto", "rev", "fwd"})
+
+
+def check_compilable(strat: Strategy, group: Any, call: str) -> None:
+    """``compile=True`` takes the vectorised strategies, and no process group."""
+    if not strat.vectorized:
+        raise JacobianOptionError(
+            f"{call}: compile=True with strategy={strat.name!r}, but compile=True compiles "
+            f"the vectorised strategies only ('auto', 'rev', 'fwd'): the loop strategies "
+            f"exist for functions that torch.vmap cannot batch, and those cannot be "
+            f"compiled as one program either. Fix: strategy='auto' (or the mode, 'rev' or "
+            f"'fwd') with compile=True, or compile=False."
+        )
+    if group is not None:
+        raise JacobianOptionError(
+            f"{call}: compile=True with a process_group, but a sharded Jacobian runs "
+            f"eagerly: its ranks exchange shards between the products. Fix: drop "
+            f"compile=True, or compute without process_group."
+        )
+
+
+def warn_budget(call: str) -> None:
+    warn_once(
+        ("compile-budget", call),
+        f"{call}: compile=True with max_memory runs eagerly: the compiled program computes "
+        f"every product at once, so it cannot keep to a memory budget. Pass chunk_size to "
+        f"bound the products at once in the compiled program instead, or drop compile=True. "
+        f"This warning is shown once.",
         JacobianWarning,
     )

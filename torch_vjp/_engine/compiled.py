@@ -87,8 +87,10 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from torch_vjp._engine.compile_checks import (FirstRun, GraphPrecision, compile_failure,
-                                              results_agree, warn_eager, warn_rebuilt)
+from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, GraphPrecision,
+                                              check_compilable, check_compile,
+                                              compile_failure, results_agree, warn_budget,
+                                              warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
                                           program_key)
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
@@ -97,12 +99,7 @@ from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, p
 from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
 from torch_vjp._engine.rows import SameDraws
-from torch_vjp._errors import (
-    JacobianOptionError,
-    JacobianWarning,
-    passes_through,
-    warn_once,
-)
+from torch_vjp._errors import passes_through
 from torch_vjp._strategies import Strategy, get_strategy
 
 __all__ = [
@@ -136,19 +133,6 @@ def own_builds() -> int:
     return getattr(_OWN, "n", 0)
 
 
-def check_compile(
-    compile: object, *, call: str, cls: type[Exception] = JacobianOptionError
-) -> bool:
-    """``compile``, checked: it must be a bool (else ``cls``, the caller's option error)."""
-    if not isinstance(compile, bool):
-        raise cls(
-            f"{call}: compile={compile!r}, but it must be True or False: whether to compile "
-            f"the computation with torch.compile once per function and input signature "
-            f"(True) or run it eagerly (False, the default)."
-        )
-    return compile
-
-
 def tracing() -> bool:
     """Whether dynamo is tracing us (the user's torch.compile): see NOTE [compiled
     Jacobians]."""
@@ -164,28 +148,6 @@ def clear_cache() -> None:
 # --------------------------------------------------------------------------------------
 # compile=True
 # --------------------------------------------------------------------------------------
-
-#: The strategies ``compile=True`` takes.
-COMPILED_STRATEGIES = frozenset({"auto", "rev", "fwd"})
-
-
-def check_compilable(strat: Strategy, group: Any, call: str) -> None:
-    """``compile=True`` takes the vectorised strategies, and no process group."""
-    if not strat.vectorized:
-        raise JacobianOptionError(
-            f"{call}: compile=True with strategy={strat.name!r}, but compile=True compiles "
-            f"the vectorised strategies only ('auto', 'rev', 'fwd'): the loop strategies "
-            f"exist for functions that torch.vmap cannot batch, and those cannot be "
-            f"compiled as one program either. Fix: strategy='auto' (or the mode, 'rev' or "
-            f"'fwd') with compile=True, or compile=False."
-        )
-    if group is not None:
-        raise JacobianOptionError(
-            f"{call}: compile=True with a process_group, but a sharded Jacobian runs "
-            f"eagerly: its ranks exchange shards between the products. Fix: drop "
-            f"compile=True, or compute without process_group."
-        )
-
 
 def plain_chunk(strat: Strategy, chunk: int | None) -> int | None:
     """The chunk size of the plain form: a loop strategy computes one product at a time."""
@@ -209,17 +171,6 @@ def in_plain_context(context: Any, detached: bool, fn: Callable[..., Any], *args
     prologue fails to trace: ResumePrologueTracingError); this small frame it can."""
     with plain_context(context, detached):
         return fn(*args)
-
-
-def warn_budget(call: str) -> None:
-    warn_once(
-        ("compile-budget", call),
-        f"{call}: compile=True with max_memory runs eagerly: the compiled program computes "
-        f"every product at once, so it cannot keep to a memory budget. Pass chunk_size to "
-        f"bound the products at once in the compiled program instead, or drop compile=True. "
-        f"This warning is shown once.",
-        JacobianWarning,
-    )
 
 
 # NOTE [what an entry keeps]
