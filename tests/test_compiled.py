@@ -350,6 +350,29 @@ def test_after_the_warning_new_closures_run_eagerly_and_one_met_again_compiles()
         assert builds() - before == REBUILD_WARN_AT + 2
 
 
+def test_new_closures_after_the_warning_leave_other_programs_in_the_cache():
+    # (each new closure made an entry of its own: a stream of them pushed every other
+    # function's program out of the cache, least recently used first, and each compiled
+    # again, for seconds, when next called)
+    from torch_vjp._engine import compiled
+
+    x = torch.randn(3, dtype=D)
+    g = lambda x: torch.cos(x) * 2  # noqa: E731  (another function, compiled first)
+    tv.jacobian(g, x, compile=True)
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(compiled.CACHE_MAX + 8):
+            box = _Box(batch=torch.randn(3, dtype=D))  # a new object: by identity
+            f = lambda x: torch.sin(x * box.batch)  # noqa: E731, B023
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+    assert compiled.builds() - before == compiled.REBUILD_WARN_AT
+    torch.testing.assert_close(tv.jacobian(g, x, compile=True), torch.func.jacrev(g)(x))
+    assert compiled.builds() - before == compiled.REBUILD_WARN_AT  # (g's program kept)
+    assert len(compiled._CACHE) <= 1 + compiled.REBUILD_WARN_AT + compiled.DEFERRED_KEPT
+
+
 @pytest.mark.parametrize("holder", [dict, list, tuple])
 def test_a_closure_over_a_new_batch_container_each_call_reuses_one_program(holder):
     # (a dict, list or tuple a closure holds was counted by its identity, and held

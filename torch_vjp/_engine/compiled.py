@@ -264,7 +264,24 @@ REBUILD_WARN_AT = 8
 # ``deferred``, with the warning that says why and how to write it), at compile=False's
 # speed; a deferred entry that a later call finds again (the closure settled on objects it
 # keeps) is compiled then, and the functions of that code compile as before, since one of
-# them was reused.
+# them was reused. Only the newest :data:`DEFERRED_KEPT` deferred entries of one stem stay
+# in the cache, so that a new closure on every step does not push the programs of other
+# functions out of it (each would compile again, for seconds).
+
+
+#: Deferred entries kept per function code, options and argument signature, the newest:
+#: a stream of new closures pushes its own older ones out of the cache, not the programs of
+#: other functions (NOTE [closures over new objects]).
+DEFERRED_KEPT = 8
+
+
+def _drop_deferred(key: tuple[Any, ...]) -> None:
+    """Drops the oldest deferred entries of ``key``'s stem beyond :data:`DEFERRED_KEPT`,
+    ``key``'s own counted (under ``_LOCK``)."""
+    stem = key_stem(key)
+    older = [k for k, e in _CACHE.items() if e.deferred and k != key and key_stem(k) == stem]
+    for k in older[:max(0, len(older) + 1 - DEFERRED_KEPT)]:
+        del _CACHE[k]
 
 
 def _closure_variants(key: tuple[Any, ...]) -> int:
@@ -439,8 +456,10 @@ def _compile_first(
             _CACHE.popitem(last=False)
         rebuilt = _closure_variants(key)
     if rebuilt > REBUILD_WARN_AT:  # (this one, and REBUILD_WARN_AT compiled before it)
-        warn_rebuilt(call, f, rebuilt - 1)
         entry.deferred = True  # NOTE [closures over new objects]
+        with _LOCK:
+            _drop_deferred(key)
+        warn_rebuilt(call, f, rebuilt - 1)
         return result
     if recompiles >= REBUILD_WARN_AT:
         warn_eager(call, f, f"the compiled program was recompiled {recompiles} times for "
