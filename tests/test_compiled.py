@@ -350,6 +350,37 @@ def test_after_the_warning_new_closures_run_eagerly_and_one_met_again_compiles()
         assert builds() - before == REBUILD_WARN_AT + 2
 
 
+_SCALE = [2.0]
+
+
+def test_a_reused_entry_that_dynamo_recompiles_is_compiled_again_not_deferred():
+    # (the entry a recompile makes anew was not counted as found again: among closures
+    # over new objects, past the warning, it was deferred, ran eagerly, and compiled only
+    # on the call after)
+    from torch_vjp._engine import compiled
+
+    x = torch.randn(3, dtype=D)
+
+    def make(box):
+        return lambda x: torch.sin(x * box.batch) * _SCALE[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(compiled.REBUILD_WARN_AT):
+            tv.jacobian(make(_Box(batch=torch.randn(3, dtype=D))), x, compile=True)
+        f = make(_Box(batch=torch.randn(3, dtype=D)))
+        for _ in range(2):  # (deferred, then compiled when found again)
+            tv.jacobian(f, x, compile=True)
+        before = compiled.builds()
+        _SCALE[0] = 3.0  # (a global f reads: dynamo recompiles the entry)
+        try:
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+            assert compiled.builds() - before == 1
+        finally:
+            _SCALE[0] = 2.0
+
+
 def test_new_closures_after_the_warning_leave_other_programs_in_the_cache():
     # (each new closure made an entry of its own: a stream of them pushed every other
     # function's program out of the cache, least recently used first, and each compiled

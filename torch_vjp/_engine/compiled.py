@@ -381,7 +381,8 @@ def compiled_call(
     with _LOCK:  # NOTE [a recompiled entry]
         if _CACHE.get(key) is entry:
             del _CACHE[key]
-    return _first_call(call, key, kept, f, args, eager, build, entry.recompiles + 1)
+    return _first_call(call, key, kept, f, args, eager, build, entry.recompiles + 1,
+                       reused=True)  # (found again: never deferred)
 
 
 # NOTE [a recompiled entry]
