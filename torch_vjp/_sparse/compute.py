@@ -171,12 +171,13 @@ class Plan:
             got = self._indices[key] = tuple(t.to(device) for t in got)
         return got
 
-    def probe(self, length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """:func:`probe_row`, kept per length, dtype and device (not to be written into)."""
-        key = ("probe", length, dtype, device)
+    def probe(self, coloring: Coloring, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """:func:`probe_row` of ``coloring``, kept per mode, dtype and device (not to be
+        written into)."""
+        key = ("probe", coloring.mode, dtype, device)
         got = self._indices.get(key)
         if got is None:
-            got = self._indices[key] = probe_row(length, dtype, device)
+            got = self._indices[key] = probe_row(coloring.colors, dtype, device)
         return got
 
     def probe_weights(self, coloring: Coloring, dtype: torch.dtype, device: torch.device,
@@ -193,10 +194,10 @@ class Plan:
             p = self.pattern
             (entries,) = self.layout_indices(torch.sparse_coo, device)
             if coloring.mode == "fwd":
-                row = self.probe(p.n, seed_dtype, device).to(dtype)
+                row = self.probe(coloring, seed_dtype, device).to(dtype)
                 got = (entries[0], row[entries[1]], p.m)
             else:
-                row = self.probe(p.m, seed_dtype, device).to(dtype)
+                row = self.probe(coloring, seed_dtype, device).to(dtype)
                 got = (entries[1], row[entries[0]], p.n)
             self._indices[key] = got
         return got
@@ -214,8 +215,7 @@ class Plan:
             c = torch.arange(coloring.count, device=device).unsqueeze(1)
             got = (colors.unsqueeze(0) == c).to(dtype)
             if probe:
-                length = self.pattern.n if coloring.mode == "fwd" else self.pattern.m
-                got = torch.cat([got, self.probe(length, dtype, device).unsqueeze(0)])
+                got = torch.cat([got, self.probe(coloring, dtype, device).unsqueeze(0)])
             if got.numel() * got.element_size() <= 2**26:
                 self._indices[key] = got
             else:

@@ -7,7 +7,8 @@ detected on one branch and used on another leaves out the entries of the other, 
 gathered Jacobian is wrong (0.94 off, with no error, on ``x.roll(cfg.shift)`` after
 ``cfg.shift`` changed). So every call that uses a cached plan (and, below, every call with
 a user's pattern) computes one product more in the same vectorised call: ``J r`` in
-forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` of numbers in ``[0.5, 1.5)``,
+forward mode (``r^T J`` in reverse mode) for a fixed row ``r`` (:func:`probe_row`: the
+members of one colour take numbers that differ in sign or by a factor of 1.6 at least),
 compared with the same product read from the gathered values, element by element, within
 rounding (``sqrt(eps)``, for the coarsest of the dtypes its entries pass through: the
 output of their row, the leaf of their column, the seeds' and products', of the element's
@@ -51,12 +52,39 @@ __all__ = ["probe_row", "stale", "warn_changed", "users_pattern_misses", "linear
            "misses_message"]
 
 
-def probe_row(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The probe row of NOTE [a cached plan, probed]: the same ``length`` numbers in
-    ``[0.5, 1.5)`` on every call (a generator of its own; the global ones are not drawn)."""
+#: The probe row's levels: any two differ in sign or by a factor of 2 at least.
+_LEVELS = (1.0, -0.5, 2.0, -0.25, 0.5, -2.0, 0.25, -1.0)
+
+
+def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The probe row of NOTE [a cached plan, probed] for a colouring (``colors``: the colour
+    of each column, or row in reverse mode): the same numbers on every call (a generator of
+    its own; the global ones are not drawn). The k-th member of a colour (in index order)
+    gets level ``k mod 8`` of :data:`_LEVELS` times a number in ``[1, 1.25)``, so that
+    members of one colour fewer than 8 apart differ in sign or by a factor of 1.6 at least:
+    an entry the plan leaves out shows at the probe's tolerance even in bfloat16 (a row of
+    numbers drawn in ``[0.5, 1.5)`` held equal or close ones, in bfloat16 and float16,
+    and hid it).
+
+    Example:
+        >>> r = probe_row(torch.zeros(3, dtype=torch.long), torch.float64, torch.device("cpu"))
+        >>> [round(float(v)) for v in r.sign()]
+        [1, -1, 1]
+    """
+    colors = colors.reshape(-1).to(device="cpu", dtype=torch.long)
+    length = colors.numel()
     gen = torch.Generator().manual_seed(0x5EED)
-    return (torch.rand(length, generator=gen, dtype=torch.float64) + 0.5).to(dtype=dtype,
-                                                                             device=device)
+    scale = torch.rand(length, generator=gen, dtype=torch.float64) * 0.25 + 1.0
+    order = torch.argsort(colors, stable=True)
+    ranked = colors[order]
+    pos = torch.arange(length)
+    starts = torch.ones(length, dtype=torch.bool)
+    starts[1:] = ranked[1:] != ranked[:-1]
+    first = torch.cummax(torch.where(starts, pos, 0), 0).values
+    rank = torch.empty(length, dtype=torch.long)
+    rank[order] = pos - first
+    levels = torch.tensor(_LEVELS, dtype=torch.float64)[rank % len(_LEVELS)]
+    return (levels * scale).to(dtype=dtype, device=device)
 
 
 def _probe_rtol(products: torch.dtype, seed: torch.dtype, coarsest: torch.dtype) -> float:
@@ -90,7 +118,7 @@ def stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
         values = comp.reshape(-1).index_select(
             0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc)
         # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns), and
-        # |J| r (the weights are positive)
+        # |J| |r|
         terms = values * weights
         off = values.new_zeros(length).index_add_(0, where, terms)
         local = values.new_zeros(length).index_add_(0, where, terms.abs())
@@ -177,7 +205,7 @@ def _additive_at_probe_scale(prob: Problem, plan: Any, coloring: Any, comp: Tens
     acc = torch.promote_types(comp.dtype, torch.float32)
     fwd = coloring.mode == "fwd"
     p = plan.pattern
-    r = plan.probe(p.n if fwd else p.m, seed, device)
+    r = plan.probe(coloring, seed, device)
     vs = [r, r.flip(0)]
     vs.append(vs[0] + vs[1])
     try:
@@ -214,7 +242,7 @@ def _additive_at_probe_scale(prob: Problem, plan: Any, coloring: Any, comp: Tens
         values = comp.reshape(-1).index_select(
             0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc).abs()
         local = values.new_zeros(p.m if fwd else p.n).index_add_(
-            0, where, values * vs[2].to(acc)[at])
+            0, where, values * (vs[0].abs() + vs[1].abs()).to(acc)[at])
         for g in got:
             torch.maximum(local, g.abs(), out=local)
         bound = local.clamp(min=rtol * local.max()).mul_(rtol)

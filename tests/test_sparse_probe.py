@@ -1,0 +1,74 @@
+"""The probe of a sparse Jacobian's plan (NOTE [a cached plan, probed] in
+torch_vjp._sparse.probe) in low precision: a user's pattern that leaves out one entry is
+refused in bfloat16 and float16 too, and a pattern that holds every entry is not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_vjp._errors import JacobianOptionError
+from torch_vjp.sparse import sparse_jacobian
+
+N = 16
+
+
+def _diagonal_plus(i, j):
+    """2 u, plus u[j] added to output element i: the diagonal and entry (i, j)."""
+
+    def f(u):
+        e = torch.zeros_like(u)
+        e[i] = 1
+        return 2 * u + e * u[j]
+
+    return f
+
+
+def _reference(f, x):
+    return torch.func.jacrev(f)(x.double())
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_pattern_that_leaves_out_one_entry_is_refused_in_low_precision(dtype, mode):
+    # the probe row was drawn in [0.5, 1.5): in bfloat16 (float16) two members of one colour
+    # held equal (close) numbers, J[i, j] added to the entry (i, k) of j's colour changed
+    # J r by J[i, j] (r[k] - r[j]), under the tolerance, and the Jacobian was returned with
+    # J[i, k] off by J[i, j] (diagonal pattern: (1, 10) in bfloat16, (0, 3) in float16)
+    x = torch.linspace(-1, 1, N, dtype=torch.float64).to(dtype)
+    diagonal = torch.eye(N, dtype=torch.bool)
+    for i in (0, 1, 6, 13):
+        for j in range(max(0, i - 7), min(N, i + 8)):
+            if j == i:
+                continue
+            f = _diagonal_plus(i, j)
+            with pytest.raises(JacobianOptionError, match="pattern leaves out non-zeros"):
+                sparse_jacobian(f, x, pattern=diagonal, mode=mode)
+    f = _diagonal_plus(1, 10)
+    with pytest.raises(JacobianOptionError, match="pattern leaves out non-zeros"):
+        sparse_jacobian(f, x, pattern=diagonal, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev", "auto"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_pattern_that_holds_every_entry_agrees_in_low_precision(dtype, mode):
+    # (no false alarm of the probe: the pattern with the entry, on two calls)
+    x = torch.linspace(-1, 1, N, dtype=torch.float64).to(dtype)
+    f = _diagonal_plus(1, 10)
+    pattern = torch.eye(N, dtype=torch.bool)
+    pattern[1, 10] = True
+    for _ in range(2):
+        J = sparse_jacobian(f, x, pattern=pattern, mode=mode, layout=torch.strided)
+        torch.testing.assert_close(J.double(), _reference(f, x), rtol=0, atol=1e-12)
+
+
+def test_a_banded_function_with_a_cached_plan_in_bfloat16_agrees():
+    # (a detected plan probed on its later calls, signed probe row, bfloat16 products)
+    def f(u):
+        return torch.nn.functional.pad(u[2:] - 2 * u[1:-1] + u[:-2], (1, 1)) - u**3
+
+    for k in range(3):
+        x = torch.randn(64, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        for mode in ("fwd", "rev", "auto"):
+            J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
+            torch.testing.assert_close(J.double(), _reference(f, x), rtol=0.02, atol=0.02)
