@@ -72,3 +72,21 @@ def test_a_banded_function_with_a_cached_plan_in_bfloat16_agrees():
         for mode in ("fwd", "rev", "auto"):
             J = sparse_jacobian(f, x, mode=mode, layout=torch.strided)
             torch.testing.assert_close(J.double(), _reference(f, x), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autos_first_call_with_a_pattern_that_leaves_out_one_entry_is_refused(dtype):
+    # "auto"'s first call with a user's pattern was checked only by u^T J for a random u,
+    # in reverse mode as its products (a tie of one colour each): the entry (i, j) left out
+    # changed it by J[i, j] (u[j] - u[i]), under bfloat16's tolerance where u[i] and u[j]
+    # were close, and the Jacobian came back wrong ((1, 6) in bfloat16); the probe row is
+    # now computed on that call too
+    x = torch.linspace(-1, 1, N, dtype=torch.float64).to(dtype)
+    diagonal = torch.eye(N, dtype=torch.bool)
+    for i in range(N):
+        for j in range(max(0, i - 7), min(N, i + 8)):
+            if j == i:
+                continue
+            f = _diagonal_plus(i, j)  # (a new function: "auto"'s first call with it)
+            with pytest.raises(JacobianOptionError, match="pattern leaves out non-zeros"):
+                sparse_jacobian(f, x, pattern=diagonal)

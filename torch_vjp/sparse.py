@@ -275,14 +275,18 @@ def sparse_jacobian(
     colour = None if route in (None, "fwd") else "rev"  # ("auto": its fallbacks stay)
     chunk_now = 1 if route == "rev-loop" else chunk
     # NOTE [a cached plan, probed] in torch_vjp._sparse.probe
-    # (not on a first call that "auto" checks anyway; a user's pattern on every other call)
+    # (not on a detected plan's first call; a user's pattern on every call, "auto"'s first
+    # one too: its check reads u^T J with a random u, in reverse mode as the products do,
+    # and an entry (i, j) the pattern leaves out changes it by J[i, j] (u[k] - u[i]) only,
+    # k the row of i's colour the plan reads in column j: under bfloat16's tolerance where
+    # u[k] and u[i] are close, and one call in six returned a wrong Jacobian in bfloat16)
     # (per function for a user's pattern, which serves several: Plan.unprobed)
     pkey = (fkey if fkey is not None else route_key(f)) if plan.user else None
     # (and at a finite point only: at a NaN or an infinity the probe's products hold NaN
     # and infinities of their own, and a disagreement there turned probing off for good, so
     # a user's pattern that leaves out entries went unchecked at every later finite point)
     probe = (not built and plan.probes(pkey) and plan.pattern.by_value is None
-             and not (check and plan.user) and all_finite(prob.leaves))
+             and all_finite(prob.leaves))
     try:
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian

@@ -20,8 +20,9 @@ is detected again: a different one becomes the plan (its first call is checked a
 first call is), with a one-time warning; the same one means the products are not linear
 in their seeds (a hook that clamps the gradient), the result stands as it was, and the
 plan is not probed again.
-A user's pattern is probed too, in every mode (only "auto"'s first call with it was
-checked, and the explicit modes never): where the probe disagrees and f's reverse
+A user's pattern is probed too, in every mode and on every call ("auto"'s first call with
+it as well, before its check, whose ``u^T J`` misses an entry left out where ``u`` holds
+close numbers at two rows of one colour): where the probe disagrees and f's reverse
 products are those of one linear map (the additivity test of "auto"'s check) and f's
 products in the probe's own space are additive element by element at the probe's own
 scale (not so where a part of f rounds more coarsely than its tensors' dtypes, bfloat16
