@@ -384,6 +384,12 @@ class Tracer(TorchDispatchMode):
         schema = func._schema
         mutating = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if torch.Tag.inplace_view in func.tags and not schema.name.startswith("aten::resize"):
+            # (squeeze_, unsqueeze_, t_, transpose_, as_strided_, detach_, set_: they change
+            # a tensor's size, strides or storage, not its storage's values: its ids are
+            # its new view of a shadow, as a view's. F.linear on a vector calls squeeze_;
+            # ruled as a write of the op's result, every element got the union of all)
+            return
         if func.is_view and not mutating:
             # shares its input's storage, hence its shadow; but a view of a tensor without
             # storage (a sparse tensor's values()) has storage of its own, without a shadow
