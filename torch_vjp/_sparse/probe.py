@@ -55,17 +55,19 @@ __all__ = ["probe_row", "stale", "warn_changed", "users_pattern_misses", "linear
 
 #: The probe row's levels: any two differ in sign or by a factor of 2 at least.
 _LEVELS = (1.0, -0.5, 2.0, -0.25, 0.5, -2.0, 0.25, -1.0)
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The probe row of NOTE [a cached plan, probed] for a colouring (``colors``: the colour
-    of each column, or row in reverse mode): the same numbers on every call (a generator of
-    its own; the global ones are not drawn). The k-th member of a colour (in index order)
-    gets level ``k mod 8`` of :data:`_LEVELS` times a number in ``[1, 1.25)``, so that
-    members of one colour fewer than 8 apart differ in sign or by a factor of 1.6 at least:
-    an entry the plan leaves out shows at the probe's tolerance even in bfloat16 (a row of
-    numbers drawn in ``[0.5, 1.5)`` held equal or close ones, in bfloat16 and float16,
-    and hid it).
+    of each column, or row in reverse mode): the same numbers on every call (computed, not
+    drawn: the global random generators are not touched). The k-th member of a colour (in
+    index order) gets level ``k mod 8`` of :data:`_LEVELS` times ``1 + frac((k // 8) g +
+    1/2) / 4`` (``g`` the golden ratio's fraction, which spreads the members of one level),
+    so that members of one colour fewer than 8 apart differ in sign or by a factor of 1.6 at
+    least: an entry the plan leaves out shows at the probe's tolerance even in bfloat16 (a
+    row of numbers drawn in ``[0.5, 1.5)`` held equal or close ones, in bfloat16 and
+    float16, and hid it).
 
     Example:
         >>> r = probe_row(torch.zeros(3, dtype=torch.long), torch.float64, torch.device("cpu"))
@@ -74,8 +76,6 @@ def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device) -> Tenso
     """
     colors = colors.reshape(-1).to(device="cpu", dtype=torch.long)
     length = colors.numel()
-    gen = torch.Generator().manual_seed(0x5EED)
-    scale = torch.rand(length, generator=gen, dtype=torch.float64) * 0.25 + 1.0
     order = torch.argsort(colors, stable=True)
     ranked = colors[order]
     pos = torch.arange(length)
@@ -85,6 +85,8 @@ def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device) -> Tenso
     rank = torch.empty(length, dtype=torch.long)
     rank[order] = pos - first
     levels = torch.tensor(_LEVELS, dtype=torch.float64)[rank % len(_LEVELS)]
+    # (members of one level, 8 apart or more: the golden ratio's multiples spread them)
+    scale = 1.0 + 0.25 * torch.frac((rank // len(_LEVELS)).double() * _GOLDEN + 0.5)
     return (levels * scale).to(dtype=dtype, device=device)
 
 
