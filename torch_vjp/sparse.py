@@ -219,7 +219,7 @@ def sparse_jacobian(
             works around.
         JacobianOptionError: unknown ``layout``; a ``pattern`` that is not 2-D or whose
             shape does not match ``x`` and ``f``'s output, or that leaves out non-zeros
-            (found by ``"auto"``'s check of its first call, or by the probe of any other
+            (found by the probe of every call, or by ``"auto"``'s check of its first
             call, f's reverse products being linear); a bad ``chunk_size`` or
             ``max_memory``.
         JacobianCallTypeError: ``pattern`` is not a tensor.
