@@ -64,7 +64,8 @@ from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
 from torch_vjp._sparse.probe import (
     linear,
     misses_message,
-    stale,
+    probe_rows,
+    stale_rows,
     users_pattern_misses,
     warn_changed,
 )
@@ -285,8 +286,8 @@ def sparse_jacobian(
     # (and at a finite point only: at a NaN or an infinity the probe's products hold NaN
     # and infinities of their own, and a disagreement there turned probing off for good, so
     # a user's pattern that leaves out entries went unchecked at every later finite point)
-    probe = (not built and plan.probes(pkey) and plan.pattern.by_value is None
-             and all_finite(prob.leaves))
+    probe = (probe_rows(prob.leaves) if not built and plan.probes(pkey)
+             and plan.pattern.by_value is None and all_finite(prob.leaves) else 0)
     try:
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
@@ -295,11 +296,11 @@ def sparse_jacobian(
         prob.writes_inputs = True
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     if probe and m == plan.pattern.m:
-        comp, extra = comp[:-1], comp[-1]
+        comp, extras = comp[:-probe], comp[-probe:]
         # (nor where the products hold a NaN or an infinity from a tensor f captures, x
         # finite: a disagreement there turned probing off for good as much)
-        off, diff, scale = (stale(plan, coloring, comp, extra, seed)
-                            if all_finite([comp, extra]) else (False, 0.0, 0.0))
+        off, diff, scale = (stale_rows(plan, coloring, comp, extras, seed)
+                            if all_finite([comp, extras]) else (False, 0.0, 0.0))
         if off and plan.user:
             users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
                                  (coloring, comp, seed))
@@ -337,11 +338,11 @@ def sparse_jacobian(
 
 def _products(
     prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
-    colour: str | None = None, probe: bool = False,
+    colour: str | None = None, probe: int = 0,
 ) -> tuple[Any, Tensor, int, tuple[Any, ...]]:
     """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered),
-    its compressed products (with ``probe``, the probe row's product last: NOTE [a cached
-    plan, probed]), the number of output elements and the dtypes of :func:`compressed`.
+    its compressed products (with ``probe``, that many probe rows' products last: NOTE [a
+    cached plan, probed]), the number of output elements and the dtypes of :func:`compressed`.
     Under ``"auto"``, a function forward mode fails on (an operation without a forward-mode
     formula, ``torch.cdist``) gets reverse mode's colouring instead, with the one-time
     warning the dense ``"auto"`` gives (NOTE [auto fallback] in
@@ -413,7 +414,7 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
 
 
 def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
-           probe: bool = False) -> tuple[Tensor, int, tuple[Any, ...]]:
+           probe: int = 0) -> tuple[Tensor, int, tuple[Any, ...]]:
     """Reverse mode's products with plain autograd where torch.func cannot run f (its error
     ``err``), with a one-time warning; an error of f's own comes out of that call."""
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)

@@ -171,42 +171,44 @@ class Plan:
             got = self._indices[key] = tuple(t.to(device) for t in got)
         return got
 
-    def probe(self, coloring: Coloring, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """:func:`probe_row` of ``coloring``, kept per mode, dtype and device (not to be
-        written into)."""
-        key = ("probe", coloring.mode, dtype, device)
+    def probe(self, coloring: Coloring, dtype: torch.dtype, device: torch.device,
+              variant: int = 0) -> Tensor:
+        """:func:`probe_row` of ``coloring``, kept per mode, dtype, device and variant (not
+        to be written into)."""
+        key = ("probe", coloring.mode, dtype, device, variant)
         got = self._indices.get(key)
         if got is None:
-            got = self._indices[key] = probe_row(coloring.colors, dtype, device)
+            got = self._indices[key] = probe_row(coloring.colors, dtype, device, variant)
         return got
 
     def probe_weights(self, coloring: Coloring, dtype: torch.dtype, device: torch.device,
-                      seed_dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+                      seed_dtype: torch.dtype, variant: int = 0
+                      ) -> tuple[Tensor, Tensor, int]:
         """``(where, weights, length)``: the probe product read from the values (in the
         pattern's order) is ``zeros(length).index_add_(0, where, values * weights)``, ``J r``
         for a column colouring, ``r^T J`` for a row colouring. ``weights`` in ``dtype``, the
         row as the seeds held it (``seed_dtype``: rounded to it, then to ``dtype``, so
         that a float32 row under float64 products is read as the float32 numbers the
         products took). Kept per dtypes and device."""
-        key = ("probe weights", coloring.mode, dtype, device, seed_dtype)
+        key = ("probe weights", coloring.mode, dtype, device, seed_dtype, variant)
         got = self._indices.get(key)
         if got is None:
             p = self.pattern
             (entries,) = self.layout_indices(torch.sparse_coo, device)
             if coloring.mode == "fwd":
-                row = self.probe(coloring, seed_dtype, device).to(dtype)
+                row = self.probe(coloring, seed_dtype, device, variant).to(dtype)
                 got = (entries[0], row[entries[1]], p.m)
             else:
-                row = self.probe(coloring, seed_dtype, device).to(dtype)
+                row = self.probe(coloring, seed_dtype, device, variant).to(dtype)
                 got = (entries[1], row[entries[0]], p.n)
             self._indices[key] = got
         return got
 
     def seeds(self, coloring: Coloring, dtype: torch.dtype, device: torch.device,
-              probe: bool = False) -> Tensor:
+              probe: int = 0) -> Tensor:
         """The ``(colours, n)`` (forward) or ``(colours, m)`` (reverse) seed rows: row ``c``
-        is 1 where the colour is ``c``; with ``probe``, the probe row under them (NOTE [a
-        cached plan, probed]). Kept per dtype and device when small; each call gets its own
+        is 1 where the colour is ``c``; then ``probe`` probe rows (NOTE [a cached plan,
+        probed]). Kept per dtype and device when small; each call gets its own
         copy."""
         key = ("seeds", coloring.mode, dtype, device, probe)
         got = self._indices.get(key)
@@ -215,7 +217,8 @@ class Plan:
             c = torch.arange(coloring.count, device=device).unsqueeze(1)
             got = (colors.unsqueeze(0) == c).to(dtype)
             if probe:
-                got = torch.cat([got, self.probe(coloring, dtype, device).unsqueeze(0)])
+                got = torch.cat([got, *(self.probe(coloring, dtype, device, t).unsqueeze(0)
+                                        for t in range(probe))])
             if got.numel() * got.element_size() <= 2**26:
                 self._indices[key] = got
             else:
@@ -380,14 +383,14 @@ def compressed(
     *,
     chunk_size: int | None,
     max_memory: int | None,
-    probe: bool = False,
+    probe: int = 0,
 ) -> tuple[Tensor, int, tuple[Any, ...]]:
     """The compressed Jacobian, ``(colours, m)`` in forward mode or ``(colours, n)`` in
     reverse mode, the number of output elements ``f`` returned, and the dtype of the seeds
     (x's in forward mode, f's first output's in reverse mode) with the coarsest dtype of
-    x's and f's tensors (:func:`_dtypes`). See NOTE [compression]. With ``probe``, one row
-    more: the product with :func:`probe_row` in the seeds' dtype (NOTE [a cached plan,
-    probed])."""
+    x's and f's tensors (:func:`_dtypes`). See NOTE [compression]. With ``probe``, that many
+    rows more: the products with :func:`probe_row` in the seeds' dtype (NOTE [a cached
+    plan, probed])."""
     leaves = tuple(prob.leaves)
     x0 = leaves[0]
     p = coloring.count + probe
@@ -460,13 +463,13 @@ def _dtypes(seed: torch.dtype, leaves: Any, outs: Any) -> tuple[Any, ...]:
 
 
 def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
-                     probe: bool = False
+                     probe: int = 0
                      ) -> tuple[Tensor, int, tuple[Any, ...]]:
     """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
     per colour: for functions torch.func cannot run at all (a module in training mode that
     updates its running statistics, a custom Function without setup_context), as the dense
     ``"auto"`` falls back to (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`).
-    With ``probe``, one product more, as :func:`compressed`, which it returns as."""
+    With ``probe``, that many products more, as :func:`compressed`, which it returns as."""
     leaves = prob.leaves
     p, n = coloring.count + probe, plan.pattern.n
     with torch.enable_grad():

@@ -49,8 +49,8 @@ from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, passes_through, warn_once
 
-__all__ = ["probe_row", "stale", "warn_changed", "users_pattern_misses", "linear",
-           "misses_message"]
+__all__ = ["probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
+           "users_pattern_misses", "linear", "misses_message"]
 
 
 #: The probe row's levels: any two differ in sign or by a factor of 2 at least.
@@ -58,7 +58,8 @@ _LEVELS = (1.0, -0.5, 2.0, -0.25, 0.5, -2.0, 0.25, -1.0)
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
-def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device,
+              variant: int = 0) -> Tensor:
     """The probe row of NOTE [a cached plan, probed] for a colouring (``colors``: the colour
     of each column, or row in reverse mode): the same numbers on every call (computed, not
     drawn: the global random generators are not touched). The k-th member of a colour (in
@@ -67,7 +68,9 @@ def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device) -> Tenso
     so that members of one colour fewer than 8 apart differ in sign or by a factor of 1.6 at
     least: an entry the plan leaves out shows at the probe's tolerance even in bfloat16 (a
     row of numbers drawn in ``[0.5, 1.5)`` held equal or close ones, in bfloat16 and
-    float16, and hid it).
+    float16, and hid it). ``variant`` 1, the second row of bfloat16 and float16
+    (:func:`probe_rows`), takes level ``(k + 3 (k // 8)) mod 8``: members a multiple of 8
+    apart, which share a level in the first row, differ in the second (unless 64 apart).
 
     Example:
         >>> r = probe_row(torch.zeros(3, dtype=torch.long), torch.float64, torch.device("cpu"))
@@ -84,10 +87,32 @@ def probe_row(colors: Tensor, dtype: torch.dtype, device: torch.device) -> Tenso
     first = torch.cummax(torch.where(starts, pos, 0), 0).values
     rank = torch.empty(length, dtype=torch.long)
     rank[order] = pos - first
-    levels = torch.tensor(_LEVELS, dtype=torch.float64)[rank % len(_LEVELS)]
+    index = (rank + 3 * variant * (rank // len(_LEVELS))) % len(_LEVELS)
+    levels = torch.tensor(_LEVELS, dtype=torch.float64)[index]
     # (members of one level, 8 apart or more: the golden ratio's multiples spread them)
     scale = 1.0 + 0.25 * torch.frac((rank // len(_LEVELS)).double() * _GOLDEN + 0.5)
     return (levels * scale).to(dtype=dtype, device=device)
+
+
+def probe_rows(leaves: Any) -> int:
+    """How many probe rows a call adds: 2 where a leaf of x is of a 16-bit dtype (bfloat16,
+    float16), whose tolerance (``sqrt(eps)``: 9 % and 3 %) hides an entry left out whose
+    partner in its colour holds a number of the first row within a few per cent of its own
+    (a member of one level, 8 apart); else 1."""
+    return 2 if any(torch.finfo(t.dtype).bits <= 16 for t in leaves
+                    if t.dtype.is_floating_point) else 1
+
+
+def stale_rows(plan: Any, coloring: Any, comp: Tensor, extras: Tensor,
+               dtypes: tuple[Any, ...]) -> tuple[bool, float, float]:
+    """:func:`stale` for each probe row's product (``extras``, one per row, in order): whether
+    one disagrees, and the largest disagreement with its scale."""
+    found = (False, 0.0, 0.0)
+    for variant, extra in enumerate(extras):
+        got = stale(plan, coloring, comp, extra, dtypes, variant)
+        if got[0] and (not found[0] or got[1] > found[1]):
+            found = got
+    return found
 
 
 def _probe_rtol(products: torch.dtype, seed: torch.dtype, coarsest: torch.dtype) -> float:
@@ -97,7 +122,7 @@ def _probe_rtol(products: torch.dtype, seed: torch.dtype, coarsest: torch.dtype)
 
 
 def stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
-           dtypes: tuple[Any, ...]) -> tuple[bool, float, float]:
+           dtypes: tuple[Any, ...], variant: int = 0) -> tuple[bool, float, float]:
     """Whether the probe product ``extra`` (of the probe row in the seeds' dtype, the first
     of ``dtypes``; the second, the coarsest dtype of x's and f's tensors, which
     :func:`_probe_tolerance` narrows per element to the dtypes of its entries' sides)
@@ -117,7 +142,7 @@ def stale(plan: Any, coloring: Any, comp: Tensor, extra: Tensor,
     # is off by more than their tolerance, a false alarm of the sums, not of f)
     acc = torch.promote_types(comp.dtype, torch.float32)
     with torch.no_grad():
-        where, weights, length = plan.probe_weights(coloring, acc, device, seed)
+        where, weights, length = plan.probe_weights(coloring, acc, device, seed, variant)
         values = comp.reshape(-1).index_select(
             0, plan.gather_index(coloring, torch.sparse_csr, device)).to(acc)
         # J r (forward mode: ``where`` the rows) or r^T J (reverse mode: the columns), and
