@@ -31,7 +31,9 @@ leaves out entries and a JacobianOptionError says so; otherwise the result stand
 pattern is not probed again for that function (Plan.unprobed: a pattern serves several,
 and another's calls with it are still probed).
 It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (the
-single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most).
+single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most); two
+where x is bfloat16 or float16 (:func:`probe_rows`: a second row whose levels differ from
+the first's for members a multiple of 8 apart).
 """
 
 from __future__ import annotations
