@@ -1104,6 +1104,11 @@ def test_a_global_that_changes_the_function_after_the_first_call_is_checked_agai
         _LEGACY = False
 
 
+#: The compiled and the eager program round autocast's bfloat16 steps apart (inductor fuses
+#: them): their results agree at bfloat16's rounding, as the first call checks.
+BF16 = {"rtol": 1.6e-2, "atol": 2e-2}
+
+
 def test_autocast_is_part_of_the_signature():
     w = torch.randn(8, 8)
     f = lambda x: torch.tanh(w @ x)  # noqa: E731
@@ -1114,12 +1119,34 @@ def test_autocast_is_part_of_the_signature():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got, ref = tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x)
         assert got.dtype == ref.dtype == torch.float32
-        torch.testing.assert_close(got, ref)
+        torch.testing.assert_close(got, ref, **BF16)  # (bfloat16 steps, rounded apart)
     g = lambda x: torch.sin(w @ x)  # noqa: E731  (compiled first under autocast)
     for _ in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert tv.jacobian(g, x, compile=True).dtype == torch.float32
     torch.testing.assert_close(tv.jacobian(g, x, compile=True), torch.func.jacrev(g)(x))
+
+
+def test_under_autocast_the_compiled_call_takes_eager_autos_mode_and_compiles():
+    # (8 -> 8 under bfloat16 autocast: the compiled "auto" took forward mode, whose
+    # Jacobian has the output's dtype, bfloat16; the eager "auto" takes reverse mode,
+    # float32: "the results have different shapes or dtypes", and the call stayed eager)
+    from torch_vjp._engine import compiled
+
+    w = torch.randn(8, 8)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    x = torch.randn(8)
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, ref = tv.jacobian(f, x, compile=True), tv.jacobian(f, x)
+            assert got.dtype == ref.dtype == torch.float32
+            torch.testing.assert_close(got, ref, **BF16)
+            torch.testing.assert_close(got, torch.func.jacrev(f)(x).float(), **BF16)
+    assert compiled.builds() - before == 1
+    assert [e.run is not None for e in compiled._CACHE.values()] == [True]
 
 
 @pytest.mark.parametrize("call", ["jacobian", "per_sample_grad_norms"])

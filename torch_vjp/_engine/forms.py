@@ -70,10 +70,21 @@ def auto_mode(
     has_aux: bool,
 ) -> str:
     """``"rev"`` or ``"fwd"`` for a compiled Jacobian, by the numbers of output and input
-    elements (one call of ``f`` for the output sizes; NOTE [auto crossover])."""
+    elements (one call of ``f`` for the output sizes; NOTE [auto crossover]). Where the
+    output's floating dtypes are not the inputs' (a float32 ``f`` under autocast returns
+    bfloat16), the two modes' Jacobians differ in dtype (the output's in forward mode, the
+    input's in reverse mode): then the mode of the eager "auto" call, whose result the
+    compiled one must equal (its crossover leans to reverse mode; at 8 -> 8 under
+    autocast the compiled call took forward mode, returned bfloat16 against the eager
+    call's float32, and fell back to eager with "different dtypes")."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
     n_in = sum(_numel(primals[i]) for i in nums)
-    return choose_compiled_mode(n_in, _numel(output_of(f, primals, has_aux)))
+    out = output_of(f, primals, has_aux)
+    n_out = _numel(out)
+    mode = choose_compiled_mode(n_in, n_out)
+    dtypes = {t.dtype for t in tree_flatten(out)[0] if isinstance(t, Tensor)}
+    ins = {t.dtype for i in nums for t in tree_flatten(primals[i])[0] if isinstance(t, Tensor)}
+    return mode if dtypes <= ins else choose_mode(n_in, n_out)
 
 
 def forward_mode_agrees(
