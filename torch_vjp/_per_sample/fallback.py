@@ -33,6 +33,7 @@ from torch_vjp._errors import (
     first_time,
     quote_error,
     user_stacklevel,
+    with_article,
 )
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.losses import (call_loss, check_connected, scalar_loss, slice_tree,
@@ -466,13 +467,11 @@ def outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
             # this parameter is what a tensor the layer is called with is computed from
             tensor = (dotted.partition(".parametrizations.")[2].partition(".")[0] if param
                       else source[0]) or "weight"
-            article = "an" if tensor[:1] in ("a", "e", "i", "o", "u") else "a"
-            return (head + f"{article} {tensor} computed from its parameters ({how}), and the rule "
+            return (head + f"{with_article(tensor)} computed from its parameters ({how}), and the rule "
                     f"gives per-sample gradients for the tensors a layer is called with, not "
                     f"for what they are computed from")
         if computed:
-            what = (("an " if computed[0][:1] in ("a", "e", "i", "o", "u") else "a ")
-                    + computed[0] if len(computed) == 1 else
+            what = (with_article(computed[0]) if len(computed) == 1 else
                     f"its {', '.join(computed[:-1])} and {computed[-1]}")
             return (head + f"{what} computed from its parameters ({how}), so the call is "
                     f"not one the rule computes whole, and this parameter's use in it is not "
