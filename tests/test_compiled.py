@@ -1295,7 +1295,7 @@ def test_a_partial_over_new_objects_each_call_is_warned_once():
                                        torch.func.jacrev(f)(w))
     msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
     assert len(msgs) == 1, msgs
-    assert f"torch_vjp.jacobian: compile=True has compiled" in msgs[0]
+    assert "torch_vjp.jacobian: compile=True has compiled" in msgs[0]
     assert f"{REBUILD_WARN_AT} times for the same argument signature" in msgs[0]
     assert "or a partial's arguments) holds new objects" in msgs[0]
     assert "Fix: pass what changes from call to call as an argument" in msgs[0]
@@ -1628,3 +1628,4 @@ def test_results_agree_rounds_at_the_least_precise_dtype_of_the_graph():
     assert results_agree(a, b).startswith("the compiled result differs")
     assert results_agree(a, b, torch.float32) is None
     assert results_agree(a, a * 1.01, torch.float32) is not None  # (a real difference)
+

@@ -64,8 +64,9 @@ class GraphPrecision:
     eager call at float32's rounding: the first call's comparison (:func:`results_agree`)
     must allow that, as 'auto''s check of routes does (NOTE [auto, checked once])."""
 
-    def __init__(self) -> None:
+    def __init__(self, fold: bool = True) -> None:
         self.least: torch.dtype | None = None
+        self.fold = fold  # NOTE [the basis folded]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         for mod in gm.modules():  # (subgraphs of higher-order ops are submodules)
@@ -78,8 +79,12 @@ class GraphPrecision:
                     self.least = least_of((found,) if self.least is None
                                           else (found, self.least))
         from torch._inductor import compile as inductor  # (imported when compiling only)
+        from torch._inductor import config
 
-        return inductor(gm, example_inputs)
+        from torch_vjp._engine.basis_fold import BasisFold
+
+        with config.patch(post_grad_custom_pre_pass=BasisFold() if self.fold else None):
+            return inductor(gm, example_inputs)  # NOTE [the basis folded]
 
 
 class FirstRun:

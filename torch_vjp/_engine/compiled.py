@@ -481,28 +481,34 @@ def _compile_first(
     params = Watched(params=[("", p) for m in module_tree(modules)  # (no hashing: a module
                              for p in m._parameters.values()  # may define __eq__ alone)
                              if p is not None and id(p) not in seen and not seen.add(id(p))])
-    try:
-        with HOOK_GUARDS, buffers_kept(f):  # build() may call f (captured tensors kept too)
-            built = build()
-            built, fresh = built if isinstance(built, Built) else (built, tuple)
-            own = _own_code(_on_copies(built, len(args)), name)
-            precision = GraphPrecision()
-            program = torch.compile(own, fullgraph=True, dynamic=False, backend=precision)
-            got = program(f, *args, *fresh())
-    except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
-        if passes_through(err):
-            raise
-        params.restore()
-        warn_eager(call, f, compile_failure(err))
-        return result
-    if params.restore():
-        # (the eager path puts back what a forward changes in place; a compiled program
-        # cannot, so this signature stays eager)
-        warn_eager(call, f, "the function changes a parameter in place (an Embedding with "
-                             "max_norm, a no-grad update in a forward), which the compiled "
-                             "program cannot put back as the eager call does")
-        return result
-    why = results_agree(result, got, precision.least)
+    why = None
+    for fold in (True, False):  # (unfolded where the folded program disagrees with a
+        try:  # non-finite eager result: NOTE [the basis folded])
+            with HOOK_GUARDS, buffers_kept(f):  # build() may call f (captured tensors too)
+                built = build()
+                built, fresh = built if isinstance(built, Built) else (built, tuple)
+                own = _own_code(_on_copies(built, len(args)),
+                                name if fold else f"{name}_unfolded")
+                precision = GraphPrecision(fold=fold)
+                program = torch.compile(own, fullgraph=True, dynamic=False,
+                                        backend=precision)
+                got = program(f, *args, *fresh())
+        except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
+            if passes_through(err):
+                raise
+            params.restore()
+            warn_eager(call, f, compile_failure(err))
+            return result
+        if params.restore():
+            # (the eager path puts back what a forward changes in place; a compiled program
+            # cannot, so this signature stays eager)
+            warn_eager(call, f, "the function changes a parameter in place (an Embedding "
+                                 "with max_norm, a no-grad update in a forward), which the "
+                                 "compiled program cannot put back as the eager call does")
+            return result
+        why = results_agree(result, got, precision.least)
+        if why is None or all_finite(result):  # (the fold changes no finite result)
+            break
     if why is not None:
         warn_eager(call, f, run.why(why))
         return result
