@@ -1629,3 +1629,65 @@ def test_results_agree_rounds_at_the_least_precise_dtype_of_the_graph():
     assert results_agree(a, b, torch.float32) is None
     assert results_agree(a, a * 1.01, torch.float32) is not None  # (a real difference)
 
+
+def test_a_compiled_program_that_writes_captured_statistics_puts_them_back_every_call():
+    # NOTE [a program that writes nothing]: the first compiled run sees F.batch_norm's
+    # statistics move (their versions do, compiled), so every later call keeps and puts
+    # them back, as the eager path does
+    from torch_vjp._engine import compiled
+
+    rm, rv = torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+
+    def g(x):
+        return F.batch_norm(x, rm, rv, training=True)
+
+    def ref(x):
+        return F.batch_norm(x, rm.clone(), rv.clone(), training=True)
+
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=D)
+        torch.testing.assert_close(tv.jacobian(g, x, compile=True), torch.func.jacrev(ref)(x))
+        assert torch.equal(rm, torch.zeros(3, dtype=D))
+        assert torch.equal(rv, torch.ones(3, dtype=D))
+    (entry,) = compiled._CACHE.values()
+    assert entry.run is not None and entry.writes
+
+
+def test_a_compiled_program_that_writes_nothing_runs_without_copies(monkeypatch):
+    # (a pure function's later calls copy and compare none of what it reaches)
+    from torch_vjp._engine import compiled
+
+    W, b = torch.randn(5, 3, dtype=D), torch.randn(5, dtype=D)  # (b: small, copied before)
+    f = lambda x: torch.tanh(W @ x + b)  # noqa: E731
+    x = torch.randn(3, dtype=D)
+    torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))
+    (entry,) = compiled._CACHE.values()
+    assert entry.run is not None and not entry.writes
+    kept = []
+    real = compiled.buffers_kept
+    monkeypatch.setattr(compiled, "buffers_kept",
+                        lambda *a, **k: kept.append(1) or real(*a, **k))
+    for _ in range(2):
+        x = torch.randn(3, dtype=D)
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))
+    assert kept == []
+
+
+def test_footprint_sees_writes_versions_and_rebound_buffers():
+    from torch_vjp._engine.kept import Footprint
+
+    t, bn = torch.zeros(3), torch.nn.BatchNorm1d(3)
+    assert not Footprint([t], [bn]).moved()
+    fp = Footprint([t], [bn])
+    t.add_(0)  # (the same values: a write all the same)
+    assert fp.moved()
+    fp = Footprint([t], [bn])
+    bn.running_mean = bn.running_mean * 2  # (a buffer rebound)
+    assert fp.moved()
+    fp = Footprint([t], [bn])
+    with torch.no_grad():
+        bn.weight.mul_(2)
+    assert fp.moved()
+    with torch.inference_mode():
+        u = torch.zeros(2)
+    assert not Footprint([u], []).moved()  # (no version: left out)

@@ -37,6 +37,7 @@ moved; jacobian_blocks' version warning still names a change that bumps the vers
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -44,9 +45,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "LEARNED_FROM", "Walked", "Watched",
-           "bound_buffers", "captured_kept", "module_buffers", "moved_message", "put_back",
-           "rebind_buffers", "same_bits", "walked_tensors", "walked_tree"]
+__all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "LEARNED_FROM", "Footprint", "Walked",
+           "Watched", "bound_buffers", "captured_kept", "module_buffers", "moved_message",
+           "put_back", "rebind_buffers", "same_bits", "walked_tensors", "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
@@ -238,6 +239,33 @@ def rebind_buffers(bound: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
             for k in saved:  # (one f made a Parameter or a plain attribute: its name
                 m._parameters.pop(k, None)  # is the buffer's again, as nn.Module's
                 m.__dict__.pop(k, None)  # names are each in one place)
+
+
+class Footprint:
+    """The version of each tensor of ``tensors`` and of each buffer and parameter of
+    ``modules``, and which tensor each buffer is: :meth:`moved` says whether anything
+    since wrote one of them or rebound a buffer. A compiled program's writes into its
+    inputs move their versions, F.batch_norm's statistics included (NOTE [a program that
+    writes nothing] in compiled.py). Inference tensors, which have no version and are not
+    put back, are left out."""
+
+    __slots__ = ("versions", "bound")
+
+    def __init__(self, tensors: Iterable[Tensor], modules: Sequence[torch.nn.Module]) -> None:
+        seen: set[int] = set()
+        self.versions = []
+        for t in itertools.chain(tensors, (b for m in modules for b in m._buffers.values()),
+                                 (p for m in modules for p in m._parameters.values())):
+            if t is not None and id(t) not in seen and not t.is_inference():
+                seen.add(id(t))
+                self.versions.append((t, t._version))
+        self.bound = bound_buffers(modules)
+
+    def moved(self) -> bool:
+        return any(t._version != v for t, v in self.versions) or any(
+            len(m._buffers) != len(saved) or any(m._buffers.get(k) is not v
+                                                 for k, v in saved.items())
+            for m, saved in self.bound)
 
 
 def put_back(t: Tensor) -> bool:
