@@ -22,11 +22,13 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _products(call):
-    """``call()``'s result, and the number of ``mm`` nodes of each graph it compiled."""
+    """``call()``'s result, and the number of ``mm`` and ``bmm`` nodes of each graph it
+    compiled."""
     seen = []
 
     def record(graph):  # (a pass without uuid: inductor's graph cache is not used)
-        seen.append(sum(n.target is aten.mm.default for n in graph.nodes))
+        seen.append(sum(n.target in (aten.mm.default, aten.bmm.default)
+                        for n in graph.nodes))
 
     with inductor_config.patch(post_grad_custom_post_pass=record):
         result = call()
@@ -52,6 +54,25 @@ def test_the_basis_products_of_a_first_and_last_layer_are_read_off(monkeypatch):
     torch.testing.assert_close(same, got)
     assert len(folded) == len(unfolded) == 1
     assert unfolded[0] - folded[0] >= 1 and folded[0] <= 3, (folded, unfolded)
+
+
+@pytest.mark.parametrize("strategy", ["fwd", "rev"])
+def test_the_basis_product_of_a_batch_jacobian_is_read_off(monkeypatch, strategy):
+    # (the basis, repeated over the batch, times W.T (fwd) or V (rev): a bmm of B copies
+    # of one product)
+    W, V = _weights((16, 6), (5, 16))
+    x = torch.randn(8, 6, dtype=D)
+    f = lambda x: torch.tanh(x @ W.T) @ V.T  # noqa: E731
+    got, folded = _products(lambda: tv.batch_jacobian(f, x, strategy=strategy, compile=True))
+    torch.testing.assert_close(
+        got, torch.func.vmap(torch.func.jacrev(lambda r: V @ torch.tanh(W @ r)))(x))
+    monkeypatch.setattr(basis_fold.BasisFold, "__call__", lambda self, graph: None)
+    g = lambda x: torch.tanh(x @ W.T) @ V.T  # noqa: E731  (its own entry)
+    same, unfolded = _products(lambda: tv.batch_jacobian(g, x, strategy=strategy,
+                                                         compile=True))
+    torch.testing.assert_close(same, got)
+    assert len(folded) == len(unfolded) == 1
+    assert unfolded[0] - folded[0] >= 1, (folded, unfolded)
 
 
 @pytest.mark.parametrize("strategy", ["fwd", "rev"])

@@ -112,6 +112,48 @@ def _is_zero(node: Any) -> bool:
             and node.args[1] == 0)
 
 
+def _pick(graph: torch.fx.Graph, at: torch.fx.Node, eye: tuple[int, int, int],
+          other: torch.fx.Node, dim: int) -> torch.fx.Node | None:
+    """Nodes, inserted before ``at``, computing ``E @ other`` (``dim`` 0) or ``other @ E``
+    (``dim`` 1) for ``E`` the shifted identity ``eye`` describes, without a product; None
+    where no row of ``E`` meets ``other``."""
+    c, m, d = eye
+    if dim == 0:  # E @ B: row r of the result is row r + d of B
+        n, lo, hi, before = c, max(d, 0), min(m, c + d), max(-d, 0)
+    else:  # A @ E: column j of the result is column j - d of A
+        n, lo, hi, before = m, max(-d, 0), min(c, m - d), max(d, 0)
+    shape = _shape(other)
+    if hi <= lo or shape is None or len(shape) != 2:
+        return None
+    after = n - before - (hi - lo)
+    with graph.inserting_before(at):
+        picked = other
+        if (lo, hi) != (0, shape[dim]):
+            picked = graph.call_function(aten.slice.Tensor, (picked, dim, lo, hi))
+            _meta(picked)
+        if before or after:
+            pad = [before, after] if dim == 1 else [0, 0, before, after]
+            picked = graph.call_function(aten.constant_pad_nd.default, (picked, pad, 0.0))
+            _meta(picked)
+    return picked
+
+
+def _contiguous(graph: torch.fx.Graph, at: torch.fx.Node, node: torch.fx.Node
+                ) -> torch.fx.Node:
+    """``node`` in a buffer of its own, as the product it replaces wrote one."""
+    with graph.inserting_before(at):
+        out = graph.call_function(aten.clone.default, (node,),
+                                  {"memory_format": torch.contiguous_format})
+    _meta(out)
+    return out
+
+
+def _replace(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node) -> bool:
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+    return True
+
+
 def _fold(graph: torch.fx.Graph, mm: torch.fx.Node) -> bool:
     a, b = mm.args[:2]
     val = mm.meta.get("val")
@@ -120,43 +162,80 @@ def _fold(graph: torch.fx.Graph, mm: torch.fx.Node) -> bool:
             zeros = graph.call_function(aten.full.default, (list(_shape(mm)), 0.0),
                                         {"dtype": val.dtype, "device": val.device})
         zeros.meta["val"] = val.new_zeros(val.shape)
-        mm.replace_all_uses_with(zeros)
-        graph.erase_node(mm)
-        return True
-    eye, other, dim = shifted_eye(a), b, 0
-    if eye is None:
-        eye, other, dim = shifted_eye(b), a, 1
-        if eye is None:
-            return False
-        c, m, d = eye  # A @ E: column j of the result is column j - d of A
-        n, lo, hi, before = m, max(-d, 0), min(c, m - d), max(d, 0)
+        return _replace(graph, mm, zeros)
+    eye, picked = shifted_eye(a), None
+    if eye is not None:
+        picked = _pick(graph, mm, eye, b, 0)
+    elif (eye := shifted_eye(b)) is not None:
+        picked = _pick(graph, mm, eye, a, 1)
     else:
-        c, m, d = eye  # E @ B: row r of the result is row r + d of B
-        n, lo, hi, before = c, max(d, 0), min(m, c + d), max(-d, 0)
-    if hi <= lo or _shape(other) is None:
+        return _fold_repeated(graph, mm)
+    if picked is None:
         return False
-    after = n - before - (hi - lo)
-    with graph.inserting_before(mm):
-        picked = other
-        if (lo, hi) != (0, _shape(other)[dim]):
-            picked = graph.call_function(aten.slice.Tensor, (picked, dim, lo, hi))
-        if before or after:
-            pad = [before, after] if dim == 1 else [0, 0, before, after]
-            picked = graph.call_function(aten.constant_pad_nd.default, (picked, pad, 0.0))
-        else:  # (the product's own buffer, as the mm wrote one)
-            picked = graph.call_function(aten.clone.default, (picked,),
-                                         {"memory_format": torch.contiguous_format})
-    _meta(picked)
-    mm.replace_all_uses_with(picked)
-    graph.erase_node(mm)
-    return True
+    return _replace(graph, mm, _contiguous(graph, mm, picked))
+
+
+def _repeated_eye(node: Any) -> tuple[tuple[int, int, int], int] | None:
+    """``(eye, B)`` where ``node`` is a shifted identity ``E`` (:func:`shifted_eye`'s
+    ``eye``) repeated over a batch, ``A[k, b] = E[k]`` of shape ``(c, B, m)`` (a copy of it
+    too, as forward mode's tangents under vmap are); else None."""
+    shape = _shape(node)
+    if shape is None or len(shape) != 3:
+        return None
+    while isinstance(node, torch.fx.Node) and (
+            node.target is aten.expand.default
+            or (node.target is aten.copy.default and _shape(node.args[1]) == shape)):
+        node = node.args[0] if node.target is aten.expand.default else node.args[1]
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.unsqueeze.default
+            and node.args[1] == 1):
+        return None
+    eye = shifted_eye(node.args[0])
+    return (eye, shape[1]) if eye is not None and shape == (eye[0], shape[1], eye[1]) else None
+
+
+def _repeat(graph: torch.fx.Graph, at: torch.fx.Node, rows: torch.fx.Node, batch: int,
+            shape: tuple[int, ...]) -> torch.fx.Node:
+    """``rows`` (``(c, n)``) repeated over a batch, ``(c, batch, n)``, as ``shape``."""
+    c, n = _shape(rows)  # type: ignore[misc]
+    with graph.inserting_before(at):
+        out = graph.call_function(aten.unsqueeze.default, (rows, 1))
+        _meta(out)
+        out = graph.call_function(aten.expand.default, (out, [c, batch, n]))
+        _meta(out)
+        if tuple(shape) != (c, batch, n):
+            out = graph.call_function(aten.reshape.default, (out, list(shape)))
+            _meta(out)
+    return _contiguous(graph, at, out)
+
+
+def _fold_repeated(graph: torch.fx.Graph, mm: torch.fx.Node) -> bool:
+    """``bmm(A, B)`` where ``A`` is the basis repeated over a batch (as batch_jacobian's
+    rows are) and ``B[k] = W`` (one matrix for every basis row); or ``mm(A', W)`` where
+    ``A'`` is such an ``A`` reshaped to ``(c * B, m)``. Row ``k`` of each batch is row
+    ``k`` of ``E @ W``, which :func:`_pick` reads off."""
+    a, b = mm.args[:2]
+    shape = _shape(mm)
+    if shape is None or not isinstance(a, torch.fx.Node) or not isinstance(b, torch.fx.Node):
+        return False
+    if mm.target is aten.bmm.default:
+        found = _repeated_eye(a)
+        w = b.args[0] if b.target is aten.expand.default else None
+        if found is None or _shape(w) != _shape(b)[1:]:  # type: ignore[index]
+            return False
+    else:
+        found = _repeated_eye(a.args[0]) if a.target in _SAME_DATA else None
+        w = b
+    if found is None:
+        return False
+    eye, batch = found
+    picked = _pick(graph, mm, eye, w, 0)
+    if picked is None:
+        return False
+    return _replace(graph, mm, _repeat(graph, mm, picked, batch, shape))
 
 
 def _meta(node: torch.fx.Node) -> None:
     """``node.meta["val"]``, from its arguments' (fake tensors: no arithmetic runs)."""
-    inner = node.args[0]
-    if isinstance(inner, torch.fx.Node) and "val" not in inner.meta:
-        _meta(inner)
     args = tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args)
     node.meta["val"] = node.target(*args, **node.kwargs)
 
@@ -169,6 +248,8 @@ class BasisFold(CustomGraphPass):
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is aten.mm.default:
                 folded = _fold(graph, node) or folded
+            elif node.op == "call_function" and node.target is aten.bmm.default:
+                folded = _fold_repeated(graph, node) or folded
         if folded:
             graph.eliminate_dead_code()
 
