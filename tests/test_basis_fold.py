@@ -172,3 +172,64 @@ def test_shifted_eye_reads_only_comparisons_of_two_ranges():
 
     _, node = graph_of(less)
     assert basis_fold.shifted_eye(node) is None
+
+
+def _basis_graph(c, s, m, o, shape, w_shape, transposed=False, batch=None):
+    """A graph of ``mm`` (or ``bmm``) with the basis ``E[r, j] = (s + r == o + j)`` as its
+    first operand (second where ``transposed``), repeated over ``batch`` and reshaped to
+    ``shape`` where given, and a weight placeholder of ``w_shape``."""
+    g = torch.fx.Graph()
+    w = g.placeholder("w")
+    w.meta["val"] = torch.empty(w_shape, dtype=D)
+
+    def add(target, args, kwargs=None):
+        node = g.call_function(target, args, kwargs or {})
+        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        node.meta["val"] = target(*vals, **(kwargs or {}))
+        return node
+
+    def iota(n, start, dim):
+        node = add(torch.ops.prims.iota.default, (n,),
+                   {"start": start, "step": 1, "dtype": torch.int64,
+                    "device": torch.device("cpu"), "requires_grad": False})
+        return add(aten.unsqueeze.default, (node, dim))
+
+    e = add(aten.eq.Tensor, (iota(c, s, 1), iota(m, o, 0)))
+    e = add(torch.ops.prims.convert_element_type.default, (e, D))
+    if batch is not None:
+        e = add(aten.expand.default, (add(aten.unsqueeze.default, (e, 1)), [c, batch, m]))
+    if shape is not None:
+        e = add(aten.reshape.default, (e, list(shape)))
+    if transposed:
+        out = add(aten.mm.default, (w, add(aten.permute.default, (e, [1, 0]))))
+    elif e.meta["val"].dim() == 3:
+        out = add(aten.bmm.default, (e, add(aten.expand.default, (w, [c, *w_shape]))))
+    else:
+        out = add(aten.mm.default, (e, w))
+    g.output(out)
+    return g
+
+
+@pytest.mark.parametrize("case", [
+    dict(c=4, s=0, m=4, o=0, shape=None, w_shape=(4, 3)),  # the identity
+    dict(c=2, s=2, m=5, o=0, shape=None, w_shape=(5, 3)),  # a chunk of rows 2, 3
+    dict(c=5, s=0, m=3, o=2, shape=None, w_shape=(3, 3)),  # a second input's rows
+    dict(c=3, s=2, m=4, o=0, shape=None, w_shape=(4, 2)),  # a chunk over the end
+    dict(c=4, s=1, m=4, o=0, shape=None, w_shape=(2, 4), transposed=True),
+    dict(c=3, s=0, m=3, o=0, shape=None, w_shape=(3, 4), batch=2),  # bmm, repeated
+    dict(c=3, s=0, m=3, o=0, shape=(6, 3), w_shape=(3, 4), batch=2),  # mm, rows in order
+    dict(c=3, s=0, m=3, o=0, shape=(3, 6), w_shape=(6, 4), batch=2),  # (not the rows)
+    dict(c=4, s=0, m=8, o=0, shape=(16, 2), w_shape=(2, 3)),  # (a basis split: not one)
+])
+def test_the_folded_graph_computes_what_the_product_did(case):
+    w = torch.randn(case["w_shape"], dtype=D)
+    graph = _basis_graph(**case)
+    want = torch.fx.GraphModule(torch.nn.Module(), graph)(w)
+    before = sum(n.target in (aten.mm.default, aten.bmm.default) for n in graph.nodes)
+    basis_fold.BasisFold()(graph)
+    graph.lint()
+    after = sum(n.target in (aten.mm.default, aten.bmm.default) for n in graph.nodes)
+    got = torch.fx.GraphModule(torch.nn.Module(), graph)(w)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    folds = case.get("shape") not in ((3, 6), (16, 2))
+    assert (before, after) == ((1, 0) if folds else (1, 1))

@@ -225,8 +225,9 @@ def _fold_repeated(graph: torch.fx.Graph, mm: torch.fx.Node) -> bool:
     else:
         found = _repeated_eye(a.args[0]) if a.target in _SAME_DATA else None
         w = b
-    if found is None:
-        return False
+    if found is None or (mm.target is aten.mm.default
+                         and _shape(a) != (found[0][0] * found[1], found[0][1])):
+        return False  # (an mm: the rows of the repeated basis, (c * B, m), in order)
     eye, batch = found
     picked = _pick(graph, mm, eye, w, 0)
     if picked is None:
