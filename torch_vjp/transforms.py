@@ -136,7 +136,9 @@ def vjp(
         torch.func.vjp, but not with ``batched=True``), and returns a tuple with one
         ``v^T J`` per primal, each shaped
         like its primal. ``retain_graph`` and ``create_graph`` are torch.func's (by default
-        the result is differentiable when grad mode is on). With ``batched=True`` every
+        the result is differentiable when grad mode is on; with ``batched=True``,
+        ``retain_graph=False`` applies to the last product, and the graph is kept where the
+        products run in one vectorised chunk, until ``vjp_fn`` is released). With ``batched=True`` every
         cotangent carries an extra leading dimension K (the same for all), and every result
         too: K products in one vectorised call, ``chunk_size`` at a time (the first batched
         call for a function and shapes also takes one product without vmap and, where the two
@@ -221,10 +223,26 @@ def vjp(
             k = _batch_size(vectors)
             if k == 0:
                 return tuple(x.new_zeros((0, *x.shape)) for x in prob.leaves)
+            # (every product but the last keeps the graph: NOTE [batched products keep the
+            # graph])
+            pull_kept = functools.partial(pull, retain_graph=True,
+                                          create_graph=opts["create_graph"])
 
-            def stacked(vec: bool) -> Any:
-                return map_rows(pull_with, lambda s, e: tuple(v[s:e] for v in vectors), k,
-                                vectorized=vec, chunk_size=chunk)[0]
+            def stacked(vec: bool, free: bool = True) -> Any:
+                # NOTE [batched products keep the graph]
+                state = {"stop": 0, "proven": not vec}
+
+                def rows(s: int, e: int) -> tuple[Tensor, ...]:
+                    state["stop"] = e
+                    return tuple(v[s:e] for v in vectors)
+
+                def pull_row(*cot: Tensor) -> Any:
+                    last = free and state["proven"] and state["stop"] >= k
+                    res = pull_with(*cot) if last else pull_kept(*cot)
+                    state["proven"] = True
+                    return res
+
+                return map_rows(pull_row, rows, k, vectorized=vec, chunk_size=chunk)[0]
 
             # NOTE [batched products, checked once]
             key = None
@@ -237,13 +255,15 @@ def vjp(
                 key = key_box[0]
                 if CHECKED.get(key) == "rev-loop":
                     return stacked(False)
-            res = _vectorised_or_loop(pull_call, f, "cotangents", stacked,
-                                      lambda: pull_with(*(v[0] for v in vectors)))
-            if key is None or CHECKED.get(key) is not None:
+            checking = key is not None and CHECKED.get(key) is None
+            res = _vectorised_or_loop(pull_call, f, "cotangents",
+                                      lambda vec: stacked(vec, free=not checking),
+                                      lambda: pull_kept(*(v[0] for v in vectors)))
+            if not checking:
                 return res
             return checked_batch(
                 pull_call, key, (function_key(f), function_name(f)), vectors, res,
-                lambda: stacked(False), pull_checked,
+                lambda: stacked(False, free=False), pull_checked,
                 lambda vecs, vec: map_rows(pull_checked, lambda s, e: tuple(v[s:e] for v in vecs),
                                            _batch_size(vecs), vectorized=vec, chunk_size=chunk)[0])
 
@@ -255,6 +275,20 @@ def vjp(
     if has_aux:
         return out, vjp_fn, res[2]
     return out, vjp_fn
+
+
+# NOTE [batched products keep the graph]
+# With batched=True, vjp_fn runs the pullback once per chunk of cotangents (or once per
+# cotangent in the loop), and the vectorised attempt may be followed by a loop that replaces
+# it. So a retain_graph=False (or a None that resolves to False) given to vjp_fn applies to
+# the last product alone: every earlier one keeps the graph, or the second chunk would find
+# it freed by the first ("Trying to backward through the graph a second time"). The last
+# product frees it only where an earlier product of the call succeeded (in the loop, always),
+# as in jacobian_of (NOTE [jacobian_of retain_graph]): a single vectorised chunk keeps it,
+# since were it to fail half way, the loop that replaces it needs the graph whole; and the
+# first call of a signature, which checks its result against products without vmap (NOTE
+# [batched products, checked once]), keeps it for those. A kept graph is freed when vjp_fn is
+# released.
 
 
 def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:

@@ -1,0 +1,60 @@
+"""Edge cases of the Jacobian and transform API on hostile but valid input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.func
+
+import torch_vjp as tv
+
+D = torch.float64
+
+
+def _loop_vjp(f, x, cotangents):
+    _, pull = torch.func.vjp(f, x)
+    return torch.stack([pull(c)[0] for c in cotangents])
+
+
+class _NoVmapSquare(torch.autograd.Function):
+    """x ** 2 with a backward torch.vmap cannot batch (``.item()`` of the cotangent)."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if g.abs().sum().item() == 0.0:
+            return torch.zeros_like(g)
+        return 2 * x * g
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3])
+def test_batched_vjp_with_retain_graph_false_in_several_chunks(chunk_size):
+    x = torch.randn(3, dtype=D)
+    f = lambda x: x.sin() * x.exp()  # noqa: E731
+    cot = torch.randn(5, 3, dtype=D)
+    _, vjp_fn = tv.vjp(f, x)
+    (got,) = vjp_fn(cot, batched=True, chunk_size=chunk_size, retain_graph=False)
+    torch.testing.assert_close(got, _loop_vjp(f, x, cot))
+
+
+def test_batched_vjp_with_retain_graph_false_falls_back_to_the_loop():
+    # the exp node runs (and, without retain_graph, is freed) before the vectorised
+    # attempt fails in the Function's backward; the loop that replaces it needs it
+    x = torch.randn(3, dtype=D)
+    f = lambda x: _NoVmapSquare.apply(x).exp()  # noqa: E731
+    cot = torch.randn(4, 3, dtype=D)
+    _, vjp_fn = tv.vjp(f, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        (got,) = vjp_fn(cot, batched=True, retain_graph=False)
+    torch.testing.assert_close(got, _loop_vjp(f, x, cot))
