@@ -58,3 +58,15 @@ def test_batched_vjp_with_retain_graph_false_falls_back_to_the_loop():
         warnings.simplefilter("ignore", tv.JacobianWarning)
         (got,) = vjp_fn(cot, batched=True, retain_graph=False)
     torch.testing.assert_close(got, _loop_vjp(f, x, cot))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev", "fwd", "rev-loop", "fwd-loop"])
+@pytest.mark.parametrize("f, name", [
+    (lambda x: {"logits": x.sin(), "loss": x.sum()}, r"f\['loss'\]"),
+    (lambda x: (x.sin(), [x.cos(), x.sum(0)]), r"f\[1\]\[1\]"),
+])
+def test_batch_jacobian_names_an_output_without_the_batch_by_its_place(f, name, strategy):
+    # (a flat index, "output 2 of f", named no key of a dict nor place in a nested result)
+    with pytest.raises(tv.JacobianCallError, match=rf"batch_jacobian: the output of {name} "
+                       r"has shape \((3,)?\), but x has shape \(4, 3\)"):
+        tv.batch_jacobian(f, torch.randn(4, 3, dtype=D), strategy=strategy)

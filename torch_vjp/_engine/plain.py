@@ -49,7 +49,7 @@ def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
     """
     need_graph = torch.is_grad_enabled() and any(x.requires_grad for x in prob.leaves)
     fn, flat_out, out_spec, aux, connected = plain_pullback(prob, need_graph)
-    out_rows = row_shapes(flat_out, opts.batch, prob)
+    out_rows = row_shapes(flat_out, opts.batch, prob, out_spec)
     n = sum(math.prod(s) for s in out_rows)
     chunk = chunk_for(prob, "rev", out_rows, [o.dtype for o in flat_out], opts)
     if n == 0:

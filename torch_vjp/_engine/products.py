@@ -75,7 +75,7 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
         flat_out, out_spec = [out], LEAF_SPEC
     else:
         flat_out, out_spec = tree_flatten(out)
-    out_rows = row_shapes(flat_out, opts.batch, prob)
+    out_rows = row_shapes(flat_out, opts.batch, prob, out_spec)
     n = sum(math.prod(s) for s in out_rows)
     out_dtypes = [o.dtype for o in flat_out]
     chunk = chunk_for(prob, "rev", out_rows, out_dtypes, opts)

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torch_vjp._engine.memory import plan_products
-from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.problem import Problem, leaf_name
 from torch_vjp._engine.rows import Restart, SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, shape_str
 
@@ -81,9 +81,11 @@ class Opts:
         self.vmap_single = vmap_single
 
 
-def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem) -> list[torch.Size]:
+def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem,
+               spec: TreeSpec | None = None) -> list[torch.Size]:
     """The shape of one row of each output: the output's own, or without its batch dimension
-    for ``batch_jacobian``.
+    for ``batch_jacobian``. ``spec``: the outputs' structure, which names an output in a
+    message by its place in f's result (``f['loss']``, ``f[1][0]``).
 
     Raises:
         JacobianCallError: an output lacks the leading batch dimension B.
@@ -92,7 +94,12 @@ def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem) -> 
         return [o.shape for o in flat_out]
     for j, o in enumerate(flat_out):
         if o.dim() == 0 or o.shape[0] != batch:
-            where = "the output of f" if len(flat_out) == 1 else f"output {j} of f"
+            if spec is not None and not spec.is_leaf():
+                paths = tree_flatten_with_path(tree_unflatten(list(range(len(flat_out))),
+                                                              spec))[0]
+                where = leaf_name(paths[j][0], "the output of f")
+            else:
+                where = "the output of f" if len(flat_out) == 1 else f"output {j} of f"
             raise JacobianCallError(
                 f"{prob.call}: {where} has shape {shape_str(o.shape)}, but x has shape "
                 f"{shape_str(prob.leaves[0].shape)}: f must map a batch row by row, "
@@ -226,7 +233,7 @@ def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
     finally:
         draws()
     records = record and any(o.requires_grad for o in flat)
-    rows = row_shapes(flat, opts.batch, prob)
+    rows = row_shapes(flat, opts.batch, prob, spec)
     if key is not None:
         if len(_SHAPES) >= SHAPES_MAX:
             _SHAPES.pop(next(iter(_SHAPES)))
