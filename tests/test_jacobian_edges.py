@@ -70,3 +70,48 @@ def test_batch_jacobian_names_an_output_without_the_batch_by_its_place(f, name, 
     with pytest.raises(tv.JacobianCallError, match=rf"batch_jacobian: the output of {name} "
                        r"has shape \((3,)?\), but x has shape \(4, 3\)"):
         tv.batch_jacobian(f, torch.randn(4, 3, dtype=D), strategy=strategy)
+
+
+_STRATEGIES = ["auto", "rev", "fwd", "rev-loop", "fwd-loop"]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("strategy", _STRATEGIES)
+def test_create_graph_through_an_input_f_writes_into(strategy, chunk_size):
+    # f(x) = (2 x)^3 written in place: J = diag(24 x^2), d sum(J) / dx = 48 x
+    f = lambda x: x.mul_(2) ** 3  # noqa: E731
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    J = tv.jacobian(f, x, strategy=strategy, chunk_size=chunk_size, create_graph=True)
+    torch.testing.assert_close(J.detach(), torch.diag(24 * x.detach() ** 2))
+    (g,) = torch.autograd.grad(J.sum(), x)
+    torch.testing.assert_close(g, 48 * x.detach())
+    xb = torch.randn(4, 3, dtype=D, requires_grad=True)
+    Jb = tv.batch_jacobian(f, xb, strategy=strategy, chunk_size=chunk_size, create_graph=True)
+    (gb,) = torch.autograd.grad(Jb.sum(), xb)
+    torch.testing.assert_close(gb, 48 * xb.detach())
+
+
+@pytest.mark.parametrize("strategy", _STRATEGIES)
+def test_create_graph_through_a_non_differentiated_primal_f_writes_into(strategy):
+    def f(x, w):
+        w.mul_(2)
+        return x * w
+
+    x = torch.randn(3, dtype=D)
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    w0 = w.detach().clone()
+    J = tv.jacobian(f, x, w, argnums=0, strategy=strategy, create_graph=True)
+    torch.testing.assert_close(J.detach(), torch.diag(2 * w0))
+    (g,) = torch.autograd.grad(J.sum(), w)
+    torch.testing.assert_close(g, torch.full((3,), 2.0, dtype=D))
+    torch.testing.assert_close(w.detach(), w0)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+def test_batched_jvp_differentiable_through_an_input_f_writes_into(chunk_size):
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    T = torch.randn(4, 3, dtype=D)
+    _, jt = tv.jvp(lambda x: x.mul_(2) ** 3, (x,), (T,), batched=True, chunk_size=chunk_size)
+    torch.testing.assert_close(jt.detach(), 24 * x.detach() ** 2 * T)
+    (g,) = torch.autograd.grad(jt.sum(), x)
+    torch.testing.assert_close(g, (48 * x.detach() * T).sum(0))

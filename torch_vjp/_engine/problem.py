@@ -21,6 +21,22 @@ a write f makes into a primal reaches the caller's tensor, and a primal's autogr
 is kept whatever the grad mode at the call (a vjp taken under torch.no_grad() whose vjp_fn
 runs under grad mode gives results that are differentiable with respect to the primals).
 
+NOTE [a copy with a history]
+Where a graph is wanted (``create_graph=True``, a batched jvp) and the caller's tensor
+requires grad, its copy is ``t.clone()`` with an autograd history back to ``t``, so that the
+result is differentiable with respect to it. A write f makes into such a copy (autograd
+takes it: the copy is no leaf) changes that history and bumps the version counter that the
+graphs of earlier calls saved, and resetting the values in place undoes neither: a later
+backward through the result failed ("modified by an inplace operation"), or, where the
+products fell back to another route, silently differentiated the history of the write (a
+gradient through a non-differentiated primal ``w`` that f doubles in place came out 2, 4, 8
+times too large, once more per call). So f is never given such a copy itself: each call of
+f gets a clone of it (of level 0, below torch.func's transforms, where it is wrapped), the
+differentiated leaves as ``writes_inputs`` clones them (NOTE [f writes into its input] in
+:mod:`torch_vjp._engine.jacobian`). A write then lands in that call's own clone, the copy
+and its history stay as made, and no reset is needed. One more pass over those primals per
+call of f, only where a graph to the caller's tensors is kept.
+
 NOTE [non-differentiated primals]
 torch.func's vjp and jvp (and so jacrev, jacfwd, hessian) wrap every tensor among the
 primals at their own level, the differentiated ones and the others alike; only the
@@ -264,6 +280,28 @@ def _fresh_copies(
     return tuple(tree_map(copy, p) for p in primals), guard
 
 
+def _has_history(c: Tensor) -> bool:
+    """Whether the copy ``c`` carries an autograd history to the caller's tensor (a graph is
+    wanted, and the caller's tensor requires grad): NOTE [a copy with a history]."""
+    return c.grad_fn is not None and not torch._C._functorch.is_functorch_wrapped_tensor(c)
+
+
+def _given_fresh(f: Callable[..., Any], kept: set[int], idx: tuple[int, ...]
+                 ) -> Callable[..., Any]:
+    """``f`` called with a clone of each copy in ``kept`` among the primals not at ``idx``
+    (the differentiated ones are cloned by :meth:`Problem._reset`): NOTE [a copy with a
+    history]."""
+
+    def fresh(t: Any) -> Any:
+        return t.clone() if isinstance(t, Tensor) and id(t) in kept else t
+
+    def given_fresh(*args: Any) -> Any:
+        return f(*[a if i in idx else fresh(a) if isinstance(a, Tensor) else tree_map(fresh, a)
+                   for i, a in enumerate(args)])
+
+    return given_fresh
+
+
 def _with_args_at(
     f: Callable[..., Any], primals: tuple[Any, ...], idx: tuple[int, ...]
 ) -> Callable[..., Any]:
@@ -338,12 +376,20 @@ class Problem:
             self._guard = []
         self.primals = primals
         self._keys: dict[Any, Any] = {}
+        # NOTE [a copy with a history]: the copies f must not write into
+        self._kept = {id(g[0]) for g in self._guard if _has_history(g[0])}
+        self._clone_leaves = False
         if argnums is None:
             if not primals:
                 raise JacobianCallError(f"{call}: no primals were given.")
             argnums = tuple(range(len(primals)))
         idx = normalize_argnums(argnums, len(primals), call=call)
         self.f = f
+        if self._kept:
+            differentiated = {id(t) for i in idx for t in tree_leaves(primals[i])}
+            self._clone_leaves = not differentiated.isdisjoint(self._kept)
+            if not self._kept <= differentiated:
+                f = _given_fresh(f, self._kept, idx)
         self.call = call
         self.has_aux = bool(has_aux)
         self.argnums = idx
@@ -393,6 +439,7 @@ class Problem:
         the other primals wrapped at the transform's level (NOTE [non-differentiated
         primals]); the plain call where the other primals hold no tensor."""
         primals, idx, f = self.primals, self.argnums, self.f
+        kept = self._kept
         others = [
             i for i in range(len(primals))
             if i not in idx and any(isinstance(t, Tensor) for t in tree_leaves(primals[i]))
@@ -407,14 +454,19 @@ class Problem:
                 return f(*args)
 
         def wrap(t: Any, level: int) -> Any:
-            return _wrap_for_grad(t, level) if isinstance(t, Tensor) else t
+            if not isinstance(t, Tensor):
+                return t
+            if id(t) in kept:
+                with _below_transforms():  # (the clone of level 0, as the copy was made)
+                    t = t.clone()
+            return _wrap_for_grad(t, level)
 
         def call_inner(*xs: Tensor) -> Any:
             level = _current_level()
             args = list(primals)
             for i in others:
                 p = primals[i]
-                args[i] = _wrap_for_grad(p, level) if isinstance(p, Tensor) else tree_map(
+                args[i] = wrap(p, level) if isinstance(p, Tensor) else tree_map(
                     lambda t: wrap(t, level), p)
             return call_with(args, xs)
 
@@ -451,7 +503,7 @@ class Problem:
         for guard in self._guard:
             if guard[0]._version != guard[2]:
                 guard.reset()
-        if self.writes_inputs:
+        if self.writes_inputs or self._clone_leaves:
             return tuple(x.clone() for x in xs)
         return xs
 
