@@ -115,3 +115,34 @@ def test_batched_jvp_differentiable_through_an_input_f_writes_into(chunk_size):
     torch.testing.assert_close(jt.detach(), 24 * x.detach() ** 2 * T)
     (g,) = torch.autograd.grad(jt.sum(), x)
     torch.testing.assert_close(g, (48 * x.detach() * T).sum(0))
+
+
+class _OldStyleCube(torch.autograd.Function):
+    """x ** 3 as an old-style Function (no setup_context): torch.func cannot run it, so the
+    reverse-mode loops compute with plain autograd."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev-loop"])
+def test_plain_autograd_create_graph_with_a_primal_that_needs_no_grad(strategy):
+    f = lambda x, y: _OldStyleCube.apply(x) * y.sum()  # noqa: E731
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    y = torch.randn(2, dtype=D)  # differentiated, but requires no grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        jx, jy = tv.jacobian(f, x, y, argnums=(0, 1), strategy=strategy, create_graph=True)
+    want = torch.autograd.functional.jacobian(
+        lambda x, y: x**3 * y.sum(), (x.detach(), y))
+    torch.testing.assert_close(jx.detach(), want[0])
+    torch.testing.assert_close(jy.detach(), want[1])
+    (g,) = torch.autograd.grad(jx.sum(), x)
+    torch.testing.assert_close(g, 6 * x.detach() * y.sum())

@@ -73,7 +73,10 @@ def plain_pullback(
     differentiable (``create_graph``); otherwise aux is detached. The one sharded Jacobians
     use too, each rank for its own rows."""
     with torch.enable_grad():
-        xs = [x.view_as(x) if need_graph else x.detach().requires_grad_() for x in prob.leaves]
+        # (a leaf with no history of its own, one that does not require grad beside one that
+        # does, becomes a leaf that requires grad: autograd.grad refuses any other)
+        xs = [x.view_as(x) if need_graph and x.requires_grad else x.detach().requires_grad_()
+              for x in prob.leaves]
         res = prob.g(*xs)
     out = res[0] if prob.has_aux else res
     aux = None
