@@ -146,3 +146,17 @@ def test_plain_autograd_create_graph_with_a_primal_that_needs_no_grad(strategy):
     torch.testing.assert_close(jy.detach(), want[1])
     (g,) = torch.autograd.grad(jx.sum(), x)
     torch.testing.assert_close(g, 6 * x.detach() * y.sum())
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev-loop", "fwd-loop"])
+def test_hessian_by_plain_autograd_is_differentiable_with_respect_to_the_primal(strategy):
+    # torch.func cannot run an old-style Function: the Hessian takes plain autograd
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        H = tv.hessian(lambda x: _OldStyleCube.apply(x).sum(), x, strategy=strategy,
+                       create_graph=True)
+    torch.testing.assert_close(H.detach(), torch.diag(6 * x.detach()))
+    (g,) = torch.autograd.grad(H.sum(), x)  # d/dx of sum(diag(6 x))
+    torch.testing.assert_close(g, torch.full((3,), 6.0, dtype=D))
+    assert x.grad is None

@@ -102,7 +102,10 @@ def autograd_hessian(
         out_spec[:] = [spec]
         return tuple(outs)
 
-    xs = tuple(t.detach() for leaves, _ in flat for t in leaves)
+    # (with create_graph, the primals themselves: autograd.functional.jacobian keeps the
+    # history of one that requires grad, so that the Hessian is differentiable with respect
+    # to it, as the other routes' is)
+    xs = tuple(t if create_graph else t.detach() for leaves, _ in flat for t in leaves)
 
     def gradient(*ys: Tensor) -> tuple[Tensor, ...]:
         jac = torch.autograd.functional.jacobian(f_sel, ys, create_graph=True)
