@@ -160,3 +160,22 @@ def test_hessian_by_plain_autograd_is_differentiable_with_respect_to_the_primal(
     (g,) = torch.autograd.grad(H.sum(), x)  # d/dx of sum(diag(6 x))
     torch.testing.assert_close(g, torch.full((3,), 6.0, dtype=D))
     assert x.grad is None
+
+
+def test_batched_jvp_of_no_tangents_changes_no_buffer_and_keeps_the_graph():
+    bn = torch.nn.BatchNorm1d(3).double().train()
+    x = torch.randn(5, 3, dtype=D, requires_grad=True)
+    kept = {k: v.clone() for k, v in bn.state_dict().items()}
+    out, tangents = tv.jvp(bn, (x,), (torch.zeros(0, 5, 3, dtype=D),), batched=True)
+    assert tangents.shape == (0, 5, 3)
+    for k, v in bn.state_dict().items():  # (running statistics, num_batches_tracked)
+        torch.testing.assert_close(v, kept[k])
+    with torch.no_grad():
+        want = torch.nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True)
+    torch.testing.assert_close(out.detach(), want)
+    # differentiable with respect to x, as the output of K >= 1 tangents is
+    f = lambda x: x.sin() * x.sum()  # noqa: E731
+    for k in (0, 2):
+        out, _ = tv.jvp(f, (x,), (torch.randn(k, 5, 3, dtype=D),), batched=True)
+        (g,) = torch.autograd.grad(out.sum(), x)
+        torch.testing.assert_close(g, torch.func.grad(lambda x: f(x).sum())(x.detach()))

@@ -593,7 +593,10 @@ def jvp(
         return tuple(flat_t), (res[0],) + tuple(res[2:])
 
     if k == 0:
-        with torch.no_grad():
+        # (f's one call, as the products' calls are made: under the caller's grad mode, so
+        # that the output and aux are differentiable as theirs are, and with the buffers f
+        # changes put back, as nothing is changed by a call)
+        with buffers_kept(f, primals=primals):
             res = prob.g(*leaves)
         out = res[0] if has_aux else res
         flat_o, spec = tree_flatten(out)
