@@ -179,3 +179,14 @@ def test_batched_jvp_of_no_tangents_changes_no_buffer_and_keeps_the_graph():
         out, _ = tv.jvp(f, (x,), (torch.randn(k, 5, 3, dtype=D),), batched=True)
         (g,) = torch.autograd.grad(out.sum(), x)
         torch.testing.assert_close(g, torch.func.grad(lambda x: f(x).sum())(x.detach()))
+
+
+@pytest.mark.parametrize("strategy", _STRATEGIES)
+def test_aux_keeps_its_graph_with_create_graph_when_x_has_no_elements(strategy):
+    x = torch.randn(0, dtype=D, requires_grad=True)
+    y = torch.randn(2, dtype=D, requires_grad=True)
+    J, aux = tv.jacobian(lambda x, y: (x.sum() * y, (y**2).sum() + x.sum()), x, y,
+                         has_aux=True, strategy=strategy, create_graph=True)
+    assert J.shape == (2, 0)
+    (g,) = torch.autograd.grad(aux, y)
+    torch.testing.assert_close(g, 2 * y.detach())

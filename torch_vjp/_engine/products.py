@@ -174,8 +174,9 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     if n == 0:
         if has_aux or shapes.key is not None:
             # (no product calls f: remembered output sizes are checked by this call, the
-            # only one, as the products check them)
-            with torch.no_grad():
+            # only one, as the products check them; its aux keeps a graph where the
+            # result is to have one, as the products' aux does)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not opts.detached):
                 res0 = prob.g(*leaves)
             flat0, spec0 = tree_flatten(res0[0] if has_aux else res0)
             check(flat0, spec0)
