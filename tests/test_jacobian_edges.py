@@ -190,3 +190,17 @@ def test_aux_keeps_its_graph_with_create_graph_when_x_has_no_elements(strategy):
     assert J.shape == (2, 0)
     (g,) = torch.autograd.grad(aux, y)
     torch.testing.assert_close(g, 2 * y.detach())
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_vjp_fn_after_its_graph_was_freed_says_what_freed_it(batched):
+    x = torch.randn(3, dtype=D)
+    _, vjp_fn = tv.vjp(lambda x: x.sin() * x.exp(), x)
+    vjp_fn(torch.ones(3, dtype=D), retain_graph=False)
+    cot = torch.ones(2, 3, dtype=D) if batched else torch.ones(3, dtype=D)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as info:
+        vjp_fn(cot, batched=batched)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "torch_vjp.vjp: vjp_fn: vjp_fn reads the graph that torch_vjp.vjp recorded" in note
+    assert "a call of vjp_fn with retain_graph=False" in note
+    assert "keep retain_graph=True (vjp_fn's default) on every call but the last" in note

@@ -268,7 +268,20 @@ def vjp(
                                            _batch_size(vecs), vectorized=vec, chunk_size=chunk)[0])
 
         point.check(pull_call)  # (NOTE [the vjp point, kept])
-        grads = products()
+        try:
+            grads = products()
+        except RuntimeError as err:
+            if str(err).startswith(_FREED) and hasattr(err, "add_note"):
+                # (torch's class and sentence, with what it means here)
+                err.add_note(
+                    f"{pull_call}: vjp_fn reads the graph that torch_vjp.vjp recorded for "
+                    f"the output, and part of it was freed by an earlier backward pass "
+                    f"through it: a call of vjp_fn with retain_graph=False (or with "
+                    f"retain_graph=None and no graph to create), or a .backward() or "
+                    f"torch.autograd.grad through the output without retain_graph=True.\n"
+                    f"  Fix: keep retain_graph=True (vjp_fn's default) on every call but "
+                    f"the last, or call torch_vjp.vjp again for a new graph.")
+            raise
         return tree_unflatten(list(grads), prob.in_spec)
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
@@ -289,6 +302,10 @@ def vjp(
 # first call of a signature, which checks its result against products without vmap (NOTE
 # [batched products, checked once]), keeps it for those. A kept graph is freed when vjp_fn is
 # released.
+
+
+#: torch's error for a backward pass through a freed graph.
+_FREED = "Trying to backward through the graph a second time"
 
 
 def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
