@@ -204,3 +204,20 @@ def test_vjp_fn_after_its_graph_was_freed_says_what_freed_it(batched):
     assert "torch_vjp.vjp: vjp_fn: vjp_fn reads the graph that torch_vjp.vjp recorded" in note
     assert "a call of vjp_fn with retain_graph=False" in note
     assert "keep retain_graph=True (vjp_fn's default) on every call but the last" in note
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("strategy", _STRATEGIES)
+def test_inside_grad_through_primals_f_writes_into(strategy, chunk_size):
+    # the copies of the primals carry the outer transform's history
+    x = torch.randn(3, dtype=D)
+    g = torch.func.grad(lambda x: tv.jacobian(lambda y: y.mul_(2) ** 3, x, strategy=strategy,
+                                              chunk_size=chunk_size).sum())(x)
+    torch.testing.assert_close(g, 48 * x)
+
+    def through_other(x):
+        return tv.jacobian(lambda y, w: y * w.mul_(2), torch.ones(3, dtype=D), x, argnums=0,
+                           strategy=strategy, chunk_size=chunk_size).sum()
+
+    torch.testing.assert_close(torch.func.grad(through_other)(x),
+                               torch.full((3,), 2.0, dtype=D))

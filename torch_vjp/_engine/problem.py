@@ -31,8 +31,8 @@ backward through the result failed ("modified by an inplace operation"), or, whe
 products fell back to another route, silently differentiated the history of the write (a
 gradient through a non-differentiated primal ``w`` that f doubles in place came out 2, 4, 8
 times too large, once more per call). So f is never given such a copy itself: each call of
-f gets a clone of it (of level 0, below torch.func's transforms, where it is wrapped), the
-differentiated leaves as ``writes_inputs`` clones them (NOTE [f writes into its input] in
+f gets a clone of it (where it is wrapped at a transform's level, a clone of the wrapper),
+the differentiated leaves as ``writes_inputs`` clones them (NOTE [f writes into its input] in
 :mod:`torch_vjp._engine.jacobian`). A write then lands in that call's own clone, the copy
 and its history stay as made, and no reset is needed. One more pass over those primals per
 call of f, only where a graph to the caller's tensors is kept.
@@ -282,8 +282,9 @@ def _fresh_copies(
 
 def _has_history(c: Tensor) -> bool:
     """Whether the copy ``c`` carries an autograd history to the caller's tensor (a graph is
-    wanted, and the caller's tensor requires grad): NOTE [a copy with a history]."""
-    return c.grad_fn is not None and not torch._C._functorch.is_functorch_wrapped_tensor(c)
+    wanted, and the caller's tensor requires grad, at top level or at the level of an outer
+    torch.func transform): NOTE [a copy with a history]."""
+    return c.grad_fn is not None
 
 
 def _given_fresh(f: Callable[..., Any], kept: set[int], idx: tuple[int, ...]
@@ -456,10 +457,8 @@ class Problem:
         def wrap(t: Any, level: int) -> Any:
             if not isinstance(t, Tensor):
                 return t
-            if id(t) in kept:
-                with _below_transforms():  # (the clone of level 0, as the copy was made)
-                    t = t.clone()
-            return _wrap_for_grad(t, level)
+            wrapped = _wrap_for_grad(t, level)
+            return wrapped.clone() if id(t) in kept else wrapped
 
         def call_inner(*xs: Tensor) -> Any:
             level = _current_level()
