@@ -221,3 +221,18 @@ def test_inside_grad_through_primals_f_writes_into(strategy, chunk_size):
 
     torch.testing.assert_close(torch.func.grad(through_other)(x),
                                torch.full((3,), 2.0, dtype=D))
+
+
+@pytest.mark.parametrize("strategy", _STRATEGIES)
+def test_create_graph_through_an_in_place_relu_as_first_layer(strategy):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 3)).double()
+    x = torch.randn(4, dtype=D, requires_grad=True)
+    x0 = x.detach().clone()
+    J = tv.jacobian(model, x, strategy=strategy, create_graph=True)
+    want = model[1].weight * (x0 > 0)
+    torch.testing.assert_close(J.detach(), want.detach())
+    (g,) = torch.autograd.grad(J.pow(2).sum(), model[1].weight)
+    (g_want,) = torch.autograd.grad(want.pow(2).sum(), model[1].weight)
+    torch.testing.assert_close(g, g_want)
+    torch.testing.assert_close(x.detach(), x0)
