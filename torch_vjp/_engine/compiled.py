@@ -229,7 +229,7 @@ def _on_copies(program: Callable[..., Any], n: int) -> Callable[..., Any]:
     """``program(f, *args, *rest)`` run on copies of the tensors in the first ``n`` args,
     made inside what is compiled, so that a function that changes its arguments in place
     (``x.mul_(2)``) changes the copies, never the caller's tensors, as the eager path's
-    own copies do (NOTE [f's own copies] in :mod:`torch_vjp._engine.problem`). Where
+    own copies do (NOTE [f's own copies] in :mod:`torch_vjp._engine.copies`). Where
     nothing changes them, inductor reads the copies from the originals without writing
     them (pointwise consumers), or copies them once."""
 
