@@ -327,6 +327,35 @@ def test_cross_attention_variants(kw):
     _check(model, nn.CrossEntropyLoss(), (_randn(3, 4, 8), _randn(3, 6, kdim)), _ints(2, 3))
 
 
+class Attend(nn.Module):
+    """Attention over the inputs as given: ``model(x, x, x)`` is self-attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, q, k, v):
+        return self.fc(self.att(q, k, v)[0].mean(1))
+
+
+@pytest.mark.parametrize("same", ["query-key-value", "key-value"])
+def test_one_tensor_passed_as_several_inputs(same):
+    # nn.MultiheadAttention projects once where query is key (and key is value): the plan
+    # must see the inputs as one tensor too, or its layer calls are not the pass's
+    torch.manual_seed(0)
+    model = Attend().to(DT)
+    q, k = _randn(3, 4, 8), _randn(3, 6, 8)
+    x = (q, q, q) if same == "query-key-value" else (q, k, k)
+    _check(model, nn.CrossEntropyLoss(), x, _ints(2, 3), ("hooks", "auto"))
+    plan = torch_vjp.per_sample_plan(model, nn.CrossEntropyLoss(), x, _ints(2, 3))
+    assert {r.method for r in plan.rows} == {"rule"}, str(plan)
+    # and a call with distinct tensors of the same shapes is planned apart
+    _check(model, nn.CrossEntropyLoss(), (q, k.clone(), k.clone()) if same == "key-value"
+           else (q, q.clone(), q.clone()), _ints(2, 3), ("hooks",))
+    _check(model, nn.CrossEntropyLoss(), x, _ints(2, 3), ("hooks",))
+
+
 class Tied(nn.Module):
     """An embedding tied to the output head (GPT-2's token embedding and LM head)."""
 

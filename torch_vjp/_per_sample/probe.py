@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,13 +82,14 @@ def _tail(t: Any) -> Any:
 def plan_key(job: Job) -> Any:
     """The model structure a plan is valid for: the shapes of one example, the modules
     (NOTE [the structure a plan is for] in :mod:`torch_vjp._per_sample.structure`), the selected
-    parameters (and which have gradient hooks), the loss, the strategy (the batch size is
-    not part of it; a batch of one is planned apart)."""
+    parameters (and which have gradient hooks), the loss, the strategy, which inputs are
+    one tensor (the batch size is not part of it; a batch of one is planned apart)."""
     sel, targets = job.sel, job.targets
     return (
         job.strategy,
         job.batch == 1,
         tuple(_tail(x) for x in job.xs),
+        tuple(next(j for j, y in enumerate(job.xs) if y is x) for x in job.xs),  # (each_once)
         None if targets is None else (
             _tail(targets) if isinstance(targets, Tensor)
             else tuple(_tail(t) for t in tree_leaves(targets))),
@@ -285,7 +286,8 @@ def build_plan(job: Job) -> Plan:
         small = None
         if batch > 1:
             try:
-                small = _shape_run(model, tuple(x[: batch - 1] for x in xs), aliases_of(sel))
+                small = _shape_run(model, each_once(xs, lambda x: x[: batch - 1]),
+                                   aliases_of(sel))
                 _after_forward(job)
             except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
                 raise
@@ -296,6 +298,15 @@ def build_plan(job: Job) -> Plan:
     if batch > 1 and out_dims is None:
         return _unsplittable(strategy, sel, full[0], batch)
     return _grad_probe(job, tracked, out_dims, full, small, expand=batch > 1)
+
+
+def each_once(xs: Sequence[Tensor], fn: Callable[[Tensor], Tensor]) -> tuple[Tensor, ...]:
+    """``fn`` of each input, one result per distinct tensor: an input passed twice (the
+    same tensor as an attention's key and value) stays one tensor in the planning runs, as
+    in the pass the plan is for, where a module that compares its arguments by identity
+    (``nn.MultiheadAttention``'s ``key is value``) makes other layer calls otherwise."""
+    done: dict[int, Tensor] = {}
+    return tuple(done[id(x)] if id(x) in done else done.setdefault(id(x), fn(x)) for x in xs)
 
 
 def _after_forward(job: Job) -> None:
@@ -445,11 +456,9 @@ def _probe_at(
     # (views of leaves, not the leaves: a global module hook that registers a multi-grad
     # hook on a module's inputs, torch's ModuleTracker and FlopCounterMode, cannot take a
     # leaf inside autograd.grad, which the probe's data-flow test runs)
-    leaves = tuple(
+    leaves = each_once(job.xs, lambda x: (
         x.detach().requires_grad_(True).view_as(x)
-        if grad_inputs and (x.is_floating_point() or x.is_complex()) else x
-        for x in job.xs
-    )
+        if grad_inputs and (x.is_floating_point() or x.is_complex()) else x))
     rng = _Randomness()
     aliases = aliases_of(sel) if point is None else None
     if aliases is not None:
