@@ -558,3 +558,69 @@ def test_a_plan_made_anew_for_other_layer_calls_is_checked_on_that_call(monkeypa
     got = call(-x)  # every example takes the other branch: the batch too, so no mixing
     assert made, "the plan made anew for the other branch was not checked"
     torch.testing.assert_close(got, ref_norms(loop_reference(model, loss_fn, -x, t)))
+
+
+class _RawBranch(nn.Module):
+    """A parameter ``w`` used directly in a branch taken for a whole batch (all inputs
+    positive, or a flag the plan's key cannot see), beside a Linear with a rule, a parameter
+    used directly, or both."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case, self.flag = case, [None]
+        self.a = nn.Linear(4, 3)
+        self.v = nn.Parameter(torch.randn(3, 4))
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        h = 0 if self.case == "beside-fallback" else self.a(x)
+        if self.case in ("beside-fallback", "beside-rules-and-vmap"):
+            h = h + nn.functional.linear(torch.tanh(x), self.v)
+        if self.flag[0] if self.flag[0] is not None else bool((x > 0).all()):
+            h = h + nn.functional.linear(torch.sin(x), self.w)
+        return h
+
+
+@pytest.mark.filterwarnings("ignore:.*could not vectorise")  # (vmap meets the branch: loop)
+@pytest.mark.parametrize("fn", ["norms", "clipped", "grads"])
+@pytest.mark.parametrize("case", ["beside-rules", "beside-fallback", "beside-rules-and-vmap",
+                                  "selected-alone"])
+def test_a_parameter_no_gradient_reached_when_planned_is_computed_when_one_does(case, fn):
+    # the first batch leaves 'w' out, so the plan says no gradient reaches it; a later batch
+    # of the same shapes takes the branch: 'w' was given zeros (norms and clipped sums too)
+    torch.manual_seed(0)
+    model = _RawBranch(case).to(DT)
+    loss_fn = nn.MSELoss(reduction="sum")
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(6, 4, dtype=DT, generator=g).abs(), torch.randn(6, 3, dtype=DT)
+    params = ["w"] if case == "selected-alone" else None
+
+    def call(x):
+        if fn == "norms":
+            return tv.per_sample_grad_norms(model, loss_fn, x, t, params=params), None
+        if fn == "grads":
+            got = tv.per_sample_grads(model, loss_fn, x, t, params=params)
+            return ref_norms(got), got
+        for p in model.parameters():
+            p.grad = None
+        return tv.accumulate_clipped_grads(model, loss_fn, x, t, max_norm=1e9,
+                                           params=params), None
+
+    for sign in (-1, 1, -1, 1):
+        if case == "beside-rules-and-vmap":  # (vmap batches the model: one vmap run)
+            model.flag[0] = sign > 0
+        got, grads = call(sign * x)
+        ref = loop_reference(model, loss_fn, sign * x, t)
+        if params is not None:
+            ref = {n: ref[n] for n in params}
+        torch.testing.assert_close(got, ref_norms(ref))
+        for n in ref:
+            if grads is not None:
+                torch.testing.assert_close(grads[n], ref[n])
+            if fn == "clipped":
+                torch.testing.assert_close(dict(model.named_parameters())[n].grad, ref[n].sum(0))
+    if case == "beside-rules":  # strategy='hooks' refuses it rather than give zeros
+        model.flag[0] = None
+        tv.per_sample_grad_norms(model, loss_fn, -x, t, strategy="hooks")
+        with pytest.raises(tv.StrategyError, match=r"'w': it belongs to the model itself"):
+            tv.per_sample_grad_norms(model, loss_fn, x, t, strategy="hooks")

@@ -21,7 +21,7 @@ from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.factors import Factor, full_precision, widened
 from torch_vjp._per_sample.losses import check_connected, scaled_loss_sum
 from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
-from torch_vjp._per_sample.recorder import Recorder, layers_of
+from torch_vjp._per_sample.recorder import Recorder, edge_of, layers_of
 from torch_vjp._per_sample.registry import Call, Declined, UserRule
 
 __all__ = ["HooksResult", "hooks_pass", "RuleRaised"]
@@ -63,7 +63,8 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
     model, sel, batch = job.model, job.sel, job.batch
     result = HooksResult()
     names = plan.rule_params
-    if not names:
+    zero = plan.zero_params
+    if not names and not zero:
         return result
     aliases = aliases_of(sel)  # stand-ins for selected tensors that do not require grad
     if aliases is not None:
@@ -123,6 +124,12 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                     row.append(len(edges))
                     edges.append(e)
             slots.append(row)
+        # the parameters the plan found no gradient reaching: one that this forward reaches
+        # (a branch taken on a value that is one for the whole batch, a task id) is given
+        # zeros by the plan, so the plan is made again, as for layer calls that changed
+        first_zero = len(edges)
+        held = aliases if aliases is not None else sel.tensors
+        edges.extend(edge_of(held[n]) for n in zero if held[n].requires_grad)
         if edges and total.requires_grad:
             # the engine call of torch.autograd.grad, which would first validate the
             # grad_outputs (there are none: the loss is a scalar)
@@ -130,6 +137,9 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                             tuple(edges), True, accumulate_grad=False)
         else:
             grads = [None] * len(edges)
+        if any(g is not None for g in grads[first_zero:]):
+            result.mismatch = True
+            return result
     del total, out
     # (norms and clipped sums at float32's precision at least: NOTE [norms at float32's
     # precision] in torch_vjp._per_sample.factors)

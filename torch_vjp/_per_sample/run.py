@@ -242,17 +242,18 @@ def _no_rule_error(fn: str, missing: dict[str, str]) -> StrategyError:
 
 def _hooks(job: Job, plan: Plan) -> tuple[Plan, HooksResult]:
     """The rules' pass; a model whose layer calls are not the plan's gets a new plan, once."""
-    if not plan.rule_params:
-        return plan, HooksResult()
+    if not plan.rule_params and (not plan.zero_params or plan.fallback_params()):
+        return plan, HooksResult()  # (the fallback computes the zero parameters then)
     res = _recorded_pass(job, plan)
     if res.mismatch:
         plan = job.replanned = plan_of(job, rebuild=True)  # (the caller checks this one)
         res = _recorded_pass(job, plan)
         if res.mismatch:  # the layers called change from call to call: no rules this time
             why = "the layers the model calls change from one call to the next"
+            names = plan.rule_params + plan.zero_params
             if job.strategy == "hooks":
-                raise _no_rule_error(job.fn, {n: why for n in plan.rule_params})
-            res = HooksResult(moved={n: why for n in plan.rule_params})
+                raise _no_rule_error(job.fn, {n: why for n in names})
+            res = HooksResult(moved={n: why for n in names})
     return plan, res
 
 
@@ -292,6 +293,11 @@ def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]
             vmap_names.append(n)
         elif method in ("vmap", "loop"):
             loop_names.append(n)
+    if not plan.rule_params and (vmap_names or loop_names):
+        # no rules' pass checks that no gradient reaches the zero parameters on this call
+        # (:func:`hooks_pass`), and a forward that branches on a value one for the whole
+        # batch can reach them: the fallback computes them too, zeros where none does
+        (vmap_names or loop_names).extend(plan.zero_params)
     return vmap_names, loop_names
 
 
@@ -314,21 +320,20 @@ def grads(job: Job, plan: Plan, chunk: int | None) -> tuple[dict[str, Tensor], b
     if job.strategy == "auto" and plan.rule_params:
         together, loop_names = _fallback_names(plan, HooksResult())
         if together:
-            together = together + plan.rule_params
+            # (the zero parameters too: no rules' pass checks that no gradient reaches them)
+            together = together + plan.rule_params + plan.zero_params
             try:
                 results = fallback_grads(job, "auto", together, 0, job.batch, chunk,
                                          plan.vmap_randomness, strict=True)
             except CannotBatch as err:
-                vmap_names = [n for n in together if n not in plan.rule_set()]
+                vmap_names = [n for n in together if n not in plan.rule_set()
+                              and n not in plan.zero_params]
                 plan.route(vmap_names, f"vmap cannot batch this model ({err})")
                 warn_loop(job.fn, job.model, err.failure)
             else:
                 if job.reset is not None:
                     job.reset()
                 results.update(fallback_grads(job, "loop", loop_names, 0, job.batch, chunk, None))
-                for n in plan.zero_params:
-                    results[n] = job.sel.tensors[n].new_zeros((job.batch,
-                                                                *job.sel.tensors[n].shape))
                 return results, True
     return _split(job, plan, chunk), False
 
