@@ -392,6 +392,22 @@ def test_weight_used_outside_its_layer_falls_back():
         per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy="hooks")
 
 
+def test_weight_the_loss_function_reads_falls_back_and_hooks_says_so():
+    # the refusal spoke of uses "directly in a forward, or by a layer without one" only,
+    # where the use is the loss's own (an L2 term on a layer's weight)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+
+    def loss_fn(out, t):
+        return F.cross_entropy(out, t) + 0.1 * model[2].weight.square().sum()
+
+    x, t = _randn(5, 4), _ints(2, 5)
+    _check(model, loss_fn, x, t, ("auto", "loop"))
+    with pytest.raises(StrategyError, match=r"'2.weight': it is used outside the layers that "
+                       r"have rules \(directly in a forward or in the loss function"):
+        per_sample_grads(model, loss_fn, x, t, strategy="hooks")
+
+
 def test_parametrized_weight_falls_back():
     from torch.nn.utils import parametrize
 

@@ -477,8 +477,8 @@ def outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
                     f"not one the rule computes whole, and this parameter's use in it is not "
                     f"told apart from that computation: it takes the fallback with them")
     if used:
-        return ("it is used outside the layers that have rules (directly in a forward, or "
-                "by a layer without one)")
+        return ("it is used outside the layers that have rules (directly in a forward or "
+                "in the loss function, an L2 term say, or by a layer without one)")
     try:
         m = model.get_submodule(path)
     except AttributeError:
