@@ -265,6 +265,32 @@ def test_hooks_refusal_of_examples_merged_with_another_dimension_says_so():
                    loop_reference(model, lambda o: o.sum(), x))
 
 
+@pytest.mark.parametrize("keep_dim", [False, True], ids=["x[i]", "x[i:i+1]"])
+def test_hooks_refusal_of_a_layer_called_once_per_example_says_so(keep_dim):
+    # a loop over the batch, one call per example, was called "a table shared by every
+    # example"
+    class PerExample(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(3, 2, 2)
+
+        def forward(self, x):
+            rows = [x[i:i + 1] if keep_dim else x[i] for i in range(x.shape[0])]
+            return torch.stack([self.conv(r).reshape(-1) for r in rows]).tanh().sum(1)
+
+    model = PerExample().to(DT)
+    x = torch.randn(4, 3, 5, dtype=DT)
+    shape = r"\(1, 2, 4\)" if keep_dim else r"\(2, 4\)"
+    with pytest.raises(tv.StrategyError, match=(
+            rf"'conv.weight': in 'conv', its output of shape {shape} has no dimension that "
+            r"could hold the 4 examples: the layer is called 4 times, once per example it "
+            r"seems \(a loop over the batch, each call on one example's rows\); rules need "
+            r"one call on the whole batch")):
+        tv.per_sample_grads(model, lambda o: o.sum(), x, strategy="hooks")
+    assert_matches(tv.per_sample_grads(model, lambda o: o.sum(), x),
+                   loop_reference(model, lambda o: o.sum(), x))
+
+
 def test_seeded_generator_goes_to_vmap_with_shared_randomness():
     make, loss_fn, shape = LAYOUTS["seeded-generator"]
     torch.manual_seed(0)

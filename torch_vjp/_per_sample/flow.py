@@ -206,7 +206,8 @@ def call_dims(
             continue
         cands = tuple(d for d in cands if d < y.dim() and y.shape[d] == batch)
         if not cands:
-            result.append((None, _no_batch_dim(tuple(y.shape), batch)))
+            times = sum(1 for o in calls if o.module is c.module) if c.module is not None else 1
+            result.append((None, _no_batch_dim(tuple(y.shape), batch, times)))
             continue
         dims: set[int] | None = None
         for a, k in enumerate(ks):
@@ -246,10 +247,16 @@ def call_dims(
     return result, mixing
 
 
-def _no_batch_dim(shape: tuple[int, ...], batch: int) -> str:
-    """Why a call whose output has no dimension of the batch's size gets no rule."""
+def _no_batch_dim(shape: tuple[int, ...], batch: int, times: int = 1) -> str:
+    """Why a call whose output has no dimension of the batch's size gets no rule (``times``:
+    how often the forward calls the layer)."""
     why = f"its output of shape {shape} has no dimension that could hold the {batch} examples"
     merged = [d for d, n in enumerate(shape) if batch > 1 and n > batch and n % batch == 0]
+    if not merged and batch > 1 and times >= batch and times % batch == 0:
+        return why + (f": the layer is called {times} times, once per example it seems (a "
+                      f"loop over the batch, each call on one example's rows); rules need "
+                      f"one call on the whole batch, with the examples along a dimension of "
+                      f"their own")
     if not merged:
         return why + " (a table shared by every example)"
     d = merged[0]
