@@ -556,6 +556,46 @@ class _Grouped(nn.Module):
         return self.b(torch.tanh(self.gm(self.a(x), g)))
 
 
+class _SideMix(nn.Module):
+    """A Linear whose input is also mixed across the batch beside it (a softmax over the
+    examples), in the forward that calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + torch.softmax(h.sum(1), 0).unsqueeze(1)
+
+
+class _Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _SideMix()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+@pytest.mark.parametrize("nested", [False, True], ids=["model", "submodule"])
+def test_mixing_beside_a_layer_is_blamed_on_the_forward_that_does_it(nested, strategy):
+    # the error named module 'b' (Linear), whose input the softmax beside it mixes
+    torch.manual_seed(0)
+    model = (_Wrapped() if nested else _SideMix()).to(DT)
+    x, t = torch.randn(5, 3, dtype=DT), torch.randint(0, 2, (5,))
+    where = (r"module 'block' \(_SideMix\)" if nested else
+             r"the model's own forward \(_SideMix\)")
+    with pytest.raises(tv.PerSampleError, match=where + " mixes examples"):
+        tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy=strategy)
+    ref = definition(model, nn.CrossEntropyLoss(), x, t)
+    got = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, t, strategy="loop")
+    for n, want in ref.items():
+        torch.testing.assert_close(got[n], want, msg=n)
+
+
 @pytest.mark.parametrize("strategy", ["auto", "hooks"])
 @pytest.mark.parametrize("fn", ["grads", "norms", "clipped"])
 def test_a_module_that_mixes_examples_the_probes_do_not_look_at_is_refused(fn, strategy):

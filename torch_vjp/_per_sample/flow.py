@@ -299,6 +299,7 @@ def _find_mixing(
         return kind == "out" or compared(i, j)
     mixers: list[ModuleCall] = []
     guessed: list[ModuleCall] = []
+    elsewhere: list[ModuleCall] = []  # (their input is mixed by another of its uses)
     for i, mc in enumerate(module_calls):
         def ok(gs: list[Tensor | None], shape: Sequence[int],
                folded: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
@@ -325,8 +326,21 @@ def _find_mixing(
             gs = in_grads.get((i, j))
             if gs is not None and not ok(gs, s, folds(i, j), where.get(("in", i, j))
                                          if where else None, shrunk=shrinks("in", i, j)):
-                (guessed if unsure(i) else mixers).append(mc)
+                # (where the probed examples' own rows show it: not the rows of examples
+                # mixed with others only, which the weighted gradients show)
+                own = (None if unsure(i) or ok(gs, s, folds(i, j))
+                       else _through_module(mc, i, j, out_grads, ks))
+                if own is not None and ok(own, s, folds(i, j)):
+                    # through the module alone, each example's loss reaches its own rows of
+                    # the input: another use of that input mixes them, not this module
+                    elsewhere.append(mc)
+                else:
+                    (guessed if unsure(i) else mixers).append(mc)
                 break
+    if not mixers and not guessed and elsewhere:
+        # the forward that calls the module and uses its input otherwise too: its parent
+        parent = elsewhere[0].path.rpartition(".")[0] if elsewhere[0].path else None
+        mixers = [next((mc for mc in module_calls if mc.path == parent), elsewhere[0])]
     if not mixers:
         if guessed:
             mc = guessed[0]
@@ -354,6 +368,35 @@ def _find_mixing(
 
 
 _NO_DIMS: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+
+
+def _through_module(
+    mc: ModuleCall, i: int, j: int,
+    out_grads: dict[tuple[int, int], list[Tensor | None]], ks: Sequence[int],
+) -> list[Tensor | None] | None:
+    """For each probed example, the gradient its loss gives input ``j`` of module call
+    ``i`` through the module's outputs alone (not through other uses of that input); None
+    where it cannot be had."""
+    edge = mc.in_edges[j] if j < len(mc.in_edges) else None
+    if edge is None:
+        return None
+    got: list[Tensor | None] = []
+    for a in range(len(ks)):
+        outs, gos = [], []
+        for o, e in enumerate(mc.out_edges):
+            g = out_grads.get((i, o), [None] * len(ks))[a]
+            if e is not None and g is not None:
+                outs.append(e)
+                gos.append(g)
+        if not outs:
+            got.append(None)
+            continue
+        try:
+            got.append(torch.autograd.grad(outs, [edge], gos, retain_graph=True,
+                                           allow_unused=True)[0])
+        except RuntimeError:  # (a graph freed or a backward that cannot run twice)
+            return None
+    return got
 
 
 def _carrying_inputs(
