@@ -356,6 +356,64 @@ def test_one_tensor_passed_as_several_inputs(same):
     _check(model, nn.CrossEntropyLoss(), x, _ints(2, 3), ("hooks",))
 
 
+class PatchTokens(nn.Module):
+    """A class token and position embeddings used directly (the broadcast-parameter rule for
+    a batch of several), a scale by a parameter and a PReLU (no rule at all), and a Linear
+    whose weight is also used directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(2, 4, 2, stride=2)
+        self.cls = nn.Parameter(torch.randn(1, 1, 4))
+        self.pos = nn.Parameter(torch.randn(1, 5, 4))
+        self.scale = nn.Parameter(torch.rand(4))
+        self.act = nn.PReLU()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), h], 1) + self.pos
+        h = self.act(self.lin(h) * self.scale) + F.linear(h, self.lin.weight)
+        return self.head(h[:, 0])
+
+
+@pytest.mark.parametrize("fn", ["grads", "norms", "clipped"])
+def test_hooks_computes_a_batch_of_one_with_parameters_used_outside_the_layers(fn):
+    # a batch of one (an epoch's short last batch, a small Poisson batch) was refused under
+    # 'hooks' for every parameter used outside the layers with rules ('cls' and 'pos', which
+    # the broadcast rule computes for larger batches, too), and 'auto' ran vmap for them
+    torch.manual_seed(0)
+    model = PatchTokens().to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    # ('hooks' refuses 'scale', 'act.weight' and 'lin.weight' for a batch of 3)
+    for batch, strategies in ((1, ("hooks", "auto")), (3, ("auto",))):
+        x, t = _randn(batch, 2, 4, 4), _ints(3, batch)
+        ref = loop_reference(model, loss_fn, x, t)
+        for strategy in strategies:
+            if fn == "grads":
+                got = per_sample_grads(model, loss_fn, x, t, strategy=strategy)
+                for n in ref:
+                    torch.testing.assert_close(got[n], ref[n], msg=n)
+            elif fn == "norms":
+                torch.testing.assert_close(
+                    per_sample_grad_norms(model, loss_fn, x, t, strategy=strategy),
+                    ref_norms(ref))
+            else:
+                model.zero_grad(set_to_none=True)
+                accumulate_clipped_grads(model, loss_fn, x, t, max_norm=0.5, strategy=strategy)
+                c = (0.5 / ref_norms(ref)).clamp(max=1.0)
+                for n, p in model.named_parameters():
+                    want = (ref[n] * c.view(-1, *[1] * p.dim())).sum(0)
+                    torch.testing.assert_close(p.grad, want, msg=n)
+    plan = torch_vjp.per_sample_plan(model, loss_fn, _randn(1, 2, 4, 4), _ints(3, 1),
+                                     strategy="hooks")
+    assert plan["pos"].method == "rule", str(plan)
+    assert plan["pos"].how == ("its whole gradient (a batch of one: the example's gradient "
+                               "is the batch's)"), str(plan)
+    assert plan["lin.bias"].how == "Linear rule in 'lin'", str(plan)
+
+
 class Tied(nn.Module):
     """An embedding tied to the output head (GPT-2's token embedding and LM head)."""
 

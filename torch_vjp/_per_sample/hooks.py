@@ -18,7 +18,7 @@ from torch import Tensor
 from torch_vjp._engine.context import grad_enabled
 from torch_vjp._errors import StrategyError, TorchVJPError
 from torch_vjp._per_sample.args import Job
-from torch_vjp._per_sample.factors import Factor, full_precision, widened
+from torch_vjp._per_sample.factors import Factor, SmallFactor, full_precision, widened
 from torch_vjp._per_sample.losses import check_connected, scaled_loss_sum
 from torch_vjp._per_sample.plan import CallPlan, Plan, aliases_of, call_key, forward
 from torch_vjp._per_sample.recorder import Recorder, edge_of, layers_of
@@ -58,6 +58,15 @@ class HooksResult:
     mismatch: bool = False
 
 
+# NOTE [a batch of one]
+# For a batch of one example, the example's gradient is the gradient of the batch's loss.
+# A parameter used outside the layers with rules (directly in a forward, by a layer without
+# a rule, by the loss), which a larger batch leaves to vmap or the loop, is then taken whole
+# from the rules' one backward, by its own edge (``Plan.whole``): no other pass is run,
+# and strategy='hooks' computes a batch of one for every model it computes larger batches
+# for (the last, short batch of an epoch; a Poisson-sampled batch of one).
+
+
 def hooks_pass(job: Job, plan: Plan) -> HooksResult:
     """Runs the batch once forward and backward with the plan's rules (grad mode on)."""
     model, sel, batch = job.model, job.sel, job.batch
@@ -93,6 +102,9 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                                        plan.out_dims)
         check_connected(job.fn, total, out)
         covered = plan.rule_set()
+        whole = [n for n in plan.whole if n in covered]  # (NOTE [a batch of one])
+        if whole:
+            covered = covered - frozenset(whole)
         needed: list[tuple[Call, CallPlan]] = []
         for c, cp in zip(calls, plan.calls):
             if not cp.valid:
@@ -127,8 +139,10 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         # the parameters the plan found no gradient reaching: one that this forward reaches
         # (a branch taken on a value that is one for the whole batch, a task id) is given
         # zeros by the plan, so the plan is made again, as for layer calls that changed
-        first_zero = len(edges)
         held = aliases if aliases is not None else sel.tensors
+        first_whole = len(edges)
+        edges.extend(edge_of(held[n]) for n in whole)
+        first_zero = len(edges)
         edges.extend(edge_of(held[n]) for n in zero if held[n].requires_grad)
         if edges and total.requires_grad:
             # the engine call of torch.autograd.grad, which would first validate the
@@ -140,6 +154,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         if any(g is not None for g in grads[first_zero:]):
             result.mismatch = True
             return result
+        whole_grads = grads[first_whole:first_zero]
     del total, out
     # (norms and clipped sums at float32's precision at least: NOTE [norms at float32's
     # precision] in torch_vjp._per_sample.factors)
@@ -147,6 +162,9 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
     wide = widened if norms else (lambda t: t)
     device = next(iter(sel.tensors.values())).device
     with grad_enabled(False), (full_precision(device) if norms else contextlib.nullcontext()):
+        for n, g in zip(whole, whole_grads):
+            if g is not None:  # (None: no gradient reaches it, zeros)
+                result.factors[n] = [SmallFactor(wide(g).unsqueeze(0))]
         for (c, cp), row in zip(needed, slots):
             gs = []
             for j, slot in enumerate(row):

@@ -77,9 +77,15 @@ from torch_vjp._per_sample.registry import Call
 __all__ = [
     "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "Slots",
     "seeded_forward", "aliases_of", "GenericPoint", "mixing_error", "parametrize_cache_off",
+    "WHOLE",
 ]
 
 _SEED = 0x7E5
+
+
+#: How a plan shows a parameter taken whole for a batch of one (NOTE [a batch of one] in
+#: ``hooks``).
+WHOLE = "its whole gradient (a batch of one: the example's gradient is the batch's)"
 
 
 @dataclass
@@ -156,6 +162,9 @@ class Plan:
     #: a reentrant checkpoint refused autograd.grad: the loop runs backward() (NOTE
     #: [reentrant checkpoints] in ``fallback``)
     by_backward: bool = False
+    #: a batch of one: the 'rule' parameters taken whole from the rules' backward, used
+    #: outside the layers with rules (NOTE [a batch of one] in ``hooks``)
+    whole: set[str] = field(default_factory=set)
 
     # The lists below are made once, when the finished plan is first used; route() resets them.
 

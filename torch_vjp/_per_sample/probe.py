@@ -34,6 +34,7 @@ from torch_vjp._per_sample.plan import (
     ParamPlan,
     Plan,
     Slots,
+    WHOLE,
     aliases_of,
     GenericPoint,
     call_key,
@@ -545,6 +546,11 @@ def _probe_at(
         if bad:
             c, why = bad[0]
             plan.params[name] = ParamPlan(name, fallback, "", f"in '{c.path}', {why}")
+        elif name in outside and batch == 1 and not sel.tensors[name].is_complex():
+            # a batch of one: the example's gradient is the parameter's own gradient, which
+            # the rules' one backward gives (NOTE [a batch of one] in hooks.py)
+            plan.params[name] = ParamPlan(name, "rule", WHOLE)
+            plan.whole.add(name)
         elif name in outside:
             plan.params[name] = ParamPlan(name, fallback, "", outside_reason(model, name, used))
         elif not used:
