@@ -134,13 +134,12 @@ def vjp(
         chunk_size=None)`` takes cotangents in the output's structure, each shaped like its
         output (dL/d output; ``None`` stands for 1 for a real scalar output, as in
         torch.func.vjp, but not with ``batched=True``), and returns a tuple with one
-        ``v^T J`` per primal, each shaped
-        like its primal. ``retain_graph`` and ``create_graph`` are torch.func's (by default
-        the result is differentiable when grad mode is on; with ``batched=True``,
-        ``retain_graph=False`` applies to the last product, and the graph is kept where the
-        products run in one vectorised chunk, until ``vjp_fn`` is released). With ``batched=True`` every
-        cotangent carries an extra leading dimension K (the same for all), and every result
-        too: K products in one vectorised call, ``chunk_size`` at a time (the first batched
+        ``v^T J`` per primal, each shaped like its primal. ``retain_graph`` and
+        ``create_graph`` are torch.func's (by default the result is differentiable when grad
+        mode is on; with ``batched=True``, ``retain_graph=False`` applies to the last
+        product, and the graph is kept where the products run in one vectorised chunk, until
+        ``vjp_fn`` is released). With ``batched=True`` every cotangent carries an extra
+        leading dimension K (the same for all), and every result too: K products in one vectorised call, ``chunk_size`` at a time (the first batched
         call for a function and shapes also takes one product without vmap and, where the two
         disagree, a batching rule of torch's is wrong: the products are computed one at a
         time, with a one-time warning; NOTE [batched products, checked once]). ``vjp_fn``
