@@ -251,6 +251,18 @@ def torch_first(cls: type[BaseException], explanation: str, sentence: str | None
     return err
 
 
+#: torch's error for a backward pass through a freed graph.
+FREED_GRAPH = "Trying to backward through the graph a second time"
+
+
+def note_freed_graph(err: BaseException, note: str) -> None:
+    """Adds ``note`` to ``err`` where it is torch's error for a backward pass through a
+    freed graph: torch's class and sentence, with what it means to the caller (NOTE
+    [torch's sentence first])."""
+    if str(err).startswith(FREED_GRAPH) and hasattr(err, "add_note"):
+        err.add_note(note)
+
+
 def full_message(err: BaseException) -> str:
     """``str(err)`` followed by its notes: everything a traceback shows of the message."""
     return "\n".join([str(err), *getattr(err, "__notes__", ())])

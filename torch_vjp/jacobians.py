@@ -50,7 +50,8 @@ from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.symmetry import forward_over_reverse_checked
-from torch_vjp._errors import JacobianCallError, JacobianOptionError, a_type, shape_str
+from torch_vjp._errors import (JacobianCallError, JacobianOptionError, a_type, note_freed_graph,
+                               shape_str)
 from torch_vjp._sharded import check_group, sharded_jacobian, told_on_failure
 from torch_vjp._strategies import StrategyName, get_strategy
 
@@ -636,20 +637,13 @@ def jacobian_of(
         return computed_jacobian(outs, ins, retain_graph, create_graph, chunk, call,
                                  isinstance(outputs, Tensor), isinstance(inputs, Tensor))
     except RuntimeError as err:
-        if str(err).startswith(_FREED) and hasattr(err, "add_note"):
-            # (torch's class and sentence, with what it means here: NOTE [torch's sentence
-            # first])
-            err.add_note(
-                f"{call}: the Jacobian is read from the graph that computed outputs, and "
-                f"part of it was freed by an earlier backward pass through it: .backward(), "
-                f"torch.autograd.grad or jacobian_of, called without retain_graph=True.\n"
-                f"  Fix: pass retain_graph=True to that earlier call, or call jacobian_of "
-                f"before it, or compute outputs again.")
+        note_freed_graph(err, (
+            f"{call}: the Jacobian is read from the graph that computed outputs, and part "
+            f"of it was freed by an earlier backward pass through it: .backward(), "
+            f"torch.autograd.grad or jacobian_of, called without retain_graph=True.\n"
+            f"  Fix: pass retain_graph=True to that earlier call, or call jacobian_of "
+            f"before it, or compute outputs again."))
         raise
-
-
-#: torch's error for a backward pass through a freed graph.
-_FREED = "Trying to backward through the graph a second time"
 
 
 def _tensors(value: Any, name: str, call: str) -> tuple[Tensor, ...]:

@@ -39,7 +39,8 @@ from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.rows import loop_draws, map_rows
-from torch_vjp._errors import GradOutputsError, JacobianCallError, JacobianWarning, warn_once
+from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
+                               note_freed_graph, warn_once)
 from torch_vjp._transform_support import (
     _batch_size,
     _explained,
@@ -270,16 +271,14 @@ def vjp(
         try:
             grads = products()
         except RuntimeError as err:
-            if str(err).startswith(_FREED) and hasattr(err, "add_note"):
-                # (torch's class and sentence, with what it means here)
-                err.add_note(
-                    f"{pull_call}: vjp_fn reads the graph that torch_vjp.vjp recorded for "
-                    f"the output, and part of it was freed by an earlier backward pass "
-                    f"through it: a call of vjp_fn with retain_graph=False (or with "
-                    f"retain_graph=None and no graph to create), or a .backward() or "
-                    f"torch.autograd.grad through the output without retain_graph=True.\n"
-                    f"  Fix: keep retain_graph=True (vjp_fn's default) on every call but "
-                    f"the last, or call torch_vjp.vjp again for a new graph.")
+            note_freed_graph(err, (
+                f"{pull_call}: vjp_fn reads the graph that torch_vjp.vjp recorded for the "
+                f"output, and part of it was freed by an earlier backward pass through it: "
+                f"a call of vjp_fn with retain_graph=False (or with retain_graph=None and no "
+                f"graph to create), or a .backward() or torch.autograd.grad through the "
+                f"output without retain_graph=True.\n"
+                f"  Fix: keep retain_graph=True (vjp_fn's default) on every call but the "
+                f"last, or call torch_vjp.vjp again for a new graph."))
             raise
         return tree_unflatten(list(grads), prob.in_spec)
 
@@ -301,10 +300,6 @@ def vjp(
 # first call of a signature, which checks its result against products without vmap (NOTE
 # [batched products, checked once]), keeps it for those. A kept graph is freed when vjp_fn is
 # released.
-
-
-#: torch's error for a backward pass through a freed graph.
-_FREED = "Trying to backward through the graph a second time"
 
 
 def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
