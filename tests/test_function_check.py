@@ -876,6 +876,50 @@ def test_a_backward_that_scales_grad_output_in_place_passes():
     assert isinstance(check_function(_ScalesGradOutputInPlace, _x(3)), FunctionCheckReport)
 
 
+class _FreesItsState(torch.autograd.Function):
+    """Releases what forward kept as backward reads it: torch runs backward once per
+    forward (without retain_graph), so this is valid."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.cache = x.detach().exp()
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx, g):
+        cache = ctx.cache
+        del ctx.cache
+        return g * cache
+
+
+class _ReusesItsBuffer(torch.autograd.Function):
+    """Writes its gradient into the buffer forward kept (saving an allocation): valid for
+    torch's one backward per forward, wrong only for a second call on the same graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.buf = y.detach().clone()
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.buf.mul_(g)
+
+
+@pytest.mark.parametrize("fn", [_FreesItsState, _ReusesItsBuffer])
+def test_a_backward_that_uses_up_its_state_passes(fn):
+    # every probe ran backward on one graph (retain_graph=True): the second call raised
+    # AttributeError from the user's backward, or saw the buffer the first had scaled and
+    # was reported as not matching finite differences
+    x = _x(4)
+    leaf = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(fn.apply(leaf), leaf, torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(g, torch.func.jacrev(torch.exp)(x).sum(0))  # valid
+    report = check_function(fn, x)
+    assert report.inputs[0].max_error < 1e-8
+
+
 def _lin_jacobian_backward(ctx, g):
     (W,) = ctx.saved_tensors
     return W, None  # the Jacobian of one example, not grad_output @ W

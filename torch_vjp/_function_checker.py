@@ -454,11 +454,14 @@ class Checker:
             cots = balanced(cots, [sides[i] for i in self.diff],
                             max(torch.finfo(real_dtype(value_dtype(inputs, self.diff))).eps,
                                 unit_floor))
+            if p > 0:  # a graph of its own: backward runs once per forward, as in torch
+                with torch.enable_grad():
+                    out = self._forward(*_fresh_args(inputs, leaves))
+                outputs = [pytree.tree_flatten(out)[0][k] for k in pos]
             # (copies: a backward may scale its grad_output in place, which must not move
             # the cotangents the dot-product test reads afterwards)
             grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff],
-                                        [c.clone() for c in cots],
-                                        allow_unused=True, retain_graph=p < PROBES - 1)
+                                        [c.clone() for c in cots], allow_unused=True)
             for i, g in zip(self.diff, grads):
                 x, t = leaves[i].detach(), ts[i]
                 if g is None:
