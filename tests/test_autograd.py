@@ -854,8 +854,13 @@ def _jagged(lengths, inner=3, requires_grad=False):
 _JAGGED_CALLS = {
     "tv.grad": lambda y, x, v: tv.grad(y, x, v),
     "tv.grad list": lambda y, x, v: tv.grad([y], [x], [v]),
-    "checked grad": lambda y, x, v: _in_checked(torch.autograd.grad, y, x, v),
+    # (torch's own function, taken before the block: it hands the nested output's
+    # __torch_function__ the function named torch.autograd.grad now, the wrapper)
+    "torch's grad in a block": lambda y, x, v: _in_checked(torch.autograd.grad, y, x, v),
+    # (the wrapper itself, looked up inside the block)
+    "checked grad": lambda y, x, v: _in_checked(lambda: torch.autograd.grad(y, x, v)),
     "checked Tensor.backward": lambda y, x, v: _in_checked(y.backward, v),
+    "checked backward": lambda y, x, v: _in_checked(lambda: torch.autograd.backward(y, v)),
     "tv.backward": lambda y, x, v: tv.backward(y, v),
 }
 
@@ -878,7 +883,10 @@ def test_a_vector_that_does_not_fit_a_jagged_output_is_explained(call, case):
          "dense": torch.ones(2, 3, dtype=torch.float64)}[case]
     with pytest.raises(RuntimeError, match=r"^Mismatch in shape: grad_output\[0\]") as info:
         _JAGGED_CALLS[call](y, x, v)
-    note = "\n".join(getattr(info.value, "__notes__", []))
+    # once: in a checked block the call comes back to the wrapper through the nested
+    # tensor's __torch_function__, and the error passed both (the explanation twice)
+    assert len(info.value.__notes__) == 1, info.value.__notes__
+    note = info.value.__notes__[0]
     assert "torch compares a ragged dimension (j1, j2, ...) by the offsets tensor" in note
     assert ".offsets()), values of shape" in note and "Fix: build " in note, note
     said = {"same lengths": "'s lengths, (2, 3), but is not built on ",
@@ -891,6 +899,21 @@ def test_a_vector_that_does_not_fit_a_jagged_output_is_explained(call, case):
             torch.ones_like(y.values()), y.offsets()), torch.ones_like(y)):
         (g,) = tv.grad(x * 2, x, fixed)
         torch.testing.assert_close(g.values(), 2 * torch.ones_like(x.values()))
+
+
+@pytest.mark.parametrize("call", ["tv.grad", "checked grad", "checked backward"])
+def test_a_number_beside_a_jagged_output_is_explained_once(call):
+    x = _jagged([2, 3], requires_grad=True)
+    y = x * 2
+    run = {"tv.grad": lambda: tv.grad([y, 1.0], x, [torch.ones_like(y), None]),
+           "checked grad": lambda: _in_checked(lambda: torch.autograd.grad(
+               [y, 1.0], x, [torch.ones_like(y), None])),
+           "checked backward": lambda: _in_checked(lambda: torch.autograd.backward(
+               [y, 1.0], [torch.ones_like(y), None]))}[call]
+    with pytest.raises(AssertionError, match="^Expected output to be a torch.Tensor") as info:
+        run()
+    assert len(info.value.__notes__) == 1, info.value.__notes__
+    assert "outputs[1]" in info.value.__notes__[0] or "tensors[1]" in info.value.__notes__[0]
 
 
 def test_an_error_in_a_jagged_graph_of_the_user_s_own_passes_through():

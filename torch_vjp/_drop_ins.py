@@ -180,7 +180,7 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
         entries = as_entries(given, labels, outs) if isinstance(
             given, (Tensor, tuple, list)) else None
         go = entries[i] if entries is not None and i < len(entries) else None
-        err.add_note(jagged_message(labels, i, out, go))
+        _explain(err, jagged_message(labels, i, out, go))
         raise
     except AssertionError as err:
         bad = [i for i, o in enumerate(outs)
@@ -190,8 +190,16 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
         explanation = output_type_message(labels, bad[0], outs[bad[0]])
         if not hasattr(err, "add_note"):  # pragma: no cover - Python 3.10
             raise torch_first(AssertionError, explanation, str(err)) from None
-        err.add_note(explanation)
+        _explain(err, explanation)
         raise
+
+
+def _explain(err: BaseException, explanation: str) -> None:
+    """Adds ``explanation`` to ``err`` as a note, once: in a checked scope, a call whose
+    outputs have ``__torch_function__`` (a jagged nested tensor) comes back to the checking
+    wrapper through torch's override protocol, and the error passes both."""
+    if explanation not in getattr(err, "__notes__", ()):
+        err.add_note(explanation)
 
 
 def _outputs_tuple(outputs: Any, labels: Labels) -> tuple[Any, ...]:
