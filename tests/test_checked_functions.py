@@ -213,6 +213,11 @@ MISTAKES = {
         r"^torch_vjp\.checked: Scale\.backward returned a float at index 0; backward returns, "
         r"at each index, a tensor \(dL/d input 0\) or None\.(.|\n)*Fix: return a tensor with "
         r"input 0's shape \(4,\)"),
+    "ndarray": (
+        _function("Scale", lambda ctx, g: (g * 2).detach().numpy()), lambda: (_leaf(4),),
+        "raises",
+        r"^torch_vjp\.checked: Scale\.backward returned an ndarray at index 0; backward "
+        r"returns, at each index, a tensor \(dL/d input 0\) or None\."),
     "tensor-for-non-tensor-input": (
         _function("Scale", lambda ctx, g: (g * 2, torch.ones(()))), lambda: (_leaf(4), 2.0),
         "raises",

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._errors import shape_str
+from torch_vjp._errors import shape_str, with_article
 
 
 @dataclass(frozen=True)
@@ -285,8 +285,8 @@ def type_message(call: str, fname: str, i: int, value: Any, slot: Slot,
     kind = type(value).__name__
     shape = f" {shape_str(slot.shape)}" if slot.shape is not None else ""
     return (
-        f"{call}: {fname}.backward returned a {kind} at index {i}; backward returns, "
-        f"at each index, a tensor (dL/d input {i}) or None.\n"
+        f"{call}: {fname}.backward returned {with_article(kind)} at index {i}; backward "
+        f"returns, at each index, a tensor (dL/d input {i}) or None.\n"
         + (f"  A gradient holds one number per element of input {i}, so it is a tensor of "
            f"input {i}'s shape{shape}; None stands for zero.\n" if slot.kind != "other" else
            f"  Input {i} is not a tensor: it has no gradient, so its value is None.\n")
