@@ -23,7 +23,7 @@ one graph.
   call returns the eager result; so does a later call that makes dynamo recompile the
   entry (NOTE [a recompiled entry]).
 * A compiled program runs as the eager call does, inside ``buffers_kept(f)``: a module in
-  training mode that ``f`` reaches (or the model, for the per-sample functions) gets back
+  training mode that ``f`` or an argument reaches (or the model, per sample) gets back
   every buffer its forward changed (BatchNorm's running statistics, spectral norm's
   vectors), since the program runs ``f`` as often as the products need. Every compiled
   call also runs with dynamo's guards on empty module hook dicts switched on
@@ -367,8 +367,8 @@ def compiled_call(
             return _first_call(call, key, kept, f, args, eager, build, 0, reused=True)
         return eager()
     try:  # (NOTE [a program that writes nothing])
-        with HOOK_GUARDS, (buffers_kept(f, found=found, trees=trees) if entry.writes
-                           else NO_CONTEXT):
+        with HOOK_GUARDS, (buffers_kept(f, primals=args, found=found, trees=trees)
+                           if entry.writes else NO_CONTEXT):  # (args: a module among them)
             before = _variants(entry.code)
             got = entry(f, args)  # this call's f: its closure as it is now
             recompiled = _variants(entry.code) != before
@@ -501,7 +501,8 @@ def _compile_first(
     why = None
     for fold in (True, False):  # (unfolded where the folded program disagrees with a
         try:  # non-finite eager result: NOTE [the basis folded])
-            with HOOK_GUARDS, buffers_kept(f):  # build() may call f (captured tensors too)
+            with HOOK_GUARDS, buffers_kept(f, primals=args):  # build() may call f (captured
+                # tensors too; a module among the arguments, as the eager call keeps it)
                 built = build()
                 built, fresh = built if isinstance(built, Built) else (built, tuple)
                 own = _own_code(_on_copies(built, len(args)),
