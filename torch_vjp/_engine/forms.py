@@ -274,7 +274,10 @@ def plain_jvp(
     f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...],
     has_aux: bool, batched: bool, chunk_size: int | None,
 ) -> tuple[Any, ...]:
-    """``torch.func.jvp``; batched, under ``vmap`` over the tangents' leading dimension."""
+    """``torch.func.jvp``; batched, under ``vmap`` over the tangents' leading dimension, a
+    chunk of ``chunk_size`` tangents at a time (chunked here: ``vmap``'s own ``chunk_size``
+    concatenates every output, and cannot concatenate the primal output and aux, which have
+    no batch dimension, ``out_dims`` None)."""
     if not batched:
         return jvp(f, primals, tangents, has_aux=has_aux)
 
@@ -282,4 +285,13 @@ def plain_jvp(
         return jvp(f, primals, t, has_aux=has_aux)
 
     out_dims = (None, 0, None) if has_aux else (None, 0)
-    return vmap(push, out_dims=out_dims, chunk_size=chunk_size)(tangents)
+    leaves, spec = tree_flatten(tangents)
+    n = leaves[0].shape[0] if leaves else 0
+    if chunk_size is None or chunk_size >= n:
+        return vmap(push, out_dims=out_dims)(tangents)
+    parts = [vmap(push, out_dims=out_dims)(tree_unflatten([t[i:i + chunk_size]
+                                                             for t in leaves], spec))
+             for i in range(0, n, chunk_size)]
+    pushed = [tree_flatten(p[1]) for p in parts]
+    cat = tree_unflatten([torch.cat(ts) for ts in zip(*(p[0] for p in pushed))], pushed[0][1])
+    return (parts[0][0], cat, *parts[0][2:])
