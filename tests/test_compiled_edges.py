@@ -100,3 +100,28 @@ def test_a_batched_jvp_in_chunks_inside_users_torch_compile():
     want = torch.func.vmap(lambda v: torch.func.jvp(f, (x,), (v,))[1])(vs)
     torch.testing.assert_close(got[0], f(x))
     torch.testing.assert_close(got[1], want)
+
+
+def test_a_fallback_for_a_module_that_updates_its_buffers_names_the_cause():
+    # (spectral norm in training mode runs a power iteration on every forward: each run of
+    # f computes from other vectors, so the compiled result differs from the eager one;
+    # the warning says why and how to fix it, and the buffers are left as they were)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 5, dtype=D)),
+        torch.nn.Tanh(), torch.nn.Linear(5, 2, dtype=D)).train()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    x = torch.randn(3, 4, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = tv.jacobian(model, x, compile=True)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)
+            and "compile=True" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert "Why: the compiled result differs from the eager one" in msgs[0]
+    assert "A module the function calls updates its buffers on every forward" in msgs[0]
+    assert "Fix: put the model in eval mode for the call (model.eval())" in msgs[0]
+    for n, b in model.named_buffers():
+        assert torch.equal(b, before[n]), n
+    # (the eager result: 'auto' ran f on the vectors of the power iteration's steps)
+    torch.testing.assert_close(got, torch.func.jacrev(model)(x), atol=1e-5, rtol=1e-5)

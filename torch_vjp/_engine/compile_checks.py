@@ -90,17 +90,23 @@ class GraphPrecision:
 class FirstRun:
     """What the eager run of a first call did besides its result, for the warning where the
     compiled result differs from it: whether it drew random numbers from the global
-    generators, and whether it wrote into the caller's tensors in ``args``. Made before the
-    eager run; :meth:`after_eager` right after it."""
+    generators, whether it wrote into the caller's tensors in ``args``, and whether it
+    changed a module's buffers (``buffers``: those of the modules f and the arguments reach,
+    put back after the eager call, which moves their versions: spectral norm's power
+    iteration, BatchNorm's statistics in training mode). Made before the eager run;
+    :meth:`after_eager` right after it."""
 
-    def __init__(self, args: tuple[Any, ...]) -> None:
+    def __init__(self, args: tuple[Any, ...], buffers: tuple[Tensor, ...] = ()) -> None:
         self.tensors = tuple(t for t in tree_leaves(args) if isinstance(t, Tensor))
         self.versions = versions_of(self.tensors)
+        self.buffers = tuple(b for b in buffers if not b.is_inference())
+        self.buffer_versions = versions_of(self.buffers)
         self.rng = _rng_states()
-        self.drew = self.wrote = False
+        self.drew = self.wrote = self.stateful = False
 
     def after_eager(self) -> None:
         self.wrote = versions_of(self.tensors) != self.versions
+        self.stateful = versions_of(self.buffers) != self.buffer_versions
         now = _rng_states()
         self.drew = len(now) != len(self.rng) or not all(
             torch.equal(a, b) for a, b in zip(now, self.rng))
@@ -112,6 +118,13 @@ class FirstRun:
                     f"tensor changed during the eager call), so the compiled run started "
                     f"from the changed values. Fix: write into a copy inside the function "
                     f"(x = x.clone() before x.mul_(2)), or use the out-of-place operation")
+        if self.stateful:
+            return (f"{differ}. A module the function calls updates its buffers on every "
+                    f"forward (spectral norm's power iteration, BatchNorm's running statistics "
+                    f"in training mode), and the Jacobian calls the function more than once, "
+                    f"so each run computed from other values. Fix: put the model in eval "
+                    f"mode for the call (model.eval()), or update that state outside the "
+                    f"Jacobian call")
         if self.drew:
             return (f"{differ}. The function draws random numbers (torch.randn, dropout in "
                     f"training mode: the global random generator moved during the eager "

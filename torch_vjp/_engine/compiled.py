@@ -444,7 +444,9 @@ def _first_call(
     """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
     of that key; or that found a deferred entry, ``reused``): the eager result, and the
     entry compiled, checked against it, or eager."""
-    run = FirstRun(args)
+    run = FirstRun(args, tuple(b for m in module_tree([*modules_reached(f),
+                                                       *modules_reached(args)])
+                               for b in m._buffers.values() if b is not None))
     result = eager()  # the checks, and f's own errors, of the eager path
     if not (all_finite(args) or all_finite(result)):  # (not judged: no entry, so the
         return result  # next call is a first call; a finite result is: nan_to_num(x))
