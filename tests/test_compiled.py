@@ -1691,3 +1691,20 @@ def test_footprint_sees_writes_versions_and_rebound_buffers():
     with torch.inference_mode():
         u = torch.zeros(2)
     assert not Footprint([u], []).moved()  # (no version: left out)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_jvp_strict_inside_the_users_compile_raises_as_eagerly(batched):
+    # (the plain form dropped strict: inside the user's torch.compile, an output that does
+    # not depend on the input gave zero tangents where the eager call raises)
+    x, v = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    v = v.expand(2, 3) if batched else v
+    f = lambda x: torch.ones(2, dtype=D)  # noqa: E731
+    with pytest.raises(RuntimeError, match="The output of f is independent of the inputs"):
+        tv.jvp(f, (x,), (v,), strict=True, batched=batched)
+    compiled = torch.compile(lambda x, v: tv.jvp(f, (x,), (v,), strict=True, batched=batched))
+    with pytest.raises(RuntimeError, match="The output of f is independent of the inputs"):
+        compiled(x, v)
+    g = lambda x: x * 2  # noqa: E731  (a dependent output: the same tangents as eagerly)
+    got = torch.compile(lambda x, v: tv.jvp(g, (x,), (v,), strict=True, batched=batched))(x, v)
+    torch.testing.assert_close(got[1], 2 * v)

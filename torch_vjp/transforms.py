@@ -532,7 +532,7 @@ def jvp(
 
         def program(f: Callable[..., Any], primals: tuple[Any, ...],
                     tangents: tuple[Any, ...]) -> Any:
-            return plain_jvp(f, primals, tangents, has_aux, batched, chunk)
+            return plain_jvp(f, primals, tangents, has_aux, batched, chunk, strict)
 
         if tracing():  # NOTE [compiled Jacobians]
             return program(f, primals, tangents)

@@ -272,17 +272,17 @@ def plain_hessian(
 
 def plain_jvp(
     f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...],
-    has_aux: bool, batched: bool, chunk_size: int | None,
+    has_aux: bool, batched: bool, chunk_size: int | None, strict: bool = False,
 ) -> tuple[Any, ...]:
-    """``torch.func.jvp``; batched, under ``vmap`` over the tangents' leading dimension, a
+    """``torch.func.jvp`` (``strict`` as its); batched, under ``vmap`` over the tangents' leading dimension, a
     chunk of ``chunk_size`` tangents at a time (chunked here: ``vmap``'s own ``chunk_size``
     concatenates every output, and cannot concatenate the primal output and aux, which have
     no batch dimension, ``out_dims`` None)."""
     if not batched:
-        return jvp(f, primals, tangents, has_aux=has_aux)
+        return jvp(f, primals, tangents, has_aux=has_aux, strict=strict)
 
     def push(t: tuple[Any, ...]) -> tuple[Any, ...]:
-        return jvp(f, primals, t, has_aux=has_aux)
+        return jvp(f, primals, t, has_aux=has_aux, strict=strict)
 
     out_dims = (None, 0, None) if has_aux else (None, 0)
     leaves, spec = tree_flatten(tangents)
