@@ -954,6 +954,14 @@ def _err_cases():
         ("params-unknown", lambda: per_sample_grads(m, lf, x, t, params=["0.weigth"]), PerSampleValueError,
          r"params names '0.weigth', which is not a parameter of the model.\n  Its parameters are: "
          r"'0.weight', '0.bias'"),
+        # (a buffer was called "not a parameter" without a word on what it is)
+        ("params-buffer", lambda: per_sample_grads(
+            nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).to(DT).eval(), lf, x, t,
+            params=["1.running_mean"]), PerSampleValueError,
+         r"params names '1.running_mean', which is not a parameter of the model. It is a "
+         r"buffer \(a state the forward reads or updates, such as BatchNorm's running "
+         r"statistics\), which has no gradient.\n  Its parameters are: '0.weight', '0.bias', "
+         r"'1.weight', '1.bias'"),
         ("params-tensor", lambda: per_sample_grads(m, lf, x, t, params=[m[0].weight]), PerSampleTypeError,
          r"params must hold parameter names \(str\), got a Parameter"),
         ("params-empty", lambda: per_sample_grads(m, lf, x, t, params=[]), PerSampleValueError,

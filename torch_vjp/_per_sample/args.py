@@ -325,9 +325,13 @@ def select(fn: str, model: nn.Module, params: Any) -> Selection:
             if n not in by_name:
                 known = ", ".join(repr(k) for k in list(by_name)[:8])
                 more = ", ..." if len(by_name) > 8 else ""
+                buffers = dict(model.named_buffers())
+                what = (" It is a buffer (a state the forward reads or updates, such as "
+                        "BatchNorm's running statistics), which has no gradient."
+                        if n in buffers else "")
                 raise PerSampleValueError(
-                    f"torch_vjp.{fn}: params names {n!r}, which is not a parameter of the model.\n"
-                    f"  Its parameters are: {known}{more}."
+                    f"torch_vjp.{fn}: params names {n!r}, which is not a parameter of the "
+                    f"model.{what}\n  Its parameters are: {known}{more}."
                 )
         if not names:
             raise PerSampleValueError(f"torch_vjp.{fn}: params is empty; name at least one parameter.")
