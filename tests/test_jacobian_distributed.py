@@ -878,3 +878,15 @@ def test_sharded_auto_check_allows_a_float32_step_inside_a_float64_function(one_
         got = tv.jacobian(f, x, process_group=one_rank_group)
     torch.testing.assert_close(got, torch.func.jacrev(f)(x), rtol=0, atol=1e-12)
     assert "rev-loop" not in fwdcheck.CHECKED.values()  # (the first route stood)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev", "fwd", "rev-loop"])
+def test_sharded_batch_jacobian_names_an_output_without_the_batch_by_its_place(
+        one_rank_group, strategy):
+    # (the sharded paths named it by its flat index, "output 1 of f", where the single
+    # process names f['loss'])
+    f = lambda x: {"logits": x.sin(), "loss": x.sum()}  # noqa: E731
+    with pytest.raises(tv.JacobianCallError, match=r"batch_jacobian: the output of "
+                       r"f\['loss'\] has shape \(\), but x has shape \(4, 3\)"):
+        tv.batch_jacobian(f, torch.randn(4, 3, dtype=DT), strategy=strategy,
+                          process_group=one_rank_group)

@@ -281,7 +281,7 @@ def sharded_jacobian(
         try:
             shapes = probe_outputs(prob)
             n_in = sum(math.prod(s) for s in in_rows(prob, batch))
-            n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob))
+            n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob, shapes[1]))
             mode = choose_mode(n_in, n_out)
             key = (signature(route_key(prob.f), prob.leaves, batch, prob.primals), mode)
             err = None

@@ -163,7 +163,7 @@ class Work:
         out, pullback = res[0], res[1]
         aux = res[2] if prob.has_aux else None
         flat_out, out_spec = tree_flatten(out)
-        rows_out = row_shapes(flat_out, self.batch, prob)
+        rows_out = row_shapes(flat_out, self.batch, prob, out_spec)
         n = sum(math.prod(s) for s in rows_out)
         start, stop = shard_range(n, self.rank, self.world)
         k = stop - start
@@ -188,7 +188,7 @@ class Work:
         ``torch_vjp._engine.plain.rev_plain`` on one process)."""
         prob = self.prob
         fn, flat_out, out_spec, aux, _ = plain_pullback(prob)
-        rows_out = row_shapes(flat_out, self.batch, prob)
+        rows_out = row_shapes(flat_out, self.batch, prob, out_spec)
         n = sum(math.prod(s) for s in rows_out)
         start, stop = shard_range(n, self.rank, self.world)
         if stop == start:
@@ -221,7 +221,8 @@ class Work:
                 with torch.no_grad():
                     aux = prob.g(*leaves)[1]
         else:
-            n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob))
+            n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob,
+                                                                 out_spec))
             chunk = self._chunk(k, n_out, n, [o.dtype for o in flat_out],
                                 flat_out[0].dtype if flat_out else None, records)
             rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
