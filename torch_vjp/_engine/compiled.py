@@ -437,6 +437,12 @@ def _variants(code: types.CodeType | None) -> int:
     return len(entries(code)) if entries is not None and code is not None else 0
 
 
+def _trees_reached(f: object, args: tuple[Any, ...]) -> list[torch.nn.Module]:
+    """Every module ``f`` or the arguments reach, with the modules each holds: those whose
+    buffers a first call watches (FirstRun, Footprint)."""
+    return module_tree([*modules_reached(f), *modules_reached(args)])
+
+
 def _first_call(
     call: str, key: Any, kept: list[object], f: object, args: tuple[Any, ...],
     eager: Callable[[], Any], build: Callable[[], Any], recompiles: int, reused: bool = False,
@@ -444,8 +450,7 @@ def _first_call(
     """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
     of that key; or that found a deferred entry, ``reused``): the eager result, and the
     entry compiled, checked against it, or eager."""
-    run = FirstRun(args, tuple(b for m in module_tree([*modules_reached(f),
-                                                       *modules_reached(args)])
+    run = FirstRun(args, tuple(b for m in _trees_reached(f, args)
                                for b in m._buffers.values() if b is not None))
     result = eager()  # the checks, and f's own errors, of the eager path
     if not (all_finite(args) or all_finite(result)):  # (not judged: no entry, so the
@@ -512,9 +517,8 @@ def _compile_first(
                 precision = GraphPrecision(fold=fold)
                 program = torch.compile(own, fullgraph=True, dynamic=False,
                                         backend=precision)
-                found = reached(f)  # (NOTE [a program that writes nothing])
-                footprint = Footprint(found[1], module_tree(
-                    [*found[0], *modules_reached(args)]))
+                # (NOTE [a program that writes nothing])
+                footprint = Footprint(reached(f)[1], _trees_reached(f, args))
                 got = program(f, *args, *fresh())
                 entry.writes = footprint.moved()
         except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
