@@ -82,9 +82,15 @@ class GraphPrecision:
         from torch._inductor import config
 
         from torch_vjp._engine.basis_fold import BasisFold
+        from torch_vjp._engine.onednn import OneDnnProducts, faster_here
 
-        with config.patch(post_grad_custom_pre_pass=BasisFold() if self.fold else None):
-            return inductor(gm, example_inputs)  # NOTE [the basis folded]
+        after = config.post_grad_custom_post_pass  # (one set already runs first)
+        after = [] if not after else list(after) if isinstance(after, (list, tuple)) \
+            else [after]
+        with config.patch(post_grad_custom_pre_pass=BasisFold() if self.fold else None,
+                          post_grad_custom_post_pass=[*after, OneDnnProducts()]
+                          if faster_here() else after or None):
+            return inductor(gm, example_inputs)  # NOTE [the basis folded], [oneDNN products]
 
 
 class FirstRun:
