@@ -366,9 +366,10 @@ def compiled_call(
                     del _CACHE[key]
             return _first_call(call, key, kept, f, args, eager, build, 0, reused=True)
         return eager()
-    try:  # (NOTE [a program that writes nothing])
-        with HOOK_GUARDS, (buffers_kept(f, primals=args, found=found, trees=trees)
-                           if entry.writes else NO_CONTEXT):  # (args: a module among them)
+    try:  # (NOTE [a program that writes nothing]; no HOOK_GUARDS: NOTE [hook guards
+        # while compiling] in compile_key.py)
+        with (buffers_kept(f, primals=args, found=found, trees=trees)
+              if entry.writes else NO_CONTEXT):  # (args: a module among them)
             before = _variants(entry.code)
             got = entry(f, args)  # this call's f: its closure as it is now
             recompiled = _variants(entry.code) != before
