@@ -304,3 +304,80 @@ def test_a_buffer_the_forward_registers_or_replaces_is_taken_back(strategy):
     torch.testing.assert_close(J, 2.0 * torch.eye(3, dtype=torch.float64))
     assert m._buffers["w"] is w and dict(m._parameters) == {}
     assert [name for name, _ in m.named_buffers()] == ["w"]
+
+
+class _Renormed(torch.nn.Module):
+    """An Embedding with max_norm (whose forward renormalises the rows it looks up, in place,
+    in eval mode too) feeding a layer of the differentiated input."""
+
+    def __init__(self, bag=False):
+        super().__init__()
+        self.emb = (torch.nn.EmbeddingBag(10, 4, max_norm=1.0, mode="sum") if bag
+                    else torch.nn.Embedding(10, 4, max_norm=1.0)).double()
+        with torch.no_grad():
+            self.emb.weight.mul_(5)  # (every row longer than max_norm)
+        self.idx = torch.tensor([[1, 2, 3]]) if bag else torch.tensor([1, 2, 3])
+
+    def forward(self, x):
+        e = self.emb(self.idx).reshape(-1, 4)
+        return torch.tanh(e * x).sum(-1)
+
+
+def _renormed_reference(net, x):
+    # (the Jacobian at the renormalised table, which is what every call of f but the first
+    # one sees: the table renormalised once, on a copy)
+    import copy
+
+    twin = copy.deepcopy(net)
+    with torch.no_grad():
+        twin(x)
+    e = twin.emb(twin.idx).reshape(-1, 4).detach()
+    return torch.func.jacrev(lambda t: torch.tanh(e * t).sum(-1))(x)
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["Embedding", "EmbeddingBag"])
+@pytest.mark.parametrize("call", ["auto", "rev-loop", "fwd-loop", "compile", "hessian",
+                                  "eval"])
+def test_an_embedding_with_max_norm_keeps_its_table(bag, call):
+    # (its forward renormalises the rows it looks up in place; a Jacobian call changed the
+    # user's table as a training step would, and compile=True's warning said the eager call
+    # puts it back, which it did not)
+    net = _Renormed(bag)
+    if call == "eval":
+        net.eval()
+    before = net.emb.weight.detach().clone()
+    x = torch.randn(3, 4, dtype=D)
+    ref = _renormed_reference(net, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (vmap's refusal of the in-place renorm; compile's)
+        if call in ("auto", "rev-loop", "fwd-loop", "eval"):
+            got = tv.jacobian(net, x, strategy="auto" if call == "eval" else call)
+            torch.testing.assert_close(got, ref)
+        elif call == "compile":
+            for _ in range(2):
+                torch.testing.assert_close(tv.jacobian(net, x, compile=True), ref)
+        else:
+            tv.hessian(lambda t: net(t).sum(), x)
+    assert torch.equal(net.emb.weight, before), "the table was renormalised in place"
+
+
+@pytest.mark.parametrize("call", ["fwd", "jvp", "vjp"])
+def test_torch_funcs_refusal_of_max_norm_says_eval_mode_is_no_fix(call):
+    # (torch.func refuses the in-place renormalisation; the message named a module's running
+    # statistics and eval mode, which renormalises just the same)
+    net = _Renormed().eval()
+    before = net.emb.weight.detach().clone()
+    x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(tv.TorchVJPError) as info:
+        if call == "fwd":
+            tv.jacobian(net, x, strategy="fwd")
+        elif call == "jvp":
+            tv.jvp(net, (x,), (torch.ones_like(x),))
+        else:
+            tv.vjp(net, x)
+    text = str(info.value)
+    assert "an Embedding with max_norm renormalises the rows it looks up, in eval mode too" \
+        in text, text
+    assert "set the Embedding's max_norm to None" in text and "eval mode (" not in text, text
+    assert "running statistics" not in text, text
+    assert torch.equal(net.emb.weight, before)

@@ -18,10 +18,12 @@ from torch.utils._pytree import tree_leaves
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.refusals import (
+    RENORM_FIX,
     VMAP_CAUSES,
     forward_refusal,
     mutates_captured,
     refusal_kind,
+    renorms,
     vmap_refusal,
 )
 from torch_vjp._engine.rows import run_with_fallback
@@ -80,10 +82,10 @@ def _explained(call: str, what: str) -> Iterator[None]:
                 f"{call}: {why}.\n  torch.func said: {quote_error(err)}\n  Fix: {fix}."
             ) from None
         raise JacobianCallError(
-            f"{call}: f changes a tensor it captured in place (a module in training mode "
-            f"updating its running statistics, say), which torch.func.{what}, on which "
+            f"{call}: {vmap_refusal(err)}, which torch.func.{what}, on which "
             f"{call} computes, cannot differentiate.\n  torch.func said: {quote_error(err)}\n"
-            f"  Fix: put the module in eval mode (model.eval()); or differentiate with plain "
+            f"  Fix: {RENORM_FIX if renorms(err) else 'put the module in eval mode (model.eval())'}"
+            f"; or differentiate with plain "
             f"autograd: out = f(x) with x.requires_grad_(), then torch_vjp.grad(out, x, v) "
             f"for a vjp, or torch.autograd.functional.{what}(f, x, v)."
         ) from None

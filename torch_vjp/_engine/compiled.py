@@ -532,8 +532,9 @@ def _compile_first(
             # (the eager path puts back what a forward changes in place; a compiled program
             # cannot, so this signature stays eager)
             warn_eager(call, f, "the function changes a parameter in place (an Embedding "
-                                 "with max_norm, a no-grad update in a forward), which the "
-                                 "compiled program cannot put back as the eager call does")
+                                 "with max_norm, whose table the eager call puts back; a "
+                                 "no-grad update in a forward), which the compiled program "
+                                 "cannot put back")
             return result
         why = results_agree(result, got, precision.least)
         if why is None or all_finite(result):  # (the fold changes no finite result)

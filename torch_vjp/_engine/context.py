@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.kept import (CAPTURED, KEPT_ELEMENTS, KEPT_TOTAL, LEARNED_FROM, MOVES,
-                                     Walked, Watched, captured_kept, module_buffers, walked_tensors,
-                                     walked_tree)
+                                     Walked, Watched, captured_kept, module_buffers,
+                                     renormed_weights, walked_tensors, walked_tree)
 from torch_vjp._errors import JacobianOptionError
 
 try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
@@ -170,6 +170,7 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
     given = trees or {}
     trees = {id(m): given.get(id(m)) or module_tree((m,)) for m in modules}
     kept = module_buffers(trees.values()) if modules else []
+    renormed = renormed_weights(trees.values()) if modules else []
     key = None
     captured = captured_kept(tensors, {id(t) for _, t in kept}) if tensors else []
     if captured:  # (NOTE [captured tensors, learned once] in kept.py)
@@ -185,7 +186,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
         if moves is not None:
             key = None
     # (NOTE [one walk per call] in kept.py: the call reads the trees and tensors found here)
-    return Walked(f, trees, tensors, Watched(kept) if kept else None, key)
+    return Walked(f, trees, tensors, Watched(kept, renormed) if kept or renormed else None,
+                  key)
 
 
 def captured_tensors(f: object) -> tuple[Tensor, ...]:

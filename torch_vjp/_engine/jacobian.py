@@ -94,8 +94,10 @@ from torch_vjp._engine.rows import (
     run_with_fallback,
 )
 from torch_vjp._engine.refusals import (
+    RENORM_FIX,
     VMAP_CAUSES,
     forward_refusal,
+    renorms,
     vmap_refusal,
     writes_into_input,
 )
@@ -348,8 +350,8 @@ def func_refusal(prob: Problem, mode: str, why: str, err: BaseException,
         f"cannot run f ({function_name(prob.f)}) in {mode}-mode products: {why}\n"
         f"  torch.func said: {quote_error(err)}\n"
         f"  Fix: strategy={choices} (they compute such a "
-        f"function with plain autograd or one product at a time), or put the module "
-        f"in eval mode if it is one."
+        f"function with plain autograd or one product at a time), or "
+        + (f"{RENORM_FIX}." if renorms(err) else "put the module in eval mode if it is one.")
     )
 
 

@@ -13,7 +13,10 @@ So the captured tensors that do not require grad (a parameter is a weight, not a
 are copied before the call and compared after it, bit for bit (NOTE [unchanged, bit for
 bit]), and put back where they changed; at most KEPT_ELEMENTS elements each and
 KEPT_TOTAL in all (running statistics and counters are small; a weight matrix or a dataset
-would cost a copy per call): such a one is not put back. jacobian_blocks warns of any
+would cost a copy per call): such a one is not put back. The weight of an Embedding (or
+EmbeddingBag) with ``max_norm`` is kept too, in either mode: its forward renormalises the
+rows it looks up in place (a copy of the table per call, for the few models that set
+max_norm). jacobian_blocks warns of any
 tensor f reaches whose version counter a call moved, reading the same collection
 (context.captured_tensors: the tensors buffers_kept found, those inside a global list
 included), so that none is left moved unsaid; a change without a version bump (a kernel's)
@@ -47,7 +50,8 @@ from torch import Tensor
 
 __all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "LEARNED_FROM", "Footprint", "Walked",
            "Watched", "bound_buffers", "captured_kept", "module_buffers", "moved_message",
-           "put_back", "rebind_buffers", "same_bits", "walked_tensors", "walked_tree"]
+           "put_back", "rebind_buffers", "renormed_weights", "same_bits", "walked_tensors",
+           "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
@@ -163,6 +167,22 @@ def module_buffers(trees: Iterable[list[torch.nn.Module]]) -> list[tuple[str, Te
                 seen.add(id(b))
                 buffers.append(("", b))
     return buffers
+
+
+def renormed_weights(trees: Iterable[list[torch.nn.Module]]) -> list[tuple[str, Tensor]]:
+    """The weights of the ``Embedding`` and ``EmbeddingBag`` modules of ``trees`` with a
+    ``max_norm``: their forward renormalises the rows it looks up in place, in eval mode
+    too (NOTE [what a call puts back])."""
+    seen: set[int] = set()
+    weights = []
+    for tree in trees:
+        for m in tree:
+            if (isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                    and m.max_norm is not None and isinstance(m.weight, Tensor)
+                    and id(m.weight) not in seen):
+                seen.add(id(m.weight))
+                weights.append(("", m.weight))
+    return weights
 
 
 #: The running :class:`Walked` context, per thread.

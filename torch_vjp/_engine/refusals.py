@@ -5,8 +5,8 @@ refusal of an in-place write into a differentiated leaf (:func:`writes_into_inpu
 
 from __future__ import annotations
 
-__all__ = ["SPARSE_TANGENT", "VMAP_CAUSES", "forward_refusal", "mutates_captured", "refusal_kind",
-           "vmap_refusal", "writes_into_input"]
+__all__ = ["RENORM_FIX", "SPARSE_TANGENT", "VMAP_CAUSES", "forward_refusal", "mutates_captured",
+           "refusal_kind", "renorms", "vmap_refusal", "writes_into_input"]
 
 
 #: What each known refusal of torch.func's transforms says, by its kind.
@@ -31,6 +31,21 @@ _WHY = {
     "no_vmap": ("f uses a custom torch.autograd.Function without vmap support (no vmap "
                 "staticmethod, generate_vmap_rule unset), which torch.vmap cannot batch"),
 }
+
+#: The "captured" refusal of an Embedding's max_norm, which renormalises the rows it looks up
+#: in place in eval mode too (so eval mode is no fix), and its fix.
+_RENORM = ("f changes a tensor it captured in place (an Embedding with max_norm renormalises "
+           "the rows it looks up, in eval mode too)")
+RENORM_FIX = ("renormalise the table before the call and set the Embedding's max_norm to "
+              "None (torch.embedding_renorm_(emb.weight.detach(), idx, max_norm, 2.0) under "
+              "torch.no_grad())")
+
+
+def renorms(err: BaseException) -> bool:
+    """Whether ``err`` is torch.func refusing an Embedding's max_norm renormalisation."""
+    return isinstance(err, RuntimeError) and "embedding_renorm_" in str(err) and (
+        "mutate a captured Tensor" in str(err))
+
 
 #: Refusals of torch.vmap alone: one product at a time (a loop) runs such a function, so
 #: :func:`refusal_kind` does not name them (a batched vjp or jvp falls back to its loop),
@@ -87,6 +102,8 @@ def vmap_refusal(err: BaseException) -> str | None:
     if kind is None and isinstance(err, RuntimeError):
         text = str(err)
         kind = next((k for k, said in _VMAP_ONLY.items() if said in text), None)
+    if kind == "captured" and renorms(err):
+        return _RENORM
     return None if kind is None else _WHY[kind]
 
 
