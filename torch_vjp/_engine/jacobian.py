@@ -101,7 +101,9 @@ from torch_vjp._engine.refusals import (
     vmap_refusal,
     writes_into_input,
 )
-from torch_vjp._engine.shapes import Opts, Shapes, StaleShapes, in_rows, probe_shapes
+from torch_vjp._engine.shapes import (
+    Opts, Shapes, StaleShapes, chunk_for, in_rows, probe_shapes,
+)
 from torch_vjp._errors import (
     JacobianWarning,
     StrategyError,
@@ -268,6 +270,8 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                 # output size changed)
                 check = (signature(route_key(prob.f), prob.leaves, opts.batch,
                                    prob.primals), mode)
+                if _one_at_a_time(prob, mode, shapes, opts):
+                    check += ("one at a time",)  # NOTE [a chunk of one checks no vmap]
                 route = CHECKED.get(check)
                 if route is not None:
                     if route == "rev-loop":
@@ -324,6 +328,25 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                 raise
             raise func_refusal(prob, mode, why, err) from None
     return _auto(prob, mode, shapes, opts, functorch_loops)
+
+
+# NOTE [a chunk of one checks no vmap]
+# A chunk of one product is a plain call, with no vmap (as torch.func.jacrev's
+# chunk_size=1): its result agrees with the check's reverse product even where a batching
+# rule is wrong (torch.cdist's backward), and a route remembered from it told later calls
+# with larger chunks (chunk_size=None, a larger max_memory) that vmap had been checked for
+# the function and signature: they returned the vmapped Jacobian unchecked, wrong. So calls
+# whose products run one at a time are checked and remembered under a key of their own.
+
+
+def _one_at_a_time(prob: Problem, mode: str, shapes: Shapes, opts: Opts) -> bool:
+    """Whether the products of ``mode`` run one at a time, never under vmap: in chunks of
+    one (``chunk_size=1``, or all the budget leaves room for). NOTE [a chunk of one checks
+    no vmap]. (A small request without options plans nothing, NOTE [memory model]; a large
+    one reads the free memory, as its products do.)"""
+    records = shapes.records if mode == "fwd" else False
+    return chunk_for(prob, mode, shapes.rows, [o.dtype for o in shapes.flat], opts,
+                     records) == 1
 
 
 def fwd_loop_refusal(prob: Problem, err: BaseException) -> Exception | None:

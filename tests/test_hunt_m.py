@@ -1,0 +1,55 @@
+"""Strategy choice, memory limits and the comparison tool: cases where a first call's
+options or side effects changed what a later call computed or reported."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+
+D = torch.float64
+
+
+def _cdist_case():
+    y = torch.randn(3, 2, dtype=D)
+    x = torch.randn(4, 2, dtype=D)
+    ref = torch.autograd.functional.jacobian(lambda a: torch.cdist(a, y), x)
+    return y, x, ref
+
+
+@pytest.mark.parametrize("first", [
+    {"chunk_size": 1},
+    {"max_memory": 1500},  # room for the result and one product: chunks of one
+], ids=["chunk_size=1", "max_memory-one-product"])
+@pytest.mark.parametrize("later", [{}, {"chunk_size": 3}], ids=["unchunked", "chunk_size=3"])
+def test_auto_after_a_chunk_of_one_still_checks_vmap(first, later):
+    # torch.cdist's backward has a wrong batching rule: reverse mode under vmap is wrong,
+    # which "auto" finds by its check. A first call in chunks of one runs no vmap, so its
+    # check said nothing about vmap, and must not stand for the vectorised calls after it.
+    y, x, ref = _cdist_case()
+
+    def f(a):
+        return torch.cdist(a, y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(tv.jacobian(f, x, **first), ref)
+        torch.testing.assert_close(tv.jacobian(f, x, **later), ref)
+
+
+def test_batch_jacobian_after_a_chunk_of_one_still_checks_vmap():
+    y, _, _ = _cdist_case()
+    xb = torch.randn(3, 4, 2, dtype=D)
+    ref = torch.stack([torch.autograd.functional.jacobian(lambda r: torch.cdist(r, y), row)
+                       for row in xb])
+
+    def g(b):
+        return torch.cdist(b, y.expand(3, 3, 2))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(tv.batch_jacobian(g, xb, chunk_size=1), ref)
+        torch.testing.assert_close(tv.batch_jacobian(g, xb), ref)
