@@ -545,6 +545,9 @@ def _traced_call(prob: Problem) -> tuple[Any, torch.dtype | None]:
     f (the RMSNorm of Llama and T5) rounds every strategy at float32's, so their results
     differ from the float64 reference by that much, and are right. None, with f called
     plainly, where f cannot run with inputs that require grad (it calls ``.numpy()``, say)."""
+    # (the leaves as the caller gave them: the plain call before this one may have written
+    # into them, and f at another point is not f drawing other random numbers)
+    prob.reset_primals()
     try:
         with torch.enable_grad():
             xs = [x.detach().requires_grad_(True) for x in prob.leaves]
