@@ -71,3 +71,29 @@ def test_compare_does_not_call_a_function_that_writes_into_its_input_random():
     torch.testing.assert_close(x, x0, rtol=0, atol=0)
     want = torch.diag(2 * torch.cos(2 * x0))
     torch.testing.assert_close(tv.jacobian(scale_in_place, x), want)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev", "rev-loop"])
+def test_max_memory_of_an_empty_output_needs_no_working_memory(strategy):
+    # No output element: reverse mode computes no product, and the result is empty, so any
+    # budget fits. It was refused for one product's working memory (32 kB here).
+    x = torch.randn(1000, dtype=D)
+    J = tv.jacobian(lambda a: a[:0] * 2, x, strategy=strategy, max_memory="1kB")
+    assert J.shape == (0, 1000) and J.dtype == D
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fwd", "fwd-loop"])
+def test_max_memory_of_an_empty_input_needs_no_working_memory(strategy):
+    # No input element: forward mode computes no product; "auto" takes it rather than one
+    # reverse product per output element, each budgeted working memory.
+    y = torch.randn(1000, dtype=D)
+    J = tv.jacobian(lambda a: y * a.sum(), torch.zeros(0, dtype=D), strategy=strategy,
+                    max_memory="1kB")
+    assert J.shape == (1000, 0) and J.dtype == D
+
+
+def test_a_result_that_does_not_fit_is_still_refused():
+    # (the budget still bounds a result that is not empty)
+    x = torch.randn(1000, dtype=D)
+    with pytest.raises(tv.JacobianMemoryError, match=r"the result needs 8 kB"):
+        tv.jacobian(lambda a: a.sum()[None], x, strategy="rev", max_memory="1kB")

@@ -200,12 +200,17 @@ def choose_mode(n_in: int, n_out: int) -> Literal["rev", "fwd"]:
         n_out: number of output elements (rows of J).
 
     Returns:
-        ``"fwd"`` when ``n_out > FWD_OUT_IN_RATIO * n_in + FWD_OFFSET``, else ``"rev"``.
+        ``"fwd"`` when ``n_out > FWD_OUT_IN_RATIO * n_in + FWD_OFFSET``, else ``"rev"``;
+        ``"fwd"`` also where there is no input element (and some output element): forward
+        mode then computes no product at all, where reverse mode would compute one per
+        output element, each budgeted working memory (NOTE [memory model]).
 
     Example:
-        >>> choose_mode(8, 512), choose_mode(512, 8), choose_mode(256, 256)
-        ('fwd', 'rev', 'rev')
+        >>> choose_mode(8, 512), choose_mode(512, 8), choose_mode(256, 256), choose_mode(0, 5)
+        ('fwd', 'rev', 'rev', 'fwd')
     """
+    if n_in == 0 < n_out:
+        return "fwd"
     return "fwd" if n_out > FWD_OUT_IN_RATIO * n_in + FWD_OFFSET else "rev"
 
 

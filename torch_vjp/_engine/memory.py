@@ -267,6 +267,10 @@ def plan_chunk(
     Raises:
         JacobianMemoryError: the result plus one product does not fit the budget.
     """
+    if n_vectors == 0:
+        # (no product runs: a reverse-mode Jacobian of an empty output, a forward-mode one
+        # of an empty input; the result, empty too, is all there is to fit)
+        per_vector = 0
     budget: int | None
     source = ""
     if max_memory is not None:
