@@ -97,3 +97,26 @@ def test_a_result_that_does_not_fit_is_still_refused():
     x = torch.randn(1000, dtype=D)
     with pytest.raises(tv.JacobianMemoryError, match=r"the result needs 8 kB"):
         tv.jacobian(lambda a: a.sum()[None], x, strategy="rev", max_memory="1kB")
+
+
+def test_compare_a_random_function_whose_output_size_changes():
+    # f keeps a random subset of its input: two plain calls return different shapes. The
+    # report's check for a random f compared them with torch.allclose, which raised torch's
+    # broadcasting error out of compare_strategies.
+    def random_subset(a):
+        return a[torch.rand(a.shape, dtype=a.dtype) > 0.5].sin()
+
+    torch.manual_seed(3)
+    x = torch.randn(8, dtype=D)
+    state = torch.get_rng_state()
+    report = tv.compare_strategies(random_subset, x, strategies=("rev", "rev-loop"),
+                                   min_run_time=0.001, memory=False)
+    assert "f is random" in report.reference
+    assert all(row.ok for row in report.rows), str(report)
+    torch.testing.assert_close(torch.get_rng_state(), state, rtol=0, atol=0)
+    # (each row's Jacobian was judged at the reference's draw: the one a call from here makes)
+    torch.set_rng_state(state)
+    keep = torch.rand(8, dtype=D) > 0.5
+    want = torch.diag(x.cos())[keep]
+    torch.set_rng_state(state)
+    torch.testing.assert_close(tv.jacobian(random_subset, x, strategy="rev"), want)

@@ -413,9 +413,11 @@ def compare_strategies(
             # (a second call at the same point: a random f, dropout in training mode, gives
             # every strategy draws of its own, and the report says so)
             again, least = _traced_call(prob)
+            # (a random f may return another shape on each call, a random subset of its
+            # input: another shape is another output, not an error of the comparison)
             random_f = not all(
-                not isinstance(a, Tensor) or torch.allclose(a, b, rtol=0.0, atol=0.0,
-                                                            equal_nan=True)
+                not isinstance(a, Tensor) or a.shape == b.shape and torch.allclose(
+                    a, b, rtol=0.0, atol=0.0, equal_nan=True)
                 for a, b in zip(tree_leaves(out), tree_leaves(again)))
             del out, again
 
