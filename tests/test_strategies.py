@@ -36,7 +36,10 @@ def test_jacobian_strategies_say_their_mode_and_whether_they_vectorise():
 
 @pytest.mark.parametrize("name, hint", [
     ("bogus", ""), ("reverse", " Did you mean 'rev'?"), ("JACFWD", " Did you mean 'fwd'?"),
-    ("for_loop", " Did you mean 'rev-loop'?"), (None, ""), (["rev"], ""),
+    ("for_loop", " Did you mean 'rev-loop'?"),
+    (None, " None is not a strategy: leave strategy out, or pass 'auto', for the default "
+           "choice."),
+    (["rev"], ""),
 ], ids=repr)
 def test_unknown_jacobian_strategy(name, hint):
     with pytest.raises(tv.StrategyError) as info:
@@ -53,8 +56,10 @@ def test_invalid_per_sample_strategy_lists_each_with_its_summary(name):
     with pytest.raises(tv.StrategyError) as info:
         get_strategy(name, call="torch_vjp.per_sample_grads", family="per-sample")
     lines = str(info.value).split("\n")
+    hint = ("" if name is not None else " None is not a strategy: leave strategy out, or "
+            "pass 'auto', for the default choice.")
     assert lines[0] == (f"torch_vjp.per_sample_grads: invalid strategy {name!r}. Supported: "
-                        f"('auto', 'hooks', 'vmap', 'loop').")
+                        f"('auto', 'hooks', 'vmap', 'loop').{hint}")
     assert [re.match(r"    '([a-z]+)': \S", line).group(1) for line in lines[1:]] == [
         "auto", "hooks", "vmap", "loop"]
 

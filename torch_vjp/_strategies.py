@@ -172,6 +172,9 @@ def get_strategy(
         guess = low if low in fam.strategies else fam.aliases.get(low)
         if guess is not None:
             hint = f" Did you mean {guess!r}?"
+    elif name is None:  # (a config's unset value, passed on as it is)
+        hint = (" None is not a strategy: leave strategy out, or pass 'auto', for the "
+                "default choice.")
     listing = ""
     if fam.listed:
         listing = "\n" + "\n".join(f"    {k!r}: {v.summary}" for k, v in fam.strategies.items())
