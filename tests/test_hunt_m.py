@@ -120,3 +120,21 @@ def test_compare_a_random_function_whose_output_size_changes():
     want = torch.diag(x.cos())[keep]
     torch.set_rng_state(state)
     torch.testing.assert_close(tv.jacobian(random_subset, x, strategy="rev"), want)
+
+
+@pytest.mark.parametrize("value, unitless", [(0.5, True), ("0.5", True), (1e-3, True),
+                                             ("0.5B", False)], ids=repr)
+def test_max_memory_under_a_byte_says_numbers_count_bytes(value, unitless):
+    # max_memory=0.5 (meant as gigabytes) became a budget of 0 bytes, refused as a
+    # Jacobian too large for 'max_memory=0 B'; the string '0.5' as 'zero bytes'.
+    with pytest.raises(tv.JacobianOptionError) as info:
+        tv.jacobian(torch.sin, torch.randn(3, dtype=D), max_memory=value)
+    msg = str(info.value)
+    assert msg.startswith(f"torch_vjp.jacobian: max_memory={value!r} is less than one byte, "
+                          f"so no Jacobian fits it.")
+    number = repr(value) if isinstance(value, float) else value.rstrip("B")
+    hint = (f"A number, or a string without a unit, counts bytes: for {number} gigabytes, "
+            f"write max_memory='{number}GB'.")
+    assert (hint in msg) == unitless
+    assert "Pass a number of bytes" in msg
+    assert isinstance(info.value, ValueError)

@@ -131,6 +131,8 @@ def parse_max_memory(value: object, *, call: str) -> int | None:
                 f"{call}: max_memory={value!r}, but it must be a positive, finite number of "
                 f"bytes (None sets no budget). {how}"
             )
+        if value < 1:
+            raise JacobianOptionError(_under_a_byte(call, value, repr(value), True, how))
         return int(value)
     if isinstance(value, str):
         # ('2_000_000_000', digits grouped as in the example above and in Python's literals)
@@ -147,6 +149,9 @@ def parse_max_memory(value: object, *, call: str) -> int | None:
                 nbytes = int(size)
                 if nbytes > 0:
                     return nbytes
+                if size > 0:
+                    raise JacobianOptionError(
+                        _under_a_byte(call, value, m.group(1), unit == "", how))
                 raise JacobianOptionError(
                     f"{call}: max_memory={value!r} is zero bytes; it must be positive. {how}"
                 )
@@ -162,6 +167,17 @@ def parse_max_memory(value: object, *, call: str) -> int | None:
                 f"{how}"
             )
     raise JacobianOptionError(f"{call}: max_memory={value!r} is not a memory size. {how}")
+
+
+def _under_a_byte(call: str, value: object, number: str, unitless: bool, how: str) -> str:
+    """The message for a positive ``max_memory`` below one byte (``0.5``, meant as
+    gigabytes, say); ``number``: its digits, ``unitless``: it names no unit."""
+    hint = ""
+    if unitless:
+        hint = (f" A number, or a string without a unit, counts bytes: for {number} "
+                f"gigabytes, write max_memory='{number}GB'.")
+    return (f"{call}: max_memory={value!r} is less than one byte, so no Jacobian fits it."
+            f"{hint} {how}")
 
 
 def _read_int(path: str) -> int | None:
