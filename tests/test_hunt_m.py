@@ -138,3 +138,24 @@ def test_max_memory_under_a_byte_says_numbers_count_bytes(value, unitless):
     assert (hint in msg) == unitless
     assert "Pass a number of bytes" in msg
     assert isinstance(info.value, ValueError)
+
+
+def test_auto_checks_each_argnums_of_a_function_on_its_own():
+    # a and b have one shape, so the two calls have one input signature. The Jacobian in b
+    # runs no cdist backward, agrees with its check and was remembered as checked; the
+    # Jacobian in a, whose cdist backward vmap batches wrongly, then went unchecked.
+    y = torch.randn(3, 2, dtype=D)
+    a = torch.randn(4, 2, dtype=D)
+    b = torch.randn(4, 2, dtype=D)
+
+    def f(p, q):
+        return torch.cdist(p, y) * q.sum()
+
+    want_a, want_b = torch.autograd.functional.jacobian(f, (a, b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(tv.jacobian(f, a, b, argnums=1), want_b)
+        torch.testing.assert_close(tv.jacobian(f, a, b, argnums=0), want_a)
+        got_a, got_b = tv.jacobian(f, a, b, argnums=(0, 1))
+    torch.testing.assert_close(got_a, want_a)
+    torch.testing.assert_close(got_b, want_b)

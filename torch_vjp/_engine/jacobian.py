@@ -267,9 +267,11 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
             if fallback and vectorized and not is_nested():
                 # (with the mode the sizes chose: a route remembered for a wide Jacobian is
                 # not one for a tall Jacobian of the same function and input shapes, whose
-                # output size changed)
+                # output size changed; and with argnums: a route checked against one primal
+                # ran the backward formulas of that primal's path through f only, and the
+                # primals' shapes alone do not tell which primal was differentiated)
                 check = (signature(route_key(prob.f), prob.leaves, opts.batch,
-                                   prob.primals), mode)
+                                   prob.primals), mode, prob.argnums)
                 if _one_at_a_time(prob, mode, shapes, opts):
                     check += ("one at a time",)  # NOTE [a chunk of one checks no vmap]
                 route = CHECKED.get(check)
