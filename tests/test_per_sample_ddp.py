@@ -10,6 +10,7 @@ are those of the rank's own examples.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import tempfile
@@ -261,3 +262,79 @@ def test_hooks_on_the_ddp_wrapper_itself_are_refused():
         finally:
             ddp = None
             dist.destroy_process_group()
+
+
+def _spawn_within(worker, world, seconds):
+    """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; a rank that still runs
+    after ``seconds`` (a collective waiting for ever) fails the test instead of blocking it."""
+    import time
+
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.spawn(worker, args=(world, os.path.join(d, "init")), nprocs=world,
+                       join=False)
+        deadline = time.monotonic() + seconds
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                pytest.fail(f"the ranks were still running after {seconds} s")
+
+
+def _one_rank_fails_worker(rank, world, init_file):
+    # (a short timeout: a rank left waiting in a collective ends in seconds, not never)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=20))
+    ddp = None
+    try:
+        torch.set_num_threads(1)
+        ddp = nn.parallel.DistributedDataParallel(_model())
+        x, y = _data()
+        xs, ys = x[rank * 6:(rank + 1) * 6], y[rank * 6:(rank + 1) * 6].clone()
+        if rank == 1:
+            ys[2] = 7  # a target out of range in this rank's own examples only
+        loss = nn.CrossEntropyLoss(reduction="sum")
+        if rank == 1:  # the user's own error, untouched
+            with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+                tv.accumulate_clipped_grads(ddp, loss, xs, ys, max_norm=MAX_NORM)
+        else:
+            with pytest.raises(tv.PerSampleError, match=(
+                    r"(?s)^torch_vjp\.accumulate_clipped_grads: rank 1 of the "
+                    r"DistributedDataParallel process group failed while computing its "
+                    r"clipped sums, so no rank adds its sums to \.grad .*Rank 1 said: "
+                    r"IndexError: Target 7 is out of bounds.*in rank 1's traceback")):
+                tv.accumulate_clipped_grads(ddp, loss, xs, ys, max_norm=MAX_NORM)
+        assert all(p.grad is None for p in ddp.parameters()), f"rank {rank}: .grad changed"
+        # the group still works, and the next step synchronises as before
+        ys[2] = 0
+        for p in ddp.parameters():
+            p.grad = None
+        tv.accumulate_clipped_grads(ddp, loss, xs, ys, max_norm=MAX_NORM)
+        grads = [p.grad.clone() for p in ddp.parameters()]
+        said = [None] * world
+        dist.all_gather_object(said, grads)
+        for a, b in zip(*said):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # inside ddp.join() (uneven steps), a rank that has joined shadows DDP's own
+        # collectives only: no exchange of the library's there
+        steps = [slice(0, 3), slice(3, 6)] if rank == 0 else [slice(0, 3)]
+        with ddp.join():
+            for s in steps:
+                for p in ddp.parameters():
+                    p.grad = None
+                tv.accumulate_clipped_grads(ddp, loss, xs[s], ys[s], max_norm=MAX_NORM)
+        if rank == 0:  # its last step alone, divided by the world size (DDP's convention)
+            want = _clipped_sum(_model(), xs[3:6], ys[3:6], MAX_NORM)
+            for name, p in ddp.module.named_parameters():
+                torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10,
+                                           atol=1e-12, msg=f"join: {name}")
+        dist.barrier()
+    finally:
+        ddp = None
+        dist.destroy_process_group()
+
+
+def test_ddp_clipped_step_error_on_one_rank_reaches_every_rank():
+    # rank 1's loss raised on a target of its own examples; rank 0 went on into the reducer's
+    # all-reduce and waited there for rank 1 until the group's timeout
+    _spawn_within(_one_rank_fails_worker, 2, 90)

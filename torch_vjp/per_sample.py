@@ -33,6 +33,7 @@ from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, shape_str
 from torch_vjp._per_sample.args import check_max_norm, check_trainable, params_once
 from torch_vjp._per_sample.compiled import compilable, run_compiled, run_traced
+from torch_vjp._per_sample.distributed import failure_shared
 from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.plan import Plan, parametrize_cache_off
 from torch_vjp._per_sample.probe import forget_plans, plan_for
@@ -309,6 +310,9 @@ def accumulate_clipped_grads(
         StrategyError, PerSampleError: as for :func:`per_sample_grads`; PerSampleValueError
             for a ``max_norm`` that is not a positive finite number, or a selected parameter
             that does not require grad.
+        PerSampleError: for a model wrapped in DistributedDataParallel (outside ``no_sync``),
+            on every rank but those that failed, when another rank of its group failed while
+            computing its clipped sums (NOTE [DDP]); the failing ranks raise their own error.
 
     Examples:
         >>> import torch, torch_vjp as tv
@@ -332,19 +336,23 @@ def accumulate_clipped_grads(
                             max_norm=max_norm)
         if traced is not None:
             return traced
-    if do_compile and not tracing():
-        job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
-        if compilable(job):
-            def eager() -> tuple[Tensor, dict[str, Tensor]]:
-                norms, sums, _ = _norms_run(fn, model, loss_fn, inputs, targets, params,
-                                            strategy, max_norm)
-                return norms, param_sums(job, sums or {})
+    # (under DDP, an error on one rank reaches the others before the reducer's all-reduce)
+    with failure_shared(fn, model, strategy):
+        done = None
+        if do_compile and not tracing():
+            job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
+            if compilable(job):
+                def eager() -> tuple[Tensor, dict[str, Tensor]]:
+                    norms, sums, _ = _norms_run(fn, model, loss_fn, inputs, targets, params,
+                                                strategy, max_norm)
+                    return norms, param_sums(job, sums or {})
 
-            norms, sums = run_compiled("clipped", job, None, max_norm, eager)
-            add_to_grads(job, sums)
-            return norms
-    norms, sums, job = _norms_run(fn, model, loss_fn, inputs, targets, params, strategy,
-                                  max_norm)
+                done = run_compiled("clipped", job, None, max_norm, eager)
+        if done is None:
+            norms, sums, job = _norms_run(fn, model, loss_fn, inputs, targets, params,
+                                          strategy, max_norm)
+        else:
+            norms, sums = done
     assert sums is not None
     add_to_grads(job, sums)
     return norms

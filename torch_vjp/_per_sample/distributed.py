@@ -19,6 +19,14 @@ gradients). Under ``ddp.no_sync()`` the reducer stays out, and the sums accumula
 rank until the next synchronised step, as DDP's gradient accumulation does. A rank with no
 example (Poisson sampling) still takes part, with zero sums. The forward of the wrapped
 module is not run by that pass, only DDP's book-keeping (its buffer broadcast included).
+
+Before that pass, where the reducer will all-reduce (outside ``no_sync``), one ``all_reduce``
+(MAX) of a status flag over DDP's process group tells every rank whether some rank failed
+while computing its norms and sums (a target out of range in its own examples): then every
+rank raises (the failing ranks their own error, the others a ``PerSampleError`` naming the
+rank and quoting its error), and none waits for ever in the reducer's all-reduce for a rank
+that will not come. (The arguments are checked before any exchange: the same on every
+rank. Not inside ``ddp.join()``, whose joined ranks shadow DDP's own collectives only.)
 """
 
 from __future__ import annotations
@@ -31,9 +39,16 @@ import torch
 import torch.nn.modules.module as _module_mod
 from torch import Tensor, nn
 
-from torch_vjp._errors import PerSampleTypeError, PerSampleValueError
+from torch_vjp._engine.compiled import tracing
+from torch_vjp._errors import (
+    PerSampleError,
+    PerSampleTypeError,
+    PerSampleValueError,
+    quote_error,
+)
+from torch_vjp._strategies import get_per_sample_strategy
 
-__all__ = ["unwrap", "strip_prefix", "ddp_add_to_grads"]
+__all__ = ["unwrap", "strip_prefix", "ddp_add_to_grads", "failure_shared"]
 
 _FSDP_TYPES: dict[type, bool] = {}
 
@@ -170,6 +185,55 @@ def ddp_add_to_grads(
         else:
             del module.forward
     out.backward()
+
+
+@contextlib.contextmanager
+def failure_shared(fn: str, model: Any, strategy: Any) -> Iterator[None]:
+    """Around the clipped step's computation on a model wrapped in DDP that will synchronise:
+    an error on some rank reaches every rank before the reducer's all-reduce, where the
+    others would wait for it for ever (NOTE [DDP]). Raises the errors of ``unwrap`` and of
+    ``strategy`` first, before any exchange (DDP's buffer broadcast opens the computation)."""
+    ddp = unwrap(fn, model)[1]
+    if (ddp is None or not ddp.require_backward_grad_sync or tracing()
+            or torch.is_inference_mode_enabled()
+            or getattr(getattr(ddp, "_join_config", None), "enable", False)):
+        # (in inference mode every rank raises before its first exchange; inside
+        # ddp.join(), a rank that has joined shadows DDP's own collectives only)
+        yield
+        return
+    get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
+    try:
+        yield
+    except Exception as err:
+        _tell(fn, ddp, err)
+        raise
+    _tell(fn, ddp, None)
+
+
+def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException | None
+          ) -> None:
+    """Every rank's status; raises on a rank that did not fail where some rank did."""
+    import torch.distributed as dist
+
+    group = ddp.process_group
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([0 if err is None else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return
+    said: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, None if err is None else quote_error(err), group=group)
+    if err is not None:
+        return  # (the caller raises its own error)
+    first = next(r for r, s in enumerate(said) if s is not None)
+    raise PerSampleError(
+        f"torch_vjp.{fn}: rank {first} of the DistributedDataParallel process group failed "
+        f"while computing its clipped sums, so no rank adds its sums to .grad (the "
+        f"reducer's all-reduce would wait for rank {first} for ever). Rank {first} said: "
+        f"{said[first]}\n  The cause and its fix are in rank {first}'s traceback."
+    )
 
 
 #: The hook dicts ``Module.__call__`` runs: the module's own and the global ones.
