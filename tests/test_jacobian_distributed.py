@@ -688,6 +688,36 @@ def _fwd_loop_plain(rank, world, group):
         tv.jacobian(_OldNoJvp.apply, x, strategy="fwd-loop", process_group=group)
 
 
+def _random_draws(rank, world, group):
+    """f draws random numbers (dropout in training mode): every rank's generators must be in
+    one state, else each rank's share is of its own mask."""
+    x = torch.linspace(-1.0, 1.0, 8, dtype=DT)
+
+    def f(x):
+        return torch.nn.functional.dropout(x.sin(), 0.5, training=True) * x
+
+    with torch.random.fork_rng():
+        torch.manual_seed(100 + rank)  # each rank its own stream, as for its data
+        for strategy in ("rev", "auto"):
+            before = torch.get_rng_state()
+            with pytest.raises(tv.JacobianCallError, match=(
+                    r"(?s)^torch_vjp\.jacobian: f draws random numbers \(dropout in training "
+                    r"mode, say\), and the random generators are in another state on rank 1 "
+                    r"than on rank 0\..*the gathered Jacobian would mix them\..*Fix: seed the "
+                    r"generators alike on every rank just before the call")):
+                tv.jacobian(f, x, strategy=strategy, process_group=group)
+            assert torch.equal(torch.get_rng_state(), before)
+        # a function that draws nothing runs whatever state the generators hold
+        g = lambda x: torch.outer(x, x.sin())  # noqa: E731
+        _close(tv.jacobian(g, x, process_group=group), torch.func.jacrev(g)(x), "no draws")
+        # seeded alike: the Jacobian of f with one mask, that of the mask one call draws
+        torch.manual_seed(7)
+        want = torch.func.jacrev(f)(x)
+        torch.manual_seed(7)
+        got = tv.jacobian(f, x, strategy="rev", process_group=group)
+        _close(got, want, "seeded alike")
+
+
 def _worker(rank, world, init_file):
     # a failure that leaves one rank in a collective ends it in a minute, not never
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -702,6 +732,7 @@ def _worker(rank, world, init_file):
         _auto_checked(rank, world, dist.group.WORLD)
         _auto_checked_draws(rank, world, dist.group.WORLD)
         _fwd_loop_plain(rank, world, dist.group.WORLD)
+        _random_draws(rank, world, dist.group.WORLD)
         # a subgroup of ranks 0 and 1: the others stay out of it
         sub = dist.new_group([0, 1])
         if rank < 2:

@@ -25,7 +25,10 @@ not compared), the parameters and buffers of the modules ``f`` reaches and the t
 captures (weights drawn on each rank without a common seed make a function of each rank's
 own; where one differs, one more call of ``f`` on every rank, recording the tensors torch's
 functions are given, tells whether ``f`` reads it: a module's part that ``f`` never calls,
-a head of each rank's own, may differ), and checksums of the values (the sum and a sum
+a head of each rank's own, may differ), the states of the random generators (where one
+differs, one more call of ``f`` tells whether it draws: each rank's products would be of its
+own draws, its own dropout mask, and the gathered Jacobian a mix of several functions; a
+deterministic ``f`` runs whatever state each rank's generators hold), and checksums of the values (the sum and a sum
 weighted by numbers spread like random ones, alike on every rank, in float64, of the finite values, and one of where the
 non-finite ones are and what they are; each compared to the bound of float64 rounding, 2 n
 eps times the sum of its terms' magnitudes: the same values summed with different thread

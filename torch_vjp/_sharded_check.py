@@ -30,7 +30,10 @@ mixes rows]), and every rank raises its error once one rank finds one, as one pr
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
+import sys
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
@@ -259,7 +262,51 @@ def _read_by_f(prob: Problem, tensors: Sequence[Tensor]) -> list[bool]:
     return [id(t) in reads.ids for t in tensors]
 
 
-def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
+def _rng_digests(gens: Sequence[torch.Generator]) -> tuple[str, ...]:
+    """A digest of the state of each generator ``f`` may draw from: torch's CPU generator,
+    the current CUDA device's (where CUDA is initialised), Python's and NumPy's global ones,
+    and ``gens`` (f's own)."""
+    def digest(*parts: Any) -> str:
+        h = hashlib.sha1()
+        for part in parts:
+            h.update(part.cpu().numpy().tobytes() if isinstance(part, Tensor)
+                     else part.tobytes() if hasattr(part, "tobytes") else repr(part).encode())
+        return h.hexdigest()
+
+    try:
+        out = [digest(torch.get_rng_state())]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out.append(digest(torch.cuda.get_rng_state()))
+        out.append(digest(random.getstate()))
+        np = sys.modules.get("numpy")
+        if np is not None:
+            kind, keys, *rest = np.random.get_state()
+            out.append(digest(kind, np.asarray(keys), rest))
+        out += [digest(g.get_state()) for g in gens]
+    except Exception:  # noqa: BLE001 - unknown: then whether f draws decides
+        return ("?",)
+    return tuple(out)
+
+
+def _draws_from(prob: Problem, gens: Sequence[torch.Generator]) -> list[bool]:
+    """Which generators of :func:`_rng_digests` one call of ``f`` draws from (moves); f is
+    called once, without a graph, its draws and buffers put back; a call that fails draws
+    from none (the products will raise its error)."""
+    draws = SameDraws(gens, host=True)
+    draws()
+    try:
+        before = _rng_digests(gens)
+        with torch.no_grad(), buffers_kept(prob.f, primals=prob.primals):
+            prob.g(*prob.leaves)
+        return [a != b for a, b in zip(before, _rng_digests(gens))]
+    except Exception:  # noqa: BLE001 - (the products raise it, on every rank)
+        return []
+    finally:
+        draws()
+
+
+def _signature(prob: Problem, strategy: str, shard: bool,
+               gens: Sequence[torch.Generator]) -> dict[str, Any]:
     others = []
     for i, primal in enumerate(prob.primals):
         if i in prob.argnums:
@@ -278,6 +325,7 @@ def _signature(prob: Problem, strategy: str, shard: bool) -> dict[str, Any]:
         "sums": [_checksums(leaf) for leaf in prob.leaves],
         "others": others,
         "used": _used_tensors(prob)[0],
+        "rng": _rng_digests(gens),
     }
 
 
@@ -327,7 +375,8 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
     not even set its call up (NOTE [sharded Jacobian])."""
     import torch.distributed as dist
 
-    mine = _signature(prob, strategy, shard)
+    gens = own_generators(prob)
+    mine = _signature(prob, strategy, shard, gens)
     sigs: list[Any] = [None] * world
     dist.all_gather_object(sigs, mine, group=group)
     for r, sig in enumerate(sigs):
@@ -353,6 +402,21 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
         if len(sig["used"]) != len(ref["used"]):
             _used_disagrees(prob, f"f uses {len(sig['used'])} tensors that are not its "
                                   f"arguments on rank {r} but {len(ref['used'])} on rank 0")
+    # generators in other states on some rank are an error only where f draws from them
+    # (dropout in training mode): each rank's products would be of its own draws, and the
+    # gathered Jacobian would mix the functions of several masks
+    differ_at = [r for r, sig in enumerate(sigs) if sig["rng"] != ref["rng"]]
+    if differ_at:
+        n = len(ref["rng"])
+        # (which generators differ: those at a place where some rank's digest is another)
+        apart = [any(len(sig["rng"]) != n or sig["rng"][i] != ref["rng"][i] for sig in sigs)
+                 for i in range(n)]
+        moved = _draws_from(prob, gens)
+        hit = any(m and (i >= n or apart[i]) for i, m in enumerate(moved))
+        flag = torch.tensor([int(hit)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()):
+            _rng_disagrees(prob, differ_at[0])
     # a tensor f reaches that differs between ranks is an error only where f reads it
     differ = {i: how for r, sig in reversed(list(enumerate(sigs[1:], start=1)))
               for i, how in _used_differs(ref["used"], sig["used"], r)}
@@ -436,6 +500,20 @@ def _used_disagrees(prob: Problem, how: str) -> None:
         f"before building them, or broadcast them from rank 0 (torch.distributed.broadcast "
         f"of each tensor; DistributedDataParallel does it for a model's parameters and "
         f"buffers), or pass process_group=None to compute each rank's own Jacobian."
+    )
+
+
+def _rng_disagrees(prob: Problem, r: int) -> None:
+    raise JacobianCallError(
+        f"{prob.call}: f draws random numbers (dropout in training mode, say), and the "
+        f"random generators are in another state on rank {r} than on rank 0. With a "
+        f"process_group every rank computes a share of one Jacobian; each rank's share here "
+        f"is of f with its own draws (its own dropout mask), and the gathered Jacobian would "
+        f"mix them.\n"
+        f"  Fix: seed the generators alike on every rank just before the call (keeping each "
+        f"rank's own stream: with torch.random.fork_rng(): torch.manual_seed(seed); "
+        f"J = ...), or make f deterministic (model.eval()), or pass process_group=None to "
+        f"compute each rank's own Jacobian."
     )
 
 

@@ -181,7 +181,8 @@ def jacobian(
             ``create_graph=True`` or ``compile=True``; ``shard=True`` without a group;
             ``compile`` not a bool, or True with a loop strategy.
         JacobianCallError: with a ``process_group``, the ranks' calls differ (strategy,
-            argnums, primal shapes, dtypes or values), or another rank failed (each rank
+            argnums, primal shapes, dtypes or values), ``f`` draws random numbers from
+            generators in another state on some rank, or another rank failed (each rank
             raises; the failing rank its own error).
 
     Warns:
