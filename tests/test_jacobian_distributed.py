@@ -718,6 +718,38 @@ def _random_draws(rank, world, group):
         _close(got, want, "seeded alike")
 
 
+def _pytree_orders(rank, world, group):
+    """A dict of primals, or f's dict output, built in another key order on rank 1: each
+    rank numbers the products in its own order, so every rank raises (the values alike, the
+    gathered Jacobian mixed d/dw with d/db silently)."""
+    w, b = torch.zeros(3, dtype=DT), torch.zeros(3, dtype=DT)
+    p = {"w": w, "b": b} if rank == 0 else {"b": b, "w": w}
+    f = lambda p: torch.cat([p["w"] * 2 + 1, p["b"].sin() * 3 + p["w"][0]])  # noqa: E731
+    for strategy in ("rev", "fwd"):
+        with pytest.raises(tv.JacobianCallError, match=(
+                r"(?s)^torch_vjp\.jacobian: the differentiated primals are structured "
+                r"differently on rank 1 than on rank 0: in the order torch's pytree flattens "
+                r"them, leaf 0 is primals\[0\]\['b'\] on rank 1 but primals\[0\]\['w'\] on "
+                r"rank 0 .*Fix: build the dicts in one key order on every rank")):
+            tv.jacobian(f, p, strategy=strategy, process_group=group)
+    # the same dict, built in one order: d/dw and d/db where they belong
+    p = {"w": w, "b": b}
+    _close(tv.jacobian(f, p, process_group=group), torch.func.jacrev(f)(p), "dict primal")
+    x = torch.linspace(0.0, 1.0, 3, dtype=DT)
+
+    def g(x):
+        d = {"a": x.sin(), "b": x * 2}
+        return d if rank == 0 else {"b": d["b"], "a": d["a"]}
+
+    for strategy, shard in (("rev", False), ("fwd", False), ("auto", True)):
+        with pytest.raises(tv.JacobianCallError, match=(
+                r"(?s)^torch_vjp\.jacobian: the outputs of f are structured differently on "
+                r"rank 1 than on rank 0: in the order torch's pytree flattens them, leaf 0 is "
+                r"output\['b'\] on rank 1 but output\['a'\] on rank 0 .*Fix: build the dicts "
+                r"in one key order")):
+            tv.jacobian(g, x, strategy=strategy, process_group=group, shard=shard)
+
+
 def _worker(rank, world, init_file):
     # a failure that leaves one rank in a collective ends it in a minute, not never
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -733,6 +765,7 @@ def _worker(rank, world, init_file):
         _auto_checked_draws(rank, world, dist.group.WORLD)
         _fwd_loop_plain(rank, world, dist.group.WORLD)
         _random_draws(rank, world, dist.group.WORLD)
+        _pytree_orders(rank, world, dist.group.WORLD)
         # a subgroup of ranks 0 and 1: the others stay out of it
         sub = dist.new_group([0, 1])
         if rank < 2:

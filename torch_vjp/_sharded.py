@@ -19,9 +19,10 @@ returns a :class:`JacobianShard` holding its own products and their range.
 Ranks must agree on what they compute, or a collective would wait for ever or gather
 mismatched pieces. Before any product, one ``all_gather_object`` compares every rank's call
 with rank 0's: strategy, ``argnums``, ``has_aux``, ``shard``, the differentiated primals'
-shapes and dtypes, the arguments of ``f`` not differentiated (the Jacobian depends on them
-too: their tensors' shapes, dtypes and checksums, their numbers' values; other objects are
-not compared), the parameters and buffers of the modules ``f`` reaches and the tensors it
+structure (the paths of their leaves, in flattening order: a dict built in another key order
+on another rank numbers the products otherwise), shapes and dtypes, the arguments of ``f``
+not differentiated (the Jacobian depends on them too: their tensors' shapes, dtypes and
+checksums, their numbers' values; other objects are not compared), the parameters and buffers of the modules ``f`` reaches and the tensors it
 captures (weights drawn on each rank without a common seed make a function of each rank's
 own; where one differs, one more call of ``f`` on every rank, recording the tensors torch's
 functions are given, tells whether ``f`` reads it: a module's part that ``f`` never calls,
@@ -35,7 +36,9 @@ eps times the sum of its terms' magnitudes: the same values summed with differen
 counts may differ in the last bits). The mode of ``"auto"`` is then chosen from sizes alone, the same on every rank,
 and its products are checked against one reverse product as on one process (NOTE [sharded
 auto, checked] in ``torch_vjp._sharded_check``). After the products, one ``all_reduce``
-(MAX) of a status code tells every rank whether some rank failed: then every rank raises
+(MAX) of a status code, and of a digest of the structure of ``f``'s output (numbered
+in its flattening order too: every rank raises where the ranks' differ), tells every rank
+whether some rank failed: then every rank raises
 (the failing ranks their own error, the others a :class:`JacobianCallError` naming the rank
 and quoting its error), and none waits for a gather that will not come. ``"auto"`` falls back from vmap to a loop on each rank by
 itself (the values are the same either way); when forward mode fails on some rank, every
@@ -52,13 +55,14 @@ autograd, each rank its own share of reverse-mode products (``torch_vjp._sharded
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import is_nested
@@ -93,6 +97,7 @@ from torch_vjp._sharded_check import (
     agreed_route,
     check_agreement,
     fail_before_exchange,
+    order_differs,
     own_gap,
     verdict,
 )
@@ -300,12 +305,13 @@ def sharded_jacobian(
     first = SameDraws(own_generators(prob), host=True) if checks else None
     if first is not None:
         first()
-    part, code, err = _attempt(lambda: _route(work, route or mode, shapes), group, device)
+    part, code, err = _attempt(lambda: _route(work, route or mode, shapes), group, device,
+                                 prob.call)
     if code == _NO_FWD:
         if err is not None:
             _warn_no_forward(prob, err)
         mode = "rev"
-        part, code, err = _attempt(lambda: work.run(mode, None), group, device)
+        part, code, err = _attempt(lambda: work.run(mode, None), group, device, prob.call)
     if code >= _FAILED:
         _raise_failure(prob, err, group, rank, world)
     if route is not None:  # (remembered by every rank: not checked again)
@@ -332,15 +338,31 @@ def sharded_jacobian(
     return (jac, aux) if prob.has_aux else jac
 
 
-def _attempt(compute: Any, group: Any, device: torch.device) -> tuple[Any, int, Any]:
-    """``(part, code, err)``: this rank's products, and the worst status over the ranks."""
+def _attempt(compute: Any, group: Any, device: torch.device, call: str
+             ) -> tuple[Any, int, Any]:
+    """``(part, code, err)``: this rank's products, and the worst status over the ranks.
+    Raises, on every rank, where the ranks' outputs of f are structured differently (a dict
+    built in another key order: the products are numbered in each rank's own order)."""
     try:
         part, status, err = compute(), _OK, None
     except NoForwardMode as failed:
         part, status, err = None, _NO_FWD, failed.err
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
         part, status, err = None, _PASSES if passes_through(exc) else _FAILED, exc
-    return part, _all_max(status, group, device), err
+    # (a digest of the output's structure: its largest and smallest over the ranks differ
+    # where some rank's differs)
+    h = 0 if part is None else int(hashlib.sha1(str(part[1]).encode()).hexdigest()[:15], 16)
+    t = torch.tensor([status, h, -h], dtype=torch.int64, device=device)
+    _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
+    code, hi, lo = t.tolist()
+    if code == _OK and hi != -lo:
+        paths = [] if part is None else [keystr(p) for p, _ in tree_flatten_with_path(
+            tree_unflatten([0] * part[1].num_leaves, part[1]))[0]]
+        said: list[Any] = [None] * _dist().get_world_size(group)
+        _dist().all_gather_object(said, paths, group=group)
+        r = next(r for r, p in enumerate(said) if p != said[0])
+        order_differs(call, "the outputs of f", said[0], said[r], r, "output")
+    return part, code, err
 
 
 def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...]:
@@ -379,7 +401,8 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
         return part, mode
     for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
         first()
-        alt, code, err = _attempt(lambda: _route(work, name, shapes), group, device)
+        alt, code, err = _attempt(lambda: _route(work, name, shapes), group, device,
+                                  prob.call)
         if code == _PASSES:  # (out of memory: no other route hides it)
             _raise_failure(prob, err, group, work.rank, work.world)
         if code != _OK or not agrees(alt, "rev")[0]:

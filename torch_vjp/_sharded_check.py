@@ -56,7 +56,8 @@ from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, quote_error, shape_str
 
 __all__ = [
-    "ROUTES", "agreed_route", "check_agreement", "fail_before_exchange", "own_gap", "verdict",
+    "ROUTES", "agreed_route", "check_agreement", "fail_before_exchange", "order_differs",
+    "own_gap", "verdict",
 ]
 
 #: The routes "auto" may take, in the order it tries them.
@@ -320,6 +321,8 @@ def _signature(prob: Problem, strategy: str, shard: bool,
         "argnums": prob.argnums,
         "has_aux": prob.has_aux,
         "shard": shard,
+        "paths": [keystr(path) for path, _ in tree_flatten_with_path(
+            tuple(prob.primals[i] for i in prob.argnums))[0]],
         "shapes": [tuple(leaf.shape) for leaf in prob.leaves],
         "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
         "sums": [_checksums(leaf) for leaf in prob.leaves],
@@ -390,6 +393,9 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
             )
     ref = sigs[0]
     for r, sig in enumerate(sigs[1:], start=1):
+        if sig["paths"] != ref["paths"]:
+            order_differs(prob.call, "the differentiated primals", ref["paths"],
+                          sig["paths"], r, "primals")
         for key in ("strategy", "argnums", "has_aux", "shard", "shapes", "dtypes"):
             if sig[key] != ref[key]:
                 _disagree(prob, r, key, ref[key], sig[key])
@@ -500,6 +506,25 @@ def _used_disagrees(prob: Problem, how: str) -> None:
         f"before building them, or broadcast them from rank 0 (torch.distributed.broadcast "
         f"of each tensor; DistributedDataParallel does it for a model's parameters and "
         f"buffers), or pass process_group=None to compute each rank's own Jacobian."
+    )
+
+
+def order_differs(call: str, what: str, ref: list[str], got: list[str], r: int,
+                  name: str) -> None:
+    """Raises: ``what`` (the differentiated primals, or f's output) is a pytree whose leaves
+    come in another order, or are others, on rank ``r`` than on rank 0 (their paths ``got``
+    and ``ref``, in flattening order)."""
+    i = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    a = f"{name}{ref[i]}" if i < len(ref) else "nothing"
+    b = f"{name}{got[i]}" if i < len(got) else "nothing"
+    raise JacobianCallError(
+        f"{call}: {what} are structured differently on rank {r} than on rank 0: in the "
+        f"order torch's pytree flattens them, leaf {i} is {b} on rank {r} but {a} on rank "
+        f"0 (a dict built in another key order: a dict is flattened in insertion order). "
+        f"With a process_group the products are numbered over the flattened leaves, and "
+        f"each rank numbered them in its own order: the gathered Jacobian would mix them.\n"
+        f"  Fix: build the dicts in one key order on every rank (dict(sorted(d.items())), "
+        f"say), or pass process_group=None to compute each rank's own Jacobian."
     )
 
 
