@@ -15,6 +15,7 @@ one-rank group.
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import os
 import tempfile
@@ -750,6 +751,26 @@ def _pytree_orders(rank, world, group):
             tv.jacobian(g, x, strategy=strategy, process_group=group, shard=shard)
 
 
+def _ddp_module(rank, world, group):
+    """A module wrapped in DistributedDataParallel as f: its Jacobian is its module's. (The
+    wrapper's forward broadcast the buffers at every call: forward mode refused the in-place
+    copy, and a loop over each rank's own columns, or a call on one rank, waited for ever.)"""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                            torch.nn.Linear(4, 2)).to(DT).eval()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)  # broadcast_buffers=True
+    xb = torch.linspace(-1.0, 1.0, 6, dtype=DT).reshape(2, 3)
+    want = torch.func.jacrev(m)(xb)
+    for strategy in ("fwd", "fwd-loop", "auto", "rev-loop"):
+        _close(tv.jacobian(ddp, xb, strategy=strategy, process_group=group), want,
+               f"rank {rank}/{world}, DDP module, {strategy}")
+    _close(tv.batch_jacobian(ddp, xb, strategy="fwd-loop", process_group=group),
+           torch.stack([want[i, :, i] for i in range(2)]), f"rank {rank}/{world}, DDP batch")
+    if rank == 0:  # one rank alone, without a group
+        _close(tv.jacobian(ddp, xb, strategy="fwd-loop"), want, "DDP module, rank 0 alone")
+    dist.barrier()
+
+
 def _worker(rank, world, init_file):
     # a failure that leaves one rank in a collective ends it in a minute, not never
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -766,6 +787,8 @@ def _worker(rank, world, init_file):
         _fwd_loop_plain(rank, world, dist.group.WORLD)
         _random_draws(rank, world, dist.group.WORLD)
         _pytree_orders(rank, world, dist.group.WORLD)
+        _ddp_module(rank, world, dist.group.WORLD)
+        gc.collect()  # (the wrapper holds the group: gone before it is destroyed)
         # a subgroup of ranks 0 and 1: the others stay out of it
         sub = dist.new_group([0, 1])
         if rank < 2:

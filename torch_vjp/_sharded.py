@@ -105,7 +105,8 @@ from torch_vjp._sharded_work import Work, probe_outputs, shard_range
 from torch_vjp._strategies import Strategy, choose_mode
 
 __all__ = [
-    "JacobianShard", "shard_range", "check_group", "sharded_jacobian", "told_on_failure",
+    "JacobianShard", "shard_range", "check_group", "plain_module", "sharded_jacobian",
+    "told_on_failure",
 ]
 
 # (_PASSES: an error no fallback may hide, out of memory or torch_vjp's own: every rank
@@ -165,6 +166,22 @@ class JacobianShard(NamedTuple):
 
 
 JacobianShard.__module__ = "torch_vjp"  # the public path, as for the error classes
+
+
+def plain_module(f: Any) -> Any:
+    """``f.module`` where ``f`` is a module wrapped in ``DistributedDataParallel`` (without
+    forward hooks of the wrapper's own), else ``f``. The wrapper's forward is its module's,
+    with DDP's book-keeping around it: a broadcast of the buffers from rank 0 at every call,
+    which the Jacobian's calls of ``f`` would repeat a different number of times on each rank
+    (a loop over a rank's own share of the columns) and wait for ever, or run on one rank
+    alone; and an in-place copy into the buffers, which torch.func refuses in forward mode.
+    The Jacobian needs none of it (no gradient reaches ``.grad``)."""
+    if not isinstance(f, torch.nn.Module) or "torch.nn.parallel" not in type(f).__module__:
+        return f
+    ddp = torch.nn.parallel.DistributedDataParallel
+    while isinstance(f, ddp) and not (f._forward_hooks or f._forward_pre_hooks):
+        f = f.module
+    return f
 
 
 def _dist() -> Any:

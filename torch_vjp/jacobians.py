@@ -52,7 +52,7 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.symmetry import forward_over_reverse_checked
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, a_type, note_freed_graph,
                                shape_str)
-from torch_vjp._sharded import check_group, sharded_jacobian, told_on_failure
+from torch_vjp._sharded import check_group, plain_module, sharded_jacobian, told_on_failure
 from torch_vjp._strategies import StrategyName, get_strategy
 
 __all__ = ["jacobian", "batch_jacobian", "jacobian_of", "hessian"]
@@ -204,6 +204,7 @@ def jacobian(
         (torch.Size([2, 4]), torch.Size([2, 2, 4]))
     """
     call = "torch_vjp.jacobian"
+    f = plain_module(f)  # (a module wrapped in DistributedDataParallel: its module)
     if (compile is True and strategy in COMPILED_STRATEGIES and process_group is None
             and max_memory is None and not tracing() and not is_nested()):
         # NOTE [compiled Jacobians]: the options are checked by the eager first call
@@ -321,6 +322,7 @@ def batch_jacobian(
         >>> torch.testing.assert_close(J, ref)
     """
     call = "torch_vjp.batch_jacobian"
+    f = plain_module(f)  # (a module wrapped in DistributedDataParallel: its module)
     group = check_group(process_group, shard, create_graph, call=call)
     # (an argument refused on one rank reaches the others, which wait in the first exchange)
     with told_on_failure(group):
@@ -436,6 +438,7 @@ def hessian(
         >>> torch.testing.assert_close(H, torch.diag(-x.sin()))
     """
     call = "torch_vjp.hessian"
+    f = plain_module(f)  # (a module wrapped in DistributedDataParallel: its module)
     do_compile = check_compile(compile, call=call)
     strat = get_strategy(strategy, call=call)
     if do_compile:
