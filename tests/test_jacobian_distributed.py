@@ -977,3 +977,30 @@ def test_sharded_batch_jacobian_names_an_output_without_the_batch_by_its_place(
                        r"f\['loss'\] has shape \(\), but x has shape \(4, 3\)"):
         tv.batch_jacobian(f, torch.randn(4, 3, dtype=DT), strategy=strategy,
                           process_group=one_rank_group)
+
+
+class _NoKeys:
+    """A pytree node registered without ``flatten_with_keys_fn``: its leaves have no paths."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+torch.utils._pytree.register_pytree_node(_NoKeys, lambda n: ([n.a, n.b], None),
+                                         lambda v, _: _NoKeys(*v))
+
+
+def test_sharded_jacobian_takes_pytree_nodes_without_keys(one_rank_group):
+    # the opening exchange named the leaves by their paths, which torch's pytree cannot
+    # give for such a node: a raw ValueError for a call one process computes
+    x = torch.linspace(0.0, 1.0, 3, dtype=DT)
+    f = lambda x, n: x.sin() * n.a + n.b  # noqa: E731
+    n = _NoKeys(torch.arange(3.0, dtype=DT), 2.0)
+    for strategy in ("rev", "fwd"):
+        _close(tv.jacobian(f, x, n, strategy=strategy, process_group=one_rank_group),
+               torch.func.jacrev(f)(x, n), f"a node as an argument, {strategy}")
+    g = lambda n: n.a.sin() * n.b  # noqa: E731
+    got = tv.jacobian(g, _NoKeys(x, x * 2), process_group=one_rank_group)
+    want = torch.func.jacrev(g)(_NoKeys(x, x * 2))
+    assert isinstance(got, _NoKeys)
+    _close((got.a, got.b), (want.a, want.b), "a node as the differentiated primal")

@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import is_nested
@@ -97,6 +97,7 @@ from torch_vjp._sharded_check import (
     agreed_route,
     check_agreement,
     fail_before_exchange,
+    leaf_paths,
     order_differs,
     own_gap,
     verdict,
@@ -368,17 +369,21 @@ def _attempt(compute: Any, group: Any, device: torch.device, call: str
         part, status, err = None, _PASSES if passes_through(exc) else _FAILED, exc
     # (a digest of the output's structure: its largest and smallest over the ranks differ
     # where some rank's differs)
-    h = 0 if part is None else int(hashlib.sha1(str(part[1]).encode()).hexdigest()[:15], 16)
+    paths = None
+    if part is not None:
+        try:
+            paths = leaf_paths(tree_unflatten([0] * part[1].num_leaves, part[1]))
+        except Exception:  # noqa: BLE001 - (an unflatten refusing zeros: not compared)
+            paths = None
+    h = 0 if paths is None else int(hashlib.sha1(repr(paths).encode()).hexdigest()[:15], 16)
     t = torch.tensor([status, h, -h], dtype=torch.int64, device=device)
     _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
     code, hi, lo = t.tolist()
     if code == _OK and hi != -lo:
-        paths = [] if part is None else [keystr(p) for p, _ in tree_flatten_with_path(
-            tree_unflatten([0] * part[1].num_leaves, part[1]))[0]]
         said: list[Any] = [None] * _dist().get_world_size(group)
         _dist().all_gather_object(said, paths, group=group)
         r = next(r for r, p in enumerate(said) if p != said[0])
-        order_differs(call, "the outputs of f", said[0], said[r], r, "output")
+        order_differs(call, "the outputs of f", said[0] or [], said[r] or [], r, "output")
     return part, code, err
 
 

@@ -56,8 +56,8 @@ from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, quote_error, shape_str
 
 __all__ = [
-    "ROUTES", "agreed_route", "check_agreement", "fail_before_exchange", "order_differs",
-    "own_gap", "verdict",
+    "ROUTES", "agreed_route", "check_agreement", "fail_before_exchange", "leaf_paths",
+    "order_differs", "own_gap", "verdict",
 ]
 
 #: The routes "auto" may take, in the order it tries them.
@@ -306,23 +306,34 @@ def _draws_from(prob: Problem, gens: Sequence[torch.Generator]) -> list[bool]:
         draws()
 
 
+def leaf_paths(tree: Any) -> list[str] | None:
+    """The paths of ``tree``'s leaves, in flattening order (``keystr``: ``[0]['w']``); None
+    where a node of it has no keys (a pytree node registered without
+    ``flatten_with_keys_fn``): then no order is compared."""
+    try:
+        return [keystr(path) for path, _ in tree_flatten_with_path(tree)[0]]
+    except Exception:  # noqa: BLE001 - (a node without keys; its unflatten refusing zeros)
+        return None
+
+
 def _signature(prob: Problem, strategy: str, shard: bool,
                gens: Sequence[torch.Generator]) -> dict[str, Any]:
     others = []
     for i, primal in enumerate(prob.primals):
         if i in prob.argnums:
             continue
-        leaves = tree_flatten_with_path(primal)[0]
+        leaves = tree_leaves(primal)
+        paths = leaf_paths(primal) or [f"<leaf {j}>" for j in range(len(leaves))]
         # (by path: a dict built in another order on another rank is the same argument)
-        others.append((i, sorted(((keystr(path), _other_leaf(leaf)) for path, leaf in leaves),
+        others.append((i, sorted(((path, _other_leaf(leaf)) for path, leaf in zip(paths,
+                                                                                 leaves)),
                                  key=lambda item: item[0])))
     return {
         "strategy": strategy,
         "argnums": prob.argnums,
         "has_aux": prob.has_aux,
         "shard": shard,
-        "paths": [keystr(path) for path, _ in tree_flatten_with_path(
-            tuple(prob.primals[i] for i in prob.argnums))[0]],
+        "paths": leaf_paths(tuple(prob.primals[i] for i in prob.argnums)),
         "shapes": [tuple(leaf.shape) for leaf in prob.leaves],
         "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
         "sums": [_checksums(leaf) for leaf in prob.leaves],
@@ -393,12 +404,13 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
             )
     ref = sigs[0]
     for r, sig in enumerate(sigs[1:], start=1):
-        if sig["paths"] != ref["paths"]:
-            order_differs(prob.call, "the differentiated primals", ref["paths"],
-                          sig["paths"], r, "primals")
-        for key in ("strategy", "argnums", "has_aux", "shard", "shapes", "dtypes"):
-            if sig[key] != ref[key]:
-                _disagree(prob, r, key, ref[key], sig[key])
+        for key in ("strategy", "argnums", "has_aux", "shard", "paths", "shapes", "dtypes"):
+            if sig[key] == ref[key]:
+                continue
+            if key == "paths":  # (before the shapes: leaves in another order differ there)
+                order_differs(prob.call, "the differentiated primals", ref[key] or [],
+                              sig[key] or [], r, "primals")
+            _disagree(prob, r, key, ref[key], sig[key])
         for i, (a, b) in enumerate(zip(ref["sums"], sig["sums"])):
             if not _same_sums(a, b):
                 _disagree(prob, r, "values", None, None, i)
