@@ -1004,3 +1004,25 @@ def test_sharded_jacobian_takes_pytree_nodes_without_keys(one_rank_group):
     want = torch.func.jacrev(g)(_NoKeys(x, x * 2))
     assert isinstance(got, _NoKeys)
     _close((got.a, got.b), (want.a, want.b), "a node as the differentiated primal")
+
+
+def test_sharded_auto_checks_vmap_apart_from_chunks_of_one_and_per_argnums(one_rank_group):
+    # (torch.cdist's backward batches wrongly under vmap, which auto's check finds; a check
+    # made in chunks of one, which run no vmap, or for another argnums, must not stand for
+    # the vectorised products of a later call)
+    y = torch.randn(3, 2, dtype=DT)
+    x = torch.randn(4, 2, dtype=DT)
+    f = lambda a: torch.cdist(a, y)  # noqa: E731
+    want = torch.autograd.functional.jacobian(f, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _close(tv.jacobian(f, x, chunk_size=1, process_group=one_rank_group), want, "chunk 1")
+        _close(tv.jacobian(f, x, process_group=one_rank_group), want, "after a chunk of one")
+        g = lambda p, q: torch.cdist(p, y) * q.sum()  # noqa: E731
+        a, b = torch.randn(4, 2, dtype=DT), torch.randn(4, 2, dtype=DT)
+        for argnums in (1, 0):
+            _close(tv.jacobian(g, a, b, argnums=argnums, process_group=one_rank_group),
+                   torch.autograd.functional.jacobian(lambda t: g(*((a, t) if argnums
+                                                                    else (t, b))),
+                                                      b if argnums else a),
+                   f"argnums={argnums}")

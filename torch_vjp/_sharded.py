@@ -309,7 +309,11 @@ def sharded_jacobian(
             n_in = sum(math.prod(s) for s in in_rows(prob, batch))
             n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob, shapes[1]))
             mode = choose_mode(n_in, n_out)
-            key = (signature(route_key(prob.f), prob.leaves, batch, prob.primals), mode)
+            # (with argnums, and apart for products one at a time, which run no vmap: NOTE
+            # [a chunk of one checks no vmap] in _engine/jacobian.py; a budget's chunks
+            # differ per rank, so any max_memory call counts apart)
+            key = (signature(route_key(prob.f), prob.leaves, batch, prob.primals), mode,
+                   prob.argnums, chunk_size == 1 or max_memory is not None)
             err = None
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
             err = exc
