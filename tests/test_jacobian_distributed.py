@@ -1026,3 +1026,22 @@ def test_sharded_auto_checks_vmap_apart_from_chunks_of_one_and_per_argnums(one_r
                                                                     else (t, b))),
                                                       b if argnums else a),
                    f"argnums={argnums}")
+
+
+def test_vjp_and_jvp_of_a_ddp_wrapped_module_are_its_modules(one_rank_group):
+    # (the wrapper's forward broadcasts its buffers on every call, an in-place copy that
+    # torch.func refuses in forward mode, and a collective a call on one rank would wait in)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                            torch.nn.Linear(4, 2)).to(DT).eval()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    xb = torch.linspace(-1.0, 1.0, 6, dtype=DT).reshape(2, 3)
+    J = torch.func.jacrev(m)(xb)
+    c, t = torch.randn(2, 2, dtype=DT), torch.randn(2, 3, dtype=DT)
+    out, vjp_fn = tv.vjp(ddp, xb)
+    _close(out, m(xb), "vjp output")
+    _close(vjp_fn(c)[0], torch.einsum("ij,ijkl->kl", c, J), "vjp")
+    out, tangent = tv.jvp(ddp, (xb,), (t,))
+    _close(tangent, torch.einsum("ijkl,kl->ij", J, t), "jvp")
+    del ddp
+    gc.collect()  # (the wrapper holds the group: gone before it is destroyed)

@@ -37,6 +37,7 @@ from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
+from torch_vjp._sharded import plain_module
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.rows import loop_draws, map_rows
 from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
@@ -165,6 +166,7 @@ def vjp(
         >>> torch.testing.assert_close(rows, W)
     """
     call = "torch_vjp.vjp"
+    f = plain_module(f)  # (a module wrapped in DistributedDataParallel: its module)
     do_compile = check_compile(compile, call=call)
     if tracing():  # NOTE [compiled Jacobians]
         return _traced_vjp(f, primals, has_aux)
@@ -525,6 +527,7 @@ def jvp(
         >>> torch.testing.assert_close(cols, W.T)   # K = 3 columns of J, stacked
     """
     call = "torch_vjp.jvp"
+    f = plain_module(f)  # (a module wrapped in DistributedDataParallel: its module)
     do_compile = check_compile(compile, call=call)
     chunk = check_chunk_size(chunk_size, call=call)
     _warn_unbatched_chunk(call, chunk, batched)
