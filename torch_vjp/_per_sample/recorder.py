@@ -38,6 +38,18 @@ from torch_vjp._per_sample.rules.linear import LinearRule
 
 _GLOBAL_WITH_KWARGS = torch.nn.modules.module._global_forward_hooks_with_kwargs
 
+_GLOBAL_HOOKS = torch.nn.modules.module._global_forward_hooks
+
+
+def _first_global_hook(hook: Callable[..., Any]) -> Any:
+    """Registers ``hook`` (with kwargs) for every module, ahead of the global forward hooks
+    already registered, so that it sees each module's own output."""
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        hook, with_kwargs=True, always_call=False)
+    _GLOBAL_HOOKS.move_to_end(handle.id, last=False)
+    return handle
+
+
 __all__ = ["Recorder", "ModuleCall", "Layers", "layers_of", "edge_of", "out_edge"]
 
 _LINEAR = LinearRule()
@@ -267,15 +279,24 @@ class Recorder:
         if self.probe:
             names = self.paths()
             attention = [(path, m) for path, m in self.model.named_modules() if is_attention(m)]
-            self.handles.append(torch.nn.modules.module.register_module_forward_hook(
-                self._any_module(names), with_kwargs=True, always_call=False))
+            self.handles.append(_first_global_hook(self._any_module(names)))
         else:
             layers = self.layers if self.layers is not None else layers_of(self.model,
                                                                           self.wanted)
             attention = layers.attention
-            for path, m in layers.hooked:
-                self.handles.append(m.register_forward_hook(
-                    self._layer(path, self.wanted[id(m)], m), prepend=True, with_kwargs=True))
+            if _GLOBAL_HOOKS and layers.hooked:
+                # a global forward hook of the user's runs before every module's own hooks,
+                # and one that returns a new output (``o.clamp(-3, 3)``) would hide the
+                # layer's own output from a recording hook of the layer's: the rules would
+                # take the gradient of the hook's result for the layer's. The recording is
+                # then one global hook, ahead of the user's.
+                by_id = {id(m): (path, self.wanted[id(m)]) for path, m in layers.hooked}
+                self.handles.append(_first_global_hook(self._layers_hook(by_id)))
+            else:
+                for path, m in layers.hooked:
+                    self.handles.append(m.register_forward_hook(
+                        self._layer(path, self.wanted[id(m)], m), prepend=True,
+                        with_kwargs=True))
         for path, m in attention:
             if self._attention is None:
                 self._attention = AttentionMode(self)
@@ -360,6 +381,15 @@ class Recorder:
             if not self.capturing:
                 return None
             return self._record_layer(path, w, mod, args, kwargs, output)
+
+        return hook
+
+    def _layers_hook(self, by_id: dict[int, tuple[str, Wanted]]) -> Callable[..., Any]:
+        def hook(mod: nn.Module, args: Any, kwargs: dict, output: Any) -> Any:
+            found = by_id.get(id(mod))
+            if found is None or not self.capturing:
+                return None
+            return self._record_layer(found[0], found[1], mod, args, kwargs, output)
 
         return hook
 

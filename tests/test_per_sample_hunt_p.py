@@ -1,0 +1,73 @@
+"""Per-sample gradients, norms and clipped sums of models run under hooks and layouts that
+change what a layer's call looks like from outside, compared in float64 with the
+definition, one example at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torch_vjp as tv
+
+DT = torch.float64
+STRATEGIES = ("auto", "hooks", "vmap", "loop")
+
+
+def _loss(o):
+    return (torch.sin(o) * o).sum()
+
+
+def loop_reference(model, loss_fn, x):
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    per = [torch.autograd.grad(loss_fn(model(x[i:i + 1])), params) for i in range(x.shape[0])]
+    return {n: torch.stack([g[k] for g in per]) for k, n in enumerate(names)}
+
+
+def _check_all(model, x, strategy, max_norm=0.3):
+    ref = loop_reference(model, _loss, x)
+    got = tv.per_sample_grads(model, _loss, x, strategy=strategy)
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-7, atol=1e-9)
+    want_norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    torch.testing.assert_close(tv.per_sample_grad_norms(model, _loss, x, strategy=strategy),
+                               want_norms, rtol=1e-7, atol=1e-9)
+    for p in model.parameters():
+        p.grad = None
+    norms = tv.accumulate_clipped_grads(model, _loss, x, max_norm=max_norm, strategy=strategy)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-7, atol=1e-9)
+    scale = (max_norm / want_norms).clamp(max=1.0)
+    for n, p in model.named_parameters():
+        want = (ref[n] * scale.view(-1, *[1] * p.dim())).sum(0)
+        torch.testing.assert_close(p.grad, want, rtol=1e-7, atol=1e-9)
+        p.grad = None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_global_forward_hook_that_changes_layer_outputs(strategy):
+    # the hook clamps the first layer's output of example 1 only: the rules must use the
+    # gradient of the layer's own output, not that of the hook's result
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x = torch.randn(6, 3, dtype=DT) * 0.1
+    x[1] = torch.tensor([30.0, -20.0, 25.0], dtype=DT)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out.clamp(-3, 3) if isinstance(mod, nn.Linear) else None)
+    try:
+        assert model[0](x[1:2]).abs().max() == 3  # (the clamp acts on example 1)
+        _check_all(model, x, strategy)
+    finally:
+        handle.remove()
+
+
+def test_a_global_forward_hook_scaling_outputs_under_hooks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x = torch.randn(5, 3, dtype=DT)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out * 2 if isinstance(mod, nn.Linear) else None)
+    try:
+        _check_all(model, x, "hooks")
+    finally:
+        handle.remove()
