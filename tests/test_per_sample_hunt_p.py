@@ -71,3 +71,17 @@ def test_a_global_forward_hook_scaling_outputs_under_hooks():
         _check_all(model, x, "hooks")
     finally:
         handle.remove()
+
+
+def test_vmap_failure_from_a_full_backward_hook_on_the_first_layer_names_it():
+    # the input does not require grad, so torch wraps only the layer's outputs, after its
+    # forward hooks ran: the failure comes from a module no longer running
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    model[0].register_full_backward_hook(lambda mod, gi, go: None)
+    x = torch.randn(4, 3, dtype=DT)
+    with pytest.raises(tv.StrategyError, match=(
+            r"cannot batch this model in module '0' \(Linear\); '0' has a full backward hook "
+            r"\(register_full_backward_hook or register_full_backward_pre_hook\)")):
+        tv.per_sample_grads(model, _loss, x, strategy="vmap")
+    _check_all(model, x, "auto")

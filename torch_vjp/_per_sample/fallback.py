@@ -358,23 +358,26 @@ def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
     model = job.model
     stack: list[str] = []
     failed: list[str] = []
+    left: list[str] = []  # the module whose forward hooks ran last, if no call began since
+    why = ""
     paths = {id(m): p for p, m in model.named_modules()}
 
     def push(module: nn.Module, args: Any) -> None:
         if id(module) in paths:
             stack.append(paths[id(module)])
+            left.clear()
 
     def pop(module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in paths and stack:
-            stack.pop()
+            left[:] = [stack.pop()]
 
     # (no always_call: a module whose forward raises keeps its place on the stack)
     pre = torch.nn.modules.module.register_module_forward_pre_hook(push)
     post = torch.nn.modules.module.register_module_forward_hook(pop)
     try:
         vmap_grads(job, names, start, min(stop, start + 2), None)
-    except Exception:  # noqa: BLE001 - only the module stack at the failure is wanted
-        failed = list(stack)
+    except Exception as err:  # noqa: BLE001 - only the module stack at the failure is wanted
+        failed, why = list(stack), str(err)
     finally:
         pre.remove()
         post.remove()
@@ -385,12 +388,16 @@ def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
                         f"gradients vmap cannot batch)")
         return ""
     path = failed[-1]
+    hooked = [p or "the model" for p in failed if _full_backward_hooked(model, p)]
+    if not hooked and left and "autograd.Function" in why and _full_backward_hooked(
+            model, left[0]):
+        # (torch wraps a hooked module's outputs after its forward hooks ran: the failure
+        # comes from the module that just returned, no longer on the stack)
+        path = left[0]
+        hooked = [path or "the model"]
     module = model.get_submodule(path) if path else model
     where = f"module '{path}' ({type(module).__name__})" if path else (
         f"the model's own forward ({type(module).__name__})")
-    hooked = [p or "the model" for p in failed
-              for m in (model.get_submodule(p) if p else model,)
-              if m._backward_pre_hooks or (m._backward_hooks and m._is_full_backward_hook)]
     glob = torch.nn.modules.module
     if glob._global_backward_pre_hooks or (glob._global_backward_hooks
                                            and glob._global_is_full_backward_hook):
@@ -406,6 +413,11 @@ def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
                   f"cannot transform: remove the hook for vmap, or keep it with "
                   f"strategy='loop' or 'auto'")
     return where
+
+
+def _full_backward_hooked(model: nn.Module, path: str) -> bool:
+    m = model.get_submodule(path) if path else model
+    return bool(m._backward_pre_hooks or (m._backward_hooks and m._is_full_backward_hook))
 
 
 def warn_loop(fn: str, model: nn.Module, err: BaseException) -> None:
