@@ -85,3 +85,39 @@ def test_vmap_failure_from_a_full_backward_hook_on_the_first_layer_names_it():
             r"\(register_full_backward_hook or register_full_backward_pre_hook\)")):
         tv.per_sample_grads(model, _loss, x, strategy="vmap")
     _check_all(model, x, "auto")
+
+
+def _patched_first_layer(model):
+    # a forward set on the instance: the layer no longer computes what the type's does
+    layer = model[0]
+    layer.forward = lambda x: nn.functional.linear(x.clamp(-1, 1), layer.weight, layer.bias)
+
+
+def _clamped_data():
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, dtype=DT) * 0.3
+    x[1] = torch.tensor([3.0, -2.0, 2.5], dtype=DT)  # (only example 1 reaches the clamp)
+    return x
+
+
+@pytest.mark.parametrize("called_before", [False, True])
+@pytest.mark.parametrize("strategy", ("auto", "vmap", "loop"))
+def test_a_layer_whose_forward_is_replaced_on_the_instance(strategy, called_before):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x = _clamped_data()
+    if called_before:  # (a plan made for the stock layer is not reused)
+        tv.per_sample_grads(model, _loss, x, strategy=strategy)
+    _patched_first_layer(model)
+    _check_all(model, x, strategy)
+
+
+def test_hooks_names_a_layer_whose_forward_is_replaced_on_the_instance():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    _patched_first_layer(model)
+    with pytest.raises(tv.StrategyError, match=(
+            r"'0.weight': its module '0' is a Linear, whose forward is replaced on the "
+            r"instance \(layer.forward = \.\.\.\): the layer's rule replays only the type's "
+            r"own forward")):
+        tv.per_sample_grads(model, _loss, _clamped_data(), strategy="hooks")

@@ -39,7 +39,7 @@ from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.losses import (call_loss, check_connected, scalar_loss, slice_tree,
                                          targets_in_dims)
 from torch_vjp._per_sample.plan import functional_call
-from torch_vjp._per_sample.registry import declining_rule, rule_for
+from torch_vjp._per_sample.registry import declining_rule, hidden_rule, rule_for
 from torch_vjp._per_sample.rules.attention import is_attention
 
 __all__ = ["vmap_grads", "loop_grads", "fallback_grads", "functional_state", "CannotBatch",
@@ -495,6 +495,12 @@ def outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
         m = model.get_submodule(path)
     except AttributeError:
         return "it has no per-layer rule"
+    replaced = hidden_rule(m)
+    if replaced is not None:
+        where = f"its module '{path}'" if path else "the model itself"
+        return (f"{where} is {a_type(m)}, whose {replaced} is replaced on the instance "
+                f"({'layer' if path else 'model'}.{replaced} = ...): the layer's rule replays "
+                f"only the type's own {replaced}")
     declining = declining_rule(m)
     if declining is not None:
         where = f"module '{path}'" if path else "the model itself"

@@ -21,7 +21,8 @@ from torch.autograd.graph import GradientEdge
 from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, a_type
 from torch_vjp._per_sample.factors import Factor, SmallFactor
 
-__all__ = ["Call", "Rule", "Declined", "register_rule", "rule_for", "UserRule", "to_batch_first"]
+__all__ = ["Call", "Rule", "Declined", "register_rule", "rule_for", "replaced_forward",
+           "hidden_rule", "UserRule", "to_batch_first"]
 
 
 @dataclass
@@ -162,6 +163,31 @@ def _stock(module: nn.Module, base: type) -> bool:
     )
 
 
+#: the methods a stock rule replays: one set on the instance replaces the type's
+REPLAYED = ("forward", "_conv_forward")
+
+
+def replaced_forward(module: nn.Module) -> str | None:
+    """The method of ``module`` replaced on the instance (``layer.forward = ...``), which
+    a rule of torch's layer cannot replay, or None."""
+    own = module.__dict__
+    return next((name for name in REPLAYED if name in own), None)
+
+
+def hidden_rule(module: nn.Module) -> str | None:
+    """The method replaced on ``module`` when that alone keeps its type's rule of torch's
+    layer from it (:func:`replaced_forward`), or None."""
+    name = replaced_forward(module)
+    if name is None:
+        return None
+    for base in type(module).__mro__:
+        hit = _RULES.get(base)
+        if hit is not None:
+            stock = hit[1] and (base is type(module) or _stock(module, base))
+            return name if stock and hit[0].applies(module) else None
+    return None
+
+
 def rule_for(module: nn.Module) -> Rule | None:
     """The rule for ``module``, or None."""
     for base in type(module).__mro__:
@@ -171,7 +197,8 @@ def rule_for(module: nn.Module) -> Rule | None:
         if hit is None:
             continue
         rule, stock_only = hit
-        if stock_only and base is not type(module) and not _stock(module, base):
+        if stock_only and (base is not type(module) and not _stock(module, base)
+                           or replaced_forward(module) is not None):
             return None
         return rule if rule.applies(module) else None
     return None

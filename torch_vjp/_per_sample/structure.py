@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from torch_vjp._engine.context import flag_of
 from torch_vjp._engine.fwdcheck import route_key
+from torch_vjp._per_sample.registry import replaced_forward
 
 __all__ = ["structure_of", "function_flags", "object_flags", "nested_flags", "numbers_of",
            "note_counters"]
@@ -270,6 +271,9 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         if bh or bph:  # (rare: kept out of the entry of every module without them)
             entry += (("backward", _hooks_key(bh, memo) if bh else (),
                        _hooks_key(bph, memo) if bph else ()),)
+        replaced = replaced_forward(m)
+        if replaced is not None:  # (a layer.forward = ... takes the layer's rule away)
+            entry += (("replaced", replaced),)
         if own:
             skip = _COUNTERS.get(kind) or torch_attrs
             reads = _TYPE_READS.get(kind) or _type_reads(kind)
