@@ -121,3 +121,55 @@ def test_hooks_names_a_layer_whose_forward_is_replaced_on_the_instance():
             r"instance \(layer.forward = \.\.\.\): the layer's rule replays only the type's "
             r"own forward")):
         tv.per_sample_grads(model, _loss, _clamped_data(), strategy="hooks")
+
+
+@pytest.mark.parametrize("strategy", ("auto", "vmap", "loop"))
+def test_a_layer_type_whose_forward_is_replaced_on_the_class(strategy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x = _clamped_data()
+    tv.per_sample_grads(model, _loss, x, strategy=strategy)  # (a plan for the stock layer)
+    stock = nn.Linear.forward
+
+    def forward(self, t):
+        return nn.functional.linear(t.clamp(-1, 1), self.weight, self.bias)
+
+    nn.Linear.forward = forward
+    try:
+        _check_all(model, x, strategy)
+        if strategy == "auto":
+            with pytest.raises(tv.StrategyError, match=(
+                    r"'0.weight': its module '0' is a Linear, whose forward is not the one "
+                    r"torch defines \(Linear.forward was replaced on the class\): the layer's "
+                    r"rule replays only torch's own forward")):
+                tv.per_sample_grads(model, _loss, x, strategy="hooks")
+    finally:
+        nn.Linear.forward = stock
+    _check_all(model, x, strategy)
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.m = nn.MultiheadAttention(6, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.m(x, x, x)[0]
+
+
+def test_attention_whose_forward_is_wrapped_on_the_class_keeps_its_rule():
+    # the attention rule records the projections inside the forward, whatever wraps it
+    stock = nn.MultiheadAttention.forward
+
+    def forward(self, q, k, v, **kwargs):
+        return stock(self, q.clamp(-1, 1), k, v, **kwargs)
+
+    torch.manual_seed(0)
+    model = _Attention().to(DT)
+    x = torch.randn(6, 3, 6, dtype=DT) * 0.3
+    x[1] *= 10
+    nn.MultiheadAttention.forward = forward
+    try:
+        _check_all(model, x, "hooks")
+    finally:
+        nn.MultiheadAttention.forward = stock

@@ -498,9 +498,7 @@ def outside_reason(model: nn.Module, name: str, used: list[Any]) -> str:
     replaced = hidden_rule(m)
     if replaced is not None:
         where = f"its module '{path}'" if path else "the model itself"
-        return (f"{where} is {a_type(m)}, whose {replaced} is replaced on the instance "
-                f"({'layer' if path else 'model'}.{replaced} = ...): the layer's rule replays "
-                f"only the type's own {replaced}")
+        return f"{where} is {a_type(m)}, {replaced}"
     declining = declining_rule(m)
     if declining is not None:
         where = f"module '{path}'" if path else "the model itself"

@@ -154,13 +154,26 @@ def register_rule(
     return register
 
 
-def _stock(module: nn.Module, base: type) -> bool:
-    """Whether ``module`` runs ``base``'s own ``forward`` (and ``_conv_forward``, for convs)."""
+def _defined_by(f: Any, base: type, name: str) -> bool:
+    """Whether ``f`` is the ``name`` a class of ``base``'s MRO defined where it was defined
+    (not a function set on the class since, ``nn.Linear.forward = ...``)."""
+    return any(getattr(f, "__qualname__", None) == f"{k.__qualname__}.{name}"
+               and getattr(f, "__module__", None) == k.__module__ for k in base.__mro__)
+
+
+def _stock(module: nn.Module, base: type, defined: bool = True) -> bool:
+    """Whether ``module`` runs ``base``'s own ``forward`` (and ``_conv_forward``, for convs):
+    the same function, and (``defined``) one that ``base``'s classes define
+    (:func:`_defined_by`; a rule that records the calls inside the forward, attention's,
+    needs only the first)."""
     cls = type(module)
-    return all(
-        getattr(cls, name, None) is getattr(base, name, None)
-        for name in ("forward", "_conv_forward")
-    )
+    for name in REPLAYED:
+        f = getattr(cls, name, None)
+        if f is not getattr(base, name, None):
+            return False
+        if defined and f is not None and not _defined_by(f, base, name):
+            return False
+    return True
 
 
 #: the methods a stock rule replays: one set on the instance replaces the type's
@@ -175,16 +188,27 @@ def replaced_forward(module: nn.Module) -> str | None:
 
 
 def hidden_rule(module: nn.Module) -> str | None:
-    """The method replaced on ``module`` when that alone keeps its type's rule of torch's
-    layer from it (:func:`replaced_forward`), or None."""
-    name = replaced_forward(module)
-    if name is None:
-        return None
+    """Why the rule of ``module``'s type does not apply to it when the reason is a method
+    replaced on the instance or on the type (a phrase), or None."""
     for base in type(module).__mro__:
         hit = _RULES.get(base)
-        if hit is not None:
-            stock = hit[1] and (base is type(module) or _stock(module, base))
-            return name if stock and hit[0].applies(module) else None
+        if hit is None:
+            continue
+        if not hit[1] or not hit[0].applies(module):
+            return None
+        name = replaced_forward(module)
+        if name is not None:
+            return (f"whose {name} is replaced on the instance (layer.{name} = ...): the "
+                    f"layer's rule replays only the type's own {name}")
+        cls = type(module)
+        for name in REPLAYED:
+            f = getattr(cls, name, None)
+            if f is not None and f is getattr(base, name, None) and not _defined_by(
+                    f, base, name):
+                return (f"whose {name} is not the one torch defines ({base.__name__}.{name} "
+                        f"was replaced on the class): the layer's rule replays only "
+                        f"torch's own {name}")
+        return None
     return None
 
 
@@ -197,8 +221,7 @@ def rule_for(module: nn.Module) -> Rule | None:
         if hit is None:
             continue
         rule, stock_only = hit
-        if stock_only and (base is not type(module) and not _stock(module, base)
-                           or replaced_forward(module) is not None):
+        if stock_only and (not _stock(module, base) or replaced_forward(module) is not None):
             return None
         return rule if rule.applies(module) else None
     return None

@@ -274,6 +274,8 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         replaced = replaced_forward(m)
         if replaced is not None:  # (a layer.forward = ... takes the layer's rule away)
             entry += (("replaced", replaced),)
+        if not own:  # (and so does nn.Linear.forward = ...: the functions the rules replay)
+            entry += (kind.forward, getattr(kind, "_conv_forward", None))
         if own:
             skip = _COUNTERS.get(kind) or torch_attrs
             reads = _TYPE_READS.get(kind) or _type_reads(kind)

@@ -25,7 +25,8 @@ __all__ = ["AttentionMode", "is_attention", "mha_forward", "NotHandled"]
 
 def is_attention(module: nn.Module) -> bool:
     """A stock ``nn.MultiheadAttention``, whose projections are handled inside its forward."""
-    return isinstance(module, nn.MultiheadAttention) and _stock(module, nn.MultiheadAttention)
+    return isinstance(module, nn.MultiheadAttention) and _stock(
+        module, nn.MultiheadAttention, defined=False)
 
 
 class AttentionMode(torch.overrides.TorchFunctionMode):
