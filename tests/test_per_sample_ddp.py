@@ -328,6 +328,23 @@ def _one_rank_fails_worker(rank, world, init_file):
             for name, p in ddp.module.named_parameters():
                 torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10,
                                            atol=1e-12, msg=f"join: {name}")
+        # the same with a model that has buffers (a BatchNorm in eval mode): the buffers are
+        # broadcast in DDP's own forward alone, which a joined rank shadows (one broadcast
+        # more of the library's, before it, paired with nothing there and failed)
+        torch.manual_seed(0)
+        bn = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(),
+                           nn.Linear(8, 3)).to(DT).eval()
+        ddp = nn.parallel.DistributedDataParallel(bn)
+        with ddp.join():
+            for s in steps:
+                for p in ddp.parameters():
+                    p.grad = None
+                tv.accumulate_clipped_grads(ddp, loss, xs[s], ys[s], max_norm=MAX_NORM)
+        if rank == 0:
+            want = _clipped_sum(bn, xs[3:6], ys[3:6], MAX_NORM)
+            for name, p in ddp.module.named_parameters():
+                torch.testing.assert_close(p.grad, want[name] / world, rtol=1e-10,
+                                           atol=1e-12, msg=f"join, buffers: {name}")
         dist.barrier()
     finally:
         ddp = None

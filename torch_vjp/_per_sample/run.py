@@ -86,9 +86,12 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             f"\nFix: call it outside the inference_mode block, on tensors made outside it; "
             f"torch.no_grad() is fine, the per-sample functions compute with grad enabled.")
     model, ddp, prefix = unwrap(fn, model)
-    if ddp is not None and ddp._check_sync_bufs_pre_fwd():
+    if (ddp is not None and ddp._check_sync_bufs_pre_fwd()
+            and not getattr(getattr(ddp, "_join_config", None), "enable", False)):
         # (as DDP's own forward does first: rank 0's buffers, BatchNorm's running statistics,
-        # on every rank before any per-example forward reads them; NOTE [DDP])
+        # on every rank before any per-example forward reads them; NOTE [DDP]. Not inside
+        # ddp.join(): a rank that has joined shadows the broadcast of DDP's own forward
+        # alone, and one more here paired with nothing there)
         ddp._sync_buffers()
     check_model(fn, model)
     check_opacus_hooks(fn, "", model)  # (every call: its hooks may be switched on again)
