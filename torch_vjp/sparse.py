@@ -299,11 +299,11 @@ def sparse_jacobian(
         comp, extras = comp[:-probe], comp[-probe:]
         # (nor where the products hold a NaN or an infinity from a tensor f captures, x
         # finite: a disagreement there turned probing off for good as much)
-        off, diff, scale = (stale_rows(plan, coloring, comp, extras, seed)
-                            if all_finite([comp, extras]) else (False, 0.0, 0.0))
+        off, diff, scale, worst = (stale_rows(plan, coloring, comp, extras, seed)
+                                   if all_finite([comp, extras]) else (False, 0.0, 0.0, -1))
         if off and plan.user:
             users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
-                                 (coloring, comp, seed))
+                                 (coloring, comp, seed, worst))
         elif off:
             again = _detect(prob)
             if again.same_entries(plan.pattern):
