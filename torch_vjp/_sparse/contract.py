@@ -1,6 +1,6 @@
 """Sparsity rules of contractions: matrix products (``mm``, ``bmm``, ``addmm``, ``mv``,
 ``dot``, ...) and convolutions (any number of spatial dimensions, strided, dilated, padded,
-grouped, transposed).
+grouped, transposed); and of max and average pooling, windows as a convolution's.
 
 NOTE [contraction rule]
 In ``C = A @ B``, ``C[i, k]`` depends on ``A[i, j]`` for every ``j`` where ``B[j, k]`` may be
@@ -252,3 +252,45 @@ def convolution(tr: Tracer, call: Call) -> list[Tensor | None]:
         if b_ids is not None:
             terms.append(b_ids.reshape(1, co, *[1] * d))
     return [combine(tr, out.shape, terms)]
+
+
+def _ints(value: object, d: int, default: list[int]) -> list[int]:
+    got = [int(v) for v in value] if isinstance(value, (list, tuple)) else (
+        [] if value is None else [int(value)])
+    if not got:
+        got = default
+    return got * d if len(got) == 1 else got
+
+
+@register("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+          "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d",
+          "avg_pool3d")
+def pooling(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Max and average pooling (any padding, stride, dilation, ``ceil_mode``): each output
+    element depends on its window of the input (padded with empty sets), as a convolution
+    of one channel with a dense kernel; a max's index output carries no set."""
+    x = call.bound["self"]
+    ids = tr.ids(x)
+    if ids is None:
+        return [None] * len(call.outs)
+    d = int(call.name.split("pool")[1][0])
+    out = call.outs[0]
+    kernel = _ints(call.bound["kernel_size"], d, [1])
+    stride = _ints(call.bound.get("stride"), d, kernel)
+    padding = _ints(call.bound.get("padding"), d, [0])
+    dilation = _ints(call.bound.get("dilation"), d, [1])
+    lead = ids.shape[: ids.dim() - d]
+    xi = ids.reshape(-1, *ids.shape[ids.dim() - d:])
+    pads: list[int] = []
+    for i in reversed(range(d)):  # (the far side padded a stride more: ceil_mode's window)
+        pads += [padding[i], padding[i] + stride[i]]
+    xi = F.pad(xi, pads)
+    for i in range(d):
+        xi = xi.unfold(1 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
+    xi = xi[(slice(None),) * (1 + d) + tuple(slice(None, None, dl) for dl in dilation)]
+    size = list(out.shape[out.dim() - d:])
+    if any(have < want for have, want in zip(xi.shape[1 : 1 + d], size)):
+        raise ValueError("pooling output size not reproduced")
+    xi = xi[(slice(None),) + tuple(slice(0, s) for s in size)]
+    res = group(tr, xi, list(range(1 + d, 1 + 2 * d))).reshape(*lead, *size)
+    return [res] + [None] * (len(call.outs) - 1)
