@@ -55,3 +55,33 @@ def test_pooling_is_ruled_window_by_window(name):
         assert torch.equal(pattern, torch.func.jacrev(WINDOWS[name])(X).reshape(
             -1, X.numel()).ne(0))
     torch.testing.assert_close(got, ref)
+
+
+ADAPTIVE = {
+    "avg1d": (lambda u: F.adaptive_avg_pool1d(u.reshape(6, 7, 8), 3),
+              lambda u: F.adaptive_avg_pool1d(u.reshape(6, 7, 8), 3)),
+    "max1d": (lambda u: F.adaptive_max_pool1d(u.reshape(6, 7, 8), 5),
+              lambda u: F.adaptive_avg_pool1d(u.reshape(6, 7, 8), 5)),
+    "avg2d": (lambda u: F.adaptive_avg_pool2d(u, (3, 5)), lambda u: F.adaptive_avg_pool2d(u, (3, 5))),
+    "avg2d_larger": (lambda u: F.adaptive_avg_pool2d(u[0], (9, 10)),
+                     lambda u: F.adaptive_avg_pool2d(u[0], (9, 10))),
+    "max2d": (lambda u: F.adaptive_max_pool2d(u, (3, 5)), lambda u: F.adaptive_avg_pool2d(u, (3, 5))),
+    "avg3d": (lambda u: F.adaptive_avg_pool3d(u, (2, 3, 5)),
+              lambda u: F.adaptive_avg_pool3d(u, (2, 3, 5))),
+    "max3d": (lambda u: F.adaptive_max_pool3d(u, (2, 3, 5)),
+              lambda u: F.adaptive_avg_pool3d(u, (2, 3, 5))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTIVE))
+def test_adaptive_pooling_is_ruled_window_by_window(name):
+    # adaptive pooling had no sparsity rule either: a dense pattern and a warning
+    f, windows = ADAPTIVE[name]
+    ref = torch.func.jacrev(f)(X).reshape(-1, X.numel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        pattern = tv.jacobian_sparsity(f, X).to_dense()
+        got = tv.sparse_jacobian(f, X, layout=torch.strided)
+    assert torch.equal(pattern, torch.func.jacrev(windows)(X).reshape(-1, X.numel()).ne(0))
+    assert not (ref.ne(0) & ~pattern).any()
+    torch.testing.assert_close(got, ref)

@@ -1,6 +1,6 @@
 """Sparsity rules of contractions: matrix products (``mm``, ``bmm``, ``addmm``, ``mv``,
 ``dot``, ...) and convolutions (any number of spatial dimensions, strided, dilated, padded,
-grouped, transposed); and of max and average pooling, windows as a convolution's.
+grouped, transposed); and of max and average pooling (adaptive too), window by window.
 
 NOTE [contraction rule]
 In ``C = A @ B``, ``C[i, k]`` depends on ``A[i, j]`` for every ``j`` where ``B[j, k]`` may be
@@ -293,4 +293,30 @@ def pooling(tr: Tracer, call: Call) -> list[Tensor | None]:
         raise ValueError("pooling output size not reproduced")
     xi = xi[(slice(None),) + tuple(slice(0, s) for s in size)]
     res = group(tr, xi, list(range(1 + d, 1 + 2 * d))).reshape(*lead, *size)
+    return [res] + [None] * (len(call.outs) - 1)
+
+
+@register("_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_avg_pool1d",
+          "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
+def adaptive_pooling(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Adaptive pooling: output position ``o`` of a dimension of input size ``L`` and output
+    size ``S`` reads the window ``[floor(o L / S), ceil((o + 1) L / S))``; each output
+    element depends on its window (the product of the dimensions' windows)."""
+    x = call.bound["self"]
+    ids = tr.ids(x)
+    if ids is None:
+        return [None] * len(call.outs)
+    out = call.outs[0]
+    d = int(call.name.split("pool")[1][0])
+    sizes, lengths = list(out.shape[out.dim() - d:]), list(x.shape[x.dim() - d:])
+    member = torch.ones(1, 1, dtype=torch.bool)
+    for s, length in zip(sizes, lengths):
+        o = torch.arange(s).unsqueeze(1)
+        at = torch.arange(length).unsqueeze(0)
+        inside = (at >= (o * length) // s) & (at < -((-(o + 1) * length) // s))
+        member = (member.unsqueeze(1).unsqueeze(3) & inside.unsqueeze(0).unsqueeze(2)).reshape(
+            member.shape[0] * s, member.shape[1] * length)
+    lead = ids.shape[: ids.dim() - d]
+    flat = ids.reshape(1, -1, math.prod(lengths))
+    res = contract(tr, flat, member.t().unsqueeze(0)).reshape(*lead, *sizes)
     return [res] + [None] * (len(call.outs) - 1)
