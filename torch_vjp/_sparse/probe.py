@@ -312,7 +312,8 @@ def _outside_pattern(prob: Problem, plan: Any, fwd: bool, worst: int, diff: floa
     reverse mode, with one JVP) holds non-zeros outside the pattern that can explain the
     disagreement ``diff``: an entry (i, j) left out changes the probe's element by
     ``J[i, j] (r[j] - r[k])`` (or ``J[i, j] r[j]``), ``|r| <= 2.5``, so the entries left out
-    of the line weigh ``diff / 5`` at least (``diff / 8`` is asked: room for rounding). Not so where the disagreement is the rounding
+    of the line weigh ``diff / 5`` at least (``diff / 8`` is asked: room for
+    rounding). Not so where the disagreement is the rounding
     of a 16-bit product (bfloat16's softmax, nearly one-hot: ``1 - y`` rounds to 0 in the
     probe's forward product and not in the columns'), whose line is exactly zero outside
     the pattern. True where the line cannot be computed here (unknown)."""
