@@ -347,7 +347,8 @@ def _one_rank_fails_worker(rank, world, init_file):
                                            atol=1e-12, msg=f"join, buffers: {name}")
         dist.barrier()
     finally:
-        ddp = None
+        ddp = bn = None
+        gc.collect()  # (the wrappers hold the group: gone before it is destroyed)
         dist.destroy_process_group()
 
 
