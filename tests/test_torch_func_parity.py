@@ -617,7 +617,12 @@ def test_auto_route_of_a_dead_container_is_not_taken_by_a_new_one(holder,
             return lambda M: h[0](M)
         return lambda M: h.op(M)
 
-    for _ in range(500):
+    # (the key holds such a holder, so that no new one takes its address while the route is
+    # remembered: then no attempt below meets a reused address, and the last new holder is
+    # checked all the same. CPython hands a freed block to the next object of its size, so
+    # a key that let the holder die would meet its address again within a few attempts.
+    # Each attempt is a first call, checked: 4 to 130 ms here)
+    for _ in range(10):
         first = [right] if holder == "list" else _SlotsHolder(right)
         tv.jacobian(make(first), A)
         address = id(first)
@@ -625,8 +630,6 @@ def test_auto_route_of_a_dead_container_is_not_taken_by_a_new_one(holder,
         second = [_solve_wide] if holder == "list" else _SlotsHolder(_solve_wide)
         if id(second) == address:
             break
-    else:
-        pytest.skip("no new holder was given a dead one's address")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tv.JacobianWarning)
         torch.testing.assert_close(tv.jacobian(make(second), A), ref)
