@@ -315,6 +315,17 @@ def warn_once(key: Any, message: str, category: type[Warning]) -> None:
         warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
+def failing_rank(err: BaseException | None, group: Any, world: int) -> tuple[int, str] | None:
+    """The first rank of ``group`` that failed and its error, quoted (:func:`quote_error`),
+    from every rank's ``err`` (None where it did not fail); None where none failed. Every
+    rank of the group must call it (an all-gather)."""
+    import torch.distributed as dist
+
+    said: list[Any] = [None] * world
+    dist.all_gather_object(said, None if err is None else quote_error(err), group=group)
+    return next(((r, s) for r, s in enumerate(said) if s is not None), None)
+
+
 def quote_error(err: BaseException) -> str:
     """``"ValueError: first line of the message"`` for quoting an error in a warning."""
     text = str(err).strip().splitlines()

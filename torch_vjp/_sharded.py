@@ -89,8 +89,8 @@ from torch_vjp._errors import (
     JacobianCallError,
     JacobianOptionError,
     JacobianWarning,
+    failing_rank,
     passes_through,
-    quote_error,
     warn_once,
 )
 from torch_vjp._sharded_check import (
@@ -511,15 +511,15 @@ def _raise_failure(prob: Problem, err: BaseException | None, group: Any, rank: i
                    world: int) -> None:
     """Every rank raises once some rank failed: its own error, or one naming the rank that
     failed and quoting it."""
-    said: list[Any] = [None] * world
-    _dist().all_gather_object(said, None if err is None else quote_error(err), group=group)
+    found = failing_rank(err, group, world)
     if err is not None:
         raise err
-    first = next(r for r, s in enumerate(said) if s is not None)
+    assert found is not None
+    first, quoted = found
     raise JacobianCallError(
         f"{prob.call}: rank {first} of the process_group failed while computing its share of "
         f"the Jacobian, so this rank ({rank}) has no whole Jacobian to return. Rank "
-        f"{first} said: {said[first]}\n"
+        f"{first} said: {quoted}\n"
         f"  The cause and its fix are in rank {first}'s traceback."
     )
 

@@ -44,7 +44,7 @@ from torch_vjp._errors import (
     PerSampleError,
     PerSampleTypeError,
     PerSampleValueError,
-    quote_error,
+    failing_rank,
 )
 from torch_vjp._strategies import get_per_sample_strategy
 
@@ -223,16 +223,15 @@ def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException 
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not int(flag.item()):
         return
-    said: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(said, None if err is None else quote_error(err), group=group)
-    if err is not None:
+    found = failing_rank(err, group, dist.get_world_size(group))
+    if err is not None or found is None:
         return  # (the caller raises its own error)
-    first = next(r for r, s in enumerate(said) if s is not None)
+    first, quoted = found
     raise PerSampleError(
         f"torch_vjp.{fn}: rank {first} of the DistributedDataParallel process group failed "
         f"while computing its clipped sums, so no rank adds its sums to .grad (the "
         f"reducer's all-reduce would wait for rank {first} for ever). Rank {first} said: "
-        f"{said[first]}\n  The cause and its fix are in rank {first}'s traceback."
+        f"{quoted}\n  The cause and its fix are in rank {first}'s traceback."
     )
 
 
