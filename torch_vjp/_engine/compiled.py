@@ -366,8 +366,7 @@ def compiled_call(
                     del _CACHE[key]
             return _first_call(call, key, kept, f, args, eager, build, 0, reused=True)
         return eager()
-    try:  # (NOTE [a program that writes nothing]; no HOOK_GUARDS: NOTE [hook guards
-        # while compiling] in compile_key.py)
+    try:  # (NOTE [a program that writes nothing]; NOTE [hook guards while compiling])
         with (buffers_kept(f, primals=args, found=found, trees=trees)
               if entry.writes else NO_CONTEXT):  # (args: a module among them)
             before = _variants(entry.code)
@@ -529,8 +528,7 @@ def _compile_first(
             warn_eager(call, f, compile_failure(err))
             return result
         if params.restore():
-            # (the eager path puts back what a forward changes in place; a compiled program
-            # cannot, so this signature stays eager)
+            # (a compiled program cannot put it back: this signature stays eager)
             warn_eager(call, f, "the function changes a parameter in place (an Embedding "
                                  "with max_norm, whose table the eager call puts back; a "
                                  "no-grad update in a forward), which the compiled program "
