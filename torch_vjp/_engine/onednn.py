@@ -3,20 +3,21 @@ where it is the faster one on this machine.
 
 NOTE [oneDNN products]
 Once the basis is folded (NOTE [the basis folded] in :mod:`torch_vjp._engine.basis_fold`),
-a compiled Jacobian of an MLP spends most of its time in ``mm``: 3.3 of the 4.5 ms of the
-1024 -> 256 -> 256 -> 1024 MLP's program. Inductor hands a CPU ``mm`` to ``aten.mm``, which
-runs MKL's ``sgemm``; on some processors (AMD's among them) MKL takes a generic code path,
-and oneDNN's kernel for the same product (``mkldnn._linear_pointwise``, which torch's own
-``Linear`` fusion in inductor calls) runs 2 to 3 times faster: 2.2 ms against 5.2 ms for a
-1024 x 256 by 256 x 1024 product on 2 cores of an AMD EPYC. Inductor uses that kernel only
-for a product with a constant weight (a frozen model), which a Jacobian's products are not.
+a compiled Jacobian of an MLP spends most of its time in ``mm``. Inductor hands a CPU
+``mm`` to ``aten.mm``, which runs MKL's ``sgemm``; on some processors (AMD's among them) MKL
+takes a generic code path, and oneDNN's kernel for the same product
+(``mkldnn._linear_pointwise``, which torch's own ``Linear`` fusion in inductor calls) runs
+about twice as fast: 1.19 ms against 2.77 ms for a 1024 x 256 by 256 x 1024 product on 2
+cores of an AMD EPYC, and the compiled Jacobian of the 1024 -> 256 -> 256 -> 1024 MLP in
+2.10 ms against 4.12 (benchmarks/bench_onednn.py). Inductor uses that kernel only for a
+product with a constant weight (a frozen model), which a Jacobian's products are not.
 
 So, where :func:`faster_here` found oneDNN the faster of the two on this machine (one
 measurement per process, on the first compiled program), :class:`OneDnnProducts`, an
 inductor post-grad pass, puts ``torch_vjp::mm`` (and ``torch_vjp::addmm``, with a bias
 vector) in place of each float32 CPU ``mm`` large enough for it to pay (:data:`MIN_WORK`
-multiply-adds; under it the kernel's fixed cost of about 10 us loses); elsewhere nothing
-changes. The result is the same product in float32, rounded as another blocking of the
+multiply-adds; under it the kernel's fixed cost of about 10 us loses, as
+benchmarks/bench_onednn.py shows); elsewhere nothing changes. The result is the same product in float32, rounded as another blocking of the
 sum rounds it; the first call's comparison with the eager result allows for float32
 rounding (:func:`~torch_vjp._engine.compile_checks.results_agree`).
 """
