@@ -106,7 +106,8 @@ from torch_vjp._sharded_work import Work, probe_outputs, shard_range
 from torch_vjp._strategies import Strategy, choose_mode
 
 __all__ = [
-    "JacobianShard", "shard_range", "check_group", "plain_module", "sharded_jacobian",
+    "JacobianShard", "all_max", "comm_device", "shard_range", "check_group", "plain_module",
+    "sharded_jacobian",
     "told_on_failure",
 ]
 
@@ -299,7 +300,7 @@ def sharded_jacobian(
     products are those of one row of the batch, each computed for every row at once."""
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = _comm_device(group, prob.leaves[0].device)
+    device = comm_device(group, prob.leaves[0].device)
     check_agreement(prob, strat.name, shard, group, rank, world, device)
     work = Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
     mode, shapes, key, route = strat.mode, None, None, None
@@ -317,7 +318,7 @@ def sharded_jacobian(
             err = None
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
             err = exc
-        if _all_max(_OK if err is None else _FAILED, group, device) == _FAILED:
+        if all_max(_OK if err is None else _FAILED, group, device) == _FAILED:
             _raise_failure(prob, err, group, rank, world)
         route = agreed_route(key, group, device)  # NOTE [sharded auto, checked]
     # (a call that checks: the check's reverse products, and the routes tried after it,
@@ -462,7 +463,7 @@ def _refuse_mixing(prob: Problem, work: Work, diff: float | None, scale: float |
         flow = cross_row_flow(prob, work.batch)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
         err = exc
-    code = _all_max(_FAILED if err is not None else 0 if flow is None else 1, group, device)
+    code = all_max(_FAILED if err is not None else 0 if flow is None else 1, group, device)
     if code == _FAILED:
         _raise_failure(prob, err, group, work.rank, work.world)
     if code == 1:
@@ -473,7 +474,7 @@ def _refuse_mixing(prob: Problem, work: Work, diff: float | None, scale: float |
                                                rows, j))
 
 
-def _comm_device(group: Any, device: torch.device) -> torch.device:
+def comm_device(group: Any, device: torch.device) -> torch.device:
     """Where the collectives' tensors live: the CUDA device for NCCL, else the CPU (gloo)."""
     backend = str(_dist().get_backend(group)).lower()
     if "nccl" in backend:
@@ -482,7 +483,7 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_max(code: int, group: Any, device: torch.device) -> int:
+def all_max(code: int, group: Any, device: torch.device) -> int:
     t = torch.tensor([code], dtype=torch.int64, device=device)
     _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
     return int(t.item())

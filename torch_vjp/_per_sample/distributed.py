@@ -46,6 +46,7 @@ from torch_vjp._errors import (
     PerSampleValueError,
     failing_rank,
 )
+from torch_vjp._sharded import all_max, comm_device
 from torch_vjp._strategies import get_per_sample_strategy
 
 __all__ = ["unwrap", "strip_prefix", "ddp_add_to_grads", "failure_shared"]
@@ -216,12 +217,7 @@ def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException 
     import torch.distributed as dist
 
     group = ddp.process_group
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)).lower():
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([0 if err is None else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag.item()):
+    if not all_max(0 if err is None else 1, group, comm_device(group, torch.device("cpu"))):
         return
     found = failing_rank(err, group, dist.get_world_size(group))
     if err is not None or found is None:
