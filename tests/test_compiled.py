@@ -736,7 +736,7 @@ def test_a_negative_argnums_is_the_argument_it_counts_back_to(call, where):
 
 def test_a_large_jacobian_is_written_into_a_new_buffer_each_call(monkeypatch):
     # NOTE [the result buffer of a compiled Jacobian]; the threshold lowered to take small ones
-    from torch_vjp._engine import compiled
+    from torch_vjp._engine import compiled_jacobian as compiled
 
     made = []
 
@@ -770,9 +770,9 @@ def test_a_result_buffer_of_a_shape_the_program_no_longer_gives_is_left_unused(m
     # the buffer sized at build must not take (broadcast) the new shape's result
     import sys
 
-    from torch_vjp._engine import compiled
+    from torch_vjp._engine import compiled_jacobian
 
-    monkeypatch.setattr(compiled, "HUGE_PAGE_MIN_BYTES", 1)
+    monkeypatch.setattr(compiled_jacobian, "HUGE_PAGE_MIN_BYTES", 1)
     w = torch.randn(6, 6, dtype=D)
     f = lambda x: torch.tanh(w @ x)[:ROWS]  # noqa: E731
     with warnings.catch_warnings():
@@ -1489,7 +1489,7 @@ def test_a_compiled_vjp_fn_does_not_take_another_threads_build_for_its_own(monke
     # as its own
     import threading
 
-    from torch_vjp._engine import compiled
+    from torch_vjp._engine import compile_memo, compiled
 
     cfg, c, v = _Outer(), torch.randn(5, dtype=D), torch.randn(5, dtype=D)
 
@@ -1512,6 +1512,7 @@ def test_a_compiled_vjp_fn_does_not_take_another_threads_build_for_its_own(monke
         return signature(args)
 
     monkeypatch.setattr(compiled, "call_signature", call_signature)
+    monkeypatch.setattr(compile_memo, "call_signature", call_signature)  # (a call noted)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tv.JacobianWarning)
         for _ in range(2):

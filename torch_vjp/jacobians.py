@@ -27,20 +27,20 @@ from torch_vjp._engine.compiled import (
     check_compilable,
     check_compile,
     compiled_call,
-    compiled_jacobian,
-    in_plain_context,
-    plain_chunk,
-    plain_context,
     tracing,
     warn_budget,
 )
+from torch_vjp._engine.compiled_jacobian import compiled_jacobian
 from torch_vjp._engine.computed import computed_jacobian
 from torch_vjp._engine.context import buffers_kept, func_vjp, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
 from torch_vjp._engine.forms import (
     batch_mode,
     forward_mode_agrees,
+    in_plain_context,
     plain_batch_jacobian,
+    plain_chunk,
+    plain_context,
     plain_hessian,
     plain_jacobian,
 )

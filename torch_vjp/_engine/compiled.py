@@ -41,20 +41,6 @@ so the ninth Jacobian function compiled that way would silently run eagerly (or 
 
 The plain forms live in :mod:`torch_vjp._engine.forms`.
 
-NOTE [the result buffer of a compiled Jacobian]
-A compiled program allocates its result with torch's allocator, whose fresh buffer of tens of
-megabytes costs a page fault per 4 kB page when the kernel first writes it (the cost NOTE
-[huge pages] in :mod:`torch_vjp._engine.memory` describes). Where the Jacobian is one
-tensor of at least ``HUGE_PAGE_MIN_BYTES`` (sized by one call of ``f`` when the entry is
-built), the program takes that buffer as an argument instead: each call allocates it with
-``new_buffer``, which asks for huge pages, and inductor writes the Jacobian's kernel into it
-(with NOTE [a basis inductor fuses], elementwise 4096's compiled call went from 39.7-49.3 ms
-to 10.5-10.9 ms, two alternated runs of the suite's compiled and jax rows, old and new code,
-2 threads; jax.jit 19-22 ms in the same runs). The buffer is new on
-every call, so no result is ever overwritten by a later call; a program whose Jacobian comes
-out with another shape (a recompile for a changed global, say) returns its own result and
-leaves the buffer unused.
-
 Entries are keyed by what determines the traced program: the function (a lambda by its
 code object and what its closure holds: tensors by their signature, numbers and strings by
 value, tuples, lists and dicts of those by structure, functions by the same rule, anything
@@ -74,8 +60,6 @@ recently used first out.
 
 from __future__ import annotations
 
-import contextlib
-import math
 import threading
 import types
 import weakref
@@ -93,20 +77,17 @@ from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, Gra
                                               warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
                                           program_key)
-from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, graph_mode,
-                                       module_tree, modules_reached, reached)
-from torch_vjp._engine.forms import auto_mode, forward_mode_agrees, output_of, plain_jacobian
+from torch_vjp._engine.compile_memo import called_again, forget_calls, note_call
+from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, module_tree,
+                                       modules_reached, reached)
 from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._engine.kept import Footprint
-from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
 from torch_vjp._engine.rows import SameDraws
 from torch_vjp._errors import passes_through
-from torch_vjp._strategies import Strategy, get_strategy
 
 __all__ = [
-    "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "plain_chunk",
-    "plain_context", "in_plain_context", "warn_budget", "check_compile", "program_key",
-    "compiled_call", "tracing", "clear_cache", "compiled_jacobian", "results_agree",
+    "CACHE_MAX", "REBUILD_WARN_AT", "COMPILED_STRATEGIES", "check_compilable", "warn_budget", "check_compile", "program_key",
+    "compiled_call", "tracing", "clear_cache", "results_agree", "Built",
     "builds", "own_builds",
 ]
 
@@ -144,35 +125,12 @@ def clear_cache() -> None:
     """Forgets every compiled entry (tests; a user can call ``torch._dynamo.reset()``)."""
     with _LOCK:
         _CACHE.clear()
+    forget_calls()
 
 
 # --------------------------------------------------------------------------------------
 # compile=True
 # --------------------------------------------------------------------------------------
-
-def plain_chunk(strat: Strategy, chunk: int | None) -> int | None:
-    """The chunk size of the plain form: a loop strategy computes one product at a time."""
-    return chunk if strat.vectorized else 1
-
-
-def plain_context(context: Any, detached: bool) -> Any:
-    """The grad mode a plain form runs in: none for a detached result (the default),
-    enabled for ``create_graph=True``; made here, inside what dynamo traces, since dynamo
-    does not take a context manager object made outside."""
-    if detached:
-        return torch.no_grad()
-    return torch.enable_grad() if context is not NO_CONTEXT else contextlib.nullcontext()
-
-
-def in_plain_context(context: Any, detached: bool, fn: Callable[..., Any], *args: Any
-                     ) -> Any:
-    """``fn(*args)`` in :func:`plain_context`, in a frame of its own: inside the user's
-    ``torch.compile``, a graph break in ``f`` (a print) makes dynamo resume the frame that
-    holds the ``with`` block, and it cannot resume a public function's frame there (its
-    prologue fails to trace: ResumePrologueTracingError); this small frame it can."""
-    with plain_context(context, detached):
-        return fn(*args)
-
 
 # NOTE [what an entry keeps]
 # A key holds some objects by their id (a module, or a model a lambda's closure holds, any
@@ -219,7 +177,8 @@ class _Entry:
 class Built(NamedTuple):
     """What a ``build`` of :func:`compiled_call` may return instead of the bare program:
     the program, and ``fresh``, which makes the arguments it takes after ``args`` anew on
-    each call (a result buffer, see NOTE [the result buffer of a compiled Jacobian])."""
+    each call (a result buffer, see NOTE [the result buffer of a compiled Jacobian] in
+    :mod:`torch_vjp._engine.compiled_jacobian`)."""
 
     program: Callable[..., Any]
     fresh: Callable[[], tuple[Any, ...]]
@@ -334,21 +293,74 @@ def compiled_call(
             one made anew for each call, over new tensors of the same signature, runs the
             same program. The program takes them after ``args``.
     """
+    if not passed:  # (NOTE [a function called again] in compile_memo.py)
+        noted = called_again(call, f, options, args)
+        if noted is not None:
+            with _LOCK:
+                entry = _CACHE.get(noted[0])
+                if entry is noted[1]:
+                    _CACHE.move_to_end(noted[0])
+            if entry is noted[1] and entry.run is not None and not entry.writes \
+                    and entry.alive():
+                got = _run(call, f, args, entry, eager, NO_CONTEXT)
+                if got is not _RECOMPILED:
+                    return got
+                return _keyed(call, f, options, args, eager, build, passed, noted)
+    return _keyed(call, f, options, args, eager, build, passed)
+
+
+#: What :func:`_run` returns for a call that recompiled its entry (NOTE [a recompiled entry]).
+_RECOMPILED = object()
+
+
+def _run(call: str, f: object, args: tuple[Any, ...], entry: _Entry,
+         eager: Callable[[], Any], kept: Any) -> Any:
+    """``entry``'s program on this call's ``f`` and ``args`` inside ``kept`` (buffers_kept, or
+    none), or :data:`_RECOMPILED`; the eager result where the program fails."""
+    try:  # (NOTE [a program that writes nothing]; NOTE [hook guards while compiling])
+        with kept:
+            before = _variants(entry.code)
+            got = entry(f, args)  # this call's f: its closure as it is now
+            recompiled = _variants(entry.code) != before
+    except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
+        if passes_through(err):
+            raise
+        result = eager()  # f's own errors propagate from here, untouched
+        entry.run = None
+        warn_eager(call, f, compile_failure(err))
+        return result
+    return _RECOMPILED if recompiled else got
+
+
+def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...],
+           eager: Callable[[], Any], build: Callable[[], Any], passed: tuple[Any, ...],
+           rebuilt: tuple[Any, _Entry] | None = None) -> Any:
+    """:func:`compiled_call` with its full key; ``rebuilt``: the noted key and entry of a
+    call that recompiled it (NOTE [a function called again])."""
     kept: list[object] = []  # (NOTE [what an entry keeps])
     if passed:
         options = (*options, tuple(held_key(p, keep=kept) for p in passed))
     found = reached(f)  # (one walk of what f reaches: the key's flags and buffers_kept's)
     trees = {id(m): module_tree((m,)) for m in found[0]}
+    in_args = module_tree(modules_reached(args))
     # (the training flags of every module f and the arguments reach: NOTE [train and eval
     # entries])
     key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
            tuple(m.training for t in trees.values() for m in t),
-           tuple(m.training for m in module_tree(modules_reached(args))))
+           tuple(m.training for m in in_args))
+    sig_args = args
     args = (*args, *passed)
     try:
         hash(key)
     except TypeError:  # (an option given as a list, argnums=[0, 1]: the eager call says
         return eager()  # what is wrong, or computes without a cache entry)
+    if rebuilt is not None:  # (a noted entry that recompiled: NOTE [a recompiled entry])
+        with _LOCK:
+            if _CACHE.get(rebuilt[0]) is rebuilt[1]:
+                del _CACHE[rebuilt[0]]
+        if rebuilt[0] == key:
+            return _first_call(call, key, kept, f, args, eager, build,
+                               rebuilt[1].recompiles + 1, reused=True)
     with _LOCK:
         entry = _CACHE.get(key)
         if entry is not None and not entry.alive():  # (an id reused by a new object)
@@ -366,20 +378,13 @@ def compiled_call(
                     del _CACHE[key]
             return _first_call(call, key, kept, f, args, eager, build, 0, reused=True)
         return eager()
-    try:  # (NOTE [a program that writes nothing]; NOTE [hook guards while compiling])
-        with (buffers_kept(f, primals=args, found=found, trees=trees)
-              if entry.writes else NO_CONTEXT):  # (args: a module among them)
-            before = _variants(entry.code)
-            got = entry(f, args)  # this call's f: its closure as it is now
-            recompiled = _variants(entry.code) != before
-    except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
-        if passes_through(err):
-            raise
-        result = eager()  # f's own errors propagate from here, untouched
-        entry.run = None
-        warn_eager(call, f, compile_failure(err))
-        return result
-    if not recompiled:
+    got = _run(call, f, args, entry, eager,
+               buffers_kept(f, primals=args, found=found, trees=trees)  # (args: a module
+               if entry.writes else NO_CONTEXT)  # among them)
+    if got is not _RECOMPILED:
+        if not passed and not entry.writes and entry.run is not None:
+            note_call(call, f, options, sig_args, key, entry,
+                      [m for t in trees.values() for m in t] + in_args)
         return got
     with _LOCK:  # NOTE [a recompiled entry]
         if _CACHE.get(key) is entry:
@@ -544,57 +549,3 @@ def _compile_first(
     entry.code = own.__code__
     entry.run = program
     return result
-
-
-def compiled_jacobian(
-    f: Callable[..., Any], primals: tuple[Any, ...], options: tuple[Any, ...],
-    eager: Callable[[], Any],
-) -> Any:
-    """``jacobian(compile=True)``; ``options`` are ``(argnums, has_aux, strategy,
-    chunk_size, create_graph)`` and ``eager`` the eager call, whose first run checks every
-    option, so that a cached entry exists only for options that are valid."""
-    call = "torch_vjp.jacobian"
-    argnums, has_aux, strategy, chunk_size, create_graph = options
-
-    def build() -> Callable[..., Any] | Built:
-        mode = get_strategy(strategy, call=call).mode
-        if mode is None:
-            mode = auto_mode(f, primals, argnums, has_aux)
-            if mode == "fwd" and not forward_mode_agrees(f, primals, argnums, has_aux):
-                mode = "rev"  # (an operation without a forward-mode formula, torch.cdist,
-                # or with a wrong one, torch.triangular_solve)
-        context, detached = graph_mode(create_graph, call=call)
-
-        def program(f: Callable[..., Any], *args: Any) -> Any:
-            with plain_context(context, detached):
-                return plain_jacobian(f, args, argnums, has_aux, mode, chunk_size)
-
-        block = _large_block(f, primals, argnums, has_aux) if detached else None
-        if block is None:
-            return program
-        like, shape = block
-
-        def program_into(f: Callable[..., Any], *args: Any) -> Any:
-            with plain_context(context, detached):  # (args: the primals, then the buffer)
-                return plain_jacobian(f, args[:-1], argnums, has_aux, mode, chunk_size,
-                                      out=args[-1])
-        return Built(program_into, lambda: (new_buffer(like, shape),))
-
-    return compiled_call(call, f, options, primals, eager, build)
-
-
-def _large_block(
-    f: Callable[..., Any], primals: tuple[Any, ...], argnums: Any, has_aux: bool
-) -> tuple[Tensor, tuple[int, ...]] | None:
-    """For a Jacobian that is one tensor of at least ``HUGE_PAGE_MIN_BYTES``: an empty
-    tensor of its dtype and device, and its shape (one call of ``f``); else None. See NOTE
-    [the result buffer of a compiled Jacobian]."""
-    if not isinstance(argnums, int) or not isinstance(primals[argnums], Tensor):
-        return None
-    out = output_of(f, primals, has_aux)
-    if not isinstance(out, Tensor) or out.dtype != primals[argnums].dtype:
-        return None
-    shape = (*out.shape, *primals[argnums].shape)
-    if math.prod(shape) * out.element_size() < HUGE_PAGE_MIN_BYTES:
-        return None
-    return out.new_empty(0), shape

@@ -21,6 +21,7 @@ result structure.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -30,14 +31,16 @@ from torch import Tensor
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from torch_vjp._engine.context import NO_CONTEXT
 from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._engine.problem import normalize_argnums
 from torch_vjp._engine.rows import basis_rows, passes_through
-from torch_vjp._strategies import choose_compiled_mode, choose_mode
+from torch_vjp._strategies import Strategy, choose_compiled_mode, choose_mode
 
 __all__ = [
     "auto_mode", "batch_mode", "plain_jacobian", "plain_batch_jacobian", "plain_hessian",
-    "plain_jvp", "output_of", "forward_mode_agrees",
+    "plain_jvp", "output_of", "forward_mode_agrees", "plain_chunk", "plain_context",
+    "in_plain_context",
 ]
 
 
@@ -295,3 +298,27 @@ def plain_jvp(
     pushed = [tree_flatten(p[1]) for p in parts]
     cat = tree_unflatten([torch.cat(ts) for ts in zip(*(p[0] for p in pushed))], pushed[0][1])
     return (parts[0][0], cat, *parts[0][2:])
+
+
+def plain_chunk(strat: Strategy, chunk: int | None) -> int | None:
+    """The chunk size of the plain form: a loop strategy computes one product at a time."""
+    return chunk if strat.vectorized else 1
+
+
+def plain_context(context: Any, detached: bool) -> Any:
+    """The grad mode a plain form runs in: none for a detached result (the default),
+    enabled for ``create_graph=True``; made here, inside what dynamo traces, since dynamo
+    does not take a context manager object made outside."""
+    if detached:
+        return torch.no_grad()
+    return torch.enable_grad() if context is not NO_CONTEXT else contextlib.nullcontext()
+
+
+def in_plain_context(context: Any, detached: bool, fn: Callable[..., Any], *args: Any
+                     ) -> Any:
+    """``fn(*args)`` in :func:`plain_context`, in a frame of its own: inside the user's
+    ``torch.compile``, a graph break in ``f`` (a print) makes dynamo resume the frame that
+    holds the ``with`` block, and it cannot resume a public function's frame there (its
+    prologue fails to trace: ResumePrologueTracingError); this small frame it can."""
+    with plain_context(context, detached):
+        return fn(*args)

@@ -1,0 +1,184 @@
+"""The key of a ``compile=True`` call found again without walking ``f`` (NOTE [a function
+called again] below), for :func:`~torch_vjp._engine.compiled.compiled_call`.
+
+NOTE [a function called again]
+A steady-state ``compile=True`` call spent most of its own time on its key: the walk of what
+``f`` reaches (the modules whose training flags the key holds, :func:`~torch_vjp._engine.
+context.reached`), the module trees, and ``f``'s closure keyed value by value
+(:func:`~torch_vjp._engine.compile_key.program_key`): 40-45 us of the 65-70 us a call of the
+suite's MLPs and module_params paid around a compiled program of 80-120 us, with ``f`` the
+same object on every call. So a call whose entry ran its compiled program (a call after the
+first) notes, per call name, ``f``, options and argument signature, the key it found and
+the modules whose flags that key holds; the next call of the same ``f`` object (a weak
+reference, never the function kept alive) takes that key where
+
+* the argument signature (:func:`~torch_vjp._engine.compile_key.call_signature`, grad mode,
+  autocast and the global module hooks included) is the same, computed on every call;
+* ``f``'s own code, and each value its closure cells, defaults and (for a ``partial``)
+  arguments hold, are the same objects (numbers and strings by value), so that a function
+  whose closure was rebound (``nonlocal x``) walks again;
+* every noted module is alive, with its training flag as noted (NOTE [train and eval
+  entries] in :mod:`torch_vjp._engine.compiled`: a model switched to eval finds its own
+  entry, never the training one's); and
+* the entry is still cached, compiled, and writes nothing (NOTE [a program that writes
+  nothing]): a program that may change a buffer of the user's runs on the full path, under
+  ``buffers_kept`` and its walk, on every call.
+
+What the shallow comparison does not see (an attribute of an object ``f`` reaches set anew,
+a tensor in the closure resized in place, a submodule replaced) the compiled program's own
+guards see: dynamo recompiles the entry's code object, the call counts that, and the entry
+is rebuilt as on any recompile (NOTE [a recompiled entry]), after the full key is computed
+again; that is the same safety net the key already relies on for what it does not hold (a
+global flag, a module attribute). Functions made anew for each call (a lambda inside the
+training loop) are never found here, and take the full path as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_vjp._engine.compile_key import call_signature
+
+__all__ = ["MEMO_MAX", "called_again", "note_call", "forget_calls"]
+
+#: Calls noted at most (the oldest first out).
+MEMO_MAX = 64
+
+_VALUES = (int, float, bool, complex, str, bytes, type(None))
+
+_MEMO: dict[Any, _Noted] = {}
+_LOCK = threading.RLock()  # (a dying function's callback may run under it)
+
+
+class _Noted:
+    __slots__ = ("f", "held", "key", "entry", "modules", "flags")
+
+    def __init__(self, f: weakref.ref[Any], held: tuple[Any, ...], key: Any, entry: object,
+                 modules: list[torch.nn.Module]) -> None:
+        self.f = f
+        self.held = held
+        self.key = key
+        self.entry = entry
+        self.modules = tuple(weakref.ref(m) for m in modules)
+        self.flags = tuple(m.training for m in modules)
+
+
+def _values_of(f: object) -> tuple[Any, ...] | None:
+    """The objects whose identity the note compares: ``f``'s code and what its closure
+    cells, defaults and keyword defaults hold (a ``partial``: its function, arguments and
+    keywords); None for a callable of another kind, which is not noted (its key is its
+    identity, but what it reaches is in its attributes, which are not compared)."""
+    if type(f) is types.FunctionType:
+        cells = []
+        for c in f.__closure__ or ():
+            try:
+                cells.append(c.cell_contents)
+            except ValueError:  # (an empty cell)
+                cells.append(_EMPTY)
+        return (f.__code__, *cells, f.__defaults__, f.__kwdefaults__)
+    if type(f) is functools.partial:
+        inner = _values_of(f.func)
+        if inner is None:
+            return None
+        return (*inner, f.func, *f.args, *sorted(f.keywords.items()))
+    return None
+
+
+_EMPTY = object()
+
+
+def _held(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``values`` as the note keeps them: numbers and strings by value, other objects by a
+    weak reference where they take one, else as they are (a tuple of defaults, a small
+    dict: the function holds them too)."""
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, _VALUES) or v is _EMPTY:
+            out.append((True, v))
+            continue
+        try:
+            out.append((False, weakref.ref(v)))
+        except TypeError:
+            out.append((None, v))
+    return tuple(out)
+
+
+def _same(held: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
+    if len(held) != len(values):
+        return False
+    for (kind, h), v in zip(held, values):
+        if kind is True:
+            if type(v) is not type(h) or v != h:
+                return False
+        elif kind is False:
+            if h() is not v:
+                return False
+        elif h is not v:
+            return False
+    return True
+
+
+def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
+                 ) -> tuple[Any, Any] | None:
+    """The key and entry noted for this call of ``f`` (NOTE [a function called again]), or
+    None where the full key must be computed."""
+    try:
+        noted = _MEMO.get((call, id(f), options, call_signature(args)))
+    except TypeError:  # (an unhashable option or argument: the full path says what)
+        return None
+    if noted is None or noted.f() is not f:
+        return None
+    values = _values_of(f)
+    if values is None or not _same(noted.held, values):
+        return None
+    for ref, flag in zip(noted.modules, noted.flags):
+        m = ref()
+        if m is None or m.training is not flag:
+            return None
+    return noted.key, noted.entry
+
+
+def note_call(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...],
+              key: Any, entry: object, modules: list[torch.nn.Module]) -> None:
+    """Notes the key ``f``'s call found, for :func:`called_again`; ``modules`` are those whose
+    training flags the key holds."""
+    values = _values_of(f)
+    if values is None:
+        return
+    try:
+        ref = weakref.ref(f, _dropper((call, id(f))))
+        memo_key = (call, id(f), options, key[3])
+        noted = _Noted(ref, _held(values), key, entry, modules)
+        hash(memo_key)
+    except TypeError:
+        return
+    with _LOCK:
+        _MEMO.pop(memo_key, None)
+        _MEMO[memo_key] = noted
+        while len(_MEMO) > MEMO_MAX:
+            del _MEMO[next(iter(_MEMO))]
+
+
+def _dropper(prefix: tuple[str, int]) -> Callable[[object], None]:
+    """A weak reference's callback that forgets the notes of a function that died (its id
+    may be a new function's next)."""
+
+    def drop(_: object) -> None:
+        with _LOCK:
+            for k in [k for k in _MEMO if k[:2] == prefix]:
+                del _MEMO[k]
+
+    return drop
+
+
+def forget_calls() -> None:
+    """Forgets every note (with the compiled entries they point to)."""
+    with _LOCK:
+        _MEMO.clear()
