@@ -183,3 +183,22 @@ def test_a_noted_call_of_a_dead_function_is_not_found_by_a_new_one():
         del f
         gc.collect()
     assert results == [(n, 3) for n in (2, 3, 4, 5)]
+
+
+def test_a_module_called_again_after_a_submodule_changed(monkeypatch):
+    model = torch.nn.Sequential(_Moded(), torch.nn.Linear(3, 4).to(D))
+    walks = _walks(monkeypatch)
+    counts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for i in range(12):
+            if i == 6:
+                model[1] = torch.nn.Linear(3, 5).to(D)  # (replaced: dynamo's guards see it)
+            model[0].train(i % 3 != 0)  # (eval, train, train, eval, ...)
+            x = torch.randn(3, dtype=D)
+            got = tv.jacobian(model, x, compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(model)(x))
+            counts.append(walks[0])
+    # (the first two calls of each mode walk; from the fourth call of each round of six
+    # on, either mode finds its noted key)
+    assert counts[3] == counts[5] and counts[9] == counts[11]

@@ -16,10 +16,11 @@ reference, never the function kept alive) takes that key where
   autocast and the global module hooks included) is the same, computed on every call;
 * ``f``'s own code, and each value its closure cells, defaults and (for a ``partial``)
   arguments hold, are the same objects (numbers and strings by value), so that a function
-  whose closure was rebound (``nonlocal x``) walks again;
+  whose closure was rebound (``nonlocal x``) walks again (``f`` a module: the module);
 * every noted module is alive, with its training flag as noted (NOTE [train and eval
   entries] in :mod:`torch_vjp._engine.compiled`: a model switched to eval finds its own
-  entry, never the training one's); and
+  entry, never the training one's; up to :data:`NOTES_PER_CALL` notes are kept, one per
+  combination of flags, so that modes that alternate each find theirs); and
 * the entry is still cached, compiled, and writes nothing (NOTE [a program that writes
   nothing]): a program that may change a buffer of the user's runs on the full path, under
   ``buffers_kept`` and its walk, on every call.
@@ -46,14 +47,17 @@ import torch
 
 from torch_vjp._engine.compile_key import call_signature
 
-__all__ = ["MEMO_MAX", "called_again", "note_call", "forget_calls"]
+__all__ = ["MEMO_MAX", "NOTES_PER_CALL", "called_again", "note_call", "forget_calls"]
 
 #: Calls noted at most (the oldest first out).
 MEMO_MAX = 64
+#: Notes kept per call of one function, options and signature, the newest first: one per
+#: combination of its modules' training flags that alternate.
+NOTES_PER_CALL = 4
 
 _VALUES = (int, float, bool, complex, str, bytes, type(None))
 
-_MEMO: dict[Any, _Noted] = {}
+_MEMO: dict[Any, tuple[_Noted, ...]] = {}
 _LOCK = threading.RLock()  # (a dying function's callback may run under it)
 
 
@@ -73,8 +77,11 @@ class _Noted:
 def _values_of(f: object) -> tuple[Any, ...] | None:
     """The objects whose identity the note compares: ``f``'s code and what its closure
     cells, defaults and keyword defaults hold (a ``partial``: its function, arguments and
-    keywords); None for a callable of another kind, which is not noted (its key is its
-    identity, but what it reaches is in its attributes, which are not compared)."""
+    keywords); nothing for a module (its tree's training flags are compared, and what its
+    forward reads dynamo guards); None for a callable of another kind, which is not noted
+    (a bound method is a new object on each access)."""
+    if isinstance(f, torch.nn.Module):
+        return ()
     if type(f) is types.FunctionType:
         cells = []
         for c in f.__closure__ or ():
@@ -130,19 +137,26 @@ def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any
     """The key and entry noted for this call of ``f`` (NOTE [a function called again]), or
     None where the full key must be computed."""
     try:
-        noted = _MEMO.get((call, id(f), options, call_signature(args)))
+        notes = _MEMO.get((call, id(f), options, call_signature(args)))
     except TypeError:  # (an unhashable option or argument: the full path says what)
         return None
-    if noted is None or noted.f() is not f:
+    if notes is None or notes[0].f() is not f:
         return None
     values = _values_of(f)
-    if values is None or not _same(noted.held, values):
+    if values is None:
         return None
+    for noted in notes:  # (one per training mode of the modules: train and eval alternate)
+        if _same(noted.held, values) and _flags_as_noted(noted):
+            return noted.key, noted.entry
+    return None
+
+
+def _flags_as_noted(noted: _Noted) -> bool:
     for ref, flag in zip(noted.modules, noted.flags):
         m = ref()
         if m is None or m.training is not flag:
-            return None
-    return noted.key, noted.entry
+            return False
+    return True
 
 
 def note_call(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...],
@@ -160,8 +174,9 @@ def note_call(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, .
     except TypeError:
         return
     with _LOCK:
-        _MEMO.pop(memo_key, None)
-        _MEMO[memo_key] = noted
+        older = _MEMO.pop(memo_key, ())
+        _MEMO[memo_key] = (noted, *[n for n in older if n.f() is f and n.flags != noted.flags
+                                   ][:NOTES_PER_CALL - 1])
         while len(_MEMO) > MEMO_MAX:
             del _MEMO[next(iter(_MEMO))]
 
