@@ -579,11 +579,12 @@ def jvp(
     if not batched:  # (buffers_kept: as vjp's call of f)
         copied = [_has_internal_overlap(x) for x in leaves]  # NOTE [an expanded primal]
         if any(copied):
-            # (its tangent copied too: make_dual pairs a dense copy with the caller's
-            # tangent itself, and a write f makes into its input would write into that)
             with torch.enable_grad():
                 leaves = tuple(x.contiguous() if c else x for x, c in zip(leaves, copied))
-                vectors = [v.clone() if c else v for v, c in zip(vectors, copied)]
+        # NOTE [the caller's tangents, never written], here too: make_dual pairs a primal
+        # with the caller's tangent itself, so a write f makes into its primal would write
+        # into the tangent, and f = identity would return it as its own output tangent
+        vectors = [v.clone() for v in vectors]
         with buffers_kept(f, primals=primals), _explained(call, "jvp"):
             return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict,
                             has_aux=has_aux)
