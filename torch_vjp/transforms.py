@@ -32,6 +32,7 @@ from torch_vjp._checks import (
 from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, own_builds,
                                         results_agree, tracing)
 from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp, is_nested
+from torch_vjp._engine.copies import not_sharing
 from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.memory import check_chunk_size
@@ -282,6 +283,7 @@ def vjp(
                 f"  Fix: keep retain_graph=True (vjp_fn's default) on every call but the "
                 f"last, or call torch_vjp.vjp again for a new graph."))
             raise
+        grads = not_sharing(tuple(grads), [*tree_leaves(cotangents), *vectors])
         return tree_unflatten(list(grads), prob.in_spec)
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]

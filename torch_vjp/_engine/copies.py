@@ -49,6 +49,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 __all__ = ["Copy", "below_transforms", "normal_tensors", "fresh_copies", "has_history",
+           "not_sharing",
            "given_fresh"]
 
 
@@ -120,3 +121,27 @@ def given_fresh(f: Callable[..., Any], kept: set[int], idx: tuple[int, ...]
                    for i, a in enumerate(args)])
 
     return given_fresh
+
+
+def not_sharing(results: tuple[Any, ...], given: list[Any]) -> tuple[Any, ...]:
+    """``results`` with each tensor that shares memory with a tensor in ``given`` (the
+    vectors the caller passed) replaced by a copy. A backward pass hands a cotangent on
+    unchanged through the identity or a view (``x.view(-1)``, ``x.t()``), so the product
+    would be the caller's own tensor, or a view of it, and a write into the result would
+    write into the caller's vector."""
+    shared = {p for p in map(_storage, given) if p}
+    if not shared:
+        return results
+    return tuple(r.clone() if isinstance(r, Tensor) and _storage(r) in shared else r
+                 for r in results)
+
+
+def _storage(t: Any) -> int | None:
+    """Where a tensor's memory starts (None where there is none to read: not a tensor, a
+    torch.func wrapper)."""
+    if not isinstance(t, Tensor) or t.layout is not torch.strided:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
