@@ -64,3 +64,43 @@ def test_vjp_results_of_a_shared_cotangent_are_separate():
     torch.testing.assert_close(gb, u)
     ga.add_(1)
     torch.testing.assert_close(gb, u)
+
+
+def _exp_and_sin(x):
+    h = x.exp()
+    return h.sin(), h  # (the output, and h as aux: the graph of the output saved h)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_vjp_fn_refuses_an_aux_written_in_place_since(batched):
+    x = torch.randn(3, dtype=D)
+    _, vjp_fn, aux = tv.vjp(_exp_and_sin, x, has_aux=True)
+    u = torch.randn((2, 3) if batched else (3,), dtype=D)
+    (before,) = vjp_fn(u, batched=batched)
+    torch.testing.assert_close(before, u * (x.exp().cos() * x.exp()))
+    aux.mul_(0)  # (torch.func.vjp's vjp_fn then returns zeros, silently)
+    with pytest.raises(tv.JacobianCallError) as info:
+        vjp_fn(u, batched=batched)
+    msg = str(info.value)
+    assert msg.startswith("torch_vjp.vjp: vjp_fn: the aux was written in place after "
+                          "torch_vjp.vjp computed the output.")
+    assert "Fix: call torch_vjp.vjp again after the change" in msg
+
+
+def test_vjp_fn_names_the_aux_tensor_written():
+    x = torch.randn(3, dtype=D)
+    _, vjp_fn, aux = tv.vjp(lambda x: (x.exp().sin(), {"a": x.cos(), "h": x.exp()}), x,
+                            has_aux=True)
+    aux["h"].add_(1)
+    with pytest.raises(tv.JacobianCallError, match=r"vjp_fn: the aux's tensor 1 was written"):
+        vjp_fn(torch.ones(3, dtype=D))
+
+
+def test_vjp_fn_with_aux_untouched_still_works_twice():
+    x = torch.randn(3, dtype=D)
+    _, vjp_fn, aux = tv.vjp(_exp_and_sin, x, has_aux=True)
+    aux_copy = aux.clone()
+    aux_copy.mul_(0)  # (a write into a copy is no write into the point)
+    for _ in range(2):
+        (g,) = vjp_fn(torch.ones(3, dtype=D))
+        torch.testing.assert_close(g, x.exp().cos() * x.exp())

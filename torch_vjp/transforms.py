@@ -152,9 +152,9 @@ def vjp(
         GradOutputsError: (from ``vjp_fn``) cotangents of the wrong structure, shape,
             batch size, dtype or device, with the same messages as :func:`torch_vjp.grad`.
         JacobianCallError: a primal or an output of ``f`` cannot be differentiated; (from
-            ``vjp_fn``) a primal, the output, or a tensor ``f`` captures (a module's
-            parameter or buffer too) was written in place since the vjp call (NOTE [the vjp
-            point, kept]).
+            ``vjp_fn``) a primal, the output, the aux, or a tensor ``f`` captures (a
+            module's parameter or buffer too) was written in place since the vjp call (NOTE
+            [the vjp point, kept]).
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -183,7 +183,8 @@ def vjp(
         res = func_vjp(g_inner, *prob.leaves, has_aux=prob.has_aux)
     out, pullback = res[0], res[1]
     flat_out, out_spec = tree_flatten(out)
-    point = Point(f, prob.leaves, [o for o in flat_out if isinstance(o, Tensor)])
+    point = Point(f, prob.leaves, [o for o in flat_out if isinstance(o, Tensor)],
+                  [a for a in tree_leaves(res[2]) if isinstance(a, Tensor)] if has_aux else [])
     single = isinstance(out, Tensor)
     pull_call = "torch_vjp.vjp: vjp_fn"
     key_box: list[Any] = []  # (the key of NOTE [batched products, checked once], once made)

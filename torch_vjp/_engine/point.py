@@ -5,7 +5,7 @@ compares (NOTE [a compiled vjp_fn's point] in :mod:`torch_vjp.transforms`)."""
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -19,14 +19,16 @@ __all__ = ["Point", "read_state", "versions_of"]
 
 # NOTE [the vjp point, kept]
 # vjp_fn differentiates at the point of the vjp call: torch.func's graph holds what f saved
-# there, and reads the caller's tensors themselves where it saved them (the primals, the
-# output it returned, and the tensors f captures, which torch.func does not copy). A write
+# there, and reads the caller's tensors themselves where it saved them (the primals; the
+# output and the aux it returned, which torch.func hands out unwrapped: tensors of f's graph
+# themselves; and the tensors f captures, which torch.func does not copy). A write
 # into one of them between the vjp call and a vjp_fn call (``x.mul_(3)``, ``out.mul_(0.5)``,
 # an optimizer step on a parameter f uses, ``W.add_(1)`` on a captured weight) made the
 # products mix old and new values, silently: torch.func's wrappers have version counters of
 # their own, so its check of saved tensors never fires (plain autograd raises "modified by
 # an inplace operation" there). So vjp records the version counters of the primals, of f's
-# output, of the tensors f reaches (:func:`~torch_vjp._engine.context.reached`: closure
+# output and aux (``aux.mul_(0)`` on an aux the output was computed from), of the tensors
+# f reaches (:func:`~torch_vjp._engine.context.reached`: closure
 # cells, defaults, named globals, a ``partial``'s arguments, the items of a dict or list
 # they hold) and of the parameters and buffers of the modules f reaches, right after f ran,
 # and vjp_fn raises a JacobianCallError where one moved. Whether the graph reads the tensor
@@ -38,12 +40,14 @@ class Point:
     """The version counters of what a vjp point's graph may read (NOTE [the vjp point,
     kept])."""
 
-    def __init__(self, f: Callable[..., Any], leaves: list[Tensor], outputs: list[Tensor]
-                 ) -> None:
+    def __init__(self, f: Callable[..., Any], leaves: list[Tensor], outputs: list[Tensor],
+                 aux: Sequence[Tensor] = ()) -> None:
         self.names = ([f"primals[{i}]" for i in range(len(leaves))]
                       + [f"the output's tensor {i}" if len(outputs) > 1 else "the output"
-                         for i in range(len(outputs))])
-        self.tensors = tuple(leaves) + tuple(outputs) + tuple(
+                         for i in range(len(outputs))]
+                      + [f"the aux's tensor {i}" if len(aux) > 1 else "the aux"
+                         for i in range(len(aux))])
+        self.tensors = tuple(leaves) + tuple(outputs) + tuple(aux) + tuple(
             v for v in read_state(f) if isinstance(v, Tensor))
         self.versions = versions_of(self.tensors)
 
