@@ -104,3 +104,22 @@ def test_vjp_fn_with_aux_untouched_still_works_twice():
     for _ in range(2):
         (g,) = vjp_fn(torch.ones(3, dtype=D))
         torch.testing.assert_close(g, x.exp().cos() * x.exp())
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+@pytest.mark.parametrize("mode", ["no_grad", "set_grad_enabled_false"])
+def test_jacobian_of_create_graph_is_differentiable_under_no_grad(chunk_size, mode):
+    # torch.autograd.grad(create_graph=True) builds its graph whatever the grad mode
+    x = torch.randn(4, dtype=D, requires_grad=True)
+    y = torch.outer(x, x.exp())
+    z = x.sin()
+    ctx = torch.no_grad() if mode == "no_grad" else torch.set_grad_enabled(False)
+    with ctx:
+        Jy, Jz = tv.jacobian_of((y, z), x, create_graph=True, chunk_size=chunk_size)
+    assert Jy.requires_grad and Jz.requires_grad
+    f = lambda x: torch.outer(x, x.exp())  # noqa: E731
+    torch.testing.assert_close(Jy.detach(), torch.func.jacrev(f)(x.detach()))
+    (g,) = torch.autograd.grad(Jy.sum() + Jz.sum(), x)
+    want = (torch.func.jacrev(torch.func.jacrev(f))(x.detach()).sum((0, 1, 2))
+            + torch.func.jacrev(torch.func.jacrev(torch.sin))(x.detach()).sum((0, 1)))
+    torch.testing.assert_close(g, want)

@@ -17,6 +17,7 @@ outputs are released (the loop may need it), as a single vectorised chunk always
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Hashable, Sequence
@@ -41,7 +42,20 @@ def computed_jacobian(
 ) -> Any:
     """The blocks of the Jacobian of ``outs`` (checked tensors) with respect to ``ins``
     (checked to require grad), in :func:`torch_vjp.jacobian_of`'s structure (one tensor per
-    pair, unnested where ``single_out``/``single_in``)."""
+    pair, unnested where ``single_out``/``single_in``).
+
+    With ``create_graph`` the blocks are differentiable whatever the caller's grad mode, as
+    ``torch.autograd.grad(create_graph=True)``'s results are: the products are joined (the
+    chunks and the loop's rows stacked) and split into blocks under grad mode too."""
+    with torch.enable_grad() if create_graph else contextlib.nullcontext():
+        return _blocks(outs, ins, retain_graph, create_graph, chunk, call, single_out,
+                       single_in)
+
+
+def _blocks(
+    outs: Sequence[Tensor], ins: Sequence[Tensor], retain_graph: bool, create_graph: bool,
+    chunk: int | None, call: str, single_out: bool, single_in: bool,
+) -> Any:
     diff = [j for j, o in enumerate(outs) if o.requires_grad]
     d_outs = [outs[j] for j in diff]
     shapes = [o.shape for o in d_outs]
