@@ -123,3 +123,20 @@ def test_jacobian_of_create_graph_is_differentiable_under_no_grad(chunk_size, mo
     want = (torch.func.jacrev(torch.func.jacrev(f))(x.detach()).sum((0, 1, 2))
             + torch.func.jacrev(torch.func.jacrev(torch.sin))(x.detach()).sum((0, 1)))
     torch.testing.assert_close(g, want)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+def test_batched_vjp_fn_create_graph_is_differentiable_under_no_grad(chunk_size):
+    # (as the unbatched vjp_fn, and torch.autograd.grad(create_graph=True), whatever the mode)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    f = lambda a: a.sin() * a.prod()  # noqa: E731
+    _, vjp_fn = tv.vjp(f, x)
+    U = torch.randn(3, 3, dtype=D)
+    with torch.no_grad():
+        (G,) = vjp_fn(U, batched=True, chunk_size=chunk_size, create_graph=True)
+    assert G.requires_grad
+    J = torch.func.jacrev(f)(x.detach())
+    torch.testing.assert_close(G.detach(), U @ J)
+    (g,) = torch.autograd.grad(G.sum(), x)
+    H = torch.func.jacrev(torch.func.jacrev(f))(x.detach())  # (out, in, in)
+    torch.testing.assert_close(g, torch.einsum("ko,oij->j", U, H))

@@ -14,6 +14,7 @@ shaped like ``y``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -75,6 +76,7 @@ _VJP_FN_SIGNATURE = inspect.Signature([
 ])
 _PULLBACK_DEFAULTS = {"retain_graph": True, "create_graph": None, "batched": False,
                       "chunk_size": None}
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _pullback_options(args: tuple[Any, ...], options: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +275,10 @@ def vjp(
 
         point.check(pull_call)  # (NOTE [the vjp point, kept])
         try:
-            grads = products()
+            # (create_graph=True builds the graph whatever the caller's grad mode, as
+            # torch.autograd.grad does: the batched products are joined under grad mode)
+            with torch.enable_grad() if opts["create_graph"] is True else _NO_CONTEXT:
+                grads = products()
         except RuntimeError as err:
             note_freed_graph(err, (
                 f"{pull_call}: vjp_fn reads the graph that torch_vjp.vjp recorded for the "
