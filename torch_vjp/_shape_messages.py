@@ -198,6 +198,23 @@ def _shape_fix(
     count_fix = _count_fix(labels, i, out, go, outputs, gos)
     if count_fix:
         return count_fix
+    reading = _form_reading(labels, i, out, go)
+    # a vector of an input's shape (torch.ones_like(x) for dL/dy) is the commonest confusion:
+    # named first, also where its shape has a reading of its own as well (an extra leading
+    # dimension, K elements for a one-element output), which is then told as the other one
+    if _matches_input(gshape, inputs, outputs):
+        named = _input_fix(labels, i, gshape, inputs, outputs, batched=False)
+        if named:
+            return named + (f"\n  Or: {reading}" if reading else "")
+    return reading or _shape_reading(labels, i, out, go)
+
+
+def _form_reading(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
+    """What the shape of ``go`` says of itself, beside the output's: a number of elements
+    for a one-element output, or the output's shape with an extra leading dimension; and
+    the fix. Or an empty string."""
+    o, g = labels.out(i), labels.go(i)
+    gshape, oshape = go.shape, out.shape
     if out.dim() == 0 and go.numel() == 1:
         return (
             f"{o} is a 0-d scalar (shape ()), and {shape_str(gshape)} is not (): "
@@ -237,8 +254,14 @@ def _shape_fix(
             f"{g}.reshape({shape_str(oshape)}), or leave it None: for a one-element output "
             f"torch uses 1."
         )
-    if _matches_input(gshape, inputs, outputs):
-        return _input_fix(labels, i, gshape, inputs, outputs, batched=False)
+    return ""
+
+
+def _shape_reading(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
+    """What the shape of ``go`` suggests otherwise (the output's shape twice, reversed, in
+    another arrangement, or only part of it), and the fix; or an empty string."""
+    o, g = labels.out(i), labels.go(i)
+    gshape, oshape = go.shape, out.shape
     if out.dim() >= 1 and tuple(gshape) == tuple(oshape) * 2:
         return _basis_fix(labels, i, gshape, batched=False)
     # a vector of the shape of the output's leading dimensions: one weight per row (per-example
@@ -316,6 +339,8 @@ def _input_fix(
     ones = f"torch.ones_like({o})"
     if batched:
         ones = f"torch.ones_like({o}).expand(K, *{o}.shape)"
+    elif outputs[i].numel() == 1:
+        ones += " (or leave it None: torch uses 1)"
     return (
         f"{what}; gradients with respect to the inputs are what the call returns, not what "
         f"it takes. To sum the elements of {o}, pass {ones}."
