@@ -69,3 +69,74 @@ def test_a_shape_that_is_no_inputs_keeps_its_own_reading_alone():
     msg = _note("grad", (w * 2).sum(0), w, torch.ones(5, 3, dtype=D))
     assert "grad_outputs[0] has an extra leading dimension of size 5" in msg
     assert "is the shape of inputs" not in msg and "Or:" not in msg
+
+
+# --------------------------------------------------------------------------------------
+# A custom backward's gradients returned in another order are told as such
+# --------------------------------------------------------------------------------------
+
+
+class _Swapped(torch.autograd.Function):
+    """x @ w, whose backward returns the two gradients in the wrong order."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return x.mT @ g, g @ w.mT
+
+
+class _Ordered(_Swapped):
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.mT, x.mT @ g
+
+
+def test_gradients_in_the_wrong_order_are_told_in_checked_mode():
+    # (3, 4) at index 0 was read as "one example's Jacobian (transposed)" only
+    x = torch.randn(2, 3, dtype=D, requires_grad=True)
+    w = torch.randn(3, 4, dtype=D, requires_grad=True)
+    msg = _note(lambda: _Swapped.apply(x, w).sum().backward())
+    assert msg.startswith("Function _SwappedBackward returned an invalid gradient at index 0")
+    assert ("(3, 4) is the shape of forward input 1: gradients out of order? backward "
+            "returns them in forward's order: input 0's, of shape (2, 3), at index 0.") in msg
+    gx, gw = torch.autograd.grad(_Ordered.apply(x, w).sum(), (x, w))
+    jx, jw = torch.func.jacrev(lambda a, b: (a @ b).sum(), argnums=(0, 1))(x.detach(),
+                                                                          w.detach())
+    torch.testing.assert_close((gx, gw), (jx, jw))
+
+
+def test_gradients_in_the_wrong_order_are_told_by_check_function():
+    with pytest.raises(tv.FunctionCheckError,
+                       match=r"\(3, 4\) is the shape of forward input 1: gradients out of "
+                             r"order\?"):
+        tv.check_function(_Swapped, torch.randn(2, 3, dtype=D), torch.randn(3, 4, dtype=D))
+    report = tv.check_function(_Ordered, torch.randn(2, 3, dtype=D), torch.randn(3, 4, dtype=D))
+    assert all(i.shape_ok for i in report.inputs)
+
+
+def test_a_summed_gradient_of_another_input_s_shape_is_not_told_as_out_of_order():
+    class SumRows(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(x, y)
+            return (x * y).sum(0)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, y = ctx.saved_tensors
+            return g * y.expand_as(x), g * x  # index 1: (5, 4), which torch sums to (4,)
+
+    x = torch.randn(5, 4, dtype=D, requires_grad=True)
+    y = torch.randn(4, dtype=D, requires_grad=True)
+    with pytest.warns(tv.FunctionCheckWarning) as caught:
+        with tv.checked():
+            SumRows.apply(x, y).sum().backward()
+    text = "\n".join(str(w.message) for w in caught)
+    assert "extra leading dimension of size 5" in text and "out of order" not in text
+    torch.testing.assert_close(y.grad, x.detach().sum(0))

@@ -163,7 +163,7 @@ def check_record(call: str, rec: Record, slots: list[Slot]) -> str | None:
     ):  # (trailing None values for parameters forward declares but was not given are right)
         return count_message(call, fname, values, slots)
     for i, (value, slot) in enumerate(zip(values, slots)):
-        problem = _check_one(call, fname, i, value, slot, out_shapes)
+        problem = _check_one(call, fname, i, value, slot, out_shapes, slots)
         if problem is not None:
             return problem
     return None
@@ -225,7 +225,7 @@ def count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[Sl
 
 
 def _check_one(call: str, fname: str, i: int, value: Any, slot: Slot,
-               out_shapes: list[tuple[int, ...] | None]) -> str | None:
+               out_shapes: list[tuple[int, ...] | None], slots: list[Slot]) -> str | None:
     if value is not None and not isinstance(value, Tensor):
         return type_message(call, fname, i, value, slot)
     if slot.kind == "other":
@@ -254,7 +254,8 @@ def _check_one(call: str, fname: str, i: int, value: Any, slot: Slot,
     )
     gshape, ishape = tuple(value.shape), slot.shape
     if gshape != ishape:
-        return shape_message(call, fname, i, gshape, ishape, out_shapes) + dropped
+        return shape_message(call, fname, i, gshape, ishape, out_shapes,
+                             in_shapes=[t.shape for t in slots]) + dropped
     if slot.dtype is not None and value.dtype != slot.dtype:
         return dtype_message(call, fname, i, value, slot) + dropped
     if slot.device is not None and value.device != slot.device:
@@ -341,7 +342,9 @@ def device_message(call: str, fname: str, i: int, value: Tensor, slot: Slot,
 
 
 def shape_message(call: str, fname: str, i: int, g: tuple[int, ...], s: tuple[int, ...],
-                   out_shapes: list[tuple[int, ...] | None], torch_line: bool = True) -> str:
+                   out_shapes: list[tuple[int, ...] | None], torch_line: bool = True,
+                   in_shapes: Sequence[tuple[int, ...] | None] = ()) -> str:
+    """``in_shapes``: forward's input shapes, to tell a gradient at another input's index."""
     lines = [
         f"{call}: {fname}.backward returned a gradient of shape {shape_str(g)} at index {i}, "
         f"but forward input {i} has shape {shape_str(s)}.",
@@ -367,6 +370,11 @@ def shape_message(call: str, fname: str, i: int, g: tuple[int, ...], s: tuple[in
             f"shape that {shape_str(s)} broadcasts to, which torch then sums down; "
             f"{shape_str(g)} is neither."
         )
+    j = next((j for j, t in enumerate(in_shapes) if j != i and t == g), None)
+    if j is not None and not broadcasts_to(s, g):  # (the commonest: another order)
+        lines.append(f"  {shape_str(g)} is the shape of forward input {j}: gradients out of "
+                     f"order? backward returns them in forward's order: input {i}'s, of shape "
+                     f"{shape_str(s)}, at index {i}. If it is not that:")
     lines.append("  " + _shape_hint(i, g, s, out_shapes))
     return "\n".join(lines)
 

@@ -218,6 +218,7 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
         return [BackwardProblem(None, "rejects",
                                 count_message(call, fname, values, slots, False), "count")]
     out_shapes = _received_shapes(node)
+    in_shapes = [slot.shape for slot in slots]
     problems = []
     for i, slot in enumerate(slots):
         value = values[i]
@@ -239,13 +240,13 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
                 if not broadcasts_to(slot.shape, g):
                     problems.append(BackwardProblem(
                         i, "rejects",
-                        shape_message(call, fname, i, g, slot.shape, out_shapes, False),
+                        shape_message(call, fname, i, g, slot.shape, out_shapes, False, in_shapes),
                         "shape", g))
                     continue
                 if not _summed_broadcast(node, g, slot.shape):  # (torch's idiom is fine)
                     problems.append(BackwardProblem(
                         i, "sums",
-                        shape_message(call, fname, i, g, slot.shape, out_shapes, False),
+                        shape_message(call, fname, i, g, slot.shape, out_shapes, False, in_shapes),
                         "shape", g))
             # torch sums a gradient down to its input's shape, casts it to its input's dtype,
             # and then checks its device: a shape it sums or a dtype it casts does not hide a
