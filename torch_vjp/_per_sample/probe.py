@@ -4,7 +4,6 @@ plans per model structure.
 
 from __future__ import annotations
 
-import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,14 +17,7 @@ from torch_vjp._engine.context import Watched
 from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Job, Selection
-from torch_vjp._per_sample.structure import (
-    _names_read,
-    function_flags,
-    note_counters,
-    numbers_of,
-    object_flags,
-    structure_of,
-)
+from torch_vjp._per_sample.structure import loss_key, note_counters, numbers_of, structure_of
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
@@ -47,30 +39,6 @@ __all__ = ["input_entries", "plan_for", "plan_key", "forget_plans", "build_plan"
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Plan]] = weakref.WeakKeyDictionary()
 _MAX_PER_MODEL = 16
-
-
-def _loss_key(loss_fn: Any) -> Any:
-    """What identifies a loss for the plan: its type and settings for a loss module (a new
-    instance each call is the same loss), its code and the flags of what it reads for a
-    function."""
-    if isinstance(loss_fn, nn.Module):
-        settings = tuple([
-            (k, v) for k, v in loss_fn.__dict__.items()
-            if k[:1] != "_" and (type(v) in _SETTING_TYPES
-                                 or isinstance(v, (int, float, str, type(None))))
-        ])
-        return (type(loss_fn), settings)
-    code = getattr(getattr(loss_fn, "__func__", loss_fn), "__code__", None)
-    if code is None:
-        # a callable object: by identity, and the flags of its attributes and of what its
-        # __call__ reads (``self.l2`` switched on after warm-up)
-        call = getattr(type(loss_fn), "__call__", None)
-        if not isinstance(call, types.FunctionType):
-            return (type(loss_fn), id(loss_fn), object_flags(loss_fn))
-        return (type(loss_fn), id(loss_fn), object_flags(loss_fn, _names_read(call.__code__)),
-                function_flags(call))
-    # (and the flags of what it reads: NOTE [the structure a plan is for] in structure.py)
-    return (code, function_flags(loss_fn))
 
 
 def _tail(t: Any) -> Any:
@@ -98,7 +66,7 @@ def plan_key(job: Job) -> Any:
         tuple(sel.canonical),
         tuple(t.requires_grad for t in sel.tensors.values()),
         tuple(bool(t._backward_hooks) for t in sel.tensors.values()),
-        _loss_key(job.loss_fn),
+        loss_key(job.loss_fn),
     )
 
 

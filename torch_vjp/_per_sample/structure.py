@@ -7,17 +7,18 @@ from __future__ import annotations
 import functools
 import numbers
 import types
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from torch_vjp._engine.context import flag_of
+from torch_vjp._engine.context import flag_of, identity
 from torch_vjp._engine.fwdcheck import route_key
 from torch_vjp._per_sample.registry import replaced_forward
 
-__all__ = ["structure_of", "function_flags", "object_flags", "nested_flags", "numbers_of",
-           "note_counters"]
+__all__ = ["structure_of", "loss_key", "function_flags", "object_flags", "nested_flags",
+           "numbers_of", "note_counters"]
 
 # NOTE [the structure a plan is for]
 # A plan (which layers have rules, in which dimension each finds the examples, which
@@ -368,6 +369,46 @@ def _hook_key(h: Any) -> Any:
 
 
 _EMPTY_CODE = (lambda: None).__code__
+
+_LOSS_SETTINGS = (int, float, str, type(None))  # (and tuples: a loss module's settings)
+
+
+def loss_key(loss_fn: Any) -> Any:
+    """What identifies a loss for the plan: its type and settings for a loss module (a new
+    instance each call is the same loss); its code and the flags of what it reads for a
+    function (NOTE [the structure a plan is for]); a ``functools.partial`` by its function's
+    key and the flags of its arguments (a partial made for each step, over a coefficient
+    that switches an L2 term on, is the same loss while the flags are); any other callable
+    object by its identity (:func:`~torch_vjp._engine.context.identity`, not its address:
+    a loss made for each step takes the address of an earlier step's, which has died, and
+    may read other parameters; by its address only where it cannot be weakly referenced,
+    since a key that held it would keep its model alive) and the flags of its attributes
+    and of what its ``__call__`` reads (``self.l2`` switched on after warm-up)."""
+    if isinstance(loss_fn, nn.Module):
+        return (type(loss_fn), tuple([
+            (k, v) for k, v in loss_fn.__dict__.items()
+            if k[:1] != "_" and (type(v) is tuple or isinstance(v, _LOSS_SETTINGS))]))
+    if isinstance(loss_fn, functools.partial):
+        func = loss_fn.func
+        call = func if hasattr(func, "__code__") else getattr(type(func), "__call__", None)
+        code = getattr(getattr(call, "__func__", call), "__code__", None)
+        reads = _names_read(code or _EMPTY_CODE)
+        return ("partial", loss_key(func), tuple(loss_fn.keywords), tuple(
+            nested_flags(a, reads) for a in (*loss_fn.args, *loss_fn.keywords.values())))
+    code = getattr(getattr(loss_fn, "__func__", loss_fn), "__code__", None)
+    if code is not None:
+        return (code, function_flags(loss_fn))
+    call = getattr(type(loss_fn), "__call__", None)
+    try:
+        weakref.ref(loss_fn)
+    except TypeError:  # (held by id: a key that held the object kept its model alive)
+        who: Any = id(loss_fn)
+    else:
+        who = identity(loss_fn)
+    if not isinstance(call, types.FunctionType):
+        return (type(loss_fn), who, object_flags(loss_fn))
+    return (type(loss_fn), who, object_flags(loss_fn, _names_read(call.__code__)),
+            function_flags(call))
 
 
 def _object_flags(obj: object) -> tuple[Any, ...]:
