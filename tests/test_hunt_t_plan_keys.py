@@ -88,3 +88,37 @@ def test_a_partial_loss_made_anew_each_step_keeps_its_plan():
         tv.per_sample_plan(model, loss_fn, x, y)
     from torch_vjp._per_sample import probe
     assert len(probe._PLANS[model]) == 1
+
+
+class _Gated(nn.Module):
+    """``h + gate * h.mean(0)``: mixes examples once the gate is off zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h + self.gate * h.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_a_parameter_left_out_of_params_and_unfrozen_makes_a_new_plan(strategy):
+    # planned with the gate frozen at zero (which the plan keeps there: NOTE [probes at a
+    # generic point]); then unfrozen and trained by another loss: the plan made for the
+    # frozen gate trusted rules across a layer that now mixes examples
+    torch.manual_seed(0)
+    model = _Gated().to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    names = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    model.gate.requires_grad_(False)
+    got = tv.per_sample_grads(model, F.cross_entropy, x, y, params=names, strategy=strategy)
+    ref = loop_reference(model, F.cross_entropy, x, y, names)
+    for n in names:
+        torch.testing.assert_close(got[n], ref[n])
+    model.gate.requires_grad_(True)
+    with torch.no_grad():
+        model.gate.fill_(0.5)  # (as the other loss's optimizer step moves it)
+    with pytest.raises(tv.PerSampleError, match=r"the model's own forward \(_Gated\) mixes"):
+        tv.per_sample_grads(model, F.cross_entropy, x, y, params=names, strategy=strategy)

@@ -38,7 +38,9 @@ __all__ = ["structure_of", "loss_key", "function_flags", "object_flags", "nested
 # ``self.opts["extra"]``, ``cfg.sub.extra``; ``nested_flags``), the entries the code names
 # only (a model config of a hundred entries costs the few its methods read), and on torch's
 # modules, the attributes a user's module class reads (``self.blocks.extra`` on an
-# nn.ModuleList, which its forward branches on). A module's numeric attribute that the planning forwards moved (a
+# nn.ModuleList, which its forward branches on); and which of its parameters are frozen,
+# selected or not (the plan's probes move the others alone: NOTE [probes at a generic point]
+# in ``plan``). A module's numeric attribute that the planning forwards moved (a
 # counter a forward increments, which a loop may reset) is left out from then on
 # (``note_counters``), else it would make plan after plan. Branches on other values (a
 # batch's contents, a threshold compared with a number, a flag deeper than that) are not
@@ -272,6 +274,10 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         if bh or bph:  # (rare: kept out of the entry of every module without them)
             entry += (("backward", _hooks_key(bh, memo) if bh else (),
                        _hooks_key(bph, memo) if bph else ()),)
+        ps = m._parameters  # (which are frozen: NOTE [probes at a generic point] in plan.py)
+        if ps and not all(p is None or p.requires_grad for p in ps.values()):
+            entry += (("frozen", tuple(k for k, p in ps.items()
+                                       if p is not None and not p.requires_grad)),)
         replaced = replaced_forward(m)
         if replaced is not None:  # (a layer.forward = ... takes the layer's rule away)
             entry += (("replaced", replaced),)
