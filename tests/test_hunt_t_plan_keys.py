@@ -122,3 +122,44 @@ def test_a_parameter_left_out_of_params_and_unfrozen_makes_a_new_plan(strategy):
         model.gate.fill_(0.5)  # (as the other loss's optimizer step moves it)
     with pytest.raises(tv.PerSampleError, match=r"the model's own forward \(_Gated\) mixes"):
         tv.per_sample_grads(model, F.cross_entropy, x, y, params=names, strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_a_dropout_raised_from_zero_between_calls_is_planned_for(strategy):
+    # a dropout schedule that starts at p=0: planned while the layer drew nothing, the plan
+    # took the rules' draws for a mismatch when it was checked again, which strategy='hooks'
+    # raised for on that call and every later one
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.0), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(10):
+            model[1].p = 0.0 if step < 2 else 0.3
+            norms = tv.accumulate_clipped_grads(model, F.cross_entropy, x, y, max_norm=1.0,
+                                                strategy=strategy)
+            assert norms.shape == (6,) and bool(norms.isfinite().all())
+    model.eval()  # (no draws: the definition can be compared)
+    names = [n for n, _ in model.named_parameters()]
+    got = tv.per_sample_grads(model, F.cross_entropy, x, y, strategy=strategy)
+    ref = loop_reference(model, F.cross_entropy, x, y, names)
+    for n in names:
+        torch.testing.assert_close(got[n], ref[n])
+
+
+def test_a_softmax_moved_onto_the_batch_between_calls_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=1)).to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+
+    def nll(p, t):
+        return -p.gather(1, t[:, None]).log().sum()
+
+    names = ["0.weight", "0.bias"]
+    got = tv.per_sample_grads(model, nll, x, y)
+    ref = loop_reference(model, nll, x, y, names)
+    for n in names:
+        torch.testing.assert_close(got[n], ref[n])
+    model[1].dim = 0  # (normalises over the examples: mixes them)
+    with pytest.raises(tv.PerSampleError, match=r"module '1' \(Softmax\) mixes examples"):
+        tv.per_sample_grads(model, nll, x, y)

@@ -29,7 +29,9 @@ __all__ = ["structure_of", "loss_key", "function_flags", "object_flags", "nested
 # batch), its backward hooks and backward pre-hooks (``register_full_backward_hook``: a
 # hook that rescales or mixes the gradients the layers below receive, which the rules read),
 # and, for modules defined outside torch, the flags of their attributes and of the
-# globals their forward reads (``self.center = True``, ``USE_GATE``); the global module
+# globals their forward reads (``self.center = True``, ``USE_GATE``), and for torch's own
+# modules the flags of their public settings (a Dropout's ``p`` raised from 0, where it
+# draws nothing, a Softmax's ``dim``); the global module
 # hooks, forward and backward alike; and the flags of the loss function's closure and the globals it reads (an L2 term
 # switched on after warm-up; a callable loss object's attributes, a bound method's
 # object's). A flag is a bool, str or None value itself, or a number's truth (zero or not:
@@ -281,8 +283,12 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
         replaced = replaced_forward(m)
         if replaced is not None:  # (a layer.forward = ... takes the layer's rule away)
             entry += (("replaced", replaced),)
-        if not own:  # (and so does nn.Linear.forward = ...: the functions the rules replay)
-            entry += (kind.forward, getattr(kind, "_conv_forward", None))
+        if not own:  # (and so does nn.Linear.forward = ...: the functions the rules replay;
+            # and the flags of its settings: a Dropout's p raised from 0, where it draws
+            # nothing, or a Softmax's dim moved onto the batch)
+            entry += (kind.forward, getattr(kind, "_conv_forward", None), tuple([
+                (k, f) for k, v in m.__dict__.items() if k[:1] != "_" and k != "training"
+                and (f := flag_of(v)) is not NotImplemented]))
         if own:
             skip = _COUNTERS.get(kind) or torch_attrs
             reads = _TYPE_READS.get(kind) or _type_reads(kind)
