@@ -53,11 +53,18 @@ def run_compiled(
     """The compiled result of ``kind`` (``"grads"``: the named dict; ``"norms"``: ``(B,)``;
     ``"clipped"``: ``(norms, sums)`` with the sums by canonical name, not yet added)."""
     sel = job.sel
-    options = (kind, tuple(sel.names), job.strategy, chunk, max_norm, sel.training,
+    options = (kind, tuple(sel.names), job.strategy, chunk, sel.training,
                tuple(map(id, sel.tensors.values())))
-    return compiled_call(f"torch_vjp.{job.fn}", job.model, options, (job.xs, job.targets),
-                         eager, lambda: _program(kind, job, chunk, max_norm),
-                         passed=(job.loss_fn,))
+    # (the bound an argument, a 0-d tensor: adaptive clipping sets it anew each step, and
+    # a constant of the program compiled one program per value)
+    bound = None
+    if max_norm is not None:
+        like = next(iter(sel.tensors.values()))
+        bound = torch.tensor(max_norm, device=like.device,
+                             dtype=torch.float64 if like.dtype == torch.float64 else None)
+    return compiled_call(f"torch_vjp.{job.fn}", job.model, options,
+                         (job.xs, job.targets, bound), eager,
+                         lambda: _program(kind, job, chunk), passed=(job.loss_fn,))
 
 
 def run_traced(
@@ -73,7 +80,7 @@ def run_traced(
     job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
     if not compilable(job):
         return None
-    out = _program(kind, job, chunk, max_norm)(job.model, job.xs, job.targets, job.loss_fn)
+    out = _program(kind, job, chunk)(job.model, job.xs, job.targets, max_norm, job.loss_fn)
     if kind == "grads":  # (each name its own tensor, as the eager result: tied parameters)
         seen: set[int] = set()
         own = {}
@@ -87,8 +94,7 @@ def run_traced(
     return out
 
 
-def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
-             ) -> Callable[..., Any]:
+def _program(kind: str, job: Job, chunk: int | None) -> Callable[..., Any]:
     fn, sel = job.fn, job.sel
     keys = list(sel.tensors)
     names, key_of = list(sel.names), dict(sel.key_of)
@@ -96,8 +102,9 @@ def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
     # (compiled_call passes the model first: the same object, its identity is in the key;
     # the program reads it from there, so that the cache does not keep the model alive; the
     # loss function last, keyed as a closure is, so that a loss made for each batch, or a
-    # lambda over per-batch weights, runs the same program)
-    def program(model: nn.Module, xs: tuple[Tensor, ...], targets: Any, loss_fn: Any) -> Any:
+    # lambda over per-batch weights, runs the same program; the clipping bound before it)
+    def program(model: nn.Module, xs: tuple[Tensor, ...], targets: Any,
+                max_norm: Tensor | float | None, loss_fn: Any) -> Any:
         def one(d: dict[str, Tensor], state: dict[str, Any], xi: tuple[Tensor, ...],
                 ti: Any) -> Tensor:
             out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
@@ -116,7 +123,7 @@ def _program(kind: str, job: Job, chunk: int | None, max_norm: float | None
         norms = sq.sqrt()
         if kind == "norms":
             return norms
-        factors = clip_factors(sq, max_norm)
+        factors = clip_factors(sq, max_norm)  # type: ignore[arg-type]  (None: not here)
         sums = {k: torch.einsum("b,b...->...", factors, g) for k, g in per_sample.items()}
         return norms, sums
 

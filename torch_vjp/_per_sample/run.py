@@ -478,8 +478,9 @@ def _total(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
     return total
 
 
-def clip_factors(sq: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient."""
+def clip_factors(sq: Tensor, max_norm: float | Tensor) -> Tensor:
+    """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient
+    (``max_norm`` a 0-d tensor in a compiled program)."""
     return sq.rsqrt().mul_(max_norm).clamp_(max=1.0)
 
 
