@@ -533,8 +533,8 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
                 s = s.to_sparse()
             if p.grad is None:
                 p.grad = s
-            elif p.grad.layout != s.layout:
-                p.grad = p.grad + s
+            elif p.grad.layout != s.layout:  # (dense first: torch adds no dense to sparse,
+                p.grad = s + p.grad if p.grad.is_sparse else p.grad + s  # as backward does)
             else:
                 p.grad.add_(s)
             # backward then runs the hooks of register_post_accumulate_grad_hook (an
