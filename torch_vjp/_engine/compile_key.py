@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.context import module_own_attrs
 
 __all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem",
-           "HOOK_GUARDS", "HookGuards"]
+           "number_key", "HOOK_GUARDS", "HookGuards"]
 
 
 def program_key(f: object, *, passed: bool = False, depth: int = 3,
@@ -104,9 +104,23 @@ def _leaf_signature(v: object, keep: list[object] | None = None) -> object:
         return ("T", tuple(v.shape), _strides(v), v.dtype, v.device, v.layout,
                 v.requires_grad, type(v), _bits(v))
     if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype)):
-        return (type(v), v)
+        return number_key(v)
     _kept(v, keep)
     return ("id", id(v))
+
+
+def number_key(v: Any) -> object:
+    """A number (or string, None, dtype) as a key holds it: by its type and value, a float's
+    (and a complex's parts) by their exact bits (``float.hex``). ``0.0 == -0.0``, but a
+    program traced for one bakes its sign in (``math.copysign(1.0, s)``, ``1 / s``), and
+    dynamo's guard on the constant compares with ``==``: keyed by value, a call with
+    ``-0.0`` ran the program traced for ``0.0``, silently. Every NaN is one key (none equals
+    itself)."""
+    if isinstance(v, float):
+        return (type(v), float.hex(v))
+    if isinstance(v, complex):
+        return (type(v), float.hex(v.real), float.hex(v.imag))
+    return (type(v), v)
 
 
 def _strides(t: Tensor) -> object:
@@ -147,7 +161,7 @@ def _plain_signature(v: object) -> object:
         return (dict, tuple([(k, _plain_signature(x))
                              for k, x in v.items()]))  # type: ignore[attr-defined]
     if isinstance(v, Tensor) or v is None or kind in (bool, int, float, complex, str):
-        return _leaf_signature(v)
+        return _leaf_signature(v)  # (a number: number_key)
     raise _NotPlain
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from torch_vjp._engine.compile_key import call_signature
+from torch_vjp._engine.compile_key import call_signature, number_key
 
 __all__ = ["MEMO_MAX", "NOTES_PER_CALL", "called_again", "note_call", "forget_calls"]
 
@@ -102,13 +102,14 @@ _EMPTY = object()
 
 
 def _held(values: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``values`` as the note keeps them: numbers and strings by value, other objects by a
-    weak reference where they take one, else as they are (a tuple of defaults, a small
-    dict: the function holds them too)."""
+    """``values`` as the note keeps them: numbers and strings by value (a float by its
+    bits, :func:`~torch_vjp._engine.compile_key.number_key`: ``-0.0`` is not ``0.0``),
+    other objects by a weak reference where they take one, else as they are (a tuple of
+    defaults, a small dict: the function holds them too)."""
     out: list[Any] = []
     for v in values:
         if isinstance(v, _VALUES) or v is _EMPTY:
-            out.append((True, v))
+            out.append((True, number_key(v)))
             continue
         try:
             out.append((False, weakref.ref(v)))
@@ -122,7 +123,7 @@ def _same(held: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
         return False
     for (kind, h), v in zip(held, values):
         if kind is True:
-            if type(v) is not type(h) or v != h:
+            if not isinstance(v, _VALUES) and v is not _EMPTY or number_key(v) != h:
                 return False
         elif kind is False:
             if h() is not v:
