@@ -68,6 +68,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch._guards
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
@@ -116,9 +117,23 @@ def own_builds() -> int:
 
 
 def tracing() -> bool:
-    """Whether dynamo is tracing us (the user's torch.compile): see NOTE [compiled
-    Jacobians]."""
-    return torch.compiler.is_compiling()
+    """Whether dynamo is tracing us (the user's torch.compile), or export running us for
+    real in this thread: see NOTE [compiled Jacobians].
+
+    ``torch.compiler.is_compiling()`` is a process-wide flag, set for the whole of a
+    compile: read alone, a call in one thread while another thread compiled (or exported)
+    anything took the plain form, without the eager path's copies of ``f``'s inputs (its
+    in-place writes reached the caller's tensors) or ``buffers_kept``, and with none of its
+    fallbacks (a BatchNorm in training mode failed), ``compile=False`` included. Dynamo
+    folds ``is_dynamo_compiling()`` to True where it traces this call; run for real, the
+    call is in the compile (a backend's or export's own tracing) only where this thread's
+    compile or tracing context is set."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    if not torch.compiler.is_compiling():
+        return False
+    return (torch._guards.CompileContext.try_get() is not None
+            or torch._guards.TracingContext.try_get() is not None)
 
 
 def clear_cache() -> None:
