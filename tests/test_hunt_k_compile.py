@@ -105,3 +105,24 @@ def test_a_call_traced_by_dynamo_or_export_still_takes_the_plain_form():
     torch.export.export(M(), (x,), strict=False)
     assert seen and all(seen)
     assert not tracing()
+
+
+def test_a_call_that_recompiles_into_a_program_that_writes_changes_no_buffer():
+    # (the noted entry writes nothing, so its calls run without buffers_kept; a
+    # parametrization registered afterwards makes dynamo recompile it into a program that
+    # runs spectral norm's power iteration, into the module's buffers)
+    import copy
+
+    x = torch.randn(3, dtype=D)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 3)).to(D)
+    for _ in range(3):
+        torch.testing.assert_close(tv.jacobian(model, x, compile=True),
+                                   torch.func.jacrev(model)(x))
+    torch.nn.utils.parametrizations.spectral_norm(model[2])
+    norm = model[2].parametrizations.weight[0]
+    for _ in range(3):
+        u, v, twin = norm._u.clone(), norm._v.clone(), copy.deepcopy(model)
+        got = tv.jacobian(model, x, compile=True)
+        assert torch.equal(norm._u, u) and torch.equal(norm._v, v)
+        torch.testing.assert_close(got, torch.func.jacrev(twin)(x))

@@ -17,7 +17,8 @@ from torch_vjp._engine.point import versions_of
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
 from torch_vjp._strategies import Strategy
 
-__all__ = ["results_agree", "GraphPrecision", "FirstRun", "warn_rebuilt", "warn_eager",
+__all__ = ["results_agree", "GraphPrecision", "Recompiled", "recompile_refused", "FirstRun",
+           "warn_rebuilt", "warn_eager",
            "compile_failure", "COMPILED_STRATEGIES", "check_compile", "check_compilable",
            "warn_budget"]
 
@@ -62,13 +63,21 @@ class GraphPrecision:
     T5 casts to float32) and hands each to inductor, the default backend. The compiled
     program fuses and reorders that step's arithmetic, so it rounds differently from the
     eager call at float32's rounding: the first call's comparison (:func:`results_agree`)
-    must allow that, as 'auto''s check of routes does (NOTE [auto, checked once])."""
+    must allow that, as 'auto''s check of routes does (NOTE [auto, checked once]).
+
+    Once its program is built and checked, the backend is ``sealed``: dynamo calls it again
+    only where a guard failed and it recompiles the entry's code, and it raises
+    :class:`Recompiled` there (NOTE [a recompiled entry] in
+    :mod:`torch_vjp._engine.compiled`)."""
 
     def __init__(self, fold: bool = True) -> None:
         self.least: torch.dtype | None = None
         self.fold = fold  # NOTE [the basis folded]
+        self.sealed = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        if self.sealed:
+            raise Recompiled
         for mod in gm.modules():  # (subgraphs of higher-order ops are submodules)
             graph = getattr(mod, "graph", None)
             for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
@@ -91,6 +100,27 @@ class GraphPrecision:
                           post_grad_custom_post_pass=[*after, OneDnnProducts()]
                           if faster_here() else after or None):
             return inductor(gm, example_inputs)  # NOTE [the basis folded], [oneDNN products]
+
+
+class Recompiled(Exception):
+    """Dynamo recompiled a built entry's code (a guard failed): its sealed backend refuses,
+    so that the new program never runs (:class:`GraphPrecision`)."""
+
+
+def recompile_refused(err: BaseException) -> bool:
+    """Whether ``err`` (dynamo's, which wraps a backend's error) is a sealed backend's
+    :class:`Recompiled`."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, Recompiled):
+            return True
+        seen.add(id(e))
+        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
+    return False
 
 
 class FirstRun:

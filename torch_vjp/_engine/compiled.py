@@ -74,8 +74,9 @@ from torch.utils._pytree import tree_map
 
 from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, GraphPrecision,
                                               check_compilable, check_compile,
-                                              compile_failure, results_agree, warn_budget,
-                                              warn_eager, warn_rebuilt)
+                                              compile_failure, recompile_refused,
+                                              results_agree, warn_budget, warn_eager,
+                                              warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
                                           program_key)
 from torch_vjp._engine.compile_memo import called_again, forget_calls, note_call
@@ -338,6 +339,8 @@ def _run(call: str, f: object, args: tuple[Any, ...], entry: _Entry,
             got = entry(f, args)  # this call's f: its closure as it is now
             recompiled = _variants(entry.code) != before
     except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
+        if recompile_refused(err):  # (its backend refused: nothing of it ran)
+            return _RECOMPILED
         if passes_through(err):
             raise
         result = eager()  # f's own errors propagate from here, untouched
@@ -419,9 +422,15 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
 # code object (unique per entry, NOTE [compiled Jacobians]) before and after it runs, and a
 # call that added one is a first call again: its result is dropped, and the eager call,
 # ``build`` and a new compiled program (a code object of its own) are compared as on the
-# first call, with the fallback and the warning. Where the same key is rebuilt
-# :data:`REBUILD_WARN_AT` times (something ``f`` reads changes on every call), it stays
-# eager, with a warning that says so.
+# first call, with the fallback and the warning. The recompiled program must not run at
+# all: a call whose entry writes nothing runs without ``buffers_kept`` (NOTE [a program
+# that writes nothing]), and the new program may write (a spectral norm registered since:
+# its power iteration, into the module's buffers, never put back, and the eager call that
+# followed started from them). So the entry's backend is sealed once its program is built
+# (:class:`~torch_vjp._engine.compile_checks.GraphPrecision`): dynamo asks it for the new
+# program before running anything, it raises, and the call is a first call again. Where
+# the same key is rebuilt :data:`REBUILD_WARN_AT` times (something ``f`` reads changes on
+# every call), it stays eager, with a warning that says so.
 
 
 # NOTE [a program that writes nothing]
@@ -563,4 +572,5 @@ def _compile_first(
     entry.fresh = fresh
     entry.code = own.__code__
     entry.run = program
+    precision.sealed = True  # (NOTE [a recompiled entry])
     return result
