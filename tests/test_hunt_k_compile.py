@@ -126,3 +126,31 @@ def test_a_call_that_recompiles_into_a_program_that_writes_changes_no_buffer():
         got = tv.jacobian(model, x, compile=True)
         assert torch.equal(norm._u, u) and torch.equal(norm._v, v)
         torch.testing.assert_close(got, torch.func.jacrev(twin)(x))
+
+
+def test_a_list_of_modules_in_the_closure_is_not_kept_alive_and_stays_right():
+    import gc
+    import weakref
+
+    x = torch.randn(3, dtype=D)
+
+    def run(box):
+        f = lambda x: torch.tanh(box[0](x)) * box[1]  # noqa: E731
+        for _ in range(3):
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+
+    model = torch.nn.Linear(3, 3).to(D)
+    ref = weakref.ref(model)
+    run([model, 2.0])
+    run({0: model, 1: 3.0})  # (a dict whose keys are no strings)
+    other = torch.nn.Linear(3, 3).to(D)
+    box = [other, 2.0]
+    f = lambda x: torch.tanh(box[0](x)) * box[1]  # noqa: E731
+    for i in range(4):
+        if i == 2:
+            box[0] = model  # (replaced in place: the same list and function)
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))
+    del model, box, f, other
+    gc.collect()
+    assert ref() is None

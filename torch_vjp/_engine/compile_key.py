@@ -80,10 +80,25 @@ def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> obj
         return ("module", type(v), attrs, buffers)
     if type(v) in (tuple, list, dict):  # (a batch held as a dict or tuple of tensors)
         try:
-            return ("plain", _plain_signature(v))
-        except (_NotPlain, RecursionError):  # (one that holds itself: by identity)
+            try:
+                return ("plain", _plain_signature(v))
+            except _NotPlain:
+                return ("items", _items_key(v, keep))
+        except RecursionError:  # (one that holds itself: by identity)
             pass
     return _leaf_signature(v, keep)
+
+
+def _items_key(v: Any, keep: list[object] | None) -> object:
+    """A tuple, list or dict that holds objects other than tensors and numbers (``[model]``,
+    ``{0: layer}``): by its type and each item's :func:`held_key` (an object by its identity,
+    kept weakly where it can be), never by the container's own identity. A list or dict
+    cannot be held weakly, so the cache entry held it, and with it what it holds (a model
+    and its parameters), alive after the function and the caller dropped them."""
+    if type(v) is dict:
+        return (dict, tuple((_leaf_signature(k, keep), held_key(x, 0, keep))
+                            for k, x in v.items()))
+    return (type(v), tuple(held_key(x, 0, keep) for x in v))
 
 
 def _kept(v: object, keep: list[object] | None) -> None:
