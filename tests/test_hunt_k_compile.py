@@ -154,3 +154,33 @@ def test_a_list_of_modules_in_the_closure_is_not_kept_alive_and_stays_right():
     del model, box, f, other
     gc.collect()
     assert ref() is None
+
+
+def test_a_partial_with_keywords_is_found_again_and_sees_them_changed(monkeypatch):
+    import functools
+
+    from torch_vjp._engine import compiled
+
+    walks = [0]
+    real = compiled.reached
+
+    def counting(f, *a, **k):
+        walks[0] += 1
+        return real(f, *a, **k)
+
+    monkeypatch.setattr(compiled, "reached", counting)
+    x = torch.randn(3, dtype=D)
+
+    def g(x, w, s=1.0):
+        return torch.tanh(w @ x) * s
+
+    p = functools.partial(g, w=torch.randn(3, 3, dtype=D), s=2.0)
+    for i in range(6):
+        torch.testing.assert_close(tv.jacobian(p, x, compile=True), torch.func.jacrev(p)(x))
+        if i == 2:
+            before = walks[0]
+    assert walks[0] == before  # (calls 4-6 found the key noted by call 3)
+    p.keywords["s"] = 5.0  # (in place: the same partial)
+    torch.testing.assert_close(tv.jacobian(p, x, compile=True), torch.func.jacrev(p)(x))
+    p.keywords["w"] = torch.randn(3, 3, dtype=D)
+    torch.testing.assert_close(tv.jacobian(p, x, compile=True), torch.func.jacrev(p)(x))

@@ -94,7 +94,10 @@ def _values_of(f: object) -> tuple[Any, ...] | None:
         inner = _values_of(f.func)
         if inner is None:
             return None
-        return (*inner, f.func, *f.args, *sorted(f.keywords.items()))
+        # (each keyword's name and value apart: an item pair is a new tuple on each call,
+        # which no identity matches, so a partial with keywords was never found again)
+        return (*inner, f.func, *f.args,
+                *(x for item in sorted(f.keywords.items()) for x in item))
     return None
 
 
