@@ -184,3 +184,12 @@ def test_a_partial_with_keywords_is_found_again_and_sees_them_changed(monkeypatc
     torch.testing.assert_close(tv.jacobian(p, x, compile=True), torch.func.jacrev(p)(x))
     p.keywords["w"] = torch.randn(3, 3, dtype=D)
     torch.testing.assert_close(tv.jacobian(p, x, compile=True), torch.func.jacrev(p)(x))
+
+
+def test_keyword_only_defaults_are_in_the_key():
+    x = torch.randn(3, dtype=D)
+    for value in (0.0, 0.0, 0.0, -0.0, -0.0, 0.0):
+        def f(x, *, s=value):  # (a function made anew for each call)
+            return x.sin() * math.copysign(1.0, s)
+
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))

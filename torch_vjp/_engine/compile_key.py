@@ -46,7 +46,11 @@ def program_key(f: object, *, passed: bool = False, depth: int = 3,
     if isinstance(f, types.FunctionType):
         cells = tuple(held(c.cell_contents) if _filled(c) else None
                       for c in (f.__closure__ or ()))
-        defaults = tuple(map(held, f.__defaults__ or ()))
+        # (keyword-only defaults too, by name: dynamo reads them as it reads the others;
+        # left out, a function made anew over another value, say -0.0 for 0.0, which
+        # dynamo's guard on the constant takes for equal, ran the other one's program)
+        defaults = (*map(held, f.__defaults__ or ()),
+                    *((k, held(v)) for k, v in sorted((f.__kwdefaults__ or {}).items())))
         return ("function", f.__code__, cells, defaults)
     _kept(f, keep)
     return ("object", id(f))
