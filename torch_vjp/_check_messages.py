@@ -403,6 +403,16 @@ def cast_message(labels: Labels, i: int, out: Tensor, go: Tensor,
             f"would come back in {go.dtype}, or an operator of f would refuse the mix). Pass "
             f"{g}.to({out.dtype}) to make the cast explicit"
         )
+    elif go.dtype == out.dtype:
+        # (a vector of the dtype of a leaf whose grad_dtype is another: the gradient the
+        # leaf receives is cast to its grad_dtype)
+        return (
+            f"{labels.call}: {g} has dtype {go.dtype}, the dtype of {o}, but {o} is a leaf "
+            f"whose grad_dtype is {to}; torch casts the {what} {labels.grad_outputs} to {to} "
+            f"silently. Pass {g}.to({to}) to make the cast explicit, or set "
+            f"{o}.grad_dtype = None (gradients kept in their own dtype) or to {go.dtype} "
+            f"before the backward pass if you need that precision."
+        )
     else:
         msg = (
             f"{labels.call}: {g} has dtype {go.dtype} but {o} has dtype {out.dtype}{leaf}; "

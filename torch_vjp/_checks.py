@@ -197,14 +197,19 @@ def normalize_grad_outputs(
         raise _diagnose(outputs, gos, labels, is_grads_batched, inputs, grad_outputs)
     for i in range(n):
         go = gos[i]
-        if (go is not None and go.dtype != outputs[i].dtype
-                and not (_real_tangent_of_complex(labels, go, outputs[i])
-                         and 2 * go.dtype.itemsize <= outputs[i].dtype.itemsize)
-                and _cast_target(outputs[i], go) is not None):
-            # (a real tangent of a complex primal warns only where the cast rounds it:
-            # float64 to complex64)
+        # (a vector of its output's dtype is cast only where torch's engine starts from a
+        # leaf: to its grad_dtype, which may differ)
+        if go is None or (go.dtype == outputs[i].dtype
+                          and (outputs[i].grad_fn is not None or not labels.require_grad)):
+            continue
+        if (_real_tangent_of_complex(labels, go, outputs[i])
+                and 2 * go.dtype.itemsize <= outputs[i].dtype.itemsize):
+            continue  # (a real tangent of a complex primal warns only where the cast rounds
+            # it: float64 to complex64)
+        to = _cast_target(outputs[i], go)
+        if to is not None and to != go.dtype:
             warnings.warn(
-                cast_message(labels, i, outputs[i], go, _cast_target(outputs[i], go)),
+                cast_message(labels, i, outputs[i], go, to),
                 GradOutputsWarning,
                 stacklevel=user_stacklevel(),
             )

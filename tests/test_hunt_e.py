@@ -1,0 +1,68 @@
+"""The explicit gradient API (``tv.grad``, ``tv.backward``, ``tv.check_grad_outputs``) against
+torch's own functions: what torch does silently is told, what torch accepts is unchanged."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+import torch_vjp as tv
+
+_HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+_VALUES = [1.0 + 2.0**-30, -2.0, 0.5]  # (the first is not a float32: a cast shows)
+
+
+def _leaf(grad_dtype):
+    leaf = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    leaf.grad_dtype = grad_dtype
+    return leaf
+
+
+_CALLS = {
+    "tv.grad": lambda t, g: tv.grad(t, t, g)[0],
+    "tv.grad edge": lambda t, g: tv.grad(get_gradient_edge(t), t, g)[0],
+    "tv.backward": lambda t, g: (tv.backward(t, g), t.grad)[1],
+    "checked Tensor.backward": lambda t, g: (_checked_backward(t, g), t.grad)[1],
+}
+
+
+def _checked_backward(t, g):
+    with tv.checked():
+        t.backward(g)
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+@pytest.mark.parametrize("call", list(_CALLS), ids=list(_CALLS))
+def test_a_vector_of_the_leaf_s_dtype_cast_to_its_grad_dtype_is_told(call):
+    # a float64 vector for a float64 leaf whose grad_dtype is float32: torch casts the
+    # vector to float32 without a word (its dtype is the output's, so no cast was told)
+    ref = _leaf(torch.float32)
+    ref.backward(torch.tensor(_VALUES, dtype=torch.float64))
+    leaf = _leaf(torch.float32)
+    with pytest.warns(tv.GradOutputsWarning) as said:
+        got = _CALLS[call](leaf, torch.tensor(_VALUES, dtype=torch.float64))
+    msg = str(said[0].message)
+    assert "has dtype torch.float64, the dtype of" in msg, msg
+    assert "a leaf whose grad_dtype is torch.float32" in msg, msg
+    assert "casts the torch.float64" in msg and "to torch.float32 silently" in msg, msg
+    assert ".to(torch.float32) to make the cast explicit" in msg, msg
+    assert "grad_dtype = None" in msg, msg
+    assert got.dtype == torch.float32 == ref.grad.dtype
+    torch.testing.assert_close(got, ref.grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+@pytest.mark.parametrize("grad_dtype", [torch.float64, None], ids=["float64", "None"])
+def test_a_vector_the_leaf_keeps_is_not_told(grad_dtype):
+    leaf = _leaf(grad_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = tv.grad(leaf, leaf, torch.tensor(_VALUES, dtype=torch.float64))
+    assert got.dtype == torch.float64
+    # (through a node in between, the leaf's grad_dtype does not reach the vector)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tv.grad(leaf * 1.0, leaf, torch.tensor(_VALUES, dtype=torch.float64))
