@@ -66,3 +66,44 @@ def test_a_vector_the_leaf_keeps_is_not_told(grad_dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tv.grad(leaf * 1.0, leaf, torch.tensor(_VALUES, dtype=torch.float64))
+
+
+def _batch_of_matrices(x):
+    # (2, 3, 4) from a (24,) input, each output element its own function of the input
+    return (x.sin() * torch.arange(1.0, 25.0, dtype=torch.float64)).reshape(2, 3, 4)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["single", "is_grads_batched"])
+def test_a_batch_of_transposed_vectors_is_told_mT_not_only_reshape(batched):
+    # grad_outputs built as (2, 4, 3) for a (2, 3, 4) output: each matrix transposed. The
+    # message offered .reshape alone, which keeps the transposed order of the elements and
+    # gives a wrong gradient without a word.
+    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64, requires_grad=True)
+    y = _batch_of_matrices(x)
+    v = torch.randn(5, 2, 4, 3, dtype=torch.float64) if batched else \
+        torch.randn(2, 4, 3, dtype=torch.float64)
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(y, x, v, retain_graph=True, is_grads_batched=batched)
+    note = info.value.__notes__[0]
+    assert "grad_outputs[0].mT" in note, note
+    assert "last two dimensions swapped" in note, note
+    (got,) = tv.grad(y, x, v.mT, is_grads_batched=batched)
+    J = torch.func.jacrev(_batch_of_matrices)(x.detach())  # (2, 3, 4, 24)
+    want = torch.einsum("...abc,abcn->...n", v.mT, J)
+    torch.testing.assert_close(got, want)
+
+
+def test_dimensions_in_another_order_are_told_the_permutation():
+    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64, requires_grad=True)
+    y = _batch_of_matrices(x)  # (2, 3, 4)
+    v = torch.randn(3, 4, 2, dtype=torch.float64)  # y's dimensions as (1, 2, 0)
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(y, x, v, retain_graph=True)
+    note = info.value.__notes__[0]
+    assert "grad_outputs[0].permute(2, 0, 1)" in note, note
+    assert v.permute(2, 0, 1).shape == y.shape
+    # where sizes repeat, the order is not told from the shapes: no permutation is guessed
+    z = (x.sin() * 2).reshape(2, 3, 2, 2)
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(z, x, torch.ones(3, 2, 2, 2, dtype=torch.float64))
+    assert "permute" not in info.value.__notes__[0], info.value.__notes__[0]

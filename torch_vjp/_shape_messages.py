@@ -194,6 +194,8 @@ def _shape_fix(
             return _input_fix(labels, i, gshape[1:], inputs, outputs, batched=True)
         if out.dim() >= 2 and tuple(gshape) == tuple(oshape) * 2:  # (1-d: K = n, valid)
             return _basis_fix(labels, i, gshape, batched=True)
+        if go.dim() >= 1:
+            return _order_reading(labels, i, gshape[1:], oshape, batched=True)
         return ""
     count_fix = _count_fix(labels, i, out, go, outputs, gos)
     if count_fix:
@@ -289,6 +291,9 @@ def _shape_reading(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
     if go.dim() >= 2 and tuple(reversed(gshape)) == tuple(oshape):
         perm = "mT" if go.dim() == 2 else f"permute({', '.join(str(d) for d in reversed(range(go.dim())))})"
         return f"{shape_str(gshape)} is {o}'s shape reversed: did you mean {g}.{perm}?"
+    order = _order_reading(labels, i, gshape, oshape, batched=False)
+    if order:
+        return order
     if go.numel() == out.numel():
         return (
             f"{g} has the right number of elements ({go.numel()}) in the wrong shape: if its "
@@ -309,6 +314,36 @@ def _shape_reading(labels: Labels, i: int, out: Tensor, go: Tensor) -> str:
             f"first). {per_row}"
         )
     return ""
+
+
+def _order_reading(labels: Labels, i: int, gshape: Sequence[int], oshape: Sequence[int],
+                   batched: bool) -> str:
+    """The fix for a vector holding the output's dimensions in another order (not all of
+    them reversed, told before): the last two swapped (a batch of transposed matrices), or
+    another order that the sizes tell (each size once); or an empty string. A reshape would
+    keep such a vector's elements in the wrong order."""
+    o, g = labels.out(i), labels.go(i)
+    gshape, oshape = tuple(gshape), tuple(oshape)
+    n = len(oshape)
+    if n < 2 or len(gshape) != n or gshape == oshape or sorted(gshape) != sorted(oshape):
+        return ""
+    swapped = gshape[:-2] + (gshape[-1], gshape[-2])
+    if swapped == oshape:
+        what, fix = f"{o}'s shape with its last two dimensions swapped", f"{g}.mT"
+    elif len(set(oshape)) == n:
+        order = [gshape.index(d) for d in oshape]
+        if batched:
+            order = [0] + [d + 1 for d in order]
+        what = f"{o}'s dimensions in another order"
+        fix = f"{g}.permute({', '.join(str(d) for d in order)})"
+    else:
+        return ""
+    shown = shape_str(gshape)
+    return (
+        f"{shown} is {what}{' (after the batch dimension)' if batched else ''}: did you mean "
+        f"{fix}? (A .reshape would keep the elements in {shown}'s order, the wrong one for "
+        f"{o}, and give a wrong result without an error.)"
+    )
 
 
 def _matches_input(
