@@ -107,3 +107,46 @@ def test_dimensions_in_another_order_are_told_the_permutation():
     with pytest.raises(tv.GradOutputsError) as info:
         tv.grad(z, x, torch.ones(3, 2, 2, 2, dtype=torch.float64))
     assert "permute" not in info.value.__notes__[0], info.value.__notes__[0]
+
+
+def _message(fn):
+    with pytest.raises(tv.GradOutputsError) as info:
+        fn()
+    return str(info.value) + "\n" + "\n".join(getattr(info.value, "__notes__", []))
+
+
+def test_a_loss_cut_from_its_parameters_is_not_told_only_to_set_requires_grad():
+    # loss.backward() with no inputs to look at: a loss computed under torch.no_grad() from
+    # a parameter that requires grad was told only 'Fix: create the inputs with
+    # requires_grad=True', which the parameter already was
+    w = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    with torch.no_grad():
+        loss = (w * w).sum()
+    for call in (lambda: tv.backward(loss), lambda: _checked_backward(loss, None)):
+        msg = _message(call)
+        assert "does not require grad" in msg, msg
+        assert "the graph was cut on the way" in msg, msg
+        assert "compute it with grad mode on" in msg, msg
+        assert "create the inputs with requires_grad=True" in msg, msg  # (the other cause)
+    assert w.grad is None
+
+
+def test_a_call_where_grad_mode_is_off_says_so():
+    # the whole step inside torch.no_grad() (or inference_mode): the cause is the block
+    # the call itself runs in, which the message names
+    w = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            loss = (w * w).sum()
+            msg = _message(lambda: tv.backward(loss))
+            msg_grad = _message(lambda: tv.grad(loss, w))
+        for m in (msg, msg_grad):
+            assert "grad mode is off where this call runs" in m, m
+            assert "torch.enable_grad()" in m, m
+            assert "create the inputs with requires_grad=True" not in m, m
+    # with grad mode on, the same refusal does not blame the mode
+    with torch.no_grad():
+        loss = (w * w).sum()
+    assert "grad mode is off where" not in _message(lambda: tv.grad(loss, w))
+    (g,) = tv.grad((w * w).sum(), w)
+    torch.testing.assert_close(g, 2 * w.detach())

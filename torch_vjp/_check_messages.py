@@ -196,7 +196,15 @@ def output_type_message(labels: Labels, i: int, out: Any) -> str:
 def no_grad_message(labels: Labels, i: int, out: Tensor,
                     inputs: Sequence[Tensor] | None = None) -> str:
     o = labels.out(i)
-    if inputs and all(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        # the block the call runs in is the likely cause: what it computes records nothing
+        fix = (
+            f"  grad mode is off where this call runs (torch.no_grad() or "
+            f"torch.inference_mode() is active here), so if {o} was computed in the same "
+            f"block, autograd recorded nothing for it. Fix: compute {o} with grad mode on, "
+            f"outside that block or under torch.enable_grad()"
+        )
+    elif inputs and all(isinstance(t, Tensor) and t.requires_grad for t in inputs):
         # the inputs are not what is missing: the graph from them to the output is
         one = len(inputs) == 1
         which = f"{labels.inputs}[0]" if one else f"every tensor of {labels.inputs}"
@@ -221,9 +229,18 @@ def no_grad_message(labels: Labels, i: int, out: Tensor,
             f"require grad (call .requires_grad_() on {names} first if {o} is computed from "
             f"{'it' if len(frozen) == 1 else 'them'})"
         )
-    else:
+    elif inputs:
         fix = (f"  Fix: create the inputs with requires_grad=True (or call .requires_grad_() "
                f"on them) before computing {o}")
+    else:
+        # (no inputs named: a loss from parameters that already require grad is as likely)
+        fix = (
+            f"  If {o} was computed from tensors that require grad (a model's parameters), "
+            f"the graph was cut on the way: compute it with grad mode on, not under "
+            f"torch.no_grad() or torch.inference_mode() and not from a .detach()ed, .item() "
+            f"or copied value. If from none, create the inputs with requires_grad=True (or "
+            f"call .requires_grad_() on them) before computing {o}"
+        )
     return (
         f"{labels.call}: {o} (shape {shape_str(out.shape)}) does not require grad: it has "
         f"no grad_fn, so there is no graph to differentiate back from it.\n"
