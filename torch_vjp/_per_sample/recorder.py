@@ -433,8 +433,15 @@ class Recorder:
         replaced = None
         shared = self._expands(w, mod, x)
         if shared and isinstance(output, Tensor) and output.dim() >= 1 and output.shape[0] == 1:
-            output = output.expand(self.batch, *output.shape[1:])
-            args = (x.expand(self.batch, *x.shape[1:]), *args[1:])
+            # (not a use of x by the model: an x that is a tracked parameter, a prototype the
+            # layer reads, must not be recorded as broadcast over the examples by this expand,
+            # whose result the forward never uses and whose gradient is zero)
+            self.capturing = False
+            try:
+                output = output.expand(self.batch, *output.shape[1:])
+                args = (x.expand(self.batch, *x.shape[1:]), *args[1:])
+            finally:
+                self.capturing = True
             replaced = output
         elif shared:
             shared = False
