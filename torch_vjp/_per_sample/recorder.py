@@ -297,7 +297,14 @@ class Recorder:
                     self.handles.append(m.register_forward_hook(
                         self._layer(path, self.wanted[id(m)], m), prepend=True,
                         with_kwargs=True))
+        tracked_names = set(self.tracked.values())
         for path, m in attention:
+            # (only an attention with a tracked parameter: a hook on a frozen one turns off
+            # the fast path of the TransformerEncoderLayer around it, which then hands the
+            # attention the nested tensor its TransformerEncoder made, and the forward fails)
+            if not any(id(t) in self.tracked or f"{path}.{n}" in tracked_names
+                       for n, t in m.named_parameters()):
+                continue
             if self._attention is None:
                 self._attention = AttentionMode(self)
             self.handles.append(m.register_forward_pre_hook(self._enter_attention(path)))
