@@ -31,7 +31,7 @@ from torch_vjp._backward_check import (
     slots_from_node,
     type_message,
 )
-from torch_vjp._errors import shape_str
+from torch_vjp._errors import chained, shape_str
 
 
 def backward_return_ok(node: Any, returned: Any) -> bool:
@@ -407,15 +407,8 @@ def _detached(err: BaseException) -> BaseException:
     message are read. A traceback's frames lead back, through ``f_back``, to the frames that
     hold ``err``, and on to the user's step that ran the backward pass: a reference cycle
     that kept the user's activations alive until the cyclic collector ran."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in chained(err):
         e.__traceback__ = None
-        todo += [e.__cause__, e.__context__]
     return err
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "every_time",
     "quote_error",
     "passes_through",
+    "chained",
 ]
 
 
@@ -333,6 +334,20 @@ def quote_error(err: BaseException) -> str:
     if len(first) > 300:
         first = first[:297] + "..."
     return f"{type(err).__name__}: {first}"
+
+
+def chained(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and every exception chained to it (its cause and context, and the
+    ``inner_exception`` torch's compiler wraps a backend's error in), each once."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
 
 
 def passes_through(err: BaseException) -> bool:

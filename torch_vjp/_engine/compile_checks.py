@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from torch_vjp._engine.compile_key import program_key
 from torch_vjp._engine.fwdcheck import gap, least_of, tolerance
 from torch_vjp._engine.point import versions_of
-from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
+from torch_vjp._errors import (JacobianOptionError, JacobianWarning, chained, quote_error,
+                               warn_once)
 from torch_vjp._strategies import Strategy
 
 __all__ = ["results_agree", "GraphPrecision", "Recompiled", "recompile_refused", "FirstRun",
@@ -110,17 +111,7 @@ class Recompiled(Exception):
 def recompile_refused(err: BaseException) -> bool:
     """Whether ``err`` (dynamo's, which wraps a backend's error) is a sealed backend's
     :class:`Recompiled`."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        if isinstance(e, Recompiled):
-            return True
-        seen.add(id(e))
-        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
-    return False
+    return any(isinstance(e, Recompiled) for e in chained(err))
 
 
 class FirstRun:
