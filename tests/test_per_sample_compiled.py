@@ -316,3 +316,24 @@ def test_two_losses_that_differ_in_a_private_attribute_each_keep_their_program()
             for n, g in _loop(model, loss_fn, x, y).items():
                 torch.testing.assert_close(got[n], g)
     assert builds() - before == 2
+
+
+def test_a_clipping_bound_that_changes_each_step_reuses_the_compiled_program():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(D)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(8, 4, dtype=D), torch.randint(0, 3, (8,))
+    ref = _loop(model, loss_fn, x, y)
+    norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in ref.values()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # nothing falls back
+        for max_norm in (0.3, 0.45, float(norms.median()), 10.0):
+            model.zero_grad(set_to_none=True)
+            got = tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=max_norm,
+                                              compile=True)
+            torch.testing.assert_close(got, norms)
+            factors = (max_norm / norms).clamp(max=1.0)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad,
+                                           torch.einsum("b,b...->...", factors, ref[n]))
+    assert counters["stats"]["unique_graphs"] == 1  # (not one program per bound)
