@@ -125,3 +125,41 @@ def test_a_fallback_for_a_module_that_updates_its_buffers_names_the_cause():
         assert torch.equal(b, before[n]), n
     # (the eager result: 'auto' ran f on the vectors of the power iteration's steps)
     torch.testing.assert_close(got, torch.func.jacrev(model)(x), atol=1e-5, rtol=1e-5)
+
+
+def test_forward_mode_with_create_graph_is_not_compiled_into_a_crashing_program():
+    # NOTE [forward mode with create_graph, eager]: inductor's forward-mode program with
+    # create_graph=True crashed the process in backward (a segmentation fault), so the
+    # calls run in a process of their own here
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import warnings
+        import torch, torch_vjp as tv
+        D = torch.float64
+        W = torch.randn(3, 3, dtype=D, requires_grad=True)
+        f = lambda x: torch.tanh(W @ x) * x
+        for strategy in ("auto", "fwd"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    x = torch.randn(3, dtype=D, requires_grad=True)
+                    J = tv.jacobian(f, x, strategy=strategy, compile=True,
+                                    create_graph=True)
+                    (g,) = torch.autograd.grad(J.sum(), W)
+                    ref = torch.autograd.grad(torch.func.jacrev(f)(x).sum(), W)[0]
+                    torch.testing.assert_close(g, ref)
+            said = [str(w.message) for w in caught
+                    if issubclass(w.category, tv.JacobianWarning)]
+            if strategy == "auto":
+                assert not said, said
+            else:
+                assert len(said) == 1 and "crashes the process" in said[0], said
+        print("done")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("done")
