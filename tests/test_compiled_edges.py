@@ -128,7 +128,7 @@ def test_a_fallback_for_a_module_that_updates_its_buffers_names_the_cause():
 
 
 def test_forward_mode_with_create_graph_is_not_compiled_into_a_crashing_program():
-    # NOTE [forward mode with create_graph, eager]: inductor's forward-mode program with
+    # NOTE [forward mode with create_graph, eager]: inductor's forward-mode programs with
     # create_graph=True crashed the process in backward (a segmentation fault), so the
     # calls run in a process of their own here
     import subprocess
@@ -136,27 +136,37 @@ def test_forward_mode_with_create_graph_is_not_compiled_into_a_crashing_program(
     import textwrap
 
     code = textwrap.dedent("""
-        import warnings
+        import itertools, warnings
         import torch, torch_vjp as tv
         D = torch.float64
         W = torch.randn(3, 3, dtype=D, requires_grad=True)
-        f = lambda x: torch.tanh(W @ x) * x
-        for strategy in ("auto", "fwd"):
+        f = lambda x: torch.tanh(x @ W.T) * x
+        calls = {
+            "jacobian": (lambda x, s: tv.jacobian(f, x, strategy=s, compile=True,
+                                                  create_graph=True),
+                         lambda x: torch.func.jacrev(f)(x), (3,)),
+            "batch_jacobian": (lambda x, s: tv.batch_jacobian(f, x, strategy=s, compile=True,
+                                                              create_graph=True),
+                               lambda x: torch.func.vmap(torch.func.jacrev(f))(x), (4, 3)),
+            "hessian": (lambda x, s: tv.hessian(lambda x: f(x).sum(), x, strategy=s,
+                                                compile=True, create_graph=True),
+                        lambda x: torch.func.hessian(lambda x: f(x).sum())(x), (3,)),
+        }
+        for (name, (call, ref_of, shape)), strategy in itertools.product(
+                calls.items(), ("auto", "fwd")):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for _ in range(3):
-                    x = torch.randn(3, dtype=D, requires_grad=True)
-                    J = tv.jacobian(f, x, strategy=strategy, compile=True,
-                                    create_graph=True)
-                    (g,) = torch.autograd.grad(J.sum(), W)
-                    ref = torch.autograd.grad(torch.func.jacrev(f)(x).sum(), W)[0]
+                    x = torch.randn(shape, dtype=D, requires_grad=True)
+                    (g,) = torch.autograd.grad(call(x, strategy).sum(), W)
+                    ref = torch.autograd.grad(ref_of(x).sum(), W)[0]
                     torch.testing.assert_close(g, ref)
             said = [str(w.message) for w in caught
                     if issubclass(w.category, tv.JacobianWarning)]
             if strategy == "auto":
-                assert not said, said
+                assert not said, (name, said)
             else:
-                assert len(said) == 1 and "crashes the process" in said[0], said
+                assert len(said) == 1 and "crashes the process" in said[0], (name, said)
         print("done")
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

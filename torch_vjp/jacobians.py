@@ -30,6 +30,7 @@ from torch_vjp._engine.compiled import (
     tracing,
     warn_budget,
 )
+from torch_vjp._engine.compile_checks import graph_safe_mode
 from torch_vjp._engine.compiled_jacobian import compiled_jacobian
 from torch_vjp._engine.computed import computed_jacobian
 from torch_vjp._engine.context import buffers_kept, func_vjp, graph_mode, is_nested
@@ -348,6 +349,7 @@ def batch_jacobian(
             if strat.mode is None and mode == "fwd" and not forward_mode_agrees(f, (x,), 0,
                                                                                 False):
                 mode = "rev"  # (as compiled jacobian's "auto": no or a wrong formula)
+            mode = graph_safe_mode(mode, strat.mode is not None, detached)
 
             def program(f: Callable[..., Any], x: Tensor) -> Any:
                 with plain_context(context, detached):
@@ -446,18 +448,21 @@ def hessian(
     if tracing() or (do_compile and not is_nested()):
         context, detached = graph_mode(create_graph, call=call)
 
-        def program(f: Callable[..., Any], *args: Any) -> Any:
-            with plain_context(context, detached):
-                return plain_hessian(f, args, argnums, strat.mode)
+        def program(outer: str | None) -> Callable[..., Any]:
+            def run(f: Callable[..., Any], *args: Any) -> Any:
+                with plain_context(context, detached):  # (forward over reverse, or
+                    return plain_hessian(f, args, argnums, outer)  # reverse over reverse)
+            return run
 
         if tracing():  # NOTE [compiled Jacobians]
-            return program(f, *primals)
+            return program(strat.mode)(f, *primals)
         return compiled_call(
             call, f, (argnums, strat.name, create_graph), primals,
             lambda: hessian(f, *primals, argnums=argnums, strategy=strategy,
                             create_graph=create_graph),
-            lambda: program,
-        )
+            lambda: program(graph_safe_mode(strat.mode or "fwd", strat.mode is not None,
+                                            detached)),  # NOTE [forward mode with
+        )  # create_graph, eager] in compile_checks.py
     outer_mode = strat.mode or "fwd"
     vectorized = strat.vectorized
     fallback = strat.mode is None

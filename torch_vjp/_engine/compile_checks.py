@@ -19,6 +19,7 @@ from torch_vjp._errors import (JacobianOptionError, JacobianWarning, chained, qu
 from torch_vjp._strategies import Strategy
 
 __all__ = ["results_agree", "GraphPrecision", "Recompiled", "recompile_refused", "FirstRun",
+           "graph_safe_mode",
            "warn_rebuilt", "warn_eager",
            "compile_failure", "COMPILED_STRATEGIES", "check_compile", "check_compilable",
            "warn_budget"]
@@ -290,3 +291,27 @@ def warn_budget(call: str) -> None:
         f"This warning is shown once.",
         JacobianWarning,
     )
+
+
+# NOTE [forward mode with create_graph, eager]
+# A forward-mode product compiled by inductor with create_graph=True gives a result whose
+# backward crashes the process (a segmentation fault in torch 2.13, for jacobian's and
+# batch_jacobian's forward mode and hessian's forward over reverse alike; the same program
+# under aot_eager runs), and the first call's check, which never differentiates the result,
+# cannot see it. So with create_graph=True, "auto" compiles reverse mode, and an explicit
+# forward strategy stays eager, with the warning that says why.
+
+
+def graph_safe_mode(mode: str, explicit: bool, detached: bool) -> str:
+    """The mode a compiled program differentiates in (NOTE [forward mode with create_graph,
+    eager]): ``mode`` where the result is detached or the mode is reverse; ``"rev"`` for
+    ``"auto"``'s forward mode with ``create_graph=True``. An ``explicit`` forward strategy
+    there raises, inside the build, so that the call stays eager with the warning."""
+    if mode != "fwd" or detached:
+        return mode
+    if explicit:
+        raise RuntimeError(
+            "a forward-mode product compiled with create_graph=True crashes the process when "
+            "its result is differentiated (torch.compile's inductor); use strategy='rev' or "
+            "'auto' to compile it")
+    return "rev"

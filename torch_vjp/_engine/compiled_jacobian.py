@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
+from torch_vjp._engine.compile_checks import graph_safe_mode
 from torch_vjp._engine.compiled import Built, compiled_call
 from torch_vjp._engine.context import graph_mode
 from torch_vjp._engine.forms import (auto_mode, forward_mode_agrees, output_of, plain_context,
@@ -31,19 +32,7 @@ from torch_vjp._engine.forms import (auto_mode, forward_mode_agrees, output_of, 
 from torch_vjp._engine.memory import HUGE_PAGE_MIN_BYTES, new_buffer
 from torch_vjp._strategies import get_strategy
 
-__all__ = ["compiled_jacobian", "FORWARD_GRAPH"]
-
-# NOTE [forward mode with create_graph, eager]
-# A forward-mode Jacobian compiled by inductor with create_graph=True gives a result whose
-# backward crashes the process (a segmentation fault in torch 2.13; the same program under
-# aot_eager runs), and the first call's check, which never differentiates the result, cannot
-# see it. So with create_graph=True, "auto" compiles reverse mode, and an explicit forward
-# strategy stays eager, with the warning that says why.
-
-#: Why an explicit forward-mode ``create_graph=True`` call stays eager.
-FORWARD_GRAPH = ("a forward-mode Jacobian compiled with create_graph=True crashes the "
-                 "process when its result is differentiated (torch.compile's inductor); use "
-                 "strategy='rev' or 'auto' to compile it")
+__all__ = ["compiled_jacobian"]
 
 
 def compiled_jacobian(
@@ -64,10 +53,8 @@ def compiled_jacobian(
                 mode = "rev"  # (an operation without a forward-mode formula, torch.cdist,
                 # or with a wrong one, torch.triangular_solve)
         context, detached = graph_mode(create_graph, call=call)
-        if mode == "fwd" and not detached:  # NOTE [forward mode with create_graph, eager]
-            if get_strategy(strategy, call=call).mode is not None:
-                raise RuntimeError(FORWARD_GRAPH)
-            mode = "rev"
+        mode = graph_safe_mode(mode, get_strategy(strategy, call=call).mode is not None,
+                               detached)  # (NOTE [forward mode with create_graph, eager])
 
         def program(f: Callable[..., Any], *args: Any) -> Any:
             with plain_context(context, detached):
