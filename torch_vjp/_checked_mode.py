@@ -81,6 +81,7 @@ from torch_vjp._checked_scope import (
 from torch_vjp._check_labels import BACKWARD, GRAD, PULLBACK, TENSOR_BACKWARD
 from torch_vjp._checks import check_cotangents
 from torch_vjp._drop_ins import _backward, _grad
+from torch_vjp._engine.compile_key import tracing
 from torch_vjp._transform_support import recording_connected
 from torch_vjp._errors import GradOutputsError, env_flag
 
@@ -120,7 +121,7 @@ def _compiling() -> bool:
     """Whether dynamo is tracing the call: it knows torch's autograd entry points by
     identity, so the wrappers hand it torch's function untouched (the same graph as
     without checks; the compiled program's backward is torch's)."""
-    return torch.compiler.is_compiling()
+    return tracing()  # (this thread's: another thread's compile sets is_compiling())
 
 
 @_wrapper(_GENUINE_GRAD)

@@ -1,6 +1,8 @@
 """The cache key of a compiled entry (NOTE [compiled Jacobians] in
 :mod:`torch_vjp._engine.compiled`): what identifies the program a function traces to, and the
-signature of a call's arguments and of the global state a traced program bakes in."""
+signature of a call's arguments and of the global state a traced program bakes in; and
+:func:`tracing`, whether this thread's call is traced (the one test every place that
+behaves differently inside a trace reads)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._guards
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.context import module_own_attrs
 
 __all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem",
-           "number_key", "HOOK_GUARDS", "HookGuards"]
+           "number_key", "HOOK_GUARDS", "HookGuards", "tracing"]
 
 
 def program_key(f: object, *, passed: bool = False, depth: int = 3,
@@ -285,3 +288,25 @@ class HookGuards:
 
 
 HOOK_GUARDS = HookGuards()
+
+
+def tracing() -> bool:
+    """Whether dynamo is tracing us (the user's torch.compile), or export running us for
+    real in this thread: see NOTE [compiled Jacobians].
+
+    ``torch.compiler.is_compiling()`` is a process-wide flag, set for the whole of a
+    compile: read alone, a call in one thread while another thread compiled (or exported)
+    anything took the plain form, without the eager path's copies of ``f``'s inputs (its
+    in-place writes reached the caller's tensors) or ``buffers_kept``, and with none of its
+    fallbacks (a BatchNorm in training mode failed), ``compile=False`` included; the
+    per-sample functions skipped their inference-mode check (and returned zeros), checked
+    mode its checks and its disconnection warning. Dynamo
+    folds ``is_dynamo_compiling()`` to True where it traces this call; run for real, the
+    call is in the compile (a backend's or export's own tracing) only where this thread's
+    compile or tracing context is set."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    if not torch.compiler.is_compiling():
+        return False
+    return (torch._guards.CompileContext.try_get() is not None
+            or torch._guards.TracingContext.try_get() is not None)

@@ -68,7 +68,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch._guards
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
@@ -78,7 +77,7 @@ from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, Gra
                                               results_agree, warn_budget, warn_eager,
                                               warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
-                                          program_key)
+                                          program_key, tracing)
 from torch_vjp._engine.compile_memo import called_again, forget_calls, note_call
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, module_tree,
                                        modules_reached, reached)
@@ -115,26 +114,6 @@ def own_builds() -> int:
     """How many of :func:`builds` the calling thread built (a ``vjp_fn`` tells the programs
     built inside its own call from those another thread built meanwhile)."""
     return getattr(_OWN, "n", 0)
-
-
-def tracing() -> bool:
-    """Whether dynamo is tracing us (the user's torch.compile), or export running us for
-    real in this thread: see NOTE [compiled Jacobians].
-
-    ``torch.compiler.is_compiling()`` is a process-wide flag, set for the whole of a
-    compile: read alone, a call in one thread while another thread compiled (or exported)
-    anything took the plain form, without the eager path's copies of ``f``'s inputs (its
-    in-place writes reached the caller's tensors) or ``buffers_kept``, and with none of its
-    fallbacks (a BatchNorm in training mode failed), ``compile=False`` included. Dynamo
-    folds ``is_dynamo_compiling()`` to True where it traces this call; run for real, the
-    call is in the compile (a backend's or export's own tracing) only where this thread's
-    compile or tracing context is set."""
-    if torch.compiler.is_dynamo_compiling():
-        return True
-    if not torch.compiler.is_compiling():
-        return False
-    return (torch._guards.CompileContext.try_get() is not None
-            or torch._guards.TracingContext.try_get() is not None)
 
 
 def clear_cache() -> None:

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks
+from torch_vjp._engine.compile_key import tracing
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.problem import Problem, leaf_name
 from torch_vjp._engine.shapes import SHAPES_MAX, shapes_key
@@ -75,7 +76,7 @@ def warn_disconnected(prob: Problem, res: Blocks, batch: int | None = None) -> N
         return
     if res.connected and len(prob.leaves) == 1:
         return  # every output depends on the one input through autograd
-    if is_nested() or torch.compiler.is_compiling():
+    if is_nested() or tracing():
         return
     try:
         messages = _disconnected_messages(prob, res, batch)

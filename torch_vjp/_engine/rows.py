@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import tree_map
 
+from torch_vjp._engine.compile_key import tracing
 from torch_vjp._errors import passes_through as never_caught
 
 __all__ = [
@@ -143,7 +144,7 @@ def basis_rows(
         c = stop - start
         out = []
         for shape, numel, off, dtype, device in zip(shapes, numels, offsets, dtypes, devices):
-            if torch.compiler.is_compiling():  # NOTE [a basis inductor fuses]
+            if tracing():  # NOTE [a basis inductor fuses]
                 z = (torch.arange(start, stop, device=device)[:, None]
                      == torch.arange(off, off + numel, device=device)[None, :]).to(dtype)
             else:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_vjp._engine.compile_key import tracing
 from torch_vjp._engine.context import Watched, grad_enabled
 from torch_vjp._engine.memory import new_buffer
 from torch_vjp._errors import (
@@ -76,7 +77,7 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
             strategy: Any) -> Job:
     """Checks the arguments of a public function; the selection is made once per model."""
     strategy = get_per_sample_strategy(strategy, call=f"torch_vjp.{fn}")
-    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+    if not tracing() and torch.is_inference_mode_enabled():
         # (no_grad is lifted for the call; inference mode cannot be: the tensors made in it,
         # the inputs most likely, can never enter a graph. Dynamo cannot trace the query: a
         # graph break inside the user's torch.compile, an error with fullgraph=True)
@@ -97,7 +98,7 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
     check_opacus_hooks(fn, "", model)  # (every call: its hooks may be switched on again)
     xs, batch = as_inputs(fn, inputs, model)
     check_targets(fn, targets, batch)
-    if torch.compiler.is_compiling():
+    if tracing():
         # (under the user's torch.compile, which traces the plain program: no plan, so no
         # structure key; its caches, keyed by code objects, made dynamo fail on a guard)
         structure: tuple[Any, ...] = (tuple(m.training for m in model.modules()),)
