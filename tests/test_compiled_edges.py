@@ -173,3 +173,24 @@ def test_forward_mode_with_create_graph_is_not_compiled_into_a_crashing_program(
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith("done")
+
+
+def test_no_grad_and_inference_mode_alternated_each_keep_their_program():
+    # (grad mode is off in both: keyed alike, each switch made dynamo recompile the one
+    # entry, a first call again, and after REBUILD_WARN_AT of them it stayed eager with a
+    # warning that blamed a global the function reads)
+    x = torch.randn(3, dtype=D)
+    f = lambda x: x.sin() * x  # noqa: E731
+    ref = torch.func.jacrev(f)(x)
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for i in range(2 * compiled.REBUILD_WARN_AT + 2):
+            with torch.no_grad() if i % 2 == 0 else torch.inference_mode():
+                got = tv.jacobian(f, x, compile=True)
+            torch.testing.assert_close(got, ref)
+            assert not got.is_inference()  # (as the eager call's: autograd can save it)
+    assert compiled.builds() - before == 2
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    (got * w).sum().backward()
+    torch.testing.assert_close(w.grad, ref)

@@ -191,20 +191,23 @@ def call_signature(args: tuple[Any, ...]) -> object:
     """The signature of a call's arguments (tensors by shape, strides, dtype, device, layout,
     ``requires_grad`` and their conjugate, negative and inference bits; other values by
     equality, or identity), with the state that changes what a traced program computes
-    without being an argument: grad mode, autocast, and the global module hooks
+    without being an argument: grad and inference mode, autocast, and the global module hooks
     (:func:`global_state`)."""
     return (_arguments(args), global_state())
 
 
 def global_state() -> object:
-    """Grad mode, autocast (enabled, and its dtype, per device type), and the keys of the
-    global module hook dicts (``nn.modules.module.register_module_forward_hook`` and its
-    kin): what a compiled program bakes in, and the first-call check must see again when
-    it changes (NOTE [compiled Jacobians]). A few microseconds."""
+    """Grad mode and inference mode, autocast (enabled, and its dtype, per device type),
+    and the keys of the global module hook dicts (``nn.modules.module.
+    register_module_forward_hook`` and its kin): what a compiled program bakes in, and the
+    first-call check must see again when it changes (NOTE [compiled Jacobians]). A few
+    microseconds. (Grad mode is off under ``torch.no_grad()`` and ``torch.inference_mode()``
+    alike, but dynamo guards the two apart: keyed alike, a call that switched between them
+    recompiled the one entry, and after ``REBUILD_WARN_AT`` switches it stayed eager.)"""
     cast = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
                  if torch.is_autocast_enabled(d))
     hooks = tuple(tuple(h) for h in _global_hook_dicts())
-    return torch.is_grad_enabled(), cast, hooks
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cast, hooks
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")

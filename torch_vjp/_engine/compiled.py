@@ -60,11 +60,12 @@ recently used first out.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -166,7 +167,23 @@ class _Entry:
 
     def __call__(self, f: object, args: tuple[Any, ...]) -> Any:
         assert self.run is not None
-        return self.run(f, *args, *self.fresh())
+        with _normal_tensors():
+            return self.run(f, *args, *self.fresh())
+
+
+def _normal_tensors() -> Any:
+    """Where a compiled program runs: outside ``torch.inference_mode``, grad mode kept, as
+    the eager call's transforms run (``copies.normal_tensors``), so that it returns normal
+    tensors as the eager call does. Run inside that mode, a program returned inference
+    tensors from its second call on, which no later autograd computation can save."""
+    return _outside_inference() if torch.is_inference_mode_enabled() else NO_CONTEXT
+
+
+@contextlib.contextmanager
+def _outside_inference() -> Iterator[None]:
+    grad = torch.is_grad_enabled()
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield
 
 
 class Built(NamedTuple):
@@ -527,7 +544,8 @@ def _compile_first(
                                         backend=precision)
                 # (NOTE [a program that writes nothing])
                 footprint = Footprint(reached(f)[1], _trees_reached(f, args))
-                got = program(f, *args, *fresh())
+                with _normal_tensors():
+                    got = program(f, *args, *fresh())
                 entry.writes = footprint.moved()
         except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
             if passes_through(err):
