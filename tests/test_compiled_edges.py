@@ -194,3 +194,36 @@ def test_no_grad_and_inference_mode_alternated_each_keep_their_program():
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
     (got * w).sum().backward()
     torch.testing.assert_close(w.grad, ref)
+
+
+@pytest.mark.parametrize("stance", [
+    {"stance": "eager_on_recompile"}, {"stance": "fail_on_recompile"},
+    {"force_backend": "eager"}, {"stance": "force_eager"},
+], ids=["eager_on_recompile", "fail_on_recompile", "force_backend", "force_eager"])
+def test_a_recompile_under_the_users_stance_changes_no_buffer(stance):
+    # (under eager_on_recompile, or a forced backend, dynamo ran the recompiled entry
+    # without asking its sealed backend: spectral norm's power iteration wrote into the
+    # module's buffers on every call; under fail_on_recompile the entry went eager for good)
+    import copy
+
+    x = torch.randn(3, dtype=D)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 3)).to(D)
+    before = compiled.builds()
+    with torch.compiler.set_stance(**stance), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tv.JacobianWarning)
+        for _ in range(2):
+            torch.testing.assert_close(tv.jacobian(model, x, compile=True),
+                                       torch.func.jacrev(model)(x))
+        torch.nn.utils.parametrizations.spectral_norm(model[2])
+        norm = model[2].parametrizations.weight[0]
+        for _ in range(2):
+            u, v, twin = norm._u.clone(), norm._v.clone(), copy.deepcopy(model)
+            got = tv.jacobian(model, x, compile=True)
+            assert torch.equal(norm._u, u) and torch.equal(norm._v, v)
+            torch.testing.assert_close(got, torch.func.jacrev(twin)(x))
+        from torch._dynamo import eval_frame  # (the user's stance, as it was set)
+        assert eval_frame._stance.stance == stance.get("stance", "default")
+    assert not [w for w in caught if "recompile" in str(w.message)]
+    if stance.get("stance") == "force_eager":  # (every torch.compile ignored: eager calls)
+        assert compiled.builds() == before

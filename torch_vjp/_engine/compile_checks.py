@@ -5,6 +5,9 @@ the option itself."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +25,7 @@ __all__ = ["results_agree", "GraphPrecision", "Recompiled", "recompile_refused",
            "graph_safe_mode",
            "warn_rebuilt", "warn_eager",
            "compile_failure", "COMPILED_STRATEGIES", "check_compile", "check_compilable",
-           "warn_budget"]
+           "warn_budget", "program_mode", "user_stance"]
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
@@ -241,6 +244,62 @@ def warn_eager(call: str, f: object, why: str) -> None:
         f"skip the attempt. This warning is shown once.",
         JacobianWarning,
     )
+
+
+# --------------------------------------------------------------------------------------
+# Where a compiled program runs
+# --------------------------------------------------------------------------------------
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def program_mode() -> Any:
+    """Where a compiled program runs: outside ``torch.inference_mode``, grad mode kept, as
+    the eager call's transforms run (``copies.normal_tensors``), so that it returns normal
+    tensors as the eager call does (run inside that mode, a program returned inference
+    tensors from its second call on, which no later autograd computation can save); and
+    under torch.compile's default stance (NOTE [the user's stance])."""
+    stance = user_stance()
+    if stance is None and not torch.is_inference_mode_enabled():
+        return _NO_CONTEXT
+    return _program_mode(stance is not None)
+
+
+@contextlib.contextmanager
+def _program_mode(stance: bool) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if torch.is_inference_mode_enabled():
+            grad = torch.is_grad_enabled()
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.set_grad_enabled(grad))
+        if stance:
+            stack.enter_context(torch.compiler.set_stance("default"))
+        yield
+
+
+# NOTE [the user's stance]
+# ``torch.compiler.set_stance`` changes how dynamo treats every compiled function, ours
+# too. Under "eager_on_recompile" (and a forced backend) a guard that failed ran the
+# entry's code eagerly (or with the other backend) without asking the entry's sealed
+# backend, so the recompiled program ran after all (NOTE [a recompiled entry]): a spectral
+# norm registered since wrote its power iteration into the module's buffers on every call,
+# never put back; under "fail_on_recompile" or ``skip_guard_eval_unsafe`` the entry went
+# eager for good, and under "eager_then_compile" its program was built twice. An entry's
+# recompiles are torch_vjp's own (each is a first call again, compared with the eager
+# call), so its programs run under the default stance, which is restored after each call
+# (the stance is process-wide: another thread's compile meanwhile sees the default too).
+# "force_eager" ignores every torch.compile: compile=True runs the eager call.
+
+
+def user_stance() -> Any:
+    """torch.compile's stance (``torch.compiler.set_stance``) where it is not the default
+    one, with guards and the default backend; else None."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: never set)
+    stance = getattr(frames, "_stance", None)
+    if stance is None or (stance.stance == "default" and stance.backend is None
+                          and not stance.skip_guard_eval_unsafe):
+        return None
+    return stance
 
 
 # --------------------------------------------------------------------------------------

@@ -60,12 +60,11 @@ recently used first out.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -74,8 +73,9 @@ from torch.utils._pytree import tree_map
 
 from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, GraphPrecision,
                                               check_compilable, check_compile,
-                                              compile_failure, recompile_refused,
-                                              results_agree, warn_budget, warn_eager,
+                                              compile_failure, program_mode,
+                                              recompile_refused, results_agree,
+                                              user_stance, warn_budget, warn_eager,
                                               warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
                                           program_key, tracing)
@@ -167,23 +167,8 @@ class _Entry:
 
     def __call__(self, f: object, args: tuple[Any, ...]) -> Any:
         assert self.run is not None
-        with _normal_tensors():
+        with program_mode():
             return self.run(f, *args, *self.fresh())
-
-
-def _normal_tensors() -> Any:
-    """Where a compiled program runs: outside ``torch.inference_mode``, grad mode kept, as
-    the eager call's transforms run (``copies.normal_tensors``), so that it returns normal
-    tensors as the eager call does. Run inside that mode, a program returned inference
-    tensors from its second call on, which no later autograd computation can save."""
-    return _outside_inference() if torch.is_inference_mode_enabled() else NO_CONTEXT
-
-
-@contextlib.contextmanager
-def _outside_inference() -> Iterator[None]:
-    grad = torch.is_grad_enabled()
-    with torch.inference_mode(False), torch.set_grad_enabled(grad):
-        yield
 
 
 class Built(NamedTuple):
@@ -305,6 +290,9 @@ def compiled_call(
             one made anew for each call, over new tensors of the same signature, runs the
             same program. The program takes them after ``args``.
     """
+    stance = user_stance()
+    if stance is not None and stance.stance == "force_eager":  # (NOTE [the user's stance])
+        return eager()
     if not passed:  # (NOTE [a function called again] in compile_memo.py)
         noted = called_again(call, f, options, args)
         if noted is not None:
@@ -544,7 +532,7 @@ def _compile_first(
                                         backend=precision)
                 # (NOTE [a program that writes nothing])
                 footprint = Footprint(reached(f)[1], _trees_reached(f, args))
-                with _normal_tensors():
+                with program_mode():
                     got = program(f, *args, *fresh())
                 entry.writes = footprint.moved()
         except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
