@@ -227,3 +227,37 @@ def test_a_recompile_under_the_users_stance_changes_no_buffer(stance):
     assert not [w for w in caught if "recompile" in str(w.message)]
     if stance.get("stance") == "force_eager":  # (every torch.compile ignored: eager calls)
         assert compiled.builds() == before
+
+
+@pytest.mark.parametrize("dtype,scale", [(D, 1.0), (D, 1e-9), (torch.float32, 1e-6)],
+                         ids=["float64", "float64-tiny", "float32-tiny"])
+def test_the_first_call_check_is_relative_to_the_results_scale(dtype, scale):
+    # (the check allowed sqrt(eps) of max(scale, 1): for a Jacobian whose entries are all
+    # far below 1 that is no check at all, and dropout's other mask in the compiled run
+    # passed for the eager one's, unnoticed)
+    x = torch.randn(6, dtype=dtype)
+    f = lambda x: scale * F.dropout(x.sin(), 0.5, training=True)  # noqa: E731
+    with pytest.warns(tv.JacobianWarning, match=r"compile=True could not compile the "
+                      r"computation for .*\n  Why: the compiled result differs from the "
+                      r"eager one by up to .*The function draws random numbers"):
+        tv.jacobian(f, x, compile=True)
+
+
+@pytest.mark.parametrize("dtype", [D, torch.float32], ids=["float64", "float32"])
+def test_a_valid_program_with_a_tiny_jacobian_compiles(dtype):
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4)).to(dtype)
+    x = torch.randn(8, dtype=dtype)
+    f = lambda x: 1e-7 * model(x).softmax(-1)  # noqa: E731
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(2):
+            got = tv.jacobian(f, x, compile=True)
+    assert compiled.builds() - before == 1
+    twin = copy.deepcopy(model).double()
+    ref = torch.func.jacrev(lambda x: 1e-7 * twin(x).softmax(-1))(x.double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4 if dtype != D else 1e-7, atol=0)

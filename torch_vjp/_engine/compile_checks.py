@@ -29,9 +29,10 @@ __all__ = ["results_agree", "GraphPrecision", "Recompiled", "recompile_refused",
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
-    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the scale, at least 1,
-    for the less precise of each result's dtype and ``least``, the least precise dtype the
-    computation ran in, where known: :class:`GraphPrecision`; integer tensors exactly;
+    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of each result's scale,
+    its largest entry, for the less precise of its dtype and ``least``, the least precise
+    dtype the computation ran in, where known: :class:`GraphPrecision`; integer tensors
+    exactly; a result that is zero in both agrees;
     entries NaN in both, or equal infinities, agree, as in
     :func:`~torch_vjp._engine.fwdcheck.gap`); else what differs. The compiled result
     against the eager first call, and a compiled ``vjp_fn``'s forward output against the
@@ -56,7 +57,10 @@ def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str |
             rtol = max(rtol, tolerance(least))
         # (NaN in both, or an infinity of one sign in both, agree: gap's rule)
         diff, scale = gap(a.detach().reshape(-1), b.detach().reshape(-1))
-        if not diff <= rtol * max(scale, 1.0):
+        # (relative to the result's own scale: allowed sqrt(eps) of at least 1, a Jacobian
+        # whose entries are all far below 1 was not checked at all, and a compiled run that
+        # drew other random numbers passed for the eager one)
+        if not diff <= rtol * scale:
             return (f"the compiled result differs from the eager one by up to {diff:.3g} "
                     f"at a scale of {scale:.3g}")
     return None
