@@ -202,3 +202,29 @@ def test_a_module_called_again_after_a_submodule_changed(monkeypatch):
     # (the first two calls of each mode walk; from the fourth call of each round of six
     # on, either mode finds its noted key)
     assert counts[3] == counts[5] and counts[9] == counts[11]
+
+
+def test_an_entry_pushed_out_of_the_cache_is_not_kept_by_its_note(monkeypatch):
+    # (a note held its entry, and with it the compiled program, after the cache had let it
+    # go: up to NOTES_PER_CALL programs for each of MEMO_MAX calls beyond CACHE_MAX)
+    monkeypatch.setattr(compiled, "CACHE_MAX", 1)
+    x = torch.randn(3, dtype=D)
+
+    def f(x):
+        return x.sin() * x
+
+    def g(x):
+        return x.cos() * x
+
+    for _ in range(2):  # (the second call is noted)
+        tv.jacobian(f, x, compile=True)
+    (entry,) = compiled._CACHE.values()
+    program = weakref.ref(entry.run)
+    del entry
+    tv.jacobian(g, x, compile=True)  # (f's entry out of the cache)
+    gc.collect()
+    assert program() is None
+    for h in (f, g):  # (each call right, f's compiled again)
+        for _ in range(2):
+            torch.testing.assert_close(tv.jacobian(h, x, compile=True),
+                                       torch.func.jacrev(h)(x))

@@ -23,7 +23,8 @@ reference, never the function kept alive) takes that key where
   combination of flags, so that modes that alternate each find theirs); and
 * the entry is still cached, compiled, and writes nothing (NOTE [a program that writes
   nothing]): a program that may change a buffer of the user's runs on the full path, under
-  ``buffers_kept`` and its walk, on every call.
+  ``buffers_kept`` and its walk, on every call. A note holds its entry weakly: an entry
+  the cache let go is not kept alive by its note.
 
 What the shallow comparison does not see (an attribute of an object ``f`` reaches set anew,
 a tensor in the closure resized in place, a submodule replaced) the compiled program's own
@@ -69,7 +70,9 @@ class _Noted:
         self.f = f
         self.held = held
         self.key = key
-        self.entry = entry
+        # (weakly: a note that held its entry kept the compiled program alive after the
+        # cache let it go, up to NOTES_PER_CALL of them for each of MEMO_MAX calls)
+        self.entry = weakref.ref(entry)
         self.modules = tuple(weakref.ref(m) for m in modules)
         self.flags = tuple(m.training for m in modules)
 
@@ -151,7 +154,8 @@ def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any
         return None
     for noted in notes:  # (one per training mode of the modules: train and eval alternate)
         if _same(noted.held, values) and _flags_as_noted(noted):
-            return noted.key, noted.entry
+            entry = noted.entry()
+            return None if entry is None else (noted.key, entry)
     return None
 
 

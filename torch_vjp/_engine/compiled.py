@@ -144,7 +144,8 @@ class _Entry:
     """One function, options and input signature: its compiled program, or None where it
     runs eagerly."""
 
-    __slots__ = ("kept", "run", "reused", "fresh", "code", "recompiles", "deferred", "writes")
+    __slots__ = ("kept", "run", "reused", "fresh", "code", "recompiles", "deferred", "writes",
+                 "__weakref__")  # (a note holds it weakly: NOTE [a function called again])
 
     def __init__(self, kept: list[object]) -> None:
         self.kept: list[Any] = []
