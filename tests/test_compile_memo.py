@@ -228,3 +228,42 @@ def test_an_entry_pushed_out_of_the_cache_is_not_kept_by_its_note(monkeypatch):
         for _ in range(2):
             torch.testing.assert_close(tv.jacobian(h, x, compile=True),
                                        torch.func.jacrev(h)(x))
+
+
+def test_a_bound_method_called_again_is_found_and_stays_right(monkeypatch):
+    # (model.forward is a new object on each access: it was never noted, and every call
+    # walked; noted by its object and function, every change below is still seen)
+    model = torch.nn.Sequential(_Moded(), torch.nn.Linear(3, 4).to(D))
+    walks = _walks(monkeypatch)
+    counts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for i in range(16):
+            if i == 6:
+                model[1] = torch.nn.Linear(3, 5).to(D)  # (a submodule swapped)
+            if i == 10:
+                model[1].weight = torch.nn.Parameter(torch.randn(5, 3, dtype=D))
+            if i == 13:
+                model[0].lin.bias = None  # (a parameter removed)
+            model[0].train(i % 3 != 0)  # (eval, train, train, eval, ...)
+            x = torch.randn(3, dtype=D)
+            got = tv.jacobian(model.forward, x, compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(model)(x))
+            counts.append(walks[0])
+    assert counts[3] == counts[5]  # (calls 5 and 6 found the noted key of each mode)
+    other = torch.nn.Sequential(_Moded(), torch.nn.Linear(3, 4).to(D))  # (another object)
+    other.train(False)
+    x = torch.randn(3, dtype=D)
+    torch.testing.assert_close(tv.jacobian(other.forward, x, compile=True),
+                               torch.func.jacrev(other)(x))
+
+
+def test_a_noted_bound_method_does_not_keep_its_object_alive():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2)).to(D)
+    x = torch.randn(3, dtype=D)
+    for _ in range(3):
+        tv.jacobian(model.forward, x, compile=True)
+    dead = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dead() is None

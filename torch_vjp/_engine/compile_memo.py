@@ -10,7 +10,9 @@ suite's MLPs and module_params paid around a compiled program of 80-120 us, with
 same object on every call. So a call whose entry ran its compiled program (a call after the
 first) notes, per call name, ``f``, options and argument signature, the key it found and
 the modules whose flags that key holds; the next call of the same ``f`` object (a weak
-reference, never the function kept alive) takes that key where
+reference, never the function kept alive; a bound method, ``model.forward``, a new object
+on each access, by its object and its function, as the full key holds it) takes that key
+where
 
 * the argument signature (:func:`~torch_vjp._engine.compile_key.call_signature`, grad mode,
   autocast and the global module hooks included) is the same, computed on every call;
@@ -81,10 +83,12 @@ def _values_of(f: object) -> tuple[Any, ...] | None:
     """The objects whose identity the note compares: ``f``'s code and what its closure
     cells, defaults and keyword defaults hold (a ``partial``: its function, arguments and
     keywords); nothing for a module (its tree's training flags are compared, and what its
-    forward reads dynamo guards); None for a callable of another kind, which is not noted
-    (a bound method is a new object on each access)."""
+    forward reads dynamo guards); a bound method's function (its object is the note's
+    own, :func:`_identity`); None for a callable of another kind, which is not noted."""
     if isinstance(f, torch.nn.Module):
         return ()
+    if type(f) is types.MethodType:  # (as the full key holds it: its function, its object)
+        return (f.__func__,)
     if type(f) is types.FunctionType:
         cells = []
         for c in f.__closure__ or ():
@@ -105,6 +109,15 @@ def _values_of(f: object) -> tuple[Any, ...] | None:
 
 
 _EMPTY = object()
+
+
+def _identity(f: object) -> tuple[object, Any]:
+    """What a note is for: ``f``, or a bound method's object and function (``model.forward``
+    is a new method object on each access, so its own id and weak reference never found a
+    note again), with the id the memo is keyed by."""
+    if type(f) is types.MethodType:
+        return f.__self__, (id(f.__self__), id(f.__func__))
+    return f, id(f)
 
 
 def _held(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -143,11 +156,12 @@ def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any
                  ) -> tuple[Any, Any] | None:
     """The key and entry noted for this call of ``f`` (NOTE [a function called again]), or
     None where the full key must be computed."""
+    owner, ident = _identity(f)
     try:
-        notes = _MEMO.get((call, id(f), options, call_signature(args)))
+        notes = _MEMO.get((call, ident, options, call_signature(args)))
     except TypeError:  # (an unhashable option or argument: the full path says what)
         return None
-    if notes is None or notes[0].f() is not f:
+    if notes is None or notes[0].f() is not owner:
         return None
     values = _values_of(f)
     if values is None:
@@ -174,22 +188,24 @@ def note_call(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, .
     values = _values_of(f)
     if values is None:
         return
+    owner, ident = _identity(f)
     try:
-        ref = weakref.ref(f, _dropper((call, id(f))))
-        memo_key = (call, id(f), options, key[3])
+        ref = weakref.ref(owner, _dropper((call, ident)))
+        memo_key = (call, ident, options, key[3])
         noted = _Noted(ref, _held(values), key, entry, modules)
         hash(memo_key)
     except TypeError:
         return
     with _LOCK:
         older = _MEMO.pop(memo_key, ())
-        _MEMO[memo_key] = (noted, *[n for n in older if n.f() is f and n.flags != noted.flags
-                                   ][:NOTES_PER_CALL - 1])
+        _MEMO[memo_key] = (noted, *[n for n in older
+                                    if n.f() is owner and n.flags != noted.flags
+                                    ][:NOTES_PER_CALL - 1])
         while len(_MEMO) > MEMO_MAX:
             del _MEMO[next(iter(_MEMO))]
 
 
-def _dropper(prefix: tuple[str, int]) -> Callable[[object], None]:
+def _dropper(prefix: tuple[str, Any]) -> Callable[[object], None]:
     """A weak reference's callback that forgets the notes of a function that died (its id
     may be a new function's next)."""
 
