@@ -261,3 +261,37 @@ def test_a_valid_program_with_a_tiny_jacobian_compiles(dtype):
     twin = copy.deepcopy(model).double()
     ref = torch.func.jacrev(lambda x: 1e-7 * twin(x).softmax(-1))(x.double())
     torch.testing.assert_close(got.double(), ref, rtol=1e-4 if dtype != D else 1e-7, atol=0)
+
+
+_GLOBALS = {
+    "default_dtype": (torch.set_default_dtype, torch.float32, torch.float64),
+    "deterministic": (torch.use_deterministic_algorithms, False, True),
+    "num_threads": (torch.set_num_threads, 1, 2),
+    "matmul_precision": (torch.set_float32_matmul_precision, "highest", "high"),
+}
+
+
+@pytest.mark.parametrize("name", list(_GLOBALS))
+def test_global_state_dynamo_guards_alternated_keeps_a_program_each(name):
+    # (dynamo guards these process-wide settings; left out of the key, each switch
+    # recompiled the one entry, and after REBUILD_WARN_AT switches it stayed eager with a
+    # warning that blamed a global the function reads)
+    setter, *values = _GLOBALS[name]
+    getter = {"default_dtype": torch.get_default_dtype,
+              "deterministic": torch.are_deterministic_algorithms_enabled,
+              "num_threads": torch.get_num_threads,
+              "matmul_precision": torch.get_float32_matmul_precision}[name]
+    saved = getter()
+    x = torch.randn(3, dtype=D)
+    f = lambda x: x.sin() * x + torch.ones(3).to(x.dtype)  # noqa: E731
+    before = compiled.builds()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tv.JacobianWarning)
+            for i in range(compiled.REBUILD_WARN_AT + 4):
+                setter(values[i % 2])
+                torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                           torch.func.jacrev(f)(x))
+    finally:
+        setter(saved)
+    assert compiled.builds() - before == 2

@@ -191,23 +191,32 @@ def call_signature(args: tuple[Any, ...]) -> object:
     """The signature of a call's arguments (tensors by shape, strides, dtype, device, layout,
     ``requires_grad`` and their conjugate, negative and inference bits; other values by
     equality, or identity), with the state that changes what a traced program computes
-    without being an argument: grad and inference mode, autocast, and the global module hooks
-    (:func:`global_state`)."""
+    without being an argument: grad and inference mode, autocast, the global module hooks
+    and the settings dynamo guards (:func:`global_state`)."""
     return (_arguments(args), global_state())
 
 
 def global_state() -> object:
     """Grad mode and inference mode, autocast (enabled, and its dtype, per device type),
-    and the keys of the global module hook dicts (``nn.modules.module.
-    register_module_forward_hook`` and its kin): what a compiled program bakes in, and the
-    first-call check must see again when it changes (NOTE [compiled Jacobians]). A few
-    microseconds. (Grad mode is off under ``torch.no_grad()`` and ``torch.inference_mode()``
-    alike, but dynamo guards the two apart: keyed alike, a call that switched between them
-    recompiled the one entry, and after ``REBUILD_WARN_AT`` switches it stayed eager.)"""
+    the other settings dynamo's global state guard holds (the default dtype, deterministic
+    algorithms, the number of threads, float32 matmul precision and reduced-precision
+    reductions, torch function), and the keys of the global module hook dicts
+    (``nn.modules.module.register_module_forward_hook`` and its kin): what a compiled
+    program bakes in, and the first-call check must see again when it changes (NOTE
+    [compiled Jacobians]). A few microseconds. (Dynamo guards each of these: left out of the
+    key, a call that switched one back and forth, ``torch.no_grad()`` and
+    ``torch.inference_mode()`` say, whose grad mode is off alike, recompiled the one entry,
+    and after ``REBUILD_WARN_AT`` switches it stayed eager, blaming a global.)"""
     cast = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
                  if torch.is_autocast_enabled(d))
     hooks = tuple(tuple(h) for h in _global_hook_dicts())
-    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cast, hooks
+    guarded = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+               torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_num_threads(),
+               torch.get_float32_matmul_precision(),
+               torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+               torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
+               torch._C._is_torch_function_enabled())
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cast, hooks, guarded
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
