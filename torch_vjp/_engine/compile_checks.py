@@ -21,7 +21,7 @@ from torch_vjp._errors import (JacobianOptionError, JacobianWarning, chained, qu
                                warn_once)
 from torch_vjp._strategies import Strategy
 
-__all__ = ["results_agree", "GraphPrecision", "Recompiled", "recompile_refused", "FirstRun",
+__all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled", "recompile_refused", "FirstRun",
            "graph_safe_mode",
            "warn_rebuilt", "warn_eager",
            "compile_failure", "COMPILED_STRATEGIES", "check_compile", "check_compilable",
@@ -29,18 +29,26 @@ __all__ = ["results_agree", "GraphPrecision", "Recompiled", "recompile_refused",
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
-    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of each result's scale,
-    its largest entry, for the less precise of its dtype and ``least``, the least precise
-    dtype the computation ran in, where known: :class:`GraphPrecision`; integer tensors
-    exactly; a result that is zero in both agrees;
+    """None if ``got`` equals ``ref`` up to rounding (``sqrt(eps)`` of the result's scale,
+    for the less precise of each tensor's dtype and ``least``, the least precise dtype the
+    computation ran in, where known: :class:`GraphPrecision`; integer tensors exactly;
     entries NaN in both, or equal infinities, agree, as in
     :func:`~torch_vjp._engine.fwdcheck.gap`); else what differs. The compiled result
     against the eager first call, and a compiled ``vjp_fn``'s forward output against the
-    vjp point's."""
+    vjp point's.
+
+    The scale is the largest entry of all the result's floating tensors, and at least
+    :data:`ROUNDING_FLOOR` times ``sqrt(eps)``: the allowance is relative to the result
+    (it was ``sqrt(eps)`` of at least 1, so a Jacobian whose entries are all far below 1
+    was not checked at all, and a compiled run that drew other random numbers passed for
+    the eager one), and a block that is zero but for rounding (the derivative of a layer
+    norm with respect to a shift of all its inputs) is judged at the scale of the others,
+    or at that floor, a few ``eps`` in the result's units, where it stands alone."""
     ref_leaves, ref_spec = tree_flatten(ref)
     got_leaves, got_spec = tree_flatten(got)
     if ref_spec != got_spec:
         return f"the results have different structures ({ref_spec} and {got_spec})"
+    gaps = []
     for a, b in zip(ref_leaves, got_leaves):
         if not isinstance(a, Tensor):
             continue
@@ -56,14 +64,18 @@ def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str |
         if least is not None:  # (a float32 step in a float64 f rounds at float32's)
             rtol = max(rtol, tolerance(least))
         # (NaN in both, or an infinity of one sign in both, agree: gap's rule)
-        diff, scale = gap(a.detach().reshape(-1), b.detach().reshape(-1))
-        # (relative to the result's own scale: allowed sqrt(eps) of at least 1, a Jacobian
-        # whose entries are all far below 1 was not checked at all, and a compiled run that
-        # drew other random numbers passed for the eager one)
-        if not diff <= rtol * scale:
+        gaps.append((rtol, *gap(a.detach().reshape(-1), b.detach().reshape(-1))))
+    whole = max((scale for _, _, scale in gaps), default=0.0)
+    for rtol, diff, scale in gaps:
+        if not diff <= rtol * max(whole, ROUNDING_FLOOR * rtol):
             return (f"the compiled result differs from the eager one by up to {diff:.3g} "
                     f"at a scale of {scale:.3g}")
     return None
+
+
+#: The least scale :func:`results_agree` judges at, in units of ``sqrt(eps)``: a result
+#: zero but for rounding may differ by this many ``eps``.
+ROUNDING_FLOOR = 16
 
 
 class GraphPrecision:
