@@ -317,3 +317,62 @@ def test_a_block_zero_but_for_rounding_compiles(dtype):
     tol = 1e-12 if dtype == D else 1e-5
     torch.testing.assert_close(got[0].double(), ref[0], rtol=tol, atol=tol)
     assert got[1].abs().max() < tol and alone.abs().max() < tol
+
+
+def _spectral_calls(model, x):
+    """Two calls, a spectral norm registered, two more: each right, no buffer changed."""
+    import copy
+
+    for _ in range(2):
+        torch.testing.assert_close(tv.jacobian(model, x, strategy="rev", compile=True),
+                                   torch.func.jacrev(model)(x))
+    torch.nn.utils.parametrizations.spectral_norm(model[2])
+    norm = model[2].parametrizations.weight[0]
+    for _ in range(2):
+        u, v, twin = norm._u.clone(), norm._v.clone(), copy.deepcopy(model)
+        got = tv.jacobian(model, x, strategy="rev", compile=True)
+        assert torch.equal(norm._u, u) and torch.equal(norm._v, v)
+        torch.testing.assert_close(got, torch.func.jacrev(twin)(x))
+
+
+@pytest.mark.parametrize("how", ["environment", "config"])
+def test_with_dynamo_disabled_compile_true_runs_the_eager_call(how, monkeypatch):
+    # (TORCHDYNAMO_DISABLE=1 makes torch.compile return the function itself: the entry ran
+    # the plain form eagerly, unguarded, without the eager call's buffers_kept; with
+    # dynamo's config.disable, fullgraph found no frame to compile and the signature went
+    # eager for good with a warning that blamed an internal error of torch.compile)
+    import torch._dynamo.config
+
+    import contextlib
+
+    if how == "environment":
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    x = torch.randn(3, dtype=D)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 3)).to(D)
+    before = compiled.builds()
+    with (torch._dynamo.config.patch(disable=True) if how == "config"
+          else contextlib.nullcontext()), warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        _spectral_calls(model, x)
+    assert compiled.builds() == before
+
+
+def test_under_a_dispatch_mode_compile_true_runs_the_eager_call():
+    # (dynamo compiles no frame under a TorchDispatchMode: the signature went eager for
+    # good, after the mode was left too, with a warning that blamed torch.compile)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(3, dtype=D)
+    f = lambda x: x.sin() * x  # noqa: E731
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with FlopCounterMode(display=False) as counter:
+            got = tv.jacobian(f, x, compile=True)
+        torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+        assert counter.get_total_flops() >= 0
+        for _ in range(2):
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+    assert compiled.builds() - before == 1

@@ -6,6 +6,7 @@ the option itself."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +26,8 @@ __all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled", "r
            "graph_safe_mode",
            "warn_rebuilt", "warn_eager",
            "compile_failure", "COMPILED_STRATEGIES", "check_compile", "check_compilable",
-           "warn_budget", "program_mode", "user_stance"]
+           "warn_budget", "program_mode", "user_stance", "compiles_nothing",
+           "dynamo_disabled"]
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
@@ -304,7 +306,34 @@ def _program_mode(stance: bool) -> Iterator[None]:
 # recompiles are torch_vjp's own (each is a first call again, compared with the eager
 # call), so its programs run under the default stance, which is restored after each call
 # (the stance is process-wide: another thread's compile meanwhile sees the default too).
-# "force_eager" ignores every torch.compile: compile=True runs the eager call.
+# "force_eager" ignores every torch.compile: compile=True runs the eager call, as it does
+# where dynamo compiles nothing (:func:`compiles_nothing`, :func:`dynamo_disabled`).
+
+
+def compiles_nothing() -> bool:
+    """Whether dynamo would compile no frame here: an active ``TorchDispatchMode`` (one that
+    is not torch's own infrastructure: ``FlopCounterMode``, a logging mode), under which it
+    skips every frame. compile=True runs the eager call there and makes no entry: with
+    ``fullgraph=True`` the compile failed, and the signature stayed eager for good, after
+    the mode was left too, with a warning that blamed torch.compile."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    from torch.utils import _python_dispatch as dispatch  # (imported by torch already)
+
+    on_stack = getattr(dispatch, "any_torch_dispatch_mode_on_stack", None)
+    return bool(on_stack()) if on_stack is not None else True
+
+
+def dynamo_disabled() -> bool:
+    """Whether dynamo is switched off (``TORCHDYNAMO_DISABLE=1``, with which torch.compile
+    returns the function itself: the entry ran the plain form eagerly, unguarded, without
+    the eager call's ``buffers_kept``; or dynamo's ``config.disable``, with which it
+    compiles no frame). Read by a first call, before it compiles: compile=True runs the
+    eager call and makes no entry."""
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        return True
+    config = sys.modules.get("torch._dynamo.config")  # (not imported: never set)
+    return bool(config is not None and config.disable)
 
 
 def user_stance() -> Any:

@@ -73,7 +73,8 @@ from torch.utils._pytree import tree_map
 
 from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, GraphPrecision,
                                               check_compilable, check_compile,
-                                              compile_failure, program_mode,
+                                              compile_failure, compiles_nothing,
+                                              dynamo_disabled, program_mode,
                                               recompile_refused, results_agree,
                                               user_stance, warn_budget, warn_eager,
                                               warn_rebuilt)
@@ -292,8 +293,8 @@ def compiled_call(
             same program. The program takes them after ``args``.
     """
     stance = user_stance()
-    if stance is not None and stance.stance == "force_eager":  # (NOTE [the user's stance])
-        return eager()
+    if stance is not None and stance.stance == "force_eager" or compiles_nothing():
+        return eager()  # (NOTE [the user's stance] in compile_checks.py)
     if not passed:  # (NOTE [a function called again] in compile_memo.py)
         noted = called_again(call, f, options, args)
         if noted is not None:
@@ -464,6 +465,8 @@ def _first_call(
     """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
     of that key; or that found a deferred entry, ``reused``): the eager result, and the
     entry compiled, checked against it, or eager."""
+    if dynamo_disabled():  # (no entry: NOTE [the user's stance] in compile_checks.py)
+        return eager()
     run = FirstRun(args, tuple(b for m in _trees_reached(f, args)
                                for b in m._buffers.values() if b is not None))
     result = eager()  # the checks, and f's own errors, of the eager path
