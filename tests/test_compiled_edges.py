@@ -376,3 +376,26 @@ def test_under_a_dispatch_mode_compile_true_runs_the_eager_call():
             torch.testing.assert_close(tv.jacobian(f, x, compile=True),
                                        torch.func.jacrev(f)(x))
     assert compiled.builds() - before == 1
+
+
+def test_a_compile_failure_ending_in_a_colon_is_quoted_with_what_follows():
+    # (a first line that ends in a colon is not always an error without a message: dynamo's
+    # "Skipped frames:" was said to be an internal error of torch.compile)
+    from torch_vjp._engine.compile_checks import compile_failure
+
+    err = RuntimeError("torch.compile with fullgraph=True found no compiled frames. Skipped "
+                       "frames:\n  - run (compiled.py:193): Dynamo tracing is disabled")
+    assert compile_failure(err) == (
+        "RuntimeError: torch.compile with fullgraph=True found no compiled frames. Skipped "
+        "frames: - run (compiled.py:193): Dynamo tracing is disabled")
+    bare = RuntimeError("torch.compile with fullgraph=True found no compiled frames. "
+                        "Skipped frames:")
+    assert compile_failure(bare).endswith("Skipped frames: (none said)")
+
+    class InductorError(Exception):
+        pass
+
+    assert compile_failure(InductorError("AssertionError:")) == (
+        "InductorError: AssertionError: (an internal error of torch.compile with no message "
+        "of its own, not an error of the function; TORCHDYNAMO_VERBOSE=1 shows where it "
+        "arose)")

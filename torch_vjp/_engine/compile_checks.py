@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -231,10 +232,14 @@ def compile_failure(err: BaseException) -> str:
     operator) and the last line of the user's code it points to, where it has them; an
     error whose message is empty (inductor's failed assertions) is said to be torch's."""
     why = quote_error(err).rstrip()
-    if why.endswith(":"):  # ("InductorError: AssertionError:", the whole of its message)
+    lines = str(err).splitlines()
+    if re.search(r"\w+(Error|Exception):$", why):  # ("InductorError: AssertionError:",
+        # the whole of its message)
         why += (" (an internal error of torch.compile with no message of its own, not an "
                 "error of the function; TORCHDYNAMO_VERBOSE=1 shows where it arose)")
-    lines = str(err).splitlines()
+    elif why.endswith(":"):  # (a sentence that introduces what follows: "Skipped frames:")
+        after = next((ln.strip() for ln in lines[1:] if ln.strip()), None)
+        why += f" {after}" if after is not None else " (none said)"
     said = [ln.strip()[len("Explanation:"):].strip() for ln in lines
             if ln.strip().startswith("Explanation:")]
     if said:
