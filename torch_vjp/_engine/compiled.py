@@ -47,9 +47,11 @@ value, tuples, lists and dicts of those by structure, functions by the same rule
 else by identity, so that ``lambda x: model(x)`` or ``lambda w: loss(w, batch)`` written
 inside a training loop finds its entry again), the call's options, each primal's shape,
 strides, dtype, device, layout, ``requires_grad`` and conjugate, negative and inference
-bits (other values by equality, or identity), grad mode, autocast, the training flags of
-the modules ``f`` or its arguments reach (NOTE [train and eval entries]), and the global module
-hooks (:mod:`torch_vjp._engine.compile_key`). What else a program depends on
+bits (other values by equality, or identity), grad and inference mode, autocast, the
+settings dynamo's global state guard holds (the default dtype, deterministic algorithms, the
+number of threads), the training flags of the modules ``f`` or its arguments reach (NOTE
+[train and eval entries]), and the global module hooks
+(:mod:`torch_vjp._engine.compile_key`). What else a program depends on
 (a global flag, an object's attribute) dynamo guards, and a call that recompiles its entry
 is a first call again (NOTE [a recompiled entry]). The compiled program takes the
 function as its first argument, and dynamo reads the closure of the one each call passes:
