@@ -120,10 +120,27 @@ class GraphPrecision:
         after = config.post_grad_custom_post_pass  # (one set already runs first)
         after = [] if not after else list(after) if isinstance(after, (list, tuple)) \
             else [after]
-        with config.patch(post_grad_custom_pre_pass=BasisFold() if self.fold else None,
-                          post_grad_custom_post_pass=[*after, OneDnnProducts()]
-                          if faster_here() else after or None):
+        with config.patch({"post_grad_custom_pre_pass": BasisFold() if self.fold else None,
+                           "post_grad_custom_post_pass": [*after, OneDnnProducts()]
+                           if faster_here() else after or None,
+                           # NOTE [small kernels run on one thread]
+                           "cpp.min_chunk_size": max(config.cpp.min_chunk_size,
+                                                     PARALLEL_MIN_CHUNK)}):
             return inductor(gm, example_inputs)  # NOTE [the basis folded], [oneDNN products]
+
+
+# NOTE [small kernels run on one thread]
+# Inductor's CPU kernels split a loop across the threads when each thread gets at least
+# ``cpp.min_chunk_size`` elements (512 by default). A Jacobian program of a small function
+# is a handful of such kernels of a few thousand elements (the basis, an activation's
+# derivative, a sum), and on 2 threads each parallel region's start and join cost more than
+# its work: module_params of the benchmark suite (Linear(16, 32)-Tanh-Linear(32, 10)
+# w.r.t. its parameters) took 116 to 119 us a call with the default and 63 to 64 us with
+# kernels split only from 16,384 elements per thread, while mlp_8x512 and conv_input did
+# not move (``torch.compile(torch.func.jacrev(f))`` through this backend's patches, 2
+# threads, fresh inductor cache). Large kernels still use every thread.
+#: Elements per thread below which a compiled program's kernel runs on one thread.
+PARALLEL_MIN_CHUNK = 16384
 
 
 class Recompiled(Exception):
