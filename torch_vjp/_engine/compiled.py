@@ -562,6 +562,6 @@ def _compile_first(
         return result
     entry.fresh = fresh
     entry.code = own.__code__
-    entry.run = program
-    precision.sealed = True  # (NOTE [a recompiled entry])
+    precision.sealed = True  # (NOTE [a recompiled entry]; sealed before another thread
+    entry.run = program  # can find the entry's program and run it)
     return result
