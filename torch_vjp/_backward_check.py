@@ -10,7 +10,6 @@ roots and leaves, which check_function looks for.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._errors import shape_str, with_article
+from torch_vjp._function_signature import declared_inputs
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,14 @@ def _edge_metadata(
     return None
 
 
+def summed_idiom(g: tuple[int, ...], s: tuple[int, ...],
+                 out_shapes: Sequence[tuple[int, ...] | None]) -> bool:
+    """Whether torch's sum of a gradient of shape ``g`` down to an input of shape ``s`` is
+    exact: only dimensions of size 1 are summed, or ``g`` is an output's shape (forward
+    broadcast the input; the sum is the adjoint of broadcasting), as in checked mode."""
+    return broadcasts_to(s, g) and (math.prod(g) == math.prod(s) or g in out_shapes)
+
+
 def broadcasts_to(s: tuple[int, ...], g: tuple[int, ...]) -> bool:
     """Whether torch's validation would sum a gradient of shape ``g`` down to ``s``."""
     if len(s) > len(g):
@@ -149,7 +157,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 # Checking one backward's return value
 
 
-def check_record(call: str, rec: Record, slots: list[Slot]) -> str | None:
+def check_record(call: str, rec: Record, slots: list[Slot],
+                 deferred: dict[int, str] | None = None) -> str | None:
+    """``deferred``, where given, takes the shape message of each gradient that torch sums
+    down by its broadcast idiom (see ``summed_idiom``) instead of it being returned."""
     fname = rec.node._forward_cls.__name__
     returned = rec.returned
     out_shapes = [tuple(g.shape) if isinstance(g, Tensor) else None for g in rec.grad_outputs]
@@ -163,25 +174,10 @@ def check_record(call: str, rec: Record, slots: list[Slot]) -> str | None:
     ):  # (trailing None values for parameters forward declares but was not given are right)
         return count_message(call, fname, values, slots)
     for i, (value, slot) in enumerate(zip(values, slots)):
-        problem = _check_one(call, fname, i, value, slot, out_shapes, slots)
+        problem = _check_one(call, fname, i, value, slot, out_shapes, slots, deferred)
         if problem is not None:
             return problem
     return None
-
-
-def declared_inputs(cls: type) -> int:
-    """How many inputs ``cls.forward`` declares (not counting ctx; 0 where it cannot be
-    told, or for ``*args``): a backward may return a trailing None for each one a call left
-    to its default (``forward(ctx, x, scale=None)`` called as ``apply(x)``)."""
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())
-    except (TypeError, ValueError):
-        return 0
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return 0
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    old_style = getattr(cls, "setup_context", None) is torch.autograd.Function.setup_context
-    return max(0, len(positional) - (1 if old_style else 0))
 
 
 def count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[Slot],
@@ -225,7 +221,8 @@ def count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[Sl
 
 
 def _check_one(call: str, fname: str, i: int, value: Any, slot: Slot,
-               out_shapes: list[tuple[int, ...] | None], slots: list[Slot]) -> str | None:
+               out_shapes: list[tuple[int, ...] | None], slots: list[Slot],
+               deferred: dict[int, str] | None = None) -> str | None:
     if value is not None and not isinstance(value, Tensor):
         return type_message(call, fname, i, value, slot)
     if slot.kind == "other":
@@ -254,8 +251,11 @@ def _check_one(call: str, fname: str, i: int, value: Any, slot: Slot,
     )
     gshape, ishape = tuple(value.shape), slot.shape
     if gshape != ishape:
-        return shape_message(call, fname, i, gshape, ishape, out_shapes,
-                             in_shapes=[t.shape for t in slots]) + dropped
+        message = shape_message(call, fname, i, gshape, ishape, out_shapes,
+                                in_shapes=[t.shape for t in slots]) + dropped
+        if not summed_idiom(gshape, ishape, out_shapes) or deferred is None:
+            return message
+        deferred[i] = message  # (torch sums it; told only if the summed values are wrong)
     if slot.dtype is not None and value.dtype != slot.dtype:
         return dtype_message(call, fname, i, value, slot) + dropped
     if slot.device is not None and value.device != slot.device:

@@ -189,6 +189,7 @@ class Checker:
         self.diff = diff
         self.gen = torch.Generator().manual_seed(_SEED)
         self._at: tuple[tuple[Any, ...], list[int]] = ((), [])  # (set by _probe)
+        self.summed: dict[int, str] = {}  # (input -> why torch sums its gradient's shape)
 
     def _forward(self, *args: Any) -> Any:
         """The user's forward (or fn), with the draws of every other call (NOTE
@@ -279,7 +280,8 @@ class Checker:
 
     def _first_problem(self, records: Sequence[Record], args: Sequence[Any]) -> str | None:
         for rec in records:
-            problem = check_record(self.call, rec, self._slots(rec.node, args))
+            problem = check_record(self.call, rec, self._slots(rec.node, args),
+                                   self.summed if self.is_function else None)
             if problem is not None:
                 return problem
         return None
@@ -413,6 +415,8 @@ class Checker:
                 if kink.hidden is None:
                     raise FunctionCheckValueError(kink_message(
                         self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
+            if i in self.summed:  # (a shape torch summed explains the wrong values)
+                raise FunctionCheckError(self.summed[i])
             raise FunctionCheckError(value_message(
                 self.call, self.fn, self.is_function, self.labels.get(i, i), rows, p, dtype,
                 p.step, atol_, rtol_, kink))

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from torch_vjp._backward_check import dtype_name
+from torch_vjp._backward_check import broadcasts_to, dtype_name
 from torch_vjp._errors import (
     FunctionCheckError,
     FunctionCheckTypeError,
@@ -67,7 +67,8 @@ class InputCheck:
             ``torch.autograd.Function`` subclass: the raw value, before torch's own
             validation; for a callable: the gradient autograd computed through it), or
             ``None`` where there was none.
-        shape_ok: The gradient had exactly the input's shape (``None``: nothing to check).
+        shape_ok: The gradient had the input's shape, or one that shape broadcasts to, which
+            torch sums down to it (``None``: nothing to check).
         dtype_ok: The gradient had the input's dtype (``None``: nothing to check).
         device_ok: The gradient was on the input's device (``None``: nothing to check).
         max_error: Largest ``|<J t, c> - <t, J^T c>|`` over the random probes, where
@@ -341,7 +342,7 @@ def check_function(
             f"{labels[i].removeprefix('parameter ')}: {describe_arg(arg)}",
             requires_grad=i in every_diff,
             grad_shape=tuple(grad.shape) if is_tensor_grad else None,
-            shape_ok=(tuple(grad.shape) == tuple(arg.shape)) if checked else None,
+            shape_ok=_shape_accepted(tuple(grad.shape), tuple(arg.shape)) if checked else None,
             dtype_ok=(grad.dtype == arg.dtype) if checked else None,
             device_ok=(grad.device == arg.device) if checked else None,
             max_error=None if err is None else err[0],
@@ -435,3 +436,10 @@ def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> fl
             f"{'>= 0' if allow_zero else '> 0'}, but got {value!r}."
         )
     return number
+
+
+def _shape_accepted(g: tuple[int, ...], s: tuple[int, ...]) -> bool:
+    """Whether torch takes a gradient of shape ``g`` for an input of shape ``s``: ``s``
+    itself, or a shape ``s`` broadcasts to, which torch sums down to ``s`` (the idiom for an
+    input that forward broadcast)."""
+    return g == s or broadcasts_to(s, g)
