@@ -40,50 +40,6 @@ def test_a_zero_of_the_other_sign_is_another_number():
         torch.testing.assert_close(tv.jacobian(k, x, compile=True), torch.func.jacrev(k)(x))
 
 
-def test_a_call_while_another_thread_compiles_runs_the_eager_path():
-    # (torch.compiler.is_compiling() is a process-wide flag: while another thread compiles,
-    # a call here is no call inside dynamo's trace, and keeps the eager path's copies and
-    # buffers_kept)
-    import threading
-
-    started, release = threading.Event(), threading.Event()
-
-    def backend(gm, example_inputs):
-        started.set()
-        release.wait(120)
-        return gm.forward
-
-    def other():
-        torch.compile(lambda t: t * 2, backend=backend, fullgraph=True)(torch.ones(2))
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    try:
-        assert started.wait(120)
-        assert torch.compiler.is_compiling()  # (the other thread's flag, seen here)
-        x = torch.randn(3, dtype=D)
-        x0 = x.clone()
-
-        def f(x):
-            x.mul_(2)  # (into the eager path's copy, never the caller's tensor)
-            return x.sin()
-
-        for compile in (False, True):
-            got = tv.jacobian(f, x, compile=compile)
-            assert torch.equal(x, x0)
-            torch.testing.assert_close(got, torch.func.jacrev(lambda x: f(x.clone()))(x0))
-        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).to(D)
-        xb = torch.randn(5, 3, dtype=D)
-        stats = model[1].running_mean.clone()
-        got = tv.jacobian(model, xb)  # (training mode: its statistics put back)
-        assert torch.equal(model[1].running_mean, stats)
-        model[1].track_running_stats = False
-        torch.testing.assert_close(got, torch.func.jacrev(model)(xb))
-    finally:
-        release.set()
-        thread.join()
-
-
 def test_a_call_traced_by_dynamo_or_export_still_takes_the_plain_form():
     x = torch.randn(3, dtype=D)
 

@@ -46,6 +46,29 @@ def other_thread_compiling():
         thread.join()
 
 
+def test_a_call_while_another_thread_compiles_runs_the_eager_path(other_thread_compiling):
+    # (a call here is no call inside dynamo's trace, and keeps the eager path's copies and
+    # buffers_kept)
+    x = torch.randn(3, dtype=D)
+    x0 = x.clone()
+
+    def f(x):
+        x.mul_(2)  # (into the eager path's copy, never the caller's tensor)
+        return x.sin()
+
+    for compile in (False, True):
+        got = tv.jacobian(f, x, compile=compile)
+        assert torch.equal(x, x0)
+        torch.testing.assert_close(got, torch.func.jacrev(lambda x: f(x.clone()))(x0))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).to(D)
+    xb = torch.randn(5, 3, dtype=D)
+    stats = model[1].running_mean.clone()
+    got = tv.jacobian(model, xb)  # (training mode: its statistics put back)
+    assert torch.equal(model[1].running_mean, stats)
+    model[1].track_running_stats = False
+    torch.testing.assert_close(got, torch.func.jacrev(model)(xb))
+
+
 def _loop_grads(model, loss_fn, x, y):
     out = {n: [] for n, _ in model.named_parameters()}
     for i in range(x.shape[0]):
