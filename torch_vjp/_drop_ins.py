@@ -194,6 +194,34 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
         raise
 
 
+def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | None,
+                given: Any, batched: bool, run_torch: Callable[[Any], Any]) -> Any:
+    """A call that goes to torch's ``__torch_function__`` protocol (a subclass that overrides
+    it among the outputs or inputs, a ``TorchFunctionMode`` active), checked first as any
+    other: torch's own function runs under the override with torch's checks only, which let a
+    wrong shape of a later output through as an unrelated broadcasting error and report
+    wrong shapes with ``is_grads_batched``. The checker reads the tensors with
+    ``__torch_function__`` out of the way, so an override sees only what torch's own call
+    shows it; a mistake is judged by torch as for any call (NOTE [transparent checks]).
+    ``run_torch(vectors)`` is torch's function (through the override) on those vectors."""
+    error = None
+    with torch._C.DisableTorchFunction():
+        seen = _checkable(outs)
+        if seen is not None:
+            entries = as_entries(given, labels, outs)
+            vectors = _reusable(given, entries)
+            try:
+                normalize_grad_outputs(seen, vectors, labels, is_grads_batched=batched,
+                                       inputs=ins)
+            except GradOutputsError as err:
+                error = err
+    if seen is None:
+        return _unchecked(labels, outs, lambda: run_torch(given), given)
+    if error is not None:
+        return _arbitrate(error, labels, lambda: run_torch(entries))
+    return run_torch(vectors)
+
+
 def _explain(err: BaseException, explanation: str) -> None:
     """Adds ``explanation`` to ``err`` as a note, once: in a checked scope, a call whose
     outputs have ``__torch_function__`` (a jagged nested tensor) comes back to the checking
@@ -270,12 +298,13 @@ def _grad(
                               only_inputs, allow_unused, is_grads_batched, materialize_grads)
         # (torch passes what torch.autograd.grad names now: its own function looks itself
         # up by name, so a checked block hands overrides the checking wrapper too)
-        result = _unchecked(labels, outs, lambda: handle_torch_function(
-            _AUTOGRAD.grad, overridable, outs, ins, grad_outputs=grad_outputs,
+        result = _overridden(labels, outs, ins, grad_outputs, is_grads_batched,
+                             lambda vectors: handle_torch_function(
+            _AUTOGRAD.grad, overridable, outs, ins, grad_outputs=vectors,
             retain_graph=retain_graph, create_graph=create_graph, only_inputs=only_inputs,
             allow_unused=allow_unused, is_grads_batched=is_grads_batched,
             materialize_grads=materialize_grads,
-        ), grad_outputs)
+        ))
         return dict(zip(inputs.keys(), result)) if type(inputs) is dict else result
     if not only_inputs:
         warnings.warn(
@@ -373,11 +402,12 @@ def _backward(
         if torch_backward is not _GENUINE_BACKWARD:
             return torch_backward(outs, grad_tensors, retain_graph, create_graph,
                                   inputs=inputs_arg)
-        return _unchecked(labels, outs, lambda: handle_torch_function(
-            _AUTOGRAD.backward, overridable, outs, grad_tensors=grad_tensors,
+        return _overridden(labels, outs, ins or None, grad_tensors, False,
+                           lambda vectors: handle_torch_function(
+            _AUTOGRAD.backward, overridable, outs, grad_tensors=vectors,
             retain_graph=retain_graph, create_graph=create_graph,
             inputs=ins if inputs is not None else None,
-        ), grad_tensors)
+        ))
     seen = _checkable(outs)
     if seen is None:
         return _unchecked(labels, outs, lambda: torch_backward(
