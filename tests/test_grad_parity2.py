@@ -151,3 +151,71 @@ def test_valid_calls_with_subclasses_and_modes_are_torch_s(where, call):
     assert type(got["tv"]) is type(got["torch"])
     if where != "Logged grad_outputs":  # (the checker reads a vector as torch's does not)
         assert seen["tv"] == seen["torch"]
+
+
+# --------------------------------------------------------------------------------------
+# is_grads_batched with GradientEdge outputs
+# --------------------------------------------------------------------------------------
+
+
+def _edges():
+    from torch.autograd.graph import get_gradient_edge
+
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    a, b = _f(x)
+    return x, (a, b), (get_gradient_edge(a), get_gradient_edge(b))
+
+
+_BATCHED_EDGE_MISTAKES = {
+    # (the vectors, torch's sentence, what the explanation says)
+    "unbatched": (lambda: (torch.ones(2, 3, dtype=F64), torch.ones(3, 3, dtype=F64)),
+                  "If `is_grads_batched=True`, we interpret the first dimension",
+                  "grad_outputs[1] has shape (3, 3)"),
+    "other batch sizes": (lambda: (torch.ones(2, 3, dtype=F64), torch.ones(3, 3, 3, dtype=F64)),
+                          "vmap: Expected all tensors to have the same size",
+                          "(grad_outputs[0]: 2, grad_outputs[1]: 3)"),
+    "None": (lambda: (torch.ones(2, 3, dtype=F64), None),
+             "grad can be implicitly created only for scalar outputs",
+             "grad_outputs[1] is None, but is_grads_batched=True"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BATCHED_EDGE_MISTAKES))
+def test_batched_vectors_of_gradient_edges_are_checked(case):
+    # GradientEdge outputs with is_grads_batched=True went to torch unchecked: a vector
+    # without its batch dimension was told "Batched grads are not supported with
+    # GradientEdge" (they are: torch computes the valid call), other batch sizes came back
+    # as a bare vmap ValueError, a None as "grad can be implicitly created only for scalar
+    # outputs"
+    make, sentence, said = _BATCHED_EDGE_MISTAKES[case]
+    x, _, edges = _edges()
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(edges, x, make(), is_grads_batched=True)
+    assert str(info.value).startswith(sentence), str(info.value)
+    assert said in info.value.explanation, info.value.explanation
+
+
+def test_a_batched_vector_torch_casts_for_a_leaf_s_edge_is_told():
+    # (a float32 batch for a float64 leaf: torch casts it without a word, as unbatched)
+    from torch.autograd.graph import get_gradient_edge
+
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    v = torch.tensor([[1.0, 2.0, 3.0], [0.25, 0.5, 4.0]], dtype=torch.float32)
+    with pytest.warns(tv.GradOutputsWarning, match="casts"):
+        (got,) = tv.grad(get_gradient_edge(x), x, v, is_grads_batched=True)
+    (ref,) = torch.autograd.grad(x, x, v.to(F64), is_grads_batched=True)
+    assert got.dtype == F64
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_valid_batched_vectors_of_gradient_edges_are_torch_s():
+    x, (a, b), edges = _edges()
+    v = (torch.randn(4, 3, dtype=F64), torch.randn(4, 3, 3, dtype=F64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = tv.grad(edges, x, v, is_grads_batched=True, retain_graph=True)
+    j0, j1 = jacrev(_f)(x.detach())
+    expected = torch.einsum("ka,ab->kb", v[0], j0) + torch.einsum("kab,abc->kc", v[1], j1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    (ref,) = torch.autograd.grad((a, b), x, v, is_grads_batched=True)
+    assert torch.equal(got, ref)

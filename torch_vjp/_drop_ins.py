@@ -314,8 +314,8 @@ def _grad(
             FutureWarning,
             stacklevel=user_stacklevel(),
         )
-    seen = _checkable(outs)  # (batched grads of GradientEdge outputs: torch refuses them)
-    if seen is None or (is_grads_batched and seen is not outs):
+    seen = _checkable(outs)
+    if seen is None:
         return _unchecked(labels, outs, lambda: torch_grad(
             outs, inputs_arg, grad_outputs, retain_graph, create_graph, True, allow_unused,
             is_grads_batched, materialize_grads), grad_outputs)
