@@ -219,3 +219,82 @@ def test_valid_batched_vectors_of_gradient_edges_are_torch_s():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     (ref,) = torch.autograd.grad((a, b), x, v, is_grads_batched=True)
     assert torch.equal(got, ref)
+
+
+# --------------------------------------------------------------------------------------
+# An integer vector for a leaf that keeps its gradient's dtype
+# --------------------------------------------------------------------------------------
+
+_HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+
+
+def _keeping_leaf():
+    leaf = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    leaf.grad_dtype = None
+    return leaf
+
+
+def _checked_tensor_backward(t, v):
+    with tv.checked():
+        t.backward(v)
+
+
+_LEAF_CALLS = {
+    "tv.grad": lambda t, v: tv.grad(t, t, v),
+    "tv.grad edge": lambda t, v: tv.grad(_edge(t), t, v),
+    "tv.grad batched": lambda t, v: tv.grad(t, t, v.expand(2, 3), is_grads_batched=True),
+    "tv.backward": lambda t, v: tv.backward(t, v),
+    "tv.grad Logged": lambda t, v: tv.grad(t, t, v.as_subclass(Logged)),
+    "checked Tensor.backward": _checked_tensor_backward,
+}
+
+
+def _edge(t):
+    from torch.autograd.graph import get_gradient_edge
+
+    return get_gradient_edge(t)
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool], ids=["int64", "bool"])
+@pytest.mark.parametrize("call", list(_LEAF_CALLS))
+def test_an_integer_vector_for_a_leaf_that_keeps_its_dtype_is_explained(call, dtype):
+    # grad_dtype = None: torch keeps the leaf's gradient in the vector's dtype, and its
+    # engine met an integer vector with "isDifferentiableType(grad.scalar_type()) INTERNAL
+    # ASSERT FAILED ... please report a bug to PyTorch", after torch_vjp warned that torch
+    # casts it to the leaf's dtype (it does not)
+    leaf = _keeping_leaf()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(tv.GradOutputsError) as info:
+            _LEAF_CALLS[call](leaf, torch.ones(3, dtype=dtype))
+    msg = str(info.value)
+    assert "INTERNAL ASSERT" not in msg, msg
+    kind = "boolean" if dtype == torch.bool else "integer"
+    assert f"has dtype {dtype}, but " in msg and "is a leaf whose grad_dtype is None" in msg
+    assert f"an {kind} tensor cannot hold a gradient" in msg, msg
+    assert ".to(torch.float64)" in msg, msg
+    assert leaf.grad is None
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+@pytest.mark.parametrize("call", list(_LEAF_CALLS))
+def test_the_fix_of_an_integer_vector_for_a_keeping_leaf_works(call):
+    leaf = _keeping_leaf()
+    got = _LEAF_CALLS[call](leaf, torch.ones(3, dtype=torch.int64).to(F64))
+    got = leaf.grad if got is None else got[0]
+    assert got.dtype == F64
+    torch.testing.assert_close(got, torch.ones_like(got), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", list(_LEAF_CALLS))
+def test_an_integer_vector_for_a_leaf_torch_casts_is_torch_s(call):
+    # (a leaf of the default grad_dtype: torch casts the vector to the leaf's dtype, and
+    # torch_vjp says so)
+    leaf = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    with pytest.warns(tv.GradOutputsWarning, match="torch casts the integer"):
+        got = _LEAF_CALLS[call](leaf, torch.tensor([1, 2, 3]))
+    got = leaf.grad if got is None else got[0]
+    assert got.dtype == F64
+    ref = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+    torch.testing.assert_close(got if got.dim() == 1 else got[0], ref, rtol=0, atol=0)

@@ -218,8 +218,17 @@ def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | No
     if seen is None:
         return _unchecked(labels, outs, lambda: run_torch(given), given)
     if error is not None:
-        return _arbitrate(error, labels, lambda: run_torch(entries))
+        return _judged(error, labels, lambda: run_torch(entries))
     return run_torch(vectors)
+
+
+def _judged(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
+    """Torch judges the checker's ``err`` (``_arbitrate``), except where torch has no verdict
+    to give (``unjudged``): its engine meets that call with an internal assert, a bug
+    report, so the checker's error is raised as it is."""
+    if getattr(err, "unjudged", False):
+        raise err
+    return _arbitrate(err, labels, run_torch)
 
 
 def _explain(err: BaseException, explanation: str) -> None:
@@ -326,7 +335,7 @@ def _grad(
             inputs=ins,
         )
     except GradOutputsError as err:
-        return _arbitrate(err, labels, lambda: torch_grad(
+        return _judged(err, labels, lambda: torch_grad(
             outs, inputs_arg, entries, retain_graph, create_graph, True, allow_unused,
             is_grads_batched, materialize_grads,
         ))
@@ -418,7 +427,7 @@ def _backward(
             seen, _reusable(grad_tensors, entries), labels, inputs=ins or None
         )
     except GradOutputsError as err:
-        return _arbitrate(err, labels, lambda: torch_backward(
+        return _judged(err, labels, lambda: torch_backward(
             outs, entries, retain_graph, create_graph, inputs=inputs_arg))
     if seen is not outs:
         gts = _torch_makes_edge_grads(outs, entries, gts)
