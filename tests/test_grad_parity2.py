@@ -298,3 +298,101 @@ def test_an_integer_vector_for_a_leaf_torch_casts_is_torch_s(call):
     assert got.dtype == F64
     ref = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
     torch.testing.assert_close(got if got.dim() == 1 else got[0], ref, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------
+# An input that does not require grad
+# --------------------------------------------------------------------------------------
+
+
+def _frozen_case():
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    c = torch.tensor([1.0, 2.0, 3.0], dtype=F64)  # (no requires_grad)
+    return x, c, (x * c).sum() + (c * c).sum()
+
+
+_FROZEN_CALLS = {
+    "tv.grad": lambda y, x, c: tv.grad(y, [x, c]),
+    "allow_unused": lambda y, x, c: tv.grad(y, [x, c], allow_unused=True),
+    "materialize_grads": lambda y, x, c: tv.grad(y, [x, c], materialize_grads=True),
+    "is_grads_batched": lambda y, x, c: tv.grad(y, [x, c], torch.ones(2, dtype=F64),
+                                                is_grads_batched=True),
+    "Logged": lambda y, x, c: tv.grad(y.as_subclass(Logged), [x, c]),
+    "checked grad": lambda y, x, c: _in_checked(lambda: torch.autograd.grad(y, [x, c])),
+    "tv.backward": lambda y, x, c: tv.backward(y, inputs=[x, c]),
+    "checked Tensor.backward": lambda y, x, c: _in_checked(lambda: y.backward(inputs=[x, c])),
+}
+
+
+def _in_checked(fn):
+    with tv.checked():
+        return fn()
+
+
+@pytest.mark.parametrize("call", list(_FROZEN_CALLS))
+def test_an_input_that_does_not_require_grad_is_explained(call):
+    # torch's "One of the differentiated Tensors does not require grad" (and, for
+    # backward's inputs, "can't retain_grad on Tensor that has requires_grad=False") came
+    # back bare: which input, and what to do, untold
+    x, c, y = _frozen_case()
+    with pytest.raises(tv.GradOutputsError) as info:
+        _FROZEN_CALLS[call](y, x, c)
+    sentence = ("can't retain_grad on Tensor that has requires_grad=False"
+                if "backward" in call else
+                "One of the differentiated Tensors does not require grad")
+    assert str(info.value).startswith(sentence), str(info.value)
+    note = info.value.explanation
+    assert "inputs[1] (shape (3,)) does not require grad" in note, note
+    assert "inputs[1].requires_grad_()" in note and "leave it out of inputs" in note, note
+    # (allow_unused is a parameter of grad only)
+    assert ("allow_unused=True does not help" in note) == ("backward" not in call), note
+    assert x.grad is None
+
+
+def test_the_fix_for_an_input_that_does_not_require_grad_works():
+    x, c, _ = _frozen_case()
+    c.requires_grad_()
+    y = (x * c).sum() + (c * c).sum()
+    got = tv.grad(y, [x, c])
+    ref = jacrev(lambda a, b: (a * b).sum() + (b * b).sum(), argnums=(0, 1))(
+        x.detach(), c.detach())
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def test_frozen_parameters_among_the_inputs_are_named_and_filtered_in_the_fix():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model.double()
+    model[0].requires_grad_(False)
+    loss = model(torch.ones(5, 3, dtype=F64)).pow(2).sum()
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(loss, model.parameters())
+    note = info.value.explanation
+    assert "inputs[0] (shape (4, 3)) and inputs[1] (shape (4,)) do not require grad" in note
+    assert "[t for t in inputs if t.requires_grad]" in note, note
+    fixed = tv.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    assert len(fixed) == 2 and fixed[0].shape == (2, 4)
+
+
+def test_an_input_of_a_dict_that_does_not_require_grad_is_named_by_its_key():
+    x, c, y = _frozen_case()
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(y, {"x": x, "c": c})
+    assert "inputs['c'] (shape (3,)) does not require grad" in info.value.explanation
+
+
+def test_the_same_sentence_from_the_user_s_backward_passes_through():
+    class Own(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("One of the differentiated Tensors does not require grad")
+
+    x = torch.ones(3, dtype=F64, requires_grad=True)
+    with pytest.raises(RuntimeError) as info:
+        tv.grad(Own.apply(x).sum(), x)
+    assert not isinstance(info.value, tv.TorchVJPError)

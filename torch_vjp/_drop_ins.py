@@ -35,10 +35,12 @@ from torch.overrides import handle_torch_function, has_torch_function, is_tensor
 
 from torch_vjp._checked_scope import (
     _AUTOGRAD,
+    _ENGINE_ENTRY,
     _GENUINE_BACKWARD,
     _GENUINE_GRAD,
     _HAS_ENGINE,
     _arbitrate,
+    _at,
     _engine,
     _torch_validation,
 )
@@ -50,6 +52,7 @@ from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsTypeError,
     a_type,
+    shape_str,
     torch_first,
     user_stacklevel,
 )
@@ -222,6 +225,72 @@ def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | No
     return run_torch(vectors)
 
 
+#: torch's engine's sentences for an input that does not require grad: ``grad``'s, and
+#: ``backward``'s (it retains the gradient of each of its ``inputs``).
+_FROZEN_INPUT = ("One of the differentiated Tensors does not require grad",
+                 "can't retain_grad on Tensor that has requires_grad=False")
+
+
+def _frozen_inputs(labels: Labels, inputs: Any, ins: tuple[Any, ...],
+                   run_torch: Callable[[], Any]) -> Any:
+    """``run_torch()``, with torch's bare sentence for an input that does not require grad
+    (raised by its engine before any node runs) explained: which inputs, and the fixes.
+    The same sentence from anywhere else (a backward's or a hook's own) passes through."""
+    try:
+        return run_torch()
+    except RuntimeError as err:
+        explained = _frozen_error(err, labels, inputs, ins)
+        if explained is None:
+            raise
+        raise explained from None
+
+
+def _frozen_error(err: RuntimeError, labels: Labels, inputs: Any,
+                  ins: tuple[Any, ...]) -> BaseException | None:
+    """The explained error for torch's ``err`` (:func:`_frozen_inputs`), or None where
+    ``err`` is another."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if (tb is None or not str(err).startswith(_FROZEN_INPUT)
+            or not _at(tb.tb_frame.f_code, _ENGINE_ENTRY)):
+        return None
+    frozen = [j for j, t in enumerate(ins) if isinstance(t, Tensor) and not t.requires_grad]
+    if not frozen:
+        return None
+    return torch_first(GradOutputsError, _frozen_message(labels, inputs, ins, frozen),
+                       str(err))
+
+
+def _frozen_message(labels: Labels, inputs: Any, ins: tuple[Any, ...],
+                    frozen: list[int]) -> str:
+    keys = list(inputs) if type(inputs) is dict else None
+    names = [f"{labels.inputs}[{keys[j]!r}]" if keys else f"{labels.inputs}[{j}]"
+             for j in frozen]
+    said = [f"{name} (shape {shape_str(ins[j].shape)})" for name, j in zip(names, frozen)]
+    if len(said) > 4:
+        said = said[:3] + [f"{len(said) - 3} more"]
+    one = len(frozen) == 1
+    listed = said[0] if one else ", ".join(said[:-1]) + " and " + said[-1]
+    it, o, i = ("it" if one else "them"), labels.outputs, labels.inputs
+    keep = (f"{{k: t for k, t in {i}.items() if t.requires_grad}}" if keys
+            else f"[t for t in {i} if t.requires_grad]")
+    unused = ("" if labels.grad_outputs != "grad_outputs" else
+              f" (allow_unused=True does not help: it returns None for {i} that require grad "
+              f"but that {o} do not depend on.)")
+    return (
+        f"{labels.call}: {listed} {'does' if one else 'do'} not require grad, so there is "
+        f"no gradient of {o} to compute for {it}: autograd differentiates only with respect "
+        f"to tensors that require grad (created with requires_grad=True, or computed with "
+        f"grad mode on from one that is).\n"
+        f"  Fix: for {'its' if one else 'their'} gradient, call {names[0]}.requires_grad_() "
+        f"(or create {it} with requires_grad=True) before computing {o} from {it}, not under "
+        f"torch.no_grad() and not from a .detach()ed value; if you do not want "
+        f"{'its' if one else 'their'} gradient (a frozen parameter, a constant), leave {it} "
+        f"out of {i}: pass {keep}.{unused}"
+    )
+
+
 def _judged(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
     """Torch judges the checker's ``err`` (``_arbitrate``), except where torch has no verdict
     to give (``unjudged``): its engine meets that call with an internal assert, a bug
@@ -307,13 +376,14 @@ def _grad(
                               only_inputs, allow_unused, is_grads_batched, materialize_grads)
         # (torch passes what torch.autograd.grad names now: its own function looks itself
         # up by name, so a checked block hands overrides the checking wrapper too)
-        result = _overridden(labels, outs, ins, grad_outputs, is_grads_batched,
-                             lambda vectors: handle_torch_function(
-            _AUTOGRAD.grad, overridable, outs, ins, grad_outputs=vectors,
-            retain_graph=retain_graph, create_graph=create_graph, only_inputs=only_inputs,
-            allow_unused=allow_unused, is_grads_batched=is_grads_batched,
-            materialize_grads=materialize_grads,
-        ))
+        result = _frozen_inputs(labels, inputs, ins, lambda: _overridden(
+            labels, outs, ins, grad_outputs, is_grads_batched,
+            lambda vectors: handle_torch_function(
+                _AUTOGRAD.grad, overridable, outs, ins, grad_outputs=vectors,
+                retain_graph=retain_graph, create_graph=create_graph, only_inputs=only_inputs,
+                allow_unused=allow_unused, is_grads_batched=is_grads_batched,
+                materialize_grads=materialize_grads,
+            )))
         return dict(zip(inputs.keys(), result)) if type(inputs) is dict else result
     if not only_inputs:
         warnings.warn(
@@ -350,8 +420,9 @@ def _grad(
         or seen is not outs
         or not _plain(ins)
     ):
-        return torch_grad(outs, inputs_arg, gos, retain_graph, create_graph, True,
-                          allow_unused, is_grads_batched, materialize_grads)
+        return _frozen_inputs(labels, inputs, ins, lambda: torch_grad(
+            outs, inputs_arg, gos, retain_graph, create_graph, True, allow_unused,
+            is_grads_batched, materialize_grads))
     # NOTE [skipping torch's _make_grads]
     # torch.autograd.grad validates grad_outputs in Python (``_make_grads``) and then runs the
     # C++ engine. ``normalize_grad_outputs`` has already done that validation, more cheaply
@@ -362,10 +433,16 @@ def _grad(
     # (GradientEdge outputs after the checker has seen their stand-ins: ``_checkable``).
     if retain_graph is None:
         retain_graph = create_graph
-    return _engine(
-        outs, gos, retain_graph, create_graph, ins,
-        False if allow_unused is None else allow_unused, accumulate_grad=False,
-    )
+    try:
+        return _engine(
+            outs, gos, retain_graph, create_graph, ins,
+            False if allow_unused is None else allow_unused, accumulate_grad=False,
+        )
+    except RuntimeError as err:  # (explained where an input does not require grad)
+        explained = _frozen_error(err, labels, inputs, ins)
+        if explained is None:
+            raise
+        raise explained from None
 
 
 def _backward(
@@ -411,12 +488,13 @@ def _backward(
         if torch_backward is not _GENUINE_BACKWARD:
             return torch_backward(outs, grad_tensors, retain_graph, create_graph,
                                   inputs=inputs_arg)
-        return _overridden(labels, outs, ins or None, grad_tensors, False,
-                           lambda vectors: handle_torch_function(
-            _AUTOGRAD.backward, overridable, outs, grad_tensors=vectors,
-            retain_graph=retain_graph, create_graph=create_graph,
-            inputs=ins if inputs is not None else None,
-        ))
+        return _frozen_inputs(labels, inputs, ins, lambda: _overridden(
+            labels, outs, ins or None, grad_tensors, False,
+            lambda vectors: handle_torch_function(
+                _AUTOGRAD.backward, overridable, outs, grad_tensors=vectors,
+                retain_graph=retain_graph, create_graph=create_graph,
+                inputs=ins if inputs is not None else None,
+            )))
     seen = _checkable(outs)
     if seen is None:
         return _unchecked(labels, outs, lambda: torch_backward(
@@ -433,12 +511,19 @@ def _backward(
         gts = _torch_makes_edge_grads(outs, entries, gts)
     if (not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or seen is not outs
             or not _plain(ins)):
-        return torch_backward(outs, gts, retain_graph, create_graph, inputs=inputs_arg)
+        return _frozen_inputs(labels, inputs, ins, lambda: torch_backward(
+            outs, gts, retain_graph, create_graph, inputs=inputs_arg))
     # See NOTE [skipping torch's _make_grads]: the engine call of torch.autograd.backward.
     if retain_graph is None:
         retain_graph = create_graph
-    _engine(outs, gts, retain_graph, create_graph, ins, allow_unreachable=True,
-            accumulate_grad=True)
+    try:
+        _engine(outs, gts, retain_graph, create_graph, ins, allow_unreachable=True,
+                accumulate_grad=True)
+    except RuntimeError as err:  # (explained where an input does not require grad)
+        explained = _frozen_error(err, labels, inputs, ins)
+        if explained is None:
+            raise
+        raise explained from None
     return None
 
 
