@@ -396,3 +396,101 @@ def test_the_same_sentence_from_the_user_s_backward_passes_through():
     with pytest.raises(RuntimeError) as info:
         tv.grad(Own.apply(x).sum(), x)
     assert not isinstance(info.value, tv.TorchVJPError)
+
+
+# --------------------------------------------------------------------------------------
+# Several mistakes at once: which is told
+# --------------------------------------------------------------------------------------
+#
+# The order: the number of vectors first (with fewer vectors than outputs, an entry cannot
+# be matched to its output, so comparing entry i with outputs[i] misleads); then the
+# outputs in index order, the first whose vector has any mistake: a None where a vector is
+# needed, not a tensor, its shape, its dtype (complex against real), its device, its
+# layout, every other mistake of that same vector told with it; then the batch sizes; then
+# the outputs that do not require grad.
+
+
+def _two():
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    a, b = _f(x)
+    return x, a, b
+
+
+def _diagnosis(*args, **kwargs):
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(*args, **kwargs)
+    return str(info.value), info.value.explanation
+
+
+def test_a_missing_vector_is_told_as_a_count_not_as_a_wrong_shape():
+    # (3, 3) given alone for outputs (3,) and (3, 3): the vector of outputs[0] is missing,
+    # and grad_outputs[0] fits outputs[1]. It was told "grad_outputs[0] has shape (3, 3),
+    # but outputs[0] has shape (3,) ... must have shape (3,)", a fix that leaves outputs[1]
+    # without a vector
+    x, a, b = _two()
+    sentence, note = _diagnosis((a, b), x, (torch.ones(3, 3, dtype=F64),))
+    assert sentence == "got 2 tensors and 1 gradients", sentence
+    assert "got 2 outputs but 1 grad_outputs" in note, note
+    assert "grad_outputs[0] has the shape of outputs[1], (3, 3)" in note, note
+    assert "the vector of outputs[0] is missing" in note, note
+
+
+def test_too_few_vectors_of_the_wrong_shape_are_told_as_a_count():
+    x, a, b = _two()
+    sentence, note = _diagnosis((a, b), x, (torch.ones(4, dtype=F64),))
+    assert sentence == "got 2 tensors and 1 gradients", sentence
+    assert "is missing" not in note, note  # (nothing fits: no guess)
+
+
+def test_a_wrong_shape_and_a_complex_dtype_of_one_vector_are_both_told():
+    x, a, b = _two()
+    sentence, note = _diagnosis(a, x, torch.ones(4, dtype=torch.complex128))
+    assert sentence.startswith("Mismatch in shape: grad_output[0]"), sentence
+    assert "grad_outputs[0] has shape (4,), but outputs[0] has shape (3,)" in note, note
+    assert "grad_outputs[0] has more to fix: it has dtype torch.complex128, but outputs[0] " \
+        "has dtype torch.float64 (a real output takes a real vector: .real)" in note, note
+
+
+def test_a_wrong_shape_and_device_of_one_vector_are_both_told():
+    x, a, b = _two()
+    sentence, note = _diagnosis(a, x, torch.ones(4, dtype=F64, device="meta"))
+    assert sentence.startswith("Mismatch in shape: grad_output[0]"), sentence
+    assert "grad_outputs[0] has more to fix: it is on meta, but outputs[0] is on cpu " \
+        "(.to(outputs[0].device))" in note, note
+
+
+def test_a_complex_dtype_and_a_device_of_one_vector_are_both_told():
+    x, a, b = _two()
+    sentence, note = _diagnosis(a, x, torch.ones(3, dtype=torch.complex128, device="meta"))
+    assert sentence.startswith("For complex Tensors"), sentence
+    assert "it is on meta, but outputs[0] is on cpu" in note, note
+    assert "has dtype torch.complex128, but outputs[0] has dtype" in note
+
+
+def test_the_first_output_with_a_mistake_is_told_whatever_the_mistakes():
+    # a device mistake of outputs[0] and a shape mistake of outputs[1]: outputs[0]'s was
+    # passed over for outputs[1]'s (torch checks every shape before any device)
+    x, a, b = _two()
+    sentence, note = _diagnosis((a, b), x, (torch.ones(3, dtype=F64, device="meta"),
+                                           torch.ones(3, dtype=F64)))
+    assert sentence.startswith("invalid gradient at index 0 - expected device cpu but got "
+                               "meta"), sentence
+    assert "grad_outputs[0] is on device meta, but outputs[0] is on cpu" in note, note
+
+
+def test_a_single_mistake_is_told_alone():
+    x, a, b = _two()
+    _, note = _diagnosis(a, x, torch.ones(4, dtype=F64))
+    assert "more to fix" not in note, note
+
+
+def test_combined_mistakes_in_batched_vectors():
+    x, a, b = _two()
+    # (other batch sizes, and the second vector without its batch dimension: the shape of
+    # the first output in index order with a mistake is told)
+    sentence, note = _diagnosis((a, b), x, (torch.ones(2, 3, dtype=F64),
+                                           torch.ones(3, 3, dtype=torch.complex128)),
+                                is_grads_batched=True)
+    assert sentence.startswith("If `is_grads_batched=True`"), sentence
+    assert "grad_outputs[1] has shape (3, 3)" in note, note
+    assert "it has dtype torch.complex128, but outputs[1] has dtype torch.float64" in note

@@ -47,12 +47,14 @@ from torch_vjp._check_messages import (
     warn_ignored_cotangents,
 )
 from torch_vjp._check_labels import Labels, single
+from torch_vjp._shape_messages import count_fix
 from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsIndexError,
     GradOutputsTypeError,
     GradOutputsValueError,
     GradOutputsWarning,
+    shape_str,
     torch_first,
     user_stacklevel,
 )
@@ -134,8 +136,9 @@ def normalize_grad_outputs(
     Raises:
         GradOutputsError: on a shape, structure, dtype (complex vs real), device,
             batch-dimension or count mismatch, a non-scalar output with no vector, or an
-            output that does not require grad; the first mistake in the order torch finds
-            them, with torch's sentence first where the call stands in for torch's.
+            output that does not require grad; the first mistake in the order of NOTE [the
+            order of mistakes], with torch's sentence first where the call stands in for
+            torch's.
     """
     n = len(outputs)
     gos = as_entries(grad_outputs, labels, outputs)
@@ -302,6 +305,67 @@ def _size(shape: Sequence[int]) -> str:
     return str(torch.Size(shape))
 
 
+def _more_to_fix(labels: Labels, i: int, out: Tensor, go: Tensor) -> Any:
+    """``more(told)``: the mistakes of ``go`` that come after ``told`` (``"shape"``,
+    ``"dtype"``, ``"device"``) in NOTE [the order of mistakes], as a line to add to the
+    explanation of the one told ("" where there are none)."""
+    g, o = labels.go(i), labels.out(i)
+    found: list[tuple[str, str]] = []
+    if go.dtype.is_complex != out.dtype.is_complex and not _real_tangent_of_complex(
+            labels, go, out):
+        fix = ("a real output takes a real vector: .real" if not out.dtype.is_complex else
+               f"a complex output takes a complex vector: .to({out.dtype})")
+        found.append(("dtype", f"it has dtype {go.dtype}, but {o} has dtype {out.dtype} "
+                               f"({fix})"))
+    if go.device != out.device and go.dim() != 0:
+        found.append(("device", f"it is on {go.device}, but {o} is on {out.device} "
+                                f"(.to({o}.device))"))
+    if go.layout is not out.layout and not _layout_ok(go, out):
+        found.append(("layout", f"it has layout {go.layout}, but {o} has layout {out.layout} "
+                                f"(.to_dense())"))
+    order = ("shape", "dtype", "device", "layout")
+
+    def more(told: str) -> str:
+        rest = [said for kind, said in found if order.index(kind) > order.index(told)]
+        return f"\n  {g} has more to fix: {'; '.join(rest)}." if rest else ""
+
+    return more
+
+
+def _count_hint(labels: Labels, outputs: Sequence[Tensor], gos: Sequence[Any],
+                batched: bool) -> str:
+    """For fewer vectors than outputs, what the shapes of those given tell, as a line to add
+    to the count's explanation: one vector stacking those of several outputs, or vectors
+    that fit later outputs (the first ones left out); "" where they tell nothing."""
+    n, m = len(outputs), len(gos)
+    if not m or not all(g is None or isinstance(g, Tensor) for g in gos):
+        return ""
+    if not batched:
+        i = next((j for j, g in enumerate(gos)
+                  if g is not None and g.shape != outputs[j].shape), None)
+        stacked = "" if i is None else count_fix(labels, i, outputs[i], gos[i], outputs, gos)
+        if stacked:
+            return "\n  " + stacked
+
+    def shape(g: Tensor) -> Sequence[int]:
+        return g.shape[1:] if batched else g.shape
+
+    for shift in range(1, n - m + 1):
+        if all(g is None or shape(g) == outputs[j + shift].shape for j, g in enumerate(gos)) \
+                and any(g is not None and shape(g) != outputs[j].shape
+                        for j, g in enumerate(gos)):
+            j = next(j for j, g in enumerate(gos) if g is not None)
+            missing = ", ".join(labels.out(k) for k in range(shift))
+            one = shift == 1
+            return (f"\n  {labels.go(j)} has the shape of {labels.out(j + shift)}, "
+                    f"{shape_str(outputs[j + shift].shape)}: the vector{'' if one else 's'} of "
+                    f"{missing} {'is' if one else 'are'} missing at the start. Fix: give "
+                    f"{'it' if one else 'them'} first (torch.zeros_like of the output for one "
+                    f"that should not count), or leave {'it' if one else 'them'} out of "
+                    f"{labels.outputs}.")
+    return ""
+
+
 def _diagnose(
     outputs: Sequence[Tensor],
     gos: tuple[Any, ...],
@@ -310,16 +374,33 @@ def _diagnose(
     inputs: Sequence[Tensor] | None,
     given: Any,
 ) -> BaseException:
-    """The first mistake, in the order torch finds them, as the exception to raise.
+    """The mistake to tell, as the exception to raise.
 
-    torch validates each entry (``_make_grads``: its type, its shape, complex against real,
-    the implicit 1 for a scalar), then the number of entries, then (with
-    ``is_grads_batched``) the batch sizes, then in its engine that every output requires grad
-    and the devices. The sentences below are torch's own, filled in with the right index
-    and shapes (NOTE [torch's sentence first]).
+    NOTE [the order of mistakes]
+    When a call has several mistakes, the one told is (torch's own order differs: it checks
+    every vector's shape and dtype before it counts them, and the devices last):
+
+    1. the number of vectors, where there are fewer than outputs: entry i then need not be
+       the vector of outputs[i], and comparing the two misleads (a missing first vector
+       reads as every later one having a wrong shape);
+    2. the outputs in index order, the first whose vector has any mistake: None where a
+       vector is needed, not a tensor, its shape (and batch dimension), its dtype (complex
+       against real, an integer tangent), its device, its layout; every other mistake of
+       that same vector is told with it (:func:`_more_to_fix`), so that one fix fixes it;
+    3. with ``is_grads_batched``, the batch sizes;
+    4. the outputs that do not require grad;
+    5. an integer vector for a leaf that keeps its gradient's dtype.
+
+    Each is worded with torch's own sentence for it, filled in with the right index and
+    shapes (NOTE [torch's sentence first]).
     """
     n, m = len(outputs), len(gos)
-    for i in range(min(n, m)):
+    if m < n:
+        return _error(GradOutputsError, labels,
+                      count_message(labels, outputs, gos, given)
+                      + _count_hint(labels, outputs, gos, batched),
+                      f"got {n} tensors and {m} gradients")
+    for i in range(n):
         out, go = outputs[i], gos[i]
         if go is None:
             if not labels.allow_none:
@@ -343,21 +424,23 @@ def _diagnose(
             return _error(GradOutputsTypeError, labels, type_message(labels, i, out, go),
                           f"gradients can be either Tensors or None, but got "
                           f"{type(go).__name__}")
+        more = _more_to_fix(labels, i, out, go)
         if batched:
             if go.dim() == 0:
                 return _error(
                     GradOutputsIndexError, labels,
-                    shape_message(labels, i, out, go, outputs, gos, True, inputs),
+                    shape_message(labels, i, out, go, outputs, gos, True, inputs) + more("shape"),
                     "invalid index of a 0-dim tensor. Use `tensor.item()` in Python or "
                     "`tensor.item<T>()` in C++ to convert a 0-dim tensor to a number",
                 )
             if go.shape[0] == 0 and not labels.empty_batch_ok:
-                return _error(GradOutputsIndexError, labels, empty_batch_message(labels, i, go),
+                return _error(GradOutputsIndexError, labels,
+                              empty_batch_message(labels, i, go) + more("shape"),
                               "index 0 is out of bounds for dimension 0 with size 0")
             if go.shape[1:] != out.shape:
                 return _error(
                     GradOutputsError, labels,
-                    shape_message(labels, i, out, go, outputs, gos, True, inputs),
+                    shape_message(labels, i, out, go, outputs, gos, True, inputs) + more("shape"),
                     "If `is_grads_batched=True`, we interpret the first dimension of each "
                     "grad_output as the batch dimension. The sizes of the remaining dimensions "
                     "are expected to match the shape of corresponding output, but a mismatch "
@@ -368,26 +451,33 @@ def _diagnose(
         elif go.shape != out.shape:
             return _error(
                 GradOutputsError, labels,
-                shape_message(labels, i, out, go, outputs, gos, False, inputs),
+                shape_message(labels, i, out, go, outputs, gos, False, inputs) + more("shape"),
                 f"Mismatch in shape: grad_output[{i}] has a shape of {_size(go.shape)} and "
                 f"output[{i}] has a shape of {_size(out.shape)}.",
             )
         if labels.role == "tangents" and not (go.dtype.is_floating_point or go.dtype.is_complex):
             return _error(
-                GradOutputsValueError, labels, integer_tangent_message(labels, i, out, go),
+                GradOutputsValueError, labels,
+                integer_tangent_message(labels, i, out, go) + more("dtype"),
                 f"Expected tangent to be floating point or complex, but got: {go.dtype}",
             )
         if go.dtype.is_complex != out.dtype.is_complex and not _real_tangent_of_complex(
                 labels, go, out):
             return _error(
-                GradOutputsError, labels, complex_message(labels, i, out, go),
+                GradOutputsError, labels, complex_message(labels, i, out, go) + more("dtype"),
                 "For complex Tensors, both grad_output and output are required to have the "
                 f"same dtype. Mismatch in dtype: grad_output[{i}] has a dtype of {go.dtype} "
                 f"and output[{i}] has a dtype of {out.dtype}.",
             )
-    if m < n:
-        return _error(GradOutputsError, labels, count_message(labels, outputs, gos, given),
-                      f"got {n} tensors and {m} gradients")
+        if go.device != out.device and go.dim() != 0:
+            return _error(GradOutputsError, labels,
+                          device_message(labels, i, out, go) + more("device"),
+                          f"invalid gradient at index {i} - expected device {out.device} but "
+                          f"got {go.device}")
+        if go.layout is not out.layout and not _layout_ok(go, out):
+            return _error(GradOutputsError, labels, layout_message(labels, i, out, go),
+                          f"invalid gradient at index {i} - expected layout "
+                          f"{_layout_name(out.layout)} but got {_layout_name(go.layout)}")
     if batched:
         sizes = [int(g.shape[0]) for g in gos[:n] if isinstance(g, Tensor)]
         if len(set(sizes)) > 1:
@@ -402,18 +492,6 @@ def _diagnose(
                 return _error(GradOutputsError, labels, no_grad_message(labels, i, out, inputs),
                               f"element {i} of tensors does not require grad and does not "
                               f"have a grad_fn")
-    for i in range(n):
-        out, go = outputs[i], gos[i]
-        if not isinstance(go, Tensor):
-            continue
-        if go.device != out.device and go.dim() != 0:
-            return _error(GradOutputsError, labels, device_message(labels, i, out, go),
-                          f"invalid gradient at index {i} - expected device {out.device} but "
-                          f"got {go.device}")
-        if go.layout is not out.layout and not _layout_ok(go, out):
-            return _error(GradOutputsError, labels, layout_message(labels, i, out, go),
-                          f"invalid gradient at index {i} - expected layout "
-                          f"{_layout_name(out.layout)} but got {_layout_name(go.layout)}")
     for i in range(n):
         out, go = outputs[i], gos[i]
         if isinstance(go, Tensor) and go.dtype != out.dtype and _kept_integer(labels, go, out):

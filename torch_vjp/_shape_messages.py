@@ -18,7 +18,7 @@ from torch_vjp._errors import shape_str
 if TYPE_CHECKING:
     from torch_vjp._check_labels import Labels
 
-__all__ = ["STAND_IN_NODE", "jagged_message", "known_batch_size", "leaf_shapes",
+__all__ = ["STAND_IN_NODE", "count_fix", "jagged_message", "known_batch_size", "leaf_shapes",
            "missing_message", "shape_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
@@ -103,7 +103,7 @@ def _plain_fix(labels: Labels, i: int, out: Tensor, batched: bool) -> str:
             f"torch.ones_like({o}) to differentiate the sum of {o}'s elements.")
 
 
-def _count_fix(
+def count_fix(
     labels: Labels, i: int, out: Tensor, go: Tensor, outputs: Sequence[Tensor],
     gos: Sequence[Any],
 ) -> str:
@@ -197,9 +197,9 @@ def _shape_fix(
         if go.dim() >= 1:
             return _order_reading(labels, i, gshape[1:], oshape, batched=True)
         return ""
-    count_fix = _count_fix(labels, i, out, go, outputs, gos)
-    if count_fix:
-        return count_fix
+    counted = count_fix(labels, i, out, go, outputs, gos)
+    if counted:
+        return counted
     reading = _form_reading(labels, i, out, go)
     # a vector of an input's shape (torch.ones_like(x) for dL/dy) is the commonest confusion:
     # named first, also where its shape has a reading of its own as well (an extra leading
