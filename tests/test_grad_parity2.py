@@ -494,3 +494,43 @@ def test_combined_mistakes_in_batched_vectors():
     assert sentence.startswith("If `is_grads_batched=True`"), sentence
     assert "grad_outputs[1] has shape (3, 3)" in note, note
     assert "it has dtype torch.complex128, but outputs[1] has dtype torch.float64" in note
+
+
+# --------------------------------------------------------------------------------------
+# Nested tensors of the strided layout
+# --------------------------------------------------------------------------------------
+
+
+def _strided_nested(*shapes, dtype=F64, requires_grad=False):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's note that the layout is a prototype)
+        return torch.nested.nested_tensor([torch.ones(*s, dtype=dtype) for s in shapes],
+                                          requires_grad=requires_grad)
+
+
+@pytest.mark.parametrize("case", ["other shapes", "dense"])
+@pytest.mark.parametrize("call", ["tv.grad", "tv.backward"])
+def test_a_vector_that_does_not_fit_a_strided_nested_output_is_explained(call, case):
+    # torch_vjp's own note for a jagged output was tried on a strided one, and failed with
+    # "AttributeError: 'Tensor' object has no attribute 'offsets'"; a dense vector got
+    # torch's bare "Expected both self and other to be nested tensors"
+    x = _strided_nested((2, 3), (4, 3), requires_grad=True)
+    y = x * 2
+    v = (_strided_nested((2, 3), (3, 3)) if case == "other shapes"
+         else torch.ones(2, 3, dtype=F64))
+    with pytest.raises(RuntimeError) as info:
+        tv.grad(y, x, v) if call == "tv.grad" else tv.backward(y, v)
+    assert not isinstance(info.value, AttributeError)
+    sentence = ("Mismatch in shape: grad_output[0]" if case == "other shapes"
+                else "Expected both self and other to be nested tensors")
+    assert str(info.value).startswith(sentence), str(info.value)
+    (note,) = info.value.__notes__
+    o = "outputs[0]" if call == "tv.grad" else "tensors[0]"
+    assert f"{o} is a nested tensor of 2 tensors of shapes (2, 3), (4, 3)" in note, note
+    said = ("a nested tensor of 2 tensors of shapes (2, 3), (3, 3)" if case == "other shapes"
+            else "a dense tensor of shape (2, 3)")
+    assert said in note, note
+    assert f"torch.ones_like({o})" in note, note
+    (g,) = tv.grad(x * 2, x, torch.ones_like(y))  # the fix
+    for got, shape in zip(g.unbind(), [(2, 3), (4, 3)]):
+        torch.testing.assert_close(got, torch.full(shape, 2.0, dtype=F64))

@@ -45,7 +45,7 @@ from torch_vjp._checked_scope import (
     _torch_validation,
 )
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
-from torch_vjp._shape_messages import jagged_message
+from torch_vjp._shape_messages import jagged_message, strided_nested_message
 from torch_vjp._check_labels import Labels
 from torch_vjp._checks import as_entries, normalize_grad_outputs
 from torch_vjp._errors import (
@@ -159,6 +159,8 @@ def _check_outputs(outs: tuple[Any, ...], labels: Labels) -> tuple[Tensor, ...]:
 
 #: torch's sentence for a vector whose shape is not its output's (``_make_grads``).
 _MISMATCH = re.compile(r"Mismatch in shape: grad_output\[(\d+)\]")
+#: torch's sentence for a dense vector of a nested output of the strided layout.
+_NOT_NESTED = "Expected both self and other to be nested tensors"
 
 
 def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], Any],
@@ -175,6 +177,13 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
     except RuntimeError as err:
         said = _MISMATCH.match(str(err))
         i = int(said.group(1)) if said else -1
+        if i < 0 and str(err).startswith(_NOT_NESTED):
+            # (torch.is_same_size, for the first nested output whose vector is not nested)
+            entries = as_entries(given, labels, outs) if isinstance(
+                given, (Tensor, tuple, list)) else ()
+            i = next((j for j, (o, g) in enumerate(zip(outs, entries))
+                      if isinstance(o, Tensor) and o.is_nested and isinstance(g, Tensor)
+                      and not g.is_nested), -1)
         out = outs[i] if 0 <= i < len(outs) else None
         if (not isinstance(out, Tensor) or not out.is_nested or not _torch_validation(err)
                 or not hasattr(err, "add_note")):
@@ -183,7 +192,8 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
         entries = as_entries(given, labels, outs) if isinstance(
             given, (Tensor, tuple, list)) else None
         go = entries[i] if entries is not None and i < len(entries) else None
-        _explain(err, jagged_message(labels, i, out, go))
+        _explain(err, jagged_message(labels, i, out, go) if out.layout is not torch.strided
+                 else strided_nested_message(labels, i, out, go))
         raise
     except AssertionError as err:
         bad = [i for i, o in enumerate(outs)

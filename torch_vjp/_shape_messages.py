@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torch_vjp._errors import shape_str
+from torch_vjp._errors import a_type, shape_str
 
 if TYPE_CHECKING:
     from torch_vjp._check_labels import Labels
 
 __all__ = ["STAND_IN_NODE", "count_fix", "jagged_message", "known_batch_size", "leaf_shapes",
-           "missing_message", "shape_message"]
+           "missing_message", "shape_message", "strided_nested_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
 
@@ -434,6 +434,32 @@ def jagged_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
         f"own.\n  Fix: build {g} on {o}'s offsets: torch.nested.nested_tensor_from_jagged("
         f"values, {o}.offsets()), values of shape {o}.values().shape; or "
         f"torch.ones_like({o}) for a vector of ones."
+    )
+
+
+def strided_nested_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
+    """The note on torch's shape refusal of ``go`` for a nested output ``out`` of the strided
+    layout: torch compares the shapes of the tensors it holds, one by one."""
+    o, g = labels.out(i), labels.go(i)
+
+    def parts(t: Tensor) -> str:
+        shapes = [shape_str(s) for s in t._nested_tensor_size().tolist()]
+        return (f"a nested tensor of {len(shapes)} tensors of shapes "
+                + ", ".join(shapes[:8]) + (", ..." if len(shapes) > 8 else ""))
+
+    if isinstance(go, Tensor) and go.is_nested and go.layout is torch.strided:
+        what = parts(go)
+    elif isinstance(go, Tensor) and go.is_nested:
+        what = "a nested tensor of another layout"
+    elif isinstance(go, Tensor):
+        what = f"a dense tensor of shape {shape_str(go.shape)}"
+    else:
+        what = f"{a_type(go)}"
+    return (
+        f"{labels.call}: {o} is {parts(out)}, and {g} is {what}.\n  {labels.meaning(i)}: a "
+        f"nested tensor holding one tensor per tensor of {o}, each of its shape. Fix: "
+        f"torch.ones_like({o}) for a vector of ones, or torch.nested.nested_tensor of "
+        f"tensors of those shapes, in that order."
     )
 
 
