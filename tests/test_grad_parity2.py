@@ -534,3 +534,34 @@ def test_a_vector_that_does_not_fit_a_strided_nested_output_is_explained(call, c
     (g,) = tv.grad(x * 2, x, torch.ones_like(y))  # the fix
     for got, shape in zip(g.unbind(), [(2, 3), (4, 3)]):
         torch.testing.assert_close(got, torch.full(shape, 2.0, dtype=F64))
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+@pytest.mark.parametrize("vector", ["float64", "None"])
+@pytest.mark.parametrize("call", list(_LEAF_CALLS))
+def test_a_leaf_whose_grad_dtype_is_an_integer_is_explained(call, vector):
+    # torch lets a leaf's grad_dtype be an integer dtype, casts the gradient to it, and its
+    # engine fails with an internal assert; torch_vjp first warned that torch "casts the
+    # torch.float64 grad_outputs to torch.int64 silently"
+    if vector == "None" and "batched" in call:
+        pytest.skip("a batched call takes no None")
+    leaf = torch.tensor(2.0 if vector == "None" else [0.5, -1.0, 2.0], dtype=F64,
+                        requires_grad=True)
+    leaf.grad_dtype = torch.int64
+    v = None if vector == "None" else torch.ones(3, dtype=F64)
+    if v is None and "Logged" in call:
+        pytest.skip("(no vector to make a subclass of)")
+    if v is None and "batched" not in call:
+        run = {"tv.grad": lambda: tv.grad(leaf, leaf), "tv.grad edge": lambda: tv.grad(
+            _edge(leaf), leaf), "tv.backward": lambda: tv.backward(leaf),
+            "checked Tensor.backward": lambda: _checked_tensor_backward(leaf, None)}[call]
+    else:
+        run = lambda: _LEAF_CALLS[call](leaf, v)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(tv.GradOutputsError) as info:
+            run()
+    msg = str(info.value)
+    assert "INTERNAL ASSERT" not in msg, msg
+    assert "is a leaf whose grad_dtype is torch.int64: torch casts its gradient" in msg, msg
+    assert ".grad_dtype to a floating-point dtype (its own, torch.float64), or to None" in msg

@@ -47,7 +47,7 @@ from torch_vjp._check_messages import (
     warn_ignored_cotangents,
 )
 from torch_vjp._check_labels import Labels, single
-from torch_vjp._shape_messages import count_fix
+from torch_vjp._shape_messages import count_hint
 from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsIndexError,
@@ -201,6 +201,9 @@ def normalize_grad_outputs(
         raise _diagnose(outputs, gos, labels, is_grads_batched, inputs, grad_outputs)
     for i in range(n):
         go = gos[i]
+        if labels.require_grad and outputs[i].grad_fn is None and _integer_grad_dtype(
+                outputs[i]):
+            raise _kept_integer_error(labels, i, outputs[i], go)
         # (a vector of its output's dtype is cast only where torch's engine starts from a
         # leaf: to its grad_dtype, which may differ)
         if go is None or (go.dtype == outputs[i].dtype
@@ -233,10 +236,29 @@ def _kept_integer(labels: Labels, go: Tensor, out: Tensor) -> bool:
             and getattr(out, "grad_dtype", out.dtype) is None)
 
 
-def _kept_integer_error(labels: Labels, i: int, out: Tensor, go: Tensor) -> BaseException:
-    """The error for :func:`_kept_integer`, raised as it is: torch's engine meets the call
-    with an internal assert, a bug report, not a verdict (``unjudged``)."""
+def _integer_grad_dtype(out: Tensor) -> bool:
+    """Whether ``out`` is a leaf whose ``grad_dtype`` is an integer or boolean dtype (torch
+    lets one be set): torch casts every gradient of it to that dtype, and its engine then
+    fails with an internal assert, whatever the vector."""
+    to = getattr(out, "grad_dtype", None) if out.requires_grad else None
+    return to is not None and not (to.is_floating_point or to.is_complex)
+
+
+def _kept_integer_error(labels: Labels, i: int, out: Tensor, go: Tensor | None) -> BaseException:
+    """The error for :func:`_kept_integer` and :func:`_integer_grad_dtype`, raised as it is:
+    torch's engine meets the call with an internal assert, a bug report, not a verdict
+    (``unjudged``)."""
     g, o = labels.go(i), labels.out(i)
+    if _integer_grad_dtype(out):
+        err = GradOutputsError(
+            f"{labels.call}: {o} is a leaf whose grad_dtype is {out.grad_dtype}: torch casts "
+            f"its gradient to that dtype, and an integer or boolean tensor cannot hold a "
+            f"gradient (torch's engine fails on it with an internal assert).\n  Fix: set "
+            f"{o}.grad_dtype to a floating-point dtype (its own, {out.dtype}), or to None to "
+            f"keep each gradient in the dtype it comes in, before the backward pass.")
+        err.unjudged = True  # type: ignore[attr-defined]
+        return err
+    assert go is not None
     kind = "boolean" if go.dtype == torch.bool else "integer"
     err = GradOutputsError(
         f"{labels.call}: {g} has dtype {go.dtype}, but {o} is a leaf whose grad_dtype is "
@@ -332,40 +354,6 @@ def _more_to_fix(labels: Labels, i: int, out: Tensor, go: Tensor) -> Any:
     return more
 
 
-def _count_hint(labels: Labels, outputs: Sequence[Tensor], gos: Sequence[Any],
-                batched: bool) -> str:
-    """For fewer vectors than outputs, what the shapes of those given tell, as a line to add
-    to the count's explanation: one vector stacking those of several outputs, or vectors
-    that fit later outputs (the first ones left out); "" where they tell nothing."""
-    n, m = len(outputs), len(gos)
-    if not m or not all(g is None or isinstance(g, Tensor) for g in gos):
-        return ""
-    if not batched:
-        i = next((j for j, g in enumerate(gos)
-                  if g is not None and g.shape != outputs[j].shape), None)
-        stacked = "" if i is None else count_fix(labels, i, outputs[i], gos[i], outputs, gos)
-        if stacked:
-            return "\n  " + stacked
-
-    def shape(g: Tensor) -> Sequence[int]:
-        return g.shape[1:] if batched else g.shape
-
-    for shift in range(1, n - m + 1):
-        if all(g is None or shape(g) == outputs[j + shift].shape for j, g in enumerate(gos)) \
-                and any(g is not None and shape(g) != outputs[j].shape
-                        for j, g in enumerate(gos)):
-            j = next(j for j, g in enumerate(gos) if g is not None)
-            missing = ", ".join(labels.out(k) for k in range(shift))
-            one = shift == 1
-            return (f"\n  {labels.go(j)} has the shape of {labels.out(j + shift)}, "
-                    f"{shape_str(outputs[j + shift].shape)}: the vector{'' if one else 's'} of "
-                    f"{missing} {'is' if one else 'are'} missing at the start. Fix: give "
-                    f"{'it' if one else 'them'} first (torch.zeros_like of the output for one "
-                    f"that should not count), or leave {'it' if one else 'them'} out of "
-                    f"{labels.outputs}.")
-    return ""
-
-
 def _diagnose(
     outputs: Sequence[Tensor],
     gos: tuple[Any, ...],
@@ -398,7 +386,7 @@ def _diagnose(
     if m < n:
         return _error(GradOutputsError, labels,
                       count_message(labels, outputs, gos, given)
-                      + _count_hint(labels, outputs, gos, batched),
+                      + count_hint(labels, outputs, gos, batched),
                       f"got {n} tensors and {m} gradients")
     for i in range(n):
         out, go = outputs[i], gos[i]

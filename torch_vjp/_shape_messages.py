@@ -18,7 +18,7 @@ from torch_vjp._errors import a_type, shape_str
 if TYPE_CHECKING:
     from torch_vjp._check_labels import Labels
 
-__all__ = ["STAND_IN_NODE", "count_fix", "jagged_message", "known_batch_size", "leaf_shapes",
+__all__ = ["STAND_IN_NODE", "count_hint", "jagged_message", "known_batch_size", "leaf_shapes",
            "missing_message", "shape_message", "strided_nested_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
@@ -103,7 +103,7 @@ def _plain_fix(labels: Labels, i: int, out: Tensor, batched: bool) -> str:
             f"torch.ones_like({o}) to differentiate the sum of {o}'s elements.")
 
 
-def count_fix(
+def _count_fix(
     labels: Labels, i: int, out: Tensor, go: Tensor, outputs: Sequence[Tensor],
     gos: Sequence[Any],
 ) -> str:
@@ -132,6 +132,40 @@ def count_fix(
             f"takes one entry per output, shaped like it: pass torch.stack of those {rows} "
             f"as one entry (torch would ignore the extra ones)."
         )
+    return ""
+
+
+def count_hint(labels: Labels, outputs: Sequence[Tensor], gos: Sequence[Any],
+               batched: bool) -> str:
+    """For fewer vectors than outputs, what the shapes of those given tell, as a line to add
+    to the count's explanation: one vector stacking those of several outputs, or vectors
+    that fit later outputs (the first ones left out); "" where they tell nothing."""
+    n, m = len(outputs), len(gos)
+    if not m or not all(g is None or isinstance(g, Tensor) for g in gos):
+        return ""
+    if not batched:
+        i = next((j for j, g in enumerate(gos)
+                  if g is not None and g.shape != outputs[j].shape), None)
+        stacked = "" if i is None else _count_fix(labels, i, outputs[i], gos[i], outputs, gos)
+        if stacked:
+            return "\n  " + stacked
+
+    def shape(g: Tensor) -> Sequence[int]:
+        return g.shape[1:] if batched else g.shape
+
+    for shift in range(1, n - m + 1):
+        if all(g is None or shape(g) == outputs[j + shift].shape for j, g in enumerate(gos)) \
+                and any(g is not None and shape(g) != outputs[j].shape
+                        for j, g in enumerate(gos)):
+            j = next(j for j, g in enumerate(gos) if g is not None)
+            missing = ", ".join(labels.out(k) for k in range(shift))
+            one = shift == 1
+            return (f"\n  {labels.go(j)} has the shape of {labels.out(j + shift)}, "
+                    f"{shape_str(outputs[j + shift].shape)}: the vector{'' if one else 's'} of "
+                    f"{missing} {'is' if one else 'are'} missing at the start. Fix: give "
+                    f"{'it' if one else 'them'} first (torch.zeros_like of the output for one "
+                    f"that should not count), or leave {'it' if one else 'them'} out of "
+                    f"{labels.outputs}.")
     return ""
 
 
@@ -197,7 +231,7 @@ def _shape_fix(
         if go.dim() >= 1:
             return _order_reading(labels, i, gshape[1:], oshape, batched=True)
         return ""
-    counted = count_fix(labels, i, out, go, outputs, gos)
+    counted = _count_fix(labels, i, out, go, outputs, gos)
     if counted:
         return counted
     reading = _form_reading(labels, i, out, go)
