@@ -565,3 +565,39 @@ def test_a_leaf_whose_grad_dtype_is_an_integer_is_explained(call, vector):
     assert "INTERNAL ASSERT" not in msg, msg
     assert "is a leaf whose grad_dtype is torch.int64: torch casts its gradient" in msg, msg
     assert ".grad_dtype to a floating-point dtype (its own, torch.float64), or to None" in msg
+
+
+def test_an_override_that_computes_grad_itself_is_the_judge():
+    # (a subclass whose __torch_function__ answers torch.autograd.grad its own way: what it
+    # returns is returned, as from torch's own function, with the checker's word as a
+    # warning where the checker disagrees)
+    class Answers(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.autograd.grad:
+                return (torch.zeros(3, dtype=F64),)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    x = torch.ones(3, dtype=F64, requires_grad=True)
+    y = (x * 2).as_subclass(Answers)
+    wrong = torch.ones(4, dtype=F64)
+    (ref,) = torch.autograd.grad(y, x, wrong)
+    with pytest.warns(tv.GradOutputsWarning, match="grad_outputs\\[0\\] has shape \\(4,\\)"):
+        (got,) = tv.grad(y, x, wrong)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("call", ["tv.grad", "checked grad"])
+def test_no_outputs_at_all_is_explained(call):
+    # torch's engine finds the first input "not used in the graph" and suggests
+    # allow_unused=True, which only gives None for every input
+    x = torch.ones(3, dtype=F64, requires_grad=True)
+    run = {"tv.grad": lambda: tv.grad([], x),
+           "checked grad": lambda: _in_checked(lambda: torch.autograd.grad([], x))}[call]
+    with pytest.raises(tv.GradOutputsError, match="^The differentiated Tensor at index 0") as info:
+        run()
+    assert "outputs is empty, so there is nothing to differentiate" in info.value.explanation
+    # (what torch accepts stays torch's)
+    assert tv.grad([], x, allow_unused=True) == (None,)
+    (zeros,) = tv.grad([], x, materialize_grads=True)
+    assert torch.equal(zeros, torch.zeros(3, dtype=F64))

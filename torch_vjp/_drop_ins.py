@@ -239,9 +239,11 @@ def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | No
 #: ``backward``'s (it retains the gradient of each of its ``inputs``).
 _FROZEN_INPUT = ("One of the differentiated Tensors does not require grad",
                  "can't retain_grad on Tensor that has requires_grad=False")
+#: torch's engine's sentence for an input no output depends on.
+_UNUSED = "The differentiated Tensor at index 0 appears to not have been used in the graph"
 
 
-def _frozen_inputs(labels: Labels, inputs: Any, ins: tuple[Any, ...],
+def _frozen_inputs(labels: Labels, outs: tuple[Any, ...], inputs: Any, ins: tuple[Any, ...],
                    run_torch: Callable[[], Any]) -> Any:
     """``run_torch()``, with torch's bare sentence for an input that does not require grad
     (raised by its engine before any node runs) explained: which inputs, and the fixes.
@@ -249,21 +251,30 @@ def _frozen_inputs(labels: Labels, inputs: Any, ins: tuple[Any, ...],
     try:
         return run_torch()
     except RuntimeError as err:
-        explained = _frozen_error(err, labels, inputs, ins)
+        explained = _frozen_error(err, labels, outs, inputs, ins)
         if explained is None:
             raise
         raise explained from None
 
 
-def _frozen_error(err: RuntimeError, labels: Labels, inputs: Any,
+def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inputs: Any,
                   ins: tuple[Any, ...]) -> BaseException | None:
     """The explained error for torch's ``err`` (:func:`_frozen_inputs`), or None where
-    ``err`` is another."""
+    ``err`` is another. (Also for no outputs at all: torch's engine then finds the first
+    input unused, and suggests allow_unused=True, which gives None for every input.)"""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    if (tb is None or not str(err).startswith(_FROZEN_INPUT)
-            or not _at(tb.tb_frame.f_code, _ENGINE_ENTRY)):
+    if tb is None or not _at(tb.tb_frame.f_code, _ENGINE_ENTRY):
+        return None
+    if not outs and str(err).startswith(_UNUSED):
+        return torch_first(GradOutputsError, (
+            f"{labels.call}: {labels.outputs} is empty, so there is nothing to differentiate: "
+            f"the gradient of nothing with respect to {labels.inputs} is not defined "
+            f"(allow_unused=True would give None for each input). Fix: pass the tensors to "
+            f"differentiate, e.g. the loss; an empty list of losses often means the loop that "
+            f"collects them never ran."), str(err))
+    if not str(err).startswith(_FROZEN_INPUT):
         return None
     frozen = [j for j, t in enumerate(ins) if isinstance(t, Tensor) and not t.requires_grad]
     if not frozen:
@@ -386,7 +397,7 @@ def _grad(
                               only_inputs, allow_unused, is_grads_batched, materialize_grads)
         # (torch passes what torch.autograd.grad names now: its own function looks itself
         # up by name, so a checked block hands overrides the checking wrapper too)
-        result = _frozen_inputs(labels, inputs, ins, lambda: _overridden(
+        result = _frozen_inputs(labels, outs, inputs, ins, lambda: _overridden(
             labels, outs, ins, grad_outputs, is_grads_batched,
             lambda vectors: handle_torch_function(
                 _AUTOGRAD.grad, overridable, outs, ins, grad_outputs=vectors,
@@ -430,7 +441,7 @@ def _grad(
         or seen is not outs
         or not _plain(ins)
     ):
-        return _frozen_inputs(labels, inputs, ins, lambda: torch_grad(
+        return _frozen_inputs(labels, outs, inputs, ins, lambda: torch_grad(
             outs, inputs_arg, gos, retain_graph, create_graph, True, allow_unused,
             is_grads_batched, materialize_grads))
     # NOTE [skipping torch's _make_grads]
@@ -449,7 +460,7 @@ def _grad(
             False if allow_unused is None else allow_unused, accumulate_grad=False,
         )
     except RuntimeError as err:  # (explained where an input does not require grad)
-        explained = _frozen_error(err, labels, inputs, ins)
+        explained = _frozen_error(err, labels, outs, inputs, ins)
         if explained is None:
             raise
         raise explained from None
@@ -498,7 +509,7 @@ def _backward(
         if torch_backward is not _GENUINE_BACKWARD:
             return torch_backward(outs, grad_tensors, retain_graph, create_graph,
                                   inputs=inputs_arg)
-        return _frozen_inputs(labels, inputs, ins, lambda: _overridden(
+        return _frozen_inputs(labels, outs, inputs, ins, lambda: _overridden(
             labels, outs, ins or None, grad_tensors, False,
             lambda vectors: handle_torch_function(
                 _AUTOGRAD.backward, overridable, outs, grad_tensors=vectors,
@@ -521,7 +532,7 @@ def _backward(
         gts = _torch_makes_edge_grads(outs, entries, gts)
     if (not _HAS_ENGINE or torch_backward is not _GENUINE_BACKWARD or seen is not outs
             or not _plain(ins)):
-        return _frozen_inputs(labels, inputs, ins, lambda: torch_backward(
+        return _frozen_inputs(labels, outs, inputs, ins, lambda: torch_backward(
             outs, gts, retain_graph, create_graph, inputs=inputs_arg))
     # See NOTE [skipping torch's _make_grads]: the engine call of torch.autograd.backward.
     if retain_graph is None:
@@ -530,7 +541,7 @@ def _backward(
         _engine(outs, gts, retain_graph, create_graph, ins, allow_unreachable=True,
                 accumulate_grad=True)
     except RuntimeError as err:  # (explained where an input does not require grad)
-        explained = _frozen_error(err, labels, inputs, ins)
+        explained = _frozen_error(err, labels, outs, inputs, ins)
         if explained is None:
             raise
         raise explained from None
