@@ -270,9 +270,9 @@ def test_an_integer_vector_for_a_leaf_that_keeps_its_dtype_is_explained(call, dt
             _LEAF_CALLS[call](leaf, torch.ones(3, dtype=dtype))
     msg = str(info.value)
     assert "INTERNAL ASSERT" not in msg, msg
-    kind = "boolean" if dtype == torch.bool else "integer"
+    kind = "a boolean" if dtype == torch.bool else "an integer"
     assert f"has dtype {dtype}, but " in msg and "is a leaf whose grad_dtype is None" in msg
-    assert f"an {kind} tensor cannot hold a gradient" in msg, msg
+    assert f"{kind} tensor cannot hold a gradient" in msg, msg
     assert ".to(torch.float64)" in msg, msg
     assert leaf.grad is None
 

@@ -259,11 +259,11 @@ def _kept_integer_error(labels: Labels, i: int, out: Tensor, go: Tensor | None) 
         err.unjudged = True  # type: ignore[attr-defined]
         return err
     assert go is not None
-    kind = "boolean" if go.dtype == torch.bool else "integer"
+    kind = "a boolean" if go.dtype == torch.bool else "an integer"
     err = GradOutputsError(
         f"{labels.call}: {g} has dtype {go.dtype}, but {o} is a leaf whose grad_dtype is "
         f"None, so torch keeps its gradient in the dtype of the vector it receives, without "
-        f"a cast; and an {kind} tensor cannot hold a gradient (torch's engine fails on it "
+        f"a cast; and {kind} tensor cannot hold a gradient (torch's engine fails on it "
         f"with an internal assert).\n  {g} is dL/d {o}: real numbers, like {o} itself. Fix: "
         f"pass {g}.to({out.dtype}) (or to the floating-point dtype the gradient should "
         f"have), or set {o}.grad_dtype back to {out.dtype} to have torch cast it.")
