@@ -11,7 +11,7 @@ roots and leaves, which check_function looks for.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,11 +120,11 @@ def _edge_metadata(
 
 
 def summed_idiom(g: tuple[int, ...], s: tuple[int, ...],
-                 out_shapes: Sequence[tuple[int, ...] | None]) -> bool:
+                 out_shapes: Callable[[], Sequence[tuple[int, ...] | None]]) -> bool:
     """Whether torch's sum of a gradient of shape ``g`` down to an input of shape ``s`` is
-    exact: only dimensions of size 1 are summed, or ``g`` is an output's shape (forward
-    broadcast the input; the sum is the adjoint of broadcasting), as in checked mode."""
-    return broadcasts_to(s, g) and (math.prod(g) == math.prod(s) or g in out_shapes)
+    exact: only dimensions of size 1 are summed, or ``g`` is one of forward's output shapes
+    (``out_shapes()``, read only where needed): checked mode's rule and check_function's."""
+    return broadcasts_to(s, g) and (math.prod(g) == math.prod(s) or g in out_shapes())
 
 
 def broadcasts_to(s: tuple[int, ...], g: tuple[int, ...]) -> bool:
@@ -253,7 +253,7 @@ def _check_one(call: str, fname: str, i: int, value: Any, slot: Slot,
     if gshape != ishape:
         message = shape_message(call, fname, i, gshape, ishape, out_shapes,
                                 in_shapes=[t.shape for t in slots]) + dropped
-        if not summed_idiom(gshape, ishape, out_shapes) or deferred is None:
+        if not summed_idiom(gshape, ishape, lambda: out_shapes) or deferred is None:
             return message
         deferred[i] = message  # (torch sums it; told only if the summed values are wrong)
     if slot.dtype is not None and value.dtype != slot.dtype:

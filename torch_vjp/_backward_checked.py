@@ -7,7 +7,6 @@ fast path; ``backward_problems``, the diagnosis behind it, worded by the message
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torch_vjp._backward_check import (
     non_tensor_input_message,
     shape_message,
     slots_from_node,
+    summed_idiom,
     type_message,
 )
 from torch_vjp._errors import chained, shape_str
@@ -159,14 +159,9 @@ def _summed_broadcast(node: Any, g: Sequence[int], s: Sequence[int]) -> bool:
     over the broadcast dimensions (``sum_to_size``) is exactly the adjoint of broadcasting.
     torch's own reference Functions do this (``NumpyMul`` in
     ``torch.testing._internal.autograd_function_db``)."""
-    g, s = tuple(g), tuple(s)
-    if not broadcasts_to(s, g):
-        return False
-    if math.prod(g) == math.prod(s):
-        # only dimensions of size 1 to sum over (a bias gradient summed with keepdim=True,
-        # a (1,) gradient of a 0-d input): torch's sum is a reshape, the gradient is exact
-        return True
-    return any(o == g for o in _received_shapes(node))
+    # (only dimensions of size 1 to sum over: a bias gradient summed with keepdim=True, a
+    # (1,) gradient of a 0-d input; torch's sum is then a reshape, the gradient is exact)
+    return summed_idiom(tuple(g), tuple(s), lambda: _received_shapes(node))
 
 
 @dataclass(frozen=True)
