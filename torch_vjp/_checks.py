@@ -54,7 +54,6 @@ from torch_vjp._errors import (
     GradOutputsTypeError,
     GradOutputsValueError,
     GradOutputsWarning,
-    shape_str,
     torch_first,
     user_stacklevel,
 )
@@ -250,23 +249,27 @@ def _kept_integer_error(labels: Labels, i: int, out: Tensor, go: Tensor | None) 
     (``unjudged``)."""
     g, o = labels.go(i), labels.out(i)
     if _integer_grad_dtype(out):
-        err = GradOutputsError(
+        return _unjudged(
             f"{labels.call}: {o} is a leaf whose grad_dtype is {out.grad_dtype}: torch casts "
             f"its gradient to that dtype, and an integer or boolean tensor cannot hold a "
             f"gradient (torch's engine fails on it with an internal assert).\n  Fix: set "
             f"{o}.grad_dtype to a floating-point dtype (its own, {out.dtype}), or to None to "
             f"keep each gradient in the dtype it comes in, before the backward pass.")
-        err.unjudged = True  # type: ignore[attr-defined]
-        return err
     assert go is not None
     kind = "a boolean" if go.dtype == torch.bool else "an integer"
-    err = GradOutputsError(
+    return _unjudged(
         f"{labels.call}: {g} has dtype {go.dtype}, but {o} is a leaf whose grad_dtype is "
         f"None, so torch keeps its gradient in the dtype of the vector it receives, without "
         f"a cast; and {kind} tensor cannot hold a gradient (torch's engine fails on it "
         f"with an internal assert).\n  {g} is dL/d {o}: real numbers, like {o} itself. Fix: "
         f"pass {g}.to({out.dtype}) (or to the floating-point dtype the gradient should "
         f"have), or set {o}.grad_dtype back to {out.dtype} to have torch cast it.")
+
+
+def _unjudged(message: str) -> GradOutputsError:
+    """A GradOutputsError raised as it is, not judged by torch first (``_judged`` in
+    :mod:`torch_vjp._drop_ins`): torch's engine meets its call with an internal assert."""
+    err = GradOutputsError(message)
     err.unjudged = True  # type: ignore[attr-defined]
     return err
 

@@ -454,16 +454,10 @@ def _grad(
     # (GradientEdge outputs after the checker has seen their stand-ins: ``_checkable``).
     if retain_graph is None:
         retain_graph = create_graph
-    try:
-        return _engine(
-            outs, gos, retain_graph, create_graph, ins,
-            False if allow_unused is None else allow_unused, accumulate_grad=False,
-        )
-    except RuntimeError as err:  # (explained where an input does not require grad)
-        explained = _frozen_error(err, labels, outs, inputs, ins)
-        if explained is None:
-            raise
-        raise explained from None
+    return _frozen_inputs(labels, outs, inputs, ins, lambda: _engine(
+        outs, gos, retain_graph, create_graph, ins,
+        False if allow_unused is None else allow_unused, accumulate_grad=False,
+    ))
 
 
 def _backward(
@@ -537,14 +531,9 @@ def _backward(
     # See NOTE [skipping torch's _make_grads]: the engine call of torch.autograd.backward.
     if retain_graph is None:
         retain_graph = create_graph
-    try:
-        _engine(outs, gts, retain_graph, create_graph, ins, allow_unreachable=True,
-                accumulate_grad=True)
-    except RuntimeError as err:  # (explained where an input does not require grad)
-        explained = _frozen_error(err, labels, outs, inputs, ins)
-        if explained is None:
-            raise
-        raise explained from None
+    _frozen_inputs(labels, outs, inputs, ins, lambda: _engine(
+        outs, gts, retain_graph, create_graph, ins, allow_unreachable=True,
+        accumulate_grad=True))
     return None
 
 
