@@ -23,12 +23,11 @@ from torch_vjp._errors import (JacobianOptionError, JacobianWarning, chained, qu
                                warn_once)
 from torch_vjp._strategies import Strategy
 
-__all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled", "recompile_refused", "FirstRun",
-           "graph_safe_mode",
-           "warn_rebuilt", "warn_eager",
-           "compile_failure", "COMPILED_STRATEGIES", "check_compile", "check_compilable",
-           "warn_budget", "program_mode", "user_stance", "compiles_nothing",
-           "dynamo_disabled"]
+__all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled",
+           "recompile_refused", "FirstRun", "graph_safe_mode", "warn_rebuilt",
+           "warn_eager", "compile_failure", "COMPILED_STRATEGIES", "check_compile",
+           "check_compilable", "warn_budget", "program_mode", "user_stance",
+           "compiles_nothing", "dynamo_disabled"]
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
