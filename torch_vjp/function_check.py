@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from torch_vjp._backward_check import broadcasts_to, dtype_name
+from torch_vjp._backward_check import dtype_name
 from torch_vjp._errors import (
     FunctionCheckError,
     FunctionCheckTypeError,
@@ -342,7 +342,8 @@ def check_function(
             f"{labels[i].removeprefix('parameter ')}: {describe_arg(arg)}",
             requires_grad=i in every_diff,
             grad_shape=tuple(grad.shape) if is_tensor_grad else None,
-            shape_ok=_shape_accepted(tuple(grad.shape), tuple(arg.shape)) if checked else None,
+            shape_ok=(tuple(grad.shape) == tuple(arg.shape) or i in checker.summed)
+            if checked else None,  # (checker.summed: a shape torch sums down, judged so)
             dtype_ok=(grad.dtype == arg.dtype) if checked else None,
             device_ok=(grad.device == arg.device) if checked else None,
             max_error=None if err is None else err[0],
@@ -437,9 +438,3 @@ def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool) -> fl
         )
     return number
 
-
-def _shape_accepted(g: tuple[int, ...], s: tuple[int, ...]) -> bool:
-    """Whether torch takes a gradient of shape ``g`` for an input of shape ``s``: ``s``
-    itself, or a shape ``s`` broadcasts to, which torch sums down to ``s`` (the idiom for an
-    input that forward broadcast)."""
-    return g == s or broadcasts_to(s, g)
