@@ -56,6 +56,7 @@ from torch_vjp._errors import (
     GradOutputsWarning,
     torch_first,
     user_stacklevel,
+    with_article,
 )
 
 __all__ = [
@@ -256,7 +257,7 @@ def _kept_integer_error(labels: Labels, i: int, out: Tensor, go: Tensor | None) 
             f"{o}.grad_dtype to a floating-point dtype (its own, {out.dtype}), or to None to "
             f"keep each gradient in the dtype it comes in, before the backward pass.")
     assert go is not None
-    kind = "a boolean" if go.dtype == torch.bool else "an integer"
+    kind = with_article("boolean" if go.dtype == torch.bool else "integer")
     return _unjudged(
         f"{labels.call}: {g} has dtype {go.dtype}, but {o} is a leaf whose grad_dtype is "
         f"None, so torch keeps its gradient in the dtype of the vector it receives, without "

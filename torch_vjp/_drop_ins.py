@@ -52,6 +52,7 @@ from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsTypeError,
     a_type,
+    joined,
     shape_str,
     torch_first,
     user_stacklevel,
@@ -292,7 +293,7 @@ def _frozen_message(labels: Labels, inputs: Any, ins: tuple[Any, ...],
     if len(said) > 4:
         said = said[:3] + [f"{len(said) - 3} more"]
     one = len(frozen) == 1
-    listed = said[0] if one else ", ".join(said[:-1]) + " and " + said[-1]
+    listed = joined(said)
     it, o, i = ("it" if one else "them"), labels.outputs, labels.inputs
     keep = (f"{{k: t for k, t in {i}.items() if t.requires_grad}}" if keys
             else f"[t for t in {i} if t.requires_grad]")

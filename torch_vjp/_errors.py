@@ -44,6 +44,7 @@ __all__ = [
     "shape_str",
     "a_type",
     "with_article",
+    "joined",
     "format_bytes",
     "torch_first",
     "env_flag",
@@ -199,6 +200,14 @@ def with_article(name: str) -> str:
     vowel = head.lower() in "aeiou" or name.startswith("nd") or (
         head in _LETTER_VOWEL and name[1:2].isupper())
     return ("an " if vowel else "a ") + name
+
+
+def joined(items: Sequence[Any]) -> str:
+    """``items`` as an English list, for a message: "a", "a and b", "a, b and c"."""
+    items = [str(x) for x in items]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def a_type(obj: object) -> str:

@@ -58,6 +58,7 @@ from torch_vjp._backward_check import (
 from torch_vjp._errors import (
     FunctionCheckError,
     FunctionCheckValueError,
+    joined,
     shape_str,
 )
 from torch_vjp._function_calls import SameDraws
@@ -210,7 +211,7 @@ class Checker:
         if not outputs:
             raise FunctionCheckError(
                 f"{self.call}: no output of fn requires grad, although input"
-                f"{'s' if len(self.diff) > 1 else ''} {_join(self.diff)} "
+                f"{'s' if len(self.diff) > 1 else ''} {joined(self.diff)} "
                 f"{'do' if len(self.diff) > 1 else 'does'}: there is no backward to run.\n"
                 f"  A custom Function's outputs require grad when an input does, unless "
                 f"forward marks them with ctx.mark_non_differentiable, or fn detaches them or "
@@ -248,7 +249,7 @@ class Checker:
         if not recorder.records:  # pragma: no cover - autograd ran no custom node
             raise FunctionCheckError(
                 f"{self.call}: autograd did not run the backward of "
-                f"{_join(sorted({n._forward_cls.__name__ for n in nodes}))} on the way from "
+                f"{joined(sorted({n._forward_cls.__name__ for n in nodes}))} on the way from "
                 f"fn's outputs to its inputs, so there is nothing to check."
             )
 
@@ -322,7 +323,7 @@ class Checker:
             others = [j for j, a in enumerate(inputs)
                       if j not in self.diff and non_finite(a) is not None]
             cause = (
-                f" Input{'s' if len(others) > 1 else ''} {_join(others)}, not differentiated, "
+                f" Input{'s' if len(others) > 1 else ''} {joined(others)}, not differentiated, "
                 f"hold{'' if len(others) > 1 else 's'} NaN or inf too."
                 if others else ""
             )
@@ -582,13 +583,6 @@ def describe_arg(a: Any) -> str:
 
 def ok_text(flag: bool | None) -> str:
     return "-" if flag is None else ("ok" if flag else "WRONG")
-
-
-def _join(items: Sequence[Any]) -> str:
-    items = [str(x) for x in items]
-    if len(items) <= 1:
-        return "".join(items)
-    return ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _first_line(exc: BaseException) -> str:
