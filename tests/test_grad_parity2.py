@@ -601,3 +601,54 @@ def test_no_outputs_at_all_is_explained(call):
     assert tv.grad([], x, allow_unused=True) == (None,)
     (zeros,) = tv.grad([], x, materialize_grads=True)
     assert torch.equal(zeros, torch.zeros(3, dtype=F64))
+
+
+# --------------------------------------------------------------------------------------
+# A leaf inside the graph whose grad_dtype is an integer dtype
+# --------------------------------------------------------------------------------------
+
+_INNER_CALLS = {
+    "tv.grad": lambda y, leaf: tv.grad(y, leaf, torch.ones(3, dtype=F64)),
+    "tv.grad batched": lambda y, leaf: tv.grad(y, leaf, torch.ones(2, 3, dtype=F64),
+                                               is_grads_batched=True),
+    "tv.backward": lambda y, leaf: tv.backward(y, torch.ones(3, dtype=F64)),
+    "tv.backward inputs": lambda y, leaf: tv.backward(y, torch.ones(3, dtype=F64),
+                                                      inputs=[leaf]),
+}
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+@pytest.mark.parametrize("call", list(_INNER_CALLS))
+def test_a_leaf_in_the_graph_whose_grad_dtype_is_an_integer_is_explained(call):
+    # the leaf is not an output: torch casts the gradient that reaches it to its integer
+    # grad_dtype, and its engine fails with an internal assert, a bug report
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    w.grad_dtype = torch.int64
+    y = w * 3
+    with pytest.raises(RuntimeError, match="INTERNAL ASSERT"):  # torch's own
+        torch.autograd.grad(w * 3, w, torch.ones(3, dtype=F64))
+    with pytest.raises(tv.GradOutputsError) as info:
+        _INNER_CALLS[call](y, w)
+    msg = str(info.value)
+    assert "INTERNAL ASSERT" not in msg, msg
+    said = ("a leaf tensor of shape (3,) that tensors depend on has grad_dtype torch.int64"
+            if call == "tv.backward" else "inputs[0] is a leaf whose grad_dtype is torch.int64")
+    assert f"{said}: torch casts its gradient to that dtype" in msg, msg
+    fix = "that leaf's grad_dtype" if call == "tv.backward" else "inputs[0].grad_dtype"
+    assert f"Fix: set {fix} to a floating-point dtype (its own, torch.float64), or to None" in msg
+    # the fix
+    w.grad_dtype = None
+    (g,) = tv.grad(w * 3, w, torch.ones(3, dtype=F64))
+    ref = jacrev(lambda t: t * 3)(w.detach()).sum(0)
+    torch.testing.assert_close(g, ref)
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+def test_an_integer_grad_dtype_leaf_the_call_does_not_reach_is_torch_s():
+    # (grad with respect to another input does not accumulate into the leaf)
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    w.grad_dtype = torch.int64
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=F64, requires_grad=True)
+    (g,) = tv.grad(w * x, x, torch.ones(3, dtype=F64))
+    (ref,) = torch.autograd.grad(w * x, x, torch.ones(3, dtype=F64))
+    assert torch.equal(g, ref)

@@ -268,6 +268,8 @@ def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inpu
         tb = tb.tb_next
     if tb is None or not _at(tb.tb_frame.f_code, _ENGINE_ENTRY):
         return None
+    if str(err).startswith(_INTEGER_GRAD):
+        return _integer_leaf_error(labels, outs, inputs, ins)
     if not outs and str(err).startswith(_UNUSED):
         return torch_first(GradOutputsError, (
             f"{labels.call}: {labels.outputs} is empty, so there is nothing to differentiate: "
@@ -282,6 +284,52 @@ def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inpu
         return None
     return torch_first(GradOutputsError, _frozen_message(labels, inputs, ins, frozen),
                        str(err))
+
+
+#: torch's engine's internal assert for a gradient of an integer dtype (a leaf's grad_dtype).
+_INTEGER_GRAD = "isDifferentiableType(grad.scalar_type()) INTERNAL ASSERT"
+
+
+def _integer_grad_dtype(t: Any) -> bool:
+    to = getattr(t, "grad_dtype", None) if t.grad_fn is None and t.requires_grad else None
+    return to is not None and not (to.is_floating_point or to.is_complex)
+
+
+def _integer_leaf_error(labels: Labels, outs: tuple[Any, ...], inputs: Any,
+                        ins: tuple[Any, ...]) -> BaseException | None:
+    """The error for torch's internal assert on a leaf, other than an output (the checker
+    tells those), whose ``grad_dtype`` is an integer dtype: torch casts the gradient that
+    reaches it to that dtype. The leaf is one of ``ins`` (those torch accumulates into or
+    returns), else, for ``backward`` without ``inputs``, one of the graph's leaves."""
+    leaves = [getattr(getattr(t, "node", None), "variable", t) for t in ins]
+    keys = list(inputs) if type(inputs) is dict else None
+    bad = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and _integer_grad_dtype(t)]
+    if bad:
+        leaf = leaves[bad[0]]
+        name = f"{labels.inputs}[{keys[bad[0]]!r}]" if keys else f"{labels.inputs}[{bad[0]}]"
+        said, its = f"{name} is a leaf whose grad_dtype is {leaf.grad_dtype}", f"{name}."
+    else:
+        leaf, todo, seen = None, [getattr(o, "grad_fn", getattr(o, "node", None))
+                                  for o in outs], set()
+        while todo and leaf is None:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            t = getattr(node, "variable", None)
+            leaf = t if isinstance(t, Tensor) and _integer_grad_dtype(t) else None
+            todo.extend(f for f, _ in getattr(node, "next_functions", ()))
+        if ins or leaf is None:
+            return None
+        said = (f"a leaf tensor of shape {shape_str(leaf.shape)} that {labels.outputs} "
+                f"depend on has grad_dtype {leaf.grad_dtype}")
+        its = "that leaf's "
+    return GradOutputsError(
+        f"{labels.call}: {said}: torch casts its gradient to that dtype, and an integer or "
+        f"boolean tensor cannot hold a gradient (torch's engine fails on it with an internal "
+        f"assert).\n  Fix: set {its}grad_dtype to a floating-point dtype (its own, "
+        f"{leaf.dtype}), or to None to keep each gradient in the dtype it comes in, before "
+        f"the backward pass.")
 
 
 def _frozen_message(labels: Labels, inputs: Any, ins: tuple[Any, ...],
