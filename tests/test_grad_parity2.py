@@ -652,3 +652,70 @@ def test_an_integer_grad_dtype_leaf_the_call_does_not_reach_is_torch_s():
     (g,) = tv.grad(w * x, x, torch.ones(3, dtype=F64))
     (ref,) = torch.autograd.grad(w * x, x, torch.ones(3, dtype=F64))
     assert torch.equal(g, ref)
+
+
+@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
+@pytest.mark.parametrize("dtype, kind", [(torch.bool, "a boolean"), (torch.int32, "an integer")])
+def test_a_kept_integer_vector_is_told_in_plain_english(dtype, kind):
+    leaf = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    leaf.grad_dtype = None
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.grad(leaf, leaf, torch.ones(3, dtype=dtype))
+    assert f"without a cast; and {kind} tensor cannot hold a gradient" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------
+# An input the outputs do not depend on
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["detach", "no_grad", "item", "dict"])
+def test_an_input_the_outputs_do_not_depend_on_is_explained(how):
+    # torch's "The differentiated Tensor at index 1 appears to not have been used in the
+    # graph. Set allow_unused=True" reached the caller bare (index 1 of a dict too), with no
+    # word of the usual cause: the output computed from a detached copy of the input
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    w = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
+    if how == "no_grad":
+        with torch.no_grad():
+            h = x * 2
+    else:
+        h = {"item": torch.tensor([t.item() for t in x], dtype=F64)}.get(how, x.detach() * 2)
+    y = h.sum() + (w ** 2).sum()
+    inputs = {"w": w, "x": x} if how == "dict" else [w, x]
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(y, inputs, retain_graph=True)
+    with pytest.raises(tv.GradOutputsError,
+                       match="^The differentiated Tensor at index 1 appears") as info:
+        tv.grad(y, inputs, retain_graph=True)
+    note = info.value.explanation
+    name = "inputs['x']" if how == "dict" else "inputs[1]"
+    assert f"torch_vjp.grad: {name} (shape (3,)) requires grad, but outputs do not depend on"\
+        in note, note
+    assert ".detach()" in note and "torch.no_grad()" in note and ".item()" in note, note
+    assert "allow_unused=True" in note and "materialize_grads=True" in note, note
+    # what the fixes give, as torch's own
+    got = tv.grad(y, inputs, retain_graph=True, allow_unused=True)
+    ref = torch.autograd.grad(y, inputs, retain_graph=True, allow_unused=True)
+    got, ref = (list(got.values()), list(ref.values())) if how == "dict" else (got, ref)
+    assert got[1] is None and ref[1] is None
+    torch.testing.assert_close(got[0], 2 * w.detach())
+    (zeros,) = tv.grad(y, [x], materialize_grads=True)
+    assert torch.equal(zeros, torch.zeros(3, dtype=F64))
+
+
+def test_an_unused_input_raised_by_the_user_s_backward_passes_through():
+    class Says(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("The differentiated Tensor at index 0 appears to not have "
+                               "been used in the graph (the user's own)")
+
+    x = torch.ones(3, dtype=F64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="the user's own") as info:
+        tv.grad(Says.apply(x).sum(), x)
+    assert not isinstance(info.value, tv.TorchVJPError)

@@ -45,14 +45,18 @@ from torch_vjp._checked_scope import (
     _torch_validation,
 )
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
-from torch_vjp._shape_messages import jagged_message, strided_nested_message
+from torch_vjp._shape_messages import (
+    frozen_message,
+    jagged_message,
+    strided_nested_message,
+    unused_message,
+)
 from torch_vjp._check_labels import Labels
 from torch_vjp._checks import as_entries, normalize_grad_outputs
 from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsTypeError,
     a_type,
-    joined,
     shape_str,
     torch_first,
     user_stacklevel,
@@ -241,7 +245,7 @@ def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | No
 _FROZEN_INPUT = ("One of the differentiated Tensors does not require grad",
                  "can't retain_grad on Tensor that has requires_grad=False")
 #: torch's engine's sentence for an input no output depends on.
-_UNUSED = "The differentiated Tensor at index 0 appears to not have been used in the graph"
+_UNUSED = re.compile(r"The differentiated Tensor at index (\d+) appears to not have been used")
 
 
 def _frozen_inputs(labels: Labels, outs: tuple[Any, ...], inputs: Any, ins: tuple[Any, ...],
@@ -270,19 +274,23 @@ def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inpu
         return None
     if str(err).startswith(_INTEGER_GRAD):
         return _integer_leaf_error(labels, outs, inputs, ins)
-    if not outs and str(err).startswith(_UNUSED):
+    unused = _UNUSED.match(str(err))
+    if not outs and unused and unused.group(1) == "0":
         return torch_first(GradOutputsError, (
             f"{labels.call}: {labels.outputs} is empty, so there is nothing to differentiate: "
             f"the gradient of nothing with respect to {labels.inputs} is not defined "
             f"(allow_unused=True would give None for each input). Fix: pass the tensors to "
             f"differentiate, e.g. the loss; an empty list of losses often means the loop that "
             f"collects them never ran."), str(err))
+    if unused and int(unused.group(1)) < len(ins):
+        return torch_first(GradOutputsError, unused_message(
+            labels, inputs, ins, int(unused.group(1))), str(err))
     if not str(err).startswith(_FROZEN_INPUT):
         return None
     frozen = [j for j, t in enumerate(ins) if isinstance(t, Tensor) and not t.requires_grad]
     if not frozen:
         return None
-    return torch_first(GradOutputsError, _frozen_message(labels, inputs, ins, frozen),
+    return torch_first(GradOutputsError, frozen_message(labels, inputs, ins, frozen),
                        str(err))
 
 
@@ -330,35 +338,6 @@ def _integer_leaf_error(labels: Labels, outs: tuple[Any, ...], inputs: Any,
         f"assert).\n  Fix: set {its}grad_dtype to a floating-point dtype (its own, "
         f"{leaf.dtype}), or to None to keep each gradient in the dtype it comes in, before "
         f"the backward pass.")
-
-
-def _frozen_message(labels: Labels, inputs: Any, ins: tuple[Any, ...],
-                    frozen: list[int]) -> str:
-    keys = list(inputs) if type(inputs) is dict else None
-    names = [f"{labels.inputs}[{keys[j]!r}]" if keys else f"{labels.inputs}[{j}]"
-             for j in frozen]
-    said = [f"{name} (shape {shape_str(ins[j].shape)})" for name, j in zip(names, frozen)]
-    if len(said) > 4:
-        said = said[:3] + [f"{len(said) - 3} more"]
-    one = len(frozen) == 1
-    listed = joined(said)
-    it, o, i = ("it" if one else "them"), labels.outputs, labels.inputs
-    keep = (f"{{k: t for k, t in {i}.items() if t.requires_grad}}" if keys
-            else f"[t for t in {i} if t.requires_grad]")
-    unused = ("" if labels.grad_outputs != "grad_outputs" else
-              f" (allow_unused=True does not help: it returns None for {i} that require grad "
-              f"but that {o} do not depend on.)")
-    return (
-        f"{labels.call}: {listed} {'does' if one else 'do'} not require grad, so there is "
-        f"no gradient of {o} to compute for {it}: autograd differentiates only with respect "
-        f"to tensors that require grad (created with requires_grad=True, or computed with "
-        f"grad mode on from one that is).\n"
-        f"  Fix: for {'its' if one else 'their'} gradient, call {names[0]}.requires_grad_() "
-        f"(or create {it} with requires_grad=True) before computing {o} from {it}, not under "
-        f"torch.no_grad() and not from a .detach()ed value; if you do not want "
-        f"{'its' if one else 'their'} gradient (a frozen parameter, a constant), leave {it} "
-        f"out of {i}: pass {keep}.{unused}"
-    )
 
 
 def _judged(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:

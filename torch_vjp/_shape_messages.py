@@ -2,7 +2,8 @@
 missing (part of :mod:`torch_vjp._check_messages`): what the shape is, what it should be,
 and the fix for the mistakes that can be recognised from shapes alone (a batch where none
 was asked for, one vector per row, an input's shape, the Jacobian's), with the shapes of
-the graph's leaf tensors to tell them apart.
+the graph's leaf tensors to tell them apart; and for an input torch cannot differentiate
+against (one that does not require grad, one the outputs do not depend on).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torch_vjp._errors import a_type, shape_str
+from torch_vjp._errors import a_type, joined, shape_str
 
 if TYPE_CHECKING:
     from torch_vjp._check_labels import Labels
 
 __all__ = ["STAND_IN_NODE", "count_hint", "jagged_message", "known_batch_size", "leaf_shapes",
-           "missing_message", "shape_message", "strided_nested_message"]
+           "missing_message", "shape_message", "strided_nested_message", "frozen_message",
+           "unused_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
 
@@ -508,3 +510,56 @@ def _nested_shape(t: Tensor, lengths: str) -> str:
     ragged = getattr(t, "_ragged_idx", 1)
     return "(" + ", ".join(f"lengths {lengths}" if d == ragged else str(int(k))
                            for d, k in enumerate(t.shape)) + ")"
+
+
+def frozen_message(labels: Labels, inputs: Any, ins: tuple[Any, ...],
+                   frozen: list[int]) -> str:
+    """The explanation of torch's "One of the differentiated Tensors does not require grad":
+    which of ``ins`` (``inputs`` as given: a dict names them by key) do not, and the fixes."""
+    keys = list(inputs) if type(inputs) is dict else None
+    names = [_input_name(labels, keys, j) for j in frozen]
+    said = [f"{name} (shape {shape_str(ins[j].shape)})" for name, j in zip(names, frozen)]
+    if len(said) > 4:
+        said = said[:3] + [f"{len(said) - 3} more"]
+    one = len(frozen) == 1
+    listed = joined(said)
+    it, o, i = ("it" if one else "them"), labels.outputs, labels.inputs
+    keep = (f"{{k: t for k, t in {i}.items() if t.requires_grad}}" if keys
+            else f"[t for t in {i} if t.requires_grad]")
+    unused = ("" if labels.grad_outputs != "grad_outputs" else
+              f" (allow_unused=True does not help: it returns None for {i} that require grad "
+              f"but that {o} do not depend on.)")
+    return (
+        f"{labels.call}: {listed} {'does' if one else 'do'} not require grad, so there is "
+        f"no gradient of {o} to compute for {it}: autograd differentiates only with respect "
+        f"to tensors that require grad (created with requires_grad=True, or computed with "
+        f"grad mode on from one that is).\n"
+        f"  Fix: for {'its' if one else 'their'} gradient, call {names[0]}.requires_grad_() "
+        f"(or create {it} with requires_grad=True) before computing {o} from {it}, not under "
+        f"torch.no_grad() and not from a .detach()ed value; if you do not want "
+        f"{'its' if one else 'their'} gradient (a frozen parameter, a constant), leave {it} "
+        f"out of {i}: pass {keep}.{unused}"
+    )
+
+
+def _input_name(labels: Labels, keys: list[Any] | None, j: int) -> str:
+    return f"{labels.inputs}[{keys[j]!r}]" if keys else f"{labels.inputs}[{j}]"
+
+
+def unused_message(labels: Labels, inputs: Any, ins: tuple[Any, ...], j: int) -> str:
+    """The explanation of torch's "The differentiated Tensor at index j appears to not have
+    been used in the graph": ``ins[j]`` requires grad, but no output depends on it."""
+    name = _input_name(labels, list(inputs) if type(inputs) is dict else None, j)
+    shape = getattr(ins[j], "shape", None)
+    said = f"{name} (shape {shape_str(shape)})" if shape is not None else name
+    o = labels.outputs
+    return (
+        f"{labels.call}: {said} requires grad, but {o} do not depend on it: no path of the "
+        f"autograd graph leads from {o} back to it, so there is no gradient to compute.\n"
+        f"  The usual causes: {o} were computed from a .detach()ed copy of it (or its .data), "
+        f"under torch.no_grad(), or through values taken out of torch (.item(), .tolist(), "
+        f".numpy(), torch.tensor(...) of them), or from another tensor than the {name} "
+        f"passed here (one replaced since). Fix: compute {o} from {name} itself, with grad "
+        f"mode on; if {o} really do not depend on it (a layer unused in this step), pass "
+        f"allow_unused=True to get None for it, or materialize_grads=True to get zeros."
+    )
