@@ -719,3 +719,68 @@ def test_an_unused_input_raised_by_the_user_s_backward_passes_through():
     with pytest.raises(RuntimeError, match="the user's own") as info:
         tv.grad(Says.apply(x).sum(), x)
     assert not isinstance(info.value, tv.TorchVJPError)
+
+
+# --------------------------------------------------------------------------------------
+# inputs that are not tensors
+# --------------------------------------------------------------------------------------
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, 1).double()
+
+
+_BAD_INPUTS = {
+    # case: (inputs from the model, torch's class, torch's sentence, what the note says)
+    "named_parameters": (lambda m: m.named_parameters(), RuntimeError,
+                         "all inputs have to be Tensors or GradientEdges, but got tuple",
+                         "inputs[0] is a tuple ('weight', tensor): named_parameters() gives "
+                         "(name, tensor) pairs"),
+    "module": (lambda m: m, TypeError, "'Linear' object is not iterable",
+               "inputs is a Linear, a module, not its tensors"),
+    "method": (lambda m: m.parameters, TypeError, "'method' object is not iterable",
+               "inputs is the method parameters itself, not what it returns"),
+    "state_dict": (lambda m: m.state_dict(), TypeError, "`inputs` argument to `grad()` must "
+                   "be a dict, not OrderedDict", "state_dict() holds detached tensors"),
+    "nested": (lambda m: [list(m.parameters())], RuntimeError,
+               "all inputs have to be Tensors or GradientEdges, but got list",
+               "inputs[0] is a list, but inputs must be a flat sequence of tensors"),
+    "int": (lambda m: [m.weight, 3], RuntimeError,
+            "all inputs have to be Tensors or GradientEdges, but got int",
+            "inputs[1] is an int, but each entry of inputs must be a tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_INPUTS))
+def test_inputs_that_are_not_tensors_are_explained(case):
+    # torch's bare "'Linear' object is not iterable", "... but got tuple" (from
+    # model.named_parameters()) reached the caller with no word of the fix
+    make, cls, sentence, said = _BAD_INPUTS[case]
+    m = _model()
+    with pytest.raises(cls, match="^" + sentence.replace("(", r"\(").replace(")", r"\)")):
+        torch.autograd.grad(m(torch.ones(2, dtype=F64)).sum(), make(m))
+    with pytest.raises(cls, match="^" + sentence.replace("(", r"\(").replace(")", r"\)")) as info:
+        tv.grad(m(torch.ones(2, dtype=F64)).sum(), make(m))
+    assert isinstance(info.value, tv.TorchVJPError)
+    note = info.value.explanation
+    assert note.startswith("torch_vjp.grad: "), note
+    assert said in note, note
+    # the fix the note gives works, and is torch's
+    fix = (dict(m.named_parameters()) if "dict(model.named_parameters())" in note
+           else list(m.parameters()))
+    got = tv.grad(m(torch.ones(2, dtype=F64)).sum(), fix)
+    ref = torch.autograd.grad(m(torch.ones(2, dtype=F64)).sum(), fix)
+    got, ref = (list(got.values()), list(ref.values())) if isinstance(fix, dict) else (got, ref)
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+    torch.testing.assert_close(got[0], torch.ones(1, 2, dtype=F64))
+
+
+def test_a_non_tensor_input_of_backward_is_explained():
+    m = _model()
+    with pytest.raises(RuntimeError, match="^all inputs have to be Tensors or GradientEdges, "
+                       "but got tuple") as info:
+        tv.backward(m(torch.ones(2, dtype=F64)).sum(), inputs=m.named_parameters())
+    assert "torch_vjp.backward: inputs[0] is a tuple ('weight', tensor)" in \
+        info.value.explanation, info.value.explanation

@@ -47,6 +47,7 @@ from torch_vjp._checked_scope import (
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
 from torch_vjp._shape_messages import (
     frozen_message,
+    inputs_message,
     jagged_message,
     strided_nested_message,
     unused_message,
@@ -285,6 +286,10 @@ def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inpu
     if unused and int(unused.group(1)) < len(ins):
         return torch_first(GradOutputsError, unused_message(
             labels, inputs, ins, int(unused.group(1))), str(err))
+    bad = [j for j, t in enumerate(ins) if not isinstance(t, (Tensor, GradientEdge))]
+    if bad and str(err).startswith("all inputs have to be Tensors or GradientEdges"):
+        return torch_first(GradOutputsError, inputs_message(labels, inputs, ins, bad[0]),
+                           str(err))
     if not str(err).startswith(_FROZEN_INPUT):
         return None
     frozen = [j for j, t in enumerate(ins) if isinstance(t, Tensor) and not t.requires_grad]
@@ -338,6 +343,20 @@ def _integer_leaf_error(labels: Labels, outs: tuple[Any, ...], inputs: Any,
         f"assert).\n  Fix: set {its}grad_dtype to a floating-point dtype (its own, "
         f"{leaf.dtype}), or to None to keep each gradient in the dtype it comes in, before "
         f"the backward pass.")
+
+
+def _not_inputs(labels: Labels, inputs: Any, ins: Any, run_torch: Callable[[], Any]) -> Any:
+    """``run_torch()`` for ``inputs`` torch reads no tensors from, its TypeError explained."""
+    try:
+        return run_torch()
+    except TypeError as err:
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if ins is not None or tb is None or not _at(tb.tb_frame.f_code, _ENGINE_ENTRY):
+            raise
+        raise torch_first(GradOutputsTypeError, inputs_message(labels, inputs, None, -1),
+                          str(err)) from None
 
 
 def _judged(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
@@ -412,9 +431,10 @@ def _grad(
     """
     outs = _outputs_tuple(outputs, labels)
     ins = _inputs_tuple(inputs)
-    if ins is None or not ins:  # torch raises its own error for these
-        return torch_grad(outs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
-                          allow_unused, is_grads_batched, materialize_grads)
+    if ins is None or not ins:  # torch raises its own error for these, explained
+        return _not_inputs(labels, inputs, ins, lambda: torch_grad(
+            outs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
+            allow_unused, is_grads_batched, materialize_grads))
     inputs_arg = _materialized(inputs, ins)
     overridable = tuple(t for t in outs if is_tensor_like(t)) + tuple(
         t for t in ins if is_tensor_like(t)
@@ -521,7 +541,8 @@ def _backward(
     else:
         ins = _inputs_tuple(inputs)
     if ins is None or (inputs is not None and not ins):  # torch raises its own error
-        return torch_backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
+        return _not_inputs(labels, inputs, ins, lambda: torch_backward(
+            tensors, grad_tensors, retain_graph, create_graph, inputs=inputs))
     inputs_arg = _materialized(inputs, ins)
     outs = _outputs_tuple(tensors, labels)
     overridable = tuple(t for t in outs if is_tensor_like(t)) + tuple(

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STAND_IN_NODE", "count_hint", "jagged_message", "known_batch_size", "leaf_shapes",
            "missing_message", "shape_message", "strided_nested_message", "frozen_message",
-           "unused_message"]
+           "unused_message", "inputs_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
 
@@ -563,3 +563,35 @@ def unused_message(labels: Labels, inputs: Any, ins: tuple[Any, ...], j: int) ->
         f"mode on; if {o} really do not depend on it (a layer unused in this step), pass "
         f"allow_unused=True to get None for it, or materialize_grads=True to get zeros."
     )
+
+
+def inputs_message(labels: Labels, inputs: Any, ins: tuple[Any, ...] | None, j: int) -> str:
+    """The explanation of torch's refusal of ``inputs`` (``j`` < 0) or of its entry ``j``
+    (``ins[j]``) that is not a tensor, with the fix for the usual mistakes."""
+    i, params = labels.inputs, "list(model.parameters())"
+    e = inputs if j < 0 or ins is None else ins[j]
+    name = i if j < 0 else f"{i}[{j}]"
+    if isinstance(e, torch.nn.Module):
+        said = f"{i} is {a_type(e)}, a module, not its tensors"
+        fix = f"pass {params}, or dict(model.named_parameters()) for gradients by name"
+    elif j < 0 and callable(e) and hasattr(e, "__name__"):
+        said = f"{i} is the method {e.__name__} itself, not what it returns"
+        fix = f"call it: model.{e.__name__}()"
+    elif j < 0 and isinstance(e, dict):
+        said = (f"{i} is {a_type(e)}, not a dict" + ("; and a state_dict() holds detached "
+                "tensors, which no output depends on" if hasattr(e, "_metadata") else ""))
+        fix = "pass dict(model.named_parameters()) (or a dict of the tensors themselves)"
+    elif isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str):
+        said = (f"{name} is a tuple ({e[0]!r}, tensor): named_parameters() gives (name, "
+                f"tensor) pairs")
+        fix = f"pass dict(model.named_parameters()) for gradients by name, or {params}"
+    elif j >= 0 and isinstance(e, (list, tuple)):
+        said = f"{name} is {a_type(e)}, but {i} must be a flat sequence of tensors"
+        fix = f"flatten it: [t for group in {i} for t in group]"
+    else:
+        said = (f"{name} is {a_type(e)}, but each entry of {i} must be a tensor" if j >= 0
+                else f"{i} is {a_type(e)}, not a tensor or a sequence of tensors")
+        fix = "pass the tensors themselves; leave constants out"
+    return (f"{labels.call}: {said}.\n  {i} are the tensors x to differentiate against, each "
+            f"one that requires grad (or its GradientEdge), in a list, a tuple or a dict by "
+            f"name. Fix: {fix}.")
