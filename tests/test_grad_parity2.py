@@ -654,16 +654,6 @@ def test_an_integer_grad_dtype_leaf_the_call_does_not_reach_is_torch_s():
     assert torch.equal(g, ref)
 
 
-@pytest.mark.skipif(not _HAS_GRAD_DTYPE, reason="this torch has no Tensor.grad_dtype")
-@pytest.mark.parametrize("dtype, kind", [(torch.bool, "a boolean"), (torch.int32, "an integer")])
-def test_a_kept_integer_vector_is_told_in_plain_english(dtype, kind):
-    leaf = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
-    leaf.grad_dtype = None
-    with pytest.raises(tv.GradOutputsError) as info:
-        tv.grad(leaf, leaf, torch.ones(3, dtype=dtype))
-    assert f"without a cast; and {kind} tensor cannot hold a gradient" in str(info.value)
-
-
 # --------------------------------------------------------------------------------------
 # An input the outputs do not depend on
 # --------------------------------------------------------------------------------------
