@@ -103,13 +103,18 @@ def _per_sample_rules_kept():
 
 
 @pytest.fixture
-def fresh_dynamo():
+def fresh_dynamo(monkeypatch):
     """A test of compile=True starts and ends with dynamo's caches, its counters and
-    torch_vjp's compiled entries empty (so that it counts only its own compilations)."""
+    torch_vjp's compiled entries empty (so that it counts only its own compilations).
+
+    Within it a function is warned about after 3 programs rebuilt or recompiled for one
+    signature, not 8 (``REBUILD_WARN_AT``): the same behaviour, with fewer of the slow
+    compilations that lead up to it. The tests read the threshold, never assume its value."""
     from torch._dynamo.utils import counters
 
     from torch_vjp._engine import compiled
 
+    monkeypatch.setattr(compiled, "REBUILD_WARN_AT", 3)
     torch._dynamo.reset()
     compiled.clear_cache()
     counters.clear()

@@ -219,6 +219,7 @@ def test_containers_of_primals_are_keyed_by_structure_and_signature():
         torch.testing.assert_close(tv.jacobian(g, ws, compile=True), torch.func.jacrev(g)(ws))
 
 
+@torch._dynamo.config.patch(recompile_limit=3)  # (from 8: met with fewer compilations)
 def test_more_functions_than_dynamos_recompile_limit_all_compile():
     limit = torch._dynamo.config.recompile_limit
     fs = [(lambda k: (lambda x: torch.sin(x) * k))(float(k)) for k in range(limit + 3)]

@@ -806,7 +806,7 @@ def _worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # (shards of unequal sizes, a rank out of a subgroup)
 def test_sharded_jacobian_equals_jacrev_on_every_rank(world):
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, os.path.join(d, "init")), nprocs=world, join=True)
