@@ -901,6 +901,37 @@ def test_a_vector_that_does_not_fit_a_jagged_output_is_explained(call, case):
         torch.testing.assert_close(g.values(), 2 * torch.ones_like(x.values()))
 
 
+@pytest.mark.parametrize("call", list(_JAGGED_CALLS))
+@pytest.mark.parametrize("case", ["none", "complex"])
+def test_no_vector_or_a_complex_one_for_a_jagged_output_is_explained(call, case):
+    # torch's "grad can be implicitly created only for scalar outputs" and its complex dtype
+    # refusal reached the caller bare for a jagged output (a dense one gets the explanation)
+    x = _jagged([2, 3], requires_grad=True)
+    y = x * 2
+    v = None if case == "none" else torch.ones_like(y, dtype=torch.complex128)
+    sentence = {"none": r"^grad can be implicitly created only for scalar outputs",
+                "complex": r"^For complex Tensors, both grad_output and output are required "
+                           r"to have the same dtype"}[case]
+    with pytest.raises(RuntimeError, match=sentence) as info:
+        _JAGGED_CALLS[call](y, x, v)
+    assert len(info.value.__notes__) == 1, info.value.__notes__
+    note = info.value.__notes__[0]
+    if case == "none":
+        named = re.search(r": (\S+) is a jagged nested tensor, and no \S+ was given", note)
+        assert named, note
+        o = named.group(1)  # (outputs[0], tensors[0] or y, as the call names it)
+        assert "a nested tensor is never one" in note, note
+        assert f"pass torch.ones_like({o})" in note and f"{o}.values().sum()" in note, note
+    else:
+        assert "has dtype torch.complex128, but " in note and "has dtype torch.float64" in note
+        assert "never between complex and real" in note, note
+    # the fixes work
+    (g,) = tv.grad(x * 2, x, torch.ones_like(y))
+    torch.testing.assert_close(g.values(), 2 * torch.ones_like(x.values()))
+    (g,) = tv.grad((x * 2).values().sum(), x)
+    torch.testing.assert_close(g.values(), 2 * torch.ones_like(x.values()))
+
+
 @pytest.mark.parametrize("call", ["tv.grad", "checked grad", "checked backward"])
 def test_a_number_beside_a_jagged_output_is_explained_once(call):
     x = _jagged([2, 3], requires_grad=True)

@@ -19,9 +19,9 @@ from torch_vjp._errors import a_type, joined, shape_str
 if TYPE_CHECKING:
     from torch_vjp._check_labels import Labels
 
-__all__ = ["STAND_IN_NODE", "count_hint", "jagged_message", "known_batch_size", "leaf_shapes",
-           "missing_message", "shape_message", "strided_nested_message", "frozen_message",
-           "unused_message", "inputs_message"]
+__all__ = ["STAND_IN_NODE", "count_hint", "frozen_message", "inputs_message", "jagged_message",
+           "known_batch_size", "leaf_shapes", "missing_message", "nested_missing_message",
+           "shape_message", "strided_nested_message", "unused_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
 
@@ -470,6 +470,22 @@ def jagged_message(labels: Labels, i: int, out: Tensor, go: Any) -> str:
         f"own.\n  Fix: build {g} on {o}'s offsets: torch.nested.nested_tensor_from_jagged("
         f"values, {o}.offsets()), values of shape {o}.values().shape; or "
         f"torch.ones_like({o}) for a vector of ones."
+    )
+
+
+def nested_missing_message(labels: Labels, i: int, out: Tensor) -> str:
+    """The note on torch's "grad can be implicitly created only for scalar outputs" for a
+    nested output ``out`` given no vector: a nested tensor is never a scalar."""
+    o, g = labels.out(i), labels.go(i)
+    kind = "jagged" if out.layout is not torch.strided else "nested"
+    return (
+        f"{labels.call}: {o} is a {kind} nested tensor, and no {g} was given. torch can start "
+        f"a backward pass without {labels.grad_outputs} only from a scalar output (it uses "
+        f"dL/d output = 1), and a nested tensor is never one. {labels.meaning(i)}: one number "
+        f"per element of {o}, so a nested tensor of {o}'s structure.\n"
+        f"  Fix: to differentiate the sum of {o}'s elements, pass torch.ones_like({o}) as "
+        f"{g} (it has {o}'s structure), or reduce {o} to a scalar first "
+        f"({o}.values().sum() for a jagged tensor)."
     )
 
 
