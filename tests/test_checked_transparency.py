@@ -659,8 +659,9 @@ def test_torchscript_compiles_tv_grad():
     torch.testing.assert_close(g, torch.full((3,), 2.0))
 
 
-@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("YES", True), ("on", True),
-                                       ("0", False), ("false", False), ("off", False), ("", False)])
+# (every spelling of the switch is read by env_flag, tested on its own in test_errors.py;
+# here a fresh process for each outcome)
+@pytest.mark.parametrize("value, on", [("YES", True), ("off", False), ("", False)])
 def test_environment_variable_values(value, on):
     code = "import torch, torch_vjp\nfrom torch_vjp.autograd import is_checked\nprint(is_checked())\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_VJP_")}
