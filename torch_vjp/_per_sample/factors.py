@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -62,6 +62,8 @@ __all__ = [
     "region_sq_norms",
     "region_weighted_sum",
     "write_region",
+    "Kept",
+    "kept_weighted_sum",
 ]
 
 #: Elements a temporary may hold before the work is split into chunks of examples.
@@ -91,11 +93,32 @@ class KeepBudget:
     def buffer(self, batch: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
         """An empty ``(batch, *shape)`` tensor if the budget allows it (then taken from
         it), else None."""
-        n = batch * math.prod(shape)
-        if n > self.left:
-            return None
-        self.left -= n
-        return like.new_empty((batch, *shape))
+        return like.new_empty((batch, *shape)) if self.take(batch * math.prod(shape)) else None
+
+    def take(self, elements: int) -> bool:
+        """Whether ``elements`` more fit the budget (then taken from it)."""
+        if elements > self.left:
+            return False
+        self.left -= elements
+        return True
+
+
+#: What a factor keeps of the per-sample gradients it formed (:attr:`Factor.kept`): one
+#: ``(B, ...)`` tensor, or the chunks ``(start, stop, gradients)`` as they were formed
+#: (kept as they are: copying them into one new buffer cost more than the clipped sum).
+Kept = Union[Tensor, "list[tuple[int, int, Tensor]]"]
+
+
+def kept_weighted_sum(kept: Kept, c: Tensor) -> Tensor:
+    """``sum_i c[i] G_i`` from the per-sample gradients ``kept``, of shape ``G_i``'s."""
+    if isinstance(kept, Tensor):
+        return torch.tensordot(c.to(kept.dtype), kept, dims=1)
+    total: Tensor | None = None
+    for s, e, g in kept:
+        w = torch.tensordot(c[s:e].to(g.dtype), g, dims=1)
+        total = w if total is None else total.add_(w)
+    assert total is not None
+    return total
 
 
 _F32_EPS = torch.finfo(torch.float32).eps
@@ -186,7 +209,7 @@ class Factor:
     region_shape: tuple[int, ...] = ()
     #: The per-sample gradients ``(B, ...)`` that :meth:`sq_norms` formed and kept (with a
     #: ``keep`` budget), for :func:`region_weighted_sum`; None where they were not formed.
-    kept: Tensor | None = None
+    kept: Kept | None = None
 
     @property
     def batch(self) -> int:
@@ -585,7 +608,7 @@ def region_weighted_sum(factors: list[Factor], c: Tensor, param: Tensor) -> Tens
     if len(factors) == 1 and factors[0].rows is None:
         kept = factors[0].kept
         if kept is not None:
-            res = torch.tensordot(c.to(kept.dtype), kept, dims=1)
+            res = kept_weighted_sum(kept, c)
             return res if res.shape == param.shape else res.reshape(param.shape)
         res = factors[0].weighted_sum(c)
         return res if res.shape == param.shape else res.reshape(param.shape)

@@ -197,13 +197,16 @@ class ConvFactor(Factor):
                     out[s:e] += ghost_sq_norms(U4[:, j].mT, g4[:, j].mT)
             return out
         # Direct: the per-sample gradients (and, for short patches, the unfolded input),
-        # kept for the clipped sum where the budget allows.
-        kept = keep.buffer(B, self.weight_shape, self.x) if keep is not None else None
+        # their chunks kept as they are for the clipped sum where the budget allows
+        # (copying them into one new buffer, its pages first touched, took as long as the
+        # grouped convolutions that formed them, on the CNN of bench_per_sample.py).
+        kept: list[tuple[int, int, Tensor]] | None = (
+            [] if keep is not None and keep.take(B * math.prod(self.weight_shape)) else None)
         for s, e in chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS):
             per_sample = self._per_sample(s, e)
             out[s:e] = sq_norms_rows(per_sample)
             if kept is not None:
-                kept[s:e] = per_sample
+                kept.append((s, e, per_sample))
         self.kept = kept
         return out
 
