@@ -77,7 +77,7 @@ def vmap_grads(
     the forward, which every example's own call would replay).
     """
     model, loss_fn, sel, fn = job.model, job.loss_fn, job.sel, job.fn
-    xs = tuple(x[start:stop] for x in job.xs)
+    xs = tuple(_plain_strides(x[start:stop]) for x in job.xs)
     targets = slice_tree(job.targets, start, stop)
     state = functional_state(model)
     diff = {n: sel.tensors[n].detach() for n in names}
@@ -93,6 +93,23 @@ def vmap_grads(
     return torch.func.vmap(
         torch.func.grad(one), in_dims=in_dims, randomness=randomness, chunk_size=chunk_size
     )(diff, xs, targets)
+
+
+def _plain_strides(x: Tensor) -> Tensor:
+    """``x``, or a copy of it where an example's strides are not those of a fresh tensor of
+    its shape (a transposed ``(B, 1, C)`` as ``(B, C, 1)``, which ``is_contiguous`` calls
+    contiguous: it skips the strides of dimensions of size one). vmap's rule for the
+    backward of a convolution fails on such an example ("slow_conv2d: grad_weight must be
+    contiguous") that runs without vmap. (The batch dimension's stride is the example's
+    offset, kept: an input expanded along the batch is not copied.)"""
+    if x.layout != torch.strided or x.dim() < 2:
+        return x
+    step = 1
+    for n, s in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if s != step:
+            return x.clone(memory_format=torch.contiguous_format)
+        step *= n
+    return x
 
 
 def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str, Tensor]) -> None:

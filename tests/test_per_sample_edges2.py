@@ -1,0 +1,70 @@
+"""Edge cases of the per-sample functions: unusual strides of an input, loss settings the
+plan's key must tell apart, optional inputs, and other cases once refused or mishandled.
+Every result is compared in float64 with the definition, one example at a time
+(``torch.autograd.grad`` of ``loss_fn(model(x[i:i+1]), t[i:i+1])``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_vjp as tv
+
+DT = torch.float64
+
+
+def loop_reference(model, loss_fn, inputs, targets=None):
+    """The definition: one forward and backward per example (a None input passed as is)."""
+    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = {n: [] for n, _ in named}
+    for i in range(xs[0].shape[0]):
+        o = model(*(x if x is None else x[i:i + 1] for x in xs))
+        loss = loss_fn(o) if targets is None else loss_fn(o, targets[i:i + 1])
+        gs = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        for (n, p), g in zip(named, gs):
+            out[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def assert_matches(got, ref):
+    assert list(got) == list(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def norms_of(ref):
+    return sum(g.flatten(1).pow(2).sum(1) for g in ref.values()).sqrt()
+
+
+# ------------------------------------------------------------------------------------------
+# An input whose examples have the strides of a transposed tensor
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "auto"])
+@pytest.mark.parametrize("conv", ["1d", "2d"])
+def test_a_conv_input_of_length_one_transposed_is_batched_by_vmap(strategy, conv):
+    # (B, 1, C) transposed to (B, C, 1): "contiguous" to torch, its size-one dimension's
+    # stride is C; vmap's backward of the convolution refused it, and the weight, computed
+    # by a parametrization (no rule), went to vmap under "auto"
+    torch.manual_seed(0)
+    if conv == "1d":
+        model = nn.Conv1d(3, 4, 3, padding=1).to(DT)
+        x = torch.randn(5, 1, 3, dtype=DT).transpose(1, 2)
+    else:
+        model = nn.Conv2d(3, 4, 3, padding=1).to(DT)
+        x = torch.randn(5, 1, 1, 3, dtype=DT).permute(0, 3, 1, 2)
+    if strategy == "auto":
+        torch.nn.utils.parametrizations.weight_norm(model)
+    loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+    ref = loop_reference(model, loss_fn, x)
+    got = tv.per_sample_grads(model, loss_fn, x, strategy=strategy)
+    assert_matches(got, ref)
+    norms = tv.per_sample_grad_norms(model, loss_fn, x, strategy=strategy)
+    torch.testing.assert_close(norms, norms_of(ref), rtol=1e-10, atol=1e-12)
+    if strategy == "auto":  # (vmap, not the loop it fell back to)
+        plan = tv.per_sample_plan(model, loss_fn, x)
+        assert {r.method for r in plan if r.name != "bias"} == {"vmap"}, str(plan)
