@@ -68,3 +68,46 @@ def test_a_conv_input_of_length_one_transposed_is_batched_by_vmap(strategy, conv
     if strategy == "auto":  # (vmap, not the loop it fell back to)
         plan = tv.per_sample_plan(model, loss_fn, x)
         assert {r.method for r in plan if r.name != "bias"} == {"vmap"}, str(plan)
+
+
+# ------------------------------------------------------------------------------------------
+# A loss that reads a parameter through the model
+# ------------------------------------------------------------------------------------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+
+
+def _batch():
+    torch.manual_seed(1)
+    return torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "auto"])
+def test_an_l2_term_read_through_the_model_is_differentiated_by_vmap(strategy):
+    # (the loss read model[0].weight after functional_call had put the parameter back, so
+    # vmap's gradients left the term out; "auto" reached it through a plan made while the
+    # term's coefficient was zero, whose first check could not tell)
+    model, (x, y) = _mlp(), _batch()
+
+    def make(c):
+        return lambda o, t: F.cross_entropy(o, t) + c * model[0].weight.pow(2).sum()
+
+    for c in (0.0, 1.0):
+        loss_fn = make(torch.tensor(c, dtype=DT))
+        got = tv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
+        assert_matches(got, loop_reference(model, loss_fn, x, y))
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap", "auto"])
+def test_an_l2_term_on_a_frozen_selected_parameter_read_through_the_model(strategy):
+    model, (x, y) = _mlp(), _batch()
+    model[0].weight.requires_grad_(False)
+    loss_fn = lambda o, t: F.cross_entropy(o, t) + model[0].weight.pow(2).sum()  # noqa: E731
+    got = tv.per_sample_grads(model, loss_fn, x, y, params=["0.weight", "2.weight"],
+                              strategy=strategy)
+    model[0].weight.requires_grad_(True)
+    ref = loop_reference(model, loss_fn, x, y)
+    assert_matches(got, {n: ref[n] for n in ("0.weight", "2.weight")})

@@ -1442,13 +1442,15 @@ def test_a_layer_with_a_rule_whose_parameters_are_read_directly_says_so(where):
 
 
 def test_vmap_with_a_loss_that_reads_a_parameter_says_so():
-    # the loss reads the model's parameter itself, where vmap's copies do not reach: the
-    # check against the loop refuses, and said only "randomness drawn with a generator"
+    # the loss holds the model's parameter itself, where vmap's copies do not reach (one
+    # read through the model, model.bias, reads the copy): the check against the loop
+    # refuses, and said only "randomness drawn with a generator"
     torch.manual_seed(0)
     model = nn.Linear(3, 4).to(DT)
     x, y = torch.randn(5, 3, dtype=DT), torch.randint(0, 4, (5,))
+    bias = model.bias
     def loss_fn(o, t):
-        return F.cross_entropy(o * model.bias.sum(), t)
+        return F.cross_entropy(o * bias.sum(), t)
     with pytest.raises(tv.PerSampleError, match=r"(?s)strategy='vmap' gives wrong per-sample "
                        r"gradients .*or a parameter the loss function reads itself, which "
                        r"vmap's copies of the parameters do not reach\)"):

@@ -85,9 +85,10 @@ def vmap_grads(
         state.pop(n, None)
 
     def one(d: dict[str, Tensor], xi: tuple[Tensor, ...], ti: Any) -> Tensor:
-        out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi))
         ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
-        return scalar_loss(fn, call_loss(loss_fn, out, ti))
+        return scalar_loss(fn, functional_call(  # (the loss too reads the stand-ins)
+            model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
+            lambda out: call_loss(loss_fn, out, ti)))
 
     in_dims = (None, 0, targets_in_dims(targets))
     return torch.func.vmap(
@@ -127,15 +128,18 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
         if not job.by_backward:
             try:
                 with torch.enable_grad():
+                    ti = slice_tree(targets, i, i + 1)
                     if frozen:
                         leaves = {n: sel.tensors[n].detach().requires_grad_(True)
                                   for n in names}
-                        o = functional_call(model, leaves, xi)
+                        o, loss = functional_call(  # (the loss too reads the stand-ins)
+                            model, leaves, xi, lambda out: (out, call_loss(loss_fn, out, ti)))
                         wrt = [leaves[n] for n in names]
                     else:
                         o = model(*xi)
+                        loss = call_loss(loss_fn, o, ti)
                         wrt = [sel.tensors[n] for n in names]
-                    loss = scalar_loss(fn, call_loss(loss_fn, o, slice_tree(targets, i, i + 1)))
+                    loss = scalar_loss(fn, loss)
                     check_connected(fn, loss, o)
                     if loss.requires_grad and _reentrant_in(loss):
                         grads = None  # (autograd.grad would skip its block: backward())

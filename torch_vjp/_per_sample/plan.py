@@ -236,19 +236,37 @@ def forward(model: nn.Module, xs: tuple[Tensor, ...], aliases: dict[str, Tensor]
     return functional_call(model, aliases, xs)
 
 
-def functional_call(model: nn.Module, state: dict[str, Tensor], args: tuple[Any, ...]) -> Any:
+def functional_call(model: nn.Module, state: dict[str, Tensor], args: tuple[Any, ...],
+                    then: Callable[[Any], Any] | None = None) -> Any:
     """``torch.func.functional_call(model, state, args, strict=False, tie_weights=True)``,
-    after which every module holds its own tensors again.
+    after which every module holds its own tensors again; with ``then``, ``then(output)``,
+    called while ``state`` is still in place.
 
     A module registered under two names (``self.b = self.a``) comes back from torch's call
     holding the substitutes (detached tensors) in place of its parameters and buffers, for
     good: torch puts the originals back under one name and then the substitutes under the
-    other. Those modules' dicts are saved first and put back after."""
+    other. Those modules' dicts are saved first and put back after.
+
+    ``then`` is the loss: a loss function that reads a parameter through the model (an L2
+    term on ``model.fc.weight``) must read the substitute, the tensor differentiated, as
+    the model's forward does; called after torch's call it read the parameter itself, and
+    vmap's gradients left that term out."""
     slots = Slots(_aliased_modules(model))
     try:
-        return torch.func.functional_call(model, state, args, strict=False, tie_weights=True)
+        if then is None or _reparametrize is None:
+            out = torch.func.functional_call(model, state, args, strict=False,
+                                             tie_weights=True)
+            return out if then is None else then(out)
+        with _reparametrize(model, state, tie_weights=True, strict=False):
+            return then(model(*args))
     finally:
         slots.restore()
+
+
+try:  # (what torch.func.functional_call runs the module under)
+    from torch.nn.utils.stateless import _reparametrize_module as _reparametrize
+except ImportError:  # pragma: no cover - another torch: the loss reads the parameters
+    _reparametrize = None
 
 
 class Slots:
