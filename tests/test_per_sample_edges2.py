@@ -111,3 +111,60 @@ def test_an_l2_term_on_a_frozen_selected_parameter_read_through_the_model(strate
     model[0].weight.requires_grad_(True)
     ref = loop_reference(model, loss_fn, x, y)
     assert_matches(got, {n: ref[n] for n in ("0.weight", "2.weight")})
+
+
+def _l2(o, t, w):
+    return F.cross_entropy(o, t) + 0.5 * w.pow(2).sum()
+
+
+class _L2Loss(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, o, t):
+        return _l2(o, t, self.w)
+
+
+@pytest.mark.parametrize("kind", ["closure", "partial", "module", "view"])
+def test_a_loss_made_again_over_another_parameter_gets_its_own_plan(kind):
+    # (a factory's loss over model[0].weight, then over model[2].weight: the plan made for
+    # the first gave model[2].weight to its rules alone, the L2 term left out, silently)
+    import functools
+
+    model, (x, y) = _mlp(), _batch()
+
+    def make(w):
+        if kind == "closure":
+            return lambda o, t: _l2(o, t, w)
+        if kind == "partial":
+            return functools.partial(_l2, w=w)
+        if kind == "view":
+            v = w.t()
+            return lambda o, t: _l2(o, t, v)
+        return _L2Loss(w)
+
+    for w in (model[0].weight, model[2].weight):
+        loss_fn = make(w)
+        got = tv.per_sample_grads(model, loss_fn, x, y)
+        assert_matches(got, loop_reference(model, loss_fn, x, y))
+        norms = tv.per_sample_grad_norms(model, loss_fn, x, y)
+        torch.testing.assert_close(norms, norms_of(loop_reference(model, loss_fn, x, y)),
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_a_loss_over_a_tensor_made_anew_each_step_keeps_its_plan(monkeypatch):
+    from torch_vjp._per_sample import probe
+
+    model, (x, y) = _mlp(), _batch()
+    built = []
+    build = probe.build_plan
+    monkeypatch.setattr(probe, "build_plan", lambda job: built.append(1) or build(job))
+    for step in range(3):
+        weight = torch.tensor([1.0, 2.0, 0.5 + step], dtype=DT)  # (class weights per step)
+        def loss_fn(o, t):
+            return F.cross_entropy(o, t, weight=weight, label_smoothing=0.1)
+
+        got = tv.per_sample_grads(model, loss_fn, x, y)
+        assert_matches(got, loop_reference(model, loss_fn, x, y))
+    assert len(built) == 1

@@ -17,7 +17,8 @@ from torch_vjp._engine.context import Watched
 from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import TorchVJPError, quote_error
 from torch_vjp._per_sample.args import Job, Selection
-from torch_vjp._per_sample.structure import loss_key, note_counters, numbers_of, structure_of
+from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counters, numbers_of,
+                                             structure_of)
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
@@ -67,6 +68,7 @@ def plan_key(job: Job) -> Any:
         tuple(t.requires_grad for t in sel.tensors.values()),
         tuple(bool(t._backward_hooks) for t in sel.tensors.values()),
         loss_key(job.loss_fn),
+        loss_tensors(job.loss_fn, sel.tracked),
     )
 
 

@@ -17,8 +17,8 @@ from torch_vjp._engine.context import flag_of, identity
 from torch_vjp._engine.fwdcheck import route_key
 from torch_vjp._per_sample.registry import replaced_forward
 
-__all__ = ["structure_of", "loss_key", "function_flags", "object_flags", "nested_flags",
-           "numbers_of", "note_counters"]
+__all__ = ["structure_of", "loss_key", "loss_tensors", "function_flags", "object_flags",
+           "nested_flags", "numbers_of", "note_counters"]
 
 # NOTE [the structure a plan is for]
 # A plan (which layers have rules, in which dimension each finds the examples, which
@@ -421,6 +421,94 @@ def loss_key(loss_fn: Any) -> Any:
         return (type(loss_fn), who, object_flags(loss_fn))
     return (type(loss_fn), who, object_flags(loss_fn, _names_read(call.__code__)),
             function_flags(call))
+
+
+def loss_tensors(loss_fn: Any, tracked: dict[int, str]) -> tuple[Any, ...]:
+    """The tensors a loss holds, for the plan's key beside :func:`loss_key`, which reads
+    flags alone: those in a function's closure cells and the globals its code names, a
+    ``functools.partial``'s arguments, a loss module's parameters, buffers and tensor
+    attributes, another callable object's tensor attributes (and what its ``__call__`` or
+    ``forward`` reads), and those in a tuple, list or dict held there. Each by
+    :func:`_tensor_flag`: a loss made by a factory over ``model.fc1.weight`` for an L2 term,
+    then over ``model.fc2.weight``, reads another parameter (the plan made for the first
+    gave the second's rules alone, silently wrong), and a coefficient held as a tensor may
+    switch a term on (``c = torch.tensor(0.)`` made 1)."""
+    out: list[Any] = []
+    _held_tensors(loss_fn, tracked, out, 2)
+    return tuple(out)
+
+
+def _held_tensors(fn: Any, tracked: dict[int, str], out: list[Any], depth: int) -> None:
+    if depth <= 0:
+        return
+    if isinstance(fn, functools.partial):
+        for j, a in enumerate((*fn.args, *fn.keywords.values())):
+            _add_tensor(("arg", j), a, tracked, out)
+        _held_tensors(fn.func, tracked, out, depth - 1)
+        return
+    func = getattr(fn, "__func__", fn)
+    if isinstance(func, types.FunctionType):
+        _function_tensors(func, tracked, out)
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and not isinstance(owner, (types.ModuleType, type)):
+            _held_tensors(owner, tracked, out, depth - 1)
+        return
+    if isinstance(fn, nn.Module):
+        for d in (fn._parameters, fn._buffers):
+            for k, v in d.items():
+                _add_tensor(k, v, tracked, out)
+    for k, v in getattr(fn, "__dict__", {}).items():
+        if k[:1] != "_":
+            _add_tensor(k, v, tracked, out)
+    call = getattr(type(fn), "forward" if isinstance(fn, nn.Module) else "__call__", None)
+    if isinstance(call, types.FunctionType):
+        _function_tensors(call, tracked, out)
+
+
+def _function_tensors(func: types.FunctionType, tracked: dict[int, str], out: list[Any]
+                      ) -> None:
+    """The tensors of a function's closure cells and of the globals its code names."""
+    for i, cell in enumerate(func.__closure__ or ()):
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        _add_tensor(i, v, tracked, out)
+    glob = func.__globals__
+    for n in _sorted_reads(_names_read(func.__code__)):
+        v = glob.get(n)
+        if v is not None:
+            _add_tensor(n, v, tracked, out)
+
+
+def _add_tensor(where: Any, v: Any, tracked: dict[int, str], out: list[Any]) -> None:
+    if isinstance(v, Tensor):
+        out.append((where, _tensor_flag(v, tracked)))
+    elif type(v) in (tuple, list) and len(v) <= _MAX_NESTED:
+        for j, x in enumerate(v):
+            if isinstance(x, Tensor):
+                out.append(((where, j), _tensor_flag(x, tracked)))
+    elif type(v) is dict and len(v) <= _MAX_NESTED:
+        for k, x in v.items():
+            if isinstance(x, Tensor):
+                out.append(((where, k if type(k) is str else None), _tensor_flag(x, tracked)))
+
+
+def _tensor_flag(t: Tensor, tracked: dict[int, str]) -> Any:
+    """A tensor a loss holds: the selected parameter it is (or a view of), by name; or
+    whether it requires grad; a one-element tensor on the CPU also by its truth (a
+    coefficient switched on), as hooks' numbers are. Not by identity: a tensor made anew
+    for each step is the same loss."""
+    base = t._base if t._base is not None else t
+    name = tracked.get(id(base))
+    if name is not None:
+        return ("param", name)
+    if t.requires_grad:
+        return ("grad",)
+    if t.numel() == 1 and t.device.type == "cpu" and t.layout == torch.strided and (
+            not t.is_meta):
+        return ("tensor", bool(t))
+    return ("tensor",)
 
 
 def _object_flags(obj: object) -> tuple[Any, ...]:
