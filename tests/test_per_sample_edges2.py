@@ -168,3 +168,47 @@ def test_a_loss_over_a_tensor_made_anew_each_step_keeps_its_plan(monkeypatch):
         got = tv.per_sample_grads(model, loss_fn, x, y)
         assert_matches(got, loop_reference(model, loss_fn, x, y))
     assert len(built) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# A forward replaced on the instance, and replaced again
+# ------------------------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def test_a_forward_replaced_again_gets_its_own_plan():
+    # (the plan's key held which method was replaced, not by what: a forward replaced by
+    # one that mixes the examples kept the plan of the one before it, and one replaced back
+    # kept the refusal the mixing one had made)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+    x, y = _batch()
+    block = model[0]
+
+    def plain(x):
+        return block.a(x)
+
+    def mixing(x):
+        h = block.a(x)
+        return h + h.mean(0, keepdim=True)
+
+    def doubled(x):
+        return 2 * block.a(x)
+
+    for forward in (plain, mixing, plain, doubled):
+        block.forward = forward
+        if forward is mixing:
+            with pytest.raises(tv.PerSampleError, match="module '0' \\(_Block\\) mixes examples"):
+                tv.per_sample_grads(model, F.cross_entropy, x, y)
+            got = tv.per_sample_grads(model, F.cross_entropy, x, y, strategy="vmap")
+        else:
+            got = tv.per_sample_grads(model, F.cross_entropy, x, y)
+        assert_matches(got, loop_reference(model, F.cross_entropy, x, y))

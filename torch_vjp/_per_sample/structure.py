@@ -281,8 +281,12 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
             entry += (("frozen", tuple(k for k, p in ps.items()
                                        if p is not None and not p.requires_grad)),)
         replaced = replaced_forward(m)
-        if replaced is not None:  # (a layer.forward = ... takes the layer's rule away)
-            entry += (("replaced", replaced),)
+        if replaced is not None:  # (a layer.forward = ... takes the layer's rule away; and
+            # by what it runs, as a hook is: a forward replaced again, by one that mixes the
+            # examples or reads another parameter, is another structure)
+            f = m.__dict__[replaced]
+            entry += (("replaced", replaced, memo.get(id(f)) or memo.setdefault(
+                id(f), _hook_key(f))),)
         if not own:  # (and so does nn.Linear.forward = ...: the functions the rules replay;
             # and the flags of its settings: a Dropout's p raised from 0, where it draws
             # nothing, or a Softmax's dim moved onto the batch)
