@@ -20,7 +20,7 @@ def loop_reference(model, loss_fn, inputs, targets=None):
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     out = {n: [] for n, _ in named}
-    for i in range(xs[0].shape[0]):
+    for i in range(next(x for x in xs if x is not None).shape[0]):
         o = model(*(x if x is None else x[i:i + 1] for x in xs))
         loss = loss_fn(o) if targets is None else loss_fn(o, targets[i:i + 1])
         gs = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
@@ -212,3 +212,45 @@ def test_a_forward_replaced_again_gets_its_own_plan():
         else:
             got = tv.per_sample_grads(model, F.cross_entropy, x, y)
         assert_matches(got, loop_reference(model, F.cross_entropy, x, y))
+
+
+# ------------------------------------------------------------------------------------------
+# An optional input passed as None
+# ------------------------------------------------------------------------------------------
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, mask, x, extra=None):
+        o = self.a(x)
+        o = o if mask is None else o * mask
+        return o if extra is None else o + extra
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "vmap", "loop"])
+@pytest.mark.parametrize("which", ["first", "last", "both"])
+def test_an_input_none_is_passed_as_it_is(strategy, which):
+    torch.manual_seed(0)
+    model = _Masked().to(DT)
+    x, y = _batch()
+    mask = torch.rand(6, 3, dtype=DT)
+    inputs = {"first": (None, x), "last": (mask, x, None), "both": (None, x, None)}[which]
+    ref = loop_reference(model, F.cross_entropy, inputs, y)
+    got = tv.per_sample_grads(model, F.cross_entropy, inputs, y, strategy=strategy)
+    assert_matches(got, ref)
+    norms = tv.per_sample_grad_norms(model, F.cross_entropy, inputs, y, strategy=strategy)
+    torch.testing.assert_close(norms, norms_of(ref), rtol=1e-10, atol=1e-12)
+    model.zero_grad()
+    tv.accumulate_clipped_grads(model, F.cross_entropy, inputs, y, max_norm=1e9,
+                                strategy=strategy)
+    torch.testing.assert_close(model.a.weight.grad, ref["a.weight"].sum(0))
+
+
+def test_inputs_that_are_all_none_are_explained():
+    model = _Masked().to(DT)
+    with pytest.raises(tv.PerSampleTypeError, match=r"every input is None, so no input holds "
+                       r"the examples\.\n  .*pass at least one tensor"):
+        tv.per_sample_grads(model, F.cross_entropy, (None, None), torch.zeros(2))

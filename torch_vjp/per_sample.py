@@ -92,7 +92,8 @@ def per_sample_grads(
         loss_fn: ``loss_fn(output, targets) -> scalar`` (``loss_fn(output)`` when ``targets``
             is None), called as on a batch of one.
         inputs: a tensor, or a tuple of tensors passed as ``model(*inputs)``, each with the
-            batch along dimension 0.
+            batch along dimension 0 (a None among them, an optional argument left out, is
+            passed to every call as it is).
         targets: None, or a tensor (or pytree of tensors) with the batch along dimension 0.
         params: names (as in ``model.named_parameters()``) to differentiate; default every
             parameter that requires grad.
@@ -481,9 +482,10 @@ def per_sample_plan(
     params = params_once(params)
     job = prepare(fn, model, loss_fn, inputs, targets, params, strategy)
     if job.batch == 0:
+        k, x = next((k, x) for k, x in enumerate(job.xs) if x is not None)
         raise PerSampleValueError(
-            f"torch_vjp.{fn}: the batch is empty (inputs[0] has shape "
-            f"{shape_str(job.xs[0].shape)}); a plan is found from at least one example."
+            f"torch_vjp.{fn}: the batch is empty (inputs[{k}] has shape "
+            f"{shape_str(x.shape)}); a plan is found from at least one example."
         )
     plan = plan_for(job)
     return PerSamplePlan(plan, job.sel.names, job.sel.key_of)

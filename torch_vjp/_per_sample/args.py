@@ -125,11 +125,21 @@ def as_inputs(fn: str, inputs: Any, model: nn.Module | None = None
             f"model(*inputs).{fix}"
         )
     for k, x in enumerate(xs):
+        if x is None and any(isinstance(t, Tensor) for t in xs):
+            continue  # (an optional argument left out, model(x, None): passed as it is)
+        if x is None and all(t is None for t in xs):
+            raise PerSampleTypeError(
+                f"torch_vjp.{fn}: every input is None, so no input holds the examples.\n"
+                f"  The examples are counted along the first dimension of the inputs' "
+                f"tensors (an input None is passed to the model as it is): pass at least "
+                f"one tensor."
+            )
         if not isinstance(x, Tensor):
             raise PerSampleTypeError(
                 f"torch_vjp.{fn}: inputs[{k}] is {a_type(x)}, not a tensor.\n"
-                f"  inputs must be a tensor or a tuple of tensors, each with the batch along "
-                f"its first dimension; bind other arguments of the model in the module."
+                f"  inputs must be a tensor or a tuple of tensors (or None, passed as it is), "
+                f"each with the batch along its first dimension; bind other arguments of the "
+                f"model in the module."
             )
         if x.dim() == 0:
             raise PerSampleValueError(
@@ -138,17 +148,19 @@ def as_inputs(fn: str, inputs: Any, model: nn.Module | None = None
                 f"dimension, one example per row. "
                 f"{_SHARED_INPUT_FIX.replace('t.expand(B, *t.shape[1:])', 't.expand(B)')}"
             )
-    B = xs[0].shape[0]
-    for k, x in enumerate(xs[1:], 1):
-        if x.shape[0] != B:
-            flat = _flat_bags(model, (xs[0], x))
+    first = next(k for k, x in enumerate(xs) if x is not None)
+    B = xs[first].shape[0]
+    for k, x in enumerate(xs[first + 1:], first + 1):
+        if x is not None and x.shape[0] != B:
+            flat = _flat_bags(model, (xs[first], x))
             hint = (" Flat indices and offsets (as nn.EmbeddingBag takes them) hold no batch "
                     "dimension: pass the indices padded to (B, L) (with the layer's "
                     "padding_idx, which every mode leaves out), and let the layer take the "
                     "2-D input." if flat else "")
             raise PerSampleValueError(
-                f"torch_vjp.{fn}: inputs[{k}] has shape {shape_str(x.shape)}, but inputs[0] has "
-                f"shape {shape_str(xs[0].shape)}: their first dimensions (the batch) differ, "
+                f"torch_vjp.{fn}: inputs[{k}] has shape {shape_str(x.shape)}, but "
+                f"inputs[{first}] has shape {shape_str(xs[first].shape)}: their first "
+                f"dimensions (the batch) differ, "
                 f"{x.shape[0]} vs {B}.\n  Every input must hold the same examples along its "
                 f"first dimension, since example i is model(*(x[i:i+1] for x in inputs)).{hint}"
                 f"{'' if hint else ' ' + _SHARED_INPUT_FIX.replace('(B,', f'({B},')}"

@@ -77,7 +77,7 @@ def vmap_grads(
     the forward, which every example's own call would replay).
     """
     model, loss_fn, sel, fn = job.model, job.loss_fn, job.sel, job.fn
-    xs = tuple(_plain_strides(x[start:stop]) for x in job.xs)
+    xs = tuple(None if x is None else _plain_strides(x[start:stop]) for x in job.xs)
     targets = slice_tree(job.targets, start, stop)
     state = functional_state(model)
     diff = {n: sel.tensors[n].detach() for n in names}
@@ -87,10 +87,10 @@ def vmap_grads(
     def one(d: dict[str, Tensor], xi: tuple[Tensor, ...], ti: Any) -> Tensor:
         ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
         return scalar_loss(fn, functional_call(  # (the loss too reads the stand-ins)
-            model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
+            model, {**state, **d}, tuple(None if x is None else x.unsqueeze(0) for x in xi),
             lambda out: call_loss(loss_fn, out, ti)))
 
-    in_dims = (None, 0, targets_in_dims(targets))
+    in_dims = (None, tuple(None if x is None else 0 for x in xs), targets_in_dims(targets))
     return torch.func.vmap(
         torch.func.grad(one), in_dims=in_dims, randomness=randomness, chunk_size=chunk_size
     )(diff, xs, targets)
@@ -123,7 +123,7 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
     for i in range(start, stop):
         if reset is not None:
             reset()
-        xi = tuple(x[i : i + 1] for x in xs)
+        xi = tuple(None if x is None else x[i : i + 1] for x in xs)
         grads = None
         if not job.by_backward:
             try:
@@ -244,7 +244,7 @@ def _by_backward(job: Job, names: list[str], xi: tuple[Tensor, ...], i: int
     for m in job.model.modules():  # (plain tensor attributes that are leaves requiring grad)
         leaves.update((id(t), t) for t in m.__dict__.values()
                       if isinstance(t, Tensor) and t.requires_grad and t.is_leaf)
-    xi = tuple(x.detach().requires_grad_(x.requires_grad) for x in xi)
+    xi = tuple(None if x is None else x.detach().requires_grad_(x.requires_grad) for x in xi)
     ti = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
                   slice_tree(job.targets, i, i + 1))
     saved: list[tuple[Tensor, Any]] = []

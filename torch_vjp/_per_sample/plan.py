@@ -415,7 +415,8 @@ class GenericPoint:
 def seeded_forward(
     model: nn.Module, xs: Sequence[Tensor], aliases: dict[str, Tensor] | None = None
 ) -> Any:
-    devices = sorted({x.device.index or 0 for x in xs if x.device.type == "cuda"})
+    devices = sorted({x.device.index or 0 for x in xs
+                      if x is not None and x.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(_SEED)
         return forward(model, tuple(xs), aliases)

@@ -277,7 +277,8 @@ def each_once(xs: Sequence[Tensor], fn: Callable[[Tensor], Tensor]) -> tuple[Ten
     in the pass the plan is for, where a module that compares its arguments by identity
     (``nn.MultiheadAttention``'s ``key is value``) makes other layer calls otherwise."""
     done: dict[int, Tensor] = {}
-    return tuple(done[id(x)] if id(x) in done else done.setdefault(id(x), fn(x)) for x in xs)
+    return tuple(x if x is None else done[id(x)] if id(x) in done else
+                 done.setdefault(id(x), fn(x)) for x in xs)
 
 
 def _after_forward(job: Job) -> None:
