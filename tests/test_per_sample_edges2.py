@@ -5,6 +5,9 @@ Every result is compared in float64 with the definition, one example at a time
 
 from __future__ import annotations
 
+import functools
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,8 +133,6 @@ class _L2Loss(nn.Module):
 def test_a_loss_made_again_over_another_parameter_gets_its_own_plan(kind):
     # (a factory's loss over model[0].weight, then over model[2].weight: the plan made for
     # the first gave model[2].weight to its rules alone, the L2 term left out, silently)
-    import functools
-
     model, (x, y) = _mlp(), _batch()
 
     def make(w):
@@ -254,3 +255,38 @@ def test_inputs_that_are_all_none_are_explained():
     with pytest.raises(tv.PerSampleTypeError, match=r"every input is None, so no input holds "
                        r"the examples\.\n  .*pass at least one tensor"):
         tv.per_sample_grads(model, F.cross_entropy, (None, None), torch.zeros(2))
+
+
+# ------------------------------------------------------------------------------------------
+# A forward that fails only while the plan records it
+# ------------------------------------------------------------------------------------------
+
+
+class _NoModes(nn.Module):
+    """Refuses to run under a TorchDispatchMode (as code guarding against FLOP counters
+    does): the plan's recording pass runs one, the ordinary forward does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not None:
+            raise RuntimeError("no dispatch modes here")
+        return self.a(x)
+
+
+def test_a_forward_that_fails_while_recorded_goes_to_vmap_and_says_why():
+    torch.manual_seed(0)
+    model, (x, y) = _NoModes().to(DT), _batch()
+    why = ("the model's forward fails while the hooks record it (RuntimeError: no dispatch "
+           "modes here)")
+    plan = tv.per_sample_plan(model, F.cross_entropy, x, y)
+    assert [(r.method, r.reason) for r in plan] == [("vmap", why)] * 2
+    assert_matches(tv.per_sample_grads(model, F.cross_entropy, x, y),
+                   loop_reference(model, F.cross_entropy, x, y))
+    with pytest.raises(tv.StrategyError, match=r"strategy='hooks' has no per-layer rule for 2 "
+                       r"parameter\(s\):\n    'a\.weight': " + re.escape(why)):
+        tv.per_sample_grads(model, F.cross_entropy, x, y, strategy="hooks")
