@@ -129,7 +129,7 @@ class _L2Loss(nn.Module):
         return _l2(o, t, self.w)
 
 
-@pytest.mark.parametrize("kind", ["closure", "partial", "module", "view"])
+@pytest.mark.parametrize("kind", ["closure", "partial", "module", "view", "layer"])
 def test_a_loss_made_again_over_another_parameter_gets_its_own_plan(kind):
     # (a factory's loss over model[0].weight, then over model[2].weight: the plan made for
     # the first gave model[2].weight to its rules alone, the L2 term left out, silently)
@@ -143,9 +143,12 @@ def test_a_loss_made_again_over_another_parameter_gets_its_own_plan(kind):
         if kind == "view":
             v = w.t()
             return lambda o, t: _l2(o, t, v)
+        if kind == "layer":  # (the layer held, its weight read in the loss)
+            layer = model[0] if w is model[0].weight else model[2]
+            return lambda o, t: _l2(o, t, layer.weight)
         return _L2Loss(w)
 
-    for w in (model[0].weight, model[2].weight):
+    for w in (model[0].weight, model[0].weight, model[0].weight, model[2].weight):
         loss_fn = make(w)
         got = tv.per_sample_grads(model, loss_fn, x, y)
         assert_matches(got, loop_reference(model, loss_fn, x, y))

@@ -432,11 +432,12 @@ def loss_tensors(loss_fn: Any, tracked: dict[int, str]) -> tuple[Any, ...]:
     flags alone: those in a function's closure cells and the globals its code names, a
     ``functools.partial``'s arguments, a loss module's parameters, buffers and tensor
     attributes, another callable object's tensor attributes (and what its ``__call__`` or
-    ``forward`` reads), and those in a tuple, list or dict held there. Each by
-    :func:`_tensor_flag`: a loss made by a factory over ``model.fc1.weight`` for an L2 term,
-    then over ``model.fc2.weight``, reads another parameter (the plan made for the first
-    gave the second's rules alone, silently wrong), and a coefficient held as a tensor may
-    switch a term on (``c = torch.tensor(0.)`` made 1)."""
+    ``forward`` reads), and those in a tuple, list or dict held there; a module held there
+    by the parameters it holds itself. Each by :func:`_tensor_flag`: a loss made by a
+    factory over ``model.fc1.weight`` (or ``model.fc1``) for an L2 term, then over
+    ``model.fc2.weight``, reads another parameter (the plan made for the first gave the
+    second's rules alone, silently wrong), and a coefficient held as a tensor may switch a
+    term on (``c = torch.tensor(0.)`` made 1)."""
     out: list[Any] = []
     _held_tensors(loss_fn, tracked, out, 2)
     return tuple(out)
@@ -488,6 +489,10 @@ def _function_tensors(func: types.FunctionType, tracked: dict[int, str], out: li
 def _add_tensor(where: Any, v: Any, tracked: dict[int, str], out: list[Any]) -> None:
     if isinstance(v, Tensor):
         out.append((where, _tensor_flag(v, tracked)))
+    elif isinstance(v, nn.Module):  # (a layer whose weight an L2 term reads: by the
+        # parameters it holds itself, the model's own layers by name)
+        out.append((where, ("module", tuple(
+            _tensor_flag(p, tracked) for p in v._parameters.values() if p is not None))))
     elif type(v) in (tuple, list) and len(v) <= _MAX_NESTED:
         for j, x in enumerate(v):
             if isinstance(x, Tensor):
