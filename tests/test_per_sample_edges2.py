@@ -73,6 +73,36 @@ def test_a_conv_input_of_length_one_transposed_is_batched_by_vmap(strategy, conv
         assert {r.method for r in plan if r.name != "bias"} == {"vmap"}, str(plan)
 
 
+class _ToConv(nn.Module):
+    """A Linear over (B, T, C) and a Conv1d over its transpose, (B, C, T)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.conv = nn.Conv1d(4, 5, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(self.lin(x).transpose(1, 2)).sum(-1)
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "auto"])
+def test_a_conv_input_the_model_transposes_to_length_one_is_batched_by_vmap(strategy):
+    # (the model makes the (B, C, 1) input with a size-one dimension of stride C itself:
+    # vmap's backward of the convolution refused it)
+    torch.manual_seed(0)
+    model = _ToConv().to(DT)
+    if strategy == "auto":
+        torch.nn.utils.parametrizations.weight_norm(model.conv)
+    x = torch.randn(5, 1, 3, dtype=DT)
+    loss_fn = lambda o: o.pow(2).sum()  # noqa: E731
+    ref = loop_reference(model, loss_fn, x)
+    got = tv.per_sample_grads(model, loss_fn, x, strategy=strategy)
+    assert_matches(got, ref)
+    if strategy == "auto":  # (vmap, not the loop it fell back to)
+        plan = tv.per_sample_plan(model, loss_fn, x)
+        assert {r.method for r in plan if "parametrizations" in r.name} == {"vmap"}, str(plan)
+
+
 # ------------------------------------------------------------------------------------------
 # A loss that reads a parameter through the model
 # ------------------------------------------------------------------------------------------

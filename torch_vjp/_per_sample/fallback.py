@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from torch_vjp._engine.memory import new_buffer
@@ -91,9 +92,39 @@ def vmap_grads(
             lambda out: call_loss(loss_fn, out, ti)))
 
     in_dims = (None, tuple(None if x is None else 0 for x in xs), targets_in_dims(targets))
-    return torch.func.vmap(
-        torch.func.grad(one), in_dims=in_dims, randomness=randomness, chunk_size=chunk_size
-    )(diff, xs, targets)
+    run = torch.func.vmap(
+        torch.func.grad(one), in_dims=in_dims, randomness=randomness, chunk_size=chunk_size)
+    try:
+        return run(diff, xs, targets)
+    except RuntimeError as err:
+        if _CONV_STRIDES not in str(err):
+            raise
+    if job.reset is not None:  # (the failed run's forward may have changed buffers)
+        job.reset()
+    with _PlainConvInputs():
+        return run(diff, xs, targets)
+
+
+#: What vmap's backward of a convolution says of an input with the strides of a transposed
+#: tensor (NOTE at :func:`_plain_strides`).
+_CONV_STRIDES = "grad_weight must be contiguous"
+
+
+class _PlainConvInputs(TorchFunctionMode):
+    """Gives every convolution a copy of its input with a fresh tensor's strides: where the
+    model makes such an input itself (``conv(h.transpose(1, 2))`` with a length of one),
+    vmap's backward of the convolution fails as :func:`_plain_strides` says. Only for a
+    run that failed so: a copy per convolution."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in _CONVS and args and isinstance(args[0], Tensor):
+            args = (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+_CONVS = frozenset({torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
+                    torch.conv_transpose2d, torch.conv_transpose3d})
 
 
 def _plain_strides(x: Tensor) -> Tensor:
