@@ -1,0 +1,53 @@
+"""Valid custom Functions and calls pass checked mode without a word, and checked mode's
+messages fit what was passed."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+
+
+def _leaf(*shape, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def _silent_grads(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` inside ``tv.checked()``, asserting that nothing is warned."""
+    with tv.checked(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn(*args, **kwargs)
+
+
+class _StopGradFirst(torch.autograd.Function):
+    """a + b, with the gradient to ``a`` blocked on purpose (backward returns None for it)
+    and the gradient to ``b`` computed without testing ``ctx.needs_input_grad``."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
+
+
+def test_none_for_one_input_next_to_a_dropped_gradient_of_its_shape_is_not_misplaced():
+    # a needs a gradient and gets None (zero, by design); b needs none and gets g, which
+    # torch drops: the node cannot tell this from swapped gradients, so no warning
+    a, b = _leaf(3), _leaf(3, seed=1, requires_grad=False)
+    (got,) = _silent_grads(
+        lambda: torch.autograd.grad(_StopGradFirst.apply(a, b).sum(), a, allow_unused=True))
+    (reference,) = torch.autograd.grad(_StopGradFirst.apply(a, b).sum(), a, allow_unused=True)
+    assert got is None and reference is None
+    # the same through Tensor.backward and tv.grad, with a second input that needs a gradient
+    c = _leaf(3, seed=2)
+    _silent_grads(lambda: (_StopGradFirst.apply(a, b) * c).sum().backward())
+    assert a.grad is None
+    assert torch.equal(c.grad, (a + b).detach())
+    (gc,) = _silent_grads(lambda: tv.grad((_StopGradFirst.apply(a, b) * c).sum(), [c]))
+    assert torch.equal(gc, (a + b).detach())
