@@ -51,3 +51,30 @@ def test_none_for_one_input_next_to_a_dropped_gradient_of_its_shape_is_not_mispl
     assert torch.equal(c.grad, (a + b).detach())
     (gc,) = _silent_grads(lambda: tv.grad((_StopGradFirst.apply(a, b) * c).sum(), [c]))
     assert torch.equal(gc, (a + b).detach())
+
+
+@pytest.mark.parametrize("call", ["tv.grad", "checked grad", "checked backward"])
+def test_a_dict_of_losses_as_outputs_is_explained_as_a_dict(call):
+    x = _leaf(3)
+    losses = {"ce": (x * x).sum(), "reg": x.abs().sum()}
+    run = {
+        "tv.grad": lambda: tv.grad(losses, [x]),
+        "checked grad": lambda: torch.autograd.grad(losses, [x]),
+        "checked backward": lambda: torch.autograd.backward(losses),
+    }[call]
+    with pytest.raises(AssertionError) as plain:  # torch reads the dict by its keys
+        torch.autograd.grad(losses, [x])
+    with tv.checked(), pytest.raises(AssertionError) as info:
+        run()
+    assert str(info.value) == str(plain.value)  # torch's own sentence first
+    (note,) = info.value.__notes__
+    name = "tensors" if call == "checked backward" else "outputs"
+    assert note.startswith(
+        f"{'torch_vjp.grad' if call == 'tv.grad' else 'torch.autograd.' + call.split()[1]}: "
+        f"{name} is a dict, but it must be a tensor or a sequence of tensors: a dict is read "
+        f"by its keys, so {name}[0] is its key 'ce', not one of its values.")
+    assert f"sum({name}.values())" in note and f"list({name}.values())" in note
+    assert ".item()" not in note
+    # the fix it gives works: the gradient of the total loss
+    (got,) = _silent_grads(lambda: torch.autograd.grad(list(losses.values()), [x]))
+    assert torch.allclose(got, 2 * x.detach() + x.detach().sign())

@@ -9,7 +9,7 @@ graph for the shapes of leaf tensors.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,8 +179,22 @@ def implicit_dtype_message(labels: Labels, i: int, out: Tensor) -> str:
     )
 
 
-def output_type_message(labels: Labels, i: int, out: Any) -> str:
+def output_type_message(labels: Labels, i: int, out: Any, outputs: Any = None) -> str:
+    """``out``, entry ``i`` of the outputs, is no tensor. ``outputs``: the outputs as the
+    caller passed them, where known (a dict of losses is read by its keys)."""
     o = labels.out(i)
+    if isinstance(outputs, Mapping):
+        # (torch iterates a dict over its keys: the entry is a key, the fix not .item())
+        d, gos = labels.outputs, labels.grad_outputs
+        return (
+            f"{labels.call}: {d} is {a_type(outputs)}, but it must be a tensor or a sequence "
+            f"of tensors: a dict is read by its keys, so {o} is its key {out!r}, not one of "
+            f"its values.\n"
+            f"  {d} are the outputs y whose vector-Jacobian product is taken (for a training "
+            f"step, the loss). Fix: pass the total loss, sum({d}.values()), or the losses "
+            f"themselves, list({d}.values()) (with {gos} None, the gradient of their sum; "
+            f"any {gos} given in the same order)."
+        )
     return (
         f"{labels.call}: {o} is {a_type(out)}, but "
         f"each entry of {labels.outputs} must be a tensor (or a GradientEdge of one).\n"

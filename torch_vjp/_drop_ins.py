@@ -147,9 +147,11 @@ def _checkable(outs: tuple[Any, ...]) -> tuple[Tensor, ...] | None:
     return tuple(seen)
 
 
-def _check_outputs(outs: tuple[Any, ...], labels: Labels) -> tuple[Tensor, ...]:
+def _check_outputs(outs: tuple[Any, ...], labels: Labels,
+                   outputs: Any = None) -> tuple[Tensor, ...]:
     """``outs`` as the checker sees them (:func:`_checkable`), for torch_vjp's own
-    ``check_grad_outputs``: an output that is neither a tensor nor a GradientEdge raises."""
+    ``check_grad_outputs``: an output that is neither a tensor nor a GradientEdge raises.
+    ``outputs``: the outputs as the caller passed them, where known (for the message)."""
     checked = _checkable(outs)
     if checked is not None:
         return checked
@@ -160,7 +162,7 @@ def _check_outputs(outs: tuple[Any, ...], labels: Labels) -> tuple[Tensor, ...]:
                 f"device this version of torch does not tell; pass the tensor itself."
             )
         if not isinstance(o, (Tensor, GradientEdge)):
-            raise GradOutputsTypeError(output_type_message(labels, i, o))
+            raise GradOutputsTypeError(output_type_message(labels, i, o, outputs))
     return outs  # (nested tensors: the checker reads them as they are)
 
 
@@ -175,14 +177,15 @@ _DTYPE = re.compile(r"^For complex Tensors, .* Mismatch in dtype: grad_output\[(
 
 
 def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], Any],
-               given: Any = None) -> Any:
+               given: Any = None, outputs: Any = None) -> Any:
     """torch's own call, for outputs the checker does not read (:func:`_checkable`). An
     output that is neither a tensor nor a GradientEdge (None, a number, ``loss.item()``) is
     refused by torch's ``_make_grads`` with a bare ``AssertionError("Expected output to be a
     torch.Tensor")``, and a vector that does not fit a jagged nested output with "Mismatch
     in shape": those errors, torch's class and sentence, get the explanation as a note
     (NOTE [torch's sentence first]); any other passes through untouched. ``given``: the
-    vectors as the caller passed them."""
+    vectors as the caller passed them; ``outputs``: the outputs as the caller passed them
+    (a dict, read by its keys, is told as such)."""
     try:
         return run_torch()
     except RuntimeError as err:
@@ -196,7 +199,7 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
                if not isinstance(o, (Tensor, GradientEdge)) and not is_tensor_like(o)]
         if not bad or not _torch_validation(err):
             raise
-        explanation = output_type_message(labels, bad[0], outs[bad[0]])
+        explanation = output_type_message(labels, bad[0], outs[bad[0]], outputs)
         if not hasattr(err, "add_note"):  # pragma: no cover - Python 3.10
             raise torch_first(AssertionError, explanation, str(err)) from None
         _explain(err, explanation)
@@ -204,7 +207,8 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
 
 
 def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | None,
-                given: Any, batched: bool, run_torch: Callable[[Any], Any]) -> Any:
+                given: Any, batched: bool, run_torch: Callable[[Any], Any],
+                outputs: Any = None) -> Any:
     """A call that goes to torch's ``__torch_function__`` protocol (a subclass that overrides
     it among the outputs or inputs, a ``TorchFunctionMode`` active), checked first as any
     other: torch's own function runs under the override with torch's checks only, which let a
@@ -225,7 +229,7 @@ def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | No
             except GradOutputsError as err:
                 error = err
     if seen is None:
-        return _unchecked(labels, outs, lambda: run_torch(given), given)
+        return _unchecked(labels, outs, lambda: run_torch(given), given, outputs)
     if error is not None:
         return _judged(error, labels, lambda: run_torch(entries))
     return run_torch(vectors)
@@ -482,7 +486,7 @@ def _grad(
                 retain_graph=retain_graph, create_graph=create_graph, only_inputs=only_inputs,
                 allow_unused=allow_unused, is_grads_batched=is_grads_batched,
                 materialize_grads=materialize_grads,
-            )))
+            ), outputs))
         return dict(zip(inputs.keys(), result)) if type(inputs) is dict else result
     if not only_inputs:
         warnings.warn(
@@ -496,7 +500,7 @@ def _grad(
     if seen is None:
         return _unchecked(labels, outs, lambda: torch_grad(
             outs, inputs_arg, grad_outputs, retain_graph, create_graph, True, allow_unused,
-            is_grads_batched, materialize_grads), grad_outputs)
+            is_grads_batched, materialize_grads), grad_outputs, outputs)
     entries = as_entries(grad_outputs, labels, outs)
     try:
         gos = normalize_grad_outputs(
@@ -588,11 +592,12 @@ def _backward(
                 _AUTOGRAD.backward, overridable, outs, grad_tensors=vectors,
                 retain_graph=retain_graph, create_graph=create_graph,
                 inputs=ins if inputs is not None else None,
-            )))
+            ), tensors))
     seen = _checkable(outs)
     if seen is None:
         return _unchecked(labels, outs, lambda: torch_backward(
-            outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg), grad_tensors)
+            outs, grad_tensors, retain_graph, create_graph, inputs=inputs_arg), grad_tensors,
+            tensors)
     entries = as_entries(grad_tensors, labels, outs)
     try:
         gts = normalize_grad_outputs(
