@@ -78,3 +78,22 @@ def test_a_dict_of_losses_as_outputs_is_explained_as_a_dict(call):
     # the fix it gives works: the gradient of the total loss
     (got,) = _silent_grads(lambda: torch.autograd.grad(list(losses.values()), [x]))
     assert torch.allclose(got, 2 * x.detach() + x.detach().sign())
+
+
+@pytest.mark.parametrize("entry, fix", [
+    ("dict", "Fix: put the tensors it holds, list(outputs[0].values()), in its place: outputs "
+             "is one flat sequence of tensors (and grad_outputs too, in the same order)."),
+    ("list", "Fix: put the tensors it holds in its place: outputs is one flat sequence of "
+             "tensors (and grad_outputs too, in the same order)."),
+    ("float", "Fix: pass the tensor itself (.item() gives a number, which holds no graph)."),
+])
+def test_an_entry_of_outputs_that_holds_tensors_is_not_told_of_item(entry, fix):
+    x = _leaf(3)
+    l1, l2 = (x * x).sum(), x.abs().sum()
+    value = {"dict": {"ce": l1, "reg": l2}, "list": [l1, l2], "float": l1.item()}[entry]
+    with tv.checked(), pytest.raises(AssertionError) as info:
+        torch.autograd.grad([value], [x])
+    (note,) = info.value.__notes__
+    assert note.startswith(f"torch.autograd.grad: outputs[0] is a {entry}, but each entry of "
+                           f"outputs must be a tensor")
+    assert note.endswith(fix)

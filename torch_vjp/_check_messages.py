@@ -8,6 +8,7 @@ graph for the shapes of leaf tensors.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -199,12 +200,26 @@ def output_type_message(labels: Labels, i: int, out: Any, outputs: Any = None) -
         f"{labels.call}: {o} is {a_type(out)}, but "
         f"each entry of {labels.outputs} must be a tensor (or a GradientEdge of one).\n"
         f"  {labels.outputs} are the outputs y whose vector-Jacobian product is taken, "
-        f"tensors computed from ones that require grad. " + (
-            f"Fix: leave {o} out of {labels.outputs}, and its entry out of "
-            f"{labels.grad_outputs}: None holds nothing to differentiate."
-            if out is None else
-            "Fix: pass the tensor itself (.item() gives a number, which holds no graph).")
+        f"tensors computed from ones that require grad. " + _output_type_fix(labels, o, out)
     )
+
+
+def _output_type_fix(labels: Labels, o: str, out: Any) -> str:
+    """The fix for ``out``, entry ``o`` of the outputs, which is no tensor: it depends on
+    what it is (a number is a loss's ``.item()``; a dict or a sequence holds tensors)."""
+    if out is None:
+        return (f"Fix: leave {o} out of {labels.outputs}, and its entry out of "
+                f"{labels.grad_outputs}: None holds nothing to differentiate.")
+    if isinstance(out, Mapping):
+        return (f"Fix: put the tensors it holds, list({o}.values()), in its place: "
+                f"{labels.outputs} is one flat sequence of tensors (and {labels.grad_outputs} "
+                f"too, in the same order).")
+    if isinstance(out, (list, tuple)):
+        return (f"Fix: put the tensors it holds in its place: {labels.outputs} is one flat "
+                f"sequence of tensors (and {labels.grad_outputs} too, in the same order).")
+    if isinstance(out, numbers.Number):  # (a NumPy scalar too)
+        return "Fix: pass the tensor itself (.item() gives a number, which holds no graph)."
+    return "Fix: pass the tensor itself."
 
 
 def no_grad_message(labels: Labels, i: int, out: Tensor,
