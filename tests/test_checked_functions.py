@@ -321,7 +321,7 @@ MISTAKES = {
         r"^torch_vjp\.checked: Scale\.backward returned None at index 1, where forward input 1 "
         r"\(shape \(4,\)\) requires grad, and a tensor of shape \(4,\) at index 0, where forward "
         r"input 0 needs no gradient\.(.|\n)*input 1 silently gets no gradient(.|\n)*"
-        r"Fix: return dL/d\(input 1\) at index 1, and None at index 0"),
+        r"Fix: in the first case return dL/d\(input 1\) at index 1, and None at index 0"),
 }
 
 

@@ -23,33 +23,52 @@ def _silent_grads(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-class _StopGradFirst(torch.autograd.Function):
-    """a + b, with the gradient to ``a`` blocked on purpose (backward returns None for it)
-    and the gradient to ``b`` computed without testing ``ctx.needs_input_grad``."""
+def _stop_grad_first(needs_input_grad_tested):
+    class StopGradFirst(torch.autograd.Function):
+        """a + b, with the gradient to ``a`` blocked on purpose (backward returns None for
+        it); the gradient to ``b`` computed whether it needs one or not, or only if so."""
 
-    @staticmethod
-    def forward(ctx, a, b):
-        return a + b
+        @staticmethod
+        def forward(ctx, a, b):
+            return a + b
 
-    @staticmethod
-    def backward(ctx, g):
-        return None, g
+        @staticmethod
+        def backward(ctx, g):
+            if needs_input_grad_tested and not ctx.needs_input_grad[1]:
+                return None, None
+            return None, g
+
+    return StopGradFirst
 
 
-def test_none_for_one_input_next_to_a_dropped_gradient_of_its_shape_is_not_misplaced():
-    # a needs a gradient and gets None (zero, by design); b needs none and gets g, which
-    # torch drops: the node cannot tell this from swapped gradients, so no warning
+def test_none_next_to_a_dropped_gradient_of_its_shape_names_both_readings():
+    # a needs a gradient and gets None (by design, or swapped with the g given for b?);
+    # b needs none and gets g, which torch drops. The node records nothing of b, so the
+    # two readings look the same: the warning names both, torch's result stands, and the
+    # second reading's good practice (None where ctx.needs_input_grad is False) ends it
     a, b = _leaf(3), _leaf(3, seed=1, requires_grad=False)
-    (got,) = _silent_grads(
-        lambda: torch.autograd.grad(_StopGradFirst.apply(a, b).sum(), a, allow_unused=True))
-    (reference,) = torch.autograd.grad(_StopGradFirst.apply(a, b).sum(), a, allow_unused=True)
+    fn = _stop_grad_first(False)
+    with tv.checked(), pytest.warns(tv.FunctionCheckWarning) as caught:
+        (got,) = torch.autograd.grad(fn.apply(a, b).sum(), a, allow_unused=True)
+    (reference,) = torch.autograd.grad(fn.apply(a, b).sum(), a, allow_unused=True)
     assert got is None and reference is None
-    # the same through Tensor.backward and tv.grad, with a second input that needs a gradient
+    said = str(caught[0].message)
+    assert "returned None at index 0, where forward input 0 (shape (3,)) requires grad, and " \
+           "a tensor of shape (3,) at index 1, where forward input 1 needs no gradient" in said
+    assert "cannot tell which of two cases this is" in said, said
+    assert "if the output does not depend on input 0 (None meant), nothing is wrong" in said
+    assert "return dL/d(input 0) at index 0, and None at index 1" in said, said
+    assert "ctx.needs_input_grad[1]" in said, said
+    # the good practice: no warning, the same results through each entry point
+    fn = _stop_grad_first(True)
+    (got,) = _silent_grads(
+        lambda: torch.autograd.grad(fn.apply(a, b).sum(), a, allow_unused=True))
+    assert got is None
     c = _leaf(3, seed=2)
-    _silent_grads(lambda: (_StopGradFirst.apply(a, b) * c).sum().backward())
+    _silent_grads(lambda: (fn.apply(a, b) * c).sum().backward())
     assert a.grad is None
     assert torch.equal(c.grad, (a + b).detach())
-    (gc,) = _silent_grads(lambda: tv.grad((_StopGradFirst.apply(a, b) * c).sum(), [c]))
+    (gc,) = _silent_grads(lambda: tv.grad((fn.apply(a, b) * c).sum(), [c]))
     assert torch.equal(gc, (a + b).detach())
 
 
