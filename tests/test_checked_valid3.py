@@ -116,3 +116,15 @@ def test_an_entry_of_outputs_that_holds_tensors_is_not_told_of_item(entry, fix):
     assert note.startswith(f"torch.autograd.grad: outputs[0] is a {entry}, but each entry of "
                            f"outputs must be a tensor")
     assert note.endswith(fix)
+
+
+def test_check_grad_outputs_explains_a_dict_of_losses_as_a_dict():
+    x = _leaf(3)
+    losses = {"ce": (x * x).sum(), "reg": x.abs().sum()}
+    with pytest.raises(tv.GradOutputsTypeError) as info:
+        tv.check_grad_outputs(losses, None)
+    said = str(info.value)
+    assert "outputs is a dict, but it must be a tensor or a sequence of tensors: a dict is " \
+           "read by its keys, so outputs[0] is its key 'ce'" in said, said
+    assert "sum(outputs.values())" in said and ".item()" not in said, said
+    assert len(tv.check_grad_outputs(list(losses.values()), None)) == 2

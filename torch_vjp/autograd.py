@@ -184,7 +184,7 @@ def check_grad_outputs(
         torch_vjp.check_grad_outputs: grad_outputs[0] has shape (1,), but outputs[0] has shape ().
         ...
     """
-    outs = _check_outputs(_outputs_tuple(outputs, CHECK), CHECK)
+    outs = _check_outputs(_outputs_tuple(outputs, CHECK), CHECK, outputs)
     return normalize_grad_outputs(outs, grad_outputs, CHECK, is_grads_batched=is_grads_batched)
 
 
