@@ -1,0 +1,38 @@
+"""compile=True against state that changes between calls (NOTE [compiled Jacobians] in
+torch_vjp/_engine/compiled.py): every result in float64 against torch.func."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+from torch_vjp._engine import compiled
+
+D = torch.float64
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+
+
+def _sin2(x):
+    return x.sin() * 2
+
+
+@pytest.mark.parametrize("device", ["xpu", "mps"])
+def test_autocast_of_another_device_type_switched_keeps_the_program(device):
+    # (dynamo guards the autocast state of every device type: keyed on cpu and cuda alone,
+    # each switch recompiled the entry, and it went eager with a warning blaming a global)
+    x = torch.randn(3, dtype=D)
+    want = torch.func.jacrev(_sin2)(x)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tv.JacobianWarning)
+            for i in range(2 * compiled.REBUILD_WARN_AT + 2):
+                torch.set_autocast_enabled(device, i % 2 == 1)
+                torch.testing.assert_close(tv.jacobian(_sin2, x, compile=True), want)
+    finally:
+        torch.set_autocast_enabled(device, False)
+    assert len(compiled._CACHE) == 2
+    assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())
