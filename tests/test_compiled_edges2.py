@@ -36,3 +36,19 @@ def test_autocast_of_another_device_type_switched_keeps_the_program(device):
         torch.set_autocast_enabled(device, False)
     assert len(compiled._CACHE) == 2
     assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())
+
+
+def test_autocast_cache_switched_keeps_the_program():
+    # (dynamo's guard holds whether autocast caches its casts, enabled or not)
+    x = torch.randn(3, dtype=D)
+    want = torch.func.jacrev(_sin2)(x)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tv.JacobianWarning)
+            for i in range(2 * compiled.REBUILD_WARN_AT + 2):
+                torch.set_autocast_cache_enabled(i % 2 == 0)
+                torch.testing.assert_close(tv.jacobian(_sin2, x, compile=True), want)
+    finally:
+        torch.set_autocast_cache_enabled(True)
+    assert len(compiled._CACHE) == 2
+    assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())

@@ -200,7 +200,7 @@ def global_state() -> object:
     """Grad mode and inference mode, autocast (enabled, and its dtype, per device type),
     the other settings dynamo's global state guard holds (the default dtype, deterministic
     algorithms, the number of threads, float32 matmul precision and reduced-precision
-    reductions, torch function), and the keys of the global module hook dicts
+    reductions, torch function, subclasses' or all of it, autocast's cast cache), and the keys of the global module hook dicts
     (``nn.modules.module.register_module_forward_hook`` and its kin): what a compiled
     program bakes in, and the first-call check must see again when it changes (NOTE
     [compiled Jacobians]). A few microseconds. (Dynamo guards each of these: left out of the
@@ -214,7 +214,8 @@ def global_state() -> object:
                torch.get_float32_matmul_precision(),
                torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
                torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
-               torch._C._is_torch_function_enabled())
+               torch._C._is_torch_function_enabled(),
+               torch._C._is_torch_function_all_disabled(), torch.is_autocast_cache_enabled())
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cast, hooks, guarded
 
 
