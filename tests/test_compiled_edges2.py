@@ -52,3 +52,22 @@ def test_autocast_cache_switched_keeps_the_program():
         torch.set_autocast_cache_enabled(True)
     assert len(compiled._CACHE) == 2
     assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())
+
+
+def _jac_twice(x):
+    return tv.jacobian(_sin2, x, compile=True) * 2
+
+
+def test_a_call_in_the_users_eager_run_under_another_stance_stays_compilable():
+    # (the first call of the user's compiled function under "eager_then_compile" runs it
+    # eagerly inside dynamo's frame callback, where torch refuses to change the stance)
+    x = torch.randn(3, dtype=D)
+    want = torch.func.jacrev(_sin2)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with torch.compiler.set_stance("eager_then_compile"):
+            torch.testing.assert_close(torch.compile(_jac_twice)(x), want * 2)
+        for _ in range(2):
+            torch.testing.assert_close(tv.jacobian(_sin2, x, compile=True), want)
+    (entry,) = compiled._CACHE.values()
+    assert entry.run is not None

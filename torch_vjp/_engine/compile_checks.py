@@ -27,7 +27,7 @@ __all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled",
            "recompile_refused", "FirstRun", "graph_safe_mode", "warn_rebuilt",
            "warn_eager", "compile_failure", "COMPILED_STRATEGIES", "check_compile",
            "check_compilable", "warn_budget", "program_mode", "user_stance",
-           "compiles_nothing", "dynamo_disabled"]
+           "compiles_nothing", "dynamo_disabled", "stance_held"]
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
@@ -328,7 +328,19 @@ def _program_mode(stance: bool) -> Iterator[None]:
 # call), so its programs run under the default stance, which is restored after each call
 # (the stance is process-wide: another thread's compile meanwhile sees the default too).
 # "force_eager" ignores every torch.compile: compile=True runs the eager call, as it does
-# where dynamo compiles nothing (:func:`compiles_nothing`, :func:`dynamo_disabled`).
+# where dynamo compiles nothing (:func:`compiles_nothing`, :func:`dynamo_disabled`). So
+# does a call made while a frame of the user's own torch.compile runs under another
+# stance (its first, eager call under "eager_then_compile", the code after a graph break
+# under "fail_on_recompile"): torch refuses to change the stance there
+# (:func:`stance_held`), and the refusal, taken for a failed compile, left the signature
+# eager for good, with a warning that blamed torch.compile.
+
+
+def stance_held() -> bool:
+    """Whether torch.compile's stance cannot be changed here: a frame of a compiled
+    function runs (dynamo's frame callback is set), where ``set_stance`` raises."""
+    callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+    return callback is not None and callback is not False
 
 
 def compiles_nothing() -> bool:

@@ -78,7 +78,7 @@ from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, Gra
                                               compile_failure, compiles_nothing,
                                               dynamo_disabled, program_mode,
                                               recompile_refused, results_agree,
-                                              user_stance, warn_budget, warn_eager,
+                                              stance_held, user_stance, warn_budget, warn_eager,
                                               warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
                                           program_key, tracing)
@@ -295,7 +295,8 @@ def compiled_call(
             same program. The program takes them after ``args``.
     """
     stance = user_stance()
-    if stance is not None and stance.stance == "force_eager" or compiles_nothing():
+    if stance is not None and (stance.stance == "force_eager" or stance_held()) \
+            or compiles_nothing():
         return eager()  # (NOTE [the user's stance] in compile_checks.py)
     if not passed:  # (NOTE [a function called again] in compile_memo.py)
         noted = called_again(call, f, options, args)
