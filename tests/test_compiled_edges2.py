@@ -71,3 +71,31 @@ def test_a_call_in_the_users_eager_run_under_another_stance_stays_compilable():
             torch.testing.assert_close(tv.jacobian(_sin2, x, compile=True), want)
     (entry,) = compiled._CACHE.values()
     assert entry.run is not None
+
+
+class _Scale:
+    value = 2.0
+
+
+def _scaled(x):
+    return x.sin() * _Scale.value
+
+
+def test_a_recompile_while_dynamo_is_disabled_leaves_the_signature_compilable(monkeypatch):
+    # (an entry whose guard fails once dynamo's config.disable is set cannot recompile:
+    # that call runs eagerly, and after dynamo is back the signature compiles again)
+    monkeypatch.setattr(_Scale, "value", 2.0)
+    x = torch.randn(3, dtype=D)
+    tv.jacobian(_scaled, x, compile=True)
+    _Scale.value = 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        with torch._dynamo.config.patch(disable=True):
+            torch.testing.assert_close(tv.jacobian(_scaled, x, compile=True),
+                                       torch.func.jacrev(_scaled)(x))
+        assert not compiled._CACHE
+        for _ in range(2):
+            torch.testing.assert_close(tv.jacobian(_scaled, x, compile=True),
+                                       torch.func.jacrev(_scaled)(x))
+    (entry,) = compiled._CACHE.values()
+    assert entry.run is not None

@@ -362,7 +362,10 @@ def dynamo_disabled() -> bool:
     returns the function itself: the entry ran the plain form eagerly, unguarded, without
     the eager call's ``buffers_kept``; or dynamo's ``config.disable``, with which it
     compiles no frame). Read by a first call, before it compiles: compile=True runs the
-    eager call and makes no entry."""
+    eager call and makes no entry; and where a built entry's program fails: dynamo, switched
+    off since, keeps running the programs it has but compiles no new one where a guard
+    fails, and that call is a first call again (it failed, and the signature stayed eager
+    for good, with a warning that blamed torch.compile)."""
     if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
         return True
     config = sys.modules.get("torch._dynamo.config")  # (not imported: never set)

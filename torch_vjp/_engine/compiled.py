@@ -328,8 +328,9 @@ def _run(call: str, f: object, args: tuple[Any, ...], entry: _Entry,
             got = entry(f, args)  # this call's f: its closure as it is now
             recompiled = _variants(entry.code) != before
     except Exception as err:  # noqa: BLE001 - a later recompile failed: eager decides
-        if recompile_refused(err):  # (its backend refused: nothing of it ran)
-            return _RECOMPILED
+        if recompile_refused(err) or dynamo_disabled():  # (its backend refused, or
+            return _RECOMPILED  # dynamo, switched off since, compiles no frame: nothing
+            # of it ran, and the first call again runs eagerly without an entry)
         if passes_through(err):
             raise
         result = eager()  # f's own errors propagate from here, untouched
