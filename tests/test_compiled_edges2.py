@@ -99,3 +99,24 @@ def test_a_recompile_while_dynamo_is_disabled_leaves_the_signature_compilable(mo
                                        torch.func.jacrev(_scaled)(x))
     (entry,) = compiled._CACHE.values()
     assert entry.run is not None
+
+
+_IDX = torch.tensor([0, 1, 0, 2, 1, 0])
+
+
+def _index_added(x):
+    return torch.zeros(3, dtype=x.dtype).index_add(0, _IDX, x.sin())
+
+
+def test_an_index_add_in_forward_mode_compiles():
+    # (its zero tangent is an efficient zero tensor expanded over the basis: inductor added
+    # every row into the one row the expand shares, through the zero tensor's missing
+    # memory, and the process died)
+    x = torch.randn(6, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(2):
+            got = tv.jacobian(_index_added, x, strategy="fwd", compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(_index_added)(x))
+    (entry,) = compiled._CACHE.values()
+    assert entry.run is not None

@@ -6,6 +6,7 @@ the option itself."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -119,13 +120,68 @@ class GraphPrecision:
         after = config.post_grad_custom_post_pass  # (one set already runs first)
         after = [] if not after else list(after) if isinstance(after, (list, tuple)) \
             else [after]
+        after.append(_overlap_copies())  # NOTE [a scatter into an expanded tensor]
         with config.patch({"post_grad_custom_pre_pass": BasisFold() if self.fold else None,
                            "post_grad_custom_post_pass": [*after, OneDnnProducts()]
-                           if faster_here() else after or None,
+                           if faster_here() else after,
                            # NOTE [small kernels run on one thread]
                            "cpp.min_chunk_size": max(config.cpp.min_chunk_size,
                                                      PARALLEL_MIN_CHUNK)}):
             return inductor(gm, example_inputs)  # NOTE [the basis folded], [oneDNN products]
+
+
+# NOTE [a scatter into an expanded tensor]
+# Inductor's post-grad graph turns ``index_add`` (and ``index_put`` with accumulate) into
+# ``index_put``, which its last pass writes in place into its first argument where nothing
+# else reads that tensor's storage afterwards, without asking whether that argument overlaps
+# itself: an ``expand`` of a fresh tensor (the zero tangent forward mode starts an
+# ``index_add`` from is ``_efficientzerotensor(n).expand(B, n)`` under vmap). The batch's
+# rows were added into the one shared row, so every row of the Jacobian came out as their
+# sum, and where that row was an efficient zero tensor, which has no memory, the program
+# read and wrote through a null pointer and the process died (``jacobian(lambda x:
+# torch.zeros(3, dtype=x.dtype).index_add(0, idx, x.sin()), x, strategy='fwd',
+# compile=True)``). So, before that pass, each such argument that overlaps itself is copied
+# into a tensor of its own, and an efficient zero tensor (which inductor's kernels read as
+# memory, where eagerly its dispatch key answers) is made a tensor of zeros.
+
+
+@functools.cache
+def _overlap_copies() -> Any:
+    """Inductor's post-grad pass of NOTE [a scatter into an expanded tensor] (a class made
+    when a program is first compiled: inductor is imported then)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    from torch._inductor.fx_passes.reinplace import inplaceable_ops
+
+    zero_tensor = torch.ops.aten._efficientzerotensor.default
+
+    class OverlapCopies(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for node in list(graph.nodes):
+                if node.op == "call_function" and node.target is zero_tensor:
+                    node.target = torch.ops.aten.full.default  # (its keywords too)
+                    node.args = (node.args[0], 0)
+                op = inplaceable_ops.get(node.target) if node.op == "call_function" else None
+                for i in op.mutated_args if op is not None else ():
+                    arg = node.args[i] if i < len(node.args) else None
+                    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+                    if not isinstance(val, Tensor) or not _overlaps(val):
+                        continue
+                    with graph.inserting_before(node):
+                        copy = graph.call_function(torch.ops.aten.clone.default, (arg,),
+                                                   {"memory_format": torch.contiguous_format})
+                    copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+                    node.replace_input_with(arg, copy)
+
+        def uuid(self) -> Any:
+            return get_hash_for_files((__file__,))
+
+    return OverlapCopies()
+
+
+def _overlaps(t: Tensor) -> bool:
+    """Whether two of ``t``'s elements share memory (a dimension of stride 0 and size 2 or
+    more, an ``expand``: torch's ``MemOverlap::Yes``)."""
+    return torch._debug_has_internal_overlap(t) == 1
 
 
 # NOTE [small kernels run on one thread]
