@@ -120,3 +120,24 @@ def test_an_index_add_in_forward_mode_compiles():
             torch.testing.assert_close(got, torch.func.jacrev(_index_added)(x))
     (entry,) = compiled._CACHE.values()
     assert entry.run is not None
+
+
+def _scaled_by(w):
+    return lambda x: (x * w).sin()
+
+
+def test_a_closure_tensor_whose_requires_grad_alternates_keeps_both_programs():
+    # (the note of a function called again saw the same tensor: its entry, of the other
+    # flag, recompiled, was dropped, and the program was built anew every other call)
+    w = torch.randn(3, dtype=D)
+    f = _scaled_by(w)
+    x = torch.randn(3, dtype=D)
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for i in range(2 * compiled.REBUILD_WARN_AT + 2):
+            w.requires_grad_(i % 2 == 1)
+            want = torch.func.jacrev(_scaled_by(w.detach()))(x)
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True), want)
+    assert compiled.builds() - before == 2
+    assert len(compiled._CACHE) == 2

@@ -123,12 +123,17 @@ def _identity(f: object) -> tuple[object, Any]:
 def _held(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """``values`` as the note keeps them: numbers and strings by value (a float by its
     bits, :func:`~torch_vjp._engine.compile_key.number_key`: ``-0.0`` is not ``0.0``),
-    other objects by a weak reference where they take one, else as they are (a tuple of
-    defaults, a small dict: the function holds them too)."""
+    a tensor by a weak reference and its ``requires_grad`` (switched in place, it is another
+    key, and the note's entry recompiled, refused, on every call that alternated it), other
+    objects by a weak reference where they take one, else as they are (a tuple of defaults,
+    a small dict: the function holds them too)."""
     out: list[Any] = []
     for v in values:
         if isinstance(v, _VALUES) or v is _EMPTY:
             out.append((True, number_key(v)))
+            continue
+        if isinstance(v, torch.Tensor):  # (and its requires_grad, which the key holds)
+            out.append(("tensor", (weakref.ref(v), v.requires_grad)))
             continue
         try:
             out.append((False, weakref.ref(v)))
@@ -146,6 +151,9 @@ def _same(held: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
                 return False
         elif kind is False:
             if h() is not v:
+                return False
+        elif kind == "tensor":
+            if h[0]() is not v or v.requires_grad is not h[1]:
                 return False
         elif h is not v:
             return False

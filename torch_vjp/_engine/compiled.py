@@ -362,13 +362,16 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
         hash(key)
     except TypeError:  # (an option given as a list, argnums=[0, 1]: the eager call says
         return eager()  # what is wrong, or computes without a cache entry)
-    if rebuilt is not None:  # (a noted entry that recompiled: NOTE [a recompiled entry])
+    # (a noted entry that recompiled: NOTE [a recompiled entry]. One noted for another key,
+    # whose difference the note does not see, a closure tensor's requires_grad switched,
+    # stays: its program still serves its own key, and dropped, it was compiled anew on
+    # every other call that alternated the flag)
+    if rebuilt is not None and rebuilt[0] == key:
         with _LOCK:
             if _CACHE.get(rebuilt[0]) is rebuilt[1]:
                 del _CACHE[rebuilt[0]]
-        if rebuilt[0] == key:
-            return _first_call(call, key, kept, f, args, eager, build,
-                               rebuilt[1].recompiles + 1, reused=True)
+        return _first_call(call, key, kept, f, args, eager, build,
+                           rebuilt[1].recompiles + 1, reused=True)
     with _LOCK:
         entry = _CACHE.get(key)
         if entry is not None and not entry.alive():  # (an id reused by a new object)
