@@ -141,3 +141,17 @@ def test_a_closure_tensor_whose_requires_grad_alternates_keeps_both_programs():
             torch.testing.assert_close(tv.jacobian(f, x, compile=True), want)
     assert compiled.builds() - before == 2
     assert len(compiled._CACHE) == 2
+
+
+def test_a_model_frozen_on_alternate_calls_keeps_both_programs():
+    # (dynamo guards each parameter's requires_grad: keyed on the training flags alone,
+    # each switch recompiled the one entry, and it went eager with a warning)
+    m = torch.nn.Linear(3, 2, dtype=D)
+    x = torch.randn(3, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for i in range(2 * compiled.REBUILD_WARN_AT + 2):
+            m.requires_grad_(i % 2 == 1)
+            torch.testing.assert_close(tv.jacobian(m, x, compile=True), m.weight.detach())
+    assert len(compiled._CACHE) == 2
+    assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())

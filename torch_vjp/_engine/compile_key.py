@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.context import module_own_attrs
 
 __all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem",
-           "number_key", "HOOK_GUARDS", "HookGuards", "tracing"]
+           "number_key", "module_flags", "HOOK_GUARDS", "HookGuards", "tracing"]
 
 
 def program_key(f: object, *, passed: bool = False, depth: int = 3,
@@ -252,6 +252,16 @@ def _unsaid(devices: tuple[str, ...]) -> tuple[str, ...]:
 
 _AUTOCAST_DEVICES: tuple[str, ...] = tuple(torch._C._autocast_supported_devices())
 _AUTOCAST_UNSAID = _unsaid(_AUTOCAST_DEVICES)
+
+
+def module_flags(m: torch.nn.Module) -> object:
+    """What the key holds of a module ``f`` or an argument reaches (NOTE [train and eval
+    entries] in :mod:`torch_vjp._engine.compiled`): its training flag, and whether each of
+    its own parameters requires grad. Dynamo guards both; with the training flag alone, a
+    model frozen and unfrozen on alternate calls (``model.requires_grad_(False)`` for the
+    other half of a step) recompiled its one entry on every call, and after
+    ``REBUILD_WARN_AT`` calls it stayed eager, blaming a global."""
+    return m.training, tuple([p.requires_grad for p in m._parameters.values() if p is not None])
 
 
 def _global_hook_dicts() -> tuple[dict[Any, Any], ...]:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from torch_vjp._engine.compile_key import call_signature, number_key
+from torch_vjp._engine.compile_key import call_signature, module_flags, number_key
 
 __all__ = ["MEMO_MAX", "NOTES_PER_CALL", "called_again", "note_call", "forget_calls"]
 
@@ -76,7 +76,7 @@ class _Noted:
         # cache let it go, up to NOTES_PER_CALL of them for each of MEMO_MAX calls)
         self.entry = weakref.ref(entry)
         self.modules = tuple(weakref.ref(m) for m in modules)
-        self.flags = tuple(m.training for m in modules)
+        self.flags = tuple(module_flags(m) for m in modules)
 
 
 def _values_of(f: object) -> tuple[Any, ...] | None:
@@ -184,7 +184,7 @@ def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any
 def _flags_as_noted(noted: _Noted) -> bool:
     for ref, flag in zip(noted.modules, noted.flags):
         m = ref()
-        if m is None or m.training is not flag:
+        if m is None or module_flags(m) != flag:
             return False
     return True
 

@@ -49,8 +49,9 @@ inside a training loop finds its entry again), the call's options, each primal's
 strides, dtype, device, layout, ``requires_grad`` and conjugate, negative and inference
 bits (other values by equality, or identity), grad and inference mode, autocast, the
 settings dynamo's global state guard holds (the default dtype, deterministic algorithms, the
-number of threads), the training flags of the modules ``f`` or its arguments reach (NOTE
-[train and eval entries]), and the global module hooks
+number of threads), the training flags of the modules ``f`` or its arguments reach and
+whether their parameters require grad (NOTE [train and eval entries],
+:func:`~torch_vjp._engine.compile_key.module_flags`), and the global module hooks
 (:mod:`torch_vjp._engine.compile_key`). What else a program depends on
 (a global flag, an object's attribute) dynamo guards, and a call that recompiles its entry
 is a first call again (NOTE [a recompiled entry]). The compiled program takes the
@@ -81,7 +82,7 @@ from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, Gra
                                               stance_held, user_stance, warn_budget, warn_eager,
                                               warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
-                                          program_key, tracing)
+                                          module_flags, program_key, tracing)
 from torch_vjp._engine.compile_memo import called_again, forget_calls, note_call
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, module_tree,
                                        modules_reached, reached)
@@ -354,8 +355,8 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
     # (the training flags of every module f and the arguments reach: NOTE [train and eval
     # entries])
     key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
-           tuple(m.training for t in trees.values() for m in t),
-           tuple(m.training for m in in_args))
+           tuple(module_flags(m) for t in trees.values() for m in t),
+           tuple(module_flags(m) for m in in_args))
     sig_args = args
     args = (*args, *passed)
     try:
