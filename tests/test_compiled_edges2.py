@@ -155,3 +155,24 @@ def test_a_model_frozen_on_alternate_calls_keeps_both_programs():
             torch.testing.assert_close(tv.jacobian(m, x, compile=True), m.weight.detach())
     assert len(compiled._CACHE) == 2
     assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())
+
+
+def _sin_ones(x):
+    return (x * torch.ones(3, dtype=D)).sin()
+
+
+def test_calls_inside_and_outside_a_default_device_keep_both_programs():
+    # (dynamo guards the torch function mode stack: each switch recompiled the one entry)
+    x = torch.randn(3, dtype=D)
+    want = torch.func.jacrev(_sin_ones)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for i in range(2 * compiled.REBUILD_WARN_AT + 2):
+            if i % 2:
+                with torch.device("cpu"):
+                    got = tv.jacobian(_sin_ones, x, compile=True)
+            else:
+                got = tv.jacobian(_sin_ones, x, compile=True)
+            torch.testing.assert_close(got, want)
+    assert len(compiled._CACHE) == 2
+    assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())

@@ -200,10 +200,11 @@ def global_state() -> object:
     """Grad mode and inference mode, autocast (enabled, and its dtype, per device type),
     the other settings dynamo's global state guard holds (the default dtype, deterministic
     algorithms, the number of threads, float32 matmul precision and reduced-precision
-    reductions, torch function, subclasses' or all of it, autocast's cast cache), and the keys of the global module hook dicts
-    (``nn.modules.module.register_module_forward_hook`` and its kin): what a compiled
-    program bakes in, and the first-call check must see again when it changes (NOTE
-    [compiled Jacobians]). A few microseconds. (Dynamo guards each of these: left out of the
+    reductions, torch function, subclasses' or all of it, autocast's cast cache), the
+    torch function modes on the stack (:func:`_function_modes`), and the keys of the global
+    module hook dicts (``nn.modules.module.register_module_forward_hook`` and its kin): what
+    a compiled program bakes in, and the first-call check must see again when it changes
+    (NOTE [compiled Jacobians]). A few microseconds. (Dynamo guards each of these: left out of the
     key, a call that switched one back and forth, ``torch.no_grad()`` and
     ``torch.inference_mode()`` say, whose grad mode is off alike, recompiled the one entry,
     and after ``REBUILD_WARN_AT`` switches it stayed eager, blaming a global.)"""
@@ -216,7 +217,24 @@ def global_state() -> object:
                torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
                torch._C._is_torch_function_enabled(),
                torch._C._is_torch_function_all_disabled(), torch.is_autocast_cache_enabled())
-    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cast, hooks, guarded
+    modes = _function_modes() if torch._C._len_torch_function_stack() else ()
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cast, hooks, guarded,
+            modes)
+
+
+def _function_modes() -> tuple[object, ...]:
+    """The torch function modes on the stack, by type, and a default device's by its
+    device (``with torch.device(...)``, ``torch.set_default_device``): dynamo's guard holds
+    the stack, so a call inside such a mode and one outside it recompiled the one entry,
+    and after ``REBUILD_WARN_AT`` alternations it stayed eager, blaming a global."""
+    from torch.utils._device import DeviceContext  # (imported by torch already)
+
+    out = []
+    for i in range(torch._C._len_torch_function_stack()):
+        mode = torch._C._get_function_stack_at(i)
+        out.append((type(mode), mode.device) if isinstance(mode, DeviceContext)
+                   else type(mode))
+    return tuple(out)
 
 
 def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
