@@ -337,3 +337,28 @@ def test_a_clipping_bound_that_changes_each_step_reuses_the_compiled_program():
                 torch.testing.assert_close(p.grad,
                                            torch.einsum("b,b...->...", factors, ref[n]))
     assert counters["stats"]["unique_graphs"] == 1  # (not one program per bound)
+
+
+def test_a_loss_that_reads_a_parameter_through_the_model_compiles():
+    # (the program called the loss after functional_call had put the parameters back: an L2
+    # term on model[0].weight read the parameter, not the tensor differentiated, the
+    # first-call check found the compiled result off, and the signature ran eagerly with a
+    # warning that it could not compile)
+    from torch_vjp._engine.compiled import builds
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=D), torch.randint(0, 3, (6,))
+    ce = nn.CrossEntropyLoss()
+
+    def loss_fn(o, t):
+        return ce(o, t) + 0.5 * model[0].weight.pow(2).sum()
+
+    ref = _loop(model, loss_fn, x, y)
+    before = builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(2):
+            torch.testing.assert_close(tv.per_sample_grads(model, loss_fn, x, y, compile=True),
+                                       ref)
+    assert builds() - before == 1

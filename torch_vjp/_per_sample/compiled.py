@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map
 
 from torch_vjp._engine.compiled import compiled_call
@@ -107,10 +108,14 @@ def _program(kind: str, job: Job, chunk: int | None) -> Callable[..., Any]:
                 max_norm: Tensor | float | None, loss_fn: Any) -> Any:
         def one(d: dict[str, Tensor], state: dict[str, Any], xi: tuple[Tensor, ...],
                 ti: Any) -> Tensor:
-            out = functional_call(model, {**state, **d}, tuple(x.unsqueeze(0) for x in xi),
-                                  strict=False, tie_weights=True)
             ti = tree_map(lambda z: z.unsqueeze(0) if isinstance(z, Tensor) else z, ti)
-            return scalar_loss(fn, call_loss(loss_fn, out, ti))
+            # (the loss inside the substitution, as torch.func.functional_call's forward: a
+            # loss that reads a parameter through the model, an L2 term on
+            # model.fc.weight, reads the tensor differentiated; read after it, the
+            # parameter itself, that term's gradient was left out)
+            with _reparametrize_module(model, {**state, **d}, tie_weights=True, strict=False):
+                out = model(*(x.unsqueeze(0) for x in xi))
+                return scalar_loss(fn, call_loss(loss_fn, out, ti))
 
         state = functional_state(model)
         diff = {k: state.pop(k) for k in keys}
