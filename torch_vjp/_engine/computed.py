@@ -13,6 +13,13 @@ the blocks against the pass. Where they disagree, the Jacobian is computed again
 backward pass per output element (as ``chunk_size=1``), with a one-time warning, and graphs
 of that structure take the loop from then on. That first call keeps the graph until the
 outputs are released (the loop may need it), as a single vectorised chunk always has.
+
+NOTE [jacobian_of and retain_grad]
+``torch.autograd.grad`` runs the hooks of ``Tensor.retain_grad()``: each backward pass adds
+its cotangent to the ``.grad`` of a retaining output or input, and under ``torch.vmap`` it
+stores a batched tensor there that escapes the vmap (the next pass then fails adding to
+it). The ``.grad`` of every retaining output and input is cleared before each pass and put
+back after it, so those tensors come out as they went in.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ def _blocks(
     # vectorised attempt must leave the graph whole for the loop that replaces it (and the
     # first call for a graph structure keeps it for the check's loop, if it needs one).
     state = {"stop": 0, "next": 0, "proven": False}
+    kept = _retaining((*d_outs, *ins))  # NOTE [jacobian_of and retain_grad]
 
     def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
         if vectorized:  # runs once per chunk, under torch.vmap
@@ -94,10 +102,11 @@ def _blocks(
             last = state["next"] >= n - 1
             state["next"] += 1
             retain = retain_graph if (last and not checking) else True
-        res = torch.autograd.grad(
-            d_outs, ins, list(vecs), retain_graph=retain, create_graph=create_graph,
-            allow_unused=True,
-        )
+        with _grads_kept(kept):
+            res = torch.autograd.grad(
+                d_outs, ins, list(vecs), retain_graph=retain, create_graph=create_graph,
+                allow_unused=True,
+            )
         state["proven"] = state["proven"] or vectorized
         out = []
         for i, (g, x) in enumerate(zip(res, ins)):
@@ -134,7 +143,8 @@ def _blocks(
         blocks_by_input = products(plan)
         if checking and state["proven"]:
             rtol = tolerance(least)  # (the graph's least precise dtype: see _graph_key)
-            got = _unbatched_product(d_outs, ins)
+            with _grads_kept(kept):
+                got = _unbatched_product(d_outs, ins)
             diff, scale = _gap(got, blocks_by_input)
             if diff <= rtol * scale:  # the common case
                 remember(key, "rev")
@@ -194,6 +204,29 @@ def _blocks(
             )
     rows_out = [r[0] if single_in else tuple(r) for r in result]
     return rows_out[0] if single_out else tuple(rows_out)
+
+
+def _retaining(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The non-leaf tensors among ``tensors`` whose ``.grad`` a backward pass writes, once
+    each (NOTE [jacobian_of and retain_grad])."""
+    found: dict[int, Tensor] = {}
+    for t in tensors:
+        if t.retains_grad:
+            found.setdefault(id(t), t)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _grads_kept(tensors: Sequence[Tensor]):
+    """Clears the ``.grad`` of ``tensors`` for a backward pass and puts it back after."""
+    saved = [t.grad for t in tensors]
+    for t in tensors:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, g in zip(tensors, saved):
+            t.grad = g
 
 
 def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
