@@ -40,3 +40,17 @@ def test_jacobian_of_retain_grad_tensors_kept(which, chunk_size):
         assert y.grad is before[0] and h.grad is before[2]
         torch.testing.assert_close(y.grad, before[1])
         torch.testing.assert_close(h.grad, before[3])
+
+
+@pytest.mark.parametrize("strategy", ["rev", "fwd", "rev-loop", "fwd-loop"])
+def test_memory_error_counts_in_the_dtype_it_names(strategy):
+    """The size is counted at the widest dtype of inputs and outputs (never less), and the
+    message names that dtype, so the bytes and the element count agree."""
+    x = torch.randn(200, dtype=torch.float16)
+
+    def f(v):
+        return v.double().outer(v.double()).reshape(-1)[:300]
+
+    with pytest.raises(tv.JacobianMemoryError,
+                       match=r"needs 480 kB: 60,000 float64 elements, 300 output elements"):
+        tv.jacobian(f, x, strategy=strategy, max_memory="100KB")

@@ -258,6 +258,12 @@ def chunk_for(
     itemsize = max(
         max(d.itemsize for d in out_dtypes), max(leaf.dtype.itemsize for leaf in prob.leaves)
     )
+    # the message names the dtype the size is counted in: the result's (the input's in
+    # reverse mode, the output's in forward mode), or the widest where that one is narrower
+    named = prob.leaves[0].dtype if mode == "rev" else out_dtypes[0]
+    if named.itemsize != itemsize:
+        named = max((*out_dtypes, *(leaf.dtype for leaf in prob.leaves)),
+                    key=lambda d: d.itemsize)
     return plan_products(
         n_out if mode == "rev" else n_in,
         n_out,
@@ -270,5 +276,5 @@ def chunk_for(
         alternatives=opts.alternatives,
         batch=opts.batch,
         records=records,
-        dtype=prob.leaves[0].dtype if mode == "rev" else out_dtypes[0],
+        dtype=named,
     )
