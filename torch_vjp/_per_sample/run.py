@@ -235,8 +235,8 @@ def plan_of(job: Job, rebuild: bool = False) -> Plan:
 def _no_rule_error(fn: str, missing: dict[str, str]) -> StrategyError:
     lines = "\n".join(f"    {n!r}: {why}" for n, why in missing.items())
     return StrategyError(
-        f"torch_vjp.{fn}: strategy='hooks' has no per-layer rule for {len(missing)} "
-        f"parameter(s):\n{lines}\n"
+        f"torch_vjp.{fn}: strategy='hooks' cannot compute {len(missing)} parameter(s) "
+        f"with a per-layer rule:\n{lines}\n"
         f"  Rules exist for {', '.join(registered_types())} and nn.MultiheadAttention, and "
         f"for parameters added to (or expanded over) the batch; add one for a layer of your "
         f"own with torch_vjp.register_per_sample_rule. Or use strategy='auto', which "
