@@ -23,53 +23,75 @@ def _silent_grads(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def _stop_grad_first(needs_input_grad_tested):
-    class StopGradFirst(torch.autograd.Function):
-        """a + b, with the gradient to ``a`` blocked on purpose (backward returns None for
-        it); the gradient to ``b`` computed whether it needs one or not, or only if so."""
+class _StopGradFirst(torch.autograd.Function):
+    """a + b, with the gradient to ``a`` blocked on purpose (backward returns None for it)
+    and the gradient to ``b`` computed without testing ``ctx.needs_input_grad``."""
 
-        @staticmethod
-        def forward(ctx, a, b):
-            return a + b
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
 
-        @staticmethod
-        def backward(ctx, g):
-            if needs_input_grad_tested and not ctx.needs_input_grad[1]:
-                return None, None
-            return None, g
-
-    return StopGradFirst
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
 
 
-def test_none_next_to_a_dropped_gradient_of_its_shape_names_both_readings():
-    # a needs a gradient and gets None (by design, or swapped with the g given for b?);
-    # b needs none and gets g, which torch drops. The node records nothing of b, so the
-    # two readings look the same: the warning names both, torch's result stands, and the
-    # second reading's good practice (None where ctx.needs_input_grad is False) ends it
-    a, b = _leaf(3), _leaf(3, seed=1, requires_grad=False)
-    fn = _stop_grad_first(False)
-    with tv.checked(), pytest.warns(tv.FunctionCheckWarning) as caught:
-        (got,) = torch.autograd.grad(fn.apply(a, b).sum(), a, allow_unused=True)
-    (reference,) = torch.autograd.grad(fn.apply(a, b).sum(), a, allow_unused=True)
-    assert got is None and reference is None
-    said = str(caught[0].message)
-    assert "returned None at index 0, where forward input 0 (shape (3,)) requires grad, and " \
-           "a tensor of shape (3,) at index 1, where forward input 1 needs no gradient" in said
-    assert "cannot tell which of two cases this is" in said, said
-    assert "if the output does not depend on input 0 (None meant), nothing is wrong" in said
-    assert "return dL/d(input 0) at index 0, and None at index 1" in said, said
-    assert "ctx.needs_input_grad[1]" in said, said
-    # the good practice: no warning, the same results through each entry point
-    fn = _stop_grad_first(True)
-    (got,) = _silent_grads(
-        lambda: torch.autograd.grad(fn.apply(a, b).sum(), a, allow_unused=True))
-    assert got is None
+class _ZeroFirst(torch.autograd.Function):
+    """a * 0 + b: the true gradient of ``a`` is zero, returned as a tensor of zeros next to
+    the gradient of ``b``, of the same shape."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a * 0 + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.zeros_like(g), g
+
+
+@pytest.mark.parametrize("b_needs_grad", [False, True])
+@pytest.mark.parametrize("fn", [_StopGradFirst, _ZeroFirst], ids=["None", "zeros"])
+def test_a_zero_gradient_next_to_one_of_its_shape_is_not_misplaced(fn, b_needs_grad):
+    # a gets a zero gradient (None or zeros), b gets g, of a's shape: valid code. Where b
+    # needs no gradient torch drops g; the node records nothing of b, so it holds no
+    # evidence that the two were swapped: no warning, torch's results unchanged
+    a, b = _leaf(3), _leaf(3, seed=1, requires_grad=b_needs_grad)
+    inputs = [a, b] if b_needs_grad else [a]
+    got = _silent_grads(
+        lambda: torch.autograd.grad(fn.apply(a, b).sum(), inputs, allow_unused=True))
+    reference = torch.autograd.grad(fn.apply(a, b).sum(), inputs, allow_unused=True)
+    assert len(got) == len(reference)
+    for g, r in zip(got, reference):
+        assert (g is None and r is None) or torch.equal(g, r)
+    # the same through Tensor.backward and tv.grad, with a third input that needs a gradient
     c = _leaf(3, seed=2)
     _silent_grads(lambda: (fn.apply(a, b) * c).sum().backward())
-    assert a.grad is None
-    assert torch.equal(c.grad, (a + b).detach())
+    assert torch.equal(c.grad, (a + b).detach() if fn is _StopGradFirst else b.detach())
     (gc,) = _silent_grads(lambda: tv.grad((fn.apply(a, b) * c).sum(), [c]))
-    assert torch.equal(gc, (a + b).detach())
+    assert torch.equal(gc, c.grad)
+
+
+class _Swapped(torch.autograd.Function):
+    """a * b.sum() (a of shape (3,), b of shape (4,)), whose backward returns the two
+    gradients in each other's places."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return (g * a).sum().expand(4), g * b.sum()
+
+
+def test_gradients_swapped_between_inputs_of_different_shapes_are_still_reported():
+    a, b = _leaf(3), _leaf(4, seed=1)
+    with tv.checked(), pytest.raises(tv.FunctionCheckError) as info:
+        torch.autograd.grad(_Swapped.apply(a, b).sum(), [a, b])
+    assert "_Swapped.backward returned a gradient of shape (4,) at index 0, but forward " \
+           "input 0 has shape (3,)" in info.value.explanation, info.value.explanation
 
 
 @pytest.mark.parametrize("call", ["tv.grad", "checked grad", "checked backward"])

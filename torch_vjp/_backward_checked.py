@@ -31,7 +31,7 @@ from torch_vjp._backward_check import (
     summed_idiom,
     type_message,
 )
-from torch_vjp._errors import chained, shape_str
+from torch_vjp._errors import chained
 
 
 def backward_return_ok(node: Any, returned: Any) -> bool:
@@ -60,13 +60,11 @@ def backward_return_ok(node: Any, returned: Any) -> bool:
                 return False
     edges: list[Any] | None = None
     k = 0  # the next edges with a node belong, in order, to the inputs that need grad
-    loose = missing = False
+    loose = False
     for i in range(n):
         value = values[i]
         if needs[i]:
-            if value is None:
-                missing = True
-            elif type(value) is Tensor:
+            if type(value) is Tensor:
                 if edges is None:
                     edges = [e for e in node.next_functions if e[0] is not None]
                     if len(edges) != sum(needs):  # pragma: no cover - torch keeps them aligned
@@ -84,17 +82,18 @@ def backward_return_ok(node: Any, returned: Any) -> bool:
                         return False
                 except (AttributeError, IndexError, RuntimeError, TypeError):
                     pass  # metadata torch does not expose: torch judges
-            elif not isinstance(value, Tensor):
+            elif value is not None and not isinstance(value, Tensor):
                 return False
             k += 1
         elif value is not None:
             loose = True
     if loose:
         # A value for an input that needs no gradient: torch drops a tensor given for a
-        # tensor input, but raises for anything else (the slow path explains), and it may be
-        # misplaced. Where some of those inputs are tensors and some are not, the node does
-        # not say which: torch judges.
-        if missing or len(node.next_functions) == k:
+        # tensor input, but raises for anything else (the slow path explains). Where some of
+        # those inputs are tensors and some are not, the node does not say which: torch
+        # judges. (Next to None for an input that needs a gradient, such a tensor is no
+        # evidence of misplaced gradients: see backward_problems.)
+        if len(node.next_functions) == k:
             return False
         for i in range(n):
             if not needs[i] and values[i] is not None and not isinstance(values[i], Tensor):
@@ -169,15 +168,14 @@ class BackwardProblem:
     """One objection of checked mode to what a custom backward returned.
 
     Attributes:
-        index: The position in backward's return value, or ``None`` for the count (and for
-            gradients in the wrong positions).
+        index: The position in backward's return value, or ``None`` for the count.
         torch: What torch's own validation does with it, as far as the check can tell:
             ``"rejects"`` (raises), ``"sums"`` (sums a gradient whose shape the input's shape
             broadcasts to down to the input's shape, without a word) or ``"accepts"`` (takes
             it, casting or moving it, or dropping it, without a word).
         message: The explanation: what was returned, what was expected and why, the fix.
         kind: What it is about: ``"list"``, ``"count"``, ``"type"``, ``"non-tensor"``,
-            ``"shape"``, ``"dtype"``, ``"device"`` or ``"misplaced"`` (to match it with
+            ``"shape"``, ``"dtype"`` or ``"device"`` (to match it with
             torch's sentence where torch's verdict is not known beforehand).
         got: For ``"shape"``, the shape of the returned gradient (torch's sentence names it).
     """
@@ -196,9 +194,12 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
 
     The rules are check_function's, less what torch allows on purpose: ``None`` for any
     input (torch reads it as zeros), extra trailing ``None`` values (torch drops them), a
-    gradient for a tensor input that needs none (torch drops it; but a tensor there together
-    with ``None`` for an input of its shape that needs one is reported as misplaced). What
-    the node does not tell is not judged: the shape of an input that needs no gradient, a
+    gradient for a tensor input that needs none (torch drops it). Such a tensor next to
+    ``None`` for an input of its shape that needs a gradient is not reported as misplaced
+    gradients either: the node does not record the shape of an input that needs no
+    gradient, so it cannot tell them from a backward that gives one input a zero gradient
+    (``None``) and computes the other's without testing ``ctx.needs_input_grad``. What the
+    node does not tell is not judged: the shape of an input that needs no gradient, a
     tensor subclass, a nested tensor.
     """
     fname = function_name(node)
@@ -259,9 +260,6 @@ def backward_problems(call: str, node: Any, returned: Any) -> list[BackwardProbl
                 problems.append(BackwardProblem(
                     i, "accepts" if len(slot.shape) == 0 else "rejects",
                     device_message(call, fname, i, value, slot, False), "device"))
-    misplaced = _misplaced_message(call, fname, values, slots)
-    if misplaced is not None:
-        problems.append(BackwardProblem(None, "accepts", misplaced, "misplaced"))
     return problems
 
 
@@ -273,45 +271,6 @@ def function_name(node: Any) -> str:
     if name.endswith("Generated") and torch.autograd.Function not in cls.__mro__:
         return name[: -len("Generated")]
     return name
-
-
-def _misplaced_message(call: str, fname: str, values: tuple[Any, ...],
-                       slots: list[Slot]) -> str | None:
-    """A tensor returned for an input that needs no gradient, and None for an input of the
-    tensor's shape that needs one: gradients in the wrong positions, which torch takes
-    without a word (it drops the first and reads the second as zeros); or, valid, None for
-    an input the output does not depend on beside a gradient computed for an input that
-    needs none. The node cannot tell the two apart, so the message names both, and the
-    second's good practice (None where ``ctx.needs_input_grad`` is False) ends it."""
-    missing = [i for i, slot in enumerate(slots)
-               if slot.needs_grad and values[i] is None and slot.shape is not None]
-    if not missing:
-        return None
-    for j, slot in enumerate(slots):
-        value = values[j]
-        if slot.needs_grad or slot.kind == "other" or not isinstance(value, Tensor):
-            continue
-        for i in missing:
-            if tuple(value.shape) != slots[i].shape:
-                continue
-            s = shape_str(slots[i].shape)
-            return (
-                f"{call}: {fname}.backward returned None at index {i}, where forward input {i} "
-                f"(shape {s}) requires grad, and a tensor of shape {s} at index {j}, where "
-                f"forward input {j} needs no gradient.\n"
-                f"  backward returns one gradient per forward input, in forward's order. torch "
-                f"drops a gradient for an input that needs none and reads None as a zero "
-                f"gradient, both without a word. The graph records nothing of input {j}, so "
-                f"this check cannot tell which of two cases this is: if the tensor at index "
-                f"{j} is dL/d(input {i}), the two are in each other's places and input {i} "
-                f"silently gets no gradient; if the output does not depend on input {i} (None "
-                f"meant), nothing is wrong.\n"
-                f"  Fix: in the first case return dL/d(input {i}) at index {i}, and None at "
-                f"index {j}; in the second return None at index {j} as well (test "
-                f"ctx.needs_input_grad[{j}] to skip computing it), which also ends this "
-                f"warning."
-            )
-    return None
 
 
 def _received_shapes(node: Any) -> list[tuple[int, ...] | None]:

@@ -25,11 +25,13 @@ through torch's engine on a stand-in node with the same inputs (``torch_verdict`
 torch raises, the error is a ``FunctionCheckError`` whose message is torch's sentence, with
 the explanation (what was returned, what was expected and why, the fix, naming the Function
 and the input) as a note. Where torch takes the value after all (it sums a Jacobian-shaped
-or batched gradient down to its input's shape, casts a float64 gradient to float32, reads
-None as zeros while dropping a misplaced gradient), the call goes on with torch's result
-and a ``FunctionCheckWarning`` says what torch repaired: checked mode changes nothing but
-warnings for what torch accepts. Anything the node does not tell is left to torch: a tensor
-subclass, a nested tensor, which of several inputs that need no gradient are tensors.
+or batched gradient down to its input's shape, casts a float64 gradient to float32), the
+call goes on with torch's result and a ``FunctionCheckWarning`` says what torch repaired:
+checked mode changes nothing but warnings for what torch accepts. Anything the node does not
+tell is left to torch: a tensor subclass, a nested tensor, which of several inputs that need
+no gradient are tensors, and their shapes (so ``None`` for one input next to a tensor of its
+shape for an input that needs no gradient is no evidence of gradients in the wrong
+positions: a backward may give the first a zero gradient on purpose).
 Inside torch.func transforms the fast path and the diagnosis run too (shapes and metadata
 are per example there, as torch's own validation sees them), but nothing is replayed: what
 torch rejects there raises torch's own error.
