@@ -20,36 +20,29 @@ def _sin2(x):
     return x.sin() * 2
 
 
-@pytest.mark.parametrize("device", ["xpu", "mps"])
-def test_autocast_of_another_device_type_switched_keeps_the_program(device):
-    # (dynamo guards the autocast state of every device type: keyed on cpu and cuda alone,
-    # each switch recompiled the entry, and it went eager with a warning blaming a global)
+# (dynamo guards the autocast state of every device type, and whether autocast caches its
+# casts: keyed on cpu and cuda's autocast alone, each switch recompiled the entry, and it
+# went eager with a warning blaming a global)
+_SWITCHES = {
+    "xpu autocast": (lambda on: torch.set_autocast_enabled("xpu", on), False),
+    "mps autocast": (lambda on: torch.set_autocast_enabled("mps", on), False),
+    "autocast cache": (torch.set_autocast_cache_enabled, True),
+}
+
+
+@pytest.mark.parametrize("switch", list(_SWITCHES))
+def test_a_global_setting_dynamo_guards_switched_keeps_both_programs(switch):
+    turn, default = _SWITCHES[switch]
     x = torch.randn(3, dtype=D)
     want = torch.func.jacrev(_sin2)(x)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", tv.JacobianWarning)
             for i in range(2 * compiled.REBUILD_WARN_AT + 2):
-                torch.set_autocast_enabled(device, i % 2 == 1)
+                turn(i % 2 == 1)
                 torch.testing.assert_close(tv.jacobian(_sin2, x, compile=True), want)
     finally:
-        torch.set_autocast_enabled(device, False)
-    assert len(compiled._CACHE) == 2
-    assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())
-
-
-def test_autocast_cache_switched_keeps_the_program():
-    # (dynamo's guard holds whether autocast caches its casts, enabled or not)
-    x = torch.randn(3, dtype=D)
-    want = torch.func.jacrev(_sin2)(x)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", tv.JacobianWarning)
-            for i in range(2 * compiled.REBUILD_WARN_AT + 2):
-                torch.set_autocast_cache_enabled(i % 2 == 0)
-                torch.testing.assert_close(tv.jacobian(_sin2, x, compile=True), want)
-    finally:
-        torch.set_autocast_cache_enabled(True)
+        turn(default)
     assert len(compiled._CACHE) == 2
     assert all(e.run is not None and e.recompiles == 0 for e in compiled._CACHE.values())
 
