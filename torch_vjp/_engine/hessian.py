@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_vjp._engine.blocks import assemble
+from torch_vjp._engine.copies import normal_tensors
 from torch_vjp._engine.jacobian import function_key, jacobian_blocks
 from torch_vjp._engine.refusals import mutates_captured
 from torch_vjp._engine.problem import Problem
@@ -105,13 +106,17 @@ def autograd_hessian(
     # (with create_graph, the primals themselves: autograd.functional.jacobian keeps the
     # history of one that requires grad, so that the Hessian is differentiable with respect
     # to it, as the other routes' is)
-    xs = tuple(t if create_graph else t.detach() for leaves, _ in flat for t in leaves)
+    # (and outside torch.inference_mode, where no graph is recorded: NOTE [plain autograd in
+    # inference mode] in plain.py; an inference tensor is copied out of it to be a primal)
+    with normal_tensors():
+        xs = tuple(t.clone() if t.is_inference() else t if create_graph else t.detach()
+                   for leaves, _ in flat for t in leaves)
 
     def gradient(*ys: Tensor) -> tuple[Tensor, ...]:
         jac = torch.autograd.functional.jacobian(f_sel, ys, create_graph=True)
         return tuple(block for row in jac for block in row)  # (output i, leaf j) at i*L + j
 
-    with torch.enable_grad():
+    with torch.enable_grad(), normal_tensors():
         h = torch.autograd.functional.jacobian(gradient, xs, create_graph=create_graph)
     # (warned once it worked: an error of f's own comes out of the call above alone)
     warn_once(

@@ -6,6 +6,14 @@ torch.func's ``vjp``/``jvp`` fail even without vmap. Plain autograd still works 
 ``torch.autograd.forward_ad`` dual tensors per input element (forward mode). These do not
 compose with outer torch.func transforms, so the engine uses them at top level only (see
 NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`).
+
+NOTE [plain autograd in inference mode]
+Under ``torch.inference_mode()`` no operator records a graph or carries a tangent, whatever
+``torch.enable_grad()`` says: f's outputs came out without either, and every product was
+taken as zeros, silently. torch.func's transforms run there as outside it, so the plain
+loops leave the mode for their calls of f, their basis vectors (an inference tensor saved
+for backward, or given as a tangent, is refused) and their products, as they enter grad
+mode.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
+from torch_vjp._engine.copies import normal_tensors
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, loop_draws, map_rows
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
@@ -34,10 +43,11 @@ def _detach_tree(tree: Any) -> Any:
 def rev_plain(prob: Problem, opts: Opts) -> Blocks:
     """Reverse mode with plain autograd, one ``torch.autograd.grad`` per output element
     (under ``torch.no_grad()`` for a detached result: NOTE [no graph outlives its chunk])."""
-    if opts.detached:
-        with torch.no_grad():
-            return _rev_plain_products(prob, opts)
-    return _rev_plain_products(prob, opts)
+    with normal_tensors():  # NOTE [plain autograd in inference mode]
+        if opts.detached:
+            with torch.no_grad():
+                return _rev_plain_products(prob, opts)
+        return _rev_plain_products(prob, opts)
 
 
 def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
@@ -72,7 +82,7 @@ def plain_pullback(
     ``need_graph``, the leaves keep the primals' history and the gradients are
     differentiable (``create_graph``); otherwise aux is detached. The one sharded Jacobians
     use too, each rank for its own rows."""
-    with torch.enable_grad():
+    with torch.enable_grad(), normal_tensors():  # NOTE [plain autograd in inference mode]
         # (a leaf with no history of its own, one that does not require grad beside one that
         # does, becomes a leaf that requires grad: autograd.grad refuses any other)
         xs = [x.view_as(x) if need_graph and x.requires_grad else x.detach().requires_grad_()
@@ -89,10 +99,11 @@ def plain_pullback(
     def fn(*cot: Tensor) -> tuple[Tensor, ...]:
         if not d_outs:
             return tuple(torch.zeros_like(x) for x in xs)
-        grads = torch.autograd.grad(
-            d_outs, xs, [cot[j] for j in diff], retain_graph=True, create_graph=need_graph,
-            allow_unused=True,
-        )
+        with normal_tensors():
+            grads = torch.autograd.grad(
+                d_outs, xs, [cot[j] for j in diff], retain_graph=True,
+                create_graph=need_graph, allow_unused=True,
+            )
         return tuple(torch.zeros_like(x) if gx is None else gx for gx, x in zip(grads, xs))
 
     return fn, flat_out, out_spec, aux, len(diff) == len(flat_out)
@@ -118,7 +129,7 @@ def plain_push(prob: Problem, check: Callable[[list[Tensor], Any], None], n: int
 
     def fn(*tangents: Tensor) -> Any:
         same_draws()
-        with fwAD.dual_level():
+        with normal_tensors(), fwAD.dual_level():  # NOTE [plain autograd in inference mode]
             duals = [fwAD.make_dual(x, t) for x, t in zip(leaves, tangents)]
             res = prob.g(*duals)
             out = res[0] if has_aux else res
@@ -140,6 +151,11 @@ def plain_push(prob: Problem, check: Callable[[list[Tensor], Any], None], n: int
 def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
     """Forward mode with plain forward-mode AD (``torch.autograd.forward_ad``), one
     forward pass with dual tensors per input element."""
+    with normal_tensors():  # NOTE [plain autograd in inference mode]
+        return _fwd_plain_products(prob, shapes, opts)
+
+
+def _fwd_plain_products(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
     leaves = prob.leaves
     rows_in = in_rows(prob, opts.batch)
     n = sum(math.prod(s) for s in rows_in)
