@@ -44,15 +44,18 @@ def test_jacobian_of_retain_grad_tensors_kept(which, chunk_size):
 
 @pytest.mark.parametrize("strategy", ["rev", "fwd", "rev-loop", "fwd-loop"])
 def test_memory_error_counts_in_the_dtype_it_names(strategy):
-    """The size is counted at the widest dtype of inputs and outputs (never less), and the
-    message names that dtype, so the bytes and the element count agree."""
+    """The result is counted in the dtype its block has (the input's in reverse mode, the
+    output's in forward mode, as torch.func gives it), and the message names that dtype, so
+    the bytes and the element count agree."""
     x = torch.randn(200, dtype=torch.float16)
 
     def f(v):
         return v.double().outer(v.double()).reshape(-1)[:300]
 
+    size, dtype = ("120 kB", "float16") if strategy.startswith("rev") else ("480 kB", "float64")
+    assert tv.jacobian(f, x, strategy=strategy).dtype == getattr(torch, dtype)
     with pytest.raises(tv.JacobianMemoryError,
-                       match=r"needs 480 kB: 60,000 float64 elements, 300 output elements"):
+                       match=rf"needs {size}: 60,000 {dtype} elements, 300 output elements"):
         tv.jacobian(f, x, strategy=strategy, max_memory="100KB")
 
 
@@ -127,3 +130,42 @@ def test_plain_autograd_hessian_under_inference_mode():
         Hi = tv.hessian(lambda a: _old_style(a).sum(), x.clone())
     torch.testing.assert_close(H, want)
     torch.testing.assert_close(Hi, want)
+
+
+@pytest.mark.parametrize("strategy", ["rev", "rev-loop", "fwd", "fwd-loop"])
+def test_memory_plan_counts_each_block_in_its_own_dtype(strategy):
+    # reverse mode: blocks in the input's dtype (float16, 80 kB); forward mode: in the
+    # output's (float64, 320 kB), as torch.func.jacrev / jacfwd give them
+    x = torch.randn(200, dtype=D).half()
+    w = torch.randn(200, dtype=D)
+
+    def f(x):
+        return x.double() * w
+
+    rev = strategy.startswith("rev")
+    want = (torch.func.jacrev if rev else torch.func.jacfwd)(f)(x)
+    budget = 200_000  # the result and one product fit in reverse mode only
+    if rev:
+        J = tv.jacobian(f, x, strategy=strategy, max_memory=budget)
+        assert J.dtype == torch.float16
+        torch.testing.assert_close(J, want)
+        small = 60_000
+    else:
+        small = budget
+    with pytest.raises(tv.JacobianMemoryError) as info:
+        tv.jacobian(f, x, strategy=strategy, max_memory=small)
+    kind = "float16" if rev else "float64"
+    size = "80 kB" if rev else "320 kB"
+    assert f"the result needs {size}" in str(info.value)
+    assert f"40,000 {kind} elements" in str(info.value)
+
+
+def test_memory_plan_names_no_dtype_for_blocks_of_several():
+    a = torch.randn(100, dtype=D).float()
+    b = torch.randn(100, dtype=D)
+    with pytest.raises(tv.JacobianMemoryError) as info:
+        tv.jacobian(lambda a, b: a.double() * b, a, b, argnums=(0, 1), strategy="rev",
+                    max_memory=50_000)
+    # 100 x 100 float32 and 100 x 100 float64
+    assert "the result needs 120 kB: 20,000 elements, 100 output elements times 200" in str(
+        info.value)

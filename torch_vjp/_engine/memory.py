@@ -340,6 +340,7 @@ def plan_products(
     batch: int | None = None,
     records: bool = False,
     dtype: torch.dtype | None = None,
+    result_bytes: int | None = None,
 ) -> int | None:
     """The chunk size of ``n_vectors`` products building a Jacobian with ``n_out`` rows and
     ``n_in`` columns (``batch`` blocks of them for ``batch_jacobian``): NOTE [memory model]
@@ -355,6 +356,8 @@ def plan_products(
             (NOTE [no graph outlives its chunk]), which :data:`GRAPH_FACTOR` more working
             memory per product stands for.
         dtype: the result's dtype, named in the message (not named when None).
+        result_bytes: the result's bytes where its blocks differ in dtype (each block in
+            its own), else None for ``itemsize`` bytes per element.
 
     Returns:
         The chunk size, or ``None`` for all products at once.
@@ -368,7 +371,7 @@ def plan_products(
         2
     """
     b = 1 if batch is None else batch
-    jac_bytes = itemsize * n_out * n_in * b
+    jac_bytes = itemsize * n_out * n_in * b if result_bytes is None else result_bytes
     per_vector = WORK_FACTOR * itemsize * (n_out + n_in) * b
     if records:
         per_vector *= GRAPH_FACTOR

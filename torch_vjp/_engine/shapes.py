@@ -258,12 +258,15 @@ def chunk_for(
     itemsize = max(
         max(d.itemsize for d in out_dtypes), max(leaf.dtype.itemsize for leaf in prob.leaves)
     )
-    # the message names the dtype the size is counted in: the result's (the input's in
-    # reverse mode, the output's in forward mode), or the widest where that one is narrower
-    named = prob.leaves[0].dtype if mode == "rev" else out_dtypes[0]
-    if named.itemsize != itemsize:
-        named = max((*out_dtypes, *(leaf.dtype for leaf in prob.leaves)),
-                    key=lambda d: d.itemsize)
+    # (the result's blocks have the inputs' dtypes in reverse mode, the outputs' in forward
+    # mode, as torch.func's: each is counted in its own, and named where they all agree)
+    if mode == "rev":
+        dtypes, sizes, across = [x.dtype for x in prob.leaves], in_rows(prob, opts.batch), n_out
+    else:
+        dtypes, sizes, across = list(out_dtypes), out_rows, n_in
+    result_bytes = across * sum(math.prod(s) * d.itemsize for s, d in zip(sizes, dtypes)) * (
+        1 if opts.batch is None else opts.batch)
+    dtype = dtypes[0] if len(set(dtypes)) == 1 else None
     return plan_products(
         n_out if mode == "rev" else n_in,
         n_out,
@@ -276,5 +279,6 @@ def chunk_for(
         alternatives=opts.alternatives,
         batch=opts.batch,
         records=records,
-        dtype=named,
+        dtype=dtype,
+        result_bytes=result_bytes,
     )
