@@ -52,7 +52,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, passes_through, warn_once
 
 __all__ = ["probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
-           "users_pattern_misses", "linear", "misses_message"]
+           "users_pattern_misses", "outside_pattern", "linear", "misses_message"]
 
 
 #: The probe row's levels: any two differ in sign or by a factor of 2 at least.
@@ -291,7 +291,7 @@ def users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: flo
     coloring, comp, (seed, coarsest, *_), worst = probed
     rtol = _probe_rtol(comp.dtype, seed, coarsest)
     if (not _additive_at_probe_scale(prob, plan, coloring, comp, seed, rtol)
-            or not _outside_pattern(prob, plan, coloring.mode == "fwd", worst, diff)):
+            or not outside_pattern(prob, plan, coloring.mode == "fwd", worst, diff)):
         plan.stop_probing(pkey)
         return
     with buffers_kept(prob.f):
@@ -306,17 +306,20 @@ def users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: flo
     plan.stop_probing(pkey)
 
 
-def _outside_pattern(prob: Problem, plan: Any, fwd: bool, worst: int, diff: float) -> bool:
+def outside_pattern(prob: Problem, plan: Any, fwd: bool, worst: int, diff: float,
+                    reach: float = 2.5) -> bool:
     """Whether the line of the Jacobian where the probe disagreed most (``worst``: row
     ``worst`` in forward mode, computed with one reverse product; column ``worst`` in
     reverse mode, with one JVP) holds non-zeros outside the pattern that can explain the
     disagreement ``diff``: an entry (i, j) left out changes the probe's element by
     ``J[i, j] (r[j] - r[k])`` (or ``J[i, j] r[j]``), ``|r| <= 2.5``, so the entries left out
     of the line weigh ``diff / 5`` at least (``diff / 8`` is asked: room for
-    rounding). Not so where the disagreement is the rounding
-    of a 16-bit product (bfloat16's softmax, nearly one-hot: ``1 - y`` rounds to 0 in the
-    probe's forward product and not in the columns'), whose line is exactly zero outside
-    the pattern. True where the line cannot be computed here (unknown)."""
+    rounding); ``reach``: the largest ``|r|`` (``|u|``, for the random cotangent of
+    "auto"'s check, whose ``u^T J`` changes by ``sum_i u[i] J[i, j]`` at most). Not so
+    where the disagreement is the rounding of a 16-bit product (bfloat16's softmax,
+    nearly one-hot: ``1 - y`` rounds to 0 in the probe's forward product and not in the
+    columns'), whose line is exactly zero outside the pattern. True where the line cannot
+    be computed here (unknown)."""
     if worst < 0:
         return True
     p = plan.pattern
@@ -352,7 +355,7 @@ def _outside_pattern(prob: Problem, plan: Any, fwd: bool, worst: int, diff: floa
         line = line.cpu()
         line[inside.cpu()] = 0.0
         mass = float(line.abs().sum())
-    return not math.isfinite(mass) or mass * 8.0 >= diff
+    return not math.isfinite(mass) or mass * 8.0 * max(reach, 2.5) / 2.5 >= diff
 
 
 def linear(prob: Problem, us: list[Tensor], g: Tensor, dtype: torch.dtype) -> bool:
