@@ -4,6 +4,7 @@ Jacobian's non-zeros (checked against torch.func.jacrev in float64)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -39,3 +40,56 @@ def test_a_bfloat16_softmax_nearly_one_hot_with_its_own_pattern_is_not_refused(f
             warnings.simplefilter("ignore")
             got = tv.sparse_jacobian(f, x, pattern=pattern)
         assert got.shape == (64, 64)
+
+
+def _packed(shapes, g):
+    """f of one flat vector: its slices shaped as ``shapes`` passed to ``g`` (a complex
+    result as its real view)."""
+    sizes = [math.prod(s) for s in shapes]
+
+    def f(v):
+        out = g(*[p.reshape(s) for p, s in zip(v.split(sizes), shapes)])
+        return torch.view_as_real(out) if out.is_complex() else out
+
+    return f, sum(sizes)
+
+
+_LOCAL = [
+    ("prelu", [(2, 3, 4), (3,)], lambda x, w: torch.nn.functional.prelu(x, w)),
+    ("prelu one weight", [(3, 2), (1,)], lambda x, w: torch.nn.functional.prelu(x, w)),
+    ("cross", [(4, 3), (4, 3)], lambda a, b: torch.linalg.cross(a, b)),
+    ("cross dim 0, broadcast", [(3, 1, 2), (3, 4, 2)],
+     lambda a, b: torch.linalg.cross(a, b, dim=0)),
+    ("cross dim -2", [(2, 3, 4), (1, 3, 4)], lambda a, b: torch.linalg.cross(a, b, dim=-2)),
+    ("renorm dim 0", [(3, 4)], lambda x: x.renorm(2, 0, 0.1)),
+    ("renorm dim 1", [(2, 3, 4)], lambda x: x.renorm(1, 1, 0.5)),
+    ("renorm dim -1, inf", [(3, 5)], lambda x: x.renorm(float("inf"), -1, 0.2)),
+    ("cdist", [(3, 4), (5, 4)], lambda a, b: torch.cdist(a, b)),
+    ("cdist p=1, batch", [(2, 1, 3, 2), (3, 4, 2)], lambda a, b: torch.cdist(a, b, p=1.0)),
+    ("cdist mm", [(30, 3), (27, 3)],
+     lambda a, b: torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist")),
+]
+
+
+@pytest.mark.parametrize("name, shapes, g", _LOCAL, ids=[c[0] for c in _LOCAL])
+def test_ops_local_in_their_inputs_get_a_pattern_that_holds_the_jacobian_and_is_not_dense(
+        name, shapes, g):
+    # prelu, linalg.cross, renorm and cdist had no rule: every output element was
+    # taken to depend on every input element (a dense pattern, with a warning)
+    f, n = _packed(shapes, g)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(n, generator=gen, dtype=torch.float64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pattern = tv.jacobian_sparsity(f, x)
+        assert not [w for w in caught if "no sparsity rule" in str(w.message)]
+        # (a naive loop: torch.func.jacrev is wrong on cdist, whose backward's batching
+        # rule is wrong)
+        reference = torch.autograd.functional.jacobian(f, x).reshape(-1, n)
+        assert _covers(pattern, reference)
+        assert pattern.to_dense().bool().sum() < pattern.numel()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = tv.sparse_jacobian(f, x)
+        torch.testing.assert_close(got.to_dense().reshape(-1, n), reference)

@@ -394,6 +394,59 @@ def along_with_indices(tr: Tracer, call: Call) -> list[Tensor | None]:
     return [line.expand(values.shape)] + [None] * (len(call.outs) - 1)
 
 
+@register("_prelu_kernel", "prelu")
+def broadcast_pointwise(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``prelu``, pointwise though torch does not tag it so: each output element depends
+    on the input element at its position and the weight of its channel (broadcast)."""
+    return pointwise(tr, call)
+
+
+@register("linalg_cross")
+def cross(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Each output element depends on the line of 3 along ``dim`` of both (broadcast)
+    inputs at its position."""
+    shape = call.outs[0].shape
+    dim = call.bound.get("dim")
+    dim = (-1 if dim is None else dim) % max(1, len(shape))
+    parts = []
+    for t in _float_inputs(call):
+        ids = tr.ids(t)
+        if ids is not None:
+            ids = ids.reshape((1,) * (len(shape) - ids.dim()) + tuple(ids.shape))
+            parts.append(group(tr, ids, [dim]).expand(ids.shape))
+    return for_outputs(call, combine(tr, shape, parts))
+
+
+@register("renorm")
+def renorm(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Each sub-tensor at one index of ``dim`` is scaled by its own norm: each output
+    element depends on every element of its sub-tensor."""
+    x = _self(call)
+    ids = tr.ids(x)
+    if ids is None or x.dim() == 0:
+        return for_outputs(call, ids)
+    dim = call.bound["dim"] % x.dim()
+    return for_outputs(call, group(tr, ids, [d for d in range(x.dim()) if d != dim])
+                       .expand(x.shape))
+
+
+@register("_cdist_forward", "cdist", "_euclidean_dist")
+def cdist(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``out[..., i, j]`` depends on the rows ``x1[..., i, :]`` and ``x2[..., j, :]`` (batch
+    dimensions broadcast)."""
+    shape = call.outs[0].shape
+    parts = []
+    for name, rows_last in (("x1", False), ("x2", True)):
+        t = call.bound.get(name)
+        ids = tr.ids(t) if carries_sets(t) else None
+        if ids is not None and ids.dim() >= 2:
+            line = group(tr, ids, [-1])
+            parts.append(line.transpose(-1, -2) if rows_last else line)
+        elif ids is not None:
+            return conservative(tr, call)
+    return for_outputs(call, combine(tr, shape, parts))
+
+
 # ---- creation, conversion, random masks --------------------------------------------------
 
 #: Ops that make new tensors: their values owe nothing to x's (zeros_like(x) has x's shape).
