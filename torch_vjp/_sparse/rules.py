@@ -447,6 +447,44 @@ def cdist(tr: Tracer, call: Call) -> list[Tensor | None]:
     return for_outputs(call, combine(tr, shape, parts))
 
 
+@register("upsample_bilinear2d")
+def upsample_bilinear(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Each output pixel depends on the input pixels of its channel that its rows and
+    columns read (:func:`_bilinear_reach`: two of each, with a neighbour on each side)."""
+    x = _self(call)
+    ids = tr.ids(x)
+    out = call.outs[0]
+    if ids is None or x.dim() != 4 or x.numel() == 0 or out.numel() == 0:
+        return conservative(tr, call) if ids is not None else [None]
+    (hin, win), (hout, wout) = x.shape[-2:], out.shape[-2:]
+    factors = call.bound.get("scale_factors")
+    scales = (list(factors) if factors is not None
+              else [call.bound.get("scales_h"), call.bound.get("scales_w")])
+    align = bool(call.bound.get("align_corners"))
+    oh, ih = _bilinear_reach(hin, hout, align, scales[0]).nonzero().unbind(1)
+    ow, iw = _bilinear_reach(win, wout, align, scales[1]).nonzero().unbind(1)
+    to = (oh[:, None] * wout + ow[None, :]).reshape(-1)
+    src = (ih[:, None] * win + iw[None, :]).reshape(-1)
+    planes = ids.reshape(-1, hin * win)
+    n = planes.shape[0]
+    rows = (torch.arange(n, dtype=_LONG)[:, None] * (hout * wout) + to[None, :]).reshape(-1)
+    return [tr.table.union(rows, planes[:, src].reshape(-1), n * hout * wout).view(out.shape)]
+
+
+def _bilinear_reach(n_in: int, n_out: int, align: bool, scale: float | None) -> Tensor:
+    """``(n_out, n_in)``: which input rows each output row of a bilinear resize reads, along
+    one dimension: the resize itself run on the rows of an identity (float64; each output
+    row weighs its two source rows, the weights sum to 1), each source widened by its
+    neighbours, as the source index that another dtype rounds may fall one row over."""
+    eye = torch.eye(n_in, dtype=torch.float64).reshape(1, n_in, n_in, 1)
+    reach = aten.upsample_bilinear2d.default(eye, [n_out, 1], align, scale, None)
+    reach = reach.reshape(n_in, n_out).t() != 0
+    wide = reach.clone()
+    wide[:, 1:] |= reach[:, :-1]
+    wide[:, :-1] |= reach[:, 1:]
+    return wide
+
+
 # ---- creation, conversion, random masks --------------------------------------------------
 
 #: Ops that make new tensors: their values owe nothing to x's (zeros_like(x) has x's shape).
