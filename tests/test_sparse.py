@@ -1789,8 +1789,8 @@ def test_auto_takes_reverse_mode_where_forward_mode_fails_with_a_warning():
     # auto chose forward mode (fewer colours) and torch's raw NotImplementedError came out
     u = torch.randn(6, dtype=torch.float64)
 
-    def f(u):  # torch.cdist has no forward-mode formula
-        return torch.cdist(u.view(3, 2), u.view(3, 2) + 1).flatten()
+    def f(u):  # torch.cdist has no forward-mode formula (one row of x2: fewer columns)
+        return torch.cdist(u.view(6, 1), u.view(6, 1)[:1] + 1).flatten()
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
