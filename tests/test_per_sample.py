@@ -902,7 +902,7 @@ def _err_cases():
         ("strategy", lambda: per_sample_grads(m, lf, x, t, strategy="jacrev"), StrategyError,
          r"invalid strategy 'jacrev'. Supported: \('auto', 'hooks', 'vmap', 'loop'\)"),
         ("hooks-no-rule", lambda: per_sample_grads(custom().to(DT), lf, _randn(4, 4), t, strategy="hooks"),
-         StrategyError, r"no per-layer rule for 1 parameter\(s\):\n    '1.w': its module '1' is a Scale"),
+         StrategyError, r"cannot compute 1 parameter\(s\) with a per-layer rule:\n    '1.w': its module '1' is a Scale"),
         ("batchnorm-train", lambda: per_sample_grads(bn, lambda o: o.sum(), _randn(2, 1, 4, 4)),
          PerSampleError, r"module '1.0' \(BatchNorm2d\) is in training mode.*\n  Fix: put it in eval mode"
          r".*model\[1\]\[0\].eval\(\).*nn.GroupNorm\(num_groups, 2\)"),
