@@ -44,15 +44,9 @@ from torch_vjp._checked_scope import (
     _engine,
     _torch_validation,
 )
-from torch_vjp._check_messages import STAND_IN_NODE, complex_message, output_type_message
-from torch_vjp._shape_messages import (
-    frozen_message,
-    inputs_message,
-    jagged_message,
-    nested_missing_message,
-    strided_nested_message,
-    unused_message,
-)
+from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
+from torch_vjp._nested_messages import nested_note
+from torch_vjp._shape_messages import frozen_message, inputs_message, unused_message
 from torch_vjp._check_labels import Labels
 from torch_vjp._checks import as_entries, normalize_grad_outputs
 from torch_vjp._errors import (
@@ -166,14 +160,6 @@ def _check_outputs(outs: tuple[Any, ...], labels: Labels,
     return outs  # (nested tensors: the checker reads them as they are)
 
 
-#: torch's sentence for a vector whose shape is not its output's (``_make_grads``).
-_MISMATCH = re.compile(r"Mismatch in shape: grad_output\[(\d+)\]")
-#: torch's sentence for a dense vector of a nested output of the strided layout.
-_NOT_NESTED = "Expected both self and other to be nested tensors"
-#: torch's sentence for an output of more than one element given no vector.
-_IMPLICIT = "grad can be implicitly created only for scalar outputs"
-#: torch's sentence for a complex vector of a real output, or a real one of a complex output.
-_DTYPE = re.compile(r"^For complex Tensors, .* Mismatch in dtype: grad_output\[(\d+)\]")
 
 
 def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], Any],
@@ -189,7 +175,7 @@ def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], An
     try:
         return run_torch()
     except RuntimeError as err:
-        note = _nested_note(err, labels, outs, given)
+        note = nested_note(err, labels, outs, given)
         if note is None or not _torch_validation(err) or not hasattr(err, "add_note"):
             raise
         _explain(err, note)
@@ -351,46 +337,6 @@ def _not_inputs(labels: Labels, inputs: Any, ins: Any, run_torch: Callable[[], A
             raise
         raise torch_first(GradOutputsTypeError, inputs_message(labels, inputs, None, -1),
                           str(err)) from None
-
-
-def _nested_note(err: RuntimeError, labels: Labels, outs: tuple[Any, ...],
-                 given: Any) -> str | None:
-    """The explanation of torch's refusal ``err`` of the vectors ``given`` for nested
-    ``outs`` (:func:`_unchecked`): a vector of another shape or dtype, or none at all; None
-    for any other error."""
-    # (what torch read, where reading it again is harmless: a generator is spent)
-    entries = (as_entries(given, labels, outs) if isinstance(given, (Tensor, tuple, list))
-               else (None,) * len(outs) if given is None else None)
-
-    def nested(i: int) -> Tensor | None:
-        out = outs[i] if 0 <= i < len(outs) else None
-        return out if isinstance(out, Tensor) and out.is_nested else None
-
-    def vector(i: int) -> Any:
-        return entries[i] if entries is not None and i < len(entries) else None
-
-    text = str(err)
-    if text.startswith(_IMPLICIT):
-        i = next((j for j in range(len(outs)) if nested(j) is not None and vector(j) is None),
-                 -1)
-        out = nested(i)
-        return None if out is None else nested_missing_message(labels, i, out)
-    said = _DTYPE.search(text)
-    if said:
-        out, go = nested(int(said.group(1))), vector(int(said.group(1)))
-        return (complex_message(labels, int(said.group(1)), out, go)
-                if out is not None and isinstance(go, Tensor) else None)
-    said = _MISMATCH.match(text)
-    i = int(said.group(1)) if said else -1
-    if i < 0 and text.startswith(_NOT_NESTED):
-        # (torch.is_same_size, for the first nested output whose vector is not nested)
-        i = next((j for j in range(len(outs)) if nested(j) is not None
-                  and isinstance(vector(j), Tensor) and not vector(j).is_nested), -1)
-    out = nested(i)
-    if out is None:
-        return None
-    return (jagged_message(labels, i, out, vector(i)) if out.layout is not torch.strided
-            else strided_nested_message(labels, i, out, vector(i)))
 
 
 def _judged(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
