@@ -38,15 +38,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from torch_vjp._per_sample.keep import Kept, KeepBudget, kept_weighted_sum
+
 __all__ = [
     "CHUNK_ELEMENTS",
-    "KEEP_ELEMENTS",
-    "KeepBudget",
     "NORM_CHUNK_ELEMENTS",
     "Factor",
     "SmallFactor",
@@ -62,8 +62,6 @@ __all__ = [
     "region_sq_norms",
     "region_weighted_sum",
     "write_region",
-    "Kept",
-    "kept_weighted_sum",
 ]
 
 #: Elements a temporary may hold before the work is split into chunks of examples.
@@ -72,53 +70,6 @@ CHUNK_ELEMENTS = 1 << 23
 #: (1 MB in float32): these calls promise no buffer of the order of B x P, and on a small
 #: model a layer's temporaries (an unfolded input, say) can be as large as B x P itself.
 NORM_CHUNK_ELEMENTS = 1 << 18
-
-
-#: Elements of per-sample gradients the clipped step may keep, in all, from the norms to the
-#: clipped sums (16 MB in float32): a factor that forms its examples' gradients to take their
-#: norms keeps them where they fit, and its clipped sum is then one matrix-vector product
-#: instead of a second weight gradient (a convolution's is the dearest). Bounded by a
-#: constant, so the clipped step still holds no buffer that grows with the model.
-KEEP_ELEMENTS = 1 << 22
-
-
-class KeepBudget:
-    """What is left of :data:`KEEP_ELEMENTS` in one clipped step."""
-
-    __slots__ = ("left",)
-
-    def __init__(self, elements: int) -> None:
-        self.left = elements
-
-    def buffer(self, batch: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
-        """An empty ``(batch, *shape)`` tensor if the budget allows it (then taken from
-        it), else None."""
-        return like.new_empty((batch, *shape)) if self.take(batch * math.prod(shape)) else None
-
-    def take(self, elements: int) -> bool:
-        """Whether ``elements`` more fit the budget (then taken from it)."""
-        if elements > self.left:
-            return False
-        self.left -= elements
-        return True
-
-
-#: What a factor keeps of the per-sample gradients it formed (:attr:`Factor.kept`): one
-#: ``(B, ...)`` tensor, or the chunks ``(start, stop, gradients)`` as they were formed
-#: (kept as they are: copying them into one new buffer cost more than the clipped sum).
-Kept = Union[Tensor, "list[tuple[int, int, Tensor]]"]
-
-
-def kept_weighted_sum(kept: Kept, c: Tensor) -> Tensor:
-    """``sum_i c[i] G_i`` from the per-sample gradients ``kept``, of shape ``G_i``'s."""
-    if isinstance(kept, Tensor):
-        return torch.tensordot(c.to(kept.dtype), kept, dims=1)
-    total: Tensor | None = None
-    for s, e, g in kept:
-        w = torch.tensordot(c[s:e].to(g.dtype), g, dims=1)
-        total = w if total is None else total.add_(w)
-    assert total is not None
-    return total
 
 
 _F32_EPS = torch.finfo(torch.float32).eps

@@ -40,8 +40,6 @@ from torch_vjp._per_sample.structure import structure_of
 from torch_vjp._per_sample.distributed import ddp_add_to_grads, strip_prefix, unwrap
 from torch_vjp._per_sample.factors import (
     CHUNK_ELEMENTS,
-    KEEP_ELEMENTS,
-    KeepBudget,
     full_precision,
     region_sq_norms,
     region_weighted_sum,
@@ -49,6 +47,7 @@ from torch_vjp._per_sample.factors import (
     widened,
     write_region,
 )
+from torch_vjp._per_sample.keep import KEEP_ELEMENTS, KeepBudget
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, RuleRaised, hooks_pass
 from torch_vjp._per_sample.plan import Plan, Slots, aliases_of, forward, mixing_error

@@ -23,12 +23,12 @@ from torch import Tensor, nn
 from torch_vjp._per_sample.factors import (
     NORM_CHUNK_ELEMENTS,
     Factor,
-    KeepBudget,
     SmallFactor,
     chunks,
     ghost_sq_norms,
     sq_norms_rows,
 )
+from torch_vjp._per_sample.keep import KeepBudget
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
 __all__ = ["ConvFactor", "ConvRule", "ConvTransposeRule", "unfold_nd"]
