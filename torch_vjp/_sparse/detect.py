@@ -12,7 +12,8 @@ from torch_vjp._engine.context import buffers_kept, module_tree, modules_reached
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianWarning, warn_once
-from torch_vjp._sparse import contract, rules, scatters  # noqa: F401  (the rules register themselves)
+# (the rules register themselves)
+from torch_vjp._sparse import contract, local_rules, rules, scatters  # noqa: F401
 from torch_vjp._sparse.functions import functions_ruled
 from torch_vjp._sparse.pattern import Pattern
 from torch_vjp._sparse.tracer import Tracer, ValueReads, one_thread
