@@ -362,3 +362,31 @@ def test_a_loss_that_reads_a_parameter_through_the_model_compiles():
             torch.testing.assert_close(tv.per_sample_grads(model, loss_fn, x, y, compile=True),
                                        ref)
     assert builds() - before == 1
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, mask=None):
+        h = self.lin(x)
+        return h if mask is None else h * mask
+
+
+def test_an_input_none_compiles_and_is_passed_as_it_is():
+    # (the compiled program unsqueezed every input: model(x, None) ran eagerly, with a
+    # warning that it could not compile)
+    from torch_vjp._engine.compiled import builds
+
+    torch.manual_seed(0)
+    model, ce = _Masked().double(), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=D), torch.randint(0, 3, (5,))
+    ref = _loop(model, ce, x, y)
+    before = builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)
+        for _ in range(2):
+            torch.testing.assert_close(
+                tv.per_sample_grads(model, ce, (x, None), y, compile=True), ref)
+    assert builds() - before == 1

@@ -114,12 +114,14 @@ def _program(kind: str, job: Job, chunk: int | None) -> Callable[..., Any]:
             # model.fc.weight, reads the tensor differentiated; read after it, the
             # parameter itself, that term's gradient was left out)
             with _reparametrize_module(model, {**state, **d}, tie_weights=True, strict=False):
-                out = model(*(x.unsqueeze(0) for x in xi))
+                out = model(*(None if x is None else x.unsqueeze(0) for x in xi))
                 return scalar_loss(fn, call_loss(loss_fn, out, ti))
 
         state = functional_state(model)
         diff = {k: state.pop(k) for k in keys}
-        in_dims = (None, None, 0, targets_in_dims(targets))
+        # (an input None, an optional argument left out, is passed to every call as it is)
+        in_dims = (None, None, tuple(None if x is None else 0 for x in xs),
+                   targets_in_dims(targets))
         per_sample = vmap(grad(one), in_dims=in_dims, randomness="different",
                           chunk_size=chunk)(diff, state, xs, targets)
         if kind == "grads":
