@@ -64,6 +64,7 @@ __all__ = [
     "normalize_grad_outputs",
     "check_tree_structure",
     "check_cotangents",
+    "integer_grad_dtype",
 ]
 
 
@@ -201,7 +202,7 @@ def normalize_grad_outputs(
         raise _diagnose(outputs, gos, labels, is_grads_batched, inputs, grad_outputs)
     for i in range(n):
         go = gos[i]
-        if labels.require_grad and outputs[i].grad_fn is None and _integer_grad_dtype(
+        if labels.require_grad and outputs[i].grad_fn is None and integer_grad_dtype(
                 outputs[i]):
             raise _kept_integer_error(labels, i, outputs[i], go)
         # (a vector of its output's dtype is cast only where torch's engine starts from a
@@ -236,7 +237,7 @@ def _kept_integer(labels: Labels, go: Tensor, out: Tensor) -> bool:
             and getattr(out, "grad_dtype", out.dtype) is None)
 
 
-def _integer_grad_dtype(out: Tensor) -> bool:
+def integer_grad_dtype(out: Tensor) -> bool:
     """Whether ``out`` is a leaf whose ``grad_dtype`` is an integer or boolean dtype (torch
     lets one be set): torch casts every gradient of it to that dtype, and its engine then
     fails with an internal assert, whatever the vector."""
@@ -245,11 +246,11 @@ def _integer_grad_dtype(out: Tensor) -> bool:
 
 
 def _kept_integer_error(labels: Labels, i: int, out: Tensor, go: Tensor | None) -> BaseException:
-    """The error for :func:`_kept_integer` and :func:`_integer_grad_dtype`, raised as it is:
+    """The error for :func:`_kept_integer` and :func:`integer_grad_dtype`, raised as it is:
     torch's engine meets the call with an internal assert, a bug report, not a verdict
     (``unjudged``)."""
     g, o = labels.go(i), labels.out(i)
-    if _integer_grad_dtype(out):
+    if integer_grad_dtype(out):
         return _unjudged(
             f"{labels.call}: {o} is a leaf whose grad_dtype is {out.grad_dtype}: torch casts "
             f"its gradient to that dtype, and an integer or boolean tensor cannot hold a "

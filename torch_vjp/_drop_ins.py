@@ -46,9 +46,9 @@ from torch_vjp._checked_scope import (
 )
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
 from torch_vjp._nested_messages import nested_note
-from torch_vjp._shape_messages import frozen_message, inputs_message, unused_message
+from torch_vjp._shape_messages import frozen_message, input_name, inputs_message, unused_message
 from torch_vjp._check_labels import Labels
-from torch_vjp._checks import as_entries, normalize_grad_outputs
+from torch_vjp._checks import as_entries, integer_grad_dtype, normalize_grad_outputs
 from torch_vjp._errors import (
     GradOutputsError,
     GradOutputsTypeError,
@@ -160,8 +160,6 @@ def _check_outputs(outs: tuple[Any, ...], labels: Labels,
     return outs  # (nested tensors: the checker reads them as they are)
 
 
-
-
 def _unchecked(labels: Labels, outs: tuple[Any, ...], run_torch: Callable[[], Any],
                given: Any = None, outputs: Any = None) -> Any:
     """torch's own call, for outputs the checker does not read (:func:`_checkable`). An
@@ -243,15 +241,21 @@ def _frozen_inputs(labels: Labels, outs: tuple[Any, ...], inputs: Any, ins: tupl
         raise explained from None
 
 
+def _raised_by_engine(err: BaseException) -> bool:
+    """Whether ``err`` was raised by torch's engine entry itself (its innermost frame), not
+    by a function of the user's that the backward pass ran."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _at(tb.tb_frame.f_code, _ENGINE_ENTRY)
+
+
 def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inputs: Any,
                   ins: tuple[Any, ...]) -> BaseException | None:
     """The explained error for torch's ``err`` (:func:`_frozen_inputs`), or None where
     ``err`` is another. (Also for no outputs at all: torch's engine then finds the first
     input unused, and suggests allow_unused=True, which gives None for every input.)"""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None or not _at(tb.tb_frame.f_code, _ENGINE_ENTRY):
+    if not _raised_by_engine(err):
         return None
     if str(err).startswith(_INTEGER_GRAD):
         return _integer_leaf_error(labels, outs, inputs, ins)
@@ -283,9 +287,8 @@ def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inpu
 _INTEGER_GRAD = "isDifferentiableType(grad.scalar_type()) INTERNAL ASSERT"
 
 
-def _integer_grad_dtype(t: Any) -> bool:
-    to = getattr(t, "grad_dtype", None) if t.grad_fn is None and t.requires_grad else None
-    return to is not None and not (to.is_floating_point or to.is_complex)
+def _leaf_integer_grad_dtype(t: Tensor) -> bool:
+    return t.grad_fn is None and integer_grad_dtype(t)
 
 
 def _integer_leaf_error(labels: Labels, outs: tuple[Any, ...], inputs: Any,
@@ -296,10 +299,10 @@ def _integer_leaf_error(labels: Labels, outs: tuple[Any, ...], inputs: Any,
     returns), else, for ``backward`` without ``inputs``, one of the graph's leaves."""
     leaves = [getattr(getattr(t, "node", None), "variable", t) for t in ins]
     keys = list(inputs) if type(inputs) is dict else None
-    bad = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and _integer_grad_dtype(t)]
+    bad = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and _leaf_integer_grad_dtype(t)]
     if bad:
         leaf = leaves[bad[0]]
-        name = f"{labels.inputs}[{keys[bad[0]]!r}]" if keys else f"{labels.inputs}[{bad[0]}]"
+        name = input_name(labels, keys, bad[0])
         said, its = f"{name} is a leaf whose grad_dtype is {leaf.grad_dtype}", f"{name}."
     else:
         leaf, todo, seen = None, [getattr(o, "grad_fn", getattr(o, "node", None))
@@ -310,7 +313,7 @@ def _integer_leaf_error(labels: Labels, outs: tuple[Any, ...], inputs: Any,
                 continue
             seen.add(node)
             t = getattr(node, "variable", None)
-            leaf = t if isinstance(t, Tensor) and _integer_grad_dtype(t) else None
+            leaf = t if isinstance(t, Tensor) and _leaf_integer_grad_dtype(t) else None
             todo.extend(f for f, _ in getattr(node, "next_functions", ()))
         if ins or leaf is None:
             return None
@@ -330,10 +333,7 @@ def _not_inputs(labels: Labels, inputs: Any, ins: Any, run_torch: Callable[[], A
     try:
         return run_torch()
     except TypeError as err:
-        tb = err.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        if ins is not None or tb is None or not _at(tb.tb_frame.f_code, _ENGINE_ENTRY):
+        if ins is not None or not _raised_by_engine(err):
             raise
         raise torch_first(GradOutputsTypeError, inputs_message(labels, inputs, None, -1),
                           str(err)) from None

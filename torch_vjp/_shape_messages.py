@@ -19,8 +19,9 @@ from torch_vjp._errors import a_type, joined, shape_str
 if TYPE_CHECKING:
     from torch_vjp._check_labels import Labels
 
-__all__ = ["STAND_IN_NODE", "count_hint", "frozen_message", "inputs_message", "known_batch_size",
-           "leaf_shapes", "missing_message", "shape_message", "unused_message"]
+__all__ = ["STAND_IN_NODE", "count_hint", "frozen_message", "input_name", "inputs_message",
+           "known_batch_size", "leaf_shapes", "missing_message", "shape_message",
+           "unused_message"]
 
 STAND_IN_NODE = "_torch_vjp_edge_node"
 
@@ -447,7 +448,7 @@ def frozen_message(labels: Labels, inputs: Any, ins: tuple[Any, ...],
     """The explanation of torch's "One of the differentiated Tensors does not require grad":
     which of ``ins`` (``inputs`` as given: a dict names them by key) do not, and the fixes."""
     keys = list(inputs) if type(inputs) is dict else None
-    names = [_input_name(labels, keys, j) for j in frozen]
+    names = [input_name(labels, keys, j) for j in frozen]
     said = [f"{name} (shape {shape_str(ins[j].shape)})" for name, j in zip(names, frozen)]
     if len(said) > 4:
         said = said[:3] + [f"{len(said) - 3} more"]
@@ -472,14 +473,15 @@ def frozen_message(labels: Labels, inputs: Any, ins: tuple[Any, ...],
     )
 
 
-def _input_name(labels: Labels, keys: list[Any] | None, j: int) -> str:
+def input_name(labels: Labels, keys: list[Any] | None, j: int) -> str:
+    """Input ``j`` as the call names it: by its key where ``inputs`` was a dict."""
     return f"{labels.inputs}[{keys[j]!r}]" if keys else f"{labels.inputs}[{j}]"
 
 
 def unused_message(labels: Labels, inputs: Any, ins: tuple[Any, ...], j: int) -> str:
     """The explanation of torch's "The differentiated Tensor at index j appears to not have
     been used in the graph": ``ins[j]`` requires grad, but no output depends on it."""
-    name = _input_name(labels, list(inputs) if type(inputs) is dict else None, j)
+    name = input_name(labels, list(inputs) if type(inputs) is dict else None, j)
     shape = getattr(ins[j], "shape", None)
     said = f"{name} (shape {shape_str(shape)})" if shape is not None else name
     o = labels.outputs
