@@ -127,11 +127,13 @@ def test_a_dict_of_losses_as_outputs_is_explained_as_a_dict(call):
     ("list", "Fix: put the tensors it holds in its place: outputs is one flat sequence of "
              "tensors (and grad_outputs too, in the same order)."),
     ("float", "Fix: pass the tensor itself (.item() gives a number, which holds no graph)."),
+    ("str", "Fix: pass the tensor itself."),
 ])
 def test_an_entry_of_outputs_that_holds_tensors_is_not_told_of_item(entry, fix):
     x = _leaf(3)
     l1, l2 = (x * x).sum(), x.abs().sum()
-    value = {"dict": {"ce": l1, "reg": l2}, "list": [l1, l2], "float": l1.item()}[entry]
+    value = {"dict": {"ce": l1, "reg": l2}, "list": [l1, l2], "float": l1.item(),
+             "str": "loss"}[entry]
     with tv.checked(), pytest.raises(AssertionError) as info:
         torch.autograd.grad([value], [x])
     (note,) = info.value.__notes__
