@@ -22,14 +22,12 @@ from torch_vjp._sparse.rules import (
 )
 from torch_vjp._sparse.tracer import Call, Tracer, carries_sets
 
-__all__ = ["broadcast_pointwise", "cdist", "cross", "renorm", "upsample_bilinear"]
+__all__ = ["cdist", "cross", "renorm", "upsample_bilinear"]
 
 
-@register("_prelu_kernel", "prelu")
-def broadcast_pointwise(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """``prelu``, pointwise though torch does not tag it so: each output element depends
-    on the input element at its position and the weight of its channel (broadcast)."""
-    return pointwise(tr, call)
+# ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
+# input element at its position and the weight of its channel (broadcast)
+register("_prelu_kernel", "prelu")(pointwise)
 
 
 @register("linalg_cross")
