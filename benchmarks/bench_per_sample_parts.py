@@ -15,6 +15,9 @@ replaced, measured in one run, paired and alternated (median and IQR of per-pair
   cancellation (NOTE [ghost norms, checked] in ``torch_vjp/_per_sample/factors.py``, as
   now) against the identity alone (as before), on ordinary random data of transformer
   shapes.
+- ``kept_chunks``: the clipped step (``accumulate_clipped_grads``, ``auto``) on
+  ``cnn_b64``, a convolution keeping its per-sample gradient chunks as formed (as now)
+  against copying them into one new ``(B, *weight)`` buffer (as before).
 
 Run: ``python benchmarks/bench_per_sample_parts.py [--pairs 15] [--mechanisms NAMES]``.
 Writes ``results/per_sample_parts.json`` and ``.md`` (or ``--out``).
@@ -134,6 +137,39 @@ def ghost_check(pairs: int) -> list[dict]:
     return rows
 
 
+def kept_chunks(pairs: int) -> dict:
+    from torch_vjp._per_sample.factors import sq_norms_rows
+
+    model, loss_fn, x, y = build("cnn_b64")
+    kept_now = ConvFactor.sq_norms
+
+    def copied(self, chunk_size, keep=None):  # (as before: one buffer, the chunks copied in)
+        if self._ghost_cheaper():
+            return kept_now(self, chunk_size, keep)
+        out = self.x.new_zeros(self.batch)
+        kept = keep.buffer(self.batch, self.weight_shape, self.x) if keep is not None else None
+        for a, e in chunks(self.batch, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS):
+            per_sample = self._per_sample(a, e)
+            out[a:e] = sq_norms_rows(per_sample)
+            if kept is not None:
+                kept[a:e] = per_sample
+        self.kept = kept
+        return out
+
+    def step(sq_norms):
+        def run():
+            ConvFactor.sq_norms = sq_norms
+            try:
+                model.zero_grad(set_to_none=True)
+                tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=1.0)
+            finally:
+                ConvFactor.sq_norms = kept_now
+        return run
+
+    return dict(case="accumulate_clipped_grads(auto), cnn_b64",
+                **_ratio(step(kept_now), step(copied), pairs))
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         "# Per-sample mechanisms, each against what it replaced",
@@ -158,7 +194,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS / "per_sample_parts")
     parser.add_argument("--mechanisms", default="huge_pages,conv_chunks,layer_norm_xhat,"
-                        "ghost_check", help="comma-separated names of the rows to measure")
+                        "ghost_check,kept_chunks", help="comma-separated names of the rows to measure")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     wanted = set(args.mechanisms.split(","))
@@ -171,6 +207,8 @@ def main() -> None:
         rows.append(dict(mechanism="layer_norm_xhat", **layer_norm_xhat(args.pairs)))
     if "ghost_check" in wanted:
         rows += [dict(mechanism="ghost_check", **r) for r in ghost_check(args.pairs)]
+    if "kept_chunks" in wanted:
+        rows.append(dict(mechanism="kept_chunks", **kept_chunks(args.pairs)))
     env = dict(torch=torch.__version__, python=platform.python_version(), threads=THREADS,
                pairs=args.pairs,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))

@@ -42,7 +42,7 @@ class KeepBudget:
 
 #: What a factor keeps of the per-sample gradients it formed (:attr:`Factor.kept`): one
 #: ``(B, ...)`` tensor, or the chunks ``(start, stop, gradients)`` as they were formed
-#: (kept as they are: copying them into one new buffer cost more than the clipped sum).
+#: (kept as they are, not copied into one new buffer: ``rules/conv.py``'s figure).
 Kept = Union[Tensor, "list[tuple[int, int, Tensor]]"]
 
 

@@ -197,9 +197,10 @@ class ConvFactor(Factor):
                     out[s:e] += ghost_sq_norms(U4[:, j].mT, g4[:, j].mT)
             return out
         # Direct: the per-sample gradients (and, for short patches, the unfolded input),
-        # their chunks kept as they are for the clipped sum where the budget allows
-        # (copying them into one new buffer, its pages first touched, took as long as the
-        # grouped convolutions that formed them, on the CNN of bench_per_sample.py).
+        # their chunks kept as they are for the clipped sum where the budget allows (not
+        # copied into one new buffer: the clipped step on the CNN of bench_per_sample.py
+        # takes 0.97 of the time it took so, benchmarks/results/per_sample_parts.md,
+        # kept_chunks).
         kept: list[tuple[int, int, Tensor]] | None = (
             [] if keep is not None and keep.take(B * math.prod(self.weight_shape)) else None)
         for s, e in chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS):
