@@ -521,3 +521,17 @@ def test_the_jacobian_signature_listed_on_the_scaling_page_is_the_real_one():
         name = {p.VAR_POSITIONAL: f"*{p.name}"}.get(p.kind, p.name)
         real.append(name if p.default is p.empty else f"{name}={p.default!r}".replace("'", '"'))
     assert listed == real
+
+
+def test_the_readme_layout_names_every_module_of_the_package():
+    # (modules added later, _nested_messages.py, _per_sample/keep.py and others, were missing
+    # from the Layout section: a newcomer looking for them there did not find them)
+    text = (REPO / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    layout = layout[:layout.index("```", layout.index("```") + 3)]
+    missing = [
+        str(path.relative_to(REPO / "torch_vjp"))
+        for path in sorted((REPO / "torch_vjp").rglob("*.py"))
+        if path.name != "__init__.py" and not re.search(rf"\b{re.escape(path.stem)}\b", layout)
+    ]
+    assert missing == [], f"the README's Layout section does not name {missing}"
