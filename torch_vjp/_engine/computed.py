@@ -19,7 +19,8 @@ NOTE [jacobian_of and retain_grad]
 its cotangent to the ``.grad`` of a retaining output or input, and under ``torch.vmap`` it
 stores a batched tensor there that escapes the vmap (the next pass then fails adding to
 it). The ``.grad`` of every retaining output and input is cleared before each pass and put
-back after it, so those tensors come out as they went in.
+back after it, so those tensors come out as they went in; so is that of every retaining tensor
+inside the graph, found first (NOTE [retain_grad inside the graph] in retained.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
     CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
 )
 from torch_vjp._engine.memory import plan_products
+from torch_vjp._engine.retained import retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once
 
@@ -93,6 +96,9 @@ def _blocks(
     # first call for a graph structure keeps it for the check's loop, if it needs one).
     state = {"stop": 0, "next": 0, "proven": False}
     kept = _retaining((*d_outs, *ins))  # NOTE [jacobian_of and retain_grad]
+    if n > 0 and not is_nested() and not any(t.device.type == "meta" for t in (*d_outs, *ins)):
+        kept += retained_in_graph(d_outs, ins, kept, _grads_kept)  # NOTE [retain_grad
+        # inside the graph] in retained.py
 
     def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
         if vectorized:  # runs once per chunk, under torch.vmap

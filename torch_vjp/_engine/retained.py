@@ -1,0 +1,122 @@
+"""The tensors inside a computed graph that retain their gradient (``Tensor.retain_grad()``),
+found before :func:`torch_vjp.jacobian_of` runs its products through the graph.
+
+NOTE [retain_grad inside the graph]
+``torch.autograd.grad`` runs the hook of every tensor of the graph that called
+``retain_grad()``, not only of the outputs and inputs (NOTE [jacobian_of and retain_grad]):
+each pass writes its gradient into that tensor's ``.grad``. Under ``torch.vmap`` the hook
+stores a batched tensor there, which escapes the vmap: the next backward pass through the
+graph (the next chunk, the check, the loop, or the user's own ``loss.backward()``) then fails
+adding to it, and the user's ``.grad`` holds a dead batched tensor. Such a tensor is reached
+from no handle autograd offers (a node does not know the tensors it made), so it is found by
+its effect:
+
+1. one vectorised backward pass with a zero cotangent (a batch of one row): each retaining
+   hook stores ``G + 0`` (``G`` its ``.grad`` before) or a copy of the zero gradient (no
+   ``.grad`` before), batched;
+2. one backward pass without vmap and a zero cotangent: where a hook stored a batched
+   tensor in 1., it fails adding to it, before writing anything; otherwise no tensor of the
+   graph retains its gradient, and this pass wrote nothing either (the common case, at the
+   cost of two passes);
+3. on that failure, the tensors whose ``.grad`` is a batched tensor are looked up among the
+   live Python objects (``gc``; a tensor whose Python object is gone is kept alive with it
+   by PyTorch, so none is missed), ``.grad`` is cleared, and a zero pass writes the zero
+   gradient ``g0`` alone; the row of 1. is ``g0`` where there was no ``.grad`` (restored to
+   ``None``), and ``G + 0 == G`` otherwise (restored to that value: a ``.grad`` that was
+   exactly ``g0``, all zeros, comes back as ``None``).
+
+The tensors found join the outputs and inputs whose ``.grad`` is cleared before each pass and
+put back after it, so they come out as they went in.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["retained_in_graph"]
+
+
+def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
+                      grads_kept) -> list[Tensor]:
+    """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``) that retain
+    their gradient, with their ``.grad`` as before (NOTE [retain_grad inside the graph]).
+
+    ``grads_kept(tensors)`` is the context that clears and restores the ``.grad`` of
+    ``tensors`` around a pass; ``kept`` are those known already (retaining outputs and
+    inputs). Errors of the passes propagate only where no such tensor explains them (they
+    come again from the products)."""
+
+    def zero_pass(batched: bool) -> None:
+        zeros = [torch.zeros(((1,) if batched else ()) + tuple(o.shape), dtype=o.dtype,
+                             device=o.device) for o in outs]
+
+        def run(*vs: Tensor) -> tuple[Tensor | None, ...]:
+            return torch.autograd.grad(outs, ins, list(vs), retain_graph=True,
+                                       allow_unused=True)
+
+        with grads_kept(kept), torch.no_grad(), warnings.catch_warnings():
+            # (vmap's warnings about slow batching rules speak of the products, which
+            # say them again if they run under vmap; this pass only looks for hooks)
+            warnings.simplefilter("ignore")
+            (torch.vmap(run) if batched else run)(*zeros)
+
+    try:
+        zero_pass(True)
+    except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
+        pass
+    try:
+        zero_pass(False)
+    except RuntimeError:
+        found = _escaped(outs, kept)
+        if not found:
+            raise
+    else:
+        return []
+    rows = [_first_row(t.grad) for t in found]
+    for t in found:
+        t.grad = None
+    zero_pass(False)  # (writes g0 into each .grad)
+    for t, row in zip(found, rows):
+        g0 = t.grad
+        same = g0 is not None and torch.equal(row.isnan(), g0.isnan()) and bool(
+            (row.nan_to_num() == g0.nan_to_num()).all())
+        t.grad = None if same else row
+    return found
+
+
+def _escaped(outs: Sequence[Tensor], kept: Sequence[Tensor]) -> list[Tensor]:
+    """The live tensors made by nodes of ``outs``' graph whose ``.grad`` is a batched tensor
+    left by a vectorised pass."""
+    nodes: dict[int, object] = {}  # (holding the nodes keeps their ids theirs)
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in nodes:
+            continue
+        nodes[id(node)] = node
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    known = {id(t) for t in kept}
+    found = []
+    for obj in gc.get_objects():  # (type(), not isinstance: no object's __class__ runs)
+        if not issubclass(type(obj), Tensor) or id(obj) in known:
+            continue
+        try:  # (a subclass's __torch_function__ answers these reads; it may refuse them)
+            hit = (obj.retains_grad and id(obj.grad_fn) in nodes and obj.grad is not None
+                   and torch._C._functorch.is_batchedtensor(obj.grad))
+        except Exception:  # noqa: BLE001 - not a tensor of this graph, then
+            continue
+        if hit:
+            found.append(obj)
+    return found
+
+
+def _first_row(batched: Tensor) -> Tensor:
+    """Row 0 of an escaped batched tensor, as a plain tensor of its own."""
+    bdim = torch._C._functorch.maybe_get_bdim(batched)
+    value = torch._C._functorch.get_unwrapped(batched)
+    return value.select(bdim, 0).clone(memory_format=torch.contiguous_format)
