@@ -140,7 +140,20 @@ def _all_rows(
 
 
 def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Blocks:
-    """Forward mode with torch.func: ``jvp`` per input element, under vmap or in a loop."""
+    """Forward mode with torch.func: ``jvp`` per input element, under vmap or in a loop.
+
+    NOTE [forward mode of a function that draws]
+    Reverse mode calls ``f`` once, so a function that draws random numbers (dropout in
+    training mode) has one Jacobian: that of the draw it made. Forward mode calls ``f`` once
+    per chunk of columns, and every column must see that one draw too, else the columns
+    belong to different functions and the Jacobian is of none of them. So the columns'
+    vmap runs with ``randomness="same"`` (what ``torch.func.jacfwd(randomness="same")``
+    does: a draw shared by the batch, where vmap's default refuses the function), and
+    the generators are put back before every later chunk or loop column
+    (:class:`~torch_vjp._engine.rows.SameDraws`), so that chunks, columns and reverse mode
+    all see the numbers one call of ``f`` draws. ``randomness="different"`` would give
+    each column its own draw: no Jacobian at all.
+    """
     leaves = tuple(prob.leaves)
     rows_in = in_rows(prob, opts.batch)
     n = sum(math.prod(s) for s in rows_in)
@@ -152,8 +165,10 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     check = shapes.check
     unpack_dual = fwAD.unpack_dual
     # (one call of f per column, where no vmap runs: chunks of one column are plain calls;
-    # the generators of f's own too, where there are several columns)
-    same_draws = None if vectorized and chunk != 1 else loop_draws(prob, n)
+    # one per chunk under vmap, where there are several chunks; the generators of f's own
+    # too, where there are several columns: NOTE [forward mode of a function that draws])
+    one_call = vectorized and (chunk is None or chunk >= n)
+    same_draws = None if one_call else loop_draws(prob, n)
 
     def g(*xs: Tensor) -> Any:
         if same_draws is not None:
@@ -189,7 +204,8 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
             tan = func_jvp(g, leaves, tangents)[1]
             return tan if isinstance(tan, Tensor) else tuple(tree_leaves(tan))
 
-        products = vmap(push)(*_all_rows(rows_in, dtypes, devices, n, opts.batch))
+        products = vmap(push, randomness="same")(
+            *_all_rows(rows_in, dtypes, devices, n, opts.batch))
         stacked = [products] if isinstance(products, Tensor) else list(products)
     else:
 
@@ -202,7 +218,7 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
         rows = basis_rows(rows_in, dtypes, devices, opts.batch)
         stacked, aux = map_rows(
             fn, rows, n, vectorized=vectorized, chunk_size=chunk, extras=has_aux,
-            detach=opts.detached,
+            detach=opts.detached, batched_fn=vmap(fn, randomness="same"),
         )
     if opts.detached:
         stacked = [t.detach() for t in stacked]
