@@ -90,3 +90,29 @@ def test_retaining_intermediate_with_several_outputs_and_inputs():
                                  argnums=(0, 1))(a.detach(), b.detach())
     torch.testing.assert_close(J, expected)
     assert m.grad is None
+
+
+def _retains_inside(x):
+    h = x.sin()
+    if h.requires_grad:  # (forward mode's tensors do not require grad)
+        h.retain_grad()
+    return h * x
+
+
+def test_a_function_calling_retain_grad_is_explained_or_computed():
+    # torch.func refuses Tensor.retain_grad() inside the function it transforms; the
+    # vectorised reverse strategy let torch's bare RuntimeError through, unexplained
+    x = torch.randn(4, dtype=torch.float64)
+    expected = torch.func.jacrev(lambda v: v.sin() * v)(x)
+    with pytest.raises(tv.StrategyError, match=(
+            r"(?s)^torch_vjp\.jacobian: the vectorised strategies compute with torch\.func, "
+            r"which cannot run f \(_retains_inside\) in rev-mode products: f runs plain "
+            r"autograd itself \(.*\.retain_grad\(\).*\)\, which torch\.func's transforms "
+            r"refuse .*torch\.func said: RuntimeError: You are attempting to call "
+            r"Tensor\.retain_grad\(\).*Fix: strategy='auto', 'rev-loop' or 'fwd-loop'")):
+        tv.jacobian(_retains_inside, x, strategy="rev")
+    for strategy in ("auto", "fwd", "rev-loop", "fwd-loop"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tv.JacobianWarning)
+            torch.testing.assert_close(tv.jacobian(_retains_inside, x, strategy=strategy),
+                                       expected)

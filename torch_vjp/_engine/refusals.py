@@ -26,8 +26,8 @@ _WHY = {
                    ".data_ptr(); a C extension), which a tensor inside a torch.func transform "
                    "does not have (it holds no storage of its own)"),
     "plain_autograd": ("f runs plain autograd itself (.backward(), .requires_grad_(), "
-                       "torch.autograd.functional), which torch.func's transforms refuse "
-                       "inside the function they transform"),
+                       ".retain_grad(), torch.autograd.functional), which torch.func's "
+                       "transforms refuse inside the function they transform"),
     "no_vmap": ("f uses a custom torch.autograd.Function without vmap support (no vmap "
                 "staticmethod, generate_vmap_rule unset), which torch.vmap cannot batch"),
 }
@@ -71,7 +71,8 @@ def refusal_kind(err: BaseException) -> str | None:
     autograd runs: ``"captured"``, ``"randomness"``, ``"setup_context"``, ``"no_strides"``
     (a sparse CSR constant), ``"saved_hooks"`` (checkpointing, in reverse mode),
     ``"no_storage"`` (NumPy inside f, in every torch.func transform, loops too) or
-    ``"plain_autograd"`` (f calls ``.backward()`` or ``.requires_grad_()`` itself); else
+    ``"plain_autograd"`` (f calls ``.backward()``, ``.requires_grad_()`` or
+    ``.retain_grad()`` itself); else
     None."""
     if not isinstance(err, RuntimeError):
         return None
@@ -89,7 +90,8 @@ def refusal_kind(err: BaseException) -> str | None:
     if "Cannot access data pointer of Tensor that doesn't have storage" in text:
         return "no_storage"
     if ("backward() called inside a functorch transform" in text
-            or "call Tensor.requires_grad_() (or perhaps using torch.autograd.functional" in text):
+            or "call Tensor.requires_grad_() (or perhaps using torch.autograd.functional" in text
+            or "call Tensor.retain_grad() inside of a function being transformed" in text):
         return "plain_autograd"
     return None
 
