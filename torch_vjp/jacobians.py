@@ -573,8 +573,9 @@ def jacobian_of(
 
     Raises:
         JacobianOptionError: ``compile=True`` (see above), or an invalid ``chunk_size``.
-        JacobianCallError: an input does not require grad, an argument is not a tensor, or
-            a tensor is complex (an output also integer or boolean).
+        JacobianCallError: an input does not require grad, an argument is not a tensor,
+            a tensor is complex (an output also integer or boolean), or an input is sparse
+            or nested.
         JacobianMemoryError: the Jacobian does not fit the free memory.
 
     The first vectorised Jacobian of a graph structure (node types, shapes and dtypes of
@@ -631,8 +632,19 @@ def jacobian_of(
                     f"it out of outputs, or compute it in floating point if it is "
                     f"differentiable.")
     for i, x in enumerate(ins):
+        name = "inputs" if isinstance(inputs, Tensor) else f"inputs[{i}]"
+        if x.layout != torch.strided or x.is_nested:
+            kind = ("a nested tensor" if x.is_nested
+                    else f"a sparse tensor (layout {x.layout})")
+            raise JacobianCallError(
+                f"{call}: {name} is {kind}; Jacobians here (as in torch.func and "
+                f"torch_vjp.jacobian) are taken with respect to dense (strided) tensors, whose "
+                f"elements are the Jacobian's columns.\n"
+                f"  Fix: compute the outputs from a dense tensor, d = {name}.to_dense()"
+                f".requires_grad_() (calling .to_sparse() on d where a sparse one is needed), "
+                f"and pass d; or use torch_vjp.grad, which takes this tensor, for products "
+                f"with vectors.")
         if not x.requires_grad:
-            name = "inputs" if isinstance(inputs, Tensor) else f"inputs[{i}]"
             raise JacobianCallError(
                 f"{call}: {name} (shape {shape_str(x.shape)}) does not require grad, so no "
                 f"graph leads to it and its Jacobian cannot be read from one.\n"
