@@ -91,6 +91,7 @@ from torch_vjp._errors import (
     JacobianWarning,
     failing_rank,
     passes_through,
+    shape_str,
     warn_once,
 )
 from torch_vjp._sharded_check import (
@@ -372,24 +373,75 @@ def _attempt(compute: Any, group: Any, device: torch.device, call: str
         part, status, err = None, _NO_FWD, failed.err
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
         part, status, err = None, _PASSES if passes_through(exc) else _FAILED, exc
-    # (a digest of the output's structure: its largest and smallest over the ranks differ
-    # where some rank's differs)
-    paths = None
+    # (a digest of the output's structure, and of its leaves' shapes (and dtypes, which
+    # forward mode gathers): its largest and smallest over the ranks differ where some
+    # rank's differs. NOTE [outputs alike on every rank])
+    paths, leaves = None, None
     if part is not None:
         try:
             paths = leaf_paths(tree_unflatten([0] * part[1].num_leaves, part[1]))
         except Exception:  # noqa: BLE001 - (an unflatten refusing zeros: not compared)
             paths = None
-    h = 0 if paths is None else int(hashlib.sha1(repr(paths).encode()).hexdigest()[:15], 16)
+        leaves = _output_leaves(part)
+    h = 0 if part is None else int(hashlib.sha1(repr((paths, leaves)).encode()).hexdigest()[
+        :15], 16)
     t = torch.tensor([status, h, -h], dtype=torch.int64, device=device)
     _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
     code, hi, lo = t.tolist()
     if code == _OK and hi != -lo:
         said: list[Any] = [None] * _dist().get_world_size(group)
-        _dist().all_gather_object(said, paths, group=group)
+        _dist().all_gather_object(said, (paths, leaves), group=group)
         r = next(r for r, p in enumerate(said) if p != said[0])
-        order_differs(call, "the outputs of f", said[0] or [], said[r] or [], r, "output")
+        if said[r][0] != said[0][0]:
+            order_differs(call, "the outputs of f", said[0][0] or [], said[r][0] or [], r,
+                          "output")
+        _outputs_differ(call, said[0], said[r], r)
     return part, code, err
+
+
+# NOTE [outputs alike on every rank]
+# The products are numbered over f's output elements (reverse mode) and gathered as tensors
+# of f's output shapes (forward mode): outputs of other shapes (or dtypes, forward mode) on
+# some rank mixed rows of several numberings in the gathered Jacobian, silently, or made
+# gloo abort the process. f's arguments and weights agree (compared before any product):
+# such an f reads something of each rank's own (a number bound per rank, a global).
+
+
+def _output_leaves(part: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """The shape of each output leaf (of one row of the batch for ``batch_jacobian``), and
+    in forward mode its dtype: what the ranks' outputs must agree on."""
+    stacked, rows_out = part[0], part[2]
+    if rows_out is not None:  # (reverse mode: the rows' shapes number the products)
+        return [(tuple(int(d) for d in s),) for s in rows_out]
+    return [(tuple(int(d) for d in t.shape[1:]), str(t.dtype).replace("torch.", ""))
+            for t in stacked]
+
+
+def _outputs_differ(call: str, ref: tuple[Any, Any], got: tuple[Any, Any], r: int) -> None:
+    """Raises: f's output leaves have other shapes or dtypes on rank ``r`` than on rank 0
+    (NOTE [outputs alike on every rank])."""
+    (paths, a), (_, b) = ref, got
+    i = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
+    name = f"output{paths[i]}" if paths is not None and i < len(paths) else f"output leaf {i}"
+
+    def what(leaf: Any) -> str:
+        if leaf is None:
+            return "nothing"
+        return shape_str(leaf[0]) if len(leaf) == 1 else f"{shape_str(leaf[0])} {leaf[1]}"
+
+    mine = what(b[i] if i < len(b) else None)
+    theirs = what(a[i] if i < len(a) else None)
+    raise JacobianCallError(
+        f"{call}: the outputs of f differ between ranks: {name} is {mine} on rank {r} but "
+        f"{theirs} on rank 0, though every rank called f with the same arguments and "
+        f"weights. With a process_group the products are numbered over f's output elements "
+        f"and gathered from every rank, so f must return outputs of the same shapes and "
+        f"dtypes on every rank; f reads something of each rank's own (a number bound per "
+        f"rank, a global).\n"
+        f"  Fix: make f the same function on every rank (pass what it reads of its rank's "
+        f"own as an argument, where it is compared), or pass process_group=None to compute "
+        f"each rank's own Jacobian."
+    )
 
 
 def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...]:
