@@ -177,15 +177,16 @@ def ddp_add_to_grads(
     had = "forward" in module.__dict__
     saved = module.__dict__.get("forward")
     module.forward = surrogate  # type: ignore[method-assign]
-    try:
-        with torch.enable_grad(), _without_hooks(module):
-            out = ddp()
-    finally:
-        if had:
-            module.forward = saved  # type: ignore[method-assign]
-        else:
-            del module.forward
-    out.backward()
+    with _without_grad_hooks([p for p, _ in pairs]):
+        try:
+            with torch.enable_grad(), _without_hooks(module):
+                out = ddp()
+        finally:
+            if had:
+                module.forward = saved  # type: ignore[method-assign]
+            else:
+                del module.forward
+        out.backward()
 
 
 @contextlib.contextmanager
@@ -229,6 +230,26 @@ def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException 
         f"reducer's all-reduce would wait for rank {first} for ever). Rank {first} said: "
         f"{quoted}\n  The cause and its fix are in rank {first}'s traceback."
     )
+
+
+@contextlib.contextmanager
+def _without_grad_hooks(params: list[Tensor]) -> Iterator[None]:
+    """The surrogate's backward without the parameters' gradient hooks
+    (``Tensor.register_hook``): each per-example gradient has been through them already
+    (NOTE [gradient hooks on a parameter] in ``torch_vjp._per_sample.probe``), so on the
+    clipped sum they ran a second time (a hook that triples the gradient tripled .grad),
+    where the clipped step without DDP adds the sum as it is. The dicts are emptied and
+    filled again in place: torch reads them at backward, and the handles that remove a hook
+    refer to them."""
+    saved = [(p._backward_hooks, list(p._backward_hooks.items())) for p in params
+             if p._backward_hooks]
+    for hooks, _ in saved:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
 
 
 #: The hook dicts ``Module.__call__`` runs: the module's own and the global ones.

@@ -1,0 +1,113 @@
+"""The clipped step on a model wrapped in DistributedDataParallel (NOTE [DDP] in
+``torch_vjp._per_sample.distributed``): ``.grad`` equals the clipped per-example sum over the
+global batch divided by the world size, on every rank, against a per-example loop in
+float64. Two ranks, gloo on CPU, each with its own half of one global batch."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import torch_vjp as tv
+
+DT = torch.float64
+MAX_NORM = 0.5
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _spawn_within(worker, world, seconds):
+    """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; fails (rather than
+    blocks) where a rank still runs after ``seconds``."""
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.spawn(worker, args=(world, os.path.join(d, "init")), nprocs=world,
+                       join=False)
+        deadline = time.monotonic() + seconds
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                pytest.fail(f"the ranks were still running after {seconds} s")
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 5, dtype=DT, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _clipped_sum(model, x, y):
+    """The definition: sum_i min(1, C / ||g_i||) g_i, g_i the gradient example i gives
+    alone (through the parameters' gradient hooks, as any backward)."""
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(x.shape[0]):
+        gs = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), params)
+        c = min(1.0, MAX_NORM / float(torch.sqrt(sum(g.pow(2).sum() for g in gs))))
+        for t, g in zip(total, gs):
+            t += c * g
+    return total
+
+
+def _hooked_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+    handle = model[2].weight.register_hook(lambda g: g * 3)
+    return model, handle
+
+
+def _grad_hooks_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    ddp = None
+    try:
+        torch.set_num_threads(1)
+        x, y = _data()
+        want = _clipped_sum(_hooked_model()[0], x, y)
+        loss = nn.CrossEntropyLoss(reduction="sum")
+        model, handle = _hooked_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        mine = slice(rank * 4, (rank + 1) * 4)
+        tv.accumulate_clipped_grads(ddp, loss, x[mine], y[mine], max_norm=MAX_NORM)
+        # the hook tripled each example's gradient, then tripled the clipped sum once more
+        for (name, p), w in zip(model.named_parameters(), want):
+            torch.testing.assert_close(p.grad, w / world, rtol=1e-10, atol=1e-12,
+                                       msg=f"rank {rank}: {name}")
+        # the same as without DDP, on the whole batch
+        alone, _ = _hooked_model()
+        tv.accumulate_clipped_grads(alone, loss, x, y, max_norm=MAX_NORM)
+        for p, q in zip(model.parameters(), alone.parameters()):
+            torch.testing.assert_close(p.grad, q.grad / world, rtol=1e-10, atol=1e-12)
+        # the hook is still the model's: it acts in an ordinary step, and its handle
+        # removes it
+        for p in model.parameters():
+            p.grad = None
+        loss(ddp(x[mine]), y[mine]).backward()
+        hooked = model[2].weight.grad.clone()
+        handle.remove()
+        model[2].weight.grad = None
+        loss(ddp(x[mine]), y[mine]).backward()
+        torch.testing.assert_close(hooked, 3 * model[2].weight.grad, rtol=1e-12, atol=1e-14)
+        dist.barrier()
+    finally:
+        ddp = None
+        gc.collect()  # (the wrapper holds the group: gone before it is destroyed)
+        dist.destroy_process_group()
+
+
+def test_ddp_clipped_step_applies_a_parameter_gradient_hook_once():
+    # the per-example gradients go through a parameter's hook (Tensor.register_hook); the
+    # pass that adds the clipped sums through DDP's backward ran it again on the sum, so
+    # .grad was 3 times the unwrapped model's, silently
+    _spawn_within(_grad_hooks_worker, 2, 120)
