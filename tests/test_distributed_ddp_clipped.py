@@ -111,3 +111,73 @@ def test_ddp_clipped_step_applies_a_parameter_gradient_hook_once():
     # pass that adds the clipped sums through DDP's backward ran it again on the sum, so
     # .grad was 3 times the unwrapped model's, silently
     _spawn_within(_grad_hooks_worker, 2, 120)
+
+
+def _plain_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+
+
+def _static_graph_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    first = after = None
+    try:
+        torch.set_num_threads(1)
+        x, y = _data()
+        loss = nn.CrossEntropyLoss(reduction="sum")
+        mine = slice(rank * 4, (rank + 1) * 4)
+        sub = ["module.2.weight", "module.2.bias"]
+        ref = _plain_model()
+        tv.accumulate_clipped_grads(ref, loss, x, y, max_norm=MAX_NORM,
+                                    params=["2.weight", "2.bias"])
+        full = _plain_model()
+        tv.accumulate_clipped_grads(full, loss, x, y, max_norm=MAX_NORM)
+
+        def check(model, want, what):
+            for (name, p), q in zip(model.named_parameters(), want.parameters()):
+                if q.grad is None:
+                    assert p.grad is None, f"rank {rank}, {what}: {name} got a gradient"
+                else:
+                    torch.testing.assert_close(p.grad, q.grad / world, rtol=1e-10,
+                                               atol=1e-12, msg=f"rank {rank}, {what}: {name}")
+
+        # the clipped step is DDP's first step: its selection is that of every step (it was
+        # refused, as if DDP had to find unused parameters)
+        first = nn.parallel.DistributedDataParallel(_plain_model(), static_graph=True)
+        for step in range(2):
+            for p in first.parameters():
+                p.grad = None
+            tv.accumulate_clipped_grads(first, loss, x[mine], y[mine], max_norm=MAX_NORM,
+                                        params=sub)
+            check(first.module, ref, f"first step a subset, step {step}")
+        # an ordinary step first, every parameter: a subset after it left .grad each rank's
+        # own unreduced sums, silently (find_unused_parameters=True did not help)
+        for find_unused in (True, False):
+            after = nn.parallel.DistributedDataParallel(
+                _plain_model(), static_graph=True, find_unused_parameters=find_unused)
+            loss(after(x[mine]), y[mine]).backward()
+            for p in after.parameters():
+                p.grad = None
+            with pytest.raises(tv.PerSampleValueError, match=(
+                    r"(?s)^torch_vjp\.accumulate_clipped_grads: DDP was built with "
+                    r"static_graph=True, so its first step fixed the parameters.*params "
+                    r"leaves out 2 of them \(first: '0\.weight'\).*each rank's own sums in "
+                    r"\.grad.*Fix: select the parameters of the first step in every step "
+                    r"\(params=None.*without static_graph=True and with "
+                    r"find_unused_parameters=True")):
+                tv.accumulate_clipped_grads(after, loss, x[mine], y[mine], max_norm=MAX_NORM,
+                                            params=sub)
+            assert all(p.grad is None for p in after.parameters()), f"rank {rank}: .grad"
+            # every parameter, as in the first step: the clipped sum, reduced
+            tv.accumulate_clipped_grads(after, loss, x[mine], y[mine], max_norm=MAX_NORM)
+            check(after.module, full, f"after an ordinary step, {find_unused}")
+        dist.barrier()
+    finally:
+        first = after = None
+        gc.collect()  # (the wrappers hold the group: gone before it is destroyed)
+        dist.destroy_process_group()
+
+
+def test_ddp_static_graph_clipped_step_selects_the_first_steps_parameters():
+    _spawn_within(_static_graph_worker, 2, 150)

@@ -32,6 +32,7 @@ rank. Not inside ``ddp.join()``, whose joined ranks shadow DDP's own collectives
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,7 +154,10 @@ def ddp_add_to_grads(
     owned = {id(p) for p in module.parameters() if p.requires_grad}
     pairs = [(p, sums.get(n)) for n, p in tensors.items() if id(p) in owned]
     selected = {id(p) for p, _ in pairs}
-    if not ddp.find_unused_parameters:
+    first_step = None
+    if getattr(ddp, "static_graph", False):
+        first_step = _static_first_step(fn, ddp, module, selected)
+    elif not ddp.find_unused_parameters:
         missing = [n for n, p in module.named_parameters()
                    if p.requires_grad and id(p) not in selected]
         if missing:
@@ -187,6 +191,8 @@ def ddp_add_to_grads(
             else:
                 del module.forward
         out.backward()
+    if first_step:  # (this pass was DDP's first step: it fixed the parameters, NOTE
+        _FIRST_STEP[ddp] = frozenset(selected)  # [DDP with static_graph])
 
 
 @contextlib.contextmanager
@@ -229,6 +235,45 @@ def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException 
         f"while computing its clipped sums, so no rank adds its sums to .grad (the "
         f"reducer's all-reduce would wait for rank {first} for ever). Rank {first} said: "
         f"{quoted}\n  The cause and its fix are in rank {first}'s traceback."
+    )
+
+
+# NOTE [DDP with static_graph]
+# With static_graph=True, DDP's first step fixes which parameters get gradients, whatever
+# find_unused_parameters says: in every later step its reducer waits for those. A clipped
+# step that leaves one of them out (a params subset after an ordinary step) never starts
+# the all-reduce of its bucket: .grad kept each rank's own unreduced sums, silently, and
+# the next forward raised. So the selection must be that of the first step: where the
+# clipped step itself was the first (recorded here), its selection; where the first was
+# the model's own step, every trainable parameter (a model with a parameter its forward
+# never uses then gets DDP's own error, that the graph changed).
+_FIRST_STEP: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _static_first_step(fn: str, ddp: Any, module: nn.Module, selected: set[int]) -> bool:
+    """Whether this clipped step is the first step of a DDP model built with
+    ``static_graph=True``; raises where its selection of parameters differs from that of the
+    first step (NOTE [DDP with static_graph])."""
+    if not getattr(ddp, "_static_graph_delay_allreduce_enqueued", True):
+        return True
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    first = _FIRST_STEP.get(ddp)
+    if first is None:
+        first = frozenset(id(p) for _, p in trainable)
+    if selected == first:
+        return False
+    left = [n for n, p in trainable if id(p) in first and id(p) not in selected]
+    more = [n for n, p in trainable if id(p) in selected and id(p) not in first]
+    how = (f"leaves out {len(left)} of them (first: {left[0]!r})" if left
+           else f"adds {len(more)} (first: {more[0]!r})")
+    raise PerSampleValueError(
+        f"torch_vjp.{fn}: DDP was built with static_graph=True, so its first step fixed the "
+        f"parameters whose gradients its reducer waits for in every step, and params "
+        f"{how}: the all-reduce would never start, leaving each rank's own sums in .grad "
+        f"(find_unused_parameters does not change that under static_graph).\n"
+        f"  Fix: select the parameters of the first step in every step (params=None where "
+        f"it was an ordinary step), or wrap the model without static_graph=True and with "
+        f"find_unused_parameters=True."
     )
 
 
