@@ -1,9 +1,30 @@
 """Sparsity rules of ops that read a neighbourhood of their inputs, where a dense rule
 would hold every output dependent on every input: ``prelu``, ``linalg.cross``, ``renorm``,
-``cdist`` and the bilinear resize (registered with the rules of
-:mod:`~torch_vjp._sparse.rules`). Each is a superset of the true pattern."""
+``cdist`` and the resizes of ``F.interpolate`` that weigh a window (linear, bilinear,
+trilinear, bicubic, antialiased) (registered with the rules of
+:mod:`~torch_vjp._sparse.rules`). Each is a superset of the true pattern.
+
+NOTE [a resize's reach]
+The resizes are separable: output pixel ``(o_1, ..., o_k)`` of a channel weighs input pixel
+``(i_1, ..., i_k)`` of the same channel by a product of one weight per dimension, so it
+depends on it where each ``i_d`` is in the reach of ``o_d`` along dimension ``d``. A
+dimension's reach is read off the kernels themselves, run in float64 on an identity (row
+``i`` as channel ``i``), not from a formula of ours: the forward kernel (what forward mode
+and the values compute) and the backward kernel (what reverse mode computes; torch 2.13's
+antialiased backward reads a window where its forward copies, for a dimension of equal
+sizes and a scale given), each with the other dimensions of size 1 and of size 2 (the
+antialiased forward on a last dimension of size 1 reads only the first row). The source
+index of an output row is computed in float (float32 for float32, bfloat16 and float16),
+so at another dtype it can fall one row over, and a tap whose weight is exactly zero in
+float64 (bicubic's outer taps at an integer source index, ``(1 - t) t^2`` with ``t = 0``)
+is non-zero there: each source is widened by one neighbour on each side (linear, bilinear,
+trilinear, antialiased bilinear), by two for the bicubic ones, whose taps shifted by a row
+reach two past the float64 ones.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -22,7 +43,7 @@ from torch_vjp._sparse.rules import (
 )
 from torch_vjp._sparse.tracer import Call, Tracer, carries_sets
 
-__all__ = ["cdist", "cross", "renorm", "upsample_bilinear"]
+__all__ = ["cdist", "cross", "renorm", "upsample"]
 
 
 # ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
@@ -76,39 +97,85 @@ def cdist(tr: Tracer, call: Call) -> list[Tensor | None]:
     return for_outputs(call, combine(tr, shape, parts))
 
 
-@register("upsample_bilinear2d")
-def upsample_bilinear(tr: Tracer, call: Call) -> list[Tensor | None]:
-    """Each output pixel depends on the input pixels of its channel that its rows and
-    columns read (:func:`_bilinear_reach`: two of each, with a neighbour on each side)."""
+#: The resizes that weigh, separably, a window of input pixels of their channel per output
+#: pixel: by op, the number of resized dimensions, the names of their scales, and how many
+#: neighbours on each side a dimension's reach is widened by (:func:`_reach`).
+_RESIZES = {
+    "upsample_linear1d": (1, ("scales",), 1),
+    "upsample_bilinear2d": (2, ("scales_h", "scales_w"), 1),
+    "upsample_trilinear3d": (3, ("scales_d", "scales_h", "scales_w"), 1),
+    "upsample_bicubic2d": (2, ("scales_h", "scales_w"), 2),
+    "_upsample_bilinear2d_aa": (2, ("scales_h", "scales_w"), 1),
+    "_upsample_bicubic2d_aa": (2, ("scales_h", "scales_w"), 2),
+}
+
+
+@register(*_RESIZES)
+def upsample(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Each output pixel depends on the input pixels of its channel that its index along
+    each resized dimension reads (:func:`_reach`, per dimension: the op is separable, its
+    weights a product of one weight per dimension): linear, bilinear and trilinear read two
+    of each, bicubic four, antialiased ones a window as wide as the scale asks."""
+    k, names, widen = _RESIZES[call.name]
     x = _self(call)
     ids = tr.ids(x)
     out = call.outs[0]
-    if ids is None or x.dim() != 4 or x.numel() == 0 or out.numel() == 0:
+    if ids is None or x.dim() != k + 2 or x.numel() == 0 or out.numel() == 0:
         return conservative(tr, call) if ids is not None else [None]
-    (hin, win), (hout, wout) = x.shape[-2:], out.shape[-2:]
+    sizes_in, sizes_out = tuple(x.shape[2:]), tuple(out.shape[2:])
     factors = call.bound.get("scale_factors")
     scales = (list(factors) if factors is not None
-              else [call.bound.get("scales_h"), call.bound.get("scales_w")])
+              else [call.bound.get(name) for name in names])
     align = bool(call.bound.get("align_corners"))
-    oh, ih = _bilinear_reach(hin, hout, align, scales[0]).nonzero().unbind(1)
-    ow, iw = _bilinear_reach(win, wout, align, scales[1]).nonzero().unbind(1)
-    to = (oh[:, None] * wout + ow[None, :]).reshape(-1)
-    src = (ih[:, None] * win + iw[None, :]).reshape(-1)
-    planes = ids.reshape(-1, hin * win)
+    to = src = torch.zeros(1, dtype=_LONG)
+    for d in range(k):
+        o, i = _reach(call.name, k, d, sizes_in[d], sizes_out[d], align, scales[d],
+                      widen).nonzero().unbind(1)
+        to = (to[:, None] * sizes_out[d] + o[None, :]).reshape(-1)
+        src = (src[:, None] * sizes_in[d] + i[None, :]).reshape(-1)
+    n_out = math.prod(sizes_out)
+    planes = ids.reshape(-1, math.prod(sizes_in))
     n = planes.shape[0]
-    rows = (torch.arange(n, dtype=_LONG)[:, None] * (hout * wout) + to[None, :]).reshape(-1)
-    return [tr.table.union(rows, planes[:, src].reshape(-1), n * hout * wout).view(out.shape)]
+    rows = (torch.arange(n, dtype=_LONG)[:, None] * n_out + to[None, :]).reshape(-1)
+    return [tr.table.union(rows, planes[:, src].reshape(-1), n * n_out).view(out.shape)]
 
 
-def _bilinear_reach(n_in: int, n_out: int, align: bool, scale: float | None) -> Tensor:
-    """``(n_out, n_in)``: which input rows each output row of a bilinear resize reads, along
-    one dimension: the resize itself run on the rows of an identity (float64; each output
-    row weighs its two source rows, the weights sum to 1), each source widened by its
-    neighbours, as the source index that another dtype rounds may fall one row over."""
-    eye = torch.eye(n_in, dtype=torch.float64).reshape(1, n_in, n_in, 1)
-    reach = aten.upsample_bilinear2d.default(eye, [n_out, 1], align, scale, None)
-    reach = reach.reshape(n_in, n_out).t() != 0
+def _reach(name: str, k: int, d: int, n_in: int, n_out: int, align: bool,
+           scale: float | None, widen: int) -> Tensor:
+    """``(n_out, n_in)``: which input rows each output row of resize ``name`` reads along
+    its resized dimension ``d`` (of ``k``), by its forward and its backward kernels, each
+    source widened by ``widen`` neighbours on each side. See NOTE [a resize's reach]."""
+    scales: list[float | None] = [None] * k
+    scales[d] = scale
+    forward = getattr(aten, name).default
+    backward = getattr(aten, name + "_backward").default
+    reach = torch.zeros(n_out, n_in, dtype=torch.bool)
+    for other in (1, 2):
+        size_in, size_out = [other] * k, [other] * k
+        size_in[d], size_out[d] = n_in, n_out
+        # (row i of the identity as channel i, constant along the other dimensions)
+        got = forward(_identity(n_in, k, d, size_in), size_out, align, *scales)
+        reach |= _plane_line(got, n_in, k, d).t() != 0
+        got = backward(_identity(n_out, k, d, size_out), size_out, [1, n_out, *size_in],
+                       align, *scales)
+        reach |= _plane_line(got, n_out, k, d) != 0
     wide = reach.clone()
-    wide[:, 1:] |= reach[:, :-1]
-    wide[:, :-1] |= reach[:, 1:]
+    for step in range(1, widen + 1):
+        wide[:, step:] |= reach[:, :-step]
+        wide[:, :-step] |= reach[:, step:]
     return wide
+
+
+def _identity(n: int, k: int, d: int, size: list[int]) -> Tensor:
+    """``(1, n, *size)`` float64 (``size[d] == n``): channel ``i`` one at index ``i`` of
+    dimension ``d``, zero elsewhere, the same along the other dimensions."""
+    view = [n] + [1] * k
+    view[1 + d] = n
+    eye = torch.eye(n, dtype=torch.float64).reshape(view)
+    return eye.expand(n, *size).unsqueeze(0).contiguous()
+
+
+def _plane_line(t: Tensor, channels: int, k: int, d: int) -> Tensor:
+    """``(channels, t.shape[2 + d])``: each channel of ``t`` along dimension ``d``, at index
+    0 of the others."""
+    return t[0].movedim(1 + d, -1).reshape(channels, -1, t.shape[2 + d])[:, 0]
