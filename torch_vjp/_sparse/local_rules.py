@@ -1,5 +1,5 @@
 """Sparsity rules of ops that read a neighbourhood of their inputs, where a dense rule
-would hold every output dependent on every input: ``prelu``, ``linalg.cross``, ``renorm``,
+would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg.cross``, ``renorm``,
 ``cdist`` and the resizes of ``F.interpolate`` that weigh a window (linear, bilinear,
 trilinear, bicubic, antialiased) (registered with the rules of
 :mod:`~torch_vjp._sparse.rules`). Each is a superset of the true pattern.
@@ -49,6 +49,9 @@ __all__ = ["cdist", "cross", "renorm", "upsample"]
 # ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
 # input element at its position and the weight of its channel (broadcast)
 register("_prelu_kernel", "prelu")(pointwise)
+# ``polar`` and ``complex`` are pointwise too, untagged: each complex output element is
+# made of the two real input elements at its (broadcast) position
+register("polar", "complex")(pointwise)
 
 
 @register("linalg_cross")
