@@ -46,3 +46,46 @@ def test_polar_and_complex_are_elementwise(name, f, exact):
     x = torch.randn(8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     _check(f, x.abs() + 0.5, exact)
 
+
+def _buffer_written_through_real_view(v):
+    buf = torch.zeros(4, dtype=torch.complex128)
+    torch.view_as_real(buf)[:, 0] = v[:4]
+    torch.view_as_real(buf)[:, 1] = 2 * v[4:]
+    return torch.view_as_real(buf * buf)
+
+
+def _half_written_through_real_view(v):
+    z = torch.polar(v[:4], v[4:]).clone()
+    torch.view_as_real(z)[1:, 1] = v[:3]
+    return torch.view_as_real(z)
+
+
+def _buffer_written_through_complex_view(v):
+    buf = torch.zeros(8, dtype=torch.float64)
+    torch.view_as_complex(buf.view(4, 2)).copy_(torch.polar(v[:4], v[4:]))
+    return buf
+
+
+_VIEWS = [
+    ("view_as_real of polar", lambda v: torch.view_as_real(torch.polar(v[:4], v[4:]))),
+    ("real of polar", lambda v: torch.polar(v[:4], v[4:]).real),
+    ("imag of complex", lambda v: (torch.complex(v[:4], v[4:]) ** 2).imag),
+    ("view_as_complex, square", lambda v: torch.view_as_real(
+        torch.view_as_complex(v.reshape(4, 2)) ** 2)),
+    ("view_as_complex, slice", lambda v: torch.view_as_real(
+        torch.view_as_complex(v.reshape(4, 2))[1:]).sum(-1)),
+    ("times a complex constant", lambda v: torch.view_as_real(
+        torch.complex(v[:4], v[4:]) * torch.tensor([1j, 2, 3 - 1j, 0.5]))),
+    ("buffer written through real view", _buffer_written_through_real_view),
+    ("half written through real view", _half_written_through_real_view),
+    ("buffer written through complex view", _buffer_written_through_complex_view),
+]
+
+
+@pytest.mark.parametrize("name, f", _VIEWS, ids=[c[0] for c in _VIEWS])
+def test_a_real_view_of_a_complex_tensor_keeps_each_elements_set(name, f):
+    # a view whose elements are of another size than its storage's shadow (view_as_real of
+    # a complex tensor) gave every element the union of the whole storage: a dense pattern
+    # for every f that returns a complex result as its real view
+    x = torch.randn(8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _check(f, x.abs() + 0.5)

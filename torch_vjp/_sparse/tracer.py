@@ -16,6 +16,17 @@ ends, so that no storage address is reused while it is a key. Tensors without st
 is ruled conservatively (a rule would look up the ids of a reshaped or indexed copy, a new
 object without any), and a view of one with storage of its own (``values()``) gets its set.
 
+NOTE [views of another element size]
+A complex tensor and its real view (``view_as_real``, ``view_as_complex``) share a storage,
+whose shadow has one entry per element of the tensor that first wrote it. Seen through a
+view of smaller elements, each real element carries the set of the complex element it is
+part of; through a view of larger ones, each complex element the union of the real elements
+it is made of. A write through a real view of a complex shadow unites the written sets
+with what the complex elements held (the other half of each keeps its set: a superset
+where both halves are written); through a complex view of a real shadow it writes both
+halves. Element sizes that are not multiples of each other give every element the union
+of the whole storage.
+
 NOTE [what the pattern means]
 The pattern is the structure of the derivative automatic differentiation computes at the
 point ``f`` was run at: an output element is marked as depending on an input element when
@@ -313,9 +324,24 @@ class Tracer(TorchDispatchMode):
         shadow = self._shadows.get(key)
         if shadow is None:
             return None
-        if shadow.itemsize != t.element_size():  # a view with another element size
-            return torch.full(t.shape, self.table.union_all(shadow.ids), dtype=_LONG)
+        if shadow.itemsize != t.element_size():  # NOTE [views of another element size]
+            seen = self._resized(shadow, t.element_size())
+            if seen is None:
+                return torch.full(t.shape, self.table.union_all(shadow.ids), dtype=_LONG)
+            return seen.as_strided(t.shape, t.stride(), t.storage_offset())
         return shadow.ids.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def _resized(self, shadow: _Shadow, size: int) -> Tensor | None:
+        """The shadow's ids seen by elements of ``size`` bytes (NOTE [views of another
+        element size]), or None where the sizes are not multiples of each other."""
+        if shadow.itemsize % size == 0:  # (a real view of a complex storage)
+            return shadow.ids.repeat_interleave(shadow.itemsize // size)
+        if size % shadow.itemsize == 0:  # (a complex view of a real storage)
+            k = size // shadow.itemsize
+            count = shadow.ids.numel() // k
+            rows = torch.arange(count, dtype=_LONG).repeat_interleave(k)
+            return self.table.union(rows, shadow.ids[: count * k], count)
+        return None
 
     def tracked(self, t: object) -> bool:
         """Whether ``t`` may carry non-empty sets."""
@@ -343,11 +369,11 @@ class Tracer(TorchDispatchMode):
             size = t.untyped_storage().nbytes() // max(1, t.element_size())
             flat = torch.zeros(size, dtype=_LONG)
             shadow = self._shadows[key] = _Shadow(flat, t.element_size(), t)
-        if shadow.itemsize != t.element_size():
-            sid = self.table.union_all(shadow.ids) if ids is None else self.table.union_all(
-                torch.cat([shadow.ids, ids.reshape(-1)])
-            )
-            shadow.ids.fill_(sid)
+        if shadow.itemsize != t.element_size():  # NOTE [views of another element size]
+            if not self._write_resized(shadow, t, ids):
+                sid = self.table.union_all(shadow.ids) if ids is None else (
+                    self.table.union_all(torch.cat([shadow.ids, ids.reshape(-1)])))
+                shadow.ids.fill_(sid)
             return
         view = shadow.ids.as_strided(t.shape, t.stride(), t.storage_offset())
         if ids is None:
@@ -356,6 +382,31 @@ class Tracer(TorchDispatchMode):
         if ids.untyped_storage()._cdata == shadow.ids.untyped_storage()._cdata:
             ids = ids.clone()  # read from the shadow it is written to (an in-place op)
         view.copy_(ids.expand(t.shape) if ids.shape != t.shape else ids)
+
+    def _write_resized(self, shadow: _Shadow, t: Tensor, ids: Tensor | None) -> bool:
+        """Writes ``ids`` through ``t``, whose elements are of another size than the
+        shadow's (NOTE [views of another element size]); False where the sizes are not
+        multiples of each other."""
+        size = t.element_size()
+        new = (torch.zeros(t.shape, dtype=_LONG) if ids is None
+               else ids.expand(t.shape)).reshape(-1)
+        if shadow.itemsize % size == 0:  # (through a real view of a complex storage)
+            k = shadow.itemsize // size
+            pos = torch.arange(shadow.ids.numel() * k, dtype=_LONG).as_strided(
+                t.shape, t.stride(), t.storage_offset()).reshape(-1)
+            touched, inverse = torch.unique(pos // k, return_inverse=True)
+            rows = torch.cat([torch.arange(touched.numel(), dtype=_LONG), inverse])
+            shadow.ids[touched] = self.table.union(
+                rows, torch.cat([shadow.ids[touched], new]), touched.numel())
+            return True
+        if size % shadow.itemsize == 0:  # (through a complex view of a real storage)
+            k = size // shadow.itemsize
+            pos = torch.arange(shadow.ids.numel() // k, dtype=_LONG).as_strided(
+                t.shape, t.stride(), t.storage_offset()).reshape(-1)
+            for part in range(k):
+                shadow.ids[pos * k + part] = new
+            return True
+        return False
 
     def ids_or_empty(self, t: Tensor) -> Tensor:
         """:meth:`ids`, with zeros (empty sets) for a constant."""
