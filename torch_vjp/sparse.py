@@ -63,6 +63,7 @@ from torch_vjp._sparse.compute import (
 from torch_vjp._sparse.detect import detect
 from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
 from torch_vjp._sparse.probe import (
+    batching_wrong,
     linear,
     misses_message,
     outside_pattern,
@@ -303,6 +304,20 @@ def sparse_jacobian(
         # finite: a disagreement there turned probing off for good as much)
         off, diff, scale, worst = (stale_rows(plan, coloring, comp, extras, seed)
                                    if all_finite([comp, extras]) else (False, 0.0, 0.0, -1))
+        if (off and plan.user and chunk_now != 1 and coloring.count > 0
+                and batching_wrong(prob, plan, coloring, extras[0], seed)):
+            # (NOTE [a cached plan, probed]: the vectorised products are wrong, not the
+            # pattern; one colour at a time, and probed again)
+            _warn_batching(prob, coloring.count)
+            coloring, comp, m, seed = _products(prob, plan, mode, 1, budget,
+                                                coloring.mode, probe)
+            comp, extras = comp[:-probe], comp[-probe:]
+            if mode == "auto" and coloring.mode == "rev":  # (forward mode is still checked)
+                plan.remember(fkey, "rev-loop")
+                check = False
+            off, diff, scale, worst = (stale_rows(plan, coloring, comp, extras, seed)
+                                       if all_finite([comp, extras])
+                                       else (False, 0.0, 0.0, -1))
         if off and plan.user:
             users_pattern_misses(prob, plan, comp.dtype, diff, scale, pkey,
                                  (coloring, comp, seed, worst))
@@ -430,6 +445,19 @@ def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
         JacobianWarning,
     )
     return comp, m, seed
+
+
+def _warn_batching(prob: Problem, count: int) -> None:
+    warn_once(
+        ("sparse-batching", function_key(prob.f)),
+        f"{prob.call}: the products of {function_name(prob.f)} computed together under "
+        f"torch.vmap disagree with one computed without it: an operator in f has a wrong "
+        f"batching rule (torch.cdist's backward is one). They were computed again one "
+        f"colour at a time ({count} products), without vmap: the pattern was not at "
+        f"fault.\n  Pass chunk_size=1 to compute them that way directly. This warning is "
+        f"shown once per function.",
+        JacobianWarning,
+    )
 
 
 def _checked(

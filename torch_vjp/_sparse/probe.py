@@ -29,7 +29,13 @@ scale (not so where a part of f rounds more coarsely than its tensors' dtypes, b
 under autocast cast back to float32: the disagreement is then rounding), the pattern
 leaves out entries and a JacobianOptionError says so; otherwise the result stands and the
 pattern is not probed again for that function (Plan.unprobed: a pattern serves several,
-and another's calls with it are still probed).
+and another's calls with it are still probed). But first, where the products were
+vectorised, the probe row's product is computed once more without vmap
+(:func:`batching_wrong`): an operator whose batching rule is wrong (torch.cdist's
+backward: a relative error near 1) makes the vectorised products disagree with their own
+probe whatever the pattern, and a pattern that holds every entry was refused as leaving
+some out. Where the two disagree, the products are computed again one colour at a time
+(with a one-time warning; "auto" remembers that route) and probed again.
 It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (the
 single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most); two
 where x is bfloat16 or float16 (:func:`probe_rows`: a second row whose levels differ from
@@ -52,7 +58,8 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, passes_through, warn_once
 
 __all__ = ["probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
-           "users_pattern_misses", "outside_pattern", "linear", "misses_message"]
+           "batching_wrong", "users_pattern_misses", "outside_pattern", "linear",
+           "misses_message"]
 
 
 #: The probe row's levels: any two differ in sign or by a factor of 2 at least.
@@ -279,6 +286,44 @@ def _additive_at_probe_scale(prob: Problem, plan: Any, coloring: Any, comp: Tens
         bound = local.clamp(min=rtol * local.max()).mul_(rtol)
         off = (got[2] - got[0] - got[1]).abs_()
         return not bool((off > bound).any())
+
+
+def batching_wrong(prob: Problem, plan: Any, coloring: Any, extra: Tensor,
+                   dtypes: tuple[Any, ...]) -> bool:
+    """Whether the first probe row's product computed with the others under vmap
+    (``extra``) disagrees with the same product computed without vmap, beyond the probe's
+    tolerance: then an operator of f has a wrong batching rule (torch.cdist's backward), and
+    the vectorised products are wrong, whatever the pattern (NOTE [a cached plan, probed]).
+    False where the product cannot be computed here (unknown)."""
+    seed = dtypes[0]
+    acc = torch.promote_types(extra.dtype, torch.float32)
+    r = plan.probe(coloring, seed, extra.device)
+    try:
+        with buffers_kept(prob.f):
+            if coloring.mode == "fwd":
+                leaves = tuple(prob.leaves)
+                tangents = tuple(t.reshape(x.shape).to(x.dtype) for t, x
+                                 in zip(r.split([x.numel() for x in leaves]), leaves))
+                prob.reset_primals()
+                with torch.no_grad():
+                    out = func_jvp(prob.g, leaves, tangents)[1]
+                got = torch.cat([t.detach().reshape(-1) for t in tree_leaves(out)])
+            else:
+                def keep(outs: list[Tensor]) -> list[Tensor]:
+                    parts = r.split([o.numel() for o in outs])
+                    return [t.reshape(o.shape).to(o.dtype) for t, o in zip(parts, outs)]
+                res = one_reverse_product(prob, keep=keep)
+                if res is None:
+                    return False
+                got = torch.cat([t.reshape(-1) for t in res[2]])
+    except Exception as err:  # noqa: BLE001 - unknown: judged as before
+        if passes_through(err):
+            raise
+        return False
+    if got.numel() != extra.numel():
+        return False
+    diff, scale = gap(extra.reshape(-1).to(acc), got.to(acc))
+    return diff > _probe_rtol(extra.dtype, seed, dtypes[1]) * scale
 
 
 def users_pattern_misses(prob: Problem, plan: Any, dtype: torch.dtype, diff: float,
