@@ -1,7 +1,7 @@
 """Sparsity rules of ops that read a neighbourhood of their inputs, where a dense rule
-would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg.cross``, ``renorm``,
-``cdist`` and the resizes of ``F.interpolate`` that weigh a window (linear, bilinear,
-trilinear, bicubic, antialiased) (registered with the rules of
+would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg.cross``,
+``renorm``, the FFTs, ``cdist`` and the resizes of ``F.interpolate`` that weigh a window
+(linear, bilinear, trilinear, bicubic, antialiased) (registered with the rules of
 :mod:`~torch_vjp._sparse.rules`). Each is a superset of the true pattern.
 
 NOTE [a resize's reach]
@@ -43,7 +43,7 @@ from torch_vjp._sparse.rules import (
 )
 from torch_vjp._sparse.tracer import Call, Tracer, carries_sets
 
-__all__ = ["cdist", "cross", "renorm", "upsample"]
+__all__ = ["cdist", "cross", "fft", "renorm", "upsample"]
 
 
 # ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
@@ -68,6 +68,21 @@ def cross(tr: Tracer, call: Call) -> list[Tensor | None]:
             ids = ids.reshape((1,) * (len(shape) - ids.dim()) + tuple(ids.shape))
             parts.append(group(tr, ids, [dim]).expand(ids.shape))
     return for_outputs(call, combine(tr, shape, parts))
+
+
+@register("_fft_r2c", "_fft_c2c", "_fft_c2r")
+def fft(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """A discrete Fourier transform over ``dim``: each output element depends on every
+    input element of its line (plane, ...) along the transformed dimensions, at the same
+    index of the others (their sizes are the input's; the last transformed one may differ:
+    a one-sided or a real result)."""
+    x = _self(call)
+    ids = tr.ids(x)
+    out = call.outs[0]
+    if ids is None or x.dim() != out.dim():
+        return for_outputs(call, ids) if ids is None else conservative(tr, call)
+    dims = [d % x.dim() for d in call.bound["dim"]]
+    return for_outputs(call, group(tr, ids, dims).expand(out.shape))
 
 
 @register("renorm")
