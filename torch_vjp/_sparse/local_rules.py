@@ -1,7 +1,7 @@
 """Sparsity rules of ops that read a neighbourhood of their inputs, where a dense rule
 would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg.cross``,
-``renorm``, the FFTs, ``cdist`` and the resizes of ``F.interpolate`` that weigh a window
-(linear, bilinear, trilinear, bicubic, antialiased) (registered with the rules of
+``renorm``, the FFTs, ``F.fold``, ``cdist`` and the resizes of ``F.interpolate`` that weigh
+a window (linear, bilinear, trilinear, bicubic, antialiased) (registered with the rules of
 :mod:`~torch_vjp._sparse.rules`). Each is a superset of the true pattern.
 
 NOTE [a resize's reach]
@@ -43,7 +43,7 @@ from torch_vjp._sparse.rules import (
 )
 from torch_vjp._sparse.tracer import Call, Tracer, carries_sets
 
-__all__ = ["cdist", "cross", "fft", "renorm", "upsample"]
+__all__ = ["cdist", "col2im", "cross", "fft", "renorm", "upsample"]
 
 
 # ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
@@ -83,6 +83,25 @@ def fft(tr: Tracer, call: Call) -> list[Tensor | None]:
         return for_outputs(call, ids) if ids is None else conservative(tr, call)
     dims = [d % x.dim() for d in call.bound["dim"]]
     return for_outputs(call, group(tr, ids, dims).expand(out.shape))
+
+
+@register("col2im")
+def col2im(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``F.fold`` adds each column element into the output pixel its window puts it at (the
+    adjoint of ``im2col``): each output pixel depends on the column elements that land on
+    it, which ``im2col`` of the output's positions says (0 where a window reads padding)."""
+    x = _self(call)
+    ids = tr.ids(x)
+    out = call.outs[0]
+    if ids is None or out.numel() == 0:
+        return [None] if ids is None else conservative(tr, call)
+    pos = torch.arange(1, out.numel() + 1, dtype=torch.float64).view(out.shape)
+    lands = aten.im2col.default(pos, call.bound["kernel_size"], call.bound["dilation"],
+                                call.bound["padding"], call.bound["stride"])
+    lands = lands.to(_LONG).reshape(-1)
+    kept = lands > 0
+    res = tr.table.union(lands[kept] - 1, ids.reshape(-1)[kept], out.numel())
+    return [res.view(out.shape)]
 
 
 @register("renorm")
