@@ -1,8 +1,9 @@
 """Sparsity rules of ops that read a neighbourhood of their inputs, where a dense rule
 would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg.cross``,
-``renorm``, the FFTs, ``F.fold``, ``cdist`` and the resizes of ``F.interpolate`` that weigh
-a window (linear, bilinear, trilinear, bicubic, antialiased) (registered with the rules of
-:mod:`~torch_vjp._sparse.rules`). Each is a superset of the true pattern.
+``renorm``, the FFTs, ``F.fold``, ``F.affine_grid``, ``cdist`` and the resizes of
+``F.interpolate`` that weigh a window (linear, bilinear, trilinear, bicubic, antialiased)
+(registered with the rules of :mod:`~torch_vjp._sparse.rules`). Each is a superset of the
+true pattern.
 
 NOTE [a resize's reach]
 The resizes are separable: output pixel ``(o_1, ..., o_k)`` of a channel weighs input pixel
@@ -43,7 +44,7 @@ from torch_vjp._sparse.rules import (
 )
 from torch_vjp._sparse.tracer import Call, Tracer, carries_sets
 
-__all__ = ["cdist", "col2im", "cross", "fft", "renorm", "upsample"]
+__all__ = ["affine_grid", "cdist", "col2im", "cross", "fft", "renorm", "upsample"]
 
 
 # ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
@@ -102,6 +103,20 @@ def col2im(tr: Tracer, call: Call) -> list[Tensor | None]:
     kept = lands > 0
     res = tr.table.union(lands[kept] - 1, ids.reshape(-1)[kept], out.numel())
     return [res.view(out.shape)]
+
+
+@register("affine_grid_generator")
+def affine_grid(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``F.affine_grid``: coordinate ``k`` of each grid point of example ``n`` is row ``k``
+    of ``theta[n]`` applied to the point's base coordinates: it depends on that row."""
+    theta = call.bound["theta"]
+    ids = tr.ids(theta)
+    out = call.outs[0]
+    if ids is None or theta.dim() != 3 or out.dim() < 3 or out.shape[-1] != theta.shape[1]:
+        return [None] if ids is None else conservative(tr, call)
+    rows = group(tr, ids, [-1])  # (N, k, 1)
+    view = (rows.shape[0],) + (1,) * (out.dim() - 2) + (rows.shape[1],)
+    return [rows.reshape(view).expand(out.shape)]
 
 
 @register("renorm")
