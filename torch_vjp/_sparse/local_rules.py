@@ -1,9 +1,9 @@
 """Sparsity rules of ops that read a neighbourhood of their inputs, where a dense rule
 would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg.cross``,
-``renorm``, the FFTs, ``F.fold``, ``F.affine_grid``, ``cdist`` and the resizes of
-``F.interpolate`` that weigh a window (linear, bilinear, trilinear, bicubic, antialiased)
-(registered with the rules of :mod:`~torch_vjp._sparse.rules`). Each is a superset of the
-true pattern.
+``renorm``, the FFTs, ``F.fold``, ``F.affine_grid``, ``F.bilinear``, ``cdist`` and the
+resizes of ``F.interpolate`` that weigh a window (linear, bilinear, trilinear, bicubic,
+antialiased) (registered with the rules of :mod:`~torch_vjp._sparse.rules`). Each is a
+superset of the true pattern.
 
 NOTE [a resize's reach]
 The resizes are separable: output pixel ``(o_1, ..., o_k)`` of a channel weighs input pixel
@@ -44,7 +44,8 @@ from torch_vjp._sparse.rules import (
 )
 from torch_vjp._sparse.tracer import Call, Tracer, carries_sets
 
-__all__ = ["affine_grid", "cdist", "col2im", "cross", "fft", "renorm", "upsample"]
+__all__ = ["affine_grid", "cdist", "col2im", "cross", "fft", "renorm", "trilinear",
+           "upsample"]
 
 
 # ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
@@ -117,6 +118,31 @@ def affine_grid(tr: Tracer, call: Call) -> list[Tensor | None]:
     rows = group(tr, ids, [-1])  # (N, k, 1)
     view = (rows.shape[0],) + (1,) * (out.dim() - 2) + (rows.shape[1],)
     return [rows.reshape(view).expand(out.shape)]
+
+
+@register("_trilinear")
+def trilinear(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``F.bilinear``'s product: the three operands, each unsqueezed at its ``expand``
+    dimensions, multiplied (broadcast) and summed over ``sumdim``: each output element
+    depends on the union over ``sumdim`` of the three at its position."""
+    bd = call.bound
+    out = call.outs[0]
+    operands = [(bd["i1"], bd["expand1"]), (bd["i2"], bd["expand2"]), (bd["i3"], bd["expand3"])]
+    shaped = []
+    for t, expand in operands:
+        view = list(t.shape)
+        for d in sorted(expand):
+            view.insert(d, 1)
+        shaped.append((tr.ids(t), view))
+    full = torch.broadcast_shapes(*(torch.Size(v) for _, v in shaped))
+    sumdim = sorted({d % len(full) for d in bd["sumdim"]})
+    kept = [s for d, s in enumerate(full) if d not in sumdim]
+    if list(out.shape) != kept:
+        return conservative(tr, call)
+    parts = [None if ids is None else group(tr, ids.reshape(view).expand(full), sumdim)
+             for ids, view in shaped]
+    both = combine(tr, [1 if d in sumdim else s for d, s in enumerate(full)], parts)
+    return for_outputs(call, None if both is None else both.reshape(out.shape))
 
 
 @register("renorm")
