@@ -13,7 +13,9 @@ every gradient uses. So the first time "auto" computes a function's Jacobian for
 signature, it also takes one reverse product with a random cotangent ``u`` and compares
 ``u^T J`` (read from the blocks) with it, within rounding (``sqrt(eps)`` of their scale,
 for the least precise dtype f's graph computes in: a float32 step in a float64 f, as the
-RMSNorm of Llama and T5, rounds every route at float32's): one more call of f and one pass
+RMSNorm of Llama and T5, rounds every route at float32's; where the products are small
+beside the numbers they were computed from, the scale of those, measured: NOTE [the scale of
+what is compared] in :mod:`torch_vjp._engine.fwdnoise`): one more call of f and one pass
 over J. Where they disagree, it computes the Jacobian again
 by reverse mode under vmap (after forward mode), then one reverse product at a time
 (``"rev-loop"``), and returns the first that agrees with the reverse product, with a
@@ -48,6 +50,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 
 from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
+from torch_vjp._engine.fwdnoise import linearity_noise, reverse_noise, rounding_scale
+from torch_vjp._engine.fwdwords import no_route_message, wrong_route_message
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
@@ -290,42 +294,6 @@ def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
     return diff, scale
 
 
-_WRONG = {
-    ("fwd", "rev"): (
-        "forward mode ({option}='auto' chooses it {why}) disagrees with a reverse product on "
-        "the Jacobian of {name}{by}: an operator in f has a wrong forward-mode derivative "
-        "(torch.triangular_solve is one). {option}='auto' returned the reverse-mode Jacobian"),
-    ("fwd", "rev-loop"): (
-        "forward mode and reverse mode under torch.vmap both disagree with a reverse product "
-        "on the Jacobian of {name}{by}: an operator in f has a wrong forward-mode derivative, "
-        "and one has a wrong batching rule for its backward. {option}='auto' returned the "
-        "Jacobian computed one reverse product at a time"),
-    ("rev", "rev-loop"): (
-        "reverse mode under torch.vmap disagrees with a reverse product without it on the "
-        "Jacobian of {name}{by}: an operator in f's backward has a wrong batching rule "
-        "(torch.cdist's is one). {option}='auto' returned the Jacobian computed one reverse "
-        "product at a time"),
-}
-_WHY = {"strategy": "for a Jacobian with more output than input elements",
-        "mode": "where it needs fewer products"}
-_FIX = {("strategy", "rev"): "strategy='rev'", ("strategy", "rev-loop"): "strategy='rev-loop'",
-        ("mode", "rev"): "mode='rev'", ("mode", "rev-loop"): "mode='rev' with chunk_size=1"}
-
-
-def wrong_route_message(call: str, name: str, first: str, route: str, diff: float,
-                        scale: float, option: str) -> str:
-    """The one-time warning that ``"auto"``'s first route (``first``) disagreed with the
-    reverse product and ``route`` was taken; ``option`` names the argument
-    (``"strategy"`` or ``"mode"``)."""
-    by = f" (by up to {diff:.3g}, at a scale of {scale:.3g})"
-    what = _WRONG[first, route].format(option=option, why=_WHY[option], name=name, by=by)
-    if route == "rev-loop":
-        what += f" ({_FIX[option, route]})"
-    return (f"{call}: {what}, and uses it for this function and input shapes from now on.\n"
-            f"  Pass {_FIX[option, route]} to compute it that way directly. This warning is "
-            f"shown once per function.")
-
-
 def checked_route(
     prob: Problem, res: Blocks, batch: int | None, key: Hashable,
     route: Callable[[str], Blocks], named: tuple[Hashable, str],
@@ -369,11 +337,21 @@ def checked_route(
         if flow is not None:
             raise JacobianCallError(mixing_message(prob.call, named[1], diff, scale, *flow))
 
+    dtype = least_precise(got[0], prob.leaves)
+    rtol = tolerance(dtype)
+    floor: list[float] = []
+
+    def gap_of(blocks: Blocks) -> tuple[float, float]:
+        diff, scale = reverse_gap(prob, blocks, batch, got)
+        if not diff <= rtol * scale:  # NOTE [the scale of what is compared]
+            if not floor:
+                floor.append(rounding_scale(reverse_noise(prob), dtype))
+            scale = max(scale, floor[0])
+        return diff, scale
+
     return agreeing_route(
-        prob, first, res, lambda b: reverse_gap(prob, b, batch, got), route,
-        lambda name: remember(key, keep or name), named, "strategy",
-        tolerance(least_precise(got[0], prob.leaves)),
-        on_none=None if batch is None else mixing,
+        prob, first, res, gap_of, route, lambda name: remember(key, keep or name), named,
+        "strategy", rtol, on_none=None if batch is None else mixing,
     )
 
 
@@ -387,7 +365,8 @@ R = TypeVar("R")
 # primals and outputs also takes one product without vmap, of the cotangents combined with
 # random weights ``w`` (from a generator of its own), and compares it with the same
 # combination of the K products: by linearity they agree, within rounding (``sqrt(eps)`` of
-# their scale). The user's cotangents alone cannot always tell: all zero (a masked or padded
+# their scale, or of the numbers they were computed from where those cancel: NOTE [the
+# scale of what is compared] in fwdnoise.py). The user's cotangents alone cannot always tell: all zero (a masked or padded
 # step), or K equal rows, and a wrong rule passes. So the route is decided by cotangents of
 # the check's own as well: min(K, 4) random ones, vectorised as the call's are (its chunk
 # size), and their combination without vmap. Where both agree, the products are returned
@@ -421,13 +400,23 @@ def checked_batch(
     a time); else ``loop()`` (NOTE [batched products, checked once]). ``key`` is
     remembered: "rev" or "rev-loop"."""
     gen = torch.Generator().manual_seed(0)
+    noise_gen = torch.Generator().manual_seed(1)  # (NOTE [the scale of what is compared])
+    dtype = least_of(r.dtype for r in result)
+    rtol = tolerance(dtype)
+
+    def combination(vecs: Sequence[Tensor], g: torch.Generator
+                    ) -> tuple[Tensor, list[Tensor]]:
+        # (random weights, and the cotangents ``vecs`` combined with them: one per output)
+        w = torch.randn(vecs[0].shape[0], generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            return w, [torch.tensordot(w.to(v.dtype).to(v.device), v, dims=1) for v in vecs]
 
     def against(vecs: Sequence[Tensor]) -> Callable[[Sequence[Tensor]], tuple[float, float]]:
-        # (the gap of K products of ``vecs`` to one product of their random combination)
-        w = torch.randn(vecs[0].shape[0], generator=gen, dtype=torch.float64)
-        with torch.no_grad():
-            combined = [torch.tensordot(w.to(v.dtype).to(v.device), v, dims=1) for v in vecs]
+        # (the gap of K products of ``vecs`` to one product of their random combination,
+        # at the scale of the products' rounding where that is larger)
+        w, combined = combination(vecs, gen)
         want = single(*combined)
+        floor: list[float] = []
 
         def gap_of(res: Sequence[Tensor]) -> tuple[float, float]:
             diff = scale = 0.0
@@ -439,11 +428,15 @@ def checked_batch(
                     if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
                         diff = d
                     scale = max(scale, s)
+            if not diff <= rtol * scale:
+                if not floor:
+                    floor.append(rounding_scale(linearity_noise(
+                        lambda cs: single(*cs), lambda: combination(vecs, noise_gen)[1]), dtype))
+                scale = max(scale, floor[0])
             return diff, scale
 
         return gap_of
 
-    rtol = tolerance(least_of(r.dtype for r in result))
     diff, scale = against(vectors)(result)
     own = [cotangent(v[:_OWN], gen) for v in vectors]
     own_gap = against(own)
@@ -523,24 +516,6 @@ def agreeing_route(
               no_route_message(prob.call, named[1], first, diff, scale, option),
               JacobianWarning)
     return result
-
-
-def no_route_message(call: str, name: str, first: str, diff: float, scale: float,
-                     option: str) -> str:
-    """The one-time warning that ``"auto"``'s first route (``first``) disagreed with the
-    reverse product and no other route agreed either: the first result stands."""
-    mode = {"fwd": "forward mode", "rev": "reverse mode under torch.vmap"}.get(
-        first, "reverse mode one product at a time (torch.vmap could not run f)")
-    others = ", and no other route agrees with it either" if first in ("fwd", "rev") else ""
-    return (
-        f"{call}: {mode} disagrees with a reverse product on the Jacobian of {name} (by up "
-        f"to {diff:.3g}, at a scale of {scale:.3g}){others}: f draws random numbers (dropout in training mode), is not smooth at this "
-        f"point, or computes otherwise on each call. {option}='auto' returned the first "
-        f"result, and does so for this function and input shapes from now on.\n"
-        f"  Check it (torch.autograd.gradcheck, or finite differences) before relying on "
-        f"it; for a random f, fix its draws (model.eval(), or a seeded generator). This "
-        f"warning is shown once per function."
-    )
 
 
 #: Backward nodes of ops that can change a dtype: casts, and copies into a buffer of
