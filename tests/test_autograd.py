@@ -508,7 +508,7 @@ def test_checked_func_vjp_pullback():
         msg = _raises(r"cotangents must have the same structure as the function's output",
                       vjp_fn, (torch.ones(4), torch.ones(4)))
         assert "{'a': Tensor(4,), 'b': Tensor(4,)}" in msg and "tree_map" in msg
-        _raises(r"cotangents\[1\] has shape \(2,\), but outputs\[1\] has shape \(4,\)",
+        _raises(r"cotangents\['b'\] has shape \(2,\), but outputs\['b'\] has shape \(4,\)",
                 vjp_fn, {"a": torch.ones(4), "b": torch.ones(2)})
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from torch import Tensor
+
 __all__ = ["Labels", "GRAD", "BACKWARD", "TENSOR_BACKWARD", "CHECK", "PULLBACK", "VJP",
-           "TANGENTS", "single"]
+           "TANGENTS", "keyed", "single"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +37,11 @@ class Labels:
             torch's sentence and the explanation a note (NOTE [torch's sentence first]).
         empty_batch_ok: whether a batch of K = 0 vectors is accepted (torch_vjp's own
             batched products return empty results; torch.autograd.grad raises).
+        tree: the pytree whose tensor leaves the messages' index ``i`` counts, where it is
+            not a flat sequence of tensors (a dict, nested containers): entry ``i`` is then
+            named by its place in it, ``outputs['loss']``, ``outputs[1][0]``, as the user
+            wrote it, not by its position among the leaves (see :func:`keyed`).
+        inputs_tree: the same for the inputs (a dict of inputs, a pytree of primals).
     """
 
     call: str
@@ -50,6 +57,9 @@ class Labels:
     allow_none: bool = True
     torch_first: bool = True
     empty_batch_ok: bool = False
+    # (neither compared nor hashed: a tree holds tensors, and dicts or lists)
+    tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+    inputs_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def replace(self, **changes: Any) -> Labels:
         """A copy with some attributes changed, e.g. ``GRAD.replace(call="torch.autograd.grad")``."""
@@ -70,10 +80,17 @@ class Labels:
         return "Jacobian-vector product" if self.role == "tangents" else "vector-Jacobian product"
 
     def out(self, i: int) -> str:
-        return f"{self.outputs}[{i}]" if self.indexed else self.outputs
+        return f"{self.outputs}{self._place(i)}" if self.indexed else self.outputs
 
     def go(self, i: int) -> str:
-        return f"{self.grad_outputs}[{i}]" if self.indexed else self.grad_outputs
+        return f"{self.grad_outputs}{self._place(i)}" if self.indexed else self.grad_outputs
+
+    def inp(self, j: int) -> str:
+        """Input ``j`` (its rank among the input tensors) as the call names it."""
+        return f"{self.inputs}{_place(self.inputs_tree, j, edges=True)}"
+
+    def _place(self, i: int) -> str:
+        return _place(self.tree, i)
 
     def meaning(self, i: int) -> str:
         """What the vector is, in words: the reason for every rule."""
@@ -92,6 +109,39 @@ def single(labels: Labels) -> Labels:
         single = labels.replace(outputs="out", indexed=False)
         hit = _SINGLE[id(labels)] = (labels, single)
     return hit[1]
+
+
+def _place(tree: Any, i: int, *, edges: bool = False) -> str:
+    """Where tensor leaf ``i`` of ``tree`` sits: ``[i]`` where ``tree`` is None, else its key
+    path (``['loss']``, ``[1][0]``); ``edges``: a GradientEdge (an input torch takes in
+    place of a tensor) is one leaf."""
+    if tree is None:
+        return f"[{i}]"
+    from torch.autograd.graph import GradientEdge
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    paths = tree_flatten_with_path(
+        tree, is_leaf=(lambda t: isinstance(t, GradientEdge)) if edges else None)[0]
+    return keystr(paths[i][0]) if 0 <= i < len(paths) else f"[{i}]"
+
+
+def _flat(tree: Any) -> bool:
+    return type(tree) in (tuple, list) and all(isinstance(t, Tensor) for t in tree)
+
+
+def keyed(labels: Labels, tree: Any, inputs: Any = None) -> Labels:
+    """``labels`` naming entry ``i`` by its place in ``tree`` (the pytree whose tensor leaves
+    ``i`` counts), where ``tree`` is not a flat tuple or list of tensors: a dict output's
+    cotangent ``i`` is ``cotangents['loss']``, not ``cotangents[1]`` (its rank among the
+    leaves, in an order the user never wrote); likewise input ``j`` by its place in
+    ``inputs`` (None: by its rank). A flat sequence keeps ``labels`` as they are: its
+    leaves' ranks are its indices."""
+    changes = {}
+    if tree is not None and not _flat(tree) and not isinstance(tree, Tensor):
+        changes["tree"] = tree
+    if inputs is not None and not _flat(inputs) and not isinstance(inputs, Tensor):
+        changes["inputs_tree"] = inputs
+    return labels.replace(**changes) if changes else labels
 
 
 # ---------------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def no_grad_message(labels: Labels, i: int, out: Tensor,
     elif inputs and all(isinstance(t, Tensor) and t.requires_grad for t in inputs):
         # the inputs are not what is missing: the graph from them to the output is
         one = len(inputs) == 1
-        which = f"{labels.inputs}[0]" if one else f"every tensor of {labels.inputs}"
+        which = labels.inp(0) if one else f"every tensor of {labels.inputs}"
         fix = (
             f"  {which} already requires grad, so if {o} was computed from "
             f"{'it' if one else 'them'}, the graph was cut on the way: under torch.no_grad() "
@@ -248,7 +248,7 @@ def no_grad_message(labels: Labels, i: int, out: Tensor,
         # those that do was cut; both are told (not only to create what already is)
         frozen = [k for k, t in enumerate(inputs)
                   if not (isinstance(t, Tensor) and t.requires_grad)]
-        names = ", ".join(f"{labels.inputs}[{k}]" for k in frozen[:4])
+        names = ", ".join(labels.inp(k) for k in frozen[:4])
         names += ", ..." if len(frozen) > 4 else ""
         fix = (
             f"  {names} {'does' if len(frozen) == 1 else 'do'} not require grad, but the "

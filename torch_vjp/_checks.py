@@ -46,7 +46,7 @@ from torch_vjp._check_messages import (
     type_message,
     warn_ignored_cotangents,
 )
-from torch_vjp._check_labels import Labels, single
+from torch_vjp._check_labels import Labels, keyed, single
 from torch_vjp._shape_messages import count_hint
 from torch_vjp._errors import (
     GradOutputsError,
@@ -529,8 +529,8 @@ def check_cotangents(
     flat_cot = tuple(tree_leaves(cotangents))
     if not all(isinstance(t, Tensor) and not t.is_nested for t in flat_out):
         return flat_cot
-    if isinstance(out, Tensor):
-        labels = single(labels)
+    # (a dict's entries named by key, nested ones by their place)
+    labels = keyed(single(labels) if isinstance(out, Tensor) else labels, out, primals)
     inputs = None if primals is None else tuple(tree_leaves(primals))
     # (the output a pullback is given does not require grad, but the one it differentiates
     # does: None stands for 1, as torch makes it, for a real scalar only, and never for K

@@ -47,7 +47,7 @@ from torch_vjp._checked_scope import (
 from torch_vjp._check_messages import STAND_IN_NODE, output_type_message
 from torch_vjp._nested_messages import nested_note
 from torch_vjp._shape_messages import frozen_message, input_name, inputs_message, unused_message
-from torch_vjp._check_labels import Labels
+from torch_vjp._check_labels import Labels, keyed
 from torch_vjp._checks import as_entries, integer_grad_dtype, normalize_grad_outputs
 from torch_vjp._errors import (
     GradOutputsError,
@@ -411,6 +411,8 @@ def _grad(
     """
     outs = _outputs_tuple(outputs, labels)
     ins = _inputs_tuple(inputs)
+    if type(inputs) is dict:
+        labels = keyed(labels, None, inputs)  # (an input named by its key)
     if ins is None or not ins:  # torch raises its own error for these, explained
         return _not_inputs(labels, inputs, ins, lambda: torch_grad(
             outs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
@@ -520,6 +522,8 @@ def _backward(
         ins: tuple[Any, ...] | None = ()
     else:
         ins = _inputs_tuple(inputs)
+        if type(inputs) is dict:
+            labels = keyed(labels, None, inputs)  # (an input named by its key)
     if ins is None or (inputs is not None and not ins):  # torch raises its own error
         return _not_inputs(labels, inputs, ins, lambda: torch_backward(
             tensors, grad_tensors, retain_graph, create_graph, inputs=inputs))

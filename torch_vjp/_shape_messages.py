@@ -403,7 +403,7 @@ def _input_fix(
         return ""
     if inputs is not None:
         j = next(j for j, t in enumerate(inputs) if isinstance(t, Tensor) and t.shape == shape)
-        whose = f"{labels.inputs}[{j}]"
+        whose = labels.inp(j)
         what = f"{shape_str(shape)} is the shape of {whose}"
     else:
         what = f"{shape_str(shape)} is the shape of a leaf tensor that {o} was computed from"
