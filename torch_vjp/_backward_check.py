@@ -188,16 +188,16 @@ def count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[Sl
         f"{call}: {bw} returned {got} value{'s' if got != 1 else ''}, but {fname}.forward "
         f"takes {n} input{'s' if n != 1 else ''} (not counting ctx), so backward must return "
         f"{n}.",
-        f"  backward returns one gradient per forward input, in forward's order: dL/d(input) "
-        f"for each tensor input, None for inputs that are not tensors or need no gradient. "
-        f"(It takes one grad_output per forward output; the counts of what it takes and what "
-        f"it returns are unrelated.)",
+        "  backward returns one gradient per forward input, in forward's order: dL/d(input) "
+        "for each tensor input, None for inputs that are not tensors or need no gradient. "
+        "(It takes one grad_output per forward output; the counts of what it takes and what "
+        "it returns are unrelated.)",
     ]
     extra_none = got > n and all(v is None for v in values[n:])
     if extra_none:
         lines.append(
-            f"  torch drops trailing None values without a word, so this runs; but a backward "
-            f"whose count is off usually has its gradients in the wrong positions too."
+            "  torch drops trailing None values without a word, so this runs; but a backward "
+            "whose count is off usually has its gradients in the wrong positions too."
         )
     elif torch_line:
         lines.append(
@@ -206,12 +206,12 @@ def count_message(call: str, fname: str, values: tuple[Any, ...], slots: list[Sl
         )
     if got < n:
         missing = [f"input {j} ({_slot_desc(slots[j])})" for j in range(got, n)]
-        what = "None" if all(s.kind == "other" or not s.needs_grad for s in slots[got:]) else \
-            "its gradient (or None where no gradient is needed)"
-        lines.append(
-            f"  Fix: return a value for {', '.join(missing)} as well: {what}, e.g. "
-            f"return {', '.join(['grad_' + str(j) for j in range(got)] + ['None'] * (n - got))}."
-        )
+        names = [f"grad_{j}" if j < got or (slots[j].kind != "other" and slots[j].needs_grad)
+                 else "None" for j in range(n)]  # (a None where one is needed zeroes it)
+        what = ("None" if set(names[got:]) == {"None"}
+                else "its gradient (or None where no gradient is needed)")
+        lines.append(f"  Fix: return a value for {', '.join(missing)} as well: {what}, e.g. "
+                     f"return {', '.join(names)}.")
     else:
         lines.append(
             f"  Fix: return exactly {n} value{'s' if n != 1 else ''}, one per input of "
@@ -563,9 +563,9 @@ def dtype_message(call: str, fname: str, i: int, value: Tensor, slot: Slot,
             "a complex gradient into a real one, nor an integer one into a complex one."
         )
     lines.append(
-        f"  Fix: compute in grad_output's dtype: tensors made in backward with torch.tensor"
-        f"(...), torch.from_numpy(...) or a float64 constant tensor take dtype="
-        f"grad_output.dtype; or return grad.to(input.dtype)."
+        "  Fix: compute in grad_output's dtype: tensors made in backward with torch.tensor"
+        "(...), torch.from_numpy(...) or a float64 constant tensor take dtype="
+        "grad_output.dtype; or return grad.to(input.dtype)."
     )
     return "\n".join(lines)
 
