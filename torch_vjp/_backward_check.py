@@ -4,8 +4,7 @@ Shared by :func:`torch_vjp.check_function` (``check_record``, on the value it sa
 return) and checked mode (:mod:`torch_vjp._backward_checked`, whose ``backward_return_ok``
 is the fast path run on every call, ``backward_problems`` the diagnosis behind it and
 ``torch_verdict`` torch's own verdict from a replay), which words its objections with the
-message builders here; and ``custom_nodes``, the custom Function nodes between a graph's
-roots and leaves, which check_function looks for.
+message builders here.
 """
 
 from __future__ import annotations
@@ -568,33 +567,3 @@ def dtype_message(call: str, fname: str, i: int, value: Tensor, slot: Slot,
         "grad_output.dtype; or return grad.to(input.dtype)."
     )
     return "\n".join(lines)
-
-
-def custom_nodes(roots: Sequence[Any], leaves: Sequence[Tensor]) -> list[Any]:
-    """The custom Function nodes on some path from ``roots`` to ``leaves`` (iterative DFS)."""
-    leaf_ids = {id(t) for t in leaves}
-    state: dict[int, Any] = {}  # id -> node; holds references so that ids stay unique
-    reaches: dict[int, bool] = {}
-    found: list[Any] = []
-    stack: list[tuple[Any, bool]] = [(r, False) for r in roots if r is not None]
-    while stack:
-        node, done = stack.pop()
-        key = id(node)
-        if done:
-            hit = id(getattr(node, "variable", None)) in leaf_ids
-            for nxt, _ in node.next_functions:
-                if nxt is not None and reaches.get(id(nxt), False):
-                    hit = True
-            reaches[key] = hit
-            if hit and hasattr(type(node), "_forward_cls"):
-                found.append(node)
-            continue
-        if key in state:
-            continue
-        state[key] = node
-        stack.append((node, True))
-        for nxt, _ in node.next_functions:
-            if nxt is not None and id(nxt) not in state:
-                stack.append((nxt, False))
-    found.reverse()  # roughly the order in which backward runs them
-    return found

@@ -50,7 +50,6 @@ from torch_vjp._backward_check import (
     Slot,
     as_tuple,
     check_record,
-    custom_nodes,
     dtype_name,
     slot_from_arg,
     slots_from_node,
@@ -62,6 +61,7 @@ from torch_vjp._errors import (
     shape_str,
 )
 from torch_vjp._function_calls import SameDraws
+from torch_vjp._function_graph import custom_nodes
 from torch_vjp._function_verdict import (
     Kink,
     Probe,

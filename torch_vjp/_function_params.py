@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._backward_check import custom_nodes
 from torch_vjp._engine.context import modules_reached, reached
+from torch_vjp._function_graph import custom_nodes
 
 __all__ = ["Params", "module_parameters"]
 
