@@ -545,7 +545,19 @@ def dtype_message(call: str, fname: str, i: int, value: Tensor, slot: Slot,
         f"gradient has its input's dtype (and shape, and device).",
     ]
     input_complex = sd.is_complex
-    if value.is_floating_point() or value.is_complex() == input_complex:
+    fix = ("  Fix: compute in grad_output's dtype: tensors made in backward with torch.tensor"
+           "(...), torch.from_numpy(...) or a float64 constant tensor take dtype="
+           "grad_output.dtype; or return grad.to(input.dtype).")
+    if value.is_floating_point() and input_complex:  # (a real gradient, in a real output's dtype)
+        lines.append(
+            f"  torch casts it to {sd} with a zero imaginary part without a word: that is right "
+            f"only where dL/d(input {i}) is real (forward reads input {i}'s real part alone, as "
+            f"z.real * c); a complex input's gradient is complex otherwise (for z.abs(): "
+            f"grad_output * z / z.abs())."
+        )
+        fix = (f"  Fix: return the complex gradient; where it is real, return grad.to({sd}) "
+               f"to say so.")
+    elif value.is_floating_point() or value.is_complex() == input_complex:
         lines.append(
             f"  torch does not catch this: it casts the gradient to {sd} without a word, so "
             f"the mistake (usually a float64 or integer tensor made inside backward) goes "
@@ -561,9 +573,5 @@ def dtype_message(call: str, fname: str, i: int, value: Tensor, slot: Slot,
             "  torch casts a floating-point gradient to its input's dtype, but it never turns "
             "a complex gradient into a real one, nor an integer one into a complex one."
         )
-    lines.append(
-        "  Fix: compute in grad_output's dtype: tensors made in backward with torch.tensor"
-        "(...), torch.from_numpy(...) or a float64 constant tensor take dtype="
-        "grad_output.dtype; or return grad.to(input.dtype)."
-    )
+    lines.append(fix)
     return "\n".join(lines)
