@@ -36,6 +36,7 @@ from torch_vjp._engine.fwdcheck import (
     one_reverse_product,
     tolerance,
 )
+from torch_vjp._engine.fwdnoise import reverse_noise, rounding_scale
 from torch_vjp._engine.jacobian import (
     function_key,
     function_name,
@@ -484,7 +485,9 @@ def _checked(
     g = torch.cat([t.reshape(-1) for t in grads]).to(comp.dtype)
     rows, cols = p.rows.to(device), p.cols.to(device)
     # (f's least precise step: a float32 one in a float64 f rounds every route at float32's)
-    rtol = tolerance(least_precise(got[0], [comp, *prob.leaves]))
+    dtype = least_precise(got[0], [comp, *prob.leaves])
+    rtol = tolerance(dtype)
+    floor: list[float] = []
 
     def from_values(c: Any, products: Tensor) -> Tensor:
         with torch.no_grad():  # u^T J from the values, in the pattern's (row-major) order
@@ -493,7 +496,12 @@ def _checked(
             return torch.zeros_like(g).index_add_(0, cols, u[rows] * values)
 
     def gap_of(c: Any, products: Tensor) -> tuple[float, float]:
-        return gap(from_values(c, products), g)
+        diff, scale = gap(from_values(c, products), g)
+        if not diff <= rtol * scale:  # NOTE [the scale of what is compared] (fwdnoise.py)
+            if not floor:
+                floor.append(rounding_scale(reverse_noise(prob), dtype))
+            scale = max(scale, floor[0])
+        return diff, scale
 
     def run(route: str) -> tuple[Any, Tensor]:
         alt, alt_comp, _, _ = _products(prob, plan, "auto", 1 if route == "rev-loop" else chunk,
