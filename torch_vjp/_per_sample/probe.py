@@ -4,6 +4,7 @@ plans per model structure.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from torch_vjp._per_sample.plan import (
 )
 from torch_vjp._per_sample.recorder import Recorder
 from torch_vjp._per_sample.registry import Call, UserRule, declining_rule
+from torch_vjp._per_sample.renorm import READ_AGAIN, TableReads, renormalising_tables
 
 __all__ = ["input_entries", "plan_for", "plan_key", "forget_plans", "build_plan"]
 
@@ -242,9 +244,13 @@ def build_plan(job: Job) -> Plan:
                     random_global=rng.global_rng)
     # (in grad mode, as the pass the plan is for: a module with a fast path for inference,
     # nn.TransformerEncoder's, takes it only without grad, and would call other modules)
+    # (a table renormalised in place and read again: NOTE [renormalised tables read again])
+    tables = renormalising_tables(model) if batch > 1 else []
+    reads = TableReads() if tables else contextlib.nullcontext()
     with torch.enable_grad():
         try:
-            full = _shape_run(model, xs, aliases_of(sel))
+            with reads:
+                full = _shape_run(model, xs, aliases_of(sel))
             _after_forward(job)
         except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
             raise
@@ -264,6 +270,10 @@ def build_plan(job: Job) -> Plan:
                 raise
             except Exception:  # noqa: BLE001 - a model that cannot run on fewer examples
                 small = None
+    if isinstance(reads, TableReads) and reads.read_again:
+        plan = Plan(strategy, _all_params(sel, "loop", READ_AGAIN))
+        plan.settings = _settings(tables)  # (made again if max_norm is set otherwise)
+        return plan
     out_dims = None if batch == 1 else _batch_dims_of(full[0], small, batch)
     tracked = {id(t): n for n, t in sel.tensors.items()}
     if batch > 1 and out_dims is None:
