@@ -10,7 +10,7 @@ elsewhere.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -411,16 +411,6 @@ def norms_and_sums(
     # (strategy='vmap' raises where vmap fails, as per_sample_grads does; the others loop)
     vmap_mode = "vmap" if job.strategy == "vmap" else "auto"
 
-    def chunked(names: list[str], method: str) -> Iterator[tuple[int, int, dict[str, Tensor]]]:
-        step = _fallback_chunk(sel, names, batch)
-        for s in range(0, batch, step):
-            e = min(batch, s + step)
-            if job.reset is not None:
-                job.reset()
-            g = fallback_grads(job, vmap_mode if method == "vmap" else "loop", names, s, e,
-                               None, plan.vmap_randomness if method == "vmap" else None)
-            yield s, e, g
-
     def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
         c = clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
         # (with autocast off, at float32's precision at least: NOTE [norms at float32's
@@ -431,25 +421,33 @@ def norms_and_sums(
                 w = torch.tensordot(c.to(gn.dtype), gn, dims=1)
                 sums[n] = w if n not in sums else sums[n] + w  # type: ignore[index]
 
-    # The clip factor of an example needs its full norm: with one fallback group it is
-    # known chunk by chunk (the rules' part is known already); with two, the second group's
-    # chunks come after the first's, so the sums take a second pass.
-    for names, method in groups:
+    # NOTE [one pass of the fallback]
+    # The clip factor of an example needs its full norm: the rules' part is known already,
+    # and each chunk of examples gets its gradients from every fallback group (vmap, then
+    # the loop) before its sums are taken. (The sums once took a second pass where there
+    # were two groups: it ran the model again, and a model that draws random numbers,
+    # dropout, drew other masks there, so the sums were not of the gradients whose norms
+    # made the clip factors, and a clipped contribution could pass max_norm.)
+    for names, _ in groups:
         for n in names:
             per_param[n] = like.new_zeros(batch)
-        for s, e, g in chunked(names, method):
-            with grad_enabled(False):
+    step = min((_fallback_chunk(sel, names, batch) for names, _ in groups), default=1)
+    for s in range(0, batch if groups else 0, step):
+        e = min(batch, s + step)
+        g: dict[str, Tensor] = {}
+        for names, method in groups:
+            if job.reset is not None:
+                job.reset()
+            g.update(fallback_grads(job, vmap_mode if method == "vmap" else "loop", names, s,
+                                    e, None, plan.vmap_randomness if method == "vmap" else None))
+        with grad_enabled(False):
+            for names, _ in groups:
                 for n in names:
                     per_param[n][s:e] = sq_norms_rows(g[n])
                     sq[s:e] += per_param[n][s:e].to(sq.dtype)
-                if sums is not None and len(groups) == 1:
-                    add_sums(s, e, g)
-            del g
-    if sums is not None and len(groups) == 2:
-        for names, method in groups:
-            for s, e, g in chunked(names, method):
-                with grad_enabled(False):
-                    add_sums(s, e, g)
+            if sums is not None:
+                add_sums(s, e, g)
+        del g
     norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
     if sums is not None:
         c = clip_factors(sq, max_norm)  # type: ignore[arg-type]
