@@ -143,10 +143,18 @@ def test_hooks_refuses_and_says_why():
     assert plan["mid.weight"].method == "loop"
 
 
-def test_lookups_alone_keep_the_rules():
+@pytest.mark.parametrize("flat", [False, True], ids=["own-storage", "one-flat-buffer"])
+def test_lookups_alone_keep_the_rules(flat):
     # A table read only by its own renormalising lookups gives each example what it gets
-    # alone: the layers after it keep their rules.
+    # alone: the layers after it keep their rules (also where the table and the layer's
+    # weight are views of one flat buffer: a read of the weight is no read of the table).
     model = LookupOnly().to(DT)
+    if flat:
+        buf = torch.cat([model.emb.weight.detach().flatten(), model.out.weight.detach().flatten()])
+        model.emb.weight = nn.Parameter(buf[: V * D].view(V, D))
+        model.out.weight = nn.Parameter(buf[V * D :].view(3, D))
+        assert model.emb.weight.untyped_storage().data_ptr() == (
+            model.out.weight.untyped_storage().data_ptr())
     x = mixed_rows()
     t = torch.randn(x.shape[0], 3, dtype=DT)
     plan = tv.per_sample_plan(model, loss_fn, x, t)

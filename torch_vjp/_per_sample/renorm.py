@@ -45,11 +45,21 @@ def renormalising_tables(model: nn.Module) -> list[nn.Module]:
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
 
 
-def _storage(t: Tensor) -> int | None:
+def _span(t: Tensor) -> tuple[int, int, int] | None:
+    """The storage and the byte range a tensor's elements lie in (a view of a larger
+    buffer, the flat parameters some wrappers make, is told apart from its neighbours)."""
     try:
-        return t.untyped_storage().data_ptr()
+        base = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # (sparse, nested: no storage of one piece)
         return None
+    size = t.element_size()
+    first = t.storage_offset() * size
+    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return base, first, first + extent * size
+
+
+def _overlaps(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 class TableReads(TorchDispatchMode):
@@ -58,24 +68,27 @@ class TableReads(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.renormed: set[int] = set()
-        self.pending: set[int] = set()  # renormalised for the lookup that comes next
+        self.renormed: list[tuple[int, int, int]] = []
+        self.pending: list[tuple[int, int, int]] = []  # renormalised for the next lookup
         self.read_again = False
+
+    def _renormed(self, t: Tensor) -> bool:
+        span = _span(t)
+        return span is not None and any(_overlaps(span, r) for r in self.renormed)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
         if packet is _RENORM:
-            key = _storage(args[0])
-            if key is not None:
-                self.renormed.add(key)
-                self.pending.add(key)
+            span = _span(args[0])
+            if span is not None:
+                self.renormed.append(span)
+                self.pending.append(span)
         elif not func.is_view and self.renormed and not self.read_again:
-            table = _storage(args[0]) if packet in _LOOKUPS and args else None
+            table = _span(args[0]) if packet in _LOOKUPS and args else None
             if table is not None and table in self.pending:
-                self.pending.discard(table)  # (the renormalising call's own lookup)
+                self.pending.remove(table)  # (the renormalising call's own lookup)
             else:
-                self.read_again = any(
-                    _storage(t) in self.renormed
-                    for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+                self.read_again = any(self._renormed(t) for t in tree_leaves((args, kwargs))
+                                      if isinstance(t, Tensor))
         return func(*args, **kwargs)
