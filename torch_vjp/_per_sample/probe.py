@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._engine.context import Watched
 from torch_vjp._engine.fwdcheck import all_finite
-from torch_vjp._errors import TorchVJPError, quote_error
+from torch_vjp._errors import TorchVJPError, a_type, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counters, numbers_of,
                                              structure_of)
@@ -355,12 +355,16 @@ def _batch_dims_of(full: Any, small: tuple[Any, Any] | None, batch: int) -> list
 def _unsplittable(strategy: str, sel: Selection, out: Any, batch: int) -> Plan:
     shapes = ", ".join(
         str(tuple(t.shape)) for t in tree_leaves(out) if isinstance(t, Tensor)
-    ) or "no tensor"
+    )
     reason = (
         f"the model's output ({shapes}) does not hold the {batch} examples along one "
         f"dimension that shrinks with the batch, so its loss cannot be split into the "
         f"examples' own losses for the per-layer rules"
-    )
+    ) if shapes else (
+        f"the model's output, {a_type(out)}, holds no tensor that torch's pytree reaches (a "
+        f"dataclass or an object of another class of its own), so its loss cannot be split "
+        f"into the examples' own losses for the per-layer rules. Fix: return the tensors in "
+        f"a dict, a tuple or a namedtuple")
     return Plan(strategy, _all_params(sel, "vmap", reason))
 
 
