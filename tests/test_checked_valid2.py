@@ -1,7 +1,5 @@
 """Valid custom Functions pass checked mode and check_function without a word."""
 
-import warnings
-
 import pytest
 import torch
 

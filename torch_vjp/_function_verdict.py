@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._backward_check import dtype_name
-from torch_vjp._function_values import NORM_SHARE, inner, norm, paired_norm, spread
+from torch_vjp._function_values import NORM_SHARE, inner, paired_norm, spread
 
 __all__ = ["Kink", "Probe", "Rough", "find_kink", "kink_message", "parameter_fix",
            "smaller_step", "value_message"]

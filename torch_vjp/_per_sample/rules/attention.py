@@ -12,13 +12,16 @@ over the batch.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torch_vjp._per_sample.registry import _stock
+
+if TYPE_CHECKING:  # (the recorder imports this module)
+    from torch_vjp._per_sample.recorder import Recorder
 
 __all__ = ["AttentionMode", "is_attention", "mha_forward", "NotHandled"]
 

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torch_vjp._errors import PerSampleError
 from torch_vjp._per_sample.factors import EmbeddingFactor, Factor
 from torch_vjp._per_sample.keep import KeepBudget
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
