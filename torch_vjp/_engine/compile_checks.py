@@ -286,8 +286,10 @@ def warn_rebuilt(call: str, f: object, count: int) -> None:
         ("compile-rebuilt", call, getattr(f, "__code__", None)),
         f"{call}: compile=True has compiled {name} {count} times for the same argument "
         f"signature, because each call passed a new function whose closure (or defaults, "
-        f"or a partial's arguments) holds new objects. A compiled program is kept per "
-        f"function and what its closure holds (new objects count by identity), so each "
+        f"or a partial's arguments) holds new objects, or a global the function reads "
+        f"held a new value. A compiled program is kept per function, what its closure "
+        f"holds (new objects count by identity) and the values of the globals it reads, "
+        f"so each "
         f"such call ran eagerly and then compiled again (a fraction of a second to "
         f"seconds), far slower than compile=False. From now on a new such function runs "
         f"eagerly, at compile=False's speed, and is compiled only if a later call passes "

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import threading
 import types
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,7 +21,8 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.context import module_own_attrs
 
 __all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem",
-           "number_key", "module_flags", "HOOK_GUARDS", "HookGuards", "tracing"]
+           "number_key", "module_flags", "globals_read", "HOOK_GUARDS", "HookGuards",
+           "tracing"]
 
 
 def program_key(f: object, *, passed: bool = False, depth: int = 3,
@@ -45,7 +47,8 @@ def program_key(f: object, *, passed: bool = False, depth: int = 3,
                 tuple((k, held(v)) for k, v in sorted(f.keywords.items())))
     if isinstance(f, types.MethodType):
         _kept(f.__self__, keep)
-        return ("method", f.__func__, id(f.__self__))
+        return ("method", f.__func__, id(f.__self__),
+                _values_read(f.__func__, passed, depth, keep))
     if isinstance(f, types.FunctionType):
         cells = tuple(held(c.cell_contents) if _filled(c) else None
                       for c in (f.__closure__ or ()))
@@ -54,8 +57,12 @@ def program_key(f: object, *, passed: bool = False, depth: int = 3,
         # dynamo's guard on the constant takes for equal, ran the other one's program)
         defaults = (*map(held, f.__defaults__ or ()),
                     *((k, held(v)) for k, v in sorted((f.__kwdefaults__ or {}).items())))
-        return ("function", f.__code__, cells, defaults)
+        return ("function", f.__code__, cells, defaults,
+                _values_read(f, passed, depth, keep))
     _kept(f, keep)
+    if isinstance(f, torch.nn.Module):
+        return ("object", id(f),
+                _values_read(getattr(type(f), "forward", None), passed, depth, keep))
     return ("object", id(f))
 
 
@@ -94,6 +101,71 @@ def held_key(v: object, depth: int = 2, keep: list[object] | None = None) -> obj
         except RecursionError:  # (one that holds itself: by identity)
             pass
     return _leaf_signature(v, keep)
+
+
+# NOTE [the globals a program reads]
+# Dynamo guards every value a traced program reads, its globals included: a tensor on its
+# signature (``requires_grad`` too), a number, string or flag on its value. The key held
+# the closure's values but not the globals': a module-level tensor whose ``requires_grad``
+# alternated between calls (a weight frozen for every other step), or a module-level
+# number switched back and forth, recompiled the one entry on every call (NOTE [a
+# recompiled entry] in compiled.py), and after ``REBUILD_WARN_AT`` calls it stayed eager,
+# blaming a global. So the key holds the globals that ``f``'s code (and the code of the
+# lambdas, functions and comprehensions defined in it, :func:`globals_read`) reads: tensors
+# by signature, numbers, strings and flags by value, and the helper functions of ``f``'s
+# own module by their own key (their globals in turn); a module's forward's globals too.
+# Each state finds a program of its own, compiled once. A global rebound to a tensor of
+# the same signature runs the same program, which reads it on every call. Not held: the
+# tensors ``f`` reaches through objects (``self.w`` of a bound method's object): an object
+# that also holds a log of tensors growing on every call would make every call a new key,
+# where the program, which never reads the log, serves them all.
+
+#: code object -> the global names it and the code defined in it read (co_names).
+_NAMES: weakref.WeakKeyDictionary[types.CodeType, tuple[str, ...]] = (
+    weakref.WeakKeyDictionary())
+_VALUE_TYPES = (bool, int, float, complex, str, type(None))
+
+
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
+    names = _NAMES.get(code)
+    if names is None:
+        found = dict.fromkeys(code.co_names)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):  # (a lambda, a function, a comprehension)
+                found.update(dict.fromkeys(_code_names(c)))
+        names = _NAMES[code] = tuple(found)
+    return names
+
+
+def globals_read(f: object) -> Iterator[tuple[str, object]]:
+    """The globals that ``f``'s code, and the code defined in it, name, each with its name
+    (a name read as an attribute, ``torch.sin``'s ``sin``, where a global has it too; none
+    for an object that is not a Python function). See NOTE [the globals a program
+    reads]."""
+    if type(f) is not types.FunctionType:
+        return
+    glob = f.__globals__
+    for name in _code_names(f.__code__):
+        if name in glob:
+            yield name, glob[name]
+
+
+def _values_read(f: object, passed: bool, depth: int, keep: list[object] | None) -> object:
+    """The global tensors (by signature), numbers, strings and flags (by value) ``f``
+    reads, by name (NOTE [the globals a program reads]; a module's forward's too, which
+    ``context.reached`` does not look into), and the helper functions of ``f``'s own module
+    it calls, by :func:`program_key` (``depth`` levels deep: their globals in turn);
+    nothing where ``f`` is baked into the program."""
+    if not passed or type(f) is not types.FunctionType:
+        return ()
+    out = []
+    for k, v in globals_read(f):
+        if type(v) in _VALUE_TYPES or isinstance(v, Tensor):
+            out.append((k, _leaf_signature(v)))
+        elif (depth > 1 and type(v) is types.FunctionType
+              and v.__globals__ is f.__globals__):
+            out.append((k, program_key(v, passed=True, depth=depth - 1, keep=keep)))
+    return tuple(out)
 
 
 def _items_key(v: Any, keep: list[object] | None) -> object:
@@ -302,13 +374,17 @@ def _arguments(args: tuple[Any, ...]) -> object:
 
 def key_stem(key: object) -> object:
     """``key`` with what the closures, defaults and ``partial`` arguments of the functions
-    in it hold left out: the keys of one function written anew for each call, over new
+    in it hold, and the globals they read, left out: the keys of one function written anew for each call, over new
     objects, share a stem (the warning of ``_closure_variants`` in
     :mod:`torch_vjp._engine.compiled`)."""
     if type(key) is not tuple:
         return key
-    if key and key[0] == "function" and len(key) == 4:
+    if key and key[0] == "function" and len(key) == 5:
         return ("function", key[1])
+    if key and key[0] == "method" and len(key) == 4:  # (the globals it reads left out)
+        return key[:3]
+    if key and key[0] == "object" and len(key) == 3:  # (a module: its forward's globals)
+        return key[:2]
     if key and key[0] == "partial" and len(key) == 4:
         return ("partial", key_stem(key[1]), len(key[2]), tuple(k for k, _ in key[3]))
     return tuple(key_stem(k) for k in key)

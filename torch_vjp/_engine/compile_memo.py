@@ -16,9 +16,12 @@ where
 
 * the argument signature (:func:`~torch_vjp._engine.compile_key.call_signature`, grad mode,
   autocast and the global module hooks included) is the same, computed on every call;
-* ``f``'s own code, and each value its closure cells, defaults and (for a ``partial``)
-  arguments hold, are the same objects (numbers and strings by value), so that a function
-  whose closure was rebound (``nonlocal x``) walks again (``f`` a module: the module);
+* ``f``'s own code, and each value its closure cells, defaults, (for a ``partial``)
+  arguments and the globals its code reads hold, are the same objects (numbers and
+  strings by value; a tensor with its ``requires_grad``, which the key holds: NOTE [the
+  globals a program reads] in :mod:`torch_vjp._engine.compile_key`), so that a function
+  whose closure or global was rebound (``nonlocal x``) walks again (``f`` a module: the
+  globals its forward reads);
 * every noted module is alive, with its training flag as noted (NOTE [train and eval
   entries] in :mod:`torch_vjp._engine.compiled`: a model switched to eval finds its own
   entry, never the training one's; up to :data:`NOTES_PER_CALL` notes are kept, one per
@@ -48,7 +51,7 @@ from typing import Any
 
 import torch
 
-from torch_vjp._engine.compile_key import call_signature, module_flags, number_key
+from torch_vjp._engine.compile_key import call_signature, globals_read, module_flags, number_key
 
 __all__ = ["MEMO_MAX", "NOTES_PER_CALL", "called_again", "note_call", "forget_calls"]
 
@@ -85,10 +88,10 @@ def _values_of(f: object) -> tuple[Any, ...] | None:
     keywords); nothing for a module (its tree's training flags are compared, and what its
     forward reads dynamo guards); a bound method's function (its object is the note's
     own, :func:`_identity`); None for a callable of another kind, which is not noted."""
-    if isinstance(f, torch.nn.Module):
-        return ()
+    if isinstance(f, torch.nn.Module):  # (and the globals its forward reads)
+        return tuple(v for _, v in globals_read(getattr(type(f), "forward", None)))
     if type(f) is types.MethodType:  # (as the full key holds it: its function, its object)
-        return (f.__func__,)
+        return (f.__func__, *(v for _, v in globals_read(f.__func__)))
     if type(f) is types.FunctionType:
         cells = []
         for c in f.__closure__ or ():
@@ -96,7 +99,10 @@ def _values_of(f: object) -> tuple[Any, ...] | None:
                 cells.append(c.cell_contents)
             except ValueError:  # (an empty cell)
                 cells.append(_EMPTY)
-        return (f.__code__, *cells, f.__defaults__, f.__kwdefaults__)
+        # (and the globals its code reads: one rebound walks again, NOTE [the globals a
+        # program reads] in compile_key.py)
+        return (f.__code__, *cells, f.__defaults__, f.__kwdefaults__,
+                *(v for _, v in globals_read(f)))
     if type(f) is functools.partial:
         inner = _values_of(f.func)
         if inner is None:

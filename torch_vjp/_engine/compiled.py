@@ -51,7 +51,8 @@ bits (other values by equality, or identity), grad and inference mode, autocast,
 settings dynamo's global state guard holds (the default dtype, deterministic algorithms, the
 number of threads), the training flags of the modules ``f`` or its arguments reach and
 whether their parameters require grad (NOTE [train and eval entries],
-:func:`~torch_vjp._engine.compile_key.module_flags`), and the global module hooks
+:func:`~torch_vjp._engine.compile_key.module_flags`), the globals ``f`` reads (NOTE [the
+globals a program reads]), and the global module hooks
 (:mod:`torch_vjp._engine.compile_key`). What else a program depends on
 (a global flag, an object's attribute) dynamo guards, and a call that recompiles its entry
 is a first call again (NOTE [a recompiled entry]). The compiled program takes the
@@ -353,7 +354,8 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
     trees = {id(m): module_tree((m,)) for m in found[0]}
     in_args = module_tree(modules_reached(args))
     # (the training flags of every module f and the arguments reach: NOTE [train and eval
-    # entries])
+    # entries]; the globals f reads are in its program_key: NOTE [the globals a program
+    # reads])
     key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
            tuple(module_flags(m) for t in trees.values() for m in t),
            tuple(module_flags(m) for m in in_args))

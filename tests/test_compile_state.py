@@ -1,0 +1,186 @@
+"""``compile=True``: what a function reads besides its arguments and closure (a global
+tensor, number or flag, one a helper reads; an attribute) changed between calls. Every
+result is checked in float64 against torch.func at that moment, and each state is compiled
+once (NOTE [the globals a program reads] in torch_vjp/_engine/compile_key.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+from torch_vjp._engine import compiled
+
+D = torch.float64
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+
+W = torch.randn(3, 3, dtype=D)
+SCALE = 1.0
+MASK = torch.ones(2, dtype=D)
+
+
+def _w_f(x):
+    return torch.tanh(W @ x)
+
+
+def _scale_f(x):
+    return SCALE * torch.sin(x)
+
+
+def _calls(f, x, states, set_state):
+    """Calls ``jacobian(f, compile=True)`` once per state, each checked against torch.func;
+    returns how many programs were built."""
+    before = compiled.builds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.JacobianWarning)  # (never eager, never warned)
+        for state in states:
+            set_state(state)
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+    return compiled.builds() - before
+
+
+def test_a_global_tensor_whose_requires_grad_alternates_compiles_each_state_once():
+    x = torch.randn(3, dtype=D)
+    try:
+        built = _calls(_w_f, x, [False, True] * 3, W.requires_grad_)
+    finally:
+        W.requires_grad_(False)
+    assert built == 2
+
+
+def test_a_global_number_switched_back_and_forth_compiles_each_value_once():
+    global SCALE
+
+    def set_scale(v):
+        global SCALE
+        SCALE = v
+
+    x = torch.randn(3, dtype=D)
+    try:
+        built = _calls(_scale_f, x, [1.0, 2.0] * 3, set_scale)
+    finally:
+        SCALE = 1.0
+    assert built == 2
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2).to(D)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * MASK
+
+
+def test_a_global_tensor_a_models_forward_reads_per_sample():
+    model = _Masked()
+    x, y = torch.randn(4, 3, dtype=D), torch.randn(4, 2, dtype=D)
+
+    def loss(out, t):
+        return ((out - t) ** 2).sum()
+
+    def reference():
+        rows = [torch.func.grad(lambda p: loss(torch.func.functional_call(
+            model, p, (x[i:i + 1],)), y[i:i + 1]))(dict(model.named_parameters()))
+            for i in range(4)]
+        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+    before = compiled.builds()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tv.JacobianWarning)
+            for flag in [False, True] * 3:
+                MASK.requires_grad_(flag)
+                got = tv.per_sample_grads(model, loss, x, y, compile=True)
+                torch.testing.assert_close(got, reference())
+    finally:
+        MASK.requires_grad_(False)
+    assert compiled.builds() - before == 2
+
+
+SHIFT = 0.5
+
+
+def _shifted(x):
+    return torch.cos(x + SHIFT)
+
+
+def _calls_a_helper(x):
+    return 2 * _shifted(x)
+
+
+def test_a_global_number_a_helper_function_reads_switched():
+    def set_shift(v):
+        global SHIFT
+        SHIFT = v
+
+    x = torch.randn(3, dtype=D)
+    try:
+        built = _calls(_calls_a_helper, x, [0.5, -1.0] * 3, set_shift)
+    finally:
+        set_shift(0.5)
+    assert built == 2
+
+
+def test_an_attribute_that_changes_on_every_call_stays_eager_with_a_warning():
+    # (an object's attribute is not in the key: dynamo's guard recompiles the entry, each
+    # recompile is a first call again, and after REBUILD_WARN_AT of them it stays eager)
+    class Cfg:
+        step = 0
+
+    cfg = Cfg()
+
+    def f(x):
+        return torch.sin(x) * cfg.step
+
+    x = torch.randn(3, dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 8):
+            cfg.step = step
+            torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                       torch.func.jacrev(f)(x))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(msgs) == 1, msgs
+    assert "torch_vjp.jacobian: compile=True could not compile" in msgs[0]
+    assert f"recompiled {compiled.REBUILD_WARN_AT} times for the same function" in msgs[0]
+    assert "a global, an attribute of an object or module" in msgs[0]
+    assert "Pass what changes as an argument" in msgs[0]
+
+
+_TICK = 0
+
+
+class _Ticker:
+    def f(self, x):
+        return torch.sin(x) * _TICK
+
+
+@pytest.mark.parametrize("kind", ["function", "bound method"])
+def test_a_global_that_changes_on_every_call_is_not_compiled_on_every_call(kind):
+    # (each value is a key of its own; once REBUILD_WARN_AT of them were compiled and none
+    # used again, a new one runs eagerly: NOTE [closures over new objects] in compiled.py)
+    global _TICK
+
+    def g(x):
+        return torch.sin(x) * _TICK
+
+    f = g if kind == "function" else _Ticker().f
+    x = torch.randn(3, dtype=D)
+    before = compiled.builds()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _TICK in range(1, 3 * compiled.REBUILD_WARN_AT):
+                torch.testing.assert_close(tv.jacobian(f, x, compile=True),
+                                           torch.func.jacrev(f)(x))
+    finally:
+        _TICK = 0
+    assert compiled.builds() - before <= compiled.REBUILD_WARN_AT + 1
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tv.JacobianWarning)]
+    assert len(msgs) == 1, msgs
+    assert "a global the function reads held a new value" in msgs[0]
