@@ -850,3 +850,19 @@ def test_chunk_size_without_batched_compiles_in_one_graph(monkeypatch):
 
     got = torch.compile(g, fullgraph=True, backend="eager")(x, v)
     torch.testing.assert_close(got, x.cos() * v)
+
+
+def test_a_dict_primals_entries_are_named_by_key_in_vjp_and_jvp_messages():
+    # vjp_fn named a dict primal's entry "primals[1]" (its rank among the leaves) and jvp
+    # "tangents[0]" / "primals[0]" where the user wrote p["a"]
+    p = {"a": torch.randn(3, dtype=torch.float64), "b": torch.randn(4, 2, dtype=torch.float64)}
+    _, vjp_fn = tv.vjp(lambda p: (p["a"].sum() * p["b"]).sum(0), p)
+    with pytest.raises(tv.GradOutputsError, match=r"\(4, 2\) is the shape of primals\[0\]\['b'\]"):
+        vjp_fn(torch.randn(4, 2, dtype=torch.float64))
+    wrong = {"a": torch.randn(4, dtype=torch.float64), "b": torch.randn(4, 2, dtype=torch.float64)}
+    with pytest.raises(tv.GradOutputsError) as info:
+        tv.jvp(lambda p: p["a"] * 2, (p,), (wrong,))
+    message = str(info.value)
+    assert "tangents[0]['a'] has shape (4,), but primals[0]['a'] has shape (3,)" in message
+    assert "If tangents[0]['a'] is shaped like f's output" in message
+    assert "shaped like primals[0]['a'], for J t" in message

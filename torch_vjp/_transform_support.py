@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from torch_vjp._check_labels import Labels
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.refusals import (
@@ -106,13 +107,14 @@ def _flat_vectors(
     return out
 
 
-def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bool
-                           ) -> str | None:
+def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bool,
+                           labels: Labels) -> str | None:
     """Where a refused tangent's shape is not its primal's, the sentence that tells a
     tangent from a cotangent (a vector shaped like f's output, for a vector-Jacobian
     product, given to a JVP is the common mistake); else None. f is not run for it: a call
     on the error path would be one more call of f, with its effects (a counter it
-    increments, a tensor it writes into)."""
+    increments, a tensor it writes into). ``labels`` name the tangents and primals (a
+    dict's entries by key)."""
     for i, (t, x) in enumerate(zip(tangents, prob.leaves)):
         if not isinstance(t, Tensor):
             continue
@@ -120,10 +122,10 @@ def _output_shaped_tangent(prob: Problem, tangents: tuple[Any, ...], batched: bo
         if shape == x.shape:
             continue
         return (
-            f"If tangents[{i}] is shaped like f's output, it is a cotangent: a vector shaped "
+            f"If {labels.go(i)} is shaped like f's output, it is a cotangent: a vector shaped "
             f"like the output is for a vector-Jacobian product v^T J "
             f"(torch_vjp.vjp(f, *primals)[1](v)); a tangent is a change of the input, shaped "
-            f"like primals[{i}], for J t. torch_vjp.jacobian(f, *primals) gives the whole "
+            f"like {labels.out(i)}, for J t. torch_vjp.jacobian(f, *primals) gives the whole "
             f"Jacobian."
         )
     return None

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from torch_vjp._check_labels import TANGENTS, VJP
+from torch_vjp._check_labels import TANGENTS, VJP, keyed
 from torch_vjp._checks import (
     check_cotangents,
     check_tree_structure,
@@ -215,7 +215,7 @@ def vjp(
         chunk = check_chunk_size(chunk_size, call=pull_call)
         _warn_unbatched_chunk(pull_call, chunk, batched)
         normalized = check_cotangents(
-            out, cotangents, VJP, batched=batched, primals=tuple(prob.leaves),
+            out, cotangents, VJP, batched=batched, primals=prob.primals,
             connected=connected or None,
         )
         # (cast as torch casts them, and as the check above warned: the pullback's own
@@ -563,12 +563,13 @@ def jvp(
     # batched, once per chunk, on copies (NOTE [f's own copies])
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True,
                    copies=batched, any_outputs=True)
+    labels = keyed(TANGENTS, primals)  # (a dict's entries named by key: tangents[0]['w'])
     try:
         normalized = normalize_grad_outputs(
-            tuple(prob.leaves), tuple(tree_leaves(tangents)), TANGENTS, is_grads_batched=batched
+            tuple(prob.leaves), tuple(tree_leaves(tangents)), labels, is_grads_batched=batched
         )
     except GradOutputsError as err:
-        hint = _output_shaped_tangent(prob, tuple(tree_leaves(tangents)), batched)
+        hint = _output_shaped_tangent(prob, tuple(tree_leaves(tangents)), batched, labels)
         if hint is None:
             raise
         whole = " torch_vjp.jacobian(f, *primals) gives the whole Jacobian."
