@@ -420,9 +420,9 @@ def test_a_refused_tangent_does_not_run_f():
     assert "If tangents[0] is shaped like f's output" in info.value.explanation
 
 
-def test_batched_jvp_of_a_random_function_names_the_fix_for_randomness():
-    # every refusal got the fix for a Function without setup_context; and the refusal is
-    # raised after one product without vmap, not after the whole loop it then threw away
+def test_batched_jvp_of_a_random_function_calls_it_once():
+    # it was refused ("f draws random numbers ... vmap refuses by default") after one product
+    # without vmap; the K products are now of f's one draw, in one vectorised call
     drop = torch.nn.Dropout(0.5).train()
     calls = [0]
 
@@ -431,15 +431,10 @@ def test_batched_jvp_of_a_random_function_names_the_fix_for_randomness():
         return drop(v) * 2
 
     x = torch.randn(3, 4, dtype=D)
-    with pytest.raises(tv.JacobianCallError, match="f draws random numbers"):
-        jvp(counted, (x,), (torch.randn(5, 3, 4, dtype=D),), batched=True)
-    assert calls[0] == 2  # (the vectorised attempt, and one product)
-    with pytest.raises(tv.JacobianCallError, match=(
-            r"^torch_vjp\.jvp: f draws random numbers .*\n  torch\.func said: .*\n  Fix: put "
-            r"the module in eval mode \(model\.eval\(\)\) if the draws are dropout's; or take "
-            r"the directions one at a time \(chunk_size=1")) as info:
-        jvp(lambda v: drop(v) * 2, (x,), (torch.randn(3, 3, 4, dtype=D),), batched=True)
-    assert "setup_context" not in str(info.value)
+    out, tan = jvp(counted, (x,), (torch.ones(5, 3, 4, dtype=D),), batched=True)
+    assert calls[0] == 1
+    kept = (out != 0).to(D) * 4  # (that one draw's mask, times dropout's 2 and f's 2)
+    torch.testing.assert_close(tan, kept.expand(5, 3, 4))
 
 
 def test_wrong_batched_tangent_shape():
@@ -866,3 +861,26 @@ def test_a_dict_primals_entries_are_named_by_key_in_vjp_and_jvp_messages():
     assert "tangents[0]['a'] has shape (4,), but primals[0]['a'] has shape (3,)" in message
     assert "If tangents[0]['a'] is shaped like f's output" in message
     assert "shaped like primals[0]['a'], for J t" in message
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_batched_jvp_of_a_function_that_draws_is_that_of_one_draw(chunk):
+    # a function with dropout in training mode was refused under batched=True ("vmap
+    # refuses by default"), where the unbatched jvp and jacobian compute it at one draw
+    torch.manual_seed(0)
+    x = torch.randn(5, dtype=torch.float64)
+    drop = torch.nn.Dropout(0.5)
+
+    def f(x):
+        return drop(x.sin()) * 2
+
+    T = torch.randn(4, 5, dtype=torch.float64)
+    torch.manual_seed(1)
+    out, tan = tv.jvp(f, (x,), (T,), batched=True, chunk_size=chunk)
+    after = torch.get_rng_state()
+    torch.manual_seed(1)
+    J = torch.func.jacrev(f)(x)  # (one call of f: the same draw)
+    torch.testing.assert_close(tan, T @ J.T)
+    torch.manual_seed(1)
+    torch.testing.assert_close(out, f(x))
+    assert torch.equal(after, torch.get_rng_state())  # (as one call of f leaves it)

@@ -633,10 +633,17 @@ def jvp(
     # tangents came back doubled, and an expanded one (``t.expand(K, n)``) broke the
     # vectorised call and had the loop's writes compound in its shared memory, into wrong
     # products.
+    # (NOTE [forward mode of a function that draws] in _engine/products.py: the directions
+    # of one chunk share f's one draw, randomness="same", and every chunk after the first
+    # starts from the generators' state before the first, so that all K products are of
+    # the function one call of f draws, as the unbatched jvp's are)
+    one_call = chunk is None or chunk >= k
+
     def products(vec: bool) -> Any:
-        return map_rows(functools.partial(push, plain=not vec or chunk == 1),
-                        lambda s, e: tuple(v[s:e].clone() for v in vectors), k,
-                        vectorized=vec, chunk_size=chunk, extras=True)
+        fn = functools.partial(push, plain=not vec or not one_call)
+        return map_rows(fn, lambda s, e: tuple(v[s:e].clone() for v in vectors), k,
+                        vectorized=vec, chunk_size=chunk, extras=True,
+                        batched_fn=torch.func.vmap(fn, randomness="same"))
 
     with buffers_kept(f, primals=primals), _explained(call, "jvp"):
         stacked, extra = _vectorised_or_loop(
