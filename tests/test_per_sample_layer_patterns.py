@@ -94,8 +94,9 @@ def test_hooks_names_a_parameter_a_shared_layer_call_reads(layer):
         tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
     assert "'proto'" in str(e.value)
     # the layer's own parameters keep their rule; the prototype takes the fallback, from
-    # the plan (not from the first call's check against the loop)
-    plan = tv.per_sample_plan(model, nn.CrossEntropyLoss(), x, y)
+    # the plan (not from the first call's check against the loop). (Under "auto" this model,
+    # which draws random numbers, gets one method for all: NOTE [one draw per example].)
+    plan = tv.per_sample_plan(model, nn.CrossEntropyLoss(), x, y, strategy="hooks")
     assert plan["layer.weight"].method == "rule"
     assert plan["proto"].method != "rule"
     assert "rerouted" not in plan["proto"].how

@@ -212,7 +212,8 @@ class Plan:
                 p.method, p.how, p.reason = "vmap" if self.vmap_randomness else "loop", "", reason
             elif p.method in ("vmap", "zero"):  # (a gradient the plan thought none reaches)
                 p.method, p.how, p.reason = "loop", "", reason
-
+        if names:
+            self.one_draw()
 
     def to_loop(self, names: Sequence[str], reason: str) -> None:
         """Plans ``names`` for the loop, whatever they were planned for."""
@@ -220,6 +221,39 @@ class Plan:
         for n in names:
             p = self.params[n]
             p.method, p.how, p.reason = "loop", "", reason
+        if names:
+            self.one_draw()
+
+    def one_draw(self) -> None:
+        """Under ``"auto"`` and ``"vmap"``, a model that draws from the global generator gets
+        one method for all its parameters (NOTE [one draw per example])."""
+        if not (self.random_global and self.strategy in ("auto", "vmap")):
+            return
+        live = [n for n, p in self.params.items() if p.method != "zero"]
+        methods = {self.params[n].method for n in live}
+        if len(methods) < 2:
+            return
+        if "loop" in methods or not self.vmap_randomness:
+            self.to_loop([n for n in live if self.params[n].method != "loop"], ONE_DRAW)
+        else:
+            self.route([n for n in live if self.params[n].method == "rule"], ONE_DRAW)
+
+
+# NOTE [one draw per example]
+# Each method draws its own random numbers: the rules' pass one dropout mask for the whole
+# batch, vmap one per example in its own run, the loop one per example in each of its runs.
+# A model with dropout whose parameters were split between methods (a parameter no rule
+# covers, or one with a gradient hook, which only the loop applies) got, for one example,
+# each parameter's gradient under another mask: the gradient of no single draw (in a
+# Linear -> Dropout -> scale -> Linear, the zero columns of one layer's gradient were not
+# those of the other's). So under "auto" (and "vmap", whose hooked parameters take the
+# loop) such a model gets one method for all of them: vmap where every parameter not on the
+# loop can take it, else the loop; each example then runs once, under one draw, for every
+# parameter. (A model that draws nothing, dropout with p=0 included, keeps its split;
+# "hooks", the user's choice of the rules, keeps it too.)
+ONE_DRAW = ("the model draws random numbers (dropout in training mode), and its other "
+            "parameters need vmap or the per-example loop: every parameter is computed by "
+            "one of them, so that an example's gradients are all of one draw")
 
 
 def call_key(c: Call) -> Any:

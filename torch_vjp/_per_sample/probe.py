@@ -185,6 +185,7 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         hooked = [n for n, t in job.sel.tensors.items() if t._backward_hooks]
         if hooked:
             plan.to_loop(hooked, _HOOKED)
+        plan.one_draw()  # (NOTE [one draw per example] in plan.py)
         if any(NON_FINITE in p.reason for p in plan.params.values()):
             return plan  # (made for this batch's NaN alone: the next batch plans afresh)
         if len(cache) >= _MAX_PER_MODEL:
