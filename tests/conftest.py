@@ -121,3 +121,29 @@ def fresh_dynamo(monkeypatch):
     yield
     torch._dynamo.reset()
     compiled.clear_cache()
+
+
+def _spawn_within(worker, world, seconds):
+    """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; a rank that still runs
+    after ``seconds`` (a collective waiting for ever) fails the test instead of blocking it."""
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.spawn(worker, args=(world, os.path.join(d, "init")), nprocs=world,
+                       join=False)
+        deadline = time.monotonic() + seconds
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                pytest.fail(f"the ranks were still running after {seconds} s")
+
+
+@pytest.fixture
+def spawn_within():
+    """:func:`_spawn_within`: the distributed tests' way to run ranks with a deadline."""
+    return _spawn_within

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import datetime
 import gc
-import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import torch_vjp as tv
@@ -25,20 +21,6 @@ MAX_NORM = 0.5
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-
-def _spawn_within(worker, world, seconds):
-    """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; fails (rather than
-    blocks) where a rank still runs after ``seconds``."""
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.spawn(worker, args=(world, os.path.join(d, "init")), nprocs=world,
-                       join=False)
-        deadline = time.monotonic() + seconds
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                pytest.fail(f"the ranks were still running after {seconds} s")
 
 
 def _data():
@@ -106,11 +88,11 @@ def _grad_hooks_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
-def test_ddp_clipped_step_applies_a_parameter_gradient_hook_once():
+def test_ddp_clipped_step_applies_a_parameter_gradient_hook_once(spawn_within):
     # the per-example gradients go through a parameter's hook (Tensor.register_hook); the
     # pass that adds the clipped sums through DDP's backward ran it again on the sum, so
     # .grad was 3 times the unwrapped model's, silently
-    _spawn_within(_grad_hooks_worker, 2, 120)
+    spawn_within(_grad_hooks_worker, 2, 120)
 
 
 def _plain_model():
@@ -179,5 +161,5 @@ def _static_graph_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
-def test_ddp_static_graph_clipped_step_selects_the_first_steps_parameters():
-    _spawn_within(_static_graph_worker, 2, 150)
+def test_ddp_static_graph_clipped_step_selects_the_first_steps_parameters(spawn_within):
+    spawn_within(_static_graph_worker, 2, 150)

@@ -5,14 +5,10 @@ rank raises, naming the output, and the group still works after. Two ranks, gloo
 from __future__ import annotations
 
 import datetime
-import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torch_vjp as tv
 
@@ -21,20 +17,6 @@ DT = torch.float64
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-
-def _spawn_within(worker, world, seconds):
-    """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; fails (rather than
-    blocks) where a rank still runs after ``seconds``, or where a rank died."""
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.spawn(worker, args=(world, os.path.join(d, "init")), nprocs=world,
-                       join=False)
-        deadline = time.monotonic() + seconds
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                pytest.fail(f"the ranks were still running after {seconds} s")
 
 
 def _outputs_worker(rank, world, init_file):
@@ -85,5 +67,5 @@ def _outputs_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
-def test_sharded_jacobian_of_an_f_whose_outputs_differ_between_ranks_raises():
-    _spawn_within(_outputs_worker, 2, 120)
+def test_sharded_jacobian_of_an_f_whose_outputs_differ_between_ranks_raises(spawn_within):
+    spawn_within(_outputs_worker, 2, 120)

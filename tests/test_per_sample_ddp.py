@@ -264,22 +264,6 @@ def test_hooks_on_the_ddp_wrapper_itself_are_refused():
             dist.destroy_process_group()
 
 
-def _spawn_within(worker, world, seconds):
-    """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; a rank that still runs
-    after ``seconds`` (a collective waiting for ever) fails the test instead of blocking it."""
-    import time
-
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.spawn(worker, args=(world, os.path.join(d, "init")), nprocs=world,
-                       join=False)
-        deadline = time.monotonic() + seconds
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                pytest.fail(f"the ranks were still running after {seconds} s")
-
 
 def _one_rank_fails_worker(rank, world, init_file):
     # (a short timeout: a rank left waiting in a collective ends in seconds, not never)
@@ -352,7 +336,7 @@ def _one_rank_fails_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
-def test_ddp_clipped_step_error_on_one_rank_reaches_every_rank():
+def test_ddp_clipped_step_error_on_one_rank_reaches_every_rank(spawn_within):
     # rank 1's loss raised on a target of its own examples; rank 0 went on into the reducer's
     # all-reduce and waited there for rank 1 until the group's timeout
-    _spawn_within(_one_rank_fails_worker, 2, 90)
+    spawn_within(_one_rank_fails_worker, 2, 90)
