@@ -147,3 +147,48 @@ def _spawn_within(worker, world, seconds):
 def spawn_within():
     """:func:`_spawn_within`: the distributed tests' way to run ranks with a deadline."""
     return _spawn_within
+
+
+def _ruled_pattern(f, x, exact=True):
+    """Checks a sparsity rule on ``f`` at ``x``: no "no sparsity rule" warning; the pattern
+    equal to the nonzeros of ``f``'s float64 Jacobian (``exact``), or a superset of them that
+    is not dense; and ``sparse_jacobian``'s values equal to that Jacobian."""
+    import warnings
+
+    import torch_vjp as tv
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pattern = tv.jacobian_sparsity(f, x).to_dense().bool()
+    assert not [w for w in caught if "no sparsity rule" in str(w.message)]
+    reference = torch.autograd.functional.jacobian(f, x).reshape(pattern.shape)
+    if exact:
+        assert torch.equal(pattern, reference.ne(0))
+    else:
+        assert not bool((reference.ne(0) & ~pattern).any())
+        assert pattern.sum() < pattern.numel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = tv.sparse_jacobian(f, x, layout=torch.strided)
+    torch.testing.assert_close(got, reference)
+
+
+@pytest.fixture
+def ruled_pattern():
+    """:func:`_ruled_pattern`: the check of one sparsity rule, pattern and values."""
+    return _ruled_pattern
+
+
+@pytest.fixture
+def fresh_route_checks(monkeypatch):
+    """The route checks of "auto" and of batched VJPs forgotten (and warnings not yet
+    given), so that a test sees its own first call; put back afterwards."""
+    from torch_vjp import _errors
+    from torch_vjp._engine import fwdcheck
+
+    monkeypatch.setattr(_errors, "_WARNED", set())  # (once per function otherwise)
+    saved = dict(fwdcheck.CHECKED)
+    fwdcheck.CHECKED.clear()
+    yield
+    fwdcheck.CHECKED.clear()
+    fwdcheck.CHECKED.update(saved)

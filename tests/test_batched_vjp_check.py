@@ -14,17 +14,6 @@ from torch_vjp._engine import fwdcheck
 D = torch.float64
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    from torch_vjp import _errors
-
-    monkeypatch.setattr(_errors, "_WARNED", set())  # (once per function otherwise)
-    saved = dict(fwdcheck.CHECKED)
-    fwdcheck.CHECKED.clear()
-    yield
-    fwdcheck.CHECKED.clear()
-    fwdcheck.CHECKED.update(saved)
-
 
 def _reference(f, x, V):
     xr = x.clone().requires_grad_()
@@ -33,7 +22,7 @@ def _reference(f, x, V):
                         for k in range(V.shape[0])])
 
 
-def test_batched_vjp_of_cdist_is_right_and_says_why(fresh):
+def test_batched_vjp_of_cdist_is_right_and_says_why(fresh_route_checks):
     x = torch.randn(4, 3, dtype=D)
     y = torch.randn(5, 3, dtype=D)
 
@@ -64,7 +53,7 @@ def test_batched_vjp_of_cdist_is_right_and_says_why(fresh):
     assert list(fwdcheck.CHECKED.values()) == ["rev-loop"]
 
 
-def test_batched_vjp_with_right_batching_rules_stays_vectorised(fresh):
+def test_batched_vjp_with_right_batching_rules_stays_vectorised(fresh_route_checks):
     W = torch.randn(5, 4, dtype=D)
 
     def f(x):
@@ -81,7 +70,7 @@ def test_batched_vjp_with_right_batching_rules_stays_vectorised(fresh):
 
 
 @pytest.mark.parametrize("first", ["zeros", "equal rows"])
-def test_a_first_batch_that_cannot_tell_does_not_decide_the_route(fresh, first):
+def test_a_first_batch_that_cannot_tell_does_not_decide_the_route(fresh_route_checks, first):
     # (all-zero cotangents, a masked step, or K equal rows pass a check made of the user's
     # cotangents alone with a wrong batching rule: the check draws cotangents of its own)
     x = torch.randn(4, 3, dtype=D)
@@ -103,7 +92,7 @@ def test_a_first_batch_that_cannot_tell_does_not_decide_the_route(fresh, first):
     assert list(fwdcheck.CHECKED.values()) == ["rev-loop"]
 
 
-def test_a_zero_jacobian_remembers_nothing(fresh):
+def test_a_zero_jacobian_remembers_nothing(fresh_route_checks):
     # (at a point where every product is zero, no route can be told wrong: the next call,
     # at another point, checks again)
     y = torch.randn(5, 3, dtype=D)

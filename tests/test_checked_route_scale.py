@@ -16,17 +16,6 @@ from torch_vjp._engine import fwdcheck
 D = torch.float64
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    from torch_vjp import _errors
-
-    monkeypatch.setattr(_errors, "_WARNED", set())  # (once per function otherwise)
-    saved = dict(fwdcheck.CHECKED)
-    fwdcheck.CHECKED.clear()
-    yield
-    fwdcheck.CHECKED.clear()
-    fwdcheck.CHECKED.update(saved)
-
 
 class Softmax(torch.autograd.Function):
     generate_vmap_rule = True
@@ -92,7 +81,7 @@ def _zero_triple(x, a):
 
 @pytest.mark.parametrize("case", ["softmax-bf16-near-one-hot", "cross-x-3.3x", "x-dot-x-cross-a",
                                   "plain-outer-antisymmetric-part"])
-def test_auto_takes_no_false_route_warning(fresh, case):
+def test_auto_takes_no_false_route_warning(fresh_route_checks, case):
     torch.manual_seed(0)
     a = torch.randn(3, dtype=D)
     if case == "softmax-bf16-near-one-hot":
@@ -129,7 +118,7 @@ def test_auto_takes_no_false_route_warning(fresh, case):
     assert "rev-loop" not in fwdcheck.CHECKED.values()
 
 
-def test_batched_vjp_with_cotangents_parallel_to_an_input_takes_no_false_warning(fresh):
+def test_batched_vjp_with_cotangents_parallel_to_an_input_takes_no_false_warning(fresh_route_checks):
     torch.manual_seed(0)
     a = torch.randn(3, dtype=D)
     b = torch.randn(3, dtype=D)
@@ -146,7 +135,7 @@ def test_batched_vjp_with_cotangents_parallel_to_an_input_takes_no_false_warning
     assert "rev-loop" not in fwdcheck.CHECKED.values()
 
 
-def test_a_wrong_batching_rule_is_still_found(fresh):
+def test_a_wrong_batching_rule_is_still_found(fresh_route_checks):
     # torch.cdist's backward batching rule is wrong (a relative error near 1): measuring the
     # products' rounding does not hide it
     x = torch.randn(4, 3, dtype=D)
@@ -176,7 +165,7 @@ def test_linearity_noise_measures_rounding_only():
     assert rounding_scale(torch.finfo(torch.float32).eps, torch.float32) == 1.0
 
 
-def test_a_backward_not_linear_in_its_cotangent_is_still_warned_of(fresh):
+def test_a_backward_not_linear_in_its_cotangent_is_still_warned_of(fresh_route_checks):
     # a hook that clips the gradient breaks linearity by far more than rounding: measuring
     # the products' rounding must not take that for rounding and hide it
     W = torch.randn(8, 4, dtype=D, generator=torch.Generator().manual_seed(1))
