@@ -107,7 +107,7 @@ setup(
     package_data={"torch_vjp": ["py.typed"]},
     install_requires=["torch>=2.5,<3", "numpy>=1.24"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.80"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.3", "hypothesis>=6.80"],
         "bench": ["tqdm>=4.60", "matplotlib>=3.7"],
         "docs": ["mkdocs>=1.5", "mkdocs-material>=9", "mkdocstrings[python]>=0.24"],
         # The peers the benchmarks compare against, where installed (all optional).

@@ -53,6 +53,11 @@ def float32_step():
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped where none is present")
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("OMP_NUM_THREADS") is None:
+        # ``-n 2`` (the README's test command) runs two worker processes: each with torch's
+        # default of one thread per core would run twice as many threads as there are cores.
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(
+            os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 #: A test that runs longer has hung (a process group's teardown, say): pytest-timeout (in
