@@ -116,3 +116,66 @@ def test_a_function_calling_retain_grad_is_explained_or_computed():
             warnings.simplefilter("ignore", tv.JacobianWarning)
             torch.testing.assert_close(tv.jacobian(_retains_inside, x, strategy=strategy),
                                        expected)
+
+
+class _Passes(torch.autograd.Function):
+    """The identity, counting the backward passes through it: vectorised (its gradient a
+    batched tensor, under torch.vmap) and not."""
+
+    vectorised = 0
+    plain = 0
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch._C._functorch.is_batchedtensor(g):
+            _Passes.vectorised += 1
+        else:
+            _Passes.plain += 1
+        return g
+
+
+@pytest.mark.parametrize("retaining", [False, True], ids=["none-retains", "one-retains"])
+@pytest.mark.parametrize("chunk_size,vectorised", [(None, 1), (2, 3)], ids=["one-chunk", "3-chunks"])
+def test_finding_retaining_tensors_costs_no_vectorised_pass_of_its_own(
+        retaining, chunk_size, vectorised):
+    # the tensors inside the graph that retain their gradient are found by the first chunk
+    # of products (a zero row put before its rows) and one pass without vmap, where a
+    # vectorised pass of their own with a zero cotangent made every call cost 1.5 times as
+    # much (NOTE [retain_grad inside the graph])
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    h = _Passes.apply(x.sin())
+    if retaining:
+        h.retain_grad()
+    y = h * x
+    tv.jacobian_of(y, x, retain_graph=True, chunk_size=chunk_size)  # (the check, once)
+    _Passes.vectorised = _Passes.plain = 0
+    J = tv.jacobian_of(y, x, retain_graph=True, chunk_size=chunk_size)
+    assert (_Passes.vectorised, _Passes.plain) == (vectorised, 1)
+    torch.testing.assert_close(J, torch.func.jacrev(lambda v: v.sin() * v)(x.detach()),
+                               rtol=1e-12, atol=1e-12)
+    if retaining:
+        assert h.grad is None
+
+
+def test_the_zero_row_stays_out_of_the_jacobian_and_a_grad_keeps_its_value():
+    # a .grad set before comes back with its value (G + 0), from the zero row the first
+    # chunk puts first; the Jacobian has none of that row
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    h = x.exp()
+    h.retain_grad()
+    y = (h * h).cumsum(0)
+    y.sum().backward(retain_graph=True)
+    before = h.grad.clone()
+    J = tv.jacobian_of(y, x, retain_graph=True, create_graph=True)
+    assert J.shape == (5, 5) and J.requires_grad
+    torch.testing.assert_close(J, torch.func.jacrev(lambda v: (v.exp() ** 2).cumsum(0))(
+        x.detach()), rtol=1e-12, atol=1e-12)
+    assert torch.equal(h.grad, before) and not h.grad.requires_grad

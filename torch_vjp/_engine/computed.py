@@ -20,7 +20,8 @@ its cotangent to the ``.grad`` of a retaining output or input, and under ``torch
 stores a batched tensor there that escapes the vmap (the next pass then fails adding to
 it). The ``.grad`` of every retaining output and input is cleared before each pass and put
 back after it, so those tensors come out as they went in; so is that of every retaining tensor
-inside the graph, found first (NOTE [retain_grad inside the graph] in retained.py).
+inside the graph, found by the first products (NOTE [retain_grad inside the graph] in
+retained.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch_vjp._engine.fwdcheck import (
     CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
 )
 from torch_vjp._engine.memory import plan_products
-from torch_vjp._engine.retained import retained_in_graph
+from torch_vjp._engine.retained import escaped_after, retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once
 
@@ -94,11 +95,18 @@ def _blocks(
     # by it (retain_graph=False) only once a vectorised product has succeeded: a failing
     # vectorised attempt must leave the graph whole for the loop that replaces it (and the
     # first call for a graph structure keeps it for the check's loop, if it needs one).
-    state = {"stop": 0, "next": 0, "proven": False}
+    state: dict[str, Any] = {"stop": 0, "next": 0, "proven": False}
     kept = _retaining((*d_outs, *ins))  # NOTE [jacobian_of and retain_grad]
-    if n > 0 and not is_nested() and not any(t.device.type == "meta" for t in (*d_outs, *ins)):
-        kept += retained_in_graph(d_outs, ins, kept, _grads_kept)  # NOTE [retain_grad
-        # inside the graph] in retained.py
+    # NOTE [retain_grad inside the graph] in retained.py: the tensors inside the graph that
+    # retain their gradient are found by the first vectorised chunk, with a zero row put
+    # before its rows, and one pass without vmap after it; by a pass of their own where the
+    # products start with the loop
+    look = n > 0 and not is_nested() and not any(
+        t.device.type == "meta" for t in (*d_outs, *ins))
+    if look and (n == 1 or plan == 1):
+        kept += retained_in_graph(d_outs, ins, kept, _grads_kept)
+        look = False
+    state["look"] = look
 
     def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
         if vectorized:  # runs once per chunk, under torch.vmap
@@ -130,12 +138,26 @@ def _blocks(
 
         def rows(start: int, stop: int) -> tuple[Tensor, ...]:
             state["stop"], state["next"] = stop, start
+            if state["look"] and stop - start > 1:  # (the first vectorised chunk: start 0)
+                return basis(start - 1, stop)  # (a zero row first)
             return basis(start, stop)
+
+        vmapped = torch.vmap(lambda *v: grads(v, True))
+
+        def batched(*vecs: Tensor) -> tuple[Tensor, ...]:
+            if not state["look"]:
+                return vmapped(*vecs)
+            state["look"] = False
+            try:
+                res = vmapped(*vecs)
+            finally:  # (a failed pass may have stored batched tensors too)
+                kept.extend(escaped_after(d_outs, ins, kept, _grads_kept))
+            return tuple(r[1:] for r in res)
 
         def products(chunk_size: int | None) -> list[Tensor]:
             return map_rows_with_fallback(
                 lambda *v: grads(v, False), rows, n, chunk_size=chunk_size,
-                batched_fn=torch.vmap(lambda *v: grads(v, True)),
+                batched_fn=batched,
                 on_fallback=lambda err: warn_once(
                     ("jacobian_of", type(err)),
                     f"{call}: the vectorised backward pass (torch.vmap over "

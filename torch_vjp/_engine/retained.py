@@ -1,5 +1,5 @@
 """The tensors inside a computed graph that retain their gradient (``Tensor.retain_grad()``),
-found before :func:`torch_vjp.jacobian_of` runs its products through the graph.
+found while :func:`torch_vjp.jacobian_of` runs its products through the graph.
 
 NOTE [retain_grad inside the graph]
 ``torch.autograd.grad`` runs the hook of every tensor of the graph that called
@@ -8,22 +8,25 @@ each pass writes its gradient into that tensor's ``.grad``. Under ``torch.vmap``
 stores a batched tensor there, which escapes the vmap: the next backward pass through the
 graph (the next chunk, the check, the loop, or the user's own ``loss.backward()``) then fails
 adding to it, and the user's ``.grad`` holds a dead batched tensor. Such a tensor is reached
-from no handle autograd offers (a node does not know the tensors it made), so it is found by
-its effect:
+from no handle autograd offers (a node does not show its hooks, nor the tensors it made), so
+it is found by its effect:
 
-1. one vectorised backward pass with a zero cotangent (a batch of one row): each retaining
-   hook stores ``G + 0`` (``G`` its ``.grad`` before) or a copy of the zero gradient (no
-   ``.grad`` before), batched;
+1. one vectorised backward pass whose first row is a zero cotangent: the first chunk of the
+   products, with that row put before its rows (:func:`escaped_after`; where the products
+   start with the loop instead, a pass of that one row, :func:`retained_in_graph`). Each
+   retaining hook stores a batched tensor whose first row is ``G + g0`` (``G`` its ``.grad``
+   before, ``g0`` the zero cotangent's gradient there) or ``g0`` (no ``.grad`` before);
 2. one backward pass without vmap and a zero cotangent: where a hook stored a batched
    tensor in 1., it fails adding to it, before writing anything; otherwise no tensor of the
    graph retains its gradient, and this pass wrote nothing either (the common case, at the
-   cost of two passes);
+   cost of this one pass and a row);
 3. on that failure, the tensors whose ``.grad`` is a batched tensor are looked up among the
    live Python objects (``gc``; a tensor whose Python object is gone is kept alive with it
-   by PyTorch, so none is missed), ``.grad`` is cleared, and a zero pass writes the zero
-   gradient ``g0`` alone; the row of 1. is ``g0`` where there was no ``.grad`` (restored to
-   ``None``), and ``G + 0 == G`` otherwise (restored to that value: a ``.grad`` that was
-   exactly ``g0``, all zeros, comes back as ``None``).
+   by PyTorch, so none is missed), ``.grad`` is cleared, and a zero pass writes ``g0``
+   alone; the first row of 1. is ``g0`` where there was no ``.grad`` (restored to ``None``),
+   and ``G + g0`` otherwise, with ``G + 0 == G`` (restored to that value, as a tensor of its
+   own: the hook of 1. replaced the object ``G`` and nothing else holds it; a ``.grad`` that
+   was exactly ``g0``, all zeros, cannot be told from none and comes back as ``None``).
 
 The tensors found join the outputs and inputs whose ``.grad`` is cleared before each pass and
 put back after it, so they come out as they went in.
@@ -38,39 +41,35 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["retained_in_graph"]
+__all__ = ["retained_in_graph", "escaped_after"]
 
 
 def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
                       grads_kept) -> list[Tensor]:
     """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``) that retain
-    their gradient, with their ``.grad`` as before (NOTE [retain_grad inside the graph]).
+    their gradient, with their ``.grad`` as before (NOTE [retain_grad inside the graph]), by
+    a vectorised pass of its own: for products that start with the loop.
 
     ``grads_kept(tensors)`` is the context that clears and restores the ``.grad`` of
     ``tensors`` around a pass; ``kept`` are those known already (retaining outputs and
     inputs). Errors of the passes propagate only where no such tensor explains them (they
     come again from the products)."""
-
-    def zero_pass(batched: bool) -> None:
-        zeros = [torch.zeros(((1,) if batched else ()) + tuple(o.shape), dtype=o.dtype,
-                             device=o.device) for o in outs]
-
-        def run(*vs: Tensor) -> tuple[Tensor | None, ...]:
-            return torch.autograd.grad(outs, ins, list(vs), retain_graph=True,
-                                       allow_unused=True)
-
-        with grads_kept(kept), torch.no_grad(), warnings.catch_warnings():
-            # (vmap's warnings about slow batching rules speak of the products, which
-            # say them again if they run under vmap; this pass only looks for hooks)
-            warnings.simplefilter("ignore")
-            (torch.vmap(run) if batched else run)(*zeros)
-
     try:
-        zero_pass(True)
+        _zero_pass(outs, ins, kept, grads_kept, batched=True)
     except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
         pass
+    return escaped_after(outs, ins, kept, grads_kept)
+
+
+def escaped_after(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
+                  grads_kept) -> list[Tensor]:
+    """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``) into whose
+    ``.grad`` the vectorised pass just run (whose first row was a zero cotangent, or which
+    failed) stored a batched tensor, with their ``.grad`` as before that pass (steps 2 and 3
+    of NOTE [retain_grad inside the graph]); none, at the cost of one backward pass without
+    vmap, in the common case."""
     try:
-        zero_pass(False)
+        _zero_pass(outs, ins, kept, grads_kept, batched=False)
     except RuntimeError:
         found = _escaped(outs, kept)
         if not found:
@@ -80,13 +79,30 @@ def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Seque
     rows = [_first_row(t.grad) for t in found]
     for t in found:
         t.grad = None
-    zero_pass(False)  # (writes g0 into each .grad)
+    _zero_pass(outs, ins, kept, grads_kept, batched=False)  # (writes g0 into each .grad)
     for t, row in zip(found, rows):
         g0 = t.grad
         same = g0 is not None and torch.equal(row.isnan(), g0.isnan()) and bool(
             (row.nan_to_num() == g0.nan_to_num()).all())
         t.grad = None if same else row
     return found
+
+
+def _zero_pass(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
+               grads_kept, batched: bool) -> None:
+    """One backward pass from ``outs`` to ``ins`` with a zero cotangent (a batch of one row
+    under ``torch.vmap`` where ``batched``), the ``.grad`` of ``kept`` cleared around it."""
+    zeros = [torch.zeros(((1,) if batched else ()) + tuple(o.shape), dtype=o.dtype,
+                         device=o.device) for o in outs]
+
+    def run(*vs: Tensor) -> tuple[Tensor | None, ...]:
+        return torch.autograd.grad(outs, ins, list(vs), retain_graph=True, allow_unused=True)
+
+    with grads_kept(kept), torch.no_grad(), warnings.catch_warnings():
+        # (vmap's warnings about slow batching rules speak of the products, which say them
+        # again if they run under vmap; this pass only looks for hooks)
+        warnings.simplefilter("ignore")
+        (torch.vmap(run) if batched else run)(*zeros)
 
 
 def _escaped(outs: Sequence[Tensor], kept: Sequence[Tensor]) -> list[Tensor]:
@@ -119,4 +135,5 @@ def _first_row(batched: Tensor) -> Tensor:
     """Row 0 of an escaped batched tensor, as a plain tensor of its own."""
     bdim = torch._C._functorch.maybe_get_bdim(batched)
     value = torch._C._functorch.get_unwrapped(batched)
-    return value.select(bdim, 0).clone(memory_format=torch.contiguous_format)
+    # (detached: under create_graph the pass that stored it recorded a graph)
+    return value.detach().select(bdim, 0).clone(memory_format=torch.contiguous_format)
