@@ -42,7 +42,9 @@ from torch_vjp._engine.fwdcheck import (
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.retained import escaped_after, retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
-from torch_vjp._errors import JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once
+from torch_vjp._errors import (
+    JacobianCallError, JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once,
+)
 
 __all__ = ["computed_jacobian"]
 
@@ -58,9 +60,24 @@ def computed_jacobian(
     With ``create_graph`` the blocks are differentiable whatever the caller's grad mode, as
     ``torch.autograd.grad(create_graph=True)``'s results are: the products are joined (the
     chunks and the loop's rows stacked) and split into blocks under grad mode too."""
-    with torch.enable_grad() if create_graph else contextlib.nullcontext():
-        return _blocks(outs, ins, retain_graph, create_graph, chunk, call, single_out,
-                       single_in)
+    try:
+        with torch.enable_grad() if create_graph else contextlib.nullcontext():
+            return _blocks(outs, ins, retain_graph, create_graph, chunk, call, single_out,
+                           single_in)
+    except RuntimeError as err:
+        if "reentrant" not in str(err).lower() or not _through_reentrant_checkpoint(outs):
+            raise
+        raise JacobianCallError(
+            f"{call}: the graph of the outputs goes through torch.utils.checkpoint(..., "
+            f"use_reentrant=True) (a CheckpointFunctionBackward node), whose backward runs "
+            f"only under .backward() without inputs=; it refuses torch.autograd.grad, and "
+            f"{call} computes the Jacobian with torch.autograd.grad, one backward pass per "
+            f"output element, to the inputs only.\n"
+            f"  Fix: checkpoint with torch.utils.checkpoint.checkpoint(..., "
+            f"use_reentrant=False), which torch.autograd.grad can run through (and which "
+            f"PyTorch recommends); or compute the Jacobian of the function itself with "
+            f"torch_vjp.jacobian.\n  torch said: {quote_error(err)}"
+        ) from err
 
 
 def _blocks(
@@ -232,6 +249,22 @@ def _blocks(
             )
     rows_out = [r[0] if single_in else tuple(r) for r in result]
     return rows_out[0] if single_out else tuple(rows_out)
+
+
+def _through_reentrant_checkpoint(outs: Sequence[Tensor]) -> bool:
+    """Whether the graph of ``outs`` has a node of ``torch.utils.checkpoint`` with
+    ``use_reentrant=True``, which refuses ``torch.autograd.grad``."""
+    seen: dict[int, object] = {}  # (holding the nodes keeps their ids theirs)
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return False
 
 
 def _retaining(tensors: Sequence[Tensor]) -> list[Tensor]:
