@@ -179,3 +179,44 @@ def test_the_zero_row_stays_out_of_the_jacobian_and_a_grad_keeps_its_value():
     torch.testing.assert_close(J, torch.func.jacrev(lambda v: (v.exp() ** 2).cumsum(0))(
         x.detach()), rtol=1e-12, atol=1e-12)
     assert torch.equal(h.grad, before) and not h.grad.requires_grad
+
+
+class _NoVmap(torch.autograd.Function):
+    """The identity, whose backward reads a number out of its gradient: torch.vmap cannot
+    batch it, so jacobian_of's products fall back to the loop."""
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        g.sum().item()
+        return g
+
+
+@pytest.mark.parametrize("options", OPTIONS[:3])
+@pytest.mark.parametrize("backward_first", [False, True], ids=["no-grad-yet", "grad-set"])
+def test_retaining_tensor_past_a_pass_vmap_cannot_batch(options, backward_first):
+    # the vectorised pass fails at _NoVmap's backward, before it reaches h's hook: h was not
+    # found, and the loop that replaced the pass added every row into h.grad
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    h = x.sin()
+    h.retain_grad()
+    y = _NoVmap.apply(h) * x
+    if backward_first:
+        y.sum().backward(retain_graph=True)
+    before = h.grad
+    copy = None if before is None else before.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        J = tv.jacobian_of(y, x, retain_graph=True, **options)
+    torch.testing.assert_close(J, torch.func.jacrev(lambda v: v.sin() * v)(x.detach()),
+                               rtol=1e-12, atol=1e-12)
+    assert h.grad is before  # (its .grad untouched: the very object)
+    if copy is not None:
+        assert torch.equal(h.grad, copy)

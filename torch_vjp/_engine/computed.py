@@ -167,8 +167,10 @@ def _blocks(
             state["look"] = False
             try:
                 res = vmapped(*vecs)
-            finally:  # (a failed pass may have stored batched tensors too)
-                kept.extend(escaped_after(d_outs, ins, kept, _grads_kept))
+            except Exception:  # (to the loop, or to the user: the .grad put back first)
+                kept.extend(escaped_after(d_outs, ins, kept, _grads_kept, failed=True))
+                raise
+            kept.extend(escaped_after(d_outs, ins, kept, _grads_kept))
             return tuple(r[1:] for r in res)
 
         def products(chunk_size: int | None) -> list[Tensor]:

@@ -28,6 +28,12 @@ it is found by its effect:
    own: the hook of 1. replaced the object ``G`` and nothing else holds it; a ``.grad`` that
    was exactly ``g0``, all zeros, cannot be told from none and comes back as ``None``).
 
+Where the vectorised pass of 1. fails part way (an operator vmap cannot batch: the products
+fall back to the loop), the retaining tensors past the failure ran no hook and the loop's
+passes would add every row into their ``.grad``: then all the graph's retaining tensors are
+looked up (``gc``, on that slow path only), and those past the failure keep their ``.grad``,
+the very object.
+
 The tensors found join the outputs and inputs whose ``.grad`` is cleared before each pass and
 put back after it, so they come out as they went in.
 """
@@ -57,25 +63,45 @@ def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Seque
     try:
         _zero_pass(outs, ins, kept, grads_kept, batched=True)
     except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
-        pass
+        return escaped_after(outs, ins, kept, grads_kept, failed=True)
     return escaped_after(outs, ins, kept, grads_kept)
 
 
 def escaped_after(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
-                  grads_kept) -> list[Tensor]:
+                  grads_kept, failed: bool = False) -> list[Tensor]:
     """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``) into whose
-    ``.grad`` the vectorised pass just run (whose first row was a zero cotangent, or which
-    failed) stored a batched tensor, with their ``.grad`` as before that pass (steps 2 and 3
-    of NOTE [retain_grad inside the graph]); none, at the cost of one backward pass without
-    vmap, in the common case."""
+    ``.grad`` the vectorised pass just run (whose first row was a zero cotangent) stored a
+    batched tensor, with their ``.grad`` as before that pass (steps 2 and 3 of NOTE
+    [retain_grad inside the graph]); none, at the cost of one backward pass without vmap, in
+    the common case.
+
+    ``failed``: the vectorised pass raised, part way through the graph: the retaining
+    tensors past the failure ran no hook, and the loop that replaces the pass would add each
+    of its rows into their ``.grad``; so all the graph's retaining tensors are looked up
+    (``gc``, on this slow path only), those past the failure with their ``.grad`` untouched."""
+    if failed:
+        every = _in_graph(outs, kept, escaped_only=False)
+        found = [t for t in every if _is_batched(t.grad)]
+        if found:
+            _restore(found, outs, ins, [*kept, *(t for t in every if not _is_batched(t.grad))],
+                     grads_kept)
+        return every
     try:
         _zero_pass(outs, ins, kept, grads_kept, batched=False)
     except RuntimeError:
-        found = _escaped(outs, kept)
+        found = _in_graph(outs, kept, escaped_only=True)
         if not found:
             raise
     else:
         return []
+    _restore(found, outs, ins, kept, grads_kept)
+    return found
+
+
+def _restore(found: Sequence[Tensor], outs: Sequence[Tensor], ins: Sequence[Tensor],
+             kept: Sequence[Tensor], grads_kept) -> None:
+    """Puts back the ``.grad`` of the tensors ``found``, each a batched tensor whose first
+    row is ``G + g0`` or ``g0`` (step 3 of NOTE [retain_grad inside the graph])."""
     rows = [_first_row(t.grad) for t in found]
     for t in found:
         t.grad = None
@@ -85,7 +111,10 @@ def escaped_after(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[
         same = g0 is not None and torch.equal(row.isnan(), g0.isnan()) and bool(
             (row.nan_to_num() == g0.nan_to_num()).all())
         t.grad = None if same else row
-    return found
+
+
+def _is_batched(grad: Tensor | None) -> bool:
+    return grad is not None and torch._C._functorch.is_batchedtensor(grad)
 
 
 def _zero_pass(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
@@ -105,9 +134,11 @@ def _zero_pass(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Ten
         (torch.vmap(run) if batched else run)(*zeros)
 
 
-def _escaped(outs: Sequence[Tensor], kept: Sequence[Tensor]) -> list[Tensor]:
-    """The live tensors made by nodes of ``outs``' graph whose ``.grad`` is a batched tensor
-    left by a vectorised pass."""
+def _in_graph(outs: Sequence[Tensor], kept: Sequence[Tensor], escaped_only: bool
+              ) -> list[Tensor]:
+    """The live tensors made by nodes of ``outs``' graph that retain their gradient (other
+    than ``kept``); with ``escaped_only``, those whose ``.grad`` is a batched tensor left by
+    a vectorised pass."""
     nodes: dict[int, object] = {}  # (holding the nodes keeps their ids theirs)
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:
@@ -122,8 +153,8 @@ def _escaped(outs: Sequence[Tensor], kept: Sequence[Tensor]) -> list[Tensor]:
         if not issubclass(type(obj), Tensor) or id(obj) in known:
             continue
         try:  # (a subclass's __torch_function__ answers these reads; it may refuse them)
-            hit = (obj.retains_grad and id(obj.grad_fn) in nodes and obj.grad is not None
-                   and torch._C._functorch.is_batchedtensor(obj.grad))
+            hit = (obj.retains_grad and id(obj.grad_fn) in nodes
+                   and (not escaped_only or _is_batched(obj.grad)))
         except Exception:  # noqa: BLE001 - not a tensor of this graph, then
             continue
         if hit:
