@@ -73,3 +73,54 @@ def test_a_random_model_in_eval_mode_keeps_its_split():
     model = _Scaled().to(D).eval()
     plan = tv.per_sample_plan(model, nn.MSELoss(), *_data())
     assert plan["a.weight"].method == "rule" and plan["scale"].method == "vmap"
+
+
+class _InPlaceAfter(nn.Module):
+    """Linear -> Dropout -> Linear whose input is changed in place after the layer used it
+    (b.weight frozen, so autograd saves no input for it): the rules' pass leaves b.bias to
+    the fallback on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(6, 3)
+        self.b.weight.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.drop(self.a(x))
+        out = self.b(h)
+        h.add_(0.0)
+        return out
+
+
+def test_a_parameter_moved_off_the_rules_on_a_call_takes_the_others_along():
+    # b.bias went to vmap (another dropout mask), a.* stayed with the rules' pass: a.bias's
+    # gradient of example i was not mask_i * 2 * (W_b^T b.bias_i)
+    torch.manual_seed(0)
+    model = _InPlaceAfter().to(D).train()
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    g = tv.per_sample_grads(model, nn.MSELoss(), x, y)
+    back = g["b.bias"] @ model.b.weight
+    kept = g["a.bias"] != 0
+    assert kept.any() and (~kept).any()
+    torch.testing.assert_close(g["a.bias"][kept], 2 * back[kept])
+
+
+@pytest.mark.parametrize("fn", ["grads", "norms", "clipped"])
+def test_hooks_refuses_a_random_model_whose_rule_cannot_take_a_call(fn):
+    torch.manual_seed(0)
+    model = _InPlaceAfter().to(D).train()
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    call = {"grads": lambda: tv.per_sample_grads(model, nn.MSELoss(), x, y, strategy="hooks"),
+            "norms": lambda: tv.per_sample_grad_norms(model, nn.MSELoss(), x, y,
+                                                      strategy="hooks"),
+            "clipped": lambda: tv.accumulate_clipped_grads(model, nn.MSELoss(), x, y,
+                                                           max_norm=1.0, strategy="hooks")}[fn]
+    with pytest.raises(tv.StrategyError) as info:
+        call()
+    msg = str(info.value)
+    assert "'b.bias'" in msg and "modified in place" in msg  # what was wrong
+    assert "draws random numbers" in msg and "another random draw" in msg  # why
+    assert "strategy='auto'" in msg and "strategy='loop'" in msg  # the fix
+    assert all(p.grad is None for p in model.parameters())

@@ -77,7 +77,7 @@ from torch_vjp._per_sample.registry import Call
 __all__ = [
     "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "Slots",
     "seeded_forward", "aliases_of", "GenericPoint", "mixing_error", "parametrize_cache_off",
-    "WHOLE",
+    "WHOLE", "ONE_DRAW",
 ]
 
 _SEED = 0x7E5
@@ -249,8 +249,11 @@ class Plan:
 # those of the other's). So under "auto" (and "vmap", whose hooked parameters take the
 # loop) such a model gets one method for all of them: vmap where every parameter not on the
 # loop can take it, else the loop; each example then runs once, under one draw, for every
-# parameter. (A model that draws nothing, dropout with p=0 included, keeps its split;
-# "hooks", the user's choice of the rules, keeps it too.)
+# parameter. (A model that draws nothing, dropout with p=0 included, keeps its split.)
+# "hooks" never splits a plan: what no rule covers, or a hooked parameter, it refuses. A
+# call whose rules' pass leaves some rule parameters to the fallback (a layer's input changed
+# in place after the layer used it) moves every rule parameter of a random model with them
+# under "auto", and is refused under "hooks" (``run._one_draw_moved``).
 ONE_DRAW = ("the model draws random numbers (dropout in training mode), and its other "
             "parameters need vmap or the per-example loop: every parameter is computed by "
             "one of them, so that an example's gradients are all of one draw")

@@ -50,7 +50,14 @@ from torch_vjp._per_sample.factors import (
 from torch_vjp._per_sample.keep import KEEP_ELEMENTS, KeepBudget
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, warn_loop
 from torch_vjp._per_sample.hooks import HooksResult, RuleRaised, hooks_pass
-from torch_vjp._per_sample.plan import Plan, Slots, aliases_of, forward, mixing_error
+from torch_vjp._per_sample.plan import (
+    ONE_DRAW,
+    Plan,
+    Slots,
+    aliases_of,
+    forward,
+    mixing_error,
+)
 from torch_vjp._per_sample.probe import input_entries, plan_for
 from torch_vjp._per_sample.registry import registered_types
 from torch_vjp._strategies import get_per_sample_strategy
@@ -257,7 +264,31 @@ def _hooks(job: Job, plan: Plan) -> tuple[Plan, HooksResult]:
             if job.strategy == "hooks":
                 raise _no_rule_error(job.fn, {n: why for n in names})
             res = HooksResult(moved={n: why for n in names})
+    if res.moved and plan.random_global:
+        res = _one_draw_moved(job, plan, res)
     return plan, res
+
+
+def _one_draw_moved(job: Job, plan: Plan, res: HooksResult) -> HooksResult:
+    """A model that draws random numbers, some of whose rule parameters this call left to
+    the fallback: the fallback's runs draw other numbers than the rules' pass did, so the
+    others follow them there ('auto'), or the call is refused ('hooks'): NOTE [one draw per
+    example] in ``plan``."""
+    if job.strategy == "hooks":
+        n, why = next(iter(res.moved.items()))
+        raise StrategyError(
+            f"torch_vjp.{job.fn}: strategy='hooks' cannot compute {n!r} with its rule on this "
+            f"call ({why}), and the model draws random numbers (dropout in training mode): "
+            f"computed apart from the rules' pass, its per-sample gradients would be of "
+            f"another random draw than those of the other parameters, so no example's "
+            f"gradients would be of one draw.\n"
+            f"  Fix: strategy='auto' (which then computes every parameter of such a call by "
+            f"one method) or strategy='loop'; or the model in eval mode.")
+    why = f"{ONE_DRAW} (on this call, {next(iter(res.moved.values()))})"
+    moved = dict(res.moved)
+    for n in plan.rule_params:
+        moved.setdefault(n, why)
+    return HooksResult(moved=moved)
 
 
 def _recorded_pass(job: Job, plan: Plan) -> HooksResult:
