@@ -875,10 +875,11 @@ def test_a_rule_that_declines_the_configuration_says_so():
     model = model.to(DT)
     x, y = torch.randint(0, 10, (5, 2)), torch.randn(5, 2, dtype=DT)
     plan = tv.per_sample_plan(model, nn.MSELoss(), x, y)
-    assert plan["0.weight"].method == "vmap"
+    assert plan["0.weight"].method == "loop"  # (vmap cannot batch embedding_renorm_)
     assert plan["0.weight"].reason == (
         "the Embedding rule does not handle max_norm (rows renormalised in place) "
-        "(module '0': Embedding)")
+        "(module '0': Embedding); vmap cannot batch '0' (Embedding with max_norm), so the "
+        "per-example loop computes it")
 
 
 def test_a_declined_layer_whose_settings_change_is_planned_again():

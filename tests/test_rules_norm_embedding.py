@@ -331,7 +331,8 @@ def test_embedding_bag_configurations_without_a_rule_fall_back(kw):
     model = BagNet("2d", mode="mean", **kw).to(DT)
     xs, t = bag_inputs(4)(), torch.randint(0, 3, (4,))
     plan = tv.per_sample_plan(model, LOSS, xs, t)
-    assert plan["bag.weight"].method == "vmap"
+    # (vmap cannot batch embedding_renorm_: max_norm goes to the loop)
+    assert plan["bag.weight"].method == ("loop" if "max_norm" in kw else "vmap")
     assert plan["fc.weight"].method == "rule"
     with pytest.raises(tv.StrategyError, match="bag.weight"):
         tv.per_sample_grads(model, LOSS, xs, t, strategy="hooks")

@@ -77,7 +77,7 @@ from torch_vjp._per_sample.registry import Call
 __all__ = [
     "Plan", "ParamPlan", "CallPlan", "call_key", "forward", "functional_call", "Slots",
     "seeded_forward", "aliases_of", "GenericPoint", "mixing_error", "parametrize_cache_off",
-    "WHOLE", "ONE_DRAW",
+    "WHOLE", "ONE_DRAW", "vmap_blockers",
 ]
 
 _SEED = 0x7E5
@@ -224,6 +224,17 @@ class Plan:
         if names:
             self.one_draw()
 
+    def no_vmap(self, why: str) -> None:
+        """Plans for the loop what was planned for vmap, which cannot batch the model
+        (``why``: :func:`vmap_blockers`); what a later check or call moves goes there too."""
+        self.vmap_randomness = None
+        self.route([], "")  # (drops the lists made from the methods)
+        for p in self.params.values():
+            if p.method == "vmap":
+                p.method = "loop"
+                if self.strategy != "hooks":  # (which refuses it for its reason)
+                    p.reason = f"{p.reason}; {why}" if p.reason else why
+
     def one_draw(self) -> None:
         """Under ``"auto"`` and ``"vmap"``, a model that draws from the global generator gets
         one method for all its parameters (NOTE [one draw per example])."""
@@ -257,6 +268,31 @@ class Plan:
 ONE_DRAW = ("the model draws random numbers (dropout in training mode), and its other "
             "parameters need vmap or the per-example loop: every parameter is computed by "
             "one of them, so that an example's gradients are all of one draw")
+
+
+_RECURRENT = (nn.RNN, nn.GRU, nn.LSTM)
+
+
+def vmap_blockers(model: nn.Module) -> str:
+    """The modules of ``model`` that torch.func.vmap is known not to batch, said in words
+    ('' for none): an Embedding(Bag) with ``max_norm`` (``embedding_renorm_`` has no batching
+    rule that takes a batched index) and torch's recurrent layers (their fused kernels write
+    into an output of one example's shape). The fallback of such a model is the loop: vmap
+    would fail on every call, after a first attempt on each."""
+    found = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            found.append(f"'{path}' ({type(m).__name__} with max_norm)")
+        elif isinstance(m, _RECURRENT) and type(m).forward is _stock_forward(m):
+            found.append(f"'{path}' ({type(m).__name__})")
+    if not found:
+        return ""
+    return (f"vmap cannot batch {', '.join(found[:3])}{' and others' if len(found) > 3 else ''}"
+            f", so the per-example loop computes it")
+
+
+def _stock_forward(m: nn.Module) -> Any:
+    return next(c.forward for c in _RECURRENT if isinstance(m, c))
 
 
 def call_key(c: Call) -> Any:

@@ -33,6 +33,7 @@ from torch_vjp._per_sample.plan import (
     GenericPoint,
     call_key,
     seeded_forward,
+    vmap_blockers,
 )
 from torch_vjp._per_sample.recorder import Recorder
 from torch_vjp._per_sample.registry import Call, UserRule, declining_rule
@@ -182,6 +183,9 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         plan.mutable_buffers = [n for n, is_buffer in changed.items() if is_buffer]
         plan.mutable_params = [n for n, is_buffer in changed.items() if not is_buffer]
         plan.rebinds = slots.changed
+        blocked = vmap_blockers(model) if job.strategy in ("auto", "hooks") else ""
+        if blocked:
+            plan.no_vmap(blocked)
         hooked = [n for n, t in job.sel.tensors.items() if t._backward_hooks]
         if hooked:
             plan.to_loop(hooked, _HOOKED)

@@ -234,19 +234,26 @@ def plan_of(job: Job, rebuild: bool = False) -> Plan:
     if job.strategy == "hooks":
         missing = {n: p.reason for n, p in plan.params.items() if p.method in ("vmap", "loop")}
         if missing:
-            raise _no_rule_error(job.fn, missing)
+            raise _no_rule_error(job.fn, missing, plan)
     return plan
 
 
-def _no_rule_error(fn: str, missing: dict[str, str]) -> StrategyError:
+def _no_rule_error(fn: str, missing: dict[str, str], plan: Plan) -> StrategyError:
     lines = "\n".join(f"    {n!r}: {why}" for n, why in missing.items())
+    # (vmap only where it can run the model: not for a model vmap cannot batch, an
+    # Embedding with max_norm or a stock recurrent layer, nor one that draws from the global
+    # generator and from its own, whose per-sample gradients only the loop gives)
+    other = ("computes the other parameters with vmap (or the loop), or strategy='vmap'"
+             if plan.vmap_randomness is not None else
+             "computes the other parameters with the per-example loop, as vmap cannot run "
+             "this model, or strategy='loop'")
     return StrategyError(
         f"torch_vjp.{fn}: strategy='hooks' cannot compute {len(missing)} parameter(s) "
         f"with a per-layer rule:\n{lines}\n"
         f"  Rules exist for {', '.join(registered_types())} and nn.MultiheadAttention, and "
         f"for parameters added to (or expanded over) the batch; add one for a layer of your "
         f"own with torch_vjp.register_per_sample_rule. Or use strategy='auto', which "
-        f"computes the other parameters with vmap (or the loop), or strategy='vmap'."
+        f"{other}."
     )
 
 
@@ -262,7 +269,7 @@ def _hooks(job: Job, plan: Plan) -> tuple[Plan, HooksResult]:
             why = "the layers the model calls change from one call to the next"
             names = plan.rule_params + plan.zero_params
             if job.strategy == "hooks":
-                raise _no_rule_error(job.fn, {n: why for n in names})
+                raise _no_rule_error(job.fn, {n: why for n in names}, plan)
             res = HooksResult(moved={n: why for n in names})
     if res.moved and plan.random_global:
         res = _one_draw_moved(job, plan, res)
@@ -311,7 +318,7 @@ def _recorded_pass(job: Job, plan: Plan) -> HooksResult:
                 forward(job.model, job.xs, aliases_of(job.sel))  # the model's own error
             if job.reset is not None:
                 job.reset()
-            raise _no_rule_error(job.fn, {n: why for n in plan.rule_params}) from None
+            raise _no_rule_error(job.fn, {n: why for n in plan.rule_params}, plan) from None
         return HooksResult(moved={n: why for n in plan.rule_params})
     if job.reset is not None:
         job.reset()
