@@ -39,6 +39,9 @@ class ShapeRecord:
     in the order the calls return."""
 
     calls: list[tuple[int, list[tuple[int, ...]]]]
+    #: the batch size of the run (that of the run compared with the batch: B - 1, or B + 1
+    #: for a batch of two)
+    batch: int = 0
 
 
 def confined(g: Tensor | None, shape: Sequence[int], k: int, batch: int,
@@ -350,7 +353,8 @@ def _find_mixing(
                    f"flow by values or random draws), so whether {name} keeps the examples "
                    f"apart" if reordered else
                    f"{name} a different number of times for a batch of {batch} examples and "
-                   f"for one of {batch - 1} (a loop over the examples, say), so whether its "
+                   f"for one of {small[1].batch if small is not None else batch - 1} (a "
+                   f"loop over the examples, say), so whether its "
                    f"calls keep the examples apart")
             return None, (f"the model calls {'its modules ' if reordered else ''}{how} cannot "
                           f"be told from the data flow")
@@ -454,7 +458,8 @@ def _carrying_inputs(
         if j >= len(a) or j >= len(b) or len(a[j]) != len(b[j]):
             return _NO_DIMS
         pairs = list(enumerate(zip(a[j], b[j])))
-        return (frozenset(d for d, (x, y) in pairs if x - y > 1 and x == batch * (x - y)),
+        return (frozenset(d for d, (x, y) in pairs
+                          if abs(x - y) > 1 and x == batch * abs(x - y)),
                 frozenset(d for d, (x, y) in pairs if x == y == batch))
 
     def compared(i: int, j: int) -> bool:

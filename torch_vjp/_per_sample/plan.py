@@ -9,9 +9,10 @@ table of ``T == B`` rows used by every example, a batch that the model sorts and
 reshape that scrambles examples), so the plan asks the data flow. Once per model structure
 (``probe.plan_key``), on the first call:
 
-1. The model runs on the batch and on the batch without its last example, without a graph;
-   the dimension of each output (and of each module's tensor inputs) that shrinks by one
-   holds the examples. The output's batch dimensions split the loss into the examples'
+1. The model runs on the batch and on the batch without its last example (a batch of two:
+   with its last example twice, as a forward that squeezes, ``x.squeeze()``, drops the
+   batch dimension of one example), without a graph; the dimension of each output (and of
+   each module's tensor inputs) that changes by one holds the examples. The output's batch dimensions split the loss into the examples'
    own losses (``losses.loss_sum``).
 2. The model runs once more, with its parameters moved to a generic point near their
    values (NOTE [probes at a generic point]: a trainable gate at zero hides no mixing

@@ -267,9 +267,13 @@ def build_plan(job: Job) -> Plan:
                 sel, "vmap", f"the model failed on the whole batch ({quote_error(err)})"))
         small = None
         if batch > 1:
+            # (a batch of two is compared with three examples, not one: a forward that
+            # squeezes, x.squeeze(), drops the batch dimension of a batch of one)
+            other = batch - 1 if batch > 2 else batch + 1
             try:
-                small = _shape_run(model, each_once(xs, lambda x: x[: batch - 1]),
+                small = _shape_run(model, each_once(xs, lambda x: _resized(x, other)),
                                    aliases_of(sel))
+                small[1].batch = other
                 _after_forward(job)
             except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
                 raise
@@ -284,6 +288,14 @@ def build_plan(job: Job) -> Plan:
     if batch > 1 and out_dims is None:
         return _unsplittable(strategy, sel, full[0], batch)
     return _grad_probe(job, tracked, out_dims, full, small, expand=batch > 1)
+
+
+def _resized(x: Tensor, size: int) -> Tensor:
+    """The first ``size`` examples of ``x``, or ``x`` with its last example repeated up to
+    ``size``."""
+    if size <= x.shape[0]:
+        return x[:size]
+    return torch.cat([x, x[-1:].expand(size - x.shape[0], *x.shape[1:])])
 
 
 def each_once(xs: Sequence[Tensor], fn: Callable[[Tensor], Tensor]) -> tuple[Tensor, ...]:
@@ -333,7 +345,8 @@ def _shape_run(
 
 def _batch_dims_of(full: Any, small: tuple[Any, Any] | None, batch: int) -> list[int] | None:
     """The dimension of each output tensor that holds the examples: the one of size B that
-    shrinks to B - 1 with one example fewer (or the only one of size B)."""
+    shrinks to B - 1 with one example fewer (grows to B + 1 with one more, for a batch of
+    two: ``small[1].batch``), or the only one of size B."""
     leaves = [t for t in tree_leaves(full) if isinstance(t, Tensor)]
     small_leaves = (
         [t for t in tree_leaves(small[0]) if isinstance(t, Tensor)] if small is not None else None
@@ -348,7 +361,7 @@ def _batch_dims_of(full: Any, small: tuple[Any, Any] | None, batch: int) -> list
             if s.dim() == t.dim():
                 cands = [
                     d for d in cands
-                    if s.shape[d] == batch - 1
+                    if s.shape[d] == small[1].batch  # type: ignore[index]
                     and all(s.shape[e] == t.shape[e] for e in range(t.dim()) if e != d)
                 ]
         if len(cands) != 1:
