@@ -383,6 +383,9 @@ class Job:
         by_backward: the per-example loop differentiates with ``backward()`` (a reentrant
             checkpoint refused ``autograd.grad``: NOTE [reentrant checkpoints] in
             ``fallback``).
+        batch_failure: the error the model raised on the whole batch when the plan was
+            made (its parameters then go to the fallback), quoted, for the note on an error
+            the model raises on one example (:func:`~torch_vjp._per_sample.fallback.loop_grads`).
         replanned: the plan made anew during the call (the layers called were not the
             plan's), which the call's results came from and the check must judge; or None.
     """
@@ -400,6 +403,7 @@ class Job:
     structure: Any = None
     by_backward: bool = False
     replanned: Any = None
+    batch_failure: str | None = None
 
 
 def params_once(params: Any) -> Any:

@@ -29,6 +29,7 @@ from torch_vjp._engine.rows import run_with_fallback
 from torch_vjp._errors import (
     PerSampleError,
     StrategyError,
+    TorchVJPError,
     TorchVJPWarning,
     a_type,
     first_time,
@@ -148,10 +149,32 @@ def loop_grads(job: Job, names: list[str], start: int, stop: int, out: dict[str,
     """Writes the per-sample gradients of examples ``start:stop`` into ``out[name][i - start]``:
     one forward and one backward per example. ``job.reset`` puts back, before each example,
     the buffers a forward changes, so that every example runs alone from the same state."""
+    at = [start]  # (the example running)
+    try:
+        _loop(job, names, start, stop, out, at)
+    except Exception as err:
+        if job.batch_failure is not None and not isinstance(err, TorchVJPError):
+            err.add_note(_on_one_example(job, at[0]))  # (the error itself untouched)
+        raise
+
+
+def _on_one_example(job: Job, i: int) -> str:
+    """Where an error of the loop was raised, for a model planned after it failed on the
+    whole batch: the error the user sees is of one example's run, not of their batch."""
+    return (f"(raised by the model's forward or the loss on example {i} alone, run by the "
+            f"per-example computation of torch_vjp.{job.fn}: the model had failed on the whole "
+            f"batch first ({job.batch_failure}), so every parameter is computed one example at "
+            f"a time; the error above is that of the example, whose shapes are those of a "
+            f"batch of one.)")
+
+
+def _loop(job: Job, names: list[str], start: int, stop: int, out: dict[str, Tensor],
+          at: list[int]) -> None:
     model, loss_fn, sel, fn, xs, targets, reset = (
         job.model, job.loss_fn, job.sel, job.fn, job.xs, job.targets, job.reset)
     frozen = any(not sel.tensors[n].requires_grad for n in names)
     for i in range(start, stop):
+        at[0] = i
         if reset is not None:
             reset()
         xi = tuple(None if x is None else x[i : i + 1] for x in xs)

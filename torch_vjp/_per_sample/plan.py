@@ -166,6 +166,9 @@ class Plan:
     #: a batch of one: the 'rule' parameters taken whole from the rules' backward, used
     #: outside the layers with rules (NOTE [a batch of one] in ``hooks``)
     whole: set[str] = field(default_factory=set)
+    #: the model raised this error (quoted) on the whole batch it was planned on: every
+    #: parameter goes to the fallback, which runs one example at a time
+    batch_failure: str | None = None
 
     # The lists below are made once, when the finished plan is first used; route() resets them.
 
@@ -227,7 +230,10 @@ class Plan:
 
     def no_vmap(self, why: str) -> None:
         """Plans for the loop what was planned for vmap, which cannot batch the model
-        (``why``: :func:`vmap_blockers`); what a later check or call moves goes there too."""
+        (``why``: :func:`vmap_blockers`, '' for none); what a later check or call moves
+        goes there too."""
+        if not why:
+            return
         self.vmap_randomness = None
         self.route([], "")  # (drops the lists made from the methods)
         for p in self.params.values():

@@ -183,9 +183,8 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         plan.mutable_buffers = [n for n, is_buffer in changed.items() if is_buffer]
         plan.mutable_params = [n for n, is_buffer in changed.items() if not is_buffer]
         plan.rebinds = slots.changed
-        blocked = vmap_blockers(model) if job.strategy in ("auto", "hooks") else ""
-        if blocked:
-            plan.no_vmap(blocked)
+        if job.strategy in ("auto", "hooks"):  # (what vmap cannot batch: the loop)
+            plan.no_vmap(vmap_blockers(model))
         hooked = [n for n, t in job.sel.tensors.items() if t._backward_hooks]
         if hooked:
             plan.to_loop(hooked, _HOOKED)
@@ -238,7 +237,9 @@ def build_plan(job: Job) -> Plan:
     if strategy == "vmap":
         rng = _Randomness()
         with torch.no_grad(), rng:
-            seeded_forward(model, xs, aliases_of(sel))
+            # (on one example, as vmap runs the model: a model that fails on the whole batch,
+            # a view with the size of one example written in, was refused here)
+            seeded_forward(model, each_once(xs, lambda x: x[:1]), aliases_of(sel))
         _after_forward(job)
         mode = _vmap_randomness(rng)
         method = "vmap" if mode else "loop"
@@ -263,15 +264,18 @@ def build_plan(job: Job) -> Plan:
             if strategy == "hooks":
                 raise  # the model's own error, untouched
             # the definition runs one example at a time: vmap and the loop may still work
+            failure = f"{quote_error(err)}, on a batch of {batch}"
             return Plan(strategy, _all_params(
-                sel, "vmap", f"the model failed on the whole batch ({quote_error(err)})"))
+                sel, "vmap", f"the model failed on the whole batch ({failure})"),
+                batch_failure=failure)
         small = None
         if batch > 1:
             # (a batch of two is compared with three examples, not one: a forward that
             # squeezes, x.squeeze(), drops the batch dimension of a batch of one)
             other = batch - 1 if batch > 2 else batch + 1
             try:
-                small = _shape_run(model, each_once(xs, lambda x: _resized(x, other)),
+                small = _shape_run(model, each_once(xs, lambda x: x[:other] if other < batch
+                                                    else torch.cat([x, x[-1:]])),
                                    aliases_of(sel))
                 small[1].batch = other
                 _after_forward(job)
@@ -288,14 +292,6 @@ def build_plan(job: Job) -> Plan:
     if batch > 1 and out_dims is None:
         return _unsplittable(strategy, sel, full[0], batch)
     return _grad_probe(job, tracked, out_dims, full, small, expand=batch > 1)
-
-
-def _resized(x: Tensor, size: int) -> Tensor:
-    """The first ``size`` examples of ``x``, or ``x`` with its last example repeated up to
-    ``size``."""
-    if size <= x.shape[0]:
-        return x[:size]
-    return torch.cat([x, x[-1:].expand(size - x.shape[0], *x.shape[1:])])
 
 
 def each_once(xs: Sequence[Tensor], fn: Callable[[Tensor], Tensor]) -> tuple[Tensor, ...]:

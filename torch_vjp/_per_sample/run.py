@@ -229,6 +229,7 @@ def plan_of(job: Job, rebuild: bool = False) -> Plan:
     """The plan for this call; refuses what the strategy cannot compute right."""
     plan = plan_for(job, rebuild=rebuild)
     job.by_backward = plan.by_backward
+    job.batch_failure = plan.batch_failure
     if plan.mixing is not None and job.strategy in ("auto", "hooks"):
         raise mixing_error(job.fn, plan.mixing, job.strategy)
     if job.strategy == "hooks":
