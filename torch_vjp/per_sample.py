@@ -88,7 +88,12 @@ def per_sample_grads(
 
     Args:
         model: the module; its parameters are the variables. It is not modified: parameters,
-            buffers, train/eval flags and ``.grad`` are left as they were.
+            buffers, train/eval flags and ``.grad`` are left as they were. Python state its
+            forward keeps (a step counter attribute, ``self.steps += 1``) moves with the
+            forwards that compute the result: once per call under ``"hooks"``, ``"vmap"``
+            (once per chunk with ``chunk_size``) and ``"auto"``, once per example under
+            ``"loop"``; the forwards that plan the computation and check it against the
+            per-example loop put back the int and float attributes of the model's modules.
         loss_fn: ``loss_fn(output, targets) -> scalar`` (``loss_fn(output)`` when ``targets``
             is None), called as on a batch of one.
         inputs: a tensor, or a tuple of tensors passed as ``model(*inputs)``, each with the

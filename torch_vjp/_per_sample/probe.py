@@ -19,7 +19,7 @@ from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import TorchVJPError, a_type, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counters, numbers_of,
-                                             structure_of)
+                                             restore_numbers, structure_of)
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
@@ -172,7 +172,9 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
             reset()
             changed = watched.restore()
             del watched, inputs
-        if note_counters(numbers):
+            counters = note_counters(numbers)
+            restore_numbers(numbers)  # (a step counter: the planning forwards do not count)
+        if counters:
             # the forwards moved a numeric attribute (a counter): the structure leaves it out
             # from now on, and the plan is kept under that key too
             job.structure = structure_of(model)

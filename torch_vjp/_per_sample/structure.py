@@ -18,7 +18,7 @@ from torch_vjp._engine.fwdcheck import route_key
 from torch_vjp._per_sample.registry import replaced_forward
 
 __all__ = ["structure_of", "loss_key", "loss_tensors", "function_flags", "object_flags",
-           "nested_flags", "numbers_of", "note_counters"]
+           "nested_flags", "numbers_of", "note_counters", "restore_numbers"]
 
 # NOTE [the structure a plan is for]
 # A plan (which layers have rules, in which dimension each finds the examples, which
@@ -252,6 +252,19 @@ def note_counters(before: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
             _COUNTERS[type(m)] = known | moved  # (with torch's attributes: what is skipped)
             new = True
     return new
+
+
+def restore_numbers(before: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Puts back the int and float attributes of ``before`` (:func:`numbers_of`) that a
+    forward run for torch_vjp's own purposes (planning, a check against the loop) moved: a
+    step counter the forward increments advances with the forwards of the computation
+    alone."""
+    for m, values in before:
+        d = m.__dict__
+        for k, v in values.items():
+            now = d.get(k, d)
+            if now is not v and type(now) in _NUMBERS:
+                d[k] = v
 
 
 def structure_of(model: nn.Module) -> tuple[Any, ...]:

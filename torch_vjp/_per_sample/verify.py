@@ -16,6 +16,7 @@ from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.fallback import loop_grads
 from torch_vjp._per_sample.plan import Plan
 from torch_vjp._per_sample.run import grads, norms_and_sums
+from torch_vjp._per_sample.structure import numbers_of, restore_numbers
 
 __all__ = ["verify", "checked"]
 
@@ -92,6 +93,15 @@ def verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool = False) -
     if job.strategy == "loop":
         _passed(plan, flag)
         return []
+    numbers = numbers_of(job.model)  # (the check's forwards do not count: restore_numbers)
+    try:
+        return _verify(job, plan, sq, one_run, flag)
+    finally:
+        restore_numbers(numbers)
+
+
+def _verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool, flag: str
+            ) -> list[str]:
     sel, batch = job.sel, job.batch
     # (the first example too: a forward whose control flow reads the whole batch, ``if
     # (x[:, 0] > 0).all()``, takes for the batch the branch the last ones take alone)
