@@ -189,7 +189,8 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                 # factors, which would read as a zero gradient)
                 own = {tracked[id(c.params[r][0])] for r in roles}
                 if job.strategy == "hooks":
-                    raise _declined_error(job.fn, c, own, str(err)) from None
+                    raise _declined_error(job.fn, c, own, str(err),
+                                          plan.vmap_randomness is not None) from None
                 for n in own:
                     result.moved.setdefault(
                         n, f"the {c.rule.name} rule in '{c.path}' cannot compute this call: "
@@ -223,13 +224,18 @@ def _user_rule_note(fn: str, c: Call) -> str:
         f"which do not use it.)")
 
 
-def _declined_error(fn: str, c: Call, names: set[str], why: str) -> StrategyError:
+def _declined_error(fn: str, c: Call, names: set[str], why: str, vmap: bool) -> StrategyError:
     listed = ", ".join(repr(n) for n in sorted(names))
+    # (vmap only where it can run the model: not a stock recurrent layer, NOTE
+    # [one draw per example] and plan.vmap_blockers)
+    fix = ("strategy='auto' (which computes these parameters with vmap or the loop), or "
+           "strategy='vmap' or strategy='loop'" if vmap else
+           "strategy='auto' (which computes these parameters with the per-example loop, as "
+           "vmap cannot run this model) or strategy='loop'")
     return StrategyError(
         f"torch_vjp.{fn}: strategy='hooks' cannot compute {listed}: the {c.rule.name} rule in "
         f"'{c.path}' cannot compute this call of the layer ({why}).\n"
-        f"  Fix: strategy='auto' (which computes these parameters with vmap or the loop), "
-        f"or strategy='vmap' or strategy='loop'.")
+        f"  Fix: {fix}.")
 
 
 def _moved_batch(c: Call, cp: CallPlan, batch: int) -> bool:

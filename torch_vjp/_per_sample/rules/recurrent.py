@@ -25,8 +25,9 @@ What the rule does not handle:
   fallback;
 * packed sequences: :meth:`RecurrentRule.batch_dims` offers no batch dimension for an input
   that is not a tensor, so the plan does not trust the call and the layer's parameters go to
-  the fallback; a packed input in a later call of a layer the plan trusted raises
-  :class:`~torch_vjp.PerSampleError` rather than give wrong gradients;
+  the fallback; a packed input in a call the plan trusted (a batch of one trusts every
+  call, or a later call of a layer planned on tensors) is declined (:class:`Declined`, as
+  below);
 * an initial state the recorder did not see (passed by keyword: forward hooks see positional
   arguments only), or anything else that makes the recomputed forward differ from the
   recorded outputs, or a call whose input does not hold one row per example (a model that
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torch_vjp._errors import PerSampleError
+from torch_vjp._errors import with_article
 from torch_vjp._per_sample.factors import Factor, OuterFactor, SmallFactor
 from torch_vjp._per_sample.registry import Call, Declined, Rule, register_rule
 
@@ -123,12 +124,11 @@ class RecurrentRule(Rule):
         m = call.module
         x = call.x
         if not isinstance(x, Tensor):
-            raise PerSampleError(
-                f"torch_vjp: the {type(m).__name__} '{call.path}' was called with a "
-                f"{type(x).__name__} where the per-sample plan saw a tensor; the per-layer "
-                f"rule of recurrent layers does not handle packed sequences. Fix: "
-                f"strategy='vmap' or strategy='loop'."
-            )
+            # (a batch of one trusts every call, NOTE [a batch of one] in hooks.py: the
+            # fallback computes the layer's parameters, or 'hooks' refuses them)
+            raise Declined(
+                f"it is called with {with_article(type(x).__name__)}, and the rule of "
+                f"recurrent layers does not handle packed sequences")
         if all(g is None for g in grads):
             return []
         unbatched = x.dim() == 2
