@@ -211,11 +211,14 @@ def _torch_validation(err: BaseException) -> bool:
     return False
 
 
-def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
+def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any],
+               override: str | None = None) -> Any:
     """Runs torch's own function on a call the checker rejected, and raises the checker's
     error if torch raises too, in its own validation of the vectors (as the builtin class
     torch raised); any other error of torch's, or of code torch runs, is re-raised
-    untouched. Returns torch's result, with a warning, if torch accepts the call after all."""
+    untouched. Returns torch's result, with a warning, if torch accepts the call after all.
+    ``override`` names the ``__torch_function__`` override torch hands the call to, where
+    it does: that override answered the call, which torch then need not have seen."""
     try:
         with _suppressed():
             result = run_torch()
@@ -234,13 +237,18 @@ def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], An
         explanation = getattr(err, "explanation", None) or str(err)
         raise torch_first(cls, explanation, sentence if labels.torch_first else None) from None
     explanation = getattr(err, "explanation", None) or str(err)
-    warnings.warn(
-        f"{labels.call}: torch accepted this call, although torch_vjp's check reports a "
-        f"mismatch; the result is torch's. (torch ignores the vector given for an output that "
-        f"does not depend on what is differentiated.) The check said:\n{explanation}",
-        GradOutputsWarning,
-        stacklevel=user_stacklevel(),
-    )
+    if override is None:
+        said = (f"{labels.call}: torch accepted this call, although torch_vjp's check reports "
+                f"a mismatch; the result is torch's. (torch ignores the vector given for an "
+                f"output that does not depend on what is differentiated.)")
+    else:  # (an override may answer the call itself: torch never judged the vectors)
+        said = (f"{labels.call}: torch handed this call to {override}, which answered it "
+                f"without an error, although torch_vjp's check reports a mismatch; the result "
+                f"is the override's. (An override that hands the call on to torch gets "
+                f"torch's verdict: torch ignores the vector given for an output that does not "
+                f"depend on what is differentiated.)")
+    warnings.warn(f"{said} The check said:\n{explanation}", GradOutputsWarning,
+                  stacklevel=user_stacklevel())
     return result
 
 

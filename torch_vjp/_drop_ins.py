@@ -215,8 +215,29 @@ def _overridden(labels: Labels, outs: tuple[Any, ...], ins: tuple[Any, ...] | No
     if seen is None:
         return _unchecked(labels, outs, lambda: run_torch(given), given, outputs)
     if error is not None:
-        return _judged(error, labels, lambda: run_torch(entries))
+        return _judged(error, labels, lambda: run_torch(entries), _override_name(outs, ins))
     return run_torch(vectors)
+
+
+def _override_name(outs: tuple[Any, ...], ins: tuple[Any, ...] | None) -> str:
+    """Whose ``__torch_function__`` torch hands a call on these tensors to, in words: the
+    tensor types that override it, else an active ``TorchFunctionMode``."""
+    plain = (_function_of(Tensor), torch._C._disabled_torch_function_impl)
+    types = []
+    for t in (*outs, *(ins or ())):
+        kind = type(t)
+        if is_tensor_like(t) and kind not in types and _function_of(kind) not in plain:
+            types.append(kind)
+    if not types:
+        return "the active TorchFunctionMode's __torch_function__"
+    return " or ".join(f"{kind.__name__}.__torch_function__" for kind in types)
+
+
+def _function_of(kind: type) -> Any:
+    """The function behind ``kind.__torch_function__`` (a classmethod binds anew on each
+    access)."""
+    method = getattr(kind, "__torch_function__", None)
+    return getattr(method, "__func__", method)
 
 
 #: torch's engine's sentences for an input that does not require grad: ``grad``'s, and
@@ -339,13 +360,14 @@ def _not_inputs(labels: Labels, inputs: Any, ins: Any, run_torch: Callable[[], A
                           str(err)) from None
 
 
-def _judged(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any]) -> Any:
+def _judged(err: GradOutputsError, labels: Labels, run_torch: Callable[[], Any],
+            override: str | None = None) -> Any:
     """Torch judges the checker's ``err`` (``_arbitrate``), except where torch has no verdict
     to give (``unjudged``): its engine meets that call with an internal assert, a bug
-    report, so the checker's error is raised as it is."""
+    report, so the checker's error is raised as it is. ``override``: as for ``_arbitrate``."""
     if getattr(err, "unjudged", False):
         raise err
-    return _arbitrate(err, labels, run_torch)
+    return _arbitrate(err, labels, run_torch, override)
 
 
 def _explain(err: BaseException, explanation: str) -> None:
