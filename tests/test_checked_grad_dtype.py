@@ -132,3 +132,28 @@ def test_a_cast_to_a_leaf_s_grad_dtype_names_that_dtype(call):
            "explicit." in msg, msg
     assert leaf.grad.dtype == torch.float64
     torch.testing.assert_close(leaf.grad, ref.grad, rtol=0, atol=0)
+
+
+def test_a_function_s_cast_to_a_leaf_s_grad_dtype_names_the_leaf_s_dtype():
+    # a float64 gradient from a custom backward for a float32 leaf whose grad_dtype is
+    # float16: torch casts it to float16. The warning said forward input 0 "has dtype
+    # torch.float16" and "holds one float16 number per element": the input is float32.
+    ref = _leaf(torch.float16)
+    _Twice.apply(ref).sum().backward()
+    leaf = _leaf(torch.float16)
+    with pytest.warns(tv.FunctionCheckWarning) as said:
+        _checked(lambda: _Twice.apply(leaf).sum().backward())()
+    msg = str(said[0].message)
+    assert ("returned a gradient of dtype torch.float64 at index 0, but forward input 0 has "
+            "dtype torch.float32 (a leaf whose grad_dtype is torch.float16).") in msg, msg
+    assert "holds one float32 number per element of input 0" in msg, msg
+    assert "it casts the gradient to torch.float16 without a word" in msg, msg
+    assert leaf.grad.dtype == torch.float16
+    torch.testing.assert_close(leaf.grad, ref.grad, rtol=0, atol=0)
+    # a leaf without grad_dtype set keeps the plain wording
+    plain = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with pytest.warns(tv.FunctionCheckWarning) as said:
+        _checked(lambda: _Twice.apply(plain).sum().backward())()
+    msg = str(said[0].message)
+    assert "forward input 0 has dtype torch.float32.\n" in msg and "grad_dtype" not in msg, msg
+

@@ -37,6 +37,8 @@ class Slot:
     device: torch.device | None = None
     type_name: str = "Tensor"
     differentiable: bool = False  # a floating-point or complex tensor
+    # a leaf's own dtype, where its grad_dtype (``dtype``, what torch casts to) differs
+    leaf_dtype: torch.dtype | None = None
 
 
 
@@ -73,9 +75,11 @@ def slots_from_node(node: Any, needs: tuple[bool, ...]) -> list[Slot]:
     else:
         kinds = ["tensor" if b else "unknown" for b in needs]
     meta: dict[int, tuple[tuple[int, ...], torch.dtype, torch.device] | None] = {}
+    next_nodes: dict[int, Any] = {}
     if len(live) == len(needed):
         for j, (next_node, nr) in zip(needed, live):
             meta[j] = _edge_metadata(next_node, nr)
+            next_nodes[j] = next_node
     slots = []
     for j in range(n):
         m = meta.get(j)
@@ -84,7 +88,8 @@ def slots_from_node(node: Any, needs: tuple[bool, ...]) -> list[Slot]:
         elif m is None:
             slots.append(Slot(kinds[j], needs[j], differentiable=needs[j]))
         else:
-            slots.append(Slot("tensor", needs[j], m[0], m[1], m[2], "Tensor", True))
+            slots.append(Slot("tensor", needs[j], m[0], m[1], m[2], "Tensor", True,
+                              _own_dtype(next_nodes.get(j), m[1])))
     return slots
 
 
@@ -99,6 +104,17 @@ def engine_grad_dtype(next_node: Any, dtype: torch.dtype) -> torch.dtype | None:
         return next_node.variable.grad_dtype  # (unset, it is the leaf's own dtype)
     except (AttributeError, RuntimeError):  # (a torch without grad_dtype)
         return dtype
+
+
+def _own_dtype(next_node: Any, expected: torch.dtype | None) -> torch.dtype | None:
+    """A leaf's own dtype, where the dtype torch casts its gradient to (``expected``, its
+    ``grad_dtype``) is another; else None."""
+    if type(next_node).__name__ != "AccumulateGrad" or expected is None:
+        return None
+    variable = getattr(next_node, "variable", None)
+    if isinstance(variable, Tensor) and variable.dtype != expected:
+        return variable.dtype
+    return None
 
 
 def _edge_metadata(
@@ -538,10 +554,12 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
 def dtype_message(call: str, fname: str, i: int, value: Tensor, slot: Slot,
                    torch_line: bool = True) -> str:
     gd, sd = value.dtype, slot.dtype or value.dtype
+    own = slot.leaf_dtype or sd  # (a leaf's grad_dtype, what torch casts to, may differ)
+    kept = f" (a leaf whose grad_dtype is {sd})" if slot.leaf_dtype else ""
     lines = [
         f"{call}: {fname}.backward returned a gradient of dtype {gd} at index {i}, but "
-        f"forward input {i} has dtype {sd}.",
-        f"  dL/d(input {i}) holds one {dtype_name(sd)} number per element of input {i}: a "
+        f"forward input {i} has dtype {own}{kept}.",
+        f"  dL/d(input {i}) holds one {dtype_name(own)} number per element of input {i}: a "
         f"gradient has its input's dtype (and shape, and device).",
     ]
     input_complex = sd.is_complex
