@@ -305,11 +305,13 @@ def sparse_jacobian(
         # finite: a disagreement there turned probing off for good as much)
         off, diff, scale, worst = (stale_rows(plan, coloring, comp, extras, seed)
                                    if all_finite([comp, extras]) else (False, 0.0, 0.0, -1))
-        if (off and plan.user and chunk_now != 1 and coloring.count > 0
+        if (off and chunk_now != 1 and coloring.count > 0
                 and batching_wrong(prob, plan, coloring, extras[0], seed)):
             # (NOTE [a cached plan, probed]: the vectorised products are wrong, not the
-            # pattern; one colour at a time, and probed again)
+            # pattern, a user's or a detected one; one colour at a time, and probed again)
             _warn_batching(prob, coloring.count)
+            if not plan.user and coloring.mode == "rev":  # (its later calls: NOTE [wrong
+                plan.pattern.wrong_batching = "an operator"  # batching rules])
             coloring, comp, m, seed = _products(prob, plan, mode, 1, budget,
                                                 coloring.mode, probe)
             comp, extras = comp[:-probe], comp[-probe:]
@@ -366,10 +368,12 @@ def _products(
     warning the dense ``"auto"`` gives (NOTE [auto fallback] in
     :mod:`torch_vjp._engine.jacobian`), and one torch.func cannot run at all plain
     autograd."""
+    if plan.pattern.wrong_reverse is not None:
+        colour = _forward_only(prob, plan, mode)
     coloring = plan.coloring(colour or mode)
     try:
-        comp, m, seed = compressed(prob, plan, coloring, chunk_size=chunk, max_memory=budget,
-                                   probe=probe)
+        comp, m, seed = compressed(prob, plan, coloring, max_memory=budget, probe=probe,
+                                   chunk_size=_unbatched(prob, plan, coloring, chunk))
     except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
         if passes_through(err):
             raise
@@ -378,6 +382,15 @@ def _products(
             raise
         if coloring.mode == "rev":
             return coloring, *_plain(prob, plan, coloring, err, probe)
+        if plan.pattern.wrong_reverse is not None:  # (no mode can compute it)
+            raise StrategyError(
+                f"{prob.call}: {function_name(prob.f)} calls {plan.pattern.wrong_reverse}, "
+                f"whose backward torch computes wrongly, so its Jacobian is computed in "
+                f"forward mode only, and forward mode fails on it: {quote_error(err)}.\n"
+                f"  Fix: write the scatter as out = t.clone(); out.as_strided(size, stride, "
+                f"offset).copy_(src), whose backward is right, or give the failing operator "
+                f"a forward-mode formula."
+            ) from None
         warn_once(
             ("sparse-fwd-to-rev", function_key(prob.f), type(err)),
             no_forward_message(prob, err, f"with {plan.coloring('rev').count} products "
@@ -386,8 +399,8 @@ def _products(
         )
         coloring = plan.coloring("rev")
         try:
-            comp, m, seed = compressed(prob, plan, coloring, chunk_size=chunk,
-                                       max_memory=budget, probe=probe)
+            comp, m, seed = compressed(prob, plan, coloring, max_memory=budget, probe=probe,
+                                       chunk_size=_unbatched(prob, plan, coloring, chunk))
         except Exception as rev_err:  # noqa: BLE001 - plain autograd decides
             if passes_through(rev_err):
                 raise
@@ -448,6 +461,52 @@ def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
     return comp, m, seed
 
 
+def _forward_only(prob: Problem, plan: Any, mode: str) -> str:
+    """``"fwd"``, for a pattern whose detection saw an op whose backward torch computes
+    wrongly without vmap too (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`),
+    with a one-time warning under ``"auto"``; for ``mode="rev"``, raises."""
+    why = plan.pattern.wrong_reverse
+    said = (f"{function_name(prob.f)} calls {why}, whose backward torch computes wrongly "
+            f"(torch 2.13: the gradient of the tensor scattered into is passed inside the "
+            f"scattered region, where it belongs outside it), so reverse mode's products "
+            f"would be wrong; forward mode's are right")
+    if mode == "rev":
+        raise StrategyError(
+            f"{prob.call}: mode='rev' computes the products with reverse-mode AD, and "
+            f"{said}.\n  Fix: mode='fwd' or 'auto' (forward mode), or write the scatter as "
+            f"out = t.clone(); out.as_strided(size, stride, offset).copy_(src), whose "
+            f"backward is right."
+        )
+    if mode == "auto":
+        warn_once(
+            ("sparse-wrong-reverse", function_key(prob.f)),
+            f"{prob.call}: {said}. mode='auto' computed them in forward mode. This warning "
+            f"is shown once per function.",
+            JacobianWarning,
+        )
+    return "fwd"
+
+
+def _unbatched(prob: Problem, plan: Any, coloring: Any, chunk: int | None) -> int | None:
+    """``chunk``, or 1 (one colour at a time, without vmap, with a one-time warning) for
+    reverse mode's products where detection saw an op whose backward torch batches wrongly
+    (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`)."""
+    why = plan.pattern.wrong_batching
+    if why is None or coloring.mode != "rev" or chunk == 1 or coloring.count <= 1:
+        return chunk
+    warn_once(
+        ("sparse-batching", function_key(prob.f)),
+        f"{prob.call}: {function_name(prob.f)} calls {why}, whose backward torch computes "
+        f"wrongly under torch.vmap (a wrong batching rule): reverse mode's products, "
+        f"computed together, would be wrong. They are computed one colour at a time "
+        f"({coloring.count} products), without vmap, which is slower.\n  Pass "
+        f"chunk_size=1 to compute them that way directly. This warning is shown once per "
+        f"function.",
+        JacobianWarning,
+    )
+    return 1
+
+
 def _warn_batching(prob: Problem, count: int) -> None:
     warn_once(
         ("sparse-batching", function_key(prob.f)),
@@ -469,6 +528,8 @@ def _checked(
     else the first of reverse mode (after forward mode) and reverse mode one product at a
     time that agrees with it, with a one-time warning, as :func:`torch_vjp.jacobian`'s
     ``"auto"`` does (NOTE [auto, checked once] in :mod:`torch_vjp._engine.fwdcheck`)."""
+    if plan.pattern.wrong_reverse is not None:  # (the reverse product is the wrong one)
+        return coloring, comp
     first = coloring.mode
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
         got = one_reverse_product(prob)

@@ -61,6 +61,8 @@ def detect(prob: Problem) -> Pattern:
         )
     pattern = Pattern(ids.numel(), n, rows, cols, ordered=True)
     pattern.by_value = tracer.by_value
+    pattern.wrong_batching = tracer.wrong_batching
+    pattern.wrong_reverse = tracer.wrong_reverse
     pattern.guard(tracer.guards.values())  # (after buffers_kept put buffers back)
     if pattern.guards:
         pattern.house(_holders(prob.f))

@@ -35,7 +35,8 @@ class Pattern:
         ([0, 1, 1], [0, 0, 2], [0, 1, 3])
     """
 
-    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc", "by_value", "guards", "homes")
+    __slots__ = ("m", "n", "rows", "cols", "_crow", "_csc", "by_value", "guards", "homes",
+                 "wrong_batching", "wrong_reverse")
 
     def __init__(self, m: int, n: int, rows: Tensor, cols: Tensor, *, ordered: bool = False):
         self.m, self.n = int(m), int(n)
@@ -50,6 +51,13 @@ class Pattern:
         #: where detection found the pattern shaped by the input's values, the op that did
         #: (it holds at that input only: NOTE [a pattern shaped by values]); else None
         self.by_value: str | None = None
+        #: where detection saw an op whose backward torch batches wrongly, that op (NOTE
+        #: [wrong batching rules] in :mod:`~torch_vjp._sparse.probe`): reverse mode's
+        #: products are then computed without vmap; else None
+        self.wrong_batching: str | None = None
+        #: where detection saw an op whose backward is wrong without vmap too, that op:
+        #: the products are then computed in forward mode only
+        self.wrong_reverse: str | None = None
         #: the tensors whose zeros detection took as structural, as (weak reference, a
         #: copy of its values) when detected (NOTE [structural zeros that move])
         self.guards: tuple[tuple[Any, Tensor], ...] = ()

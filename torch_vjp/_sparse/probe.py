@@ -40,6 +40,27 @@ It costs one product more per call: for ``p`` colours, ``p + 1`` in one vmap (th
 single-colour elementwise workload of ``benchmarks/bench_sparse.py`` pays the most); two
 where x is bfloat16 or float16 (:func:`probe_rows`: a second row whose levels differ from
 the first's for members a multiple of 8 apart).
+The probe of a detected plan checks the batching as a user's does: a disagreement of the
+vectorised products with the probe row's product computed alone is the batching's, and
+the plan's later calls compute reverse mode without vmap (NOTE [wrong batching rules]).
+
+NOTE [wrong batching rules]
+Some of torch's batching rules are wrong (torch 2.13): a VJP of one cotangent is right, the
+same VJPs of several cotangents under vmap are not (torch.cdist's backward,
+``_cdist_backward``, off by a relative error near 1; ``as_strided_scatter``'s). Reverse
+mode's products are vmapped over the colours' cotangents, so a sparse Jacobian of such a
+function would be silently wrong. The tracer records the first such op it sees on tracked
+data (:data:`~torch_vjp._sparse.rules.WRONG_BATCHING`, as ``Pattern.wrong_batching``), and
+reverse mode's products of that pattern are computed one colour at a time, without vmap,
+with a one-time warning (none where ``chunk_size=1`` asks for that). Forward mode is not
+affected (vmapped JVPs use the ops' forward batching; cdist has no forward formula). An op
+not in the list is caught by the probe of the plan's later calls (:func:`batching_wrong`),
+not on its first call. ``as_strided_scatter``'s backward is wrong without vmap too (the
+gradient of ``self`` is passed inside the scattered region, not outside it): a pattern
+whose detection saw it on tracked data (``Pattern.wrong_reverse``, from
+:data:`~torch_vjp._sparse.rules.WRONG_REVERSE`) is computed in forward mode, whose formula
+is right: ``"auto"`` takes it without its check against a reverse product (which is the
+wrong one), and ``mode="rev"`` is refused.
 """
 
 from __future__ import annotations

@@ -232,6 +232,18 @@ DATA_SHAPED = {"nonzero": (), "nonzero_static": (), "argwhere": (), "masked_sele
                "unique_dim_consecutive": (), "bincount": (), "repeat_interleave": ("repeats",)}
 #: Ops that hand a tensor's value to Python (``.item()``, ``bool(t)``: a branch on it).
 SCALAR_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "item"})
+#: Ops whose backward torch computes wrongly under ``torch.vmap`` (its batching rule, torch
+#: 2.13): a VJP of each cotangent alone is right, the same VJPs batched are not (NOTE
+#: [wrong batching rules] in :mod:`~torch_vjp._sparse.probe`), by what the warning calls
+#: them. (``_cdist_backward`` has no derivative: a function that calls it cannot be
+#: differentiated at all, which torch says.)
+WRONG_BATCHING = {"_cdist_forward": "torch.cdist (aten._cdist_forward)"}
+#: Ops whose backward torch computes wrongly even without vmap (torch 2.13), by the argument
+#: whose gradient is wrong and what the error calls them: ``as_strided_scatter`` passes the
+#: gradient of ``self`` inside the scattered region, where it belongs outside it. Forward
+#: mode's formula is right (NOTE [wrong batching rules] in :mod:`~torch_vjp._sparse.probe`).
+WRONG_REVERSE = {"as_strided_scatter": ("self", "torch.as_strided_scatter on a tensor "
+                                                "computed from x")}
 
 
 @register("where", "masked_fill")

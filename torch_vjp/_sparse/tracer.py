@@ -199,6 +199,9 @@ class Tracer(TorchDispatchMode):
         by_value: the first op whose use of the input's values shaped the pattern (NOTE
             [a pattern shaped by values]), as ``"aten.where (reading a mask computed from
             x)"``; None where the pattern holds at every x.
+        wrong_batching: the first op on tracked data whose backward torch batches wrongly
+            (NOTE [wrong batching rules] in :mod:`~torch_vjp._sparse.probe`), or None;
+            wrong_reverse: one whose backward is wrong without vmap too.
     """
 
     def __init__(self, n: int) -> None:
@@ -217,6 +220,10 @@ class Tracer(TorchDispatchMode):
         self._valued: dict[int, Tensor] = {}
         self._random: dict[int, Tensor] = {}
         self.by_value: str | None = None
+        # the first op on tracked data whose backward torch batches wrongly (NOTE [wrong
+        # batching rules] in torch_vjp._sparse.probe), as the warning names it
+        self.wrong_batching: str | None = None
+        self.wrong_reverse: str | None = None  # (one whose backward is wrong even alone)
         # NOTE [structural zeros that move]: the tensors from before the run (weights f
         # reads) whose values reached each storage made during the run, by storage; those
         # tensors by id; and those whose zeros some rule took as structural
@@ -461,6 +468,12 @@ class Tracer(TorchDispatchMode):
         valued_in = any(self.value_dependent(t) for t in inputs)
         read_values = any(self.from_values(t) for t in inputs)
         tracked_in = any(self.tracked(t) for t in inputs)
+        if tracked_in and self.wrong_batching is None and name in rules.WRONG_BATCHING:
+            self.wrong_batching = rules.WRONG_BATCHING[name]
+        if name in rules.WRONG_REVERSE and self.wrong_reverse is None:
+            arg, why = rules.WRONG_REVERSE[name]
+            if self.tracked(rules.bind(func, args, kwargs).get(arg)):
+                self.wrong_reverse = why
         if mutating and not outs:
             written = [a.name for a in schema.arguments
                        if a.alias_info is not None and a.alias_info.is_write]
