@@ -2,8 +2,13 @@
 would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg.cross``,
 ``renorm``, the FFTs, ``F.fold``, ``F.affine_grid``, ``F.bilinear``, ``cdist`` and the
 resizes of ``F.interpolate`` that weigh a window (linear, bilinear, trilinear, bicubic,
-antialiased) (registered with the rules of :mod:`~torch_vjp._sparse.rules`). Each is a
-superset of the true pattern.
+antialiased) (registered with the rules of :mod:`~torch_vjp._sparse.rules`); and ops that
+work on blocks of their inputs: ``F.grid_sample`` (each output point reads its example and
+channel's whole input plane, and its own grid point), fractional max pooling (each output
+element reads a window that every draw of its random samples stays inside), and the
+batched linear algebra of ``torch.linalg`` (each matrix of a batch depends on the matrices
+of its batch index only: a block-diagonal pattern). Each is a superset of the true pattern
+(at every input and every draw).
 
 NOTE [a resize's reach]
 The resizes are separable: output pixel ``(o_1, ..., o_k)`` of a channel weighs input pixel
@@ -30,6 +35,7 @@ import math
 import torch
 from torch import Tensor
 
+from torch_vjp._sparse.contract import _ints, contract
 from torch_vjp._sparse.rules import (
     _LONG,
     _float_inputs,
@@ -44,8 +50,8 @@ from torch_vjp._sparse.rules import (
 )
 from torch_vjp._sparse.tracer import Call, Tracer, carries_sets
 
-__all__ = ["affine_grid", "cdist", "col2im", "cross", "fft", "renorm", "trilinear",
-           "upsample"]
+__all__ = ["affine_grid", "batched_linalg", "cdist", "col2im", "cross", "fft",
+           "fractional_max_pool", "grid_sampler", "renorm", "trilinear", "upsample"]
 
 
 # ``prelu`` is pointwise though torch does not tag it so: each output element depends on the
@@ -257,3 +263,147 @@ def _plane_line(t: Tensor, channels: int, k: int, d: int) -> Tensor:
     """``(channels, t.shape[2 + d])``: each channel of ``t`` along dimension ``d``, at index
     0 of the others."""
     return t[0].movedim(1 + d, -1).reshape(channels, -1, t.shape[2 + d])[:, 0]
+
+
+# ---- ops on blocks: grid_sample, fractional max pooling, batched linear algebra -----------
+
+
+@register("grid_sampler_2d", "grid_sampler_3d", "grid_sampler", "_grid_sampler_2d_cpu_fallback",
+          "cudnn_grid_sampler")
+def grid_sampler(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``F.grid_sample``: output point ``(n, c, *p)`` interpolates the input plane (volume)
+    ``(n, c)`` at grid point ``(n, *p)``; where it lands is read off the grid's values (which
+    may come from x), so it depends on the whole plane and on that grid point's coordinates
+    (its last dimension)."""
+    x, grid = _self(call), call.bound["grid"]
+    out = call.outs[0]
+    d = grid.dim() - 2
+    if x.dim() != d + 2 or out.dim() != d + 2 or grid.shape[-1] != d:
+        return conservative(tr, call)
+    parts = []
+    ids = tr.ids(x)
+    if ids is not None:
+        parts.append(group(tr, ids, list(range(2, 2 + d))))  # (N, C, 1, ...)
+    ids = tr.ids(grid)
+    if ids is not None:
+        point = group(tr, ids, [-1])  # (N, *p, 1)
+        parts.append(point.reshape(point.shape[0], 1, *point.shape[1:-1]))  # (N, 1, *p)
+    return [combine(tr, out.shape, parts)] + [None] * (len(call.outs) - 1)
+
+
+def _fractional_reach(n_in: int, n_out: int, pool: int) -> Tensor:
+    """``(n_out, n_in)``: the input positions output position ``o`` may read along one
+    dimension, for any sample ``u`` in ``[0, 1)``: torch starts window ``o`` at
+    ``floor((o + u) a) - floor(u a)``, ``a = (n_in - pool) / (n_out - 1)``, which is
+    ``floor(o a)`` or one more, and the last at ``n_in - pool``; taken one position wider
+    on each side (torch computes the start in the input's dtype, which rounds)."""
+    o = torch.arange(n_out, dtype=torch.float64).unsqueeze(1)
+    a = (n_in - pool) / (n_out - 1) if n_out > 1 else 0.0
+    lo = torch.floor(o * a) - 1
+    hi = lo + pool + 2
+    lo[-1], hi[-1] = n_in - pool - 1, n_in
+    at = torch.arange(n_in, dtype=torch.float64).unsqueeze(0)
+    return (at >= lo) & (at <= hi)
+
+
+@register("fractional_max_pool2d", "fractional_max_pool3d")
+def fractional_max_pool(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Fractional max pooling: each output element is the max of its window, which the
+    random samples place; every window a draw can give lies inside the reach of
+    :func:`_fractional_reach` along each dimension, and the output depends on its
+    reach (the product of the dimensions'); the index output carries no set."""
+    x = call.bound["self"]
+    ids = tr.ids(x)
+    if ids is None:
+        return [None] * len(call.outs)
+    d = int(call.name[len("fractional_max_pool")])
+    out = call.outs[0]
+    pool = _ints(call.bound["kernel_size"], d, [1])
+    sizes, lengths = list(out.shape[out.dim() - d:]), list(x.shape[x.dim() - d:])
+    member = torch.ones(1, 1, dtype=torch.bool)
+    for s, length, k in zip(sizes, lengths, pool):
+        inside = _fractional_reach(length, s, k)
+        member = (member.unsqueeze(1).unsqueeze(3) & inside.unsqueeze(0).unsqueeze(2)).reshape(
+            member.shape[0] * s, member.shape[1] * length)
+    lead = ids.shape[: ids.dim() - d]
+    flat = ids.reshape(1, -1, math.prod(lengths))
+    res = contract(tr, flat, member.t().unsqueeze(0)).reshape(*lead, *sizes)
+    return [res] + [None] * (len(call.outs) - 1)
+
+
+#: Batched linear algebra: op -> the names of its matrix arguments (``(..., m, n)``); its
+#: other tensor arguments (pivots, tolerances) are read as a whole.
+_LINALG = {
+    "_linalg_solve_ex": ("A", "B"), "linalg_solve_ex": ("A", "B"), "linalg_solve": ("A", "B"),
+    "linalg_inv_ex": ("A",), "linalg_inv": ("A",), "inverse": ("self",),
+    "_linalg_det": ("A",), "linalg_det": ("A",), "det": ("self",),
+    "_linalg_slogdet": ("A",), "linalg_slogdet": ("A",), "slogdet": ("self",),
+    "logdet": ("self",),
+    "linalg_cholesky_ex": ("self",), "linalg_cholesky": ("self",), "cholesky": ("self",),
+    "cholesky_solve": ("self", "input2"), "cholesky_inverse": ("self",),
+    "_linalg_eigh": ("A",), "linalg_eigh": ("self",), "linalg_eigvalsh": ("self",),
+    "linalg_qr": ("A",), "_linalg_svd": ("A",), "linalg_svd": ("A",), "linalg_svdvals": ("A",),
+    "linalg_lu_factor_ex": ("A",), "linalg_lu": ("A",), "linalg_lu_solve": ("LU", "B"),
+    "linalg_matrix_exp": ("self",), "linalg_pinv": ("self",),
+    "linalg_solve_triangular": ("self", "B"), "triangular_solve": ("self", "A"),
+    "linalg_lstsq": ("self", "b"),
+}
+
+
+#: Solves, by the argument that is their right-hand side: column ``j`` of the solution
+#: (``left=False``: row ``j``) depends on column (row) ``j`` of it only.
+_RHS = {"_linalg_solve_ex": "B", "linalg_solve_ex": "B", "linalg_solve": "B",
+        "linalg_solve_triangular": "B", "triangular_solve": "self", "cholesky_solve": "self",
+        "linalg_lu_solve": "B"}
+
+
+@register(*_LINALG)
+def batched_linalg(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """Each output matrix (vector, number) of batch index ``b`` depends on the matrices of
+    index ``b`` of the (broadcast) inputs, and on nothing of the other indices: the batch
+    dimensions are those the matrix arguments' leading dimensions broadcast to (a vector
+    right-hand side of ``linalg.solve``, ``B`` of shape ``A.shape[:-1]``, has one core
+    dimension); a solve's solution (its first output) depends on its right-hand side's
+    column (:data:`_RHS`) and the rest of its batch index. An output whose leading
+    dimensions are not the batch (an empty residual of ``lstsq``) depends on everything
+    the op reads."""
+    mats = [(a, call.bound.get(a)) for a in _LINALG[call.name]]
+    mats = [(a, t) for a, t in mats if isinstance(t, Tensor)]
+    if any(tr.ids(t) is not None for t in call.bound.values() if isinstance(t, Tensor)
+           and carries_sets(t) and all(t is not m for _, m in mats)):
+        return conservative(tr, call)  # (a tolerance computed from x: read as a whole)
+    cores = []
+    for a, t in mats:
+        core = 2
+        if a == "B" and (call.name.endswith("solve_ex") or call.name == "linalg_solve"):
+            A = call.bound["A"]
+            core = 1 if t.dim() == 1 or (t.dim() == A.dim() - 1 and t.shape == A.shape[:-1]) else 2
+        cores.append(min(core, t.dim()))
+    try:
+        batch = torch.broadcast_shapes(*(t.shape[: t.dim() - c] for (_, t), c in zip(mats, cores)))
+    except RuntimeError:
+        return conservative(tr, call)
+    parts, rhs, others = [], None, None
+    for (a, t), c in zip(mats, cores):
+        ids = tr.ids(t)
+        if ids is None:
+            continue
+        if a == _RHS.get(call.name) and c == 2:
+            rhs = group(tr, ids, [-2 if call.bound.get("left", True) is not False else -1])
+        ids = group(tr, ids, list(range(t.dim() - c, t.dim()))) if c else ids
+        parts.append((a, ids.reshape(ids.shape[: ids.dim() - c])))
+    block = combine(tr, batch, [p for _, p in parts])  # (every matrix argument, whole)
+    if rhs is not None:  # (the solution: the others whole, the right-hand side by column)
+        others = combine(tr, batch, [p for a, p in parts if a != _RHS[call.name]])
+    res: list[Tensor | None] = []
+    for i, o in enumerate(call.outs):
+        if block is None or not carries_sets(o):
+            res.append(None)
+        elif tuple(o.shape[: len(batch)]) != tuple(batch):
+            res.append(torch.full(o.shape, tr.table.union_all(block), dtype=torch.long))
+        elif i == 0 and rhs is not None and o.dim() == len(batch) + 2:
+            lead = [] if others is None else [others.reshape(*batch, 1, 1)]
+            res.append(combine(tr, o.shape, lead + [rhs]))
+        else:
+            res.append(block.reshape(*batch, *(1,) * (o.dim() - len(batch))).expand(o.shape))
+    return res
