@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.context import buffers_kept, is_nested
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
@@ -51,8 +52,8 @@ from torch_vjp._engine.refusals import (
 )
 from torch_vjp._engine.rows import SameDraws, passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
-                               StrategyError, StrategyNotImplementedError, quote_error,
-                               shape_str, warn_once)
+                               StrategyError, StrategyNotImplementedError, a_type,
+                               quote_error, shape_str, warn_once)
 from torch_vjp._sparse.compute import (
     assemble,
     clear_plans,
@@ -119,6 +120,15 @@ def _problem(f: Callable[..., Any], x: Any, call: str) -> Problem:
             f"tensors cannot be batched or differentiated by those transforms, so {call} "
             f"runs at top level only. Fix: call it outside the transform, or use "
             f"torch_vjp.jacobian inside it."
+        )
+    if isinstance(x, (tuple, list, dict)) and not tree_leaves(x):
+        # (the engine's message speaks of argnums, which these functions do not take)
+        what = f"an empty {type(x).__name__}" if not x else f"{a_type(x)} of empty containers"
+        raise JacobianCallError(
+            f"{call}: x is {what}, so it holds no tensors, but the Jacobian has "
+            f"one column per element of x: x must be a floating-point tensor, or a tuple, "
+            f"list or dict of them. Fix: pass the tensor(s) to differentiate f with respect "
+            f"to as x, and bind the rest inside f (functools.partial or a lambda)."
         )
     return Problem(f, (x,), 0, has_aux=False, call=call, detached=True, aux=False, named="x")
 
