@@ -213,7 +213,9 @@ def sparse_jacobian(
             forward mode is checked against one reverse product once per plan, and reverse
             mode taken where they disagree, as :func:`torch_vjp.jacobian`'s ``"auto"``),
             ``"fwd"`` (colour the columns, one JVP per colour) or ``"rev"`` (colour the
-            rows, one VJP per colour).
+            rows, one VJP per colour; one colour at a time, without vmap, where ``f`` calls
+            an op whose backward torch batches wrongly, ``torch.cdist``, with a one-time
+            warning).
         layout: of the result: ``torch.sparse_csr`` (default), ``torch.sparse_coo``,
             ``torch.sparse_csc``, or ``torch.strided`` (a dense ``(m, n)`` tensor).
         chunk_size: how many products to compute at once; ``None`` for as many as the
@@ -231,15 +233,17 @@ def sparse_jacobian(
         StrategyError: unknown ``mode``; with ``mode="fwd"`` or ``"rev"``, torch cannot
             compute those products (an operator without a forward-mode formula, a module
             that updates its running statistics, a sparse CSR constant), which ``"auto"``
-            works around.
+            works around; ``mode="rev"`` where ``f`` scatters with
+            ``torch.as_strided_scatter`` into a tensor computed from ``x`` (torch's
+            backward of it is wrong: forward mode computes it).
         JacobianOptionError: unknown ``layout``; a ``pattern`` that is not 2-D or whose
             shape does not match ``x`` and ``f``'s output, or that leaves out non-zeros
             (found by the probe of every call, or by ``"auto"``'s check of its first
             call, f's reverse products being linear); a bad ``chunk_size`` or
             ``max_memory``.
         JacobianCallTypeError: ``pattern`` is not a tensor.
-        JacobianCallError: ``x`` or ``f``'s output is not floating point; called inside a
-            torch.func transform.
+        JacobianCallError: ``x`` or ``f``'s output is not floating point; ``x`` holds no
+            tensors; called inside a torch.func transform.
         JacobianMemoryError: the non-zeros do not fit ``max_memory`` (or the free memory).
 
     Example:
