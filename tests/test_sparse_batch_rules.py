@@ -156,6 +156,9 @@ _LINALG = {
                  _B.clone(), True),
     "lstsq": (lambda a: torch.linalg.lstsq(a, _B).solution, _A, True),
     "two batch dims": (torch.linalg.inv, _spd((2, 3), 3), True),
+    "eigvals": (lambda a: torch.view_as_real(torch.linalg.eigvals(a)), _A + _A.mT.sin(), False),
+    "lu": (lambda a: torch.linalg.lu(a)[2], _A, False),
+    "lu_unpack": (lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a))[1], _A, False),
 }
 
 

@@ -346,7 +346,8 @@ _LINALG = {
     "linalg_lu_factor_ex": ("A",), "linalg_lu": ("A",), "linalg_lu_solve": ("LU", "B"),
     "linalg_matrix_exp": ("self",), "linalg_pinv": ("self",),
     "linalg_solve_triangular": ("self", "B"), "triangular_solve": ("self", "A"),
-    "linalg_lstsq": ("self", "b"),
+    "linalg_lstsq": ("self", "b"), "linalg_eig": ("self",), "lu_unpack": ("LU_data",),
+    "geqrf": ("self",),
 }
 
 
