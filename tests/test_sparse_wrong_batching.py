@@ -202,3 +202,37 @@ def test_an_op_not_in_the_list_is_caught_by_the_probe_of_later_calls(
         torch.testing.assert_close(j, want)
     said = [w for w in said if "batching rule" in w]
     assert len(said) == 1 and "computed again one colour at a time" in said[0]
+
+
+class _NoForward(torch.autograd.Function):
+    @staticmethod
+    def forward(u):
+        return u * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_as_strided_scatter_and_an_op_without_a_forward_formula_is_refused(
+        fresh_route_checks):
+    # (forward mode is the only right one, and it fails: no mode can compute it)
+    src = torch.ones(2, dtype=_F64)
+
+    def f(t):
+        return torch.as_strided_scatter(_NoForward.apply(t), src, (2,), (1,), 1)
+
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with pytest.raises(tv.StrategyError) as caught:
+            tv.sparse_jacobian(f, torch.randn(5, dtype=_F64))
+    assert not [w for w in warned if "computed them in forward mode" in str(w.message)]
+    said = str(caught.value)
+    assert ("calls torch.as_strided_scatter on a tensor computed from x, whose backward "
+            "torch computes wrongly, so its Jacobian is computed in forward mode only, and "
+            "forward mode fails on it") in said
+    assert "Fix: write the scatter as out = t.clone(); out.as_strided(size, stride, " in said

@@ -419,6 +419,8 @@ def _products(
             if passes_through(rev_err):
                 raise
             return coloring, *_plain(prob, plan, coloring, rev_err, probe)
+    if plan.pattern.wrong_reverse is not None and mode == "auto":
+        _forward_only(prob, plan, "done")
     return coloring, comp, m, seed
 
 
@@ -477,8 +479,9 @@ def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
 
 def _forward_only(prob: Problem, plan: Any, mode: str) -> str:
     """``"fwd"``, for a pattern whose detection saw an op whose backward torch computes
-    wrongly without vmap too (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`),
-    with a one-time warning under ``"auto"``; for ``mode="rev"``, raises."""
+    wrongly without vmap too (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`);
+    for ``mode="rev"``, raises; ``mode="done"``: the one-time warning of ``"auto"``, once
+    forward mode computed the products."""
     why = plan.pattern.wrong_reverse
     said = (f"{function_name(prob.f)} calls {why}, whose backward torch computes wrongly "
             f"(torch 2.13: the gradient of the tensor scattered into is passed inside the "
@@ -491,7 +494,7 @@ def _forward_only(prob: Problem, plan: Any, mode: str) -> str:
             f"out = t.clone(); out.as_strided(size, stride, offset).copy_(src), whose "
             f"backward is right."
         )
-    if mode == "auto":
+    if mode == "done":
         warn_once(
             ("sparse-wrong-reverse", function_key(prob.f)),
             f"{prob.call}: {said}. mode='auto' computed them in forward mode. This warning "
