@@ -236,3 +236,40 @@ def test_as_strided_scatter_and_an_op_without_a_forward_formula_is_refused(
             "torch computes wrongly, so its Jacobian is computed in forward mode only, and "
             "forward mode fails on it") in said
     assert "Fix: write the scatter as out = t.clone(); out.as_strided(size, stride, " in said
+
+
+def test_a_users_pattern_through_as_strided_scatter_is_computed_in_forward_mode(
+        fresh_route_checks):
+    # (no detection run: the ops are read off f's graph; "auto" took reverse mode one
+    # product at a time, which agreed with its check's reverse product, both wrong)
+    src = torch.randn(2, 2, dtype=_F64, generator=_gen_for_users())
+
+    def f(t):
+        return torch.as_strided_scatter(t.sin(), src, (2, 2), (1, 2), 1)
+
+    x = torch.randn(4, 4, dtype=_F64, generator=_gen_for_users())
+    pattern = tv.jacobian_sparsity(f, x)
+    want = _per_column(f, x)
+    for mode in ("auto", "fwd"):
+        for j in _calls(f, x, mode=mode, pattern=pattern)[0]:
+            torch.testing.assert_close(j, want)
+    with pytest.raises(tv.StrategyError, match="reverse mode's products would be wrong"):
+        tv.sparse_jacobian(f, x, mode="rev", pattern=pattern)
+
+
+def test_a_users_pattern_through_cdist_says_why_it_loops(fresh_route_checks):
+    y = torch.randn(4, 3, dtype=_F64, generator=_gen_for_users())
+
+    def f(x):
+        return torch.cdist(x, y, p=1.0)
+
+    x = torch.randn(5, 3, dtype=_F64, generator=_gen_for_users())
+    got, said = _calls(f, x, mode="rev", pattern=tv.jacobian_sparsity(f, x))
+    for j in got:
+        torch.testing.assert_close(j, _per_row(f, x))
+    said = [w for w in said if "batching rule" in w]
+    assert len(said) == 1 and "calls torch.cdist (aten._cdist_forward)" in said[0]
+
+
+def _gen_for_users():
+    return torch.Generator().manual_seed(7)

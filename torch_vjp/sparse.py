@@ -66,6 +66,7 @@ from torch_vjp._sparse.detect import detect
 from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
 from torch_vjp._sparse.probe import (
     batching_wrong,
+    graph_flags,
     linear,
     misses_message,
     outside_pattern,
@@ -382,7 +383,7 @@ def _products(
     warning the dense ``"auto"`` gives (NOTE [auto fallback] in
     :mod:`torch_vjp._engine.jacobian`), and one torch.func cannot run at all plain
     autograd."""
-    if plan.pattern.wrong_reverse is not None:
+    if _unsafe(prob, plan)[1] is not None:
         colour = _forward_only(prob, plan, mode)
     coloring = plan.coloring(colour or mode)
     try:
@@ -396,9 +397,9 @@ def _products(
             raise
         if coloring.mode == "rev":
             return coloring, *_plain(prob, plan, coloring, err, probe)
-        if plan.pattern.wrong_reverse is not None:  # (no mode can compute it)
+        if _unsafe(prob, plan)[1] is not None:  # (no mode can compute it)
             raise StrategyError(
-                f"{prob.call}: {function_name(prob.f)} calls {plan.pattern.wrong_reverse}, "
+                f"{prob.call}: {function_name(prob.f)} calls {_unsafe(prob, plan)[1]}, "
                 f"whose backward torch computes wrongly, so its Jacobian is computed in "
                 f"forward mode only, and forward mode fails on it: {quote_error(err)}.\n"
                 f"  Fix: write the scatter as out = t.clone(); out.as_strided(size, stride, "
@@ -419,7 +420,7 @@ def _products(
             if passes_through(rev_err):
                 raise
             return coloring, *_plain(prob, plan, coloring, rev_err, probe)
-    if plan.pattern.wrong_reverse is not None and mode == "auto":
+    if _unsafe(prob, plan)[1] is not None and mode == "auto":
         _forward_only(prob, plan, "done")
     return coloring, comp, m, seed
 
@@ -477,12 +478,28 @@ def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
     return comp, m, seed
 
 
+def _unsafe(prob: Problem, plan: Any) -> tuple[str | None, str | None]:
+    """``(wrong_batching, wrong_reverse)``: the ops of ``f`` whose backward torch batches
+    wrongly, or computes wrongly even alone (NOTE [wrong batching rules] in
+    :mod:`torch_vjp._sparse.probe`): as detection saw them, or, for a user's pattern,
+    read off the graph of one call of ``f`` the first time the pattern serves ``f``."""
+    if not plan.user:
+        return plan.pattern.wrong_batching, plan.pattern.wrong_reverse
+    key = route_key(prob.f)
+    got = plan.flags.get(key)
+    if got is None:
+        if len(plan.flags) >= 64:
+            plan.flags.clear()
+        got = plan.flags[key] = graph_flags(prob)
+    return got
+
+
 def _forward_only(prob: Problem, plan: Any, mode: str) -> str:
     """``"fwd"``, for a pattern whose detection saw an op whose backward torch computes
     wrongly without vmap too (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`);
     for ``mode="rev"``, raises; ``mode="done"``: the one-time warning of ``"auto"``, once
     forward mode computed the products."""
-    why = plan.pattern.wrong_reverse
+    why = _unsafe(prob, plan)[1]
     said = (f"{function_name(prob.f)} calls {why}, whose backward torch computes wrongly "
             f"(torch 2.13: the gradient of the tensor scattered into is passed inside the "
             f"scattered region, where it belongs outside it), so reverse mode's products "
@@ -508,7 +525,7 @@ def _unbatched(prob: Problem, plan: Any, coloring: Any, chunk: int | None) -> in
     """``chunk``, or 1 (one colour at a time, without vmap, with a one-time warning) for
     reverse mode's products where detection saw an op whose backward torch batches wrongly
     (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`)."""
-    why = plan.pattern.wrong_batching
+    why = _unsafe(prob, plan)[0]
     if why is None or coloring.mode != "rev" or chunk == 1 or coloring.count <= 1:
         return chunk
     warn_once(
@@ -545,7 +562,7 @@ def _checked(
     else the first of reverse mode (after forward mode) and reverse mode one product at a
     time that agrees with it, with a one-time warning, as :func:`torch_vjp.jacobian`'s
     ``"auto"`` does (NOTE [auto, checked once] in :mod:`torch_vjp._engine.fwdcheck`)."""
-    if plan.pattern.wrong_reverse is not None:  # (the reverse product is the wrong one)
+    if _unsafe(prob, plan)[1] is not None:  # (the reverse product is the wrong one)
         return coloring, comp
     first = coloring.mode
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)

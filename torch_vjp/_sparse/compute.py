@@ -90,7 +90,7 @@ class Plan:
             serves several functions; a detected plan, one function's, as None.
     """
 
-    __slots__ = ("pattern", "user", "checked", "unprobed", "_colorings", "_indices",
+    __slots__ = ("pattern", "user", "checked", "unprobed", "flags", "_colorings", "_indices",
                  "__weakref__")
 
     def __init__(self, pattern: Pattern, user: bool = False) -> None:
@@ -103,6 +103,9 @@ class Plan:
         # the route "auto" took after its check (NOTE [auto, checked once] in
         # torch_vjp._engine.fwdcheck), per function: "fwd", "rev" or "rev-loop"
         self.checked: dict[Any, str] = {}
+        # a user's pattern: (wrong_batching, wrong_reverse) of Pattern per function, read
+        # off its graph (NOTE [wrong batching rules] in torch_vjp._sparse.probe)
+        self.flags: dict[Any, tuple[str | None, str | None]] = {}
         self._colorings: dict[str, Coloring] = {}
         self._indices: dict[Any, Any] = {}
 

@@ -60,7 +60,9 @@ gradient of ``self`` is passed inside the scattered region, not outside it): a p
 whose detection saw it on tracked data (``Pattern.wrong_reverse``, from
 :data:`~torch_vjp._sparse.rules.WRONG_REVERSE`) is computed in forward mode, whose formula
 is right: ``"auto"`` takes it without its check against a reverse product (which is the
-wrong one), and ``mode="rev"`` is refused.
+wrong one), and ``mode="rev"`` is refused. A user's pattern has no detection run: the
+first call with it, per function, runs ``f`` once with autograd and reads the same ops off
+its graph (:func:`graph_flags`), which holds them as backward nodes.
 """
 
 from __future__ import annotations
@@ -76,9 +78,10 @@ from torch_vjp._engine.context import buffers_kept, func_jvp
 from torch_vjp._engine.fwdcheck import cotangent, gap, one_reverse_product, tolerance
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import SameDraws
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, passes_through, warn_once
 
-__all__ = ["probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
+__all__ = ["graph_flags", "probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
            "batching_wrong", "users_pattern_misses", "outside_pattern", "linear",
            "misses_message"]
 
@@ -456,3 +459,45 @@ def misses_message(call: str, how: str) -> str:
         f"(torch_vjp.jacobian_sparsity(f, x) detects one; yours added to it: "
         f"detected.to_dense() | pattern.to_dense().bool()), or leave pattern out."
     )
+
+
+#: Backward nodes of the ops of NOTE [wrong batching rules], by what the warnings call them:
+#: a node batched wrongly; one wrong alone where its first input (``self``) is differentiated.
+_BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist (aten._cdist_forward)"}
+_WRONG_ALONE = {"AsStridedScatterBackward0": "torch.as_strided_scatter on a tensor computed "
+                                             "from x"}
+
+
+def graph_flags(prob: Problem) -> tuple[str | None, str | None]:
+    """``(wrong_batching, wrong_reverse)`` of ``Pattern`` for ``f``, read off the autograd
+    graph of one call of ``f`` (NOTE [wrong batching rules]): for a user's pattern, which
+    no detection run saw. ``(None, None)`` where the graph cannot be had (an error of
+    ``f``'s, which its products raise again; inference mode). The global random generators
+    are put back as they were, and the buffers ``f`` updates."""
+    draws = SameDraws()
+    draws()
+    try:
+        with torch.enable_grad(), buffers_kept(prob.f):
+            leaves = [x.detach().requires_grad_(True) for x in prob.leaves]
+            out = prob.g(*leaves)
+    except Exception as err:  # noqa: BLE001 - unknown; the products say what it was
+        if passes_through(err):
+            raise
+        return None, None
+    finally:
+        draws()
+    batching = reverse = None
+    seen: set[int] = set()
+    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, Tensor)
+            and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        batching = batching or _BATCHED_WRONGLY.get(name)
+        if name in _WRONG_ALONE and node.next_functions and node.next_functions[0][0] is not None:
+            reverse = reverse or _WRONG_ALONE[name]
+        todo.extend(n for n, _ in node.next_functions)
+    return batching, reverse
