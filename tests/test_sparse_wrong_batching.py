@@ -273,3 +273,21 @@ def test_a_users_pattern_through_cdist_says_why_it_loops(fresh_route_checks):
 
 def _gen_for_users():
     return torch.Generator().manual_seed(7)
+
+
+def test_a_users_pattern_and_an_f_that_writes_into_its_input(fresh_route_checks):
+    # (the graph is read through a copy of x: f's write into it must not hide cdist)
+    y = torch.randn(4, 3, dtype=_F64, generator=_gen_for_users())
+
+    def f(u):
+        u.mul_(2)
+        return torch.cdist(u, y, p=1.0)
+
+    x = torch.randn(5, 3, dtype=_F64, generator=_gen_for_users())
+    before = x.clone()
+    pattern = tv.jacobian_sparsity(f, x.clone())
+    got, said = _calls(f, x, mode="rev", pattern=pattern)
+    for j in got:
+        torch.testing.assert_close(j, _per_row(lambda u: f(u.clone()), x))
+    assert torch.equal(x, before)
+    assert [w for w in said if "calls torch.cdist (aten._cdist_forward)" in w]

@@ -478,7 +478,8 @@ def graph_flags(prob: Problem) -> tuple[str | None, str | None]:
     draws()
     try:
         with torch.enable_grad(), buffers_kept(prob.f):
-            leaves = [x.detach().requires_grad_(True) for x in prob.leaves]
+            # (through a copy: an f that writes into its input writes into the copy)
+            leaves = [x.detach().requires_grad_(True).clone() for x in prob.leaves]
             out = prob.g(*leaves)
     except Exception as err:  # noqa: BLE001 - unknown; the products say what it was
         if passes_through(err):
