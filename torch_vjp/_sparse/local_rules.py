@@ -3,8 +3,9 @@ would hold every output dependent on every input: ``prelu``, ``polar``, ``linalg
 ``renorm``, the FFTs, ``F.fold``, ``F.affine_grid``, ``F.bilinear``, ``cdist`` and the
 resizes of ``F.interpolate`` that weigh a window (linear, bilinear, trilinear, bicubic,
 antialiased) (registered with the rules of :mod:`~torch_vjp._sparse.rules`); and ops that
-work on blocks of their inputs: ``F.grid_sample`` (each output point reads its example and
-channel's whole input plane, and its own grid point), fractional max pooling (each output
+work on blocks of their inputs: ``F.grid_sample`` (each output point reads the taps around
+its grid point in its example and channel's input plane, the whole plane where the grid
+comes from x, and its own grid point), fractional max pooling (each output
 element reads a window that every draw of its random samples stays inside), and the
 batched linear algebra of ``torch.linalg`` (each matrix of a batch depends on the matrices
 of its batch index only: a block-diagonal pattern). Each is a superset of the true pattern
@@ -272,9 +273,11 @@ def _plane_line(t: Tensor, channels: int, k: int, d: int) -> Tensor:
           "cudnn_grid_sampler")
 def grid_sampler(tr: Tracer, call: Call) -> list[Tensor | None]:
     """``F.grid_sample``: output point ``(n, c, *p)`` interpolates the input plane (volume)
-    ``(n, c)`` at grid point ``(n, *p)``; where it lands is read off the grid's values (which
-    may come from x), so it depends on the whole plane and on that grid point's coordinates
-    (its last dimension)."""
+    ``(n, c)`` at grid point ``(n, *p)``, and depends on that grid point's coordinates (its
+    last dimension). Where it lands is read off the grid's values: for a constant grid
+    (:func:`_grid_taps`: zeros or border padding), the taps around it, one pixel wider on
+    each side (the grid guards the pattern); for a grid computed from x or drawn, or
+    reflection padding, the whole plane."""
     x, grid = _self(call), call.bound["grid"]
     out = call.outs[0]
     d = grid.dim() - 2
@@ -282,13 +285,71 @@ def grid_sampler(tr: Tracer, call: Call) -> list[Tensor | None]:
         return conservative(tr, call)
     parts = []
     ids = tr.ids(x)
-    if ids is not None:
+    taps = None
+    if ids is not None and not tr.tracked(grid) and not tr.value_dependent(grid):
+        taps = _grid_taps(tr, call, ids, grid, out)
+    if taps is not None:
+        tr.guarded_by(grid)
+        parts.append(taps)
+    elif ids is not None:
         parts.append(group(tr, ids, list(range(2, 2 + d))))  # (N, C, 1, ...)
     ids = tr.ids(grid)
     if ids is not None:
         point = group(tr, ids, [-1])  # (N, *p, 1)
         parts.append(point.reshape(point.shape[0], 1, *point.shape[1:-1]))  # (N, 1, *p)
     return [combine(tr, out.shape, parts)] + [None] * (len(call.outs) - 1)
+
+
+def _grid_taps(tr: Tracer, call: Call, ids: Tensor, grid: Tensor, out: Tensor
+               ) -> Tensor | None:
+    """The ids of a grid sample's output from a constant grid: each point reads the
+    pixels around its source coordinate (torch's unnormalisation; border padding clips it,
+    zeros padding drops taps outside), ``[floor(s) - 1, floor(s) + 2]`` along each dimension
+    (bilinear and nearest read ``floor(s)`` and ``floor(s) + 1`` at most; bicubic one more
+    on each side), widened by one for the rounding of the grid's dtype. None (the whole
+    plane) for reflection padding, a non-finite grid, or an op without its modes."""
+    mode, padding = call.bound.get("interpolation_mode"), call.bound.get("padding_mode")
+    align = call.bound.get("align_corners")
+    if mode not in (0, 1, 2) or padding not in (0, 1) or align is None:
+        return None
+    g = grid.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(g).all()):
+        return None
+    d = g.shape[-1]
+    sizes = list(ids.shape[2:])
+    n, c = ids.shape[0], ids.shape[1]
+    points = math.prod(g.shape[1:-1])
+    extra = 2 if mode == 2 else 1
+    lows, highs = [], []
+    for k in range(d):  # (grid coordinate k runs along the input's dimension d - 1 - k)
+        size = sizes[d - 1 - k]
+        u = g[..., k].reshape(n, points)
+        src = (u + 1) / 2 * (size - 1) if align else ((u + 1) * size - 1) / 2
+        if padding == 1 and mode != 2:
+            src = src.clamp(0, size - 1)
+        lo, hi = torch.floor(src) - extra, torch.floor(src) + 1 + extra
+        if padding == 1:
+            lo, hi = lo.clamp(0, size - 1), hi.clamp(0, size - 1)
+        lows.append(lo.to(_LONG))
+        highs.append(hi.to(_LONG))
+    width = 2 + 2 * extra
+    pos = torch.zeros(n, points, 1, dtype=_LONG)
+    ok = torch.ones(n, points, 1, dtype=torch.bool)
+    stride = 1
+    for k in range(d):
+        size = sizes[d - 1 - k]
+        at = lows[k].unsqueeze(-1) + torch.arange(width, dtype=_LONG)  # (N, P, width)
+        keep = (at <= highs[k].unsqueeze(-1)) & (at >= 0) & (at < size)
+        pos = (pos.unsqueeze(-1) + at.clamp(0, size - 1).unsqueeze(-2) * stride).flatten(2)
+        ok = (ok.unsqueeze(-1) & keep.unsqueeze(-2)).flatten(2)
+        stride *= size
+    flat = ids.reshape(n, c, -1)
+    taps = pos.shape[-1]
+    read = flat.gather(2, pos.reshape(n, 1, -1).expand(n, c, -1)).view(n, c, points, taps)
+    rows = torch.arange(n * c * points, dtype=_LONG).view(n, c, points, 1).expand_as(read)
+    keep = ok.view(n, 1, points, taps).expand_as(read)
+    res = tr.table.union(rows[keep], read[keep], n * c * points)
+    return res.view(out.shape)
 
 
 def _fractional_reach(n_in: int, n_out: int, pool: int) -> Tensor:
