@@ -291,3 +291,20 @@ def test_a_users_pattern_and_an_f_that_writes_into_its_input(fresh_route_checks)
         torch.testing.assert_close(j, _per_row(lambda u: f(u.clone()), x))
     assert torch.equal(x, before)
     assert [w for w in said if "calls torch.cdist (aten._cdist_forward)" in w]
+
+
+def test_a_users_pattern_first_used_in_inference_mode_is_read_later(fresh_route_checks):
+    # (inference mode records no graph: the ops are read on the first call outside it)
+    src = torch.randn(2, dtype=_F64, generator=_gen_for_users())
+
+    def f(t):
+        return torch.as_strided_scatter(t.sin(), src, (2,), (1,), 1)
+
+    x = torch.randn(5, dtype=_F64, generator=_gen_for_users())
+    pattern = tv.jacobian_sparsity(f, x)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = tv.sparse_jacobian(f, x, mode="fwd", pattern=pattern, layout=torch.strided)
+    torch.testing.assert_close(got, _per_column(f, x))
+    with pytest.raises(tv.StrategyError, match="reverse mode's products would be wrong"):
+        tv.sparse_jacobian(f, x, mode="rev", pattern=pattern)

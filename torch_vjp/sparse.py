@@ -488,6 +488,8 @@ def _unsafe(prob: Problem, plan: Any) -> tuple[str | None, str | None]:
     key = route_key(prob.f)
     got = plan.flags.get(key)
     if got is None:
+        if torch.is_inference_mode_enabled():  # (no graph: read on a call outside it)
+            return None, None
         if len(plan.flags) >= 64:
             plan.flags.clear()
         got = plan.flags[key] = graph_flags(prob)
