@@ -94,15 +94,16 @@ from torch_vjp._errors import (
     shape_str,
     warn_once,
 )
+from torch_vjp._sharded_buffers import plain_module
 from torch_vjp._sharded_check import (
     agreed_route,
     check_agreement,
     fail_before_exchange,
     leaf_paths,
-    order_differs,
     own_gap,
     verdict,
 )
+from torch_vjp._sharded_words import order_differs
 from torch_vjp._sharded_work import Work, probe_outputs, shard_range
 from torch_vjp._strategies import Strategy, choose_mode
 
@@ -169,22 +170,6 @@ class JacobianShard(NamedTuple):
 
 
 JacobianShard.__module__ = "torch_vjp"  # the public path, as for the error classes
-
-
-def plain_module(f: Any) -> Any:
-    """``f.module`` where ``f`` is a module wrapped in ``DistributedDataParallel`` (without
-    forward hooks of the wrapper's own), else ``f``. The wrapper's forward is its module's,
-    with DDP's book-keeping around it: a broadcast of the buffers from rank 0 at every call,
-    which the Jacobian's calls of ``f`` would repeat a different number of times on each rank
-    (a loop over a rank's own share of the columns) and wait for ever, or run on one rank
-    alone; and an in-place copy into the buffers, which torch.func refuses in forward mode.
-    The Jacobian needs none of it (no gradient reaches ``.grad``)."""
-    if not isinstance(f, torch.nn.Module) or "torch.nn.parallel" not in type(f).__module__:
-        return f
-    ddp = torch.nn.parallel.DistributedDataParallel
-    while isinstance(f, ddp) and not (f._forward_hooks or f._forward_pre_hooks):
-        f = f.module
-    return f
 
 
 def _dist() -> Any:
@@ -298,11 +283,21 @@ def sharded_jacobian(
     """The Jacobian of ``prob`` with its products split over ``group`` (NOTE [sharded
     Jacobian]): the whole Jacobian (``(J, aux)`` with ``has_aux``) on every rank, or this
     rank's :class:`JacobianShard` with ``shard``. With ``batch`` (``batch_jacobian``), the
-    products are those of one row of the batch, each computed for every row at once."""
+    products are those of one row of the batch, each computed for every row at once. (A
+    model's buffers swapped for rank 0's are put back on return: NOTE [DDP's buffers in a
+    sharded Jacobian] in ``torch_vjp._sharded_buffers``.)"""
+    with contextlib.ExitStack() as kept:
+        return _sharded(prob, strat, group, shard, chunk_size, max_memory, batch,
+                        alternatives, kept)
+
+
+def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size: int | None,
+             max_memory: int | None, batch: int | None, alternatives: str,
+             kept: contextlib.ExitStack) -> Any:
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = comm_device(group, prob.leaves[0].device)
-    check_agreement(prob, strat.name, shard, group, rank, world, device)
+    check_agreement(prob, strat.name, shard, group, rank, world, device, kept)
     work = Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
     mode, shapes, key, route = strat.mode, None, None, None
     if mode is None:  # "auto": the mode from sizes alone, the same on every rank

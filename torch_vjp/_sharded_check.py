@@ -30,6 +30,7 @@ mixes rows]), and every rank raises its error once one rank finds one, as one pr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import random
@@ -54,10 +55,18 @@ from torch_vjp._engine.fwdcheck import (
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, quote_error, shape_str
+from torch_vjp._sharded_buffers import rank0_buffers, unsynced_buffer
+from torch_vjp._sharded_words import (
+    argument_differs,
+    call_differs,
+    draws_differ,
+    function_differs,
+    order_differs,
+)
 
 __all__ = [
     "ROUTES", "agreed_route", "check_agreement", "fail_before_exchange", "leaf_paths",
-    "order_differs", "own_gap", "verdict",
+    "own_gap", "verdict",
 ]
 
 #: The routes "auto" may take, in the order it tries them.
@@ -384,9 +393,10 @@ def _other_differs(ref: list[Any], got: list[Any], r: int) -> tuple[str, str] | 
 
 
 def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank: int,
-                    world: int, device: torch.device) -> None:
+                    world: int, device: torch.device, kept: contextlib.ExitStack) -> None:
     """Raises, on every rank, if some rank's call differs from rank 0's, or some rank could
-    not even set its call up (NOTE [sharded Jacobian])."""
+    not even set its call up (NOTE [sharded Jacobian]); takes rank 0's buffers of a model
+    DDP wraps (NOTE [DDP's buffers in a sharded Jacobian]), which ``kept`` puts back."""
     import torch.distributed as dist
 
     gens = own_generators(prob)
@@ -410,15 +420,15 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
             if key == "paths":  # (before the shapes: leaves in another order differ there)
                 order_differs(prob.call, "the differentiated primals", ref[key] or [],
                               sig[key] or [], r, "primals")
-            _disagree(prob, r, key, ref[key], sig[key])
+            call_differs(prob, r, key, ref[key], sig[key])
         for i, (a, b) in enumerate(zip(ref["sums"], sig["sums"])):
             if not _same_sums(a, b):
-                _disagree(prob, r, "values", None, None, i)
+                call_differs(prob, r, "values", None, None, i)
         other = _other_differs(ref["others"], sig["others"], r)
         if other is not None:
-            _other_disagrees(prob, *other)
+            argument_differs(prob, *other)
         if len(sig["used"]) != len(ref["used"]):
-            _used_disagrees(prob, f"f uses {len(sig['used'])} tensors that are not its "
+            function_differs(prob, f"f uses {len(sig['used'])} tensors that are not its "
                                   f"arguments on rank {r} but {len(ref['used'])} on rank 0")
     # generators in other states on some rank are an error only where f draws from them
     # (dropout in training mode): each rank's products would be of its own draws, and the
@@ -434,21 +444,24 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
         flag = torch.tensor([int(hit)], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()):
-            _rng_disagrees(prob, differ_at[0])
+            draws_differ(prob, differ_at[0])
     # a tensor f reaches that differs between ranks is an error only where f reads it
     differ = {i: how for r, sig in reversed(list(enumerate(sigs[1:], start=1)))
               for i, how in _used_differs(ref["used"], sig["used"], r)}
+    unsynced: dict[int, Any] = {}
     if differ:
-        import torch.distributed as dist
-
         objects = _used_tensors(prob)[1]
+        differ, unsynced = rank0_buffers(prob, group, device, differ, objects, kept)
+    if differ:
         order = sorted(differ)
         flags = torch.tensor(_read_by_f(prob, [objects[i] for i in order]), dtype=torch.int64,
                              device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         for i, read in zip(order, flags.tolist()):
+            if read and i in unsynced:
+                unsynced_buffer(prob, differ[i], unsynced[i], group)
             if read:
-                _used_disagrees(prob, differ[i])
+                function_differs(prob, differ[i])
 
 
 def fail_before_exchange(err: BaseException, group: Any) -> None:
@@ -465,35 +478,6 @@ def fail_before_exchange(err: BaseException, group: Any) -> None:
         pass
 
 
-def _disagree(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0) -> None:
-    call = prob.call
-    if key == "values":
-        raise JacobianCallError(
-            f"{call}: the differentiated {prob.leaf_name(leaf)} holds different values "
-            f"on rank {r} than on rank 0 (their checksums differ), but with a process_group "
-            f"every rank computes a share of one Jacobian, at one point, so the primals must "
-            f"be the same on every rank.\n"
-            f"  Fix: make them equal (seed every rank's generator alike, or broadcast them "
-            f"from rank 0 with torch.distributed.broadcast), or pass process_group=None to "
-            f"compute each rank's own Jacobian."
-        )
-    if key in ("shapes", "dtypes"):
-        fmt = shape_str if key == "shapes" else str
-        got = f"the differentiated primals have {key[:-1]}s {', '.join(fmt(s) for s in got)}"
-        ref = ", ".join(fmt(s) for s in ref)
-        what = f"{got} on rank {r} but {ref} on rank 0"
-    else:
-        what = f"{key}={got!r} on rank {r} but {key}={ref!r} on rank 0"
-    raise JacobianCallError(
-        f"{call}: the call differs between ranks: {what}. With a process_group every "
-        f"rank computes a share of one Jacobian, so every rank must make the same call "
-        f"(the same strategy, argnums, has_aux and shard, and primals of the same shapes, "
-        f"dtypes and values).\n"
-        f"  Fix: call it with the same arguments on every rank, or pass process_group=None "
-        f"to compute each rank's own Jacobian."
-    )
-
-
 def _used_differs(ref: list[Any], got: list[Any], r: int) -> Iterator[tuple[int, str]]:
     """``(index, how)`` for each tensor ``f`` reaches (:func:`_used_tensors`, as many on
     both ranks) that differs on rank ``r`` from rank 0's."""
@@ -506,66 +490,6 @@ def _used_differs(ref: list[Any], got: list[Any], r: int) -> Iterator[tuple[int,
         elif a[3] is not None and b[3] is not None and not _same_sums(a[3], b[3]):
             yield i, (f"{what} holds different values on rank {r} than on rank 0 (their "
                       f"checksums differ)")
-
-
-def _used_disagrees(prob: Problem, how: str) -> None:
-    raise JacobianCallError(
-        f"{prob.call}: the function differs between ranks: {how}. With a process_group "
-        f"every rank computes a share of the Jacobian of one function at one point; each "
-        f"rank's share here is of its own function, and the gathered Jacobian would mix "
-        f"them.\n"
-        f"  Fix: make the weights equal on every rank: seed every rank's generator alike "
-        f"before building them, or broadcast them from rank 0 (torch.distributed.broadcast "
-        f"of each tensor; DistributedDataParallel does it for a model's parameters and "
-        f"buffers), or pass process_group=None to compute each rank's own Jacobian."
-    )
-
-
-def order_differs(call: str, what: str, ref: list[str], got: list[str], r: int,
-                  name: str) -> None:
-    """Raises: ``what`` (the differentiated primals, or f's output) is a pytree whose leaves
-    come in another order, or are others, on rank ``r`` than on rank 0 (their paths ``got``
-    and ``ref``, in flattening order)."""
-    i = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    a = f"{name}{ref[i]}" if i < len(ref) else "nothing"
-    b = f"{name}{got[i]}" if i < len(got) else "nothing"
-    raise JacobianCallError(
-        f"{call}: {what} are structured differently on rank {r} than on rank 0: in the "
-        f"order torch's pytree flattens them, leaf {i} is {b} on rank {r} but {a} on rank "
-        f"0 (a dict built in another key order: a dict is flattened in insertion order). "
-        f"With a process_group the products are numbered over the flattened leaves, and "
-        f"each rank numbered them in its own order: the gathered Jacobian would mix them.\n"
-        f"  Fix: build the dicts in one key order on every rank (dict(sorted(d.items())), "
-        f"say), or pass process_group=None to compute each rank's own Jacobian."
-    )
-
-
-def _rng_disagrees(prob: Problem, r: int) -> None:
-    raise JacobianCallError(
-        f"{prob.call}: f draws random numbers (dropout in training mode, say), and the "
-        f"random generators are in another state on rank {r} than on rank 0. With a "
-        f"process_group every rank computes a share of one Jacobian; each rank's share here "
-        f"is of f with its own draws (its own dropout mask), and the gathered Jacobian would "
-        f"mix them.\n"
-        f"  Fix: seed the generators alike on every rank just before the call (keeping each "
-        f"rank's own stream: with torch.random.fork_rng(): torch.manual_seed(seed); "
-        f"J = ...), or make f deterministic (model.eval()), or pass process_group=None to "
-        f"compute each rank's own Jacobian."
-    )
-
-
-def _other_disagrees(prob: Problem, name: str, how: str) -> None:
-    raise JacobianCallError(
-        f"{prob.call}: {name}, an argument of f that is not differentiated, differs between "
-        f"ranks: {how}. With a process_group every rank computes a share "
-        f"of one Jacobian, and the Jacobian depends on every argument of f, not only on the "
-        f"differentiated ones: the gathered shares would belong to different functions.\n"
-        f"  Fix: pass the same {name} on every rank (broadcast it from rank 0 with "
-        f"torch.distributed.broadcast or broadcast_object_list); if it does not change f's "
-        f"result (a rank number for logging), bind it into f instead of passing it "
-        f"(functools.partial); or pass process_group=None to compute each rank's own "
-        f"Jacobian."
-    )
 
 
 def _flat_cotangent(us: Sequence[Tensor], batch: int | None) -> Tensor:
