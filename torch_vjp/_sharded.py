@@ -100,6 +100,7 @@ from torch_vjp._sharded_check import (
     check_agreement,
     fail_before_exchange,
     leaf_paths,
+    noise_verdict,
     own_gap,
     verdict,
 )
@@ -453,6 +454,7 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
     first of the next routes that does, on every rank alike, and "rev" (NOTE [sharded auto,
     checked]). ``first()`` puts the generators back where the products started, before each
     reverse product and each route."""
+    floor: list[float] = []  # (the rounding's scale and the tolerance, measured once)
     def agrees(p: tuple[Any, ...], m: str) -> tuple[bool, float, float]:
         err = None
         first()
@@ -461,6 +463,8 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
             mine, err = None, exc
         ok, d, s, failed = verdict(mine, prob.leaves[0].dtype, err is not None, group, device)
+        if not ok and not failed:  # (on every rank alike: NOTE [sharded auto, checked])
+            ok, s, failed, err = noise_verdict(prob, d, s, mine, floor, group, device)
         if failed:
             _raise_failure(prob, err, group, work.rank, work.world)
         return ok, d, s

@@ -16,8 +16,14 @@ ever does), so each rank checks its own products:
 
 ``u`` comes from a generator of the check's own, the same on every rank. One ``all_reduce``
 (MAX) of the largest difference, the largest entry and an "unchecked" flag (a rank whose
-reverse product plain autograd cannot take) makes the verdict the same on every rank, so
-every rank takes the same next route: reverse mode under vmap after forward mode, then
+reverse product plain autograd cannot take) makes the verdict the same on every rank. Where
+it is a disagreement, every rank (all of them, whatever its own difference: an f that runs
+collectives pairs its calls with the other ranks') measures the rounding of its reverse
+products, and one more ``all_reduce`` (MAX) compares again at the scale of the numbers they
+were computed from, as one process does (NOTE [the scale of what is compared] in
+``torch_vjp._engine.fwdnoise``): a long float32 computation whose routes differ by rounding
+only, far above ``sqrt(eps)`` of the products, is not a wrong formula. So every rank takes
+the same next route: reverse mode under vmap after forward mode, then
 one reverse product at a time, the first that agrees, with the single-process warning.
 The route is remembered under the key the single-process check uses (the same function,
 input signature and size-chosen mode: the verdict is about f's operators, not about the
@@ -52,6 +58,7 @@ from torch_vjp._engine.fwdcheck import (
     stacked_gap,
     tolerance,
 )
+from torch_vjp._engine.fwdnoise import reverse_noise
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, quote_error, shape_str
@@ -66,7 +73,7 @@ from torch_vjp._sharded_words import (
 
 __all__ = [
     "ROUTES", "agreed_route", "check_agreement", "fail_before_exchange", "leaf_paths",
-    "own_gap", "verdict",
+    "noise_verdict", "own_gap", "verdict",
 ]
 
 #: The routes "auto" may take, in the order it tries them.
@@ -157,6 +164,39 @@ def verdict(gap: tuple[float, float, float] | None, dtype: torch.dtype, failed: 
     diff, scale, failed_any, rtol = t.tolist()
     # (a rank that could not check adds nothing: another rank's disagreement stands)
     return diff <= rtol * scale, diff, scale, bool(failed_any)
+
+
+def noise_verdict(prob: Problem, diff: float, scale: float, gap: Any, floor: list[float],
+                  group: Any, device: torch.device
+                  ) -> tuple[bool, float, bool, BaseException | None]:
+    """``(agrees, scale, failed, this rank's error)`` where :func:`verdict` found a
+    disagreement: compared again at the scale of the numbers the products were computed from
+    (NOTE [the scale of what is compared] in ``torch_vjp._engine.fwdnoise``), measured once
+    per check (``floor`` keeps it) on every rank, each its own reverse products' rounding,
+    the largest taken: the verdict is the same on every rank, so every rank calls f as many
+    times, and an f that runs collectives pairs with the other ranks' calls."""
+    import torch.distributed as dist
+
+    if not math.isfinite(diff):
+        return False, scale, False, None
+    err = None
+    if not floor:
+        # (the rounding of the least precise dtype this rank's graph computes in: own_gap's
+        # rtol is its sqrt(eps); noise / eps, fwdnoise.rounding_scale, is the scale)
+        rtol = max(gap[2] if gap is not None else 0.0, tolerance(prob.leaves[0].dtype))
+        try:
+            noise = reverse_noise(prob)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+            noise, err = 0.0, exc
+        own = noise / rtol ** 2 if math.isfinite(noise) else 0.0
+        t = torch.tensor([own, float(err is not None), rtol], dtype=torch.float64,
+                         device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if t[1].item():
+            return False, scale, True, err
+        floor += [float(t[0]), float(t[2])]
+    scale = max(scale, floor[0])
+    return diff <= floor[1] * scale, scale, False, None
 
 
 #: Elements of a tensor checksummed at a time: the float64 temporaries of one chunk (about
