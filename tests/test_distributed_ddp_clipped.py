@@ -163,3 +163,61 @@ def _static_graph_worker(rank, world, init_file):
 
 def test_ddp_static_graph_clipped_step_selects_the_first_steps_parameters(spawn_within):
     spawn_within(_static_graph_worker, 2, 150)
+
+
+class _WithHead(nn.Module):
+    """A model with a head its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _static_unused_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    ddp = None
+    try:
+        torch.set_num_threads(1)
+        x, y = _data()
+        loss = nn.CrossEntropyLoss(reduction="sum")
+        mine = slice(rank * 4, (rank + 1) * 4)
+        want = _clipped_sum(_WithHead().to(DT).body, x, y)
+        ddp = nn.parallel.DistributedDataParallel(_WithHead().to(DT), static_graph=True)
+        loss(ddp(x[mine]), y[mine]).backward()  # (an ordinary first step: head unused)
+        for p in ddp.parameters():
+            p.grad = None
+        # every trainable parameter, the head too: DDP's own error said only that "the
+        # training graph has changed", after its backward had run
+        with pytest.raises(tv.PerSampleValueError, match=(
+                r"(?s)^torch_vjp\.accumulate_clipped_grads: DDP was built with "
+                r"static_graph=True, and its first step, an ordinary one, never used 2 "
+                r"trainable parameter\(s\) of the module \(first: 'head\.weight'\), so its "
+                r"reducer takes them to get no gradient in any step.*Fix: select only the "
+                r"parameters the forward uses.*requires_grad=False.*without "
+                r"static_graph=True")):
+            tv.accumulate_clipped_grads(ddp, loss, x[mine], y[mine], max_norm=MAX_NORM)
+        assert all(p.grad is None for p in ddp.parameters()), f"rank {rank}: .grad"
+        # the parameters the forward uses: the clipped sum, reduced, and the head untouched
+        used = [n for n, _ in ddp.named_parameters() if ".head." not in n]
+        tv.accumulate_clipped_grads(ddp, loss, x[mine], y[mine], max_norm=MAX_NORM,
+                                    params=used)
+        for p, q in zip(ddp.module.body.parameters(), want):
+            torch.testing.assert_close(p.grad, q / world, rtol=1e-10, atol=1e-12)
+        assert ddp.module.head.weight.grad is None
+        loss(ddp(x[mine]), y[mine]).backward()  # (DDP's next ordinary step still runs)
+        dist.barrier()
+    finally:
+        ddp = None
+        gc.collect()  # (the wrapper holds the group: gone before it is destroyed)
+        dist.destroy_process_group()
+
+
+def test_ddp_static_graph_clipped_step_names_a_parameter_the_forward_never_uses(
+        spawn_within):
+    spawn_within(_static_unused_worker, 2, 150)

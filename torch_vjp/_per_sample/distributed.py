@@ -245,8 +245,10 @@ def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException 
 # the all-reduce of its bucket: .grad kept each rank's own unreduced sums, silently, and
 # the next forward raised. So the selection must be that of the first step: where the
 # clipped step itself was the first (recorded here), its selection; where the first was
-# the model's own step, every trainable parameter (a model with a parameter its forward
-# never uses then gets DDP's own error, that the graph changed).
+# the model's own step, every trainable parameter its forward used (DDP's reducer records
+# which: a parameter the forward never used gets no gradient in any later step, and a
+# selection that holds one is refused, where DDP's own error said only that the graph
+# changed).
 _FIRST_STEP: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
@@ -259,7 +261,22 @@ def _static_first_step(fn: str, ddp: Any, module: nn.Module, selected: set[int])
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     first = _FIRST_STEP.get(ddp)
     if first is None:
-        first = frozenset(id(p) for _, p in trainable)
+        unused = _unused_in_first_step(ddp)
+        first = frozenset(id(p) for _, p in trainable if id(p) not in unused)
+        never = [n for n, p in trainable if id(p) in unused and id(p) in selected]
+        if never:
+            raise PerSampleValueError(
+                f"torch_vjp.{fn}: DDP was built with static_graph=True, and its first step, "
+                f"an ordinary one, never used {len(unused)} trainable parameter(s) of the "
+                f"module (first: {never[0]!r}), so its reducer takes them to get no gradient "
+                f"in any step; params selects them (params=None selects every trainable "
+                f"parameter), and the clipped step adds a sum to each selected parameter's "
+                f".grad, which DDP refuses as a changed graph.\n"
+                f"  Fix: select only the parameters the forward uses (params=[...] without "
+                f"{never[0]!r}), or set requires_grad=False on those it never uses before "
+                f"wrapping the model, or wrap the model without static_graph=True and with "
+                f"find_unused_parameters=True."
+            )
     if selected == first:
         return False
     left = [n for n, p in trainable if id(p) in first and id(p) not in selected]
@@ -275,6 +292,20 @@ def _static_first_step(fn: str, ddp: Any, module: nn.Module, selected: set[int])
         f"it was an ordinary step), or wrap the model without static_graph=True and with "
         f"find_unused_parameters=True."
     )
+
+
+def _unused_in_first_step(ddp: Any) -> set[int]:
+    """The ids of the parameters DDP's first step (under static_graph) found unused on every
+    rank: its reducer's map of used parameters, all-reduced in that step, in the order of the
+    parameters it was built with; none where torch does not expose it."""
+    try:
+        params = ddp._build_params_for_reducer()[0]
+        used = ddp.reducer._get_local_used_map().tolist()
+    except Exception:  # noqa: BLE001 - (DDP's internals moved: DDP's own error stands)
+        return set()
+    if len(used) != len(params):
+        return set()
+    return {id(p) for p, u in zip(params, used) if not u}
 
 
 @contextlib.contextmanager
