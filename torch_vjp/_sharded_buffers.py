@@ -71,10 +71,11 @@ def _known(module: Any) -> Any:
     return ref() if ref is not None else None
 
 
-def _wrappers(prob: Problem) -> list[Any]:
+def _wrappers(prob: Problem, differ: set[int]) -> list[Any]:
     """The DDP wrappers of what ``f`` reaches: wrappers among its modules (or inside them),
     and the wrapper of each module it reaches, remembered or found among the live objects
-    (once: a scan of the garbage collector's objects, on this path only)."""
+    (once: a scan of the garbage collector's objects, where a buffer of the module is among
+    the tensors that differ, ``differ``: ids)."""
     ddp = _ddp_type()
     modules, _ = reached(prob.f)
     known = {id(m) for m in modules}
@@ -88,7 +89,7 @@ def _wrappers(prob: Problem) -> list[Any]:
         w = _known(root)
         if w is not None:
             found[id(w)] = w
-        elif not isinstance(root, ddp):
+        elif not isinstance(root, ddp) and any(id(b) in differ for b in root.buffers()):
             missing.append(root)
     if missing:
         ids = {id(m): m for m in missing}
@@ -133,7 +134,7 @@ def rank0_buffers(prob: Problem, group: Any, device: torch.device, differ: dict[
     DDP does not broadcast. Every rank of ``group`` must call it."""
     import torch.distributed as dist
 
-    wrappers = _wrappers(prob)
+    wrappers = _wrappers(prob, {id(objects[i]) for i in differ})
     owner: dict[int, Any] = {}
     for w in wrappers:
         for _, b in w.module.named_buffers():
