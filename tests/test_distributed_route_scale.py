@@ -63,6 +63,17 @@ def _scale_worker(rank, world, init_file):
         counts = [None] * world
         dist.all_gather_object(counts, len(calls), group=group)
         assert len(set(counts)) == 1, counts
+        # a scalar f: its one product is rank 1's, and rank 0, with nothing to compare,
+        # still calls f in the check (it skipped that call, and rank 1's collective in f
+        # waited for ever)
+        def scalar(x):
+            s = torch.ones((), dtype=x.dtype)
+            dist.all_reduce(s, group=group)
+            return (x.sin() * s).sum()
+
+        xd = x.double()
+        torch.testing.assert_close(tv.jacobian(scalar, xd, process_group=group),
+                                   world * xd.cos(), rtol=1e-12, atol=0)
         # a wrong formula still disagrees at that scale (rounding is not an excuse)
         bad = lambda x: torch.cdist(x.reshape(2, 2), x.reshape(2, 2) ** 2)  # noqa: E731
         with pytest.warns(tv.JacobianWarning, match=r"disagrees with a reverse product"):

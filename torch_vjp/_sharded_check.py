@@ -105,10 +105,12 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
     product cannot be taken; ``(0, inf, 0)`` where it holds a NaN or an infinity (from a
     tensor f reads but does not differentiate, x finite): no comparison there, and a scale
     no rank's route is remembered at."""
-    if stop == start:
-        return 0.0, 0.0, 0.0
     keep = None if mode == "fwd" else (lambda us: _only_rows(us, start, stop, batch))
     got = one_reverse_product(prob, keep)
+    if stop == start:
+        # (nothing to compare, but f called as on the other ranks: an f that runs
+        # collectives waited for ever for this rank's call)
+        return 0.0, 0.0, 0.0
     if got is None:
         return None
     flat, us, grads = got
