@@ -97,3 +97,34 @@ def _buffers_worker(rank, world, init_file):
 
 def test_sharded_jacobian_of_a_ddp_model_uses_rank_0s_buffers(spawn_within):
     spawn_within(_buffers_worker, 2, 240)
+
+
+def _subgroup_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    ddp = None
+    try:
+        torch.set_num_threads(1)
+        m, ddp = _trained(rank)
+        x = torch.linspace(-1.0, 1.0, 6, dtype=DT).reshape(2, 3)
+        sub = dist.new_group([1, 2])
+        if rank > 0:
+            # DDP broadcasts from global rank 0, which is not in the group: this call cannot
+            # take the buffers DDP's forward would use, and says so
+            with pytest.raises(tv.JacobianCallError, match=(
+                    r"(?s)the function differs between ranks: the '1\.running_mean' of the "
+                    r"Sequential f uses holds different values on rank 1 than on rank 0.*"
+                    r"DDP broadcasts its buffers from rank 0 of its own process group \(global "
+                    r"rank 0\), which is not a member of process_group")):
+                tv.jacobian(ddp, x, process_group=sub)
+        dist.barrier()
+    finally:
+        ddp = None
+        import gc
+        gc.collect()  # (the wrapper holds the group: gone before it is destroyed)
+        dist.destroy_process_group()
+
+
+def test_sharded_jacobian_of_a_ddp_model_on_a_group_without_ddps_rank_0_says_so(
+        spawn_within):
+    spawn_within(_subgroup_worker, 3, 240)
