@@ -220,3 +220,49 @@ def test_retaining_tensor_past_a_pass_vmap_cannot_batch(options, backward_first)
     assert h.grad is before  # (its .grad untouched: the very object)
     if copy is not None:
         assert torch.equal(h.grad, copy)
+
+
+class _Raises(torch.autograd.Function):
+    """The identity, whose backward raises an error of the user's own, with vmap or not."""
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("the user's backward failed")
+
+
+@pytest.mark.parametrize("options", OPTIONS[:3])
+@pytest.mark.parametrize("grad_before", [None, 1.0, 0.0], ids=["no-grad", "grad-ones",
+                                                                "grad-zeros"])
+def test_a_backward_of_the_users_that_raises_leaves_every_grad_as_it_was(
+        options, grad_before):
+    # the error passes through untouched, and the .grad of the tensors that retain theirs
+    # comes back as it was: h_out, whose hook runs before the failing backward, had its
+    # .grad cleared for the pass that puts it back, and kept whatever that pass (which
+    # fails too) and the loop's first row then wrote
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    h_in = x.sin()
+    h_in.retain_grad()
+    h_out = _Raises.apply(h_in).exp()
+    h_out.retain_grad()
+    y = h_out * x
+    if grad_before is not None:
+        h_in.grad = torch.full((5,), 2.0, dtype=torch.float64)
+        h_out.grad = torch.full((5,), grad_before, dtype=torch.float64)
+    before = [h_in.grad, h_out.grad]
+    copies = [None if g is None else g.clone() for g in before]
+    with pytest.raises(ValueError, match=r"^the user's backward failed$"):
+        tv.jacobian_of(y, x, retain_graph=True, **options)
+    for t, g, copy in zip((h_in, h_out), before, copies):
+        if copy is None or not copy.any():  # (all zeros cannot be told from none)
+            assert t.grad is None or (not t.grad.any() and copy is not None)
+        else:
+            assert torch.equal(t.grad, copy)
+            assert not torch._C._functorch.is_batchedtensor(t.grad)

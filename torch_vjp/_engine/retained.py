@@ -32,7 +32,10 @@ Where the vectorised pass of 1. fails part way (an operator vmap cannot batch: t
 fall back to the loop), the retaining tensors past the failure ran no hook and the loop's
 passes would add every row into their ``.grad``: then all the graph's retaining tensors are
 looked up (``gc``, on that slow path only), and those past the failure keep their ``.grad``,
-the very object.
+the very object. Where the zero pass of 3. fails too (a backward of the user's that raises,
+with vmap or not), each ``.grad`` is put back all the same (a hook that pass did not reach
+taken to have written ``g0 == 0``), and the error comes from the products, which meet it
+again.
 
 The tensors found join the outputs and inputs whose ``.grad`` is cleared before each pass and
 put back after it, so they come out as they went in.
@@ -105,10 +108,14 @@ def _restore(found: Sequence[Tensor], outs: Sequence[Tensor], ins: Sequence[Tens
     rows = [_first_row(t.grad) for t in found]
     for t in found:
         t.grad = None
-    _zero_pass(outs, ins, kept, grads_kept, batched=False)  # (writes g0 into each .grad)
+    try:
+        _zero_pass(outs, ins, kept, grads_kept, batched=False)  # (writes g0 into each .grad)
+    except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
+        pass  # (a backward of the user's that fails: each .grad is put back all the same)
     for t, row in zip(found, rows):
-        g0 = t.grad
-        same = g0 is not None and torch.equal(row.isnan(), g0.isnan()) and bool(
+        # (a hook the failed pass did not reach left None: g0 taken as zeros, G + 0 == G)
+        g0 = torch.zeros_like(row) if t.grad is None else t.grad
+        same = torch.equal(row.isnan(), g0.isnan()) and bool(
             (row.nan_to_num() == g0.nan_to_num()).all())
         t.grad = None if same else row
 
