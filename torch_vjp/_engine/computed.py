@@ -43,7 +43,8 @@ from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.retained import escaped_after, retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import (
-    JacobianCallError, JacobianWarning, quote_error, shape_str, user_stacklevel, warn_once,
+    JacobianCallError, JacobianMemoryError, JacobianWarning, quote_error, shape_str,
+    user_stacklevel, warn_once,
 )
 
 __all__ = ["computed_jacobian"]
@@ -91,14 +92,14 @@ def _blocks(
     n_out = sum(o.numel() for o in outs)
     n_in = sum(x.numel() for x in ins)
     itemsize = max([o.dtype.itemsize for o in outs] + [x.dtype.itemsize for x in ins])
+    alternatives = (
+        "torch_vjp.grad with grad_outputs (is_grads_batched=True for many at once) gives "
+        "products of the Jacobian with vectors without forming it; or ask for fewer outputs "
+        "or inputs at a time."
+    )
     plan = plan_products(
         n, n_out, n_in, itemsize, chunk_size=chunk, max_memory=None, device=ins[0].device,
-        call=call,
-        alternatives=(
-            "torch_vjp.grad with grad_outputs (is_grads_batched=True for many at once) "
-            "gives products of the Jacobian with vectors without forming it; or ask for "
-            "fewer outputs or inputs at a time."
-        ),
+        call=call, alternatives=alternatives,
     )
     unused: set[int] = set()
     # NOTE [jacobian_of, checked once]: the route remembered for this graph's structure
@@ -117,10 +118,11 @@ def _blocks(
     # NOTE [retain_grad inside the graph] in retained.py: the tensors inside the graph that
     # retain their gradient are found by the first vectorised chunk, with a zero row put
     # before its rows, and one pass without vmap after it; by a pass of their own where the
-    # products start with the loop
+    # products start with the loop, or where the memory budget has no room for that row
     look = n > 0 and not is_nested() and not any(
         t.device.type == "meta" for t in (*d_outs, *ins))
-    if look and (n == 1 or plan == 1):
+    if look and (n == 1 or plan == 1 or not _room_for_zero_row(
+            n, n_out, n_in, itemsize, chunk, plan, ins[0].device, call, alternatives)):
         kept += retained_in_graph(d_outs, ins, kept, _grads_kept)
         look = False
     state["look"] = look
@@ -251,6 +253,26 @@ def _blocks(
             )
     rows_out = [r[0] if single_in else tuple(r) for r in result]
     return rows_out[0] if single_out else tuple(rows_out)
+
+
+def _room_for_zero_row(n: int, n_out: int, n_in: int, itemsize: int, chunk: int | None,
+                       plan: int | None, device: torch.device, call: str, alternatives: str
+                       ) -> bool:
+    """Whether the memory budget of the products (``plan``, planned for ``n`` of them at
+    ``chunk``) has room for the zero row that the first vectorised chunk puts before its
+    rows (NOTE [retain_grad inside the graph] in retained.py): one product more in that
+    chunk, and, where it is the only chunk, one row more that the result's storage keeps.
+    Where it has not, the zero row takes a pass of its own."""
+    first = n if plan is None else plan
+    try:
+        room = plan_products(
+            n + 1, n_out, n_in, itemsize, chunk_size=None if chunk is None else chunk + 1,
+            max_memory=None, device=device, call=call, alternatives=alternatives,
+            result_bytes=itemsize * (n_out + 1) * n_in,
+        )
+    except JacobianMemoryError:
+        return False
+    return room is None or room >= first + 1
 
 
 def _through_reentrant_checkpoint(outs: Sequence[Tensor]) -> bool:

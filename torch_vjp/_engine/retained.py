@@ -13,7 +13,8 @@ it is found by its effect:
 
 1. one vectorised backward pass whose first row is a zero cotangent: the first chunk of the
    products, with that row put before its rows (:func:`escaped_after`; where the products
-   start with the loop instead, a pass of that one row, :func:`retained_in_graph`). Each
+   start with the loop instead, or where the memory budget has no room for one product
+   more in that chunk, a pass of that one row, :func:`retained_in_graph`). Each
    retaining hook stores a batched tensor whose first row is ``G + g0`` (``G`` its ``.grad``
    before, ``g0`` the zero cotangent's gradient there) or ``g0`` (no ``.grad`` before);
 2. one backward pass without vmap and a zero cotangent: where a hook stored a batched
