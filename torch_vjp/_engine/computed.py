@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.context import is_nested
+from torch_vjp._engine.copies import below_transforms
 from torch_vjp._engine.fwdcheck import (
     CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
 )
@@ -342,7 +343,9 @@ def _unbatched_product(outs: Sequence[Tensor], ins: Sequence[Tensor]
     """A random cotangent ``u`` (flat, from a generator of its own) and ``u^T J`` by one
     backward pass without vmap, which keeps the graph."""
     gen = torch.Generator().manual_seed(0)
-    us = [cotangent(o, gen) for o in outs]
+    with below_transforms():  # (a draw of numbers of its own: an outer torch.vmap, whose
+        # randomness='error' refuses a random operation, has nothing to batch in it)
+        us = [cotangent(o, gen) for o in outs]
     got = torch.autograd.grad(outs, ins, us, retain_graph=True, allow_unused=True)
     return torch.cat([v.reshape(-1) for v in us]), got
 
