@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.copies import below_transforms
 from torch_vjp._engine.fwdcheck import (
     CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
@@ -120,8 +119,7 @@ def _blocks(
     # retain their gradient are found by the first vectorised chunk, with a zero row put
     # before its rows, and one pass without vmap after it; by a pass of their own where the
     # products start with the loop, or where the memory budget has no room for that row
-    look = n > 0 and not is_nested() and not any(
-        t.device.type == "meta" for t in (*d_outs, *ins))
+    look = n > 0 and not any(t.device.type == "meta" for t in (*d_outs, *ins))
     if look and (n == 1 or plan == 1 or not _room_for_zero_row(
             n, n_out, n_in, itemsize, chunk, plan, ins[0].device, call, alternatives)):
         kept += retained_in_graph(d_outs, ins, kept, _grads_kept)
