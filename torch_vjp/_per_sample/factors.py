@@ -397,8 +397,13 @@ class OuterFactor(Factor):
             c = c.repeat_interleave(T) if T != 1 else c
         if c.dtype != g.dtype:  # type: ignore[union-attr]
             c = c.to(g.dtype)  # type: ignore[union-attr]
-        gc = g * c.unsqueeze(1)
-        res = torch.mm(a.T, gc) if self.transposed else torch.mm(gc.T, a)
+        # (sum_i c_i g_i^T a_i: the factors scale the narrower of a and g, the one product
+        # reads the other as it is)
+        if a.shape[1] < g.shape[1]:  # type: ignore[union-attr]
+            a = a * c.unsqueeze(1)
+        else:
+            g = g * c.unsqueeze(1)  # type: ignore[union-attr]
+        res = torch.mm(a.T, g) if self.transposed else torch.mm(g.T, a)  # type: ignore[union-attr]
         return res if res.shape == self.region_shape else res.view(self.region_shape)
 
     def merge_key(self) -> Any:
