@@ -52,3 +52,28 @@ def test_clipped_sum_either_side_scaled(p, q, seq):
         tv.accumulate_clipped_grads(model, loss_fn, x, y, max_norm=0.05, strategy="hooks")
         for n, p_ in model.named_parameters():
             torch.testing.assert_close(p_.grad, ref[n], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("p,q", [(3, 7), (7, 3)])
+@pytest.mark.parametrize("T", [None, 1, 4])
+def test_outer_factor_weighted_sum_against_einsum(transposed, p, q, T):
+    # the clipped sum sum_i c_i G_i of a Linear (or a Conv1D, stored transposed) layer,
+    # whichever of a and g carries the clip factors
+    from torch_vjp._per_sample.factors import OuterFactor
+
+    torch.manual_seed(1)
+    B = 5
+    shape = (B, p) if T is None else (B, T, p)
+    a = torch.randn(shape, dtype=torch.float64)
+    g = torch.randn(*shape[:-1], q, dtype=torch.float64)
+    c = torch.rand(B, dtype=torch.float64)
+    a3, g3 = (a.unsqueeze(1), g.unsqueeze(1)) if T is None else (a, g)
+    per_sample = torch.einsum("btq,btp->bqp", g3, a3)
+    want = torch.einsum("b,bqp->qp", c, per_sample)
+    f = OuterFactor(a, g, (p, q) if transposed else (q, p), transposed=transposed)
+    got = f.weighted_sum(c)
+    torch.testing.assert_close(got, want.T if transposed else want, rtol=1e-12, atol=1e-12)
+    a_before, g_before, c_before = a.clone(), g.clone(), c.clone()
+    f.weighted_sum(c)
+    assert a.equal(a_before) and g.equal(g_before) and c.equal(c_before)  # (not in place)
