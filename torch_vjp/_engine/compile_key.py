@@ -7,6 +7,7 @@ behaves differently inside a trace reads)."""
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import types
 import weakref
@@ -22,7 +23,7 @@ from torch_vjp._engine.context import module_own_attrs
 
 __all__ = ["program_key", "held_key", "call_signature", "global_state", "key_stem",
            "number_key", "module_flags", "globals_read", "HOOK_GUARDS", "HookGuards",
-           "tracing"]
+           "tracing", "GuardReads", "Reads"]
 
 
 def program_key(f: object, *, passed: bool = False, depth: int = 3,
@@ -166,6 +167,105 @@ def _values_read(f: object, passed: bool, depth: int, keep: list[object] | None)
               and v.__globals__ is f.__globals__):
             out.append((k, program_key(v, passed=True, depth=depth - 1, keep=keep)))
     return tuple(out)
+
+
+# NOTE [what a program read beyond its key]
+# The key holds what ``f``'s closure, defaults and own module's globals hold, not what the
+# program reads through an object (``self.w`` of a bound method's object or of an object
+# a closure holds), nor the globals of helpers defined in other modules, nor the items of
+# a global dict or list (``CFG["scale"]``). Dynamo guards each of those, so a call that
+# switched one back and forth (``self.w.requires_grad_`` on every other step, a global
+# setting toggled) recompiled the one entry on every call (NOTE [a recompiled entry] in
+# compiled.py), and after ``REBUILD_WARN_AT`` of them it stayed eager. Keying every tensor
+# an object holds would make an object that also keeps a growing log of tensors a new key
+# on every call. So the first compile of a key notes, from dynamo's own guards
+# (``guard_filter_fn``, which keeps every guard), the tensors and constants the program
+# read from ``f`` (or a function passed beside it) and from globals, by the guard's own
+# expression: :class:`GuardReads`. From then on that key is extended with their
+# signatures (tensors by :func:`_leaf_signature`, constants by value), read anew on each
+# call (:class:`Reads`): each state finds a program of its own, compiled once, and one that
+# changes on every call (a step counter) counts as a closure over new objects does, warned
+# about and left eager (NOTE [closures over new objects] in compiled.py). Left out,
+# as the key holds them already: the primals, the closure cells and defaults of ``f``
+# themselves, a module's parameters, buffers and training flag (:func:`module_flags`).
+
+_READ_GUARDS = frozenset({"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH"})
+_ROOT = re.compile(r"args\[(\d+)\]")
+_GLOBAL = re.compile(r"G\['__import_(\w+)'\]")  # (another module's globals, as dynamo
+_OWN = re.compile(r"(torch|torch_vjp)(_dot_|$)")  # names it: dots as _dot_)
+_KEYED = re.compile(r"args\[0\]\.(__closure__\[\d+\]\.cell_contents|__defaults__\[\d+\]"
+                    r"|__kwdefaults__\[[^]]+\])$")
+
+
+class GuardReads:
+    """A ``guard_filter_fn`` for ``torch.compile`` that keeps every guard and notes the
+    expressions of those NOTE [what a program read beyond its key] holds. The compiled
+    function takes ``(f, *primals, *passed, *rest)`` as its ``args``: ``primals`` the
+    number of primals, ``passed`` of the functions passed beside ``f``."""
+
+    def __init__(self, primals: int, passed: int) -> None:
+        self.primals = primals
+        self.passed = passed
+        self.names: dict[str, None] = {}
+
+    def __call__(self, entries: Any) -> list[bool]:
+        for e in entries:
+            if e.guard_type in _READ_GUARDS and self._beyond_key(e.name):
+                self.names[e.name] = None
+        return [True] * len(entries)
+
+    def _beyond_key(self, name: str) -> bool:
+        if "._parameters[" in name or "._buffers[" in name or name.endswith(".training"):
+            return False
+        if name.startswith("G["):  # (the user's modules: not torch's, nor ours)
+            found = _GLOBAL.match(name)
+            return found is not None and not _OWN.match(found.group(1))
+        root = _ROOT.match(name)
+        if root is None:
+            return False
+        i = int(root.group(1))
+        if i != 0 and not self.primals < i <= self.primals + self.passed:
+            return False  # (a primal, or an argument made anew for each call)
+        return name != root.group(0) and _KEYED.match(name) is None
+
+    def reads(self, scope: dict[str, Any]) -> Reads | None:
+        """What the program read, evaluated in ``scope`` (the compiled function's
+        globals), or None where it read nothing the key does not hold."""
+        return Reads(tuple(self.names), scope) if self.names else None
+
+
+class Reads:
+    """The expressions of dynamo's guards a key is extended with (NOTE [what a program read
+    beyond its key]), each compiled once and evaluated as dynamo's guards are."""
+
+    __slots__ = ("names", "codes", "scope")
+
+    def __init__(self, names: tuple[str, ...], scope: dict[str, Any]) -> None:
+        from torch._dynamo import guards  # (the helpers its guard text calls)
+
+        known = getattr(guards, "_get_closure_vars", None)
+        self.names = names
+        self.codes = tuple(compile(n, "<guard>", "eval") for n in names)
+        self.scope = {**(known() if known else getattr(guards, "CLOSURE_VARS", {})),
+                      "G": scope}
+
+    def union(self, other: Reads) -> Reads:
+        return Reads(tuple(dict.fromkeys((*self.names, *other.names))), self.scope["G"])
+
+    def signature(self, f: object, args: tuple[Any, ...]) -> tuple[object, ...]:
+        """The signature of what each expression reads in this call (``args``: the primals
+        and the functions passed beside ``f``), as the key's last item: ``("reads", ...)``,
+        which :func:`key_stem` leaves out."""
+        local = {"args": (f, *args)}
+        out = []
+        for code in self.codes:
+            try:
+                v = eval(code, self.scope, local)  # noqa: S307 - dynamo's own guard text
+            except Exception:  # noqa: BLE001 - gone: the program's guard fails as well
+                out.append(("unread",))
+                continue
+            out.append(_leaf_signature(v))
+        return ("reads", tuple(out))
 
 
 def _items_key(v: Any, keep: list[object] | None) -> object:
@@ -344,9 +444,22 @@ _AUTOCAST_DEVICES: tuple[str, ...] = tuple(torch._C._autocast_supported_devices(
 _AUTOCAST_UNSAID = _unsaid(_AUTOCAST_DEVICES)
 
 
+# NOTE [train and eval entries]
+# The key holds the training flags of the modules ``f`` reaches and of every module they
+# hold (``context.module_tree``, the walk buffers_kept reads too): the two modes are two
+# programs, and the one that fails (a model with dropout, whose training-mode draws differ
+# between the eager and the compiled run; BatchNorm's running statistics, written under
+# vmap) stays eager alone. Left to dynamo's guard on ``training``, a single training-mode
+# call recompiled the eval-mode entry (NOTE [a recompiled entry] in compiled.py), its check
+# failed, and the key, eval mode's too, ran eagerly from then on; so it went for a
+# submodule switched on its own (``model.dropout.train()``), until the flags of the whole
+# tree were keyed. The modules among the arguments count too (``f(x, model)`` with
+# ``argnums=0``: a model ``f`` reaches only through an argument).
+
+
 def module_flags(m: torch.nn.Module) -> object:
     """What the key holds of a module ``f`` or an argument reaches (NOTE [train and eval
-    entries] in :mod:`torch_vjp._engine.compiled`): its training flag, and whether each of
+    entries]): its training flag, and whether each of
     its own parameters requires grad. Dynamo guards both; with the training flag alone, a
     model frozen and unfrozen on alternate calls (``model.requires_grad_(False)`` for the
     other half of a step) recompiled its one entry on every call, and after
@@ -374,11 +487,13 @@ def _arguments(args: tuple[Any, ...]) -> object:
 
 def key_stem(key: object) -> object:
     """``key`` with what the closures, defaults and ``partial`` arguments of the functions
-    in it hold, and the globals they read, left out: the keys of one function written anew for each call, over new
+    in it hold, the globals they read, and what a program read beyond the key, left out: the keys of one function written anew for each call, over new
     objects, share a stem (the warning of ``_closure_variants`` in
     :mod:`torch_vjp._engine.compiled`)."""
     if type(key) is not tuple:
         return key
+    if key and type(key[-1]) is tuple and key[-1][:1] == ("reads",):  # (NOTE [what a
+        key = key[:-1]  # program read beyond its key]: a key extended by it, or not yet)
     if key and key[0] == "function" and len(key) == 5:
         return ("function", key[1])
     if key and key[0] == "method" and len(key) == 4:  # (the globals it reads left out)

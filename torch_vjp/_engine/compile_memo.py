@@ -23,9 +23,12 @@ where
   whose closure or global was rebound (``nonlocal x``) walks again (``f`` a module: the
   globals its forward reads);
 * every noted module is alive, with its training flag as noted (NOTE [train and eval
-  entries] in :mod:`torch_vjp._engine.compiled`: a model switched to eval finds its own
+  entries] in :mod:`torch_vjp._engine.compile_key`: a model switched to eval finds its own
   entry, never the training one's; up to :data:`NOTES_PER_CALL` notes are kept, one per
-  combination of flags, so that modes that alternate each find theirs); and
+  entry, so that modes that alternate each find theirs), and what the entry's program read
+  beyond its key is as when it was built (NOTE [what a program read beyond its key] in
+  :mod:`torch_vjp._engine.compile_key`: a ``self.w`` whose ``requires_grad`` alternates);
+  and
 * the entry is still cached, compiled, and writes nothing (NOTE [a program that writes
   nothing]): a program that may change a buffer of the user's runs on the full path, under
   ``buffers_kept`` and its walk, on every call. A note holds its entry weakly: an entry
@@ -39,6 +42,19 @@ again; that is the same safety net the key already relies on for what it does no
 global flag, a module attribute). Functions made anew for each call (a lambda inside the
 training loop) are never found here, and take the full path as before.
 """
+
+# NOTE [a program that writes nothing]
+# A call puts back what it changes of the user's (NOTE [what a call puts back], kept.py):
+# buffers_kept copies the small tensors f captures and the buffers of modules in training
+# mode before the call and compares them after it, about 45 us of a 200 us compiled call
+# of the suite's MLP (its biases copied and compared on every call). A compiled program's
+# writes are fixed when it is traced (dynamo specialises f's branches and guards them; a
+# recompile is a first call again, NOTE [a recompiled entry]), and every write into a
+# tensor it reads moves that tensor's version, F.batch_norm's statistics included (which
+# eagerly do not). So the first compiled run notes the versions of the tensors f reaches
+# and of the buffers and parameters of the modules f and the arguments reach, and which
+# tensor each buffer is (kept.Footprint); where it moved none, the entry's later calls run
+# without buffers_kept.
 
 from __future__ import annotations
 
@@ -58,7 +74,7 @@ __all__ = ["MEMO_MAX", "NOTES_PER_CALL", "called_again", "note_call", "forget_ca
 #: Calls noted at most (the oldest first out).
 MEMO_MAX = 64
 #: Notes kept per call of one function, options and signature, the newest first: one per
-#: combination of its modules' training flags that alternate.
+#: entry (the training flags of its modules, or what it read beyond its key, alternate).
 NOTES_PER_CALL = 4
 
 _VALUES = (int, float, bool, complex, str, bytes, type(None))
@@ -182,8 +198,9 @@ def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any
         return None
     for noted in notes:  # (one per training mode of the modules: train and eval alternate)
         if _same(noted.held, values) and _flags_as_noted(noted):
-            entry = noted.entry()
-            return None if entry is None else (noted.key, entry)
+            entry = noted.entry()  # (and what its program read beyond its key: NOTE [what
+            if entry is not None and entry.read_as_built(f, args):  # a program read
+                return noted.key, entry  # beyond its key] in compile_key.py)
     return None
 
 
@@ -213,7 +230,8 @@ def note_call(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, .
     with _LOCK:
         older = _MEMO.pop(memo_key, ())
         _MEMO[memo_key] = (noted, *[n for n in older
-                                    if n.f() is owner and n.flags != noted.flags
+                                    if n.f() is owner and (n.flags != noted.flags
+                                                           or n.entry() is not entry)
                                     ][:NOTES_PER_CALL - 1])
         while len(_MEMO) > MEMO_MAX:
             del _MEMO[next(iter(_MEMO))]

@@ -50,7 +50,7 @@ strides, dtype, device, layout, ``requires_grad`` and conjugate, negative and in
 bits (other values by equality, or identity), grad and inference mode, autocast, the
 settings dynamo's global state guard holds (the default dtype, deterministic algorithms, the
 number of threads), the training flags of the modules ``f`` or its arguments reach and
-whether their parameters require grad (NOTE [train and eval entries],
+whether their parameters require grad (NOTE [train and eval entries] in compile_key.py,
 :func:`~torch_vjp._engine.compile_key.module_flags`), the globals ``f`` reads (NOTE [the
 globals a program reads]), and the global module hooks
 (:mod:`torch_vjp._engine.compile_key`). What else a program depends on
@@ -82,8 +82,9 @@ from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, Gra
                                               recompile_refused, results_agree,
                                               stance_held, user_stance, warn_budget, warn_eager,
                                               warn_rebuilt)
-from torch_vjp._engine.compile_key import (HOOK_GUARDS, call_signature, held_key, key_stem,
-                                          module_flags, program_key, tracing)
+from torch_vjp._engine.compile_key import (HOOK_GUARDS, GuardReads, Reads, call_signature,
+                                          held_key, key_stem, module_flags, program_key,
+                                          tracing)
 from torch_vjp._engine.compile_memo import called_again, forget_calls, note_call
 from torch_vjp._engine.context import (NO_CONTEXT, Watched, buffers_kept, module_tree,
                                        modules_reached, reached)
@@ -102,6 +103,9 @@ __all__ = [
 CACHE_MAX = 64
 
 _CACHE: OrderedDict[Any, _Entry] = OrderedDict()
+#: key -> what its programs read beyond it (NOTE [what a program read beyond its key] in
+#: compile_key.py): the key each of them is cached under is extended with its signature.
+_READS: OrderedDict[Any, Reads] = OrderedDict()
 _LOCK = threading.Lock()
 #: How many programs have been built (first calls and recompiled entries), in all: see
 #: :func:`builds`.
@@ -126,6 +130,7 @@ def clear_cache() -> None:
     """Forgets every compiled entry (tests; a user can call ``torch._dynamo.reset()``)."""
     with _LOCK:
         _CACHE.clear()
+        _READS.clear()
     forget_calls()
 
 
@@ -150,7 +155,8 @@ class _Entry:
     runs eagerly."""
 
     __slots__ = ("kept", "run", "reused", "fresh", "code", "recompiles", "deferred", "writes",
-                 "__weakref__")  # (a note holds it weakly: NOTE [a function called again])
+                 "reads", "read", "__weakref__")  # (a note holds it weakly: NOTE [a
+    # function called again])
 
     def __init__(self, kept: list[object]) -> None:
         self.kept: list[Any] = []
@@ -165,7 +171,13 @@ class _Entry:
         self.code: types.CodeType | None = None  # the compiled function's own code object
         self.recompiles = 0  # entries of this key rebuilt before (NOTE [a recompiled entry])
         self.deferred = False  # eager until found again (NOTE [closures over new objects])
-        self.writes = True  # may write what f reaches (NOTE [a program that writes nothing])
+        self.writes = True  # may write what f reaches (NOTE [a program that writes nothing] in compile_memo.py)
+        self.reads: Reads | None = None  # beyond the key, and their signature when built
+        self.read: object = None  # (NOTE [what a program read beyond its key])
+
+    def read_as_built(self, f: object, args: tuple[Any, ...]) -> bool:
+        """Whether what the program read beyond its key is as when it was built."""
+        return self.reads is None or self.reads.signature(f, args) == self.read
 
     def alive(self) -> bool:
         """Whether the objects whose ids the key holds still live."""
@@ -324,7 +336,8 @@ def _run(call: str, f: object, args: tuple[Any, ...], entry: _Entry,
          eager: Callable[[], Any], kept: Any) -> Any:
     """``entry``'s program on this call's ``f`` and ``args`` inside ``kept`` (buffers_kept, or
     none), or :data:`_RECOMPILED`; the eager result where the program fails."""
-    try:  # (NOTE [a program that writes nothing]; NOTE [hook guards while compiling])
+    try:  # (NOTE [a program that writes nothing] in compile_memo.py; NOTE [hook guards
+        # while compiling])
         with kept:
             before = _variants(entry.code)
             got = entry(f, args)  # this call's f: its closure as it is now
@@ -362,9 +375,12 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
     sig_args = args
     args = (*args, *passed)
     try:
-        hash(key)
+        reads = _READS.get(key)
     except TypeError:  # (an option given as a list, argnums=[0, 1]: the eager call says
         return eager()  # what is wrong, or computes without a cache entry)
+    base = key  # (NOTE [what a program read beyond its key] in compile_key.py)
+    if reads is not None:
+        key = (*key, reads.signature(f, args))
     # (a noted entry that recompiled: NOTE [a recompiled entry]. One noted for another key,
     # whose difference the note does not see, a closure tensor's requires_grad switched,
     # stays: its program still serves its own key, and dropped, it was compiled anew on
@@ -374,7 +390,8 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
             if _CACHE.get(rebuilt[0]) is rebuilt[1]:
                 del _CACHE[rebuilt[0]]
         return _first_call(call, key, kept, f, args, eager, build,
-                           rebuilt[1].recompiles + 1, reused=True)
+                           rebuilt[1].recompiles + 1, reused=True, base=base,
+                           passed=len(passed))
     with _LOCK:
         entry = _CACHE.get(key)
         if entry is not None and not entry.alive():  # (an id reused by a new object)
@@ -384,13 +401,15 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
             _CACHE.move_to_end(key)
             entry.reused = True
     if entry is None:
-        return _first_call(call, key, kept, f, args, eager, build, 0)
+        return _first_call(call, key, kept, f, args, eager, build, 0, base=base,
+                           passed=len(passed))
     if entry.run is None:
         if entry.deferred:  # (found again: compiled now, NOTE [closures over new objects])
             with _LOCK:
                 if _CACHE.get(key) is entry:
                     del _CACHE[key]
-            return _first_call(call, key, kept, f, args, eager, build, 0, reused=True)
+            return _first_call(call, key, kept, f, args, eager, build, 0, reused=True,
+                               base=base, passed=len(passed))
         return eager()
     got = _run(call, f, args, entry, eager,
                buffers_kept(f, primals=args, found=found, trees=trees)  # (args: a module
@@ -404,7 +423,8 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
         if _CACHE.get(key) is entry:
             del _CACHE[key]
     return _first_call(call, key, kept, f, args, eager, build, entry.recompiles + 1,
-                       reused=True)  # (found again: never deferred)
+                       reused=True, base=base,  # (found again: never deferred)
+                       passed=len(passed))
 
 
 # NOTE [a recompiled entry]
@@ -429,31 +449,27 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
 # every call), it stays eager, with a warning that says so.
 
 
-# NOTE [a program that writes nothing]
-# A call puts back what it changes of the user's (NOTE [what a call puts back], kept.py):
-# buffers_kept copies the small tensors f captures and the buffers of modules in training
-# mode before the call and compares them after it, about 45 us of a 200 us compiled call
-# of the suite's MLP (its biases copied and compared on every call). A compiled program's
-# writes are fixed when it is traced (dynamo specialises f's branches and guards them; a
-# recompile is a first call again, NOTE [a recompiled entry]), and every write into a
-# tensor it reads moves that tensor's version, F.batch_norm's statistics included (which
-# eagerly do not). So the first compiled run notes the versions of the tensors f reaches
-# and of the buffers and parameters of the modules f and the arguments reach, and which
-# tensor each buffer is (kept.Footprint); where it moved none, the entry's later calls run
-# without buffers_kept.
-
-
-# NOTE [train and eval entries]
-# The key holds the training flags of the modules ``f`` reaches and of every module they
-# hold (``context.module_tree``, the walk buffers_kept reads too): the two modes are two
-# programs, and the one that fails (a model with dropout, whose training-mode draws differ
-# between the eager and the compiled run; BatchNorm's running statistics, written under
-# vmap) stays eager alone. Left to dynamo's guard on ``training``, a single training-mode
-# call recompiled the eval-mode entry (NOTE [a recompiled entry]), its check failed, and
-# the key, eval mode's too, ran eagerly from then on; so it went for a submodule switched
-# on its own (``model.dropout.train()``), until the flags of the whole tree were keyed. The
-# modules among the arguments count too (``f(x, model)`` with ``argnums=0``: a model ``f``
-# reaches only through an argument).
+def _rekey(key: Any, base: Any, entry: _Entry, reads: Reads | None, f: object,
+           args: tuple[Any, ...]) -> None:
+    """Caches ``entry``, built for ``key``, under ``base`` extended with the signature of
+    what its program read beyond it (NOTE [what a program read beyond its key] in
+    compile_key.py), and notes those reads for ``base``'s later calls."""
+    with _LOCK:
+        known = _READS.get(base)
+        if known is not None and reads is not None:
+            reads = known.union(reads)
+        elif reads is None:
+            reads = known
+        if reads is None:
+            return
+        _READS[base] = reads
+        _READS.move_to_end(base)
+        while len(_READS) > CACHE_MAX:
+            _READS.popitem(last=False)
+        entry.reads, entry.read = reads, reads.signature(f, args)
+        if _CACHE.get(key) is entry:
+            del _CACHE[key]
+        _CACHE[(*base, entry.read)] = entry
 
 
 def _variants(code: types.CodeType | None) -> int:
@@ -471,6 +487,7 @@ def _trees_reached(f: object, args: tuple[Any, ...]) -> list[torch.nn.Module]:
 def _first_call(
     call: str, key: Any, kept: list[object], f: object, args: tuple[Any, ...],
     eager: Callable[[], Any], build: Callable[[], Any], recompiles: int, reused: bool = False,
+    base: Any = None, passed: int = 0,
 ) -> Any:
     """The first call of ``key`` (or a call that recompiled its entry, the ``recompiles``-th
     of that key; or that found a deferred entry, ``reused``): the eager result, and the
@@ -489,7 +506,7 @@ def _first_call(
     drawn()
     try:
         return _compile_first(call, key, kept, f, args, result, run, build, recompiles,
-                              reused)
+                              reused, key if base is None else base, passed)
     finally:
         drawn()
 
@@ -497,6 +514,7 @@ def _first_call(
 def _compile_first(
     call: str, key: Any, kept: list[object], f: object, args: tuple[Any, ...], result: Any,
     run: FirstRun, build: Callable[[], Any], recompiles: int, reused: bool = False,
+    base: Any = None, passed: int = 0,
 ) -> Any:
     """:func:`_first_call` after its eager call: ``result``."""
     entry = _Entry(kept)
@@ -542,9 +560,11 @@ def _compile_first(
                 own = _own_code(_on_copies(built, len(args)),
                                 name if fold else f"{name}_unfolded")
                 precision = GraphPrecision(fold=fold)
+                guards = GuardReads(len(args) - passed, passed)
                 program = torch.compile(own, fullgraph=True, dynamic=False,
-                                        backend=precision)
-                # (NOTE [a program that writes nothing])
+                                        backend=precision,
+                                        options={"guard_filter_fn": guards})
+                # (NOTE [a program that writes nothing] in compile_memo.py)
                 footprint = Footprint(reached(f)[1], _trees_reached(f, args))
                 with program_mode():
                     got = program(f, *args, *fresh())
@@ -570,6 +590,7 @@ def _compile_first(
         return result
     entry.fresh = fresh
     entry.code = own.__code__
+    _rekey(key, base, entry, guards.reads(own.__globals__), f, args)
     precision.sealed = True  # (NOTE [a recompiled entry]; sealed before another thread
     entry.run = program  # can find the entry's program and run it)
     return result
