@@ -487,8 +487,9 @@ def _arguments(args: tuple[Any, ...]) -> object:
 
 def key_stem(key: object) -> object:
     """``key`` with what the closures, defaults and ``partial`` arguments of the functions
-    in it hold, the globals they read, and what a program read beyond the key, left out: the keys of one function written anew for each call, over new
-    objects, share a stem (the warning of ``_closure_variants`` in
+    in it hold, the globals they read, and what a program read beyond the key, left out:
+    the keys of one function written anew for each call, over new objects (or read with a
+    new value), share a stem (the warning of ``_closure_variants`` in
     :mod:`torch_vjp._engine.compiled`)."""
     if type(key) is not tuple:
         return key

@@ -171,7 +171,8 @@ class _Entry:
         self.code: types.CodeType | None = None  # the compiled function's own code object
         self.recompiles = 0  # entries of this key rebuilt before (NOTE [a recompiled entry])
         self.deferred = False  # eager until found again (NOTE [closures over new objects])
-        self.writes = True  # may write what f reaches (NOTE [a program that writes nothing] in compile_memo.py)
+        self.writes = True  # may write what f reaches (NOTE [a program that writes
+        # nothing] in compile_memo.py)
         self.reads: Reads | None = None  # beyond the key, and their signature when built
         self.read: object = None  # (NOTE [what a program read beyond its key])
 
