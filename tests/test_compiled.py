@@ -21,6 +21,21 @@ D = torch.float64
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
+@pytest.fixture(autouse=True)
+def _backend(request, monkeypatch):
+    """Programs built with ``aot_eager``, which compiles no C++, unless the test asks for
+    ``inductor`` (NOTE [the backend of the tests] in torch_vjp/_engine/compile_checks.py)."""
+    from torch_vjp._engine import compile_checks
+
+    if "inductor" not in request.fixturenames:
+        monkeypatch.setattr(compile_checks, "BACKEND", "aot_eager")
+
+
+@pytest.fixture
+def inductor():
+    """The test's point is numerics through inductor: its programs are inductor's."""
+
+
 def _mlp(n_in, n_out, seed=0):
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(16, n_in, dtype=D, generator=g)
@@ -42,6 +57,7 @@ def _frames():
 @pytest.mark.parametrize("strategy,n_in,n_out", [
     ("auto", 3, 40), ("auto", 40, 3), ("rev", 6, 5), ("fwd", 6, 5),
 ])
+@pytest.mark.usefixtures("inductor")
 def test_jacobian_compiled_once_and_reused(strategy, n_in, n_out):
     f = _mlp(n_in, n_out)
     for k in range(4):
@@ -469,6 +485,7 @@ def test_has_aux_tuple_argnums_and_pytree_output():
         torch.testing.assert_close(aux, ref_aux)
 
 
+@pytest.mark.usefixtures("inductor")
 def test_create_graph_result_is_differentiable():
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
     f = lambda x: torch.tanh(w @ x)  # noqa: E731
@@ -483,6 +500,7 @@ def test_create_graph_result_is_differentiable():
             torch.testing.assert_close(g, ref)
 
 
+@pytest.mark.usefixtures("inductor")
 def test_batch_jacobian_hessian_jvp_vjp_compiled():
     f = _mlp(5, 4)
     fb = lambda x: torch.tanh(x @ torch.ones(5, 4, dtype=D) * 0.3)  # noqa: E731
@@ -735,6 +753,7 @@ def test_a_negative_argnums_is_the_argument_it_counts_back_to(call, where):
             torch.testing.assert_close(got, ref(x, y))
 
 
+@pytest.mark.usefixtures("inductor")
 def test_a_large_jacobian_is_written_into_a_new_buffer_each_call(monkeypatch):
     # NOTE [the result buffer of a compiled Jacobian]; the threshold lowered to take small ones
     from torch_vjp._engine import compiled_jacobian as compiled
@@ -1128,6 +1147,7 @@ def test_autocast_is_part_of_the_signature():
     torch.testing.assert_close(tv.jacobian(g, x, compile=True), torch.func.jacrev(g)(x))
 
 
+@pytest.mark.usefixtures("inductor")
 def test_under_autocast_the_compiled_call_takes_eager_autos_mode_and_compiles():
     # (8 -> 8 under bfloat16 autocast: the compiled "auto" took forward mode, whose
     # Jacobian has the output's dtype, bfloat16; the eager "auto" takes reverse mode,
@@ -1312,6 +1332,7 @@ def _compile_warnings(fn):
             and "compile=True" in str(w.message)]
 
 
+@pytest.mark.usefixtures("inductor")
 @pytest.mark.parametrize("cause", ["randn", "dropout", "in_place"])
 def test_a_fallback_warning_names_the_likely_cause(cause):
     x, t = torch.randn(3, dtype=D), torch.ones(3, dtype=D)
@@ -1600,6 +1621,7 @@ def test_results_agree_reads_nan_in_both_and_equal_infinities_as_agreeing():
         assert why is not None and why.startswith("the compiled result differs from the eager")
 
 
+@pytest.mark.usefixtures("inductor")
 def test_a_float32_step_inside_a_float64_function_compiles():
     # the first call's comparison took float64's tolerance: a float32 step inside f (a
     # float32 submodule, Llama's and T5's norms) rounds the compiled program at float32's,

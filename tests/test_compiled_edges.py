@@ -18,6 +18,21 @@ D = torch.float64
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
+@pytest.fixture(autouse=True)
+def _backend(request, monkeypatch):
+    """Programs built with ``aot_eager``, which compiles no C++, unless the test asks for
+    ``inductor`` (NOTE [the backend of the tests] in torch_vjp/_engine/compile_checks.py)."""
+    from torch_vjp._engine import compile_checks
+
+    if "inductor" not in request.fixturenames:
+        monkeypatch.setattr(compile_checks, "BACKEND", "aot_eager")
+
+
+@pytest.fixture
+def inductor():
+    """The test's point is numerics through inductor: its programs are inductor's."""
+
+
 class _Stats(torch.nn.Module):
     """A module whose training-mode forward updates running statistics in a kernel (no
     version bump eagerly, one compiled), as BatchNorm's do."""
@@ -231,6 +246,7 @@ def test_a_recompile_under_the_users_stance_changes_no_buffer(stance):
 
 @pytest.mark.parametrize("dtype,scale", [(D, 1.0), (D, 1e-9), (torch.float32, 1e-4)],
                          ids=["float64", "float64-tiny", "float32-tiny"])
+@pytest.mark.usefixtures("inductor")
 def test_the_first_call_check_is_relative_to_the_results_scale(dtype, scale):
     # (the check allowed sqrt(eps) of max(scale, 1): for a Jacobian whose entries are all
     # far below 1 that is no check at all, and dropout's other mask in the compiled run
@@ -243,6 +259,7 @@ def test_the_first_call_check_is_relative_to_the_results_scale(dtype, scale):
         tv.jacobian(f, x, compile=True)
 
 
+@pytest.mark.usefixtures("inductor")
 @pytest.mark.parametrize("dtype", [D, torch.float32], ids=["float64", "float32"])
 def test_a_valid_program_with_a_tiny_jacobian_compiles(dtype):
     import copy
@@ -297,6 +314,7 @@ def test_global_state_dynamo_guards_alternated_keeps_a_program_each(name):
     assert compiled.builds() - before == 2
 
 
+@pytest.mark.usefixtures("inductor")
 @pytest.mark.parametrize("dtype", [D, torch.float32], ids=["float64", "float32"])
 def test_a_block_zero_but_for_rounding_compiles(dtype):
     # (the derivative of a layer norm with respect to a shift of all its inputs is zero;

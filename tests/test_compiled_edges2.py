@@ -16,6 +16,21 @@ D = torch.float64
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
+@pytest.fixture(autouse=True)
+def _backend(request, monkeypatch):
+    """Programs built with ``aot_eager``, which compiles no C++, unless the test asks for
+    ``inductor`` (NOTE [the backend of the tests] in torch_vjp/_engine/compile_checks.py)."""
+    from torch_vjp._engine import compile_checks
+
+    if "inductor" not in request.fixturenames:
+        monkeypatch.setattr(compile_checks, "BACKEND", "aot_eager")
+
+
+@pytest.fixture
+def inductor():
+    """The test's point is numerics through inductor: its programs are inductor's."""
+
+
 def _sin2(x):
     return x.sin() * 2
 
@@ -101,6 +116,7 @@ def _index_added(x):
     return torch.zeros(3, dtype=x.dtype).index_add(0, _IDX, x.sin())
 
 
+@pytest.mark.usefixtures("inductor")
 def test_an_index_add_in_forward_mode_compiles():
     # (its zero tangent is an efficient zero tensor expanded over the basis: inductor added
     # every row into the one row the expand shares, through the zero tensor's missing

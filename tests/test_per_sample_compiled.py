@@ -19,6 +19,21 @@ D = torch.float64
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
+@pytest.fixture(autouse=True)
+def _backend(request, monkeypatch):
+    """Programs built with ``aot_eager``, which compiles no C++, unless the test asks for
+    ``inductor`` (NOTE [the backend of the tests] in torch_vjp/_engine/compile_checks.py)."""
+    from torch_vjp._engine import compile_checks
+
+    if "inductor" not in request.fixturenames:
+        monkeypatch.setattr(compile_checks, "BACKEND", "aot_eager")
+
+
+@pytest.fixture
+def inductor():
+    """The test's point is numerics through inductor: its programs are inductor's."""
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(),
@@ -35,6 +50,7 @@ def _loop(model, loss_fn, x, y):
     return {n: torch.stack(v) for n, v in out.items()}
 
 
+@pytest.mark.usefixtures("inductor")
 def test_grads_norms_and_clipped_step_against_the_loop_compiled_once():
     model, loss_fn = _model(), nn.CrossEntropyLoss()
     x, y = torch.randn(8, 2, 6, 6, dtype=D), torch.randint(0, 3, (8,))

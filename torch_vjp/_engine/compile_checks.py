@@ -28,7 +28,7 @@ __all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled",
            "recompile_refused", "FirstRun", "graph_safe_mode", "warn_rebuilt",
            "warn_eager", "compile_failure", "COMPILED_STRATEGIES", "check_compile",
            "check_compilable", "warn_budget", "program_mode", "user_stance",
-           "compiles_nothing", "dynamo_disabled", "stance_held"]
+           "compiles_nothing", "dynamo_disabled", "stance_held", "BACKEND"]
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
@@ -81,6 +81,23 @@ def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str |
 ROUNDING_FLOOR = 16
 
 
+#: The torch.compile backend a compiled entry's graphs are handed to: None for inductor
+#: (the default, and the only one a user gets); the name of another (``"aot_eager"``) for
+#: the tests of what does not depend on the backend (keys, caching, recompiles, guards,
+#: fallbacks, messages), which then build no C++ (NOTE [the backend of the tests]).
+BACKEND: str | None = None
+
+# NOTE [the backend of the tests]
+# Inductor compiles each new program to C++, seconds on a cold cache; the tests of the
+# cache, its keys and guards, the first-call check's fallbacks and the warnings count
+# programs and read messages, which do not depend on what the graph is compiled to. Those
+# set :data:`BACKEND` to ``"aot_eager"`` (AOTAutograd's functionalised graph run eagerly:
+# the same writes, version counters and decompositions inductor is given, without its code
+# generation), and :class:`GraphPrecision` hands the graph to it; its own passes (NOTE
+# [the basis folded], [oneDNN products], [a scatter into an expanded tensor]) are
+# inductor's and run only there, so the tests of numerics through inductor keep it.
+
+
 class GraphPrecision:
     """A ``torch.compile`` backend that notes the least precise floating dtype of the graphs
     it is given (``least``: a float32 step in a float64 function, as the RMSNorm of Llama and
@@ -111,6 +128,8 @@ class GraphPrecision:
                 if found is not None:
                     self.least = least_of((found,) if self.least is None
                                           else (found, self.least))
+        if BACKEND is not None:  # NOTE [the backend of the tests]
+            return torch._dynamo.lookup_backend(BACKEND)(gm, example_inputs)
         from torch._inductor import compile as inductor  # (imported when compiling only)
         from torch._inductor import config
 
