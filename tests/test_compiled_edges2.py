@@ -82,20 +82,23 @@ def test_a_call_in_the_users_eager_run_under_another_stance_stays_compilable():
 
 
 class _Scale:
-    value = 2.0
+    op = torch.sin
 
 
 def _scaled(x):
-    return x.sin() * _Scale.value
+    return _Scale.op(x) * 2.0
 
 
 def test_a_recompile_while_dynamo_is_disabled_leaves_the_signature_compilable(monkeypatch):
     # (an entry whose guard fails once dynamo's config.disable is set cannot recompile:
-    # that call runs eagerly, and after dynamo is back the signature compiles again)
-    monkeypatch.setattr(_Scale, "value", 2.0)
+    # that call runs eagerly, and after dynamo is back the signature compiles again. The
+    # function read through a class, which dynamo guards by identity, is not in the key: a
+    # number read there is, NOTE [what a program read beyond its key], and would find a
+    # key of its own instead of recompiling)
+    monkeypatch.setattr(_Scale, "op", torch.sin)
     x = torch.randn(3, dtype=D)
     tv.jacobian(_scaled, x, compile=True)
-    _Scale.value = 3.0
+    _Scale.op = torch.cos
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)
         with torch._dynamo.config.patch(disable=True):
