@@ -36,6 +36,13 @@ def inductor():
     """The test's point is numerics through inductor: its programs are inductor's."""
 
 
+#: The backend of the tests' own ``torch.compile`` of a function that calls torch_vjp,
+#: whose point is what dynamo traces of it (no graph break, no recompile, the eager errors):
+#: aot_eager, which compiles no C++ (the per-sample tests inside the user's compile keep
+#: inductor, for the numerics through it).
+_USERS_BACKEND = "aot_eager"
+
+
 def _mlp(n_in, n_out, seed=0):
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(16, n_in, dtype=D, generator=g)
@@ -609,7 +616,7 @@ def test_max_memory_runs_eagerly_with_a_warning():
 
 
 def _inside_user_compile(fn, make_args, ref):
-    compiled_fn = torch.compile(fn)
+    compiled_fn = torch.compile(fn, backend=_USERS_BACKEND)
     for k in range(4):
         args = make_args(k)
         torch.testing.assert_close(compiled_fn(*args), ref(*args))
@@ -738,7 +745,7 @@ def test_a_negative_argnums_is_the_argument_it_counts_back_to(call, where):
             return torch.func.jacrev(f, 1)(x, y)
         return torch.func.hessian(lambda x, y: f(x, y).sum(), 1)(x, y)
 
-    compiled = torch.compile(run, fullgraph=True)
+    compiled = torch.compile(run, fullgraph=True, backend=_USERS_BACKEND)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.JacobianWarning)  # compile=True: no eager fallback
         for _ in range(3):
@@ -949,7 +956,7 @@ def test_inside_users_torch_compile_a_bad_argnums_is_the_eager_error(argnums):
     with pytest.raises(tv.JacobianCallError, match=r"argnums="):
         run(x, y)  # eager
     with pytest.raises(tv.JacobianCallError, match=r"argnums="):
-        torch.compile(run)(x, y)
+        torch.compile(run, backend=_USERS_BACKEND)(x, y)
 
 
 def test_auto_compiles_reverse_mode_where_forward_mode_has_no_formula():
@@ -1080,7 +1087,7 @@ def test_inside_users_torch_compile_a_graph_break_in_f_is_traced_around(name):
         "vjp": (lambda x: tv.vjp(f, x)[1](t)[0], lambda x: torch.func.vjp(f, x)[1](t)[0]),
     }
     ours, ref = calls[name]
-    torch.testing.assert_close(torch.compile(ours)(x), ref(x))
+    torch.testing.assert_close(torch.compile(ours, backend=_USERS_BACKEND)(x), ref(x))
 
 
 @pytest.mark.parametrize("argnums,has_aux", [([0, 1], False), (0, [])])
@@ -1728,9 +1735,11 @@ def test_jvp_strict_inside_the_users_compile_raises_as_eagerly(batched):
     f = lambda x: torch.ones(2, dtype=D)  # noqa: E731
     with pytest.raises(RuntimeError, match="The output of f is independent of the inputs"):
         tv.jvp(f, (x,), (v,), strict=True, batched=batched)
-    compiled = torch.compile(lambda x, v: tv.jvp(f, (x,), (v,), strict=True, batched=batched))
+    compiled = torch.compile(lambda x, v: tv.jvp(f, (x,), (v,), strict=True, batched=batched),
+                             backend=_USERS_BACKEND)
     with pytest.raises(RuntimeError, match="The output of f is independent of the inputs"):
         compiled(x, v)
     g = lambda x: x * 2  # noqa: E731  (a dependent output: the same tangents as eagerly)
-    got = torch.compile(lambda x, v: tv.jvp(g, (x,), (v,), strict=True, batched=batched))(x, v)
+    got = torch.compile(lambda x, v: tv.jvp(g, (x,), (v,), strict=True, batched=batched),
+                        backend=_USERS_BACKEND)(x, v)
     torch.testing.assert_close(got[1], 2 * v)

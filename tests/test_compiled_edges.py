@@ -33,6 +33,13 @@ def inductor():
     """The test's point is numerics through inductor: its programs are inductor's."""
 
 
+#: The backend of the tests' own ``torch.compile`` of a function that calls torch_vjp,
+#: whose point is what dynamo traces of it (no graph break, no recompile, the eager errors):
+#: aot_eager, which compiles no C++ (the per-sample tests inside the user's compile keep
+#: inductor, for the numerics through it).
+_USERS_BACKEND = "aot_eager"
+
+
 class _Stats(torch.nn.Module):
     """A module whose training-mode forward updates running statistics in a kernel (no
     version bump eagerly, one compiled), as BatchNorm's do."""
@@ -111,7 +118,7 @@ def test_a_batched_jvp_in_chunks_inside_users_torch_compile():
     f = lambda x: _pair(x, w)[0]  # noqa: E731
     x, vs = torch.randn(6, dtype=D), torch.randn(5, 6, dtype=D)
     got = torch.compile(lambda x, vs: tv.jvp(f, (x,), (vs,), batched=True, chunk_size=2),
-                        fullgraph=True)(x, vs)
+                        fullgraph=True, backend=_USERS_BACKEND)(x, vs)
     want = torch.func.vmap(lambda v: torch.func.jvp(f, (x,), (v,))[1])(vs)
     torch.testing.assert_close(got[0], f(x))
     torch.testing.assert_close(got[1], want)
