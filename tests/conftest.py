@@ -128,6 +128,24 @@ def fresh_dynamo(monkeypatch):
     compiled.clear_cache()
 
 
+@pytest.fixture
+def aot_eager_unless_inductor(request, monkeypatch):
+    """compile=True programs built with ``aot_eager``, which compiles no C++, unless the test
+    asks for :func:`inductor` (NOTE [the backend of the tests] in
+    torch_vjp/_engine/compile_checks.py): for the tests of keys, caching, recompiles, guards,
+    fallbacks and messages, whose point does not depend on what the graph is compiled to."""
+    from torch_vjp._engine import compile_checks
+
+    if "inductor" not in request.fixturenames:
+        monkeypatch.setattr(compile_checks, "BACKEND", "aot_eager")
+
+
+@pytest.fixture
+def inductor():
+    """The test's point is numerics through inductor: its compile=True programs are
+    inductor's (under :func:`aot_eager_unless_inductor`)."""
+
+
 def _spawn_within(worker, world, seconds):
     """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; a rank that still runs
     after ``seconds`` (a collective waiting for ever) fails the test instead of blocking it."""

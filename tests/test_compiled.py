@@ -18,22 +18,7 @@ import torch_vjp as tv
 D = torch.float64
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
-
-
-@pytest.fixture(autouse=True)
-def _backend(request, monkeypatch):
-    """Programs built with ``aot_eager``, which compiles no C++, unless the test asks for
-    ``inductor`` (NOTE [the backend of the tests] in torch_vjp/_engine/compile_checks.py)."""
-    from torch_vjp._engine import compile_checks
-
-    if "inductor" not in request.fixturenames:
-        monkeypatch.setattr(compile_checks, "BACKEND", "aot_eager")
-
-
-@pytest.fixture
-def inductor():
-    """The test's point is numerics through inductor: its programs are inductor's."""
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "aot_eager_unless_inductor")  # conftest
 
 
 #: The backend of the tests' own ``torch.compile`` of a function that calls torch_vjp,
@@ -1743,3 +1728,25 @@ def test_jvp_strict_inside_the_users_compile_raises_as_eagerly(batched):
     got = torch.compile(lambda x, v: tv.jvp(g, (x,), (v,), strict=True, batched=batched),
                         backend=_USERS_BACKEND)(x, v)
     torch.testing.assert_close(got[1], 2 * v)
+
+
+
+def _inductor_compiles(monkeypatch) -> bool:
+    import torch._inductor
+
+    calls = []
+    real = torch._inductor.compile
+    monkeypatch.setattr(torch._inductor, "compile",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(3, dtype=D)
+    torch.testing.assert_close(tv.jacobian(torch.sin, x, compile=True), torch.diag(x.cos()))
+    return bool(calls)
+
+
+def test_the_tests_programs_are_aot_eagers_by_default(monkeypatch):
+    # (NOTE [the backend of the tests]: the tests here rely on it)
+    assert not _inductor_compiles(monkeypatch)
+
+
+def test_a_test_that_asks_for_inductor_gets_it(inductor, monkeypatch):
+    assert _inductor_compiles(monkeypatch)

@@ -16,22 +16,7 @@ import torch_vjp as tv
 D = torch.float64
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
-
-
-@pytest.fixture(autouse=True)
-def _backend(request, monkeypatch):
-    """Programs built with ``aot_eager``, which compiles no C++, unless the test asks for
-    ``inductor`` (NOTE [the backend of the tests] in torch_vjp/_engine/compile_checks.py)."""
-    from torch_vjp._engine import compile_checks
-
-    if "inductor" not in request.fixturenames:
-        monkeypatch.setattr(compile_checks, "BACKEND", "aot_eager")
-
-
-@pytest.fixture
-def inductor():
-    """The test's point is numerics through inductor: its programs are inductor's."""
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "aot_eager_unless_inductor")  # conftest
 
 
 def _model():
