@@ -52,6 +52,21 @@ class Blocks:
         self.looped = False
 
 
+def owned(t: Tensor) -> Tensor:
+    """``t``, or a contiguous copy of it where it is an expanded view (a stride 0 along a
+    dimension of size above 1, as vmap gives for an input the output does not depend on):
+    such a view cannot be written into, and a block handed to the user is an ordinary
+    tensor, as torch.autograd.functional.jacobian's zeros are.
+
+    Example:
+        >>> owned(torch.zeros(3).expand(2, 3)).stride()
+        (3, 1)
+    """
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return t.contiguous()
+    return t
+
+
 def rev_blocks(
     stacked: Sequence[Tensor], out_rows: Sequence[torch.Size], batch: int | None
 ) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
@@ -68,6 +83,7 @@ def rev_blocks(
     blocks: list[list[Tensor]] = [[] for _ in out_rows]
     views: list[list[Tensor]] = [[] for _ in out_rows]
     for res_i in stacked:
+        res_i = owned(res_i)
         parts = res_i.split(numels) if len(numels) > 1 else (res_i,)
         tail = res_i.shape[1:]
         for j, part in enumerate(parts):
@@ -94,7 +110,7 @@ def fwd_blocks(
     numels = [math.prod(s) for s in in_rows]
     blocks: list[list[Tensor]] = []
     for res_j in stacked:
-        moved = res_j.movedim(0, -1)
+        moved = owned(res_j).movedim(0, -1)
         parts = moved.split(numels, dim=-1) if len(numels) > 1 else (moved,)
         row_blocks = []
         for part, shape in zip(parts, in_rows):

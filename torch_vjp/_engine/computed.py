@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.blocks import owned
 from torch_vjp._engine.copies import below_transforms
 from torch_vjp._engine.fwdcheck import (
     CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
@@ -225,7 +226,7 @@ def _blocks(
     k = 0
     for j, o in enumerate(outs):
         if o.requires_grad:
-            row = [parts[k].reshape((*o.shape, *x.shape)) for parts, x in zip(parts_by_input, ins)]
+            row = [owned(parts[k]).reshape((*o.shape, *x.shape)) for parts, x in zip(parts_by_input, ins)]
             k += 1
         else:
             row = [o.new_zeros((*o.shape, *x.shape), dtype=x.dtype) for x in ins]
