@@ -98,6 +98,7 @@ from torch_vjp._engine.refusals import (
     VMAP_CAUSES,
     forward_refusal,
     renorms,
+    unbatched_op,
     vmap_refusal,
     writes_into_input,
 )
@@ -317,6 +318,9 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
             return _vectorized(prob, mode, shapes, opts)
         except Exception as err:  # noqa: BLE001 - torch.func's known refusals are explained
             why = None if passes_through(err) else vmap_refusal(err)
+            op = None if passes_through(err) else unbatched_op(err)
+            if why is None and op is not None:
+                raise no_batching_rule(prob, mode, op, err) from None
             if why is None and mode == "fwd" and not passes_through(err):
                 why = forward_refusal(err)
                 if why is not None:
@@ -362,6 +366,19 @@ def fwd_loop_refusal(prob: Problem, err: BaseException) -> Exception | None:
         f"  torch said: {quote_error(err)}\n"
         f"  Fix: strategy='rev-loop' or 'auto' (reverse mode needs only backward "
         f"formulas), or give the Function a jvp staticmethod."
+    )
+
+
+def no_batching_rule(prob: Problem, mode: str, op: str, err: BaseException) -> StrategyError:
+    """The error of strategy ``mode`` ("fwd" or "rev", vectorised with torch.vmap) where
+    vmap has no batching rule for the operator ``op`` in f (or in its backward)."""
+    where = "f" if mode == "fwd" else "f's backward"
+    return StrategyError(
+        f"{prob.call}: strategy='{mode}' computes all {mode}-mode products at once with "
+        f"torch.vmap, which has no batching rule for aten::{op}, used in {where} "
+        f"({function_name(prob.f)}), so it cannot batch the products.\n"
+        f"  torch.vmap said: {quote_error(err)}\n"
+        f"  Fix: strategy='{mode}-loop' (one product at a time, without vmap)."
     )
 
 

@@ -6,7 +6,13 @@ refusal of an in-place write into a differentiated leaf (:func:`writes_into_inpu
 from __future__ import annotations
 
 __all__ = ["RENORM_FIX", "SPARSE_TANGENT", "VMAP_CAUSES", "forward_refusal", "mutates_captured",
-           "refusal_kind", "renorms", "vmap_refusal", "writes_into_input"]
+           "refusal_kind", "renorms", "unbatched_op", "vmap_refusal", "writes_into_input"]
+
+import re
+
+#: torch.vmap's refusal of an operator it has no batching rule for, with the operator.
+_NO_RULE = re.compile(r"aten::([\w.]+) requires special handling, and does not yet have a "
+                      r"batching rule|Batching rule not implemented for aten::([\w.]+)")
 
 
 #: What each known refusal of torch.func's transforms says, by its kind.
@@ -107,6 +113,15 @@ def vmap_refusal(err: BaseException) -> str | None:
     if kind == "captured" and renorms(err):
         return _RENORM
     return None if kind is None else _WHY[kind]
+
+
+def unbatched_op(err: BaseException) -> str | None:
+    """The operator torch.vmap has no batching rule for, where ``err`` is that refusal
+    (``"as_strided_scatter"``), None for any other error."""
+    if not isinstance(err, RuntimeError):
+        return None
+    found = _NO_RULE.search(str(err))
+    return None if found is None else (found.group(1) or found.group(2))
 
 
 def forward_refusal(err: BaseException) -> str | None:
