@@ -29,7 +29,7 @@ from torch import Tensor
 from torch_vjp._sparse.rules import combine, group, register
 from torch_vjp._sparse.tracer import Call, Tracer
 
-__all__ = ["maybe_nonzero", "unique_rows", "contract", "product_ids"]
+__all__ = ["maybe_nonzero", "unique_rows", "contract", "product_ids", "windowed"]
 
 _LONG = torch.long
 
@@ -309,11 +309,24 @@ def adaptive_pooling(tr: Tracer, call: Call) -> list[Tensor | None]:
     out = call.outs[0]
     d = int(call.name.split("pool")[1][0])
     sizes, lengths = list(out.shape[out.dim() - d:]), list(x.shape[x.dim() - d:])
-    member = torch.ones(1, 1, dtype=torch.bool)
+    insides = []
     for s, length in zip(sizes, lengths):
         o = torch.arange(s).unsqueeze(1)
         at = torch.arange(length).unsqueeze(0)
-        inside = (at >= (o * length) // s) & (at < -((-(o + 1) * length) // s))
+        insides.append((at >= (o * length) // s) & (at < -((-(o + 1) * length) // s)))
+    return windowed(tr, call, ids, insides)
+
+
+def windowed(tr: Tracer, call: Call, ids: Tensor, insides: list[Tensor]) -> list[Tensor | None]:
+    """The sets of a pooling's output, whose last ``len(insides)`` dimensions each read a
+    window of the input's: ``insides[k][o, i]`` is whether output position ``o`` of the k-th
+    of them reads input position ``i``; an output element depends on the product of its
+    dimensions' windows (the other outputs, indices, carry no set)."""
+    d = len(insides)
+    sizes = [inside.shape[0] for inside in insides]
+    lengths = [inside.shape[1] for inside in insides]
+    member = torch.ones(1, 1, dtype=torch.bool)
+    for inside, s, length in zip(insides, sizes, lengths):
         member = (member.unsqueeze(1).unsqueeze(3) & inside.unsqueeze(0).unsqueeze(2)).reshape(
             member.shape[0] * s, member.shape[1] * length)
     lead = ids.shape[: ids.dim() - d]

@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from torch_vjp._sparse.contract import _ints, contract
+from torch_vjp._sparse.contract import _ints, windowed
 from torch_vjp._sparse.rules import (
     _LONG,
     _float_inputs,
@@ -381,15 +381,8 @@ def fractional_max_pool(tr: Tracer, call: Call) -> list[Tensor | None]:
     out = call.outs[0]
     pool = _ints(call.bound["kernel_size"], d, [1])
     sizes, lengths = list(out.shape[out.dim() - d:]), list(x.shape[x.dim() - d:])
-    member = torch.ones(1, 1, dtype=torch.bool)
-    for s, length, k in zip(sizes, lengths, pool):
-        inside = _fractional_reach(length, s, k)
-        member = (member.unsqueeze(1).unsqueeze(3) & inside.unsqueeze(0).unsqueeze(2)).reshape(
-            member.shape[0] * s, member.shape[1] * length)
-    lead = ids.shape[: ids.dim() - d]
-    flat = ids.reshape(1, -1, math.prod(lengths))
-    res = contract(tr, flat, member.t().unsqueeze(0)).reshape(*lead, *sizes)
-    return [res] + [None] * (len(call.outs) - 1)
+    return windowed(tr, call, ids, [_fractional_reach(length, s, k)
+                                    for s, length, k in zip(sizes, lengths, pool)])
 
 
 #: Batched linear algebra: op -> the names of its matrix arguments (``(..., m, n)``); its
