@@ -120,10 +120,11 @@ def test_a_function_calling_retain_grad_is_explained_or_computed():
 
 class _Passes(torch.autograd.Function):
     """The identity, counting the backward passes through it: vectorised (its gradient a
-    batched tensor, under torch.vmap) and not."""
+    batched tensor, under torch.vmap; ``rows``: the rows of each) and not."""
 
     vectorised = 0
     plain = 0
+    rows: list[int] = []
 
     @staticmethod
     def forward(x):
@@ -137,6 +138,8 @@ class _Passes(torch.autograd.Function):
     def backward(ctx, g):
         if torch._C._functorch.is_batchedtensor(g):
             _Passes.vectorised += 1
+            bdim = torch._C._functorch.maybe_get_bdim(g)
+            _Passes.rows.append(torch._C._functorch.get_unwrapped(g).shape[bdim])
         else:
             _Passes.plain += 1
         return g
@@ -268,27 +271,6 @@ def test_a_backward_of_the_users_that_raises_leaves_every_grad_as_it_was(
             assert not torch._C._functorch.is_batchedtensor(t.grad)
 
 
-class _Rows(torch.autograd.Function):
-    """The identity, noting the rows of each vectorised backward pass through it."""
-
-    seen: list[int] = []
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        if torch._C._functorch.is_batchedtensor(g):
-            bdim = torch._C._functorch.maybe_get_bdim(g)
-            _Rows.seen.append(torch._C._functorch.get_unwrapped(g).shape[bdim])
-        return g
-
-
 @pytest.mark.parametrize("fit", [2, 3, 4, 6])
 @pytest.mark.parametrize("retaining", [False, True], ids=["none-retains", "one-retains"])
 def test_the_zero_row_stays_within_the_memory_budget(monkeypatch, fit, retaining):
@@ -304,13 +286,13 @@ def test_the_zero_row_stays_within_the_memory_budget(monkeypatch, fit, retaining
     monkeypatch.setattr(memory, "SMALL_REQUEST", 0)
     monkeypatch.setattr(memory, "free_memory", lambda device: (budget, "set by the test"))
     x = torch.randn(n, dtype=torch.float64, requires_grad=True)
-    h = _Rows.apply(x.sin())
+    h = _Passes.apply(x.sin())
     if retaining:
         h.retain_grad()
     y = h * x.exp()
-    _Rows.seen = []
+    _Passes.rows = []
     J = tv.jacobian_of(y, x, retain_graph=True)
-    assert _Rows.seen and max(_Rows.seen) <= fit, _Rows.seen
+    assert _Passes.rows and max(_Passes.rows) <= fit, _Passes.rows
     assert J.untyped_storage().nbytes() <= budget
     if fit < n:
         assert J.untyped_storage().nbytes() == jac_bytes
