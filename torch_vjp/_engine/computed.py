@@ -40,6 +40,7 @@ from torch_vjp._engine.copies import below_transforms
 from torch_vjp._engine.fwdcheck import (
     CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
 )
+from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.retained import escaped_after, retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
@@ -278,17 +279,8 @@ def _room_for_zero_row(n: int, n_out: int, n_in: int, itemsize: int, chunk: int 
 def _through_reentrant_checkpoint(outs: Sequence[Tensor]) -> bool:
     """Whether the graph of ``outs`` has a node of ``torch.utils.checkpoint`` with
     ``use_reentrant=True``, which refuses ``torch.autograd.grad``."""
-    seen: dict[int, object] = {}  # (holding the nodes keeps their ids theirs)
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return False
+    return any(type(node).__name__ == "CheckpointFunctionBackward"
+               for node in graph_nodes(outs))
 
 
 def _retaining(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -321,17 +313,10 @@ def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
     ends; and the least precise floating dtype the graph computes in (a float32 step inside
     a float64 graph rounds at float32's)."""
     nodes: list[type] = []
-    seen: set[int] = set()
     least = least_of(t.dtype for t in (*outs, *ins))
-    stack = [o.grad_fn for o in reversed(outs) if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in graph_nodes(outs, ordered=True):
         nodes.append(type(node))
         least = cast_dtype(node, least)  # (where a dtype can change)
-        stack.extend(nxt for nxt, _ in reversed(node.next_functions) if nxt is not None)
     key = ("jacobian_of", tuple(nodes), tuple((o.shape, o.dtype, o.device) for o in outs),
            tuple((x.shape, x.dtype, x.device) for x in ins))
     return key, least

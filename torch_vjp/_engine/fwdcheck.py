@@ -52,6 +52,7 @@ from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
 from torch_vjp._engine.fwdnoise import linearity_noise, reverse_noise, rounding_scale
 from torch_vjp._engine.fwdwords import no_route_message, wrong_route_message
+from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
@@ -552,15 +553,8 @@ def least_precise(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> torch.dtype:
     rounds at float32's, so routes that sum in another order differ at float32's rounding,
     and the comparison of routes must allow that."""
     least = least_of(t.dtype for t in (*outs, *ins))
-    seen: set[int] = set()
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in graph_nodes(outs):
         least = cast_dtype(node, least)
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
     return least
 
 

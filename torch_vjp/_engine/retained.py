@@ -51,6 +51,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.graph import graph_nodes
+
 __all__ = ["retained_in_graph", "escaped_after"]
 
 
@@ -147,14 +149,7 @@ def _in_graph(outs: Sequence[Tensor], kept: Sequence[Tensor], escaped_only: bool
     """The live tensors made by nodes of ``outs``' graph that retain their gradient (other
     than ``kept``); with ``escaped_only``, those whose ``.grad`` is a batched tensor left by
     a vectorised pass."""
-    nodes: dict[int, object] = {}  # (holding the nodes keeps their ids theirs)
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in nodes:
-            continue
-        nodes[id(node)] = node
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    nodes = {id(node): node for node in graph_nodes(outs)}  # (held: their ids stay theirs)
     known = {id(t) for t in kept}
     found = []
     for obj in gc.get_objects():  # (type(), not isinstance: no object's __class__ runs)
