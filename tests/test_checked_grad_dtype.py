@@ -118,18 +118,30 @@ def test_the_casts_torch_does_make_are_still_told():
 
 @pytest.mark.parametrize("call", list(_BACKWARDS), ids=list(_BACKWARDS))
 def test_a_cast_to_a_leaf_s_grad_dtype_names_that_dtype(call):
-    # a float16 gradient for a float32 leaf whose grad_dtype is float64: torch casts it to
-    # float64, and the warning named float32 (the leaf's dtype) as the target and the fix
-    ref = _leaf(torch.float64)
-    ref.backward(_gradient().half())
-    leaf = _leaf(torch.float64)
+    # a float64 gradient for a float32 leaf whose grad_dtype is float16: torch casts it to
+    # float16, and the warning named float32 (the leaf's dtype) as the target and the fix
+    ref = _leaf(torch.float16)
+    ref.backward(_gradient())
+    leaf = _leaf(torch.float16)
     with pytest.warns(tv.GradOutputsWarning) as said:
-        _BACKWARDS[call](leaf, _gradient().half())
+        _BACKWARDS[call](leaf, _gradient())
     msg = str(said[0].message)
-    assert "has dtype torch.float32 (a leaf whose grad_dtype is torch.float64); torch casts " \
-           "the torch.float16" in msg, msg
-    assert "to torch.float64 silently" in msg and ".to(torch.float64) to make the cast " \
-           "explicit." in msg, msg
+    assert "has dtype torch.float32 (a leaf whose grad_dtype is torch.float16); torch casts " \
+           "the torch.float64" in msg, msg
+    assert "to torch.float16 silently" in msg and ".to(torch.float16) to make the cast " \
+           "explicit" in msg, msg
+    assert leaf.grad.dtype == torch.float16
+    torch.testing.assert_close(leaf.grad, ref.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", list(_BACKWARDS), ids=list(_BACKWARDS))
+def test_an_exact_cast_to_a_leaf_s_grad_dtype_is_not_told(call):
+    # a float16 gradient for a float32 leaf whose grad_dtype is float64: torch casts it to
+    # float64 exactly, the result of the explicit cast: valid code, no warning
+    ref = _leaf(torch.float64)
+    ref.backward(_gradient().half().double())
+    leaf = _leaf(torch.float64)
+    _no_warnings(lambda: _BACKWARDS[call](leaf, _gradient().half()))
     assert leaf.grad.dtype == torch.float64
     torch.testing.assert_close(leaf.grad, ref.grad, rtol=0, atol=0)
 

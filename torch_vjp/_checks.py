@@ -215,7 +215,8 @@ def normalize_grad_outputs(
             continue  # (a real tangent of a complex primal warns only where the cast rounds
             # it: float64 to complex64)
         to = _cast_target(outputs[i], go)
-        if to is not None and to != go.dtype:
+        if to is not None and to != go.dtype and (labels.role == "tangents"
+                                                  or not _exact_cast(go.dtype, to)):
             warnings.warn(
                 cast_message(labels, i, outputs[i], go, to),
                 GradOutputsWarning,
@@ -288,6 +289,26 @@ def _cast_target(out: Tensor, go: Tensor) -> torch.dtype | None:
         keeps = go.dtype.is_floating_point and out.dtype.is_floating_point
         return None if keeps else out.dtype
     return None if go.dtype == target else target
+
+
+def _exact_cast(frm: torch.dtype, to: torch.dtype) -> bool:
+    """Whether casting a floating-point or complex vector of dtype ``frm`` to ``to`` keeps
+    every value (float32 to float64, float16 to float32, a real dtype to a complex one with
+    such real parts). See NOTE [which casts are told]."""
+    if not (frm.is_floating_point or frm.is_complex) or (frm.is_complex and not to.is_complex):
+        return False
+    a = torch.finfo(frm.to_real() if frm.is_complex else frm)
+    b = torch.finfo(to.to_real() if to.is_complex else to)
+    return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
+
+
+# NOTE [which casts are told]
+# torch casts a vector of another dtype to its output's (or a leaf's grad_dtype) silently.
+# Checked mode changes nothing for valid code, so it warns only where the cast can hide a
+# mistake: where it rounds (a float64 vector for a float32 output loses the user's precision)
+# or where the vector is an integer or boolean one. A cast that keeps every value (a float32
+# vector for a float64 output: torch.ones(3)) gives the explicit cast's result: not told.
+# torch_vjp.jvp's tangents keep their warning (torch.func.jvp does not cast at all).
 
 
 def _implicit_grad(out: Tensor) -> Tensor:
