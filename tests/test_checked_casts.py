@@ -136,3 +136,41 @@ def test_a_rounding_or_integer_cast_is_still_told(out_dtype, vec_dtype, call):
     assert f"has dtype {vec_dtype} but" in msg and f"has dtype {out_dtype};" in msg, msg
     assert f"to {out_dtype} silently" in msg and f".to({out_dtype}) to make the cast " \
            "explicit" in msg, msg
+
+
+# --------------------------------------------------------------------------------------
+# A call the check rejects and torch accepts: torch's result, with a warning that says
+# what was wrong, what was expected, why torch let it through, and the fix
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["tv.grad", "checked autograd.grad"])
+def test_a_call_torch_accepts_over_the_check_is_told_in_full(monkeypatch, where):
+    import torch_vjp._drop_ins as drop_ins
+
+    def rejects(*args, **kwargs):  # a check that objects to a call torch accepts
+        raise tv.GradOutputsError("grad_outputs[0] does not fit outputs[0] (the check)")
+
+    monkeypatch.setattr(drop_ins, "normalize_grad_outputs", rejects)
+    x = torch.tensor([0.5, -1.25, 2.0], dtype=F64, requires_grad=True)
+    v = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+    (expected,) = torch.autograd.grad(x * 3.0, x, v)
+    with pytest.warns(tv.GradOutputsWarning) as said:
+        if where == "tv.grad":
+            (got,) = tv.grad(x * 3.0, x, v)
+        else:
+            with tv.checked():
+                (got,) = torch.autograd.grad(x * 3.0, x, v)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    msg = str(said[0].message)
+    call = "torch_vjp.grad" if where == "tv.grad" else "torch.autograd.grad"
+    assert msg.startswith(f"{call}: torch_vjp's check rejects the grad_outputs of this call, "
+                          "but torch accepted it and ran it; the result is torch's, "
+                          "unchanged.\n"), msg
+    assert "\n  Expected: each grad_outputs entry is dL/d(its output), so it has that " \
+           "output's shape" in msg, msg
+    assert "torch lets a vector that does not fit through only where it never uses it" in msg
+    assert "\n  Fix: pass the vector the check asks for, or None for an output that needs " \
+           "none." in msg, msg
+    assert msg.endswith("\n  The check said:\ngrad_outputs[0] does not fit outputs[0] (the "
+                        "check)"), msg

@@ -237,17 +237,28 @@ def _arbitrate(err: GradOutputsError, labels: Labels, run_torch: Callable[[], An
         explanation = getattr(err, "explanation", None) or str(err)
         raise torch_first(cls, explanation, sentence if labels.torch_first else None) from None
     explanation = getattr(err, "explanation", None) or str(err)
+    what = labels.grad_outputs
     if override is None:
-        said = (f"{labels.call}: torch accepted this call, although torch_vjp's check reports "
-                f"a mismatch; the result is torch's. (torch ignores the vector given for an "
-                f"output that does not depend on what is differentiated.)")
+        said = (f"{labels.call}: torch_vjp's check rejects the {what} of this call, but torch "
+                f"accepted it and ran it; the result is torch's, unchanged.\n  Expected: each "
+                f"{what} entry is dL/d(its output), so it has that output's shape, a dtype "
+                f"torch casts to the output's, and its device (or is None where the output "
+                f"needs no vector). torch lets a vector that does not fit through only where "
+                f"it never uses it (its output is not reached by the backward pass), and a "
+                f"vector that is never used is most often a mistake in the call.\n  Fix: pass "
+                f"the vector the check asks for, or None for an output that needs none. If "
+                f"the call is right as it is, the check is wrong: please report it with this "
+                f"message.")
     else:  # (an override may answer the call itself: torch never judged the vectors)
         said = (f"{labels.call}: torch handed this call to {override}, which answered it "
-                f"without an error, although torch_vjp's check reports a mismatch; the result "
-                f"is the override's. (An override that hands the call on to torch gets "
-                f"torch's verdict: torch ignores the vector given for an output that does not "
-                f"depend on what is differentiated.)")
-    warnings.warn(f"{said} The check said:\n{explanation}", GradOutputsWarning,
+                f"without an error, but torch_vjp's check rejects its {what}; the result is "
+                f"the override's, unchanged.\n  Expected: each {what} entry is dL/d(its "
+                f"output), with that output's shape, dtype and device. The override never "
+                f"handed the call on to torch, so torch never judged the vectors (an override "
+                f"that hands the call on gets torch's verdict).\n  Fix: pass the vectors the "
+                f"check asks for, unless the override's type takes vectors of its own kind on "
+                f"purpose (then run the call outside torch_vjp.checked()).")
+    warnings.warn(f"{said}\n  The check said:\n{explanation}", GradOutputsWarning,
                   stacklevel=user_stacklevel())
     return result
 
