@@ -1842,3 +1842,90 @@ def test_a_class_that_is_not_a_function_is_refused_before_it_is_constructed(cls)
             rf"callable that uses one: an instance \(torch_vjp\.check_function\({name}\(\.\.\.\), "
             rf"x\)\) or a function\.$")):
         check_function(cls, _x(3))
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients of two inputs of one shape in each other's places (NOTE [swapped gradients])
+
+
+class _Weighted(torch.autograd.Function):
+    """forward(ctx, x, scale, y, z) = x * exp(y) * scale + z ** 2; backward returns its
+    gradients in the order ``_Weighted.order`` gives (the right one: x, scale, y, z)."""
+
+    order = ("x", "scale", "y", "z")
+
+    @staticmethod
+    def forward(ctx, x, scale, y, z):
+        ctx.save_for_backward(x, y, z)
+        ctx.scale = scale
+        return x * y.exp() * scale + z ** 2
+
+    @classmethod
+    def backward(cls, ctx, g):
+        x, y, z = ctx.saved_tensors
+        grads = {"x": g * y.exp() * ctx.scale, "y": g * x * y.exp() * ctx.scale,
+                 "z": 2 * g * z, "scale": None}
+        return tuple(grads[k] for k in cls.order)
+
+
+def _weighted(order):
+    return type("Swapped", (_Weighted,), {"order": order})
+
+
+def _point(dtype=torch.float64, shape=(3, 4)):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    "order, pair",
+    [(("y", "scale", "x", "z"), (0, 2)), (("z", "scale", "y", "x"), (0, 3)),
+     (("x", "scale", "z", "y"), (2, 3))],
+    ids=["x-y", "x-z", "y-z"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_swapped_gradients_are_named_as_swapped(order, pair, dtype):
+    x, y, z = _point(dtype)
+    fn = _weighted(order)
+    # (torch takes them: each input silently gets the other's gradient)
+    xs = [t.clone().requires_grad_() for t in (x, y, z)]
+    fn.apply(xs[0], 1.5, xs[1], xs[2]).sum().backward()
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(fn, x, 1.5, y, z)
+    a, b = pair
+    assert str(info.value).startswith(
+        f"torch_vjp.check_function(Swapped): Swapped.backward returns the gradients of input "
+        f"{a} and input {b} in each other's places: the gradient at index {a} matches finite "
+        f"differences of forward for input {b}, and the one at index {b} those for input "
+        f"{a}.\n"), str(info.value)
+    assert "as both inputs have shape (3, 4), nothing else tells them apart, so each input " \
+           "silently gets the other's gradient." in str(info.value)
+    assert str(info.value).endswith(
+        f"Fix: return them in forward's order in Swapped.backward: the gradient for input "
+        f"{a} at index {a}, the one for input {b} at index {b}.")
+
+
+def test_swapped_gradients_through_a_callable_are_named():
+    x, y, z = _point()
+    fn = _weighted(("y", "scale", "x", "z"))
+    with pytest.raises(FunctionCheckError, match=re.escape(
+            "the gradients autograd computes through fn for input 0 and input 1 come back in "
+            "each other's places")):
+        check_function(lambda a, b: fn.apply(a, 1.5, b, z), x, y)
+
+
+def test_the_right_order_passes_and_one_wrong_gradient_is_not_called_a_swap():
+    x, y, z = _point()
+    report = check_function(_Weighted, x, 1.5, y, z)
+    assert all(c.max_error < 1e-6 for c in report.inputs if c.max_error is not None)
+
+    class OneWrong(_Weighted):  # (x's gradient wrong, y's right: no swap)
+        @classmethod
+        def backward(cls, ctx, g):
+            gx, gs, gy, gz = super().backward(ctx, g)
+            return 2 * gx, gs, gy, gz
+
+    with pytest.raises(FunctionCheckError) as info:
+        check_function(OneWrong, x, 1.5, y, z)
+    assert "does not match finite differences of forward" in str(info.value)
+    assert "each other's places" not in str(info.value)

@@ -70,6 +70,8 @@ from torch_vjp._function_verdict import (
     kink_message,
     parameter_fix,
     smaller_step,
+    swap_message,
+    swapped_partner,
     value_message,
 )
 from torch_vjp._function_values import (
@@ -406,6 +408,11 @@ class Checker:
                         f"strongly at these inputs)")
                 continue
             p = rows[failed[0]]
+            partner = swapped_partner(i, probes, lambda q: not fails(q))
+            if partner is not None and not {i, partner} & set(self.labels):
+                raise FunctionCheckError(swap_message(
+                    self.call, self.fn, self.is_function, i, partner,
+                    shape_str(tuple(self.inputs[i].shape))))
             kink = find_kink(p, at, eps, atol_ + rtol_ * p.size + p.noise, unit)
             # (the point is refused, not backward, where the kink explains the error: NOTE
             # [kinks])
@@ -467,6 +474,7 @@ class Checker:
             # the cotangents the dot-product test reads afterwards)
             grads = torch.autograd.grad(outputs, [leaves[i] for i in self.diff],
                                         [c.clone() for c in cots], allow_unused=True)
+            every = {i: g for i, g in zip(self.diff, grads) if g is not None}
             for i, g in zip(self.diff, grads):
                 x, t = leaves[i].detach(), ts[i]
                 if g is None:
@@ -484,7 +492,7 @@ class Checker:
                 level = [a.detach().abs() + b.detach().abs() for a, b in zip(f_plus, f_minus)]
                 noise = 10 * unit * spread(cots, level) / (2 * eps)
                 result[i].append(Probe(lhs=lhs, rhs=rhs, size=size, noise=noise, x=x, t=t,
-                                       cots=cots, g_size=g_size, step=eps))
+                                       cots=cots, g_size=g_size, step=eps, grads=every))
         return result, grid, eps
 
     def _grid_off_the_inputs(self, inputs: tuple[Any, ...], pos: list[int]

@@ -55,7 +55,7 @@ from torch_vjp._backward_check import dtype_name
 from torch_vjp._function_values import NORM_SHARE, inner, paired_norm, spread
 
 __all__ = ["Kink", "Probe", "Rough", "find_kink", "kink_message", "parameter_fix",
-           "smaller_step", "value_message"]
+           "smaller_step", "swap_message", "swapped_partner", "value_message"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,9 @@ class Probe:
     cots: Sequence[Tensor] = field(default=(), repr=False, compare=False)
     g_size: float = 0.0  # the backward side's share of ``size``
     step: float = 0.0  # the step of the central differences
+    # (the gradients backward returned for every differentiated input in this probe's pass,
+    # by input index: two in each other's places show, NOTE [swapped gradients])
+    grads: dict[int, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,55 @@ def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: lis
             f"input). Forward must be deterministic for this test to apply."
         )
     return "\n".join(lines)
+
+
+# NOTE [swapped gradients]
+# A backward that returns the gradients of two inputs of one shape in each other's places
+# (``return gy, gx`` for ``forward(ctx, x, y)``) passes every check of count, shape, dtype and
+# device, and torch gives each input the other's gradient without a word. The dot-product
+# test fails for both; each probe's pass has every input's gradient for the same
+# cotangents, so the test is run again with the pair exchanged (:func:`swapped_partner`):
+# where both inputs' probes pass then, the message says the gradients are swapped, not that
+# each needs re-deriving. No further call of forward or backward is needed.
+
+
+def swapped_partner(i: int, probes: dict[int, list[Probe]],
+                    passes: Callable[[Probe], bool]) -> int | None:
+    """The input ``j`` whose gradient stands in ``i``'s place and ``i``'s in ``j``'s: every
+    probe of ``i`` passes with backward's gradient for ``j``, and every probe of ``j`` with
+    the one for ``i`` (NOTE [swapped gradients]); None where there is no such input."""
+    for j in probes:
+        if j == i:
+            continue
+        pairs = [(p, j) for p in probes[i]] + [(q, i) for q in probes[j]]
+        if all(k in p.grads and p.t is not None and p.grads[k].shape == p.t.shape
+               and passes(replace(p, rhs=inner(p.t, p.grads[k]))) for p, k in pairs):
+            return j
+    return None
+
+
+def swap_message(call: str, fn: Any, is_function: bool, i: int, j: int, shape: str) -> str:
+    """The gradients of inputs ``i`` and ``j`` (both of ``shape``) are in each other's
+    places (NOTE [swapped gradients])."""
+    a, b = sorted((i, j))
+    if is_function:
+        who = f"{fn.__name__}.backward returns the gradients of input {a} and input {b}"
+        fix = (f"  Fix: return them in forward's order in {fn.__name__}.backward: the "
+               f"gradient for input {a} at index {a}, the one for input {b} at index {b}.")
+    else:
+        who = (f"the gradients autograd computes through fn for input {a} and input {b} "
+               f"come back")
+        fix = ("  Fix: in the backward of the custom Function fn uses, return the gradients "
+               "in its forward's order, one per forward input.")
+    return (
+        f"{call}: {who} in each other's places: the gradient at index {a} matches finite "
+        f"differences of forward for input {b}, and the one at index {b} those for input "
+        f"{a}.\n"
+        f"  backward returns one gradient per forward input, in forward's order, dL/d(input "
+        f"{a}) at index {a}: torch takes them by position, and as both inputs have shape "
+        f"{shape}, nothing else tells them apart, so each input silently gets the other's "
+        f"gradient.\n" + fix
+    )
 
 
 def kink_message(call: str, i: int | str, x: Tensor, kink: Kink, n_outputs: int, eps: float) -> str:
