@@ -103,6 +103,25 @@ def test_the_drop_ins_tell_no_exact_cast(out_dtype, vec_dtype):
     torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
 
 
+def test_an_exact_cast_of_a_batch_for_a_leaf_s_edge_is_not_told():
+    # (is_grads_batched, the output a leaf's GradientEdge: the checker's stand-in for it)
+    from torch.autograd.graph import get_gradient_edge
+
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    v = torch.tensor([[1.0, 2.0, 3.0], [0.25, 0.5, 4.0]])
+    (ref,) = torch.autograd.grad(x, x, v.to(F64), is_grads_batched=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tv.GradOutputsWarning)
+        (got,) = tv.grad(get_gradient_edge(x), x, v, is_grads_batched=True)
+        normalised = tv.check_grad_outputs([x * 1.0], [v[0]])
+    assert got.dtype == F64 and normalised[0] is not None
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    # a rounding one still is
+    x32 = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    with pytest.warns(tv.GradOutputsWarning, match="to torch.float32 silently"):
+        tv.grad(get_gradient_edge(x32), x32, v.to(F64), is_grads_batched=True)
+
+
 def test_a_float32_ones_for_a_float64_output_under_the_environment_variable():
     # the plain torch idiom torch's own tests use inside assertNotWarn: torch.ones(3) (float32)
     # as the gradient of a float64 output, with checked mode on for the whole process
