@@ -21,7 +21,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from torch_vjp._engine.problem import Problem
 
-__all__ = ["Blocks", "rev_blocks", "fwd_blocks", "assemble"]
+__all__ = ["Blocks", "rev_blocks", "fwd_blocks", "assemble", "cotangent_products"]
 
 
 class Blocks:
@@ -134,3 +134,37 @@ def assemble(prob: Problem, res: Blocks) -> Any:
         return tree_unflatten(per_out, res.out_spec)
     per_out = [tree_unflatten(row, prob.in_spec) for row in res.blocks]
     return tree_unflatten(per_out, res.out_spec)
+
+
+def cotangent_products(leaves: Sequence[Tensor], res: Blocks, batch: int | None,
+                       us: Sequence[Tensor]) -> list[Tensor] | None:
+    """``u^T J`` read from the blocks, one flat tensor per input leaf (in the leaf's dtype),
+    for cotangents ``us`` (one per flat output; for ``batch_jacobian`` the blocks are
+    per row of the batch, and so is the product); None where the blocks are not shaped as
+    ``us`` and ``leaves`` say (f's outputs are not the blocks' rows).
+
+    Example:
+        >>> res = Blocks([[torch.eye(2)]], None, None, "rev", [[torch.eye(2)]], True)
+        >>> cotangent_products([torch.ones(2)], res, None, [torch.tensor([1.0, 2.0])])
+        [tensor([1., 2.])]
+    """
+    if len(us) != len(res.blocks):
+        return None
+    found = []
+    with torch.no_grad():
+        for i, x in enumerate(leaves):
+            n_in = math.prod(x.shape[1:]) if batch is not None else x.numel()
+            total = torch.zeros(x.numel(), dtype=x.dtype, device=x.device)
+            for j, u in enumerate(us):
+                block = res.blocks[j][i].detach()
+                if block.numel() != u.numel() * n_in:
+                    return None
+                if batch is None:
+                    part = u.reshape(1, -1).to(block.dtype) @ block.reshape(u.numel(), n_in)
+                else:
+                    n_row = math.prod(u.shape[1:])
+                    rows = u.reshape(batch, n_row, 1).to(block.dtype)
+                    part = (rows * block.reshape(batch, n_row, n_in)).sum(1)
+                total += part.reshape(-1).to(total.dtype)
+            found.append(total)
+    return found

@@ -48,12 +48,13 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from torch_vjp._engine.blocks import Blocks
+from torch_vjp._engine.blocks import Blocks, cotangent_products
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
 from torch_vjp._engine.fwdnoise import linearity_noise, reverse_noise, rounding_scale
 from torch_vjp._engine.fwdwords import no_route_message, wrong_route_message
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.revcheck import forward_route, reverse_wrong
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
 
@@ -270,25 +271,13 @@ def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
     the reverse product ``got`` (:func:`one_reverse_product`) with the same ``u``, and the
     largest entry of either; ``(inf, 0)`` where f's outputs are not the blocks' rows."""
     flat, us, grads = got
-    if len(flat) != len(res.blocks):
+    products = cotangent_products(prob.leaves, res, batch, us)
+    if products is None:
         return math.inf, 0.0
     diff = scale = 0.0
     with torch.no_grad():
-        for i, (x, g) in enumerate(zip(prob.leaves, grads)):
-            n_in = math.prod(x.shape[1:]) if batch is not None else x.numel()
-            total = torch.zeros(g.numel(), dtype=g.dtype, device=g.device)
-            for j, u in enumerate(us):
-                block = res.blocks[j][i].detach()
-                if block.numel() != u.numel() * n_in:
-                    return math.inf, 0.0
-                if batch is None:
-                    part = u.reshape(1, -1).to(block.dtype) @ block.reshape(u.numel(), n_in)
-                else:
-                    n_row = math.prod(u.shape[1:])
-                    rows = u.reshape(batch, n_row, 1).to(block.dtype)
-                    part = (rows * block.reshape(batch, n_row, n_in)).sum(1)
-                total += part.reshape(-1).to(total.dtype)
-            d, s = gap(total, g.reshape(-1))
+        for total, g in zip(products, grads):
+            d, s = gap(total.to(g.dtype), g.reshape(-1))
             if math.isnan(d) or d > diff:  # (a NaN stays: it is a disagreement)
                 diff = d
             scale = max(scale, s)
@@ -298,11 +287,15 @@ def reverse_gap(prob: Problem, res: Blocks, batch: int | None,
 def checked_route(
     prob: Problem, res: Blocks, batch: int | None, key: Hashable,
     route: Callable[[str], Blocks], named: tuple[Hashable, str],
+    redraw: Callable[[], None] = lambda: None,
 ) -> Blocks:
     """``res``, the vectorised blocks "auto" computed, if one reverse product without vmap
     agrees with them; else the first of the routes ``route("rev")`` (after forward mode) and
     ``route("rev-loop")`` that agrees with it (:func:`agreeing_route`), with a one-time
-    warning naming f (``named``: its key and name). See NOTE [auto, checked once]."""
+    warning naming f (``named``: its key and name); the forward mode of ``route("fwd")``
+    and ``route("fwd-loop")`` where the reverse product is itself wrong (NOTE [a reverse
+    product checked forward] in :mod:`torch_vjp._engine.revcheck`; ``redraw`` puts the
+    generators where the products started). See NOTE [auto, checked once]."""
     if torch.is_inference_mode_enabled():
         # (plain autograd records nothing there: no reverse product to compare with; the
         # route is not remembered, so that a call outside inference mode checks it)
@@ -342,13 +335,36 @@ def checked_route(
     rtol = tolerance(dtype)
     floor: list[float] = []
 
+    first_gap: list[tuple[float, float]] = []  # (res's, read once)
+
+    def noise() -> float:  # NOTE [the scale of what is compared]
+        if not floor:
+            floor.append(rounding_scale(reverse_noise(prob), dtype))
+        return floor[0]
+
     def gap_of(blocks: Blocks) -> tuple[float, float]:
+        if blocks is res and first_gap:
+            return first_gap[0]
         diff, scale = reverse_gap(prob, blocks, batch, got)
-        if not diff <= rtol * scale:  # NOTE [the scale of what is compared]
-            if not floor:
-                floor.append(rounding_scale(reverse_noise(prob), dtype))
-            scale = max(scale, floor[0])
+        if not diff <= rtol * scale:
+            scale = max(scale, noise())
+        if blocks is res:
+            first_gap.append((diff, scale))
         return diff, scale
+
+    def disagrees(blocks: Blocks) -> bool:
+        diff, scale = gap_of(blocks)
+        return not diff <= rtol * scale
+
+    # NOTE [a reverse product checked forward]: on a reverse route, and where forward
+    # mode's disagrees, the reverse product itself is checked
+    if first != "fwd" or disagrees(res):
+        wrong = reverse_wrong(prob, got, redraw, rtol, noise)
+        if wrong is not None:
+            alt = forward_route(prob, first, res, batch, got[1], wrong, route,
+                                lambda name: remember(key, name), named, rtol)
+            if alt is not None:
+                return alt
 
     return agreeing_route(
         prob, first, res, gap_of, route, lambda name: remember(key, keep or name), named,

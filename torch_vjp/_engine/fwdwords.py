@@ -5,7 +5,7 @@ none agreed.
 
 from __future__ import annotations
 
-__all__ = ["no_route_message", "wrong_route_message"]
+__all__ = ["no_route_message", "wrong_reverse_message", "wrong_route_message"]
 
 
 _WRONG = {
@@ -60,4 +60,27 @@ def no_route_message(call: str, name: str, first: str, diff: float, scale: float
         f"  Check it (torch.autograd.gradcheck, or finite differences) before relying on "
         f"it; for a random f, fix its draws (model.eval(), or a seeded generator). This "
         f"warning is shown once per function."
+    )
+
+
+_REVERSE = {"rev": "reverse mode under torch.vmap", "rev-loop": "reverse mode"}
+_FORWARD = {"fwd": "forward mode under torch.vmap",
+            "fwd-loop": "forward mode, one product at a time (torch.vmap cannot run f there)"}
+
+
+def wrong_reverse_message(call: str, name: str, first: str, route: str, reverse: float,
+                          forward: float, difference: float) -> str:
+    """The one-time warning that the reverse product of "auto"'s check was itself wrong
+    (NOTE [a reverse product checked forward] in :mod:`torch_vjp._engine.revcheck`):
+    ``first`` (a reverse route) gave way to ``route`` (a forward one)."""
+    return (
+        f"{call}: a reverse product without torch.vmap disagrees with a forward product on "
+        f"the Jacobian of {name} (u^T J v: {reverse:.6g} by reverse mode, {forward:.6g} by "
+        f"forward mode, {difference:.6g} by a central difference): an operator in f has a "
+        f"wrong backward formula (torch.as_strided_scatter's, for the gradient of the tensor "
+        f"scattered into), so {_REVERSE.get(first, first)} would be wrong. strategy='auto' "
+        f"returned the Jacobian by {_FORWARD[route]}, and uses it for this function and "
+        f"input shapes from now on.\n"
+        f"  Pass strategy={route!r} to compute it that way directly. This warning is shown "
+        f"once per function."
     )

@@ -277,8 +277,9 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                     check += ("one at a time",)  # NOTE [a chunk of one checks no vmap]
                 route = CHECKED.get(check)
                 if route is not None:
-                    if route == "rev-loop":
-                        return _loop(prob, "rev", shapes, opts, functorch_loops)
+                    if route.endswith("-loop"):  # ("rev-loop", or "fwd-loop": NOTE [a
+                        # reverse product checked forward] in revcheck.py)
+                        return _loop(prob, route[:3], shapes, opts, functorch_loops)
                     mode, check = route, None
     if check is not None and torch.is_inference_mode_enabled():
         # (no reverse product to check against there, and the route is not remembered:
@@ -296,13 +297,15 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
 
         def route(name: str) -> Blocks:
             first()
-            if name == "rev-loop":
-                return _loop(prob, "rev", shapes, opts, functorch_loops)
+            if name.endswith("-loop"):
+                return _loop(prob, name[:3], shapes, opts, functorch_loops)
+            if name == "fwd":  # (vectorised only: "fwd-loop" is the next route tried)
+                return _vectorized(prob, "fwd", shapes, opts)
             return _auto(prob, "rev", shapes, opts, functorch_loops)
 
         try:
             return checked_route(prob, res, opts.batch, check, route,
-                                 (function_key(prob.f), function_name(prob.f)))
+                                 (function_key(prob.f), function_name(prob.f)), first)
         finally:
             after()
     if not vectorized:

@@ -1,0 +1,123 @@
+"""A backward formula torch computes wrongly (torch 2.13: as_strided_scatter's): "auto"
+checks its reverse product against a forward product (NOTE [a reverse product checked
+forward]). float64, against torch.func.jvp columns, finite differences and a loop of
+torch.autograd.grad rows."""
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+from torch_vjp._engine import fwdcheck
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    fwdcheck.CHECKED.clear()
+    yield
+    fwdcheck.CHECKED.clear()
+
+
+def _jvp_columns(f, x):
+    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
+    cols = [torch.func.jvp(f, (x,), (e,))[1].reshape(-1) for e in eye]
+    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
+
+
+def _fd(f, x, h=1e-6):
+    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
+    cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in eye]
+    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
+
+
+def _grad_rows(f, x):
+    out = f(x)
+    rows = []
+    for i in range(out.numel()):
+        xx = x.detach().clone().requires_grad_(True)
+        rows.append(torch.autograd.grad(f(xx).reshape(-1)[i], xx)[0].reshape(-1))
+    return torch.stack(rows).reshape(*out.shape, *x.shape)
+
+
+def _scatter_f(n_out=None):
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, dtype=D, generator=g)
+    W = None if n_out is None else torch.randn(n_out, 2, dtype=D, generator=g)
+
+    def f(x):
+        y = torch.as_strided_scatter(x * 1.0, s * x[:2], (2,), (1,), 0) * x.sum()
+        return y if W is None else W @ y.tanh()
+
+    return f
+
+
+def _caught(fn):
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always", tv.JacobianWarning)
+        res = fn()
+    return res, [str(w.message) for w in got if issubclass(w.category, tv.JacobianWarning)]
+
+
+def test_auto_through_as_strided_scatter_takes_forward_mode_and_says_why():
+    f = _scatter_f()
+    x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(1))
+    want = _jvp_columns(f, x)
+    torch.testing.assert_close(want, _fd(f, x))
+    J, said = _caught(lambda: tv.jacobian(f, x))
+    torch.testing.assert_close(J, want)
+    assert len(said) == 1
+    msg = said[0]
+    assert "disagrees with a forward product" in msg and "central difference" in msg
+    assert "wrong backward formula" in msg and "as_strided_scatter" in msg
+    assert "Pass strategy='fwd-loop'" in msg
+    # later calls take the route remembered, silently, and stay right
+    J2, said2 = _caught(lambda: tv.jacobian(f, x))
+    torch.testing.assert_close(J2, want)
+    assert said2 == []
+
+
+def test_auto_tall_through_as_strided_scatter_keeps_forward_mode():
+    # (forward mode is auto's first route here, and was replaced by the wrong reverse mode)
+    f = _scatter_f(n_out=400)
+    x = torch.randn(2, dtype=D, generator=torch.Generator().manual_seed(1))
+    J, said = _caught(lambda: tv.jacobian(f, x))
+    torch.testing.assert_close(J, _jvp_columns(f, x))
+    torch.testing.assert_close(J, _fd(f, x))
+    assert not any("wrong forward-mode derivative" in m for m in said)
+
+
+def test_auto_batch_jacobian_through_as_strided_scatter():
+    f1 = _scatter_f()
+    xb = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(2))
+    J, _ = _caught(lambda: tv.batch_jacobian(lambda xb: torch.stack([f1(r) for r in xb]), xb))
+    want = torch.stack([_jvp_columns(f1, r) for r in xb])
+    torch.testing.assert_close(J, want)
+
+
+class _NoJvp(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def test_auto_without_a_forward_formula_is_unchanged():
+    # (the forward product cannot be taken: the reverse route stands, silently)
+    x = torch.randn(3, dtype=D)
+
+    def f(x):
+        return _NoJvp.apply(x) * x.sum()
+
+    J, said = _caught(lambda: tv.jacobian(f, x))
+    torch.testing.assert_close(J, _grad_rows(f, x))
+    assert said == []

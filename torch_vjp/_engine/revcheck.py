@@ -1,0 +1,224 @@
+"""The reverse product of "auto"'s check (:mod:`torch_vjp._engine.fwdcheck`), checked in
+turn against one forward product.
+
+NOTE [a reverse product checked forward]
+NOTE [auto, checked once] takes one reverse product without vmap as the reference a route
+must agree with. It runs torch's backward formulas, and a few of those are wrong even
+without vmap: in torch 2.13, ``torch.as_strided_scatter``'s passes the gradient of ``self``
+inside the scattered region rather than outside it (errors of the size of the Jacobian's
+entries). Reverse mode under vmap runs the same formula, so the check found the two in
+agreement and "auto" returned a wrong Jacobian without a word (and where forward mode was
+checked, it took forward mode for the wrong one). So the check also takes one forward
+product without vmap (``torch.func.jvp``: the forward-mode formulas, others) along a random
+direction ``v``, with the reverse product's cotangent ``u``, and compares the one scalar
+``u^T J v`` both ways: ``u . (J v)`` and ``(u^T J) . v``. It does so where the route checked
+is a reverse one (one more call of f, in forward mode, on the first call per key), and where
+forward mode's route disagreed with the reverse product (before it is replaced). Within
+rounding (``sqrt(eps)`` of the sums of the products' terms' magnitudes, or of the numbers
+the reverse product was computed from where those cancel: NOTE [the scale of what is
+compared] in :mod:`torch_vjp._engine.fwdnoise`) they agree, and nothing changes. Where they
+do not, a central difference of ``t -> u . f(x + t v)``, in float64 where f computes in it
+(else in the leaves' dtype, with a step of ``cbrt(eps)``), breaks the tie: where it is
+closer to the forward value by a tenth of the disagreement, and the reverse products scale
+exactly with their cotangent (as backward formulas' do; a hook that clips the gradient does
+not, and its products are f's own choice: NOTE [auto, checked once] warns of them as
+before), the backward formula is the wrong one. "auto" then returns the Jacobian by forward
+mode: vectorised, or one product at a time where vmap cannot run f there
+(``as_strided_scatter`` has no batching rule), the first whose ``u^T J v`` agrees with the
+forward product, with a one-time warning, and remembers that route for the function and
+input signature. Where the difference sides with reverse mode (a wrong forward formula:
+torch.triangular_solve's), or with neither (f is not smooth at x, or draws anew), NOTE
+[auto, checked once] decides as before. f's calls here start from the generators' state the
+products started from (NOTE [auto's extra calls draw what the products draw]): a random f
+draws what its products drew.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from torch_vjp._engine.blocks import Blocks, cotangent_products
+from torch_vjp._engine.fwdnoise import _homogeneous
+from torch_vjp._engine.fwdwords import wrong_reverse_message
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import passes_through
+from torch_vjp._errors import JacobianWarning, warn_once
+
+__all__ = ["ReverseWrong", "forward_route", "reverse_wrong"]
+
+
+class ReverseWrong:
+    """The reverse product found wrong: the direction ``vs`` (one per leaf), ``u^T J v`` by
+    forward mode (``forward``), by the reverse product (``reverse``), by a central
+    difference (``difference``), and the rounding scale they were compared at."""
+
+    __slots__ = ("vs", "forward", "reverse", "difference", "scale")
+
+    def __init__(self, vs: list[Tensor], forward: float, reverse: float, difference: float,
+                 scale: float) -> None:
+        self.vs, self.forward, self.reverse = vs, forward, reverse
+        self.difference, self.scale = difference, scale
+
+
+def _outputs(prob: Problem, xs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    res = prob.g(*[x.clone() for x in xs])
+    flat, _ = tree_flatten(res[0] if prob.has_aux else res)
+    return tuple(flat)
+
+
+def _dot(us: Sequence[Tensor], ws: Sequence[Tensor | None]) -> tuple[float, float]:
+    """``(sum u . w, sum |u| . |w|)`` in float64 (None: zeros)."""
+    value = size = torch.zeros((), dtype=torch.float64)
+    for u, w in zip(us, ws):
+        if w is None or u.numel() == 0:
+            continue
+        a, b = u.detach().double().reshape(-1).cpu(), w.detach().double().reshape(-1).cpu()
+        value = value + a @ b
+        size = size + a.abs() @ b.abs()
+    return float(value), float(size)
+
+
+def _central(prob: Problem, us: Sequence[Tensor], vs: Sequence[Tensor],
+             redraw: Callable[[], None]) -> float | None:
+    """``d/dt u . f(x + t v)`` at 0 by a central difference, in float64 where f computes
+    in it, else in the leaves' dtype; None where f cannot be called so."""
+    leaves = prob.leaves
+    for dtype in (torch.float64, None):
+        try:
+            with torch.no_grad():
+                xs = [x.detach().to(dtype or x.dtype) for x in leaves]
+                eps = torch.finfo(dtype or leaves[0].dtype).eps
+                big = max([1.0] + [float(x.abs().amax()) for x in xs if x.numel()])
+                vmax = max([0.0] + [float(v.abs().amax()) for v in vs if v.numel()])
+                if vmax == 0.0:
+                    return None
+                h = eps ** (1 / 3) * big / vmax
+                sides = []
+                for t in (h, -h):
+                    redraw()
+                    prob.reset_primals()
+                    outs = _outputs(prob, [x + t * v.to(x.dtype) for x, v in zip(xs, vs)])
+                    sides.append(_dot(us, outs)[0])
+            return (sides[0] - sides[1]) / (2 * h)
+        except Exception as err:  # noqa: BLE001 - f does not compute in float64: its dtype
+            if passes_through(err):
+                raise
+    return None
+
+
+def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
+                  redraw: Callable[[], None], rtol: float,
+                  floor: Callable[[], float]) -> ReverseWrong | None:
+    """Whether the reverse product ``got`` (:func:`~torch_vjp._engine.fwdcheck.
+    one_reverse_product`) is wrong (NOTE [a reverse product checked forward]): a
+    :class:`ReverseWrong` where one forward product disagrees with it and a central
+    difference sides with forward mode; None where they agree, or nothing can tell.
+    ``floor()``: the size of the numbers the reverse product's entries were computed from
+    (NOTE [the scale of what is compared]), for a disagreement at the products' scale."""
+    flat, us, grads = got
+    gen = torch.Generator().manual_seed(2)
+    vs = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype).to(x.device)
+          for x in prob.leaves]
+    try:
+        redraw()
+        with torch.enable_grad():
+            prob.reset_primals()
+            outs, tangents = torch.func.jvp(
+                lambda *xs: _outputs(prob, xs), tuple(x.detach() for x in prob.leaves),
+                tuple(vs))
+    except Exception as err:  # noqa: BLE001 - no forward formula: nothing to compare with
+        if passes_through(err):
+            raise
+        return None
+    if len(tangents) != len(us):
+        return None
+    forward, f_size = _dot(us, tangents)
+    reverse, r_size = _dot(grads, vs)
+    scale = max(f_size, r_size)
+    if not (math.isfinite(forward) and math.isfinite(reverse)):
+        return None
+    if abs(forward - reverse) <= rtol * scale:
+        return None  # the common case
+    # (a Jacobian zero up to rounding: the products are their rounding, of numbers far
+    # larger; each entry's, summed over v's)
+    scale = max(scale, floor() * sum(float(v.detach().double().abs().sum()) for v in vs))
+    if abs(forward - reverse) <= rtol * scale:
+        return None
+    difference = _central(prob, us, vs, redraw)
+    if difference is None or abs(difference - forward) > 0.1 * abs(forward - reverse):
+        return None
+    if not _linear(prob, us, redraw):
+        return None  # (a hook that clips the gradient: f's backward is its own, no formula's)
+    return ReverseWrong(vs, forward, reverse, difference, scale)
+
+
+def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None]) -> bool:
+    """Whether f's reverse products scale exactly with their cotangent (``us``), as those of
+    backward formulas do (:func:`~torch_vjp._engine.fwdnoise._homogeneous`); not where a
+    hook clips or adds to the gradient, whose products differ from forward mode's by
+    design."""
+    try:
+        redraw()
+        with torch.enable_grad():
+            prob.reset_primals()
+            xs = [x.detach().requires_grad_(True) for x in prob.leaves]
+            live = [(o, u) for o, u in zip(_outputs(prob, xs), us) if o.requires_grad]
+            if not live:
+                return False
+
+            def product(cs: Sequence[Tensor]) -> Sequence[Tensor | None]:
+                return torch.autograd.grad([o for o, _ in live], xs, list(cs),
+                                           retain_graph=True, allow_unused=True)
+
+            a = [u for _, u in live]
+            return _homogeneous(product, a, product(a))
+    except Exception as err:  # noqa: BLE001 - plain autograd cannot run f: nothing to tell
+        if passes_through(err):
+            raise
+        return False
+
+
+def forward_route(
+    prob: Problem, first: str, res: Blocks, batch: int | None, got_us: Sequence[Tensor],
+    wrong: ReverseWrong, route: Callable[[str], Blocks], keep: Callable[[str], None],
+    named: tuple[Hashable, str], rtol: float,
+) -> Blocks | None:
+    """The Jacobian by forward mode where the reverse product is wrong (NOTE [a reverse
+    product checked forward]): ``res`` where its route ``first`` is forward mode and it
+    agrees with the forward product; else the first of ``route("fwd")`` and
+    ``route("fwd-loop")`` that agrees, with a one-time warning naming f; None where none
+    does (the caller decides as before). ``keep`` remembers the route taken."""
+    def agrees(blocks: Blocks) -> bool:
+        products = cotangent_products(prob.leaves, blocks, batch, got_us)
+        if products is None:
+            return False
+        value, size = _dot(products, wrong.vs)
+        return abs(value - wrong.forward) <= rtol * max(size, wrong.scale)
+
+    if first == "fwd":
+        if agrees(res):
+            keep("fwd")
+            return res
+        return None
+    for name in ("fwd", "fwd-loop"):
+        try:
+            alt = route(name)
+        except Exception as err:  # noqa: BLE001 - no batching rule, no formula: the next
+            if passes_through(err):
+                raise
+            continue
+        if not agrees(alt):
+            continue
+        keep(name)
+        warn_once((prob.call, named[0], first, "reverse wrong"),
+                  wrong_reverse_message(prob.call, named[1], first, name, wrong.reverse,
+                                        wrong.forward, wrong.difference),
+                  JacobianWarning)
+        return alt
+    return None
+
