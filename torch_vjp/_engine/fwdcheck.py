@@ -29,8 +29,10 @@ covers] in :mod:`torch_vjp._engine.context`; a function
 that branches to another operator on other values is checked only where it first ran; a
 bool, str or None among its plain arguments, or whether a number among them is zero, is
 part of the signature).
-Explicit strategies are not checked: "fwd" and "rev" are what was asked. The cotangent
-comes from a generator of its own. f's call for the check (and any route it tries) starts
+Explicit strategies are not checked: "fwd" and "rev" are what was asked (named reverse
+strategies read f's graph for the operators torch is known to differentiate wrongly: NOTE
+[named reverse strategies and wrong formulas] in :mod:`torch_vjp._engine.wrongops`). The
+cotangent comes from a generator of its own. f's call for the check (and any route it tries) starts
 from the global generators' state the products started from, and the generators are then
 put where the products left them (NOTE [auto's extra calls draw what the products draw] in
 :mod:`torch_vjp._engine.jacobian`): a random f (dropout) is checked against its products'

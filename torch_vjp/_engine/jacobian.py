@@ -191,6 +191,9 @@ def jacobian_blocks(
         The blocks, the output structure, the aux value and the mode used.
     """
     opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached, vmap_single)
+    if mode == "rev" and not fallback and not functorch_loops:
+        # NOTE [named reverse strategies and wrong formulas]
+        opts.named = (function_name(prob.f), function_key(prob.f))
     watched = () if is_nested() else captured_tensors(prob.f)  # (buffers_kept's)
     versions = [t._version for t in watched]
     calls = prob.calls

@@ -28,6 +28,7 @@ from torch_vjp._engine.rows import (
     passes_through,
 )
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
+from torch_vjp._engine.wrongops import named_reverse, wrong_ops
 
 __all__: list[str] = []
 
@@ -47,6 +48,9 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
     has_aux = prob.has_aux
     prob_g = prob.g_inner  # NOTE [non-differentiated primals]
 
+    named = opts.named if not is_nested() else None
+    found: list[tuple[str | None, str | None]] = []
+
     def g(*xs: Tensor) -> Any:
         res = prob_g(*xs)
         out = res[0] if has_aux else res
@@ -54,6 +58,9 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             connected[0] = out.requires_grad
         else:
             connected[0] = all(o.requires_grad for o in tree_leaves(out))
+        if named is not None:  # NOTE [named reverse strategies and wrong formulas]
+            found.append(wrong_ops([out] if isinstance(out, Tensor) else [
+                o for o in tree_leaves(out) if isinstance(o, Tensor)]))
         return res
 
     leaves = prob.leaves
@@ -79,6 +86,8 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
     n = sum(math.prod(s) for s in out_rows)
     out_dtypes = [o.dtype for o in flat_out]
     chunk = chunk_for(prob, "rev", out_rows, out_dtypes, opts)
+    if found and named is not None:
+        vectorized = named_reverse(prob.call, found[0], vectorized, chunk, named)
     if n == 0:
         stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
     else:

@@ -56,10 +56,15 @@ class Opts:
         detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
         vmap_single: a single product runs under vmap too, as torch.func.jacrev runs it
             (NOTE [the gradient inside a Hessian] in :mod:`torch_vjp._engine.hessian`); by default it is a plain call.
+        named: for a reverse strategy the caller named (not "auto"), f's name and key: its
+            products read f's graph for operators torch differentiates wrongly (NOTE
+            [named reverse strategies and wrong formulas] in
+            :mod:`torch_vjp._engine.wrongops`); None otherwise.
     """
 
     __slots__ = (
-        "batch", "chunk_size", "max_memory", "alternatives", "probe", "detached", "vmap_single"
+        "batch", "chunk_size", "max_memory", "alternatives", "probe", "detached", "vmap_single",
+        "named",
     )
 
     def __init__(
@@ -79,6 +84,7 @@ class Opts:
         self.probe = probe
         self.detached = detached
         self.vmap_single = vmap_single
+        self.named: tuple[str, Any] | None = None
 
 
 def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem,
