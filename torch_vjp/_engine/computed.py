@@ -51,6 +51,10 @@ from torch_vjp._errors import (
 
 __all__ = ["computed_jacobian"]
 
+#: Rows up to which a one-chunk result of jacobian_of is copied out of the storage it shares
+#: with the zero row of NOTE [retain_grad inside the graph] (in retained.py).
+_COMPACT_ROWS = 64
+
 
 def computed_jacobian(
     outs: Sequence[Tensor], ins: Sequence[Tensor], retain_graph: bool, create_graph: bool,
@@ -174,6 +178,13 @@ def _blocks(
                 kept.extend(escaped_after(d_outs, ins, kept, _grads_kept, failed=True))
                 raise
             kept.extend(escaped_after(d_outs, ins, kept, _grads_kept))
+            if state["stop"] >= n and n <= _COMPACT_ROWS:
+                # (the one chunk is the result: its rows without the zero row, in storage
+                # of their own, not a view that keeps that row alive with them, where the
+                # row is a sizeable part of it and the copy is small; past that, the row is
+                # under 2% of the storage, and a copy of the whole would cost more than it
+                # frees)
+                return tuple(r[1:].clone(memory_format=torch.contiguous_format) for r in res)
             return tuple(r[1:] for r in res)
 
         def products(chunk_size: int | None) -> list[Tensor]:
