@@ -161,16 +161,39 @@ def test_a_nan_result_is_wrong_not_ok():
     assert data["rows"][1]["max_abs_error"] == "nan" and data["rows"][0]["max_abs_error"] == 0
 
 
+class _WrongUnderVmap(torch.autograd.Function):
+    """x * 2, whose vmap rule (a user's, wrong on purpose) doubles the batched result again:
+    unbatched it is right, so only what runs under vmap sees the mistake."""
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return _WrongUnderVmap.apply(g)
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return x * 4, in_dims[0]
+
+
 def test_the_reference_does_not_share_vmaps_batching_rules():
-    # torch.cdist's backward has a wrong batching rule (torch 2.13): with torch.func.jacrev
-    # as the reference, the wrong 'rev' was "ok" and best, the right 'rev-loop' "wrong"
-    y = torch.randn(4, 2, dtype=torch.float64)
-    x = torch.randn(3, 2, dtype=torch.float64)
-    report = compare_strategies(lambda x: torch.cdist(x, y), x,
-                                strategies=["rev", "rev-loop"], min_run_time=FAST)
+    # a wrong batching rule in f's backward: with torch.func.jacrev as the reference, the wrong
+    # 'rev' would be "ok" and best, the right 'rev-loop' "wrong"
+    x = torch.randn(3, dtype=torch.float64)
+    f = lambda x: _WrongUnderVmap.apply(x.sin())  # noqa: E731
+    report = compare_strategies(f, x, strategies=["rev", "rev-loop"], min_run_time=FAST)
     assert report.reference == "a loop of torch.autograd.grad in float64"
     assert report["rev"].status == "wrong" and report["rev-loop"].ok
     assert report.best.strategy == "rev-loop"
+    # the premise: torch.func.jacrev is wrong here, a loop of torch.autograd.grad right
+    expected = torch.diag(2 * x.cos())
+    assert not torch.allclose(torch.func.jacrev(f)(x), expected)
 
 
 def _row(name, status, time, error=0.0):
