@@ -314,16 +314,21 @@ def test_each_example_gets_its_own_dropout_mask_and_all_its_gradients_share_it(s
     """BERT's classifier dropout (p=0.5) on four copies of one example: the units a copy's
     mask dropped have zero gradient in the classifier's weight columns and, one layer down,
     in the pooler's bias, the same units (one draw per example for all its gradients); the
-    copies' masks differ (each example draws its own)."""
+    copies' masks differ (each example draws its own). The call that plans draws from the
+    caller's generator as a later call does: the same seed gives the same gradients."""
     torch.manual_seed(0)
     m = T.BertForSequenceClassification(T.BertConfig(
         vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=32, max_position_embeddings=16, num_labels=3, classifier_dropout=0.5))
     model = Head(m, ("input_ids",)).to(DT).train()
     ids = torch.randint(2, V, (1, 6)).expand(4, -1).contiguous()
+    y = torch.zeros(4, dtype=torch.long)
     torch.manual_seed(3)
-    g = tv.per_sample_grads(model, _ce, ids, torch.zeros(4, dtype=torch.long),
-                            strategy=strategy)
+    g = tv.per_sample_grads(model, _ce, ids, y, strategy=strategy)
+    torch.manual_seed(3)  # (the first call planned and checked: its forwards drew nothing)
+    again = tv.per_sample_grads(model, _ce, ids, y, strategy=strategy)
+    for n in g:
+        assert torch.equal(g[n], again[n]), n
     dropped = g["m.classifier.weight"].abs().sum(1) == 0
     assert torch.equal(dropped, g["m.bert.pooler.dense.bias"] == 0)
     assert dropped.any(1).all() and not dropped.all(1).any()
