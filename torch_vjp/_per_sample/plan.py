@@ -169,6 +169,16 @@ class Plan:
     #: the model raised this error (quoted) on the whole batch it was planned on: every
     #: parameter goes to the fallback, which runs one example at a time
     batch_failure: str | None = None
+    #: made for the batch size it was planned at only (NOTE [plans of one batch size]): a
+    #: model refused there (mixing, a failure on the whole batch, an output that does not
+    #: hold the batch) may be per-example at another size
+    batch_bound: bool = False
+    #: the batch sizes the plan's results were checked at against the loop, and the size of
+    #: the call under way (NOTE [checked at each batch size] in ``verify``); this call's
+    #: check is one of a new batch size
+    batches: set[int] = field(default_factory=set)
+    batch_now: int = 0
+    new_batch: bool = False
 
     # The lists below are made once, when the finished plan is first used; route() resets them.
 
@@ -256,6 +266,17 @@ class Plan:
         else:
             self.route([n for n in live if self.params[n].method == "rule"], ONE_DRAW)
 
+
+# NOTE [plans of one batch size]
+# The batch size is not part of a plan's key: a plan made at one size serves every other
+# (a batch of one apart), as DP-SGD's Poisson sampling draws a new size at each step. A plan
+# that refuses the model, or leaves every parameter to the fallback, for what the planning
+# runs saw at their batch size (a module that mixes examples, a forward that fails on the
+# whole batch, an output that does not hold the examples along one dimension) is kept under
+# the key and that size only: a forward that branches on the batch size
+# (``if x.shape[0] > 4: h = h - h.mean(0)``) is per-example at another size, where a plan of
+# its own is made. A plan made at a size where the model is per-example is checked again at
+# each new size (NOTE [checked at each batch size] in ``verify``).
 
 # NOTE [one draw per example]
 # Each method draws its own random numbers: the rules' pass one dropout mask for the whole

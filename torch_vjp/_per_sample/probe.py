@@ -140,7 +140,8 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         cache = _PLANS.setdefault(model, {})
     except TypeError:  # a model that cannot be weakly referenced: no cache
         cache = {}
-    plan = None if rebuild else cache.get(key)
+    # (a plan of this batch size first: NOTE [plans of one batch size] in plan.py)
+    plan = None if rebuild else cache.get((key, job.batch), cache.get(key))
     if plan is not None and plan.stale:
         plan = None  # a check made again found it wrong (NOTE [checked again] in verify.py)
     if plan is not None and plan.settings and _settings_changed(plan.settings):
@@ -193,12 +194,16 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
         plan.one_draw()  # (NOTE [one draw per example] in plan.py)
         if any(NON_FINITE in p.reason for p in plan.params.values()):
             return plan  # (made for this batch's NaN alone: the next batch plans afresh)
+        if plan.batch_bound or plan.mixing is not None:  # (of this batch size only)
+            key, extra_key = (key, job.batch), extra_key and (extra_key, job.batch)
         if len(cache) >= _MAX_PER_MODEL:
             cache.pop(next(iter(cache)))
         cache[key] = plan
         if extra_key is not None:
             cache[extra_key] = plan
+    plan.batch_now = job.batch  # (NOTE [checked at each batch size] in verify.py)
     return plan
+
 
 
 class _Randomness(TorchDispatchMode):
@@ -269,7 +274,7 @@ def build_plan(job: Job) -> Plan:
             failure = f"{quote_error(err)}, on a batch of {batch}"
             return Plan(strategy, _all_params(
                 sel, "vmap", f"the model failed on the whole batch ({failure})"),
-                batch_failure=failure)
+                batch_failure=failure, batch_bound=True)
         small = None
         if batch > 1:
             # (a batch of two is compared with three examples, not one: a forward that
@@ -381,7 +386,7 @@ def _unsplittable(strategy: str, sel: Selection, out: Any, batch: int) -> Plan:
         f"dataclass or an object of another class of its own), so its loss cannot be split "
         f"into the examples' own losses for the per-layer rules. Fix: return the tensors in "
         f"a dict, a tuple or a namedtuple")
-    return Plan(strategy, _all_params(sel, "vmap", reason))
+    return Plan(strategy, _all_params(sel, "vmap", reason), batch_bound=True)
 
 
 class _NotGeneric(Exception):

@@ -50,6 +50,15 @@ def _autocast_rtol(device: torch.device) -> float:
 # the calls since the last agreeing check may be wrong, and marks the plan stale: the next
 # call makes a new one (which, for a model that now mixes examples, refuses it as for any
 # such model). A strategy named explicitly raises, as on the first call.
+#
+# NOTE [checked at each batch size]
+# The key holds no batch size (NOTE [plans of one batch size] in ``plan``), and a forward
+# can branch on it (``if x.shape[0] > 4: h = h - h.mean(0)``): a plan made and checked at a
+# size where the model is per-example would be silently wrong at a size where it mixes. So
+# a plan whose results come from the batch's own forward (rule or zero parameters) is
+# checked again at the first call of each batch size it has not been checked at; vmap and
+# the loop run one example at a time and are not. Under Poisson sampling the sizes stay
+# near the expected one: a few dozen checks over a training run, each about 3/B of a call.
 #: After this many uses, the plan is checked again every this many uses.
 RECHECK_EVERY = 1024
 #: The first use checked again.
@@ -62,16 +71,24 @@ def _recheck_due(plan: Plan) -> bool:
     plan.uses = n = plan.uses + 1
     due = (n % RECHECK_EVERY == 0) if n > RECHECK_EVERY else (
         n >= _FIRST_RECHECK and n & (n - 1) == 0)
-    if due:
+    plan.new_batch = _new_batch(plan)
+    if due or plan.new_batch:
         plan.rechecking = True
         plan.verified = plan.verified_one_run = False
-    return due
+    return due or plan.new_batch
+
+
+def _new_batch(plan: Plan) -> bool:
+    """Whether this call's batch size is one the plan's rules were not checked at (NOTE
+    [checked at each batch size])."""
+    return plan.batch_now not in plan.batches and bool(plan.rule_params or plan.zero_params)
 
 
 def _passed(plan: Plan, flag: str) -> None:
     setattr(plan, flag, True)
-    plan.rechecking = False
+    plan.rechecking = plan.new_batch = False
     plan.checked_at = plan.uses
+    plan.batches.add(plan.batch_now)
 
 
 def checked(plan: Plan, one_run: bool = False) -> bool:
@@ -197,16 +214,26 @@ def _verify(job: Job, plan: Plan, sq: dict[str, Tensor], one_run: bool, flag: st
             f"torch_vjp.{job.fn}: the per-sample gradients planned for this model disagree "
             f"with the per-example loop: for {n!r}, {why}.\n  " + _since(plan)
             + "This call is computed again with vmap or the per-example loop, and is right; "
-              "the next call makes a new plan. Fix: keep a switch that changes what the "
-              "model computes as a plain attribute of a module (self.mix = True) or a bool "
-              "a hook reads from its closure, which the plan sees; or use strategy='loop' "
-              "while such a switch changes.",
+              "the next call makes a new plan"
+            + (" (for this batch size: one that mixes examples there is refused, as any "
+               "such model is). Fix: make the forward per-example at every batch size, or "
+               "use strategy='loop'." if plan.new_batch else
+               ". Fix: keep a switch that changes what the "
+               "model computes as a plain attribute of a module (self.mix = True) or a bool "
+               "a hook reads from its closure, which the plan sees; or use strategy='loop' "
+               "while such a switch changes."),
             TorchVJPWarning, stacklevel=user_stacklevel())
     return list(bad)
 
 
 def _since(plan: Plan) -> str:
     """What a check made again (NOTE [checked again]) says of the calls before it."""
+    if plan.new_batch:  # (NOTE [checked at each batch size])
+        sizes = ", ".join(map(str, sorted(plan.batches)[:8]))
+        return (f"It agreed at the batch size(s) it was checked at ({sizes}), not at this "
+                f"batch of {plan.batch_now}: the model computes otherwise at this batch size "
+                f"(control flow on x.shape[0], say), which the plan, made at another size, "
+                f"cannot see. ")
     between = plan.uses - plan.checked_at - 1
     return (f"It agreed when checked {plan.uses - plan.checked_at} call(s) before this one: "
             f"something the plan cannot see changed since (a flag kept in a list, a tensor "
