@@ -19,7 +19,8 @@ from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import TorchVJPError, a_type, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counters, numbers_of,
-                                             restore_numbers, structure_of)
+                                             restore_numbers, settings_changed, settings_of,
+                                             structure_of)
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
@@ -83,8 +84,6 @@ def forget_plans(model: nn.Module | None = None) -> None:
         _PLANS.pop(model, None)
 
 
-_SETTING_TYPES = (bool, int, float, str, tuple, type(None))
-
 _REENTRANT_REASON = (
     "the model runs torch.utils.checkpoint with use_reentrant=True on a block whose input "
     "requires grad, which only backward() differentiates (torch.autograd.grad, which the "
@@ -100,29 +99,6 @@ _REENTRANT_REASON = (
 # registered after the first call makes a new plan.
 _HOOKED = ("a gradient hook is registered on it (Tensor.register_hook), which only the "
            "per-example loop applies to each example's gradient")
-
-
-def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
-    """The public plain-valued attributes of the layers the rules computed (an Embedding's
-    ``scale_grad_by_freq``, a recurrent layer's ``dropout``, a convolution's ``stride``):
-    a rule decided on them when the plan was made, so a plan whose layers' settings have
-    changed since is made again. (A few microseconds a layer, on every call.)"""
-    return tuple(
-        tuple(v for k, v in vars(m).items()
-              if type(v) in _SETTING_TYPES and k[0] != "_" and k != "training")
-        for m in layers
-    )
-
-
-def _settings(layers: list[nn.Module]) -> tuple[Any, ...]:
-    """``Plan.settings``, the layers held weakly: a plan that held its model (one that is a
-    layer, ``nn.Linear``) kept it alive in the cache, which is weak in the model."""
-    return tuple(map(weakref.ref, layers)), layer_settings(layers)
-
-
-def _settings_changed(settings: tuple[Any, ...]) -> bool:
-    layers = [ref() for ref in settings[0]]
-    return any(m is None for m in layers) or layer_settings(layers) != settings[1]
 
 
 def input_entries(xs: tuple[Any, ...]) -> list[tuple[str, Tensor]]:
@@ -144,7 +120,7 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
     plan = None if rebuild else cache.get((key, job.batch), cache.get(key))
     if plan is not None and plan.stale:
         plan = None  # a check made again found it wrong (NOTE [checked again] in verify.py)
-    if plan is not None and plan.settings and _settings_changed(plan.settings):
+    if plan is not None and plan.settings and settings_changed(plan.settings):
         plan = None  # a layer's settings changed since (its rule may no longer apply)
     if plan is None:
         # Planning runs the model a few times: its buffers and parameters are put back
@@ -216,12 +192,27 @@ class _Randomness(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and _draws(
+                func, args, kwargs):
             if kwargs.get("generator") is not None:
                 self.explicit = True
             else:
                 self.global_rng = True
         return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a random operator draws: not with a dropout probability of zero, nor out of
+    training mode (the attention kernel of ``F.scaled_dot_product_attention`` with
+    ``dropout_p=0``, as every ``nn.MultiheadAttention`` of ``dropout=0.0`` calls it; rrelu in
+    eval mode), which leave the generator as it was and compute the same for each example
+    alone. Taken for random, such a model's plan was never checked against the loop."""
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+        if (arg.name == "dropout_p" and value == 0) or (
+                arg.name in ("training", "train") and value is False):
+            return False
+    return True
 
 
 def _vmap_randomness(rng: _Randomness) -> str | None:
@@ -292,7 +283,7 @@ def build_plan(job: Job) -> Plan:
                 small = None
     if isinstance(reads, TableReads) and reads.read_again:
         plan = Plan(strategy, _all_params(sel, "loop", READ_AGAIN))
-        plan.settings = _settings(tables)  # (made again if max_norm is set otherwise)
+        plan.settings = settings_of(tables)  # (made again if max_norm is set otherwise)
         return plan
     out_dims = None if batch == 1 else _batch_dims_of(full[0], small, batch)
     tracked = {id(t): n for n, t in sel.tensors.items()}
@@ -502,7 +493,7 @@ def _probe_at(
     plan = Plan(job.strategy, {}, out_dims=out_dims, random_global=rng.global_rng,
                 vmap_randomness=_vmap_randomness(rng))
     layers = list({id(c.module): c.module for c in rec.calls if c.module is not None}.values())
-    plan.settings = _settings(layers)
+    plan.settings = settings_of(layers)
     plan.wanted = dict(rec.wanted)
     total = loss_sum(job.fn, job.loss_fn, out, job.targets, batch, out_dims)
     check_connected(job.fn, total, out)
@@ -569,7 +560,7 @@ def _probe_at(
             plan.params[name] = ParamPlan(name, "rule", how, user=user)
     declined = _declined_layers(model, plan.params)  # (decided on their settings too)
     if declined:
-        plan.settings = _settings(layers + declined)
+        plan.settings = settings_of(layers + declined)
     return plan
 
 

@@ -18,7 +18,8 @@ from torch_vjp._engine.fwdcheck import route_key
 from torch_vjp._per_sample.registry import replaced_forward
 
 __all__ = ["structure_of", "loss_key", "loss_tensors", "function_flags", "object_flags",
-           "nested_flags", "numbers_of", "note_counters", "restore_numbers"]
+           "nested_flags", "numbers_of", "note_counters", "restore_numbers", "layer_settings",
+           "settings_of", "settings_changed"]
 
 # NOTE [the structure a plan is for]
 # A plan (which layers have rules, in which dimension each finds the examples, which
@@ -557,3 +558,30 @@ def _object_flags(obj: object) -> tuple[Any, ...]:
                 continue
         out.append((k, f))
     return tuple(out)
+
+
+_SETTING_TYPES = (bool, int, float, str, tuple, type(None))
+
+
+def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
+    """The public plain-valued attributes of the layers the rules computed (an Embedding's
+    ``scale_grad_by_freq``, a recurrent layer's ``dropout``, a convolution's ``stride``):
+    a rule decided on them when the plan was made, so a plan whose layers' settings have
+    changed since is made again. (A few microseconds a layer, on every call.)"""
+    return tuple(
+        tuple(v for k, v in vars(m).items()
+              if type(v) in _SETTING_TYPES and k[0] != "_" and k != "training")
+        for m in layers
+    )
+
+
+def settings_of(layers: list[nn.Module]) -> tuple[Any, ...]:
+    """``Plan.settings``, the layers held weakly: a plan that held its model (one that is a
+    layer, ``nn.Linear``) kept it alive in the cache, which is weak in the model."""
+    return tuple(map(weakref.ref, layers)), layer_settings(layers)
+
+
+def settings_changed(settings: tuple[Any, ...]) -> bool:
+    """Whether a layer of ``settings`` (:func:`settings_of`) is gone or set otherwise."""
+    layers = [ref() for ref in settings[0]]
+    return any(m is None for m in layers) or layer_settings(layers) != settings[1]
