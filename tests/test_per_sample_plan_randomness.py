@@ -111,3 +111,50 @@ def test_rrelu_in_eval_mode_is_not_random_but_in_training_mode_is():
     assert tv.per_sample_plan(model, _loss, x)["0.weight"].method == "rule"
     model.train()
     assert tv.per_sample_plan(model, _loss, x)["0.weight"].method == "loop"
+
+
+class _Encoder(nn.Module):
+    """A transformer encoder layer with dropout (its attention's own too), in training
+    mode, then a layer of the user's own type."""
+
+    def __init__(self, scale_type):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.2, batch_first=True)
+        self.scale = scale_type(4)
+
+    def forward(self, x):
+        return self.scale(self.enc(x))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_a_wrong_rule_beside_attention_with_dropout_is_caught(strategy):
+    # the check turns dropout off to compare with the loop; attention's own dropout (not a
+    # Dropout module) still drew, so the check was skipped and the wrong rule's results
+    # given as they were
+    class Scale(_Scale):
+        pass
+
+    def doubled_after_encoder(module, inputs, g):  # (its own name: warned once per rule)
+        t = inputs[0] * g
+        return {"w": 2 * t.reshape(t.shape[0], -1, t.shape[-1]).sum(1)}
+
+    tv.register_per_sample_rule(Scale, doubled_after_encoder)
+    probe.forget_plans()
+    try:
+        torch.manual_seed(0)
+        model = _Encoder(Scale).to(D).train()
+        x = torch.randn(4, 3, 4, dtype=D)
+        if strategy == "hooks":
+            with pytest.raises(tv.PerSampleError, match="rule you registered"):
+                tv.per_sample_grad_norms(model, _loss, x, strategy="hooks")
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tv.per_sample_grad_norms(model, _loss, x)
+        assert any("gives wrong per-sample gradients for 'scale.w'" in str(w.message)
+                   for w in caught)
+        assert tv.per_sample_plan(model, _loss, x)["scale.w"].method != "rule"
+        assert all(m.training for m in model.modules())  # (put back after the check)
+    finally:
+        registry._RULES.pop(Scale, None)
+        probe.forget_plans()

@@ -1,7 +1,7 @@
 """The check of a plan's first results against the per-example loop (NOTE [the per-sample
 plan] in :mod:`torch_vjp._per_sample.plan`): three examples' squared norms per parameter,
 compared with the loop's; a model that draws from the global generator is checked with its
-dropout layers in eval mode."""
+dropout layers (and attention's dropout) in eval mode."""
 
 from __future__ import annotations
 
@@ -262,8 +262,11 @@ def _without_dropout(job: Job, plan: Plan, ks: list[int], names: list[str],
     dropout layers in eval mode, the squared norms of the plan's computation (the whole batch,
     as the call made it), with the loop's gradients of the examples ``ks`` written into
     ``ref``; None where the model still draws random numbers (or has no dropout layer)."""
+    # (and attention's own dropout, of nn.MultiheadAttention in training mode: a
+    # TransformerEncoderLayer with dropout > 0 draws there too, and went unchecked)
     drops = [m for m in job.model.modules()
-             if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+             if m.training and (isinstance(m, nn.modules.dropout._DropoutNd) or (
+                 isinstance(m, nn.MultiheadAttention) and m.dropout > 0))]
     if not drops:
         return None
     devices = {t.device for t in job.sel.tensors.values()}
