@@ -294,6 +294,48 @@ _ATTENTION = {
         4, 2, 8, dropout=0.0, batch_first=True, norm_first=True), lambda: (_r(B, 3, 4),)),
 }
 
+class _EncoderWithPadding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x):
+        pad = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+        pad[:, -1] = True
+        return self.enc(x, src_key_padding_mask=pad)
+
+
+class _Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(4, 2, 1, 1, 8, dropout=0.0, batch_first=True)
+
+    def forward(self, src, tgt):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], dtype=D)
+        return self.t(src, tgt, tgt_mask=mask, tgt_is_causal=True)
+
+
+class _Sdpa(nn.Module):
+    """F.scaled_dot_product_attention between two Linear projections, causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nn.functional.scaled_dot_product_attention(self.q(x), self.k(x), x,
+                                                          is_causal=True)
+
+
+_ATTENTION.update({
+    "transformer_encoder_padding_mask": (_EncoderWithPadding, lambda: (_r(B, 3, 4),)),
+    "transformer_causal": (_Transformer, lambda: (_r(B, 3, 4), _r(B, 2, 4))),
+    "sdpa_causal": (_Sdpa, lambda: (_r(B, 3, 4),)),
+})
+_RECURRENT["LSTM_dropout_eval"] = (lambda: _First(nn.LSTM(
+    3, 4, num_layers=2, batch_first=True, dropout=0.5)).eval(), lambda: (_r(B, 5, 3),))
+
 _OTHER = {
     "linear_3d": (lambda: nn.Linear(4, 3), lambda: (_r(B, 2, 4),)),
     "linear_4d_no_bias": (lambda: nn.Linear(4, 3, bias=False), lambda: (_r(B, 2, 3, 4),)),
