@@ -339,6 +339,14 @@ _RECURRENT["LSTM_dropout_eval"] = (lambda: _First(nn.LSTM(
 _OTHER = {
     "linear_3d": (lambda: nn.Linear(4, 3), lambda: (_r(B, 2, 4),)),
     "linear_4d_no_bias": (lambda: nn.Linear(4, 3, bias=False), lambda: (_r(B, 2, 3, 4),)),
+    # (both sides of the norms' choice: the ghost-norm identity over the positions, or the
+    # per-sample gradient formed)
+    "linear_wide_short": (lambda: nn.Linear(40, 30), lambda: (_r(B, 2, 40),)),
+    "linear_narrow_long": (lambda: nn.Linear(3, 2), lambda: (_r(B, 60, 3),)),
+    "conv1d_long": (lambda: nn.Conv1d(2, 2, 3, padding=1, groups=2), lambda: (_r(B, 2, 80),)),
+    "conv2d_wide": (lambda: nn.Conv2d(16, 16, 3, padding=1), lambda: (_r(B, 16, 3, 3),)),
+    "embedding_long": (lambda: nn.Embedding(50, 8, padding_idx=3),
+                       lambda: (torch.randint(0, 50, (B, 40)),)),
     "bilinear": (lambda: nn.Bilinear(3, 4, 2), lambda: (_r(B, 3), _r(B, 4))),
     "bilinear_3d": (lambda: nn.Bilinear(3, 4, 2), lambda: (_r(B, 5, 3), _r(B, 5, 4))),
     "prelu": (lambda: nn.Sequential(nn.Linear(4, 4), nn.PReLU()), lambda: (_r(B, 4),)),
