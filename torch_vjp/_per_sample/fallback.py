@@ -383,7 +383,15 @@ def fallback_grads(
     if mode not in ("auto", "vmap", "hooks") or randomness is None:
         return loop()
 
-    def check_one() -> None:  # one example without vmap: an error here is the model's own
+    # Where vmap failed, the examples run without vmap before vmap is blamed: an error there
+    # is the model's own and propagates untouched. Named "vmap" runs every example (any of
+    # them may hold what the model refuses: an id beyond an embedding's table), "auto" lets
+    # the loop it falls back to decide, and strict (whose caller computes otherwise) checks
+    # one.
+    def check_all() -> None:
+        loop_grads(job, names, start, stop, _new_outputs(job.sel, names, stop - start))
+
+    def check_first() -> None:
         loop_grads(job, names, start, start + 1, _new_outputs(job.sel, names, 1))
 
     def on_fallback(failure: Exception) -> None:
@@ -395,7 +403,8 @@ def fallback_grads(
 
     return run_with_fallback(
         lambda: vmap_grads(job, names, start, stop, chunk_size, randomness), loop,
-        on_fallback=on_fallback, check_one=check_one,
+        on_fallback=on_fallback,
+        check_one=check_all if mode == "vmap" else check_first if strict else None,
     )
 
 
