@@ -19,6 +19,14 @@ replaced, measured in one run, paired and alternated (median and IQR of per-pair
   ``cnn_b64``, a convolution keeping its per-sample gradient chunks as formed (as now)
   against copying them into one new ``(B, *weight)`` buffer (as before).
 
+- ``conv_norms``: a 2-D convolution's direct squared norms (``ConvFactor.sq_norms``) with
+  the per-sample gradients from the channels-last patches and one batched product against
+  one grouped convolution per chunk (NOTE [two ways to a convolution's per-sample
+  gradients] in ``torch_vjp/_per_sample/rules/conv.py``), on cnn_b64's second convolution
+  and on 3x3 layers; and ``per_sample_grad_norms`` / ``accumulate_clipped_grads`` on
+  ``cnn_b64`` with the choice the measurement made (patches) against the grouped
+  convolution. Both arms alternate in one process (the recorded choice is switched).
+
 Run: ``python benchmarks/bench_per_sample_parts.py [--pairs 15] [--mechanisms NAMES]``.
 Writes ``results/per_sample_parts.json`` and ``.md`` (or ``--out``).
 """
@@ -170,6 +178,53 @@ def kept_chunks(pairs: int) -> dict:
                 **_ratio(step(kept_now), step(copied), pairs))
 
 
+CONV_NORM_LAYERS = (  # (B, C, spatial size, O, kernel, padding)
+    (64, 16, 12, 32, 5, 0), (64, 8, 14, 16, 3, 1), (64, 32, 16, 32, 3, 1),
+    (16, 64, 32, 64, 3, 1), (16, 128, 16, 128, 3, 1),
+)
+
+
+def conv_norms(pairs: int) -> list[dict]:
+    from torch_vjp._per_sample.rules import conv
+
+    def forced(f, key, patches):
+        def run():
+            conv.PATCHES_FASTER[key] = patches
+            f.sq_norms(None)
+        return run
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for B, C, S, O, k, pad in CONV_NORM_LAYERS:
+        x = torch.randn(B, C, S, S, generator=gen)
+        L = S + 2 * pad - k + 1
+        f = ConvFactor(x, torch.randn(B, O, L, L, generator=gen), (O, C, k, k), (O, C, k, k),
+                       (1, 1), (pad, pad), (1, 1), 1)
+        key = f._patches_key(None)
+        assert key is not None and not f._ghost_cheaper()
+        rows.append(dict(case=f"norms of conv {C}->{O}, {k}x{k}, {S}x{S}, B = {B}",
+                         **_ratio(forced(f, key, True), forced(f, key, False), pairs)))
+    model, loss_fn, x, y = build("cnn_b64")
+    for name, fn in (("per_sample_grad_norms", tv.per_sample_grad_norms),
+                     ("accumulate_clipped_grads", tv.accumulate_clipped_grads)):
+        kwargs = {"max_norm": 1.0} if name == "accumulate_clipped_grads" else {}
+        conv.PATCHES_FASTER.clear()
+        fn(model, loss_fn, x, y, **kwargs)  # (measures and records the choice)
+        keys = list(conv.PATCHES_FASTER)
+
+        def step(patches, fn=fn, kwargs=kwargs, keys=keys):
+            def run():
+                conv.PATCHES_FASTER.update(dict.fromkeys(keys, patches))
+                model.zero_grad(set_to_none=True)
+                fn(model, loss_fn, x, y, **kwargs)
+            return run
+
+        chosen = ", ".join(str(v) for v in conv.PATCHES_FASTER.values())
+        rows.append(dict(case=f"{name}(auto), cnn_b64 (patches chosen: {chosen})",
+                         **_ratio(step(True), step(False), pairs)))
+    return rows
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         "# Per-sample mechanisms, each against what it replaced",
@@ -194,7 +249,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS / "per_sample_parts")
     parser.add_argument("--mechanisms", default="huge_pages,conv_chunks,layer_norm_xhat,"
-                        "ghost_check,kept_chunks", help="comma-separated names of the rows to measure")
+                        "ghost_check,kept_chunks,conv_norms", help="comma-separated names of the rows to measure")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     wanted = set(args.mechanisms.split(","))
@@ -209,6 +264,8 @@ def main() -> None:
         rows += [dict(mechanism="ghost_check", **r) for r in ghost_check(args.pairs)]
     if "kept_chunks" in wanted:
         rows.append(dict(mechanism="kept_chunks", **kept_chunks(args.pairs)))
+    if "conv_norms" in wanted:
+        rows += [dict(mechanism="conv_norms", **r) for r in conv_norms(args.pairs)]
     env = dict(torch=torch.__version__, python=platform.python_version(), threads=THREADS,
                pairs=args.pairs,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))

@@ -199,6 +199,10 @@ class Factor:
         """``sum_i c[i] G_i``, of shape ``region_shape``."""
         raise NotImplementedError
 
+    def kept_sum(self, c: Tensor) -> Tensor:
+        """``sum_i c[i] G_i`` from :attr:`kept` (not None)."""
+        return kept_weighted_sum(self.kept, c)  # type: ignore[arg-type]
+
     def merge_key(self) -> Any:
         """Factors with equal keys describe one region the same way and can be merged."""
         return None
@@ -562,9 +566,8 @@ def region_weighted_sum(factors: list[Factor], c: Tensor, param: Tensor) -> Tens
     """``sum_i c[i] G_i`` of one parameter (weighted sums add across factors and regions);
     from the factor's kept per-sample gradients where it has them."""
     if len(factors) == 1 and factors[0].rows is None:
-        kept = factors[0].kept
-        if kept is not None:
-            res = kept_weighted_sum(kept, c)
+        if factors[0].kept is not None:
+            res = factors[0].kept_sum(c)
             return res if res.shape == param.shape else res.reshape(param.shape)
         res = factors[0].weighted_sum(c)
         return res if res.shape == param.shape else res.reshape(param.shape)

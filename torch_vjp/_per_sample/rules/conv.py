@@ -15,11 +15,13 @@ gradient: a :class:`ConvFactor` with the roles of input and output gradient swap
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torch_vjp._engine.compile_key import tracing
 from torch_vjp._per_sample.factors import (
     NORM_CHUNK_ELEMENTS,
     Factor,
@@ -31,7 +33,8 @@ from torch_vjp._per_sample.factors import (
 from torch_vjp._per_sample.keep import KeepBudget
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
-__all__ = ["ConvFactor", "ConvRule", "ConvTransposeRule", "unfold_nd"]
+__all__ = ["ConvFactor", "ConvRule", "ConvTransposeRule", "unfold_nd", "patches_last",
+           "PATCHES_FASTER"]
 
 # The ordinary weight gradient of a convolution, by number of spatial dimensions.
 _CONV_WEIGHT = {
@@ -69,6 +72,52 @@ def unfold_nd(
     return patches.reshape(B, C * math.prod(kernel), math.prod(out))
 
 
+def patches_last(
+    x: Tensor,
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    padding: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> Tensor:
+    """The patches of a 2-D convolution's input, channels last, as one strided copy:
+    ``(B, C, H, W) -> (B, L, kh * kw * C)``, rows in output positions' order, columns in
+    the order ``(kh, kw, C)`` (the layout of a channels-last weight). Each patch row is
+    ``kw * C`` contiguous numbers of the channels-last input, where :func:`unfold_nd`
+    gathers runs of one output row."""
+    if any(padding):
+        x = F.pad(x, [p for q in reversed(padding) for p in (q, q)])
+    xl = x.permute(0, 2, 3, 1).contiguous()  # (B, H, W, C)
+    B, H, W, C = xl.shape
+    sB, sH, sW, sC = xl.stride()
+    (kh, kw), (dh, dw), (th, tw) = kernel, dilation, stride
+    oh = (H - dh * (kh - 1) - 1) // th + 1
+    ow = (W - dw * (kw - 1) - 1) // tw + 1
+    patches = xl.as_strided((B, oh, ow, kh, kw, C),
+                            (sB, th * sH, tw * sW, dh * sH, dw * sW, sC), xl.storage_offset())
+    return patches.reshape(B, oh * ow, kh * kw * C)
+
+
+# NOTE [two ways to a convolution's per-sample gradients]
+# For the direct norms of a 2-D convolution with long patches (``groups == 1``), the
+# per-sample gradients come from one grouped convolution per chunk of examples (the
+# examples as groups), or from the channels-last patches and one batched matrix product
+# (``g_i (O, L) @ P_i (L, kh kw C)``). The work is the same; which is faster depends on the
+# shapes and on the machine's convolution kernels: on cnn_b64 of
+# benchmarks/bench_per_sample.py (16 -> 32 channels, 5 x 5, 8 x 8 outputs) the product took
+# 0.54-0.65 of the grouped convolution's time, on 3 x 3 layers of 8 to 64 channels 1.2-1.7
+# of it (benchmarks/bench_per_sample_parts.py, conv_norms). So on CPU the first chunk of the
+# first call of each layer shape is computed both ways, timed (process CPU time per example,
+# the best of three alternated runs: interference from other processes only adds time), and
+# the product is kept for that shape for the rest of the process where it took at most 0.8
+# of the grouped convolution's time (a wrong choice under a noisy measurement then costs
+# little). Both give the same numbers up to rounding; the measurement costs a few chunks,
+# once per shape. Elsewhere (GPUs, groups, 3-D) the grouped convolution is used, as before.
+#: (shapes, dtype) -> whether the patches' product is the faster (NOTE above).
+PATCHES_FASTER: dict[tuple, bool] = {}
+#: The product must take at most this fraction of the grouped convolution's time.
+_PATCHES_MARGIN = 0.8
+
+
 class ConvFactor(Factor):
     """Per-sample gradients of a convolution weight from its input ``x: (B, C, *S)`` and
     output gradient ``g: (B, O, *S')``, for 2 or 3 spatial dimensions (1-D convolutions are
@@ -95,6 +144,7 @@ class ConvFactor(Factor):
         self.region_shape = tuple(region_shape)  # the parameter's own shape
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
         self.rows = None
+        self.kept_last = False  # (kept chunks channels last: :meth:`_per_sample_last`)
 
     @property
     def batch(self) -> int:
@@ -203,13 +253,90 @@ class ConvFactor(Factor):
         # kept_chunks).
         kept: list[tuple[int, int, Tensor]] | None = (
             [] if keep is not None and keep.take(B * math.prod(self.weight_shape)) else None)
-        for s, e in chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS):
-            per_sample = self._per_sample(s, e)
-            out[s:e] = sq_norms_rows(per_sample)
+        by_patches = self._patches_choice(chunk_size)
+        if by_patches is None:
+            by_patches = self._measure(chunk_size)
+        per_example = self._patches_per_example() if by_patches else self._per_example()
+        for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
+            if by_patches:
+                per_sample = self._per_sample_last(s, e)
+                # (one reduction over each example's (O, kh kw C) block, read in place)
+                out[s:e] = torch.linalg.vector_norm(per_sample, dim=(1, 2)).square_()
+            else:
+                per_sample = self._per_sample(s, e)
+                out[s:e] = sq_norms_rows(per_sample)
             if kept is not None:
                 kept.append((s, e, per_sample))
         self.kept = kept
+        self.kept_last = by_patches
         return out
+
+    # -- NOTE [two ways to a convolution's per-sample gradients] -------------------------
+
+    def _patches_key(self, chunk_size: int | None) -> tuple | None:
+        """The key of :data:`PATCHES_FASTER` for this factor, or None where the patches'
+        product is not a choice (the grouped convolution is used)."""
+        x = self.x
+        if (self.groups != 1 or len(self.weight_shape) != 4 or x.device.type != "cpu"
+                or self._unfolds() or x.dtype not in (torch.float32, torch.float64)
+                or tracing()):  # (no timing inside the user's torch.compile)
+            return None
+        return (tuple(x.shape), tuple(self.g.shape[1:]), self.weight_shape, self.stride,
+                self.padding, self.dilation, x.dtype, chunk_size, NORM_CHUNK_ELEMENTS)
+
+    def _patches_choice(self, chunk_size: int | None) -> bool | None:
+        """Whether the direct norms go by the patches' product; None: not measured yet."""
+        key = self._patches_key(chunk_size)
+        if key is None:
+            return False
+        return PATCHES_FASTER.get(key)
+
+    def _measure(self, chunk_size: int | None) -> bool:
+        """Times the first chunk of each way (NOTE [two ways to a convolution's per-sample
+        gradients]) and records the faster for this factor's shapes."""
+        B = self.batch
+        s1, e1 = next(iter(chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS)))
+        s2, e2 = next(iter(chunks(B, self._patches_per_example(), chunk_size,
+                                  NORM_CHUNK_ELEMENTS)))
+        best = [math.inf, math.inf]
+        for _ in range(3):
+            for k, (run, n) in enumerate(((lambda: self._per_sample(s1, e1), e1 - s1),
+                                          (lambda: self._per_sample_last(s2, e2), e2 - s2))):
+                start = time.process_time()
+                run()
+                best[k] = min(best[k], (time.process_time() - start) / n)
+        faster = best[1] <= _PATCHES_MARGIN * best[0]
+        if len(PATCHES_FASTER) >= 256:
+            PATCHES_FASTER.clear()
+        PATCHES_FASTER[self._patches_key(chunk_size)] = faster  # type: ignore[index]
+        return faster
+
+    def _patches_per_example(self) -> int:
+        """Elements of the temporaries of :meth:`_per_sample_last` per example (the
+        channels-last copy of the padded input, the patches, the per-sample gradients)."""
+        O, cg, k, L = self._dims()
+        padded = math.prod(n + 2 * p for n, p in zip(self.x.shape[2:], self.padding))
+        return self.x.shape[1] * padded + L * cg * k + O * cg * k
+
+    def _per_sample_last(self, s: int, e: int) -> Tensor:
+        """Per-sample gradients of examples ``s:e`` (``groups == 1``, 2-D), channels last:
+        ``(e - s, O, kh * kw * C)``."""
+        O, _, _, L = self._dims()
+        P = patches_last(self.x[s:e], self.weight_shape[2:], self.dilation, self.padding,
+                         self.stride)
+        return torch.bmm(self.g[s:e].reshape(e - s, O, L), P)
+
+    def kept_sum(self, c: Tensor) -> Tensor:
+        if not self.kept_last:
+            return super().kept_sum(c)
+        total: Tensor | None = None
+        for s, e, G in self.kept:  # type: ignore[union-attr]
+            w = torch.tensordot(c[s:e].to(G.dtype), G, dims=1)
+            total = w if total is None else total.add_(w)
+        O, C, kh, kw = self.weight_shape
+        assert total is not None
+        return total.view(O, kh, kw, C).permute(0, 3, 1, 2).contiguous().view(
+            self.region_shape)
 
     def weighted_sum(self, c: Tensor) -> Tensor:
         B = self.batch
