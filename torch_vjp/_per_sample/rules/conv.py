@@ -105,10 +105,11 @@ def patches_last(
 # shapes and on the machine's convolution kernels: on cnn_b64 of
 # benchmarks/bench_per_sample.py (16 -> 32 channels, 5 x 5, 8 x 8 outputs) the product took
 # 0.54-0.65 of the grouped convolution's time, on 3 x 3 layers of 8 to 64 channels 1.2-1.7
-# of it (benchmarks/bench_per_sample_parts.py, conv_norms). So on CPU the first chunk of the
-# first call of each layer shape is computed both ways, timed (process CPU time per example,
-# the best of three alternated runs: interference from other processes only adds time), and
-# the product is kept for that shape for the rest of the process where it took at most 0.8
+# of it (one thread, process CPU time, medians of alternated runs; the layers of
+# benchmarks/bench_per_sample_parts.py, conv_norms, which times both). So on CPU the first
+# chunk of the first call of each layer shape is computed both ways, timed (process CPU
+# time per example, the best of three alternated runs: interference from other processes
+# only adds time), and the product is kept for that shape for the rest of the process where it took at most 0.8
 # of the grouped convolution's time (a wrong choice under a noisy measurement then costs
 # little). Both give the same numbers up to rounding; the measurement costs a few chunks,
 # once per shape. Elsewhere (GPUs, groups, 3-D) the grouped convolution is used, as before.
