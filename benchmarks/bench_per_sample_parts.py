@@ -249,7 +249,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS / "per_sample_parts")
     parser.add_argument("--mechanisms", default="huge_pages,conv_chunks,layer_norm_xhat,"
-                        "ghost_check,kept_chunks,conv_norms", help="comma-separated names of the rows to measure")
+                        "ghost_check,kept_chunks,conv_norms",
+                        help="comma-separated names of the rows to measure")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     wanted = set(args.mechanisms.split(","))

@@ -109,10 +109,11 @@ def patches_last(
 # benchmarks/bench_per_sample_parts.py, conv_norms, which times both). So on CPU the first
 # chunk of the first call of each layer shape is computed both ways, timed (process CPU
 # time per example, the best of three alternated runs: interference from other processes
-# only adds time), and the product is kept for that shape for the rest of the process where it took at most 0.8
-# of the grouped convolution's time (a wrong choice under a noisy measurement then costs
-# little). Both give the same numbers up to rounding; the measurement costs a few chunks,
-# once per shape. Elsewhere (GPUs, groups, 3-D) the grouped convolution is used, as before.
+# only adds time), and the product is kept for that shape for the rest of the process
+# where it took at most 0.8 of the grouped convolution's time (a wrong choice under a noisy
+# measurement then costs little). Both give the same numbers up to rounding; the
+# measurement costs a few chunks, once per shape. Elsewhere (GPUs, groups, 3-D) the grouped
+# convolution is used, as before.
 #: (shapes, dtype) -> whether the patches' product is the faster (NOTE above).
 PATCHES_FASTER: dict[tuple, bool] = {}
 #: The product must take at most this fraction of the grouped convolution's time.
