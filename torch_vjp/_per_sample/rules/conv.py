@@ -107,15 +107,20 @@ def patches_last(
 # 0.54-0.65 of the grouped convolution's time, on 3 x 3 layers of 8 to 64 channels 1.2-1.7
 # of it (one thread, process CPU time, medians of alternated runs; the layers of
 # benchmarks/bench_per_sample_parts.py, conv_norms, which times both). So on CPU the first
-# chunk of the first call of each layer shape is computed both ways, timed (process CPU
-# time per example, the best of three alternated runs: interference from other processes
-# only adds time), and the product is kept for that shape for the rest of the process
-# where it took at most 0.8 of the grouped convolution's time (a wrong choice under a noisy
-# measurement then costs little). Both give the same numbers up to rounding; the
-# measurement costs a few chunks, once per shape. Elsewhere (GPUs, groups, 3-D) the grouped
-# convolution is used, as before.
+# chunk of each of the first three calls of each layer shape is computed both ways, timed
+# (process CPU time per example, twice alternated on each call; the best time of each way
+# over all of them: interference from other processes only adds time, and comes in bursts
+# that one call's runs can fall into), and from then on the product is used for that shape,
+# for the rest of the process, where it took at most 0.8 of the grouped convolution's time
+# (a wrong choice under a noisy measurement then costs little). Both give the same numbers
+# up to rounding; the measurement costs a few chunks on each of three calls, once per
+# shape. Elsewhere (GPUs, groups, 3-D) the grouped convolution is used, as before.
 #: (shapes, dtype) -> whether the patches' product is the faster (NOTE above).
 PATCHES_FASTER: dict[tuple, bool] = {}
+#: (shapes, dtype) -> [best seconds per example grouped, by the patches, calls measured].
+_PATCHES_TIMES: dict[tuple, list] = {}
+#: The calls of a layer shape measured before the choice is made.
+_PATCHES_CALLS = 3
 #: The product must take at most this fraction of the grouped convolution's time.
 _PATCHES_MARGIN = 0.8
 
@@ -295,22 +300,29 @@ class ConvFactor(Factor):
 
     def _measure(self, chunk_size: int | None) -> bool:
         """Times the first chunk of each way (NOTE [two ways to a convolution's per-sample
-        gradients]) and records the faster for this factor's shapes."""
+        gradients]); the faster so far, recorded for this factor's shapes once measured on
+        :data:`_PATCHES_CALLS` calls."""
         B = self.batch
         s1, e1 = next(iter(chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS)))
         s2, e2 = next(iter(chunks(B, self._patches_per_example(), chunk_size,
                                   NORM_CHUNK_ELEMENTS)))
-        best = [math.inf, math.inf]
-        for _ in range(3):
+        key = self._patches_key(chunk_size)
+        if len(_PATCHES_TIMES) >= 256:
+            _PATCHES_TIMES.clear()
+        best = _PATCHES_TIMES.setdefault(key, [math.inf, math.inf, 0])  # type: ignore[arg-type]
+        for _ in range(2):
             for k, (run, n) in enumerate(((lambda: self._per_sample(s1, e1), e1 - s1),
                                           (lambda: self._per_sample_last(s2, e2), e2 - s2))):
                 start = time.process_time()
                 run()
                 best[k] = min(best[k], (time.process_time() - start) / n)
+        best[2] += 1
         faster = best[1] <= _PATCHES_MARGIN * best[0]
-        if len(PATCHES_FASTER) >= 256:
-            PATCHES_FASTER.clear()
-        PATCHES_FASTER[self._patches_key(chunk_size)] = faster  # type: ignore[index]
+        if best[2] >= _PATCHES_CALLS:
+            if len(PATCHES_FASTER) >= 256:
+                PATCHES_FASTER.clear()
+            PATCHES_FASTER[key] = faster  # type: ignore[index]
+            del _PATCHES_TIMES[key]
         return faster
 
     def _patches_per_example(self) -> int:
