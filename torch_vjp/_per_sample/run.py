@@ -274,6 +274,8 @@ def _hooks(job: Job, plan: Plan) -> tuple[Plan, HooksResult]:
             res = HooksResult(moved={n: why for n in names})
     if res.moved and plan.random_global:
         res = _one_draw_moved(job, plan, res)
+    if res.moved and job.strategy == "hooks":  # (rules only: what this call left, refused)
+        raise _no_rule_error(job.fn, res.moved, plan)
     return plan, res
 
 
