@@ -9,9 +9,11 @@ the flattened differentiated primals. Of ``n`` products, rank ``r`` of ``W`` com
 numbered ``[n * r // W, n * (r + 1) // W)``: contiguous, sizes differing by at most one, and
 empty on some ranks when ``n < W``. Each rank runs them with the engine's own moves
 (:func:`basis_rows` shifted to its range, :func:`map_rows` with the chunk size planned for
-its share), and then, by default, every rank receives every shard: each is padded to the
-largest share (``ceil(n / W)`` rows), gathered with one ``all_gather`` per stacked tensor
-(gloo and NCCL gather tensors of equal size), cut back to its length and cut into blocks as
+its share, padded to the largest share so that an f that runs a collective is called as
+many times on every rank: NOTE [every rank runs as many products] in
+``torch_vjp._sharded_work``), and then, by default, every rank receives every shard:
+each is padded to the largest share (``ceil(n / W)`` rows), gathered with one
+``all_gather`` per stacked tensor (gloo and NCCL gather tensors of equal size), cut back to its length and cut into blocks as
 the single-process Jacobian is, so that every rank returns the same value that
 ``tv.jacobian`` returns on one process. With ``shard=True`` nothing is gathered: each rank
 returns a :class:`JacobianShard` holding its own products and their range.

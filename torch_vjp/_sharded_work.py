@@ -39,7 +39,7 @@ from torch_vjp._engine.shapes import Shapes, in_rows, row_shapes
 from torch_vjp._errors import JacobianWarning, passes_through, quote_error, warn_once
 from torch_vjp._strategies import Strategy
 
-__all__ = ["Work", "probe_outputs", "shard_range"]
+__all__ = ["Work", "padded_count", "probe_outputs", "shard_range"]
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -51,6 +51,34 @@ def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
         [(0, 1), (1, 3), (3, 5)]
     """
     return n * rank // world_size, n * (rank + 1) // world_size
+
+
+# NOTE [every rank runs as many products]
+# An f that runs a collective (dist.all_reduce inside f), or whose backward does, pairs its
+# calls with the other ranks': every rank must call f, and its backward, as many times. The
+# shares differ by one product, and are empty on some ranks where there are fewer products
+# than ranks; a loop calls f (forward mode) or the pullback (reverse mode) once per product,
+# vmap once per chunk, and a rank with no product called neither: the other ranks waited
+# for ever in f's collective. So every rank runs ceil(n / W) products, chunked alike (the
+# chunk planned for that count): its own, then padding products (the basis vectors after
+# its range, zero past the last) whose results are dropped.
+
+
+def padded_count(n: int, world_size: int) -> int:
+    """The products every rank runs of ``n`` split over ``world_size`` ranks: the largest
+    share, ``ceil(n / world_size)`` (NOTE [every rank runs as many products]).
+
+    Example:
+        >>> padded_count(5, 3), padded_count(1, 2), padded_count(0, 2)
+        (2, 1, 0)
+    """
+    return -(-n // world_size)
+
+
+def _own(stacked: list[Tensor], k: int) -> list[Tensor]:
+    """This rank's ``k`` products of the padded ones it ran (NOTE [every rank runs as many
+    products])."""
+    return [t if t.shape[0] == k else t[:k] for t in stacked]
 
 
 
@@ -166,20 +194,21 @@ class Work:
         rows_out = row_shapes(flat_out, self.batch, prob, out_spec)
         n = sum(math.prod(s) for s in rows_out)
         start, stop = shard_range(n, self.rank, self.world)
-        k = stop - start
-        if k == 0:
+        m = padded_count(n, self.world)  # NOTE [every rank runs as many products]
+        if m == 0:
             stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
         else:
             n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
-            chunk = self._chunk(k, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype)
+            chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype)
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
                               [o.device for o in flat_out], self.batch)
 
             def fn(*cot: Tensor) -> Any:
                 return pullback(tree_unflatten(list(cot), out_spec))
 
-            stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
+            stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e), m,
                                   vectorized=vectorized, chunk_size=chunk, detach=True)
+            stacked = _own(stacked, stop - start)
         return stacked, out_spec, rows_out, aux, start, stop, n
 
     def _rev_plain(self) -> tuple[Any, ...]:
@@ -191,18 +220,18 @@ class Work:
         rows_out = row_shapes(flat_out, self.batch, prob, out_spec)
         n = sum(math.prod(s) for s in rows_out)
         start, stop = shard_range(n, self.rank, self.world)
-        if stop == start:
+        m = padded_count(n, self.world)  # NOTE [every rank runs as many products]
+        if m == 0:
             stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
         else:
             n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
-            chunk = self._chunk(stop - start, n, n_in, [o.dtype for o in flat_out],
-                                prob.leaves[0].dtype)
+            chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out], prob.leaves[0].dtype)
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
                               [o.device for o in flat_out], self.batch)
             with torch.no_grad():
-                stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e),
-                                      stop - start, vectorized=False, chunk_size=chunk,
-                                      detach=True)
+                stacked, _ = map_rows(fn, lambda s, e: rows(start + s, start + e), m,
+                                      vectorized=False, chunk_size=chunk, detach=True)
+            stacked = _own(stacked, stop - start)
         return stacked, out_spec, rows_out, aux, start, stop, n
 
     def _fwd(self, shapes: Any, vectorized: bool, plain: bool = False) -> tuple[Any, ...]:
@@ -212,10 +241,10 @@ class Work:
         rows_in = in_rows(prob, self.batch)
         n = sum(math.prod(s) for s in rows_in)
         start, stop = shard_range(n, self.rank, self.world)
-        k = stop - start
+        m = padded_count(n, self.world)  # NOTE [every rank runs as many products]
         has_aux = prob.has_aux
         aux = None
-        if k == 0:
+        if m == 0:
             stacked = [o.new_zeros((0, *o.shape), device=leaves[0].device) for o in flat_out]
             if has_aux:
                 with torch.no_grad():
@@ -223,7 +252,7 @@ class Work:
         else:
             n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob,
                                                                  out_spec))
-            chunk = self._chunk(k, n_out, n, [o.dtype for o in flat_out],
+            chunk = self._chunk(m, n_out, n, [o.dtype for o in flat_out],
                                 flat_out[0].dtype if flat_out else None, records)
             rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
                               self.batch)
@@ -232,7 +261,7 @@ class Work:
             # one process: NOTE [auto's extra calls draw what the products draw]; plain_push
             # keeps its own)
             same_draws = (None if plain or vectorized and chunk != 1
-                          else loop_draws(prob, k))
+                          else loop_draws(prob, m))
 
             def push(*tangents: Tensor) -> Any:
                 if same_draws is not None:
@@ -241,10 +270,11 @@ class Work:
                 tan_flat = tuple(tree_leaves(res[1]))
                 return (tan_flat, res[2]) if has_aux else tan_flat
 
-            fn = plain_push(prob, Shapes(flat_out, out_spec, []).check, k)[0] if plain else push
-            stacked, aux = map_rows(fn, lambda s, e: rows(start + s, start + e), k,
+            fn = plain_push(prob, Shapes(flat_out, out_spec, []).check, m)[0] if plain else push
+            stacked, aux = map_rows(fn, lambda s, e: rows(start + s, start + e), m,
                                     vectorized=vectorized and not plain, chunk_size=chunk,
                                     extras=has_aux, detach=True)
+            stacked = _own(stacked, stop - start)
         return stacked, out_spec, None, aux, start, stop, n
 
 

@@ -1,0 +1,85 @@
+"""Sharded Jacobians of an ``f`` that runs a collective itself (``dist.all_reduce`` inside
+f): every rank calls f as many times (NOTE [every rank runs as many products] in
+``torch_vjp._sharded_work``), with fewer products than ranks and shares of unequal sizes,
+in every strategy. Two ranks, gloo on CPU; a rank left waiting fails the test at gloo's
+timeout instead of blocking it."""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_vjp as tv
+from torch_vjp._sharded_work import shard_range
+
+DT = torch.float64
+STRATEGIES = ("rev", "fwd", "auto", "rev-loop", "fwd-loop")
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _collective_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=20))
+    try:
+        torch.set_num_threads(1)
+        group = dist.group.WORLD
+        w = torch.tensor([2.0, 3.0, 0.5, -1.5], dtype=DT)
+
+        def f(x):
+            # (the collective sums equal values: the mean is the rank's own value, and the
+            # in-place all_reduce carries no derivative, hence the division)
+            y = x.sin() * w[: x.numel()]
+            dist.all_reduce(y, group=group)
+            return y / world
+
+        def single(x):
+            return x.sin() * w[: x.numel()] / world
+
+        # 1 column or row on 2 ranks (one rank has none), 3 (shares of 1 and 2)
+        for n in (1, 3):
+            x = torch.linspace(0.1, 0.9, n, dtype=DT)
+            want = torch.func.jacfwd(single)(x)
+            for strategy in STRATEGIES:
+                for kwargs in ({}, {"chunk_size": 1}):
+                    what = f"rank {rank}, n={n}, {strategy}, {kwargs}"
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        got = tv.jacobian(f, x, strategy=strategy, process_group=group,
+                                          **kwargs)
+                        torch.testing.assert_close(got, want, rtol=1e-12, atol=0,
+                                                   msg=lambda m: f"{what}: {m}")
+                        sh = tv.jacobian(f, x, strategy=strategy, process_group=group,
+                                         shard=True, **kwargs)
+                    assert (sh.start, sh.stop) == shard_range(n, rank, world), what
+                    cols = want if sh.mode == "rev" else want.T
+                    torch.testing.assert_close(sh.values, cols[sh.start:sh.stop], rtol=1e-12,
+                                               atol=0, msg=lambda m: f"{what} shard: {m}")
+        # batch_jacobian: the products of one row, one of them on 2 ranks
+        xb = torch.linspace(0.1, 0.9, 3, dtype=DT).reshape(3, 1)
+        for strategy in STRATEGIES:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = tv.batch_jacobian(f, xb, strategy=strategy, process_group=group)
+            torch.testing.assert_close(got, tv.batch_jacobian(single, xb), rtol=1e-12, atol=0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_jacobian_of_an_f_that_runs_a_collective(spawn_within):
+    spawn_within(_collective_worker, 2, 240)
+
+
+def test_padded_count_is_the_largest_share():
+    from torch_vjp._sharded_work import padded_count
+
+    for n in range(12):
+        for world in (1, 2, 3, 5):
+            sizes = [b - a for a, b in (shard_range(n, r, world) for r in range(world))]
+            assert padded_count(n, world) == max(sizes)
