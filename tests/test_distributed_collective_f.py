@@ -83,3 +83,56 @@ def test_padded_count_is_the_largest_share():
         for world in (1, 2, 3, 5):
             sizes = [b - a for a, b in (shard_range(n, r, world) for r in range(world))]
             assert padded_count(n, world) == max(sizes)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}",
+                                rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _Mine(Exception):
+    pass
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharded_jacobian_of_an_f_that_raises_calls_it_once(one_rank_group, strategy):
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        raise _Mine("f's own error")
+
+    with pytest.raises(_Mine, match="f's own error") as caught:
+        tv.jacobian(f, torch.ones(3, dtype=DT), strategy=strategy,
+                    process_group=one_rank_group)
+    assert len(calls) == 1
+    # (untouched: not raised again while handling a first call's error)
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+
+
+def test_sharded_rev_loop_still_computes_what_torch_func_refuses(one_rank_group):
+    class OldStyle(torch.autograd.Function):  # (forward takes ctx: torch.func refuses it)
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.sin()
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * x.cos()
+
+    x = torch.linspace(0.1, 0.9, 4, dtype=DT)
+    got = tv.jacobian(OldStyle.apply, x, strategy="rev-loop", process_group=one_rank_group)
+    torch.testing.assert_close(got, torch.diag(x.cos()), rtol=1e-12, atol=0)

@@ -101,8 +101,11 @@ class Work:
                 if passes_through(err) or is_nested():
                     raise
                 if mode == "rev" and not self.strat.vectorized:
-                    # ("rev-loop": plain autograd where torch.func cannot run f, as on one
-                    # process)
+                    # ("rev-loop": plain autograd where torch.func refuses to run f, as on
+                    # one process; any other error is f's own, or torch's, and f is not
+                    # called again: raised once, untouched)
+                    if vmap_refusal(err) is None:
+                        raise
                     return self._rev_plain()
                 if mode == "fwd" and not self.strat.vectorized:
                     refusal = fwd_loop_refusal(self.prob, err)
