@@ -7,6 +7,7 @@ timeout instead of blocking it."""
 from __future__ import annotations
 
 import datetime
+import functools
 import warnings
 
 import pytest
@@ -136,3 +137,62 @@ def test_sharded_rev_loop_still_computes_what_torch_func_refuses(one_rank_group)
     x = torch.linspace(0.1, 0.9, 4, dtype=DT)
     got = tv.jacobian(OldStyle.apply, x, strategy="rev-loop", process_group=one_rank_group)
     torch.testing.assert_close(got, torch.diag(x.cos()), rtol=1e-12, atol=0)
+
+
+def _not_a_group_worker(rank, world, init_file, case):
+    import os
+    import time
+
+    # (a short timeout: the waiting rank raises at it)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=5))
+    done = init_file + ".done"
+    try:
+        torch.set_num_threads(1)
+        x = torch.linspace(0.1, 0.9, 3, dtype=DT)
+        if rank == 1:
+            if case == "none":  # (a call of its own: it computes alone)
+                got = tv.jacobian(torch.sin, x, process_group=None)
+                torch.testing.assert_close(got, torch.diag(x.cos()))
+            else:
+                with pytest.raises(tv.JacobianOptionError, match=(
+                        r"(?s)process_group is 'WORLD', but it must be a torch.distributed "
+                        r"ProcessGroup.*Fix: pass process_group=torch.distributed.group.WORLD"
+                        r".*The other ranks cannot be told: if they passed a process group, "
+                        r"they wait for this rank in that group's first exchange until the "
+                        r"group's timeout.*Pass the same process_group on every rank")):
+                    tv.jacobian(torch.sin, x, process_group="WORLD")
+            # (kept alive until rank 0 has raised: a rank gone fails its exchange otherwise)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(done) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        else:
+            try:
+                with pytest.raises(tv.JacobianCallError, match=(
+                        r"(?s)^torch_vjp\.jacobian: the exchange that opens a sharded Jacobian "
+                        r"failed on this rank \(0\) of process_group: .*Some rank of the group "
+                        r"did not join it in time: one that passed process_group=None.*an "
+                        r"object that is no group.*Fix: pass the same process_group on every "
+                        r"rank of the group")) as caught:
+                    tv.jacobian(torch.sin, x, process_group=dist.group.WORLD)
+                assert isinstance(caught.value.__cause__, RuntimeError)
+            finally:
+                open(done, "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["none", "not-a-group"])
+def test_a_rank_whose_process_group_is_none_or_no_group_leaves_the_others_a_clear_error(
+        spawn_within, case):
+    spawn_within(functools.partial(_not_a_group_worker, case=case), 2, 120)
+
+
+def test_a_group_not_initialised_says_the_other_ranks_cannot_be_told(one_rank_group):
+    dist.destroy_process_group()
+    with pytest.raises(tv.JacobianOptionError, match=(
+            r"(?s)torch\.distributed is not initialised.*Fix: call "
+            r"torch\.distributed\.init_process_group.*The other ranks cannot be told: if they "
+            r"passed a process group, they wait for this rank.*Pass the same process_group "
+            r"on every rank")):
+        tv.jacobian(torch.sin, torch.ones(2, dtype=DT), process_group=one_rank_group)

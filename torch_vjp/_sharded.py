@@ -106,7 +106,7 @@ from torch_vjp._sharded_check import (
     own_gap,
     verdict,
 )
-from torch_vjp._sharded_words import order_differs
+from torch_vjp._sharded_words import OTHERS_WAIT, order_differs
 from torch_vjp._sharded_work import Work, probe_outputs, shard_range
 from torch_vjp._strategies import Strategy, choose_mode
 
@@ -227,7 +227,7 @@ def check_group(process_group: object, shard: object, create_graph: bool, *, cal
             f"ProcessGroup (the ranks that share the products), or None for one process.\n"
             f"  Fix: pass process_group=torch.distributed.group.WORLD for the default group "
             f"(after torch.distributed.init_process_group), or a group made by "
-            f"torch.distributed.new_group."
+            f"torch.distributed.new_group.\n  {OTHERS_WAIT}"
         )
     if not dist.is_initialized():
         raise JacobianOptionError(
@@ -236,6 +236,7 @@ def check_group(process_group: object, shard: object, create_graph: bool, *, cal
             f"cannot exchange the shards of the Jacobian.\n"
             f"  Fix: call torch.distributed.init_process_group(...) on every rank first "
             f"(torchrun sets up what it needs), or pass process_group=None for one process."
+            f"\n  {OTHERS_WAIT}"
         )
     if dist.get_rank(process_group) < 0:
         raise JacobianOptionError(

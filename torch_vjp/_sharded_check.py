@@ -68,6 +68,7 @@ from torch_vjp._sharded_words import (
     call_differs,
     draws_differ,
     function_differs,
+    not_joined,
     order_differs,
 )
 
@@ -444,7 +445,10 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
     gens = own_generators(prob)
     mine = _signature(prob, strategy, shard, gens)
     sigs: list[Any] = [None] * world
-    dist.all_gather_object(sigs, mine, group=group)
+    try:
+        dist.all_gather_object(sigs, mine, group=group)
+    except RuntimeError as err:  # (gloo's timeout, a peer gone: DistBackendError)
+        raise JacobianCallError(not_joined(prob.call, rank, err)) from err
     for r, sig in enumerate(sigs):
         if "failed" in sig:
             raise JacobianCallError(

@@ -6,11 +6,25 @@ from __future__ import annotations
 from typing import Any
 
 from torch_vjp._engine.problem import Problem
-from torch_vjp._errors import JacobianCallError, shape_str
+from torch_vjp._errors import JacobianCallError, quote_error, shape_str
 
 __all__ = [
-    "argument_differs", "call_differs", "draws_differ", "function_differs", "order_differs",
+    "OTHERS_WAIT", "argument_differs", "call_differs", "draws_differ", "function_differs",
+    "not_joined", "order_differs",
 ]
+
+
+# (a rank whose process_group is no group cannot tell the others, which wait in the first
+# exchange of the group they passed: it does not know that group, and a collective on
+# another one, the default group, would not pair with theirs, or would block this rank in
+# turn where they passed none. They raise at the group's timeout: check_agreement,
+# not_joined)
+OTHERS_WAIT = (
+    "The other ranks cannot be told: if they passed a process group, they wait for this "
+    "rank in that group's first exchange until the group's timeout, and then raise (this "
+    "rank does not know their group, and a collective on another group would not reach "
+    "them). Pass the same process_group on every rank."
+)
 
 
 def call_differs(prob: Problem, r: int, key: str, ref: Any, got: Any, leaf: int = 0) -> None:
@@ -101,4 +115,21 @@ def argument_differs(prob: Problem, name: str, how: str) -> None:
         f"result (a rank number for logging), bind it into f instead of passing it "
         f"(functools.partial); or pass process_group=None to compute each rank's own "
         f"Jacobian."
+    )
+
+
+def not_joined(call: str, rank: int, err: BaseException) -> str:
+    """The message where the exchange that opens a sharded Jacobian failed on this rank
+    (gloo's timeout, a rank gone): some rank of the group never joined it."""
+    return (
+        f"{call}: the exchange that opens a sharded Jacobian failed on this rank ({rank}) "
+        f"of process_group: {quote_error(err)}\n"
+        f"  Some rank of the group did not join it in time: one that passed "
+        f"process_group=None (it computes its own Jacobian alone), another group, or an "
+        f"object that is no group (that rank raised at once, and cannot tell this one, "
+        f"whose group it does not know), or one that did not make this call at all. Every "
+        f"rank of the group must make the same call, with the same process_group.\n"
+        f"  Fix: pass the same process_group on every rank of the group; the cause may be "
+        f"in another rank's traceback. (The group may be unusable after a timeout: create "
+        f"a new one.)"
     )
