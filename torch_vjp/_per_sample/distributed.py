@@ -16,17 +16,20 @@ backward: all-reduces ``.grad`` in its buckets (with a registered communication 
 any) and divides by the world size, so ``.grad`` is the same on every rank: the clipped
 per-example sum over the whole global batch divided by the world size (DDP's convention for
 gradients). Under ``ddp.no_sync()`` the reducer stays out, and the sums accumulate on each
-rank until the next synchronised step, as DDP's gradient accumulation does. A rank with no
+rank until the next synchronised step, as DDP's gradient accumulation does (but the pass's
+forward still broadcasts the buffers where DDP's next forward would: the first ``no_sync``
+step after a synchronised one, on a model with buffers). A rank with no
 example (Poisson sampling) still takes part, with zero sums. The forward of the wrapped
 module is not run by that pass, only DDP's book-keeping (its buffer broadcast included).
 
-Before that pass, where the reducer will all-reduce (outside ``no_sync``), one ``all_reduce``
-(MAX) of a status flag over DDP's process group tells every rank whether some rank failed
-while computing its norms and sums (a target out of range in its own examples): then every
-rank raises (the failing ranks their own error, the others a ``PerSampleError`` naming the
-rank and quoting its error), and none waits for ever in the reducer's all-reduce for a rank
-that will not come. (The arguments are checked before any exchange: the same on every
-rank. Not inside ``ddp.join()``, whose joined ranks shadow DDP's own collectives only.)
+Before that pass, where the reducer will all-reduce (outside ``no_sync``) or the pass will
+broadcast buffers, one ``all_reduce`` (MAX) of a status flag over DDP's process group tells
+every rank whether some rank failed while computing its norms and sums (a target out of
+range in its own examples): then every rank raises (the failing ranks their own error, the
+others a ``PerSampleError`` naming the rank and quoting its error), and none waits for ever
+in the reducer's all-reduce, or the broadcast, for a rank that will not come. (The
+arguments are checked before any exchange: the same on every rank. Not inside
+``ddp.join()``, whose joined ranks shadow DDP's own collectives only.)
 """
 
 from __future__ import annotations
@@ -202,7 +205,12 @@ def failure_shared(fn: str, model: Any, strategy: Any) -> Iterator[None]:
     others would wait for it for ever (NOTE [DDP]). Raises the errors of ``unwrap`` and of
     ``strategy`` first, before any exchange (DDP's buffer broadcast opens the computation)."""
     ddp = unwrap(fn, model)[1]
-    if (ddp is None or not ddp.require_backward_grad_sync or tracing()
+    # (under no_sync the reducer stays out, but the synchronising pass's DDP forward still
+    # broadcasts rank 0's buffers where DDP's next forward would: the first no_sync step
+    # after a synchronised one, on a model with buffers. A rank that failed before it left
+    # the others waiting in that broadcast)
+    if (ddp is None or tracing()
+            or not (ddp.require_backward_grad_sync or _syncs_buffers(ddp))
             or torch.is_inference_mode_enabled()
             or getattr(getattr(ddp, "_join_config", None), "enable", False)):
         # (in inference mode every rank raises before its first exchange; inside
@@ -216,6 +224,14 @@ def failure_shared(fn: str, model: Any, strategy: Any) -> Iterator[None]:
         _tell(fn, ddp, err)
         raise
     _tell(fn, ddp, None)
+
+
+def _syncs_buffers(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    """Whether DDP's next forward broadcasts its buffers (a collective), as DDP decides."""
+    try:
+        return bool(ddp.will_sync_module_buffers())
+    except Exception:  # noqa: BLE001 - (DDP's internals moved: taken to broadcast)
+        return True
 
 
 def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException | None
@@ -232,8 +248,9 @@ def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException 
     first, quoted = found
     raise PerSampleError(
         f"torch_vjp.{fn}: rank {first} of the DistributedDataParallel process group failed "
-        f"while computing its clipped sums, so no rank adds its sums to .grad (the "
-        f"reducer's all-reduce would wait for rank {first} for ever). Rank {first} said: "
+        f"while computing its clipped sums, so no rank adds its sums to .grad (DDP's "
+        f"collectives in that pass, the reducer's all-reduce or the broadcast of the "
+        f"buffers, would wait for rank {first} for ever). Rank {first} said: "
         f"{quoted}\n  The cause and its fix are in rank {first}'s traceback."
     )
 
