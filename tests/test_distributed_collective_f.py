@@ -30,7 +30,7 @@ def _collective_worker(rank, world, init_file):
     try:
         torch.set_num_threads(1)
         group = dist.group.WORLD
-        w = torch.tensor([2.0, 3.0, 0.5, -1.5], dtype=DT)
+        w = torch.tensor([2.0, 3.0, 0.5, -1.5, 0.25], dtype=DT)
 
         def f(x):
             # (the collective sums equal values: the mean is the rank's own value, and the
@@ -42,8 +42,9 @@ def _collective_worker(rank, world, init_file):
         def single(x):
             return x.sin() * w[: x.numel()] / world
 
-        # 1 column or row on 2 ranks (one rank has none), 3 (shares of 1 and 2)
-        for n in (1, 3):
+        # fewer columns or rows than ranks (some rank has none), and shares of unequal
+        # sizes: 1 and 3 on 2 ranks, 2 and 4 on 3
+        for n in (world - 1, world + 1):
             x = torch.linspace(0.1, 0.9, n, dtype=DT)
             want = torch.func.jacfwd(single)(x)
             for strategy in STRATEGIES:
@@ -61,7 +62,7 @@ def _collective_worker(rank, world, init_file):
                     cols = want if sh.mode == "rev" else want.T
                     torch.testing.assert_close(sh.values, cols[sh.start:sh.stop], rtol=1e-12,
                                                atol=0, msg=lambda m: f"{what} shard: {m}")
-        # batch_jacobian: the products of one row, one of them on 2 ranks
+        # batch_jacobian: the products of one row, fewer than ranks
         xb = torch.linspace(0.1, 0.9, 3, dtype=DT).reshape(3, 1)
         for strategy in STRATEGIES:
             with warnings.catch_warnings():
@@ -73,8 +74,9 @@ def _collective_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
-def test_sharded_jacobian_of_an_f_that_runs_a_collective(spawn_within):
-    spawn_within(_collective_worker, 2, 240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_jacobian_of_an_f_that_runs_a_collective(spawn_within, world):
+    spawn_within(_collective_worker, world, 300)
 
 
 def test_padded_count_is_the_largest_share():
