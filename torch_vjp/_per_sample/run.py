@@ -403,10 +403,27 @@ def _split(job: Job, plan: Plan, chunk: int | None) -> dict[str, Tensor]:
     vmap_names, loop_names = _fallback_names(plan, res)
     if job.reset is not None:
         job.reset()
-    mode = "auto" if job.strategy == "hooks" else job.strategy
-    results.update(fallback_grads(job, mode, vmap_names, 0, batch, chunk, plan.vmap_randomness))
+    results.update(_vmap_group(job, plan, vmap_names, 0, batch, chunk))
     results.update(fallback_grads(job, "loop", loop_names, 0, batch, chunk, None))
     return results
+
+
+def _vmap_group(job: Job, plan: Plan, names: list[str], start: int, stop: int,
+                chunk: int | None) -> dict[str, Tensor]:
+    """The vmap group for examples ``start:stop``. strategy='vmap' raises where vmap fails;
+    the others loop, and the plan keeps it (later calls go to the loop at once)."""
+    if job.strategy == "vmap":
+        return fallback_grads(job, "vmap", names, start, stop, chunk, plan.vmap_randomness)
+    try:
+        return fallback_grads(job, "auto", names, start, stop, chunk, plan.vmap_randomness,
+                              strict=True)
+    except CannotBatch as err:
+        if job.reset is not None:
+            job.reset()
+        out = fallback_grads(job, "loop", names, start, stop, chunk, None)  # (may raise the
+        plan.no_vmap(f"vmap cannot batch this model ({err})")  # model's own error first)
+        warn_loop(job.fn, job.model, err.failure)
+        return out
 
 
 def _fallback_chunk(sel: Selection, names: list[str], batch: int) -> int:
@@ -449,9 +466,6 @@ def norms_and_sums(
     groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
               if names]
 
-    # (strategy='vmap' raises where vmap fails, as per_sample_grads does; the others loop)
-    vmap_mode = "vmap" if job.strategy == "vmap" else "auto"
-
     def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
         c = clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
         # (with autocast off, at float32's precision at least: NOTE [norms at float32's
@@ -479,8 +493,8 @@ def norms_and_sums(
         for names, method in groups:
             if job.reset is not None:
                 job.reset()
-            g.update(fallback_grads(job, vmap_mode if method == "vmap" else "loop", names, s,
-                                    e, None, plan.vmap_randomness if method == "vmap" else None))
+            g.update(_vmap_group(job, plan, names, s, e, None) if method == "vmap"
+                     else fallback_grads(job, "loop", names, s, e, None, None))
         with grad_enabled(False):
             for names, _ in groups:
                 for n in names:
