@@ -267,3 +267,30 @@ def test_a_noted_bound_method_does_not_keep_its_object_alive():
     del model
     gc.collect()
     assert dead() is None
+
+
+def test_a_call_computes_its_arguments_signature_once(monkeypatch):
+    # (the note's lookup and the full key each computed it: twice on every call of a
+    # function made anew, whose note is never found)
+    from torch_vjp._engine import compile_key
+
+    w = torch.randn(4, 3, dtype=D)
+    count = [0]
+    real = compile_key.global_state
+
+    def counting():
+        count[0] += 1
+        return real()
+
+    for steady in (False, True):
+        g = (lambda x: torch.tanh(w @ x))
+        for i in range(3):
+            f = g if steady else (lambda x: torch.tanh(w @ x))  # (new on each call)
+            x = torch.randn(3, dtype=D)
+            if i == 2:
+                monkeypatch.setattr(compile_key, "global_state", counting)
+            got = tv.jacobian(f, x, compile=True)
+            torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+        monkeypatch.setattr(compile_key, "global_state", real)
+        assert count[0] == 1, (steady, count[0])
+        count[0] = 0

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from torch_vjp._engine.compile_key import call_signature, globals_read, module_flags, number_key
+from torch_vjp._engine.compile_key import globals_read, module_flags, number_key
 
 __all__ = ["MEMO_MAX", "NOTES_PER_CALL", "called_again", "note_call", "forget_calls"]
 
@@ -182,13 +182,14 @@ def _same(held: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
     return True
 
 
-def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
-                 ) -> tuple[Any, Any] | None:
+def called_again(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...],
+                 signature: object) -> tuple[Any, Any] | None:
     """The key and entry noted for this call of ``f`` (NOTE [a function called again]), or
-    None where the full key must be computed."""
+    None where the full key must be computed; ``signature``: ``call_signature(args)``, which
+    the full key holds too."""
     owner, ident = _identity(f)
     try:
-        notes = _MEMO.get((call, ident, options, call_signature(args)))
+        notes = _MEMO.get((call, ident, options, signature))
     except TypeError:  # (an unhashable option or argument: the full path says what)
         return None
     if notes is None or notes[0].f() is not owner:

@@ -313,8 +313,9 @@ def compiled_call(
     if stance is not None and (stance.stance == "force_eager" or stance_held()) \
             or compiles_nothing():
         return eager()  # (NOTE [the user's stance] in compile_checks.py)
+    signature = call_signature(args)  # (once per call: the note's key and the full key's)
     if not passed:  # (NOTE [a function called again] in compile_memo.py)
-        noted = called_again(call, f, options, args)
+        noted = called_again(call, f, options, args, signature)
         if noted is not None:
             with _LOCK:
                 entry = _CACHE.get(noted[0])
@@ -325,8 +326,9 @@ def compiled_call(
                 got = _run(call, f, args, entry, eager, NO_CONTEXT)
                 if got is not _RECOMPILED:
                     return got
-                return _keyed(call, f, options, args, eager, build, passed, noted)
-    return _keyed(call, f, options, args, eager, build, passed)
+                return _keyed(call, f, options, args, signature, eager, build, passed,
+                              noted)
+    return _keyed(call, f, options, args, signature, eager, build, passed)
 
 
 #: What :func:`_run` returns for a call that recompiled its entry (NOTE [a recompiled entry]).
@@ -357,10 +359,11 @@ def _run(call: str, f: object, args: tuple[Any, ...], entry: _Entry,
 
 
 def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...],
-           eager: Callable[[], Any], build: Callable[[], Any], passed: tuple[Any, ...],
-           rebuilt: tuple[Any, _Entry] | None = None) -> Any:
-    """:func:`compiled_call` with its full key; ``rebuilt``: the noted key and entry of a
-    call that recompiled it (NOTE [a function called again])."""
+           signature: object, eager: Callable[[], Any], build: Callable[[], Any],
+           passed: tuple[Any, ...], rebuilt: tuple[Any, _Entry] | None = None) -> Any:
+    """:func:`compiled_call` with its full key; ``signature``: ``call_signature(args)``;
+    ``rebuilt``: the noted key and entry of a call that recompiled it (NOTE [a function
+    called again])."""
     kept: list[object] = []  # (NOTE [what an entry keeps])
     if passed:
         options = (*options, tuple(held_key(p, keep=kept) for p in passed))
@@ -370,7 +373,7 @@ def _keyed(call: str, f: object, options: tuple[Any, ...], args: tuple[Any, ...]
     # (the training flags of every module f and the arguments reach: NOTE [train and eval
     # entries]; the globals f reads are in its program_key: NOTE [the globals a program
     # reads])
-    key = (call, program_key(f, passed=True, keep=kept), options, call_signature(args),
+    key = (call, program_key(f, passed=True, keep=kept), options, signature,
            tuple(module_flags(m) for t in trees.values() for m in t),
            tuple(module_flags(m) for m in in_args))
     sig_args = args
