@@ -278,3 +278,52 @@ def test_an_attribute_read_beyond_the_key_changed_in_place_in_shape_is_followed(
         holder.w = w
         torch.testing.assert_close(tv.jacobian(holder.f, x, compile=True),
                                    torch.func.jacrev(holder.f)(x))
+
+
+def test_what_a_program_reads_beyond_its_key_is_evaluated_at_once(monkeypatch):
+    # (a steady call evaluated each guard expression apart: the six items of the dict of
+    # weights a closure holds, the suite's MLP, were six evaluations on every call)
+    from torch_vjp._engine import compile_key
+
+    params = {k: torch.randn(3, 3, dtype=D) for k in ("a", "b", "c")}
+
+    def f(x):
+        return torch.tanh(params["c"] @ torch.tanh(params["b"] @ (params["a"] @ x)))
+
+    for _ in range(3):
+        x = torch.randn(3, dtype=D)
+        torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))
+    entry = next(e for e in compiled._CACHE.values() if e.run is not None)
+    assert entry.reads is not None and len(entry.reads.names) == 3
+    count = [0]
+
+    def counting(*a):
+        count[0] += 1
+        return eval(*a)  # noqa: S307 - the guard text, as the real one
+
+    monkeypatch.setattr(compile_key, "eval", counting, raising=False)
+    before = compiled.builds()
+    x = torch.randn(3, dtype=D)
+    torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))
+    assert count[0] == 1 and compiled.builds() == before
+    params["b"] = torch.randn(3, 3, dtype=D).t()  # (another layout: its own program)
+    torch.testing.assert_close(tv.jacobian(f, x, compile=True), torch.func.jacrev(f)(x))
+    assert compiled.builds() == before + 1
+
+
+def test_reads_of_which_one_is_gone_say_which():
+    from torch_vjp._engine import compile_key
+    from torch_vjp._engine.compile_key import Reads
+
+    class Holder:
+        def __init__(self):
+            self.a = torch.zeros(2, dtype=D)
+
+    h = Holder()
+    reads = Reads(("args[0].a", "args[0].b", "args[1]"), {})
+    got = reads.signature(h, (3,))
+    assert got[0] == "reads" and got[1][1] == ("unread",)
+    signature = compile_key._leaf_signature
+    assert got[1][0] == signature(h.a) and got[1][2] == signature(3)
+    h.b = 1.5
+    assert reads.signature(h, (3,))[1] == (signature(h.a), signature(1.5), signature(3))
