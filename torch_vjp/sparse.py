@@ -63,6 +63,7 @@ from torch_vjp._sparse.compute import (
     user_plan,
 )
 from torch_vjp._sparse.detect import detect
+from torch_vjp._sparse.guard import first_use_route, warn_forward
 from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
 from torch_vjp._sparse.probe import (
     batching_wrong,
@@ -307,6 +308,8 @@ def sparse_jacobian(
     # a user's pattern that leaves out entries went unchecked at every later finite point)
     probe = (probe_rows(prob.leaves) if not built and plan.probes(pkey)
              and plan.pattern.by_value is None and all_finite(prob.leaves) else 0)
+    before = SameDraws()  # (the generators' state before the products)
+    before()
     try:
         coloring, comp, m, seed = _products(prob, plan, mode, chunk_now, budget, colour, probe)
     except RuntimeError as err:  # NOTE [f writes into its input] in torch_vjp._engine.jacobian
@@ -364,6 +367,29 @@ def sparse_jacobian(
         if plan.pattern.by_value is not None:
             _warn_by_value(prob, plan.pattern.by_value)
         coloring, comp, m, _ = _products(prob, plan, mode, chunk, budget)
+    # NOTE [reverse products, checked on first use] in torch_vjp._sparse.guard
+    gkey = route_key(f) if plan.user else None
+    if m == plan.pattern.m and coloring.mode == "rev" and plan.guard(gkey):
+        route, op = first_use_route(prob, plan, coloring, comp, before, plain=not check)
+        if route is not None:
+            before()  # (the products again draw what the first ones drew)
+        if route == "rev-loop":
+            if plan.user:
+                plan.flags[gkey] = (op, _unsafe(prob, plan)[1])
+            else:
+                plan.pattern.wrong_batching = op
+            coloring, comp, m, _ = _products(prob, plan, mode, 1 if chunk == 1 else chunk,
+                                             budget, "rev")
+            if mode == "auto":
+                plan.remember(fkey, "rev-loop")
+                check = False
+        elif route == "fwd":
+            plan.forward_only[gkey] = op
+            coloring, comp, m, _ = _products(prob, plan, mode, chunk, budget, "fwd")
+            warn_forward(prob, op, coloring.count)
+            if mode == "auto":  # (its check reads a reverse product: the wrong one)
+                plan.remember(fkey, "fwd")
+            check = False
     if check and m == plan.pattern.m:
         coloring, comp = _checked(prob, plan, coloring, comp, chunk, budget, fkey)
     index = plan.gather_index(coloring, layout, comp.device)
@@ -385,6 +411,8 @@ def _products(
     autograd."""
     if _unsafe(prob, plan)[1] is not None:
         colour = _forward_only(prob, plan, mode)
+    elif plan.forward_only.get(route_key(prob.f) if plan.user else None) is not None:
+        colour = "fwd"  # (NOTE [reverse products, checked on first use])
     coloring = plan.coloring(colour or mode)
     try:
         comp, m, seed = compressed(prob, plan, coloring, max_memory=budget, probe=probe,

@@ -90,8 +90,8 @@ class Plan:
             serves several functions; a detected plan, one function's, as None.
     """
 
-    __slots__ = ("pattern", "user", "checked", "unprobed", "flags", "_colorings", "_indices",
-                 "__weakref__")
+    __slots__ = ("pattern", "user", "checked", "unprobed", "flags", "guarded", "forward_only",
+                 "_colorings", "_indices", "__weakref__")
 
     def __init__(self, pattern: Pattern, user: bool = False) -> None:
         self.pattern = pattern
@@ -106,6 +106,11 @@ class Plan:
         # a user's pattern: (wrong_batching, wrong_reverse) of Pattern per function, read
         # off its graph (NOTE [wrong batching rules] in torch_vjp._sparse.probe)
         self.flags: dict[Any, tuple[str | None, str | None]] = {}
+        # the functions (route key; None for a detected plan) whose reverse products were
+        # checked on first use, and those whose reverse product was wrong alone, with the op
+        # named (NOTE [reverse products, checked on first use] in torch_vjp._sparse.guard)
+        self.guarded: set[Any] = set()
+        self.forward_only: dict[Any, str] = {}
         self._colorings: dict[str, Coloring] = {}
         self._indices: dict[Any, Any] = {}
 
@@ -114,6 +119,15 @@ class Plan:
         if len(self.checked) >= 64:
             self.checked.clear()
         self.checked[fkey] = route
+
+    def guard(self, key: Any) -> bool:
+        """Whether this is the first use for the function of ``key`` (then marked used)."""
+        if key in self.guarded:
+            return False
+        if len(self.guarded) >= 64:
+            self.guarded.clear()
+        self.guarded.add(key)
+        return True
 
     def probes(self, key: Any) -> bool:
         """Whether calls of the function of ``key`` (see ``unprobed``) add the probe row."""
