@@ -333,3 +333,27 @@ def windowed(tr: Tracer, call: Call, ids: Tensor, insides: list[Tensor]) -> list
     flat = ids.reshape(1, -1, math.prod(lengths))
     res = contract(tr, flat, member.t().unsqueeze(0)).reshape(*lead, *sizes)
     return [res] + [None] * (len(call.outs) - 1)
+
+
+@register("_sparse_addmm")
+def sparse_matrix_product(tr: Tracer, call: Call) -> list[Tensor | None]:
+    """``torch.sparse.mm(A, B)`` and ``torch.sparse.addmm``: a constant sparse ``A`` (a
+    tracked one is ruled conservatively before any rule) times a dense ``B``; ``A``'s
+    stored entries are its may-be-non-zeros (all of them where its values or indices were
+    computed from x's values: NOTE [a pattern shaped by values] in
+    :mod:`~torch_vjp._sparse.tracer`)."""
+    a, b = call.bound["mat1"], call.bound["mat2"]
+    shape = call.outs[0].shape
+    b_ids = tr.ids(b)
+    prod = None
+    if b_ids is not None:
+        coo = a.detach().to_sparse_coo() if a.layout is not torch.sparse_coo else a.detach()
+        if tr.value_dependent(coo._values()) or tr.value_dependent(coo._indices()):
+            nz = torch.ones(a.shape, dtype=torch.bool)
+        else:
+            nz = torch.zeros(a.shape, dtype=torch.bool)
+            idx = coo._indices().cpu()
+            nz[idx[0], idx[1]] = True
+        prod = contract(tr, b_ids.transpose(0, 1)[None], nz.transpose(0, 1)[None])[0]
+        prod = prod.transpose(0, 1)
+    return _with_bias(tr, call, prod, shape)
