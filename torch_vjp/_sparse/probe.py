@@ -54,8 +54,9 @@ data (:data:`~torch_vjp._sparse.rules.WRONG_BATCHING`, as ``Pattern.wrong_batchi
 reverse mode's products of that pattern are computed one colour at a time, without vmap,
 with a one-time warning (none where ``chunk_size=1`` asks for that). Forward mode is not
 affected (vmapped JVPs use the ops' forward batching; cdist has no forward formula). An op
-not in the list is caught by the probe of the plan's later calls (:func:`batching_wrong`),
-not on its first call. ``as_strided_scatter``'s backward is wrong without vmap too (the
+not in the list is caught on the plan's first use (NOTE [reverse products, checked on first
+use] in :mod:`torch_vjp._sparse.guard`), and by the probe of its later calls
+(:func:`batching_wrong`). ``as_strided_scatter``'s backward is wrong without vmap too (the
 gradient of ``self`` is passed inside the scattered region, not outside it): a pattern
 whose detection saw it on tracked data (``Pattern.wrong_reverse``, from
 :data:`~torch_vjp._sparse.rules.WRONG_REVERSE`) is computed in forward mode, whose formula
