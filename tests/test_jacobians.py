@@ -369,8 +369,9 @@ def test_explicit_strategies_explain_what_they_cannot_run():
     with pytest.raises(tv.StrategyNotImplementedError, match=(
             r"^torch_vjp\.jacobian: strategy='fwd-loop' computes with forward-mode AD, and an "
             r"operator in f has no forward-mode formula \(a custom torch\.autograd\.Function "
-            r"without jvp, or a torch operator torch has none for\)\.\n  torch said: "
-            r"NotImplementedError: .*\n  Fix: strategy='rev-loop' or 'auto'")):
+            r"without a jvp staticmethod\)\.\n  torch said: "
+            r"NotImplementedError: .*\n  Fix: strategy='rev-loop' or 'auto' \(reverse mode "
+            r"needs only backward formulas\), or give the Function a jvp staticmethod\.$")):
         jacobian(_OldStyle.apply, x, strategy="fwd-loop")
     with pytest.raises(tv.StrategyNotImplementedError, match=(
             r"^torch_vjp\.jacobian: strategy='fwd' computes with forward-mode AD, and an "

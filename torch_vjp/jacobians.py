@@ -45,7 +45,7 @@ from torch_vjp._engine.forms import (
     plain_hessian,
     plain_jacobian,
 )
-from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient
+from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient, no_double_backward
 from torch_vjp._engine.jacobian import function_name, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
@@ -520,10 +520,22 @@ def hessian(
             # statistics), a custom autograd.Function without setup_context, NumPy calls;
             # "auto" and the loop strategies then take plain autograd, as
             # torch.autograd.functional does (an error of f's own comes from there again)
+            # (a backward kernel without a derivative formula fails there too: said so)
+            refused = None if passes_through(err) else no_double_backward(
+                f, strat.name, err, call)
+            if refused is not None:
+                raise refused from None
             if (passes_through(err) or strat.vectorized and not fallback or is_nested()
                     or any(err is e for e in own)):
                 raise
-            return autograd_hessian(f, primals, argnums, not detached, call, err)
+            try:
+                return autograd_hessian(f, primals, argnums, not detached, call, err)
+            except RuntimeError as again:
+                refused = None if passes_through(again) else no_double_backward(
+                    f, strat.name, again, call)
+                if refused is None:
+                    raise
+                raise refused from None
         if fallback and res.mode == "fwd" and not is_nested() and not any(
                 x.device.type == "meta" for x in outer.leaves):  # (no numbers to compare)
             res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)

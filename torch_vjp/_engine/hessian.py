@@ -13,12 +13,41 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_vjp._engine.blocks import assemble
 from torch_vjp._engine.copies import normal_tensors
-from torch_vjp._engine.jacobian import function_key, jacobian_blocks
-from torch_vjp._engine.refusals import mutates_captured
+from torch_vjp._engine.jacobian import function_key, function_name, jacobian_blocks
+from torch_vjp._engine.refusals import (double_backward_refusal, mutates_captured,
+                                        no_double_backward_fix)
 from torch_vjp._engine.problem import Problem
-from torch_vjp._errors import JacobianCallError, JacobianWarning, quote_error, warn_once
+from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyNotImplementedError,
+                               quote_error, warn_once)
 
-__all__ = ["hessian_gradient", "autograd_hessian"]
+__all__ = ["hessian_gradient", "autograd_hessian", "no_double_backward"]
+
+
+def no_double_backward(
+    f: Callable[..., Any], strategy: str, err: BaseException, call: str,
+) -> StrategyNotImplementedError | None:
+    """The error of a Hessian whose reverse over reverse needs a derivative of a backward
+    kernel that torch has none for (``err``: autograd's "derivative for aten::X_backward is
+    not implemented", the fused attention kernels on the CPU; "the derivative for
+    'X_backward' is not implemented", torch.cdist's, torch.nn.functional.embedding_bag's), or
+    None for any other error (f's own passes through untouched)."""
+    op = double_backward_refusal(err)
+    if op is None:
+        return None
+    fix = no_double_backward_fix(op)
+    if fix is None:
+        fix = ("write that operation with differentiable torch operations (or as a custom "
+               "autograd.Function whose backward is made of them)")
+    how = (f"strategy='{strategy}' computes reverse over reverse" if strategy.startswith("rev")
+           else f"strategy='{strategy}' turns to reverse over reverse where forward over "
+           f"reverse cannot run f")
+    return StrategyNotImplementedError(
+        f"{call}: f ({function_name(f)}) uses torch's aten::{op}, whose backward kernel "
+        f"(aten::{op}_backward) has no derivative formula in torch; a Hessian differentiates "
+        f"f's gradient, which takes that derivative where the gradient is differentiated "
+        f"with reverse mode "
+        f"({how}).\n  torch said: {quote_error(err)}\n  Fix: {fix}."
+    )
 
 
 def hessian_gradient(

@@ -96,6 +96,7 @@ from torch_vjp._engine.rows import (
 from torch_vjp._engine.refusals import (
     RENORM_FIX,
     VMAP_CAUSES,
+    forward_fix,
     forward_refusal,
     renorms,
     unbatched_op,
@@ -334,7 +335,7 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                         f"{prob.call}: strategy='fwd' computes with forward-mode AD, and "
                         f"{why}.\n  torch said: {quote_error(err)}\n"
                         f"  Fix: strategy='rev' or 'auto' (reverse mode needs only backward "
-                        f"formulas)."
+                        f"formulas){_or_fix(err)}."
                     ) from None
             if why is None:
                 raise
@@ -371,8 +372,16 @@ def fwd_loop_refusal(prob: Problem, err: BaseException) -> Exception | None:
         f"{prob.call}: strategy='fwd-loop' computes with forward-mode AD, and {why}.\n"
         f"  torch said: {quote_error(err)}\n"
         f"  Fix: strategy='rev-loop' or 'auto' (reverse mode needs only backward "
-        f"formulas), or give the Function a jvp staticmethod."
+        f"formulas){_or_fix(err)}."
     )
+
+
+def _or_fix(err: BaseException) -> str:
+    """The fix besides reverse mode of forward mode's refusal ``err``, as a clause: a jvp
+    staticmethod for a custom Function only (a torch operator has none to give), the math
+    kernel for fused attention."""
+    fix = forward_fix(err)
+    return "" if fix is None else f", or {fix}"
 
 
 def no_batching_rule(prob: Problem, mode: str, op: str, err: BaseException) -> StrategyError:

@@ -5,7 +5,8 @@ refusal of an in-place write into a differentiated leaf (:func:`writes_into_inpu
 
 from __future__ import annotations
 
-__all__ = ["RENORM_FIX", "SPARSE_TANGENT", "VMAP_CAUSES", "forward_refusal", "mutates_captured",
+__all__ = ["RENORM_FIX", "SPARSE_TANGENT", "VMAP_CAUSES", "double_backward_refusal",
+           "forward_fix", "forward_refusal", "mutates_captured", "no_double_backward_fix",
            "refusal_kind", "renorms", "unbatched_op", "vmap_refusal", "writes_into_input"]
 
 import re
@@ -124,19 +125,85 @@ def unbatched_op(err: BaseException) -> str | None:
     return None if found is None else (found.group(1) or found.group(2))
 
 
+#: Forward mode's refusal of a torch operator without a forward-mode formula, with the operator.
+_NO_FWD_OP = re.compile(r"Trying to use forward AD with ([\w.]+) that does not support it")
+
+#: Forward mode's refusal of a custom autograd.Function without a jvp staticmethod.
+_NO_JVP = "implement the jvp function"
+
+#: Autograd's refusal to differentiate a kernel without a derivative formula, with the
+#: kernel: one with no autograd formula at all (a RuntimeError), and one whose formula is
+#: declared not implemented (a NotImplementedError: torch.cdist's backward).
+_NO_DERIVATIVE = re.compile(r"derivative for aten::([\w.]+) is not implemented"
+                            r"|the derivative for '([\w.]+)' is not implemented")
+
+
+#: torch's fused attention kernels, whose backward has no derivative formula and which have
+#: no forward-mode formula on the CPU; the math kernel is made of differentiable operations.
+_SDPA = "_scaled_dot_product_"
+_SDPA_FIX = ("compute attention with the math kernel, made of differentiable operations: "
+             "call inside `with torch.nn.attention.sdpa_kernel("
+             "torch.nn.attention.SDPBackend.MATH):` (a transformers model: load it with "
+             "attn_implementation=\"eager\")")
+
+
 def forward_refusal(err: BaseException) -> str | None:
-    """What forward-mode AD refused in ``f``: an operator, or a custom Function, without a
-    forward-mode formula (None for any other error)."""
+    """What forward-mode AD refused in ``f``: a torch operator, or a custom Function, without
+    a forward-mode formula (None for any other error)."""
     text = str(err)
-    if isinstance(err, NotImplementedError) and (
-        "forward AD" in text or "implement the jvp function" in text
-    ):
+    if isinstance(err, NotImplementedError) and "forward AD" in text:
+        found = _NO_FWD_OP.search(text)
+        if found is not None:
+            return (f"an operator in f has no forward-mode formula (torch's "
+                    f"aten::{found.group(1)}: torch has none for it)")
+    if isinstance(err, NotImplementedError) and _NO_JVP in text:
+        return ("an operator in f has no forward-mode formula (a custom "
+                "torch.autograd.Function without a jvp staticmethod)")
+    if isinstance(err, NotImplementedError) and "forward AD" in text:
         return ("an operator in f has no forward-mode formula (a custom "
                 "torch.autograd.Function without jvp, or a torch operator torch has none for)")
     if isinstance(err, NotImplementedError) and "_efficientzerotensor" in text and (
             "Sparse" in text):
         return SPARSE_TANGENT
     return None
+
+
+def forward_fix(err: BaseException) -> str | None:
+    """The fix, besides reverse mode, for :func:`forward_refusal`'s ``err``: a jvp
+    staticmethod where a custom Function has none, the math attention kernel where a fused
+    one has no formula; None where the operator is torch's and torch offers no other (a
+    jvp staticmethod is no fix for a torch operator)."""
+    text = str(err)
+    if not isinstance(err, NotImplementedError):
+        return None
+    found = _NO_FWD_OP.search(text)
+    if found is not None:
+        return _SDPA_FIX if found.group(1).startswith(_SDPA) else None
+    if _NO_JVP in text or "forward AD" in text:
+        return "give the Function a jvp staticmethod"
+    return None
+
+
+def double_backward_refusal(err: BaseException) -> str | None:
+    """The torch operator whose backward autograd cannot differentiate, where ``err`` is
+    that refusal: ``"_scaled_dot_product_flash_attention_for_cpu"`` from its kernel
+    ``..._backward`` (a RuntimeError), ``"_cdist"`` from ``_cdist_backward`` (a
+    NotImplementedError). A Hessian, reverse over reverse, differentiates a gradient, and
+    that kernel has no derivative formula. None for any other error, a kernel that is not a
+    backward one included (a missing first derivative)."""
+    if not isinstance(err, RuntimeError):
+        return None
+    found = _NO_DERIVATIVE.match(str(err).strip())
+    if found is None:
+        return None
+    kernel = found.group(1) or found.group(2)
+    return kernel[:-len("_backward")] if kernel.endswith("_backward") else None
+
+
+def no_double_backward_fix(op: str) -> str | None:
+    """The fix for :func:`double_backward_refusal`'s operator ``op`` where one is known (the
+    math attention kernel for torch's fused attention), None otherwise."""
+    return _SDPA_FIX if op.startswith(_SDPA) else None
 
 
 def mutates_captured(err: BaseException) -> bool:
