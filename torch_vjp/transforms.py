@@ -42,6 +42,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._sharded import plain_module
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.rows import loop_draws, map_rows
+from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_pullback
 from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
                                note_freed_graph, warn_once)
 from torch_vjp._transform_support import (
@@ -156,7 +157,10 @@ def vjp(
         JacobianCallError: a primal or an output of ``f`` cannot be differentiated; (from
             ``vjp_fn``) a primal, the output, the aux, or a tensor ``f`` captures (a
             module's parameter or buffer too) was written in place since the vjp call (NOTE
-            [the vjp point, kept]).
+            [the vjp point, kept]); (from ``vjp_fn``) f's graph holds an operator whose
+            backward formula torch (2.13) has wrong, ``torch.as_strided_scatter`` into a
+            tensor computed from the primals (NOTE [named reverse strategies and wrong
+            formulas]): forward mode is the fix.
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -177,7 +181,10 @@ def vjp(
         return _compiled_vjp(f, primals, has_aux)
     # f is called once, on the caller's tensors, as torch.func.vjp calls it
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
-    g_inner, connected = recording_connected(prob.g_inner, has_aux)
+    # (the graph of f's call read for an operator torch differentiates wrongly: NOTE
+    # [named reverse strategies and wrong formulas])
+    g_read, wrong = reading_wrong_ops(prob.g_inner, has_aux)
+    g_inner, connected = recording_connected(g_read, has_aux)
     # (a buffer f rebinds, ``self.scale = self.scale * 1.1``, is the module's own tensor
     # again after the call, not the torch.func wrapper the call made; the graph keeps
     # what f saved)
@@ -274,6 +281,8 @@ def vjp(
                                            _batch_size(vecs), vectorized=vec, chunk_size=chunk)[0])
 
         point.check(pull_call)  # (NOTE [the vjp point, kept])
+        if wrong and wrong[0][1] is not None:
+            raise wrong_pullback(pull_call, wrong[0][1], function_name(f))
         try:
             # (create_graph=True builds the graph whatever the caller's grad mode, as
             # torch.autograd.grad does: the batched products are joined under grad mode)

@@ -17,6 +17,12 @@ Jacobian without a word:
   gradient of the scattered source is right), with the strategies that compute it
   (forward mode is right).
 
+``torch_vjp.vjp`` reads the graph its own call of f builds for the same operators: its
+``vjp_fn`` refuses the products through ``torch.as_strided_scatter``'s wrong backward (as
+torch.func.vjp would return them wrong), with forward mode as the fix
+(:func:`reading_wrong_ops`, :func:`wrong_pullback`); one product at a time and torch.vmap's
+batched ones run the same formula.
+
 The graph is the one the products' own call of f builds (torch.func's vjp records it): no
 call of f more, and a walk of its nodes per call (a fraction of the call's own cost: each
 node was an operator f ran). Not read where torch.func cannot run f (the plain-autograd
@@ -27,14 +33,16 @@ them on their own.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.graph import graph_nodes
-from torch_vjp._errors import JacobianWarning, StrategyError, warn_once
+from torch_vjp._errors import JacobianCallError, JacobianWarning, StrategyError, warn_once
 
-__all__ = ["named_reverse", "wrong_ops"]
+__all__ = ["named_reverse", "reading_wrong_ops", "wrong_ops", "wrong_pullback"]
 
 #: Backward nodes whose batching rule is wrong (the products under vmap), by their name.
 _BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist"}
@@ -91,3 +99,35 @@ def wrong_ops(outs: Sequence[Tensor]) -> tuple[str | None, str | None]:
         if name in _WRONG_ALONE and node.next_functions and node.next_functions[0][0] is not None:
             alone = alone or _WRONG_ALONE[name]
     return batching, alone
+
+
+def reading_wrong_ops(f: Callable[..., Any], has_aux: bool
+                      ) -> tuple[Callable[..., Any], list[tuple[str | None, str | None]]]:
+    """``f`` as torch.func.vjp calls it, recording into the list returned with it the ops of
+    NOTE [named reverse strategies and wrong formulas] its outputs' graph holds
+    (:func:`wrong_ops`): no call of f more, a walk of the graph it built."""
+    found: list[tuple[str | None, str | None]] = []
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        res = f(*args, **kwargs)
+        out = res[0] if has_aux and isinstance(res, tuple) and len(res) == 2 else res
+        found[:] = [wrong_ops([o for o in tree_leaves(out) if isinstance(o, Tensor)])]
+        return res
+
+    return read, found
+
+
+def wrong_pullback(call: str, op: str, name: str) -> JacobianCallError:
+    """The error of a pullback (``torch_vjp.vjp``'s ``vjp_fn``) through ``op``, an operator
+    whose backward formula is wrong alone (NOTE [named reverse strategies and wrong
+    formulas]), in f (``name``)."""
+    return JacobianCallError(
+        f"{call}: torch's backward formula of {op} is wrong for the tensor scattered into "
+        f"(the gradient of that tensor is passed inside the scattered region rather than "
+        f"outside it), which f ({name}) computes from the primals, so v^T J would be "
+        f"wrong (torch.func.vjp's too), batched or not.\n"
+        f"  Fix: compute with forward mode, whose formula is right: torch_vjp.jvp(f, "
+        f"primals, tangents) for J t, or torch_vjp.jacobian(f, *primals, "
+        f"strategy='fwd-loop') and v^T J from it (torch.vmap has no batching rule for "
+        f"{op}, so 'fwd' cannot run it)."
+    )
