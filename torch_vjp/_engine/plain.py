@@ -32,6 +32,7 @@ from torch_vjp._engine.copies import normal_tensors
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, loop_draws, map_rows
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
+from torch_vjp._engine.wrongops import named_reverse, wrong_ops
 
 __all__ = ["rev_plain", "fwd_plain", "plain_pullback"]
 
@@ -62,6 +63,8 @@ def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
     out_rows = row_shapes(flat_out, opts.batch, prob, out_spec)
     n = sum(math.prod(s) for s in out_rows)
     chunk = chunk_for(prob, "rev", out_rows, [o.dtype for o in flat_out], opts)
+    if opts.named is not None:  # NOTE [named reverse strategies and wrong formulas]
+        named_reverse(prob.call, wrong_ops(flat_out), False, chunk, opts.named)
     if n == 0:
         stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
     else:

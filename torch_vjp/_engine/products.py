@@ -48,7 +48,9 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
     has_aux = prob.has_aux
     prob_g = prob.g_inner  # NOTE [non-differentiated primals]
 
-    named = opts.named if not is_nested() else None
+    # (inside an outer transform too, a Hessian's gradient excepted: NOTE [named reverse
+    # strategies and wrong formulas])
+    named = None if is_nested() and opts.vmap_single else opts.named
     found: list[tuple[str | None, str | None]] = []
 
     def g(*xs: Tensor) -> Any:

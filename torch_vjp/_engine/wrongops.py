@@ -25,8 +25,10 @@ batched ones run the same formula.
 
 The graph is the one the products' own call of f builds (torch.func's vjp records it): no
 call of f more, and a walk of its nodes per call (a fraction of the call's own cost: each
-node was an operator f ran). Not read where torch.func cannot run f (the plain-autograd
-loop), nor for strategies that nest (a Hessian's gradient). The same ops are known to the
+node was an operator f ran); where torch.func cannot run f, the plain-autograd loop's call
+(``"rev-loop"``); inside an outer transform too (``torch.func.vmap`` over the Jacobian: its
+products are batched by that vmap as well). Not read for a Hessian's gradient, whose
+strategy the caller did not name. The same ops are known to the
 sparse Jacobians (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`), which read
 them on their own.
 """
