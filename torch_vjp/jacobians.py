@@ -424,6 +424,10 @@ def hessian(
         StrategyError: unknown ``strategy``.
         JacobianCallError: ``argnums``, a primal or an output of ``f`` does not fit.
         JacobianMemoryError: the Hessian does not fit the free memory.
+        StrategyNotImplementedError: torch has no formula the strategy needs: a
+            forward-mode one for ``"fwd"``, or a derivative of an operator's backward
+            kernel for reverse over reverse (fused attention on the CPU, ``torch.cdist``),
+            with the fix (for attention, the math kernel).
 
     Warns:
         JacobianWarning: once per function, when ``"auto"`` falls back to a loop, or returns
