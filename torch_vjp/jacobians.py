@@ -475,7 +475,7 @@ def hessian(
     context, detached = graph_mode(create_graph, call=call)
     with context, buffers_kept(f, primals=primals):
         def gradient(*args: Any) -> Any:
-            return hessian_gradient(f, args, argnums, vectorized, fallback, call)
+            return hessian_gradient(f, args, argnums, vectorized, fallback, call, strat.name)
 
         gradient.__qualname__ = function_name(f)  # (messages about the outer Jacobian name f)
         outer = Problem(gradient, primals, argnums, has_aux=False, call=call,

@@ -57,8 +57,10 @@ def hessian_gradient(
     vectorized: bool,
     fallback: bool,
     call: str,
+    strategy: str = "auto",
 ) -> Any:
-    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`torch_vjp.hessian`).
+    """The reverse-mode Jacobian of ``f`` at ``args`` (the inner half of :func:`torch_vjp.hessian`,
+    asked for with ``strategy``).
 
     NOTE [the gradient inside a Hessian]
     torch.func.hessian is jacfwd(jacrev(f)), and jacrev runs its pullback under vmap even for
@@ -72,7 +74,7 @@ def hessian_gradient(
     prob = Problem(f, args, argnums, has_aux=False, call=call, aux=False)
     res = jacobian_blocks(
         prob, "rev", vectorized=vectorized, fallback=fallback, chunk_size=None, max_memory=None,
-        vmap_single=True,
+        vmap_single=True, hessian=strategy,
     )
     return assemble(prob, res)
 

@@ -165,6 +165,7 @@ def jacobian_blocks(
     functorch_loops: bool = False,
     detached: bool = False,
     vmap_single: bool = False,
+    hessian: str | None = None,
 ) -> Blocks:
     """Computes every block of the Jacobian of ``prob.g``.
 
@@ -187,11 +188,15 @@ def jacobian_blocks(
         detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
         vmap_single: in reverse mode, run even a single product under vmap, as
             torch.func.jacrev does (NOTE [the gradient inside a Hessian] in :mod:`torch_vjp._engine.hessian`).
+        hessian: for the gradient inside a Hessian, the strategy the Hessian was asked for
+            (NOTE [a Hessian through a wrong backward] in :mod:`torch_vjp._engine.wrongops`).
 
     Returns:
         The blocks, the output structure, the aux value and the mode used.
     """
     opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached, vmap_single)
+    if hessian is not None:
+        opts.hessian = (function_name(prob.f), hessian)
     if mode == "rev" and not fallback and not functorch_loops:
         # NOTE [named reverse strategies and wrong formulas]
         opts.named = (function_name(prob.f), function_key(prob.f))
@@ -327,7 +332,7 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
             why = None if passes_through(err) else vmap_refusal(err)
             op = None if passes_through(err) else unbatched_op(err)
             if why is None and op is not None:
-                raise no_batching_rule(prob, mode, op, err) from None
+                raise no_batching_rule(prob, mode, op, err, opts.hessian) from None
             if why is None and mode == "fwd" and not passes_through(err):
                 why = forward_refusal(err)
                 if why is not None:
@@ -384,9 +389,23 @@ def _or_fix(err: BaseException) -> str:
     return "" if fix is None else f", or {fix}"
 
 
-def no_batching_rule(prob: Problem, mode: str, op: str, err: BaseException) -> StrategyError:
+def no_batching_rule(prob: Problem, mode: str, op: str, err: BaseException,
+                     hessian: tuple[str, str] | None = None) -> StrategyError:
     """The error of strategy ``mode`` ("fwd" or "rev", vectorised with torch.vmap) where
-    vmap has no batching rule for the operator ``op`` in f (or in its backward)."""
+    vmap has no batching rule for the operator ``op`` in f (or in its backward);
+    ``hessian``: f's name and the Hessian's strategy, where this is the gradient inside a
+    Hessian (whose message names the strategy the caller passed, not the gradient's)."""
+    if hessian is not None:
+        name, strategy = hessian
+        loop = strategy if strategy.endswith("-loop") else f"{strategy}-loop"
+        return StrategyError(
+            f"{prob.call}: strategy={strategy!r} computes the Hessian's products with "
+            f"torch.vmap (the gradient it differentiates, and the outer Jacobian's rows), "
+            f"which has no batching rule for aten::{op}, used in f ({name}), so it cannot "
+            f"batch them.\n"
+            f"  torch.vmap said: {quote_error(err)}\n"
+            f"  Fix: strategy={loop!r} (one product at a time, without vmap)."
+        )
     where = "f" if mode == "fwd" else "f's backward"
     return StrategyError(
         f"{prob.call}: strategy='{mode}' computes all {mode}-mode products at once with "

@@ -28,7 +28,7 @@ from torch_vjp._engine.rows import (
     passes_through,
 )
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
-from torch_vjp._engine.wrongops import named_reverse, wrong_ops
+from torch_vjp._engine.wrongops import named_reverse, wrong_hessian, wrong_ops
 
 __all__: list[str] = []
 
@@ -60,7 +60,8 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             connected[0] = out.requires_grad
         else:
             connected[0] = all(o.requires_grad for o in tree_leaves(out))
-        if named is not None:  # NOTE [named reverse strategies and wrong formulas]
+        if named is not None or opts.hessian is not None:  # NOTE [named reverse
+            # strategies and wrong formulas], NOTE [a Hessian through a wrong backward]
             found.append(wrong_ops([out] if isinstance(out, Tensor) else [
                 o for o in tree_leaves(out) if isinstance(o, Tensor)]))
         return res
@@ -88,6 +89,8 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
     n = sum(math.prod(s) for s in out_rows)
     out_dtypes = [o.dtype for o in flat_out]
     chunk = chunk_for(prob, "rev", out_rows, out_dtypes, opts)
+    if found and opts.hessian is not None and found[0][1] is not None:
+        raise wrong_hessian(prob.call, found[0][1], *opts.hessian)
     if found and named is not None:
         vectorized = named_reverse(prob.call, found[0], vectorized, chunk, named)
     if n == 0:

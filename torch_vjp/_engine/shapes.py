@@ -60,11 +60,15 @@ class Opts:
             products read f's graph for operators torch differentiates wrongly (NOTE
             [named reverse strategies and wrong formulas] in
             :mod:`torch_vjp._engine.wrongops`); None otherwise.
+        hessian: for the gradient inside a Hessian, f's name and the strategy the Hessian
+            was asked for: its products read f's graph for a backward formula torch has wrong (NOTE [a
+            Hessian through a wrong backward] in :mod:`torch_vjp._engine.wrongops`); None
+            otherwise.
     """
 
     __slots__ = (
         "batch", "chunk_size", "max_memory", "alternatives", "probe", "detached", "vmap_single",
-        "named",
+        "named", "hessian",
     )
 
     def __init__(
@@ -85,6 +89,7 @@ class Opts:
         self.detached = detached
         self.vmap_single = vmap_single
         self.named: tuple[str, Any] | None = None
+        self.hessian: tuple[str, str] | None = None
 
 
 def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem,

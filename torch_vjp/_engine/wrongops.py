@@ -31,6 +31,14 @@ products are batched by that vmap as well). Not read for a Hessian's gradient, w
 strategy the caller did not name. The same ops are known to the
 sparse Jacobians (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`), which read
 them on their own.
+
+NOTE [a Hessian through a wrong backward]
+A Hessian differentiates f's gradient, and that gradient is always formed by reverse mode,
+whatever strategy the outer Jacobian runs: through ``torch.as_strided_scatter``'s wrong
+backward (into a tensor computed from the differentiated inputs) every strategy's Hessian
+was wrong (by up to the size of its entries), "auto"'s check included, which compares
+products of the same wrong gradient. The gradient's own products read the graph their call
+of f builds and refuse (:func:`wrong_hessian`), naming forward-mode gradients as the fix.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ from torch.utils._pytree import tree_leaves
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._errors import JacobianCallError, JacobianWarning, StrategyError, warn_once
 
-__all__ = ["named_reverse", "reading_wrong_ops", "wrong_ops", "wrong_pullback"]
+__all__ = ["named_reverse", "reading_wrong_ops", "wrong_hessian", "wrong_ops",
+           "wrong_pullback"]
 
 #: Backward nodes whose batching rule is wrong (the products under vmap), by their name.
 _BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist"}
@@ -132,4 +141,22 @@ def wrong_pullback(call: str, op: str, name: str) -> JacobianCallError:
         f"primals, tangents) for J t, or torch_vjp.jacobian(f, *primals, "
         f"strategy='fwd-loop') and v^T J from it (torch.vmap has no batching rule for "
         f"{op}, so 'fwd' cannot run it)."
+    )
+
+
+def wrong_hessian(call: str, op: str, name: str, strategy: str) -> JacobianCallError:
+    """The error of a Hessian (asked for with ``strategy``) of f (``name``) through ``op``,
+    an operator whose backward formula is wrong alone (NOTE [a Hessian through a wrong
+    backward])."""
+    return JacobianCallError(
+        f"{call}: torch's backward formula of {op} is wrong for the tensor scattered into "
+        f"(the gradient of that tensor is passed inside the scattered region rather than "
+        f"outside it), which f ({name}) computes from its differentiated inputs; a Hessian "
+        f"differentiates f's gradient, which is formed by reverse mode whatever the "
+        f"strategy (strategy={strategy!r} names the outer Jacobian only), so the Hessian "
+        f"would be wrong under every strategy.\n"
+        f"  Fix: take the Jacobian of a forward-mode gradient, whose formula is right, "
+        f"one product at a time (torch.vmap has no batching rule for {op}): "
+        f"torch_vjp.jacobian(lambda x: torch_vjp.jacobian(f, x, strategy='fwd-loop'), x, "
+        f"strategy='fwd-loop') for a scalar f; or write f without {op}."
     )
