@@ -98,6 +98,7 @@ from torch_vjp._engine.refusals import (
     VMAP_CAUSES,
     forward_fix,
     forward_refusal,
+    refusal_kind,
     renorms,
     unbatched_op,
     vmap_refusal,
@@ -266,10 +267,15 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                 if why is not None:  # (a probe under torch.func: hessian's gradient)
                     raise func_refusal(prob, mode or "fwd", why, err) from None
                 raise
+            probe_error: Exception | None = err
+        else:
+            probe_error = None
+        if probe_error is not None:  # (outside the except: f's error, raised again by
+            # reverse mode, comes without the probe's chained to it)
             if not vectorized:
                 return _blocks_of(prob, "rev", vectorized, fallback, opts, functorch_loops,
                                   read)
-            return _auto(prob, "rev", None, opts, functorch_loops, probe_error=err)
+            return _auto(prob, "rev", None, opts, functorch_loops, probe_error=probe_error)
         read.append(shapes)
         if mode is None:
             n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
@@ -453,8 +459,9 @@ def _loop(
         return with_func()
     try:
         return with_func()
-    except Exception as err:  # noqa: BLE001 - plain autograd decides below
-        if passes_through(err):
+    except Exception as err:  # noqa: BLE001 - torch.func's refusals go to plain autograd
+        # (only those: an error of f's own propagates after one call, untouched)
+        if passes_through(err) or (refusal_kind(err) is None and vmap_refusal(err) is None):
             raise
     if mode == "rev":
         return rev_plain(prob, opts)
