@@ -21,6 +21,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.refusals import (
     RENORM_FIX,
     VMAP_CAUSES,
+    forward_fix,
     forward_refusal,
     mutates_captured,
     refusal_kind,
@@ -53,12 +54,15 @@ def _explained(call: str, what: str) -> Iterator[None]:
         why = forward_refusal(err) if what == "jvp" else None
         if why is None:
             raise
+        # (a jvp staticmethod for a custom Function only: a torch operator has none to
+        # give; the math kernel for fused attention)
+        fix = forward_fix(err)
         raise JacobianNotImplementedError(
             f"{call}: a Jacobian-vector product computes with forward-mode AD, and {why}.\n"
             f"  torch said: {quote_error(err)}\n  Fix: compute with reverse mode, which needs "
             f"only backward formulas: torch_vjp.vjp(f, *primals) for v^T J, or "
-            f"torch_vjp.jacobian(f, *primals, strategy='rev') times the tangents for J t; or "
-            f"give the Function a jvp staticmethod."
+            f"torch_vjp.jacobian(f, *primals, strategy='rev') times the tangents for J t"
+            + ("." if fix is None else f"; or {fix}.")
         ) from None
     except RuntimeError as err:
         if not mutates_captured(err):
