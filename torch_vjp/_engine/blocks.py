@@ -30,9 +30,13 @@ class Blocks:
     row slice of the stacked products), cheap to scan for all-zero blocks; ``connected`` is
     True when every output was seen to depend on the differentiated leaves through autograd
     (it requires grad in reverse mode, it has a tangent in forward mode); ``looped`` is True
-    when "auto" computed them by its loop because torch.vmap could not run f."""
+    when "auto" computed them by its loop because torch.vmap could not run f;
+    ``forward_instead`` is True when they were computed by plain forward mode because the
+    plain reverse loop met a wrong backward formula (NOTE [a plain loop through a wrong
+    backward] in :mod:`torch_vjp._engine.wrongops`)."""
 
-    __slots__ = ("blocks", "out_spec", "aux", "mode", "views", "connected", "looped")
+    __slots__ = ("blocks", "out_spec", "aux", "mode", "views", "connected", "looped",
+                 "forward_instead")
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class Blocks:
         self.views = views if views is not None else blocks
         self.connected = connected
         self.looped = False
+        self.forward_instead = False
 
 
 def owned(t: Tensor) -> Tensor:

@@ -308,6 +308,11 @@ def checked_route(
     # (blocks the loop computed because vmap could not run f: the route is the loop, which
     # the check names and tries no other route after; the route remembered stays "rev", as
     # vmap may run f at another call: the loop then stands on its own fallback)
+    if res.forward_instead:
+        # (plain forward mode, taken because the reverse products, the check's among them,
+        # run a wrong backward formula: NOTE [a plain loop through a wrong backward])
+        remember(key, "fwd-loop")
+        return res
     first = "rev-loop" if res.looped and res.mode == "rev" else res.mode
     keep = res.mode if first == "rev-loop" else None
     got = one_reverse_product(prob)

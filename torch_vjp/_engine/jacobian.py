@@ -107,6 +107,7 @@ from torch_vjp._engine.refusals import (
 from torch_vjp._engine.shapes import (
     Opts, Shapes, StaleShapes, chunk_for, in_rows, probe_shapes,
 )
+from torch_vjp._engine.wrongops import plain_forward_message, wrong_plain
 from torch_vjp._errors import (
     JacobianWarning,
     StrategyError,
@@ -464,7 +465,24 @@ def _loop(
         if passes_through(err) or (refusal_kind(err) is None and vmap_refusal(err) is None):
             raise
     if mode == "rev":
-        return rev_plain(prob, opts)
+        if opts.named is not None:  # (a named strategy: NOTE [named reverse strategies
+            return rev_plain(prob, opts)  # and wrong formulas])
+
+        def forward_instead(op: str) -> Blocks:  # NOTE [a plain loop through a wrong
+            # backward]
+            name = function_name(prob.f)
+            try:
+                res = fwd_plain(prob, shapes or probe_shapes(prob, opts), opts)
+            except Exception as err:  # noqa: BLE001 - no forward mode either: refused
+                if passes_through(err):
+                    raise
+                raise wrong_plain(prob.call, op, name, err) from None
+            warn_once(("auto plain, wrong backward", function_key(prob.f)),
+                      plain_forward_message(prob.call, op, name), JacobianWarning)
+            res.forward_instead = True  # (the check compares it with no reverse product)
+            return res
+
+        return rev_plain(prob, opts, forward_instead)
     return fwd_plain(prob, shapes or probe_shapes(prob, opts), opts)
 
 

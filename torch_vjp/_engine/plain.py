@@ -41,17 +41,22 @@ def _detach_tree(tree: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
-def rev_plain(prob: Problem, opts: Opts) -> Blocks:
+def rev_plain(prob: Problem, opts: Opts,
+              instead: Callable[[str], Blocks] | None = None) -> Blocks:
     """Reverse mode with plain autograd, one ``torch.autograd.grad`` per output element
-    (under ``torch.no_grad()`` for a detached result: NOTE [no graph outlives its chunk])."""
+    (under ``torch.no_grad()`` for a detached result: NOTE [no graph outlives its chunk]).
+    ``instead(op)``: what is returned where f's graph holds ``op``, an operator whose
+    backward formula is wrong alone (NOTE [a plain loop through a wrong backward] in
+    :mod:`torch_vjp._engine.wrongops`), in place of the products."""
     with normal_tensors():  # NOTE [plain autograd in inference mode]
         if opts.detached:
             with torch.no_grad():
-                return _rev_plain_products(prob, opts)
-        return _rev_plain_products(prob, opts)
+                return _rev_plain_products(prob, opts, instead)
+        return _rev_plain_products(prob, opts, instead)
 
 
-def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
+def _rev_plain_products(prob: Problem, opts: Opts,
+                        instead: Callable[[str], Blocks] | None) -> Blocks:
     """Reverse mode with plain autograd, one ``torch.autograd.grad`` per output element.
 
     No torch.func transform is involved, so functions that torch.func cannot run (a custom
@@ -65,6 +70,10 @@ def _rev_plain_products(prob: Problem, opts: Opts) -> Blocks:
     chunk = chunk_for(prob, "rev", out_rows, [o.dtype for o in flat_out], opts)
     if opts.named is not None:  # NOTE [named reverse strategies and wrong formulas]
         named_reverse(prob.call, wrong_ops(flat_out), False, chunk, opts.named)
+    elif instead is not None:  # NOTE [a plain loop through a wrong backward]
+        alone = wrong_ops(flat_out)[1]
+        if alone is not None:
+            return instead(alone)
     if n == 0:
         stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
     else:

@@ -39,6 +39,15 @@ backward (into a tensor computed from the differentiated inputs) every strategy'
 was wrong (by up to the size of its entries), "auto"'s check included, which compares
 products of the same wrong gradient. The gradient's own products read the graph their call
 of f builds and refuse (:func:`wrong_hessian`), naming forward-mode gradients as the fix.
+
+NOTE [a plain loop through a wrong backward]
+Where torch.func cannot run f at all (an old-style custom Function, NumPy), "auto" takes
+the plain-autograd loop (``rev_plain``), and its check, which runs torch.func, cannot run
+there either: through ``torch.as_strided_scatter``'s wrong backward its Jacobian was wrong
+(by about the size of its entries) without a word. The loop reads the graph its own call of
+f builds (no call more) and, where it holds that operator, "auto" computes with plain
+forward mode instead (``fwd_plain``, whose formula is right), with a one-time warning, or,
+where forward mode cannot run f, refuses (:func:`wrong_plain`).
 """
 
 from __future__ import annotations
@@ -50,10 +59,11 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.graph import graph_nodes
-from torch_vjp._errors import JacobianCallError, JacobianWarning, StrategyError, warn_once
+from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyError, quote_error,
+                               warn_once)
 
-__all__ = ["named_reverse", "reading_wrong_ops", "wrong_hessian", "wrong_ops",
-           "wrong_pullback"]
+__all__ = ["named_reverse", "plain_forward_message", "reading_wrong_ops", "wrong_hessian",
+           "wrong_ops", "wrong_plain", "wrong_pullback"]
 
 #: Backward nodes whose batching rule is wrong (the products under vmap), by their name.
 _BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist"}
@@ -159,4 +169,35 @@ def wrong_hessian(call: str, op: str, name: str, strategy: str) -> JacobianCallE
         f"one product at a time (torch.vmap has no batching rule for {op}): "
         f"torch_vjp.jacobian(lambda x: torch_vjp.jacobian(f, x, strategy='fwd-loop'), x, "
         f"strategy='fwd-loop') for a scalar f; or write f without {op}."
+    )
+
+
+def plain_forward_message(call: str, op: str, name: str) -> str:
+    """The one-time warning that "auto" computed with plain forward mode where the plain
+    reverse loop meets ``op`` (NOTE [a plain loop through a wrong backward])."""
+    return (
+        f"{call}: torch.func cannot run f ({name}), so strategy='auto' computes with plain "
+        f"autograd, and torch's backward formula of {op} is wrong for the tensor scattered "
+        f"into, which f computes from its differentiated inputs: it computed the Jacobian "
+        f"with plain forward-mode AD (one forward pass per input element), whose formula is "
+        f"right, instead of reverse mode.\n"
+        f"  Pass strategy='fwd-loop' to compute it that way directly. This warning is shown "
+        f"once per function."
+    )
+
+
+def wrong_plain(call: str, op: str, name: str, err: BaseException) -> JacobianCallError:
+    """The error of "auto" where the plain reverse loop meets ``op`` and plain forward mode
+    cannot run f either (``err``: what it raised) (NOTE [a plain loop through a wrong
+    backward])."""
+    return JacobianCallError(
+        f"{call}: torch.func cannot run f ({name}), so strategy='auto' computes with plain "
+        f"autograd, and torch's backward formula of {op} is wrong for the tensor scattered "
+        f"into (the gradient of that tensor is passed inside the scattered region rather "
+        f"than outside it), which f computes from its differentiated inputs, so reverse "
+        f"mode's Jacobian would be wrong; forward mode, whose formula is right, cannot run "
+        f"f either.\n"
+        f"  Forward mode said: {quote_error(err)}\n"
+        f"  Fix: let forward mode run f (a custom torch.autograd.Function: a jvp "
+        f"staticmethod), then strategy='fwd-loop'; or write f without {op}."
     )
