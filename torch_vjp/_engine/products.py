@@ -48,8 +48,9 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
     has_aux = prob.has_aux
     prob_g = prob.g_inner  # NOTE [non-differentiated primals]
 
-    # (inside an outer transform too, a Hessian's gradient excepted: NOTE [named reverse
-    # strategies and wrong formulas])
+    # (inside an outer transform too, a Hessian's gradient excepted, which reads it for its
+    # own refusal: NOTE [named reverse strategies and wrong formulas], NOTE [a Hessian
+    # through a wrong backward])
     named = None if is_nested() and opts.vmap_single else opts.named
     found: list[tuple[str | None, str | None]] = []
 

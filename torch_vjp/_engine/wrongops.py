@@ -27,8 +27,9 @@ The graph is the one the products' own call of f builds (torch.func's vjp record
 call of f more, and a walk of its nodes per call (a fraction of the call's own cost: each
 node was an operator f ran); where torch.func cannot run f, the plain-autograd loop's call
 (``"rev-loop"``); inside an outer transform too (``torch.func.vmap`` over the Jacobian: its
-products are batched by that vmap as well). Not read for a Hessian's gradient, whose
-strategy the caller did not name. The same ops are known to the
+products are batched by that vmap as well). A Hessian's gradient, whose strategy the
+caller did not name, reads it for its own refusal (NOTE [a Hessian through a wrong
+backward]). The same ops are known to the
 sparse Jacobians (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`), which read
 them on their own.
 
