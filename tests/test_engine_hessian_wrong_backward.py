@@ -75,3 +75,45 @@ def test_scatter_into_a_constant_is_right(strategy):
         warnings.simplefilter("ignore")
         h = tv.hessian(_scatter_into_constant, x, strategy=strategy)
     torch.testing.assert_close(h, _fd_hessian(_scatter_into_constant, x), atol=1e-5, rtol=1e-5)
+
+
+class _Square(torch.autograd.Function):  # (old style: torch.func refuses it)
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rev-loop", "fwd-loop"])
+def test_plain_autograd_hessian_refused(strategy):
+    # (the Hessian torch.func cannot run: plain autograd's gradient is reverse mode too)
+    def scatter_plain(x):
+        y = torch.as_strided_scatter(_Square.apply(x).sin(), x[:2] * x[:2], (2,), (1,), 1)
+        return (y * y.cos()).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(JacobianCallError) as info:
+            tv.hessian(scatter_plain, _x(), strategy=strategy)
+    msg = str(info.value)
+    assert "backward formula of torch.as_strided_scatter is wrong" in msg
+    assert "scatter_plain" in msg
+    assert f"strategy={strategy!r} names the outer Jacobian only" in msg
+
+
+def test_plain_autograd_hessian_into_a_constant_is_right():
+    def scatter_const_plain(x):
+        y = torch.as_strided_scatter(torch.zeros(5, dtype=x.dtype), _Square.apply(x[:2]),
+                                     (2,), (1,), 1)
+        return (y * y).sum() + x.sin().sum()
+
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h = tv.hessian(scatter_const_plain, x)
+    torch.testing.assert_close(h, _fd_hessian(scatter_const_plain, x), atol=1e-5, rtol=1e-5)

@@ -533,7 +533,8 @@ def hessian(
                     or any(err is e for e in own)):
                 raise
             try:
-                return autograd_hessian(f, primals, argnums, not detached, call, err)
+                return autograd_hessian(f, primals, argnums, not detached, call, err,
+                                        strat.name)
             except RuntimeError as again:
                 refused = None if passes_through(again) else no_double_backward(
                     f, strat.name, again, call)

@@ -17,6 +17,7 @@ from torch_vjp._engine.jacobian import function_key, function_name, jacobian_blo
 from torch_vjp._engine.refusals import (double_backward_refusal, mutates_captured,
                                         no_double_backward_fix)
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.wrongops import wrong_hessian, wrong_ops
 from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyNotImplementedError,
                                quote_error, warn_once)
 
@@ -81,7 +82,7 @@ def hessian_gradient(
 
 def autograd_hessian(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
-    create_graph: bool, call: str, refusal: BaseException,
+    create_graph: bool, call: str, refusal: BaseException, strategy: str = "auto",
 ) -> Any:
     """The Hessian with plain autograd (``torch.autograd.functional.jacobian`` of the
     gradient, one backward pass per row), with a one-time warning: for functions torch.func
@@ -90,7 +91,9 @@ def autograd_hessian(
     ``f``'s output may be pytrees of tensors; the result has :func:`torch_vjp.hessian`'s
     structure, ``torch.func.hessian``'s: the output's structure, each leaf holding the
     structure of the differentiated primals (a tuple of them for a tuple ``argnums``) twice
-    nested, of blocks ``out.shape + x_i.shape + x_j.shape``."""
+    nested, of blocks ``out.shape + x_i.shape + x_j.shape``. ``strategy``: the one the
+    Hessian was asked for, named where f's graph holds a wrong backward formula (NOTE [a
+    Hessian through a wrong backward] in :mod:`torch_vjp._engine.wrongops`)."""
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     nums = tuple(n % len(primals) for n in nums)
     if mutates_captured(refusal):
@@ -131,6 +134,9 @@ def autograd_hessian(
                 f"returned {got}. Fix: return only the differentiable results, as floating-"
                 f"point tensors. {keep}"
             )
+        alone = wrong_ops(outs)[1]  # NOTE [a Hessian through a wrong backward]
+        if alone is not None:
+            raise wrong_hessian(call, alone, function_name(f), strategy)
         out_spec[:] = [spec]
         return tuple(outs)
 
