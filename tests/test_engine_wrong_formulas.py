@@ -1,6 +1,8 @@
 """A backward formula torch computes wrongly (torch 2.13: as_strided_scatter's): "auto"
 checks its reverse product against a forward product (NOTE [a reverse product checked
-forward]). float64, against torch.func.jvp columns, finite differences and a loop of
+forward]); named reverse strategies read f's graph for operators torch differentiates
+wrongly (NOTE [named reverse strategies and wrong formulas]): as_strided_scatter's
+backward is refused, cdist's batching rule is not used. float64, against torch.func.jvp columns, finite differences and a loop of
 torch.autograd.grad rows."""
 import warnings
 
@@ -121,3 +123,78 @@ def test_auto_without_a_forward_formula_is_unchanged():
     J, said = _caught(lambda: tv.jacobian(f, x))
     torch.testing.assert_close(J, _grad_rows(f, x))
     assert said == []
+
+
+# --------------------------------------------------------------------------------------
+# Named reverse strategies
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["rev", "rev-loop"])
+def test_named_reverse_through_as_strided_scatter_is_refused(strategy):
+    f = _scatter_f()
+    x = torch.randn(4, dtype=D)
+    with pytest.raises(tv.StrategyError) as info:
+        tv.jacobian(f, x, strategy=strategy)
+    msg = str(info.value)
+    assert f"strategy={strategy!r}" in msg
+    assert "backward formula of torch.as_strided_scatter is wrong" in msg
+    assert "the Jacobian would be wrong" in msg
+    assert "Fix: strategy='fwd-loop'" in msg and "'auto'" in msg
+    torch.testing.assert_close(tv.jacobian(f, x, strategy="fwd-loop"), _jvp_columns(f, x))
+
+
+def test_named_reverse_scattering_into_a_constant_is_not_refused():
+    # (the gradient of the scattered source is right: only the tensor scattered into's is not)
+    def f(x):
+        return torch.as_strided_scatter(torch.zeros(9, dtype=D), x, (2, 2), (1, 2), 1)
+
+    x = torch.randn(2, 2, dtype=D)
+    torch.testing.assert_close(tv.jacobian(f, x, strategy="rev"), _fd(f, x))
+
+
+def test_errors_of_the_users_f_pass_through_named_rev():
+    def f(x):
+        raise RuntimeError("my own failure")
+
+    with pytest.raises(RuntimeError, match="^my own failure$") as info:
+        tv.jacobian(f, torch.randn(3, dtype=D), strategy="rev")
+    assert not isinstance(info.value, tv.TorchVJPError)
+
+
+def _cdist_f():
+    y = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(3))
+    return lambda x: torch.cdist(x, y)
+
+
+def test_named_rev_through_cdist_computes_rows_without_vmap():
+    f = _cdist_f()
+    x = torch.randn(5, 3, dtype=D, generator=torch.Generator().manual_seed(4))
+    J, said = _caught(lambda: tv.jacobian(f, x, strategy="rev"))
+    torch.testing.assert_close(J, _grad_rows(f, x))
+    assert len(said) == 1
+    msg = said[0]
+    assert "strategy='rev'" in msg and "batching rule" in msg and "torch.cdist" in msg
+    assert "one reverse product at a time" in msg and "Pass strategy='rev-loop'" in msg
+    J2, said2 = _caught(lambda: tv.jacobian(f, x, strategy="rev"))
+    torch.testing.assert_close(J2, _grad_rows(f, x))
+    assert said2 == []
+
+
+def test_named_rev_through_cdist_with_chunk_size_one_says_nothing():
+    f = _cdist_f()
+    x = torch.randn(5, 3, dtype=D)
+    J, said = _caught(lambda: tv.jacobian(f, x, strategy="rev", chunk_size=1))
+    torch.testing.assert_close(J, _grad_rows(f, x))
+    assert said == []
+
+
+def test_named_rev_batch_jacobian_through_cdist():
+    f = _cdist_f()
+
+    def g(x):
+        return f(x).sum(-1)
+
+    xb = torch.randn(6, 5, 3, dtype=D, generator=torch.Generator().manual_seed(5))
+    J, _ = _caught(lambda: tv.batch_jacobian(g, xb, strategy="rev"))
+    torch.testing.assert_close(J, torch.stack([_grad_rows(g, r) for r in xb]))
