@@ -49,7 +49,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = ["ReverseWrong", "forward_route", "reverse_wrong"]
+__all__ = ["ReverseWrong", "central_difference", "forward_route", "reverse_wrong"]
 
 
 class ReverseWrong:
@@ -83,10 +83,12 @@ def _dot(us: Sequence[Tensor], ws: Sequence[Tensor | None]) -> tuple[float, floa
     return float(value), float(size)
 
 
-def _central(prob: Problem, us: Sequence[Tensor], vs: Sequence[Tensor],
-             redraw: Callable[[], None]) -> float | None:
+def central_difference(prob: Problem, us: Sequence[Tensor], vs: Sequence[Tensor],
+                       redraw: Callable[[], None]) -> float | None:
     """``d/dt u . f(x + t v)`` at 0 by a central difference, in float64 where f computes
-    in it, else in the leaves' dtype; None where f cannot be called so."""
+    in it, else in the leaves' dtype; None where f cannot be called so. ``us`` are shaped
+    like f's flat outputs, ``vs`` like ``prob.leaves``; ``redraw`` runs before each call
+    of f (a random f draws what the products drew). Also the sparse wing's tie-break."""
     leaves = prob.leaves
     for dtype in (torch.float64, None):
         try:
@@ -149,7 +151,7 @@ def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Ten
     scale = max(scale, floor() * sum(float(v.detach().double().abs().sum()) for v in vs))
     if abs(forward - reverse) <= rtol * scale:
         return None
-    difference = _central(prob, us, vs, redraw)
+    difference = central_difference(prob, us, vs, redraw)
     if difference is None or abs(difference - forward) > 0.1 * abs(forward - reverse):
         return None
     if not _linear(prob, us, redraw):

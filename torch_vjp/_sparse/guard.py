@@ -33,17 +33,19 @@ disagree. Not in inference mode (no graph to read a reverse product from).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.context import buffers_kept, func_jvp
 from torch_vjp._engine.fwdcheck import all_finite, gap, least_precise, one_reverse_product, tolerance
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.revcheck import central_difference
 from torch_vjp._engine.rows import SameDraws
 from torch_vjp._errors import JacobianWarning, passes_through, warn_once
 from torch_vjp._sparse.probe import probe_row
@@ -114,7 +116,9 @@ def _route(prob: Problem, coloring: Any, comp: Tensor, leaves: list[Tensor],
             s_rev, s_fwd = float(r_plain @ v), float(u64 @ jv)
             size = max(float(r_plain.abs() @ v.abs()), float(u64.abs() @ jv.abs()))
             if abs(s_rev - s_fwd) > rtol * size:
-                fd = _difference(prob, leaves, u64, v, before)
+                with buffers_kept(prob.f):
+                    fd = central_difference(prob, _like(u64, outs), _like(v, leaves), before)
+                fd = fd if fd is not None and math.isfinite(fd) else None
                 if fd is not None and abs(fd - s_fwd) < abs(fd - s_rev):
                     # (only where f's graph holds an op of the user's: torch's own ops differ
                     # between the modes by convention at a tie or a repeated index, where
@@ -145,32 +149,10 @@ def _forward(prob: Problem, leaves: list[Tensor], v: Tensor
         return None
 
 
-def _difference(prob: Problem, leaves: list[Tensor], u: Tensor, v: Tensor,
-                draws: SameDraws) -> float | None:
-    """``u^T J v`` by a central difference of ``u^T f(x + h v)`` in float64 (in x's dtype
-    where f refuses float64); None where f cannot be called so."""
-    for dtype in (torch.float64, None):
-        xs = [x.detach().to(dtype or x.dtype) for x in leaves]
-        big = max([1.0] + [float(x.abs().max()) for x in xs if x.numel()])
-        eps = torch.finfo(dtype or leaves[0].dtype).eps
-        h = eps ** (1 / 3) * big
-        steps = [t.reshape(x.shape).to(x.dtype) * h for t, x
-                 in zip(v.split([x.numel() for x in xs]), xs)]
-        try:
-            vals = []
-            for sign in (1.0, -1.0):
-                draws()
-                with buffers_kept(prob.f), torch.no_grad():
-                    out = prob.g(*[x + sign * s for x, s in zip(xs, steps)])
-                flat, _ = tree_flatten(out)
-                vals.append(float(u @ torch.cat([o.reshape(-1).double() for o in flat])))
-        except Exception as err:  # noqa: BLE001 - f refuses this dtype: try x's own
-            if passes_through(err):
-                raise
-            continue
-        value = (vals[0] - vals[1]) / (2 * h)
-        return value if math.isfinite(value) else None
-    return None
+def _like(flat: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``flat`` cut into pieces shaped like ``tensors``."""
+    parts = flat.split([t.numel() for t in tensors])
+    return [p.reshape(t.shape) for p, t in zip(parts, tensors)]
 
 
 def _suspects(prob: Problem, leaves: list[Tensor], before: SameDraws) -> tuple[str, bool]:
