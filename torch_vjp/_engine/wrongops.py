@@ -53,7 +53,7 @@ where forward mode cannot run f, refuses (:func:`wrong_plain`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -111,15 +111,19 @@ def named_reverse(call: str, found: tuple[str | None, str | None], vectorized: b
     return False
 
 
-def wrong_ops(outs: Sequence[Tensor]) -> tuple[str | None, str | None]:
+def wrong_ops(outs: Sequence[Tensor], batched: Mapping[str, str] | None = None,
+              wrong_alone: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """``(batched wrongly, wrong alone)``: the ops of NOTE [named reverse strategies and
-    wrong formulas] the graph of ``outs`` holds, by name (None: none)."""
+    wrong formulas] the graph of ``outs`` holds, by name (None: none). ``batched`` and
+    ``wrong_alone`` name the backward nodes otherwise (the sparse wing's words)."""
+    batched = _BATCHED_WRONGLY if batched is None else batched
+    wrong_alone = _WRONG_ALONE if wrong_alone is None else wrong_alone
     batching = alone = None
     for node in graph_nodes(outs):
         name = type(node).__name__
-        batching = batching or _BATCHED_WRONGLY.get(name)
-        if name in _WRONG_ALONE and node.next_functions and node.next_functions[0][0] is not None:
-            alone = alone or _WRONG_ALONE[name]
+        batching = batching or batched.get(name)
+        if name in wrong_alone and node.next_functions and node.next_functions[0][0] is not None:
+            alone = alone or wrong_alone[name]
     return batching, alone
 
 

@@ -80,6 +80,7 @@ from torch_vjp._engine.fwdcheck import cotangent, gap, one_reverse_product, tole
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws
+from torch_vjp._engine.wrongops import wrong_ops
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, passes_through, warn_once
 
 __all__ = ["graph_flags", "probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
@@ -488,18 +489,5 @@ def graph_flags(prob: Problem) -> tuple[str | None, str | None]:
         return None, None
     finally:
         draws()
-    batching = reverse = None
-    seen: set[int] = set()
-    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, Tensor)
-            and t.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        name = type(node).__name__
-        batching = batching or _BATCHED_WRONGLY.get(name)
-        if name in _WRONG_ALONE and node.next_functions and node.next_functions[0][0] is not None:
-            reverse = reverse or _WRONG_ALONE[name]
-        todo.extend(n for n, _ in node.next_functions)
-    return batching, reverse
+    return wrong_ops([t for t in tree_leaves(out) if isinstance(t, Tensor)],
+                     _BATCHED_WRONGLY, _WRONG_ALONE)
