@@ -310,12 +310,8 @@ def test_jacobian_of_plans_through_the_shared_planner(monkeypatch):
     y = torch.outer(x, x)
     J = tv.jacobian_of(y, x)
     torch.testing.assert_close(J, torch.func.jacrev(lambda x: torch.outer(x, x))(x.detach()))
-    (args, kwargs), (zero_args, zero_kwargs) = seen
+    ((args, kwargs),) = seen  # (one plan: no zero row is put before the products)
     assert args == (9, 9, 3, 8) and kwargs["chunk_size"] is None
-    # the zero row the first vectorised chunk puts first is planned too (NOTE [retain_grad
-    # inside the graph]): one product more, and one result row more
-    assert zero_args == (10, 9, 3, 8) and zero_kwargs["chunk_size"] is None
-    assert zero_kwargs["result_bytes"] == 8 * 10 * 3
 
 
 # --------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""jacobian_of's result holds storage of its own size: the zero row of NOTE [retain_grad
-inside the graph] (one more row put before the first chunk's) is not kept alive by a
-one-chunk result. float64, against a loop of torch.autograd.grad."""
+"""jacobian_of's result holds storage of its own size: no row beyond the Jacobian's (a zero
+row once put before the first chunk's, to find the tensors that retain their gradient) is
+kept alive by a one-chunk result. float64, against a loop of torch.autograd.grad."""
 import pytest
 import torch
 

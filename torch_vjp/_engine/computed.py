@@ -19,9 +19,9 @@ NOTE [jacobian_of and retain_grad]
 its cotangent to the ``.grad`` of a retaining output or input, and under ``torch.vmap`` it
 stores a batched tensor there that escapes the vmap (the next pass then fails adding to
 it). The ``.grad`` of every retaining output and input is cleared before each pass and put
-back after it, so those tensors come out as they went in; so is that of every retaining tensor
-inside the graph, found by the first products (NOTE [retain_grad inside the graph] in
-retained.py).
+back after it (the very object), so those tensors come out as they went in; so is that of
+every retaining tensor inside the graph, found before the first pass (NOTE [retain_grad
+inside the graph] in retained.py).
 """
 
 from __future__ import annotations
@@ -42,19 +42,14 @@ from torch_vjp._engine.fwdcheck import (
 )
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.memory import plan_products
-from torch_vjp._engine.retained import escaped_after, retained_in_graph
+from torch_vjp._engine.retained import retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
 from torch_vjp._errors import (
-    JacobianCallError, JacobianMemoryError, JacobianWarning, quote_error, shape_str,
+    JacobianCallError, JacobianWarning, quote_error, shape_str,
     user_stacklevel, warn_once,
 )
 
 __all__ = ["computed_jacobian"]
-
-#: Rows up to which a one-chunk result of jacobian_of is copied out of the storage it shares
-#: with the zero row of NOTE [retain_grad inside the graph] (in retained.py).
-_COMPACT_ROWS = 64
-
 
 def computed_jacobian(
     outs: Sequence[Tensor], ins: Sequence[Tensor], retain_graph: bool, create_graph: bool,
@@ -121,16 +116,9 @@ def _blocks(
     # first call for a graph structure keeps it for the check's loop, if it needs one).
     state: dict[str, Any] = {"stop": 0, "next": 0, "proven": False}
     kept = _retaining((*d_outs, *ins))  # NOTE [jacobian_of and retain_grad]
-    # NOTE [retain_grad inside the graph] in retained.py: the tensors inside the graph that
-    # retain their gradient are found by the first vectorised chunk, with a zero row put
-    # before its rows, and one pass without vmap after it; by a pass of their own where the
-    # products start with the loop, or where the memory budget has no room for that row
-    look = n > 0 and not any(t.device.type == "meta" for t in (*d_outs, *ins))
-    if look and (n == 1 or plan == 1 or not _room_for_zero_row(
-            n, n_out, n_in, itemsize, chunk, plan, ins[0].device, call, alternatives)):
+    if n > 0 and not any(t.device.type == "meta" for t in (*d_outs, *ins)):
+        # (NOTE [retain_grad inside the graph] in retained.py: found before any pass)
         kept += retained_in_graph(d_outs, ins, kept, _grads_kept)
-        look = False
-    state["look"] = look
 
     def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
         if vectorized:  # runs once per chunk, under torch.vmap
@@ -162,30 +150,9 @@ def _blocks(
 
         def rows(start: int, stop: int) -> tuple[Tensor, ...]:
             state["stop"], state["next"] = stop, start
-            if state["look"] and stop - start > 1:  # (the first vectorised chunk: start 0)
-                return basis(start - 1, stop)  # (a zero row first)
             return basis(start, stop)
 
-        vmapped = torch.vmap(lambda *v: grads(v, True))
-
-        def batched(*vecs: Tensor) -> tuple[Tensor, ...]:
-            if not state["look"]:
-                return vmapped(*vecs)
-            state["look"] = False
-            try:
-                res = vmapped(*vecs)
-            except Exception:  # (to the loop, or to the user: the .grad put back first)
-                kept.extend(escaped_after(d_outs, ins, kept, _grads_kept, failed=True))
-                raise
-            kept.extend(escaped_after(d_outs, ins, kept, _grads_kept))
-            if state["stop"] >= n and n <= _COMPACT_ROWS:
-                # (the one chunk is the result: its rows without the zero row, in storage
-                # of their own, not a view that keeps that row alive with them, where the
-                # row is a sizeable part of it and the copy is small; past that, the row is
-                # under 2% of the storage, and a copy of the whole would cost more than it
-                # frees)
-                return tuple(r[1:].clone(memory_format=torch.contiguous_format) for r in res)
-            return tuple(r[1:] for r in res)
+        batched = torch.vmap(lambda *v: grads(v, True))
 
         def products(chunk_size: int | None) -> list[Tensor]:
             return map_rows_with_fallback(
@@ -265,26 +232,6 @@ def _blocks(
             )
     rows_out = [r[0] if single_in else tuple(r) for r in result]
     return rows_out[0] if single_out else tuple(rows_out)
-
-
-def _room_for_zero_row(n: int, n_out: int, n_in: int, itemsize: int, chunk: int | None,
-                       plan: int | None, device: torch.device, call: str, alternatives: str
-                       ) -> bool:
-    """Whether the memory budget of the products (``plan``, planned for ``n`` of them at
-    ``chunk``) has room for the zero row that the first vectorised chunk puts before its
-    rows (NOTE [retain_grad inside the graph] in retained.py): one product more in that
-    chunk, and, where it is the only chunk, one row more that the result's storage keeps.
-    Where it has not, the zero row takes a pass of its own."""
-    first = n if plan is None else plan
-    try:
-        room = plan_products(
-            n + 1, n_out, n_in, itemsize, chunk_size=None if chunk is None else chunk + 1,
-            max_memory=None, device=device, call=call, alternatives=alternatives,
-            result_bytes=itemsize * (n_out + 1) * n_in,
-        )
-    except JacobianMemoryError:
-        return False
-    return room is None or room >= first + 1
 
 
 def _through_reentrant_checkpoint(outs: Sequence[Tensor]) -> bool:

@@ -1,173 +1,165 @@
 """The tensors inside a computed graph that retain their gradient (``Tensor.retain_grad()``),
-found while :func:`torch_vjp.jacobian_of` runs its products through the graph.
+found before :func:`torch_vjp.jacobian_of` runs its products through the graph, without
+writing any ``.grad``.
 
 NOTE [retain_grad inside the graph]
 ``torch.autograd.grad`` runs the hook of every tensor of the graph that called
 ``retain_grad()``, not only of the outputs and inputs (NOTE [jacobian_of and retain_grad]):
-each pass writes its gradient into that tensor's ``.grad``. Under ``torch.vmap`` the hook
-stores a batched tensor there, which escapes the vmap: the next backward pass through the
-graph (the next chunk, the check, the loop, or the user's own ``loss.backward()``) then fails
-adding to it, and the user's ``.grad`` holds a dead batched tensor. Such a tensor is reached
-from no handle autograd offers (a node does not show its hooks, nor the tensors it made), so
-it is found by its effect:
+each pass writes its gradient into that tensor's ``.grad``, as a new object
+(``.grad + g``; a clone of ``g`` where there was none). Under ``torch.vmap`` it stores a
+batched tensor there, which escapes the vmap: the next backward pass through the graph then
+fails adding to it, and the user's ``.grad`` holds a dead batched tensor. And any pass
+replaces the object: a user or an optimizer that holds the old ``.grad`` sees it cut from the
+tensor. So every such tensor has its ``.grad`` cleared before each pass and put back after it
+(the very object), as the retaining outputs and inputs have; they must be known before the
+first pass.
 
-1. one vectorised backward pass whose first row is a zero cotangent: the first chunk of the
-   products, with that row put before its rows (:func:`escaped_after`; where the products
-   start with the loop instead, or where the memory budget has no room for one product
-   more in that chunk, a pass of that one row, :func:`retained_in_graph`). Each
-   retaining hook stores a batched tensor whose first row is ``G + g0`` (``G`` its ``.grad``
-   before, ``g0`` the zero cotangent's gradient there) or ``g0`` (no ``.grad`` before);
-2. one backward pass without vmap and a zero cotangent: where a hook stored a batched
-   tensor in 1., it fails adding to it, before writing anything; otherwise no tensor of the
-   graph retains its gradient, and this pass wrote nothing either (the common case, at the
-   cost of this one pass and a row);
-3. on that failure, the tensors whose ``.grad`` is a batched tensor are looked up among the
-   live Python objects (``gc``; a tensor whose Python object is gone is kept alive with it
-   by PyTorch, so none is missed), ``.grad`` is cleared, and a zero pass writes ``g0``
-   alone; the first row of 1. is ``g0`` where there was no ``.grad`` (restored to ``None``),
-   and ``G + g0`` otherwise, with ``G + 0 == G`` (restored to that value, as a tensor of its
-   own: the hook of 1. replaced the object ``G`` and nothing else holds it; a ``.grad`` that
-   was exactly ``g0``, all zeros, cannot be told from none and comes back as ``None``).
+Such a tensor is reached from no handle autograd offers (a node shows neither its
+``retain_grad`` hooks nor the tensors it made), so whether one exists is asked of the graph
+by one backward pass with a zero cotangent and no vmap, :func:`retained_in_graph`:
 
-Where the vectorised pass of 1. fails part way (an operator vmap cannot batch: the products
-fall back to the loop), the retaining tensors past the failure ran no hook and the loop's
-passes would add every row into their ``.grad``: then all the graph's retaining tensors are
-looked up (``gc``, on that slow path only), and those past the failure keep their ``.grad``,
-the very object. Where the zero pass of 3. fails too (a backward of the user's that raises,
-with vmap or not), each ``.grad`` is put back all the same (a hook that pass did not reach
-taken to have written ``g0 == 0``), and the error comes from the products, which meet it
-again.
+1. on each node of the graph (each of its outputs), a tensor pre-hook: these run before the
+   node's ``retain_grad`` hook, and this one hands that hook, in place of the gradient, a
+   tensor that refuses every operation (:class:`_Refusing`); a node pre-hook, which runs
+   after the ``retain_grad`` hooks, gives the node its gradient back. A ``retain_grad`` hook
+   that meets the refusing tensor raises before it writes anything (the clone or the sum it
+   would store is the first operation), and the pass stops there: nothing was written;
+2. where the pass raised so, the graph's retaining tensors are looked up among the live
+   Python objects (``gc``; a tensor whose Python object is gone is kept alive with it by
+   PyTorch, so none is missed): costly, and only where one exists. Where the pass raised an
+   error of the user's own (a backward of theirs that fails), they are looked up all the
+   same, and the error comes from the products, which meet it again.
 
-The tensors found join the outputs and inputs whose ``.grad`` is cleared before each pass and
-put back after it, so they come out as they went in.
+The tensor pre-hooks stay on the nodes, as those of ``Tensor.register_hook`` do after their
+handle's ``remove()`` (autograd offers no way to take one off): each is registered once per
+node output, with a dictionary of hooks of its own, kept in the node's ``metadata`` under
+:data:`_KEY` and empty outside this pass, so a node passed again (a later call of
+``jacobian_of`` on the same graph) is hooked no more. The node pre-hooks are removed.
 """
 
 from __future__ import annotations
 
 import gc
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.copies import below_transforms
 from torch_vjp._engine.graph import graph_nodes
 
-__all__ = ["retained_in_graph", "escaped_after"]
+__all__ = ["retained_in_graph"]
+
+#: Where a node's ``metadata`` keeps the hook dictionaries of NOTE [retain_grad inside the
+#: graph], one per output of the node.
+_KEY = "torch_vjp.retain_grad_probe"
+
+
+class _Met(Exception):
+    """A ``retain_grad`` hook met the refusing tensor."""
+
+
+class _Refusing(Tensor):
+    """A tensor with a gradient's shape, dtype and device that refuses every operation
+    (step 1 of NOTE [retain_grad inside the graph])."""
+
+    @staticmethod
+    def __new__(cls, like: Tensor) -> _Refusing:
+        return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
+                                             device=like.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        raise _Met(str(func))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
 
 def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
                       grads_kept) -> list[Tensor]:
-    """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``) that retain
-    their gradient, with their ``.grad`` as before (NOTE [retain_grad inside the graph]), by
-    a vectorised pass of its own: for products that start with the loop.
+    """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``, the retaining
+    outputs and inputs) that retain their gradient (NOTE [retain_grad inside the graph]),
+    their ``.grad`` untouched: none, at the cost of one backward pass, in the common case.
 
     ``grads_kept(tensors)`` is the context that clears and restores the ``.grad`` of
-    ``tensors`` around a pass; ``kept`` are those known already (retaining outputs and
-    inputs). Errors of the passes propagate only where no such tensor explains them (they
-    come again from the products)."""
+    ``tensors`` around a pass (here ``kept``'s, whose hooks this pass runs)."""
+    skip = {(id(t.grad_fn), t.output_nr) for t in kept if t.grad_fn is not None}
+    nodes = graph_nodes(outs)
+    held: dict[tuple[int, int], Tensor] = {}
+    met: list[bool] = []
+    filled: list[OrderedDict] = []
+    handles = []
+
+    def refuse(grad: Tensor | None, at: tuple[int, int]) -> Tensor | None:
+        if grad is None:  # (no gradient: no retain_grad hook writes either)
+            return None
+        held[at] = grad
+        return _Refusing(grad)
+
+    def give_back(node: Any, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        return tuple(held.pop((id(node), i), g) for i, g in enumerate(grads))
+
     try:
-        _zero_pass(outs, ins, kept, grads_kept, batched=True)
-    except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
-        return escaped_after(outs, ins, kept, grads_kept, failed=True)
-    return escaped_after(outs, ins, kept, grads_kept)
+        for node in nodes:
+            n_out = len(node._input_metadata)
+            if type(node).__name__ == "AccumulateGrad" or n_out == 0:
+                continue  # (a leaf: retain_grad is no hook there)
+            hooks = _hook_dicts(node, n_out)
+            for i, d in enumerate(hooks):
+                if (id(node), i) not in skip:
+                    d[0] = lambda g, at=(id(node), i): refuse(g, at)
+                    filled.append(d)
+            handles.append(node.register_prehook(lambda grads, node=node: give_back(node, grads)))
+        zeros = [torch.zeros_like(o, memory_format=torch.contiguous_format) for o in outs]
+        try:
+            with grads_kept(kept), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the products say them again)
+                torch.autograd.grad(outs, ins, zeros, retain_graph=True, allow_unused=True)
+        except _Met:
+            met.append(True)
+        except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
+            met.append(True)  # (the pass stopped before reaching every node: look them up)
+    finally:
+        for d in filled:
+            d.clear()
+        for h in handles:
+            h.remove()
+        held.clear()
+    return _in_graph(nodes, kept) if met else []
 
 
-def escaped_after(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
-                  grads_kept, failed: bool = False) -> list[Tensor]:
-    """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``) into whose
-    ``.grad`` the vectorised pass just run (whose first row was a zero cotangent) stored a
-    batched tensor, with their ``.grad`` as before that pass (steps 2 and 3 of NOTE
-    [retain_grad inside the graph]); none, at the cost of one backward pass without vmap, in
-    the common case.
-
-    ``failed``: the vectorised pass raised, part way through the graph: the retaining
-    tensors past the failure ran no hook, and the loop that replaces the pass would add each
-    of its rows into their ``.grad``; so all the graph's retaining tensors are looked up
-    (``gc``, on this slow path only), those past the failure with their ``.grad`` untouched."""
-    if failed:
-        every = _in_graph(outs, kept, escaped_only=False)
-        found = [t for t in every if _is_batched(t.grad)]
-        if found:
-            _restore(found, outs, ins, [*kept, *(t for t in every if not _is_batched(t.grad))],
-                     grads_kept)
-        return every
-    try:
-        _zero_pass(outs, ins, kept, grads_kept, batched=False)
-    except RuntimeError:
-        found = _in_graph(outs, kept, escaped_only=True)
-        if not found:
-            raise
-    else:
-        return []
-    _restore(found, outs, ins, kept, grads_kept)
-    return found
+def _hook_dicts(node: Any, n_out: int) -> list[OrderedDict]:
+    """The hook dictionaries of ``node``'s outputs, registered as its tensor pre-hooks on the
+    first call (NOTE [retain_grad inside the graph])."""
+    hooks = node.metadata.get(_KEY)
+    if hooks is None:
+        hooks = []
+        with below_transforms(), torch.enable_grad(), torch.inference_mode(False):
+            for i in range(n_out):
+                stand_in = torch.zeros(i + 1, requires_grad=True).unbind()[i]  # (output_nr i)
+                d: OrderedDict = OrderedDict()
+                stand_in._backward_hooks = d
+                node._register_hook_dict(stand_in)
+                hooks.append(d)
+        node.metadata[_KEY] = hooks
+    return hooks
 
 
-def _restore(found: Sequence[Tensor], outs: Sequence[Tensor], ins: Sequence[Tensor],
-             kept: Sequence[Tensor], grads_kept) -> None:
-    """Puts back the ``.grad`` of the tensors ``found``, each a batched tensor whose first
-    row is ``G + g0`` or ``g0`` (step 3 of NOTE [retain_grad inside the graph])."""
-    rows = [_first_row(t.grad) for t in found]
-    for t in found:
-        t.grad = None
-    try:
-        _zero_pass(outs, ins, kept, grads_kept, batched=False)  # (writes g0 into each .grad)
-    except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
-        pass  # (a backward of the user's that fails: each .grad is put back all the same)
-    for t, row in zip(found, rows):
-        # (a hook the failed pass did not reach left None: g0 taken as zeros, G + 0 == G)
-        g0 = torch.zeros_like(row) if t.grad is None else t.grad
-        same = torch.equal(row.isnan(), g0.isnan()) and bool(
-            (row.nan_to_num() == g0.nan_to_num()).all())
-        t.grad = None if same else row
-
-
-def _is_batched(grad: Tensor | None) -> bool:
-    return grad is not None and torch._C._functorch.is_batchedtensor(grad)
-
-
-def _zero_pass(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
-               grads_kept, batched: bool) -> None:
-    """One backward pass from ``outs`` to ``ins`` with a zero cotangent (a batch of one row
-    under ``torch.vmap`` where ``batched``), the ``.grad`` of ``kept`` cleared around it."""
-    zeros = [torch.zeros(((1,) if batched else ()) + tuple(o.shape), dtype=o.dtype,
-                         device=o.device) for o in outs]
-
-    def run(*vs: Tensor) -> tuple[Tensor | None, ...]:
-        return torch.autograd.grad(outs, ins, list(vs), retain_graph=True, allow_unused=True)
-
-    with grads_kept(kept), torch.no_grad(), warnings.catch_warnings():
-        # (vmap's warnings about slow batching rules speak of the products, which say them
-        # again if they run under vmap; this pass only looks for hooks)
-        warnings.simplefilter("ignore")
-        (torch.vmap(run) if batched else run)(*zeros)
-
-
-def _in_graph(outs: Sequence[Tensor], kept: Sequence[Tensor], escaped_only: bool
-              ) -> list[Tensor]:
-    """The live tensors made by nodes of ``outs``' graph that retain their gradient (other
-    than ``kept``); with ``escaped_only``, those whose ``.grad`` is a batched tensor left by
-    a vectorised pass."""
-    nodes = {id(node): node for node in graph_nodes(outs)}  # (held: their ids stay theirs)
+def _in_graph(nodes: Sequence[Any], kept: Sequence[Tensor]) -> list[Tensor]:
+    """The live tensors made by ``nodes`` that retain their gradient (other than ``kept``)."""
+    ids = {id(node) for node in nodes}  # (``nodes`` is held: the ids stay theirs)
     known = {id(t) for t in kept}
     found = []
     for obj in gc.get_objects():  # (type(), not isinstance: no object's __class__ runs)
         if not issubclass(type(obj), Tensor) or id(obj) in known:
             continue
         try:  # (a subclass's __torch_function__ answers these reads; it may refuse them)
-            hit = (obj.retains_grad and id(obj.grad_fn) in nodes
-                   and (not escaped_only or _is_batched(obj.grad)))
+            hit = obj.retains_grad and id(obj.grad_fn) in ids
         except Exception:  # noqa: BLE001 - not a tensor of this graph, then
             continue
         if hit:
             found.append(obj)
     return found
-
-
-def _first_row(batched: Tensor) -> Tensor:
-    """Row 0 of an escaped batched tensor, as a plain tensor of its own."""
-    bdim = torch._C._functorch.maybe_get_bdim(batched)
-    value = torch._C._functorch.get_unwrapped(batched)
-    # (detached: under create_graph the pass that stored it recorded a graph)
-    return value.detach().select(bdim, 0).clone(memory_format=torch.contiguous_format)
