@@ -58,13 +58,23 @@ def test_the_fix_named_is_right():
 
 
 def test_fwd_hessian_names_the_strategy_passed():
+    # (into a constant: the loop 'fwd-loop' computes it rightly, so it is the fix named)
     with pytest.raises(StrategyError) as info:
-        tv.hessian(_scatter_into_computed, _x(), strategy="fwd")
+        tv.hessian(_scatter_into_constant, _x(), strategy="fwd")
     msg = str(info.value)
     assert "strategy='fwd' computes the Hessian's products with torch.vmap" in msg
     assert "aten::as_strided_scatter" in msg
     assert "Fix: strategy='fwd-loop'" in msg
     assert "strategy='rev'" not in msg and "rev-loop" not in msg
+
+
+def test_fwd_hessian_into_a_computed_tensor_is_refused_as_the_loop_is():
+    # (the loop that 'fwd''s refusal named refuses it too: its refusal is the error)
+    with pytest.raises(JacobianCallError) as info:
+        tv.hessian(_scatter_into_computed, _x(), strategy="fwd")
+    msg = str(info.value)
+    assert "as_strided_scatter is wrong for the tensor scattered into" in msg
+    assert "strategy='fwd' names the outer Jacobian only" in msg
 
 
 @pytest.mark.parametrize("strategy", ["auto", "rev", "rev-loop", "fwd-loop"])

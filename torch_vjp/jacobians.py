@@ -45,7 +45,8 @@ from torch_vjp._engine.forms import (
     plain_hessian,
     plain_jacobian,
 )
-from torch_vjp._engine.hessian import autograd_hessian, hessian_gradient, no_double_backward
+from torch_vjp._engine.hessian import (autograd_hessian, hessian_gradient, no_double_backward,
+                                      refused_by_loop)
 from torch_vjp._engine.jacobian import function_name, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
@@ -529,6 +530,14 @@ def hessian(
                 f, strat.name, err, call)
             if refused is not None:
                 raise refused from None
+            if strat.vectorized and not fallback:
+                def loop() -> Blocks:  # (the loop the refusal's fix names)
+                    nonlocal vectorized
+                    vectorized = False
+                    return outer_blocks(outer_mode)
+                refused = refused_by_loop(err, loop)
+                if refused is not None:
+                    raise refused from None
             if (passes_through(err) or strat.vectorized and not fallback or is_nested()
                     or any(err is e for e in own)):
                 raise

@@ -15,13 +15,36 @@ from torch_vjp._engine.blocks import assemble
 from torch_vjp._engine.copies import normal_tensors
 from torch_vjp._engine.jacobian import function_key, function_name, jacobian_blocks
 from torch_vjp._engine.refusals import (double_backward_refusal, mutates_captured,
-                                        no_double_backward_fix)
+                                        no_double_backward_fix, unbatched_op)
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.wrongops import wrong_hessian, wrong_ops
-from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyNotImplementedError,
-                               quote_error, warn_once)
+from torch_vjp._engine.rows import passes_through
+from torch_vjp._engine.wrongops import wrong_alone, wrong_hessian, wrong_ops
+from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyError,
+                               StrategyNotImplementedError, quote_error, warn_once)
 
-__all__ = ["hessian_gradient", "autograd_hessian", "no_double_backward"]
+__all__ = ["hessian_gradient", "autograd_hessian", "no_double_backward", "refused_by_loop"]
+
+
+def refused_by_loop(err: BaseException, loop: Callable[[], Any]) -> Exception | None:
+    """Where ``err`` is a vectorised Hessian's refusal for want of a batching rule of an
+    operator whose backward torch computes wrongly (``torch.as_strided_scatter``), whose fix
+    names the loop strategy: the loop's own refusal (NOTE [a Hessian through a wrong
+    backward]), which ``loop()`` raises where f differentiates through that backward (the
+    loop's Hessian would be wrong, and a fix that names it would not work); None otherwise.
+    """
+    inner = err.__context__  # (the refusal was raised from torch's error, "from None")
+    if not isinstance(err, StrategyError) or inner is None or passes_through(inner):
+        return None
+    op = unbatched_op(inner)
+    if op is None or not wrong_alone(op):
+        return None
+    try:
+        loop()
+    except JacobianCallError as refused:
+        return refused
+    except Exception:  # noqa: BLE001 - the loop fails otherwise: the vectorised refusal stands
+        return None
+    return None
 
 
 def no_double_backward(

@@ -63,8 +63,8 @@ from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyError, quote_error,
                                warn_once)
 
-__all__ = ["named_reverse", "plain_forward_message", "reading_wrong_ops", "wrong_hessian",
-           "wrong_ops", "wrong_plain", "wrong_pullback"]
+__all__ = ["named_reverse", "plain_forward_message", "reading_wrong_ops", "wrong_alone",
+           "wrong_hessian", "wrong_ops", "wrong_plain", "wrong_pullback"]
 
 #: Backward nodes whose batching rule is wrong (the products under vmap), by their name.
 _BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist"}
@@ -157,6 +157,13 @@ def wrong_pullback(call: str, op: str, name: str) -> JacobianCallError:
         f"strategy='fwd-loop') and v^T J from it (torch.vmap has no batching rule for "
         f"{op}, so 'fwd' cannot run it)."
     )
+
+
+def wrong_alone(op: str) -> bool:
+    """Whether the aten operator ``op`` (``"as_strided_scatter"``) has a backward formula
+    torch computes wrongly with or without vmap (a Hessian through it is refused: NOTE [a
+    Hessian through a wrong backward])."""
+    return f"torch.{op}" in _WRONG_ALONE.values()
 
 
 def wrong_hessian(call: str, op: str, name: str, strategy: str) -> JacobianCallError:
