@@ -511,6 +511,7 @@ def _auto(
     'auto' to reverse mode (NOTE [a probe f cannot answer]); reverse mode raising it again
     is f's own error, and propagates without the loops (each would call f once more)."""
     failed: list[Exception] = []
+    taken: list[str] = []  # (the loop's mode: plain forward where reverse meets a wrong formula)
 
     def vectorized() -> Blocks:
         try:
@@ -530,12 +531,13 @@ def _auto(
                 raise
             raise NoForwardMode(err) from None
         res.looped = True  # (the route the check names and remembers: vmap did not run)
+        taken.append("fwd" if getattr(res, "forward_instead", False) else mode)
         return res
 
-    def warn_vmap_failed(err: Exception) -> None:
+    def warn_vmap_failed(err: Exception) -> None:  # (after the loop: the route it took)
         warn_once(
             ("vmap-fallback", function_key(prob.f), mode, type(err)),
-            fallback_message(prob, mode, err),
+            fallback_message(prob, mode, err, used=taken[-1] if taken else mode),
             JacobianWarning,
         )
 
@@ -563,18 +565,23 @@ def no_forward_message(prob: Problem, err: BaseException, where: str) -> str:
     )
 
 
-def fallback_message(prob: Problem, mode: str, err: BaseException, who: str = "it") -> str:
+def fallback_message(prob: Problem, mode: str, err: BaseException, who: str = "it",
+                     used: str | None = None) -> str:
     """The one-time warning that ``"auto"`` fell back from vmap to the loop; ``who`` ran
-    the loop (``"this rank"`` for a sharded Jacobian)."""
-    loop = f"{mode}-loop"
-    unit = "JVP per input element" if mode == "fwd" else "VJP per output element"
+    the loop (``"this rank"`` for a sharded Jacobian); ``used``: the loop's mode, where not
+    ``mode`` (plain forward mode, NOTE [a plain loop through a wrong backward])."""
+    used = used or mode
+    loop = f"{used}-loop"
+    unit = "JVP per input element" if used == "fwd" else "VJP per output element"
     why = vmap_refusal(err)  # (a known refusal is named, not among the typical causes)
     causes = f"That is: {why}." if why is not None else f"Typical causes: {VMAP_CAUSES}."
     return (
         f"{prob.call}: strategy='auto' could not vectorise the Jacobian of "
         f"{function_name(prob.f)} (strategy={mode!r}: torch.func transforms under "
-        f"torch.vmap), so {who} used strategy={loop!r}: one {unit} at a time in a Python loop, "
-        f"usually many times slower.\n"
+        f"torch.vmap), so {who} used strategy={loop!r}"
+        + ("" if used == mode else " (reverse mode meets a backward formula torch computes "
+           "wrongly, see the other warning)")
+        + f": one {unit} at a time in a Python loop, usually many times slower.\n"
         f"  The vectorised attempt said: {quote_error(err)}\n"
         f"  {causes} Pass strategy={loop!r} to skip the vectorised "
         f"attempt. This warning is shown once per function."
