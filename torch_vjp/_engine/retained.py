@@ -137,15 +137,29 @@ def _hook_dicts(node: Any, n_out: int) -> list[OrderedDict]:
     hooks = node.metadata.get(_KEY)
     if hooks is None:
         hooks = []
-        with below_transforms(), torch.enable_grad(), torch.inference_mode(False):
-            for i in range(n_out):
-                stand_in = torch.zeros(i + 1, requires_grad=True).unbind()[i]  # (output_nr i)
-                d: OrderedDict = OrderedDict()
-                stand_in._backward_hooks = d
-                node._register_hook_dict(stand_in)
-                hooks.append(d)
+        for i in range(n_out):
+            stand_in = _stand_in(i)  # (registration reads its output_nr and hook dictionary)
+            d: OrderedDict = OrderedDict()
+            stand_in._backward_hooks = d
+            node._register_hook_dict(stand_in)
+            stand_in._backward_hooks = None
+            hooks.append(d)
         node.metadata[_KEY] = hooks
     return hooks
+
+
+#: Tensors whose ``output_nr`` is their index, made once (:func:`_stand_in`).
+_STAND_INS: list[Tensor] = []
+
+
+def _stand_in(i: int) -> Tensor:
+    """A tensor of ``output_nr`` ``i``, for ``_register_hook_dict``, which takes the output a
+    hook is for from a tensor."""
+    while len(_STAND_INS) <= i:
+        n = len(_STAND_INS) + 1
+        with below_transforms(), torch.enable_grad(), torch.inference_mode(False):
+            _STAND_INS.append(torch.zeros(n, requires_grad=True).unbind()[n - 1])
+    return _STAND_INS[i]
 
 
 def _in_graph(nodes: Sequence[Any], kept: Sequence[Tensor]) -> list[Tensor]:
