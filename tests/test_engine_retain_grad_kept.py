@@ -123,3 +123,18 @@ def test_grads_kept_where_the_products_fall_back_to_the_loop(kind):
     torch.testing.assert_close(J, torch.func.jacrev(lambda v: v.sin().exp() * v)(x.detach()),
                                rtol=1e-12, atol=1e-12)
     assert h_in.grad is before[0] and h_out.grad is before[1]
+
+
+@pytest.mark.parametrize("kind", ["none", "values"])
+def test_a_sparse_tensor_retaining_its_gradient_inside_the_graph(kind):
+    # (its gradient is sparse: the probe stops there as well, before its hook writes)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    h = (x * 2).to_sparse()
+    h.retain_grad()
+    G = None if kind == "none" else torch.ones(3, dtype=D).to_sparse()
+    h.grad = G
+    y = (h * 3).to_dense().sin()
+    J = tv.jacobian_of(y, x, retain_graph=True)
+    torch.testing.assert_close(J, torch.func.jacrev(lambda v: (v * 6).sin())(x.detach()),
+                               rtol=1e-12, atol=1e-12)
+    assert h.grad is G

@@ -96,6 +96,9 @@ def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Seque
     def refuse(grad: Tensor | None, at: tuple[int, int]) -> Tensor | None:
         if grad is None:  # (no gradient: no retain_grad hook writes either)
             return None
+        if grad.layout != torch.strided:  # (a sparse gradient: no stand-in of its layout;
+            raise _Met("a gradient of layout " + str(grad.layout))  # the pass stops here,
+            # before a retain_grad hook writes, and the retaining tensors are looked up)
         held[at] = grad
         return _Refusing(grad)
 
