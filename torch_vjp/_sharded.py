@@ -37,7 +37,8 @@ non-finite ones are and what they are; each compared to the bound of float64 rou
 eps times the sum of its terms' magnitudes: the same values summed with different thread
 counts may differ in the last bits). The mode of ``"auto"`` is then chosen from sizes alone, the same on every rank,
 and its products are checked against one reverse product as on one process (NOTE [sharded
-auto, checked] in ``torch_vjp._sharded_check``). After the products, one ``all_reduce``
+auto, checked] in ``torch_vjp._sharded_check``), and that reverse product against one forward
+product (NOTE [a sharded reverse product checked forward] in ``torch_vjp._sharded_forward``). After the products, one ``all_reduce``
 (MAX) of a status code, and of a digest of the structure of ``f``'s output (numbered
 in its flattening order too: every rank raises where the ranks' differ), tells every rank
 whether some rank failed: then every rank raises
@@ -93,7 +94,6 @@ from torch_vjp._errors import (
     JacobianWarning,
     failing_rank,
     passes_through,
-    shape_str,
     warn_once,
 )
 from torch_vjp._sharded_buffers import plain_module
@@ -106,7 +106,8 @@ from torch_vjp._sharded_check import (
     own_gap,
     verdict,
 )
-from torch_vjp._sharded_words import OTHERS_WAIT, order_differs
+from torch_vjp._sharded_forward import forward_instead
+from torch_vjp._sharded_words import OTHERS_WAIT, order_differs, outputs_differ
 from torch_vjp._sharded_work import Work, probe_outputs, shard_range
 from torch_vjp._strategies import Strategy, choose_mode
 
@@ -333,13 +334,13 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     if code == _NO_FWD:
         if err is not None:
             _warn_no_forward(prob, err)
-        mode = "rev"
+        mode, route = "rev", route and "rev"
         part, code, err = _attempt(lambda: work.run(mode, None), group, device, prob.call)
     if code >= _FAILED:
         _raise_failure(prob, err, group, rank, world)
-    if route is not None:  # (remembered by every rank: not checked again)
-        if route != "fwd":  # (after "fwd", mode is "fwd", or "rev" where forward mode failed)
-            mode = "rev"
+    if route is not None:  # (remembered by every rank: not checked again; "fwd" for a
+        # reverse mode chosen by size: NOTE [a sharded reverse product checked forward])
+        mode = "fwd" if route == "fwd" else "rev"
     elif first is not None:
         after = SameDraws(first.own, host=True)
         after()
@@ -394,7 +395,7 @@ def _attempt(compute: Any, group: Any, device: torch.device, call: str
         if said[r][0] != said[0][0]:
             order_differs(call, "the outputs of f", said[0][0] or [], said[r][0] or [], r,
                           "output")
-        _outputs_differ(call, said[0], said[r], r)
+        outputs_differ(call, said[0], said[r], r)
     return part, code, err
 
 
@@ -414,33 +415,6 @@ def _output_leaves(part: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         return [(tuple(int(d) for d in s),) for s in rows_out]
     return [(tuple(int(d) for d in t.shape[1:]), str(t.dtype).replace("torch.", ""))
             for t in stacked]
-
-
-def _outputs_differ(call: str, ref: tuple[Any, Any], got: tuple[Any, Any], r: int) -> None:
-    """Raises: f's output leaves have other shapes or dtypes on rank ``r`` than on rank 0
-    (NOTE [outputs alike on every rank])."""
-    (paths, a), (_, b) = ref, got
-    i = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
-    name = f"output{paths[i]}" if paths is not None and i < len(paths) else f"output leaf {i}"
-
-    def what(leaf: Any) -> str:
-        if leaf is None:
-            return "nothing"
-        return shape_str(leaf[0]) if len(leaf) == 1 else f"{shape_str(leaf[0])} {leaf[1]}"
-
-    mine = what(b[i] if i < len(b) else None)
-    theirs = what(a[i] if i < len(a) else None)
-    raise JacobianCallError(
-        f"{call}: the outputs of f differ between ranks: {name} is {mine} on rank {r} but "
-        f"{theirs} on rank 0, though every rank called f with the same arguments and "
-        f"weights. With a process_group the products are numbered over f's output elements "
-        f"and gathered from every rank, so f must return outputs of the same shapes and "
-        f"dtypes on every rank; f reads something of each rank's own (a number bound per "
-        f"rank, a global).\n"
-        f"  Fix: make f the same function on every rank (pass what it reads of its rank's "
-        f"own as an argument, where it is compared), or pass process_group=None to compute "
-        f"each rank's own Jacobian."
-    )
 
 
 def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...]:
@@ -473,6 +447,20 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
         return ok, d, s
 
     ok, diff, scale = agrees(part, mode)
+    if mode != "fwd" or not ok:  # NOTE [a sharded reverse product checked forward]
+        def forward() -> tuple[Any, bool]:
+            work.looped = False
+            alt, code, err = _attempt(lambda: work.run("fwd", shapes), group, device,
+                                      prob.call)
+            if code == _PASSES:  # (out of memory: no other route hides it)
+                _raise_failure(prob, err, group, work.rank, work.world)
+            return (alt if code == _OK else None), work.looped
+
+        fwd = forward_instead(prob, part, mode, work.batch, key, group, device, first,
+                              forward, lambda e: _raise_failure(prob, e, group, work.rank,
+                                                                work.world))
+        if fwd is not None:
+            return fwd, "fwd"
     if ok:
         # (at a NaN or an infinity, in x or in the products, nothing was compared)
         if all_finite(prob.leaves) and math.isfinite(scale):

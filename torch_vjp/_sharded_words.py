@@ -10,7 +10,7 @@ from torch_vjp._errors import JacobianCallError, quote_error, shape_str
 
 __all__ = [
     "OTHERS_WAIT", "argument_differs", "call_differs", "draws_differ", "function_differs",
-    "not_joined", "order_differs",
+    "not_joined", "order_differs", "outputs_differ",
 ]
 
 
@@ -132,4 +132,31 @@ def not_joined(call: str, rank: int, err: BaseException) -> str:
         f"  Fix: pass the same process_group on every rank of the group; the cause may be "
         f"in another rank's traceback. (The group may be unusable after a timeout: create "
         f"a new one.)"
+    )
+
+
+def outputs_differ(call: str, ref: tuple[Any, Any], got: tuple[Any, Any], r: int) -> None:
+    """Raises: f's output leaves have other shapes or dtypes on rank ``r`` than on rank 0
+    (NOTE [outputs alike on every rank])."""
+    (paths, a), (_, b) = ref, got
+    i = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
+    name = f"output{paths[i]}" if paths is not None and i < len(paths) else f"output leaf {i}"
+
+    def what(leaf: Any) -> str:
+        if leaf is None:
+            return "nothing"
+        return shape_str(leaf[0]) if len(leaf) == 1 else f"{shape_str(leaf[0])} {leaf[1]}"
+
+    mine = what(b[i] if i < len(b) else None)
+    theirs = what(a[i] if i < len(a) else None)
+    raise JacobianCallError(
+        f"{call}: the outputs of f differ between ranks: {name} is {mine} on rank {r} but "
+        f"{theirs} on rank 0, though every rank called f with the same arguments and "
+        f"weights. With a process_group the products are numbered over f's output elements "
+        f"and gathered from every rank, so f must return outputs of the same shapes and "
+        f"dtypes on every rank; f reads something of each rank's own (a number bound per "
+        f"rank, a global).\n"
+        f"  Fix: make f the same function on every rank (pass what it reads of its rank's "
+        f"own as an argument, where it is compared), or pass process_group=None to compute "
+        f"each rank's own Jacobian."
     )

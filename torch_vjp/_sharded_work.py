@@ -92,6 +92,7 @@ class Work:
         self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
         self.batch, self.alternatives = batch, alternatives
         self._mode = "rev"
+        self.looped = False  # (forward mode fell back from vmap to a loop on this rank)
 
     def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
         if self.strat.mode is not None:  # a named strategy: no fallback but plain autograd's
@@ -131,6 +132,7 @@ class Work:
         prob = self.prob
 
         def warn(err: Exception) -> None:
+            self.looped = True
             warn_once(
                 ("vmap-fallback-sharded", function_key(prob.f), mode, type(err)),
                 fallback_message(prob, mode, err, who="this rank"),

@@ -1,0 +1,168 @@
+"""The reverse product of a sharded ``"auto"``'s check, checked against one forward product
+on every rank (NOTE [a sharded reverse product checked forward]).
+
+NOTE [a sharded reverse product checked forward]
+A sharded ``"auto"`` checks each rank's products against one reverse product (NOTE [sharded
+auto, checked] in ``torch_vjp._sharded_check``). Where torch's backward formula is itself
+wrong (torch 2.13's ``torch.as_strided_scatter``: NOTE [a reverse product checked forward]
+in ``torch_vjp._engine.revcheck``), reverse mode under vmap agrees with it, and every rank
+returned a wrong Jacobian without a word (and where forward mode was checked, its right
+columns were replaced by the wrong rows). So, as on one process, where the route is a
+reverse one, or forward mode's disagreed, every rank takes one reverse product with the
+whole cotangent ``u`` (not its rank's share: every rank then holds the same ``u``, the same
+``x`` and the same ``f``, checked before any product, so every rank computes the same
+comparison and calls ``f`` as many times, which an ``f`` running a collective needs) and
+compares ``u^T J v`` with one forward product (``reverse_wrong``). One ``all_reduce`` then
+makes the verdict the same on every rank: the reverse product is wrong only where every
+rank found it wrong. Then forward mode's products (the ones computed, where forward mode was
+the route; else forward mode's, computed now on every rank) are compared with the forward
+product: each rank's columns ``[start, stop)`` give its part of ``u^T J v``, an
+``all_reduce`` (SUM) adds them, and every rank compares the sum, and one more ``all_reduce``
+(MAX) of the disagreement keeps the verdict common. Where they agree, every rank returns
+forward mode's products, remembers ``"fwd"`` for the key, and warns once; else the check
+goes on as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_vjp._engine.fwdcheck import (
+    all_finite,
+    least_precise,
+    one_reverse_product,
+    remember,
+    tolerance,
+)
+from torch_vjp._engine.fwdnoise import reverse_noise, rounding_scale
+from torch_vjp._engine.fwdwords import wrong_reverse_message
+from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.revcheck import ReverseWrong, reverse_wrong
+from torch_vjp._errors import JacobianWarning, warn_once
+
+__all__ = ["forward_instead"]
+
+
+def _found(prob: Problem, redraw: Callable[[], None]
+           ) -> tuple[ReverseWrong, list[Tensor], float] | None:
+    """This rank's ``(wrong, u, rtol)`` where its reverse product of the whole ``u`` is
+    wrong (``reverse_wrong``), else None."""
+    redraw()
+    got = one_reverse_product(prob)
+    if got is None or not all_finite(got[2]):
+        return None
+    dtype = least_precise(got[0], prob.leaves)
+    rtol = tolerance(dtype)
+    floor: list[float] = []
+
+    def noise() -> float:  # NOTE [the scale of what is compared]
+        if not floor:
+            floor.append(rounding_scale(reverse_noise(prob), dtype))
+        return floor[0]
+
+    wrong = reverse_wrong(prob, got, redraw, rtol, noise)
+    return None if wrong is None else (wrong, got[1], rtol)
+
+
+def _partial(stacked: Sequence[Tensor], us: Sequence[Tensor], vs: Sequence[Tensor],
+             start: int, stop: int, batch: int | None) -> tuple[float, float]:
+    """``(u^T J[:, start:stop] v[start:stop], the sum of its terms' magnitudes)`` from this
+    rank's forward-mode products ``stacked`` (columns ``[start, stop)``); ``(inf, 0)`` where
+    they are not one per output."""
+    if len(stacked) != len(us):
+        return math.inf, 0.0
+    k = stop - start
+    if k == 0:
+        return 0.0, 0.0
+    with torch.no_grad():
+        if batch is None:
+            v = torch.cat([x.detach().double().reshape(-1).cpu() for x in vs])[start:stop]
+        else:
+            v = torch.cat([x.detach().double().reshape(batch, -1).cpu() for x in vs],
+                          1)[:, start:stop].T  # (k, B)
+        value = size = 0.0
+        for t, u in zip(stacked, us):
+            t = t.detach().double().cpu()
+            u = u.detach().double().cpu()
+            if batch is None:
+                tu, ta = t.reshape(k, -1) @ u.reshape(-1), t.reshape(k, -1).abs() @ u.reshape(
+                    -1).abs()
+            else:
+                tu = (t.reshape(k, batch, -1) * u.reshape(1, batch, -1)).sum(-1)
+                ta = (t.reshape(k, batch, -1).abs() * u.reshape(1, batch, -1).abs()).sum(-1)
+            value += float((tu * v).sum())
+            size += float((ta * v.abs()).sum())
+    return value, size
+
+
+def _agrees(part: tuple[Any, ...] | None, found: tuple[ReverseWrong, list[Tensor], float],
+            batch: int | None, group: Any, device: torch.device) -> bool:
+    """Whether every rank's forward-mode products ``part`` give, summed over the ranks, the
+    forward product's ``u^T J v`` (the same verdict on every rank)."""
+    import torch.distributed as dist
+
+    wrong, us, rtol = found
+    value, size = (math.inf, 0.0) if part is None else _partial(
+        part[0], us, wrong.vs, part[4], part[5], batch)
+    if not math.isfinite(value):
+        value = math.inf  # (a NaN: a disagreement on every rank, after the sum)
+    t = torch.tensor([value, size], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    total, size = t.tolist()
+    ok = math.isfinite(total) and abs(total - wrong.forward) <= rtol * max(size, wrong.scale)
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return not int(flag.item())
+
+
+def forward_instead(
+    prob: Problem, part: tuple[Any, ...], mode: str, batch: int | None, key: Hashable,
+    group: Any, device: torch.device, redraw: Callable[[], None],
+    forward: Callable[[], tuple[tuple[Any, ...] | None, bool]],
+    fail: Callable[[BaseException | None], None],
+) -> tuple[Any, ...] | None:
+    """Forward mode's products on every rank where the reverse product is wrong on every
+    rank and they agree with the forward product (NOTE [a sharded reverse product checked
+    forward]): ``part`` where ``mode`` is ``"fwd"``, else ``forward()``'s (this rank's
+    products, or None where some rank could not compute them; and whether this rank ran a
+    loop); None where the check goes on as before. ``redraw`` puts the generators where the
+    products started; ``fail(err)`` raises on every rank where some rank's check raised."""
+    import torch.distributed as dist
+
+    err: BaseException | None = None
+    try:
+        found = _found(prob, redraw)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+        found, err = None, exc
+    t = torch.tensor([0 if found is not None else 1, 0 if err is None else 1],
+                     dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    not_wrong, failed = t.tolist()
+    if failed:
+        fail(err)
+    if not_wrong:  # (wrong only where every rank found it wrong: every rank holds ``found``)
+        return None
+    assert found is not None
+    if mode == "fwd":
+        if _agrees(part, found, batch, group, device):
+            remember(key, "fwd")
+            return part
+        return None
+    redraw()
+    alt, looped = forward()
+    if not _agrees(alt, found, batch, group, device):
+        return None
+    remember(key, "fwd")
+    route = "fwd-loop" if looped else "fwd"
+    wrong = found[0]
+    warn_once((prob.call, function_key(prob.f), mode, "reverse wrong"),
+              wrong_reverse_message(prob.call, function_name(prob.f), "rev", route,
+                                    wrong.reverse, wrong.forward, wrong.difference),
+              JacobianWarning)
+    return alt
