@@ -9,10 +9,10 @@ the flattened differentiated primals. Of ``n`` products, rank ``r`` of ``W`` com
 numbered ``[n * r // W, n * (r + 1) // W)``: contiguous, sizes differing by at most one, and
 empty on some ranks when ``n < W``. Each rank runs them with the engine's own moves
 (:func:`basis_rows` shifted to its range, :func:`map_rows` with the chunk size planned for
-its share, padded to the largest share so that an f that runs a collective is called as
-many times on every rank: NOTE [every rank runs as many products] in
-``torch_vjp._sharded_work``), and then, by default, every rank receives every shard:
-each is padded to the largest share (``ceil(n / W)`` rows), gathered with one
+its share, padded to the largest share and chunked alike on every rank so that an f that
+runs a collective is called as many times on every rank: NOTE [every rank runs as many
+products] and NOTE [the ranks agree on their chunks] in ``torch_vjp._sharded_work``), and
+then, by default, every rank receives every shard: each is padded to the largest share (``ceil(n / W)`` rows), gathered with one
 ``all_gather`` per stacked tensor (gloo and NCCL gather tensors of equal size), cut back to its length and cut into blocks as
 the single-process Jacobian is, so that every rank returns the same value that
 ``tv.jacobian`` returns on one process. With ``shard=True`` nothing is gathered: each rank
@@ -58,7 +58,6 @@ autograd, each rank its own share of reverse-mode products (``torch_vjp._sharded
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -101,14 +100,23 @@ from torch_vjp._sharded_check import (
     agreed_route,
     check_agreement,
     fail_before_exchange,
-    leaf_paths,
     noise_verdict,
     own_gap,
     verdict,
 )
 from torch_vjp._sharded_forward import forward_instead
 from torch_vjp._sharded_words import OTHERS_WAIT, order_differs, outputs_differ
-from torch_vjp._sharded_work import Work, probe_outputs, shard_range
+from torch_vjp._sharded_work import (
+    FAILED,
+    NO_FWD,
+    OK,
+    PASSES,
+    Work,
+    exchange,
+    outputs_said,
+    probe_outputs,
+    shard_range,
+)
 from torch_vjp._strategies import Strategy, choose_mode
 
 __all__ = [
@@ -117,9 +125,7 @@ __all__ = [
     "told_on_failure",
 ]
 
-# (_PASSES: an error no fallback may hide, out of memory or torch_vjp's own: every rank
-# raises, on an alternative route of "auto"'s check too)
-_OK, _NO_FWD, _FAILED, _PASSES = 0, 1, 2, 3
+_OK, _NO_FWD, _FAILED, _PASSES = OK, NO_FWD, FAILED, PASSES  # (torch_vjp._sharded_work)
 
 
 class JacobianShard(NamedTuple):
@@ -303,7 +309,8 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = comm_device(group, prob.leaves[0].device)
     check_agreement(prob, strat.name, shard, group, rank, world, device, kept)
-    work = Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives)
+    work = Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives,
+                group, device)
     mode, shapes, key, route = strat.mode, None, None, None
     if mode is None:  # "auto": the mode from sizes alone, the same on every rank
         try:
@@ -329,13 +336,12 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     first = SameDraws(own_generators(prob), host=True) if checks else None
     if first is not None:
         first()
-    part, code, err = _attempt(lambda: _route(work, route or mode, shapes), group, device,
-                                 prob.call)
+    part, code, err = _attempt(lambda: _route(work, route or mode, shapes), work, prob.call)
     if code == _NO_FWD:
         if err is not None:
             _warn_no_forward(prob, err)
         mode, route = "rev", route and "rev"
-        part, code, err = _attempt(lambda: work.run(mode, None), group, device, prob.call)
+        part, code, err = _attempt(lambda: work.run(mode, None), work, prob.call)
     if code >= _FAILED:
         _raise_failure(prob, err, group, rank, world)
     if route is not None:  # (remembered by every rank: not checked again; "fwd" for a
@@ -362,40 +368,38 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     return (jac, aux) if prob.has_aux else jac
 
 
-def _attempt(compute: Any, group: Any, device: torch.device, call: str
-             ) -> tuple[Any, int, Any]:
-    """``(part, code, err)``: this rank's products, and the worst status over the ranks.
-    Raises, on every rank, where the ranks' outputs of f are structured differently (a dict
-    built in another key order: the products are numbered in each rank's own order)."""
+def _attempt(compute: Any, work: Work, call: str) -> tuple[Any, int, Any]:
+    """``(part, code, err)``: this rank's products, and the worst status over the ranks
+    (exchanged with the plan where some rank made none: NOTE [the ranks agree on their
+    chunks] in ``torch_vjp._sharded_work``). Raises, on every rank, where the ranks' outputs
+    of f are structured differently (a dict built in another key order: the products are
+    numbered in each rank's own order)."""
+    work.attempt()
     try:
         part, status, err = compute(), _OK, None
     except NoForwardMode as failed:
         part, status, err = None, _NO_FWD, failed.err
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
         part, status, err = None, _PASSES if passes_through(exc) else _FAILED, exc
+    if err is not None and err is work.stop:
+        err = None  # (another rank failed: this rank has no error of its own)
     # (a digest of the output's structure, and of its leaves' shapes (and dtypes, which
     # forward mode gathers): its largest and smallest over the ranks differ where some
     # rank's differs. NOTE [outputs alike on every rank])
-    paths, leaves = None, None
-    if part is not None:
-        try:
-            paths = leaf_paths(tree_unflatten([0] * part[1].num_leaves, part[1]))
-        except Exception:  # noqa: BLE001 - (an unflatten refusing zeros: not compared)
-            paths = None
-        leaves = _output_leaves(part)
-    h = 0 if part is None else int(hashlib.sha1(repr((paths, leaves)).encode()).hexdigest()[
-        :15], 16)
-    t = torch.tensor([status, h, -h], dtype=torch.int64, device=device)
-    _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
-    code, hi, lo = t.tolist()
+    said = None if part is None else outputs_said(part[1], _output_leaves(part))
+    if work.told is not None:
+        code, hi, lo = work.told
+    else:
+        code, hi, lo, _ = exchange(status, said, 0, work.group, work.device)
     if code == _OK and hi != -lo:
-        said: list[Any] = [None] * _dist().get_world_size(group)
-        _dist().all_gather_object(said, (paths, leaves), group=group)
-        r = next(r for r, p in enumerate(said) if p != said[0])
-        if said[r][0] != said[0][0]:
-            order_differs(call, "the outputs of f", said[0][0] or [], said[r][0] or [], r,
-                          "output")
-        outputs_differ(call, said[0], said[r], r)
+        group = work.group
+        gathered: list[Any] = [None] * _dist().get_world_size(group)
+        _dist().all_gather_object(gathered, said, group=group)
+        r = next(r for r, p in enumerate(gathered) if p != gathered[0])
+        if gathered[r][0] != gathered[0][0]:
+            order_differs(call, "the outputs of f", gathered[0][0] or [], gathered[r][0] or [],
+                          r, "output")
+        outputs_differ(call, gathered[0], gathered[r], r)
     return part, code, err
 
 
@@ -450,8 +454,7 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
     if mode != "fwd" or not ok:  # NOTE [a sharded reverse product checked forward]
         def forward() -> tuple[Any, bool]:
             work.looped = False
-            alt, code, err = _attempt(lambda: work.run("fwd", shapes), group, device,
-                                      prob.call)
+            alt, code, err = _attempt(lambda: work.run("fwd", shapes), work, prob.call)
             if code == _PASSES:  # (out of memory: no other route hides it)
                 _raise_failure(prob, err, group, work.rank, work.world)
             return (alt if code == _OK else None), work.looped
@@ -470,8 +473,7 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
         return part, mode
     for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
         first()
-        alt, code, err = _attempt(lambda: _route(work, name, shapes), group, device,
-                                  prob.call)
+        alt, code, err = _attempt(lambda: _route(work, name, shapes), work, prob.call)
         if code == _PASSES:  # (out of memory: no other route hides it)
             _raise_failure(prob, err, group, work.rank, work.world)
         if code != _OK or not agrees(alt, "rev")[0]:

@@ -7,6 +7,7 @@ mode) for a function torch.func cannot run at all.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from typing import Any
 
@@ -36,10 +37,25 @@ from torch_vjp._engine.rows import (
     run_with_fallback,
 )
 from torch_vjp._engine.shapes import Shapes, in_rows, row_shapes
-from torch_vjp._errors import JacobianWarning, passes_through, quote_error, warn_once
+from torch_vjp._errors import (
+    JacobianCallError,
+    JacobianWarning,
+    passes_through,
+    quote_error,
+    warn_once,
+)
+from torch_vjp._sharded_check import leaf_paths
 from torch_vjp._strategies import Strategy
 
-__all__ = ["Work", "padded_count", "probe_outputs", "shard_range"]
+__all__ = [
+    "FAILED", "NO_FWD", "OK", "PASSES", "Work", "exchange", "outputs_said", "padded_count",
+    "probe_outputs", "shard_range",
+]
+
+# A rank's status in the exchanges after its products (PASSES: an error no fallback may
+# hide, out of memory or torch_vjp's own: every rank raises, on an alternative route of
+# "auto"'s check too)
+OK, NO_FWD, FAILED, PASSES = 0, 1, 2, 3
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -60,8 +76,9 @@ def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
 # than ranks; a loop calls f (forward mode) or the pullback (reverse mode) once per product,
 # vmap once per chunk, and a rank with no product called neither: the other ranks waited
 # for ever in f's collective. So every rank runs ceil(n / W) products, chunked alike (the
-# chunk planned for that count): its own, then padding products (the basis vectors after
-# its range, zero past the last) whose results are dropped.
+# chunk planned for that count, agreed between the ranks: NOTE [the ranks agree on their
+# chunks]): its own, then padding products (the basis vectors after its range, zero past
+# the last) whose results are dropped.
 
 
 def padded_count(n: int, world_size: int) -> int:
@@ -73,6 +90,53 @@ def padded_count(n: int, world_size: int) -> int:
         (2, 1, 0)
     """
     return -(-n // world_size)
+
+
+# NOTE [the ranks agree on their chunks]
+# Every rank runs as many products (NOTE [every rank runs as many products]), but the chunk
+# each plans for them is its own: a chunk_size or max_memory that differs between ranks, or
+# a budget planned from each device's free memory. vmap calls f (forward mode) or the
+# pullback once per chunk, so an f that runs a collective was called more often on one
+# rank than on another, which then waited for ever. So the ranks agree on one chunk, the
+# smallest any rank planned (it fits every rank's budget), in one all_reduce (MAX) before
+# their first chunk. That exchange is failure-aware: it has the shape of the one that
+# follows the products (:func:`exchange`: the status, a digest of f's output, and the
+# chunk), so a rank whose f failed before its planning, or whose planning failed (a budget
+# too small on that rank), or that has no products to plan (an output of another size on
+# that rank), pairs its status with the others' plan. A planning rank that receives no plan
+# from some rank (the chunk's place holds 0) takes the result as the status of every rank
+# and tells ``_attempt`` in ``torch_vjp._sharded``, which then exchanges no status again:
+# where some rank failed, every rank stops and raises (the failing rank its own error, the
+# others one naming it), where forward mode failed on some rank every rank computes in
+# reverse mode, and where outputs differ every rank names the difference. One such
+# exchange per attempt: a rank that plans again within it (its vmap failed, and it loops)
+# keeps its own plan, as the loop calls f once per product whatever the chunk.
+
+
+def outputs_said(spec: Any, leaves: list[tuple[Any, ...]]) -> tuple[Any, Any]:
+    """``(paths, leaves)``: what the ranks' outputs of f must agree on, the paths of the
+    output's leaves (None where its nodes have no keys) and per leaf its shape (of one row
+    of the batch, and in forward mode its dtype). NOTE [outputs alike on every rank]."""
+    try:
+        paths = leaf_paths(tree_unflatten([0] * spec.num_leaves, spec))
+    except Exception:  # noqa: BLE001 - (an unflatten refusing zeros: not compared)
+        paths = None
+    return paths, leaves
+
+
+def exchange(status: int, said: Any, chunk: int, group: Any, device: torch.device
+             ) -> tuple[int, int, int, int]:
+    """One all_reduce (MAX) of every rank's status, a digest of what it says of f's output
+    (:func:`outputs_said`, None for nothing), and ``-chunk`` (0: no plan; NOTE [the ranks
+    agree on their chunks]): ``(worst status, digest's largest, its negation's largest,
+    minus the smallest chunk or 0)``; the two digests' sum is 0 only where all are alike."""
+    import torch.distributed as dist
+
+    h = 0 if said is None else int(hashlib.sha1(repr(said).encode()).hexdigest()[:15], 16)
+    t = torch.tensor([status, h, -h, -chunk], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    code, hi, lo, neg = t.tolist()
+    return code, hi, lo, neg
 
 
 def _own(stacked: list[Tensor], k: int) -> list[Tensor]:
@@ -87,11 +151,22 @@ class Work:
 
     def __init__(self, prob: Problem, strat: Strategy, rank: int, world: int, shard: bool,
                  chunk_size: int | None, max_memory: int | None, batch: int | None,
-                 alternatives: str) -> None:
+                 alternatives: str, group: Any = None, device: Any = None) -> None:
         self.prob, self.strat, self.rank, self.world = prob, strat, rank, world
         self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
         self.batch, self.alternatives = batch, alternatives
+        self.group, self.device = group, device
         self._mode = "rev"
+        self.attempt()
+
+    def attempt(self) -> None:
+        """A new attempt at the products: its chunks are agreed again (NOTE [the ranks agree
+        on their chunks])."""
+        self.agreed = False
+        # (the exchange of the plan that stood for the status: (code, hi, lo), and the error
+        # that stopped this rank's products there)
+        self.told: tuple[int, int, int] | None = None
+        self.stop: BaseException | None = None
         self.looped = False  # (forward mode fell back from vmap to a loop on this rank)
 
     def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
@@ -163,20 +238,47 @@ class Work:
         return res
 
     def _chunk(self, k: int, n_out: int, n_in: int, out_dtypes: list[torch.dtype], dtype: Any,
-               records: bool = False) -> int | None:
+               said: Any, records: bool = False) -> int | None:
         """The chunk size for this rank's ``k`` products: the result it holds is the whole
         Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns. ``records``:
         the products record autograd graphs (forward mode of an ``f`` that involves tensors
-        requiring grad), counted as the single-process engine counts them."""
+        requiring grad), counted as the single-process engine counts them. With a group,
+        the smallest chunk of every rank's (NOTE [the ranks agree on their chunks]);
+        ``said``: what this rank says of f's output (:func:`outputs_said`)."""
         if self.shard:
             n_out, n_in = (k, n_in) if self._mode == "rev" else (n_out, k)
         itemsize = max(max(d.itemsize for d in out_dtypes),
                        max(leaf.dtype.itemsize for leaf in self.prob.leaves))
-        return plan_products(
-            k, n_out, n_in, itemsize, chunk_size=self.chunk_size, max_memory=self.max_memory,
-            device=self.prob.leaves[0].device, call=self.prob.call,
-            alternatives=self.alternatives, batch=self.batch, dtype=dtype, records=records,
-        )
+
+        def plan() -> int | None:
+            return plan_products(
+                k, n_out, n_in, itemsize, chunk_size=self.chunk_size,
+                max_memory=self.max_memory, device=self.prob.leaves[0].device,
+                call=self.prob.call, alternatives=self.alternatives, batch=self.batch,
+                dtype=dtype, records=records,
+            )
+
+        if self.group is None or self.agreed:
+            return plan()
+        self.agreed = True
+        try:
+            mine, err, status = plan(), None, OK
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+            mine, err, status = None, exc, PASSES if passes_through(exc) else FAILED
+        code, hi, lo, neg = exchange(status, said if err is None else None,
+                                     0 if err is not None else mine or k, self.group,
+                                     self.device)
+        if neg == 0:  # (some rank sent its status, not a plan: the result is the status)
+            self.told = (code, hi, lo)
+            if err is not None:
+                raise err
+            if code != OK:
+                self.stop = JacobianCallError(
+                    f"{self.prob.call}: another rank of the process_group failed before "
+                    f"planning its products (status {code}).")
+                raise self.stop
+            return mine
+        return None if mine is None and -neg >= k else min(-neg, k)
 
     def _products(self, mode: str, shapes: Any, vectorized: bool) -> tuple[Any, ...]:
         self._mode = mode
@@ -204,7 +306,8 @@ class Work:
             stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
         else:
             n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
-            chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype)
+            chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype,
+                                _rev_said(out_spec, rows_out))
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
                               [o.device for o in flat_out], self.batch)
 
@@ -230,7 +333,8 @@ class Work:
             stacked = [x.new_zeros((0, *x.shape)) for x in prob.leaves]
         else:
             n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
-            chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out], prob.leaves[0].dtype)
+            chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out], prob.leaves[0].dtype,
+                                _rev_said(out_spec, rows_out))
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
                               [o.device for o in flat_out], self.batch)
             with torch.no_grad():
@@ -257,8 +361,11 @@ class Work:
         else:
             n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob,
                                                                  out_spec))
+            said = outputs_said(out_spec, [(tuple(int(d) for d in o.shape),
+                                            str(o.dtype).replace("torch.", ""))
+                                           for o in flat_out])
             chunk = self._chunk(m, n_out, n, [o.dtype for o in flat_out],
-                                flat_out[0].dtype if flat_out else None, records)
+                                flat_out[0].dtype if flat_out else None, said, records)
             rows = basis_rows(rows_in, [x.dtype for x in leaves], [x.device for x in leaves],
                               self.batch)
             g = prob.g_inner
@@ -281,6 +388,10 @@ class Work:
                                     extras=has_aux, detach=True)
             stacked = _own(stacked, stop - start)
         return stacked, out_spec, None, aux, start, stop, n
+
+
+def _rev_said(spec: Any, rows_out: Any) -> tuple[Any, Any]:
+    return outputs_said(spec, [(tuple(int(d) for d in r),) for r in rows_out])
 
 
 def probe_outputs(prob: Problem) -> tuple[list[Tensor], Any, bool]:
