@@ -77,7 +77,9 @@ def test_a_resize_gets_a_pattern_that_holds_the_jacobian_and_is_not_dense(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = tv.sparse_jacobian(f, x, layout=torch.strided)
-        torch.testing.assert_close(got, _jacobian(f, x))
+        # (forward mode's, which central differences agree with: torch 2.13's backward of
+        # an antialiased resize given a scale_factor is wrong, by up to 1)
+        torch.testing.assert_close(got, torch.func.jacfwd(f)(x))
 
 
 _LOW = [  # (rows in, rows out, align_corners, antialias)

@@ -38,6 +38,7 @@ from torch_vjp._engine.fwdcheck import (
     tolerance,
 )
 from torch_vjp._engine.fwdnoise import reverse_noise, rounding_scale
+from torch_vjp._engine.revcheck import reverse_wrong
 from torch_vjp._engine.jacobian import (
     function_key,
     function_name,
@@ -63,7 +64,7 @@ from torch_vjp._sparse.compute import (
     user_plan,
 )
 from torch_vjp._sparse.detect import detect
-from torch_vjp._sparse.guard import first_use_route, warn_forward
+from torch_vjp._sparse.guard import blamed_op, first_use_route, warn_forward
 from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
 from torch_vjp._sparse.probe import (
     batching_wrong,
@@ -391,7 +392,7 @@ def sparse_jacobian(
                 plan.remember(fkey, "fwd")
             check = False
     if check and m == plan.pattern.m:
-        coloring, comp = _checked(prob, plan, coloring, comp, chunk, budget, fkey)
+        coloring, comp = _checked(prob, plan, coloring, comp, chunk, budget, fkey, before)
     index = plan.gather_index(coloring, layout, comp.device)
     values = comp.reshape(-1).index_select(0, index)
     return assemble(values, plan, layout)
@@ -586,12 +587,17 @@ def _warn_batching(prob: Problem, count: int) -> None:
 
 def _checked(
     prob: Problem, plan: Any, coloring: Any, comp: Tensor, chunk: int | None,
-    budget: int | None, fkey: Any,
+    budget: int | None, fkey: Any, before: SameDraws,
 ) -> tuple[Any, Tensor]:
     """The products "auto" computed if one reverse product without vmap agrees with them;
     else the first of reverse mode (after forward mode) and reverse mode one product at a
     time that agrees with it, with a one-time warning, as :func:`torch_vjp.jacobian`'s
-    ``"auto"`` does (NOTE [auto, checked once] in :mod:`torch_vjp._engine.fwdcheck`)."""
+    ``"auto"`` does (NOTE [auto, checked once] in :mod:`torch_vjp._engine.fwdcheck`).
+    Forward mode's products that disagree stand where the reverse product is the wrong one
+    (NOTE [a reverse product checked forward] in :mod:`torch_vjp._engine.revcheck`: a
+    forward product and a central difference agree against it), as the guard of reverse
+    mode's products decides (NOTE [reverse products, checked on first use] in
+    :mod:`torch_vjp._sparse.guard`); ``before``: the generators' state of the products."""
     if _unsafe(prob, plan)[1] is not None:  # (the reverse product is the wrong one)
         return coloring, comp
     first = coloring.mode
@@ -623,10 +629,24 @@ def _checked(
     def gap_of(c: Any, products: Tensor) -> tuple[float, float]:
         diff, scale = gap(from_values(c, products), g)
         if not diff <= rtol * scale:  # NOTE [the scale of what is compared] (fwdnoise.py)
-            if not floor:
-                floor.append(rounding_scale(reverse_noise(prob), dtype))
-            scale = max(scale, floor[0])
+            scale = max(scale, noise())
         return diff, scale
+
+    def noise() -> float:
+        if not floor:
+            floor.append(rounding_scale(reverse_noise(prob), dtype))
+        return floor[0]
+
+    if first == "fwd":
+        diff, scale = gap_of(coloring, comp)
+        if not diff <= rtol * scale and reverse_wrong(prob, got, before, rtol,
+                                                      noise) is not None:
+            op = blamed_op(prob, before)
+            if op is not None:  # (else a write at a repeated index: forward's convention)
+                plan.forward_only[route_key(prob.f) if plan.user else None] = op
+                warn_forward(prob, op, coloring.count)
+            plan.remember(fkey, "fwd")
+            return coloring, comp
 
     def run(route: str) -> tuple[Any, Tensor]:
         alt, alt_comp, _, _ = _products(prob, plan, "auto", 1 if route == "rev-loop" else chunk,

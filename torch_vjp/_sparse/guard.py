@@ -19,11 +19,17 @@ precise dtype of f's graph, at the scale of the sum of the products' absolute te
 Where forward and reverse disagree a float64 central difference of ``u^T f(x + h v)``
 decides which is right. The products are then computed by the route that agrees: one
 colour at a time without vmap where only the batching is wrong, forward mode where the
-reverse product is wrong alone and f's graph holds a custom autograd.Function (or custom
-op) to blame, with a one-time warning naming the op; the plan keeps the route for its later
-calls. Where the graph holds torch's own ops only, a disagreement of the modes is one of
-convention (a tie of max, a write at a repeated index: torch's backward sends the gradient
-to every writer), and reverse mode's products stand, as torch.func.jacrev gives them.
+reverse product is wrong alone (the difference within a tenth of the modes' disagreement of
+forward mode's value), with a one-time warning naming the op: a custom autograd.Function
+(or custom op) of f's graph where it holds one, else torch's ops of the graph; the plan
+keeps the route for its later calls. Where the graph holds an op whose modes differ by
+convention (a write that does not accumulate, at a repeated index: torch's backward sends
+the gradient to every writer, forward mode to the one written last; a tie of max or of a
+sort), the disagreement is that convention's, and reverse mode's products stand, as
+torch.func.jacrev gives them (the docs page "Strategies"). Any other disagreement is an op
+of torch's whose backward is wrong (as ``torch.as_strided_scatter``'s is in torch 2.13) and
+which the lists of NOTE [wrong batching rules] do not hold yet: reverse mode and "auto"
+returned its wrong Jacobian without a word.
 It costs two products (one reverse, one forward) on the first use per plan and function,
 one (the forward product) under ``"auto"``, whose own check computes the reverse one
 (NOTE [auto, checked once]); the difference and a call of f with autograd only where they
@@ -50,7 +56,7 @@ from torch_vjp._engine.rows import SameDraws
 from torch_vjp._errors import JacobianWarning, passes_through, warn_once
 from torch_vjp._sparse.probe import probe_row
 
-__all__ = ["first_use_route", "warn_forward"]
+__all__ = ["blamed_op", "first_use_route", "warn_forward"]
 
 
 def first_use_route(prob: Problem, plan: Any, coloring: Any, comp: Tensor,
@@ -119,16 +125,17 @@ def _route(prob: Problem, coloring: Any, comp: Tensor, leaves: list[Tensor],
                 with buffers_kept(prob.f):
                     fd = central_difference(prob, _like(u64, outs), _like(v, leaves), before)
                 fd = fd if fd is not None and math.isfinite(fd) else None
-                if fd is not None and abs(fd - s_fwd) < abs(fd - s_rev):
-                    # (only where f's graph holds an op of the user's: torch's own ops differ
-                    # between the modes by convention at a tie or a repeated index, where
-                    # reverse mode's is the one torch.func.jacrev gives)
-                    op, custom = _suspects(prob, leaves, before)
-                    if custom:
+                if fd is not None and abs(fd - s_fwd) <= 0.1 * abs(s_fwd - s_rev):
+                    # (not where f's graph holds an op whose modes differ by convention, at
+                    # a tie or a repeated index: reverse mode's is the one torch.func.jacrev
+                    # gives)
+                    op, blamed = _suspects(prob, leaves, before)
+                    if blamed:
                         return "fwd", op
     if batched_ok:
         return None, ""
-    return "rev-loop", _suspects(prob, leaves, before)[0]
+    op, _ = _suspects(prob, leaves, before)
+    return "rev-loop", op if "custom" in op else _UNLISTED
 
 
 def _forward(prob: Problem, leaves: list[Tensor], v: Tensor
@@ -155,11 +162,35 @@ def _like(flat: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
     return [p.reshape(t.shape) for p, t in zip(parts, tensors)]
 
 
+#: Backward nodes whose products differ between the modes by convention, not by a wrong
+#: formula: writes that do not accumulate (at a repeated index, torch's backward sends the
+#: gradient to every writer, forward mode to the one written last), ties (of max, min, a
+#: sort, a median: each mode picks its own), and factorisations of a matrix taken to be
+#: symmetric (torch's backward of a Cholesky factor or of eigh returns a symmetric
+#: gradient, where the function reads one triangle).
+_CONVENTION = frozenset({
+    "IndexPutBackward0", "IndexPutImplBackward0", "ScatterBackward0", "ScatterBackward1",
+    "IndexCopyBackward0", "PutBackward0", "MaskedScatterBackward0", "IndexReduceBackward0",
+    "ScatterReduceBackward0", "MaxBackward0", "MaxBackward1", "MinBackward0",
+    "MinBackward1", "AmaxBackward0", "AminBackward0", "MaximumBackward0",
+    "MinimumBackward0", "FmaxBackward0", "FminBackward0", "MedianBackward0",
+    "MedianBackward1", "NanmedianBackward0", "NanmedianBackward1", "SortBackward0",
+    "SortBackward1", "TopkBackward0", "KthvalueBackward0", "ModeBackward0",
+    "CummaxBackward0", "CumminBackward0", "MaxPool1DWithIndicesBackward0",
+    "MaxPool2DWithIndicesBackward0", "MaxPool3DWithIndicesBackward0",
+    "CholeskyBackward0", "LinalgCholeskyExBackward0", "LinalgEighBackward0",
+})
+
+
+_UNLISTED = "an operator (not in the lists of ops known to be so)"
+
+
 def _suspects(prob: Problem, leaves: list[Tensor], before: SameDraws) -> tuple[str, bool]:
-    """The ops of f's graph (one call of f with autograd) whose backward torch_vjp cannot
-    vouch for, custom autograd.Functions and custom ops, by name; and whether there are
-    any."""
-    names: list[str] = []
+    """What f's graph (one call of f with autograd) names as the op whose backward is
+    wrong, and whether one is to blame: its custom autograd.Functions (and custom ops),
+    whose backward torch_vjp cannot vouch for, where it holds any; else none where it holds
+    an op whose modes differ by convention (:data:`_CONVENTION`); else torch's ops of the
+    graph (one of them has a wrong formula)."""
     before()
     try:
         with torch.enable_grad(), buffers_kept(prob.f):
@@ -169,26 +200,50 @@ def _suspects(prob: Problem, leaves: list[Tensor], before: SameDraws) -> tuple[s
         if passes_through(err):
             raise
         outs = []
-    for node in graph_nodes(outs):
+    custom: list[str] = []
+    ops: list[str] = []
+    convention = False
+    for node in graph_nodes(outs, ordered=True):
+        name = type(node).__name__
         if isinstance(node, torch.autograd.function.BackwardCFunction):
-            name = type(node).__name__.removesuffix("Backward")
-            if name not in names:
-                names.append(name)
-    if not names:
-        return "an operator (not in the lists of ops known to be so)", False
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    return f"an operator (f's graph holds the custom autograd.Function {shown})", True
+            name = name.removesuffix("Backward")
+            if name not in custom:
+                custom.append(name)
+        elif name in _CONVENTION:
+            convention = True
+        elif name != "AccumulateGrad" and name not in ops:
+            ops.append(name)
+    if custom:
+        shown = ", ".join(custom[:3]) + (", ..." if len(custom) > 3 else "")
+        return f"an operator (f's graph holds the custom autograd.Function {shown})", True
+    if convention or not ops:
+        return _UNLISTED, False
+    shown = ", ".join(ops[:6]) + (f", ... ({len(ops)} in all)" if len(ops) > 6 else "")
+    return (f"one of torch's operators (not in the lists of ops known to be so; f's graph "
+            f"holds the backward nodes {shown})"), True
+
+
+def blamed_op(prob: Problem, before: SameDraws) -> str | None:
+    """The op f's graph blames where a reverse product disagrees with a forward product and
+    a central difference that agree (NOTE [reverse products, checked on first use]); None
+    where the graph holds an op whose modes differ by convention (or no op). ``before``:
+    the generators' state f's call starts from."""
+    op, blamed = _suspects(prob, list(prob.leaves), before)
+    return op if blamed else None
 
 
 def warn_forward(prob: Problem, op: str, count: int) -> None:
     """The one-time warning that reverse mode's products were computed in forward mode."""
+    fix = ("correct that op's backward" if "custom autograd.Function" in op else
+           "write f without that op (find it by bisecting f: torch.func.jacrev and "
+           "torch.func.jacfwd of the part that holds it disagree), and report it to PyTorch")
     warn_once(
         ("sparse-first-use-fwd", function_key(prob.f)),
         f"{prob.call}: reverse mode's products of {function_name(prob.f)} disagree with a "
         f"forward-mode product and a central difference, which agree: {op} has a backward "
         f"that computes a wrong gradient. The Jacobian was computed in forward mode "
         f"({count} products) instead, and will be for this function from now on.\n"
-        f"  Fix: correct that op's backward (or pass mode='fwd' to ask for forward mode "
-        f"directly). This warning is shown once per function.",
+        f"  Fix: {fix} (or pass mode='fwd' to ask for forward mode directly). This warning "
+        f"is shown once per function.",
         JacobianWarning,
     )
