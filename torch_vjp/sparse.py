@@ -46,6 +46,7 @@ from torch_vjp._engine.jacobian import (
 )
 from torch_vjp._engine.refusals import (
     SPARSE_TANGENT,
+    forward_fix,
     forward_refusal,
     refusal_kind,
     vmap_refusal,
@@ -469,8 +470,10 @@ def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
     said = quote_error(err)
     why = forward_refusal(err)
     if mode == "fwd" and why is not None:
-        also = (", or make that tensor a dense one" if why == SPARSE_TANGENT else
-                ", or give the Function a jvp staticmethod")
+        # (a jvp staticmethod for a custom Function only: a torch operator has none to
+        # give; the math kernel for fused attention)
+        fix = "make that tensor a dense one" if why == SPARSE_TANGENT else forward_fix(err)
+        also = "" if fix is None else f", or {fix}"
         # (also a NotImplementedError where torch raised one: except NotImplementedError
         # keeps working, as for torch_vjp.jacobian)
         cls = StrategyNotImplementedError if isinstance(err, NotImplementedError) else StrategyError
