@@ -21,6 +21,7 @@ channel (every output element of a channel depends on all of the channel's weigh
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from torch import Tensor
 from torch_vjp._sparse.rules import combine, group, register
 from torch_vjp._sparse.tracer import Call, Tracer
 
-__all__ = ["maybe_nonzero", "unique_rows", "contract", "product_ids", "windowed"]
+__all__ = ["maybe_nonzero", "stored", "unique_rows", "contract", "product_ids", "windowed"]
 
 _LONG = torch.long
 
@@ -40,6 +41,8 @@ def maybe_nonzero(tr: Tracer, t: Tensor) -> Tensor:
     (a 0/1 mask ``(x > 0).double()``, a weight picked by ``where`` on x, ``dropout(W)``)
     may be non-zero everywhere: its zeros move with x (or the draw), so none of them is
     structural (NOTE [a pattern shaped by values] in :mod:`~torch_vjp._sparse.tracer`)."""
+    if t.layout is not torch.strided:
+        return stored(tr, t)
     if tr.value_dependent(t):
         return torch.ones(t.shape, dtype=torch.bool)
     nz = t.detach().cpu() != 0
@@ -48,6 +51,37 @@ def maybe_nonzero(tr: Tracer, t: Tensor) -> Tensor:
     if not bool(nz.all()):  # (NOTE [structural zeros that move] in torch_vjp._sparse.tracer)
         tr.guarded_by(t)
     return nz
+
+
+def stored(tr: Tracer, t: Tensor) -> Tensor:
+    """The dense boolean pattern of the entries a constant sparse tensor stores (COO, CSR,
+    CSC, BSR or BSC): its may-be-non-zeros (all of them where its values or indices were
+    computed from x's values: NOTE [a pattern shaped by values] in
+    :mod:`~torch_vjp._sparse.tracer`). (A tracked sparse tensor is ruled conservatively
+    before any rule.)"""
+    t = t.detach()
+    if t.layout is torch.sparse_coo:
+        parts = (t._indices(), t._values())
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    else:
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    if any(tr.value_dependent(part) for part in parts):
+        return torch.ones(t.shape, dtype=torch.bool)
+    indices = (t if t.layout is torch.sparse_coo else t.to_sparse_coo())._indices()
+    nz = torch.zeros(t.shape, dtype=torch.bool)
+    # (a hybrid tensor's dense dimensions: every element of a stored block)
+    nz[tuple(indices.cpu())] = True
+    return nz
+
+
+def _operand(tr: Tracer, t: Any) -> Any:
+    """A constant sparse CSR, CSC, BSR or BSC operand of a product as a COO tensor storing
+    the same entries (those layouts have no strides, so the rules' reshapes and indexing
+    fail on them, and the op was ruled dense); any other operand as it is."""
+    if not isinstance(t, Tensor) or t.layout in (torch.strided, torch.sparse_coo):
+        return t
+    return stored(tr, t).to(t.dtype).to_sparse()
 
 
 def unique_rows(mat: Tensor) -> tuple[Tensor, Tensor]:
@@ -142,6 +176,7 @@ def matrix_product(tr: Tracer, call: Call) -> list[Tensor | None]:
         a, b = call.bound["mat1"], call.bound["mat2"]
     else:
         a, b = call.bound["batch1"], call.bound["batch2"]
+    a, b = _operand(tr, a), _operand(tr, b)
     batched = a.dim() == 3
     prod = product_ids(tr, a if batched else a[None], b if batched else b[None])
     if prod is not None and not batched:
@@ -157,7 +192,7 @@ def matrix_product(tr: Tracer, call: Call) -> list[Tensor | None]:
 @register("mv", "addmv", "dot", "vdot", "addr", "inner")
 def vector_product(tr: Tracer, call: Call) -> list[Tensor | None]:
     """Matrix-vector, dot and outer products, as matrix products of reshaped operands."""
-    bd = call.bound
+    bd = {k: _operand(tr, v) for k, v in call.bound.items()}
     if call.name == "mv":
         a, b = bd["self"][None], bd["vec"].reshape(1, -1, 1)
     elif call.name == "addmv":
@@ -347,13 +382,7 @@ def sparse_matrix_product(tr: Tracer, call: Call) -> list[Tensor | None]:
     b_ids = tr.ids(b)
     prod = None
     if b_ids is not None:
-        coo = a.detach().to_sparse_coo() if a.layout is not torch.sparse_coo else a.detach()
-        if tr.value_dependent(coo._values()) or tr.value_dependent(coo._indices()):
-            nz = torch.ones(a.shape, dtype=torch.bool)
-        else:
-            nz = torch.zeros(a.shape, dtype=torch.bool)
-            idx = coo._indices().cpu()
-            nz[idx[0], idx[1]] = True
+        nz = stored(tr, a)
         prod = contract(tr, b_ids.transpose(0, 1)[None], nz.transpose(0, 1)[None])[0]
         prod = prod.transpose(0, 1)
     return _with_bias(tr, call, prod, shape)
