@@ -219,7 +219,14 @@ def sparse_jacobian(
             ``"fwd"`` (colour the columns, one JVP per colour) or ``"rev"`` (colour the
             rows, one VJP per colour; one colour at a time, without vmap, where ``f`` calls
             an op whose backward torch batches wrongly, ``torch.cdist``, with a one-time
-            warning).
+            warning). Reverse mode's products are checked on a plan's first use against a
+            forward-mode product; where a central difference sides with forward mode (an op
+            whose backward formula is wrong: a custom Function's, or torch's own, as that of
+            an antialiased ``F.interpolate`` given a ``scale_factor`` in torch 2.13), the
+            Jacobian is computed in forward mode, with a one-time warning naming the op. A
+            write at a repeated index (``out[idx] = v``, ``scatter``, ``index_copy``), where
+            the modes differ by convention, keeps each mode's answer, as
+            ``torch.func.jacrev`` and ``jacfwd`` give them.
         layout: of the result: ``torch.sparse_csr`` (default), ``torch.sparse_coo``,
             ``torch.sparse_csc``, or ``torch.strided`` (a dense ``(m, n)`` tensor).
         chunk_size: how many products to compute at once; ``None`` for as many as the
