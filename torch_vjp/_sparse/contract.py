@@ -59,6 +59,8 @@ def stored(tr: Tracer, t: Tensor) -> Tensor:
     computed from x's values: NOTE [a pattern shaped by values] in
     :mod:`~torch_vjp._sparse.tracer`). (A tracked sparse tensor is ruled conservatively
     before any rule.)"""
+    if tr.value_dependent(t):
+        return torch.ones(t.shape, dtype=torch.bool)
     t = t.detach()
     if t.layout is torch.sparse_coo:
         parts = (t._indices(), t._values())
@@ -76,10 +78,12 @@ def stored(tr: Tracer, t: Tensor) -> Tensor:
 
 
 def _operand(tr: Tracer, t: Any) -> Any:
-    """A constant sparse CSR, CSC, BSR or BSC operand of a product as a COO tensor storing
-    the same entries (those layouts have no strides, so the rules' reshapes and indexing
-    fail on them, and the op was ruled dense); any other operand as it is."""
-    if not isinstance(t, Tensor) or t.layout in (torch.strided, torch.sparse_coo):
+    """A constant sparse operand of a product as a COO tensor storing the same entries, all
+    of them where the stored ones were computed from x's values (read off the operand
+    itself: the rules' reshapes and indexing make new tensors, and CSR, CSC, BSR and BSC
+    tensors, without strides, refuse them: the op was ruled dense); any other operand as
+    it is."""
+    if not isinstance(t, Tensor) or t.layout is torch.strided:
         return t
     return stored(tr, t).to(t.dtype).to_sparse()
 

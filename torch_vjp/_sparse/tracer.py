@@ -219,6 +219,9 @@ class Tracer(TorchDispatchMode):
         # shaped by values]); and, among them, those drawn at random
         self._valued: dict[int, Tensor] = {}
         self._random: dict[int, Tensor] = {}
+        # the same for tensors without storage (a sparse matrix built from a mask of x's
+        # values: its stored entries move with x), by object (kept alive: no id reused)
+        self._valued_opaque: dict[int, Tensor] = {}
         self.by_value: str | None = None
         # the first op on tracked data whose backward torch batches wrongly (NOTE [wrong
         # batching rules] in torch_vjp._sparse.probe), as the warning names it
@@ -241,7 +244,9 @@ class Tracer(TorchDispatchMode):
         random (tracked or not): its zeros may move at another input or another draw, so
         none of them is structural."""
         key = _storage_key(t)
-        return key is not None and (key in self._valued or key in self._from_values)
+        if key is None:
+            return id(t) in self._valued_opaque
+        return key in self._valued or key in self._from_values
 
     def random(self, t: Tensor) -> bool:
         """Whether ``t``'s values derive from a random draw made inside ``f``."""
@@ -252,6 +257,7 @@ class Tracer(TorchDispatchMode):
         for t in outs:
             key = _storage_key(t)
             if key is None:
+                self._valued_opaque[id(t)] = t
                 continue
             self._valued[key] = t
             if random:
