@@ -107,14 +107,19 @@ def patches_last(
 # 0.54-0.65 of the grouped convolution's time, on 3 x 3 layers of 8 to 64 channels 1.2-1.7
 # of it (one thread, process CPU time, medians of alternated runs; the layers of
 # benchmarks/bench_per_sample_parts.py, conv_norms, which times both). So on CPU the first
-# chunk of each of the first three calls of each layer shape is computed both ways, timed
-# (process CPU time per example, twice alternated on each call; the best time of each way
-# over all of them: interference from other processes only adds time, and comes in bursts
-# that one call's runs can fall into), and from then on the product is used for that shape,
-# for the rest of the process, where it took at most 0.8 of the grouped convolution's time
-# (a wrong choice under a noisy measurement then costs little). Both give the same numbers
-# up to rounding; the measurement costs a few chunks on each of three calls, once per
-# shape. Elsewhere (GPUs, groups, 3-D) the grouped convolution is used, as before.
+# norms of each of the first three calls of each layer shape are computed both ways, each
+# way whole (every chunk of the batch) and timed (process CPU time, the order of the two
+# alternating from call to call; the best time of each way over the three calls:
+# interference from other processes only adds time, and comes in bursts that one call's
+# runs can fall into), and from then on the product is used for that shape, for the rest
+# of the process, where it took at most 0.8 of the grouped convolution's time (a wrong
+# choice under a noisy measurement then costs little). Both give the same numbers up to
+# rounding; the measurement costs one more computation of the layer's norms on each of
+# three calls, once per shape. (Timing only the first chunk, twice, misjudged the whole:
+# on cnn_b64 the first chunks of the grouped convolution timed at 45 to 90 us an example,
+# the whole pass at 115 to 160, against 30 to 36 for the product, so that under load the
+# grouped convolution was chosen in about half of the processes, at twice the layer's
+# time.) Elsewhere (GPUs, groups, 3-D) the grouped convolution is used, as before.
 #: (shapes, dtype) -> whether the patches' product is the faster (NOTE above).
 PATCHES_FASTER: dict[tuple, bool] = {}
 #: (shapes, dtype) -> [best seconds per example grouped, by the patches, calls measured].
@@ -151,6 +156,7 @@ class ConvFactor(Factor):
         self.region_shape = tuple(region_shape)  # the parameter's own shape
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
         self.rows = None
+        self.keeping = False  # (whether :meth:`sq_norms` keeps the per-sample gradients)
         self.kept_last = False  # (kept chunks channels last: :meth:`_per_sample_last`)
 
     @property
@@ -242,8 +248,8 @@ class ConvFactor(Factor):
         B = self.batch
         O, cg, k, L = self._dims()
         G = self.groups
-        out = self.x.new_zeros(B)
         if self._ghost_cheaper():
+            out = self.x.new_zeros(B)
             og = O // G
             per_example = cg * k * L * G + 2 * L * L
             for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
@@ -258,11 +264,23 @@ class ConvFactor(Factor):
         # copied into one new buffer: the clipped step on the CNN of bench_per_sample.py
         # takes 0.97 of the time it took so, benchmarks/results/per_sample_parts.md,
         # kept_chunks).
-        kept: list[tuple[int, int, Tensor]] | None = (
-            [] if keep is not None and keep.take(B * math.prod(self.weight_shape)) else None)
+        self.keeping = keep is not None and keep.take(B * math.prod(self.weight_shape))
         by_patches = self._patches_choice(chunk_size)
         if by_patches is None:
-            by_patches = self._measure(chunk_size)
+            return self._measure(chunk_size)
+        kept: list[tuple[int, int, Tensor]] | None = [] if self.keeping else None
+        out = self._direct_norms(by_patches, chunk_size, kept)
+        self.kept = kept
+        self.kept_last = by_patches
+        return out
+
+    def _direct_norms(self, by_patches: bool, chunk_size: int | None,
+                      kept: list[tuple[int, int, Tensor]] | None) -> Tensor:
+        """The squared norms from the per-sample gradients, formed one way (NOTE [two ways
+        to a convolution's per-sample gradients]) a chunk of examples at a time; each chunk
+        appended to ``kept`` where it is a list."""
+        B = self.batch
+        out = self.x.new_empty(B)
         per_example = self._patches_per_example() if by_patches else self._per_example()
         for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
             if by_patches:
@@ -274,8 +292,6 @@ class ConvFactor(Factor):
                 out[s:e] = sq_norms_rows(per_sample)
             if kept is not None:
                 kept.append((s, e, per_sample))
-        self.kept = kept
-        self.kept_last = by_patches
         return out
 
     # -- NOTE [two ways to a convolution's per-sample gradients] -------------------------
@@ -298,32 +314,33 @@ class ConvFactor(Factor):
             return False
         return PATCHES_FASTER.get(key)
 
-    def _measure(self, chunk_size: int | None) -> bool:
-        """Times the first chunk of each way (NOTE [two ways to a convolution's per-sample
-        gradients]); the faster so far, recorded for this factor's shapes once measured on
-        :data:`_PATCHES_CALLS` calls."""
-        B = self.batch
-        s1, e1 = next(iter(chunks(B, self._per_example(), chunk_size, NORM_CHUNK_ELEMENTS)))
-        s2, e2 = next(iter(chunks(B, self._patches_per_example(), chunk_size,
-                                  NORM_CHUNK_ELEMENTS)))
+    def _measure(self, chunk_size: int | None) -> Tensor:
+        """The squared norms, computed both ways and each timed whole (NOTE [two ways to a
+        convolution's per-sample gradients]); the choice recorded for this factor's shapes
+        once measured on :data:`_PATCHES_CALLS` calls. What the second way formed is kept
+        where :attr:`keeping`; what the first formed is let go before the second runs."""
         key = self._patches_key(chunk_size)
         if len(_PATCHES_TIMES) >= 256:
             _PATCHES_TIMES.clear()
         best = _PATCHES_TIMES.setdefault(key, [math.inf, math.inf, 0])  # type: ignore[arg-type]
-        for _ in range(2):
-            for k, (run, n) in enumerate(((lambda: self._per_sample(s1, e1), e1 - s1),
-                                          (lambda: self._per_sample_last(s2, e2), e2 - s2))):
-                start = time.process_time()
-                run()
-                best[k] = min(best[k], (time.process_time() - start) / n)
+        # (the order alternates from call to call: what runs second finds the caches warm)
+        order = (False, True) if best[2] % 2 == 0 else (True, False)
+        out = kept = None
+        for way in order:
+            out = kept = None  # (the first way's gradients go before the second's are made)
+            kept = [] if self.keeping else None
+            start = time.process_time()
+            out = self._direct_norms(way, chunk_size, kept)
+            best[int(way)] = min(best[int(way)], time.process_time() - start)
         best[2] += 1
-        faster = best[1] <= _PATCHES_MARGIN * best[0]
         if best[2] >= _PATCHES_CALLS:
             if len(PATCHES_FASTER) >= 256:
                 PATCHES_FASTER.clear()
-            PATCHES_FASTER[key] = faster  # type: ignore[index]
+            PATCHES_FASTER[key] = best[1] <= _PATCHES_MARGIN * best[0]  # type: ignore[index]
             del _PATCHES_TIMES[key]
-        return faster
+        self.kept = kept
+        self.kept_last = order[1]
+        return out  # type: ignore[return-value]
 
     def _patches_per_example(self) -> int:
         """Elements of the temporaries of :meth:`_per_sample_last` per example (the
