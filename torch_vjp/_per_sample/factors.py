@@ -392,22 +392,25 @@ class OuterFactor(Factor):
         return out
 
     def weighted_sum(self, c: Tensor) -> Tensor:
+        # sum_i c_i g_i^T a_i over all B * T rows, in any order: the narrower of a and g is
+        # scaled (a copy, written contiguous), the one product reads the other in place; its
+        # rows go in the order that one is stored in (time-major for the batch-first view of
+        # a sequence-first input, an attention's output projection: batch-major rows copied
+        # it)
         if self.a2 is not None:
-            a, g = self.a2, self.g2
+            a, g, cv = self.a2, self.g2, c.view(-1, 1)
         else:
-            B, T, p = self._a3.shape  # type: ignore[union-attr]
-            a = self._a3.reshape(B * T, p)  # type: ignore[union-attr]
-            g = self._g3.reshape(B * T, self._g3.shape[-1])  # type: ignore[union-attr]
-            c = c.repeat_interleave(T) if T != 1 else c
-        if c.dtype != g.dtype:  # type: ignore[union-attr]
-            c = c.to(g.dtype)  # type: ignore[union-attr]
-        # (sum_i c_i g_i^T a_i: the factors scale the narrower of a and g, the one product
-        # reads the other as it is)
-        if a.shape[1] < g.shape[1]:  # type: ignore[union-attr]
-            a = a * c.unsqueeze(1)
+            a, g, cv = self._a3, self._g3, c.view(-1, 1, 1)
+            other = g if a.shape[2] < g.shape[2] else a  # type: ignore[union-attr]
+            if not other.is_contiguous() and other.transpose(0, 1).is_contiguous():
+                a, g, cv = a.transpose(0, 1), g.transpose(0, 1), c.view(1, -1, 1)  # type: ignore[union-attr]
+        cv = cv if cv.dtype == g.dtype else cv.to(g.dtype)  # type: ignore[union-attr]
+        if a.shape[-1] < g.shape[-1]:  # type: ignore[union-attr]
+            a = _scaled(a, cv)  # type: ignore[arg-type]
         else:
-            g = g * c.unsqueeze(1)  # type: ignore[union-attr]
-        res = torch.mm(a.T, g) if self.transposed else torch.mm(g.T, a)  # type: ignore[union-attr]
+            g = _scaled(g, cv)  # type: ignore[arg-type]
+        a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])  # type: ignore[union-attr]
+        res = torch.mm(a.T, g) if self.transposed else torch.mm(g.T, a)
         return res if res.shape == self.region_shape else res.view(self.region_shape)
 
     def merge_key(self) -> Any:
@@ -421,6 +424,15 @@ class OuterFactor(Factor):
         first = factors[0]
         return OuterFactor(a, g, first.region_shape, first.rows,
                            first.transposed)  # type: ignore[attr-defined]
+
+
+def _scaled(x: Tensor, c: Tensor) -> Tensor:
+    """``x * c`` written contiguous in ``x``'s logical order (a product follows the memory
+    order of its operand, which a transposed view does not have)."""
+    if torch.is_grad_enabled() and (x.requires_grad or c.requires_grad):
+        return (x * c).contiguous()  # (out= takes no part in autograd)
+    out = torch.empty(x.shape, dtype=torch.result_type(x, c), device=x.device)
+    return torch.mul(x, c, out=out)
 
 
 class EmbeddingFactor(Factor):
