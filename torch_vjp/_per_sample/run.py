@@ -110,8 +110,9 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
         structure: tuple[Any, ...] = (tuple(m.training for m in model.modules()),)
         key = None
     else:
-        structure = structure_of(model)
-        key = _static_key(model, params, structure, prefix)
+        flags: list[tuple[int, bool]] = []
+        structure = structure_of(model, flags)
+        key = _static_key(flags, params, structure, prefix)
     training = structure[0]
     cache = _STATIC.setdefault(model, {}) if key is not None else {}
     sel = cache.get(key)
@@ -134,8 +135,10 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
                structure=structure)
 
 
-def _static_key(model: nn.Module, params: Any, structure: tuple[Any, ...], prefix: str) -> Any:
-    # (a wrapper's selection names its results with the wrapper's names: kept apart)
+def _static_key(flags: list[tuple[int, bool]], params: Any, structure: tuple[Any, ...],
+                prefix: str) -> Any:
+    # (a wrapper's selection names its results with the wrapper's names: kept apart;
+    # ``flags``: each parameter's ``(id, requires_grad)``, found by ``structure_of``)
     if params is None:
         names: Any = None
     elif isinstance(params, str):
@@ -144,8 +147,7 @@ def _static_key(model: nn.Module, params: Any, structure: tuple[Any, ...], prefi
         names = tuple(params)
     else:
         return None  # a generator, or something select() reports
-    return (names, tuple((id(p), p.requires_grad) for p in model.parameters()), structure,
-            prefix)
+    return (names, tuple(flags), structure, prefix)
 
 
 def _tables(model: nn.Module, selected: frozenset[int]) -> tuple[Any, ...]:

@@ -268,10 +268,13 @@ def restore_numbers(before: list[tuple[nn.Module, dict[str, Any]]]) -> None:
                 d[k] = v
 
 
-def structure_of(model: nn.Module) -> tuple[Any, ...]:
+def structure_of(model: nn.Module, params: list[tuple[int, bool]] | None = None
+                 ) -> tuple[Any, ...]:
     """The model's structure as NOTE [the structure a plan is for] says, and its modules'
-    training flags."""
+    training flags. With ``params``, the same walk appends ``(id(p), p.requires_grad)`` of
+    each parameter there, in the order of ``model.parameters()`` (each once)."""
     entries, training, memo = [], [], {}  # (memo: a hook on many modules is keyed once)
+    seen: set[int] = set()
     torch_attrs = _TORCH_ATTRS or _torch_attrs()
     # what the code of the model's own module types reads, for the attributes of torch's
     # modules below them (``self.blocks.mix`` on an nn.ModuleList): the modules come parent
@@ -291,6 +294,11 @@ def structure_of(model: nn.Module) -> tuple[Any, ...]:
             entry += (("backward", _hooks_key(bh, memo) if bh else (),
                        _hooks_key(bph, memo) if bph else ()),)
         ps = m._parameters  # (which are frozen: NOTE [probes at a generic point] in plan.py)
+        if params is not None and ps:
+            for p in ps.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append((id(p), p.requires_grad))
         if ps and not all(p is None or p.requires_grad for p in ps.values()):
             entry += (("frozen", tuple(k for k, p in ps.items()
                                        if p is not None and not p.requires_grad)),)
@@ -465,7 +473,13 @@ def _held_tensors(fn: Any, tracked: dict[int, str], out: list[Any], depth: int) 
             _add_tensor(("arg", j), a, tracked, out)
         _held_tensors(fn.func, tracked, out, depth - 1)
         return
-    func = getattr(fn, "__func__", fn)
+    # (a module's own attribute by its dict: Module.__getattr__'s failed lookup of
+    # ``__func__`` cost more than the rest; what it finds there, a parameter, buffer or
+    # submodule, is never a function, and a class's ``__func__`` is read as before)
+    if isinstance(fn, nn.Module) and not hasattr(type(fn), "__func__"):
+        func = fn.__dict__.get("__func__", fn)
+    else:
+        func = getattr(fn, "__func__", fn)
     if isinstance(func, types.FunctionType):
         _function_tensors(func, tracked, out)
         owner = getattr(fn, "__self__", None)
@@ -500,7 +514,13 @@ def _function_tensors(func: types.FunctionType, tracked: dict[int, str], out: li
             _add_tensor(n, v, tracked, out)
 
 
+# (values that hold no tensor, skipped by their type at once: a loss module's settings)
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+
+
 def _add_tensor(where: Any, v: Any, tracked: dict[int, str], out: list[Any]) -> None:
+    if type(v) in _PLAIN:
+        return
     if isinstance(v, Tensor):
         out.append((where, _tensor_flag(v, tracked)))
     elif isinstance(v, nn.Module):  # (a layer whose weight an L2 term reads: by the
@@ -568,11 +588,15 @@ def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
     ``scale_grad_by_freq``, a recurrent layer's ``dropout``, a convolution's ``stride``):
     a rule decided on them when the plan was made, so a plan whose layers' settings have
     changed since is made again. (A few microseconds a layer, on every call.)"""
-    return tuple(
-        tuple(v for k, v in vars(m).items()
-              if type(v) in _SETTING_TYPES and k[0] != "_" and k != "training")
-        for m in layers
-    )
+    return tuple([_settings(m) for m in layers])
+
+
+def _settings(m: nn.Module) -> tuple[Any, ...]:
+    """One layer's part of :func:`layer_settings` (the private names first: most of a
+    module's dict; list comprehensions: generators cost more, on every call)."""
+    types_ = _SETTING_TYPES
+    return tuple([v for k, v in m.__dict__.items()
+                  if k[:1] != "_" and type(v) in types_ and k != "training"])
 
 
 def settings_of(layers: list[nn.Module]) -> tuple[Any, ...]:
@@ -583,5 +607,8 @@ def settings_of(layers: list[nn.Module]) -> tuple[Any, ...]:
 
 def settings_changed(settings: tuple[Any, ...]) -> bool:
     """Whether a layer of ``settings`` (:func:`settings_of`) is gone or set otherwise."""
-    layers = [ref() for ref in settings[0]]
-    return any(m is None for m in layers) or layer_settings(layers) != settings[1]
+    for ref, before in zip(settings[0], settings[1]):
+        m = ref()
+        if m is None or _settings(m) != before:
+            return True
+    return False
