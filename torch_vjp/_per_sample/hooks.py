@@ -92,10 +92,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
         with rec:
             out = forward(model, job.xs, aliases)
         calls = rec.calls
-        signature = plan.signature()
-        if len(calls) != len(signature) or any(
-            call_key(c) != k for c, k in zip(calls, signature)
-        ) or any(_moved_batch(c, cp, batch) for c, cp in zip(calls, plan.calls)):
+        if not _as_planned(calls, plan, batch):
             result.mismatch = True
             return result
         total, scale = scaled_loss_sum(job.fn, job.loss_fn, out, job.targets, batch,
@@ -236,6 +233,18 @@ def _declined_error(fn: str, c: Call, names: set[str], why: str, vmap: bool) -> 
         f"torch_vjp.{fn}: strategy='hooks' cannot compute {listed}: the {c.rule.name} rule in "
         f"'{c.path}' cannot compute this call of the layer ({why}).\n"
         f"  Fix: {fix}.")
+
+
+def _as_planned(calls: list[Call], plan: Plan, batch: int) -> bool:
+    """Whether the recorded layer calls are the plan's, in order, each with the examples
+    where the plan found them (one loop: this runs on every call)."""
+    signature = plan.signature()
+    if len(calls) != len(signature):
+        return False
+    for c, k, cp in zip(calls, signature, plan.calls):
+        if call_key(c) != k or _moved_batch(c, cp, batch):
+            return False
+    return True
 
 
 def _moved_batch(c: Call, cp: CallPlan, batch: int) -> bool:

@@ -216,7 +216,7 @@ class Plan:
 
     def route(self, names: Sequence[str], reason: str) -> None:
         """Moves ``names`` off the rules (or off vmap) after a failed check."""
-        for key in ("_rule_set", "_rule", "_zero"):
+        for key in ("_rule_set", "_rule", "_zero", "_fallback"):
             self.__dict__.pop(key, None)
         for c in self.calls:
             c.roles = None

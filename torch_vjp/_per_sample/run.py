@@ -331,7 +331,18 @@ def _recorded_pass(job: Job, plan: Plan) -> HooksResult:
 
 
 def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
-    """The parameters left to vmap and to the loop in this call."""
+    """The parameters left to vmap and to the loop in this call (fresh lists, which the
+    callers may extend). Where the call moved none, they are the plan's own, made once
+    (``Plan.route`` drops them with the other lists made from the methods)."""
+    if not res.moved:
+        found = plan.__dict__.get("_fallback")
+        if found is None:
+            found = plan.__dict__["_fallback"] = _names_left(plan, res)
+        return list(found[0]), list(found[1])
+    return _names_left(plan, res)
+
+
+def _names_left(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
     vmap_names, loop_names = [], []
     for n, p in plan.params.items():
         method = "vmap" if n in res.moved else p.method
