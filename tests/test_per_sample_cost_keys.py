@@ -142,7 +142,7 @@ def test_a_convolution_whose_taps_change_after_planning_stays_right():
 
 
 def test_settings_changed_sees_every_plain_setting_and_a_layer_gone():
-    from torch_vjp._per_sample.structure import settings_changed, settings_of
+    from torch_vjp._per_sample.registry import settings_changed, settings_of
 
     layers = [nn.Embedding(10, 3, padding_idx=2), nn.Linear(3, 3)]
     settings = settings_of(layers)
@@ -160,3 +160,38 @@ def test_settings_changed_sees_every_plain_setting_and_a_layer_gone():
     import gc
     gc.collect()
     assert settings_changed(settings)
+
+
+def test_the_structures_inlined_flags_agree_with_flag_of():
+    # (structure_of reads torch modules' settings with flag_of's rule written out)
+    from torch_vjp._engine.context import flag_of
+    from torch_vjp._per_sample import structure
+
+    for v in (True, False, 0, 3, 0.0, 2.5, "x", "", None, (1,), [1], 1j, object()):
+        f = flag_of(v)
+        inlined = (v if type(v) in structure._FLAGS else bool(v)) if (
+            type(v) in structure._FLAGS or type(v) in structure._NUMBERS_FLAGGED
+        ) else NotImplemented
+        assert (f is NotImplemented) == (inlined is NotImplemented), v
+        if f is not NotImplemented:
+            assert f == inlined and type(f) is type(inlined), v
+
+
+def test_a_torch_layers_setting_and_a_frozen_parameter_are_in_the_structure():
+    from torch_vjp._per_sample.structure import structure_of
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.0), nn.Linear(3, 2))
+    flags: list = []
+    before = structure_of(model, flags)
+    assert flags == [(id(p), p.requires_grad) for p in model.parameters()]
+    model[1].p = 0.5  # (a dropout raised from zero)
+    assert structure_of(model) != before
+    model[1].p = 0.0
+    assert structure_of(model) == before
+    model[2].bias.requires_grad_(False)
+    frozen: list = []
+    after = structure_of(model, frozen)
+    assert after != before
+    assert frozen == [(id(p), p.requires_grad) for p in model.parameters()]
+    model[0].forward = lambda x: x  # (a replaced forward takes the rule away)
+    assert structure_of(model) != after

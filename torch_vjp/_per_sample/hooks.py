@@ -166,7 +166,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
             gs = []
             for j, slot in enumerate(row):
                 g = None if slot is None else grads[slot]
-                if g is not None and tuple(g.shape) != tuple(c.outputs[j].shape):
+                if g is not None and g.shape != c.outputs[j].shape:
                     g = g.reshape(c.outputs[j].shape)
                 gs.append(wide(g))
             roles = cp.roles if not result.moved else None
@@ -176,7 +176,7 @@ def hooks_pass(job: Job, plan: Plan) -> HooksResult:
                     cp.roles = roles
             if not roles:
                 continue
-            args = tuple(wide(a.detach()) if isinstance(a, Tensor) else a for a in c.args)
+            args = tuple([wide(a.detach()) if isinstance(a, Tensor) else a for a in c.args])
             c.args = args
             try:
                 found = c.rule.factors(c, gs, roles, batch)

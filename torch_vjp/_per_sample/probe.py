@@ -19,8 +19,7 @@ from torch_vjp._engine.fwdcheck import all_finite
 from torch_vjp._errors import TorchVJPError, a_type, quote_error
 from torch_vjp._per_sample.args import Job, Selection
 from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counters, numbers_of,
-                                             restore_numbers, settings_changed, settings_of,
-                                             structure_of)
+                                             restore_numbers, structure_of)
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
@@ -37,7 +36,8 @@ from torch_vjp._per_sample.plan import (
     vmap_blockers,
 )
 from torch_vjp._per_sample.recorder import Recorder
-from torch_vjp._per_sample.registry import Call, UserRule, declining_rule
+from torch_vjp._per_sample.registry import (Call, UserRule, declining_rule, settings_changed,
+                                            settings_of)
 from torch_vjp._per_sample.renorm import READ_AGAIN, TableReads, renormalising_tables
 
 __all__ = ["input_entries", "plan_for", "plan_key", "forget_plans", "build_plan"]
@@ -58,22 +58,31 @@ def plan_key(job: Job) -> Any:
     (NOTE [the structure a plan is for] in :mod:`torch_vjp._per_sample.structure`), the selected
     parameters (and which have gradient hooks), the loss, the strategy, which inputs are
     one tensor (the batch size is not part of it; a batch of one is planned apart)."""
-    sel, targets = job.sel, job.targets
+    sel, targets, xs = job.sel, job.targets, job.xs
+    # (list comprehensions and one pass over the tensors: generators cost more, every call)
+    tensors = sel.tensors.values()
     return (
         job.strategy,
         job.batch == 1,
-        tuple(_tail(x) for x in job.xs),
-        tuple(next(j for j, y in enumerate(job.xs) if y is x) for x in job.xs),  # (each_once)
+        tuple([_tail(x) for x in xs]),
+        tuple([_first(xs, x) for x in xs]),  # (each_once)
         None if targets is None else (
             _tail(targets) if isinstance(targets, Tensor)
-            else tuple(_tail(t) for t in tree_leaves(targets))),
+            else tuple([_tail(t) for t in tree_leaves(targets)])),
         job.structure,  # NOTE [the structure a plan is for] in _per_sample/structure.py
         tuple(sel.canonical),
-        tuple(t.requires_grad for t in sel.tensors.values()),
-        tuple(bool(t._backward_hooks) for t in sel.tensors.values()),
+        tuple([t.requires_grad for t in tensors]),
+        tuple([bool(t._backward_hooks) for t in tensors]),
         loss_key(job.loss_fn),
         loss_tensors(job.loss_fn, sel.tracked),
     )
+
+
+def _first(xs: tuple[Any, ...], x: Any) -> int:  # (x's first position in xs, by identity)
+    for j, y in enumerate(xs):
+        if y is x:
+            return j
+    raise ValueError("not in the inputs")  # (x is taken from xs)
 
 
 def forget_plans(model: nn.Module | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,8 @@ from torch_vjp._errors import PerSampleTypeError, PerSampleValueError, a_type
 from torch_vjp._per_sample.factors import Factor, SmallFactor
 
 __all__ = ["Call", "Rule", "Declined", "register_rule", "rule_for", "replaced_forward",
-           "hidden_rule", "UserRule", "to_batch_first"]
+           "hidden_rule", "UserRule", "to_batch_first", "layer_settings", "settings_of",
+           "settings_changed"]
 
 
 @dataclass
@@ -184,7 +186,10 @@ def replaced_forward(module: nn.Module) -> str | None:
     """The method of ``module`` replaced on the instance (``layer.forward = ...``), which
     a rule of torch's layer cannot replay, or None."""
     own = module.__dict__
-    return next((name for name in REPLAYED if name in own), None)
+    for name in REPLAYED:  # (a loop: a generator costs more, for every module on every call)
+        if name in own:
+            return name
+    return None
 
 
 def hidden_rule(module: nn.Module) -> str | None:
@@ -425,3 +430,39 @@ def register_user_rule(
     qual = str(getattr(fn, "__qualname__", None) or type(fn).__name__).rpartition(".<locals>.")[2]
     name = f"'{qual}' (registered for {module_type.__name__})"
     _RULES[module_type] = (UserRule(fn, name, batch_dims), False)
+
+
+# The settings a rule decided on, kept with the plan (``Plan.settings``)
+
+_SETTING_TYPES = (bool, int, float, str, tuple, type(None))
+
+
+def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
+    """The public plain-valued attributes of the layers the rules computed (an Embedding's
+    ``scale_grad_by_freq``, a recurrent layer's ``dropout``, a convolution's ``stride``):
+    a rule decided on them when the plan was made, so a plan whose layers' settings have
+    changed since is made again. (A few microseconds a layer, on every call.)"""
+    return tuple([_settings(m) for m in layers])
+
+
+def _settings(m: nn.Module) -> tuple[Any, ...]:
+    """One layer's part of :func:`layer_settings` (the private names first: most of a
+    module's dict; list comprehensions: generators cost more, on every call)."""
+    types_ = _SETTING_TYPES
+    return tuple([v for k, v in m.__dict__.items()
+                  if k[:1] != "_" and type(v) in types_ and k != "training"])
+
+
+def settings_of(layers: list[nn.Module]) -> tuple[Any, ...]:
+    """``Plan.settings``, the layers held weakly: a plan that held its model (one that is a
+    layer, ``nn.Linear``) kept it alive in the cache, which is weak in the model."""
+    return tuple(map(weakref.ref, layers)), layer_settings(layers)
+
+
+def settings_changed(settings: tuple[Any, ...]) -> bool:
+    """Whether a layer of ``settings`` (:func:`settings_of`) is gone or set otherwise."""
+    for ref, before in zip(settings[0], settings[1]):
+        m = ref()
+        if m is None or _settings(m) != before:
+            return True
+    return False

@@ -110,8 +110,7 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
         structure: tuple[Any, ...] = (tuple(m.training for m in model.modules()),)
         key = None
     else:
-        flags: list[tuple[int, bool]] = []
-        structure = structure_of(model, flags)
+        structure = structure_of(model, flags := [])
         key = _static_key(flags, params, structure, prefix)
     training = structure[0]
     cache = _STATIC.setdefault(model, {}) if key is not None else {}
@@ -135,10 +134,8 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
                structure=structure)
 
 
-def _static_key(flags: list[tuple[int, bool]], params: Any, structure: tuple[Any, ...],
-                prefix: str) -> Any:
-    # (a wrapper's selection names its results with the wrapper's names: kept apart;
-    # ``flags``: each parameter's ``(id, requires_grad)``, found by ``structure_of``)
+def _static_key(flags: list[Any], params: Any, structure: tuple[Any, ...], prefix: str) -> Any:
+    # (flags: each parameter's (id, requires_grad); a wrapper's selection: kept apart)
     if params is None:
         names: Any = None
     elif isinstance(params, str):
@@ -331,18 +328,10 @@ def _recorded_pass(job: Job, plan: Plan) -> HooksResult:
 
 
 def _fallback_names(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
-    """The parameters left to vmap and to the loop in this call (fresh lists, which the
-    callers may extend). Where the call moved none, they are the plan's own, made once
-    (``Plan.route`` drops them with the other lists made from the methods)."""
-    if not res.moved:
-        found = plan.__dict__.get("_fallback")
-        if found is None:
-            found = plan.__dict__["_fallback"] = _names_left(plan, res)
-        return list(found[0]), list(found[1])
-    return _names_left(plan, res)
-
-
-def _names_left(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
+    """The parameters left to vmap and to the loop in this call (where it moved none, copies
+    of the plan's lists, made once: ``Plan.route`` drops them)."""
+    if not res.moved and "_fallback" in plan.__dict__:
+        return tuple(map(list, plan.__dict__["_fallback"]))  # type: ignore[return-value]
     vmap_names, loop_names = [], []
     for n, p in plan.params.items():
         method = "vmap" if n in res.moved else p.method
@@ -355,6 +344,8 @@ def _names_left(plan: Plan, res: HooksResult) -> tuple[list[str], list[str]]:
         # (:func:`hooks_pass`), and a forward that branches on a value one for the whole
         # batch can reach them: the fallback computes them too, zeros where none does
         (vmap_names or loop_names).extend(plan.zero_params)
+    if not res.moved:
+        plan.__dict__["_fallback"] = (list(vmap_names), list(loop_names))
     return vmap_names, loop_names
 
 

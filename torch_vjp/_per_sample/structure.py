@@ -18,8 +18,7 @@ from torch_vjp._engine.fwdcheck import route_key
 from torch_vjp._per_sample.registry import replaced_forward
 
 __all__ = ["structure_of", "loss_key", "loss_tensors", "function_flags", "object_flags",
-           "nested_flags", "numbers_of", "note_counters", "restore_numbers", "layer_settings",
-           "settings_of", "settings_changed"]
+           "nested_flags", "numbers_of", "note_counters", "restore_numbers"]
 
 # NOTE [the structure a plan is for]
 # A plan (which layers have rules, in which dimension each finds the examples, which
@@ -268,6 +267,12 @@ def restore_numbers(before: list[tuple[nn.Module, dict[str, Any]]]) -> None:
                 d[k] = v
 
 
+# flag_of's values: kept as they are, and numbers by their truth (``_flag_types`` in the
+# tests checks that these agree with flag_of)
+_FLAGS = (bool, str, type(None))
+_NUMBERS_FLAGGED = (int, float)
+
+
 def structure_of(model: nn.Module, params: list[tuple[int, bool]] | None = None
                  ) -> tuple[Any, ...]:
     """The model's structure as NOTE [the structure a plan is for] says, and its modules'
@@ -294,14 +299,18 @@ def structure_of(model: nn.Module, params: list[tuple[int, bool]] | None = None
             entry += (("backward", _hooks_key(bh, memo) if bh else (),
                        _hooks_key(bph, memo) if bph else ()),)
         ps = m._parameters  # (which are frozen: NOTE [probes at a generic point] in plan.py)
-        if params is not None and ps:
-            for p in ps.values():
-                if p is not None and id(p) not in seen:
+        if ps:
+            frozen = []
+            for k, p in ps.items():
+                if p is None:
+                    continue
+                if not p.requires_grad:
+                    frozen.append(k)
+                if params is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append((id(p), p.requires_grad))
-        if ps and not all(p is None or p.requires_grad for p in ps.values()):
-            entry += (("frozen", tuple(k for k, p in ps.items()
-                                       if p is not None and not p.requires_grad)),)
+            if frozen:
+                entry += (("frozen", tuple(frozen)),)
         replaced = replaced_forward(m)
         if replaced is not None:  # (a layer.forward = ... takes the layer's rule away; and
             # by what it runs, as a hook is: a forward replaced again, by one that mixes the
@@ -312,9 +321,11 @@ def structure_of(model: nn.Module, params: list[tuple[int, bool]] | None = None
         if not own:  # (and so does nn.Linear.forward = ...: the functions the rules replay;
             # and the flags of its settings: a Dropout's p raised from 0, where it draws
             # nothing, or a Softmax's dim moved onto the batch)
+            # (flag_of inlined: one call per attribute of every module, on every call)
             entry += (kind.forward, getattr(kind, "_conv_forward", None), tuple([
-                (k, f) for k, v in m.__dict__.items() if k[:1] != "_" and k != "training"
-                and (f := flag_of(v)) is not NotImplemented]))
+                (k, v if type(v) in _FLAGS else bool(v)) for k, v in m.__dict__.items()
+                if (type(v) in _FLAGS or type(v) in _NUMBERS_FLAGGED) and k[:1] != "_"
+                and k != "training"]))
         if own:
             skip = _COUNTERS.get(kind) or torch_attrs
             reads = _TYPE_READS.get(kind) or _type_reads(kind)
@@ -578,37 +589,3 @@ def _object_flags(obj: object) -> tuple[Any, ...]:
                 continue
         out.append((k, f))
     return tuple(out)
-
-
-_SETTING_TYPES = (bool, int, float, str, tuple, type(None))
-
-
-def layer_settings(layers: list[nn.Module]) -> tuple[Any, ...]:
-    """The public plain-valued attributes of the layers the rules computed (an Embedding's
-    ``scale_grad_by_freq``, a recurrent layer's ``dropout``, a convolution's ``stride``):
-    a rule decided on them when the plan was made, so a plan whose layers' settings have
-    changed since is made again. (A few microseconds a layer, on every call.)"""
-    return tuple([_settings(m) for m in layers])
-
-
-def _settings(m: nn.Module) -> tuple[Any, ...]:
-    """One layer's part of :func:`layer_settings` (the private names first: most of a
-    module's dict; list comprehensions: generators cost more, on every call)."""
-    types_ = _SETTING_TYPES
-    return tuple([v for k, v in m.__dict__.items()
-                  if k[:1] != "_" and type(v) in types_ and k != "training"])
-
-
-def settings_of(layers: list[nn.Module]) -> tuple[Any, ...]:
-    """``Plan.settings``, the layers held weakly: a plan that held its model (one that is a
-    layer, ``nn.Linear``) kept it alive in the cache, which is weak in the model."""
-    return tuple(map(weakref.ref, layers)), layer_settings(layers)
-
-
-def settings_changed(settings: tuple[Any, ...]) -> bool:
-    """Whether a layer of ``settings`` (:func:`settings_of`) is gone or set otherwise."""
-    for ref, before in zip(settings[0], settings[1]):
-        m = ref()
-        if m is None or _settings(m) != before:
-            return True
-    return False
