@@ -3,7 +3,7 @@ reverse strategy.
 
 NOTE [named reverse strategies and wrong formulas]
 "auto" checks its route against other products (NOTE [auto, checked once], NOTE [a reverse
-product checked forward]); a named strategy computes what was asked, unchecked. Two of
+product checked forward]); a named strategy computes what was asked, unchecked. Three of
 torch's (2.13) derivatives are known wrong, and reverse mode through them returned a wrong
 Jacobian without a word:
 
@@ -15,7 +15,16 @@ Jacobian without a word:
   the tensor scattered into: wrong with or without vmap. ``"rev"`` and ``"rev-loop"`` are
   refused where the tensor scattered into is computed from the differentiated inputs (the
   gradient of the scattered source is right), with the strategies that compute it
-  (forward mode is right).
+  (forward mode is right);
+* the backward formula of the antialiased resize, ``F.interpolate(..., mode='bilinear' or
+  'bicubic', antialias=True)`` (``UpsampleBilinear2DAaBackward0``,
+  ``UpsampleBicubic2DAaBackward0``), for its input: wrong with or without vmap (errors of
+  the size of the entries) where the output is one column wide and its height is resampled,
+  or where a ``scale_factor`` (without ``align_corners``) is not the ratio of the output's
+  size to the input's. The node's saved sizes and scales tell (:func:`_resize_wrong`: a
+  superset of the cases found wrong, checked against forward mode over sizes, scales and
+  ``align_corners``); elsewhere its backward is right and nothing is refused. Refused as
+  above, with ``"fwd"`` (torch.vmap runs its forward formula) as the fix.
 
 ``torch_vjp.vjp`` reads the graph its own call of f builds for the same operators: its
 ``vjp_fn`` refuses the products through ``torch.as_strided_scatter``'s wrong backward (as
@@ -68,8 +77,54 @@ __all__ = ["named_reverse", "plain_forward_message", "reading_wrong_ops", "wrong
 
 #: Backward nodes whose batching rule is wrong (the products under vmap), by their name.
 _BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist"}
+_SCATTER = "torch.as_strided_scatter"
+_AA_BILINEAR = "torch.nn.functional.interpolate(mode='bilinear', antialias=True)"
+_AA_BICUBIC = "torch.nn.functional.interpolate(mode='bicubic', antialias=True)"
 #: Backward nodes wrong alone, where their first input (``self``) is differentiated.
-_WRONG_ALONE = {"AsStridedScatterBackward0": "torch.as_strided_scatter"}
+_WRONG_ALONE = {"AsStridedScatterBackward0": _SCATTER,
+                "UpsampleBilinear2DAaBackward0": _AA_BILINEAR,
+                "UpsampleBicubic2DAaBackward0": _AA_BICUBIC}
+#: How each op's backward is wrong: for the tensor that f computes from its inputs.
+_AA_HOW = ("for the input resized (where the output is one column wide and its height is "
+           "resampled, or where a scale_factor is not the ratio of the sizes: errors of the "
+           "size of the entries)")
+_HOW = {_SCATTER: ("for the tensor scattered into (the gradient of that tensor is passed "
+                   "inside the scattered region rather than outside it)"),
+        _AA_BILINEAR: _AA_HOW, _AA_BICUBIC: _AA_HOW}
+
+
+def _how(op: str) -> str:
+    return _HOW.get(op, "for its input")
+
+
+def _no_vmap(op: str) -> bool:
+    """Whether torch.vmap has no batching rule for ``op`` (forward mode then runs one
+    product at a time: ``"fwd-loop"``)."""
+    return op == _SCATTER
+
+
+def _resize_wrong(node: Any) -> bool:
+    """Whether the antialiased resize's backward ``node`` is one torch computes wrongly
+    (NOTE [named reverse strategies and wrong formulas]); True where its saved sizes cannot
+    be read."""
+    try:
+        ho, wo = (int(n) for n in node._saved_output_size)
+        hi, wi = (int(n) for n in node._saved_self_sym_sizes[-2:])
+        scales = (node._saved_scales_h, node._saved_scales_w)
+        corners = bool(node._saved_align_corners)
+    except Exception:  # noqa: BLE001 - saved values not readable: taken as wrong
+        return True
+
+    def off(scale: float | None, out: int, size: int) -> bool:
+        return scale is not None and scale > 0 and scale * size != out
+
+    return ((wo == 1 and ho > 1 and ho != hi)
+            or (not corners and (off(scales[0], ho, hi) or off(scales[1], wo, wi))))
+
+
+#: Backward nodes of :data:`_WRONG_ALONE` wrong only where their saved values say so.
+_WRONG_WHERE = {"UpsampleBilinear2DAaBackward0": _resize_wrong,
+                "UpsampleBicubic2DAaBackward0": _resize_wrong}
 
 
 def named_reverse(call: str, found: tuple[str | None, str | None], vectorized: bool,
@@ -84,15 +139,17 @@ def named_reverse(call: str, found: tuple[str | None, str | None], vectorized: b
     name = named[0]
     strategy = "rev" if vectorized else "rev-loop"
     if alone is not None:
+        how = _how(alone)
+        fix = ("strategy='fwd-loop' (forward mode, whose formula is right; torch.vmap has no "
+               "batching rule for it)" if _no_vmap(alone) else
+               "strategy='fwd' (forward mode, whose formula is right)")
         raise StrategyError(
             f"{call}: strategy={strategy!r} computes with reverse-mode AD, and torch's "
-            f"backward formula of {alone} is wrong for the tensor scattered into (the "
-            f"gradient of that tensor is passed inside the scattered region rather than "
-            f"outside it), which f ({name}) computes from its differentiated inputs, so the "
-            f"Jacobian would be wrong, with or without torch.vmap.\n"
-            f"  Fix: strategy='fwd-loop' (forward mode, whose formula is right; torch.vmap "
-            f"has no batching rule for it), or 'auto', which checks its reverse products "
-            f"and takes forward mode there."
+            f"backward formula of {alone} is wrong {how}, which f ({name}) computes from its "
+            f"differentiated inputs, so the Jacobian would be wrong, with or without "
+            f"torch.vmap.\n"
+            f"  Fix: {fix}, or 'auto', which checks its reverse products and takes forward "
+            f"mode there."
         )
     if batching is None or not vectorized:
         return vectorized
@@ -122,9 +179,15 @@ def wrong_ops(outs: Sequence[Tensor], batched: Mapping[str, str] | None = None,
     for node in graph_nodes(outs):
         name = type(node).__name__
         batching = batching or batched.get(name)
-        if name in wrong_alone and node.next_functions and node.next_functions[0][0] is not None:
-            alone = alone or wrong_alone[name]
+        if (alone is None and name in wrong_alone and node.next_functions
+                and node.next_functions[0][0] is not None
+                and _WRONG_WHERE.get(name, _always)(node)):
+            alone = wrong_alone[name]
     return batching, alone
+
+
+def _always(node: Any) -> bool:
+    return True
 
 
 def reading_wrong_ops(f: Callable[..., Any], has_aux: bool
@@ -147,15 +210,17 @@ def wrong_pullback(call: str, op: str, name: str) -> JacobianCallError:
     """The error of a pullback (``torch_vjp.vjp``'s ``vjp_fn``) through ``op``, an operator
     whose backward formula is wrong alone (NOTE [named reverse strategies and wrong
     formulas]), in f (``name``)."""
+    how = _how(op)
+    fix = (f"torch_vjp.jacobian(f, *primals, strategy='fwd-loop') and v^T J from it "
+           f"(torch.vmap has no batching rule for {op}, so 'fwd' cannot run it)"
+           if _no_vmap(op) else
+           "torch_vjp.jacobian(f, *primals, strategy='fwd') and v^T J from it")
     return JacobianCallError(
-        f"{call}: torch's backward formula of {op} is wrong for the tensor scattered into "
-        f"(the gradient of that tensor is passed inside the scattered region rather than "
-        f"outside it), which f ({name}) computes from the primals, so v^T J would be "
-        f"wrong (torch.func.vjp's too), batched or not.\n"
+        f"{call}: torch's backward formula of {op} is wrong {how}, which f ({name}) computes "
+        f"from the primals, so v^T J would be wrong (torch.func.vjp's too), batched or "
+        f"not.\n"
         f"  Fix: compute with forward mode, whose formula is right: torch_vjp.jvp(f, "
-        f"primals, tangents) for J t, or torch_vjp.jacobian(f, *primals, "
-        f"strategy='fwd-loop') and v^T J from it (torch.vmap has no batching rule for "
-        f"{op}, so 'fwd' cannot run it)."
+        f"primals, tangents) for J t, or {fix}."
     )
 
 
@@ -170,29 +235,31 @@ def wrong_hessian(call: str, op: str, name: str, strategy: str) -> JacobianCallE
     """The error of a Hessian (asked for with ``strategy``) of f (``name``) through ``op``,
     an operator whose backward formula is wrong alone (NOTE [a Hessian through a wrong
     backward])."""
+    how = _how(op)
+    fwd, one = (("fwd-loop", f", one product at a time (torch.vmap has no batching rule "
+                              f"for {op})") if _no_vmap(op) else ("fwd", ""))
     return JacobianCallError(
-        f"{call}: torch's backward formula of {op} is wrong for the tensor scattered into "
-        f"(the gradient of that tensor is passed inside the scattered region rather than "
-        f"outside it), which f ({name}) computes from its differentiated inputs; a Hessian "
-        f"differentiates f's gradient, which is formed by reverse mode whatever the "
-        f"strategy (strategy={strategy!r} names the outer Jacobian only), so the Hessian "
-        f"would be wrong under every strategy.\n"
-        f"  Fix: take the Jacobian of a forward-mode gradient, whose formula is right, "
-        f"one product at a time (torch.vmap has no batching rule for {op}): "
-        f"torch_vjp.jacobian(lambda x: torch_vjp.jacobian(f, x, strategy='fwd-loop'), x, "
-        f"strategy='fwd-loop') for a scalar f; or write f without {op}."
+        f"{call}: torch's backward formula of {op} is wrong {how}, which f ({name}) computes "
+        f"from its differentiated inputs; a Hessian differentiates f's gradient, "
+        f"which is formed by reverse mode whatever the strategy (strategy={strategy!r} "
+        f"names the outer Jacobian only), so the Hessian would be wrong under every "
+        f"strategy.\n"
+        f"  Fix: take the Jacobian of a forward-mode gradient, whose formula is right{one}: "
+        f"torch_vjp.jacobian(lambda x: torch_vjp.jacobian(f, x, strategy={fwd!r}), x, "
+        f"strategy={fwd!r}) for a scalar f; or write f without {op}."
     )
 
 
 def plain_forward_message(call: str, op: str, name: str) -> str:
     """The one-time warning that "auto" computed with plain forward mode where the plain
     reverse loop meets ``op`` (NOTE [a plain loop through a wrong backward])."""
+    how = _how(op)
     return (
         f"{call}: torch.func cannot run f ({name}), so strategy='auto' computes with plain "
-        f"autograd, and torch's backward formula of {op} is wrong for the tensor scattered "
-        f"into, which f computes from its differentiated inputs: it computed the Jacobian "
-        f"with plain forward-mode AD (one forward pass per input element), whose formula is "
-        f"right, instead of reverse mode.\n"
+        f"autograd, and torch's backward formula of {op} is wrong {how}, which f computes "
+        f"from its differentiated inputs: it computed the Jacobian with plain "
+        f"forward-mode AD (one forward pass per input element), whose formula is right, "
+        f"instead of reverse mode.\n"
         f"  Pass strategy='fwd-loop' to compute it that way directly. This warning is shown "
         f"once per function."
     )
@@ -202,13 +269,12 @@ def wrong_plain(call: str, op: str, name: str, err: BaseException) -> JacobianCa
     """The error of "auto" where the plain reverse loop meets ``op`` and plain forward mode
     cannot run f either (``err``: what it raised) (NOTE [a plain loop through a wrong
     backward])."""
+    how = _how(op)
     return JacobianCallError(
         f"{call}: torch.func cannot run f ({name}), so strategy='auto' computes with plain "
-        f"autograd, and torch's backward formula of {op} is wrong for the tensor scattered "
-        f"into (the gradient of that tensor is passed inside the scattered region rather "
-        f"than outside it), which f computes from its differentiated inputs, so reverse "
-        f"mode's Jacobian would be wrong; forward mode, whose formula is right, cannot run "
-        f"f either.\n"
+        f"autograd, and torch's backward formula of {op} is wrong {how}, which f computes "
+        f"from its differentiated inputs, so reverse mode's Jacobian would be wrong; "
+        f"forward mode, whose formula is right, cannot run f either.\n"
         f"  Forward mode said: {quote_error(err)}\n"
         f"  Fix: let forward mode run f (a custom torch.autograd.Function: a jvp "
         f"staticmethod), then strategy='fwd-loop'; or write f without {op}."

@@ -1,0 +1,126 @@
+"""torch's (2.13) backward of the antialiased resize (F.interpolate, mode='bilinear' or
+'bicubic', antialias=True) is wrong for its input where the output is one column wide and
+its height is resampled, or where a scale_factor is not the ratio of the sizes: named
+reverse strategies, torch_vjp.vjp's vjp_fn and a Hessian through it refuse, with forward
+mode as the fix (NOTE [named reverse strategies and wrong formulas]); "auto" returns
+forward mode's Jacobian; where the backward is right, nothing is refused. float64, against
+finite differences and torch.func.jacfwd."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_vjp as tv
+from torch_vjp._engine import fwdcheck
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    fwdcheck.CHECKED.clear()
+    yield
+    fwdcheck.CHECKED.clear()
+
+
+def _fd(f, x, h=1e-6):
+    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
+    cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in eye]
+    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
+
+
+def _resize(mode, **kw):
+    def f(x):
+        return F.interpolate(x, mode=mode, antialias=True, **kw)
+    return f
+
+
+# (input shape, keywords): every one of torch's wrong cases found
+WRONG = [((1, 1, 6, 1), dict(scale_factor=(1.95, 1.27))),
+         ((1, 1, 6, 1), dict(size=(11, 1))),
+         ((2, 3, 6, 4), dict(size=(12, 1))),
+         ((1, 1, 3, 3), dict(scale_factor=(1.6, 1.27))),
+         ((1, 1, 6, 2), dict(size=(12, 1), align_corners=True))]
+RIGHT = [((1, 1, 6, 4), dict(size=(11, 7))),
+         ((1, 1, 6, 4), dict(scale_factor=2.0)),
+         ((2, 2, 6, 4), dict(size=(6, 1)))]
+
+
+def _x(shape):
+    return torch.randn(shape, dtype=D, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("shape,kw", WRONG)
+@pytest.mark.parametrize("strategy", ["rev", "rev-loop"])
+def test_named_reverse_refuses_with_forward_mode_as_the_fix(mode, shape, kw, strategy):
+    f, x = _resize(mode, **kw), _x(shape)
+    want = _fd(f, x)
+    torch.testing.assert_close(torch.func.jacfwd(f)(x), want)
+    assert (torch.func.jacrev(f)(x) - want).abs().max() > 0.05  # (torch's bug, still there)
+    with pytest.raises(tv.StrategyError) as err:
+        tv.jacobian(f, x, strategy=strategy)
+    msg = str(err.value)
+    assert f"strategy={strategy!r} computes with reverse-mode AD" in msg
+    assert (f"backward formula of torch.nn.functional.interpolate(mode={mode!r}, "
+            f"antialias=True) is wrong for the input resized (where the output is one column wide"
+            ) in msg
+    assert "so the Jacobian would be wrong" in msg
+    assert "Fix: strategy='fwd' (forward mode, whose formula is right), or 'auto'" in msg
+    # the fix it names computes the right Jacobian, and so does "auto"
+    torch.testing.assert_close(tv.jacobian(f, x, strategy="fwd"), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        torch.testing.assert_close(tv.jacobian(f, x), want)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("shape,kw", RIGHT)
+def test_right_cases_are_not_refused(mode, shape, kw):
+    f, x = _resize(mode, **kw), _x(shape)
+    want = torch.func.jacfwd(f)(x)
+    torch.testing.assert_close(want, _fd(f, x))
+    for strategy in ("rev", "rev-loop"):
+        torch.testing.assert_close(tv.jacobian(f, x, strategy=strategy), want)
+
+
+def test_a_constant_resized_is_not_refused():
+    s = _x((1, 1, 6, 1))
+
+    def f(x):
+        return F.interpolate(s, mode="bilinear", antialias=True, size=(11, 1)) * x
+
+    x = _x((1, 1, 11, 1)) + 1
+    torch.testing.assert_close(tv.jacobian(f, x, strategy="rev"), torch.func.jacfwd(f)(x))
+
+
+def test_vjp_fn_refuses():
+    f, x = _resize("bilinear", scale_factor=(1.95, 1.27)), _x((1, 1, 6, 1))
+    y, vjp_fn = tv.vjp(f, x)
+    with pytest.raises(tv.JacobianCallError) as err:
+        vjp_fn(torch.ones_like(y))
+    msg = str(err.value)
+    assert "vjp_fn: torch's backward formula of torch.nn.functional.interpolate(" in msg
+    assert "so v^T J would be wrong (torch.func.vjp's too)" in msg
+    assert "torch_vjp.jacobian(f, *primals, strategy='fwd') and v^T J from it" in msg
+
+
+def test_hessian_refuses():
+    f = _resize("bicubic", size=(11, 1))
+
+    def g(x):
+        return (f(x) ** 2).sum()
+
+    x = _x((1, 1, 6, 1))
+    want = torch.func.jacfwd(torch.func.jacfwd(g))(x)
+    assert (torch.func.hessian(g)(x) - want).abs().max() > 0.05  # (torch's bug, still there)
+    for strategy in ("auto", "fwd", "rev"):
+        with pytest.raises(tv.JacobianCallError) as err:
+            tv.hessian(g, x, strategy=strategy)
+        msg = str(err.value)
+        assert "so the Hessian would be wrong under every strategy" in msg
+        assert "strategy='fwd'), x, strategy='fwd') for a scalar f" in msg
+    # the fix it names is right
+    got = tv.jacobian(lambda x: tv.jacobian(g, x, strategy="fwd"), x, strategy="fwd")
+    torch.testing.assert_close(got, want)
