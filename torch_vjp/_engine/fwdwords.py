@@ -69,16 +69,27 @@ _FORWARD = {"fwd": "forward mode under torch.vmap",
 
 
 def wrong_reverse_message(call: str, name: str, first: str, route: str, reverse: float,
-                          forward: float, difference: float) -> str:
+                          forward: float, difference: float, op: str | None = None) -> str:
     """The one-time warning that the reverse product of "auto"'s check was itself wrong
     (NOTE [a reverse product checked forward] in :mod:`torch_vjp._engine.revcheck`):
-    ``first`` (a reverse route) gave way to ``route`` (a forward one)."""
+    ``first`` (a reverse route) gave way to ``route`` (a forward one). ``op``: the operator
+    with a known wrong backward formula that f's graph holds, None where none is known (the
+    cause is then described, not named)."""
+    if op is not None:
+        cause = f"an operator in f has a wrong backward formula (torch's for {op})"
+    else:
+        cause = (
+            "a backward formula in f does not match the function as computed: a write at "
+            "a repeated index that does not accumulate (out[idx] = x, index_put, scatter "
+            "or index_copy with an index twice: only one write survives, which forward mode "
+            "and finite differences differentiate, while torch's backward gives every "
+            "duplicate the gradient; torch leaves which one survives unspecified), or an "
+            "operator whose backward torch computes wrongly")
     return (
-        f"{call}: a reverse product without torch.vmap disagrees with a forward product on "
-        f"the Jacobian of {name} (u^T J v: {reverse:.6g} by reverse mode, {forward:.6g} by "
-        f"forward mode, {difference:.6g} by a central difference): an operator in f has a "
-        f"wrong backward formula (torch.as_strided_scatter's, for the gradient of the tensor "
-        f"scattered into), so {_REVERSE.get(first, first)} would be wrong. strategy='auto' "
+        f"{call}: a reverse product without torch.vmap disagrees with a forward product and "
+        f"a central difference on the Jacobian of {name} (u^T J v: {reverse:.6g} by reverse "
+        f"mode, {forward:.6g} by forward mode, {difference:.6g} by a central difference): "
+        f"{cause}, so {_REVERSE.get(first, first)} would not match f. strategy='auto' "
         f"returned the Jacobian by {_FORWARD[route]}, and uses it for this function and "
         f"input shapes from now on.\n"
         f"  Pass strategy={route!r} to compute it that way directly. This warning is shown "

@@ -47,6 +47,7 @@ from torch_vjp._engine.fwdnoise import _homogeneous
 from torch_vjp._engine.fwdwords import wrong_reverse_message
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through
+from torch_vjp._engine.wrongops import wrong_ops
 from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = ["ReverseWrong", "central_difference", "forward_route", "reverse_wrong"]
@@ -55,14 +56,16 @@ __all__ = ["ReverseWrong", "central_difference", "forward_route", "reverse_wrong
 class ReverseWrong:
     """The reverse product found wrong: the direction ``vs`` (one per leaf), ``u^T J v`` by
     forward mode (``forward``), by the reverse product (``reverse``), by a central
-    difference (``difference``), and the rounding scale they were compared at."""
+    difference (``difference``), the rounding scale they were compared at, and the
+    operator of NOTE [named reverse strategies and wrong formulas] (in
+    :mod:`torch_vjp._engine.wrongops`) f's graph holds (``op``; None: none known)."""
 
-    __slots__ = ("vs", "forward", "reverse", "difference", "scale")
+    __slots__ = ("vs", "forward", "reverse", "difference", "scale", "op")
 
     def __init__(self, vs: list[Tensor], forward: float, reverse: float, difference: float,
-                 scale: float) -> None:
+                 scale: float, op: str | None = None) -> None:
         self.vs, self.forward, self.reverse = vs, forward, reverse
-        self.difference, self.scale = difference, scale
+        self.difference, self.scale, self.op = difference, scale, op
 
 
 def _outputs(prob: Problem, xs: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -154,16 +157,20 @@ def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Ten
     difference = central_difference(prob, us, vs, redraw)
     if difference is None or abs(difference - forward) > 0.1 * abs(forward - reverse):
         return None
-    if not _linear(prob, us, redraw):
+    linear, op = _linear(prob, us, redraw)
+    if not linear:
         return None  # (a hook that clips the gradient: f's backward is its own, no formula's)
-    return ReverseWrong(vs, forward, reverse, difference, scale)
+    return ReverseWrong(vs, forward, reverse, difference, scale, op)
 
 
-def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None]) -> bool:
+def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None]
+            ) -> tuple[bool, str | None]:
     """Whether f's reverse products scale exactly with their cotangent (``us``), as those of
     backward formulas do (:func:`~torch_vjp._engine.fwdnoise._homogeneous`); not where a
     hook clips or adds to the gradient, whose products differ from forward mode's by
-    design."""
+    design. With it, the operator with a known wrong backward that the graph of this call
+    holds (:func:`~torch_vjp._engine.wrongops.wrong_ops`; None: none), for the warning's
+    words."""
     try:
         redraw()
         with torch.enable_grad():
@@ -171,18 +178,19 @@ def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None]) -> 
             xs = [x.detach().requires_grad_(True) for x in prob.leaves]
             live = [(o, u) for o, u in zip(_outputs(prob, xs), us) if o.requires_grad]
             if not live:
-                return False
+                return False, None
+            op = wrong_ops([o for o, _ in live])[1]
 
             def product(cs: Sequence[Tensor]) -> Sequence[Tensor | None]:
                 return torch.autograd.grad([o for o, _ in live], xs, list(cs),
                                            retain_graph=True, allow_unused=True)
 
             a = [u for _, u in live]
-            return _homogeneous(product, a, product(a))
+            return _homogeneous(product, a, product(a)), op
     except Exception as err:  # noqa: BLE001 - plain autograd cannot run f: nothing to tell
         if passes_through(err):
             raise
-        return False
+        return False, None
 
 
 def forward_route(
@@ -219,7 +227,7 @@ def forward_route(
         keep(name)
         warn_once((prob.call, named[0], first, "reverse wrong"),
                   wrong_reverse_message(prob.call, named[1], first, name, wrong.reverse,
-                                        wrong.forward, wrong.difference),
+                                        wrong.forward, wrong.difference, op=wrong.op),
                   JacobianWarning)
         return alt
     return None
