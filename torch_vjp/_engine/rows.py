@@ -126,8 +126,7 @@ def basis_rows(
     Row ``r`` of the basis is the ``r``-th unit vector of the concatenation of the flattened
     tensors, split back into one tensor per shape. ``rows(start, stop)`` returns one tensor
     per shape, of shape ``(stop - start, *shape)`` (or ``(stop - start, batch, *shape)``, the
-    row broadcast over a batch, for ``batch_jacobian``). A negative ``start`` gives zero rows
-    first (``rows(-1, stop)``: a zero row, then rows ``0`` to ``stop - 1``).
+    row broadcast over a batch, for ``batch_jacobian``), for ``0 <= start <= stop``.
 
     Example:
         >>> rows = basis_rows([torch.Size([2]), torch.Size([])], [torch.float32] * 2,
