@@ -601,7 +601,10 @@ def jacobian_of(
         JacobianOptionError: ``compile=True`` (see above), or an invalid ``chunk_size``.
         JacobianCallError: an input does not require grad, an argument is not a tensor,
             a tensor is complex (an output also integer or boolean), or an input is sparse
-            or nested.
+            or nested; the graph goes, on a path to an input, through an operator whose
+            backward formula torch computes wrongly (torch.as_strided_scatter for the
+            tensor scattered into, the antialiased ``F.interpolate``'s wrong cases: see
+            the docs page "Strategies"): the fix it names is forward mode from the function.
         JacobianMemoryError: the Jacobian does not fit the free memory.
 
     The first vectorised Jacobian of a graph structure (node types, shapes and dtypes of

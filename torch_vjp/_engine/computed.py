@@ -44,6 +44,7 @@ from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.retained import retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
+from torch_vjp._engine.wrongops import wrong_graph, wrong_towards
 from torch_vjp._errors import (
     JacobianCallError, JacobianWarning, quote_error, shape_str,
     user_stacklevel, warn_once,
@@ -62,6 +63,9 @@ def computed_jacobian(
     With ``create_graph`` the blocks are differentiable whatever the caller's grad mode, as
     ``torch.autograd.grad(create_graph=True)``'s results are: the products are joined (the
     chunks and the loop's rows stacked) and split into blocks under grad mode too."""
+    alone = wrong_towards(outs, ins)  # NOTE [named reverse strategies and wrong formulas]
+    if alone is not None:
+        raise wrong_graph(call, alone)
     try:
         with torch.enable_grad() if create_graph else contextlib.nullcontext():
             return _blocks(outs, ins, retain_graph, create_graph, chunk, call, single_out,

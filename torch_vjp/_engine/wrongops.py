@@ -31,7 +31,10 @@ Jacobian without a word:
 ``vjp_fn`` refuses the products through ``torch.as_strided_scatter``'s wrong backward (as
 torch.func.vjp would return them wrong), with forward mode as the fix
 (:func:`reading_wrong_ops`, :func:`wrong_pullback`); one product at a time and torch.vmap's
-batched ones run the same formula.
+batched ones run the same formula. :func:`torch_vjp.jacobian_of`, whose only products are
+the backward passes of a graph already built, refuses where that graph holds one whose
+wrong gradient reaches its inputs (:func:`wrong_towards`, :func:`wrong_graph`), naming
+forward mode from the function as the fix.
 
 The graph is the one the products' own call of f builds (torch.func's vjp records it): no
 call of f more, and a walk of its nodes per call (a fraction of the call's own cost: each
@@ -74,7 +77,8 @@ from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyError
                                warn_once)
 
 __all__ = ["named_reverse", "plain_forward_message", "reading_wrong_ops", "wrong_alone",
-           "wrong_hessian", "wrong_ops", "wrong_plain", "wrong_pullback"]
+           "wrong_graph", "wrong_hessian", "wrong_ops", "wrong_plain", "wrong_pullback",
+           "wrong_towards"]
 
 #: Backward nodes whose batching rule is wrong (the products under vmap), by their name.
 _BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist"}
@@ -191,6 +195,33 @@ def wrong_ops(outs: Sequence[Tensor], batched: Mapping[str, str] | None = None,
     return batching, alone
 
 
+def wrong_towards(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> str | None:
+    """The op of :data:`_WRONG_ALONE` (by name) in the graph of ``outs`` whose wrong
+    gradient reaches ``ins`` (its first input's graph holds one of them), for
+    :func:`torch_vjp.jacobian_of`, which reads that graph; None where there is none (one
+    only on a path to another tensor that requires grad leaves ``ins``' Jacobian right)."""
+    targets = {id(x.grad_fn) for x in ins if x.grad_fn is not None}
+    leaves = {id(x) for x in ins if x.grad_fn is None}
+    for node in graph_nodes(outs):
+        name = type(node).__name__
+        if name not in _WRONG_ALONE or not node.next_functions:
+            continue
+        first = node.next_functions[0][0]
+        if first is None or not _WRONG_WHERE.get(name, _always)(node):
+            continue
+        stack, seen = [first], set()
+        while stack:
+            sub = stack.pop()
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            variable = getattr(sub, "variable", None)
+            if id(sub) in targets or (variable is not None and id(variable) in leaves):
+                return _WRONG_ALONE[name]
+            stack.extend(nxt for nxt, _ in sub.next_functions if nxt is not None)
+    return None
+
+
 def _always(node: Any) -> bool:
     return True
 
@@ -226,6 +257,22 @@ def wrong_pullback(call: str, op: str, name: str) -> JacobianCallError:
         f"not.\n"
         f"  Fix: compute with forward mode, whose formula is right: torch_vjp.jvp(f, "
         f"primals, tangents) for J t, or {fix}."
+    )
+
+
+def wrong_graph(call: str, op: str) -> JacobianCallError:
+    """The error of :func:`torch_vjp.jacobian_of` where the outputs' graph holds ``op``, an
+    operator whose backward formula is wrong alone (NOTE [named reverse strategies and wrong
+    formulas]): the graph's backward passes are the only products it can take."""
+    fwd = "'fwd-loop'" if _no_vmap(op) else "'fwd'"
+    return JacobianCallError(
+        f"{call}: the outputs' graph goes through {op}, and torch's backward formula of it "
+        f"is wrong {_how(op)}, which the graph computes from tensors that require grad, "
+        f"so a Jacobian read from the graph (one backward pass per output element) would be "
+        f"wrong, as torch.autograd.grad's products through it are.\n"
+        f"  Fix: compute the Jacobian from the function that made the outputs, with forward "
+        f"mode, whose formula is right: torch_vjp.jacobian(f, x, strategy={fwd}); or "
+        f"write f without {op}."
     )
 
 
