@@ -163,6 +163,7 @@ def forward_instead(
     wrong = found[0]
     warn_once((prob.call, function_key(prob.f), mode, "reverse wrong"),
               wrong_reverse_message(prob.call, function_name(prob.f), "rev", route,
-                                    wrong.reverse, wrong.forward, wrong.difference),
+                                    wrong.reverse, wrong.forward, wrong.difference,
+                                    op=wrong.op),
               JacobianWarning)
     return alt

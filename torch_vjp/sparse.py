@@ -222,7 +222,7 @@ def sparse_jacobian(
             warning). Reverse mode's products are checked on a plan's first use against a
             forward-mode product; where a central difference sides with forward mode (an op
             whose backward formula is wrong: a custom Function's, or torch's own, as that of
-            an antialiased ``F.interpolate`` given a ``scale_factor`` in torch 2.13), the
+            an antialiased ``F.interpolate`` in torch 2.13, in some of its resizes), the
             Jacobian is computed in forward mode, with a one-time warning naming the op. A
             write at a repeated index (``out[idx] = v``, ``scatter``, ``index_copy``), where
             the modes differ by convention, keeps each mode's answer, as
