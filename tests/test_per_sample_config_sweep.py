@@ -5,6 +5,8 @@ StrategyError that names the fix."""
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 from torch import nn
@@ -418,19 +420,27 @@ def _same_state(a, b):
         assert a[2][k] is None or torch.equal(a[2][k], b[2][k]), k
 
 
-@pytest.mark.parametrize("strategy", ["auto", "hooks", "vmap", "loop"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_config(name, strategy):
+STRATEGIES = ("auto", "hooks", "vmap", "loop")
+
+
+def _fresh(name, state=None):
+    """The configuration's model in float64 from seed 0 (with ``state`` loaded: the one the
+    reference loop left), and its inputs."""
     torch.manual_seed(0)
     make, inputs = CONFIGS[name]
     model = make().to(D)
+    if state is not None:
+        model.load_state_dict(state)
     if name == "frozen_bias_with_grad":
         model.a.bias.grad = torch.ones(4, dtype=D)
-    xs = inputs()
+    return model, inputs()
+
+
+def _check(name, strategy, model, xs, want):
+    """One strategy on a model no strategy has seen: its grads, norms and clipped sum equal
+    the reference's, or it refuses naming the cause; the model's state is kept."""
     arg = xs if len(xs) > 1 else xs[0]
     refused = _refusal(strategy, name)
-    # (the reference loop first: its forwards move running statistics, renormalise rows)
-    want = _loop(model, xs) if refused is None else None
     before = _state(model)
     if refused is not None:
         with pytest.raises(tv.StrategyError) as info:
@@ -458,3 +468,24 @@ def test_config(name, strategy):
             torch.testing.assert_close(p.grad, torch.einsum("b,b...->...", c, want[n]), msg=n)
             p.grad = None
     _same_state(before, _state(model))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_config(name):
+    """Every strategy against one reference: the per-example loop, run first (its forwards
+    move running statistics, renormalise rows) on a model of its own; each strategy then gets
+    a fresh model and inputs, the model holding the state the loop left, so that none sees
+    another's plans or ``.grad``. A failure names its strategy; the strategies after it
+    still run."""
+    model, xs = _fresh(name)
+    want = _loop(model, xs)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    failures = []
+    for strategy in STRATEGIES:  # (a refusal's model as built: no forward has run on it)
+        fresh, fresh_xs = _fresh(name, None if _refusal(strategy, name) else after)
+        try:
+            _check(name, strategy, fresh, fresh_xs, want)
+        except Exception:  # (each strategy's failure, named, then the others)
+            failures.append(f"strategy={strategy!r} on {name}:\n{traceback.format_exc()}")
+    if failures:
+        pytest.fail("\n".join(failures))
