@@ -136,9 +136,21 @@ def _check(rank, world):
     return [weakref.ref(ddp), weakref.ref(sub)]
 
 
+def _spawn(worker, world, init_file):
+    """``worker(rank, world, init_file)`` on ``world`` ranks, as mp.spawn runs it, each rank
+    forked from one server process that imported torch, torch_vjp and this module once for
+    every run here (mp.spawn's fresh interpreters imported them again in each rank)."""
+    if "forkserver" not in mp.get_all_start_methods():  # (Windows)
+        mp.spawn(worker, args=(world, init_file), nprocs=world, join=True)
+        return
+    mp.set_forkserver_preload(["torch", "torch_vjp", "pytest", __name__])
+    mp.start_processes(worker, args=(world, init_file), nprocs=world, join=True,
+                       start_method="forkserver")
+
+
 def _run(world):
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init")), nprocs=world, join=True)
+        _spawn(_worker, world, os.path.join(d, "init"))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -237,7 +249,7 @@ def test_ddp_buffers_are_broadcast_before_the_per_example_passes():
     # stale statistics, and the clipped step's pass through DDP then copied rank 0's over
     # them: the same call twice gave other results
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_buffers_worker, args=(2, os.path.join(d, "init")), nprocs=2, join=True)
+        _spawn(_buffers_worker, 2, os.path.join(d, "init"))
 
 
 def test_hooks_on_the_ddp_wrapper_itself_are_refused():
