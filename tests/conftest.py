@@ -146,17 +146,28 @@ def inductor():
     inductor's (under :func:`aot_eager_unless_inductor`)."""
 
 
-def _spawn_within(worker, world, seconds):
+def _spawn_within(worker, world, seconds, *, forkserver=False):
     """Runs ``worker(rank, world, init_file)`` on ``world`` ranks; a rank that still runs
-    after ``seconds`` (a collective waiting for ever) fails the test instead of blocking it."""
+    after ``seconds`` (a collective waiting for ever) fails the test instead of blocking it.
+
+    With ``forkserver``, each rank is forked from one server process that imported torch,
+    torch_vjp and the worker's module once for every such run in this process (``mp.spawn``
+    starts a fresh interpreter per rank, which imports them again: seconds of CPU each). The
+    ranks then inherit the server's environment, as it was when it started, not the test's:
+    for workers that read no environment variable a test sets."""
     import tempfile
     import time
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.spawn(worker, args=(world, os.path.join(d, "init")), nprocs=world,
-                       join=False)
+        args = (world, os.path.join(d, "init"))
+        if forkserver and "forkserver" in mp.get_all_start_methods():
+            mp.set_forkserver_preload(["torch", "torch_vjp", "pytest", worker.__module__])
+            ctx = mp.start_processes(worker, args=args, nprocs=world, join=False,
+                                     start_method="forkserver")
+        else:
+            ctx = mp.spawn(worker, args=args, nprocs=world, join=False)
         deadline = time.monotonic() + seconds
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:

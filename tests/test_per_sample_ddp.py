@@ -139,7 +139,8 @@ def _check(rank, world):
 def _spawn(worker, world, init_file):
     """``worker(rank, world, init_file)`` on ``world`` ranks, as mp.spawn runs it, each rank
     forked from one server process that imported torch, torch_vjp and this module once for
-    every run here (mp.spawn's fresh interpreters imported them again in each rank)."""
+    every run here (mp.spawn's fresh interpreters imported them again in each rank; as
+    conftest's spawn_within with ``forkserver=True``)."""
     if "forkserver" not in mp.get_all_start_methods():  # (Windows)
         mp.spawn(worker, args=(world, init_file), nprocs=world, join=True)
         return
@@ -351,4 +352,4 @@ def _one_rank_fails_worker(rank, world, init_file):
 def test_ddp_clipped_step_error_on_one_rank_reaches_every_rank(spawn_within):
     # rank 1's loss raised on a target of its own examples; rank 0 went on into the reducer's
     # all-reduce and waited there for rank 1 until the group's timeout
-    spawn_within(_one_rank_fails_worker, 2, 90)
+    spawn_within(_one_rank_fails_worker, 2, 90, forkserver=True)
