@@ -49,10 +49,18 @@ def run(tmp_path_factory):
     import contextlib
     import io
 
+    from torch_vjp._engine import compile_checks
+
     buffer = io.StringIO()
     threads = torch.get_num_threads()
-    with contextlib.redirect_stdout(buffer):
-        status = main(argv)
+    # (the compiled method's program built with aot_eager, NOTE [the backend of the tests]:
+    # these tests read the outputs, not what inductor's C++ costs)
+    backend, compile_checks.BACKEND = compile_checks.BACKEND, "aot_eager"
+    try:
+        with contextlib.redirect_stdout(buffer):
+            status = main(argv)
+    finally:
+        compile_checks.BACKEND = backend
     assert torch.get_num_threads() == threads, "the run must restore torch's thread count"
     return status, buffer.getvalue(), out
 
