@@ -102,4 +102,4 @@ def _no_sync_worker(rank, world, init_file):
 def test_ddp_no_sync_clipped_step_error_on_one_rank_reaches_every_rank(spawn_within):
     # rank 1's loss raised on a target of its own examples; rank 0 went on into the
     # synchronising pass's buffer broadcast and waited there for rank 1
-    spawn_within(_no_sync_worker, 2, 120)
+    spawn_within(_no_sync_worker, 2, 120, forkserver=True)
