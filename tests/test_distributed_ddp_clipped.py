@@ -92,7 +92,7 @@ def test_ddp_clipped_step_applies_a_parameter_gradient_hook_once(spawn_within):
     # the per-example gradients go through a parameter's hook (Tensor.register_hook); the
     # pass that adds the clipped sums through DDP's backward ran it again on the sum, so
     # .grad was 3 times the unwrapped model's, silently
-    spawn_within(_grad_hooks_worker, 2, 120)
+    spawn_within(_grad_hooks_worker, 2, 120, forkserver=True)
 
 
 def _plain_model():
@@ -162,7 +162,7 @@ def _static_graph_worker(rank, world, init_file):
 
 
 def test_ddp_static_graph_clipped_step_selects_the_first_steps_parameters(spawn_within):
-    spawn_within(_static_graph_worker, 2, 150)
+    spawn_within(_static_graph_worker, 2, 150, forkserver=True)
 
 
 class _WithHead(nn.Module):
@@ -220,4 +220,4 @@ def _static_unused_worker(rank, world, init_file):
 
 def test_ddp_static_graph_clipped_step_names_a_parameter_the_forward_never_uses(
         spawn_within):
-    spawn_within(_static_unused_worker, 2, 150)
+    spawn_within(_static_unused_worker, 2, 150, forkserver=True)
