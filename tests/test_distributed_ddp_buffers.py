@@ -122,4 +122,4 @@ def _ddp_worker(rank, world, init_file):
 def test_sharded_jacobian_of_a_ddp_model_uses_rank_0s_buffers_and_says_where_it_cannot(
         spawn_within):
     # (three ranks, one spawned run: a group of ranks 1 and 2 leaves DDP's rank 0 out)
-    spawn_within(_ddp_worker, 3, 300)
+    spawn_within(_ddp_worker, 3, 300, forkserver=True)
