@@ -351,7 +351,7 @@ def _two_ranks(rank, world, init_file):
 
 def test_sharded_jacobians_whose_ranks_must_pair_their_calls(spawn_within):
     # (one group for every check: a process started costs more than the checks)
-    spawn_within(_two_ranks, 2, 420)
+    spawn_within(_two_ranks, 2, 420, forkserver=True)
 
 
 def test_padded_count_is_the_largest_share():
@@ -464,7 +464,7 @@ def _not_a_group_worker(rank, world, init_file):
 
 def test_a_rank_whose_process_group_is_none_or_no_group_leaves_the_others_a_clear_error(
         spawn_within):
-    spawn_within(_not_a_group_worker, 2, 180)
+    spawn_within(_not_a_group_worker, 2, 180, forkserver=True)
 
 
 def test_a_group_not_initialised_says_the_other_ranks_cannot_be_told(one_rank_group):
