@@ -27,10 +27,18 @@ __all__ = [
 
 
 def affine_factors(xhat: Tensor, g: Tensor, sum_dims: tuple[int, ...], roles: set[str]):
-    """The per-sample gradients of an affine map's ``weight`` and ``bias``."""
+    """The per-sample gradients of an affine map's ``weight`` and ``bias``.
+
+    ``xhat`` is the rule's own temporary (every rule here computes it afresh): ``xhat * g``
+    is written over it where the product keeps its shape and dtype, which spares a second
+    buffer the size of the input (on the CPU a fresh one of a few hundred KB is a new
+    mapping each time, about half the cost of the product)."""
     out = []
     if "weight" in roles:
-        prod = xhat * g
+        if xhat.shape == g.shape and xhat.dtype == torch.result_type(xhat, g):
+            prod = xhat.mul_(g)
+        else:
+            prod = xhat * g
         out.append(("weight", SmallFactor(prod.sum(sum_dims) if sum_dims else prod)))
     if "bias" in roles:
         out.append(("bias", SmallFactor(g.sum(sum_dims) if sum_dims else g)))
