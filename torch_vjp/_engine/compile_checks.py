@@ -25,7 +25,7 @@ from torch_vjp._errors import (JacobianOptionError, JacobianWarning, chained, qu
 from torch_vjp._strategies import Strategy
 
 __all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled",
-           "recompile_refused", "FirstRun", "graph_safe_mode", "warn_rebuilt",
+           "recompile_refused", "recompiled_why", "FirstRun", "graph_safe_mode", "warn_rebuilt",
            "warn_eager", "compile_failure", "COMPILED_STRATEGIES", "check_compile",
            "check_compilable", "warn_budget", "program_mode", "user_stance",
            "compiles_nothing", "dynamo_disabled", "stance_held", "BACKEND"]
@@ -318,6 +318,16 @@ def warn_rebuilt(call: str, f: object, count: int) -> None:
         f"shown once.",
         JacobianWarning,
     )
+
+
+def recompiled_why(recompiles: int) -> str:
+    """Why a key rebuilt ``recompiles`` times stays eager (NOTE [a recompiled entry])."""
+    return (f"the compiled program was recompiled {recompiles} times for the same function, "
+            f"options and input signature: something the function reads besides its "
+            f"arguments and closure (a global, an attribute of an object or module, a "
+            f"module hook) changed before each of those calls, and each change needs a new "
+            f"program, checked against the eager call. Pass what changes as an argument (a "
+            f"tensor) to compile one program")
 
 
 def compile_failure(err: BaseException) -> str:

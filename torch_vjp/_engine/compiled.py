@@ -79,7 +79,7 @@ from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, Gra
                                               check_compilable, check_compile,
                                               compile_failure, compiles_nothing,
                                               dynamo_disabled, program_mode,
-                                              recompile_refused, results_agree,
+                                              recompile_refused, recompiled_why, results_agree,
                                               stance_held, user_stance, warn_budget, warn_eager,
                                               warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, GuardReads, Reads, call_signature,
@@ -194,10 +194,12 @@ class Built(NamedTuple):
     """What a ``build`` of :func:`compiled_call` may return instead of the bare program:
     the program, and ``fresh``, which makes the arguments it takes after ``args`` anew on
     each call (a result buffer, see NOTE [the result buffer of a compiled Jacobian] in
-    :mod:`torch_vjp._engine.compiled_jacobian`)."""
+    :mod:`torch_vjp._engine.compiled_jacobian`); with ``why``, none: the signature stays
+    eager, with a warning that says why (NOTE [reverse products batched wrongly])."""
 
-    program: Callable[..., Any]
-    fresh: Callable[[], tuple[Any, ...]]
+    program: Callable[..., Any] | None
+    fresh: Callable[[], tuple[Any, ...]] = tuple
+    why: str | None = None
 
 
 def _on_copies(program: Callable[..., Any], n: int) -> Callable[..., Any]:
@@ -536,13 +538,7 @@ def _compile_first(
         warn_rebuilt(call, f, rebuilt - 1)
         return result
     if recompiles >= REBUILD_WARN_AT:
-        warn_eager(call, f, f"the compiled program was recompiled {recompiles} times for "
-                             f"the same function, options and input signature: something "
-                             f"the function reads besides its arguments and closure (a "
-                             f"global, an attribute of an object or module, a module hook) "
-                             f"changed before each of those calls, and each change needs "
-                             f"a new program, checked against the eager call. Pass what "
-                             f"changes as an argument (a tensor) to compile one program")
+        warn_eager(call, f, recompiled_why(recompiles))
         return result
     global _BUILDS
     with _LOCK:
@@ -560,7 +556,11 @@ def _compile_first(
             with HOOK_GUARDS, buffers_kept(f, primals=args):  # build() may call f (captured
                 # tensors too; a module among the arguments, as the eager call keeps it)
                 built = build()
-                built, fresh = built if isinstance(built, Built) else (built, tuple)
+                if isinstance(built, Built) and built.why is not None:
+                    params.restore()
+                    warn_eager(call, f, built.why)
+                    return result
+                built, fresh = built[:2] if isinstance(built, Built) else (built, tuple)
                 own = _own_code(_on_copies(built, len(args)),
                                 name if fold else f"{name}_unfolded")
                 precision = GraphPrecision(fold=fold)
