@@ -82,3 +82,30 @@ def test_compiled_jacobian_without_the_operator_still_compiles():
     assert builds() == before + 1
     torch.testing.assert_close(tv.jacobian(f, x, compile=True, strategy="rev"),
                                W * x.cos())
+
+
+def test_compiled_batch_jacobian_rev_through_cdist_after_a_first_call_where_it_agreed():
+    y = torch.randn(5, 3, dtype=D, generator=torch.Generator().manual_seed(2))
+
+    def f(x):  # (B, 6) -> (B, 2, 5): per example, cdist times the example's sum
+        return torch.cdist(x.reshape(-1, 2, 3), y.expand(x.shape[0], 5, 3)) \
+            * x.sum(-1)[:, None, None]
+
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(3, 6, dtype=D, generator=g)
+    x0 = x0 - x0.mean(-1, keepdim=True)  # (the products through cdist vanish here)
+    x = torch.randn(3, 6, dtype=D, generator=g)
+
+    def per_row(x):  # (each example alone, one product at a time: no vmap)
+        return torch.stack([_rows(lambda r: f(r[None])[0], r) for r in x])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = tv.batch_jacobian(f, x0, compile=True, strategy="rev")
+    torch.testing.assert_close(first, per_row(x0))
+    said = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    assert len(said) == 1 and "f's graph holds torch.cdist, whose backward torch batches " \
+        "wrongly under torch.vmap" in said[0] and "runs eagerly" in said[0]
+    for _ in range(2):  # (later calls: the eager rows, right at every point)
+        torch.testing.assert_close(tv.batch_jacobian(f, x, compile=True, strategy="rev"),
+                                   per_row(x), rtol=1e-10, atol=1e-10)

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.blocks import Blocks, assemble
 from torch_vjp._engine.compiled import (
     COMPILED_STRATEGIES,
+    Built,
     check_compilable,
     check_compile,
     compiled_call,
@@ -31,7 +32,7 @@ from torch_vjp._engine.compiled import (
     warn_budget,
 )
 from torch_vjp._engine.compile_checks import graph_safe_mode
-from torch_vjp._engine.compiled_jacobian import compiled_jacobian
+from torch_vjp._engine.compiled_jacobian import compiled_jacobian, wrong_reverse
 from torch_vjp._engine.computed import computed_jacobian
 from torch_vjp._engine.context import buffers_kept, func_vjp, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
@@ -351,6 +352,8 @@ def batch_jacobian(
                                                                                 False):
                 mode = "rev"  # (as compiled jacobian's "auto": no or a wrong formula)
             mode = graph_safe_mode(mode, strat.mode is not None, detached)
+            if mode == "rev" and (why := wrong_reverse(f, (x,), 0, False)) is not None:
+                return Built(None, why=why)  # NOTE [reverse products batched wrongly]
 
             def program(f: Callable[..., Any], x: Tensor) -> Any:
                 with plain_context(context, detached):
