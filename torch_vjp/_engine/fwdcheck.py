@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves
 
+from torch_vjp._engine.autoknown import known_wrong_route
 from torch_vjp._engine.blocks import Blocks, cotangent_products
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
 from torch_vjp._engine.fwdnoise import linearity_noise, reverse_noise, rounding_scale
@@ -58,6 +59,7 @@ from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.revcheck import forward_route, reverse_wrong
 from torch_vjp._engine.rows import passes_through
+from torch_vjp._engine.wrongops import wrong_ops
 from torch_vjp._errors import JacobianCallError, JacobianWarning, warn_once
 
 __all__ = [
@@ -161,7 +163,7 @@ def cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
 
 def one_reverse_product(
     prob: Problem, keep: Callable[[list[Tensor]], list[Tensor]] | None = None, *,
-    anywhere: bool = False,
+    anywhere: bool = False, ops: list[tuple[str | None, str | None]] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
     """f's flat outputs, random cotangents ``u`` (one per output, from a generator of its
     own, then rewritten by ``keep`` where given: a rank's share, NOTE [sharded auto,
@@ -190,6 +192,8 @@ def one_reverse_product(
             if keep is not None:
                 us = keep(us)
             live = [(o, u) for o, u in zip(flat, us) if o.requires_grad]
+            if ops is not None:  # (the operators of NOTE [auto reads the graph for ...])
+                ops.append(wrong_ops([o for o, _ in live]))
             grads: Sequence[Tensor | None] = (
                 torch.autograd.grad([o for o, _ in live], xs, [u for _, u in live],
                                     allow_unused=True)
@@ -315,7 +319,7 @@ def checked_route(
         return res
     first = "rev-loop" if res.looped and res.mode == "rev" else res.mode
     keep = res.mode if first == "rev-loop" else None
-    got = one_reverse_product(prob)
+    got = one_reverse_product(prob, ops=(ops := []))
     # (a NaN or an infinity in the reverse product, from a tensor f reads that is not
     # differentiated, an argument or one it captured, lands in the products by each route
     # its own way too: a false 'wrong formula' warning, and the loop remembered for good)
@@ -373,10 +377,12 @@ def checked_route(
             if alt is not None:
                 return alt
 
-    return agreeing_route(
+    out = agreeing_route(
         prob, first, res, gap_of, route, lambda name: remember(key, keep or name), named,
         "strategy", rtol, on_none=None if batch is None else mixing,
-    )
+    )  # NOTE [auto reads the graph for known wrong operators] in autoknown.py:
+    return known_wrong_route(prob.call, first, out, ops[0], CHECKED.get(key), route,
+                             lambda name: remember(key, name), named) if ops else out
 
 
 R = TypeVar("R")
