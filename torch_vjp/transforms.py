@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -30,6 +31,7 @@ from torch_vjp._checks import (
     check_tree_structure,
     normalize_grad_outputs,
 )
+from torch_vjp._engine.autoknown import batched_pullback_message
 from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, own_builds,
                                         results_agree, tracing)
 from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp, is_nested
@@ -257,6 +259,13 @@ def vjp(
 
                 return map_rows(pull_row, rows, k, vectorized=vec, chunk_size=chunk)[0]
 
+            def one_at_a_time(op: str) -> Any:  # NOTE [batched products through a wrong
+                if chunk != 1 and k > 1:  # batching rule]
+                    warn_once(("vjp_fn batched wrongly", function_key(f)),
+                              batched_pullback_message(pull_call, function_name(f), op),
+                              JacobianWarning)
+                return stacked(False)
+
             # NOTE [batched products, checked once]
             key = None
             if (k > 1 and chunk != 1 and not is_nested() and opts["retain_graph"] is not False
@@ -269,16 +278,22 @@ def vjp(
                 if CHECKED.get(key) == "rev-loop":
                     return stacked(False)
             checking = key is not None and CHECKED.get(key) is None
+            op = wrong[0][0] if wrong else None  # NOTE [batched products through a wrong
+            if op is not None and not checking:  # batching rule]
+                return one_at_a_time(op)
             res = _vectorised_or_loop(pull_call, f, "cotangents",
                                       lambda vec: stacked(vec, free=not checking),
                                       lambda: pull_kept(*(v[0] for v in vectors)))
             if not checking:
                 return res
-            return checked_batch(
+            res = checked_batch(
                 pull_call, key, (function_key(f), function_name(f)), vectors, res,
                 lambda: stacked(False, free=False), pull_checked,
                 lambda vecs, vec: map_rows(pull_checked, lambda s, e: tuple(v[s:e] for v in vecs),
                                            _batch_size(vecs), vectorized=vec, chunk_size=chunk)[0])
+            if op is None or CHECKED.get(key) == "rev-loop":
+                return res  # (the check's loop, and its warning with the numbers)
+            return one_at_a_time(op)
 
         point.check(pull_call)  # (NOTE [the vjp point, kept])
         if wrong and wrong[0][1] is not None:
@@ -302,9 +317,29 @@ def vjp(
         return tree_unflatten(list(grads), prob.in_spec)
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
+    if wrong and wrong[0][0] is not None:
+        _BATCHED_WRONGLY[vjp_fn] = wrong[0][0]
     if has_aux:
         return out, vjp_fn, res[2]
     return out, vjp_fn
+
+
+# NOTE [batched products through a wrong batching rule]
+# vjp_fn(v, batched=True) computes its K products under torch.vmap, whose batching rule for
+# torch.cdist's backward is wrong (a relative error near 1). NOTE [batched products, checked
+# once] compares them with products without vmap once per function and signature, and at a
+# point where the products through cdist vanish (f multiplying them by a sum that is 0
+# there) the wrong rows agreed, "rev" was remembered, and later vjp points' batched
+# products were wrong by 6-10 without a word. So the graph of torch_vjp.vjp's own call of f
+# is read for the operators whose backward torch batches wrongly (no call of f more), and
+# where it holds one, the batched products are computed one at a time, without vmap, with
+# a one-time warning (none with chunk_size=1, which asks for that, or for K = 1). The
+# check's first call still runs where it would (where it finds the rows wrong, its loop
+# and its warning with the numbers stand); where it finds them right, they are computed
+# again one at a time. vjp(compile=True)'s batched calls return the eager vjp_fn's
+# products there.
+_BATCHED_WRONGLY: weakref.WeakKeyDictionary[Callable[..., Any], str] = \
+    weakref.WeakKeyDictionary()
 
 
 # NOTE [batched products keep the graph]
@@ -375,6 +410,8 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
                 or versions_of(now + inputs) != versions):
             return eager_fn(cotangents, **options)  # (NOTE [a compiled vjp_fn's point])
         batched, chunk_size = opts["batched"], opts["chunk_size"]
+        if batched and eager_fn in _BATCHED_WRONGLY:  # NOTE [batched products through a
+            return eager_fn(cotangents, **options)  # wrong batching rule]
         chunk = check_chunk_size(chunk_size, call="torch_vjp.vjp: vjp_fn")
         _warn_unbatched_chunk("torch_vjp.vjp: vjp_fn", chunk, batched)
 

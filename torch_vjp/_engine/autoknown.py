@@ -32,7 +32,7 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.wrongops import _how
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = ["known_wrong_route"]
+__all__ = ["batched_pullback_message", "known_wrong_route"]
 
 
 def known_wrong_route(
@@ -94,4 +94,18 @@ def _batching_message(call: str, name: str, op: str) -> str:
         f"operator.\n"
         f"  Pass strategy='rev-loop' (or chunk_size=1) to compute them that way directly. "
         f"This warning is shown once per function."
+    )
+
+
+def batched_pullback_message(call: str, name: str, op: str) -> str:
+    """The one-time warning that ``vjp_fn(v, batched=True)`` computed its products one at
+    a time, without vmap, where f's graph holds ``op``, whose backward torch batches wrongly
+    (NOTE [batched products through a wrong batching rule] in :mod:`torch_vjp.transforms`)."""
+    return (
+        f"{call}: batched=True computes the products under torch.vmap, whose batching rule "
+        f"for the backward of {op} in f ({name}) is wrong (torch's: the rows are off by a "
+        f"relative error near 1, each alone is right), so it computed them one product at a "
+        f"time, without vmap, as it does wherever f's graph holds that operator.\n"
+        f"  Pass chunk_size=1 to compute them that way directly. This warning is shown once "
+        f"per function."
     )
