@@ -77,3 +77,44 @@ def test_auto_batch_jacobian_cdist_after_a_degenerate_first_point():
         got = tv.batch_jacobian(g, x)
     want = torch.stack([_reverse_rows(lambda r: g(r[None])[0], r) for r in x])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_route_remembered_before_f_took_cdist_is_not_reused():
+    # (the same function and signature, f's graph changed by a flag it reads: NOTE [a
+    # remembered route through a known wrong operator])
+    gen = torch.Generator().manual_seed(6)
+    y = torch.randn(5, 3, dtype=D, generator=gen)
+    W = torch.randn(20, 12, dtype=D, generator=gen)
+    flags = {"cdist": False}
+
+    def g(x):
+        if flags["cdist"]:
+            return (torch.cdist(x.reshape(4, 3), y) * x.sum()).reshape(-1)
+        return W @ x
+
+    x = torch.randn(12, dtype=D, generator=gen)
+    torch.testing.assert_close(tv.jacobian(g, x), W)
+    flags["cdist"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        for _ in range(2):
+            got = tv.jacobian(g, x)
+            torch.testing.assert_close(got, _reverse_rows(g, x), rtol=1e-10, atol=1e-10)
+
+
+def test_a_route_remembered_before_f_took_as_strided_scatter_is_not_reused():
+    s = torch.tensor(0.7, dtype=D)
+    flags = {"scatter": False}
+
+    def f(x):
+        if flags["scatter"]:
+            return torch.as_strided_scatter(x * x, s * x[:2], (2,), (1,), 0).sin()
+        return (x * x).sin()
+
+    x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(9))
+    tv.jacobian(f, x)
+    flags["scatter"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tv.JacobianWarning)
+        got = tv.jacobian(f, x)
+    torch.testing.assert_close(got, _forward_loop(f, x), rtol=1e-10, atol=1e-10)

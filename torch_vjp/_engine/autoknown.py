@@ -21,6 +21,16 @@ one named, that one is taken instead, with a one-time warning, and remembered fo
 function and signature ("rev-loop" even where vmap failed at this call: a later call's
 vmap would run the wrong rule unchecked). Where forward mode cannot run f either, the
 values check's result stands. Operators not known keep the values check alone.
+
+NOTE [a remembered route through a known wrong operator]
+The route is remembered for a function and its input signature, but f's graph can change
+between calls that share them (a flag in a dict or a module's attribute that f reads:
+``torch.cdist`` taken at a later call only); the remembered reverse route then ran through
+it unchecked, wrong by 1.5-3.4. So where "auto" takes a remembered route, its reverse
+products read the graph their own call of f builds (no call of f more), and where it holds
+an operator whose backward is wrong alone, or whose batching rule is wrong and the products
+ran under vmap, the route is forgotten and the call computed again as a first call, whose
+check reads the graph (:func:`stale`).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.wrongops import _how
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = ["batched_pullback_message", "known_wrong_route"]
+__all__ = ["batched_pullback_message", "known_wrong_route", "stale"]
 
 
 def known_wrong_route(
@@ -70,6 +80,12 @@ def known_wrong_route(
     warn_once((call, named[0], "auto, batched wrongly", batching),
               _batching_message(call, named[1], batching), JacobianWarning)
     return alt
+
+
+def stale(met: list[tuple[str | None, str | None]]) -> bool:
+    """Whether the reverse products of a remembered route met an operator that makes it
+    wrong (NOTE [a remembered route through a known wrong operator])."""
+    return any(batching is not None or alone is not None for batching, alone in met)
 
 
 def _alone_message(call: str, name: str, op: str, route: str) -> str:

@@ -75,6 +75,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_map_only
 
+from torch_vjp._engine.autoknown import stale
 from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.context import captured_tensors, is_nested
 from torch_vjp._engine.kept import moved_message, put_back
@@ -242,7 +243,12 @@ def _blocks(
     functorch_loops: bool,
 ) -> Blocks:
     read: list[Shapes] = []
+    opts.remembered = None
     res = _blocks_of(prob, mode, vectorized, fallback, opts, functorch_loops, read)
+    if opts.remembered is not None and stale(opts.remembered[1]):
+        CHECKED.pop(opts.remembered[0], None)  # NOTE [a remembered route through a known
+        opts.remembered, read = None, []  # wrong operator]: checked again
+        res = _blocks_of(prob, mode, vectorized, fallback, opts, functorch_loops, read)
     if read and res.mode == "rev":
         # reverse mode does not check remembered output sizes (NOTE [output sizes]) as it
         # goes: sizes it found changed are forgotten, and the next call's mode is chosen on
@@ -293,6 +299,7 @@ def _blocks_of(prob: Problem, mode: str | None, vectorized: bool, fallback: bool
                     check += ("one at a time",)  # NOTE [a chunk of one checks no vmap]
                 route = CHECKED.get(check)
                 if route is not None:
+                    opts.remembered = (check, [])
                     if route.endswith("-loop"):  # ("rev-loop", or "fwd-loop": NOTE [a
                         # reverse product checked forward] in revcheck.py)
                         return _loop(prob, route[:3], shapes, opts, functorch_loops)

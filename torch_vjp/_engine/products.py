@@ -61,7 +61,7 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             connected[0] = out.requires_grad
         else:
             connected[0] = all(o.requires_grad for o in tree_leaves(out))
-        if named is not None or opts.hessian is not None:  # NOTE [named reverse
+        if named is not None or opts.hessian is not None or opts.remembered:  # NOTE [named
             # strategies and wrong formulas], NOTE [a Hessian through a wrong backward]
             found.append(wrong_ops([out] if isinstance(out, Tensor) else [
                 o for o in tree_leaves(out) if isinstance(o, Tensor)]))
@@ -94,6 +94,9 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
         raise wrong_hessian(prob.call, found[0][1], *opts.hessian)
     if found and named is not None:
         vectorized = named_reverse(prob.call, found[0], vectorized, chunk, named)
+    if found and opts.remembered is not None:  # NOTE [a remembered route through a known
+        batching = found[0][0] if vectorized and chunk != 1 else None  # wrong operator]
+        opts.remembered[1].append((batching, found[0][1]))
     if n == 0:
         stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
     else:

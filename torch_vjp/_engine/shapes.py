@@ -64,11 +64,14 @@ class Opts:
             was asked for: its products read f's graph for a backward formula torch has wrong (NOTE [a
             Hessian through a wrong backward] in :mod:`torch_vjp._engine.wrongops`); None
             otherwise.
+        remembered: where "auto" takes a route remembered for f and its signature, its key
+            and the known wrong operators its reverse products met (NOTE [a remembered
+            route through a known wrong operator] in :mod:`torch_vjp._engine.autoknown`).
     """
 
     __slots__ = (
         "batch", "chunk_size", "max_memory", "alternatives", "probe", "detached", "vmap_single",
-        "named", "hessian",
+        "named", "hessian", "remembered",
     )
 
     def __init__(
@@ -90,6 +93,7 @@ class Opts:
         self.vmap_single = vmap_single
         self.named: tuple[str, Any] | None = None
         self.hessian: tuple[str, str] | None = None
+        self.remembered: tuple[Any, list[tuple[str | None, str | None]]] | None = None
 
 
 def row_shapes(flat_out: Sequence[Tensor], batch: int | None, prob: Problem,
