@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 from torch_vjp._engine.blocks import Blocks
-from torch_vjp._engine.rows import passes_through
+from torch_vjp._engine.rows import routes_that_run
 from torch_vjp._engine.wrongops import _how
 from torch_vjp._errors import JacobianWarning, warn_once
 
@@ -59,13 +59,7 @@ def known_wrong_route(
     if alone is not None:
         if taken in ("fwd", "fwd-loop"):
             return res
-        for name in ("fwd", "fwd-loop"):
-            try:
-                alt = route(name)
-            except Exception as err:  # noqa: BLE001 - no batching rule, no formula: the next
-                if passes_through(err):
-                    raise
-                continue
+        for name, alt in routes_that_run(route, ("fwd", "fwd-loop")):
             keep(name)
             warn_once((call, named[0], "auto, wrong alone", alone),
                       _alone_message(call, named[1], alone, name), JacobianWarning)

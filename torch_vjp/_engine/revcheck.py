@@ -46,7 +46,7 @@ from torch_vjp._engine.blocks import Blocks, cotangent_products
 from torch_vjp._engine.fwdnoise import _homogeneous
 from torch_vjp._engine.fwdwords import wrong_reverse_message
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.rows import passes_through
+from torch_vjp._engine.rows import passes_through, routes_that_run
 from torch_vjp._engine.wrongops import wrong_ops
 from torch_vjp._errors import JacobianWarning, warn_once
 
@@ -215,13 +215,7 @@ def forward_route(
             keep("fwd")
             return res
         return None
-    for name in ("fwd", "fwd-loop"):
-        try:
-            alt = route(name)
-        except Exception as err:  # noqa: BLE001 - no batching rule, no formula: the next
-            if passes_through(err):
-                raise
-            continue
+    for name, alt in routes_that_run(route, ("fwd", "fwd-loop")):
         if not agrees(alt):
             continue
         keep(name)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -322,6 +322,22 @@ def passes_through(err: BaseException) -> bool:
     """Errors that no fallback may hide: out of memory, torch_vjp's own, and
     :class:`Restart`."""
     return isinstance(err, Restart) or never_caught(err)
+
+
+def routes_that_run(
+    route: Callable[[str], R], names: Sequence[str]
+) -> Iterator[tuple[str, R]]:
+    """``(name, route(name))`` for each of ``names`` in turn whose route runs: a route that
+    raises (no batching rule, no forward formula) is passed over, unless its error is one no
+    fallback may hide (:func:`passes_through`)."""
+    for name in names:
+        try:
+            got = route(name)
+        except Exception as err:  # noqa: BLE001 - no batching rule, no formula: the next
+            if passes_through(err):
+                raise
+            continue
+        yield name, got
 
 
 def run_with_fallback(
