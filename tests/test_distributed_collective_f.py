@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch_vjp as tv
 from torch_vjp._sharded_work import shard_range
 
+from _references import caught as _caught, central_difference as _fd, jvp_columns as _jvp_columns
+
 DT = torch.float64
 STRATEGIES = ("rev", "fwd", "auto", "rev-loop", "fwd-loop")
 
@@ -262,25 +264,6 @@ def _scatter_f(n_out=None, collective=False):
         return y if W is None else W @ y.tanh()
 
     return f
-
-
-def _jvp_columns(f, x):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [torch.func.jvp(f, (x,), (e,))[1].reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
-
-
-def _fd(f, x, h=1e-6):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
-
-
-def _caught(fn):
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always", tv.JacobianWarning)
-        res = fn()
-    return res, [str(w.message) for w in got if issubclass(w.category, tv.JacobianWarning)]
 
 
 def _reverse_wrong_checks(rank, world, group):

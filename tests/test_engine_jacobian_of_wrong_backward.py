@@ -10,19 +10,9 @@ import torch.nn.functional as F
 
 import torch_vjp as tv
 
+from _references import central_difference as _fd, jvp_columns as _jvp_columns
+
 D = torch.float64
-
-
-def _fd(f, x, h=1e-6):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
-
-
-def _jvp_columns(f, x):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [torch.func.jvp(f, (x,), (e,))[1].reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
 
 
 def _x(*shape, seed=0):

@@ -4,13 +4,14 @@ forward]); named reverse strategies read f's graph for operators torch different
 wrongly (NOTE [named reverse strategies and wrong formulas]): as_strided_scatter's
 backward is refused, cdist's batching rule is not used. float64, against torch.func.jvp columns, finite differences and a loop of
 torch.autograd.grad rows."""
-import warnings
 
 import pytest
 import torch
 
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
+
+from _references import caught as _caught, central_difference as _fd, jvp_columns as _jvp_columns
 
 D = torch.float64
 
@@ -20,18 +21,6 @@ def _fresh():
     fwdcheck.CHECKED.clear()
     yield
     fwdcheck.CHECKED.clear()
-
-
-def _jvp_columns(f, x):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [torch.func.jvp(f, (x,), (e,))[1].reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
-
-
-def _fd(f, x, h=1e-6):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
 
 
 def _grad_rows(f, x):
@@ -53,13 +42,6 @@ def _scatter_f(n_out=None):
         return y if W is None else W @ y.tanh()
 
     return f
-
-
-def _caught(fn):
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always", tv.JacobianWarning)
-        res = fn()
-    return res, [str(w.message) for w in got if issubclass(w.category, tv.JacobianWarning)]
 
 
 def test_auto_through_as_strided_scatter_takes_forward_mode_and_says_why():

@@ -3,13 +3,14 @@ central difference (NOTE [a reverse product checked forward]) says what was foun
 names an operator only where f's graph holds one whose backward torch computes wrongly: a
 write at a repeated index that does not accumulate is not blamed on
 torch.as_strided_scatter. float64, against torch.func.jvp columns and finite differences."""
-import warnings
 
 import pytest
 import torch
 
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
+
+from _references import caught as _caught, central_difference as _fd, jvp_columns as _jvp_columns
 
 D = torch.float64
 
@@ -19,25 +20,6 @@ def _fresh():
     fwdcheck.CHECKED.clear()
     yield
     fwdcheck.CHECKED.clear()
-
-
-def _jvp_columns(f, x):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [torch.func.jvp(f, (x,), (e,))[1].reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
-
-
-def _fd(f, x, h=1e-6):
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
-    cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in eye]
-    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
-
-
-def _caught(fn):
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always", tv.JacobianWarning)
-        res = fn()
-    return res, [str(w.message) for w in got if issubclass(w.category, tv.JacobianWarning)]
 
 
 _IDX = torch.tensor([0, 2, 0, 1])

@@ -14,6 +14,8 @@ import torch_vjp as tv
 from torch_vjp._per_sample import factors, run
 from torch_vjp._per_sample.rules import conv
 
+from _references import per_example_grads
+
 DT = torch.float64
 loss_fn = nn.CrossEntropyLoss()
 
@@ -55,14 +57,7 @@ def make(kind):
 
 
 def loop_reference(model, x, t):
-    ref = {n: [] for n, _ in model.named_parameters()}
-    for i in range(x.shape[0]):
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x[i:i + 1]), t[i:i + 1]).backward()
-        for n, p in model.named_parameters():
-            ref[n].append(p.grad.clone())
-    model.zero_grad(set_to_none=True)
-    return {n: torch.stack(v) for n, v in ref.items()}
+    return per_example_grads(model, loss_fn, x, t)
 
 
 @pytest.fixture

@@ -1,0 +1,50 @@
+"""Reference Jacobians for the tests, computed apart from torch_vjp (float64 inputs).
+
+``jvp_columns`` builds a Jacobian one ``torch.func.jvp`` column at a time (no vmap, no
+reverse mode: right where torch's backward formula of an op is wrong, or its batching rule);
+``central_difference`` builds it from central differences. Both return the Jacobian shaped
+``(*f(x).shape, *x.shape)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import torch_vjp as tv
+
+
+def _basis(x):
+    return torch.eye(x.numel(), dtype=x.dtype).reshape(x.numel(), *x.shape)
+
+
+def jvp_columns(f, x):
+    cols = [torch.func.jvp(f, (x,), (e,))[1].reshape(-1) for e in _basis(x)]
+    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
+
+
+def central_difference(f, x, h=1e-6):
+    cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in _basis(x)]
+    return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
+
+
+def caught(fn, category=tv.JacobianWarning):
+    """``fn()``'s result and the messages of the warnings of ``category`` it gave."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always", category)
+        res = fn()
+    return res, [str(w.message) for w in got if issubclass(w.category, category)]
+
+
+def per_example_grads(model, loss_fn, x, t):
+    """Each example's gradients, one ``backward`` per example: ``{name: (B, *shape)}``.
+    The model's ``.grad`` are left None."""
+    ref = {n: [] for n, _ in model.named_parameters()}
+    for i in range(x.shape[0]):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x[i:i + 1]), t[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            ref[n].append(p.grad.detach().clone())
+    model.zero_grad(set_to_none=True)
+    return {n: torch.stack(v) for n, v in ref.items()}
