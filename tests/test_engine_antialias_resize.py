@@ -13,18 +13,14 @@ import torch
 import torch.nn.functional as F
 
 import torch_vjp as tv
-from torch_vjp._engine import fwdcheck
 
 from _references import central_difference as _fd
 
 D = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    fwdcheck.CHECKED.clear()
-    yield
-    fwdcheck.CHECKED.clear()
+# (each test sees its own first call of "auto": conftest's fresh_route_checks)
+pytestmark = pytest.mark.usefixtures("fresh_route_checks")
 
 
 def _resize(mode, **kw):

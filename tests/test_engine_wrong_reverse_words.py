@@ -8,18 +8,14 @@ import pytest
 import torch
 
 import torch_vjp as tv
-from torch_vjp._engine import fwdcheck
 
 from _references import caught as _caught, central_difference as _fd, jvp_columns as _jvp_columns
 
 D = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    fwdcheck.CHECKED.clear()
-    yield
-    fwdcheck.CHECKED.clear()
+# (each test sees its own first call of "auto": conftest's fresh_route_checks)
+pytestmark = pytest.mark.usefixtures("fresh_route_checks")
 
 
 _IDX = torch.tensor([0, 2, 0, 1])
