@@ -57,18 +57,8 @@ def _collective_checks(rank, world, group):
         for strategy in STRATEGIES:
             for kwargs in ({}, {"chunk_size": 1}):
                 what = f"rank {rank}, n={n}, {strategy}, {kwargs}"
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    got = tv.jacobian(f, x, strategy=strategy, process_group=group,
-                                      **kwargs)
-                    torch.testing.assert_close(got, want, rtol=1e-12, atol=0,
-                                               msg=lambda m: f"{what}: {m}")
-                    sh = tv.jacobian(f, x, strategy=strategy, process_group=group,
-                                     shard=True, **kwargs)
+                sh = _whole_and_shard(f, x, want, strategy, group, kwargs, what)
                 assert (sh.start, sh.stop) == shard_range(n, rank, world), what
-                cols = want if sh.mode == "rev" else want.T
-                torch.testing.assert_close(sh.values, cols[sh.start:sh.stop], rtol=1e-12,
-                                           atol=0, msg=lambda m: f"{what} shard: {m}")
     # batch_jacobian: the products of one row, fewer than ranks
     xb = torch.linspace(0.1, 0.9, 3, dtype=DT).reshape(3, 1)
     for strategy in STRATEGIES:
@@ -76,6 +66,21 @@ def _collective_checks(rank, world, group):
             warnings.simplefilter("ignore")
             got = tv.batch_jacobian(f, xb, strategy=strategy, process_group=group)
         torch.testing.assert_close(got, tv.batch_jacobian(single, xb), rtol=1e-12, atol=0)
+
+
+def _whole_and_shard(f, x, want, strategy, group, kwargs, what):
+    """The sharded Jacobian of ``f`` at ``x``, whole and as this rank's shard, against
+    ``want``; returns the shard."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = tv.jacobian(f, x, strategy=strategy, process_group=group, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0,
+                                   msg=lambda m: f"{what}: {m}")
+        sh = tv.jacobian(f, x, strategy=strategy, process_group=group, shard=True, **kwargs)
+    cols = want if sh.mode == "rev" else want.T
+    torch.testing.assert_close(sh.values, cols[sh.start:sh.stop], rtol=1e-12, atol=0,
+                               msg=lambda m: f"{what} shard: {m}")
+    return sh
 
 
 def _chunk_checks(rank, world, group):
@@ -102,17 +107,7 @@ def _chunk_checks(rank, world, group):
     for strategy in ("fwd", "rev", "auto"):
         for kwargs in (mine, budget):
             what = f"rank {rank}, {strategy}, {kwargs}"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                got = tv.jacobian(f, x, strategy=strategy, process_group=group,
-                                  **kwargs)
-                torch.testing.assert_close(got, want, rtol=1e-12, atol=0,
-                                           msg=lambda m: f"{what}: {m}")
-                sh = tv.jacobian(f, x, strategy=strategy, process_group=group,
-                                 shard=True, **kwargs)
-            cols = want if sh.mode == "rev" else want.T
-            torch.testing.assert_close(sh.values, cols[sh.start:sh.stop], rtol=1e-12,
-                                       atol=0, msg=lambda m: f"{what} shard: {m}")
+            _whole_and_shard(f, x, want, strategy, group, kwargs, what)
 
     # f fails on rank 1 before any chunk is planned, while rank 0 plans chunks of one:
     # every rank raises, rank 1 its own error, rank 0 one naming rank 1
