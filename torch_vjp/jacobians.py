@@ -33,7 +33,7 @@ from torch_vjp._engine.compiled import (
 )
 from torch_vjp._engine.compile_checks import graph_safe_mode
 from torch_vjp._engine.compiled_jacobian import compiled_jacobian, wrong_reverse
-from torch_vjp._engine.computed import computed_jacobian
+from torch_vjp._engine.computed import computed_jacobian, tensors_of
 from torch_vjp._engine.context import buffers_kept, func_vjp, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
 from torch_vjp._engine.forms import (
@@ -46,8 +46,8 @@ from torch_vjp._engine.forms import (
     plain_hessian,
     plain_jacobian,
 )
-from torch_vjp._engine.hessian import (autograd_hessian, hessian_gradient, no_double_backward,
-                                      refused_by_loop)
+from torch_vjp._engine.hessian import (autograd_hessian, hessian_gradient,
+                                      raise_no_double_backward, refused_by_loop)
 from torch_vjp._engine.jacobian import function_name, jacobian_blocks
 from torch_vjp._engine.memory import check_chunk_size, parse_max_memory
 from torch_vjp._engine.problem import Problem
@@ -529,10 +529,7 @@ def hessian(
             # "auto" and the loop strategies then take plain autograd, as
             # torch.autograd.functional does (an error of f's own comes from there again)
             # (a backward kernel without a derivative formula fails there too: said so)
-            refused = None if passes_through(err) else no_double_backward(
-                f, strat.name, err, call)
-            if refused is not None:
-                raise refused from None
+            raise_no_double_backward(f, strat.name, err, call)
             if strat.vectorized and not fallback:
                 def loop() -> Blocks:  # (the loop the refusal's fix names)
                     nonlocal vectorized
@@ -548,11 +545,8 @@ def hessian(
                 return autograd_hessian(f, primals, argnums, not detached, call, err,
                                         strat.name)
             except RuntimeError as again:
-                refused = None if passes_through(again) else no_double_backward(
-                    f, strat.name, again, call)
-                if refused is None:
-                    raise
-                raise refused from None
+                raise_no_double_backward(f, strat.name, again, call)
+                raise
         if fallback and res.mode == "fwd" and not is_nested() and not any(
                 x.device.type == "meta" for x in outer.leaves):  # (no numbers to compare)
             res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)
@@ -639,8 +633,8 @@ def jacobian_of(
             f"torch_vjp.jacobian(f, x, compile=True), or drop compile=True."
         )
     chunk = check_chunk_size(chunk_size, call=call)
-    outs = _tensors(outputs, "outputs", call)
-    ins = _tensors(inputs, "inputs", call)
+    outs = tensors_of(outputs, "outputs", call)
+    ins = tensors_of(inputs, "inputs", call)
     for what, given, ts in (("outputs", outputs, outs), ("inputs", inputs, ins)):
         for i, t in enumerate(ts):
             if t.is_complex():  # (autograd.grad would differentiate the real part alone)
@@ -698,16 +692,3 @@ def jacobian_of(
             f"before it, or compute outputs again."))
         raise
 
-
-def _tensors(value: Any, name: str, call: str) -> tuple[Tensor, ...]:
-    items = (value,) if isinstance(value, Tensor) else value
-    try:
-        items = tuple(items)
-    except TypeError:
-        items = None
-    if not items or not all(isinstance(t, Tensor) for t in items):
-        raise JacobianCallError(
-            f"{call}: {name} must be a tensor or a non-empty sequence of tensors, got "
-            f"{type(value).__name__}."
-        )
-    return items

@@ -50,7 +50,7 @@ from torch_vjp._errors import (
     user_stacklevel, warn_once,
 )
 
-__all__ = ["computed_jacobian"]
+__all__ = ["computed_jacobian", "tensors_of"]
 
 def computed_jacobian(
     outs: Sequence[Tensor], ins: Sequence[Tensor], retain_graph: bool, create_graph: bool,
@@ -308,3 +308,17 @@ def _warn(message: str) -> None:
     warnings.warn(message, JacobianWarning, stacklevel=user_stacklevel())
 
 
+def tensors_of(value: Any, name: str, call: str) -> tuple[Tensor, ...]:
+    """``value`` (:func:`torch_vjp.jacobian_of`'s ``outputs`` or ``inputs``: a tensor or a
+    non-empty sequence of tensors) as a tuple of tensors; a JacobianCallError otherwise."""
+    items = (value,) if isinstance(value, Tensor) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = None
+    if not items or not all(isinstance(t, Tensor) for t in items):
+        raise JacobianCallError(
+            f"{call}: {name} must be a tensor or a non-empty sequence of tensors, got "
+            f"{type(value).__name__}."
+        )
+    return items

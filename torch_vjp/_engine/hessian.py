@@ -22,7 +22,8 @@ from torch_vjp._engine.wrongops import wrong_alone, wrong_hessian, wrong_ops
 from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyError,
                                StrategyNotImplementedError, quote_error, warn_once)
 
-__all__ = ["hessian_gradient", "autograd_hessian", "no_double_backward", "refused_by_loop"]
+__all__ = ["hessian_gradient", "autograd_hessian", "no_double_backward", "raise_no_double_backward",
+           "refused_by_loop"]
 
 
 def refused_by_loop(err: BaseException, loop: Callable[[], Any]) -> Exception | None:
@@ -45,6 +46,17 @@ def refused_by_loop(err: BaseException, loop: Callable[[], Any]) -> Exception | 
     except Exception:  # noqa: BLE001 - the loop fails otherwise: the vectorised refusal stands
         return None
     return None
+
+
+def raise_no_double_backward(
+    f: Callable[..., Any], strategy: str, err: BaseException, call: str,
+) -> None:
+    """Raises :func:`no_double_backward`'s refusal of ``err`` (from None: it says what
+    failed and the fix) where there is one; returns otherwise (an error no fallback may
+    hide, or one of f's own, is the caller's to raise)."""
+    refused = None if passes_through(err) else no_double_backward(f, strategy, err, call)
+    if refused is not None:
+        raise refused from None
 
 
 def no_double_backward(
