@@ -44,17 +44,10 @@ from torch_vjp._engine.jacobian import (
     function_name,
     no_forward_message,
 )
-from torch_vjp._engine.refusals import (
-    SPARSE_TANGENT,
-    forward_fix,
-    forward_refusal,
-    refusal_kind,
-    vmap_refusal,
-    writes_into_input,
-)
+from torch_vjp._engine.refusals import vmap_refusal, writes_into_input
 from torch_vjp._engine.rows import SameDraws, passes_through
 from torch_vjp._errors import (JacobianCallError, JacobianOptionError, JacobianWarning,
-                               StrategyError, StrategyNotImplementedError, a_type,
+                               StrategyError, a_type,
                                quote_error, shape_str, warn_once)
 from torch_vjp._sparse.compute import (
     assemble,
@@ -67,6 +60,7 @@ from torch_vjp._sparse.compute import (
 from torch_vjp._sparse.detect import detect
 from torch_vjp._sparse.guard import blamed_op, first_use_route, warn_forward
 from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
+from torch_vjp._sparse.words import explain_refusal, warn_batching
 from torch_vjp._sparse.probe import (
     batching_wrong,
     graph_flags,
@@ -336,7 +330,7 @@ def sparse_jacobian(
                 and batching_wrong(prob, plan, coloring, extras[0], seed)):
             # (NOTE [a cached plan, probed]: the vectorised products are wrong, not the
             # pattern, a user's or a detected one; one colour at a time, and probed again)
-            _warn_batching(prob, coloring.count)
+            warn_batching(prob, coloring.count)
             if not plan.user and coloring.mode == "rev":  # (its later calls: NOTE [wrong
                 plan.pattern.wrong_batching = "an operator"  # batching rules])
             coloring, comp, m, seed = _products(prob, plan, mode, 1, budget,
@@ -430,7 +424,7 @@ def _products(
         if passes_through(err):
             raise
         if mode != "auto":
-            _explain_refusal(prob, mode, err)  # (raises for torch's known refusals)
+            explain_refusal(prob, mode, err)  # (raises for torch's known refusals)
             raise
         if coloring.mode == "rev":
             return coloring, *_plain(prob, plan, coloring, err, probe)
@@ -460,44 +454,6 @@ def _products(
     if _unsafe(prob, plan)[1] is not None and mode == "auto":
         _forward_only(prob, plan, "done")
     return coloring, comp, m, seed
-
-
-#: The fix each known refusal of torch.func adds to mode='auto' (by refusal_kind).
-_ALSO = {"captured": ", or put the module in eval mode if it is one",
-         "randomness": ", or put the module in eval mode if its draws are dropout's",
-         "no_strides": ", or make that tensor a COO or dense one",
-         "saved_hooks": " or mode='fwd'"}
-
-
-def _explain_refusal(prob: Problem, mode: str, err: BaseException) -> None:
-    """Raises a :class:`StrategyError` that explains ``err`` where it is one of torch's known
-    refusals of the products of an explicit ``mode`` (forward mode without a formula,
-    torch.func's refusals: :mod:`torch_vjp._engine.refusals`, as :func:`torch_vjp.jacobian`
-    explains them); returns for any other error (f's own: it passes through untouched)."""
-    said = quote_error(err)
-    why = forward_refusal(err)
-    if mode == "fwd" and why is not None:
-        # (a jvp staticmethod for a custom Function only: a torch operator has none to
-        # give; the math kernel for fused attention)
-        fix = "make that tensor a dense one" if why == SPARSE_TANGENT else forward_fix(err)
-        also = "" if fix is None else f", or {fix}"
-        # (also a NotImplementedError where torch raised one: except NotImplementedError
-        # keeps working, as for torch_vjp.jacobian)
-        cls = StrategyNotImplementedError if isinstance(err, NotImplementedError) else StrategyError
-        raise cls(
-            f"{prob.call}: mode='fwd' computes the products with forward-mode AD, and {why}.\n"
-            f"  torch said: {said}\n"
-            f"  Fix: mode='rev' or 'auto' (reverse mode needs only backward formulas){also}."
-        ) from None
-    why = vmap_refusal(err)
-    if why is not None:
-        also = _ALSO.get(refusal_kind(err) or "", "")
-        raise StrategyError(
-            f"{prob.call}: mode={mode!r} computes the products with torch.func, which cannot "
-            f"run f ({function_name(prob.f)}): {why}.\n  torch.func said: {said}\n"
-            f"  Fix: mode='auto' (it computes such a function with plain autograd, one "
-            f"backward pass per colour){also}."
-        ) from None
 
 
 def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
@@ -580,19 +536,6 @@ def _unbatched(prob: Problem, plan: Any, coloring: Any, chunk: int | None) -> in
         JacobianWarning,
     )
     return 1
-
-
-def _warn_batching(prob: Problem, count: int) -> None:
-    warn_once(
-        ("sparse-batching", function_key(prob.f)),
-        f"{prob.call}: the products of {function_name(prob.f)} computed together under "
-        f"torch.vmap disagree with one computed without it: an operator in f has a wrong "
-        f"batching rule (torch.cdist's backward is one). They were computed again one "
-        f"colour at a time ({count} products), without vmap: the pattern was not at "
-        f"fault.\n  Pass chunk_size=1 to compute them that way directly. This warning is "
-        f"shown once per function.",
-        JacobianWarning,
-    )
 
 
 def _checked(
