@@ -48,3 +48,18 @@ def per_example_grads(model, loss_fn, x, t):
             ref[n].append(p.grad.detach().clone())
     model.zero_grad(set_to_none=True)
     return {n: torch.stack(v) for n, v in ref.items()}
+
+
+class OldStyleSquare(torch.autograd.Function):
+    """``x * x`` as an old-style custom Function (``forward(ctx, x)``, no
+    ``setup_context``, no ``jvp``): torch.func refuses it, plain autograd runs it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g

@@ -10,6 +10,8 @@ import torch
 import torch_vjp as tv
 from torch_vjp import JacobianCallError, StrategyError
 
+from _references import OldStyleSquare
+
 
 def _scatter_into_computed(x):
     base = x.sin()
@@ -87,23 +89,11 @@ def test_scatter_into_a_constant_is_right(strategy):
     torch.testing.assert_close(h, _fd_hessian(_scatter_into_constant, x), atol=1e-5, rtol=1e-5)
 
 
-class _Square(torch.autograd.Function):  # (old style: torch.func refuses it)
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
-
-
 @pytest.mark.parametrize("strategy", ["auto", "rev-loop", "fwd-loop"])
 def test_plain_autograd_hessian_refused(strategy):
     # (the Hessian torch.func cannot run: plain autograd's gradient is reverse mode too)
     def scatter_plain(x):
-        y = torch.as_strided_scatter(_Square.apply(x).sin(), x[:2] * x[:2], (2,), (1,), 1)
+        y = torch.as_strided_scatter(OldStyleSquare.apply(x).sin(), x[:2] * x[:2], (2,), (1,), 1)
         return (y * y.cos()).sum()
 
     with warnings.catch_warnings():
@@ -118,7 +108,7 @@ def test_plain_autograd_hessian_refused(strategy):
 
 def test_plain_autograd_hessian_into_a_constant_is_right():
     def scatter_const_plain(x):
-        y = torch.as_strided_scatter(torch.zeros(5, dtype=x.dtype), _Square.apply(x[:2]),
+        y = torch.as_strided_scatter(torch.zeros(5, dtype=x.dtype), OldStyleSquare.apply(x[:2]),
                                      (2,), (1,), 1)
         return (y * y).sum() + x.sin().sum()
 

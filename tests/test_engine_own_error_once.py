@@ -9,6 +9,8 @@ import torch
 
 import torch_vjp as tv
 
+from _references import OldStyleSquare
+
 
 def _counting():
     calls = [0]
@@ -35,19 +37,8 @@ def test_own_error_untouched(strategy, n):
 
 def test_refused_by_torch_func_still_runs_in_plain_autograd():
     # (an old-style custom Function: torch.func refuses it, plain autograd runs it)
-    class Square(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 2 * x * g
-
     x = torch.randn(4, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        j = tv.jacobian(lambda y: Square.apply(y).sin(), x, strategy="rev-loop")
+        j = tv.jacobian(lambda y: OldStyleSquare.apply(y).sin(), x, strategy="rev-loop")
     torch.testing.assert_close(j, torch.diag(2 * x * (x * x).cos()))

@@ -12,6 +12,8 @@ import torch
 import torch_vjp as tv
 from torch_vjp import JacobianCallError, JacobianWarning
 
+from _references import OldStyleSquare
+
 
 class _Square(torch.autograd.Function):  # (old style: torch.func refuses it)
     @staticmethod
@@ -29,18 +31,6 @@ class _Square(torch.autograd.Function):  # (old style: torch.func refuses it)
     def jvp(ctx, t):
         (x,) = ctx.saved_tensors
         return 2 * x * t
-
-
-class _SquareNoJvp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
 
 
 def _fd(f, x, h=1e-6):
@@ -85,7 +75,7 @@ def test_auto_warning_words():
 
 def test_auto_refuses_where_forward_mode_cannot_run_f():
     def scatter_no_jvp(x):
-        base = _SquareNoJvp.apply(x).sin()
+        base = OldStyleSquare.apply(x).sin()
         return torch.as_strided_scatter(base, x[:2] * 3, (2,), (1,), 1)
 
     with warnings.catch_warnings():
@@ -103,7 +93,7 @@ def test_auto_refuses_where_forward_mode_cannot_run_f():
 def test_scatter_into_a_constant_stays_reverse():
     def scatter_const(x):
         base = torch.zeros(5, dtype=x.dtype)
-        return torch.as_strided_scatter(base, _SquareNoJvp.apply(x[:2]), (2,), (1,), 1) + x
+        return torch.as_strided_scatter(base, OldStyleSquare.apply(x[:2]), (2,), (1,), 1) + x
 
     x = _x()
     with warnings.catch_warnings(record=True) as caught:
