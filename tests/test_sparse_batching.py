@@ -68,9 +68,9 @@ def test_the_warning_says_what_was_wrong_and_the_fix():
 
 
 def test_the_warning_of_an_op_not_known_says_what_was_wrong_and_the_fix(monkeypatch):
-    from torch_vjp._sparse import probe
+    from torch_vjp._engine import wrongops
 
-    monkeypatch.setattr(probe, "_BATCHED_WRONGLY", {})  # (cdist stands for an unknown op)
+    monkeypatch.setattr(wrongops, "_BATCHED_WRONGLY", {})  # (cdist stands for an unknown op)
     y = torch.randn(4, 3, dtype=torch.float64)
 
     def f(x):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_vjp as tv
+import torch_vjp._engine.wrongops as engine_wrongops
 from torch_vjp._sparse import rules
 
 _F64 = torch.float64
@@ -191,6 +192,9 @@ def test_an_op_not_in_the_list_is_caught_on_the_first_call(
     # wrong; the check of the first use finds it (NOTE [reverse products, checked on first
     # use] in torch_vjp._sparse.guard), and the plan's later calls loop)
     monkeypatch.setattr(rules, "WRONG_BATCHING", {})
+    # (nor in the list the products' graph is read for: NOTE [reverse products read the
+    # graph] in torch_vjp._sparse.guard)
+    monkeypatch.setattr(engine_wrongops, "_BATCHED_WRONGLY", {})
     y = torch.randn(4, 3, dtype=_F64)
 
     def f(x):

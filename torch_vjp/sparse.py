@@ -60,7 +60,7 @@ from torch_vjp._sparse.compute import (
 from torch_vjp._sparse.detect import detect
 from torch_vjp._sparse.guard import blamed_op, first_use_route, warn_forward
 from torch_vjp._sparse.pattern import LAYOUTS, pattern_from_user
-from torch_vjp._sparse.words import explain_refusal, warn_batching
+from torch_vjp._sparse.words import explain_refusal, warn_batching, wrong_reverse_words
 from torch_vjp._sparse.probe import (
     batching_wrong,
     graph_flags,
@@ -213,10 +213,13 @@ def sparse_jacobian(
             ``"fwd"`` (colour the columns, one JVP per colour) or ``"rev"`` (colour the
             rows, one VJP per colour; one colour at a time, without vmap, where ``f`` calls
             an op whose backward torch batches wrongly, ``torch.cdist``, with a one-time
-            warning). Reverse mode's products are checked on a plan's first use against a
+            warning). Reverse mode's products read the graph of their call of ``f`` for the
+            ops whose backward torch computes wrongly (torch 2.13: that of an antialiased
+            ``F.interpolate`` in some of its resizes, ``torch.as_strided_scatter``'s): with
+            one, ``"auto"`` computes in forward mode, with a one-time warning, and
+            ``"rev"`` is refused. They are also checked on a plan's first use against a
             forward-mode product; where a central difference sides with forward mode (an op
-            whose backward formula is wrong: a custom Function's, or torch's own, as that of
-            an antialiased ``F.interpolate`` in torch 2.13, in some of its resizes), the
+            whose backward formula is wrong: a custom Function's, or torch's own), the
             Jacobian is computed in forward mode, with a one-time warning naming the op. A
             write at a repeated index (``out[idx] = v``, ``scatter``, ``index_copy``), where
             the modes differ by convention, keeps each mode's answer, as
@@ -239,8 +242,9 @@ def sparse_jacobian(
             compute those products (an operator without a forward-mode formula, a module
             that updates its running statistics, a sparse CSR constant), which ``"auto"``
             works around; ``mode="rev"`` where ``f`` scatters with
-            ``torch.as_strided_scatter`` into a tensor computed from ``x`` (torch's
-            backward of it is wrong: forward mode computes it).
+            ``torch.as_strided_scatter`` into a tensor computed from ``x``, or resizes
+            it with an antialiased ``F.interpolate`` that torch differentiates wrongly
+            (torch's backward of it is wrong: forward mode computes it).
         JacobianOptionError: unknown ``layout``; a ``pattern`` that is not 2-D or whose
             shape does not match ``x`` and ``f``'s output, or that leaves out non-zeros
             (found by the probe of every call, or by ``"auto"``'s check of its first
@@ -404,6 +408,41 @@ def _products(
     prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
     colour: str | None = None, probe: int = 0,
 ) -> tuple[Any, Tensor, int, tuple[Any, ...]]:
+    """:func:`_computed`'s products; computed again where the graph of reverse mode's
+    products held an op torch differentiates wrongly that the plan did not know of (NOTE
+    [reverse products read the graph] in :mod:`torch_vjp._sparse.guard`): in forward mode
+    (``mode="rev"``: refused), or one colour at a time without vmap."""
+    met: list[Any] = []
+    got = _computed(prob, plan, mode, chunk, budget, colour, probe, met)
+    if got[0].mode == "rev" and _known_wrong(prob, plan, met):
+        return _products(prob, plan, mode, chunk, budget, colour, probe)
+    return got
+
+
+def _known_wrong(prob: Problem, plan: Any, met: list[Any]) -> bool:
+    """Whether reverse mode's products are to be computed again: their call's graph held
+    (``met``: the ops, and whether the products ran under vmap) an op whose backward torch
+    computes wrongly, or batches wrongly and they ran under vmap, that the plan did not know
+    of. The ops are kept with the plan (per function, for a user's pattern) for its later
+    calls."""
+    if len(met) != 2:
+        return False
+    (batching, alone), vectorised = met
+    had = _unsafe(prob, plan)
+    now = (had[0] or batching, had[1] or alone)
+    if now == had:
+        return False
+    if plan.user:
+        plan.flags[route_key(prob.f)] = now
+    else:
+        plan.pattern.wrong_batching, plan.pattern.wrong_reverse = now
+    return (had[1] is None and alone is not None) or (had[0] is None and vectorised)
+
+
+def _computed(
+    prob: Problem, plan: Any, mode: str, chunk: int | None, budget: int | None,
+    colour: str | None, probe: int, met: list[Any],
+) -> tuple[Any, Tensor, int, tuple[Any, ...]]:
     """The colouring for ``mode`` (``colour`` picks ``"auto"``'s, as its check remembered),
     its compressed products (with ``probe``, that many probe rows' products last: NOTE [a
     cached plan, probed]), the number of output elements and the dtypes of :func:`compressed`.
@@ -419,7 +458,7 @@ def _products(
     coloring = plan.coloring(colour or mode)
     try:
         comp, m, seed = compressed(prob, plan, coloring, max_memory=budget, probe=probe,
-                                   chunk_size=_unbatched(prob, plan, coloring, chunk))
+                                   chunk_size=_unbatched(prob, plan, coloring, chunk), met=met)
     except Exception as err:  # noqa: BLE001 - forward mode may yield to reverse mode
         if passes_through(err):
             raise
@@ -427,15 +466,14 @@ def _products(
             explain_refusal(prob, mode, err)  # (raises for torch's known refusals)
             raise
         if coloring.mode == "rev":
-            return coloring, *_plain(prob, plan, coloring, err, probe)
+            return coloring, *_plain(prob, plan, coloring, err, probe, met)
         if _unsafe(prob, plan)[1] is not None:  # (no mode can compute it)
+            _, fix = wrong_reverse_words(function_name(prob.f), _unsafe(prob, plan)[1])
             raise StrategyError(
                 f"{prob.call}: {function_name(prob.f)} calls {_unsafe(prob, plan)[1]}, "
                 f"whose backward torch computes wrongly, so its Jacobian is computed in "
                 f"forward mode only, and forward mode fails on it: {quote_error(err)}.\n"
-                f"  Fix: write the scatter as out = t.clone(); out.as_strided(size, stride, "
-                f"offset).copy_(src), whose backward is right, or give the failing operator "
-                f"a forward-mode formula."
+                f"  Fix: {fix}, or give the failing operator a forward-mode formula."
             ) from None
         warn_once(
             ("sparse-fwd-to-rev", function_key(prob.f), type(err)),
@@ -446,22 +484,23 @@ def _products(
         coloring = plan.coloring("rev")
         try:
             comp, m, seed = compressed(prob, plan, coloring, max_memory=budget, probe=probe,
-                                       chunk_size=_unbatched(prob, plan, coloring, chunk))
+                                       chunk_size=_unbatched(prob, plan, coloring, chunk),
+                                       met=met)
         except Exception as rev_err:  # noqa: BLE001 - plain autograd decides
             if passes_through(rev_err):
                 raise
-            return coloring, *_plain(prob, plan, coloring, rev_err, probe)
+            return coloring, *_plain(prob, plan, coloring, rev_err, probe, met)
     if _unsafe(prob, plan)[1] is not None and mode == "auto":
         _forward_only(prob, plan, "done")
     return coloring, comp, m, seed
 
 
 def _plain(prob: Problem, plan: Any, coloring: Any, err: BaseException,
-           probe: int = 0) -> tuple[Tensor, int, tuple[Any, ...]]:
+           probe: int = 0, met: list[Any] | None = None) -> tuple[Tensor, int, tuple[Any, ...]]:
     """Reverse mode's products with plain autograd where torch.func cannot run f (its error
     ``err``), with a one-time warning; an error of f's own comes out of that call."""
     with buffers_kept(prob.f):  # (f runs for real: a module's running statistics move)
-        comp, m, seed = compressed_plain(prob, plan, coloring, probe)
+        comp, m, seed = compressed_plain(prob, plan, coloring, probe, met)
     warn_once(
         ("sparse-plain", function_key(prob.f)),
         f"{prob.call}: torch.func cannot run f ({function_name(prob.f)}): "
@@ -492,21 +531,15 @@ def _unsafe(prob: Problem, plan: Any) -> tuple[str | None, str | None]:
 
 
 def _forward_only(prob: Problem, plan: Any, mode: str) -> str:
-    """``"fwd"``, for a pattern whose detection saw an op whose backward torch computes
-    wrongly without vmap too (NOTE [wrong batching rules] in :mod:`torch_vjp._sparse.probe`);
-    for ``mode="rev"``, raises; ``mode="done"``: the one-time warning of ``"auto"``, once
-    forward mode computed the products."""
-    why = _unsafe(prob, plan)[1]
-    said = (f"{function_name(prob.f)} calls {why}, whose backward torch computes wrongly "
-            f"(torch 2.13: the gradient of the tensor scattered into is passed inside the "
-            f"scattered region, where it belongs outside it), so reverse mode's products "
-            f"would be wrong; forward mode's are right")
+    """``"fwd"``, for a pattern whose detection (or the graph of its products' call) saw an
+    op whose backward torch computes wrongly without vmap too (NOTE [wrong batching rules]
+    in :mod:`torch_vjp._sparse.probe`); for ``mode="rev"``, raises; ``mode="done"``: the
+    one-time warning of ``"auto"``, once forward mode computed the products."""
+    said, fix = wrong_reverse_words(function_name(prob.f), _unsafe(prob, plan)[1] or "")
     if mode == "rev":
         raise StrategyError(
             f"{prob.call}: mode='rev' computes the products with reverse-mode AD, and "
-            f"{said}.\n  Fix: mode='fwd' or 'auto' (forward mode), or write the scatter as "
-            f"out = t.clone(); out.as_strided(size, stride, offset).copy_(src), whose "
-            f"backward is right."
+            f"{said}.\n  Fix: mode='fwd' or 'auto' (forward mode), or {fix}."
         )
     if mode == "done":
         warn_once(

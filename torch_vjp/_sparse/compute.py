@@ -59,7 +59,7 @@ from torch_vjp._engine.rows import SameDraws, map_rows_with_fallback
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, quote_error, warn_once
 from torch_vjp._sparse.coloring import Coloring, color_columns, color_rows
 from torch_vjp._sparse.pattern import Pattern
-from torch_vjp._sparse.probe import probe_row
+from torch_vjp._sparse.probe import known_wrong, probe_row, reading_known_wrong
 
 __all__ = [
     "Plan",
@@ -401,19 +401,25 @@ def compressed(
     chunk_size: int | None,
     max_memory: int | None,
     probe: int = 0,
+    met: list[tuple[str | None, str | None]] | None = None,
 ) -> tuple[Tensor, int, tuple[Any, ...]]:
     """The compressed Jacobian, ``(colours, m)`` in forward mode or ``(colours, n)`` in
     reverse mode, the number of output elements ``f`` returned, and the dtype of the seeds
     (x's in forward mode, f's first output's in reverse mode) with the coarsest dtype of
     x's and f's tensors (:func:`_dtypes`). See NOTE [compression]. With ``probe``, that many
     rows more: the products with :func:`probe_row` in the seeds' dtype (NOTE [a cached
-    plan, probed])."""
+    plan, probed]). In reverse mode, ``met`` gets the ops torch differentiates wrongly that
+    the graph of the products' own call of f holds (:func:`known_wrong`: NOTE [reverse
+    products read the graph] in :mod:`~torch_vjp._sparse.guard`), then whether the
+    products ran under vmap, several at once."""
     leaves = tuple(prob.leaves)
     x0 = leaves[0]
     p = coloring.count + probe
     n = plan.pattern.n
     g = prob.g
     if coloring.mode == "rev":
+        if met is not None:
+            g = reading_known_wrong(g, met)
         with torch.no_grad():
             out, pullback = func_vjp(g, *leaves)
             flat_out, spec = tree_flatten(out)
@@ -432,6 +438,8 @@ def compressed(
             (res,), _ = map_rows_with_fallback(
                 pull, rows, p, chunk_size=chunk, on_fallback=_warn_fallback(prob, "rev")
             )
+            if met:
+                met.append(chunk != 1 and p > 1)  # (whether they ran under vmap)
             return res, m, _dtypes(seeds.dtype, leaves, flat_out)
     if p == 0:
         with torch.no_grad():
@@ -480,19 +488,22 @@ def _dtypes(seed: torch.dtype, leaves: Any, outs: Any) -> tuple[Any, ...]:
 
 
 def compressed_plain(prob: Problem, plan: Plan, coloring: Coloring,
-                     probe: int = 0
+                     probe: int = 0, met: list[tuple[str | None, str | None]] | None = None
                      ) -> tuple[Tensor, int, tuple[Any, ...]]:
     """Reverse mode's compressed products with plain autograd, one ``torch.autograd.grad``
     per colour: for functions torch.func cannot run at all (a module in training mode that
     updates its running statistics, a custom Function without setup_context), as the dense
     ``"auto"`` falls back to (NOTE [auto fallback] in :mod:`torch_vjp._engine.jacobian`).
-    With ``probe``, that many products more, as :func:`compressed`, which it returns as."""
+    With ``probe``, that many products more, and ``met``, as :func:`compressed`, which it
+    returns as."""
     leaves = prob.leaves
     p, n = coloring.count + probe, plan.pattern.n
     with torch.enable_grad():
         xs = [x.detach().requires_grad_(True) for x in leaves]
         out = prob.g(*xs)
     flat_out, _ = tree_flatten(out)
+    if met is not None:  # (one backward pass per colour: no vmap)
+        met[:] = [known_wrong([t for t in flat_out if isinstance(t, Tensor)]), False]
     m = sum(o.numel() for o in flat_out)
     if m != plan.pattern.m or p == 0:
         return leaves[0].new_zeros((p, n)), m, _dtypes(flat_out[0].dtype, leaves, flat_out)

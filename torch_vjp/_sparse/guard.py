@@ -34,6 +34,28 @@ It costs two products (one reverse, one forward) on the first use per plan and f
 one (the forward product) under ``"auto"``, whose own check computes the reverse one
 (NOTE [auto, checked once]); the difference and a call of f with autograd only where they
 disagree. Not in inference mode (no graph to read a reverse product from).
+
+NOTE [reverse products read the graph]
+The check above compares values at the first call's point only, and values can agree there
+by chance: where f squares what it resizes (``F.interpolate(x * x, ...,
+antialias=True)``) at zeros, or multiplies it by ``x.sum()`` at a point summing to 0, the
+wrong reverse products and the right ones coincide, the route was kept, and every later
+call returned a Jacobian wrong by up to 3.5 at a scale of one, without a word; a user's
+pattern serving a function whose graph took such an op at a later call only (a flag in a
+dict) was wrong by 0.77 (the probe of later calls compares products of one vectorised
+call, which a formula wrong alone makes agree). So reverse mode's products read the graph
+their own call of f builds (no call of f more; the plain-autograd products' call too) for
+the operators torch differentiates wrongly, by the one list of them
+(:func:`~torch_vjp._engine.wrongops.wrong_ops`: ``torch.as_strided_scatter``'s backward
+and the antialiased resizes' in the cases its predicate of the node's saved sizes names,
+wrong alone; ``torch.cdist``'s batching rule), on every call: where it holds one the plan
+did not know of, the plan keeps it (per function, for a user's pattern) and the products
+are computed again as a plan that knew it from the start computes them (NOTE [wrong
+batching rules] in :mod:`torch_vjp._sparse.probe`): in forward mode under ``"auto"``, with
+a one-time warning naming the op, refused under ``mode="rev"`` (forward mode is the fix),
+one colour at a time without vmap for a batching rule, with a one-time warning. Where the
+first-use check finds a backward wrong and the graph holds one of these ops, the warning
+names it.
 """
 
 from __future__ import annotations
@@ -54,7 +76,8 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.revcheck import central_difference
 from torch_vjp._engine.rows import SameDraws
 from torch_vjp._errors import JacobianWarning, passes_through, warn_once
-from torch_vjp._sparse.probe import probe_row
+from torch_vjp._sparse.probe import known_wrong, probe_row
+from torch_vjp._sparse.words import wrong_reverse_words
 
 __all__ = ["blamed_op", "first_use_route", "warn_forward"]
 
@@ -187,7 +210,8 @@ _UNLISTED = "an operator (not in the lists of ops known to be so)"
 
 def _suspects(prob: Problem, leaves: list[Tensor], before: SameDraws) -> tuple[str, bool]:
     """What f's graph (one call of f with autograd) names as the op whose backward is
-    wrong, and whether one is to blame: its custom autograd.Functions (and custom ops),
+    wrong, and whether one is to blame: an op of torch's known to be so (:func:`known_wrong`)
+    where it holds one; its custom autograd.Functions (and custom ops),
     whose backward torch_vjp cannot vouch for, where it holds any; else none where it holds
     an op whose modes differ by convention (:data:`_CONVENTION`); else torch's ops of the
     graph (one of them has a wrong formula)."""
@@ -200,6 +224,9 @@ def _suspects(prob: Problem, leaves: list[Tensor], before: SameDraws) -> tuple[s
         if passes_through(err):
             raise
         outs = []
+    known = known_wrong(outs)[1]  # (one of torch's ops known to be so, by name)
+    if known is not None:
+        return known, True
     custom: list[str] = []
     ops: list[str] = []
     convention = False
@@ -235,6 +262,7 @@ def blamed_op(prob: Problem, before: SameDraws) -> str | None:
 def warn_forward(prob: Problem, op: str, count: int) -> None:
     """The one-time warning that reverse mode's products were computed in forward mode."""
     fix = ("correct that op's backward" if "custom autograd.Function" in op else
+           wrong_reverse_words(function_name(prob.f), op)[1] if op.startswith("torch.") else
            "write f without that op (find it by bisecting f: torch.func.jacrev and "
            "torch.func.jacfwd of the part that holds it disagree), and report it to PyTorch")
     warn_once(

@@ -63,12 +63,19 @@ whose detection saw it on tracked data (``Pattern.wrong_reverse``, from
 is right: ``"auto"`` takes it without its check against a reverse product (which is the
 wrong one), and ``mode="rev"`` is refused. A user's pattern has no detection run: the
 first call with it, per function, runs ``f`` once with autograd and reads the same ops off
-its graph (:func:`graph_flags`), which holds them as backward nodes.
+its graph (:func:`graph_flags`), which holds them as backward nodes: those of the one list
+of NOTE [named reverse strategies and wrong formulas] (:func:`known_wrong`), which holds the
+antialiased resizes too, wrong alone in some of their resizes (its predicate reads the
+node's saved sizes). Reverse mode's products read the same list off the graph of their own
+call on every call (NOTE [reverse products read the graph] in
+:mod:`torch_vjp._sparse.guard`): an op the tracer's lists do not hold, or one f takes at a
+later call only, is caught there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,8 +89,9 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws
 from torch_vjp._engine.wrongops import wrong_ops
 from torch_vjp._errors import JacobianOptionError, JacobianWarning, passes_through, warn_once
+from torch_vjp._sparse import rules
 
-__all__ = ["graph_flags", "probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
+__all__ = ["graph_flags", "known_wrong", "reading_known_wrong", "probe_row", "probe_rows", "stale", "stale_rows", "warn_changed",
            "batching_wrong", "users_pattern_misses", "outside_pattern", "linear",
            "misses_message"]
 
@@ -463,11 +471,34 @@ def misses_message(call: str, how: str) -> str:
     )
 
 
-#: Backward nodes of the ops of NOTE [wrong batching rules], by what the warnings call them:
-#: a node batched wrongly; one wrong alone where its first input (``self``) is differentiated.
-_BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist (aten._cdist_forward)"}
-_WRONG_ALONE = {"AsStridedScatterBackward0": "torch.as_strided_scatter on a tensor computed "
-                                             "from x"}
+#: What the sparse wing's words call the ops of
+#: :func:`~torch_vjp._engine.wrongops.wrong_ops` (the one list of the backward nodes torch
+#: computes wrongly, with its predicate of the antialiased resizes), where they say more
+#: than its name: the tracer's words for the same ops (:data:`~torch_vjp._sparse.rules.
+#: WRONG_BATCHING`, :data:`~torch_vjp._sparse.rules.WRONG_REVERSE`).
+_SAID = {"torch.cdist": rules.WRONG_BATCHING["_cdist_forward"],
+         "torch.as_strided_scatter": rules.WRONG_REVERSE["as_strided_scatter"][1]}
+
+
+def known_wrong(outs: list[Tensor]) -> tuple[str | None, str | None]:
+    """``(wrong_batching, wrong_reverse)`` of ``Pattern``: the ops of NOTE [named reverse
+    strategies and wrong formulas] (:func:`~torch_vjp._engine.wrongops.wrong_ops`) that the
+    autograd graph of ``outs`` holds, in the sparse wing's words (None: none)."""
+    batching, alone = wrong_ops(outs)
+    return (None if batching is None else _SAID.get(batching, batching),
+            None if alone is None else _SAID.get(alone, alone))
+
+
+def reading_known_wrong(g: Callable[..., Any], met: list[tuple[str | None, str | None]]
+                        ) -> Callable[..., Any]:
+    """``g``, recording into ``met`` the ops of :func:`known_wrong` its outputs' graph holds
+    (a walk of the graph its call built: no call of f more)."""
+    def read(*args: Any) -> Any:
+        out = g(*args)
+        met[:] = [known_wrong([t for t in tree_leaves(out) if isinstance(t, Tensor)])]
+        return out
+
+    return read
 
 
 def graph_flags(prob: Problem) -> tuple[str | None, str | None]:
@@ -489,5 +520,4 @@ def graph_flags(prob: Problem) -> tuple[str | None, str | None]:
         return None, None
     finally:
         draws()
-    return wrong_ops([t for t in tree_leaves(out) if isinstance(t, Tensor)],
-                     _BATCHED_WRONGLY, _WRONG_ALONE)
+    return known_wrong([t for t in tree_leaves(out) if isinstance(t, Tensor)])

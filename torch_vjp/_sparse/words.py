@@ -1,6 +1,7 @@
 """The sparse wing's words: the refusals of an explicit mode that torch.func or forward
-mode cannot run (:func:`explain_refusal`), and the warning of products computed again
-without vmap (:func:`warn_batching`)."""
+mode cannot run (:func:`explain_refusal`), the warning of products computed again
+without vmap (:func:`warn_batching`), and what an op whose backward torch computes wrongly
+does wrong, with the fix (:func:`wrong_reverse_words`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch_vjp._engine.refusals import (
 from torch_vjp._errors import (JacobianWarning, StrategyError, StrategyNotImplementedError,
                                quote_error, warn_once)
 
-__all__ = ["explain_refusal", "warn_batching"]
+__all__ = ["explain_refusal", "warn_batching", "wrong_reverse_words"]
 
 
 #: The fix each known refusal of torch.func adds to mode='auto' (by refusal_kind).
@@ -70,3 +71,24 @@ def warn_batching(prob: Problem, count: int) -> None:
         f"shown once per function.",
         JacobianWarning,
     )
+
+
+def wrong_reverse_words(name: str, why: str) -> tuple[str, str]:
+    """``(said, fix)``: that f (``name``) calls ``why``, an op whose backward torch
+    computes wrongly even without vmap (NOTE [wrong batching rules] in
+    :mod:`torch_vjp._sparse.probe`), and how; and the fix beside forward mode."""
+    if "as_strided_scatter" in why:
+        how = ("the gradient of the tensor scattered into is passed inside the scattered "
+               "region, where it belongs outside it")
+        fix = ("write the scatter as out = t.clone(); out.as_strided(size, stride, "
+               "offset).copy_(src), whose backward is right")
+    elif "interpolate" in why:
+        how = ("for the input resized, where the output is one column wide and its height "
+               "is resampled, or where a dimension keeps its size under a scale_factor "
+               "other than 1")
+        fix = "resize with antialias=False, whose backward is right"
+    else:
+        how = "for the tensor it computes from x"
+        fix = "write f without that op"
+    return (f"{name} calls {why}, whose backward torch computes wrongly (torch 2.13: {how}), "
+            f"so reverse mode's products would be wrong; forward mode's are right"), fix
