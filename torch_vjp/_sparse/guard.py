@@ -30,10 +30,25 @@ torch.func.jacrev gives them (the docs page "Strategies"). Any other disagreemen
 of torch's whose backward is wrong (as ``torch.as_strided_scatter``'s is in torch 2.13) and
 which the lists of NOTE [wrong batching rules] do not hold yet: reverse mode and "auto"
 returned its wrong Jacobian without a word.
-It costs two products (one reverse, one forward) on the first use per plan and function,
+It costs two products (one reverse, one forward) on the first use per plan and function
+(two more near x: NOTE [checked near the point]),
 one (the forward product) under ``"auto"``, whose own check computes the reverse one
 (NOTE [auto, checked once]); the difference and a call of f with autograd only where they
 disagree. Not in inference mode (no graph to read a reverse product from).
+
+NOTE [checked near the point]
+The check compares values at one point, and a wrong backward can agree with the right one
+there: a custom autograd.Function whose backward is wrong, fed ``u[1:] * u[:-1]`` at zeros
+(every product is 0), or multiplied by ``x.sum()`` at a point summing to 0; the check passed,
+the plan kept reverse mode, and every later call was wrong by 1.7-2.8 at a scale of one,
+without a word. So where the modes agree at x, the same comparison (one reverse product
+without vmap, one forward product, the central difference where they disagree) runs once
+more at a point near x, ``x + t w`` (``w`` fixed normal draws of a generator of its own,
+``t`` an eighth of x's largest magnitude, at least an eighth), which a coincidence at x
+does not follow; a disagreement there that the difference sides with forward mode takes
+forward mode, as at x. Where f cannot be computed there (outside its domain: NaN,
+infinities, an error), x's check stands. Two products more, on the first use only. The
+batching is checked at x only (the vectorised products are x's).
 
 NOTE [reverse products read the graph]
 The check above compares values at the first call's point only, and values can agree there
@@ -66,7 +81,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from torch_vjp._engine.context import buffers_kept, func_jvp
 from torch_vjp._engine.fwdcheck import all_finite, gap, least_precise, one_reverse_product, tolerance
@@ -139,26 +154,95 @@ def _route(prob: Problem, coloring: Any, comp: Tensor, leaves: list[Tensor],
     diff, scale = gap(r_vmap, r_plain)
     batched_ok = diff <= rtol * scale
     if forward is not None:
-        jv = forward[1]
         u64 = u_flat.double()
-        if jv.numel() == u64.numel() and bool(jv.isfinite().all()):
-            s_rev, s_fwd = float(r_plain @ v), float(u64 @ jv)
-            size = max(float(r_plain.abs() @ v.abs()), float(u64.abs() @ jv.abs()))
-            if abs(s_rev - s_fwd) > rtol * size:
-                with buffers_kept(prob.f):
-                    fd = central_difference(prob, _like(u64, outs), _like(v, leaves), before)
-                fd = fd if fd is not None and math.isfinite(fd) else None
-                if fd is not None and abs(fd - s_fwd) <= 0.1 * abs(s_fwd - s_rev):
-                    # (not where f's graph holds an op whose modes differ by convention, at
-                    # a tie or a repeated index: reverse mode's is the one torch.func.jacrev
-                    # gives)
-                    op, blamed = _suspects(prob, leaves, before)
-                    if blamed:
-                        return "fwd", op
+        op = _wrong_alone(prob, leaves, outs, (r_plain, forward[1]), (u64, v), rtol, before)
+        if op is None and (near := _near(prob, leaves)) is not None:  # (the modes agreed)
+            # (NOTE [checked near the point]: one reverse and one forward product more)
+            got = _sides(near, u64, v, before)
+            if got is not None:
+                op = _wrong_alone(near, list(near.leaves), *got, (u64, v), rtol, before)
+        if op:
+            return "fwd", op
     if batched_ok:
         return None, ""
     op, _ = _suspects(prob, leaves, before)
     return "rev-loop", op if "custom" in op else _UNLISTED
+
+
+def _wrong_alone(prob: Problem, leaves: list[Tensor], outs: list[Tensor],
+                 products: tuple[Tensor, Tensor], directions: tuple[Tensor, Tensor],
+                 rtol: float, before: SameDraws) -> str | None:
+    """The op f's graph blames where the reverse product ``u^T J`` and the forward product
+    ``J v`` (``products``, flat, float64, at ``prob``'s point) disagree on ``u^T J v``
+    beyond ``rtol`` and a central difference sides with forward mode; None where they agree
+    or nothing could be checked; ``""`` where they disagree and the difference does not
+    side with forward mode, or the graph holds an op whose modes differ by convention."""
+    (r, jv), (u64, v) = products, directions
+    if jv.numel() != u64.numel() or r.numel() != v.numel() or not bool(jv.isfinite().all()):
+        return None
+    s_rev, s_fwd = float(r @ v), float(u64 @ jv)
+    size = max(float(r.abs() @ v.abs()), float(u64.abs() @ jv.abs()))
+    if not abs(s_rev - s_fwd) > rtol * size:
+        return None
+    with buffers_kept(prob.f):
+        fd = central_difference(prob, _like(u64, outs), _like(v, leaves), before)
+    if fd is None or not math.isfinite(fd) or abs(fd - s_fwd) > 0.1 * abs(s_fwd - s_rev):
+        return ""
+    # (not where f's graph holds an op whose modes differ by convention, at a tie or a
+    # repeated index: reverse mode's is the one torch.func.jacrev gives)
+    op, blamed = _suspects(prob, leaves, before)
+    return op if blamed else ""
+
+
+#: How far the point of NOTE [checked near the point] is from x, at x's scale.
+_NEAR = 0.125
+
+
+def _near(prob: Problem, leaves: list[Tensor]) -> Problem | None:
+    """f's problem at a point near x (NOTE [checked near the point]): ``x + t w``, ``w``
+    fixed normal draws (from a generator of its own: no structure of their own, such as a
+    sum of 0, for f to meet), ``t`` an eighth of x's largest magnitude (at least an
+    eighth); None where x's structure cannot be rebuilt."""
+    n = sum(x.numel() for x in leaves)
+    w = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    w = w.to(leaves[0].device)
+    big = max([1.0] + [float(x.detach().abs().amax()) for x in leaves if x.numel()])
+    moved = [(x.detach().double() + _NEAR * big * part.reshape(x.shape).to(x.device)).to(x.dtype)
+             for x, part in zip(leaves, w.split([x.numel() for x in leaves]))]
+    try:
+        near = Problem(prob.f, (tree_unflatten(moved, prob.in_spec),), 0, has_aux=False,
+                       call=prob.call, detached=True, aux=False, named="x")
+    except Exception as err:  # noqa: BLE001 - not rebuilt: checked at x alone
+        if passes_through(err):
+            raise
+        return None
+    near.writes_inputs = prob.writes_inputs
+    return near
+
+
+def _sides(prob: Problem, u64: Tensor, v: Tensor, before: SameDraws
+           ) -> tuple[list[Tensor], tuple[Tensor, Tensor]] | None:
+    """f's flat outputs and ``(u^T J, J v)`` (flat, float64) at ``prob``'s point, by one
+    reverse product without vmap and one forward product; None where either cannot be
+    computed or f is not finite there."""
+    def keep(outs: list[Tensor]) -> list[Tensor]:
+        parts = u64.split([o.numel() for o in outs])
+        return [t.reshape(o.shape).to(o.dtype) for t, o in zip(parts, outs)]
+
+    leaves = list(prob.leaves)
+    before()
+    forward = _forward(prob, leaves, v)
+    if forward is None or not all_finite(forward[0]):
+        return None
+    before()
+    with buffers_kept(prob.f):
+        res = one_reverse_product(prob, keep=keep)
+    if res is None or sum(o.numel() for o in res[0]) != u64.numel():
+        return None
+    r = torch.cat([t.reshape(-1) for t in res[2]]).double()
+    if not bool(r.isfinite().all()):
+        return None
+    return res[0], (r, forward[1])
 
 
 def _forward(prob: Problem, leaves: list[Tensor], v: Tensor
