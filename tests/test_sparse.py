@@ -402,9 +402,9 @@ def test_second_call_does_no_detection(monkeypatch):
     assert detections.calls == 1
     # the second call runs f only for the products (the first also detected, checked the
     # products against one reverse product: NOTE [auto, checked once], and against one
-    # forward product: NOTE [reverse products, checked on first use], and one of each near
-    # x: NOTE [checked near the point])
-    assert len(calls) - first == first - 5
+    # forward product: NOTE [reverse products, checked on first use], and one of each and
+    # one vectorised near x: NOTE [checked near the point])
+    assert len(calls) - first == first - 6
     torch.testing.assert_close(J.to_dense(), _jac(_stencil_1d, x + 1))
     sparse_jacobian(f, torch.randn(13, dtype=D))  # another shape: detected again
     sparse_jacobian(f, torch.randn(12))  # another dtype: detected again

@@ -31,7 +31,7 @@ of torch's whose backward is wrong (as ``torch.as_strided_scatter``'s is in torc
 which the lists of NOTE [wrong batching rules] do not hold yet: reverse mode and "auto"
 returned its wrong Jacobian without a word.
 It costs two products (one reverse, one forward) on the first use per plan and function
-(two more near x: NOTE [checked near the point]),
+(three more near x: NOTE [checked near the point]),
 one (the forward product) under ``"auto"``, whose own check computes the reverse one
 (NOTE [auto, checked once]); the difference and a call of f with autograd only where they
 disagree. Not in inference mode (no graph to read a reverse product from).
@@ -46,9 +46,14 @@ without vmap, one forward product, the central difference where they disagree) r
 more at a point near x, ``x + t w`` (``w`` fixed normal draws of a generator of its own,
 ``t`` an eighth of x's largest magnitude, at least an eighth), which a coincidence at x
 does not follow; a disagreement there that the difference sides with forward mode takes
-forward mode, as at x. Where f cannot be computed there (outside its domain: NaN,
-infinities, an error), x's check stands. Two products more, on the first use only. The
-batching is checked at x only (the vectorised products are x's).
+forward mode, as at x. A custom op whose batching rule is wrong by a factor agreed at x
+alike (and the probe of later calls, which computes its row in the same vectorised call,
+agrees with it): where the batching agreed at x, the reverse product near x is computed
+once more under torch.vmap, beside another cotangent, and compared with the one without
+vmap; where they disagree, the products are computed one colour at a time, as at x. Where
+f cannot be computed there (outside its domain: NaN, infinities, an error), x's check
+stands. Three products more (one of them vectorised over two cotangents), on the first
+use only.
 
 NOTE [reverse products read the graph]
 The check above compares values at the first call's point only, and values can agree there
@@ -81,9 +86,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_unflatten
+from torch.func import vmap
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from torch_vjp._engine.context import buffers_kept, func_jvp
+from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp
 from torch_vjp._engine.fwdcheck import all_finite, gap, least_precise, one_reverse_product, tolerance
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.jacobian import function_key, function_name
@@ -153,20 +159,42 @@ def _route(prob: Problem, coloring: Any, comp: Tensor, leaves: list[Tensor],
     rtol = tolerance(least_precise(outs, [comp, *leaves]))
     diff, scale = gap(r_vmap, r_plain)
     batched_ok = diff <= rtol * scale
-    if forward is not None:
-        u64 = u_flat.double()
-        op = _wrong_alone(prob, leaves, outs, (r_plain, forward[1]), (u64, v), rtol, before)
-        if op is None and (near := _near(prob, leaves)) is not None:  # (the modes agreed)
-            # (NOTE [checked near the point]: one reverse and one forward product more)
-            got = _sides(near, u64, v, before)
-            if got is not None:
-                op = _wrong_alone(near, list(near.leaves), *got, (u64, v), rtol, before)
-        if op:
-            return "fwd", op
+    u64 = u_flat.double()
+    op = (None if forward is None else
+          _wrong_alone(prob, leaves, outs, (r_plain, forward[1]), (u64, v), rtol, before))
+    # (NOTE [checked near the point]: where the modes, or the batching, agreed at x)
+    if (op is None and forward is not None) or (batched_ok and not op):
+        try:
+            op, batched_ok = _checked_near(prob, leaves, (u64, v), rtol, before,
+                                           (op, forward is not None, batched_ok))
+        except Exception as err:  # noqa: BLE001 - at a point the caller did not pass: x's
+            if isinstance(err, (MemoryError, torch.OutOfMemoryError)):  # check stands
+                raise
+    if op:
+        return "fwd", op
     if batched_ok:
         return None, ""
     op, _ = _suspects(prob, leaves, before)
     return "rev-loop", op if "custom" in op else _UNLISTED
+
+
+def _checked_near(prob: Problem, leaves: list[Tensor], directions: tuple[Tensor, Tensor],
+                  rtol: float, before: SameDraws, at_x: tuple[str | None, bool, bool]
+                  ) -> tuple[str | None, bool]:
+    """``(op, batched_ok)`` of NOTE [checked near the point]: x's (``at_x``: the op blamed
+    there, whether forward mode ran, whether the batching agreed), with the checks that
+    agreed at x run again near x."""
+    op, forward, batched_ok = at_x
+    u64, v = directions
+    near = _near(prob, leaves)
+    got = None if near is None else _sides(near, u64, v, before)
+    if near is None or got is None:
+        return op, batched_ok
+    if op is None and forward and got[2] is not None:
+        op = _wrong_alone(near, list(near.leaves), got[0], got[1:], directions, rtol, before)
+    if batched_ok and not op:
+        batched_ok = _batched_agrees(near, u64, got[1], rtol, before)
+    return op, batched_ok
 
 
 def _wrong_alone(prob: Problem, leaves: list[Tensor], outs: list[Tensor],
@@ -221,10 +249,10 @@ def _near(prob: Problem, leaves: list[Tensor]) -> Problem | None:
 
 
 def _sides(prob: Problem, u64: Tensor, v: Tensor, before: SameDraws
-           ) -> tuple[list[Tensor], tuple[Tensor, Tensor]] | None:
-    """f's flat outputs and ``(u^T J, J v)`` (flat, float64) at ``prob``'s point, by one
-    reverse product without vmap and one forward product; None where either cannot be
-    computed or f is not finite there."""
+           ) -> tuple[list[Tensor], Tensor, Tensor | None] | None:
+    """f's flat outputs, ``u^T J`` by one reverse product without vmap and ``J v`` by one
+    forward product (None where forward mode fails), flat, float64, at ``prob``'s point;
+    None where the reverse product cannot be computed or f is not finite there."""
     def keep(outs: list[Tensor]) -> list[Tensor]:
         parts = u64.split([o.numel() for o in outs])
         return [t.reshape(o.shape).to(o.dtype) for t, o in zip(parts, outs)]
@@ -232,17 +260,49 @@ def _sides(prob: Problem, u64: Tensor, v: Tensor, before: SameDraws
     leaves = list(prob.leaves)
     before()
     forward = _forward(prob, leaves, v)
-    if forward is None or not all_finite(forward[0]):
-        return None
     before()
     with buffers_kept(prob.f):
         res = one_reverse_product(prob, keep=keep)
-    if res is None or sum(o.numel() for o in res[0]) != u64.numel():
+    if (res is None or sum(o.numel() for o in res[0]) != u64.numel()
+            or not all_finite(res[0])):
         return None
     r = torch.cat([t.reshape(-1) for t in res[2]]).double()
     if not bool(r.isfinite().all()):
         return None
-    return res[0], (r, forward[1])
+    return res[0], r, None if forward is None else forward[1]
+
+
+def _batched_agrees(prob: Problem, u64: Tensor, r: Tensor, rtol: float,
+                    before: SameDraws) -> bool:
+    """Whether ``u^T J`` computed under torch.vmap with another cotangent (``u``
+    reversed) agrees with ``r``, the same product without vmap, at ``prob``'s point
+    (NOTE [checked near the point]); True where it cannot be computed (unknown)."""
+    leaves = tuple(prob.leaves)
+    try:
+        before()
+        with buffers_kept(prob.f), torch.no_grad():
+            prob.reset_primals()
+            out, pullback = func_vjp(prob.g, *leaves)
+            flat, spec = tree_flatten(out)
+            sizes = [o.numel() for o in flat]
+            if sum(sizes) != u64.numel():
+                return True
+            cots = [torch.stack([a, b]).reshape(2, *o.shape).to(o.dtype) for a, b, o
+                    in zip(u64.split(sizes), u64.flip(0).split(sizes), flat)]
+
+            def pull(*cot: Tensor) -> Tensor:
+                grads = pullback(cot[0] if len(flat) == 1 else tree_unflatten(list(cot), spec))
+                return torch.cat([g.reshape(-1) for g in tree_leaves(grads)])
+
+            batched = vmap(pull)(*cots)[0].double()
+    except Exception as err:  # noqa: BLE001 - unknown: x's check stands
+        if passes_through(err):
+            raise
+        return True
+    if batched.numel() != r.numel():
+        return True
+    diff, scale = gap(batched, r)
+    return diff <= rtol * scale
 
 
 def _forward(prob: Problem, leaves: list[Tensor], v: Tensor
