@@ -43,8 +43,10 @@ product (NOTE [a sharded reverse product checked forward] in ``torch_vjp._sharde
 in its flattening order too: every rank raises where the ranks' differ), tells every rank
 whether some rank failed: then every rank raises
 (the failing ranks their own error, the others a :class:`JacobianCallError` naming the rank
-and quoting its error), and none waits for a gather that will not come. ``"auto"`` falls back from vmap to a loop on each rank by
-itself (the values are the same either way); when forward mode fails on some rank, every
+and quoting its error), and none waits for a gather that will not come. Where ``"auto"``'s vmap fails on some rank, every rank
+falls back to a loop, and where its loop fails in reverse mode, every rank to plain autograd
+(NOTE [the ranks agree on their fallbacks] in ``torch_vjp._sharded_work``: an f that runs a
+collective is called as often on every rank); when forward mode fails on some rank, every
 rank computes again in reverse mode, so that the shards fit together.
 
 Not supported with a group: ``create_graph=True`` and use inside an outer torch.func
@@ -78,7 +80,6 @@ from torch_vjp._engine.fwdcheck import (
 )
 from torch_vjp._engine.jacobian import (
     JACOBIAN_ALTERNATIVES,
-    NoForwardMode,
     function_key,
     function_name,
     no_forward_message,
@@ -92,7 +93,6 @@ from torch_vjp._errors import (
     JacobianOptionError,
     JacobianWarning,
     failing_rank,
-    passes_through,
     warn_once,
 )
 from torch_vjp._sharded_buffers import plain_module
@@ -111,11 +111,13 @@ from torch_vjp._sharded_work import (
     NO_FWD,
     OK,
     PASSES,
+    RETRY,
     Work,
     exchange,
     outputs_said,
     probe_outputs,
     shard_range,
+    try_products,
 )
 from torch_vjp._strategies import Strategy, choose_mode
 
@@ -125,7 +127,7 @@ __all__ = [
     "told_on_failure",
 ]
 
-_OK, _NO_FWD, _FAILED, _PASSES = OK, NO_FWD, FAILED, PASSES  # (torch_vjp._sharded_work)
+_OK, _RETRY, _NO_FWD, _FAILED, _PASSES = OK, RETRY, NO_FWD, FAILED, PASSES  # (_sharded_work)
 
 
 class JacobianShard(NamedTuple):
@@ -375,22 +377,21 @@ def _attempt(compute: Any, work: Work, call: str) -> tuple[Any, int, Any]:
     of f are structured differently (a dict built in another key order: the products are
     numbered in each rank's own order)."""
     work.attempt()
-    try:
-        part, status, err = compute(), _OK, None
-    except NoForwardMode as failed:
-        part, status, err = None, _NO_FWD, failed.err
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
-        part, status, err = None, _PASSES if passes_through(exc) else _FAILED, exc
-    if err is not None and err is work.stop:
-        err = None  # (another rank failed: this rank has no error of its own)
-    # (a digest of the output's structure, and of its leaves' shapes (and dtypes, which
-    # forward mode gathers): its largest and smallest over the ranks differ where some
-    # rank's differs. NOTE [outputs alike on every rank])
-    said = None if part is None else outputs_said(part[1], _output_leaves(part))
-    if work.told is not None:
-        code, hi, lo = work.told
-    else:
-        code, hi, lo, _ = exchange(status, said, 0, work.group, work.device)
+    while True:
+        part, status, err = try_products(compute, work)
+        # (a digest of the output's structure, and of its leaves' shapes (and dtypes, which
+        # forward mode gathers): its largest and smallest over the ranks differ where some
+        # rank's differs. NOTE [outputs alike on every rank])
+        said = None if part is None else outputs_said(part[1], _output_leaves(part))
+        if work.told is not None:
+            code, hi, lo = work.told
+        else:
+            code, hi, lo, _ = exchange(status, said, 0, work.group, work.device)
+        if code != _RETRY:
+            break
+        work.retry()  # (every rank's next fallback: NOTE [the ranks agree on their fallbacks])
+    if status == _RETRY:
+        err = None  # (a fallback this rank would have taken: no error of its own)
     if code == _OK and hi != -lo:
         group = work.group
         gathered: list[Any] = [None] * _dist().get_world_size(group)

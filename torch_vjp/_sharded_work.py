@@ -48,14 +48,15 @@ from torch_vjp._sharded_check import leaf_paths
 from torch_vjp._strategies import Strategy
 
 __all__ = [
-    "FAILED", "NO_FWD", "OK", "PASSES", "Work", "exchange", "outputs_said", "padded_count",
-    "probe_outputs", "shard_range",
+    "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "exchange", "outputs_said",
+    "padded_count", "probe_outputs", "shard_range", "try_products",
 ]
 
-# A rank's status in the exchanges after its products (PASSES: an error no fallback may
-# hide, out of memory or torch_vjp's own: every rank raises, on an alternative route of
-# "auto"'s check too)
-OK, NO_FWD, FAILED, PASSES = 0, 1, 2, 3
+# A rank's status in the exchanges after its products (RETRY: "auto"'s vmap, or its loop,
+# failed on this rank, and every rank takes the next fallback, NOTE [the ranks agree on
+# their fallbacks]; PASSES: an error no fallback may hide, out of memory or torch_vjp's
+# own: every rank raises, on an alternative route of "auto"'s check too)
+OK, RETRY, NO_FWD, FAILED, PASSES = 0, 1, 2, 3, 4
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -113,6 +114,21 @@ def padded_count(n: int, world_size: int) -> int:
 # keeps its own plan, as the loop calls f once per product whatever the chunk.
 
 
+# NOTE [the ranks agree on their fallbacks]
+# "auto" falls back from vmap to a loop where vmap fails, and in reverse mode from the loop
+# to plain autograd where torch.func cannot run f at all. Each rank met its own failures:
+# one whose f takes a path of its own (a rank-dependent branch with an operator vmap
+# refuses) looped alone, and an f that runs a collective, in its forward (forward mode
+# calls f once per chunk under vmap, once per product in a loop) or its backward (reverse
+# mode, the pullback), was then called more often on that rank: the others waited for
+# ever, or paired its collective with the exchange after the products. So with a group a
+# rank whose attempt fails says RETRY in that exchange (:func:`exchange`, failure-aware as
+# NOTE [the ranks agree on their chunks] says), and where the worst status is RETRY every
+# rank takes the next fallback, its products computed again (those of a rank whose vmap
+# ran are dropped): every rank calls f, and its pullback, as often, in the same order. A
+# rank warns of a fallback only where its own attempt failed (the others loop for it).
+
+
 def outputs_said(spec: Any, leaves: list[tuple[Any, ...]]) -> tuple[Any, Any]:
     """``(paths, leaves)``: what the ranks' outputs of f must agree on, the paths of the
     output's leaves (None where its nodes have no keys) and per leaf its shape (of one row
@@ -168,6 +184,22 @@ class Work:
         self.told: tuple[int, int, int] | None = None
         self.stop: BaseException | None = None
         self.looped = False  # (forward mode fell back from vmap to a loop on this rank)
+        # ("auto" with a group: 0 vmap, 1 a loop, 2 plain autograd (reverse mode), agreed
+        # by every rank; this rank's own failure at each, NOTE [the ranks agree on their
+        # fallbacks])
+        self.level = 0
+        self.failures: dict[int, BaseException] = {}
+
+    def retry(self) -> None:
+        """Some rank's attempt failed (RETRY): the next fallback, on every rank, with its
+        chunks agreed again (NOTE [the ranks agree on their fallbacks])."""
+        self.agreed, self.told, self.stop = False, None, None
+        self.level += 1
+
+    @property
+    def failed(self) -> BaseException | None:
+        """This rank's own failure in the attempt that asked for a RETRY, or None."""
+        return self.failures.get(self.level)
 
     def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
         if self.strat.mode is not None:  # a named strategy: no fallback but plain autograd's
@@ -203,7 +235,9 @@ class Work:
                 raise
             raise NoForwardMode(err) from None
 
-    def _auto(self, mode: str, shapes: Any) -> tuple[Any, ...]:
+    def _auto(self, mode: str, shapes: Any) -> tuple[Any, ...] | None:
+        if self.group is not None:
+            return self._agreed(mode, shapes)
         prob = self.prob
 
         def warn(err: Exception) -> None:
@@ -235,6 +269,51 @@ class Work:
             f"output element, without vmap. This warning is shown once per function.",
             JacobianWarning,
         )
+        return res
+
+    def _agreed(self, mode: str, shapes: Any) -> tuple[Any, ...] | None:
+        """``"auto"``'s products at the fallback every rank takes (NOTE [the ranks agree on
+        their fallbacks]): None where this one failed on this rank (its error is kept in
+        :attr:`failures`), which then says RETRY."""
+        level, prob = self.level, self.prob
+        if level >= 2 or level == 1 and mode != "rev":  # (the last fallback: errors raise)
+            if level == 1:  # (forward mode's loop: its error makes every rank go reverse)
+                return self._looped(mode, shapes)
+            res = self._rev_plain()
+            own = self.failures.get(1)
+            if own is not None:
+                warn_once(
+                    ("plain-sharded", function_key(prob.f)),
+                    f"{prob.call}: torch.func cannot run f ({function_name(prob.f)}): "
+                    f"{vmap_refusal(own) or quote_error(own)}. strategy='auto' computed "
+                    f"this rank's share of the products with plain autograd, one backward "
+                    f"pass per output element, without vmap. This warning is shown once per "
+                    f"function.",
+                    JacobianWarning,
+                )
+            return res
+        try:
+            if level == 0:
+                return self._products(mode, shapes, True)
+            return self._looped(mode, shapes)
+        except Exception as err:  # noqa: BLE001 - every rank takes the next fallback
+            if passes_through(err) or is_nested():
+                raise
+            self.failures[level] = err
+            return None
+
+    def _looped(self, mode: str, shapes: Any) -> tuple[Any, ...]:
+        """The products without vmap, every rank's (NOTE [the ranks agree on their
+        fallbacks]), with the warning of this rank's own failed vmap."""
+        res = self._products(mode, shapes, False)
+        self.looped = True
+        own = self.failures.get(0)
+        if own is not None:
+            warn_once(
+                ("vmap-fallback-sharded", function_key(self.prob.f), mode, type(own)),
+                fallback_message(self.prob, mode, own, who="this rank"),
+                JacobianWarning,
+            )
         return res
 
     def _chunk(self, k: int, n_out: int, n_in: int, out_dtypes: list[torch.dtype], dtype: Any,
@@ -388,6 +467,22 @@ class Work:
                                     extras=has_aux, detach=True)
             stacked = _own(stacked, stop - start)
         return stacked, out_spec, None, aux, start, stop, n
+
+
+def try_products(compute: Any, work: Work) -> tuple[Any, int, Any]:
+    """``(part, status, err)`` of one try at this rank's products: ``part`` None where it
+    failed, or where ``"auto"``'s fallback failed on this rank (RETRY: NOTE [the ranks agree
+    on their fallbacks])."""
+    try:
+        part = compute()
+    except NoForwardMode as failed:
+        return None, NO_FWD, failed.err
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+        err = None if exc is work.stop else exc  # (another rank failed: no error of its own)
+        return None, PASSES if passes_through(exc) else FAILED, err
+    if part is None:
+        return None, RETRY, work.failed
+    return part, OK, None
 
 
 def _rev_said(spec: Any, rows_out: Any) -> tuple[Any, Any]:
