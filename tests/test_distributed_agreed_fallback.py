@@ -1,6 +1,7 @@
 """Sharded Jacobians whose ``"auto"`` falls back from vmap to a loop on some ranks only
 (NOTE [the ranks agree on their fallbacks] in ``torch_vjp._sharded_work``): every rank then
-loops, so an ``f`` that runs a collective itself, in its forward or in its backward, is
+loops (and where the loop fails on some rank in reverse mode, every rank computes with plain
+autograd), so an ``f`` that runs a collective itself, in its forward or in its backward, is
 called as many times on every rank, and the Jacobian equals the single-process one in
 float64. Two ranks, gloo on CPU, one spawned group; a rank left waiting fails the test at
 its deadline (and gloo's own timeout ends a mis-paired collective sooner)."""
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 import torch_vjp as tv
+
+from _references import OldStyleSquare
 
 DT = torch.float64
 
@@ -143,6 +146,33 @@ def _reverse_mode_checks(rank, world, group):
         assert counts[0] == counts[1], counts
 
 
+def _plain_checks(rank, world, group):
+    """Reverse mode where torch.func cannot run f at all on rank 1 (an old-style custom
+    Function on its path): every rank computes with plain autograd, f running a collective
+    as many times on every rank."""
+    calls = [0]
+
+    def f(x):
+        calls[0] += 1
+        met = torch.ones(1, dtype=torch.int64)
+        dist.all_reduce(met, group=group)  # (every rank's f meets the others')
+        assert int(met) == world
+        y = OldStyleSquare.apply(x) if rank == 1 else x * x
+        return y.tanh()
+
+    x = torch.linspace(-0.8, 0.7, 5, dtype=DT)
+    want = torch.func.jacrev(lambda x: (x * x).tanh())(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = tv.jacobian(f, x, process_group=group)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    said = [str(w.message) for w in caught]
+    assert any("plain autograd" in s for s in said) == (rank == 1), said
+    counts = [None] * world
+    dist.all_gather_object(counts, calls[0], group=group)
+    assert counts[0] == counts[1], counts
+
+
 def _two_ranks(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=30))
@@ -151,6 +181,7 @@ def _two_ranks(rank, world, init_file):
         group = dist.group.WORLD
         _forward_mode_checks(rank, world, group)
         _reverse_mode_checks(rank, world, group)
+        _plain_checks(rank, world, group)
         dist.barrier()
     finally:
         dist.destroy_process_group()
