@@ -148,8 +148,8 @@ def _reverse_mode_checks(rank, world, group):
 
 def _plain_checks(rank, world, group):
     """Reverse mode where torch.func cannot run f at all on rank 1 (an old-style custom
-    Function on its path): every rank computes with plain autograd, f running a collective
-    as many times on every rank."""
+    Function on its path): every rank computes with plain autograd, in "auto" and in
+    "rev-loop", f running a collective as many times on every rank."""
     calls = [0]
 
     def f(x):
@@ -162,15 +162,18 @@ def _plain_checks(rank, world, group):
 
     x = torch.linspace(-0.8, 0.7, 5, dtype=DT)
     want = torch.func.jacrev(lambda x: (x * x).tanh())(x)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = tv.jacobian(f, x, process_group=group)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
-    said = [str(w.message) for w in caught]
-    assert any("plain autograd" in s for s in said) == (rank == 1), said
-    counts = [None] * world
-    dist.all_gather_object(counts, calls[0], group=group)
-    assert counts[0] == counts[1], counts
+    for strategy in ("auto", "rev-loop"):
+        calls[0] = 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = tv.jacobian(f, x, strategy=strategy, process_group=group)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+        if strategy == "auto":
+            said = [str(w.message) for w in caught]
+            assert any("plain autograd" in s for s in said) == (rank == 1), said
+        counts = [None] * world
+        dist.all_gather_object(counts, calls[0], group=group)
+        assert counts[0] == counts[1], (strategy, counts)
 
 
 def _two_ranks(rank, world, init_file):

@@ -422,7 +422,7 @@ def _output_leaves(part: tuple[Any, ...]) -> list[tuple[Any, ...]]:
             for t in stacked]
 
 
-def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...]:
+def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...] | None:
     """This rank's products by ``route`` ("fwd", "rev" or "rev-loop")."""
     if route == "rev-loop":
         return work._products("rev", None, False)

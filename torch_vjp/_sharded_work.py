@@ -110,13 +110,13 @@ def padded_count(n: int, world_size: int) -> int:
 # where some rank failed, every rank stops and raises (the failing rank its own error, the
 # others one naming it), where forward mode failed on some rank every rank computes in
 # reverse mode, and where outputs differ every rank names the difference. One such
-# exchange per attempt: a rank that plans again within it (its vmap failed, and it loops)
-# keeps its own plan, as the loop calls f once per product whatever the chunk.
+# exchange per try: "auto"'s fallbacks, and "rev-loop"'s to plain autograd, are tries of
+# their own, their chunks agreed again (NOTE [the ranks agree on their fallbacks]).
 
 
 # NOTE [the ranks agree on their fallbacks]
 # "auto" falls back from vmap to a loop where vmap fails, and in reverse mode from the loop
-# to plain autograd where torch.func cannot run f at all. Each rank met its own failures:
+# to plain autograd where torch.func cannot run f at all ("rev-loop" too, from its loop). Each rank met its own failures:
 # one whose f takes a path of its own (a rank-dependent branch with an operator vmap
 # refuses) looped alone, and an f that runs a collective, in its forward (forward mode
 # calls f once per chunk under vmap, once per product in a loop) or its backward (reverse
@@ -201,8 +201,12 @@ class Work:
         """This rank's own failure in the attempt that asked for a RETRY, or None."""
         return self.failures.get(self.level)
 
-    def run(self, mode: str, shapes: Any) -> tuple[Any, ...]:
+    def run(self, mode: str, shapes: Any) -> tuple[Any, ...] | None:
+        """This rank's products in ``mode``; None where a fallback failed on this rank
+        (RETRY: NOTE [the ranks agree on their fallbacks])."""
         if self.strat.mode is not None:  # a named strategy: no fallback but plain autograd's
+            if self.level > 0:  # (some rank's "rev-loop" turned to plain autograd)
+                return self._rev_plain()
             try:
                 return self._products(mode, shapes, self.strat.vectorized)
             except Exception as err:  # noqa: BLE001 - torch.func's known refusals below
@@ -210,11 +214,15 @@ class Work:
                     raise
                 if mode == "rev" and not self.strat.vectorized:
                     # ("rev-loop": plain autograd where torch.func refuses to run f, as on
-                    # one process; any other error is f's own, or torch's, and f is not
-                    # called again: raised once, untouched)
+                    # one process, on every rank where it refuses on some: NOTE [the ranks
+                    # agree on their fallbacks]; any other error is f's own, or torch's,
+                    # and f is not called again: raised once, untouched)
                     if vmap_refusal(err) is None:
                         raise
-                    return self._rev_plain()
+                    if self.group is None:
+                        return self._rev_plain()
+                    self.failures[0] = err
+                    return None
                 if mode == "fwd" and not self.strat.vectorized:
                     refusal = fwd_loop_refusal(self.prob, err)
                     if refusal is None:
