@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_vjp._backward_hints import rearranged_hint
 from torch_vjp._errors import shape_str, with_article
 from torch_vjp._function_signature import declared_inputs
 
@@ -429,6 +430,8 @@ def _shape_hint(i: int, g: tuple[int, ...], s: tuple[int, ...],
     for k, o in outs:
         if g == o and o != s:
             out_name = "the output" if single else f"output {k}"
+            if math.prod(g) == math.prod(s):
+                return rearranged_hint(i, g, s, out_name)
             return (
                 f"{shape_str(g)} is the shape of {out_name} (and of grad_output): backward "
                 f"takes gradients with respect to forward's outputs and returns gradients with "
