@@ -65,6 +65,7 @@ from torch_vjp._function_graph import custom_nodes
 from torch_vjp._function_verdict import (
     Kink,
     Probe,
+    conjugated,
     find_kink,
     hidden_error,
     kink_message,
@@ -425,9 +426,10 @@ class Checker:
                         self.call, self.labels.get(i, i), self.inputs[i], kink, len(pos), eps))
             if i in self.summed:  # (a shape torch summed explains the wrong values)
                 raise FunctionCheckError(self.summed[i])
+            conj = conjugated(rows, i, at, lambda q: not fails(q))  # (conjugation missed)
             raise FunctionCheckError(value_message(
                 self.call, self.fn, self.is_function, self.labels.get(i, i), rows, p, dtype,
-                p.step, atol_, rtol_, kink))
+                p.step, atol_, rtol_, kink, conj))
         return _ValueResult(errors, dtype, eps, atol_, rtol_, notes)
 
     def _probe(self, inputs: tuple[Any, ...], eps: float

@@ -54,7 +54,7 @@ from torch import Tensor
 from torch_vjp._backward_check import dtype_name
 from torch_vjp._function_values import NORM_SHARE, inner, paired_norm, spread
 
-__all__ = ["Kink", "Probe", "Rough", "find_kink", "kink_message", "parameter_fix",
+__all__ = ["Kink", "Probe", "Rough", "conjugated", "find_kink", "kink_message", "parameter_fix",
            "smaller_step", "swap_message", "swapped_partner", "value_message"]
 
 
@@ -235,10 +235,11 @@ def hidden_error(p: Probe, kink: Kink, at: Callable[[Tensor], list[Tensor]],
 def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: list[Probe],
                   p: Probe,
                   dtype: torch.dtype, eps: float, atol: float, rtol: float,
-                  rough: Rough | Kink | None = None) -> str:
+                  rough: Rough | Kink | None = None, conjugate: bool = False) -> str:
     """The values of the gradient for input ``i`` (or the parameter ``i`` names) are
     wrong; ``rough``: forward's differences grow noisier as the step shrinks, and a
-    right backward may fail too."""
+    right backward may fail too; ``conjugate``: the gradient's conjugate passes (NOTE
+    [conjugated gradients])."""
     what = i if isinstance(i, str) else f"input {i}"
     if is_function:
         who = f"the gradient that {fn.__name__}.backward returns for {what}"
@@ -257,7 +258,14 @@ def value_message(call: str, fn: Any, is_function: bool, i: int | str, rows: lis
         f"d(output)/d({what}): for every c, <t, backward(c)> equals <J t, c>, the "
         f"change of <output, c> along t.",
     ]
-    hint = _ratio_hint(rows)
+    hint = _ratio_hint(rows) if not conjugate else (
+        f"The gradient does not match finite differences, but its complex conjugate "
+        f"matches them: {fix_who} conjugates where PyTorch's convention does not, or does "
+        f"not where it does (in every probe, <t, conj(backward(c))> = <J t, conj(c)>). For a complex input, backward returns grad_output times the conjugated "
+        f"derivative: for a holomorphic f, grad_output * f'(z).conj() (for z * z, "
+        f"grad_output * 2 * z.conj()); for a @ b, grad_output @ b.mH, not b.mT.\n"
+        f"  Fix: conjugate the derivative factors in {fix_who} for {what} (not grad_output), "
+        f"or drop the .conj() it has there.")
     if isinstance(rough, Kink):  # (NOTE [kinks]: one it cannot explain)
         lines.append(
             f"  forward has a kink at these inputs too (one-sided rates of {rough.right:.6g} "
@@ -312,6 +320,35 @@ def swapped_partner(i: int, probes: dict[int, list[Probe]],
                and passes(replace(p, rhs=inner(p.t, p.grads[k]))) for p, k in pairs):
             return j
     return None
+
+
+# NOTE [conjugated gradients]
+# torch's convention for complex gradients (the conjugate Wirtinger derivative) makes backward
+# return grad_output times the *conjugated* derivative: grad_output * f'(z).conj() for a
+# holomorphic f, grad_output @ b.mH for a @ b. A backward written from the real formulas
+# (grad_output * f'(z), grad_output @ b.mT) returns conj(J^H conj(c)) instead of J^H c, so its
+# conjugate is the right gradient for the conjugated cotangent: <t, conj(backward(c))> equals
+# <J t, conj(c)>. Where every failed input's probe passes that test, the message says so (a
+# backward conjugating the whole gradient, as for abs, is caught alike). Two calls of forward
+# per probe, on the failure path only.
+
+
+def conjugated(rows: list[Probe], i: int, at: Callable[[Tensor], list[Tensor]],
+               passes: Callable[[Probe], bool]) -> bool:
+    """Whether the gradient backward returned for input ``i`` is right once conjugated, for
+    the conjugated cotangents, in every probe of ``rows`` (NOTE [conjugated gradients]);
+    ``at(xi)``: forward's differentiated outputs with input ``i`` at ``xi``."""
+    for p in rows:
+        g = p.grads.get(i)
+        if p.x is None or p.t is None or g is None or not p.x.is_complex():
+            return False
+        with torch.no_grad():
+            f_plus, f_minus = at(p.x + p.step * p.t), at(p.x - p.step * p.t)
+        jt = [(a - b) / (2 * p.step) for a, b in zip(f_plus, f_minus)]
+        lhs = sum((inner(c.conj(), j) for c, j in zip(p.cots, jt)), 0.0)
+        if not passes(replace(p, lhs=lhs, rhs=inner(p.t, g.conj()))):
+            return False
+    return bool(rows)
 
 
 def swap_message(call: str, fn: Any, is_function: bool, i: int, j: int, shape: str) -> str:
