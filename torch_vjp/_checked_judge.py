@@ -45,6 +45,7 @@ _TORCH_SENTENCES = (
                 r"expected device"), "device"),
     (re.compile(r"function (\w+)Backward returned an incorrect number of gradients"), "count"),
     (re.compile(r"^expected Variable or None \(got (?!list\))"), "type"),  # (names no Function)
+    (_NOT_A_VARIABLE, "non-tensor"),  # (its position counts from 1)
 )
 # The objections to a backward's value that torch was left to judge (``_judge_backward``):
 # (thread, name of its Function, objections), explained once torch's error comes through.
@@ -64,6 +65,18 @@ def _matching(rejected: list[Any], sentence: str) -> Any:
     return rejected[0]
 
 
+def _with_the_rest(node: Any, told: Any, problems: list[Any]) -> str:
+    """``told``'s message, followed by the first line of every other objection in
+    ``problems``: torch names one mistake at a time, and fixing only that one would run into
+    the next."""
+    prefix = f"{_CHECKED}: {function_name(node)}.backward "
+    rest = [p.message.splitlines()[0].removeprefix(prefix) for p in problems if p is not told]
+    if not rest:
+        return told.message
+    return (f"{told.message}\n  {function_name(node)}.backward has more to fix: it "
+            + "; it ".join(rest))
+
+
 def _forget_unjudged(thread: int) -> None:
     """Drops the objections kept by ``thread`` (a checked call's own, at its start and end)."""
     if not _unjudged:
@@ -81,6 +94,8 @@ def _about(found: Any, kind: str, name: str, problem: Any) -> bool:
     if groups and groups[0] != name:
         return False
     if kind in ("shape", "device") and problem.index != int(groups[1]):
+        return False
+    if kind == "non-tensor" and problem.index != int(groups[1]) - 1:
         return False
     if kind == "shape":
         got = tuple(int(d) for d in groups[2].split(",") if d.strip())
@@ -145,8 +160,8 @@ def _judge_backward(node: Any, returned: Any) -> None:
         plain = type(error) is RuntimeError
         del error  # (only its sentence is needed: the raised error must not hold it)
         if rejected and plain:
-            raise torch_first(FunctionCheckError, _matching(rejected, sentence).message,
-                              sentence) from None
+            raise torch_first(FunctionCheckError, _with_the_rest(
+                node, _matching(rejected, sentence), problems), sentence) from None
         return  # torch rejects it for a reason the check does not see: torch's error follows
     if rejected and not judged:
         # what torch does is not known here: torch judges, and its error, if it follows, is
