@@ -290,7 +290,7 @@ def _frozen_error(err: RuntimeError, labels: Labels, outs: tuple[Any, ...], inpu
             f"collects them never ran."), str(err))
     if unused and int(unused.group(1)) < len(ins):
         return torch_first(GradOutputsError, unused_message(
-            labels, inputs, ins, int(unused.group(1))), str(err))
+            labels, inputs, ins, int(unused.group(1)), outs), str(err))
     bad = [j for j, t in enumerate(ins) if not isinstance(t, (Tensor, GradientEdge))]
     if bad and str(err).startswith("all inputs have to be Tensors or GradientEdges"):
         return torch_first(GradOutputsError, inputs_message(labels, inputs, ins, bad[0]),

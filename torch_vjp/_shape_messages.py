@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from torch_vjp._errors import a_type, joined, shape_str
 
@@ -478,13 +479,65 @@ def input_name(labels: Labels, keys: list[Any] | None, j: int) -> str:
     return f"{labels.inputs}[{keys[j]!r}]" if keys else f"{labels.inputs}[{j}]"
 
 
-def unused_message(labels: Labels, inputs: Any, ins: tuple[Any, ...], j: int) -> str:
+def _none_on_the_way(outs: Sequence[Any], target: Any) -> list[str] | None:
+    """The custom Functions on the autograd graph's paths from ``outs`` back to ``target``
+    (a tensor or GradientEdge), by name, the nearest to ``target`` first; None where no path
+    leads there. Runs only on the way to an error."""
+    try:
+        node = get_gradient_edge(target).node if isinstance(target, Tensor) else target.node
+        stack = [o.grad_fn if isinstance(o, Tensor) else o.node for o in outs]
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    seen: dict[int, Any] = {}  # (iteratively: a graph may be deeper than Python's stack)
+    parents: dict[int, list[Any]] = {}
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                parents.setdefault(id(nxt), []).append(fn)
+                stack.append(nxt)
+    if id(node) not in seen:
+        return None
+    names: list[str] = []
+    on_path, queue = {id(node)}, [node]
+    for fn in queue:  # (breadth first from the target: the nearest Functions first)
+        cls = getattr(fn, "_forward_cls", None)
+        if cls is not None and cls.__name__ not in names:
+            names.append(cls.__name__)
+        for parent in parents.get(id(fn), []):
+            if id(parent) not in on_path:
+                on_path.add(id(parent))
+                queue.append(parent)
+    return names
+
+
+def unused_message(labels: Labels, inputs: Any, ins: tuple[Any, ...], j: int,
+                   outs: Sequence[Any] = ()) -> str:
     """The explanation of torch's "The differentiated Tensor at index j appears to not have
-    been used in the graph": ``ins[j]`` requires grad, but no output depends on it."""
+    been used in the graph": ``ins[j]`` requires grad, but no output depends on it, or no
+    gradient reached it where one does (a custom backward returned None for it)."""
     name = input_name(labels, list(inputs) if type(inputs) is dict else None, j)
     shape = getattr(ins[j], "shape", None)
     said = f"{name} (shape {shape_str(shape)})" if shape is not None else name
     o = labels.outputs
+    custom = _none_on_the_way(outs, ins[j])
+    if custom is not None:
+        who = (f"{custom[0]}.backward returned None" if len(custom) == 1 else
+               f"one of {joined([f'{c}.backward' for c in custom])} returned None" if custom
+               else "every backward on the way returned no gradient")
+        fix = (f"return dL/d(input) from {custom[0]}.backward for the input that leads to "
+               f"{name} (None means zero)" if custom else "find the operation on the way that has no gradient (its backward gives none)")
+        return (
+            f"{labels.call}: {said} requires grad, and {o} do depend on it: the autograd "
+            f"graph leads from {o} back to it, but no gradient reached it: {who} for the "
+            f"input on that way (torch reads None as zero, and an input that gets none at "
+            f"all as not used).\n"
+            f"  Fix: {fix}; if zero is its true gradient, pass materialize_grads=True to get "
+            f"zeros, or allow_unused=True to get None for it."
+        )
     return (
         f"{labels.call}: {said} requires grad, but {o} do not depend on it: no path of the "
         f"autograd graph leads from {o} back to it, so there is no gradient to compute.\n"
