@@ -140,17 +140,33 @@ def _engine_errors_explained() -> Any:
         raise torch_first(FunctionCheckError, message, str(err)) from None
 
 
+def _running_node(node: Any) -> Any:
+    """The node torch's engine is running now in this thread: ``node`` itself in a backward
+    pass, another one that runs it inside (CopySlices), or None where no engine runs it (a
+    call of its ``apply`` by hand, whose value torch hands back unchecked)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return node if current is None else current()
+
+
 def _judge_backward(node: Any, returned: Any) -> None:
     """The slow path of NOTE [checked custom backwards]: explains what the check objects to,
     with torch as the judge. Where torch's own validation raises, raises with torch's
     sentence first and the explanation as a note; where torch takes the value after all
     (summing a gradient down to its input's shape, casting it, dropping it), warns."""
+    running = _running_node(node)
+    if running is None:
+        return  # (no backward pass: the node's apply called by hand; torch checks nothing)
     problems = backward_problems(_CHECKED, node, returned)
     if not problems:
         return
     rejected = [p for p in problems if p.torch == "rejects"]
     if torch._C._are_functorch_transforms_active():
         judged, error = False, None  # no replay inside a torch.func transform
+    elif running is not node and all(p.index == 0 for p in problems):
+        # run inside the CopySlices node of a view forward modified in place (mark_dirty):
+        # torch copies input 0's gradient into the view's slice, broadcasting it, and checks
+        # its shape no further; the replay on a plain node would reject what torch takes
+        judged, error = True, None
     else:
         judged, error = torch_verdict(node, returned, _GENUINE_GRAD)
     if error is not None:
