@@ -79,6 +79,22 @@ def test_a_gradient_copyslices_takes_warns_and_the_result_is_torchs():
     assert torch.equal(plain, checked)
 
 
+def test_the_copyslices_warning_says_why_torch_took_it():
+    x = torch.randn(3, 4, dtype=F64, requires_grad=True)
+    with tv.checked():
+        with pytest.warns(FunctionCheckWarning) as record:
+            _dirty_view_grad(x)
+    text = str(record[0].message)
+    assert text.startswith(
+        "torch_vjp.checked: torch took what _DirtyRowSum.backward returned without its shape "
+        "check: forward modified a view in place (mark_dirty), and torch copies the gradient "
+        "of input 0 into that view's slice of its base (Tensor.copy_, which broadcasts it)."), \
+        text
+    # (torch took the shape: its "shape compatible with" sentence is not glossed)
+    assert "shape compatible with" not in text, text
+    assert "Fix: " in text, text
+
+
 def test_a_backward_pass_still_raises_torchs_sentence_with_the_explanation():
     x = torch.randn(3, 4, dtype=F64, requires_grad=True)
     with tv.checked():
