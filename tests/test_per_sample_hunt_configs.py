@@ -357,3 +357,38 @@ def test_autocast_inside_the_forward(strategy):
     for j, (n, _) in enumerate(named):
         torch.testing.assert_close(got[n], torch.stack([w[j] for w in want]),
                                    rtol=5e-2, atol=5e-2)
+
+
+class _SortedByLength(nn.Module):
+    """Sorts the examples by a length (first feature) for its second layer, and back, as
+    code that packs sequences in order does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        order = torch.argsort(x[:, 0], stable=True)
+        return self.b(torch.tanh(self.a(x))[order])[torch.argsort(order)]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a plan made on a batch "
+                   "whose data-dependent order is the identity (equal lengths) keeps the "
+                   "rows in place on the next call, where the order swaps examples 1 and 3: "
+                   "their gradients of the layer after the sort are exchanged until the "
+                   "plan's next check (its 4th use)")
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_examples_reordered_by_their_data(strategy):
+    """A batch reordered by its own data: each call's per-sample gradients are each
+    example's own, whatever order the first call's batch had."""
+    torch.manual_seed(0)
+    model = _SortedByLength().to(D)
+    first = _r(6, 4)
+    first[:, 0] = 1.0  # (equal lengths: the order is the identity)
+    tv.per_sample_grads(model, _loss, first, strategy=strategy)
+    x = _r(6, 4)
+    x[:, 0] = torch.tensor([0.0, 3.0, 2.0, 1.0, 4.0, 5.0])
+    want = _loop(model, _loss, (x,), None)
+    got = tv.per_sample_grads(model, _loss, x, strategy=strategy)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], msg=n)
