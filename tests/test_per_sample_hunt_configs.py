@@ -164,7 +164,7 @@ for _kind in (nn.RNN, nn.GRU, nn.LSTM):
 def _loop(model, loss_fn, xs, targets):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     rows = []
-    for i in range(B):
+    for i in range(xs[0].shape[0]):
         out = model(*(x[i:i + 1] for x in xs))
         loss = loss_fn(out) if targets is None else loss_fn(out, targets[i:i + 1])
         gs = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
