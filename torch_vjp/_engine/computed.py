@@ -122,7 +122,7 @@ def _blocks(
     kept = _retaining((*d_outs, *ins))  # NOTE [jacobian_of and retain_grad]
     if n > 0 and not any(t.device.type == "meta" for t in (*d_outs, *ins)):
         # (NOTE [retain_grad inside the graph] in retained.py: found before any pass)
-        kept += retained_in_graph(d_outs, ins, kept, _grads_kept)
+        kept += retained_in_graph(d_outs, ins, kept)
 
     def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
         if vectorized:  # runs once per chunk, under torch.vmap

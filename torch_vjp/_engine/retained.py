@@ -16,153 +16,126 @@ first pass.
 
 Such a tensor is reached from no handle autograd offers (a node shows neither its
 ``retain_grad`` hooks nor the tensors it made), so whether one exists is asked of the graph
-by one backward pass with a zero cotangent and no vmap, :func:`retained_in_graph`:
+by one backward pass with a zero cotangent and no vmap, :func:`retained_in_graph`, watched
+by a dispatch mode (:class:`_Watch`) that sees every operation of the pass:
 
-1. on each node of the graph (each of its outputs), a tensor pre-hook: these run before the
-   node's ``retain_grad`` hook, and this one hands that hook, in place of the gradient, a
-   tensor that refuses every operation (:class:`_Refusing`); a node pre-hook, which runs
-   after the ``retain_grad`` hooks, gives the node its gradient back. A ``retain_grad`` hook
-   that meets the refusing tensor raises before it writes anything (the clone or the sum it
-   would store is the first operation), and the pass stops there: nothing was written;
+1. each node of the graph gets a node pre-hook and a post hook (removed after the pass), so
+   that the mode knows when it is inside a node's backward. Outside one, the engine itself
+   computes only two things: the sums of the gradients that reach one tensor by several
+   paths (``a + b``, both made in this pass), and, for a tensor that retains its gradient,
+   its ``retain_grad`` hook's new ``.grad`` (a clone of the gradient where there was
+   none, ``.grad + g`` otherwise, ``.grad`` made before the pass). So an operation outside
+   every node that clones, or that reads a tensor the pass did not make, is raised at
+   (:class:`_Met`) before the hook writes anything, and the pass stops there: nothing was
+   written. (A hook of the user's own on a tensor of the graph runs outside the nodes too;
+   where it computes only from the gradient, but clones, it is raised at the same: the
+   lookup below is then made for nothing, never wrongly.) The retaining outputs and inputs
+   (``kept``) hold a stand-in ``.grad`` of their own during the pass, which their hook may
+   read, and their own ``.grad`` back after it;
 2. where the pass raised so, the graph's retaining tensors are looked up among the live
    Python objects (``gc``; a tensor whose Python object is gone is kept alive with it by
    PyTorch, so none is missed): costly, and only where one exists. Where the pass raised an
    error of the user's own (a backward of theirs that fails), they are looked up all the
    same, and the error comes from the products, which meet it again.
 
-The tensor pre-hooks stay on the nodes, as those of ``Tensor.register_hook`` do after their
-handle's ``remove()`` (autograd offers no way to take one off): each is registered once per
-node output, with a dictionary of hooks of its own, kept in the node's ``metadata`` under
-:data:`_KEY` and empty outside this pass, so a node passed again (a later call of
-``jacobian_of`` on the same graph) is hooked no more. The node pre-hooks are removed.
+Nothing is left on the user's graph: no tensor pre-hook (autograd offers no way to take one
+off a node) and no entry in a node's ``metadata``; the node hooks are removed by their
+handles.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.copies import below_transforms
 from torch_vjp._engine.graph import graph_nodes
 
 __all__ = ["retained_in_graph"]
 
-#: Where a node's ``metadata`` keeps the hook dictionaries of NOTE [retain_grad inside the
-#: graph], one per output of the node.
-_KEY = "torch_vjp.retain_grad_probe"
-
 
 class _Met(Exception):
-    """A ``retain_grad`` hook met the refusing tensor."""
+    """An operation outside every node that may be a ``retain_grad`` hook's."""
 
 
-class _Refusing(Tensor):
-    """A tensor with a gradient's shape, dtype and device that refuses every operation
-    (step 1 of NOTE [retain_grad inside the graph])."""
+class _Watch(TorchDispatchMode):
+    """Step 1 of NOTE [retain_grad inside the graph]: lets every operation of a node's
+    backward run, and outside the nodes only those that neither clone nor read a tensor
+    the pass did not make; raises :class:`_Met` at any other."""
 
-    @staticmethod
-    def __new__(cls, like: Tensor) -> _Refusing:
-        return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
-                                             device=like.device)
+    def __init__(self, made: Sequence[Tensor]) -> None:
+        super().__init__()
+        # (TensorImpl addresses: a tensor made before the pass, a user's .grad, is alive
+        # throughout it, so no tensor made in the pass shares its address)
+        self.made = {t._cdata for t in made}
+        self.depth: dict[int, int] = {}  # (per thread: the node hooks run where the node does)
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        raise _Met(str(func))
+    def enter(self, *args: Any) -> None:
+        me = threading.get_ident()
+        self.depth[me] = self.depth.get(me, 0) + 1
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    def leave(self, *args: Any) -> None:
+        me = threading.get_ident()
+        self.depth[me] = self.depth.get(me, 0) - 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if self.depth.get(threading.get_ident(), 0) <= 0:
+            if func.overloadpacket is torch.ops.aten.clone:
+                raise _Met(str(func))
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, Tensor) and t._cdata not in self.made:
+                    raise _Met(str(func))
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self.made.add(t._cdata)
+        return out
 
 
-def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor],
-                      grads_kept) -> list[Tensor]:
+def retained_in_graph(outs: Sequence[Tensor], ins: Sequence[Tensor], kept: Sequence[Tensor]
+                      ) -> list[Tensor]:
     """The tensors of the graph from ``ins`` to ``outs`` (other than ``kept``, the retaining
     outputs and inputs) that retain their gradient (NOTE [retain_grad inside the graph]),
-    their ``.grad`` untouched: none, at the cost of one backward pass, in the common case.
-
-    ``grads_kept(tensors)`` is the context that clears and restores the ``.grad`` of
-    ``tensors`` around a pass (here ``kept``'s, whose hooks this pass runs)."""
-    skip = {(id(t.grad_fn), t.output_nr) for t in kept if t.grad_fn is not None}
+    their ``.grad`` untouched, and nothing left on the graph: none, at the cost of one
+    watched backward pass, in the common case. ``kept`` hold stand-in ``.grad`` during the
+    pass and their own after it."""
     nodes = graph_nodes(outs)
-    held: dict[tuple[int, int], Tensor] = {}
-    met: list[bool] = []
-    filled: list[OrderedDict] = []
+    zeros = [torch.zeros_like(o, memory_format=torch.contiguous_format) for o in outs]
+    stand_ins = [torch.zeros_like(t) for t in kept]
+    watch = _Watch([*zeros, *stand_ins])
     handles = []
-
-    def refuse(grad: Tensor | None, at: tuple[int, int]) -> Tensor | None:
-        if grad is None:  # (no gradient: no retain_grad hook writes either)
-            return None
-        if grad.layout != torch.strided:  # (a sparse gradient: no stand-in of its layout;
-            raise _Met("a gradient of layout " + str(grad.layout))  # the pass stops here,
-            # before a retain_grad hook writes, and the retaining tensors are looked up)
-        held[at] = grad
-        return _Refusing(grad)
-
-    def give_back(node: Any, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        return tuple(held.pop((id(node), i), g) for i, g in enumerate(grads))
-
+    met = False
+    saved = [t.grad for t in kept]
     try:
         for node in nodes:
-            n_out = len(node._input_metadata)
-            if type(node).__name__ == "AccumulateGrad" or n_out == 0:
-                continue  # (a leaf: retain_grad is no hook there)
-            hooks = _hook_dicts(node, n_out)
-            for i, d in enumerate(hooks):
-                if (id(node), i) not in skip:
-                    d[0] = lambda g, at=(id(node), i): refuse(g, at)
-                    filled.append(d)
-            handles.append(node.register_prehook(lambda grads, node=node: give_back(node, grads)))
-        zeros = [torch.zeros_like(o, memory_format=torch.contiguous_format) for o in outs]
-        try:
-            with grads_kept(kept), torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # (the products say them again)
+            if type(node).__name__ == "AccumulateGrad":
+                continue  # (a leaf: retain_grad is no hook there, and the node does not run)
+            handles.append(node.register_prehook(watch.enter))
+            handles.append(node.register_hook(watch.leave))
+        for t, s in zip(kept, stand_ins):
+            t.grad = s
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the products say them again)
+            with watch:
                 torch.autograd.grad(outs, ins, zeros, retain_graph=True, allow_unused=True)
-        except _Met:
-            met.append(True)
-        except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
-            met.append(True)  # (the pass stopped before reaching every node: look them up)
+    except _Met:
+        met = True
+    except Exception:  # noqa: BLE001 - the products meet it again, and handle it there
+        met = True  # (the pass stopped before reaching every node: look them up)
     finally:
-        for d in filled:
-            d.clear()
         for h in handles:
             h.remove()
-        held.clear()
+        for t, g in zip(kept, saved):
+            t.grad = g
     return _in_graph(nodes, kept) if met else []
-
-
-def _hook_dicts(node: Any, n_out: int) -> list[OrderedDict]:
-    """The hook dictionaries of ``node``'s outputs, registered as its tensor pre-hooks on the
-    first call (NOTE [retain_grad inside the graph])."""
-    hooks = node.metadata.get(_KEY)
-    if hooks is None:
-        hooks = []
-        for i in range(n_out):
-            stand_in = _stand_in(i)  # (registration reads its output_nr and hook dictionary)
-            d: OrderedDict = OrderedDict()
-            stand_in._backward_hooks = d
-            node._register_hook_dict(stand_in)
-            stand_in._backward_hooks = None
-            hooks.append(d)
-        node.metadata[_KEY] = hooks
-    return hooks
-
-
-#: Tensors whose ``output_nr`` is their index, made once (:func:`_stand_in`).
-_STAND_INS: list[Tensor] = []
-
-
-def _stand_in(i: int) -> Tensor:
-    """A tensor of ``output_nr`` ``i``, for ``_register_hook_dict``, which takes the output a
-    hook is for from a tensor."""
-    while len(_STAND_INS) <= i:
-        n = len(_STAND_INS) + 1
-        with below_transforms(), torch.enable_grad(), torch.inference_mode(False):
-            _STAND_INS.append(torch.zeros(n, requires_grad=True).unbind()[n - 1])
-    return _STAND_INS[i]
 
 
 def _in_graph(nodes: Sequence[Any], kept: Sequence[Tensor]) -> list[Tensor]:
