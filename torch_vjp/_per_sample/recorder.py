@@ -469,6 +469,9 @@ class Recorder:
             shared=shared,
             x_version=x._version if isinstance(x, Tensor) else 0,
         )
+        at_forward = getattr(w.rule, "at_forward", None)
+        if at_forward is not None:  # (what a rule reads from the forward: the rules' module)
+            at_forward(call)
         self.calls.append(call)
         return replaced
 

@@ -4,7 +4,9 @@ Each normalises an example with statistics of that example alone (BatchNorm in e
 and InstanceNorm in eval mode with ``track_running_stats``, with their running statistics),
 then applies a per-feature affine map ``y = x_hat w + b``; so example ``i``'s gradient of
 ``w`` is ``sum g[i] * x_hat[i]`` and of ``b`` is ``sum g[i]`` over the positions that share
-a feature. ``x_hat`` is recomputed from the recorded input.
+a feature. ``x_hat`` is recomputed from the recorded input; for LayerNorm, from the mean and
+reciprocal standard deviation its forward kernel saved, where they can be read (NOTE [the
+forward's statistics]).
 
 The channels-first layers (GroupNorm, InstanceNorm, BatchNorm) see ``(N, C, *)`` inputs with
 the examples along dimension 0; for a batch of one the plan gives no batch dimension
@@ -64,17 +66,71 @@ class _LastDims(Rule):
         return tuple(range(max(0, x.dim() - len(module.normalized_shape))))
 
 
+# NOTE [the forward's statistics]
+# A LayerNorm's ``x_hat`` is ``(x - mean) * rstd``, and the forward's kernel
+# (``native_layer_norm``) saves ``mean`` and ``rstd`` for its backward. Read from the
+# layer's output node when the call is recorded (the rules run after the backward, which
+# frees them), they spare the rule a second normalisation: one subtraction and one product
+# in place of ``F.layer_norm``'s passes (0.2 of its time on the (32, 32, 128) inputs of
+# benchmarks/bench_per_sample.py's transformer, one thread). They are used only where they
+# are the statistics of the recorded input itself: the node is the output's own
+# ``NativeLayerNormBackward0``, its saved input is the recorded tensor (a layer whose forward
+# normalises something else, a copy in float32, has another node or another input, and the
+# rule recomputes), and that tensor was not modified in place since (the rules' pass moves
+# such a call's parameters to the fallback: ``Call.x_version``). The statistics themselves
+# are the kernel's own outputs, which nothing else holds. Under autocast the kernel runs in
+# float32 on an input of lower precision: the dtypes differ, and the rule recomputes (it
+# does in the recorded input's dtype).
+
+
+def _forward_stats(call) -> tuple[Tensor, Tensor] | None:
+    """The ``mean`` and ``rstd`` a LayerNorm call's kernel saved, where they are those of
+    the recorded input (NOTE [the forward's statistics]), else None."""
+    x = call.x
+    edge = call.out_edges[0] if call.out_edges else None
+    if edge is None or edge.output_nr != 0 or not isinstance(x, Tensor):
+        return None
+    node = edge.node
+    if type(node).__name__ != "NativeLayerNormBackward0":
+        return None
+    try:
+        if node._saved_input is not x:
+            return None
+        mean, rstd = node._saved_result1, node._saved_result2
+    except (AttributeError, RuntimeError):  # (freed, or another torch's node)
+        return None
+    k = len(call.module.normalized_shape)
+    want = (*x.shape[:x.dim() - k], *([1] * k))
+    if (tuple(mean.shape) != want or tuple(rstd.shape) != want or mean.dtype != x.dtype
+            or rstd.dtype != x.dtype):
+        return None
+    return mean, rstd
+
+
 @register_rule(nn.LayerNorm)
 class LayerNormRule(_LastDims):
     name = "LayerNorm"
+
+    def at_forward(self, call) -> None:
+        """Keeps the statistics the forward's kernel saved (NOTE [the forward's
+        statistics])."""
+        stats = _forward_stats(call)
+        if stats is not None:
+            call.extra["stats"] = stats
 
     def factors(self, call, grads, roles, batch):
         if grads[0] is None:
             return []
         x, gb, dims = _normalized_input(call, grads[0], batch)
-        # the layer's own kernel without its affine map: 0.18 of the time a var_mean over
-        # the last dimensions took (benchmarks/results/per_sample_parts.md)
-        xhat = F.layer_norm(x, x.shape[2:], eps=call.module.eps)
+        stats = call.extra.get("stats")
+        if stats is not None and stats[0].dtype == x.dtype:
+            ones = (1,) * len(dims)
+            mean, rstd = (to_batch_first(s, call.bdim).reshape(batch, -1, *ones) for s in stats)
+            xhat = (x - mean).mul_(rstd)
+        else:
+            # the layer's own kernel without its affine map: 0.18 of the time a var_mean
+            # over the last dimensions took (benchmarks/results/per_sample_parts.md)
+            xhat = F.layer_norm(x, x.shape[2:], eps=call.module.eps)
         return affine_factors(xhat, gb, (1,), roles)
 
 
