@@ -119,3 +119,16 @@ def test_under_autocast_the_norms_agree_with_the_loop():
         norms = tv.per_sample_grad_norms(model, loss_fn, x, y, strategy="hooks")
     sq = sum(g.flatten(1).float().pow(2).sum(1) for g in ref.values())
     torch.testing.assert_close(norms, sq.sqrt(), rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo", "aot_eager_unless_inductor")  # conftest
+def test_compiled_layer_norm_results_against_the_loop():
+    model, loss_fn, x, y = _data("rows")
+    ref = _loop(model, loss_fn, x, y)
+    sq = sum(g.flatten(1).pow(2).sum(1) for g in ref.values())
+    for _ in range(2):
+        grads = tv.per_sample_grads(model, loss_fn, x, y, compile=True)
+        for n, g in ref.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(tv.per_sample_grad_norms(model, loss_fn, x, y, compile=True),
+                                   sq.sqrt(), rtol=1e-10, atol=1e-12)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torch_vjp._engine.compile_key import tracing
 from torch_vjp._per_sample.factors import SmallFactor
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
@@ -88,8 +89,8 @@ def _forward_stats(call) -> tuple[Tensor, Tensor] | None:
     the recorded input (NOTE [the forward's statistics]), else None."""
     x = call.x
     edge = call.out_edges[0] if call.out_edges else None
-    if edge is None or edge.output_nr != 0 or not isinstance(x, Tensor):
-        return None
+    if edge is None or edge.output_nr != 0 or not isinstance(x, Tensor) or tracing():
+        return None  # (traced, compile=True: the rule normalises, as the graph can hold it)
     node = edge.node
     if type(node).__name__ != "NativeLayerNormBackward0":
         return None
