@@ -30,7 +30,10 @@ input signature. Where the difference sides with reverse mode (a wrong forward f
 torch.triangular_solve's), or with neither (f is not smooth at x, or draws anew), NOTE
 [auto, checked once] decides as before. f's calls here start from the generators' state the
 products started from (NOTE [auto's extra calls draw what the products draw]): a random f
-draws what its products drew.
+draws what its products drew. Where the modes agree at x, the comparison runs once more
+at a point near x, and the reverse product under vmap beside it, where a coincidence of x
+(zeros, a sum of 0) could hide a wrong formula (NOTE [auto, checked near the point] in
+:mod:`torch_vjp._engine.nearcheck`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from torch.utils._pytree import tree_flatten
 from torch_vjp._engine.blocks import Blocks, cotangent_products
 from torch_vjp._engine.fwdnoise import _homogeneous
 from torch_vjp._engine.fwdwords import wrong_reverse_message
+from torch_vjp._engine.nearcheck import (
+    batched_gap, near_sides, stops_the_call, wrong_batching_message,
+)
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through, routes_that_run
 from torch_vjp._engine.wrongops import wrong_ops
@@ -60,12 +66,19 @@ class ReverseWrong:
     operator of NOTE [named reverse strategies and wrong formulas] (in
     :mod:`torch_vjp._engine.wrongops`) f's graph holds (``op``; None: none known)."""
 
-    __slots__ = ("vs", "forward", "reverse", "difference", "scale", "op")
+    __slots__ = ("vs", "forward", "reverse", "difference", "scale", "op", "near",
+                 "batching")
 
     def __init__(self, vs: list[Tensor], forward: float, reverse: float, difference: float,
                  scale: float, op: str | None = None) -> None:
         self.vs, self.forward, self.reverse = vs, forward, reverse
         self.difference, self.scale, self.op = difference, scale, op
+        #: (NOTE [auto, checked near the point]) found near x, not at x: ``(reverse,
+        #: forward, difference)`` there, for the warning (``forward`` and ``scale`` stay
+        #: x's, for the routes compared at x); ``batching``: ``(difference, scale)`` of the
+        #: reverse product under vmap and without it near x, where only that disagreed
+        self.near: tuple[float, float, float] | None = None
+        self.batching: tuple[float, float] | None = None
 
 
 def _outputs(prob: Problem, xs: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -87,12 +100,14 @@ def _dot(us: Sequence[Tensor], ws: Sequence[Tensor | None]) -> tuple[float, floa
 
 
 def central_difference(prob: Problem, us: Sequence[Tensor], vs: Sequence[Tensor],
-                       redraw: Callable[[], None]) -> float | None:
+                       redraw: Callable[[], None], at: Sequence[Tensor] | None = None
+                       ) -> float | None:
     """``d/dt u . f(x + t v)`` at 0 by a central difference, in float64 where f computes
     in it, else in the leaves' dtype; None where f cannot be called so. ``us`` are shaped
     like f's flat outputs, ``vs`` like ``prob.leaves``; ``redraw`` runs before each call
-    of f (a random f draws what the products drew). Also the sparse wing's tie-break."""
-    leaves = prob.leaves
+    of f (a random f draws what the products drew); ``at``: the point, where not the
+    leaves'. Also the sparse wing's tie-break."""
+    leaves = prob.leaves if at is None else at
     for dtype in (torch.float64, None):
         try:
             with torch.no_grad():
@@ -147,13 +162,13 @@ def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Ten
     scale = max(f_size, r_size)
     if not (math.isfinite(forward) and math.isfinite(reverse)):
         return None
-    if abs(forward - reverse) <= rtol * scale:
-        return None  # the common case
+    if abs(forward - reverse) <= rtol * scale:  # the common case
+        return _near_wrong(prob, got, vs, (forward, scale), redraw, rtol)
     # (a Jacobian zero up to rounding: the products are their rounding, of numbers far
     # larger; each entry's, summed over v's)
     scale = max(scale, floor() * sum(float(v.detach().double().abs().sum()) for v in vs))
     if abs(forward - reverse) <= rtol * scale:
-        return None
+        return _near_wrong(prob, got, vs, (forward, scale), redraw, rtol)
     difference = central_difference(prob, us, vs, redraw)
     if difference is None or abs(difference - forward) > 0.1 * abs(forward - reverse):
         return None
@@ -163,19 +178,64 @@ def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Ten
     return ReverseWrong(vs, forward, reverse, difference, scale, op)
 
 
-def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None]
-            ) -> tuple[bool, str | None]:
+def _near_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
+                vs: list[Tensor], at_x: tuple[float, float], redraw: Callable[[], None],
+                rtol: float) -> ReverseWrong | None:
+    """Where the modes agreed at x, the reverse product found wrong near x (NOTE [auto,
+    checked near the point] in :mod:`torch_vjp._engine.nearcheck`): a :class:`ReverseWrong`
+    with ``near`` set where forward mode and a central difference agree there against it,
+    with ``batching`` set where only its batching under vmap disagrees; None where all
+    agree, or nothing can tell (x's check stands). ``at_x``: ``u^T J v`` by forward mode
+    at x, and its scale."""
+    try:
+        return _near(prob, got, vs, at_x, redraw, rtol)
+    except Exception as err:  # noqa: BLE001 - at a point the caller did not pass: x's
+        if stops_the_call(err):  # check stands
+            raise
+        return None
+
+
+def _near(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
+          vs: list[Tensor], at_x: tuple[float, float], redraw: Callable[[], None],
+          rtol: float) -> ReverseWrong | None:
+    _, us, grads = got
+    sides = near_sides(prob, lambda ys: _outputs(prob, ys), us, vs, redraw)
+    if sides is None or sides.known:
+        return None  # (a known wrong operator: its own route and words)
+    forward, f_size = _dot(us, sides.tangents)
+    reverse, r_size = _dot(sides.grads, vs)
+    if not (math.isfinite(forward) and math.isfinite(reverse)):
+        return None
+    found = ReverseWrong(vs, at_x[0], _dot(grads, vs)[0], at_x[0], at_x[1])
+    if abs(forward - reverse) > rtol * max(f_size, r_size):
+        difference = central_difference(prob, us, vs, redraw, at=sides.xs)
+        if difference is None or abs(difference - forward) > 0.1 * abs(forward - reverse):
+            return None  # (not smooth there, or random: x's check stands)
+        linear, found.op = _linear(prob, us, redraw, at=sides.xs)
+        if not linear:
+            return None
+        found.near = (reverse, forward, difference)
+        return found
+    diff, scale = batched_gap(sides)
+    if not diff <= rtol * scale:
+        found.batching = (diff, scale)
+        return found
+    return None
+
+
+def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
+            at: Sequence[Tensor] | None = None) -> tuple[bool, str | None]:
     """Whether f's reverse products scale exactly with their cotangent (``us``), as those of
     backward formulas do (:func:`~torch_vjp._engine.fwdnoise._homogeneous`); not where a
     hook clips or adds to the gradient, whose products differ from forward mode's by
     design. With it, the operator with a known wrong backward that the graph of this call
     holds (:func:`~torch_vjp._engine.wrongops.wrong_ops`; None: none), for the warning's
-    words."""
+    words. ``at``: the point, where not the leaves'."""
     try:
         redraw()
         with torch.enable_grad():
             prob.reset_primals()
-            xs = [x.detach().requires_grad_(True) for x in prob.leaves]
+            xs = [x.detach().requires_grad_(True) for x in (prob.leaves if at is None else at)]
             live = [(o, u) for o, u in zip(_outputs(prob, xs), us) if o.requires_grad]
             if not live:
                 return False, None
@@ -210,19 +270,35 @@ def forward_route(
         value, size = _dot(products, wrong.vs)
         return abs(value - wrong.forward) <= rtol * max(size, wrong.scale)
 
+    if wrong.batching is not None:  # (NOTE [auto, checked near the point])
+        if first != "rev":
+            return None  # (no rows under vmap: the route stands)
+        for name, alt in routes_that_run(route, ("rev-loop",)):
+            if not agrees(alt):
+                continue
+            keep(name)
+            warn_once((prob.call, named[0], first, "batched wrongly near x"),
+                      wrong_batching_message(prob.call, named[1], *wrong.batching),
+                      JacobianWarning)
+            return alt
+        return None
     if first == "fwd":
         if agrees(res):
             keep("fwd")
             return res
         return None
+    reverse, forward, difference = wrong.near or (wrong.reverse, wrong.forward,
+                                                  wrong.difference)
     for name, alt in routes_that_run(route, ("fwd", "fwd-loop")):
         if not agrees(alt):
             continue
         keep(name)
-        warn_once((prob.call, named[0], first, "reverse wrong"),
-                  wrong_reverse_message(prob.call, named[1], first, name, wrong.reverse,
-                                        wrong.forward, wrong.difference, op=wrong.op),
-                  JacobianWarning)
+        words = wrong_reverse_message(prob.call, named[1], first, name, reverse, forward,
+                                      difference, op=wrong.op)
+        if wrong.near is not None:
+            words += (" (The numbers are at a point near x: at x itself the two modes "
+                      "agreed, a coincidence of that point.)")
+        warn_once((prob.call, named[0], first, "reverse wrong"), words, JacobianWarning)
         return alt
     return None
 
