@@ -239,3 +239,29 @@ def test_the_users_input_is_left_as_it_was():
     kept = x.clone()
     caught(lambda: tv.jacobian(f, x, strategy="auto"))
     assert torch.equal(x, kept)
+
+
+def test_a_point_drawn_at_random_is_not_checked_again(monkeypatch):
+    # (no coincidence to hide a wrong formula: the first call costs what it did)
+    calls = []
+    monkeypatch.setattr("torch_vjp._engine.revcheck.near_sides",
+                        lambda *args, **kwargs: calls.append(1))
+
+    def f(u):
+        return (u[1:] * u[:-1]).sin()
+
+    torch.testing.assert_close(tv.jacobian(f, _X1, strategy="auto"), jvp_columns(f, _X1))
+    assert not calls
+
+
+@pytest.mark.parametrize("name", ["zeros", "ones", "one zero", "integers", "centred",
+                                  "centred rows", "random"])
+def test_the_points_that_are_checked_again(name):
+    from torch_vjp._engine.nearcheck import structured
+
+    r = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(8))
+    points = {"zeros": torch.zeros(4, 6, dtype=D), "ones": torch.ones(4, 6, dtype=D),
+              "one zero": torch.cat([r.reshape(-1)[1:], torch.zeros(1, dtype=D)]),
+              "integers": torch.arange(24, dtype=D).reshape(4, 6) % 5,
+              "centred": r - r.mean(), "centred rows": r - r.mean(0), "random": r}
+    assert structured([points[name]]) == (name != "random")

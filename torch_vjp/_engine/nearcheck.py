@@ -9,7 +9,10 @@ product is 0), or multiplied by ``x.sum()`` at a point summing to 0, or whose ba
 calls an op whose batching rule is wrong by a factor (0 times a factor is 0). The check
 passed, the route was remembered for the function and signature, and every later call
 returned a Jacobian wrong by 1.8-3.5 at a scale of one (batch_jacobian by 2.6), without a
-word. So where the modes agree at x, the comparison runs once more at a point near x,
+word. So where the modes agree at x and x has such structure (an entry exactly 0, a value
+repeated, sums of 0 within rounding, whole or along a dimension: :func:`structured`; values
+drawn at random have none, and cost nothing more), the comparison runs once more at a
+point near x,
 ``x + t w`` (``w`` fixed normal draws of a generator of its own, ``t`` an eighth of x's
 largest magnitude, at least an eighth), which a coincidence at x does not follow: one
 forward product along the check's ``v``, one reverse product without vmap with its ``u``,
@@ -41,13 +44,35 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.wrongops import wrong_ops
 
 __all__ = ["NearSides", "batched_gap", "near_leaves", "near_sides", "stops_the_call",
-           "wrong_batching_message"]
+           "structured", "wrong_batching_message"]
 
 def stops_the_call(err: BaseException) -> bool:
     """Whether an error near x stops the call: out of memory only. Any other (f's own, or
     torch_vjp's refusal of what f returns there, or a restart for outputs of another size)
     is of a point the caller did not pass: x's check stands."""
     return isinstance(err, (MemoryError, torch.OutOfMemoryError))
+
+
+def structured(leaves: Sequence[Tensor]) -> bool:
+    """Whether x has the structure at which a wrong formula can agree with the right one
+    (NOTE [auto, checked near the point]): an entry exactly 0, a value repeated (zeros,
+    ones, a constant, integers, a one-hot or identity matrix), or sums of 0 within
+    rounding, whole or along a dimension (``x - x.mean()``, ``x - x.mean(0)``). Values
+    drawn at random have none of these."""
+    with torch.no_grad():
+        for x in leaves:
+            if x.numel() == 0 or not x.is_floating_point():
+                continue
+            x = x.detach()
+            if not bool((x != 0).all()) or torch.unique(x).numel() < x.numel():
+                return True
+            eps = torch.finfo(x.dtype).eps
+            y = x.double()
+            sums = [(y.sum(), y.abs().sum(), x.numel())]
+            sums += [(y.sum(d), y.abs().sum(d), n) for d, n in enumerate(x.shape) if n > 1]
+            if any(bool((s.abs() <= 4 * n * eps * a).all()) for s, a, n in sums):
+                return True
+    return False
 
 
 #: How far the point of NOTE [auto, checked near the point] is from x, at x's scale.

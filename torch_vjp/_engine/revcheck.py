@@ -30,8 +30,8 @@ input signature. Where the difference sides with reverse mode (a wrong forward f
 torch.triangular_solve's), or with neither (f is not smooth at x, or draws anew), NOTE
 [auto, checked once] decides as before. f's calls here start from the generators' state the
 products started from (NOTE [auto's extra calls draw what the products draw]): a random f
-draws what its products drew. Where the modes agree at x, the comparison runs once more
-at a point near x, and the reverse product under vmap beside it, where a coincidence of x
+draws what its products drew. Where the modes agree at a point x with structure (zeros, a
+value repeated, a sum of 0), the comparison runs once more at a point near x, and the reverse product under vmap beside it, where a coincidence of x
 (zeros, a sum of 0) could hide a wrong formula (NOTE [auto, checked near the point] in
 :mod:`torch_vjp._engine.nearcheck`).
 """
@@ -49,7 +49,7 @@ from torch_vjp._engine.blocks import Blocks, cotangent_products
 from torch_vjp._engine.fwdnoise import _homogeneous
 from torch_vjp._engine.fwdwords import wrong_reverse_message
 from torch_vjp._engine.nearcheck import (
-    batched_gap, near_sides, stops_the_call, wrong_batching_message,
+    batched_gap, near_sides, stops_the_call, structured, wrong_batching_message,
 )
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import passes_through, routes_that_run
@@ -187,6 +187,8 @@ def _near_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tenso
     with ``batching`` set where only its batching under vmap disagrees; None where all
     agree, or nothing can tell (x's check stands). ``at_x``: ``u^T J v`` by forward mode
     at x, and its scale."""
+    if not structured(prob.leaves):
+        return None  # (no coincidence of x to hide a wrong formula)
     try:
         return _near(prob, got, vs, at_x, redraw, rtol)
     except Exception as err:  # noqa: BLE001 - at a point the caller did not pass: x's
