@@ -161,9 +161,14 @@ def forward_instead(
     remember(key, "fwd")
     route = "fwd-loop" if looped else "fwd"
     wrong = found[0]
-    warn_once((prob.call, function_key(prob.f), mode, "reverse wrong"),
-              wrong_reverse_message(prob.call, function_name(prob.f), "rev", route,
-                                    wrong.reverse, wrong.forward, wrong.difference,
-                                    op=wrong.op),
+    # (where the modes agreed at x and disagreed near it, the numbers near it)
+    reverse, forward_, difference = wrong.near or (wrong.reverse, wrong.forward,
+                                                   wrong.difference)
+    words = wrong_reverse_message(prob.call, function_name(prob.f), "rev", route, reverse,
+                                  forward_, difference, op=wrong.op)
+    if wrong.near is not None:
+        words += (" (The numbers are at a point near x: at x itself the two modes agreed, a "
+                  "coincidence of that point.)")
+    warn_once((prob.call, function_key(prob.f), mode, "reverse wrong"), words,
               JacobianWarning)
     return alt
