@@ -27,7 +27,7 @@ import itertools
 import numbers
 import types
 import weakref
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from torch import Tensor
 from torch_vjp._engine.kept import (CAPTURED, KEPT_ELEMENTS, KEPT_TOTAL, LEARNED_FROM, MOVES,
                                      Walked, Watched, captured_kept, module_buffers,
                                      renormed_weights, walked_tensors, walked_tree)
+from torch_vjp._engine.reach import ITEMS_SEARCHED, captured_values, named_globals, reached
 from torch_vjp._errors import JacobianOptionError
 
 try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
@@ -200,14 +201,6 @@ def captured_tensors(f: object) -> tuple[Tensor, ...]:
     return tuple(t for t in found if not t.is_inference())
 
 
-#: Items of one container (or attributes of one object) :func:`modules_reached` searches.
-_ITEMS_SEARCHED = 32
-#: Objects :func:`modules_reached` looks at in all, whatever the depth.
-_OBJECTS_SEARCHED = 256
-_NOT_SEARCHED = (Tensor, str, bytes, int, float, complex, bool, type, types.ModuleType,
-                 type(None))
-
-
 _FLAG_TYPES = (bool, str, type(None))
 _NUMBER_TYPES = (int, float)
 
@@ -232,28 +225,6 @@ def flag_of(v: object, numbers: bool = True) -> object:
     return NotImplemented
 
 
-def captured_values(func: types.FunctionType) -> Iterator[object]:
-    """What a function reads besides its arguments: the contents of its closure cells (empty
-    ones skipped) and the values of the globals its code names (those that exist)."""
-    for cell in func.__closure__ or ():
-        try:
-            yield cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-    for _, value in named_globals(func):
-        yield value
-
-
-def named_globals(func: types.FunctionType) -> Iterator[tuple[str, object]]:
-    """The globals a function's code names that exist, each with its name (a name its code
-    reads as an attribute, ``torch.sin``'s ``sin``, is skipped where no global has it)."""
-    glob = func.__globals__
-    for name in func.__code__.co_names:
-        value = glob.get(name)
-        if value is not None:
-            yield name, value
-
-
 #: The attributes every nn.Module has (its registries, hooks, training flag): not searched
 #: by :func:`module_tree`. Learned from a Module built on the first call, not at import: building
 #: one logs torch's ``python.nn_module`` API usage, and ``TORCH_VJP_CHECKED=1`` imports this
@@ -275,7 +246,7 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     registered submodules, and the modules held in a plain list, tuple or dict attribute of
     any of them (``self.norms = [nn.BatchNorm1d(3)]``, which nn.Module does not register, and
     whose buffers ``modules()`` and ``buffers()`` therefore miss; the first
-    :data:`_ITEMS_SEARCHED` items of each), with theirs in turn. The plain attributes of
+    :data:`ITEMS_SEARCHED` items of each), with theirs in turn. The plain attributes of
     torch.nn's own classes are not looked at: theirs hold no module (a Linear's are numbers;
     a Transformer's layers are in a ModuleList), and the look cost 1.7 us per module."""
     module_attrs = module_own_attrs()
@@ -305,9 +276,9 @@ def module_tree(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
                     continue  # (a number, a string, a flag: the common case)
                 items: Iterable[object]
                 if isinstance(value, (list, tuple)):
-                    items = value[:_ITEMS_SEARCHED]
+                    items = value[:ITEMS_SEARCHED]
                 elif isinstance(value, dict):
-                    items = itertools.islice(value.values(), _ITEMS_SEARCHED)
+                    items = itertools.islice(value.values(), ITEMS_SEARCHED)
                 else:
                     continue
                 children += [c for c in items if isinstance(c, torch.nn.Module)]
@@ -495,98 +466,13 @@ def _held(v: object, depth: int) -> Hashable:
     return (identity(v), type(v))
 
 
-def _own_attr(obj: object, name: str, default: object) -> object:
-    """``obj.name`` as the object itself holds it, or ``default``: read past a class's own
-    ``__getattr__`` and ``__getattribute__``, so that walking what ``f`` reaches runs no
-    user code of a proxy (whose ``__getattr__`` forwards, or raises what it likes)."""
-    try:
-        return object.__getattribute__(obj, name)
-    except Exception:  # noqa: BLE001 - (AttributeError, or a property's own error)
-        return default
-
-
 def modules_reached(f: object, depth: int = 6) -> list[torch.nn.Module]:
     """The ``nn.Module`` objects a callable ``f`` can reach directly: itself, its bound
     ``__self__``, the function and arguments of a ``functools.partial``, ``__wrapped__``, the
     values a function's closure cells, defaults and the globals its code names hold, the
     attributes of a plain object (``lambda x: self.model(x)``, a callable wrapper object)
-    and the items of a list, tuple or dict (the first :data:`_ITEMS_SEARCHED`), recursively,
-    ``depth`` levels, and at most :data:`_OBJECTS_SEARCHED` objects in all (the search runs
+    and the items of a list, tuple or dict (the first :data:`ITEMS_SEARCHED`), recursively,
+    ``depth`` levels, and at most :data:`OBJECTS_SEARCHED` objects in all (the search runs
     on every call). A module reached deeper, or only through a module it does not own, is
     not found."""
     return reached(f, depth)[0]
-
-
-def reached(f: object, depth: int = 6) -> tuple[list[torch.nn.Module], list[Tensor]]:
-    """The modules (:func:`modules_reached`) and the tensors ``f`` reaches the same way (a
-    tensor in a closure cell, a default, a global, a ``partial``'s arguments, a dict of
-    parameters ``f`` hands to ``functional_call``; not those inside the modules)."""
-    found: dict[int, torch.nn.Module] = {}
-    tensors: dict[int, Tensor] = {}
-    seen: set[int] = set()
-
-    # Runs on every call, so the common kinds (functions, bound methods) are read directly:
-    # getattr with a default on a missing attribute raises and catches inside, ~0.3 us each.
-    def visit_code(func: types.FunctionType, level: int) -> None:
-        wrapped = func.__dict__.get("__wrapped__")
-        if wrapped is not None:
-            visit(wrapped, level - 1)
-        for value in captured_values(func):
-            visit(value, level - 1)
-        for value in func.__defaults__ or ():
-            visit(value, level - 1)
-        if func.__kwdefaults__:
-            for value in func.__kwdefaults__.values():
-                visit(value, level - 1)
-
-    def visit(obj: object, level: int) -> None:
-        if isinstance(obj, Tensor):
-            tensors[id(obj)] = obj
-            return
-        if isinstance(obj, _NOT_SEARCHED) or id(obj) in seen or len(seen) >= _OBJECTS_SEARCHED:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            found[id(obj)] = obj
-            return
-        if level <= 0:
-            return
-        kind = type(obj)
-        if kind is types.FunctionType:
-            visit_code(obj, level)
-            return
-        if kind is types.MethodType:
-            visit(obj.__self__, level - 1)
-            if type(obj.__func__) is types.FunctionType:
-                visit_code(obj.__func__, level)
-            return
-        if isinstance(obj, (list, tuple)):
-            for item in obj[:_ITEMS_SEARCHED]:
-                visit(item, level - 1)
-            return
-        if isinstance(obj, dict):
-            for item in itertools.islice(obj.values(), _ITEMS_SEARCHED):
-                visit(item, level - 1)
-            return
-        if isinstance(obj, functools.partial):
-            visit(obj.func, level - 1)
-            for arg in (*obj.args, *obj.keywords.values()):
-                visit(arg, level - 1)
-            return
-        owner = _own_attr(obj, "__self__", None)
-        if owner is not None:
-            visit(owner, level - 1)
-        wrapped = _own_attr(obj, "__wrapped__", None)
-        if wrapped is not None:
-            visit(wrapped, level - 1)
-        func = _own_attr(obj, "__func__", obj)
-        if type(func) is types.FunctionType:
-            visit_code(func, level)
-            return
-        attrs = _own_attr(obj, "__dict__", None)  # a plain object: its attributes
-        if isinstance(attrs, dict):
-            for item in itertools.islice(attrs.values(), _ITEMS_SEARCHED):
-                visit(item, level - 1)
-
-    visit(f, depth)
-    return list(found.values()), list(tensors.values())
