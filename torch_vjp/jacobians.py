@@ -34,7 +34,7 @@ from torch_vjp._engine.compiled import (
 from torch_vjp._engine.compile_checks import graph_safe_mode
 from torch_vjp._engine.compiled_jacobian import compiled_jacobian, wrong_reverse
 from torch_vjp._engine.computed import computed_jacobian, tensors_of
-from torch_vjp._engine.context import buffers_kept, func_vjp, graph_mode, is_nested
+from torch_vjp._engine.context import NO_CONTEXT, buffers_kept, func_vjp, graph_mode, is_nested
 from torch_vjp._engine.disconnected import warn_disconnected
 from torch_vjp._engine.forms import (
     batch_mode,
@@ -217,7 +217,7 @@ def jacobian(
                              chunk_size=chunk_size, has_aux=has_aux,
                              create_graph=create_graph))
     group = check_group(process_group, shard, create_graph, call=call)
-    with told_on_failure(group):  # the other ranks wait in the first exchange
+    with _told(group):  # the other ranks wait in the first exchange
         do_compile = check_compile(compile, call=call)
         strat = get_strategy(strategy, call=call)
         chunk = check_chunk_size(chunk_size, call=call)
@@ -231,7 +231,7 @@ def jacobian(
     if do_compile and not is_nested() and budget is not None:
         warn_budget(call)
     with context, buffers_kept(f, primals=primals):
-        with told_on_failure(group):
+        with _told(group):
             prob = Problem(f, primals, argnums, has_aux=has_aux, call=call, detached=detached)
         if group is not None:  # NOTE [sharded Jacobian]
             return sharded_jacobian(prob, strat, group, shard=shard, chunk_size=chunk,
@@ -243,6 +243,12 @@ def jacobian(
         warn_disconnected(prob, res)
         jac = assemble(prob, res)
     return (jac, res.aux) if has_aux else jac
+
+
+def _told(group: Any) -> Any:
+    """``told_on_failure(group)``; nothing to do without a group (a generator-based context
+    manager costs a microsecond or two per entry, twice per call)."""
+    return NO_CONTEXT if group is None else told_on_failure(group)
 
 
 _BATCH_ALTERNATIVES = (
@@ -328,7 +334,7 @@ def batch_jacobian(
     f = plain_module(f)  # (a module wrapped in DistributedDataParallel: its module)
     group = check_group(process_group, shard, create_graph, call=call)
     # (an argument refused on one rank reaches the others, which wait in the first exchange)
-    with told_on_failure(group):
+    with _told(group):
         do_compile = check_compile(compile, call=call)
         strat = get_strategy(strategy, call=call)
         chunk = check_chunk_size(chunk_size, call=call)
@@ -367,7 +373,7 @@ def batch_jacobian(
             build,
         )
     with context, buffers_kept(f):
-        with told_on_failure(group):  # the other ranks wait in the first exchange
+        with _told(group):  # the other ranks wait in the first exchange
             prob = Problem(f, (x,), 0, has_aux=False, call=call, detached=detached,
                            aux=False, named="x")
         if group is not None:  # NOTE [sharded Jacobian]

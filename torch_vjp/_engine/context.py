@@ -163,7 +163,8 @@ def buffers_kept(f: object, modules: list[torch.nn.Module] | None = None,
     if modules is None:
         modules, tensors = found if found is not None else reached(f)
         modules = list(modules)  # (extended below: not the caller's list)
-        if primals:
+        if primals and not all(isinstance(p, Tensor) for p in primals):
+            # (tensor primals reach no module: the walk of a tuple of them finds none)
             known = {id(m) for m in modules}
             modules += [m for m in modules_reached(primals) if id(m) not in known]
     if (not modules and not tensors) or is_nested():

@@ -137,16 +137,21 @@ class Watched:
         self.restore()
 
 
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def captured_kept(tensors: Sequence[Tensor], known: set[int]) -> list[tuple[str, Tensor]]:
     """The captured ``tensors`` a call keeps (NOTE [what a call puts back]), but those in
     ``known`` (kept already, as buffers)."""
     kept: list[tuple[str, Tensor]] = []
     total = 0
+    strided, wrapped = torch.strided, _is_wrapped
     for t in tensors:
+        if t.requires_grad or id(t) in known:
+            continue
         n = t.numel()
-        if (id(t) in known or t.requires_grad or n > KEPT_ELEMENTS or total + n > KEPT_TOTAL
-                or t.is_inference() or t.layout != torch.strided or t.device.type == "meta"
-                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+        if (n > KEPT_ELEMENTS or total + n > KEPT_TOTAL or t.is_inference()
+                or t.layout != strided or t.is_meta or wrapped(t)):
             continue
         total += n
         kept.append(("", t))
