@@ -70,6 +70,9 @@ LEARNED_FROM = 1 << 12
 
 #: The integer dtype of each element size: a float tensor's bits, read as integers.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Each real floating dtype's integer dtype of its size (:func:`same_bits`, per call).
+_FLOAT_BITS = {d: _BITS[d.itemsize] for d in vars(torch).values()
+               if isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize in _BITS}
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:
@@ -81,7 +84,16 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
         >>> same_bits(t, t.clone()), same_bits(t, torch.tensor([1.0, float("nan"), 0.0]))
         (True, False)
     """
-    if a.shape != b.shape or a.dtype != b.dtype:
+    dtype = a.dtype
+    bits = _FLOAT_BITS.get(dtype)
+    if bits is not None and b.dtype == dtype:  # (the common case: four calls fewer)
+        if a.shape != b.shape:
+            return False
+        try:
+            return torch.equal(a.view(bits), b.view(bits))
+        except RuntimeError:  # (a layout that cannot be viewed so: NaN-equal values)
+            return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    if a.shape != b.shape or dtype != b.dtype:
         return False
     if not (a.is_floating_point() or a.is_complex()):
         return torch.equal(a, b)
@@ -118,7 +130,9 @@ class Watched:
         buffer (a parameter once changed is reported on every later call). A tensor whose
         bits are unchanged is not written."""
         changed: dict[str, bool] = {}
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()  # (torch.no_grad(), without its decorator machinery)
+        torch._C._set_grad_enabled(False)
+        try:
             for n, is_buffer, t, copy, version in self.entries:
                 if is_buffer:
                     if not same_bits(t, copy):
@@ -128,6 +142,8 @@ class Watched:
                     if not same_bits(t, copy):
                         t.copy_(copy)
                     changed[n] = False
+        finally:
+            torch._C._set_grad_enabled(grad)
         return changed
 
     def __enter__(self) -> None:
