@@ -23,9 +23,18 @@ from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counte
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
-from torch_vjp._per_sample.order import OrderWatch, route_data_orders
-from torch_vjp._per_sample.plan import (WHOLE, CallPlan, GenericPoint, ParamPlan, Plan, Slots,
-                                        aliases_of, call_key, seeded_forward, vmap_blockers)
+from torch_vjp._per_sample.plan import (
+    CallPlan,
+    ParamPlan,
+    Plan,
+    Slots,
+    WHOLE,
+    aliases_of,
+    GenericPoint,
+    call_key,
+    seeded_forward,
+    vmap_blockers,
+)
 from torch_vjp._per_sample.recorder import Recorder
 from torch_vjp._per_sample.registry import (Call, UserRule, declining_rule, settings_changed,
                                             settings_of)
@@ -181,6 +190,7 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
     return plan
 
 
+
 class _Randomness(TorchDispatchMode):
     """Sees whether random operators run, and whether they are given a generator."""
 
@@ -288,8 +298,7 @@ def build_plan(job: Job) -> Plan:
     tracked = {id(t): n for n, t in sel.tensors.items()}
     if batch > 1 and out_dims is None:
         return _unsplittable(strategy, sel, full[0], batch)
-    return route_data_orders(_grad_probe(job, tracked, out_dims, full, small,
-                                         expand=batch > 1), full[1], small and small[1], batch)
+    return _grad_probe(job, tracked, out_dims, full, small, expand=batch > 1)
 
 
 def each_once(xs: Sequence[Tensor], fn: Callable[[Tensor], Tensor]) -> tuple[Tensor, ...]:
@@ -328,9 +337,7 @@ def _shape_run(
 
     handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
     try:
-        with OrderWatch(xs) as watch:  # (NOTE [orders that depend on the data] in order.py)
-            out = seeded_forward(model, xs, aliases)
-        record.orders = watch.found
+        out = seeded_forward(model, xs, aliases)
     finally:
         handle.remove()
         # (a removed global hook registered with_kwargs leaves its id in torch's with-kwargs
