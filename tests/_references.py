@@ -63,3 +63,67 @@ class OldStyleSquare(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return 2 * x * g
+
+
+# A custom op whose batching rule is wrong by a factor, and two custom Functions that agree
+# with the right derivative at zeros (or times x.sum() at a point summing to 0) only: for the
+# route checks at a degenerate first point (dense, sparse and sharded "auto").
+@torch.library.custom_op("tv_tests_references::twice_wrongly_batched", mutates_args=())
+def _twice(g: torch.Tensor) -> torch.Tensor:
+    return g * 2
+
+
+@_twice.register_fake
+def _(g):
+    return torch.empty_like(g)
+
+
+def _wrong_vmap(info, in_dims, g):
+    return g * 3, in_dims[0]  # (wrong: twice is g * 2 unbatched)
+
+
+_twice.register_vmap(_wrong_vmap)
+
+
+class WrongBatched(torch.autograd.Function):
+    """2 x, whose backward calls an op with a wrong batching rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return _twice(g)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * 2
+
+
+class WrongBackward(torch.autograd.Function):
+    """2 x, whose backward is wrong (3 g); its jvp is right."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * 2

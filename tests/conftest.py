@@ -226,3 +226,20 @@ def fresh_route_checks(monkeypatch):
     yield
     fwdcheck.CHECKED.clear()
     fwdcheck.CHECKED.update(saved)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}",
+                                rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

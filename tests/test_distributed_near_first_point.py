@@ -5,66 +5,29 @@ x, where they disagree (it gave those at x, which agree). float64, a one-rank gl
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torch_vjp as tv
 
-from _references import caught, jvp_columns
+from _references import WrongBackward, caught, jvp_columns
 
 D = torch.float64
 
 pytestmark = pytest.mark.usefixtures("fresh_route_checks")
 
 
-class _WrongBackward(torch.autograd.Function):
-    """2 x, whose backward is wrong (3 g); its jvp is right."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x * 2
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 3
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t * 2
-
-
 def _products(u):
-    return _WrongBackward.apply(u[1:] * u[:-1]).sin()
+    return WrongBackward.apply(u[1:] * u[:-1]).sin()
 
 
-@pytest.fixture
-def group():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}",
-                                rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
-def test_sharded_auto_at_zeros_takes_forward_mode_and_says_the_numbers_near_x(group):
+def test_sharded_auto_at_zeros_takes_forward_mode_and_says_the_numbers_near_x(one_rank_group):
     x1 = torch.randn(8, dtype=D, generator=torch.Generator().manual_seed(4))
     said = []
     for x in (torch.zeros(8, dtype=D), x1):
-        got, words = caught(lambda: tv.jacobian(_products, x, process_group=group))
+        got, words = caught(lambda: tv.jacobian(_products, x, process_group=one_rank_group))
         said += words
         torch.testing.assert_close(got, jvp_columns(_products, x))
     assert len(said) == 1

@@ -815,19 +815,6 @@ def test_sharded_jacobian_equals_jacrev_on_every_rank(world, spawn_within):
     spawn_within(_worker, world, 420, forkserver=True)
 
 
-@pytest.fixture
-def one_rank_group():
-    """A gloo group of this process alone."""
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}",
-                                rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
 def test_one_rank_group_equals_single_process(one_rank_group):
     failures = _run_cases(0, 1, one_rank_group) + _run_batch_cases(0, 1, one_rank_group)
     assert not failures, "\n".join(failures)

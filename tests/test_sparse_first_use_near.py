@@ -15,72 +15,11 @@ import torch
 
 import torch_vjp as tv
 
-from _references import jvp_columns
+from _references import WrongBackward, WrongBatched, jvp_columns
 
 D = torch.float64
 
 pytestmark = pytest.mark.usefixtures("fresh_route_checks")
-
-
-@torch.library.custom_op("tv_sparse_near_test::twice", mutates_args=())
-def _twice(g: torch.Tensor) -> torch.Tensor:
-    return g * 2
-
-
-@_twice.register_fake
-def _(g):
-    return torch.empty_like(g)
-
-
-def _wrong_vmap(info, in_dims, g):
-    return g * 3, in_dims[0]  # (wrong: twice is g * 2 unbatched)
-
-
-_twice.register_vmap(_wrong_vmap)
-
-
-class WrongBatched(torch.autograd.Function):
-    """2 x, whose backward calls an op with a wrong batching rule."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x * 2
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return _twice(g)
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t * 2
-
-
-class WrongBackward(torch.autograd.Function):
-    """2 x, whose backward is wrong (3 g); its jvp is right."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x * 2
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 3
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t * 2
 
 
 def _products(u):
