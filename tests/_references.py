@@ -69,11 +69,11 @@ class OldStyleSquare(torch.autograd.Function):
 # with the right derivative at zeros (or times x.sum() at a point summing to 0) only: for the
 # route checks at a degenerate first point (dense, sparse and sharded "auto").
 @torch.library.custom_op("tv_tests_references::twice_wrongly_batched", mutates_args=())
-def _twice(g: torch.Tensor) -> torch.Tensor:
+def twice_wrongly_batched(g: torch.Tensor) -> torch.Tensor:
     return g * 2
 
 
-@_twice.register_fake
+@twice_wrongly_batched.register_fake
 def _(g):
     return torch.empty_like(g)
 
@@ -82,7 +82,7 @@ def _wrong_vmap(info, in_dims, g):
     return g * 3, in_dims[0]  # (wrong: twice is g * 2 unbatched)
 
 
-_twice.register_vmap(_wrong_vmap)
+twice_wrongly_batched.register_vmap(_wrong_vmap)
 
 
 class WrongBatched(torch.autograd.Function):
@@ -100,7 +100,7 @@ class WrongBatched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _twice(g)
+        return twice_wrongly_batched(g)
 
     @staticmethod
     def jvp(ctx, t):
@@ -127,3 +127,23 @@ class WrongBackward(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, t):
         return t * 2
+
+
+def in_gloo_group(rank, world, init_file, checks):
+    """Runs ``checks`` (each called as ``check(rank, world, group)``) in a gloo group of
+    ``world`` processes with a 30 s timeout and one thread each, then a barrier; the group
+    is destroyed whatever happens."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        torch.set_num_threads(1)
+        group = dist.group.WORLD
+        for check in checks:
+            check(rank, world, group)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -8,7 +8,6 @@ its deadline (and gloo's own timeout ends a mis-paired collective sooner)."""
 
 from __future__ import annotations
 
-import datetime
 import warnings
 
 import pytest
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 import torch_vjp as tv
 
-from _references import OldStyleSquare
+from _references import OldStyleSquare, in_gloo_group
 
 DT = torch.float64
 
@@ -177,17 +176,7 @@ def _plain_checks(rank, world, group):
 
 
 def _two_ranks(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
-    try:
-        torch.set_num_threads(1)
-        group = dist.group.WORLD
-        _forward_mode_checks(rank, world, group)
-        _reverse_mode_checks(rank, world, group)
-        _plain_checks(rank, world, group)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    in_gloo_group(rank, world, init_file, (_forward_mode_checks, _reverse_mode_checks, _plain_checks))
 
 
 def test_a_fallback_to_a_loop_on_one_rank_is_taken_on_every_rank(spawn_within):

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch_vjp as tv
 from torch_vjp._sharded_work import shard_range
 
-from _references import caught as _caught, central_difference as _fd, jvp_columns as _jvp_columns
+from _references import caught as _caught, central_difference as _fd, in_gloo_group
+from _references import jvp_columns as _jvp_columns
 
 DT = torch.float64
 STRATEGIES = ("rev", "fwd", "auto", "rev-loop", "fwd-loop")
@@ -312,19 +313,7 @@ def _reverse_wrong_checks(rank, world, group):
 
 
 def _two_ranks(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
-    try:
-        torch.set_num_threads(1)
-        group = dist.group.WORLD
-        _collective_checks(rank, world, group)
-        _chunk_checks(rank, world, group)
-        _outputs_checks(rank, world, group)
-        _scale_checks(rank, world, group)
-        _reverse_wrong_checks(rank, world, group)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    in_gloo_group(rank, world, init_file, (_collective_checks, _chunk_checks, _outputs_checks, _scale_checks, _reverse_wrong_checks))
 
 
 def test_sharded_jacobians_whose_ranks_must_pair_their_calls(spawn_within):

@@ -11,24 +11,9 @@ import torch
 
 import torch_vjp as tv
 
+from _references import twice_wrongly_batched
+
 _F64 = torch.float64
-
-
-@torch.library.custom_op("tv_sparse_guard_test::twice", mutates_args=())
-def _twice(g: torch.Tensor) -> torch.Tensor:
-    return g * 2
-
-
-@_twice.register_fake
-def _(g):
-    return torch.empty_like(g)
-
-
-def _wrong_vmap(info, in_dims, g):
-    return g * 3, in_dims[0]  # (wrong: twice is g * 2 unbatched)
-
-
-_twice.register_vmap(_wrong_vmap)
 
 
 class WrongBatched(torch.autograd.Function):
@@ -44,7 +29,7 @@ class WrongBatched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _twice(g)
+        return twice_wrongly_batched(g)
 
     @staticmethod
     def jvp(ctx, t):
