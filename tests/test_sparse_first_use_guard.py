@@ -11,49 +11,22 @@ import torch
 
 import torch_vjp as tv
 
-from _references import twice_wrongly_batched
+import _references as references
 
 _F64 = torch.float64
 
 
-class WrongBatched(torch.autograd.Function):
-    """2 x, whose backward calls an op with a wrong batching rule."""
+class WrongBatched(references.WrongBatched):
+    """2 x, whose backward calls an op with a wrong batching rule; no vmap rule of its own."""
 
-    @staticmethod
-    def forward(x):
-        return x * 2
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return twice_wrongly_batched(g)
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t * 2
+    generate_vmap_rule = False
 
 
-class WrongBackward(torch.autograd.Function):
-    """2 x, whose backward is wrong even without vmap (3 g); its jvp is right."""
+class WrongBackward(references.WrongBackward):
+    """2 x, whose backward is wrong even without vmap (3 g); its jvp is right; no vmap rule
+    of its own."""
 
-    @staticmethod
-    def forward(x):
-        return x * 2
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 3
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t * 2
+    generate_vmap_rule = False
 
 
 def _per_row(f, x):
