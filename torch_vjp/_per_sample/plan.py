@@ -40,6 +40,8 @@ reshape that scrambles examples), so the plan asks the data flow. Once per model
    whose weight is computed, a parametrization, is walked through, to find what the weight
    is computed from; its own parameters the rule computes, a plain bias, stay the rule's.)
 5. Random operators are classified while the model runs (NOTE [randomness]).
+6. A rule call whose rows the model orders by its own data (a sort of the batch by a length,
+   restored after) leaves the rules (NOTE [orders that depend on the data] in ``order``).
 
 A parameter whose every use is a trusted rule call is computed by rules; the others by vmap
 (or the loop). The first real computation under a plan is then checked against the

@@ -23,18 +23,9 @@ from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counte
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
-from torch_vjp._per_sample.plan import (
-    CallPlan,
-    ParamPlan,
-    Plan,
-    Slots,
-    WHOLE,
-    aliases_of,
-    GenericPoint,
-    call_key,
-    seeded_forward,
-    vmap_blockers,
-)
+from torch_vjp._per_sample.order import OrderWatch, route_data_orders
+from torch_vjp._per_sample.plan import (WHOLE, CallPlan, GenericPoint, ParamPlan, Plan, Slots,
+                                        aliases_of, call_key, seeded_forward, vmap_blockers)
 from torch_vjp._per_sample.recorder import Recorder
 from torch_vjp._per_sample.registry import (Call, UserRule, declining_rule, settings_changed,
                                             settings_of)
@@ -474,8 +465,10 @@ def _probe_at(
         tracked = point.tracked
     rec = Recorder(model, tracked, batch, probe=True, expand_shared=expand, direct=expand,
                    owners=sel.owners)
+    # (NOTE [orders that depend on the data] in order.py)
+    watch = OrderWatch(leaves, batch) if batch > 1 else contextlib.nullcontext()
     try:
-        with torch.enable_grad(), rng:
+        with torch.enable_grad(), rng, watch:
             with rec:
                 out = seeded_forward(model, leaves, aliases)
     except (TorchVJPError, MemoryError, torch.OutOfMemoryError):
@@ -567,6 +560,7 @@ def _probe_at(
             user = ", ".join(dict.fromkeys(
                 c.rule.name for c, _, _ in used if isinstance(c.rule, UserRule)))
             plan.params[name] = ParamPlan(name, "rule", how, user=user)
+    route_data_orders(plan, calls, tracked, watch if batch > 1 else None, out)
     declined = _declined_layers(model, plan.params)  # (decided on their settings too)
     if declined:
         plan.settings = settings_of(layers + declined)

@@ -1,0 +1,276 @@
+"""Layers whose rows are ordered by the data: a batch sorted, gathered or indexed by an
+index computed from the inputs (NOTE [orders that depend on the data]).
+
+NOTE [orders that depend on the data]
+The plan's data-flow tests (``flow``) see which example each row of a layer's input
+belongs to on the batch they probe, once per model structure. A model that reorders the
+examples by an index it computes from them (``order = x[:, 0].argsort(); fc(h[order])
+[order.argsort()]``, as code that packs sequences by length does) puts example ``i`` in
+row ``i`` on a batch whose order is the identity and in another row on the next batch:
+rules trusted on the first batch would hand one example's gradient to another (for
+DP-SGD, a clipped sum whose bound no longer holds). So the recorded planning forward
+(``probe``) follows, under a dispatch mode (:class:`OrderWatch`), the order of the rows of
+every tensor computed from the inputs, as a word of steps:
+
+- an index read along a dimension of size B of such a tensor (``h[i]``, ``index_select``,
+  ``gather``, ``take``), by an integer index computed from the inputs, appends the
+  index's step; a write of its rows at such an index (``out[i] = h``, ``index_copy``,
+  ``scatter``, ``index_put``, ``index_add``) appends the inverse step. Sorting along a
+  dimension of size B (``sort``, ``argsort``) gives its indices a step of their own,
+  ``P``; sorting those indices again gives ``P``'s inverse, as does scattering
+  ``arange`` at them (``invert_permutation``, which ``pack_padded_sequence`` runs); any
+  other index (``topk``, an input, a group id) is a step without inverse. A step followed
+  by its inverse cancels: the rows are back in place (``h[order][order.argsort()]``),
+  whatever the data, by construction rather than by what one batch shows;
+- any other operator gives its result the word of the inputs it reads, and a word of its
+  own, without inverse, where those words differ (rows of two orders combined).
+
+A boolean mask selects rows and keeps their order (an EmbeddingBag's flattened batch,
+``idx[mask]``), and an index that is not computed from the inputs (a permutation buffer,
+``torch.arange``, ``x[:, -1]``) is the same on every batch: neither changes the word, and
+the layers after them keep their rules. A rule call whose input or output has a non-empty
+word (between an order and its restore, or after an order never restored) has its
+parameters computed by vmap (or the loop), which run each example alone, and the plan
+says why; a model whose output has one (its rows are ordered by the data) has all of its
+rule parameters so computed, as the loss's split into the examples' losses then follows
+the data too. A dimension of size B that does not hold the examples (a feature dimension
+of that size) is taken for theirs: the fallback is right whatever the order. A plan that
+finds a module mixing examples is left as it is (that refusal comes first). An order
+computed in Python from the inputs' values (``.tolist()``, ``.item()``) and made a tensor
+again is not seen: the plan's checks against the loop (``verify``) remain for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["OrderWatch", "route_data_orders", "DATA_ORDER", "OUTPUT_ORDER"]
+
+_aten = torch.ops.aten
+
+#: operators that read rows at an index: the index's position and the dimension's (None:
+#: a list of indices, one per dimension)
+_READS = {
+    _aten.index.Tensor: (1, None),
+    _aten._unsafe_index.Tensor: (1, None),
+    _aten.index_select.default: (2, 1),
+    _aten.gather.default: (2, 1),
+    _aten.take.default: (1, "flat"),
+}
+#: operators that write rows at an index: the index's position, the dimension's (None: a
+#: list of indices), the written values' position
+_WRITES = {
+    _aten.index_put.default: (1, None, 2),
+    _aten.index_put_.default: (1, None, 2),
+    _aten._index_put_impl_.default: (1, None, 2),
+    _aten._unsafe_index_put.default: (1, None, 2),
+    _aten.index_copy.default: (2, 1, 3),
+    _aten.index_copy_.default: (2, 1, 3),
+    _aten.index_add.default: (2, 1, 3),
+    _aten.index_add_.default: (2, 1, 3),
+    _aten.scatter.src: (2, 1, 3),
+    _aten.scatter_.src: (2, 1, 3),
+    _aten.scatter_add.default: (2, 1, 3),
+    _aten.scatter_add_.default: (2, 1, 3),
+    _aten.scatter_reduce.two: (2, 1, 3),
+    _aten.scatter_reduce_.two: (2, 1, 3),
+}
+#: sorts: the dimension's position and default; whether its indices can be inverted
+_SORTS = {
+    _aten.sort.default: (1, -1, True),
+    _aten.sort.stable: (2, -1, True),
+    _aten.topk.default: (2, -1, False),
+}
+#: operators that keep an index's values as they are (its step goes with them)
+_SAME_INDEX = frozenset({"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand",
+                         "clone", "_to_copy", "contiguous", "alias", "detach", "lift_fresh",
+                         "flatten"})
+
+#: operators whose values do not depend on their inputs' values (only on their shapes)
+_FRESH = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
+                    "new_zeros", "new_ones", "new_full", "empty_strided", "new_empty_strided"})
+
+_MIXED = ("X", -1)  # (rows of two orders combined: no step undoes it)
+
+DATA_ORDER = ("in '{path}', the rows of the layer's input are ordered by the model's own "
+              "data ({ops}), so which row belongs to which example changes from one batch "
+              "to the next and a plan probed on one batch cannot be trusted on another: "
+              "each example is computed alone")
+OUTPUT_ORDER = ("the rows of the model's output are ordered by its own data ({ops}), so the "
+                "split of the loss into the examples' losses changes from one batch to the "
+                "next and a plan probed on one batch cannot be trusted on another: each "
+                "example is computed alone")
+
+
+def _inverse(step: tuple[str, int]) -> tuple[str, int]:
+    kind, k = step
+    return ({"P": "I", "I": "P", "G": "H", "H": "G"}.get(kind, "N"), k)
+
+
+def _then(word: tuple[Any, ...], step: tuple[str, int]) -> tuple[Any, ...]:
+    """``word`` followed by ``step``: a step after its inverse cancels."""
+    if word and word[-1] == _inverse(step) and step[0] in "PIGH":
+        return word[:-1]
+    return word + (step,)
+
+
+class OrderWatch(TorchDispatchMode):
+    """Within a forward, the word of every tensor computed from the inputs (NOTE [orders
+    that depend on the data]): ``words`` holds it (a tensor absent is not computed from
+    them), ``steps`` the index of a sort's or an inverse's indices; ``ops`` names the
+    operators that changed a word along a dimension of size ``batch``."""
+
+    def __init__(self, xs: Sequence[Any], batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+        self.words = WeakIdKeyDictionary()
+        self.steps = WeakIdKeyDictionary()
+        self.ops: set[str] = set()
+        self._count = itertools.count()
+        for t in tree_leaves(list(xs)):
+            if isinstance(t, Tensor):
+                self.words[t] = ()
+
+    def word_of(self, value: Any) -> tuple[Any, ...]:
+        """The word of the tensors in ``value`` computed from the inputs (``()`` for none,
+        ``(_MIXED,)`` where they differ)."""
+        words = {self.words[t] for t in tree_leaves(value)
+                 if isinstance(t, Tensor) and t in self.words}
+        if len(words) > 1:
+            return (_MIXED,)
+        return words.pop() if words else ()
+
+    def _step_of(self, index: Tensor) -> tuple[str, int]:
+        step = self.steps.get(index)
+        if step is None:  # (an index of its own: a write at it undoes a read at it)
+            step = self.steps[index] = ("G", next(self._count))
+        return step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # (the model's own errors pass through untouched)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if func._overloadpacket.__name__ in _FRESH or not any(t in self.words for t in leaves):
+            return out
+        try:
+            word, step = self._follow(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - arguments not as expected: an order (safe)
+            word, step = (_MIXED,), None
+            self.ops.add(func._overloadpacket.__name__)
+        sorted_ = func in _SORTS and step is not None
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self.words[t] = word
+                if step is not None and not sorted_:
+                    self.steps[t] = step
+        if sorted_:  # (the values are the rows reordered; the indices are in no order)
+            self.words[out[1]], self.steps[out[1]] = (), step
+        if func._schema.is_mutable and args and isinstance(args[0], Tensor):
+            self._written(args[0]._base, word)  # (rows written through a view of it)
+        return out
+
+    def _written(self, base: Tensor | None, word: tuple[Any, ...]) -> None:
+        if base is not None:
+            old = self.words.get(base)
+            self.words[base] = word if old is None or old == word else (_MIXED,)
+
+    def _follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                out: Any) -> tuple[tuple[Any, ...], tuple[str, int] | None]:
+        """The word of ``func``'s output, and the step of its values as an index."""
+        if func in _SORTS:
+            at, default, invertible = _SORTS[func]
+            src = args[0]
+            dim = args[at] if len(args) > at else kwargs.get("dim", default)
+            if src.dim() == 0 or src.shape[dim] != self.batch:
+                return self.word_of((args, kwargs)), None
+            mine = self.steps.get(src)
+            step = (_inverse(mine) if mine is not None and mine[0] in "PI" and invertible
+                    else ("P" if invertible else "N", next(self._count)))
+            self.ops.add(func._overloadpacket.__name__)
+            return _then(self.words.get(src, ()), step), step
+        if func in _READS:
+            at, dim_at = _READS[func]
+            src = args[0]
+            found = self._indexed(src, args[at], dim_at if dim_at in (None, "flat")
+                                  else args[dim_at], src.shape)
+            if found is None:
+                return self.word_of((args, kwargs)), None
+            self.ops.add(func._overloadpacket.__name__)
+            return _then(self.words.get(src, ()), found), None
+        if func in _WRITES:
+            at, dim_at, src_at = _WRITES[func]
+            src = args[src_at] if len(args) > src_at else kwargs.get("values", kwargs.get(
+                "source", kwargs.get("src")))
+            if not isinstance(src, Tensor):
+                return self.word_of((args, kwargs)), None
+            found = self._indexed(src, args[at], args[dim_at] if dim_at is not None else None,
+                                  src.shape if dim_at is not None else args[0].shape)
+            if found is None:
+                return self.word_of((args, kwargs)), None
+            self.ops.add(func._overloadpacket.__name__)
+            # (rows written at an index: the rows read at it, inversely; a constant, arange
+            # scattered at a sort's indices, is their inverse as an index too)
+            word = _then(self.words.get(src, ()), _inverse(found))
+            step = _inverse(found) if src not in self.words and found[0] in "PI" else None
+            if args[0] in self.words and self.words[args[0]] != word:
+                if src not in self.words:
+                    return self.words[args[0]], step  # (h[i] = 0: the rows stay in place)
+                return (_MIXED,), None  # (rows written into rows of another order)
+            return word, step
+        if func._overloadpacket.__name__ in _SAME_INDEX and args and isinstance(
+                args[0], Tensor) and args[0] in self.steps:
+            return self.words.get(args[0], ()), self.steps[args[0]]
+        return self.word_of((args, kwargs)), None
+
+    def _indexed(self, src: Tensor, index: Any, dim: int | str | None,
+                 shape: Sequence[int]) -> tuple[str, int] | None:
+        """The step of an index computed from the inputs along a dimension of size B (of
+        ``shape``), None for none."""
+        if dim is None:  # (one index per dimension, None for a slice; a mask spans its dims)
+            found, d = None, 0
+            for ix in index:
+                if ix is not None and ix.dtype in (torch.bool, torch.uint8):
+                    d += ix.dim()  # (a mask keeps the rows' order)
+                    continue
+                if ix is not None and ix in self.words and d < len(shape) and (
+                        shape[d] == self.batch):
+                    found = self._step_of(ix) if found is None else (_MIXED[0], -2)
+                d += 1
+            return found
+        if not isinstance(index, Tensor) or index not in self.words or index.dtype in (
+                torch.bool, torch.uint8):
+            return None
+        if dim == "flat":  # (take: a flat index into every dimension)
+            return self._step_of(index) if self.batch in tuple(shape) else None
+        if not len(shape) or shape[dim % len(shape)] != self.batch:
+            return None
+        return self._step_of(index)
+
+
+def route_data_orders(plan: Any, calls: Sequence[Any], tracked: dict[int, str],
+                      watch: OrderWatch | None, out: Any) -> None:
+    """Moves off the rules the parameters of the rule calls whose rows are ordered by the
+    data (NOTE [orders that depend on the data]), all of them where the model's output is."""
+    if watch is None or not watch.ops or plan.mixing is not None:
+        return
+    ops = ", ".join(sorted(watch.ops))
+    rule = set(plan.rule_params)
+    if watch.word_of(out):
+        plan.route(sorted(rule), OUTPUT_ORDER.format(ops=ops))
+        return
+    for c in calls:
+        if not watch.word_of((c.args, c.kwargs, c.outputs)):
+            continue
+        names = [n for n in (tracked.get(id(t)) for t, _ in c.params.values())
+                 if n is not None and n in rule]
+        if names:
+            plan.route(names, DATA_ORDER.format(path=c.path, ops=ops))
+            rule.difference_update(names)
