@@ -25,10 +25,13 @@ every tensor computed from the inputs, as a word of steps:
 - any other operator gives its result the word of the inputs it reads, and a word of its
   own, without inverse, where those words differ (rows of two orders combined).
 
-A boolean mask selects rows and keeps their order (an EmbeddingBag's flattened batch,
-``idx[mask]``), and an index that is not computed from the inputs (a permutation buffer,
-``torch.arange``, ``x[:, -1]``) is the same on every batch: neither changes the word, and
-the layers after them keep their rules. A rule call whose input or output has a non-empty
+A boolean mask computed from the inputs along the examples' dimension alone selects
+examples by the data (``fc(h[keep])``): a step, undone by a write at the same mask
+(``out[keep] = y``). A mask over several dimensions (an EmbeddingBag's flattened batch,
+``idx[mask]`` of a ``(B, L)`` mask, whose offsets say which rows are whose on every call)
+and an index that is not computed from the inputs (``torch.arange``, a buffer,
+``x[:, -1]``), the same on every batch, do not change the word: the layers after them keep
+their rules. A rule call whose input or output has a non-empty
 word (between an order and its restore, or after an order never restored) has its
 parameters computed by vmap (or the loop), which run each example alone, and the plan
 says why; a model whose output has one (its rows are ordered by the data) has all of its
@@ -157,14 +160,21 @@ class OrderWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)  # (the model's own errors pass through untouched)
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        if func._overloadpacket.__name__ in _FRESH or not any(t in self.words for t in leaves):
-            return out
         try:
-            word, step = self._follow(func, args, kwargs, out)
+            self._note(func, args, kwargs, out)
         except Exception:  # noqa: BLE001 - arguments not as expected: an order (safe)
-            word, step = (_MIXED,), None
-            self.ops.add(func._overloadpacket.__name__)
+            self.ops.add(str(func))
+            for t in tree_leaves(out):
+                if isinstance(t, Tensor):
+                    self.words[t] = (_MIXED,)
+        return out
+
+    def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              out: Any) -> None:
+        if func._overloadpacket.__name__ in _FRESH or not any(
+                isinstance(t, Tensor) and t in self.words for t in tree_leaves((args, kwargs))):
+            return
+        word, step = self._follow(func, args, kwargs, out)
         sorted_ = func in _SORTS and step is not None
         for t in tree_leaves(out):
             if isinstance(t, Tensor):
@@ -175,7 +185,6 @@ class OrderWatch(TorchDispatchMode):
             self.words[out[1]], self.steps[out[1]] = (), step
         if func._schema.is_mutable and args and isinstance(args[0], Tensor):
             self._written(args[0]._base, word)  # (rows written through a view of it)
-        return out
 
     def _written(self, base: Tensor | None, word: tuple[Any, ...]) -> None:
         if base is not None:
@@ -238,7 +247,10 @@ class OrderWatch(TorchDispatchMode):
             found, d = None, 0
             for ix in index:
                 if ix is not None and ix.dtype in (torch.bool, torch.uint8):
-                    d += ix.dim()  # (a mask keeps the rows' order)
+                    if ix.dim() == 1 and ix in self.words and d < len(shape) and (
+                            shape[d] == self.batch):  # (examples selected by the data)
+                        found = self._step_of(ix) if found is None else (_MIXED[0], -2)
+                    d += ix.dim()  # (a mask over several dimensions: NOTE)
                     continue
                 if ix is not None and ix in self.words and d < len(shape) and (
                         shape[d] == self.batch):
