@@ -244,3 +244,15 @@ def test_packed_sequences_keep_the_rules_before_and_after_the_packing():
     got = tv.per_sample_grads(model, _loss, x)
     for n in want:
         torch.testing.assert_close(got[n], want[n], msg=n)
+
+
+def test_hooks_refuses_a_model_whose_output_rows_it_orders_saying_why():
+    torch.manual_seed(0)
+    first, _ = _batches()
+    with pytest.raises(tv.StrategyError) as info:
+        tv.per_sample_grads(_NotRestored().to(D), _loss, first, strategy="hooks")
+    msg = str(info.value)
+    for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
+        assert f"'{name}': {WHY_OUT} (index, sort), so the split of the loss into the " \
+               f"examples' losses changes from one batch to the next" in msg
+    assert "strategy='auto'" in msg
