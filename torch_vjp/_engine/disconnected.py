@@ -66,15 +66,18 @@ def warn_disconnected(prob: Problem, res: Blocks, batch: int | None = None) -> N
     input through autograd although its value does (NOTE [the disconnection check]).
 
     Outside checked mode it returns at once. In checked mode it is free in the usual case:
-    every output was seen to depend on the one input (see :class:`Blocks`); with several
-    inputs, each block's first element, else the block, is checked for zeros, once per
-    function and input shapes (the key of NOTE [output sizes]) as long as every block is
-    found non-zero. Skipped inside outer torch.func transforms. Never raises: a failure inside
-    the check ends it without a warning.
+    in forward mode every output was seen to depend on the one input (a tangent reached it:
+    see :class:`Blocks`); otherwise (several inputs, or reverse mode, where an output that
+    requires grad may do so through a tensor f made itself with ``requires_grad=True``
+    rather than through the input: ``p = x.detach().requires_grad_()``) each block's first
+    element, else the block, is checked for zeros, once per function and input shapes (the
+    key of NOTE [output sizes]) as long as every block is found non-zero. Skipped inside
+    outer torch.func transforms. Never raises: a failure inside the check ends it without a
+    warning.
     """
     if not is_checked():
         return
-    if res.connected and len(prob.leaves) == 1:
+    if res.connected and len(prob.leaves) == 1 and res.mode == "fwd":
         return  # every output depends on the one input through autograd
     if is_nested() or tracing():
         return
@@ -88,7 +91,7 @@ def warn_disconnected(prob: Problem, res: Blocks, batch: int | None = None) -> N
 
 def _disconnected_messages(prob: Problem, res: Blocks, batch: int | None) -> list[str]:
     key = None
-    if res.connected:  # several inputs: scanned once per function and input shapes
+    if res.connected:  # (several inputs, or reverse mode) once per function and input shapes
         key = shapes_key(prob, batch)
         if key is not None and key in _VERIFIED:
             return []
