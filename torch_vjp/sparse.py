@@ -279,6 +279,17 @@ def sparse_jacobian(
     chunk = check_chunk_size(chunk_size, call=call, what="products (colours)")
     budget = parse_max_memory(max_memory, call=call)
     prob = _problem(f, x, call)
+    # (f runs for real, more than once: products, a fallback, the checks of a first call
+    # and their measure of rounding; a module's running statistics are put back once for
+    # all of them, as the dense functions do)
+    with buffers_kept(f, primals=(x,)):
+        return _sparse_jacobian(f, prob, pattern, mode, layout, chunk, budget, call)
+
+
+def _sparse_jacobian(f: Callable[..., Any], prob: Problem, pattern: Tensor | None, mode: str,
+                     layout: torch.layout, chunk: int | None, budget: int | None,
+                     call: str) -> Tensor:
+    """:func:`sparse_jacobian`'s computation, its options checked."""
     n = sum(leaf.numel() for leaf in prob.leaves)
     built: list[bool] = []
     if pattern is None:
