@@ -105,7 +105,8 @@ def fwd_blocks(
 ) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
     """stacked[j]: (n_in, [B,] *out_j) -> blocks[j][i]: ([B,] *out_j, *in_i), views of
     ``stacked[j]`` (returned twice: they are also the views to scan for zeros, holding the
-    same elements as the row slices, first element first).
+    same elements as the row slices, first element first), or of a copy of it where an
+    earlier ``stacked[k]`` shares its memory (NOTE [blocks of outputs that share memory]).
 
     Example:
         >>> blocks, _ = fwd_blocks([torch.zeros(5, 3)], [torch.Size([]), torch.Size([2, 2])])
@@ -114,8 +115,16 @@ def fwd_blocks(
     """
     numels = [math.prod(s) for s in in_rows]
     blocks: list[list[Tensor]] = []
+    seen: set[int] = set()
     for res_j in stacked:
-        moved = owned(res_j).movedim(0, -1)
+        res_j = owned(res_j)
+        where = _storage(res_j)
+        if where is not None:
+            if where in seen:  # NOTE [blocks of outputs that share memory]
+                res_j = res_j.clone()
+            else:
+                seen.add(where)
+        moved = res_j.movedim(0, -1)
         parts = moved.split(numels, dim=-1) if len(numels) > 1 else (moved,)
         row_blocks = []
         for part, shape in zip(parts, in_rows):
@@ -126,6 +135,27 @@ def fwd_blocks(
             row_blocks.append(part)
         blocks.append(row_blocks)
     return blocks, blocks
+
+
+# NOTE [blocks of outputs that share memory]
+# Forward mode's products of an output are its tangent, and where f returns one tensor twice,
+# or a view of another of its outputs ((y, y), (y, y[0]), (x, x)), those tangents share
+# memory: their blocks did too, and a write into one block changed another (torch.func.jacfwd
+# returns them so). Each block handed to the user is its own memory, as in reverse mode: the
+# products of an output whose memory an earlier output's hold are copied (all of them, where
+# the two merely share a storage without overlapping: a copy the size of that block, and
+# only where f's outputs share memory).
+
+
+def _storage(t: Tensor) -> int | None:
+    """The address of ``t``'s storage; None for an empty tensor, or one without a storage of
+    its own (a batched tensor of an outer torch.vmap, a tensor subclass)."""
+    if t.numel() == 0:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def assemble(prob: Problem, res: Blocks) -> Any:
