@@ -136,6 +136,37 @@ _WRONG_WHERE = {"UpsampleBilinear2DAaBackward0": _resize_wrong,
                 "UpsampleBicubic2DAaBackward0": _resize_wrong}
 
 
+def _scatter_prod_wrong(node: Any) -> bool:
+    """Whether ``torch.scatter_reduce``'s node ``node`` takes a tangent through torch's wrong
+    forward-mode formula of ``reduce='prod'`` (2.13: wrong for the source, and for the
+    tensor scattered into with ``include_self=True``; right for every other reduction);
+    True where its saved values cannot be read."""
+    try:
+        if node._saved_reduce != "prod":
+            return False
+        into, src = (n is not None for n, _ in node.next_functions[:2])
+        return src or (into and bool(node._saved_include_self))
+    except Exception:  # noqa: BLE001 - saved values not readable: taken as wrong
+        return True
+
+
+def _triangular_wrong(node: Any) -> bool:
+    """Whether ``torch.triangular_solve``'s node ``node`` differentiates its matrix (its
+    second input), whose forward-mode formula torch (2.13) has wrong under every flag
+    (the right-hand side's is right)."""
+    nexts = node.next_functions
+    return len(nexts) > 1 and nexts[1][0] is not None
+
+
+#: Backward nodes of ops whose forward-mode formula torch (2.13) has wrong (checked against
+#: reverse mode in float64; NOTE [forward mode through a wrong formula] in
+#: :mod:`torch_vjp._engine.fwd_wrong`), by name, and where their tangent is wrong.
+WRONG_FORWARD = {"ScatterReduceBackward0": "torch.scatter_reduce(reduce='prod')",
+                 "TriangularSolveBackward0": "torch.triangular_solve"}
+WRONG_FORWARD_WHERE = {"ScatterReduceBackward0": _scatter_prod_wrong,
+                       "TriangularSolveBackward0": _triangular_wrong}
+
+
 def named_reverse(call: str, found: tuple[str | None, str | None], vectorized: bool,
                   chunk: int | None, named: tuple[str, Hashable]) -> bool:
     """Whether a named reverse strategy (``vectorized``: "rev", else "rev-loop") is to run
