@@ -38,12 +38,14 @@ from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp, is_neste
 from torch_vjp._engine.copies import not_sharing
 from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
+from torch_vjp._engine.fwd_wrong import (forward_checked, forward_read, reading_forward,
+                                         wrong_pushforward)
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._sharded import plain_module
 from torch_vjp._engine.jacobian import function_key, function_name
-from torch_vjp._engine.rows import loop_draws, map_rows
+from torch_vjp._engine.rows import loop_draws, map_rows, passes_through
 from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_pullback
 from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
                                note_freed_graph, warn_once)
@@ -567,7 +569,11 @@ def jvp(
         JacobianCallError: ``primals`` is not a tuple, or a primal or an output of ``f``
             cannot be differentiated; a :class:`~torch_vjp.JacobianNotImplementedError`
             (also a NotImplementedError, as torch's) where an operator in ``f`` has no
-            forward-mode formula.
+            forward-mode formula; f's graph holds an operator whose forward-mode formula
+            torch (2.13) has wrong, ``torch.scatter_reduce(..., reduce='prod')`` or
+            ``torch.triangular_solve``'s matrix (NOTE [forward mode through a wrong
+            formula]): reverse mode is the fix (the graph is read from the products' own
+            call of ``f``, on the first call per function and signature of the primals).
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -630,6 +636,28 @@ def jvp(
     # exactly for a real tangent of a complex primal)
     vectors = [v if v.dtype == x.dtype else v.to(x.dtype)
                for v, x in zip(_flat_vectors(normalized, prob.leaves, batched), prob.leaves)]
+    # NOTE [forward mode through a wrong formula]: f's graph read on the first call per
+    # function and signature, by the products' own call of f
+    key = ("jvp: forward formulas", signature(route_key(f), prob.leaves, None, prob.primals))
+    known = forward_checked(key)
+    if known:
+        raise wrong_pushforward(call, known, function_name(f))
+    reading, found = reading_forward(prob.g_inner, has_aux)
+
+    def read_once(compute: Callable[[Callable[..., Any]], Any]) -> Any:
+        if known is not None:  # (read before: "" holds none)
+            return compute(prob.g_inner)
+        try:
+            res = compute(reading)
+        except Exception as err:  # noqa: BLE001 - torch.func.vjp cannot run f: as before
+            if passes_through(err):
+                raise
+            return compute(prob.g_inner)
+        op = forward_read(key, found)
+        if op is not None:
+            raise wrong_pushforward(call, op, function_name(f))
+        return res
+
     leaves = tuple(prob.leaves)
     if not batched:  # (buffers_kept: as vjp's call of f)
         copied = [_has_internal_overlap(x) for x in leaves]  # NOTE [an expanded primal]
@@ -639,12 +667,11 @@ def jvp(
         # NOTE [the caller's tangents, never written], here too: make_dual pairs a primal
         # with the caller's tangent itself, so a write f makes into its primal would write
         # into the tangent, and f = identity would return it as its own output tangent
-        vectors = [v.clone() for v in vectors]
         with buffers_kept(f, primals=primals), _explained(call, "jvp"):
-            return func_jvp(prob.g_inner, leaves, tuple(vectors), strict=strict,
-                            has_aux=has_aux)
+            return read_once(lambda g: func_jvp(g, leaves, tuple(v.clone() for v in vectors),
+                                                strict=strict, has_aux=has_aux))
 
-    g = prob.g_inner
+    g_now = [prob.g_inner]
     spec_box: list[Any] = []
     # one direction at a time (chunks of one, or the loop vmap falls back to), the products
     # are plain calls of f: they draw the same random numbers (one function, as the
@@ -656,7 +683,7 @@ def jvp(
     def push(*tangent: Tensor, plain: bool = False) -> Any:
         if plain:
             same_draws()
-        res = func_jvp(g, leaves, tangent, strict=strict, has_aux=has_aux)
+        res = func_jvp(g_now[0], leaves, tangent, strict=strict, has_aux=has_aux)
         flat_t, spec = tree_flatten(res[1])
         if not spec_box:
             spec_box.append(spec)
@@ -691,9 +718,12 @@ def jvp(
                         vectorized=vec, chunk_size=chunk, extras=True,
                         batched_fn=torch.func.vmap(fn, randomness="same"))
 
+    def compute(g: Callable[..., Any]) -> Any:
+        g_now[0] = g
+        return _vectorised_or_loop(call, f, "tangents", products,
+                                   lambda: push(*(v[0].clone() for v in vectors), plain=True))
+
     with buffers_kept(f, primals=primals), _explained(call, "jvp"):
-        stacked, extra = _vectorised_or_loop(
-            call, f, "tangents", products,
-            lambda: push(*(v[0].clone() for v in vectors), plain=True))
+        stacked, extra = read_once(compute)
     tan = tree_unflatten(stacked, spec_box[0])
     return (extra[0], tan) + tuple(extra[1:])
