@@ -36,7 +36,8 @@ from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, ow
                                         results_agree, tracing)
 from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp, is_nested
 from torch_vjp._engine.copies import not_sharing
-from torch_vjp._engine.fwdcheck import CHECKED, checked_batch, route_key, signature
+from torch_vjp._engine.fwd_batch import checked_batch
+from torch_vjp._engine.fwdcheck import CHECKED, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.fwd_wrong import (forward_checked, forward_read, reading_forward,
                                          wrong_pushforward)
