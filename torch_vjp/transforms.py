@@ -42,6 +42,7 @@ from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.fwd_wrong import (forward_checked, forward_read, reading_forward,
                                          wrong_pushforward)
 from torch_vjp._engine.memory import check_chunk_size
+from torch_vjp._engine.nearcheck import pullback_near
 from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._sharded import plain_module
@@ -293,7 +294,10 @@ def vjp(
                 pull_call, key, (function_key(f), function_name(f)), vectors, res,
                 lambda: stacked(False, free=False), pull_checked,
                 lambda vecs, vec: map_rows(pull_checked, lambda s, e: tuple(v[s:e] for v in vecs),
-                                           _batch_size(vecs), vectorized=vec, chunk_size=chunk)[0])
+                                           _batch_size(vecs), vectorized=vec, chunk_size=chunk)[0],
+                # (NOTE [batched pullback, checked near the point]; through an op known
+                # wrong, NOTE [batched products through a wrong batching rule] speaks)
+                None if op is not None else lambda cots: pullback_near(prob, has_aux, cots))
             if op is None or CHECKED.get(key) == "rev-loop":
                 return res  # (the check's loop, and its warning with the numbers)
             return one_at_a_time(op)

@@ -53,12 +53,16 @@ def checked_batch(
     result: Sequence[Tensor], loop: Callable[[], Sequence[Tensor]],
     single: Callable[..., Sequence[Tensor | None]],
     products: Callable[[Sequence[Tensor], bool], Sequence[Tensor]],
+    near: Callable[[Sequence[Tensor]], tuple[float, float] | None] | None = None,
 ) -> Sequence[Tensor]:
     """``result``, K products stacked (one tensor per input of f), of the K-stacked
     ``vectors``, where products without vmap (``single``) agree with them and with the
     vectorised products of random cotangents (``products(vecs, True)``; ``False``: one at
     a time); else ``loop()`` (NOTE [batched products, checked once]). ``key`` is
-    remembered: "rev" or "rev-loop"."""
+    remembered: "rev" or "rev-loop". ``near(cots)``: the gap of the products of ``cots``
+    under vmap and one at a time near the point, None where not compared (NOTE [batched
+    pullback, checked near the point] in :mod:`torch_vjp._engine.nearcheck`), asked where
+    the point's check passed."""
     gen = torch.Generator().manual_seed(0)
     noise_gen = torch.Generator().manual_seed(1)  # (NOTE [the scale of what is compared])
     dtype = least_of(r.dtype for r in result)
@@ -110,6 +114,9 @@ def checked_batch(
             return result
         if diff <= rtol * scale:  # the common case
             if scale > 0:  # (a zero Jacobian here tells nothing of the route)
+                there = near(own) if near is not None else None
+                if there is not None and not there[0] <= rtol * there[1]:
+                    return _near_loop(call, key, named, loop, *there)
                 remember(key, "rev")
             return result
     looped = loop()
@@ -128,4 +135,19 @@ def checked_batch(
             f"once per function.",
             JacobianWarning,
         )
+    return looped
+
+
+def _near_loop(call: str, key: Hashable, named: tuple[Hashable, str],
+               loop: Callable[[], Sequence[Tensor]], diff: float, scale: float
+               ) -> Sequence[Tensor]:
+    """The products one at a time, where those under vmap were found wrong near the point
+    (NOTE [batched pullback, checked near the point]), remembered, with a one-time
+    warning."""
+    from torch_vjp._engine.nearcheck import near_batched_message
+
+    looped = loop()
+    remember(key, "rev-loop")
+    warn_once((call, "batched route", named[0]),
+              near_batched_message(call, named[1], diff, scale), JacobianWarning)
     return looped

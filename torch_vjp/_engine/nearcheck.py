@@ -29,6 +29,22 @@ one the caller passed. It runs on the first call per function and signature only
 one that runs the check); later calls take the remembered route and cost nothing more.
 Three products more (one of them vectorised over two cotangents), and the central
 difference where the modes disagree there.
+
+NOTE [batched pullback, checked near the point]
+``vjp_fn(v, batched=True)`` compares its products under torch.vmap with products without
+it once per function and signature (NOTE [batched products, checked once] in
+:mod:`torch_vjp._engine.fwd_batch`), at the vjp point only: a custom op with a wrong
+batching rule in f's backward (wrong by a factor) agreed at zeros, or multiplied by
+``x.sum()`` at a point summing to 0, "rev" was remembered, and the batched products at
+later vjp points were wrong by 3.5-7.4 without a word. So where the two agreed and the
+point has the structure of :func:`structured`, the comparison runs once more near it
+(:func:`near_leaves`): one more call of f inside ``torch.func.vjp`` there, its pullback
+of the check's own cotangents under torch.vmap and one at a time
+(:func:`pullback_near`); where they disagree, the batched products are computed one at a
+time, without vmap, with a one-time warning (:func:`near_batched_message`), for that
+function and signature from now on. The generators and the modules' buffers are put back
+after the call; where f cannot be computed near the point as at it, the point's check
+stands.
 """
 
 from __future__ import annotations
@@ -38,13 +54,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torch_vjp._engine.context import buffers_kept
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._engine.wrongops import wrong_ops
 
-__all__ = ["NearSides", "batched_gap", "near_leaves", "near_sides", "stops_the_call",
-           "structured", "wrong_batching_message"]
+__all__ = ["NearSides", "batched_gap", "near_batched_message", "near_leaves", "near_sides",
+           "pullback_near", "stops_the_call", "structured", "wrong_batching_message"]
 
 def stops_the_call(err: BaseException) -> bool:
     """Whether an error near x stops the call: out of memory only. Any other (f's own, or
@@ -217,5 +235,67 @@ def wrong_batching_message(call: str, name: str, diff: float, scale: float) -> s
         f"and does so for this function and input shapes from now on.\n"
         f"  Fix the batching rule (its vmap staticmethod or registered vmap), or pass "
         f"strategy='rev-loop' to compute the rows that way directly. This warning is shown "
+        f"once per function."
+    )
+
+
+def pullback_near(prob: Problem, has_aux: bool, cots: Sequence[Tensor]
+                  ) -> tuple[float, float] | None:
+    """``(max |batched - plain|, scale)`` of f's pullback at a point near the vjp point (NOTE
+    [batched pullback, checked near the point]) of the K-stacked cotangents ``cots`` (one
+    per flat output, each shaped like it at the point), under torch.vmap and one at a
+    time; None where the point has no structure, or f cannot be computed near it as at
+    it (or vmap cannot run its pullback)."""
+    if not structured(prob.leaves):
+        return None
+    xs = near_leaves(prob.leaves)
+    draws = SameDraws(own_generators(prob), host=True)
+    draws()  # (the generators' states, kept)
+    try:
+        with torch.enable_grad(), buffers_kept(prob.f, primals=prob.primals):
+            prob.reset_primals()
+            res = torch.func.vjp(prob.g_inner, *xs, has_aux=has_aux)
+            flat, spec = tree_flatten(res[0])
+            if not _like(flat, [c[0] for c in cots]) or not _finite(flat):
+                return None
+
+            def pull(*c: Tensor) -> list[Tensor]:
+                return tree_flatten(res[1](tree_unflatten(list(c), spec), retain_graph=True))[0]
+
+            rows = torch.func.vmap(pull)(*cots)
+            plain = [pull(*(c[k] for c in cots)) for k in range(cots[0].shape[0])]
+    except Exception as err:  # noqa: BLE001 - at a point the caller did not pass: the
+        if stops_the_call(err):  # point's check stands
+            raise
+        return None
+    finally:
+        draws()  # (put back)
+        prob.reset_primals()
+    diff = scale = 0.0
+    for i, r in enumerate(rows):
+        one = torch.stack([p[i] for p in plain]).detach().double().reshape(-1).cpu()
+        r = r.detach().double().reshape(-1).cpu()
+        if r.numel() == 0:
+            continue
+        d = float((r - one).abs().amax())
+        diff = d if math.isnan(d) else max(diff, d)
+        scale = max(scale, float(torch.maximum(r.abs(), one.abs()).amax()))
+    return diff, scale
+
+
+def near_batched_message(call: str, name: str, diff: float, scale: float) -> str:
+    """The one-time warning that vjp_fn's batched products were found wrong near the vjp
+    point (NOTE [batched pullback, checked near the point]): computed one at a time."""
+    return (
+        f"{call}: at a point near the vjp point, the products of batched=True (torch.vmap "
+        f"over the pullback) of {name} disagree with the same products without vmap (by up "
+        f"to {diff:.3g}, at a scale of {scale:.3g}; at the vjp point itself they agreed, a "
+        f"coincidence of its zeros, repeats or sums of 0): an operator in f's backward (a "
+        f"custom autograd.Function's, or a custom op's) has a wrong batching rule, so the "
+        f"batched products would be wrong at other points. vjp_fn returned the products "
+        f"computed one cotangent at a time, and does so for this function and shapes from "
+        f"now on.\n"
+        f"  Fix the batching rule (its vmap staticmethod or registered vmap), or pass "
+        f"chunk_size=1 to compute the products that way directly. This warning is shown "
         f"once per function."
     )
