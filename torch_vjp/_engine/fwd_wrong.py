@@ -14,7 +14,14 @@ reverse mode and central differences):
   right-hand side's is right, and so is ``torch.linalg.solve_triangular``'s).
 
 ``"auto"`` checks its forward products against a reverse product (NOTE [auto, checked once]
-in :mod:`torch_vjp._engine.fwdcheck`) and takes reverse mode there. ``torch_vjp.jvp``, which
+in :mod:`torch_vjp._engine.fwdcheck`), which found them wrong at random points; but at a
+first point with zeros, or where f multiplies them by a sum that is 0 there, the wrong
+formula agreed, forward mode was remembered, and later calls were wrong by 5-7 without a
+word. So the graph of the check's reverse product (no call of f more) is read for the
+operators of this list, and where forward mode runs one and agreed all the same, "auto"
+computes with reverse mode instead, checked as its reverse route is, with a one-time
+warning (:func:`auto_forward_message`); where it disagreed, the check's own route and
+warning, with its numbers, stand. ``torch_vjp.jvp``, which
 has no other mode to run, returned ``J t`` wrong without a word, batched or not, as
 torch.func.jvp does. As reverse mode through a backward torch has wrong is refused, naming
 forward mode (NOTE [named reverse strategies and wrong formulas]), forward mode through a
@@ -40,13 +47,12 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from torch_vjp._engine.fwdcheck import CHECKED, remember
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.wrongops import WRONG_FORWARD, WRONG_FORWARD_WHERE
 from torch_vjp._errors import JacobianCallError, StrategyError
 
-__all__ = ["forward_checked", "forward_read", "named_forward", "reading_forward",
-           "wrong_forward", "wrong_pushforward"]
+__all__ = ["auto_forward_message", "forward_checked", "forward_read", "named_forward",
+           "reading_forward", "wrong_forward", "wrong_pushforward"]
 
 _SCATTER = WRONG_FORWARD["ScatterReduceBackward0"]
 #: How each op's forward-mode formula is wrong.
@@ -97,6 +103,8 @@ def forward_checked(key: Hashable) -> str | None:
     """What NOTE [forward mode through a wrong formula] remembered for ``key`` (a function
     and input signature): the op, ``""`` (none), or None where f's graph is to be read
     (not in inference mode, where nothing is recorded, nor remembered)."""
+    from torch_vjp._engine.fwdcheck import CHECKED  # (it imports this module)
+
     hit = CHECKED.get(key)
     if hit is None and torch.is_inference_mode_enabled():
         return ""
@@ -106,6 +114,8 @@ def forward_checked(key: Hashable) -> str | None:
 def forward_read(key: Hashable, found: Sequence[str | None]) -> str | None:
     """Remembers for ``key`` the op a :func:`reading_forward` call ``found`` (none where
     it read nothing) and returns it."""
+    from torch_vjp._engine.fwdcheck import remember  # (it imports this module)
+
     op = found[0] if found else None
     remember(key, op or "")
     return op
@@ -136,4 +146,21 @@ def named_forward(call: str, op: str, name: str, strategy: str) -> StrategyError
         f"torch.vmap.\n"
         f"  Fix: strategy='rev' (reverse mode, whose formula is right), or 'auto', which "
         f"checks its forward products and takes reverse mode there{_INSTEAD.get(op, '')}."
+    )
+
+
+def auto_forward_message(call: str, name: str, op: str) -> str:
+    """The one-time warning that "auto" computed with reverse mode where forward mode, its
+    first route, agreed with the reverse product but runs ``op``'s wrong forward-mode
+    formula (NOTE [forward mode through a wrong formula])."""
+    return (
+        f"{call}: forward mode (strategy='auto' chooses it for a Jacobian with more output "
+        f"than input elements) agrees with a reverse product at this point, but it runs "
+        f"torch's forward-mode formula of {op} in f ({name}), which is wrong {_HOW[op]}: "
+        f"they agree here only by a coincidence of the point (zeros, or a factor that is 0 "
+        f"here), and forward mode would be wrong at others. strategy='auto' computed the "
+        f"Jacobian with reverse mode, and does so for this function and input shapes from "
+        f"now on.\n"
+        f"  Pass strategy='rev' to compute it that way directly. This warning is shown once "
+        f"per function."
     )

@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from torch_vjp._engine.autoknown import known_wrong_route
 from torch_vjp._engine.blocks import Blocks, cotangent_products
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
+from torch_vjp._engine.fwd_wrong import auto_forward_message, wrong_forward
 from torch_vjp._engine.fwdnoise import reverse_noise, rounding_scale
 from torch_vjp._engine.fwdwords import no_route_message, wrong_route_message
 from torch_vjp._engine.graph import graph_nodes
@@ -164,6 +165,7 @@ def cotangent(like: Tensor, gen: torch.Generator) -> Tensor:
 def one_reverse_product(
     prob: Problem, keep: Callable[[list[Tensor]], list[Tensor]] | None = None, *,
     anywhere: bool = False, ops: list[tuple[str | None, str | None]] | None = None,
+    forward: list[str | None] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]] | None:
     """f's flat outputs, random cotangents ``u`` (one per output, from a generator of its
     own, then rewritten by ``keep`` where given: a rank's share, NOTE [sharded auto,
@@ -194,6 +196,8 @@ def one_reverse_product(
             live = [(o, u) for o, u in zip(flat, us) if o.requires_grad]
             if ops is not None:  # (the operators of NOTE [auto reads the graph for ...])
                 ops.append(wrong_ops([o for o, _ in live]))
+            if forward is not None:  # (NOTE [forward mode through a wrong formula])
+                forward.append(wrong_forward([o for o, _ in live]))
             grads: Sequence[Tensor | None] = (
                 torch.autograd.grad([o for o, _ in live], xs, [u for _, u in live],
                                     allow_unused=True)
@@ -319,7 +323,8 @@ def checked_route(
         return res
     first = "rev-loop" if res.looped and res.mode == "rev" else res.mode
     keep = res.mode if first == "rev-loop" else None
-    got = one_reverse_product(prob, ops=(ops := []))
+    known: list[str | None] = []
+    got = one_reverse_product(prob, ops=(ops := []), forward=known if first == "fwd" else None)
     # (a NaN or an infinity in the reverse product, from a tensor f reads that is not
     # differentiated, an argument or one it captured, lands in the products by each route
     # its own way too: a false 'wrong formula' warning, and the loop remembered for good)
@@ -366,6 +371,17 @@ def checked_route(
     def disagrees(blocks: Blocks) -> bool:
         diff, scale = gap_of(blocks)
         return not diff <= rtol * scale
+
+    if known and known[0] is not None and not disagrees(res):  # NOTE [forward mode
+        try:  # through a wrong formula]: reverse mode, checked as a first reverse route is
+            rev = route("rev")
+        except Exception as err:  # noqa: BLE001 - no reverse route: forward's check below
+            if passes_through(err):
+                raise
+        else:
+            warn_once((prob.call, named[0], "fwd", "known"),
+                      auto_forward_message(prob.call, named[1], known[0]), JacobianWarning)
+            first, res = "rev", rev
 
     # NOTE [a reverse product checked forward]: on a reverse route, and where forward
     # mode's disagrees, the reverse product itself is checked
