@@ -35,7 +35,9 @@ __all__ = ["checked_batch"]
 # products are computed again one at a time; if those agree (on the own cotangents), they
 # are returned, with a one-time warning, and later batched calls of that key take the loop
 # directly; if they do not (NaNs), the loop's result stands, silently, and later calls stay
-# vectorised (as NOTE [jacobian_of, checked once]). Costs, once per key: two products
+# vectorised (as NOTE [jacobian_of, checked once]). Where both agree at a point with
+# zeros, repeats or sums of 0, they are compared once more near it (NOTE [batched pullback,
+# checked near the point] in nearcheck.py). Costs, once per key: two products
 # without vmap and min(K, 4) under it. Not checked: complex values, calls inside an outer
 # torch.func transform, chunks of one (already the loop), retain_graph=False (the check's
 # products would find the graph freed), and a vmap that fell back to the loop (the own
