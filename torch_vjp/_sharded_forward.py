@@ -12,9 +12,18 @@ reverse one, or forward mode's disagreed, every rank takes one reverse product w
 whole cotangent ``u`` (not its rank's share: every rank then holds the same ``u``, the same
 ``x`` and the same ``f``, checked before any product, so every rank computes the same
 comparison and calls ``f`` as many times, which an ``f`` running a collective needs) and
-compares ``u^T J v`` with one forward product (``reverse_wrong``). One ``all_reduce`` then
-makes the verdict the same on every rank: the reverse product is wrong only where every
-rank found it wrong. Then forward mode's products (the ones computed, where forward mode was
+compares ``u^T J v`` with one forward product (``reverse_wrong``). Each step of that check
+that decides whether f is called again is agreed between the ranks (one ``all_reduce`` each:
+NOTE [a reverse product checked forward, on every rank alike] in
+``torch_vjp._engine.revcheck``), so the ranks call f as many times, and reach one verdict:
+a rank whose own graph holds a wrong backward formula (a path of f taken on that rank only)
+returned early on the others, which called f alone, and an f that ran a collective waited
+for ever. The reverse product is wrong where some rank found its own wrong (that rank's
+rows by reverse mode would be wrong in the gathered Jacobian), and every rank takes the
+numbers of the first rank that did (one ``all_gather_object``), for the comparison that
+follows and the warning's words; where some rank's check raised an error no check may hide,
+every rank raises (that rank its own error, the others one naming it). Then forward mode's
+products (the ones computed, where forward mode was
 the route; else forward mode's, computed now on every rank) are compared with the forward
 product: each rank's columns ``[start, stop)`` give its part of ``u^T J v``, an
 ``all_reduce`` (SUM) adds them, and every rank compares the sum, and one more ``all_reduce``
@@ -43,20 +52,45 @@ from torch_vjp._engine.fwdnoise import reverse_noise, rounding_scale
 from torch_vjp._engine.fwdwords import wrong_reverse_message
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.revcheck import ReverseWrong, reverse_wrong
+from torch_vjp._engine.revcheck import Agree, ReverseWrong, reverse_wrong
 from torch_vjp._errors import JacobianWarning, warn_once
 
 __all__ = ["forward_instead"]
 
 
-def _found(prob: Problem, redraw: Callable[[], None]
+def _agree(group: Any, device: torch.device, fail: Callable[[BaseException | None], None]
+           ) -> Agree:
+    """``reverse_wrong``'s ``agree`` hook for ``group`` (NOTE [a reverse product checked
+    forward, on every rank alike] in ``torch_vjp._engine.revcheck``): one ``all_reduce``
+    (MAX) of the flag and of whether this rank's step raised; ``fail(err)`` raises on every
+    rank where some rank's did."""
+    import torch.distributed as dist
+
+    def agree(flag: bool, err: BaseException | None = None) -> bool:
+        t = torch.tensor([int(bool(flag)), int(err is not None)], dtype=torch.int64,
+                         device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        some, failed = t.tolist()
+        if failed:
+            fail(err)
+        return bool(some)
+
+    return agree
+
+
+def _found(prob: Problem, redraw: Callable[[], None], agree: Agree
            ) -> tuple[ReverseWrong, list[Tensor], float] | None:
-    """This rank's ``(wrong, u, rtol)`` where its reverse product of the whole ``u`` is
-    wrong (``reverse_wrong``), else None."""
-    redraw()
-    got = one_reverse_product(prob)
-    if got is None or not all_finite(got[2]):
-        return None
+    """``(wrong, u, rtol)`` on every rank where some rank's reverse product of the whole
+    ``u`` is wrong (``reverse_wrong``, every step agreed), else None on every rank."""
+    got, stop = None, None
+    try:
+        redraw()
+        got = one_reverse_product(prob)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
+        stop = exc
+    if agree(got is None or not all_finite(got[2]), stop):  # (checked only where every
+        return None  # rank holds its reverse product)
+    assert got is not None
     dtype = least_precise(got[0], prob.leaves)
     rtol = tolerance(dtype)
     floor: list[float] = []
@@ -66,8 +100,27 @@ def _found(prob: Problem, redraw: Callable[[], None]
             floor.append(rounding_scale(reverse_noise(prob), dtype))
         return floor[0]
 
-    wrong = reverse_wrong(prob, got, redraw, rtol, noise)
+    wrong = reverse_wrong(prob, got, redraw, rtol, noise, agree)
     return None if wrong is None else (wrong, got[1], rtol)
+
+
+def _finder(found: tuple[ReverseWrong, list[Tensor], float], group: Any
+            ) -> tuple[ReverseWrong, list[Tensor], float]:
+    """``found`` with the numbers of the first rank whose own check found the reverse
+    product wrong (``ReverseWrong.mine``): every rank compares forward mode's products, and
+    warns, alike. (``vs`` and ``u`` are drawn from generators of their own, alike on every
+    rank.)"""
+    import torch.distributed as dist
+
+    wrong, us, rtol = found
+    mine = (wrong.mine, wrong.forward, wrong.reverse, wrong.difference, wrong.scale,
+            wrong.op, wrong.near, wrong.batching, rtol)
+    said: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, mine, group=group)
+    first = next(s for s in said if s[0])
+    (_, wrong.forward, wrong.reverse, wrong.difference, wrong.scale, wrong.op, wrong.near,
+     wrong.batching, rtol) = first
+    return wrong, us, rtol
 
 
 def _partial(stacked: Sequence[Tensor], us: Sequence[Tensor], vs: Sequence[Tensor],
@@ -133,22 +186,12 @@ def forward_instead(
     products, or None where some rank could not compute them; and whether this rank ran a
     loop); None where the check goes on as before. ``redraw`` puts the generators where the
     products started; ``fail(err)`` raises on every rank where some rank's check raised."""
-    import torch.distributed as dist
-
-    err: BaseException | None = None
-    try:
-        found = _found(prob, redraw)
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
-        found, err = None, exc
-    t = torch.tensor([0 if found is not None else 1, 0 if err is None else 1],
-                     dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    not_wrong, failed = t.tolist()
-    if failed:
-        fail(err)
-    if not_wrong:  # (wrong only where every rank found it wrong: every rank holds ``found``)
+    # (every step agreed: None on every rank, or a ReverseWrong on every rank; an error no
+    # check may hide raised on every rank)
+    found = _found(prob, redraw, _agree(group, device, fail))
+    if found is None:
         return None
-    assert found is not None
+    found = _finder(found, group)
     if mode == "fwd":
         if _agrees(part, found, batch, group, device):
             remember(key, "fwd")

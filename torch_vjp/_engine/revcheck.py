@@ -56,7 +56,46 @@ from torch_vjp._engine.rows import passes_through, routes_that_run
 from torch_vjp._engine.wrongops import wrong_ops
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = ["ReverseWrong", "central_difference", "forward_route", "reverse_wrong"]
+__all__ = ["Agree", "ReverseWrong", "alone", "central_difference", "forward_route",
+           "reverse_wrong"]
+
+
+# NOTE [a reverse product checked forward, on every rank alike]
+# With a process group (NOTE [a sharded reverse product checked forward] in
+# torch_vjp._sharded_forward) every rank runs this check on the same x, u and v, and an f
+# that runs a collective pairs its calls with the other ranks'. But each rank decides each
+# step from its own numbers: one whose f takes a path of its own (a wrong backward formula on
+# that rank's graph only), whose rounding falls the other side of a bound, or whose call of f
+# fails in float64 alone, returned early, or tried f again in its own dtype, while the others
+# called f again: they waited for ever in f's collective, or paired it with the exchange that
+# followed. So every step that decides whether f is called again asks ``agree(flag, err)``:
+# whether ``flag`` holds on some rank (one all_reduce), every rank then going the way that
+# answer says, and where some rank's step raised an error no check may hide (out of memory,
+# torch_vjp's own), every rank raises (that rank its own error, the others one naming it).
+# The step that says whether the check can run at all (a forward product taken, finite) goes
+# on only where it did on every rank; the steps that find the reverse product wrong go on
+# where some rank's numbers do, every rank then calling f alike (a rank whose own numbers
+# agree computes the step too, to pair its calls), and ``ReverseWrong.mine`` says whether
+# this rank's own numbers found it. On one process ``alone`` is the hook: ``flag`` itself,
+# the error raised, and the check is what it was.
+
+
+def alone(flag: bool, err: BaseException | None = None) -> bool:
+    """The ``agree`` hook of one process (NOTE [a reverse product checked forward, on every
+    rank alike]): ``flag``; ``err`` is raised."""
+    if err is not None:
+        raise err
+    return flag
+
+
+#: ``agree(flag, err)``: whether ``flag`` holds on some rank; raises on every rank where
+#: some rank's ``err`` is not None.
+Agree = Callable[[bool, BaseException | None], bool]
+
+
+def _everywhere(agree: Agree, flag: bool, err: BaseException | None = None) -> bool:
+    """Whether ``flag`` holds on every rank (through ``agree``)."""
+    return not agree(not flag, err)
 
 
 class ReverseWrong:
@@ -67,7 +106,7 @@ class ReverseWrong:
     :mod:`torch_vjp._engine.wrongops`) f's graph holds (``op``; None: none known)."""
 
     __slots__ = ("vs", "forward", "reverse", "difference", "scale", "op", "near",
-                 "batching")
+                 "batching", "mine")
 
     def __init__(self, vs: list[Tensor], forward: float, reverse: float, difference: float,
                  scale: float, op: str | None = None) -> None:
@@ -79,6 +118,9 @@ class ReverseWrong:
         #: reverse product under vmap and without it near x, where only that disagreed
         self.near: tuple[float, float, float] | None = None
         self.batching: tuple[float, float] | None = None
+        #: whether this rank's own numbers found it (with a process group another rank's
+        #: may have: NOTE [a reverse product checked forward, on every rank alike])
+        self.mine = True
 
 
 def _outputs(prob: Problem, xs: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -100,23 +142,30 @@ def _dot(us: Sequence[Tensor], ws: Sequence[Tensor | None]) -> tuple[float, floa
 
 
 def central_difference(prob: Problem, us: Sequence[Tensor], vs: Sequence[Tensor],
-                       redraw: Callable[[], None], at: Sequence[Tensor] | None = None
+                       redraw: Callable[[], None], at: Sequence[Tensor] | None = None,
+                       agree: Agree = alone,
+                       stops: Callable[[BaseException], bool] = passes_through
                        ) -> float | None:
     """``d/dt u . f(x + t v)`` at 0 by a central difference, in float64 where f computes
     in it, else in the leaves' dtype; None where f cannot be called so. ``us`` are shaped
     like f's flat outputs, ``vs`` like ``prob.leaves``; ``redraw`` runs before each call
     of f (a random f draws what the products drew); ``at``: the point, where not the
-    leaves'. Also the sparse wing's tie-break."""
+    leaves'; ``agree``: every rank tries the leaves' dtype where float64 failed on some
+    (NOTE [a reverse product checked forward, on every rank alike]); ``stops``: the errors
+    that stop the call (raised, on every rank), where any other makes the result None. Also
+    the sparse wing's tie-break."""
     leaves = prob.leaves if at is None else at
+    vmax = max([0.0] + [float(v.abs().amax()) for v in vs if v.numel()])
+    if vmax == 0.0:
+        return None
+    value = None
     for dtype in (torch.float64, None):
+        got, stop = None, None
         try:
             with torch.no_grad():
                 xs = [x.detach().to(dtype or x.dtype) for x in leaves]
                 eps = torch.finfo(dtype or leaves[0].dtype).eps
                 big = max([1.0] + [float(x.abs().amax()) for x in xs if x.numel()])
-                vmax = max([0.0] + [float(v.abs().amax()) for v in vs if v.numel()])
-                if vmax == 0.0:
-                    return None
                 h = eps ** (1 / 3) * big / vmax
                 sides = []
                 for t in (h, -h):
@@ -124,26 +173,34 @@ def central_difference(prob: Problem, us: Sequence[Tensor], vs: Sequence[Tensor]
                     prob.reset_primals()
                     outs = _outputs(prob, [x + t * v.to(x.dtype) for x, v in zip(xs, vs)])
                     sides.append(_dot(us, outs)[0])
-            return (sides[0] - sides[1]) / (2 * h)
+            got = (sides[0] - sides[1]) / (2 * h)
         except Exception as err:  # noqa: BLE001 - f does not compute in float64: its dtype
-            if passes_through(err):
-                raise
-    return None
+            if stops(err):
+                stop = err
+        if value is None:
+            value = got
+        if not agree(got is None, stop):  # (no rank failed: the same number of calls)
+            return value
+    return value
 
 
 def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
                   redraw: Callable[[], None], rtol: float,
-                  floor: Callable[[], float]) -> ReverseWrong | None:
+                  floor: Callable[[], float], agree: Agree = alone) -> ReverseWrong | None:
     """Whether the reverse product ``got`` (:func:`~torch_vjp._engine.fwdcheck.
     one_reverse_product`) is wrong (NOTE [a reverse product checked forward]): a
     :class:`ReverseWrong` where one forward product disagrees with it and a central
     difference sides with forward mode; None where they agree, or nothing can tell.
     ``floor()``: the size of the numbers the reverse product's entries were computed from
-    (NOTE [the scale of what is compared]), for a disagreement at the products' scale."""
+    (NOTE [the scale of what is compared]), for a disagreement at the products' scale.
+    ``agree``: the ranks' agreement on each step (NOTE [a reverse product checked forward,
+    on every rank alike]); with it, a :class:`ReverseWrong` on every rank where some rank
+    found one (``mine``: this one)."""
     flat, us, grads = got
     gen = torch.Generator().manual_seed(2)
     vs = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype).to(x.device)
           for x in prob.leaves]
+    tangents, stop = None, None
     try:
         redraw()
         with torch.enable_grad():
@@ -153,86 +210,120 @@ def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Ten
                 tuple(vs))
     except Exception as err:  # noqa: BLE001 - no forward formula: nothing to compare with
         if passes_through(err):
-            raise
+            stop = err
+        tangents = None
+    forward = reverse = scale = math.nan
+    if tangents is not None and len(tangents) == len(us):
+        forward, f_size = _dot(us, tangents)
+        reverse, r_size = _dot(grads, vs)
+        scale = max(f_size, r_size)
+    if not _everywhere(agree, math.isfinite(forward) and math.isfinite(reverse), stop):
         return None
-    if len(tangents) != len(us):
-        return None
-    forward, f_size = _dot(us, tangents)
-    reverse, r_size = _dot(grads, vs)
-    scale = max(f_size, r_size)
-    if not (math.isfinite(forward) and math.isfinite(reverse)):
-        return None
-    if abs(forward - reverse) <= rtol * scale:  # the common case
-        return _near_wrong(prob, got, vs, (forward, scale), redraw, rtol)
+    # (the common case: they agree)
+    if not agree(abs(forward - reverse) > rtol * scale, None):
+        return _near_wrong(prob, got, vs, (forward, scale), redraw, rtol, agree)
     # (a Jacobian zero up to rounding: the products are their rounding, of numbers far
     # larger; each entry's, summed over v's)
-    scale = max(scale, floor() * sum(float(v.detach().double().abs().sum()) for v in vs))
-    if abs(forward - reverse) <= rtol * scale:
-        return _near_wrong(prob, got, vs, (forward, scale), redraw, rtol)
-    difference = central_difference(prob, us, vs, redraw)
-    if difference is None or abs(difference - forward) > 0.1 * abs(forward - reverse):
+    size, stop = 0.0, None
+    try:
+        size = floor() * sum(float(v.detach().double().abs().sum()) for v in vs)
+    except Exception as err:  # noqa: BLE001 - every rank hears of it before raising
+        stop = err
+    scale = max(scale, size)
+    if not agree(abs(forward - reverse) > rtol * scale, stop):
+        return _near_wrong(prob, got, vs, (forward, scale), redraw, rtol, agree)
+    mine = abs(forward - reverse) > rtol * scale
+    difference = central_difference(prob, us, vs, redraw, agree=agree)
+    mine = mine and difference is not None and not (
+        abs(difference - forward) > 0.1 * abs(forward - reverse))
+    if not agree(mine, None):
         return None
-    linear, op = _linear(prob, us, redraw)
-    if not linear:
-        return None  # (a hook that clips the gradient: f's backward is its own, no formula's)
-    return ReverseWrong(vs, forward, reverse, difference, scale, op)
+    linear, op, stop = _linear(prob, us, redraw)
+    # (not linear: a hook that clips the gradient: f's backward is its own, no formula's)
+    mine = mine and linear
+    if not agree(mine, stop):
+        return None
+    found = ReverseWrong(vs, forward, reverse,
+                         math.nan if difference is None else difference, scale, op)
+    found.mine = mine
+    return found
 
 
 def _near_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
                 vs: list[Tensor], at_x: tuple[float, float], redraw: Callable[[], None],
-                rtol: float) -> ReverseWrong | None:
+                rtol: float, agree: Agree = alone) -> ReverseWrong | None:
     """Where the modes agreed at x, the reverse product found wrong near x (NOTE [auto,
     checked near the point] in :mod:`torch_vjp._engine.nearcheck`): a :class:`ReverseWrong`
     with ``near`` set where forward mode and a central difference agree there against it,
     with ``batching`` set where only its batching under vmap disagrees; None where all
     agree, or nothing can tell (x's check stands). ``at_x``: ``u^T J v`` by forward mode
-    at x, and its scale."""
+    at x, and its scale. (x is the same on every rank: so is whether it is structured.)"""
     if not structured(prob.leaves):
         return None  # (no coincidence of x to hide a wrong formula)
     try:
-        return _near(prob, got, vs, at_x, redraw, rtol)
+        return _near(prob, got, vs, at_x, redraw, rtol, agree)
     except Exception as err:  # noqa: BLE001 - at a point the caller did not pass: x's
-        if stops_the_call(err):  # check stands
+        # check stands, but out of memory stops the call, and so does the error ``agree``
+        # raised where another rank's step stopped (torch_vjp's own)
+        if stops_the_call(err) or passes_through(err):
             raise
         return None
 
 
 def _near(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
           vs: list[Tensor], at_x: tuple[float, float], redraw: Callable[[], None],
-          rtol: float) -> ReverseWrong | None:
+          rtol: float, agree: Agree) -> ReverseWrong | None:
+    # (each step's errors at a point the caller did not pass are caught where they happen,
+    # and x's check stands; out of memory stops the call, on every rank)
     _, us, grads = got
-    sides = near_sides(prob, lambda ys: _outputs(prob, ys), us, vs, redraw)
-    if sides is None or sides.known:
-        return None  # (a known wrong operator: its own route and words)
+    sides, stop = None, None
+    try:
+        sides = near_sides(prob, lambda ys: _outputs(prob, ys), us, vs, redraw)
+    except Exception as err:  # noqa: BLE001 - near_sides raises what stops the call only
+        stop = err
+    if not _everywhere(agree, sides is not None, stop):
+        return None
+    assert sides is not None
     forward, f_size = _dot(us, sides.tangents)
     reverse, r_size = _dot(sides.grads, vs)
-    if not (math.isfinite(forward) and math.isfinite(reverse)):
-        return None
+    # (a known wrong operator: its own route and words)
+    mine = not sides.known and math.isfinite(forward) and math.isfinite(reverse)
     found = ReverseWrong(vs, at_x[0], _dot(grads, vs)[0], at_x[0], at_x[1])
-    if abs(forward - reverse) > rtol * max(f_size, r_size):
-        difference = central_difference(prob, us, vs, redraw, at=sides.xs)
-        if difference is None or abs(difference - forward) > 0.1 * abs(forward - reverse):
-            return None  # (not smooth there, or random: x's check stands)
-        linear, found.op = _linear(prob, us, redraw, at=sides.xs)
-        if not linear:
+    if agree(mine and abs(forward - reverse) > rtol * max(f_size, r_size), None):
+        mine = mine and abs(forward - reverse) > rtol * max(f_size, r_size)
+        difference = central_difference(prob, us, vs, redraw, at=sides.xs, agree=agree,
+                                        stops=stops_the_call)
+        # (not smooth there, or random: x's check stands)
+        mine = mine and difference is not None and not (
+            abs(difference - forward) > 0.1 * abs(forward - reverse))
+        if not agree(mine, None):
             return None
-        found.near = (reverse, forward, difference)
+        linear, found.op, stop = _linear(prob, us, redraw, at=sides.xs)
+        mine = mine and linear
+        if not agree(mine, stop if stop is not None and stops_the_call(stop) else None):
+            return None
+        found.near = (reverse, forward, math.nan if difference is None else difference)
+        found.mine = mine
         return found
     diff, scale = batched_gap(sides)
-    if not diff <= rtol * scale:
+    mine = mine and not diff <= rtol * scale
+    if agree(mine, None):
         found.batching = (diff, scale)
+        found.mine = mine
         return found
     return None
 
 
 def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
-            at: Sequence[Tensor] | None = None) -> tuple[bool, str | None]:
+            at: Sequence[Tensor] | None = None
+            ) -> tuple[bool, str | None, BaseException | None]:
     """Whether f's reverse products scale exactly with their cotangent (``us``), as those of
     backward formulas do (:func:`~torch_vjp._engine.fwdnoise._homogeneous`); not where a
     hook clips or adds to the gradient, whose products differ from forward mode's by
     design. With it, the operator with a known wrong backward that the graph of this call
     holds (:func:`~torch_vjp._engine.wrongops.wrong_ops`; None: none), for the warning's
-    words. ``at``: the point, where not the leaves'."""
+    words, and the error no check may hide that stopped it (None: none), for the caller's
+    ``agree``. ``at``: the point, where not the leaves'."""
     try:
         redraw()
         with torch.enable_grad():
@@ -240,7 +331,7 @@ def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
             xs = [x.detach().requires_grad_(True) for x in (prob.leaves if at is None else at)]
             live = [(o, u) for o, u in zip(_outputs(prob, xs), us) if o.requires_grad]
             if not live:
-                return False, None
+                return False, None, None
             op = wrong_ops([o for o, _ in live])[1]
 
             def product(cs: Sequence[Tensor]) -> Sequence[Tensor | None]:
@@ -248,11 +339,9 @@ def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
                                            retain_graph=True, allow_unused=True)
 
             a = [u for _, u in live]
-            return _homogeneous(product, a, product(a)), op
+            return _homogeneous(product, a, product(a)), op, None
     except Exception as err:  # noqa: BLE001 - plain autograd cannot run f: nothing to tell
-        if passes_through(err):
-            raise
-        return False, None
+        return False, None, err if passes_through(err) else None
 
 
 def forward_route(
