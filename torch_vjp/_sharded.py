@@ -105,7 +105,7 @@ from torch_vjp._sharded_check import (
     verdict,
 )
 from torch_vjp._sharded_forward import forward_instead
-from torch_vjp._sharded_words import OTHERS_WAIT, order_differs, outputs_differ
+from torch_vjp._sharded_words import OTHERS_WAIT
 from torch_vjp._sharded_work import (
     FAILED,
     NO_FWD,
@@ -114,6 +114,7 @@ from torch_vjp._sharded_work import (
     RETRY,
     Work,
     exchange,
+    outputs_apart,
     outputs_said,
     probe_outputs,
     shard_range,
@@ -315,10 +316,15 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
                 group, device)
     mode, shapes, key, route = strat.mode, None, None, None
     if mode is None:  # "auto": the mode from sizes alone, the same on every rank
+        said = None
         try:
             shapes = probe_outputs(prob)
             n_in = sum(math.prod(s) for s in in_rows(prob, batch))
-            n_out = sum(math.prod(s) for s in row_shapes(shapes[0], batch, prob, shapes[1]))
+            rows = row_shapes(shapes[0], batch, prob, shapes[1])
+            # (the mode is chosen from the outputs' sizes: alike on every rank, or every
+            # rank raises before any product, NOTE [outputs alike on every rank])
+            said = outputs_said(shapes[1], [(tuple(int(d) for d in s),) for s in rows])
+            n_out = sum(math.prod(s) for s in rows)
             mode = choose_mode(n_in, n_out)
             # (with argnums, and apart for products one at a time, which run no vmap: NOTE
             # [a chunk of one checks no vmap] in _engine/jacobian.py; a budget's chunks
@@ -328,8 +334,11 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
             err = None
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
             err = exc
-        if all_max(_OK if err is None else _FAILED, group, device) == _FAILED:
+        code, hi, lo, _ = exchange(_OK if err is None else _FAILED, said, 0, group, device)
+        if code == _FAILED:
             _raise_failure(prob, err, group, rank, world)
+        if hi != -lo:
+            outputs_apart(prob.call, said, group)
         route = agreed_route(key, group, device)  # NOTE [sharded auto, checked]
     # (a call that checks: the check's reverse products, and the routes tried after it,
     # draw what the products drew, and the generators end where the products left them,
@@ -393,14 +402,7 @@ def _attempt(compute: Any, work: Work, call: str) -> tuple[Any, int, Any]:
     if status == _RETRY:
         err = None  # (a fallback this rank would have taken: no error of its own)
     if code == _OK and hi != -lo:
-        group = work.group
-        gathered: list[Any] = [None] * _dist().get_world_size(group)
-        _dist().all_gather_object(gathered, said, group=group)
-        r = next(r for r, p in enumerate(gathered) if p != gathered[0])
-        if gathered[r][0] != gathered[0][0]:
-            order_differs(call, "the outputs of f", gathered[0][0] or [], gathered[r][0] or [],
-                          r, "output")
-        outputs_differ(call, gathered[0], gathered[r], r)
+        outputs_apart(call, said, work.group)
     return part, code, err
 
 
@@ -409,7 +411,11 @@ def _attempt(compute: Any, work: Work, call: str) -> tuple[Any, int, Any]:
 # of f's output shapes (forward mode): outputs of other shapes (or dtypes, forward mode) on
 # some rank mixed rows of several numberings in the gathered Jacobian, silently, or made
 # gloo abort the process. f's arguments and weights agree (compared before any product):
-# such an f reads something of each rank's own (a number bound per rank, a global).
+# such an f reads something of each rank's own (a number bound per rank, a global). Every
+# rank raises before any product where it can: "auto" compares the outputs' rows when it
+# chooses its mode, and every try compares them when it agrees its chunks
+# (``outputs_apart`` in torch_vjp._sharded_work): f run more often on one rank than on
+# another waited for ever in a collective of its own, or of its backward.
 
 
 def _output_leaves(part: tuple[Any, ...]) -> list[tuple[Any, ...]]:

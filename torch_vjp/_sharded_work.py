@@ -45,11 +45,12 @@ from torch_vjp._errors import (
     warn_once,
 )
 from torch_vjp._sharded_check import leaf_paths
+from torch_vjp._sharded_words import order_differs, outputs_differ
 from torch_vjp._strategies import Strategy
 
 __all__ = [
-    "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "exchange", "outputs_said",
-    "padded_count", "probe_outputs", "shard_range", "try_products",
+    "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "exchange", "outputs_apart",
+    "outputs_said", "padded_count", "probe_outputs", "shard_range", "try_products",
 ]
 
 # A rank's status in the exchanges after its products (RETRY: "auto"'s vmap, or its loop,
@@ -153,6 +154,22 @@ def exchange(status: int, said: Any, chunk: int, group: Any, device: torch.devic
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     code, hi, lo, neg = t.tolist()
     return code, hi, lo, neg
+
+
+def outputs_apart(call: str, said: Any, group: Any) -> None:
+    """Raises, on every rank of ``group`` (each calls it, after an exchange whose digests of
+    f's output differed), the error naming the first rank whose output differs from rank
+    0's (``said``: what this rank says of it, :func:`outputs_said`; NOTE [outputs alike on
+    every rank])."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, said, group=group)
+    r = next(r for r, p in enumerate(gathered) if p != gathered[0])
+    if gathered[r][0] != gathered[0][0]:
+        order_differs(call, "the outputs of f", gathered[0][0] or [], gathered[r][0] or [], r,
+                      "output")
+    outputs_differ(call, gathered[0], gathered[r], r)
 
 
 def _own(stacked: list[Tensor], k: int) -> list[Tensor]:
@@ -355,6 +372,13 @@ class Work:
         code, hi, lo, neg = exchange(status, said if err is None else None,
                                      0 if err is not None else mine or k, self.group,
                                      self.device)
+        if neg != 0 and hi != -lo:
+            # (every rank planned, for outputs of other shapes on some rank: each numbered
+            # its products, and counted its chunks, over its own, and an f whose backward
+            # runs a collective (reverse mode), or f (forward mode), was called more often
+            # on one rank. Every rank raises here, before any product: NOTE [outputs alike
+            # on every rank] in torch_vjp._sharded)
+            outputs_apart(self.prob.call, said, self.group)
         if neg == 0:  # (some rank sent its status, not a plan: the result is the status)
             self.told = (code, hi, lo)
             if err is not None:
