@@ -443,7 +443,11 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
     import torch.distributed as dist
 
     gens = own_generators(prob)
-    mine = _signature(prob, strategy, shard, gens)
+    try:
+        mine = _signature(prob, strategy, shard, gens)
+    except Exception as err:  # (an argument whose checksum this rank cannot take: the
+        fail_before_exchange(err, group)  # others raise too, not wait in the exchange)
+        raise
     sigs: list[Any] = [None] * world
     try:
         dist.all_gather_object(sigs, mine, group=group)
