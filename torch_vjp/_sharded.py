@@ -65,7 +65,6 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
 from torch.utils._pytree import tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
@@ -104,7 +103,7 @@ from torch_vjp._sharded_check import (
     own_gap,
     verdict,
 )
-from torch_vjp._sharded_forward import forward_instead
+from torch_vjp._sharded_forward import forward_instead, gathered_ops, known_route
 from torch_vjp._sharded_words import OTHERS_WAIT
 from torch_vjp._sharded_work import (
     FAILED,
@@ -114,6 +113,7 @@ from torch_vjp._sharded_work import (
     RETRY,
     Work,
     exchange,
+    gather,
     outputs_apart,
     outputs_said,
     probe_outputs,
@@ -359,10 +359,13 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
         # reverse mode chosen by size: NOTE [a sharded reverse product checked forward])
         mode = "fwd" if route == "fwd" else "rev"
     elif first is not None:
-        after = SameDraws(first.own, host=True)
+        after, ops = SameDraws(first.own, host=True), []
         after()
         try:
-            part, mode = _checked(prob, work, part, mode, shapes, key, group, device, first)
+            part, mode = _checked(prob, work, part, mode, shapes, key, group, device, first,
+                                  ops)
+            part, mode = known_route(prob, part, mode, gathered_ops(ops, group), key,
+                                     lambda name: _known(prob, work, name, shapes, first))
         finally:
             after()
     assert part is not None
@@ -370,7 +373,7 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     if shard:
         values = tree_unflatten(list(stacked), prob.in_spec if mode == "rev" else spec)
         return JacobianShard(values, mode, start, stop, n, aux)
-    full = [_gather(t, n, group, world, device) for t in stacked]
+    full = [gather(t, n, group, world, device) for t in stacked]
     if mode == "rev":
         blocks, views = rev_blocks(full, rows_out, batch)
     else:
@@ -429,25 +432,37 @@ def _output_leaves(part: tuple[Any, ...]) -> list[tuple[Any, ...]]:
 
 
 def _route(work: Work, route: str, shapes: Any) -> tuple[Any, ...] | None:
-    """This rank's products by ``route`` ("fwd", "rev" or "rev-loop")."""
-    if route == "rev-loop":
-        return work._products("rev", None, False)
+    """This rank's products by ``route`` ("fwd", "rev", "rev-loop" or "fwd-loop")."""
+    if route.endswith("-loop"):
+        return work._products(route[:3], shapes if route == "fwd-loop" else None, False)
     return work.run(route, shapes if route == "fwd" else None)
 
 
+def _known(prob: Problem, work: Work, name: str, shapes: Any, first: SameDraws) -> Any:
+    """Every rank's products by the route ``name`` (NOTE [sharded auto reads the graph for
+    known wrong operators]), or None on every rank where it failed on some."""
+    first()
+    alt, code, err = _attempt(lambda: _route(work, name, shapes), work, prob.call)
+    if code == _PASSES:  # (out of memory: no other route hides it)
+        _raise_failure(prob, err, work.group, work.rank, work.world)
+    return alt if code == _OK else None
+
+
 def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes: Any,
-             key: Any, group: Any, device: torch.device, first: SameDraws
+             key: Any, group: Any, device: torch.device, first: SameDraws, ops: list[Any]
              ) -> tuple[tuple[Any, ...], str]:
     """``(part, mode)`` if every rank's products agree with a reverse product; else the
     first of the next routes that does, on every rank alike, and "rev" (NOTE [sharded auto,
     checked]). ``first()`` puts the generators back where the products started, before each
-    reverse product and each route."""
+    reverse product and each route; ``ops`` receives the known wrong operators of the first
+    reverse product's graph (NOTE [sharded auto reads the graph for known wrong
+    operators])."""
     floor: list[float] = []  # (the rounding's scale and the tolerance, measured once)
     def agrees(p: tuple[Any, ...], m: str) -> tuple[bool, float, float]:
         err = None
         first()
         try:
-            mine = own_gap(prob, m, p[0], p[4], p[5], work.batch)
+            mine = own_gap(prob, m, p[0], p[4], p[5], work.batch, None if ops else ops)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
             mine, err = None, exc
         ok, d, s, failed = verdict(mine, prob.leaves[0].dtype, err is not None, group, device)
@@ -538,25 +553,6 @@ def all_max(code: int, group: Any, device: torch.device) -> int:
     t = torch.tensor([code], dtype=torch.int64, device=device)
     _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
     return int(t.item())
-
-
-def _gather(t: Tensor, n: int, group: Any, world: int, device: torch.device) -> Tensor:
-    """All ranks' shards of one stacked tensor, in rank order: each padded to the largest
-    share, gathered, and cut back (NOTE [sharded Jacobian])."""
-    m = -(-n // world)
-    tail = t.shape[1:]
-    src = t.to(device)
-    if src.shape[0] < m or not src.is_contiguous():
-        padded = src.new_zeros((m, *tail))
-        padded[: src.shape[0]] = src
-        src = padded
-    pieces = [src.new_empty((m, *tail)) for _ in range(world)]
-    _dist().all_gather(pieces, src, group=group)
-    parts = []
-    for r, piece in enumerate(pieces):
-        a, b = shard_range(n, r, world)
-        parts.append(piece[: b - a])
-    return torch.cat(parts).to(t.device)
 
 
 def _raise_failure(prob: Problem, err: BaseException | None, group: Any, rank: int,

@@ -98,16 +98,19 @@ def agreed_route(key: Hashable, group: Any, device: torch.device) -> str | None:
 
 
 def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, stop: int,
-            batch: int | None) -> tuple[float, float, float] | None:
+            batch: int | None, ops: list[Any] | None = None
+            ) -> tuple[float, float, float] | None:
     """``(difference, scale, rtol)`` between ``u^T J`` read from this rank's products
     (``stacked``, in ``mode``, numbered ``[start, stop)``) and one reverse product (NOTE
     [sharded auto, checked]), ``rtol`` the rounding of the least precise dtype f's graph
     computes in (a float32 step in a float64 f: ``least_precise``); None where the reverse
     product cannot be taken; ``(0, inf, 0)`` where it holds a NaN or an infinity (from a
     tensor f reads but does not differentiate, x finite): no comparison there, and a scale
-    no rank's route is remembered at."""
+    no rank's route is remembered at. ``ops``: receives the known wrong operators of the
+    reverse product's graph (NOTE [sharded auto reads the graph for known wrong
+    operators] in ``torch_vjp._sharded_forward``)."""
     keep = None if mode == "fwd" else (lambda us: _only_rows(us, start, stop, batch))
-    got = one_reverse_product(prob, keep)
+    got = one_reverse_product(prob, keep, ops=ops)
     if stop == start:
         # (nothing to compare, but f called as on the other ranks: an f that runs
         # collectives waited for ever for this rank's call)

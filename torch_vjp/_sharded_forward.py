@@ -1,5 +1,7 @@
 """The reverse product of a sharded ``"auto"``'s check, checked against one forward product
-on every rank (NOTE [a sharded reverse product checked forward]).
+on every rank (NOTE [a sharded reverse product checked forward]), and the graph of its call
+of f read for the operators torch differentiates wrongly (NOTE [sharded auto reads the graph
+for known wrong operators]).
 
 NOTE [a sharded reverse product checked forward]
 A sharded ``"auto"`` checks each rank's products against one reverse product (NOTE [sharded
@@ -15,16 +17,16 @@ comparison and calls ``f`` as many times, which an ``f`` running a collective ne
 compares ``u^T J v`` with one forward product (``reverse_wrong``). Each step of that check
 that decides whether f is called again is agreed between the ranks (one ``all_reduce`` each:
 NOTE [a reverse product checked forward, on every rank alike] in
-``torch_vjp._engine.revcheck``), so the ranks call f as many times, and reach one verdict:
-a rank whose own graph holds a wrong backward formula (a path of f taken on that rank only)
-returned early on the others, which called f alone, and an f that ran a collective waited
-for ever. The reverse product is wrong where some rank found its own wrong (that rank's
+``torch_vjp._engine.revcheck``), so the ranks call f as many times, and reach one verdict
+(a rank whose own graph held a wrong backward formula, a path of f taken on that rank only,
+called f four times more than the others, and an f that ran a collective waited for ever).
+The reverse product is wrong where some rank found its own wrong (that rank's
 rows by reverse mode would be wrong in the gathered Jacobian), and every rank takes the
 numbers of the first rank that did (one ``all_gather_object``), for the comparison that
 follows and the warning's words; where some rank's check raised an error no check may hide,
 every rank raises (that rank its own error, the others one naming it). Then forward mode's
-products (the ones computed, where forward mode was
-the route; else forward mode's, computed now on every rank) are compared with the forward
+products (the ones computed, where forward mode was the route; else forward mode's,
+computed now on every rank) are compared with the forward
 product: each rank's columns ``[start, stop)`` give its part of ``u^T J v``, an
 ``all_reduce`` (SUM) adds them, and every rank compares the sum, and one more ``all_reduce``
 (MAX) of the disagreement keeps the verdict common. Where they agree, every rank returns
@@ -41,7 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.autoknown import known_wrong_route
 from torch_vjp._engine.fwdcheck import (
+    CHECKED,
     all_finite,
     least_precise,
     one_reverse_product,
@@ -55,7 +59,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.revcheck import Agree, ReverseWrong, reverse_wrong
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = ["forward_instead"]
+__all__ = ["forward_instead", "gathered_ops", "known_route"]
 
 
 def _agree(group: Any, device: torch.device, fail: Callable[[BaseException | None], None]
@@ -215,3 +219,72 @@ def forward_instead(
     warn_once((prob.call, function_key(prob.f), mode, "reverse wrong"), words,
               JacobianWarning)
     return alt
+
+
+# NOTE [sharded auto reads the graph for known wrong operators]
+# On one process, "auto"'s check reads the graph its reverse product's call of f built for
+# the operators torch differentiates wrongly, and takes the route the named strategies'
+# refusals name whatever the values say (NOTE [auto reads the graph for known wrong
+# operators] in ``torch_vjp._engine.autoknown``): values alone agree by chance at a point
+# such as zeros. A sharded "auto" compared values only: at ``x = 0`` through
+# ``torch.as_strided_scatter`` it remembered reverse mode, and every later call returned a
+# Jacobian wrong by several units, without a word. So each rank's first reverse product of the
+# check reads its graph too (no call of f more), the ranks gather what they found (one
+# ``all_gather_object``: an operator on some rank's graph is on every rank's verdict, so every
+# rank takes the same route), and the route is decided as on one process, each route computed
+# on every rank (its failure agreed: NOTE [the ranks agree on their fallbacks] in
+# ``torch_vjp._sharded_work``), with the one-process warning. Not done: a route remembered
+# before f's graph took such an operator is not read again (NOTE [a remembered route through a
+# known wrong operator] on one process).
+
+
+Ops = tuple[str | None, str | None]
+
+
+class _NotRun(Exception):
+    """A route that did not run on every rank (each rank raises it alike)."""
+
+
+def gathered_ops(mine: list[Ops], group: Any) -> Ops:
+    """``(batched wrongly, wrong alone)``: the first such operator any rank's graph holds
+    (``mine``: this rank's :func:`~torch_vjp._engine.wrongops.wrong_ops`, empty where its
+    reverse product could not be taken), the same on every rank."""
+    import torch.distributed as dist
+
+    said: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, mine[0] if mine else (None, None), group=group)
+    batching = next((s[0] for s in said if s[0] is not None), None)
+    alone = next((s[1] for s in said if s[1] is not None), None)
+    return batching, alone
+
+
+def known_route(prob: Problem, part: Any, mode: str, found: Ops, key: Hashable,
+                attempt: Callable[[str], Any]) -> tuple[Any, str]:
+    """``(part, mode)``: the values check's, where its route is right for the operators
+    ``found``; else the products of the route NOTE [sharded auto reads the graph for known
+    wrong operators] names, remembered for ``key``, with the one-process warning.
+    ``attempt(name)``: every rank's products by that route, or None on every rank where it
+    did not run on some."""
+    if found == (None, None):
+        return part, mode
+    taken: list[str] = []
+
+    def route(name: str) -> Any:
+        alt = attempt(name)
+        if alt is None:
+            raise _NotRun(name)
+        return alt
+
+    def keep(name: str) -> None:
+        taken.append(name)
+        remember(key, name)
+
+    named: tuple[Hashable, str] = (function_key(prob.f), function_name(prob.f))
+    try:
+        res = known_wrong_route(prob.call, mode, part, found, CHECKED.get(key), route, keep,
+                                named)
+    except _NotRun:  # (the loop of reverse products did not run: the values' route stands)
+        return part, mode
+    if res is part or not taken:
+        return part, mode
+    return res, "fwd" if taken[-1].startswith("fwd") else "rev"

@@ -49,7 +49,7 @@ from torch_vjp._sharded_words import order_differs, outputs_differ
 from torch_vjp._strategies import Strategy
 
 __all__ = [
-    "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "exchange", "outputs_apart",
+    "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "exchange", "gather", "outputs_apart",
     "outputs_said", "padded_count", "probe_outputs", "shard_range", "try_products",
 ]
 
@@ -170,6 +170,27 @@ def outputs_apart(call: str, said: Any, group: Any) -> None:
         order_differs(call, "the outputs of f", gathered[0][0] or [], gathered[r][0] or [], r,
                       "output")
     outputs_differ(call, gathered[0], gathered[r], r)
+
+
+def gather(t: Tensor, n: int, group: Any, world: int, device: torch.device) -> Tensor:
+    """All ranks' shards of one stacked tensor, in rank order: each padded to the largest
+    share, gathered, and cut back (NOTE [sharded Jacobian] in ``torch_vjp._sharded``)."""
+    import torch.distributed as dist
+
+    m = -(-n // world)
+    tail = t.shape[1:]
+    src = t.to(device)
+    if src.shape[0] < m or not src.is_contiguous():
+        padded = src.new_zeros((m, *tail))
+        padded[: src.shape[0]] = src
+        src = padded
+    pieces = [src.new_empty((m, *tail)) for _ in range(world)]
+    dist.all_gather(pieces, src, group=group)
+    parts = []
+    for r, piece in enumerate(pieces):
+        a, b = shard_range(n, r, world)
+        parts.append(piece[: b - a])
+    return torch.cat(parts).to(t.device)
 
 
 def _own(stacked: list[Tensor], k: int) -> list[Tensor]:
