@@ -483,9 +483,10 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
 
         fwd = forward_instead(prob, part, mode, work.batch, key, group, device, first,
                               forward, lambda e: _raise_failure(prob, e, group, work.rank,
-                                                                work.world))
+                                                                work.world),
+                              lambda: _known(prob, work, "rev-loop", shapes, first))
         if fwd is not None:
-            return fwd, "fwd"
+            return fwd
     if ok:
         # (at a NaN or an infinity, in x or in the products, nothing was compared)
         if all_finite(prob.leaves) and math.isfinite(scale):

@@ -55,6 +55,7 @@ from torch_vjp._engine.fwdcheck import (
 from torch_vjp._engine.fwdnoise import reverse_noise, rounding_scale
 from torch_vjp._engine.fwdwords import wrong_reverse_message
 from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.nearcheck import wrong_batching_message
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.revcheck import Agree, ReverseWrong, reverse_wrong
 from torch_vjp._errors import JacobianWarning, warn_once
@@ -183,23 +184,39 @@ def forward_instead(
     group: Any, device: torch.device, redraw: Callable[[], None],
     forward: Callable[[], tuple[tuple[Any, ...] | None, bool]],
     fail: Callable[[BaseException | None], None],
-) -> tuple[Any, ...] | None:
-    """Forward mode's products on every rank where the reverse product is wrong on every
-    rank and they agree with the forward product (NOTE [a sharded reverse product checked
-    forward]): ``part`` where ``mode`` is ``"fwd"``, else ``forward()``'s (this rank's
-    products, or None where some rank could not compute them; and whether this rank ran a
-    loop); None where the check goes on as before. ``redraw`` puts the generators where the
-    products started; ``fail(err)`` raises on every rank where some rank's check raised."""
+    loop: Callable[[], tuple[Any, ...] | None],
+) -> tuple[tuple[Any, ...], str] | None:
+    """``(products, mode)``: forward mode's on every rank where some rank's reverse product
+    is wrong and they agree with the forward product (NOTE [a sharded reverse product
+    checked forward]): ``part`` where ``mode`` is ``"fwd"``, else ``forward()``'s (this
+    rank's products, or None where some rank could not compute them; and whether this rank
+    ran a loop); or, where only the reverse products under vmap are wrong (near x:
+    ``ReverseWrong.batching``) and ``mode`` is ``"rev"``, ``loop()``'s (the rows one reverse
+    product at a time, None where some rank could not compute them), with the one-process
+    warning; None where the check goes on as before. ``redraw`` puts the generators where
+    the products started; ``fail(err)`` raises on every rank where some rank's check
+    raised."""
     # (every step agreed: None on every rank, or a ReverseWrong on every rank; an error no
     # check may hide raised on every rank)
     found = _found(prob, redraw, _agree(group, device, fail))
     if found is None:
         return None
     found = _finder(found, group)
+    wrong = found[0]
+    if wrong.batching is not None:  # (NOTE [auto, checked near the point]: the rows under
+        # vmap are wrong, the reverse product without it right, as the forward product is)
+        alt = loop() if mode == "rev" else None
+        if alt is None:
+            return None
+        remember(key, "rev-loop")
+        warn_once((prob.call, function_key(prob.f), mode, "batched wrongly near x"),
+                  wrong_batching_message(prob.call, function_name(prob.f), *wrong.batching),
+                  JacobianWarning)
+        return alt, "rev"
     if mode == "fwd":
         if _agrees(part, found, batch, group, device):
             remember(key, "fwd")
-            return part
+            return part, "fwd"
         return None
     redraw()
     alt, looped = forward()
@@ -207,7 +224,6 @@ def forward_instead(
         return None
     remember(key, "fwd")
     route = "fwd-loop" if looped else "fwd"
-    wrong = found[0]
     # (where the modes agreed at x and disagreed near it, the numbers near it)
     reverse, forward_, difference = wrong.near or (wrong.reverse, wrong.forward,
                                                    wrong.difference)
@@ -218,7 +234,7 @@ def forward_instead(
                   "coincidence of that point.)")
     warn_once((prob.call, function_key(prob.f), mode, "reverse wrong"), words,
               JacobianWarning)
-    return alt
+    return alt, "fwd"
 
 
 # NOTE [sharded auto reads the graph for known wrong operators]
