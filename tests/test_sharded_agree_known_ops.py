@@ -2,7 +2,8 @@
 reads the graph for known wrong operators] in ``torch_vjp._sharded_forward``): at a first point
 where the values agree by chance, the check reads the graph, as on one process, and every
 rank takes the route named for the operator, also where only one rank's graph holds it; a
-later call at another point is right. float64, against forward-mode columns (for
+later call at another point is right, and so is one whose graph took the operator after its
+route was remembered. float64, against forward-mode columns (for
 ``torch.as_strided_scatter``, whose backward is wrong) or reverse rows one at a time (for
 ``torch.cdist``, whose batching rule is wrong). Two ranks, gloo on CPU, one spawned group; a
 rank left waiting fails the test at its deadline."""
@@ -87,8 +88,45 @@ def _cdist_on_one_rank_checks(rank, world, group):
     assert counts[0] == counts[1], counts
 
 
+def _stale_route_checks(rank, world, group):
+    """A route remembered before f's graph took torch.cdist, on rank 1 only (a flag f
+    reads): every rank forgets it and checks the call again, computing its rows one at a
+    time (NOTE [a remembered route through a known wrong operator])."""
+    gen = torch.Generator().manual_seed(6)
+    y = torch.randn(5, 3, dtype=D, generator=gen)
+    W = torch.randn(20, 12, dtype=D, generator=gen)
+    flags = {"cdist": False}
+    calls = [0]
+
+    def g(x):
+        calls[0] += 1
+        _meet(group, world)
+        if not flags["cdist"]:
+            return W @ x
+        a = x.reshape(4, 3)
+        d = (torch.cdist(a, y) if rank == 1
+             else ((a[:, None, :] - y[None]) ** 2).sum(-1).sqrt())
+        return (d * x.sum()).reshape(-1)
+
+    def single(x):
+        a = x.reshape(4, 3)
+        return (((a[:, None, :] - y[None]) ** 2).sum(-1).sqrt() * x.sum()).reshape(-1)
+
+    x = torch.randn(12, dtype=D, generator=gen)
+    torch.testing.assert_close(tv.jacobian(g, x, process_group=group), W)
+    flags["cdist"] = True
+    for _ in range(2):
+        calls[0] = 0
+        got, _ = caught(lambda: tv.jacobian(g, x, process_group=group))
+        torch.testing.assert_close(got, _reverse_rows(single, x), rtol=1e-10, atol=1e-10)
+        counts = [None] * world
+        dist.all_gather_object(counts, calls[0], group=group)
+        assert counts[0] == counts[1], counts
+
+
 def _two_ranks(rank, world, init_file):
-    in_gloo_group(rank, world, init_file, (_scatter_checks, _cdist_on_one_rank_checks))
+    in_gloo_group(rank, world, init_file, (_scatter_checks, _cdist_on_one_rank_checks,
+                                           _stale_route_checks))
 
 
 def test_a_known_wrong_operator_sets_the_route_on_every_rank(spawn_within):

@@ -70,6 +70,7 @@ from torch.utils._pytree import tree_unflatten
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
+    CHECKED,
     all_finite,
     no_route_message,
     remember,
@@ -112,6 +113,8 @@ from torch_vjp._sharded_work import (
     PASSES,
     RETRY,
     Work,
+    all_max,
+    comm_device,
     exchange,
     gather,
     outputs_apart,
@@ -343,11 +346,19 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     # (a call that checks: the check's reverse products, and the routes tried after it,
     # draw what the products drew, and the generators end where the products left them,
     # NOTE [auto's extra calls draw what the products draw] in _engine/jacobian.py)
-    checks = key is not None and route is None
-    first = SameDraws(own_generators(prob), host=True) if checks else None
-    if first is not None:
-        first()
-    part, code, err = _attempt(lambda: _route(work, route or mode, shapes), work, prob.call)
+    while True:
+        checks = key is not None and route is None
+        first = SameDraws(own_generators(prob), host=True) if checks else None
+        if first is not None:
+            first()
+        work.read = [] if route == "rev" else None
+        part, code, err = _attempt(lambda: _route(work, route or mode, shapes), work, prob.call)
+        # (NOTE [a remembered route through a known wrong operator]: on every rank where
+        # some rank's products met one, the route is forgotten and the call checked again)
+        if work.read is None or not all_max(int(code == _OK and work.stale()), group, device):
+            break
+        CHECKED.pop(key, None)
+        route = None
     if code == _NO_FWD:
         if err is not None:
             _warn_no_forward(prob, err)
@@ -539,21 +550,6 @@ def _refuse_mixing(prob: Problem, work: Work, diff: float | None, scale: float |
         rows, j = next(s for s in said if s is not None)
         raise JacobianCallError(mixing_message(prob.call, function_name(prob.f), diff, scale,
                                                rows, j))
-
-
-def comm_device(group: Any, device: torch.device) -> torch.device:
-    """Where the collectives' tensors live: the CUDA device for NCCL, else the CPU (gloo)."""
-    backend = str(_dist().get_backend(group)).lower()
-    if "nccl" in backend:
-        return device if device.type == "cuda" else torch.device("cuda",
-                                                                 torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_max(code: int, group: Any, device: torch.device) -> int:
-    t = torch.tensor([code], dtype=torch.int64, device=device)
-    _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
-    return int(t.item())
 
 
 def _raise_failure(prob: Problem, err: BaseException | None, group: Any, rank: int,

@@ -249,9 +249,11 @@ def forward_instead(
 # ``all_gather_object``: an operator on some rank's graph is on every rank's verdict, so every
 # rank takes the same route), and the route is decided as on one process, each route computed
 # on every rank (its failure agreed: NOTE [the ranks agree on their fallbacks] in
-# ``torch_vjp._sharded_work``), with the one-process warning. Not done: a route remembered
-# before f's graph took such an operator is not read again (NOTE [a remembered route through a
-# known wrong operator] on one process).
+# ``torch_vjp._sharded_work``), with the one-process warning. And where "auto" takes a
+# remembered reverse route, its products read their graph (``Work.read``), and where some
+# rank's met such an operator (f's graph changed since: a flag it reads), every rank forgets
+# the route and computes the call again as a first call (NOTE [a remembered route through a
+# known wrong operator], as on one process).
 
 
 Ops = tuple[str | None, str | None]

@@ -37,6 +37,7 @@ from torch_vjp._engine.rows import (
     run_with_fallback,
 )
 from torch_vjp._engine.shapes import Shapes, in_rows, row_shapes
+from torch_vjp._engine.wrongops import reading_wrong_ops
 from torch_vjp._errors import (
     JacobianCallError,
     JacobianWarning,
@@ -49,7 +50,8 @@ from torch_vjp._sharded_words import order_differs, outputs_differ
 from torch_vjp._strategies import Strategy
 
 __all__ = [
-    "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "exchange", "gather", "outputs_apart",
+    "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "all_max", "comm_device", "exchange",
+    "gather", "outputs_apart",
     "outputs_said", "padded_count", "probe_outputs", "shard_range", "try_products",
 ]
 
@@ -193,6 +195,26 @@ def gather(t: Tensor, n: int, group: Any, world: int, device: torch.device) -> T
     return torch.cat(parts).to(t.device)
 
 
+def comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where the collectives' tensors live: the CUDA device for NCCL, else the CPU (gloo)."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return device if device.type == "cuda" else torch.device("cuda",
+                                                                 torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_max(code: int, group: Any, device: torch.device) -> int:
+    """The largest of every rank's ``code`` (one all_reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([code], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def _own(stacked: list[Tensor], k: int) -> list[Tensor]:
     """This rank's ``k`` products of the padded ones it ran (NOTE [every rank runs as many
     products])."""
@@ -211,7 +233,17 @@ class Work:
         self.batch, self.alternatives = batch, alternatives
         self.group, self.device = group, device
         self._mode = "rev"
+        # (the known wrong operators the reverse products' graph holds, where read: NOTE [a
+        # remembered route through a known wrong operator])
+        self.read: list[tuple[str | None, str | None]] | None = None
         self.attempt()
+
+    def stale(self) -> bool:
+        """Whether the products read met an operator that makes their route wrong: one
+        whose backward is wrong alone, or one whose batching rule is wrong where they ran
+        under vmap."""
+        return any(alone is not None or batching is not None and not self.looped
+                   for batching, alone in self.read or [])
 
     def attempt(self) -> None:
         """A new attempt at the products: its chunks are agreed again (NOTE [the ranks agree
@@ -426,7 +458,11 @@ class Work:
     def _rev(self, vectorized: bool) -> tuple[Any, ...]:
         prob = self.prob
         leaves = prob.leaves
-        res = func_vjp(prob.g_inner, *leaves, has_aux=prob.has_aux)
+        g, met = ((prob.g_inner, None) if self.read is None
+                  else reading_wrong_ops(prob.g_inner, prob.has_aux))
+        res = func_vjp(g, *leaves, has_aux=prob.has_aux)
+        if met is not None and self.read is not None:
+            self.read[:] = met
         out, pullback = res[0], res[1]
         aux = res[2] if prob.has_aux else None
         flat_out, out_spec = tree_flatten(out)
