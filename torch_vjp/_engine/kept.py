@@ -113,16 +113,54 @@ class Watched:
     statistics without a version bump; NOTE [unchanged, bit for bit]); a parameter where its
     version moved, values equal or not (Embedding's max_norm renormalises only the rows a
     batch looks up that are too long, so one batch may change nothing that the next one
-    does). Also a context manager that puts them back on exit."""
+    does). Also a context manager that puts them back on exit.
 
-    __slots__ = ("entries",)
+    NOTE [one copy of the watched buffers]
+    The buffers of one dtype on one device, GROUPED_FROM or more of them (a model's
+    BatchNorm statistics and counters, watched on every call in training mode), are copied
+    into one flat tensor per dtype, and compared after the call as one: a second flat copy
+    against the first, bit for bit (a floating dtype through its integer view; an integer or
+    bool dtype as it is). Equal bits of the whole are equal bits of every part, so the
+    answer is the per-buffer one; where they differ, each buffer of the group is compared
+    and put back from its part of the copy, as one at a time, in the same order. Measured
+    (timeit, the least of 60 runs, one thread): the 60 buffers of 20 BatchNorm2d(64) cost
+    290 -> 200 us per call; 8 float32 tensors of 256 elements 43 -> 38 us; below about 6 a
+    flat copy costs more than it saves (4: 22 -> 24 us), so fewer are read one at a time.
+    Other dtypes (complex, float8), sparse, meta and wrapped tensors, tensor subclasses and
+    tensors that require grad are read one at a time too."""
+
+    __slots__ = ("entries", "_groups", "_parts")
 
     def __init__(
         self,
         buffers: Iterable[tuple[str, Tensor]] = (),
         params: Iterable[tuple[str, Tensor]] = (),
     ) -> None:
-        self.entries = [(n, True, t, t.detach().clone(), t._version) for n, t in buffers]
+        buffers = list(buffers)
+        # (each group: its flat copy, its key, its members' indices; each buffer's part:
+        # (group, start, shape), or None where it is read one at a time)
+        self._groups: list[tuple[Tensor, Any, list[int]]] = []
+        self._parts: list[tuple[int, int, torch.Size] | None] = []
+        members: dict[Any, list[int]] = {}
+        if len(buffers) >= GROUPED_FROM:
+            for k, (_, t) in enumerate(buffers):
+                key = _group_key(t)
+                if key is not None:
+                    members.setdefault(key, []).append(k)
+        parts: list[tuple[int, int, torch.Size] | None] = [None] * len(buffers)
+        for key, ks in members.items():
+            if len(ks) < GROUPED_FROM:
+                continue
+            tensors = [buffers[k][1] for k in ks]
+            start = 0
+            for k, t in zip(ks, tensors):
+                parts[k] = (len(self._groups), start, t.shape)
+                start += t.numel()
+            self._groups.append((_flatten(tensors), key, ks))
+        if self._groups:
+            self._parts = parts
+        self.entries = [(n, True, t, None if part is not None else t.detach().clone(),
+                         t._version) for (n, t), part in zip(buffers, parts)]
         self.entries += [(n, False, t, t.detach().clone(), t._version) for n, t in params]
 
     def restore(self) -> dict[str, bool]:
@@ -133,8 +171,16 @@ class Watched:
         grad = torch.is_grad_enabled()  # (torch.no_grad(), without its decorator machinery)
         torch._C._set_grad_enabled(False)
         try:
-            for n, is_buffer, t, copy, version in self.entries:
+            groups, parts = self._groups, self._parts
+            same = [self._unchanged(group) for group in groups]
+            for k, (n, is_buffer, t, copy, version) in enumerate(self.entries):
                 if is_buffer:
+                    part = parts[k] if parts else None
+                    if part is not None:  # NOTE [one copy of the watched buffers]
+                        g, start, shape = part
+                        if same[g]:
+                            continue
+                        copy = groups[g][0][start:start + shape.numel()].view(shape)
                     if not same_bits(t, copy):
                         t.copy_(copy)
                         changed[n] = True
@@ -146,11 +192,53 @@ class Watched:
             torch._C._set_grad_enabled(grad)
         return changed
 
+    def _unchanged(self, group: tuple[Tensor, Any, list[int]]) -> bool:
+        """Whether every buffer of ``group`` holds the bits it was copied with, each still
+        of its dtype and device (NOTE [one copy of the watched buffers])."""
+        flat, (dtype, device), ks = group
+        entries = self.entries
+        now = [entries[k][2] for k in ks]
+        for t in now:  # (a buffer given another tensor's data, of another dtype or device)
+            if t.dtype != dtype or t.device != device or t.layout != torch.strided:
+                return False
+        now_flat = _flatten(now)
+        if now_flat.shape != flat.shape:  # (a buffer resized in place)
+            return False
+        bits = _FLOAT_BITS.get(dtype)
+        if bits is None:
+            return torch.equal(now_flat, flat)
+        return torch.equal(now_flat.view(bits), flat.view(bits))
+
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
+
+
+#: Buffers of one dtype and device copied as one, from this many on (NOTE [one copy of the
+#: watched buffers]).
+GROUPED_FROM = 6
+#: Tensor types whose buffers are copied as one (NOTE [one copy of the watched buffers]).
+_PLAIN = (Tensor, torch.nn.Parameter)
+_flatten = torch._C._nn.flatten_dense_tensors
+
+
+#: The dtypes whose buffers are copied as one (real floating ones compared through their
+#: bits, NOTE [unchanged, bit for bit]; integer and bool ones as they are).
+_GROUPED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
+                      torch.int8, torch.int16, torch.int32, torch.int64, torch.bool})
+
+
+def _group_key(t: Tensor) -> tuple[torch.dtype, torch.device] | None:
+    """The group a buffer is copied in with the others of its dtype and device (NOTE [one
+    copy of the watched buffers]), or None where it is read one at a time: a tensor
+    subclass, another dtype (complex, float8, quantized), a sparse, meta or
+    torch.func-wrapped tensor, or one that requires grad."""
+    if (type(t) not in _PLAIN or t.dtype not in _GROUPED or t.layout != torch.strided
+            or t.requires_grad or t.is_meta or _is_wrapped(t)):
+        return None
+    return (t.dtype, t.device)
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
