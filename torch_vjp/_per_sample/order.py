@@ -41,6 +41,25 @@ of that size) is taken for theirs: the fallback is right whatever the order. A p
 finds a module mixing examples is left as it is (that refusal comes first). An order
 computed in Python from the inputs' values (``.tolist()``, ``.item()``) and made a tensor
 again is not seen: the plan's checks against the loop (``verify``) remain for it.
+
+NOTE [writes at an index of the data]
+Rows written at an index computed from the inputs (``total.index_add(0, gid, h)``,
+``scatter_add``/``scatter_reduce`` along the examples' dimension, ``out[i] = h``, ``x[i] +=
+y``, ``index_reduce``, ``segment_reduce`` of lengths from the data) land in one row where
+the index repeats, and counts of the data's values (``bincount``, ``unique``) add up the
+examples that share a value: a group mean over a group id in the input mixes the examples
+of a group. On a batch whose ids are all distinct, no two examples meet, and the plan's
+data-flow tests rightly find each example alone (a write at an index read back at it
+cancels: the rows are back in place); on the next batch, two ids can be equal. What one
+batch shows cannot be trusted on another: the watch names such operators
+(``data_writes``), and a plan that found one is made for the batch it was probed on only
+(``Plan.data_bound``): each call plans again, so its data-flow tests and its check against
+the loop see that call's own ids (a model that mixes them is refused, under 'auto' and
+'hooks', naming the module, as on a first call). An index that provably holds each row
+once, a sort's indices or their inverse (``P``, ``I`` above), is exempt: a write at it
+mixes no rows whatever the data. A scatter along a dimension the index does not hold
+``B`` in (a one-hot ``zeros(B, C).scatter_(1, y, 1)``) writes within each example's row
+and is exempt too.
 """
 
 from __future__ import annotations
@@ -55,7 +74,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["OrderWatch", "route_data_orders", "DATA_ORDER", "OUTPUT_ORDER"]
+__all__ = ["OrderWatch", "route_data_orders", "DATA_ORDER", "OUTPUT_ORDER", "DATA_WRITE"]
 
 _aten = torch.ops.aten
 
@@ -85,7 +104,16 @@ _WRITES = {
     _aten.scatter_add_.default: (2, 1, 3),
     _aten.scatter_reduce.two: (2, 1, 3),
     _aten.scatter_reduce_.two: (2, 1, 3),
+    _aten.index_reduce.default: (2, 1, 3),
+    _aten.index_reduce_.default: (2, 1, 3),
 }
+#: writes whose index addresses one dimension per entry of the index (``dim``): rows of
+#: different examples meet only where the index holds B entries along ``dim``
+_SCATTERS = frozenset({"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+                       "scatter_reduce_"})
+#: operators that add up (or count) the rows that share a value of the data
+_COUNTS = frozenset({"bincount", "_unique2", "unique_dim", "unique_consecutive",
+                     "_unique", "histc", "segment_reduce"})
 #: sorts: the dimension's position and default; whether its indices can be inverted
 _SORTS = {
     _aten.sort.default: (1, -1, True),
@@ -107,6 +135,10 @@ DATA_ORDER = ("in '{path}', the rows of the layer's input are ordered by the mod
               "data ({ops}), so which row belongs to which example changes from one batch "
               "to the next and a plan probed on one batch cannot be trusted on another: "
               "each example is computed alone")
+DATA_WRITE = ("the model writes rows at an index computed from its own data ({ops}): examples "
+              "that share an index value meet in one row, so a plan probed on one batch "
+              "cannot be trusted on the next, whose values may repeat where these did not; "
+              "each call is planned and checked on its own batch")
 OUTPUT_ORDER = ("the rows of the model's output are ordered by its own data ({ops}), so the "
                 "split of the loss into the examples' losses changes from one batch to the "
                 "next and a plan probed on one batch cannot be trusted on another: each "
@@ -137,6 +169,9 @@ class OrderWatch(TorchDispatchMode):
         self.words = WeakIdKeyDictionary()
         self.steps = WeakIdKeyDictionary()
         self.ops: set[str] = set()
+        #: the operators that wrote rows at an index of the data (NOTE [writes at an index
+        #: of the data])
+        self.data_writes: set[str] = set()
         self._count = itertools.count()
         for t in tree_leaves(list(xs)):
             if isinstance(t, Tensor):
@@ -174,6 +209,7 @@ class OrderWatch(TorchDispatchMode):
         if func._overloadpacket.__name__ in _FRESH or not any(
                 isinstance(t, Tensor) and t in self.words for t in tree_leaves((args, kwargs))):
             return
+        self._data_write(func, args, kwargs)
         word, step = self._follow(func, args, kwargs, out)
         sorted_ = func in _SORTS and step is not None
         for t in tree_leaves(out):
@@ -185,6 +221,32 @@ class OrderWatch(TorchDispatchMode):
             self.words[out[1]], self.steps[out[1]] = (), step
         if func._schema.is_mutable and args and isinstance(args[0], Tensor):
             self._written(args[0]._base, word)  # (rows written through a view of it)
+
+    def _data_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Notes ``func`` where it writes rows at an index computed from the inputs that may
+        repeat (NOTE [writes at an index of the data])."""
+        name = func._overloadpacket.__name__
+        if name in _COUNTS:
+            if any(isinstance(t, Tensor) and t in self.words and t.dtype != torch.bool
+                   for t in tree_leaves((args, kwargs))):
+                self.data_writes.add(name)
+            return
+        if func not in _WRITES:
+            return
+        at, dim_at, _ = _WRITES[func]
+        index = args[at] if len(args) > at else kwargs.get("index", kwargs.get("indices"))
+        ixs = list(index) if dim_at is None else [index]
+        for ix in ixs:
+            if not isinstance(ix, Tensor) or ix not in self.words or ix.dtype in (
+                    torch.bool, torch.uint8):
+                continue
+            if self.steps.get(ix, ("G",))[0] in "PI":
+                continue  # (a sort's indices, or their inverse: each row once)
+            if name in _SCATTERS:
+                dim = args[dim_at]
+                if ix.dim() == 0 or ix.shape[dim % ix.dim()] != self.batch:
+                    continue  # (within each example's row)
+            self.data_writes.add(name)
 
     def _written(self, base: Tensor | None, word: tuple[Any, ...]) -> None:
         if base is not None:

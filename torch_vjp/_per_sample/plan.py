@@ -175,6 +175,9 @@ class Plan:
     #: model refused there (mixing, a failure on the whole batch, an output that does not
     #: hold the batch) may be per-example at another size
     batch_bound: bool = False
+    #: made for the batch it was probed on only: the model writes rows at an index of its
+    #: data (NOTE [writes at an index of the data] in ``order``), the reason
+    data_bound: str | None = None
     #: the batch sizes the plan's results were checked at against the loop, and the size of
     #: the call under way (NOTE [checked at each batch size] in ``verify``); this call's
     #: check is one of a new batch size

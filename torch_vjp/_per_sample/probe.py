@@ -23,7 +23,7 @@ from torch_vjp._per_sample.structure import (loss_key, loss_tensors, note_counte
 from torch_vjp._per_sample.fallback import REENTRANT, outside_reason
 from torch_vjp._per_sample.flow import NON_FINITE, ShapeRecord, call_dims, walk
 from torch_vjp._per_sample.losses import check_connected, loss_sum
-from torch_vjp._per_sample.order import OrderWatch, route_data_orders
+from torch_vjp._per_sample.order import DATA_WRITE, OrderWatch, route_data_orders
 from torch_vjp._per_sample.plan import (WHOLE, CallPlan, GenericPoint, ParamPlan, Plan, Slots,
                                         aliases_of, call_key, seeded_forward, vmap_blockers)
 from torch_vjp._per_sample.recorder import Recorder
@@ -172,11 +172,12 @@ def plan_for(job: Job, *, rebuild: bool = False) -> Plan:
             return plan  # (made for this batch's NaN alone: the next batch plans afresh)
         if plan.batch_bound or plan.mixing is not None:  # (of this batch size only)
             key, extra_key = (key, job.batch), extra_key and (extra_key, job.batch)
-        if len(cache) >= _MAX_PER_MODEL:
-            cache.pop(next(iter(cache)))
-        cache[key] = plan
-        if extra_key is not None:
-            cache[extra_key] = plan
+        if plan.data_bound is None:  # (else of this batch alone: planned at every call)
+            if len(cache) >= _MAX_PER_MODEL:
+                cache.pop(next(iter(cache)))
+            cache[key] = plan
+            if extra_key is not None:
+                cache[extra_key] = plan
     plan.batch_now = job.batch  # (NOTE [checked at each batch size] in verify.py)
     return plan
 
@@ -561,6 +562,8 @@ def _probe_at(
                 c.rule.name for c, _, _ in used if isinstance(c.rule, UserRule)))
             plan.params[name] = ParamPlan(name, "rule", how, user=user)
     route_data_orders(plan, calls, tracked, watch if batch > 1 else None, out)
+    if batch > 1 and watch.data_writes:  # (NOTE [writes at an index of the data])
+        plan.data_bound = DATA_WRITE.format(ops=", ".join(sorted(watch.data_writes)))
     declined = _declined_layers(model, plan.params)  # (decided on their settings too)
     if declined:
         plan.settings = settings_of(layers + declined)
