@@ -27,7 +27,9 @@ every tensor computed from the inputs, as a word of steps:
 
 A boolean mask computed from the inputs along the examples' dimension alone selects
 examples by the data (``fc(h[keep])``): a step, undone by a write at the same mask
-(``out[keep] = y``). A mask over several dimensions (an EmbeddingBag's flattened batch,
+(``out[keep] = y``). ``masked_select`` and ``masked_scatter`` at a mask computed from the
+inputs that spans the examples' dimension pack or unpack rows by how many rows before each
+are set: a step without inverse. A mask over several dimensions (an EmbeddingBag's flattened batch,
 ``idx[mask]`` of a ``(B, L)`` mask, whose offsets say which rows are whose on every call)
 and an index that is not computed from the inputs (``torch.arange``, a buffer,
 ``x[:, -1]``), the same on every batch, do not change the word: the layers after them keep
@@ -111,6 +113,10 @@ _WRITES = {
 #: different examples meet only where the index holds B entries along ``dim``
 _SCATTERS = frozenset({"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
                        "scatter_reduce_"})
+#: operators that pack a tensor's elements at a mask (``masked_select``), or write a source's
+#: elements, in order, at a mask (``masked_scatter``): row ``k`` of the result is another
+#: row's, by how many of the mask's rows before ``k`` are set
+_MASKED = frozenset({"masked_scatter", "masked_scatter_", "masked_select"})
 #: operators that add up (or count) the rows that share a value of the data
 _COUNTS = frozenset({"bincount", "_unique2", "unique_dim", "unique_consecutive",
                      "_unique", "histc", "segment_reduce"})
@@ -296,6 +302,12 @@ class OrderWatch(TorchDispatchMode):
                     return self.words[args[0]], step  # (h[i] = 0: the rows stay in place)
                 return (_MIXED,), None  # (rows written into rows of another order)
             return word, step
+        if func._overloadpacket.__name__ in _MASKED:
+            mask = args[1] if len(args) > 1 else kwargs.get("mask")
+            if isinstance(mask, Tensor) and mask in self.words and self.batch in tuple(
+                    mask.shape):  # (rows packed or unpacked at a mask of the data)
+                self.ops.add(func._overloadpacket.__name__)
+                return _then(self.word_of((args, kwargs)), ("N", next(self._count))), None
         if func._overloadpacket.__name__ in _SAME_INDEX and args and isinstance(
                 args[0], Tensor) and args[0] in self.steps:
             return self.words.get(args[0], ()), self.steps[args[0]]
