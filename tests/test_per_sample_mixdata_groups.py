@@ -155,6 +155,10 @@ def test_writes_that_cannot_mix_examples_are_not_taken_for_mixing():
     assert _writes(lambda h, g: _put(h, g, 3), h, g) == {"index_put_"} or \
         _writes(lambda h, g: _put(h, g, 3), h, g) == {"index_put"}
     assert _writes(lambda h, g: torch.bincount(g), h, g) == {"bincount"}
+    lengths = torch.tensor([2, 1, 3])
+    assert _writes(lambda h: torch.segment_reduce(h, "sum", lengths=lengths), h) == set()
+    assert _writes(lambda h, n: torch.segment_reduce(h, "sum", lengths=n), h, lengths) == {
+        "segment_reduce"}  # (segments whose lengths are the data's: several examples each)
     assert _writes(lambda h, g: torch.unique(g, return_counts=True), h, g)
     assert _writes(lambda h, g: h.topk(3, 0).indices.new_zeros(B).index_add(
         0, h[:, 0].topk(B).indices, g), h, g) == {"index_add"}  # (topk: not each row once)

@@ -232,9 +232,10 @@ class OrderWatch(TorchDispatchMode):
         """Notes ``func`` where it writes rows at an index computed from the inputs that may
         repeat (NOTE [writes at an index of the data])."""
         name = func._overloadpacket.__name__
-        if name in _COUNTS:
+        if name in _COUNTS:  # (segment_reduce: of the segments' lengths, offsets, indices)
+            read = (args[2:], kwargs) if name == "segment_reduce" else (args, kwargs)
             if any(isinstance(t, Tensor) and t in self.words and t.dtype != torch.bool
-                   for t in tree_leaves((args, kwargs))):
+                   for t in tree_leaves(read)):
                 self.data_writes.add(name)
             return
         if func not in _WRITES:
