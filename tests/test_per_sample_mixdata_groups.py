@@ -162,3 +162,58 @@ def test_writes_that_cannot_mix_examples_are_not_taken_for_mixing():
     assert _writes(lambda h, g: torch.unique(g, return_counts=True), h, g)
     assert _writes(lambda h, g: h.topk(3, 0).indices.new_zeros(B).index_add(
         0, h[:, 0].topk(B).indices, g), h, g) == {"index_add"}  # (topk: not each row once)
+
+
+def _bincount(g):
+    return torch.bincount(g)[g]
+
+
+def _ones(g):
+    return torch.zeros(int(g.max()) + 1, dtype=D).index_add(0, g, torch.ones(g.shape, dtype=D))[g]
+
+
+def _unique(g):
+    _, inverse, counts = torch.unique(g, return_inverse=True, return_counts=True)
+    return counts[inverse]
+
+
+class _GroupSize(nn.Module):
+    """Scales each example's features by the size of its group: it mixes the examples of a
+    group through the counts alone, which carry no gradient from one example to another."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def forward(self, h, g):
+        return h / self.count(g).unsqueeze(1).to(h.dtype)
+
+
+class _Sized(nn.Module):
+    def __init__(self, count):
+        super().__init__()
+        self.a, self.size, self.b = nn.Linear(3, 4), _GroupSize(count), nn.Linear(4, 2)
+
+    def forward(self, x, g):
+        return self.b(torch.tanh(self.size(self.a(x), g)))
+
+
+@pytest.mark.parametrize("count", [_bincount, _ones, _unique], ids=["bincount", "index_add",
+                                                                     "unique"])
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_examples_mixed_through_counts_of_the_data_are_refused(strategy, count):
+    # examples 1 and 2 share an id: the data-flow tests follow gradients and see no mixing,
+    # and the check against the loop looked at examples 0, 2 and 4 (rules, 0.2 off the loop
+    # for example 1, silently)
+    torch.manual_seed(0)
+    model = _Sized(count).to(D)
+    x, t = torch.randn(B, 3, dtype=D), torch.randint(0, 2, (B,))
+    distinct, shared = torch.tensor([0, 1, 2, 3, 4, 7]), torch.tensor([0, 2, 2, 4, 5, 7])
+    _check("grads", _call("grads", model, x, distinct, t, "auto"),
+           _loop(model, x, distinct, t))
+    with pytest.raises(tv.PerSampleError, match=r"torch_vjp\.per_sample_grads: module 'size' "
+                       r"\(_GroupSize\) mixes examples: the output it gives one example "
+                       r"depends on the other examples of the batch.*\n  Fix: .*"
+                       r"strategy='vmap' or strategy='loop'"):
+        _call("grads", model, x, shared, t, strategy)
+    _check("grads", _call("grads", model, x, shared, t, "loop"), _loop(model, x, shared, t))

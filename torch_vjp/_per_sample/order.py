@@ -61,7 +61,12 @@ the loop see that call's own ids (a model that mixes them is refused, under 'aut
 once, a sort's indices or their inverse (``P``, ``I`` above), is exempt: a write at it
 mixes no rows whatever the data. A scatter along a dimension the index does not hold
 ``B`` in (a one-hot ``zeros(B, C).scatter_(1, y, 1)``) writes within each example's row
-and is exempt too.
+and is exempt too. Where such a write adds up (``index_add``, ``scatter_add``,
+``scatter_reduce``, ``index_reduce``, ``index_put`` with ``accumulate=True``) or counts
+(``bincount``, ``unique``) with one index entry per example, two equal entries on the batch
+planned mean examples met: counts carry no gradient from one example to another, so the
+data-flow tests cannot see it, and the plan refuses the module running the operator as
+mixing examples (``mixing``), under 'auto' and 'hooks'.
 """
 
 from __future__ import annotations
@@ -169,9 +174,14 @@ class OrderWatch(TorchDispatchMode):
     them), ``steps`` the index of a sort's or an inverse's indices; ``ops`` names the
     operators that changed a word along a dimension of size ``batch``."""
 
-    def __init__(self, xs: Sequence[Any], batch: int) -> None:
+    def __init__(self, xs: Sequence[Any], batch: int, model: Any = None) -> None:
         super().__init__()
         self.batch = batch
+        #: where the first write found to mix examples on this batch runs, None for none
+        self.mixing: str | None = None
+        self._names = {} if model is None else {id(m): p for p, m in model.named_modules()}
+        self._stack: list[Any] = []
+        self._handles: list[Any] = []
         self.words = WeakIdKeyDictionary()
         self.steps = WeakIdKeyDictionary()
         self.ops: set[str] = set()
@@ -182,6 +192,55 @@ class OrderWatch(TorchDispatchMode):
         for t in tree_leaves(list(xs)):
             if isinstance(t, Tensor):
                 self.words[t] = ()
+
+    def __enter__(self) -> Any:
+        if self._names:  # (the modules running, to name the one whose write mixes)
+            names, stack = self._names, self._stack
+
+            def enter(m: Any, args: Any) -> None:
+                if id(m) in names:
+                    stack.append(m)
+
+            def leave(m: Any, args: Any, out: Any) -> None:  # (returns None: output kept)
+                if stack and stack[-1] is m:
+                    stack.pop()
+
+            self._handles = [
+                torch.nn.modules.module.register_module_forward_pre_hook(enter),
+                torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._stack[:] = [], []
+        return super().__exit__(*exc)
+
+    def _mixes(self, func: Any, ix: Tensor, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> None:
+        """Notes where ``func``, adding up or counting at ``ix``, mixes examples on this
+        batch: one entry per example along the examples' dimension, two of them equal."""
+        name = func._overloadpacket.__name__
+        if "index_put" in name:  # (one index, added up at: accumulate=True)
+            if not (args[3] if len(args) > 3 else kwargs.get("accumulate", False)) or sum(
+                    isinstance(t, Tensor) for t in args[1]) != 1:
+                return
+        elif name in ("index_copy", "index_copy_", "scatter", "scatter_"):
+            return  # (written over, not added up)
+        if name in _SCATTERS:
+            dim = args[1] % ix.dim()
+            s = ix.sort(dim).values
+            met = bool((s.narrow(dim, 1, self.batch - 1) == s.narrow(dim, 0, self.batch - 1))
+                       .any())
+        elif ix.dim() == 1 and ix.numel() == self.batch:
+            met = ix.unique().numel() < self.batch
+        else:
+            return  # (entries not one per example: the data-flow tests look)
+        if met and self.mixing is None:
+            m = self._stack[-1] if self._stack else None
+            path = self._names.get(id(m), "")
+            self.mixing = (f"module '{path}' ({type(m).__name__})" if path else
+                           f"the model's own forward ({type(m).__name__})")
 
     def word_of(self, value: Any) -> tuple[Any, ...]:
         """The word of the tensors in ``value`` computed from the inputs (``()`` for none,
@@ -234,9 +293,12 @@ class OrderWatch(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if name in _COUNTS:  # (segment_reduce: of the segments' lengths, offsets, indices)
             read = (args[2:], kwargs) if name == "segment_reduce" else (args, kwargs)
-            if any(isinstance(t, Tensor) and t in self.words and t.dtype != torch.bool
-                   for t in tree_leaves(read)):
-                self.data_writes.add(name)
+            for t in tree_leaves(read):
+                if isinstance(t, Tensor) and t in self.words and t.dtype != torch.bool:
+                    self.data_writes.add(name)
+                    if name in ("bincount", "_unique2", "unique_dim", "_unique"):
+                        self._mixes(func, t, args, kwargs)
+                    return
             return
         if func not in _WRITES:
             return
@@ -254,6 +316,7 @@ class OrderWatch(TorchDispatchMode):
                 if ix.dim() == 0 or ix.shape[dim % ix.dim()] != self.batch:
                     continue  # (within each example's row)
             self.data_writes.add(name)
+            self._mixes(func, ix, args, kwargs)
 
     def _written(self, base: Tensor | None, word: tuple[Any, ...]) -> None:
         if base is not None:

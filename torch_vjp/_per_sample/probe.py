@@ -467,7 +467,7 @@ def _probe_at(
     rec = Recorder(model, tracked, batch, probe=True, expand_shared=expand, direct=expand,
                    owners=sel.owners)
     # (NOTE [orders that depend on the data] in order.py)
-    watch = OrderWatch(leaves, batch) if batch > 1 else contextlib.nullcontext()
+    watch = OrderWatch(leaves, batch, model) if batch > 1 else contextlib.nullcontext()
     try:
         with torch.enable_grad(), rng, watch:
             with rec:
@@ -563,6 +563,7 @@ def _probe_at(
             plan.params[name] = ParamPlan(name, "rule", how, user=user)
     route_data_orders(plan, calls, tracked, watch if batch > 1 else None, out)
     if batch > 1 and watch.data_writes:  # (NOTE [writes at an index of the data])
+        plan.mixing = plan.mixing or watch.mixing  # (values added up at equal ids)
         plan.data_bound = DATA_WRITE.format(ops=", ".join(sorted(watch.data_writes)))
     declined = _declined_layers(model, plan.params)  # (decided on their settings too)
     if declined:
