@@ -173,14 +173,57 @@ def test_named_forward_message():
     assert "Fix: strategy='rev' (reverse mode, whose formula is right), or 'auto'" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="the named forward strategies do not read "
-                   "WRONG_FORWARD yet (products._fwd / jacobian._blocks_of)")
 @pytest.mark.parametrize("strategy", ["fwd", "fwd-loop"])
-def test_named_forward_jacobian_through_scatter_prod_refuses(strategy):
-    f, x = _scatter(False), _point("zeros")
-    with pytest.raises(tv.StrategyError, match="forward-mode formula of torch.scatter_reduce"):
-        J = tv.jacobian(f, x, strategy=strategy)
-        torch.testing.assert_close(J.reshape(4, 64), _per_row(f, x))
+@pytest.mark.parametrize("kind", ["random", "zeros"])
+def test_named_forward_jacobian_through_scatter_prod_refuses(strategy, kind):
+    f, x = _scatter(False), _point(kind)
+    for seed in range(2):  # (the first call reads f's graph, later ones remember it)
+        with pytest.raises(tv.StrategyError) as info:
+            tv.jacobian(f, x if seed == 0 else _point(kind, seed=seed), strategy=strategy)
+        msg = str(info.value)
+        assert msg.startswith(f"torch_vjp.jacobian: strategy={strategy!r} computes with "
+                              f"forward-mode AD, and torch's forward-mode formula of "
+                              f"torch.scatter_reduce(reduce='prod') is wrong for the source")
+        assert "which f (_scatter.<locals>.f) computes from its differentiated inputs" in msg
+        assert "Fix: strategy='rev' (reverse mode, whose formula is right)" in msg
+    torch.testing.assert_close(tv.jacobian(f, x, strategy="rev").reshape(4, 64), _per_row(f, x))
+
+
+def test_named_forward_jacobian_through_triangular_solve_refuses_only_for_the_matrix():
+    A = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(2)).triu()
+    A = A + 4 * torch.eye(4, dtype=D)
+    B = torch.randn(4, 4, dtype=D)
+
+    def solve(b, a):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (deprecated)
+            return torch.triangular_solve(b, a).solution
+
+    for strategy in ("fwd", "fwd-loop"):
+        with pytest.raises(tv.StrategyError, match=r"triangular_solve is wrong for the matrix "
+                           r"A(?s:.*)or torch.linalg.solve_triangular"):
+            tv.jacobian(solve, B, A, argnums=1, strategy=strategy)
+        # (the right-hand side's formula is right: same shapes, another argnums)
+        J = tv.jacobian(solve, B, A, argnums=0, strategy=strategy)
+        torch.testing.assert_close(J.reshape(16, 16), _per_row(lambda b: solve(b, A), B))
+    with pytest.raises(tv.StrategyError, match="triangular_solve"):
+        tv.batch_jacobian(lambda a: solve(B, a), A.expand(3, 4, 4).clone(), strategy="fwd")
+
+
+def test_named_forward_jacobian_without_a_wrong_formula_is_computed_once_read():
+    calls = []
+
+    def f(a):
+        calls.append(1)
+        return torch.ones(4, dtype=D).scatter_reduce(0, IDX, a, "amax") * a[:4].sin()
+
+    x = _point("random")
+    ref = _per_row(f, x)
+    for strategy in ("fwd", "fwd-loop"):
+        for _ in range(2):
+            calls.clear()
+            torch.testing.assert_close(tv.jacobian(f, x, strategy=strategy), ref)
+            assert calls  # (called, once read, not refused)
 
 
 @pytest.mark.parametrize("kind", ["random", "zeros"])
@@ -196,3 +239,50 @@ def test_auto_through_scatter_prod_is_right(kind):
             J = tv.jacobian(tall, y)
         torch.testing.assert_close(J, _per_row(tall, y))
     torch.testing.assert_close(tv.jacobian(f, x).reshape(4, 64), _per_row(f, x))
+
+
+def test_named_forward_jacobian_reads_again_where_a_flag_chooses_another_operator():
+    # (a flag of f's in the key, as "auto"'s route: the branch it chooses is read there)
+    def f(a, prod):
+        return torch.ones(4, dtype=D).scatter_reduce(0, IDX, a, "prod" if prod else "sum")
+
+    x = _point("random")
+    torch.testing.assert_close(tv.jacobian(f, x, False, strategy="fwd"),
+                               _per_row(lambda a: f(a, False), x))
+    with pytest.raises(tv.StrategyError, match="scatter_reduce"):
+        tv.jacobian(f, x, True, strategy="fwd")
+    torch.testing.assert_close(tv.jacobian(f, x, False, strategy="fwd"),
+                               _per_row(lambda a: f(a, False), x))
+
+
+class _OldStyleSquare(torch.autograd.Function):
+    """No setup_context: torch.func cannot run it, plain forward-mode AD can (its jvp)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_forward(a)
+        return a * a
+
+    @staticmethod
+    def jvp(ctx, t):
+        (a,) = ctx.saved_tensors
+        return 2 * a * t
+
+
+def test_named_fwd_loop_with_plain_autograd_refuses_through_scatter_prod():
+    def f(a):
+        return torch.ones(4, dtype=D).scatter_reduce(0, IDX, _OldStyleSquare.apply(a), "prod",
+                                                     include_self=False)
+
+    def g(a):
+        return torch.ones(4, dtype=D).scatter_reduce(0, IDX, _OldStyleSquare.apply(a), "amax")
+
+    x = _point("random")
+    for _ in range(2):
+        with pytest.raises(tv.StrategyError, match=r"^torch_vjp\.jacobian: "
+                           r"strategy='fwd-loop' computes with forward-mode AD, and torch's "
+                           r"forward-mode formula of torch\.scatter_reduce"):
+            tv.jacobian(f, x, strategy="fwd-loop")
+    ref = torch.func.jacrev(lambda a: torch.ones(4, dtype=D).scatter_reduce(0, IDX, a * a,
+                                                                             "amax"))(x)
+    torch.testing.assert_close(tv.jacobian(g, x, strategy="fwd-loop"), ref)

@@ -322,8 +322,11 @@ def test_auto_jacobian_checks_forward_mode_against_reverse_mode(forward_checks_f
     assert list(forward_checks_forgotten.values()) == ["rev"]
     with no_jacobian_warnings():  # later calls go to reverse mode directly
         torch.testing.assert_close(tv.jacobian(_solve_wide, A), ref)
-        # an explicit strategy is not checked: forward mode as asked
-        assert (tv.jacobian(_solve_wide, A, strategy="fwd") - ref).abs().max() > 0.1
+    # a named forward strategy reads f's graph and refuses torch's wrong formula
+    with pytest.raises(tv.StrategyError, match=r"^torch_vjp\.jacobian: strategy='fwd' "
+                       r"computes with forward-mode AD, and torch's forward-mode formula of "
+                       r"torch\.triangular_solve is wrong for the matrix A"):
+        tv.jacobian(_solve_wide, A, strategy="fwd")
 
 
 def test_auto_batch_and_sparse_jacobians_check_forward_mode(forward_checks_forgotten):

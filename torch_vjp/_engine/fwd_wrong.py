@@ -37,6 +37,22 @@ f, or run as before. A function that branches to another operator on other value
 read where it first ran. Not read in inference mode, where nothing is recorded (nor
 remembered there); where the call inside ``torch.func.vjp`` fails, the products are
 computed as before (f called again), and nothing is remembered.
+
+A named ``"fwd"`` or ``"fwd-loop"`` Jacobian (``batch_jacobian``'s too, and the plain
+forward loop where torch.func cannot run f) returned the wrong Jacobian without a word
+(errors of 0.7-14). Its products' own calls of f run, on the first call per function, input
+signature and argnums, under a torch function mode (:func:`named_reading`) that reads each
+call f makes for an op of the list and whether its argument carries a tangent (as the
+predicates of :data:`WRONG_FORWARD_WHERE` read the node): no call of f more, no graph
+recorded, so it reads where reverse mode cannot run f (``F.batch_norm`` differentiated by
+its running statistics) and costs a zero block no call. The op found is remembered
+(:func:`named_read`) and refused with :func:`named_forward`; later calls look the key up
+(15 us) and refuse before calling f, or run as before. As "auto"'s route, the key holds
+the flags of the primals that are not tensors, so a flag that switches f to another
+operator is read again; a branch on the values of tensors is read where it first ran (the
+named reverse strategies read their graph on every call, which they record anyway). Only
+calls f makes from Python are read (``torch.scatter_reduce``, ``Tensor.scatter_reduce(_)``,
+``torch.triangular_solve``), not one inside another operator's C++ code.
 """
 
 from __future__ import annotations
@@ -45,6 +61,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 import torch
 from torch import Tensor
+import torch.autograd.forward_ad as fwAD
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.graph import graph_nodes
@@ -52,7 +70,8 @@ from torch_vjp._engine.wrongops import WRONG_FORWARD, WRONG_FORWARD_WHERE
 from torch_vjp._errors import JacobianCallError, StrategyError
 
 __all__ = ["auto_forward_message", "forward_checked", "forward_read", "named_forward",
-           "reading_forward", "wrong_forward", "wrong_pushforward"]
+           "named_read", "named_reading", "reading_forward", "wrong_forward",
+           "wrong_pushforward"]
 
 _SCATTER = WRONG_FORWARD["ScatterReduceBackward0"]
 #: How each op's forward-mode formula is wrong.
@@ -119,6 +138,86 @@ def forward_read(key: Hashable, found: Sequence[str | None]) -> str | None:
     op = found[0] if found else None
     remember(key, op or "")
     return op
+
+
+def _carries(t: Any) -> bool:
+    """Whether ``t`` is a tensor that carries a tangent (of torch.func.jvp's level or of
+    plain forward-mode AD)."""
+    return isinstance(t, Tensor) and fwAD.unpack_dual(t).tangent is not None
+
+
+def _arg(args: Sequence[Any], kwargs: dict[str, Any], at: int, name: str,
+         default: Any = None) -> Any:
+    return args[at] if len(args) > at else kwargs.get(name, default)
+
+
+def _wrong_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """The op of :data:`WRONG_FORWARD` whose wrong forward-mode formula the call
+    ``func(*args, **kwargs)`` runs on a tangent (the predicates of
+    :data:`WRONG_FORWARD_WHERE`, read off the call's arguments), or None."""
+    name = getattr(func, "__name__", None)
+    if name in ("scatter_reduce", "scatter_reduce_"):
+        if _arg(args, kwargs, 4, "reduce") != "prod":
+            return None
+        into, src = _carries(_arg(args, kwargs, 0, "input", kwargs.get("self"))), _carries(
+            _arg(args, kwargs, 3, "src"))
+        if src or (into and bool(kwargs.get("include_self", True))):
+            return WRONG_FORWARD["ScatterReduceBackward0"]
+    elif name == "triangular_solve" and _carries(_arg(args, kwargs, 1, "A")):
+        return WRONG_FORWARD["TriangularSolveBackward0"]
+    return None
+
+
+class _WrongCalls(TorchFunctionMode):
+    """Records in ``found`` the first op of :func:`_wrong_call` f calls (f's results are
+    its own: every call passes on untouched)."""
+
+    def __init__(self, found: list[str | None]) -> None:
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not (self.found and self.found[0]):
+            op = _wrong_call(func, args, kwargs)
+            if op is not None:
+                self.found[:] = [op]
+        return func(*args, **kwargs)
+
+
+def named_reading(prob: Any, opts: Any, strategy: str
+                  ) -> tuple[Hashable, _WrongCalls] | None:
+    """For a named forward ``strategy`` (``opts.named`` set), where f's calls are to be
+    read on this call (the first per function, input signature and argnums: NOTE [forward
+    mode through a wrong formula]), ``(key, mode)``: the products' calls of f run under
+    ``mode``, which records the op of :data:`WRONG_FORWARD` they run on a tangent; None
+    where it is not named, or was read before and held none. Raises
+    :func:`named_forward` where it was read before and held one, before any call of f."""
+    if opts.named is None:
+        return None
+    from torch_vjp._engine.context import route_key  # (as forward_checked's import)
+    from torch_vjp._engine.fwdcheck import signature
+
+    # (the flags of the primals that are not tensors are in the key, as "auto"'s: a flag
+    # that chooses another operator is read again there)
+    key = ("jacobian: forward formulas",
+           signature(route_key(prob.f), prob.leaves, opts.batch, prob.primals), prob.argnums)
+    known = forward_checked(key)
+    if known:
+        raise named_forward(prob.call, known, opts.named[0], strategy)
+    if known is not None:
+        return None
+    return key, _WrongCalls([])
+
+
+def named_read(prob: Any, opts: Any, reading: tuple[Hashable, _WrongCalls],
+               strategy: str) -> None:
+    """Remembers what the products' calls of f ran (:func:`named_reading`) and raises
+    :func:`named_forward` where they ran an op of :data:`WRONG_FORWARD` on a tangent."""
+    op = forward_read(reading[0], reading[1].found)
+    if op is not None:
+        raise named_forward(prob.call, op, opts.named[0], strategy)
 
 
 def wrong_pushforward(call: str, op: str, name: str) -> JacobianCallError:

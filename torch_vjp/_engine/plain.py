@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.copies import normal_tensors
+from torch_vjp._engine.fwd_wrong import named_read, named_reading
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, loop_draws, map_rows
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
@@ -163,8 +164,16 @@ def plain_push(prob: Problem, check: Callable[[list[Tensor], Any], None], n: int
 def fwd_plain(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:
     """Forward mode with plain forward-mode AD (``torch.autograd.forward_ad``), one
     forward pass with dual tensors per input element."""
-    with normal_tensors():  # NOTE [plain autograd in inference mode]
-        return _fwd_plain_products(prob, shapes, opts)
+    # (a named strategy: f's calls read on the first call per signature, NOTE [forward mode
+    # through a wrong formula])
+    reading = named_reading(prob, opts, "fwd-loop")
+    if reading is None:
+        with normal_tensors():  # NOTE [plain autograd in inference mode]
+            return _fwd_plain_products(prob, shapes, opts)
+    with normal_tensors(), reading[1]:
+        res = _fwd_plain_products(prob, shapes, opts)
+    named_read(prob, opts, reading, "fwd-loop")
+    return res
 
 
 def _fwd_plain_products(prob: Problem, shapes: Shapes, opts: Opts) -> Blocks:

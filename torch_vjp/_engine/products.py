@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
+from torch_vjp._engine.fwd_wrong import named_read, named_reading
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
     basis_rows,
@@ -172,6 +173,9 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     all see the numbers one call of ``f`` draws. ``randomness="different"`` would give
     each column its own draw: no Jacobian at all.
     """
+    # (a named strategy: f's calls read on the first call per signature, NOTE [forward
+    # mode through a wrong formula])
+    reading = named_reading(prob, opts, "fwd" if vectorized else "fwd-loop")
     leaves = tuple(prob.leaves)
     rows_in = in_rows(prob, opts.batch)
     n = sum(math.prod(s) for s in rows_in)
@@ -191,7 +195,11 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
     def g(*xs: Tensor) -> Any:
         if same_draws is not None:
             same_draws()
-        res = prob_g(*xs)
+        if reading is not None:
+            with reading[1]:
+                res = prob_g(*xs)
+        else:
+            res = prob_g(*xs)
         out = res[0] if has_aux else res
         if isinstance(out, Tensor):
             check((out,), LEAF_SPEC)
@@ -238,6 +246,8 @@ def _fwd(prob: Problem, shapes: Shapes, opts: Opts, *, vectorized: bool) -> Bloc
             fn, rows, n, vectorized=vectorized, chunk_size=chunk, extras=has_aux,
             detach=opts.detached, batched_fn=vmap(fn, randomness="same"),
         )
+    if reading is not None:
+        named_read(prob, opts, reading, "fwd" if vectorized else "fwd-loop")
     if opts.detached:
         stacked = [t.detach() for t in stacked]
     blocks, views = fwd_blocks(stacked, rows_in)
