@@ -85,10 +85,14 @@ _BATCHED_WRONGLY = {"CdistBackward0": "torch.cdist"}
 _SCATTER = "torch.as_strided_scatter"
 _AA_BILINEAR = "torch.nn.functional.interpolate(mode='bilinear', antialias=True)"
 _AA_BICUBIC = "torch.nn.functional.interpolate(mode='bicubic', antialias=True)"
+_UNPOOL_2D = "torch.nn.functional.max_unpool2d (max_unpool1d's too)"
+_UNPOOL_3D = "torch.nn.functional.max_unpool3d"
 #: Backward nodes wrong alone, where their first input (``self``) is differentiated.
 _WRONG_ALONE = {"AsStridedScatterBackward0": _SCATTER,
                 "UpsampleBilinear2DAaBackward0": _AA_BILINEAR,
-                "UpsampleBicubic2DAaBackward0": _AA_BICUBIC}
+                "UpsampleBicubic2DAaBackward0": _AA_BICUBIC,
+                "MaxUnpool2DBackward0": _UNPOOL_2D,
+                "MaxUnpool3DBackward0": _UNPOOL_3D}
 #: How each op's backward is wrong: for the tensor that f computes from its inputs.
 _AA_HOW = ("for the input resized (where the output is one column wide and its height is "
            "resampled, or where a dimension keeps its size under a scale_factor other than "
@@ -96,6 +100,10 @@ _AA_HOW = ("for the input resized (where the output is one column wide and its h
 _HOW = {_SCATTER: ("for the tensor scattered into (the gradient of that tensor is passed "
                    "inside the scattered region rather than outside it)"),
         _AA_BILINEAR: _AA_HOW, _AA_BICUBIC: _AA_HOW}
+_UNPOOL_HOW = ("for its input where indices repeat in a plane (the output element two "
+               "inputs are written to holds one of them, and reverse mode passes its "
+               "gradient to both: errors of the size of the entries)")
+_HOW.update({_UNPOOL_2D: _UNPOOL_HOW, _UNPOOL_3D: _UNPOOL_HOW})
 
 
 def _how(op: str) -> str:
@@ -131,9 +139,26 @@ def _resize_wrong(node: Any) -> bool:
                                  or (wo == wi > 1 and scaled(sw)))))
 
 
+def _unpool_wrong(node: Any) -> bool:
+    """Whether the backward ``node`` of ``max_unpool1d/2d/3d`` is one torch computes
+    wrongly: where its saved indices repeat within a plane (the last two dimensions, three
+    for ``max_unpool3d``), reverse mode passes the gradient of the one output element to
+    every input written there, of which the output holds one; without repeats (indices of
+    ``max_pool``'s) it is right. True where the indices cannot be read."""
+    try:
+        idx = node._saved_indices
+        k = 3 if type(node).__name__ == "MaxUnpool3DBackward0" else 2
+        flat = idx.flatten(start_dim=max(idx.dim() - k, 0)).sort(-1).values
+        return bool((flat[..., 1:] == flat[..., :-1]).any())
+    except Exception:  # noqa: BLE001 - saved values not readable: taken as wrong
+        return True
+
+
 #: Backward nodes of :data:`_WRONG_ALONE` wrong only where their saved values say so.
 _WRONG_WHERE = {"UpsampleBilinear2DAaBackward0": _resize_wrong,
-                "UpsampleBicubic2DAaBackward0": _resize_wrong}
+                "UpsampleBicubic2DAaBackward0": _resize_wrong,
+                "MaxUnpool2DBackward0": _unpool_wrong,
+                "MaxUnpool3DBackward0": _unpool_wrong}
 
 
 def _scatter_prod_wrong(node: Any) -> bool:
