@@ -200,7 +200,7 @@ def jacobian_blocks(
     opts = Opts(batch, chunk_size, max_memory, alternatives, probe, detached, vmap_single)
     if hessian is not None:
         opts.hessian = (function_name(prob.f), hessian)
-    if mode == "rev" and not fallback and not functorch_loops:
+    if mode is not None and not fallback and not functorch_loops:
         # NOTE [named reverse strategies and wrong formulas]
         opts.named = (function_name(prob.f), function_key(prob.f))
     watched = () if is_nested() else captured_tensors(prob.f)  # (buffers_kept's)

@@ -56,8 +56,9 @@ class Opts:
         detached: the result needs no autograd graph (NOTE [no graph outlives its chunk]).
         vmap_single: a single product runs under vmap too, as torch.func.jacrev runs it
             (NOTE [the gradient inside a Hessian] in :mod:`torch_vjp._engine.hessian`); by default it is a plain call.
-        named: for a reverse strategy the caller named (not "auto"), f's name and key: its
-            products read f's graph for operators torch differentiates wrongly (NOTE
+        named: for a strategy the caller named (not "auto"), f's name and key: its
+            products read f's graph for operators torch differentiates wrongly in that
+            mode (NOTE
             [named reverse strategies and wrong formulas] in
             :mod:`torch_vjp._engine.wrongops`); None otherwise.
         hessian: for the gradient inside a Hessian, f's name and the strategy the Hessian

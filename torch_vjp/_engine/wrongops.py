@@ -3,9 +3,10 @@ reverse strategy.
 
 NOTE [named reverse strategies and wrong formulas]
 "auto" checks its route against other products (NOTE [auto, checked once], NOTE [a reverse
-product checked forward]); a named strategy computes what was asked, unchecked. Three of
-torch's (2.13) derivatives are known wrong, and reverse mode through them returned a wrong
-Jacobian without a word:
+product checked forward]); a named strategy computes what was asked, unchecked. Four of
+torch's (2.13) backward derivatives are known wrong, and reverse mode through them returned
+a wrong Jacobian without a word (the forward-mode formulas torch has wrong, and the named
+forward strategies' refusal, are in :data:`WRONG_FORWARD` and :mod:`torch_vjp._engine.fwd_wrong`):
 
 * the batching rule of ``torch.cdist``'s backward (``CdistBackward0``): the products under
   torch.vmap are off by a relative error near 1; each alone is right. ``strategy="rev"``
@@ -25,7 +26,12 @@ Jacobian without a word:
   against forward mode over 1,286 random sizes, scales and ``align_corners``: no case
   missed, none refused that is right); elsewhere its backward is right and nothing is
   refused. Refused as
-  above, with ``"fwd"`` (torch.vmap runs its forward formula) as the fix.
+  above, with ``"fwd"`` (torch.vmap runs its forward formula) as the fix;
+* the backward formula of ``F.max_unpool1d/2d/3d`` (``MaxUnpool2DBackward0``,
+  ``MaxUnpool3DBackward0``) where the indices repeat within a plane: reverse mode passes the
+  gradient of the one output element written to every input that named it (forward mode is
+  right). With ``max_pool``'s own indices they do not repeat and nothing is refused
+  (:func:`_unpool_wrong`). Refused as above.
 
 ``torch_vjp.vjp`` reads the graph its own call of f builds for the same operators: its
 ``vjp_fn`` refuses the products through ``torch.as_strided_scatter``'s wrong backward (as
