@@ -28,7 +28,7 @@ __all__ = ["results_agree", "ROUNDING_FLOOR", "GraphPrecision", "Recompiled",
            "recompile_refused", "recompiled_why", "FirstRun", "graph_safe_mode", "warn_rebuilt",
            "warn_eager", "compile_failure", "COMPILED_STRATEGIES", "check_compile",
            "check_compilable", "warn_budget", "program_mode", "user_stance",
-           "compiles_nothing", "dynamo_disabled", "stance_held", "BACKEND"]
+           "compiles_nothing", "dynamo_disabled", "stance_held", "static_shapes", "BACKEND"]
 
 
 def results_agree(ref: Any, got: Any, least: torch.dtype | None = None) -> str | None:
@@ -378,6 +378,24 @@ def warn_eager(call: str, f: object, why: str) -> None:
 # --------------------------------------------------------------------------------------
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+def static_shapes() -> Any:
+    """Dynamo's settings for a trace of one shape, for the duration of a first compiled call
+    (NOTE [static shapes, once])."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False,
+                                      assume_static_by_default=True)
+
+
+# NOTE [static shapes, once]
+# A program is traced for the shapes of its first call alone (the key holds every primal's
+# shape and strides: a call with others finds another entry). ``torch.compile(...,
+# dynamic=False)`` says so by patching dynamo's config (``assume_static_by_default``,
+# ``automatic_dynamic_shapes``) around every call of the compiled function: 10-15 us of
+# each steady call spent setting and resetting two settings that only a trace reads. Every
+# trace of an entry's code after its first is refused by its sealed backend (NOTE [a
+# recompiled entry] in :mod:`torch_vjp._engine.compiled`), so the first call alone traces
+# with them: it runs inside :func:`static_shapes`, and later calls run without the patch.
 
 
 def program_mode() -> Any:

@@ -80,8 +80,8 @@ from torch_vjp._engine.compile_checks import (COMPILED_STRATEGIES, FirstRun, Gra
                                               compile_failure, compiles_nothing,
                                               dynamo_disabled, program_mode,
                                               recompile_refused, recompiled_why, results_agree,
-                                              stance_held, user_stance, warn_budget, warn_eager,
-                                              warn_rebuilt)
+                                              stance_held, static_shapes, user_stance,
+                                              warn_budget, warn_eager, warn_rebuilt)
 from torch_vjp._engine.compile_key import (HOOK_GUARDS, GuardReads, Reads, call_signature,
                                           held_key, key_stem, module_flags, program_key,
                                           tracing)
@@ -565,12 +565,12 @@ def _compile_first(
                                 name if fold else f"{name}_unfolded")
                 precision = GraphPrecision(fold=fold)
                 guards = GuardReads(len(args) - passed, passed)
-                program = torch.compile(own, fullgraph=True, dynamic=False,
-                                        backend=precision,
+                program = torch.compile(own, fullgraph=True, backend=precision,
                                         options={"guard_filter_fn": guards})
                 # (NOTE [a program that writes nothing] in compile_memo.py)
                 footprint = Footprint(reached(f)[1], _trees_reached(f, args))
-                with program_mode():
+                with program_mode(), static_shapes():  # (NOTE [static shapes, once] in
+                    # compile_checks.py)
                     got = program(f, *args, *fresh())
                 entry.writes = footprint.moved()
         except Exception as err:  # noqa: BLE001 - torch.compile's failure: eager stands
