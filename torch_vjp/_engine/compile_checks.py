@@ -134,12 +134,14 @@ class GraphPrecision:
         from torch._inductor import config
 
         from torch_vjp._engine.basis_fold import BasisFold
+        from torch_vjp._engine.compile_conv import conv_input_grads
         from torch_vjp._engine.onednn import OneDnnProducts, faster_here
 
         after = config.post_grad_custom_post_pass  # (one set already runs first)
         after = [] if not after else list(after) if isinstance(after, (list, tuple)) \
             else [after]
         after.append(_overlap_copies())  # NOTE [a scatter into an expanded tensor]
+        after.append(conv_input_grads())  # NOTE [a convolution's input gradient, transposed]
         with config.patch({"post_grad_custom_pre_pass": BasisFold() if self.fold else None,
                            "post_grad_custom_post_pass": [*after, OneDnnProducts()]
                            if faster_here() else after,
