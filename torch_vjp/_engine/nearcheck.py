@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -135,60 +136,116 @@ class NearSides:
 
 
 def near_sides(prob: Problem, outputs: Callable[[Sequence[Tensor]], tuple[Tensor, ...]],
-               us: Sequence[Tensor], vs: Sequence[Tensor], redraw: Callable[[], None]
+               us: Sequence[Tensor], vs: Sequence[Tensor], redraw: Callable[[], None],
+               agree: Callable[[bool, BaseException | None], bool] | None = None
                ) -> NearSides | None:
     """The products of NOTE [auto, checked near the point] at :func:`near_leaves`, with
     the check's cotangents ``us`` (shaped like f's flat outputs at x) and tangents ``vs``;
     ``outputs(xs)`` calls f at the leaves ``xs`` (flat outputs). None where f cannot be
     computed there as at x (an error, NaN, infinities, a non-float output, another shape
-    or dtype)."""
-    xs = near_leaves(prob.leaves)
-    try:
+    or dtype). ``agree(flag, err)``: with a process group, whether ``flag`` (this rank's
+    step failed) holds on some rank, raising on every rank where some rank's ``err`` (out
+    of memory) is not None (NOTE [a reverse product checked forward, on every rank alike]
+    in :mod:`torch_vjp._engine.revcheck`): each step that decides whether f (or its
+    backward) is called again goes on only where it did on every rank, so every rank calls
+    them as many times, and an error escapes on every rank or none. None: one process
+    (the error raised)."""
+    near = _step(lambda: near_leaves(prob.leaves), agree)
+    if near is None:
+        return None
+    xs = near
+
+    def forward() -> tuple[Sequence[Tensor], Sequence[Tensor]] | None:
         redraw()
         with torch.enable_grad():
             prob.reset_primals()
             outs, tangents = torch.func.jvp(lambda *ys: outputs(ys), tuple(xs), tuple(vs))
-        if not _like(outs, us) or not _finite(tangents):
-            return None
+        return (outs, tangents) if _like(outs, us) and _finite(tangents) else None
+
+    jvp = _step(forward, agree)
+    if jvp is None:
+        return None
+    tangents = jvp[1]
+    live = [x.detach().requires_grad_(True) for x in xs]
+
+    def call() -> tuple[list[Tensor], list[tuple[Tensor, Tensor]], bool] | None:
         redraw()
         with torch.enable_grad():
             prob.reset_primals()
-            live = [x.detach().requires_grad_(True) for x in xs]
             outs = list(outputs(live))
             if not _like(outs, us) or not _finite(outs):
                 return None
             pairs = [(o, u) for o, u in zip(outs, us) if o.requires_grad]
             if not pairs:
                 return None
-            known = wrong_ops([o for o, _ in pairs]) != (None, None)
-            got = torch.autograd.grad([o for o, _ in pairs], live, [u for _, u in pairs],
-                                      allow_unused=True)
+            return outs, pairs, wrong_ops([o for o, _ in pairs]) != (None, None)
+
+    called = _step(call, agree)  # (before f's backward: it may run a collective too)
+    if called is None:
+        return None
+    outs, pairs, known = called
+
+    def backward() -> list[Tensor] | None:
+        got = torch.autograd.grad([o for o, _ in pairs], live, [u for _, u in pairs],
+                                  allow_unused=True)
         grads = [torch.zeros_like(x) if g is None else g.detach() for x, g in zip(xs, got)]
-        if not _finite(grads):
-            return None
-    except Exception as err:  # noqa: BLE001 - at a point the caller did not pass: x's
-        if stops_the_call(err):  # check stands
-            raise
+        return grads if _finite(grads) else None
+
+    grads = _step(backward, agree)
+    if grads is None:
         return None
     return NearSides(xs, [o.detach() for o in outs], tangents, grads,
-                     _batched(prob, outputs, xs, us, redraw), known)
+                     _batched(prob, outputs, xs, us, redraw, agree), known)
+
+
+T = TypeVar("T")
+
+
+def _step(run: Callable[[], T | None],
+          agree: Callable[[bool, BaseException | None], bool] | None) -> T | None:
+    """``run()``, None where it failed (its error at a point the caller did not pass: x's
+    check stands) or returned None; with ``agree`` (a process group), None on every rank
+    where it failed on some, and out of memory on some rank raises on every rank. Out of
+    memory raises."""
+    got, stop = None, None
+    try:
+        got = run()
+    except Exception as err:  # noqa: BLE001 - at a point the caller did not pass: x's
+        if not stops_the_call(err):  # check stands
+            got = None
+        elif agree is None:
+            raise
+        else:
+            stop = err
+    if agree is not None and agree(got is None, stop):
+        return None
+    return got
 
 
 def _batched(prob: Problem, outputs: Callable[[Sequence[Tensor]], tuple[Tensor, ...]],
-             xs: list[Tensor], us: Sequence[Tensor], redraw: Callable[[], None]
+             xs: list[Tensor], us: Sequence[Tensor], redraw: Callable[[], None],
+             agree: Callable[[bool, BaseException | None], bool] | None = None
              ) -> list[Tensor] | None:
     """``u^T J`` at ``xs`` computed under torch.vmap beside another cotangent (``u``
-    reversed), the first row of the two; None where vmap cannot run f."""
+    reversed), the first row of the two; None where vmap cannot run f (``agree``: its
+    backward runs on every rank or none, as in :func:`near_sides`)."""
     cots = tuple(torch.stack([u, u.reshape(-1).flip(0).reshape(u.shape)]) for u in us)
-    try:
+
+    def call() -> Callable[..., Any]:
         redraw()
         with torch.enable_grad():
             prob.reset_primals()
-            _, pullback = torch.func.vjp(lambda *ys: outputs(ys), *xs)
-            rows = torch.func.vmap(lambda *c: pullback(tuple(c)))(*cots)
-    except Exception as err:  # noqa: BLE001 - no batching rule: the loop's rows stand
-        if stops_the_call(err):
-            raise
+            return torch.func.vjp(lambda *ys: outputs(ys), *xs)[1]
+
+    pullback = _step(call, agree)  # (no batching rule: the loop's rows stand)
+    if pullback is None:
+        return None
+    def pull() -> Any:
+        with torch.enable_grad():
+            return torch.func.vmap(lambda *c: pullback(tuple(c)))(*cots)
+
+    rows = _step(pull, agree)
+    if rows is None:
         return None
     flat, _ = tree_flatten(rows)
     if len(flat) != len(xs):

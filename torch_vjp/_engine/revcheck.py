@@ -276,14 +276,10 @@ def _near(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
     # (each step's errors at a point the caller did not pass are caught where they happen,
     # and x's check stands; out of memory stops the call, on every rank)
     _, us, grads = got
-    sides, stop = None, None
-    try:
-        sides = near_sides(prob, lambda ys: _outputs(prob, ys), us, vs, redraw)
-    except Exception as err:  # noqa: BLE001 - near_sides raises what stops the call only
-        stop = err
-    if not _everywhere(agree, sides is not None, stop):
+    # (every step agreed: None on every rank, or an error no check may hide on every rank)
+    sides = near_sides(prob, lambda ys: _outputs(prob, ys), us, vs, redraw, agree)
+    if sides is None:
         return None
-    assert sides is not None
     forward, f_size = _dot(us, sides.tangents)
     reverse, r_size = _dot(sides.grads, vs)
     # (a known wrong operator: its own route and words)
