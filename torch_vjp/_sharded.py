@@ -478,7 +478,9 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
             mine, err = None, exc
         ok, d, s, failed = verdict(mine, prob.leaves[0].dtype, err is not None, group, device)
         if not ok and not failed:  # (on every rank alike: NOTE [sharded auto, checked])
-            ok, s, failed, err = noise_verdict(prob, d, s, mine, floor, group, device)
+            ok, s = noise_verdict(prob, d, s, mine, floor, group, device,
+                                  lambda e: _raise_failure(prob, e, group, work.rank,
+                                                           work.world))
         if failed:
             _raise_failure(prob, err, group, work.rank, work.world)
         return ok, d, s

@@ -41,7 +41,7 @@ import hashlib
 import math
 import random
 import sys
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._errors import JacobianCallError, quote_error, shape_str
 from torch_vjp._sharded_buffers import rank0_buffers, unsynced_buffer
+from torch_vjp._sharded_forward import agreeing
 from torch_vjp._sharded_words import (
     argument_differs,
     call_differs,
@@ -173,36 +174,33 @@ def verdict(gap: tuple[float, float, float] | None, dtype: torch.dtype, failed: 
 
 
 def noise_verdict(prob: Problem, diff: float, scale: float, gap: Any, floor: list[float],
-                  group: Any, device: torch.device
-                  ) -> tuple[bool, float, bool, BaseException | None]:
-    """``(agrees, scale, failed, this rank's error)`` where :func:`verdict` found a
-    disagreement: compared again at the scale of the numbers the products were computed from
-    (NOTE [the scale of what is compared] in ``torch_vjp._engine.fwdnoise``), measured once
-    per check (``floor`` keeps it) on every rank, each its own reverse products' rounding,
-    the largest taken: the verdict is the same on every rank, so every rank calls f as many
-    times, and an f that runs collectives pairs with the other ranks' calls."""
+                  group: Any, device: torch.device,
+                  fail: Callable[[BaseException | None], None]) -> tuple[bool, float]:
+    """``(agrees, scale)`` where :func:`verdict` found a disagreement: compared again at the
+    scale of the numbers the products were computed from (NOTE [the scale of what is
+    compared] in ``torch_vjp._engine.fwdnoise``), measured once per check (``floor`` keeps
+    it) on every rank, each its own reverse products' rounding, the largest taken: the
+    verdict is the same on every rank, so every rank calls f as many times, and an f that
+    runs collectives pairs with the other ranks' calls. Each step of the measure is agreed
+    too (``reverse_noise``'s ``agree``): a rank whose products do not scale exactly with
+    their cotangent, or fail, stops it on every rank (it had stopped alone, and the others
+    called f's backward again); ``fail(err)`` raises on every rank where some rank's step
+    raised an error no check may hide."""
     import torch.distributed as dist
 
     if not math.isfinite(diff):
-        return False, scale, False, None
-    err = None
+        return False, scale
     if not floor:
         # (the rounding of the least precise dtype this rank's graph computes in: own_gap's
         # rtol is its sqrt(eps); noise / eps, fwdnoise.rounding_scale, is the scale)
         rtol = max(gap[2] if gap is not None else 0.0, tolerance(prob.leaves[0].dtype))
-        try:
-            noise = reverse_noise(prob)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
-            noise, err = 0.0, exc
+        noise = reverse_noise(prob, agreeing(group, device, fail))
         own = noise / rtol ** 2 if math.isfinite(noise) else 0.0
-        t = torch.tensor([own, float(err is not None), rtol], dtype=torch.float64,
-                         device=device)
+        t = torch.tensor([own, rtol], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if t[1].item():
-            return False, scale, True, err
-        floor += [float(t[0]), float(t[2])]
+        floor += [float(t[0]), float(t[1])]
     scale = max(scale, floor[0])
-    return diff <= floor[1] * scale, scale, False, None
+    return diff <= floor[1] * scale, scale
 
 
 #: Elements of a tensor checksummed at a time: the float64 temporaries of one chunk (about

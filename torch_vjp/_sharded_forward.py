@@ -60,10 +60,10 @@ from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.revcheck import Agree, ReverseWrong, reverse_wrong
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = ["forward_instead", "gathered_ops", "known_route"]
+__all__ = ["agreeing", "forward_instead", "gathered_ops", "known_route"]
 
 
-def _agree(group: Any, device: torch.device, fail: Callable[[BaseException | None], None]
+def agreeing(group: Any, device: torch.device, fail: Callable[[BaseException | None], None]
            ) -> Agree:
     """``reverse_wrong``'s ``agree`` hook for ``group`` (NOTE [a reverse product checked
     forward, on every rank alike] in ``torch_vjp._engine.revcheck``): one ``all_reduce``
@@ -102,7 +102,7 @@ def _found(prob: Problem, redraw: Callable[[], None], agree: Agree
 
     def noise() -> float:  # NOTE [the scale of what is compared]
         if not floor:
-            floor.append(rounding_scale(reverse_noise(prob), dtype))
+            floor.append(rounding_scale(reverse_noise(prob, agree), dtype))
         return floor[0]
 
     wrong = reverse_wrong(prob, got, redraw, rtol, noise, agree)
@@ -198,7 +198,7 @@ def forward_instead(
     raised."""
     # (every step agreed: None on every rank, or a ReverseWrong on every rank; an error no
     # check may hide raised on every rank)
-    found = _found(prob, redraw, _agree(group, device, fail))
+    found = _found(prob, redraw, agreeing(group, device, fail))
     if found is None:
         return None
     found = _finder(found, group)

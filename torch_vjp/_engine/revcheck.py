@@ -238,7 +238,7 @@ def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Ten
         abs(difference - forward) > 0.1 * abs(forward - reverse))
     if not agree(mine, None):
         return None
-    linear, op, stop = _linear(prob, us, redraw)
+    linear, op, stop = _linear(prob, us, redraw, agree=agree)
     # (not linear: a hook that clips the gradient: f's backward is its own, no formula's)
     mine = mine and linear
     if not agree(mine, stop):
@@ -294,7 +294,7 @@ def _near(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
             abs(difference - forward) > 0.1 * abs(forward - reverse))
         if not agree(mine, None):
             return None
-        linear, found.op, stop = _linear(prob, us, redraw, at=sides.xs)
+        linear, found.op, stop = _linear(prob, us, redraw, at=sides.xs, agree=agree)
         mine = mine and linear
         if not agree(mine, stop if stop is not None and stops_the_call(stop) else None):
             return None
@@ -311,7 +311,7 @@ def _near(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Tensor]],
 
 
 def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
-            at: Sequence[Tensor] | None = None
+            at: Sequence[Tensor] | None = None, agree: Agree = alone
             ) -> tuple[bool, str | None, BaseException | None]:
     """Whether f's reverse products scale exactly with their cotangent (``us``), as those of
     backward formulas do (:func:`~torch_vjp._engine.fwdnoise._homogeneous`); not where a
@@ -319,7 +319,8 @@ def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
     design. With it, the operator with a known wrong backward that the graph of this call
     holds (:func:`~torch_vjp._engine.wrongops.wrong_ops`; None: none), for the warning's
     words, and the error no check may hide that stopped it (None: none), for the caller's
-    ``agree``. ``at``: the point, where not the leaves'."""
+    ``agree``. ``at``: the point, where not the leaves'; ``agree``: each product on every
+    rank or none (:func:`~torch_vjp._engine.fwdnoise._homogeneous`)."""
     try:
         redraw()
         with torch.enable_grad():
@@ -335,7 +336,7 @@ def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
                                            retain_graph=True, allow_unused=True)
 
             a = [u for _, u in live]
-            return _homogeneous(product, a, product(a)), op, None
+            return _homogeneous(product, a, None, agree, passes_through), op, None
     except Exception as err:  # noqa: BLE001 - plain autograd cannot run f: nothing to tell
         return False, None, err if passes_through(err) else None
 
