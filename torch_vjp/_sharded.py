@@ -384,7 +384,8 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     if shard:
         values = tree_unflatten(list(stacked), prob.in_spec if mode == "rev" else spec)
         return JacobianShard(values, mode, start, stop, n, aux)
-    full = [gather(t, n, group, world, device) for t in stacked]
+    full = gather(list(stacked), n, group, world, device,
+                  lambda e: _raise_failure(prob, e, group, rank, world))
     if mode == "rev":
         blocks, views = rev_blocks(full, rows_out, batch)
     else:

@@ -51,8 +51,8 @@ from torch_vjp._strategies import Strategy
 
 __all__ = [
     "FAILED", "NO_FWD", "OK", "PASSES", "RETRY", "Work", "all_max", "comm_device", "exchange",
-    "gather", "outputs_apart",
-    "outputs_said", "padded_count", "probe_outputs", "shard_range", "try_products",
+    "gather", "outputs_apart", "outputs_said", "padded_count", "probe_outputs", "shard_range",
+    "try_products",
 ]
 
 # A rank's status in the exchanges after its products (RETRY: "auto"'s vmap, or its loop,
@@ -174,25 +174,32 @@ def outputs_apart(call: str, said: Any, group: Any) -> None:
     outputs_differ(call, gathered[0], gathered[r], r)
 
 
-def gather(t: Tensor, n: int, group: Any, world: int, device: torch.device) -> Tensor:
-    """All ranks' shards of one stacked tensor, in rank order: each padded to the largest
-    share, gathered, and cut back (NOTE [sharded Jacobian] in ``torch_vjp._sharded``)."""
+def gather(stacked: list[Tensor], n: int, group: Any, world: int, device: torch.device,
+           fail: Any) -> list[Tensor]:
+    """All ranks' shards of each stacked tensor, in rank order: each padded to the largest
+    share, gathered, and cut back (NOTE [sharded Jacobian] in ``torch_vjp._sharded``). Before
+    each ``all_gather`` and after the last, an ``all_reduce`` says whether some rank failed
+    (out of memory): ``fail(err)`` raises on every rank, none left waiting in a gather."""
     import torch.distributed as dist
-
-    m = -(-n // world)
-    tail = t.shape[1:]
-    src = t.to(device)
-    if src.shape[0] < m or not src.is_contiguous():
-        padded = src.new_zeros((m, *tail))
-        padded[: src.shape[0]] = src
-        src = padded
-    pieces = [src.new_empty((m, *tail)) for _ in range(world)]
-    dist.all_gather(pieces, src, group=group)
-    parts = []
-    for r, piece in enumerate(pieces):
-        a, b = shard_range(n, r, world)
-        parts.append(piece[: b - a])
-    return torch.cat(parts).to(t.device)
+    m, full, err = -(-n // world), [], None
+    for t in stacked + [None]:  # (None: the last status, after the last gather)
+        try:
+            if t is not None and err is None:
+                src = torch.cat([t, t.new_zeros((m - t.shape[0], *t.shape[1:]))]).to(device)
+                pieces = [src.new_empty(src.shape) for _ in range(world)]
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it before the gather
+            err = exc
+        if all_max(int(err is not None), group, device):
+            fail(err)
+        if t is None:
+            return full
+        dist.all_gather(pieces, src, group=group)
+        try:
+            full.append(torch.cat([p[: b - a] for r, p in enumerate(pieces)
+                                   for a, b in [shard_range(n, r, world)]]).to(t.device))
+        except Exception as exc:  # noqa: BLE001 - told at the next status
+            err = exc
+    return full
 
 
 def comm_device(group: Any, device: torch.device) -> torch.device:
@@ -219,7 +226,6 @@ def _own(stacked: list[Tensor], k: int) -> list[Tensor]:
     """This rank's ``k`` products of the padded ones it ran (NOTE [every rank runs as many
     products])."""
     return [t if t.shape[0] == k else t[:k] for t in stacked]
-
 
 
 class Work:
