@@ -84,8 +84,60 @@ def _one_rank_not_linear(rank, world, group):
     assert counts[0] == counts[1], counts
 
 
+def _one_rank_runs_out_of_memory(rank, world, group):
+    """Rank 0's backward is not linear in its cotangent (the routes disagree, and the
+    rounding is measured); rank 1's runs out of memory on its third product with a cotangent
+    that is no row of the Jacobian (the second of the measure): rank 1 raises its own
+    error, rank 0 an error naming rank 1 and quoting it, and neither waits for the other."""
+    seen = [0]
+
+    class Twice(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            _meet(group, world)
+            extra = g.abs().sum() - g.abs().amax()  # (0 for a row of the Jacobian)
+            if rank == 0:
+                return g * 2 + 1e-3 * extra ** 2
+            if not torch._C._functorch.is_batchedtensor(g) and bool(extra != 0):
+                seen[0] += 1
+                if seen[0] == 3:
+                    raise MemoryError("rank 1 ran out of memory measuring")
+            return g * 2
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t * 2
+
+    def f(x):
+        _meet(group, world)
+        return (Twice.apply(x)[:3] * x[3:]).sin()
+
+    x = torch.tensor([0.37, -0.71, 0.44, 0.92, -0.26, 0.57], dtype=DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if rank == 1:
+            with pytest.raises(MemoryError, match="rank 1 ran out of memory measuring"):
+                tv.jacobian(f, x, process_group=group)
+        else:
+            with pytest.raises(tv.JacobianCallError) as info:
+                tv.jacobian(f, x, process_group=group)
+            said = str(info.value)
+            assert "rank 1 of the process_group failed" in said, said
+            assert "MemoryError: rank 1 ran out of memory measuring" in said, said
+
+
 def _two_ranks(rank, world, init_file):
-    in_gloo_group(rank, world, init_file, (_one_rank_not_linear,))
+    in_gloo_group(rank, world, init_file, (_one_rank_not_linear, _one_rank_runs_out_of_memory))
 
 
 def test_the_measure_of_rounding_goes_one_way_on_every_rank(spawn_within):
