@@ -302,9 +302,6 @@ def test_dropout_mask_per_example(strategy):
     torch.testing.assert_close(count, count.round())
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="squared norms are taken in the parameters' dtype: "
-                   "a float32 gradient of norm above ~1.8e19 overflows to inf and the "
-                   "example drops out of the clipped sum")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_float32_norm_whose_square_overflows(strategy):
     """An example whose float32 gradient is finite, of norm 1.8e20 (float32 holds it; its

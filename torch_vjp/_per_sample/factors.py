@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._per_sample.keep import Kept, KeepBudget, kept_weighted_sum
+from torch_vjp._per_sample.norms_wide import wide_dtype, wide_sq_rows
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -100,7 +101,8 @@ def full_precision(device: torch.device) -> Any:
 
 
 def sq_norms_rows(v: Tensor) -> Tensor:
-    """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``."""
+    """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``, in ``v``'s dtype (inf
+    past its range: the factors take :func:`wide_sq_rows`, NOTE [norms past the square])."""
     rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)
     # (one reduction: linalg.vecdot would first form the B x P product of the rows)
     return torch.linalg.vector_norm(rows, dim=1).square_()
@@ -120,8 +122,10 @@ def ghost_unsure(sq: Tensor, products: Tensor, width: int) -> Tensor:
     unit = max(torch.finfo(sq.dtype).eps, torch.finfo(products.dtype).eps)
     tol = 1e3 * unit * math.sqrt(width + 1)  # (a 1e-3 relative error, at the estimate)
     diag = products.diagonal(dim1=1, dim2=2).sum(1)
-    # (an example with no gradient at all, diag 0, has nothing to cancel)
-    return ((sq <= tol * diag) & (diag > 0)).nonzero().view(-1)
+    # (an example with no gradient at all, diag 0, has nothing to cancel; one whose products
+    # overflowed, diag inf, a sum inf or NaN, gets the direct norm: NOTE [norms past the
+    # square])
+    return (~(sq > tol * diag) & (diag > 0)).nonzero().view(-1)
 
 
 def ghost_sq_norms(a: Tensor, g: Tensor) -> Tensor:
@@ -133,10 +137,11 @@ def ghost_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     q = g.shape[2]
     products = torch.bmm(a, a.mT).mul_(torch.bmm(g, g.mT))
     out = products.view(n, -1).sum(1)
+    out = out.to(wide_dtype(out.dtype, out.device))
     unsure = ghost_unsure(out, products, p + q)
     for first, last in chunks(unsure.numel(), p * q, None, NORM_CHUNK_ELEMENTS):
         idx = unsure[first:last]
-        out[idx] = sq_norms_rows(torch.bmm(g[idx].mT, a[idx])).to(out.dtype)
+        out[idx] = wide_sq_rows(torch.bmm(g[idx].mT, a[idx]))
     return out
 
 
@@ -181,17 +186,18 @@ class Factor:
         """The ``(B,)`` squared L2 norms of the per-sample gradients of this region. With
         ``keep``, per-sample gradients formed for them are kept in :attr:`kept` where the
         budget allows."""
-        out = torch.empty(self.batch, dtype=self._dtype(), device=self._device())
+        dtype, device = self._dtype(), self._device()
+        out = torch.empty(self.batch, dtype=wide_dtype(dtype, device), device=device)
         numel = math.prod(self.region_shape)
-        kept = keep.buffer(self.batch, self.region_shape, out) if keep is not None else None
+        kept = (keep.buffer(self.batch, self.region_shape, out.new_empty(0, dtype=dtype))
+                if keep is not None else None)
         for s, e in chunks(self.batch, numel, chunk_size, NORM_CHUNK_ELEMENTS):
             if kept is not None:
                 buf = kept[s:e]
             else:
-                buf = torch.empty((e - s, *self.region_shape), dtype=out.dtype,
-                                  device=out.device)
+                buf = torch.empty((e - s, *self.region_shape), dtype=dtype, device=device)
             self.write_range(buf, s, e, False)
-            out[s:e] = sq_norms_rows(buf)
+            out[s:e] = wide_sq_rows(buf)
         self.kept = kept
         return out
 
@@ -243,7 +249,7 @@ class SmallFactor(Factor):
         self.write_range(out, 0, self.batch, accumulate)
 
     def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
-        return self._sq() if self._sq is not None else sq_norms_rows(self.value)
+        return self._sq() if self._sq is not None else wide_sq_rows(self.value)
 
     def weighted_sum(self, c: Tensor) -> Tensor:
         v = self.value
@@ -312,7 +318,7 @@ class OuterFactor(Factor):
     def g_sq_norms(self) -> Tensor:
         """``||g_i||^2`` for ``T == 1`` (made once; a bias's squared norms, too)."""
         if self._g_sq is None:
-            self._g_sq = sq_norms_rows(self.g2 if self.g2 is not None else self.g[:, 0])
+            self._g_sq = wide_sq_rows(self.g2 if self.g2 is not None else self.g[:, 0])
         return self._g_sq
 
     @property
@@ -368,13 +374,13 @@ class OuterFactor(Factor):
 
     def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
         if self.a2 is not None:
-            return sq_norms_rows(self.a2).mul_(self.g_sq_norms())
+            return wide_sq_rows(self.a2).mul_(self.g_sq_norms())
         a, g = self.a, self.g
         B, T, p = a.shape
         q = g.shape[2]
         if T == 1:
-            return sq_norms_rows(a).mul_(self.g_sq_norms())
-        out = a.new_empty(B)
+            return wide_sq_rows(a).mul_(self.g_sq_norms())
+        out = a.new_empty(B, dtype=wide_dtype(a.dtype, a.device))
         if self.use_ghost():
             for s, e in chunks(B, 2 * T * T, chunk_size, NORM_CHUNK_ELEMENTS):
                 out[s:e] = ghost_sq_norms(a[s:e], g[s:e])
@@ -387,7 +393,7 @@ class OuterFactor(Factor):
                 elif buf is None or buf.shape[0] != e - s:
                     buf = a.new_empty((e - s, q, p))
                 torch.bmm(g[s:e].mT, a[s:e], out=buf)
-                out[s:e] = sq_norms_rows(buf)
+                out[s:e] = wide_sq_rows(buf)
             self.kept = kept if kept is None or not self.transposed else kept.mT
         return out
 
@@ -484,8 +490,8 @@ class EmbeddingFactor(Factor):
         B, T, D = self.g.shape
         uniq, inv = torch.unique(self._keys(), return_inverse=True)
         acc = self.g.new_zeros((uniq.numel(), D)).index_add_(0, inv, self.g.reshape(B * T, D))
-        rows = sq_norms_rows(acc)
-        return self.g.new_zeros(B).index_add_(
+        rows = wide_sq_rows(acc)
+        return rows.new_zeros(B).index_add_(
             0, torch.div(uniq, self.num, rounding_mode="floor"), rows
         )
 
@@ -566,11 +572,11 @@ def region_sq_norms(factors: list[Factor], shape: tuple[int, ...], batch: int, l
                 sq = m.sq_norms(None)  # type: ignore[union-attr]
                 total = sq if total is None else total + sq
             return total  # type: ignore[return-value]
-    out = like.new_empty(batch)
+    out = like.new_empty(batch, dtype=wide_dtype(like.dtype, like.device))
     for s, e in chunks(batch, math.prod(shape), None, NORM_CHUNK_ELEMENTS):
         buf = like.new_empty((e - s, *shape))
         _write_range(factors, buf, s, e)
-        out[s:e] = sq_norms_rows(buf)
+        out[s:e] = wide_sq_rows(buf)
     return out
 
 

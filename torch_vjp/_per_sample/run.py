@@ -10,7 +10,7 @@ elsewhere.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,9 +43,15 @@ from torch_vjp._per_sample.factors import (
     full_precision,
     region_sq_norms,
     region_weighted_sum,
-    sq_norms_rows,
     widened,
     write_region,
+)
+from torch_vjp._per_sample.norms_wide import (
+    Narrowed,
+    clip_factors,
+    total_sq,
+    wide_dtype,
+    wide_sq_rows,
 )
 from torch_vjp._per_sample.keep import KEEP_ELEMENTS, KeepBudget
 from torch_vjp._per_sample.fallback import CannotBatch, fallback_grads, warn_loop
@@ -445,6 +451,8 @@ def norms_and_sums(
     like = next(iter(sel.tensors.values()))
     if like.is_complex():  # (squared norms are real)
         like = like.real
+    # (squared norms in float64: NOTE [norms past the square] in norms_wide)
+    wide = wide_dtype(like.dtype, like.device)
     per_param: dict[str, Tensor] = {}
     # (the clipped step keeps per-sample gradients formed for a norm, within a budget, for
     # its sum: see KEEP_ELEMENTS)
@@ -460,18 +468,18 @@ def norms_and_sums(
             else:
                 per_param[n] = (
                     region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)
-                    if fs else like.new_zeros(batch)
+                    if fs else like.new_zeros(batch, dtype=wide)
                 )
         for n in plan.zero_params:
-            per_param[n] = like.new_zeros(batch)
-    sq = _total(per_param.values(), like, batch)
+            per_param[n] = like.new_zeros(batch, dtype=wide)
+    sq = total_sq(per_param.values(), like, batch)
     sums: dict[str, Tensor] | None = {} if max_norm is not None else None
     vmap_names, loop_names = _fallback_names(plan, res)
     groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
               if names]
 
     def add_sums(s: int, e: int, g: dict[str, Tensor]) -> None:
-        c = clip_factors(sq[s:e], max_norm)  # type: ignore[arg-type]
+        c = clip_factors(sq[s:e], max_norm, like.dtype)  # type: ignore[arg-type]
         # (with autocast off, at float32's precision at least: NOTE [norms at float32's
         # precision] in torch_vjp._per_sample.factors)
         with full_precision(like.device):
@@ -489,7 +497,7 @@ def norms_and_sums(
     # made the clip factors, and a clipped contribution could pass max_norm.)
     for names, _ in groups:
         for n in names:
-            per_param[n] = like.new_zeros(batch)
+            per_param[n] = like.new_zeros(batch, dtype=wide)
     step = min((_fallback_chunk(sel, names, batch) for names, _ in groups), default=1)
     for s in range(0, batch if groups else 0, step):
         e = min(batch, s + step)
@@ -502,43 +510,23 @@ def norms_and_sums(
         with grad_enabled(False):
             for names, _ in groups:
                 for n in names:
-                    per_param[n][s:e] = sq_norms_rows(g[n])
+                    per_param[n][s:e] = wide_sq_rows(g[n])
                     sq[s:e] += per_param[n][s:e].to(sq.dtype)
             if sums is not None:
                 add_sums(s, e, g)
         del g
-    norms = sq.clamp_min_(0).sqrt()  # (ghost norms can round to a hair below zero)
+    # (ghost norms can round to a hair below zero)
+    norms = sq.clamp_min_(0).sqrt().to(like.dtype)
     if sums is not None:
-        c = clip_factors(sq, max_norm)  # type: ignore[arg-type]
+        c = clip_factors(sq, max_norm, like.dtype)  # type: ignore[arg-type]
         with grad_enabled(False), full_precision(like.device):
             for n in plan.rule_params:
                 fs = res.factors.get(n)
                 if n in res.moved or not fs:
                     continue
                 sums[n] = region_weighted_sum(fs, c, sel.tensors[n])
-    return norms, sums, per_param
-
-
-def _total(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
-    """The sum of the parameters' squared norms, in a new tensor of ``like``'s dtype."""
-    vs = list(values)
-    if not vs or any(v.dtype != like.dtype for v in vs):
-        total = like.new_zeros(batch)
-        for v in vs:
-            total.add_(v)
-        return total
-    if len(vs) == 1:
-        return vs[0].clone()
-    total = torch.add(vs[0], vs[1])
-    for v in vs[2:]:
-        total.add_(v)
-    return total
-
-
-def clip_factors(sq: Tensor, max_norm: float | Tensor) -> Tensor:
-    """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient
-    (``max_norm`` a 0-d tensor in a compiled program)."""
-    return sq.rsqrt().mul_(max_norm).clamp_(max=1.0)
+    # (each parameter's squared norms, for the check against the loop's, in ``like``'s dtype)
+    return norms, sums, Narrowed(per_param, like.dtype)  # type: ignore[return-value]
 
 
 def param_sums(job: Job, sums: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -28,9 +28,9 @@ from torch_vjp._per_sample.factors import (
     SmallFactor,
     chunks,
     ghost_sq_norms,
-    sq_norms_rows,
 )
 from torch_vjp._per_sample.keep import KeepBudget
+from torch_vjp._per_sample.norms_wide import wide_dtype, wide_sq_norms, wide_sq_rows
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
 __all__ = ["ConvFactor", "ConvRule", "ConvTransposeRule", "unfold_nd", "patches_last",
@@ -249,7 +249,7 @@ class ConvFactor(Factor):
         O, cg, k, L = self._dims()
         G = self.groups
         if self._ghost_cheaper():
-            out = self.x.new_zeros(B)
+            out = self.x.new_zeros(B, dtype=wide_dtype(self.x.dtype, self.x.device))
             og = O // G
             per_example = cg * k * L * G + 2 * L * L
             for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
@@ -280,16 +280,16 @@ class ConvFactor(Factor):
         to a convolution's per-sample gradients]) a chunk of examples at a time; each chunk
         appended to ``kept`` where it is a list."""
         B = self.batch
-        out = self.x.new_empty(B)
+        out = self.x.new_empty(B, dtype=wide_dtype(self.x.dtype, self.x.device))
         per_example = self._patches_per_example() if by_patches else self._per_example()
         for s, e in chunks(B, per_example, chunk_size, NORM_CHUNK_ELEMENTS):
             if by_patches:
                 per_sample = self._per_sample_last(s, e)
                 # (one reduction over each example's (O, kh kw C) block, read in place)
-                out[s:e] = torch.linalg.vector_norm(per_sample, dim=(1, 2)).square_()
+                out[s:e] = wide_sq_norms(per_sample)
             else:
                 per_sample = self._per_sample(s, e)
-                out[s:e] = sq_norms_rows(per_sample)
+                out[s:e] = wide_sq_rows(per_sample)
             if kept is not None:
                 kept.append((s, e, per_sample))
         return out

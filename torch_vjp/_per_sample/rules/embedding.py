@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from torch_vjp._per_sample.factors import EmbeddingFactor, Factor
 from torch_vjp._per_sample.keep import KeepBudget
+from torch_vjp._per_sample.norms_wide import wide_sq_norms
 from torch_vjp._per_sample.registry import Rule, register_rule, to_batch_first
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule", "BagFactor"]
@@ -114,7 +115,7 @@ class BagFactor(Factor):
 
     def sq_norms(self, chunk_size: int | None, keep: KeepBudget | None = None) -> Tensor:
         # the pairs are distinct, so each is one row of one example's gradient
-        rows = self.src.square().sum(1)
+        rows = wide_sq_norms(self.src)  # (NOTE [norms past the square])
         return rows.new_zeros(self._batch).index_add_(0, self.ex, rows)
 
     def weighted_sum(self, c: Tensor) -> Tensor:

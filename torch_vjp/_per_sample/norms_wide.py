@@ -1,0 +1,129 @@
+"""Per-example norms whose squares leave the parameters' dtype: NOTE [norms past the square].
+
+NOTE [norms past the square]
+A float32 gradient can be finite with a norm its dtype holds (up to 3.4e38) while its
+squared norm does not (above 1.8e19): ``vector_norm`` itself sums the squares in float32
+and returns inf, and a squared norm kept in float32 is inf. An example's norm came out inf,
+its clip factor ``max_norm / inf`` 0, and the clipped step dropped it from the sum without a
+word. (float16 squares leave their range at a norm of 256, bfloat16's with float32's.)
+
+So the per-example squared norms, the total across parameters and the clip factors are
+kept in float64 (:func:`wide_dtype`: a vector of B numbers), and every norm of a tensor
+is taken by :func:`row_norms`, which takes the plain norm and, for all rows at once (no
+value is read back to the host, no branch on one), the norm of the rows scaled by
+``2**-80`` times ``2**80``, keeping the second where the first is inf: exact powers of two,
+so nothing rounds but the norm itself, and a row with no overflow keeps its plain norm
+bit for bit. A gradient that is itself inf keeps norm inf (clip factor 0), one with a NaN
+keeps norm NaN, as before. Where the device has no float64 (MPS) the squared norms stay in
+float32, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = ["wide_dtype", "row_norms", "wide_sq_rows", "wide_sq_norms", "total_sq",
+           "clip_factors", "Narrowed", "SMALL"]
+
+_DOWN = 2.0 ** -80
+_UP = 2.0 ** 80
+#: Elements up to which a float32 tensor's norms are taken in float64 at once.
+SMALL = 1 << 16
+
+
+def wide_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the per-example squared norms of gradients of ``dtype``: float64 where
+    the device has it, else ``dtype``'s real dtype (NOTE [norms past the square])."""
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    if dtype == torch.float64 or not dtype.is_floating_point or device.type == "mps":
+        return dtype
+    return torch.float64
+
+
+def row_norms(v: Tensor) -> Tensor:
+    """L2 norm of each ``v[i]``, in float32 at least (float64 for a small float32 ``v``),
+    without overflowing where the squares would (NOTE [norms past the square])."""
+    dim = tuple(range(1, v.dim()))
+    if v.dtype == torch.float64 or v.dtype == torch.complex128:
+        return torch.linalg.vector_norm(v, dim=dim)
+    if v.dtype == torch.float16:  # (float32 holds float16's squares)
+        return torch.linalg.vector_norm(v, dim=dim, dtype=torch.float32)
+    if v.numel() <= SMALL and v.device.type != "mps" and not v.is_complex():
+        # (one call: the copy costs less than the calls that find the rows to scale)
+        return torch.linalg.vector_norm(v, dim=dim, dtype=torch.float64)
+    n = torch.linalg.vector_norm(v, dim=dim, dtype=torch.float32)
+    # each row scaled by 1 but those whose norm overflowed, by 2**-80 (scaling them all made
+    # the squares of ordinary gradients subnormal, which the CPU takes many times longer on);
+    # the rows scaled by 1 get the same norm again, bit for bit
+    w = torch.where(n.isinf(), _DOWN, 1.0)
+    far = torch.linalg.vector_norm(v * w.to(v.dtype).view(-1, *(1,) * len(dim)), dim=dim,
+                                   dtype=torch.float32)
+    return far.div_(w)
+
+
+def wide_sq_rows(v: Tensor) -> Tensor:
+    """Squared L2 norm of each row of ``v`` viewed as ``(B, -1)``, in :func:`wide_dtype`."""
+    rows = v if v.dim() == 2 else v.reshape(v.shape[0], -1)
+    return wide_sq_norms(rows)
+
+
+def wide_sq_norms(v: Tensor) -> Tensor:
+    """Squared L2 norm of each ``v[i]`` (over all its dimensions, read in place), in
+    :func:`wide_dtype`."""
+    n = row_norms(v)
+    return n.to(wide_dtype(n.dtype, n.device)).square_()
+
+
+def total_sq(values: Iterable[Tensor], like: Tensor, batch: int) -> Tensor:
+    """The sum of the parameters' squared norms, in a new tensor of :func:`wide_dtype` (in
+    float64 no sum of float32 squares overflows)."""
+    vs = list(values)
+    wide = wide_dtype(like.dtype, like.device)
+    if not vs or any(v.dtype != wide for v in vs):
+        total = like.new_zeros(batch, dtype=wide)
+        for v in vs:
+            total.add_(v)
+        return total
+    if len(vs) == 1:
+        return vs[0].clone()
+    total = torch.add(vs[0], vs[1])
+    for v in vs[2:]:
+        total.add_(v)
+    return total
+
+
+def clip_factors(sq: Tensor, max_norm: float | Tensor, dtype: torch.dtype | None = None
+                 ) -> Tensor:
+    """``min(1, max_norm / ||g_i||)`` from the squared norms, 1 for a zero gradient, 0 for
+    an inf one, NaN for one with a NaN (``max_norm`` a 0-d tensor in a compiled program).
+    With ``dtype``, the parameters' (squared norms of :func:`wide_dtype`), in it or float32
+    if it is narrower: the dtype the factors' sums read them in."""
+    c = sq.rsqrt().mul_(max_norm).clamp_(max=1.0)
+    if dtype is None:
+        return c
+    want = torch.promote_types(dtype, torch.float32)
+    return c if c.dtype == want else c.to(want)
+
+
+class Narrowed(Mapping[str, Tensor]):
+    """Squared norms of :func:`wide_dtype` read in ``dtype`` (inf where they overflow it),
+    each on reading: what the check against the per-example loop compares with the loop's
+    own, taken in the parameters' dtype."""
+
+    __slots__ = ("wide", "dtype")
+
+    def __init__(self, wide: dict[str, Tensor], dtype: torch.dtype) -> None:
+        self.wide, self.dtype = wide, dtype
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.wide[name].to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.wide)
+
+    def __len__(self) -> int:
+        return len(self.wide)
