@@ -209,6 +209,9 @@ def test_row_norms_past_the_square(width):
     sq = wide_sq_rows(v.view(5, 4, -1))
     assert sq.dtype == torch.float64
     torch.testing.assert_close(sq, want.square(), rtol=1e-6, atol=0.0)
+    # complex rows: their real norms
+    z = torch.complex(v, -v)
+    torch.testing.assert_close(row_norms(z).double(), want * 2 ** 0.5, rtol=1e-5, atol=0.0)
     # a row with inf: inf; with NaN: NaN
     w = torch.ones(2, width)
     w[0, 1], w[1, 2] = float("inf"), float("nan")

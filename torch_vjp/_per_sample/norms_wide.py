@@ -45,23 +45,26 @@ def wide_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def row_norms(v: Tensor) -> Tensor:
-    """L2 norm of each ``v[i]``, in float32 at least (float64 for a small float32 ``v``),
-    without overflowing where the squares would (NOTE [norms past the square])."""
+    """L2 norm of each ``v[i]``, in float32 at least (float64 for a small ``v`` of a lower
+    precision than float64), without overflowing where the squares would (NOTE [norms past
+    the square])."""
     dim = tuple(range(1, v.dim()))
     if v.dtype == torch.float64 or v.dtype == torch.complex128:
         return torch.linalg.vector_norm(v, dim=dim)
     if v.dtype == torch.float16:  # (float32 holds float16's squares)
         return torch.linalg.vector_norm(v, dim=dim, dtype=torch.float32)
-    if v.numel() <= SMALL and v.device.type != "mps" and not v.is_complex():
+    if v.numel() <= SMALL and v.device.type != "mps":
         # (one call: the copy costs less than the calls that find the rows to scale)
-        return torch.linalg.vector_norm(v, dim=dim, dtype=torch.float64)
-    n = torch.linalg.vector_norm(v, dim=dim, dtype=torch.float32)
+        wide = torch.complex128 if v.is_complex() else torch.float64
+        return torch.linalg.vector_norm(v, dim=dim, dtype=wide)
+    at = torch.float32 if v.dtype == torch.bfloat16 else None
+    n = torch.linalg.vector_norm(v, dim=dim, dtype=at)
     # each row scaled by 1 but those whose norm overflowed, by 2**-80 (scaling them all made
     # the squares of ordinary gradients subnormal, which the CPU takes many times longer on);
     # the rows scaled by 1 get the same norm again, bit for bit
     w = torch.where(n.isinf(), _DOWN, 1.0)
     far = torch.linalg.vector_norm(v * w.to(v.dtype).view(-1, *(1,) * len(dim)), dim=dim,
-                                   dtype=torch.float32)
+                                   dtype=at)
     return far.div_(w)
 
 
