@@ -316,8 +316,10 @@ class OuterFactor(Factor):
         return self._g3
 
     def g_sq_norms(self) -> Tensor:
-        """``||g_i||^2`` for ``T == 1`` (made once; a bias's squared norms, too)."""
-        if self._g_sq is None:
+        """``||g_i||^2`` for ``T == 1`` (made once for each dtype of the squared norms: NOTE
+        [one check on the CPU]; a bias's squared norms, too)."""
+        g = self.g2 if self.g2 is not None else self.g
+        if self._g_sq is None or self._g_sq.dtype != wide_dtype(g.dtype, g.device):
             self._g_sq = wide_sq_rows(self.g2 if self.g2 is not None else self.g[:, 0])
         return self._g_sq
 

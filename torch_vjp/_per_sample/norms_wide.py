@@ -16,22 +16,82 @@ so nothing rounds but the norm itself, and a row with no overflow keeps its plai
 bit for bit. A gradient that is itself inf keeps norm inf (clip factor 0), one with a NaN
 keeps norm NaN, as before. Where the device has no float64 (MPS) the squared norms stay in
 float32, as before.
+
+NOTE [one check on the CPU]
+That costs a plain call some per cent (on the MLP and the CNN of bench_per_sample.py: a
+second norm or a float64 copy of every gradient, the sums in float64). Where reading a
+number back costs no device sync (a CPU tensor, run eagerly: not under the user's
+torch.compile, export, vmap or another transform of torch.func), the squared norms, their
+total and the clip factors of a float32 model are taken as before in float32, inside
+:func:`narrow_norms`, and the total's sum read once: an overflow anywhere (a row's squares,
+a product of two norms, a ghost norm's products, the total across parameters) leaves an
+inf or a NaN there, no operation taken turns either back into a number, and the sum of
+B finite totals is finite but where it passes float32's range (a false alarm, the same
+numbers again). Only then are the norms taken again, as above, sync-free, in float64; a
+gradient with an inf or a NaN gets the same norm either way. Elsewhere (CUDA, MPS, under
+a trace or a transform) the norms are taken as above at once.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
+from torch_vjp._engine.compile_key import tracing
+
 __all__ = ["wide_dtype", "row_norms", "wide_sq_rows", "wide_sq_norms", "total_sq",
-           "clip_factors", "Narrowed", "SMALL"]
+           "clip_factors", "Narrowed", "SMALL", "narrow_norms",
+           "checks_once", "overflowed"]
 
 _DOWN = 2.0 ** -80
 _UP = 2.0 ** 80
 #: Elements up to which a float32 tensor's norms are taken in float64 at once.
 SMALL = 1 << 16
+
+_STATE = threading.local()
+
+
+@contextmanager
+def narrow_norms() -> Iterator[None]:
+    """Within it, in this thread, the functions here take the norms in the gradients' own
+    dtype, as before (NOTE [one check on the CPU]): the caller reads the total once."""
+    before = getattr(_STATE, "narrow", False)
+    _STATE.narrow = True
+    try:
+        yield
+    finally:
+        _STATE.narrow = before
+
+
+def checks_once(like: Tensor) -> bool:
+    """Whether the norms of a model of ``like``'s dtype are taken in :func:`narrow_norms`,
+    then checked with :func:`overflowed` (NOTE [one check on the CPU]): float32 on the CPU,
+    run eagerly (a number read back there costs no sync; under a trace or a transform of
+    torch.func it cannot be read)."""
+    return (like.dtype == torch.float32 and like.device.type == "cpu"
+            and type(like) in (Tensor, torch.nn.Parameter) and not FORCE_SYNC_FREE
+            and not torch._C._are_functorch_transforms_active() and not tracing())
+
+
+#: Set (by the tests) to take every norm sync-free, as on a device.
+FORCE_SYNC_FREE = False
+
+
+def overflowed(total: Tensor) -> bool:
+    """Whether the ``(B,)`` total squared norms taken in :func:`narrow_norms` may hold an
+    overflow (an inf or a NaN anywhere): one number read back."""
+    return type(total) is not Tensor or not math.isfinite(total.sum().item())
+
+
+def _narrow() -> bool:
+    # (a trace never reads the flag: dynamo folds is_compiling() to True, and takes the
+    # sync-free norms)
+    return not torch.compiler.is_compiling() and getattr(_STATE, "narrow", False)
 
 
 def wide_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -39,7 +99,8 @@ def wide_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     the device has it, else ``dtype``'s real dtype (NOTE [norms past the square])."""
     if dtype.is_complex:
         dtype = dtype.to_real()
-    if dtype == torch.float64 or not dtype.is_floating_point or device.type == "mps":
+    if (dtype == torch.float64 or not dtype.is_floating_point or device.type == "mps"
+            or _narrow()):
         return dtype
     return torch.float64
 
@@ -47,9 +108,9 @@ def wide_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def row_norms(v: Tensor) -> Tensor:
     """L2 norm of each ``v[i]``, in float32 at least (float64 for a small ``v`` of a lower
     precision than float64), without overflowing where the squares would (NOTE [norms past
-    the square])."""
+    the square]). In :func:`narrow_norms`, the plain norm in ``v``'s dtype."""
     dim = tuple(range(1, v.dim()))
-    if v.dtype == torch.float64 or v.dtype == torch.complex128:
+    if v.dtype == torch.float64 or v.dtype == torch.complex128 or _narrow():
         return torch.linalg.vector_norm(v, dim=dim)
     if v.dtype == torch.float16:  # (float32 holds float16's squares)
         return torch.linalg.vector_norm(v, dim=dim, dtype=torch.float32)

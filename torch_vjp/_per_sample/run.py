@@ -48,7 +48,10 @@ from torch_vjp._per_sample.factors import (
 )
 from torch_vjp._per_sample.norms_wide import (
     Narrowed,
+    checks_once,
     clip_factors,
+    narrow_norms,
+    overflowed,
     total_sq,
     wide_dtype,
     wide_sq_rows,
@@ -453,26 +456,34 @@ def norms_and_sums(
         like = like.real
     # (squared norms in float64: NOTE [norms past the square] in norms_wide)
     wide = wide_dtype(like.dtype, like.device)
-    per_param: dict[str, Tensor] = {}
-    # (the clipped step keeps per-sample gradients formed for a norm, within a budget, for
-    # its sum: see KEEP_ELEMENTS)
-    keep = KeepBudget(KEEP_ELEMENTS) if max_norm is not None else None
-    # (the rules' norms and sums with autocast off: NOTE [norms at float32's precision])
-    with grad_enabled(False), full_precision(like.device):
-        for n in plan.rule_params:
-            if n in res.moved:
-                continue
-            fs = res.factors.get(n)
-            if fs and len(fs) == 1 and fs[0].rows is None:  # the common case
-                per_param[n] = fs[0].sq_norms(None, keep)
-            else:
-                per_param[n] = (
-                    region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)
-                    if fs else like.new_zeros(batch, dtype=wide)
-                )
-        for n in plan.zero_params:
-            per_param[n] = like.new_zeros(batch, dtype=wide)
-    sq = total_sq(per_param.values(), like, batch)
+
+    def rules_sq() -> tuple[dict[str, Tensor], Tensor]:
+        # (the clipped step keeps per-sample gradients formed for a norm, within a budget,
+        # for its sum: see KEEP_ELEMENTS)
+        keep = KeepBudget(KEEP_ELEMENTS) if max_norm is not None else None
+        out: dict[str, Tensor] = {}
+        # (the rules' norms and sums with autocast off: NOTE [norms at float32's precision])
+        with grad_enabled(False), full_precision(like.device):
+            for n in plan.rule_params:
+                if n in res.moved:
+                    continue
+                fs = res.factors.get(n)
+                if fs and len(fs) == 1 and fs[0].rows is None:  # the common case
+                    out[n] = fs[0].sq_norms(None, keep)
+                else:
+                    out[n] = (region_sq_norms(fs, tuple(sel.tensors[n].shape), batch, like)
+                              if fs else like.new_zeros(batch, dtype=wide_dtype(*at)))
+            for n in plan.zero_params:
+                out[n] = like.new_zeros(batch, dtype=wide_dtype(*at))
+        return out, total_sq(out.values(), like, batch)
+
+    # (in float32 with one check where it costs no sync: NOTE [one check on the CPU])
+    at = (like.dtype, like.device)  # (wide_dtype(*at) is float32 in narrow_norms)
+    if checked := checks_once(like):
+        with narrow_norms():
+            per_param, sq = rules_sq()
+    if not checked or overflowed(sq):
+        per_param, sq = rules_sq()
     sums: dict[str, Tensor] | None = {} if max_norm is not None else None
     vmap_names, loop_names = _fallback_names(plan, res)
     groups = [(names, method) for names, method in ((vmap_names, "vmap"), (loop_names, "loop"))
@@ -496,6 +507,7 @@ def norms_and_sums(
     # dropout, drew other masks there, so the sums were not of the gradients whose norms
     # made the clip factors, and a clipped contribution could pass max_norm.)
     for names, _ in groups:
+        sq = sq.to(wide)  # (finite, if taken in float32: exact)
         for n in names:
             per_param[n] = like.new_zeros(batch, dtype=wide)
     step = min((_fallback_chunk(sel, names, batch) for names, _ in groups), default=1)
