@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_map
 from torch_vjp._engine.compiled import compiled_call
 from torch_vjp._per_sample.args import Job
 from torch_vjp._per_sample.fallback import functional_state
-from torch_vjp._per_sample.factors import sq_norms_rows
 from torch_vjp._per_sample.losses import call_loss, scalar_loss, targets_in_dims
+from torch_vjp._per_sample.norms_wide import wide_sq_rows
 from torch_vjp._per_sample.run import add_to_grads, clip_factors, prepare
 
 __all__ = ["compilable", "run_compiled", "run_traced"]
@@ -126,11 +126,16 @@ def _program(kind: str, job: Job, chunk: int | None) -> Callable[..., Any]:
                           chunk_size=chunk)(diff, state, xs, targets)
         if kind == "grads":
             return {n: per_sample[key_of[n]] for n in names}
-        sq = sum(sq_norms_rows(g) for g in per_sample.values())
-        norms = sq.sqrt()
+        # (squared norms, their total and the clip factors in float64, sync-free: NOTE
+        # [norms past the square] in norms_wide; in the parameters' real dtype, a float32
+        # norm above 1.8e19 was inf and its example dropped from the clipped sum)
+        real = next(iter(per_sample.values())).real.dtype
+        sq = sum(wide_sq_rows(g) for g in per_sample.values())
+        norms = sq.sqrt().to(real)
         if kind == "norms":
             return norms
         factors = clip_factors(sq, max_norm)  # type: ignore[arg-type]  (None: not here)
+        factors = factors.to(real)
         sums = {k: torch.einsum("b,b...->...", factors, g) for k, g in per_sample.items()}
         return norms, sums
 

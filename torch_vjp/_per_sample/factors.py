@@ -123,9 +123,9 @@ def ghost_unsure(sq: Tensor, products: Tensor, width: int) -> Tensor:
     tol = 1e3 * unit * math.sqrt(width + 1)  # (a 1e-3 relative error, at the estimate)
     diag = products.diagonal(dim1=1, dim2=2).sum(1)
     # (an example with no gradient at all, diag 0, has nothing to cancel; one whose products
-    # overflowed, diag inf, a sum inf or NaN, gets the direct norm: NOTE [norms past the
-    # square])
-    return (~(sq > tol * diag) & (diag > 0)).nonzero().view(-1)
+    # overflowed, diag inf or NaN (inf times a zero gradient), a sum inf or NaN, gets the
+    # direct norm: NOTE [norms past the square])
+    return (~(sq > tol * diag) & (diag != 0)).nonzero().view(-1)
 
 
 def ghost_sq_norms(a: Tensor, g: Tensor) -> Tensor:
