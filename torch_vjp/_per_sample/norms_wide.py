@@ -26,10 +26,12 @@ total and the clip factors of a float32 model are taken as before in float32, in
 :func:`narrow_norms`, and the total's sum read once: an overflow anywhere (a row's squares,
 a product of two norms, a ghost norm's products, the total across parameters) leaves an
 inf or a NaN there, no operation taken turns either back into a number, and the sum of
-B finite totals is finite but where it passes float32's range (a false alarm, the same
-numbers again). Only then are the norms taken again, as above, sync-free, in float64; a
-gradient with an inf or a NaN gets the same norm either way. Elsewhere (CUDA, MPS, under
-a trace or a transform) the norms are taken as above at once.
+B finite totals is finite but where it passes float32's range (a false alarm: the float64
+norms, as right). Only then are the rules' norms taken again, as above, sync-free, in
+float64; a gradient with an inf or a NaN gets the same norm either way. Elsewhere (CUDA,
+MPS, under a trace or a transform, compile=True's program) the norms are taken as above at
+once, and so are those of the parameters the vmap or the loop computes (a chunk of examples
+at a time, their clipped sums taken with it: a second pass would run the model again).
 """
 
 from __future__ import annotations
