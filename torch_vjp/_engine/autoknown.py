@@ -31,6 +31,20 @@ products read the graph their own call of f builds (no call of f more), and wher
 an operator whose backward is wrong alone, or whose batching rule is wrong and the products
 ran under vmap, the route is forgotten and the call computed again as a first call, whose
 check reads the graph (:func:`stale`).
+
+NOTE [auto at a point it cannot check]
+At a point holding a NaN or an infinity (in x, or in a reverse product: from a tensor f
+reads but does not differentiate, an argument or a weight it captured) the products of two
+routes hold NaN and infinities in entries of their own, so the values check compares
+nothing and no route is remembered there. The read of f's graph needs no finite values,
+though: where ``torch.cdist`` (its batching rule wrong) took an entry of x that f never
+reads, or a weight with one infinite entry, "auto" had returned the rows under vmap, off
+by a relative error near 1 in their finite entries, without a word. So the check's reverse
+product is taken there too (its values are not compared) and its graph read
+(:func:`unchecked_route`): the route the named strategies' refusals name is taken, with
+the one-time warning of a known operator, and not remembered (a call at a finite point
+checks by values too); the warning ends by saying that the values went unchecked, and why.
+Where the graph holds no operator known, the result stands, as before.
 """
 
 from __future__ import annotations
@@ -42,7 +56,8 @@ from torch_vjp._engine.rows import routes_that_run
 from torch_vjp._engine.wrongops import _how
 from torch_vjp._errors import JacobianWarning, warn_once
 
-__all__ = ["batched_pullback_message", "known_wrong_route", "stale"]
+__all__ = ["batched_pullback_message", "known_wrong_route", "stale", "unchecked_route",
+           "unchecked_words"]
 
 
 def known_wrong_route(
@@ -74,6 +89,40 @@ def known_wrong_route(
     warn_once((call, named[0], "auto, batched wrongly", batching),
               _batching_message(call, named[1], batching), JacobianWarning)
     return alt
+
+
+def unchecked_route(
+    call: str, first: str, res: Blocks, found: tuple[str | None, str | None] | None,
+    route: Callable[[str], Blocks], named: tuple[Hashable, str], why: str,
+) -> Blocks:
+    """``res`` (of route ``first``) at a point the values check cannot compare at (NOTE
+    [auto at a point it cannot check]), where f's graph holds no operator ``found`` makes
+    that route wrong; else the blocks of the route that operator's warning names (none
+    remembered), the warning saying that the values went unchecked and ``why`` (what is
+    not finite)."""
+    batching, alone = found if found is not None else (None, None)
+    if alone is not None and first not in ("fwd", "fwd-loop"):
+        for name, alt in routes_that_run(route, ("fwd", "fwd-loop")):
+            warn_once((call, named[0], "auto, wrong alone", alone),
+                      _alone_message(call, named[1], alone, name) + unchecked_words(why),
+                      JacobianWarning)
+            return alt
+    elif alone is None and batching is not None and first not in ("rev-loop", "fwd",
+                                                                 "fwd-loop"):
+        alt = route("rev-loop")
+        warn_once((call, named[0], "auto, batched wrongly", batching),
+                  _batching_message(call, named[1], batching) + unchecked_words(why),
+                  JacobianWarning)
+        return alt
+    return res
+
+
+def unchecked_words(why: str) -> str:
+    """The sentence a warning given at a point not finite ends with (NOTE [auto at a point
+    it cannot check]): the values went unchecked, and ``why``."""
+    return (f"\n  Here {why}, so the values were not compared with a reverse product "
+            f"(unchecked: each route puts NaN and infinities in entries of its own); the "
+            f"route was taken from f's graph alone, and is not remembered.")
 
 
 def stale(met: list[tuple[str | None, str | None]]) -> bool:

@@ -50,7 +50,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from torch_vjp._engine.autoknown import known_wrong_route
+from torch_vjp._engine.autoknown import (known_wrong_route, unchecked_route,
+                                        unchecked_words)
 from torch_vjp._engine.blocks import Blocks, cotangent_products
 from torch_vjp._engine.context import flag_of, identity, module_key, route_key
 from torch_vjp._engine.fwd_wrong import auto_forward_message, wrong_forward
@@ -332,14 +333,15 @@ def checked_route(
     if got is None or not finite:
         if finite and all_finite(prob.leaves):
             remember(key, keep or first)
-        elif batch is not None:
+            return res
+        if batch is not None:
             # (no route is compared at a NaN or an infinity, but a flow across rows shows
             # there too, in finite entries: a mixing f returned sums of cross-example
             # blocks, all zeros for x - x.mean(0), without a word)
             flow = cross_row_flow(prob, batch)
             if flow is not None:
                 raise JacobianCallError(mixing_message(prob.call, named[1], None, None, *flow))
-        return res
+        return _unchecked(prob, first, res, got, ops, route, named)
 
     def mixing(tried: Sequence[str], diff: float, scale: float) -> None:
         # NOTE [a batch that mixes rows]
@@ -399,6 +401,37 @@ def checked_route(
     )  # NOTE [auto reads the graph for known wrong operators] in autoknown.py:
     return known_wrong_route(prob.call, first, out, ops[0], CHECKED.get(key), route,
                              lambda name: remember(key, name), named) if ops else out
+
+
+def _unchecked(prob: Problem, first: str, res: Blocks,
+               got: tuple[list[Tensor], list[Tensor], list[Tensor]] | None,
+               ops: list[tuple[str | None, str | None]], route: Callable[[str], Blocks],
+               named: tuple[Hashable, str]) -> Blocks:
+    """NOTE [auto at a point it cannot check] in autoknown.py: the route f's graph names
+    at a point holding a NaN or an infinity (x's, or the reverse product's: ``got``), none
+    remembered; the graph read from the check's reverse product, taken here where x is not
+    finite (its values are not compared)."""
+    known: list[str | None] = []
+    if got is None:
+        one_reverse_product(prob, anywhere=True, ops=ops,
+                            forward=known if first == "fwd" else None)
+        why = "the point x holds a NaN or an infinity"
+    else:
+        known = [wrong_forward([o for o in got[0] if o.requires_grad])] if first == "fwd" else []
+        why = ("a reverse product holds a NaN or an infinity (from a tensor f reads but "
+               "does not differentiate: an argument, or a weight it captured)")
+    if known and known[0] is not None:  # (NOTE [forward mode through a wrong formula])
+        try:
+            rev = route("rev")
+        except Exception as err:  # noqa: BLE001 - no reverse route: forward's result
+            if passes_through(err):
+                raise
+        else:
+            warn_once((prob.call, named[0], "fwd", "known"),
+                      auto_forward_message(prob.call, named[1], known[0])
+                      + unchecked_words(why), JacobianWarning)
+            first, res = ("rev-loop" if rev.looped else "rev"), rev
+    return unchecked_route(prob.call, first, res, ops[0] if ops else None, route, named, why)
 
 
 R = TypeVar("R")
