@@ -57,9 +57,6 @@ def test_torchs_own_backward_of_det_is_wrong_at_a_singular_matrix_without_grad_m
         assert (pullback(one)[0] - fd).abs().max() > 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="every strategy's Jacobian through torch.linalg.det "
-                   "at a singular matrix is wrong without a word: the reverse products run "
-                   "its backward under torch.no_grad() (products._rev, plain.rev_plain)")
 @pytest.mark.parametrize("strategy", ["auto", "rev", "rev-loop"])
 def test_reverse_and_auto_through_det_at_a_singular_matrix_are_right(strategy):
     with warnings.catch_warnings():
@@ -68,8 +65,6 @@ def test_reverse_and_auto_through_det_at_a_singular_matrix_are_right(strategy):
     torch.testing.assert_close(J.reshape(20, 9), _central(_tall, SINGULAR))
 
 
-@pytest.mark.xfail(strict=True, reason="a route remembered at a regular matrix is taken at "
-                   "a later singular one, unchecked (fwdcheck/revcheck)")
 def test_auto_through_det_at_a_later_singular_matrix_is_right():
     regular = torch.randn(3, 3, dtype=D, generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():

@@ -189,7 +189,8 @@ def vjp(
     prob = Problem(f, primals, None, has_aux=has_aux, call=call, complex_ok=True, copies=False)
     # (the graph of f's call read for an operator torch differentiates wrongly: NOTE
     # [named reverse strategies and wrong formulas])
-    g_read, wrong = reading_wrong_ops(prob.g_inner, has_aux)
+    grad_mode: list[str | None] = []  # (NOTE [a backward right only in grad mode])
+    g_read, wrong = reading_wrong_ops(prob.g_inner, has_aux, grad_mode)
     g_inner, connected = recording_connected(g_read, has_aux)
     # (a buffer f rebinds, ``self.scale = self.scale * 1.1``, is the module's own tensor
     # again after the call, not the torch.func wrapper the call made; the graph keeps
@@ -205,7 +206,17 @@ def vjp(
     key_box: list[Any] = []  # (the key of NOTE [batched products, checked once], once made)
 
     def pull(*cot: Tensor, **graph: Any) -> Any:
-        return pullback(cot[0] if single else tree_unflatten(list(cot), out_spec), **graph)
+        cots = cot[0] if single else tree_unflatten(list(cot), out_spec)
+        create = graph.get("create_graph")
+        if (grad_mode and grad_mode[0] is not None and create is not True
+                and not (create is None and torch.is_grad_enabled())):
+            # (a backward right only in grad mode, run without a graph to create: run in
+            # grad mode and detached, NOTE [a backward right only in grad mode])
+            with torch.enable_grad():
+                res = pullback(cots, retain_graph=graph.get("retain_graph", True),
+                               create_graph=True)
+            return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, res)
+        return pullback(cots, **graph)
 
     def pull_checked(*cot: Tensor) -> Any:  # (the products of NOTE [batched products,
         return pull(*cot, retain_graph=True, create_graph=False)  # checked once])

@@ -19,6 +19,7 @@ mode.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch_vjp._engine.fwd_wrong import named_read, named_reading
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import basis_rows, loop_draws, map_rows
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
-from torch_vjp._engine.wrongops import named_reverse, wrong_ops
+from torch_vjp._engine.wrongops import grad_mode_backward, named_reverse, wrong_ops
 
 __all__ = ["rev_plain", "fwd_plain", "plain_pullback"]
 
@@ -108,15 +109,20 @@ def plain_pullback(
     flat_out, out_spec = tree_flatten(out)
     diff = [j for j, o in enumerate(flat_out) if o.requires_grad]
     d_outs = [flat_out[j] for j in diff]
+    # (a backward right only in grad mode runs in it, detached after: NOTE [a backward right
+    # only in grad mode] in torch_vjp._engine.wrongops)
+    in_grad_mode = not need_graph and grad_mode_backward(d_outs) is not None
 
     def fn(*cot: Tensor) -> tuple[Tensor, ...]:
         if not d_outs:
             return tuple(torch.zeros_like(x) for x in xs)
-        with normal_tensors():
+        with normal_tensors(), torch.enable_grad() if in_grad_mode else nullcontext():
             grads = torch.autograd.grad(
                 d_outs, xs, [cot[j] for j in diff], retain_graph=True,
-                create_graph=need_graph, allow_unused=True,
+                create_graph=need_graph or in_grad_mode, allow_unused=True,
             )
+        if in_grad_mode:
+            grads = tuple(None if gx is None else gx.detach() for gx in grads)
         return tuple(torch.zeros_like(x) if gx is None else gx for gx, x in zip(grads, xs))
 
     return fn, flat_out, out_spec, aux, len(diff) == len(flat_out)

@@ -15,7 +15,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch.func import vmap
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
@@ -29,7 +29,8 @@ from torch_vjp._engine.rows import (
     passes_through,
 )
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
-from torch_vjp._engine.wrongops import named_reverse, wrong_hessian, wrong_ops
+from torch_vjp._engine.wrongops import (grad_mode_backward, named_reverse, wrong_hessian,
+                                        wrong_ops)
 
 __all__: list[str] = []
 
@@ -54,6 +55,10 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
     # through a wrong backward])
     named = None if is_nested() and opts.vmap_single else opts.named
     found: list[tuple[str | None, str | None]] = []
+    # (a pullback run without grad mode: where f's graph holds a node whose backward is right
+    # only in grad mode, it runs in grad mode: NOTE [a backward right only in grad mode])
+    no_grad_pullback = not torch.is_grad_enabled() and not is_nested()
+    grad_mode: list[str | None] = [None]
 
     def g(*xs: Tensor) -> Any:
         res = prob_g(*xs)
@@ -62,10 +67,14 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             connected[0] = out.requires_grad
         else:
             connected[0] = all(o.requires_grad for o in tree_leaves(out))
+        outs = [out] if isinstance(out, Tensor) else [
+            o for o in tree_leaves(out) if isinstance(o, Tensor)]
         if named is not None or opts.hessian is not None or opts.remembered:  # NOTE [named
             # strategies and wrong formulas], NOTE [a Hessian through a wrong backward]
-            found.append(wrong_ops([out] if isinstance(out, Tensor) else [
-                o for o in tree_leaves(out) if isinstance(o, Tensor)]))
+            # (the same walk reads a backward right only in grad mode)
+            found.append(wrong_ops(outs, grad_mode=grad_mode if no_grad_pullback else None))
+        elif no_grad_pullback:
+            grad_mode[0] = grad_mode_backward(outs)
         return res
 
     leaves = prob.leaves
@@ -82,6 +91,8 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
         # grad mode, which graph_mode turns off at top level; and forward mode over a
         # pullback run without create_graph is silently wrong for some operators (logdet).
         pullback = functools.partial(pullback, create_graph=True)
+    elif grad_mode[0] is not None:
+        pullback = _in_grad_mode(pullback)
     aux = res[2] if has_aux else None
     if isinstance(out, Tensor):
         flat_out, out_spec = [out], LEAF_SPEC
@@ -124,6 +135,19 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             stacked, _ = map_rows(fn, rows, n, vectorized=vectorized, chunk_size=chunk)
     blocks, views = rev_blocks(stacked, out_rows, opts.batch)
     return Blocks(blocks, out_spec, aux, "rev", views, connected[0])
+
+
+def _in_grad_mode(pullback: Callable[..., Any]) -> Callable[..., Any]:
+    """``pullback`` run in grad mode, its products detached (NOTE [a backward right only in
+    grad mode] in :mod:`torch_vjp._engine.wrongops`): the graph of its backward pass lives
+    for the call only."""
+
+    def pull(*cot: Any) -> Any:
+        with torch.enable_grad():
+            res = pullback(*cot)
+        return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, res)
+
+    return pull
 
 
 def _single_product(fn: Callable[..., Any], vecs: tuple[Tensor, ...]) -> Any:

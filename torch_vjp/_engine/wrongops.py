@@ -82,8 +82,8 @@ from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._errors import (JacobianCallError, JacobianWarning, StrategyError, quote_error,
                                warn_once)
 
-__all__ = ["named_reverse", "plain_forward_message", "reading_wrong_ops", "wrong_alone",
-           "wrong_graph", "wrong_hessian", "wrong_ops", "wrong_plain", "wrong_pullback",
+__all__ = ["GRAD_MODE_BACKWARD", "grad_mode_backward", "named_reverse",
+           "plain_forward_message", "reading_wrong_ops", "wrong_alone", "wrong_graph", "wrong_hessian", "wrong_ops", "wrong_plain", "wrong_pullback",
            "wrong_towards"]
 
 #: Backward nodes whose batching rule is wrong (the products under vmap), by their name.
@@ -240,12 +240,15 @@ def named_reverse(call: str, found: tuple[str | None, str | None], vectorized: b
 
 
 def wrong_ops(outs: Sequence[Tensor], batched: Mapping[str, str] | None = None,
-              wrong_alone: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+              wrong_alone: Mapping[str, str] | None = None,
+              grad_mode: list[str | None] | None = None) -> tuple[str | None, str | None]:
     """``(batched wrongly, wrong alone)``: the ops of NOTE [named reverse strategies and
     wrong formulas] the graph of ``outs`` holds, by name (None: none). ``batched`` and
-    ``wrong_alone`` name the backward nodes otherwise (the sparse wing's words)."""
+    ``wrong_alone`` name the backward nodes otherwise (the sparse wing's words). Into
+    ``grad_mode``, where given (with torch's own tables only), the op of
+    :func:`grad_mode_backward` the same walk met (None: none)."""
     if batched is None and wrong_alone is None:
-        return _known_wrong_ops(outs)
+        return _known_wrong_ops(outs, grad_mode)
     batched = _BATCHED_WRONGLY if batched is None else batched
     wrong_alone = _WRONG_ALONE if wrong_alone is None else wrong_alone
     batching = alone = None
@@ -264,12 +267,13 @@ def wrong_ops(outs: Sequence[Tensor], batched: Mapping[str, str] | None = None,
 _NODE_NAMES: dict[type, str | None] = {}
 
 
-def _known_wrong_ops(outs: Sequence[Tensor]) -> tuple[str | None, str | None]:
+def _known_wrong_ops(outs: Sequence[Tensor], grad_mode: list[str | None] | None = None
+                     ) -> tuple[str | None, str | None]:
     """:func:`wrong_ops` with torch's own tables: the same walk as graph_nodes' in one loop,
     each node type's name looked up once (a walk per product call: NOTE [named reverse
     strategies and wrong formulas])."""
     names = _NODE_NAMES
-    batching = alone = None
+    batching = alone = needs = None
     found: list[Any] = []  # (holds the nodes: their ids stay theirs while it lives)
     seen: set[int] = set()
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
@@ -285,9 +289,10 @@ def _known_wrong_ops(outs: Sequence[Tensor]) -> tuple[str | None, str | None]:
         else:
             name = kind.__name__
             name = names[kind] = (name if name in _BATCHED_WRONGLY or name in _WRONG_ALONE
-                                  else None)
+                                  or name in GRAD_MODE_BACKWARD else None)
         nexts = node.next_functions
         if name is not None:
+            needs = needs or GRAD_MODE_BACKWARD.get(name)
             batching = batching or _BATCHED_WRONGLY.get(name)
             if (alone is None and name in _WRONG_ALONE and nexts and nexts[0][0] is not None
                     and _WRONG_WHERE.get(name, _always)(node)):
@@ -295,7 +300,53 @@ def _known_wrong_ops(outs: Sequence[Tensor]) -> tuple[str | None, str | None]:
         for nxt, _ in nexts:
             if nxt is not None:
                 stack.append(nxt)
+    if grad_mode is not None:
+        grad_mode[:] = [needs]
     return batching, alone
+
+
+#: Backward nodes whose formula torch (2.13) computes rightly only in grad mode: without
+#: it another branch runs, wrong at singular matrices (NOTE [a backward right only in grad
+#: mode]), by name.
+GRAD_MODE_BACKWARD = {"LinalgDetBackward0": "torch.linalg.det"}
+#: Node type -> whether it is one of :data:`GRAD_MODE_BACKWARD`'s.
+_GRAD_MODE_TYPES: dict[type, bool] = {}
+
+
+def grad_mode_backward(outs: Sequence[Tensor]) -> str | None:
+    """The op of :data:`GRAD_MODE_BACKWARD` (by name) the graph of ``outs`` holds, else None:
+    a walk of its nodes, each node type's name looked up once.
+
+    NOTE [a backward right only in grad mode]
+    torch's (2.13) backward of ``torch.linalg.det`` (``LinalgDetBackward0``) takes one branch
+    in grad mode (right at singular matrices) and another without it (a solve with the LU
+    factors, wrong at a singular matrix: errors of the size of the entries, at an exact zero
+    pivot or one of rounding size). The reverse products run without grad mode for a
+    detached result (``torch.no_grad()``, or ``torch.autograd.grad`` without
+    ``create_graph``), and every strategy's Jacobian through ``det`` at a singular matrix
+    was wrong without a word, where ``torch.func.jacrev`` is right. Where f's graph holds
+    such a node, the products run in grad mode (the graph of the backward pass lives for
+    its chunk only) and are detached after; elsewhere nothing changes."""
+    types = _GRAD_MODE_TYPES
+    seen: set[int] = set()
+    found: list[Any] = []  # (holds the nodes: their ids stay theirs while it lives)
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        found.append(node)
+        kind = type(node)
+        hit = types.get(kind)
+        if hit is None:
+            hit = types[kind] = kind.__name__ in GRAD_MODE_BACKWARD
+        if hit:
+            return GRAD_MODE_BACKWARD[kind.__name__]
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return None
 
 
 def wrong_towards(outs: Sequence[Tensor], ins: Sequence[Tensor]) -> str | None:
@@ -329,17 +380,21 @@ def _always(node: Any) -> bool:
     return True
 
 
-def reading_wrong_ops(f: Callable[..., Any], has_aux: bool
+def reading_wrong_ops(f: Callable[..., Any], has_aux: bool,
+                      grad_mode: list[str | None] | None = None
                       ) -> tuple[Callable[..., Any], list[tuple[str | None, str | None]]]:
     """``f`` as torch.func.vjp calls it, recording into the list returned with it the ops of
     NOTE [named reverse strategies and wrong formulas] its outputs' graph holds
-    (:func:`wrong_ops`): no call of f more, a walk of the graph it built."""
+    (:func:`wrong_ops`): no call of f more, a walk of the graph it built; into
+    ``grad_mode``, where given, the op of :func:`grad_mode_backward` it holds (None:
+    none)."""
     found: list[tuple[str | None, str | None]] = []
 
     def read(*args: Any, **kwargs: Any) -> Any:
         res = f(*args, **kwargs)
         out = res[0] if has_aux and isinstance(res, tuple) and len(res) == 2 else res
-        found[:] = [wrong_ops([o for o in tree_leaves(out) if isinstance(o, Tensor)])]
+        found[:] = [wrong_ops([o for o in tree_leaves(out) if isinstance(o, Tensor)],
+                              grad_mode=grad_mode)]
         return res
 
     return read, found
