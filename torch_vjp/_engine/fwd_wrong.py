@@ -2,7 +2,7 @@
 forward-mode products the caller asked for.
 
 NOTE [forward mode through a wrong formula]
-Two of torch's (2.13) forward-mode formulas are known wrong (:data:`WRONG_FORWARD` in
+Three of torch's (2.13) forward-mode formulas are known wrong (:data:`WRONG_FORWARD` in
 :mod:`torch_vjp._engine.wrongops`, the one list of them; each checked in float64 against
 reverse mode and central differences):
 
@@ -12,6 +12,9 @@ reverse mode and central differences):
   reductions are right);
 * ``torch.triangular_solve`` for the matrix, under every flag (a relative error near 1; the
   right-hand side's is right, and so is ``torch.linalg.solve_triangular``'s).
+* ``torch.linalg.det`` at singular matrices (an exact zero pivot, or one of rounding size:
+  errors of the size of the entries); right at the others, but as a property of the point
+  it is refused at every point (``torch.det`` and ``Tensor.det`` are read too).
 
 ``"auto"`` checks its forward products against a reverse product (NOTE [auto, checked once]
 in :mod:`torch_vjp._engine.fwdcheck`), which found them wrong at random points; but at a
@@ -78,7 +81,16 @@ _SCATTER = WRONG_FORWARD["ScatterReduceBackward0"]
 _HOW = {_SCATTER: ("for the source, and for the tensor scattered into with "
                    "include_self=True (errors of the size of the entries)"),
         WRONG_FORWARD["TriangularSolveBackward0"]: ("for the matrix A (a relative error "
-                                                    "near 1)")}
+                                                    "near 1)"),
+        WRONG_FORWARD["LinalgDetBackward0"]: (
+            "at singular and near-singular matrices (a zero pivot, or one of rounding size: "
+            "errors of the size of the entries)")}
+_DET = WRONG_FORWARD["LinalgDetBackward0"]
+#: Ops whose forward-mode formula is wrong at some points only, which a call cannot tell
+#: apart cheaply: refused at every point, and said so.
+_AT_SOME_POINTS = {_DET: (" (at singular matrices only, but whether a matrix is singular, "
+                          "to rounding, is a property of the point, so forward mode through "
+                          "it is refused at every point)")}
 #: What f can use instead, where forward mode is wanted.
 _INSTEAD = {WRONG_FORWARD["TriangularSolveBackward0"]: (
     "; or torch.linalg.solve_triangular, whose forward-mode formula is right")}
@@ -165,6 +177,9 @@ def _wrong_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str |
             return WRONG_FORWARD["ScatterReduceBackward0"]
     elif name == "triangular_solve" and _carries(_arg(args, kwargs, 1, "A")):
         return WRONG_FORWARD["TriangularSolveBackward0"]
+    elif name in ("linalg_det", "det") and _carries(_arg(args, kwargs, 0, "A",
+                                                        kwargs.get("input"))):
+        return WRONG_FORWARD["LinalgDetBackward0"]
     return None
 
 
@@ -227,7 +242,7 @@ def wrong_pushforward(call: str, op: str, name: str) -> JacobianCallError:
     return JacobianCallError(
         f"{call}: torch's forward-mode formula of {op} is wrong {_HOW[op]}, which f "
         f"({name}) computes from the primals, so J t would be wrong (torch.func.jvp's "
-        f"too), batched or not.\n"
+        f"too), batched or not{_AT_SOME_POINTS.get(op, '')}.\n"
         f"  Fix: compute with reverse mode, whose formula is right: "
         f"torch_vjp.jacobian(f, *primals, strategy='rev') and J t from it, or "
         f"torch_vjp.vjp(f, *primals) for v^T J{_INSTEAD.get(op, '')}."
@@ -242,7 +257,7 @@ def named_forward(call: str, op: str, name: str, strategy: str) -> StrategyError
         f"{call}: strategy={strategy!r} computes with forward-mode AD, and torch's "
         f"forward-mode formula of {op} is wrong {_HOW[op]}, which f ({name}) computes from "
         f"its differentiated inputs, so the Jacobian would be wrong, with or without "
-        f"torch.vmap.\n"
+        f"torch.vmap{_AT_SOME_POINTS.get(op, '')}.\n"
         f"  Fix: strategy='rev' (reverse mode, whose formula is right), or 'auto', which "
         f"checks its forward products and takes reverse mode there{_INSTEAD.get(op, '')}."
     )
@@ -256,10 +271,13 @@ def auto_forward_message(call: str, name: str, op: str) -> str:
         f"{call}: forward mode (strategy='auto' chooses it for a Jacobian with more output "
         f"than input elements) agrees with a reverse product at this point, but it runs "
         f"torch's forward-mode formula of {op} in f ({name}), which is wrong {_HOW[op]}: "
-        f"they agree here only by a coincidence of the point (zeros, or a factor that is 0 "
-        f"here), and forward mode would be wrong at others. strategy='auto' computed the "
-        f"Jacobian with reverse mode, and does so for this function and input shapes from "
-        f"now on.\n"
-        f"  Pass strategy='rev' to compute it that way directly. This warning is shown once "
-        f"per function."
+        + ("they agree at this matrix, and forward mode would be wrong at singular ones. "
+           if op == _DET else
+           "they agree here only by a coincidence of the point (zeros, or a factor that is "
+           "0 here), and forward mode would be wrong at others. ")
+        + "strategy='auto' computed the "
+        "Jacobian with reverse mode, and does so for this function and input shapes from "
+        "now on.\n"
+        "  Pass strategy='rev' to compute it that way directly. This warning is shown once "
+        "per function."
     )
