@@ -44,7 +44,7 @@ from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.retained import retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
-from torch_vjp._engine.wrongops import wrong_graph, wrong_towards
+from torch_vjp._engine.wrongops import grad_mode_backward, wrong_graph, wrong_towards
 from torch_vjp._errors import (
     JacobianCallError, JacobianWarning, quote_error, shape_str,
     user_stacklevel, warn_once,
@@ -124,6 +124,10 @@ def _blocks(
         # (NOTE [retain_grad inside the graph] in retained.py: found before any pass)
         kept += retained_in_graph(d_outs, ins, kept)
 
+    # NOTE [a backward right only in grad mode] in wrongops.py: where the graph holds such a
+    # node, the backward passes run in grad mode and their results are detached
+    in_grad = n > 0 and not create_graph and grad_mode_backward(d_outs) is not None
+
     def grads(vecs: Sequence[Tensor], vectorized: bool) -> tuple[Tensor, ...]:
         if vectorized:  # runs once per chunk, under torch.vmap
             last = state["stop"] >= n
@@ -132,11 +136,13 @@ def _blocks(
             last = state["next"] >= n - 1
             state["next"] += 1
             retain = retain_graph if (last and not checking) else True
-        with _grads_kept(kept):
+        with _grads_kept(kept), torch.enable_grad() if in_grad else contextlib.nullcontext():
             res = torch.autograd.grad(
-                d_outs, ins, list(vecs), retain_graph=retain, create_graph=create_graph,
-                allow_unused=True,
+                d_outs, ins, list(vecs), retain_graph=retain,
+                create_graph=create_graph or in_grad, allow_unused=True,
             )
+        if in_grad:
+            res = tuple(None if g is None else g.detach() for g in res)
         state["proven"] = state["proven"] or vectorized
         out = []
         for i, (g, x) in enumerate(zip(res, ins)):
