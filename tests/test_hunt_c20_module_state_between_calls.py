@@ -1,19 +1,12 @@
 """A module whose training-mode forward reads state it also updates (spectral_norm's
 power-iteration vectors u and v, updated in place on every call) computes a different
 function on each call of f. The Jacobian functions call f more than once (a loop's one call
-per column, auto's checks, jvp's chunks), and the module's buffers are put back only when
-the call returns: each internal call starts from the state the previous one left, so the
-columns of one Jacobian come from different functions. Reverse mode and vectorised forward
-mode after its first call (one call of f) give the Jacobian of the call f makes from the
-caller's state; vectorised forward mode's first call (a probe of the output's size calls f
-first), the loops, chunk_size=1 and "auto" do not (by 1e-4 to 3e-3 here), and only "auto"
-says anything.
-
-Known defect, outside the files this test's authors may change: the fix is to restore the
-saved buffers (and captured tensors) before every call of f inside a computation, not only
-at its end (torch_vjp/_engine/kept.py / context.py's buffers_kept, called from
-problem.py's Problem.g beside the primals' reset, and from transforms.py's jvp chunks).
-Strict xfail until then."""
+per column, auto's checks, jvp's chunks, a probe of the output's size, the Hessian's
+forward paths): every one of those calls starts from the caller's state (NOTE [every call
+from the caller's state] in torch_vjp/_engine/kept.py), so every strategy gives the
+Jacobian of the one call f makes from it, and the state is the caller's after the call.
+Each internal call used to start from the state the one before left (off by 1e-4 to 3e-3,
+and only "auto" said anything)."""
 
 from __future__ import annotations
 
@@ -47,8 +40,6 @@ def test_one_call_strategies_give_the_jacobian_of_the_call_from_the_callers_stat
         torch.testing.assert_close(tv.jacobian(m, x, strategy=strategy), want)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: internal calls of f do not start from the "
-                   "caller's module state (spectral_norm's u, v move between calls)")
 @pytest.mark.parametrize("call", ["jacobian-fwd-first-call", "jacobian-fwd-loop", "jacobian-auto",
                                   "batch-jacobian-fwd-loop", "jvp-batched-chunk-1"])
 def test_every_internal_call_of_f_starts_from_the_callers_module_state(call):
@@ -67,3 +58,29 @@ def test_every_internal_call_of_f_starts_from_the_callers_module_state(call):
         else:
             got = tv.jvp(m, (x,), (torch.eye(4, dtype=D),), batched=True, chunk_size=1)[1].T
     torch.testing.assert_close(got, want)
+    _assert_state_is_the_callers(m)
+
+
+def _assert_state_is_the_callers(m):
+    # (the buffers after the call are the caller's, bit for bit)
+    ref = _model()
+    for (n, b), (_, r) in zip(m.named_buffers(), ref.named_buffers()):
+        assert torch.equal(b, r), n
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fwd", "fwd-loop", "rev", "rev-loop"])
+def test_hessian_of_a_module_that_updates_its_state_is_that_of_one_call(strategy):
+    m, x = _model(), torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def f(t):
+        return torch.tanh(m(t)).pow(2).sum()
+
+    def one_call(t):
+        return torch.tanh(copy.deepcopy(m)(t)).pow(2).sum()
+
+    want = torch.func.jacfwd(torch.func.jacrev(one_call))(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = tv.hessian(f, x, strategy=strategy)
+    torch.testing.assert_close(got, want)
+    _assert_state_is_the_callers(m)

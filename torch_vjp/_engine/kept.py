@@ -36,10 +36,30 @@ one only on some calls, on a condition the key does not see (``training=cfg.trai
 ``cfg`` an object, ``training=x.shape[0] > 1``), still has it put back. A tensor of
 LEARNED_FROM elements or more that such a function moves only after its first call is left
 moved; jacobian_blocks' version warning still names a change that bumps the version.
+
+NOTE [every call from the caller's state]
+A module whose training forward reads the state it updates (spectral_norm's u and v, moved
+by a power iteration on every call) computes another function on each call. The Jacobian
+functions call f more than once within one call (a probe of the output's size, auto's
+checks, a loop's one call per column, jvp's chunks, the Hessian's forward paths): were the
+state put back only on exit, each call would start from the state the one before left, and
+the columns of one Jacobian would come from different functions (off by 1e-4 to 3e-3 for a
+spectral_norm(Linear(4, 4))). So every call of f after the first inside one
+:class:`Walked` context (Problem.g and g_inner call :func:`fresh_state`) first puts back
+what the calls before changed, as the exit does: the buffers' bindings, then their values
+where their bits differ (:meth:`Watched.restore`, which writes only what changed). Every
+call then computes the one function f computes from the caller's state, the one a single
+call of f, or torch.func.jacrev of it, differentiates. Inside torch.func's transforms the
+write is made with functorch's dispatch off (it refuses a write into a captured tensor;
+these are the caller's own tensors, written as outside). The first call costs nothing more;
+each later one a comparison of the watched tensors (the exit's), and a function that
+watches none, or is called once (the vectorised strategies after their first call, the
+reverse strategies), pays nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Iterable, Sequence
@@ -49,9 +69,9 @@ import torch
 from torch import Tensor
 
 __all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "LEARNED_FROM", "Footprint", "Walked",
-           "Watched", "bound_buffers", "captured_kept", "module_buffers", "moved_message",
-           "put_back", "rebind_buffers", "renormed_weights", "same_bits", "walked_tensors",
-           "walked_tree"]
+           "Watched", "bound_buffers", "captured_kept", "fresh_state", "module_buffers",
+           "moved_message", "put_back", "rebind_buffers", "renormed_weights", "same_bits",
+           "walked_tensors", "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
@@ -323,7 +343,8 @@ class Walked:
     is (a forward that rebinds one, ``self.scale = self.scale * 1.1``, left the module
     holding what its last call under a torch.func transform made)."""
 
-    __slots__ = ("f", "trees", "tensors", "watched", "prev", "key", "bound")
+    __slots__ = ("f", "trees", "tensors", "watched", "prev", "key", "bound", "calls",
+                 "captured_moved")
 
     def __init__(self, f: object, trees: dict[int, list[torch.nn.Module]],
                  tensors: list[Tensor] | None, watched: Watched | None,
@@ -334,6 +355,22 @@ class Walked:
         # (every module of the trees: one without buffers may register one lazily in f,
         # from a tensor of the call, a torch.func wrapper under a transform)
         self.bound = bound_buffers(m for tree in trees.values() for m in tree)
+        self.calls = 0  # (calls of f begun inside this context, :meth:`fresh`)
+        self.captured_moved = False  # (whether a call before the last moved a captured one)
+
+    def fresh(self) -> None:
+        """Before a call of ``f`` inside this context: every call after the first starts
+        from the caller's state, as the first does (NOTE [every call from the caller's
+        state]): what an earlier call changed is put back, as on exit."""
+        if self.calls:
+            rebind_buffers(self.bound)
+            if self.watched is not None:
+                # (inside torch.func's transforms the caller's tensors are written as
+                # outside them: functorch refuses a write into a captured tensor)
+                with _DisableFuncTorch() if _level() is not None else _NOTHING:
+                    if CAPTURED in self.watched.restore():
+                        self.captured_moved = True
+        self.calls += 1
 
     def __enter__(self) -> None:
         self.prev = getattr(_WALKS, "now", None)
@@ -343,10 +380,31 @@ class Walked:
         _WALKS.now = self.prev
         rebind_buffers(self.bound)
         changed = self.watched.restore() if self.watched is not None else {}
-        if self.key is not None and (exc[0] is None or CAPTURED in changed):
+        moved = self.captured_moved or CAPTURED in changed
+        if self.key is not None and (exc[0] is None or moved):
             if len(MOVES) >= MOVES_KEPT and self.key not in MOVES:
                 MOVES.pop(next(iter(MOVES)))
-            MOVES[self.key] = MOVES.get(self.key, False) or CAPTURED in changed
+            MOVES[self.key] = MOVES.get(self.key, False) or moved
+
+
+_DisableFuncTorch = torch._C._DisableFuncTorch
+_level = torch._C._functorch.maybe_current_level
+_NOTHING = contextlib.nullcontext()
+_compiling = torch.compiler.is_compiling
+
+
+def fresh_state(f: object) -> None:
+    """Before a call of ``f``: where a running :class:`Walked` context keeps what ``f``
+    changes, what an earlier call of ``f`` in it changed is put back first (NOTE [every
+    call from the caller's state])."""
+    if _compiling():  # (a program being traced: it runs inside the eager call's context,
+        return  # which puts back what the program wrote)
+    walked = getattr(_WALKS, "now", None)
+    while walked is not None:
+        if walked.f is f:
+            walked.fresh()
+            return
+        walked = walked.prev
 
 
 def bound_buffers(modules: Iterable[torch.nn.Module]
@@ -406,17 +464,19 @@ def put_back(t: Tensor) -> bool:
 
 def moved_message(call: str, name: str, several: bool) -> str:
     """jacobian_blocks' warning that ``f`` moved a tensor it captures: over ``several``
-    calls of f (each saw the tensor as the one before left it), or in one call, of a
-    tensor not put back (NOTE [what a call puts back])."""
+    calls of f (each started from the caller's state, NOTE [every call from the caller's
+    state], but for a tensor not put back), or in one call, of a tensor not put back (NOTE
+    [what a call puts back])."""
     not_kept = (f"one of over {KEPT_ELEMENTS} elements, one past {KEPT_TOTAL} elements of "
                 f"such tensors in all, or one requiring grad")
     if several:
         what = (f"The Jacobian calls f more than once (a probe of its output shapes, then "
-                f"the products; the loop strategies once per product), so each call saw that "
-                f"tensor as the one before left it: the result is the Jacobian of f as the "
-                f"calls that computed it found the tensor (the last call; in a loop of "
-                f"forward products, each column's own call), and the tensor is then put "
-                f"back as it was ({not_kept}, is not: it has moved once per call).")
+                f"the products; the loop strategies once per product), and every call starts "
+                f"from the tensor as the caller holds it: it is put back before each call and "
+                f"after the last, so the result is the Jacobian of the one call f makes from "
+                f"the caller's state. A tensor "
+                f"{not_kept}, is not put back: each call saw it as the one before left it, "
+                f"and it has moved once per call.")
     else:
         what = (f"It is not put back after the call ({not_kept} is not): it has moved as a "
                 f"call of f moves it.")

@@ -34,6 +34,7 @@ from torch.utils._pytree import (
 )
 
 from torch_vjp._engine.copies import fresh_copies, given_fresh, has_history
+from torch_vjp._engine.kept import fresh_state
 from torch_vjp._errors import JacobianCallError, JacobianCallTypeError, a_type, shape_str
 
 __all__ = ["LEAF_SPEC", "normalize_argnums", "leaf_name", "describe", "Problem"]
@@ -381,12 +382,14 @@ class Problem:
         Before each call, a primal that an earlier call of ``f`` modified in place is reset
         to the caller's value (NOTE [f's own copies]).
         """
+        fresh_state(self.f)  # NOTE [every call from the caller's state] in kept.py
         return self._checked(self._call_f(*self._reset(xs)))
 
     def g_inner(self, *xs: Tensor) -> Any:
         """:meth:`g` as called by torch.func's ``vjp``/``jvp`` inside torch_vjp's own
         transforms: the tensors of the primals not differentiated are wrapped at the
         transform's level, as torch.func does (NOTE [non-differentiated primals])."""
+        fresh_state(self.f)
         return self._checked(self._call_inner(*self._reset(xs)))
 
     def reset_primals(self) -> None:
