@@ -85,3 +85,44 @@ def test_running_statistics_updated_by_a_kernel_are_put_back_before_each_call():
         torch.testing.assert_close(J, want, msg=strategy)
         assert torch.equal(rm, torch.zeros(3, dtype=D))
         assert torch.equal(rv, torch.ones(3, dtype=D))
+
+
+def test_a_state_moved_only_after_a_first_call_that_moved_none_is_put_back():
+    # (after a first call that moves nothing, later calls are read by their versions:
+    # a write that bumps one is still put back before the next call)
+    from torch_vjp._engine.kept import Walked, Watched, fresh_state
+
+    t = torch.zeros(3, dtype=D)
+
+    def f():
+        return None
+
+    w = Walked(f, {}, None, Watched([("<captured>", t)]))
+    seen = []
+    with w:
+        for k in range(4):
+            fresh_state(f)
+            seen.append(t.clone())
+            if k >= 1:
+                t.add_(1.0)
+    assert all(torch.equal(s, torch.zeros(3, dtype=D)) for s in seen), seen
+    assert torch.equal(t, torch.zeros(3, dtype=D))
+
+
+def test_a_counter_moved_only_with_grad_enabled_is_put_back_before_each_call(monkeypatch):
+    # auto's first call (a probe without grad) moves nothing; its later calls move the
+    # counter: each still starts from the caller's value
+    g = torch.zeros(1, dtype=D)
+
+    def f(x):
+        if torch.is_grad_enabled():
+            g.add_(1.0)
+        return x * g
+
+    x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(3))
+    for strategy in ("auto", "fwd-loop"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            J = tv.jacobian(f, x, strategy=strategy)
+        torch.testing.assert_close(J, torch.eye(3, dtype=D), msg=strategy)
+        assert g.item() == 0.0

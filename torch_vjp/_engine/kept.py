@@ -54,7 +54,11 @@ write is made with functorch's dispatch off (it refuses a write into a captured 
 these are the caller's own tensors, written as outside). The first call costs nothing more;
 each later one a comparison of the watched tensors (the exit's), and a function that
 watches none, or is called once (the vectorised strategies after their first call, the
-reverse strategies), pays nothing.
+reverse strategies), pays nothing. Where the first call moved none of the watched tensors
+(the common case: a function over weights and inputs, or a module in eval mode), later calls
+read only their version counters, and compare their bits again only where one moved: a
+function that updates a tensor in a kernel without a version bump (F.batch_norm's
+statistics) on its later calls only, not on its first, is put back on exit alone.
 """
 
 from __future__ import annotations
@@ -344,7 +348,7 @@ class Walked:
     holding what its last call under a torch.func transform made)."""
 
     __slots__ = ("f", "trees", "tensors", "watched", "prev", "key", "bound", "calls",
-                 "captured_moved")
+                 "captured_moved", "versions")
 
     def __init__(self, f: object, trees: dict[int, list[torch.nn.Module]],
                  tensors: list[Tensor] | None, watched: Watched | None,
@@ -357,6 +361,8 @@ class Walked:
         self.bound = bound_buffers(m for tree in trees.values() for m in tree)
         self.calls = 0  # (calls of f begun inside this context, :meth:`fresh`)
         self.captured_moved = False  # (whether a call before the last moved a captured one)
+        self.versions: list[int] | None = None  # (the watched tensors' versions, once the
+        # first call was seen to move none of them)
 
     def fresh(self) -> None:
         """Before a call of ``f`` inside this context: every call after the first starts
@@ -364,12 +370,19 @@ class Walked:
         state]): what an earlier call changed is put back, as on exit."""
         if self.calls:
             rebind_buffers(self.bound)
-            if self.watched is not None:
+            watched, versions = self.watched, self.versions
+            if watched is not None and (versions is None or any(
+                    e[2]._version != v for e, v in zip(watched.entries, versions))):
                 # (inside torch.func's transforms the caller's tensors are written as
                 # outside them: functorch refuses a write into a captured tensor)
                 with _DisableFuncTorch() if _level() is not None else _NOTHING:
-                    if CAPTURED in self.watched.restore():
-                        self.captured_moved = True
+                    changed = watched.restore()
+                if CAPTURED in changed:
+                    self.captured_moved = True
+                if not changed and self.calls == 1:  # (the first call moved nothing:
+                    # later calls are compared by their versions, NOTE [every call from
+                    # the caller's state])
+                    self.versions = [e[2]._version for e in watched.entries]
         self.calls += 1
 
     def __enter__(self) -> None:
