@@ -100,8 +100,15 @@ _FLOAT_BITS = {d: _BITS[d.itemsize] for d in vars(torch).values()
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` (of one shape and dtype) hold the same values bit for bit
-    (NOTE [unchanged, bit for bit]).
+    """Whether ``a`` and ``b`` (of one shape and dtype) hold the same values bit for bit.
+
+    NOTE [unchanged, bit for bit]
+    A saved copy is compared with the tensor after a call through the bits of each real
+    floating entry (read as integers of its size), not with ``==``: a NaN equals no value,
+    not even itself, and ``-0.0 == 0.0``, so a comparison of values would count an unchanged
+    NaN as changed and miss a sign flipped on a zero. A complex tensor is compared through
+    the bits of its real and imaginary parts; a layout that cannot be viewed so, by value
+    with NaNs matched to NaNs.
 
     Example:
         >>> t = torch.tensor([1.0, float("nan"), -0.0])
