@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from torch_vjp._engine.context import modules_reached, reached
+from torch_vjp._engine.kept import rebind_in_call
 from torch_vjp._engine.problem import Problem
 from torch_vjp._errors import JacobianCallError
 
@@ -185,19 +186,19 @@ def _broadcast(bufs: list[tuple[Tensor, int | None]], group: Any, device: torch.
 
 def _swap(wrappers: list[Any], taken: dict[int, Tensor], kept: contextlib.ExitStack) -> None:
     """Puts rank 0's tensors in the modules' buffers; ``kept`` puts the rank's own back."""
-    put: list[tuple[Any, str, Tensor]] = []
+    put: list[Any] = []
     done: set[tuple[int, str]] = set()
     for w in wrappers:
         for m in w.module.modules():
             for name, b in list(m._buffers.items()):
                 if b is not None and id(b) in taken and (id(m), name) not in done:
                     done.add((id(m), name))
-                    put.append((m, name, b))
-                    m._buffers[name] = taken[id(b)]
+                    # (the calls of f inside this call start from rank 0's buffers)
+                    put.append(rebind_in_call(m, name, taken[id(b)]))
 
     def back() -> None:
-        for m, name, b in reversed(put):
-            m._buffers[name] = b
+        for undo in reversed(put):
+            undo()
 
     kept.callback(back)
 

@@ -74,8 +74,8 @@ from torch import Tensor
 
 __all__ = ["CAPTURED", "KEPT_ELEMENTS", "KEPT_TOTAL", "LEARNED_FROM", "Footprint", "Walked",
            "Watched", "bound_buffers", "captured_kept", "fresh_state", "module_buffers",
-           "moved_message", "put_back", "rebind_buffers", "renormed_weights", "same_bits",
-           "walked_tensors", "walked_tree"]
+           "moved_message", "put_back", "rebind_buffers", "rebind_in_call", "renormed_weights",
+           "same_bits", "walked_tensors", "walked_tree"]
 
 #: Elements of one captured tensor put back, at most (NOTE [what a call puts back]).
 KEPT_ELEMENTS = 1 << 16
@@ -425,6 +425,31 @@ def fresh_state(f: object) -> None:
             walked.fresh()
             return
         walked = walked.prev
+
+
+def rebind_in_call(m: torch.nn.Module, name: str, tensor: Tensor) -> Any:
+    """Binds ``tensor`` as ``m``'s buffer ``name`` on purpose for the rest of a running call
+    (rank 0's buffers in a sharded Jacobian of a DDP model): the running :class:`Walked`
+    contexts take it for the caller's, so that every call of f starts from it (NOTE [every
+    call from the caller's state]) rather than from the buffer it replaced. Returns the
+    function that puts back the buffer and their records."""
+    old = m._buffers[name]
+    m._buffers[name] = tensor
+    records = []
+    walked = getattr(_WALKS, "now", None)
+    while walked is not None:
+        for mod, saved in walked.bound:
+            if mod is m and saved is not _NO_BUFFERS and saved.get(name) is old:
+                saved[name] = tensor
+                records.append(saved)
+        walked = walked.prev
+
+    def back() -> None:
+        for saved in records:
+            saved[name] = old
+        m._buffers[name] = old
+
+    return back
 
 
 def bound_buffers(modules: Iterable[torch.nn.Module]
