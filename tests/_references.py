@@ -37,6 +37,23 @@ def caught(fn, category=tv.JacobianWarning):
     return res, [str(w.message) for w in got if issubclass(w.category, category)]
 
 
+def float64_per_example(model, loss_fn, x, t):
+    """Each example's gradients alone, in float64 (``model.double()`` makes the model float64,
+    in place), ``{name: (B, *shape)}``, and each example's norm over all parameters."""
+    from torch.func import functional_call, grad
+
+    model = model.double()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def one(ps, xi, ti):
+        return loss_fn(functional_call(model, ps, (xi.unsqueeze(0),)), ti.unsqueeze(0))
+
+    rows = [grad(one)(params, x[i].double(), t[i].double()) for i in range(x.shape[0])]
+    ref = {n: torch.stack([r[n] for r in rows]) for n in params}
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in ref.values()]).sum(0).sqrt()
+    return ref, norms
+
+
 def per_example_grads(model, loss_fn, x, t):
     """Each example's gradients, one ``backward`` per example: ``{name: (B, *shape)}``.
     The model's ``.grad`` are left None."""
@@ -147,3 +164,58 @@ def in_gloo_group(rank, world, init_file, checks):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def meet(group, world):
+    """A collective of every call (of f, or of a backward): a rank calling more often than
+    another waits for ever, or pairs with another collective."""
+    import torch.distributed as dist
+
+    met = torch.ones(1, dtype=torch.int64)
+    dist.all_reduce(met, group=group)
+    assert int(met) == world
+
+
+def twice_with(backward, save_input=False):
+    """A custom Function computing 2 x, with the given ``backward(ctx, g)`` (a rank's own, in
+    the distributed tests), forward-mode 2 t and vmap's generated rule; ``save_input``
+    saves x for the backward."""
+
+    class Twice(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            if save_input:
+                ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t * 2
+
+    Twice.backward = staticmethod(backward)
+    return Twice
+
+
+def one_rank_failed(rank, call, message):
+    """Runs ``call`` on two ranks where rank 1 raises ``MemoryError(message)`` inside it:
+    rank 1 gets its own error, rank 0 a JacobianCallError naming rank 1 and quoting it, and
+    neither waits for the other. Returns rank 0's message ('' on rank 1)."""
+    import pytest
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if rank == 1:
+            with pytest.raises(MemoryError, match=message):
+                call()
+            return ""
+        with pytest.raises(tv.JacobianCallError) as info:
+            call()
+    said = str(info.value)
+    assert "rank 1 of the process_group failed" in said, said
+    assert f"MemoryError: {message}" in said, said
+    return said

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad
 
 import torch_vjp as tv
 from torch_vjp._per_sample import norms_wide, run
+
+from _references import float64_per_example
 
 STRATEGIES = ("auto", "hooks")
 
@@ -27,20 +28,6 @@ class _Seq(nn.Module):
 
     def forward(self, x):
         return self.lin(x).sum(1)
-
-
-def _reference(model, loss_fn, x, t):
-    """Each example's gradient, alone, in float64, and the norms."""
-    model = model.double()
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def one(ps, xi, ti):
-        return loss_fn(functional_call(model, ps, (xi.unsqueeze(0),)), ti.unsqueeze(0))
-
-    rows = [grad(one)(params, x[i].double(), t[i].double()) for i in range(x.shape[0])]
-    ref = {n: torch.stack([r[n] for r in rows]) for n in params}
-    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in ref.values()]).sum(0).sqrt()
-    return ref, norms
 
 
 def _cases():
@@ -90,7 +77,7 @@ def test_checked_path_against_forced_sync_free_and_float64_loop(name, strategy, 
     norms, grads = _run(make, x, t, strategy, False, monkeypatch)
     free_norms, free_grads = _run(make, x, t, strategy, True, monkeypatch)
     torch.manual_seed(1)
-    ref, want = _reference(make(), _mse, x, t)
+    ref, want = float64_per_example(make(), _mse, x, t)
     assert torch.isfinite(want).all()
     for got in (norms, free_norms):
         assert got.dtype == torch.float32

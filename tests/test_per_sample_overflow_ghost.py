@@ -10,9 +10,10 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad
 
 import torch_vjp as tv
+
+from _references import float64_per_example
 
 
 def _mse(out, t):
@@ -30,20 +31,6 @@ class _Seq(nn.Module):
 
     def forward(self, x):
         return self.lin(x).sum(1)
-
-
-def _reference(model, loss_fn, x, t):
-    """Each example's gradient, alone, in float64, and the norms."""
-    model = model.double()
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def one(ps, xi, ti):
-        return loss_fn(functional_call(model, ps, (xi.unsqueeze(0),)), ti.unsqueeze(0))
-
-    rows = [grad(one)(params, x[i].double(), t[i].double()) for i in range(x.shape[0])]
-    ref = {n: torch.stack([r[n] for r in rows]) for n in params}
-    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in ref.values()]).sum(0).sqrt()
-    return ref, norms
 
 
 @pytest.mark.parametrize("strategy", ("auto", "hooks", "vmap"))
@@ -76,7 +63,7 @@ def test_compiled_program_norms_past_the_square():
     t = torch.randn(3, 3)
     t[1] = 1e19
     torch.manual_seed(0)
-    ref, want = _reference(nn.Linear(4, 3), _mse, x, t)
+    ref, want = float64_per_example(nn.Linear(4, 3), _mse, x, t)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tv.TorchVJPWarning)  # (nothing falls back)
         for _ in range(2):

@@ -9,28 +9,18 @@ test at its deadline (and gloo's own 30 s timeout ends a mis-paired collective s
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_vjp as tv
 
-from _references import in_gloo_group
+from _references import in_gloo_group, meet, one_rank_failed, twice_with
 
 DT = torch.float64
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _meet(group, world):
-    """A collective of every call: a rank calling more often than another waits for ever,
-    or pairs with another collective."""
-    met = torch.ones(1, dtype=torch.int64)
-    dist.all_reduce(met, group=group)
-    assert int(met) == world
 
 
 def _true(x):
@@ -62,7 +52,7 @@ def _forward_fails_near_x(rank, world, group):
 
     def f(x):
         calls[0] += 1
-        _meet(group, world)
+        meet(group, world)
         y = _true(x)
         return y * float("nan") if _at_x_only(rank, x) else y
 
@@ -78,31 +68,17 @@ def _backward_fails_near_x(rank, world, group):
     calling f and its backward alone."""
     calls = [0, 0]
 
-    class Twice(torch.autograd.Function):
-        generate_vmap_rule = True
+    def backward(ctx, g):
+        calls[1] += 1
+        meet(group, world)
+        (x,) = ctx.saved_tensors
+        return g * float("nan") if _at_x_only(rank, x) else g * 2
 
-        @staticmethod
-        def forward(x):
-            return x * 2
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-
-        @staticmethod
-        def backward(ctx, g):
-            calls[1] += 1
-            _meet(group, world)
-            (x,) = ctx.saved_tensors
-            return g * float("nan") if _at_x_only(rank, x) else g * 2
-
-        @staticmethod
-        def jvp(ctx, t):
-            return t * 2
+    Twice = twice_with(backward, save_input=True)
 
     def f(x):
         calls[0] += 1
-        _meet(group, world)
+        meet(group, world)
         return (Twice.apply(x)[:3] * x[3:]).sin()
 
     x = _point(0.01)
@@ -117,23 +93,14 @@ def _out_of_memory_near_x(rank, world, group):
     naming rank 1 and quoting it, and neither waits for the other."""
 
     def f(x):
-        _meet(group, world)
+        meet(group, world)
         if _at_x_only(rank, x):
             raise MemoryError("rank 1 ran out of memory near x")
         return _true(x)
 
     x = _point(0.02)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if rank == 1:
-            with pytest.raises(MemoryError, match="rank 1 ran out of memory near x"):
-                tv.jacobian(f, x, process_group=group)
-        else:
-            with pytest.raises(tv.JacobianCallError) as info:
-                tv.jacobian(f, x, process_group=group)
-            said = str(info.value)
-            assert "rank 1 of the process_group failed" in said, said
-            assert "MemoryError: rank 1 ran out of memory near x" in said, said
+    one_rank_failed(rank, lambda: tv.jacobian(f, x, process_group=group),
+                    "rank 1 ran out of memory near x")
 
 
 def _two_ranks(rank, world, init_file):

@@ -16,20 +16,12 @@ import torch.distributed as dist
 
 import torch_vjp as tv
 
-from _references import in_gloo_group
+from _references import in_gloo_group, meet, one_rank_failed, twice_with
 
 DT = torch.float64
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _meet(group, world):
-    """A collective of every call: a rank calling more often than another waits for ever,
-    or pairs with another collective."""
-    met = torch.ones(1, dtype=torch.int64)
-    dist.all_reduce(met, group=group)
-    assert int(met) == world
 
 
 def _true(x):
@@ -44,33 +36,19 @@ def _one_rank_not_linear(rank, world, group):
     (its collective then waited for ever)."""
     calls = [0, 0]
 
-    class Twice(torch.autograd.Function):
-        generate_vmap_rule = True
+    def backward(ctx, g):
+        calls[1] += 1
+        meet(group, world)
+        if rank == 0:
+            return g * 2
+        extra = g.abs().sum() - g.abs().amax()  # (0 for a row of the Jacobian)
+        return g * 2 + 1e-3 * extra ** 2
 
-        @staticmethod
-        def forward(x):
-            return x * 2
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            calls[1] += 1
-            _meet(group, world)
-            if rank == 0:
-                return g * 2
-            extra = g.abs().sum() - g.abs().amax()  # (0 for a row of the Jacobian)
-            return g * 2 + 1e-3 * extra ** 2
-
-        @staticmethod
-        def jvp(ctx, t):
-            return t * 2
+    Twice = twice_with(backward)
 
     def f(x):
         calls[0] += 1
-        _meet(group, world)
+        meet(group, world)
         return (Twice.apply(x)[:3] * x[3:]).sin()
 
     # (no zero, no value repeated, no sum of 0: no check near x)
@@ -91,49 +69,26 @@ def _one_rank_runs_out_of_memory(rank, world, group):
     error, rank 0 an error naming rank 1 and quoting it, and neither waits for the other."""
     seen = [0]
 
-    class Twice(torch.autograd.Function):
-        generate_vmap_rule = True
+    def backward(ctx, g):
+        meet(group, world)
+        extra = g.abs().sum() - g.abs().amax()  # (0 for a row of the Jacobian)
+        if rank == 0:
+            return g * 2 + 1e-3 * extra ** 2
+        if not torch._C._functorch.is_batchedtensor(g) and bool(extra != 0):
+            seen[0] += 1
+            if seen[0] == 3:
+                raise MemoryError("rank 1 ran out of memory measuring")
+        return g * 2
 
-        @staticmethod
-        def forward(x):
-            return x * 2
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            _meet(group, world)
-            extra = g.abs().sum() - g.abs().amax()  # (0 for a row of the Jacobian)
-            if rank == 0:
-                return g * 2 + 1e-3 * extra ** 2
-            if not torch._C._functorch.is_batchedtensor(g) and bool(extra != 0):
-                seen[0] += 1
-                if seen[0] == 3:
-                    raise MemoryError("rank 1 ran out of memory measuring")
-            return g * 2
-
-        @staticmethod
-        def jvp(ctx, t):
-            return t * 2
+    Twice = twice_with(backward)
 
     def f(x):
-        _meet(group, world)
+        meet(group, world)
         return (Twice.apply(x)[:3] * x[3:]).sin()
 
     x = torch.tensor([0.37, -0.71, 0.44, 0.92, -0.26, 0.57], dtype=DT)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if rank == 1:
-            with pytest.raises(MemoryError, match="rank 1 ran out of memory measuring"):
-                tv.jacobian(f, x, process_group=group)
-        else:
-            with pytest.raises(tv.JacobianCallError) as info:
-                tv.jacobian(f, x, process_group=group)
-            said = str(info.value)
-            assert "rank 1 of the process_group failed" in said, said
-            assert "MemoryError: rank 1 ran out of memory measuring" in said, said
+    one_rank_failed(rank, lambda: tv.jacobian(f, x, process_group=group),
+                    "rank 1 ran out of memory measuring")
 
 
 def _two_ranks(rank, world, init_file):

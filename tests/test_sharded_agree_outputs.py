@@ -15,18 +15,12 @@ import torch.distributed as dist
 
 import torch_vjp as tv
 
-from _references import in_gloo_group
+from _references import in_gloo_group, meet
 
 DT = torch.float64
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _meet(group, world):
-    met = torch.ones(1, dtype=torch.int64)
-    dist.all_reduce(met, group=group)
-    assert int(met) == world
 
 
 class _MeetingBackward(torch.autograd.Function):
@@ -43,7 +37,7 @@ class _MeetingBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.calls[0] += 1
-        _meet(ctx.group, dist.get_world_size(ctx.group))
+        meet(ctx.group, dist.get_world_size(ctx.group))
         return g, None, None
 
 
@@ -54,7 +48,7 @@ def _checks(rank, world, group):
     def by_size(x):
         # (two outputs on rank 0: reverse mode; 400 on rank 1: forward mode)
         calls[0] += 1
-        _meet(group, world)
+        meet(group, world)
         y = x[:2].sin() if rank == 0 else x.sin().repeat(100)
         return y
 
@@ -75,7 +69,7 @@ def _checks(rank, world, group):
     # the group still works: outputs alike, f and its backward called as often on every rank
     def alike(x):
         calls[0] += 1
-        _meet(group, world)
+        meet(group, world)
         return _MeetingBackward.apply(x, group, calls)[:3].sin() * x[1:]
 
     want = torch.func.jacrev(lambda x: x[:3].sin() * x[1:])(x)

@@ -332,24 +332,13 @@ def grad_mode_backward(outs: Sequence[Tensor]) -> str | None:
     such a node, the products run in grad mode (the graph of the backward pass lives for
     its chunk only) and are detached after; elsewhere nothing changes."""
     types = _GRAD_MODE_TYPES
-    seen: set[int] = set()
-    found: list[Any] = []  # (holds the nodes: their ids stay theirs while it lives)
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        found.append(node)
+    for node in graph_nodes(outs):
         kind = type(node)
         hit = types.get(kind)
         if hit is None:
             hit = types[kind] = kind.__name__ in GRAD_MODE_BACKWARD
         if hit:
             return GRAD_MODE_BACKWARD[kind.__name__]
-        for nxt, _ in node.next_functions:
-            if nxt is not None:
-                stack.append(nxt)
     return None
 
 
