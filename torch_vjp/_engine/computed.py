@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -261,17 +262,29 @@ def _retaining(tensors: Sequence[Tensor]) -> list[Tensor]:
     return list(found.values())
 
 
+#: Held while a backward pass runs with the caller's retained ``.grad`` put aside
+#: (:func:`_grads_kept`): two threads differentiating one graph would otherwise each save
+#: what the other's pass wrote there, and one put back the other's (batched) gradient in
+#: place of the caller's.
+_GRADS_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _grads_kept(tensors: Sequence[Tensor]):
-    """Clears the ``.grad`` of ``tensors`` for a backward pass and puts it back after."""
-    saved = [t.grad for t in tensors]
-    for t in tensors:
-        t.grad = None
-    try:
+    """Clears the ``.grad`` of ``tensors`` for a backward pass and puts it back after (one
+    thread at a time, where there are any: :data:`_GRADS_LOCK`)."""
+    if not tensors:
         yield
-    finally:
-        for t, g in zip(tensors, saved):
-            t.grad = g
+        return
+    with _GRADS_LOCK:
+        saved = [t.grad for t in tensors]
+        for t in tensors:
+            t.grad = None
+        try:
+            yield
+        finally:
+            for t, g in zip(tensors, saved):
+                t.grad = g
 
 
 def _graph_key(outs: Sequence[Tensor], ins: Sequence[Tensor]
