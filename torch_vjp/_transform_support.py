@@ -1,8 +1,9 @@
 """What :func:`torch_vjp.vjp` and :func:`torch_vjp.jvp` share around their products:
 torch.func's refusals explained (``_explained``), the one vectorised-then-loop policy of
 ``batched=True`` (``_vectorised_or_loop``), zeros for outputs that need no vector, the
-sentence that tells a tangent from a cotangent, and primals whose elements share memory
-(NOTE [an expanded primal]).
+sentence that tells a tangent from a cotangent, primals whose elements share memory
+(NOTE [an expanded primal]), and the random cotangents a compiled ``vjp_fn`` checks its
+program at (NOTE [a compiled vjp_fn's point]).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_vjp._check_labels import Labels
 from torch_vjp._engine.jacobian import function_key, function_name
@@ -37,7 +38,7 @@ from torch_vjp._errors import (
     warn_once,
 )
 
-__all__ = ["recording_connected"]
+__all__ = ["probe_cotangents", "recording_connected"]
 
 
 @contextlib.contextmanager
@@ -215,3 +216,49 @@ def recording_connected(f: Callable[..., Any], has_aux: bool
         return res
 
     return recorded, connected
+
+
+def probe_cotangents(cotangents: Any) -> Any:
+    """Cotangents drawn from a generator of their own (the caller's stays where it is), of
+    the shapes, dtypes and devices of ``cotangents``: NOTE [a compiled vjp_fn's point]."""
+    gen = torch.Generator().manual_seed(20261127)
+
+    def draw(t: Any) -> Any:
+        if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
+            return t
+        wide = torch.complex128 if t.is_complex() else torch.float64
+        return torch.randn(t.shape, dtype=wide, generator=gen).to(dtype=t.dtype,
+                                                                  device=t.device)
+    return tree_map(draw, cotangents)
+
+
+# NOTE [a compiled vjp_fn's point]
+# vjp(compile=True)'s vjp_fn runs a compiled program of forward and pullback, which reads f's
+# closure, globals and modules as they are when vjp_fn is called; the eager vjp_fn holds the
+# graph of the vjp point. Where f reads something that has been rebound since (a captured
+# tensor, ``W = W_next``; a module's parameter replaced, ``lin.weight = Parameter(...)``),
+# the compiled program would differentiate another function, so vjp_fn uses the graph of
+# the vjp point instead; the same where one of them, or a primal, was written in place since
+# (``S.add_(5)``: the graph saved the old values, the program would read the new). What is
+# compared, by identity and version counter: the contents of f's closure cells, defaults and
+# the globals it names (of a plain function, or of a bound method's function), the numbers,
+# flags and strings among the attributes of the objects (and items of the dicts) they hold,
+# the parameters, buffers and plain attributes (a scale, the training flag) of the modules
+# f reaches, and the primals (:func:`~torch_vjp._engine.point.read_state`). A function f
+# that writes into them itself always uses the graph. What these do not see (a tensor in a
+# list or a partial, a write through ``.data``, a number two objects deep) the program's own
+# forward output may show: where it is not the vjp point's (up to the rounding of a compiled
+# program), the graph answers too. Nor does the output show a change that moves only the
+# derivative there (``x + cfg.inner.k * (x - c)`` at ``x = c``, ``k`` two objects deep):
+# dynamo guards such a value and recompiles, and the rebuilt program (NOTE [a recompiled
+# entry]) computes the new function's products. So a vjp_fn also counts the programs built
+# in the process (:func:`~torch_vjp._engine.compiled.builds`): where one was built since its
+# vjp call, other than in a call of its own, the graph answers. A program built in a call of
+# its own was compared with its eager products at that call's cotangents only, which can
+# agree by coincidence (``k`` changed after the vjp call, and cotangents orthogonal to the
+# directions it moves); so that call also runs the program at cotangents drawn at random and
+# compares it with the graph's products there, and where they differ the graph answers from
+# then on. Builds are counted per thread too (:func:`~torch_vjp._engine.compiled.own_builds`):
+# one another thread made during a call is not the call's own. A training loop that builds
+# nothing after its first step keeps the compiled program; a vjp_fn made before another
+# point's program was built does not.

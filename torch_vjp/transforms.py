@@ -39,15 +39,14 @@ from torch_vjp._engine.copies import not_sharing
 from torch_vjp._engine.fwd_batch import checked_batch
 from torch_vjp._engine.fwdcheck import CHECKED, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
-from torch_vjp._engine.fwd_wrong import (forward_checked, forward_read, reading_forward,
-                                         wrong_pushforward)
+from torch_vjp._engine.fwd_wrong import jvp_read_once
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.nearcheck import pullback_near
 from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._sharded import plain_module
 from torch_vjp._engine.jacobian import function_key, function_name
-from torch_vjp._engine.rows import loop_draws, map_rows, passes_through
+from torch_vjp._engine.rows import loop_draws, map_rows
 from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_pullback
 from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
                                note_freed_graph, warn_once)
@@ -58,6 +57,7 @@ from torch_vjp._transform_support import (
     _has_internal_overlap,
     _output_shaped_tangent,
     _vectorised_or_loop,
+    probe_cotangents,
     recording_connected,
 )
 
@@ -453,7 +453,7 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
         if builds() - built[0] != made:  # (another thread built a program since the check
             return eager_fn(cotangents, **options)  # above: this call may have run it)
         if made:  # (NOTE [a compiled vjp_fn's point]: its answer was the eager one)
-            probe = _probe_cotangents(cotangents)
+            probe = probe_cotangents(cotangents)
             before = (builds(), own_builds())
             out_p, grads_p = run(probe)
             if (own_builds() != before[1] or builds() != before[0]
@@ -467,52 +467,6 @@ def _compiled_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool
 
     vjp_fn.__signature__ = _VJP_FN_SIGNATURE  # type: ignore[attr-defined]
     return (res[0], vjp_fn) + tuple(res[2:])
-
-
-def _probe_cotangents(cotangents: Any) -> Any:
-    """Cotangents drawn from a generator of their own (the caller's stays where it is), of
-    the shapes, dtypes and devices of ``cotangents``: NOTE [a compiled vjp_fn's point]."""
-    gen = torch.Generator().manual_seed(20261127)
-
-    def draw(t: Any) -> Any:
-        if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
-            return t
-        wide = torch.complex128 if t.is_complex() else torch.float64
-        return torch.randn(t.shape, dtype=wide, generator=gen).to(dtype=t.dtype,
-                                                                  device=t.device)
-    return tree_map(draw, cotangents)
-
-
-# NOTE [a compiled vjp_fn's point]
-# vjp(compile=True)'s vjp_fn runs a compiled program of forward and pullback, which reads f's
-# closure, globals and modules as they are when vjp_fn is called; the eager vjp_fn holds the
-# graph of the vjp point. Where f reads something that has been rebound since (a captured
-# tensor, ``W = W_next``; a module's parameter replaced, ``lin.weight = Parameter(...)``),
-# the compiled program would differentiate another function, so vjp_fn uses the graph of
-# the vjp point instead; the same where one of them, or a primal, was written in place since
-# (``S.add_(5)``: the graph saved the old values, the program would read the new). What is
-# compared, by identity and version counter: the contents of f's closure cells, defaults and
-# the globals it names (of a plain function, or of a bound method's function), the numbers,
-# flags and strings among the attributes of the objects (and items of the dicts) they hold,
-# the parameters, buffers and plain attributes (a scale, the training flag) of the modules
-# f reaches, and the primals (:func:`~torch_vjp._engine.point.read_state`). A function f
-# that writes into them itself always uses the graph. What these do not see (a tensor in a
-# list or a partial, a write through ``.data``, a number two objects deep) the program's own
-# forward output may show: where it is not the vjp point's (up to the rounding of a compiled
-# program), the graph answers too. Nor does the output show a change that moves only the
-# derivative there (``x + cfg.inner.k * (x - c)`` at ``x = c``, ``k`` two objects deep):
-# dynamo guards such a value and recompiles, and the rebuilt program (NOTE [a recompiled
-# entry]) computes the new function's products. So a vjp_fn also counts the programs built
-# in the process (:func:`~torch_vjp._engine.compiled.builds`): where one was built since its
-# vjp call, other than in a call of its own, the graph answers. A program built in a call of
-# its own was compared with its eager products at that call's cotangents only, which can
-# agree by coincidence (``k`` changed after the vjp call, and cotangents orthogonal to the
-# directions it moves); so that call also runs the program at cotangents drawn at random and
-# compares it with the graph's products there, and where they differ the graph answers from
-# then on. Builds are counted per thread too (:func:`~torch_vjp._engine.compiled.own_builds`):
-# one another thread made during a call is not the call's own. A training loop that builds
-# nothing after its first step keeps the compiled program; a vjp_fn made before another
-# point's program was built does not.
 
 
 @overload
@@ -586,8 +540,8 @@ def jvp(
             cannot be differentiated; a :class:`~torch_vjp.JacobianNotImplementedError`
             (also a NotImplementedError, as torch's) where an operator in ``f`` has no
             forward-mode formula; f's graph holds an operator whose forward-mode formula
-            torch (2.13) has wrong, ``torch.scatter_reduce(..., reduce='prod')`` or
-            ``torch.triangular_solve``'s matrix (NOTE [forward mode through a wrong
+            torch (2.13) has wrong, ``torch.scatter_reduce(..., reduce='prod')``,
+            ``torch.triangular_solve``'s matrix or ``torch.linalg.det`` (NOTE [forward mode through a wrong
             formula]): reverse mode is the fix (the graph is read from the products' own
             call of ``f``, on the first call per function and signature of the primals).
 
@@ -654,26 +608,9 @@ def jvp(
                for v, x in zip(_flat_vectors(normalized, prob.leaves, batched), prob.leaves)]
     # NOTE [forward mode through a wrong formula]: f's graph read on the first call per
     # function and signature, by the products' own call of f
-    key = ("jvp: forward formulas", signature(route_key(f), prob.leaves, None, prob.primals))
-    known = forward_checked(key)
-    if known:
-        raise wrong_pushforward(call, known, function_name(f))
-    reading, found = reading_forward(prob.g_inner, has_aux)
-
-    def read_once(compute: Callable[[Callable[..., Any]], Any]) -> Any:
-        if known is not None:  # (read before: "" holds none)
-            return compute(prob.g_inner)
-        try:
-            res = compute(reading)
-        except Exception as err:  # noqa: BLE001 - torch.func.vjp cannot run f: as before
-            if passes_through(err):
-                raise
-            return compute(prob.g_inner)
-        op = forward_read(key, found)
-        if op is not None:
-            raise wrong_pushforward(call, op, function_name(f))
-        return res
-
+    read_once = jvp_read_once(
+        ("jvp: forward formulas", signature(route_key(f), prob.leaves, None, prob.primals)),
+        prob.g_inner, has_aux, call, function_name(f))
     leaves = tuple(prob.leaves)
     if not batched:  # (buffers_kept: as vjp's call of f)
         copied = [_has_internal_overlap(x) for x in leaves]  # NOTE [an expanded primal]

@@ -69,10 +69,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.graph import graph_nodes
+from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.wrongops import WRONG_FORWARD, WRONG_FORWARD_WHERE
 from torch_vjp._errors import JacobianCallError, StrategyError
 
-__all__ = ["auto_forward_message", "forward_checked", "forward_read", "named_forward",
+__all__ = ["auto_forward_message", "forward_checked", "forward_read", "jvp_read_once",
+           "named_forward",
            "named_read", "named_reading", "reading_forward", "wrong_forward",
            "wrong_pushforward"]
 
@@ -233,6 +235,35 @@ def named_read(prob: Any, opts: Any, reading: tuple[Hashable, _WrongCalls],
     op = forward_read(reading[0], reading[1].found)
     if op is not None:
         raise named_forward(prob.call, op, opts.named[0], strategy)
+
+
+def jvp_read_once(key: Hashable, g: Callable[..., Any], has_aux: bool, call: str, name: str
+                  ) -> Callable[[Callable[[Callable[..., Any]], Any]], Any]:
+    """torch_vjp.jvp's reading of f's operators (NOTE [forward mode through a wrong
+    formula]), once per ``key`` (function and signature of the primals): raises
+    :func:`wrong_pushforward` where an earlier call found one; else returns
+    ``read_once(compute)``, which runs ``compute`` with the function to call in place of
+    ``g`` (``g`` read, on a first call) and raises where the read found one."""
+    known = forward_checked(key)
+    if known:
+        raise wrong_pushforward(call, known, name)
+    reading, found = reading_forward(g, has_aux)
+
+    def read_once(compute: Callable[[Callable[..., Any]], Any]) -> Any:
+        if known is not None:  # (read before: "" holds none)
+            return compute(g)
+        try:
+            res = compute(reading)
+        except Exception as err:  # noqa: BLE001 - torch.func.vjp cannot run f: as before
+            if passes_through(err):
+                raise
+            return compute(g)
+        op = forward_read(key, found)
+        if op is not None:
+            raise wrong_pushforward(call, op, name)
+        return res
+
+    return read_once
 
 
 def wrong_pushforward(call: str, op: str, name: str) -> JacobianCallError:
