@@ -71,7 +71,6 @@ from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
-    all_finite,
     no_route_message,
     remember,
     route_key,
@@ -370,13 +369,14 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
         # reverse mode chosen by size: NOTE [a sharded reverse product checked forward])
         mode = "fwd" if route == "fwd" else "rev"
     elif first is not None:
-        after, ops = SameDraws(first.own, host=True), []
+        after, ops, unchecked = SameDraws(first.own, host=True), [], []
         after()
         try:
             part, mode = _checked(prob, work, part, mode, shapes, key, group, device, first,
-                                  ops)
+                                  ops, unchecked)
             part, mode = known_route(prob, part, mode, gathered_ops(ops, group), key,
-                                     lambda name: _known(prob, work, name, shapes, first))
+                                     lambda name: _known(prob, work, name, shapes, first),
+                                     bool(unchecked), lambda: agreed_route(key, group, device))
         finally:
             after()
     assert part is not None
@@ -461,14 +461,15 @@ def _known(prob: Problem, work: Work, name: str, shapes: Any, first: SameDraws) 
 
 
 def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes: Any,
-             key: Any, group: Any, device: torch.device, first: SameDraws, ops: list[Any]
-             ) -> tuple[tuple[Any, ...], str]:
+             key: Any, group: Any, device: torch.device, first: SameDraws, ops: list[Any],
+             unchecked: list[bool]) -> tuple[tuple[Any, ...], str]:
     """``(part, mode)`` if every rank's products agree with a reverse product; else the
     first of the next routes that does, on every rank alike, and "rev" (NOTE [sharded auto,
     checked]). ``first()`` puts the generators back where the products started, before each
     reverse product and each route; ``ops`` receives the known wrong operators of the first
     reverse product's graph (NOTE [sharded auto reads the graph for known wrong
-    operators])."""
+    operators]); ``unchecked`` receives True where x or some rank's reverse product is not
+    finite: nothing compared (NOTE [sharded auto at a point it cannot check])."""
     floor: list[float] = []  # (the rounding's scale and the tolerance, measured once)
     def agrees(p: tuple[Any, ...], m: str) -> tuple[bool, float, float]:
         err = None
@@ -487,6 +488,11 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
         return ok, d, s
 
     ok, diff, scale = agrees(part, mode)
+    if not math.isfinite(scale):  # (some rank's, through the verdict's MAX: every rank's)
+        if work.batch is not None:  # (but a flow across rows shows there too)
+            _refuse_mixing(prob, work, None, None, group, device)
+        unchecked.append(True)
+        return part, mode
     if mode != "fwd" or not ok:  # NOTE [a sharded reverse product checked forward]
         def forward() -> tuple[Any, bool]:
             work.looped = False
@@ -502,11 +508,7 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
         if fwd is not None:
             return fwd
     if ok:
-        # (at a NaN or an infinity, in x or in the products, nothing was compared)
-        if all_finite(prob.leaves) and math.isfinite(scale):
-            remember(key, mode)
-        elif work.batch is not None:  # (but a flow across rows shows there too)
-            _refuse_mixing(prob, work, None, None, group, device)
+        remember(key, mode)
         return part, mode
     for name in ("rev", "rev-loop") if mode == "fwd" else ("rev-loop",):
         first()

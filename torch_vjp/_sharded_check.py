@@ -105,13 +105,18 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
     (``stacked``, in ``mode``, numbered ``[start, stop)``) and one reverse product (NOTE
     [sharded auto, checked]), ``rtol`` the rounding of the least precise dtype f's graph
     computes in (a float32 step in a float64 f: ``least_precise``); None where the reverse
-    product cannot be taken; ``(0, inf, 0)`` where it holds a NaN or an infinity (from a
-    tensor f reads but does not differentiate, x finite): no comparison there, and a scale
-    no rank's route is remembered at. ``ops``: receives the known wrong operators of the
+    product cannot be taken; ``(0, inf, 0)`` where x or it holds a NaN or an infinity
+    (from a tensor f reads but does not differentiate, x finite): no comparison there, and
+    a scale that :func:`verdict`'s MAX carries to every rank, which then takes the route of
+    a point it cannot check (NOTE [sharded auto at a point it cannot check] in
+    ``torch_vjp._sharded_forward``). ``ops``: receives the known wrong operators of the
     reverse product's graph (NOTE [sharded auto reads the graph for known wrong
-    operators] in ``torch_vjp._sharded_forward``)."""
+    operators] in ``torch_vjp._sharded_forward``), read at a point not finite too."""
     keep = None if mode == "fwd" else (lambda us: _only_rows(us, start, stop, batch))
-    got = one_reverse_product(prob, keep, ops=ops)
+    finite = all_finite(prob.leaves)  # (x is the same on every rank, checked before)
+    got = one_reverse_product(prob, keep, anywhere=not finite, ops=ops)
+    if not finite:
+        return 0.0, math.inf, 0.0
     if stop == start:
         # (nothing to compare, but f called as on the other ranks: an f that runs
         # collectives waited for ever for this rank's call)

@@ -43,9 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_vjp._engine.autoknown import known_wrong_route
+from torch_vjp._engine.autoknown import known_wrong_route, unchecked_route
 from torch_vjp._engine.fwdcheck import (
-    CHECKED,
     all_finite,
     least_precise,
     one_reverse_product,
@@ -256,7 +255,34 @@ def forward_instead(
 # known wrong operator], as on one process).
 
 
+# NOTE [sharded auto at a point it cannot check]
+# At a point holding a NaN or an infinity, in x or in a reverse product, one process
+# compares no values, reads the graph of its check's reverse product all the same, and takes
+# the route the graph names without remembering it (NOTE [auto at a point it cannot check]
+# in ``torch_vjp._engine.autoknown``). A sharded "auto" did not read the graph where x was
+# not finite (the reverse product was not taken there), and returned the rows under vmap
+# through ``torch.cdist``'s wrong batching rule, off by a relative error near 1, without a
+# word; where a reverse product was not finite it remembered the route it took, and read the
+# route it remembered on each rank for itself (one rank remembering one from a call in
+# another group returned its rows under vmap while the other computed them again, their
+# collectives mis-paired). So each rank's reverse product is taken at such a point too
+# (``own_gap``: f is called alike on every rank, x being the same), and says so by an
+# infinite scale, which the verdict's ``all_reduce`` (MAX) carries to every rank: where some
+# rank's reverse product is not finite (only that rank's, where f reads a number bound per
+# rank), every rank compares nothing, checks no reverse product against a forward one, and
+# takes the route the gathered graph names (:func:`known_route`, ``unchecked``), the same on
+# every rank, none remembered, with the one-process warning and its sentence saying why the
+# values went unchecked. Where the values were compared, the route remembered is read
+# through one ``all_reduce`` of every rank's (``taken``): a route no rank holds alike counts
+# as none.
+
 Ops = tuple[str | None, str | None]
+
+#: Why the values went unchecked (NOTE [sharded auto at a point it cannot check]): the
+#: point x, or a reverse product, holds a NaN or an infinity (the one-process words).
+_NOT_FINITE_X = "the point x holds a NaN or an infinity"
+_NOT_FINITE_PRODUCT = ("a reverse product holds a NaN or an infinity (from a tensor f reads "
+                       "but does not differentiate: an argument, or a weight it captured)")
 
 
 class _NotRun(Exception):
@@ -277,32 +303,38 @@ def gathered_ops(mine: list[Ops], group: Any) -> Ops:
 
 
 def known_route(prob: Problem, part: Any, mode: str, found: Ops, key: Hashable,
-                attempt: Callable[[str], Any]) -> tuple[Any, str]:
+                attempt: Callable[[str], Any], unchecked: bool = False,
+                taken: Callable[[], str | None] = lambda: None) -> tuple[Any, str]:
     """``(part, mode)``: the values check's, where its route is right for the operators
     ``found``; else the products of the route NOTE [sharded auto reads the graph for known
-    wrong operators] names, remembered for ``key``, with the one-process warning.
-    ``attempt(name)``: every rank's products by that route, or None on every rank where it
-    did not run on some."""
+    wrong operators] names, remembered for ``key``, with the one-process warning; where
+    ``unchecked`` (NOTE [sharded auto at a point it cannot check]: x or some rank's reverse
+    product not finite), the route named for ``mode``'s products, none remembered, the
+    warning saying why the values went unchecked. ``attempt(name)``: every
+    rank's products by that route, or None on every rank where it did not run on some;
+    ``taken()``: the route every rank remembers for ``key`` (None: none alike), read only
+    where an operator was found (every rank alike)."""
     if found == (None, None):
         return part, mode
-    taken: list[str] = []
+    ran: list[str] = []
 
     def route(name: str) -> Any:
         alt = attempt(name)
         if alt is None:
             raise _NotRun(name)
+        ran.append(name)
         return alt
-
-    def keep(name: str) -> None:
-        taken.append(name)
-        remember(key, name)
 
     named: tuple[Hashable, str] = (function_key(prob.f), function_name(prob.f))
     try:
-        res = known_wrong_route(prob.call, mode, part, found, CHECKED.get(key), route, keep,
-                                named)
+        if unchecked:  # (x is the same on every rank: so are the words)
+            why = _NOT_FINITE_PRODUCT if all_finite(prob.leaves) else _NOT_FINITE_X
+            res = unchecked_route(prob.call, mode, part, found, route, named, why)
+        else:
+            res = known_wrong_route(prob.call, mode, part, found, taken(), route,
+                                    lambda name: remember(key, name), named)
     except _NotRun:  # (the loop of reverse products did not run: the values' route stands)
         return part, mode
-    if res is part or not taken:
+    if res is part or not ran:
         return part, mode
-    return res, "fwd" if taken[-1].startswith("fwd") else "rev"
+    return res, "fwd" if ran[-1].startswith("fwd") else "rev"

@@ -1,0 +1,163 @@
+"""A sharded ``"auto"`` whose route decisions could differ between ranks: at a point its
+values check cannot compare at (NOTE [sharded auto at a point it cannot check] in
+``torch_vjp._sharded_forward``), whose graph still names the route, as on one process, none
+remembered; where one rank's reverse product is not finite and the other's is; and where
+one rank remembers a route the other does not. Every rank calls f as often and
+returns the same Jacobian, in float64 equal to reverse rows one at a time where f is alike
+on every rank (``torch.cdist``'s batching rule is wrong). Two ranks, gloo on CPU, one
+spawned group; a rank left waiting fails the test at its deadline (gloo's 30 s timeout ends
+a mis-paired collective sooner)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_vjp as tv
+from torch_vjp._engine import fwdcheck
+
+from _references import caught, in_gloo_group, meet
+
+D = torch.float64
+INF = float("inf")
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _reverse_rows(f, x):
+    """The Jacobian by one plain backward pass per output element, without vmap."""
+    xx = x.detach().clone().requires_grad_(True)
+    out = f(xx).reshape(-1)
+    rows = []
+    for i in range(out.numel()):
+        g, = torch.autograd.grad(out[i], xx, retain_graph=True, allow_unused=True)
+        rows.append(torch.zeros_like(x) if g is None else g)
+    return torch.stack(rows).reshape(*f(x).shape, *x.shape)
+
+
+def _same(got, want):
+    """Equal where ``want`` is finite, and finite in the same entries."""
+    assert torch.equal(got.isfinite(), want.isfinite()), (got, want)
+    keep = want.isfinite()
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-10, atol=1e-10)
+
+
+def _alike(value, group, world):
+    """``value`` as every rank holds it (asserts they are equal; a tensor's NaN and
+    infinities compared by place)."""
+    if isinstance(value, torch.Tensor):
+        value = value.nan_to_num(nan=7.0, posinf=8.0, neginf=9.0).tolist()
+    said = [None] * world
+    dist.all_gather_object(said, value, group=group)
+    assert all(s == said[0] for s in said), said
+    return said[0]
+
+
+_Y = torch.randn(3, 2, dtype=D, generator=torch.Generator().manual_seed(1))
+
+
+def _keys_of(f):
+    return [k for k in fwdcheck.CHECKED if f in repr(k)]
+
+
+def _point_not_finite(rank, world, group):
+    """x holds an infinity in an entry f never reads: the graph of the check's reverse
+    product names torch.cdist, every rank computes its rows one at a time, warns that the
+    values went unchecked, and remembers nothing (it had returned the rows under vmap, off
+    by a relative error near 1, without a word)."""
+    calls = [0]
+
+    def cdist_unread_entry(x):
+        calls[0] += 1
+        meet(group, world)
+        return torch.cdist(x[:4].reshape(2, 2), _Y)
+
+    x = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0))
+    x[-1] = INF
+    got, said = caught(lambda: tv.jacobian(cdist_unread_entry, x, process_group=group))
+    _same(got, _reverse_rows(lambda z: torch.cdist(z[:4].reshape(2, 2), _Y), x))
+    assert any("batching rule for the backward of torch.cdist" in w
+               and "Here the point x holds a NaN or an infinity" in w for w in said), said
+    assert not _keys_of("cdist_unread_entry")
+    _alike(calls[0], group, world)
+
+
+def _reverse_product_not_finite(rank, world, group):
+    """A captured weight with an infinity: every rank's reverse product holds one; the
+    graph names torch.cdist, the warning says why the values went unchecked, and no route
+    is remembered, as on one process (a later call at a finite point checks by values)."""
+    w = torch.ones(2, 3, dtype=D)
+    w[1, 2] = INF
+    calls = [0]
+
+    def cdist_inf_weight(x):
+        calls[0] += 1
+        meet(group, world)
+        return torch.cdist(x.reshape(2, 2), _Y) * w
+
+    x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(2))
+    got, said = caught(lambda: tv.jacobian(cdist_inf_weight, x, process_group=group))
+    _same(got, _reverse_rows(lambda z: torch.cdist(z.reshape(2, 2), _Y) * w, x))
+    assert any("torch.cdist" in m and "Here a reverse product holds a NaN or an infinity" in m
+               for m in said), said
+    assert not _keys_of("cdist_inf_weight")
+    _alike(calls[0], group, world)
+
+
+def _one_rank_not_finite(rank, world, group):
+    """Only rank 1's f scales its output by an infinity (a number bound per rank): only
+    rank 1's reverse product is not finite. Every rank takes the route of a point it
+    cannot check, calls f as often, returns the same Jacobian, and remembers nothing."""
+    scale = INF if rank == 1 else 1.0
+    calls = [0]
+
+    def cdist_scaled_per_rank(x):
+        calls[0] += 1
+        meet(group, world)
+        return torch.cdist(x.reshape(2, 2), _Y) * scale
+
+    x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(3))
+    got, said = caught(lambda: tv.jacobian(cdist_scaled_per_rank, x, process_group=group))
+    _alike(got, group, world)
+    assert any("torch.cdist" in m and "the values were not compared" in m for m in said), said
+    assert not _keys_of("cdist_scaled_per_rank")
+    _alike(calls[0], group, world)
+
+
+def _one_rank_remembers(rank, world, group):
+    """Rank 1 alone computed a sharded Jacobian of f at a finite point first, in a group of
+    its own (and remembers "rev-loop" for it); rank 0 remembers nothing. At a point whose
+    reverse product holds an infinity, no route is agreed, and every rank takes the same
+    one (rank 1 had returned its rows under vmap while rank 0 computed its rows again one
+    at a time, their collectives mis-paired)."""
+    w = torch.ones(2, 3, dtype=D)
+
+    def cdist_remembered_on_one(x):
+        return torch.cdist(x.reshape(2, 2), _Y) * w
+
+    x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(4))
+    solo = dist.new_group([1])
+    if rank == 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tv.jacobian(cdist_remembered_on_one, x, process_group=solo)
+        assert [fwdcheck.CHECKED[k] for k in _keys_of("cdist_remembered_on_one")] == [
+            "rev-loop"]
+    w[1, 2] = INF
+    got, _ = caught(lambda: tv.jacobian(cdist_remembered_on_one, x, process_group=group))
+    _same(got, _reverse_rows(lambda z: torch.cdist(z.reshape(2, 2), _Y) * w, x))
+    _alike(got, group, world)
+
+
+def _two_ranks(rank, world, init_file):
+    in_gloo_group(rank, world, init_file, (
+        _point_not_finite, _reverse_product_not_finite, _one_rank_not_finite,
+        _one_rank_remembers))
+
+
+def test_route_decisions_are_taken_alike_on_every_rank(spawn_within):
+    spawn_within(_two_ranks, 2, 150, forkserver=True)
