@@ -1,8 +1,10 @@
 """A sharded ``"auto"`` whose route decisions could differ between ranks: at a point its
 values check cannot compare at (NOTE [sharded auto at a point it cannot check] in
 ``torch_vjp._sharded_forward``), whose graph still names the route, as on one process, none
-remembered; where one rank's reverse product is not finite and the other's is; and where
-one rank remembers a route the other does not. Every rank calls f as often and
+remembered; where one rank's reverse product is not finite and the other's is; where one
+rank's f gives the reverse check's test of linearity nothing to differentiate (NOTE [a
+reverse product checked forward, on every rank alike] in ``torch_vjp._engine.revcheck``);
+and where one rank remembers a route the other does not. Every rank calls f as often and
 returns the same Jacobian, in float64 equal to reverse rows one at a time where f is alike
 on every rank (``torch.cdist``'s batching rule is wrong). Two ranks, gloo on CPU, one
 spawned group; a rank left waiting fails the test at its deadline (gloo's 30 s timeout ends
@@ -19,7 +21,7 @@ import torch.distributed as dist
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
 
-from _references import caught, in_gloo_group, meet
+from _references import caught, in_gloo_group, meet, twice_with
 
 D = torch.float64
 INF = float("inf")
@@ -128,6 +130,31 @@ def _one_rank_not_finite(rank, world, group):
     _alike(calls[0], group, world)
 
 
+def _one_rank_nothing_to_differentiate(rank, world, group):
+    """Every rank's backward formula is wrong (3 for 2); rank 1's f returns its output
+    detached where the check tests its reverse products' linearity (a call with a graph
+    right after the central difference's calls without one): every rank gives the test up
+    alike, and returns the same Jacobian, calling f as often (rank 1 stopped alone, and
+    the others waited in the test's collectives, or paired them with the next exchange)."""
+    wrong = twice_with(lambda ctx, g: g * 3)
+    calls, graphless = [0], [False]
+
+    def wrong_twice(x):
+        calls[0] += 1
+        meet(group, world)
+        y = wrong.apply(x[:3] * x[3:]).sin()
+        after_difference = graphless[0] and torch.is_grad_enabled() and x.requires_grad
+        graphless[0] = not torch.is_grad_enabled()
+        return y.detach() if rank == 1 and after_difference else y
+
+    x = torch.tensor([0.31, -0.72, 0.45, 0.93, -0.27, 0.58], dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = tv.jacobian(wrong_twice, x, process_group=group)
+    _alike(got, group, world)
+    _alike(calls[0], group, world)
+
+
 def _one_rank_remembers(rank, world, group):
     """Rank 1 alone computed a sharded Jacobian of f at a finite point first, in a group of
     its own (and remembers "rev-loop" for it); rank 0 remembers nothing. At a point whose
@@ -156,7 +183,7 @@ def _one_rank_remembers(rank, world, group):
 def _two_ranks(rank, world, init_file):
     in_gloo_group(rank, world, init_file, (
         _point_not_finite, _reverse_product_not_finite, _one_rank_not_finite,
-        _one_rank_remembers))
+        _one_rank_nothing_to_differentiate, _one_rank_remembers))
 
 
 def test_route_decisions_are_taken_alike_on_every_rank(spawn_within):

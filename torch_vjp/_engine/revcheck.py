@@ -320,25 +320,35 @@ def _linear(prob: Problem, us: Sequence[Tensor], redraw: Callable[[], None],
     holds (:func:`~torch_vjp._engine.wrongops.wrong_ops`; None: none), for the warning's
     words, and the error no check may hide that stopped it (None: none), for the caller's
     ``agree``. ``at``: the point, where not the leaves'; ``agree``: each product on every
-    rank or none (:func:`~torch_vjp._engine.fwdnoise._homogeneous`)."""
-    try:
-        redraw()
-        with torch.enable_grad():
+    rank or none (:func:`~torch_vjp._engine.fwdnoise._homogeneous`), and the products
+    tried on every rank or none: where f's call failed on some rank, or gave it nothing to
+    differentiate, every rank gives up alike (that rank alone had returned, and the others
+    waited in the products' agreements, or paired them with the exchange that followed:
+    NOTE [a reverse product checked forward, on every rank alike])."""
+    with torch.enable_grad():
+        called, stop = None, None
+        try:
+            redraw()
             prob.reset_primals()
             xs = [x.detach().requires_grad_(True) for x in (prob.leaves if at is None else at)]
             live = [(o, u) for o, u in zip(_outputs(prob, xs), us) if o.requires_grad]
-            if not live:
-                return False, None, None
-            op = wrong_ops([o for o, _ in live])[1]
+            called = (xs, live, wrong_ops([o for o, _ in live])[1]) if live else None
+        except Exception as err:  # noqa: BLE001 - plain autograd cannot run f: nothing to tell
+            stop = err if passes_through(err) else None
+        if agree(called is None, None):  # (the caller's agree raises ``stop``, where any)
+            return False, None, stop
+        assert called is not None
+        xs, live, op = called
 
-            def product(cs: Sequence[Tensor]) -> Sequence[Tensor | None]:
-                return torch.autograd.grad([o for o, _ in live], xs, list(cs),
-                                           retain_graph=True, allow_unused=True)
+        def product(cs: Sequence[Tensor]) -> Sequence[Tensor | None]:
+            return torch.autograd.grad([o for o, _ in live], xs, list(cs),
+                                       retain_graph=True, allow_unused=True)
 
-            a = [u for _, u in live]
-            return _homogeneous(product, a, None, agree, passes_through), op, None
-    except Exception as err:  # noqa: BLE001 - plain autograd cannot run f: nothing to tell
-        return False, None, err if passes_through(err) else None
+        try:
+            return _homogeneous(product, [u for _, u in live], None, agree,
+                                passes_through), op, None
+        except Exception as err:  # noqa: BLE001 - the caller's agree decides, every rank alike
+            return False, None, err if passes_through(err) else None
 
 
 def forward_route(
