@@ -4,7 +4,8 @@ values check cannot compare at (NOTE [sharded auto at a point it cannot check] i
 remembered; where one rank's reverse product is not finite and the other's is; where one
 rank's f gives the reverse check's test of linearity nothing to differentiate (NOTE [a
 reverse product checked forward, on every rank alike] in ``torch_vjp._engine.revcheck``);
-and where one rank remembers a route the other does not. Every rank calls f as often and
+in inference mode, where nothing is checked, as on one process; and where one rank
+remembers a route the other does not. Every rank calls f as often and
 returns the same Jacobian, in float64 equal to reverse rows one at a time where f is alike
 on every rank (``torch.cdist``'s batching rule is wrong). Two ranks, gloo on CPU, one
 spawned group; a rank left waiting fails the test at its deadline (gloo's 30 s timeout ends
@@ -155,6 +156,28 @@ def _one_rank_nothing_to_differentiate(rank, world, group):
     _alike(calls[0], group, world)
 
 
+def _in_inference_mode(rank, world, group):
+    """In inference mode autograd records no graph: as on one process, nothing is checked
+    and nothing remembered, on every rank (the check compared the products with zeros,
+    warned that no route agreed, and remembered the route from it)."""
+    a = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(5))
+    calls = [0]
+
+    def sin_in_inference(x):
+        calls[0] += 1
+        meet(group, world)
+        return (a @ x).sin()
+
+    x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        got, said = caught(lambda: tv.jacobian(sin_in_inference, x, process_group=group))
+    assert not said, said
+    assert not _keys_of("sin_in_inference")
+    torch.testing.assert_close(got, torch.func.jacrev(lambda z: (a @ z).sin())(x),
+                               rtol=1e-12, atol=1e-12)
+    _alike(calls[0], group, world)
+
+
 def _one_rank_remembers(rank, world, group):
     """Rank 1 alone computed a sharded Jacobian of f at a finite point first, in a group of
     its own (and remembers "rev-loop" for it); rank 0 remembers nothing. At a point whose
@@ -183,7 +206,7 @@ def _one_rank_remembers(rank, world, group):
 def _two_ranks(rank, world, init_file):
     in_gloo_group(rank, world, init_file, (
         _point_not_finite, _reverse_product_not_finite, _one_rank_not_finite,
-        _one_rank_nothing_to_differentiate, _one_rank_remembers))
+        _one_rank_nothing_to_differentiate, _in_inference_mode, _one_rank_remembers))
 
 
 def test_route_decisions_are_taken_alike_on_every_rank(spawn_within):

@@ -368,7 +368,8 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     if route is not None:  # (remembered by every rank: not checked again; "fwd" for a
         # reverse mode chosen by size: NOTE [a sharded reverse product checked forward])
         mode = "fwd" if route == "fwd" else "rev"
-    elif first is not None:
+    elif first is not None and not all_max(int(torch.is_inference_mode_enabled()), group,
+                                           device):  # (NOTE [sharded auto, checked])
         after, ops, unchecked = SameDraws(first.own, host=True), [], []
         after()
         try:

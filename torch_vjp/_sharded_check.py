@@ -32,6 +32,10 @@ route only where every rank remembers the same one, so that ranks whose caches d
 (one rank also ran the function alone) still compute in one mode. For batch_jacobian,
 where no route agrees, each rank tests the batch for a flow across rows (NOTE [a batch that
 mixes rows]), and every rank raises its error once one rank finds one, as one process does.
+In inference mode autograd records no graph, so there is no reverse product to compare with
+(its products read as zeros: a false warning that the route disagrees, and a route
+remembered from it): as on one process, nothing is checked and nothing remembered, on every
+rank where some rank is in it (one ``all_reduce``, MAX, of the flag before the check).
 """
 
 from __future__ import annotations
