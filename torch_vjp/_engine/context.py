@@ -17,6 +17,16 @@ for a differentiable result, the Jacobian is detached, and:
   before the next chunk runs.
 Inside an outer torch.func transform nothing is detached: the outer transform
 differentiates through the result.
+
+NOTE [forward mode, one thread at a time]
+torch keeps forward-mode AD's state for the whole process, not per thread: the current dual
+level (torch.autograd.forward_ad) and torch.func.jvp's nesting count. Two threads computing
+forward products at once make their dual tensors in one level, and the first to leave it
+takes the other's tangents with it: torch raises "Trying to access a forward AD level with
+an invalid index", or a Jacobian comes back wrong, silently (a column of zeros). So every
+forward product the engine computes (func_jvp, and the plain loops' dual levels) holds
+FORWARD_AD, one lock for the process, reentrant: f may itself call a forward transform of
+this package. Reverse mode keeps its state per thread and takes no lock.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import contextlib
 import functools
 import itertools
 import numbers
+import threading
 import types
 import weakref
 from collections.abc import Hashable, Iterable
@@ -40,11 +51,26 @@ from torch_vjp._engine.reach import ITEMS_SEARCHED, captured_values, named_globa
 from torch_vjp._errors import JacobianOptionError
 
 try:  # the undecorated originals: torch_vjp.checked() may replace torch.func.vjp
-    from torch._functorch.eager_transforms import jvp as func_jvp
+    from torch._functorch.eager_transforms import jvp as _torch_jvp
     from torch._functorch.eager_transforms import vjp as func_vjp
 except ImportError:  # pragma: no cover - other torch layouts
     func_vjp = torch.func.vjp
-    func_jvp = torch.func.jvp
+    _torch_jvp = torch.func.jvp
+
+#: Held by every forward product: NOTE [forward mode, one thread at a time].
+FORWARD_AD = threading.RLock()
+
+
+def func_jvp(*args: Any, **kwargs: Any) -> Any:
+    """``torch.func.jvp`` (the undecorated original), one thread at a time: NOTE [forward
+    mode, one thread at a time]. (Where torch.compile traces the call, the lock is left
+    out: dynamo cannot enter it, and a compiled call's forward products run in the traced
+    graph.)"""
+    if torch.compiler.is_compiling():
+        return _torch_jvp(*args, **kwargs)
+    with FORWARD_AD:
+        return _torch_jvp(*args, **kwargs)
+
 try:  # torch.func.jacrev's own vjp: with argnums=0 its pullback returns a tensor, not a
     # 1-tuple, which saves vmap a pytree round trip per call (see NOTE [per-call overhead])
     from torch._functorch.eager_transforms import _vjp_with_argnums as vjp_with_argnums
@@ -55,6 +81,7 @@ __all__ = [
     "flag_of",
     "func_vjp",
     "func_jvp",
+    "FORWARD_AD",
     "vjp_with_argnums",
     "NO_CONTEXT",
     "is_nested",

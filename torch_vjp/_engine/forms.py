@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import jacfwd, jacrev, jvp, vjp, vmap
+from torch.func import jacfwd, jacrev, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from torch_vjp._engine.context import NO_CONTEXT
+from torch_vjp._engine.context import FORWARD_AD, NO_CONTEXT
+from torch_vjp._engine.context import func_jvp as jvp
 from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._engine.problem import normalize_argnums
 from torch_vjp._engine.rows import basis_rows, passes_through
@@ -201,7 +202,10 @@ def plain_jacobian(
         aux = res[2] if has_aux else None
     else:
         if not leaves or not all(x.numel() for x in leaves):
-            return jacfwd(f, argnums, has_aux=has_aux)(*primals)
+            if torch.compiler.is_compiling():
+                return jacfwd(f, argnums, has_aux=has_aux)(*primals)
+            with FORWARD_AD:  # NOTE [forward mode, one thread at a time]
+                return jacfwd(f, argnums, has_aux=has_aux)(*primals)
 
         def push(*b: Tensor) -> Any:
             res = jvp(g, tuple(leaves), b, has_aux=has_aux)

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torch_vjp._engine.context import buffers_kept
+from torch_vjp._engine.context import buffers_kept, func_jvp
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._engine.wrongops import wrong_ops
@@ -159,7 +159,7 @@ def near_sides(prob: Problem, outputs: Callable[[Sequence[Tensor]], tuple[Tensor
         redraw()
         with torch.enable_grad():
             prob.reset_primals()
-            outs, tangents = torch.func.jvp(lambda *ys: outputs(ys), tuple(xs), tuple(vs))
+            outs, tangents = func_jvp(lambda *ys: outputs(ys), tuple(xs), tuple(vs))
         return (outs, tangents) if _like(outs, us) and _finite(tangents) else None
 
     jvp = _step(forward, agree)

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
+from torch_vjp._engine.context import FORWARD_AD
 from torch_vjp._engine.copies import normal_tensors
 from torch_vjp._engine.fwd_wrong import named_read, named_reading
 from torch_vjp._engine.problem import Problem
@@ -148,7 +149,8 @@ def plain_push(prob: Problem, check: Callable[[list[Tensor], Any], None], n: int
 
     def fn(*tangents: Tensor) -> Any:
         same_draws()
-        with normal_tensors(), fwAD.dual_level():  # NOTE [plain autograd in inference mode]
+        # (NOTE [plain autograd in inference mode]; NOTE [forward mode, one thread at a time])
+        with FORWARD_AD, normal_tensors(), fwAD.dual_level():
             duals = [fwAD.make_dual(x, t) for x, t in zip(leaves, tangents)]
             res = prob.g(*duals)
             out = res[0] if has_aux else res

@@ -1,0 +1,90 @@
+"""Forward mode from several threads at once. torch's forward-mode AD keeps its dual level
+and torch.func.jvp's nesting count in process-wide state, not per thread: two threads that
+each computed forward products at the same time made their dual tensors in one level, and
+the first to leave it took the other's tangents with it. tv.jacobian(strategy="fwd-loop"),
+"fwd", tv.jvp, tv.batch_jacobian and tv.hessian then raised torch's "Trying to access a
+forward AD level with an invalid index" or, silently, returned a wrong Jacobian (NOTE
+[forward mode, one thread at a time] in torch_vjp/_engine/context.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import torch_vjp as tv
+
+D = torch.float64
+
+
+def _slow(a):
+    # (a pause inside f, so that the threads' calls of f overlap)
+    time.sleep(0.002)
+    return (a.sin() * a.sum(0)).cumsum(-1)
+
+
+def _rowwise(a):
+    time.sleep(0.002)
+    return (a.sin() * a.sum(-1, keepdim=True)).cumsum(-1)
+
+
+def _points(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 4, dtype=D, generator=g) for _ in range(n)]
+
+
+def _in_threads(work, points):
+    results = [None] * len(points)
+
+    def run(i):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results[i] = work(points[i])
+        except Exception as err:  # noqa: BLE001 - reported below, with its thread
+            results[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(points))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _hess_f(a):
+    time.sleep(0.002)
+    return (a.sin() * a.cumsum(0)).sum()
+
+
+CALLS = {
+    "jacobian-fwd": (lambda a: tv.jacobian(_slow, a, strategy="fwd"),
+                     lambda a: torch.func.jacrev(_slow)(a)),
+    "jacobian-fwd-chunk-2": (lambda a: tv.jacobian(_slow, a, strategy="fwd", chunk_size=2),
+                             lambda a: torch.func.jacrev(_slow)(a)),
+    "jacobian-fwd-loop": (lambda a: tv.jacobian(_slow, a, strategy="fwd-loop"),
+                          lambda a: torch.func.jacrev(_slow)(a)),
+    "jvp-batched-chunk-1": (
+        lambda a: tv.jvp(_slow, (a,), (torch.eye(12, dtype=D).reshape(12, 3, 4),),
+                         batched=True, chunk_size=1)[1],
+        lambda a: torch.func.jacrev(_slow)(a).reshape(3, 4, 12).permute(2, 0, 1)),
+    "batch-jacobian-fwd-loop": (
+        lambda a: tv.batch_jacobian(_rowwise, a, strategy="fwd-loop"),
+        lambda a: torch.stack([torch.func.jacrev(_rowwise)(r) for r in a])),
+    "hessian-fwd-loop": (lambda a: tv.hessian(_hess_f, a[0], strategy="fwd-loop"),
+                         lambda a: torch.func.hessian(_hess_f)(a[0])),
+}
+
+
+@pytest.mark.parametrize("call", CALLS, ids=list(CALLS))
+def test_forward_mode_in_several_threads_gives_each_thread_its_jacobian(call):
+    work, reference = CALLS[call]
+    points = _points(4)
+    for _ in range(3):
+        results = _in_threads(work, points)
+        for i, (got, x) in enumerate(zip(results, points)):
+            assert not isinstance(got, Exception), f"thread {i}: {got!r}"
+            torch.testing.assert_close(got, reference(x), msg=f"thread {i}")
