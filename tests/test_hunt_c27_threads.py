@@ -88,3 +88,56 @@ def test_forward_mode_in_several_threads_gives_each_thread_its_jacobian(call):
         for i, (got, x) in enumerate(zip(results, points)):
             assert not isinstance(got, Exception), f"thread {i}: {got!r}"
             torch.testing.assert_close(got, reference(x), msg=f"thread {i}")
+
+
+class _Cube(torch.autograd.Function):
+    # (old-style: forward takes ctx, no setup_context; torch.func cannot run it, and the
+    # loop strategies compute it with plain autograd)
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        ctx.a = a
+        return a**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return 3 * a * a * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 3 * ctx.a * ctx.a * t
+
+
+@pytest.mark.parametrize("strategy", ["rev-loop", "fwd-loop", "auto"])
+def test_a_plain_loop_is_not_refused_while_another_thread_computes_forward_mode(strategy):
+    # the loops ask whether plain forward-mode AD runs around them (it does not nest); the
+    # dual level another thread's forward product had open was read as this thread's, and
+    # a function torch.func cannot run was refused with torch.func's error
+    entered, done = threading.Event(), threading.Event()
+
+    def holds_a_level(a):
+        # (tv.jvp calls f once, inside its dual level)
+        entered.set()
+        done.wait(timeout=1.0)  # (until this thread's Jacobian is done, or a second)
+        return a.sin()
+
+    other, tangent = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    result = {}
+
+    def run_other():
+        result["jt"] = tv.jvp(holds_a_level, (other,), (tangent,))[1]
+
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    try:
+        assert entered.wait(timeout=10)
+        x = torch.randn(4, dtype=D)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            J = tv.jacobian(_Cube.apply, x, strategy=strategy)
+        torch.testing.assert_close(J, torch.diag(3 * x * x))
+    finally:
+        done.set()
+        thread.join()
+    torch.testing.assert_close(result["jt"], other.cos() * tangent)

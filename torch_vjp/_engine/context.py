@@ -71,6 +71,17 @@ def func_jvp(*args: Any, **kwargs: Any) -> Any:
     with FORWARD_AD:
         return _torch_jvp(*args, **kwargs)
 
+
+def forward_level_of_another_thread() -> bool:
+    """Whether the dual level open now (forward AD's, one per process) may be another
+    thread's: one of this package's forward products holds :data:`FORWARD_AD` in another
+    thread. (Where this thread holds it, or no one does, a level open now is this thread's
+    own: NOTE [forward mode, one thread at a time].)"""
+    if FORWARD_AD.acquire(blocking=False):
+        FORWARD_AD.release()
+        return False
+    return True
+
 try:  # torch.func.jacrev's own vjp: with argnums=0 its pullback returns a tensor, not a
     # 1-tuple, which saves vmap a pytree round trip per call (see NOTE [per-call overhead])
     from torch._functorch.eager_transforms import _vjp_with_argnums as vjp_with_argnums
@@ -82,6 +93,7 @@ __all__ = [
     "func_vjp",
     "func_jvp",
     "FORWARD_AD",
+    "forward_level_of_another_thread",
     "vjp_with_argnums",
     "NO_CONTEXT",
     "is_nested",
