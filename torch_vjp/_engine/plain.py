@@ -33,9 +33,11 @@ from torch_vjp._engine.context import FORWARD_AD
 from torch_vjp._engine.copies import normal_tensors
 from torch_vjp._engine.fwd_wrong import named_read, named_reading
 from torch_vjp._engine.problem import Problem
+from torch_vjp._engine.refusals import reentrant_checkpoint, reentrant_checkpoint_message
 from torch_vjp._engine.rows import basis_rows, loop_draws, map_rows
 from torch_vjp._engine.shapes import Opts, Shapes, chunk_for, in_rows, row_shapes
 from torch_vjp._engine.wrongops import grad_mode_backward, named_reverse, wrong_ops
+from torch_vjp._errors import JacobianCallError
 
 __all__ = ["rev_plain", "fwd_plain", "plain_pullback"]
 
@@ -118,10 +120,15 @@ def plain_pullback(
         if not d_outs:
             return tuple(torch.zeros_like(x) for x in xs)
         with normal_tensors(), torch.enable_grad() if in_grad_mode else nullcontext():
-            grads = torch.autograd.grad(
-                d_outs, xs, [cot[j] for j in diff], retain_graph=True,
-                create_graph=need_graph or in_grad_mode, allow_unused=True,
-            )
+            try:
+                grads = torch.autograd.grad(
+                    d_outs, xs, [cot[j] for j in diff], retain_graph=True,
+                    create_graph=need_graph or in_grad_mode, allow_unused=True,
+                )
+            except RuntimeError as err:
+                if reentrant_checkpoint(err):  # (torch's words blame .grad(), not f)
+                    raise JacobianCallError(reentrant_checkpoint_message(prob.call)) from None
+                raise
         if in_grad_mode:
             grads = tuple(None if gx is None else gx.detach() for gx in grads)
         return tuple(torch.zeros_like(x) if gx is None else gx for gx, x in zip(grads, xs))

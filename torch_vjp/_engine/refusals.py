@@ -7,7 +7,8 @@ from __future__ import annotations
 
 __all__ = ["RENORM_FIX", "SPARSE_TANGENT", "VMAP_CAUSES", "double_backward_refusal",
            "forward_fix", "forward_refusal", "mutates_captured", "no_double_backward_fix",
-           "refusal_kind", "renorms", "unbatched_op", "vmap_refusal", "writes_into_input"]
+           "refusal_kind", "renorms", "reentrant_checkpoint", "reentrant_checkpoint_message",
+           "unbatched_op", "vmap_refusal", "writes_into_input"]
 
 import re
 
@@ -216,3 +217,26 @@ def writes_into_input(err: BaseException) -> bool:
     """Whether ``err`` is autograd refusing an in-place write into a leaf that requires
     grad (or a view of one): ``f`` writes into the tensor reverse mode differentiates."""
     return "leaf Variable that requires grad is being used in an in-place operation" in str(err)
+
+
+#: torch.utils.checkpoint's refusal, in backward, of torch.autograd.grad with use_reentrant=True.
+_REENTRANT = "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
+
+
+def reentrant_checkpoint(err: BaseException) -> bool:
+    """Whether ``err`` is ``torch.utils.checkpoint(..., use_reentrant=True)`` refusing the
+    ``torch.autograd.grad`` a plain reverse product computes with."""
+    return isinstance(err, RuntimeError) and _REENTRANT in str(err)
+
+
+def reentrant_checkpoint_message(call: str) -> str:
+    """Why no strategy computes through a reentrant checkpoint, and the fix."""
+    return (
+        f"{call}: f uses torch.utils.checkpoint with use_reentrant=True, whose backward runs "
+        f"only inside .backward() called without inputs, so it refuses the "
+        f"torch.autograd.grad that each reverse product is (torch.func cannot run it either: "
+        f"it is a custom autograd.Function without setup_context), and it has no "
+        f"forward-mode formula.\n"
+        f"  Fix: pass use_reentrant=False to torch.utils.checkpoint (torch's recommended "
+        f"setting; every strategy computes through it)."
+    )
