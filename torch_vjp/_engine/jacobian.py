@@ -496,12 +496,9 @@ def _loop(
 
 def _forward_ad_active(leaves: Sequence[Tensor]) -> bool:
     """Whether plain forward-mode AD is running around us (then plain loops would break
-    it: it does not nest). torch keeps one dual level for the process: one that another
-    thread's forward product opened is not around us (NOTE [forward mode, one thread at a
-    time]), and reading it as ours sent a loop whose f torch.func cannot run (an old-style
-    custom Function) to torch.func's refusal, only while another thread computed."""
-    if (getattr(fwAD, "_current_level", -1) >= 0
-            and not forward_level_of_another_thread()):
+    it: it does not nest); not a level another thread's product opened (NOTE [forward
+    mode, one thread at a time])."""
+    if getattr(fwAD, "_current_level", -1) >= 0 and not forward_level_of_another_thread():
         return True
     return any(fwAD.unpack_dual(x).tangent is not None for x in leaves)
 
