@@ -26,7 +26,9 @@ takes the other's tangents with it: torch raises "Trying to access a forward AD 
 an invalid index", or a Jacobian comes back wrong, silently (a column of zeros). So every
 forward product the engine computes (func_jvp, and the plain loops' dual levels) holds
 FORWARD_AD, one lock for the process, reentrant: f may itself call a forward transform of
-this package. Reverse mode keeps its state per thread and takes no lock.
+this package. Reverse mode keeps its state per thread and takes no lock. (An f that waits,
+inside a forward product, for another thread's forward product would wait for ever: the
+lock serialises them; f's own calls in its own thread are reentrant.)
 """
 
 from __future__ import annotations
