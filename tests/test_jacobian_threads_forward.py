@@ -141,3 +141,28 @@ def test_a_plain_loop_is_not_refused_while_another_thread_computes_forward_mode(
         done.set()
         thread.join()
     torch.testing.assert_close(result["jt"], other.cos() * tangent)
+
+
+def test_auto_checks_a_reverse_product_forward_holding_the_forward_lock(monkeypatch):
+    # 'auto' checks a reverse product against one forward product (revcheck.reverse_wrong);
+    # that forward product, too, runs one thread at a time: every torch.func.jvp the
+    # call makes holds the lock
+    from tests._references import WrongBackward
+    from torch_vjp._engine import context
+
+    held = []
+    original = context._torch_jvp
+
+    def recording(*args, **kwargs):
+        held.append(context.FORWARD_AD._is_owned())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(context, "_torch_jvp", recording)
+    monkeypatch.setattr(torch.func, "jvp", recording)
+    x = torch.randn(4, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        J = tv.jacobian(lambda a: WrongBackward.apply(a).sin(), x, strategy="auto")
+    assert held and all(held), held
+    # (the reverse product was wrong: auto took forward mode, whose formula is right)
+    torch.testing.assert_close(J, torch.diag(2 * (2 * x).cos()))

@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks, cotangent_products
+from torch_vjp._engine.context import func_jvp
 from torch_vjp._engine.fwdnoise import _homogeneous
 from torch_vjp._engine.fwdwords import wrong_reverse_message
 from torch_vjp._engine.nearcheck import (
@@ -205,7 +206,7 @@ def reverse_wrong(prob: Problem, got: tuple[list[Tensor], list[Tensor], list[Ten
         redraw()
         with torch.enable_grad():
             prob.reset_primals()
-            outs, tangents = torch.func.jvp(
+            outs, tangents = func_jvp(
                 lambda *xs: _outputs(prob, xs), tuple(x.detach() for x in prob.leaves),
                 tuple(vs))
     except Exception as err:  # noqa: BLE001 - no forward formula: nothing to compare with
