@@ -23,7 +23,7 @@ from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._check_labels import TANGENTS, VJP, keyed
 from torch_vjp._checks import (
@@ -40,6 +40,7 @@ from torch_vjp._engine.fwd_batch import checked_batch
 from torch_vjp._engine.fwdcheck import CHECKED, route_key, signature
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.fwd_wrong import jvp_read_once
+from torch_vjp._engine.gradmode import in_grad_mode
 from torch_vjp._engine.memory import check_chunk_size
 from torch_vjp._engine.nearcheck import pullback_near
 from torch_vjp._engine.point import Point, read_state, versions_of
@@ -212,10 +213,8 @@ def vjp(
                 and not (create is None and torch.is_grad_enabled())):
             # (a backward right only in grad mode, run without a graph to create: run in
             # grad mode and detached, NOTE [a backward right only in grad mode])
-            with torch.enable_grad():
-                res = pullback(cots, retain_graph=graph.get("retain_graph", True),
-                               create_graph=True)
-            return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, res)
+            return in_grad_mode(pullback, cots, retain_graph=graph.get("retain_graph", True),
+                                create_graph=True)
         return pullback(cots, **graph)
 
     def pull_checked(*cot: Tensor) -> Any:  # (the products of NOTE [batched products,

@@ -27,6 +27,7 @@ inside the graph] in retained.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import warnings
@@ -42,6 +43,7 @@ from torch_vjp._engine.fwdcheck import (
     CHECKED, cast_dtype, cotangent, least_of, remember, stacked_gap, tolerance,
 )
 from torch_vjp._engine.graph import graph_nodes
+from torch_vjp._engine.gradmode import in_grad_mode
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.retained import retained_in_graph
 from torch_vjp._engine.rows import basis_rows, map_rows_with_fallback
@@ -137,13 +139,11 @@ def _blocks(
             last = state["next"] >= n - 1
             state["next"] += 1
             retain = retain_graph if (last and not checking) else True
-        with _grads_kept(kept), torch.enable_grad() if in_grad else contextlib.nullcontext():
-            res = torch.autograd.grad(
-                d_outs, ins, list(vecs), retain_graph=retain,
-                create_graph=create_graph or in_grad, allow_unused=True,
-            )
-        if in_grad:
-            res = tuple(None if g is None else g.detach() for g in res)
+        grad = functools.partial(torch.autograd.grad, d_outs, ins, list(vecs),
+                                 retain_graph=retain, allow_unused=True)
+        with _grads_kept(kept):
+            res = (in_grad_mode(grad, create_graph=True) if in_grad
+                   else grad(create_graph=create_graph))
         state["proven"] = state["proven"] or vectorized
         out = []
         for i, (g, x) in enumerate(zip(res, ins)):

@@ -15,11 +15,12 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch.func import vmap
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, fwd_blocks, rev_blocks
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested, vjp_with_argnums
 from torch_vjp._engine.fwd_wrong import named_read, named_reading
+from torch_vjp._engine.gradmode import in_grad_mode
 from torch_vjp._engine.problem import LEAF_SPEC, Problem
 from torch_vjp._engine.rows import (
     basis_rows,
@@ -92,7 +93,8 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
         # pullback run without create_graph is silently wrong for some operators (logdet).
         pullback = functools.partial(pullback, create_graph=True)
     elif grad_mode[0] is not None:
-        pullback = _in_grad_mode(pullback)
+        pullback = functools.partial(in_grad_mode, pullback)  # (NOTE [a backward right
+        # only in grad mode]: the graph of its backward pass lives for the call only)
     aux = res[2] if has_aux else None
     if isinstance(out, Tensor):
         flat_out, out_spec = [out], LEAF_SPEC
@@ -135,19 +137,6 @@ def _rev_products(prob: Problem, opts: Opts, *, vectorized: bool) -> Blocks:
             stacked, _ = map_rows(fn, rows, n, vectorized=vectorized, chunk_size=chunk)
     blocks, views = rev_blocks(stacked, out_rows, opts.batch)
     return Blocks(blocks, out_spec, aux, "rev", views, connected[0])
-
-
-def _in_grad_mode(pullback: Callable[..., Any]) -> Callable[..., Any]:
-    """``pullback`` run in grad mode, its products detached (NOTE [a backward right only in
-    grad mode] in :mod:`torch_vjp._engine.wrongops`): the graph of its backward pass lives
-    for the call only."""
-
-    def pull(*cot: Any) -> Any:
-        with torch.enable_grad():
-            res = pullback(*cot)
-        return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, res)
-
-    return pull
 
 
 def _single_product(fn: Callable[..., Any], vecs: tuple[Tensor, ...]) -> Any:
