@@ -1,7 +1,8 @@
 """Forward mode through torch.linalg.det (NOTE [forward mode through a wrong formula]): its
 forward-mode formula is wrong at singular matrices, a property of the point, so a named
-forward strategy and torch_vjp.jvp refuse it at every point, naming reverse mode, and
-"auto" does not remember forward mode through it. float64, against torch.func.jacrev."""
+forward strategy refuses it at every point, naming reverse mode, torch_vjp.jvp computes J t
+by reverse over reverse at every point, and "auto" does not remember forward mode through
+it. float64, against torch.func.jacrev."""
 
 from __future__ import annotations
 
@@ -56,13 +57,17 @@ def test_named_forward_through_det_is_refused_naming_reverse_mode(strategy, det)
                                torch.func.jacrev(f)(SINGULAR))
 
 
-def test_jvp_through_det_is_refused_naming_reverse_mode():
-    with pytest.raises(tv.JacobianCallError) as err:
-        tv.jvp(torch.linalg.det, (SINGULAR,), (torch.ones(3, 3, dtype=D),))
-    msg = str(err.value)
+def test_jvp_through_det_is_computed_by_reverse_mode_at_every_point():
+    t = torch.randn(3, 3, dtype=D, generator=torch.Generator().manual_seed(6))
+    with pytest.warns(tv.JacobianWarning) as rec:
+        _, jt = tv.jvp(_tall, (REGULAR,), (t,))
+    msg = " ".join(str(w.message) for w in rec if w.category is tv.JacobianWarning)
     assert "forward-mode formula of torch.linalg.det is wrong at singular" in msg
-    assert "refused at every point" in msg
-    assert "Fix: compute with reverse mode" in msg
+    assert "J t is computed this way at every point" in msg
+    for A in (REGULAR, SINGULAR, RANK_2):
+        _, jt = _quiet(lambda: tv.jvp(_tall, (A,), (t,)))
+        torch.testing.assert_close(jt, torch.func.jacrev(_tall)(A).reshape(20, 9)
+                                   @ t.reshape(9))
 
 
 def test_auto_remembered_at_a_regular_matrix_is_right_at_a_later_singular_one():

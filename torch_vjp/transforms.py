@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -32,7 +33,7 @@ from torch_vjp._checks import (
     normalize_grad_outputs,
 )
 from torch_vjp._engine.autoknown import batched_pullback_message
-from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, own_builds,
+from torch_vjp._engine.compiled import (Built, builds, check_compile, compiled_call, own_builds,
                                         results_agree, tracing)
 from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp, is_nested
 from torch_vjp._engine.copies import not_sharing
@@ -47,6 +48,7 @@ from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._sharded import plain_module
 from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.revjvp import compiled_forward_why, pushforward_by_reverse
 from torch_vjp._engine.rows import loop_draws, map_rows
 from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_pullback
 from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
@@ -373,6 +375,11 @@ _BATCHED_WRONGLY: weakref.WeakKeyDictionary[Callable[..., Any], str] = \
 # released.
 
 
+#: The ops compile=True's eager call of jvp computed J t by reverse over reverse through,
+#: per thread (NOTE [J t by reverse over reverse]).
+_BY_REVERSE = threading.local()
+
+
 def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
     """Warns once where ``chunk_size`` is given without ``batched=True``: an unbatched call
     computes one product, so the option would be dropped without a word. Not while dynamo
@@ -538,11 +545,16 @@ def jvp(
         JacobianCallError: ``primals`` is not a tuple, or a primal or an output of ``f``
             cannot be differentiated; a :class:`~torch_vjp.JacobianNotImplementedError`
             (also a NotImplementedError, as torch's) where an operator in ``f`` has no
-            forward-mode formula; f's graph holds an operator whose forward-mode formula
-            torch (2.13) has wrong, ``torch.scatter_reduce(..., reduce='prod')``,
-            ``torch.triangular_solve``'s matrix or ``torch.linalg.det`` (NOTE [forward mode through a wrong
-            formula]): reverse mode is the fix (the graph is read from the products' own
-            call of ``f``, on the first call per function and signature of the primals).
+            forward-mode formula; where f's graph holds an operator whose forward-mode
+            formula torch (2.13) has wrong (``torch.scatter_reduce(..., reduce='prod')``,
+            ``torch.triangular_solve``'s matrix, ``torch.linalg.det``: NOTE [forward mode
+            through a wrong formula]), ``J t`` is computed by reverse over reverse, about
+            twice a vjp's cost, with a one-time JacobianWarning (NOTE [J t by reverse over
+            reverse]; the graph is read from the products' own call of ``f`` on the first
+            call per function and signature of the primals, which calls ``f`` once more
+            there), and this error is raised only where that is wrong too: f also runs an
+            operator whose backward formula torch has wrong, an output does not require
+            grad, or a backward cannot be differentiated.
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -568,12 +580,26 @@ def jvp(
 
         if tracing():  # NOTE [compiled Jacobians]
             return program(f, primals, tangents)
-        return compiled_call(
-            call, f, (has_aux, batched, chunk), (primals, tangents),
-            lambda: jvp(f, primals, tangents, batched=batched, chunk_size=chunk_size,
-                        has_aux=has_aux),
-            lambda: program,
-        )
+        reversed_op: list[str] = []
+
+        def eager() -> Any:
+            _BY_REVERSE.ops = reversed_op
+            try:
+                return jvp(f, primals, tangents, batched=batched, chunk_size=chunk_size,
+                           has_aux=has_aux)
+            finally:
+                _BY_REVERSE.ops = None
+
+        def build() -> Any:
+            # (the eager call computed by reverse over reverse: a compiled forward-mode
+            # program would be wrong, so the signature stays eager, NOTE [J t by reverse
+            # over reverse])
+            if reversed_op:
+                return Built(None, why=compiled_forward_why(reversed_op[0]))
+            return program
+
+        return compiled_call(call, f, (has_aux, batched, chunk), (primals, tangents), eager,
+                             build)
     if not isinstance(primals, tuple):
         raise JacobianCallError(
             f"{call}: primals must be a tuple, the arguments of f, but it is a "
@@ -609,8 +635,37 @@ def jvp(
     # function and signature, by the products' own call of f
     read_once = jvp_read_once(
         ("jvp: forward formulas", signature(route_key(f), prob.leaves, None, prob.primals)),
-        prob.g_inner, has_aux, call, function_name(f))
+        prob.g_inner, has_aux)
     leaves = tuple(prob.leaves)
+
+    def before() -> Any:  # (a first read: where f is called again, NOTE [J t by reverse
+        draws = loop_draws(prob, 2)  # over reverse], it starts from here)
+        draws()
+        return draws, tuple(x.clone() for x in leaves)
+
+    def reverse(op: str, state: Any) -> Any:  # NOTE [J t by reverse over reverse]
+        if getattr(_BY_REVERSE, "ops", None) is not None:  # (compile=True's eager call)
+            _BY_REVERSE.ops.append(op)
+        xs = leaves
+        if state is not None:
+            state[0]()
+            xs = state[1]
+        res, push, one_by_one, spec = pushforward_by_reverse(
+            prob.g_inner, xs, has_aux, call, function_name(f), op, function_key(f),
+            state is not None)
+        if not batched:
+            tan = push(*vectors)
+        else:  # (K > 0: K = 0 returned above)
+            tan = _vectorised_or_loop(
+                call, f, "tangents",
+                lambda vec: map_rows(push, lambda s, e: tuple(v[s:e] for v in vectors),
+                                     _batch_size(vectors), vectorized=vec and not one_by_one,
+                                     chunk_size=chunk)[0],
+                lambda: push(*(v[0] for v in vectors)))
+        # (a tangent passed through unchanged, f = (det(x), x), is the caller's no more)
+        tan = not_sharing(tuple(tan), [*tree_leaves(tangents), *vectors])
+        return (res[0], tree_unflatten(list(tan), spec)) + tuple(res[1:])
+
     if not batched:  # (buffers_kept: as vjp's call of f)
         copied = [_has_internal_overlap(x) for x in leaves]  # NOTE [an expanded primal]
         if any(copied):
@@ -621,7 +676,8 @@ def jvp(
         # into the tangent, and f = identity would return it as its own output tangent
         with buffers_kept(f, primals=primals), _explained(call, "jvp"):
             return read_once(lambda g: func_jvp(g, leaves, tuple(v.clone() for v in vectors),
-                                                strict=strict, has_aux=has_aux))
+                                                strict=strict, has_aux=has_aux),
+                             reverse, before)
 
     g_now = [prob.g_inner]
     spec_box: list[Any] = []
@@ -672,10 +728,10 @@ def jvp(
 
     def compute(g: Callable[..., Any]) -> Any:
         g_now[0] = g
-        return _vectorised_or_loop(call, f, "tangents", products,
-                                   lambda: push(*(v[0].clone() for v in vectors), plain=True))
+        stacked, extra = _vectorised_or_loop(
+            call, f, "tangents", products,
+            lambda: push(*(v[0].clone() for v in vectors), plain=True))
+        return (extra[0], tree_unflatten(stacked, spec_box[0])) + tuple(extra[1:])
 
     with buffers_kept(f, primals=primals), _explained(call, "jvp"):
-        stacked, extra = read_once(compute)
-    tan = tree_unflatten(stacked, spec_box[0])
-    return (extra[0], tan) + tuple(extra[1:])
+        return read_once(compute, reverse, before)

@@ -24,19 +24,23 @@ word. So the graph of the check's reverse product (no call of f more) is read fo
 operators of this list, and where forward mode runs one and agreed all the same, "auto"
 computes with reverse mode instead, checked as its reverse route is, with a one-time
 warning (:func:`auto_forward_message`); where it disagreed, the check's own route and
-warning, with its numbers, stand. ``torch_vjp.jvp``, which
-has no other mode to run, returned ``J t`` wrong without a word, batched or not, as
-torch.func.jvp does. As reverse mode through a backward torch has wrong is refused, naming
-forward mode (NOTE [named reverse strategies and wrong formulas]), forward mode through a
-forward formula torch has wrong is refused, naming reverse mode (:func:`wrong_pushforward`;
-:func:`named_forward` for a named ``"fwd"`` or ``"fwd-loop"`` Jacobian).
+warning, with its numbers, stand. ``torch_vjp.jvp``
+returned ``J t`` wrong without a word, batched or not, as torch.func.jvp does; it now
+computes it by reverse over reverse there (NOTE [J t by reverse over reverse] in
+:mod:`torch_vjp._engine.revjvp`), refusing only where that is wrong too. A named ``"fwd"``
+or ``"fwd-loop"`` Jacobian, which computes what it names, is refused, naming reverse mode
+(:func:`named_forward`), as a named reverse one through a backward torch has wrong is
+refused, naming forward mode (NOTE [named reverse strategies and wrong formulas]).
 
 Forward mode records no graph, so on the first call per function and input signature the
 products' own call of f runs inside ``torch.func.vjp``, whose level records f's graph
 (:func:`reading_forward`: no call of f more; the graph's saved tensors live for that call
 only, and its pullback is never run), and the op found is remembered with the routes of
-"auto" (:func:`forward_checked`, :func:`forward_read`): later calls refuse before calling
-f, or run as before. A function that branches to another operator on other values is
+"auto" (:func:`forward_checked`, :func:`forward_read`): later calls go to reverse over
+reverse without a forward-mode product, or run as before; the first call, whose
+forward-mode product was wrong, calls f once more for it, from the same random generators'
+state and on copies of the primals taken before (a write f makes into a primal is not
+made twice). A function that branches to another operator on other values is
 read where it first ran. Not read in inference mode, where nothing is recorded (nor
 remembered there); where the call inside ``torch.func.vjp`` fails, the products are
 computed as before (f called again), and nothing is remembered.
@@ -71,12 +75,11 @@ from torch.utils._pytree import tree_leaves
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.rows import passes_through
 from torch_vjp._engine.wrongops import WRONG_FORWARD, WRONG_FORWARD_WHERE
-from torch_vjp._errors import JacobianCallError, StrategyError
+from torch_vjp._errors import StrategyError
 
 __all__ = ["auto_forward_message", "forward_checked", "forward_read", "jvp_read_once",
            "named_forward",
-           "named_read", "named_reading", "reading_forward", "wrong_forward",
-           "wrong_pushforward"]
+           "named_read", "named_reading", "reading_forward", "wrong_forward"]
 
 _SCATTER = WRONG_FORWARD["ScatterReduceBackward0"]
 #: How each op's forward-mode formula is wrong.
@@ -237,21 +240,25 @@ def named_read(prob: Any, opts: Any, reading: tuple[Hashable, _WrongCalls],
         raise named_forward(prob.call, op, opts.named[0], strategy)
 
 
-def jvp_read_once(key: Hashable, g: Callable[..., Any], has_aux: bool, call: str, name: str
-                  ) -> Callable[[Callable[[Callable[..., Any]], Any]], Any]:
+def jvp_read_once(key: Hashable, g: Callable[..., Any], has_aux: bool
+                  ) -> Callable[..., Any]:
     """torch_vjp.jvp's reading of f's operators (NOTE [forward mode through a wrong
-    formula]), once per ``key`` (function and signature of the primals): raises
-    :func:`wrong_pushforward` where an earlier call found one; else returns
-    ``read_once(compute)``, which runs ``compute`` with the function to call in place of
-    ``g`` (``g`` read, on a first call) and raises where the read found one."""
+    formula]), once per ``key`` (function and signature of the primals). Returns
+    ``read_once(compute, reverse, before)``: where an earlier call found an op,
+    ``reverse(op, None)`` (NOTE [J t by reverse over reverse]: no forward-mode product
+    runs); else ``compute`` with the function to call in place of ``g`` (``g`` read, on a
+    first call, after ``state = before()``), and, where the read found an op,
+    ``reverse(op, state)``, whose call of f starts where ``compute``'s did."""
     known = forward_checked(key)
-    if known:
-        raise wrong_pushforward(call, known, name)
     reading, found = reading_forward(g, has_aux)
 
-    def read_once(compute: Callable[[Callable[..., Any]], Any]) -> Any:
+    def read_once(compute: Callable[[Callable[..., Any]], Any],
+                  reverse: Callable[[str, Any], Any], before: Callable[[], Any]) -> Any:
+        if known:
+            return reverse(known, None)
         if known is not None:  # (read before: "" holds none)
             return compute(g)
+        state = before()
         try:
             res = compute(reading)
         except Exception as err:  # noqa: BLE001 - torch.func.vjp cannot run f: as before
@@ -260,24 +267,10 @@ def jvp_read_once(key: Hashable, g: Callable[..., Any], has_aux: bool, call: str
             return compute(g)
         op = forward_read(key, found)
         if op is not None:
-            raise wrong_pushforward(call, op, name)
+            return reverse(op, state)
         return res
 
     return read_once
-
-
-def wrong_pushforward(call: str, op: str, name: str) -> JacobianCallError:
-    """The error of ``torch_vjp.jvp`` through ``op``, an operator whose forward-mode
-    formula torch has wrong (NOTE [forward mode through a wrong formula]), in f
-    (``name``)."""
-    return JacobianCallError(
-        f"{call}: torch's forward-mode formula of {op} is wrong {_HOW[op]}, which f "
-        f"({name}) computes from the primals, so J t would be wrong (torch.func.jvp's "
-        f"too), batched or not{_AT_SOME_POINTS.get(op, '')}.\n"
-        f"  Fix: compute with reverse mode, whose formula is right: "
-        f"torch_vjp.jacobian(f, *primals, strategy='rev') and J t from it, or "
-        f"torch_vjp.vjp(f, *primals) for v^T J{_INSTEAD.get(op, '')}."
-    )
 
 
 def named_forward(call: str, op: str, name: str, strategy: str) -> StrategyError:

@@ -1,0 +1,263 @@
+"""``J t`` by reverse over reverse, for :func:`torch_vjp.jvp` through an operator whose
+forward-mode formula torch has wrong.
+
+NOTE [J t by reverse over reverse]
+Where f's graph holds an operator of :data:`~torch_vjp._engine.wrongops.WRONG_FORWARD`
+(NOTE [forward mode through a wrong formula] in :mod:`torch_vjp._engine.fwd_wrong`),
+forward mode's ``J t`` is wrong, and torch_vjp.jvp refused it, although the caller asked for
+a product that reverse mode can give: the pullback ``u -> u^T J`` is linear in ``u``, and
+its own vjp at any ``u`` with cotangent ``t`` is ``J t``. So torch_vjp.jvp computes it that
+way there: one forward call of f inside ``torch.func.vjp`` (the output is f's own), one
+backward pass that records its graph (at ``u`` = ones: the map is linear, so the point does
+not matter), and one backward pass through that graph per tangent (under ``torch.vmap`` for
+batched tangents, the loop where vmap cannot run it): about twice a vjp's cost, against
+about one for forward mode, with a one-time JacobianWarning that says why. torch's
+backward of ``torch.linalg.det`` runs in grad mode there (its singular-safe branch: NOTE [a
+backward right only in grad mode]), which the recorded backward pass is.
+
+The tangents are what ``torch.func.jvp`` returns: each in its output's shape and dtype, with
+the leading K when batched, differentiable through tensors f captures that require grad
+where grad mode is on; an integer output's is zeros. It is refused, with the reason, where
+reverse over reverse cannot be right either:
+
+* f's graph also holds an operator whose backward formula torch has wrong (NOTE [named
+  reverse strategies and wrong formulas] in :mod:`torch_vjp._engine.wrongops`);
+* a floating output of f does not require grad (computed from no primal, or under
+  ``torch.no_grad()`` inside f): reverse mode cannot tell its tangent, which forward mode
+  may carry, from zeros;
+* a backward in f's graph cannot be differentiated (a custom ``autograd.Function`` with
+  ``@once_differentiable``, or whose backward leaves autograd): under torch.func its
+  products with ``u`` record no graph, without an error, and reverse over reverse
+  returned zeros through it. So the first call per function and signature (the one that
+  reads f's graph) checks it by the dot-product test ``<u, J t> == <u^T J, t>`` at a
+  random ``u`` and ``t`` (one backward pass and one pass through its graph more);
+* torch cannot differentiate a backward formula at this point (its own error says so:
+  ``scatter_reduce(reduce='prod')`` with more than one zero scattered to one position).
+
+The batching rules of torch's backward formulas known wrong (``torch.cdist``'s) are not
+trusted for the second backward pass either: batched tangents are taken one at a time
+there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from torch_vjp._engine.context import func_vjp, is_nested
+from torch_vjp._engine.fwd_wrong import _DET, _HOW, _INSTEAD
+from torch_vjp._engine.fwdcheck import least_of, tolerance
+from torch_vjp._engine.gradmode import in_grad_mode
+from torch_vjp._engine.wrongops import _how, reading_wrong_ops
+from torch_vjp._errors import JacobianCallError, JacobianWarning, quote_error, warn_once
+
+__all__ = ["compiled_forward_why", "pushforward_by_reverse"]
+
+#: Ops whose forward-mode formula is wrong at some points only: J t is computed by reverse
+#: over reverse at every point, and the warning says why.
+_EVERY_POINT = {_DET: (" (det's is wrong at singular matrices only, but whether a matrix "
+                       "is singular, to rounding, is a property of the point, so J t is "
+                       "computed this way at every point)")}
+
+
+#: torch's words where a backward formula has no derivative of its own (at this point).
+_NOT_TWICE = ("Double backward is unsupported", "differentiate twice")
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def pushforward_by_reverse(
+    g: Callable[..., Any], leaves: tuple[Tensor, ...], has_aux: bool, call: str, name: str,
+    op: str, key: Hashable, check: bool,
+) -> tuple[tuple[Any, ...], Callable[..., tuple[Tensor, ...]], bool, Any]:
+    """f's output and a function computing ``J t`` by reverse over reverse (NOTE [J t by
+    reverse over reverse]), f (``g``, called once here) running ``op`` (whose forward-mode
+    formula torch has wrong); with ``check``, checked once by a dot product.
+
+    Returns:
+        ``(res, push, one_at_a_time, spec)``: ``res`` is ``(output,)`` or ``(output,
+        aux)``; ``push(*tangent)`` takes one tangent per leaf and returns one tangent per
+        flat output (``spec`` their structure); ``one_at_a_time``: f's graph holds a
+        backward whose batching rule torch has wrong, so batched tangents are not to run
+        under torch.vmap.
+
+    Raises:
+        JacobianCallError: where reverse over reverse cannot be right either (a wrong
+            backward formula, an output that does not require grad, a backward that
+            cannot be differentiated).
+    """
+    read, found = reading_wrong_ops(g, has_aux)
+    connected: list[bool] = []
+
+    def recorded(*xs: Tensor) -> Any:
+        res = read(*xs)
+        out = res[0] if has_aux else res
+        connected[:] = [not _differentiable(o) or o.requires_grad for o in tree_leaves(out)]
+        return res
+
+    res = func_vjp(recorded, *leaves, has_aux=has_aux)
+    out, pull = res[0], res[1]
+    batching, alone = found[0] if found else (None, None)
+    if alone is not None:
+        raise both_wrong(call, op, alone, name)
+    flat_out, spec = tree_flatten(out)
+    for i, ok in enumerate(connected):
+        if not ok:
+            label = "output" if len(flat_out) == 1 else f"output {i} (flat)"
+            raise unconnected(call, op, name, label, flat_out[i].shape)
+    diff = [_differentiable(o) for o in flat_out]
+    us = [torch.ones_like(o) for o, d in zip(flat_out, diff) if d]
+
+    def pulled(*u: Tensor) -> Any:
+        given = iter(u)
+        return pull(tree_unflatten([next(given) if d else torch.zeros_like(o)
+                                    for o, d in zip(flat_out, diff)], spec))
+
+    def refused(err: RuntimeError) -> RuntimeError:
+        if not any(words in str(err) for words in _NOT_TWICE):
+            return err  # (a custom backward's own error, among others: as it is)
+        return no_double_backward(call, op, name, err)
+
+    try:
+        _, pull2 = func_vjp(pulled, *us)
+    except RuntimeError as err:
+        raise refused(err) from err
+
+    def push(*tangent: Tensor) -> tuple[Tensor, ...]:
+        try:  # (torch's double backward runs here: where it has none, it says so)
+            got = iter(pull2(tuple(tangent)))
+        except RuntimeError as err:
+            mine = refused(err)
+            if mine is err:
+                raise
+            raise mine from err
+        return tuple(next(got) if d else torch.zeros_like(o) for o, d in zip(flat_out, diff))
+
+    if check and not is_nested():  # (an outer transform's batched values cannot be read)
+        gap = _dot_gap(pulled, push, leaves, [o for o, d in zip(flat_out, diff) if d])
+        if gap is not None:
+            raise not_twice(call, op, name, *gap)
+    warn_once(("jvp by reverse over reverse", key), slower_message(call, op, name),
+              JacobianWarning)
+    return ((out, res[2]) if has_aux else (out,)), push, batching is not None, spec
+
+
+def _dot_gap(pulled: Callable[..., Any], push: Callable[..., Any],
+             leaves: tuple[Tensor, ...], outs: list[Tensor]) -> tuple[float, float] | None:
+    """``(difference, scale)`` of the dot-product test ``<u, J t> == <u^T J, t>`` at a random
+    ``u`` and ``t`` (a generator of their own), ``J t`` by reverse over reverse and ``u^T J``
+    by the pullback it differentiates, where they disagree beyond rounding (a backward
+    that records no graph makes ``J t`` zeros); None where they agree, or hold no finite
+    number to compare."""
+    gen = torch.Generator().manual_seed(20261129)
+
+    def draw(x: Tensor) -> Tensor:
+        wide = torch.complex128 if x.is_complex() else torch.float64
+        return torch.randn(x.shape, dtype=wide, generator=gen).to(x.dtype).to(x.device)
+
+    ts, us = [draw(x) for x in leaves], [draw(o) for o in outs]
+    jt = [j for j, o in zip(push(*ts), outs) if _differentiable(j)]
+    vj = in_grad_mode(pulled, *us)  # (det's backward: its branch right at singular ones)
+
+    def dot(a: list[Tensor], b: list[Tensor]) -> tuple[float, float]:
+        terms = [torch.vdot(x.reshape(-1).to(torch.complex128),
+                            y.reshape(-1).to(torch.complex128)) for x, y in zip(a, b)]
+        return (float(sum(terms).real) if terms else 0.0,
+                sum(float(x.abs().sum() * y.abs().max()) for x, y in zip(a, b)))
+
+    (one, s1), (two, s2) = dot(us, jt), dot(list(vj), ts)
+    scale = max(s1, s2)
+    if not math.isfinite(one) or not math.isfinite(two) or not math.isfinite(scale):
+        return None
+    least = least_of([o.dtype for o in outs] + [x.dtype for x in leaves])
+    if abs(one - two) <= tolerance(least or torch.float64) * max(scale, 1e-300):
+        return None
+    return abs(one - two), scale
+
+
+def slower_message(call: str, op: str, name: str) -> str:
+    """The one-time warning that ``J t`` was computed by reverse over reverse (NOTE [J t by
+    reverse over reverse])."""
+    return (
+        f"{call}: torch's forward-mode formula of {op} is wrong {_HOW[op]}, which f ({name}) "
+        f"computes from the primals, so J t was computed by reverse over reverse instead "
+        f"(the vjp of the pullback u -> u^T J, which is linear in u, at the tangents), "
+        f"which is right there: about twice a vjp's cost, where forward mode costs about "
+        f"one{_EVERY_POINT.get(op, '')}.\n"
+        f"  Nothing to fix; where v^T J suffices, torch_vjp.vjp costs one backward pass"
+        f"{_INSTEAD.get(op, '')}. This warning is shown once per function."
+    )
+
+
+def compiled_forward_why(op: str) -> str:
+    """Why ``torch_vjp.jvp(compile=True)`` keeps a signature eager where ``J t`` was computed
+    by reverse over reverse: its compiled program computes with forward mode."""
+    return (f"torch's forward-mode formula of {op} is wrong {_HOW[op]}, so J t is computed "
+            f"by reverse over reverse, eagerly; the compiled program computes with forward "
+            f"mode")
+
+
+def both_wrong(call: str, op: str, rev_op: str, name: str) -> JacobianCallError:
+    """The refusal of ``J t`` where f runs ``op`` (a wrong forward-mode formula) and
+    ``rev_op`` (a wrong backward formula): neither mode is right."""
+    return JacobianCallError(
+        f"{call}: torch's forward-mode formula of {op} is wrong {_HOW[op]}, and J t is "
+        f"then computed by reverse over reverse, but f ({name}) also runs {rev_op}, whose "
+        f"backward formula torch has wrong {_how(rev_op)}, so J t would be wrong either way "
+        f"(torch.func.jvp's and torch.func.jacrev's too).\n"
+        f"  Fix: compute one of the two operators another way in f (for {rev_op}, indices "
+        f"or sizes where its backward is right){_INSTEAD.get(op, '')}."
+    )
+
+
+def unconnected(call: str, op: str, name: str, label: str, shape: Any) -> JacobianCallError:
+    """The refusal of ``J t`` by reverse over reverse where an output of f does not require
+    grad."""
+    return JacobianCallError(
+        f"{call}: torch's forward-mode formula of {op} is wrong {_HOW[op]}, so J t is "
+        f"computed by reverse over reverse, but f's ({name}) {label} (shape "
+        f"{tuple(shape)}) does not require grad: it was computed from no primal, or under "
+        f"torch.no_grad() or .detach() inside f, and reverse mode cannot tell its tangent "
+        f"(which forward mode may carry) from zeros.\n"
+        f"  Fix: return that tensor as aux (has_aux=True) if it does not depend on the "
+        f"primals, or compute it with grad mode on."
+    )
+
+
+def not_twice(call: str, op: str, name: str, diff: float, scale: float) -> JacobianCallError:
+    """The refusal of ``J t`` by reverse over reverse where a backward in f's graph cannot
+    be differentiated."""
+    return JacobianCallError(
+        f"{call}: torch's forward-mode formula of {op} is wrong {_HOW[op]}, so J t is "
+        f"computed by reverse over reverse, which differentiates f's backward pass, and it "
+        f"disagrees with that backward pass (the dot-product test <u, J t> = <u^T J, t> "
+        f"at random u and t is off by {diff:.3g}, at a scale of {scale:.3g}): a backward in "
+        f"f ({name}) records no graph (a custom autograd.Function with "
+        f"@once_differentiable, or one whose backward leaves autograd), so J t would be "
+        f"wrong there.\n"
+        f"  Fix: make that backward differentiable (drop @once_differentiable, compute it "
+        f"with torch operators), or give the Function a jvp staticmethod and compute "
+        f"{op} another way in f{_INSTEAD.get(op, '')}."
+    )
+
+
+def no_double_backward(call: str, op: str, name: str, err: BaseException
+                       ) -> JacobianCallError:
+    """The refusal of ``J t`` by reverse over reverse where torch cannot differentiate a
+    backward formula in f's graph (``err``, torch's error, quoted)."""
+    return JacobianCallError(
+        f"{call}: torch's forward-mode formula of {op} is wrong {_HOW[op]}, so J t is "
+        f"computed by reverse over reverse, which differentiates f's backward pass, and "
+        f"torch cannot differentiate a backward formula in f ({name}) at this point, so "
+        f"neither mode can compute J t here.\n"
+        f"  torch said: {quote_error(err)}\n"
+        f"  Fix: compute {op} another way in f{_INSTEAD.get(op, '')}, or take J t from "
+        f"finite differences at this point."
+    )
