@@ -151,8 +151,9 @@ def _spawn_within(worker, world, seconds, *, forkserver=False):
     after ``seconds`` (a collective waiting for ever) fails the test instead of blocking it.
 
     With ``forkserver``, each rank is forked from one server process that imported torch,
-    torch_vjp and the worker's module once for every such run in this process (``mp.spawn``
-    starts a fresh interpreter per rank, which imports them again: seconds of CPU each). The
+    torch_vjp (``_shared_functions.FORKSERVER_PRELOAD``) and the worker's module once for
+    every such run in this process (``mp.spawn`` starts a fresh interpreter per rank, which
+    imports them again: seconds of CPU each). The
     ranks then inherit the server's environment, as it was when it started, not the test's:
     for workers that read no environment variable a test sets."""
     import tempfile
@@ -160,10 +161,12 @@ def _spawn_within(worker, world, seconds, *, forkserver=False):
 
     import torch.multiprocessing as mp
 
+    from _shared_functions import FORKSERVER_PRELOAD
+
     with tempfile.TemporaryDirectory() as d:
         args = (world, os.path.join(d, "init"))
         if forkserver and "forkserver" in mp.get_all_start_methods():
-            mp.set_forkserver_preload(["torch", "torch_vjp", "pytest", worker.__module__])
+            mp.set_forkserver_preload([*FORKSERVER_PRELOAD, worker.__module__])
             ctx = mp.start_processes(worker, args=args, nprocs=world, join=False,
                                      start_method="forkserver")
         else:

@@ -24,6 +24,8 @@ from torch import nn
 
 import torch_vjp as tv
 
+from _shared_functions import FORKSERVER_PRELOAD
+
 DT = torch.float64
 GLOBAL_BATCH = 12
 MAX_NORM = 0.5
@@ -144,7 +146,7 @@ def _spawn(worker, world, init_file):
     if "forkserver" not in mp.get_all_start_methods():  # (Windows)
         mp.spawn(worker, args=(world, init_file), nprocs=world, join=True)
         return
-    mp.set_forkserver_preload(["torch", "torch_vjp", "pytest", __name__])
+    mp.set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
     mp.start_processes(worker, args=(world, init_file), nprocs=world, join=True,
                        start_method="forkserver")
 
