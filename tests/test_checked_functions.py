@@ -26,6 +26,8 @@ import torch_vjp as tv
 from torch_vjp import _checked_mode, _checked_scope
 from torch_vjp._errors import full_message
 
+from _references import twice_with
+
 
 def _function(name, backward, forward=None, **attrs):
     """A custom Function class ``name``: forward ``2 * x`` (or ``forward``) and ``backward``."""
@@ -818,20 +820,11 @@ def test_engine_threads_are_checked_while_a_checked_pass_is_in_flight():
                     "in flight": True, "python": False}
 
 
-class _BackwardFails(torch.autograd.Function):
-    generate_vmap_rule = True
+def _backward_fails(ctx, g):
+    raise RuntimeError("the user's own backward failed: singular matrix")
 
-    @staticmethod
-    def forward(x):
-        return x * 2
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("the user's own backward failed: singular matrix")
+_BackwardFails = twice_with(_backward_fails)  # (2 x, whose backward raises)
 
 
 def test_the_users_own_error_from_backward_passes_through_a_rejected_pullback_call():
