@@ -468,8 +468,9 @@ def _failing_layer(job: Job, names: list[str], start: int, stop: int) -> str:
     if not failed:  # it failed in the backward pass: a layer vmap is known not to batch
         for path, m in model.named_modules():
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False):
-                return (f"module '{path}' ({type(m).__name__} with sparse=True, whose sparse "
-                        f"gradients vmap cannot batch)")
+                return (f"{f'module {path!r}' if path else 'the model itself'} "
+                        f"({type(m).__name__} with sparse=True, whose sparse gradients vmap "
+                        f"cannot batch)")
         return ""
     path = failed[-1]
     hooked = [p or "the model" for p in failed if _full_backward_hooked(model, p)]
