@@ -46,24 +46,10 @@ from torch import Tensor
 from torch_vjp._per_sample.keep import Kept, KeepBudget, kept_weighted_sum
 from torch_vjp._per_sample.norms_wide import wide_dtype, wide_sq_rows
 
-__all__ = [
-    "CHUNK_ELEMENTS",
-    "NORM_CHUNK_ELEMENTS",
-    "Factor",
-    "SmallFactor",
-    "OuterFactor",
-    "EmbeddingFactor",
-    "merge_factors",
-    "chunks",
-    "sq_norms_rows",
-    "ghost_sq_norms",
-    "ghost_unsure",
-    "widened",
-    "full_precision",
-    "region_sq_norms",
-    "region_weighted_sum",
-    "write_region",
-]
+__all__ = ["CHUNK_ELEMENTS", "NORM_CHUNK_ELEMENTS", "Factor", "SmallFactor", "OuterFactor",
+           "EmbeddingFactor", "merge_factors", "chunks", "sq_norms_rows", "ghost_sq_norms",
+           "ghost_unsure", "widened", "full_precision", "region_sq_norms", "region_weighted_sum",
+           "write_region"]
 
 #: Elements a temporary may hold before the work is split into chunks of examples.
 CHUNK_ELEMENTS = 1 << 23
@@ -406,12 +392,19 @@ class OuterFactor(Factor):
         # a sequence-first input, an attention's output projection: batch-major rows copied
         # it)
         if self.a2 is not None:
-            a, g, cv = self.a2, self.g2, c.view(-1, 1)
-        else:
-            a, g, cv = self._a3, self._g3, c.view(-1, 1, 1)
-            other = g if a.shape[2] < g.shape[2] else a  # type: ignore[union-attr]
-            if not other.is_contiguous() and other.transpose(0, 1).is_contiguous():
-                a, g, cv = a.transpose(0, 1), g.transpose(0, 1), c.view(1, -1, 1)  # type: ignore[union-attr]
+            # (T == 1: one broadcast product, one matrix product; no buffer, no reshapes)
+            a, g = self.a2, self.g2
+            cc = c if c.dtype == g.dtype else c.to(g.dtype)  # type: ignore[union-attr]
+            if a.shape[1] < g.shape[1]:  # type: ignore[union-attr]
+                a = a * cc[:, None]  # type: ignore[operator]
+            else:
+                g = g * cc[:, None]  # type: ignore[operator]
+            res = torch.mm(a.T, g) if self.transposed else torch.mm(g.T, a)  # type: ignore[union-attr]
+            return res if res.shape == self.region_shape else res.view(self.region_shape)
+        a, g, cv = self._a3, self._g3, c.view(-1, 1, 1)
+        other = g if a.shape[2] < g.shape[2] else a  # type: ignore[union-attr]
+        if not other.is_contiguous() and other.transpose(0, 1).is_contiguous():
+            a, g, cv = a.transpose(0, 1), g.transpose(0, 1), c.view(1, -1, 1)  # type: ignore[union-attr]
         cv = cv if cv.dtype == g.dtype else cv.to(g.dtype)  # type: ignore[union-attr]
         if a.shape[-1] < g.shape[-1]:  # type: ignore[union-attr]
             a = _scaled(a, cv)  # type: ignore[arg-type]
