@@ -50,9 +50,14 @@ def kept_weighted_sum(kept: Kept, c: Tensor) -> Tensor:
     """``sum_i c[i] G_i`` from the per-sample gradients ``kept``, of shape ``G_i``'s."""
     if isinstance(kept, Tensor):
         return torch.tensordot(c.to(kept.dtype), kept, dims=1)
+    # (chunk by chunk, each added by the product itself: one matrix-vector product into the
+    # sum, where tensordot made a product and its sum another pass, behind a Python layer)
     total: Tensor | None = None
     for s, e, g in kept:
-        w = torch.tensordot(c[s:e].to(g.dtype), g, dims=1)
-        total = w if total is None else total.add_(w)
+        rows = g.reshape(e - s, -1)
+        if total is None:
+            total = torch.mv(rows.T, c[s:e].to(g.dtype))
+        else:
+            total.addmv_(rows.T, c[s:e].to(g.dtype))
     assert total is not None
-    return total
+    return total.view(kept[0][2].shape[1:])
