@@ -58,3 +58,29 @@ def test_a_sparse_grad_then_a_dense_sum_add_up_as_backward_adds_them(strategy, f
     torch.testing.assert_close(g, 2 * want["emb.weight"].reshape(g.shape))
     torch.testing.assert_close(model.lin.weight.grad,
                                2 * want["lin.weight"].reshape(model.lin.weight.shape))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks", "loop"])
+def test_a_dense_grad_takes_a_sparse_sum_in_place_as_backward_adds_it(strategy):
+    # a dense .grad the user holds (zeroed by the optimizer, read by a logging hook), then
+    # a step with sparse=True: backward adds the sparse gradient into that same tensor; the
+    # clipped step put a new tensor in .grad and left the user's one stale
+    torch.manual_seed(0)
+    model = _Bag().to(DT)
+    loss_fn = nn.CrossEntropyLoss()
+    i, y = torch.randint(0, 10, (6, 4)), torch.randint(0, 3, (6,))
+    want, _ = _clipped_sum(model, loss_fn, i, y, 0.5)
+    held = torch.ones_like(model.emb.weight)
+    model.emb.weight.grad = held
+    model.emb.sparse = True
+    tv.accumulate_clipped_grads(model, loss_fn, i, y, max_norm=0.5, strategy=strategy)
+    assert model.emb.weight.grad is held
+    assert held.layout == torch.strided
+    torch.testing.assert_close(held, 1 + want["emb.weight"].reshape(held.shape))
+
+    # backward itself, for the record of what is mirrored
+    b = nn.Embedding(3, 2, sparse=True).to(DT)
+    kept = torch.zeros_like(b.weight)
+    b.weight.grad = kept
+    b(torch.tensor([0, 2])).sum().backward()
+    assert b.weight.grad is kept

@@ -590,9 +590,9 @@ def add_to_grads(job: Job, sums: dict[str, Tensor]) -> None:
                 s = s.to_sparse()
             if p.grad is None:
                 p.grad = s
-            elif p.grad.layout != s.layout:  # (dense first: torch adds no dense to sparse,
-                p.grad = s + p.grad if p.grad.is_sparse else p.grad + s  # as backward does)
-            else:
+            elif p.grad.is_sparse and not s.is_sparse:  # (dense first: torch adds no
+                p.grad = s + p.grad  # dense to sparse, as backward does; a dense .grad
+            else:  # takes a sparse sum in place, as backward adds)
                 p.grad.add_(s)
             # backward then runs the hooks of register_post_accumulate_grad_hook (an
             # optimizer step in backward, gradient logging): so does this call
