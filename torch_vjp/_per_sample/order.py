@@ -61,7 +61,10 @@ the loop see that call's own ids (a model that mixes them is refused, under 'aut
 once, a sort's indices or their inverse (``P``, ``I`` above), is exempt: a write at it
 mixes no rows whatever the data. A scatter along a dimension the index does not hold
 ``B`` in (a one-hot ``zeros(B, C).scatter_(1, y, 1)``) writes within each example's row
-and is exempt too. Where such a write adds up (``index_add``, ``scatter_add``,
+and is exempt too, as is an ``index_put`` over several indices one of which, not computed
+from the inputs (``torch.arange(B)``) or a sort's indices, holds values at each example that
+no other example's entries hold (a one-hot target ``out[torch.arange(B), y] = 1``): no two
+examples' entries meet whatever the others hold. Where such a write adds up (``index_add``, ``scatter_add``,
 ``scatter_reduce``, ``index_reduce``, ``index_put`` with ``accumulate=True``) or counts
 (``bincount``, ``unique``) with one index entry per example, two equal entries on the batch
 planned mean examples met: counts carry no gradient from one example to another, so the
@@ -304,6 +307,8 @@ class OrderWatch(TorchDispatchMode):
             return
         at, dim_at, _ = _WRITES[func]
         index = args[at] if len(args) > at else kwargs.get("index", kwargs.get("indices"))
+        if dim_at is None and self._own_rows(index, args[0]):
+            return  # (each example's entries where no other example's go)
         ixs = list(index) if dim_at is None else [index]
         for ix in ixs:
             if not isinstance(ix, Tensor) or ix not in self.words or ix.dtype in (
@@ -317,6 +322,35 @@ class OrderWatch(TorchDispatchMode):
                     continue  # (within each example's row)
             self.data_writes.add(name)
             self._mixes(func, ix, args, kwargs)
+
+    def _own_rows(self, index: Any, dest: Tensor) -> bool:
+        """Whether a write at the list of indices ``index`` (one per dimension of ``dest``,
+        None for a slice) puts no two examples' entries in one place, whatever the data: one
+        index not computed from the data (``torch.arange(B)``, the same on every batch), or a
+        sort's indices, holds values at one example that no other example's entries hold
+        (NOTE [writes at an index of the data])."""
+        if any(isinstance(ix, Tensor) and ix.dtype in (torch.bool, torch.uint8)
+               for ix in index):
+            return False  # (a mask spans several dimensions: its entries are not placed)
+        at = [(d, ix) for d, ix in enumerate(index) if isinstance(ix, Tensor)]
+        if not at or len(index) > dest.dim():
+            return False
+        shape = torch.broadcast_shapes(*(ix.shape for _, ix in at))
+        dims = [k for k, s in enumerate(shape) if s == self.batch]
+        if len(dims) != 1:  # (entries not one per example: an index of several of them)
+            return False
+        for d, ix in at:
+            if ix in self.words and self.steps.get(ix, ("G",))[0] not in "PI":
+                continue  # (values of the data: they may meet on the next batch)
+            size = dest.shape[d]
+            if size == 0:
+                continue
+            v = (ix.expand(shape).movedim(dims[0], 0).reshape(self.batch, -1) % size)
+            rows = torch.arange(self.batch, device=v.device).unsqueeze(1).expand_as(v)
+            pairs = torch.stack([v.reshape(-1), rows.reshape(-1)]).unique(dim=1)
+            if pairs[0].unique().numel() == pairs.shape[1]:
+                return True  # (each value met at one example alone)
+        return False
 
     def _written(self, base: Tensor | None, word: tuple[Any, ...]) -> None:
         if base is not None:
