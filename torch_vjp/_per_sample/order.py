@@ -70,6 +70,15 @@ examples' entries meet whatever the others hold. Where such a write adds up (``i
 planned mean examples met: counts carry no gradient from one example to another, so the
 data-flow tests cannot see it, and the plan refuses the module running the operator as
 mixing examples (``mixing``), under 'auto' and 'hooks'.
+
+The counts themselves (``bincount``'s, ``unique``'s, and what is computed from them alone)
+hold one row per value of the data, not rows of the examples: a read of them at an index
+(``torch.bincount(g)[g]``) looks up each example's own value and leaves the rows in place,
+even where B distinct values give them B rows. Rows written at an index and read back at it
+along the first dimension cancel whatever the size of the tensor written (``total[g]``
+after ``total.index_add(0, g, h)`` over fewer groups than examples), and an index
+unsqueezed or expanded with its entries still one per row (``g[:, None].expand(B, F)``, a
+``scatter``'s index) is the same step as the index itself.
 """
 
 from __future__ import annotations
@@ -140,6 +149,14 @@ _SAME_INDEX = frozenset({"view", "_unsafe_view", "reshape", "unsqueeze", "squeez
                          "flatten"})
 
 #: operators whose values do not depend on their inputs' values (only on their shapes)
+#: counts of the data's values, and the outputs of each that hold one row per value (a table
+#: of the values, not rows of the examples: a read of it at an index is a look-up)
+_TABLES = {"bincount": (None,), "histc": (None,), "_unique2": (0, 2), "unique_dim": (0, 2),
+           "unique_consecutive": (0, 2), "_unique": (0,)}
+#: operators whose result holds an index's values at the positions they held (``g[:, None]
+#: .expand(B, F)``): a step the index is given before is theirs too
+_SHARED = frozenset({"unsqueeze", "expand", "clone", "contiguous", "detach", "alias"})
+
 _FRESH = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
                     "new_zeros", "new_ones", "new_full", "empty_strided", "new_empty_strided"})
 
@@ -187,6 +204,9 @@ class OrderWatch(TorchDispatchMode):
         self._handles: list[Any] = []
         self.words = WeakIdKeyDictionary()
         self.steps = WeakIdKeyDictionary()
+        #: tensors of one row per value of the data (counts): NOTE [writes at an index of
+        #: the data]
+        self.tables = WeakIdKeyDictionary()
         self.ops: set[str] = set()
         #: the operators that wrote rows at an index of the data (NOTE [writes at an index
         #: of the data])
@@ -285,10 +305,29 @@ class OrderWatch(TorchDispatchMode):
                 self.words[t] = word
                 if step is not None and not sorted_:
                     self.steps[t] = step
+        self._tabled(func, args, kwargs, out)
         if sorted_:  # (the values are the rows reordered; the indices are in no order)
             self.words[out[1]], self.steps[out[1]] = (), step
         if func._schema.is_mutable and args and isinstance(args[0], Tensor):
             self._written(args[0]._base, word)  # (rows written through a view of it)
+
+    def _tabled(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                out: Any) -> None:
+        """Notes the tables among ``func``'s outputs: the counts of a ``bincount`` or
+        ``unique``, and what is computed from tables alone (``1 / counts.double()``)."""
+        name = func._overloadpacket.__name__
+        if name in _TABLES:
+            outs = (out,) if isinstance(out, Tensor) else tuple(out)
+            for k in _TABLES[name]:
+                t = outs[0 if k is None else k]
+                if isinstance(t, Tensor):
+                    self.tables[t] = True
+            return
+        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t in self.words]
+        if read and all(t in self.tables for t in read):
+            for t in tree_leaves(out):
+                if isinstance(t, Tensor):
+                    self.tables[t] = True
 
     def _data_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Notes ``func`` where it writes rows at an index computed from the inputs that may
@@ -374,8 +413,13 @@ class OrderWatch(TorchDispatchMode):
         if func in _READS:
             at, dim_at = _READS[func]
             src = args[0]
+            if src in self.tables:  # (a look-up of each example's value: rows in place)
+                return self.word_of((args, kwargs)), None
             found = self._indexed(src, args[at], dim_at if dim_at in (None, "flat")
                                   else args[dim_at], src.shape)
+            if found is None and (dim_at is None or dim_at != "flat" and src.dim() and (
+                    args[dim_at] % src.dim() == 0)):
+                found = self._read_back(src, args[at])
             if found is None:
                 return self.word_of((args, kwargs)), None
             self.ops.add(func._overloadpacket.__name__)
@@ -406,10 +450,36 @@ class OrderWatch(TorchDispatchMode):
                     mask.shape):  # (rows packed or unpacked at a mask of the data)
                 self.ops.add(func._overloadpacket.__name__)
                 return _then(self.word_of((args, kwargs)), ("N", next(self._count))), None
-        if func._overloadpacket.__name__ in _SAME_INDEX and args and isinstance(
+        name = func._overloadpacket.__name__
+        if name in _SHARED and args and isinstance(args[0], Tensor) and (
+                args[0] in self.words and args[0].dim() == 1 and not args[0].is_floating_point()
+                and isinstance(out, Tensor) and self._rows_first(out)):
+            return self.words.get(args[0], ()), self._step_of(args[0])  # (g[:, None])
+        if name in _SAME_INDEX and args and isinstance(
                 args[0], Tensor) and args[0] in self.steps:
-            return self.words.get(args[0], ()), self.steps[args[0]]
+            step = self.steps[args[0]]
+            if step[0] == "G" and not (isinstance(out, Tensor) and self._rows_first(out)):
+                return self.words.get(args[0], ()), None  # (its entries moved off the rows)
+            return self.words.get(args[0], ()), step
         return self.word_of((args, kwargs)), None
+
+    def _read_back(self, src: Tensor, index: Any) -> tuple[str, int] | None:
+        """The step of an index ``src``'s rows were last written at (``total[g]`` after
+        ``total.index_add(0, g, h)``, whatever ``total``'s size), along the first dimension:
+        the read undoes it."""
+        word = self.words.get(src, ())
+        if isinstance(index, (list, tuple)):  # (total[g]: one index, at the first dimension)
+            if not index or any(ix is not None for ix in index[1:]):
+                return None
+            index = index[0]
+        if isinstance(index, Tensor) and index in self.steps and word and (
+                word[-1] == _inverse(self.steps[index]) and self.steps[index][0] in "GH"):
+            return self.steps[index]
+        return None
+
+    def _rows_first(self, t: Tensor) -> bool:
+        """Whether ``t``'s one dimension of size B is its first."""
+        return t.dim() > 0 and t.shape[0] == self.batch and self.batch not in tuple(t.shape[1:])
 
     def _indexed(self, src: Tensor, index: Any, dim: int | str | None,
                  shape: Sequence[int]) -> tuple[str, int] | None:
@@ -436,6 +506,8 @@ class OrderWatch(TorchDispatchMode):
             return self._step_of(index) if self.batch in tuple(shape) else None
         if not len(shape) or shape[dim % len(shape)] != self.batch:
             return None
+        if index.dim() > 1 and index.shape[dim % index.dim()] != self.batch:
+            return ("G", next(self._count))  # (not each row's entry: an index of its own)
         return self._step_of(index)
 
 
