@@ -75,23 +75,36 @@ def wrong_reverse_message(call: str, name: str, first: str, route: str, reverse:
     ``first`` (a reverse route) gave way to ``route`` (a forward one). ``op``: the operator
     with a known wrong backward formula that f's graph holds, None where none is known (the
     cause is then described, not named)."""
+    stop = ""
     if op is not None:
         cause = f"an operator in f has a wrong backward formula (torch's for {op})"
     else:
+        # (no node marks a value computed under torch.no_grad(): the graph cannot tell
+        # that stop-gradient from a wrong backward, so both are described)
         cause = (
-            "a backward formula in f does not match the function as computed: a write at "
-            "a repeated index that does not accumulate (out[idx] = x, index_put, scatter "
-            "or index_copy with an index twice: only one write survives, which forward mode "
-            "and finite differences differentiate, while torch's backward gives every "
-            "duplicate the gradient; torch leaves which one survives unspecified), or an "
-            "operator whose backward torch computes wrongly")
+            "reverse mode does not differentiate f as computed. Most often a part of f is "
+            "computed under torch.no_grad() (or torch.set_grad_enabled(False)): reverse "
+            "mode treats that part as a constant, while forward mode, which torch's grad "
+            "mode does not switch off, and a central difference differentiate through it "
+            "(a .detach()ed tensor or one made in torch.inference_mode() is a constant to "
+            "both modes, and is not the cause). "
+            "Otherwise a backward formula in f does not match the function as computed: a "
+            "write at a repeated index that does not accumulate (out[idx] = x, index_put, "
+            "scatter or index_copy with an index twice: only one write survives, which "
+            "forward mode and finite differences differentiate, while torch's backward "
+            "gives every duplicate the gradient; torch leaves which one survives "
+            "unspecified), or an operator whose backward torch computes wrongly")
+        stop = (" If f stops gradients under torch.no_grad() on purpose, pass "
+                "strategy='rev' for the stop-gradient Jacobian as torch.autograd computes "
+                "it.")
     return (
         f"{call}: a reverse product without torch.vmap disagrees with a forward product and "
         f"a central difference on the Jacobian of {name} (u^T J v: {reverse:.6g} by reverse "
         f"mode, {forward:.6g} by forward mode, {difference:.6g} by a central difference): "
-        f"{cause}, so {_REVERSE.get(first, first)} would not match f. strategy='auto' "
-        f"returned the Jacobian by {_FORWARD[route]}, and uses it for this function and "
-        f"input shapes from now on.\n"
-        f"  Pass strategy={route!r} to compute it that way directly. This warning is shown "
-        f"once per function."
+        f"{cause}; {_REVERSE.get(first, first)} would not match f as computed. "
+        f"strategy='auto' returned the Jacobian by {_FORWARD[route]} (the derivative of f "
+        f"as computed, through every part), and uses it for this function and input shapes "
+        f"from now on.\n"
+        f"  Pass strategy={route!r} to compute it that way directly.{stop} This warning is "
+        f"shown once per function."
     )
