@@ -96,12 +96,11 @@ from torch_vjp._engine.rows import (
     run_with_fallback,
 )
 from torch_vjp._engine.refusals import (
-    RENORM_FIX,
     VMAP_CAUSES,
     forward_fix,
     forward_refusal,
+    refusal_fix,
     refusal_kind,
-    renorms,
     unbatched_op,
     vmap_refusal,
     writes_into_input,
@@ -442,7 +441,7 @@ def func_refusal(prob: Problem, mode: str, why: str, err: BaseException,
         f"  torch.func said: {quote_error(err)}\n"
         f"  Fix: strategy={choices} (they compute such a "
         f"function with plain autograd or one product at a time), or "
-        + (f"{RENORM_FIX}." if renorms(err) else "put the module in eval mode if it is one.")
+        + refusal_fix(err)
     )
 
 

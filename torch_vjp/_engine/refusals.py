@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = ["RENORM_FIX", "SPARSE_TANGENT", "VMAP_CAUSES", "double_backward_refusal",
            "forward_fix", "forward_refusal", "mutates_captured", "no_double_backward_fix",
-           "refusal_kind", "renorms", "reentrant_checkpoint", "reentrant_checkpoint_message",
+           "refusal_fix", "refusal_kind", "renorms", "reentrant_checkpoint", "reentrant_checkpoint_message",
            "unbatched_op", "vmap_refusal", "writes_into_input"]
 
 import re
@@ -104,6 +104,43 @@ def refusal_kind(err: BaseException) -> str | None:
     return None
 
 
+#: The "setup_context" refusal of a module's full backward hook (or pre-hook): torch wraps
+#: the module's inputs and outputs in BackwardHookFunction, an autograd.Function whose
+#: forward takes ctx, which torch.func cannot run.
+_HOOK = ("f calls a module ({module}) with a full backward hook (register_full_backward_hook "
+         "or register_full_backward_pre_hook, on it or on every module), for which torch "
+         "wraps its inputs and outputs in BackwardHookFunction, a custom "
+         "torch.autograd.Function whose forward takes ctx, which torch.func's transforms "
+         "cannot run")
+_HOOK_FIX = ("remove the hook for this call (handle.remove() on the handle its register "
+             "call returned): 'rev-loop' calls it once per reverse product, 'fwd-loop' not "
+             "at all. Eval mode does not remove it.")
+
+
+def hooked_module(err: BaseException) -> str | None:
+    """The class name of the module whose full backward hook torch was setting up where
+    ``err`` was raised (torch.utils.hooks.BackwardHook, in its traceback), else None."""
+    tb, found = err.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if (code.co_name in ("setup_input_hook", "setup_output_hook")
+                and code.co_filename.replace("\\", "/").endswith("torch/utils/hooks.py")):
+            hook = tb.tb_frame.f_locals.get("self")
+            found = type(getattr(hook, "module", hook)).__name__
+        tb = tb.tb_next
+    return found
+
+
+def refusal_fix(err: BaseException) -> str:
+    """The fix, besides a strategy that runs f without torch.func, of a known refusal of
+    torch.func's transforms (:func:`vmap_refusal`): a sentence's end."""
+    if renorms(err):
+        return f"{RENORM_FIX}."
+    if refusal_kind(err) == "setup_context" and hooked_module(err) is not None:
+        return _HOOK_FIX
+    return "put the module in eval mode if it is one."
+
+
 def vmap_refusal(err: BaseException) -> str | None:
     """What torch.func's vectorised transforms refused in ``f``, where ``err`` is one of
     their known refusals of a function plain autograd runs (:func:`refusal_kind`'s, and
@@ -114,6 +151,8 @@ def vmap_refusal(err: BaseException) -> str | None:
         kind = next((k for k, said in _VMAP_ONLY.items() if said in text), None)
     if kind == "captured" and renorms(err):
         return _RENORM
+    if kind == "setup_context" and (module := hooked_module(err)) is not None:
+        return _HOOK.format(module=module)
     return None if kind is None else _WHY[kind]
 
 
