@@ -360,10 +360,18 @@ class ConvFactor(Factor):
     def kept_sum(self, c: Tensor) -> Tensor:
         if not self.kept_last:
             return super().kept_sum(c)
+        # (each chunk by one matrix product into a buffer made once, then added: tensordot's
+        # numbers bit for bit, without its Python layer and a new tensor per chunk; addmm_
+        # or addmv_ would add inside the product, which rounds otherwise)
         total: Tensor | None = None
+        buf: Tensor | None = None
         for s, e, G in self.kept:  # type: ignore[union-attr]
-            w = torch.tensordot(c[s:e].to(G.dtype), G, dims=1)
-            total = w if total is None else total.add_(w)
+            w, rows = c[s:e].to(G.dtype).view(1, e - s), G.reshape(e - s, -1)
+            if total is None:
+                total = torch.mm(w, rows)
+            else:
+                buf = torch.empty_like(total) if buf is None else buf
+                total.add_(torch.mm(w, rows, out=buf))
         O, C, kh, kw = self.weight_shape
         assert total is not None
         return total.view(O, kh, kw, C).permute(0, 3, 1, 2).contiguous().view(
