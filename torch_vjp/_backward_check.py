@@ -559,11 +559,13 @@ def dtype_message(call: str, fname: str, i: int, value: Tensor, slot: Slot,
     gd, sd = value.dtype, slot.dtype or value.dtype
     own = slot.leaf_dtype or sd  # (a leaf's grad_dtype, what torch casts to, may differ)
     kept = f" (a leaf whose grad_dtype is {sd})" if slot.leaf_dtype else ""
+    takes = (f", or the grad_dtype of a leaf that sets one ({sd}, the dtype its .grad holds: "
+             f"torch takes a {sd} or {own} gradient for it)" if slot.leaf_dtype else "")
     lines = [
         f"{call}: {fname}.backward returned a gradient of dtype {gd} at index {i}, but "
         f"forward input {i} has dtype {own}{kept}.",
         f"  dL/d(input {i}) holds one {dtype_name(own)} number per element of input {i}: a "
-        f"gradient has its input's dtype (and shape, and device).",
+        f"gradient has its input's dtype (and shape, and device){takes}.",
     ]
     input_complex = sd.is_complex
     fix = ("  Fix: compute in grad_output's dtype: tensors made in backward with torch.tensor"
