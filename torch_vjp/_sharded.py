@@ -104,6 +104,7 @@ from torch_vjp._sharded_check import (
     verdict,
 )
 from torch_vjp._sharded_forward import forward_instead, gathered_ops, known_route
+from torch_vjp._sharded_formulas import NamedForward, forward_formula_route
 from torch_vjp._sharded_words import OTHERS_WAIT
 from torch_vjp._sharded_work import (
     FAILED,
@@ -351,7 +352,10 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
         if first is not None:
             first()
         work.read = [] if route == "rev" else None
-        part, code, err = _attempt(lambda: _route(work, route or mode, shapes), work, prob.call)
+        with NamedForward(prob, strat, batch, group, device) as named:  # (NOTE [sharded
+            part, code, err = _attempt(lambda: _route(work, route or mode, shapes), work,
+                                       prob.call)  # forward mode through a wrong formula])
+        named.done(code == _OK)
         # (NOTE [a remembered route through a known wrong operator]: on every rank where
         # some rank's products met one, the route is forgotten and the call checked again)
         if work.read is None or not all_max(int(code == _OK and work.stale()), group, device):
@@ -488,7 +492,8 @@ def _checked(prob: Problem, work: Work, part: tuple[Any, ...], mode: str, shapes
             _raise_failure(prob, err, group, work.rank, work.world)
         return ok, d, s
 
-    ok, diff, scale = agrees(part, mode)
+    part, mode, ok, diff, scale = forward_formula_route(prob, part, mode, agrees(part, mode),
+        ops, group, device, lambda: _known(prob, work, "rev", shapes, first), agrees)
     if not math.isfinite(scale):  # (some rank's, through the verdict's MAX: every rank's)
         if work.batch is not None:  # (but a flow across rows shows there too)
             _refuse_mixing(prob, work, None, None, group, device)

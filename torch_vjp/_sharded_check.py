@@ -118,7 +118,12 @@ def own_gap(prob: Problem, mode: str, stacked: Sequence[Tensor], start: int, sto
     operators] in ``torch_vjp._sharded_forward``), read at a point not finite too."""
     keep = None if mode == "fwd" else (lambda us: _only_rows(us, start, stop, batch))
     finite = all_finite(prob.leaves)  # (x is the same on every rank, checked before)
-    got = one_reverse_product(prob, keep, anywhere=not finite, ops=ops)
+    # (and, in forward mode, the operator whose forward-mode formula is wrong, as a third
+    # entry of ``ops``: NOTE [sharded forward mode through a wrong formula])
+    fwd: list[str | None] | None = [] if ops is not None and mode == "fwd" else None
+    got = one_reverse_product(prob, keep, anywhere=not finite, ops=ops, forward=fwd)
+    if fwd and ops:
+        ops[-1] = (*ops[-1], fwd[0])
     if not finite:
         return 0.0, math.inf, 0.0
     if stop == start:
