@@ -4,7 +4,9 @@
 operator, and on a later call that each rank remembers differently; ``"auto"`` in forward
 mode, where the values agree by a coincidence of the point (zeros, a sum that is 0) or are
 not compared (an infinity in x), takes reverse mode on every rank with the one-process
-warning. It had returned Jacobians wrong by the size of the entries without a word.
+warning; and reverse mode through det at a singular matrix runs det's backward in grad
+mode, as on one process. It had returned Jacobians wrong by the size of the entries without
+a word.
 float64, against reverse rows one at a time (``torch.scatter_reduce``'s backward is right;
 torch.func.jacrev cannot run it). Two ranks, gloo on CPU, one spawned group; a rank left
 waiting fails the test at its deadline."""
@@ -194,9 +196,31 @@ def _auto_at_a_point_it_cannot_check(rank, world, group):
     _alike(calls[0], group, world)
 
 
+def _auto_through_det_at_a_singular_matrix(rank, world, group):
+    """Reverse mode through det at a singular matrix (a shard of rank 0's in the wide
+    Jacobian; in the tall one, forward mode's route after the graph names det): the rows
+    run det's backward in grad mode, as on one process (its branch without grad mode is
+    wrong there by the size of the entries, and every rank had returned those rows), equal
+    to torch.func.jacrev's."""
+    W = torch.randn(40, dtype=D, generator=torch.Generator().manual_seed(7))
+    A = torch.stack([SINGULAR, torch.randn(3, 3, dtype=D, generator=torch.Generator()
+                                           .manual_seed(1))]).reshape(-1)
+
+    def wide(m):
+        return torch.linalg.det(m.reshape(-1, 3, 3))
+
+    def tall(m):  # (9 inputs, 40 outputs: "auto" starts from forward mode)
+        return torch.linalg.det(m.reshape(3, 3)) * W + m.sum()
+
+    for f, x in ((wide, A), (tall, A[:9])):
+        got, _ = caught(lambda: tv.jacobian(f, x, process_group=group))
+        torch.testing.assert_close(got, torch.func.jacrev(f)(x), rtol=1e-10, atol=1e-10)
+
+
 def _two_ranks(rank, world, init_file):
     in_gloo_group(rank, world, init_file, (_named_forward_refuses, _auto_takes_reverse_mode,
-                                           _auto_at_a_point_it_cannot_check))
+                                           _auto_at_a_point_it_cannot_check,
+                                           _auto_through_det_at_a_singular_matrix))
 
 
 def test_a_wrong_forward_formula_sets_the_route_on_every_rank(spawn_within):

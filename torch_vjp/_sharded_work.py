@@ -24,6 +24,7 @@ from torch_vjp._engine.jacobian import (
     fwd_loop_refusal,
     function_name,
 )
+from torch_vjp._engine.gradmode import in_grad_mode
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.plain import plain_pullback, plain_push
 from torch_vjp._engine.problem import Problem
@@ -464,12 +465,11 @@ class Work:
     def _rev(self, vectorized: bool) -> tuple[Any, ...]:
         prob = self.prob
         leaves = prob.leaves
-        g, met = ((prob.g_inner, None) if self.read is None
-                  else reading_wrong_ops(prob.g_inner, prob.has_aux))
-        res = func_vjp(g, *leaves, has_aux=prob.has_aux)
-        if met is not None and self.read is not None:
+        g, met = reading_wrong_ops(prob.g_inner, prob.has_aux, grad := [None])  # (det's
+        res = func_vjp(g, *leaves, has_aux=prob.has_aux)  # backward: NOTE [a backward
+        if self.read is not None:  # right only in grad mode] in _engine/wrongops.py)
             self.read[:] = met
-        out, pullback = res[0], res[1]
+        out, pullback = res[0], res[1] if grad[0] is None else lambda *c: in_grad_mode(res[1], *c)
         aux = res[2] if prob.has_aux else None
         flat_out, out_spec = tree_flatten(out)
         rows_out = row_shapes(flat_out, self.batch, prob, out_spec)
