@@ -352,7 +352,7 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
         if first is not None:
             first()
         work.read = [] if route == "rev" else None
-        with NamedForward(prob, strat, batch, group, device) as named:  # (NOTE [sharded
+        with NamedForward(prob, strat, batch, group, device, work) as named:  # (NOTE [sharded
             part, code, err = _attempt(lambda: _route(work, route or mode, shapes), work,
                                        prob.call)  # forward mode through a wrong formula])
         named.done(code == _OK)

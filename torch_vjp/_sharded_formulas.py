@@ -29,6 +29,20 @@ rank) sets every rank's route, so the ranks call f as often and their shards fit
   its share of reverse-mode rows instead, with ``auto_forward_message``'s warning (and,
   unchecked, the sentence saying why); the reverse rows are then checked as a reverse
   route is. Where the values disagreed, the check's own route and warning stand.
+
+NOTE [sharded reverse mode through a wrong formula]
+On one process, a named ``"rev"`` or ``"rev-loop"`` reads the graph of its own call of f for
+the operators whose backward formula torch has wrong alone (NOTE [named reverse strategies
+and wrong formulas] in ``torch_vjp._engine.wrongops``: ``F.max_unpool2d`` with a repeated
+index, ``torch.as_strided_scatter``, the antialiased resize) and refuses. A sharded Jacobian
+read the graph only for a remembered route of ``"auto"``'s, and every rank returned a
+Jacobian wrong by 1.0 (``max_unpool2d``) without a word. So each rank keeps what its
+products' call of f read (``Work.met``: torch.func's call, or plain autograd's), and, after
+the products, one ``all_reduce`` (MAX) of a flag tells every rank whether some rank's graph
+holds such an operator (an f that takes another path on one rank): then every rank raises
+:func:`named_reverse`'s error, naming the operator of the lowest rank that found one (one
+``all_gather_object`` more, on that path only). Nothing is remembered for a named reverse
+strategy, on one process as here: each call reads its own graph.
 """
 
 from __future__ import annotations
@@ -52,7 +66,7 @@ from torch_vjp._engine.fwd_wrong import (
 from torch_vjp._engine.fwdcheck import all_finite, signature
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
-from torch_vjp._engine.wrongops import WRONG_FORWARD
+from torch_vjp._engine.wrongops import WRONG_FORWARD, named_reverse
 from torch_vjp._errors import JacobianWarning, StrategyError, warn_once
 from torch_vjp._sharded_forward import _NOT_FINITE_PRODUCT, _NOT_FINITE_X
 from torch_vjp._sharded_work import all_max
@@ -77,13 +91,17 @@ class NamedForward:
     wrong formula]): made before the products (it refuses on every rank where some rank
     remembers such an operator for this call), entered around them (their calls of f are
     read, where this rank has not read them before), and :meth:`done` after them, on every
-    rank (it refuses on every rank where some rank's calls ran one). Does nothing for any
-    other strategy."""
+    rank (it refuses on every rank where some rank's calls ran one). A named ``"rev"`` or
+    ``"rev-loop"``: :meth:`done` refuses on every rank where some rank's products' graph
+    (``work.met``) holds an operator whose backward formula is wrong alone (NOTE [sharded
+    reverse mode through a wrong formula]). Does nothing for any other strategy."""
 
     def __init__(self, prob: Problem, strat: Strategy, batch: int | None, group: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, work: Any = None) -> None:
         self.on = strat.mode == "fwd"
         self.prob, self.strategy, self.group, self.device = prob, strat.name, group, device
+        self.reverse = strat.mode == "rev" and work is not None
+        self.work, self.vectorized = work, strat.vectorized
         self.reading: Any = None
         if not self.on:
             return
@@ -112,12 +130,29 @@ class NamedForward:
     def done(self, ok: bool) -> None:
         """After the products (``ok``: every rank computed its share, the same on every
         rank): raises on every rank where some rank's calls of f ran such an operator."""
+        if self.reverse and ok:
+            self._reverse_done()
         if not self.on or not ok:
             return
         op = None
         if self.reading is not None:
             op = forward_read(self.reading[0], self.reading[1].found)
         self._refuse(agreed_op(op, self.group, self.device))
+
+    def _reverse_done(self) -> None:
+        """A named reverse strategy's refusal, agreed by every rank (NOTE [sharded reverse
+        mode through a wrong formula])."""
+        mine = next((alone for _, alone in self.work.met if alone is not None), None)
+        if not all_max(int(mine is not None), self.group, self.device):
+            return
+        import torch.distributed as dist
+
+        said: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(said, mine, group=self.group)
+        op = next(alone for alone in said if alone is not None)
+        f = self.prob.f
+        named_reverse(self.prob.call, (None, op), self.vectorized, None,
+                      (function_name(f), function_key(f)))
 
 
 def forward_formula_route(

@@ -38,7 +38,7 @@ from torch_vjp._engine.rows import (
     run_with_fallback,
 )
 from torch_vjp._engine.shapes import Shapes, in_rows, row_shapes
-from torch_vjp._engine.wrongops import reading_wrong_ops
+from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_ops
 from torch_vjp._errors import (
     JacobianCallError,
     JacobianWarning,
@@ -238,7 +238,7 @@ class Work:
         self.prob, self.strat, self.rank, self.world = prob, strat, rank, world
         self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
         self.batch, self.alternatives = batch, alternatives
-        self.group, self.device = group, device
+        self.group, self.device, self.met = group, device, []  # (met: :meth:`_rev`'s read)
         self._mode = "rev"
         # (the known wrong operators the reverse products' graph holds, where read: NOTE [a
         # remembered route through a known wrong operator])
@@ -465,10 +465,10 @@ class Work:
     def _rev(self, vectorized: bool) -> tuple[Any, ...]:
         prob = self.prob
         leaves = prob.leaves
-        g, met = reading_wrong_ops(prob.g_inner, prob.has_aux, grad := [None])  # (det's
+        g, self.met = reading_wrong_ops(prob.g_inner, prob.has_aux, grad := [None])  # (det's
         res = func_vjp(g, *leaves, has_aux=prob.has_aux)  # backward: NOTE [a backward
         if self.read is not None:  # right only in grad mode] in _engine/wrongops.py)
-            self.read[:] = met
+            self.read[:] = self.met
         out, pullback = res[0], res[1] if grad[0] is None else lambda *c: in_grad_mode(res[1], *c)
         aux = res[2] if prob.has_aux else None
         flat_out, out_spec = tree_flatten(out)
@@ -499,6 +499,7 @@ class Work:
         ``torch_vjp._engine.plain.rev_plain`` on one process)."""
         prob = self.prob
         fn, flat_out, out_spec, aux, _ = plain_pullback(prob)
+        self.met = [wrong_ops(flat_out)]  # (NOTE [sharded reverse mode through a wrong formula])
         rows_out = row_shapes(flat_out, self.batch, prob, out_spec)
         n = sum(math.prod(s) for s in rows_out)
         start, stop = shard_range(n, self.rank, self.world)
@@ -533,8 +534,7 @@ class Work:
                 with torch.no_grad():
                     aux = prob.g(*leaves)[1]
         else:
-            n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob,
-                                                                 out_spec))
+            n_out = sum(math.prod(s) for s in row_shapes(flat_out, self.batch, prob, out_spec))
             said = outputs_said(out_spec, [(tuple(int(d) for d in o.shape),
                                             str(o.dtype).replace("torch.", ""))
                                            for o in flat_out])
