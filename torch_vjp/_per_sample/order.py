@@ -20,8 +20,11 @@ every tensor computed from the inputs, as a word of steps:
   ``P``; sorting those indices again gives ``P``'s inverse, as does scattering
   ``arange`` at them (``invert_permutation``, which ``pack_padded_sequence`` runs); any
   other index (``topk``, an input, a group id) is a step without inverse. A step followed
-  by its inverse cancels: the rows are back in place (``h[order][order.argsort()]``),
-  whatever the data, by construction rather than by what one batch shows;
+  by its inverse along the same dimension cancels: the rows are back in place
+  (``h[order][order.argsort()]``), whatever the data, by construction rather than by what
+  one batch shows. A step's dimension is which of the tensor's dimensions of size B it
+  runs along (the first, the second): a ``(B, B)`` tensor written at ``order`` along its
+  rows and read at ``order`` along its columns has both steps;
 - any other operator gives its result the word of the inputs it reads, and a word of its
   own, without inverse, where those words differ (rows of two orders combined).
 
@@ -181,11 +184,19 @@ def _inverse(step: tuple[str, int]) -> tuple[str, int]:
     return ({"P": "I", "I": "P", "G": "H", "H": "G"}.get(kind, "N"), k)
 
 
-def _then(word: tuple[Any, ...], step: tuple[str, int]) -> tuple[Any, ...]:
-    """``word`` followed by ``step``: a step after its inverse cancels."""
-    if word and word[-1] == _inverse(step) and step[0] in "PIGH":
+def _along(shape: Sequence[int], dim: int, batch: int) -> int:
+    """Which of the dimensions of size ``batch`` of ``shape`` ``dim`` is (0 for the first):
+    the same on a tensor whose one such dimension moves (``h.transpose(0, 1)``)."""
+    return sum(1 for s in tuple(shape)[:dim] if s == batch)
+
+
+def _then(word: tuple[Any, ...], step: tuple[str, int], dim: Any) -> tuple[Any, ...]:
+    """``word`` followed by ``step`` along the dimension ``dim`` (``_along``'s): a step after
+    its inverse along the same dimension cancels (rows written at ``g`` along the first
+    dimension of a ``(B, B)`` tensor are not put back by a read at ``g`` along its second)."""
+    if word and word[-1] == (*_inverse(step), dim) and step[0] in "PIGH":
         return word[:-1]
-    return word + (step,)
+    return word + ((*step, dim),)
 
 
 class OrderWatch(TorchDispatchMode):
@@ -409,7 +420,8 @@ class OrderWatch(TorchDispatchMode):
             step = (_inverse(mine) if mine is not None and mine[0] in "PI" and invertible
                     else ("P" if invertible else "N", next(self._count)))
             self.ops.add(func._overloadpacket.__name__)
-            return _then(self.words.get(src, ()), step), step
+            return _then(self.words.get(src, ()), step,
+                         _along(src.shape, dim % src.dim(), self.batch)), step
         if func in _READS:
             at, dim_at = _READS[func]
             src = args[0]
@@ -423,7 +435,7 @@ class OrderWatch(TorchDispatchMode):
             if found is None:
                 return self.word_of((args, kwargs)), None
             self.ops.add(func._overloadpacket.__name__)
-            return _then(self.words.get(src, ()), found), None
+            return _then(self.words.get(src, ()), *found), None
         if func in _WRITES:
             at, dim_at, src_at = _WRITES[func]
             src = args[src_at] if len(args) > src_at else kwargs.get("values", kwargs.get(
@@ -437,7 +449,8 @@ class OrderWatch(TorchDispatchMode):
             self.ops.add(func._overloadpacket.__name__)
             # (rows written at an index: the rows read at it, inversely; a constant, arange
             # scattered at a sort's indices, is their inverse as an index too)
-            word = _then(self.words.get(src, ()), _inverse(found))
+            (found, dim) = found
+            word = _then(self.words.get(src, ()), _inverse(found), dim)
             step = _inverse(found) if src not in self.words and found[0] in "PI" else None
             if args[0] in self.words and self.words[args[0]] != word:
                 if src not in self.words:
@@ -449,7 +462,7 @@ class OrderWatch(TorchDispatchMode):
             if isinstance(mask, Tensor) and mask in self.words and self.batch in tuple(
                     mask.shape):  # (rows packed or unpacked at a mask of the data)
                 self.ops.add(func._overloadpacket.__name__)
-                return _then(self.word_of((args, kwargs)), ("N", next(self._count))), None
+                return _then(self.word_of((args, kwargs)), ("N", next(self._count)), None), None
         name = func._overloadpacket.__name__
         if name in _SHARED and args and isinstance(args[0], Tensor) and (
                 args[0] in self.words and args[0].dim() == 1 and not args[0].is_floating_point()
@@ -463,7 +476,7 @@ class OrderWatch(TorchDispatchMode):
             return self.words.get(args[0], ()), step
         return self.word_of((args, kwargs)), None
 
-    def _read_back(self, src: Tensor, index: Any) -> tuple[str, int] | None:
+    def _read_back(self, src: Tensor, index: Any) -> tuple[tuple[str, int], int] | None:
         """The step of an index ``src``'s rows were last written at (``total[g]`` after
         ``total.index_add(0, g, h)``, whatever ``total``'s size), along the first dimension:
         the read undoes it."""
@@ -473,8 +486,8 @@ class OrderWatch(TorchDispatchMode):
                 return None
             index = index[0]
         if isinstance(index, Tensor) and index in self.steps and word and (
-                word[-1] == _inverse(self.steps[index]) and self.steps[index][0] in "GH"):
-            return self.steps[index]
+                word[-1] == (*_inverse(self.steps[index]), 0) and self.steps[index][0] in "GH"):
+            return self.steps[index], 0
         return None
 
     def _rows_first(self, t: Tensor) -> bool:
@@ -482,33 +495,38 @@ class OrderWatch(TorchDispatchMode):
         return t.dim() > 0 and t.shape[0] == self.batch and self.batch not in tuple(t.shape[1:])
 
     def _indexed(self, src: Tensor, index: Any, dim: int | str | None,
-                 shape: Sequence[int]) -> tuple[str, int] | None:
+                 shape: Sequence[int]) -> tuple[tuple[str, int], Any] | None:
         """The step of an index computed from the inputs along a dimension of size B (of
-        ``shape``), None for none."""
+        ``shape``) and that dimension, None for none."""
         if dim is None:  # (one index per dimension, None for a slice; a mask spans its dims)
             found, d = None, 0
             for ix in index:
                 if ix is not None and ix.dtype in (torch.bool, torch.uint8):
                     if ix.dim() == 1 and ix in self.words and d < len(shape) and (
                             shape[d] == self.batch):  # (examples selected by the data)
-                        found = self._step_of(ix) if found is None else (_MIXED[0], -2)
+                        found = ((self._step_of(ix), _along(shape, d, self.batch))
+                                 if found is None else
+                                 ((_MIXED[0], -2), None))
                     d += ix.dim()  # (a mask over several dimensions: NOTE)
                     continue
                 if ix is not None and ix in self.words and d < len(shape) and (
                         shape[d] == self.batch):
-                    found = self._step_of(ix) if found is None else (_MIXED[0], -2)
+                    found = ((self._step_of(ix), _along(shape, d, self.batch))
+                             if found is None else
+                             ((_MIXED[0], -2), None))
                 d += 1
             return found
         if not isinstance(index, Tensor) or index not in self.words or index.dtype in (
                 torch.bool, torch.uint8):
             return None
         if dim == "flat":  # (take: a flat index into every dimension)
-            return self._step_of(index) if self.batch in tuple(shape) else None
+            return (self._step_of(index), "flat") if self.batch in tuple(shape) else None
         if not len(shape) or shape[dim % len(shape)] != self.batch:
             return None
+        along = _along(shape, dim % len(shape), self.batch)
         if index.dim() > 1 and index.shape[dim % index.dim()] != self.batch:
-            return ("G", next(self._count))  # (not each row's entry: an index of its own)
-        return self._step_of(index)
+            return ("G", next(self._count)), along  # (not each row's entry: its own index)
+        return self._step_of(index), along
 
 
 def route_data_orders(plan: Any, calls: Sequence[Any], tracked: dict[int, str],
