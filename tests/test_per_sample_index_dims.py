@@ -115,3 +115,52 @@ def test_hooks_refuses_the_layer_saying_why():
     msg = str(info.value)
     assert "the rows of the model's output are ordered by its own data" in msg
     assert "strategy='auto'" in msg
+
+
+def test_a_weighted_bincount_is_rows_added_up_at_the_data():
+    """``torch.bincount(g, weights=w)`` adds ``w`` up at ``g`` (``index_add(0, g, w)``): its
+    rows are in the order of the data's values, and read back at ``g`` they are in place; a
+    count table (no weights) is in no order of the rows."""
+    torch.manual_seed(0)
+    h, g = torch.randn(B, B, dtype=D), torch.randperm(B)
+    assert _word(lambda h, g: torch.bincount(g, weights=h[:, 0]).unsqueeze(1), h, g)
+    assert _word(lambda h, g: torch.bincount(g, h[:, 0], B).unsqueeze(1), h, g)
+    assert _word(lambda h, g: torch.bincount(g, weights=h[:, 0])[g], h, g) == ()
+    assert _word(lambda h, g: (torch.bincount(g, weights=h[:, 0]) / torch.bincount(g))[g],
+                 h, g) == ()
+    assert _word(lambda h, g: torch.bincount(g).to(h.dtype)[g] + h[:, 0], h, g) == ()
+
+
+class _WeightedCounts(nn.Module):
+    """``fc`` sees the first feature added up at the group ids, read back at them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.fc = nn.Linear(4, 3), nn.Linear(1, 3)
+
+    def forward(self, x, g):
+        t = torch.bincount(g, weights=x[:, 0].detach())
+        return self.fc(t.unsqueeze(1))[g] + self.a(x)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hooks"])
+def test_a_layer_fed_a_weighted_bincount_leaves_the_rules(strategy):
+    torch.manual_seed(0)
+    model = _WeightedCounts().to(D)
+    x = torch.randn(B, 4, dtype=D)
+    plan = tv.per_sample_plan(model, _loss, (x, torch.arange(B)))
+    assert plan["a.weight"].method == "rule", str(plan)
+    assert plan["fc.weight"].method == "vmap", str(plan)
+    assert "in 'fc', the rows of the layer's input are ordered by the model's own data " \
+           "(bincount, index)" in plan["fc.weight"].reason
+    named = list(model.named_parameters())
+    for g in (torch.arange(B), torch.tensor([3, 0, 5, 1, 4, 2])):
+        if strategy == "hooks":
+            with pytest.raises(tv.StrategyError, match="'fc.weight': in 'fc', "):
+                tv.per_sample_grads(model, _loss, (x, g), strategy=strategy)
+            continue
+        got = tv.per_sample_grads(model, _loss, (x, g), strategy=strategy)
+        rows = [torch.autograd.grad(_loss(model(x[i:i + 1], g[i:i + 1])),
+                                    [p for _, p in named]) for i in range(B)]
+        for j, (n, _) in enumerate(named):
+            torch.testing.assert_close(got[n], torch.stack([r[j] for r in rows]), msg=n)

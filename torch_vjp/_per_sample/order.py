@@ -77,7 +77,11 @@ mixing examples (``mixing``), under 'auto' and 'hooks'.
 The counts themselves (``bincount``'s, ``unique``'s, and what is computed from them alone)
 hold one row per value of the data, not rows of the examples: a read of them at an index
 (``torch.bincount(g)[g]``) looks up each example's own value and leaves the rows in place,
-even where B distinct values give them B rows. Rows written at an index and read back at it
+even where B distinct values give them B rows; counts do not depend on the order of the
+rows they count, so a table combined with rows gives them no word of its own. A weighted
+``bincount`` (``torch.bincount(g, weights=w)``) is no table: it adds ``w`` up at ``g``, as
+``w.new_zeros(n).index_add(0, g, w)`` does, its rows in the order of the data's values
+(``fc(torch.bincount(g, weights=w)[:, None])`` leaves the rules). Rows written at an index and read back at it
 along the first dimension cancel whatever the size of the tensor written (``total[g]``
 after ``total.index_add(0, g, h)`` over fewer groups than examples), and an index
 unsqueezed or expanded with its entries still one per row (``g[:, None].expand(B, F)``, a
@@ -199,6 +203,15 @@ def _then(word: tuple[Any, ...], step: tuple[str, int], dim: Any) -> tuple[Any, 
     return word + ((*step, dim),)
 
 
+def _weights(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The weights of a weighted ``bincount`` (a write that adds them up at the data's values,
+    not a table of counts: NOTE [writes at an index of the data]), None for any other."""
+    if func._overloadpacket.__name__ != "bincount":
+        return None
+    w = args[1] if len(args) > 1 else kwargs.get("weights")
+    return w if isinstance(w, Tensor) else None
+
+
 class OrderWatch(TorchDispatchMode):
     """Within a forward, the word of every tensor computed from the inputs (NOTE [orders
     that depend on the data]): ``words`` holds it (a tensor absent is not computed from
@@ -279,8 +292,8 @@ class OrderWatch(TorchDispatchMode):
     def word_of(self, value: Any) -> tuple[Any, ...]:
         """The word of the tensors in ``value`` computed from the inputs (``()`` for none,
         ``(_MIXED,)`` where they differ)."""
-        words = {self.words[t] for t in tree_leaves(value)
-                 if isinstance(t, Tensor) and t in self.words}
+        words = {self.words[t] for t in tree_leaves(value)  # (counts: in no order of rows)
+                 if isinstance(t, Tensor) and t in self.words and t not in self.tables}
         if len(words) > 1:
             return (_MIXED,)
         return words.pop() if words else ()
@@ -327,6 +340,8 @@ class OrderWatch(TorchDispatchMode):
         """Notes the tables among ``func``'s outputs: the counts of a ``bincount`` or
         ``unique``, and what is computed from tables alone (``1 / counts.double()``)."""
         name = func._overloadpacket.__name__
+        if _weights(func, args, kwargs) is not None:
+            return  # (a weighted bincount: rows added up at the data, not counts)
         if name in _TABLES:
             outs = (out,) if isinstance(out, Tensor) else tuple(out)
             for k in _TABLES[name]:
@@ -422,6 +437,11 @@ class OrderWatch(TorchDispatchMode):
             self.ops.add(func._overloadpacket.__name__)
             return _then(self.words.get(src, ()), step,
                          _along(src.shape, dim % src.dim(), self.batch)), step
+        weights = _weights(func, args, kwargs)
+        if weights is not None and args[0].dim() == 1 and args[0].shape[0] == self.batch:
+            # (the weights added up at the data's values: index_add(0, g, weights))
+            self.ops.add("bincount")
+            return _then(self.words.get(weights, ()), _inverse(self._step_of(args[0])), 0), None
         if func in _READS:
             at, dim_at = _READS[func]
             src = args[0]
