@@ -355,7 +355,7 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
         with NamedForward(prob, strat, batch, group, device, work) as named:  # (NOTE [sharded
             part, code, err = _attempt(lambda: _route(work, route or mode, shapes), work,
                                        prob.call)  # forward mode through a wrong formula])
-        named.done(code == _OK)
+        part, code, err = named.done(code == _OK, (part, code, err), _attempt)
         # (NOTE [a remembered route through a known wrong operator]: on every rank where
         # some rank's products met one, the route is forgotten and the call checked again)
         if work.read is None or not all_max(int(code == _OK and work.stale()), group, device):

@@ -43,6 +43,13 @@ holds such an operator (an f that takes another path on one rank): then every ra
 :func:`named_reverse`'s error, naming the operator of the lowest rank that found one (one
 ``all_gather_object`` more, on that path only). Nothing is remembered for a named reverse
 strategy, on one process as here: each call reads its own graph.
+
+The same flag carries a second value: a named ``"rev"`` whose products ran under vmap (a
+chunk other than 1) through an operator whose batching rule is wrong (``torch.cdist``: a
+Jacobian wrong by 1.48 on every rank). One process computes its rows one reverse product at
+a time there, with :func:`named_reverse`'s one-time warning; so, where some rank's graph
+holds one, every rank gives that warning and computes its share again without vmap (f is
+called once more on every rank).
 """
 
 from __future__ import annotations
@@ -127,32 +134,46 @@ class NamedForward:
         if self.reading is not None:
             self.reading[1].__exit__(*exc)
 
-    def done(self, ok: bool) -> None:
+    def done(self, ok: bool, tried: tuple[Any, int, Any], attempt: Callable[..., Any]
+             ) -> tuple[Any, int, Any]:
         """After the products (``ok``: every rank computed its share, the same on every
-        rank): raises on every rank where some rank's calls of f ran such an operator."""
+        rank; ``tried``: ``(part, code, err)`` of them): raises on every rank where some
+        rank's calls of f ran such an operator. A named ``"rev"``: every rank's products
+        again, one at a time (by ``attempt``, ``_sharded``'s), where some rank's ran under
+        vmap through an operator whose batching rule is wrong; else ``tried``."""
         if self.reverse and ok:
-            self._reverse_done()
+            tried = self._reverse_done(tried, attempt)
         if not self.on or not ok:
-            return
+            return tried
         op = None
         if self.reading is not None:
             op = forward_read(self.reading[0], self.reading[1].found)
         self._refuse(agreed_op(op, self.group, self.device))
+        return tried
 
-    def _reverse_done(self) -> None:
-        """A named reverse strategy's refusal, agreed by every rank (NOTE [sharded reverse
-        mode through a wrong formula])."""
-        mine = next((alone for _, alone in self.work.met if alone is not None), None)
-        if not all_max(int(mine is not None), self.group, self.device):
-            return
+    def _reverse_done(self, tried: tuple[Any, int, Any], attempt: Callable[..., Any]
+                      ) -> tuple[Any, int, Any]:
+        """A named reverse strategy's refusal, or its products again without vmap, agreed
+        by every rank (NOTE [sharded reverse mode through a wrong formula])."""
+        met, work = self.work.met, self.work
+        alone = next((a for _, a in met if a is not None), None)
+        batching = (next((b for b, _ in met if b is not None), None)
+                    if self.vectorized and work.chunk != 1 else None)
+        code = all_max(2 if alone is not None else int(batching is not None), self.group,
+                       self.device)
+        if not code:
+            return tried
         import torch.distributed as dist
 
-        said: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(said, mine, group=self.group)
-        op = next(alone for alone in said if alone is not None)
+        said: list[tuple[str | None, str | None]] = [(None, None)] * dist.get_world_size(
+            self.group)
+        dist.all_gather_object(said, (batching, alone), group=self.group)
+        found = next(s for s in said if s[code - 1] is not None)
         f = self.prob.f
-        named_reverse(self.prob.call, (None, op), self.vectorized, None,
-                      (function_name(f), function_key(f)))
+        # (raises where the backward is wrong alone; else the one-process warning)
+        named_reverse(self.prob.call, found if code == 2 else (found[0], None),
+                      self.vectorized, None, (function_name(f), function_key(f)))
+        return attempt(lambda: work._products("rev", None, False), work, self.prob.call)
 
 
 def forward_formula_route(

@@ -238,7 +238,7 @@ class Work:
         self.prob, self.strat, self.rank, self.world = prob, strat, rank, world
         self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
         self.batch, self.alternatives = batch, alternatives
-        self.group, self.device, self.met = group, device, []  # (met: :meth:`_rev`'s read)
+        self.group, self.device, self.met, self.chunk = group, device, [], None  # (_rev's)
         self._mode = "rev"
         # (the known wrong operators the reverse products' graph holds, where read: NOTE [a
         # remembered route through a known wrong operator])
@@ -480,8 +480,8 @@ class Work:
             stacked = [leaf.new_zeros((0, *leaf.shape)) for leaf in leaves]
         else:
             n_in = sum(math.prod(s) for s in in_rows(prob, self.batch))
-            chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out], leaves[0].dtype,
-                                _rev_said(out_spec, rows_out))
+            chunk = self.chunk = self._chunk(m, n, n_in, [o.dtype for o in flat_out],
+                                             leaves[0].dtype, _rev_said(out_spec, rows_out))
             rows = basis_rows(rows_out, [o.dtype for o in flat_out],
                               [o.device for o in flat_out], self.batch)
 
