@@ -24,6 +24,17 @@ def jvp_columns(f, x):
     return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)
 
 
+def reverse_rows(f, x):
+    """The Jacobian by one plain backward pass per output element, without vmap."""
+    xx = x.detach().clone().requires_grad_(True)
+    out = f(xx).reshape(-1)
+    rows = []
+    for i in range(out.numel()):
+        g, = torch.autograd.grad(out[i], xx, retain_graph=True, allow_unused=True)
+        rows.append(torch.zeros_like(x) if g is None else g)
+    return torch.stack(rows).reshape(*f(x).shape, *x.shape)
+
+
 def central_difference(f, x, h=1e-6):
     cols = [((f(x + h * e) - f(x - h * e)) / (2 * h)).reshape(-1) for e in _basis(x)]
     return torch.stack(cols, 1).reshape(*f(x).shape, *x.shape)

@@ -14,23 +14,12 @@ import torch.nn.functional as F
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
 
-from _references import caught
+from _references import caught, reverse_rows
 
 D = torch.float64
 INF = float("inf")
 
 pytestmark = pytest.mark.usefixtures("fresh_route_checks")
-
-
-def _reverse_rows(f, x):
-    """The Jacobian by one plain backward pass per output element, without vmap."""
-    xx = x.detach().clone().requires_grad_(True)
-    out = f(xx).reshape(-1)
-    rows = []
-    for i in range(out.numel()):
-        g, = torch.autograd.grad(out[i], xx, retain_graph=True, allow_unused=True)
-        rows.append(torch.zeros_like(x) if g is None else g)
-    return torch.stack(rows).reshape(*f(x).shape, *x.shape)
 
 
 def _forward_cols(f, x):
@@ -63,7 +52,7 @@ def test_cdist_with_an_entry_f_never_reads_not_finite(bad):
 
     x = _x(5, bad)
     J, words = caught(lambda: tv.jacobian(f, x))
-    _same(J, _reverse_rows(f, x))
+    _same(J, reverse_rows(f, x))
     assert any("batching rule for the backward of torch.cdist" in w for w in words)
     assert not fwdcheck.CHECKED  # (no route remembered from a point not checked)
 
@@ -77,7 +66,7 @@ def test_cdist_times_a_captured_weight_with_an_infinity():
 
     x = _x(4, 0.3)
     J, words = caught(lambda: tv.jacobian(f, x))
-    _same(J, _reverse_rows(f, x))
+    _same(J, reverse_rows(f, x))
     assert any("torch.cdist" in m for m in words)
     assert not fwdcheck.CHECKED
 
@@ -88,7 +77,7 @@ def test_a_later_finite_call_is_checked_and_right():
 
     tv.jacobian(f, _x(5))
     x = _x(5, 0.4)
-    _same(tv.jacobian(f, x), _reverse_rows(f, x))
+    _same(tv.jacobian(f, x), reverse_rows(f, x))
     assert list(fwdcheck.CHECKED.values()) == ["rev-loop"]
 
 
@@ -125,7 +114,7 @@ def test_batch_jacobian_cdist_with_an_entry_not_finite():
     x = torch.randn(3, 5, dtype=D, generator=torch.Generator().manual_seed(2))
     x[1, 4] = float("nan")
     J, words = caught(lambda: tv.batch_jacobian(f, x))
-    want = torch.stack([_reverse_rows(lambda r: f(r[None])[0], x[i]) for i in range(3)])
+    want = torch.stack([reverse_rows(lambda r: f(r[None])[0], x[i]) for i in range(3)])
     _same(J, want)
     assert any("torch.cdist" in w for w in words)
 
@@ -158,7 +147,7 @@ def test_no_warning_at_a_point_not_finite_where_nothing_is_known():
 
     x = _x(3, float("nan"), at=0)
     J, words = caught(lambda: tv.jacobian(f, x))
-    _same(J, _reverse_rows(f, x))
+    _same(J, reverse_rows(f, x))
     assert words == [] and not fwdcheck.CHECKED
 
 
@@ -175,6 +164,6 @@ def test_a_wrong_forward_formula_at_a_point_not_finite():
     x = torch.rand(5, dtype=D, generator=torch.Generator().manual_seed(4)) + 0.5
     x[4] = INF
     J, words = caught(lambda: tv.jacobian(f, x))
-    _same(J, _reverse_rows(f, x))
+    _same(J, reverse_rows(f, x))
     assert any("scatter_reduce" in w for w in words)
     assert not fwdcheck.CHECKED

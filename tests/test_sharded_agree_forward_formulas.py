@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
 
-from _references import caught, in_gloo_group, meet
+from _references import caught, in_gloo_group, meet, reverse_rows
 
 D = torch.float64
 INF = float("inf")
@@ -29,17 +29,6 @@ SINGULAR = torch.tensor([[1., 2, 3], [0, 0, 0], [4, 5, 7]], dtype=D)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _reverse_rows(f, x):
-    """The Jacobian by one plain backward pass per output element, without vmap."""
-    xx = x.detach().clone().requires_grad_(True)
-    out = f(xx).reshape(-1)
-    rows = []
-    for i in range(out.numel()):
-        g, = torch.autograd.grad(out[i], xx, retain_graph=True, allow_unused=True)
-        rows.append(torch.zeros_like(x) if g is None else g)
-    return torch.stack(rows).reshape(*f(x).shape, *x.shape)
 
 
 def _alike(value, group, world):
@@ -118,7 +107,7 @@ def _named_forward_refuses(rank, world, group):
     _alike(calls[0], group, world)
     # (the premise: the products rank 0 computes are right, rank 1's wrong)
     t = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(9))
-    want = _reverse_rows(_tall(_prod_by_hand), _X1) @ t
+    want = reverse_rows(_tall(_prod_by_hand), _X1) @ t
     fwd = torch.func.jvp(_tall(_prod_by_scatter), (_X1,), (t,))[1]
     assert (fwd - want).abs().max() > 1
     torch.testing.assert_close(torch.func.jvp(_tall(_prod_by_hand), (_X1,), (t,))[1], want)
@@ -168,10 +157,10 @@ def _auto_takes_reverse_mode(rank, world, group):
     for f, x0 in ((plain, torch.zeros(4, dtype=D)), (one_rank_scatters, _summing_to_zero())):
         want = _tall(_prod_by_hand)
         got, said = caught(lambda: tv.jacobian(f, x0, process_group=group))
-        torch.testing.assert_close(got, _reverse_rows(want, x0), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got, reverse_rows(want, x0), rtol=1e-10, atol=1e-10)
         assert "only by a coincidence of the point" in _auto_message(said)
         got, said = caught(lambda: tv.jacobian(f, _X1, process_group=group))
-        torch.testing.assert_close(got, _reverse_rows(want, _X1), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got, reverse_rows(want, _X1), rtol=1e-10, atol=1e-10)
         assert not said, said
     _alike(calls[0], group, world)
 
@@ -189,7 +178,7 @@ def _auto_at_a_point_it_cannot_check(rank, world, group):
 
     x = torch.cat([_X1, torch.tensor([INF], dtype=D)])
     got, said = caught(lambda: tv.jacobian(scatter_unread_entry, x, process_group=group))
-    torch.testing.assert_close(got, _reverse_rows(_tall(_prod_by_hand), x), rtol=1e-10,
+    torch.testing.assert_close(got, reverse_rows(_tall(_prod_by_hand), x), rtol=1e-10,
                                atol=1e-10)
     assert "Here the point x holds a NaN or an infinity" in _auto_message(said)
     assert not [k for k in fwdcheck.CHECKED if "scatter_unread_entry" in repr(k)]

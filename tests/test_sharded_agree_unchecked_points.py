@@ -22,24 +22,13 @@ import torch.distributed as dist
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
 
-from _references import caught, in_gloo_group, meet, twice_with
+from _references import caught, in_gloo_group, meet, reverse_rows, twice_with
 
 D = torch.float64
 INF = float("inf")
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _reverse_rows(f, x):
-    """The Jacobian by one plain backward pass per output element, without vmap."""
-    xx = x.detach().clone().requires_grad_(True)
-    out = f(xx).reshape(-1)
-    rows = []
-    for i in range(out.numel()):
-        g, = torch.autograd.grad(out[i], xx, retain_graph=True, allow_unused=True)
-        rows.append(torch.zeros_like(x) if g is None else g)
-    return torch.stack(rows).reshape(*f(x).shape, *x.shape)
 
 
 def _same(got, want):
@@ -82,7 +71,7 @@ def _point_not_finite(rank, world, group):
     x = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0))
     x[-1] = INF
     got, said = caught(lambda: tv.jacobian(cdist_unread_entry, x, process_group=group))
-    _same(got, _reverse_rows(lambda z: torch.cdist(z[:4].reshape(2, 2), _Y), x))
+    _same(got, reverse_rows(lambda z: torch.cdist(z[:4].reshape(2, 2), _Y), x))
     assert any("batching rule for the backward of torch.cdist" in w
                and "Here the point x holds a NaN or an infinity" in w for w in said), said
     assert not _keys_of("cdist_unread_entry")
@@ -104,7 +93,7 @@ def _reverse_product_not_finite(rank, world, group):
 
     x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(2))
     got, said = caught(lambda: tv.jacobian(cdist_inf_weight, x, process_group=group))
-    _same(got, _reverse_rows(lambda z: torch.cdist(z.reshape(2, 2), _Y) * w, x))
+    _same(got, reverse_rows(lambda z: torch.cdist(z.reshape(2, 2), _Y) * w, x))
     assert any("torch.cdist" in m and "Here a reverse product holds a NaN or an infinity" in m
                for m in said), said
     assert not _keys_of("cdist_inf_weight")
@@ -199,7 +188,7 @@ def _one_rank_remembers(rank, world, group):
             "rev-loop"]
     w[1, 2] = INF
     got, _ = caught(lambda: tv.jacobian(cdist_remembered_on_one, x, process_group=group))
-    _same(got, _reverse_rows(lambda z: torch.cdist(z.reshape(2, 2), _Y) * w, x))
+    _same(got, reverse_rows(lambda z: torch.cdist(z.reshape(2, 2), _Y) * w, x))
     _alike(got, group, world)
 
 
