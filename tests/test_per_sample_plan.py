@@ -612,8 +612,18 @@ def test_sparse_embedding_under_vmap_is_named():
 def test_results_survive_being_sent_to_another_process():
     import torch.multiprocessing as mp
 
-    # spawn, not fork: a child forked while torch's thread pools hold a lock can hang at exit
-    ctx = mp.get_context("spawn")
+    from _shared_functions import FORKSERVER_PRELOAD
+
+    # not forked from this process: a child forked while torch's thread pools hold a lock
+    # can hang at exit. Forked from the fork server that imported torch and torch_vjp once
+    # (and runs no tensor operation), shared with the distributed tests' ranks
+    # (tests/conftest.py's _spawn_within), rather than spawned: a fresh interpreter imports
+    # them again, seconds of CPU
+    if "forkserver" in mp.get_all_start_methods():
+        mp.set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
+        ctx = mp.get_context("forkserver")
+    else:
+        ctx = mp.get_context("spawn")
     model = nn.Linear(300, 300).to(DT)
     x, y = torch.randn(8, 300, dtype=DT), torch.randint(0, 300, (8,))
     first = tv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)["weight"]
