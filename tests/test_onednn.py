@@ -170,14 +170,66 @@ def test_a_program_read_from_inductors_disk_cache_finds_its_operators(tmp_path):
     # instructions by compiling test programs into the empty cache, no pool of compile
     # workers each importing torch; the program still calls torch_vjp::mm, which is what
     # the second process must find defined)
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
            "TORCHINDUCTOR_VEC_ISA_OK": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    env.pop("TORCH_VJP_CHECKED", None)
+    import torch.multiprocessing as mp
+
+    from _shared_functions import FORKSERVER_PRELOAD
+
+    # (each process forked from the fork server the distributed tests' ranks share, which
+    # imported torch and torch_vjp and ran nothing: a fresh interpreter imports them again,
+    # seconds of CPU each. Where the environment checks every call, or there is no fork
+    # server, a fresh interpreter)
+    forked = ("forkserver" in mp.get_all_start_methods()
+              and os.environ.get("TORCH_VJP_CHECKED") != "1")
+    if forked:
+        mp.set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
+        ctx = mp.get_context("forkserver")
     for run in ("writes the cache", "reads it"):
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0 and out.stdout.strip() == "ok", (run, out.stderr[-3000:])
+        if forked:
+            reply = ctx.Queue()
+            child = ctx.Process(target=_run_in_child, args=(script, env, reply), daemon=True)
+            child.start()
+            try:
+                said, err = reply.get(timeout=300)
+            finally:
+                child.join(timeout=30)
+                if child.is_alive():
+                    child.kill()
+                    child.join()
+        else:
+            out = subprocess.run([sys.executable, "-c", script],
+                                 env={k: v for k, v in {**os.environ, **env}.items()
+                                      if k != "TORCH_VJP_CHECKED"},
+                                 capture_output=True, text=True, timeout=300)
+            said, err = out.stdout if out.returncode == 0 else "", out.stderr[-3000:]
+        assert said.strip() == "ok", (run, err)
+
+
+def _run_in_child(script, env, reply):
+    """Runs ``script`` in a child of the fork server, with inductor configured as ``env``
+    would configure it in a fresh interpreter (the server read its own environment when it
+    imported torch); puts what it printed and its traceback, if any, on ``reply``."""
+    import contextlib
+    import io
+    import traceback
+
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    os.environ.update(env)  # (TORCHINDUCTOR_CACHE_DIR is read when a program is cached)
+    config.fx_graph_cache = env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
+    functorch_config.enable_autograd_cache = env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
+    config.cpp.vec_isa_ok = env["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
+    config.compile_threads = int(env["TORCHINDUCTOR_COMPILE_THREADS"])
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(script, "<child>", "exec"), {})
+        reply.put((printed.getvalue(), ""))
+    except BaseException:
+        reply.put(("", traceback.format_exc()[-3000:]))
 
 
 def test_the_measurement_compares_the_two_kernels(monkeypatch):
