@@ -1880,7 +1880,7 @@ def test_an_explicit_mode_explains_what_torch_func_refuses(case, mode):
         torch.testing.assert_close(J, torch.autograd.functional.jacobian(f, x))
 
 
-def test_auto_takes_plain_autograd_where_torch_func_cannot_run_f():
+def test_auto_takes_plain_autograd_where_torch_func_cannot_run_f(fresh_route_checks):
     # a module in training mode updates its running statistics, which torch.func refuses;
     # the dense 'auto' computes it with plain autograd, and sparse 'auto' raised torch.func's
     # RuntimeError
