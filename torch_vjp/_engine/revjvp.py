@@ -167,6 +167,7 @@ def _dot_gap(pulled: Callable[..., Any], push: Callable[..., Any],
     vj = in_grad_mode(pulled, *us)  # (det's backward: its branch right at singular ones)
 
     def dot(a: list[Tensor], b: list[Tensor]) -> tuple[float, float]:
+        a, b = [x.detach() for x in a], [y.detach() for y in b]  # (numbers read, no graph)
         terms = [torch.vdot(x.reshape(-1).to(torch.complex128),
                             y.reshape(-1).to(torch.complex128)) for x, y in zip(a, b)]
         return (float(sum(terms).real) if terms else 0.0,

@@ -207,6 +207,16 @@ def test_dtypes_and_a_differentiable_result_as_torch_func_jvps():
                                               _tangents(SINGULAR)))
 
 
+def test_the_first_call_s_check_warns_nothing_of_torch_s():
+    # (the dot-product test of the first call read a number off a tensor requiring grad,
+    # and torch's "Converting a tensor with requires_grad=True to a scalar" reached the user)
+    w = torch.tensor(2.0, dtype=D, requires_grad=True)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        tv.jvp(lambda A: torch.linalg.det(A * w), (SINGULAR,), (_tangents(SINGULAR),))
+    assert [str(g.message)[:60] for g in got if g.category is not tv.JacobianWarning] == []
+
+
 def _unpool(repeat):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 1, 4, 4, dtype=D, generator=g)
