@@ -391,3 +391,19 @@ def test_an_input_none_compiles_and_is_passed_as_it_is():
             torch.testing.assert_close(
                 tv.per_sample_grads(model, ce, (x, None), y, compile=True), ref)
     assert builds() - before == 1
+
+
+def test_inside_users_torch_compile_dynamo_warns_of_nothing_of_ours(monkeypatch):
+    # dynamo warned, once per process, of an lru_cache of the package's that it traced
+    # through ("Silent incorrectness is only a *potential* risk"): the user's compile of a
+    # training step showed it
+    said = []
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once", lambda msg, *a, **k: said.append(msg))
+    torch._dynamo.reset()
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    x, y = torch.randn(6, 2, 6, 6, dtype=D), torch.randint(0, 3, (6,))
+    got = torch.compile(lambda x, y: tv.per_sample_grad_norms(model, loss_fn, x, y),
+                        backend="eager")(x, y)
+    ref = _loop(model, loss_fn, x, y)
+    torch.testing.assert_close(got, torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1))
+    assert [m for m in said if "torch_vjp" in m] == []

@@ -59,11 +59,18 @@ def check_model(fn: str, model: Any) -> None:
         )
 
 
-@functools.lru_cache(maxsize=256)
-def _is_opacus(cls: type) -> bool:
-    """Whether ``cls`` is one of Opacus's GradSampleModule classes (per class, once: the
-    check runs on every call)."""
+def _opacus_class(cls: type) -> bool:
+    """Whether ``cls`` is one of Opacus's GradSampleModule classes."""
     return any(c.__module__.startswith("opacus.grad_sample") for c in cls.__mro__)
+
+
+# (per class, once: the check runs on every call; traced by the user's torch.compile, the
+# walk of the class's bases instead: dynamo warns of every lru_cache it traces through)
+_is_opacus_cached = functools.lru_cache(maxsize=256)(_opacus_class)
+
+
+def _is_opacus(cls: type) -> bool:
+    return _opacus_class(cls) if torch.compiler.is_compiling() else _is_opacus_cached(cls)
 
 
 def check_opacus_hooks(fn: str, path: str, module: nn.Module) -> None:
