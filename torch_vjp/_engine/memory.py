@@ -14,7 +14,13 @@ CUDA). Requests whose whole unchunked cost is below ``SMALL_REQUEST`` bytes skip
 free memory (it costs a system call, and every machine has that much). Functions whose
 intermediate tensors are much larger than their inputs and outputs (a convolution stack with a
 small input and output) are underestimated by this model: give them a smaller ``max_memory``
-or an explicit ``chunk_size``.
+or an explicit ``chunk_size``. Forward-mode products that record a graph (f closes over
+parameters that require grad) keep every intermediate tangent alive until their chunk is
+stored, so there the intermediate results are counted too: ``GRAPH_FACTOR`` times the model
+above, and at least ``RECORDED_FACTOR * itemsize`` bytes per element of the inputs and of the
+intermediate results in the probe's graph (an MLP 128 -> 256 -> 256 -> 128 whose hidden
+layers the inputs and outputs alone undercount: measured 2.1 to 2.4 bytes per element and
+itemsize, by chunks of 32 to 4).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch_vjp._errors import JacobianMemoryError, JacobianOptionError, env_flag
 __all__ = [
     "WORK_FACTOR",
     "GRAPH_FACTOR",
+    "RECORDED_FACTOR",
     "SMALL_REQUEST",
     "check_chunk_size",
     "parse_max_memory",
@@ -51,6 +58,10 @@ WORK_FACTOR = 4
 #: graph keeps about as much alive as the products themselves use. See NOTE [no graph
 #: outlives its chunk] in :mod:`torch_vjp._engine.context`.
 GRAPH_FACTOR = 2
+#: Working memory of one forward-mode product that records a graph, in units of ``itemsize``
+#: per element of the inputs and of the intermediate results it records. See NOTE [memory
+#: model].
+RECORDED_FACTOR = 3
 #: Requests below this many bytes (Jacobian plus all products at once) never read the free
 #: memory. See NOTE [memory model].
 SMALL_REQUEST = 64 * 2**20
@@ -338,7 +349,7 @@ def plan_products(
     call: str,
     alternatives: str,
     batch: int | None = None,
-    records: bool = False,
+    records: bool | int = False,
     dtype: torch.dtype | None = None,
     result_bytes: int | None = None,
 ) -> int | None:
@@ -354,7 +365,10 @@ def plan_products(
         batch: the batch size B of ``batch_jacobian``, or None.
         records: the products record autograd graphs that live until their chunk is stored
             (NOTE [no graph outlives its chunk]), which :data:`GRAPH_FACTOR` more working
-            memory per product stands for.
+            memory per product stands for. An int (not a bool) counts the elements of the
+            intermediate results they record (all B examples', with ``batch``), which
+            :data:`RECORDED_FACTOR` bytes per element and itemsize stand for, with the
+            inputs', where that is more.
         dtype: the result's dtype, named in the message (not named when None).
         result_bytes: the result's bytes where its blocks differ in dtype (each block in
             its own), else None for ``itemsize`` bytes per element.
@@ -375,6 +389,9 @@ def plan_products(
     per_vector = WORK_FACTOR * itemsize * (n_out + n_in) * b
     if records:
         per_vector *= GRAPH_FACTOR
+        if not isinstance(records, bool):
+            recorded = RECORDED_FACTOR * itemsize * (int(records) + n_in * b)
+            per_vector = max(per_vector, recorded)
     small = jac_bytes + n_vectors * per_vector <= SMALL_REQUEST
     if chunk_size is None and max_memory is None and small:
         return None  # what plan_chunk returns for a small request without options

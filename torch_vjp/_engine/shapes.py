@@ -14,6 +14,7 @@ them and the call starts over with a probe.
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,14 +150,15 @@ class Shapes:
         spec: TreeSpec,
         rows: list[torch.Size],
         key: Any = None,
-        records: bool = False,
+        records: int = 0,
     ) -> None:
         self.flat = flat
         self.spec = spec
         self.rows = rows
         self.key = key  # the cache entry these came from, if any
         # f involves tensors that require grad (closed-over parameters), so products in the
-        # caller's grad mode record graphs (NOTE [no graph outlives its chunk])
+        # caller's grad mode record graphs (NOTE [no graph outlives its chunk]); nonzero,
+        # the elements of the intermediate results they record (recorded_elements)
         self.records = records
 
     def check(self, flat: Sequence[Tensor], spec: TreeSpec) -> None:
@@ -248,7 +250,7 @@ def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
         flat, spec = opts.probe() if opts.probe is not None else prob.probe(record)
     finally:
         draws()
-    records = record and any(o.requires_grad for o in flat)
+    records = recorded_elements(flat) if record and any(o.requires_grad for o in flat) else 0
     rows = row_shapes(flat, opts.batch, prob, spec)
     if key is not None:
         if len(_SHAPES) >= SHAPES_MAX:
@@ -258,17 +260,76 @@ def probe_shapes(prob: Problem, opts: Opts) -> Shapes:
     return Shapes([o.detach() for o in flat], spec, rows, None, records)
 
 
+#: Backward nodes of views: their tangents share their input's memory, counted once there.
+_VIEW_NODE = re.compile(
+    r"^(Unsafe)?(View|ReshapeAlias|Expand|Squeeze|Unsqueeze|T|Transpose|Permute|Select|Slice"
+    r"|AsStrided|Alias|Diagonal|Unfold|Split|SplitWithSizes|Unbind|ViewAs|ViewAsReal"
+    r"|ViewAsComplex|Real|Imag)Backward\d*$"
+)
+#: The most autograd nodes :func:`recorded_elements` visits; a larger graph is counted as
+#: none (the estimate from the inputs and outputs alone).
+GRAPH_NODES_MAX = 20_000
+
+
+def recorded_elements(flat: Sequence[Tensor]) -> int:
+    """The elements of the intermediate results in the probe's graph that the products'
+    tangents may follow, for :func:`~torch_vjp._engine.memory.plan_products` (NOTE [memory
+    model]): each node's output elements, leaving out the leaves (parameters), views (no
+    memory of their own) and the nodes computed from parameters alone (a weight's transpose
+    carries no tangent). A node with an
+    input that needs no grad (the primal, or a constant) is counted. At least 1 (the
+    products record a graph); 1 where the graph cannot be read or is too large."""
+    roots = [o.grad_fn for o in flat if o.grad_fn is not None]
+    nodes: dict[int, Any] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if id(node) in nodes:
+            continue
+        nodes[id(node)] = node
+        if len(nodes) > GRAPH_NODES_MAX:
+            return 1
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    # a node is reached by a tangent when some input of it needs no grad or is so reached
+    reached: dict[int, bool] = {}
+    total = 0
+    for root in roots:
+        work = [(root, False)]
+        while work:
+            node, done = work.pop()
+            if id(node) in reached:
+                continue
+            edges = node.next_functions
+            if not done:
+                work.append((node, True))
+                work.extend((n, False) for n, _ in edges
+                            if n is not None and id(n) not in reached)
+                continue
+            if not edges:  # AccumulateGrad: a leaf
+                reached[id(node)] = False
+                continue
+            hit = any(n is None or reached.get(id(n), False) for n, _ in edges)
+            reached[id(node)] = hit
+            if hit and not _VIEW_NODE.match(node.name()):
+                try:
+                    total += sum(math.prod(m.shape) for m in node._input_metadata)
+                except (AttributeError, TypeError, RuntimeError):
+                    return 1
+    return max(1, total)
+
+
 def chunk_for(
     prob: Problem,
     mode: str,
     out_rows: Sequence[torch.Size],
     out_dtypes: Sequence[torch.dtype],
     opts: Opts,
-    records: bool = False,
+    records: int = 0,
 ) -> int | None:
     """The chunk size for this Jacobian (NOTE [memory model]): one product per output
     element in reverse ``mode``, per input element in forward mode. ``records``: the
-    products record autograd graphs that live until their chunk is stored."""
+    products record autograd graphs that live until their chunk is stored (nonzero: the
+    elements of the intermediate results they record, :func:`recorded_elements`)."""
     n_out = sum(math.prod(s) for s in out_rows)
     n_in = sum(math.prod(s) for s in in_rows(prob, opts.batch))
     itemsize = max(
