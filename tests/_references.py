@@ -78,6 +78,17 @@ def per_example_grads(model, loss_fn, x, t):
     return {n: torch.stack(v) for n, v in ref.items()}
 
 
+def per_example_grads_of_two(model, x, g, t):
+    """Each example's gradients of ``cross_entropy(model(x_i, g_i), t_i)`` (a model of two
+    inputs), one ``torch.autograd.grad`` per example: ``{name: (B, *shape)}``."""
+    named = list(model.named_parameters())
+    rows = []
+    for i in range(x.shape[0]):
+        loss = torch.nn.functional.cross_entropy(model(x[i:i + 1], g[i:i + 1]), t[i:i + 1])
+        rows.append(torch.autograd.grad(loss, [p for _, p in named]))
+    return {n: torch.stack([r[j] for r in rows]) for j, (n, _) in enumerate(named)}
+
+
 class OldStyleSquare(torch.autograd.Function):
     """``x * x`` as an old-style custom Function (``forward(ctx, x)``, no
     ``setup_context``, no ``jvp``): torch.func refuses it, plain autograd runs it."""

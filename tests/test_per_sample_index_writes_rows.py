@@ -15,6 +15,8 @@ import torch_vjp as tv
 import torch_vjp._per_sample.probe as probe
 from torch_vjp._per_sample.order import OrderWatch
 
+from _references import per_example_grads_of_two
+
 D = torch.float64
 B = 6
 C = 5
@@ -47,13 +49,7 @@ class _Target(nn.Module):
         return self.b(torch.cat([torch.tanh(self.a(x)), self.build(x, y)], 1))
 
 
-def _loop(model, x, y, t):
-    named = list(model.named_parameters())
-    rows = []
-    for i in range(B):
-        loss = nn.functional.cross_entropy(model(x[i:i + 1], y[i:i + 1]), t[i:i + 1])
-        rows.append(torch.autograd.grad(loss, [p for _, p in named]))
-    return {n: torch.stack([r[j] for r in rows]) for j, (n, _) in enumerate(named)}
+_loop = per_example_grads_of_two  # (each example's gradients, one at a time)
 
 
 @pytest.mark.parametrize("build", [_one_hot, _two_indices, _permuted],

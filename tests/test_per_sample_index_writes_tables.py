@@ -15,6 +15,8 @@ from torch import nn
 import torch_vjp as tv
 from torch_vjp._per_sample.order import OrderWatch
 
+from _references import per_example_grads_of_two
+
 D = torch.float64
 B = 6
 # (vmap cannot batch int(g.max()) or bincount: the fallback of 'auto' is the loop)
@@ -57,13 +59,7 @@ class _Model(nn.Module):
         return self.b(torch.tanh(self.group(self.a(x), g)))
 
 
-def _loop(model, x, g, t):
-    named = list(model.named_parameters())
-    rows = []
-    for i in range(B):
-        loss = nn.functional.cross_entropy(model(x[i:i + 1], g[i:i + 1]), t[i:i + 1])
-        rows.append(torch.autograd.grad(loss, [p for _, p in named]))
-    return {n: torch.stack([r[j] for r in rows]) for j, (n, _) in enumerate(named)}
+_loop = per_example_grads_of_two  # (each example's gradients, one at a time)
 
 
 @pytest.mark.parametrize("how", [_bincount, _unique, _scatter],
