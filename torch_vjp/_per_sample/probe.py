@@ -102,8 +102,7 @@ _HOOKED = ("a gradient hook is registered on it (Tensor.register_hook), which on
 
 
 def input_entries(xs: tuple[Any, ...]) -> list[tuple[str, Tensor]]:
-    """The input tensors, named for :class:`Watched` (which puts back those whose version a
-    forward moved)."""
+    """The input tensors, named for :class:`Watched` (it puts back what a forward moved)."""
     return [(f"input {i}", x) for i, x in enumerate(xs)
             if isinstance(x, Tensor) and not x.is_inference()]  # (no version counter)
 
@@ -382,8 +381,7 @@ def _unsplittable(strategy: str, sel: Selection, out: Any, batch: int) -> Plan:
 
 
 class _NotGeneric(Exception):
-    """The model gives a non-finite output at the generic point of NOTE [probes at a
-    generic point] (in ``plan``) where it does not at its own values."""
+    """A non-finite output at NOTE [probes at a generic point]'s point, not at its own."""
 
 
 def _grad_probe(
@@ -425,6 +423,7 @@ def _grad_probe(
                      point=None)
 
 
+_NO_DERIVATIVE = "the plan's data-flow test differentiates by the inputs, which torch cannot ("
 _COMPLEX = ("its parameters are complex, and the rules give the per-sample gradients of real "
             "parameters (the fallback gives torch's convention for complex ones, the "
             "conjugate Wirtinger derivative times two)")
@@ -513,6 +512,9 @@ def _probe_at(
         outside = walk(total, calls, [d is not None or (batch == 1 and why != _COMPLEX)
                                       for d, why in dims], tracked)
     except RuntimeError as err:
+        if "derivative for" in str(err) and "is not implemented" in str(err):
+            why = f"{_NO_DERIVATIVE}{quote_error(err)}); vmap needs none there"
+            return Plan(job.strategy, _all_params(sel, "vmap", why))
         if REENTRANT not in str(err):
             raise
         if not grad_inputs:
