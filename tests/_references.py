@@ -198,6 +198,19 @@ def meet(group, world):
     assert int(met) == world
 
 
+def alike(value, group, world):
+    """``value`` as every rank holds it (asserts they are equal; a tensor's NaN and
+    infinities compared by place)."""
+    import torch.distributed as dist
+
+    if isinstance(value, torch.Tensor):
+        value = value.nan_to_num(nan=7.0, posinf=8.0, neginf=9.0).tolist()
+    said = [None] * world
+    dist.all_gather_object(said, value, group=group)
+    assert all(s == said[0] for s in said), said
+    return said[0]
+
+
 def twice_with(backward, save_input=False):
     """A custom Function computing 2 x, with the given ``backward(ctx, g)`` (a rank's own, in
     the distributed tests), forward-mode 2 t and vmap's generated rule; ``save_input``

@@ -18,19 +18,12 @@ import torch.distributed as dist
 
 import torch_vjp as tv
 
-from _references import in_gloo_group, meet
+from _references import alike, in_gloo_group, meet
 
 D = torch.float64
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _alike(value, group, world):
-    said = [None] * world
-    dist.all_gather_object(said, value, group=group)
-    assert all(s == said[0] for s in said), said
-    return said[0]
 
 
 def _unnamed(msg):
@@ -84,7 +77,7 @@ def _batched_wrongly(rank, world, group):
                 assert _unnamed(said[0]) == _unnamed(one[0]), said[0]
                 assert f"in f ({fn.__qualname__}) is wrong" in said[0], said[0]
                 assert "Pass strategy='rev-loop' (or chunk_size=1)" in said[0], said[0]
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
     # (chunk_size=1: no vmap, nothing said)
     got, said = _recorded(lambda: tv.jacobian(lambda a: f(a), x, strategy="rev",
                                               chunk_size=1, process_group=group))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
 
-from _references import caught, in_gloo_group, meet, reverse_rows
+from _references import alike, caught, in_gloo_group, meet, reverse_rows
 
 D = torch.float64
 INF = float("inf")
@@ -29,14 +29,6 @@ SINGULAR = torch.tensor([[1., 2, 3], [0, 0, 0], [4, 5, 7]], dtype=D)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _alike(value, group, world):
-    """``value`` as every rank holds it (asserts they are equal)."""
-    said = [None] * world
-    dist.all_gather_object(said, value, group=group)
-    assert all(s == said[0] for s in said), said
-    return said[0]
 
 
 def _prod_by_scatter(a):
@@ -104,7 +96,7 @@ def _named_forward_refuses(rank, world, group):
                      scatter)
             _refused(lambda: tv.jacobian(one_rank_scatters, _X1, strategy=strategy,
                                          process_group=group), scatter)
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
     # (the premise: the products rank 0 computes are right, rank 1's wrong)
     t = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(9))
     want = reverse_rows(_tall(_prod_by_hand), _X1) @ t
@@ -162,7 +154,7 @@ def _auto_takes_reverse_mode(rank, world, group):
         got, said = caught(lambda: tv.jacobian(f, _X1, process_group=group))
         torch.testing.assert_close(got, reverse_rows(want, _X1), rtol=1e-10, atol=1e-10)
         assert not said, said
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
 
 
 def _auto_at_a_point_it_cannot_check(rank, world, group):
@@ -182,7 +174,7 @@ def _auto_at_a_point_it_cannot_check(rank, world, group):
                                atol=1e-10)
     assert "Here the point x holds a NaN or an infinity" in _auto_message(said)
     assert not [k for k in fwdcheck.CHECKED if "scatter_unread_entry" in repr(k)]
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
 
 
 def _auto_through_det_at_a_singular_matrix(rank, world, group):

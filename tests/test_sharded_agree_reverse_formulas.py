@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import torch_vjp as tv
 
-from _references import OldStyleSquare, in_gloo_group, meet
+from _references import OldStyleSquare, alike, in_gloo_group, meet
 
 D = torch.float64
 
@@ -36,13 +36,6 @@ def _unpool_case():
     idx = idx.clone()
     idx.view(-1)[1] = idx.view(-1)[0]  # (two inputs of plane 0 to one output element)
     return idx, v, x.shape[-2:]
-
-
-def _alike(value, group, world):
-    said = [None] * world
-    dist.all_gather_object(said, value, group=group)
-    assert all(s == said[0] for s in said), said
-    return said[0]
 
 
 def _refused(call, strategy):
@@ -103,7 +96,7 @@ def _named_reverse_refuses(rank, world, group):
             msg = _refused(lambda: tv.jacobian(fn, v, strategy="rev-loop",
                                                process_group=group), "rev-loop")
             assert _unnamed(msg) == _unnamed(str(one.value)), msg
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
     # (the premise: reverse mode's Jacobian is wrong by 1.0, forward mode's right)
     rev, fwd = torch.func.jacrev(f)(v), torch.func.jacfwd(f)(v)
     assert (rev - fwd).abs().max() == 1.0
@@ -156,7 +149,7 @@ def _valid_named_reverse(rank, world, group):
             got, seen = _collectives(lambda: tv.jacobian(f, v, strategy=strategy,
                                                           process_group=group))
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-            _alike(seen, group, world)
+            alike(seen, group, world)
             more = list(seen)
             for one in _BEFORE:
                 more.remove(one)

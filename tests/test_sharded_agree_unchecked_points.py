@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch_vjp as tv
 from torch_vjp._engine import fwdcheck
 
-from _references import caught, in_gloo_group, meet, reverse_rows, twice_with
+from _references import alike, caught, in_gloo_group, meet, reverse_rows, twice_with
 
 D = torch.float64
 INF = float("inf")
@@ -36,17 +36,6 @@ def _same(got, want):
     assert torch.equal(got.isfinite(), want.isfinite()), (got, want)
     keep = want.isfinite()
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-10, atol=1e-10)
-
-
-def _alike(value, group, world):
-    """``value`` as every rank holds it (asserts they are equal; a tensor's NaN and
-    infinities compared by place)."""
-    if isinstance(value, torch.Tensor):
-        value = value.nan_to_num(nan=7.0, posinf=8.0, neginf=9.0).tolist()
-    said = [None] * world
-    dist.all_gather_object(said, value, group=group)
-    assert all(s == said[0] for s in said), said
-    return said[0]
 
 
 _Y = torch.randn(3, 2, dtype=D, generator=torch.Generator().manual_seed(1))
@@ -75,7 +64,7 @@ def _point_not_finite(rank, world, group):
     assert any("batching rule for the backward of torch.cdist" in w
                and "Here the point x holds a NaN or an infinity" in w for w in said), said
     assert not _keys_of("cdist_unread_entry")
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
 
 
 def _reverse_product_not_finite(rank, world, group):
@@ -97,7 +86,7 @@ def _reverse_product_not_finite(rank, world, group):
     assert any("torch.cdist" in m and "Here a reverse product holds a NaN or an infinity" in m
                for m in said), said
     assert not _keys_of("cdist_inf_weight")
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
 
 
 def _one_rank_not_finite(rank, world, group):
@@ -114,10 +103,10 @@ def _one_rank_not_finite(rank, world, group):
 
     x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(3))
     got, said = caught(lambda: tv.jacobian(cdist_scaled_per_rank, x, process_group=group))
-    _alike(got, group, world)
+    alike(got, group, world)
     assert any("torch.cdist" in m and "the values were not compared" in m for m in said), said
     assert not _keys_of("cdist_scaled_per_rank")
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
 
 
 def _one_rank_nothing_to_differentiate(rank, world, group):
@@ -141,8 +130,8 @@ def _one_rank_nothing_to_differentiate(rank, world, group):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = tv.jacobian(wrong_twice, x, process_group=group)
-    _alike(got, group, world)
-    _alike(calls[0], group, world)
+    alike(got, group, world)
+    alike(calls[0], group, world)
 
 
 def _in_inference_mode(rank, world, group):
@@ -164,7 +153,7 @@ def _in_inference_mode(rank, world, group):
     assert not _keys_of("sin_in_inference")
     torch.testing.assert_close(got, torch.func.jacrev(lambda z: (a @ z).sin())(x),
                                rtol=1e-12, atol=1e-12)
-    _alike(calls[0], group, world)
+    alike(calls[0], group, world)
 
 
 def _one_rank_remembers(rank, world, group):
@@ -189,7 +178,7 @@ def _one_rank_remembers(rank, world, group):
     w[1, 2] = INF
     got, _ = caught(lambda: tv.jacobian(cdist_remembered_on_one, x, process_group=group))
     _same(got, reverse_rows(lambda z: torch.cdist(z.reshape(2, 2), _Y) * w, x))
-    _alike(got, group, world)
+    alike(got, group, world)
 
 
 def _two_ranks(rank, world, init_file):
