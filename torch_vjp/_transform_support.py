@@ -2,21 +2,26 @@
 torch.func's refusals explained (``_explained``), the one vectorised-then-loop policy of
 ``batched=True`` (``_vectorised_or_loop``), zeros for outputs that need no vector, the
 sentence that tells a tangent from a cotangent, primals whose elements share memory
-(NOTE [an expanded primal]), and the random cotangents a compiled ``vjp_fn`` checks its
-program at (NOTE [a compiled vjp_fn's point]).
+(NOTE [an expanded primal]), the random cotangents a compiled ``vjp_fn`` checks its
+program at (NOTE [a compiled vjp_fn's point]), and jvp's ``J t`` by reverse over reverse
+where f runs a forward-mode formula torch has wrong, compiled or not (NOTE [J t by reverse
+over reverse]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from torch_vjp._check_labels import Labels
+from torch_vjp._engine.compiled import Built, compiled_call
+from torch_vjp._engine.copies import not_sharing
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
 from torch_vjp._engine.refusals import (
@@ -29,7 +34,8 @@ from torch_vjp._engine.refusals import (
     renorms,
     vmap_refusal,
 )
-from torch_vjp._engine.rows import run_with_fallback
+from torch_vjp._engine.revjvp import compiled_forward_why, pushforward_by_reverse
+from torch_vjp._engine.rows import loop_draws, map_rows, run_with_fallback
 from torch_vjp._errors import (
     JacobianCallError,
     JacobianNotImplementedError,
@@ -262,3 +268,70 @@ def probe_cotangents(cotangents: Any) -> Any:
 # one another thread made during a call is not the call's own. A training loop that builds
 # nothing after its first step keeps the compiled program; a vjp_fn made before another
 # point's program was built does not.
+
+
+#: The ops compile=True's eager call of jvp computed J t by reverse over reverse through,
+#: per thread (NOTE [J t by reverse over reverse]).
+_BY_REVERSE = threading.local()
+
+
+def _compiled_jvp(call: str, f: Callable[..., Any], key: Any, args: Any,
+                  eager_call: Callable[[], Any], program: Callable[..., Any]) -> Any:
+    """``compiled_call`` for ``jvp(compile=True)``: where the eager call computed ``J t`` by
+    reverse over reverse, a compiled forward-mode program would be wrong, so the signature
+    stays eager (NOTE [J t by reverse over reverse])."""
+    reversed_op: list[str] = []
+
+    def eager() -> Any:
+        _BY_REVERSE.ops = reversed_op
+        try:
+            return eager_call()
+        finally:
+            _BY_REVERSE.ops = None
+
+    def build() -> Any:
+        if reversed_op:
+            return Built(None, why=compiled_forward_why(reversed_op[0]))
+        return program
+
+    return compiled_call(call, f, key, args, eager, build)
+
+
+def _jvp_by_reverse(prob: Problem, leaves: Callable[[], tuple[Tensor, ...]],
+                    vectors: list[Tensor], tangents: Any, has_aux: bool, batched: bool,
+                    chunk: int | None, call: str, f: Callable[..., Any]
+                    ) -> tuple[Callable[[], Any], Callable[[str, Any], Any]]:
+    """``(before, reverse)`` for ``fwd_wrong.jvp_read_once``: ``before()`` the state a first
+    call starts from where f is called again; ``reverse(op, state)`` jvp's result with ``J
+    t`` by reverse over reverse (NOTE [J t by reverse over reverse]). ``leaves()``: the
+    primals the products run at."""
+
+    def before() -> Any:
+        draws = loop_draws(prob, 2)
+        draws()
+        return draws, tuple(x.clone() for x in leaves())
+
+    def reverse(op: str, state: Any) -> Any:
+        if getattr(_BY_REVERSE, "ops", None) is not None:  # (compile=True's eager call)
+            _BY_REVERSE.ops.append(op)
+        xs = leaves()
+        if state is not None:
+            state[0]()
+            xs = state[1]
+        res, push, one_by_one, spec = pushforward_by_reverse(
+            prob.g_inner, xs, has_aux, call, function_name(f), op, function_key(f),
+            state is not None)
+        if not batched:
+            tan = push(*vectors)
+        else:  # (K > 0: K = 0 returned before)
+            tan = _vectorised_or_loop(
+                call, f, "tangents",
+                lambda vec: map_rows(push, lambda s, e: tuple(v[s:e] for v in vectors),
+                                     _batch_size(vectors), vectorized=vec and not one_by_one,
+                                     chunk_size=chunk)[0],
+                lambda: push(*(v[0] for v in vectors)))
+        # (a tangent passed through unchanged, f = (det(x), x), is the caller's no more)
+        tan = not_sharing(tuple(tan), [*tree_leaves(tangents), *vectors])
+        return (res[0], tree_unflatten(list(tan), spec)) + tuple(res[1:])
+
+    return before, reverse

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -33,7 +32,7 @@ from torch_vjp._checks import (
     normalize_grad_outputs,
 )
 from torch_vjp._engine.autoknown import batched_pullback_message
-from torch_vjp._engine.compiled import (Built, builds, check_compile, compiled_call, own_builds,
+from torch_vjp._engine.compiled import (builds, check_compile, compiled_call, own_builds,
                                         results_agree, tracing)
 from torch_vjp._engine.context import buffers_kept, func_jvp, func_vjp, is_nested
 from torch_vjp._engine.copies import not_sharing
@@ -48,16 +47,17 @@ from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._sharded import plain_module
 from torch_vjp._engine.jacobian import function_key, function_name
-from torch_vjp._engine.revjvp import compiled_forward_why, pushforward_by_reverse
 from torch_vjp._engine.rows import loop_draws, map_rows
 from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_pullback
 from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
                                note_freed_graph, warn_once)
 from torch_vjp._transform_support import (
     _batch_size,
+    _compiled_jvp,
     _explained,
     _flat_vectors,
     _has_internal_overlap,
+    _jvp_by_reverse,
     _output_shaped_tangent,
     _vectorised_or_loop,
     probe_cotangents,
@@ -375,11 +375,6 @@ _BATCHED_WRONGLY: weakref.WeakKeyDictionary[Callable[..., Any], str] = \
 # released.
 
 
-#: The ops compile=True's eager call of jvp computed J t by reverse over reverse through,
-#: per thread (NOTE [J t by reverse over reverse]).
-_BY_REVERSE = threading.local()
-
-
 def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
     """Warns once where ``chunk_size`` is given without ``batched=True``: an unbatched call
     computes one product, so the option would be dropped without a word. Not while dynamo
@@ -580,26 +575,9 @@ def jvp(
 
         if tracing():  # NOTE [compiled Jacobians]
             return program(f, primals, tangents)
-        reversed_op: list[str] = []
-
-        def eager() -> Any:
-            _BY_REVERSE.ops = reversed_op
-            try:
-                return jvp(f, primals, tangents, batched=batched, chunk_size=chunk_size,
-                           has_aux=has_aux)
-            finally:
-                _BY_REVERSE.ops = None
-
-        def build() -> Any:
-            # (the eager call computed by reverse over reverse: a compiled forward-mode
-            # program would be wrong, so the signature stays eager, NOTE [J t by reverse
-            # over reverse])
-            if reversed_op:
-                return Built(None, why=compiled_forward_why(reversed_op[0]))
-            return program
-
-        return compiled_call(call, f, (has_aux, batched, chunk), (primals, tangents), eager,
-                             build)
+        return _compiled_jvp(call, f, (has_aux, batched, chunk), (primals, tangents),
+                             lambda: jvp(f, primals, tangents, batched=batched,
+                                         chunk_size=chunk_size, has_aux=has_aux), program)
     if not isinstance(primals, tuple):
         raise JacobianCallError(
             f"{call}: primals must be a tuple, the arguments of f, but it is a "
@@ -638,33 +616,8 @@ def jvp(
         prob.g_inner, has_aux)
     leaves = tuple(prob.leaves)
 
-    def before() -> Any:  # (a first read: where f is called again, NOTE [J t by reverse
-        draws = loop_draws(prob, 2)  # over reverse], it starts from here)
-        draws()
-        return draws, tuple(x.clone() for x in leaves)
-
-    def reverse(op: str, state: Any) -> Any:  # NOTE [J t by reverse over reverse]
-        if getattr(_BY_REVERSE, "ops", None) is not None:  # (compile=True's eager call)
-            _BY_REVERSE.ops.append(op)
-        xs = leaves
-        if state is not None:
-            state[0]()
-            xs = state[1]
-        res, push, one_by_one, spec = pushforward_by_reverse(
-            prob.g_inner, xs, has_aux, call, function_name(f), op, function_key(f),
-            state is not None)
-        if not batched:
-            tan = push(*vectors)
-        else:  # (K > 0: K = 0 returned above)
-            tan = _vectorised_or_loop(
-                call, f, "tangents",
-                lambda vec: map_rows(push, lambda s, e: tuple(v[s:e] for v in vectors),
-                                     _batch_size(vectors), vectorized=vec and not one_by_one,
-                                     chunk_size=chunk)[0],
-                lambda: push(*(v[0] for v in vectors)))
-        # (a tangent passed through unchanged, f = (det(x), x), is the caller's no more)
-        tan = not_sharing(tuple(tan), [*tree_leaves(tangents), *vectors])
-        return (res[0], tree_unflatten(list(tan), spec)) + tuple(res[1:])
+    before, reverse = _jvp_by_reverse(prob, lambda: leaves, vectors, tangents, has_aux,
+                                      batched, chunk, call, f)
 
     if not batched:  # (buffers_kept: as vjp's call of f)
         copied = [_has_internal_overlap(x) for x in leaves]  # NOTE [an expanded primal]
