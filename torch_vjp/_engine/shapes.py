@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.memory import plan_products
 from torch_vjp._engine.problem import Problem, leaf_name
 from torch_vjp._engine.rows import Restart, SameDraws, own_generators
@@ -276,20 +277,12 @@ def recorded_elements(flat: Sequence[Tensor]) -> int:
     tangents may follow, for :func:`~torch_vjp._engine.memory.plan_products` (NOTE [memory
     model]): each node's output elements, leaving out the leaves (parameters), views (no
     memory of their own) and the nodes computed from parameters alone (a weight's transpose
-    carries no tangent). A node with an
-    input that needs no grad (the primal, or a constant) is counted. At least 1 (the
-    products record a graph); 1 where the graph cannot be read or is too large."""
+    carries no tangent). A node with an input that needs no grad (the primal, or a
+    constant) is counted. At least 1 (the products record a graph); 1 where the graph
+    cannot be read or is too large."""
+    if len(graph_nodes(flat)) > GRAPH_NODES_MAX:
+        return 1
     roots = [o.grad_fn for o in flat if o.grad_fn is not None]
-    nodes: dict[int, Any] = {}
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if id(node) in nodes:
-            continue
-        nodes[id(node)] = node
-        if len(nodes) > GRAPH_NODES_MAX:
-            return 1
-        stack.extend(n for n, _ in node.next_functions if n is not None)
     # a node is reached by a tangent when some input of it needs no grad or is so reached
     reached: dict[int, bool] = {}
     total = 0
