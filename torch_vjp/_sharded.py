@@ -11,7 +11,8 @@ empty on some ranks when ``n < W``. Each rank runs them with the engine's own mo
 (:func:`basis_rows` shifted to its range, :func:`map_rows` with the chunk size planned for
 its share, padded to the largest share and chunked alike on every rank so that an f that
 runs a collective is called as many times on every rank: NOTE [every rank runs as many
-products] and NOTE [the ranks agree on their chunks] in ``torch_vjp._sharded_work``), and
+products] in ``torch_vjp._sharded_comm`` and NOTE [the ranks agree on their chunks] in
+``torch_vjp._sharded_work``), and
 then, by default, every rank receives every shard: each is padded to the largest share (``ceil(n / W)`` rows), gathered with one
 ``all_gather`` per stacked tensor (gloo and NCCL gather tensors of equal size), cut back to its length and cut into blocks as
 the single-process Jacobian is, so that every rank returns the same value that
@@ -61,14 +62,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
 from torch_vjp._engine.blocks import Blocks, assemble, fwd_blocks, rev_blocks
-from torch_vjp._engine.context import is_nested
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
     no_route_message,
@@ -89,7 +88,6 @@ from torch_vjp._engine.rows import SameDraws, own_generators
 from torch_vjp._engine.shapes import in_rows, row_shapes
 from torch_vjp._errors import (
     JacobianCallError,
-    JacobianOptionError,
     JacobianWarning,
     failing_rank,
     warn_once,
@@ -98,14 +96,13 @@ from torch_vjp._sharded_buffers import plain_module
 from torch_vjp._sharded_check import (
     agreed_route,
     check_agreement,
-    fail_before_exchange,
     noise_verdict,
     own_gap,
     verdict,
 )
 from torch_vjp._sharded_forward import forward_instead, gathered_ops, known_route
 from torch_vjp._sharded_formulas import NamedForward, forward_formula_route
-from torch_vjp._sharded_words import OTHERS_WAIT
+from torch_vjp._sharded_group import JacobianShard, check_group, told_on_failure
 from torch_vjp._sharded_work import (
     FAILED,
     NO_FWD,
@@ -134,156 +131,10 @@ __all__ = [
 _OK, _RETRY, _NO_FWD, _FAILED, _PASSES = OK, RETRY, NO_FWD, FAILED, PASSES  # (_sharded_work)
 
 
-class JacobianShard(NamedTuple):
-    """One rank's share of a sharded Jacobian (``tv.jacobian(..., process_group=group,
-    shard=True)``; NOTE [sharded Jacobian]).
-
-    Attributes:
-        values: the rank's products. In reverse mode (``mode == "rev"``), structured like
-            the differentiated primals (a tensor for an int ``argnums``, a tuple for a
-            tuple), each of shape ``(stop - start, *x.shape)``: entry ``k`` is the gradient
-            of flat output element ``start + k``, i.e. rows ``[start, stop)`` of the
-            Jacobian with its output dimensions flattened (outputs concatenated in
-            ``tree_flatten`` order). In forward mode, structured like ``f``'s output, each
-            of shape ``(stop - start, *y.shape)``: entry ``k`` is the derivative of the
-            outputs along flat input element ``start + k`` (a column of the Jacobian,
-            differentiated primals concatenated in order). From ``batch_jacobian``, the
-            products are those of one row of the batch, computed for every row: entry ``k``
-            has shape ``(B, *x.shape[1:])`` (reverse mode) or ``(B, *y.shape[1:])``
-            (forward mode), and ``start``, ``stop`` and ``total`` count elements of one row.
-        mode: ``"rev"`` (rows) or ``"fwd"`` (columns).
-        start: the first product this rank computed.
-        stop: one past the last (``start == stop`` for a rank with nothing to do).
-        total: the number of products over all ranks (output elements in reverse mode,
-            input elements in forward mode).
-        aux: ``f``'s aux value with ``has_aux=True``, else None.
-
-    Example:
-        A group of one rank (gloo, on the CPU), whose shard is every product; with ``W``
-        ranks, rank ``r`` gets ``shard_range(total, r, W)``:
-
-        >>> import os, tempfile, torch.distributed as dist
-        >>> store = os.path.join(tempfile.mkdtemp(), "store")
-        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
-        ...                         world_size=1)
-        >>> sh = tv.jacobian(lambda x: x ** 2, torch.tensor([1.0, 2.0, 3.0]),
-        ...                  strategy="rev", process_group=dist.group.WORLD, shard=True)
-        >>> sh.mode, sh.start, sh.stop, sh.total
-        ('rev', 0, 3, 3)
-        >>> sh.values
-        tensor([[2., 0., 0.],
-                [0., 4., 0.],
-                [0., 0., 6.]])
-        >>> dist.destroy_process_group()
-    """
-
-    values: Any
-    mode: str
-    start: int
-    stop: int
-    total: int
-    aux: Any = None
-
-
-JacobianShard.__module__ = "torch_vjp"  # the public path, as for the error classes
-
-
 def _dist() -> Any:
     import torch.distributed as dist
 
     return dist
-
-
-def check_group(process_group: object, shard: object, create_graph: bool, *, call: str) -> Any:
-    """Validates ``process_group`` and ``shard``; returns the group, or None for one
-    process.
-
-    Raises:
-        JacobianOptionError: a value that is not a process group, a group that is not
-            initialised or does not hold this process, ``shard`` without a group or not a
-            bool, ``create_graph=True`` or an outer torch.func transform with a group.
-    """
-    bad_shard = None if isinstance(shard, bool) else JacobianOptionError(
-        f"{call}: shard={shard!r}, but it must be True or False: whether each rank of "
-        f"process_group returns only its own share of the Jacobian (True) or the whole "
-        f"Jacobian (False, the default)."
-    )
-    if bad_shard is not None and process_group is None:
-        raise bad_shard
-    if process_group is None:
-        if shard:
-            raise JacobianOptionError(
-                f"{call}: shard=True, but process_group is None: a shard is one rank's share "
-                f"of the products, and without a process group there is one process, which "
-                f"computes them all.\n"
-                f"  Fix: pass process_group=torch.distributed.group.WORLD (after "
-                f"torch.distributed.init_process_group) or another group, or drop shard=True."
-            )
-        return None
-    dist = _dist()
-    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
-    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
-    if group_type is not None and non_member is not None and process_group == non_member:
-        rank = dist.get_rank() if dist.is_initialized() else "?"
-        raise JacobianOptionError(
-            f"{call}: this process (global rank {rank}) is not a member of process_group "
-            f"(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here), so "
-            f"it has no share of the Jacobian to compute.\n"
-            f"  Fix: call it only on the group's ranks, or pass a group that holds this "
-            f"process."
-        )
-    if group_type is None or not isinstance(process_group, group_type):
-        got = (repr(process_group) if isinstance(process_group, (bool, int, str))
-               else f"an object of type {type(process_group).__name__}")
-        raise JacobianOptionError(
-            f"{call}: process_group is {got}, but it must be a torch.distributed "
-            f"ProcessGroup (the ranks that share the products), or None for one process.\n"
-            f"  Fix: pass process_group=torch.distributed.group.WORLD for the default group "
-            f"(after torch.distributed.init_process_group), or a group made by "
-            f"torch.distributed.new_group.\n  {OTHERS_WAIT}"
-        )
-    if not dist.is_initialized():
-        raise JacobianOptionError(
-            f"{call}: process_group was given, but torch.distributed is not initialised "
-            f"(no init_process_group, or destroy_process_group was called), so its ranks "
-            f"cannot exchange the shards of the Jacobian.\n"
-            f"  Fix: call torch.distributed.init_process_group(...) on every rank first "
-            f"(torchrun sets up what it needs), or pass process_group=None for one process."
-            f"\n  {OTHERS_WAIT}"
-        )
-    if dist.get_rank(process_group) < 0:
-        raise JacobianOptionError(
-            f"{call}: this process (global rank {dist.get_rank()}) is not a member of "
-            f"process_group, so it has no share of the Jacobian to compute.\n"
-            f"  Fix: call it only on the group's ranks, or pass a group that holds this "
-            f"process."
-        )
-    # The group is valid from here on: a rank that rejects its call tells the other ranks,
-    # which wait in the opening exchange (NOTE [sharded Jacobian]).
-    if bad_shard is not None:
-        fail_before_exchange(bad_shard, process_group)
-        raise bad_shard
-    if create_graph:
-        err = JacobianOptionError(
-            f"{call}: create_graph=True with a process_group is not supported: the shards "
-            f"are gathered from other processes, and autograd cannot carry a gradient back "
-            f"through that exchange to the products another rank computed.\n"
-            f"  Fix: pass create_graph=False (the default), or compute a differentiable "
-            f"Jacobian on one process (process_group=None)."
-        )
-        fail_before_exchange(err, process_group)
-        raise err
-    if is_nested():
-        err = JacobianOptionError(
-            f"{call}: a process_group inside a torch.func transform (vmap, grad, jacrev) is "
-            f"not supported: the shards gathered from other processes carry no derivatives "
-            f"for the outer transform.\n"
-            f"  Fix: pass process_group=None inside the transform, or shard the outer "
-            f"computation instead."
-        )
-        fail_before_exchange(err, process_group)
-        raise err
-    return process_group
 
 
 def sharded_jacobian(
@@ -434,7 +285,7 @@ def _attempt(compute: Any, work: Work, call: str) -> tuple[Any, int, Any]:
 # such an f reads something of each rank's own (a number bound per rank, a global). Every
 # rank raises before any product where it can: "auto" compares the outputs' rows when it
 # chooses its mode, and every try compares them when it agrees its chunks
-# (``outputs_apart`` in torch_vjp._sharded_work): f run more often on one rank than on
+# (``outputs_apart`` in torch_vjp._sharded_comm): f run more often on one rank than on
 # another waited for ever in a collective of its own, or of its backward.
 
 
@@ -586,15 +437,3 @@ def _warn_no_forward(prob: Problem, err: BaseException) -> None:
         no_forward_message(prob, err, "on every rank of the process_group"),
         JacobianWarning,
     )
-
-
-@contextlib.contextmanager
-def told_on_failure(group: Any) -> Iterator[None]:
-    """With a process group, an error raised inside reaches the other ranks (which wait in
-    the exchange that opens a sharded Jacobian) before it propagates here."""
-    try:
-        yield
-    except Exception as err:
-        if group is not None:
-            fail_before_exchange(err, group)
-        raise
