@@ -48,8 +48,10 @@ The same flag carries a second value: a named ``"rev"`` whose products ran under
 chunk other than 1) through an operator whose batching rule is wrong (``torch.cdist``: a
 Jacobian wrong by 1.48 on every rank). One process computes its rows one reverse product at
 a time there, with :func:`named_reverse`'s one-time warning; so, where some rank's graph
-holds one, every rank gives that warning and computes its share again without vmap (f is
-called once more on every rank).
+holds one, every rank gives that warning and computes its share again without vmap, from
+the pullback of its products' call of f (``Work.looped_again``): f is not called again, as
+on one process (a second call drew other random numbers, a dropout mask of its own, and
+the Jacobian was that of another draw than one process's).
 """
 
 from __future__ import annotations
@@ -141,8 +143,12 @@ class NamedForward:
         rank's calls of f ran such an operator. A named ``"rev"``: every rank's products
         again, one at a time (by ``attempt``, ``_sharded``'s), where some rank's ran under
         vmap through an operator whose batching rule is wrong; else ``tried``."""
-        if self.reverse and ok:
-            tried = self._reverse_done(tried, attempt)
+        if self.reverse:
+            try:
+                if ok:
+                    tried = self._reverse_done(tried, attempt)
+            finally:
+                self.work.pulled = None  # (the first call's graph, not kept past here)
         if not self.on or not ok:
             return tried
         op = None
@@ -173,7 +179,10 @@ class NamedForward:
         # (raises where the backward is wrong alone; else the one-process warning)
         named_reverse(self.prob.call, found if code == 2 else (found[0], None),
                       self.vectorized, None, (function_name(f), function_key(f)))
-        return attempt(lambda: work._products("rev", None, False), work, self.prob.call)
+        # (from the pullback of the products' call of f: f is not called again, as on one
+        # process, and a function that draws, or counts its calls, is not called twice)
+        return attempt(work.looped_again if work.pulled is not None
+                       else lambda: work._products("rev", None, False), work, self.prob.call)
 
 
 def forward_formula_route(

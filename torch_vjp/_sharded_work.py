@@ -151,6 +151,7 @@ class Work:
         self.shard, self.chunk_size, self.max_memory = shard, chunk_size, max_memory
         self.batch, self.alternatives = batch, alternatives
         self.group, self.device, self.met, self.chunk = group, device, [], None  # (_rev's)
+        self.pulled: tuple[Any, Any, Any] | None = None  # (:meth:`looped_again`'s)
         self._mode = "rev"
         # (the known wrong operators the reverse products' graph holds, where read: NOTE [a
         # remembered route through a known wrong operator])
@@ -374,15 +375,37 @@ class Work:
             return self._fwd(shapes if shapes is not None else probe_outputs(self.prob),
                              vectorized, plain)
 
-    def _rev(self, vectorized: bool) -> tuple[Any, ...]:
+    def looped_again(self) -> tuple[Any, ...]:
+        """A named ``"rev"``'s products again, one reverse product at a time, from the
+        pullback of its first call of f: f is not called again, as on one process (NOTE
+        [sharded reverse mode through a wrong formula] in ``torch_vjp._sharded_formulas``)."""
+        pulled, self.pulled = self.pulled, None
+        self._mode = "rev"
+        with torch.no_grad():
+            return self._rev(False, pulled)
+
+    def _pull(self) -> tuple[Any, Any, Any]:
+        """``(out, pullback, aux)`` of one call of f under torch.func's ``vjp``, its graph
+        read for the known wrong operators (:attr:`met`)."""
         prob = self.prob
-        leaves = prob.leaves
         g, self.met = reading_wrong_ops(prob.g_inner, prob.has_aux, grad := [None])  # (det's
-        res = func_vjp(g, *leaves, has_aux=prob.has_aux)  # backward: NOTE [a backward
+        res = func_vjp(g, *prob.leaves, has_aux=prob.has_aux)  # backward: NOTE [a backward
         if self.read is not None:  # right only in grad mode] in _engine/wrongops.py)
             self.read[:] = self.met
-        out, pullback = res[0], res[1] if grad[0] is None else lambda *c: in_grad_mode(res[1], *c)
-        aux = res[2] if prob.has_aux else None
+        pullback = res[1] if grad[0] is None else lambda *c: in_grad_mode(res[1], *c)
+        return res[0], pullback, res[2] if prob.has_aux else None
+
+    def _rev(self, vectorized: bool, pulled: tuple[Any, Any, Any] | None = None
+             ) -> tuple[Any, ...]:
+        prob = self.prob
+        leaves = prob.leaves
+        if pulled is None:
+            pulled = self._pull()
+            # (a named "rev" keeps its call's pullback until the ranks have read its graph:
+            # its products again without vmap reuse it, NOTE [sharded reverse mode through a
+            # wrong formula])
+            self.pulled = pulled if self.strat.mode == "rev" and self.strat.vectorized else None
+        out, pullback, aux = pulled
         flat_out, out_spec = tree_flatten(out)
         rows_out = row_shapes(flat_out, self.batch, prob, out_spec)
         n = sum(math.prod(s) for s in rows_out)
