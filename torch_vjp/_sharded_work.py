@@ -38,7 +38,7 @@ from torch_vjp._engine.rows import (
     own_generators,
     run_with_fallback,
 )
-from torch_vjp._engine.shapes import Shapes, in_rows, row_shapes
+from torch_vjp._engine.shapes import Shapes, in_rows, recorded_elements, row_shapes
 from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_ops
 from torch_vjp._errors import (
     JacobianCallError,
@@ -315,11 +315,12 @@ class Work:
         return res
 
     def _chunk(self, k: int, n_out: int, n_in: int, out_dtypes: list[torch.dtype], dtype: Any,
-               said: Any, records: bool = False) -> int | None:
+               said: Any, records: int = 0) -> int | None:
         """The chunk size for this rank's ``k`` products: the result it holds is the whole
         Jacobian (gathered), or with ``shard`` its own ``k`` rows or columns. ``records``:
-        the products record autograd graphs (forward mode of an ``f`` that involves tensors
-        requiring grad), counted as the single-process engine counts them. With a group,
+        the elements of the intermediate results the products record (forward mode of an
+        ``f`` that involves tensors requiring grad; 0 for none: ``probe_outputs``), counted
+        as the single-process engine counts them. With a group,
         the smallest chunk of every rank's (NOTE [the ranks agree on their chunks]);
         ``said``: what this rank says of f's output (:func:`outputs_said`)."""
         if self.shard:
@@ -519,10 +520,12 @@ def _rev_said(spec: Any, rows_out: Any) -> tuple[Any, Any]:
     return outputs_said(spec, [(tuple(int(d) for d in r),) for r in rows_out])
 
 
-def probe_outputs(prob: Problem) -> tuple[list[Tensor], Any, bool]:
-    """The outputs (detached), their structure, and whether forward-mode products will
-    record autograd graphs: as the engine's ``probe_shapes`` finds them for a detached
-    result (NOTE [memory model])."""
+def probe_outputs(prob: Problem) -> tuple[list[Tensor], Any, int]:
+    """The outputs (detached), their structure, and what forward-mode products will record:
+    0 for no autograd graph, else the elements of the intermediate results they record
+    (``recorded_elements``), as the engine's ``probe_shapes`` finds them for a detached
+    result (NOTE [memory model]): a chunk planned without them let an f closing over
+    parameters that require grad peak at 1.6 times max_memory on every rank."""
     # (drawing nothing: the products that follow draw what a plain call draws, as on one
     # process, NOTE [auto's extra calls draw what the products draw])
     draws = SameDraws(own_generators(prob))
@@ -531,5 +534,5 @@ def probe_outputs(prob: Problem) -> tuple[list[Tensor], Any, bool]:
         flat, spec = prob.probe(torch.is_grad_enabled())
     finally:
         draws()
-    records = any(o.requires_grad for o in flat)
+    records = recorded_elements(flat) if any(o.requires_grad for o in flat) else 0
     return [o.detach() for o in flat], spec, records
