@@ -165,7 +165,7 @@ def _sharded(prob: Problem, strat: Strategy, group: Any, shard: bool, chunk_size
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = comm_device(group, prob.leaves[0].device)
-    check_agreement(prob, strat.name, shard, group, rank, world, device, kept)
+    check_agreement(prob, strat.name, shard, group, rank, world, device, kept, max_memory)
     work = Work(prob, strat, rank, world, shard, chunk_size, max_memory, batch, alternatives,
                 group, device)
     mode, shapes, key, route = strat.mode, None, None, None

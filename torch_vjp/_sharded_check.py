@@ -218,22 +218,24 @@ def noise_verdict(prob: Problem, diff: float, scale: float, gap: Any, floor: lis
 
 
 #: Elements of a tensor checksummed at a time: the float64 temporaries of one chunk (about
-#: a dozen of its size) stay small whatever the tensor's size (a model's embedding).
-_CHUNK = 1 << 20
+#: a dozen of its size) stay small whatever the tensor's size (a model's embedding); with
+#: max_memory, at most max_memory / :data:`_CHUNK_BYTES` (a 256 x 256 weight's at once had
+#: peaked at 11.7 times a max_memory the products kept to).
+_CHUNK, _CHUNK_BYTES = 1 << 20, 128
 
 
-def _checksums(leaf: Tensor) -> tuple[Any, int]:
+def _checksums(leaf: Tensor, chunk: int = _CHUNK) -> tuple[Any, int]:
     """``(((sum, sum of |terms|) per checksum), numel)`` of a tensor's values (NOTE [sharded
     Jacobian]): a complex tensor's real and imaginary parts both, a chunk of
-    :data:`_CHUNK` elements at a time (the whole tensor at once held a dozen float64 copies
-    of it: 2 GB more for a 100 MB weight)."""
+    ``chunk`` elements at a time (the whole tensor at once held a dozen float64 copies of
+    it: 2 GB more for a 100 MB weight)."""
     x = leaf.detach().reshape(-1)
     if x.is_complex():  # (before float64: .to(float64) drops the imaginary part)
         x = torch.view_as_real(x).reshape(-1)
     n = x.numel()
     totals = [[0.0, 0.0] for _ in range(3)]
-    for start in range(0, n, _CHUNK):
-        part = x[start:start + _CHUNK].to(torch.float64)
+    for start in range(0, n, chunk):
+        part = x[start:start + chunk].to(torch.float64)
         # (weights alike on every rank, spread like random ones: the fractional parts of
         # multiples of the golden ratio, computed where x is, without a CPU generator's
         # draw; a change that cancels in the plain sum, or in a position-weighted one, does
@@ -252,7 +254,7 @@ def _checksums(leaf: Tensor) -> tuple[Any, int]:
     return tuple((s, a) for s, a in totals), n
 
 
-def _other_leaf(leaf: Any) -> tuple[Any, ...]:
+def _other_leaf(leaf: Any, chunk: int = _CHUNK) -> tuple[Any, ...]:
     """What every rank must agree on of one leaf of an argument that is not differentiated:
     a tensor's shape, dtype and checksums, a number's value; other objects (a module, a
     device, a string) are not compared (NOTE [sharded Jacobian])."""
@@ -260,7 +262,7 @@ def _other_leaf(leaf: Any) -> tuple[Any, ...]:
         sums = None
         if leaf.layout == torch.strided and not leaf.is_nested and leaf.device.type != "meta":
             try:
-                sums = _checksums(leaf)
+                sums = _checksums(leaf, chunk)
             except (RuntimeError, TypeError):  # (a dtype float64 cannot hold: unchecked)
                 sums = None
         return ("tensor", tuple(leaf.shape), str(leaf.dtype).replace("torch.", ""), sums)
@@ -269,7 +271,8 @@ def _other_leaf(leaf: Any) -> tuple[Any, ...]:
     return ("object",)
 
 
-def _used_tensors(prob: Problem) -> tuple[list[tuple[str, str, Any]], list[Tensor]]:
+def _used_tensors(prob: Problem, chunk: int = _CHUNK
+                  ) -> tuple[list[tuple[str, str, Any]], list[Tensor]]:
     """``(name, owner, what to agree on)`` of the tensors ``f`` may use that are not its
     arguments, and the tensors themselves: the parameters and buffers of the modules it
     reaches (itself, a closure's or an argument's) and the tensors it captures (NOTE
@@ -287,12 +290,12 @@ def _used_tensors(prob: Problem) -> tuple[list[tuple[str, str, Any]], list[Tenso
                 if isinstance(t, Tensor) and id(t) not in seen:
                     seen.add(id(t))
                     used.append((f"{prefix}.{name}" if prefix else name, type(root).__name__,
-                                 _other_leaf(t)))
+                                 _other_leaf(t, chunk)))
                     objects.append(t)
     for t in tensors:
         if id(t) not in seen:
             seen.add(id(t))
-            used.append(("", "", _other_leaf(t)))
+            used.append(("", "", _other_leaf(t, chunk)))
             objects.append(t)
     return used, objects
 
@@ -384,7 +387,7 @@ def leaf_paths(tree: Any) -> list[str] | None:
 
 
 def _signature(prob: Problem, strategy: str, shard: bool,
-               gens: Sequence[torch.Generator]) -> dict[str, Any]:
+               gens: Sequence[torch.Generator], chunk: int = _CHUNK) -> dict[str, Any]:
     others = []
     for i, primal in enumerate(prob.primals):
         if i in prob.argnums:
@@ -392,7 +395,7 @@ def _signature(prob: Problem, strategy: str, shard: bool,
         leaves = tree_leaves(primal)
         paths = leaf_paths(primal) or [f"<leaf {j}>" for j in range(len(leaves))]
         # (by path: a dict built in another order on another rank is the same argument)
-        others.append((i, sorted(((path, _other_leaf(leaf)) for path, leaf in zip(paths,
+        others.append((i, sorted(((path, _other_leaf(leaf, chunk)) for path, leaf in zip(paths,
                                                                                  leaves)),
                                  key=lambda item: item[0])))
     return {
@@ -403,9 +406,9 @@ def _signature(prob: Problem, strategy: str, shard: bool,
         "paths": leaf_paths(tuple(prob.primals[i] for i in prob.argnums)),
         "shapes": [tuple(leaf.shape) for leaf in prob.leaves],
         "dtypes": [str(leaf.dtype).replace("torch.", "") for leaf in prob.leaves],
-        "sums": [_checksums(leaf) for leaf in prob.leaves],
+        "sums": [_checksums(leaf, chunk) for leaf in prob.leaves],
         "others": others,
-        "used": _used_tensors(prob)[0],
+        "used": _used_tensors(prob, chunk)[0],
         "rng": _rng_digests(gens),
     }
 
@@ -451,15 +454,19 @@ def _other_differs(ref: list[Any], got: list[Any], r: int) -> tuple[str, str] | 
 
 
 def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank: int,
-                    world: int, device: torch.device, kept: contextlib.ExitStack) -> None:
+                    world: int, device: torch.device, kept: contextlib.ExitStack,
+                    max_memory: int | None = None) -> None:
     """Raises, on every rank, if some rank's call differs from rank 0's, or some rank could
     not even set its call up (NOTE [sharded Jacobian]); takes rank 0's buffers of a model
-    DDP wraps (NOTE [DDP's buffers in a sharded Jacobian]), which ``kept`` puts back."""
+    DDP wraps (NOTE [DDP's buffers in a sharded Jacobian]), which ``kept`` puts back. The
+    checksums' temporaries fit ``max_memory`` (:data:`_CHUNK_BYTES`)."""
     import torch.distributed as dist
 
     gens = own_generators(prob)
+    chunk = _CHUNK if max_memory is None else max(1024, min(_CHUNK,
+                                                            max_memory // _CHUNK_BYTES))
     try:
-        mine = _signature(prob, strategy, shard, gens)
+        mine = _signature(prob, strategy, shard, gens, chunk)
     except Exception as err:  # (an argument whose checksum this rank cannot take: the
         fail_before_exchange(err, group)  # others raise too, not wait in the exchange)
         raise
@@ -515,7 +522,7 @@ def check_agreement(prob: Problem, strategy: str, shard: bool, group: Any, rank:
               for i, how in _used_differs(ref["used"], sig["used"], r)}
     unsynced: dict[int, Any] = {}
     if differ:
-        objects = _used_tensors(prob)[1]
+        objects = _used_tensors(prob, chunk)[1]
         differ, unsynced = rank0_buffers(prob, group, device, differ, objects, kept)
     if differ:
         order = sorted(differ)
