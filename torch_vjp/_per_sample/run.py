@@ -71,20 +71,13 @@ from torch_vjp._per_sample.probe import input_entries, plan_for
 from torch_vjp._per_sample.registry import registered_types
 from torch_vjp._strategies import get_per_sample_strategy
 
-__all__ = [
-    "prepare",
-    "plan_of",
-    "BuffersKept",
-    "grads",
-    "norms_and_sums",
-    "add_to_grads",
-    "clip_factors",
-    "param_sums",
-]
+__all__ = ["prepare", "plan_of", "BuffersKept", "grads", "norms_and_sums", "add_to_grads",
+           "clip_factors", "param_sums"]
 
 
 # Per model: the selection of parameters and the static checks, for the same parameters
-# (and requires_grad flags) and training flags; what every call would otherwise recompute.
+# (and requires_grad flags) and training flags; what every call would otherwise recompute
+# (read by get first: setdefault makes a weak reference to the model each time).
 _STATIC: weakref.WeakKeyDictionary[nn.Module, dict[Any, Selection]] = weakref.WeakKeyDictionary()
 
 
@@ -122,7 +115,7 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
         structure = structure_of(model, flags := [])
         key = _static_key(flags, params, structure, prefix)
     training = structure[0]
-    cache = _STATIC.setdefault(model, {}) if key is not None else {}
+    cache = (_STATIC.get(model) or _STATIC.setdefault(model, {})) if key is not None else {}
     sel = cache.get(key)
     if sel is None:
         sel = select(fn, model, strip_prefix(params, prefix))
@@ -510,7 +503,7 @@ def norms_and_sums(
         sq = sq.to(wide)  # (finite, if taken in float32: exact)
         for n in names:
             per_param[n] = like.new_zeros(batch, dtype=wide)
-    step = min((_fallback_chunk(sel, names, batch) for names, _ in groups), default=1)
+    step = min([_fallback_chunk(sel, names, batch) for names, _ in groups]) if groups else 1
     for s in range(0, batch if groups else 0, step):
         e = min(batch, s + step)
         g: dict[str, Tensor] = {}
@@ -527,8 +520,9 @@ def norms_and_sums(
             if sums is not None:
                 add_sums(s, e, g)
         del g
-    # (ghost norms can round to a hair below zero)
-    norms = sq.clamp_min_(0).sqrt().to(like.dtype)
+    # (ghost norms can round to a hair below zero; the norms alone read the total no more)
+    norms = sq.clamp_min_(0).sqrt_() if sums is None else sq.clamp_min_(0).sqrt()
+    norms = norms if norms.dtype == like.dtype else norms.to(like.dtype)
     if sums is not None:
         c = clip_factors(sq, max_norm, like.dtype)  # type: ignore[arg-type]
         with grad_enabled(False), full_precision(like.device):
