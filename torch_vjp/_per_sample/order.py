@@ -100,6 +100,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torch_vjp._per_sample.products import by_table, note_tables
+
 __all__ = ["OrderWatch", "route_data_orders", "DATA_ORDER", "OUTPUT_ORDER", "DATA_WRITE"]
 
 _aten = torch.ops.aten
@@ -235,6 +237,9 @@ class OrderWatch(TorchDispatchMode):
         #: the operators that wrote rows at an index of the data (NOTE [writes at an index
         #: of the data])
         self.data_writes: set[str] = set()
+        #: floating tensors computed from the data's integers or booleans alone (NOTE
+        #: [tables of the data in a product] in ``products``)
+        self.discrete = WeakIdKeyDictionary()
         self._count = itertools.count()
         for t in tree_leaves(list(xs)):
             if isinstance(t, Tensor):
@@ -322,6 +327,9 @@ class OrderWatch(TorchDispatchMode):
                 isinstance(t, Tensor) and t in self.words for t in tree_leaves((args, kwargs))):
             return
         self._data_write(func, args, kwargs)
+        product = by_table(func, args, self.words, self.discrete, self.batch)
+        if product is not None:  # (rows added up by a table of the data)
+            self.data_writes.add(product)
         word, step = self._follow(func, args, kwargs, out)
         sorted_ = func in _SORTS and step is not None
         for t in tree_leaves(out):
@@ -330,6 +338,7 @@ class OrderWatch(TorchDispatchMode):
                 if step is not None and not sorted_:
                     self.steps[t] = step
         self._tabled(func, args, kwargs, out)
+        note_tables(self.words, self.discrete, (args, kwargs), out)
         if sorted_:  # (the values are the rows reordered; the indices are in no order)
             self.words[out[1]], self.steps[out[1]] = (), step
         if func._schema.is_mutable and args and isinstance(args[0], Tensor):
