@@ -52,8 +52,20 @@ def _same_group_mean(h, g):
     return (same.T @ h) / same.sum(1, keepdim=True)
 
 
-HOWS = [_one_hot_T, _one_hot_transpose, _one_hot_mT, _one_hot_einsum, _same_group_mean]
-IDS = ["T", "transpose", "mT", "einsum", "same-group"]
+def _same_group_broadcast(h, g):
+    same = (g[:, None] == g[None, :]).to(h.dtype)
+    return (same[:, :, None] * h[None]).sum(1) / same.sum(1, keepdim=True)
+
+
+def _same_group_masked(h, g):
+    n = h.shape[0]
+    apart = (g[:, None] != g[None, :]).unsqueeze(2)
+    return h[None].expand(n, n, h.shape[1]).masked_fill(apart, float("-inf")).amax(1)
+
+
+HOWS = [_one_hot_T, _one_hot_transpose, _one_hot_mT, _one_hot_einsum, _same_group_mean,
+        _same_group_broadcast, _same_group_masked]
+IDS = ["T", "transpose", "mT", "einsum", "same-group", "broadcast", "masked-fill"]
 
 
 class _Group(nn.Module):
@@ -136,3 +148,11 @@ def test_which_products_are_named():
     assert not _writes(lambda h, g: F.one_hot(g, B).to(h.dtype).T @ F.one_hot(g, B).to(h.dtype),
                        h, g)
     assert not _writes(lambda h, g: F.one_hot(g % 4, 4).to(h.dtype) @ h.T, h, g)
+    # (a padding mask over a sequence of length B pairs each example's rows with its own
+    # entries: mean pooling, and attention scores masked)
+    tokens, lengths = torch.randn(B, B, 4, dtype=D), torch.arange(1, B + 1)
+    mask = torch.arange(B)[None, :] < lengths[:, None]
+    assert not _writes(lambda x, n: (x * mask[..., None].to(x.dtype)).sum(1), tokens, lengths)
+    assert not _writes(lambda x, n: (x @ x.transpose(1, 2)).masked_fill(
+        ~(torch.arange(B)[None, :] < n[:, None])[:, None, :], -1e9).softmax(-1) @ x,
+        tokens, lengths)

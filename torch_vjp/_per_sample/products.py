@@ -17,6 +17,14 @@ data"``) and the plan is made for the batch it was probed on only: each call pla
 and its data-flow tests see that call's own table (rows exchanged: the layers after leave
 the rules; rows added up: the module is refused as mixing examples).
 
+The same holds where broadcasting pairs every row of the examples with a table's entries
+(``(A[:, :, None] * h[None]).sum(1)``, ``h[None].expand(B, B, F).masked_fill(...)``): an
+elementwise ``mul``, ``div``, ``where`` or ``masked_fill`` whose factor computed from the
+examples' rows is broadcast (or expanded) along a dimension of size B of a table is named
+too; one whose table spans the dimensions the rows hold (a padding mask, ``h *
+mask[..., None]``, even where the sequence's length is B) pairs each row with its own
+entries and is not.
+
 A factor is a table when every tensor computed from the inputs that it is computed from is
 an integer or boolean or a table itself (a weight that is a parameter, ``A * w``, keeps it
 one; one computed from the examples' rows, ``A * h``, does not). A product of two tables is
@@ -52,6 +60,9 @@ _PRODUCTS = {
     _aten.addmv.default: (1, 2, (1,)), _aten.dot.default: (0, 1, (0,)),
     _aten.vdot.default: (0, 1, (0,)),
 }
+#: elementwise operators that can pair rows of the examples with a table of the data's
+#: entries by broadcasting (``(A[:, :, None] * h[None]).sum(1)``)
+_PAIRS = frozenset({"mul", "mul_", "div", "div_", "where", "masked_fill", "masked_fill_"})
 #: how a product by a table of the data is named among the watch's ``data_writes``
 BY_TABLE = "{} by a table of the data"
 
@@ -77,6 +88,8 @@ def by_table(func: Any, args: tuple[Any, ...], words: Any, tables: Any,
     """The name of ``func`` where it is a matrix product that adds up the rows of a factor
     computed from the inputs along a dimension of size ``batch`` by a table of the data,
     None for any other operator."""
+    if func._overloadpacket.__name__ in _PAIRS:
+        return _paired(func, args, words, tables, batch)
     if func not in _PRODUCTS:
         return None
     i, j, dims = _PRODUCTS[func]
@@ -89,4 +102,27 @@ def by_table(func: Any, args: tuple[Any, ...], words: Any, tables: Any,
         return None  # (a table whose rows the watch follows: its word routes the layers)
     if any(d < a.dim() and a.shape[d] == batch for d in dims):
         return BY_TABLE.format(func._overloadpacket.__name__)
+    return None
+
+
+def _paired(func: Any, args: tuple[Any, ...], words: Any, tables: Any, batch: int) -> str | None:
+    """The name of ``func`` where, broadcasting, it spreads the rows of the examples (a factor
+    computed from the inputs that holds a dimension of size ``batch``) along a dimension of
+    size ``batch`` of a table of the data: every row paired with every entry of the table, a
+    product by it once added up (NOTE [tables of the data in a product])."""
+    ts = [t for t in args if isinstance(t, Tensor) and t in words and t.dim()]
+    if not ts or any(words[t] for t in ts if is_table(t, tables)):
+        return None  # (a table whose rows the watch follows: its word routes the layers)
+    n = max(t.dim() for t in ts)
+
+    def size(t: Tensor, d: int) -> int:  # (an expanded dimension counts as broadcast)
+        k = d - (n - t.dim())
+        return 1 if k < 0 or t.stride(k) == 0 else t.shape[k]
+
+    for r in (t for t in ts if not is_table(t, tables)):
+        rows = [d for d in range(n) if size(r, d) == batch]
+        for a in (t for t in ts if is_table(t, tables)):
+            spread = [d for d in range(n) if size(a, d) == batch and size(r, d) == 1]
+            if rows and spread:
+                return BY_TABLE.format(func._overloadpacket.__name__)
     return None
