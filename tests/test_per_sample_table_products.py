@@ -47,6 +47,11 @@ def _one_hot_einsum(h, g):
     return torch.einsum("bc,cf->bf", t, torch.tanh(torch.einsum("bc,bf->cf", t, h)))
 
 
+def _scattered_one_hot_T(h, g):
+    t = torch.zeros(h.shape[0], B, dtype=h.dtype).scatter_(1, g[:, None], 1.0)
+    return t @ torch.tanh(t.T @ h)
+
+
 def _same_group_mean(h, g):
     same = (g[:, None] == g[None, :]).to(h.dtype)
     return (same.T @ h) / same.sum(1, keepdim=True)
@@ -63,9 +68,10 @@ def _same_group_masked(h, g):
     return h[None].expand(n, n, h.shape[1]).masked_fill(apart, float("-inf")).amax(1)
 
 
-HOWS = [_one_hot_T, _one_hot_transpose, _one_hot_mT, _one_hot_einsum, _same_group_mean,
-        _same_group_broadcast, _same_group_masked]
-IDS = ["T", "transpose", "mT", "einsum", "same-group", "broadcast", "masked-fill"]
+HOWS = [_one_hot_T, _one_hot_transpose, _one_hot_mT, _one_hot_einsum, _scattered_one_hot_T,
+        _same_group_mean, _same_group_broadcast, _same_group_masked]
+IDS = ["T", "transpose", "mT", "einsum", "scatter-in-place", "same-group", "broadcast",
+       "masked-fill"]
 
 
 class _Group(nn.Module):
@@ -141,6 +147,8 @@ def test_which_products_are_named():
     # (a table scaled by a parameter is still a table; a vector product too)
     assert _writes(lambda h, g: (F.one_hot(g, B).to(h.dtype) * scale).T @ h, h, g)
     assert _writes(lambda h, g: F.one_hot(g, B).to(h.dtype).T @ h[:, 0], h, g)
+    # (a table written over in place by rows is a table no more)
+    assert not _writes(lambda h, g: F.one_hot(g, B).to(h.dtype).add_(h[:, :1]).T @ h, h, g)
     # (a table by a parameter: an embedding; rows by rows: attention, whose gradients the
     # data-flow tests follow; a table by a table; a product over the features)
     assert not _writes(lambda h, g: F.one_hot(g, B).to(h.dtype) @ w, h, g)

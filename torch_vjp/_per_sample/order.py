@@ -330,6 +330,8 @@ class OrderWatch(TorchDispatchMode):
         product = by_table(func, args, self.words, self.discrete, self.batch)
         if product is not None:  # (rows added up by a table of the data)
             self.data_writes.add(product)
+        # (before the words: an in-place write's output is its first argument)
+        note_tables(self.words, self.discrete, (args, kwargs), out)
         word, step = self._follow(func, args, kwargs, out)
         sorted_ = func in _SORTS and step is not None
         for t in tree_leaves(out):
@@ -338,7 +340,6 @@ class OrderWatch(TorchDispatchMode):
                 if step is not None and not sorted_:
                     self.steps[t] = step
         self._tabled(func, args, kwargs, out)
-        note_tables(self.words, self.discrete, (args, kwargs), out)
         if sorted_:  # (the values are the rows reordered; the indices are in no order)
             self.words[out[1]], self.steps[out[1]] = (), step
         if func._schema.is_mutable and args and isinstance(args[0], Tensor):

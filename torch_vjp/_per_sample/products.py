@@ -75,12 +75,17 @@ def is_table(t: Tensor, tables: Any) -> bool:
 
 def note_tables(words: Any, tables: Any, args: Any, out: Any) -> None:
     """Notes in ``tables`` the floating outputs computed from integers, booleans or tables of
-    the data alone (``words``: the tensors computed from the inputs)."""
+    the data alone (``words``: the tensors computed from the inputs, before ``out`` is among
+    them: an in-place write into a tensor of zeros, ``zeros(B, C).scatter_(1, g[:, None],
+    1.0)``, is a table)."""
     read = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t in words]
-    if read and all(is_table(t, tables) for t in read):
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()):
+    table = bool(read) and all(is_table(t, tables) for t in read)
+    for t in tree_leaves(out):
+        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()):
+            if table:
                 tables[t] = True
+            elif t in tables:  # (a table written over in place by rows: a table no more)
+                del tables[t]
 
 
 def by_table(func: Any, args: tuple[Any, ...], words: Any, tables: Any,
