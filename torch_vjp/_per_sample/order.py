@@ -101,6 +101,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_vjp._per_sample.products import by_table, note_tables
+from torch_vjp._per_sample.transposed import moved_word
 
 __all__ = ["OrderWatch", "route_data_orders", "DATA_ORDER", "OUTPUT_ORDER", "DATA_WRITE"]
 
@@ -494,6 +495,10 @@ class OrderWatch(TorchDispatchMode):
                 self.ops.add(func._overloadpacket.__name__)
                 return _then(self.word_of((args, kwargs)), ("N", next(self._count)), None), None
         name = func._overloadpacket.__name__
+        moved = (moved_word(func, args, out, self.words.get(args[0], ()), self.batch)
+                 if args and isinstance(args[0], Tensor) else None)
+        if moved is not None:  # (a (B, B) tensor transposed: its steps' dimensions move)
+            return moved, None
         if name in _SHARED and args and isinstance(args[0], Tensor) and (
                 args[0] in self.words and args[0].dim() == 1 and not args[0].is_floating_point()
                 and isinstance(out, Tensor) and self._rows_first(out)):
