@@ -24,7 +24,8 @@ every tensor computed from the inputs, as a word of steps:
   (``h[order][order.argsort()]``), whatever the data, by construction rather than by what
   one batch shows. A step's dimension is which of the tensor's dimensions of size B it
   runs along (the first, the second): a ``(B, B)`` tensor written at ``order`` along its
-  rows and read at ``order`` along its columns has both steps;
+  rows and read at ``order`` along its columns has both steps, and a step follows its
+  dimension through a transpose (``transposed``);
 - any other operator gives its result the word of the inputs it reads, and a word of its
   own, without inverse, where those words differ (rows of two orders combined).
 
@@ -53,7 +54,8 @@ Rows written at an index computed from the inputs (``total.index_add(0, gid, h)`
 y``, ``index_reduce``, ``segment_reduce`` of lengths from the data) land in one row where
 the index repeats, and counts of the data's values (``bincount``, ``unique``) add up the
 examples that share a value: a group mean over a group id in the input mixes the examples
-of a group. On a batch whose ids are all distinct, no two examples meet, and the plan's
+of a group (so does a product by a table of the data: NOTE [tables of the data in a
+product] in ``products``). On a batch whose ids are all distinct, no two examples meet, and the plan's
 data-flow tests rightly find each example alone (a write at an index read back at it
 cancels: the rows are back in place); on the next batch, two ids can be equal. What one
 batch shows cannot be trusted on another: the watch names such operators
