@@ -483,6 +483,19 @@ def test_bag_max_with_weights_is_torchs_own_error(strategy):
     assert "per_sample_weights is only supported for mode='sum'" in str(got.value)
 
 
+class _BiasAddedSequenceFirst(nn.Module):
+    """A parameter added directly to a (T, B, F) activation: the examples' dimension is the
+    second, so with T == B the broadcast's first dimension of size B is the wrong one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x).transpose(0, 1) + self.b).transpose(0, 1)
+
+
 class _BiasAdded(nn.Module):
     """A parameter added directly to a (B, T, F) activation."""
 
@@ -495,11 +508,7 @@ class _BiasAdded(nn.Module):
         return torch.tanh(self.lin(x) + self.b)
 
 
-@pytest.mark.parametrize("T", [2, pytest.param(3, marks=pytest.mark.xfail(
-    strict=True, raises=tv.StrategyError, reason="a parameter broadcast over the examples "
-    "by an addition is recorded only where one dimension of size B could have been added "
-    "by the broadcast (recorder._broadcast_dim); with T == B there are two, so 'hooks' "
-    "refuses it as used outside the layers that have rules"))])
+@pytest.mark.parametrize("T", [2, 3])
 def test_bias_added_with_batch_as_long_as_sequence(T):
     """``x + b`` on a (B, T, F) activation: each example's gradient of ``b`` by the
     broadcast rule under 'hooks', whatever T is (here B = 3)."""
@@ -508,5 +517,27 @@ def test_bias_added_with_batch_as_long_as_sequence(T):
     x = _r(3, T, 4)
     want = _loop(model, (x,))
     got = tv.per_sample_grads(model, _loss, x, strategy="hooks")
+    for n in want:
+        _close(got[n], want[n], n)
+
+
+@pytest.mark.parametrize("T", [2, 3])
+def test_bias_added_to_a_sequence_first_activation_with_batch_as_long_as_sequence(T):
+    """The same parameter added to a (T, B, F) activation, B = 3: with T == B the broadcast
+    could have added either dimension of size 3. 'hooks' is right or refuses the parameter
+    with a StrategyError; 'auto' is right; never a silently wrong row."""
+    torch.manual_seed(0)
+    model = _BiasAddedSequenceFirst().to(D)
+    x = _r(3, T, 4)
+    want = _loop(model, (x,))
+    try:
+        got = tv.per_sample_grads(model, _loss, x, strategy="hooks")
+    except tv.StrategyError as e:
+        assert "'b'" in str(e)
+        assert "rows do not belong to single examples" in str(e)
+    else:
+        for n in want:
+            _close(got[n], want[n], n)
+    got = tv.per_sample_grads(model, _loss, x)
     for n in want:
         _close(got[n], want[n], n)

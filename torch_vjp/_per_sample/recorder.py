@@ -576,19 +576,18 @@ def _broadcast_dim(param: Tensor, expanded: Tensor, batch: int) -> int | None:
     """The dimension of ``expanded`` that broadcasting over the examples added to ``param``:
     the one dimension of size B where ``param`` (aligned to the right, as broadcasting
     aligns) had none or size 1 (dimension 1 for a recurrent layer's initial state
-    ``h0.expand(layers, B, hidden)``); None where there is no such dimension, or several.
-    The plan checks the dimension against the data flow like any rule call's."""
+    ``h0.expand(layers, B, hidden)``); None where there is no such dimension. Where several
+    could be (a ``(T, B, F)`` activation with T == B), the first: the plan's data-flow test
+    checks the dimension like any rule call's, and refuses the parameter where it is not
+    the examples' dimension."""
     if batch <= 1 or expanded.dim() == 0:
         return None
     lead = expanded.dim() - param.dim()
     if lead < 0:
         return None
-    found = None
     for d, size in enumerate(expanded.shape):
         if size != batch:
             continue
         if d < lead or param.shape[d - lead] == 1:
-            if found is not None:
-                return None
-            found = d
-    return found
+            return d
+    return None
