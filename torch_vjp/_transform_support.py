@@ -312,24 +312,35 @@ def _jvp_by_reverse(prob: Problem, leaves: Callable[[], tuple[Tensor, ...]],
         return draws, tuple(x.clone() for x in leaves())
 
     def reverse(op: str, state: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return by_reverse(op, state)
+        # NOTE [J t by reverse over reverse in inference mode]
+        with torch.inference_mode(False), torch.no_grad():
+            return by_reverse(op, state, normal=True)
+
+    def by_reverse(op: str, state: Any, normal: bool = False) -> Any:
         if getattr(_BY_REVERSE, "ops", None) is not None:  # (compile=True's eager call)
             _BY_REVERSE.ops.append(op)
         xs = leaves()
         if state is not None:
             state[0]()
             xs = state[1]
+        vecs = vectors
+        if normal:
+            xs = tuple(x.clone() if x.is_inference() else x for x in xs)
+            vecs = [v.clone() if v.is_inference() else v for v in vectors]
         res, push, one_by_one, spec = pushforward_by_reverse(
             prob.g_inner, xs, has_aux, call, function_name(f), op, function_key(f),
             state is not None)
         if not batched:
-            tan = push(*vectors)
+            tan = push(*vecs)
         else:  # (K > 0: K = 0 returned before)
             tan = _vectorised_or_loop(
                 call, f, "tangents",
-                lambda vec: map_rows(push, lambda s, e: tuple(v[s:e] for v in vectors),
-                                     _batch_size(vectors), vectorized=vec and not one_by_one,
+                lambda vec: map_rows(push, lambda s, e: tuple(v[s:e] for v in vecs),
+                                     _batch_size(vecs), vectorized=vec and not one_by_one,
                                      chunk_size=chunk)[0],
-                lambda: push(*(v[0] for v in vectors)))
+                lambda: push(*(v[0] for v in vecs)))
         # (a tangent passed through unchanged, f = (det(x), x), is the caller's no more)
         tan = not_sharing(tuple(tan), [*tree_leaves(tangents), *vectors])
         return (res[0], tree_unflatten(list(tan), spec)) + tuple(res[1:])

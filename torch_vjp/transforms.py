@@ -47,6 +47,7 @@ from torch_vjp._engine.point import Point, read_state, versions_of
 from torch_vjp._engine.problem import Problem
 from torch_vjp._sharded import plain_module
 from torch_vjp._engine.jacobian import function_key, function_name
+from torch_vjp._engine.revjvp import traced_jvp
 from torch_vjp._engine.rows import loop_draws, map_rows
 from torch_vjp._engine.wrongops import reading_wrong_ops, wrong_pullback
 from torch_vjp._errors import (GradOutputsError, JacobianCallError, JacobianWarning,
@@ -549,7 +550,10 @@ def jvp(
             call per function and signature of the primals, which calls ``f`` once more
             there), and this error is raised only where that is wrong too: f also runs an
             operator whose backward formula torch has wrong, an output does not require
-            grad, or a backward cannot be differentiated.
+            grad, or a backward cannot be differentiated; inside the user's own
+            torch.compile (reverse over reverse is traced there too: NOTE [J t by reverse
+            over reverse, traced]), through scatter_reduce(reduce='prod'), whose double
+            backward torch cannot compile.
 
     Example:
         >>> import torch, torch_vjp as tv
@@ -573,8 +577,8 @@ def jvp(
                     tangents: tuple[Any, ...]) -> Any:
             return plain_jvp(f, primals, tangents, has_aux, batched, chunk, strict)
 
-        if tracing():  # NOTE [compiled Jacobians]
-            return program(f, primals, tangents)
+        if tracing():  # NOTE [compiled Jacobians], NOTE [J t by reverse over reverse, traced]
+            return traced_jvp(f, primals, tangents, has_aux, batched, chunk, strict)
         return _compiled_jvp(call, f, (has_aux, batched, chunk), (primals, tangents),
                              lambda: jvp(f, primals, tangents, batched=batched,
                                          chunk_size=chunk_size, has_aux=has_aux), program)

@@ -41,8 +41,8 @@ reverse without a forward-mode product, or run as before; the first call, whose
 forward-mode product was wrong, calls f once more for it, from the same random generators'
 state and on copies of the primals taken before (a write f makes into a primal is not
 made twice). A function that branches to another operator on other values is
-read where it first ran. Not read in inference mode, where nothing is recorded (nor
-remembered there); where the call inside ``torch.func.vjp`` fails, the products are
+read where it first ran. Read in inference mode too, where ``torch.func.vjp`` records f's
+graph all the same (NOTE [J t by reverse over reverse in inference mode]); where the call inside ``torch.func.vjp`` fails, the products are
 computed as before (f called again), and nothing is remembered.
 
 A named ``"fwd"`` or ``"fwd-loop"`` Jacobian (``batch_jacobian``'s too, and the plain
@@ -135,14 +135,15 @@ def reading_forward(g: Callable[..., Any], has_aux: bool
     return recorded, found
 
 
-def forward_checked(key: Hashable) -> str | None:
+def forward_checked(key: Hashable, in_inference: bool = False) -> str | None:
     """What NOTE [forward mode through a wrong formula] remembered for ``key`` (a function
     and input signature): the op, ``""`` (none), or None where f's graph is to be read
-    (not in inference mode, where nothing is recorded, nor remembered)."""
+    (not in inference mode, where nothing is recorded, nor remembered, unless
+    ``in_inference``: jvp's reading runs f inside ``torch.func.vjp``, which records there)."""
     from torch_vjp._engine.fwdcheck import CHECKED  # (it imports this module)
 
     hit = CHECKED.get(key)
-    if hit is None and torch.is_inference_mode_enabled():
+    if hit is None and not in_inference and torch.is_inference_mode_enabled():
         return ""
     return hit  # type: ignore[return-value]
 
@@ -249,8 +250,8 @@ def jvp_read_once(key: Hashable, g: Callable[..., Any], has_aux: bool
     runs); else ``compute`` with the function to call in place of ``g`` (``g`` read, on a
     first call, after ``state = before()``), and, where the read found an op,
     ``reverse(op, state)``, whose call of f starts where ``compute``'s did."""
-    known = forward_checked(key)
-    reading, found = reading_forward(g, has_aux)
+    known = forward_checked(key, in_inference=True)  # NOTE [J t by reverse over reverse
+    reading, found = reading_forward(g, has_aux)  # in inference mode]
 
     def read_once(compute: Callable[[Callable[..., Any]], Any],
                   reverse: Callable[[str, Any], Any], before: Callable[[], Any]) -> Any:

@@ -37,6 +37,39 @@ reverse over reverse cannot be right either:
 The batching rules of torch's backward formulas known wrong (``torch.cdist``'s) are not
 trusted for the second backward pass either: batched tangents are taken one at a time
 there.
+
+NOTE [J t by reverse over reverse in inference mode]
+Under ``torch.inference_mode()`` the reading of f's graph was skipped (as if nothing were
+recorded there), and ``J t`` through ``torch.linalg.det`` at a singular matrix came back
+from forward mode, zeros where it is 11.7, without a word. ``torch.func.vjp`` records f's
+graph in that mode all the same, so it is read there too; but torch's backward of det runs
+its singular-safe branch only outside it (the pullback in inference mode gave zeros too),
+so ``J t`` by reverse over reverse runs outside inference mode, without grad mode, on normal
+copies of the primals and tangents that are inference tensors: normal tensors that require
+no grad come back, as from the other products in that mode.
+
+NOTE [J t by reverse over reverse, traced]
+Inside the user's ``torch.compile`` the public functions return their plain form, the
+torch.func composition dynamo traces into one graph (NOTE [compiled Jacobians]); for jvp,
+``torch.func.jvp``. Through ``torch.linalg.det`` at a singular matrix (or the other
+operators of NOTE [forward mode through a wrong formula]) that was wrong without a word
+(``J t`` = 0 where it is 11.7), since the eager path's reading of f's graph does not run
+there. So the forward-mode products run under
+:class:`~torch_vjp._engine.fwd_wrong._WrongCalls`, the torch function mode that reads each
+call f makes for an operator of that list run on a tangent (dynamo traces the mode: the
+answer is known when the program is traced, and no graph break is made); where it found
+one, ``J t`` is computed by reverse over reverse in the same graph (NOTE [J t by reverse
+over reverse]: the vjp of the pullback ``u -> u^T J`` at ``u`` = ones, at the tangents),
+and the forward-mode products, unused, are left out of the program by the compiler. The
+output, and the aux, are the reverse call's (f's own, as the forward call's). An output that
+does not require grad in the reverse call (computed from no primal, or under
+``torch.no_grad()`` inside f) keeps its forward-mode tangent (zeros for a constant), as
+torch.func.jvp gives it; an integer output's is zeros. The eager path's refusals (a wrong
+backward formula in f too, a backward that records no graph) read f's graph, which a trace
+cannot: they are not made here. Through ``scatter_reduce(reduce='prod')`` torch's compiler
+cannot trace reverse over reverse (its double backward fails in AOT tracing, a raw
+BackendCompilerFailed), so jvp refuses there with the reason (:func:`untraceable`), where it
+returned forward mode's wrong ``J t``.
 """
 
 from __future__ import annotations
@@ -50,13 +83,15 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.context import func_vjp, is_nested
-from torch_vjp._engine.fwd_wrong import _DET, _HOW, _INSTEAD
+from torch_vjp._engine.forms import plain_jvp
+from torch_vjp._engine.fwd_wrong import _DET, _HOW, _INSTEAD, _WrongCalls
+from torch_vjp._engine.jacobian import function_name
 from torch_vjp._engine.fwdcheck import least_of, tolerance
 from torch_vjp._engine.gradmode import in_grad_mode
-from torch_vjp._engine.wrongops import _how, reading_wrong_ops
+from torch_vjp._engine.wrongops import WRONG_FORWARD, _how, reading_wrong_ops
 from torch_vjp._errors import JacobianCallError, JacobianWarning, quote_error, warn_once
 
-__all__ = ["compiled_forward_why", "pushforward_by_reverse"]
+__all__ = ["compiled_forward_why", "pushforward_by_reverse", "traced_jvp", "untraceable"]
 
 #: Ops whose forward-mode formula is wrong at some points only: J t is computed by reverse
 #: over reverse at every point, and the warning says why.
@@ -261,4 +296,95 @@ def no_double_backward(call: str, op: str, name: str, err: BaseException
         f"  torch said: {quote_error(err)}\n"
         f"  Fix: compute {op} another way in f{_INSTEAD.get(op, '')}, or take J t from "
         f"finite differences at this point."
+    )
+
+
+#: The ops whose reverse over reverse torch (2.13) cannot compile: the AOT tracing of
+#: scatter_reduce(reduce='prod')'s double backward fails ("Cannot access storage of
+#: TensorWrapper"), under aot_eager and inductor alike.
+_UNTRACEABLE = {WRONG_FORWARD["ScatterReduceBackward0"]}
+
+
+def traced_jvp(f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...],
+               has_aux: bool, batched: bool, chunk_size: int | None, strict: bool
+               ) -> tuple[Any, ...]:
+    """jvp's plain form (:func:`~torch_vjp._engine.forms.plain_jvp`), with ``J t`` by
+    reverse over reverse where f runs an operator whose forward-mode formula torch has
+    wrong on a tangent (NOTE [J t by reverse over reverse, traced])."""
+    found: list[str | None] = []
+    with _WrongCalls(found):
+        res = plain_jvp(f, primals, tangents, has_aux, batched, chunk_size, strict)
+    if not (found and found[0]):
+        return res
+    if found[0] in _UNTRACEABLE:
+        raise untraceable(found[0], _name(f))
+    return _by_reverse(f, primals, tangents, has_aux, batched, chunk_size, res[1])
+
+
+def _name(f: Callable[..., Any]) -> str:
+    """f's name for the message, read while dynamo traces (which gave ``getattr(f,
+    "__qualname__", None)`` of a plain function as the descriptor of that attribute)."""
+    code = getattr(f, "__code__", None)
+    return str(code.co_qualname) if code is not None else function_name(f)
+
+
+def _by_reverse(f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...],
+                has_aux: bool, batched: bool, chunk_size: int | None, forward_tangents: Any
+                ) -> tuple[Any, ...]:
+    connected: list[bool] = []
+    box: list[Any] = []
+
+    def recorded(*xs: Any) -> Any:
+        # (torch.func.vjp takes floating outputs, and tensors as aux, only: the other
+        # outputs and the aux's tensors travel as its aux, the rest of both here)
+        res = f(*xs)
+        flat, spec = tree_flatten(res[0] if has_aux else res)
+        flat_aux, aux_spec = tree_flatten(res[1] if has_aux else None)
+        connected[:] = [_differentiable(o) and o.requires_grad for o in flat]
+        kept = [o for o, c in zip(flat, connected) if not c] + flat_aux
+        box[:] = [spec, aux_spec, [isinstance(o, Tensor) for o in kept], kept]
+        return (tuple(o for o, c in zip(flat, connected) if c),
+                [o for o in kept if isinstance(o, Tensor)])
+
+    diff_out, pull, tensors = func_vjp(recorded, *primals, has_aux=True)
+    spec, aux_spec, is_tensor, kept = box
+    given_t = iter(tensors)
+    kept = [next(given_t) if t else o for o, t in zip(kept, is_tensor)]
+    given_out, given_kept = iter(diff_out), iter(kept)
+    out = tree_unflatten([next(given_out) if c else next(given_kept) for c in connected], spec)
+    after = (tree_unflatten(list(given_kept), aux_spec),) if has_aux else ()
+    flat_fwd = tree_leaves(forward_tangents)
+    if not diff_out:  # (no output reverse mode reaches: forward mode's tangents, as they are)
+        return (out, forward_tangents) + after
+
+    def pulled(*u: Tensor) -> Any:
+        return pull(tuple(u))
+
+    _, pull2 = func_vjp(pulled, *(torch.ones_like(o) for o in diff_out))
+
+    def push(*tangent: Any) -> tuple[Tensor, ...]:
+        return pull2(tuple(tangent))
+
+    if batched:
+        got = torch.func.vmap(push, chunk_size=chunk_size)(*tangents)
+    else:
+        got = push(*tangents)
+    given = iter(got)
+    tan = [next(given) if c else fwd for c, fwd in zip(connected, flat_fwd)]
+    return (out, tree_unflatten(tan, spec)) + after
+
+
+def untraceable(op: str, name: str) -> JacobianCallError:
+    """The refusal of ``J t`` inside the user's ``torch.compile`` through ``op``, whose
+    forward-mode formula torch has wrong and whose reverse over reverse torch cannot
+    compile (NOTE [J t by reverse over reverse, traced])."""
+    return JacobianCallError(
+        f"torch_vjp.jvp: torch's forward-mode formula of {op} is wrong {_HOW[op]}, which f "
+        f"({name}) computes from the primals, so J t is computed by reverse over reverse "
+        f"there; but this call runs inside torch.compile, whose compiler cannot trace the "
+        f"double backward of {op} (torch 2.13's AOT tracing fails on it), so J t cannot be "
+        f"computed inside the compiled function.\n"
+        f"  Fix: call torch_vjp.jvp outside the compiled function, or inside it through "
+        f"torch.compiler.disable (a graph break: not with fullgraph=True); "
+        f"torch_vjp.jvp(..., compile=True) at top level computes it eagerly."
     )
