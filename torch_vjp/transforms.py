@@ -549,8 +549,9 @@ def jvp(
             reverse]; the graph is read from the products' own call of ``f`` on the first
             call per function and signature of the primals, which calls ``f`` once more
             there), and this error is raised only where that is wrong too: f also runs an
-            operator whose backward formula torch has wrong, an output does not require
-            grad, or a backward cannot be differentiated; inside the user's own
+            operator whose backward formula torch has wrong, an output computed from the
+            primals does not require grad (a constant's tangent is zeros), or a backward
+            cannot be differentiated; inside the user's own
             torch.compile (reverse over reverse is traced there too: NOTE [J t by reverse
             over reverse, traced]), through scatter_reduce(reduce='prod'), whose double
             backward torch cannot compile.

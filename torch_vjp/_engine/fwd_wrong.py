@@ -127,10 +127,14 @@ def reading_forward(g: Callable[..., Any], has_aux: bool
         found[:] = [found[0] if found and found[0] is not None else op]
         return res
 
+    def whole(*ys: Tensor) -> Any:
+        # (f's whole result as the aux: torch.func.vjp takes only floating outputs, and an
+        # integer output of f made the reading fail, and forward mode's wrong J t came back)
+        return torch.zeros(()), read(*ys)
+
     def recorded(*xs: Tensor) -> Any:
         with torch.enable_grad():
-            res = torch.func.vjp(read, *xs, has_aux=has_aux)
-        return (res[0], res[2]) if has_aux else res[0]
+            return torch.func.vjp(whole, *xs, has_aux=True)[2]
 
     return recorded, found
 

@@ -22,9 +22,9 @@ reverse over reverse cannot be right either:
 
 * f's graph also holds an operator whose backward formula torch has wrong (NOTE [named
   reverse strategies and wrong formulas] in :mod:`torch_vjp._engine.wrongops`);
-* a floating output of f does not require grad (computed from no primal, or under
-  ``torch.no_grad()`` inside f): reverse mode cannot tell its tangent, which forward mode
-  may carry, from zeros;
+* a floating output of f does not require grad but carries a tangent in forward mode
+  (computed under ``torch.no_grad()`` inside f): reverse mode cannot tell its tangent from
+  zeros (a constant output, which carries none, has zeros: NOTE [a constant output]);
 * a backward in f's graph cannot be differentiated (a custom ``autograd.Function`` with
   ``@once_differentiable``, or whose backward leaves autograd): under torch.func its
   products with ``u`` record no graph, without an error, and reverse over reverse
@@ -79,10 +79,11 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from torch_vjp._engine.context import func_vjp, is_nested
+from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.forms import plain_jvp
 from torch_vjp._engine.fwd_wrong import _DET, _HOW, _INSTEAD, _WrongCalls
 from torch_vjp._engine.jacobian import function_name
@@ -130,30 +131,37 @@ def pushforward_by_reverse(
     """
     read, found = reading_wrong_ops(g, has_aux)
     connected: list[bool] = []
+    box: list[Any] = []
 
     def recorded(*xs: Tensor) -> Any:
+        # (torch.func.vjp takes floating outputs only: the outputs that do not require grad,
+        # an integer one among them, travel with the aux)
         res = read(*xs)
-        out = res[0] if has_aux else res
-        connected[:] = [not _differentiable(o) or o.requires_grad for o in tree_leaves(out)]
-        return res
+        flat, spec = tree_flatten(res[0] if has_aux else res)
+        connected[:] = [not _differentiable(o) or o.requires_grad for o in flat]
+        diff = [_differentiable(o) and o.requires_grad for o in flat]
+        box[:] = [spec, diff]
+        return (tuple(o for o, d in zip(flat, diff) if d),
+                ([o for o, d in zip(flat, diff) if not d],) + ((res[1],) if has_aux else ()))
 
-    res = func_vjp(recorded, *leaves, has_aux=has_aux)
-    out, pull = res[0], res[1]
+    diff_out, pull, extra = func_vjp(recorded, *leaves, has_aux=True)
+    spec, diff = box
+    given_out, rest = iter(diff_out), iter(extra[0])
+    flat_out = [next(given_out) if d else next(rest) for d in diff]
+    out = tree_unflatten(flat_out, spec)
     batching, alone = found[0] if found else (None, None)
     if alone is not None:
         raise both_wrong(call, op, alone, name)
-    flat_out, spec = tree_flatten(out)
-    for i, ok in enumerate(connected):
-        if not ok:
+    loose = [i for i, ok in enumerate(connected) if not ok]
+    carried = _carried(g, leaves, has_aux) if loose else []  # NOTE [a constant output]
+    for i in loose:
+        if carried[i]:
             label = "output" if len(flat_out) == 1 else f"output {i} (flat)"
             raise unconnected(call, op, name, label, flat_out[i].shape)
-    diff = [_differentiable(o) for o in flat_out]
-    us = [torch.ones_like(o) for o, d in zip(flat_out, diff) if d]
+    us = [torch.ones_like(o) for o in diff_out]
 
     def pulled(*u: Tensor) -> Any:
-        given = iter(u)
-        return pull(tree_unflatten([next(given) if d else torch.zeros_like(o)
-                                    for o, d in zip(flat_out, diff)], spec))
+        return pull(tuple(u))
 
     def refused(err: RuntimeError) -> RuntimeError:
         if not any(words in str(err) for words in _NOT_TWICE):
@@ -161,13 +169,13 @@ def pushforward_by_reverse(
         return no_double_backward(call, op, name, err)
 
     try:
-        _, pull2 = func_vjp(pulled, *us)
+        pull2 = func_vjp(pulled, *us)[1] if us else None
     except RuntimeError as err:
         raise refused(err) from err
 
     def push(*tangent: Tensor) -> tuple[Tensor, ...]:
         try:  # (torch's double backward runs here: where it has none, it says so)
-            got = iter(pull2(tuple(tangent)))
+            got = iter(pull2(tuple(tangent)) if us else ())
         except RuntimeError as err:
             mine = refused(err)
             if mine is err:
@@ -175,13 +183,43 @@ def pushforward_by_reverse(
             raise mine from err
         return tuple(next(got) if d else torch.zeros_like(o) for o, d in zip(flat_out, diff))
 
-    if check and not is_nested():  # (an outer transform's batched values cannot be read)
-        gap = _dot_gap(pulled, push, leaves, [o for o, d in zip(flat_out, diff) if d])
+    if check and us and not is_nested():  # (an outer transform's batched values cannot
+        gap = _dot_gap(pulled, push, leaves, list(diff_out))  # be read)
         if gap is not None:
             raise not_twice(call, op, name, *gap)
     warn_once(("jvp by reverse over reverse", key), slower_message(call, op, name),
               JacobianWarning)
-    return ((out, res[2]) if has_aux else (out,)), push, batching is not None, spec
+    return (out,) + tuple(extra[1:]), push, batching is not None, spec
+
+
+# NOTE [a constant output]
+# A floating output of f that does not require grad in reverse mode is either a constant
+# (``torch.ones(3)``, computed from no primal: its tangent is zeros, as torch.func.jvp gives
+# it) or computed from the primals where reverse mode does not see it (under
+# ``torch.no_grad()`` or ``.detach()`` inside f), where forward mode carries a tangent that
+# reverse mode cannot tell from zeros. jvp refused both; the two are told apart by one
+# forward-mode call of f (on copies of the primals, the random generators forked), which
+# reads whether each output carries a tangent: only where one that does not require grad
+# carries one is J t refused, and a constant's is zeros. f is called once more only where
+# such an output is returned, which was refused before.
+
+
+def _carried(g: Callable[..., Any], leaves: tuple[Tensor, ...], has_aux: bool) -> list[bool]:
+    """Whether each flat output of ``g`` carries a tangent in forward mode (NOTE [a
+    constant output])."""
+    carries: list[bool] = []
+
+    def read(*xs: Tensor) -> Any:
+        res = g(*xs)
+        carries[:] = [isinstance(o, Tensor) and fwAD.unpack_dual(o).tangent is not None
+                      for o in tree_leaves(res[0] if has_aux else res)]
+        return res
+
+    xs = tuple(x.detach().clone() for x in leaves)
+    cuda = sorted({x.device.index or 0 for x in leaves if x.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        func_jvp(read, xs, tuple(torch.ones_like(x) for x in xs), has_aux=has_aux)
+    return carries
 
 
 def _dot_gap(pulled: Callable[..., Any], push: Callable[..., Any],
