@@ -11,16 +11,17 @@ over reverse]).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from torch_vjp._check_labels import Labels
-from torch_vjp._engine.compiled import Built, compiled_call
+from torch_vjp._engine.compiled import Built, compiled_call, tracing
 from torch_vjp._engine.copies import not_sharing
 from torch_vjp._engine.jacobian import function_key, function_name
 from torch_vjp._engine.problem import Problem
@@ -44,7 +45,7 @@ from torch_vjp._errors import (
     warn_once,
 )
 
-__all__ = ["probe_cotangents", "recording_connected"]
+__all__ = ["probe_cotangents", "recording_connected", "results_of_their_own"]
 
 
 @contextlib.contextmanager
@@ -346,3 +347,47 @@ def _jvp_by_reverse(prob: Problem, leaves: Callable[[], tuple[Tensor, ...]],
         return (res[0], tree_unflatten(list(tan), spec)) + tuple(res[1:])
 
     return before, reverse
+
+
+# NOTE [results of their own]
+# torch.func.vjp and torch.func.jvp hand back f's output as f returns it: for f = identity,
+# torch.func.vjp's output is the primal itself, torch.func.jvp's a tensor on its memory (and
+# its tangent the caller's tangent itself), and a view f returns (``x.view(-1)``, ``x.t()``)
+# is a view of the caller's tensor. So a write the caller made into its input afterwards
+# (``x.add_(1)``) changed the result it had been handed, and torch_vjp.jvp and
+# torch_vjp.vjp disagreed on whether the output was the primal itself. Every tensor of the
+# output, the aux and jvp's tangents that shares memory with a tensor the caller passed (a
+# primal, jvp's tangents) is a copy of it instead (a clone: its autograd history kept), in
+# both: one copy of such outputs only, none where an output is f's own new tensor. Not
+# inside the user's torch.compile, which traces the plain form (NOTE [compiled Jacobians]).
+
+
+def results_of_their_own(which: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``vjp`` or ``jvp`` (``which``) with every tensor of its output, aux and (jvp's)
+    tangents that shares memory with a tensor the caller passed replaced by a copy (NOTE
+    [results of their own])."""
+
+    def own(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            res = fn(*args, **kwargs)
+            if tracing() or not isinstance(res, tuple):
+                return res
+            if which == "jvp":
+                given = [*tree_leaves(args[1:3]), *tree_leaves(
+                    (kwargs.get("primals"), kwargs.get("tangents")))]
+                at = range(len(res))
+            else:
+                given, at = tree_leaves(args[1:]), [i for i in range(len(res)) if i != 1]
+            given = [t for t in given if isinstance(t, Tensor)]
+            if not given:
+                return res
+            res = list(res)
+            for i in at:
+                flat, spec = tree_flatten(res[i])
+                res[i] = tree_unflatten(list(not_sharing(tuple(flat), given)), spec)
+            return tuple(res)
+
+        return wrapper
+
+    return own

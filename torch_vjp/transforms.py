@@ -63,6 +63,7 @@ from torch_vjp._transform_support import (
     _vectorised_or_loop,
     probe_cotangents,
     recording_connected,
+    results_of_their_own,
 )
 
 __all__ = ["vjp", "jvp"]
@@ -120,6 +121,7 @@ def vjp(
 ) -> tuple[Any, Callable[..., Any], Any]: ...
 
 
+@results_of_their_own("vjp")  # NOTE [results of their own]
 def vjp(
     f: Callable[..., Any], *primals: Any, has_aux: bool = False, compile: bool = False
 ) -> tuple[Any, ...]:
@@ -142,7 +144,9 @@ def vjp(
             ``vjp_fn`` with ``retain_graph`` or ``create_graph`` run eagerly.
 
     As with torch.func.vjp, ``f`` is called once, on the primals themselves: a write ``f``
-    makes into a primal reaches the caller's tensor.
+    makes into a primal reaches the caller's tensor. Unlike it, an output or aux that is a
+    primal, or a view of one (``f = lambda x: x``), is handed back as a copy, so that a
+    later write into the primal does not change it (NOTE [results of their own]).
 
     Returns:
         ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with ``has_aux``). ``vjp_fn(
@@ -499,6 +503,7 @@ def jvp(
 ) -> tuple[Any, Any, Any]: ...
 
 
+@results_of_their_own("jvp")  # NOTE [results of their own]
 def jvp(
     f: Callable[..., Any],
     primals: tuple[Any, ...],
@@ -533,7 +538,9 @@ def jvp(
 
     Returns:
         ``(output, jvp_out)``: ``jvp_out`` in the output's structure, each shaped like its
-        output (with the leading K when ``batched``).
+        output (with the leading K when ``batched``). Unlike torch.func.jvp's, an output,
+        aux or tangent that is a primal or a tangent given, or a view of one, is a copy
+        (NOTE [results of their own]).
 
     Raises:
         GradOutputsError: tangents of the wrong structure, shape, batch size, dtype or
