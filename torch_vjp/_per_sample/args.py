@@ -247,31 +247,38 @@ def access(path: str) -> str:
     return out
 
 
-def check_static_mixing(fn: str, model: nn.Module) -> None:
-    """Raises PerSampleError for layers whose output for one example depends on the others."""
+def check_static_mixing(fn: str, model: nn.Module, batch: int) -> bool:
+    """Raises PerSampleError for layers whose output for one example depends on the others
+    (a BatchNorm that normalises with the batch's statistics). With one example there is no
+    other example to depend on: nothing is raised, and False says the answer may differ at
+    another batch size (the caller does not cache it); True where the model has no such layer."""
     for path, m in model.named_modules():
         check_opacus_hooks(fn, path, m)
         where = f"module '{path}'" if path else "the model itself"
         kind = type(m).__name__
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             c = getattr(m, "num_features", "C")
+            if m.running_mean is None or m.running_var is None:
+                if batch <= 1:
+                    return False
+                raise PerSampleError(
+                    f"torch_vjp.{fn}: {where} ({kind}) has no running statistics "
+                    f"(track_running_stats=False), so it normalises each example with the "
+                    f"statistics of the whole batch in training and in eval mode alike, and "
+                    f"per-sample gradients are not defined.\n  Fix: replace it with "
+                    f"nn.GroupNorm(num_groups, {c}), which normalises each example on its own, "
+                    f"or build it with track_running_stats=True and use it in eval mode."
+                )
             if m.training:
+                if batch <= 1:
+                    return False
                 raise PerSampleError(
                     f"torch_vjp.{fn}: {where} ({kind}) is in training mode, where it normalises "
                     f"each example with the mean and variance of the whole batch, so one "
                     f"example's gradient depends on every other example and per-sample "
                     f"gradients are not defined.\n" + _BN_FIX.format(access=access(path), c=c)
                 )
-            if m.running_mean is None or m.running_var is None:
-                raise PerSampleError(
-                    f"torch_vjp.{fn}: {where} ({kind}) has no running statistics "
-                    f"(track_running_stats=False), so it normalises each example with the "
-                    f"statistics of the whole batch even in eval mode, and per-sample "
-                    f"gradients are not defined.\n  Fix: replace it with "
-                    f"nn.GroupNorm(num_groups, {c}), which normalises each example on its own, "
-                    f"or build it with track_running_stats=True and use it in eval mode."
-                )
-
+    return True
 
 
 @dataclass

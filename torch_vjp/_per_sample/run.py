@@ -119,7 +119,8 @@ def prepare(fn: str, model: Any, loss_fn: Any, inputs: Any, targets: Any, params
     sel = cache.get(key)
     if sel is None:
         sel = select(fn, model, strip_prefix(params, prefix))
-        check_static_mixing(fn, model)
+        if not check_static_mixing(fn, model, batch):
+            key = None  # (a BatchNorm of the batch's statistics, at one example: checked again)
         sel.training = training
         sel.tables = _tables(model, frozenset(map(id, sel.tensors.values())))
         if prefix:  # results named as the wrappers name the parameters
