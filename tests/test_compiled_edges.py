@@ -138,14 +138,19 @@ def test_forward_mode_with_create_graph_is_not_compiled_into_a_crashing_program(
     # NOTE [forward mode with create_graph, eager]: inductor's forward-mode programs with
     # create_graph=True crashed the process in backward (a segmentation fault), so the
     # calls run in a process of their own here
-    import os
-    import subprocess
-    import sys
     import textwrap
+
+    from _shared_functions import run_forked
 
     code = textwrap.dedent("""
         import itertools, warnings
         import torch, torch_vjp as tv
+        from torch._inductor import config
+        # (inductor's scalar C++ kernels, compiled in the process itself: no probing of the
+        # CPU's vector instructions by compiling test programs, no pool of compile workers
+        # each importing torch; half the CPU time on a cold cache. The crash is in the
+        # backward of inductor's forward-mode programs, whatever their kernels' instructions)
+        config.cpp.vec_isa_ok, config.compile_threads = False, 1
         D = torch.float64
         W = torch.randn(3, 3, dtype=D, requires_grad=True)
         f = lambda x: torch.tanh(x @ W.T) * x
@@ -177,15 +182,11 @@ def test_forward_mode_with_create_graph_is_not_compiled_into_a_crashing_program(
                 assert len(said) == 1 and "crashes the process" in said[0], (name, said)
         print("done")
     """)
-    # (inductor's scalar C++ kernels, compiled in the process itself: no probing of the
-    # CPU's vector instructions by compiling test programs, no pool of compile workers each
-    # importing torch; half the CPU time on a cold cache. The crash is in the backward of
-    # inductor's forward-mode programs, whatever their kernels' instructions)
-    env = {**os.environ, "TORCHINDUCTOR_VEC_ISA_OK": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().endswith("done")
+    # (a child of the fork server the distributed tests' ranks share: torch and torch_vjp
+    # imported there once, not again in a fresh interpreter; a crash ends the child only)
+    printed, error = run_forked(code, timeout=600)
+    assert not error, error
+    assert printed.strip().endswith("done")
 
 
 def test_no_grad_and_inference_mode_alternated_each_keep_their_program():
