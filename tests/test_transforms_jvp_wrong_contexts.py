@@ -72,17 +72,16 @@ def test_the_references_agree_and_forward_mode_is_wrong_at_a_singular_matrix():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("fullgraph", [False, True])
 @pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("name,f,x", POINTS, ids=[p[0] for p in POINTS])
-def test_inside_the_users_torch_compile(name, f, x, batched, fullgraph):
-    if name == "scatter-prod":
-        pytest.skip("refused: test_inside_the_users_torch_compile_scatter_prod_is_refused")
-    # (the plain form, torch.func.jvp, returned J t = 0 at the singular matrix, 11.7 off)
+@pytest.mark.parametrize("name,f,x", POINTS[:-1], ids=[p[0] for p in POINTS[:-1]])
+def test_inside_the_users_torch_compile(name, f, x, batched):
+    # (the plain form, torch.func.jvp, returned J t = 0 at the singular matrix, 11.7 off.
+    # fullgraph=True: one graph, so the same trace as without it, and a graph break fails;
+    # scatter-prod: test_inside_the_users_torch_compile_scatter_prod_is_refused)
     t = _tangents(x, k=3 if batched else None)
     compiled = torch.compile(
         lambda x, t: tv.jvp(f, (x,), (t,), batched=batched, chunk_size=2 if batched else None),
-        backend="aot_eager", fullgraph=fullgraph)
+        backend="aot_eager", fullgraph=True)
     out, jt = _quiet(compiled, x, t)
     torch.testing.assert_close(out, f(x))
     torch.testing.assert_close(jt, _references(f, x, t, batched))
