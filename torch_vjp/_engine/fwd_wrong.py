@@ -60,6 +60,14 @@ operator is read again; a branch on the values of tensors is read where it first
 named reverse strategies read their graph on every call, which they record anyway). Only
 calls f makes from Python are read (``torch.scatter_reduce``, ``Tensor.scatter_reduce(_)``,
 ``torch.triangular_solve``), not one inside another operator's C++ code.
+
+NOTE [named forward in inference mode]
+Under ``torch.inference_mode()`` the named forward strategies skipped that reading (as
+:func:`forward_checked` does for the readings of f's graph, which record nothing there),
+and returned forward mode's Jacobian through det at a singular matrix, zeros, without a
+word, where the same call outside the mode was refused. Their reading records no graph (a
+torch function mode, and forward-mode tangents, which run in that mode), so it is made, and
+remembered, there too.
 """
 
 from __future__ import annotations
@@ -228,7 +236,7 @@ def named_reading(prob: Any, opts: Any, strategy: str
     # that chooses another operator is read again there)
     key = ("jacobian: forward formulas",
            signature(route_key(prob.f), prob.leaves, opts.batch, prob.primals), prob.argnums)
-    known = forward_checked(key)
+    known = forward_checked(key, in_inference=True)  # NOTE [named forward in inference mode]
     if known:
         raise named_forward(prob.call, known, opts.named[0], strategy)
     if known is not None:
