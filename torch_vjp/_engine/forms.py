@@ -33,6 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torch_vjp._engine.context import FORWARD_AD, NO_CONTEXT
 from torch_vjp._engine.context import func_jvp as jvp
+from torch_vjp._engine.fwd_wrong import _grad_mode_call, _WrongCalls, named_forward, traced_name
+from torch_vjp._engine.gradmode import in_grad_mode
 from torch_vjp._engine.fwdcheck import tolerance
 from torch_vjp._engine.problem import normalize_argnums
 from torch_vjp._engine.rows import basis_rows, passes_through
@@ -133,11 +135,15 @@ def forward_mode_agrees(
         return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype).to(t.device)
 
     v = tree_map(draw, diff)
+    found: list[str | None] = []
     try:
-        _, jv = jvp(g, diff, v)
+        with _WrongCalls(found):  # NOTE [forward mode through a wrong formula, traced]
+            _, jv = jvp(g, diff, v)
     except Exception as err:  # noqa: BLE001 - forward mode refused (the eager call ran f)
         if passes_through(err):
             raise
+        return False
+    if found and found[0]:
         return False
     out, pullback = vjp(g, *diff)  # (a random f disagrees with itself: reverse mode, then)
     flat_out = tree_flatten(out)[0]
@@ -175,6 +181,7 @@ def plain_jacobian(
     how the result's memory is allocated (:func:`torch_vjp._engine.memory.new_buffer`).
     """
     nums = normalize_argnums(argnums, len(primals), call=call)
+    named = mode
     if mode is None:
         mode = auto_mode(f, primals, argnums, has_aux)
     leaves, spec = tree_flatten(tuple(primals[i] for i in nums))
@@ -186,7 +193,9 @@ def plain_jacobian(
         return f(*full)
 
     if mode == "rev":
-        res = vjp(g, *leaves, has_aux=has_aux)
+        det: list[str | None] = []  # NOTE [reverse mode through det, traced]
+        with _reading(det, not torch.is_grad_enabled(), _grad_mode_call):
+            res = vjp(g, *leaves, has_aux=has_aux)
         outs, out_spec = tree_flatten(res[0])
         if not outs or not all(o.numel() for o in outs):
             return jacrev(f, argnums, has_aux=has_aux, chunk_size=chunk_size)(*primals)
@@ -194,7 +203,8 @@ def plain_jacobian(
         def pull(*b: Tensor) -> Any:
             return res[1](tree_unflatten(list(b), out_spec))
 
-        rows = vmap(pull, chunk_size=chunk_size)(*_basis(outs))
+        rows = vmap(pull, chunk_size=chunk_size)(*_basis(outs)) if not det else in_grad_mode(
+            vmap(pull, chunk_size=chunk_size), *_basis(outs))
         blocks, off = [], 0
         for o in outs:
             blocks.append([r[off:off + o.numel()].reshape(*o.shape, *r.shape[1:]) for r in rows])
@@ -211,7 +221,13 @@ def plain_jacobian(
             res = jvp(g, tuple(leaves), b, has_aux=has_aux)
             return (res[1], res[2]) if has_aux else res[1]
 
-        res = vmap(push, chunk_size=chunk_size)(*_basis(leaves))
+        found: list[str | None] = []
+        with _reading(found, call == "torch_vjp.jacobian"):
+            res = vmap(push, chunk_size=chunk_size)(*_basis(leaves))
+        if found and found[0]:  # NOTE [forward mode through a wrong formula, traced]
+            if named is not None:
+                raise named_forward(call, found[0], traced_name(f), _named(chunk_size))
+            return plain_jacobian(f, primals, argnums, has_aux, "rev", chunk_size, out, call)
         cols, out_spec = tree_flatten(res[0] if has_aux else res)
         blocks = []
         for c in cols:
@@ -232,6 +248,51 @@ def plain_jacobian(
     return (jac, aux) if has_aux else jac
 
 
+# NOTE [forward mode through a wrong formula, traced]
+# Inside the user's torch.compile, torch_vjp.jacobian and torch_vjp.batch_jacobian return
+# their plain form (NOTE [compiled Jacobians]), where the eager path's reading of f's calls
+# (NOTE [forward mode through a wrong formula] in :mod:`torch_vjp._engine.fwd_wrong`) does
+# not run: through det at a singular matrix, strategy='fwd' and 'auto' (by size, forward
+# mode) returned forward mode's wrong Jacobian (zeros) without a word. So the forward-mode
+# products of the plain forms run, while dynamo traces them, under
+# :class:`~torch_vjp._engine.fwd_wrong._WrongCalls`, the torch function mode torch_vjp.jvp
+# traces for the same reason (NOTE [J t by reverse over reverse, traced] in
+# :mod:`torch_vjp._engine.revjvp`): the answer is known when the program is traced, no
+# graph break. Where f runs an operator of that list on a tangent, a named forward strategy
+# is refused with the eager path's StrategyError (:func:`named_forward`; the plain form is
+# given the mode, not the name: a chunk of 1 is named 'fwd-loop', as :func:`plain_chunk`
+# gives it), and "auto" computes with reverse mode, in the same graph (the forward products,
+# unused, are left out by the compiler); without the eager path's one-time warning.
+# ``compile=True``'s "auto" chooses its mode eagerly with :func:`forward_mode_agrees`, which
+# reads its forward product the same way (eagerly) and takes reverse mode there, as the
+# eager "auto" does at every point. The Hessian's forward over reverse is not read here.
+
+# NOTE [reverse mode through det, traced]
+# The plain form of a detached Jacobian runs under ``torch.no_grad()`` (:func:`plain_context`),
+# where torch's backward of det takes its branch wrong at singular matrices (NOTE [a backward
+# right only in grad mode] in :mod:`torch_vjp._engine.wrongops`): strategy='rev' inside the
+# user's torch.compile returned zeros through det at a singular matrix, without a word, and
+# so would "auto" routed to reverse mode. While dynamo traces, the reverse call of f runs
+# under the same torch function mode reading whether f calls det; where it does, and grad
+# mode is off, the pullbacks run in grad mode, their results detached
+# (:func:`~torch_vjp._engine.gradmode.in_grad_mode`, as the eager products do).
+
+
+def _reading(found: list[str | None], read: bool,
+             which: Callable[..., str | None] | None = None) -> Any:
+    """The mode that reads f's calls (of :func:`~torch_vjp._engine.fwd_wrong._wrong_call`,
+    or of ``which``) into ``found`` while dynamo traces (NOTE [forward mode through a wrong
+    formula, traced]), where ``read``; else no context."""
+    if read and torch.compiler.is_compiling():
+        return _WrongCalls(found, which)
+    return contextlib.nullcontext()
+
+
+def _named(chunk_size: int | None) -> str:
+    """The named forward strategy of a plain form's chunk size (:func:`plain_chunk`)."""
+    return "fwd-loop" if chunk_size == 1 else "fwd"
+
+
 def batch_mode(f: Callable[[Tensor], Any], x: Tensor) -> str:
     """``"rev"`` or ``"fwd"`` for per-example Jacobians, by the per-row sizes."""
     out = tree_flatten(output_of(f, (x,), False))[0]
@@ -247,6 +308,7 @@ def plain_batch_jacobian(
     of a row through every row at once."""
     row = tuple(x.shape[1:])
     n_in = math.prod(row)
+    named = mode
     if mode is None:
         mode = batch_mode(f, x)
     if mode == "rev":
@@ -259,7 +321,14 @@ def plain_batch_jacobian(
     def push(t: Tensor) -> Any:
         return jvp(f, (x,), (t,))[1]
 
-    cols = vmap(push, chunk_size=chunk_size)(basis)
+    found: list[str | None] = []
+    with _reading(found, True):
+        cols = vmap(push, chunk_size=chunk_size)(basis)
+    if found and found[0]:  # NOTE [forward mode through a wrong formula, traced]
+        if named is not None:
+            raise named_forward("torch_vjp.batch_jacobian", found[0], traced_name(f),
+                                _named(chunk_size))
+        return plain_batch_jacobian(f, x, "rev", chunk_size)
     return tree_map(lambda c: c.movedim(0, -1).reshape(*c.shape[1:], *row), cols)
 
 

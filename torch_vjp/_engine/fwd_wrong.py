@@ -82,12 +82,12 @@ from torch.utils._pytree import tree_leaves
 
 from torch_vjp._engine.graph import graph_nodes
 from torch_vjp._engine.rows import passes_through
-from torch_vjp._engine.wrongops import WRONG_FORWARD, WRONG_FORWARD_WHERE
+from torch_vjp._engine.wrongops import GRAD_MODE_BACKWARD, WRONG_FORWARD, WRONG_FORWARD_WHERE
 from torch_vjp._errors import StrategyError
 
 __all__ = ["auto_forward_message", "forward_checked", "forward_read", "jvp_read_once",
            "named_forward",
-           "named_read", "named_reading", "reading_forward", "wrong_forward"]
+           "named_read", "named_reading", "reading_forward", "traced_name", "wrong_forward"]
 
 _SCATTER = WRONG_FORWARD["ScatterReduceBackward0"]
 #: How each op's forward-mode formula is wrong.
@@ -201,19 +201,30 @@ def _wrong_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str |
     return None
 
 
-class _WrongCalls(TorchFunctionMode):
-    """Records in ``found`` the first op of :func:`_wrong_call` f calls (f's results are
-    its own: every call passes on untouched)."""
+def _grad_mode_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """The op of :data:`GRAD_MODE_BACKWARD` the call ``func(*args, **kwargs)`` runs (its
+    backward right only in grad mode: NOTE [a backward right only in grad mode] in
+    :mod:`torch_vjp._engine.wrongops`), or None."""
+    if getattr(func, "__name__", None) in ("linalg_det", "det"):
+        return GRAD_MODE_BACKWARD["LinalgDetBackward0"]
+    return None
 
-    def __init__(self, found: list[str | None]) -> None:
+
+class _WrongCalls(TorchFunctionMode):
+    """Records in ``found`` the first op of :func:`_wrong_call` (or of ``which``) f calls
+    (f's results are its own: every call passes on untouched)."""
+
+    def __init__(self, found: list[str | None], which: Callable[..., str | None] | None = None
+                 ) -> None:
         super().__init__()
         self.found = found
+        self.which = _wrong_call if which is None else which
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if not (self.found and self.found[0]):
-            op = _wrong_call(func, args, kwargs)
+            op = self.which(func, args, kwargs)
             if op is not None:
                 self.found[:] = [op]
         return func(*args, **kwargs)
@@ -284,6 +295,15 @@ def jvp_read_once(key: Hashable, g: Callable[..., Any], has_aux: bool
         return res
 
     return read_once
+
+
+def traced_name(f: Callable[..., Any]) -> str:
+    """f's name for a message, read while dynamo traces too (which gave ``getattr(f,
+    "__qualname__", None)`` of a plain function as the descriptor of that attribute)."""
+    from torch_vjp._engine.jacobian import function_name  # (it imports this module)
+
+    code = getattr(f, "__code__", None)
+    return str(code.co_qualname) if code is not None else function_name(f)
 
 
 def named_forward(call: str, op: str, name: str, strategy: str) -> StrategyError:
