@@ -553,7 +553,7 @@ def hessian(
             except RuntimeError as again:
                 raise_no_double_backward(f, strat.name, again, call)
                 raise
-        if fallback and res.mode == "fwd" and not is_nested() and not any(
+        if fallback and not is_nested() and not any(
                 x.device.type == "meta" for x in outer.leaves):  # (no numbers to compare)
             res = forward_over_reverse_checked(f, outer, res, outer_blocks, call)
         warn_disconnected(outer, res)

@@ -45,6 +45,7 @@ from torch_vjp._engine.blocks import Blocks
 from torch_vjp._engine.fwdcheck import (
     CHECKED,
     PIECE,
+    cotangent,
     largest_difference,
     least_precise,
     max_abs_difference,
@@ -129,12 +130,19 @@ def forward_over_reverse_checked(
 ) -> Blocks:
     """The forward-over-reverse Hessian ``res`` if it is symmetric, or agrees with
     reverse-over-reverse; else reverse-over-reverse's, with a one-time warning. See NOTE
-    [forward over reverse, checked] above."""
+    [forward over reverse, checked] above. A Hessian "auto" computed reverse over reverse
+    (forward mode could not run f) is returned as it is; either route's Hessian that stays
+    asymmetric is said (NOTE [an asymmetric Hessian, said])."""
     diff, scale = asymmetry(res.blocks, outer.leaves)
     rtol = tolerance(outer.leaves[0].dtype)
     # (a float32 step inside a float64 f, as the RMSNorm of Llama and T5, rounds every
     # route at float32's: its asymmetry is that rounding, no wrong formula)
     symmetric = diff <= rtol * scale or diff <= tolerance(_least_precise(outer)) * scale
+    if res.mode != "fwd":
+        if not symmetric:
+            _say_asymmetric(f, outer, diff, scale, "reverse over reverse (forward mode "
+                            "could not run f)", call)
+        return res
     # (the reverse product is compared once per function and signature, as "auto"'s
     # Jacobian is: NOTE [forward over reverse, checked])
     key = ("hessian: forward over reverse",
@@ -155,11 +163,30 @@ def forward_over_reverse_checked(
             raise
         return res
     gap = float(largest_difference(res.blocks, rev.blocks))
-    if gap <= rtol * scale:
-        return res  # asymmetric for real (f is not smooth here): both routes agree
+    if gap <= rtol * scale:  # both routes agree: said (NOTE [an asymmetric Hessian, said])
+        _say_asymmetric(f, outer, diff, scale, "forward over reverse and reverse over "
+                        "reverse alike", call)
+        return res
     if gap <= rtol * _gradient_scale(outer):
         # (a Hessian that is zero comes back as rounding, entries of 1e-14 whose scale is
         # their own; the gradient's scale over the input's says what rounding is here)
+        return res
+    if _quotient_sides_with_forward(f, outer, res, rev):
+        # NOTE [reverse over reverse, outvoted]
+        warn_once(
+            ("rev-over-rev outvoted", function_key(f)),
+            f"{call}: forward-over-reverse (strategy='auto') and reverse-over-reverse give "
+            f"different Hessians of {function_name(f)} (by up to {gap:.3g}), and a "
+            f"difference quotient of f's gradient agrees with forward over reverse: autograd "
+            f"cannot differentiate f's backward a second time in reverse mode, as where a "
+            f"custom torch.autograd.Function's backward is marked "
+            f"@torch.autograd.function.once_differentiable or runs under torch.no_grad (its "
+            f"second derivative then comes back as zeros). strategy='auto' returned the "
+            f"forward-over-reverse Hessian.\n  Pass strategy='fwd' to compute it that way "
+            f"directly; strategy='rev' gives the other Hessian. This warning is shown once "
+            f"per function.",
+            JacobianWarning,
+        )
         return res
     how = ("that is symmetric, but one reverse-over-reverse product disagrees with it"
            if symmetric else
@@ -178,6 +205,97 @@ def forward_over_reverse_checked(
         JacobianWarning,
     )
     return rev
+
+
+def _quotient_sides_with_forward(f: Callable[..., Any], outer: Problem, res: Blocks,
+                                 rev: Blocks) -> bool:
+    """Whether a central difference quotient of f's gradient along a random direction agrees
+    with the forward-over-reverse Hessian ``res`` and not with the reverse-over-reverse
+    ``rev``.
+
+    NOTE [reverse over reverse, outvoted]
+    Where the two routes disagree, "auto" takes reverse over reverse, whose formulas are the
+    ones every gradient uses (NOTE [forward over reverse, checked]). But reverse over reverse
+    can be the wrong one: through a custom autograd.Function whose backward is marked
+    once_differentiable (or runs under torch.no_grad), the gradient's reverse-mode
+    derivative comes back as zeros, silently, while forward mode differentiates the
+    backward's operations themselves and is right. A third opinion that runs no derivative
+    formula of the gradient decides: ``(g(x + h v) - g(x - h v)) / 2h`` for a scalar f (its
+    gradient shaped as its inputs), with ``h = eps^(1/3)`` of the input's scale, against
+    ``H v`` read from each route's blocks (``v^T H``: a Hessian of a scalar is symmetric),
+    at a tolerance of ``eps^(1/4)`` of the larger scale. Forward over reverse is kept only
+    where the quotient agrees with it and not with reverse over reverse; nothing is decided
+    where f draws random numbers (the quotient's calls would draw others: the generators
+    are put back), where the gradient cannot be had, or for complex or non-finite points."""
+    leaves = outer.leaves
+    if any(x.is_complex() or not x.dtype.is_floating_point for x in leaves) or not all(
+            bool(torch.isfinite(x).all()) for x in leaves):
+        return False
+    gen = torch.Generator().manual_seed(1)
+    vs = [cotangent(x, gen) for x in leaves]
+    eps = max(torch.finfo(x.dtype).eps for x in leaves)
+    size = max([float(x.detach().abs().max()) for x in leaves if x.numel()] + [1.0])
+    h = eps ** (1 / 3) * size
+    draws = SameDraws(lambda: own_generators(SimpleNamespace(f=f, primals=outer.primals)),
+                      host=True)
+    draws()  # (the generators' states, kept)
+    try:
+        with torch.no_grad():
+            sides = []
+            for sign in (1.0, -1.0):
+                g = outer.g(*[(x.detach() + sign * h * v).to(x.dtype)
+                              for x, v in zip(leaves, vs)])
+                sides.append(tree_flatten(g)[0])
+        drew = _drew(draws)
+    except Exception as err:  # noqa: BLE001 - no quotient: nothing decided
+        if passes_through(err):
+            raise
+        return False
+    finally:
+        draws()  # (put back)
+    plus, minus = sides
+    if drew or len(plus) != len(leaves) or not all(
+            isinstance(a, Tensor) and a.shape == x.shape for a, x in zip(plus, leaves)):
+        return False  # (a scalar f only: its gradient is shaped as its inputs)
+    quotient = [((a - b) / (2 * h)).detach() for a, b in zip(plus, minus)]
+    got = (plus, vs, quotient)
+    fwd_gap, fwd_scale = reverse_gap(outer, res, None, got)
+    rev_gap, rev_scale = reverse_gap(outer, rev, None, got)
+    rtol = eps ** 0.25
+    scale = max(fwd_scale, rev_scale)
+    return fwd_gap <= rtol * scale < rev_gap
+
+
+def _say_asymmetric(f: Callable[..., Any], outer: Problem, diff: float, scale: float,
+                    route: str, call: str) -> None:
+    """A one-time warning that the Hessian "auto" returns is not symmetric (NOTE [an
+    asymmetric Hessian, said]), unless its asymmetry is rounding of a Hessian that is zero.
+
+    NOTE [an asymmetric Hessian, said]
+    A Hessian that both routes compute asymmetric, or that reverse over reverse alone
+    computes so, is no wrong forward-mode formula: f is not twice differentiable at the
+    point (a kink, where mixed partial derivatives may differ), or autograd differentiates
+    f's gradient wrongly: a custom autograd.Function whose backward detaches a saved tensor
+    or runs under torch.no_grad drops those terms, and both routes differentiate that same
+    backward. torch.func.hessian and torch.autograd.functional.hessian return it silently;
+    "auto" returns it too (there is no other route to take), and says so once per
+    function."""
+    if diff <= tolerance(_least_precise(outer)) * _gradient_scale(outer):
+        return  # (rounding of a Hessian that is zero: as in forward_over_reverse_checked)
+    warn_once(
+        ("asymmetric hessian", function_key(f)),
+        f"{call}: the Hessian of {function_name(f)} is not symmetric (entries that must be "
+        f"equal differ by up to {diff:.3g}, at a scale of {scale:.3g}), computed by "
+        f"{route}: either f is not twice differentiable at this point, or autograd "
+        f"differentiates f's gradient wrongly, as where a custom torch.autograd.Function's "
+        f"backward detaches a saved tensor or runs under torch.no_grad (its Hessian then "
+        f"lacks those terms). strategy='auto' returned the Hessian as computed.\n"
+        f"  Fix: write the backward of each custom autograd.Function with differentiable "
+        f"torch operations of its saved tensors (torch.autograd.gradgradcheck checks it), "
+        f"or mark it @torch.autograd.function.once_differentiable so that a Hessian through "
+        f"it is refused. This warning is shown once per function.",
+        JacobianWarning,
+    )
 
 
 def _reverse_agrees(f: Callable[..., Any], outer: Problem, res: Blocks) -> bool | None:
