@@ -22,15 +22,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from torch_vjp._engine.blocks import Blocks, assemble
-from torch_vjp._engine.compiled import (
-    COMPILED_STRATEGIES,
-    Built,
-    check_compilable,
-    check_compile,
-    compiled_call,
-    tracing,
-    warn_budget,
-)
+from torch_vjp._engine.compiled import (COMPILED_STRATEGIES, Built, check_compilable,
+                                        check_compile, compiled_call, tracing, warn_budget)
 from torch_vjp._engine.compile_checks import graph_safe_mode
 from torch_vjp._engine.compiled_jacobian import compiled_jacobian, wrong_reverse
 from torch_vjp._engine.computed import computed_jacobian, tensors_of
@@ -408,10 +401,10 @@ def hessian(
     mode, which is what a gradient costs least in):
 
     * ``"auto"``: forward over reverse, as ``torch.func.hessian``; falls back to loops,
-      warning once, when vmap cannot batch ``f``; where the result is not symmetric beyond
-      rounding and reverse over reverse disagrees with it (an operator whose forward-mode
-      formula is wrong, such as ``torch.triangular_solve``'s), returns reverse over
-      reverse, warning once;
+      warning once, when vmap cannot batch ``f``; where reverse over reverse disagrees with
+      it, returns reverse over reverse (a wrong forward-mode formula: torch.triangular_solve)
+      unless a difference quotient of the gradient sides with forward over reverse (a
+      custom Function marked once_differentiable), warning once either way;
     * ``"fwd"``: forward over reverse; ``"rev"``: reverse over reverse;
     * ``"fwd-loop"``, ``"rev-loop"``: the same in Python loops, without vmap.
 
@@ -440,8 +433,10 @@ def hessian(
             with the fix (for attention, the math kernel).
 
     Warns:
-        JacobianWarning: once per function, when ``"auto"`` falls back to a loop, or returns
-            reverse over reverse because forward over reverse was wrong, or (``"auto"`` and
+        JacobianWarning: once per function, when ``"auto"`` falls back to a loop, returns
+            reverse over reverse because forward over reverse was wrong, or the other way
+            round, or returns an asymmetric Hessian (f's backward cannot be differentiated
+            right, or f is not twice differentiable at the point), or (``"auto"`` and
             the loop strategies) computes with plain autograd because torch.func's
             transforms cannot run ``f``: it changes a tensor it captured in place (a module
             in training mode updating its running statistics), or calls a custom
