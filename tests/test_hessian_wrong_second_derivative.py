@@ -137,3 +137,41 @@ def test_a_symmetric_hessian_through_a_right_function_says_nothing():
         warnings.simplefilter("error", tv.JacobianWarning)
         H = tv.hessian(k, x)
     torch.testing.assert_close(H, torch.func.hessian(k)(x))
+
+
+def test_a_vectorised_hessian_wrong_alike_by_both_routes_is_replaced_by_the_loop():
+    # NOTE [vectorised, outvoted]: a batching rule wrong in GPT-2's second derivatives gave
+    # both vectorised routes (and torch.func.hessian) the same asymmetric, wrong cross block
+    transformers = pytest.importorskip("transformers")
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=11,
+                                  n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    ids = torch.randint(0, 11, (2, 5))
+    names = ["transformer.h.0.attn.c_attn.bias", "transformer.h.1.ln_1.weight"]
+    params = {k: v.detach().clone() for k, v in model.named_parameters() if k in names}
+
+    def gpt2_loss(p):
+        return functional_call(model, p, (ids,), {"labels": ids}).loss
+
+    sizes = [params[k].numel() for k in names]
+
+    def flat_loss(flat):
+        parts = flat.split(sizes)
+        return gpt2_loss({k: t.view_as(params[k]) for k, t in zip(names, parts)})
+
+    flat = torch.cat([params[k].reshape(-1) for k in names])
+    expected = torch.autograd.functional.hessian(flat_loss, flat)  # (plain autograd rows)
+    with pytest.warns(tv.JacobianWarning, match=(
+            r"^torch_vjp\.hessian: the vectorised Hessian of \S*gpt2_loss \(strategy='auto'\)"
+            r" is not symmetric (?s:.*)the Hessian computed in a Python loop, without "
+            r"torch\.vmap, is symmetric: an operator in f has a wrong batching rule in its "
+            r"derivatives\. strategy='auto' returned the loop's Hessian\.\n  Pass "
+            r"strategy='rev-loop'")):
+        H = tv.hessian(gpt2_loss, params)
+    got = torch.cat([torch.cat([H[a][b].reshape(params[a].numel(), params[b].numel())
+                                for b in names], 1) for a in names])
+    torch.testing.assert_close(got, expected)

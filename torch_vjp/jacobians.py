@@ -435,7 +435,8 @@ def hessian(
     Warns:
         JacobianWarning: once per function, when ``"auto"`` falls back to a loop, returns
             reverse over reverse because forward over reverse was wrong, or the other way
-            round, or returns an asymmetric Hessian (f's backward cannot be differentiated
+            round, or a loop's Hessian because both vectorised routes gave one asymmetric
+            alike, or returns an asymmetric Hessian (f's backward cannot be differentiated
             right, or f is not twice differentiable at the point), or (``"auto"`` and
             the loop strategies) computes with plain autograd because torch.func's
             transforms cannot run ``f``: it changes a tensor it captured in place (a module
@@ -514,7 +515,9 @@ def hessian(
             ]
             return tree_flatten(assemble(inner, Blocks(blocks, out_spec, None, "rev")))
 
-        def outer_blocks(mode: str) -> Blocks:
+        def outer_blocks(mode: str, loop: bool = False) -> Blocks:
+            nonlocal vectorized  # (a loop: the gradient too, NOTE [vectorised, outvoted])
+            vectorized = vectorized and not loop
             return jacobian_blocks(
                 outer, mode, vectorized=vectorized, fallback=fallback,
                 chunk_size=None, max_memory=None, probe=probe, functorch_loops=True,
