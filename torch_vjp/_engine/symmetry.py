@@ -335,9 +335,8 @@ def _say_asymmetric(f: Callable[..., Any], outer: Problem, diff: float, scale: f
         f"backward detaches a saved tensor or runs under torch.no_grad (its Hessian then "
         f"lacks those terms). strategy='auto' returned the Hessian as computed.\n"
         f"  Fix: write the backward of each custom autograd.Function with differentiable "
-        f"torch operations of its saved tensors (torch.autograd.gradgradcheck checks it), "
-        f"or mark it @torch.autograd.function.once_differentiable so that a Hessian through "
-        f"it is refused. This warning is shown once per function.",
+        f"torch operations of its saved tensors, not detached (torch.autograd.gradgradcheck "
+        f"checks it). This warning is shown once per function.",
         JacobianWarning,
     )
 
