@@ -161,8 +161,7 @@ def ddp_add_to_grads(
     if getattr(ddp, "static_graph", False):
         first_step = _static_first_step(fn, ddp, module, selected)
     elif not ddp.find_unused_parameters:
-        missing = [n for n, p in module.named_parameters()
-                   if p.requires_grad and id(p) not in selected]
+        missing = [n for n, p in _reduced(ddp, module) if id(p) not in selected]
         if missing:
             raise PerSampleValueError(
                 f"torch_vjp.{fn}: params leaves out {len(missing)} trainable parameter(s) of "
@@ -195,7 +194,8 @@ def ddp_add_to_grads(
                 del module.forward
         out.backward()
     if first_step:  # (this pass was DDP's first step: it fixed the parameters, NOTE
-        _FIRST_STEP[ddp] = frozenset(selected)  # [DDP with static_graph])
+        _FIRST_STEP[ddp] = frozenset(  # [DDP with static_graph])
+            selected & {id(p) for _, p in _reduced(ddp, module)})
 
 
 @contextlib.contextmanager
@@ -275,7 +275,8 @@ def _static_first_step(fn: str, ddp: Any, module: nn.Module, selected: set[int])
     first step (NOTE [DDP with static_graph])."""
     if not getattr(ddp, "_static_graph_delay_allreduce_enqueued", True):
         return True
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    trainable = _reduced(ddp, module)
+    selected = selected & {id(p) for _, p in trainable}  # (DDP ignores the others)
     first = _FIRST_STEP.get(ddp)
     if first is None:
         unused = _unused_in_first_step(ddp)
@@ -309,6 +310,17 @@ def _static_first_step(fn: str, ddp: Any, module: nn.Module, selected: set[int])
         f"it was an ordinary step), or wrap the model without static_graph=True and with "
         f"find_unused_parameters=True."
     )
+
+
+def _reduced(ddp: Any, module: nn.Module) -> list[tuple[str, Tensor]]:
+    """The trainable parameters whose gradients DDP's reducer waits for: every one but those
+    DDP was told to ignore (``parameters_to_ignore``: its ``_ddp_params_and_buffers_to_ignore``
+    and ``delay_all_reduce_named_params``), which it never reduces, so leaving them out of
+    ``params`` leaves no bucket waiting (their ``.grad``, where selected, is the rank's own
+    sum, as in DDP's own backward)."""
+    ignored = getattr(ddp, "parameters_to_ignore", None) or ()
+    return [(n, p) for n, p in module.named_parameters()
+            if p.requires_grad and n not in ignored]
 
 
 def _unused_in_first_step(ddp: Any) -> set[int]:
