@@ -160,6 +160,8 @@ def ddp_add_to_grads(
     first_step = None
     if getattr(ddp, "static_graph", False):
         first_step = _static_first_step(fn, ddp, module, selected)
+        if any(s is not None for _, s in pairs):  # (NOTE [DDP with static_graph], per rank)
+            pairs = [(p, s) for p, s in pairs if s is not None]
     elif not ddp.find_unused_parameters:
         missing = [n for n, p in _reduced(ddp, module) if id(p) not in selected]
         if missing:
@@ -266,6 +268,17 @@ def _tell(fn: str, ddp: nn.parallel.DistributedDataParallel, err: BaseException 
 # which: a parameter the forward never used gets no gradient in any later step, and a
 # selection that holds one is refused, where DDP's own error said only that the graph
 # changed).
+# Which parameters the first step used is also a matter of each rank: DDP's reducer records
+# the parameters whose gradient hooks fired on the rank itself, and a forward that uses a
+# parameter on some ranks only (a branch taken by rank, an expert no example of the rank
+# reaches) is a static graph still. The pass that adds the sums gave every selected parameter
+# a gradient, a zero one where the rank's examples never reach it: on such a rank DDP raised
+# that the graph changed (after an ordinary first step), while the other ranks waited in the
+# reducer's all-reduce until the group's timeout; or it recorded the parameter as used (where
+# the pass was the first step), and the next ordinary step parted the ranks. So under
+# static_graph the pass gives a gradient to the parameters the rank's own examples reach
+# (those with a sum), as the rank's ordinary forward does. A rank with no example reaches
+# none: it gives every selected parameter a zero gradient, as before.
 _FIRST_STEP: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
