@@ -295,7 +295,10 @@ def _loop_instead(outer: Problem, res: Blocks, outer_blocks: Callable[..., Block
     right; the loop, symmetric, agreed with a difference quotient of the gradient. Where the
     vectorised Hessian is asymmetric and the routes agree, the loop is computed once (the
     vectorised strategies are not tried again: the rest of the call runs without vmap) and
-    returned where it is symmetric."""
+    returned where it is symmetric. (That GPT-2 case is layer_norm's backward with a weight,
+    which the gradient now reads off f's graph and computes right before any check: NOTE [a
+    single product batched wrongly] in :mod:`torch_vjp._engine.hessian`; this stays for
+    operators not known there.)"""
     try:
         looped = outer_blocks("rev", True)
     except Exception as err:  # noqa: BLE001 - no loop: the vectorised Hessian stands
