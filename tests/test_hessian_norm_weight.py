@@ -30,6 +30,10 @@ def batch_norm_weight(p):
     return (F.batch_norm(X * p[:4], None, None, p[4:], None, training=True) ** 3).sum()
 
 
+def instance_norm_weight(p):  # (batch_norm's kernel)
+    return (F.instance_norm(X.reshape(1, 4, 3) * p[:4, None], weight=p[4:]) ** 3).sum()
+
+
 def layer_norm_fixed_weight(p):  # right before: unchanged
     return (F.layer_norm(X * p[:4] * p[4:], (4,), torch.linspace(0.5, 2.0, 4, dtype=D))
             ** 3).sum()
@@ -58,7 +62,7 @@ def central_differences(f, p, h=1e-5):
 
 
 CASES = [layer_norm_weight_bias, layer_norm_weight_fixed_bias, batch_norm_weight,
-         layer_norm_fixed_weight, mlp]
+         instance_norm_weight, layer_norm_fixed_weight, mlp]
 
 
 @pytest.mark.parametrize("strategy", ["auto", "fwd", "rev", "fwd-loop", "rev-loop"])
