@@ -85,8 +85,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from torch_vjp._engine.context import func_jvp, func_vjp, is_nested
 from torch_vjp._engine.forms import plain_jvp
-from torch_vjp._engine.fwd_wrong import _DET, _HOW, _INSTEAD, _WrongCalls
-from torch_vjp._engine.jacobian import function_name
+from torch_vjp._engine.fwd_wrong import _DET, _HOW, _INSTEAD, _WrongCalls, traced_name
 from torch_vjp._engine.fwdcheck import least_of, tolerance
 from torch_vjp._engine.gradmode import in_grad_mode
 from torch_vjp._engine.wrongops import WRONG_FORWARD, _how, reading_wrong_ops
@@ -355,15 +354,8 @@ def traced_jvp(f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[
     if not (found and found[0]):
         return res
     if found[0] in _UNTRACEABLE:
-        raise untraceable(found[0], _name(f))
+        raise untraceable(found[0], traced_name(f))
     return _by_reverse(f, primals, tangents, has_aux, batched, chunk_size, res[1])
-
-
-def _name(f: Callable[..., Any]) -> str:
-    """f's name for the message, read while dynamo traces (which gave ``getattr(f,
-    "__qualname__", None)`` of a plain function as the descriptor of that attribute)."""
-    code = getattr(f, "__code__", None)
-    return str(code.co_qualname) if code is not None else function_name(f)
 
 
 def _by_reverse(f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...],
