@@ -265,7 +265,8 @@ def plain_jacobian(
 # unused, are left out by the compiler); without the eager path's one-time warning.
 # ``compile=True``'s "auto" chooses its mode eagerly with :func:`forward_mode_agrees`, which
 # reads its forward product the same way (eagerly) and takes reverse mode there, as the
-# eager "auto" does at every point. The Hessian's forward over reverse is not read here.
+# eager "auto" does at every point. The Hessian's forward over reverse: NOTE [forward over
+# reverse through det, traced].
 
 # NOTE [reverse mode through det, traced]
 # The plain form of a detached Jacobian runs under ``torch.no_grad()`` (:func:`plain_context`),
@@ -337,13 +338,41 @@ def plain_hessian(
     mode: str | None,
 ) -> Any:
     """Forward over reverse (``mode`` ``"fwd"`` or None), or reverse over reverse: the
-    Jacobian of the reverse-mode gradient, both with :func:`plain_jacobian`."""
+    Jacobian of the reverse-mode gradient, both with :func:`plain_jacobian`; forward over
+    reverse in grad mode where f calls det (NOTE [forward over reverse through det,
+    traced])."""
 
     def gradient(*args: Any) -> Any:
         return plain_jacobian(f, args, argnums, False, "rev", None, call="torch_vjp.hessian")
 
-    return plain_jacobian(gradient, primals, argnums, False, mode or "fwd", None,
-                          call="torch_vjp.hessian")
+    def outer(mode: str) -> Any:
+        return plain_jacobian(gradient, primals, argnums, False, mode, None,
+                              call="torch_vjp.hessian")
+
+    if mode == "rev":
+        return outer("rev")
+    det: list[str | None] = []
+    with _reading(det, not torch.is_grad_enabled(), _grad_mode_call):
+        hess = outer("fwd")
+    if det and det[0]:
+        return in_grad_mode(outer, "fwd")
+    return hess
+
+
+# NOTE [forward over reverse through det, traced]
+# Inside the user's torch.compile (and under compile=True) a detached Hessian's plain form
+# runs under ``torch.no_grad()`` (:func:`plain_context`). Its forward over reverse ("auto",
+# "fwd", "fwd-loop") pushes tangents through the gradient's pullback, which through det runs
+# in grad mode, detached (NOTE [reverse mode through det, traced]): the detach dropped the
+# tangents, and without it det's backward takes its branch wrong at singular matrices
+# (NOTE [a backward right only in grad mode] in :mod:`torch_vjp._engine.wrongops`), so the
+# Hessian of det at a singular matrix came back zeros without a word (errors of 1 to 9),
+# where the eager calls, and reverse over reverse, are right. So the outer forward products
+# run, while dynamo traces them, under the torch function mode reading whether f calls det;
+# where it does, and grad mode is off, forward over reverse runs again in grad mode, its
+# result detached (:func:`~torch_vjp._engine.gradmode.in_grad_mode`): right, as the eager
+# forward over reverse is (named or "auto"; no refusal, since the eager call refuses none),
+# in the same graph (the first products, unused, are left out by the compiler).
 
 
 def plain_jvp(
