@@ -169,7 +169,7 @@ def _norm(tree: Any) -> Tensor:
 def plain_jacobian(
     f: Callable[..., Any], primals: tuple[Any, ...], argnums: int | tuple[int, ...],
     has_aux: bool, mode: str | None, chunk_size: int | None, out: Tensor | None = None,
-    call: str = "torch_vjp.jacobian",
+    call: str = "torch_vjp.jacobian", single_unbatched: bool = False,
 ) -> Any:
     """``jacrev`` or ``jacfwd`` of ``f`` at ``primals`` (``mode=None``: by size), in their
     result structure, on :func:`~torch_vjp._engine.rows.basis_rows`' basis (NOTE [a basis inductor
@@ -203,8 +203,12 @@ def plain_jacobian(
         def pull(*b: Tensor) -> Any:
             return res[1](tree_unflatten(list(b), out_spec))
 
-        rows = vmap(pull, chunk_size=chunk_size)(*_basis(outs)) if not det else in_grad_mode(
-            vmap(pull, chunk_size=chunk_size), *_basis(outs))
+        batched = vmap(pull, chunk_size=chunk_size)
+        if single_unbatched and sum(o.numel() for o in outs) == 1:
+            # (one product, outside vmap: NOTE [a single product batched wrongly, traced])
+            def batched(*b: Tensor) -> Any:
+                return tuple(r.unsqueeze(0) for r in pull(*(t[0] for t in b)))
+        rows = batched(*_basis(outs)) if not det else in_grad_mode(batched, *_basis(outs))
         blocks, off = [], 0
         for o in outs:
             blocks.append([r[off:off + o.numel()].reshape(*o.shape, *r.shape[1:]) for r in rows])
@@ -342,21 +346,59 @@ def plain_hessian(
     reverse in grad mode where f calls det (NOTE [forward over reverse through det,
     traced])."""
 
-    def gradient(*args: Any) -> Any:
-        return plain_jacobian(f, args, argnums, False, "rev", None, call="torch_vjp.hessian")
+    def outer(mode: str, single: bool = False) -> Any:
+        def gradient(*args: Any) -> Any:
+            return plain_jacobian(f, args, argnums, False, "rev", None,
+                                  call="torch_vjp.hessian", single_unbatched=single)
 
-    def outer(mode: str) -> Any:
         return plain_jacobian(gradient, primals, argnums, False, mode, None,
                               call="torch_vjp.hessian")
 
+    norm: list[str | None] = []  # NOTE [a single product batched wrongly, traced]
     if mode == "rev":
-        return outer("rev")
+        with _reading(norm, True, _weighted_norm_call):
+            hess = outer("rev")
+        return outer("rev", True) if norm and norm[0] else hess
     det: list[str | None] = []
-    with _reading(det, not torch.is_grad_enabled(), _grad_mode_call):
+    with _reading(det, not torch.is_grad_enabled(), _grad_mode_call), \
+            _reading(norm, True, _weighted_norm_call):
         hess = outer("fwd")
+    single = bool(norm and norm[0])
     if det and det[0]:
-        return in_grad_mode(outer, "fwd")
-    return hess
+        return in_grad_mode(outer, "fwd", single)
+    return outer("fwd", True) if single else hess
+
+
+#: torch's normalisations whose backward, differentiated again inside vmap, is wrong where
+#: they have a weight (NOTE [a single product batched wrongly] in
+#: :mod:`torch_vjp._engine.hessian`), and the position of the weight in their arguments
+_WEIGHTED_NORMS = {"layer_norm": 2, "batch_norm": 1, "instance_norm": 1}
+#: the same in ``torch.nn.functional``'s forms (the call the mode sees where f calls them)
+_WEIGHTED_NORMS_FUNCTIONAL = {"layer_norm": 2, "batch_norm": 3, "instance_norm": 3}
+
+
+def _weighted_norm_call(func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
+    """``layer_norm``, ``batch_norm`` or ``instance_norm`` (torch's or
+    ``torch.nn.functional``'s) called with a weight, by name, or None."""
+    functional = getattr(func, "__module__", None) == "torch.nn.functional"
+    at = (_WEIGHTED_NORMS_FUNCTIONAL if functional else _WEIGHTED_NORMS).get(
+        getattr(func, "__name__", ""))
+    if at is None:
+        return None
+    weight = args[at] if len(args) > at else kwargs.get("weight")
+    return f"torch.{func.__name__}" if isinstance(weight, Tensor) else None
+
+
+# NOTE [a single product batched wrongly, traced]
+# The eager Hessian computes its gradient's one product without vmap where f's graph holds
+# layer_norm's or batch_norm's backward with a weight (NOTE [a single product batched
+# wrongly] in :mod:`torch_vjp._engine.hessian`: every route vectorised around that product,
+# torch.func.hessian's too, was off by 13.6 at a scale of 50.3). Inside the user's
+# torch.compile (and under compile=True) there is no graph to read: the products run, while
+# dynamo traces them, under the torch function mode reading whether f calls torch.layer_norm,
+# torch.batch_norm or torch.instance_norm with a weight; where it does, the Hessian is taken
+# again (in the same graph, the first left out by the compiler) with the gradient's single
+# product outside vmap, in the strategy's own mode.
 
 
 # NOTE [forward over reverse through det, traced]
