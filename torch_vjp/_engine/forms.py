@@ -203,11 +203,12 @@ def plain_jacobian(
         def pull(*b: Tensor) -> Any:
             return res[1](tree_unflatten(list(b), out_spec))
 
-        batched = vmap(pull, chunk_size=chunk_size)
-        if single_unbatched and sum(o.numel() for o in outs) == 1:
+        def single(*b: Tensor) -> Any:
             # (one product, outside vmap: NOTE [a single product batched wrongly, traced])
-            def batched(*b: Tensor) -> Any:
-                return tuple(r.unsqueeze(0) for r in pull(*(t[0] for t in b)))
+            return tuple(r.unsqueeze(0) for r in pull(*(t[0] for t in b)))
+
+        batched = single if single_unbatched and sum(o.numel() for o in outs) == 1 else vmap(
+            pull, chunk_size=chunk_size)
         rows = batched(*_basis(outs)) if not det else in_grad_mode(batched, *_basis(outs))
         blocks, off = [], 0
         for o in outs:
