@@ -35,9 +35,9 @@ def _loop(f, p):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("strategy", ["auto", "rev"])
-@pytest.mark.parametrize("f,n", [(_layer_norm, 8), (_batch_norm, 6)],
-                         ids=["layer_norm", "batch_norm"])
+@pytest.mark.parametrize("f,n,strategy", [(_layer_norm, 8, "auto"), (_layer_norm, 8, "rev"),
+                                          (_batch_norm, 6, "auto")],
+                         ids=["layer_norm-auto", "layer_norm-rev", "batch_norm-auto"])
 def test_inside_the_users_torch_compile(f, n, strategy):
     p = torch.linspace(0.3, 1.7, n, dtype=D).sin() + 0.5
     want = _loop(f, p)

@@ -72,8 +72,9 @@ def test_the_references_agree_and_forward_mode_is_wrong_at_a_singular_matrix():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("name,f,x", POINTS[:-1], ids=[p[0] for p in POINTS[:-1]])
+@pytest.mark.parametrize("name,f,x,batched", [
+    (*POINTS[0], False), (*POINTS[0], True), (*POINTS[1], False), (*POINTS[2], True)],
+    ids=["det-singular", "det-singular-batched", "det-rank-2", "det-regular-batched"])
 def test_inside_the_users_torch_compile(name, f, x, batched):
     # (the plain form, torch.func.jvp, returned J t = 0 at the singular matrix, 11.7 off.
     # fullgraph=True: one graph, so the same trace as without it, and a graph break fails;
