@@ -48,6 +48,22 @@ from torch_vjp._errors import (
 __all__ = ["probe_cotangents", "recording_connected", "results_of_their_own"]
 
 
+def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
+    """Warns once where ``chunk_size`` is given without ``batched=True``: an unbatched call
+    computes one product, so the option would be dropped without a word. Not while dynamo
+    traces the call (the user's torch.compile): warnings.warn is a graph break there, and
+    fullgraph=True refused a call it compiled before."""
+    if chunk is not None and batched is False and not tracing():
+        warn_once(
+            ("chunk-unbatched", call),
+            f"{call}: chunk_size={chunk} has no effect without batched=True: an unbatched "
+            f"call computes one product. To compute K products chunk_size at a time, stack "
+            f"K vectors along a new leading dimension and pass batched=True; otherwise drop "
+            f"chunk_size. This warning is shown once.",
+            JacobianWarning,
+        )
+
+
 @contextlib.contextmanager
 def _explained(call: str, what: str) -> Iterator[None]:
     """torch.func's refusal of a function that changes a tensor it captured in place (a

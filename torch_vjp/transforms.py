@@ -61,6 +61,7 @@ from torch_vjp._transform_support import (
     _jvp_by_reverse,
     _output_shaped_tangent,
     _vectorised_or_loop,
+    _warn_unbatched_chunk,
     probe_cotangents,
     recording_connected,
     results_of_their_own,
@@ -378,22 +379,6 @@ _BATCHED_WRONGLY: weakref.WeakKeyDictionary[Callable[..., Any], str] = \
 # first call of a signature, which checks its result against products without vmap (NOTE
 # [batched products, checked once]), keeps it for those. A kept graph is freed when vjp_fn is
 # released.
-
-
-def _warn_unbatched_chunk(call: str, chunk: int | None, batched: object) -> None:
-    """Warns once where ``chunk_size`` is given without ``batched=True``: an unbatched call
-    computes one product, so the option would be dropped without a word. Not while dynamo
-    traces the call (the user's torch.compile): warnings.warn is a graph break there, and
-    fullgraph=True refused a call it compiled before."""
-    if chunk is not None and batched is False and not tracing():
-        warn_once(
-            ("chunk-unbatched", call),
-            f"{call}: chunk_size={chunk} has no effect without batched=True: an unbatched "
-            f"call computes one product. To compute K products chunk_size at a time, stack "
-            f"K vectors along a new leading dimension and pass batched=True; otherwise drop "
-            f"chunk_size. This warning is shown once.",
-            JacobianWarning,
-        )
 
 
 def _traced_vjp(f: Callable[..., Any], primals: tuple[Any, ...], has_aux: bool) -> Any:
